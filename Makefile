@@ -1,0 +1,34 @@
+# hetserve — the two Quick start commands: `make demo` and `make test`.
+# Both set up .venv on a fresh machine first (pinned versions from requirements/constraints.txt).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test bench experiments clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade --quiet pip
+	# torch first and pinned: the CPU wheel where there is no GPU, never an unpinned CUDA build.
+	$(BIN)/pip install --quiet -c requirements/constraints.txt torch==2.13.0
+	$(BIN)/pip install --quiet -c requirements/constraints.txt -e '.[runtime,ray,dev]'
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/python -m hetserve.demo
+
+test: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+bench: setup
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) demo-out .pytest_cache

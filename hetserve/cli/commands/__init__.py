@@ -1,0 +1,1 @@
+"""One module per ``hetserve`` subcommand; each defines ``register(subparsers)``."""

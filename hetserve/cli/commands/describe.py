@@ -1,0 +1,106 @@
+"""``hetserve describe cluster|model|workload NAME``: a readable summary of one input."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from hetserve.specs.cluster import GBPS, Cluster, cluster_presets, load_cluster
+from hetserve.specs.model import ModelSpec, load_model, model_presets
+from hetserve.specs.workload import CLASSES, Workload, load_workload, workload_presets
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("describe", help="summarise a cluster, model or workload",
+                       description="Print a summary of a cluster, model or workload (preset name or file).")
+    p.add_argument("kind", choices=["cluster", "model", "workload"])
+    p.add_argument("name", nargs="?", help="preset name or file; omit to list the presets")
+    p.add_argument("--rate", type=float, help="workload: rescale arrivals to this mean rate (req/s)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    if args.name is None:
+        presets = {"cluster": cluster_presets, "model": model_presets, "workload": workload_presets}[args.kind]()
+        console.print(f"{args.kind} presets: " + ", ".join(presets))
+        return 0
+    if args.kind == "cluster":
+        describe_cluster(load_cluster(args.name), console)
+    elif args.kind == "model":
+        describe_model(load_model(args.name), console)
+    else:
+        describe_workload(load_workload(args.name, rate=args.rate), console)
+    return 0
+
+
+def _fmt_link(latency_s: float, bandwidth: float) -> str:
+    return f"{bandwidth / GBPS:,.1f} Gbps / {latency_s * 1e3:g} ms"
+
+
+def describe_cluster(c: Cluster, console: Console) -> None:
+    price = c.usd_per_hour()
+    console.print(f"[bold]cluster {c.name}[/]: {len(c)} devices, {c.total_memory_bytes / 1e9:,.0f} GB, "
+                  + (f"${price:.2f}/h" if price is not None else "price unknown (a GPU has no listed price)"))
+    if c.description:
+        console.print(c.description)
+    machines = Table(title="machines")
+    for col in ("machine", "site", "GPUs", "memory GB", "intra-box link", "$/h"):
+        machines.add_column(col)
+    for name, devs in c.machines.items():
+        d0 = devs[0]
+        intra = _fmt_link(*c.link(devs[0].index, devs[1].index)) if len(devs) > 1 else "-"
+        p = c.usd_per_hour([d.index for d in devs])
+        machines.add_row(name, d0.site, f"{len(devs)}× {d0.gpu.name}", f"{d0.gpu.memory_gb * len(devs):,.0f}",
+                         intra, f"{p:.2f}" if p is not None else "unknown")
+    console.print(machines)
+    names = list(c.machines)
+    if len(names) > 1:
+        links = Table(title="links between machines")
+        for col in ("from", "to", "link"):
+            links.add_column(col)
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                da, db = c.machines[a][0].index, c.machines[b][0].index
+                links.add_row(a, b, _fmt_link(*c.link(da, db)))
+        console.print(links)
+    for label, text in (("source", c.source), ("assumptions", c.assumptions)):
+        if text:
+            console.print(f"[bold]{label}:[/] {text.strip()}")
+
+
+def describe_model(m: ModelSpec, console: Console) -> None:
+    t = Table(title=f"model {m.name} ({m.arch})", show_header=False)
+    rows = [
+        ("parameters", f"{m.num_params / 1e9:,.2f} B ({m.num_params:,})"),
+        ("weights (fp16)", f"{m.weight_bytes / 1e9:,.2f} GB"),
+        ("layers", str(m.num_layers)),
+        ("hidden / FFN", f"{m.hidden} / {m.ffn_hidden} ({'gated, 3 matrices' if m.gated_ffn else '2 matrices'})"),
+        ("heads / KV heads / head dim", f"{m.num_heads} / {m.num_kv_heads} / {m.dim_head}"
+         + (" (GQA)" if m.num_kv_heads < m.num_heads else "")),
+        ("vocab / max context", f"{m.vocab} / {m.max_context}"),
+        ("bytes per layer", f"{m.bytes_per_layer:,}"),
+        ("KV cache per token", f"{m.kv_bytes_per_token:,} bytes"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)
+
+
+def describe_workload(w: Workload, console: Console) -> None:
+    console.print(f"[bold]workload {w.name}[/]: {len(w):,} requests over {w.duration_s:,.1f} s, "
+                  f"mean rate {w.rate:.2f} req/s")
+    t = Table(title="token lengths")
+    for col in ("", "mean", "p50", "p90", "p99", "min", "max"):
+        t.add_column(col)
+    for label, arr in (("input", w.input_tokens), ("output", w.output_tokens)):
+        p = np.percentile(arr, [50, 90, 99])
+        t.add_row(label, f"{arr.mean():.1f}", f"{p[0]:.0f}", f"{p[1]:.0f}", f"{p[2]:.0f}",
+                  str(arr.min()), str(arr.max()))
+    console.print(t)
+    counts = Counter(w.classes().tolist())
+    console.print("classes (HexGen-2 §5.1): " + ", ".join(f"{c} {counts.get(c, 0):,}" for c in CLASSES))

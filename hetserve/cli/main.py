@@ -1,0 +1,56 @@
+"""The ``hetserve`` command: a thin shell that parses, calls and prints.
+
+Each subcommand lives in its own module under ``hetserve.cli.commands`` and exposes
+``register(subparsers)``, which adds its parser and sets ``func`` to a callable taking the parsed
+args and returning an exit code. Modules are discovered, so a new command is a new file.
+
+Every ``HetserveError`` becomes one line on stderr and exit code 2; no traceback unless
+``HETSERVE_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pkgutil
+import sys
+
+from hetserve import __version__
+from hetserve.errors import HetserveError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hetserve",
+        description="Plan, simulate and serve LLMs on heterogeneous GPU pools.")
+    parser.add_argument("--version", action="version", version=f"hetserve {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    from hetserve.cli import commands
+
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"hetserve.cli.commands.{info.name}")
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except HetserveError as exc:
+        if os.environ.get("HETSERVE_DEBUG"):
+            raise
+        print(f"hetserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hetserve: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

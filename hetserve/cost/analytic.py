@@ -1,0 +1,285 @@
+"""The analytic cost model: one formula in one place, for the planner, simulator and runtime.
+
+Starts from HexGen Table 1 / Appendix B and refines it:
+
+* real parameter counts per layer (``ModelSpec.params_per_layer``: gated FFN, GQA) instead of 12H²;
+* an attention term that grows with context (causal prefill: 2·q_dim·s² FLOPs per layer;
+  decode: 4·q_dim·context);
+* compute and memory time combined as a roofline, ``max(FLOPs / achieved FLOP/s, bytes /
+  achieved bytes/s)``, with the achieved fractions in ``Efficiency`` so calibration can set them;
+* TP all-reduce as HexGen's bulk-synchronous α-β model: two all-reduces per layer, each a
+  reduce-scatter and an all-gather superstep costing ``max_d Σ_{d'≠d} (α + bytes/(t·β))``;
+* PP hand-off over the fastest link between the two groups (HexGen Eq. 6);
+* KV transfer between a prefill and a decode replica layer-matched and TP-shard-matched,
+  all device pairs in parallel, time = the slowest pair (HexGen-2 §3.2, Appendix A).
+
+In a TP group the slowest device sets the pace (bulk-synchronous), so a stage uses the minimum
+FLOP/s and memory bandwidth over its devices. Units: seconds, bytes, FLOP/s, bytes/s.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from hetserve.cost.layout import ReplicaLayout, StageLayout
+from hetserve.specs.cluster import Cluster
+from hetserve.specs.model import ModelSpec
+
+# HexGen-2 Appendix A: one replica's memory need = parameters + the KV cache of 32 requests.
+REPLICA_MEMORY_BATCH = 32
+# HexGen-2 §3.2: node and edge capacities are requests per period T ("e.g. 10 minutes").
+DEFAULT_PERIOD_S = 600.0
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fractions of datasheet peaks and other knobs a calibration may set."""
+
+    compute: float = 0.5  # of peak dense FP16 tensor FLOP/s (typical prefill MFU on large GEMMs)
+    memory: float = 0.8  # of peak HBM bandwidth (typical for decode weight streaming)
+    usable_memory: float = 0.9  # of device memory (CUDA context, allocator fragmentation)
+    activation_buffers: int = 4  # HexGen Appendix B: 4 reusable activation buffers
+    activation_tokens: int = 2048  # tokens those buffers are sized for (the prefill token budget)
+    step_overhead_s: float = 0.0  # fixed time per stage per iteration (launches, scheduling)
+
+    def __post_init__(self) -> None:
+        for k in ("compute", "memory", "usable_memory"):
+            if not 0 < getattr(self, k) <= 1:
+                raise ValueError(f"efficiency {k} must be in (0, 1]")
+        if self.activation_buffers < 0 or self.activation_tokens <= 0 or self.step_overhead_s < 0:
+            raise ValueError("activation_buffers, activation_tokens and step_overhead_s must be non-negative")
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """A batch of prompts: count, total tokens, and Σ length² (for causal attention)."""
+
+    num_seqs: int
+    tokens: int
+    sum_sq: float
+
+    @staticmethod
+    def of(lengths: Sequence[int]) -> "PrefillBatch":
+        return PrefillBatch(len(lengths), int(sum(lengths)), float(sum(s * s for s in lengths)))
+
+    @staticmethod
+    def single(length: int) -> "PrefillBatch":
+        return PrefillBatch(1, int(length), float(length) * length)
+
+
+class CostModel:
+    """Prices stages and replicas of ``model`` on ``cluster``. Pure functions of their inputs."""
+
+    def __init__(self, cluster: Cluster, model: ModelSpec, efficiency: Efficiency | None = None):
+        self.cluster, self.model = cluster, model
+        self.eff = efficiency or Efficiency()
+        devs = cluster.devices
+        self._flops = [d.gpu.fp16_flops * self.eff.compute for d in devs]
+        self._membw = [d.gpu.mem_bandwidth * self.eff.memory for d in devs]
+        self._memory = [d.gpu.memory_bytes * self.eff.usable_memory for d in devs]
+        self._alpha = cluster.latency
+        self._beta = cluster.bandwidth
+
+    # ================================================================== communication
+    def allreduce_time(self, devices: Sequence[int], nbytes: float) -> float:
+        """One all-reduce of ``nbytes`` over a TP group (HexGen Eq. 5): two BSP supersteps."""
+        t = len(devices)
+        if t <= 1:
+            return 0.0
+        chunk = nbytes / t
+        worst = max(sum(self._alpha[d, e] + chunk / self._beta[d, e] for e in devices if e != d) for d in devices)
+        return 2.0 * float(worst)
+
+    def p2p_time(self, src: int, dst: int, nbytes: float) -> float:
+        """α + bytes/β for one point-to-point message."""
+        if src == dst:
+            return 0.0
+        return float(self._alpha[src, dst] + nbytes / self._beta[src, dst])
+
+    def pp_handoff_time(self, a: StageLayout, b: StageLayout, tokens: float) -> float:
+        """Activations of ``tokens`` tokens from stage a to stage b over their fastest link (Eq. 6)."""
+        nbytes = tokens * self.model.hidden * self.model.dtype_bytes
+        return min(self.p2p_time(d, e, nbytes) for d in a.devices for e in b.devices)
+
+    # ================================================================== per stage
+    def _roofline(self, stage: StageLayout, flops: float, nbytes: float) -> float:
+        """Per-device time for work split evenly over the stage's TP group, slowest device pacing."""
+        t = stage.tp
+        f = min(self._flops[d] for d in stage.devices)
+        m = min(self._membw[d] for d in stage.devices)
+        return max(flops / (t * f), nbytes / (t * m))
+
+    def _head_time(self, stage: StageLayout, rows: float) -> float:
+        """Final norm + LM head on the last stage for ``rows`` sequences (one logit row each)."""
+        m = self.model
+        return self._roofline(stage, 2.0 * m.hidden * m.vocab * rows, m.vocab * m.hidden * m.dtype_bytes)
+
+    def stage_prefill_time(self, stage: StageLayout, batch: PrefillBatch, is_last: bool = False) -> float:
+        """Prefill of ``batch`` through this stage's layers, TP all-reduces included."""
+        m = self.model
+        flops = 2.0 * m.params_per_layer * batch.tokens + 2.0 * m.q_dim * batch.sum_sq
+        nbytes = m.bytes_per_layer + batch.tokens * m.kv_bytes_per_token_per_layer
+        per_layer = self._roofline(stage, flops, nbytes)
+        comm = 2 * self.allreduce_time(stage.devices, batch.tokens * m.hidden * m.dtype_bytes)
+        head = self._head_time(stage, batch.num_seqs) if is_last else 0.0
+        return stage.num_layers * (per_layer + comm) + head + self.eff.step_overhead_s
+
+    def stage_decode_time(self, stage: StageLayout, batch: float, context_tokens: float,
+                          is_last: bool = False) -> float:
+        """One decode iteration for ``batch`` sequences holding ``context_tokens`` in total."""
+        m = self.model
+        flops = 2.0 * m.params_per_layer * batch + 4.0 * m.q_dim * context_tokens
+        nbytes = m.bytes_per_layer + context_tokens * m.kv_bytes_per_token_per_layer
+        per_layer = self._roofline(stage, flops, nbytes)
+        comm = 2 * self.allreduce_time(stage.devices, batch * m.hidden * m.dtype_bytes)
+        head = self._head_time(stage, batch) if is_last else 0.0
+        return stage.num_layers * (per_layer + comm) + head + self.eff.step_overhead_s
+
+    def stage_weight_bytes(self, stage: StageLayout, is_first: bool, is_last: bool) -> float:
+        """Weight bytes per device of this stage (embeddings on the first, head on the last)."""
+        m = self.model
+        params = stage.num_layers * m.params_per_layer
+        if is_first:
+            params += m.embedding_params
+        if is_last:
+            params += m.head_params
+        return params * m.dtype_bytes / stage.tp
+
+    def stage_memory(self, stage: StageLayout, kv_tokens: float, is_first: bool = False,
+                     is_last: bool = False) -> float:
+        """Bytes per device: weights / TP + KV of ``kv_tokens`` / TP + activation buffers."""
+        m = self.model
+        kv = kv_tokens * stage.num_layers * m.kv_bytes_per_token_per_layer / stage.tp
+        act = self.eff.activation_buffers * self.eff.activation_tokens * m.hidden * m.dtype_bytes
+        return self.stage_weight_bytes(stage, is_first, is_last) + kv + act
+
+    def stage_kv_capacity(self, stage: StageLayout, is_first: bool = False, is_last: bool = False) -> float:
+        """Tokens of KV cache the stage can hold (negative: the weights alone do not fit)."""
+        m = self.model
+        free = min(self._memory[d] for d in stage.devices) - self.stage_memory(stage, 0, is_first, is_last)
+        return free * stage.tp / (stage.num_layers * m.kv_bytes_per_token_per_layer)
+
+    # ================================================================== per replica
+    def _ends(self, layout: ReplicaLayout):
+        last = len(layout.stages) - 1
+        return [(s, i == 0, i == last) for i, s in enumerate(layout.stages)]
+
+    def kv_capacity_tokens(self, layout: ReplicaLayout) -> float:
+        """Tokens of KV the whole replica can hold: its tightest stage decides."""
+        return min(self.stage_kv_capacity(s, f, l) for s, f, l in self._ends(layout))
+
+    def fits(self, layout: ReplicaLayout, min_kv_tokens: float = 0.0) -> bool:
+        """Weights, activation buffers and ``min_kv_tokens`` of KV fit on every device."""
+        return self.kv_capacity_tokens(layout) >= max(min_kv_tokens, 1.0)
+
+    def prefill_time(self, layout: ReplicaLayout, batch: PrefillBatch) -> float:
+        """Prefill latency of a batch through the whole pipeline (no micro-batching)."""
+        total = 0.0
+        for i, (s, _, last) in enumerate(self._ends(layout)):
+            total += self.stage_prefill_time(s, batch, last)
+            if not last:
+                total += self.pp_handoff_time(s, layout.stages[i + 1], batch.tokens)
+        return total
+
+    def ttft(self, layout: ReplicaLayout, prompt_tokens: int) -> float:
+        """Time to first token for one prompt on an idle replica."""
+        return self.prefill_time(layout, PrefillBatch.single(prompt_tokens))
+
+    def decode_step_time(self, layout: ReplicaLayout, batch: float, context_tokens: float,
+                         micro_batches: int | None = None) -> float:
+        """Time for every sequence of the batch to gain one token (= TPOT at this batch).
+
+        A pipeline of S stages runs ``m`` micro-batches (default ``min(S, batch)``) so all stages
+        stay busy: one round takes ``max(Σ stage + hand-offs, m · slowest stage)`` at batch/m each.
+        """
+        if batch <= 0:
+            return 0.0
+        stages = self._ends(layout)
+        m = max(1, min(micro_batches or len(stages), math.ceil(batch)))
+        b, c = batch / m, context_tokens / m
+        times = [self.stage_decode_time(s, b, c, last) for s, _, last in stages]
+        hops = sum(self.pp_handoff_time(s, layout.stages[i + 1], b) for i, (s, _, last) in enumerate(stages)
+                   if not last)
+        return max(sum(times) + hops, m * max(times))
+
+    def max_decode_batch(self, layout: ReplicaLayout, tokens_per_request: float) -> int:
+        """Largest number of requests whose full KV (prompt + output) fits at once."""
+        if tokens_per_request <= 0:
+            raise ValueError("tokens_per_request must be positive")
+        return max(0, int(self.kv_capacity_tokens(layout) // tokens_per_request))
+
+    # ------------------------------------------------------------------ capacities (HexGen-2 App. A)
+    def prefill_capacity(self, layout: ReplicaLayout, input_tokens: float, period_s: float = DEFAULT_PERIOD_S) -> float:
+        """Requests a prefill replica finishes in ``period_s``: T / latency (compute-bound)."""
+        return period_s / self.ttft(layout, max(1, round(input_tokens)))
+
+    def decode_throughput(self, layout: ReplicaLayout, input_tokens: float, output_tokens: float) -> tuple[int, float]:
+        """(largest batch, output tokens/s) of a decode replica at that batch."""
+        b = self.max_decode_batch(layout, input_tokens + output_tokens)
+        if b == 0:
+            return 0, 0.0
+        step = self.decode_step_time(layout, b, b * (input_tokens + output_tokens / 2))
+        return b, b / step
+
+    def decode_capacity(self, layout: ReplicaLayout, input_tokens: float, output_tokens: float,
+                        period_s: float = DEFAULT_PERIOD_S) -> float:
+        """Requests a decode replica finishes in ``period_s``: max batch · T / per-request latency."""
+        _, tokens_per_s = self.decode_throughput(layout, input_tokens, output_tokens)
+        return period_s * tokens_per_s / max(output_tokens, 1.0)
+
+    def colocated_capacity(self, layout: ReplicaLayout, input_tokens: float, output_tokens: float,
+                           period_s: float = DEFAULT_PERIOD_S) -> float:
+        """Requests a colocated (HexGen / vLLM-style) replica finishes in ``period_s``.
+
+        Each request costs its prefill (which stalls the running batch) plus its share of the
+        batched decode iterations.
+        """
+        b, tokens_per_s = self.decode_throughput(layout, input_tokens, output_tokens)
+        if b == 0:
+            return 0.0
+        per_request = self.ttft(layout, max(1, round(input_tokens))) + output_tokens / tokens_per_s
+        return period_s / per_request
+
+    def replica_memory_required(self, input_tokens: float, output_tokens: float) -> float:
+        """HexGen-2 App. A: parameters + 32 requests' KV cache, in bytes."""
+        m = self.model
+        return m.weight_bytes + REPLICA_MEMORY_BATCH * m.kv_bytes_per_token * (input_tokens + output_tokens)
+
+    # ------------------------------------------------------------------ KV hand-off
+    def kv_transfer_pairs(self, src: ReplicaLayout, dst: ReplicaLayout, tokens: float):
+        """Yield (src device, dst device, bytes) for moving ``tokens`` tokens of KV.
+
+        Layers [a, b) held by a prefill stage go to the decode stage(s) holding them; within a
+        layer range, prefill TP shard i (heads [i/tp, (i+1)/tp)) sends to every decode shard it
+        overlaps, the bytes scaled by the overlap.
+        """
+        per_layer = tokens * self.model.kv_bytes_per_token_per_layer
+        for ps in src.stages:
+            for ds in dst.stages:
+                lo, hi = max(ps.layers[0], ds.layers[0]), min(ps.layers[1], ds.layers[1])
+                if lo >= hi:
+                    continue
+                seg = (hi - lo) * per_layer
+                for i, d in enumerate(ps.devices):
+                    for k, e in enumerate(ds.devices):
+                        frac = _overlap(i, ps.tp, k, ds.tp)
+                        if frac > 0:
+                            yield d, e, seg * frac
+
+    def kv_transfer_time(self, src: ReplicaLayout, dst: ReplicaLayout, tokens: float) -> float:
+        """All device pairs send in parallel; the slowest pair finishes the hand-off.
+
+        Two transfers out of one device are not charged for sharing its NIC: the cluster's β
+        is per pair (a deliberate simplification; the simulator shares links properly).
+        """
+        per_pair: dict[tuple[int, int], float] = {}
+        for d, e, nbytes in self.kv_transfer_pairs(src, dst, tokens):
+            per_pair[(d, e)] = per_pair.get((d, e), 0.0) + nbytes
+        return max((self.p2p_time(d, e, b) for (d, e), b in per_pair.items()), default=0.0)
+
+
+def _overlap(i: int, n: int, k: int, m: int) -> float:
+    """Length of [i/n, (i+1)/n) ∩ [k/m, (k+1)/m)."""
+    return max(0.0, min((i + 1) / n, (k + 1) / m) - max(i / n, k / m))

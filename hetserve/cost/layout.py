@@ -1,0 +1,62 @@
+"""How one replica is laid out on devices: the shape the cost model prices.
+
+A ``ReplicaLayout`` is a pipeline of ``StageLayout``s; each stage is a TP group (device indices
+into ``Cluster.devices``) holding a half-open layer range. Invariants (checked in
+``__post_init__``): a stage has at least one device and one layer; a replica's stages are
+contiguous from layer 0, and no device appears twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    devices: tuple[int, ...]  # device indices; TP degree = len(devices)
+    layers: tuple[int, int]  # [start, end)
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            raise ValueError("a stage needs at least one device")
+        if not (0 <= self.layers[0] < self.layers[1]):
+            raise ValueError(f"stage layers {self.layers} must be a non-empty half-open range")
+
+    @property
+    def tp(self) -> int:
+        return len(self.devices)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    stages: tuple[StageLayout, ...]
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise ValueError("a replica needs at least one stage")
+        if self.stages[0].layers[0] != 0:
+            raise ValueError("the first stage must start at layer 0")
+        for a, b in zip(self.stages, self.stages[1:]):
+            if a.layers[1] != b.layers[0]:
+                raise ValueError(f"stages {a.layers} and {b.layers} leave a gap or overlap")
+        flat = [d for s in self.stages for d in s.devices]
+        if len(flat) != len(set(flat)):
+            raise ValueError("a device appears twice in one replica")
+
+    @property
+    def num_layers(self) -> int:
+        return self.stages[-1].layers[1]
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(d for s in self.stages for d in s.devices)
+
+    def stage_of_layer(self, layer: int) -> StageLayout:
+        for s in self.stages:
+            if s.layers[0] <= layer < s.layers[1]:
+                return s
+        raise IndexError(layer)

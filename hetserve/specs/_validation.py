@@ -1,0 +1,56 @@
+"""Turn pydantic validation errors and YAML/JSON/CSV read errors into one-line ``SpecError``s."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pydantic
+import yaml
+
+from hetserve.errors import SpecError
+
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+
+def _expected(err: dict[str, Any], model: type[pydantic.BaseModel] | None) -> str:
+    kind, msg = err.get("type", ""), err.get("msg", "")
+    if kind == "missing":
+        return "a value (the field is required)"
+    if kind == "extra_forbidden":
+        return "no such field (check its spelling)"
+    for prefix in ("Input should be ", "Value error, "):
+        if msg.startswith(prefix):
+            return msg[len(prefix):]
+    return msg[0].lower() + msg[1:] if msg else "a valid value"
+
+
+def validate(model: type[M], data: Any, source: str) -> M:
+    """Validate ``data`` against a pydantic model; the first problem becomes a SpecError."""
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err.get("loc", ())) or "(top level)"
+        got = err.get("input") if err.get("type") not in ("missing",) else None
+        if isinstance(got, (dict, list)):
+            got = None  # a whole sub-document is not a helpful "got"
+        raise SpecError(source, field, _expected(err, model), got) from exc
+
+
+def read_mapping(path: Path) -> dict[str, Any]:
+    """Read a YAML or JSON file that must hold a mapping at the top level."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(str(path), "(file)", "a readable file", str(exc.strerror)) from exc
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        raise SpecError(str(path), "(file)", f"valid YAML/JSON{line}", str(exc).splitlines()[0]) from exc
+    if not isinstance(data, dict):
+        raise SpecError(str(path), "(top level)", "a mapping of fields", type(data).__name__)
+    return data

@@ -1,0 +1,193 @@
+"""Model architecture: the shapes the cost model and the runtime need, with exact parameter counts.
+
+Parameters are counted from the real weight shapes: a gated FFN (Llama, Qwen2, Mistral) has
+three H×F matrices, OPT's has two; grouped-query attention shrinks K and V to
+``num_kv_heads * head_dim`` columns. ``kv_bytes_per_token`` covers K and V of every layer.
+
+Presets are a named table checked at import (nanoGPT style); ``ModelSpec.from_hf_config`` reads
+a Hugging Face ``config.json`` of the Llama, Mistral, Qwen2 or OPT families.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetserve.errors import SpecError
+
+ARCHS = ("llama", "mistral", "qwen2", "opt")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    arch: str  # one of ARCHS
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    max_context: int
+    dtype_bytes: int = 2  # fp16 / bf16
+    tie_embeddings: bool = False
+    head_dim: int | None = None  # defaults to hidden // num_heads
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"model {self.name}: arch must be one of {ARCHS}, got {self.arch!r}")
+        for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "vocab", "max_context"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"model {self.name}: {f} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model {self.name}: num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim is None and self.hidden % self.num_heads:
+            raise ValueError(f"model {self.name}: hidden must divide evenly into heads")
+
+    # ------------------------------------------------------------------ shapes
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.hidden // self.num_heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.dim_head
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.dim_head
+
+    @property
+    def gated_ffn(self) -> bool:
+        return self.arch != "opt"
+
+    @property
+    def has_bias(self) -> bool:
+        return self.arch == "opt"
+
+    # ------------------------------------------------------------------ parameter counts
+    @property
+    def params_per_layer(self) -> int:
+        h, q, kv, f = self.hidden, self.q_dim, self.kv_dim, self.ffn_hidden
+        attn = h * q + 2 * h * kv + q * h
+        ffn = (3 if self.gated_ffn else 2) * h * f
+        if self.arch == "opt":  # biases on every projection, LayerNorm has weight + bias
+            attn += q + 2 * kv + h
+            ffn += f + h
+            norms = 4 * h
+        else:
+            norms = 2 * h  # RMSNorm weights
+            if self.arch == "qwen2":
+                attn += q + 2 * kv  # Qwen2 has biases on Q, K, V
+        return attn + ffn + norms
+
+    @property
+    def embedding_params(self) -> int:
+        """Token (and for OPT, learned position) embeddings: held by the first stage."""
+        pos = (self.max_context + 2) * self.hidden if self.arch == "opt" else 0
+        return self.vocab * self.hidden + pos
+
+    @property
+    def head_params(self) -> int:
+        """Final norm + LM head: held by the last stage (the head shares the embedding if tied)."""
+        norm = (2 if self.arch == "opt" else 1) * self.hidden
+        return norm + (0 if self.tie_embeddings else self.vocab * self.hidden)
+
+    @property
+    def num_params(self) -> int:
+        return self.num_layers * self.params_per_layer + self.embedding_params + self.head_params
+
+    @property
+    def bytes_per_layer(self) -> int:
+        return self.params_per_layer * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        return 2 * self.kv_dim * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.num_layers * self.kv_bytes_per_token_per_layer
+
+    def flops_per_token_per_layer(self) -> int:
+        """Dense (matmul) FLOPs for one token through one layer: 2 per weight."""
+        return 2 * self.params_per_layer
+
+    # ------------------------------------------------------------------ readers
+    @staticmethod
+    def from_hf_config(path: str | Path, name: str | None = None) -> "ModelSpec":
+        """Read a Hugging Face ``config.json`` (or a checkpoint folder holding one)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        src = str(path)
+        try:
+            cfg = json.loads(path.read_text())
+        except OSError as exc:
+            raise SpecError(src, "(file)", "a readable config.json", exc.strerror) from exc
+        except json.JSONDecodeError as exc:
+            raise SpecError(src, "(file)", "valid JSON", str(exc)) from exc
+        if not isinstance(cfg, dict):
+            raise SpecError(src, "(top level)", "a JSON object")
+        model_type = cfg.get("model_type")
+        if model_type not in ARCHS:
+            raise SpecError(src, "model_type", "one of " + ", ".join(ARCHS), model_type)
+
+        def need(key: str) -> int:
+            value = cfg.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise SpecError(src, key, "a positive integer", value)
+            return value
+
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
+        dtype_bytes = 4 if "32" in dtype else 2
+        label = name or cfg.get("_name_or_path") or path.parent.name
+        if model_type == "opt":
+            if cfg.get("word_embed_proj_dim", cfg.get("hidden_size")) != cfg.get("hidden_size"):
+                raise SpecError(src, "word_embed_proj_dim", "equal to hidden_size (projected OPT variants "
+                                "are not supported)", cfg.get("word_embed_proj_dim"))
+            heads = need("num_attention_heads")
+            return ModelSpec(str(label), "opt", need("num_hidden_layers"), need("hidden_size"), heads, heads,
+                             need("ffn_dim"), need("vocab_size"), need("max_position_embeddings"),
+                             dtype_bytes, bool(cfg.get("tie_word_embeddings", True)))
+        heads = need("num_attention_heads")
+        kv = cfg.get("num_key_value_heads") or heads
+        return ModelSpec(str(label), model_type, need("num_hidden_layers"), need("hidden_size"), heads, int(kv),
+                         need("intermediate_size"), need("vocab_size"), need("max_position_embeddings"),
+                         dtype_bytes, bool(cfg.get("tie_word_embeddings", False)), cfg.get("head_dim"))
+
+
+# Presets: shapes from each model's published config.json.
+MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
+    ModelSpec("llama-2-7b", "llama", 32, 4096, 32, 32, 11008, 32000, 4096),
+    ModelSpec("llama-2-13b", "llama", 40, 5120, 40, 40, 13824, 32000, 4096),
+    ModelSpec("llama-2-70b", "llama", 80, 8192, 64, 8, 28672, 32000, 4096),
+    # LLaMA-1 "30B" (33B parameters): hidden 6656, 52 heads, FFN 17920.
+    ModelSpec("llama-30b", "llama", 60, 6656, 52, 52, 17920, 32000, 2048),
+    ModelSpec("opt-30b", "opt", 48, 7168, 56, 56, 28672, 50272, 2048, tie_embeddings=True),
+    # Qwen-7B shapes (hidden 4096, 32 layers, FFN 11008 per matrix, 151,936 vocab); counted as
+    # the Qwen2 family (biases on Q, K, V), as transformers loads it.
+    ModelSpec("qwen-7b", "qwen2", 32, 4096, 32, 32, 11008, 151936, 8192),
+)}
+
+
+def model_presets() -> list[str]:
+    return sorted(MODEL_PRESETS)
+
+
+def load_model(name_or_path: str | Path) -> ModelSpec:
+    """A preset name, a ``config.json`` path, or a checkpoint folder holding one."""
+    key = str(name_or_path)
+    if key in MODEL_PRESETS:
+        return MODEL_PRESETS[key]
+    path = Path(key)
+    if path.exists():
+        return ModelSpec.from_hf_config(path)
+    raise SpecError(key, "(model)", "a config.json, a checkpoint folder or a preset: " + ", ".join(model_presets()))
+

@@ -1,0 +1,247 @@
+"""Workloads: requests (arrival time, input tokens, output tokens), traces, classes and SLOs.
+
+A ``Workload`` keeps its requests as three numpy arrays so the simulator and planner can take
+statistics and slices of 19k-request traces without Python loops.
+
+Readers:
+- the Azure LLM inference trace layout ``TIMESTAMP,ContextTokens,GeneratedTokens`` (timestamps
+  as in the file or plain seconds), arrivals taken from the file;
+- length-only files ``num_prefill_tokens,num_decode_tokens`` (ShareGPT), which get Poisson
+  arrivals at a chosen rate.
+
+Classes follow HexGen-2 §5.1: heavy prefill = more than 512 input tokens, heavy decode = more
+than 128 output tokens (HPLD, HPHD, LPHD, LPLD).
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from datetime import datetime
+from importlib import resources
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from hetserve.errors import SpecError
+
+HEAVY_PREFILL_TOKENS = 512
+HEAVY_DECODE_TOKENS = 128
+CLASSES = ("HPLD", "HPHD", "LPHD", "LPLD")
+
+# Bundled traces; see data/workloads/ATTRIBUTION.md.
+WORKLOAD_PRESETS = {
+    "azure-conv": "azure_llm_2023_conv.csv",
+    "sharegpt": "sharegpt.csv",
+}
+DEFAULT_SYNTHETIC_RATE = 1.0  # req/s for length-only traces when no rate is given
+
+
+@dataclass(frozen=True)
+class Request:
+    id: int
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency targets in seconds; ``None`` means no target on that metric."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None  # also Aladdin's ATGT target
+    e2e_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for k in ("ttft_s", "tpot_s", "e2e_s"):
+            v = getattr(self, k)
+            if v is not None and v <= 0:
+                raise ValueError(f"SLO {k} must be positive, got {v}")
+
+
+@dataclass(frozen=True, eq=False)
+class Workload:
+    name: str
+    arrival_s: np.ndarray  # float64, sorted, first at 0
+    input_tokens: np.ndarray  # int64
+    output_tokens: np.ndarray  # int64
+
+    def __post_init__(self) -> None:
+        n = len(self.arrival_s)
+        if len(self.input_tokens) != n or len(self.output_tokens) != n:
+            raise ValueError("workload arrays must have equal length")
+        if n and np.any(np.diff(self.arrival_s) < 0):
+            raise ValueError("arrivals must be sorted")
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+    def __iter__(self) -> Iterator[Request]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __getitem__(self, i: int) -> Request:
+        return Request(i, float(self.arrival_s[i]), int(self.input_tokens[i]), int(self.output_tokens[i]))
+
+    # ---------------------------------------------------------------- statistics
+    @property
+    def duration_s(self) -> float:
+        return float(self.arrival_s[-1] - self.arrival_s[0]) if len(self) > 1 else 0.0
+
+    @property
+    def rate(self) -> float:
+        """Mean arrival rate, requests/s: (n - 1) / span."""
+        return (len(self) - 1) / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def mean_input(self) -> float:
+        return float(self.input_tokens.mean()) if len(self) else 0.0
+
+    @property
+    def mean_output(self) -> float:
+        return float(self.output_tokens.mean()) if len(self) else 0.0
+
+    def classes(self) -> np.ndarray:
+        """HexGen-2 class label per request (array of strings)."""
+        hp = self.input_tokens > HEAVY_PREFILL_TOKENS
+        hd = self.output_tokens > HEAVY_DECODE_TOKENS
+        return np.where(hp, np.where(hd, "HPHD", "HPLD"), np.where(hd, "LPHD", "LPLD"))
+
+    # ---------------------------------------------------------------- transformations
+    def _take(self, mask_or_idx: np.ndarray, name: str) -> "Workload":
+        arr = self.arrival_s[mask_or_idx]
+        start = arr[0] if len(arr) else 0.0
+        return Workload(name, arr - start, self.input_tokens[mask_or_idx], self.output_tokens[mask_or_idx])
+
+    def of_class(self, cls: str) -> "Workload":
+        """Only the requests of one HexGen-2 class (arrival times kept from the trace)."""
+        if cls not in CLASSES:
+            raise SpecError(self.name, "class", "one of " + ", ".join(CLASSES), cls)
+        return self._take(self.classes() == cls, f"{self.name}:{cls}")
+
+    def filter_lengths(self, max_input: int | None = None, max_output: int | None = None) -> "Workload":
+        """Drop requests longer than the limits (MoLink drops input > 2048 or output > 1024)."""
+        keep = np.ones(len(self), bool)
+        if max_input is not None:
+            keep &= self.input_tokens <= max_input
+        if max_output is not None:
+            keep &= self.output_tokens <= max_output
+        return self._take(keep, self.name)
+
+    def head(self, n: int) -> "Workload":
+        return self._take(np.arange(min(n, len(self))), self.name)
+
+    def window(self, start_s: float, end_s: float) -> "Workload":
+        return self._take((self.arrival_s >= start_s) & (self.arrival_s < end_s), self.name)
+
+    def scale_rate(self, factor: float) -> "Workload":
+        """Compress time by ``factor`` (2 = twice the arrival rate); the burst shape is kept."""
+        if factor <= 0:
+            raise SpecError(self.name, "rate_scale", "a positive number", factor)
+        return Workload(self.name, self.arrival_s / factor, self.input_tokens, self.output_tokens)
+
+    def with_rate(self, rate: float) -> "Workload":
+        """Rescale arrivals so the mean rate is ``rate`` requests/s."""
+        if rate <= 0:
+            raise SpecError(self.name, "rate", "a positive number of requests/s", rate)
+        return self.scale_rate(rate / self.rate) if self.rate > 0 else self
+
+    def with_poisson_arrivals(self, rate: float, seed: int = 0) -> "Workload":
+        """Replace arrival times with a Poisson process at ``rate`` req/s."""
+        if rate <= 0:
+            raise SpecError(self.name, "rate", "a positive number of requests/s", rate)
+        gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(self))
+        arr = np.concatenate([[0.0], np.cumsum(gaps[1:])]) if len(self) else gaps
+        return Workload(self.name, arr, self.input_tokens, self.output_tokens)
+
+    def repeat(self, times: int) -> "Workload":
+        """The trace played ``times`` times back to back (for scaling benchmarks)."""
+        span = self.duration_s + (1.0 / self.rate if self.rate > 0 else 1.0)
+        arr = np.concatenate([self.arrival_s + k * span for k in range(times)])
+        return Workload(f"{self.name}x{times}", arr, np.tile(self.input_tokens, times),
+                        np.tile(self.output_tokens, times))
+
+    @staticmethod
+    def from_lists(name: str, arrivals, inputs, outputs) -> "Workload":
+        arr = np.asarray(arrivals, float)
+        order = np.argsort(arr, kind="stable")
+        return Workload(name, arr[order] - (arr[order][0] if len(arr) else 0.0),
+                        np.asarray(inputs, np.int64)[order], np.asarray(outputs, np.int64)[order])
+
+
+# ----------------------------------------------------------------------------- readers
+
+
+def _parse_time(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    # Azure timestamps carry 7 fractional digits; datetime takes at most 6.
+    head, _, frac = text.strip().partition(".")
+    dt = datetime.strptime(head, "%Y-%m-%d %H:%M:%S")
+    return dt.timestamp() + (float("0." + frac) if frac else 0.0)
+
+
+def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
+    src = str(path)
+    try:
+        fh = path.open(newline="")
+    except OSError as exc:
+        raise SpecError(src, "(file)", "a readable CSV file", exc.strerror) from exc
+    with fh:
+        reader = csv.reader(fh)
+        header = [h.strip() for h in next(reader, [])]
+        rows = list(reader)
+    if {"ContextTokens", "GeneratedTokens"} <= set(header):
+        cols, time_col = ("ContextTokens", "GeneratedTokens"), header.index("TIMESTAMP") if "TIMESTAMP" in header else None
+    elif {"num_prefill_tokens", "num_decode_tokens"} <= set(header):
+        cols = ("num_prefill_tokens", "num_decode_tokens")
+        time_col = header.index("arrived_at") if "arrived_at" in header else None
+    else:
+        raise SpecError(src, "(header)", "columns TIMESTAMP,ContextTokens,GeneratedTokens or "
+                        "num_prefill_tokens,num_decode_tokens", ",".join(header))
+    ci, co = header.index(cols[0]), header.index(cols[1])
+    arrivals, ins, outs = [], [], []
+    for line, row in enumerate(rows, start=2):
+        if not row:
+            continue
+        try:
+            i, o = int(row[ci]), int(row[co])
+            t = _parse_time(row[time_col]) if time_col is not None else 0.0
+        except (ValueError, IndexError) as exc:
+            raise SpecError(f"{src}:{line}", cols[0] if "TIMESTAMP" not in header else "row",
+                            "integer token counts and a timestamp", ",".join(row)) from exc
+        if i <= 0 or o <= 0:
+            raise SpecError(f"{src}:{line}", f"{cols[0]}/{cols[1]}", "positive token counts", f"{i},{o}")
+        arrivals.append(t), ins.append(i), outs.append(o)
+    if not ins:
+        raise SpecError(src, "(rows)", "at least one request")
+    wl = Workload.from_lists(name, arrivals, ins, outs)
+    if time_col is None:
+        wl = wl.with_poisson_arrivals(rate or DEFAULT_SYNTHETIC_RATE, seed)
+    elif rate is not None:
+        wl = wl.with_rate(rate)
+    return wl
+
+
+def workload_presets() -> list[str]:
+    return sorted(WORKLOAD_PRESETS)
+
+
+def load_workload(name_or_path: str | Path, rate: float | None = None, seed: int = 0) -> Workload:
+    """A bundled trace (``azure-conv``, ``sharegpt``) or a CSV file.
+
+    ``rate`` (req/s): for timed traces, rescales arrivals to that mean rate; for length-only
+    traces, the Poisson rate (default 1 req/s).
+    """
+    key = str(name_or_path)
+    path = Path(key)
+    if not path.exists():
+        if key not in WORKLOAD_PRESETS:
+            raise SpecError(key, "(workload)", "an existing CSV file or a preset: " + ", ".join(workload_presets()))
+        path = Path(str(resources.files("hetserve") / "data" / "workloads" / WORKLOAD_PRESETS[key]))
+        return _read_csv(path, rate, seed, key)
+    return _read_csv(path, rate, seed, path.stem)

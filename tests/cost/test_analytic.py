@@ -1,0 +1,170 @@
+"""The cost model checked against numbers worked out by hand from HexGen Table 1 / Appendix B
+and HexGen-2 Appendix A, plus properties that must hold for any inputs."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetserve.cost.analytic import CostModel, Efficiency, PrefillBatch
+from hetserve.cost.layout import ReplicaLayout, StageLayout
+from hetserve.specs.cluster import Cluster, cluster_from_dict
+from hetserve.specs.model import MODEL_PRESETS
+
+CLUSTER = cluster_from_dict({
+    "name": "hand", "machines": [{"name": "a", "gpu": "H100-SXM-80G", "count": 8},
+                                 {"name": "b", "gpu": "A6000", "count": 2}],
+    "network": {"intra_site": {"bandwidth_gbps": 10, "latency_ms": 1}}})
+LLAMA7 = MODEL_PRESETS["llama-2-7b"]
+H100_MEMBW = 3350e9 * 0.8
+H100_FLOPS = 989.4e12 * 0.5
+
+
+def one_stage(*devices, layers=32):
+    return ReplicaLayout((StageLayout(tuple(devices), (0, layers)),))
+
+
+def test_decode_step_batch1_is_weight_streaming():
+    cm = CostModel(CLUSTER, LLAMA7)
+    # 32 layers · 202,383,360 params · 2 B + LM head 32000·4096·2 B, over 80 % of 3.35 TB/s.
+    expected = (32 * 202_383_360 * 2 + 32000 * 4096 * 2) / H100_MEMBW
+    assert cm.decode_step_time(one_stage(0), 1, 0) == pytest.approx(expected, rel=1e-9)
+    assert expected == pytest.approx(4.9308e-3, rel=1e-4)
+
+
+def test_prefill_1000_tokens_is_compute_bound():
+    cm = CostModel(CLUSTER, LLAMA7)
+    per_layer = (2 * 202_383_360 * 1000 + 2 * 4096 * 1000**2) / H100_FLOPS
+    head = 32000 * 4096 * 2 / H100_MEMBW  # one logit row: streaming the head dominates
+    assert cm.ttft(one_stage(0), 1000) == pytest.approx(32 * per_layer + head, rel=1e-9)
+
+
+def test_tp_allreduce_is_hexgen_bsp():
+    cm = CostModel(CLUSTER, LLAMA7)
+    nbytes = 1000 * 4096 * 2
+    alpha, beta = 0.005e-3, 3600e9 / 8
+    # each of 2 supersteps: every device sends (t-1) chunks of nbytes/t; t = 4
+    expected = 2 * 3 * (alpha + nbytes / 4 / beta)
+    assert cm.allreduce_time((0, 1, 2, 3), nbytes) == pytest.approx(expected)
+    assert cm.allreduce_time((0,), nbytes) == 0.0
+
+
+def test_pp_handoff_uses_fastest_link():
+    cm = CostModel(CLUSTER, LLAMA7)
+    a, b = StageLayout((0, 8), (0, 16)), StageLayout((1,), (16, 32))
+    nbytes = 10 * 4096 * 2
+    assert cm.pp_handoff_time(a, b, 10) == pytest.approx(0.005e-3 + nbytes / (3600e9 / 8))
+
+
+def test_kv_transfer_tp2_to_tp1_across_boxes():
+    cm = CostModel(CLUSTER, LLAMA7)
+    prefill, decode = one_stage(0, 1), one_stage(8)
+    # 100 tokens · 32 layers · 16,384 B; each H100 shard sends half over 10 Gbps + 1 ms, in parallel.
+    half = 100 * 32 * 16384 / 2
+    assert cm.kv_transfer_time(prefill, decode, 100) == pytest.approx(1e-3 + half / 1.25e9)
+    assert half / 1.25e9 + 1e-3 == pytest.approx(0.0219715, rel=1e-5)
+
+
+def test_kv_transfer_resharded_over_two_stages():
+    cm = CostModel(CLUSTER, LLAMA7)
+    prefill = one_stage(0, 1)
+    decode = ReplicaLayout((StageLayout((2,), (0, 16)), StageLayout((3,), (16, 32))))
+    pairs = list(cm.kv_transfer_pairs(prefill, decode, 10))
+    assert {(d, e) for d, e, _ in pairs} == {(0, 2), (1, 2), (0, 3), (1, 3)}
+    assert sum(b for *_, b in pairs) == pytest.approx(10 * LLAMA7.kv_bytes_per_token)
+
+
+def test_replica_memory_required_is_params_plus_32_requests():
+    cm = CostModel(CLUSTER, MODEL_PRESETS["llama-2-70b"])
+    assert cm.replica_memory_required(1000, 200) == pytest.approx(68_976_648_192 * 2 + 32 * 327_680 * 1200)
+
+
+def test_70b_does_not_fit_one_h100_but_fits_four():
+    cm = CostModel(CLUSTER, MODEL_PRESETS["llama-2-70b"])
+    assert not cm.fits(one_stage(0, layers=80))
+    assert cm.fits(one_stage(0, 1, 2, 3, layers=80), min_kv_tokens=4096)
+    assert cm.max_decode_batch(one_stage(0, layers=80), 1000) == 0
+
+
+def test_capacities_follow_hexgen2_appendix_a():
+    cm = CostModel(CLUSTER, LLAMA7)
+    lay = one_stage(0)
+    assert cm.prefill_capacity(lay, 512, 600) == pytest.approx(600 / cm.ttft(lay, 512))
+    b, tps = cm.decode_throughput(lay, 512, 128)
+    assert b == cm.max_decode_batch(lay, 640) and b > 32
+    assert cm.decode_capacity(lay, 512, 128, 600) == pytest.approx(600 * tps / 128)
+    assert cm.colocated_capacity(lay, 512, 128) < min(cm.prefill_capacity(lay, 512), cm.decode_capacity(lay, 512, 128))
+
+
+def test_pipeline_micro_batches_overlap_stages():
+    cm = CostModel(CLUSTER, LLAMA7)
+    pp = ReplicaLayout((StageLayout((0,), (0, 16)), StageLayout((1,), (16, 32))))
+    # two micro-batches keep both stages busy: a period is about one stage's work at full batch
+    assert cm.decode_step_time(pp, 64, 64 * 600) < 1.2 * cm.decode_step_time(pp, 64, 64 * 600, micro_batches=1)
+    assert cm.decode_step_time(pp, 64, 64 * 600, micro_batches=1) > cm.decode_step_time(one_stage(0), 64, 64 * 600)
+
+
+def test_efficiency_validation():
+    with pytest.raises(ValueError):
+        Efficiency(compute=0)
+    assert CostModel(CLUSTER, LLAMA7, Efficiency(step_overhead_s=0.01)).decode_step_time(one_stage(0), 1, 0) > 0.01
+
+
+# --------------------------------------------------------------------------- properties
+
+
+def _scaled(c: Cluster, factor: float) -> Cluster:
+    return Cluster(c.name, c.devices, c.latency, c.bandwidth * factor)
+
+
+@settings(max_examples=40, deadline=None)
+@given(factor=st.floats(1.0, 100.0), tokens=st.integers(1, 4096), tp=st.sampled_from([2, 4, 8]))
+def test_more_bandwidth_is_never_slower(factor, tokens, tp):
+    slow, fast = CostModel(CLUSTER, LLAMA7), CostModel(_scaled(CLUSTER, factor), LLAMA7)
+    lay = one_stage(*range(tp))
+    pp = ReplicaLayout((StageLayout((0,), (0, 16)), StageLayout((8,), (16, 32))))
+    assert fast.ttft(lay, tokens) <= slow.ttft(lay, tokens)
+    assert fast.ttft(pp, tokens) <= slow.ttft(pp, tokens)
+    assert fast.kv_transfer_time(lay, pp, tokens) <= slow.kv_transfer_time(lay, pp, tokens)
+    assert fast.decode_step_time(pp, 8, 8 * tokens) <= slow.decode_step_time(pp, 8, 8 * tokens)
+
+
+@settings(max_examples=40, deadline=None)
+@given(kv_tokens=st.integers(0, 200_000), layers=st.integers(1, 80))
+def test_more_tp_never_needs_more_memory_per_device(kv_tokens, layers):
+    cm = CostModel(CLUSTER, MODEL_PRESETS["llama-2-70b"])
+    mems = [cm.stage_memory(StageLayout(tuple(range(t)), (0, layers)), kv_tokens, True, True) for t in (1, 2, 4, 8)]
+    assert all(a >= b for a, b in zip(mems, mems[1:]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(s=st.integers(1, 4000), extra=st.integers(1, 4000), tp=st.sampled_from([1, 2, 4]))
+def test_longer_prompt_never_has_shorter_ttft(s, extra, tp):
+    cm = CostModel(CLUSTER, LLAMA7)
+    lay = one_stage(*range(tp))
+    assert cm.ttft(lay, s + extra) >= cm.ttft(lay, s)
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 256), ctx=st.integers(0, 4096), db=st.integers(0, 64), dctx=st.integers(0, 4096))
+def test_decode_step_grows_with_batch_and_context(b, ctx, db, dctx):
+    cm = CostModel(CLUSTER, LLAMA7)
+    lay = one_stage(0, 1)
+    assert cm.decode_step_time(lay, b + db, (b + db) * (ctx + dctx)) >= cm.decode_step_time(lay, b, b * ctx)
+
+
+@settings(max_examples=30, deadline=None)
+@given(tp_p=st.sampled_from([1, 2, 4]), tp_d=st.sampled_from([1, 2, 4]), cut=st.integers(1, 31),
+       tokens=st.integers(1, 3000))
+def test_kv_transfer_moves_every_byte_once(tp_p, tp_d, cut, tokens):
+    cm = CostModel(CLUSTER, LLAMA7)
+    src = one_stage(*range(tp_p))
+    dst = ReplicaLayout((StageLayout(tuple(range(4, 4 + tp_d)), (0, cut)), StageLayout((8,), (cut, 32))))
+    total = sum(b for *_, b in cm.kv_transfer_pairs(src, dst, tokens))
+    assert total == pytest.approx(tokens * LLAMA7.kv_bytes_per_token)
+
+
+def test_prefill_batch_helpers():
+    b = PrefillBatch.of([3, 4])
+    assert (b.num_seqs, b.tokens, b.sum_sq) == (2, 7, 25.0)
+    assert np.isclose(PrefillBatch.single(5).sum_sq, 25)

@@ -1,0 +1,50 @@
+"""Planners: from (cluster, model, workload) to a deployment ``Plan``.
+
+Every algorithm is a plain function ``fn(cluster, model, workload, options) -> Plan`` listed in
+``ALGORITHMS``; all of them score placements with the same ``placement.Evaluator`` (per-replica
+layout search + the cost model + HexGen-2's flow network), so their estimates compare directly.
+
+    hexgen2          HexGen-2: graph partition + max flow + max-flow-guided refinement
+    random-swap      HexGen-2 with random instead of guided edits (§5.3)
+    genetic          HexGen-2 with HexGen's genetic search generating the groups (§5.3)
+    uniform          DistServe-style: one shape for all prefill and one for all decode replicas
+    hexgen           HexGen: colocated replicas, genetic search with K-means + elbow init
+    exact            optimal disaggregated placement by enumeration (≤ 8 devices)
+    exact-colocated  optimal colocated placement (≤ 8 devices)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hetserve.planner.baselines import genetic, uniform
+from hetserve.planner.exact import exact, exact_colocated
+from hetserve.planner.hexgen import hexgen
+from hetserve.planner.hexgen2 import hexgen2, random_swap
+from hetserve.planner.options import PlanOptions, SearchProgress
+from hetserve.planner.plan import KVRoute, Plan, PlanReplica, PlanStage
+from hetserve.planner.validate import validate_plan
+
+Algorithm = Callable[..., Plan]
+
+ALGORITHMS: dict[str, Algorithm] = {
+    "hexgen2": hexgen2,
+    "random-swap": random_swap,
+    "genetic": genetic,
+    "uniform": uniform,
+    "hexgen": hexgen,
+    "exact": exact,
+    "exact-colocated": exact_colocated,
+}
+
+__all__ = ["ALGORITHMS", "KVRoute", "Plan", "PlanOptions", "PlanReplica", "PlanStage", "SearchProgress",
+           "plan", "validate_plan"]
+
+
+def plan(cluster, model, workload, algorithm: str = "hexgen2", options: PlanOptions | None = None) -> Plan:
+    """Run one algorithm by name (see ``ALGORITHMS``)."""
+    from hetserve.errors import PlanError
+
+    if algorithm not in ALGORITHMS:
+        raise PlanError(f"unknown planning algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[algorithm](cluster, model, workload, options or PlanOptions())

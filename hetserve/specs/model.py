@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from hetserve.errors import SpecError
@@ -68,7 +69,7 @@ class ModelSpec:
         return self.arch == "opt"
 
     # ------------------------------------------------------------------ parameter counts
-    @property
+    @cached_property  # the cost model reads it ~10⁵ times per planner run
     def params_per_layer(self) -> int:
         h, q, kv, f = self.hidden, self.q_dim, self.kv_dim, self.ffn_hidden
         attn = h * q + 2 * h * kv + q * h

@@ -1,0 +1,133 @@
+"""``hetserve capacity``: GPUs per worker (Aladdin Eq. 6) and workers per arrival rate (Eq. 7).
+
+    hetserve capacity --gpu A100-SXM-80G --model llama-2-13b --workload sharegpt \\
+        --rates 5,10,20 --slo-ttft 0.6 --slo-tpot 0.03 [--router aladdin|jsq|po2|rr|lot]
+
+Prints the per-GPU throughput of every TP degree, the fewest workers meeting the SLOs at each
+rate (by simulation with the chosen router, or the fluid bound with ``--method fluid``), the
+fitted law N_w = ⌈k5·r + c5⌉, and with ``--heartbeat`` the worker count scaled over the trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.table import Table
+
+from hetserve.errors import SpecError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("capacity", help="GPUs per worker and workers per arrival rate (Aladdin)",
+                       description="Choose the GPUs per worker that maximise per-GPU throughput under the "
+                                   "SLOs, then the fewest workers meeting the SLOs at each arrival rate.")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--cluster", help="cluster preset or file; its first GPU type and in-box link are used")
+    where.add_argument("--gpu", help="GPU type from gpus.csv (a pool of these, 4 to a box)")
+    p.add_argument("--model", required=True, help="model preset or config.json")
+    p.add_argument("--workload", required=True, help="workload preset or CSV")
+    rates = p.add_mutually_exclusive_group(required=True)
+    rates.add_argument("--rate", type=float, help="arrival rate, req/s")
+    rates.add_argument("--rates", help="comma-separated arrival rates, req/s (fits N_w = ceil(k5*r + c5))")
+    p.add_argument("--slo-ttft", type=float, required=True, help="TTFT target, seconds")
+    p.add_argument("--slo-tpot", type=float, required=True, help="ATGT / TPOT target, seconds per token")
+    p.add_argument("--router", default="aladdin", help="placement policy: aladdin, jsq, po2, rr, lot")
+    p.add_argument("--mode", choices=["colocated", "decode"], default="colocated",
+                   help="colocated workers, or decode workers behind a prefill pool (only decode counted)")
+    p.add_argument("--gpus-per-worker", type=int, help="override the Eq. 6 choice")
+    p.add_argument("--method", choices=["sim", "fluid"], default="sim",
+                   help="simulate (default) or the fluid bound from the cost model")
+    p.add_argument("--target", type=float, default=0.99, help="share of requests that must meet the SLOs")
+    p.add_argument("--requests", type=int, default=1500, help="requests simulated per rate")
+    p.add_argument("--heartbeat", type=float, help="also scale workers over the trace every this many seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def _rates(args) -> list[float]:
+    if args.rate is not None:
+        vals = [args.rate]
+    else:
+        try:
+            vals = [float(x) for x in args.rates.split(",") if x.strip()]
+        except ValueError as exc:
+            raise SpecError("--rates", "rates", "comma-separated numbers", args.rates) from exc
+    if not vals or any(v <= 0 for v in vals):
+        raise SpecError("--rates", "rates", "positive numbers of requests/s", args.rate or args.rates)
+    return vals
+
+
+def run(args: argparse.Namespace) -> int:
+    from hetserve.capacity import config, workers
+    from hetserve.capacity.scaling import plan_scaling
+    from hetserve.specs.cluster import load_cluster
+    from hetserve.specs.model import load_model
+    from hetserve.specs.workload import SLO, load_workload
+
+    console = Console()
+    model = load_model(args.model)
+    slo = SLO(args.slo_ttft, args.slo_tpot)
+    rates = _rates(args)
+    base = load_workload(args.workload, seed=args.seed)
+    mi, mo = base.mean_input, base.mean_output
+    intra = None
+    if args.cluster:
+        cluster = load_cluster(args.cluster)
+        gpu = cluster.devices[0].gpu.name
+        devs = next((d for d in cluster.machines.values() if len(d) > 1), None)
+        if devs:
+            lat, bw = cluster.link(devs[0].index, devs[1].index)
+            intra = {"bandwidth_gbps": bw * 8 / 1e9, "latency_ms": lat * 1e3}
+    else:
+        gpu = args.gpu
+        cluster = config.homogeneous_cluster(gpu, 8, 8)
+
+    opts = config.worker_options(cluster, model, slo, mi, mo, gpu_name=gpu)
+    t = Table(title=f"worker configuration: {model.name} on {gpu} (Eq. 6; mean in {mi:.0f}, out {mo:.0f})")
+    for col in ("GPUs/worker", "feasible", "limit", "KV tokens", "batch", "iteration ms", "tok/s/GPU", "TTFT ms"):
+        t.add_column(col, justify="right")
+    for o in opts:
+        t.add_row(str(o.gpus), "yes" if o.feasible else "no", o.limit, f"{o.kv_capacity_tokens:,.0f}", str(o.batch),
+                  f"{o.iteration_s * 1e3:.1f}", f"{o.tokens_per_s_per_gpu:,.0f}", f"{o.ttft_s * 1e3:.0f}")
+    console.print(t)
+    if args.gpus_per_worker:
+        chosen = next((o for o in opts if o.gpus == args.gpus_per_worker), None)
+        if chosen is None:
+            raise SpecError("--gpus-per-worker", "gpus_per_worker", "a degree the pool can host in one box",
+                            args.gpus_per_worker)
+    else:
+        chosen = config.best_worker_config(cluster, model, slo, mi, mo, gpu_name=gpu)
+    g = chosen.gpus
+    console.print(f"[bold]{g} GPU(s) per worker[/] ({chosen.tokens_per_s_per_gpu:,.0f} output tokens/s per GPU)")
+
+    rows = []
+    for r in rates:
+        fluid = workers.fluid_workers(r, chosen, mi, mo, colocated=args.mode == "colocated")
+        if args.method == "sim":
+            from hetserve.capacity.simulated import workers_needed
+
+            wl = load_workload(args.workload, rate=r, seed=args.seed).head(args.requests)
+            pre = max(1, fluid // 2) if args.mode == "decode" else 0
+            n = workers_needed(model, gpu, wl, slo, args.router, g, args.mode, args.target, prefill_workers=pre,
+                               intra=intra, hint=fluid, per_machine=max(4, g))
+        else:
+            n = fluid
+        rows.append((r, n, fluid))
+    t = Table(title=f"workers meeting {args.target:.0%} of the SLOs (TTFT {slo.ttft_s}s, ATGT {slo.tpot_s}s)"
+                    + (f", router {args.router}" if args.method == "sim" else ", fluid bound"))
+    for col in ("rate req/s", "workers", "GPUs", "fluid bound"):
+        t.add_column(col, justify="right")
+    for r, n, fluid in rows:
+        t.add_row(f"{r:g}", str(n), str(n * g), str(fluid))
+    console.print(t)
+    if len(rows) >= 2:
+        law = workers.fit_worker_law([r for r, _, _ in rows], [n for _, n, _ in rows])
+        console.print(f"N_w = ceil({law.k5:.4f} * r + {law.c5:.3f})  (R² {law.r2:.3f}, "
+                      f"max error {law.max_abs_error} worker(s))")
+        if args.heartbeat:
+            plan = plan_scaling(base.with_rate(max(rates)) if base.rate > 0 else base, law, args.heartbeat, g)
+            console.print(f"scaling every {args.heartbeat:g}s over the trace at mean {max(rates):g} req/s: "
+                          f"{plan.gpu_hours:.2f} GPU-hours vs {plan.static_gpu_hours:.2f} for the peak "
+                          f"({plan.peak_workers} workers) all along")
+    return 0

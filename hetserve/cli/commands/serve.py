@@ -1,0 +1,80 @@
+"""``hetserve serve``: run a plan's replicas and serve them over an OpenAI-compatible HTTP API.
+
+    hetserve serve --plan plan.json --cluster demo-cpu --model ./tiny [--host 127.0.0.1 --port 8000]
+        [--backend local|ray] [--router jsq] [--transmission molink] [--shape-links] [--micro-batches 4]
+
+torch, FastAPI and uvicorn are imported inside ``run`` so the rest of the CLI works without the
+``runtime`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a plan over an OpenAI-compatible HTTP API",
+                       description="Start the plan's workers and an OpenAI-compatible server "
+                                   "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
+    p.add_argument("--plan", required=True, help="plan file (JSON or YAML)")
+    p.add_argument("--cluster", help="cluster preset or file (default: the preset the plan names)")
+    p.add_argument("--model", required=True, help="checkpoint folder (Hugging Face layout; see make-model)")
+    p.add_argument("--model-name", help="the model name clients use (default: the folder's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--backend", choices=["local", "ray"], default="local",
+                   help="local processes (default) or Ray actors placed on the machines the plan names")
+    p.add_argument("--ray-address", help="Ray cluster to join (default: start one on this machine)")
+    p.add_argument("--router", default="jsq", help="placement policy: jsq, rr, po2, lot, aladdin (default jsq)")
+    p.add_argument("--transmission", default="serial",
+                   help="link scheduling: serial, fair, molink (default serial)")
+    p.add_argument("--shape-links", action="store_true",
+                   help="emulate the cluster's per-pair bandwidth and latency between workers")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="with --shape-links: speed every link up by this factor (default 1)")
+    p.add_argument("--micro-batches", type=int,
+                   help="steps in flight per pipeline (MoLink searches N..2N for N stages; default N)")
+    p.add_argument("--kv-capacity", type=int, help="KV-cache tokens per replica (default: what memory allows)")
+    p.add_argument("--slo-ttft", type=float, help="TTFT target in seconds (aladdin router)")
+    p.add_argument("--slo-tpot", type=float, help="TPOT target in seconds (aladdin router)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from hetserve.errors import HetserveError, RuntimeFailure
+
+    try:
+        from hetserve.serve.launch import ServeOptions, build
+        from hetserve.serve.server import serve_forever
+    except ImportError as exc:  # the runtime extra is missing
+        raise RuntimeFailure(f"hetserve serve needs the runtime extra (pip install 'hetserve[runtime]'): {exc}") \
+            from exc
+    try:
+        opts = ServeOptions(plan=args.plan, cluster=args.cluster, model_dir=args.model, model_name=args.model_name,
+                            backend=args.backend, router=args.router, transmission=args.transmission,
+                            shape_links=args.shape_links, time_scale=args.time_scale,
+                            micro_batches=args.micro_batches, kv_capacity_tokens=args.kv_capacity, seed=args.seed,
+                            slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, ray_address=args.ray_address)
+    except ValueError as exc:
+        raise RuntimeFailure(str(exc)) from exc
+    console = Console(stderr=True)
+    console.print(f"starting {args.backend} workers for {args.plan} ...")
+    try:
+        deployment = build(opts)
+    except ValueError as exc:
+        if isinstance(exc, HetserveError):
+            raise
+        raise RuntimeFailure(str(exc)) from exc
+    name = deployment.coordinator.model_name
+    console.print(f"serving model [bold]{name}[/] on http://{args.host}:{args.port}/v1 "
+                  f"(router {args.router}, transmission {args.transmission}"
+                  f"{', shaped links' if args.shape_links else ''})")
+    try:
+        serve_forever(deployment.app, args.host, args.port, log_level=args.log_level)
+    finally:
+        deployment.close()
+    return 0

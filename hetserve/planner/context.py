@@ -1,0 +1,157 @@
+"""What every planning algorithm shares for one (cluster, model, workload): the cost model, the
+workload's mean lengths, interchangeable-device classes, the per-replica layout search and the
+KV-edge cache.
+
+Device classes: two devices are interchangeable when they have the same GPU type, sit in the same
+machine and have identical latency/bandwidth rows (true for every cluster built from machines;
+an explicit per-device matrix may break it, and then each device is its own class). Every search
+reasons about *how many devices of each class* a group holds, never which ones, which is what
+makes the layout cache hit (HexGen §4.2's GPU-type count vectors, refined by machine).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import numpy as np
+
+from hetserve.cost.analytic import CostModel
+from hetserve.cost.layout import ReplicaLayout
+from hetserve.errors import InfeasibleError
+from hetserve.planner.options import PlanOptions
+from hetserve.specs.cluster import Cluster
+from hetserve.specs.model import ModelSpec
+from hetserve.specs.workload import Workload
+
+GB = 1e9
+
+
+class PlanContext:
+    """Shared state of one planning problem. Build once per (cluster, model, workload, options)."""
+
+    def __init__(self, cluster: Cluster, model: ModelSpec, workload: Workload, options: PlanOptions | None = None):
+        self.options = options or PlanOptions()
+        self.cluster, self.model, self.workload = cluster, model, workload
+        if len(workload) == 0:
+            raise InfeasibleError(f"workload {workload.name} has no requests to plan for")
+        self.cost = CostModel(cluster, model, self.options.efficiency)
+        self.input_tokens = float(workload.mean_input)
+        self.output_tokens = float(workload.mean_output)
+        self.period_s = float(self.options.period_s)
+        self.num_devices = len(cluster)
+        usable = self.cost.eff.usable_memory
+        self.memory = [d.gpu.memory_bytes for d in cluster.devices]
+        self.usable_memory = [m * usable for m in self.memory]
+        # Bandwidth in Gbit/s with a zero diagonal: the device graph of HexGen-2 §3.1.
+        bw = np.array(cluster.bandwidth, dtype=float) * 8 / 1e9
+        np.fill_diagonal(bw, 0.0)
+        self.bandwidth_gbps = bw
+        self._init_classes()
+        self._kv_cache: dict[tuple, float] = {}
+        from hetserve.planner.layout import LayoutSearch  # layout search reads the context
+        self.layouts = LayoutSearch(self)
+
+    # ------------------------------------------------------------------ device classes
+    def _init_classes(self) -> None:
+        c = self.cluster
+        lat, bw = c.latency, c.bandwidth
+        by_key: dict[tuple[str, str], list[int]] = {}
+        for d in c.devices:
+            by_key.setdefault((d.machine, d.gpu.name), []).append(d.index)
+        classes: list[tuple[int, ...]] = []
+        for members in by_key.values():
+            if _interchangeable(members, lat, bw):
+                classes.append(tuple(members))
+            else:
+                classes.extend((m,) for m in members)
+        classes.sort()
+        self.classes: list[tuple[int, ...]] = classes
+        self.class_of = [0] * len(c)
+        for k, members in enumerate(classes):
+            for d in members:
+                self.class_of[d] = k
+        self.class_counts = tuple(len(m) for m in classes)
+
+    def class_name(self, k: int) -> str:
+        d = self.cluster.devices[self.classes[k][0]]
+        return f"{d.machine}/{d.gpu.name}"
+
+    def composition(self, devices) -> tuple[tuple[int, int], ...]:
+        """The class-count vector of a device set, as sorted ``(class, count)`` pairs."""
+        counts: dict[int, int] = {}
+        for d in devices:
+            k = self.class_of[d]
+            counts[k] = counts.get(k, 0) + 1
+        return tuple(sorted(counts.items()))
+
+    # ------------------------------------------------------------------ memory
+    @cached_property
+    def replica_memory_bytes(self) -> float:
+        """HexGen-2 App. A: weights + 32 requests' KV at the workload's mean lengths."""
+        return self.cost.replica_memory_required(self.input_tokens, self.output_tokens)
+
+    def group_memory(self, devices) -> float:
+        return sum(self.memory[d] for d in devices)
+
+    def can_hold_weights(self, devices) -> bool:
+        """Early rejection (HexGen §4.3): usable memory below the weights alone."""
+        return sum(self.usable_memory[d] for d in devices) >= self.model.weight_bytes
+
+    def num_replicas_by_memory(self, devices=None) -> int:
+        """K of HexGen-2 §3.1: pool memory / one replica's memory (App. A)."""
+        mem = self.group_memory(range(self.num_devices) if devices is None else devices)
+        return int(mem // self.replica_memory_bytes)
+
+    def check_feasible(self) -> None:
+        """Raise ``InfeasibleError`` with the numbers if no replica fits the whole pool."""
+        m = self.model
+        total = sum(self.memory) / GB
+        usable = sum(self.usable_memory) / GB
+        need = m.weight_bytes / GB
+        if usable < need:
+            raise InfeasibleError(
+                f"{m.name} needs {need:.0f} GB for its weights alone, the pool {self.cluster.name} has "
+                f"{total:.0f} GB ({usable:.0f} GB usable at {self.cost.eff.usable_memory:.0%}) over "
+                f"{self.num_devices} devices")
+
+    def no_replica_error(self) -> InfeasibleError:
+        """The pool has memory for the weights but no group found a layout that fits."""
+        m = self.model
+        return InfeasibleError(
+            f"{m.name} ({m.weight_bytes / GB:.0f} GB of weights) found no pipeline layout on the pool "
+            f"{self.cluster.name} ({sum(self.usable_memory) / GB:.0f} GB usable): every stage also needs its "
+            f"activation buffers and at least one request's KV cache "
+            f"({(self.input_tokens + self.output_tokens) * m.kv_bytes_per_token / GB:.2f} GB)")
+
+    # ------------------------------------------------------------------ KV edges
+    def kv_capacity(self, src: ReplicaLayout, dst: ReplicaLayout, key=None) -> float:
+        """Requests per period whose KV cache can move from ``src`` to ``dst`` (App. A).
+
+        ``key``: a cheaper cache key that determines both layouts (e.g. the two device tuples)."""
+        key = key or (src, dst)
+        cap = self._kv_cache.get(key)
+        if cap is None:
+            t = self.cost.kv_transfer_time(src, dst, self.input_tokens)
+            cap = self.period_s / t if t > 0 else float("inf")
+            self._kv_cache[key] = cap
+        return cap
+
+    def tokens_per_s(self, requests_per_period: float) -> float:
+        """The one throughput estimate of every algorithm: requests per T × mean output / T."""
+        return requests_per_period * self.output_tokens / self.period_s
+
+
+def _interchangeable(members: list[int], lat: np.ndarray, bw: np.ndarray) -> bool:
+    if len(members) < 2:
+        return True
+    first = members[0]
+    others = np.ones(lat.shape[0], dtype=bool)
+    others[members] = False
+    for d in members[1:]:
+        if not (np.array_equal(lat[d, others], lat[first, others]) and np.array_equal(bw[d, others], bw[first, others])
+                and np.array_equal(lat[others, d], lat[others, first])
+                and np.array_equal(bw[others, d], bw[others, first])):
+            return False
+    inner = np.ix_(members, members)
+    off = ~np.eye(len(members), dtype=bool)
+    return len(set(lat[inner][off].tolist())) == 1 and len(set(bw[inner][off].tolist())) == 1

@@ -1,0 +1,127 @@
+"""Exact search for small pools: the optimum the heuristics are measured against.
+
+Devices of one class are interchangeable (``PlanContext``), so a placement is a multiset of
+(class-count vector, role) parts whose vectors sum to at most the pool's; devices not covered stay
+idle. ``exact`` enumerates every such multiset with at least one prefill and one decode part,
+takes each part's best layout (``LayoutSearch``, the same per-replica search every algorithm
+uses) and solves the max flow, skipping multisets whose capacity bound min(Σ prefill, Σ decode)
+cannot beat the best so far. ``exact_colocated`` is the colocated counterpart (HexGen's space):
+the value is additive, so it is a knapsack over count vectors, solved by dynamic programming.
+
+Pools above ``options.max_exact_devices`` (default 8) are refused. Worst case (8 devices, all in
+different classes) is ~10⁵ multisets; pools with a few machines take well under a second.
+"""
+
+from __future__ import annotations
+
+import itertools
+from functools import lru_cache
+
+from hetserve.errors import PlanError
+from hetserve.planner.context import PlanContext
+from hetserve.planner.hexgen2 import colocated_fallback
+from hetserve.planner.options import Budget, PlanOptions
+from hetserve.planner.placement import Evaluator, Group, canonical, to_plan
+from hetserve.planner.plan import Plan
+from hetserve.specs.cluster import Cluster
+from hetserve.specs.model import ModelSpec
+from hetserve.specs.workload import Workload
+
+
+def _setup(name: str, cluster, model, workload, options):
+    options = options or PlanOptions()
+    if len(cluster) > options.max_exact_devices:
+        raise PlanError(f"the exact search enumerates every placement and is limited to "
+                        f"{options.max_exact_devices} devices; {cluster.name} has {len(cluster)} "
+                        f"(use hexgen2, or raise PlanOptions.max_exact_devices)")
+    ctx = PlanContext(cluster, model, workload, options)
+    ctx.check_feasible()
+    return ctx, Budget(name, options), Evaluator(ctx)
+
+
+def _parts(ctx: PlanContext) -> list[tuple[int, ...]]:
+    """Every non-zero class-count vector whose devices could hold the weights."""
+    out = []
+    for v in itertools.product(*(range(c + 1) for c in ctx.class_counts)):
+        if any(v) and ctx.can_hold_weights(_devices(ctx, v, [0] * len(v))):
+            out.append(v)
+    return out
+
+
+def _devices(ctx: PlanContext, v, offset) -> list[int]:
+    return [d for k, n in enumerate(v) for d in ctx.classes[k][offset[k]:offset[k] + n]]
+
+
+def _materialize(ctx: PlanContext, items) -> tuple[Group, ...]:
+    offset = [0] * len(ctx.class_counts)
+    groups = []
+    for v, role in items:
+        groups.append(Group.of(_devices(ctx, v, offset), role))
+        offset = [o + n for o, n in zip(offset, v)]
+    return canonical(groups)
+
+
+def exact(cluster: Cluster, model: ModelSpec, workload: Workload, options: PlanOptions | None = None) -> Plan:
+    """Optimal disaggregated placement by enumeration (small pools only)."""
+    ctx, budget, ev = _setup("exact", cluster, model, workload, options)
+    comp = lambda v: tuple((k, n) for k, n in enumerate(v) if n)  # noqa: E731
+    items = []
+    for v in _parts(ctx):
+        for role in ("prefill", "decode"):
+            c = ctx.layouts.choice(comp(v), role)
+            if c is not None:
+                items.append((v, role, c.capacity))
+    items.sort(key=lambda x: (x[1], x[0]))
+    best = [0.0, None]
+    limit = ctx.class_counts
+
+    def rec(start: int, left: list[int], chosen: list, cap_p: float, cap_d: float) -> None:
+        if budget.exhausted():
+            return
+        if cap_p > 0 and cap_d > 0 and ctx.tokens_per_s(min(cap_p, cap_d)) > best[0] * (1 + 1e-9):
+            placement = _materialize(ctx, [(v, r) for v, r, _ in chosen])
+            value = ev.score(placement)
+            if value > best[0] * (1 + 1e-9):
+                best[0], best[1] = value, placement
+            budget.record(best[0])
+        for i in range(start, len(items)):
+            v, role, cap = items[i]
+            if all(n <= m for n, m in zip(v, left)):
+                chosen.append(items[i])
+                rec(i, [m - n for n, m in zip(v, left)], chosen,
+                    cap_p + (cap if role == "prefill" else 0.0), cap_d + (cap if role == "decode" else 0.0))
+                chosen.pop()
+
+    rec(0, list(limit), [], 0.0, 0.0)
+    if best[1] is None:
+        return colocated_fallback(ctx, "exact", budget)
+    if budget.stopped_by == "converged":
+        budget.stopped_by = "exhausted"
+    return to_plan(ctx, ev.evaluate(best[1]), "exact", budget)
+
+
+def exact_colocated(cluster: Cluster, model: ModelSpec, workload: Workload,
+                    options: PlanOptions | None = None) -> Plan:
+    """Optimal colocated placement: knapsack DP over class-count vectors (small pools only)."""
+    ctx, budget, ev = _setup("exact-colocated", cluster, model, workload, options)
+    parts = []
+    for v in _parts(ctx):
+        c = ctx.layouts.choice(tuple((k, n) for k, n in enumerate(v) if n), "colocated")
+        if c is not None:
+            parts.append((v, c.capacity))
+
+    @lru_cache(maxsize=None)
+    def best(left: tuple[int, ...]) -> tuple[float, tuple]:
+        out: tuple[float, tuple] = (0.0, ())
+        for v, cap in parts:
+            if all(n <= m for n, m in zip(v, left)):
+                sub = best(tuple(m - n for n, m in zip(v, left)))
+                if cap + sub[0] > out[0] * (1 + 1e-12):
+                    out = (cap + sub[0], (v,) + sub[1])
+        return out
+
+    value, chosen = best(ctx.class_counts)
+    budget.record(ctx.tokens_per_s(value))
+    if budget.stopped_by == "converged":
+        budget.stopped_by = "exhausted"
+    return to_plan(ctx, ev.evaluate(_materialize(ctx, [(v, "colocated") for v in chosen])), "exact-colocated", budget)

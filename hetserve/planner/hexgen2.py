@@ -1,0 +1,303 @@
+"""HexGen-2 (§3): disaggregated placement by graph partition, max flow and max-flow-guided refinement.
+
+1. Phase 1 (``partition``): spectral partition + Kernighan–Lin into K memory-balanced groups,
+   then coarsen and partition again to type each group prefill or decode.
+2. Phase 2 (``placement.Evaluator``): best layout per group (latency-optimal for prefill,
+   throughput-optimal for decode), the flow network of §3.2, preflow-push.
+3. Phase 3 (``refine``): read bottleneck and under-used nodes from the flow, generate local
+   edits that move capacity from where it idles to where the flow is stuck (device moves and
+   swaps between groups, role flips, splits and merges), score each, keep the best improving
+   one, repeat until none improves. Then, while ``options.restarts`` allows, kick the best
+   placement with a few random edits and refine again (a restart that does not beat the best
+   uses one up). The best value after every iteration is recorded (``Budget.history``).
+
+``random_swap`` is the truncated variant of §5.3: the same loop with random edits in place of
+the guided ones. Neither ever returns a worse placement than its phase-1 start.
+
+Running time per iteration: O(#candidates × (layout-cache lookups + K KV edges + one Dinic max
+flow)); a layout search is only paid once per new group composition.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable, Sequence
+
+import numpy as np
+
+from hetserve.planner.context import PlanContext
+from hetserve.planner.moves import Placement, flip, merge, move, pick_device, random_edit, split, split_devices, swap
+from hetserve.planner.options import Budget, PlanOptions
+from hetserve.planner.partition import assign_roles, group_bandwidth, initial_partition
+from hetserve.planner.placement import Evaluation, Evaluator, Group, canonical, to_plan
+from hetserve.planner.plan import Plan
+from hetserve.specs.cluster import Cluster
+from hetserve.specs.model import ModelSpec
+from hetserve.specs.workload import Workload
+
+SATURATED = 0.999  # flow / capacity at or above this: a bottleneck node
+SLACK = 0.98  # below this: an under-used node
+MAX_TARGETS = 4  # bottleneck groups that receive devices per iteration
+MAX_DONORS = 3  # under-used groups considered as donors for each bottleneck group
+MAX_SPLITS = 6  # groups tried for a split per iteration (largest first)
+MAX_MERGES = 4  # group pairs tried for a merge per iteration (best connected first)
+RANDOM_CANDIDATES = 12  # random edits scored per iteration by random-swap
+DEFAULT_RANDOM_PATIENCE = 25  # random-swap: iterations without improvement before stopping
+KICK_EDITS = (2, 4)  # random edits applied to the best placement at a restart
+
+Mover = Callable[[PlanContext, Evaluation, random.Random], list[Placement]]
+
+
+# ----------------------------------------------------------------------------- phase 1
+
+
+def phase1(ctx: PlanContext, ev: Evaluator, seed: int) -> Placement:
+    """Initial partition into K groups and their types (§3.1).
+
+    K = pool memory / replica memory (App. A). That replica memory assumes 32 requests of KV, a
+    guess; the partition is also built for K·¾ and K·3⁄2 and the best-scoring start is kept.
+    """
+    k0 = max(2, ctx.num_replicas_by_memory())
+    best, best_v = None, -1.0
+    for k in sorted({k0, max(2, round(k0 * 0.75)), min(ctx.num_devices, round(k0 * 1.5))}):
+        groups = initial_partition(ctx, range(ctx.num_devices), k, seed)
+        roles = assign_roles(ev, groups)
+        start = canonical(Group.of(g, r) for g, r in zip(groups, roles))
+        v = ev.score(start)
+        if v > best_v:
+            best, best_v = start, v
+    return best  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------- guided edits
+
+
+def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[Placement]:
+    """Edits suggested by the flow: capacity from idle and under-used groups to bottlenecks."""
+    groups, caps = ev.groups, ev.capacities
+    n = len(groups)
+    util = [ev.utilization(i) for i in range(n)]
+    live = [i for i in range(n) if caps[i] > 0]
+    dead = [i for i in range(n) if caps[i] <= 0]
+    pre = [i for i in live if groups[i].role == "prefill"]
+    dec = [i for i in live if groups[i].role == "decode"]
+    flow = ev.flow.value
+    prefill_bound = bool(pre) and flow >= SATURATED * sum(caps[i] for i in pre)
+    decode_bound = bool(dec) and flow >= SATURATED * sum(caps[i] for i in dec)
+    sat = [i for i in live if util[i] >= SATURATED]
+    slack = [i for i in live if util[i] < SLACK]
+    if prefill_bound and not decode_bound:
+        targets = [i for i in sat if groups[i].role == "prefill"]
+    elif decode_bound and not prefill_bound:
+        targets = [i for i in sat if groups[i].role == "decode"]
+    else:
+        targets = sat
+    targets = sorted(targets, key=lambda i: (caps[i], i))[:MAX_TARGETS]
+    w = group_bandwidth(ctx, [g.devices for g in groups])
+    out: list[Placement | None] = []
+
+    # idle devices first: fold a group that cannot hold a replica into its best-connected neighbours
+    for h in dead:
+        for g in sorted((g for g in range(n) if g != h), key=lambda g: (-w[h, g], g))[:3]:
+            out.append(merge(groups, g, h))
+        for h2 in dead:
+            if h2 > h:
+                out.append(merge(groups, h, h2))
+
+    # idle devices (left out by their group's layout) are free capacity: give one to a group of the
+    # bottleneck side, or gather them (per machine and all together) into new groups
+    idle = {i: ev.idle_devices(i) for i in live}
+    idle = {i: ds for i, ds in idle.items() if ds}
+    if idle:
+        receivers = targets or live
+        for g in receivers[:MAX_TARGETS]:
+            for h in sorted((h for h in idle if h != g), key=lambda h: (-w[g, h], h))[:MAX_DONORS]:
+                for k in sorted({ctx.class_of[d] for d in idle[h]}):
+                    d = max(x for x in idle[h] if ctx.class_of[x] == k)
+                    out.append(move(groups, h, g, d))
+        spare = sorted(d for ds in idle.values() for d in ds)
+        by_machine: dict[str, list[int]] = {}
+        for d in spare:
+            by_machine.setdefault(ctx.cluster.devices[d].machine, []).append(d)
+        for bundle in [spare] + [ds for ds in by_machine.values() if len(ds) < len(spare)]:
+            if ctx.can_hold_weights(bundle):
+                for role in ("prefill", "decode"):
+                    out.append(_new_group(groups, bundle, role))
+
+    # move or swap one device from an under-used (or idle) group into a bottleneck group
+    for g in targets:
+        donors = sorted((h for h in slack + dead if h != g), key=lambda h: (-w[g, h], h))[:MAX_DONORS]
+        for h in donors:
+            g_classes = {ctx.class_of[d] for d in groups[g].devices}
+            h_classes = sorted({ctx.class_of[d] for d in groups[h].devices},
+                               key=lambda k: (-ctx.bandwidth_gbps[ctx.classes[k][0], list(groups[g].devices)].sum(), k))
+            for k in h_classes[:2]:
+                d = pick_device(ctx, groups[h], k)
+                out.append(move(groups, h, g, d))
+                for kg in sorted(g_classes - {k}):
+                    out.append(swap(groups, h, g, d, pick_device(ctx, groups[g], kg)))
+
+    # role flips toward the bottleneck side
+    flip_from = []
+    if prefill_bound and not decode_bound:
+        flip_from = [i for i in slack if groups[i].role == "decode"]
+    elif decode_bound and not prefill_bound:
+        flip_from = [i for i in slack if groups[i].role == "prefill"]
+    else:
+        flip_from = slack
+    for i in sorted(flip_from, key=lambda i: (util[i], i))[:4]:
+        out.append(flip(groups, i))
+        # donate-and-flip: hand one device to the best-connected group of the old role first, so
+        # the side that loses a group gains capacity (one move alone may not raise the flow)
+        same = sorted((g for g in live if g != i and groups[g].role == groups[i].role), key=lambda g: (-w[i, g], g))
+        for g in same[:2]:
+            for k in sorted({ctx.class_of[d] for d in groups[i].devices}):
+                moved = move(groups, i, g, pick_device(ctx, groups[i], k))
+                if moved is not None:
+                    j = moved.index(Group.of((d for d in groups[i].devices if d != pick_device(ctx, groups[i], k)),
+                                             groups[i].role)) if len(groups[i].devices) > 1 else None
+                    if j is not None:
+                        out.append(flip(moved, j))
+    # a balanced network with spare KV links: flip the strongest group of each side
+    if prefill_bound and decode_bound:
+        for side in (pre, dec):
+            if len(side) > 1:
+                out.append(flip(groups, max(side, key=lambda i: (caps[i], -i))))
+
+    # restructure: split groups whose halves can each hold the weights (the largest first), merge
+    # well-connected groups of one role on the bottleneck side and under-used neighbours
+    splittable = [i for i in live if len(groups[i].devices) > 1
+                  and all(ctx.can_hold_weights(h) for h in split_devices(ctx, groups[i].devices))]
+    for i in sorted(splittable, key=lambda i: (-len(groups[i].devices), -caps[i], i))[:MAX_SPLITS]:
+        out.append(split(ctx, groups, i))
+        out.append(split(ctx, groups, i, ("prefill", "decode")))
+    side = pre if prefill_bound and not decode_bound else dec if decode_bound and not prefill_bound else live
+    pairs = [(a, b) for a in side for b in side if a < b and groups[a].role == groups[b].role]
+    pairs = sorted(pairs, key=lambda p: (-w[p], p))[:MAX_MERGES]
+    pairs += sorted(((a, b) for a in slack for b in slack if a < b and groups[a].role == groups[b].role),
+                    key=lambda p: (-w[p], p))[:MAX_MERGES]
+    for a, b in pairs:
+        out.append(merge(groups, a, b))
+    seen, result = set(), []
+    for p in out:
+        if p is not None and p != groups and p not in seen:
+            seen.add(p)
+            result.append(p)
+    return result
+
+
+def _new_group(groups: Sequence[Group], devices: Sequence[int], role: str) -> Placement:
+    """Take ``devices`` out of their groups into a new group of ``role``."""
+    take = set(devices)
+    rest = [Group(tuple(d for d in g.devices if d not in take), g.role) for g in groups]
+    return canonical(rest + [Group.of(devices, role)])
+
+
+def random_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[Placement]:
+    """The truncated variant's edits: random moves, swaps and flips, no flow information."""
+    out = []
+    for _ in range(RANDOM_CANDIDATES):
+        p = random_edit(ctx, ev.groups, rng)
+        if p is not None and p != ev.groups:
+            out.append(p)
+    return out
+
+
+# ----------------------------------------------------------------------------- phase 3
+
+
+def refine(ctx: PlanContext, evaluator: Evaluator, start: Placement, budget: Budget, mover: Mover,
+           rng: random.Random, restarts: int, patience: int | None = None) -> Placement:
+    """Best-improvement local search from ``start`` with ``mover``'s candidates.
+
+    Guided (``patience`` None): stop at a local optimum, then restart from a kicked copy of the
+    best up to ``restarts`` times in a row without a new best. Random (``patience`` set): stop
+    after ``patience`` iterations in a row without improvement.
+    """
+    best = cur = canonical(start)
+    best_v = cur_v = evaluator.score(cur)
+    cur_ev = evaluator.evaluate(cur)
+    budget.best = best_v
+    stall = 0
+    left = restarts
+    while not budget.exhausted():
+        pick, pick_v = None, cur_v
+        for cand in mover(ctx, cur_ev, rng):
+            v = evaluator.score(cand, floor=pick_v)
+            if v > pick_v * (1 + 1e-9) + 1e-12:
+                pick, pick_v = cand, v
+            if budget.exhausted():
+                break
+        if pick is not None:
+            cur, cur_v, stall = pick, pick_v, 0
+            cur_ev = evaluator.evaluate(cur)
+            if cur_v > best_v * (1 + 1e-9):
+                best, best_v, left = cur, cur_v, restarts
+        elif patience is not None:
+            stall += 1
+            if stall >= patience:
+                budget.record(best_v)
+                break
+        else:
+            if left <= 0:
+                budget.record(best_v)
+                break
+            left -= 1
+            cur = best
+            for _ in range(rng.randint(*KICK_EDITS)):
+                kicked = random_edit(ctx, cur, rng)
+                cur = kicked if kicked is not None else cur
+            cur_v = evaluator.score(cur)
+            cur_ev = evaluator.evaluate(cur)
+        budget.record(best_v)
+    return best
+
+
+# ----------------------------------------------------------------------------- algorithms
+
+
+def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, options: PlanOptions,
+         mover: Mover, patience: int | None) -> Plan:
+    ctx = PlanContext(cluster, model, workload, options)
+    ctx.check_feasible()
+    budget = Budget(name, options)
+    evaluator = Evaluator(ctx)
+    rng = random.Random(options.seed)
+    start = phase1(ctx, evaluator, options.seed)
+    best = refine(ctx, evaluator, start, budget, mover, rng, options.restarts, patience)
+    result = evaluator.evaluate(best)
+    if result.flow.value <= 0:
+        return colocated_fallback(ctx, name, budget)
+    return to_plan(ctx, result, name, budget, notes=colocated_hint(ctx, evaluator, best, result.tokens_per_s))
+
+
+def colocated_hint(ctx: PlanContext, evaluator: Evaluator, groups: Placement, value: float) -> str | None:
+    """A note when serving both phases on each of these groups would beat disaggregation
+    (pools whose links are too slow for KV caches, e.g. home GPUs on 100 Mbit/s)."""
+    colocated = evaluator.score(canonical(Group(g.devices, "colocated") for g in groups))
+    if colocated > value * 1.05:
+        return (f"colocating these groups would serve {colocated:.0f} tokens/s against {value:.0f} disaggregated "
+                "(KV links too slow); try --algorithm hexgen")
+    return None
+
+
+def colocated_fallback(ctx: PlanContext, name: str, budget: Budget) -> Plan:
+    """A pool that cannot hold a prefill and a decode replica gets HexGen's colocated plan."""
+    from hetserve.planner.hexgen import search_colocated
+
+    best = search_colocated(ctx, Evaluator(ctx), budget, ctx.options)
+    ev = Evaluator(ctx).evaluate(best)
+    return to_plan(ctx, ev, name, budget,
+                   notes="fewer than two replicas fit: colocated (HexGen) plan instead of disaggregated")
+
+
+def hexgen2(cluster: Cluster, model: ModelSpec, workload: Workload, options: PlanOptions | None = None) -> Plan:
+    """HexGen-2: graph partition + max flow + max-flow-guided refinement (disaggregated)."""
+    return _run("hexgen2", cluster, model, workload, options or PlanOptions(), guided_moves, None)
+
+
+def random_swap(cluster: Cluster, model: ModelSpec, workload: Workload, options: PlanOptions | None = None) -> Plan:
+    """HexGen-2 with random edits instead of max-flow-guided ones (§5.3's truncated variant)."""
+    options = options or PlanOptions()
+    return _run("random-swap", cluster, model, workload, options, random_moves,
+                options.patience or DEFAULT_RANDOM_PATIENCE)

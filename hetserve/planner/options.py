@@ -1,0 +1,120 @@
+"""Options shared by every planning algorithm, and the budget / progress bookkeeping of a search.
+
+Every algorithm is ``fn(cluster, model, workload, options) -> Plan``; ``PlanOptions`` is the one
+options type. A search stops at the first of: its own convergence rule, ``max_iterations``,
+``time_limit_s``. With a fixed ``seed`` and a run that stops by convergence or by
+``max_iterations`` (not by the clock) the plan is the same on every run and every machine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hetserve.cost.analytic import DEFAULT_PERIOD_S, Efficiency
+
+
+@dataclass(frozen=True)
+class SearchProgress:
+    """What a search reports after each iteration (for progress bars and convergence plots)."""
+
+    algorithm: str
+    iteration: int
+    elapsed_s: float
+    best_tokens_per_s: float
+    fraction: float  # of the budget used, in [0, 1]; a search may finish early
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Knobs common to every algorithm.
+
+    seed: every random choice derives from it.
+    time_limit_s: wall-clock cap on the search (None: the algorithm's default, ``DEFAULT_TIME_LIMIT_S``).
+    max_iterations: cap on search iterations (refinement rounds, generations, restarts …); None: no cap.
+    patience: iterations without improvement before a stochastic search stops (None: algorithm default).
+    restarts: perturb-and-refine rounds HexGen-2 runs after its first convergence (0: stop there).
+    period_s: the period T of HexGen-2 §3.2; capacities are requests per T.
+    progress: called with a ``SearchProgress`` after each iteration.
+    efficiency: cost-model efficiencies (None: ``Efficiency()``).
+    max_exact_devices: the exact search refuses larger pools.
+    """
+
+    seed: int = 0
+    time_limit_s: float | None = None
+    max_iterations: int | None = None
+    patience: int | None = None
+    restarts: int = 2
+    period_s: float = DEFAULT_PERIOD_S
+    progress: Callable[[SearchProgress], None] | None = field(default=None, compare=False)
+    efficiency: Efficiency | None = None
+    max_exact_devices: int = 8
+
+    def __post_init__(self) -> None:
+        if self.time_limit_s is not None and self.time_limit_s <= 0:
+            raise ValueError(f"time_limit_s must be positive, got {self.time_limit_s}")
+        if self.max_iterations is not None and self.max_iterations < 1:
+            raise ValueError(f"max_iterations must be at least 1, got {self.max_iterations}")
+        if self.patience is not None and self.patience < 1:
+            raise ValueError(f"patience must be at least 1, got {self.patience}")
+        if self.restarts < 0:
+            raise ValueError(f"restarts must be non-negative, got {self.restarts}")
+        if self.period_s <= 0:
+            raise ValueError(f"period_s must be positive, got {self.period_s}")
+        if self.max_exact_devices < 1:
+            raise ValueError("max_exact_devices must be at least 1")
+
+
+DEFAULT_TIME_LIMIT_S = 60.0
+
+
+class Budget:
+    """Clock, iteration count and best-value history of one search run.
+
+    ``history`` holds ``(elapsed_s, best_tokens_per_s)`` after every iteration: the convergence
+    curve. ``exhausted()`` is the single place that reads the clock against the limits.
+    """
+
+    def __init__(self, algorithm: str, options: PlanOptions):
+        self.algorithm, self.options = algorithm, options
+        self.time_limit_s = options.time_limit_s or DEFAULT_TIME_LIMIT_S
+        self.start = time.perf_counter()
+        self.iteration = 0
+        self.best = 0.0
+        self.history: list[tuple[float, float]] = []
+        self.stopped_by = "converged"
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.start
+
+    def exhausted(self) -> bool:
+        if self.options.max_iterations is not None and self.iteration >= self.options.max_iterations:
+            self.stopped_by = "max_iterations"
+            return True
+        if self.elapsed_s >= self.time_limit_s:
+            self.stopped_by = "time_limit"
+            return True
+        return False
+
+    def record(self, best_tokens_per_s: float) -> None:
+        """Close one iteration: remember the best value so far and report progress."""
+        self.iteration += 1
+        self.best = max(self.best, best_tokens_per_s)
+        t = self.elapsed_s
+        self.history.append((t, self.best))
+        if self.options.progress is not None:
+            frac = t / self.time_limit_s
+            if self.options.max_iterations:
+                frac = max(frac, self.iteration / self.options.max_iterations)
+            self.options.progress(SearchProgress(self.algorithm, self.iteration, t, self.best, min(1.0, frac)))
+
+    def summary(self, max_points: int = 200) -> dict:
+        """Search statistics for ``Plan.estimate['search']`` (history thinned to ``max_points``)."""
+        hist = self.history
+        if len(hist) > max_points:
+            step = len(hist) / max_points
+            hist = [hist[int(i * step)] for i in range(max_points)] + [hist[-1]]
+        return {"iterations": self.iteration, "wall_s": round(self.elapsed_s, 4), "stopped_by": self.stopped_by,
+                "history": [[round(t, 4), round(v, 3)] for t, v in hist]}

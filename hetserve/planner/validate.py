@@ -1,0 +1,151 @@
+"""``validate_plan``: is a ``Plan`` well-formed and deployable on its cluster and model?
+
+Checks, each reported with the replica, stage or route it concerns and the numbers involved:
+
+* replicas: at least one; unique ids; a known role;
+* devices: every device exists in the cluster; none is used twice in the plan;
+* layers: each replica's stages cover ``[0, num_layers)`` in order, without gap or overlap;
+* TP: a stage's device count divides the model's attention heads (and matches its KV heads);
+* memory: each stage's weights and activation buffers (cost model, ``CostModel.stage_memory``)
+  fit in the usable memory of every device of the stage;
+* KV routes: from a prefill replica to a decode replica, both present; weights finite and
+  non-negative; the weights out of each prefill replica sum to 1; a disaggregated plan has both
+  prefill and decode replicas and every prefill replica has a route.
+
+All problems are collected and raised together as one ``PlanError``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hetserve.cost.analytic import CostModel, Efficiency
+from hetserve.cost.layout import StageLayout
+from hetserve.errors import PlanError, SpecError
+from hetserve.planner.plan import ROLES, Plan
+from hetserve.specs.cluster import Cluster
+from hetserve.specs.model import ModelSpec, load_model
+
+WEIGHT_TOLERANCE = 1e-6
+GB = 1e9
+
+
+def validate_plan(plan: Plan, cluster: Cluster, model: ModelSpec | None = None,
+                  efficiency: Efficiency | None = None) -> None:
+    """Raise ``PlanError`` listing every problem of ``plan`` on ``cluster`` / ``model``; None if valid.
+
+    ``model`` defaults to the preset named by ``plan.model``. Running time O(stages × TP + routes).
+    """
+    if model is None:
+        try:
+            model = load_model(plan.model)
+        except SpecError as exc:
+            raise PlanError(f"plan names model {plan.model!r}, which is not a preset: pass the model") from exc
+    problems: list[str] = []
+    if plan.model != model.name:
+        problems.append(f"the plan is for model {plan.model}, but {model.name} was given")
+    if not plan.replicas:
+        raise PlanError("plan has no replicas")
+    cost = CostModel(cluster, model, efficiency)
+    usable = cost.eff.usable_memory
+    seen_ids: set[str] = set()
+    used: dict[str, str] = {}
+    for r in plan.replicas:
+        where = f"replica {r.id}"
+        if r.id in seen_ids:
+            problems.append(f"replica id {r.id!r} is used twice")
+        seen_ids.add(r.id)
+        if r.role not in ROLES:
+            problems.append(f"{where}: role {r.role!r} is not one of {', '.join(ROLES)}")
+        if not r.stages:
+            problems.append(f"{where}: has no stages")
+            continue
+        expected = 0
+        for si, s in enumerate(r.stages):
+            at = f"{where} stage {si}"
+            a, b = s.layers
+            if not s.devices:
+                problems.append(f"{at}: has no devices")
+            if a != expected:
+                if a > expected:
+                    problems.append(f"{at}: starts at layer {a} but the layers before end at {expected} "
+                                    f"(layers {expected}–{a} are served by no stage)")
+                else:
+                    problems.append(f"{at}: starts at layer {a}, overlapping the previous stage, which ends at {expected}")
+            if b <= a:
+                problems.append(f"{at}: layer range [{a}, {b}) is empty")
+            expected = max(expected, b)
+            known = True
+            for d in s.devices:
+                if not cluster.has_device(d):
+                    known = False
+                    problems.append(f"{at}: device {d!r} is not in cluster {cluster.name} "
+                                    f"(its devices are {cluster.devices[0].name} … {cluster.devices[-1].name})")
+                elif d in used:
+                    problems.append(f"device {d} is used twice: by {used[d]} and by {at}")
+                else:
+                    used[d] = at
+            if len(set(s.devices)) != len(s.devices):
+                problems.append(f"{at}: lists a device more than once")
+            tp = len(s.devices)
+            if tp and (model.num_heads % tp or (model.num_kv_heads % tp and tp % model.num_kv_heads)):
+                problems.append(f"{at}: TP degree {tp} does not split {model.name}'s {model.num_heads} attention "
+                                f"heads ({model.num_kv_heads} KV heads) evenly")
+            if known and tp and b > a and len(set(s.devices)) == tp:
+                stage = StageLayout(tuple(cluster.device(d).index for d in s.devices), (a, b))
+                need = cost.stage_memory(stage, 0, is_first=si == 0, is_last=si == len(r.stages) - 1)
+                for d in s.devices:
+                    dev = cluster.device(d)
+                    have = dev.gpu.memory_bytes * usable
+                    if need > have:
+                        problems.append(
+                            f"{at} (layers {a}–{b}, TP {tp}): needs {need / GB:.1f} GB per device for weights and "
+                            f"activations, but {d} ({dev.gpu.name}) has {have / GB:.1f} GB usable "
+                            f"({dev.gpu.memory_bytes / GB:.0f} GB × {usable:.0%})")
+                        break
+        if expected != model.num_layers and r.stages:
+            if expected < model.num_layers:
+                problems.append(f"{where}: stages end at layer {expected}, but {model.name} has "
+                                f"{model.num_layers} layers (layers {expected}–{model.num_layers} are served by no stage)")
+            else:
+                problems.append(f"{where}: stages reach layer {expected}, beyond {model.name}'s {model.num_layers} layers")
+    problems += _route_problems(plan)
+    if problems:
+        raise PlanError(f"plan ({plan.algorithm}, {plan.model} on {plan.cluster}) is invalid: " + "; ".join(problems))
+
+
+def _route_problems(plan: Plan) -> list[str]:
+    problems: list[str] = []
+    roles = {r.id: r.role for r in plan.replicas}
+    prefill = [r.id for r in plan.replicas if r.role == "prefill"]
+    decode = [r.id for r in plan.replicas if r.role == "decode"]
+    totals = {p: 0.0 for p in prefill}
+    pairs: set[tuple[str, str]] = set()
+    for k in plan.kv_routes:
+        at = f"KV route {k.src} → {k.dst}"
+        if k.src not in roles:
+            problems.append(f"{at}: no replica {k.src!r}")
+        elif roles[k.src] != "prefill":
+            problems.append(f"{at}: routes start at a prefill replica, but {k.src} is {roles[k.src]}")
+        if k.dst not in roles:
+            problems.append(f"{at}: no replica {k.dst!r}")
+        elif roles[k.dst] != "decode":
+            problems.append(f"{at}: routes end at a decode replica, but {k.dst} is {roles[k.dst]}")
+        if not math.isfinite(k.weight) or k.weight < 0:
+            problems.append(f"{at}: weight {k.weight} must be a finite non-negative number")
+        elif k.src in totals:
+            totals[k.src] += k.weight
+        if (k.src, k.dst) in pairs:
+            problems.append(f"{at}: listed twice")
+        pairs.add((k.src, k.dst))
+    if prefill and not decode:
+        problems.append(f"prefill replicas ({', '.join(prefill)}) but no decode replica to send KV caches to")
+    if decode and not prefill:
+        problems.append(f"decode replicas ({', '.join(decode)}) but no prefill replica to feed them")
+    if decode:
+        for p, total in totals.items():
+            if total == 0 and not any(k.src == p for k in plan.kv_routes):
+                problems.append(f"prefill replica {p} has no KV route")
+            elif abs(total - 1.0) > WEIGHT_TOLERANCE:
+                problems.append(f"KV route weights out of prefill replica {p} sum to {total:.6g}, expected 1")
+    return problems

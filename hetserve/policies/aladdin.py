@@ -1,0 +1,412 @@
+"""Aladdin placement: best-fit online bin packing under SLO constraints, with re-balancing.
+
+Paper: ``aladdin-slo-placement-scaling.md`` §4.2 (constraints (b)–(e), Algorithm 1) and §4.3
+(Algorithm 2). A worker (replica) is a bin; a request is packed into the *fullest* worker — ranked
+by ``capacity_norm``, the L2 norm of its batch size and its γ-weighted context — on which every
+constraint still holds after adding it:
+
+(b) ATGT: Σ_r (l_in + γ-weighted output) ≤ θ · l_d(b), with l_d(b) the decode-context limit of
+    Eq. 4 for the batch size b after adding the request. γ ∈ [0, 1] is the strictness knob:
+    γ = 0 checks only the first decode iteration, γ = 1 the last one. A running request that has
+    already generated more than γ·prediction counts with what it holds now.
+(c) TTFT: t_pre(queued prompt tokens + l_in) ≤ TTFT SLO.
+(d) prefill preempts decode (colocated workers only): t_pre(queued + l_in) ≤ θ · min_r slack_r,
+    slack_r = ATGT·l_out_r − t_dec_r, the decode time request r has saved against its ATGT
+    budget (r over every request on the worker, waiting ones included). With ``project_slack`` (default) the saving still to come at the current iteration
+    speed, (ATGT − t_iter)·(remaining predicted tokens), is added: a request that has just
+    started has saved nothing yet, and the literal rule would forbid every prefill next to it.
+(e) KV over time: each request's footprint grows by one token per iteration until its
+    (predicted) end, then drops to zero; the sum must stay within the KV pool at every future
+    iteration. The peak is at t = 0 or just before some request ends, so it is checked there
+    (sort + prefix sums, O(n log n) per worker).
+
+When no worker is feasible Algorithm 1 opens a new bin; a fixed pool cannot, so the request goes to
+the least loaded worker and ``stats["overflow"]`` counts it (capacity planning reads that).
+
+Re-balancing (Algorithm 2), online: each worker carries an output-length error (l^e, b^e) —
+requests that outlived their prediction (re-predicted by the predictor; they also enter the
+constraints with the new prediction), requests that finished early (from ``on_finish``), and the
+moves made so far. After best fit picks worker x, the request moves to the feasible worker y that
+most reduces Σ_i |k2·l^e_i + c2·b^e_i| / √(k2² + c2²) (the distance of each worker's error line,
+Eq. 4, from the origin), if any does. Ledger entries expire after ``error_ttl`` placements.
+
+Coefficients come from ``hetserve.cost.fitted.PerformanceModel`` per replica: fitted from
+measurements, or from the analytic cost model (``models_from_cost``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from hetserve.cost.fitted import PerformanceModel
+from hetserve.policies.base import ReplicaState, RequestInfo
+from hetserve.policies.predictor import OutputPredictor
+from hetserve.specs.workload import SLO
+
+CONSTRAINTS = ("atgt", "ttft", "preempt", "kv")
+
+
+@dataclass(frozen=True)
+class Check:
+    """Which constraints hold for one (request, worker) pair."""
+
+    atgt: bool = True
+    ttft: bool = True
+    preempt: bool = True
+    kv: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return self.atgt and self.ttft and self.preempt and self.kv
+
+
+@dataclass
+class _View:
+    """Per-request arrays of one worker (the new request not included)."""
+
+    l_in: np.ndarray
+    gen: np.ndarray
+    pred: np.ndarray  # predicted total output (re-predicted when outlived)
+    started: np.ndarray
+    dec_time: np.ndarray
+    under_l: float  # Σ (re-prediction - old prediction) over outlived requests
+    under_b: int
+
+
+class AladdinPlacement:
+    """Best-fit placement under Aladdin's SLO constraints (a ``PlacementPolicy``).
+
+    ``models``: a ``PerformanceModel`` per replica id (or one for all). ``slo``: the TTFT and ATGT
+    (``tpot_s``) targets; a missing target switches its constraint off. ``predictor``: predicts and
+    re-predicts output lengths and learns from ``on_finish``; None trusts
+    ``RequestInfo.predicted_output_tokens`` (oracle runs) and doubles outlived predictions.
+    Running time per decision: O(Σ_workers n_w log n_w) with per-request views.
+    """
+
+    name = "aladdin"
+    needs_requests = True  # asks callers for per-request views in the snapshots
+
+    def __init__(self, models: Mapping[str, PerformanceModel] | PerformanceModel, slo: SLO, *,
+                 gamma: float = 0.5, theta: float = 1.0, predictor: OutputPredictor | None = None,
+                 rebalance: bool = True, project_slack: bool = True, error_ttl: int = 64):
+        if not 0.0 <= gamma <= 1.0:
+            raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+        if not 0.0 < theta <= 1.0:
+            raise ValueError(f"theta must be in (0, 1], got {theta}")
+        if error_ttl < 1:
+            raise ValueError("error_ttl must be at least 1")
+        self.models = models
+        self.slo = slo
+        self.gamma, self.theta = float(gamma), float(theta)
+        self.predictor = predictor
+        self.rebalance = rebalance
+        self.project_slack = project_slack
+        self.error_ttl = int(error_ttl)
+        self._placed: dict[int, tuple[str, float]] = {}  # request id -> (replica, prediction)
+        self._repred: dict[int, float] = {}  # re-predictions made here (own predictor only)
+        self._seen: dict[int, tuple[float, int]] = {}  # request id -> (time, tokens) first seen running
+        self._ledger: dict[str, list[tuple[int, float, float]]] = {}  # replica -> [(expiry, l, b)]
+        self._tick = 0
+        self.stats = {"placed": 0, "overflow": 0, "moved": 0}
+
+    # ---------------------------------------------------------------- model lookup
+    def model_for(self, replica_id: str) -> PerformanceModel:
+        if isinstance(self.models, PerformanceModel):
+            return self.models
+        try:
+            return self.models[replica_id]
+        except KeyError:
+            raise KeyError(f"Aladdin has no performance model for replica {replica_id!r}") from None
+
+    def predict(self, request: RequestInfo) -> float:
+        if self.predictor is not None:
+            return max(1.0, float(self.predictor.predict(request.id, request.input_tokens, 0)))
+        return max(1.0, float(request.predicted_output_tokens))
+
+    def _repredict(self, rid: int, l_in: int, gen: int) -> float:
+        if self.predictor is not None:
+            return float(self.predictor.predict(rid, l_in, gen))
+        return float(max(2 * gen, gen + 1))
+
+    # ---------------------------------------------------------------- per-worker view
+    def _view(self, r: ReplicaState, now: float | None = None) -> _View:
+        """Per-request arrays of ``r``. Without a predictor of its own the policy reads each
+        request's current prediction from the snapshot (the caller re-predicts); either way a
+        request that reached its prediction is re-predicted here, and any rise over the prediction
+        made at placement counts as under-estimation error."""
+        reqs = r.requests
+        n = len(reqs)
+        l_in, gen = np.zeros(n), np.zeros(n)
+        pred, started, dec = np.zeros(n), np.zeros(n, bool), np.zeros(n)
+        under_l, under_b = 0.0, 0
+        for k, q in enumerate(reqs):
+            placed = self._placed.get(q.id)
+            p_orig = placed[1] if placed else max(1.0, float(q.predicted_output_tokens))
+            if self.predictor is not None:
+                p = self._repred.get(q.id, p_orig)
+            else:
+                p = max(1.0, float(q.predicted_output_tokens))
+            if q.started and q.generated_tokens >= p:  # outlived its prediction: predict again
+                p = max(self._repredict(q.id, q.input_tokens, q.generated_tokens), q.generated_tokens + 1.0)
+                if self.predictor is not None:
+                    self._repred[q.id] = p
+            if q.started and p > p_orig:
+                under_l += p - p_orig
+                under_b += 1
+            l_in[k], gen[k], pred[k] = q.input_tokens, q.generated_tokens, p
+            started[k], dec[k] = q.started, self._decode_time(q, now)
+        missing = r.load - n
+        if missing > 0:  # requests the snapshot counts but does not list: even shares of the totals
+            left = max(0.0, r.outstanding_tokens - r.queued_prefill_tokens - float(np.sum(np.maximum(pred - gen, 0))))
+            if n == 0:
+                extra_in = float(r.context_tokens + r.queued_prefill_tokens) / missing
+            else:
+                extra_in = float(r.queued_prefill_tokens) / missing
+            l_in = np.append(l_in, np.full(missing, extra_in))
+            gen = np.append(gen, np.zeros(missing))
+            pred = np.append(pred, np.full(missing, max(1.0, left / missing)))
+            started = np.append(started, np.zeros(missing, bool))
+            dec = np.append(dec, np.zeros(missing))
+        return _View(l_in, gen, pred, started, dec, under_l, under_b)
+
+    def _decode_time(self, q, now: float | None) -> float:
+        """Decode time the request has spent so far: the caller's figure when it gives one (> 0),
+        else extrapolated from the tokens it made since this policy first saw it; -1: unknown."""
+        if q.decode_time_s > 0 or not q.started:
+            return q.decode_time_s
+        if now is None:
+            return -1.0
+        t0, g0 = self._seen.setdefault(q.id, (now, q.generated_tokens))
+        if q.generated_tokens <= g0:
+            return -1.0
+        return (now - t0) / (q.generated_tokens - g0) * q.generated_tokens
+
+    def _batch(self, r: ReplicaState, v: _View) -> int:
+        return max(r.load, len(v.l_in))
+
+    def _weighted_context(self, v: _View) -> float:
+        return float(np.sum(v.l_in + np.maximum(v.gen, self.gamma * v.pred)))
+
+    def capacity_norm(self, r: ReplicaState, v: _View | None = None) -> float:
+        """Aladdin's load metric: ‖(batch, Σ(l_in + γ·l_out))‖₂, each scaled by the worker's own
+        limit (batch at which Eq. 4 leaves no context; its KV pool) so unlike workers compare."""
+        v = v or self._view(r)
+        m = self.model_for(r.id)
+        b, ctx = self._batch(r, v), self._weighted_context(v)
+        kv_cap = r.kv_capacity_tokens or m.kv_capacity_tokens
+        b_max = math.inf
+        if self.slo.tpot_s is not None and m.decode.c2 > 0:
+            b_max = max(1.0, (self.slo.tpot_s - m.decode.c3) / m.decode.c2)
+        c_max = kv_cap if kv_cap > 0 else math.inf
+        if self.slo.tpot_s is not None:
+            c_max = min(c_max, max(1.0, m.decode.context_limit(1, self.slo.tpot_s)))
+        fb = b / b_max if math.isfinite(b_max) else 0.0
+        fc = ctx / c_max if math.isfinite(c_max) else 0.0
+        if fb == 0.0 and fc == 0.0:
+            return float(b + ctx) * 1e-12  # no limits known: raw load, only for ordering
+        return math.hypot(fb, fc)
+
+    # ---------------------------------------------------------------- constraints (ask before doing)
+    def check(self, request: RequestInfo, r: ReplicaState, pred: float | None = None,
+              view: _View | None = None) -> Check:
+        """Constraints (b)–(e) for putting ``request`` on ``r``."""
+        m = self.model_for(r.id)
+        v = view or self._view(r)
+        pred = self.predict(request) if pred is None else pred
+        decodes = r.role in ("decode", "colocated")
+        prefills = r.role in ("prefill", "colocated")
+        atgt = ttft = preempt = kv = True
+        theta, T = self.theta, self.slo.tpot_s
+        if decodes and T is not None:  # (b)
+            b = self._batch(r, v) + 1
+            ctx = self._weighted_context(v) + request.input_tokens + self.gamma * pred
+            atgt = ctx <= theta * m.decode.context_limit(b, T)
+        new_tokens = r.queued_prefill_tokens + request.input_tokens
+        if prefills and self.slo.ttft_s is not None:  # (c)
+            ttft = m.prefill.time(new_tokens) <= self.slo.ttft_s
+        if r.role == "colocated" and T is not None and len(v.l_in):  # (d)
+            # every request on the worker — waiting ones too: they start decoding before this
+            # prompt's prefill runs, and the stall lands in their ATGT as well
+            run = v.started & (v.gen >= 1)
+            t_now = m.decode.time(int(run.sum()), float(np.sum(v.l_in[run] + v.gen[run]))) if run.any() else 0.0
+            spent = np.where(v.dec_time >= 0, v.dec_time, t_now * v.gen)
+            slack = T * v.gen - spent
+            if self.project_slack:  # what each will still save, at the γ-point iteration time
+                b = self._batch(r, v) + 1
+                ctx = self._weighted_context(v) + request.input_tokens + self.gamma * pred
+                t_iter = m.decode.time(b, ctx)
+                slack = slack + (T - t_iter) * np.maximum(v.pred - v.gen, 0.0)
+            preempt = m.prefill.time(new_tokens) <= theta * float(slack.min())
+        cap = r.kv_capacity_tokens or m.kv_capacity_tokens
+        if decodes and cap > 0:  # (e)
+            kv = self.kv_peak(m, v, request.input_tokens, pred) <= cap
+        return Check(atgt, ttft, preempt, kv)
+
+    def can_place(self, request: RequestInfo, r: ReplicaState) -> bool:
+        return self.check(request, r).ok
+
+    @staticmethod
+    def kv_peak(m: PerformanceModel, v: _View, new_in: int = 0, new_pred: float = 0.0) -> float:
+        """Peak KV (pool tokens) over all future iterations, the new request included if given."""
+        foot = v.l_in + v.gen
+        rem = np.maximum(v.pred - v.gen, 0.0)
+        if new_in or new_pred:
+            foot = np.append(foot, float(new_in))
+            rem = np.append(rem, float(new_pred))
+        if not len(foot):
+            return 0.0
+        foot = np.array([m.kv.tokens_equivalent(f) for f in foot]) if m.kv.j else foot
+        order = np.argsort(-rem, kind="stable")
+        rem_s, pre = rem[order], np.cumsum(foot[order])
+        k = np.arange(1, len(rem_s) + 1)
+        # at t = rem_s[k-1] the first k requests (rem ≥ t) are all still alive
+        return float(max(pre[-1], np.max(pre + k * rem_s)))
+
+    # ---------------------------------------------------------------- decision
+    def choose(self, request: RequestInfo, candidates: Sequence[ReplicaState], now: float) -> str:
+        """Algorithm 1: the fullest feasible worker; then Algorithm 2's re-balancing move."""
+        self._tick += 1
+        pred = self.predict(request)
+        views = [self._view(r, now) for r in candidates]
+        norms = [self.capacity_norm(r, v) for r, v in zip(candidates, views)]
+        order = sorted(range(len(candidates)), key=lambda i: (-norms[i], -candidates[i].capacity_norm, i))
+        feasible = [i for i in order if self.check(request, candidates[i], pred, views[i]).ok]
+        if feasible:
+            x = feasible[0]
+            if self.rebalance and len(feasible) > 1:
+                x = self._rebalance(x, feasible, candidates, views, pred)
+        else:
+            self.stats["overflow"] += 1
+            x = min(range(len(candidates)), key=lambda i: (norms[i], -candidates[i].capacity_norm, i))
+        chosen = candidates[x].id
+        self._placed[request.id] = (chosen, pred)
+        self.stats["placed"] += 1
+        return chosen
+
+    # ---------------------------------------------------------------- re-balancing (Algorithm 2)
+    def _error(self, r: ReplicaState, v: _View) -> tuple[float, float]:
+        entries = [e for e in self._ledger.get(r.id, ()) if e[0] >= self._tick]
+        self._ledger[r.id] = entries
+        return (v.under_l + sum(e[1] for e in entries), v.under_b + sum(e[2] for e in entries))
+
+    def _distance(self, rid: str, l_err: float, b_err: float) -> float:
+        d = self.model_for(rid).decode
+        norm = math.hypot(d.k2, d.c2)
+        return abs(d.k2 * l_err + d.c2 * b_err) / norm if norm > 0 else 0.0
+
+    def _rebalance(self, x: int, feasible: list[int], cands: Sequence[ReplicaState], views: list[_View],
+                   pred: float) -> int:
+        ex = self._error(cands[x], views[x])
+        base_x = self._distance(cands[x].id, *ex)
+        best, best_gain = x, -1e-12
+        for y in feasible:
+            if y == x:
+                continue
+            ey = self._error(cands[y], views[y])
+            before = base_x + self._distance(cands[y].id, *ey)
+            after = (self._distance(cands[x].id, ex[0] - pred, ex[1] - 1)
+                     + self._distance(cands[y].id, ey[0] + pred, ey[1] + 1))
+            if after - before < best_gain:
+                best, best_gain = y, after - before
+        if best != x:
+            expiry = self._tick + self.error_ttl
+            self._ledger.setdefault(cands[x].id, []).append((expiry, -pred, -1.0))
+            self._ledger.setdefault(cands[best].id, []).append((expiry, pred, 1.0))
+            self.stats["moved"] += 1
+        return best
+
+    def on_finish(self, request_id: int, input_tokens: int, output_tokens: int) -> None:
+        """Learn the output length; a request that ended before its prediction marks its worker
+        as over-estimated (Algorithm 2, lines 10–13)."""
+        if self.predictor is not None:
+            self.predictor.observe(request_id, input_tokens, output_tokens)
+        self._repred.pop(request_id, None)
+        self._seen.pop(request_id, None)
+        placed = self._placed.pop(request_id, None)
+        if placed is not None and output_tokens < placed[1]:
+            rid, pred = placed
+            self._ledger.setdefault(rid, []).append((self._tick + self.error_ttl, output_tokens - pred, -1.0))
+
+
+class AladdinRoute:
+    """Aladdin's decode scheduler for split-phase serving (§5.1, Figure 5): places a finished
+    prefill on a decode replica with the same best fit (a ``RoutePolicy``). Routes of weight 0
+    are skipped unless every route has weight 0."""
+
+    name = "aladdin"
+    needs_requests = True
+
+    def __init__(self, placement: AladdinPlacement):
+        self.placement = placement
+
+    def choose(self, request: RequestInfo, src: str, candidates: Sequence[tuple[ReplicaState, float]],
+               now: float) -> str:
+        live = [r for r, w in candidates if w > 0] or [r for r, _ in candidates]
+        return self.placement.choose(request, live, now)
+
+    def on_finish(self, request_id: int, input_tokens: int, output_tokens: int) -> None:
+        self.placement.on_finish(request_id, input_tokens, output_tokens)
+
+
+# ----------------------------------------------------------------------------- coefficients
+
+
+def _layout_key(cost, layout) -> tuple:
+    devs = cost.cluster.devices
+    ids = list(layout.devices)
+    sub = tuple(tuple((float(cost.cluster.latency[a, b]), float(cost.cluster.bandwidth[a, b])) for b in ids)
+                for a in ids)
+    return tuple((tuple(devs[d].gpu.name for d in s.devices), s.layers) for s in layout.stages) + (sub,)
+
+
+def models_from_cost(cost, layouts: Mapping[str, object], slo: SLO | None = None,
+                     **fit_kwargs) -> dict[str, PerformanceModel]:
+    """A ``PerformanceModel`` per replica fitted to the analytic cost model (``layouts``: replica id
+    -> ``ReplicaLayout``). With an ATGT target, decode is fitted on iterations up to 1.5× it (the
+    region placement decides in). Replicas of identical shape share one fit."""
+    from hetserve.cost.fitted import fit_from_cost_model
+
+    if slo is not None and slo.tpot_s is not None:
+        fit_kwargs.setdefault("max_decode_s", 1.5 * slo.tpot_s)
+
+    cache: dict[tuple, PerformanceModel] = {}
+    out = {}
+    for rid, layout in layouts.items():
+        key = _layout_key(cost, layout)
+        if key not in cache:
+            cache[key] = fit_from_cost_model(cost, layout, **fit_kwargs)
+        out[rid] = cache[key]
+    return out
+
+
+# ----------------------------------------------------------------------------- registries
+
+
+def from_context(ctx) -> AladdinPlacement:
+    """Build Aladdin from a ``PolicyContext``: coefficients fitted to the analytic cost model of
+    every replica unless ``ctx.options["models"]`` gives them; ``gamma``, ``theta`` and
+    ``rebalance`` from ``ctx.options``. Predictions come from the caller's predictor."""
+    opts = dict(ctx.options or {})
+    models = opts.get("models")
+    if models is None:
+        if ctx.cost is None or not ctx.layouts:
+            raise ValueError("aladdin needs performance models: PolicyContext.cost and .layouts, "
+                             "or options['models']")
+        models = models_from_cost(ctx.cost, ctx.layouts, slo=ctx.slo)
+    return AladdinPlacement(models, ctx.slo or SLO(), gamma=opts.get("gamma", 0.5), theta=opts.get("theta", 1.0),
+                            rebalance=opts.get("rebalance", True))
+
+
+def _register() -> None:
+    from hetserve.policies.placement import register_placement
+    from hetserve.policies.routing import register_route
+
+    register_placement("aladdin", from_context)
+    register_route("aladdin", lambda ctx: AladdinRoute(from_context(ctx)))
+
+
+_register()

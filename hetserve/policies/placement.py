@@ -1,0 +1,141 @@
+"""Placement policies: which replica takes a newly arrived request.
+
+Each policy is a pure decision over ``ReplicaState`` snapshots (``hetserve.policies.base``), so
+the simulator and the runtime call the same objects. Baselines here:
+
+==========  ==================================================================================
+``rr``      round robin over the candidates, in their order
+``jsq``     join the shortest queue: fewest queued + running requests (ties: fewer outstanding
+            tokens, then round robin among the tied)
+``lot``     least outstanding tokens per unit of capacity (``outstanding_tokens / capacity_norm``)
+``po2``     power of two choices: two distinct candidates drawn with a seeded RNG, the less
+            loaded one wins (ties: fewer outstanding tokens, then the first drawn)
+==========  ==================================================================================
+
+The registry maps a name to a factory called with one ``PolicyContext``. Other modules add
+names with ``register_placement``; ``aladdin`` lives in ``hetserve.policies.aladdin`` and is
+imported on first use (that module calls ``register_placement("aladdin", ...)`` when imported).
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from hetserve.policies.base import PlacementPolicy, ReplicaState, RequestInfo
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy factory may use to build its policy (all optional but ``seed``).
+
+    ``cost`` is the shared ``CostModel``; ``layouts`` maps replica id to its ``ReplicaLayout``;
+    ``slo`` is the workload's ``SLO``; ``plan`` the ``Plan``; ``workload`` the ``Workload`` (for
+    statistics only: a policy must not peek at future requests).
+    """
+
+    seed: int = 0
+    slo: Any = None
+    cost: Any = None
+    plan: Any = None
+    layouts: dict[str, Any] = field(default_factory=dict)
+    workload: Any = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class _Base:
+    name = "base"
+
+    def on_finish(self, request_id: int, input_tokens: int, output_tokens: int) -> None:
+        return None
+
+
+class RoundRobin(_Base):
+    name = "rr"
+
+    def __init__(self, ctx: PolicyContext | None = None):
+        self._next = 0
+
+    def choose(self, request: RequestInfo, candidates: Sequence[ReplicaState], now: float) -> str:
+        c = candidates[self._next % len(candidates)]
+        self._next += 1
+        return c.id
+
+
+class JoinShortestQueue(_Base):
+    name = "jsq"
+
+    def __init__(self, ctx: PolicyContext | None = None):
+        self._next = 0
+
+    def choose(self, request: RequestInfo, candidates: Sequence[ReplicaState], now: float) -> str:
+        best = min((c.load, c.outstanding_tokens) for c in candidates)
+        tied = [c for c in candidates if (c.load, c.outstanding_tokens) == best]
+        self._next += 1
+        return tied[self._next % len(tied)].id
+
+
+class LeastOutstandingTokens(_Base):
+    name = "lot"
+
+    def __init__(self, ctx: PolicyContext | None = None):
+        self._next = 0
+
+    def choose(self, request: RequestInfo, candidates: Sequence[ReplicaState], now: float) -> str:
+        def key(c: ReplicaState) -> float:
+            return c.outstanding_tokens / (c.capacity_norm if c.capacity_norm > 0 else 1.0)
+
+        best = min(key(c) for c in candidates)
+        tied = [c for c in candidates if key(c) == best]
+        self._next += 1
+        return tied[self._next % len(tied)].id
+
+
+class PowerOfTwo(_Base):
+    name = "po2"
+
+    def __init__(self, ctx: PolicyContext | None = None):
+        self._rng = random.Random(ctx.seed if ctx else 0)
+
+    def choose(self, request: RequestInfo, candidates: Sequence[ReplicaState], now: float) -> str:
+        if len(candidates) == 1:
+            return candidates[0].id
+        a, b = self._rng.sample(range(len(candidates)), 2)
+        ca, cb = candidates[a], candidates[b]
+        return (cb if (cb.load, cb.outstanding_tokens) < (ca.load, ca.outstanding_tokens) else ca).id
+
+
+PlacementFactory = Callable[[PolicyContext], PlacementPolicy]
+
+PLACEMENT_POLICIES: dict[str, PlacementFactory] = {
+    "rr": RoundRobin,
+    "jsq": JoinShortestQueue,
+    "lot": LeastOutstandingTokens,
+    "po2": PowerOfTwo,
+}
+
+# Names whose module registers them when imported (kept lazy: they may pull in heavier code).
+_LAZY_PLACEMENT = {"aladdin": "hetserve.policies.aladdin"}
+
+
+def register_placement(name: str, factory: PlacementFactory) -> None:
+    """Add (or replace) a placement policy under ``name``."""
+    PLACEMENT_POLICIES[name] = factory
+
+
+def placement_names() -> list[str]:
+    return sorted(set(PLACEMENT_POLICIES) | set(_LAZY_PLACEMENT))
+
+
+def make_placement(name: str, ctx: PolicyContext | None = None) -> PlacementPolicy:
+    """Build the placement policy called ``name`` (ValueError naming the choices if unknown)."""
+    if name not in PLACEMENT_POLICIES and name in _LAZY_PLACEMENT:
+        try:
+            importlib.import_module(_LAZY_PLACEMENT[name])
+        except ImportError as exc:
+            raise ValueError(f"placement policy {name!r} is not available ({exc})") from exc
+    if name not in PLACEMENT_POLICIES:
+        raise ValueError(f"unknown placement policy {name!r}; choose one of {', '.join(placement_names())}")
+    return PLACEMENT_POLICIES[name](ctx or PolicyContext())

@@ -1,0 +1,63 @@
+"""Admission over a fixed-capacity KV pool: which blocks of a replica's pool each request holds.
+
+One ``BlockManager`` per replica lives in the coordinator; every worker of the replica has a
+``KVPool`` (``kv_pool.py``) with the same number of slots, holding its own layers and KV heads.
+A block is ``block_size`` consecutive slots; a request's block table maps its token positions to
+slots (``table[p // block_size] * block_size + p % block_size``).
+
+Admission reserves a request's whole KV (prompt + max new tokens) up front, so a running request
+never runs out of room and nothing needs preempting; a request that does not fit waits. Ask
+``can_allocate`` before ``allocate``. No torch here: the simulator can drive the same class.
+
+Invariant: ``free_blocks`` and the tables handed out partition ``range(num_blocks)``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"need a positive pool (num_blocks={num_blocks}, block_size={block_size})")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool's blocks held by requests."""
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def fits_ever(self, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` could fit in the empty pool."""
+        return self.blocks_needed(num_tokens) <= self.num_blocks
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) <= len(self.free_blocks)
+
+    def allocate(self, num_tokens: int) -> list[int]:
+        """Block table for ``num_tokens`` tokens. Raises ValueError if ``can_allocate`` is false."""
+        n = self.blocks_needed(num_tokens)
+        if n > len(self.free_blocks):
+            raise ValueError(f"cannot allocate {n} blocks: {len(self.free_blocks)} free")
+        return [self.free_blocks.popleft() for _ in range(n)]
+
+    def free(self, table: list[int]) -> None:
+        self.free_blocks.extend(table)

@@ -1,0 +1,94 @@
+"""Tiny random-weight checkpoints in the Hugging Face layout, for tests and demos.
+
+``make_model(out_dir, arch="llama", ...)`` writes ``config.json``, ``generation_config.json``,
+``model.safetensors`` (via transformers' ``save_pretrained``) and a byte-level tokenizer
+(``tokenizer.json`` + ``tokenizer_config.json``) that needs no download: token id ``b`` is byte
+``b`` for ``b < 256``, then ``<bos>``, ``<eos>``, ``<pad>``. Text round-trips exactly through
+``AutoTokenizer.from_pretrained(out_dir)`` (encode with ``add_special_tokens=False``).
+
+Nothing here is loaded at serving time except through the files it writes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
+ARCHS = ("llama", "opt")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable-unicode map (what the ByteLevel pre-tokenizer uses)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = printable[:], 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+def save_byte_tokenizer(out_dir: str | Path, model_max_length: int = 1024) -> None:
+    """Write a byte-level tokenizer (ids 0..255 = bytes, 256 <bos>, 257 <eos>, 258 <pad>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<bos>", "<eos>", "<pad>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", model_max_length=model_max_length)
+    fast.save_pretrained(str(out_dir))
+
+
+def make_model(out_dir: str | Path, arch: str = "llama", *, layers: int = 4, hidden: int = 64,
+               heads: int = 4, kv_heads: int | None = None, ffn: int | None = None, vocab: int = 320,
+               max_positions: int = 1024, seed: int = 0, init_std: float = 0.02) -> Path:
+    """Write a random-weight ``arch`` checkpoint (float32) with a byte tokenizer to ``out_dir``.
+
+    ``kv_heads`` (Llama only; GQA when smaller than ``heads``) defaults to ``heads``; ``ffn`` to
+    ``4 * hidden`` (OPT) or ``2 * hidden`` rounded up to 8 (Llama). ``vocab`` must be at least 259
+    (256 bytes + three special tokens). The same ``seed`` gives the same weights.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if vocab < 259:
+        raise ValueError(f"vocab must be >= 259 (256 bytes + <bos> <eos> <pad>), got {vocab}")
+    if hidden % heads:
+        raise ValueError(f"hidden ({hidden}) must be a multiple of heads ({heads})")
+    kv_heads = heads if kv_heads is None else kv_heads
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    if arch == "opt" and kv_heads != heads:
+        raise ValueError("OPT has no grouped-query attention: leave kv_heads unset")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    special = dict(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    if arch == "llama":
+        ffn = ffn or -(-2 * hidden // 8) * 8
+        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+                             num_hidden_layers=layers, num_attention_heads=heads,
+                             num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                             initializer_range=init_std, **special)
+        cls = LlamaForCausalLM
+    else:
+        ffn = ffn or 4 * hidden
+        config = OPTConfig(vocab_size=vocab, hidden_size=hidden, ffn_dim=ffn, num_hidden_layers=layers,
+                           num_attention_heads=heads, max_position_embeddings=max_positions,
+                           word_embed_proj_dim=hidden, init_std=init_std, dropout=0.0, **special)
+        cls = OPTForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    model.save_pretrained(str(out))
+    save_byte_tokenizer(out, model_max_length=max_positions)
+    return out

@@ -1,0 +1,102 @@
+"""Continuous batching for one replica: which sequences run in its next step.
+
+Every step is rebuilt from scratch (requests join and leave the running batch every iteration):
+the decoding sequences that are not already in flight, plus, on a prefill-capable replica, new
+requests from the head of the shared waiting queue while their KV fits the pool and the token
+budget allows. Up to ``num_stages`` steps are in flight at once, on disjoint sequences, so every
+pipeline stage has work; decode sequences are spread evenly over those micro-batches.
+
+A colocated or decode replica reserves a request's whole KV (prompt + max_tokens) on admission; a
+prefill replica reserves the prompt only and frees it once the KV reached a decode replica.
+Pure Python (no torch), like the policies.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hetserve.runtime.kv_cache import BlockManager
+from hetserve.runtime.sequence import Sequence, Status
+
+
+class ReplicaScheduler:
+    def __init__(self, replica_id: str, role: str, blocks: BlockManager, num_stages: int,
+                 max_num_seqs: int = 64, max_batched_tokens: int = 2048):
+        self.id = replica_id
+        self.role = role
+        self.blocks = blocks
+        self.max_inflight = max(1, num_stages)
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.ready: deque[Sequence] = deque()  # holding KV here, waiting for their next decode step
+        self.pinned: deque[Sequence] = deque()  # waiting requests placed on this replica at submission
+        self.inflight: dict[int, list[Sequence]] = {}  # step id -> its sequences
+        self.alive = True
+        self.num_steps = 0
+        self.last_batch_size = 0
+
+    @property
+    def serves_prefill(self) -> bool:
+        return self.role in ("prefill", "colocated")
+
+    @property
+    def serves_decode(self) -> bool:
+        return self.role in ("decode", "colocated")
+
+    @property
+    def num_running(self) -> int:
+        return len(self.ready) + sum(len(v) for v in self.inflight.values())
+
+    def admission_tokens(self, seq: Sequence) -> int:
+        return seq.reserve_tokens if self.serves_decode else len(seq.prompt)
+
+    def can_start_step(self) -> bool:
+        return self.alive and len(self.inflight) < self.max_inflight
+
+    def next_step(self, waiting: deque[Sequence]) -> list[Sequence]:
+        """Sequences of the next step (empty: nothing to run). Admitted ones get their blocks."""
+        if not self.can_start_step():
+            return []
+        batch: list[Sequence] = []
+        if self.serves_decode and self.ready:
+            share = -(-self.num_running // self.max_inflight)  # even split over micro-batches
+            for _ in range(min(len(self.ready), share, self.max_num_seqs)):
+                batch.append(self.ready.popleft())
+        tokens = len(batch)
+        if self.serves_prefill:
+            for queue in (self.pinned, waiting):  # requests placed here first, then the shared queue
+                while queue and len(batch) < self.max_num_seqs:
+                    seq = queue[0]
+                    need = len(seq.prompt)
+                    if batch and tokens + need > self.max_batched_tokens:
+                        return batch
+                    reserve = self.admission_tokens(seq)
+                    if not self.blocks.can_allocate(reserve):
+                        return batch  # FCFS: nobody overtakes a request that does not fit yet
+                    queue.popleft()
+                    seq.table = self.blocks.allocate(reserve)
+                    seq.replica, seq.num_cached, seq.status = self.id, 0, Status.RUNNING
+                    batch.append(seq)
+                    tokens += need
+        return batch
+
+    def start(self, step_id: int, batch: list[Sequence]) -> None:
+        self.inflight[step_id] = batch
+        self.num_steps += 1
+        self.last_batch_size = len(batch)
+
+    def complete(self, step_id: int) -> list[Sequence]:
+        return self.inflight.pop(step_id)
+
+    def release(self, seq: Sequence) -> None:
+        """Give back the blocks ``seq`` holds here."""
+        if seq.table:
+            self.blocks.free(seq.table)
+            seq.table = []
+
+    def stats(self) -> dict:
+        return {"role": self.role, "alive": self.alive, "running": self.num_running, "ready": len(self.ready),
+                "waiting": len(self.pinned),
+                "inflight_steps": len(self.inflight), "batch_size": self.last_batch_size, "steps": self.num_steps,
+                "kv_used_blocks": self.blocks.num_used_blocks, "kv_total_blocks": self.blocks.num_blocks,
+                "kv_usage": self.blocks.usage}

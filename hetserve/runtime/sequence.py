@@ -1,0 +1,72 @@
+"""``Sequence``: the coordinator's state for one request as it moves through replicas.
+
+Life cycle (``status``):
+
+    WAITING --admitted by a prefill-capable replica--> RUNNING
+    RUNNING (colocated/decode replica) --each step--> RUNNING ... --stop/length--> FINISHED
+    RUNNING (prefill replica) --first token--> HANDOFF --KV acknowledged by every decode worker--> RUNNING (decode replica)
+    any --worker died / engine shut down--> FAILED
+
+``num_cached`` tokens of the sequence have their KV in the pool of ``replica`` (blocks ``table``).
+The next step feeds the prompt (prefill, ``num_cached == 0``) or the last generated token at
+position ``num_cached``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from hetserve.runtime.handle import RequestHandle
+from hetserve.runtime.sampling import SampleKey, SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    HANDOFF = "handoff"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class Sequence:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    stop_ids: frozenset[int]
+    handle: RequestHandle
+    pinned: str | None = None  # prefill replica chosen at submission, if any
+    status: Status = Status.WAITING
+    output: list[int] = field(default_factory=list)
+    replica: str | None = None
+    table: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    # during a hand-off: destination replica, its block table, workers that acknowledged
+    dst: str | None = None
+    dst_table: list[int] = field(default_factory=list)
+    acks: set[str] = field(default_factory=set)
+    aborted: bool = False
+
+    @property
+    def reserve_tokens(self) -> int:
+        """KV a decoding replica reserves: every token this request can ever hold."""
+        return len(self.prompt) + self.params.max_tokens
+
+    def next_input(self) -> tuple[int, list[int]]:
+        """(start position, tokens) the next step feeds."""
+        if self.num_cached == 0:
+            return 0, self.prompt
+        return self.num_cached, [self.output[-1]]
+
+    def sample_key(self) -> SampleKey:
+        return (self.params.temperature, self.params.top_p, self.seed, len(self.output))
+
+    def finish_reason(self) -> str | None:
+        """"stop" / "length" once the last token ends the request, else None."""
+        if self.output and self.output[-1] in self.stop_ids:
+            return "stop"
+        if len(self.output) >= self.params.max_tokens:
+            return "length"
+        return None

@@ -1,0 +1,231 @@
+"""A worker process: one device, one TP rank of one pipeline stage of one replica.
+
+Control path (one for every TP degree, as nano-vllm): the stage leader (TP rank 0) takes the next
+message, broadcasts it to its TP group, and every rank runs the same method. Activations enter a
+stage only at its leader (from the coordinator for the first stage, from the previous stage's
+leader otherwise) and are broadcast to the group (HexGen §3.2); the leader of the last stage samples
+and sends the tokens to the coordinator.
+
+Messages a worker receives:
+
+    step      {step, seqs: [(seq_id, start, q_len, block_table, sample_key)], handoffs, priority}
+              (+ input_ids for the first stage, hidden for the others); leaders only
+    kv        one piece of a KV hand-off, written into the pool on the receiver thread; when all
+              pieces of a request are in, the worker tells the coordinator ``kv_ready``
+    peers     the address book; answered with ``peers_ack``
+    shutdown  leaders only; broadcast to the group, then every rank exits
+
+Sent to the coordinator: ``ready`` (after loading), ``result`` (last leader), ``kv_ready``,
+``error`` (traceback, just before exiting on any exception).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+from datetime import timedelta
+
+import torch
+
+from hetserve.runtime.kv_pool import KVPool, slots_of
+from hetserve.runtime.layout import KVTransfer, ReplicaSpec, WorkerSpec, kv_transfers
+from hetserve.runtime.model.attention import build_attn_meta
+from hetserve.runtime.model.config import ArchConfig
+from hetserve.runtime.model.loader import build_stage
+from hetserve.runtime.sampling import sample
+from hetserve.runtime.transport import Message, Priority, SocketTransport
+
+ENGINE = "engine"  # the coordinator's endpoint name
+HEARTBEAT_S = 20.0  # an idle leader pings its TP group this often, well inside the group timeout
+GROUP_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    spec: WorkerSpec
+    layout: tuple[ReplicaSpec, ...]
+    model_dir: str
+    dtype: str
+    num_slots: int  # KV pool slots (same for every worker of a replica)
+    block_size: int
+    engine_address: tuple[str, int]
+    store_address: tuple[str, int] | None  # TCPStore for TP groups
+    parent_pid: int
+    link_scheduler: Any = None  # picklable factory (src, dst) -> LinkScheduler; None: PriorityScheduler
+    shaper: Any = None  # picklable LinkShaper; None: no shaping
+
+
+def worker_main(cfg: WorkerConfig) -> None:
+    """Process entry point (``torch.multiprocessing`` spawn target)."""
+    torch.set_num_threads(1)
+    transport = SocketTransport(cfg.spec.name, scheduler_factory=cfg.link_scheduler, shaper=cfg.shaper)
+    transport.set_address(ENGINE, cfg.engine_address)
+    threading.Thread(target=_watch_parent, args=(cfg.parent_pid,), daemon=True).start()
+    try:
+        Worker(cfg, transport).run()
+    except BaseException:  # noqa: BLE001 - everything is reported, then the process ends
+        transport.send(ENGINE, Message("error", {"worker": cfg.spec.name, "error": traceback.format_exc()}))
+        transport.flush(5.0)
+        os._exit(1)
+    transport.flush(5.0)
+    # skip interpreter teardown: gloo's and torch's static destructors can abort or stall here
+    os._exit(0)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit if the engine process is gone (so a killed engine leaves no worker behind)."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            os._exit(3)
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig, transport: SocketTransport):
+        self.cfg, self.spec, self.transport = cfg, cfg.spec, transport
+        spec = cfg.spec
+        self.device = torch.device(spec.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = getattr(torch, cfg.dtype)
+        self.tp = spec.tp_world > 1
+        if self.tp:
+            self._init_group()
+        self.arch = ArchConfig.from_dir(cfg.model_dir)
+        self.model = build_stage(self.arch, cfg.model_dir, spec.layers,
+                                 has_embed=spec.is_first and spec.is_leader,
+                                 has_head=spec.is_last and spec.is_leader,
+                                 tp_rank=spec.tp_rank, tp_world=spec.tp_world, device=self.device, dtype=self.dtype)
+        self.pool = KVPool(spec.layers[1] - spec.layers[0], cfg.num_slots, spec.kv_heads[1] - spec.kv_heads[0],
+                           self.arch.head_dim, self.dtype, self.device)
+        self.kv_layers = self.pool.layers()
+        # hand-off pieces this worker sends, per destination replica, and how many each receiver expects
+        self.sends: dict[str, list[tuple[KVTransfer, int]]] = {}
+        for dst in cfg.layout:
+            if dst.serves_decode and spec.role == "prefill":
+                pieces = kv_transfers(self._replica(spec.replica), dst)
+                expect = {w.name: sum(p.dst == w.name for p in pieces) for w in dst.workers}
+                self.sends[dst.id] = [(p, expect[p.dst]) for p in pieces if p.src == spec.name]
+        self.steps: queue.Queue[Message] = queue.Queue()
+        self.kv_received: dict[int, int] = {}
+        threading.Thread(target=self._dispatch_loop, daemon=True, name="dispatch").start()
+        transport.send(ENGINE, Message("ready", {"worker": spec.name, "address": transport.address,
+                                                 "pid": os.getpid()}))
+
+    def _replica(self, rid: str) -> ReplicaSpec:
+        return next(r for r in self.cfg.layout if r.id == rid)
+
+    def _init_group(self) -> None:
+        import torch.distributed as dist
+
+        host, port = self.cfg.store_address
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+        prefix = dist.PrefixStore(f"{self.spec.replica}/stage{self.spec.stage}", store)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=prefix, rank=self.spec.tp_rank, world_size=self.spec.tp_world,
+                                timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+
+    # ------------------------------------------------------------------ receiver thread
+    def _dispatch_loop(self) -> None:
+        while True:
+            msg = self.transport.recv()
+            if msg.kind == "kv":
+                self._install_kv(msg)
+            elif msg.kind == "peers":
+                for name, addr in msg.meta["addresses"].items():
+                    if name != self.spec.name:
+                        self.transport.set_address(name, addr)
+                self.transport.send(ENGINE, Message("peers_ack", {"worker": self.spec.name}))
+            else:
+                self.steps.put(msg)
+
+    def _install_kv(self, msg: Message) -> None:
+        m = msg.meta
+        first, h0 = self.spec.layers[0], self.spec.kv_heads[0]
+        layers = slice(m["layers"][0] - first, m["layers"][1] - first)
+        heads = slice(m["heads"][0] - h0, m["heads"][1] - h0)
+        self.pool.write(layers, heads, slots_of(m["table"], m["num_tokens"], self.cfg.block_size), msg.tensors["kv"])
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        seq = m["seq"]
+        self.kv_received[seq] = self.kv_received.get(seq, 0) + 1
+        if self.kv_received[seq] == m["expect"]:
+            del self.kv_received[seq]
+            self.transport.send(ENGINE, Message("kv_ready", {"seq": seq, "worker": self.spec.name}))
+
+    # ------------------------------------------------------------------ step loop
+    def run(self) -> None:
+        while True:
+            kind, meta, hidden = self._next()
+            if kind == "shutdown":
+                return
+            if kind == "noop":
+                continue
+            with torch.inference_mode():
+                self._send_kv(meta["handoffs"])
+                if meta["seqs"]:
+                    self._compute(meta, hidden)  # forwards to the next stage itself
+                elif self.spec.is_leader and not self.spec.is_last:  # hand-off only: pass it down the pipeline
+                    self.transport.send(self.spec.next_leader, Message("step", meta), Priority.CONTROL)
+
+    def _next(self) -> tuple[str, dict, torch.Tensor | None]:
+        """Leader: take the next message; every rank: agree on it (broadcast within the TP group)."""
+        msg = None
+        if self.spec.is_leader:
+            try:
+                msg = self.steps.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                msg = Message("noop")
+        if not self.tp:
+            return msg.kind, msg.meta, msg.tensors.get("hidden", msg.tensors.get("input_ids"))
+        import torch.distributed as dist
+
+        box = [(msg.kind, msg.meta)] if msg else [None]
+        dist.broadcast_object_list(box, src=0)
+        kind, meta = box[0]
+        tensor = (msg.tensors.get("hidden", msg.tensors.get("input_ids")) if msg else None)
+        return kind, meta, tensor
+
+    def _compute(self, meta: dict, received: torch.Tensor | None) -> None:
+        spec = self.spec
+        seqs = meta["seqs"]
+        am = build_attn_meta([s[1] for s in seqs], [s[2] for s in seqs], [s[3] for s in seqs],
+                             self.cfg.block_size, self.device)
+        T = int(am.positions.shape[0])
+        if spec.is_leader:
+            if spec.is_first:
+                h = self.model.embed(received.to(self.device), am.positions)  # (T, H)
+            else:
+                h = received.to(device=self.device, dtype=self.dtype)  # (T, H)
+        else:
+            h = torch.empty(T, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+        if self.tp:
+            import torch.distributed as dist
+
+            dist.broadcast(h, src=0)
+        h = self.model(h, self.kv_layers, am)
+        if not spec.is_leader:
+            return
+        if spec.is_last:
+            logits = self.model.logits(h[am.last_token])  # (B, V)
+            tokens = sample(logits, [s[4] for s in seqs])
+            self.transport.send(ENGINE, Message("result", {"step": meta["step"]}, {"tokens": tokens}))
+        else:
+            self.transport.send(spec.next_leader, Message("step", meta, {"hidden": h}), Priority(meta["priority"]))
+
+    def _send_kv(self, handoffs: list) -> None:
+        """Send this worker's pieces of each hand-off (its layers x its KV heads) to the decode workers."""
+        first, h0 = self.spec.layers[0], self.spec.kv_heads[0]
+        for seq, src_table, num_tokens, dst, dst_table in handoffs:
+            slots = slots_of(src_table, num_tokens, self.cfg.block_size)
+            for piece, expect in self.sends.get(dst, ()):
+                kv = self.pool.read(slice(piece.layers[0] - first, piece.layers[1] - first),
+                                    slice(piece.heads[0] - h0, piece.heads[1] - h0), slots)
+                meta = {"seq": seq, "layers": piece.layers, "heads": piece.heads, "table": dst_table,
+                        "num_tokens": num_tokens, "expect": expect}
+                self.transport.send(piece.dst, Message("kv", meta, {"kv": kv}), Priority.KV)

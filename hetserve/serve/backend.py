@@ -1,0 +1,60 @@
+"""What the HTTP front needs from an engine: the ``Backend`` protocol.
+
+The coordinator (``hetserve.serve.app``) speaks only to this protocol, so its HTTP, streaming,
+error and metrics logic is tested against an in-process fake, and the real engine
+(``hetserve.serve.engine_backend.EngineBackend``, local processes or Ray actors) plugs in with
+an adapter.
+
+    generate(request_id, prompt_token_ids, params, replica) -> async iterator of token ids
+        Tokens as the engine produces them; the iterator ends when the request finishes (it hit
+        ``max_tokens`` or produced a token of ``stop_token_ids``, which is yielded too). Raises
+        (or the iterator raises) on engine failure.
+    abort(request_id)          free the request's slot and KV; a no-op for unknown or finished ids.
+                               Synchronous and non-blocking: it is called from ``finally`` blocks of
+                               cancelled tasks (a client that went away), where nothing may be awaited
+    replicas() -> [ReplicaState]   a snapshot for the placement policy and the metrics
+    link_stats() -> [LinkStats]    bytes / queueing per shaped link (empty when links are not shaped)
+    max_context                    the model's context length (prompt + output tokens)
+    close()                        stop the engine; idempotent
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol, Sequence
+
+from hetserve.policies.base import ReplicaState
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Sampling of one request. ``temperature == 0``: greedy. ``seed``: reproducible sampling."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+class Backend(Protocol):
+    max_context: int
+
+    def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: GenerationParams,
+                 replica: str | None = None) -> AsyncIterator[int]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def replicas(self) -> list[ReplicaState]: ...
+
+    def link_stats(self) -> list: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,221 @@
+"""The coordinator's request path, below HTTP: check, place, generate, detokenize, account.
+
+``Coordinator.prepare`` turns a prompt and the request's limits into a ``Prepared`` request or
+raises the ``APIError`` a client should see (no state changes: "can I?" before "do it").
+``Coordinator.run`` places it with the placement policy (the same classes the simulator drives,
+from ``hetserve.policies.placement``), streams text deltas, and always leaves the engine clean:
+a request that ends for any reason other than the engine finishing it — a stop string, a client
+that went away, an error — is aborted in the engine, which frees its slot and KV.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+from hetserve.policies.base import PlacementPolicy, ReplicaState, RequestInfo
+from hetserve.serve.backend import Backend, GenerationParams
+from hetserve.serve.errors import ContextLengthExceeded, InvalidRequest, ServerError
+from hetserve.serve.metrics import ServerMetrics
+from hetserve.serve.text import Codec, TextStream
+
+
+@dataclass
+class Prepared:
+    """A checked request, ready to run. ``result`` fields fill in as it runs."""
+
+    request_id: str
+    seq: int  # integer id for the policies
+    prompt_ids: list[int]
+    params: GenerationParams
+    stop: tuple[str, ...]
+    endpoint: str
+    arrival: float = field(default_factory=time.monotonic)
+    replica: str | None = None
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    text: str = ""
+    ttft_s: float | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+
+class Coordinator:
+    """Owns the backend, the tokenizer, the placement policy and the metrics of one server."""
+
+    def __init__(self, backend: Backend, codec: Codec, model_name: str,
+                 placement: PlacementPolicy | None = None, predictor=None,
+                 clock=time.monotonic):
+        self.backend, self.codec, self.model_name = backend, codec, model_name
+        self.placement, self.predictor, self.clock = placement, predictor, clock
+        self.metrics = ServerMetrics(lambda: (self._safe_replicas(), self._safe_links()))
+        self._seq = itertools.count(1)
+        self.in_flight = 0
+
+    # ------------------------------------------------------------------ snapshots
+    def _safe_replicas(self) -> list[ReplicaState]:
+        try:
+            return list(self.backend.replicas())
+        except Exception:  # noqa: BLE001 - a scrape must not fail because the engine is busy or gone
+            return []
+
+    def _safe_links(self) -> list:
+        try:
+            return list(self.backend.link_stats())
+        except Exception:  # noqa: BLE001
+            return []
+
+    @property
+    def max_context(self) -> int:
+        return int(self.backend.max_context)
+
+    def kv_limit(self) -> int | None:
+        """The largest KV pool (tokens) a request could ever be placed on (None: unknown)."""
+        caps = [r.kv_capacity_tokens for r in self._safe_replicas() if r.role != "prefill" and r.kv_capacity_tokens]
+        return max(caps) if caps else None
+
+    # ------------------------------------------------------------------ can I?
+    def prepare(self, endpoint: str, prompt: str | Sequence[int], *, max_tokens: int | None,
+                default_max_tokens: int | None, temperature: float, top_p: float, seed: int | None,
+                stop: Sequence[str], prompt_param: str = "prompt") -> Prepared:
+        """Tokenize and check a request; raises ``InvalidRequest`` / ``ContextLengthExceeded``.
+
+        ``max_tokens`` None takes ``default_max_tokens``, or (if that is None too) the room left
+        in the context.
+        """
+        if isinstance(prompt, str):
+            ids = self.codec.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = getattr(self.backend, "vocab_size", None)
+            if vocab is not None and any(t < 0 or t >= vocab for t in ids):
+                raise InvalidRequest(f"{prompt_param}: token ids must be in [0, {vocab})", param=prompt_param)
+        if not ids:
+            raise InvalidRequest(f"{prompt_param}: the prompt is empty after tokenization", param=prompt_param)
+        ctx = self.max_context
+        room = ctx - len(ids)
+        if room < 1:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx} tokens, however your prompt has {len(ids)} "
+                "tokens. Please reduce the length of the prompt.", param=prompt_param)
+        if max_tokens is None:
+            max_tokens = min(default_max_tokens, room) if default_max_tokens is not None else room
+        if len(ids) + max_tokens > ctx:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx} tokens, however you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
+                "Please reduce the prompt or the completion length.", param="max_tokens")
+        kv = self.kv_limit()
+        if kv is not None and len(ids) + max_tokens > kv:
+            raise ContextLengthExceeded(
+                f"The request needs {len(ids) + max_tokens} tokens of KV cache ({len(ids)} prompt + "
+                f"{max_tokens} completion) but the largest KV pool of this deployment holds {kv}.",
+                param="max_tokens")
+        eos = self.codec.eos_token_id
+        try:
+            params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                      stop_token_ids=(eos,) if eos is not None else ())
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        seq = next(self._seq)
+        return Prepared(f"req-{seq}", seq, ids, params, tuple(stop), endpoint, arrival=self.clock())
+
+    # ------------------------------------------------------------------ do it
+    def place(self, req: Prepared) -> str | None:
+        """The replica for ``req`` by the placement policy (None: the backend decides)."""
+        if self.placement is None:
+            return None
+        cands = [r for r in self._safe_replicas() if r.role in ("prefill", "colocated")]
+        if len(cands) <= 1:
+            return cands[0].id if cands else None
+        predicted = float(req.params.max_tokens)
+        if self.predictor is not None:
+            predicted = min(predicted, float(self.predictor.predict(req.prompt_tokens, req.seq)))
+        info = RequestInfo(req.seq, req.arrival, req.prompt_tokens, predicted)
+        return self.placement.choose(info, cands, self.clock())
+
+    async def run(self, req: Prepared) -> AsyncIterator[str]:
+        """Yield text deltas; on return ``req`` holds finish_reason, counts and the full text."""
+        stream = TextStream(self.codec, req.stop)
+        stop_ids = set(req.params.stop_token_ids)
+        engine_done = False
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
+        self.metrics.prompt_tokens.inc(req.prompt_tokens)
+        outcome = "error"
+        try:
+            req.replica = self.place(req)
+            gen = self.backend.generate(req.request_id, req.prompt_ids, req.params, req.replica)
+            try:
+                async for token in gen:
+                    if req.finish_reason is not None:
+                        break  # the engine went past a stop token or max_tokens: stop it here
+                    req.completion_tokens += 1
+                    if req.ttft_s is None:
+                        req.ttft_s = self.clock() - req.arrival
+                    if token in stop_ids:
+                        req.finish_reason = "stop"  # the engine ends the request itself
+                        continue
+                    delta = stream.push(token)
+                    if delta:
+                        req.text += delta
+                        yield delta
+                    if stream.stopped:  # a stop string: the engine does not know, so abort it
+                        req.finish_reason = "stop"
+                        break
+                    if req.completion_tokens >= req.params.max_tokens:
+                        req.finish_reason = "length"
+                else:
+                    engine_done = True
+                    if req.completion_tokens == 0:
+                        raise ServerError("the engine finished the request without producing a token")
+                    req.finish_reason = req.finish_reason or (
+                        "length" if req.completion_tokens >= req.params.max_tokens else "stop")
+            finally:
+                if not engine_done:
+                    self.backend.abort(req.request_id)  # sync: safe inside a cancelled task
+                await _close(gen)
+            tail = stream.finish()
+            if tail:
+                req.text += tail
+                yield tail
+            outcome = req.finish_reason or "stop"
+        except GeneratorExit:
+            outcome = "aborted"
+            raise
+        except BaseException as exc:
+            outcome = "aborted" if _is_cancel(exc) else "error"
+            raise
+        finally:
+            self.in_flight -= 1
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(req.endpoint, outcome).inc()
+            if outcome in ("stop", "length"):
+                self.metrics.observe(req.ttft_s, self.clock() - req.arrival, req.completion_tokens)
+                if self.placement is not None:
+                    self.placement.on_finish(req.seq, req.prompt_tokens, req.completion_tokens)
+                if self.predictor is not None:
+                    self.predictor.observe(req.prompt_tokens, req.completion_tokens)
+
+    def reject(self, endpoint: str) -> None:
+        self.metrics.requests.labels(endpoint, "rejected").inc()
+
+
+def _is_cancel(exc: BaseException) -> bool:
+    import asyncio
+
+    return isinstance(exc, (asyncio.CancelledError, GeneratorExit))
+
+
+async def _close(gen) -> None:
+    aclose = getattr(gen, "aclose", None)
+    if aclose is None:
+        return
+    try:
+        await aclose()
+    except BaseException:  # noqa: BLE001 - closing a generator in a cancelled task may raise; nothing to save
+        pass

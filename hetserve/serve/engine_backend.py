@@ -1,0 +1,91 @@
+"""``EngineBackend``: the runtime ``Engine`` (local processes or Ray actors) behind the ``Backend`` protocol.
+
+Maps the server's ``GenerationParams`` to the engine's ``SamplingParams``, streams the engine's
+``RequestHandle`` asynchronously, turns the engine's per-replica statistics into the
+``ReplicaState`` snapshots the placement policies read, and reads link counters from the
+``LinkSchedulerFactory`` the engine was started with.
+
+Engine errors are mapped once, here: a ``ValueError`` from ``submit`` (prompt outside the
+vocabulary or the context) and an ``InfeasibleError`` (KV can never fit) become ``InvalidRequest``;
+a ``RuntimeFailure`` becomes ``ServerError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import AsyncIterator, Sequence
+
+from hetserve.errors import InfeasibleError, RuntimeFailure
+from hetserve.policies.base import ReplicaState
+from hetserve.serve.backend import GenerationParams
+from hetserve.serve.errors import ContextLengthExceeded, InvalidRequest, ServerError
+
+
+class EngineBackend:
+    def __init__(self, engine, links=None):
+        self.engine = engine
+        self.links = links  # LinkSchedulerFactory or None
+        self.max_context = int(engine.arch.max_positions)
+        self.vocab_size = int(engine.arch.vocab_size)
+        self._handles: dict[str, object] = {}
+        self._closed = False
+        self._submit_takes_replica = "replica" in inspect.signature(engine.submit).parameters
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: GenerationParams,
+                       replica: str | None = None) -> AsyncIterator[int]:
+        from hetserve.runtime.sampling import SamplingParams
+
+        sp = SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                            seed=params.seed, stop_token_ids=params.stop_token_ids)
+        kwargs = {"replica": replica} if (replica is not None and self._submit_takes_replica) else {}
+        try:
+            handle = self.engine.submit(list(prompt_token_ids), sp, **kwargs)
+        except InfeasibleError as exc:
+            raise ContextLengthExceeded(str(exc), param="max_tokens") from exc
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        except RuntimeFailure as exc:
+            raise ServerError(str(exc)) from exc
+        self._handles[request_id] = handle
+        try:
+            try:
+                async for token in handle:
+                    yield token
+            except RuntimeFailure as exc:
+                raise ServerError(str(exc)) from exc
+        finally:
+            self._handles.pop(request_id, None)
+            if not handle.finished:
+                handle.abort()  # cancelled mid-stream (the client went away): free the slot now
+
+    def abort(self, request_id: str) -> None:
+        handle = self._handles.get(request_id)
+        if handle is not None:
+            handle.abort()
+
+    def replicas(self) -> list[ReplicaState]:
+        stats = self.engine.stats()
+        waiting = int(stats.get("waiting", 0))
+        out = []
+        for rid, s in stats.get("replicas", {}).items():
+            block = self.engine.config.block_size
+            running = int(s.get("running", 0))
+            queued = waiting if s["role"] in ("prefill", "colocated") else 0
+            out.append(ReplicaState(
+                id=rid, role=s["role"], queued_requests=queued, running_requests=running,
+                queued_prefill_tokens=0, outstanding_tokens=float(running + queued), context_tokens=0,
+                kv_used_tokens=int(s.get("kv_used_blocks", 0)) * block,
+                kv_capacity_tokens=int(s.get("kv_total_blocks", 0)) * block))
+        return out
+
+    def link_stats(self) -> list:
+        return self.links.read_stats() if self.links is not None else []
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.to_thread(self.engine.shutdown)
+        if self.links is not None:
+            self.links.close()

@@ -1,0 +1,148 @@
+"""API errors and the one place that turns exceptions into HTTP responses.
+
+    APIError                      an error the client gets as OpenAI's JSON shape
+    ├── InvalidRequest (400)      malformed body, unsupported field, bad value
+    │   └── ContextLengthExceeded prompt + max_tokens beyond the model's context or any replica's KV pool
+    ├── ModelNotFound (404)       ``model`` is not the one this server serves
+    ├── NotFound (404)            no such route
+    ├── MethodNotAllowed (405)
+    ├── Overloaded (503)          the server is shutting down or the engine is not ready
+    └── ServerError (500)         anything unexpected (the engine failed mid-request, a worker died)
+
+``install_error_handlers(app)`` maps every exception a route can raise — ``APIError``, FastAPI's
+request validation errors, an unreadable JSON body, Starlette's HTTP exceptions, hetserve's own
+``HetserveError`` and anything else — to ``{"error": {"message", "type", "param", "code"}}``.
+Streaming responses that fail after their headers are sent carry the same object in one SSE
+event (``error_event``), since the status line has already left.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+log = logging.getLogger("hetserve.serve")
+
+
+class APIError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
+        if code is not None:
+            self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(APIError):
+    status, type = 400, "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(APIError):
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+
+class NotFound(APIError):
+    status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class MethodNotAllowed(APIError):
+    status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+
+class Overloaded(APIError):
+    status, type, code = 503, "server_error", "overloaded"
+
+
+class ServerError(APIError):
+    status, type = 500, "server_error"
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """The most specific ``APIError`` for any exception (the single mapping used everywhere)."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    from hetserve.errors import HetserveError, InfeasibleError
+
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestValidationError):
+        return _validation_error(exc.errors())
+    if isinstance(exc, HTTPException):
+        if exc.status_code == 404:
+            return NotFound(str(exc.detail))
+        if exc.status_code == 405:
+            return MethodNotAllowed(str(exc.detail))
+        if 400 <= exc.status_code < 500:
+            err = InvalidRequest(str(exc.detail))
+            err.status = exc.status_code
+            return err
+        return ServerError(str(exc.detail))
+    if isinstance(exc, InfeasibleError):
+        return InvalidRequest(str(exc))
+    if isinstance(exc, HetserveError):
+        return ServerError(str(exc))
+    return ServerError(f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _validation_error(errors: list[dict[str, Any]]) -> InvalidRequest:
+    """One readable line from pydantic's error list; ``param`` is the first offending field."""
+    if not errors:
+        return InvalidRequest("invalid request body")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    kind = first.get("type", "")
+    if kind in ("json_invalid", "json_type"):
+        return InvalidRequest("request body is not valid JSON: " + str(first.get("msg", "")))
+    if kind == "missing" and not loc:
+        return InvalidRequest("request body is missing (expected a JSON object)")
+    msg = str(first.get("msg", "invalid value"))
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if kind == "extra_forbidden":
+        msg = "unrecognized request argument supplied"
+    param = ".".join(loc) if loc else None
+    text = f"{param}: {msg}" if param and not msg.startswith(param.split(".")[0] + ":") else msg
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return InvalidRequest(text, param=param)
+
+
+def error_response(exc: BaseException):
+    from fastapi.responses import JSONResponse
+
+    err = to_api_error(exc)
+    if err.status >= 500:
+        log.error("request failed: %s", err.message, exc_info=exc if exc is not err else None)
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def error_event(exc: BaseException) -> str:
+    """The SSE event that ends a stream which failed after its headers were sent."""
+    err = to_api_error(exc)
+    if err.status >= 500:
+        log.error("stream failed: %s", err.message, exc_info=exc if exc is not err else None)
+    return f"data: {json.dumps(err.body())}\n\n"
+
+
+def install_error_handlers(app) -> None:
+    """Route every exception a request can raise through ``error_response``."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    async def handler(request, exc):  # noqa: ARG001 - signature fixed by Starlette
+        return error_response(exc)
+
+    for cls in (APIError, RequestValidationError, HTTPException, Exception):
+        app.add_exception_handler(cls, handler)

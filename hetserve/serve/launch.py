@@ -1,0 +1,189 @@
+"""Build a running server from options: engine (local or Ray) + links + placement + HTTP app.
+
+    opts = ServeOptions(plan="plan.json", cluster="demo-cpu", model_dir="tiny/", transmission="molink",
+                        shape_links=True)
+    with start_server(opts) as server:       # engine started, HTTP on 127.0.0.1:<free port>
+        server.url                            # "http://127.0.0.1:PORT"
+
+``hetserve serve`` is ``serve_forever(build(opts))``; tests and ``bench/bench_serve.py`` use
+``start_server``. The placement policy is built exactly as the simulator builds it
+(``make_placement(name, PolicyContext(...))``), so a name means the same decision in both.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BACKENDS = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    plan: Any  # Plan or path
+    cluster: Any = None  # Cluster, preset name or path; None: the preset the plan names
+    model_dir: str = ""
+    model_name: str | None = None  # the name clients pass as ``model``; default: the folder's name
+    backend: str = "local"
+    router: str = "jsq"  # placement policy (hetserve.policies.placement)
+    transmission: str = "serial"  # link scheduling (hetserve.policies.transmission)
+    shape_links: bool = False  # hold messages to the cluster's per-pair bandwidth / latency
+    time_scale: float = 1.0  # >1 speeds every shaped link up by this factor (latency / s, bandwidth * s)
+    micro_batches: int | None = None  # steps in flight per pipeline (MoLink §4.3: N..2N); None: N
+    kv_capacity_tokens: int | None = None
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 2048
+    seed: int = 0
+    slo_ttft_s: float | None = None  # for the aladdin router
+    slo_tpot_s: float | None = None
+    engine_options: dict[str, Any] = field(default_factory=dict)  # extra EngineConfig fields
+    ray_address: str | None = None  # connect to a running Ray cluster; None: start one locally
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
+        if self.time_scale <= 0:
+            raise ValueError(f"time_scale must be positive, got {self.time_scale}")
+        if not self.model_dir:
+            raise ValueError("model_dir is required (a checkpoint folder; see `hetserve make-model`)")
+
+
+class Deployment:
+    """Everything one server owns; ``close()`` stops the engine, the workers and the links."""
+
+    def __init__(self, opts: ServeOptions, plan, cluster, engine, links, coordinator, app, stats_dir: str,
+                 ray_session=None):
+        self.opts, self.plan, self.cluster, self.engine, self.links = opts, plan, cluster, engine, links
+        self.coordinator, self.app, self.stats_dir, self.ray_session = coordinator, app, stats_dir, ray_session
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.engine.shutdown()
+        finally:
+            self.links.close()
+            if self.ray_session is not None:
+                self.ray_session.close()
+            shutil.rmtree(self.stats_dir, ignore_errors=True)
+
+
+def _load(opts: ServeOptions):
+    from hetserve.planner.plan import Plan
+    from hetserve.specs.cluster import Cluster, load_cluster
+
+    plan = opts.plan if isinstance(opts.plan, Plan) else Plan.load(opts.plan)
+    cluster = opts.cluster if isinstance(opts.cluster, Cluster) else load_cluster(opts.cluster or plan.cluster)
+    return plan, cluster
+
+
+def placement_policy(opts: ServeOptions, plan, cluster):
+    """The placement policy ``opts.router``, built as the simulator builds it."""
+    from hetserve.policies.placement import PolicyContext, make_placement
+
+    ctx_kwargs: dict[str, Any] = {"seed": opts.seed, "plan": plan}
+    if opts.router == "aladdin":  # needs the cost model, layouts and SLOs
+        from hetserve.cost.analytic import CostModel
+        from hetserve.specs.model import load_model
+        from hetserve.specs.workload import SLO
+
+        ctx_kwargs.update(cost=CostModel(cluster, load_model(opts.model_dir)),
+                          layouts={r.id: r.layout(cluster) for r in plan.replicas},
+                          slo=SLO(ttft_s=opts.slo_ttft_s, tpot_s=opts.slo_tpot_s))
+    return make_placement(opts.router, PolicyContext(**ctx_kwargs))
+
+
+def build(opts: ServeOptions) -> Deployment:
+    """Start the engine and build the app (blocks until every worker has loaded its shard)."""
+    from hetserve.runtime.engine import Engine, EngineConfig
+    from hetserve.runtime.links import LinkSchedulerFactory
+    from hetserve.serve.app import create_app
+    from hetserve.serve.coordinator import Coordinator
+    from hetserve.serve.engine_backend import EngineBackend
+    from hetserve.serve.text import HFCodec
+
+    plan, cluster = _load(opts)
+    placement = placement_policy(opts, plan, cluster)
+    codec = HFCodec.from_dir(opts.model_dir)
+    stats_dir = tempfile.mkdtemp(prefix="hetserve-links-")
+    links = LinkSchedulerFactory(cluster, opts.transmission, shape=opts.shape_links, time_scale=opts.time_scale,
+                                 stats_dir=stats_dir)
+    fields = {"max_num_seqs": opts.max_num_seqs, "max_batched_tokens": opts.max_batched_tokens,
+              "kv_capacity_tokens": opts.kv_capacity_tokens, **opts.engine_options}
+    known = set(EngineConfig.__dataclass_fields__)
+    if opts.micro_batches is not None and "micro_batches" in known:
+        fields["micro_batches"] = opts.micro_batches
+    config = EngineConfig(**{k: v for k, v in fields.items() if k in known})
+    ray_session = None
+    try:
+        if opts.backend == "ray":
+            from hetserve.runtime.ray_backend import RaySession, start_ray_engine
+
+            ray_session = RaySession.start(cluster, address=opts.ray_address)
+            engine = start_ray_engine(plan, cluster, opts.model_dir, config, link_scheduler=links)
+        else:
+            engine = Engine.from_plan(plan, cluster, opts.model_dir, config, link_scheduler=links)
+    except BaseException:
+        links.close()
+        if ray_session is not None:
+            ray_session.close()
+        shutil.rmtree(stats_dir, ignore_errors=True)
+        raise
+    if opts.micro_batches is not None and "micro_batches" not in known:
+        set_micro_batches(engine, opts.micro_batches)
+    backend = EngineBackend(engine, links)
+    name = opts.model_name or Path(opts.model_dir).resolve().name
+    coordinator = Coordinator(backend, codec, name, placement=placement)
+    app = create_app(coordinator)
+    return Deployment(opts, plan, cluster, engine, links, coordinator, app, stats_dir, ray_session)
+
+
+def set_micro_batches(engine, micro_batches: int) -> None:
+    """Steps in flight per replica pipeline (MoLink §4.3 searches N..2N for N stages).
+
+    Stop-gap until ``EngineConfig`` takes a micro-batch count: the replica schedulers' in-flight
+    limit is what bounds the micro-batches of a pipeline.
+    """
+    for sched in engine.schedulers.values():
+        sched.max_inflight = max(1, int(micro_batches))
+
+
+class RunningServer:
+    """A ``Deployment`` served over HTTP on a background thread (context manager)."""
+
+    def __init__(self, deployment: Deployment, host: str = "127.0.0.1", port: int = 0):
+        from hetserve.serve.server import ServerThread
+
+        self.deployment = deployment
+        try:
+            self.http = ServerThread(deployment.app, host, port)
+        except BaseException:
+            deployment.close()
+            raise
+
+    @property
+    def url(self) -> str:
+        return self.http.url
+
+    def close(self) -> None:
+        try:
+            self.http.stop()
+        finally:
+            self.deployment.close()
+
+    def __enter__(self) -> "RunningServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def start_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
+    return RunningServer(build(opts), host, port)

@@ -1,0 +1,113 @@
+"""Text in and out: tokenizing prompts, rendering chats, streaming detokenization, stop strings.
+
+``Codec`` is the small tokenizer interface the server needs (a Hugging Face tokenizer fits it via
+``HFCodec``); ``TextStream`` turns a stream of token ids into text deltas that never split a
+multi-byte character and never show the start of a stop string that later completes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, Sequence
+
+
+class Codec(Protocol):
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def render_chat(self, messages: Sequence[tuple[str, str]]) -> str: ...
+
+
+def default_chat_prompt(messages: Sequence[tuple[str, str]]) -> str:
+    """A plain chat layout for checkpoints without a chat template: one ``role: text`` line each,
+    then ``assistant:`` for the model to continue."""
+    return "".join(f"{role}: {text}\n" for role, text in messages) + "assistant:"
+
+
+class HFCodec:
+    """A Hugging Face tokenizer (``AutoTokenizer.from_pretrained(model_dir)``) as a ``Codec``."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+
+    @staticmethod
+    def from_dir(model_dir: str | Path) -> "HFCodec":
+        from transformers import AutoTokenizer
+
+        return HFCodec(AutoTokenizer.from_pretrained(str(model_dir)))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def render_chat(self, messages: Sequence[tuple[str, str]]) -> str:
+        if getattr(self.tok, "chat_template", None):
+            return self.tok.apply_chat_template([{"role": r, "content": t} for r, t in messages],
+                                                tokenize=False, add_generation_prompt=True)
+        return default_chat_prompt(messages)
+
+
+class TextStream:
+    """Incremental detokenizer with stop strings.
+
+    ``push(token_id)`` returns the text that may be shown now; ``stopped`` turns True once a stop
+    string appears (the text before it is all that is ever shown). ``finish()`` flushes what was
+    held back. Decoding re-reads at most the last few tokens (vLLM's prefix/read offsets), so a
+    token costs O(1) decode work, not O(length).
+    """
+
+    _WINDOW = 6  # tokens of left context re-decoded so merges at the boundary come out right
+
+    def __init__(self, codec: Codec, stop: Sequence[str] = ()):
+        self.codec, self.stop = codec, tuple(stop)
+        self.ids: list[int] = []
+        self._prefix = 0  # ids[_prefix:_read] were decoded to produce text already accounted
+        self._read = 0
+        self.text = ""  # all decoded text so far (stop string not cut yet)
+        self._shown = 0  # characters of ``text`` already returned
+        self.stopped = False
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+
+    def push(self, token_id: int) -> str:
+        if self.stopped:
+            return ""
+        self.ids.append(token_id)
+        prev = self.codec.decode(self.ids[self._prefix:self._read])
+        cur = self.codec.decode(self.ids[self._prefix:])
+        if cur.endswith("\ufffd") or len(cur) < len(prev):
+            return ""  # an incomplete multi-byte character: wait for the next token
+        self.text += cur[len(prev):]
+        self._read = len(self.ids)
+        self._prefix = max(self._prefix, self._read - self._WINDOW)
+        return self._emit(final=False)
+
+    def finish(self) -> str:
+        if self.stopped:
+            return ""
+        tail = self.codec.decode(self.ids[self._prefix:])
+        prev = self.codec.decode(self.ids[self._prefix:self._read])
+        if len(tail) > len(prev):  # flush a trailing partial character as the tokenizer renders it
+            self.text += tail[len(prev):]
+            self._read = len(self.ids)
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        # Text before ``_shown`` was searched already with every stop string's worth of look-ahead
+        # held back, so a stop string can only start at ``_shown`` or later.
+        hits = [at for at in (self.text.find(s, self._shown) for s in self.stop) if at >= 0]
+        if hits:
+            self.stopped = True
+            self.text = self.text[:min(hits)]
+            out = self.text[self._shown:]
+            self._shown = len(self.text)
+            return out
+        end = len(self.text) if final else max(self._shown, len(self.text) - self._hold)
+        out = self.text[self._shown:end]
+        self._shown = end
+        return out

@@ -1,0 +1,122 @@
+"""Continuous-batching state of one replica, kept as aggregates so no loop runs per token.
+
+Invariants between events:
+
+* ``size`` requests are running; ``context`` is the sum of their current context lengths
+  (prompt + tokens generated so far); ``iteration`` counts decode iterations completed since the
+  replica started;
+* every running request sits in ``_finish`` as ``(finish_iteration, rid, final_context)``:
+  it emits its last token when iteration ``finish_iteration`` completes;
+* a *segment* is a run of iterations with constant membership, from ``t0`` until the next
+  request finishes (``k`` iterations). Iteration ``j`` of the segment (0-based) has context
+  ``c0 + j·size`` and takes ``a + slope·j`` seconds, where ``a`` and ``a + slope·(k-1)`` are the
+  cost model's ``decode_step_time`` at the first and last iteration (exact when the step time is
+  linear in context over the segment, as it is whenever the roofline regime does not change).
+  So the segment's iteration boundaries are ``t0 + T(j)``, ``T(j) = j·a + slope·j(j-1)/2``,
+  computed and inverted in O(1).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Callable
+
+
+class DecodeBatch:
+    __slots__ = ("size", "context", "iteration", "_finish", "members", "_step",
+                 "t0", "c0", "a", "slope", "k", "active", "join_sum")
+
+    def __init__(self, step_time: Callable[[int, float], float]):
+        self._step = step_time  # (batch size, total context) -> seconds per iteration
+        self.size = 0
+        self.context = 0.0
+        self.iteration = 0
+        self._finish: list[tuple[int, int, int]] = []
+        self.members: dict[int, int] = {}  # rid -> iteration at which it joined
+        self.t0 = self.c0 = self.a = self.slope = 0.0
+        self.k = 0
+        self.active = False
+        self.join_sum = 0  # Σ join iteration over running requests
+
+    # ------------------------------------------------------------------ membership
+    def add(self, rid: int, context: int, iterations: int, final_context: int) -> None:
+        """A request joins with ``context`` tokens and needs ``iterations`` (≥ 1) more iterations."""
+        heapq.heappush(self._finish, (self.iteration + iterations, rid, final_context))
+        self.members[rid] = self.iteration
+        self.join_sum += self.iteration
+        self.size += 1
+        self.context += context
+
+    def advance(self, j: int) -> list[int]:
+        """Complete ``j`` iterations of the current segment; return the requests that finished."""
+        self.iteration += j
+        self.context += j * self.size
+        done = []
+        fin = self._finish
+        while fin and fin[0][0] <= self.iteration:
+            _, rid, final = heapq.heappop(fin)
+            self.size -= 1
+            self.context -= final
+            self.join_sum -= self.members.pop(rid)
+            done.append(rid)
+        if self.size == 0:
+            self.context = 0.0  # no drift left behind
+        self.active = False
+        return done
+
+    # ------------------------------------------------------------------ segments
+    def start(self, now: float) -> float:
+        """Begin a segment at ``now``; return the time its first finishing request is done."""
+        assert self.size > 0, "no segment without running requests"
+        self.k = self._finish[0][0] - self.iteration
+        self.t0, self.c0 = now, self.context
+        self.a = self._step(self.size, self.context)
+        if self.k > 1:
+            last = self._step(self.size, self.context + (self.k - 1) * self.size)
+            self.slope = (last - self.a) / (self.k - 1)
+        else:
+            self.slope = 0.0
+        self.active = True
+        return now + self.elapsed(self.k)
+
+    def elapsed(self, j: int) -> float:
+        """Seconds from the segment start to the end of its ``j``-th iteration."""
+        return j * self.a + self.slope * j * (j - 1) / 2.0
+
+    def boundary_at_or_after(self, now: float) -> int:
+        """Smallest j ≤ k whose iteration boundary is at or after ``now``."""
+        dt = now - self.t0
+        if dt <= 0:
+            return 0
+        j = min(self.k, max(0, math.ceil(self._solve(dt))))
+        tol = 1e-12 * max(1.0, now)
+        while j > 0 and self.elapsed(j - 1) >= dt - tol:
+            j -= 1
+        while j < self.k and self.elapsed(j) < dt - tol:
+            j += 1
+        return j
+
+    def iterations_done(self, now: float) -> int:
+        """Iterations of the current segment completed by ``now`` (0 when inactive)."""
+        if not self.active:
+            return 0
+        j = self.boundary_at_or_after(now)
+        return j if self.elapsed(j) <= now - self.t0 + 1e-12 else j - 1
+
+    def _solve(self, dt: float) -> float:
+        """Real root of slope/2·j² + (a − slope/2)·j = dt."""
+        a, s = self.a, self.slope
+        if s <= 1e-18 * max(a, 1e-30):
+            return dt / a if a > 0 else 0.0
+        p = a - s / 2.0
+        return (-p + math.sqrt(p * p + 2.0 * s * dt)) / s
+
+    def generated(self, now: float) -> int:
+        """Σ tokens generated so far by the running requests (their first token included)."""
+        it = self.iteration + self.iterations_done(now)
+        return self.size * (it + 1) - self.join_sum
+
+    @property
+    def next_finish_iteration(self) -> int | None:
+        return self._finish[0][0] if self._finish else None

@@ -1,0 +1,199 @@
+"""Results of a run: per-request timings (numpy arrays), per-replica statistics, the summary.
+
+Per request (seconds): ``ttft`` = first token − arrival; ``e2e`` = finish − arrival;
+``tpot`` = (e2e − ttft) / (output − 1) (0 for one-token outputs); ``atgt`` (Aladdin §2.2) =
+decode time / (output − 1), where decode time runs from joining the decode batch to the last
+token, so it leaves out KV transfer and admission waits that TPOT includes.
+
+A request attains the SLO when every target that is set holds (TTFT, TPOT, E2E); goodput is
+attaining requests per second of the run. ``duration_s`` runs from the first arrival to the last
+finish. GPU-hours charge every device of the plan for the whole duration.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hetserve.specs.workload import SLO
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hetserve.sim.simulator import Simulator
+
+
+def _stats(x: np.ndarray) -> dict[str, float]:
+    if len(x) == 0:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    p50, p90, p99 = np.percentile(x, [50, 90, 99])
+    return {"mean": float(x.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+@dataclass
+class ReplicaStats:
+    id: str
+    role: str
+    devices: int
+    requests: int
+    utilisation: float  # busy fraction of the run
+    kv_capacity_tokens: float
+    kv_mean_tokens: float
+    kv_peak_tokens: float
+
+    def to_dict(self) -> dict[str, Any]:
+        cap = self.kv_capacity_tokens or 1.0
+        return {"role": self.role, "devices": self.devices, "requests": self.requests,
+                "utilisation": self.utilisation, "kv_capacity_tokens": self.kv_capacity_tokens,
+                "kv_mean_use": self.kv_mean_tokens / cap, "kv_peak_use": self.kv_peak_tokens / cap}
+
+
+@dataclass
+class SimResult:
+    arrival: np.ndarray
+    input_tokens: np.ndarray
+    output_tokens: np.ndarray
+    t_start: np.ndarray
+    t_first: np.ndarray
+    t_kv_start: np.ndarray
+    t_kv_done: np.ndarray
+    t_join: np.ndarray
+    t_finish: np.ndarray
+    prefill_replica: list[str]
+    decode_replica: list[str]
+    slo: SLO
+    replicas: list[ReplicaStats]
+    num_devices: int
+    usd_per_hour: float | None
+    info: dict[str, Any] = field(default_factory=dict)  # plan, workload, options, speed
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def from_simulator(sim: "Simulator") -> "SimResult":
+        r = sim.req
+        ids = [x.id for x in sim.replicas]
+        end = max(r.t_finish) if r.n else 0.0
+        span = end - (r.arrival[0] if r.n else 0.0)
+        stats = [ReplicaStats(x.id, x.role, len(x.layout.devices), x.served,
+                              x.busy_s / span if span > 0 else 0.0, x.kv_capacity, x.kv_mean(end), x.kv_peak)
+                 for x in sim.replicas]
+        dev = [sim.cluster.device(d).index for d in sim.plan.devices]
+        links = sim.network.links.values()
+        res = SimResult(
+            np.asarray(r.arrival), np.asarray(r.inp, np.int64), np.asarray(r.out, np.int64),
+            np.asarray(r.t_start), np.asarray(r.t_first), np.asarray(r.t_kv_start), np.asarray(r.t_kv_done),
+            np.asarray(r.t_join), np.asarray(r.t_finish),
+            [ids[i] if i >= 0 else "" for i in r.prefill_rep], [ids[i] if i >= 0 else "" for i in r.decode_rep],
+            sim.opts.slo, stats, len(dev), sim.cluster.usd_per_hour(dev),
+            info={"plan": sim.plan.algorithm, "cluster": sim.cluster.name, "model": sim.model.name,
+                  "workload": sim.workload.name, "placement": getattr(sim.placement, "name", "?"),
+                  "route": getattr(sim.router, "name", "?"),
+                  "transmission": sim.network.policy_name,
+                  "predictor": getattr(sim.predictor, "name", type(sim.predictor).__name__),
+                  "pipeline": sim.opts.pipeline, "chunked_prefill": sim.opts.chunked_prefill,
+                  "events": sim.loop.events, "wall_s": sim.wall_s,
+                  "links": {f"{a}->{b}": {"bytes": l.bytes_sent, "busy_s": l.busy_s, "messages": l.messages}
+                            for (a, b), l in sorted(sim.network.links.items())} if len(links) <= 64 else {}},
+        )
+        return res
+
+    # ------------------------------------------------------------------ per request
+    def __len__(self) -> int:
+        return len(self.arrival)
+
+    @property
+    def ttft(self) -> np.ndarray:
+        return self.t_first - self.arrival
+
+    @property
+    def e2e(self) -> np.ndarray:
+        return self.t_finish - self.arrival
+
+    @property
+    def tpot(self) -> np.ndarray:
+        steps = self.output_tokens - 1
+        return np.where(steps > 0, (self.t_finish - self.t_first) / np.maximum(steps, 1), 0.0)
+
+    @property
+    def atgt(self) -> np.ndarray:
+        steps = self.output_tokens - 1
+        dec = np.where(np.isnan(self.t_join), self.t_finish - self.t_first, self.t_finish - self.t_join)
+        return np.where(steps > 0, dec / np.maximum(steps, 1), 0.0)
+
+    @property
+    def slo_met(self) -> np.ndarray:
+        ok = np.isfinite(self.t_finish)
+        s = self.slo
+        if s.ttft_s is not None:
+            ok &= self.ttft <= s.ttft_s
+        if s.tpot_s is not None:
+            ok &= self.tpot <= s.tpot_s
+        if s.e2e_s is not None:
+            ok &= self.e2e <= s.e2e_s
+        return ok
+
+    @property
+    def duration_s(self) -> float:
+        return float(np.nanmax(self.t_finish) - self.arrival[0]) if len(self) else 0.0
+
+    # ------------------------------------------------------------------ summary
+    def summary(self) -> dict[str, Any]:
+        """The DESIGN.md summary JSON (its keys first), extended."""
+        n = len(self)
+        done = int(np.isfinite(self.t_finish).sum())
+        dur = self.duration_s
+        out_tokens = int(self.output_tokens.sum())
+        met = self.slo_met
+        gpu_hours = self.num_devices * dur / 3600.0
+        usd = self.usd_per_hour * dur / 3600.0 if self.usd_per_hour is not None else None
+        tput = out_tokens / dur if dur > 0 else 0.0
+        return {
+            "requests": n, "completed": done, "duration_s": dur,
+            "throughput_tokens_per_s": tput,
+            "goodput_requests_per_s": float(met.sum()) / dur if dur > 0 else 0.0,
+            "slo_attainment": float(met.mean()) if n else 1.0,
+            "ttft_s": _stats(self.ttft), "tpot_s": _stats(self.tpot), "e2e_s": _stats(self.e2e),
+            # extensions
+            "atgt_s": _stats(self.atgt),
+            "queue_s": _stats(self.t_start - self.arrival),
+            "kv_transfer_s": _stats((self.t_kv_done - self.t_kv_start)[np.isfinite(self.t_kv_done)]),
+            "slo": {"ttft_s": self.slo.ttft_s, "tpot_s": self.slo.tpot_s, "e2e_s": self.slo.e2e_s},
+            "input_tokens": int(self.input_tokens.sum()), "output_tokens": out_tokens,
+            "requests_per_s": done / dur if dur > 0 else 0.0,
+            "output_tokens_per_s": tput,
+            "gpu_hours": gpu_hours,
+            "usd": usd,
+            "usd_per_million_output_tokens": usd / out_tokens * 1e6 if usd is not None and out_tokens else None,
+            "replicas": {s.id: s.to_dict() for s in self.replicas},
+            "run": self.info,
+        }
+
+    # ------------------------------------------------------------------ files
+    def to_csv(self, path: str | Path) -> None:
+        """One row per request: inputs, replicas, timestamps and latencies (seconds)."""
+        cols = {"id": np.arange(len(self)), "arrival_s": self.arrival, "input_tokens": self.input_tokens,
+                "output_tokens": self.output_tokens, "ttft_s": self.ttft, "tpot_s": self.tpot, "atgt_s": self.atgt,
+                "e2e_s": self.e2e, "queue_s": self.t_start - self.arrival,
+                "kv_transfer_s": self.t_kv_done - self.t_kv_start, "first_token_s": self.t_first,
+                "finish_s": self.t_finish, "slo_met": self.slo_met.astype(int)}
+        with Path(path).open("w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(list(cols) + ["prefill_replica", "decode_replica"])
+            rows = zip(*[c.tolist() for c in cols.values()], self.prefill_replica, self.decode_replica)
+            for row in rows:
+                w.writerow([f"{v:.6g}" if isinstance(v, float) else v for v in row])
+
+    def save(self, outdir: str | Path, plots: bool = True) -> list[Path]:
+        """Write summary.json, requests.csv and (optionally) latency_cdf.png under ``outdir``."""
+        out = Path(outdir)
+        out.mkdir(parents=True, exist_ok=True)
+        written = [out / "summary.json", out / "requests.csv"]
+        written[0].write_text(json.dumps(self.summary(), indent=2) + "\n")
+        self.to_csv(written[1])
+        if plots:
+            from hetserve.sim.plots import plot_latency_cdfs
+            written.append(plot_latency_cdfs({"run": self}, out / "latency_cdf.png"))
+        return written

@@ -1,0 +1,245 @@
+"""A pipeline replica simulated stage by stage, its activations on the shared links.
+
+``SimOptions(pipeline="detailed")`` uses this for decode and colocated replicas with two or more
+stages. It is the view MoLink needs: decode activations (small, latency-critical) and prefill
+activations / KV (bulk) cross the same links, so the transmission policy decides who waits.
+
+Model (vLLM-style pipeline with virtual engines):
+
+* the running requests are split into ``m`` micro-batch groups (``SimOptions.micro_batches``,
+  default the number of stages); a new request joins the group with the fewest requests;
+* a group cycles round the ring: stage 0 → … → last stage (tokens sampled: first tokens and
+  finished requests are recorded here) → token ids back to stage 0, which starts its next iteration.
+  Each stage runs one item at a time, first come first served; an item's time is the cost model's
+  ``stage_decode_time`` (or ``stage_prefill_time`` for a prefill item, which interrupts that
+  group's decoding: vLLM runs a group's new prompts before its next decode step);
+* between stages, ``tokens · hidden · dtype`` bytes of activations go over the fastest device pair
+  of the two stages (the pair ``pp_handoff_time`` would use) as a ``decode`` or ``prefill``
+  message; the token ids go back as a ``decode`` message of 4 bytes per sequence;
+* KV admission is as in ``DecodeReplica``/``ColocatedReplica`` (the whole footprint reserved).
+
+Each group's members are a ``DecodeBatch`` (finish heap, aggregate context), so an iteration
+costs O(stages + finishing requests), not O(batch). Events: one per stage per micro-batch per
+iteration plus one per message — use it where link contention is the question.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hetserve.cost.analytic import PrefillBatch
+from hetserve.policies.base import DecodeTiming, ReplicaState
+from hetserve.sim.batch import DecodeBatch
+from hetserve.sim.events import Priority
+from hetserve.sim.replicas import Replica
+
+TOKEN_ID_BYTES = 4
+
+
+class _Group:
+    __slots__ = ("batch", "prefill", "joins", "in_flight", "item")
+
+    def __init__(self):
+        self.batch = DecodeBatch(lambda b, c: 0.0)  # used for membership only
+        self.prefill: list[int] = []  # admitted prompts awaiting this group's next iteration
+        self.joins: list[int] = []  # KV arrived (decode role): join at the next launch
+        self.in_flight = False
+        self.item = None
+
+    @property
+    def load(self) -> int:
+        return self.batch.size + len(self.prefill) + len(self.joins)
+
+
+class _Item:
+    """One micro-batch iteration travelling round the ring."""
+
+    __slots__ = ("group", "kind", "prefill", "size", "context", "tokens")
+
+    def __init__(self, group: int, kind: str, prefill: list[int], size: int, context: float, tokens: int):
+        self.group, self.kind, self.prefill = group, kind, prefill
+        self.size, self.context, self.tokens = size, context, tokens
+
+
+class PipelineReplica(Replica):
+    def __init__(self, sim, index, spec, layout):
+        super().__init__(sim, index, spec, layout)
+        S = len(layout.stages)
+        m = sim.opts.micro_batches or S
+        self.groups = [_Group() for _ in range(m)]
+        self.max_batch = sim.opts.max_batch
+        self.admitted = 0
+        self.waiting: deque = deque()  # colocated: rid; decode: (rid, src)
+        self.queued_tokens = 0
+        self.pred_sum = 0.0
+        self._queue = [deque() for _ in range(S)]
+        self._busy_stage = [False] * S
+        self._exec = [(None, 0.0)] * S  # (start, duration) of the decode item running per stage
+        self._first_done = [None] * S  # when group 0's latest decode item finished per stage
+        self._round_trip = [0.0] * S
+        self._last_seen = [None] * S  # when group 0's decode item last started per stage
+        net = sim.network
+        self._hops = []
+        nb = 1e6
+        for s in range(S):
+            a, b = layout.stages[s], layout.stages[(s + 1) % S]
+            d, e = min(((d, e) for d in a.devices for e in b.devices), key=lambda p: self.cost.p2p_time(*p, nb))
+            link = net.link(d, e)
+            link.decode_timing = (lambda now, s=s: self._timing(s, now))
+            self._hops.append((d, e))
+        self._act_bytes = self.sim.model.hidden * self.sim.model.dtype_bytes  # per token
+
+    # ------------------------------------------------------------------ admission
+    def place(self, rid: int) -> None:  # colocated
+        self.waiting.append(rid)
+        self.queued_tokens += self.req.inp[rid]
+        self.pred_sum += self.req.pred[rid]
+        self._admit()
+
+    def enqueue(self, rid: int, src) -> None:  # decode
+        self.waiting.append((rid, src))
+        self.pred_sum += self.req.pred[rid]
+        self._admit()
+
+    def _admit(self) -> None:
+        r = self.req
+        while self.waiting and self.admitted < self.max_batch:
+            head = self.waiting[0]
+            rid = head if self.role == "colocated" else head[0]
+            need = r.inp[rid] + r.out[rid]
+            if not self._can_hold(self.kv_used, need):
+                break
+            self.waiting.popleft()
+            self._kv_add(need)
+            self.admitted += 1
+            if self.role == "colocated":
+                self.queued_tokens -= r.inp[rid]
+                r.t_start[rid] = self.loop.now
+                g = self._least_loaded()
+                self.groups[g].prefill.append(rid)
+                self._launch(g)
+            else:
+                self.sim.start_kv(rid, head[1], self)
+
+    def kv_arrived(self, rid: int) -> None:
+        g = self._least_loaded()
+        self.groups[g].joins.append(rid)
+        self._launch(g)
+
+    def _least_loaded(self) -> int:
+        return min(range(len(self.groups)), key=lambda i: (self.groups[i].load, i))
+
+    # ------------------------------------------------------------------ the ring
+    def _launch(self, g: int) -> None:
+        grp = self.groups[g]
+        if grp.in_flight:
+            return
+        r = self.req
+        for rid in grp.joins:
+            r.t_join[rid] = self.loop.now
+            grp.batch.add(rid, r.inp[rid] + 1, r.out[rid] - 1, r.inp[rid] + r.out[rid])
+        grp.joins.clear()
+        if grp.prefill:
+            take, tokens = [], 0
+            while grp.prefill and (not take or tokens + r.inp[grp.prefill[0]] <= self.sim.opts.token_budget):
+                rid = grp.prefill.pop(0)
+                take.append(rid)
+                tokens += r.inp[rid]
+            item = _Item(g, "prefill", take, len(take), 0.0, tokens)
+        elif grp.batch.size:
+            item = _Item(g, "decode", [], grp.batch.size, grp.batch.context, grp.batch.size)
+        else:
+            return
+        grp.in_flight = True
+        self._arrive(0, item)
+
+    def _arrive(self, s: int, item: _Item) -> None:
+        self._queue[s].append(item)
+        if not self._busy_stage[s]:
+            self._start(s)
+
+    def _start(self, s: int) -> None:
+        item = self._queue[s].popleft()
+        stage = self.layout.stages[s]
+        last = s == len(self.layout.stages) - 1
+        now = self.loop.now
+        if item.kind == "prefill":
+            lens = [self.req.inp[i] for i in item.prefill]
+            dur = self.cost.stage_prefill_time(stage, PrefillBatch.of(lens), last)
+            self._exec[s] = (None, 0.0)
+        else:
+            dur = self.cost.stage_decode_time(stage, item.size, item.context, last)
+            self._exec[s] = (now, dur)
+            if item.group == 0:
+                if self._last_seen[s] is not None:
+                    self._round_trip[s] = max(0.0, now - self._last_seen[s] - dur)
+                self._last_seen[s] = now
+        self._busy_stage[s] = True
+        self._busy(now, now + dur)
+        self.loop.schedule(now + dur, Priority.WORK, self._done, (s, item))
+
+    def _done(self, arg) -> None:
+        s, item = arg
+        now = self.loop.now
+        self._busy_stage[s] = False
+        if item.kind == "decode":
+            self._exec[s] = (None, 0.0)
+            if item.group == 0:
+                self._first_done[s] = now
+        if self._queue[s]:  # the stage takes its next item as this one's output leaves
+            self._start(s)
+        S = len(self.layout.stages)
+        d, e = self._hops[s]
+        if s < S - 1:
+            nbytes = item.tokens * self._act_bytes
+            self.sim.network.send(item.kind, [(d, e, nbytes)], lambda _t, item=item, s=s: self._arrive(s + 1, item))
+        else:  # sampled: tokens reach the user now; the ids go back round for the next iteration
+            self._tokens(item)
+            self.sim.network.send("decode", [(d, e, TOKEN_ID_BYTES * item.size)],
+                                  lambda _t, g=item.group: self._relaunch(g))
+
+    def _tokens(self, item: _Item) -> None:
+        grp = self.groups[item.group]
+        r = self.req
+        if item.kind == "prefill":
+            done = []
+            for rid in item.prefill:
+                self.sim.first_token(rid, self)
+                if r.out[rid] <= 1:
+                    done.append(rid)
+                else:
+                    r.t_join[rid] = self.loop.now
+                    grp.batch.add(rid, r.inp[rid] + 1, r.out[rid] - 1, r.inp[rid] + r.out[rid])
+            self._finish_all(done)
+        else:
+            self._finish_all(grp.batch.advance(1))
+
+    def _relaunch(self, g: int) -> None:
+        self.groups[g].in_flight = False
+        self._launch(g)
+
+    def _finish_all(self, rids: list[int]) -> None:
+        r = self.req
+        for rid in rids:
+            self._kv_add(-(r.inp[rid] + r.out[rid]))
+            self.admitted -= 1
+            self.pred_sum -= r.pred[rid]
+            self.served += 1
+            self.sim.finished(rid)
+        if rids:
+            self._admit()
+
+    # ------------------------------------------------------------------ MoLink's view
+    def _timing(self, s: int, now: float) -> DecodeTiming:
+        start, dur = self._exec[s]
+        return DecodeTiming(start, dur, self._first_done[s], self._round_trip[s])
+
+    # ------------------------------------------------------------------ snapshot
+    def state(self, with_requests: bool = False) -> ReplicaState:
+        running = sum(g.batch.size for g in self.groups)
+        queued = len(self.waiting) + sum(len(g.prefill) + len(g.joins) for g in self.groups)
+        generated = sum(g.batch.size * (g.batch.iteration + 1) - g.batch.join_sum for g in self.groups)
+        ctx = int(sum(g.batch.context for g in self.groups))
+        return ReplicaState(self.id, self.role, queued, running, self.queued_tokens,
+                            self.queued_tokens + max(0.0, self.pred_sum - generated), ctx,
+                            int(self.kv_used), int(self.kv_capacity), (), self.capacity_norm)

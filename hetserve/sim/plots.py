@@ -1,0 +1,62 @@
+"""PNG plots of simulation results (matplotlib, Agg backend; no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hetserve.sim.metrics import SimResult
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_latency_cdfs(results: Mapping[str, "SimResult"], path: str | Path) -> Path:
+    """CDFs of TTFT, TPOT and E2E, one line per labelled result."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for label, res in results.items():
+        for ax, (name, x) in zip(axes, (("TTFT", res.ttft), ("TPOT", res.tpot), ("E2E", res.e2e))):
+            x = np.sort(x[np.isfinite(x)])
+            ax.plot(x, np.arange(1, len(x) + 1) / max(len(x), 1), label=label)
+            ax.set_xlabel(f"{name} (s)")
+            ax.set_xscale("symlog", linthresh=1e-2)
+            ax.grid(alpha=0.3)
+    axes[0].set_ylabel("fraction of requests")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_rate_sweep(rows: Sequence[dict], path: str | Path, label_key: str = "label") -> Path:
+    """Throughput and SLO attainment against arrival rate (rows from ``rate_sweep``)."""
+    plt = _plt()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    labels = sorted({r.get(label_key, "") for r in rows})
+    for lab in labels:
+        rs = sorted((r for r in rows if r.get(label_key, "") == lab), key=lambda r: r["rate"])
+        x = [r["rate"] for r in rs]
+        a.plot(x, [r["summary"]["throughput_tokens_per_s"] for r in rs], marker="o", label=lab or None)
+        b.plot(x, [r["summary"]["slo_attainment"] for r in rs], marker="o", label=lab or None)
+    a.set_xlabel("arrival rate (req/s)")
+    a.set_ylabel("output tokens/s")
+    b.set_xlabel("arrival rate (req/s)")
+    b.set_ylabel("SLO attainment")
+    b.set_ylim(0, 1.05)
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    if any(labels):
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

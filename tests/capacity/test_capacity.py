@@ -1,0 +1,127 @@
+"""Capacity planning: Eq. 6 worker size, worker-count search, Eq. 7 law, heartbeat scaling, CLI."""
+
+import math
+
+import numpy as np
+import pytest
+
+from hetserve.capacity import (
+    best_worker_config, fit_worker_law, fluid_workers, homogeneous_cluster, min_workers, plan_scaling,
+    worker_options)
+from hetserve.capacity.workers import WorkerLaw
+from hetserve.errors import InfeasibleError
+from hetserve.specs.model import load_model
+from hetserve.specs.workload import SLO, Workload
+
+
+def test_worker_law_recovers_a_known_linear_law():
+    k5, c5 = 0.8, 1.3
+    rates = np.linspace(2, 40, 60)
+    workers = [math.ceil(k5 * r + c5) for r in rates]
+    law = fit_worker_law(rates, workers)
+    assert law.k5 == pytest.approx(k5, abs=0.02)
+    assert law.c5 == pytest.approx(c5, abs=0.3)
+    hits = sum(law.workers(r) == n for r, n in zip(rates, workers))
+    assert hits >= 0.9 * len(rates) and law.max_abs_error <= 1
+    assert law.r2 > 0.99
+
+
+def test_worker_law_floor_and_errors():
+    law = WorkerLaw(0.5, 1.0, rate_floor=4.0)
+    assert law.workers(0.1) == law.workers(4.0) == 3
+    with pytest.raises(ValueError):
+        fit_worker_law([1, 1], [2, 2])
+
+
+def test_min_workers_is_the_threshold_of_a_monotone_test():
+    calls = []
+
+    def meets(n):
+        calls.append(n)
+        return n >= 37
+
+    assert min_workers(meets) == 37
+    assert len(calls) <= 2 * math.ceil(math.log2(37)) + 2  # doubling, then bisection
+    assert min_workers(lambda n: n >= 5, hi=20) == 5  # a guess above the answer
+    assert min_workers(lambda n: n >= 50, hi=3) == 50  # a guess below it
+    with pytest.raises(ValueError):
+        min_workers(lambda n: False, max_workers=8)
+
+
+def test_eq6_prefers_the_degree_with_most_per_gpu_throughput():
+    model = load_model("llama-2-70b")
+    pool = homogeneous_cluster("A100-SXM-80G", 8, 4)
+    slo = SLO(1.6, 0.075)
+    opts = {o.gpus: o for o in worker_options(pool, model, slo, 300, 300)}
+    assert not opts[1].feasible and opts[1].limit == "memory"  # 140 GB of weights on one 80 GB GPU
+    best = best_worker_config(pool, model, slo, 300, 300)
+    assert best.tokens_per_s_per_gpu == max(o.tokens_per_s_per_gpu for o in opts.values() if o.feasible)
+    assert best.batch > 0 and best.iteration_s <= slo.tpot_s + 1e-9
+
+
+def test_eq6_slo_bound_batch_and_infeasible():
+    model = load_model("llama-2-7b")
+    pool = homogeneous_cluster("A100-SXM-80G", 4, 4)
+    o = next(o for o in worker_options(pool, model, SLO(None, 0.015), 300, 300) if o.gpus == 1)
+    assert o.limit == "atgt" and o.iteration_s <= 0.015
+    with pytest.raises(InfeasibleError):
+        best_worker_config(pool, model, SLO(None, 0.001), 300, 300)  # faster than one token can go
+
+
+def test_fluid_workers_scale_with_rate():
+    model = load_model("llama-2-7b")
+    pool = homogeneous_cluster("A100-SXM-80G", 4, 4)
+    o = best_worker_config(pool, model, SLO(0.4, 0.015), 300, 300)
+    n1, n4 = fluid_workers(50, o, 300, 300), fluid_workers(200, o, 300, 300)
+    assert n1 >= 2 and 4 * n1 - 4 <= n4 <= 4 * n1
+    assert fluid_workers(50, o, 300, 300, colocated=False) <= n1  # no prefill stalls to pay for
+
+
+def test_scaling_follows_the_rate_at_each_heartbeat():
+    # 10 min at 2 req/s, 10 min at 10 req/s, 10 min at 2 req/s
+    arr = np.concatenate([np.arange(0, 600, 0.5), 600 + np.arange(0, 600, 0.1), 1200 + np.arange(0, 600, 0.5)])
+    wl = Workload.from_lists("steps", arr, np.full(len(arr), 100), np.full(len(arr), 100))
+    law = WorkerLaw(0.5, 1.0)
+    plan = plan_scaling(wl, law, heartbeat_s=60, gpus_per_worker=2)
+    w = [s.workers for s in plan.steps]
+    assert w[5] == law.workers(2) and w[15] == law.workers(10) and w[25] == law.workers(2)
+    assert plan.steps[10].workers == law.workers(2)  # reactive: the first busy window is under-provisioned
+    assert plan.under_provisioned_windows == 1
+    assert plan.gpu_hours < plan.static_gpu_hours
+    ahead = plan_scaling(wl, law, heartbeat_s=60, lookahead=True)
+    assert ahead.under_provisioned_windows == 0
+    slow_down = plan_scaling(wl, law, heartbeat_s=60, down_after=3)
+    assert [s.workers for s in slow_down.steps][20:22] == [law.workers(10)] * 2  # held before scaling down
+
+
+def test_cli_capacity_fluid(capsys):
+    from hetserve.cli.main import main
+
+    rc = main(["capacity", "--gpu", "A100-SXM-80G", "--model", "llama-2-7b", "--workload", "sharegpt",
+               "--rates", "5,10,20", "--slo-ttft", "0.4", "--slo-tpot", "0.015", "--method", "fluid"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "GPU(s) per worker" in out and "N_w = ceil(" in out
+
+
+def test_cli_capacity_bad_rates(capsys):
+    from hetserve.cli.main import main
+
+    rc = main(["capacity", "--gpu", "A100-SXM-80G", "--model", "llama-2-7b", "--workload", "sharegpt",
+               "--rates", "5,x", "--slo-ttft", "0.4", "--slo-tpot", "0.015"])
+    assert rc == 2 and "rates" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_simulated_worker_count_small():
+    from hetserve.capacity.simulated import workers_needed
+
+    model = load_model("llama-2-7b")
+    slo = SLO(0.4, 0.015)
+    wl = Workload.from_lists("w", np.arange(200) * 0.2, np.full(200, 200), np.full(200, 100))
+    n = workers_needed(model, "A100-SXM-80G", wl, slo, "jsq", 1, "colocated", 0.99, hint=1)
+    assert n >= 1
+    from hetserve.capacity.simulated import attainment, run_pool
+    assert attainment(run_pool(model, "A100-SXM-80G", wl, slo, "jsq", n, 1), slo) >= 0.99
+    if n > 1:
+        assert attainment(run_pool(model, "A100-SXM-80G", wl, slo, "jsq", n - 1, 1), slo) < 0.99

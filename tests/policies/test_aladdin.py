@@ -1,0 +1,202 @@
+"""Aladdin placement: best fit under constraints (b)-(e), γ, re-prediction and re-balancing.
+
+Each scenario is built so round robin (first candidate), JSQ (least loaded) or a constraint-blind
+best fit would choose differently from Aladdin.
+"""
+
+import pytest
+
+from hetserve.cost.fitted import DecodeModel, KVModel, PerformanceModel, PrefillModel
+from hetserve.policies.aladdin import AladdinPlacement, AladdinRoute
+from hetserve.policies.base import ReplicaState, RequestInfo, RunningRequest
+from hetserve.policies.predictor import BucketMeanPredictor
+from hetserve.specs.workload import SLO
+
+# prefill: 1 ms/token; decode: t = 1e-5·Σctx + 1e-3·b + 0.01 s  => at ATGT 50 ms, Σctx ≤ 4000 - 100·b
+MODEL = PerformanceModel(PrefillModel(1e-3, 0.0), DecodeModel(1e-5, 1e-3, 0.01), KVModel(1.0), 10_000)
+SLO_ = SLO(ttft_s=1.0, tpot_s=0.05)
+
+
+def req(i, l_in=100, pred=100):
+    return RequestInfo(i, 0.0, l_in, pred)
+
+
+def worker(rid, reqs=(), role="decode", queued_prefill=0, cap=10_000, capacity_norm=1.0):
+    reqs = tuple(reqs)
+    ctx = sum(r.input_tokens + r.generated_tokens for r in reqs)
+    return ReplicaState(rid, role, 0, len(reqs), queued_prefill, 0.0, ctx, ctx, cap, reqs, capacity_norm)
+
+
+def running(i, l_in, gen, pred, dec_time=0.0):
+    return RunningRequest(i, l_in, gen, pred, dec_time)
+
+
+def test_best_fit_picks_the_fullest_feasible_worker():
+    light = worker("light", [running(1, 100, 10, 100)])
+    full = worker("full", [running(k, 200, 10, 100) for k in range(2, 7)])
+    empty = worker("empty")
+    pol = AladdinPlacement(MODEL, SLO_)
+    # round robin would take "light" (first), JSQ "empty"; best fit takes the fullest
+    assert pol.choose(req(10), [light, full, empty], 0.0) == "full"
+
+
+def test_ranking_is_by_capacity_norm_not_request_count():
+    many_small = worker("many", [running(k, 10, 1, 10) for k in range(4)])
+    few_big = worker("big", [running(10 + k, 1000, 1, 100) for k in range(2)])
+    pol = AladdinPlacement(MODEL, SLO_)
+    assert pol.capacity_norm(few_big) > pol.capacity_norm(many_small)
+    assert pol.choose(req(20), [many_small, few_big], 0.0) == "big"
+
+
+def test_refuses_worker_whose_atgt_would_break():
+    # 10 requests of 330 context tokens: Σ = 3300 + 100 new; limit at b = 11 is 4000 - 1100 = 2900
+    near = worker("near", [running(k, 300, 30, 60) for k in range(10)])
+    other = worker("other", [running(50, 100, 1, 100)])
+    pol = AladdinPlacement(MODEL, SLO_)
+    assert not pol.check(req(99), near).atgt
+    assert pol.choose(req(99), [near, other], 0.0) == "other"
+
+
+def test_gamma_is_the_strictness_knob():
+    # 5 requests of 400 input, predicted 400 output: γ=0 counts 2000 tokens, γ=1 counts 4000
+    reqs = [running(k, 400, 0, 400) for k in range(5)]
+    w = worker("w", reqs)
+    new = req(9, l_in=100, pred=100)
+    assert AladdinPlacement(MODEL, SLO_, gamma=0.0).check(new, w).atgt
+    assert not AladdinPlacement(MODEL, SLO_, gamma=1.0).check(new, w).atgt
+
+
+def test_refuses_worker_whose_ttft_would_break():
+    busy = worker("busy", [running(1, 100, 5, 50)] * 1, role="colocated", queued_prefill=950)
+    idle = worker("idle", role="colocated")
+    pol = AladdinPlacement(MODEL, SLO_)
+    # 950 queued + 100 = 1.05 s of prefill > 1 s TTFT
+    assert not pol.check(req(7), busy).ttft
+    assert pol.choose(req(7), [busy, idle], 0.0) == "idle"
+
+
+def test_refuses_worker_whose_future_kv_would_overflow():
+    # Now: 4 x 1000 = 4000 tokens held, far below 10k. But all four grow by 1400 more tokens:
+    # just before their end they hold 4 x 2400 = 9600; a new request of 100 input and 1500
+    # output then holds 1500 more: 11,100 > 10k.
+    long_tail = worker("tail", [running(k, 900, 100, 1500) for k in range(4)])
+    roomy = worker("roomy", [running(9, 100, 10, 20)])
+    pol = AladdinPlacement(MODEL, SLO(ttft_s=None, tpot_s=None))
+    assert long_tail.kv_used_tokens < 0.5 * long_tail.kv_capacity_tokens
+    check = pol.check(req(5, 100, 1500), long_tail)
+    assert not check.kv and check.atgt
+    assert pol.check(req(5, 100, 300), long_tail).kv  # a short one ends before the peak: fits
+    assert pol.choose(req(5, 100, 1500), [long_tail, roomy], 0.0) == "roomy"
+
+
+def test_kv_peak_counts_requests_that_end_early_only_until_they_end():
+    pol = AladdinPlacement(MODEL, SLO(None, None))
+    w = worker("w", [running(1, 5000, 0, 10), running(2, 100, 0, 4000)])
+    v = pol._view(w)
+    # peak: at t=0 both (5100) vs at t=4000 only the long one (4100) vs t=10: 5010 + 110
+    assert pol.kv_peak(MODEL, v) == pytest.approx(max(5100, 5010 + 110, 4100))
+
+
+def test_prefill_preempting_decode_is_bounded_by_saved_time():
+    # a colocated worker whose running request has used up its ATGT budget: no slack for a prefill
+    tight = worker("tight", [running(1, 100, 100, 200, dec_time=100 * 0.05)], role="colocated")
+    relaxed = worker("relaxed", [running(2, 100, 100, 200, dec_time=100 * 0.02)], role="colocated")
+    pol = AladdinPlacement(MODEL, SLO_, project_slack=False)
+    assert not pol.check(req(3), tight).preempt
+    assert pol.check(req(3), relaxed).preempt  # saved 3 s > 0.1 s of prefill
+    assert pol.choose(req(3), [tight, relaxed], 0.0) == "relaxed"
+
+
+def test_overflow_goes_to_least_loaded_and_is_counted():
+    a = worker("a", [running(k, 900, 0, 1000) for k in range(8)])
+    b = worker("b", [running(20 + k, 900, 0, 1000) for k in range(4)])
+    pol = AladdinPlacement(MODEL, SLO_)
+    assert pol.choose(req(1, 3000, 3000), [a, b], 0.0) == "b"
+    assert pol.stats["overflow"] == 1
+
+
+def test_outlived_requests_are_repredicted_into_the_constraints():
+    pred = BucketMeanPredictor().fit([900] * 50, [300] * 25 + [3000] * 25)  # bucket mean 1650
+    # A request predicted 1650 tokens has generated 1700: re-predicted as E[out | out > 1700] = 3000,
+    # so it will hold 900 + 3000 tokens, not 900 + 1700. Three of them plus a new one overflow KV.
+    w = worker("w", [running(k, 900, 1700, 1650) for k in range(3)])
+    other = worker("other")
+    pol = AladdinPlacement(MODEL, SLO(None, None), predictor=pred, rebalance=False)
+    assert pol._view(w).pred.tolist() == [3000.0] * 3
+    assert not pol.check(req(5, 100, 100), w).kv
+    assert pol.choose(req(5, 100, 100), [w, other], 0.0) == "other"
+
+
+def test_rebalancing_moves_new_requests_off_underestimated_workers():
+    pred = BucketMeanPredictor(prior=50).fit([100] * 10, [50] * 10)
+    under = worker("under", [running(1, 100, 60, 50), running(2, 100, 10, 50), running(3, 100, 10, 50)])
+    over = worker("over", [running(4, 100, 10, 50)])
+    # "over" also had a request finish far earlier than predicted
+    for moved in (False, True):
+        pol = AladdinPlacement(MODEL, SLO(None, 0.05), predictor=pred, rebalance=moved)
+        pol._placed[77] = ("over", 400.0)
+        pol.on_finish(77, 100, 5)
+        choice = pol.choose(req(10), [under, over], 0.0)
+        assert choice == ("over" if moved else "under")
+    assert pol.stats["moved"] == 1
+
+
+def test_predictor_learns_through_on_finish():
+    pred = BucketMeanPredictor(prior=10)
+    pol = AladdinPlacement(MODEL, SLO_, predictor=pred)
+    pol.choose(req(1, 100), [worker("a")], 0.0)
+    pol.on_finish(1, 100, 300)
+    assert pred.predict(1, 100) == 300
+
+
+def test_route_policy_places_on_decode_replicas():
+    full = worker("d-full", [running(k, 200, 10, 100) for k in range(3)])
+    empty = worker("d-empty")
+    route = AladdinRoute(AladdinPlacement(MODEL, SLO_))
+    assert route.choose(req(1), "p0", [(empty, 0.5), (full, 0.5)], 0.0) == "d-full"
+    assert route.choose(req(2), "p0", [(empty, 1.0), (full, 0.0)], 0.0) == "d-empty"
+
+
+def test_per_replica_models_and_bad_knobs():
+    slow = PerformanceModel(PrefillModel(1e-2, 0.0), MODEL.decode, MODEL.kv, 10_000)
+    pol = AladdinPlacement({"fast": MODEL, "slow": slow}, SLO_)
+    ws = [worker("slow", role="colocated", queued_prefill=50), worker("fast", role="colocated", queued_prefill=50)]
+    assert pol.choose(req(1, 200), ws, 0.0) == "fast"  # 250 tokens: 2.5 s on slow > 1 s TTFT
+    with pytest.raises(ValueError):
+        AladdinPlacement(MODEL, SLO_, gamma=1.5)
+    with pytest.raises(KeyError, match="no performance model"):
+        pol.choose(req(2), [worker("nope")], 0.0)
+
+
+def test_registry_builds_aladdin_from_the_policy_context():
+    from hetserve.cost.analytic import CostModel
+    from hetserve.cost.layout import ReplicaLayout, StageLayout
+    from hetserve.policies.placement import PolicyContext, make_placement, placement_names
+    from hetserve.specs.cluster import load_cluster
+    from hetserve.specs.model import load_model
+
+    cluster, model = load_cluster("aladdin-a100"), load_model("llama-2-7b")
+    layouts = {f"w{i}": ReplicaLayout((StageLayout((i,), (0, model.num_layers)),)) for i in range(2)}
+    pol = make_placement("aladdin", PolicyContext(slo=SLO(0.4, 0.015), cost=CostModel(cluster, model),
+                                                  layouts=layouts))
+    assert isinstance(pol, AladdinPlacement) and "aladdin" in placement_names()
+    assert pol.model_for("w0") is pol.model_for("w1")  # identical shapes share one fit
+    assert pol.model_for("w0").decode.c3 < 0.015
+
+
+def test_in_the_simulator_aladdin_packs_where_round_robin_spreads():
+    import numpy as np
+
+    from hetserve.capacity.simulated import run_pool
+    from hetserve.specs.model import load_model
+    from hetserve.specs.workload import Workload
+
+    model = load_model("llama-2-7b")
+    slo = SLO(0.4, 0.015)
+    wl = Workload.from_lists("t", np.arange(120) * 0.25, np.full(120, 300), np.full(120, 80))
+    used = {}
+    for pol in ("aladdin", "rr"):
+        res = run_pool(model, "A100-SXM-80G", wl, slo, pol, 6, 1)
+        used[pol] = len(set(res.prefill_replica))
+    assert used["rr"] == 6
+    assert used["aladdin"] <= 2  # best fit keeps opening as few workers as the constraints allow

@@ -1,0 +1,43 @@
+"""Fixtures for the serving tests: HTTP servers over the in-process fake engine (``hetserve.serve.fake``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from hetserve.serve.fake import ByteCodec, FakeBackend
+
+@pytest.fixture
+def fake_backend():
+    return FakeBackend()
+
+
+@pytest.fixture
+def serve_fake():
+    """``serve_fake(backend=None, placement=None) -> (url, backend, coordinator)``; servers stop at teardown."""
+    from hetserve.serve.app import create_app
+    from hetserve.serve.coordinator import Coordinator
+    from hetserve.serve.server import ServerThread
+
+    servers = []
+
+    def start(backend: FakeBackend | None = None, placement=None, model_name: str = "tiny"):
+        backend = backend or FakeBackend()
+        coord = Coordinator(backend, ByteCodec(), model_name, placement=placement)
+        srv = ServerThread(create_app(coord))
+        servers.append(srv)
+        return srv.url, backend, coord
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_proxy(monkeypatch):
+    """Loopback traffic only: make sure no proxy setting reroutes the clients."""
+    for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")

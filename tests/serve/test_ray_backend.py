@@ -1,0 +1,63 @@
+"""``--backend ray``: the same plan served with every worker a Ray actor on its machine's node
+returns the same greedy tokens as local processes. One-machine Ray, listeners on loopback."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import pytest
+
+pytest.importorskip("torch")
+ray = pytest.importorskip("ray")
+
+PLAN = {"model": "tiny", "cluster": "demo-cpu", "replicas": [
+    {"id": "p0", "role": "prefill", "stages": [{"devices": ["m0:0"], "layers": [0, 4]}]},
+    {"id": "d0", "role": "decode", "stages": [{"devices": ["m1:0"], "layers": [0, 1]},
+                                              {"devices": ["m1:1"], "layers": [1, 4]}]}],
+    "kv_routes": [{"from": "p0", "to": "d0", "weight": 1.0}]}
+PROMPTS = ["hello", "the quick brown fox", "x" * 40]
+
+
+@pytest.mark.slow
+def test_ray_backend_returns_the_same_greedy_tokens_as_local(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    # Ray's socket paths must stay under 107 bytes, which pytest's tmp_path can exceed: a short
+    # private folder of this test, removed at the end
+    ray_tmp = tempfile.mkdtemp(prefix="hsray-", dir="/tmp")
+    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
+    try:
+        _compare_backends(tmp_path)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _compare_backends(tmp_path):
+    import openai
+
+    from hetserve.planner.plan import Plan
+    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.ray_backend import RayWorkerProcess
+    from hetserve.runtime.sampling import SamplingParams
+    from hetserve.serve.launch import ServeOptions, start_server
+
+    model = make_model(tmp_path / "tiny", "llama", layers=4, hidden=64, heads=4, kv_heads=2, max_positions=256)
+    plan = Plan.from_dict(PLAN)
+    tokens, texts = {}, {}
+    for backend in ("local", "ray"):
+        opts = ServeOptions(plan=plan, cluster="demo-cpu", model_dir=str(model), model_name="tiny", backend=backend)
+        with start_server(opts) as srv:
+            dep = srv.deployment
+            if backend == "ray":
+                assert all(isinstance(p, RayWorkerProcess) for p in dep.engine.procs.values())
+                assert {p.machine for p in dep.engine.procs.values()} == {"m0", "m1"}
+                assert ray.is_initialized()
+            ids = [dep.coordinator.codec.encode(p) for p in PROMPTS]
+            tokens[backend] = dep.engine.generate(ids, SamplingParams(max_tokens=10, temperature=0.0), timeout=120)
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+            texts[backend] = [c.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0).choices[0].text
+                              for p in PROMPTS]
+    assert not ray.is_initialized()  # the session this server started is shut down
+    assert tokens["ray"] == tokens["local"]
+    assert texts["ray"] == texts["local"]

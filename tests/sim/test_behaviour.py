@@ -1,0 +1,143 @@
+"""Queueing behaviour: overload, KV admission, colocated interruption, determinism, outputs."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hetserve.sim import SimOptions, simulate
+from hetserve.specs.workload import SLO, Workload, load_workload
+
+from .plans import single
+
+
+def burst(n, inp=800, out=100, gap=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    return Workload.from_lists("burst", np.arange(n) * gap, rng.integers(inp // 2, inp * 3 // 2, n),
+                               rng.integers(out // 2, out * 3 // 2, n))
+
+
+def test_nothing_is_dropped_under_overload(cluster, model):
+    plan = single({"p0": ["m0:0"], "d0": ["m1:0"]})
+    wl = burst(600, inp=1500, out=300)  # all at t = 0: far beyond what one decode GPU holds at once
+    res = simulate(plan, cluster, model, wl)
+    assert res.summary()["completed"] == 600
+    assert np.all(np.isfinite(res.t_finish)) and np.all(res.t_finish >= res.t_first)
+    assert res.replicas[1].kv_peak_tokens <= res.replicas[1].kv_capacity_tokens
+
+
+def test_kv_admission_makes_requests_wait(cluster, model, cost):
+    """The decode pool holds ~4 requests' footprint: the rest wait with their KV on the prefill side."""
+    plan = single({"p0": ["m0:0", "m0:1", "m0:2"], "d0": ["m1:0"]})
+    cap = cost.kv_capacity_tokens(plan.replica("d0").layout(cluster))
+    per = int(cap // 4)
+    wl = Workload.from_lists("big", [0.0] * 12, [per - 200] * 12, [200] * 12)
+    res = simulate(plan, cluster, model, wl)
+    d0 = res.replicas[1]
+    assert d0.kv_peak_tokens <= cap
+    wait = res.t_kv_start - res.t_first  # admission wait before the KV may move
+    assert (wait > 1.0).sum() >= 6  # later requests waited for earlier ones to finish
+    assert np.all(res.t_kv_start[4:] >= np.sort(res.t_finish)[:8] - 1e-9)  # a slot frees first
+    running = [(res.t_join <= t) & (res.t_finish > t) for t in np.linspace(0, res.t_finish.max(), 400)]
+    assert max(r.sum() for r in running) <= 4
+
+
+def test_max_batch_bounds_the_running_batch(cluster, model):
+    plan = single({"c0": ["m0:0"]})
+    res = simulate(plan, cluster, model, burst(40, inp=100, out=400), SimOptions(max_batch=8))
+    running = [(res.t_first <= t) & (res.t_finish > t) for t in np.linspace(0, res.t_finish.max(), 300)]
+    assert max(r.sum() for r in running) <= 8
+
+
+def test_colocated_prefill_interrupts_decode(cluster, model, cost):
+    plan = single({"c0": ["m0:0"]})
+    lay = plan.replica("c0").layout(cluster)
+    alone = simulate(plan, cluster, model, Workload.from_lists("a", [0.0], [200], [400]))
+    t_b = alone.t_finish[0] / 2  # B arrives while A decodes
+    both = simulate(plan, cluster, model, Workload.from_lists("ab", [0.0, t_b], [200, 3000], [400, 2]))
+    step = cost.decode_step_time(lay, 1, 200 + 400)
+    prefill_b = cost.ttft(lay, 3000)
+    # B waits at most one decode iteration, then its prefill runs with A's decode paused
+    assert prefill_b <= both.ttft[1] <= prefill_b + step
+    # A is delayed by at least B's whole prefill
+    assert both.t_finish[0] - alone.t_finish[0] >= prefill_b
+    gap = both.t_first[1] - both.t_start[1]
+    assert gap == pytest.approx(prefill_b, rel=1e-9)
+
+
+def test_chunked_prefill_spreads_the_prompt_over_iterations(cluster, model, cost):
+    plan = single({"c0": ["m0:0"]})
+    lay = plan.replica("c0").layout(cluster)
+    alone = simulate(plan, cluster, model, Workload.from_lists("a", [0.0], [200], [400]))
+    t_b = alone.t_finish[0] / 2
+    wl = Workload.from_lists("ab", [0.0, t_b], [200, 3000], [400, 2])
+    chunked = simulate(plan, cluster, model, wl, SimOptions(chunked_prefill=True, chunk_tokens=512))
+    plain = simulate(plan, cluster, model, wl)
+    # 3000 prompt tokens in chunks of 511 (one slot goes to A's decode token): 6 mixed iterations
+    assert chunked.ttft[1] > plain.ttft[1]
+    # A never stalls for a whole 3000-token prefill: its delay is smaller than in the plain engine
+    assert chunked.t_finish[0] - alone.t_finish[0] < plain.t_finish[0] - alone.t_finish[0]
+    assert chunked.summary()["completed"] == 2
+
+
+def test_deterministic_with_seed(cluster, model):
+    plan = single({"p0": ["m0:0"], "p1": ["m0:1"], "p2": ["m0:2"], "d0": ["m1:0"], "d1": ["m1:1"]},
+                  routes=[("p0", "d0", 0.5), ("p0", "d1", 0.5), ("p1", "d0", 1), ("p2", "d1", 1)])
+    wl = burst(300, gap=0.05, seed=3)
+    a = simulate(plan, cluster, model, wl, SimOptions(placement="po2", seed=7))
+    b = simulate(plan, cluster, model, wl, SimOptions(placement="po2", seed=7))
+    c = simulate(plan, cluster, model, wl, SimOptions(placement="po2", seed=8))
+    assert np.array_equal(a.t_finish, b.t_finish) and a.prefill_replica == b.prefill_replica
+    assert a.prefill_replica != c.prefill_replica
+
+
+def test_jsq_beats_round_robin_with_a_slow_replica(model):
+    """One fast and one slow colocated replica: JSQ sends the slow one less work than RR does."""
+    from hetserve.specs.cluster import cluster_from_dict
+    mixed = cluster_from_dict({"name": "test", "machines": [{"name": "m0", "gpu": "H100-SXM-80G", "count": 1},
+                                                            {"name": "m1", "gpu": "A6000", "count": 1}],
+                              "network": {"intra_site": {"bandwidth_gbps": 100, "latency_ms": 0.1}}})
+    plan = single({"c0": ["m0:0"], "c1": ["m1:0"]})
+    wl = burst(400, inp=600, out=150, gap=0.05, seed=1)
+    rr = simulate(plan, mixed, model, wl, SimOptions(placement="rr"))
+    jsq = simulate(plan, mixed, model, wl, SimOptions(placement="jsq"))
+    share = lambda r: sum(x == "c1" for x in r.prefill_replica) / len(r)  # noqa: E731
+    assert share(rr) == pytest.approx(0.5)
+    assert share(jsq) < 0.45
+    assert jsq.summary()["e2e_s"]["mean"] < rr.summary()["e2e_s"]["mean"]
+
+
+def test_summary_keys_and_files(cluster, model, tmp_path):
+    plan = single({"p0": ["m0:0"], "d0": ["m1:0"]})
+    res = simulate(plan, cluster, model, burst(50, gap=0.2), SimOptions(slo=SLO(ttft_s=1.0, tpot_s=0.05)))
+    s = res.summary()
+    design = {"requests", "completed", "duration_s", "throughput_tokens_per_s", "goodput_requests_per_s",
+              "slo_attainment", "ttft_s", "tpot_s", "e2e_s"}
+    assert design <= set(s)
+    for k in ("ttft_s", "tpot_s", "e2e_s", "atgt_s"):
+        assert set(s[k]) == {"mean", "p50", "p90", "p99"}
+    for k in ("output_tokens_per_s", "gpu_hours", "usd_per_million_output_tokens", "replicas"):
+        assert k in s
+    assert set(s["replicas"]["d0"]) >= {"utilisation", "kv_mean_use", "kv_peak_use"}
+    assert 0 <= s["slo_attainment"] <= 1 and s["completed"] == 50
+    files = res.save(tmp_path)
+    assert json.loads((tmp_path / "summary.json").read_text())["requests"] == 50
+    lines = (tmp_path / "requests.csv").read_text().splitlines()
+    assert len(lines) == 51 and lines[0].startswith("id,arrival_s")
+    assert all(f.exists() for f in files) and (tmp_path / "latency_cdf.png").stat().st_size > 1000
+
+
+def test_slo_attainment_counts_every_target(cluster, model):
+    plan = single({"p0": ["m0:0"], "d0": ["m1:0"]})
+    wl = burst(100, gap=0.01)
+    loose = simulate(plan, cluster, model, wl, SimOptions(slo=SLO(ttft_s=1e3, tpot_s=1e3)))
+    tight = simulate(plan, cluster, model, wl, SimOptions(slo=SLO(ttft_s=1e3, tpot_s=1e-4)))
+    assert loose.summary()["slo_attainment"] == 1.0 and tight.summary()["slo_attainment"] == 0.0
+
+
+def test_real_trace_smoke(cluster, model):
+    wl = load_workload("azure-conv").head(300)
+    plan = single({"p0": ["m0:0", "m0:1"], "d0": ["m1:0", "m1:1"], "d1": ["m1:2", "m1:3"]},
+                  routes=[("p0", "d0", 0.5), ("p0", "d1", 0.5)])
+    s = simulate(plan, cluster, model, wl, SimOptions(route="load")).summary()
+    assert s["completed"] == 300 and s["throughput_tokens_per_s"] > 0

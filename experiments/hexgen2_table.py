@@ -67,8 +67,12 @@ def run_setting(cluster_name: str, algorithm: str, trace: Workload, args, consol
     row: dict = {}
     for cls in CLASSES:
         wl = trace.of_class(cls).head(args.requests)
+        t0 = time.perf_counter()
         plan = ALGORITHMS[algorithm](cluster, model, wl, popts)
+        t1 = time.perf_counter()
         res = simulate(plan, cluster, model, offline(wl), opts)
+        print(f"{cluster_name} {algorithm} {cls}: planned in {t1 - t0:.1f} s, simulated in "
+              f"{time.perf_counter() - t1:.1f} s", flush=True)
         row[cls] = res.summary()
         row[cls]["plan_shape"] = _shape(plan)
     wl = trace.head(args.online_requests)

@@ -45,7 +45,7 @@ class PlanOptions:
     time_limit_s: float | None = None
     max_iterations: int | None = None
     patience: int | None = None
-    restarts: int = 2
+    restarts: int = 6
     period_s: float = DEFAULT_PERIOD_S
     progress: Callable[[SearchProgress], None] | None = field(default=None, compare=False)
     efficiency: Efficiency | None = None

@@ -85,7 +85,11 @@ class Evaluator:
     def capacity(self, devices: Sequence[int], role: str) -> float:
         return self.ctx.layouts.capacity(devices, role)
 
-    def _network(self, groups: Sequence[Group]):
+    def _network(self, groups: Sequence[Group], floor: float = -1.0):
+        """(layouts, capacities, flow network, colocated requests per T).
+
+        With ``floor`` ≥ 0 and a capacity bound that cannot beat it, the KV edges are not built
+        (the network's ``edge_cap`` stays empty and only its ``upper_bound`` is meaningful)."""
         ctx = self.ctx
         layouts: list[ReplicaLayout | None] = []
         caps: list[float] = []
@@ -95,10 +99,13 @@ class Evaluator:
             caps.append(0.0 if best is None else best[1])
         pre = [i for i, g in enumerate(groups) if g.role == "prefill" and caps[i] > 0]
         dec = [i for i, g in enumerate(groups) if g.role == "decode" and caps[i] > 0]
-        edges = {(p, d): ctx.kv_capacity(layouts[p], layouts[d], (groups[p].devices, groups[d].devices))  # type: ignore[arg-type]
-                 for p in pre for d in dec}
-        net = FlowNetwork(pre, dec, {i: caps[i] for i in pre + dec}, edges)
+        net = FlowNetwork(pre, dec, {i: caps[i] for i in pre + dec}, {})
         colocated = sum(caps[i] for i, g in enumerate(groups) if g.role == "colocated")
+        if floor >= 0 and ctx.tokens_per_s((net.upper_bound() if pre and dec else 0.0) + colocated) <= floor:
+            return layouts, caps, net, colocated
+        kv = ctx.kv_capacity
+        net.edge_cap = {(p, d): kv(layouts[p], layouts[d], (groups[p].devices, groups[d].devices))  # type: ignore[arg-type]
+                        for p in pre for d in dec}
         return layouts, caps, net, colocated
 
     def score(self, groups: Iterable[Group], floor: float = -1.0) -> float:
@@ -111,9 +118,8 @@ class Evaluator:
         hit = self._scores.get(key)
         if hit is not None:
             return hit
-        layouts, caps, net, colocated = self._network(key)
-        bound = self.ctx.tokens_per_s(net.upper_bound() + colocated) if net.prefill and net.decode else \
-            self.ctx.tokens_per_s(colocated)
+        layouts, caps, net, colocated = self._network(key, floor)
+        bound = self.ctx.tokens_per_s((net.upper_bound() if net.prefill and net.decode else 0.0) + colocated)
         if floor >= 0 and bound <= floor:
             return bound
         self.evaluations += 1

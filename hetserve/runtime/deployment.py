@@ -11,7 +11,9 @@ Inside a stage, the leader (TP rank 0) is the device with the lowest latency to 
 stages' devices (HexGen §3.2): only leaders exchange activations between stages.
 
 ``check_memory`` checks that every worker's weights fit its device's memory in the cluster file and
-returns, per replica, how many KV tokens fit beside them.
+returns, per replica, how many KV tokens fit beside them. Parameter and KV sizes come from the cost
+model's ``ModelSpec`` (one formula); where the weights sit is the runtime's own: embeddings and LM
+head on stage leaders only.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from hetserve.planner.plan import Plan, PlanReplica
 from hetserve.runtime.layout import ReplicaSpec, WorkerSpec
 from hetserve.runtime.model.config import ArchConfig
 from hetserve.specs.cluster import Cluster
+from hetserve.specs.model import ModelSpec
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -28,49 +31,46 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # ----------------------------------------------------------------------------- memory
 
 
-def worker_weight_bytes(cfg: ArchConfig, w: WorkerSpec, dtype_bytes: int) -> int:
-    """Bytes of the weights worker ``w`` loads (its TP shard of its layers, embeddings/head if leader)."""
-    H, F, D, t = cfg.hidden_size, cfg.ffn_size, cfg.head_dim, w.tp_world
-    if cfg.arch == "llama":
-        attn = H * (cfg.num_heads + 2 * cfg.num_kv_heads) * D + cfg.num_heads * D * H
-        per_layer = (attn + 3 * H * F) // t + 2 * H
-        embed = cfg.vocab_size * H
-        head = cfg.vocab_size * H + H
-    else:
-        P = cfg.word_embed_proj_dim
-        per_layer = (4 * H * H + 2 * H * F + 3 * H + F) // t + 2 * H + 4 * H  # + out/fc2 bias, 2 LNs
-        embed = cfg.vocab_size * P + (cfg.max_positions + 2) * H + (P * H if P != H else 0)
-        head = cfg.vocab_size * P + 2 * H + (P * H if P != H else 0)
-    n = per_layer * (w.layers[1] - w.layers[0])
+def model_spec(cfg: ArchConfig, dtype_bytes: int) -> ModelSpec:
+    """The cost model's view of the checkpoint, at the dtype the runtime loads it in."""
+    return ModelSpec(cfg.raw.get("_name_or_path") or cfg.arch, cfg.arch, cfg.num_layers, cfg.hidden_size,
+                     cfg.num_heads, cfg.num_kv_heads, cfg.ffn_size, cfg.vocab_size, cfg.max_positions,
+                     dtype_bytes, cfg.tie_word_embeddings, cfg.head_dim)
+
+
+def worker_weight_bytes(spec: ModelSpec, w: WorkerSpec) -> float:
+    """Bytes of the weights worker ``w`` loads: its 1/TP of its layers (the cost model's per-layer
+    count), plus, on the stage leader only, the embeddings (first stage) or final norm + LM head
+    (last stage; a tied head is a separate copy in the runtime)."""
+    params = (w.layers[1] - w.layers[0]) * spec.params_per_layer / w.tp_world
     if w.is_leader and w.is_first:
-        n += embed
+        params += spec.embedding_params
     if w.is_leader and w.is_last:
-        n += head
-    return n * dtype_bytes
+        params += spec.head_params + (spec.vocab * spec.hidden if spec.tie_embeddings else 0)
+    return params * spec.dtype_bytes
 
 
-def worker_kv_bytes_per_token(cfg: ArchConfig, w: WorkerSpec, dtype_bytes: int) -> int:
-    heads = w.kv_heads[1] - w.kv_heads[0]
-    return 2 * (w.layers[1] - w.layers[0]) * heads * cfg.head_dim * dtype_bytes
+def worker_kv_bytes_per_token(spec: ModelSpec, w: WorkerSpec) -> float:
+    return (w.layers[1] - w.layers[0]) * spec.kv_bytes_per_token_per_layer / w.tp_world
 
 
 def check_memory(layout: tuple[ReplicaSpec, ...], cluster: Cluster, cfg: ArchConfig, dtype: str,
                  memory_fraction: float = 0.9) -> dict[str, int]:
     """Per replica, the most KV tokens every worker can hold after its weights (PlanError if weights alone don't fit)."""
-    nbytes = DTYPE_BYTES[dtype]
+    spec = model_spec(cfg, DTYPE_BYTES[dtype])
     fit: dict[str, int] = {}
     for r in layout:
         tokens = None
         for w in r.workers:
             dev = cluster.device(w.name)
             budget = dev.memory_bytes * memory_fraction
-            weights = worker_weight_bytes(cfg, w, nbytes)
+            weights = worker_weight_bytes(spec, w)
             if weights > budget:
                 raise PlanError(
                     f"replica {r.id} stage {w.stage} on device {w.name} ({dev.gpu.name}, "
                     f"{dev.memory_bytes / 1e9:.1f} GB): its weights need {weights / 1e9:.2f} GB, more than "
                     f"{memory_fraction:.0%} of the device's memory; use more layers' worth of devices or a higher TP degree")
-            per_token = worker_kv_bytes_per_token(cfg, w, nbytes)
+            per_token = worker_kv_bytes_per_token(spec, w)
             n = int((budget - weights) // per_token) if per_token else 1 << 40
             tokens = n if tokens is None else min(tokens, n)
         fit[r.id] = int(tokens)

@@ -45,6 +45,7 @@ from hetserve.runtime.kv_cache import BlockManager
 from hetserve.runtime.deployment import build_layout, check_memory
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.model.config import ArchConfig
+from hetserve.runtime.model.loader import CheckpointReader
 from hetserve.runtime.routing import KVRoutePolicy, WeightedRoutes
 from hetserve.runtime.sampling import SamplingParams
 from hetserve.runtime.scheduler import ReplicaScheduler
@@ -116,6 +117,7 @@ class Engine:
         dtype = config.dtype or (arch.dtype if use_cuda else "float32")
         layout = build_layout(plan, cluster, arch, device_of, source=f"plan for {plan.model!r}")
         capacity = _kv_capacity(layout, cluster, arch, dtype, config, use_cuda)
+        CheckpointReader(model_dir).close()  # a missing checkpoint is reported here, not by every worker
         engine = cls(plan, layout, arch, str(model_dir), dtype, capacity, config,
                      route_policy or WeightedRoutes.from_plan(plan), link_scheduler, shaper)
         try:
@@ -262,10 +264,14 @@ class Engine:
         import os
 
         for w in workers:
+            stage = self.replicas[w.replica].stages[w.stage]
+            gpus = [s.device for s in stage]
+            # NCCL needs one GPU per rank; ranks sharing a GPU (more workers than GPUs) use gloo
+            backend = "nccl" if gpus[0].startswith("cuda") and len(set(gpus)) == len(gpus) else "gloo"
             cfg = WorkerConfig(spec=w, layout=self.layout, model_dir=self.model_dir, dtype=self.dtype,
                                num_slots=self.schedulers[w.replica].blocks.capacity_tokens,
                                block_size=self.config.block_size, engine_address=self.transport.address,
-                               store_address=store_address, parent_pid=os.getpid(),
+                               store_address=store_address, parent_pid=os.getpid(), backend=backend,
                                link_scheduler=self._link_scheduler, shaper=self._shaper)
             p = ctx.Process(target=worker_main, args=(cfg,), name=f"hetserve-worker-{w.name}", daemon=True)
             p.start()

@@ -4,6 +4,7 @@ One small interface, ``Transport``:
 
     send(peer, message, priority)   queue a message for a named peer; returns at once
     recv(timeout) -> Message | None the next message that arrived for this endpoint
+    on_message                      optional hook run on the receiving thread (True: consumed)
     post(message)                   put a message into this endpoint's own inbox (wake-ups)
     address / set_address(peer, address) / close()
 
@@ -166,6 +167,12 @@ class Transport:
         self.name = name
         self._inbox: queue.Queue[Message] = queue.Queue()
         self.closed = False
+        # optional hook run on the receiving thread; returning True consumes the message (no inbox hop)
+        self.on_message: Callable[[Message], bool] | None = None
+
+    def _deliver(self, msg: Message) -> None:
+        if self.on_message is None or not self.on_message(msg):
+            self._inbox.put(msg)
 
     @property
     def address(self) -> Any:
@@ -225,7 +232,7 @@ class InProcTransport(Transport):
         msg.src = self.name
         self.sent.append((peer, msg.kind, priority))
         payload = bytearray(b"".join(encode(msg)))
-        self.hub.endpoints[peer]._inbox.put(decode(payload))
+        self.hub.endpoints[peer]._deliver(decode(payload))
 
 
 # ----------------------------------------------------------------------------- sockets
@@ -369,7 +376,7 @@ class SocketTransport(Transport):
                 received[msg_id] += length
                 if received[msg_id] == total:
                     del partial[msg_id], received[msg_id]
-                    self._inbox.put(decode(buf))
+                    self._deliver(decode(buf))
         except (OSError, EOFError):
             return
 

@@ -10,7 +10,7 @@ Messages a worker receives:
 
     step      {step, seqs: [(seq_id, start, q_len, block_table, sample_key)], handoffs, priority}
               (+ input_ids for the first stage, hidden for the others); leaders only
-    kv        one piece of a KV hand-off, written into the pool on the receiver thread; when all
+    kv        one piece of a KV hand-off, written into the pool on the receiving thread; when all
               pieces of a request are in, the worker tells the coordinator ``kv_ready``
     peers     the address book; answered with ``peers_ack``
     shutdown  leaders only; broadcast to the group, then every rank exits
@@ -22,7 +22,6 @@ Sent to the coordinator: ``ready`` (after loading), ``result`` (last leader), ``
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 import traceback
@@ -56,6 +55,7 @@ class WorkerConfig:
     engine_address: tuple[str, int]
     store_address: tuple[str, int] | None  # TCPStore for TP groups
     parent_pid: int
+    backend: str = "gloo"  # TP group backend: nccl when the stage's GPUs are distinct, else gloo
     link_scheduler: Any = None  # picklable factory (src, dst) -> LinkScheduler; None: PriorityScheduler
     shaper: Any = None  # picklable LinkShaper; None: no shaping
 
@@ -111,9 +111,9 @@ class Worker:
                 pieces = kv_transfers(self._replica(spec.replica), dst)
                 expect = {w.name: sum(p.dst == w.name for p in pieces) for w in dst.workers}
                 self.sends[dst.id] = [(p, expect[p.dst]) for p in pieces if p.src == spec.name]
-        self.steps: queue.Queue[Message] = queue.Queue()
-        self.kv_received: dict[int, int] = {}
-        threading.Thread(target=self._dispatch_loop, daemon=True, name="dispatch").start()
+        self.kv_received: dict[int, int] = {}  # pieces arrive on one receiving thread per sender
+        self._kv_lock = threading.Lock()
+        transport.on_message = self._on_message  # KV and peers are handled on the receiving thread
         transport.send(ENGINE, Message("ready", {"worker": spec.name, "address": transport.address,
                                                  "pid": os.getpid()}))
 
@@ -126,23 +126,22 @@ class Worker:
         host, port = self.cfg.store_address
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
         prefix = dist.PrefixStore(f"{self.spec.replica}/stage{self.spec.stage}", store)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=prefix, rank=self.spec.tp_rank, world_size=self.spec.tp_world,
+        dist.init_process_group(self.cfg.backend, store=prefix, rank=self.spec.tp_rank, world_size=self.spec.tp_world,
                                 timeout=timedelta(seconds=GROUP_TIMEOUT_S))
 
-    # ------------------------------------------------------------------ receiver thread
-    def _dispatch_loop(self) -> None:
-        while True:
-            msg = self.transport.recv()
-            if msg.kind == "kv":
-                self._install_kv(msg)
-            elif msg.kind == "peers":
-                for name, addr in msg.meta["addresses"].items():
-                    if name != self.spec.name:
-                        self.transport.set_address(name, addr)
-                self.transport.send(ENGINE, Message("peers_ack", {"worker": self.spec.name}))
-            else:
-                self.steps.put(msg)
+    # ------------------------------------------------------------------ receiving thread
+    def _on_message(self, msg: Message) -> bool:
+        """KV pieces and the address book are handled here; steps go to the inbox for the step loop."""
+        if msg.kind == "kv":
+            self._install_kv(msg)
+            return True
+        if msg.kind == "peers":
+            for name, addr in msg.meta["addresses"].items():
+                if name != self.spec.name:
+                    self.transport.set_address(name, addr)
+            self.transport.send(ENGINE, Message("peers_ack", {"worker": self.spec.name}))
+            return True
+        return False
 
     def _install_kv(self, msg: Message) -> None:
         m = msg.meta
@@ -151,11 +150,14 @@ class Worker:
         heads = slice(m["heads"][0] - h0, m["heads"][1] - h0)
         self.pool.write(layers, heads, slots_of(m["table"], m["num_tokens"], self.cfg.block_size), msg.tensors["kv"])
         if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.synchronize(self.device)  # the bytes are in place before the coordinator hears so
         seq = m["seq"]
-        self.kv_received[seq] = self.kv_received.get(seq, 0) + 1
-        if self.kv_received[seq] == m["expect"]:
-            del self.kv_received[seq]
+        with self._kv_lock:
+            self.kv_received[seq] = self.kv_received.get(seq, 0) + 1
+            complete = self.kv_received[seq] == m["expect"]
+            if complete:
+                del self.kv_received[seq]
+        if complete:
             self.transport.send(ENGINE, Message("kv_ready", {"seq": seq, "worker": self.spec.name}))
 
     # ------------------------------------------------------------------ step loop
@@ -177,10 +179,7 @@ class Worker:
         """Leader: take the next message; every rank: agree on it (broadcast within the TP group)."""
         msg = None
         if self.spec.is_leader:
-            try:
-                msg = self.steps.get(timeout=HEARTBEAT_S)
-            except queue.Empty:
-                msg = Message("noop")
+            msg = self.transport.recv(timeout=HEARTBEAT_S) or Message("noop")
         if not self.tp:
             return msg.kind, msg.meta, msg.tensors.get("hidden", msg.tensors.get("input_ids"))
         import torch.distributed as dist

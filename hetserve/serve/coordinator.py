@@ -194,11 +194,11 @@ class Coordinator:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(req.endpoint, outcome).inc()
+            if self.placement is not None and req.replica is not None:
+                self.placement.on_finish(req.seq, req.prompt_tokens, req.completion_tokens)
             if outcome in ("stop", "length"):
                 self.metrics.observe(req.ttft_s, self.clock() - req.arrival, req.completion_tokens)
-                if self.placement is not None:
-                    self.placement.on_finish(req.seq, req.prompt_tokens, req.completion_tokens)
-                if self.predictor is not None:
+                if self.predictor is not None:  # learn lengths only from requests that ran to their end
                     self.predictor.observe(req.prompt_tokens, req.completion_tokens)
 
     def reject(self, endpoint: str) -> None:

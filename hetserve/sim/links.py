@@ -60,6 +60,7 @@ class Link:
         self._sends: list[tuple[_Message, float]] = []  # (message, bytes of this send left)
         self._concurrent = False
         self._since = 0.0  # when the current allocation's progress was last settled
+        self._first = 0.0  # bytes left of the allocation's smallest send
         self._version = 0
         # Set by a pipeline whose stage sends over this link: the sender's decode timings
         # (MoLink's just-in-time chunk sizing) and the predicted time to its next decode message.
@@ -86,16 +87,23 @@ class Link:
             self._replan(now)
         # sequential and busy: the send in flight finishes first, then the policy sees the newcomer
 
-    def _settle(self, now: float) -> None:
-        """Account the bytes every current send has moved since ``_since`` (concurrent sharing)."""
-        dt = now - self._since
-        if dt > 0 and self._sends:
-            share = self.info.bandwidth * dt / len(self._sends)
-            self._sends = [(m, left - share) for m, left in self._sends]
-            for m, _ in self._sends:
-                m.remaining -= share
-            self.busy_s += dt
-            self.bytes_sent += share * len(self._sends)
+    def _settle(self, now: float, share: float | None = None) -> None:
+        """Account the bytes each current send has moved since ``_since`` (concurrent sharing).
+
+        ``share``: the exact bytes per send (when the allocation's smallest send has just
+        finished); otherwise from the elapsed time, never more than that smallest send.
+        """
+        n = len(self._sends)
+        if n:
+            if share is None:
+                share = min(self.info.bandwidth * (now - self._since) / n, self._first)
+            if share > 0:
+                self._sends = [(m, left - share) for m, left in self._sends]
+                for m, _ in self._sends:
+                    m.remaining -= share
+                self.busy_s += share * n / self.info.bandwidth
+                self.bytes_sent += share * n
+                self._first -= share
         self._since = now
 
     def _replan(self, now: float) -> None:
@@ -124,7 +132,7 @@ class Link:
             sends = sends[:1]
         self._sends, self._since = sends, now
         n = len(sends)
-        first = min(left for _, left in sends)
+        self._first = first = min(left for _, left in sends)
         self.loop.schedule(now + first * n / self.info.bandwidth, Priority.LINK, self._on_send_done, self._version)
 
     def _on_send_done(self, version: int) -> None:
@@ -132,7 +140,7 @@ class Link:
             return
         now = self.loop.now
         if self._concurrent:
-            self._settle(now)
+            self._settle(now, self._first)  # exactly the smallest send has finished
         else:
             m, left = self._sends[0]
             dt = left / self.info.bandwidth
@@ -141,7 +149,7 @@ class Link:
             self.bytes_sent += left
             self._sends = [(m, 0.0)]
         for m, left in self._sends:
-            if left <= _EPS_BYTES + 1e-12 * m.total and m.remaining <= _EPS_BYTES + 1e-9 * m.total:
+            if left <= _EPS_BYTES and m.remaining <= _EPS_BYTES + 1e-9 * m.total:
                 del self.pending[m.id]
                 self.loop.schedule(now + self.info.latency_s, Priority.LINK, _deliver, m.transfer)
         self._replan(now)

@@ -141,3 +141,15 @@ def test_real_trace_smoke(cluster, model):
                   routes=[("p0", "d0", 0.5), ("p0", "d1", 0.5)])
     s = simulate(plan, cluster, model, wl, SimOptions(route="load")).summary()
     assert s["completed"] == 300 and s["throughput_tokens_per_s"] > 0
+
+
+def test_rate_sweep_rows_and_plot(cluster, model, tmp_path):
+    from hetserve.sim import rate_sweep
+    plan = single({"p0": ["m0:0"], "d0": ["m1:0"]})
+    wl = burst(120, gap=0.5, seed=2)
+    rows = rate_sweep(plan, cluster, model, wl, [1.0, 4.0, 16.0], SimOptions(slo=SLO(ttft_s=0.5)),
+                      label="p1d1", plot=tmp_path / "sweep.png")
+    assert [r["rate"] for r in rows] == [1.0, 4.0, 16.0]
+    att = [r["summary"]["slo_attainment"] for r in rows]
+    assert att[0] >= att[-1] and rows[-1]["summary"]["throughput_tokens_per_s"] > rows[0]["summary"]["throughput_tokens_per_s"]
+    assert (tmp_path / "sweep.png").stat().st_size > 1000

@@ -53,8 +53,13 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:  # the runtime extra is missing
         raise RuntimeFailure(f"hetserve serve needs the runtime extra (pip install 'hetserve[runtime]'): {exc}") \
             from exc
+    from hetserve.planner.plan import Plan
+    from hetserve.specs.cluster import load_cluster
+
+    plan = Plan.load(args.plan)  # input errors first, in one line, before anything starts
+    cluster = load_cluster(args.cluster or plan.cluster)
     try:
-        opts = ServeOptions(plan=args.plan, cluster=args.cluster, model_dir=args.model, model_name=args.model_name,
+        opts = ServeOptions(plan=plan, cluster=cluster, model_dir=args.model, model_name=args.model_name,
                             backend=args.backend, router=args.router, transmission=args.transmission,
                             shape_links=args.shape_links, time_scale=args.time_scale,
                             micro_batches=args.micro_batches, kv_capacity_tokens=args.kv_capacity, seed=args.seed,
@@ -75,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
                   f"{', shaped links' if args.shape_links else ''})")
     try:
         serve_forever(deployment.app, args.host, args.port, log_level=args.log_level)
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; stopping is the normal end
+        pass
     finally:
         deployment.close()
+    console.print("stopped; every worker has exited")
     return 0

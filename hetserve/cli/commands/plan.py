@@ -1,0 +1,176 @@
+"""``hetserve plan``: search a deployment plan and print it (or several, side by side)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hetserve.errors import PlanError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="search a deployment plan for a model on a GPU pool",
+        description="Search how to deploy MODEL on CLUSTER for WORKLOAD: replicas, roles, stages, KV routes.")
+    p.add_argument("--cluster", required=True, help="cluster preset name or YAML file")
+    p.add_argument("--model", required=True, help="model preset name, config.json or checkpoint folder")
+    p.add_argument("--workload", default="azure-conv", help="workload preset or CSV trace (default: azure-conv)")
+    p.add_argument("--workload-class", choices=("HPLD", "HPHD", "LPHD", "LPLD"),
+                   help="plan for one HexGen-2 request class of the trace only")
+    p.add_argument("--algorithm", default="hexgen2", help="one of: hexgen2 (default), random-swap, genetic, "
+                   "uniform, hexgen, exact, exact-colocated")
+    p.add_argument("--compare", metavar="A,B,...", help="run several algorithms and print them side by side")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="search time limit per algorithm in seconds (default 60)")
+    p.add_argument("--max-iterations", type=int, default=None, metavar="N", help="cap on search iterations")
+    p.add_argument("--period", type=float, default=600.0, metavar="S",
+                   help="period T of the flow network, seconds (default 600)")
+    p.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan (the best one with --compare)")
+    p.add_argument("--plot", metavar="PNG", help="draw best estimated throughput versus search time")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from hetserve.planner import ALGORITHMS, PlanOptions, validate_plan
+    from hetserve.specs.cluster import load_cluster
+    from hetserve.specs.model import load_model
+    from hetserve.specs.workload import load_workload
+
+    names = [a.strip() for a in (args.compare or args.algorithm).split(",") if a.strip()]
+    for a in names:
+        if a not in ALGORITHMS:
+            raise PlanError(f"unknown planning algorithm {a!r}; choose from {', '.join(ALGORITHMS)}")
+    cluster = load_cluster(args.cluster)
+    model = load_model(args.model)
+    workload = load_workload(args.workload)
+    if args.workload_class:
+        workload = workload.of_class(args.workload_class)
+    console = Console()
+    plans = []
+    for name in names:
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[best]}"),
+                      TimeElapsedColumn(), console=console, transient=True, disable=args.quiet) as bar:
+            task = bar.add_task(f"{name}", total=1.0, best="")
+
+            def report(ev, task=task, bar=bar):
+                bar.update(task, completed=ev.fraction, best=f"best {ev.best_tokens_per_s:,.0f} tok/s  it {ev.iteration}")
+
+            options = PlanOptions(seed=args.seed, time_limit_s=args.time_limit, max_iterations=args.max_iterations,
+                                  period_s=args.period, progress=report)
+            plan = ALGORITHMS[name](cluster, model, workload, options)
+        validate_plan(plan, cluster, model)
+        plans.append(plan)
+    if len(plans) == 1:
+        print_plan(console, plans[0])
+    else:
+        print_comparison(console, plans)
+    best = max(plans, key=lambda p: p.estimate.get("throughput_tokens_per_s", 0.0))
+    if args.output:
+        best.save(args.output)
+        console.print(f"wrote {args.output} ({best.algorithm})")
+    if args.plot:
+        plot_convergence(plans, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+def _stages(replica) -> str:
+    return " → ".join(f"TP{s.tp}×{s.layers[1] - s.layers[0]}" for s in replica.stages)
+
+
+def _devices(replica) -> str:
+    """Devices grouped by machine: ``a0:0-3, b0:1``."""
+    by_machine: dict[str, list[int]] = {}
+    for d in replica.devices:
+        m, _, i = d.rpartition(":")
+        by_machine.setdefault(m, []).append(int(i))
+    parts = []
+    for m, idx in by_machine.items():
+        idx.sort()
+        runs, start = [], idx[0]
+        for a, b in zip(idx, idx[1:] + [None]):
+            if b != a + 1:
+                runs.append(f"{start}" if start == a else f"{start}-{a}")
+                start = b
+        parts.append(f"{m}:{','.join(runs)}")
+    return " ".join(parts)
+
+
+def print_plan(console, plan) -> None:
+    from rich.table import Table
+
+    e = plan.estimate
+    per = e.get("replicas", {})
+    t = Table(title=f"{plan.algorithm}: {plan.model} on {plan.cluster}")
+    for col in ("replica", "role", "devices", "stages (TP×layers)", "capacity req/T", "flow req/T"):
+        t.add_column(col, justify="right" if "req" in col else "left")
+    for r in plan.replicas:
+        info = per.get(r.id, {})
+        t.add_row(r.id, r.role, _devices(r), _stages(r), f"{info.get('capacity_requests_per_period', 0):,.0f}",
+                  f"{info['flow_requests_per_period']:,.0f}" if "flow_requests_per_period" in info else "–")
+    console.print(t)
+    if plan.kv_routes:
+        routes = Table(title="KV routes (weights ∝ max flow)")
+        routes.add_column("from")
+        routes.add_column("to")
+        routes.add_column("weight", justify="right")
+        for k in plan.kv_routes:
+            routes.add_row(k.src, k.dst, f"{k.weight:.3f}")
+        console.print(routes)
+    usd = e.get("cost_usd_per_hour")
+    search = e.get("search", {})
+    console.print(
+        f"estimated throughput [bold]{e.get('throughput_tokens_per_s', 0):,.1f} tokens/s[/bold] "
+        f"({e.get('requests_per_period', 0):,.0f} requests per {e.get('period_s', 600):.0f} s); "
+        f"{e.get('devices_used')}/{e.get('devices_total')} devices; "
+        + (f"${usd:,.2f}/hour ({e.get('tokens_per_usd', 0):,.0f} tokens/$)" if usd is not None else "price unknown")
+        + (f"; search {search.get('wall_s', 0):.1f} s, {search.get('iterations', 0)} iterations "
+           f"({search.get('stopped_by')})" if search else ""))
+    if e.get("notes"):
+        console.print(f"note: {e['notes']}")
+
+
+def print_comparison(console, plans) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"{plans[0].model} on {plans[0].cluster}")
+    for col in ("algorithm", "tokens/s", "req/T", "P", "D", "C", "devices", "$/h", "search s", "iters"):
+        t.add_column(col, justify="left" if col == "algorithm" else "right",
+                     no_wrap=col in ("algorithm", "tokens/s"))
+    base = max(p.estimate.get("throughput_tokens_per_s", 0.0) for p in plans) or 1.0
+    for p in plans:
+        e = p.estimate
+        s = e.get("search", {})
+        usd = e.get("cost_usd_per_hour")
+        tps = e.get("throughput_tokens_per_s", 0.0)
+        t.add_row(p.algorithm, f"{tps:,.1f} ({tps / base:.0%})", f"{e.get('requests_per_period', 0):,.0f}",
+                  str(len(p.by_role("prefill"))), str(len(p.by_role("decode"))), str(len(p.by_role("colocated"))),
+                  f"{e.get('devices_used')}/{e.get('devices_total')}", "–" if usd is None else f"{usd:,.2f}",
+                  f"{s.get('wall_s', 0):.2f}", str(s.get("iterations", 0)))
+    console.print(t)
+    console.print("P / D / C: prefill, decode and colocated replicas; req/T: requests per period T")
+
+
+def plot_convergence(plans, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for p in plans:
+        hist = p.estimate.get("search", {}).get("history", [])
+        if hist:
+            ax.step([h[0] for h in hist], [h[1] for h in hist], where="post", label=p.algorithm)
+    ax.set_xlabel("search time (s)")
+    ax.set_ylabel("best estimated throughput (tokens/s)")
+    ax.set_title(f"{plans[0].model} on {plans[0].cluster}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

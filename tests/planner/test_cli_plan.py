@@ -1,0 +1,38 @@
+import json
+
+from hetserve.cli.main import main
+from hetserve.planner import Plan, validate_plan
+from hetserve.specs.cluster import load_cluster
+from hetserve.specs.model import load_model
+
+
+def test_plan_writes_a_valid_plan(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", "hexgen2-het1", "--model", "llama-2-70b", "--workload-class", "LPHD",
+                 "--max-iterations", "5", "--quiet", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "KV routes" in text and "tokens/s" in text and "$" in text
+    plan = Plan.load(out)
+    validate_plan(plan, load_cluster("hexgen2-het1"), load_model("llama-2-70b"))
+    assert json.loads(out.read_text())["estimate"]["throughput_tokens_per_s"] > 0
+
+
+def test_compare_and_plot(tmp_path, capsys):
+    png = tmp_path / "conv.png"
+    assert main(["plan", "--cluster", "demo-cpu", "--model", "llama-2-7b", "--compare", "hexgen2,uniform,exact",
+                 "--quiet", "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "hexgen2" in text and "uniform" in text and "exact" in text
+    assert png.stat().st_size > 1000
+
+
+def test_infeasible_pool_is_one_line_exit_2(capsys):
+    assert main(["plan", "--cluster", "molink-3x4090", "--model", "llama-2-70b", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "llama-2-70b needs 138 GB for its weights alone, the pool molink-3x4090 has 72 GB" in err
+
+
+def test_unknown_algorithm_exit_2(capsys):
+    assert main(["plan", "--cluster", "demo-cpu", "--model", "llama-2-7b", "--algorithm", "magic"]) == 2
+    assert "unknown planning algorithm 'magic'" in capsys.readouterr().err

@@ -1,0 +1,328 @@
+"""Runtime pieces without worker processes: model stages, attention metadata, TP slicing, KV pools and
+hand-off pieces, admission, batching, sampling, routing, transports, tiny checkpoints."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import pytest
+import torch
+
+from hetserve.runtime.kv_cache import BlockManager
+from hetserve.runtime.sampling import SamplingParams, sample
+from hetserve.runtime.transport import (Chunk, InProcHub, Message, Outgoing, Priority, PriorityScheduler,
+                                        SocketTransport)
+
+# ----------------------------------------------------------------------------- model
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_plain_stage_mixed_batches_match_transformers(arch, model_dirs, hf_reference):
+    """Whole model in one process: prefills joining a running decode batch give generate's tokens."""
+    from hetserve.runtime.model.attention import build_attn_meta
+    from hetserve.runtime.model.config import ArchConfig
+    from hetserve.runtime.model.loader import build_stage
+
+    d = model_dirs[arch]
+    cfg = ArchConfig.from_dir(d)
+    stage = build_stage(cfg, d, (0, cfg.num_layers), has_embed=True, has_head=True)
+    prompts = [list(b"abcdefg"), [9, 8, 7], list(range(40, 75))]
+    n = 10
+    expected = hf_reference(d, prompts, n)
+    bs, kv = 4, [(torch.zeros(256, cfg.num_kv_heads, cfg.head_dim), torch.zeros(256, cfg.num_kv_heads, cfg.head_dim))
+                 for _ in range(cfg.num_layers)]
+    tables = [list(range(i * 20, i * 20 + 20)) for i in range(3)]
+    out: list[list[int]] = [[], [], []]
+    joined = {0: 0, 1: 2, 2: 4}  # request -> step at which it arrives
+    with torch.inference_mode():
+        for step in range(n + 4):
+            rows = [i for i in range(3) if joined[i] <= step and len(out[i]) < n]
+            if not rows:
+                continue
+            starts = [0 if not out[i] else len(prompts[i]) + len(out[i]) - 1 for i in rows]
+            feeds = [prompts[i] if not out[i] else [out[i][-1]] for i in rows]
+            meta = build_attn_meta(starts, [len(f) for f in feeds], [tables[i] for i in rows], bs)
+            h = stage.embed(torch.tensor([t for f in feeds for t in f]), meta.positions)
+            h = stage(h, kv, meta)
+            tokens = stage.logits(h[meta.last_token]).argmax(-1).tolist()
+            for i, t in zip(rows, tokens):
+                out[i].append(t)
+    for got, want in zip(out, expected):
+        assert got[:len(want)] == want
+
+
+def test_attn_meta_for_a_mixed_batch():
+    from hetserve.runtime.model.attention import build_attn_meta
+
+    # seq 0: decode at position 5 (blocks [3, 1]); seq 1: prefill of 3 tokens (block [2])
+    m = build_attn_meta([5, 0], [1, 3], [[3, 1], [2]], block_size=4)
+    assert m.positions.tolist() == [5, 0, 1, 2]
+    assert m.slot_mapping.tolist() == [1 * 4 + 1, 8, 9, 10]
+    assert m.gather_slots.shape == (2, 6)
+    assert m.gather_slots[0].tolist() == [12, 13, 14, 15, 4, 5]
+    assert m.mask.shape == (2, 1, 3, 6)
+    assert m.mask[0, 0, 0].tolist() == [True] * 6
+    assert m.mask[1, 0, 1].tolist() == [True, True, False, False, False, False]  # causal inside the prompt
+    assert m.last_token.tolist() == [0, 3]
+
+
+def test_tp_slices_split_heads_and_keep_row_bias_once():
+    from hetserve.runtime.tp import shard_of
+
+    col = shard_of("column", "weight", (8, 4), rank=1, world=2)
+    assert col.slices[0] == slice(4, 8)
+    row = shard_of("row", "weight", (4, 8), rank=1, world=2)
+    assert row.slices[1] == slice(4, 8)
+    assert shard_of("row", "bias", (4,), rank=0, world=2).zero is False
+    assert shard_of("row", "bias", (4,), rank=1, world=2).zero is True
+    assert shard_of(None, "weight", (4,), rank=1, world=2).slices == (slice(None),)
+
+
+# ----------------------------------------------------------------------------- KV
+
+
+def test_block_manager_admission():
+    bm = BlockManager(num_blocks=4, block_size=16)
+    assert bm.can_allocate(64) and not bm.can_allocate(65)
+    a = bm.allocate(20)
+    assert len(a) == 2 and bm.num_free_blocks == 2
+    assert not bm.can_allocate(40)
+    with pytest.raises(ValueError):
+        bm.allocate(40)
+    bm.free(a)
+    assert bm.num_free_blocks == 4 and bm.usage == 0.0
+    assert bm.fits_ever(64) and not bm.fits_ever(65)
+
+
+def test_kv_pool_roundtrip_and_slots():
+    from hetserve.runtime.kv_pool import KVPool, slots_of
+
+    assert slots_of([3, 0], 6, 4).tolist() == [12, 13, 14, 15, 0, 1]
+    pool = KVPool(num_layers=3, num_slots=32, num_kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu")
+    slots = slots_of([5, 2], 7, 4)
+    piece = torch.randn(2, 2, 7, 1, 4)
+    pool.write(slice(1, 3), slice(1, 2), slots, piece)
+    assert torch.equal(pool.read(slice(1, 3), slice(1, 2), slots), piece)
+    assert pool.k[0].abs().sum() == 0 and pool.k[:, :, 0].abs().sum() == 0
+
+
+def _replica(rid, role, stages, kv_heads=2):
+    from hetserve.runtime.layout import ReplicaSpec, WorkerSpec
+
+    out = []
+    for s, (devices, layers) in enumerate(stages):
+        t = len(devices)
+        out.append(tuple(WorkerSpec(d, rid, role, s, len(stages), layers, k, t, devices[0], None,
+                                    (k * kv_heads // t, (k + 1) * kv_heads // t), "cpu")
+                         for k, d in enumerate(devices)))
+    return ReplicaSpec(rid, role, tuple(out))
+
+
+@pytest.mark.parametrize("src_stages,dst_stages", [
+    ([(("a", "b"), (0, 3))], [(("c",), (0, 2)), (("d",), (2, 3))]),  # TP2 -> TP1 + TP1
+    ([(("a",), (0, 1)), (("b",), (1, 3))], [(("c", "d"), (0, 3))]),  # PP2 -> TP2
+])
+def test_kv_transfers_cover_every_layer_and_head_once(src_stages, dst_stages):
+    from hetserve.runtime.layout import kv_transfers
+
+    src, dst = _replica("p", "prefill", src_stages), _replica("d", "decode", dst_stages)
+    pieces = kv_transfers(src, dst)
+    for w in dst.workers:
+        cells = [(layer, h) for p in pieces if p.dst == w.name
+                 for layer in range(*p.layers) for h in range(*p.heads)]
+        want = [(layer, h) for layer in range(*w.layers) for h in range(*w.kv_heads)]
+        assert sorted(cells) == sorted(want)
+
+
+# ----------------------------------------------------------------------------- scheduling
+
+
+def _seq(i, prompt_len, max_tokens=4):
+    from hetserve.runtime.handle import RequestHandle
+    from hetserve.runtime.sequence import Sequence
+
+    return Sequence(i, [1] * prompt_len, SamplingParams(max_tokens=max_tokens), 0, frozenset(), RequestHandle(i, prompt_len))
+
+
+def test_continuous_batching_admits_while_kv_fits_and_decodes_every_step():
+    from hetserve.runtime.scheduler import ReplicaScheduler
+
+    sched = ReplicaScheduler("c0", "colocated", BlockManager(4, 16), num_stages=1)
+    waiting = deque([_seq(1, 20, 10), _seq(2, 20, 10), _seq(3, 5, 5)])
+    step = sched.next_step(waiting)
+    assert [s.id for s in step] == [1, 2]  # 30 tokens = 2 blocks each; the third does not fit
+    sched.start(1, step)
+    assert not sched.can_start_step() and sched.next_step(waiting) == []
+    for s in sched.complete(1):
+        s.num_cached, s.output = 20, [5]
+        sched.ready.append(s)
+    assert [s.id for s in sched.next_step(waiting)] == [1, 2]  # still no room for 3: FCFS waits
+    sched.release(step[0])
+    sched.ready.clear()
+    assert [s.id for s in sched.next_step(waiting)] == [3]
+
+
+def test_micro_batches_split_decoders_over_pipeline_stages():
+    from hetserve.runtime.scheduler import ReplicaScheduler
+
+    sched = ReplicaScheduler("d0", "decode", BlockManager(64, 16), num_stages=2)
+    sched.ready.extend(_seq(i, 4) for i in range(6))
+    first = sched.next_step(deque())
+    sched.start(1, first)
+    second = sched.next_step(deque())
+    sched.start(2, second)
+    assert len(first) == 3 and len(second) == 3
+    assert sched.next_step(deque()) == []
+
+
+# ----------------------------------------------------------------------------- sampling and routing
+
+
+def test_sampler_greedy_seeded_and_top_p():
+    logits = torch.randn(3, 50)
+    assert sample(logits, [(0.0, 1.0, 0, 0)] * 3).tolist() == logits.argmax(-1).tolist()
+    a = sample(logits, [(1.0, 1.0, 42, i) for i in range(3)])
+    b = sample(logits, [(1.0, 1.0, 42, i) for i in range(3)])
+    assert torch.equal(a, b)
+    assert sample(logits, [(1.0, 1e-9, 1, 0)] * 3).tolist() == logits.argmax(-1).tolist()
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=0)
+
+
+def test_weighted_routes_follow_plan_weights_and_skip_dead_replicas():
+    from hetserve.runtime.routing import WeightedRoutes
+
+    r = WeightedRoutes({"p0": {"d0": 0.75, "d1": 0.25}})
+    picks = [r.choose("p0", ["d0", "d1"]) for _ in range(8)]
+    assert picks.count("d0") == 6 and picks.count("d1") == 2
+    assert {r.choose("p0", ["d1"]) for _ in range(3)} == {"d1"}
+    assert {r.choose("px", ["d0", "d1"]) for _ in range(4)} == {"d0", "d1"}  # no routes: even spread
+
+
+# ----------------------------------------------------------------------------- transport
+
+
+def test_socket_transport_roundtrip_and_priority():
+    a, b = SocketTransport("a"), SocketTransport("b")
+    try:
+        a.set_address("b", b.address)
+        tensors = {"f": torch.randn(3, 4), "h": torch.randn(5).to(torch.bfloat16), "i": torch.arange(7),
+                   "empty": torch.zeros(0, 3)}
+        a.send("b", Message("x", {"k": [1, 2]}, tensors), Priority.KV)
+        got = b.recv(timeout=5)
+        assert got.kind == "x" and got.meta == {"k": [1, 2]} and got.src == "a"
+        for k, t in tensors.items():
+            assert got.tensors[k].dtype == t.dtype and torch.equal(got.tensors[k], t)
+        assert a.flush(5)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_priority_scheduler_sends_urgent_classes_first():
+    s = PriorityScheduler()
+    for i, p in enumerate([Priority.KV, Priority.PREFILL, Priority.DECODE, Priority.KV]):
+        buf = memoryview(bytes([i]))
+        s.push(Outgoing(i, int(p), [buf], 1, 0.0))
+    assert [s.pop(0).msg_id for _ in range(4)] == [2, 1, 0, 3]
+    assert s.pop(0.01) is None
+
+
+class ChunkingRoundRobin:
+    """A LinkScheduler cutting every message into 7-byte chunks, interleaving messages."""
+
+    def __init__(self):
+        self.queue, self.cv = deque(), threading.Condition()
+
+    def push(self, item):
+        data = b"".join(item.buffers)
+        with self.cv:
+            self.queue.append([item.msg_id, 0, data])
+            self.cv.notify()
+
+    def pop(self, timeout=None):
+        with self.cv:
+            if not self.cv.wait_for(lambda: bool(self.queue), timeout):
+                return None
+            entry = self.queue.popleft()
+            msg_id, off, data = entry
+            chunk = Chunk(msg_id, off, len(data), data[off:off + 7])
+            entry[1] += 7
+            if entry[1] < len(data):
+                self.queue.append(entry)
+            return chunk
+
+    def pending_bytes(self):
+        return 0
+
+
+def test_chunked_interleaved_messages_are_reassembled():
+    a = SocketTransport("a", scheduler_factory=lambda src, dst: ChunkingRoundRobin())
+    b = SocketTransport("b")
+    try:
+        a.set_address("b", b.address)
+        sent = [torch.arange(n, dtype=torch.float32) for n in (1, 50, 9)]
+        for i, t in enumerate(sent):
+            a.send("b", Message("m", {"i": i}, {"t": t}))
+        got = {m.meta["i"]: m.tensors["t"] for m in (b.recv(timeout=5) for _ in sent)}
+        for i, t in enumerate(sent):
+            assert torch.equal(got[i], t)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_shaper_delays_sends():
+    class Slow:
+        def delay(self, src, dst, nbytes):
+            return 0.2
+
+    a, b = SocketTransport("a", shaper=Slow()), SocketTransport("b")
+    try:
+        a.set_address("b", b.address)
+        t0 = time.monotonic()
+        a.send("b", Message("m"))
+        assert b.recv(timeout=5) is not None and time.monotonic() - t0 >= 0.2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_inproc_transport():
+    hub = InProcHub()
+    a, b = hub.endpoint("a"), hub.endpoint("b")
+    a.send("b", Message("hello", {"n": 1}, {"t": torch.ones(2)}), Priority.DECODE)
+    m = b.recv(timeout=1)
+    assert m.kind == "hello" and m.src == "a" and torch.equal(m.tensors["t"], torch.ones(2))
+    assert a.sent == [("b", "hello", Priority.DECODE)]
+    assert b.recv(timeout=0.01) is None
+
+
+# ----------------------------------------------------------------------------- tiny checkpoints
+
+
+def test_make_model_tokenizer_round_trips_text(model_dirs):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dirs["llama"]))
+    text = "héllo wörld 🙂\n\ttabs"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == list(text.encode())
+    assert tok.decode(ids) == text
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (256, 257, 258)
+
+
+def test_make_model_cli(tmp_path):
+    from hetserve.cli.main import main
+    from hetserve.runtime.model.config import ArchConfig
+
+    assert main(["make-model", "--arch", "opt", "--layers", "2", "--hidden", "32", "--heads", "2",
+                 "-o", str(tmp_path / "m")]) == 0
+    cfg = ArchConfig.from_dir(tmp_path / "m")
+    assert (cfg.arch, cfg.num_layers, cfg.hidden_size) == ("opt", 2, 32)
+    assert main(["make-model", "--arch", "llama", "--heads", "3", "-o", str(tmp_path / "bad")]) == 2

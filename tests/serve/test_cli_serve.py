@@ -1,0 +1,78 @@
+"""``hetserve serve`` as a user runs it: a subprocess on a checked free loopback port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from hetserve.cli.main import main as cli
+
+PLAN = {"model": "tiny", "cluster": "demo-cpu", "replicas": [
+    {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 2]}]}]}
+
+
+def test_serve_is_registered_and_imports_nothing_heavy():
+    code = ("import sys; from hetserve.cli.main import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'fastapi', 'uvicorn') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_serve_reports_a_missing_plan_in_one_line(tmp_path, capsys):
+    assert cli(["serve", "--plan", str(tmp_path / "nope.json"), "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope.json" in err[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_serve_command_answers_and_stops_cleanly(tmp_path):
+    pytest.importorskip("torch")
+    import openai
+
+    from hetserve.planner.plan import Plan
+    from hetserve.runtime.make_model import make_model
+
+    model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=32, heads=2, max_positions=128)
+    plan = tmp_path / "plan.json"
+    Plan.from_dict(PLAN).save(plan)
+    port = _free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "127.0.0.1"}
+    proc = subprocess.Popen([sys.executable, "-m", "hetserve.cli.main", "serve", "--plan", str(plan),
+                             "--cluster", "demo-cpu", "--model", str(model), "--port", str(port),
+                             "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert proc.poll() is None, proc.stdout.read()
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+        assert [m.id for m in c.models.list().data] == ["tiny"]
+        r = c.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens >= 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, proc.stdout.read()

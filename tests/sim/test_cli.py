@@ -1,0 +1,49 @@
+"""``hetserve simulate`` end to end on a small cluster file."""
+
+import json
+
+import yaml
+
+from hetserve.cli.main import main
+
+from .plans import single
+
+CLUSTER = {"name": "test", "machines": [{"name": "m0", "gpu": "A100-SXM-80G", "count": 4, "site": "s0"},
+                                        {"name": "m1", "gpu": "A100-SXM-80G", "count": 4, "site": "s1"}],
+           "network": {"inter_site": {"bandwidth_gbps": 100, "latency_ms": 1}}}
+
+
+def files(tmp_path):
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(CLUSTER))
+    single({"p0": ["m0:0"], "d0": ["m1:0"]}, routes=[("p0", "d0", 1.0)]).save(tmp_path / "plan.json")
+    return str(tmp_path / "plan.json"), str(tmp_path / "c.yaml")
+
+
+def test_simulate_writes_outputs(tmp_path, capsys):
+    plan, cluster = files(tmp_path)
+    out = tmp_path / "out"
+    rc = main(["simulate", "--plan", plan, "--cluster", cluster, "--workload", "azure-conv", "--limit", "60",
+               "--rate", "2", "--router", "po2", "--transmission", "serial", "--slo-ttft", "5", "--slo-tpot", "0.1",
+               "--no-progress", "-o", str(out)])
+    assert rc == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["requests"] == s["completed"] == 60 and s["run"]["placement"] == "po2"
+    assert s["run"]["transmission"] == "serial" and s["slo"]["ttft_s"] == 5.0
+    assert (out / "requests.csv").exists() and (out / "latency_cdf.png").exists()
+    assert "TTFT" in capsys.readouterr().out
+
+
+def test_simulate_json_and_class(tmp_path, capsys):
+    plan, cluster = files(tmp_path)
+    rc = main(["simulate", "--plan", plan, "--cluster", cluster, "--workload", "azure-conv", "--workload-class",
+               "LPLD", "--limit", "30", "--rate-scale", "4", "--json"])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["completed"] == 30
+
+
+def test_unknown_router_is_one_line(tmp_path, capsys):
+    plan, cluster = files(tmp_path)
+    rc = main(["simulate", "--plan", plan, "--cluster", cluster, "--workload", "azure-conv", "--limit", "5",
+               "--router", "nope", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("hetserve: error:") and "nope" in err and len(err.strip().splitlines()) == 1

@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=("scaling", "quality", "exact", "all"))
     p.add_argument("--quick", action="store_true", help="fewer sizes / classes (a minute or two)")
-    p.add_argument("--time-limit", type=float, default=60.0, help="search time limit per run (s)")
+    p.add_argument("--time-limit", type=float, default=110.0, help="search time limit per run (s)")
     p.add_argument("--ten-x-up-to", type=int, default=64, help="largest pool given the 10× run")
     p.add_argument("--sizes", help="comma-separated pool sizes for scaling (default 20,64,…,320)")
     args = p.parse_args(argv)

@@ -138,20 +138,14 @@ class CostModel:
         return stage.num_layers * (per_layer + comm) + head + self.eff.step_overhead_s
 
     def stage_weight_bytes(self, stage: StageLayout, is_first: bool, is_last: bool) -> float:
-        """Weight bytes per device of this stage (embeddings on the first, head on the last)."""
-        m = self.model
-        params = stage.num_layers * m.params_per_layer
-        if is_first:
-            params += m.embedding_params
-        if is_last:
-            params += m.head_params
-        return params * m.dtype_bytes / stage.tp
+        """Weight bytes on the stage's fullest device: its leader (see ``device_weight_bytes``)."""
+        return device_weight_bytes(self.model, stage.num_layers, stage.tp, is_first, is_last, is_leader=True)
 
     def stage_memory(self, stage: StageLayout, kv_tokens: float, is_first: bool = False,
                      is_last: bool = False) -> float:
         """Bytes per device: weights / TP + KV of ``kv_tokens`` / TP + activation buffers."""
         m = self.model
-        kv = kv_tokens * stage.num_layers * m.kv_bytes_per_token_per_layer / stage.tp
+        kv = kv_tokens * device_kv_bytes_per_token(m, stage.num_layers, stage.tp)
         act = self.eff.activation_buffers * self.eff.activation_tokens * m.hidden * m.dtype_bytes
         return self.stage_weight_bytes(stage, is_first, is_last) + kv + act
 
@@ -278,6 +272,25 @@ class CostModel:
         for d, e, nbytes in self.kv_transfer_pairs(src, dst, tokens):
             per_pair[(d, e)] = per_pair.get((d, e), 0.0) + nbytes
         return max((self.p2p_time(d, e, b) for (d, e), b in per_pair.items()), default=0.0)
+
+
+def device_weight_bytes(model: ModelSpec, num_layers: int, tp: int, is_first: bool, is_last: bool,
+                        is_leader: bool) -> float:
+    """Weight bytes one device of a stage loads: 1/tp of the stage's layers, plus, on the stage
+    leader only, the embeddings (first stage) or final norm + LM head (last stage; a tied head is
+    a separate copy). This is where the runtime puts them (leaders talk between stages, HexGen
+    §3.2), and the runtime's memory check calls this very function."""
+    params = num_layers * model.params_per_layer / tp
+    if is_leader and is_first:
+        params += model.embedding_params
+    if is_leader and is_last:
+        params += model.head_params + (model.vocab * model.hidden if model.tie_embeddings else 0)
+    return params * model.dtype_bytes
+
+
+def device_kv_bytes_per_token(model: ModelSpec, num_layers: int, tp: int) -> float:
+    """KV bytes per token on one device of a stage: its layers, its 1/tp of the KV heads."""
+    return num_layers * model.kv_bytes_per_token_per_layer / tp
 
 
 def _overlap(i: int, n: int, k: int, m: int) -> float:

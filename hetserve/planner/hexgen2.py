@@ -23,8 +23,6 @@ from __future__ import annotations
 import random
 from typing import Callable, Sequence
 
-import numpy as np
-
 from hetserve.planner.context import PlanContext
 from hetserve.planner.moves import Placement, flip, merge, move, pick_device, random_edit, split, split_devices, swap
 from hetserve.planner.options import Budget, PlanOptions

@@ -11,8 +11,9 @@ constraint still holds after adding it:
     already generated more than γ·prediction counts with what it holds now.
 (c) TTFT: t_pre(queued prompt tokens + l_in) ≤ TTFT SLO.
 (d) prefill preempts decode (colocated workers only): t_pre(queued + l_in) ≤ θ · min_r slack_r,
-    slack_r = ATGT·l_out_r − t_dec_r, the decode time request r has saved against its ATGT
-    budget (r over every request on the worker, waiting ones included). With ``project_slack`` (default) the saving still to come at the current iteration
+    slack_r = ATGT·(l_gen,r − 1) − t_dec,r, the decode time request r has saved against its ATGT
+    budget so far (t_dec: ``RunningRequest.decode_time_s``, time since it joined the batch; r over
+    every request on the worker, waiting ones included). With ``project_slack`` (default) the saving still to come at the current iteration
     speed, (ATGT − t_iter)·(remaining predicted tokens), is added: a request that has just
     started has saved nothing yet, and the literal rule would forbid every prefill next to it.
 (e) KV over time: each request's footprint grows by one token per iteration until its
@@ -21,7 +22,10 @@ constraint still holds after adding it:
     (sort + prefix sums, O(n log n) per worker).
 
 When no worker is feasible Algorithm 1 opens a new bin; a fixed pool cannot, so the request goes to
-the least loaded worker and ``stats["overflow"]`` counts it (capacity planning reads that).
+the least loaded worker and ``stats["overflow"]`` counts it (capacity planning reads that). When no
+candidate has any constraint (prefill workers and no TTFT target) there is no bin to fill: the
+request goes to the least loaded worker too (``stats["unbounded"]``) — packing would pile every
+prompt on one worker.
 
 Re-balancing (Algorithm 2), online: each worker carries an output-length error (l^e, b^e) —
 requests that outlived their prediction (re-predicted by the predictor; they also enter the
@@ -108,10 +112,9 @@ class AladdinPlacement:
         self.error_ttl = int(error_ttl)
         self._placed: dict[int, tuple[str, float]] = {}  # request id -> (replica, prediction)
         self._repred: dict[int, float] = {}  # re-predictions made here (own predictor only)
-        self._seen: dict[int, tuple[float, int]] = {}  # request id -> (time, tokens) first seen running
         self._ledger: dict[str, list[tuple[int, float, float]]] = {}  # replica -> [(expiry, l, b)]
         self._tick = 0
-        self.stats = {"placed": 0, "overflow": 0, "moved": 0}
+        self.stats = {"placed": 0, "overflow": 0, "moved": 0, "unbounded": 0}
 
     # ---------------------------------------------------------------- model lookup
     def model_for(self, replica_id: str) -> PerformanceModel:
@@ -133,11 +136,16 @@ class AladdinPlacement:
         return float(max(2 * gen, gen + 1))
 
     # ---------------------------------------------------------------- per-worker view
-    def _view(self, r: ReplicaState, now: float | None = None) -> _View:
+    def _view(self, r: ReplicaState) -> _View:
         """Per-request arrays of ``r``. Without a predictor of its own the policy reads each
         request's current prediction from the snapshot (the caller re-predicts); either way a
         request that reached its prediction is re-predicted here, and any rise over the prediction
-        made at placement counts as under-estimation error."""
+        made at placement counts as under-estimation error.
+
+        Callers that list requests (the simulator) list every request on the replica, waiting
+        ones with ``started=False``. A caller that keeps only aggregates (the serving layer) lists
+        none or some; the requests it counts but does not list are filled in as even shares of
+        its totals (prompt tokens waiting, tokens still to generate)."""
         reqs = r.requests
         n = len(reqs)
         l_in, gen = np.zeros(n), np.zeros(n)
@@ -158,9 +166,9 @@ class AladdinPlacement:
                 under_l += p - p_orig
                 under_b += 1
             l_in[k], gen[k], pred[k] = q.input_tokens, q.generated_tokens, p
-            started[k], dec[k] = q.started, self._decode_time(q, now)
+            started[k], dec[k] = q.started, q.decode_time_s
         missing = r.load - n
-        if missing > 0:  # requests the snapshot counts but does not list: even shares of the totals
+        if missing > 0:  # aggregate-only callers: even shares of the totals
             left = max(0.0, r.outstanding_tokens - r.queued_prefill_tokens - float(np.sum(np.maximum(pred - gen, 0))))
             if n == 0:
                 extra_in = float(r.context_tokens + r.queued_prefill_tokens) / missing
@@ -173,18 +181,6 @@ class AladdinPlacement:
             dec = np.append(dec, np.zeros(missing))
         return _View(l_in, gen, pred, started, dec, under_l, under_b)
 
-    def _decode_time(self, q, now: float | None) -> float:
-        """Decode time the request has spent so far: the caller's figure when it gives one (> 0),
-        else extrapolated from the tokens it made since this policy first saw it; -1: unknown."""
-        if q.decode_time_s > 0 or not q.started:
-            return q.decode_time_s
-        if now is None:
-            return -1.0
-        t0, g0 = self._seen.setdefault(q.id, (now, q.generated_tokens))
-        if q.generated_tokens <= g0:
-            return -1.0
-        return (now - t0) / (q.generated_tokens - g0) * q.generated_tokens
-
     def _batch(self, r: ReplicaState, v: _View) -> int:
         return max(r.load, len(v.l_in))
 
@@ -194,8 +190,11 @@ class AladdinPlacement:
     def capacity_norm(self, r: ReplicaState, v: _View | None = None) -> float:
         """Aladdin's load metric: ‖(batch, Σ(l_in + γ·l_out))‖₂, each scaled by the worker's own
         limit (batch at which Eq. 4 leaves no context; its KV pool) so unlike workers compare."""
-        v = v or self._view(r)
         m = self.model_for(r.id)
+        if r.role == "prefill":  # a prefill worker's load is its prompt backlog, in TTFT budgets
+            t = m.prefill.time(r.outstanding_tokens) if r.outstanding_tokens > 0 else 0.0
+            return t / self.slo.ttft_s if self.slo.ttft_s is not None else t
+        v = v or self._view(r)
         b, ctx = self._batch(r, v), self._weighted_context(v)
         kv_cap = r.kv_capacity_tokens or m.kv_capacity_tokens
         b_max = math.inf
@@ -231,10 +230,9 @@ class AladdinPlacement:
         if r.role == "colocated" and T is not None and len(v.l_in):  # (d)
             # every request on the worker — waiting ones too: they start decoding before this
             # prompt's prefill runs, and the stall lands in their ATGT as well
-            run = v.started & (v.gen >= 1)
-            t_now = m.decode.time(int(run.sum()), float(np.sum(v.l_in[run] + v.gen[run]))) if run.any() else 0.0
-            spent = np.where(v.dec_time >= 0, v.dec_time, t_now * v.gen)
-            slack = T * v.gen - spent
+            # ATGT budget of the tokens made since joining the batch (the first one came with the
+            # prefill) minus the decode time spent on them
+            slack = T * np.maximum(v.gen - 1.0, 0.0) - v.dec_time
             if self.project_slack:  # what each will still save, at the γ-point iteration time
                 b = self._batch(r, v) + 1
                 ctx = self._weighted_context(v) + request.input_tokens + self.gamma * pred
@@ -267,21 +265,49 @@ class AladdinPlacement:
         return float(max(pre[-1], np.max(pre + k * rem_s)))
 
     # ---------------------------------------------------------------- decision
+    def bounded(self, r: ReplicaState) -> bool:
+        """Whether any constraint limits what ``r`` takes: TTFT for a prefill worker; ATGT or the KV
+        pool for a decoding one. A worker with none has no bin size, so best fit cannot pack it."""
+        if r.role != "prefill":
+            if self.slo.tpot_s is not None or (r.kv_capacity_tokens or self.model_for(r.id).kv_capacity_tokens) > 0:
+                return True
+        return r.role != "decode" and self.slo.ttft_s is not None
+
+    def _least_loaded(self, request: RequestInfo, cands: Sequence[ReplicaState], norms: list[float]) -> int:
+        """The worker to use when packing cannot decide: a prefill worker by its predicted finish of
+        this prompt (backlog + prompt on its own prefill law); others by capacity_norm."""
+        def key(i: int) -> tuple:
+            r = cands[i]
+            if r.role == "prefill":
+                load = self.model_for(r.id).prefill.time(r.outstanding_tokens + request.input_tokens)
+            else:
+                load = norms[i]
+            return (load, -r.capacity_norm, i)
+        return min(range(len(cands)), key=key)
+
     def choose(self, request: RequestInfo, candidates: Sequence[ReplicaState], now: float) -> str:
-        """Algorithm 1: the fullest feasible worker; then Algorithm 2's re-balancing move."""
+        """Algorithm 1: the fullest feasible worker; then Algorithm 2's re-balancing move.
+
+        Two fallbacks for a fixed pool: no feasible worker (Algorithm 1 would open a bin) and no
+        worker with any constraint at all (e.g. prefill workers without a TTFT target, where
+        "fullest first" would send every prompt to one worker): the least loaded worker."""
         self._tick += 1
         pred = self.predict(request)
-        views = [self._view(r, now) for r in candidates]
+        views = [self._view(r) for r in candidates]
         norms = [self.capacity_norm(r, v) for r, v in zip(candidates, views)]
-        order = sorted(range(len(candidates)), key=lambda i: (-norms[i], -candidates[i].capacity_norm, i))
-        feasible = [i for i in order if self.check(request, candidates[i], pred, views[i]).ok]
-        if feasible:
-            x = feasible[0]
-            if self.rebalance and len(feasible) > 1:
-                x = self._rebalance(x, feasible, candidates, views, pred)
+        if not any(self.bounded(r) for r in candidates):
+            self.stats["unbounded"] += 1
+            x = self._least_loaded(request, candidates, norms)
         else:
-            self.stats["overflow"] += 1
-            x = min(range(len(candidates)), key=lambda i: (norms[i], -candidates[i].capacity_norm, i))
+            order = sorted(range(len(candidates)), key=lambda i: (-norms[i], -candidates[i].capacity_norm, i))
+            feasible = [i for i in order if self.check(request, candidates[i], pred, views[i]).ok]
+            if feasible:
+                x = feasible[0]
+                if self.rebalance and len(feasible) > 1:
+                    x = self._rebalance(x, feasible, candidates, views, pred)
+            else:
+                self.stats["overflow"] += 1
+                x = self._least_loaded(request, candidates, norms)
         chosen = candidates[x].id
         self._placed[request.id] = (chosen, pred)
         self.stats["placed"] += 1
@@ -325,7 +351,6 @@ class AladdinPlacement:
         if self.predictor is not None:
             self.predictor.observe(request_id, input_tokens, output_tokens)
         self._repred.pop(request_id, None)
-        self._seen.pop(request_id, None)
         placed = self._placed.pop(request_id, None)
         if placed is not None and output_tokens < placed[1]:
             rid, pred = placed

@@ -12,12 +12,13 @@ stages' devices (HexGen §3.2): only leaders exchange activations between stages
 
 ``check_memory`` checks that every worker's weights fit its device's memory in the cluster file and
 returns, per replica, how many KV tokens fit beside them. Parameter and KV sizes come from the cost
-model's ``ModelSpec`` (one formula); where the weights sit is the runtime's own: embeddings and LM
-head on stage leaders only.
+model (``device_weight_bytes``, ``device_kv_bytes_per_token``): one formula for planner, simulator
+and runtime; embeddings and LM head sit on stage leaders only.
 """
 
 from __future__ import annotations
 
+from hetserve.cost.analytic import device_kv_bytes_per_token, device_weight_bytes
 from hetserve.errors import PlanError
 from hetserve.planner.plan import Plan, PlanReplica
 from hetserve.runtime.layout import ReplicaSpec, WorkerSpec
@@ -39,19 +40,12 @@ def model_spec(cfg: ArchConfig, dtype_bytes: int) -> ModelSpec:
 
 
 def worker_weight_bytes(spec: ModelSpec, w: WorkerSpec) -> float:
-    """Bytes of the weights worker ``w`` loads: its 1/TP of its layers (the cost model's per-layer
-    count), plus, on the stage leader only, the embeddings (first stage) or final norm + LM head
-    (last stage; a tied head is a separate copy in the runtime)."""
-    params = (w.layers[1] - w.layers[0]) * spec.params_per_layer / w.tp_world
-    if w.is_leader and w.is_first:
-        params += spec.embedding_params
-    if w.is_leader and w.is_last:
-        params += spec.head_params + (spec.vocab * spec.hidden if spec.tie_embeddings else 0)
-    return params * spec.dtype_bytes
+    """Bytes of the weights worker ``w`` loads (the cost model's formula)."""
+    return device_weight_bytes(spec, w.layers[1] - w.layers[0], w.tp_world, w.is_first, w.is_last, w.is_leader)
 
 
 def worker_kv_bytes_per_token(spec: ModelSpec, w: WorkerSpec) -> float:
-    return (w.layers[1] - w.layers[0]) * spec.kv_bytes_per_token_per_layer / w.tp_world
+    return device_kv_bytes_per_token(spec, w.layers[1] - w.layers[0], w.tp_world)
 
 
 def check_memory(layout: tuple[ReplicaSpec, ...], cluster: Cluster, cfg: ArchConfig, dtype: str,

@@ -26,6 +26,7 @@ replica that lost a worker fail within a poll interval (0.1 s) of the process ex
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import threading
 import time
@@ -261,8 +262,6 @@ class Engine:
         ctx = mp.get_context(self.config.start_method)
         if self.config.start_method == "forkserver":
             ctx.set_forkserver_preload(["hetserve.runtime.worker"])
-        import os
-
         for w in workers:
             stage = self.replicas[w.replica].stages[w.stage]
             gpus = [s.device for s in stage]
@@ -391,6 +390,8 @@ class Engine:
         sched = self.schedulers[rid]
         sched.complete(step_id)
         for seq, token, q in zip(seqs, tokens, q_lens):
+            if seq.status in (Status.FAILED, Status.FINISHED):
+                continue
             seq.num_cached += q
             if seq.aborted:
                 self._finish(seq, "abort")
@@ -536,9 +537,22 @@ class Engine:
         sched.pinned.clear()
         for seq in list(self.seqs.values()):
             if seq.replica == rid or seq.dst == rid or (seq.pinned == rid and seq.status == Status.WAITING):
-                self.handoff_queue.remove(seq) if seq in self.handoff_queue else None
+                if seq in self.handoff_queue:
+                    self.handoff_queue.remove(seq)
                 self.handoffs.pop(seq.id, None)
                 self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {why}"))
+        if not any(s.alive and s.role == "decode" for s in self.schedulers.values()):
+            # prefill replicas have nowhere to hand their KV to: they stop too
+            for s in self.schedulers.values():
+                if s.alive and s.role == "prefill":
+                    s.alive = False
+                    for seq in list(self.seqs.values()):
+                        if seq.replica == s.id or (seq.pinned == s.id and seq.status == Status.WAITING):
+                            if seq in self.handoff_queue:
+                                self.handoff_queue.remove(seq)
+                            self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {why}; no decode replica left"))
+                    s.ready.clear()
+                    s.pinned.clear()
         alive = [s for s in self.schedulers.values() if s.alive]
         if not any(s.serves_prefill for s in alive) or not any(s.serves_decode for s in alive):
             self.broken = why

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 
 from hetserve.cost.analytic import PrefillBatch
-from hetserve.policies.base import DecodeTiming, ReplicaState
+from hetserve.policies.base import DecodeTiming, ReplicaState, RunningRequest
 from hetserve.sim.batch import DecodeBatch
 from hetserve.sim.events import Priority
 from hetserve.sim.replicas import Replica
@@ -69,6 +69,7 @@ class PipelineReplica(Replica):
         self.groups = [_Group() for _ in range(m)]
         self.max_batch = sim.opts.max_batch
         self.admitted = 0
+        self._inbound: dict[int, None] = {}  # decode: admitted, KV not yet arrived
         self.waiting: deque = deque()  # colocated: rid; decode: (rid, src)
         self.queued_tokens = 0
         self.pred_sum = 0.0
@@ -119,9 +120,11 @@ class PipelineReplica(Replica):
                 self.groups[g].prefill.append(rid)
                 self._launch(g)
             else:
+                self._inbound[rid] = None
                 self.sim.start_kv(rid, head[1], self)
 
     def kv_arrived(self, rid: int) -> None:
+        self._inbound.pop(rid, None)
         g = self._least_loaded()
         self.groups[g].joins.append(rid)
         self._launch(g)
@@ -242,4 +245,19 @@ class PipelineReplica(Replica):
         ctx = int(sum(g.batch.context for g in self.groups))
         return ReplicaState(self.id, self.role, queued, running, self.queued_tokens,
                             self.queued_tokens + max(0.0, self.pred_sum - generated), ctx,
-                            int(self.kv_used), int(self.kv_capacity), (), self.capacity_norm)
+                            int(self.kv_used), int(self.kv_capacity),
+                            self._requests() if with_requests else (), self.capacity_norm)
+
+    def _requests(self) -> tuple[RunningRequest, ...]:
+        """As ``_Decoding._requests``: running members (decode time since joining), then the rest."""
+        r, now, sim = self.req, self.loop.now, self.sim
+        out = []
+        for g in self.groups:
+            for rid, joined in g.batch.members.items():
+                gen = g.batch.iteration - joined + 1
+                out.append(RunningRequest(rid, r.inp[rid], gen, sim.repredict(rid, gen), now - r.t_join[rid]))
+        first = 1 if self.role == "decode" else 0  # decode replicas get prompts already prefilled
+        rest = [rid for g in self.groups for rid in (*g.prefill, *g.joins)] + list(self._inbound)
+        rest += [w if self.role == "colocated" else w[0] for w in self.waiting]
+        out += [RunningRequest(rid, r.inp[rid], first, sim.repredict(rid, first), 0.0, started=False) for rid in rest]
+        return tuple(out)

@@ -87,6 +87,7 @@ class PrefillReplica(Replica):
         self.queued_tokens = 0
         self.running = 0
         self.running_tokens = 0
+        self._in_prefill: dict[int, None] = {}  # rids of the batches now running (snapshots only)
         self._free = [0.0] * len(layout.stages)  # when each stage can take the next batch
         self._kick_at: float | None = None
         self._stages = [(s, i == len(layout.stages) - 1) for i, s in enumerate(layout.stages)]
@@ -147,6 +148,7 @@ class PrefillReplica(Replica):
         self._busy(now, t)
         for rid in rids:
             self.req.t_start[rid] = now
+            self._in_prefill[rid] = None
         self.loop.schedule(t, Priority.WORK, self._on_done, (rids, tokens))
         if self.queue:
             self._kick()
@@ -157,12 +159,18 @@ class PrefillReplica(Replica):
         self.running_tokens -= tokens
         self.served += len(rids)
         for rid in rids:
+            del self._in_prefill[rid]
             self.sim.prefill_done(rid, self)
 
     def state(self, with_requests: bool = False) -> ReplicaState:
+        reqs = ()
+        if with_requests:
+            r = self.req
+            reqs = tuple(RunningRequest(rid, r.inp[rid], 0, r.pred[rid], 0.0, started=False)
+                         for rid in (*self._in_prefill, *self.queue))
         return ReplicaState(self.id, "prefill", len(self.queue), self.running, self.queued_tokens,
                             float(self.queued_tokens + self.running_tokens), 0, int(self.kv_used), 0,
-                            capacity_norm=self.capacity_norm)
+                            reqs, self.capacity_norm)
 
 
 # ============================================================================ decode (shared)
@@ -243,14 +251,23 @@ class _Decoding(Replica):
     def _generated_sum(self) -> float:
         return self.batch.generated(self.loop.now)
 
-    def _running_requests(self) -> tuple[RunningRequest, ...]:
-        b, r = self.batch, self.req
-        it = b.iteration + b.iterations_done(self.loop.now)
+    def _requests(self) -> tuple[RunningRequest, ...]:
+        """Per-request views for policies that ask for them (``needs_requests``): the running batch
+        (``decode_time_s`` = time since joining it, the time ATGT counts), then the requests placed
+        here that are not running yet (``started=False``: waiting for prefill, KV or a slot)."""
+        b, r, now = self.batch, self.req, self.loop.now
+        it = b.iteration + b.iterations_done(now)
         out = []
         for rid, joined in b.members.items():
             gen = it - joined + 1
-            out.append(RunningRequest(rid, r.inp[rid], gen, self.sim.repredict(rid, gen)))
+            out.append(RunningRequest(rid, r.inp[rid], gen, self.sim.repredict(rid, gen), now - r.t_join[rid]))
+        for rid, gen in self._not_started():
+            out.append(RunningRequest(rid, r.inp[rid], gen, self.sim.repredict(rid, gen), 0.0, started=False))
         return tuple(out)
+
+    def _not_started(self):  # pragma: no cover - overridden
+        """(rid, tokens generated so far) of the requests placed here and not in the batch."""
+        return ()
 
     def _context_now(self) -> int:
         b = self.batch
@@ -265,6 +282,7 @@ class DecodeReplica(_Decoding):
         super().__init__(sim, index, spec, layout)
         self.waiting: deque[tuple[int, "PrefillReplica"]] = deque()
         self.pending: list[int] = []  # KV arrived, joining at the next boundary
+        self._inbound: dict[int, None] = {}  # admitted, not yet in the batch (KV on the way or pending)
 
     def enqueue(self, rid: int, src: PrefillReplica) -> None:
         """A finished prefill routed here: admit when its KV fits, then pull the KV."""
@@ -282,6 +300,7 @@ class DecodeReplica(_Decoding):
             self.waiting.popleft()
             self._kv_add(need)
             self.admitted += 1
+            self._inbound[rid] = None
             self.sim.start_kv(rid, src, self)
 
     def kv_arrived(self, rid: int) -> None:
@@ -290,9 +309,16 @@ class DecodeReplica(_Decoding):
 
     def _after_boundary(self) -> None:
         for rid in self.pending:
+            del self._inbound[rid]
             self._join(rid)
         self.pending.clear()
         self._start_segment()
+
+    def _not_started(self):
+        for rid in self._inbound:
+            yield rid, 1  # the first token came with the prefill
+        for rid, _ in self.waiting:
+            yield rid, 1
 
     def state(self, with_requests: bool = False) -> ReplicaState:
         b = self.batch
@@ -300,7 +326,7 @@ class DecodeReplica(_Decoding):
         outstanding = max(0.0, self.pred_sum - self._generated_sum()) if b.size else self.pred_sum
         return ReplicaState(self.id, "decode", queued, b.size, 0, outstanding, self._context_now(),
                             int(self.kv_used), int(self.kv_capacity),
-                            self._running_requests() if with_requests else (), self.capacity_norm)
+                            self._requests() if with_requests else (), self.capacity_norm)
 
 
 # ============================================================================ colocated
@@ -315,6 +341,7 @@ class ColocatedReplica(_Decoding):
         self.queued_tokens = 0
         self.chunked = sim.opts.chunked_prefill
         self._chunking: list[list[int]] = []  # [rid, prompt tokens already prefilled]
+        self._prefilling: list[int] = []  # the prompts of the prefill now running (unchunked)
 
     def place(self, rid: int) -> None:
         self.waiting.append(rid)
@@ -359,6 +386,7 @@ class ColocatedReplica(_Decoding):
                 now = self.loop.now
                 dur = self.cost.prefill_time(self.layout, PrefillBatch.of([self.req.inp[i] for i in rids]))
                 self._paused = True
+                self._prefilling = rids
                 self._busy(now, now + dur)
                 self.loop.schedule(now + dur, Priority.WORK, self._on_prefill_done, rids)
                 return
@@ -366,6 +394,7 @@ class ColocatedReplica(_Decoding):
 
     def _on_prefill_done(self, rids: list[int]) -> None:
         self._paused = False
+        self._prefilling = []
         self._first_tokens(rids)
         self._after_boundary()
 
@@ -425,6 +454,14 @@ class ColocatedReplica(_Decoding):
             self._first_tokens(finished)
         self._after_boundary()
 
+    def _not_started(self):
+        for rid in self._prefilling:
+            yield rid, 0
+        for rid, _ in self._chunking:
+            yield rid, 0
+        for rid in self.waiting:
+            yield rid, 0
+
     def state(self, with_requests: bool = False) -> ReplicaState:
         b = self.batch
         queued = len(self.waiting) + len(self._chunking)
@@ -432,4 +469,4 @@ class ColocatedReplica(_Decoding):
                                             else self.pred_sum)
         return ReplicaState(self.id, "colocated", queued, b.size, self.queued_tokens, outstanding,
                             self._context_now(), int(self.kv_used), int(self.kv_capacity),
-                            self._running_requests() if with_requests else (), self.capacity_norm)
+                            self._requests() if with_requests else (), self.capacity_norm)

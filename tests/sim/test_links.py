@@ -127,3 +127,16 @@ def test_a_policy_that_sends_nothing_is_reported():
     loop.schedule(0.0, 1, lambda _: n.send("kv", [(0, 1, 10.0)], lambda s: None))
     with pytest.raises(ValueError, match="sent nothing"):
         loop.run()
+
+
+def test_fair_sharing_far_from_time_zero_makes_progress():
+    """Residual bytes must not shrink below the clock's resolution and stall the link (regression)."""
+    done = {}
+    loop, n = net(Fair())
+    sizes = {"a": 1e9 / 3, "b": 1e9 / 7, "c": 1e9 / 11, "d": 123456.789}
+    for i, (name, size) in enumerate(sizes.items()):
+        send_at(loop, n, 1e7 + i * 1e-4, "kv", size, done, name)
+    loop.run()
+    assert set(done) == set(sizes)
+    assert max(done.values()) == pytest.approx(1e7 + sum(sizes.values()) / BW + LAT, abs=1e-6)
+    assert loop.events < 100

@@ -22,7 +22,7 @@ def register(subparsers) -> None:
     p.add_argument("--compare", metavar="A,B,...", help="run several algorithms and print them side by side")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--time-limit", type=float, default=None, metavar="S",
-                   help="search time limit per algorithm in seconds (default 60)")
+                   help="search time limit per algorithm in seconds (default 110)")
     p.add_argument("--max-iterations", type=int, default=None, metavar="N", help="cap on search iterations")
     p.add_argument("--period", type=float, default=600.0, metavar="S",
                    help="period T of the flow network, seconds (default 600)")

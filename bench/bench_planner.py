@@ -100,22 +100,29 @@ def exact_gap() -> None:
     wl = load_workload("azure-conv")
     pools = [(_case_study(), "llama-2-70b"), (load_cluster("hexgen2-homo"), "llama-2-70b"),
              (load_cluster("aladdin-a100"), "llama-2-70b"), (load_cluster("demo-cpu"), "llama-2-7b"),
-             (load_cluster("aladdin-v100"), "llama-2-7b")]
-    t = Table(title="gap to the exact search (disaggregated space), tokens/s")
-    for col in ("pool", "model", "class", "exact", "exact s", "hexgen2", "hexgen2 s", "hexgen2 / exact",
-                "uniform / exact"):
-        t.add_column(col, justify="left" if col in ("pool", "model", "class") else "right")
+             (load_cluster("aladdin-v100"), "llama-2-7b"), (load_cluster("molink-3x4090"), "llama-2-7b")]
+    others = ("uniform", "random-swap", "genetic")
+    t = Table(title="gap to the exact search (partitions × roles × layout alternatives, and colocated), tokens/s")
+    for col in ("pool", "model", "class", "exact", "exact s", "kind", "hexgen2", "hexgen2 s", "hexgen2 / exact",
+                *(f"{a} / exact" for a in others), "hexgen / exact-col."):
+        t.add_column(col, justify="left" if col in ("pool", "model", "class", "kind") else "right")
+    ratios = []
     for cluster, mname in pools:
         m = load_model(mname)
         for k in ("all",) + CLASSES:
             w = wl if k == "all" else wl.of_class(k)
             x, tx = _run("exact", cluster, m, w)
             h, th = _run("hexgen2", cluster, m, w)
-            u, _ = _run("uniform", cluster, m, w)
-            xv, hv, uv = (p.estimate["throughput_tokens_per_s"] for p in (x, h, u))
-            t.add_row(cluster.name, mname, k, f"{xv:,.0f}", f"{tx:.2f}", f"{hv:,.0f}", f"{th:.2f}",
-                      f"{hv / xv:.3f}", f"{uv / xv:.3f}")
+            xv, hv = x.estimate["throughput_tokens_per_s"], h.estimate["throughput_tokens_per_s"]
+            rest = [_run(a, cluster, m, w)[0].estimate["throughput_tokens_per_s"] / xv for a in others]
+            xc = _run("exact-colocated", cluster, m, w)[0].estimate["throughput_tokens_per_s"]
+            hc = _run("hexgen", cluster, m, w)[0].estimate["throughput_tokens_per_s"]
+            ratios.append(hv / xv)
+            t.add_row(cluster.name, mname, k, f"{xv:,.0f}", f"{tx:.2f}",
+                      "disagg." if x.is_disaggregated else "coloc.", f"{hv:,.0f}", f"{th:.2f}", f"{hv / xv:.3f}",
+                      *(f"{r:.3f}" for r in rest), f"{hc / xc:.3f}")
     console.print(t)
+    console.print(f"hexgen2 / exact: min {min(ratios):.3f}, mean {statistics.mean(ratios):.3f} over {len(ratios)} cases")
 
 
 def main(argv=None) -> int:

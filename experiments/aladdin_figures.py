@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="colocated,decode")
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-admission", choices=["reserve", "paged"], default="reserve",
+                    help="simulator KV admission: whole footprint at admission, or vLLM-style paged growth "
+                         "with recompute pre-emption")
     args = ap.parse_args(argv)
     rates = [float(x) for x in args.rates.split(",")]
     model = load_model(MODEL)
@@ -76,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     print(f"# Aladdin Figures 11/12: {MODEL} on {GPU} (PCIe boxes of 4), SLO TTFT {SLO_13B.ttft_s}s / "
           f"ATGT {SLO_13B.tpot_s}s, ShareGPT lengths (mean in {mi:.0f}, out {mo:.0f}), Poisson arrivals, "
-          f"{args.requests} requests per point, target {args.target:.0%} of requests within the SLOs\n")
+          f"{args.requests} requests per point, target {args.target:.0%} of requests within the SLOs, "
+          f"KV admission {args.kv_admission!r}\n")
     print("Worker size by Eq. 6 (per-GPU decode throughput at the SLO-bounded batch):\n")
     print("| GPUs/worker | limit | batch | tok/s/GPU |\n|---|---|---|---|")
     for o in worker_options(pool8, model, SLO_13B, mi, mo, gpu_name=GPU):
@@ -103,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                 prefill = max(2, fluid) if mode == "decode" else 0
                 if name.startswith("Aladdin"):
                     ample = 2 * fluid + 4
-                    res = run_pool(model, GPU, wl, slo, pol, ample, gpw, mode, prefill, intra=PCIE)
+                    res = run_pool(model, GPU, wl, slo, pol, ample, gpw, mode, prefill, intra=PCIE,
+                                   kv_admission=args.kv_admission)
                     used = len({x for x in (res.prefill_replica if mode == "colocated" else res.decode_replica)
                                 if x.startswith("w")})
                     att = attainment(res, slo, "atgt" if mode == "colocated" else "tpot")
@@ -112,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 try:
                     n = workers_needed(model, GPU, wl, slo, pol, gpw, mode, args.target, prefill_workers=prefill,
-                                       intra=PCIE, hint=fluid, max_workers=4 * fluid + 8)
+                                       intra=PCIE, hint=fluid, max_workers=4 * fluid + 8,
+                                       kv_admission=args.kv_admission)
                     results[name].append(str(n * gpw))
                     counts[name].append((rate, n))
                 except ValueError:

@@ -95,8 +95,9 @@ PolicyMaker = Callable[[Pool], object]
 
 def run_pool(model: ModelSpec, gpu: str, workload: Workload, slo: SLO, policy: str | PolicyMaker, workers: int,
              gpus_per_worker: int, mode: Mode = "colocated", prefill_workers: int = 0, per_machine: int = 4,
-             intra: dict | None = None, predictor=None):
-    """One simulation of ``workload`` on a pool of ``workers`` workers; returns the ``SimResult``."""
+             intra: dict | None = None, predictor=None, kv_admission: str = "reserve"):
+    """One simulation of ``workload`` on a pool of ``workers`` workers; returns the ``SimResult``.
+    ``kv_admission``: the simulator's KV admission mode ("reserve" or "paged", ``SimOptions``)."""
     from hetserve.policies.placement import PolicyContext, make_placement
     from hetserve.sim.simulator import SimOptions, simulate
 
@@ -108,9 +109,10 @@ def run_pool(model: ModelSpec, gpu: str, workload: Workload, slo: SLO, policy: s
         pol = make_placement(policy, PolicyContext(slo=slo, cost=pool.cost, plan=pool.plan, layouts=layouts,
                                                    workload=workload))
     if mode == "colocated":
-        opts = SimOptions(placement=pol, slo=slo, predictor=predictor)
+        opts = SimOptions(placement=pol, slo=slo, predictor=predictor, kv_admission=kv_admission)
     else:
-        opts = SimOptions(placement="jsq", route=PlacementAsRoute(pol), slo=slo, predictor=predictor)
+        opts = SimOptions(placement="jsq", route=PlacementAsRoute(pol), slo=slo, predictor=predictor,
+                          kv_admission=kv_admission)
     return simulate(pool.plan, pool.cluster, model, workload, opts, pool.cost)
 
 
@@ -118,7 +120,7 @@ def workers_needed(model: ModelSpec, gpu: str, workload: Workload, slo: SLO, pol
                    gpus_per_worker: int, mode: Mode = "colocated", target: float = 0.99,
                    prefill_workers: int = 0, per_machine: int = 4, intra: dict | None = None,
                    hint: int | None = None, predictor_factory=None, max_workers: int = 512,
-                   decode_metric: str | None = None) -> int:
+                   decode_metric: str | None = None, kv_admission: str = "reserve") -> int:
     """Fewest workers whose simulation attains ``target`` of the SLOs (O(log n) simulations).
 
     ``decode_metric``: "atgt" or "tpot" (default: ATGT colocated, TPOT for decode pools).
@@ -129,7 +131,7 @@ def workers_needed(model: ModelSpec, gpu: str, workload: Workload, slo: SLO, pol
     def meets(n: int) -> bool:
         pred = predictor_factory() if predictor_factory else None
         res = run_pool(model, gpu, workload, slo, policy, n, gpus_per_worker, mode, prefill_workers,
-                       per_machine, intra, pred)
+                       per_machine, intra, pred, kv_admission)
         return attainment(res, slo, metric) >= target
 
     return min_workers(meets, 1, hint, max_workers)

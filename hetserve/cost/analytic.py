@@ -78,7 +78,7 @@ class CostModel:
         devs = cluster.devices
         self._flops = [d.gpu.fp16_flops * self.eff.compute for d in devs]
         self._membw = [d.gpu.mem_bandwidth * self.eff.memory for d in devs]
-        self._memory = [d.gpu.memory_bytes * self.eff.usable_memory for d in devs]
+        self._memory = [d.memory_bytes * self.eff.usable_memory for d in devs]
         self._alpha = cluster.latency
         self._beta = cluster.bandwidth
 

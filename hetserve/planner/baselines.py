@@ -76,7 +76,7 @@ def uniform(cluster: Cluster, model: ModelSpec, workload: Workload, options: Pla
     L = model.num_layers
     devs = cluster.devices
     by_flops = sorted(range(len(ctx.classes)), key=lambda k: (-devs[ctx.classes[k][0]].gpu.fp16_flops, k))
-    by_memory = sorted(range(len(ctx.classes)), key=lambda k: (-devs[ctx.classes[k][0]].gpu.memory_bytes,
+    by_memory = sorted(range(len(ctx.classes)), key=lambda k: (-devs[ctx.classes[k][0]].memory_bytes,
                                                                -devs[ctx.classes[k][0]].gpu.mem_bandwidth, k))
     largest = max(ctx.class_counts)
     shapes = [(tp, pp) for tp in ctx.layouts.tp_ok if tp <= largest for pp in UNIFORM_PP

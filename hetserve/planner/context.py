@@ -40,7 +40,7 @@ class PlanContext:
         self.period_s = float(self.options.period_s)
         self.num_devices = len(cluster)
         usable = self.cost.eff.usable_memory
-        self.memory = [d.gpu.memory_bytes for d in cluster.devices]
+        self.memory = [d.memory_bytes for d in cluster.devices]
         self.usable_memory = [m * usable for m in self.memory]
         # Bandwidth in Gbit/s with a zero diagonal: the device graph of HexGen-2 §3.1.
         bw = np.array(cluster.bandwidth, dtype=float) * 8 / 1e9

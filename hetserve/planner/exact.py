@@ -2,11 +2,18 @@
 
 Devices of one class are interchangeable (``PlanContext``), so a placement is a multiset of
 (class-count vector, role) parts whose vectors sum to at most the pool's; devices not covered stay
-idle. ``exact`` enumerates every such multiset with at least one prefill and one decode part,
-takes each part's best layout (``LayoutSearch``, the same per-replica search every algorithm
-uses) and solves the max flow, skipping multisets whose capacity bound min(Σ prefill, Σ decode)
-cannot beat the best so far. ``exact_colocated`` is the colocated counterpart (HexGen's space):
-the value is additive, so it is a knapsack over count vectors, solved by dynamic programming.
+idle. ``exact`` enumerates every such multiset with at least one prefill and one decode part and
+prices it with an ``Evaluator(exhaustive_layouts=True)``: every combination of the parts' layout
+alternatives (``LayoutSearch.options``: the capacity-best layout and its KV-friendlier
+variants) is solved, by branch and bound on min(Σ prefill, Σ decode) capacity; multisets whose
+bound cannot beat the best so far are skipped. It then compares the best colocated placement
+(``exact_colocated``'s knapsack) and returns the better, its note saying which — so it bounds
+every algorithm here, ``hexgen2`` (which also weighs an all-colocated plan) included.
+Outside its space: placements mixing colocated and disaggregated replicas, and layouts the
+per-group search does not keep (its TP-split × layer-split × class-order candidates).
+
+``exact_colocated`` is the colocated counterpart (HexGen's space): the value is additive, so it
+is a knapsack over count vectors, solved by dynamic programming.
 
 Pools above ``options.max_exact_devices`` (default 8) are refused. Worst case (8 devices, all in
 different classes) is ~10⁵ multisets; pools with a few machines take well under a second.
@@ -19,7 +26,6 @@ from functools import lru_cache
 
 from hetserve.errors import PlanError
 from hetserve.planner.context import PlanContext
-from hetserve.planner.hexgen2 import colocated_fallback
 from hetserve.planner.options import Budget, PlanOptions
 from hetserve.planner.placement import Evaluator, Group, canonical, to_plan
 from hetserve.planner.plan import Plan
@@ -28,7 +34,7 @@ from hetserve.specs.model import ModelSpec
 from hetserve.specs.workload import Workload
 
 
-def _setup(name: str, cluster, model, workload, options):
+def _setup(name: str, cluster, model, workload, options, exhaustive_layouts: bool = False):
     options = options or PlanOptions()
     if len(cluster) > options.max_exact_devices:
         raise PlanError(f"the exact search enumerates every placement and is limited to "
@@ -36,7 +42,7 @@ def _setup(name: str, cluster, model, workload, options):
                         f"(use hexgen2, or raise PlanOptions.max_exact_devices)")
     ctx = PlanContext(cluster, model, workload, options)
     ctx.check_feasible()
-    return ctx, Budget(name, options), Evaluator(ctx)
+    return ctx, Budget(name, options), Evaluator(ctx, exhaustive_layouts=exhaustive_layouts)
 
 
 def _parts(ctx: PlanContext) -> list[tuple[int, ...]]:
@@ -62,8 +68,27 @@ def _materialize(ctx: PlanContext, items) -> tuple[Group, ...]:
 
 
 def exact(cluster: Cluster, model: ModelSpec, workload: Workload, options: PlanOptions | None = None) -> Plan:
-    """Optimal disaggregated placement by enumeration (small pools only)."""
-    ctx, budget, ev = _setup("exact", cluster, model, workload, options)
+    """Optimal placement by enumeration (small pools only): the better of the best disaggregated
+    placement (partitions × roles × per-group layout alternatives) and the best colocated one."""
+    ctx, budget, ev = _setup("exact", cluster, model, workload, options, exhaustive_layouts=True)
+    best_v, best = _exact_disaggregated(ctx, budget, ev)
+    col_v, col = _exact_colocated(ctx)
+    if budget.stopped_by == "converged":
+        budget.stopped_by = "exhausted"
+    if col and col_v > best_v * (1 + 1e-9):
+        budget.record(col_v)
+        note = (f"colocated replicas serve {col_v:.0f} tokens/s, the best disaggregated placement "
+                f"{best_v:.0f}: colocated plan" if best is not None else
+                "no prefill + decode pair fits: colocated plan")
+        return to_plan(ctx, ev.evaluate(_materialize(ctx, [(v, "colocated") for v in col])), "exact", budget, notes=note)
+    if best is None:
+        raise ctx.no_replica_error()
+    note = f"disaggregated {best_v:.0f} tokens/s ≥ colocated {col_v:.0f}: disaggregated plan" if col else None
+    return to_plan(ctx, ev.evaluate(best), "exact", budget, notes=note)
+
+
+def _exact_disaggregated(ctx: PlanContext, budget: Budget, ev: Evaluator):
+    """(tokens/s, placement) of the best placement with ≥ 1 prefill and ≥ 1 decode group."""
     comp = lambda v: tuple((k, n) for k, n in enumerate(v) if n)  # noqa: E731
     items = []
     for v in _parts(ctx):
@@ -78,6 +103,7 @@ def exact(cluster: Cluster, model: ModelSpec, workload: Workload, options: PlanO
     def rec(start: int, left: list[int], chosen: list, cap_p: float, cap_d: float) -> None:
         if budget.exhausted():
             return
+        # min(Σ prefill, Σ decode) of best capacities bounds every layout choice (``Evaluator``)
         if cap_p > 0 and cap_d > 0 and ctx.tokens_per_s(min(cap_p, cap_d)) > best[0] * (1 + 1e-9):
             placement = _materialize(ctx, [(v, r) for v, r, _ in chosen])
             value = ev.score(placement)
@@ -93,17 +119,11 @@ def exact(cluster: Cluster, model: ModelSpec, workload: Workload, options: PlanO
                 chosen.pop()
 
     rec(0, list(limit), [], 0.0, 0.0)
-    if best[1] is None:
-        return colocated_fallback(ctx, "exact", budget)
-    if budget.stopped_by == "converged":
-        budget.stopped_by = "exhausted"
-    return to_plan(ctx, ev.evaluate(best[1]), "exact", budget)
+    return best[0], best[1]
 
 
-def exact_colocated(cluster: Cluster, model: ModelSpec, workload: Workload,
-                    options: PlanOptions | None = None) -> Plan:
-    """Optimal colocated placement: knapsack DP over class-count vectors (small pools only)."""
-    ctx, budget, ev = _setup("exact-colocated", cluster, model, workload, options)
+def _exact_colocated(ctx: PlanContext) -> tuple[float, tuple]:
+    """(tokens/s, class-count vectors) of the best colocated placement: a knapsack DP."""
     parts = []
     for v in _parts(ctx):
         c = ctx.layouts.choice(tuple((k, n) for k, n in enumerate(v) if n), "colocated")
@@ -121,7 +141,17 @@ def exact_colocated(cluster: Cluster, model: ModelSpec, workload: Workload,
         return out
 
     value, chosen = best(ctx.class_counts)
-    budget.record(ctx.tokens_per_s(value))
+    return ctx.tokens_per_s(value), chosen
+
+
+def exact_colocated(cluster: Cluster, model: ModelSpec, workload: Workload,
+                    options: PlanOptions | None = None) -> Plan:
+    """Optimal colocated placement: knapsack DP over class-count vectors (small pools only)."""
+    ctx, budget, ev = _setup("exact-colocated", cluster, model, workload, options)
+    value, chosen = _exact_colocated(ctx)
+    if not chosen:
+        raise ctx.no_replica_error()
+    budget.record(value)
     if budget.stopped_by == "converged":
         budget.stopped_by = "exhausted"
     return to_plan(ctx, ev.evaluate(_materialize(ctx, [(v, "colocated") for v in chosen])), "exact-colocated", budget)

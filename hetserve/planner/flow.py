@@ -65,8 +65,13 @@ class FlowResult:
 
 def max_flow_value(net: FlowNetwork) -> float:
     """Max flow value (requests per T) by scipy's Dinic on the compact network. O(V²E) worst case."""
+    return max_flow_nodes(net, nodes=False)[0]
+
+
+def max_flow_nodes(net: FlowNetwork, nodes: bool = True) -> tuple[float, dict[int, float]]:
+    """(max flow value, flow through every compute node) by scipy's Dinic, in requests per T."""
     if not net.prefill or not net.decode:
-        return 0.0
+        return 0.0, {}
     s = net.scale()
     bound = _MAX_INT // 4
     P, D = len(net.prefill), len(net.decode)
@@ -83,7 +88,13 @@ def max_flow_value(net: FlowNetwork) -> float:
             if c > 0:
                 rows.append(1 + i), cols.append(1 + P + j), caps.append(c)
     m = csr_array((np.asarray(caps, dtype=np.int32), (np.asarray(rows), np.asarray(cols))), shape=(n, n))
-    return maximum_flow(m, src, snk, method="dinic").flow_value / s
+    res = maximum_flow(m, src, snk, method="dinic")
+    if not nodes:
+        return res.flow_value / s, {}
+    f = res.flow.toarray() if hasattr(res.flow, "toarray") else np.asarray(res.flow)
+    nodes = {p: float(f[src, 1 + i]) / s for i, p in enumerate(net.prefill)}
+    nodes.update({d: float(f[1 + P + j, snk]) / s for j, d in enumerate(net.decode)})
+    return res.flow_value / s, nodes
 
 
 def build_graph(net: FlowNetwork) -> nx.DiGraph:

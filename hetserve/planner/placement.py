@@ -4,8 +4,9 @@ Every algorithm searches over placements and is scored by the same ``Evaluator``
 numbers compare fairly:
 
 * each group gets its best layout for its role (``LayoutSearch``) and that layout's capacity in
-  requests per period T; a group whose devices cannot hold a replica has capacity 0 and its
-  devices stay idle (it is left out of the plan);
+  requests per period T — or, where KV links limit the flow, the combination of per-group
+  alternatives (``LayoutSearch.options``) with the largest max flow; a group whose devices
+  cannot hold a replica has capacity 0 and its devices stay idle (it is left out of the plan);
 * prefill and decode groups form the flow network of HexGen-2 §3.2; its max flow is the
   disaggregated part's requests per T;
 * colocated groups add their capacities;
@@ -19,10 +20,15 @@ from typing import Iterable, Sequence
 
 from hetserve.cost.layout import ReplicaLayout
 from hetserve.planner.context import PlanContext
-from hetserve.planner.flow import FlowNetwork, FlowResult, max_flow_value, solve
+from hetserve.planner.flow import FlowNetwork, FlowResult, max_flow_nodes, max_flow_value, solve
 from hetserve.planner.options import Budget
 from hetserve.planner.plan import KVRoute, Plan, PlanReplica
 
+# Alternative layouts (see ``Evaluator``): enumerate all combinations up to this many, else
+# coordinate ascent over at most this many unsaturated groups for at most this many rounds.
+EXHAUSTIVE_PRODUCT = 64
+MAX_LAYOUT_GROUPS = 8
+MAX_LAYOUT_ROUNDS = 4
 _ROLE_ORDER = {"prefill": 0, "decode": 1, "colocated": 2}
 _PREFIX = {"prefill": "p", "decode": "d", "colocated": "c"}
 
@@ -74,27 +80,53 @@ class Evaluation:
 
 
 class Evaluator:
-    """Scores placements for one ``PlanContext``; caches scores by canonical placement."""
+    """Scores placements for one ``PlanContext``; caches scores by canonical placement.
 
-    def __init__(self, ctx: PlanContext):
+    Layouts: every group starts from its capacity-best layout. When the max flow then falls
+    short of min(Σ prefill, Σ decode) capacity — KV edges limit it — the evaluator also tries
+    the group's KV-friendlier alternatives (``LayoutSearch.options``) and keeps the combination
+    with the largest max flow: all combinations, by branch and bound on that capacity bound,
+    when there are at most ``EXHAUSTIVE_PRODUCT`` of them (always, with ``exhaustive_layouts``,
+    which the exact search sets), otherwise coordinate ascent over the groups the flow leaves
+    unsaturated. No alternative has more capacity than the best, so when the flow already meets
+    the bound there is nothing to try, and the bound stays valid for pruning.
+    """
+
+    def __init__(self, ctx: PlanContext, exhaustive_layouts: bool = False):
         self.ctx = ctx
+        self.exhaustive_layouts = exhaustive_layouts
         self._scores: dict[tuple[Group, ...], float] = {}
+        self._choices: dict[tuple[Group, ...], tuple[int, ...]] = {}
         self._fixed_caps: dict[tuple[ReplicaLayout, str], float] = {}
         self.evaluations = 0  # distinct placements scored
+        self.layout_trials = 0  # max flows solved while choosing alternative layouts
 
     def capacity(self, devices: Sequence[int], role: str) -> float:
         return self.ctx.layouts.capacity(devices, role)
 
-    def _network(self, groups: Sequence[Group], floor: float = -1.0):
-        """(layouts, capacities, flow network, colocated requests per T).
+    def _options(self, g: Group) -> tuple[tuple[ReplicaLayout, float], ...]:
+        """(layout, capacity) choices of a group, best first; () if it holds no replica."""
+        if not g.devices:
+            return ()
+        if g.role == "colocated":  # colocated capacity is additive: only the best matters
+            best = self.ctx.layouts.best(g.devices, g.role)
+            return () if best is None else (best,)
+        return self.ctx.layouts.options(g.devices, g.role)
+
+    def _network(self, groups: Sequence[Group], choice: Sequence[int] | None = None, floor: float = -1.0):
+        """(layouts, capacities, flow network, colocated requests per T) for a layout ``choice``
+        (index into each group's options; None = the best of each).
 
         With ``floor`` ≥ 0 and a capacity bound that cannot beat it, the KV edges are not built
         (the network's ``edge_cap`` stays empty and only its ``upper_bound`` is meaningful)."""
         ctx = self.ctx
         layouts: list[ReplicaLayout | None] = []
         caps: list[float] = []
-        for g in groups:
-            best = ctx.layouts.best(g.devices, g.role) if g.devices else None
+        for i, g in enumerate(groups):
+            if choice is None or choice[i] == 0:
+                best = ctx.layouts.best(g.devices, g.role) if g.devices else None
+            else:
+                best = self._options(g)[choice[i]]
             layouts.append(None if best is None else best[0])
             caps.append(0.0 if best is None else best[1])
         pre = [i for i, g in enumerate(groups) if g.role == "prefill" and caps[i] > 0]
@@ -103,10 +135,12 @@ class Evaluator:
         colocated = sum(caps[i] for i, g in enumerate(groups) if g.role == "colocated")
         if floor >= 0 and ctx.tokens_per_s((net.upper_bound() if pre and dec else 0.0) + colocated) <= floor:
             return layouts, caps, net, colocated
-        kv = ctx.kv_capacity
-        net.edge_cap = {(p, d): kv(layouts[p], layouts[d], (groups[p].devices, groups[d].devices))  # type: ignore[arg-type]
-                        for p in pre for d in dec}
+        c = choice or (0,) * len(groups)
+        net.edge_cap = {(p, d): self._kv(groups, layouts, c, p, d) for p in pre for d in dec}
         return layouts, caps, net, colocated
+
+    def _kv(self, groups, layouts, choice, p: int, d: int) -> float:
+        return self.ctx.kv_capacity(layouts[p], layouts[d], (groups[p].devices, choice[p], groups[d].devices, choice[d]))
 
     def score(self, groups: Iterable[Group], floor: float = -1.0) -> float:
         """Estimated tokens/s of a placement (scipy max flow; cached).
@@ -118,14 +152,111 @@ class Evaluator:
         hit = self._scores.get(key)
         if hit is not None:
             return hit
-        layouts, caps, net, colocated = self._network(key, floor)
+        layouts, caps, net, colocated = self._network(key, None, floor)
         bound = self.ctx.tokens_per_s((net.upper_bound() if net.prefill and net.decode else 0.0) + colocated)
         if floor >= 0 and bound <= floor:
             return bound
         self.evaluations += 1
-        value = self.ctx.tokens_per_s(max_flow_value(net) + colocated)
+        value, nodes = max_flow_nodes(net, nodes=not self.exhaustive_layouts)
+        choice = (0,) * len(key)
+        if net.prefill and net.decode and value < net.upper_bound() * (1 - 1e-9):
+            choice, value = self._choose_layouts(key, layouts, caps, net, value, nodes)
+        value = self.ctx.tokens_per_s(value + colocated)
         self._scores[key] = value
+        self._choices[key] = choice
         return value
+
+    # ------------------------------------------------------------------ alternative layouts
+    def _choose_layouts(self, groups, layouts, caps, net: FlowNetwork, value: float, nodes: dict[int, float]):
+        """(choice, max flow) of the best combination of alternative layouts found."""
+        opts = {i: self._options(groups[i]) for i in net.prefill + net.decode}
+        free = [i for i in net.prefill + net.decode if len(opts[i]) > 1]
+        if not free:
+            return (0,) * len(groups), value
+        product = 1
+        for i in free:
+            product *= len(opts[i])
+        if self.exhaustive_layouts or product <= EXHAUSTIVE_PRODUCT:
+            return self._enumerate_layouts(groups, opts, free, net, value)
+        return self._ascend_layouts(groups, opts, free, layouts, net, value, nodes)
+
+    def _trial(self, groups, opts, choice, net: FlowNetwork, changed) -> FlowNetwork:
+        """``net`` with the groups in ``changed`` switched to ``choice``'s layouts."""
+        node_cap = dict(net.node_cap)
+        edge_cap = dict(net.edge_cap)
+        lay = {i: opts[i][choice[i]][0] for i in net.prefill + net.decode}
+        for i in changed:
+            node_cap[i] = opts[i][choice[i]][1]
+        for i in changed:
+            if groups[i].role == "prefill":
+                for d in net.decode:
+                    edge_cap[(i, d)] = self._kv(groups, lay, choice, i, d)
+            else:
+                for p in net.prefill:
+                    edge_cap[(p, i)] = self._kv(groups, lay, choice, p, i)
+        return FlowNetwork(net.prefill, net.decode, node_cap, edge_cap)
+
+    def _enumerate_layouts(self, groups, opts, free, net: FlowNetwork, value: float):
+        """Every combination of the free groups' options, pruned by the capacity bound."""
+        best = [value, (0,) * len(groups)]
+        choice = [0] * len(groups)
+        pre = set(net.prefill)
+        # best capacities of the groups not yet assigned, per side, for the bound
+        rest_p = [0.0] * (len(free) + 1)
+        rest_d = [0.0] * (len(free) + 1)
+        for k in range(len(free) - 1, -1, -1):
+            i = free[k]
+            rest_p[k] = rest_p[k + 1] + (opts[i][0][1] if i in pre else 0.0)
+            rest_d[k] = rest_d[k + 1] + (opts[i][0][1] if i not in pre else 0.0)
+        fixed_p = sum(net.node_cap[i] for i in net.prefill if i not in free)
+        fixed_d = sum(net.node_cap[i] for i in net.decode if i not in free)
+
+        def rec(k: int, cap_p: float, cap_d: float) -> None:
+            if min(fixed_p + cap_p + rest_p[k], fixed_d + cap_d + rest_d[k]) <= best[0] * (1 + 1e-9):
+                return
+            if k == len(free):
+                if any(choice):
+                    self.layout_trials += 1
+                    v = max_flow_value(self._trial(groups, opts, choice, net, free))
+                    if v > best[0] * (1 + 1e-9):
+                        best[0], best[1] = v, tuple(choice)
+                return
+            i = free[k]
+            for a, (_, cap) in enumerate(opts[i]):
+                choice[i] = a
+                rec(k + 1, cap_p + (cap if i in pre else 0.0), cap_d + (cap if i not in pre else 0.0))
+            choice[i] = 0
+
+        rec(0, 0.0, 0.0)
+        return best[1], best[0]
+
+    def _ascend_layouts(self, groups, opts, free, layouts, net: FlowNetwork, value: float, nodes):
+        """Coordinate ascent: switch one group's layout at a time while the max flow grows;
+        only groups the flow leaves unsaturated (their KV edges, not their capacity, bind)."""
+        choice = [0] * len(groups)
+        cur = net
+        for _ in range(MAX_LAYOUT_ROUNDS):
+            cands = sorted((i for i in free if nodes.get(i, 0.0) < cur.node_cap[i] * 0.999),
+                           key=lambda i: (nodes.get(i, 0.0) / cur.node_cap[i], i))[:MAX_LAYOUT_GROUPS]
+            pick = None
+            for i in cands:
+                for a in range(len(opts[i])):
+                    if a == choice[i]:
+                        continue
+                    trial_choice = choice.copy()
+                    trial_choice[i] = a
+                    trial = self._trial(groups, opts, trial_choice, cur, (i,))
+                    if trial.upper_bound() <= value * (1 + 1e-9):
+                        continue
+                    self.layout_trials += 1
+                    v = max_flow_value(trial)
+                    if v > value * (1 + 1e-9):
+                        value, pick = v, (trial_choice, trial)
+            if pick is None:
+                break
+            choice, cur = pick
+            value, nodes = max_flow_nodes(cur)
+        return tuple(choice), value
 
     def _fixed_network(self, groups: Sequence[Group], layouts: Sequence[ReplicaLayout]):
         ctx = self.ctx
@@ -156,9 +287,12 @@ class Evaluator:
         return Evaluation(tuple(groups), tuple(layouts), tuple(caps), net, flow, req, self.ctx.tokens_per_s(req))
 
     def evaluate(self, groups: Iterable[Group]) -> Evaluation:
-        """Full evaluation with the flow on every edge (networkx preflow-push)."""
+        """Full evaluation with the flow on every edge (networkx preflow-push), with the layouts
+        ``score`` chose."""
         key = canonical(groups)
-        layouts, caps, net, colocated = self._network(key)
+        if key not in self._choices:
+            self.score(key)
+        layouts, caps, net, colocated = self._network(key, self._choices[key])
         flow = solve(net)
         req = flow.value + colocated
         return Evaluation(key, tuple(layouts), tuple(caps), net, flow, req, self.ctx.tokens_per_s(req))

@@ -96,12 +96,12 @@ def validate_plan(plan: Plan, cluster: Cluster, model: ModelSpec | None = None,
                 need = cost.stage_memory(stage, 0, is_first=si == 0, is_last=si == len(r.stages) - 1)
                 for d in s.devices:
                     dev = cluster.device(d)
-                    have = dev.gpu.memory_bytes * usable
+                    have = dev.memory_bytes * usable
                     if need > have:
                         problems.append(
-                            f"{at} (layers {a}–{b}, TP {tp}): needs {need / GB:.1f} GB per device for weights and "
-                            f"activations, but {d} ({dev.gpu.name}) has {have / GB:.1f} GB usable "
-                            f"({dev.gpu.memory_bytes / GB:.0f} GB × {usable:.0%})")
+                            f"{at} (layers {a}–{b}, TP {tp}): needs {need / GB:.3g} GB per device for weights and "
+                            f"activations, but {d} ({dev.gpu.name}) has {have / GB:.3g} GB usable "
+                            f"({dev.memory_bytes / GB:.3g} GB × {usable:.0%})")
                         break
         if expected != model.num_layers and r.stages:
             if expected < model.num_layers:

@@ -368,6 +368,10 @@ class AladdinRoute:
     def __init__(self, placement: AladdinPlacement):
         self.placement = placement
 
+    @property
+    def stats(self) -> dict:
+        return self.placement.stats
+
     def choose(self, request: RequestInfo, src: str, candidates: Sequence[tuple[ReplicaState, float]],
                now: float) -> str:
         live = [r for r, w in candidates if w > 0] or [r for r, _ in candidates]

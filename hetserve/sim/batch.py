@@ -48,6 +48,15 @@ class DecodeBatch:
         self.size += 1
         self.context += context
 
+    def remove(self, rid: int, context: float) -> None:
+        """Take a running request out between segments (pre-emption); ``context``: what it holds now."""
+        assert not self.active, "remove only at an iteration boundary"
+        self.join_sum -= self.members.pop(rid)
+        self.size -= 1
+        self.context = self.context - context if self.size else 0.0
+        self._finish = [e for e in self._finish if e[1] != rid]
+        heapq.heapify(self._finish)
+
     def advance(self, j: int) -> list[int]:
         """Complete ``j`` iterations of the current segment; return the requests that finished."""
         self.iteration += j
@@ -66,10 +75,13 @@ class DecodeBatch:
         return done
 
     # ------------------------------------------------------------------ segments
-    def start(self, now: float) -> float:
-        """Begin a segment at ``now``; return the time its first finishing request is done."""
+    def start(self, now: float, limit: int | None = None) -> float:
+        """Begin a segment at ``now``; return the time its first finishing request is done (or its
+        ``limit``-th iteration ends, if sooner)."""
         assert self.size > 0, "no segment without running requests"
         self.k = self._finish[0][0] - self.iteration
+        if limit is not None and 1 <= limit < self.k:
+            self.k = limit
         self.t0, self.c0 = now, self.context
         self.a = self._step(self.size, self.context)
         if self.k > 1:

@@ -8,8 +8,6 @@ repeat for every iteration at a given batch size. Nothing here prices anything i
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from hetserve.cost.analytic import CostModel
 
 _SHAPES = ("name", "num_layers", "hidden", "num_heads", "num_kv_heads", "vocab", "dtype_bytes", "q_dim",
@@ -18,11 +16,22 @@ _SHAPES = ("name", "num_layers", "hidden", "num_heads", "num_kv_heads", "vocab",
            "max_context")
 
 
+class _Shapes:
+    """The model's shapes read once into plain attributes; anything else from the spec itself."""
+
+    def __init__(self, model):
+        self.__dict__.update({k: getattr(model, k) for k in _SHAPES})
+        self._spec = model
+
+    def __getattr__(self, name):  # only reached for names not copied above
+        return getattr(self.__dict__["_spec"], name)
+
+
 class MemoCostModel(CostModel):
     def __init__(self, cluster, model, efficiency=None):
         super().__init__(cluster, model, efficiency)
         self.model_spec = model
-        self.model = SimpleNamespace(**{k: getattr(model, k) for k in _SHAPES})  # frozen shapes, read once
+        self.model = _Shapes(model)  # frozen shapes, read once
         self._ar: dict = {}
         self._p2p: dict = {}
 

@@ -94,6 +94,13 @@ class SimResult:
                   "transmission": sim.network.policy_name,
                   "predictor": getattr(sim.predictor, "name", type(sim.predictor).__name__),
                   "pipeline": sim.opts.pipeline, "chunked_prefill": sim.opts.chunked_prefill,
+                  "kv_admission": sim.opts.kv_admission,
+                  "preemptions": sum(getattr(x, "preemptions", 0) for x in sim.replicas),
+                  "policy_options": {k: v for k, v in sim.opts.policy_options.items()
+                                     if isinstance(v, (bool, int, float, str))},
+                  "policy_stats": {name: dict(st) for name, pol in (("placement", sim.placement),
+                                                                     ("route", sim.router))
+                                   if isinstance(st := getattr(pol, "stats", None), dict)},
                   "events": sim.loop.events, "wall_s": sim.wall_s,
                   "links": {f"{a}->{b}": {"bytes": l.bytes_sent, "busy_s": l.busy_s, "messages": l.messages}
                             for (a, b), l in sorted(sim.network.links.items())} if len(links) <= 64 else {}},

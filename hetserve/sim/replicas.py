@@ -190,6 +190,12 @@ class _Decoding(Replica):
         self._next: float | None = None  # time of the boundary event now scheduled
         self._paused = False  # a prefill (or mixed iteration) is running; boundaries wait for it
         self.pred_sum = 0.0  # Σ predicted output of admitted requests
+        # kv_admission="paged" (vLLM): KV grows with the context; overflow pre-empts the newest request
+        self.paged = sim.opts.kv_admission == "paged"
+        self._kv_held = 0.0  # paged: KV of admitted requests outside the batch (prefilling, KV inbound)
+        self._g0: dict[int, int] = {}  # paged: tokens a re-joining request had made before pre-emption
+        self.preempted: list[tuple[int, int]] = []  # paged: (rid, tokens made) waiting to recompute
+        self.preemptions = 0
 
     def _request_boundary(self) -> None:
         """Stop the running segment at its next iteration boundary (or wake an idle replica)."""
@@ -207,6 +213,14 @@ class _Decoding(Replica):
         self._next = t
         self.loop.schedule(t, prio, self._on_boundary, (self._version, j))
 
+    def _pause(self) -> None:
+        """A prefill (or mixed iteration, or recompute) starts at a boundary: decoding waits for it,
+        and a boundary event already scheduled (e.g. by an admission a moment ago) is void — the
+        pause's own end re-runs ``_after_boundary``."""
+        self._paused = True
+        self._version += 1
+        self._next = None
+
     def _on_boundary(self, arg: tuple[int, int]) -> None:
         version, j = arg
         if version != self._version:
@@ -215,32 +229,132 @@ class _Decoding(Replica):
         b = self.batch
         if b.active:
             self._busy(b.t0, self.loop.now)
+            if self.paged:  # the pool is fullest just before the finishing requests leave
+                self._kv_add(self._kv_held + b.c0 + j * b.size - self.kv_used)
             self._finish_all(b.advance(j))
         self._after_boundary()
 
     def _start_segment(self) -> None:
         if self.batch.size == 0:
             return
-        end = self.batch.start(self.loop.now)
+        limit = self._make_room() if self.paged else None
+        end = self.batch.start(self.loop.now, limit)
         self._version += 1
         self._next = end
         self.loop.schedule(end, Priority.WORK, self._on_boundary, (self._version, self.batch.k))
 
     def _join(self, rid: int) -> None:
         r = self.req
-        r.t_join[rid] = self.loop.now
-        self.batch.add(rid, r.inp[rid] + 1, r.out[rid] - 1, r.inp[rid] + r.out[rid])
+        if r.t_join[rid] != r.t_join[rid]:  # NaN: first time (a re-join keeps it: ATGT counts the stall)
+            r.t_join[rid] = self.loop.now
+        if self.paged:
+            g = self._g0.get(rid, 1)
+            self._kv_held -= r.inp[rid] + g
+            self.batch.add(rid, r.inp[rid] + g, r.out[rid] - g, r.inp[rid] + r.out[rid])
+        else:
+            self.batch.add(rid, r.inp[rid] + 1, r.out[rid] - 1, r.inp[rid] + r.out[rid])
 
     def _finish_all(self, rids: list[int]) -> None:
         r = self.req
         for rid in rids:
-            self._kv_add(-(r.inp[rid] + r.out[rid]))
+            if self.paged:
+                self._g0.pop(rid, None)
+            else:
+                self._kv_add(-(r.inp[rid] + r.out[rid]))
             self.admitted -= 1
             self.pred_sum -= r.pred[rid]
             self.served += 1
             self.sim.finished(rid)
+        if self.paged:
+            self._kv_sync()
         if rids:
             self._admit()
+
+    # ------------------------------------------------------------------ KV admission modes
+    def _need(self, rid: int) -> float:
+        """KV to reserve when admitting ``rid``: prompt + whole output ("reserve"), or the prompt and
+        its first token ("paged": the rest grows one token per iteration)."""
+        return self.req.inp[rid] + (1 if self.paged else self.req.out[rid])
+
+    def _kv_base(self) -> float:
+        """KV an admission must fit beside: what is reserved ("reserve"), or the most the pool will
+        hold before the running segment ends ("paged"), so no admission makes the segment overflow."""
+        if not self.paged:
+            return self.kv_used
+        b = self.batch
+        # plus vLLM's watermark (1 % of the pool) so an admission does not pre-empt at once
+        return self._kv_held + (b.c0 + b.k * b.size if b.active else b.context) + 0.01 * self.kv_capacity
+
+    def _hold(self, tokens: float) -> None:
+        """Reserve KV for an admitted request."""
+        if self.paged:
+            self._kv_held += tokens
+            self._kv_sync()
+        else:
+            self._kv_add(tokens)
+
+    def _kv_sync(self) -> None:
+        """Paged: set ``kv_used`` to what the pool holds now."""
+        b = self.batch
+        ctx = b.context + b.iterations_done(self.loop.now) * b.size if b.active else b.context
+        self._kv_add(self._kv_held + ctx - self.kv_used)
+
+    def _make_room(self) -> int | None:
+        """Paged, at a boundary: iterations the batch can run before the pool overflows; when not
+        even one fits, pre-empt the newest request (vLLM's recompute pre-emption) until it does.
+        A lone request larger than the pool runs anyway (nothing is dropped)."""
+        b, r = self.batch, self.req
+        while True:
+            free = self.kv_capacity - self._kv_held - b.context
+            if free >= b.size:
+                return int(free // b.size)
+            if b.size <= 1:
+                return None
+            rid = max(b.members)  # the latest arrival goes first (vLLM pre-empts from the back)
+            gen = b.iteration - b.members[rid] + self._g0.get(rid, 1)
+            b.remove(rid, r.inp[rid] + gen)
+            self.admitted -= 1
+            self.preemptions += 1
+            self.preempted.append((rid, gen))
+            self._kv_sync()
+
+    def _recompute_fits(self) -> bool:
+        if not self.preempted or self.admitted >= self.max_batch:
+            return False
+        rid, gen = min(self.preempted)
+        # room for the request and one more iteration of the batch it re-joins (no instant re-pre-emption)
+        return self._can_hold(self._kv_base() + self.batch.size + 1, self.req.inp[rid] + gen)
+
+    def _recompute(self) -> bool:
+        """Paged, at a boundary: re-prefill pre-empted requests (prompt + tokens made so far), oldest
+        first, as one prefill that pauses decoding; they re-join when it ends. False: none fits."""
+        if not self._recompute_fits():
+            return False
+        r, take, tokens = self.req, [], 0
+        self.preempted.sort()
+        while self._recompute_fits():
+            rid, gen = self.preempted[0]
+            n = r.inp[rid] + gen
+            if take and tokens + n > self.sim.opts.token_budget:
+                break
+            self.preempted.pop(0)
+            self._g0[rid] = gen
+            self.admitted += 1
+            self._hold(n)
+            take.append(rid)
+            tokens += n
+        now = self.loop.now
+        dur = self.cost.prefill_time(self.layout, PrefillBatch.of([r.inp[i] + self._g0[i] for i in take]))
+        self._pause()
+        self._busy(now, now + dur)
+        self.loop.schedule(now + dur, Priority.WORK, self._on_recomputed, take)
+        return True
+
+    def _on_recomputed(self, rids: list[int]) -> None:
+        self._paused = False
+        for rid in rids:
+            self._join(rid)
+        self._after_boundary()
 
     def _admit(self) -> None:  # pragma: no cover - overridden
         pass
@@ -262,7 +376,12 @@ class _Decoding(Replica):
             gen = it - joined + 1
             out.append(RunningRequest(rid, r.inp[rid], gen, self.sim.repredict(rid, gen), now - r.t_join[rid]))
         for rid, gen in self._not_started():
-            out.append(RunningRequest(rid, r.inp[rid], gen, self.sim.repredict(rid, gen), 0.0, started=False))
+            dt = now - r.t_join[rid]  # a pre-empted request has been decoding; others: NaN -> 0
+            out.append(RunningRequest(rid, r.inp[rid], gen, self.sim.repredict(rid, gen), dt if dt == dt else 0.0,
+                                      started=False))
+        for rid, gen in self.preempted:
+            out.append(RunningRequest(rid, r.inp[rid], gen, self.sim.repredict(rid, gen), now - r.t_join[rid],
+                                      started=False))
         return tuple(out)
 
     def _not_started(self):  # pragma: no cover - overridden
@@ -291,14 +410,17 @@ class DecodeReplica(_Decoding):
         self._admit()
 
     def _admit(self) -> None:
-        r = self.req
+        if self.preempted:  # pre-empted requests come back first
+            if self._recompute_fits():
+                self._request_boundary()
+            return
         while self.waiting and self.admitted < self.max_batch:
             rid, src = self.waiting[0]
-            need = r.inp[rid] + r.out[rid]
-            if not self._can_hold(self.kv_used, need):
+            need = self._need(rid)
+            if not self._can_hold(self._kv_base(), need):
                 break
             self.waiting.popleft()
-            self._kv_add(need)
+            self._hold(need)
             self.admitted += 1
             self._inbound[rid] = None
             self.sim.start_kv(rid, src, self)
@@ -308,11 +430,15 @@ class DecodeReplica(_Decoding):
         self._request_boundary()
 
     def _after_boundary(self) -> None:
+        if self.paged and self._recompute():
+            return
         for rid in self.pending:
             del self._inbound[rid]
             self._join(rid)
         self.pending.clear()
         self._start_segment()
+        if self.paged:
+            self._admit()  # the segment's end is known now: room for more?
 
     def _not_started(self):
         for rid in self._inbound:
@@ -322,7 +448,7 @@ class DecodeReplica(_Decoding):
 
     def state(self, with_requests: bool = False) -> ReplicaState:
         b = self.batch
-        queued = len(self.waiting) + self.admitted - b.size
+        queued = len(self.waiting) + self.admitted - b.size + len(self.preempted)
         outstanding = max(0.0, self.pred_sum - self._generated_sum()) if b.size else self.pred_sum
         return ReplicaState(self.id, "decode", queued, b.size, 0, outstanding, self._context_now(),
                             int(self.kv_used), int(self.kv_capacity),
@@ -351,10 +477,9 @@ class ColocatedReplica(_Decoding):
             self._request_boundary()
 
     def _admissible(self) -> bool:
-        if not self.waiting or self.admitted >= self.max_batch:
+        if self.preempted or not self.waiting or self.admitted >= self.max_batch:
             return False
-        rid = self.waiting[0]
-        return self._can_hold(self.kv_used, self.req.inp[rid] + self.req.out[rid])
+        return self._can_hold(self._kv_base(), self._need(self.waiting[0]))
 
     def _take(self, budget: int) -> list[int]:
         """Admit waiting prompts in order within ``budget`` tokens, KV and the batch limit."""
@@ -365,7 +490,7 @@ class ColocatedReplica(_Decoding):
                 break
             self.waiting.popleft()
             self.queued_tokens -= r.inp[rid]
-            self._kv_add(r.inp[rid] + r.out[rid])
+            self._hold(self._need(rid))
             self.admitted += 1
             r.t_start[rid] = self.loop.now
             taken.append(rid)
@@ -373,10 +498,12 @@ class ColocatedReplica(_Decoding):
         return taken
 
     def _admit(self) -> None:
-        if self._admissible():
+        if self._admissible() or self._recompute_fits():
             self._request_boundary()
 
     def _after_boundary(self) -> None:
+        if self.paged and self._recompute():
+            return
         if self.chunked:
             if self._mixed_iteration():
                 return
@@ -385,7 +512,7 @@ class ColocatedReplica(_Decoding):
             if rids:
                 now = self.loop.now
                 dur = self.cost.prefill_time(self.layout, PrefillBatch.of([self.req.inp[i] for i in rids]))
-                self._paused = True
+                self._pause()
                 self._prefilling = rids
                 self._busy(now, now + dur)
                 self.loop.schedule(now + dur, Priority.WORK, self._on_prefill_done, rids)
@@ -405,6 +532,8 @@ class ColocatedReplica(_Decoding):
             self.sim.first_token(rid, self)
             if r.out[rid] <= 1:
                 done.append(rid)
+                if self.paged:  # never joins: its prompt's KV goes now
+                    self._kv_held -= r.inp[rid] + 1
             else:
                 self._join(rid)
         self._finish_all(done)
@@ -417,6 +546,8 @@ class ColocatedReplica(_Decoding):
         self._chunking.extend([rid, 0] for rid in self._take(1 << 62))
         if not self._chunking:
             return False
+        if self.paged and b.size:
+            self._make_room()  # room for this iteration's decode tokens
         r = self.req
         left = max(1, budget - b.size)
         chunks, sum_sq, tokens = [], 2.0 * b.context, b.size
@@ -434,7 +565,7 @@ class ColocatedReplica(_Decoding):
         if b.size:
             dur = max(dur, self.cost.decode_step_time(self.layout, b.size, b.context, self.sim.opts.micro_batches))
         now = self.loop.now
-        self._paused = True
+        self._pause()
         self._busy(now, now + dur)
         self.loop.schedule(now + dur, Priority.WORK, self._on_mixed_done, chunks)
         return True
@@ -464,7 +595,7 @@ class ColocatedReplica(_Decoding):
 
     def state(self, with_requests: bool = False) -> ReplicaState:
         b = self.batch
-        queued = len(self.waiting) + len(self._chunking)
+        queued = len(self.waiting) + len(self._chunking) + len(self.preempted)
         outstanding = self.queued_tokens + (max(0.0, self.pred_sum - self._generated_sum()) if b.size
                                             else self.pred_sum)
         return ReplicaState(self.id, "colocated", queued, b.size, self.queued_tokens, outstanding,

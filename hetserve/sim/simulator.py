@@ -53,6 +53,10 @@ class SimOptions:
     max_batch: int = 256  # running requests per decode / colocated replica (vLLM max_num_seqs)
     micro_batches: int | None = None  # pipeline micro-batches (None: the cost model's min(S, batch))
     pipeline: Literal["aggregate", "detailed"] = "aggregate"
+    # KV admission on decode / colocated replicas: "reserve" holds prompt + whole (true) output from
+    # admission, so the pool never overflows; "paged" (vLLM) holds what the context has grown to,
+    # admits while the prompt fits, and pre-empts the newest request (recompute) on overflow.
+    kv_admission: Literal["reserve", "paged"] = "reserve"
     seed: int = 0
     policy_options: dict[str, Any] = field(default_factory=dict)  # PolicyContext.options (e.g. Aladdin's gamma)
     progress: bool = False
@@ -64,6 +68,10 @@ class SimOptions:
             raise ValueError("micro_batches must be positive")
         if self.pipeline not in ("aggregate", "detailed"):
             raise ValueError("pipeline must be 'aggregate' or 'detailed'")
+        if self.kv_admission not in ("reserve", "paged"):
+            raise ValueError("kv_admission must be 'reserve' or 'paged'")
+        if self.kv_admission == "paged" and self.pipeline == "detailed":
+            raise ValueError("kv_admission='paged' is modelled with pipeline='aggregate' only")
 
 
 class RequestTable:

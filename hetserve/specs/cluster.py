@@ -13,7 +13,7 @@ Link resolution, most specific first:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
@@ -68,6 +68,8 @@ class _Machine(pydantic.BaseModel):
     site: str = "default"
     intra: _Link | None = None
     address: str | None = None  # host for the Ray backend; optional
+    # Memory per device, overriding the GPU's: a CPU worker slot or a MIG slice.
+    memory_gb: float | None = pydantic.Field(default=None, gt=0)
 
 
 class _Network(pydantic.BaseModel):
@@ -106,10 +108,11 @@ class Device:
     machine: str
     site: str
     gpu: GpuType
+    memory_bytes: float = 0.0  # 0: the GPU's own memory
 
-    @property
-    def memory_bytes(self) -> float:
-        return self.gpu.memory_bytes
+    def __post_init__(self) -> None:
+        if self.memory_bytes <= 0:
+            object.__setattr__(self, "memory_bytes", self.gpu.memory_bytes)
 
 
 @dataclass(frozen=True, eq=False)
@@ -185,8 +188,7 @@ class Cluster:
     def subset(self, indices: list[int]) -> "Cluster":
         """A cluster of only these devices (re-indexed 0..k-1), e.g. for exact search on a slice."""
         idx = np.asarray(indices)
-        devs = tuple(Device(i, self.devices[j].name, self.devices[j].machine, self.devices[j].site,
-                            self.devices[j].gpu) for i, j in enumerate(indices))
+        devs = tuple(replace(self.devices[j], index=i) for i, j in enumerate(indices))
         return Cluster(self.name, devs, self.latency[np.ix_(idx, idx)], self.bandwidth[np.ix_(idx, idx)],
                        self.source, self.description, self.assumptions, dict(self.machine_addresses))
 
@@ -199,8 +201,9 @@ def _resolve(spec: _ClusterFile, source: str) -> Cluster:
             raise SpecError(source, f"machines.{mi}.name", "a unique machine name", m.name)
         g = gpu(m.gpu, source, f"machines.{mi}.gpu")
         machine_gpu[m.name] = g
+        memory = m.memory_gb * 1e9 if m.memory_gb else 0.0
         for k in range(m.count):
-            devices.append(Device(len(devices), f"{m.name}:{k}", m.name, m.site, g))
+            devices.append(Device(len(devices), f"{m.name}:{k}", m.name, m.site, g, memory))
     n = len(devices)
     machines = {m.name: m for m in spec.machines}
     sites = {m.site for m in spec.machines}

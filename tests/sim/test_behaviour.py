@@ -153,3 +153,14 @@ def test_rate_sweep_rows_and_plot(cluster, model, tmp_path):
     att = [r["summary"]["slo_attainment"] for r in rows]
     assert att[0] >= att[-1] and rows[-1]["summary"]["throughput_tokens_per_s"] > rows[0]["summary"]["throughput_tokens_per_s"]
     assert (tmp_path / "sweep.png").stat().st_size > 1000
+
+
+def test_colocated_prefills_never_overlap(cluster, model):
+    """One prefill at a time on a colocated replica: a boundary event scheduled by an admission just
+    before a prefill starts must not start another prefill (or decode) during it (regression)."""
+    plan = single({"c0": ["m0:0"]})
+    res = simulate(plan, cluster, model, load_workload("azure-conv").head(300).scale_rate(3))
+    starts = np.unique(res.t_start)
+    ends = np.array([res.t_first[res.t_start == s].max() for s in starts])
+    assert np.all(starts[1:] >= ends[:-1] - 1e-9)  # each prefill batch starts after the previous ended
+    assert res.replicas[0].utilisation <= 1.0 + 1e-9

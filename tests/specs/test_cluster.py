@@ -265,3 +265,13 @@ def test_unknown_preset_lists_presets(tmp_path):
         load_cluster("no-such-preset")
     assert info.value.field == "(cluster)" and "demo-cpu" in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_memory_override_per_machine(tmp_path):
+    from hetserve.specs.cluster import cluster_from_dict
+
+    c = cluster_from_dict({"name": "m", "machines": [{"name": "a", "gpu": "L4", "count": 2, "memory_gb": 0.5}]})
+    assert [d.memory_bytes for d in c.devices] == [0.5e9, 0.5e9]
+    assert c.subset([1]).devices[0].memory_bytes == 0.5e9
+    with pytest.raises(SpecError, match="machines.0.memory_gb"):
+        cluster_from_dict({"name": "m", "machines": [{"name": "a", "gpu": "L4", "count": 1, "memory_gb": -1}]})

@@ -29,6 +29,7 @@ EXPECTED_COUNTS = {
     "aladdin-a100": {A100: 4},
     "aladdin-v100": {"V100-32G": 4},
     "demo-cpu": {"RTX-4090": 2, "L4": 2},
+    "demo-tiny": {"RTX-4090": 2, "L4": 2},
 }
 
 # The budgets the HexGen-2 paper quotes ($/h); gpus.csv prices are 2026 figures and lower.
@@ -46,7 +47,7 @@ def ms(cluster) -> np.ndarray:
 
 def test_presets_listed_exactly():
     assert set(cluster_presets()) == set(EXPECTED_COUNTS)
-    assert len(cluster_presets()) == 12
+    assert len(cluster_presets()) == 13
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_COUNTS))
@@ -58,7 +59,7 @@ def test_preset_loads_with_paper_counts(name):
     assert len(c) == sum(EXPECTED_COUNTS[name].values())
     # every preset documents itself
     assert c.description and c.source and c.assumptions
-    if name != "demo-cpu":
+    if not name.startswith("demo-"):
         assert any(w in c.source for w in ("Sec.", "Table", "Figure", "footnote"))
 
 
@@ -157,3 +158,9 @@ def test_aladdin_testbeds():
 def test_demo_cpu_is_small():
     c = load_cluster("demo-cpu")
     assert len(c) == 4 and len(c.machines) == 2 and len(c.sites) == 1
+
+
+def test_demo_tiny_slots_have_their_own_memory():
+    c = load_cluster("demo-tiny")
+    assert all(d.memory_bytes == pytest.approx(0.04e9) for d in c.devices)
+    assert c.total_memory_bytes == pytest.approx(0.16e9)

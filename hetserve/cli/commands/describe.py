@@ -55,7 +55,7 @@ def describe_cluster(c: Cluster, console: Console) -> None:
         d0 = devs[0]
         intra = _fmt_link(*c.link(devs[0].index, devs[1].index)) if len(devs) > 1 else "-"
         p = c.usd_per_hour([d.index for d in devs])
-        machines.add_row(name, d0.site, f"{len(devs)}× {d0.gpu.name}", f"{d0.gpu.memory_gb * len(devs):,.0f}",
+        machines.add_row(name, d0.site, f"{len(devs)}× {d0.gpu.name}", f"{sum(d.memory_bytes for d in devs) / 1e9:,.3g}",
                          intra, f"{p:.2f}" if p is not None else "unknown")
     console.print(machines)
     names = list(c.machines)

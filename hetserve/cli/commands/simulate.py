@@ -2,7 +2,7 @@
 
     hetserve simulate --plan plan.json --workload azure-conv [--cluster hexgen2-het1]
         [--workload-class HPLD] [--rate-scale 2 | --rate 5] [--router jsq] [--transmission fair]
-        [--slo-ttft 1 --slo-tpot 0.1 --slo-e2e 60] [--limit 2000] [-o out/]
+        [--slo-ttft 1 --slo-tpot 0.1 --slo-e2e 60] [--gamma 0.5 --theta 1] [--limit 2000] [-o out/]
 
 The cluster defaults to the preset named in the plan. Writes summary.json, requests.csv and
 latency_cdf.png under ``-o``; prints a table either way.
@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--router", default="jsq", help="placement policy: aladdin, jsq, po2, rr, lot (default jsq)")
     p.add_argument("--route", default="flow", help="KV route policy: flow (plan weights) or load (default flow)")
     p.add_argument("--transmission", default="fair", help="link scheduling: molink, fair, serial (default fair)")
+    p.add_argument("--gamma", type=float, help="aladdin: strictness knob γ in [0, 1] (default 0.5)")
+    p.add_argument("--theta", type=float, help="aladdin: safety factor θ in (0, 1] (default 1)")
     p.add_argument("--slo-ttft", type=float, help="TTFT target, seconds")
     p.add_argument("--slo-tpot", type=float, help="TPOT / ATGT target, seconds per token")
     p.add_argument("--slo-e2e", type=float, help="end-to-end latency target, seconds")
@@ -39,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batches", type=int, help="pipeline micro-batches (default: one per stage)")
     p.add_argument("--pipeline", choices=["aggregate", "detailed"], default="aggregate",
                    help="detailed: stage-by-stage pipelines with activations on the links (slower)")
+    p.add_argument("--kv-admission", choices=["reserve", "paged"], default="reserve",
+                   help="decode KV: reserve prompt + whole output at admission (default), or paged "
+                        "growth with recompute pre-emption (vLLM)")
     p.add_argument("--predictor", choices=["oracle", "bucket"], default="oracle",
                    help="output-length prediction for placement (default: the true length)")
     p.add_argument("--seed", type=int, default=0)
@@ -78,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
         slo = SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e)
     except ValueError as exc:
         raise SpecError("--slo-*", "slo", "positive seconds", str(exc)) from exc
+    policy_options = {k: getattr(args, k) for k in ("gamma", "theta") if getattr(args, k) is not None}
+    if policy_options and "aladdin" not in (args.router, args.route):
+        raise SpecError("--gamma/--theta", "router", "--router aladdin or --route aladdin", args.router)
     predictor = None
     if args.predictor == "bucket":
         from hetserve.policies.predictor import BucketMeanPredictor
@@ -86,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
         opts = SimOptions(placement=args.router, route=args.route, transmission=args.transmission, slo=slo,
                           predictor=predictor, token_budget=args.token_budget, chunked_prefill=args.chunked_prefill,
                           max_batch=args.max_batch, micro_batches=args.micro_batches, pipeline=args.pipeline,
-                          seed=args.seed, progress=not args.no_progress and not args.json)
+                          kv_admission=args.kv_admission,
+                          seed=args.seed, policy_options=policy_options,
+                          progress=not args.no_progress and not args.json)
         try:
             from hetserve.planner.validate import validate_plan
         except ImportError:  # pragma: no cover - the planner ships with hetserve

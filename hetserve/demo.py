@@ -71,6 +71,7 @@ def serve_tiny_model(n_requests: int = 24, max_input: int = 256, max_output: int
     console.rule("[bold]6. calibrate the cost model to this CPU[/]")
     # Efficiency is relative to one GPU type's datasheet; the demo's devices all run on this CPU.
     cal = calibrate(str(model_dir), cluster.devices[0].gpu.name)
+    cal.save(OUT / "calibration.json")  # hetserve simulate --efficiency demo-out/calibration.json
     t = Table("phase", "size", "measured ms", "cost model ms", "error")
     for p in cal.points:
         t.add_row(p.phase, str(p.size), f"{p.measured_s * 1e3:.2f}", f"{p.predicted_s * 1e3:.2f}", f"{p.error:+.0%}")

@@ -19,11 +19,14 @@ FLOP/s and memory bandwidth over its devices. Units: seconds, bytes, FLOP/s, byt
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Sequence
 
 from hetserve.cost.layout import ReplicaLayout, StageLayout
+from hetserve.errors import SpecError
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec
 
@@ -50,6 +53,27 @@ class Efficiency:
                 raise ValueError(f"efficiency {k} must be in (0, 1]")
         if self.activation_buffers < 0 or self.activation_tokens <= 0 or self.step_overhead_s < 0:
             raise ValueError("activation_buffers, activation_tokens and step_overhead_s must be non-negative")
+
+
+def load_efficiency(path: str | Path) -> Efficiency:
+    """Read efficiency factors from JSON: a flat mapping of ``Efficiency`` fields, or a
+    calibration file holding one under ``"efficiency"`` (``hetserve calibrate -o``)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecError(str(path), "(file)", "a readable JSON file", str(exc)) from exc
+    data = data.get("efficiency", data) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        raise SpecError(str(path), "efficiency", "a mapping of Efficiency fields")
+    known = {f.name for f in fields(Efficiency)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise SpecError(str(path), unknown[0], "one of " + ", ".join(sorted(known)))
+    try:
+        return Efficiency(**data)
+    except (TypeError, ValueError) as exc:
+        raise SpecError(str(path), "efficiency", "values in range", str(exc)) from exc
 
 
 @dataclass(frozen=True)

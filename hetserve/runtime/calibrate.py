@@ -17,8 +17,10 @@ by per-iteration overhead, so the memory term cannot be told apart and keeps its
 
 from __future__ import annotations
 
+import json
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import numpy as np
 from scipy.optimize import minimize_scalar
@@ -51,6 +53,12 @@ class Calibration:
     @property
     def mean_abs_error(self) -> float:
         return float(np.mean([abs(p.error) for p in self.points]))
+
+    def save(self, path: str | Path) -> None:
+        """JSON that ``cost.analytic.load_efficiency`` (``hetserve simulate --efficiency``) reads."""
+        Path(path).write_text(json.dumps({
+            "gpu": self.gpu, "efficiency": asdict(self.efficiency), "mean_abs_error": self.mean_abs_error,
+            "points": [asdict(p) for p in self.points]}, indent=2) + "\n")
 
 
 def _one_device_cluster(gpu_name: str) -> Cluster:

@@ -168,3 +168,21 @@ def test_prefill_batch_helpers():
     b = PrefillBatch.of([3, 4])
     assert (b.num_seqs, b.tokens, b.sum_sq) == (2, 7, 25.0)
     assert np.isclose(PrefillBatch.single(5).sum_sq, 25)
+
+
+def test_load_efficiency_flat_and_calibration_shapes(tmp_path):
+    import json
+
+    from hetserve.cost.analytic import load_efficiency
+    from hetserve.errors import SpecError
+
+    flat = tmp_path / "e.json"
+    flat.write_text(json.dumps({"compute": 0.3, "step_overhead_s": 0.002}))
+    assert load_efficiency(flat) == Efficiency(compute=0.3, step_overhead_s=0.002)
+    nested = tmp_path / "c.json"
+    nested.write_text(json.dumps({"gpu": "L4", "efficiency": {"memory": 0.5}}))
+    assert load_efficiency(nested).memory == 0.5
+    bad = tmp_path / "b.json"
+    bad.write_text(json.dumps({"speed": 1}))
+    with pytest.raises(SpecError, match="speed"):
+        load_efficiency(bad)

@@ -46,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "growth with recompute pre-emption (vLLM)")
     p.add_argument("--predictor", choices=["oracle", "bucket"], default="oracle",
                    help="output-length prediction for placement (default: the true length)")
+    p.add_argument("--efficiency", help="cost-model efficiency JSON (from `hetserve calibrate -o`)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", help="directory for summary.json, requests.csv and plots")
     p.add_argument("--json", action="store_true", help="print the summary JSON instead of a table")
@@ -57,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from hetserve.errors import PlanError, SpecError
+    from hetserve.cost.analytic import CostModel, load_efficiency
     from hetserve.planner.plan import Plan
+    from hetserve.planner.validate import validate_plan
     from hetserve.sim import SimOptions, simulate
     from hetserve.specs.cluster import load_cluster
     from hetserve.specs.model import load_model
@@ -97,13 +100,9 @@ def run(args: argparse.Namespace) -> int:
                           kv_admission=args.kv_admission,
                           seed=args.seed, policy_options=policy_options,
                           progress=not args.no_progress and not args.json)
-        try:
-            from hetserve.planner.validate import validate_plan
-        except ImportError:  # pragma: no cover - the planner ships with hetserve
-            validate_plan = None
-        if validate_plan is not None:
-            validate_plan(plan, cluster, model)
-        result = simulate(plan, cluster, model, wl, opts)
+        validate_plan(plan, cluster, model)
+        cost = CostModel(cluster, model, load_efficiency(args.efficiency)) if args.efficiency else None
+        result = simulate(plan, cluster, model, wl, opts, cost=cost)
     except ValueError as exc:
         if isinstance(exc, (PlanError, SpecError)):
             raise

@@ -3,8 +3,8 @@
 Part 1 — predict: plan Llama-2-70B on HexGen-2's heterogeneous setting 1 (20 GPUs of four
 types) and simulate the whole Azure conversation trace against the plan.
 
-Part 2 — run it for real, on this machine: plan a tiny model on the ``demo-tiny`` pool (worker
-slots small enough that one replica needs two of them), calibrate the cost model to this CPU,
+Part 2 — run it for real, on this machine: calibrate the cost model to this CPU, plan a tiny
+model on the ``demo-tiny`` pool (worker slots small enough that one replica needs two of them),
 serve the plan (prefill and decode replicas as local worker processes behind the OpenAI-
 compatible endpoint), replay a slice of the Azure trace through the official ``openai`` client,
 and print the served TTFT / TPOT / throughput beside the simulator's prediction for the same
@@ -48,9 +48,8 @@ def predict_large_pool() -> None:
 
 
 def serve_tiny_model(n_requests: int = 24, max_input: int = 256, max_output: int = 32, rate: float = 2.0) -> None:
-    from hetserve.cost.analytic import CostModel
+    from hetserve.cost.analytic import CostModel, load_efficiency
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.calibrate import calibrate
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import replay, requests_from_workload, summarize
     from hetserve.sim import SimOptions, simulate
@@ -63,25 +62,18 @@ def serve_tiny_model(n_requests: int = 24, max_input: int = 256, max_output: int
     step("4. a tiny random-weight Llama (GQA) checkpoint",
          ["make-model", "--arch", "llama", "--layers", "8", "--hidden", "256", "--heads", "4", "--kv-heads", "1",
           "--ffn", "768", "-o", str(model_dir)])
-    step("5. plan it on the pool (short requests: the tiny model's context is 1,024 tokens)",
+    calibration = OUT / "calibration.json"
+    step("5. calibrate the cost model to this CPU (efficiency relative to the RTX 4090 datasheet)",
+         ["calibrate", "--model", str(model_dir), "--gpu", "RTX-4090", "-o", str(calibration)])
+    step("6. plan the pool for this machine (short requests: the tiny model's context is 1,024 tokens)",
          ["plan", "--cluster", "demo-tiny", "--model", str(model_dir), "--workload", "azure-conv",
-          "--workload-class", "LPLD", "-o", str(plan_path)])
-
+          "--workload-class", "LPLD", "--efficiency", str(calibration), "--disaggregated", "-o", str(plan_path)])
     plan, cluster, spec = Plan.load(plan_path), load_cluster("demo-tiny"), load_model(model_dir)
-    console.rule("[bold]6. calibrate the cost model to this CPU[/]")
-    # Efficiency is relative to one GPU type's datasheet; the demo's devices all run on this CPU.
-    cal = calibrate(str(model_dir), cluster.devices[0].gpu.name)
-    cal.save(OUT / "calibration.json")  # hetserve simulate --efficiency demo-out/calibration.json
-    t = Table("phase", "size", "measured ms", "cost model ms", "error")
-    for p in cal.points:
-        t.add_row(p.phase, str(p.size), f"{p.measured_s * 1e3:.2f}", f"{p.predicted_s * 1e3:.2f}", f"{p.error:+.0%}")
-    console.print(t)
-    console.print(f"fitted: {cal.efficiency.compute:.2e} of {cal.gpu} peak FLOP/s, "
-                  f"{cal.efficiency.step_overhead_s * 1e3:.2f} ms per iteration; mean |error| {cal.mean_abs_error:.0%}")
+    efficiency = load_efficiency(calibration)
 
     trace = load_workload("azure-conv").of_class("LPLD").with_rate(rate)
     requests = requests_from_workload(trace, n_requests, max_input=max_input, max_output=max_output)
-    console.rule(f"[bold]7. serve the plan and replay {n_requests} Azure requests through the openai client[/]")
+    console.rule(f"[bold]7. serve the plan (prefill and decode replicas as worker processes) and replay {n_requests} Azure requests through the openai client[/]")
     with start_server(ServeOptions(plan=plan, cluster=cluster, model_dir=str(model_dir), router="jsq")) as server:
         console.print(f"serving on {server.url} — replaying at {rate} req/s …")
         results = replay(server.url, model_dir.name, requests)
@@ -90,7 +82,7 @@ def serve_tiny_model(n_requests: int = 24, max_input: int = 256, max_output: int
     workload = Workload.from_lists("azure-slice", [r.arrival_s for r in requests],
                                    [len(r.prompt) for r in requests], [r.max_tokens for r in requests])
     predicted = simulate(plan, cluster, spec, workload, SimOptions(placement="jsq", progress=False),
-                         cost=CostModel(cluster, spec, cal.efficiency)).summary()
+                         cost=CostModel(cluster, spec, efficiency)).summary()
 
     console.rule("[bold]8. served vs simulated, same plan and requests[/]")
     t = Table("metric", "served", "simulated", "sim / served")

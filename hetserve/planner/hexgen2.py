@@ -274,8 +274,10 @@ def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, opti
     result = evaluator.evaluate(best)
     if result.flow.value <= 0:
         return colocated_fallback(ctx, name, budget)
-    colocated, col_v = colocated_alternative(ctx, evaluator, best)
     value = result.tokens_per_s
+    if not options.allow_colocated:
+        return to_plan(ctx, result, name, budget, notes="disaggregated (colocated plans not allowed)")
+    colocated, col_v = colocated_alternative(ctx, evaluator, best)
     if col_v > value * (1 + 1e-9):
         budget.record(col_v)
         return to_plan(ctx, evaluator.evaluate(colocated), name, budget,

@@ -8,7 +8,7 @@ layers each stage holds, in which order — that maximises the role's capacity u
 * colocated: ``CostModel.colocated_capacity`` (HexGen / vLLM-style replicas).
 
 Search space (HexGen's heuristic): a TP group is devices of one class (same machine, same GPU
-type); TP degrees divide the attention heads. A layout may leave some of the group's devices
+type); TP degrees divide the heads, KV heads and FFN width (``ModelSpec.tp_problem``). A layout may leave some of the group's devices
 idle (an odd GPU, or a whole class that only slows the pipeline down); the searches read those
 idle devices as spare capacity to move elsewhere. The DP of Eq. 3 over GPU-type count vectors picks,
 for each class, how its devices split into TP groups; here that choice is enumerated exactly
@@ -96,8 +96,7 @@ class LayoutSearch:
         self.ctx = ctx
         m = ctx.model
         self.num_layers = m.num_layers
-        self.tp_ok = [t for t in range(1, 65) if m.num_heads % t == 0
-                      and (m.num_kv_heads % t == 0 or t % m.num_kv_heads == 0)]
+        self.tp_ok = [t for t in range(1, 65) if m.tp_problem(t) is None]
         self._cache: dict[tuple, LayoutChoice | None] = {}
         self._best_cache: dict[tuple, tuple[ReplicaLayout, float] | None] = {}
         self._probe_cache: dict[tuple, tuple[int, float]] = {}

@@ -39,6 +39,8 @@ class PlanOptions:
     progress: called with a ``SearchProgress`` after each iteration.
     efficiency: cost-model efficiencies (None: ``Efficiency()``).
     max_exact_devices: the exact search refuses larger pools.
+    allow_colocated: HexGen-2 may return an all-colocated plan when it serves more (False: always
+        disaggregated, as in the paper).
     """
 
     seed: int = 0
@@ -50,6 +52,7 @@ class PlanOptions:
     progress: Callable[[SearchProgress], None] | None = field(default=None, compare=False)
     efficiency: Efficiency | None = None
     max_exact_devices: int = 8
+    allow_colocated: bool = True
 
     def __post_init__(self) -> None:
         if self.time_limit_s is not None and self.time_limit_s <= 0:

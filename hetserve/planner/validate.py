@@ -5,7 +5,7 @@ Checks, each reported with the replica, stage or route it concerns and the numbe
 * replicas: at least one; unique ids; a known role;
 * devices: every device exists in the cluster; none is used twice in the plan;
 * layers: each replica's stages cover ``[0, num_layers)`` in order, without gap or overlap;
-* TP: a stage's device count divides the model's attention heads (and matches its KV heads);
+* TP: a stage's device count divides the model's heads, KV heads and FFN width;
 * memory: each stage's weights and activation buffers (cost model, ``CostModel.stage_memory``)
   fit in the usable memory of every device of the stage;
 * KV routes: from a prefill replica to a decode replica, both present; weights finite and
@@ -88,9 +88,8 @@ def validate_plan(plan: Plan, cluster: Cluster, model: ModelSpec | None = None,
             if len(set(s.devices)) != len(s.devices):
                 problems.append(f"{at}: lists a device more than once")
             tp = len(s.devices)
-            if tp and (model.num_heads % tp or (model.num_kv_heads % tp and tp % model.num_kv_heads)):
-                problems.append(f"{at}: TP degree {tp} does not split {model.name}'s {model.num_heads} attention "
-                                f"heads ({model.num_kv_heads} KV heads) evenly")
+            if tp and (why := model.tp_problem(tp)):
+                problems.append(f"{at}: {why}")
             if known and tp and b > a and len(set(s.devices)) == tp:
                 stage = StageLayout(tuple(cluster.device(d).index for d in s.devices), (a, b))
                 need = cost.stage_memory(stage, 0, is_first=si == 0, is_last=si == len(r.stages) - 1)

@@ -21,9 +21,11 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence, TypeVar
 
 from hetserve.policies.base import Allocation, DecodeTiming, LinkInfo, Send, TransferView
+
+M = TypeVar("M")  # a caller's pending-message record; it must have ``remaining`` (bytes)
 
 MOLINK_MAX_WAIT = 30  # Algorithm 1, line 3: N = 30
 
@@ -154,6 +156,28 @@ class MoLinkTransmission:
             self.wait = 0  # line 24
             return Allocation((Send(head.id, nbytes),))
         return Allocation(())
+
+
+def resolve_allocation(policy, pending: "Mapping[int, M]", views: Sequence[TransferView], link: LinkInfo,
+                       now: float, next_decode_in_s: float | None) -> tuple[list[tuple[M, float]], bool]:
+    """Ask ``policy`` what to send and check the answer against what is ``pending`` (by id).
+
+    Returns ``(sends, concurrent)``: the messages with the bytes to put on the wire now, and
+    whether they share the link. A sequential allocation keeps only its first send (the caller
+    asks again when it finishes). The simulator's links and the runtime's shaped links both
+    call this, so the allocation rules live in one place.
+    """
+    alloc: Allocation = policy.schedule(views, link, now, next_decode_in_s)
+    sends: list[tuple[M, float]] = []
+    for s in alloc.sends:
+        m = pending.get(s.id)
+        if m is None or s.nbytes <= 0:
+            raise ValueError(f"transmission policy {policy.name!r} sent {s}, which is not pending")
+        sends.append((m, min(float(s.nbytes), m.remaining)))
+    if not sends:
+        raise ValueError(f"transmission policy {policy.name!r} sent nothing with {len(views)} messages pending")
+    concurrent = bool(alloc.concurrent)
+    return (sends if concurrent else sends[:1]), concurrent
 
 
 TRANSMISSION_POLICIES: dict[str, Callable[[], object]] = {

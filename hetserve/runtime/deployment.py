@@ -99,6 +99,7 @@ def build_layout(plan: Plan, cluster: Cluster, cfg: ArchConfig, device_of: dict[
 
 
 def _check_replica(r: PlanReplica, cfg: ArchConfig, cluster: Cluster, seen: set[str], source: str) -> None:
+    spec = model_spec(cfg, DTYPE_BYTES["float32"])  # only shapes are checked here
     end = 0
     for i, s in enumerate(r.stages):
         if s.layers[0] != end or s.layers[1] <= s.layers[0]:
@@ -111,11 +112,8 @@ def _check_replica(r: PlanReplica, cfg: ArchConfig, cluster: Cluster, seen: set[
             if d in seen:
                 raise PlanError(f"{source}: device {d!r} appears twice in the plan")
             seen.add(d)
-        t = s.tp
-        for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads), ("FFN width", cfg.ffn_size)):
-            if n % t:
-                raise PlanError(f"{source}: replica {r.id} stage {i} has TP degree {t}, which does not divide "
-                                f"the model's {n} {what}")
+        if why := spec.tp_problem(s.tp):
+            raise PlanError(f"{source}: replica {r.id} stage {i}: {why}")
     if end != cfg.num_layers:
         raise PlanError(f"{source}: replica {r.id} covers layers [0, {end}) but the checkpoint has "
                         f"{cfg.num_layers} layers")

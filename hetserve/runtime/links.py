@@ -41,8 +41,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from hetserve.policies.base import (Allocation, DecodeTiming, LinkInfo, TrafficKind, TransferView,
+from hetserve.policies.base import (DecodeTiming, LinkInfo, TrafficKind, TransferView,
                                     TransmissionPolicy)
+from hetserve.policies.transmission import resolve_allocation
 
 _EPS_BYTES = 1e-3
 KINDS: tuple[TrafficKind, ...] = ("decode", "prefill", "kv")
@@ -197,21 +198,11 @@ class LinkSchedule:
                  for m in self.pending.values()]
         timing = self.decode_timing() if self.decode_timing is not None else None
         hint = self.next_decode_in(now) if self.next_decode_in is not None else None
-        alloc: Allocation = self.policy.schedule(views, LinkInfo(self.latency_s, self.bandwidth, timing), now, hint)
-        sends = []
-        for s in alloc.sends:
-            m = self.pending.get(s.id)
-            if m is None or s.nbytes <= 0:
-                raise ValueError(f"transmission policy {self.policy.name!r} sent {s}, which is not pending")
-            sends.append([m, min(float(s.nbytes), m.remaining)])
-        if not sends:
-            raise ValueError(f"transmission policy {self.policy.name!r} sent nothing with "
-                             f"{len(views)} messages pending")
+        pairs, self._concurrent = resolve_allocation(
+            self.policy, self.pending, views, LinkInfo(self.latency_s, self.bandwidth, timing), now, hint)
         # A concurrent allocation stays concurrent with one send: a newcomer shares the link at once
         # (fair share), rather than waiting as it would behind a non-pre-emptible send.
-        self._concurrent = bool(alloc.concurrent)
-        if not self._concurrent:
-            sends = sends[:1]
+        sends = [[m, n] for m, n in pairs]
         for m, _ in sends:
             if m.first_byte is None:
                 m.first_byte = now

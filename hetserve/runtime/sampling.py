@@ -9,32 +9,9 @@ search).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int | None = None  # None: the engine draws one per request
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False  # when False, the checkpoint's eos ids also stop generation
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
+from hetserve.runtime.params import SamplingParams  # noqa: F401  (re-exported: the engine's API)
 
 
 # what travels with a step for each sequence: (temperature, top_p, seed, token index)

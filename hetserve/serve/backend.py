@@ -25,30 +25,13 @@ from typing import AsyncIterator, Protocol, Sequence
 
 from hetserve.policies.base import ReplicaState
 
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """Sampling of one request. ``temperature == 0``: greedy. ``seed``: reproducible sampling."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+from hetserve.runtime.params import SamplingParams
 
 
 class Backend(Protocol):
     max_context: int
 
-    def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: GenerationParams,
+    def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                  replica: str | None = None) -> AsyncIterator[int]: ...
 
     def abort(self, request_id: str) -> None: ...

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
 from hetserve.policies.base import PlacementPolicy, ReplicaState, RequestInfo
-from hetserve.serve.backend import Backend, GenerationParams
+from hetserve.runtime.params import SamplingParams
+from hetserve.serve.backend import Backend
 from hetserve.serve.errors import ContextLengthExceeded, InvalidRequest, ServerError
 from hetserve.serve.metrics import ServerMetrics
 from hetserve.serve.text import Codec, TextStream
@@ -29,7 +30,7 @@ class Prepared:
     request_id: str
     seq: int  # integer id for the policies
     prompt_ids: list[int]
-    params: GenerationParams
+    params: SamplingParams
     stop: tuple[str, ...]
     endpoint: str
     arrival: float = field(default_factory=time.monotonic)
@@ -117,8 +118,8 @@ class Coordinator:
                 param="max_tokens")
         eos = self.codec.eos_token_id
         try:
-            params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                      stop_token_ids=(eos,) if eos is not None else ())
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                    stop_token_ids=(eos,) if eos is not None else ())
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
         seq = next(self._seq)

@@ -1,6 +1,6 @@
 """``EngineBackend``: the runtime ``Engine`` (local processes or Ray actors) behind the ``Backend`` protocol.
 
-Maps the server's ``GenerationParams`` to the engine's ``SamplingParams``, streams the engine's
+Passes the server's ``SamplingParams`` to the engine, streams the engine's
 ``RequestHandle`` asynchronously, turns the engine's per-replica statistics into the
 ``ReplicaState`` snapshots the placement policies read, and reads link counters from the
 ``LinkSchedulerFactory`` the engine was started with.
@@ -13,12 +13,11 @@ a ``RuntimeFailure`` becomes ``ServerError``.
 from __future__ import annotations
 
 import asyncio
-import inspect
 from typing import AsyncIterator, Sequence
 
 from hetserve.errors import InfeasibleError, RuntimeFailure
 from hetserve.policies.base import ReplicaState
-from hetserve.serve.backend import GenerationParams
+from hetserve.runtime.params import SamplingParams
 from hetserve.serve.errors import ContextLengthExceeded, InvalidRequest, ServerError
 
 
@@ -30,17 +29,11 @@ class EngineBackend:
         self.vocab_size = int(engine.arch.vocab_size)
         self._handles: dict[str, object] = {}
         self._closed = False
-        self._submit_takes_replica = "replica" in inspect.signature(engine.submit).parameters
 
-    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: GenerationParams,
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                        replica: str | None = None) -> AsyncIterator[int]:
-        from hetserve.runtime.sampling import SamplingParams
-
-        sp = SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                            seed=params.seed, stop_token_ids=params.stop_token_ids)
-        kwargs = {"replica": replica} if (replica is not None and self._submit_takes_replica) else {}
         try:
-            handle = self.engine.submit(list(prompt_token_ids), sp, **kwargs)
+            handle = self.engine.submit(list(prompt_token_ids), params, replica=replica)
         except InfeasibleError as exc:
             raise ContextLengthExceeded(str(exc), param="max_tokens") from exc
         except ValueError as exc:

@@ -11,7 +11,7 @@ import asyncio
 from typing import Sequence
 
 from hetserve.policies.base import ReplicaState
-from hetserve.serve.backend import GenerationParams
+from hetserve.runtime.params import SamplingParams
 
 EOS = 257
 
@@ -51,7 +51,7 @@ class FakeBackend:
     def _free(self, replica: str) -> int:
         return self.slots[replica] - sum(1 for r in self.running.values() if r == replica)
 
-    async def generate(self, request_id: str, prompt_token_ids, params: GenerationParams, replica=None):
+    async def generate(self, request_id: str, prompt_token_ids, params: SamplingParams, replica=None):
         replica = replica or "r0"
         self.placed.append(replica)
         seed = params.seed if params.seed is not None else sum(prompt_token_ids)

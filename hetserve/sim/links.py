@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from hetserve.policies.base import Allocation, DecodeTiming, LinkInfo, TrafficKind, TransferView, TransmissionPolicy
+from hetserve.policies.base import DecodeTiming, LinkInfo, TrafficKind, TransferView, TransmissionPolicy
+from hetserve.policies.transmission import resolve_allocation
 from hetserve.sim.events import EventLoop, Priority
 
 _EPS_BYTES = 1e-3
@@ -117,19 +118,7 @@ class Link:
         info = self.info
         if self.decode_timing is not None:
             info = LinkInfo(info.latency_s, info.bandwidth, self.decode_timing(now))
-        alloc: Allocation = self.policy.schedule(views, info, now, hint)
-        sends = []
-        for s in alloc.sends:
-            m = self.pending.get(s.id)
-            if m is None or s.nbytes <= 0:
-                raise ValueError(f"transmission policy {self.policy.name!r} sent {s} which is not pending")
-            sends.append((m, min(float(s.nbytes), m.remaining)))
-        if not sends:
-            raise ValueError(f"transmission policy {self.policy.name!r} sent nothing with "
-                             f"{len(views)} messages pending")
-        self._concurrent = bool(alloc.concurrent)
-        if not self._concurrent:
-            sends = sends[:1]
+        sends, self._concurrent = resolve_allocation(self.policy, self.pending, views, info, now, hint)
         self._sends, self._since = sends, now
         n = len(sends)
         self._first = first = min(left for _, left in sends)

@@ -68,6 +68,19 @@ class ModelSpec:
     def has_bias(self) -> bool:
         return self.arch == "opt"
 
+    def tp_problem(self, tp: int) -> str | None:
+        """Why a TP group of ``tp`` devices cannot shard this model, or None if it can.
+
+        Heads, KV heads and the FFN width are split evenly across the group (no KV-head
+        replication): the planner searches, the validator checks and the runtime shards by
+        this one rule.
+        """
+        for what, n in (("attention heads", self.num_heads), ("KV heads", self.num_kv_heads),
+                        ("FFN width", self.ffn_hidden)):
+            if n % tp:
+                return f"TP degree {tp} does not divide {self.name}'s {n} {what}"
+        return None
+
     # ------------------------------------------------------------------ parameter counts
     @cached_property  # the cost model reads it ~10⁵ times per planner run
     def params_per_layer(self) -> int:

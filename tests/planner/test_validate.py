@@ -82,7 +82,7 @@ def test_unknown_route_target_and_tp(het1, llama70b):
     p = dataclasses.replace(good_plan(), kv_routes=(KVRoute("p0", "d0", 0.5), KVRoute("p0", "x9", 0.5)))
     check(p, het1, llama70b, "no replica 'x9'")
     q = with_replica(good_plan(), 0, stages=(PlanStage(("a100-0:0", "a100-0:1", "a100-0:2"), (0, 80)),))
-    check(q, het1, llama70b, "TP degree 3 does not split")
+    check(q, het1, llama70b, "TP degree 3 does not divide")
 
 
 def test_prefill_without_decode(het1, llama70b):

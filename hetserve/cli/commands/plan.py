@@ -26,6 +26,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-iterations", type=int, default=None, metavar="N", help="cap on search iterations")
     p.add_argument("--period", type=float, default=600.0, metavar="S",
                    help="period T of the flow network, seconds (default 600)")
+    p.add_argument("--disaggregated", action="store_true",
+                   help="hexgen2 / random-swap: always return prefill and decode replicas (as the paper), "
+                        "even where colocated replicas would serve more")
+    p.add_argument("--efficiency", metavar="JSON", help="cost-model efficiency (from `hetserve calibrate -o`)")
     p.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan (the best one with --compare)")
     p.add_argument("--plot", metavar="PNG", help="draw best estimated throughput versus search time")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -36,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from hetserve.cost.analytic import load_efficiency
     from hetserve.planner import ALGORITHMS, PlanOptions, validate_plan
     from hetserve.specs.cluster import load_cluster
     from hetserve.specs.model import load_model
@@ -61,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
                 bar.update(task, completed=ev.fraction, best=f"best {ev.best_tokens_per_s:,.0f} tok/s  it {ev.iteration}")
 
             options = PlanOptions(seed=args.seed, time_limit_s=args.time_limit, max_iterations=args.max_iterations,
-                                  period_s=args.period, progress=report)
+                                  period_s=args.period, progress=report, allow_colocated=not args.disaggregated,
+                                  efficiency=load_efficiency(args.efficiency) if args.efficiency else None)
             plan = ALGORITHMS[name](cluster, model, workload, options)
         validate_plan(plan, cluster, model)
         plans.append(plan)

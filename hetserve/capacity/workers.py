@@ -17,13 +17,14 @@ from typing import Callable, Sequence
 import numpy as np
 
 from hetserve.capacity.config import WorkerOption
+from hetserve.errors import InfeasibleError
 
 
 def min_workers(meets: Callable[[int], bool], lo: int = 1, hi: int | None = None, max_workers: int = 4096) -> int:
     """Fewest ``n`` ≥ ``lo`` with ``meets(n)``, assuming more workers never hurt.
 
     Doubles from ``hi`` (a guess; default ``lo``) until met, then bisects the gap:
-    O(log n) calls of ``meets``. Raises ``ValueError`` if even ``max_workers`` fails.
+    O(log n) calls of ``meets``. Raises ``InfeasibleError`` if even ``max_workers`` fails.
     """
     if lo < 1:
         raise ValueError("lo must be at least 1")
@@ -37,7 +38,8 @@ def min_workers(meets: Callable[[int], bool], lo: int = 1, hi: int | None = None
     hi = lo if hi is None else max(lo, min(hi, max_workers))
     while not ok(hi):
         if hi >= max_workers:
-            raise ValueError(f"even {max_workers} workers do not meet the target")
+            raise InfeasibleError(f"even {max_workers} workers do not meet the target (are the SLOs "
+                                  f"reachable by a single request on one idle worker?)")
         lo, hi = hi + 1, min(max_workers, hi * 2)
     while lo < hi:
         mid = (lo + hi) // 2

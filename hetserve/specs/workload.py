@@ -130,6 +130,10 @@ class Workload:
             keep &= self.output_tokens <= max_output
         return self._take(keep, self.name)
 
+    def within_context(self, max_tokens: int) -> "Workload":
+        """Drop requests whose prompt + output exceed a model's context window."""
+        return self._take(self.input_tokens + self.output_tokens <= max_tokens, self.name)
+
     def head(self, n: int) -> "Workload":
         return self._take(np.arange(min(n, len(self))), self.name)
 

@@ -5,6 +5,8 @@ import math
 import numpy as np
 import pytest
 
+from hetserve.errors import InfeasibleError
+
 from hetserve.capacity import (
     best_worker_config, fit_worker_law, fluid_workers, homogeneous_cluster, min_workers, plan_scaling,
     worker_options)
@@ -44,7 +46,7 @@ def test_min_workers_is_the_threshold_of_a_monotone_test():
     assert len(calls) <= 2 * math.ceil(math.log2(37)) + 2  # doubling, then bisection
     assert min_workers(lambda n: n >= 5, hi=20) == 5  # a guess above the answer
     assert min_workers(lambda n: n >= 50, hi=3) == 50  # a guess below it
-    with pytest.raises(ValueError):
+    with pytest.raises(InfeasibleError, match="even 8 workers"):
         min_workers(lambda n: False, max_workers=8)
 
 

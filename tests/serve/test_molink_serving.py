@@ -9,8 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("fastapi")
 
 PLAN = {"model": "mid", "cluster": "molink-3x4090", "replicas": [
     {"id": "c0", "role": "colocated", "stages": [{"devices": ["pc0:0"], "layers": [0, 1]},

@@ -8,8 +8,7 @@ import tempfile
 
 import pytest
 
-pytest.importorskip("torch")
-ray = pytest.importorskip("ray")
+import ray  # noqa: E402  (make test installs the ray extra: a missing ray must fail, not skip)
 
 PLAN = {"model": "tiny", "cluster": "demo-cpu", "replicas": [
     {"id": "p0", "role": "prefill", "stages": [{"devices": ["m0:0"], "layers": [0, 4]}]},

@@ -11,8 +11,6 @@ import httpx
 import openai
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("fastapi")
 
 PLAN = {"model": "tiny", "cluster": "demo-cpu", "algorithm": "manual", "replicas": [
     {"id": "p0", "role": "prefill", "stages": [{"devices": ["m0:0", "m0:1"], "layers": [0, 4]}]},

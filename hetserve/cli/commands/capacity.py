@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     slo = SLO(args.slo_ttft, args.slo_tpot)
     rates = _rates(args)
-    base = load_workload(args.workload, seed=args.seed)
+    base = load_workload(args.workload, seed=args.seed).within_context(model.max_context)
     mi, mo = base.mean_input, base.mean_output
     intra = None
     if args.cluster:
@@ -107,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
         if args.method == "sim":
             from hetserve.capacity.simulated import workers_needed
 
-            wl = load_workload(args.workload, rate=r, seed=args.seed).head(args.requests)
+            wl = load_workload(args.workload, rate=r, seed=args.seed).within_context(model.max_context).head(
+                args.requests)
             pre = max(1, fluid // 2) if args.mode == "decode" else 0
             n = workers_needed(model, gpu, wl, slo, args.router, g, args.mode, args.target, prefill_workers=pre,
                                intra=intra, hint=fluid, per_machine=max(4, g))
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(t)
     if len(rows) >= 2:
         law = workers.fit_worker_law([r for r, _, _ in rows], [n for _, n, _ in rows])
-        console.print(f"N_w = ceil({law.k5:.4f} * r + {law.c5:.3f})  (R² {law.r2:.3f}, "
+        console.print(f"N_w = ceil({law.k5:.4f} * r {law.c5 + 0.0:+.3f})  (R² {law.r2:.3f}, "
                       f"max error {law.max_abs_error} worker(s))")
         if args.heartbeat:
             plan = plan_scaling(base.with_rate(max(rates)) if base.rate > 0 else base, law, args.heartbeat, g)

@@ -1,0 +1,52 @@
+"""Run the quick variant of every benchmark in turn and print each one's output (`make bench`).
+
+    .venv/bin/python bench/run_all.py [--only planner,sim,engine,serve]
+
+Each benchmark runs as its own subprocess from the repository root, with this interpreter; its
+output streams through as it is produced. The quick settings here are for a smoke run of a few
+minutes on 2 cores; the figures in docs/ come from the full commands listed in docs/benchmarks.md.
+Exits non-zero if any benchmark failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name -> argv after the interpreter (bench_planner imports bench.pools, so it runs as a module)
+BENCHES = {
+    "planner": ["-m", "bench.bench_planner", "all", "--quick"],
+    "sim": ["bench/bench_sim.py"],
+    "engine": ["bench/bench_engine.py", "--requests", "8", "--max-tokens", "16", "--layers", "2"],
+    "serve": ["bench/bench_serve.py", "--rates", "0.5", "--window", "6", "--max-output", "16"],
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="comma-separated subset of: " + ", ".join(BENCHES))
+    args = ap.parse_args()
+    names = args.only.split(",") if args.only else list(BENCHES)
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        ap.error(f"unknown benchmark(s): {', '.join(unknown)}")
+    results = []
+    for name in names:
+        cmd = [sys.executable, *BENCHES[name]]
+        print(f"\n=== {name}: {' '.join(['python', *BENCHES[name]])}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.call(cmd, cwd=ROOT)
+        results.append((name, rc, time.perf_counter() - t0))
+    print("\n=== summary")
+    for name, rc, wall in results:
+        print(f"{name:8s} {'ok' if rc == 0 else f'FAILED (exit {rc})':16s} {wall:7.1f} s")
+    return 0 if all(rc == 0 for _, rc, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

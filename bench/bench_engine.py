@@ -16,6 +16,13 @@ Every engine worker runs one torch thread; the transformers baselines run ``--hf
 TTFT is measured from the common arrival time; TPOT is (last - first token time) / (tokens - 1) per
 request; tokens/s is all output tokens over the makespan. Engine start-up is excluded. The target of
 issue 5: continuous batching >= 4x the tokens/s of one-at-a-time ``generate`` at 32 concurrent requests.
+
+Beside every engine row, the simulator's prediction for the same plan and requests (``--no-sim`` to
+skip): the cost model's efficiency is first fitted to this machine
+(``hetserve.runtime.calibrate.calibrate``: the engine on one worker, prompts of 32..512 tokens and
+decode batches of 1..32, relative to the cluster's RTX 4090 datasheet), then ``hetserve.sim.simulate``
+plays the same arrivals, prompt lengths and output lengths against the plan with the engine's
+limits (``max_num_seqs`` 64, 2,048 prompt tokens per step, KV reserved at admission).
 """
 
 from __future__ import annotations
@@ -116,13 +123,37 @@ def bench_hf(model_dir: Path, prompts: list[list[int]], max_tokens: int, batched
     return summarize("hf-batched" if batched else "hf-sequential", ttfts, tpots, tokens, makespan)
 
 
+MAX_NUM_SEQS, MAX_BATCHED_TOKENS, KV_TOKENS = 64, 2048, 16384
+
+
+def simulate_engine(plan_dict: dict, cluster_path: Path, model_dir: Path, prompts: list[list[int]], max_tokens: int,
+                    efficiency) -> dict:
+    """The simulator's summary for ``plan_dict`` and the bench's requests (all arriving at t = 0, each
+    generating exactly ``max_tokens``), with the cost model's efficiency fitted to this machine."""
+    from hetserve.cost.analytic import CostModel
+    from hetserve.planner.plan import Plan
+    from hetserve.sim import SimOptions, simulate
+    from hetserve.specs.cluster import load_cluster
+    from hetserve.specs.model import load_model
+    from hetserve.specs.workload import Workload
+
+    cluster, spec = load_cluster(cluster_path), load_model(model_dir)
+    workload = Workload.from_lists("bench-engine", [0.0] * len(prompts), [len(p) for p in prompts],
+                                   [max_tokens] * len(prompts))
+    options = SimOptions(placement="jsq", max_batch=MAX_NUM_SEQS, token_budget=MAX_BATCHED_TOKENS,
+                         kv_admission="reserve", progress=False)
+    return simulate(Plan.from_dict(plan_dict), cluster, spec, workload, options,
+                    cost=CostModel(cluster, spec, efficiency)).summary()
+
+
 def bench_engine(name: str, plan_dict: dict, cluster_path: Path, model_dir: Path, prompts: list[list[int]],
                  max_tokens: int, start_method: str) -> dict:
     from hetserve.planner.plan import Plan
     from hetserve.runtime.engine import Engine, EngineConfig
     from hetserve.runtime.sampling import SamplingParams
 
-    config = EngineConfig(kv_capacity_tokens=16384, max_num_seqs=64, start_method=start_method)
+    config = EngineConfig(kv_capacity_tokens=KV_TOKENS, max_num_seqs=MAX_NUM_SEQS,
+                          max_batched_tokens=MAX_BATCHED_TOKENS, start_method=start_method)
     t_start = time.perf_counter()
     engine = Engine.from_plan(Plan.from_dict(plan_dict), cluster_path, model_dir, config)
     started = time.perf_counter() - t_start
@@ -160,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-threads", type=int, default=1,
                     help="torch threads for the transformers baselines (default 1, as each engine worker; "
                          "more threads on a shared 2-core box mostly spin)")
+    ap.add_argument("--no-sim", action="store_true", help="skip the calibration and the simulator's prediction")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
 
@@ -171,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
 
     kv_heads = args.kv_heads or (max(1, args.heads // 2) if args.arch == "llama" else None)
     tmp = Path(tempfile.mkdtemp(prefix="hetserve-bench-"))
-    model_dir = make_model(tmp / "model", args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
+    # the folder name is the model name the plans (and the simulator) expect
+    model_dir = make_model(tmp / "tiny", args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
                            kv_heads=kv_heads, seed=0)
     cluster_path = tmp / "cluster.yaml"
     cluster_path.write_text(CLUSTER)
@@ -186,19 +219,41 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(bench_hf(model_dir, prompts, args.max_tokens, batched=True))
         print(f"  {rows[-1]['system']}: {rows[-1]['tokens_per_s']:.0f} tok/s", flush=True)
     all_plans = plans(args.layers)
-    for name in [p for p in args.plans.split(",") if p]:
+    engine_plans = [p for p in args.plans.split(",") if p]
+    calibration = None
+    if engine_plans and not args.no_sim:
+        from hetserve.runtime.calibrate import calibrate
+
+        # decode batches up to the bench's concurrency, so the fitted per-iteration cost covers batch 32
+        calibration = calibrate(str(model_dir), "RTX-4090", batch_sizes=(1, 4, 16, 32))
+        eff = calibration.efficiency
+        print(f"  calibrated cost model: compute efficiency {eff.compute:.3g} of the RTX 4090 datasheet, "
+              f"{1000 * eff.step_overhead_s:.2f} ms per iteration, mean |error| {calibration.mean_abs_error:.0%}",
+              flush=True)
+    for name in engine_plans:
         rows.append(bench_engine(name, all_plans[name], cluster_path, model_dir, prompts, args.max_tokens,
                                  args.start_method))
+        if calibration is not None:
+            sim = simulate_engine(all_plans[name], cluster_path, model_dir, prompts, args.max_tokens,
+                                  calibration.efficiency)
+            rows[-1].update(sim_tokens_per_s=sim["throughput_tokens_per_s"], sim_ttft_mean_s=sim["ttft_s"]["mean"],
+                            sim_tpot_mean_s=sim["tpot_s"]["mean"], sim_makespan_s=sim["duration_s"])
         print(f"  {rows[-1]['system']}: {rows[-1]['tokens_per_s']:.0f} tok/s", flush=True)
     base = rows[0]["tokens_per_s"]
+
+    def sim_cell(r: dict, key: str, fmt: str, scale: float = 1.0) -> str:
+        return format(scale * r[key], fmt) if key in r else "-"
+
     print()
-    print(f"| system | output tokens | makespan (s) | tokens/s | vs hf-sequential | TTFT mean (s) | TTFT p90 (s) | TPOT mean (ms) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| system | output tokens | makespan (s) | tokens/s | tokens/s sim. | vs hf-sequential | TTFT mean (s) | "
+          "TTFT sim. (s) | TTFT p90 (s) | TPOT mean (ms) | TPOT sim. (ms) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         r["speedup_vs_hf_sequential"] = r["tokens_per_s"] / base
         print(f"| {r['system']} | {r['output_tokens']} | {r['makespan_s']:.2f} | {r['tokens_per_s']:.0f} | "
-              f"{r['speedup_vs_hf_sequential']:.1f}x | {r['ttft_mean_s']:.3f} | {r['ttft_p90_s']:.3f} | "
-              f"{1000 * r['tpot_mean_s']:.1f} |")
+              f"{sim_cell(r, 'sim_tokens_per_s', '.0f')} | {r['speedup_vs_hf_sequential']:.1f}x | "
+              f"{r['ttft_mean_s']:.3f} | {sim_cell(r, 'sim_ttft_mean_s', '.3f')} | {r['ttft_p90_s']:.3f} | "
+              f"{1000 * r['tpot_mean_s']:.1f} | {sim_cell(r, 'sim_tpot_mean_s', '.1f', 1000)} |")
     engines = [r for r in rows if r["system"].startswith("engine:")]
     if engines:
         best = max(engines, key=lambda r: r["tokens_per_s"])

@@ -20,7 +20,11 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from bench.pools import synthetic_pool
+if __package__ in (None, ""):  # run as `python bench/bench_planner.py`: make `bench` importable
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.pools import synthetic_pool  # noqa: E402
 from hetserve.planner import ALGORITHMS, PlanOptions
 from hetserve.specs.cluster import cluster_from_dict, load_cluster
 from hetserve.specs.model import load_model

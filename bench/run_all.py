@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHES = {
     "planner": ["-m", "bench.bench_planner", "all", "--quick"],
     "sim": ["bench/bench_sim.py"],
-    "engine": ["bench/bench_engine.py", "--requests", "8", "--max-tokens", "16", "--layers", "2"],
+    "engine": ["bench/bench_engine.py", "--max-tokens", "16"],  # 32 requests, as the target
     "serve": ["bench/bench_serve.py", "--rates", "0.5", "--window", "6", "--max-output", "16"],
 }
 

@@ -26,7 +26,6 @@ replica that lost a worker fail within a poll interval (0.1 s) of the process ex
 from __future__ import annotations
 
 import itertools
-import os
 import random
 import threading
 import time
@@ -270,7 +269,7 @@ class Engine:
             cfg = WorkerConfig(spec=w, layout=self.layout, model_dir=self.model_dir, dtype=self.dtype,
                                num_slots=self.schedulers[w.replica].blocks.capacity_tokens,
                                block_size=self.config.block_size, engine_address=self.transport.address,
-                               store_address=store_address, parent_pid=os.getpid(), backend=backend,
+                               store_address=store_address, backend=backend,
                                link_scheduler=self._link_scheduler, shaper=self._shaper)
             p = ctx.Process(target=worker_main, args=(cfg,), name=f"hetserve-worker-{w.name}", daemon=True)
             p.start()

@@ -25,7 +25,6 @@ really spans machines also needs the engine to bind each worker's node address; 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import threading
 import time
@@ -90,11 +89,7 @@ def _actor_class():
             return os.getpid()
 
         def run(self, target: Callable[[Any], None], cfg: Any) -> None:
-            # The worker exits when its parent changes (so a killed engine leaves none behind);
-            # an actor's parent is Ray's raylet, so watch that instead of the engine's pid.
-            if dataclasses.is_dataclass(cfg) and hasattr(cfg, "parent_pid"):
-                cfg = dataclasses.replace(cfg, parent_pid=os.getppid())
-            target(cfg)
+            target(cfg)  # the worker watches its own parent (here Ray's), see worker_main
 
     return WorkerActor
 

@@ -54,7 +54,6 @@ class WorkerConfig:
     block_size: int
     engine_address: tuple[str, int]
     store_address: tuple[str, int] | None  # TCPStore for TP groups
-    parent_pid: int
     backend: str = "gloo"  # TP group backend: nccl when the stage's GPUs are distinct, else gloo
     link_scheduler: Any = None  # picklable factory (src, dst) -> LinkScheduler; None: PriorityScheduler
     shaper: Any = None  # picklable LinkShaper; None: no shaping
@@ -65,7 +64,9 @@ def worker_main(cfg: WorkerConfig) -> None:
     torch.set_num_threads(1)
     transport = SocketTransport(cfg.spec.name, scheduler_factory=cfg.link_scheduler, shaper=cfg.shaper)
     transport.set_address(ENGINE, cfg.engine_address)
-    threading.Thread(target=_watch_parent, args=(cfg.parent_pid,), daemon=True).start()
+    # Watch the parent this process has now: the engine (spawn), the fork server (forkserver,
+    # which exits with the engine) or Ray's worker process (ray backend).
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     try:
         Worker(cfg, transport).run()
     except BaseException:  # noqa: BLE001 - everything is reported, then the process ends
@@ -78,7 +79,7 @@ def worker_main(cfg: WorkerConfig) -> None:
 
 
 def _watch_parent(parent_pid: int) -> None:
-    """Exit if the engine process is gone (so a killed engine leaves no worker behind)."""
+    """Exit once our parent is gone (so a killed engine leaves no worker behind)."""
     while True:
         time.sleep(0.5)
         if os.getppid() != parent_pid:

@@ -29,7 +29,7 @@ RECIPES = {
     "demo-tiny-disagg.json": "--arch llama --layers 8 --hidden 256 --heads 4 --kv-heads 1 --ffn 768",
 }
 PLAN_FILES = sorted(p.name for p in PLANS_DIR.glob("*.json"))
-PROMPT = "the quick brown fox"
+PROMPTS = ["the quick brown fox", "hello", "x" * 40, "Once upon a time, 1 2 3"]
 MAX_TOKENS = 8
 
 
@@ -91,14 +91,13 @@ def ray_session(models):
 
 
 def _serve_once(plan, model_dir, backend):
-    """Serve ``plan``; return (engine tokens, openai completion) for one greedy request."""
+    """Serve ``plan``; return [(engine tokens, openai completion, engine tokens as text)] for greedy requests."""
     import openai
 
     from hetserve.runtime.sampling import SamplingParams
     from hetserve.serve.launch import ServeOptions, start_server
 
-    engine_options = {"start_method": "forkserver"} if backend == "local" else {}
-    opts = ServeOptions(plan=plan, model_dir=str(model_dir), backend=backend, engine_options=engine_options)
+    opts = ServeOptions(plan=plan, model_dir=str(model_dir), backend=backend)
     with start_server(opts) as srv:
         dep = srv.deployment
         if backend == "ray":
@@ -106,12 +105,33 @@ def _serve_once(plan, model_dir, backend):
 
             assert all(isinstance(p, RayWorkerProcess) for p in dep.engine.procs.values())
             assert {p.machine for p in dep.engine.procs.values()} == {d.split(":")[0] for d in plan.devices}
-        ids = dep.coordinator.codec.encode(PROMPT)
-        tokens = dep.engine.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), timeout=60)[0]
+        codec = dep.coordinator.codec
+        tokens = dep.engine.generate([codec.encode(p) for p in PROMPTS],
+                                     SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), timeout=60)
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        done = client.completions.create(model=plan.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
-        text = dep.coordinator.codec.decode(tokens)
-    return tokens, done, text
+        done = [client.completions.create(model=plan.model, prompt=p, max_tokens=MAX_TOKENS, temperature=0)
+                for p in PROMPTS]
+        return [(t, d, codec.decode(t), codec) for t, d in zip(tokens, done)]
+
+
+def _check(results):
+    """The openai client's completion is the engine's greedy output: same token count, same text, and
+    where the output bytes are valid UTF-8 (the byte tokenizer's text is then one-to-one with the
+    tokens) the text re-encodes to exactly the engine's tokens."""
+    exact = 0
+    for prompt, (tokens, done, text, codec) in zip(PROMPTS, results):
+        assert 1 <= len(tokens) <= MAX_TOKENS
+        assert done.usage.prompt_tokens == len(prompt.encode())  # byte tokenizer
+        assert done.usage.completion_tokens == len(tokens)
+        assert done.choices[0].text == text
+        body = [t for t in tokens if t < 256]  # ids 0-255 are bytes; 256+ are <bos> <eos> <pad>
+        try:
+            bytes(body).decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        assert codec.encode(done.choices[0].text) == body
+        exact += 1
+    return exact
 
 
 _LOCAL_TOKENS: dict[str, list[int]] = {}
@@ -122,12 +142,9 @@ _LOCAL_TOKENS: dict[str, list[int]] = {}
 @pytest.mark.parametrize("name", PLAN_FILES)
 def test_bundled_plan_serves_with_local_backend(models, name):
     plan, model_dir = models[name]
-    tokens, done, text = _serve_once(plan, model_dir, "local")
-    assert 1 <= len(tokens) <= MAX_TOKENS
-    assert done.usage.completion_tokens == len(tokens)
-    assert done.usage.prompt_tokens == len(PROMPT.encode())  # byte tokenizer
-    assert done.choices[0].text == text
-    _LOCAL_TOKENS[name] = tokens
+    results = _serve_once(plan, model_dir, "local")
+    _check(results)
+    _LOCAL_TOKENS[name] = [r[0] for r in results]
 
 
 @pytest.mark.slow
@@ -135,9 +152,8 @@ def test_bundled_plan_serves_with_local_backend(models, name):
 @pytest.mark.parametrize("name", PLAN_FILES)
 def test_bundled_plan_serves_with_ray_backend(models, ray_session, name):
     plan, model_dir = models[name]
-    tokens, done, text = _serve_once(plan, model_dir, "ray")
+    results = _serve_once(plan, model_dir, "ray")
     assert ray_session.is_initialized()  # the server joined the shared session and left it running
-    assert done.usage.completion_tokens == len(tokens)
-    assert done.choices[0].text == text
+    _check(results)
     if name in _LOCAL_TOKENS:  # the local test ran in this session: the same greedy tokens
-        assert tokens == _LOCAL_TOKENS[name]
+        assert [r[0] for r in results] == _LOCAL_TOKENS[name]

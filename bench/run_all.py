@@ -3,8 +3,8 @@
     .venv/bin/python bench/run_all.py [--only planner,sim,engine,serve]
 
 Each benchmark runs as its own subprocess from the repository root, with this interpreter; its
-output streams through as it is produced. The quick settings here are for a smoke run of a few
-minutes on 2 cores; the figures in docs/ come from the full commands listed in docs/benchmarks.md.
+output streams through as it is produced. The quick settings here are for a smoke run of about
+5 minutes on 2 cores; the figures in docs/ come from the full commands listed in docs/benchmarks.md.
 Exits non-zero if any benchmark failed.
 """
 

@@ -31,6 +31,16 @@ Role = Literal["prefill", "decode", "colocated"]
 ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")
 
 
+def serves_prefill(role: str) -> bool:
+    """A replica of this role runs prompts (prefill or colocated)."""
+    return role in ("prefill", "colocated")
+
+
+def serves_decode(role: str) -> bool:
+    """A replica of this role generates tokens (decode or colocated)."""
+    return role in ("decode", "colocated")
+
+
 @dataclass(frozen=True)
 class PlanStage:
     devices: tuple[str, ...]
@@ -53,11 +63,11 @@ class PlanReplica:
 
     @property
     def serves_prefill(self) -> bool:
-        return self.role in ("prefill", "colocated")
+        return serves_prefill(self.role)
 
     @property
     def serves_decode(self) -> bool:
-        return self.role in ("decode", "colocated")
+        return serves_decode(self.role)
 
     def layout(self, cluster: Cluster) -> ReplicaLayout:
         """This replica as device indices of ``cluster`` (the cost model's view)."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetserve.planner.plan import serves_decode, serves_prefill
+
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,11 @@ class ReplicaSpec:
 
     @property
     def serves_prefill(self) -> bool:
-        return self.role in ("prefill", "colocated")
+        return serves_prefill(self.role)
 
     @property
     def serves_decode(self) -> bool:
-        return self.role in ("decode", "colocated")
+        return serves_decode(self.role)
 
 
 @dataclass(frozen=True)

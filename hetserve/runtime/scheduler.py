@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from hetserve.planner.plan import serves_decode, serves_prefill
 from hetserve.runtime.kv_cache import BlockManager
 from hetserve.runtime.sequence import Sequence, Status
 
@@ -37,11 +38,11 @@ class ReplicaScheduler:
 
     @property
     def serves_prefill(self) -> bool:
-        return self.role in ("prefill", "colocated")
+        return serves_prefill(self.role)
 
     @property
     def serves_decode(self) -> bool:
-        return self.role in ("decode", "colocated")
+        return serves_decode(self.role)
 
     @property
     def num_running(self) -> int:

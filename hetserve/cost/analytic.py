@@ -46,6 +46,7 @@ class Efficiency:
     activation_buffers: int = 4  # HexGen Appendix B: 4 reusable activation buffers
     activation_tokens: int = 2048  # tokens those buffers are sized for (the prefill token budget)
     step_overhead_s: float = 0.0  # fixed time per stage per iteration (launches, scheduling)
+    max_batch: int = 256  # running requests per replica: the serving engine's cap (vLLM's max_num_seqs)
 
     def __post_init__(self) -> None:
         for k in ("compute", "memory", "usable_memory"):
@@ -53,6 +54,8 @@ class Efficiency:
                 raise ValueError(f"efficiency {k} must be in (0, 1]")
         if self.activation_buffers < 0 or self.activation_tokens <= 0 or self.step_overhead_s < 0:
             raise ValueError("activation_buffers, activation_tokens and step_overhead_s must be non-negative")
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
 
 
 def load_efficiency(path: str | Path) -> Efficiency:
@@ -223,10 +226,11 @@ class CostModel:
         return max(sum(times) + hops, m * max(times))
 
     def max_decode_batch(self, layout: ReplicaLayout, tokens_per_request: float) -> int:
-        """Largest number of requests whose full KV (prompt + output) fits at once."""
+        """Largest number of requests that run at once: their full KV (prompt + output) must fit,
+        and the engine runs at most ``Efficiency.max_batch`` (the simulator and runtime cap too)."""
         if tokens_per_request <= 0:
             raise ValueError("tokens_per_request must be positive")
-        return max(0, int(self.kv_capacity_tokens(layout) // tokens_per_request))
+        return max(0, min(self.eff.max_batch, int(self.kv_capacity_tokens(layout) // tokens_per_request)))
 
     # ------------------------------------------------------------------ capacities (HexGen-2 App. A)
     def prefill_capacity(self, layout: ReplicaLayout, input_tokens: float, period_s: float = DEFAULT_PERIOD_S) -> float:

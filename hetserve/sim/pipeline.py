@@ -67,7 +67,7 @@ class PipelineReplica(Replica):
         S = len(layout.stages)
         m = sim.opts.micro_batches or S
         self.groups = [_Group() for _ in range(m)]
-        self.max_batch = sim.opts.max_batch
+        self.max_batch = sim.max_batch
         self.admitted = 0
         self._inbound: dict[int, None] = {}  # decode: admitted, KV not yet arrived
         self.waiting: deque = deque()  # colocated: rid; decode: (rid, src)

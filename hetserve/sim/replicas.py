@@ -184,7 +184,7 @@ class _Decoding(Replica):
         mb = sim.opts.micro_batches
         step = self.cost.decode_step_time
         self.batch = DecodeBatch(lambda b, c: step(layout, b, c, mb))
-        self.max_batch = sim.opts.max_batch
+        self.max_batch = sim.max_batch
         self.admitted = 0  # holding a KV reservation and not finished
         self._version = 0
         self._next: float | None = None  # time of the boundary event now scheduled

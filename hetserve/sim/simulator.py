@@ -50,7 +50,7 @@ class SimOptions:
     token_budget: int = 4096  # prompt tokens per prefill batch (a longer prompt runs alone)
     chunked_prefill: bool = False  # colocated replicas: Sarathi/vLLM chunked prefill
     chunk_tokens: int = 512  # tokens per mixed iteration with chunked prefill (decode tokens included)
-    max_batch: int = 256  # running requests per decode / colocated replica (vLLM max_num_seqs)
+    max_batch: int | None = None  # running requests per decode / colocated replica; None: the cost model's
     micro_batches: int | None = None  # pipeline micro-batches (None: the cost model's min(S, batch))
     pipeline: Literal["aggregate", "detailed"] = "aggregate"
     # KV admission on decode / colocated replicas: "reserve" holds prompt + whole (true) output from
@@ -62,7 +62,7 @@ class SimOptions:
     progress: bool = False
 
     def __post_init__(self) -> None:
-        if self.token_budget <= 0 or self.chunk_tokens <= 0 or self.max_batch <= 0:
+        if self.token_budget <= 0 or self.chunk_tokens <= 0 or (self.max_batch is not None and self.max_batch <= 0):
             raise ValueError("token_budget, chunk_tokens and max_batch must be positive")
         if self.micro_batches is not None and self.micro_batches <= 0:
             raise ValueError("micro_batches must be positive")
@@ -120,6 +120,7 @@ class Simulator:
         if plan.model != model.name:
             raise PlanError(f"plan is for model {plan.model!r}, simulating {model.name!r}")
         self.cost = fast(cost or CostModel(cluster, model))
+        self.max_batch = opts.max_batch or self.cost.eff.max_batch
         self.loop = EventLoop()
         self.req = RequestTable(workload)
         self.network = Network(cluster.latency, cluster.bandwidth, transmission_factory(opts.transmission), self.loop)

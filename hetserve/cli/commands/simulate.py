@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, help="only the first N requests")
     p.add_argument("--token-budget", type=int, default=4096, help="prompt tokens per prefill batch")
     p.add_argument("--chunked-prefill", action="store_true", help="colocated replicas: chunked prefill")
-    p.add_argument("--max-batch", type=int, default=256, help="running requests per decode replica")
+    p.add_argument("--max-batch", type=int, help="running requests per decode replica (default: the cost "
+                   "model's, 256)")
     p.add_argument("--micro-batches", type=int, help="pipeline micro-batches (default: one per stage)")
     p.add_argument("--pipeline", choices=["aggregate", "detailed"], default="aggregate",
                    help="detailed: stage-by-stage pipelines with activations on the links (slower)")

@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as `python bench/bench_planner.py`: make `b
 
 from bench.pools import synthetic_pool  # noqa: E402
 from hetserve.planner import ALGORITHMS, PlanOptions
+from hetserve.planner.options import default_restarts
 from hetserve.specs.cluster import cluster_from_dict, load_cluster
 from hetserve.specs.model import load_model
 from hetserve.specs.workload import load_workload
@@ -55,8 +56,8 @@ def scaling(quick: bool, ten_x_up_to: int, time_limit: float, sizes=None) -> Non
         row = [str(n), str(len(c.sites)), str(len(plan.replicas)), f"{wall:.1f}", str(s["iterations"]),
                s["stopped_by"], f"{e['throughput_tokens_per_s']:,.0f}"]
         if n <= ten_x_up_to:
-            base = PlanOptions()
-            long, wall10 = _run("hexgen2", c, model, wl, time_limit_s=10 * time_limit, restarts=10 * base.restarts)
+            long, wall10 = _run("hexgen2", c, model, wl, time_limit_s=10 * time_limit,
+                                restarts=10 * default_restarts(len(c)))
             v10 = long.estimate["throughput_tokens_per_s"]
             row += [f"{wall10:.1f}", f"{v10:,.0f}", f"{e['throughput_tokens_per_s'] / v10:.3f}"]
         else:

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 from hetserve.planner.context import PlanContext
 from hetserve.planner.moves import Placement, flip, merge, move, pick_device, random_edit, split, split_devices, swap
-from hetserve.planner.options import Budget, PlanOptions
+from hetserve.planner.options import Budget, PlanOptions, default_restarts
 from hetserve.planner.partition import assign_roles, group_bandwidth, initial_partition
 from hetserve.planner.placement import Evaluation, Evaluator, Group, canonical, to_plan
 from hetserve.planner.plan import Plan
@@ -270,7 +270,8 @@ def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, opti
     evaluator = Evaluator(ctx)
     rng = random.Random(options.seed)
     start = phase1(ctx, evaluator, options.seed)
-    best = refine(ctx, evaluator, start, budget, mover, rng, options.restarts, patience)
+    restarts = options.restarts if options.restarts is not None else default_restarts(len(cluster))
+    best = refine(ctx, evaluator, start, budget, mover, rng, restarts, patience)
     result = evaluator.evaluate(best)
     if result.flow.value <= 0:
         return colocated_fallback(ctx, name, budget)

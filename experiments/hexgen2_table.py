@@ -136,7 +136,7 @@ def main() -> None:
     for (cl, algo), row in results.items():
         shapes.append(f"- {cl} {algo}: " + "; ".join(f"{c} `{row[c]['plan_shape']}`" for c in COLUMNS))
     console.print("\n".join(shapes))
-    console.print(f"online rates (req/s): " + ", ".join(f"{cl} {a} {r['Online']['rate']:.2f}"
+    console.print("online rates (req/s): " + ", ".join(f"{cl} {a} {r['Online']['rate']:.2f}"
                                                       for (cl, a), r in results.items()))
     console.print(f"total {time.perf_counter() - t0:.0f} s")
     if args.markdown:

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from hetserve.cost.analytic import PrefillBatch
 from hetserve.cost.layout import ReplicaLayout, StageLayout
@@ -265,7 +265,6 @@ class LayoutSearch:
         order = self._class_order(tuple(k for k, _ in comp))
         counts = dict(comp)
         per_class = [self._class_options(counts[k], len(comp) > 1) for k in order]
-        combos: Iterable[tuple[tuple[int, ...], ...]]
         n_combos = 1
         for s in per_class:
             n_combos *= len(s)

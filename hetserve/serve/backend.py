@@ -20,7 +20,6 @@ an adapter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import AsyncIterator, Protocol, Sequence
 
 from hetserve.policies.base import ReplicaState

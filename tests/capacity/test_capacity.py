@@ -11,7 +11,6 @@ from hetserve.capacity import (
     best_worker_config, fit_worker_law, fluid_workers, homogeneous_cluster, min_workers, plan_scaling,
     worker_options)
 from hetserve.capacity.workers import WorkerLaw
-from hetserve.errors import InfeasibleError
 from hetserve.specs.model import load_model
 from hetserve.specs.workload import SLO, Workload
 

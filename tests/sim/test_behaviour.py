@@ -67,7 +67,6 @@ def test_colocated_prefill_interrupts_decode(cluster, model, cost):
 
 def test_chunked_prefill_spreads_the_prompt_over_iterations(cluster, model, cost):
     plan = single({"c0": ["m0:0"]})
-    lay = plan.replica("c0").layout(cluster)
     alone = simulate(plan, cluster, model, Workload.from_lists("a", [0.0], [200], [400]))
     t_b = alone.t_finish[0] / 2
     wl = Workload.from_lists("ab", [0.0, t_b], [200, 3000], [400, 2])

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hetserve.cost.analytic import CostModel, PrefillBatch
+from hetserve.cost.analytic import CostModel
 from hetserve.planner.plan import Plan
 from hetserve.sim import SimOptions, simulate
 from hetserve.specs.workload import Workload

@@ -17,9 +17,9 @@ from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.planner.context import PlanContext
 from hetserve.planner.hexgen import genetic_search, initial_population
 from hetserve.planner.hexgen2 import colocated_fallback
-from hetserve.planner.options import Budget, PlanOptions
+from hetserve.planner.options import PlanOptions
 from hetserve.planner.partition import assign_roles
-from hetserve.planner.placement import Evaluator, Group, canonical, to_plan
+from hetserve.planner.placement import Group, canonical, start_search, to_plan
 from hetserve.planner.plan import Plan
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec
@@ -31,10 +31,7 @@ UNIFORM_PP = (1, 2, 4, 8)
 def genetic(cluster: Cluster, model: ModelSpec, workload: Workload, options: PlanOptions | None = None) -> Plan:
     """HexGen-2 with the genetic algorithm generating and refining the groups."""
     options = options or PlanOptions()
-    ctx = PlanContext(cluster, model, workload, options)
-    ctx.check_feasible()
-    budget = Budget("genetic", options)
-    evaluator = Evaluator(ctx)
+    ctx, budget, evaluator = start_search("genetic", cluster, model, workload, options)
 
     def typer(part):
         return canonical(Group(g, r) for g, r in zip(part, assign_roles(evaluator, part)))
@@ -69,10 +66,7 @@ def _carve(ctx: PlanContext, free: dict[int, list[int]], order: Sequence[int], t
 def uniform(cluster: Cluster, model: ModelSpec, workload: Workload, options: PlanOptions | None = None) -> Plan:
     """DistServe-style planner: one shape per role, enumerated (see module docstring)."""
     options = options or PlanOptions()
-    ctx = PlanContext(cluster, model, workload, options)
-    ctx.check_feasible()
-    budget = Budget("uniform", options)
-    evaluator = Evaluator(ctx)
+    ctx, budget, evaluator = start_search("uniform", cluster, model, workload, options)
     L = model.num_layers
     devs = cluster.devices
     by_flops = sorted(range(len(ctx.classes)), key=lambda k: (-devs[ctx.classes[k][0]].gpu.fp16_flops, k))

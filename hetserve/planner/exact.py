@@ -27,7 +27,7 @@ from functools import lru_cache
 from hetserve.errors import PlanError
 from hetserve.planner.context import PlanContext
 from hetserve.planner.options import Budget, PlanOptions
-from hetserve.planner.placement import Evaluator, Group, canonical, to_plan
+from hetserve.planner.placement import Evaluator, Group, canonical, start_search, to_plan
 from hetserve.planner.plan import Plan
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec
@@ -40,9 +40,7 @@ def _setup(name: str, cluster, model, workload, options, exhaustive_layouts: boo
         raise PlanError(f"the exact search enumerates every placement and is limited to "
                         f"{options.max_exact_devices} devices; {cluster.name} has {len(cluster)} "
                         f"(use hexgen2, or raise PlanOptions.max_exact_devices)")
-    ctx = PlanContext(cluster, model, workload, options)
-    ctx.check_feasible()
-    return ctx, Budget(name, options), Evaluator(ctx, exhaustive_layouts=exhaustive_layouts)
+    return start_search(name, cluster, model, workload, options, exhaustive_layouts)
 
 
 def _parts(ctx: PlanContext) -> list[tuple[int, ...]]:

@@ -28,7 +28,7 @@ import numpy as np
 from hetserve.planner.context import PlanContext
 from hetserve.planner.moves import split_devices
 from hetserve.planner.options import Budget, PlanOptions
-from hetserve.planner.placement import Evaluator, Group, canonical, to_plan
+from hetserve.planner.placement import Evaluator, Group, canonical, start_search, to_plan
 from hetserve.planner.plan import Plan
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec
@@ -211,9 +211,6 @@ def search_colocated(ctx: PlanContext, evaluator: Evaluator, budget: Budget, opt
 def hexgen(cluster: Cluster, model: ModelSpec, workload: Workload, options: PlanOptions | None = None) -> Plan:
     """HexGen: colocated replicas with asymmetric pipelines, found by the genetic search."""
     options = options or PlanOptions()
-    ctx = PlanContext(cluster, model, workload, options)
-    ctx.check_feasible()
-    budget = Budget("hexgen", options)
-    evaluator = Evaluator(ctx)
+    ctx, budget, evaluator = start_search("hexgen", cluster, model, workload, options)
     best = search_colocated(ctx, evaluator, budget, options)
     return to_plan(ctx, evaluator.evaluate(best), "hexgen", budget)

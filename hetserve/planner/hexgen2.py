@@ -35,7 +35,7 @@ from hetserve.planner.context import PlanContext
 from hetserve.planner.moves import Placement, flip, merge, move, pick_device, random_edit, split, split_devices, swap
 from hetserve.planner.options import Budget, PlanOptions, default_restarts
 from hetserve.planner.partition import assign_roles, group_bandwidth, initial_partition
-from hetserve.planner.placement import Evaluation, Evaluator, Group, canonical, to_plan
+from hetserve.planner.placement import Evaluation, Evaluator, Group, canonical, start_search, to_plan
 from hetserve.planner.plan import Plan
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec
@@ -264,10 +264,7 @@ def refine(ctx: PlanContext, evaluator: Evaluator, start: Placement, budget: Bud
 
 def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, options: PlanOptions,
          mover: Mover, patience: int | None) -> Plan:
-    ctx = PlanContext(cluster, model, workload, options)
-    ctx.check_feasible()
-    budget = Budget(name, options)
-    evaluator = Evaluator(ctx)
+    ctx, budget, evaluator = start_search(name, cluster, model, workload, options)
     rng = random.Random(options.seed)
     start = phase1(ctx, evaluator, options.seed)
     restarts = options.restarts if options.restarts is not None else default_restarts(len(cluster))

@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 from hetserve.cost.layout import ReplicaLayout
 from hetserve.planner.context import PlanContext
 from hetserve.planner.flow import FlowNetwork, FlowResult, max_flow_nodes, max_flow_value, solve
-from hetserve.planner.options import Budget
+from hetserve.planner.options import Budget, PlanOptions
 from hetserve.planner.plan import KVRoute, Plan, PlanReplica
 
 # Alternative layouts (see ``Evaluator``): enumerate all combinations up to this many, else
@@ -349,3 +349,12 @@ def to_plan(ctx: PlanContext, ev: Evaluation, algorithm: str, budget: Budget | N
     if budget is not None:
         estimate["search"] = budget.summary()
     return Plan(ctx.model.name, ctx.cluster.name, algorithm, tuple(replicas), tuple(routes), estimate)
+
+
+def start_search(name: str, cluster, model, workload, options: PlanOptions,
+                 exhaustive_layouts: bool = False) -> tuple[PlanContext, Budget, Evaluator]:
+    """What every algorithm starts from: the context (after the feasibility check, which raises
+    InfeasibleError with the numbers), its time/iteration budget and the shared evaluator."""
+    ctx = PlanContext(cluster, model, workload, options)
+    ctx.check_feasible()
+    return ctx, Budget(name, options), Evaluator(ctx, exhaustive_layouts=exhaustive_layouts)

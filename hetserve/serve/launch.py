@@ -115,12 +115,9 @@ def build(opts: ServeOptions) -> Deployment:
     stats_dir = tempfile.mkdtemp(prefix="hetserve-links-")
     links = LinkSchedulerFactory(cluster, opts.transmission, shape=opts.shape_links, time_scale=opts.time_scale,
                                  stats_dir=stats_dir)
-    fields = {"max_num_seqs": opts.max_num_seqs, "max_batched_tokens": opts.max_batched_tokens,
-              "kv_capacity_tokens": opts.kv_capacity_tokens, **opts.engine_options}
-    known = set(EngineConfig.__dataclass_fields__)
-    if opts.micro_batches is not None and "micro_batches" in known:
-        fields["micro_batches"] = opts.micro_batches
-    config = EngineConfig(**{k: v for k, v in fields.items() if k in known})
+    config = EngineConfig(**{"max_num_seqs": opts.max_num_seqs, "max_batched_tokens": opts.max_batched_tokens,
+                             "kv_capacity_tokens": opts.kv_capacity_tokens, "micro_batches": opts.micro_batches,
+                             **opts.engine_options})
     ray_session = None
     try:
         if opts.backend == "ray":
@@ -136,23 +133,11 @@ def build(opts: ServeOptions) -> Deployment:
             ray_session.close()
         shutil.rmtree(stats_dir, ignore_errors=True)
         raise
-    if opts.micro_batches is not None and "micro_batches" not in known:
-        set_micro_batches(engine, opts.micro_batches)
     backend = EngineBackend(engine, links)
     name = opts.model_name or Path(opts.model_dir).resolve().name
     coordinator = Coordinator(backend, codec, name, placement=placement)
     app = create_app(coordinator)
     return Deployment(opts, plan, cluster, engine, links, coordinator, app, stats_dir, ray_session)
-
-
-def set_micro_batches(engine, micro_batches: int) -> None:
-    """Steps in flight per replica pipeline (MoLink §4.3 searches N..2N for N stages).
-
-    Stop-gap until ``EngineConfig`` takes a micro-batch count: the replica schedulers' in-flight
-    limit is what bounds the micro-batches of a pipeline.
-    """
-    for sched in engine.schedulers.values():
-        sched.max_inflight = max(1, int(micro_batches))
 
 
 class RunningServer:

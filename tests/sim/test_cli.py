@@ -47,3 +47,21 @@ def test_unknown_router_is_one_line(tmp_path, capsys):
                "--router", "nope", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("hetserve: error:") and "nope" in err and len(err.strip().splitlines()) == 1
+
+
+def test_simulate_rate_sweep_table_and_plot(tmp_path, capsys):
+    plan, cluster = files(tmp_path)
+    out = tmp_path / "out"
+    rc = main(["simulate", "--plan", plan, "--cluster", cluster, "--workload", "azure-conv", "--limit", "80",
+               "--slo-ttft", "5", "--slo-tpot", "0.1", "--no-progress", "--sweep-rates", "1,8", "-o", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "rate sweep" in text and (out / "rate_sweep.png").stat().st_size > 0
+
+
+def test_simulate_rejects_bad_sweep_rates(tmp_path, capsys):
+    plan, cluster = files(tmp_path)
+    rc = main(["simulate", "--plan", plan, "--cluster", cluster, "--workload", "azure-conv", "--limit", "10",
+               "--no-progress", "--sweep-rates", "1,-2"])
+    assert rc == 2
+    assert "sweep_rates" in capsys.readouterr().err

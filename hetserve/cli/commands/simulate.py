@@ -47,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "growth with recompute pre-emption (vLLM)")
     p.add_argument("--predictor", choices=["oracle", "bucket"], default="oracle",
                    help="output-length prediction for placement (default: the true length)")
+    p.add_argument("--sweep-rates", metavar="R1,R2,...",
+                   help="also simulate the trace at these mean rates (req/s); with -o, plot throughput and "
+                        "SLO attainment against rate (rate_sweep.png)")
     p.add_argument("--efficiency", help="cost-model efficiency JSON (from `hetserve calibrate -o`)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", help="directory for summary.json, requests.csv and plots")
@@ -67,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import SLO, load_workload
 
+    rates = _parse_rates(args.sweep_rates) if args.sweep_rates else []
     plan = Plan.load(args.plan)
     cluster = load_cluster(args.cluster or plan.cluster)
     model = load_model(args.model or plan.model)
@@ -117,7 +121,44 @@ def run(args: argparse.Namespace) -> int:
         print_summary(Console(), summary, f"{plan.algorithm} plan on {cluster.name}, {wl.name} ({len(wl)} requests)")
         if args.output:
             Console().print(f"wrote {args.output}/summary.json, requests.csv, latency_cdf.png")
+    if rates:
+        _sweep(args, rates, plan, cluster, model, wl, opts, cost)
     return 0
+
+
+def _parse_rates(text: str) -> list[float]:
+    from hetserve.errors import SpecError
+
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError as exc:
+        raise SpecError("--sweep-rates", "sweep_rates", "comma-separated rates in req/s", text) from exc
+    if not rates or min(rates) <= 0:
+        raise SpecError("--sweep-rates", "sweep_rates", "positive rates in req/s", text)
+    return rates
+
+
+def _sweep(args, rates, plan, cluster, model, wl, opts, cost) -> None:
+    """The same trace at several mean rates: a table, and with -o a plot."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from hetserve.sim.sweep import rate_sweep
+
+    plot = Path(args.output) / "rate_sweep.png" if args.output else None
+    rows = rate_sweep(plan, cluster, model, wl, rates, replace(opts, progress=False), cost, plot=plot)
+    t = Table("rate req/s", "output tokens/s", "SLO attainment", "goodput req/s", "TTFT p90 s", "TPOT p90 s",
+              title="rate sweep")
+    for r in rows:
+        s = r["summary"]
+        t.add_row(f"{r['rate']:g}", f"{s['throughput_tokens_per_s']:.1f}", f"{s['slo_attainment']:.3f}",
+                  f"{s['goodput_requests_per_s']:.3f}", f"{s['ttft_s']['p90']:.3g}", f"{s['tpot_s']['p90']:.3g}")
+    Console().print(t)
+    if plot is not None:
+        Console().print(f"wrote {plot}")
 
 
 def print_summary(console, s: dict, title: str) -> None:

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
+from hetserve.planner.plan import serves_prefill
 from hetserve.policies.base import PlacementPolicy, ReplicaState, RequestInfo
 from hetserve.runtime.params import SamplingParams
 from hetserve.serve.backend import Backend
@@ -130,7 +131,7 @@ class Coordinator:
         """The replica for ``req`` by the placement policy (None: the backend decides)."""
         if self.placement is None:
             return None
-        cands = [r for r in self._safe_replicas() if r.role in ("prefill", "colocated")]
+        cands = [r for r in self._safe_replicas() if serves_prefill(r.role)]
         if len(cands) <= 1:
             return cands[0].id if cands else None
         predicted = float(req.params.max_tokens)

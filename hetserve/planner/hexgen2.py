@@ -90,14 +90,17 @@ def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[P
     flow = ev.flow.value
     prefill_bound = bool(pre) and flow >= SATURATED * sum(caps[i] for i in pre)
     decode_bound = bool(dec) and flow >= SATURATED * sum(caps[i] for i in dec)
+    # the one side that limits the flow (None: both or neither), and the other side
+    bottleneck = ("prefill" if prefill_bound and not decode_bound
+                  else "decode" if decode_bound and not prefill_bound else None)
+    other = {"prefill": "decode", "decode": "prefill", None: None}[bottleneck]
+
+    def on_side(indices: list[int], role: str | None) -> list[int]:
+        return indices if role is None else [i for i in indices if groups[i].role == role]
+
     sat = [i for i in live if util[i] >= SATURATED]
     slack = [i for i in live if util[i] < SLACK]
-    if prefill_bound and not decode_bound:
-        targets = [i for i in sat if groups[i].role == "prefill"]
-    elif decode_bound and not prefill_bound:
-        targets = [i for i in sat if groups[i].role == "decode"]
-    else:
-        targets = sat
+    targets = on_side(sat, bottleneck)
     targets = sorted(targets, key=lambda i: (caps[i], i))[:MAX_TARGETS]
     w = group_bandwidth(ctx, [g.devices for g in groups])
     out: list[Placement | None] = []
@@ -144,13 +147,7 @@ def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[P
                     out.append(swap(groups, h, g, d, pick_device(ctx, groups[g], kg)))
 
     # role flips toward the bottleneck side
-    flip_from = []
-    if prefill_bound and not decode_bound:
-        flip_from = [i for i in slack if groups[i].role == "decode"]
-    elif decode_bound and not prefill_bound:
-        flip_from = [i for i in slack if groups[i].role == "prefill"]
-    else:
-        flip_from = slack
+    flip_from = on_side(slack, other)
     for i in sorted(flip_from, key=lambda i: (util[i], i))[:4]:
         out.append(flip(groups, i))
         # donate-and-flip: hand one device to the best-connected group of the old role first, so
@@ -177,7 +174,7 @@ def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[P
     for i in sorted(splittable, key=lambda i: (-len(groups[i].devices), -caps[i], i))[:MAX_SPLITS]:
         out.append(split(ctx, groups, i))
         out.append(split(ctx, groups, i, ("prefill", "decode")))
-    side = pre if prefill_bound and not decode_bound else dec if decode_bound and not prefill_bound else live
+    side = on_side(live, bottleneck)
     pairs = [(a, b) for a in side for b in side if a < b and groups[a].role == groups[b].role]
     pairs = sorted(pairs, key=lambda p: (-w[p], p))[:MAX_MERGES]
     pairs += sorted(((a, b) for a in slack for b in slack if a < b and groups[a].role == groups[b].role),

@@ -41,6 +41,21 @@ def serves_decode(role: str) -> bool:
     return role in ("decode", "colocated")
 
 
+class HasRole:
+    """``serves_prefill`` / ``serves_decode`` for anything with a ``role`` (plan replicas, the
+    runtime's replica specs and schedulers)."""
+
+    role: str
+
+    @property
+    def serves_prefill(self) -> bool:
+        return serves_prefill(self.role)
+
+    @property
+    def serves_decode(self) -> bool:
+        return serves_decode(self.role)
+
+
 @dataclass(frozen=True)
 class PlanStage:
     devices: tuple[str, ...]
@@ -52,7 +67,7 @@ class PlanStage:
 
 
 @dataclass(frozen=True)
-class PlanReplica:
+class PlanReplica(HasRole):
     id: str
     role: Role
     stages: tuple[PlanStage, ...]
@@ -60,14 +75,6 @@ class PlanReplica:
     @property
     def devices(self) -> tuple[str, ...]:
         return tuple(d for s in self.stages for d in s.devices)
-
-    @property
-    def serves_prefill(self) -> bool:
-        return serves_prefill(self.role)
-
-    @property
-    def serves_decode(self) -> bool:
-        return serves_decode(self.role)
 
     def layout(self, cluster: Cluster) -> ReplicaLayout:
         """This replica as device indices of ``cluster`` (the cost model's view)."""

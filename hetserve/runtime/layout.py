@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetserve.planner.plan import serves_decode, serves_prefill
+from hetserve.planner.plan import HasRole
 
 
 
@@ -46,7 +46,7 @@ class WorkerSpec:
 
 
 @dataclass(frozen=True)
-class ReplicaSpec:
+class ReplicaSpec(HasRole):
     id: str
     role: str
     stages: tuple[tuple[WorkerSpec, ...], ...]  # stages[s][tp_rank]
@@ -59,14 +59,6 @@ class ReplicaSpec:
     def entry(self) -> str:
         """Leader of the first stage: where steps enter the pipeline."""
         return self.stages[0][0].name
-
-    @property
-    def serves_prefill(self) -> bool:
-        return serves_prefill(self.role)
-
-    @property
-    def serves_decode(self) -> bool:
-        return serves_decode(self.role)
 
 
 @dataclass(frozen=True)

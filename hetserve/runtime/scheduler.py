@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from collections import deque
 
-from hetserve.planner.plan import serves_decode, serves_prefill
+from hetserve.planner.plan import HasRole
 from hetserve.runtime.kv_cache import BlockManager
 from hetserve.runtime.sequence import Sequence, Status
 
 
-class ReplicaScheduler:
+class ReplicaScheduler(HasRole):
     def __init__(self, replica_id: str, role: str, blocks: BlockManager, num_stages: int,
                  max_num_seqs: int = 64, max_batched_tokens: int = 2048):
         self.id = replica_id
@@ -35,14 +35,6 @@ class ReplicaScheduler:
         self.alive = True
         self.num_steps = 0
         self.last_batch_size = 0
-
-    @property
-    def serves_prefill(self) -> bool:
-        return serves_prefill(self.role)
-
-    @property
-    def serves_decode(self) -> bool:
-        return serves_decode(self.role)
 
     @property
     def num_running(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -41,3 +42,18 @@ def _no_proxy(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def wait_until():
+    """``wait_until(cond, timeout_s, poll_s)``: poll ``cond`` until true or the (bounded) timeout."""
+
+    def wait(cond, timeout_s: float = 10.0, poll_s: float = 0.01) -> bool:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if cond():
+                return True
+            time.sleep(poll_s)
+        return cond()
+
+    return wait

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
@@ -228,16 +227,7 @@ def test_fifty_concurrent_streaming_clients_all_complete(serve_fake):
     assert set(backend.placed) == {"r0", "r1"}
 
 
-def _wait_until(cond, timeout_s: float = 10.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
-
-
-def test_client_disconnect_mid_stream_frees_its_slot(serve_fake):
+def test_client_disconnect_mid_stream_frees_its_slot(serve_fake, wait_until):
     backend = FakeBackend(replicas=1, slots=1, token_delay_s=0.01)
     url, _, coord = serve_fake(backend=backend)
     with httpx.Client(timeout=30) as hc:
@@ -248,7 +238,7 @@ def test_client_disconnect_mid_stream_frees_its_slot(serve_fake):
             assert any(line.startswith("data: ") for line in got)
             assert backend.running  # it holds the only slot
         # leaving the block closed the connection mid-stream
-    assert _wait_until(lambda: not backend.running and coord.in_flight == 0)
+    assert wait_until(lambda: not backend.running and coord.in_flight == 0)
     assert len(backend.aborted) == 1
     # the slot is free again: the next request gets it and completes
     r = client(url).completions.create(model="tiny", prompt="x", max_tokens=3)
@@ -256,10 +246,10 @@ def test_client_disconnect_mid_stream_frees_its_slot(serve_fake):
     assert 'outcome="aborted"' in httpx.get(url + "/metrics").text
 
 
-def test_client_disconnect_while_waiting_non_streaming_frees_the_request(serve_fake):
+def test_client_disconnect_while_waiting_non_streaming_frees_the_request(serve_fake, wait_until):
     backend = FakeBackend(replicas=1, slots=1, token_delay_s=0.01)
     url, _, coord = serve_fake(backend=backend)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 250}, timeout=0.3)
-    assert _wait_until(lambda: not backend.running and coord.in_flight == 0)
+    assert wait_until(lambda: not backend.running and coord.in_flight == 0)
     assert len(backend.aborted) == 1

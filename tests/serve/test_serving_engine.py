@@ -5,7 +5,6 @@ on a disaggregated plan (prefill TP 2 -> decode with two pipeline stages), throu
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
@@ -137,16 +136,7 @@ def test_fifty_concurrent_streaming_clients_complete(server):
     assert stats["failed"] == 0
 
 
-def _wait_until(cond, timeout_s=20.0):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
-
-
-def test_disconnect_mid_stream_aborts_and_frees_kv(server):
+def test_disconnect_mid_stream_aborts_and_frees_kv(server, wait_until):
     engine = server.deployment.engine
 
     def idle():
@@ -154,7 +144,7 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server):
         return s.get("running", 1) == 0 and s.get("waiting", 1) == 0 and \
             all(r["kv_used_blocks"] == 0 for r in s["replicas"].values())
 
-    assert _wait_until(idle)
+    assert wait_until(idle, timeout_s=20.0, poll_s=0.05)
     with httpx.Client(timeout=60) as hc:
         with hc.stream("POST", server.url + "/v1/completions",
                        json={"model": "tiny", "prompt": "go", "max_tokens": 240, "temperature": 0.8,
@@ -164,7 +154,7 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server):
             for line in lines:
                 if line.startswith("data: "):
                     break  # the first token is out: the request holds KV on a replica
-    assert _wait_until(idle)
+    assert wait_until(idle, timeout_s=20.0, poll_s=0.05)
     metrics = httpx.get(server.url + "/metrics").text
     assert 'hetserve_requests_total{endpoint="completions",outcome="aborted"} 1.0' in metrics
     # the room is free again: a request needing the whole pool runs

@@ -11,7 +11,9 @@ constraint still holds after adding it:
     already generated more than γ·prediction counts with what it holds now.
 (c) TTFT: the wait for the prefill (or decode iteration) now running, ``prefill_wait_s``, plus the
     prefill batches of the queued prompts up to and including the one the new prompt joins
-    (``token_budget`` prompt tokens to a batch, each priced by Eq. 2) ≤ TTFT SLO.
+    (``token_budget`` prompt tokens to a batch, each priced by Eq. 2) ≤ TTFT SLO — for the new
+    prompt and for the queued prompts it joins (it lengthens their batch): the oldest has already
+    waited ``queued_age_s``, so the sum plus that age must fit the target too.
 (d) prefill preempts decode (colocated workers only): t_pre(queued + l_in) ≤ θ · min_r slack_r,
     slack_r = ATGT·(l_gen,r − 1) − t_dec,r, the decode time request r has saved against its ATGT
     budget so far (t_dec: ``RunningRequest.decode_time_s``, time since it joined the batch; r over
@@ -258,7 +260,7 @@ class AladdinPlacement:
             ctx = r.context_tokens + r.queued_prefill_tokens + request.input_tokens + self.gamma * pred
             atgt = ctx <= self.theta * m.decode.context_limit(r.load + 1, self.slo.tpot_s)
         if r.role in ("prefill", "colocated") and self.slo.ttft_s is not None:
-            ttft = self.ttft_estimate(request, r, m) <= self.slo.ttft_s
+            ttft = self.ttft_estimate(request, r, m) + r.queued_age_s <= self.slo.ttft_s
         return Check(atgt=atgt, ttft=ttft)
 
     def check(self, request: RequestInfo, r: ReplicaState, pred: float | None = None,
@@ -277,7 +279,7 @@ class AladdinPlacement:
             atgt = ctx <= theta * m.decode.context_limit(b, T)
         new_tokens = r.queued_prefill_tokens + request.input_tokens
         if prefills and self.slo.ttft_s is not None:  # (c)
-            ttft = self.ttft_estimate(request, r, m) <= self.slo.ttft_s
+            ttft = self.ttft_estimate(request, r, m) + r.queued_age_s <= self.slo.ttft_s
         if r.role == "colocated" and T is not None and len(v.l_in):  # (d)
             # every request on the worker — waiting ones too: they start decoding before this
             # prompt's prefill runs, and the stall lands in their ATGT as well

@@ -65,6 +65,9 @@ class ReplicaState:
     # seconds until the replica can start its next prefill: the rest of the prefill (or decode
     # iteration) now running; 0 when idle or unknown (Aladdin constraint (c))
     prefill_wait_s: float = 0.0
+    # seconds the oldest prompt waiting for prefill has waited (0: none waiting, or unknown): a new
+    # prompt that joins its prefill batch lengthens that batch (Aladdin constraint (c))
+    queued_age_s: float = 0.0
 
     @property
     def load(self) -> int:

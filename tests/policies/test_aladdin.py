@@ -4,6 +4,8 @@ Each scenario is built so round robin (first candidate), JSQ (least loaded) or a
 best fit would choose differently from Aladdin.
 """
 
+import dataclasses
+
 import pytest
 
 from hetserve.cost.fitted import DecodeModel, KVModel, PerformanceModel, PrefillModel
@@ -258,7 +260,8 @@ class Recorder:
         self.seen, self._n = [], 0
 
     def choose(self, request, candidates, now):
-        self.seen.append((now, candidates))
+        # the request views describe this moment: copy them now (they are built lazily)
+        self.seen.append((now, [dataclasses.replace(c, requests=tuple(c.requests)) for c in candidates]))
         self._n += 1
         return candidates[self._n % len(candidates)].id
 

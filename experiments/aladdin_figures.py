@@ -291,7 +291,8 @@ def plot(curves: dict, rates: list[float], path: str) -> None:
     for ax, (mode, got) in zip(axes[0], curves.items()):
         for name, vals in got.items():
             ys = [v if v is not None else np.nan for v in vals]
-            ax.plot(rates, ys, marker="o", label=name)
+            style = ":" if "vLLM" in name else "-" if "1 GPU" in name else "--"  # colours repeat after ten
+            ax.plot(rates, ys, style, marker="o", label=name)
         ax.set_xlabel("arrival rate (req/s)")
         ax.set_ylabel("GPUs needed" + (" (decode)" if mode == "decode" else ""))
         ax.set_title("Figure 11 (colocated)" if mode == "colocated" else "Figure 12 (split-phase)")

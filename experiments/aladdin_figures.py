@@ -1,7 +1,7 @@
 """Experiment 3: Aladdin Figures 11 and 12 — GPUs needed to meet the SLOs against arrival rate.
 
     python experiments/aladdin_figures.py [--quick] [--rates 5,10,15,20,25] [--requests 1500]
-        [--sections eq6,gpus,split,same,rebalance,kv,grouped] [--plot docs/experiments/aladdin_figures.png]
+        [--sections eq6,gpus,split,same,rebalance,kv,kv70,grouped] [--plot docs/experiments/aladdin_figures.png]
 
 Setting (Aladdin §6.1, §6.4): Llama2-13B on A100-80GB workers joined by PCIe inside 4-GPU boxes,
 TTFT 600 ms and ATGT 30 ms (Table 2), ShareGPT prompt and output lengths (the bundled ShareGPT
@@ -24,8 +24,9 @@ Like with like (every section):
 Sections: ``eq6`` worker size; ``gpus`` Figure 11 (colocated); ``split`` Figure 12 (decode
 instances); ``same`` attainment on one plan (JSQ's pool) on ShareGPT-Poisson and on the bursty
 Azure conversation trace; ``rebalance`` Algorithm 2 on/off with the bucket and a noisy predictor;
-``kv`` a point where the KV pool binds (Llama2-13B on V100, 800 ms / 50 ms, Table 2); ``grouped``
-Appendix A's grouped scheduling.
+``kv`` Llama2-13B on V100 (800 ms / 50 ms, Table 2), where Eq. 6 says KV limits the batch; ``kv70``
+Llama2-70B on A100 (1600 ms / 75 ms), where the KV pool binds in simulation (pre-emptions);
+``grouped`` Appendix A's grouped scheduling.
 """
 
 from __future__ import annotations
@@ -261,6 +262,33 @@ def section_kv(s: Setting, rates: list[float]) -> None:
     print()
 
 
+def section_kv70(s: Setting, rates: list[float]) -> None:
+    """Llama2-70B on 2-GPU A100 workers (Table 2: 1600 ms / 75 ms; Table 3: 2 GPUs): the KV pool
+    (about 60k tokens beside 140 GB of weights) binds before the ATGT batch does."""
+    model = load_model("llama-2-70b")
+    sk = copy.copy(s)
+    sk.model, sk.slo = model, SLO(ttft_s=1.6, tpot_s=0.075)
+    g = 2
+    print(f"### Where KV binds: GPUs needed, llama-2-70b on {s.gpu}, {g} GPU/worker, TTFT 1.6 s / ATGT 75 ms\n")
+    print("| policy | " + " | ".join(f"{r:g} req/s" for r in rates) + " |\n|---|" + "---|" * len(rates))
+    got = {}
+    for name, pol in (("Aladdin, true lengths", aladdin(sk.slo)), ("JSQ", "jsq")):
+        got[name] = [needed(sk, r, pol, g) for r in rates]
+        print(f"| {name} | " + " | ".join(cell(x) for x in got[name]) + " |")
+    print("| saving | " + " | ".join(saving(a, j) for a, j in zip(got["Aladdin, true lengths"], got["JSQ"])) + " |")
+    print("\nKV on the pool each policy needs (paged admission):\n")
+    print("| policy | rate | workers | peak KV use | recompute pre-emptions | attainment |\n|---|---|---|---|---|---|")
+    for name, pol in (("Aladdin, true lengths", aladdin(sk.slo)), ("JSQ", "jsq")):
+        for r, n in zip(rates, got[name]):
+            if not n:
+                continue
+            res = run_pool(model, s.gpu, sk.poisson(r), sk.slo, pol, n // g, g, intra=s.intra, kv_admission=s.kv)
+            peak = max(x.kv_peak_tokens / x.kv_capacity_tokens for x in res.replicas if x.kv_capacity_tokens)
+            print(f"| {name} | {r:g} | {n // g} | {100 * peak:.0f}% | {res.info['preemptions']} | "
+                  f"{100 * attainment(res, sk.slo):.1f}% |")
+    print()
+
+
 def section_grouped(s: Setting, rate: float, g: int) -> None:
     wl = s.poisson(rate)
     print(f"### Appendix A: grouped scheduling at {rate:g} req/s, {g} GPU/worker\n")
@@ -308,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="two rates, 400 requests: a smoke run for tests")
     ap.add_argument("--rates", default="5,10,15,20,25")
     ap.add_argument("--requests", type=int, default=1500, help="requests simulated per rate")
-    ap.add_argument("--sections", default="eq6,gpus,split,same,rebalance,kv,grouped")
+    ap.add_argument("--sections", default="eq6,gpus,split,same,rebalance,kv,kv70,grouped")
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-admission", choices=["paged", "reserve"], default="paged",
@@ -346,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         v100 = copy.copy(a100)
         v100.gpu, v100.slo, v100.intra = V100, SLO_V100, None
         section_kv(v100, [r / 2.5 for r in rates][:3] if not args.quick else [r / 2.5 for r in rates][:1])
+    if "kv70" in sections:
+        section_kv70(a100, [1.0, 2.0, 3.0] if not args.quick else [1.0])
     if "grouped" in sections:
         section_grouped(a100, rates[-1], g)
     if args.plot and curves:

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     outs = [int(x) for x in args.outputs.split(",")]
     rates = [float(x) for x in args.rates.split(",")]
-    steps = 7
+    steps = 8
     if args.quick:
         outs, args.requests, args.search_s, steps = outs[:1], min(args.requests, 150), 15.0, 3
     model = load_model(MODEL)
@@ -128,23 +128,26 @@ def main(argv: list[str] | None = None) -> int:
                 deadline.append(float(np.quantile(ratio, 0.99)))
                 if k == 0:
                     curves[(out, name)] = np.sort(ratio)
-            peak = peak_rate(plan, cluster, model, wl, base, args.scale, 0.05, 20.0, args.seed, steps)
+            peak = peak_rate(plan, cluster, model, wl, base, args.scale, 0.05, 100.0, args.seed, steps)
+            cost = CostModel(cluster, model)
+            alone = [float(np.median(alone_latency(cost, r.layout(cluster), wl) / base)) for r in plan.replicas]
             shapes = ", ".join("+".join(str(len(s.devices)) for s in r.stages) for r in plan.replicas)
             gpus = len(plan.devices)
-            rows.append((out, name, gpus, len(plan.replicas), shapes, deadline, peak))
+            rows.append((out, name, gpus, len(plan.replicas), shapes, deadline, peak, (min(alone), max(alone))))
             print(f"  out {out}: {name} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     print("| output tokens | pool | GPUs used | replicas (GPUs per stage) | "
           + " | ".join(f"min SLO scale for 99 % at {r:g} req/s" for r in rates)
-          + f" | peak req/s at scale {args.scale:g} |\n|---|---|---|---|" + "---|" * len(rates) + "---|")
-    for out, name, gpus, n, shapes, deadline, peak in rows:
+          + f" | peak req/s at scale {args.scale:g} | one request alone, × A100 (fastest – slowest replica) |"
+          + "\n|---|---|---|---|" + "---|" * len(rates) + "---|---|")
+    for out, name, gpus, n, shapes, deadline, peak, (fast, slow) in rows:
         print(f"| {out} | {name} | {gpus} | {n}: {shapes} | " + " | ".join(f"{d:.2f}" for d in deadline)
-              + f" | {peak:.2f} |")
+              + f" | {peak:.2f} | {fast:.2f} – {slow:.2f} |")
     print("\n### Ratios (ours; the paper's beside them)\n")
     print("| output tokens | rate | full vs half: deadline (half / full) | full vs half: peak rate (full / half) | "
           "full vs homogeneous: deadline (homogeneous / full) | full vs homogeneous: peak rate | "
           "half vs homogeneous: deadline (homogeneous / half) | half vs homogeneous: peak rate |"
           "\n|---|---|---|---|---|---|---|---|")
-    by = {(o, n): (d, p) for o, n, _, _, _, d, p in rows}
+    by = {(o, n): (d, p) for o, n, _, _, _, d, p, _ in rows}
     for out in outs:
         hom, full, half = (by[(out, k)] for k in ("homogeneous 16×A100-40G", "hexgen-full-price", "hexgen-half-price"))
 

@@ -102,8 +102,10 @@ class SimResult:
                                                                      ("route", sim.router))
                                    if isinstance(st := getattr(pol, "stats", None), dict)},
                   "events": sim.loop.events, "wall_s": sim.wall_s,
-                  "links": {f"{a}->{b}": {"bytes": l.bytes_sent, "busy_s": l.busy_s, "messages": l.messages}
-                            for (a, b), l in sorted(sim.network.links.items())} if len(links) <= 64 else {}},
+                  # per sending resource (NIC out, or a private in-box pair) of the shared link model
+                  "links": {name: {"bytes": sum(q.bytes_sent.values()), "busy_s": q.busy_s,
+                                   "messages": sum(q.messages.values())}
+                            for name, q in sorted(sim.network.links.items())} if len(links) <= 64 else {}},
         )
         return res
 

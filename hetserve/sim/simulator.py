@@ -59,6 +59,10 @@ class SimOptions:
     kv_admission: Literal["reserve", "paged"] = "reserve"
     seed: int = 0
     policy_options: dict[str, Any] = field(default_factory=dict)  # PolicyContext.options (e.g. Aladdin's gamma)
+    # the link model's calibration knobs (hetserve.policies.links): seconds added per message, and
+    # the share of a resource's capacity lost per extra competing send (0, 0: the plain model)
+    link_overhead_s: float = 0.0
+    link_competing_penalty: float = 0.0
     progress: bool = False
 
     def __post_init__(self) -> None:
@@ -123,7 +127,9 @@ class Simulator:
         self.max_batch = opts.max_batch or self.cost.eff.max_batch
         self.loop = EventLoop()
         self.req = RequestTable(workload)
-        self.network = Network(cluster.latency, cluster.bandwidth, transmission_factory(opts.transmission), self.loop)
+        self.network = Network(cluster.latency, cluster.bandwidth, transmission_factory(opts.transmission), self.loop,
+                               paths=cluster.path, overhead_s=opts.link_overhead_s,
+                               competing_penalty=opts.link_competing_penalty)
         self.layouts = {r.id: r.layout(cluster) for r in plan.replicas}
         self.replicas: list[Replica] = []
         kinds = {"prefill": PrefillReplica, "decode": DecodeReplica, "colocated": ColocatedReplica}

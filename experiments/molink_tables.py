@@ -150,12 +150,14 @@ class _DecodeDelays:
         links.Network.send = self._orig
 
 
-def run(cluster, model, wl, transmission: str, micro_batches: int) -> Row:
+def run(cluster, model, wl, transmission: str, micro_batches: int, overhead_s: float = 0.0,
+        penalty: float = 0.0) -> Row:
     plan = make_plan(cluster, model)
     t0 = time.perf_counter()
     with _DecodeDelays(cluster) as rec:
         res = simulate(plan, cluster, model, wl, SimOptions(transmission=transmission, pipeline="detailed",
-                                                            micro_batches=micro_batches))
+                                                            micro_batches=micro_batches, link_overhead_s=overhead_s,
+                                                            link_competing_penalty=penalty))
     keep = res.arrival >= WARMUP_S
     d = np.asarray(rec.delays) * 1e3 if rec.delays else np.array([np.nan])
     return Row(float(np.mean(res.ttft[keep])), float(np.mean(res.tpot[keep])), float(np.mean(res.e2e[keep])),
@@ -199,6 +201,73 @@ def table_three_way(title: str, key_name: str, rows: dict, paper: dict) -> str:
             out.append(f"| {key if j == 0 else ''} | {name} | " + " | ".join(cells) + " |")
         out.append(f"| | micro-batches (MoLink) | 3 | 3 | {molink.micro_batches} | | | |")
     return "\n".join(out)
+
+
+def calibrate_links(bandwidth_mbps: float = 100.0, latency_ms: float = 30.0, repeats: int = 3) -> tuple[float, float, str]:
+    """Fit the link model's ``overhead_s`` and ``competing_penalty`` to the runtime's emulated link
+    (``runtime.links.ShapedLink``: the wall-clock driver, its thread and the monotonic clock).
+
+    Single messages of 10–400 kB, one at a time: overhead = mean(delivery − send − α − bytes/β).
+    Then n = 2, 4, 8 messages of 100 kB sent at once under fair sharing: the last delivery at
+    α + overhead + n·S/β·(1 + p·(n − 1)) gives the penalty p (least squares, ≥ 0).
+    Returns (overhead_s, penalty, a markdown table of the measurements)."""
+    import threading
+
+    from hetserve.policies.transmission import FairTransmission
+    from hetserve.runtime.links import ShapedLink
+
+    bw, lat = bandwidth_mbps * 1e6 / 8, latency_ms / 1e3
+    link = ShapedLink("a", "b", lat, bw, FairTransmission())
+    lines = ["| messages at once | bytes each | model (ms) | emulated link (ms) | excess (ms) |", "|---|---|---|---|---|"]
+
+    def burst(n, nbytes):
+        done, ev, t0 = [], threading.Event(), time.monotonic()
+
+        def deliver():
+            done.append(time.monotonic())
+            if len(done) == n:
+                ev.set()
+        for _ in range(n):
+            link.send(nbytes, "prefill", deliver)
+        ev.wait(30)
+        return max(done) - t0
+
+    singles = []
+    for nbytes in (10e3, 100e3, 400e3):
+        for _ in range(repeats):
+            got = burst(1, nbytes)
+            singles.append(got - lat - nbytes / bw)
+        lines.append(f"| 1 | {nbytes / 1e3:.0f} kB | {1e3 * (lat + nbytes / bw):.1f} | {1e3 * (got):.1f} | "
+                     f"{1e3 * (got - lat - nbytes / bw):.2f} |")
+    overhead = max(0.0, float(np.mean(singles)))
+    xs, ys = [], []
+    for n in (2, 4, 8):
+        nbytes = 100e3
+        got = float(np.mean([burst(n, nbytes) for _ in range(repeats)]))
+        base = n * nbytes / bw
+        xs.append(base * (n - 1))
+        ys.append(got - lat - overhead - base)
+        lines.append(f"| {n} | {nbytes / 1e3:.0f} kB | {1e3 * (lat + base):.1f} | {1e3 * got:.1f} | "
+                     f"{1e3 * (got - lat - base):.2f} |")
+    link.close()
+    penalty = max(0.0, float(np.dot(xs, ys) / np.dot(xs, xs)))
+    return overhead, penalty, "\n".join(lines)
+
+
+def table_calibrated(cluster, model, rates, minutes: float, settings: dict) -> str:
+    """Fair vs MoLink at 3 and 6 micro-batches under each named (overhead_s, penalty) link setting."""
+    lines = ["| link model | rate req/s | micro-batches | TTFT fair → MoLink | TPOT fair → MoLink | "
+             "decode msg delay p99 fair / MoLink (ms) |", "|---|---|---|---|---|---|"]
+    for name, (ov, pen) in settings.items():
+        for rate in rates:
+            wl = workload(rate, minutes)
+            for m in (3, 6):
+                f = run(cluster, model, wl, "fair", m, ov, pen)
+                k = run(cluster, model, wl, "molink", m, ov, pen)
+                lines.append(f"| {name} | {rate:g} | {m} | {f.ttft:.2f} → {k.ttft:.2f} ({delta(k.ttft, f.ttft)}) | "
+                             f"{f.tpot:.3f} → {k.tpot:.3f} ({delta(k.tpot, f.tpot)}) | "
+                             f"{f.decode_delay_p99_ms:.1f} / {k.decode_delay_p99_ms:.1f} |")
+    return "\n".join(lines)
 
 
 def delta(x: float, ref: float) -> str:
@@ -276,7 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one rate, 3 minutes, equal-count table only")
     ap.add_argument("--minutes", type=float, default=30.0, help="measured minutes after 1 minute of warm-up")
-    ap.add_argument("--tables", default="eq,2,3,5")
+    ap.add_argument("--tables", default="eq,cal,2,3,5",
+                    help="eq: equal micro-batch counts; cal: link model calibrated against the runtime's emulated "
+                         "link, then fair vs MoLink with it; 2, 3, 5: the paper's tables")
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--plot", help="write the equal-count comparison as a PNG here")
     args = ap.parse_args(argv)
@@ -288,6 +359,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     print(f"# MoLink tables: {model.name} (stages {stages_of(model)}), 3 x RTX-4090 pipeline, Azure conversation "
           f"(in <= 2048, out <= 1024), {args.minutes:g} min measured after {WARMUP_S:.0f} s warm-up\n")
+    if "cal" in tables:
+        ov, pen, meas = calibrate_links()
+        print("### Link model calibrated against the runtime's emulated link (100 Mbps, 30 ms)\n")
+        print(meas, "\n")
+        print(f"fitted: overhead_s = {1e3 * ov:.2f} ms per message, competing_penalty = {pen:.3f}\n")
+        settings = {f"calibrated ({1e3 * ov:.2f} ms, {pen:.3f})": (ov, pen),
+                    "sensitivity: 5 ms, penalty 0.5": (0.005, 0.5)}
+        print(table_calibrated(make_cluster(100), model, (0.3, 0.7) if not args.quick else (0.3,),
+                               args.minutes, settings), "\n")
     if "eq" in tables:
         res = equal_counts(make_cluster(100), model, rates, args.minutes, COUNTS if not args.quick else (3, 6))
         print(table_equal(res), "\n")

@@ -146,7 +146,7 @@ class ModelSpec:
         except OSError as exc:
             raise SpecError(src, "(file)", "a readable config.json", exc.strerror) from exc
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise SpecError(src, "(file)", "valid UTF-8 JSON", str(exc)) from exc
+            raise SpecError(src, "(file)", "valid JSON (UTF-8 text)", str(exc)) from exc
         if not isinstance(cfg, dict):
             raise SpecError(src, "(top level)", "a JSON object")
         model_type = cfg.get("model_type")

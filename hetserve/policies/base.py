@@ -68,6 +68,7 @@ class ReplicaState:
     # seconds the oldest prompt waiting for prefill has waited (0: none waiting, or unknown): a new
     # prompt that joins its prefill batch lengthens that batch (Aladdin constraint (c))
     queued_age_s: float = 0.0
+    alive: bool = True  # False: the replica lost a worker; no policy may choose it
 
     @property
     def load(self) -> int:

@@ -27,6 +27,7 @@ one ``RuntimeFailure`` only when no live replica can ever hold it, or after ``ma
 from __future__ import annotations
 
 import itertools
+import queue
 import time
 from collections import deque
 from typing import Any
@@ -70,6 +71,9 @@ class Coordinator:
         self.stopping = False
         self._last_poll = 0.0
         self.stats: dict[str, Any] = {}
+        # elastic re-plan: start-up messages of workers being added go here (Engine.reconfigure reads them)
+        self.joining: queue.Queue | None = None
+        self.replans: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -126,6 +130,17 @@ class Coordinator:
             self.last_beat[msg.meta["worker"]] = time.monotonic()
         elif kind == "error":
             self.workers.worker_errors[msg.meta["worker"]] = msg.meta["error"]
+            if self.joining is not None:
+                self.joining.put(msg)
+        elif kind in ("ready", "peers_ack"):
+            if self.joining is not None:
+                self.joining.put(msg)
+        elif kind == "retire":
+            self._retire(msg.meta["replicas"], msg.meta["why"])
+            msg.meta["done"].set()
+        elif kind == "add":
+            self._add(msg.meta)
+            msg.meta["done"].set()
         # "wake", "link_error" (the exit poll reports dead peers): nothing to do
 
     # ------------------------------------------------------------------ steps and hand-offs
@@ -312,6 +327,49 @@ class Coordinator:
                 self.waiting.remove(seq)
                 self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {why}; no live replica's KV pool "
                                                f"can hold its {seq.reserve_tokens} tokens"))
+
+    # ------------------------------------------------------------------ elastic re-plan
+    def _retire(self, rids: list[str], why: str) -> None:
+        """Take replicas out of the plan (dead ones, or survivors the re-plan changes): their requests
+        re-run on the replicas that stay, exactly as after a death; their devices are freed."""
+        for rid in rids:
+            sched = self.schedulers[rid]
+            sched.alive = False
+            self.workers.stop_replica(self.replicas[rid])
+            for step_id in [s for s, (r, _, _) in self.steps.items() if r == rid]:
+                del self.steps[step_id]
+            sched.inflight.clear()
+            sched.ready.clear()
+            sched.pinned.clear()
+            hit = [q for q in self.seqs.values() if rid in (q.replica, q.pinned, q.dst)]
+            for seq in hit:
+                if seq.replica != rid and seq.status == Status.HANDOFF:
+                    self._reroute(seq)
+            self._rerun(sorted((q for q in hit if q.replica == rid or q.status != Status.HANDOFF),
+                               key=lambda q: q.id), f"{why}: replica {rid} retired")
+        for rid in rids:
+            self.workers.forget(self.replicas[rid])
+            for w in self.replicas[rid].workers:
+                self.last_beat.pop(w.name, None)
+            del self.schedulers[rid], self.replicas[rid]
+        self.layout = tuple(r for r in self.layout if r.id not in rids)
+        self.workers.layout = self.layout
+
+    def _add(self, meta: dict[str, Any]) -> None:
+        """Put newly started replicas into service (their processes come from ``WorkerGroup.start_more``)."""
+        self.layout = meta["layout"]
+        self.workers.add(meta["procs"], self.layout)
+        now = time.monotonic()
+        for name in meta["procs"]:
+            self.last_beat[name] = now
+        for spec, sched in zip(meta["replicas"], meta["schedulers"]):
+            self.replicas[spec.id] = spec
+            self.schedulers[spec.id] = sched
+        if meta.get("routes") is not None and hasattr(self.route_policy, "weights"):
+            self.route_policy.weights = meta["routes"]
+        alive = [s for s in self.schedulers.values() if s.alive]
+        if any(s.serves_prefill for s in alive) and any(s.serves_decode for s in alive):
+            self.broken = None  # the re-planned deployment can serve again
 
     def _reroute(self, seq: Sequence) -> None:
         """A hand-off whose destination died goes back to the hand-off queue (the route policy picks again)."""

@@ -85,6 +85,7 @@ class Engine:
         CheckpointReader(model_dir).close()  # a missing checkpoint is reported here, not by every worker
         engine = cls(plan, layout, arch, str(model_dir), dtype, capacity, config,
                      route_policy or WeightedRoutes.from_plan(plan), link_scheduler, shaper)
+        engine.cluster, engine._use_cuda = cluster, use_cuda
         try:
             engine._start_workers()
         except BaseException:
@@ -112,6 +113,10 @@ class Engine:
         self.coordinator = Coordinator(layout, self.schedulers, self.transport, self.workers, route_policy,
                                        heartbeat_timeout_s=config.heartbeat_timeout_s, max_reruns=config.max_reruns)
         self._ids = itertools.count(1)
+        self._reconfiguring = False
+        self._reconf_lock = threading.Lock()
+        self.cluster: Cluster | None = None
+        self._use_cuda = False
         self._closed = False
         self._close_lock = threading.Lock()
         self._thread = threading.Thread(target=self.coordinator.run, name="hetserve-coordinator", daemon=True)
@@ -218,11 +223,25 @@ class Engine:
 
         self.workers.start(make_config, self.config.start_method)
 
+    # ------------------------------------------------------------------ elastic re-plan
+    def reconfigure(self, plan: Plan, cluster: Cluster | None = None) -> dict[str, Any]:
+        """Move the running deployment to ``plan`` while it serves (see ``elastic.py``)."""
+        from hetserve.runtime.elastic import reconfigure
+
+        with self._reconf_lock:
+            self._reconfiguring = True
+            try:
+                return reconfigure(self, plan, cluster or self.cluster)
+            finally:
+                self._reconfiguring = False
+
     def _kill_all(self) -> None:
         self.workers.kill_all()
 
     def _check_fits(self, prompt_len: int, reserve: int) -> None:
-        scheds = [s for s in self.schedulers.values() if s.alive]
+        scheds = [s for s in list(self.schedulers.values()) if s.alive]
+        if not scheds and self._reconfiguring:
+            return  # a re-plan is bringing replicas up: the request waits for them
         prefill_ok = any(s.blocks.fits_ever(reserve if s.serves_decode else prompt_len)
                          for s in scheds if s.serves_prefill)
         decode_ok = any(s.blocks.fits_ever(reserve) for s in scheds if s.serves_decode)

@@ -272,7 +272,12 @@ class SocketTransport(Transport):
         return self._listener.getsockname()[:2]
 
     def set_address(self, peer: str, address: tuple[str, int]) -> None:
-        self._addresses[peer] = tuple(address)
+        address = tuple(address)
+        with self._lock:
+            if self._addresses.get(peer) not in (None, address):
+                # the peer was restarted (a re-planned replica on a device that came back): a new link
+                self._links.pop(peer, None)
+            self._addresses[peer] = address
 
     def send(self, peer: str, msg: Message, priority: Priority = Priority.CONTROL) -> None:
         if self.closed:
@@ -333,7 +338,7 @@ class SocketTransport(Transport):
             self._socks.append(sock)
             name = self.name.encode()
             sock.sendall(_HELLO.pack(len(name)) + name)
-            while not self.closed:
+            while not self.closed and self._links.get(peer) is link:
                 chunk = link.pop(timeout=0.5)
                 if chunk is None:
                     continue

@@ -121,12 +121,8 @@ class Worker:
                            self.arch.head_dim, self.dtype, self.device)
         self.kv_layers = self.pool.layers()
         # hand-off pieces this worker sends, per destination replica, and how many each receiver expects
-        self.sends: dict[str, list[tuple[KVTransfer, int]]] = {}
-        for dst in cfg.layout:
-            if dst.serves_decode and spec.role == "prefill":
-                pieces = kv_transfers(self._replica(spec.replica), dst)
-                expect = {w.name: sum(p.dst == w.name for p in pieces) for w in dst.workers}
-                self.sends[dst.id] = [(p, expect[p.dst]) for p in pieces if p.src == spec.name]
+        self.layout = cfg.layout
+        self.sends = self._plan_sends()
         self.kv_received: dict[int, int] = {}  # pieces arrive on one receiving thread per sender
         self._kv_lock = threading.Lock()
         transport.on_message = self._on_message  # KV and peers are handled on the receiving thread
@@ -134,7 +130,16 @@ class Worker:
                                                  "pid": os.getpid()}))
 
     def _replica(self, rid: str) -> ReplicaSpec:
-        return next(r for r in self.cfg.layout if r.id == rid)
+        return next(r for r in self.layout if r.id == rid)
+
+    def _plan_sends(self) -> dict[str, list[tuple[KVTransfer, int]]]:
+        sends: dict[str, list[tuple[KVTransfer, int]]] = {}
+        for dst in self.layout:
+            if dst.serves_decode and self.spec.role == "prefill":
+                pieces = kv_transfers(self._replica(self.spec.replica), dst)
+                expect = {w.name: sum(p.dst == w.name for p in pieces) for w in dst.workers}
+                sends[dst.id] = [(p, expect[p.dst]) for p in pieces if p.src == self.spec.name]
+        return sends
 
     def _init_group(self) -> None:
         import torch.distributed as dist
@@ -155,6 +160,9 @@ class Worker:
             for name, addr in msg.meta["addresses"].items():
                 if name != self.spec.name:
                     self.transport.set_address(name, addr)
+            if "layout" in msg.meta:  # a re-plan added replicas: hand-offs may now go to new decode replicas
+                self.layout = msg.meta["layout"]
+                self.sends = self._plan_sends()
             self.transport.send(ENGINE, Message("peers_ack", {"worker": self.spec.name}))
             return True
         return False

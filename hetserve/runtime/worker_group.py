@@ -30,66 +30,102 @@ class WorkerGroup:
         self.pids: dict[str, int] = {}
         self.worker_errors: dict[str, str] = {}
         self.dead: set[str] = set()
+        self.addresses: dict[str, Any] = {}  # worker name -> its transport address
         self._store = None
 
     def start(self, make_config, start_method: str) -> None:
         """Start one process per worker (``make_config(spec, store_address, backend) -> WorkerConfig``)
         and wait until every one has loaded its shard and connected to its peers."""
-        workers = [w for r in self.layout for w in r.workers]
+        procs = self._spawn(self.layout, make_config, start_method)
+        self.procs.update(procs)
+        self.pids.update({n: p.pid for n, p in procs.items()})
+        book = self._await_all("ready", "load its shard", procs, self.transport.recv)
+        self.addresses = {name: m["address"] for name, m in book.items()}
+        self._connect(procs, self.addresses, None, self.transport.recv)
+
+    def start_more(self, replicas: tuple[ReplicaSpec, ...], layout: tuple[ReplicaSpec, ...], make_config,
+                   start_method: str, recv) -> dict[str, Any]:
+        """Start the workers of ``replicas`` while the engine serves (elastic re-plan); returns their
+        processes once loaded and connected. ``recv`` yields the start-up messages the coordinator
+        forwards; the running workers get the new addresses and ``layout`` (hand-offs to new replicas).
+        The caller adds the processes to the group (on the coordinator's thread)."""
+        procs = self._spawn(replicas, make_config, start_method)
+        try:
+            got = self._await_all("ready", "load its shard", procs, recv)
+            fresh = {name: m["address"] for name, m in got.items()}
+            for name, addr in fresh.items():
+                self.transport.set_address(name, addr)
+            running = [n for n in self.procs if n not in self.dead and n not in procs and self.procs[n].exitcode is None]
+            update = Message("peers", {"addresses": fresh, "layout": layout})
+            for name in running:
+                self.transport.send(name, update, Priority.CONTROL)
+            self._connect(procs, {**{n: self.addresses[n] for n in running if n in self.addresses}, **fresh},
+                          layout, recv)
+            self.addresses.update(fresh)
+        except BaseException:
+            kill_processes(procs)
+            raise
+        return procs
+
+    def _spawn(self, replicas, make_config, start_method: str) -> dict[str, Any]:
+        workers = [w for r in replicas for w in r.workers]
         store_address = None
         if any(w.tp_world > 1 for w in workers):
             import torch.distributed as dist
 
-            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            if self._store is None:
+                self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
             store_address = ("127.0.0.1", self._store.port)
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             ctx.set_forkserver_preload(["hetserve.runtime.worker"])
-        replicas = {r.id: r for r in self.layout}
+        by_id = {r.id: r for r in replicas}
+        procs: dict[str, Any] = {}
         for w in workers:
-            stage = replicas[w.replica].stages[w.stage]
+            stage = by_id[w.replica].stages[w.stage]
             gpus = [s.device for s in stage]
             # NCCL needs one GPU per rank; ranks sharing a GPU (more workers than GPUs) use gloo
             backend = "nccl" if gpus[0].startswith("cuda") and len(set(gpus)) == len(gpus) else "gloo"
             cfg: WorkerConfig = make_config(w, store_address, backend)
             p = ctx.Process(target=worker_main, args=(cfg,), name=f"hetserve-worker-{w.name}", daemon=True)
             p.start()
-            self.procs[w.name] = p
-            self.pids[w.name] = p.pid
-        addresses = self._await_all("ready", "load its shard")
-        book = {name: m["address"] for name, m in addresses.items()}
-        book[ENGINE] = self.transport.address
+            procs[w.name] = p
+        return procs
+
+    def _connect(self, procs, addresses: dict[str, Any], layout, recv) -> None:
+        book = {**addresses, ENGINE: self.transport.address}
         for name, addr in book.items():
             if name != ENGINE:
                 self.transport.set_address(name, addr)
-        for name in self.procs:
-            self.transport.send(name, Message("peers", {"addresses": book}), Priority.CONTROL)
-        self._await_all("peers_ack", "connect to its peers")
+        meta = {"addresses": book} if layout is None else {"addresses": book, "layout": layout}
+        for name in procs:
+            self.transport.send(name, Message("peers", meta), Priority.CONTROL)
+        self._await_all("peers_ack", "connect to its peers", procs, recv)
 
-    def _await_all(self, kind: str, what: str) -> dict[str, dict]:
+    def _await_all(self, kind: str, what: str, procs: dict[str, Any], recv) -> dict[str, dict]:
         got: dict[str, dict] = {}
         deadline = time.monotonic() + self.start_timeout_s
-        while len(got) < len(self.procs):
-            msg = self.transport.recv(timeout=0.05)
-            if msg is not None:
+        while len(got) < len(procs):
+            msg = recv(timeout=0.05)
+            if msg is not None and msg.meta.get("worker") in procs:
                 if msg.kind == kind:
                     got[msg.meta["worker"]] = msg.meta
                 elif msg.kind == "error":
                     raise self._startup_failure(msg.meta["worker"], what, msg.meta["error"])
-            for name, p in self.procs.items():
+            for name, p in procs.items():
                 if p.exitcode is not None:
-                    err = self._drain_error(name)
+                    err = self._drain_error(name, recv=recv)
                     raise self._startup_failure(name, what, err, p.exitcode)
             if time.monotonic() > deadline:
-                missing = sorted(set(self.procs) - set(got))
+                missing = sorted(set(procs) - set(got))
                 raise RuntimeFailure(f"workers {missing} did not {what} within {self.start_timeout_s:.0f} s")
         return got
 
-    def _drain_error(self, name: str, wait: float = 1.0) -> str | None:
+    def _drain_error(self, name: str, wait: float = 1.0, recv=None) -> str | None:
         """The error a worker reported just before exiting, if it did (waits briefly for it)."""
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            msg = self.transport.recv(timeout=0.05)
+            msg = (recv or self.transport.recv)(timeout=0.05)
             if msg is not None and msg.kind == "error":
                 self.worker_errors[msg.meta["worker"]] = msg.meta["error"]
             if name in self.worker_errors:
@@ -107,6 +143,24 @@ class WorkerGroup:
 
     def worker(self, name: str):
         return next(w for r in self.layout for w in r.workers if w.name == name)
+
+    def forget(self, replica: ReplicaSpec) -> None:
+        """Drop a retired replica's (killed) workers, so their devices can host a re-planned replica."""
+        for w in replica.workers:
+            p = self.procs.pop(w.name, None)
+            if p is not None and p.exitcode is None:
+                p.kill()
+                p.join(timeout=2.0)
+            self.pids.pop(w.name, None)
+            self.dead.discard(w.name)
+            self.addresses.pop(w.name, None)
+            self.worker_errors.pop(w.name, None)
+
+    def add(self, procs: dict[str, Any], layout: tuple[ReplicaSpec, ...]) -> None:
+        """Take over processes from ``start_more`` and the layout they are part of."""
+        self.layout = layout
+        self.procs.update(procs)
+        self.pids.update({n: p.pid for n, p in procs.items()})
 
     def exited(self) -> list[tuple[str, int]]:
         """(name, exit code) of each worker that exited and is not yet known dead."""

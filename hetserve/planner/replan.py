@@ -1,0 +1,54 @@
+"""Elastic re-plan (HexGen's "GPUs leave and join"): plan the freed devices around a running plan.
+
+``replan(cluster, model, workload, running, lost)`` is warm-started from ``running``: every replica
+whose devices are all still in ``cluster`` and none ``lost`` is kept exactly as it is (its workers
+keep serving), and the planner's public function plans only the devices no kept replica holds —
+those of a dead replica's surviving ranks, devices that came back, devices an updated cluster file
+added. New replicas get ids the running plan does not use, so a kept replica's id never changes.
+When the freed devices cannot hold a replica the kept ones make the whole plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hetserve.errors import PlanError
+from hetserve.planner.options import PlanOptions
+from hetserve.planner.plan import KVRoute, Plan
+
+
+def replan(cluster, model, workload, running: Plan, lost: set[str] | frozenset[str] = frozenset(), *,
+           algorithm: str = "hexgen2", options: PlanOptions | None = None,
+           dead_replicas: set[str] | frozenset[str] = frozenset()) -> Plan:
+    """The running plan's surviving replicas plus a plan of the free devices of ``cluster``."""
+    from hetserve.planner import plan as run_planner
+
+    names = {d.name for d in cluster.devices}
+    kept = [r for r in running.replicas
+            if r.id not in dead_replicas and all(d in names and d not in lost for d in r.devices)]
+    held = {d for r in kept for d in r.devices}
+    free = [d.index for d in cluster.devices if d.name not in held and d.name not in lost]
+    fresh: Plan | None = None
+    if free:
+        try:
+            fresh = run_planner(cluster.subset(free), model, workload, algorithm, options or PlanOptions())
+        except PlanError:
+            fresh = None  # the freed devices cannot hold a replica on their own
+    kept_ids = {r.id for r in kept}
+    routes = [k for k in running.kv_routes if k.src in kept_ids and k.dst in kept_ids]
+    replicas = list(kept)
+    if fresh is not None:
+        used = {r.id for r in running.replicas}
+        rename: dict[str, str] = {}
+        for r in fresh.replicas:
+            rid, n = r.id, 1
+            while rid in used:
+                rid, n = f"{r.id}.{n}", n + 1
+            used.add(rid)
+            rename[r.id] = rid
+            replicas.append(replace(r, id=rid))
+        routes += [KVRoute(rename[k.src], rename[k.dst], k.weight) for k in fresh.kv_routes]
+    if not replicas:
+        raise PlanError(f"re-plan: no replica fits the {len(free)} free device(s) of {cluster.name!r}")
+    return Plan(running.model, running.cluster, f"replan({algorithm})", tuple(replicas), tuple(routes),
+                {"kept": sorted(kept_ids), "planned_devices": [cluster.devices[i].name for i in free]})

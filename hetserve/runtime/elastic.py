@@ -1,0 +1,118 @@
+"""Elastic re-plan on the running engine: move to a new plan while the unchanged replicas keep serving.
+
+``reconfigure(engine, plan, cluster)`` compares ``plan`` (usually from ``planner.replan``) with the
+running layout. A running replica the new plan holds unchanged (same role, same stages on the same
+devices) keeps serving, under its running id. Every other running replica — a dead one, or a
+survivor the new plan reshapes — is retired first (its requests re-run on the kept replicas, exactly
+as after a death, so none is lost) which frees its devices; then the new replicas' workers start
+(loading their shards while the kept replicas serve), the running workers learn the new peers and
+layout (a prefill replica can hand off to a new decode replica), and the coordinator puts the new
+replicas into service. Returns what it did and how long each part took.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from hetserve.errors import PlanError
+from hetserve.planner.plan import Plan
+from hetserve.runtime.deployment import build_layout
+from hetserve.runtime.engine_config import kv_capacity
+from hetserve.runtime.kv_cache import BlockManager
+from hetserve.runtime.layout import ReplicaSpec
+from hetserve.runtime.scheduler import ReplicaScheduler
+from hetserve.runtime.transport import Message
+from hetserve.runtime.worker import WorkerConfig
+from hetserve.specs.cluster import Cluster
+
+
+def shape(r) -> tuple:
+    """What makes two replicas the same deployment: role and (devices, layers) per stage."""
+    if isinstance(r, ReplicaSpec):
+        return r.role, tuple((tuple(w.name for w in st), st[0].layers) for st in r.stages)
+    return r.role, tuple((tuple(st.devices), tuple(st.layers)) for st in r.stages)
+
+
+def reconfigure(engine, plan: Plan, cluster: Cluster) -> dict[str, Any]:
+    t0 = time.monotonic()
+    coord = engine.coordinator
+    running = {shape(r): r.id for r in coord.layout if coord.schedulers[r.id].alive}
+    keep: dict[str, str] = {}  # new plan id -> running id
+    for r in plan.replicas:
+        if shape(r) in running:
+            keep[r.id] = running.pop(shape(r))
+    retire = [r.id for r in coord.layout if r.id not in keep.values()]
+    # new replicas get ids no running (or retiring) replica uses
+    used = set(coord.replicas) | set(keep.values())
+    rename = dict(keep)
+    for r in plan.replicas:
+        if r.id in keep:
+            continue
+        rid, n = r.id, 1
+        while rid in used:
+            rid, n = f"{r.id}.{n}", n + 1
+        used.add(rid)
+        rename[r.id] = rid
+    merged = replace(plan, replicas=tuple(replace(r, id=rename[r.id]) for r in plan.replicas),
+                     kv_routes=tuple(replace(k, src=rename[k.src], dst=rename[k.dst]) for k in plan.kv_routes))
+    n_gpu = torch.cuda.device_count() if engine._use_cuda else 0
+    device_of = {d: f"cuda:{i % n_gpu}" if n_gpu else "cpu" for i, d in enumerate(merged.devices)}
+    layout = build_layout(merged, cluster, engine.arch, device_of, source="re-plan")
+    added = tuple(r for r in layout if r.id not in keep.values())
+    capacity = kv_capacity(added, cluster, engine.arch, engine.dtype, engine.config, engine._use_cuda) if added else {}
+    cfg = engine.config
+    schedulers = [ReplicaScheduler(r.id, r.role, BlockManager(capacity[r.id] // cfg.block_size, cfg.block_size),
+                                   cfg.micro_batches or len(r.stages), cfg.max_num_seqs, cfg.max_batched_tokens)
+                  for r in added]
+    if not added and not keep:
+        raise PlanError("re-plan: the new plan has no replica")
+
+    done = threading.Event()
+    engine.transport.post(Message("retire", {"replicas": retire, "why": "re-plan", "done": done}))
+    done.wait()
+    t_retired = time.monotonic()
+
+    procs: dict[str, Any] = {}
+    if added:
+        coord.joining = queue.Queue()
+
+        def recv(timeout: float):
+            try:
+                return coord.joining.get(timeout=timeout)
+            except queue.Empty:
+                return None
+
+        def make_config(w, store_address, backend) -> WorkerConfig:
+            sched = next(s for s in schedulers if s.id == w.replica)
+            return WorkerConfig(spec=w, layout=layout, model_dir=engine.model_dir, dtype=engine.dtype,
+                                num_slots=sched.blocks.capacity_tokens, block_size=cfg.block_size,
+                                engine_address=engine.transport.address, store_address=store_address,
+                                backend=backend, link_scheduler=engine._link_scheduler, shaper=engine._shaper,
+                                heartbeat_s=cfg.heartbeat_interval_s)
+        try:
+            procs = engine.workers.start_more(added, layout, make_config, cfg.start_method, recv)
+        finally:
+            coord.joining = None
+    t_started = time.monotonic()
+
+    routes: dict[str, dict[str, float]] = {}
+    for k in merged.kv_routes:
+        routes.setdefault(k.src, {})[k.dst] = routes.get(k.src, {}).get(k.dst, 0.0) + k.weight
+    done = threading.Event()
+    engine.transport.post(Message("add", {"layout": layout, "procs": procs, "replicas": list(added),
+                                          "schedulers": schedulers, "routes": routes, "done": done}))
+    done.wait()
+    t_end = time.monotonic()
+    engine.plan, engine.layout, engine.cluster = merged, layout, cluster
+    engine.replicas = {r.id: r for r in layout}
+    record = {"kept": sorted(keep.values()), "retired": retire, "added": [r.id for r in added],
+              "retire_s": t_retired - t0, "start_s": t_started - t_retired, "activate_s": t_end - t_started,
+              "total_s": t_end - t0}
+    coord.replans.append(record)
+    return record

@@ -1,6 +1,7 @@
 """Serving through worker faults: kill -9 and SIGSTOP of a worker while streams run.
 
     .venv/bin/python bench/bench_faults.py [--streams 12] [--max-tokens 48] [--heartbeat-timeout 3]
+                                           [--replan-time-limit 5]
 
 One server (``hetserve serve``'s code path, in-process: ``start_server``) runs four colocated
 replicas of a random-weight Llama (4 layers, hidden 64) on ``demo-cpu``, one CPU worker each.
@@ -12,7 +13,14 @@ from the engine's own death record, and the streams must complete on the other r
 
 Prints one table: completed / total streams, later requests OK, detection time (measured,
 wall clock on this machine; the load average is printed beside it since the machine is shared).
-Failure -> re-planned deployment (issue 11, item 3) is not measured: re-planning is not built yet.
+
+Scenario 3, elastic re-plan (HexGen's "GPUs leave and join"): a second server runs two colocated
+replicas, each a two-stage pipeline over one machine (``--replan-on-failure``). SIGKILL of one
+stage's worker while the streams run: its device is lost, the planner re-plans the freed device
+(warm-started: the other replica is kept), and the new replica starts while the kept one serves.
+Measured from the signal: detection, planning, start-up of the new workers, and the whole "failure
+-> new plan serving"; then the lost device comes back (``POST /admin/replan`` with ``returned``)
+and joins the same way. Every stream must complete; the later requests go to the new replica set.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import signal
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 PLAN = {"model": "tiny", "cluster": "demo-cpu", "algorithm": "manual", "replicas": [
@@ -87,12 +96,61 @@ def scenario(server, sig: int, streams: int, max_tokens: int, after: int) -> dic
             "detected_s": death[0]["at"] - t_signal if death else None}
 
 
+REPLAN_PLAN = {"model": "tiny", "cluster": "demo-cpu", "algorithm": "manual", "replicas": [
+    {"id": f"c{i}", "role": "colocated", "stages": [{"devices": [f"m{i}:0"], "layers": [0, 2]},
+                                                     {"devices": [f"m{i}:1"], "layers": [2, 4]}]}
+    for i in range(2)]}
+
+
+def replan_scenario(server, streams: int, max_tokens: int, after: int) -> dict:
+    """SIGKILL one stage with --replan-on-failure; then the device returns. Seconds from the signal."""
+    import httpx
+
+    engine = server.deployment.engine
+    replanner = server.deployment.coordinator.replanner
+    outs = [dict() for _ in range(streams)]
+    firsts = [threading.Event() for _ in range(streams)]
+    threads = [threading.Thread(target=stream, args=(server.url, max_tokens, o, f)) for o, f in zip(outs, firsts)]
+    for t in threads:
+        t.start()
+    for f in firsts:
+        f.wait(60)
+    victim = "m0:0"
+    t_signal = time.monotonic()
+    os.kill(engine.worker_pids()[victim], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while not replanner.history and time.monotonic() < deadline:
+        time.sleep(0.02)
+    t_serving = time.monotonic()
+    rec = replanner.history[0] if replanner.history else {}
+    for t in threads:
+        t.join(180)
+    death = engine.stats()["deaths"][0]
+    later = 0
+    for _ in range(after):
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "hello", "max_tokens": 8, "ignore_eos": True})
+        later += r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    served = {rid: s["steps"] for rid, s in engine.stats()["replicas"].items()}
+    t_back = time.monotonic()
+    back = httpx.post(server.url + "/admin/replan", json={"returned": [victim]}, timeout=300).json()
+    join_s = time.monotonic() - t_back
+    return {"completed": sum(o.get("ok", False) for o in outs), "streams": streams,
+            "errors": sum(len(o.get("errors", [])) for o in outs), "later_ok": later, "later": after,
+            "detected_s": death["at"] - t_signal, "plan_s": rec.get("plan_s"), "start_s": rec.get("start_s"),
+            "failure_to_serving_s": t_serving - t_signal if rec else None, "kept": rec.get("kept"),
+            "retired": rec.get("retired"), "added": rec.get("added"), "steps_by_replica": served,
+            "join": {"added": back.get("added"), "plan_s": back.get("plan_s"), "start_s": back.get("start_s"),
+                     "total_s": join_s}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--after", type=int, default=20, help="requests sent after each fault")
     ap.add_argument("--heartbeat-timeout", type=float, default=3.0)
+    ap.add_argument("--replan-time-limit", type=float, default=5.0, help="the re-plan's planner time limit (s)")
     ap.add_argument("--json", help="save the rows")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -111,6 +169,10 @@ def main() -> None:
         with start_server(opts) as server:
             for sig in (signal.SIGKILL, signal.SIGSTOP):
                 rows.append(scenario(server, sig, args.streams, args.max_tokens, args.after))
+        ropts = replace(opts, plan=Plan.from_dict(REPLAN_PLAN), replan_on_failure=True,
+                        replan_time_limit_s=args.replan_time_limit)
+        with start_server(ropts) as server:
+            replan_row = replan_scenario(server, args.streams, args.max_tokens, args.after)
     load = os.getloadavg()
     print(f"\nfaults while {args.streams} streams run (4 colocated replicas on demo-cpu, heartbeat timeout "
           f"{args.heartbeat_timeout:g} s); load average {load[0]:.1f} / {load[1]:.1f}\n")
@@ -120,8 +182,22 @@ def main() -> None:
         det = f"{r['detected_s']:.2f}" if r["detected_s"] is not None else "—"
         print(f"| {r['signal']} | {r['victim']} | {r['completed']}/{r['streams']} | {r['errors']} | "
               f"{r['later_ok']}/{r['later']} | {det} |")
+    r = replan_row
+    print(f"\nelastic re-plan (--replan-on-failure, planner time limit {args.replan_time_limit:g} s): SIGKILL of "
+          f"m0:0, a stage of replica c0 (2 replicas x 2 stages on demo-cpu), while {args.streams} streams run\n")
+    print("| streams completed | error events | later requests OK | detected (s) | planning (s) | start-up (s) "
+          "| failure -> new plan serving (s) | kept / retired / added |")
+    print("|---|---|---|---|---|---|---|---|")
+    fmt = lambda x: f"{x:.2f}" if isinstance(x, (int, float)) else "—"  # noqa: E731
+    print(f"| {r['completed']}/{r['streams']} | {r['errors']} | {r['later_ok']}/{r['later']} | {fmt(r['detected_s'])} "
+          f"| {fmt(r['plan_s'])} | {fmt(r['start_s'])} | {fmt(r['failure_to_serving_s'])} "
+          f"| {r['kept']} / {r['retired']} / {r['added']} |")
+    j = r["join"]
+    print(f"\nm0:0 comes back (POST /admin/replan {{\"returned\": [\"m0:0\"]}}): added {j['added']}, planning "
+          f"{fmt(j['plan_s'])} s, start-up {fmt(j['start_s'])} s, request -> serving {fmt(j['total_s'])} s")
+    print(f"steps per replica after the re-plan (later requests): {r['steps_by_replica']}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps(rows + [replan_row], indent=2))
 
 
 if __name__ == "__main__":

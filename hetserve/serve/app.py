@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from hetserve.errors import HetserveError
 from hetserve.serve.coordinator import Coordinator, Prepared
 from hetserve.serve.errors import (InvalidRequest, ModelNotFound, Overloaded, error_event, install_error_handlers,
                                    log, to_api_error)
@@ -120,6 +121,37 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None):
     async def metrics():
         body, ctype = c.metrics.render()
         return Response(body, media_type=ctype)
+
+    # ------------------------------------------------------------------ elastic re-plan
+    @app.post("/admin/replan")
+    async def admin_replan(request: Request):
+        """Re-plan now. Body (all optional): {"cluster": path of an updated cluster file,
+        "lost": [devices gone], "returned": [devices back]}. Answers the re-plan record."""
+        if c.replanner is None:
+            raise InvalidRequest("this server cannot re-plan (the Ray backend places its actors once)")
+        raw = await request.body()
+        try:
+            data = json.loads(raw) if raw.strip() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise InvalidRequest("request body must be a JSON object")
+        unknown = sorted(set(data) - {"cluster", "lost", "returned"})
+        if unknown:
+            raise InvalidRequest(f"unrecognized field {unknown[0]!r}; expected cluster, lost, returned",
+                                 param=unknown[0])
+        if data.get("cluster") is not None and not isinstance(data["cluster"], str):
+            raise InvalidRequest("'cluster' must be a cluster file path or preset name", param="cluster")
+        for key in ("lost", "returned"):
+            v = data.get(key)
+            if v is not None and not (isinstance(v, list) and all(isinstance(d, str) for d in v)):
+                raise InvalidRequest(f"'{key}' must be a list of device names", param=key)
+        try:
+            record = await asyncio.to_thread(c.replanner.replan, data.get("cluster"), data.get("lost"),
+                                             data.get("returned"))
+        except HetserveError as exc:
+            raise InvalidRequest(f"re-plan failed: {exc}") from exc
+        return JSONResponse(record)
 
     # ------------------------------------------------------------------ completions
     @app.post("/v1/completions")

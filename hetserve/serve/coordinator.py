@@ -58,6 +58,7 @@ class Coordinator:
         self._seq = itertools.count(1)
         self.in_flight = 0
         self.draining = False  # set by a graceful shutdown: no new request is admitted
+        self.replanner = None  # serve/replan.py Replanner where the backend can re-plan (POST /admin/replan)
 
     # ------------------------------------------------------------------ snapshots
     def _safe_replicas(self) -> list[ReplicaState]:

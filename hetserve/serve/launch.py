@@ -41,6 +41,9 @@ class ServeOptions:
     slo_tpot_s: float | None = None
     engine_options: dict[str, Any] = field(default_factory=dict)  # extra EngineConfig fields
     ray_address: str | None = None  # connect to a running Ray cluster; None: start one locally
+    replan_on_failure: bool = False  # re-plan the surviving devices when a replica dies (serve/replan.py)
+    replan_workload: str = "azure-conv"  # the workload the re-plan's planner plans for
+    replan_time_limit_s: float = 10.0  # the re-plan's planner search time limit
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -66,6 +69,8 @@ class Deployment:
         if self._closed:
             return
         self._closed = True
+        if self.coordinator.replanner is not None:
+            self.coordinator.replanner.close()
         try:
             self.engine.shutdown()
         finally:
@@ -136,6 +141,11 @@ def build(opts: ServeOptions) -> Deployment:
     backend = EngineBackend(engine, links)
     name = opts.model_name or Path(opts.model_dir).resolve().name
     coordinator = Coordinator(backend, codec, name, placement=placement)
+    if opts.backend == "local":  # Ray actors are placed once at start-up (ray_backend.py): no re-plan there
+        from hetserve.serve.replan import Replanner
+
+        coordinator.replanner = Replanner(engine, opts.replan_workload, time_limit_s=opts.replan_time_limit_s,
+                                          seed=opts.seed, on_failure=opts.replan_on_failure)
     app = create_app(coordinator)
     return Deployment(opts, plan, cluster, engine, links, coordinator, app, stats_dir, ray_session)
 

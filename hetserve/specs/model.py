@@ -166,8 +166,10 @@ class ModelSpec:
             if cfg.get("word_embed_proj_dim", cfg.get("hidden_size")) != cfg.get("hidden_size"):
                 raise SpecError(src, "word_embed_proj_dim", "equal to hidden_size (projected OPT variants "
                                 "are not supported)", cfg.get("word_embed_proj_dim"))
-            heads = need("num_attention_heads")
-            return ModelSpec(str(label), "opt", need("num_hidden_layers"), need("hidden_size"), heads, heads,
+            heads, hidden = need("num_attention_heads"), need("hidden_size")
+            if hidden % heads:  # OPT has no head_dim field: hidden_size / num_attention_heads must be whole
+                raise SpecError(src, "num_attention_heads", f"a divisor of hidden_size ({hidden})", heads)
+            return ModelSpec(str(label), "opt", need("num_hidden_layers"), hidden, heads, heads,
                              need("ffn_dim"), need("vocab_size"), need("max_position_embeddings"),
                              dtype_bytes, bool(cfg.get("tie_word_embeddings", True)))
         heads = need("num_attention_heads")

@@ -59,6 +59,8 @@ CLUSTER = "name: c\nmachines:\n  - {name: a, gpu: RTX-4090, count: COUNT}\n"
 CONFIG = {"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "max_position_embeddings": 128}
+OPT_CONFIG = {"model_type": "opt", "vocab_size": 320, "hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "max_position_embeddings": 128}
 NOT_UTF8 = b"\xff\xfe\x00bad"
 
 # (kind, file name, content, words the one line must hold)
@@ -73,6 +75,7 @@ FILES = [
     ("model", "config.json", json.dumps({**CONFIG, "num_key_value_heads": 3}), ["shape"]),
     ("model", "config.json", json.dumps({**CONFIG, "head_dim": -4}), ["head_dim"]),
     ("model", "config.json", NOT_UTF8, ["UTF-8"]),
+    ("model", "config.json", json.dumps({**OPT_CONFIG, "num_attention_heads": 5}), ["num_attention_heads", "64"]),
     ("workload", "w.csv", NOT_UTF8, ["UTF-8"]),
     ("workload", "w.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nnan,10,10\n", ["timestamp", "finite"]),
     ("workload", "w.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\ninf,10,10\n", ["timestamp", "finite"]),
@@ -115,3 +118,18 @@ def test_simulate_says_when_requests_exceed_the_models_context(tmp_path, capsys)
     assert code == 0 and not err
     code, err = run(args, capsys)
     assert any("1 of 2 requests" in ln and "context" in ln for ln in err), err
+
+
+def test_runtime_config_names_the_opt_field_that_does_not_fit(tmp_path):
+    from hetserve.errors import SpecError
+    from hetserve.runtime.model.config import ArchConfig
+
+    with pytest.raises(SpecError, match="num_attention_heads.*hidden_size \\(64\\)"):
+        ArchConfig.from_dict({**OPT_CONFIG, "num_attention_heads": 5}, "x/config.json")
+
+
+def test_capacity_refuses_a_rate_its_simulation_cannot_resolve(capsys):
+    code, err = run(["capacity", "--model", "llama-2-7b", "--gpu", "A100-SXM-80G", "--workload", "azure-conv", "--rate", "1e12", "--slo-ttft", "1",
+                     "--slo-tpot", "0.1"], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "--rate" in err[0] and "1e+12" in err[0] and "--method fluid" in err[0], err[0]

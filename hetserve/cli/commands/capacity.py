@@ -104,6 +104,13 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for r in rates:
         fluid = workers.fluid_workers(r, chosen, mi, mo, colocated=args.mode == "colocated")
+        if args.method == "sim" and fluid > args.requests:
+            # a simulation of N requests cannot tell apart more than N workers: its answer would be noise
+            top = r * args.requests / fluid
+            raise SpecError("--rate" if args.rate is not None else "--rates", "rate",
+                            f"a rate the {args.requests} simulated requests can resolve (about {top:.3g} req/s or "
+                            f"less here: the fluid bound at {r:g} req/s is {fluid:,} workers; raise --requests "
+                            f"or use --method fluid)", r)
         if args.method == "sim":
             from hetserve.capacity.simulated import workers_needed
 

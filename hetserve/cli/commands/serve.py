@@ -41,6 +41,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="on SIGTERM / Ctrl-C: seconds in-flight requests get to finish (default 30); new ones get 503")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0,
                    help="a worker silent this long (hung, stopped) is declared dead and its requests re-run (default 3)")
+    p.add_argument("--replan-on-failure", action="store_true",
+                   help="when a replica dies, re-plan the surviving devices (warm-started from the running plan) "
+                        "and bring the new replicas up while the others serve; POST /admin/replan does it on demand")
+    p.add_argument("--replan-workload", default="azure-conv",
+                   help="workload preset or CSV the re-plan's planner plans for (default azure-conv)")
+    p.add_argument("--replan-time-limit", type=float, default=10.0, metavar="S",
+                   help="the re-plan's planner search time limit in seconds (default 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
@@ -67,6 +74,14 @@ def run(args: argparse.Namespace) -> int:
     if args.heartbeat_timeout <= 0.2:
         raise SpecError("--heartbeat-timeout", "heartbeat_timeout", "more than 0.2 s (workers beat every "
                         "min(0.5 s, timeout / 4))", args.heartbeat_timeout)
+    if args.replan_on_failure and args.backend == "ray":
+        raise SpecError("--replan-on-failure", "backend", "the local backend (Ray actors are placed once)", "ray")
+    if not 0 < args.replan_time_limit <= 3600:
+        raise SpecError("--replan-time-limit", "seconds", "a number in (0, 3600]", args.replan_time_limit)
+    if args.replan_on_failure:
+        from hetserve.specs.workload import load_workload
+
+        load_workload(args.replan_workload)  # a bad workload is reported now, not at the first failure
     engine_options = {"heartbeat_timeout_s": args.heartbeat_timeout,
                       "heartbeat_interval_s": min(0.5, args.heartbeat_timeout / 4)}
     try:
@@ -75,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
                             shape_links=args.shape_links, time_scale=args.time_scale,
                             micro_batches=args.micro_batches, kv_capacity_tokens=args.kv_capacity, seed=args.seed,
                             slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, ray_address=args.ray_address,
-                            engine_options=engine_options)
+                            engine_options=engine_options, replan_on_failure=args.replan_on_failure,
+                            replan_workload=args.replan_workload, replan_time_limit_s=args.replan_time_limit)
     except ValueError as exc:
         raise RuntimeFailure(str(exc)) from exc
     console = Console(stderr=True)

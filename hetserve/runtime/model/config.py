@@ -75,7 +75,7 @@ class ArchConfig:
             if model_type in ("llama", "mistral") and not raw.get("sliding_window"):
                 return _llama(raw)
             if model_type == "opt":
-                return _opt(raw)
+                return _opt(raw, source)
         except KeyError as exc:
             raise SpecError(source, str(exc.args[0]), "a field of a Hugging Face config") from None
         raise SpecError(source, "model_type", f"one of {ARCHS}", model_type)
@@ -115,9 +115,12 @@ def _llama(raw: dict[str, Any]) -> ArchConfig:
         hidden_act=raw.get("hidden_act", "silu"), raw=raw)
 
 
-def _opt(raw: dict[str, Any]) -> ArchConfig:
+def _opt(raw: dict[str, Any], source: str = "<config>") -> ArchConfig:
     heads = raw["num_attention_heads"]
     hidden = raw["hidden_size"]
+    if not (isinstance(heads, int) and isinstance(hidden, int) and heads > 0 and hidden % heads == 0):
+        # hidden // heads would silently truncate the head size
+        raise SpecError(source, "num_attention_heads", f"a positive divisor of hidden_size ({hidden})", heads)
     return ArchConfig(
         arch="opt", vocab_size=raw["vocab_size"], hidden_size=hidden, num_layers=raw["num_hidden_layers"],
         num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, ffn_size=raw["ffn_dim"],

@@ -1,0 +1,97 @@
+"""``Replanner``: elastic re-plan of a serving engine — on demand (``POST /admin/replan``) or on failure.
+
+A re-plan asks the planner (``planner.replan``, warm-started from the running plan: the replicas
+that still run keep running) for a plan of the devices no live replica holds, then moves the engine
+to it (``Engine.reconfigure``: the unchanged replicas keep serving while the new ones start).
+Devices whose worker died are *lost* until a re-plan names them ``returned`` (they came back) or an
+updated cluster file is given; a cluster file may also add devices, which join the same way.
+
+With ``on_failure`` a watcher thread re-plans as soon as the engine reports a dead replica, and
+records how long each part took: detection (death -> noticed), planning, retiring, starting the new
+workers, and the whole "failure -> new plan serving".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from hetserve.errors import PlanError
+
+log = logging.getLogger("hetserve.serve")
+
+
+class Replanner:
+    def __init__(self, engine, workload: str = "azure-conv", algorithm: str = "hexgen2",
+                 time_limit_s: float = 10.0, seed: int = 0, on_failure: bool = False):
+        self.engine = engine
+        self.workload, self.algorithm, self.time_limit_s, self.seed = workload, algorithm, time_limit_s, seed
+        self.lost: set[str] = set()
+        self.history: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._seen_deaths = 0
+        self._stop = threading.Event()
+        self._thread = None
+        if on_failure:
+            self._thread = threading.Thread(target=self._watch, name="hetserve-replan", daemon=True)
+            self._thread.start()
+
+    def replan(self, cluster: str | None = None, lost: list[str] | None = None,
+               returned: list[str] | None = None, *, trigger: str = "request") -> dict[str, Any]:
+        """Re-plan now; returns the record (kept / retired / added replicas, seconds per part)."""
+        from hetserve.planner.options import PlanOptions
+        from hetserve.planner.replan import replan
+        from hetserve.runtime.deployment import DTYPE_BYTES, model_spec
+        from hetserve.specs.cluster import load_cluster
+        from hetserve.specs.workload import load_workload
+
+        with self._lock:
+            t0 = time.monotonic()
+            self._note_deaths()
+            eng = self.engine
+            new_cluster = load_cluster(cluster) if cluster else eng.cluster
+            if lost is not None:
+                self.lost = set(lost)
+            self.lost -= set(returned or ())
+            unknown = sorted(d for d in self.lost | set(returned or ()) if not new_cluster.has_device(d))
+            if unknown and (lost is not None or returned):
+                raise PlanError(f"re-plan: devices {unknown} are not in cluster {new_cluster.name!r}")
+            dead = {rid for rid, s in eng.stats().get("replicas", {}).items() if not s.get("alive", True)}
+            spec = model_spec(eng.arch, DTYPE_BYTES[eng.dtype])
+            plan = replan(new_cluster, spec, load_workload(self.workload), eng.plan, self.lost,
+                          algorithm=self.algorithm, dead_replicas=dead,
+                          options=PlanOptions(seed=self.seed, time_limit_s=self.time_limit_s))
+            t_planned = time.monotonic()
+            record = eng.reconfigure(plan, new_cluster)
+            record = {"trigger": trigger, "lost": sorted(self.lost), "plan_s": t_planned - t0, **record,
+                      "total_s": time.monotonic() - t0}
+            self.history.append(record)
+            log.info("re-plan (%s): kept %s, retired %s, added %s; planning %.2f s, start-up %.2f s, total %.2f s",
+                     trigger, record["kept"], record["retired"], record["added"], record["plan_s"],
+                     record["start_s"], record["total_s"])
+            return record
+
+    def _note_deaths(self) -> list[dict[str, Any]]:
+        deaths = list(self.engine.stats().get("deaths", []))
+        new = deaths[self._seen_deaths:]
+        self._seen_deaths = len(deaths)
+        for d in new:
+            self.lost.add(d["worker"])  # its device left; the replica's other devices are free
+        return new
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            deaths = self.engine.stats().get("deaths", [])
+            if len(deaths) <= self._seen_deaths or self.engine._closed:
+                continue
+            first = deaths[self._seen_deaths]
+            try:
+                record = self.replan(trigger="failure")
+                record["failure_to_serving_s"] = time.monotonic() - first["at"]
+            except Exception as exc:  # noqa: BLE001 - the engine keeps serving on what it has
+                log.error("re-plan after %s failed: %s", first["why"], exc)
+
+    def close(self) -> None:
+        self._stop.set()

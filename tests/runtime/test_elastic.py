@@ -30,40 +30,33 @@ def _devices(plan):
 
 @pytest.mark.timeout(240)
 def test_killed_worker_is_replanned_and_a_returning_device_joins(model_dirs, cluster_file):
-    from hetserve.planner.options import PlanOptions
-    from hetserve.planner.replan import replan
-    from hetserve.runtime.deployment import model_spec
+    """``--replan-on-failure`` semantics: the Replanner's watcher notices the death and re-plans."""
     from hetserve.runtime.engine import Engine, EngineConfig
-    from hetserve.specs.cluster import load_cluster
-    from hetserve.specs.workload import load_workload
+    from hetserve.serve.replan import Replanner
 
-    cluster = load_cluster(str(cluster_file))
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    eng = Engine.from_plan(_plan(), cluster, model_dirs["opt"], EngineConfig(kv_capacity_tokens=2048))
+    eng = Engine.from_plan(_plan(), cluster_file, model_dirs["opt"], EngineConfig(kv_capacity_tokens=2048))
+    replanner = Replanner(eng, "azure-conv", time_limit_s=5, on_failure=True)
     try:
-        spec, workload = model_spec(eng.arch, 4), load_workload("azure-conv")
-        options = PlanOptions(seed=0, time_limit_s=5)
         want = eng.generate(PROMPTS, params, timeout=60)
         handles = [eng.submit(p, params) for p in PROMPTS]
         next(iter(handles[0]))
         os.kill(eng.worker_pids()["m0:1"], signal.SIGKILL)  # c1's first stage: device m0:1 leaves
-        deadline = time.monotonic() + 30
-        while not eng.stats().get("deaths") and time.monotonic() < deadline:
+        deadline = time.monotonic() + 120
+        while not replanner.history and time.monotonic() < deadline:
             time.sleep(0.05)
-        new = replan(cluster, spec, workload, eng.plan, {"m0:1"}, options=options,
-                     dead_replicas={d["replica"] for d in eng.stats()["deaths"]})
-        assert "m0:1" not in _devices(new) and {"m0:2", "m0:3"} <= _devices(new)  # freed + idle devices planned
-        record = eng.reconfigure(new, cluster)
+        (record,) = replanner.history
+        assert record["trigger"] == "failure" and record["lost"] == ["m0:1"]
         assert record["kept"] == ["c0"] and record["retired"] == ["c1"] and record["added"]
+        assert "m0:1" not in _devices(eng.plan) and {"m0:2", "m0:3"} <= _devices(eng.plan)  # freed + idle planned
         assert [h.result(timeout=60) for h in handles] == want  # no request lost, same tokens
         # new requests are served by the re-planned replica set: each new replica answers one
         for rid in record["added"]:
             assert eng.submit(PROMPTS[0], params, replica=rid).result(timeout=60) == want[0]
             assert eng.stats()["replicas"][rid]["steps"] > 0
         assert set(eng.stats()["replicas"]) == {"c0", *record["added"]}
-        # the device comes back: re-plan with nothing lost, it joins, the rest stays as it is
-        again = replan(cluster, spec, workload, eng.plan, set(), options=options)
-        record2 = eng.reconfigure(again, cluster)
+        # the device comes back: it joins, the rest stays as it is
+        record2 = replanner.replan(returned=["m0:1"])
         assert sorted(record2["kept"]) == sorted(["c0", *record["added"]]) and not record2["retired"]
         (joined,) = record2["added"]
         assert eng.plan.replica(joined).devices == ("m0:1",)
@@ -71,5 +64,6 @@ def test_killed_worker_is_replanned_and_a_returning_device_joins(model_dirs, clu
         stats = eng.stats()
         assert stats["failed"] == 0 and stats["broken"] is None
     finally:
+        replanner.close()
         eng.shutdown()
     assert all(p.exitcode is not None for p in eng.procs.values())

@@ -110,3 +110,32 @@ def test_drain_finishes_short_requests_and_ends_long_ones_with_an_error_event(se
     assert drained["cut"] == 1
     assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length"
     assert long[-1] == "[DONE]" and "drain timeout" in json.loads(long[-2])["error"]["message"]
+
+
+class _RecordingReplanner:
+    def __init__(self):
+        self.calls = []
+
+    def replan(self, cluster=None, lost=None, returned=None):
+        from hetserve.errors import PlanError
+
+        self.calls.append((cluster, lost, returned))
+        if returned == ["nope:0"]:
+            raise PlanError("re-plan: devices ['nope:0'] are not in cluster 'c'")
+        return {"kept": ["c0"], "retired": [], "added": ["c1"], "plan_s": 0.1, "start_s": 1.0, "total_s": 1.2}
+
+
+def test_admin_replan_forwards_its_fields_and_refuses_bad_ones(serve_fake):
+    url, _, coord = serve_fake()
+    r = httpx.post(url + "/admin/replan", json={})
+    assert r.status_code == 400 and "cannot re-plan" in r.json()["error"]["message"]  # no replanner (Ray)
+    coord.replanner = _RecordingReplanner()
+    r = httpx.post(url + "/admin/replan", json={"returned": ["m0:0"], "cluster": "c.yaml"})
+    assert r.status_code == 200 and r.json()["added"] == ["c1"]
+    assert coord.replanner.calls == [("c.yaml", None, ["m0:0"])]
+    for body, param in [({"lost": "m0:0"}, "lost"), ({"cluster": 3}, "cluster"), ({"devices": []}, "devices")]:
+        r = httpx.post(url + "/admin/replan", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(url + "/admin/replan", json={"returned": ["nope:0"]})
+    assert r.status_code == 400 and "nope:0" in r.json()["error"]["message"]
+    assert len(coord.replanner.calls) == 2  # the malformed bodies never reached the planner

@@ -21,11 +21,24 @@ def replan(cluster, model, workload, running: Plan, lost: set[str] | frozenset[s
            algorithm: str = "hexgen2", options: PlanOptions | None = None,
            dead_replicas: set[str] | frozenset[str] = frozenset()) -> Plan:
     """The running plan's surviving replicas plus a plan of the free devices of ``cluster``."""
-    from hetserve.planner import plan as run_planner
-
     names = {d.name for d in cluster.devices}
     kept = [r for r in running.replicas
             if r.id not in dead_replicas and all(d in names and d not in lost for d in r.devices)]
+    replicas, routes, free = _around(cluster, model, workload, running, kept, lost, algorithm, options)
+    if any(r.role == "prefill" for r in replicas) and not any(r.role == "decode" for r in replicas):
+        # kept prefill replicas with no decode replica left to hand off to: plan their devices too
+        kept = [r for r in kept if r.role != "prefill"]
+        replicas, routes, free = _around(cluster, model, workload, running, kept, lost, algorithm, options)
+    if not replicas:
+        raise PlanError(f"re-plan: no replica fits the {len(free)} free device(s) of {cluster.name!r}")
+    return Plan(running.model, running.cluster, f"replan({algorithm})", tuple(replicas), tuple(routes),
+                {"kept": sorted(r.id for r in kept), "planned_devices": [cluster.devices[i].name for i in free]})
+
+
+def _around(cluster, model, workload, running: Plan, kept: list, lost, algorithm: str, options):
+    """``kept`` plus a plan of the devices they leave free; (replicas, KV routes, free device indices)."""
+    from hetserve.planner import plan as run_planner
+
     held = {d for r in kept for d in r.devices}
     free = [d.index for d in cluster.devices if d.name not in held and d.name not in lost]
     fresh: Plan | None = None
@@ -48,7 +61,8 @@ def replan(cluster, model, workload, running: Plan, lost: set[str] | frozenset[s
             rename[r.id] = rid
             replicas.append(replace(r, id=rid))
         routes += [KVRoute(rename[k.src], rename[k.dst], k.weight) for k in fresh.kv_routes]
-    if not replicas:
-        raise PlanError(f"re-plan: no replica fits the {len(free)} free device(s) of {cluster.name!r}")
-    return Plan(running.model, running.cluster, f"replan({algorithm})", tuple(replicas), tuple(routes),
-                {"kept": sorted(kept_ids), "planned_devices": [cluster.devices[i].name for i in free]})
+    decode = [r.id for r in replicas if r.role == "decode"]
+    for r in replicas:  # a kept prefill replica whose decode replicas are gone spreads over the new ones
+        if r.role == "prefill" and decode and not any(k.src == r.id for k in routes):
+            routes += [KVRoute(r.id, d, 1.0 / len(decode)) for d in decode]
+    return replicas, routes, free

@@ -67,3 +67,36 @@ def test_killed_worker_is_replanned_and_a_returning_device_joins(model_dirs, clu
         replanner.close()
         eng.shutdown()
     assert all(p.exitcode is not None for p in eng.procs.values())
+
+
+@pytest.mark.timeout(180)
+def test_a_kept_prefill_replica_hands_off_to_a_new_decode_replica(model_dirs, cluster_file):
+    """The running prefill workers learn the new layout: their KV reaches a decode replica (TP 2)
+    that did not exist when they started, and the outputs are the undisturbed ones."""
+    from hetserve.planner.plan import Plan
+    from hetserve.runtime.engine import Engine, EngineConfig
+
+    def plan(decode, routes):
+        return Plan.from_dict({"model": "tiny", "cluster": "runtime-test", "replicas": [
+            {"id": "p0", "role": "prefill", "stages": [{"devices": ["m0:0"], "layers": [0, 3]}]}, *decode],
+            "kv_routes": [{"from": "p0", "to": d, "weight": 1.0} for d in routes]})
+
+    d0 = {"id": "d0", "role": "decode", "stages": [{"devices": ["m0:1"], "layers": [0, 3]}]}
+    d1 = {"id": "d1", "role": "decode", "stages": [{"devices": ["m0:2"], "layers": [0, 1]},
+                                                   {"devices": ["m0:3"], "layers": [1, 3]}]}
+    d2 = {"id": "d2", "role": "decode", "stages": [{"devices": ["m0:2", "m0:3"], "layers": [0, 3]}]}
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    eng = Engine.from_plan(plan([d0, d1], ["d0", "d1"]), cluster_file, model_dirs["opt"],
+                           EngineConfig(kv_capacity_tokens=1024))
+    try:
+        want = eng.generate(PROMPTS, params, timeout=60)
+        os.kill(eng.worker_pids()["m0:2"], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not eng.stats()["deaths"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        record = eng.reconfigure(plan([d0, d2], ["d2"]))  # the plan routes all of p0's KV to the new d2
+        assert record["kept"] == ["d0", "p0"] and record["retired"] == ["d1"] and record["added"] == ["d2"]
+        assert eng.generate(PROMPTS, params, timeout=60) == want
+        assert eng.stats()["replicas"]["d2"]["steps"] > 0 and eng.stats()["failed"] == 0
+    finally:
+        eng.shutdown()

@@ -515,5 +515,11 @@ class LinkNetwork:
             driver.close()
 
 
-# The engine hook lives in its own module; re-exported so callers keep importing it from here.
-from hetserve.runtime.link_factory import LinkSchedulerFactory, merge_stats  # noqa: E402,F401
+def __getattr__(name: str):
+    """The engine hook lives in ``link_factory``; callers may keep importing it from here (lazily:
+    ``link_factory`` imports this module, and a worker unpickling the hook imports it first)."""
+    if name in ("LinkSchedulerFactory", "merge_stats"):
+        from hetserve.runtime import link_factory
+
+        return getattr(link_factory, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -234,6 +234,7 @@ def start_ray_engine(plan, cluster, model_dir, config=None, *, machine_addresses
 
     from hetserve.errors import RuntimeFailure
     from hetserve.runtime import engine as engine_module
+    from hetserve.runtime import worker_group
     from hetserve.runtime.engine import EngineConfig
 
     if not ray.is_initialized():
@@ -251,12 +252,12 @@ def start_ray_engine(plan, cluster, model_dir, config=None, *, machine_addresses
     ctx = _RayContext(lambda device: machines[device], addresses)
     # The engine's spawn context is its only process-creation point; swap it for the duration of start-up.
     with _SWAP_LOCK:
-        real = engine_module.mp
-        engine_module.mp = _RayMP(ctx, real)
+        real = worker_group.mp
+        worker_group.mp = _RayMP(ctx, real)
         try:
             return engine_module.Engine.from_plan(plan, cluster, model_dir, config, **engine_kwargs)
         finally:
-            engine_module.mp = real
+            worker_group.mp = real
 
 
 def _check_addresses(cluster_name: str, addresses: dict[str, str], nodes: list[dict]) -> None:

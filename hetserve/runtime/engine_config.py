@@ -29,6 +29,9 @@ class EngineConfig:
     start_timeout_s: float = 120.0
     micro_batches: int | None = None  # steps in flight per replica; None: its number of pipeline stages
     start_method: str = "spawn"  # or "forkserver": workers fork from a server that imported torch once
+    # the address the engine's endpoint and TP rendezvous store bind and advertise to the workers: one
+    # address their nodes can reach, never all interfaces; None: 127.0.0.1 (the Ray backend: its node IP)
+    host: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_batched_tokens < 1:
@@ -43,6 +46,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.host is not None:
+            from hetserve.runtime.rendezvous import check_bind_address
+
+            check_bind_address(self.host, "host")
 
 
 def kv_capacity(layout: tuple[ReplicaSpec, ...], cluster: Cluster, arch: ArchConfig, dtype: str,

@@ -245,8 +245,10 @@ def start_ray_engine(plan, cluster, model_dir, config=None, *, machine_addresses
         raise RuntimeFailure("no Ray node advertises " + ", ".join(missing) + "; start each machine's node with "
                              "`ray start --resources '{\"" + missing[0] + "\": 1000}'`")
     addresses = dict(cluster.machine_addresses if machine_addresses is None else machine_addresses)
-    _check_addresses(cluster.name, addresses, ray.nodes())
+    nodes = ray.nodes()
+    _check_addresses(cluster.name, addresses, nodes)
     config = config or EngineConfig()
+    engine_kwargs.setdefault("devices", _devices(cluster, config.device, nodes))
     if config.host is None:
         config = dataclasses.replace(config, host=RaySession.node_ip())
     ctx = _RayContext(lambda device: machines[device], addresses)
@@ -258,6 +260,21 @@ def start_ray_engine(plan, cluster, model_dir, config=None, *, machine_addresses
             return engine_module.Engine.from_plan(plan, cluster, model_dir, config, **engine_kwargs)
         finally:
             worker_group.mp = real
+
+
+def _devices(cluster, device: str, nodes: list[dict]) -> dict[str, str]:
+    """Each device's torch device, from its machine's Ray node: ``cuda:<index on the machine>`` where the
+    node has GPUs (Ray then grants the worker one, ``num_gpus=1``), ``cpu`` for CPU worker slots."""
+    from hetserve.errors import RuntimeFailure
+
+    gpu_machines = {m for m in cluster.machines
+                    if any(n.get("Alive") and machine_resource(m) in n.get("Resources", {})
+                           and n["Resources"].get("GPU", 0) > 0 for n in nodes)}
+    if device == "cuda" and set(cluster.machines) - gpu_machines:
+        raise RuntimeFailure("device='cuda' requested but the Ray nodes of machines "
+                             f"{sorted(set(cluster.machines) - gpu_machines)} advertise no GPU")
+    use = gpu_machines if device != "cpu" else set()
+    return {d.name: f"cuda:{d.name.rpartition(':')[2]}" if d.machine in use else "cpu" for d in cluster.devices}
 
 
 def _check_addresses(cluster_name: str, addresses: dict[str, str], nodes: list[dict]) -> None:

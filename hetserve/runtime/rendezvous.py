@@ -52,14 +52,14 @@ class BoundStore:
     def __init__(self, host: str):
         import torch.distributed as dist
 
-        self._sock = listen_socket(host)  # kept open: the store serves on this very socket
-        self.address: tuple[str, int] = self._sock.getsockname()[:2]
+        sock = listen_socket(host)
+        self.address: tuple[str, int] = sock.getsockname()[:2]
         self.store = dist.TCPStore(self.address[0], self.address[1], is_master=True, wait_for_workers=False,
-                                   master_listen_fd=self._sock.fileno(), use_libuv=True)
+                                   master_listen_fd=sock.fileno(), use_libuv=True)
+        sock.detach()  # the store serves on this very socket and closes it when it goes
 
     def close(self) -> None:
         self.store = None
-        self._sock.close()
 
 
 def init_tp_group(backend: str, store_address: tuple[str, int], prefix: str, rank: int, world: int,

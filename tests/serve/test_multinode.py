@@ -27,7 +27,8 @@ import ray  # noqa: E402  (make test installs the ray extra: a missing ray must 
 NODES = {"m0": "127.0.0.2", "m1": "127.0.0.3", "m2": "127.0.0.4"}  # machine -> its Ray node's address
 HEAD = NODES["m0"]
 CLUSTER_YAML = "name: loopback-pool\nmachines:\n" + "".join(
-    f"  - {{name: {m}, gpu: RTX-4090, count: 2, address: {ip}}}\n" for m, ip in NODES.items())
+    f"  - {{name: {m}, gpu: RTX-4090, count: 2, address: {ip}}}\n" for m, ip in NODES.items()) + \
+    "network:\n  intra_site: {bandwidth_gbps: 10, latency_ms: 0.1}\n"
 LAYERS = 4
 # p0 -> d0: prefill on m0, decode's two stages on m1 and m2 (the KV crosses nodes, re-split by layer).
 # c0: asymmetric colocated pipeline, TP 2 across nodes m0 + m1 for layer 0, then TP 1 on m2.
@@ -47,6 +48,61 @@ PROMPTS = [list(b"Hello, many machines!"), [5, 9, 2], list(range(40, 80)), list(
 MAX_NEW = 16
 FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 300,
                       "health_check_timeout_ms": 300, "health_check_failure_threshold": 3}
+
+
+# ----------------------------------------------------------------------------- without a cluster
+
+
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "::", ""])
+def test_no_endpoint_listens_on_all_interfaces(wildcard, tmp_path, capsys):
+    from hetserve.cli.main import main as cli
+    from hetserve.planner.plan import Plan
+    from hetserve.runtime.engine import EngineConfig
+    from hetserve.runtime.transport import SocketTransport
+
+    with pytest.raises(ValueError, match="every interface"):
+        SocketTransport("w", host=wildcard)
+    with pytest.raises(ValueError, match="every interface"):
+        EngineConfig(host=wildcard)
+    if wildcard:  # the CLI: one line, exit 2, before anything starts
+        plan = tmp_path / "plan.json"
+        Plan.from_dict(FAILOVER_PLAN).save(plan)
+        (tmp_path / "pool.yaml").write_text(CLUSTER_YAML)
+        assert cli(["serve", "--plan", str(plan), "--cluster", str(tmp_path / "pool.yaml"), "--model", str(tmp_path),
+                    "--backend", "ray", "--advertise-address", wildcard]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--advertise-address" in err[0], err
+
+
+def test_a_machine_address_its_ray_node_does_not_have_is_named():
+    from hetserve.errors import RuntimeFailure
+    from hetserve.runtime.ray_backend import _check_addresses
+
+    nodes = [{"Alive": True, "NodeManagerAddress": "10.0.0.6", "Resources": {"hetserve_machine_b0": 1000.0}}]
+    _check_addresses("lab", {"b0": "10.0.0.6"}, nodes)
+    _check_addresses("lab", {"b0": "box-b0.lab"}, nodes)  # a host name: the worker's bind checks it
+    with pytest.raises(RuntimeFailure, match=r"machine b0 has address 10\.0\.0\.7.*node-ip-address 10\.0\.0\.7"):
+        _check_addresses("lab", {"b0": "10.0.0.7"}, nodes)
+
+
+def test_workers_on_gpu_nodes_get_a_gpu_and_cpu_slots_none():
+    from hetserve.errors import RuntimeFailure
+    from hetserve.runtime.ray_backend import _devices
+    import yaml
+
+    from hetserve.specs.cluster import cluster_from_dict
+
+    cluster = cluster_from_dict(yaml.safe_load(CLUSTER_YAML))
+    nodes = [{"Alive": True, "Resources": {"hetserve_machine_m0": 1000.0, "GPU": 2.0}},
+             {"Alive": True, "Resources": {"hetserve_machine_m1": 1000.0, "hetserve_machine_m2": 1000.0}}]
+    assert _devices(cluster, "auto", nodes) == {"m0:0": "cuda:0", "m0:1": "cuda:1", "m1:0": "cpu", "m1:1": "cpu",
+                                                "m2:0": "cpu", "m2:1": "cpu"}
+    assert set(_devices(cluster, "cpu", nodes).values()) == {"cpu"}
+    with pytest.raises(RuntimeFailure, match=r"\['m1', 'm2'\] advertise no GPU"):
+        _devices(cluster, "cuda", nodes)
+
+
+# ----------------------------------------------------------------------------- on a 3-node Ray cluster
 
 
 @pytest.fixture(scope="module")

@@ -234,7 +234,7 @@ class Coordinator:
         w = self.workers.worker(name)
         error = self.workers.worker_errors.get(name)
         why = (f"worker {name} (replica {w.replica}, stage {w.stage}, pid {self.workers.pids[name]}) "
-               f"died with exit code {code}")
+               f"{self.workers.exit_reason(name, code)}")
         if error:
             why += f": {last_line(error)}"
         rid = w.replica

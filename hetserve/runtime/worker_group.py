@@ -113,6 +113,12 @@ class WorkerGroup:
         return [(name, p.exitcode) for name, p in self.procs.items()
                 if name not in self.dead and p.exitcode is not None]
 
+    def exit_reason(self, name: str, code: int) -> str:
+        """How worker ``name`` ended, for error messages: its exit code, and why where the process
+        stand-in knows (a Ray worker whose node left the cluster)."""
+        cause = getattr(self.procs[name], "cause", None)
+        return f"died with exit code {code}" + (f" ({cause})" if cause else "")
+
     def stop_replica(self, replica: ReplicaSpec) -> None:
         """Mark every worker of ``replica`` dead and kill those still running (a replica cannot work
         with a worker missing)."""

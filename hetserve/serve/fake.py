@@ -47,6 +47,7 @@ class FakeBackend:
         self.aborted: set[str] = set()
         self.finished: set[str] = set()
         self.placed: list[str | None] = []
+        self.failure: str | None = None
 
     def _free(self, replica: str) -> int:
         return self.slots[replica] - sum(1 for r in self.running.values() if r == replica)
@@ -67,6 +68,8 @@ class FakeBackend:
                 await asyncio.sleep(self.token_delay_s)
                 if request_id in self.aborted:
                     return
+                if self.failure is not None:
+                    raise RuntimeError(self.failure)
                 if self.eos_at is not None and k + 1 == self.eos_at:
                     yield EOS
                     return
@@ -75,6 +78,9 @@ class FakeBackend:
         finally:
             self.waiting.pop(request_id, None)
             self.running.pop(request_id, None)
+
+    def fail_all(self, reason: str) -> None:
+        self.failure = reason  # every running generator raises it at its next token
 
     def abort(self, request_id: str) -> None:
         if request_id not in self.finished:

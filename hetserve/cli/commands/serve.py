@@ -42,6 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-capacity", type=int, help="KV-cache tokens per replica (default: what memory allows)")
     p.add_argument("--slo-ttft", type=float, help="TTFT target in seconds (aladdin router)")
     p.add_argument("--slo-tpot", type=float, help="TPOT target in seconds (aladdin router)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM / Ctrl-C: seconds in-flight requests get to finish (default 30); new ones get 503")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0,
+                   help="a worker silent this long (hung, stopped) is declared dead and its requests re-run (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
@@ -85,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
                   f"(router {args.router}, transmission {args.transmission}"
                   f"{', shaped links' if args.shape_links else ''})")
     try:
-        serve_forever(deployment.app, args.host, args.port, log_level=args.log_level)
+        serve_forever(deployment.app, args.host, args.port, log_level=args.log_level,
+                      drain_timeout_s=args.drain_timeout)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; stopping is the normal end
         pass
     finally:

@@ -1,6 +1,6 @@
 """One plan on three Ray nodes vs the same plan on one Ray node: start-up time, tokens/s, same tokens.
 
-    .venv/bin/python bench/bench_multinode.py                    # 16 requests x 32 tokens, both plan shapes
+    .venv/bin/python bench/bench_multinode.py                    # 32 requests x 64 tokens, both plan shapes (~3 min)
     .venv/bin/python bench/bench_multinode.py --requests 8 --max-tokens 16 --json out.json
 
 On this one machine: "three nodes" is a Ray cluster of three nodes, each on its own loopback address
@@ -15,7 +15,8 @@ layer 0, then TP 1 on m2 for the rest).
 
 Measured: ``start_s`` is ``start_ray_engine`` until every worker has loaded its shard and connected
 to its peers (Ray's own cluster start is shown apart, ``ray_up_s``); ``tokens/s`` is all output
-tokens over the makespan; ``same tokens`` compares each request's tokens with the one-node run's.
+tokens over the makespan, the median of ``--repeats`` rounds of the whole request set after one
+warm-up round; ``same tokens`` compares each request's tokens with the one-node run's.
 Loopback has no network cost, so the ratio shows what spanning Ray nodes costs in hetserve's own
 software path (addresses, per-node Ray scheduling), not a real network's.
 """
@@ -27,6 +28,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -61,7 +63,7 @@ def plans() -> dict[str, dict]:
     }
 
 
-def run_plan(plan_dict, cluster, model, prompts, max_tokens, addresses) -> dict:
+def run_plan(plan_dict, cluster, model, prompts, max_tokens, addresses, repeats) -> dict:
     from hetserve.planner.plan import Plan
     from hetserve.runtime.engine import EngineConfig
     from hetserve.runtime.ray_backend import start_ray_engine
@@ -74,9 +76,12 @@ def run_plan(plan_dict, cluster, model, prompts, max_tokens, addresses) -> dict:
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         engine.generate(prompts[:2], params, timeout=300)  # warm-up: first-step allocations on every worker
-        t0 = time.monotonic()
-        outs = engine.generate(prompts, params, timeout=600)
-        makespan = time.monotonic() - t0
+        spans = []
+        for _ in range(repeats):
+            t0 = time.monotonic()
+            outs = engine.generate(prompts, params, timeout=600)
+            spans.append(time.monotonic() - t0)
+        makespan = statistics.median(spans)
         hosts = sorted({p.host for p in engine.procs.values()})
     finally:
         engine.shutdown()
@@ -85,7 +90,7 @@ def run_plan(plan_dict, cluster, model, prompts, max_tokens, addresses) -> dict:
             "outputs": outs, "worker_hosts": hosts}
 
 
-def one_node(cluster, model, prompts, max_tokens) -> tuple[float, dict]:
+def one_node(cluster, model, prompts, max_tokens, repeats) -> tuple[float, dict]:
     import ray
 
     from hetserve.runtime.ray_backend import RaySession
@@ -94,14 +99,14 @@ def one_node(cluster, model, prompts, max_tokens) -> tuple[float, dict]:
     session = RaySession.start(cluster, num_cpus=1)  # private: 127.0.0.1, every machine's resource
     up = time.monotonic() - t0
     try:
-        return up, {name: run_plan(p, cluster, model, prompts, max_tokens, addresses={})
+        return up, {name: run_plan(p, cluster, model, prompts, max_tokens, {}, repeats)
                     for name, p in plans().items()}
     finally:
         session.close()
         assert not ray.is_initialized()
 
 
-def three_nodes(cluster, model, prompts, max_tokens) -> tuple[float, dict]:
+def three_nodes(cluster, model, prompts, max_tokens, repeats) -> tuple[float, dict]:
     from ray.cluster_utils import Cluster
 
     from hetserve.runtime.ray_backend import RaySession, machine_resource
@@ -118,7 +123,7 @@ def three_nodes(cluster, model, prompts, max_tokens) -> tuple[float, dict]:
         rc.wait_for_nodes()
         session = RaySession.start(cluster, address=rc.address, node_ip_address=NODES["m0"])
         up = time.monotonic() - t0
-        return up, {name: run_plan(p, cluster, model, prompts, max_tokens, addresses=None)
+        return up, {name: run_plan(p, cluster, model, prompts, max_tokens, None, repeats)
                     for name, p in plans().items()}
     finally:
         if session is not None:
@@ -128,8 +133,9 @@ def three_nodes(cluster, model, prompts, max_tokens) -> tuple[float, dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds per run (median reported)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
@@ -147,8 +153,8 @@ def main() -> int:
                            max_positions=512, seed=0)
         rng = random.Random(0)
         prompts = [[rng.randrange(32, 127) for _ in range(rng.randrange(8, 65))] for _ in range(args.requests)]
-        up1, one = one_node(cluster, model, prompts, args.max_tokens)
-        up3, three = three_nodes(cluster, model, prompts, args.max_tokens)
+        up1, one = one_node(cluster, model, prompts, args.max_tokens, args.repeats)
+        up3, three = three_nodes(cluster, model, prompts, args.max_tokens, args.repeats)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)

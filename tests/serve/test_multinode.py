@@ -233,7 +233,10 @@ def test_a_node_that_leaves_mid_load_loses_no_request(pool, model, reference, sh
         got = [h.result(timeout=120) for h in handles]
         assert got == reference
         assert wait_until(lambda: not engine.stats()["replicas"]["r2"]["alive"], 30)
-        print(f"node loss handled, last request done {time.monotonic() - t0:.1f} s after the raylet was killed")
+        stats = engine.stats()
+        assert stats["reruns"] >= 1 and stats["failed"] == 0  # r2 held requests when its node left
+        print(f"node loss: {stats['deaths'][0]['why']}; {stats['reruns']} request(s) re-run; last request done "
+              f"{time.monotonic() - t0:.1f} s after the raylet was killed")
         assert engine.procs["m2:0"].exitcode not in (None, 0)
         assert "node" in (engine.procs["m2:0"].cause or "")
     finally:

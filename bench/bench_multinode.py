@@ -17,6 +17,8 @@ Measured: ``start_s`` is ``start_ray_engine`` until every worker has loaded its 
 to its peers (Ray's own cluster start is shown apart, ``ray_up_s``); ``tokens/s`` is all output
 tokens over the makespan, the median of ``--repeats`` rounds of the whole request set after one
 warm-up round; ``same tokens`` compares each request's tokens with the one-node run's.
+Each of the three nodes has 1 CPU for Ray, the one node 3: Ray starts at most a node's CPU count of
+worker processes at once, so both start three workers in parallel.
 Loopback has no network cost, so the ratio shows what spanning Ray nodes costs in hetserve's own
 software path (addresses, per-node Ray scheduling), not a real network's.
 """
@@ -96,7 +98,9 @@ def one_node(cluster, model, prompts, max_tokens, repeats) -> tuple[float, dict]
     from hetserve.runtime.ray_backend import RaySession
 
     t0 = time.monotonic()
-    session = RaySession.start(cluster, num_cpus=1)  # private: 127.0.0.1, every machine's resource
+    # private: 127.0.0.1, every machine's resource, as many CPUs as the three nodes together (Ray starts
+    # at most that many worker processes at once on a node)
+    session = RaySession.start(cluster, num_cpus=len(NODES))
     up = time.monotonic() - t0
     try:
         return up, {name: run_plan(p, cluster, model, prompts, max_tokens, {}, repeats)

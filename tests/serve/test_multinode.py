@@ -169,22 +169,29 @@ def reference(model):
 
 
 @pytest.fixture(scope="module")
-def shapes_engine(pool, model):
+def shapes_engine(pool, model, tmp_path_factory):
+    """The two plan shapes in one engine, over shaped links with MoLink scheduling (as ``serve
+    --transmission molink --shape-links``); link counters land in a folder every node can reach here."""
     from hetserve.planner.plan import Plan
     from hetserve.runtime.engine import EngineConfig
+    from hetserve.runtime.links import LinkSchedulerFactory
     from hetserve.runtime.ray_backend import start_ray_engine
 
     before = _listeners(os.getpid())  # the driver's own Ray sockets
-    engine = start_ray_engine(Plan.from_dict(SHAPES_PLAN), pool.cluster, model, EngineConfig(kv_capacity_tokens=1024))
-    engine.driver_ray_listeners = before
+    links = LinkSchedulerFactory(pool.cluster, "molink", shape=True,
+                                 stats_dir=str(tmp_path_factory.mktemp("link-stats")))
+    engine = start_ray_engine(Plan.from_dict(SHAPES_PLAN), pool.cluster, model, EngineConfig(kv_capacity_tokens=1024),
+                              link_scheduler=links)
+    engine.driver_ray_listeners, engine.links = before, links
     yield engine
     engine.shutdown()
+    links.close()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("replica", ["p0", "c0"], ids=["prefill-decode", "asymmetric-pipeline"])
-def test_plan_shapes_across_three_nodes_match_transformers(shapes_engine, reference, replica):
+def test_plan_shapes_across_three_nodes_match_transformers(shapes_engine, reference, replica, wait_until):
     from hetserve.runtime.sampling import SamplingParams
 
     handles = [shapes_engine.submit(p, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True),
@@ -193,6 +200,14 @@ def test_plan_shapes_across_three_nodes_match_transformers(shapes_engine, refere
     procs = shapes_engine.procs
     assert {p.machine for p in procs.values()} == set(NODES)
     assert all(p.host == NODES[p.machine] for p in procs.values())
+    # the traffic that crossed nodes went over the cluster's shaped links (activations; KV for p0 -> d0)
+    kind, src, dst = ("kv", "m0:0", "m1:0") if replica == "p0" else ("prefill", "m0:1", "m2:1")
+
+    def crossed():
+        link = {(s.src, s.dst): s for s in shapes_engine.links.read_stats()}.get((src, dst))
+        return link is not None and link.bytes_sent[kind] > 0 and link.bandwidth < float("inf")
+
+    assert wait_until(crossed, 10), f"no shaped {kind} traffic {src} -> {dst}"
 
 
 @pytest.mark.slow
@@ -216,13 +231,16 @@ def test_every_socket_listens_on_its_nodes_address_only(shapes_engine):
 @pytest.mark.timeout(300)
 def test_a_node_that_leaves_mid_load_loses_no_request(pool, model, reference, shapes_engine, wait_until):
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.engine import EngineConfig
-    from hetserve.runtime.ray_backend import start_ray_engine
     from hetserve.runtime.sampling import SamplingParams
+    from hetserve.serve.launch import ServeOptions, build
 
     shapes_engine.shutdown()  # its workers on m2's node would die with it; this test needs the memory anyway
-    engine = start_ray_engine(Plan.from_dict(FAILOVER_PLAN), pool.cluster, model,
-                              EngineConfig(kv_capacity_tokens=1024, max_num_seqs=3))
+    # through the server's launcher, as `hetserve serve --backend ray --ray-address … --advertise-address …`
+    deployment = build(ServeOptions(plan=Plan.from_dict(FAILOVER_PLAN), cluster=pool.cluster, model_dir=str(model),
+                                    backend="ray", ray_address=pool.ray.address, advertise_address=HEAD,
+                                    kv_capacity_tokens=1024, max_num_seqs=3))
+    engine = deployment.engine
+    assert engine.transport.address[0] == HEAD and ray.is_initialized()
     try:
         params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
         handles = [engine.submit(p, params) for p in PROMPTS]
@@ -240,7 +258,8 @@ def test_a_node_that_leaves_mid_load_loses_no_request(pool, model, reference, sh
         assert engine.procs["m2:0"].exitcode not in (None, 0)
         assert "node" in (engine.procs["m2:0"].cause or "")
     finally:
-        engine.shutdown()
+        deployment.close()
+    assert ray.is_initialized()  # the pool's session is not the server's to end
 
 
 def _listeners(pid: int) -> set[tuple[str, int]]:

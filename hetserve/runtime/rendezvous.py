@@ -42,8 +42,9 @@ def check_bind_address(host: str, what: str = "address") -> str:
 
 
 def listen_socket(host: str) -> socket.socket:
-    """A TCP listening socket bound to ``host`` on a port the OS picks."""
-    return socket.create_server((host, 0))
+    """A TCP listening socket bound to ``host`` (IPv4, IPv6 or a host name) on a port the OS picks."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, 0), family=family)
 
 
 class BoundStore:

@@ -54,7 +54,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None):
 
     def count_client_error(path: str, err) -> None:
         if 400 <= err.status < 500:
-            c.metrics.requests.labels(_ENDPOINTS.get(path, path), "rejected").inc()
+            c.metrics.requests.labels(_ENDPOINTS.get(path, "other"), "rejected").inc()  # bounded labels
 
     install_error_handlers(app, on_error=count_client_error)
     app.state.coordinator = coordinator
@@ -79,14 +79,23 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None):
         raw = await request.body()
         try:
             data = json.loads(raw) if raw else None
+            # a lone surrogate ("\ud800") is valid JSON but no text: refuse it here, not in the tokenizer
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(f"request body: strings must be valid Unicode text ({exc.reason} at "
+                                 f"{exc.object[exc.start:exc.end]!r})") from exc
+        except RecursionError as exc:
+            raise InvalidRequest("request body is nested too deeply") from exc
         if not isinstance(data, dict):
             raise InvalidRequest("request body must be a JSON object")
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
             raise RequestValidationError(exc.errors()) from exc
+        except RecursionError as exc:
+            raise InvalidRequest("request body is nested too deeply") from exc
 
     # ------------------------------------------------------------------ info routes
     @app.get("/health")

@@ -48,6 +48,7 @@ class FakeBackend:
         self.finished: set[str] = set()
         self.placed: list[str | None] = []
         self.failure: str | None = None
+        self.dead: set[str] = set()  # replicas reported down
 
     def _free(self, replica: str) -> int:
         return self.slots[replica] - sum(1 for r in self.running.values() if r == replica)
@@ -70,7 +71,7 @@ class FakeBackend:
                     return
                 if self.failure is not None:
                     raise RuntimeError(self.failure)
-                if self.eos_at is not None and k + 1 == self.eos_at:
+                if self.eos_at is not None and k + 1 == self.eos_at and EOS in params.stop_token_ids:
                     yield EOS
                     return
                 yield ord("a") + (seed + k) % 26
@@ -95,7 +96,8 @@ class FakeBackend:
             out.append(ReplicaState(id=rid, role="colocated", queued_requests=len(wait),
                                     running_requests=len(run), queued_prefill_tokens=0,
                                     outstanding_tokens=float(len(run) + len(wait)), context_tokens=0,
-                                    kv_used_tokens=len(run), kv_capacity_tokens=self.kv_capacity))
+                                    kv_used_tokens=len(run), kv_capacity_tokens=self.kv_capacity,
+                                    alive=rid not in self.dead))
         return out
 
     def link_stats(self):

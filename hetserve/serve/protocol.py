@@ -41,7 +41,7 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)  # what a 64-bit generator takes
     user: str | None = None
     # accepted for compatibility; hetserve's sampler has no penalties, so only the neutral value passes
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)

@@ -54,7 +54,7 @@ FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_m
 
 
 @pytest.mark.parametrize("wildcard", ["0.0.0.0", "::", ""])
-def test_no_endpoint_listens_on_all_interfaces(wildcard, tmp_path, capsys):
+def test_no_endpoint_listens_on_all_interfaces(wildcard, tmp_path, model, capsys):
     from hetserve.cli.main import main as cli
     from hetserve.planner.plan import Plan
     from hetserve.runtime.engine import EngineConfig
@@ -68,8 +68,8 @@ def test_no_endpoint_listens_on_all_interfaces(wildcard, tmp_path, capsys):
         plan = tmp_path / "plan.json"
         Plan.from_dict(FAILOVER_PLAN).save(plan)
         (tmp_path / "pool.yaml").write_text(CLUSTER_YAML)
-        assert cli(["serve", "--plan", str(plan), "--cluster", str(tmp_path / "pool.yaml"), "--model", str(tmp_path),
-                    "--backend", "ray", "--advertise-address", wildcard]) == 2
+        assert cli(["serve", "--plan", str(plan), "--cluster", str(tmp_path / "pool.yaml"), "--model", str(model),
+                    "--port", "0", "--backend", "ray", "--advertise-address", wildcard]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--advertise-address" in err[0], err
 

@@ -66,7 +66,7 @@ class ColocatedReplica(Decoding):
             if rids:
                 now = self.loop.now
                 dur = self.cost.prefill_time(self.layout, PrefillBatch.of([self.req.inp[i] for i in rids]))
-                self._pause()
+                self._pause(now + dur)
                 self._prefilling = rids
                 self._busy(now, now + dur)
                 self.loop.schedule(now + dur, Priority.WORK, self._on_prefill_done, rids)
@@ -118,7 +118,7 @@ class ColocatedReplica(Decoding):
         if b.size:
             dur = max(dur, self.cost.decode_step_time(self.layout, b.size, b.context, self.limits.micro_batches))
         now = self.loop.now
-        self._pause()
+        self._pause(now + dur)
         self._busy(now, now + dur)
         self.loop.schedule(now + dur, Priority.WORK, self._on_mixed_done, chunks)
         return True
@@ -153,4 +153,5 @@ class ColocatedReplica(Decoding):
                                             else self.pred_sum)
         return ReplicaState(self.id, "colocated", queued, b.size, self.queued_tokens, outstanding,
                             self._context_now(), int(self.kv_used), int(self.kv_capacity),
-                            self._requests() if with_requests else (), self.capacity_norm)
+                            self._snapshot_requests(with_requests), self.capacity_norm, self._prefill_wait(),
+                            self.loop.now - self.req.arrival[self.waiting[0]] if self.waiting else 0.0)

@@ -118,12 +118,12 @@ def pool(tmp_path_factory):
     # private folder of this module, removed at the end
     ray_tmp = tempfile.mkdtemp(prefix="hsmn-", dir="/tmp")
     os.environ.update(RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_TMPDIR=ray_tmp)
-    path = tmp_path_factory.mktemp("pool") / "cluster.yaml"
-    path.write_text(CLUSTER_YAML)
-    cluster = load_cluster(str(path))
     small = {"num_cpus": 1, "object_store_memory": 78 * 1024 * 1024}  # Ray's minimum object store
     nodes, session, rc = {}, None, None
     try:
+        path = tmp_path_factory.mktemp("pool") / "cluster.yaml"
+        path.write_text(CLUSTER_YAML)
+        cluster = load_cluster(str(path))
         rc = Cluster(initialize_head=True, head_node_args={
             "node_ip_address": HEAD, "resources": {machine_resource("m0"): 1000}, "include_dashboard": False,
             "_system_config": FAST_HEALTH_CHECKS, **small})

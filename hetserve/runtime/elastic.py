@@ -94,7 +94,7 @@ def reconfigure(engine, plan: Plan, cluster: Cluster) -> dict[str, Any]:
                                 num_slots=sched.blocks.capacity_tokens, block_size=cfg.block_size,
                                 engine_address=engine.transport.address, store_address=store_address,
                                 backend=backend, link_scheduler=engine._link_scheduler, shaper=engine._shaper,
-                                heartbeat_s=cfg.heartbeat_interval_s)
+                                host=engine.transport.address[0], heartbeat_s=cfg.heartbeat_interval_s)
         try:
             procs = engine.workers.start_more(added, layout, make_config, cfg.start_method, recv)
         finally:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Literal
 from hetserve.cost.analytic import CostModel
 from hetserve.errors import PlanError
 from hetserve.planner.plan import Plan
+from hetserve.policies.batching import DEFAULT_BATCHING, PREFILL_MODES
 from hetserve.policies.base import PlacementPolicy, RequestInfo, RoutePolicy, TransmissionPolicy
 from hetserve.policies.placement import PolicyContext, make_placement
 from hetserve.policies.predictor import OraclePredictor
@@ -51,10 +52,18 @@ class SimOptions:
     # observe(rid, input, output)); None = oracle, the true length.
     predictor: Any = None
     slo: SLO = field(default_factory=SLO)
-    token_budget: int = 4096  # prompt tokens per prefill batch (a longer prompt runs alone)
-    chunked_prefill: bool = False  # colocated replicas: Sarathi/vLLM chunked prefill
-    chunk_tokens: int = 512  # tokens per mixed iteration with chunked prefill (decode tokens included)
+    # Batching: the runtime's defaults (policies.batching.BatchingConfig), one set for both.
+    token_budget: int = DEFAULT_BATCHING.token_budget  # tokens per step (decode + prompt tokens)
+    chunked_prefill: bool = False  # colocated replicas: Sarathi/vLLM chunked prefill (prefill_mode "chunked")
+    chunk_tokens: int = DEFAULT_BATCHING.chunk_tokens  # tokens per mixed iteration with chunked prefill
+    # colocated replicas: "mixed" (the runtime: whole prompts ride in the decode step) or
+    # "prefill_first" (vLLM v0: a prompts-only step pauses decoding); chunked_prefill wins
+    prefill_mode: str = DEFAULT_BATCHING.prefill_mode
     max_batch: int | None = None  # running requests per decode / colocated replica; None: the cost model's
+    kv_block_tokens: int = DEFAULT_BATCHING.block_size  # KV reservations are whole blocks
+    # KV pool per replica in tokens (one number, or replica id -> tokens); None: the cost model's
+    # (the runtime's EngineConfig.kv_capacity_tokens, so a replay can give both the same pool)
+    kv_capacity_tokens: int | dict[str, int] | None = None
     micro_batches: int | None = None  # pipeline micro-batches (None: the cost model's min(S, batch))
     pipeline: Literal["aggregate", "detailed"] = "aggregate"
     # KV admission on decode / colocated replicas: "reserve" holds prompt + whole (true) output from
@@ -68,6 +77,10 @@ class SimOptions:
     def __post_init__(self) -> None:
         if self.token_budget <= 0 or self.chunk_tokens <= 0 or (self.max_batch is not None and self.max_batch <= 0):
             raise ValueError("token_budget, chunk_tokens and max_batch must be positive")
+        if self.prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}")
+        if self.kv_block_tokens <= 0:
+            raise ValueError("kv_block_tokens must be positive")
         if self.micro_batches is not None and self.micro_batches <= 0:
             raise ValueError("micro_batches must be positive")
         if self.pipeline not in ("aggregate", "detailed"):
@@ -104,8 +117,9 @@ class Simulator:
             raise PlanError(f"plan is for model {plan.model!r}, simulating {model.name!r}")
         self.cost = fast(cost or CostModel(cluster, model))
         self.max_batch = opts.max_batch or self.cost.eff.max_batch
-        self.limits = BatchLimits(opts.token_budget, opts.chunk_tokens, opts.chunked_prefill, self.max_batch,
-                                  opts.micro_batches, opts.kv_admission == "paged")
+        mode = "chunked" if opts.chunked_prefill else opts.prefill_mode
+        self.limits = BatchLimits(opts.token_budget, opts.chunk_tokens, mode, self.max_batch,
+                                  opts.micro_batches, opts.kv_admission == "paged", opts.kv_block_tokens)
         self.activation_bytes = model.hidden * model.dtype_bytes
         self.loop = EventLoop()
         self.req = RequestTable(workload)
@@ -118,6 +132,11 @@ class Simulator:
             if opts.pipeline == "detailed" and r.role != "prefill" and len(r.stages) > 1:
                 cls = PipelineReplica
             rep = cls(self, i, r, self.layouts[r.id])
+            cap = opts.kv_capacity_tokens
+            if isinstance(cap, dict):
+                cap = cap.get(r.id)
+            if cap is not None:
+                rep.kv_capacity = float(cap)
             if rep.kv_capacity <= 0:
                 raise PlanError(f"replica {r.id}: the model's weights do not fit its devices "
                                 f"(KV capacity {rep.kv_capacity:.0f} tokens)")
@@ -213,6 +232,7 @@ class Simulator:
                   "transmission": self.network.policy_name,
                   "predictor": getattr(self.predictor, "name", type(self.predictor).__name__),
                   "pipeline": self.opts.pipeline, "chunked_prefill": self.opts.chunked_prefill,
+                  "prefill_mode": self.limits.prefill_mode, "token_budget": self.opts.token_budget,
                   "kv_admission": self.opts.kv_admission,
                   "preemptions": sum(getattr(x, "preemptions", 0) for x in self.replicas),
                   "policy_options": {k: v for k, v in self.opts.policy_options.items()
@@ -232,7 +252,7 @@ class Simulator:
         r = self.req
         r.t_first[rid] = self.loop.now
         if r.out[rid] <= 1:  # the prefill produced the only token: no KV hand-off
-            src.release(r.inp[rid])
+            src.release(rid)
             self.finished(rid)
             return
         routes = self._routes[src.id]
@@ -260,7 +280,7 @@ class Simulator:
 
         def done(_start: float, rid=rid, tokens=tokens) -> None:
             r.t_kv_done[rid] = self.loop.now
-            src.release(tokens)
+            src.release(rid)
             dst.kv_arrived(rid)
 
         self.network.send("kv", [(d, e, b * tokens) for d, e, b in pairs], done)

@@ -49,12 +49,13 @@ def test_max_batch_bounds_the_running_batch(cluster, model):
     assert max(r.sum() for r in running) <= 8
 
 
-def test_colocated_prefill_interrupts_decode(cluster, model, cost):
+def test_colocated_prefill_first_interrupts_decode(cluster, model, cost):
     plan = single({"c0": ["m0:0"]})
     lay = plan.replica("c0").layout(cluster)
-    alone = simulate(plan, cluster, model, Workload.from_lists("a", [0.0], [200], [400]))
+    opts = SimOptions(prefill_mode="prefill_first")
+    alone = simulate(plan, cluster, model, Workload.from_lists("a", [0.0], [200], [400]), opts)
     t_b = alone.t_finish[0] / 2  # B arrives while A decodes
-    both = simulate(plan, cluster, model, Workload.from_lists("ab", [0.0, t_b], [200, 3000], [400, 2]))
+    both = simulate(plan, cluster, model, Workload.from_lists("ab", [0.0, t_b], [200, 3000], [400, 2]), opts)
     step = cost.decode_step_time(lay, 1, 200 + 400)
     prefill_b = cost.ttft(lay, 3000)
     # B waits at most one decode iteration, then its prefill runs with A's decode paused
@@ -63,6 +64,22 @@ def test_colocated_prefill_interrupts_decode(cluster, model, cost):
     assert both.t_finish[0] - alone.t_finish[0] >= prefill_b
     gap = both.t_first[1] - both.t_start[1]
     assert gap == pytest.approx(prefill_b, rel=1e-9)
+
+
+def test_colocated_mixed_prompt_rides_in_the_decode_step(cluster, model, cost):
+    """The default (the runtime's engine): B's prompt runs in one iteration together with A's decode
+    token, so A loses less than B's prefill and B's first token comes after one mixed iteration."""
+    plan = single({"c0": ["m0:0"]})
+    lay = plan.replica("c0").layout(cluster)
+    alone = simulate(plan, cluster, model, Workload.from_lists("a", [0.0], [200], [400]))
+    t_b = alone.t_finish[0] / 2
+    both = simulate(plan, cluster, model, Workload.from_lists("ab", [0.0, t_b], [200, 3000], [400, 2]))
+    prefill_b = cost.ttft(lay, 3000)
+    step = cost.decode_step_time(lay, 1, 200 + 400)
+    assert both.t_first[1] - both.t_start[1] >= prefill_b * 0.99  # the mixed iteration costs the prompt
+    delay = both.t_finish[0] - alone.t_finish[0]
+    assert 0 < delay < prefill_b  # A's token came out of the mixed iteration: no whole-prefill pause
+    assert both.ttft[1] <= both.t_first[1] - both.t_start[1] + step
 
 
 def test_chunked_prefill_spreads_the_prompt_over_iterations(cluster, model, cost):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from hetserve.policies.batching import DEFAULT_BATCHING
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="simulate a plan under a workload trace",
@@ -35,8 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-tpot", type=float, help="TPOT / ATGT target, seconds per token")
     p.add_argument("--slo-e2e", type=float, help="end-to-end latency target, seconds")
     p.add_argument("--limit", type=int, help="only the first N requests")
-    p.add_argument("--token-budget", type=int, default=4096, help="prompt tokens per prefill batch")
+    p.add_argument("--token-budget", type=int, default=DEFAULT_BATCHING.token_budget,
+                   help=f"tokens per step, decode + prompt (default {DEFAULT_BATCHING.token_budget}, as the runtime)")
     p.add_argument("--chunked-prefill", action="store_true", help="colocated replicas: chunked prefill")
+    p.add_argument("--prefill-mode", choices=["mixed", "prefill_first"], default=DEFAULT_BATCHING.prefill_mode,
+                   help="colocated replicas: prompts ride in the decode step (mixed, the runtime's engine; "
+                        "default) or a prompts-only step pauses decoding (prefill_first, vLLM v0)")
     p.add_argument("--max-batch", type=int, help="running requests per decode replica (default: the cost "
                    "model's, 256)")
     p.add_argument("--micro-batches", type=int, help="pipeline micro-batches (default: one per stage)")
@@ -101,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         opts = SimOptions(placement=args.router, route=args.route, transmission=args.transmission, slo=slo,
                           predictor=predictor, token_budget=args.token_budget, chunked_prefill=args.chunked_prefill,
+                          prefill_mode=args.prefill_mode,
                           max_batch=args.max_batch, micro_batches=args.micro_batches, pipeline=args.pipeline,
                           kv_admission=args.kv_admission,
                           seed=args.seed, policy_options=policy_options,

@@ -38,7 +38,6 @@ class ReplicaScheduler(HasRole):
         self.alive = True
         self.num_steps = 0
         self.last_batch_size = 0
-        self.trace: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None  # (decode ids, prompt ids) per step
 
     @property
     def num_running(self) -> int:
@@ -74,8 +73,6 @@ class ReplicaScheduler(HasRole):
                     batch.append(seq)
                 if queue:
                     break
-        if self.trace is not None and batch:
-            self.trace.append((tuple(s.id for s in batch[:decodes]), tuple(s.id for s in batch[decodes:])))
         return batch
 
     def start(self, step_id: int, batch: list[Sequence]) -> None:

@@ -27,7 +27,7 @@ from hetserve.policies.batching import DEFAULT_BATCHING, PREFILL_MODES
 from hetserve.policies.base import PlacementPolicy, RequestInfo, RoutePolicy, TransmissionPolicy
 from hetserve.policies.placement import PolicyContext, make_placement
 from hetserve.policies.predictor import OraclePredictor
-from hetserve.policies.routing import make_route
+from hetserve.policies.routing import make_route, route_candidates
 from hetserve.sim.env import BatchLimits
 from hetserve.sim.events import EventLoop, Priority
 from hetserve.sim.fastcost import fast
@@ -146,17 +146,14 @@ class Simulator:
         if not self.entry:
             raise PlanError("plan has no prefill or colocated replica")
         self._routes: dict[str, list[tuple[Replica, float]]] = {}
-        decoders = [r for r in self.replicas if r.role == "decode"]
+        decoders = [r.id for r in self.replicas if r.role == "decode"]
         for r in self.replicas:
             if r.role != "prefill":
                 continue
-            routes = []
             for k in plan.routes_from(r.id):
                 if k.dst not in self.by_id or self.by_id[k.dst].role != "decode":
                     raise PlanError(f"KV route {k.src} -> {k.dst}: {k.dst!r} is not a decode replica of the plan")
-                routes.append((self.by_id[k.dst], k.weight))
-            if not routes:
-                routes = [(d, 1.0) for d in decoders]
+            routes = [(self.by_id[d], w) for d, w in route_candidates(plan, r.id, decoders)]
             if not routes:
                 raise PlanError(f"prefill replica {r.id} has no decode replica to send KV to")
             self._routes[r.id] = routes

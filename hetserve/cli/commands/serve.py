@@ -1,7 +1,7 @@
 """``hetserve serve``: run a plan's replicas and serve them over an OpenAI-compatible HTTP API.
 
     hetserve serve --plan plan.json --cluster demo-cpu --model ./tiny [--host 127.0.0.1 --port 8000]
-        [--backend local|ray] [--router jsq] [--transmission molink] [--shape-links] [--micro-batches 4]
+        [--backend local|ray] [--router jsq] [--route flow] [--transmission molink] [--shape-links] [--micro-batches 4]
 
 torch, FastAPI and uvicorn are imported inside ``run`` so the rest of the CLI works without the
 ``runtime`` extra.
@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="local processes (default) or Ray actors placed on the machines the plan names")
     p.add_argument("--ray-address", help="Ray cluster to join (default: start one on this machine)")
     p.add_argument("--router", default="jsq", help="placement policy: jsq, rr, po2, lot, aladdin (default jsq)")
+    p.add_argument("--route", default="flow", choices=["flow", "load", "aladdin"],
+                   help="KV route policy for prefill -> decode hand-offs: flow (the plan's weights), load, "
+                        "aladdin (default flow; the same policy objects `simulate --route` uses)")
     p.add_argument("--transmission", default="serial",
                    help="link scheduling: serial, fair, molink (default serial)")
     p.add_argument("--shape-links", action="store_true",
@@ -60,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster or plan.cluster)
     try:
         opts = ServeOptions(plan=plan, cluster=cluster, model_dir=args.model, model_name=args.model_name,
-                            backend=args.backend, router=args.router, transmission=args.transmission,
+                            backend=args.backend, router=args.router, route=args.route, transmission=args.transmission,
                             shape_links=args.shape_links, time_scale=args.time_scale,
                             micro_batches=args.micro_batches, kv_capacity_tokens=args.kv_capacity, seed=args.seed,
                             slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, ray_address=args.ray_address)

@@ -71,6 +71,8 @@ class ColocatedReplica(Decoding):
             if rids:
                 now = self.loop.now
                 dur = self.cost.prefill_time(self.layout, PrefillBatch.of([self.req.inp[i] for i in rids]))
+                if self.trace is not None:
+                    self.trace.append((now, now + dur, (), tuple(rids)))
                 self._pause()
                 self._prefilling = rids
                 self._busy(now, now + dur)
@@ -128,6 +130,8 @@ class ColocatedReplica(Decoding):
         if b.size:
             dur = max(dur, self.cost.decode_step_time(self.layout, b.size, b.context, self.limits.micro_batches))
         now = self.loop.now
+        if self.trace is not None:
+            self.trace.append((now, now + dur, tuple(b.members), tuple(item[0] for item, _ in chunks)))
         self._pause()
         self._busy(now, now + dur)
         self.loop.schedule(now + dur, Priority.WORK, self._on_mixed_done, chunks)

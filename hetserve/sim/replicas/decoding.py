@@ -29,6 +29,9 @@ class Decoding(Replica):
         self._paused = False  # a prefill (or mixed iteration) is running; boundaries wait for it
         self.pred_sum = 0.0  # Σ predicted output of admitted requests
         self.kv = make_kv_admission(self, self.limits.paged)
+        # When a list: (start, end, decode rids, prompt rids) per iteration, in order (tests compare
+        # it step by step with the runtime's coordinator trace).
+        self.trace: list[tuple[float, float, tuple[int, ...], tuple[int, ...]]] | None = None
 
     @property
     def preemptions(self) -> int:
@@ -66,6 +69,10 @@ class Decoding(Replica):
         b = self.batch
         if b.active:
             self._busy(b.t0, self.loop.now)
+            if self.trace is not None:
+                members = tuple(b.members)
+                self.trace.extend((b.t0 + b.elapsed(i), b.t0 + b.elapsed(i + 1), members, ())
+                                  for i in range(j))
             self.kv.at_boundary(j)
             self._finish_all(b.advance(j))
         self._after_boundary()

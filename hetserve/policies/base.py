@@ -60,6 +60,7 @@ class ReplicaState:
     kv_capacity_tokens: int
     requests: tuple[RunningRequest, ...] = ()  # may be empty when the caller keeps only aggregates
     capacity_norm: float = 1.0  # relative capacity (Aladdin ranks workers by it)
+    alive: bool = True  # False: the replica lost a worker; no policy may choose it
 
     @property
     def load(self) -> int:

@@ -10,6 +10,18 @@ Disaggregated plans: a prefill replica runs the prompt and samples the first tok
 then waits for room on the decode replica chosen by the route policy, the prefill workers send
 their KV pieces straight to the decode workers (layer-matched, re-sharded), and the request joins
 the decode replica's running batch once every decode worker has acknowledged its pieces.
+
+Liveness: every worker sends a heartbeat every ``heartbeat_interval_s``; a worker whose process
+exited, or that was silent for ``heartbeat_timeout_s`` (hung, SIGSTOPped), is declared dead and its
+replica leaves service (its other workers are killed: a replica cannot run with a rank missing).
+
+No request lost: each request the dead replica held (running there, its KV there or on its way
+there, or placed there and waiting) goes back to the head of the waiting queue and is re-run on a
+live replica — it re-prefills its prompt plus the tokens it already streamed and continues the
+same stream, so its client sees only a pause. Sampling is keyed by (seed, position), so a seeded
+request continues exactly as it would have. When the last decode replica of a disaggregated plan
+dies, the prefill replicas become colocated ones (prefill and decode in place). A request fails with
+one ``RuntimeFailure`` only when no live replica can ever hold it, or after ``max_reruns`` re-runs.
 """
 
 from __future__ import annotations
@@ -36,14 +48,20 @@ POLL_S = 0.1  # how often worker processes are checked for exit
 
 class Coordinator:
     def __init__(self, layout: tuple[ReplicaSpec, ...], schedulers: dict[str, ReplicaScheduler],
-                 transport: SocketTransport, workers: WorkerGroup, route_policy: KVRoutePolicy):
+                 transport: SocketTransport, workers: WorkerGroup, route_policy: KVRoutePolicy,
+                 heartbeat_timeout_s: float = 3.0, max_reruns: int = 3):
         self.layout = layout
         self.replicas = {r.id: r for r in layout}
         self.schedulers = schedulers
         self.transport = transport
         self.workers = workers
         self.route_policy = route_policy
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.max_reruns = max_reruns
+        self.last_beat: dict[str, float] = {}
+        self.deaths: list[dict[str, Any]] = []  # one record per replica taken out of service
         self._step_ids = itertools.count(1)
+        self._transfer_ids = itertools.count(1)
         self.seqs: dict[int, Sequence] = {}  # every unfinished request
         self.waiting: deque[Sequence] = deque()
         self.handoff_queue: deque[Sequence] = deque()  # first token done, waiting for room on a decode replica
@@ -60,6 +78,8 @@ class Coordinator:
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
+        now = time.monotonic()
+        self.last_beat = {name: now for name in self.workers.procs}
         try:
             while not self.stopping:
                 msg = self.transport.recv(timeout=0.02)
@@ -78,8 +98,15 @@ class Coordinator:
             raise
 
     def fail_all(self, why: str) -> None:
+        """Fail every unfinished request and empty the queues (steps in flight finish unheard)."""
         for seq in list(self.seqs.values()):
             self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {why}"))
+        self.waiting.clear()
+        self.handoff_queue.clear()
+        self.handoffs.clear()
+        for sched in self.schedulers.values():
+            sched.pinned.clear()
+            sched.ready.clear()
 
     def _handle(self, msg: Message) -> None:
         kind = msg.kind
@@ -91,15 +118,19 @@ class Coordinator:
             seq = msg.meta["seq"]
             if self.broken:
                 self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {self.broken}"))
-            elif seq.pinned is not None and not self.schedulers[seq.pinned].alive:
-                self._fail(seq, RuntimeFailure(f"request {seq.id} failed: replica {seq.pinned} is down"))
             else:
+                if seq.pinned is not None and not self.schedulers[seq.pinned].alive:
+                    seq.pinned = None  # placed on a replica that died meanwhile: any live one will do
                 self.seqs[seq.id] = seq
                 if self.trace is not None:
                     self.trace.append(("arrive", seq.id))
                 (self.schedulers[seq.pinned].pinned if seq.pinned else self.waiting).append(seq)
         elif kind == "abort":
             self._on_abort(msg.meta["id"])
+        elif kind == "fail_all":
+            self.fail_all(msg.meta["reason"])
+        elif kind == "heartbeat":
+            self.last_beat[msg.meta["worker"]] = time.monotonic()
         elif kind == "error":
             self.workers.worker_errors[msg.meta["worker"]] = msg.meta["error"]
         # "wake", "link_error" (the exit poll reports dead peers): nothing to do
@@ -152,19 +183,20 @@ class Coordinator:
             self.handoff_queue.remove(seq)
             seq.dst_table = dst.blocks.allocate(seq.reserve_tokens)
             seq.acks = set()
-            self.handoffs[seq.id] = seq
+            seq.transfer = next(self._transfer_ids)
+            self.handoffs[seq.transfer] = seq
             meta = {"step": None, "seqs": [], "priority": int(Priority.KV),
-                    "handoffs": [(seq.id, seq.table, seq.num_cached, seq.dst, seq.dst_table)]}
+                    "handoffs": [(seq.transfer, seq.table, seq.num_cached, seq.dst, seq.dst_table)]}
             self.transport.send(self.replicas[seq.replica].entry, Message("step", meta), Priority.CONTROL)
 
-    def _on_kv_ready(self, seq_id: int, worker: str) -> None:
-        seq = self.handoffs.get(seq_id)
+    def _on_kv_ready(self, transfer: int, worker: str) -> None:
+        seq = self.handoffs.get(transfer)
         if seq is None:
-            return
+            return  # a hand-off abandoned when its source or destination died
         seq.acks.add(worker)
         if len(seq.acks) < len(self.replicas[seq.dst].workers):
             return
-        del self.handoffs[seq_id]
+        del self.handoffs[transfer]
         self.schedulers[seq.replica].release(seq)
         seq.replica, seq.table, seq.dst, seq.dst_table = seq.dst, seq.dst_table, None, []
         if seq.aborted:
@@ -244,13 +276,16 @@ class Coordinator:
         self._last_poll = now
         for name, code in self.workers.exited():
             if name not in self.workers.dead:  # an earlier death this round may have taken its replica
-                self._on_worker_death(name, code)
+                self._on_worker_death(name, f"died with exit code {code}")
+        for name in self.workers.procs:
+            silent = now - self.last_beat.get(name, now)
+            if name not in self.workers.dead and silent > self.heartbeat_timeout_s:
+                self._on_worker_death(name, f"sent no heartbeat for {silent:.1f} s (hung or stopped)")
 
-    def _on_worker_death(self, name: str, code: int) -> None:
+    def _on_worker_death(self, name: str, what: str) -> None:
         w = self.workers.worker(name)
         error = self.workers.worker_errors.get(name)
-        why = (f"worker {name} (replica {w.replica}, stage {w.stage}, pid {self.workers.pids[name]}) "
-               f"died with exit code {code}")
+        why = f"worker {name} (replica {w.replica}, stage {w.stage}, pid {self.workers.pids[name]}) {what}"
         if error:
             why += f": {last_line(error)}"
         rid = w.replica
@@ -262,30 +297,76 @@ class Coordinator:
         sched.inflight.clear()
         sched.ready.clear()
         sched.pinned.clear()
-        for seq in list(self.seqs.values()):
-            if seq.replica == rid or seq.dst == rid or (seq.pinned == rid and seq.status == Status.WAITING):
-                if seq in self.handoff_queue:
-                    self.handoff_queue.remove(seq)
-                self.handoffs.pop(seq.id, None)
-                self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {why}"))
+        hit = [seq for seq in self.seqs.values() if seq.replica == rid or seq.pinned == rid or seq.dst == rid]
+        rerun = []
+        for seq in hit:
+            if seq.replica != rid and seq.status == Status.HANDOFF:
+                self._reroute(seq)  # its KV is safe on a live prefill replica: hand it to another decode replica
+            else:
+                rerun.append(seq)
         if not any(s.alive and s.role == "decode" for s in self.schedulers.values()):
-            # prefill replicas have nowhere to hand their KV to: they stop too
-            for s in self.schedulers.values():
-                if s.alive and s.role == "prefill":
-                    s.alive = False
-                    for seq in list(self.seqs.values()):
-                        if seq.replica == s.id or (seq.pinned == s.id and seq.status == Status.WAITING):
-                            if seq in self.handoff_queue:
-                                self.handoff_queue.remove(seq)
-                            self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {why}; no decode replica left"))
-                    s.ready.clear()
-                    s.pinned.clear()
+            # a disaggregated plan lost its last decode replica: its prefill replicas decode in place
+            converted = [s for s in self.schedulers.values() if s.alive and s.role == "prefill"]
+            for s in converted:
+                s.role = "colocated"
+                # its requests hold prompt-sized KV only: drop its steps in flight and re-run them
+                for step_id in [k for k, (r, _, _) in self.steps.items() if r == s.id]:
+                    del self.steps[step_id]
+                s.inflight.clear()
+            ids = {s.id for s in converted}
+            rerun += [seq for seq in self.seqs.values() if seq.replica in ids and seq not in rerun]
+        self.deaths.append({"worker": name, "replica": rid, "why": why, "at": time.monotonic(),
+                            "requests": len(rerun)})
+        self._rerun(sorted(rerun, key=lambda q: q.id), why)
         alive = [s for s in self.schedulers.values() if s.alive]
         if not any(s.serves_prefill for s in alive) or not any(s.serves_decode for s in alive):
             self.broken = why
             self.fail_all(f"{why}; no replica left to serve it")
-            self.waiting.clear()
-            self.handoff_queue.clear()
+            return
+        for seq in list(self.waiting):  # a request only the dead replica's KV pool could hold fails now
+            if not self._can_ever_serve(seq):
+                self.waiting.remove(seq)
+                self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {why}; no live replica's KV pool "
+                                               f"can hold its {seq.reserve_tokens} tokens"))
+
+    def _reroute(self, seq: Sequence) -> None:
+        """A hand-off whose destination died goes back to the hand-off queue (the route policy picks again)."""
+        self.handoffs.pop(seq.transfer, None)
+        seq.dst, seq.dst_table, seq.acks = None, [], set()  # the dead replica's blocks are gone with it
+        if seq not in self.handoff_queue:
+            self.handoff_queue.appendleft(seq)
+
+    def _rerun(self, seqs: list[Sequence], why: str) -> None:
+        """Put ``seqs`` back at the head of the waiting queue, in arrival order, to re-prefill on a live replica."""
+        for seq in reversed(seqs):
+            if seq in self.handoff_queue:
+                self.handoff_queue.remove(seq)
+            self.handoffs.pop(seq.transfer, None)
+            for queue in [self.waiting] + [s.ready for s in self.schedulers.values()] + \
+                         [s.pinned for s in self.schedulers.values()]:
+                if seq in queue:
+                    queue.remove(seq)
+            if seq.replica is not None and seq.table and self.schedulers[seq.replica].alive:
+                self.schedulers[seq.replica].release(seq)
+            if seq.dst is not None and seq.dst_table and self.schedulers[seq.dst].alive:
+                self.schedulers[seq.dst].blocks.free(seq.dst_table)
+            seq.replica, seq.table, seq.num_cached, seq.pinned = None, [], 0, None
+            seq.dst, seq.dst_table, seq.acks = None, [], set()
+            if seq.aborted:
+                self._finish(seq, "abort")
+                continue
+            seq.reruns += 1
+            if seq.reruns > self.max_reruns:
+                self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {why} (its replica died "
+                                               f"{seq.reruns} times; giving up)"))
+                continue
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+
+    def _can_ever_serve(self, seq: Sequence) -> bool:
+        scheds = [s for s in self.schedulers.values() if s.alive]
+        return (any(s.blocks.fits_ever(s.admission_tokens(seq)) for s in scheds if s.serves_prefill)
+                and any(s.blocks.fits_ever(seq.reserve_tokens) for s in scheds if s.serves_decode))
 
     def _publish_stats(self) -> None:
         self.stats = {
@@ -294,6 +375,7 @@ class Coordinator:
             "handoff_in_flight": len(self.handoffs), "running": sum(s.num_running for s in self.schedulers.values()),
             "completed": self.num_completed, "failed": self.num_failed, "broken": self.broken,
             "replicas": {rid: s.stats() for rid, s in self.schedulers.items()},
+            "reruns": sum(d["requests"] for d in self.deaths), "deaths": list(self.deaths),
         }
         for rid, snap in replica_snapshots(self.schedulers, self._in_handoff()).items():
             self.stats["replicas"][rid]["state"] = snap

@@ -11,9 +11,11 @@ The engine checks the plan and the request, and wires three parts together: the 
 all scheduling state (``coordinator.py``), and the knobs and KV-pool sizing (``engine_config.py``).
 Other threads (``submit``, aborts) only post messages to the coordinator's inbox.
 
-Failures: a worker that fails to start, a plan that does not fit the checkpoint or the cluster's
-memory, and a worker that dies are reported as ``PlanError`` / ``RuntimeFailure``; requests on a
-replica that lost a worker fail within a poll interval (0.1 s) of the process exit.
+Failures: a worker that fails to start or a plan that does not fit the checkpoint or the cluster's
+memory is reported as ``PlanError`` / ``RuntimeFailure``. A worker that dies (its process exits, or
+it sends no heartbeat for ``heartbeat_timeout_s``) takes its replica out of service; the requests
+it held are re-run on the live replicas, continuing their streams (see ``coordinator.py``), and
+fail with one ``RuntimeFailure`` only when no live replica can serve them.
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ class Engine:
             for r in layout}
         self.transport = SocketTransport(ENGINE, scheduler_factory=link_scheduler, shaper=shaper)
         self.workers = WorkerGroup(layout, self.transport, config.start_timeout_s)
-        self.coordinator = Coordinator(layout, self.schedulers, self.transport, self.workers, route_policy)
+        self.coordinator = Coordinator(layout, self.schedulers, self.transport, self.workers, route_policy,
+                                       heartbeat_timeout_s=config.heartbeat_timeout_s, max_reruns=config.max_reruns)
         self._ids = itertools.count(1)
         self._closed = False
         self._close_lock = threading.Lock()
@@ -170,6 +173,10 @@ class Engine:
         """Snapshot for /metrics: queue lengths, per-replica running batch and KV use, totals."""
         return dict(self.coordinator.stats)
 
+    def fail_all(self, reason: str) -> None:
+        """End every unfinished request with ``RuntimeFailure(reason)`` (the engine keeps serving)."""
+        self.transport.post(Message("fail_all", {"reason": reason}))
+
     def worker_pids(self) -> dict[str, int]:
         """Device name -> worker process id."""
         return dict(self.workers.pids)
@@ -206,7 +213,8 @@ class Engine:
                                 num_slots=self.schedulers[w.replica].blocks.capacity_tokens,
                                 block_size=self.config.block_size, engine_address=self.transport.address,
                                 store_address=store_address, backend=backend,
-                                link_scheduler=self._link_scheduler, shaper=self._shaper)
+                                link_scheduler=self._link_scheduler, shaper=self._shaper,
+                                heartbeat_s=self.config.heartbeat_interval_s)
 
         self.workers.start(make_config, self.config.start_method)
 

@@ -31,6 +31,9 @@ class EngineConfig:
     start_timeout_s: float = 120.0
     micro_batches: int | None = None  # steps in flight per replica; None: its number of pipeline stages
     start_method: str = "spawn"  # or "forkserver": workers fork from a server that imported torch once
+    heartbeat_interval_s: float = 0.5  # each worker reports it is alive this often
+    heartbeat_timeout_s: float = 3.0  # silent this long (a hung or SIGSTOPped worker): declared dead
+    max_reruns: int = 3  # a request whose replica died is re-run on a live one at most this many times
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_batched_tokens < 1:
@@ -43,6 +46,11 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
+            raise ValueError(f"heartbeat interval ({self.heartbeat_interval_s}) must be positive and below the "
+                             f"heartbeat timeout ({self.heartbeat_timeout_s})")
+        if self.max_reruns < 0:
+            raise ValueError(f"max_reruns must be >= 0, got {self.max_reruns}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
 

@@ -44,7 +44,9 @@ class ReplicaScheduler(HasRole):
         return len(self.ready) + sum(len(v) for v in self.inflight.values())
 
     def admission_tokens(self, seq: Sequence) -> int:
-        return kv_reservation(len(seq.prompt), seq.params.max_tokens, self.serves_decode, self.blocks.block_size)
+        # a re-run request (its replica died) re-prefills what it had generated too
+        return kv_reservation(seq.prefill_tokens, seq.params.max_tokens - len(seq.output), self.serves_decode,
+                              self.blocks.block_size)
 
     def can_start_step(self) -> bool:
         return self.alive and len(self.inflight) < self.max_inflight
@@ -65,7 +67,7 @@ class ReplicaScheduler(HasRole):
                 while queue:
                     seq = queue[0]
                     reserve = self.admission_tokens(seq)
-                    if not step.offer(len(seq.prompt), self.blocks.can_allocate(reserve)):
+                    if not step.offer(seq.prefill_tokens, self.blocks.can_allocate(reserve)):
                         break  # FCFS: nobody overtakes a request that does not fit yet
                     queue.popleft()
                     seq.table = self.blocks.allocate(reserve)

@@ -36,6 +36,10 @@ def _left(seq: Sequence) -> int:
     return max(0, seq.params.max_tokens - len(seq.output))
 
 
+def _to_prefill(seq: Sequence) -> int:
+    return seq.prefill_tokens  # a re-run request re-prefills its output so far too
+
+
 def replica_snapshots(schedulers: Mapping[str, ReplicaScheduler],
                       handoffs: Iterable[Sequence]) -> dict[str, dict[str, float]]:
     """Replica id -> the snapshot fields. ``handoffs``: sequences between a prefill replica and a
@@ -54,16 +58,16 @@ def replica_snapshots(schedulers: Mapping[str, ReplicaScheduler],
         kv_used = s.blocks.num_used_blocks * block
         if s.role == "prefill":
             queued = list(s.pinned)
-            qtok = sum(len(q.prompt) for q in queued)
+            qtok = sum(_to_prefill(q) for q in queued)
             out[rid] = {"queued_requests": len(queued), "running_requests": len(running),
                         "queued_prefill_tokens": qtok,
-                        "outstanding_tokens": float(qtok + sum(len(q.prompt) for q in running)),
+                        "outstanding_tokens": float(qtok + sum(_to_prefill(q) for q in running)),
                         "context_tokens": 0, "kv_used_tokens": kv_used, "kv_capacity_tokens": 0}
             continue
         if s.role == "colocated":
             queued = list(s.pinned)
-            qtok = sum(len(q.prompt) for q in queued)
-            outstanding = qtok + sum(q.params.max_tokens for q in queued)
+            qtok = sum(_to_prefill(q) for q in queued)
+            outstanding = qtok + sum(_left(q) for q in queued)
         else:
             queued = inbound.get(rid, [])
             qtok = 0
@@ -82,4 +86,5 @@ def state_from_stats(replica_id: str, stats: Mapping) -> ReplicaState:
     return ReplicaState(replica_id, stats["role"], int(st.get("queued_requests", 0)),
                         int(st.get("running_requests", 0)), int(st.get("queued_prefill_tokens", 0)),
                         float(st.get("outstanding_tokens", 0.0)), int(st.get("context_tokens", 0)),
-                        int(st.get("kv_used_tokens", 0)), int(st.get("kv_capacity_tokens", 0)))
+                        int(st.get("kv_used_tokens", 0)), int(st.get("kv_capacity_tokens", 0)),
+                        alive=bool(stats.get("alive", True)))

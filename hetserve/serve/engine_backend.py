@@ -7,7 +7,8 @@ Passes the server's ``SamplingParams`` to the engine, streams the engine's
 
 Engine errors are mapped once, here: a ``ValueError`` from ``submit`` (prompt outside the
 vocabulary or the context) and an ``InfeasibleError`` (KV can never fit) become ``InvalidRequest``;
-a ``RuntimeFailure`` becomes ``ServerError``.
+a ``RuntimeFailure`` at submission (no replica can serve) becomes ``Unavailable`` (503), one
+mid-stream becomes ``ServerError``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from hetserve.errors import InfeasibleError, RuntimeFailure
 from hetserve.policies.base import ReplicaState
 from hetserve.runtime.params import SamplingParams
 from hetserve.runtime.snapshot import state_from_stats
-from hetserve.serve.errors import ContextLengthExceeded, InvalidRequest, ServerError
+from hetserve.serve.errors import ContextLengthExceeded, InvalidRequest, ServerError, Unavailable
 
 
 class EngineBackend:
@@ -40,7 +41,7 @@ class EngineBackend:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
         except RuntimeFailure as exc:
-            raise ServerError(str(exc)) from exc
+            raise Unavailable(str(exc)) from exc
         self._handles[request_id] = handle
         try:
             try:
@@ -63,6 +64,10 @@ class EngineBackend:
         tokens outstanding, context tokens and KV use, the fields the simulator fills."""
         stats = self.engine.stats()
         return [state_from_stats(rid, s) for rid, s in stats.get("replicas", {}).items()]
+
+    def fail_all(self, reason: str) -> None:
+        """End every request in flight with ``reason`` (graceful shutdown past its drain timeout)."""
+        self.engine.fail_all(reason)
 
     def link_stats(self) -> list:
         return self.links.read_stats() if self.links is not None else []

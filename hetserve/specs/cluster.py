@@ -50,8 +50,11 @@ def default_intra_link(gpu_type: GpuType) -> tuple[float, float]:
 # ----------------------------------------------------------------------------- file schema
 
 
+MAX_DEVICES_PER_MACHINE = 1024  # far above any real machine; a typo (200000) fails here, not in allocation
+
+
 class _Link(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
+    model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
     bandwidth_gbps: float = pydantic.Field(gt=0)
     latency_ms: float = pydantic.Field(ge=0)
 
@@ -61,10 +64,10 @@ class _Override(_Link):
 
 
 class _Machine(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
+    model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
     name: str = pydantic.Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     gpu: str
-    count: int = pydantic.Field(gt=0)
+    count: pydantic.StrictInt = pydantic.Field(gt=0, le=MAX_DEVICES_PER_MACHINE)  # strict: `true` is no count
     site: str = "default"
     intra: _Link | None = None
     address: str | None = None  # host for the Ray backend; optional
@@ -80,7 +83,7 @@ class _Network(pydantic.BaseModel):
 
 
 class _Matrix(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
+    model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
     bandwidth_gbps: list[list[float]]
     latency_ms: list[list[float]]
 

@@ -13,8 +13,9 @@ Field by field, as the simulator's replicas define them (``hetserve.sim.replicas
 * ``outstanding_tokens`` — prompt tokens still to prefill here + output tokens still to generate
   (``max_tokens`` − generated: the runtime's prediction is the request's own limit);
 * ``context_tokens`` — Σ (prompt + generated) over the running sequences of a decoding replica;
-* ``kv_used_tokens`` / ``kv_capacity_tokens`` — the pool's blocks in tokens (capacity 0 on a
-  prefill replica, as in the simulator: it frees KV as it hands it off).
+* ``kv_used_tokens`` / ``kv_capacity_tokens`` — the pool's blocks in tokens (a prefill replica's
+  real pool, which /metrics shows; the simulator leaves it 0 and Aladdin then reads the cost
+  model's pool — the same quantity).
 
 Requests in the shared (unpinned) waiting queue belong to no replica yet and are counted by none.
 Pure Python (no torch).
@@ -62,7 +63,8 @@ def replica_snapshots(schedulers: Mapping[str, ReplicaScheduler],
             out[rid] = {"queued_requests": len(queued), "running_requests": len(running),
                         "queued_prefill_tokens": qtok,
                         "outstanding_tokens": float(qtok + sum(_to_prefill(q) for q in running)),
-                        "context_tokens": 0, "kv_used_tokens": kv_used, "kv_capacity_tokens": 0}
+                        "context_tokens": 0, "kv_used_tokens": kv_used,
+                        "kv_capacity_tokens": s.blocks.capacity_tokens}
             continue
         if s.role == "colocated":
             queued = list(s.pinned)

@@ -55,7 +55,8 @@ def requests_from_workload(workload, n: int, vocab_low: int = 32, vocab_high: in
     return out
 
 
-async def _one(client, model: str, req: LoadRequest, t0: float, temperature: float) -> LoadResult:
+async def _one(client, model: str, req: LoadRequest, t0: float, temperature: float,
+               ignore_eos: bool = False) -> LoadResult:
     await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.monotonic()))
     sent = time.monotonic()
     first = last = None
@@ -64,7 +65,8 @@ async def _one(client, model: str, req: LoadRequest, t0: float, temperature: flo
     try:
         stream = await client.completions.create(model=model, prompt=req.prompt, max_tokens=req.max_tokens,
                                                  temperature=temperature, stream=True,
-                                                 stream_options={"include_usage": True})
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True} if ignore_eos else None)
         async for chunk in stream:
             now = time.monotonic()
             if chunk.choices and chunk.choices[0].text:
@@ -88,7 +90,7 @@ async def _one(client, model: str, req: LoadRequest, t0: float, temperature: flo
 
 
 async def replay_async(url: str, model: str, requests: Sequence[LoadRequest], temperature: float = 0.0,
-                       timeout_s: float = 600.0) -> list[LoadResult]:
+                       timeout_s: float = 600.0, ignore_eos: bool = False) -> list[LoadResult]:
     import httpx
     import openai
 
@@ -99,15 +101,16 @@ async def replay_async(url: str, model: str, requests: Sequence[LoadRequest], te
                                     trust_env=False))
     try:
         t0 = time.monotonic()
-        return list(await asyncio.gather(*(_one(client, model, r, t0, temperature) for r in requests)))
+        return list(await asyncio.gather(*(_one(client, model, r, t0, temperature, ignore_eos) for r in requests)))
     finally:
         await client.close()
 
 
 def replay(url: str, model: str, requests: Sequence[LoadRequest], temperature: float = 0.0,
-           timeout_s: float = 600.0) -> list[LoadResult]:
-    """Send ``requests`` at their arrival offsets; returns one result per request, in order."""
-    return asyncio.run(replay_async(url, model, requests, temperature, timeout_s))
+           timeout_s: float = 600.0, ignore_eos: bool = False) -> list[LoadResult]:
+    """Send ``requests`` at their arrival offsets; returns one result per request, in order.
+    ``ignore_eos``: every request generates exactly ``max_tokens`` (a trace's output length)."""
+    return asyncio.run(replay_async(url, model, requests, temperature, timeout_s, ignore_eos))
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:

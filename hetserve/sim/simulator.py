@@ -70,6 +70,9 @@ class SimOptions:
     # admission, so the pool never overflows; "paged" (vLLM) holds what the context has grown to,
     # admits while the prompt fits, and pre-empts the newest request (recompute) on overflow.
     kv_admission: Literal["reserve", "paged"] = "reserve"
+    # What a served request spends outside the engine (HTTP, tokenisation, SSE; `hetserve calibrate`
+    # measures it): it reaches the replicas this long after its arrival, and TTFT/E2E count it.
+    request_overhead_s: float = 0.0
     seed: int = 0
     policy_options: dict[str, Any] = field(default_factory=dict)  # PolicyContext.options (e.g. Aladdin's gamma)
     progress: bool = False
@@ -79,6 +82,8 @@ class SimOptions:
             raise ValueError("token_budget, chunk_tokens and max_batch must be positive")
         if self.prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}")
+        if self.request_overhead_s < 0:
+            raise ValueError("request_overhead_s must be non-negative")
         if self.kv_block_tokens <= 0:
             raise ValueError("kv_block_tokens must be positive")
         if self.micro_batches is not None and self.micro_batches <= 0:
@@ -193,7 +198,7 @@ class Simulator:
         n = self.req.n
         t0 = time.perf_counter()
         if n:
-            self.loop.schedule(self.req.arrival[0], Priority.ARRIVAL, self._on_arrival, 0)
+            self.loop.schedule(self.req.arrival[0] + self.opts.request_overhead_s, Priority.ARRIVAL, self._on_arrival, 0)
         if self.opts.progress and n:
             from rich.progress import Progress
             with Progress(transient=True) as bar:
@@ -210,7 +215,8 @@ class Simulator:
     def _on_arrival(self, rid: int) -> None:
         r = self.req
         if rid + 1 < r.n:
-            self.loop.schedule(r.arrival[rid + 1], Priority.ARRIVAL, self._on_arrival, rid + 1)
+            self.loop.schedule(r.arrival[rid + 1] + self.opts.request_overhead_s, Priority.ARRIVAL, self._on_arrival,
+                               rid + 1)
         pred = float(self.predictor.predict(rid, r.inp[rid], 0))
         r.pred[rid] = pred
         info = RequestInfo(rid, r.arrival[rid], r.inp[rid], pred)

@@ -56,7 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep-rates", metavar="R1,R2,...",
                    help="also simulate the trace at these mean rates (req/s); with -o, plot throughput and "
                         "SLO attainment against rate (rate_sweep.png)")
-    p.add_argument("--efficiency", help="cost-model efficiency JSON (from `hetserve calibrate -o`)")
+    p.add_argument("--efficiency", help="cost-model efficiency JSON (from `hetserve calibrate -o`; its measured "
+                   "request overhead, HTTP + tokenisation + SSE, is added to every request too)")
     p.add_argument("--within-context", action="store_true",
                    help="drop requests whose prompt + output exceed the model's context (default: run them, "
                         "with a warning that counts them)")
@@ -117,7 +118,12 @@ def run(args: argparse.Namespace) -> int:
         from hetserve.policies.predictor import BucketMeanPredictor
         predictor = BucketMeanPredictor()
     try:
+        from hetserve.runtime.calibrate import load_request_overhead
+
+        cost = CostModel(cluster, model, load_efficiency(args.efficiency)) if args.efficiency else None
+        overhead = load_request_overhead(args.efficiency) if args.efficiency else 0.0
         opts = SimOptions(placement=args.router, route=args.route, transmission=args.transmission, slo=slo,
+                          request_overhead_s=overhead,
                           predictor=predictor, token_budget=args.token_budget, chunked_prefill=args.chunked_prefill,
                           prefill_mode=args.prefill_mode,
                           max_batch=args.max_batch, micro_batches=args.micro_batches, pipeline=args.pipeline,
@@ -125,7 +131,6 @@ def run(args: argparse.Namespace) -> int:
                           seed=args.seed, policy_options=policy_options,
                           progress=not args.no_progress and not args.json)
         validate_plan(plan, cluster, model)
-        cost = CostModel(cluster, model, load_efficiency(args.efficiency)) if args.efficiency else None
         result = simulate(plan, cluster, model, wl, opts, cost=cost)
     except ValueError as exc:
         if isinstance(exc, (PlanError, SpecError)):

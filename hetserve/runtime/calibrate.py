@@ -139,29 +139,35 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         engine = Engine.from_plan(plan, cluster, model_dir, EngineConfig(max_num_seqs=max(batch_sizes)))
     try:
         engine.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-        for L in prompt_lengths:
-            samples = []
-            for _ in range(reps):
+        # Rounds over every probe (not every probe's repetitions in a row): on a shared machine the
+        # load drifts, and interleaving spreads it over all points instead of biasing some.
+        ttft_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
+        tpot_s: dict[int, list[float]] = {b: [] for b in batch_sizes}
+        http_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
+        for _ in range(reps):
+            for L in prompt_lengths:
                 h = engine.submit(rng.integers(32, 127, L).tolist(), SamplingParams(max_tokens=1, ignore_eos=True))
                 h.result(timeout=120)
-                samples.append(h.ttft)
-            m.ttft[L] = statistics.median(samples)
+                ttft_s[L].append(h.ttft)
+            for b in batch_sizes:
+                handles = [engine.submit(rng.integers(32, 127, 16).tolist(),
+                                         SamplingParams(max_tokens=decode_tokens, ignore_eos=True)) for _ in range(b)]
+                for h in handles:
+                    h.result(timeout=120)
+                tpot_s[b].append(statistics.median(h.tpot for h in handles))
             m.load_avg.append(os.getloadavg()[0])
-        for b in batch_sizes:
-            handles = [engine.submit(rng.integers(32, 127, 16).tolist(),
-                                     SamplingParams(max_tokens=decode_tokens, ignore_eos=True)) for _ in range(b)]
-            for h in handles:
-                h.result(timeout=120)
-            m.tpot[b] = statistics.median(h.tpot for h in handles)
-            m.load_avg.append(os.getloadavg()[0])
-        if server is not None:
-            from hetserve.serve.loadgen import LoadRequest, replay
+            if server is not None:
+                from hetserve.serve.loadgen import LoadRequest, replay
 
-            for L in prompt_lengths:
-                reqs = [LoadRequest(0.0, rng.integers(32, 127, L).tolist(), 1) for _ in range(reps)]
-                samples = [replay(server.url, Path(model_dir).resolve().name, [r], ignore_eos=True)[0].ttft_s
-                           for r in reqs]
-                m.http_ttft[L] = statistics.median(samples)
+                # one client, requests spaced out (each alone on the server), as a replayed trace sends them
+                gap = 1.5 * max(ttft_s[L][-1] for L in prompt_lengths) + 0.05
+                reqs = [LoadRequest(i * gap, rng.integers(32, 127, L).tolist(), 1) for i, L in enumerate(prompt_lengths)]
+                for L, r in zip(prompt_lengths, replay(server.url, Path(model_dir).resolve().name, reqs,
+                                                       ignore_eos=True)):
+                    http_s[L].append(r.ttft_s)
+        m.ttft = {L: statistics.median(v) for L, v in ttft_s.items()}
+        m.tpot = {b: statistics.median(v) for b, v in tpot_s.items()}
+        m.http_ttft = {L: statistics.median(v) for L, v in http_s.items() if v}
     finally:
         if server is not None:
             server.close()

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_predict.py [--requests 24] [--calibration cal.json] [--json out.json]
 
-Plans (a tiny random-weight Llama, 8 layers, hidden 256, GQA; CPU worker slots named RTX 4090):
+Plans (a tiny random-weight Llama, 8 layers, hidden 256, 4 heads, 2 KV heads; CPU worker slots named RTX 4090):
 
 - ``asym-colocated``  one colocated replica, TP 2 on layers 0-2, then TP 1 on layers 2-8
 - ``prefill-decode``  prefill replica on one slot -> decode replica on another (KV hand-off)
@@ -96,7 +96,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-predict-"))
     (tmp / "cluster.yaml").write_text(CLUSTER)
     cluster = load_cluster(str(tmp / "cluster.yaml"))
-    model_dir = make_model(tmp / "tiny", "llama", layers=8, hidden=256, heads=4, kv_heads=1, ffn=768)
+    model_dir = make_model(tmp / "tiny", "llama", layers=8, hidden=256, heads=4, kv_heads=2, ffn=768)
     cal = args.calibration
     if not cal:
         from hetserve.cli.main import main as cli

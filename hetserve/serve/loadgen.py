@@ -6,9 +6,11 @@ the start) as a streaming completion and measures, per request, the client-side 
 results into the simulator's summary shape (``ttft_s`` / ``tpot_s`` / ``e2e_s`` with mean and
 percentiles), so measured and simulated figures print side by side.
 
-Prompts are token-id lists, so the server sees exactly the lengths of the trace. Each streamed
-chunk carries the text of one or more tokens; usage (``include_usage``) gives the exact token
-count, and TPOT uses it: (last chunk - first chunk) / (tokens - 1).
+Prompts are token-id lists, so the server sees exactly the lengths of the trace. hetserve streams
+one chunk per token — an empty one while the token's text is held back (a partial UTF-8
+character, common with a random-weight byte-level model) — so the first chunk is the first token,
+not the first printable text; usage (``include_usage``) gives the exact token count, and TPOT uses
+it: (last chunk - first chunk) / (tokens - 1).
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ async def _one(client, model: str, req: LoadRequest, t0: float, temperature: flo
                                                  extra_body={"ignore_eos": True} if ignore_eos else None)
         async for chunk in stream:
             now = time.monotonic()
-            if chunk.choices and chunk.choices[0].text:
-                if first is None:
+            if chunk.choices and chunk.choices[0].finish_reason is None:  # one chunk per token, even a
+                if first is None:  # token whose text is held back (partial character: empty text)
                     first = now
                 last = now
             if chunk.usage is not None:

@@ -14,8 +14,9 @@ model). Each cell serves the plan, replays the requests (Azure conversation, LPL
 <= 128 tokens, outputs <= 32 tokens, ``ignore_eos``) through the ``openai`` client, and simulates
 the same requests with the server's policies, batching knobs and KV pools
 (``hetserve.compare``). Reported: served (measured), simulated (calibrated cost model, this
-session's defaults) and *baseline* simulated (the simulator as it was before issue 13: prefill
-pauses decoding, 4,096-token prefill budget, no request overhead) — each metric's sim / served
+session's defaults, the cluster's 4 slots sharing the 2 cores) and *baseline* simulated (the
+simulator as it was before issue 13: prefill pauses decoding, 4,096-token prefill budget, no
+request overhead, no shared cores) — each metric's sim / served
 ratio and whether it is within +-15 %. The 1-minute load average before and after each cell is
 printed: the machine is shared, so the served side is noisy.
 """
@@ -35,8 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 CLUSTER = """\
 name: bench-predict
 machines:
-  - {name: m0, gpu: RTX-4090, count: 4}
+  - {name: m0, gpu: RTX-4090, count: 4, cpu_cores: 2}
 """
+# the same slots as the simulator saw them before issue 13 (no shared cores), for the baseline
+CLUSTER_BASELINE = CLUSTER.replace(", cpu_cores: 2", "")
 METRICS = ["throughput_tokens_per_s", "ttft_s.mean", "ttft_s.p90", "tpot_s.mean", "tpot_s.p90",
            "e2e_s.mean", "e2e_s.p90"]
 
@@ -58,7 +61,7 @@ def plans() -> dict:
     }
 
 
-def capacity_rps(plan, cluster, spec, requests, efficiency, overhead) -> float:
+def capacity_rps(plan, cluster, spec, requests, efficiency, overhead, contention) -> float:
     """Requests/s the simulator gives the plan for a burst of ``requests`` (all at t = 0)."""
     from hetserve.cost.analytic import CostModel
     from hetserve.sim import SimOptions, simulate
@@ -66,7 +69,8 @@ def capacity_rps(plan, cluster, spec, requests, efficiency, overhead) -> float:
 
     wl = Workload.from_lists("burst", [0.0] * len(requests), [len(r.prompt) for r in requests],
                              [r.max_tokens for r in requests])
-    res = simulate(plan, cluster, spec, wl, SimOptions(request_overhead_s=overhead, kv_capacity_tokens=16384),
+    res = simulate(plan, cluster, spec, wl, SimOptions(request_overhead_s=overhead, kv_capacity_tokens=16384,
+                                                       contention_slowdown=contention),
                    cost=CostModel(cluster, spec, efficiency))
     return len(requests) / float(res.t_finish.max())
 
@@ -85,7 +89,7 @@ def main() -> int:
 
     from hetserve.compare import CompareOptions, compare, simulate_side, table_of
     from hetserve.cost.analytic import load_efficiency
-    from hetserve.runtime.calibrate import load_request_overhead
+    from hetserve.runtime.calibrate import load_contention, load_request_overhead
     from hetserve.runtime.make_model import make_model
     from hetserve.serve.loadgen import requests_from_workload
     from hetserve.specs.cluster import load_cluster
@@ -96,6 +100,8 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-predict-"))
     (tmp / "cluster.yaml").write_text(CLUSTER)
     cluster = load_cluster(str(tmp / "cluster.yaml"))
+    (tmp / "cluster-baseline.yaml").write_text(CLUSTER_BASELINE)
+    cluster_baseline = load_cluster(str(tmp / "cluster-baseline.yaml"))
     model_dir = make_model(tmp / "tiny", "llama", layers=8, hidden=256, heads=4, kv_heads=2, ffn=768)
     cal = args.calibration
     if not cal:
@@ -104,7 +110,7 @@ def main() -> int:
         console.print(f"calibrating: hetserve calibrate --model {model_dir} -o {cal}")
         if cli(["calibrate", "--model", str(model_dir), "-o", cal]):
             return 1
-    efficiency, overhead = load_efficiency(cal), load_request_overhead(cal)
+    efficiency, overhead, contention = load_efficiency(cal), load_request_overhead(cal), load_contention(cal)
     import dataclasses
     spec = dataclasses.replace(load_model(model_dir), name="tiny")
     trace = load_workload("azure-conv").of_class("LPLD")
@@ -112,7 +118,7 @@ def main() -> int:
     cells = []
     for name in args.plans.split(","):
         plan = plans()[name]
-        cap = capacity_rps(plan, cluster, spec, base_requests, efficiency, overhead)
+        cap = capacity_rps(plan, cluster, spec, base_requests, efficiency, overhead, contention)
         for frac in (float(f) for f in args.fractions.split(",")):
             rate = frac * cap
             opts = CompareOptions(plan=plan, model_dir=str(model_dir), cluster=cluster, workload_class="LPLD",
@@ -120,8 +126,8 @@ def main() -> int:
                                   efficiency=cal)
             console.rule(f"{name} at {rate:.2f} req/s ({frac:.0%} of the simulated capacity {cap:.2f} req/s)")
             c = compare(opts)
-            plan_, cluster_, spec_, requests, cfg, pools, eff, ovh, served_summary = c.context
-            base = simulate_side(plan_, cluster_, spec_, requests, opts, cfg, pools, eff, 0.0,
+            plan_, cluster_, spec_, requests, cfg, pools, eff, ovh, served_summary, _ = c.context
+            base = simulate_side(plan_, cluster_baseline, spec_, requests, opts, cfg, pools, eff, 0.0,
                                  prefill_mode="prefill_first", token_budget=4096)
             steps = base.output_tokens > 1
             base_table = table_of(c.served, {"ttft_s": base.ttft, "e2e_s": base.e2e, "tpot_s": base.tpot[steps]},

@@ -88,7 +88,7 @@ def compare(opts: CompareOptions) -> Comparison:
     """Serve, replay, simulate; see the module docstring."""
     from hetserve.cost.analytic import load_efficiency
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.calibrate import load_request_overhead, machine_info
+    from hetserve.runtime.calibrate import load_contention, load_request_overhead, machine_info
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import replay, requests_from_workload, summarize
     from hetserve.specs.cluster import Cluster, load_cluster
@@ -126,7 +126,9 @@ def compare(opts: CompareOptions) -> Comparison:
 
     efficiency = load_efficiency(opts.efficiency) if opts.efficiency else None
     overhead = load_request_overhead(opts.efficiency) if opts.efficiency else 0.0
-    res = simulate_side(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead)
+    contention = load_contention(opts.efficiency) if opts.efficiency else 1.0
+    res = simulate_side(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead,
+                        contention_slowdown=contention)
     steps = res.output_tokens > 1
     simulated = {"ttft_s": res.ttft, "e2e_s": res.e2e, "tpot_s": res.tpot[steps]}
     table = table_of(served, simulated, summary["throughput_tokens_per_s"],
@@ -135,14 +137,14 @@ def compare(opts: CompareOptions) -> Comparison:
             "replicas": {r.id: r.role for r in plan.replicas}, "requests": len(requests),
             "workload": opts.workload, "workload_class": opts.workload_class, "rate": opts.rate,
             "router": opts.router, "route": opts.route, "efficiency": opts.efficiency,
-            "request_overhead_s": overhead, "kv_pools": pools, "token_budget": cfg.max_batched_tokens,
+            "request_overhead_s": overhead, "contention_slowdown": contention, "kv_pools": pools, "token_budget": cfg.max_batched_tokens,
             "max_num_seqs": cfg.max_num_seqs, "load_avg_1m": [round(load_before, 2), round(load_after, 2)],
             "machine": machine_info(),
             "served_source": "measured at the openai client on this machine",
             "simulated_source": ("cost model calibrated by " + opts.efficiency) if opts.efficiency
             else "cost model with default (uncalibrated) efficiency"}
     return Comparison(table, served, simulated, info,
-                      (plan, cluster, spec, requests, cfg, pools, efficiency, overhead, summary))
+                      (plan, cluster, spec, requests, cfg, pools, efficiency, overhead, summary, contention))
 
 
 def simulate_side(plan, cluster, spec, requests, opts: CompareOptions, cfg, pools: dict[str, int], efficiency,

@@ -56,6 +56,7 @@ class Calibration:
     efficiency: Efficiency
     points: tuple[CalibrationPoint, ...]
     request_overhead_s: float = 0.0  # HTTP + tokenisation + SSE per request, outside the engine
+    contention_slowdown: float = 1.0  # decode step time with one more busy CPU process / alone
     measured_on: dict = field(default_factory=dict)  # device, cores, date, load average
 
     @property
@@ -71,14 +72,32 @@ class Calibration:
         simulator also reads ``runtime.request_overhead_s`` from it (``load_request_overhead``)."""
         Path(path).write_text(json.dumps({
             "gpu": self.gpu, "efficiency": asdict(self.efficiency), "mean_abs_error": self.mean_abs_error,
-            "max_abs_error": self.max_abs_error, "runtime": {"request_overhead_s": self.request_overhead_s},
+            "max_abs_error": self.max_abs_error, "runtime": {"request_overhead_s": self.request_overhead_s,
+                                                           "contention_slowdown": self.contention_slowdown},
             "measured_on": self.measured_on, "points": [asdict(p) for p in self.points]}, indent=2) + "\n")
 
 
 def load_request_overhead(path: str | Path) -> float:
     """``runtime.request_overhead_s`` of a calibration file (0 when it has none)."""
+    return float(_runtime(path).get("request_overhead_s", 0.0))
+
+
+def load_contention(path: str | Path) -> float:
+    """``runtime.contention_slowdown`` of a calibration file (1 when it has none)."""
+    return max(1.0, float(_runtime(path).get("contention_slowdown", 1.0)))
+
+
+def _runtime(path: str | Path) -> dict:
     data = json.loads(Path(path).read_text())
-    return float(data.get("runtime", {}).get("request_overhead_s", 0.0)) if isinstance(data, dict) else 0.0
+    return data.get("runtime", {}) if isinstance(data, dict) else {}
+
+
+def _burn(stop) -> None:  # pragma: no cover - runs in a child process
+    """Keep one core busy (pure Python, one thread), as one more worker process computing would."""
+    x = 0
+    while not stop.is_set():
+        for i in range(20000):
+            x += i * i
 
 
 def machine_info() -> dict:
@@ -112,6 +131,7 @@ class Measurements:
     ttft: dict[int, float]  # prompt length -> median TTFT on the engine (s)
     tpot: dict[int, float]  # batch size -> median TPOT on the engine (s)
     http_ttft: dict[int, float] = field(default_factory=dict)  # prompt length -> median TTFT through HTTP
+    contention: float = 1.0  # TPOT of the largest decode probe beside one busy process / alone
     load_avg: list[float] = field(default_factory=list)  # 1-minute load average during the run
 
 
@@ -165,6 +185,30 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
                 for L, r in zip(prompt_lengths, replay(server.url, Path(model_dir).resolve().name, reqs,
                                                        ignore_eos=True)):
                     http_s[L].append(r.ttft_s)
+        # Contention: the largest decode probe again while one more process keeps a core busy (as a
+        # second worker slot of the same host would); the ratio to the probe alone is the slow-down.
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        stop = ctx.Event()
+        burner = ctx.Process(target=_burn, args=(stop,), daemon=True)
+        burner.start()
+        try:
+            b = max(batch_sizes)
+            alone = statistics.median(tpot_s[b])
+            busy = []
+            for _ in range(reps):
+                handles = [engine.submit(rng.integers(32, 127, 16).tolist(),
+                                         SamplingParams(max_tokens=decode_tokens, ignore_eos=True)) for _ in range(b)]
+                for h in handles:
+                    h.result(timeout=120)
+                busy.append(statistics.median(h.tpot for h in handles))
+            m.contention = max(1.0, statistics.median(busy) / alone)
+        finally:
+            stop.set()
+            burner.join(timeout=5)
+            if burner.is_alive():
+                burner.kill()
         m.ttft = {L: statistics.median(v) for L, v in ttft_s.items()}
         m.tpot = {b: statistics.median(v) for b, v in tpot_s.items()}
         m.http_ttft = {L: statistics.median(v) for L, v in http_s.items() if v}
@@ -178,7 +222,8 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
 
 def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, float],
         base: Efficiency | None = None, decode_prompt_tokens: int = 16, decode_tokens: int = 24,
-        http_ttft: dict[int, float] | None = None, measured_on: dict | None = None) -> Calibration:
+        http_ttft: dict[int, float] | None = None, measured_on: dict | None = None,
+        contention: float = 1.0) -> Calibration:
     """Solve for compute and memory efficiency and the per-iteration overhead (least squares on
     the log of predicted / measured over every point); the request overhead is the median of
     HTTP TTFT − engine TTFT over the prompt lengths measured both ways."""
@@ -212,7 +257,7 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
                    + [CalibrationPoint("decode", b, tpot[b], p) for b, p in zip(tpot, pred[len(ttft):])])
     common = [L for L in (http_ttft or {}) if L in ttft]
     overhead = max(0.0, statistics.median(http_ttft[L] - ttft[L] for L in common)) if common else 0.0
-    return Calibration(gpu_name, eff, points, overhead, measured_on or {})
+    return Calibration(gpu_name, eff, points, overhead, contention, measured_on or {})
 
 
 def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
@@ -221,4 +266,4 @@ def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
     info = machine_info()
     info["load_avg_1m"] = round(float(np.mean(m.load_avg)), 2) if m.load_avg else info["load_avg_1m"]
     return fit(model_dir, gpu_name, m.ttft, m.tpot, decode_tokens=kwargs.get("decode_tokens", 24),
-               http_ttft=m.http_ttft, measured_on=info)
+               http_ttft=m.http_ttft, measured_on=info, contention=m.contention)

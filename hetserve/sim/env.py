@@ -55,3 +55,6 @@ class ReplicaEnv(Protocol):
 
     def repredict(self, rid: int, generated: int) -> float:
         """``rid``'s predicted output, re-asked once it has outlived the prediction."""
+
+    def slowdown(self, replica) -> float:
+        """Factor on the work ``replica`` starts now (CPU worker slots sharing a host's cores)."""

@@ -235,6 +235,9 @@ class PipelineReplica(Replica):
         if rids:
             self._admit()
 
+    def busy_now(self) -> bool:
+        return any(self._busy_stage)
+
     # ------------------------------------------------------------------ MoLink's view
     def _timing(self, s: int, now: float) -> DecodeTiming:
         start, dur = self._exec[s]

@@ -73,6 +73,10 @@ class SimOptions:
     # What a served request spends outside the engine (HTTP, tokenisation, SSE; `hetserve calibrate`
     # measures it): it reaches the replicas this long after its arrival, and TTFT/E2E count it.
     request_overhead_s: float = 0.0
+    # CPU worker slots sharing a host's cores (cluster file `cpu_cores`): how much one worker slows
+    # down per other worker computing on its host at the same time (`hetserve calibrate` measures it;
+    # 1: only the cores' share, k busy workers on c cores run at c / k of their speed).
+    contention_slowdown: float = 1.0
     seed: int = 0
     policy_options: dict[str, Any] = field(default_factory=dict)  # PolicyContext.options (e.g. Aladdin's gamma)
     progress: bool = False
@@ -82,6 +86,8 @@ class SimOptions:
             raise ValueError("token_budget, chunk_tokens and max_batch must be positive")
         if self.prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}")
+        if self.contention_slowdown < 1:
+            raise ValueError("contention_slowdown must be at least 1")
         if self.request_overhead_s < 0:
             raise ValueError("request_overhead_s must be non-negative")
         if self.kv_block_tokens <= 0:
@@ -147,6 +153,7 @@ class Simulator:
                                 f"(KV capacity {rep.kv_capacity:.0f} tokens)")
             self.replicas.append(rep)
         self.by_id = {r.id: r for r in self.replicas}
+        self._set_hosts()
         self.entry = [r for r in self.replicas if r.role in ("prefill", "colocated")]
         if not self.entry:
             raise PlanError("plan has no prefill or colocated replica")
@@ -176,6 +183,31 @@ class Simulator:
         self.wall_s = 0.0
 
     # ------------------------------------------------------------------ setup helpers
+    def _set_hosts(self) -> None:
+        """Replicas on CPU worker slots (cluster ``cpu_cores``): their host and how many of their
+        workers compute at once (the widest TP group, times the stages kept busy by micro-batches)."""
+        self._on_host: dict[str, list[Replica]] = {}
+        for rep in self.replicas:
+            dev = self.cluster.devices[rep.layout.devices[0]]
+            if dev.cpu_cores is None:
+                continue
+            stages = rep.layout.stages
+            S = len(stages)
+            rep.host_cores = dev.cpu_cores
+            rep.concurrency = min(len(rep.layout.devices), max(s.tp for s in stages) * min(S, self.opts.micro_batches or S))
+            self._on_host.setdefault(dev.machine, []).append(rep)
+            rep.host = dev.machine
+
+    def slowdown(self, rep: Replica) -> float:
+        """Factor on the work ``rep`` starts now: k workers computing on its host's c cores (its own
+        and those of the other busy replicas there) run at max(k / c, 1 + (s − 1)(k − 1)) times their
+        time alone, s the measured slow-down per extra worker. 1 off CPU worker slots."""
+        host = getattr(rep, "host", None)
+        if host is None:
+            return 1.0
+        k = rep.concurrency + sum(o.concurrency for o in self._on_host[host] if o is not rep and o.busy_now())
+        return max(k / rep.host_cores, 1.0 + (self.opts.contention_slowdown - 1.0) * (k - 1), 1.0)
+
     def _set_capacity_norms(self) -> None:
         """Relative capacity per role: prefill by 1/TTFT at the mean prompt, decoders by tokens/s."""
         wl, c = self.workload, self.cost

@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(t)
     console.print(f"compute efficiency {cal.efficiency.compute:.3g}, memory efficiency {cal.efficiency.memory:.3g}, "
                   f"overhead {cal.efficiency.step_overhead_s * 1e3:.2f} ms per iteration, request overhead (HTTP, "
-                  f"tokenisation, SSE) {cal.request_overhead_s * 1e3:.2f} ms; fit error per point: mean "
+                  f"tokenisation, SSE) {cal.request_overhead_s * 1e3:.2f} ms, slow-down beside one more busy "
+                  f"process {cal.contention_slowdown:.2f}x; fit error per point: mean "
                   f"{cal.mean_abs_error:.0%}, worst {cal.max_abs_error:.0%}")
     if args.output:
         cal.save(args.output)

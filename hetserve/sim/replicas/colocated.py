@@ -71,6 +71,7 @@ class ColocatedReplica(Decoding):
             if rids:
                 now = self.loop.now
                 dur = self.cost.prefill_time(self.layout, PrefillBatch.of([self.req.inp[i] for i in rids]))
+                dur *= self.env.slowdown(self)
                 if self.trace is not None:
                     self.trace.append((now, now + dur, (), tuple(rids)))
                 self._pause()
@@ -129,6 +130,7 @@ class ColocatedReplica(Decoding):
         dur = self.cost.prefill_time(self.layout, pb)
         if b.size:
             dur = max(dur, self.cost.decode_step_time(self.layout, b.size, b.context, self.limits.micro_batches))
+        dur *= self.env.slowdown(self)
         now = self.loop.now
         if self.trace is not None:
             self.trace.append((now, now + dur, tuple(b.members), tuple(item[0] for item, _ in chunks)))

@@ -21,7 +21,8 @@ class Decoding(Replica):
         super().__init__(env, index, spec, layout)
         mb = self.limits.micro_batches
         step = self.cost.decode_step_time
-        self.batch = DecodeBatch(lambda b, c: step(layout, b, c, mb))
+        self._slow = 1.0  # host contention on the running segment (env.slowdown at its start)
+        self.batch = DecodeBatch(lambda b, c: step(layout, b, c, mb) * self._slow)
         self.max_batch = self.limits.max_batch
         self.admitted = 0  # holding a KV reservation and not finished
         self._version = 0
@@ -80,7 +81,9 @@ class Decoding(Replica):
     def _start_segment(self) -> None:
         if self.batch.size == 0:
             return
-        end = self.batch.start(self.loop.now, self.kv.segment_limit())
+        limit = self.kv.segment_limit()
+        self._slow = self.env.slowdown(self)
+        end = self.batch.start(self.loop.now, limit)
         self._version += 1
         self._next = end
         self.loop.schedule(end, Priority.WORK, self._on_boundary, (self._version, self.batch.k))
@@ -111,7 +114,7 @@ class Decoding(Replica):
         if not take:
             return False
         now = self.loop.now
-        dur = self.cost.prefill_time(self.layout, PrefillBatch.of([n for _, n in take]))
+        dur = self.cost.prefill_time(self.layout, PrefillBatch.of([n for _, n in take])) * self.env.slowdown(self)
         self._pause()
         self._busy(now, now + dur)
         self.loop.schedule(now + dur, Priority.WORK, self._on_recomputed, [rid for rid, _ in take])
@@ -128,6 +131,9 @@ class Decoding(Replica):
 
     def _after_boundary(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def busy_now(self) -> bool:
+        return self.batch.active or self._paused
 
     def _generated_sum(self) -> float:
         return self.batch.generated(self.loop.now)

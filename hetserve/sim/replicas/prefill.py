@@ -84,11 +84,12 @@ class PrefillReplica(Replica):
         self.running_tokens += tokens
         self._kv_add(held)
         batch = PrefillBatch.of(lengths)
+        slow = self.env.slowdown(self)
         t = now
         stages = self.layout.stages
         for i, (stage, last) in enumerate(self._stages):
             start = t if t > self._free[i] else self._free[i]
-            end = start + self.cost.stage_prefill_time(stage, batch, last)
+            end = start + self.cost.stage_prefill_time(stage, batch, last) * slow
             self._free[i] = end
             t = end if last else end + self.cost.pp_handoff_time(stage, stages[i + 1], tokens)
         self._busy(now, t)
@@ -107,6 +108,10 @@ class PrefillReplica(Replica):
         for rid in rids:
             del self._in_prefill[rid]
             self.env.prefill_done(rid, self)
+
+    def busy_now(self) -> bool:
+        now = self.loop.now
+        return any(f > now for f in self._free)
 
     def state(self, with_requests: bool = False) -> ReplicaState:
         reqs = ()

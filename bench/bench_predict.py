@@ -8,7 +8,8 @@ Plans (a tiny random-weight Llama, 8 layers, hidden 256, 4 heads, 2 KV heads; CP
 - ``prefill-decode``  prefill replica on one slot -> decode replica on another (KV hand-off)
 - ``pipeline-2``      one colocated replica, two pipeline stages of TP 1 (layers 0-4, 4-8)
 
-Rates per plan: *light* = 20 % and *near saturation* = 80 % of the plan's capacity, the capacity
+The cost model is calibrated again before each plan (``--calibrate-once``: only at the start), so the
+calibration sees the load its served cells see. Rates per plan: *light* = 20 % and *near saturation* = 80 % of the plan's capacity, the capacity
 being the simulator's throughput in requests/s for a burst of the same requests (calibrated cost
 model). Each cell serves the plan, replays the requests (Azure conversation, LPLD class, prompts
 <= 128 tokens, outputs <= 32 tokens, ``ignore_eos``) through the ``openai`` client, and simulates
@@ -82,6 +83,9 @@ def main() -> int:
     ap.add_argument("--plans", default="asym-colocated,prefill-decode,pipeline-2")
     ap.add_argument("--fractions", default="0.2,0.8", help="rates as fractions of the simulated capacity")
     ap.add_argument("--json", help="write every cell here")
+    ap.add_argument("--calibrate-once", action="store_true",
+                    help="one calibration at the start (default: calibrate again before each plan, so the "
+                         "calibration sees the load the served cells see on a shared machine)")
     args = ap.parse_args()
 
     from rich.console import Console
@@ -103,14 +107,16 @@ def main() -> int:
     (tmp / "cluster-baseline.yaml").write_text(CLUSTER_BASELINE)
     cluster_baseline = load_cluster(str(tmp / "cluster-baseline.yaml"))
     model_dir = make_model(tmp / "tiny", "llama", layers=8, hidden=256, heads=4, kv_heads=2, ffn=768)
-    cal = args.calibration
-    if not cal:
-        from hetserve.cli.main import main as cli
-        cal = str(tmp / "calibration.json")
-        console.print(f"calibrating: hetserve calibrate --model {model_dir} -o {cal}")
-        if cli(["calibrate", "--model", str(model_dir), "-o", cal]):
-            return 1
-    efficiency, overhead, contention = load_efficiency(cal), load_request_overhead(cal), load_contention(cal)
+    from hetserve.cli.main import main as cli
+
+    def calibrate(name: str) -> str:
+        path = str(tmp / f"calibration-{name}.json")
+        console.print(f"calibrating: hetserve calibrate --model {model_dir} -o {path}")
+        if cli(["calibrate", "--model", str(model_dir), "-o", path]):
+            raise SystemExit(1)
+        return path
+
+    cal = args.calibration or calibrate("start")
     import dataclasses
     spec = dataclasses.replace(load_model(model_dir), name="tiny")
     trace = load_workload("azure-conv").of_class("LPLD")
@@ -118,6 +124,9 @@ def main() -> int:
     cells = []
     for name in args.plans.split(","):
         plan = plans()[name]
+        if not args.calibration and not args.calibrate_once and name != args.plans.split(",")[0]:
+            cal = calibrate(name)
+        efficiency, overhead, contention = load_efficiency(cal), load_request_overhead(cal), load_contention(cal)
         cap = capacity_rps(plan, cluster, spec, base_requests, efficiency, overhead, contention)
         for frac in (float(f) for f in args.fractions.split(",")):
             rate = frac * cap
@@ -134,10 +143,11 @@ def main() -> int:
                                   served_summary["throughput_tokens_per_s"],
                                   base.summary()["throughput_tokens_per_s"])
             cells.append({"plan": name, "rate": rate, "fraction": frac, "load_avg_1m": c.info["load_avg_1m"],
+                          "calibration": cal,
                           "table": c.table, "baseline_table": base_table})
     t = Table("plan", "rate", "load", "metric", "served", "sim", "sim/served", "±15%", "baseline/served",
-              title=f"simulator vs served on {cells[0]['table'] and 'this machine'} ({args.requests} requests per cell; "
-                    f"calibration {cal})")
+              title=f"simulator vs served on this machine ({args.requests} requests per cell; calibrated "
+                    f"{'once' if args.calibration or args.calibrate_once else 'before each plan'})")
     hits = total = base_hits = 0
     for cell in cells:
         for m in METRICS:

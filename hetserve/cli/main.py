@@ -38,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # a refused option (one line already printed), --help or --version
+        return int(exc.code or 0)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -54,7 +54,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None):
 
     def count_client_error(path: str, err) -> None:
         if 400 <= err.status < 500:
-            c.metrics.requests.labels(_ENDPOINTS.get(path, path), "rejected").inc()
+            c.metrics.requests.labels(_ENDPOINTS.get(path, "other"), "rejected").inc()  # bounded labels
 
     install_error_handlers(app, on_error=count_client_error)
     app.state.coordinator = coordinator

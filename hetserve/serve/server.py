@@ -43,8 +43,11 @@ def _draining_server(config, coordinator, drain_timeout_s: float):
             await super().serve(sockets)
 
         def handle_exit(self, sig, frame):
-            if self._draining or self._loop is None:
-                return super().handle_exit(sig, frame)  # a second signal, or before start-up: stop now
+            if self._loop is None:
+                return super().handle_exit(sig, frame)  # before start-up: uvicorn's own handling
+            if self._draining:  # a second signal: stop now (not re-raised at exit, so the CLI still cleans up)
+                self.should_exit = self.force_exit = True
+                return
             self._draining = True
             self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
 

@@ -30,6 +30,7 @@ from collections import deque
 from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import DecodeTiming, ReplicaState, RunningRequest
 from hetserve.policies.batching import StepBuilder, kv_reservation
+from hetserve.policies.transmission import round_trip_time
 from hetserve.sim.batch import DecodeBatch
 from hetserve.sim.events import Priority
 from hetserve.sim.replicas.base import Replica
@@ -78,8 +79,6 @@ class PipelineReplica(Replica):
         self._busy_stage = [False] * S
         self._exec = [(None, 0.0)] * S  # (start, duration) of the decode item running per stage
         self._first_done = [None] * S  # when group 0's latest decode item finished per stage
-        self._round_trip = [0.0] * S
-        self._last_seen = [None] * S  # when group 0's decode item last started per stage
         net = env.network
         self._hops = []
         nb = 1e6
@@ -89,6 +88,7 @@ class PipelineReplica(Replica):
             link = net.link(d, e)
             link.decode_timing = (lambda now, s=s: self._timing(s, now))
             self._hops.append((d, e))
+        self._hop_links = [self.cost.cluster.link(d, e) for d, e in self._hops]  # (latency s, bytes/s)
         self._act_bytes = env.activation_bytes  # per token
 
     # ------------------------------------------------------------------ admission
@@ -176,10 +176,6 @@ class PipelineReplica(Replica):
         else:
             dur = self.cost.stage_decode_time(stage, item.size, item.context, last)
             self._exec[s] = (now, dur)
-            if item.group == 0:
-                if self._last_seen[s] is not None:
-                    self._round_trip[s] = max(0.0, now - self._last_seen[s] - dur)
-                self._last_seen[s] = now
         self._busy_stage[s] = True
         self._busy(now, now + dur)
         self.loop.schedule(now + dur, Priority.WORK, self._done, (s, item))
@@ -241,7 +237,20 @@ class PipelineReplica(Replica):
     # ------------------------------------------------------------------ MoLink's view
     def _timing(self, s: int, now: float) -> DecodeTiming:
         start, dur = self._exec[s]
-        return DecodeTiming(start, dur, self._first_done[s], self._round_trip[s])
+        return DecodeTiming(start, dur, self._first_done[s], self._round_trip())
+
+    def _round_trip(self) -> float:
+        """T_o + T_m of MoLink §4.2 for group 0 (B1) as it is now: its decode compute on every
+        stage plus its activations (token ids on the closing hop) over every hop of the ring,
+        priced by the cost model and the links — what the paper adds to t_p in case 3."""
+        g = self.groups[0].batch
+        size = max(1, g.size)
+        ctx = g.context if g.size else 0.0
+        stages = self.layout.stages
+        times = [self.cost.stage_decode_time(st, size, ctx, i == len(stages) - 1) for i, st in enumerate(stages)]
+        lat = [la for la, _ in self._hop_links]
+        bw = [b for _, b in self._hop_links]
+        return round_trip_time(times, lat, bw, self._act_bytes, TOKEN_ID_BYTES, size)
 
     # ------------------------------------------------------------------ snapshot
     def state(self, with_requests: bool = False) -> ReplicaState:

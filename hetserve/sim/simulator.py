@@ -79,6 +79,10 @@ class SimOptions:
     contention_slowdown: float = 1.0
     seed: int = 0
     policy_options: dict[str, Any] = field(default_factory=dict)  # PolicyContext.options (e.g. Aladdin's gamma)
+    # the link model's calibration knobs (hetserve.policies.links): seconds added per message, and
+    # the share of a resource's capacity lost per extra competing send (0, 0: the plain model)
+    link_overhead_s: float = 0.0
+    link_competing_penalty: float = 0.0
     progress: bool = False
 
     def __post_init__(self) -> None:
@@ -134,7 +138,9 @@ class Simulator:
         self.activation_bytes = model.hidden * model.dtype_bytes
         self.loop = EventLoop()
         self.req = RequestTable(workload)
-        self.network = Network(cluster.latency, cluster.bandwidth, transmission_factory(opts.transmission), self.loop)
+        self.network = Network(cluster.latency, cluster.bandwidth, transmission_factory(opts.transmission), self.loop,
+                               paths=cluster.path, overhead_s=opts.link_overhead_s,
+                               competing_penalty=opts.link_competing_penalty)
         self.layouts = {r.id: r.layout(cluster) for r in plan.replicas}
         self.replicas: list[Replica] = []
         kinds = {"prefill": PrefillReplica, "decode": DecodeReplica, "colocated": ColocatedReplica}
@@ -276,8 +282,10 @@ class Simulator:
                                                                      ("route", self.router))
                                    if isinstance(st := getattr(pol, "stats", None), dict)},
                   "events": self.loop.events, "wall_s": self.wall_s,
-                  "links": {f"{a}->{b}": {"bytes": l.bytes_sent, "busy_s": l.busy_s, "messages": l.messages}
-                            for (a, b), l in sorted(links.items())} if len(links) <= 64 else {}})
+                  # per sending resource (NIC out, or a private in-box pair) of the shared link model
+                  "links": {name: {"bytes": sum(q.bytes_sent.values()), "busy_s": q.busy_s,
+                                   "messages": sum(q.messages.values())}
+                            for name, q in sorted(links.items())} if len(links) <= 64 else {}})
 
     # ------------------------------------------------------------------ ReplicaEnv
     def first_token(self, rid: int) -> None:

@@ -146,7 +146,7 @@ class ModelSpec:
         except OSError as exc:
             raise SpecError(src, "(file)", "a readable config.json", exc.strerror) from exc
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise SpecError(src, "(file)", "valid UTF-8 JSON", str(exc)) from exc
+            raise SpecError(src, "(file)", "valid JSON (UTF-8 text)", str(exc)) from exc
         if not isinstance(cfg, dict):
             raise SpecError(src, "(top level)", "a JSON object")
         model_type = cfg.get("model_type")
@@ -192,6 +192,9 @@ MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
     # Qwen-7B shapes (hidden 4096, 32 layers, FFN 11008 per matrix, 151,936 vocab); counted as
     # the Qwen2 family (biases on Q, K, V), as transformers loads it.
     ModelSpec("qwen-7b", "qwen2", 32, 4096, 32, 32, 11008, 151936, 8192),
+    # Qwen2-7B (the model MoLink evaluates), from Qwen/Qwen2-7B config.json: 28 layers, hidden
+    # 3584, 28 heads with 4 KV heads (GQA), intermediate 18944, vocab 152064, untied embeddings.
+    ModelSpec("qwen2-7b", "qwen2", 28, 3584, 28, 4, 18944, 152064, 131072),
 )}
 
 

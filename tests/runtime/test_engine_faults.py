@@ -59,7 +59,7 @@ def test_frozen_worker_is_declared_dead_and_the_last_death_fails_cleanly(model_d
     from hetserve.runtime.engine import Engine, EngineConfig
 
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    config = EngineConfig(kv_capacity_tokens=4096, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0)
+    config = EngineConfig(kv_capacity_tokens=4096, heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0)
     eng = Engine.from_plan(two_colocated_plan(), cluster_file, model_dirs["llama"], config)
     try:
         want = eng.generate(PROMPTS, params, timeout=60)

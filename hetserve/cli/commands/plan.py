@@ -7,6 +7,8 @@ from pathlib import Path
 
 from hetserve.errors import PlanError
 
+BUSIEST_RESOURCES = 4  # shared NICs / pipes printed under a plan
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -42,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hetserve.cost.analytic import load_efficiency
     from hetserve.planner import ALGORITHMS, PlanOptions, validate_plan
+    from hetserve.planner.traffic import network_warnings
     from hetserve.specs.cluster import load_cluster
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import load_workload
@@ -70,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
                                   efficiency=load_efficiency(args.efficiency) if args.efficiency else None)
             plan = ALGORITHMS[name](cluster, model, workload, options)
         validate_plan(plan, cluster, model)
+        for w in network_warnings(plan, cluster, model):
+            console.print(f"[yellow]warning[/]: {name}: {w}")
         plans.append(plan)
     if len(plans) == 1:
         print_plan(console, plans[0])
@@ -137,6 +142,12 @@ def print_plan(console, plan) -> None:
         + (f"${usd:,.2f}/hour ({e.get('tokens_per_usd', 0):,.0f} tokens/$)" if usd is not None else "price unknown")
         + (f"; search {search.get('wall_s', 0):.1f} s, {search.get('iterations', 0)} iterations "
            f"({search.get('stopped_by')})" if search else ""))
+    network = e.get("network") or {}
+    if network:
+        busiest = list(network.items())[:BUSIEST_RESOURCES]
+        console.print("busiest shared links (planned / capacity): " + "; ".join(
+            f"{name} {v['planned_gbps']:.3g}/{v['capacity_gbps']:.3g} Gbit/s ({v['utilisation']:.0%})"
+            for name, v in busiest))
     if e.get("notes"):
         console.print(f"note: {e['notes']}")
 

@@ -11,6 +11,7 @@ latency_cdf.png under ``-o``; prints a table either way.
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 
 from hetserve.policies.batching import DEFAULT_BATCHING
@@ -100,10 +101,10 @@ def run(args: argparse.Namespace) -> int:
         wl = wl.within_context(model.max_context)
     elif over:
         worst = int((wl.input_tokens + wl.output_tokens).max())
-        Console(stderr=True).print(
+        print(
             f"warning: {over} of {len(wl)} requests of {args.workload} exceed {model.name}'s context of "
             f"{model.max_context} tokens (prompt + output; the longest has {worst}); simulated as given — "
-            "--within-context drops them", highlight=False)
+            "--within-context drops them", file=sys.stderr)
     if len(wl) == 0:
         raise SpecError(args.workload, "(requests)", "at least one request after filtering")
     try:

@@ -2,10 +2,47 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Callable
+
 from hetserve.cost.layout import ReplicaLayout
 from hetserve.planner.plan import PlanReplica
-from hetserve.policies.base import ReplicaState
+from hetserve.policies.base import ReplicaState, RunningRequest
 from hetserve.sim.env import ReplicaEnv
+
+
+class LazyRequests(Sequence):
+    """A snapshot's per-request views, built on first access. A policy that decides on the
+    snapshot's totals (Aladdin's screen rules out an overloaded worker in O(1)) never pays for
+    the views of a long queue, which keeps a simulation linear in requests under overload.
+
+    The views describe the moment of the decision: built later (after the event loop has moved
+    on) they would describe another moment, so that raises. A policy that keeps a snapshot past
+    its decision copies the views (``tuple(state.requests)``) while deciding."""
+
+    __slots__ = ("_build", "_items", "_loop", "_stamp")
+
+    def __init__(self, build: Callable[[], tuple[RunningRequest, ...]], loop):
+        self._build = build
+        self._items: tuple[RunningRequest, ...] | None = None
+        self._loop, self._stamp = loop, loop.events
+
+    def _get(self) -> tuple[RunningRequest, ...]:
+        if self._items is None:
+            if self._loop.events != self._stamp:
+                raise RuntimeError("a snapshot's request views were first read after its decision; "
+                                   "copy them (tuple(state.requests)) while deciding")
+            self._items = tuple(self._build())
+        return self._items
+
+    def __getitem__(self, i):
+        return self._get()[i]
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __iter__(self):
+        return iter(self._get())
 
 
 class Replica:

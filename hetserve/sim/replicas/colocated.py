@@ -74,7 +74,7 @@ class ColocatedReplica(Decoding):
                 dur *= self.env.slowdown(self)
                 if self.trace is not None:
                     self.trace.append((now, now + dur, (), tuple(rids)))
-                self._pause()
+                self._pause(now + dur)
                 self._prefilling = rids
                 self._busy(now, now + dur)
                 self.loop.schedule(now + dur, Priority.WORK, self._on_prefill_done, rids)
@@ -134,7 +134,7 @@ class ColocatedReplica(Decoding):
         now = self.loop.now
         if self.trace is not None:
             self.trace.append((now, now + dur, tuple(b.members), tuple(item[0] for item, _ in chunks)))
-        self._pause()
+        self._pause(now + dur)
         self._busy(now, now + dur)
         self.loop.schedule(now + dur, Priority.WORK, self._on_mixed_done, chunks)
         return True
@@ -169,4 +169,5 @@ class ColocatedReplica(Decoding):
                                             else self.pred_sum)
         return ReplicaState(self.id, "colocated", queued, b.size, self.queued_tokens, outstanding,
                             self._context_now(), int(self.kv_used), int(self.kv_capacity),
-                            self._requests() if with_requests else (), self.capacity_norm)
+                            self._snapshot_requests(with_requests), self.capacity_norm, self._prefill_wait(),
+                            self.loop.now - self.req.arrival[self.waiting[0]] if self.waiting else 0.0)

@@ -67,4 +67,4 @@ class DecodeReplica(Decoding):
         outstanding = max(0.0, self.pred_sum - self._generated_sum()) if b.size else self.pred_sum
         return ReplicaState(self.id, "decode", queued, b.size, 0, outstanding, self._context_now(),
                             int(self.kv_used), int(self.kv_capacity),
-                            self._requests() if with_requests else (), self.capacity_norm)
+                            self._snapshot_requests(with_requests), self.capacity_norm)

@@ -12,7 +12,7 @@ from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import RunningRequest
 from hetserve.sim.batch import DecodeBatch
 from hetserve.sim.events import Priority
-from hetserve.sim.replicas.base import Replica
+from hetserve.sim.replicas.base import LazyRequests, Replica
 from hetserve.sim.replicas.kv import make_kv_admission
 
 
@@ -28,6 +28,7 @@ class Decoding(Replica):
         self._version = 0
         self._next: float | None = None  # time of the boundary event now scheduled
         self._paused = False  # a prefill (or mixed iteration) is running; boundaries wait for it
+        self._paused_until = 0.0  # when the running prefill (mixed iteration, recompute) ends
         self.pred_sum = 0.0  # Σ predicted output of admitted requests
         self.kv = make_kv_admission(self, self.limits.paged)
         # When a list: (start, end, decode rids, prompt rids) per iteration, in order (tests compare
@@ -54,11 +55,12 @@ class Decoding(Replica):
         self._next = t
         self.loop.schedule(t, prio, self._on_boundary, (self._version, j))
 
-    def _pause(self) -> None:
-        """A prefill (or mixed iteration, or recompute) starts at a boundary: decoding waits for it,
-        and a boundary event already scheduled (e.g. by an admission a moment ago) is void — the
-        pause's own end re-runs ``_after_boundary``."""
+    def _pause(self, until: float) -> None:
+        """A prefill (or mixed iteration, or recompute) starts at a boundary and runs until
+        ``until``: decoding waits for it, and a boundary event already scheduled (e.g. by an
+        admission a moment ago) is void — the pause's own end re-runs ``_after_boundary``."""
         self._paused = True
+        self._paused_until = until
         self._version += 1
         self._next = None
 
@@ -115,7 +117,7 @@ class Decoding(Replica):
             return False
         now = self.loop.now
         dur = self.cost.prefill_time(self.layout, PrefillBatch.of([n for _, n in take])) * self.env.slowdown(self)
-        self._pause()
+        self._pause(now + dur)
         self._busy(now, now + dur)
         self.loop.schedule(now + dur, Priority.WORK, self._on_recomputed, [rid for rid, _ in take])
         return True
@@ -160,6 +162,20 @@ class Decoding(Replica):
     def _not_started(self):  # pragma: no cover - overridden
         """(rid, tokens generated so far) of the requests placed here and not in the batch."""
         return ()
+
+    def _prefill_wait(self) -> float:
+        """Seconds until a prefill could start here: the rest of the prefill (mixed iteration,
+        recompute) now running, or of the decode iteration now running (prefill waits for its
+        boundary); 0 when idle."""
+        now, b = self.loop.now, self.batch
+        if self._paused:
+            return max(0.0, self._paused_until - now)
+        if b.active:
+            return max(0.0, b.t0 + b.elapsed(b.boundary_at_or_after(now)) - now)
+        return 0.0
+
+    def _snapshot_requests(self, with_requests: bool):
+        return LazyRequests(self._requests, self.loop) if with_requests else ()
 
     def _context_now(self) -> int:
         b = self.batch

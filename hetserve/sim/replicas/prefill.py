@@ -13,7 +13,7 @@ from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import ReplicaState, RunningRequest
 from hetserve.policies.batching import StepBuilder, kv_reservation
 from hetserve.sim.events import Priority
-from hetserve.sim.replicas.base import Replica
+from hetserve.sim.replicas.base import LazyRequests, Replica
 
 
 class PrefillReplica(Replica):
@@ -117,8 +117,9 @@ class PrefillReplica(Replica):
         reqs = ()
         if with_requests:
             r = self.req
-            reqs = tuple(RunningRequest(rid, r.inp[rid], 0, r.pred[rid], 0.0, started=False)
-                         for rid in (*self._in_prefill, *self.queue))
+            reqs = LazyRequests(lambda: tuple(RunningRequest(rid, r.inp[rid], 0, r.pred[rid], 0.0, started=False)
+                                              for rid in (*self._in_prefill, *self.queue)), self.loop)
         return ReplicaState(self.id, "prefill", len(self.queue), self.running, self.queued_tokens,
                             float(self.queued_tokens + self.running_tokens), 0, int(self.kv_used), 0,
-                            reqs, self.capacity_norm)
+                            reqs, self.capacity_norm, max(0.0, self._free[0] - self.loop.now),
+                            self.loop.now - self.req.arrival[self.queue[0]] if self.queue else 0.0)

@@ -276,7 +276,7 @@ class Coordinator:
         self._last_poll = now
         for name, code in self.workers.exited():
             if name not in self.workers.dead:  # an earlier death this round may have taken its replica
-                self._on_worker_death(name, f"died with exit code {code}")
+                self._on_worker_death(name, self.workers.exit_reason(name, code))
         for name in self.workers.procs:
             silent = now - self.last_beat.get(name, now)
             if name not in self.workers.dead and silent > self.heartbeat_timeout_s:

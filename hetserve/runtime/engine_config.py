@@ -34,6 +34,9 @@ class EngineConfig:
     heartbeat_interval_s: float = 0.5  # each worker reports it is alive this often
     heartbeat_timeout_s: float = 3.0  # silent this long (a hung or SIGSTOPped worker): declared dead
     max_reruns: int = 3  # a request whose replica died is re-run on a live one at most this many times
+    # the address the engine's endpoint and TP rendezvous store bind and advertise to the workers: one
+    # address their nodes can reach, never all interfaces; None: 127.0.0.1 (the Ray backend: its node IP)
+    host: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_batched_tokens < 1:
@@ -53,6 +56,10 @@ class EngineConfig:
             raise ValueError(f"max_reruns must be >= 0, got {self.max_reruns}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.host is not None:
+            from hetserve.runtime.rendezvous import check_bind_address
+
+            check_bind_address(self.host, "host")
 
 
 def kv_capacity(layout: tuple[ReplicaSpec, ...], cluster: Cluster, arch: ArchConfig, dtype: str,

@@ -44,6 +44,9 @@ class ServeOptions:
     slo_tpot_s: float | None = None
     engine_options: dict[str, Any] = field(default_factory=dict)  # extra EngineConfig fields
     ray_address: str | None = None  # connect to a running Ray cluster; None: start one locally
+    # where the engine's endpoint and TP rendezvous store listen, reachable from every worker's node;
+    # None: 127.0.0.1 (local backend) or this machine's Ray node IP (ray backend). Never all interfaces.
+    advertise_address: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -54,6 +57,10 @@ class ServeOptions:
             raise ValueError(f"time_scale must be positive, got {self.time_scale}")
         if not self.model_dir:
             raise ValueError("model_dir is required (a checkpoint folder; see `hetserve make-model`)")
+        if self.advertise_address is not None:
+            from hetserve.runtime.rendezvous import check_bind_address
+
+            check_bind_address(self.advertise_address, "--advertise-address")
 
 
 class Deployment:
@@ -139,15 +146,16 @@ def build(opts: ServeOptions) -> Deployment:
                                  stats_dir=stats_dir)
     config = EngineConfig(**{"max_num_seqs": opts.max_num_seqs, "max_batched_tokens": opts.max_batched_tokens,
                              "kv_capacity_tokens": opts.kv_capacity_tokens, "micro_batches": opts.micro_batches,
-                             **opts.engine_options})
+                             "host": opts.advertise_address, **opts.engine_options})
     ray_session = None
     try:
         if opts.backend == "ray":
             from hetserve.runtime.ray_backend import RaySession, start_ray_engine
 
-            ray_session = RaySession.start(cluster, address=opts.ray_address)
+            ray_session = RaySession.start(cluster, address=opts.ray_address, node_ip_address=opts.advertise_address)
+            # a private one-node Ray hosts every machine on loopback: the cluster file's addresses don't apply
             engine = start_ray_engine(plan, cluster, opts.model_dir, config, link_scheduler=links,
-                                      route_policy=routes)
+                                      machine_addresses={} if ray_session.private else None, route_policy=routes)
         else:
             engine = Engine.from_plan(plan, cluster, opts.model_dir, config, link_scheduler=links,
                                       route_policy=routes)

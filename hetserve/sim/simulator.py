@@ -215,12 +215,19 @@ class Simulator:
         return max(k / rep.host_cores, 1.0 + (self.opts.contention_slowdown - 1.0) * (k - 1), 1.0)
 
     def _set_capacity_norms(self) -> None:
-        """Relative capacity per role: prefill by 1/TTFT at the mean prompt, decoders by tokens/s."""
+        """Relative capacity per role: the plan's own share where its estimate has one (requests
+        per period each replica was planned to serve: what the planner's throughput assumes),
+        else prefill by 1/TTFT at the mean prompt, decoders by tokens/s."""
         wl, c = self.workload, self.cost
         mi, mo = max(1.0, wl.mean_input), max(1.0, wl.mean_output)
+        planned = self.plan.estimate.get("replicas", {}) if isinstance(self.plan.estimate, dict) else {}
         raw = {}
         for r in self.replicas:
-            if r.role == "prefill":
+            share = planned.get(r.id, {})
+            share = share.get("flow_requests_per_period", share.get("capacity_requests_per_period"))
+            if isinstance(share, (int, float)) and share > 0:
+                raw[r.id] = float(share)
+            elif r.role == "prefill":
                 raw[r.id] = 1.0 / c.ttft(r.layout, round(mi))
             else:
                 raw[r.id] = c.decode_throughput(r.layout, mi, mo)[1] or 1e-9

@@ -35,10 +35,12 @@ from typing import Any
 import torch
 
 from hetserve.errors import RuntimeFailure
+from hetserve.policies.base import RequestInfo
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.routing import KVRoutePolicy
 from hetserve.runtime.scheduler import ReplicaScheduler
 from hetserve.runtime.sequence import Sequence, Status
+from hetserve.runtime.snapshot import replica_snapshots, state_from_stats
 from hetserve.runtime.transport import Message, Priority, SocketTransport
 from hetserve.runtime.worker_group import WorkerGroup, last_line
 
@@ -74,6 +76,9 @@ class Coordinator:
         # elastic re-plan: start-up messages of workers being added go here (Engine.reconfigure reads them)
         self.joining: queue.Queue | None = None
         self.replans: list[dict[str, Any]] = []
+        # When a list: ("arrive", seq id) per submission handled and ("step", replica, decode ids,
+        # prompt ids) per step started, in order (tests compare it with the simulator's steps).
+        self.trace: list[tuple] | None = None
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -121,6 +126,8 @@ class Coordinator:
                 if seq.pinned is not None and not self.schedulers[seq.pinned].alive:
                     seq.pinned = None  # placed on a replica that died meanwhile: any live one will do
                 self.seqs[seq.id] = seq
+                if self.trace is not None:
+                    self.trace.append(("arrive", seq.id))
                 (self.schedulers[seq.pinned].pinned if seq.pinned else self.waiting).append(seq)
         elif kind == "abort":
             self._on_abort(msg.meta["id"])
@@ -175,9 +182,15 @@ class Coordinator:
             return
         alive = [r for r, s in self.schedulers.items() if s.alive and s.role == "decode"]
         blocked: set[str] = set()
+        states = None
         for seq in list(self.handoff_queue):
             if seq.dst is None or seq.dst not in alive:
-                seq.dst = self.route_policy.choose(seq.replica, alive)
+                if states is None:  # the decode replicas as the route policy sees them (as in the simulator)
+                    snaps = replica_snapshots({r: self.schedulers[r] for r in alive}, self._in_handoff())
+                    states = {r: state_from_stats(r, {"role": "decode", "state": snaps[r]}) for r in alive}
+                now = time.monotonic()
+                info = RequestInfo(seq.id, seq.handle.arrival_time, len(seq.prompt), float(seq.params.max_tokens))
+                seq.dst = self.route_policy.choose(info, seq.replica, alive, states, now)
             dst = self.schedulers[seq.dst]
             if seq.dst in blocked or not dst.blocks.can_allocate(seq.reserve_tokens):
                 blocked.add(seq.dst)
@@ -228,6 +241,9 @@ class Coordinator:
         priority = Priority.DECODE if all(q == 1 and s.num_cached for q, s in zip(q_lens, batch)) else Priority.PREFILL
         meta = {"step": step_id, "seqs": entries, "handoffs": [], "priority": int(priority)}
         sched.start(step_id, batch)
+        if self.trace is not None:
+            self.trace.append(("step", sched.id, tuple(q.id for q in batch if q.num_cached),
+                               tuple(q.id for q in batch if not q.num_cached)))
         self.steps[step_id] = (sched.id, batch, q_lens)
         self.transport.send(self.replicas[sched.id].entry,
                             Message("step", meta, {"input_ids": torch.tensor(input_ids, dtype=torch.long)}), priority)
@@ -365,8 +381,8 @@ class Coordinator:
         for spec, sched in zip(meta["replicas"], meta["schedulers"]):
             self.replicas[spec.id] = spec
             self.schedulers[spec.id] = sched
-        if meta.get("routes") is not None and hasattr(self.route_policy, "weights"):
-            self.route_policy.weights = meta["routes"]
+        if hasattr(self.route_policy, "plan"):  # PlanRoutes: the new plan's KV routes
+            self.route_policy.plan = meta["plan"]
         alive = [s for s in self.schedulers.values() if s.alive]
         if any(s.serves_prefill for s in alive) and any(s.serves_decode for s in alive):
             self.broken = None  # the re-planned deployment can serve again
@@ -419,3 +435,8 @@ class Coordinator:
             "replicas": {rid: s.stats() for rid, s in self.schedulers.items()},
             "reruns": sum(d["requests"] for d in self.deaths), "deaths": list(self.deaths),
         }
+        for rid, snap in replica_snapshots(self.schedulers, self._in_handoff()).items():
+            self.stats["replicas"][rid]["state"] = snap
+
+    def _in_handoff(self) -> list[Sequence]:
+        return [*self.handoff_queue, *self.handoffs.values()]

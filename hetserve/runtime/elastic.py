@@ -101,12 +101,9 @@ def reconfigure(engine, plan: Plan, cluster: Cluster) -> dict[str, Any]:
             coord.joining = None
     t_started = time.monotonic()
 
-    routes: dict[str, dict[str, float]] = {}
-    for k in merged.kv_routes:
-        routes.setdefault(k.src, {})[k.dst] = routes.get(k.src, {}).get(k.dst, 0.0) + k.weight
     done = threading.Event()
     engine.transport.post(Message("add", {"layout": layout, "procs": procs, "replicas": list(added),
-                                          "schedulers": schedulers, "routes": routes, "done": done}))
+                                          "schedulers": schedulers, "plan": merged, "done": done}))
     done.wait()
     t_end = time.monotonic()
     engine.plan, engine.layout, engine.cluster = merged, layout, cluster

@@ -40,7 +40,7 @@ from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.model.config import ArchConfig
 from hetserve.runtime.model.loader import CheckpointReader
 from hetserve.runtime.rendezvous import LOOPBACK
-from hetserve.runtime.routing import KVRoutePolicy, WeightedRoutes
+from hetserve.runtime.routing import KVRoutePolicy, PlanRoutes
 from hetserve.runtime.sampling import SamplingParams
 from hetserve.runtime.scheduler import ReplicaScheduler
 from hetserve.runtime.sequence import Sequence
@@ -91,7 +91,7 @@ class Engine:
         capacity = kv_capacity(layout, cluster, arch, dtype, config, use_cuda)
         CheckpointReader(model_dir).close()  # a missing checkpoint is reported here, not by every worker
         engine = cls(plan, layout, arch, str(model_dir), dtype, capacity, config,
-                     route_policy or WeightedRoutes.from_plan(plan), link_scheduler, shaper)
+                     route_policy or PlanRoutes(plan), link_scheduler, shaper)
         engine.cluster, engine._use_cuda = cluster, use_cuda
         try:
             engine._start_workers()

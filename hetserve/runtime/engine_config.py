@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetserve.errors import PlanError
+from hetserve.policies.batching import DEFAULT_BATCHING
 from hetserve.runtime.deployment import check_memory
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.model.config import ArchConfig
@@ -20,9 +21,10 @@ from hetserve.specs.cluster import Cluster
 class EngineConfig:
     kv_capacity_tokens: int | dict[str, int] | None = None  # per replica; None: what memory allows, capped
     default_kv_tokens: int = 16384  # the cap on CPU, where device memory in the cluster file is fictional
-    block_size: int = 16
-    max_num_seqs: int = 64  # per step
-    max_batched_tokens: int = 2048  # per step, prompt tokens + decode tokens
+    # batching: the defaults the simulator uses too (policies.batching.BatchingConfig)
+    block_size: int = DEFAULT_BATCHING.block_size
+    max_num_seqs: int = DEFAULT_BATCHING.max_batch  # per step
+    max_batched_tokens: int = DEFAULT_BATCHING.token_budget  # per step, prompt tokens + decode tokens
     dtype: str | None = None  # None: float32 on CPU, the checkpoint's dtype on CUDA
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     memory_fraction: float = 0.9

@@ -2,7 +2,7 @@
 
     hetserve serve --plan plan.json --cluster demo-cpu --model ./tiny [--host 127.0.0.1 --port 8000]
         [--backend local|ray] [--ray-address HEAD:6379] [--advertise-address 10.0.0.5]
-        [--router jsq] [--transmission molink] [--shape-links] [--micro-batches 4]
+        [--router jsq] [--route flow] [--transmission molink] [--shape-links] [--micro-batches 4]
 
 torch, FastAPI and uvicorn are imported inside ``run`` so the rest of the CLI works without the
 ``runtime`` extra.
@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "store listen there for the workers (default: 127.0.0.1, or with --backend ray this "
                         "machine's Ray node IP; never all interfaces); see docs/multinode.md")
     p.add_argument("--router", default="jsq", help="placement policy: jsq, rr, po2, lot, aladdin (default jsq)")
+    p.add_argument("--route", default="flow", choices=["flow", "load", "aladdin"],
+                   help="KV route policy for prefill -> decode hand-offs: flow (the plan's weights), load, "
+                        "aladdin (default flow; the same policy objects `simulate --route` uses)")
     p.add_argument("--transmission", default="serial",
                    help="link scheduling: serial, fair, molink (default serial)")
     p.add_argument("--shape-links", action="store_true",
@@ -91,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                       "heartbeat_interval_s": min(0.5, args.heartbeat_timeout / 4)}
     try:
         opts = ServeOptions(plan=plan, cluster=cluster, model_dir=args.model, model_name=args.model_name,
-                            backend=args.backend, router=args.router, transmission=args.transmission,
+                            backend=args.backend, router=args.router, route=args.route, transmission=args.transmission,
                             shape_links=args.shape_links, time_scale=args.time_scale,
                             micro_batches=args.micro_batches, kv_capacity_tokens=args.kv_capacity, seed=args.seed,
                             slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, ray_address=args.ray_address,

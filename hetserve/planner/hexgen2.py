@@ -51,7 +51,8 @@ RANDOM_CANDIDATES = 12  # random edits scored per iteration by random-swap
 DEFAULT_RANDOM_PATIENCE = 25  # random-swap: iterations without improvement before stopping
 KICK_EDITS = (2, 4)  # random edits applied to the best placement at a restart
 
-Mover = Callable[[PlanContext, Evaluation, random.Random], list[Placement]]
+# A mover proposes (kind, placement) candidates; the kind names the edit for the search log.
+Mover = Callable[[PlanContext, Evaluation, random.Random], list[tuple[str, Placement]]]
 
 
 # ----------------------------------------------------------------------------- phase 1
@@ -78,7 +79,7 @@ def phase1(ctx: PlanContext, ev: Evaluator, seed: int) -> Placement:
 # ----------------------------------------------------------------------------- guided edits
 
 
-def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[Placement]:
+def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[tuple[str, Placement]]:
     """Edits suggested by the flow: capacity from idle and under-used groups to bottlenecks."""
     groups, caps = ev.groups, ev.capacities
     n = len(groups)
@@ -103,15 +104,15 @@ def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[P
     targets = on_side(sat, bottleneck)
     targets = sorted(targets, key=lambda i: (caps[i], i))[:MAX_TARGETS]
     w = group_bandwidth(ctx, [g.devices for g in groups])
-    out: list[Placement | None] = []
+    out: list[tuple[str, Placement | None]] = []
 
     # idle devices first: fold a group that cannot hold a replica into its best-connected neighbours
     for h in dead:
         for g in sorted((g for g in range(n) if g != h), key=lambda g: (-w[h, g], g))[:3]:
-            out.append(merge(groups, g, h))
+            out.append(("merge idle group", merge(groups, g, h)))
         for h2 in dead:
             if h2 > h:
-                out.append(merge(groups, h, h2))
+                out.append(("merge idle group", merge(groups, h, h2)))
 
     # idle devices (left out by their group's layout) are free capacity: give one to a group of the
     # bottleneck side, or gather them (per machine and all together) into new groups
@@ -123,7 +124,7 @@ def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[P
             for h in sorted((h for h in idle if h != g), key=lambda h: (-w[g, h], h))[:MAX_DONORS]:
                 for k in sorted({ctx.class_of[d] for d in idle[h]}):
                     d = max(x for x in idle[h] if ctx.class_of[x] == k)
-                    out.append(move(groups, h, g, d))
+                    out.append(("give idle device", move(groups, h, g, d)))
         spare = sorted(d for ds in idle.values() for d in ds)
         by_machine: dict[str, list[int]] = {}
         for d in spare:
@@ -131,7 +132,7 @@ def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[P
         for bundle in [spare] + [ds for ds in by_machine.values() if len(ds) < len(spare)]:
             if ctx.can_hold_weights(bundle):
                 for role in ("prefill", "decode"):
-                    out.append(_new_group(groups, bundle, role))
+                    out.append(("gather idle devices", _new_group(groups, bundle, role)))
 
     # move or swap one device from an under-used (or idle) group into a bottleneck group
     for g in targets:
@@ -142,14 +143,14 @@ def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[P
                                key=lambda k: (-ctx.bandwidth_gbps[ctx.classes[k][0], list(groups[g].devices)].sum(), k))
             for k in h_classes[:2]:
                 d = pick_device(ctx, groups[h], k)
-                out.append(move(groups, h, g, d))
+                out.append(("move device", move(groups, h, g, d)))
                 for kg in sorted(g_classes - {k}):
-                    out.append(swap(groups, h, g, d, pick_device(ctx, groups[g], kg)))
+                    out.append(("swap devices", swap(groups, h, g, d, pick_device(ctx, groups[g], kg))))
 
     # role flips toward the bottleneck side
     flip_from = on_side(slack, other)
     for i in sorted(flip_from, key=lambda i: (util[i], i))[:4]:
-        out.append(flip(groups, i))
+        out.append(("flip role", flip(groups, i)))
         # donate-and-flip: hand one device to the best-connected group of the old role first, so
         # the side that loses a group gains capacity (one move alone may not raise the flow)
         same = sorted((g for g in live if g != i and groups[g].role == groups[i].role), key=lambda g: (-w[i, g], g))
@@ -160,33 +161,28 @@ def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[P
                     j = moved.index(Group.of((d for d in groups[i].devices if d != pick_device(ctx, groups[i], k)),
                                              groups[i].role)) if len(groups[i].devices) > 1 else None
                     if j is not None:
-                        out.append(flip(moved, j))
+                        out.append(("donate and flip", flip(moved, j)))
     # a balanced network with spare KV links: flip the strongest group of each side
     if prefill_bound and decode_bound:
         for side in (pre, dec):
             if len(side) > 1:
-                out.append(flip(groups, max(side, key=lambda i: (caps[i], -i))))
+                out.append(("flip role", flip(groups, max(side, key=lambda i: (caps[i], -i)))))
 
     # restructure: split groups whose halves can each hold the weights (the largest first), merge
     # well-connected groups of one role on the bottleneck side and under-used neighbours
     splittable = [i for i in live if len(groups[i].devices) > 1
                   and all(ctx.can_hold_weights(h) for h in split_devices(ctx, groups[i].devices))]
     for i in sorted(splittable, key=lambda i: (-len(groups[i].devices), -caps[i], i))[:MAX_SPLITS]:
-        out.append(split(ctx, groups, i))
-        out.append(split(ctx, groups, i, ("prefill", "decode")))
+        out.append(("split group", split(ctx, groups, i)))
+        out.append(("split group", split(ctx, groups, i, ("prefill", "decode"))))
     side = on_side(live, bottleneck)
     pairs = [(a, b) for a in side for b in side if a < b and groups[a].role == groups[b].role]
     pairs = sorted(pairs, key=lambda p: (-w[p], p))[:MAX_MERGES]
     pairs += sorted(((a, b) for a in slack for b in slack if a < b and groups[a].role == groups[b].role),
                     key=lambda p: (-w[p], p))[:MAX_MERGES]
     for a, b in pairs:
-        out.append(merge(groups, a, b))
-    seen, result = set(), []
-    for p in out:
-        if p is not None and p != groups and p not in seen:
-            seen.add(p)
-            result.append(p)
-    return result
+        out.append(("merge groups", merge(groups, a, b)))
+    return _distinct(groups, out)
 
 
 def _new_group(groups: Sequence[Group], devices: Sequence[int], role: str) -> Placement:
@@ -196,13 +192,23 @@ def _new_group(groups: Sequence[Group], devices: Sequence[int], role: str) -> Pl
     return canonical(rest + [Group.of(devices, role)])
 
 
-def random_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[Placement]:
+def _distinct(groups: Placement, out: list[tuple[str, Placement | None]]) -> list[tuple[str, Placement]]:
+    """Candidates that change the placement, each once (the first kind that proposed it)."""
+    seen, result = set(), []
+    for kind, p in out:
+        if p is not None and p != groups and p not in seen:
+            seen.add(p)
+            result.append((kind, p))
+    return result
+
+
+def random_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[tuple[str, Placement]]:
     """The truncated variant's edits: random moves, swaps and flips, no flow information."""
     out = []
     for _ in range(RANDOM_CANDIDATES):
         p = random_edit(ctx, ev.groups, rng)
         if p is not None and p != ev.groups:
-            out.append(p)
+            out.append(("random edit", p))
     return out
 
 
@@ -221,17 +227,22 @@ def refine(ctx: PlanContext, evaluator: Evaluator, start: Placement, budget: Bud
     best_v = cur_v = evaluator.score(cur)
     cur_ev = evaluator.evaluate(cur)
     budget.best = best_v
+    if budget.start_value is None:
+        budget.start_value = best_v
     stall = 0
     left = restarts
+    phase = "descent"
     while not budget.exhausted():
-        pick, pick_v = None, cur_v
-        for cand in mover(ctx, cur_ev, rng):
+        pick, pick_v, pick_kind = None, cur_v, ""
+        for kind, cand in mover(ctx, cur_ev, rng):
             v = evaluator.score(cand, floor=pick_v)
             if v > pick_v * (1 + 1e-9) + 1e-12:
-                pick, pick_v = cand, v
+                pick, pick_v, pick_kind = cand, v, kind
             if budget.exhausted():
                 break
         if pick is not None:
+            # credit only what lifts the best so far: a climb back up to it after a kick is no gain
+            budget.credit(phase, pick_kind, max(0.0, pick_v - max(cur_v, best_v)))
             cur, cur_v, stall = pick, pick_v, 0
             cur_ev = evaluator.evaluate(cur)
             if cur_v > best_v * (1 + 1e-9):
@@ -246,6 +257,7 @@ def refine(ctx: PlanContext, evaluator: Evaluator, start: Placement, budget: Bud
                 budget.record(best_v)
                 break
             left -= 1
+            phase = "restart"
             cur = best
             for _ in range(rng.randint(*KICK_EDITS)):
                 kicked = random_edit(ctx, cur, rng)
@@ -274,6 +286,7 @@ def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, opti
         return to_plan(ctx, result, name, budget, notes="disaggregated (colocated plans not allowed)")
     colocated, col_v = colocated_alternative(ctx, evaluator, best)
     if col_v > value * (1 + 1e-9):
+        budget.credit("final", "colocated alternative", col_v - value)
         budget.record(col_v)
         return to_plan(ctx, evaluator.evaluate(colocated), name, budget,
                        notes=f"chose colocated replicas: {col_v:.0f} tokens/s against "

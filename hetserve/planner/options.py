@@ -98,6 +98,12 @@ class Budget:
         self.best = 0.0
         self.history: list[tuple[float, float]] = []
         self.stopped_by = "converged"
+        # tokens/s each kind of edit added to the current placement when it was accepted, keyed
+        # by (phase, kind): phase "descent" = the first climb from the start, "restart" = climbs
+        # after a random kick (the restarts' share of the gain)
+        self.gains: dict[tuple[str, str], float] = {}
+        self.accepted: dict[tuple[str, str], int] = {}
+        self.start_value: float | None = None
 
     @property
     def elapsed_s(self) -> float:
@@ -124,11 +130,29 @@ class Budget:
                 frac = max(frac, self.iteration / self.options.max_iterations)
             self.options.progress(SearchProgress(self.algorithm, self.iteration, t, self.best, min(1.0, frac)))
 
-    def summary(self, max_points: int = 200) -> dict:
-        """Search statistics for ``Plan.estimate['search']`` (history thinned to ``max_points``)."""
+    def credit(self, phase: str, kind: str, gain: float) -> None:
+        """An accepted edit of ``kind`` raised the current placement by ``gain`` tokens/s."""
+        key = (phase, kind)
+        self.gains[key] = self.gains.get(key, 0.0) + gain
+        self.accepted[key] = self.accepted.get(key, 0) + 1
+
+    def summary(self) -> dict:
+        """Search statistics for ``Plan.estimate['search']`` (the history goes to ``log``)."""
+        return {"iterations": self.iteration, "wall_s": round(self.elapsed_s, 4), "stopped_by": self.stopped_by}
+
+    def log(self, max_points: int = 2000) -> dict:
+        """The search log (``Plan.search_log``, written by ``hetserve plan --history FILE``):
+        best value over time (thinned to ``max_points``) and the gain of each kind of edit."""
         hist = self.history
         if len(hist) > max_points:
             step = len(hist) / max_points
             hist = [hist[int(i * step)] for i in range(max_points)] + [hist[-1]]
-        return {"iterations": self.iteration, "wall_s": round(self.elapsed_s, 4), "stopped_by": self.stopped_by,
-                "history": [[round(t, 4), round(v, 3)] for t, v in hist]}
+        out = {"algorithm": self.algorithm, **self.summary(),
+               "history": [[round(t, 4), round(v, 3)] for t, v in hist]}
+        if self.start_value is not None:
+            out["start_tokens_per_s"] = round(self.start_value, 3)
+        if self.gains:
+            out["gains"] = [{"phase": ph, "kind": k, "accepted": self.accepted[(ph, k)],
+                             "tokens_per_s": round(g, 3)}
+                            for (ph, k), g in sorted(self.gains.items(), key=lambda x: -x[1])]
+        return out

@@ -348,7 +348,8 @@ def to_plan(ctx: PlanContext, ev: Evaluation, algorithm: str, budget: Budget | N
         estimate["notes"] = notes
     if budget is not None:
         estimate["search"] = budget.summary()
-    return Plan(ctx.model.name, ctx.cluster.name, algorithm, tuple(replicas), tuple(routes), estimate)
+    return Plan(ctx.model.name, ctx.cluster.name, algorithm, tuple(replicas), tuple(routes), estimate,
+                search_log=None if budget is None else budget.log())
 
 
 def start_search(name: str, cluster, model, workload, options: PlanOptions,

@@ -31,6 +31,9 @@ def register(subparsers) -> None:
                         "even where colocated replicas would serve more")
     p.add_argument("--efficiency", metavar="JSON", help="cost-model efficiency (from `hetserve calibrate -o`)")
     p.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan (the best one with --compare)")
+    p.add_argument("--history", metavar="FILE.json",
+                   help="write the search log (best value over time, gain of each kind of edit) of every "
+                        "algorithm run; the plan file keeps only the search's summary")
     p.add_argument("--plot", metavar="PNG", help="draw best estimated throughput versus search time")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -79,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         best.save(args.output)
         console.print(f"wrote {args.output} ({best.algorithm})")
+    if args.history:
+        write_history(plans, args.history)
+        console.print(f"wrote {args.history}")
     if args.plot:
         plot_convergence(plans, args.plot)
         console.print(f"wrote {args.plot}")
@@ -162,6 +168,15 @@ def print_comparison(console, plans) -> None:
     console.print("P / D / C: prefill, decode and colocated replicas; req/T: requests per period T")
 
 
+def write_history(plans, path: str | Path) -> None:
+    """The search logs of ``plans`` as one JSON file: ``{"runs": [log, ...]}``."""
+    import json
+
+    runs = [p.search_log or {"algorithm": p.algorithm} for p in plans]
+    Path(path).write_text(json.dumps({"model": plans[0].model, "cluster": plans[0].cluster, "runs": runs},
+                                     indent=1) + "\n")
+
+
 def plot_convergence(plans, path: str | Path) -> None:
     import matplotlib
 
@@ -170,7 +185,7 @@ def plot_convergence(plans, path: str | Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for p in plans:
-        hist = p.estimate.get("search", {}).get("history", [])
+        hist = (p.search_log or {}).get("history", [])
         if hist:
             ax.step([h[0] for h in hist], [h[1] for h in hist], where="post", label=p.algorithm)
     ax.set_xlabel("search time (s)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from hetserve.cost.layout import ReplicaLayout, StageLayout
+from hetserve.planner.slo import slo_capacity
 
 MAX_POLISH_ROUNDS = 40
 MAX_POLISH_EVALUATIONS = 200
@@ -73,6 +74,8 @@ class LayerSplits:
         if cost.kv_capacity_tokens(layout) < self.min_kv[role]:
             return 0.0
         T, i, o = ctx.period_s, ctx.input_tokens, ctx.output_tokens
+        if ctx.slo is not None:
+            return slo_capacity(cost, layout, role, i, o, T, ctx.slo)
         if role == "prefill":
             return cost.prefill_capacity(layout, i, T)
         if role == "decode":

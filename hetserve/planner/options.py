@@ -25,6 +25,9 @@ def default_restarts(num_devices: int) -> int:
     return max(6, min(30, 600 // max(1, num_devices)))
 
 
+OBJECTIVES = ("throughput", "goodput", "cost")
+
+
 @dataclass(frozen=True)
 class SearchProgress:
     """What a search reports after each iteration (for progress bars and convergence plots)."""
@@ -52,6 +55,11 @@ class PlanOptions:
     max_exact_devices: the exact search refuses larger pools.
     allow_colocated: HexGen-2 may return an all-colocated plan when it serves more (False: always
         disaggregated, as in the paper).
+    objective: ``throughput`` (tokens/s at full load), ``goodput`` (requests/s meeting
+        ``slo_ttft_s`` / ``slo_tpot_s``: capacities from ``planner.slo``) or ``cost`` (the cheapest
+        subset of the pool whose plan serves ``rate`` requests/s within the SLOs; ``planner.objectives``).
+    budget_usd_per_hour: use only devices costing at most this much per hour in total (the planner
+        chooses which; ``planner.objectives``).
     """
 
     seed: int = 0
@@ -64,8 +72,21 @@ class PlanOptions:
     efficiency: Efficiency | None = None
     max_exact_devices: int = 8
     allow_colocated: bool = True
+    objective: str = "throughput"
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    rate: float | None = None  # requests/s the ``cost`` objective must serve
+    budget_usd_per_hour: float | None = None
 
     def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        for k in ("slo_ttft_s", "slo_tpot_s", "rate", "budget_usd_per_hour"):
+            v = getattr(self, k)
+            if v is not None and not v > 0:
+                raise ValueError(f"{k} must be positive, got {v}")
+        if self.objective == "cost" and self.rate is None:
+            raise ValueError("objective 'cost' needs a rate (requests/s) to serve")
         if self.time_limit_s is not None and self.time_limit_s <= 0:
             raise ValueError(f"time_limit_s must be positive, got {self.time_limit_s}")
         if self.max_iterations is not None and self.max_iterations < 1:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from hetserve.cost.layout import ReplicaLayout
+from hetserve.planner.bound import upper_bound
 from hetserve.planner.context import PlanContext
 from hetserve.planner.flow import FlowNetwork, FlowResult, max_flow_nodes, max_flow_value, solve
 from hetserve.planner.options import Budget, PlanOptions
@@ -344,6 +345,13 @@ def to_plan(ctx: PlanContext, ev: Evaluation, algorithm: str, budget: Budget | N
         "devices_total": ctx.num_devices,
         "replicas": per_replica,
     }
+    if ctx.options.objective != "throughput":
+        estimate["objective"] = ctx.options.objective
+    if ctx.slo is not None:
+        estimate["goodput_requests_per_s"] = round(ev.requests_per_period / ctx.period_s, 4)
+        estimate["slo"] = {"ttft_s": ctx.slo.ttft_s, "tpot_s": ctx.slo.tpot_s}
+    # what no placement of this pool can beat under the cost model (planner.bound)
+    estimate["upper_bound_tokens_per_s"] = round(upper_bound(ctx).tokens_per_s, 3)
     if notes:
         estimate["notes"] = notes
     if budget is not None:

@@ -29,6 +29,14 @@ def register(subparsers) -> None:
     p.add_argument("--disaggregated", action="store_true",
                    help="hexgen2 / random-swap: always return prefill and decode replicas (as the paper), "
                         "even where colocated replicas would serve more")
+    p.add_argument("--objective", choices=("throughput", "goodput", "cost"), default="throughput",
+                   help="throughput (default): tokens/s at full load; goodput: requests/s meeting --slo-ttft/"
+                        "--slo-tpot; cost: the cheapest subset of the pool serving --rate within the SLOs")
+    p.add_argument("--slo-ttft", type=float, metavar="S", help="time-to-first-token target, seconds")
+    p.add_argument("--slo-tpot", type=float, metavar="S", help="time-per-output-token target, seconds")
+    p.add_argument("--rate", type=float, metavar="REQ/S", help="requests/s the cost objective must serve")
+    p.add_argument("--budget-usd-per-hour", type=float, metavar="USD",
+                   help="use only GPUs costing at most this much per hour in total (the planner chooses which)")
     p.add_argument("--efficiency", metavar="JSON", help="cost-model efficiency (from `hetserve calibrate -o`)")
     p.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan (the best one with --compare)")
     p.add_argument("--history", metavar="FILE.json",
@@ -49,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import load_workload
 
+    from hetserve.planner.objectives import plan_for
+
+    _check_objective(args)
     names = [a.strip() for a in (args.compare or args.algorithm).split(",") if a.strip()]
     for a in names:
         if a not in ALGORITHMS:
@@ -70,8 +81,10 @@ def run(args: argparse.Namespace) -> int:
 
             options = PlanOptions(seed=args.seed, time_limit_s=args.time_limit, max_iterations=args.max_iterations,
                                   period_s=args.period, progress=report, allow_colocated=not args.disaggregated,
-                                  efficiency=load_efficiency(args.efficiency) if args.efficiency else None)
-            plan = ALGORITHMS[name](cluster, model, workload, options)
+                                  efficiency=load_efficiency(args.efficiency) if args.efficiency else None,
+                                  objective=args.objective, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
+                                  rate=args.rate, budget_usd_per_hour=args.budget_usd_per_hour)
+            plan = plan_for(ALGORITHMS[name], cluster, model, workload, options)
         validate_plan(plan, cluster, model)
         plans.append(plan)
     if len(plans) == 1:
@@ -89,6 +102,20 @@ def run(args: argparse.Namespace) -> int:
         plot_convergence(plans, args.plot)
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _check_objective(args) -> None:
+    """One clear line for option combinations that make no sense (exit code 2 via PlanError)."""
+    for opt in ("slo_ttft", "slo_tpot", "rate", "budget_usd_per_hour", "time_limit", "period"):
+        v = getattr(args, opt, None)
+        if v is not None and not v > 0:
+            raise PlanError(f"--{opt.replace('_', '-')}: expected a positive number, got {v}")
+    if args.objective == "cost" and args.rate is None:
+        raise PlanError("--objective cost: give --rate REQ/S, the requests per second the plan must serve")
+    if args.objective == "goodput" and args.slo_ttft is None and args.slo_tpot is None:
+        raise PlanError("--objective goodput: give --slo-ttft and/or --slo-tpot (seconds)")
+    if args.rate is not None and args.objective != "cost":
+        raise PlanError("--rate: only read by --objective cost")
 
 
 def _stages(replica) -> str:
@@ -143,6 +170,20 @@ def print_plan(console, plan) -> None:
         + (f"${usd:,.2f}/hour ({e.get('tokens_per_usd', 0):,.0f} tokens/$)" if usd is not None else "price unknown")
         + (f"; search {search.get('wall_s', 0):.1f} s, {search.get('iterations', 0)} iterations "
            f"({search.get('stopped_by')})" if search else ""))
+    ub = e.get("upper_bound_tokens_per_s")
+    if ub:
+        console.print(f"within {100 * (1 - e.get('throughput_tokens_per_s', 0) / ub):.1f} % of the bound: "
+                      f"no placement of this pool exceeds {ub:,.1f} tokens/s under the cost model "
+                      f"(LP relaxation, planner/bound.py)")
+    if "goodput_requests_per_s" in e:
+        slo = e.get("slo", {})
+        console.print(f"goodput {e['goodput_requests_per_s']:,.3f} requests/s within TTFT ≤ {slo.get('ttft_s')} s, "
+                      f"TPOT ≤ {slo.get('tpot_s')} s (estimate: M/D/1 prefill queue, decode batch within the TPOT)")
+    if "budget_usd_per_hour" in e:
+        console.print(f"budget ${e['budget_usd_per_hour']:,.2f}/h: plan uses ${usd or 0:,.2f}/h")
+    if "rate_requests_per_s" in e:
+        console.print(f"cheapest found for {e['rate_requests_per_s']:g} requests/s: ${usd or 0:,.2f}/h "
+                      f"(no subset can cost less than ${e['min_cost_bound_usd_per_hour']:,.2f}/h, LP bound)")
     if e.get("notes"):
         console.print(f"note: {e['notes']}")
 

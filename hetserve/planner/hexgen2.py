@@ -26,12 +26,11 @@ flow)); a layout search is only paid once per new group composition.
 
 from __future__ import annotations
 
-import functools
-import itertools
 import random
 from typing import Callable, Sequence
 
 from hetserve.planner.context import PlanContext
+from hetserve.planner.mixing import colocated_alternative, mixed_alternative
 from hetserve.planner.moves import Placement, flip, merge, move, pick_device, random_edit, split, split_devices, swap
 from hetserve.planner.options import Budget, PlanOptions, default_restarts
 from hetserve.planner.partition import assign_roles, group_bandwidth, initial_partition
@@ -285,6 +284,13 @@ def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, opti
     if not options.allow_colocated:
         return to_plan(ctx, result, name, budget, notes="disaggregated (colocated plans not allowed)")
     colocated, col_v = colocated_alternative(ctx, evaluator, best)
+    mixed, mix_v = mixed_alternative(ctx, evaluator, best, colocated)
+    if mix_v > max(value, col_v) * (1 + 1e-9):
+        budget.credit("final", "mixed alternative", mix_v - max(value, col_v))
+        budget.record(mix_v)
+        return to_plan(ctx, evaluator.evaluate(mixed), name, budget,
+                       notes=f"chose a mixed plan (colocated replicas beside prefill/decode ones): {mix_v:.0f} "
+                             f"tokens/s against {value:.0f} disaggregated and {col_v:.0f} all colocated")
     if col_v > value * (1 + 1e-9):
         budget.credit("final", "colocated alternative", col_v - value)
         budget.record(col_v)
@@ -295,85 +301,6 @@ def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, opti
     return to_plan(ctx, result, name, budget,
                    notes=f"chose disaggregation: {value:.0f} tokens/s against {col_v:.0f} with colocated "
                          f"replicas")
-
-
-MAX_KNAPSACK_VECTORS = 256  # sub-vectors of a group's composition the colocated knapsack enumerates
-
-
-def colocated_alternative(ctx: PlanContext, evaluator: Evaluator, groups: Placement) -> tuple[Placement, float]:
-    """The best all-colocated placement cut from a few coarse units: the placement's own groups,
-    the machines, and (when its class-count space has at most ``MAX_KNAPSACK_VECTORS`` vectors)
-    the whole pool. Each unit's devices are re-cut into the colocated replicas that serve most —
-    a knapsack over the sub-vectors of its class-count vector (halving per class, recursively,
-    beyond that size); devices no unit's cut uses are pooled and cut the same way. Colocated
-    capacity is additive, so each unit is decided on its own. Returns (placement, tokens/s)."""
-    by_machine: dict[str, list[int]] = {}
-    for d in ctx.cluster.devices:
-        by_machine.setdefault(d.machine, []).append(d.index)
-    unit_sets = [[g.devices for g in groups], [tuple(ds) for ds in by_machine.values()]]
-    size = 1
-    for n in ctx.class_counts:
-        size *= n + 1
-    if size <= MAX_KNAPSACK_VECTORS:
-        unit_sets.append([tuple(range(ctx.num_devices))])
-    best: tuple[Placement, float] = ((), -1.0)
-    for units in unit_sets:
-        parts: list[Group] = []
-        for devices in units:
-            parts.extend(Group.of(ds, "colocated") for ds in _colocated_cut(ctx, evaluator, tuple(sorted(devices))))
-        used = {d for p in parts for d in p.devices}
-        spare = tuple(d for d in range(ctx.num_devices) if d not in used)
-        if spare and ctx.can_hold_weights(spare):
-            parts.extend(Group.of(ds, "colocated") for ds in _colocated_cut(ctx, evaluator, spare))
-        placement = canonical(parts)
-        v = evaluator.score(placement) if placement else 0.0
-        if v > best[1] * (1 + 1e-9):
-            best = (placement, v)
-    return best
-
-
-def _colocated_cut(ctx: PlanContext, evaluator: Evaluator, devices: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Device sets of the colocated replicas that serve most on ``devices`` (see above)."""
-    comp = ctx.composition(devices)
-    size = 1
-    for _, n in comp:
-        size *= n + 1
-    by_cls: dict[int, list[int]] = {}
-    for d in sorted(devices):
-        by_cls.setdefault(ctx.class_of[d], []).append(d)
-    if size > MAX_KNAPSACK_VECTORS:
-        whole = evaluator.capacity(devices, "colocated")
-        a, b = split_devices(ctx, devices)
-        if a and b and ctx.can_hold_weights(a) and ctx.can_hold_weights(b):
-            ca, cb = _colocated_cut(ctx, evaluator, tuple(a)), _colocated_cut(ctx, evaluator, tuple(b))
-            if sum(evaluator.capacity(x, "colocated") for x in ca + cb) > whole * (1 + 1e-9):
-                return ca + cb
-        return [devices] if whole > 0 else []
-    classes = [k for k, _ in comp]
-    vecs = [v for v in itertools.product(*(range(n + 1) for _, n in comp)) if any(v)]
-    first = {k: by_cls[k] for k in classes}
-
-    def devs(v):
-        return tuple(d for k, n in zip(classes, v) for d in first[k][:n])
-
-    items = [(v, c) for v in vecs if ctx.can_hold_weights(devs(v)) and (c := evaluator.capacity(devs(v), "colocated")) > 0]
-
-    @functools.lru_cache(maxsize=None)
-    def best(left: tuple[int, ...]) -> tuple[float, tuple]:
-        out: tuple[float, tuple] = (0.0, ())
-        for v, cap in items:
-            if all(n <= m for n, m in zip(v, left)):
-                sub = best(tuple(m - n for n, m in zip(v, left)))
-                if cap + sub[0] > out[0] * (1 + 1e-12):
-                    out = (cap + sub[0], (v,) + sub[1])
-        return out
-
-    _, chosen = best(tuple(n for _, n in comp))
-    out, offset = [], [0] * len(classes)
-    for v in chosen:
-        out.append(tuple(d for j, (k, n) in enumerate(zip(classes, v)) for d in first[k][offset[j]:offset[j] + n]))
-        offset = [o + n for o, n in zip(offset, v)]
-    return out
 
 
 def colocated_fallback(ctx: PlanContext, name: str, budget: Budget) -> Plan:

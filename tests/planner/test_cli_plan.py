@@ -18,7 +18,7 @@ def test_plan_writes_a_valid_plan(tmp_path, capsys):
     # the plan keeps the search's summary; the history file has the convergence curve
     assert "history" not in json.loads(out.read_text())["estimate"]["search"]
     run = json.loads(hist.read_text())["runs"][0]
-    assert run["algorithm"] == "hexgen2" and len(run["history"]) == run["iterations"] == 5
+    assert run["algorithm"] == "hexgen2" and len(run["history"]) == run["iterations"] >= 5
 
 
 def test_compare_and_plot(tmp_path, capsys):

@@ -30,6 +30,7 @@ import random
 from typing import Callable, Sequence
 
 from hetserve.planner.context import PlanContext
+from hetserve.planner.guided import cut_moves
 from hetserve.planner.mixing import colocated_alternative, mixed_alternative
 from hetserve.planner.moves import Placement, flip, merge, move, pick_device, random_edit, split, split_devices, swap
 from hetserve.planner.options import Budget, PlanOptions, default_restarts
@@ -49,6 +50,7 @@ MAX_MERGES = 4  # group pairs tried for a merge per iteration (best connected fi
 RANDOM_CANDIDATES = 12  # random edits scored per iteration by random-swap
 DEFAULT_RANDOM_PATIENCE = 25  # random-swap: iterations without improvement before stopping
 KICK_EDITS = (2, 4)  # random edits applied to the best placement at a restart
+POPULATION_MAX_DEVICES = 64  # pools up to this size refine every phase-1 start, not only the best
 
 # A mover proposes (kind, placement) candidates; the kind names the edit for the search log.
 Mover = Callable[[PlanContext, Evaluation, random.Random], list[tuple[str, Placement]]]
@@ -57,29 +59,33 @@ Mover = Callable[[PlanContext, Evaluation, random.Random], list[tuple[str, Place
 # ----------------------------------------------------------------------------- phase 1
 
 
-def phase1(ctx: PlanContext, ev: Evaluator, seed: int) -> Placement:
-    """Initial partition into K groups and their types (§3.1).
+def phase1_starts(ctx: PlanContext, ev: Evaluator, seed: int) -> list[Placement]:
+    """Initial partitions into K groups and their types (§3.1), best-scoring first.
 
     K = pool memory / replica memory (App. A). That replica memory assumes 32 requests of KV, a
-    guess; the partition is also built for K·¾ and K·3⁄2 and the best-scoring start is kept.
+    guess; the partition is also built for K·¾ and K·3⁄2.
     """
     k0 = max(2, ctx.num_replicas_by_memory())
-    best, best_v = None, -1.0
+    scored = []
     for k in sorted({k0, max(2, round(k0 * 0.75)), min(ctx.num_devices, round(k0 * 1.5))}):
         groups = initial_partition(ctx, range(ctx.num_devices), k, seed)
         roles = assign_roles(ev, groups)
         start = canonical(Group.of(g, r) for g, r in zip(groups, roles))
-        v = ev.score(start)
-        if v > best_v:
-            best, best_v = start, v
-    return best  # type: ignore[return-value]
+        scored.append((-ev.score(start), k, start))
+    return [s for _, _, s in sorted(scored)]
+
+
+def phase1(ctx: PlanContext, ev: Evaluator, seed: int) -> Placement:
+    """The best-scoring initial partition (``phase1_starts``)."""
+    return phase1_starts(ctx, ev, seed)[0]
 
 
 # ----------------------------------------------------------------------------- guided edits
 
 
 def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[tuple[str, Placement]]:
-    """Edits suggested by the flow: capacity from idle and under-used groups to bottlenecks."""
+    """Edits suggested by the flow: first those that relieve its min cut (``guided.cut_moves``),
+    then capacity from idle and under-used groups to the bottleneck side, splits and merges."""
     groups, caps = ev.groups, ev.capacities
     n = len(groups)
     util = [ev.utilization(i) for i in range(n)]
@@ -103,7 +109,7 @@ def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[t
     targets = on_side(sat, bottleneck)
     targets = sorted(targets, key=lambda i: (caps[i], i))[:MAX_TARGETS]
     w = group_bandwidth(ctx, [g.devices for g in groups])
-    out: list[tuple[str, Placement | None]] = []
+    out: list[tuple[str, Placement | None]] = list(cut_moves(ctx, ev))
 
     # idle devices first: fold a group that cannot hold a replica into its best-connected neighbours
     for h in dead:
@@ -218,19 +224,21 @@ def refine(ctx: PlanContext, evaluator: Evaluator, start: Placement, budget: Bud
            rng: random.Random, restarts: int, patience: int | None = None) -> Placement:
     """Best-improvement local search from ``start`` with ``mover``'s candidates.
 
-    Guided (``patience`` None): stop at a local optimum, then restart from a kicked copy of the
-    best up to ``restarts`` times in a row without a new best. Random (``patience`` set): stop
+    Guided (``patience`` None): at a local optimum, alternately escape along the best unvisited
+    flow-guided edit (downhill allowed) or restart from a kicked copy of the best, up to
+    ``restarts`` times in a row without a new best. Random (``patience`` set): stop
     after ``patience`` iterations in a row without improvement.
     """
     best = cur = canonical(start)
     best_v = cur_v = evaluator.score(cur)
     cur_ev = evaluator.evaluate(cur)
-    budget.best = best_v
+    budget.best = max(budget.best, best_v)
     if budget.start_value is None:
         budget.start_value = best_v
     stall = 0
     left = restarts
     phase = "descent"
+    visited: set[Placement] = set()
     while not budget.exhausted():
         pick, pick_v, pick_kind = None, cur_v, ""
         for kind, cand in mover(ctx, cur_ev, rng):
@@ -241,7 +249,7 @@ def refine(ctx: PlanContext, evaluator: Evaluator, start: Placement, budget: Bud
                 break
         if pick is not None:
             # credit only what lifts the best so far: a climb back up to it after a kick is no gain
-            budget.credit(phase, pick_kind, max(0.0, pick_v - max(cur_v, best_v)))
+            budget.credit(phase, pick_kind, max(0.0, pick_v - max(cur_v, best_v, budget.best)))
             cur, cur_v, stall = pick, pick_v, 0
             cur_ev = evaluator.evaluate(cur)
             if cur_v > best_v * (1 + 1e-9):
@@ -256,14 +264,34 @@ def refine(ctx: PlanContext, evaluator: Evaluator, start: Placement, budget: Bud
                 budget.record(best_v)
                 break
             left -= 1
-            phase = "restart"
-            cur = best
-            for _ in range(rng.randint(*KICK_EDITS)):
-                kicked = random_edit(ctx, cur, rng)
-                cur = kicked if kicked is not None else cur
+            # at a local optimum: every other time, step to the best unvisited edit the flow suggests
+            # even though it scores lower (a guided escape, tabu on where earlier escapes went);
+            # otherwise kick the best placement with random edits (a restart)
+            escape = _escape(evaluator, mover(ctx, cur_ev, rng), visited) if left % 2 else None
+            if escape is not None:
+                phase, cur = "escape", escape
+                visited.add(cur)
+            else:
+                phase = "restart"
+                cur = best
+                for _ in range(rng.randint(*KICK_EDITS)):
+                    kicked = random_edit(ctx, cur, rng)
+                    cur = kicked if kicked is not None else cur
             cur_v = evaluator.score(cur)
             cur_ev = evaluator.evaluate(cur)
         budget.record(best_v)
+    return best
+
+
+def _escape(evaluator: Evaluator, candidates, visited: set) -> Placement | None:
+    """The best-scoring candidate not visited before (None when all were)."""
+    best, best_v = None, -1.0
+    for _, cand in candidates:
+        if cand in visited:
+            continue
+        v = evaluator.score(cand)
+        if v > best_v:
+            best, best_v = cand, v
     return best
 
 
@@ -274,9 +302,20 @@ def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, opti
          mover: Mover, patience: int | None) -> Plan:
     ctx, budget, evaluator = start_search(name, cluster, model, workload, options)
     rng = random.Random(options.seed)
-    start = phase1(ctx, evaluator, options.seed)
     restarts = options.restarts if options.restarts is not None else default_restarts(len(cluster))
-    best = refine(ctx, evaluator, start, budget, mover, rng, restarts, patience)
+    if patience is None and len(cluster) <= POPULATION_MAX_DEVICES:
+        # a small population: one chain from each phase-1 start (they share the evaluator's cache),
+        # each with half the restarts — the starts' diversity is what makes seeds agree
+        best, best_v = None, -1.0
+        for start in phase1_starts(ctx, evaluator, options.seed):
+            found = refine(ctx, evaluator, start, budget, mover, rng, max(2, restarts // 2), patience)
+            v = evaluator.score(found)
+            if v > best_v * (1 + 1e-9):
+                best, best_v = found, v
+            if budget.exhausted():
+                break
+    else:
+        best = refine(ctx, evaluator, phase1(ctx, evaluator, options.seed), budget, mover, rng, restarts, patience)
     result = evaluator.evaluate(best)
     if result.flow.value <= 0:
         return colocated_fallback(ctx, name, budget)

@@ -11,7 +11,10 @@ Starts from HexGen Table 1 / Appendix B and refines it:
   reduce-scatter and an all-gather superstep costing ``max_d Σ_{d'≠d} (α + bytes/(t·β))``;
 * PP hand-off over the fastest link between the two groups (HexGen Eq. 6);
 * KV transfer between a prefill and a decode replica layer-matched and TP-shard-matched,
-  all device pairs in parallel, time = the slowest pair (HexGen-2 §3.2, Appendix A).
+  all device pairs in parallel, sharing the NICs and site pipes they cross
+  (``hetserve.cost.network``, max-min fair); time = the last part delivered (HexGen-2 §3.2,
+  Appendix A, with DESIGN.md's shared links). ``*_resource_bytes`` say which shared resources a
+  request's KV and PP hand-offs load, for the planner's capacity nodes.
 
 In a TP group the slowest device sets the pace (bulk-synchronous), so a stage uses the minimum
 FLOP/s and memory bandwidth over its devices. Units: seconds, bytes, FLOP/s, bytes/s.
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from hetserve.cost.layout import ReplicaLayout, StageLayout
+from hetserve.cost.network import concurrent_time
 from hetserve.errors import SpecError
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec
@@ -117,6 +121,10 @@ class CostModel:
             return 0.0
         chunk = nbytes / t
         worst = max(sum(self._alpha[d, e] + chunk / self._beta[d, e] for e in devices if e != d) for d in devices)
+        machines = {self.cluster.devices[d].machine for d in devices}
+        if len(machines) > 1:  # a group across boxes: every device's chunks share the NICs at once
+            path = self.cluster.path
+            worst = max(worst, concurrent_time([(path(d, e), chunk) for d in devices for e in devices if e != d]))
         return 2.0 * float(worst)
 
     def p2p_time(self, src: int, dst: int, nbytes: float) -> float:
@@ -290,16 +298,62 @@ class CostModel:
                         if frac > 0:
                             yield d, e, seg * frac
 
-    def kv_transfer_time(self, src: ReplicaLayout, dst: ReplicaLayout, tokens: float) -> float:
-        """All device pairs send in parallel; the slowest pair finishes the hand-off.
-
-        Two transfers out of one device are not charged for sharing its NIC: the cluster's β
-        is per pair (a deliberate simplification; the simulator shares links properly).
-        """
+    def _kv_per_pair(self, src: ReplicaLayout, dst: ReplicaLayout, tokens: float) -> dict[tuple[int, int], float]:
         per_pair: dict[tuple[int, int], float] = {}
         for d, e, nbytes in self.kv_transfer_pairs(src, dst, tokens):
-            per_pair[(d, e)] = per_pair.get((d, e), 0.0) + nbytes
-        return max((self.p2p_time(d, e, b) for (d, e), b in per_pair.items()), default=0.0)
+            if d != e:
+                per_pair[(d, e)] = per_pair.get((d, e), 0.0) + nbytes
+        return per_pair
+
+    def kv_transfer_time(self, src: ReplicaLayout, dst: ReplicaLayout, tokens: float) -> float:
+        """All device pairs send at once, sharing the NICs / pipes on their paths (max-min
+        fair, ``cost.network``); the last part delivered finishes the hand-off. Never less than
+        the slowest pair alone (``kv_transfer_time_uncontended``, the old per-pair formula)."""
+        per_pair = self._kv_per_pair(src, dst, tokens)
+        if not per_pair:
+            return 0.0
+        path = self.cluster.path
+        return concurrent_time([(path(d, e), b) for (d, e), b in per_pair.items()])
+
+    def kv_transfer_time_uncontended(self, src: ReplicaLayout, dst: ReplicaLayout, tokens: float) -> float:
+        """The per-pair lower bound: every pair as if alone on its own link."""
+        return max((self.p2p_time(d, e, b) for (d, e), b in self._kv_per_pair(src, dst, tokens).items()),
+                   default=0.0)
+
+    def kv_resource_bytes(self, src: ReplicaLayout, dst: ReplicaLayout, tokens: float) -> dict:
+        """Bytes one request's KV (``tokens`` tokens) puts on each shared resource (NIC, pipe,
+        dedicated link) going from ``src`` to ``dst``: {Resource: bytes}."""
+        out: dict = {}
+        for (d, e), b in self._kv_per_pair(src, dst, tokens).items():
+            for r in self.cluster.path(d, e).resources:
+                if r.shared:
+                    out[r] = out.get(r, 0.0) + b
+        return out
+
+    def pp_resource_bytes(self, layout: ReplicaLayout, tokens: float) -> dict:
+        """Bytes ``tokens`` tokens of activations put on each shared resource when they cross
+        the replica's stage boundaries (over the fastest pair, as ``pp_handoff_time``), plus TP
+        all-reduces of stages that span machines: {Resource: bytes}."""
+        m = self.model
+        act = tokens * m.hidden * m.dtype_bytes
+        out: dict = {}
+        for a, b in zip(layout.stages, layout.stages[1:]):
+            d, e = min(((d, e) for d in a.devices for e in b.devices), key=lambda p: self.p2p_time(*p, act))
+            if d != e:
+                for r in self.cluster.path(d, e).resources:
+                    if r.shared:
+                        out[r] = out.get(r, 0.0) + act
+        for s in layout.stages:
+            if len({self.cluster.devices[d].machine for d in s.devices}) > 1:
+                # two all-reduces per layer, each two supersteps of chunks to every other member
+                chunk = act / s.tp
+                for d in s.devices:
+                    for e in s.devices:
+                        if d != e:
+                            for r in self.cluster.path(d, e).resources:
+                                if r.shared:
+                                    out[r] = out.get(r, 0.0) + 4 * s.num_layers * chunk
+        return out
 
 
 def device_weight_bytes(model: ModelSpec, num_layers: int, tp: int, is_first: bool, is_last: bool,

@@ -11,6 +11,7 @@ makes the layout cache hit (HexGen §4.2's GPU-type count vectors, refined by ma
 
 from __future__ import annotations
 
+import math
 from functools import cached_property
 
 import numpy as np
@@ -53,6 +54,11 @@ class PlanContext:
         self.slo: SLOTargets | None = targets if o.objective != "throughput" and targets.any else None
         self._init_classes()
         self._kv_cache: dict[tuple, float] = {}
+        self._kv_load_cache: dict[tuple, dict[str, float]] = {}
+        self._node_load_cache: dict[tuple, dict[str, float]] = {}
+        # Shared NICs / site pipes / dedicated links: capacity nodes of the flow network (bytes per T)
+        self.resources = {r.name: r for r in cluster.shared_resources() if math.isfinite(r.bandwidth)}
+        self.resource_cap = {name: r.bandwidth * self.period_s for name, r in self.resources.items()}
         from hetserve.planner.layout import LayoutSearch  # layout search reads the context
         self.layouts = LayoutSearch(self)
 
@@ -140,6 +146,29 @@ class PlanContext:
             cap = self.period_s / t if t > 0 else float("inf")
             self._kv_cache[key] = cap
         return cap
+
+    def kv_load(self, src: ReplicaLayout, dst: ReplicaLayout, key=None) -> dict[str, float]:
+        """Bytes one request's KV (mean prompt) puts on each shared resource from ``src`` to ``dst``."""
+        key = key or (src, dst)
+        load = self._kv_load_cache.get(key)
+        if load is None:
+            raw = self.cost.kv_resource_bytes(src, dst, self.input_tokens)
+            load = self._kv_load_cache[key] = {r.name: b for r, b in raw.items() if r.name in self.resources}
+        return load
+
+    def node_load(self, layout: ReplicaLayout, role: str) -> dict[str, float]:
+        """Bytes one request served by this replica in ``role`` puts on each shared resource by
+        itself: activations crossing stage boundaries (prompt tokens for prefill, generated
+        tokens for decode, both for colocated) and TP groups across machines."""
+        key = (layout, role)
+        load = self._node_load_cache.get(key)
+        if load is None:
+            tokens = {"prefill": self.input_tokens, "decode": self.output_tokens,
+                      "colocated": self.input_tokens + self.output_tokens}[role]
+            raw = self.cost.pp_resource_bytes(layout, tokens) if len(layout.stages) > 1 or any(
+                len({self.cluster.devices[d].machine for d in s.devices}) > 1 for s in layout.stages) else {}
+            load = self._node_load_cache[key] = {r.name: b for r, b in raw.items() if r.name in self.resources}
+        return load
 
     def tokens_per_s(self, requests_per_period: float) -> float:
         """The one throughput estimate of every algorithm: requests per T × mean output / T."""

@@ -14,6 +14,25 @@ Invariants of ``FlowNetwork``:
 * capacities are scaled to integer milli-requests before solving, so the networkx and the scipy
   solvers see the same integer network and return the same value.
 
+**Capacity nodes for shared links** (DESIGN.md, "Links are shared resources"). KV caches, PP
+hand-offs and TP all-reduces that leave a machine cross its NIC, the site pipe and the receiving
+NIC, and every route through one of them shares it. Each such resource r is a capacity node:
+
+* ``resource_cap[r]``: bytes per period T it carries (bandwidth × T);
+* ``edge_load[(p, d)][r]``: bytes one request routed p → d puts on r (its KV cache's parts that
+  cross r); ``node_load[g][r]``: bytes one request served by group g puts on r by itself (PP
+  hand-offs / TP all-reduces between its machines);
+* a route may carry at most ``resource_cap[r] / bytes per request`` requests through r — summed
+  over the routes and groups crossing r: ``Σ flow · load ≤ cap``.
+
+Because routes put different bytes per request on the same node, a resource is a *weighted*
+node constraint; the max flow with capacity nodes is then a small linear program (HiGHS),
+exact, with the flow on every edge. ``colocated`` groups sit outside the flow (their requests
+never cross a KV edge) but may load resources too; they are variables of that program, capped
+by their capacity. Without resources, or when the unconstrained max flow already respects every
+resource (it is then optimal: the constrained value can only be lower), the network is the
+paper's and is solved as below.
+
 ``solve`` runs networkx's preflow-push (Goldberg–Tarjan) on exactly that network and returns the
 flow on every edge: the refinement reads bottlenecks from it and KV-route weights are
 proportional to it. ``max_flow_value`` returns the same value from scipy's Dinic solver on the
@@ -29,6 +48,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 import numpy as np
 from networkx.algorithms.flow import preflow_push
+from scipy.optimize import linprog
 from scipy.sparse import csr_array
 from scipy.sparse.csgraph import maximum_flow
 
@@ -41,6 +61,21 @@ class FlowNetwork:
     decode: list[int]
     node_cap: dict[int, float]
     edge_cap: dict[tuple[int, int], float]
+    colocated: list[int] = field(default_factory=list)  # groups outside the flow (node_cap holds theirs)
+    resource_cap: dict[str, float] = field(default_factory=dict)  # bytes per T
+    edge_load: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)  # bytes / request
+    node_load: dict[int, dict[str, float]] = field(default_factory=dict)  # bytes / request
+
+    def route_load(self, p: int, d: int) -> dict[str, float]:
+        """Bytes one request routed p → d puts on each resource: its KV plus both groups' own."""
+        out = dict(self.edge_load.get((p, d), {}))
+        for g in (p, d):
+            for r, b in self.node_load.get(g, {}).items():
+                out[r] = out.get(r, 0.0) + b
+        return out
+
+    def loads_resources(self) -> bool:
+        return bool(self.resource_cap) and (any(self.edge_load.values()) or any(self.node_load.values()))
 
     def scale(self) -> float:
         """Integer units per request: milli-requests unless that would overflow int32 sums."""
@@ -58,20 +93,117 @@ class FlowNetwork:
 
 @dataclass
 class FlowResult:
-    value: float  # requests per T
+    value: float  # requests per T through the prefill → decode network (colocated not included)
     node_flow: dict[int, float] = field(default_factory=dict)  # through each compute node
     edge_flow: dict[tuple[int, int], float] = field(default_factory=dict)  # prefill → decode
+    colocated_flow: dict[int, float] = field(default_factory=dict)  # requests per T each colocated group serves
+
+    @property
+    def total(self) -> float:
+        return self.value + sum(self.colocated_flow.values())
+
+
+def resource_loads(net: FlowNetwork, flow: FlowResult) -> dict[str, float]:
+    """Bytes per T the flow puts on every resource it crosses."""
+    out: dict[str, float] = {}
+    for (p, d), f in flow.edge_flow.items():
+        if f > 0:
+            for r, b in net.route_load(p, d).items():
+                out[r] = out.get(r, 0.0) + f * b
+    for c, f in flow.colocated_flow.items():
+        for r, b in net.node_load.get(c, {}).items():
+            out[r] = out.get(r, 0.0) + f * b
+    return out
+
+
+def _respects_resources(net: FlowNetwork, flow: FlowResult) -> bool:
+    loads = resource_loads(net, flow)
+    return all(v <= net.resource_cap.get(r, math.inf) * (1 + 1e-9) + 1e-6 for r, v in loads.items())
+
+
+def solve_with_resources(net: FlowNetwork) -> FlowResult:
+    """The exact max flow with capacity nodes (module doc) as a linear program (HiGHS).
+
+    Variables: the flow on every KV edge and what every colocated group serves; maximise their
+    sum under the node, edge and resource capacities. O(LP on P·D + C variables)."""
+    edges = [(p, d) for p in net.prefill for d in net.decode]
+    P, D, C = len(net.prefill), len(net.decode), len(net.colocated)
+    cols = len(edges) + C
+    if cols == 0:
+        return FlowResult(0.0)
+    loads = [net.route_load(p, d) for p, d in edges] + [net.node_load.get(c, {}) for c in net.colocated]
+    names = sorted({r for ld in loads for r in ld if math.isfinite(net.resource_cap.get(r, math.inf))})
+    a = np.zeros((P + D + len(names), cols))
+    k = np.arange(len(edges))
+    a[k // D, k] = 1.0 if D else 0.0  # prefill p's outflow (edges are p-major)
+    a[P + k % D, k] = 1.0 if D else 0.0  # decode d's inflow
+    rhs = [net.node_cap[g] for g in net.prefill + net.decode]
+    index = {r: P + D + i for i, r in enumerate(names)}
+    for j, ld in enumerate(loads):
+        for r, b in ld.items():
+            if r in index:
+                a[index[r], j] = b
+    for r in names:  # rows in requests (cap / bytes per request) keep the LP well scaled
+        row = a[index[r]]
+        top = row.max()
+        a[index[r]] = row / top
+        rhs.append(net.resource_cap[r] / top)
+    bounds = [(0.0, min(net.edge_cap.get(e, 0.0), 1e15)) for e in edges]
+    bounds += [(0.0, net.node_cap[c]) for c in net.colocated]
+    res = linprog(-np.ones(cols), A_ub=a, b_ub=np.asarray(rhs), bounds=bounds, method="highs")
+    if res.status != 0:
+        raise RuntimeError(f"max flow with capacity nodes: the LP solver failed ({res.message})")
+    x = np.maximum(res.x, 0.0)
+    edge_flow = {e: float(x[k]) for k, e in enumerate(edges)}
+    node_flow = {g: 0.0 for g in net.prefill + net.decode}
+    for (p, d), f in edge_flow.items():
+        node_flow[p] += f
+        node_flow[d] += f
+    colocated = {c: float(x[len(edges) + k]) for k, c in enumerate(net.colocated)}
+    return FlowResult(sum(edge_flow.values()), node_flow, edge_flow, colocated)
+
+
+def _unconstrained_colocated(net: FlowNetwork) -> dict[int, float]:
+    return {c: net.node_cap[c] for c in net.colocated}
+
+
+def max_flow_total(net: FlowNetwork) -> float:
+    """Requests per T of the whole placement: the max flow plus what colocated groups serve,
+    with every capacity node respected (Dinic first; the LP only when a resource binds)."""
+    if not net.loads_resources():
+        return max_flow_value(net) + sum(_unconstrained_colocated(net).values())
+    return solve_fast(net).total
+
+
+def solve_fast(net: FlowNetwork) -> FlowResult:
+    """``solve``'s answer with scipy's Dinic in place of preflow-push (for scoring)."""
+    value, nodes, edges = _dinic(net)
+    flow = FlowResult(value, nodes, edges, _unconstrained_colocated(net))
+    if net.loads_resources() and not _respects_resources(net, flow):
+        return solve_with_resources(net)
+    return flow
 
 
 def max_flow_value(net: FlowNetwork) -> float:
-    """Max flow value (requests per T) by scipy's Dinic on the compact network. O(V²E) worst case."""
+    """Max flow value (requests per T) through the prefill → decode network, capacity nodes
+    respected (scipy's Dinic on the compact network; the LP when a resource binds)."""
     return max_flow_nodes(net, nodes=False)[0]
 
 
 def max_flow_nodes(net: FlowNetwork, nodes: bool = True) -> tuple[float, dict[int, float]]:
-    """(max flow value, flow through every compute node) by scipy's Dinic, in requests per T."""
+    """(max flow value, flow through every compute node), in requests per T."""
+    if net.loads_resources():
+        f = solve_fast(net)
+        return f.value, f.node_flow
+    value, node_flow, _ = _dinic(net, nodes=nodes, edges=False)
+    return value, node_flow
+
+
+def _dinic(net: FlowNetwork, nodes: bool = True, edges: bool = True):
+    """(value, node flows, edge flows) by scipy's Dinic on the compact network, ignoring
+    resources. O(V²E) worst case."""
     if not net.prefill or not net.decode:
-        return 0.0, {}
+        return 0.0, {}, {}
     s = net.scale()
     bound = _MAX_INT // 4
     P, D = len(net.prefill), len(net.decode)
@@ -89,12 +221,14 @@ def max_flow_nodes(net: FlowNetwork, nodes: bool = True) -> tuple[float, dict[in
                 rows.append(1 + i), cols.append(1 + P + j), caps.append(c)
     m = csr_array((np.asarray(caps, dtype=np.int32), (np.asarray(rows), np.asarray(cols))), shape=(n, n))
     res = maximum_flow(m, src, snk, method="dinic")
-    if not nodes:
-        return res.flow_value / s, {}
+    if not nodes and not edges:
+        return res.flow_value / s, {}, {}
     f = res.flow.toarray() if hasattr(res.flow, "toarray") else np.asarray(res.flow)
-    nodes = {p: float(f[src, 1 + i]) / s for i, p in enumerate(net.prefill)}
-    nodes.update({d: float(f[1 + P + j, snk]) / s for j, d in enumerate(net.decode)})
-    return res.flow_value / s, nodes
+    node_flow = {p: float(f[src, 1 + i]) / s for i, p in enumerate(net.prefill)}
+    node_flow.update({d: float(f[1 + P + j, snk]) / s for j, d in enumerate(net.decode)})
+    edge_flow = ({(p, d): max(0.0, float(f[1 + i, 1 + P + j])) / s for i, p in enumerate(net.prefill)
+                  for j, d in enumerate(net.decode)} if edges else {})
+    return res.flow_value / s, node_flow, edge_flow
 
 
 def build_graph(net: FlowNetwork) -> nx.DiGraph:
@@ -117,13 +251,20 @@ def build_graph(net: FlowNetwork) -> nx.DiGraph:
 
 
 def solve(net: FlowNetwork) -> FlowResult:
-    """Max flow by networkx preflow-push, with the flow through every node and KV edge."""
+    """Max flow by networkx preflow-push, with the flow through every node and KV edge; the
+    LP of ``solve_with_resources`` when that flow overloads a capacity node."""
     if not net.prefill or not net.decode:
-        return FlowResult(0.0, {g: 0.0 for g in net.prefill + net.decode}, {})
+        flow = FlowResult(0.0, {g: 0.0 for g in net.prefill + net.decode}, {}, _unconstrained_colocated(net))
+        if net.loads_resources() and not _respects_resources(net, flow):
+            return solve_with_resources(net)
+        return flow
     s = net.scale()
     g = build_graph(net)
     value, flow = nx.maximum_flow(g, "source", "sink", flow_func=preflow_push)
     node_flow = {p: flow[("in", p)][("out", p)] / s for p in net.prefill}
     node_flow.update({d: flow[("in", d)][("out", d)] / s for d in net.decode})
     edge_flow = {(p, d): flow[("out", p)][("in", d)] / s for p in net.prefill for d in net.decode}
-    return FlowResult(value / s, node_flow, edge_flow)
+    result = FlowResult(value / s, node_flow, edge_flow, _unconstrained_colocated(net))
+    if net.loads_resources() and not _respects_resources(net, result):
+        return solve_with_resources(net)
+    return result

@@ -9,7 +9,9 @@ numbers compare fairly:
   cannot hold a replica has capacity 0 and its devices stay idle (it is left out of the plan);
 * prefill and decode groups form the flow network of HexGen-2 §3.2; its max flow is the
   disaggregated part's requests per T;
-* colocated groups add their capacities;
+* every route's KV bytes, and each group's own PP / TP bytes between machines, load the shared
+  NICs and site pipes they cross: capacity nodes of the same network (``flow``); colocated
+  groups add their capacities, less what a saturated shared resource takes from them;
 * throughput = requests per T × mean output tokens / T (``PlanContext.tokens_per_s``).
 """
 
@@ -21,15 +23,22 @@ from typing import Iterable, Sequence
 from hetserve.cost.layout import ReplicaLayout
 from hetserve.planner.bound import upper_bound
 from hetserve.planner.context import PlanContext
-from hetserve.planner.flow import FlowNetwork, FlowResult, max_flow_nodes, max_flow_value, solve
+from hetserve.planner.flow import (FlowNetwork, FlowResult, max_flow_nodes, max_flow_total, resource_loads, solve,
+                                   solve_fast)
 from hetserve.planner.options import Budget, PlanOptions
 from hetserve.planner.plan import KVRoute, Plan, PlanReplica
+from hetserve.planner.slo import slo_batch
 
 # Alternative layouts (see ``Evaluator``): enumerate all combinations up to this many, else
 # coordinate ascent over at most this many unsaturated groups for at most this many rounds.
 EXHAUSTIVE_PRODUCT = 64
 MAX_LAYOUT_GROUPS = 8
 MAX_LAYOUT_ROUNDS = 4
+# ... and where a shared NIC / pipe binds (every trial is then a linear program): one round over
+# the few least-used groups. Spreading KV over more device pairs (what most alternatives do)
+# gains nothing once a shared NIC, not a pair, is the bottleneck.
+MAX_LAYOUT_GROUPS_SHARED = 3
+MAX_LAYOUT_ROUNDS_SHARED = 1
 _ROLE_ORDER = {"prefill": 0, "decode": 1, "colocated": 2}
 _PREFIX = {"prefill": "p", "decode": "d", "colocated": "c"}
 
@@ -130,15 +139,36 @@ class Evaluator:
                 best = self._options(g)[choice[i]]
             layouts.append(None if best is None else best[0])
             caps.append(0.0 if best is None else best[1])
-        pre = [i for i, g in enumerate(groups) if g.role == "prefill" and caps[i] > 0]
-        dec = [i for i, g in enumerate(groups) if g.role == "decode" and caps[i] > 0]
-        net = FlowNetwork(pre, dec, {i: caps[i] for i in pre + dec}, {})
-        colocated = sum(caps[i] for i, g in enumerate(groups) if g.role == "colocated")
+        net = self._empty_network(groups, caps)
+        colocated = sum(net.node_cap[c] for c in net.colocated)
+        pre, dec = net.prefill, net.decode
         if floor >= 0 and ctx.tokens_per_s((net.upper_bound() if pre and dec else 0.0) + colocated) <= floor:
             return layouts, caps, net, colocated
         c = choice or (0,) * len(groups)
         net.edge_cap = {(p, d): self._kv(groups, layouts, c, p, d) for p in pre for d in dec}
+        self._add_loads(groups, layouts, c, net)
         return layouts, caps, net, colocated
+
+    def _empty_network(self, groups: Sequence[Group], caps: Sequence[float]) -> FlowNetwork:
+        """Groups and their capacities as a flow network, KV edges and loads not yet filled in."""
+        pre = [i for i, g in enumerate(groups) if g.role == "prefill" and caps[i] > 0]
+        dec = [i for i, g in enumerate(groups) if g.role == "decode" and caps[i] > 0]
+        col = [i for i, g in enumerate(groups) if g.role == "colocated" and caps[i] > 0]
+        return FlowNetwork(pre, dec, {i: caps[i] for i in pre + dec + col}, {}, colocated=col,
+                           resource_cap=self.ctx.resource_cap)
+
+    def _add_loads(self, groups, layouts, choice, net: FlowNetwork, changed=None) -> None:
+        """Fill in the bytes per request each route and group puts on the shared resources."""
+        if not net.resource_cap:
+            return
+        ctx = self.ctx
+        for g in (net.prefill + net.decode + net.colocated if changed is None else changed):
+            net.node_load[g] = ctx.node_load(layouts[g], groups[g].role)
+        for p in net.prefill:
+            for d in net.decode:
+                if changed is None or p in changed or d in changed:
+                    net.edge_load[(p, d)] = ctx.kv_load(
+                        layouts[p], layouts[d], (groups[p].devices, choice[p], groups[d].devices, choice[d]))
 
     def _kv(self, groups, layouts, choice, p: int, d: int) -> float:
         return self.ctx.kv_capacity(layouts[p], layouts[d], (groups[p].devices, choice[p], groups[d].devices, choice[d]))
@@ -158,18 +188,24 @@ class Evaluator:
         if floor >= 0 and bound <= floor:
             return bound
         self.evaluations += 1
-        value, nodes = max_flow_nodes(net, nodes=not self.exhaustive_layouts)
+        if net.loads_resources():
+            flow = solve_fast(net)
+            value, nodes = flow.total, flow.node_flow
+        else:
+            value, nodes = max_flow_nodes(net, nodes=not self.exhaustive_layouts)
+            value += colocated
         choice = (0,) * len(key)
-        if net.prefill and net.decode and value < net.upper_bound() * (1 - 1e-9):
+        if net.prefill and net.decode and value < (net.upper_bound() + colocated) * (1 - 1e-9):
             choice, value = self._choose_layouts(key, layouts, caps, net, value, nodes)
-        value = self.ctx.tokens_per_s(value + colocated)
+        value = self.ctx.tokens_per_s(value)
         self._scores[key] = value
         self._choices[key] = choice
         return value
 
     # ------------------------------------------------------------------ alternative layouts
     def _choose_layouts(self, groups, layouts, caps, net: FlowNetwork, value: float, nodes: dict[int, float]):
-        """(choice, max flow) of the best combination of alternative layouts found."""
+        """(choice, requests per T) of the best combination of alternative layouts found
+        (``value`` and the result include what colocated groups serve)."""
         opts = {i: self._options(groups[i]) for i in net.prefill + net.decode}
         free = [i for i in net.prefill + net.decode if len(opts[i]) > 1]
         if not free:
@@ -177,8 +213,13 @@ class Evaluator:
         product = 1
         for i in free:
             product *= len(opts[i])
-        if self.exhaustive_layouts or product <= EXHAUSTIVE_PRODUCT:
+        # a shared resource that binds makes every trial a linear program: search those by a short ascent
+        shared_binds = not self.exhaustive_layouts and value < self._bound_without_resources(net) * (1 - 1e-9)
+        if self.exhaustive_layouts or (product <= EXHAUSTIVE_PRODUCT and not shared_binds):
             return self._enumerate_layouts(groups, opts, free, net, value)
+        if shared_binds:
+            return self._ascend_layouts(groups, opts, free, layouts, net, value, nodes,
+                                        MAX_LAYOUT_ROUNDS_SHARED, MAX_LAYOUT_GROUPS_SHARED)
         return self._ascend_layouts(groups, opts, free, layouts, net, value, nodes)
 
     def _trial(self, groups, opts, choice, net: FlowNetwork, changed) -> FlowNetwork:
@@ -195,7 +236,23 @@ class Evaluator:
             else:
                 for p in net.prefill:
                     edge_cap[(p, i)] = self._kv(groups, lay, choice, p, i)
-        return FlowNetwork(net.prefill, net.decode, node_cap, edge_cap)
+        trial = FlowNetwork(net.prefill, net.decode, node_cap, edge_cap, net.colocated, net.resource_cap,
+                            dict(net.edge_load), dict(net.node_load))
+        self._add_loads(groups, lay, choice, trial, changed=tuple(changed))
+        return trial
+
+    @staticmethod
+    def _bound_without_resources(net: FlowNetwork) -> float:
+        """The max flow (plus colocated capacity) if no shared resource bound it."""
+        if not net.loads_resources():
+            return -1.0
+        return max_flow_nodes(FlowNetwork(net.prefill, net.decode, net.node_cap, net.edge_cap), nodes=False)[0] + \
+            sum(net.node_cap[c] for c in net.colocated)
+
+    @staticmethod
+    def _bound(net: FlowNetwork) -> float:
+        """Requests per T no choice of layouts can beat: min(Σ prefill, Σ decode) + colocated."""
+        return net.upper_bound() + sum(net.node_cap[c] for c in net.colocated)
 
     def _enumerate_layouts(self, groups, opts, free, net: FlowNetwork, value: float):
         """Every combination of the free groups' options, pruned by the capacity bound."""
@@ -211,14 +268,15 @@ class Evaluator:
             rest_d[k] = rest_d[k + 1] + (opts[i][0][1] if i not in pre else 0.0)
         fixed_p = sum(net.node_cap[i] for i in net.prefill if i not in free)
         fixed_d = sum(net.node_cap[i] for i in net.decode if i not in free)
+        colocated = sum(net.node_cap[c] for c in net.colocated)
 
         def rec(k: int, cap_p: float, cap_d: float) -> None:
-            if min(fixed_p + cap_p + rest_p[k], fixed_d + cap_d + rest_d[k]) <= best[0] * (1 + 1e-9):
+            if min(fixed_p + cap_p + rest_p[k], fixed_d + cap_d + rest_d[k]) + colocated <= best[0] * (1 + 1e-9):
                 return
             if k == len(free):
                 if any(choice):
                     self.layout_trials += 1
-                    v = max_flow_value(self._trial(groups, opts, choice, net, free))
+                    v = max_flow_total(self._trial(groups, opts, choice, net, free))
                     if v > best[0] * (1 + 1e-9):
                         best[0], best[1] = v, tuple(choice)
                 return
@@ -231,14 +289,15 @@ class Evaluator:
         rec(0, 0.0, 0.0)
         return best[1], best[0]
 
-    def _ascend_layouts(self, groups, opts, free, layouts, net: FlowNetwork, value: float, nodes):
+    def _ascend_layouts(self, groups, opts, free, layouts, net: FlowNetwork, value: float, nodes,
+                        rounds: int = MAX_LAYOUT_ROUNDS, max_groups: int = MAX_LAYOUT_GROUPS):
         """Coordinate ascent: switch one group's layout at a time while the max flow grows;
         only groups the flow leaves unsaturated (their KV edges, not their capacity, bind)."""
         choice = [0] * len(groups)
         cur = net
-        for _ in range(MAX_LAYOUT_ROUNDS):
+        for _ in range(rounds):
             cands = sorted((i for i in free if nodes.get(i, 0.0) < cur.node_cap[i] * 0.999),
-                           key=lambda i: (nodes.get(i, 0.0) / cur.node_cap[i], i))[:MAX_LAYOUT_GROUPS]
+                           key=lambda i: (nodes.get(i, 0.0) / cur.node_cap[i], i))[:max_groups]
             pick = None
             for i in cands:
                 for a in range(len(opts[i])):
@@ -247,16 +306,17 @@ class Evaluator:
                     trial_choice = choice.copy()
                     trial_choice[i] = a
                     trial = self._trial(groups, opts, trial_choice, cur, (i,))
-                    if trial.upper_bound() <= value * (1 + 1e-9):
+                    if self._bound(trial) <= value * (1 + 1e-9):
                         continue
                     self.layout_trials += 1
-                    v = max_flow_value(trial)
+                    v = max_flow_total(trial)
                     if v > value * (1 + 1e-9):
                         value, pick = v, (trial_choice, trial)
             if pick is None:
                 break
             choice, cur = pick
-            value, nodes = max_flow_nodes(cur)
+            f = solve_fast(cur)
+            value, nodes = f.total, f.node_flow
         return tuple(choice), value
 
     def _fixed_network(self, groups: Sequence[Group], layouts: Sequence[ReplicaLayout]):
@@ -267,24 +327,28 @@ class Evaluator:
             if key not in self._fixed_caps:
                 self._fixed_caps[key] = ctx.layouts.layout_capacity(lay, g.role)
             caps.append(self._fixed_caps[key])
-        pre = [i for i, g in enumerate(groups) if g.role == "prefill" and caps[i] > 0]
-        dec = [i for i, g in enumerate(groups) if g.role == "decode" and caps[i] > 0]
-        edges = {(p, d): ctx.kv_capacity(layouts[p], layouts[d]) for p in pre for d in dec}
-        net = FlowNetwork(pre, dec, {i: caps[i] for i in pre + dec}, edges)
-        colocated = sum(caps[i] for i, g in enumerate(groups) if g.role == "colocated")
+        net = self._empty_network(groups, caps)
+        net.edge_cap = {(p, d): ctx.kv_capacity(layouts[p], layouts[d]) for p in net.prefill for d in net.decode}
+        if net.resource_cap:
+            for g in net.prefill + net.decode + net.colocated:
+                net.node_load[g] = ctx.node_load(layouts[g], groups[g].role)
+            for p in net.prefill:
+                for d in net.decode:
+                    net.edge_load[(p, d)] = ctx.kv_load(layouts[p], layouts[d])
+        colocated = sum(net.node_cap[c] for c in net.colocated)
         return caps, net, colocated
 
     def score_layouts(self, groups: Sequence[Group], layouts: Sequence[ReplicaLayout]) -> float:
         """Tokens/s of groups whose layouts the caller fixes (e.g. the uniform planner)."""
         _, net, colocated = self._fixed_network(groups, layouts)
         self.evaluations += 1
-        return self.ctx.tokens_per_s(max_flow_value(net) + colocated)
+        return self.ctx.tokens_per_s(max_flow_total(net))
 
     def evaluate_layouts(self, groups: Sequence[Group], layouts: Sequence[ReplicaLayout]) -> Evaluation:
         """Full evaluation of groups with caller-fixed layouts."""
-        caps, net, colocated = self._fixed_network(groups, layouts)
+        caps, net, _ = self._fixed_network(groups, layouts)
         flow = solve(net)
-        req = flow.value + colocated
+        req = flow.total
         return Evaluation(tuple(groups), tuple(layouts), tuple(caps), net, flow, req, self.ctx.tokens_per_s(req))
 
     def evaluate(self, groups: Iterable[Group]) -> Evaluation:
@@ -293,9 +357,9 @@ class Evaluator:
         key = canonical(groups)
         if key not in self._choices:
             self.score(key)
-        layouts, caps, net, colocated = self._network(key, self._choices[key])
+        layouts, caps, net, _ = self._network(key, self._choices[key])
         flow = solve(net)
-        req = flow.value + colocated
+        req = flow.total
         return Evaluation(key, tuple(layouts), tuple(caps), net, flow, req, self.ctx.tokens_per_s(req))
 
 
@@ -332,6 +396,12 @@ def to_plan(ctx: PlanContext, ev: Evaluation, algorithm: str, budget: Budget | N
         entry = {"role": ev.groups[i].role, "capacity_requests_per_period": round(ev.capacities[i], 3)}
         if ev.groups[i].role != "colocated":
             entry["flow_requests_per_period"] = round(ev.flow.node_flow.get(i, 0.0), 3)
+        elif i in ev.flow.colocated_flow:  # what it serves: less than its capacity where a shared link binds
+            entry["flow_requests_per_period"] = round(ev.flow.colocated_flow[i], 3)
+        if ctx.slo is not None and ev.groups[i].role != "prefill":
+            # the decode batch the SLO capacity assumes: run the replica with at most this many
+            entry["slo_max_batch"] = slo_batch(ctx.cost, ev.layouts[i], ev.groups[i].role, ctx.input_tokens,
+                                               ctx.output_tokens, ctx.slo)
         per_replica[names[i]] = entry
     estimate = {
         "throughput_tokens_per_s": round(ev.tokens_per_s, 3),
@@ -352,12 +422,29 @@ def to_plan(ctx: PlanContext, ev: Evaluation, algorithm: str, budget: Budget | N
         estimate["slo"] = {"ttft_s": ctx.slo.ttft_s, "tpot_s": ctx.slo.tpot_s}
     # what no placement of this pool can beat under the cost model (planner.bound)
     estimate["upper_bound_tokens_per_s"] = round(upper_bound(ctx).tokens_per_s, 3)
+    estimate["network"] = network_estimate(ctx, ev)
     if notes:
         estimate["notes"] = notes
     if budget is not None:
         estimate["search"] = budget.summary()
     return Plan(ctx.model.name, ctx.cluster.name, algorithm, tuple(replicas), tuple(routes), estimate,
                 search_log=None if budget is None else budget.log())
+
+
+def network_estimate(ctx: PlanContext, ev: Evaluation) -> dict[str, dict]:
+    """Per shared resource the plan loads: planned Gbit/s (KV routes ∝ flow, PP hand-offs and TP
+    all-reduces between machines), capacity and utilisation, busiest first."""
+    loads = resource_loads(ev.network, ev.flow)
+    rows = []
+    for name, per_period in loads.items():
+        r = ctx.resources.get(name)
+        if r is None or per_period <= 0:
+            continue
+        gbps = per_period / ctx.period_s * 8 / 1e9
+        cap = r.bandwidth * 8 / 1e9
+        rows.append((gbps / cap, name, {"kind": r.kind, "planned_gbps": round(gbps, 4),
+                                        "capacity_gbps": round(cap, 4), "utilisation": round(gbps / cap, 4)}))
+    return {name: entry for _, name, entry in sorted(rows, key=lambda x: (-x[0], x[1]))}
 
 
 def start_search(name: str, cluster, model, workload, options: PlanOptions,

@@ -10,8 +10,9 @@ capacity is smaller:
   and served one at a time (deterministic service s = TTFT), the mean time in system of an
   M/D/1 queue is s + ρ·s / (2(1 − ρ)); the load ρ is capped where that reaches ``ttft_s``:
   ρ ≤ 2(S − s) / (2S − s), S = ``ttft_s``. (A mean, not a percentile: a planning estimate.)
-* **colocated**: the decode batch within ``tpot_s`` (its prefills stall the batch, which the
-  cost model's per-request time already charges), then the same TTFT load cap with the
+* **colocated**: the decode batch within ``COLOCATED_TPOT_SHARE`` × ``tpot_s`` (prompts that
+  arrive stall the running batch, and the stalls land on the TPOT: in the simulator a colocated
+  plan whose batch met the TPOT exactly missed it at p90), then the same TTFT load cap with the
   request's own prefill as the service.
 
 The KV hand-off between a prefill and a decode replica is not charged against the TTFT (it
@@ -24,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetserve.cost.layout import ReplicaLayout
+
+COLOCATED_TPOT_SHARE = 0.75  # of the TPOT target left to decode steps on a colocated replica
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,15 @@ def decode_batch_within(cost, layout: ReplicaLayout, input_tokens: float, output
     return lo
 
 
+def slo_batch(cost, layout: ReplicaLayout, role: str, input_tokens: float, output_tokens: float,
+              slo: SLOTargets) -> int:
+    """The decode batch a decode or colocated replica runs within the TPOT target (see above)."""
+    tpot = slo.tpot_s
+    if role == "colocated" and tpot is not None:
+        tpot *= COLOCATED_TPOT_SHARE
+    return decode_batch_within(cost, layout, input_tokens, output_tokens, tpot)
+
+
 def slo_capacity(cost, layout: ReplicaLayout, role: str, input_tokens: float, output_tokens: float,
                  period_s: float, slo: SLOTargets) -> float:
     """Requests per ``period_s`` that ``layout`` serves in ``role`` within ``slo`` (see above)."""
@@ -81,7 +93,7 @@ def slo_capacity(cost, layout: ReplicaLayout, role: str, input_tokens: float, ou
     if role == "prefill":
         s = cost.ttft(layout, prompt)
         return period_s / s * ttft_load_cap(s, slo.ttft_s)
-    b = decode_batch_within(cost, layout, input_tokens, output_tokens, slo.tpot_s)
+    b = slo_batch(cost, layout, role, input_tokens, output_tokens, slo)
     if b == 0:
         return 0.0
     step = cost.decode_step_time(layout, b, b * (input_tokens + output_tokens / 2))

@@ -12,7 +12,9 @@ Checks, each reported with the replica, stage or route it concerns and the numbe
   non-negative; the weights out of each prefill replica sum to 1; a disaggregated plan has both
   prefill and decode replicas and every prefill replica has a route.
 
-All problems are collected and raised together as one ``PlanError``.
+All problems are collected and raised together as one ``PlanError``. Traffic beyond a shared NIC's
+or site pipe's capacity is a warning, not an error (the plan still runs, slower):
+``network_warnings`` (from ``hetserve.planner.traffic``) lists those resources.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from hetserve.cost.analytic import CostModel, Efficiency
 from hetserve.cost.layout import StageLayout
 from hetserve.errors import PlanError, SpecError
 from hetserve.planner.plan import ROLES, Plan
+from hetserve.planner.traffic import network_warnings  # noqa: F401 - the validator's warnings
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec, load_model
 

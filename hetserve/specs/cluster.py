@@ -4,15 +4,18 @@ A cluster file (YAML, format in DESIGN.md) is resolved into a flat tuple of ``De
 N×N matrices: ``latency`` (α, seconds) and ``bandwidth`` (β, bytes/s). Everything downstream
 (cost model, planner, simulator, runtime link shaping) reads only these.
 
-Link resolution, most specific first:
-1. an explicit per-device ``matrix`` (replaces ``network`` entirely);
-2. a ``network.links`` override between two machines or two sites;
-3. inside one machine: the machine's ``intra`` or the default for its GPU (NVLink fabric or PCIe);
-4. between machines of one site: ``network.intra_site``; across sites: ``network.inter_site``.
+Links are shared resources (DESIGN.md): every machine has a NIC (``nic``, default
+``network.intra_site``), every pair of sites a pipe (a site-pair ``network.links`` entry, default
+``network.inter_site``), a machine-pair ``network.links`` entry is a dedicated link; inside a box
+each GPU pair has its own link (the machine's ``intra`` or the default for its GPU). ``Cluster.path``
+gives the resources a transfer crosses (``hetserve.specs.network``); the α/β matrices are the
+uncontended view derived from those paths (β = the narrowest resource on the path). An explicit
+per-device ``matrix`` replaces all of this with private per-pair links.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from importlib import resources
@@ -25,6 +28,7 @@ import pydantic
 from hetserve.errors import SpecError
 from hetserve.specs._validation import read_mapping, validate
 from hetserve.specs.gpus import GpuType, gpu
+from hetserve.specs.network import Path as NetPath, Resource, Topology, pair_path
 
 GBPS = 1e9 / 8  # bytes/s in one Gbit/s
 MS = 1e-3
@@ -51,7 +55,8 @@ def default_intra_link(gpu_type: GpuType) -> tuple[float, float]:
 
 
 class _Link(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
+    # allow_inf_nan=False: "inf"/"nan" would slip past gt=0 and make a link that costs nothing
+    model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
     bandwidth_gbps: float = pydantic.Field(gt=0)
     latency_ms: float = pydantic.Field(ge=0)
 
@@ -67,6 +72,7 @@ class _Machine(pydantic.BaseModel):
     count: int = pydantic.Field(gt=0)
     site: str = "default"
     intra: _Link | None = None
+    nic: _Link | None = None  # the box's network card, each direction (default: network.intra_site)
     address: str | None = None  # host for the Ray backend; optional
     # Memory per device, overriding the GPU's: a CPU worker slot or a MIG slice.
     memory_gb: float | None = pydantic.Field(default=None, gt=0)
@@ -80,7 +86,7 @@ class _Network(pydantic.BaseModel):
 
 
 class _Matrix(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
+    model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
     bandwidth_gbps: list[list[float]]
     latency_ms: list[list[float]]
 
@@ -127,6 +133,7 @@ class Cluster:
     description: str = ""
     assumptions: str = ""
     machine_addresses: dict[str, str] = field(default_factory=dict)
+    topology: Topology | None = None  # None: an explicit matrix (private per-pair links)
 
     def __post_init__(self) -> None:
         n = len(self.devices)
@@ -185,12 +192,24 @@ class Cluster:
         """(latency s, bandwidth bytes/s) from device a to device b."""
         return float(self.latency[a, b]), float(self.bandwidth[a, b])
 
+    def path(self, a: int, b: int) -> NetPath:
+        """The shared resources a transfer from device a to device b crosses (see module doc)."""
+        da, db = self.devices[a], self.devices[b]
+        if self.topology is None:
+            return pair_path(da.name, db.name, float(self.latency[a, b]), float(self.bandwidth[a, b]))
+        return self.topology.path(da.name, da.machine, db.name, db.machine)
+
+    def shared_resources(self) -> list[Resource]:
+        """NICs (out and in), site pipes and dedicated links; [] for a matrix cluster."""
+        return [] if self.topology is None else self.topology.shared_resources()
+
     def subset(self, indices: list[int]) -> "Cluster":
         """A cluster of only these devices (re-indexed 0..k-1), e.g. for exact search on a slice."""
         idx = np.asarray(indices)
         devs = tuple(replace(self.devices[j], index=i) for i, j in enumerate(indices))
         return Cluster(self.name, devs, self.latency[np.ix_(idx, idx)], self.bandwidth[np.ix_(idx, idx)],
-                       self.source, self.description, self.assumptions, dict(self.machine_addresses))
+                       self.source, self.description, self.assumptions, dict(self.machine_addresses),
+                       self.topology)
 
 
 def _resolve(spec: _ClusterFile, source: str) -> Cluster:
@@ -205,9 +224,8 @@ def _resolve(spec: _ClusterFile, source: str) -> Cluster:
         for k in range(m.count):
             devices.append(Device(len(devices), f"{m.name}:{k}", m.name, m.site, g, memory))
     n = len(devices)
-    machines = {m.name: m for m in spec.machines}
-    sites = {m.site for m in spec.machines}
 
+    topology = None
     if spec.matrix is not None:
         for key in ("bandwidth_gbps", "latency_ms"):
             rows = getattr(spec.matrix, key)
@@ -222,46 +240,72 @@ def _resolve(spec: _ClusterFile, source: str) -> Cluster:
             raise SpecError(source, "matrix.latency_ms", "non-negative values")
         bandwidth, latency = bw * GBPS, lat * MS
     else:
+        topology = _topology(spec, source, machine_gpu)
         bandwidth, latency = np.zeros((n, n)), np.zeros((n, n))
-        overrides: dict[frozenset[str], _Link] = {}
-        for li, o in enumerate(spec.network.links):
-            for end in o.between:
-                if end not in machines and end not in sites:
-                    raise SpecError(source, f"network.links.{li}.between",
-                                    "machine or site names from this file", end)
-            x, y = o.between
-            if not ((x in machines and y in machines) or (x in sites and y in sites and x != y)):
-                # a machine-site pair or one site twice would never match a device pair below
-                raise SpecError(source, f"network.links.{li}.between",
-                                "two machine names or two different site names", f"{x}, {y}")
-            overrides[frozenset(o.between)] = o
         for a in devices:
             for b in devices:
-                if a.index == b.index:
-                    continue
-                link = (overrides.get(frozenset((a.machine, b.machine)))
-                        or (overrides.get(frozenset((a.site, b.site))) if a.site != b.site else None))
-                if link is None:
-                    if a.machine == b.machine:
-                        intra = machines[a.machine].intra
-                        gbps, ms = ((intra.bandwidth_gbps, intra.latency_ms) if intra
-                                    else default_intra_link(a.gpu))
-                    else:
-                        key = "intra_site" if a.site == b.site else "inter_site"
-                        link = getattr(spec.network, key)
-                        if link is None:
-                            raise SpecError(source, f"network.{key}",
-                                            "{bandwidth_gbps, latency_ms} (needed between "
-                                            f"{a.machine} and {b.machine})")
-                if link is not None:
-                    gbps, ms = link.bandwidth_gbps, link.latency_ms
-                bandwidth[a.index, b.index] = gbps * GBPS
-                latency[a.index, b.index] = ms * MS
+                if a.index != b.index:
+                    path = topology.path(a.name, a.machine, b.name, b.machine)
+                    bandwidth[a.index, b.index] = path.bandwidth
+                    latency[a.index, b.index] = path.latency_s
     np.fill_diagonal(bandwidth, np.inf)
     np.fill_diagonal(latency, 0.0)
     addresses = {m.name: m.address for m in spec.machines if m.address}
     return Cluster(spec.name, tuple(devices), latency, bandwidth, spec.source, spec.description,
-                   spec.assumptions, addresses)
+                   spec.assumptions, addresses, topology)
+
+
+def _topology(spec: _ClusterFile, source: str, machine_gpu: dict[str, GpuType]) -> Topology:
+    """NICs, site pipes, dedicated links and in-box links of a ``machines``/``network`` file."""
+    machines = {m.name: m for m in spec.machines}
+    site_of = {m.name: m.site for m in spec.machines}
+    sites = sorted(set(site_of.values()))
+    net = spec.network
+    links: dict[tuple[str, str], Resource] = {}
+    pipes: dict[tuple[str, str], Resource] = {}
+    for li, o in enumerate(net.links):
+        for end in o.between:
+            if end not in machines and end not in sites:
+                raise SpecError(source, f"network.links.{li}.between", "machine or site names from this file", end)
+        x, y = o.between
+        if not ((x in machines and y in machines and x != y) or (x in sites and y in sites and x != y)):
+            # a machine-site pair or one name twice would never match a device pair
+            raise SpecError(source, f"network.links.{li}.between",
+                            "two machine names or two different site names", f"{x}, {y}")
+        kind, table = ("link", links) if x in machines else ("pipe", pipes)
+        for a, b in ((x, y), (y, x)):
+            table[(a, b)] = Resource(f"{kind}:{a}>{b}", kind, o.bandwidth_gbps * GBPS, o.latency_ms * MS)
+    for a in sites:
+        for b in sites:
+            if a != b and (a, b) not in pipes:
+                link = net.inter_site
+                if link is None:
+                    # only an error if some machine pair across these sites has no dedicated link
+                    needed = [(p, q) for p in machines for q in machines if site_of[p] == a and site_of[q] == b
+                              and (p, q) not in links]
+                    if needed:
+                        raise SpecError(source, "network.inter_site", "{bandwidth_gbps, latency_ms} (needed "
+                                        f"between {needed[0][0]} and {needed[0][1]})")
+                    continue
+                pipes[(a, b)] = Resource(f"pipe:{a}>{b}", "pipe", link.bandwidth_gbps * GBPS, link.latency_ms * MS)
+    nic_out, nic_in, intra = {}, {}, {}
+    for mi, m in enumerate(spec.machines):
+        nic = m.nic or net.intra_site
+        if nic is None:
+            same_site = [q for q in machines if q != m.name and site_of[q] == m.site and (m.name, q) not in links]
+            if same_site:
+                raise SpecError(source, "network.intra_site", "{bandwidth_gbps, latency_ms} (needed "
+                                f"between {m.name} and {same_site[0]})")
+            # nothing in the file bounds this card: only pipes / dedicated links limit its traffic
+            bw, lat = math.inf, 0.0
+        else:
+            bw, lat = nic.bandwidth_gbps * GBPS, nic.latency_ms * MS
+        nic_out[m.name] = Resource(f"nic-out:{m.name}", "nic_out", bw, lat)
+        nic_in[m.name] = Resource(f"nic-in:{m.name}", "nic_in", bw, lat)
+        gbps, ms = ((m.intra.bandwidth_gbps, m.intra.latency_ms) if m.intra
+                    else default_intra_link(machine_gpu[m.name]))
+        intra[m.name] = (gbps * GBPS, ms * MS)
+    return Topology(site_of, nic_out, nic_in, pipes, links, intra)
 
 
 def cluster_from_dict(data: dict, source: str = "<cluster>") -> Cluster:

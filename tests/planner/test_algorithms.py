@@ -3,6 +3,7 @@
 import pytest
 
 from hetserve.planner import ALGORITHMS, PlanOptions, validate_plan
+from hetserve.planner.traffic import network_warnings, plan_traffic
 from hetserve.specs.cluster import cluster_presets, load_cluster
 from hetserve.specs.model import load_model
 
@@ -41,6 +42,14 @@ def test_plan_is_valid(preset, algorithm, azure):
     if plan.is_disaggregated:
         for r in plan.by_role("prefill"):
             assert sum(k.weight for k in plan.routes_from(r.id)) == pytest.approx(1.0)
+    # routed traffic, recomputed from the plan file alone, fits every shared NIC and site pipe, and
+    # the plan's own estimate.network says the same
+    traffic = plan_traffic(plan, cluster, model)
+    for t in traffic:
+        assert t.utilisation <= 1 + 1e-3, f"{t.name}: {t.utilisation:.3f} of capacity"
+    assert network_warnings(plan, cluster, model) == []
+    planned = {name: v["planned_gbps"] for name, v in e["network"].items()}
+    assert planned == pytest.approx({t.name: t.gbps for t in traffic}, rel=1e-3, abs=1e-3)
 
 
 def test_unknown_algorithm(azure, llama7b):

@@ -275,3 +275,61 @@ def test_memory_override_per_machine(tmp_path):
     assert c.subset([1]).devices[0].memory_bytes == 0.5e9
     with pytest.raises(SpecError, match="machines.0.memory_gb"):
         cluster_from_dict({"name": "m", "machines": [{"name": "a", "gpu": "L4", "count": 1, "memory_gb": -1}]})
+
+
+# ----------------------------------------------------------------------------- shared network resources
+
+SITES = """\
+name: t
+machines:
+  - {name: a0, gpu: H100-SXM-80G, count: 2, site: east}
+  - {name: a1, gpu: H100-SXM-80G, count: 2, site: east, nic: {bandwidth_gbps: 25, latency_ms: 0.1}}
+  - {name: b0, gpu: RTX-4090, count: 2, site: west}
+network:
+  intra_site: {bandwidth_gbps: 10, latency_ms: 0.5}
+  inter_site: {bandwidth_gbps: 1, latency_ms: 50}
+  links:
+    - {between: [east, west], bandwidth_gbps: 2, latency_ms: 40}
+"""
+
+
+def test_paths_cross_nics_and_site_pipes(tmp_path):
+    c = load_cluster(write(tmp_path, SITES))
+    a0, a1, b0 = c.device("a0:0").index, c.device("a1:0").index, c.device("b0:1").index
+    names = [r.name for r in c.path(a0, b0).resources]
+    assert names == ["nic-out:a0", "pipe:east>west", "nic-in:b0"]
+    assert c.path(a0, b0).latency_s == pytest.approx(40 * MS)  # the pipe's figure, end to end
+    assert [r.name for r in c.path(a1, a0).resources] == ["nic-out:a1", "nic-in:a0"]
+    # a1's own NIC (25 Gbps) is not the narrowest: a0's (intra_site default, 10) is
+    assert c.bandwidth[a1, a0] == pytest.approx(10 * GBPS) and c.latency[a1, a0] == pytest.approx(0.5 * MS)
+    assert c.bandwidth[a0, b0] == pytest.approx(2 * GBPS)  # uncontended β = narrowest resource
+    # the two H100 boxes share one pipe to the west: the very same resource
+    assert c.path(a0, b0).resources[1] == c.path(a1, b0).resources[1]
+    assert c.path(a0, a0 + 1).resources[0].kind == "intra"
+    kinds = {r.kind for r in c.shared_resources()}
+    assert kinds == {"nic_out", "nic_in", "pipe"}
+
+
+def test_matrix_cluster_has_private_pair_paths(tmp_path):
+    c = load_cluster(write(tmp_path, """\
+        name: m
+        machines: [{name: a, gpu: L4, count: 2}]
+        matrix: {bandwidth_gbps: [[0, 8], [8, 0]], latency_ms: [[0, 1], [1, 0]]}
+        """))
+    assert c.shared_resources() == []
+    p = c.path(0, 1)
+    assert [r.kind for r in p.resources] == ["pair"] and p.bandwidth == pytest.approx(8 * GBPS)
+
+
+@pytest.mark.parametrize("where,value", [
+    ("nic", "0"), ("nic", "-5"), ("nic", "fast"), ("nic", ".inf"), ("nic", ".nan"),
+    ("pipe", "0"), ("pipe", "-1"), ("pipe", "fast"), ("pipe", ".inf")])
+def test_bad_nic_or_pipe_bandwidth(tmp_path, where, value):
+    if where == "nic":
+        text = SITES.replace("nic: {bandwidth_gbps: 25", f"nic: {{bandwidth_gbps: {value}")
+        field = "machines.1.nic.bandwidth_gbps"
+    else:
+        text = SITES.replace("between: [east, west], bandwidth_gbps: 2", f"between: [east, west], bandwidth_gbps: {value}")
+        field = "network.links.0.bandwidth_gbps"
+    err = spec_error(tmp_path, text)
+    assert err.field == field

@@ -68,9 +68,33 @@ def describe_cluster(c: Cluster, console: Console) -> None:
                 da, db = c.machines[a][0].index, c.machines[b][0].index
                 links.add_row(a, b, _fmt_link(*c.link(da, db)))
         console.print(links)
+    _describe_shared(c, console)
     for label, text in (("source", c.source), ("assumptions", c.assumptions)):
         if text:
             console.print(f"[bold]{label}:[/] {text.strip()}")
+
+
+def _describe_shared(c: Cluster, console: Console) -> None:
+    """NICs (each direction) and site pipes / dedicated links: what concurrent transfers share."""
+    shared = c.shared_resources()
+    if not shared or len(c.machines) < 2:
+        return
+    t = Table(title="shared network resources (each direction; every transfer crossing one shares it)")
+    for col in ("resource", "kind", "capacity", "latency"):
+        t.add_column(col)
+    seen = set()
+    for r in shared:
+        if r.kind in ("pipe", "link"):
+            a, b = r.name.split(":", 1)[1].split(">")
+            if (b, a) in seen:
+                continue  # a pipe is listed once: both directions have the same figures
+            seen.add((a, b))
+            label = f"{r.kind} {a} ↔ {b}"
+        else:
+            label = r.name
+        cap = "unlimited (no nic / intra_site given)" if not np.isfinite(r.bandwidth) else f"{r.bandwidth / GBPS:,.3g} Gbps"
+        t.add_row(label, r.kind.replace("_", " "), cap, f"{r.latency_s * 1e3:g} ms")
+    console.print(t)
 
 
 def describe_model(m: ModelSpec, console: Console) -> None:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from hetserve.errors import PlanError
 
+BUSIEST_RESOURCES = 4  # shared NICs / pipes printed under a plan
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -53,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hetserve.cost.analytic import load_efficiency
     from hetserve.planner import ALGORITHMS, PlanOptions, validate_plan
+    from hetserve.planner.traffic import network_warnings
     from hetserve.specs.cluster import load_cluster
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import load_workload
@@ -86,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
                                   rate=args.rate, budget_usd_per_hour=args.budget_usd_per_hour)
             plan = plan_for(ALGORITHMS[name], cluster, model, workload, options)
         validate_plan(plan, cluster, model)
+        for w in network_warnings(plan, cluster, model):
+            console.print(f"[yellow]warning[/]: {name}: {w}")
         plans.append(plan)
     if len(plans) == 1:
         print_plan(console, plans[0])
@@ -184,6 +189,12 @@ def print_plan(console, plan) -> None:
     if "rate_requests_per_s" in e:
         console.print(f"cheapest found for {e['rate_requests_per_s']:g} requests/s: ${usd or 0:,.2f}/h "
                       f"(no subset can cost less than ${e['min_cost_bound_usd_per_hour']:,.2f}/h, LP bound)")
+    network = e.get("network") or {}
+    if network:
+        busiest = list(network.items())[:BUSIEST_RESOURCES]
+        console.print("busiest shared links (planned / capacity): " + "; ".join(
+            f"{name} {v['planned_gbps']:.3g}/{v['capacity_gbps']:.3g} Gbit/s ({v['utilisation']:.0%})"
+            for name, v in busiest))
     if e.get("notes"):
         console.print(f"note: {e['notes']}")
 

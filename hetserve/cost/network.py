@@ -1,0 +1,113 @@
+"""Concurrent transfers over shared network resources: the one place that prices sharing.
+
+A transfer crosses the resources of its ``Path`` (``hetserve.specs.network``): the sending NIC,
+the site pipe or dedicated link, the receiving NIC (or one in-box GPU pair). Transfers that are
+in flight together share every resource they have in common **max-min fairly** (progressive
+filling: raise all rates together; a resource that fills up freezes the rates of the transfers
+crossing it; repeat) — the steady state TCP-like flows reach, and what "fair" transmission means
+in the simulator and the runtime's shaped links, which call ``max_min_rates`` too.
+
+``competing_penalty`` (default 0: none) models the throughput a link loses to contention between
+flows (congestion control, incast): a resource crossed by n flows delivers
+``capacity / (1 + penalty·(n − 1))`` in total. Calibration (MoLink reproduction) may set it.
+
+Lower bound: a transfer alone costs ``α + bytes / β`` with β = the narrowest resource of its path,
+which is exactly ``CostModel.p2p_time``; adding a transfer never speeds another one up.
+Units: bytes, bytes/s, seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Hashable, Sequence
+
+from hetserve.specs.network import Path, Resource
+
+_EPS = 1e-12
+
+
+def max_min_rates(paths: Sequence[Sequence[Resource]], competing_penalty: float = 0.0,
+                  keys: Sequence[Sequence[Hashable]] | None = None) -> list[float]:
+    """Max-min fair rate (bytes/s) of each flow crossing ``paths[i]``'s resources.
+
+    ``keys[i]`` (optional) names the resources of flow i (default: the resources themselves).
+    A flow that crosses only unlimited resources gets ``inf``. Running time
+    O(rounds × Σ path lengths), rounds ≤ number of distinct resources.
+    """
+    n = len(paths)
+    keys = keys if keys is not None else paths
+    cap: dict[Hashable, float] = {}
+    users: dict[Hashable, list[int]] = {}
+    for i, (path, ks) in enumerate(zip(paths, keys)):
+        for r, k in zip(path, ks):
+            if k not in cap:
+                cap[k] = r.bandwidth
+                users[k] = []
+            users[k].append(i)
+    if competing_penalty > 0:
+        for k, us in users.items():
+            cap[k] = cap[k] / (1.0 + competing_penalty * (len(us) - 1))
+    rate = [math.inf] * n
+    frozen = [False] * n
+    left = dict(cap)
+    active = {k: len(us) for k, us in users.items()}
+    while True:
+        # the resource whose equal share for its unfrozen flows is the smallest sets their rate
+        best_k, best_share = None, math.inf
+        for k, cnt in active.items():
+            if cnt > 0:
+                share = left[k] / cnt
+                if share < best_share:
+                    best_k, best_share = k, share
+        if best_k is None or math.isinf(best_share):
+            return rate
+        best_share = max(best_share, 0.0)
+        for i in users[best_k]:
+            if frozen[i]:
+                continue
+            frozen[i] = True
+            rate[i] = best_share
+            for k in keys[i]:
+                left[k] -= best_share
+                active[k] -= 1
+
+
+def transfer_times(transfers: Sequence[tuple[Path, float]], competing_penalty: float = 0.0,
+                   overhead_s: float = 0.0) -> list[float]:
+    """Completion time of each ``(path, bytes)`` transfer when all start together at t = 0.
+
+    Rates are max-min fair and re-shared whenever one transfer finishes (a fluid model); each
+    transfer then pays its path's latency (and ``overhead_s``) once. O(n² × path length).
+    """
+    n = len(transfers)
+    left = [max(0.0, float(b)) for _, b in transfers]
+    done = [math.nan] * n
+    live = [i for i in range(n) if left[i] > 0]
+    for i in range(n):
+        if left[i] <= 0:
+            done[i] = 0.0
+    t = 0.0
+    while live:
+        rates = max_min_rates([transfers[i][0].resources for i in live], competing_penalty)
+        dt = min((left[i] / r if r > 0 else math.inf) for i, r in zip(live, rates))
+        if math.isinf(dt):
+            if all(math.isinf(r) for r in rates):  # only unlimited resources: no time on the wire
+                for i in live:
+                    done[i] = t
+                break
+            raise ValueError("a transfer got no bandwidth at all")
+        t += dt
+        still = []
+        for i, r in zip(live, rates):
+            left[i] -= r * dt
+            if left[i] <= _EPS * max(1.0, transfers[i][1]):
+                done[i] = t
+            else:
+                still.append(i)
+        live = still
+    return [d + p.latency_s + overhead_s for d, (p, _) in zip(done, transfers)]
+
+
+def concurrent_time(transfers: Sequence[tuple[Path, float]], competing_penalty: float = 0.0) -> float:
+    """Time until the last of ``transfers`` (started together) is delivered; 0 for none."""
+    return max(transfer_times(transfers, competing_penalty), default=0.0)

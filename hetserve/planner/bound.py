@@ -22,13 +22,14 @@ algorithm here (``exact`` included), mixed plans too:
 
   These are per-device additive, hence linear in the device counts.
 * **prefill / decode balance**: the disaggregated part serves at most min(Σ prefill, Σ decode).
-* **shared network** (when the cluster has the link resources of issue 9): KV caches that
-  cross between sites share the pipe between them.
+* **shared network** (when the cluster has shared NICs and pipes): the KV flow splits into
+  machine-to-machine parts, each bounded by the prefill / decode rates of the machines at its
+  ends; every part loads the NICs and pipes on its path with its KV bytes (``_network_rows``).
 * **budget**: Σ price × devices used ≤ the budget, when one is set.
 
 What it leaves out (why it is a bound, and where the gap comes from): TP all-reduces and
-pipeline hand-offs, the slowest device pacing a TP group, KV memory limiting the decode batch
-below the cap, per-pair KV links, and the integrality of groups. Running time: one LP of
+pipeline hand-offs (and their network traffic), the slowest device pacing a TP group, KV memory
+limiting the decode batch below the cap, per-pair KV links, and the integrality of groups. Running time: one LP of
 3·(kinds) + a few variables, milliseconds.
 """
 
@@ -59,6 +60,8 @@ class Bound:
 class _Kind:
     gpu: str
     site: str
+    machine: str
+    device: int  # a representative device (for network paths)
     count: int
     flops: float  # achieved FLOP/s of one device
     membw: float  # achieved bytes/s
@@ -68,13 +71,13 @@ class _Kind:
 
 def _kinds(ctx, devices=None) -> list[_Kind]:
     cost = ctx.cost
-    groups: dict[tuple[str, str], list[int]] = {}
+    groups: dict[tuple[str, str, str], list[int]] = {}
     for d in (ctx.cluster.devices if devices is None else [ctx.cluster.devices[i] for i in devices]):
-        groups.setdefault((d.gpu.name, d.site), []).append(d.index)
+        groups.setdefault((d.gpu.name, d.site, d.machine), []).append(d.index)
     out = []
-    for (gpu, site), idx in sorted(groups.items()):
+    for (gpu, site, machine), idx in sorted(groups.items()):
         d = idx[0]
-        out.append(_Kind(gpu, site, len(idx), cost._flops[d], cost._membw[d], cost._memory[d],
+        out.append(_Kind(gpu, site, machine, d, len(idx), cost._flops[d], cost._membw[d], cost._memory[d],
                          ctx.cluster.devices[d].gpu.usd_per_hour))
     return out
 
@@ -118,10 +121,15 @@ def _build(ctx, budget_usd_per_hour: float | None = None, devices=None) -> _LP:
     kinds = _kinds(ctx, devices)
     T = ctx.period_s
     nk = len(kinds)
-    # variables: x[k, role] (3 per kind), then Pv, Dv, Cv, Fl
+    # variables: x[k, role] (3 per kind), then Pv, Dv, Cv, Fl, then (shared network only) u[m, m']:
+    # requests' worth of KV cache (layer fractions) prefilled on machine m and decoded on m'
     nx = 3 * nk
     iP, iD, iC, iF = nx, nx + 1, nx + 2, nx + 3
-    nv = nx + 4
+    machines = sorted({k.machine for k in kinds})
+    network = bool(getattr(ctx, "resources", None))
+    pairs = [(a, b) for a in machines for b in machines] if network else []
+    iu = {pair: nx + 4 + j for j, pair in enumerate(pairs)}
+    nv = nx + 4 + len(pairs)
     A, rhs, names = [], [], []
 
     def row(coefs: dict[int, float], bound: float, name: str) -> None:
@@ -161,8 +169,10 @@ def _build(ctx, budget_usd_per_hour: float | None = None, devices=None) -> _LP:
                 "colocated compute + bandwidth")
     row({iF: 1.0, iP: -1.0}, 0.0, "prefill capacity")
     row({iF: 1.0, iD: -1.0}, 0.0, "decode capacity")
+    if network:
+        _network_rows(ctx, kinds, rates, machines, iu, iF, row)
     prices = np.zeros(nv)
-    for j, k in enumerate(kinds):
+    for j, k in enumerate(kinds):  # (the u variables cost nothing)
         prices[3 * j:3 * j + 3] = k.usd_per_hour or 0.0
     if budget_usd_per_hour is not None:
         row({i: prices[i] for i in range(nx)}, float(budget_usd_per_hour), "budget")
@@ -171,9 +181,41 @@ def _build(ctx, budget_usd_per_hour: float | None = None, devices=None) -> _LP:
     return _LP(kinds, np.array(A), np.array(rhs), names, prices, served)
 
 
+def _network_rows(ctx, kinds, rates, machines, iu, iF, row) -> None:
+    """Shared NICs and pipes (issue 9's capacity nodes): the flow splits into u[m, m'] — the
+    requests' worth of KV (as layer fractions) prefilled on machine m and decoded on m'. What
+    leaves m is at most m's prefill devices' rates (a group's layers on m run on m's devices, so
+    the per-device bounds hold per machine), what arrives at m' at most its decode devices';
+    u[m, m'] × KV bytes per request crosses every resource on the path m → m'."""
+    row({iF: 1.0, **{i: -1.0 for i in iu.values()}}, 0.0, "KV routes")
+    by_machine: dict[str, list[int]] = {}
+    for j, k in enumerate(kinds):
+        by_machine.setdefault(k.machine, []).append(j)
+    for m in machines:
+        for t in range(2):
+            row({**{iu[(m, b)]: 1.0 for b in machines}, **{3 * j: -rates[j]["prefill"][t] for j in by_machine[m]}},
+                0.0, f"prefill on {m}")
+            row({**{iu[(a, m)]: 1.0 for a in machines}, **{3 * j + 1: -rates[j]["decode"][t] for j in by_machine[m]}},
+                0.0, f"decode on {m}")
+    kv_bytes = ctx.input_tokens * ctx.model.kv_bytes_per_token
+    rep = {k.machine: k.device for k in kinds}
+    crossing: dict[str, list[int]] = {}
+    for (a, b), i in iu.items():
+        if a != b:
+            for r in ctx.cluster.path(rep[a], rep[b]).resources:
+                if r.name in ctx.resource_cap:
+                    crossing.setdefault(r.name, []).append(i)
+    for name, idx in sorted(crossing.items()):
+        row({i: kv_bytes for i in idx}, ctx.resource_cap[name], f"network {name}")
+
+
 def _counts(lp: _LP, x) -> dict[tuple[str, str, str], float]:
-    return {(k.gpu, k.site, role): float(x[3 * j + r]) for j, k in enumerate(lp.kinds)
-            for r, role in enumerate(ROLES) if x[3 * j + r] > 1e-9}
+    out: dict[tuple[str, str, str], float] = {}
+    for j, k in enumerate(lp.kinds):
+        for r, role in enumerate(ROLES):
+            if x[3 * j + r] > 1e-9:
+                out[(k.gpu, k.site, role)] = out.get((k.gpu, k.site, role), 0.0) + float(x[3 * j + r])
+    return out
 
 
 def upper_bound(ctx, budget_usd_per_hour: float | None = None, devices=None) -> Bound:
@@ -208,5 +250,5 @@ def device_rates(ctx) -> dict[tuple[str, str], float]:
     out = {}
     for k in _kinds(ctx):
         r = _rates(ctx, k)
-        out[(k.gpu, k.site)] = max(min(r[role]) for role in ROLES)
+        out[(k.gpu, k.site)] = max(out.get((k.gpu, k.site), 0.0), max(min(r[role]) for role in ROLES))
     return out

@@ -19,19 +19,16 @@ capacity from the second to the first:
 a move inside the climb it strands devices where the prefill/decode moves no longer reach them.)
 
 Each candidate is labelled with the cut edge it relieves, so the search log can say which kind
-of move earned the gain. Running time: one preflow-push min cut per accepted placement
-(networkx, tens of milliseconds at 100 groups) plus O(cut edges × donors) candidates.
+of move earned the gain. Running time: one residual-graph search per accepted placement, O(P·D),
+plus O(cut edges × donors) candidates.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import networkx as nx
-from networkx.algorithms.flow import preflow_push
-
 from hetserve.planner.context import PlanContext
-from hetserve.planner.flow import build_graph
+from hetserve.planner.flow import resource_loads
 from hetserve.planner.moves import Placement, move, pick_device, swap
 from hetserve.planner.partition import group_bandwidth
 from hetserve.planner.placement import Evaluation, Group, canonical
@@ -39,6 +36,7 @@ from hetserve.planner.placement import Evaluation, Group, canonical
 MAX_DONORS = 3  # under-used groups tried per saturated node
 MAX_CUT_EDGES = 6  # saturated edges relieved per iteration (the largest flows first)
 SLACK = 0.98  # a node below this utilisation has spare capacity
+SATURATED = 0.999  # an edge or resource at or above this fraction of its capacity is full
 
 
 @dataclass
@@ -47,33 +45,75 @@ class Cut:
 
     nodes: list[int] = field(default_factory=list)  # groups whose capacity edge is cut
     kv_edges: list[tuple[int, int]] = field(default_factory=list)  # (prefill group, decode group)
-    resources: list[tuple] = field(default_factory=list)  # other cut edges (network nodes), as (u, v)
+    resources: list[tuple] = field(default_factory=list)  # (resource, p, d): a full NIC/pipe closes p → d
     slack: list[int] = field(default_factory=list)  # groups the flow leaves under-used
 
 
 def min_cut(ev: Evaluation) -> Cut:
-    """Saturated edges of a minimum cut of ``ev``'s flow network, and the under-used groups."""
-    net = ev.network
+    """Saturated edges of a minimum cut of ``ev``'s solved flow, and the under-used groups.
+
+    Breadth-first search of the residual graph from the source (forward along edges with spare
+    capacity, backward along edges carrying flow); a route p → d is closed when its KV edge is
+    full or a shared resource on it (NIC, pipe) is. The cut is every edge from a reached node to
+    an unreached one. O(P·D) per call, on the flow the evaluator already solved."""
+    net, flow = ev.network, ev.flow
     cut = Cut()
     if not net.prefill or not net.decode:
         return cut
-    g = build_graph(net)
-    _, (src_side, _) = nx.minimum_cut(g, "source", "sink", flow_func=preflow_push)
-    for u in src_side:
-        for v, attrs in g[u].items():
-            if v in src_side or "capacity" not in attrs:
+    loads = resource_loads(net, flow)
+    full_res = {r for r, cap in net.resource_cap.items() if loads.get(r, 0.0) >= SATURATED * cap}
+
+    def has_room(used: float, cap: float) -> bool:
+        return used < SATURATED * cap
+
+    nf, ef = flow.node_flow, flow.edge_flow
+    blocked: dict[tuple[int, int], list[str]] = {}
+    for p in net.prefill:
+        for d in net.decode:
+            on = [r for r in net.route_load(p, d) if r in full_res]
+            if on:
+                blocked[(p, d)] = on
+    reach = {("in", p) for p in net.prefill}  # source → p.in is uncapacitated
+    todo = list(reach)
+    while todo:
+        kind, g = todo.pop()
+        nxt = []
+        if g in net.prefill:
+            if kind == "in" and has_room(nf.get(g, 0.0), net.node_cap[g]):
+                nxt.append(("out", g))
+            if kind == "out":
+                if nf.get(g, 0.0) > 0:
+                    nxt.append(("in", g))
+                nxt += [("in", d) for d in net.decode
+                        if (p_d := (g, d)) not in blocked and has_room(ef.get(p_d, 0.0), net.edge_cap[p_d])]
+        else:
+            if kind == "in":
+                if has_room(nf.get(g, 0.0), net.node_cap[g]):
+                    nxt.append(("out", g))
+                nxt += [("out", p) for p in net.prefill if ef.get((p, g), 0.0) > 0]
+            elif nf.get(g, 0.0) > 0:
+                nxt.append(("in", g))
+        for v in nxt:
+            if v not in reach:
+                reach.add(v)
+                todo.append(v)
+    for g in net.prefill + net.decode:
+        if ("in", g) in reach and ("out", g) not in reach:
+            cut.nodes.append(g)
+    for p in net.prefill:
+        if ("out", p) not in reach:
+            continue
+        for d in net.decode:
+            if ("in", d) in reach:
                 continue
-            if isinstance(u, tuple) and isinstance(v, tuple) and u[0] == "in" and v == ("out", u[1]):
-                cut.nodes.append(u[1])
-            elif isinstance(u, tuple) and u[0] == "out" and isinstance(v, tuple) and v[0] == "in" \
-                    and u[1] in net.node_cap and v[1] in net.node_cap:
-                cut.kv_edges.append((u[1], v[1]))
-            else:
-                cut.resources.append((u, v))
+            if (p, d) in blocked:
+                cut.resources.extend((r, p, d) for r in blocked[(p, d)])
+            elif not has_room(ef.get((p, d), 0.0), net.edge_cap[(p, d)]):
+                cut.kv_edges.append((p, d))
     cut.slack = [i for i in net.prefill + net.decode if ev.utilization(i) < SLACK]
-    flows = ev.flow.edge_flow
-    cut.kv_edges.sort(key=lambda e: (-flows.get(e, 0.0), e))
-    cut.nodes.sort(key=lambda i: (-ev.flow.node_flow.get(i, 0.0), i))
+    cut.kv_edges.sort(key=lambda e: (-ef.get(e, 0.0), e))
+    cut.nodes.sort(key=lambda i: (-nf.get(i, 0.0), i))
+    cut.resources.sort(key=lambda x: (-ef.get((x[1], x[2]), 0.0), x))
     return cut
 
 
@@ -127,17 +167,16 @@ def cut_moves(ctx: PlanContext, ev: Evaluation, cut: Cut | None = None) -> list[
             out.append(("cut KV edge: flip role", _role_of(groups, h, "decode" if groups[h].role == "prefill"
                                                             else "prefill")))
 
-    # saturated network resources: pair prefill and decode groups on each side of it
-    if cut.resources:
-        pre = [i for i in ev.network.prefill]
-        dec = [i for i in ev.network.decode]
-        pairs = sorted(((p, d) for p in pre for d in dec), key=lambda e: (-ev.flow.edge_flow.get(e, 0.0), e))
-        for p, d in pairs[:MAX_CUT_EDGES]:
-            for kp in classes(p)[:2]:
-                for kd in classes(d)[:2]:
-                    if kp != kd:
-                        out.append(("cut network resource: swap devices",
-                                    swap(groups, p, d, pick_device(ctx, groups[p], kp),
-                                         pick_device(ctx, groups[d], kd))))
-
+    # saturated network resources (a NIC or pipe every blocked route crosses): swap devices between
+    # the prefill and decode groups of those routes so the pair meets behind the resource, or flip
+    # an under-used group next to one end so the KV stays on its side
+    for r, p, d in cut.resources[:MAX_CUT_EDGES]:
+        for kp in classes(p)[:2]:
+            for kd in classes(d)[:2]:
+                if kp != kd:
+                    out.append(("cut network resource: swap devices",
+                                swap(groups, p, d, pick_device(ctx, groups[p], kp), pick_device(ctx, groups[d], kd))))
+        for h in sorted((h for h in cut.slack if h not in (p, d)), key=lambda h: (-w[p, h], h))[:2]:
+            if groups[h].role == "prefill":
+                out.append(("cut network resource: flip role", _role_of(groups, h, "decode")))
     return out

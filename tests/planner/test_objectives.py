@@ -105,3 +105,20 @@ def test_objective_bad_input_is_one_line_exit_2(argv, msg, capsys):
     assert main(["plan", "--cluster", "hexgen2-het1", "--model", "llama-2-70b", "--quiet", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and msg in err
+
+
+def test_explain_names_the_cut_and_builds_what_ifs(case_study, llama70b, azure):
+    from hetserve.planner.explain import _variants, bottlenecks
+
+    w = azure.of_class("HPLD")
+    p = ALGORITHMS["exact"](case_study, llama70b, w, PlanOptions(seed=0))
+    lines = bottlenecks(p, case_study, llama70b, w, PlanOptions(seed=0))
+    assert lines and any(("saturated" in s or "full" in s or "colocated" in s) for s in lines), lines
+    data = {"name": "x", "machines": [{"name": "h0", "gpu": "H100-SXM-80G", "count": 4, "site": "a"},
+                                      {"name": "a0", "gpu": "A100-SXM-80G", "count": 4, "site": "b"}],
+            "network": {"inter_site": {"bandwidth_gbps": 3, "latency_ms": 15}}}
+    fake = type("P", (), {"estimate": {"network": {"pipe:a>b": {"capacity_gbps": 3.0}}}})()
+    rows = dict(_variants(data, fake))
+    assert rows["+1 H100-SXM-80G (on h0)"]["machines"][0]["count"] == 5
+    link = rows["2× pipe:a>b (3 → 6 Gbit/s)"]["network"]["links"][-1]
+    assert link["between"] == ["a", "b"] and link["bandwidth_gbps"] == 6.0

@@ -41,6 +41,9 @@ def register(subparsers) -> None:
                    help="use only GPUs costing at most this much per hour in total (the planner chooses which)")
     p.add_argument("--efficiency", metavar="JSON", help="cost-model efficiency (from `hetserve calibrate -o`)")
     p.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan (the best one with --compare)")
+    p.add_argument("--explain", action="store_true",
+                   help="say what bounds the plan (a replica's compute or memory, KV links, a named NIC or pipe) "
+                        "and what one more GPU of each type or 2x the busiest shared link would give")
     p.add_argument("--history", metavar="FILE.json",
                    help="write the search log (best value over time, gain of each kind of edit) of every "
                         "algorithm run; the plan file keeps only the search's summary")
@@ -100,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         best.save(args.output)
         console.print(f"wrote {args.output} ({best.algorithm})")
+    if args.explain:
+        print_explanation(console, best, args, cluster, model, workload, options, ALGORITHMS[best.algorithm])
     if args.history:
         write_history(plans, args.history)
         console.print(f"wrote {args.history}")
@@ -218,6 +223,32 @@ def print_comparison(console, plans) -> None:
                   f"{s.get('wall_s', 0):.2f}", str(s.get("iterations", 0)))
     console.print(t)
     console.print("P / D / C: prefill, decode and colocated replicas; req/T: requests per period T")
+
+
+def print_explanation(console, plan, args, cluster, model, workload, options, fn) -> None:
+    import dataclasses
+
+    from rich.table import Table
+
+    from hetserve.planner.explain import bottlenecks, what_ifs
+
+    console.print("[bold]what bounds this plan[/bold] (min cut of its flow):")
+    for line in bottlenecks(plan, cluster, model, workload, options):
+        console.print(f"  • {line}")
+    base = plan.estimate.get("throughput_tokens_per_s", 0.0)
+    plain = dataclasses.replace(options, budget_usd_per_hour=None, objective="throughput"
+                                if options.objective == "cost" else options.objective)
+    rows = what_ifs(plan, args.cluster, model, workload, plain, fn)
+    if not rows:
+        console.print("  (what-ifs need a cluster file with machines, not a device matrix)")
+        return
+    t = Table(title=f"what-ifs (quick re-plan, {plan.algorithm}, fewer restarts; bound = planner/bound.py)")
+    for col in ("change", "tokens/s", "vs plan", "upper bound"):
+        t.add_column(col, justify="left" if col == "change" else "right")
+    for label, v, ub in rows:
+        t.add_row(label, "–" if v is None else f"{v:,.1f}", "–" if v is None or not base else f"{v / base - 1:+.1%}",
+                  f"{ub:,.0f}" if ub else "–")
+    console.print(t)
 
 
 def write_history(plans, path: str | Path) -> None:

@@ -9,7 +9,9 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test bench experiments clean
+BENCH_VENV ?= .bench-venv
+
+.PHONY: setup demo test bench bench-clients experiments clean
 
 setup: $(STAMP)
 
@@ -30,5 +32,15 @@ test: setup
 bench: setup
 	$(BIN)/python bench/run_all.py
 
+# guidellm and aiperf drive `hetserve serve` as real clients; they live in their own venv
+# (their dependency pins clash with the runtime's), never in hetserve's dependencies.
+$(BENCH_VENV)/.installed:
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet guidellm aiperf
+	touch $@
+
+bench-clients: setup $(BENCH_VENV)/.installed
+	$(BIN)/python bench/bench_clients.py --client-bin $(BENCH_VENV)/bin
+
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) demo-out .pytest_cache

@@ -1,148 +1,385 @@
 """Experiment 3: Aladdin Figures 11 and 12 — GPUs needed to meet the SLOs against arrival rate.
 
-    python experiments/aladdin_figures.py [--rates 5,10,15,20,25] [--requests 1500] [--modes colocated,decode]
+    python experiments/aladdin_figures.py [--quick] [--rates 5,10,15,20,25] [--requests 1500]
+        [--sections eq6,gpus,split,same,rebalance,kv,kv70,grouped] [--plot docs/experiments/aladdin_figures.png]
 
 Setting (Aladdin §6.1, §6.4): Llama2-13B on A100-80GB workers joined by PCIe inside 4-GPU boxes,
 TTFT 600 ms and ATGT 30 ms (Table 2), ShareGPT prompt and output lengths (the bundled ShareGPT
 length file; no request longer than 2048 + 2048 tokens) with Poisson arrivals.
 
-For each rate and policy the fewest workers whose simulation has ≥ ``--target`` of the requests
-within the SLOs is found by bisection (``hetserve.capacity.simulated.workers_needed``):
+Like with like (every section):
 
-* Figure 11 (colocated, vLLM-style continuous batching): Aladdin (Eq. 6 worker size + best-fit
-  placement), JSQ and power-of-two on the same worker size, and "vLLM default" (all 4 GPUs of a
-  box in one worker, JSQ). Attainment: TTFT and ATGT.
-* Figure 12 (split-phase, decode instances only): decode workers behind a fixed prefill pool
-  sized generously so it never limits; the decode replica of each request is chosen by the policy.
-  Only decode GPUs are counted. Attainment: TPOT (which, unlike ATGT, charges waiting for a
-  decode worker's KV).
+* every policy — Aladdin, JSQ, power-of-two — is held to the same target (``--target`` of the
+  requests with TTFT and ATGT within the SLOs) and counted the same way: a fixed pool of n
+  identical workers, the fewest n found by bisection (``capacity.simulated.workers_needed``);
+* split-phase pools (Figure 12) are scored on ATGT, the paper's metric, and count decode GPUs only;
+* KV admission is paged (vLLM's, the paper's engine) for every policy; ``--kv-admission reserve``
+  gives every policy the oracle reservation of each whole output instead;
+* Aladdin runs with γ = 1 (every iteration of a request within ATGT; the paper's default γ = 0.5
+  is shown too), with the true output lengths (oracle) and with the bucket-mean predictor fitted on
+  held-out ShareGPT requests (the paper's "most naive" predictor), which is what makes its
+  re-balancing (Algorithm 2) act;
+* worker sizes: Eq. 6's choice and 1 GPU per worker (the paper's Table 3 for 13B on A100).
 
-JSQ, power-of-two and vLLM: the fewest workers meeting the target (bisection). Aladdin is a bin
-packer — it fills the fullest feasible worker and opens another only when none fits — so extra
-workers in the pool stay idle and do not raise its attainment. It runs once per point in an ample
-pool (2× the fluid bound + 4 workers); the table gives the GPUs of the workers it opened and, in
-brackets, the share of requests within the SLOs it reached with them. It runs with the paper's
-defaults (γ = 0.5, θ = 1) and a stricter setting (γ = 1, θ = 0.8) that leaves room for model
-error and for the prefill stalls the linear models do not see. Output lengths are the true ones
-(oracle prediction) for every policy.
+Sections: ``eq6`` worker size; ``gpus`` Figure 11 (colocated); ``split`` Figure 12 (decode
+instances); ``same`` attainment on one plan (JSQ's pool) on ShareGPT-Poisson and on the bursty
+Azure conversation trace; ``rebalance`` Algorithm 2 on/off with the bucket and a noisy predictor;
+``kv`` Llama2-13B on V100 (800 ms / 50 ms, Table 2), where Eq. 6 says KV limits the batch; ``kv70``
+Llama2-70B on A100 (1600 ms / 75 ms), where the KV pool binds in simulation (pre-emptions);
+``grouped`` Appendix A's grouped scheduling.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from hetserve.capacity.config import best_worker_config, homogeneous_cluster, worker_options
 from hetserve.capacity.simulated import attainment, run_pool, workers_needed
-from hetserve.capacity.workers import fit_worker_law, fluid_workers
+from hetserve.capacity.workers import fluid_workers
+from hetserve.errors import InfeasibleError
 from hetserve.policies.aladdin import AladdinPlacement, models_from_cost
+from hetserve.policies.grouped import GroupedPlacement, split_groups
+from hetserve.policies.predictor import BucketMeanPredictor, NoisyOraclePredictor
 from hetserve.specs.model import load_model
-from hetserve.specs.workload import SLO, load_workload
+from hetserve.specs.workload import SLO, Workload, load_workload
 
-MODEL, GPU = "llama-2-13b", "A100-SXM-80G"
+MODEL = "llama-2-13b"
+A100, V100 = "A100-SXM-80G", "V100-32G"
 PCIE = {"bandwidth_gbps": 200, "latency_ms": 0.01}  # the aladdin-a100 preset's in-box link
-SLO_13B = SLO(ttft_s=0.6, tpot_s=0.03)  # Aladdin Table 2, A100
+SLO_A100 = SLO(ttft_s=0.6, tpot_s=0.03)  # Aladdin Table 2, 13B on A100
+SLO_V100 = SLO(ttft_s=0.8, tpot_s=0.05)  # Aladdin Table 2, 13B on V100
 PAPER = {
     "colocated": "Figure 11: Aladdin needs up to 71% fewer GPUs than default vLLM and up to 40% fewer than "
-                 "JSQ with Aladdin's worker size (numbers read off a plot; no table in the paper)",
+                 "JSQ with Aladdin's worker size (read off a plot; no table in the paper)",
     "decode": "Figure 12: Aladdin needs up to 60% fewer decode GPUs than JSQ and up to 49% fewer than "
               "power-of-two",
 }
 
 
-def aladdin(gamma: float, theta: float, slo: SLO):
+@dataclass
+class Setting:
+    """One testbed: model, GPU, in-box link, SLOs and the ShareGPT lengths."""
+
+    gpu: str
+    slo: SLO
+    intra: dict | None
+    base: Workload
+    history: Workload  # held-out requests the bucket predictor learns from
+    requests: int
+    target: float
+    kv: str
+    seed: int
+    model: object = field(repr=False, default=None)
+
+    def poisson(self, rate: float) -> Workload:
+        return self.base.with_poisson_arrivals(rate, self.seed).head(self.requests)
+
+    def bucket(self):
+        fitted = BucketMeanPredictor().fit(self.history.input_tokens, self.history.output_tokens)
+        return lambda: copy.deepcopy(fitted)
+
+    def option(self, g: int, mode: str):
+        pool8 = homogeneous_cluster(self.gpu, 8, 4, self.intra)
+        mi, mo = self.base.mean_input, self.base.mean_output
+        return next(o for o in worker_options(pool8, self.model, self.slo, mi, mo, degrees=(g,), gpu_name=self.gpu))
+
+    def fluid(self, rate: float, g: int, mode: str) -> int:
+        o = self.option(g, mode)
+        return fluid_workers(rate, o, self.base.mean_input, self.base.mean_output, colocated=mode == "colocated")
+
+
+def aladdin(slo: SLO, gamma: float = 1.0, theta: float = 1.0, rebalance: bool = True, groups: int = 1,
+            made: list | None = None):
+    """A policy maker for ``run_pool``: Aladdin with coefficients fitted per pool (grouped when
+    ``groups`` > 1); every policy made is appended to ``made`` (to read its stats)."""
     def make(pool):
         layouts = {r.id: r.layout(pool.cluster) for r in pool.plan.replicas if r.id in pool.worker_ids}
-        return AladdinPlacement(models_from_cost(pool.cost, layouts, slo), slo, gamma=gamma, theta=theta)
+        models = models_from_cost(pool.cost, layouts, slo)
+
+        def one(ids):
+            return AladdinPlacement({i: models[i] for i in ids}, slo, gamma=gamma, theta=theta, rebalance=rebalance)
+        pol = one(pool.worker_ids) if groups == 1 else GroupedPlacement(
+            split_groups(pool.worker_ids, min(groups, len(pool.worker_ids))), one)
+        if made is not None:
+            made.append(pol)
+        return pol
     return make
+
+
+def needed(s: Setting, rate: float, policy, g: int, mode: str = "colocated", predictor=None,
+           wl: Workload | None = None) -> int | None:
+    """Fewest GPUs (workers × g) meeting the target, or None past 4× the fluid bound + 8 workers."""
+    fluid = s.fluid(rate, g, mode)
+    prefill = max(2, s.fluid(rate, g, "colocated")) if mode == "decode" else 0
+    slo = s.slo if mode == "colocated" else SLO(ttft_s=None, tpot_s=s.slo.tpot_s)
+    try:
+        n = workers_needed(s.model, s.gpu, wl or s.poisson(rate), slo, policy, g, mode, s.target,
+                           prefill_workers=prefill, intra=s.intra, hint=fluid, max_workers=4 * fluid + 8,
+                           predictor_factory=predictor, kv_admission=s.kv)
+    except InfeasibleError:
+        return None
+    return n * g
+
+
+def cell(x: int | None, cap: str = "—") -> str:
+    return str(x) if x is not None else cap
+
+
+def saving(a: int | None, j: int | None) -> str:
+    return f"{100 * (1 - a / j):+.0f}%" if a and j else "—"
+
+
+def table(title: str, rates: list[float], rows: dict[str, list]) -> None:
+    print(f"### {title}\n")
+    print("| policy | " + " | ".join(f"{r:g} req/s" for r in rates) + " |")
+    print("|---|" + "---|" * len(rates))
+    for name, cells in rows.items():
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print()
+
+
+# ------------------------------------------------------------------------------------------ sections
+
+
+def section_eq6(s: Setting, title: str) -> int:
+    pool8 = homogeneous_cluster(s.gpu, 8, 4, s.intra)
+    mi, mo = s.base.mean_input, s.base.mean_output
+    print(f"### Worker size by Eq. 6 — {title}\n")
+    print("| GPUs/worker | limit | KV pool (tokens) | batch | tok/s/GPU |\n|---|---|---|---|---|")
+    for o in worker_options(pool8, s.model, s.slo, mi, mo, gpu_name=s.gpu):
+        print(f"| {o.gpus} | {o.limit} | {o.kv_capacity_tokens:,.0f} | {o.batch} | {o.tokens_per_s_per_gpu:,.0f} |")
+    g = best_worker_config(pool8, s.model, s.slo, mi, mo, gpu_name=s.gpu).gpus
+    print(f"\nEq. 6 picks {g} GPU(s) per worker.\n")
+    return g
+
+
+def section_gpus(s: Setting, rates: list[float], g: int, mode: str, curves: dict) -> None:
+    bucket = s.bucket()
+    sizes = sorted({g, 1})
+    pols: dict[str, tuple] = {}
+    for gg in sizes:
+        slo = s.slo if mode == "colocated" else SLO(ttft_s=None, tpot_s=s.slo.tpot_s)
+        pols[f"Aladdin γ=0.5 (paper default), true lengths, {gg} GPU/worker"] = (aladdin(slo, 0.5), gg, None)
+        pols[f"Aladdin, true lengths, {gg} GPU/worker"] = (aladdin(slo), gg, None)
+        pols[f"Aladdin, bucket predictor, {gg} GPU/worker"] = (aladdin(slo), gg, bucket)
+        pols[f"JSQ, {gg} GPU/worker"] = ("jsq", gg, None)
+        pols[f"power-of-two, {gg} GPU/worker"] = ("po2", gg, None)
+    if mode == "colocated":
+        pols["vLLM default (4 GPUs/worker, JSQ)"] = ("jsq", 4, None)
+    got = {k: [] for k in pols}
+    t0 = time.perf_counter()
+    for rate in rates:
+        wl = s.poisson(rate)
+        for name, (pol, gg, pred) in pols.items():
+            got[name].append(needed(s, rate, pol, gg, mode, pred, wl))
+        print(f"  [{mode}] rate {rate:g} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    rows = {k: [cell(x) for x in v] for k, v in got.items()}
+    for gg in sizes:
+        for who in ("true lengths", "bucket predictor"):
+            a, j = got[f"Aladdin, {who}, {gg} GPU/worker"], got[f"JSQ, {gg} GPU/worker"]
+            rows[f"saving of Aladdin ({who}) vs JSQ, {gg} GPU/worker"] = [saving(x, y) for x, y in zip(a, j)]
+    title = "Figure 11 (colocated): GPUs needed" if mode == "colocated" else \
+        "Figure 12 (split-phase, decode GPUs only, ATGT): GPUs needed"
+    table(title + f" for {s.target:.0%} of requests within the SLOs", rates, rows)
+    print(f"paper — {PAPER[mode]}\n")
+    curves[mode] = got
+
+
+def section_same(s: Setting, rates: list[float], g: int) -> None:
+    """Attainment of each policy on one plan: the pool JSQ needs at that rate."""
+    azure = load_workload("azure-conv").filter_lengths(2048, 2048)
+    bucket = s.bucket()
+    print(f"### Same plan, same trace: SLO attainment on the pool JSQ needs ({g} GPU/worker)\n")
+    print("| trace | rate | workers | JSQ | power-of-two | Aladdin, true lengths | Aladdin, bucket predictor |")
+    print("|---|---|---|---|---|---|---|")
+    for trace in ("ShareGPT, Poisson", "Azure conv (bursty, held out)"):
+        for rate in rates:
+            wl = s.poisson(rate) if trace.startswith("Share") else azure.head(s.requests).with_rate(rate)
+            n = needed(s, rate, "jsq", g, wl=wl)
+            if n is None:
+                continue
+            n //= g
+            cells = []
+            for pol, pred in (("jsq", None), ("po2", None), (aladdin(s.slo), None), (aladdin(s.slo), bucket)):
+                res = run_pool(s.model, s.gpu, wl, s.slo, pol, n, g, intra=s.intra,
+                               predictor=pred() if pred else None, kv_admission=s.kv)
+                cells.append(f"{100 * attainment(res, s.slo):.1f}%")
+            print(f"| {trace} | {rate:g} | {n} | " + " | ".join(cells) + " |")
+    print()
+
+
+def section_rebalance(s: Setting, rate: float, g: int) -> None:
+    wl = s.poisson(rate)
+    n = needed(s, rate, "jsq", g, wl=wl) // g
+    preds = {"bucket predictor": s.bucket(),
+             "noisy oracle (σ = 0.5)": lambda: NoisyOraclePredictor(wl.output_tokens, 0.5, s.seed),
+             "noisy oracle (σ = 1.0)": lambda: NoisyOraclePredictor(wl.output_tokens, 1.0, s.seed)}
+    print(f"### Re-balancing (Algorithm 2) at {rate:g} req/s, {g} GPU/worker\n")
+    print(f"Attainment on a fixed pool of {n} workers (JSQ's count) and GPUs needed, re-balancing on / off.\n")
+    print("| predictor | re-balancing | attainment | moves | overflows | GPUs needed |\n|---|---|---|---|---|---|")
+    for name, pred in preds.items():
+        for on in (True, False):
+            made: list = []
+            res = run_pool(s.model, s.gpu, wl, s.slo, aladdin(s.slo, rebalance=on, made=made), n, g, intra=s.intra,
+                           predictor=pred(), kv_admission=s.kv)
+            st = made[-1].stats
+            gpus = needed(s, rate, aladdin(s.slo, rebalance=on), g, predictor=pred, wl=wl)
+            print(f"| {name} | {'on' if on else 'off'} | {100 * attainment(res, s.slo):.1f}% | {st['moved']} | "
+                  f"{st['overflow']} | {cell(gpus)} |")
+    print()
+
+
+def section_kv(s: Setting, rates: list[float]) -> None:
+    section_eq6(s, f"{MODEL} on {s.gpu} (NVLink boxes of 4), TTFT {s.slo.ttft_s}s / ATGT {s.slo.tpot_s}s")
+    g = 2  # the paper's Table 3 for 13B on V100
+    print(f"### Where KV binds: GPUs needed, {MODEL} on {s.gpu}, {g} GPU/worker\n")
+    print("| policy | KV admission | " + " | ".join(f"{r:g} req/s" for r in rates) + " |")
+    print("|---|---|" + "---|" * len(rates))
+    for kv in ("paged", "reserve"):
+        sk = copy.copy(s)
+        sk.kv = kv
+        got = {}
+        for name, pol in (("Aladdin, true lengths", aladdin(s.slo)), ("JSQ", "jsq")):
+            got[name] = [needed(sk, r, pol, g) for r in rates]
+            print(f"| {name} | {kv} | " + " | ".join(cell(x) for x in got[name]) + " |")
+        print(f"| saving | {kv} | " + " | ".join(saving(a, j) for a, j in zip(got["Aladdin, true lengths"], got["JSQ"]))
+              + " |")
+    # how hard KV binds on JSQ's pool at the top rate: pre-emptions and peak pool use
+    rate = rates[-1]
+    n = (needed(s, rate, "jsq", g) or 0) // g
+    if n:
+        res = run_pool(s.model, s.gpu, s.poisson(rate), s.slo, "jsq", n, g, intra=s.intra, kv_admission="paged")
+        peak = max(r.kv_peak_tokens / r.kv_capacity_tokens for r in res.replicas if r.kv_capacity_tokens)
+        pre = res.info["preemptions"]
+        print(f"\nJSQ's pool at {rate:g} req/s ({n} workers, paged): peak KV use {100 * peak:.0f}% of the pool, "
+              f"{pre} recompute pre-emptions.")
+    print()
+
+
+def section_kv70(s: Setting, rates: list[float]) -> None:
+    """Llama2-70B on 2-GPU A100 workers (Table 2: 1600 ms / 75 ms; Table 3: 2 GPUs): the KV pool
+    (about 60k tokens beside 140 GB of weights) binds before the ATGT batch does."""
+    model = load_model("llama-2-70b")
+    sk = copy.copy(s)
+    sk.model, sk.slo = model, SLO(ttft_s=1.6, tpot_s=0.075)
+    g = 2
+    print(f"### Where KV binds: GPUs needed, llama-2-70b on {s.gpu}, {g} GPU/worker, TTFT 1.6 s / ATGT 75 ms\n")
+    print("| policy | " + " | ".join(f"{r:g} req/s" for r in rates) + " |\n|---|" + "---|" * len(rates))
+    got = {}
+    for name, pol in (("Aladdin, true lengths", aladdin(sk.slo)), ("JSQ", "jsq")):
+        got[name] = [needed(sk, r, pol, g) for r in rates]
+        print(f"| {name} | " + " | ".join(cell(x) for x in got[name]) + " |")
+    print("| saving | " + " | ".join(saving(a, j) for a, j in zip(got["Aladdin, true lengths"], got["JSQ"])) + " |")
+    print("\nKV on the pool each policy needs (paged admission):\n")
+    print("| policy | rate | workers | peak KV use | recompute pre-emptions | attainment |\n|---|---|---|---|---|---|")
+    for name, pol in (("Aladdin, true lengths", aladdin(sk.slo)), ("JSQ", "jsq")):
+        for r, n in zip(rates, got[name]):
+            if not n:
+                continue
+            res = run_pool(model, s.gpu, sk.poisson(r), sk.slo, pol, n // g, g, intra=s.intra, kv_admission=s.kv)
+            peak = max(x.kv_peak_tokens / x.kv_capacity_tokens for x in res.replicas if x.kv_capacity_tokens)
+            print(f"| {name} | {r:g} | {n // g} | {100 * peak:.0f}% | {res.info['preemptions']} | "
+                  f"{100 * attainment(res, sk.slo):.1f}% |")
+    print()
+
+
+def section_grouped(s: Setting, rate: float, g: int) -> None:
+    wl = s.poisson(rate)
+    print(f"### Appendix A: grouped scheduling at {rate:g} req/s, {g} GPU/worker\n")
+    print("| groups | GPUs needed | attainment on the central scheduler's pool | simulation wall per request (µs) |\n|---|---|---|---|")
+    central = None
+    for k in (1, 2, 4):
+        gpus = needed(s, rate, aladdin(s.slo, groups=k), g, wl=wl)
+        if k == 1:
+            central = gpus
+        if central is None:
+            break
+        made: list = []
+        t0 = time.perf_counter()
+        res = run_pool(s.model, s.gpu, wl, s.slo, aladdin(s.slo, groups=k, made=made), central // g, g,
+                       intra=s.intra, kv_admission=s.kv)
+        wall = time.perf_counter() - t0
+        print(f"| {k} | {cell(gpus)} | {100 * attainment(res, s.slo):.1f}% | {1e6 * wall / len(wl):.0f} |")
+    print("\npaper — Appendix A: more groups cut the scheduling latency; each group should hold ≥ 1/(2e) "
+          "workers to keep the extra workers under e (e.g. ≥ 5 workers for 10 %).\n")
+
+
+def plot(curves: dict, rates: list[float], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4), squeeze=False)
+    for ax, (mode, got) in zip(axes[0], curves.items()):
+        for name, vals in got.items():
+            ys = [v if v is not None else np.nan for v in vals]
+            style = ":" if "vLLM" in name else "-" if "1 GPU" in name else "--"  # colours repeat after ten
+            ax.plot(rates, ys, style, marker="o", label=name)
+        ax.set_xlabel("arrival rate (req/s)")
+        ax.set_ylabel("GPUs needed" + (" (decode)" if mode == "decode" else ""))
+        ax.set_title("Figure 11 (colocated)" if mode == "colocated" else "Figure 12 (split-phase)")
+        ax.legend(fontsize=6)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"(plot: {path})")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="two rates, 400 requests: a smoke run for tests")
     ap.add_argument("--rates", default="5,10,15,20,25")
     ap.add_argument("--requests", type=int, default=1500, help="requests simulated per rate")
-    ap.add_argument("--modes", default="colocated,decode")
+    ap.add_argument("--sections", default="eq6,gpus,split,same,rebalance,kv,kv70,grouped")
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kv-admission", choices=["reserve", "paged"], default="reserve",
-                    help="simulator KV admission: whole footprint at admission, or vLLM-style paged growth "
-                         "with recompute pre-emption")
+    ap.add_argument("--kv-admission", choices=["paged", "reserve"], default="paged",
+                    help="KV admission for every policy: vLLM-style paged growth with recompute pre-emption "
+                         "(default), or the oracle reservation of prompt + whole output")
+    ap.add_argument("--plot", help="write Figures 11/12 as a PNG here")
     args = ap.parse_args(argv)
     rates = [float(x) for x in args.rates.split(",")]
+    if args.quick:
+        rates, args.requests = rates[:2], min(args.requests, 400)
+    sections = {x.strip() for x in args.sections.split(",")}
     model = load_model(MODEL)
-    base = load_workload("sharegpt", seed=args.seed).filter_lengths(2048, 2048)
-    mi, mo = base.mean_input, base.mean_output
-    pool8 = homogeneous_cluster(GPU, 8, 4, PCIE)
-    opt = best_worker_config(pool8, model, SLO_13B, mi, mo, gpu_name=GPU)
-    g = opt.gpus
+    share = load_workload("sharegpt", seed=args.seed).filter_lengths(2048, 2048)
+    base = share.head(len(share) // 2)
+    history = share._take(np.arange(len(share) // 2, len(share)), "sharegpt-history")
+    a100 = Setting(A100, SLO_A100, PCIE, base, history, args.requests, args.target, args.kv_admission, args.seed, model)
     t0 = time.perf_counter()
-    print(f"# Aladdin Figures 11/12: {MODEL} on {GPU} (PCIe boxes of 4), SLO TTFT {SLO_13B.ttft_s}s / "
-          f"ATGT {SLO_13B.tpot_s}s, ShareGPT lengths (mean in {mi:.0f}, out {mo:.0f}), Poisson arrivals, "
-          f"{args.requests} requests per point, target {args.target:.0%} of requests within the SLOs, "
-          f"KV admission {args.kv_admission!r}\n")
-    print("Worker size by Eq. 6 (per-GPU decode throughput at the SLO-bounded batch):\n")
-    print("| GPUs/worker | limit | batch | tok/s/GPU |\n|---|---|---|---|")
-    for o in worker_options(pool8, model, SLO_13B, mi, mo, gpu_name=GPU):
-        print(f"| {o.gpus} | {o.limit} | {o.batch} | {o.tokens_per_s_per_gpu:,.0f} |")
-    print(f"\nchosen: {g} GPU(s) per worker (paper, Table 3: 1 for Llama2-13B on A100)\n")
-
-    for mode in [m.strip() for m in args.modes.split(",")]:
-        slo = SLO_13B if mode == "colocated" else SLO(ttft_s=None, tpot_s=SLO_13B.tpot_s)
-        policies = {
-            "Aladdin (γ=0.5, θ=1)": (aladdin(0.5, 1.0, slo), g),
-            "Aladdin (γ=1, θ=0.8)": (aladdin(1.0, 0.8, slo), g),
-            "JSQ": ("jsq", g),
-            "power-of-two": ("po2", g),
-        }
-        if mode == "colocated":
-            policies["vLLM default (4 GPUs/worker, JSQ)"] = ("jsq", 4)
-        results: dict[str, list[str]] = {k: [] for k in policies}
-        counts: dict[str, list[tuple[float, int]]] = {k: [] for k in policies}
-        for rate in rates:
-            wl = base.with_poisson_arrivals(rate, args.seed).head(args.requests)
-            for name, (pol, gpw) in policies.items():
-                o = next(x for x in worker_options(pool8, model, SLO_13B, mi, mo, degrees=(gpw,), gpu_name=GPU))
-                fluid = fluid_workers(rate, o, mi, mo, colocated=mode == "colocated")
-                prefill = max(2, fluid) if mode == "decode" else 0
-                if name.startswith("Aladdin"):
-                    ample = 2 * fluid + 4
-                    res = run_pool(model, GPU, wl, slo, pol, ample, gpw, mode, prefill, intra=PCIE,
-                                   kv_admission=args.kv_admission)
-                    used = len({x for x in (res.prefill_replica if mode == "colocated" else res.decode_replica)
-                                if x.startswith("w")})
-                    att = attainment(res, slo, "atgt" if mode == "colocated" else "tpot")
-                    results[name].append(f"{used * gpw} ({100 * att:.1f}%)")
-                    counts[name].append((rate, used))
-                    continue
-                try:
-                    n = workers_needed(model, GPU, wl, slo, pol, gpw, mode, args.target, prefill_workers=prefill,
-                                       intra=PCIE, hint=fluid, max_workers=4 * fluid + 8,
-                                       kv_admission=args.kv_admission)
-                    results[name].append(str(n * gpw))
-                    counts[name].append((rate, n))
-                except ValueError:
-                    results[name].append(f"> {(4 * fluid + 8) * gpw}")
-            print(f"  [{mode}] rate {rate:g} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-        title = "Figure 11 (colocated)" if mode == "colocated" else "Figure 12 (decode instances of split-phase)"
-        print(f"### {title}: GPUs needed\n")
-        print("| policy | " + " | ".join(f"{r:g} req/s" for r in rates) + " | N_w law |")
-        print("|---|" + "---|" * (len(rates) + 1))
-        for name, cells in results.items():
-            law = ""
-            if len(counts[name]) >= 2:
-                fit = fit_worker_law([r for r, _ in counts[name]], [n for _, n in counts[name]])
-                law = f"⌈{fit.k5:.3f}·r + {fit.c5:.2f}⌉"
-            print(f"| {name} | " + " | ".join(cells) + f" | {law} |")
-        ref = "JSQ"
-        best = "Aladdin (γ=1, θ=0.8)"
-        saves = []
-        for r, a, j in zip(rates, results[best], results[ref]):
-            a = a.split(" ")[0]
-            if a.isdigit() and j.isdigit():
-                saves.append(f"{r:g}: {100 * (1 - int(a) / int(j)):+.0f}%")
-        print(f"\nGPU saving of {best} against {ref} (positive = fewer GPUs): " + ", ".join(saves))
-        print(f"\npaper — {PAPER[mode]}\n")
+    print(f"# Aladdin Figures 11/12: {MODEL}, ShareGPT lengths (mean in {base.mean_input:.0f}, out "
+          f"{base.mean_output:.0f}), Poisson arrivals, {args.requests} requests per point, target "
+          f"{args.target:.0%} of requests within TTFT and ATGT, KV admission {args.kv_admission!r} for every "
+          f"policy, fewest workers by bisection for every policy\n")
+    g = section_eq6(a100, f"{MODEL} on {A100} (PCIe boxes of 4), TTFT {SLO_A100.ttft_s}s / ATGT {SLO_A100.tpot_s}s")
+    print("(paper, Table 3: 1 GPU per worker for Llama2-13B on A100)\n")
+    curves: dict = {}
+    if "gpus" in sections:
+        section_gpus(a100, rates, g, "colocated", curves)
+    if "split" in sections:
+        section_gpus(a100, rates, g, "decode", curves)
+    if "same" in sections:
+        section_same(a100, rates, g)
+    mid = rates[len(rates) // 2]
+    if "rebalance" in sections:
+        section_rebalance(a100, mid, g)
+    if "kv" in sections:
+        v100 = copy.copy(a100)
+        v100.gpu, v100.slo, v100.intra = V100, SLO_V100, None
+        section_kv(v100, [r / 2.5 for r in rates][:3] if not args.quick else [r / 2.5 for r in rates][:1])
+    if "kv70" in sections:
+        section_kv70(a100, [1.0, 2.0, 3.0] if not args.quick else [1.0])
+    if "grouped" in sections:
+        section_grouped(a100, rates[-1], g)
+    if args.plot and curves:
+        plot(curves, rates, args.plot)
     print(f"(wall time {time.perf_counter() - t0:.0f} s)")
     return 0
 

@@ -1,11 +1,19 @@
 """Experiment 2: MoLink Tables 2, 3 and 5 — serial vs fair vs MoLink transmission on a slow pipeline.
 
-    python experiments/molink_tables.py [--minutes 30] [--tables 2,3,5]
+    python experiments/molink_tables.py [--quick] [--minutes 30] [--tables eq,2,3,5] [--model qwen2-7b]
+        [--plot docs/experiments/molink_tables.png]
 
-Setting (MoLink §5): Qwen-7B in three pipeline stages on three RTX 4090 servers (the
-``molink-3x4090`` preset: every pair 100 Mbps / 30 ms), the Azure conversation trace without
-requests over 2048 input or 1024 output tokens, rescaled to each arrival rate, 1 minute of warm-up
-then ``--minutes`` measured (requests arriving in the warm-up are left out of the means).
+Setting (MoLink §5): Qwen2-7B (28 layers, GQA; ``--model qwen-7b`` for Qwen-1) in three pipeline
+stages on three RTX 4090 servers (the ``molink-3x4090`` preset: every pair 100 Mbps / 30 ms), the
+Azure conversation trace without requests over 2048 input or 1024 output tokens, rescaled to each
+arrival rate, 1 minute of warm-up then ``--minutes`` measured (requests arriving in the warm-up
+are left out of the means).
+
+Table ``eq`` compares like with like first: fair sharing and MoLink's transmission at the *same*
+micro-batch count (3 and 6), so the transmission policy alone is measured; then each with its own
+best count (of 3..6, by measured mean E2E) and MoLink with the count its §4.3 emulation picks.
+Beside each run: the extra delay of decode messages on the links (delivery − start − latency −
+bytes/bandwidth), the problem MoLink's scheduling addresses.
 
 Baselines as the paper names them: "vLLM" = fair-share concurrent sends (``fair``), "Helix" =
 one ordered queue (``serial``), "MoLink" = ``molink`` transmission (decode first, anti-starvation
@@ -32,9 +40,21 @@ from hetserve.specs.cluster import cluster_from_dict, load_cluster
 from hetserve.specs.model import load_model
 from hetserve.specs.workload import load_workload
 
-MODEL = "qwen-7b"
-STAGES = ((0, 11), (11, 22), (22, 32))
+MODEL = "qwen2-7b"
 WARMUP_S = 60.0
+EQ_RATES = (0.1, 0.2, 0.3, 0.7)
+COUNTS = (3, 4, 5, 6)
+
+
+def stages_of(model, n: int = 3) -> tuple[tuple[int, int], ...]:
+    """``n`` contiguous layer ranges, as even as the layer count allows (the first take the extra)."""
+    size, extra = divmod(model.num_layers, n)
+    out, lo = [], 0
+    for i in range(n):
+        hi = lo + size + (1 if i < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return tuple(out)
 
 # MoLink's numbers: (TTFT s, TPOT s, E2E s) for vLLM, Helix, MoLink.
 PAPER_T2 = {  # by rate, 100 Mbps, 30 ms
@@ -64,6 +84,8 @@ class Row:
     e2e: float
     micro_batches: int
     wall_s: float
+    decode_delay_mean_ms: float = float("nan")  # extra delay of decode messages on the links
+    decode_delay_p99_ms: float = float("nan")
 
 
 def make_cluster(bandwidth_mbps: float, latency_ms: float = 30.0):
@@ -77,7 +99,7 @@ def make_cluster(bandwidth_mbps: float, latency_ms: float = 30.0):
 
 
 def make_plan(cluster, model) -> Plan:
-    stages = tuple(PlanStage((f"pc{i}:0",), s) for i, s in enumerate(STAGES))
+    stages = tuple(PlanStage((f"pc{i}:0",), s) for i, s in enumerate(stages_of(model)))
     return Plan(model.name, cluster.name, "molink-pp3", (PlanReplica("r0", "colocated", stages),))
 
 
@@ -96,14 +118,50 @@ def extended_micro_batches(cluster, model, plan, batch: int, avg_context: float)
     return choose_micro_batches(max(batch, n), fns, lat, bw, model.hidden * model.dtype_bytes, 4).micro_batches
 
 
-def run(cluster, model, wl, transmission: str, micro_batches: int) -> Row:
+class _DecodeDelays:
+    """Records each decode message's extra delay on the links: delivery − start − (latency +
+    bytes/bandwidth), i.e. the time it waited behind other traffic. Measurement only: it wraps
+    ``Network.send`` for the duration of one run."""
+
+    def __init__(self, cluster):
+        self.cluster, self.delays = cluster, []
+
+    def __enter__(self):
+        from hetserve.sim import links
+        self._orig = orig = links.Network.send
+        rec = self
+
+        def send(net, kind, parts, on_done):
+            if kind != "decode" or len(parts) != 1:
+                return orig(net, kind, parts, on_done)
+            d, e, nbytes = parts[0]
+            lat, bw = rec.cluster.link(d, e)
+            alone = lat + nbytes / bw
+
+            def done(start, on_done=on_done, alone=alone):
+                rec.delays.append(net.loop.now - start - alone)
+                on_done(start)
+            return orig(net, kind, parts, done)
+        links.Network.send = send
+        return self
+
+    def __exit__(self, *exc):
+        from hetserve.sim import links
+        links.Network.send = self._orig
+
+
+def run(cluster, model, wl, transmission: str, micro_batches: int, overhead_s: float = 0.0,
+        penalty: float = 0.0) -> Row:
     plan = make_plan(cluster, model)
     t0 = time.perf_counter()
-    res = simulate(plan, cluster, model, wl, SimOptions(transmission=transmission, pipeline="detailed",
-                                                        micro_batches=micro_batches))
+    with _DecodeDelays(cluster) as rec:
+        res = simulate(plan, cluster, model, wl, SimOptions(transmission=transmission, pipeline="detailed",
+                                                            micro_batches=micro_batches, link_overhead_s=overhead_s,
+                                                            link_competing_penalty=penalty))
     keep = res.arrival >= WARMUP_S
+    d = np.asarray(rec.delays) * 1e3 if rec.delays else np.array([np.nan])
     return Row(float(np.mean(res.ttft[keep])), float(np.mean(res.tpot[keep])), float(np.mean(res.e2e[keep])),
-               micro_batches, time.perf_counter() - t0)
+               micro_batches, time.perf_counter() - t0, float(np.mean(d)), float(np.percentile(d, 99)))
 
 
 def workload(rate: float, minutes: float):
@@ -145,16 +203,176 @@ def table_three_way(title: str, key_name: str, rows: dict, paper: dict) -> str:
     return "\n".join(out)
 
 
+def calibrate_links(bandwidth_mbps: float = 100.0, latency_ms: float = 30.0, repeats: int = 3) -> tuple[float, float, str]:
+    """Fit the link model's ``overhead_s`` and ``competing_penalty`` to the runtime's emulated link
+    (``runtime.links.ShapedLink``: the wall-clock driver, its thread and the monotonic clock).
+
+    Single messages of 10–400 kB, one at a time: overhead = mean(delivery − send − α − bytes/β).
+    Then n = 2, 4, 8 messages of 100 kB sent at once under fair sharing: the last delivery at
+    α + overhead + n·S/β·(1 + p·(n − 1)) gives the penalty p (least squares, ≥ 0).
+    Returns (overhead_s, penalty, a markdown table of the measurements)."""
+    import threading
+
+    from hetserve.policies.transmission import FairTransmission
+    from hetserve.runtime.links import ShapedLink
+
+    bw, lat = bandwidth_mbps * 1e6 / 8, latency_ms / 1e3
+    link = ShapedLink("a", "b", lat, bw, FairTransmission())
+    lines = ["| messages at once | bytes each | model (ms) | emulated link (ms) | excess (ms) |", "|---|---|---|---|---|"]
+
+    def burst(n, nbytes):
+        done, ev, t0 = [], threading.Event(), time.monotonic()
+
+        def deliver():
+            done.append(time.monotonic())
+            if len(done) == n:
+                ev.set()
+        for _ in range(n):
+            link.send(nbytes, "prefill", deliver)
+        ev.wait(30)
+        return max(done) - t0
+
+    singles = []
+    for nbytes in (10e3, 100e3, 400e3):
+        for _ in range(repeats):
+            got = burst(1, nbytes)
+            singles.append(got - lat - nbytes / bw)
+        lines.append(f"| 1 | {nbytes / 1e3:.0f} kB | {1e3 * (lat + nbytes / bw):.1f} | {1e3 * (got):.1f} | "
+                     f"{1e3 * (got - lat - nbytes / bw):.2f} |")
+    overhead = max(0.0, float(np.mean(singles)))
+    xs, ys = [], []
+    for n in (2, 4, 8):
+        nbytes = 100e3
+        got = float(np.mean([burst(n, nbytes) for _ in range(repeats)]))
+        base = n * nbytes / bw
+        xs.append(base * (n - 1))
+        ys.append(got - lat - overhead - base)
+        lines.append(f"| {n} | {nbytes / 1e3:.0f} kB | {1e3 * (lat + base):.1f} | {1e3 * got:.1f} | "
+                     f"{1e3 * (got - lat - base):.2f} |")
+    link.close()
+    penalty = max(0.0, float(np.dot(xs, ys) / np.dot(xs, xs)))
+    return overhead, penalty, "\n".join(lines)
+
+
+def table_calibrated(cluster, model, rates, minutes: float, settings: dict) -> str:
+    """Fair vs MoLink at 3 and 6 micro-batches under each named (overhead_s, penalty) link setting."""
+    lines = ["| link model | rate req/s | micro-batches | TTFT fair → MoLink | TPOT fair → MoLink | "
+             "decode msg delay p99 fair / MoLink (ms) |", "|---|---|---|---|---|---|"]
+    for name, (ov, pen) in settings.items():
+        for rate in rates:
+            wl = workload(rate, minutes)
+            for m in (3, 6):
+                f = run(cluster, model, wl, "fair", m, ov, pen)
+                k = run(cluster, model, wl, "molink", m, ov, pen)
+                lines.append(f"| {name} | {rate:g} | {m} | {f.ttft:.2f} → {k.ttft:.2f} ({delta(k.ttft, f.ttft)}) | "
+                             f"{f.tpot:.3f} → {k.tpot:.3f} ({delta(k.tpot, f.tpot)}) | "
+                             f"{f.decode_delay_p99_ms:.1f} / {k.decode_delay_p99_ms:.1f} |")
+    return "\n".join(lines)
+
+
+def delta(x: float, ref: float) -> str:
+    return f"{100 * (x / ref - 1):+.1f}%" if ref > 0 else "-"
+
+
+def equal_counts(cluster, model, rates, minutes: float, counts=COUNTS) -> dict:
+    """Fair and MoLink at every count in ``counts`` for every rate: {rate: {(policy, m): Row}}."""
+    out = {}
+    for rate in rates:
+        wl = workload(rate, minutes)
+        out[rate] = {(p, m): run(cluster, model, wl, p, m) for m in counts for p in ("fair", "molink")}
+        fair3 = out[rate][("fair", counts[0])]
+        emu = extended_micro_batches(cluster, model, make_plan(cluster, model), int(round(rate * fair3.e2e)),
+                                     float(wl.mean_input + wl.mean_output / 2))
+        if ("molink", emu) not in out[rate]:
+            out[rate][("molink", emu)] = run(cluster, model, wl, "molink", emu)
+        out[rate]["emulated"] = emu
+    return out
+
+
+def table_equal(res: dict, shown=(3, 6)) -> str:
+    lines = ["### Same micro-batch count: the transmission policy alone (100 Mbps, 30 ms)", "",
+             "| rate req/s | micro-batches | TTFT fair | TTFT MoLink | TPOT fair | TPOT MoLink | E2E fair | E2E MoLink "
+             "| decode msg delay fair (mean / p99 ms) | MoLink (mean / p99 ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for rate, runs in res.items():
+        for m in shown:
+            f, k = runs[("fair", m)], runs[("molink", m)]
+            lines.append(f"| {rate:g} | {m} | {f.ttft:.2f} | {k.ttft:.2f} ({delta(k.ttft, f.ttft)}) | {f.tpot:.3f} | "
+                         f"{k.tpot:.3f} ({delta(k.tpot, f.tpot)}) | {f.e2e:.1f} | {k.e2e:.1f} ({delta(k.e2e, f.e2e)}) | "
+                         f"{f.decode_delay_mean_ms:.1f} / {f.decode_delay_p99_ms:.1f} | "
+                         f"{k.decode_delay_mean_ms:.1f} / {k.decode_delay_p99_ms:.1f} |")
+    lines += ["", "### Each with its own best count (of 3..6 by mean E2E), and MoLink's §4.3 choice", "",
+              "| rate req/s | fair: m, TTFT / TPOT / E2E | MoLink best: m, TTFT / TPOT / E2E | MoLink §4.3: m, TTFT / "
+              "TPOT / E2E | paper vLLM → MoLink TTFT / TPOT / E2E |", "|---|---|---|---|---|"]
+    for rate, runs in res.items():
+        def best(p):
+            return min((r for (q, _), r in ((k, v) for k, v in runs.items() if k != "emulated") if q == p),
+                       key=lambda r: r.e2e)
+        f, k, e = best("fair"), best("molink"), runs[("molink", runs["emulated"])]
+
+        def cells(r, ref):
+            return (f"{r.micro_batches}, {r.ttft:.2f} ({delta(r.ttft, ref.ttft)}) / {r.tpot:.3f} "
+                    f"({delta(r.tpot, ref.tpot)}) / {r.e2e:.1f} ({delta(r.e2e, ref.e2e)})")
+        pv = PAPER_T2.get(rate)
+        paper = (f"{delta(pv[2][0], pv[0][0])} / {delta(pv[2][1], pv[0][1])} / {delta(pv[2][2], pv[0][2])}"
+                 if pv else "-")
+        lines.append(f"| {rate:g} | {f.micro_batches}, {f.ttft:.2f} / {f.tpot:.3f} / {f.e2e:.1f} | {cells(k, f)} | "
+                     f"{cells(e, f)} | {paper} |")
+    return "\n".join(lines)
+
+
+def plot_equal(res: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rates = list(res)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, (attr, label) in zip(axes, (("ttft", "mean TTFT (s)"), ("tpot", "mean TPOT (s)"),
+                                        ("decode_delay_p99_ms", "decode message delay p99 (ms)"))):
+        for p, style in (("fair", "--"), ("molink", "-")):
+            for m in (3, 6):
+                ax.plot(rates, [getattr(res[r][(p, m)], attr) for r in rates], style, marker="o", label=f"{p}, m={m}")
+        ax.set_xlabel("arrival rate (req/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"(plot: {path})")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one rate, 3 minutes, equal-count table only")
     ap.add_argument("--minutes", type=float, default=30.0, help="measured minutes after 1 minute of warm-up")
-    ap.add_argument("--tables", default="2,3,5")
+    ap.add_argument("--tables", default="eq,cal,2,3,5",
+                    help="eq: equal micro-batch counts; cal: link model calibrated against the runtime's emulated "
+                         "link, then fair vs MoLink with it; 2, 3, 5: the paper's tables")
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--plot", help="write the equal-count comparison as a PNG here")
     args = ap.parse_args(argv)
     tables = {t.strip() for t in args.tables.split(",")}
-    model = load_model(MODEL)
+    rates = EQ_RATES
+    if args.quick:
+        tables, args.minutes, rates = {"eq"}, min(args.minutes, 3.0), (0.3,)
+    model = load_model(args.model)
     t0 = time.perf_counter()
-    print(f"# MoLink tables: {MODEL}, 3 x RTX-4090 pipeline, Azure conversation (in <= 2048, out <= 1024), "
-          f"{args.minutes:g} min measured after {WARMUP_S:.0f} s warm-up\n")
+    print(f"# MoLink tables: {model.name} (stages {stages_of(model)}), 3 x RTX-4090 pipeline, Azure conversation "
+          f"(in <= 2048, out <= 1024), {args.minutes:g} min measured after {WARMUP_S:.0f} s warm-up\n")
+    if "cal" in tables:
+        ov, pen, meas = calibrate_links()
+        print("### Link model calibrated against the runtime's emulated link (100 Mbps, 30 ms)\n")
+        print(meas, "\n")
+        print(f"fitted: overhead_s = {1e3 * ov:.2f} ms per message, competing_penalty = {pen:.3f}\n")
+        settings = {f"calibrated ({1e3 * ov:.2f} ms, {pen:.3f})": (ov, pen),
+                    "sensitivity: 5 ms, penalty 0.5": (0.005, 0.5)}
+        print(table_calibrated(make_cluster(100), model, (0.3, 0.7) if not args.quick else (0.3,),
+                               args.minutes, settings), "\n")
+    if "eq" in tables:
+        res = equal_counts(make_cluster(100), model, rates, args.minutes, COUNTS if not args.quick else (3, 6))
+        print(table_equal(res), "\n")
+        if args.plot:
+            plot_equal(res, args.plot)
     if "2" in tables:
         cluster = make_cluster(100)
         rows = {}

@@ -4,7 +4,12 @@ Builds pools of identical tensor-parallel workers of one GPU type, either all co
 default continuous batching, Figure 11) or as decode workers behind a fixed, ample prefill pool
 (split-phase, Figure 12: only decode GPUs are counted), plays the workload with the named
 placement policy, and bisects the worker count (``min_workers``). A request attains the SLOs when
-TTFT ≤ the TTFT target and ATGT (decode time per output token, Aladdin §2.2) ≤ the ATGT target.
+TTFT ≤ the TTFT target and ATGT (decode time per output token from joining the decode batch,
+Aladdin §2.2) ≤ the ATGT target — for split-phase pools too, as the paper scores them.
+
+Every policy is held to the same target and counted the same way: a fixed pool of n workers, the
+fewest n that attains the target found by bisection. KV admission is paged (vLLM's, the paper's
+engine) unless ``kv_admission="reserve"`` asks for the oracle reservation of each whole output.
 
 Sits above the simulator (imports ``hetserve.sim``); the policies stay below it.
 """
@@ -79,8 +84,9 @@ def build_pool(model: ModelSpec, gpu: str, workers: int, gpus_per_worker: int, m
 def attainment(result, slo: SLO, decode_metric: str = "atgt") -> float:
     """Share of requests with TTFT and ATGT (or TPOT) within their targets (Aladdin's SLO).
 
-    ATGT counts decode time from joining the decode batch; TPOT from the first token, so it also
-    charges the KV hand-off and any wait for a decode worker's KV — use it for split-phase pools.
+    ATGT counts decode time from joining the decode batch (Aladdin's metric, also for split-phase);
+    TPOT from the first token, so it also charges the KV hand-off and any wait for a decode
+    worker's KV.
     """
     ok = np.isfinite(result.t_finish)
     if slo.ttft_s is not None:
@@ -95,7 +101,7 @@ PolicyMaker = Callable[[Pool], object]
 
 def run_pool(model: ModelSpec, gpu: str, workload: Workload, slo: SLO, policy: str | PolicyMaker, workers: int,
              gpus_per_worker: int, mode: Mode = "colocated", prefill_workers: int = 0, per_machine: int = 4,
-             intra: dict | None = None, predictor=None, kv_admission: str = "reserve"):
+             intra: dict | None = None, predictor=None, kv_admission: str = "paged"):
     """One simulation of ``workload`` on a pool of ``workers`` workers; returns the ``SimResult``.
     ``kv_admission``: the simulator's KV admission mode ("reserve" or "paged", ``SimOptions``)."""
     from hetserve.policies.placement import PolicyContext, make_placement
@@ -120,13 +126,14 @@ def workers_needed(model: ModelSpec, gpu: str, workload: Workload, slo: SLO, pol
                    gpus_per_worker: int, mode: Mode = "colocated", target: float = 0.99,
                    prefill_workers: int = 0, per_machine: int = 4, intra: dict | None = None,
                    hint: int | None = None, predictor_factory=None, max_workers: int = 512,
-                   decode_metric: str | None = None, kv_admission: str = "reserve") -> int:
+                   decode_metric: str = "atgt", kv_admission: str = "paged") -> int:
     """Fewest workers whose simulation attains ``target`` of the SLOs (O(log n) simulations).
 
-    ``decode_metric``: "atgt" or "tpot" (default: ATGT colocated, TPOT for decode pools).
-    Raises ``ValueError`` if ``max_workers`` workers still miss the target.
+    ``decode_metric``: "atgt" (Aladdin's, default) or "tpot". ``predictor_factory``: a fresh
+    output-length predictor per simulation (None: the true lengths).
+    Raises ``InfeasibleError`` if ``max_workers`` workers still miss the target.
     """
-    metric = decode_metric or ("atgt" if mode == "colocated" else "tpot")
+    metric = decode_metric
 
     def meets(n: int) -> bool:
         pred = predictor_factory() if predictor_factory else None

@@ -17,11 +17,12 @@ import pkgutil
 import sys
 
 from hetserve import __version__
+from hetserve.cli.bounds import OneLineParser, apply_bounds
 from hetserve.errors import HetserveError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="hetserve",
         description="Plan, simulate and serve LLMs on heterogeneous GPU pools.")
     parser.add_argument("--version", action="version", version=f"hetserve {__version__}")
@@ -31,12 +32,16 @@ def build_parser() -> argparse.ArgumentParser:
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"hetserve.cli.commands.{info.name}")
         module.register(sub)
+    apply_bounds(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # a refused option (one line already printed), --help or --version
+        return int(exc.code or 0)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -58,8 +58,17 @@ class ReplicaState:
     context_tokens: int  # Σ current context of running requests
     kv_used_tokens: int
     kv_capacity_tokens: int
-    requests: tuple[RunningRequest, ...] = ()  # may be empty when the caller keeps only aggregates
+    # may be empty when the caller keeps only aggregates; may be a lazy sequence (built on first
+    # access) so a policy that decides on the aggregates alone pays nothing per queued request
+    requests: Sequence[RunningRequest] = ()
     capacity_norm: float = 1.0  # relative capacity (Aladdin ranks workers by it)
+    # seconds until the replica can start its next prefill: the rest of the prefill (or decode
+    # iteration) now running; 0 when idle or unknown (Aladdin constraint (c))
+    prefill_wait_s: float = 0.0
+    # seconds the oldest prompt waiting for prefill has waited (0: none waiting, or unknown): a new
+    # prompt that joins its prefill batch lengthens that batch (Aladdin constraint (c))
+    queued_age_s: float = 0.0
+    alive: bool = True  # False: the replica lost a worker; no policy may choose it
 
     @property
     def load(self) -> int:

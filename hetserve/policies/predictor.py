@@ -136,3 +136,30 @@ class OraclePredictor:
 
     def observe(self, request_id: int, input_tokens: int, output_tokens: int) -> None:
         pass
+
+
+class NoisyOraclePredictor:
+    """The true output length times a log-normal error exp(N(0, σ²)) drawn once per request: a
+    predictor of known, tunable quality between the oracle (σ = 0) and the bucket mean.
+
+    A request that outlives its prediction is re-predicted as twice what it has generated (the
+    true length is not consulted again)."""
+
+    name = "noisy"
+
+    def __init__(self, outputs: Sequence[int], sigma: float = 0.5, seed: int = 0):
+        if sigma < 0:
+            raise ValueError("sigma must be non-negative")
+        self._outputs = np.asarray(outputs, float)
+        rng = np.random.default_rng(seed)
+        self._noise = np.exp(rng.normal(0.0, sigma, len(self._outputs)))
+        self.sigma = float(sigma)
+
+    def predict(self, request_id: int, input_tokens: int, generated_tokens: int = 0) -> float:
+        p = max(1.0, float(self._outputs[request_id] * self._noise[request_id]))
+        if generated_tokens < p:
+            return p
+        return float(max(2 * generated_tokens, generated_tokens + 1))
+
+    def observe(self, request_id: int, input_tokens: int, output_tokens: int) -> None:
+        pass

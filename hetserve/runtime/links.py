@@ -1,34 +1,25 @@
-"""Shaped links: the transmission scheduler in the runtime's data path.
+"""Shaped links (``--shape-links``): the one link model in the runtime's data path, in wall time.
 
 Every message a worker sends to another device (stage-to-stage activations, prefill → decode KV)
-can pass through a ``LinkNetwork``. For each directed device pair it keeps one ``ShapedLink``,
-which
-
-1. asks that link's ``TransmissionPolicy`` (serial, fair, MoLink — the very classes the simulator
-   drives, from ``hetserve.policies.transmission``) what to put on the wire next, and
-2. holds each message back until a wire of the cluster's bandwidth β and latency α for that pair
-   would have delivered it, then hands it to the real transport (``deliver()``).
+can pass through a ``LinkNetwork``. Its ``WallClockLinks`` driver feeds each message to the link
+model of ``hetserve.policies.links`` — the very state machine the simulator drives in simulated
+time — along the device pair's path of the cluster (NIC out, site pipe or dedicated link, NIC in;
+or a private in-box link), holds it back until the model says it lands (last byte + latency),
+then hands it to the real transport (``deliver()``). Read the model's docstring for the
+semantics: queues per sending NIC with their transmission policy (serial, fair, MoLink), max-min
+fair sharing of every resource on the wire, latency once per message.
 
 So a slow multi-site pool (the MoLink preset: 100 Mbps / 30 ms) is reproduced on one machine and
-the scheduling policies are measured for real, not only simulated.
+the scheduling policies are measured for real, not only simulated. Messages may be delivered out
+of the order they were sent in (decode-first scheduling): receivers match messages by their tag.
 
-Allocation semantics are the simulator's (``hetserve.sim.links``), so one policy means the same
-thing in both places:
+Limitation: each process drives its own model, so sharing is emulated among the messages one
+worker process sends (its NIC queue, the pipes its messages cross); two workers of one box do not
+see each other's traffic on their common NIC.
 
-* ``concurrent=False``: the first send gets the whole link until it is done; a send in flight is
-  never pre-empted (a chunk on the wire stays on the wire); then the policy is asked again, so
-  whatever arrived meanwhile is seen at the next decision.
-* ``concurrent=True``: the sends share the bandwidth equally (processor sharing); when one
-  finishes or a new message arrives, the bytes moved so far are settled and the policy is asked
-  again.
-
-A send of ``n`` bytes occupies the link for ``n / β``; a message is delivered ``α`` after its
-last byte leaves. Messages on one link may be delivered out of the order they were sent in (that
-is the point of decode-first scheduling): receivers must match messages by their tag.
-
-Layout: ``LinkSchedule`` is the clock-free state machine (unit-tested with a fake clock);
-``ShapedLink`` drives one schedule in real time on its own thread; ``LinkNetwork`` owns the
-links of one process and is the object the engine's transport hook calls.
+Layout: ``LinkSchedule`` is the model for one private link with an explicit clock (unit tests);
+``WallClockLinks`` drives a model in real time on one thread; ``ShapedLink`` is one device pair's
+handle on it; ``LinkNetwork`` owns the links of one process and is what the transport hook calls.
 """
 
 from __future__ import annotations
@@ -41,12 +32,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from hetserve.policies.base import (DecodeTiming, LinkInfo, TrafficKind, TransferView,
-                                    TransmissionPolicy)
-from hetserve.policies.transmission import resolve_allocation
-
-_EPS_BYTES = 1e-3
-KINDS: tuple[TrafficKind, ...] = ("decode", "prefill", "kv")
+from hetserve.policies.base import DecodeTiming, TrafficKind, TransmissionPolicy
+from hetserve.policies.links import KINDS, LinkModel
+from hetserve.specs.network import Path, Resource, pair_path
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -83,249 +71,226 @@ class LinkStats:
         return s
 
 
-# ----------------------------------------------------------------------------- the state machine
+# ----------------------------------------------------------------------------- one private pair
 
 
-class _Message:
-    __slots__ = ("id", "kind", "total", "remaining", "enqueued", "first_byte")
-
-    def __init__(self, mid: int, kind: TrafficKind, nbytes: float, now: float):
-        self.id, self.kind = mid, kind
-        self.total = self.remaining = float(nbytes)
-        self.enqueued = now
-        self.first_byte: float | None = None
+def _private_path(latency_s: float, bandwidth: float) -> Path:
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth}")
+    if latency_s < 0:
+        raise ValueError(f"latency must be non-negative, got {latency_s}")
+    return pair_path("src", "dst", float(latency_s), float(bandwidth))
 
 
 class LinkSchedule:
-    """One directed link's pending messages and the policy's current allocation; no threads, no clock.
+    """The link model (``hetserve.policies.links``) for one private link, with an explicit clock:
+    the caller passes ``now`` to every method (tests, and anything that wants exact times).
 
-    The caller passes ``now`` to every method and must call ``advance(t)`` no later than
-    ``next_event_s()`` would have it (calling it late is fine: events are handled at their own
-    times, so a sleepy thread does not change the schedule). Invariants: ``_sends`` is empty iff
-    nothing is pending; every message in ``_sends`` is in ``pending``; non-concurrent allocations
-    hold exactly one send.
+    ``decode_timing()`` / ``next_decode_in(now)``: the sender's decode timings and the predicted
+    time to its next decode message, for MoLink's chunk sizing.
     """
 
     def __init__(self, latency_s: float, bandwidth: float, policy: TransmissionPolicy,
                  decode_timing: Callable[[], DecodeTiming | None] | None = None,
                  next_decode_in: Callable[[float], float | None] | None = None):
-        if bandwidth <= 0:
-            raise ValueError(f"bandwidth must be positive, got {bandwidth}")
-        if latency_s < 0:
-            raise ValueError(f"latency must be non-negative, got {latency_s}")
-        self.latency_s, self.bandwidth, self.policy = float(latency_s), float(bandwidth), policy
-        self.decode_timing, self.next_decode_in = decode_timing, next_decode_in
-        self.pending: dict[int, _Message] = {}
-        self._sends: list[list] = []  # [message, bytes of this send left]
-        self._concurrent = False
-        self._since = 0.0  # when the current allocation's progress was last settled
-        self.busy_s = 0.0
-        self.bytes_sent: dict[str, float] = {k: 0.0 for k in KINDS}
-        self.queueing_s: dict[str, float] = {k: 0.0 for k in KINDS}
-        self.messages: dict[str, int] = {k: 0 for k in KINDS}
+        self.path = _private_path(latency_s, bandwidth)
+        self.latency_s, self.bandwidth, self.policy = self.path.latency_s, self.path.bandwidth, policy
+        self.model = LinkModel(lambda: policy)
+        self.queue = self.model.queue(self.path)
+        if decode_timing is not None:
+            self.queue.decode_timing = lambda now: decode_timing()
+        self.queue.decode_hint = next_decode_in
 
-    # ------------------------------------------------------------------ queries
-    @property
-    def idle(self) -> bool:
-        return not self._sends
-
-    @property
-    def pending_bytes(self) -> float:
-        return sum(m.remaining for m in self.pending.values())
+    # counters and state of the one queue
+    pending = property(lambda self: self.queue.pending)
+    idle = property(lambda self: self.model.idle)
+    pending_bytes = property(lambda self: self.queue.pending_bytes)
+    busy_s = property(lambda self: self.queue.busy_s)
+    bytes_sent = property(lambda self: self.queue.bytes_sent)
+    messages = property(lambda self: self.queue.messages)
+    queueing_s = property(lambda self: self.queue.queueing_s)
 
     def next_event_s(self) -> float | None:
-        """When the current allocation's first send finishes (None: nothing on the wire)."""
-        if not self._sends:
-            return None
-        n = len(self._sends) if self._concurrent else 1
-        first = min(left for _, left in self._sends)
-        return self._since + max(first, 0.0) * n / self.bandwidth
+        return self.model.next_event_s()
 
-    # ------------------------------------------------------------------ actions
     def put(self, mid: int, kind: TrafficKind, nbytes: float, now: float) -> list[tuple[int, float]]:
-        """Enqueue a message; returns messages already finished (``(id, deliver_at)``), see ``advance``."""
-        if kind not in KINDS:
-            raise ValueError(f"traffic kind must be one of {KINDS}, got {kind!r}")
-        if mid in self.pending:
-            raise ValueError(f"message {mid} is already pending")
-        done = self.advance(now)
-        self.messages[kind] += 1
-        if nbytes <= 0:  # nothing to put on the wire: only the latency
-            done.append((mid, now + self.latency_s))
-            return done
-        self.pending[mid] = _Message(mid, kind, nbytes, now)
-        if not self._sends:
-            self._replan(now)
-        elif self._concurrent:
-            self._settle(now)
-            self._replan(now)
-        # sequential and busy: the send in flight finishes first, then the policy sees the newcomer
-        return done
+        return self.model.put(mid, kind, self.path, nbytes, now)
 
     def advance(self, now: float) -> list[tuple[int, float]]:
-        """Handle every send that finished by ``now``; returns ``(id, deliver_at)`` of finished messages.
-
-        ``deliver_at`` = time the last byte left + α. Running time: O(events × pending).
-        """
-        done: list[tuple[int, float]] = []
-        while True:
-            t = self.next_event_s()
-            if t is None or t > now:
-                return done
-            done.extend(self._on_send_done(t))
-
-    # ------------------------------------------------------------------ internals
-    def _account(self, m: _Message, nbytes: float) -> None:
-        m.remaining -= nbytes
-        self.bytes_sent[m.kind] += nbytes
-
-    def _settle(self, now: float) -> None:
-        """Account the bytes every current send has moved since ``_since`` (concurrent sharing)."""
-        dt = now - self._since
-        if dt > 0 and self._sends:
-            share = self.bandwidth * dt / len(self._sends)
-            for s in self._sends:
-                s[1] -= share
-                self._account(s[0], share)
-            self.busy_s += dt
-        self._since = max(self._since, now)
-
-    def _replan(self, now: float) -> None:
-        self._sends = []
-        if not self.pending:
-            return
-        views = [TransferView(m.id, m.kind, m.total, max(m.remaining, 0.0), m.enqueued)
-                 for m in self.pending.values()]
-        timing = self.decode_timing() if self.decode_timing is not None else None
-        hint = self.next_decode_in(now) if self.next_decode_in is not None else None
-        pairs, self._concurrent = resolve_allocation(
-            self.policy, self.pending, views, LinkInfo(self.latency_s, self.bandwidth, timing), now, hint)
-        # A concurrent allocation stays concurrent with one send: a newcomer shares the link at once
-        # (fair share), rather than waiting as it would behind a non-pre-emptible send.
-        sends = [[m, n] for m, n in pairs]
-        for m, _ in sends:
-            if m.first_byte is None:
-                m.first_byte = now
-                self.queueing_s[m.kind] += now - m.enqueued
-        self._sends, self._since = sends, now
-
-    def _on_send_done(self, now: float) -> list[tuple[int, float]]:
-        if self._concurrent:
-            self._settle(now)
-        else:
-            s = self._sends[0]
-            self._account(s[0], s[1])
-            self.busy_s += s[1] / self.bandwidth
-            s[1] = 0.0
-            self._since = now
-        done = []
-        for m, left in self._sends:
-            if left <= _EPS_BYTES + 1e-12 * m.total and m.remaining <= _EPS_BYTES + 1e-9 * m.total:
-                del self.pending[m.id]
-                done.append((m.id, now + self.latency_s))
-        self._replan(now)
-        return done
+        return self.model.advance(now)
 
 
-# ----------------------------------------------------------------------------- real time
+# ----------------------------------------------------------------------------- wall clock
 
 
-class ShapedLink:
-    """One directed link driven in real time: a thread sleeps until the next send finishes or the
-    next message is due, and calls each message's ``deliver()`` at its delivery time.
+class WallClockLinks:
+    """The link model driven in wall time: every link out of one process, shared NICs included.
 
-    Messages of one kind are delivered in the order they were sent (the transport's promise): fair
-    sharing can finish a small message before a bigger one of the same kind sent earlier, and the
-    small one then waits for it. Across kinds the wire decides (decode may overtake prefill).
-    ``deliver`` runs on this link's thread; it must not block for long (hand the bytes to a socket
-    or a queue). An exception in ``deliver`` goes to ``on_error`` (default: kept in ``errors``) and
-    does not stop the link.
+    A thread sleeps until the model's next send completion or the next message due, and calls each
+    message's ``deliver()`` at its delivery time. Messages of one kind on one device pair are
+    delivered in the order they were sent (the transport's promise): fair sharing can finish a
+    small message before a bigger one of the same kind sent earlier, and the small one then waits.
+    Across kinds and pairs the wire decides (decode may overtake prefill). ``deliver`` runs on the
+    driver's thread; it must not block for long. An exception in ``deliver`` goes to ``on_error``
+    and does not stop the driver. ``thread=False``: no thread; the caller calls ``poll(now)``
+    (tests drive it with a fake clock and get exact times). ``predict_decode``: each sending
+    queue's decode hint is a ``DecodeArrivalPredictor`` over the decode messages it saw (the
+    runtime's stand-in for the simulator's exact decode timings).
     """
 
-    def __init__(self, src: str, dst: str, latency_s: float, bandwidth: float, policy: TransmissionPolicy,
-                 clock: Callable[[], float] = time.monotonic,
+    def __init__(self, make_policy: Callable[[], TransmissionPolicy], clock: Callable[[], float] = time.monotonic,
                  decode_timing: Callable[[], DecodeTiming | None] | None = None,
-                 on_error: Callable[[BaseException], None] | None = None):
-        self.src, self.dst = src, dst
-        self.predictor = DecodeArrivalPredictor()
-        self.schedule = LinkSchedule(latency_s, bandwidth, policy, decode_timing, self.predictor)
+                 on_error: Callable[[BaseException], None] | None = None, thread: bool = True,
+                 overhead_s: float = 0.0, competing_penalty: float = 0.0, name: str = "links",
+                 predict_decode: bool = True):
+        self.model = LinkModel(make_policy, overhead_s, competing_penalty)
+        self.predict_decode = predict_decode  # give each queue a DecodeArrivalPredictor as its decode hint
         self.clock = clock
+        self._decode_timing = decode_timing
+        self._predictors: dict[str, DecodeArrivalPredictor] = {}
         self.errors: list[BaseException] = []
         self._on_error = on_error or self.errors.append
         self._cond = threading.Condition()
         self._deliver: dict[int, Callable[[], None]] = {}
-        self._order: dict[str, collections.deque[int]] = {k: collections.deque() for k in KINDS}  # send order
-        self._kind: dict[int, str] = {}
+        self._order: dict[tuple, collections.deque[int]] = {}  # (pair, kind) -> ids in send order
         self._arrives: dict[int, float] = {}  # off the wire; lands at this time
         self._next_id = 0
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=f"link {src}->{dst}", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if thread:
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
 
-    def send(self, nbytes: float, kind: TrafficKind, deliver: Callable[[], None]) -> None:
+    def send(self, pair: tuple[str, str], path: Path, nbytes: float, kind: TrafficKind,
+             deliver: Callable[[], None]) -> None:
         with self._cond:
             if self._closed:
-                raise RuntimeError(f"link {self.src}->{self.dst} is closed")
+                raise RuntimeError(f"link {pair[0]}->{pair[1]} is closed")
             self._next_id += 1
             mid = self._next_id
             now = self.clock()
-            self._deliver[mid], self._kind[mid] = deliver, kind
-            self._order[kind].append(mid)
+            q = self.model.queue(path)
+            if q.name not in self._predictors:
+                self._predictors[q.name] = DecodeArrivalPredictor()
+                if self.predict_decode:
+                    q.decode_hint = self._predictors[q.name]
+                if self._decode_timing is not None:
+                    q.decode_timing = lambda _now: self._decode_timing()
             if kind == "decode":
-                self.predictor.observe(now)
-            self._arrives.update(self.schedule.put(mid, kind, nbytes, now))
+                self._predictors[q.name].observe(now)
+            self._deliver[mid] = deliver
+            self._order.setdefault((pair, kind), collections.deque()).append(mid)
+            self._arrives.update(self.model.put(mid, kind, path, nbytes, now))
             self._cond.notify()
-
-    def stats(self) -> LinkStats:
-        with self._cond:
-            s = self.schedule
-            out = LinkStats(self.src, self.dst, s.latency_s, s.bandwidth)
-            out.bytes_sent.update(s.bytes_sent)
-            out.messages.update(s.messages)
-            out.queueing_s.update(s.queueing_s)
-            out.busy_s = s.busy_s
-            out.pending_messages = len(self._deliver)
-            out.pending_bytes = s.pending_bytes
-            return out
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread; messages still queued are dropped."""
         with self._cond:
             self._closed = True
             self._cond.notify()
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
 
-    def _next_due(self) -> float | None:
+    def next_wake_s(self) -> float | None:
+        """When something next happens: a send ends or a message lands (None: nothing pending)."""
         heads = [self._arrives[q[0]] for q in self._order.values() if q and q[0] in self._arrives]
-        return min(heads) if heads else None
+        wake = [t for t in (self.model.next_event_s(), min(heads) if heads else None) if t is not None]
+        return min(wake) if wake else None
+
+    def poll(self, now: float) -> list[tuple[float, Callable[[], None]]]:
+        """Advance the model to ``now`` and take every message due: ``(due time, deliver)`` in
+        delivery order (the caller calls them, outside any lock)."""
+        self._arrives.update(self.model.advance(now))
+        ready: list[tuple[float, int]] = []
+        for q in self._order.values():
+            last = -math.inf
+            while q and self._arrives.get(q[0], math.inf) <= now:
+                mid = q.popleft()
+                last = max(last, self._arrives.pop(mid))  # held back behind an earlier one
+                ready.append((last, mid))
+        ready.sort()
+        return [(t, self._deliver.pop(mid)) for t, mid in ready]
 
     def _run(self) -> None:
         while True:
-            ready: list[tuple[float, int]] = []
             with self._cond:
                 if self._closed:
                     return
                 now = self.clock()
-                self._arrives.update(self.schedule.advance(now))
-                for q in self._order.values():
-                    last = -math.inf
-                    while q and self._arrives.get(q[0], math.inf) <= now:
-                        mid = q.popleft()
-                        last = max(last, self._arrives.pop(mid))  # held back behind an earlier one
-                        ready.append((last, mid))
-                if not ready:
-                    wake = [t for t in (self.schedule.next_event_s(), self._next_due()) if t is not None]
-                    self._cond.wait(timeout=max(0.0, min(wake) - now) if wake else None)
+                calls = self.poll(now)
+                if not calls:
+                    wake = self.next_wake_s()
+                    self._cond.wait(timeout=max(0.0, wake - now) if wake is not None else None)
                     continue
-                ready.sort()
-                calls = [self._deliver.pop(mid) for _, mid in ready]
-                for _, mid in ready:
-                    del self._kind[mid]
-            for fn in calls:  # outside the lock: delivering may take a moment
+            for _, fn in calls:  # outside the lock: delivering may take a moment
                 try:
                     fn()
-                except BaseException as exc:  # noqa: BLE001 - reported, the link keeps running
+                except BaseException as exc:  # noqa: BLE001 - reported, the driver keeps running
                     self._on_error(exc)
+
+    def queue_of(self, path: Path):
+        with self._cond:
+            return self.model.queue(path)
+
+
+class ShapedLink:
+    """One device pair's handle on a ``WallClockLinks`` driver (its own private one if none is
+    given: a link of ``latency_s`` / ``bandwidth`` alone). Counts its own bytes and messages;
+    ``busy_s`` / ``queueing_s`` are its sending queue's (shared by every pair out of that NIC)."""
+
+    def __init__(self, src: str, dst: str, latency_s: float | None = None, bandwidth: float | None = None,
+                 policy: TransmissionPolicy | None = None, clock: Callable[[], float] = time.monotonic,
+                 decode_timing: Callable[[], DecodeTiming | None] | None = None,
+                 on_error: Callable[[BaseException], None] | None = None, *,
+                 driver: WallClockLinks | None = None, path: Path | None = None):
+        self.src, self.dst = src, dst
+        self.path = path if path is not None else _private_path(latency_s, bandwidth)  # type: ignore[arg-type]
+        self._own = driver is None
+        if driver is None:
+            if policy is None:
+                raise ValueError("a ShapedLink without a driver needs a policy")
+            driver = WallClockLinks(lambda: policy, clock, decode_timing, on_error, name=f"link {src}->{dst}")
+        self.driver = driver
+        self._lock = threading.Lock()
+        self._bytes = {k: 0.0 for k in KINDS}
+        self._messages = {k: 0 for k in KINDS}
+        self._pending: dict[int, float] = {}
+        self._seq = 0
+
+    @property
+    def errors(self) -> list[BaseException]:
+        return self.driver.errors
+
+    def send(self, nbytes: float, kind: TrafficKind, deliver: Callable[[], None]) -> None:
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            self._pending[seq] = float(nbytes)
+
+        def done() -> None:
+            with self._lock:
+                self._bytes[kind] += self._pending.pop(seq)
+            deliver()
+
+        with self._lock:
+            self._messages[kind] += 1
+        self.driver.send((self.src, self.dst), self.path, nbytes, kind, done)
+
+    def stats(self) -> LinkStats:
+        q = self.driver.queue_of(self.path)
+        with self._lock:
+            out = LinkStats(self.src, self.dst, self.path.latency_s, self.path.bandwidth)
+            out.bytes_sent.update(self._bytes)
+            out.messages.update(self._messages)
+            out.queueing_s.update(q.queueing_s)
+            out.busy_s = q.busy_s
+            out.pending_messages = len(self._pending)
+            out.pending_bytes = sum(self._pending.values())
+            return out
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._own:
+            self.driver.close(timeout)
 
 
 class _PassThrough:
@@ -439,31 +404,55 @@ class TransportLinkScheduler:
 
 @dataclass(frozen=True)
 class LinkTable:
-    """The cluster's α (s) and β (bytes/s) per device pair, as plain picklable data (workers get a copy)."""
+    """The cluster's α (s) and β (bytes/s) per device pair and each pair's ``Path`` of shared
+    resources, as plain picklable data (workers get a copy)."""
 
     devices: tuple[str, ...]
     latency: tuple[tuple[float, ...], ...]
     bandwidth: tuple[tuple[float, ...], ...]
+    paths: tuple[tuple[Path | None, ...], ...] = ()  # () : private per-pair links from α/β
 
     @staticmethod
     def from_cluster(cluster) -> "LinkTable":
+        n = len(cluster.devices)
         return LinkTable(tuple(d.name for d in cluster.devices),
                          tuple(tuple(float(x) for x in row) for row in cluster.latency),
-                         tuple(tuple(float(x) for x in row) for row in cluster.bandwidth))
+                         tuple(tuple(float(x) for x in row) for row in cluster.bandwidth),
+                         tuple(tuple(cluster.path(i, j) if i != j else None for j in range(n)) for i in range(n)))
 
-    def lookup(self, src: str, dst: str) -> tuple[float, float] | None:
-        """(latency s, bandwidth bytes/s) from ``src`` to ``dst``; None if either is not a device."""
+    def _index(self, src: str, dst: str) -> tuple[int, int] | None:
         index = {d: i for i, d in enumerate(self.devices)}
         if src not in index or dst not in index:
             return None
-        i, j = index[src], index[dst]
+        return index[src], index[dst]
+
+    def lookup(self, src: str, dst: str) -> tuple[float, float] | None:
+        """(latency s, bandwidth bytes/s) from ``src`` to ``dst``; None if either is not a device."""
+        ij = self._index(src, dst)
+        if ij is None:
+            return None
+        i, j = ij
         return self.latency[i][j], self.bandwidth[i][j]
+
+    def path(self, src: str, dst: str, time_scale: float = 1.0) -> Path | None:
+        """The pair's path (latencies ÷ ``time_scale``, bandwidths × it); None if not both devices."""
+        ij = self._index(src, dst)
+        if ij is None or src == dst:
+            return None
+        i, j = ij
+        p = self.paths[i][j] if self.paths else pair_path(src, dst, self.latency[i][j], self.bandwidth[i][j])
+        if p is None:
+            return None
+        if time_scale == 1.0:
+            return p
+        return Path(tuple(Resource(r.name, r.kind, r.bandwidth * time_scale, r.latency_s / time_scale)
+                          for r in p.resources), p.latency_s / time_scale)
 
 
 class LinkNetwork:
-    """The links out of one process, created on first use from the cluster's α/β per device pair.
+    """The links out of one process: one ``WallClockLinks`` driver, one handle per device pair.
 
-    ``send(src, dst, nbytes, kind, deliver)`` puts a message on the ``src`` → ``dst`` link (device
+    ``send(src, dst, nbytes, kind, deliver)`` puts a message on the ``src`` → ``dst`` path (device
     names, ``machine:index``); ``kind`` is ``decode`` (small, latency-critical activations),
     ``prefill`` (a prompt's activations) or ``kv`` (a KV-cache hand-off). With ``shape=False``
     nothing is delayed or reordered; bytes are only counted. ``time_scale`` divides every
@@ -472,7 +461,8 @@ class LinkNetwork:
     """
 
     def __init__(self, cluster, policy: str | PolicyFactory = "serial", shape: bool = True,
-                 clock: Callable[[], float] = time.monotonic, time_scale: float = 1.0):
+                 clock: Callable[[], float] = time.monotonic, time_scale: float = 1.0,
+                 overhead_s: float = 0.0, competing_penalty: float = 0.0):
         if time_scale <= 0:
             raise ValueError(f"time_scale must be positive, got {time_scale}")
         self.table = cluster if isinstance(cluster, LinkTable) else LinkTable.from_cluster(cluster)
@@ -481,17 +471,20 @@ class LinkNetwork:
         self._links: dict[tuple[str, str], ShapedLink | _PassThrough] = {}
         self._lock = threading.Lock()
         self._decode_timing: DecodeTiming | None = None
+        self._driver: WallClockLinks | None = None
+        self._overhead_s, self._penalty = overhead_s, competing_penalty
 
     def link(self, src: str, dst: str) -> ShapedLink | _PassThrough:
         key = (src, dst)
         with self._lock:
             link = self._links.get(key)
             if link is None:
-                pair = self.table.lookup(src, dst)
-                if self.shape and src != dst and pair is not None:
-                    lat, bw = pair
-                    link = ShapedLink(src, dst, lat / self.time_scale, bw * self.time_scale, self.policy_factory(),
-                                      self.clock, decode_timing=lambda: self._decode_timing)
+                path = self.table.path(src, dst, self.time_scale)
+                if self.shape and path is not None:
+                    if self._driver is None:
+                        self._driver = WallClockLinks(self.policy_factory, self.clock, lambda: self._decode_timing,
+                                                      overhead_s=self._overhead_s, competing_penalty=self._penalty)
+                    link = ShapedLink(src, dst, driver=self._driver, path=path)
                 else:
                     link = _PassThrough(src, dst)
                 self._links[key] = link
@@ -513,13 +506,13 @@ class LinkNetwork:
 
     def errors(self) -> list[BaseException]:
         with self._lock:
-            return [e for link in self._links.values() for e in getattr(link, "errors", ())]
+            return list(self._driver.errors) if self._driver is not None else []
 
     def close(self) -> None:
         with self._lock:
-            links, self._links = list(self._links.values()), {}
-        for link in links:
-            link.close()
+            driver, self._driver, self._links = self._driver, None, {}
+        if driver is not None:
+            driver.close()
 
 
 class LinkSchedulerFactory:
@@ -535,8 +528,10 @@ class LinkSchedulerFactory:
     """
 
     def __init__(self, cluster, policy: str = "serial", shape: bool = True, time_scale: float = 1.0,
-                 stats_dir: str | None = None, stats_every_s: float = 0.5, **policy_options):
+                 stats_dir: str | None = None, stats_every_s: float = 0.5, overhead_s: float = 0.0,
+                 competing_penalty: float = 0.0, **policy_options):
         transmission_policy_factory(policy, **policy_options)  # unknown names fail here, in the parent
+        self.overhead_s, self.competing_penalty = float(overhead_s), float(competing_penalty)  # link model knobs
         self.table = cluster if isinstance(cluster, LinkTable) else LinkTable.from_cluster(cluster)
         self.policy, self.policy_options = policy, dict(policy_options)
         self.shape, self.time_scale = shape, float(time_scale)
@@ -561,7 +556,8 @@ class LinkSchedulerFactory:
         with self._lock:
             if self._net is None or self._pid != os.getpid():
                 self._net = LinkNetwork(self.table, transmission_policy_factory(self.policy, **self.policy_options),
-                                        shape=self.shape, time_scale=self.time_scale)
+                                        shape=self.shape, time_scale=self.time_scale,
+                                        overhead_s=self.overhead_s, competing_penalty=self.competing_penalty)
                 self._pid = os.getpid()
                 if self.stats_dir:
                     threading.Thread(target=self._write_stats_loop, args=(self._net,), daemon=True,

@@ -14,10 +14,13 @@ class SamplingParams:
     seed: int | None = None  # None: the engine draws one per request
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # when False, the checkpoint's eos ids also stop generation
+    min_tokens: int = 0  # no stop token ends the request before this many tokens (vLLM's min_tokens)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

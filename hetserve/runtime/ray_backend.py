@@ -184,6 +184,7 @@ def start_ray_engine(plan, cluster, model_dir, config=None, **engine_kwargs):
 
     from hetserve.errors import RuntimeFailure
     from hetserve.runtime import engine as engine_module
+    from hetserve.runtime import worker_group
 
     if not ray.is_initialized():
         raise RuntimeFailure("the Ray backend needs a Ray session (RaySession.start) before the engine starts")
@@ -195,9 +196,9 @@ def start_ray_engine(plan, cluster, model_dir, config=None, **engine_kwargs):
     ctx = _RayContext(lambda device: machines[device])
     # The engine's spawn context is its only process-creation point; swap it for the duration of start-up.
     with _SWAP_LOCK:
-        real = engine_module.mp
-        engine_module.mp = _RayMP(ctx, real)
+        real = worker_group.mp
+        worker_group.mp = _RayMP(ctx, real)
         try:
             return engine_module.Engine.from_plan(plan, cluster, model_dir, config, **engine_kwargs)
         finally:
-            engine_module.mp = real
+            worker_group.mp = real

@@ -41,7 +41,7 @@ class ReplicaScheduler(HasRole):
         return len(self.ready) + sum(len(v) for v in self.inflight.values())
 
     def admission_tokens(self, seq: Sequence) -> int:
-        return seq.reserve_tokens if self.serves_decode else len(seq.prompt)
+        return seq.reserve_tokens if self.serves_decode else seq.prefill_tokens
 
     def can_start_step(self) -> bool:
         return self.alive and len(self.inflight) < self.max_inflight
@@ -60,7 +60,7 @@ class ReplicaScheduler(HasRole):
             for queue in (self.pinned, waiting):  # requests placed here first, then the shared queue
                 while queue and len(batch) < self.max_num_seqs:
                     seq = queue[0]
-                    need = len(seq.prompt)
+                    need = seq.prefill_tokens
                     if batch and tokens + need > self.max_batched_tokens:
                         return batch
                     reserve = self.admission_tokens(seq)

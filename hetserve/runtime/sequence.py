@@ -5,11 +5,13 @@ Life cycle (``status``):
     WAITING --admitted by a prefill-capable replica--> RUNNING
     RUNNING (colocated/decode replica) --each step--> RUNNING ... --stop/length--> FINISHED
     RUNNING (prefill replica) --first token--> HANDOFF --KV acknowledged by every decode worker--> RUNNING (decode replica)
-    any --worker died / engine shut down--> FAILED
+    RUNNING / HANDOFF --its replica died--> WAITING (re-run: re-prefill prompt + output so far)
+    any --no live replica can serve it / engine shut down--> FAILED
 
 ``num_cached`` tokens of the sequence have their KV in the pool of ``replica`` (blocks ``table``).
-The next step feeds the prompt (prefill, ``num_cached == 0``) or the last generated token at
-position ``num_cached``.
+The next step feeds the prompt and every token generated so far (prefill, ``num_cached == 0``; the
+output is non-empty only for a request re-run after its replica died) or the last generated token
+at position ``num_cached``.
 """
 
 from __future__ import annotations
@@ -48,16 +50,23 @@ class Sequence:
     dst_table: list[int] = field(default_factory=list)
     acks: set[str] = field(default_factory=set)
     aborted: bool = False
+    reruns: int = 0  # times it was re-run after its replica died
+    transfer: int = 0  # id of its current KV hand-off (fresh per attempt, so stale pieces never count)
 
     @property
     def reserve_tokens(self) -> int:
         """KV a decoding replica reserves: every token this request can ever hold."""
         return len(self.prompt) + self.params.max_tokens
 
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens its (re-)prefill feeds: the prompt plus whatever was generated before a re-run."""
+        return len(self.prompt) + len(self.output)
+
     def next_input(self) -> tuple[int, list[int]]:
         """(start position, tokens) the next step feeds."""
         if self.num_cached == 0:
-            return 0, self.prompt
+            return 0, self.prompt + self.output
         return self.num_cached, [self.output[-1]]
 
     def sample_key(self) -> SampleKey:
@@ -65,7 +74,7 @@ class Sequence:
 
     def finish_reason(self) -> str | None:
         """"stop" / "length" once the last token ends the request, else None."""
-        if self.output and self.output[-1] in self.stop_ids:
+        if self.output and self.output[-1] in self.stop_ids and len(self.output) >= self.params.min_tokens:
             return "stop"
         if len(self.output) >= self.params.max_tokens:
             return "length"

@@ -57,6 +57,7 @@ class WorkerConfig:
     backend: str = "gloo"  # TP group backend: nccl when the stage's GPUs are distinct, else gloo
     link_scheduler: Any = None  # picklable factory (src, dst) -> LinkScheduler; None: PriorityScheduler
     shaper: Any = None  # picklable LinkShaper; None: no shaping
+    heartbeat_s: float = 0.5  # how often this worker tells the coordinator it is alive (0: never)
 
 
 def worker_main(cfg: WorkerConfig) -> None:
@@ -68,7 +69,10 @@ def worker_main(cfg: WorkerConfig) -> None:
     # which exits with the engine) or Ray's worker process (ray backend).
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     try:
-        Worker(cfg, transport).run()
+        worker = Worker(cfg, transport)
+        if cfg.heartbeat_s > 0:
+            threading.Thread(target=_heartbeat, args=(transport, cfg.spec.name, cfg.heartbeat_s), daemon=True).start()
+        worker.run()
     except BaseException:  # noqa: BLE001 - everything is reported, then the process ends
         transport.send(ENGINE, Message("error", {"worker": cfg.spec.name, "error": traceback.format_exc()}))
         transport.flush(5.0)
@@ -76,6 +80,17 @@ def worker_main(cfg: WorkerConfig) -> None:
     transport.flush(5.0)
     # skip interpreter teardown: gloo's and torch's static destructors can abort or stall here
     os._exit(0)
+
+
+def _heartbeat(transport: SocketTransport, name: str, every_s: float) -> None:
+    """Tell the coordinator this process is alive. On its own thread, so a long step does not silence
+    it; a frozen (SIGSTOPped) or wedged process stops beating and the coordinator declares it dead."""
+    while not transport.closed:
+        try:
+            transport.send(ENGINE, Message("heartbeat", {"worker": name}), Priority.CONTROL)
+        except ConnectionError:
+            return
+        time.sleep(every_s)
 
 
 def _watch_parent(parent_pid: int) -> None:

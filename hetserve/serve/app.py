@@ -1,7 +1,11 @@
 """The OpenAI-compatible HTTP front: ``create_app(coordinator) -> FastAPI``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming and not),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format).
+``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` (200 ok / degraded, 503 when no live
+replica can serve or the server is draining), ``GET /metrics`` (Prometheus text format).
+
+Every client error (4xx) is logged with its field and counted in ``hetserve_requests_total`` with
+outcome ``rejected``; while draining (graceful shutdown), new requests get 503 with ``Retry-After``.
 
 FastAPI is imported at module level (route annotations must resolve); the CLI imports this module
 only inside ``hetserve serve``. Bodies are read and validated here (``hetserve.serve.protocol``); everything below HTTP — limits,
@@ -24,7 +28,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from hetserve.serve.coordinator import Coordinator, Prepared
-from hetserve.serve.errors import InvalidRequest, ModelNotFound, error_event, install_error_handlers, to_api_error
+from hetserve.serve.errors import (InvalidRequest, ModelNotFound, Overloaded, error_event, install_error_handlers,
+                                   log, to_api_error)
 from hetserve.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                                      CompletionRequest, CompletionResponse, DeltaMessage, ModelCard, ModelList,
@@ -32,6 +37,8 @@ from hetserve.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoi
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _DISCONNECT_POLL_S = 0.25
+RETRY_AFTER_S = 5  # what a client is told to wait while this server drains (another instance may take over)
+_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
 def create_app(coordinator: Coordinator, *, on_shutdown=None):
@@ -43,10 +50,25 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None):
             await on_shutdown()
 
     app = FastAPI(title="hetserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
-    install_error_handlers(app)
+    c = coordinator
+
+    def count_client_error(path: str, err) -> None:
+        if 400 <= err.status < 500:
+            c.metrics.requests.labels(_ENDPOINTS.get(path, "other"), "rejected").inc()  # bounded labels
+
+    install_error_handlers(app, on_error=count_client_error)
     app.state.coordinator = coordinator
     started = now_s()
-    c = coordinator
+
+    def admit(endpoint: str, body) -> None:
+        if c.draining:
+            c.reject(endpoint)
+            raise Overloaded("the server is shutting down; retry on another instance or later",
+                             headers={"Retry-After": str(RETRY_AFTER_S)})
+        check_model(body.model)
+        ignored = body.ignored_fields()
+        if ignored:
+            log.warning("%s: ignored request fields (they change nothing here): %s", endpoint, ", ".join(ignored))
 
     def check_model(name: str) -> None:
         if name != c.model_name:
@@ -57,23 +79,42 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None):
         raw = await request.body()
         try:
             data = json.loads(raw) if raw else None
+            # a lone surrogate ("\ud800") is valid JSON but no text: refuse it here, not in the tokenizer
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(f"request body: strings must be valid Unicode text ({exc.reason} at "
+                                 f"{exc.object[exc.start:exc.end]!r})") from exc
+        except RecursionError as exc:
+            raise InvalidRequest("request body is nested too deeply") from exc
         if not isinstance(data, dict):
             raise InvalidRequest("request body must be a JSON object")
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
             raise RequestValidationError(exc.errors()) from exc
+        except RecursionError as exc:
+            raise InvalidRequest("request body is nested too deeply") from exc
 
     # ------------------------------------------------------------------ info routes
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": c.model_name, "in_flight": c.in_flight}
+        status, replicas = c.health()
+        body = {"status": status, "model": c.model_name, "in_flight": c.in_flight, "replicas": replicas}
+        return JSONResponse(body, status_code=503 if status in ("unavailable", "draining") else 200)
+
+    def card() -> ModelCard:
+        return ModelCard(id=c.model_name, created=started, max_model_len=c.max_context)
 
     @app.get("/v1/models")
     async def models():
-        return ModelList(data=[ModelCard(id=c.model_name, created=started, max_model_len=c.max_context)])
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(model_id)
+        return card()
 
     @app.get("/metrics")
     async def metrics():
@@ -84,7 +125,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None):
     @app.post("/v1/completions")
     async def completions(request: Request):
         body: CompletionRequest = await read_body(request, CompletionRequest)
-        check_model(body.model)
+        admit("completions", body)
         req = _prepare(c, "completions", body, body.single_prompt, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
         rid, created = new_id("cmpl"), now_s()
         if body.stream:
@@ -107,7 +148,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None):
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
-        check_model(body.model)
+        admit("chat", body)
         prompt = c.codec.render_chat([(m.role, m.text) for m in body.messages])
         req = _prepare(c, "chat", body, prompt, body.token_limit, None, prompt_param="messages")
         rid, created = new_id("chatcmpl"), now_s()
@@ -135,13 +176,11 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None):
 
 def _prepare(c: Coordinator, endpoint: str, body, prompt, max_tokens, default_max, prompt_param: str = "prompt"
              ) -> Prepared:
-    try:
-        return c.prepare(endpoint, prompt, max_tokens=max_tokens, default_max_tokens=default_max,
-                         temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                         stop=body.stop_strings, prompt_param=prompt_param)
-    except Exception:
-        c.reject(endpoint)
-        raise
+    # a client error raised here is counted as rejected by the error handler
+    return c.prepare(endpoint, prompt, max_tokens=max_tokens, default_max_tokens=default_max,
+                     temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                     stop=body.stop_strings, prompt_param=prompt_param, ignore_eos=body.ignore_eos,
+                     min_tokens=body.min_tokens)
 
 
 async def _collect(c: Coordinator, req: Prepared, request) -> None:

@@ -57,6 +57,7 @@ class Coordinator:
         self.metrics = ServerMetrics(lambda: (self._safe_replicas(), self._safe_links()))
         self._seq = itertools.count(1)
         self.in_flight = 0
+        self.draining = False  # set by a graceful shutdown: no new request is admitted
 
     # ------------------------------------------------------------------ snapshots
     def _safe_replicas(self) -> list[ReplicaState]:
@@ -71,6 +72,18 @@ class Coordinator:
         except Exception:  # noqa: BLE001
             return []
 
+    def health(self) -> tuple[str, list[dict]]:
+        """("ok" | "degraded" | "unavailable" | "draining", one entry per replica with its liveness).
+
+        Degraded: some replica is down but the live ones can still serve (prefill and decode);
+        unavailable: they cannot."""
+        reps = self._safe_replicas()
+        live = [r for r in reps if r.alive]
+        can_serve = any(serves_prefill(r.role) for r in live) and any(r.role != "prefill" for r in live)
+        status = ("draining" if self.draining else "unavailable" if not can_serve
+                  else "degraded" if len(live) < len(reps) else "ok")
+        return status, [{"id": r.id, "role": r.role, "alive": r.alive} for r in reps]
+
     @property
     def max_context(self) -> int:
         return int(self.backend.max_context)
@@ -83,7 +96,8 @@ class Coordinator:
     # ------------------------------------------------------------------ can I?
     def prepare(self, endpoint: str, prompt: str | Sequence[int], *, max_tokens: int | None,
                 default_max_tokens: int | None, temperature: float, top_p: float, seed: int | None,
-                stop: Sequence[str], prompt_param: str = "prompt") -> Prepared:
+                stop: Sequence[str], prompt_param: str = "prompt", ignore_eos: bool = False,
+                min_tokens: int = 0) -> Prepared:
         """Tokenize and check a request; raises ``InvalidRequest`` / ``ContextLengthExceeded``.
 
         ``max_tokens`` None takes ``default_max_tokens``, or (if that is None too) the room left
@@ -117,10 +131,14 @@ class Coordinator:
                 f"The request needs {len(ids) + max_tokens} tokens of KV cache ({len(ids)} prompt + "
                 f"{max_tokens} completion) but the largest KV pool of this deployment holds {kv}.",
                 param="max_tokens")
+        if min_tokens > max_tokens:
+            raise InvalidRequest(f"min_tokens: must be at most max_tokens ({max_tokens}), got {min_tokens}",
+                                 param="min_tokens")
         eos = self.codec.eos_token_id
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                    stop_token_ids=(eos,) if eos is not None else ())
+                                    stop_token_ids=(eos,) if eos is not None and not ignore_eos else (),
+                                    ignore_eos=ignore_eos, min_tokens=min_tokens)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
         seq = next(self._seq)
@@ -131,7 +149,7 @@ class Coordinator:
         """The replica for ``req`` by the placement policy (None: the backend decides)."""
         if self.placement is None:
             return None
-        cands = [r for r in self._safe_replicas() if serves_prefill(r.role)]
+        cands = [r for r in self._safe_replicas() if serves_prefill(r.role) and r.alive]
         if len(cands) <= 1:
             return cands[0].id if cands else None
         predicted = float(req.params.max_tokens)
@@ -157,13 +175,14 @@ class Coordinator:
                     if req.finish_reason is not None:
                         break  # the engine went past a stop token or max_tokens: stop it here
                     req.completion_tokens += 1
-                    if req.ttft_s is None:
-                        req.ttft_s = self.clock() - req.arrival
-                    if token in stop_ids:
+                    may_stop = req.completion_tokens >= req.params.min_tokens
+                    if token in stop_ids and may_stop:
                         req.finish_reason = "stop"  # the engine ends the request itself
                         continue
                     delta = stream.push(token)
                     if delta:
+                        if req.ttft_s is None:  # TTFT as the client sees it: the first text streamed
+                            req.ttft_s = self.clock() - req.arrival
                         req.text += delta
                         yield delta
                     if stream.stopped:  # a stop string: the engine does not know, so abort it
@@ -182,6 +201,8 @@ class Coordinator:
                     self.backend.abort(req.request_id)  # sync: safe inside a cancelled task
                 await _close(gen)
             tail = stream.finish()
+            if req.ttft_s is None and (tail or req.completion_tokens):  # text held back to the end
+                req.ttft_s = self.clock() - req.arrival
             if tail:
                 req.text += tail
                 yield tail
@@ -202,6 +223,27 @@ class Coordinator:
                 self.metrics.observe(req.ttft_s, self.clock() - req.arrival, req.completion_tokens)
                 if self.predictor is not None:  # learn lengths only from requests that ran to their end
                     self.predictor.observe(req.prompt_tokens, req.completion_tokens)
+
+    async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
+        """Graceful shutdown: admit nothing new, let requests in flight finish for up to ``timeout_s``,
+        then end those left with one clear error (their streams get an error event and ``[DONE]``).
+        Returns how many had to be cut."""
+        import asyncio
+
+        self.draining = True
+        deadline = self.clock() + timeout_s
+        while self.in_flight and self.clock() < deadline:
+            await asyncio.sleep(poll_s)
+        cut = self.in_flight
+        if cut:
+            fail_all = getattr(self.backend, "fail_all", None)
+            if fail_all is not None:
+                fail_all(f"the server is shutting down: the request did not finish within the drain timeout "
+                         f"({timeout_s:g} s)")
+            end = self.clock() + 5.0  # let the streams write their error event and [DONE]
+            while self.in_flight and self.clock() < end:
+                await asyncio.sleep(poll_s)
+        return cut
 
     def reject(self, endpoint: str) -> None:
         self.metrics.requests.labels(endpoint, "rejected").inc()

@@ -7,7 +7,8 @@ Passes the server's ``SamplingParams`` to the engine, streams the engine's
 
 Engine errors are mapped once, here: a ``ValueError`` from ``submit`` (prompt outside the
 vocabulary or the context) and an ``InfeasibleError`` (KV can never fit) become ``InvalidRequest``;
-a ``RuntimeFailure`` becomes ``ServerError``.
+a ``RuntimeFailure`` at submission (no replica can serve) becomes ``Unavailable`` (503), one
+mid-stream becomes ``ServerError``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import AsyncIterator, Sequence
 from hetserve.errors import InfeasibleError, RuntimeFailure
 from hetserve.policies.base import ReplicaState
 from hetserve.runtime.params import SamplingParams
-from hetserve.serve.errors import ContextLengthExceeded, InvalidRequest, ServerError
+from hetserve.serve.errors import ContextLengthExceeded, InvalidRequest, ServerError, Unavailable
 
 
 class EngineBackend:
@@ -39,7 +40,7 @@ class EngineBackend:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
         except RuntimeFailure as exc:
-            raise ServerError(str(exc)) from exc
+            raise Unavailable(str(exc)) from exc
         self._handles[request_id] = handle
         try:
             try:
@@ -69,8 +70,12 @@ class EngineBackend:
                 id=rid, role=s["role"], queued_requests=queued, running_requests=running,
                 queued_prefill_tokens=0, outstanding_tokens=float(running + queued), context_tokens=0,
                 kv_used_tokens=int(s.get("kv_used_blocks", 0)) * block,
-                kv_capacity_tokens=int(s.get("kv_total_blocks", 0)) * block))
+                kv_capacity_tokens=int(s.get("kv_total_blocks", 0)) * block, alive=bool(s.get("alive", True))))
         return out
+
+    def fail_all(self, reason: str) -> None:
+        """End every request in flight with ``reason`` (graceful shutdown past its drain timeout)."""
+        self.engine.fail_all(reason)
 
     def link_stats(self) -> list:
         return self.links.read_stats() if self.links is not None else []

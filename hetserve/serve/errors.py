@@ -7,6 +7,7 @@
     ├── NotFound (404)            no such route
     ├── MethodNotAllowed (405)
     ├── Overloaded (503)          the server is shutting down or the engine is not ready
+    │   └── Unavailable (503)     no live replica can serve (every one lost a worker)
     └── ServerError (500)         anything unexpected (the engine failed mid-request, a worker died)
 
 ``install_error_handlers(app)`` maps every exception a route can raise — ``APIError``, FastAPI's
@@ -30,9 +31,11 @@ class APIError(Exception):
     type = "server_error"
     code: str | None = None
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.param = message, param
+        self.headers = headers or {}
         if code is not None:
             self.code = code
 
@@ -62,6 +65,10 @@ class MethodNotAllowed(APIError):
 
 class Overloaded(APIError):
     status, type, code = 503, "server_error", "overloaded"
+
+
+class Unavailable(Overloaded):
+    code = "unavailable"
 
 
 class ServerError(APIError):
@@ -113,19 +120,25 @@ def _validation_error(errors: list[dict[str, Any]]) -> InvalidRequest:
     if kind == "extra_forbidden":
         msg = "unrecognized request argument supplied"
     param = ".".join(loc) if loc else None
+    if param is None and ": " in msg:  # a model-level check names its field first ("n: only n=1 ...")
+        head = msg.split(": ", 1)[0]
+        param = head.split(" / ")[0] if head.replace("_", "").replace(" / ", "").isalnum() else None
     text = f"{param}: {msg}" if param and not msg.startswith(param.split(".")[0] + ":") else msg
     if len(errors) > 1:
         text += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
     return InvalidRequest(text, param=param)
 
 
-def error_response(exc: BaseException):
+def error_response(exc: BaseException, path: str = ""):
     from fastapi.responses import JSONResponse
 
     err = to_api_error(exc)
     if err.status >= 500:
         log.error("request failed: %s", err.message, exc_info=exc if exc is not err else None)
-    return JSONResponse(err.body(), status_code=err.status)
+    else:
+        log.warning("%s %d %s (param=%s): %s", path or "request", err.status, err.code or err.type, err.param,
+                    err.message)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def error_event(exc: BaseException) -> str:
@@ -136,13 +149,16 @@ def error_event(exc: BaseException) -> str:
     return f"data: {json.dumps(err.body())}\n\n"
 
 
-def install_error_handlers(app) -> None:
-    """Route every exception a request can raise through ``error_response``."""
+def install_error_handlers(app, on_error=None) -> None:
+    """Route every exception a request can raise through ``error_response``; ``on_error(path, APIError)``
+    (optional) sees each one first (the server counts client errors with it)."""
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
 
-    async def handler(request, exc):  # noqa: ARG001 - signature fixed by Starlette
-        return error_response(exc)
+    async def handler(request, exc):
+        if on_error is not None:
+            on_error(request.url.path, to_api_error(exc))
+        return error_response(exc, request.url.path)
 
     for cls in (APIError, RequestValidationError, HTTPException, Exception):
         app.add_exception_handler(cls, handler)

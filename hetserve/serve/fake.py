@@ -47,6 +47,8 @@ class FakeBackend:
         self.aborted: set[str] = set()
         self.finished: set[str] = set()
         self.placed: list[str | None] = []
+        self.failure: str | None = None
+        self.dead: set[str] = set()  # replicas reported down
 
     def _free(self, replica: str) -> int:
         return self.slots[replica] - sum(1 for r in self.running.values() if r == replica)
@@ -67,7 +69,9 @@ class FakeBackend:
                 await asyncio.sleep(self.token_delay_s)
                 if request_id in self.aborted:
                     return
-                if self.eos_at is not None and k + 1 == self.eos_at:
+                if self.failure is not None:
+                    raise RuntimeError(self.failure)
+                if self.eos_at is not None and k + 1 == self.eos_at and EOS in params.stop_token_ids:
                     yield EOS
                     return
                 yield ord("a") + (seed + k) % 26
@@ -75,6 +79,9 @@ class FakeBackend:
         finally:
             self.waiting.pop(request_id, None)
             self.running.pop(request_id, None)
+
+    def fail_all(self, reason: str) -> None:
+        self.failure = reason  # every running generator raises it at its next token
 
     def abort(self, request_id: str) -> None:
         if request_id not in self.finished:
@@ -89,7 +96,8 @@ class FakeBackend:
             out.append(ReplicaState(id=rid, role="colocated", queued_requests=len(wait),
                                     running_requests=len(run), queued_prefill_tokens=0,
                                     outstanding_tokens=float(len(run) + len(wait)), context_tokens=0,
-                                    kv_used_tokens=len(run), kv_capacity_tokens=self.kv_capacity))
+                                    kv_used_tokens=len(run), kv_capacity_tokens=self.kv_capacity,
+                                    alive=rid not in self.dead))
         return out
 
     def link_stats(self):

@@ -10,6 +10,7 @@ scrapes.
     hetserve_requests_total{endpoint,outcome}  counter  (outcome: stop, length, aborted, error, rejected)
     hetserve_prompt_tokens_total / hetserve_generation_tokens_total
     hetserve_requests_in_flight                gauge    (admitted by HTTP, not finished)
+    hetserve_replica_up{replica,role}                gauge    (1 serving, 0 lost a worker)
     hetserve_replica_queued_requests{replica,role}   gauge
     hetserve_replica_running_requests{replica,role}  gauge
     hetserve_replica_kv_used_tokens{replica,role}    gauge
@@ -77,6 +78,8 @@ class _BackendCollector:
         replicas, links = self.snapshot()
         rl = ["replica", "role"]
         fams = {
+            "up": GaugeMetricFamily("hetserve_replica_up", "1 while the replica serves, 0 once it lost a worker",
+                                    labels=rl),
             "queued": GaugeMetricFamily("hetserve_replica_queued_requests", "Requests waiting on a replica", labels=rl),
             "running": GaugeMetricFamily("hetserve_replica_running_requests", "Requests in a replica's running batch",
                                          labels=rl),
@@ -87,6 +90,7 @@ class _BackendCollector:
         }
         for s in replicas:
             lab = [s.id, s.role]
+            fams["up"].add_metric(lab, 1.0 if s.alive else 0.0)
             fams["queued"].add_metric(lab, s.queued_requests)
             fams["running"].add_metric(lab, s.running_requests)
             fams["kv_used"].add_metric(lab, s.kv_used_tokens)

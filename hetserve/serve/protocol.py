@@ -3,6 +3,13 @@
 Only what hetserve serves is modelled; fields OpenAI documents but hetserve cannot honour
 (``n > 1``, ``logprobs``, ``echo``, ``best_of > 1``, ``tools``) are rejected with a 400 naming the
 field rather than silently ignored. Unknown fields are rejected too, as OpenAI does.
+
+vLLM's extensions that benchmark clients send (``ignore_eos``, ``min_tokens``) are honoured. Real
+OpenAI fields that change nothing about generation here (``store``, ``metadata``,
+``parallel_tool_calls``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
+``skip_special_tokens``) are accepted; when set, the server logs one warning naming them
+(``ignored_fields``), as vLLM does. vLLM's ``top_k`` / ``min_p`` / ``repetition_penalty`` pass only
+at their neutral values.
 """
 
 from __future__ import annotations
@@ -34,12 +41,34 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)  # what a 64-bit generator takes
     user: str | None = None
     # accepted for compatibility; hetserve's sampler has no penalties, so only the neutral value passes
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    # vLLM extensions honoured here
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    # vLLM sampling extensions: only the neutral value passes (the sampler has none of them)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    # real OpenAI / vLLM fields that change nothing here: accepted, logged when set (ignored_fields)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    parallel_tool_calls: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    skip_special_tokens: bool | None = None
+
+    _IGNORED = ("store", "metadata", "parallel_tool_calls", "service_tier", "prompt_cache_key",
+                "safety_identifier", "skip_special_tokens")
+
+    def ignored_fields(self) -> list[str]:
+        """The accepted-but-ignored fields this request set (the server logs them)."""
+        return [f for f in self._IGNORED if getattr(self, f) is not None]
 
     @field_validator("stop")
     @classmethod
@@ -59,6 +88,14 @@ class _SamplingFields(_Strict):
             raise ValueError("presence_penalty / frequency_penalty: penalties are not supported (use 0)")
         if self.logit_bias:
             raise ValueError("logit_bias: not supported")
+        if self.top_k not in (None, 0, -1):
+            raise ValueError("top_k: not supported (only -1 or 0, no top-k cut, is accepted)")
+        if self.min_p not in (None, 0.0):
+            raise ValueError("min_p: not supported (only 0 is accepted)")
+        if self.repetition_penalty not in (None, 1.0):
+            raise ValueError("repetition_penalty: not supported (only 1.0 is accepted)")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: must be at most max_tokens ({self.max_tokens})")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         return self

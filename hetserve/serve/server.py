@@ -18,11 +18,48 @@ def _config(app, host: str, port: int, log_level: str):
                           lifespan="on", timeout_graceful_shutdown=5, ws="none")
 
 
-def serve_forever(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve until interrupted (Ctrl-C / SIGTERM)."""
+def serve_forever(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                  drain_timeout_s: float = 30.0) -> None:
+    """Serve until SIGTERM / Ctrl-C, then shut down gracefully: new requests get 503 with
+    ``Retry-After`` while the ones in flight finish (up to ``drain_timeout_s``); those left end with
+    one error event and ``[DONE]``. A second signal stops at once."""
+    _draining_server(_config(app, host, port, log_level), app.state.coordinator, drain_timeout_s).run()
+
+
+def _draining_server(config, coordinator, drain_timeout_s: float):
+    import asyncio
+    import logging
+
     import uvicorn
 
-    uvicorn.Server(_config(app, host, port, log_level)).run()
+    log = logging.getLogger("hetserve.serve")
+
+    class DrainingServer(uvicorn.Server):
+        _loop = None
+        _draining = False
+
+        async def serve(self, sockets=None):
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig, frame):
+            if self._loop is None:
+                return super().handle_exit(sig, frame)  # before start-up: uvicorn's own handling
+            if self._draining:  # a second signal: stop now (not re-raised at exit, so the CLI still cleans up)
+                self.should_exit = self.force_exit = True
+                return
+            self._draining = True
+            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+        async def _drain(self):
+            log.warning("shutting down: draining %d request(s) for up to %g s (new requests get 503)",
+                        coordinator.in_flight, drain_timeout_s)
+            cut = await coordinator.drain(drain_timeout_s)
+            if cut:
+                log.warning("drain timeout: %d request(s) ended with an error event", cut)
+            self.should_exit = True
+
+    return DrainingServer(config)
 
 
 class ServerThread:

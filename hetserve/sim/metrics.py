@@ -23,7 +23,10 @@ import numpy as np
 from hetserve.specs.workload import SLO
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hetserve.sim.simulator import Simulator
+    from hetserve.planner.plan import Plan
+    from hetserve.sim.replicas.base import Replica
+    from hetserve.sim.requests import RequestTable
+    from hetserve.specs.cluster import Cluster
 
 
 def _stats(x: np.ndarray) -> dict[str, float]:
@@ -51,6 +54,24 @@ class ReplicaStats:
                 "kv_mean_use": self.kv_mean_tokens / cap, "kv_peak_use": self.kv_peak_tokens / cap}
 
 
+def result_of(r: "RequestTable", replicas: "list[Replica]", slo: SLO, plan: "Plan", cluster: "Cluster",
+              info: dict[str, Any]) -> "SimResult":
+    """The result of a finished run: the request table's timings and each replica's statistics."""
+    ids = [x.id for x in replicas]
+    end = max(r.t_finish) if r.n else 0.0
+    span = end - (r.arrival[0] if r.n else 0.0)
+    stats = [ReplicaStats(x.id, x.role, len(x.layout.devices), x.served,
+                          x.busy_s / span if span > 0 else 0.0, x.kv_capacity, x.kv_mean(end), x.kv_peak)
+             for x in replicas]
+    dev = [cluster.device(d).index for d in plan.devices]
+    return SimResult(
+        np.asarray(r.arrival), np.asarray(r.inp, np.int64), np.asarray(r.out, np.int64),
+        np.asarray(r.t_start), np.asarray(r.t_first), np.asarray(r.t_kv_start), np.asarray(r.t_kv_done),
+        np.asarray(r.t_join), np.asarray(r.t_finish),
+        [ids[i] if i >= 0 else "" for i in r.prefill_rep], [ids[i] if i >= 0 else "" for i in r.decode_rep],
+        slo, stats, len(dev), cluster.usd_per_hour(dev), info=info)
+
+
 @dataclass
 class SimResult:
     arrival: np.ndarray
@@ -69,43 +90,6 @@ class SimResult:
     num_devices: int
     usd_per_hour: float | None
     info: dict[str, Any] = field(default_factory=dict)  # plan, workload, options, speed
-
-    # ------------------------------------------------------------------ construction
-    @staticmethod
-    def from_simulator(sim: "Simulator") -> "SimResult":
-        r = sim.req
-        ids = [x.id for x in sim.replicas]
-        end = max(r.t_finish) if r.n else 0.0
-        span = end - (r.arrival[0] if r.n else 0.0)
-        stats = [ReplicaStats(x.id, x.role, len(x.layout.devices), x.served,
-                              x.busy_s / span if span > 0 else 0.0, x.kv_capacity, x.kv_mean(end), x.kv_peak)
-                 for x in sim.replicas]
-        dev = [sim.cluster.device(d).index for d in sim.plan.devices]
-        links = sim.network.links.values()
-        res = SimResult(
-            np.asarray(r.arrival), np.asarray(r.inp, np.int64), np.asarray(r.out, np.int64),
-            np.asarray(r.t_start), np.asarray(r.t_first), np.asarray(r.t_kv_start), np.asarray(r.t_kv_done),
-            np.asarray(r.t_join), np.asarray(r.t_finish),
-            [ids[i] if i >= 0 else "" for i in r.prefill_rep], [ids[i] if i >= 0 else "" for i in r.decode_rep],
-            sim.opts.slo, stats, len(dev), sim.cluster.usd_per_hour(dev),
-            info={"plan": sim.plan.algorithm, "cluster": sim.cluster.name, "model": sim.model.name,
-                  "workload": sim.workload.name, "placement": getattr(sim.placement, "name", "?"),
-                  "route": getattr(sim.router, "name", "?"),
-                  "transmission": sim.network.policy_name,
-                  "predictor": getattr(sim.predictor, "name", type(sim.predictor).__name__),
-                  "pipeline": sim.opts.pipeline, "chunked_prefill": sim.opts.chunked_prefill,
-                  "kv_admission": sim.opts.kv_admission,
-                  "preemptions": sum(getattr(x, "preemptions", 0) for x in sim.replicas),
-                  "policy_options": {k: v for k, v in sim.opts.policy_options.items()
-                                     if isinstance(v, (bool, int, float, str))},
-                  "policy_stats": {name: dict(st) for name, pol in (("placement", sim.placement),
-                                                                     ("route", sim.router))
-                                   if isinstance(st := getattr(pol, "stats", None), dict)},
-                  "events": sim.loop.events, "wall_s": sim.wall_s,
-                  "links": {f"{a}->{b}": {"bytes": l.bytes_sent, "busy_s": l.busy_s, "messages": l.messages}
-                            for (a, b), l in sorted(sim.network.links.items())} if len(links) <= 64 else {}},
-        )
-        return res
 
     # ------------------------------------------------------------------ per request
     def __len__(self) -> int:

@@ -29,9 +29,10 @@ from collections import deque
 
 from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import DecodeTiming, ReplicaState, RunningRequest
+from hetserve.policies.transmission import round_trip_time
 from hetserve.sim.batch import DecodeBatch
 from hetserve.sim.events import Priority
-from hetserve.sim.replicas import Replica
+from hetserve.sim.replicas.base import Replica
 
 TOKEN_ID_BYTES = 4
 
@@ -62,12 +63,12 @@ class _Item:
 
 
 class PipelineReplica(Replica):
-    def __init__(self, sim, index, spec, layout):
-        super().__init__(sim, index, spec, layout)
+    def __init__(self, env, index, spec, layout):
+        super().__init__(env, index, spec, layout)
         S = len(layout.stages)
-        m = sim.opts.micro_batches or S
+        m = self.limits.micro_batches or S
         self.groups = [_Group() for _ in range(m)]
-        self.max_batch = sim.max_batch
+        self.max_batch = self.limits.max_batch
         self.admitted = 0
         self._inbound: dict[int, None] = {}  # decode: admitted, KV not yet arrived
         self.waiting: deque = deque()  # colocated: rid; decode: (rid, src)
@@ -77,9 +78,7 @@ class PipelineReplica(Replica):
         self._busy_stage = [False] * S
         self._exec = [(None, 0.0)] * S  # (start, duration) of the decode item running per stage
         self._first_done = [None] * S  # when group 0's latest decode item finished per stage
-        self._round_trip = [0.0] * S
-        self._last_seen = [None] * S  # when group 0's decode item last started per stage
-        net = sim.network
+        net = env.network
         self._hops = []
         nb = 1e6
         for s in range(S):
@@ -88,7 +87,8 @@ class PipelineReplica(Replica):
             link = net.link(d, e)
             link.decode_timing = (lambda now, s=s: self._timing(s, now))
             self._hops.append((d, e))
-        self._act_bytes = self.sim.model.hidden * self.sim.model.dtype_bytes  # per token
+        self._hop_links = [self.cost.cluster.link(d, e) for d, e in self._hops]  # (latency s, bytes/s)
+        self._act_bytes = env.activation_bytes  # per token
 
     # ------------------------------------------------------------------ admission
     def place(self, rid: int) -> None:  # colocated
@@ -121,7 +121,7 @@ class PipelineReplica(Replica):
                 self._launch(g)
             else:
                 self._inbound[rid] = None
-                self.sim.start_kv(rid, head[1], self)
+                self.env.start_kv(rid, head[1], self)
 
     def kv_arrived(self, rid: int) -> None:
         self._inbound.pop(rid, None)
@@ -144,7 +144,7 @@ class PipelineReplica(Replica):
         grp.joins.clear()
         if grp.prefill:
             take, tokens = [], 0
-            while grp.prefill and (not take or tokens + r.inp[grp.prefill[0]] <= self.sim.opts.token_budget):
+            while grp.prefill and (not take or tokens + r.inp[grp.prefill[0]] <= self.limits.token_budget):
                 rid = grp.prefill.pop(0)
                 take.append(rid)
                 tokens += r.inp[rid]
@@ -173,10 +173,6 @@ class PipelineReplica(Replica):
         else:
             dur = self.cost.stage_decode_time(stage, item.size, item.context, last)
             self._exec[s] = (now, dur)
-            if item.group == 0:
-                if self._last_seen[s] is not None:
-                    self._round_trip[s] = max(0.0, now - self._last_seen[s] - dur)
-                self._last_seen[s] = now
         self._busy_stage[s] = True
         self._busy(now, now + dur)
         self.loop.schedule(now + dur, Priority.WORK, self._done, (s, item))
@@ -195,10 +191,10 @@ class PipelineReplica(Replica):
         d, e = self._hops[s]
         if s < S - 1:
             nbytes = item.tokens * self._act_bytes
-            self.sim.network.send(item.kind, [(d, e, nbytes)], lambda _t, item=item, s=s: self._arrive(s + 1, item))
+            self.env.network.send(item.kind, [(d, e, nbytes)], lambda _t, item=item, s=s: self._arrive(s + 1, item))
         else:  # sampled: tokens reach the user now; the ids go back round for the next iteration
             self._tokens(item)
-            self.sim.network.send("decode", [(d, e, TOKEN_ID_BYTES * item.size)],
+            self.env.network.send("decode", [(d, e, TOKEN_ID_BYTES * item.size)],
                                   lambda _t, g=item.group: self._relaunch(g))
 
     def _tokens(self, item: _Item) -> None:
@@ -207,7 +203,7 @@ class PipelineReplica(Replica):
         if item.kind == "prefill":
             done = []
             for rid in item.prefill:
-                self.sim.first_token(rid, self)
+                self.env.first_token(rid)
                 if r.out[rid] <= 1:
                     done.append(rid)
                 else:
@@ -228,14 +224,27 @@ class PipelineReplica(Replica):
             self.admitted -= 1
             self.pred_sum -= r.pred[rid]
             self.served += 1
-            self.sim.finished(rid)
+            self.env.finished(rid)
         if rids:
             self._admit()
 
     # ------------------------------------------------------------------ MoLink's view
     def _timing(self, s: int, now: float) -> DecodeTiming:
         start, dur = self._exec[s]
-        return DecodeTiming(start, dur, self._first_done[s], self._round_trip[s])
+        return DecodeTiming(start, dur, self._first_done[s], self._round_trip())
+
+    def _round_trip(self) -> float:
+        """T_o + T_m of MoLink §4.2 for group 0 (B1) as it is now: its decode compute on every
+        stage plus its activations (token ids on the closing hop) over every hop of the ring,
+        priced by the cost model and the links — what the paper adds to t_p in case 3."""
+        g = self.groups[0].batch
+        size = max(1, g.size)
+        ctx = g.context if g.size else 0.0
+        stages = self.layout.stages
+        times = [self.cost.stage_decode_time(st, size, ctx, i == len(stages) - 1) for i, st in enumerate(stages)]
+        lat = [la for la, _ in self._hop_links]
+        bw = [b for _, b in self._hop_links]
+        return round_trip_time(times, lat, bw, self._act_bytes, TOKEN_ID_BYTES, size)
 
     # ------------------------------------------------------------------ snapshot
     def state(self, with_requests: bool = False) -> ReplicaState:
@@ -250,14 +259,14 @@ class PipelineReplica(Replica):
 
     def _requests(self) -> tuple[RunningRequest, ...]:
         """As ``_Decoding._requests``: running members (decode time since joining), then the rest."""
-        r, now, sim = self.req, self.loop.now, self.sim
+        r, now, env = self.req, self.loop.now, self.env
         out = []
         for g in self.groups:
             for rid, joined in g.batch.members.items():
                 gen = g.batch.iteration - joined + 1
-                out.append(RunningRequest(rid, r.inp[rid], gen, sim.repredict(rid, gen), now - r.t_join[rid]))
+                out.append(RunningRequest(rid, r.inp[rid], gen, env.repredict(rid, gen), now - r.t_join[rid]))
         first = 1 if self.role == "decode" else 0  # decode replicas get prompts already prefilled
         rest = [rid for g in self.groups for rid in (*g.prefill, *g.joins)] + list(self._inbound)
         rest += [w if self.role == "colocated" else w[0] for w in self.waiting]
-        out += [RunningRequest(rid, r.inp[rid], first, sim.repredict(rid, first), 0.0, started=False) for rid in rest]
+        out += [RunningRequest(rid, r.inp[rid], first, env.repredict(rid, first), 0.0, started=False) for rid in rest]
         return tuple(out)

@@ -27,10 +27,14 @@ from hetserve.policies.base import PlacementPolicy, RequestInfo, RoutePolicy, Tr
 from hetserve.policies.placement import PolicyContext, make_placement
 from hetserve.policies.predictor import OraclePredictor
 from hetserve.policies.routing import make_route
+from hetserve.sim.env import BatchLimits
 from hetserve.sim.events import EventLoop, Priority
 from hetserve.sim.fastcost import fast
 from hetserve.sim.links import Network
+from hetserve.sim.metrics import SimResult, result_of
+from hetserve.sim.pipeline import PipelineReplica
 from hetserve.sim.replicas import ColocatedReplica, DecodeReplica, PrefillReplica, Replica
+from hetserve.sim.requests import RequestTable
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec
 from hetserve.specs.workload import SLO, Workload
@@ -59,6 +63,10 @@ class SimOptions:
     kv_admission: Literal["reserve", "paged"] = "reserve"
     seed: int = 0
     policy_options: dict[str, Any] = field(default_factory=dict)  # PolicyContext.options (e.g. Aladdin's gamma)
+    # the link model's calibration knobs (hetserve.policies.links): seconds added per message, and
+    # the share of a resource's capacity lost per extra competing send (0, 0: the plain model)
+    link_overhead_s: float = 0.0
+    link_competing_penalty: float = 0.0
     progress: bool = False
 
     def __post_init__(self) -> None:
@@ -72,27 +80,6 @@ class SimOptions:
             raise ValueError("kv_admission must be 'reserve' or 'paged'")
         if self.kv_admission == "paged" and self.pipeline == "detailed":
             raise ValueError("kv_admission='paged' is modelled with pipeline='aggregate' only")
-
-
-class RequestTable:
-    """Per-request inputs and timestamps as plain lists (fast to index from Python)."""
-
-    def __init__(self, wl: Workload):
-        n = len(wl)
-        self.n = n
-        self.arrival: list[float] = wl.arrival_s.tolist()
-        self.inp: list[int] = wl.input_tokens.tolist()
-        self.out: list[int] = wl.output_tokens.tolist()
-        self.pred: list[float] = [0.0] * n
-        nan = float("nan")
-        self.t_start = [nan] * n  # prefill began
-        self.t_first = [nan] * n  # first token
-        self.t_kv_start = [nan] * n
-        self.t_kv_done = [nan] * n
-        self.t_join = [nan] * n  # joined a decode batch
-        self.t_finish = [nan] * n
-        self.prefill_rep = [-1] * n
-        self.decode_rep = [-1] * n
 
 
 def transmission_factory(spec: str | TransmissionPolicy) -> Callable[[], TransmissionPolicy]:
@@ -121,16 +108,20 @@ class Simulator:
             raise PlanError(f"plan is for model {plan.model!r}, simulating {model.name!r}")
         self.cost = fast(cost or CostModel(cluster, model))
         self.max_batch = opts.max_batch or self.cost.eff.max_batch
+        self.limits = BatchLimits(opts.token_budget, opts.chunk_tokens, opts.chunked_prefill, self.max_batch,
+                                  opts.micro_batches, opts.kv_admission == "paged")
+        self.activation_bytes = model.hidden * model.dtype_bytes
         self.loop = EventLoop()
         self.req = RequestTable(workload)
-        self.network = Network(cluster.latency, cluster.bandwidth, transmission_factory(opts.transmission), self.loop)
+        self.network = Network(cluster.latency, cluster.bandwidth, transmission_factory(opts.transmission), self.loop,
+                               paths=cluster.path, overhead_s=opts.link_overhead_s,
+                               competing_penalty=opts.link_competing_penalty)
         self.layouts = {r.id: r.layout(cluster) for r in plan.replicas}
         self.replicas: list[Replica] = []
         kinds = {"prefill": PrefillReplica, "decode": DecodeReplica, "colocated": ColocatedReplica}
         for i, r in enumerate(plan.replicas):
             cls = kinds[r.role]
             if opts.pipeline == "detailed" and r.role != "prefill" and len(r.stages) > 1:
-                from hetserve.sim.pipeline import PipelineReplica
                 cls = PipelineReplica
             rep = cls(self, i, r, self.layouts[r.id])
             if rep.kv_capacity <= 0:
@@ -188,9 +179,7 @@ class Simulator:
                     r.capacity_norm = raw[r.id] / top
 
     # ------------------------------------------------------------------ run
-    def run(self) -> "SimResult":
-        from hetserve.sim.metrics import SimResult
-
+    def run(self) -> SimResult:
         n = self.req.n
         t0 = time.perf_counter()
         if n:
@@ -205,7 +194,7 @@ class Simulator:
         self.wall_s = time.perf_counter() - t0
         if self.completed != n:  # an internal invariant: nothing is ever dropped
             raise RuntimeError(f"simulation ended with {n - self.completed} of {n} requests unfinished")
-        return SimResult.from_simulator(self)
+        return self._result()
 
     # ------------------------------------------------------------------ request path
     def _on_arrival(self, rid: int) -> None:
@@ -220,7 +209,31 @@ class Simulator:
         r.prefill_rep[rid] = chosen.index
         chosen.place(rid)
 
-    def first_token(self, rid: int, replica: Replica) -> None:
+    def _result(self) -> SimResult:
+        links = self.network.links
+        return result_of(
+            self.req, self.replicas, self.opts.slo, self.plan, self.cluster,
+            info={"plan": self.plan.algorithm, "cluster": self.cluster.name, "model": self.model.name,
+                  "workload": self.workload.name, "placement": getattr(self.placement, "name", "?"),
+                  "route": getattr(self.router, "name", "?"),
+                  "transmission": self.network.policy_name,
+                  "predictor": getattr(self.predictor, "name", type(self.predictor).__name__),
+                  "pipeline": self.opts.pipeline, "chunked_prefill": self.opts.chunked_prefill,
+                  "kv_admission": self.opts.kv_admission,
+                  "preemptions": sum(getattr(x, "preemptions", 0) for x in self.replicas),
+                  "policy_options": {k: v for k, v in self.opts.policy_options.items()
+                                     if isinstance(v, (bool, int, float, str))},
+                  "policy_stats": {name: dict(st) for name, pol in (("placement", self.placement),
+                                                                     ("route", self.router))
+                                   if isinstance(st := getattr(pol, "stats", None), dict)},
+                  "events": self.loop.events, "wall_s": self.wall_s,
+                  # per sending resource (NIC out, or a private in-box pair) of the shared link model
+                  "links": {name: {"bytes": sum(q.bytes_sent.values()), "busy_s": q.busy_s,
+                                   "messages": sum(q.messages.values())}
+                            for name, q in sorted(links.items())} if len(links) <= 64 else {}})
+
+    # ------------------------------------------------------------------ ReplicaEnv
+    def first_token(self, rid: int) -> None:
         self.req.t_first[rid] = self.loop.now
 
     def prefill_done(self, rid: int, src: PrefillReplica) -> None:
@@ -281,7 +294,7 @@ class Simulator:
 
 
 def simulate(plan: Plan, cluster: Cluster, model: ModelSpec, workload: Workload,
-             options: SimOptions | None = None, cost: CostModel | None = None) -> "SimResult":
+             options: SimOptions | None = None, cost: CostModel | None = None) -> SimResult:
     """Play ``workload`` against ``plan`` and return per-request timings and the summary.
 
     Times come from ``cost`` (default: the analytic ``CostModel`` of cluster and model).
@@ -289,5 +302,3 @@ def simulate(plan: Plan, cluster: Cluster, model: ModelSpec, workload: Workload,
     """
     return Simulator(plan, cluster, model, workload, options, cost).run()
 
-
-from hetserve.sim.metrics import SimResult  # noqa: E402  (re-export; metrics imports nothing from here)

@@ -45,6 +45,8 @@ def read_mapping(path: Path) -> dict[str, Any]:
         text = path.read_text()
     except OSError as exc:
         raise SpecError(str(path), "(file)", "a readable file", str(exc.strerror)) from exc
+    except UnicodeDecodeError as exc:
+        raise SpecError(str(path), "(file)", "a UTF-8 text file", str(exc)) from exc
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError) as exc:

@@ -54,6 +54,9 @@ def default_intra_link(gpu_type: GpuType) -> tuple[float, float]:
 # ----------------------------------------------------------------------------- file schema
 
 
+MAX_DEVICES_PER_MACHINE = 1024  # far above any real machine; a typo (200000) fails here, not in allocation
+
+
 class _Link(pydantic.BaseModel):
     # allow_inf_nan=False: "inf"/"nan" would slip past gt=0 and make a link that costs nothing
     model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -66,10 +69,10 @@ class _Override(_Link):
 
 
 class _Machine(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
+    model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
     name: str = pydantic.Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     gpu: str
-    count: int = pydantic.Field(gt=0)
+    count: pydantic.StrictInt = pydantic.Field(gt=0, le=MAX_DEVICES_PER_MACHINE)  # strict: `true` is no count
     site: str = "default"
     intra: _Link | None = None
     nic: _Link | None = None  # the box's network card, each direction (default: network.intra_site)

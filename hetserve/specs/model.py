@@ -145,8 +145,8 @@ class ModelSpec:
             cfg = json.loads(path.read_text())
         except OSError as exc:
             raise SpecError(src, "(file)", "a readable config.json", exc.strerror) from exc
-        except json.JSONDecodeError as exc:
-            raise SpecError(src, "(file)", "valid JSON", str(exc)) from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise SpecError(src, "(file)", "valid JSON (UTF-8 text)", str(exc)) from exc
         if not isinstance(cfg, dict):
             raise SpecError(src, "(top level)", "a JSON object")
         model_type = cfg.get("model_type")
@@ -171,10 +171,14 @@ class ModelSpec:
                              need("ffn_dim"), need("vocab_size"), need("max_position_embeddings"),
                              dtype_bytes, bool(cfg.get("tie_word_embeddings", True)))
         heads = need("num_attention_heads")
-        kv = cfg.get("num_key_value_heads") or heads
-        return ModelSpec(str(label), model_type, need("num_hidden_layers"), need("hidden_size"), heads, int(kv),
-                         need("intermediate_size"), need("vocab_size"), need("max_position_embeddings"),
-                         dtype_bytes, bool(cfg.get("tie_word_embeddings", False)), cfg.get("head_dim"))
+        kv = need("num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads
+        head_dim = need("head_dim") if cfg.get("head_dim") is not None else None
+        try:
+            return ModelSpec(str(label), model_type, need("num_hidden_layers"), need("hidden_size"), heads, kv,
+                             need("intermediate_size"), need("vocab_size"), need("max_position_embeddings"),
+                             dtype_bytes, bool(cfg.get("tie_word_embeddings", False)), head_dim)
+        except ValueError as exc:  # shapes that do not fit together (heads vs hidden, GQA groups)
+            raise SpecError(src, "(shape)", "a consistent model shape", str(exc)) from exc
 
 
 # Presets: shapes from each model's published config.json.
@@ -188,6 +192,9 @@ MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
     # Qwen-7B shapes (hidden 4096, 32 layers, FFN 11008 per matrix, 151,936 vocab); counted as
     # the Qwen2 family (biases on Q, K, V), as transformers loads it.
     ModelSpec("qwen-7b", "qwen2", 32, 4096, 32, 32, 11008, 151936, 8192),
+    # Qwen2-7B (the model MoLink evaluates), from Qwen/Qwen2-7B config.json: 28 layers, hidden
+    # 3584, 28 heads with 4 KV heads (GQA), intermediate 18944, vocab 152064, untied embeddings.
+    ModelSpec("qwen2-7b", "qwen2", 28, 3584, 28, 4, 18944, 152064, 131072),
 )}
 
 

@@ -16,6 +16,7 @@ than 128 output tokens (HPLD, HPHD, LPHD, LPLD).
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import dataclass
 from datetime import datetime
 from importlib import resources
@@ -195,10 +196,13 @@ def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
         fh = path.open(newline="")
     except OSError as exc:
         raise SpecError(src, "(file)", "a readable CSV file", exc.strerror) from exc
-    with fh:
-        reader = csv.reader(fh)
-        header = [h.strip() for h in next(reader, [])]
-        rows = list(reader)
+    try:
+        with fh:
+            reader = csv.reader(fh)
+            header = [h.strip() for h in next(reader, [])]
+            rows = list(reader)
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise SpecError(src, "(file)", "a UTF-8 text CSV file", str(exc).splitlines()[0]) from exc
     if {"ContextTokens", "GeneratedTokens"} <= set(header):
         cols, time_col = ("ContextTokens", "GeneratedTokens"), header.index("TIMESTAMP") if "TIMESTAMP" in header else None
     elif {"num_prefill_tokens", "num_decode_tokens"} <= set(header):
@@ -218,6 +222,8 @@ def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
         except (ValueError, IndexError) as exc:
             raise SpecError(f"{src}:{line}", cols[0] if "TIMESTAMP" not in header else "row",
                             "integer token counts and a timestamp", ",".join(row)) from exc
+        if not math.isfinite(t):
+            raise SpecError(f"{src}:{line}", "timestamp", "a finite time", row[time_col])
         if i <= 0 or o <= 0:
             raise SpecError(f"{src}:{line}", f"{cols[0]}/{cols[1]}", "positive token counts", f"{i},{o}")
         arrivals.append(t), ins.append(i), outs.append(o)

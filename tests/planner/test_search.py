@@ -215,7 +215,8 @@ def test_single_replica_pool_falls_back_to_colocated(azure):
     c = load_cluster("aladdin-a100")  # 4×A100 hold one Llama-2-70B replica with room for KV… or two
     m = load_model("llama-30b")
     p = ALGORITHMS["hexgen2"](c, m, azure, PlanOptions())
-    assert p.replicas
+    assert p.replicas and not p.is_disaggregated
+    assert all(r.role == "colocated" for r in p.replicas) and "chose colocated" in p.estimate["notes"]
 
 
 # ----------------------------------------------------------------------------- layout search

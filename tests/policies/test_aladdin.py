@@ -4,6 +4,8 @@ Each scenario is built so round robin (first candidate), JSQ (least loaded) or a
 best fit would choose differently from Aladdin.
 """
 
+import dataclasses
+
 import pytest
 
 from hetserve.cost.fitted import DecodeModel, KVModel, PerformanceModel, PrefillModel
@@ -258,7 +260,8 @@ class Recorder:
         self.seen, self._n = [], 0
 
     def choose(self, request, candidates, now):
-        self.seen.append((now, candidates))
+        # the request views describe this moment: copy them now (they are built lazily)
+        self.seen.append((now, [dataclasses.replace(c, requests=tuple(c.requests)) for c in candidates]))
         self._n += 1
         return candidates[self._n % len(candidates)].id
 
@@ -361,3 +364,72 @@ def test_gamma_and_theta_reach_aladdin_from_sim_options_and_cli(tmp_path, capsys
     assert "gamma" in capsys.readouterr().err
     assert main(base + ["--router", "jsq", "--gamma", "0.5"]) == 2  # knob without the policy
     assert "aladdin" in capsys.readouterr().err
+
+
+def test_ttft_counts_the_running_prefill_and_the_batch_it_joins():
+    """(c): 300 queued tokens + 100 new = 0.4 s of prefill fits a 1 s target alone, but not after
+    0.7 s still to run of the prefill now running, nor when the oldest queued prompt has already
+    waited 0.7 s (the new prompt lengthens its batch)."""
+    pol = AladdinPlacement(MODEL, SLO_)
+    idle = worker("idle", role="colocated", queued_prefill=300)
+    busy = dataclasses.replace(idle, id="busy", prefill_wait_s=0.7)
+    old = dataclasses.replace(idle, id="old", queued_age_s=0.7)
+    assert pol.check(req(1), idle).ttft
+    assert not pol.check(req(1), busy).ttft and not pol.screen(req(1), busy, 100).ttft
+    assert not pol.check(req(1), old).ttft
+    # batches of at most token_budget tokens each pay the prefill constant once
+    two = AladdinPlacement(PerformanceModel(PrefillModel(1e-3, 0.2), MODEL.decode, MODEL.kv, 10_000), SLO_,
+                           token_budget=256)
+    assert two.ttft_estimate(req(1), idle) == pytest.approx(2 * (0.2 + 0.2))
+
+
+def test_screen_rules_out_an_overloaded_worker_without_its_request_views():
+    """A worker whose totals already break (b) is never asked for its per-request views, so an
+    overloaded queue costs O(1) per decision (linear simulation under overload)."""
+
+    class Exploding(tuple):
+        def __iter__(self):
+            raise AssertionError("per-request views were built for a worker the totals rule out")
+
+        def __len__(self):
+            raise AssertionError("per-request views were built for a worker the totals rule out")
+
+    # 300 queued requests of 100 prompt tokens: the batch alone exceeds Eq. 4's limit at the ATGT
+    flooded = ReplicaState("flooded", "colocated", 300, 10, 30_000, 60_000.0, 3_000, 3_000, 10_000, Exploding(), 1.0)
+    spare = worker("spare", [running(1, 100, 10, 100)], role="colocated")
+    pol = AladdinPlacement(MODEL, SLO_)
+    assert not pol.screen(req(5), flooded, 100).ok
+    assert pol.choose(req(5), [flooded, spare], 0.0) == "spare"
+    # and when no worker fits, the least loaded is found from the totals too
+    flooded2 = dataclasses.replace(flooded, id="flooded2", queued_requests=600, queued_prefill_tokens=60_000)
+    assert pol.choose(req(6), [flooded2, flooded], 0.0) == "flooded"
+    assert pol.stats["overflow"] == 1
+
+
+def test_grouped_scheduling_deals_round_robin_and_keeps_groups_apart():
+    from hetserve.policies.grouped import GroupedPlacement, split_groups
+
+    ids = ["a", "b", "c", "d", "e"]
+    assert split_groups(ids, 2) == [["a", "b", "c"], ["d", "e"]]
+    seen = []
+
+    class Spy:
+        needs_requests = False
+
+        def __init__(self, members):
+            self.members, self.finished = members, []
+
+        def choose(self, request, cands, now):
+            seen.append((request.id, tuple(c.id for c in cands)))
+            return cands[-1].id
+
+        def on_finish(self, rid, i, o):
+            self.finished.append(rid)
+
+    g = GroupedPlacement(split_groups(ids, 2), Spy)
+    cands = [worker(i) for i in ids]
+    picks = [g.choose(req(k), cands, 0.0) for k in range(4)]
+    assert picks == ["c", "e", "c", "e"]
+    assert seen[0][1] == ("a", "b", "c") and seen[1][1] == ("d", "e")
+    g.on_finish(1, 100, 10)
+    assert g.policies[1].finished == [1] and g.policies[0].finished == []

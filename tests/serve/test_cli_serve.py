@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -44,15 +46,15 @@ def test_serve_command_answers_and_stops_cleanly(tmp_path):
     from hetserve.planner.plan import Plan
     from hetserve.runtime.make_model import make_model
 
-    model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=32, heads=2, max_positions=128)
+    model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=32, heads=2, max_positions=4096)
     plan = tmp_path / "plan.json"
     Plan.from_dict(PLAN).save(plan)
     port = _free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "127.0.0.1"}
     proc = subprocess.Popen([sys.executable, "-m", "hetserve.cli.main", "serve", "--plan", str(plan),
                              "--cluster", "demo-cpu", "--model", str(model), "--port", str(port),
-                             "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                             "--log-level", "warning", "--drain-timeout", "1"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 90
@@ -67,8 +69,30 @@ def test_serve_command_answers_and_stops_cleanly(tmp_path):
         assert [m.id for m in c.models.list().data] == ["tiny"]
         r = c.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0)
         assert r.usage.completion_tokens >= 1
+        # SIGTERM with a stream that cannot finish in the 1 s drain: new requests get 503 + Retry-After,
+        # the stream ends with one error event and [DONE], the process exits cleanly
+        events: list[str] = []
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+
+        def stream() -> None:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+                events.extend(line[6:] for line in resp.iter_lines() if line.startswith("data: "))
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        while not events and reader.is_alive():
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        while (h := httpx.get(url + "/health", timeout=5)).status_code == 200:
+            time.sleep(0.02)
+        assert h.json()["status"] == "draining"
+        refused = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        reader.join(60)
+        assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
     finally:
-        proc.send_signal(signal.SIGINT)
+        if proc.poll() is None and not events:
+            proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

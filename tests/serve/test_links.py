@@ -138,7 +138,7 @@ def test_link_network_uses_the_cluster_pair_and_counts_unshaped_links():
     cluster = load_cluster("molink-3x4090")
     net = LinkNetwork(cluster, policy="molink", shape=True)
     link = net.link("pc0:0", "pc1:0")
-    assert link.schedule.latency_s == pytest.approx(0.030) and link.schedule.bandwidth == pytest.approx(BW)
+    assert link.path.latency_s == pytest.approx(0.030) and link.path.bandwidth == pytest.approx(BW)
     got = threading.Event()
     net.send("pc0:0", "pc1:0", 10, "decode", got.set)
     assert got.wait(5)

@@ -170,3 +170,90 @@ def test_metrics_report_latency_queues_and_kv(server):
     for rid, role in (("p0", "prefill"), ("d0", "decode")):
         assert f'hetserve_replica_kv_capacity_tokens{{replica="{rid}",role="{role}"}} {float(CONTEXT)}' in text
         assert f'hetserve_replica_queued_requests{{replica="{rid}",role="{role}"}}' in text
+
+
+def _scrape(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_metric_values_match_what_was_served(server):
+    """Counter and histogram *values* after three requests of exactly 5 tokens each (ignore_eos)."""
+    codec = server.deployment.coordinator.codec
+    before = _scrape(server.url)
+    prompts = ["one", "two two", "three three three"]
+    for p in prompts:
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": p, "max_tokens": 5, "ignore_eos": True, "temperature": 0})
+        assert r.json()["usage"]["completion_tokens"] == 5
+    after = _scrape(server.url)
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta('hetserve_requests_total{endpoint="completions",outcome="length"}') == 3
+    assert delta("hetserve_generation_tokens_total") == 15
+    assert delta("hetserve_prompt_tokens_total") == sum(len(codec.encode(p)) for p in prompts)
+    assert delta("hetserve_time_to_first_token_seconds_count") == 3
+    assert delta("hetserve_time_per_output_token_seconds_count") == 3
+    assert delta("hetserve_e2e_request_latency_seconds_count") == 3
+    ttft, e2e = delta("hetserve_time_to_first_token_seconds_sum"), delta("hetserve_e2e_request_latency_seconds_sum")
+    assert 0 < ttft < e2e
+    assert after["hetserve_requests_in_flight"] == 0
+
+
+def test_stop_string_ends_the_text_and_the_engine_request(server, local_greedy, wait_until):
+    codec = server.deployment.coordinator.codec
+    text = codec.decode(local_greedy[1])
+    # the first character that has not appeared before it (random weights: skip undecodable bytes)
+    k = next(i for i in range(1, len(text)) if text[i] not in text[:i] and text[i] != "\ufffd")
+    r = client(server.url).completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                              stop=[text[k]])
+    assert r.choices[0].text == text[:k] and r.choices[0].finish_reason == "stop"
+    engine = server.deployment.engine
+    assert wait_until(lambda: engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0, timeout_s=20)
+
+
+TWO = {"model": "tiny", "cluster": "demo-cpu", "algorithm": "manual", "replicas": [
+    {"id": f"c{i}", "role": "colocated", "stages": [{"devices": [f"m0:{i}"], "layers": [0, 4]}]} for i in range(2)]}
+
+
+def test_two_replicas_spread_reject_what_no_pool_holds_and_fail_cleanly(tiny_model, tmp_path):
+    """rr placement uses both replicas; a request bigger than every KV pool (64) but inside the context
+    (256) is a 400; when every replica is dead a stream ends with one error event and [DONE], /health 503."""
+    import json
+    import os
+    import signal
+
+    from hetserve.planner.plan import Plan
+    from hetserve.serve.launch import ServeOptions, start_server
+
+    Plan.from_dict(TWO).save(tmp_path / "two.json")
+    opts = ServeOptions(plan=str(tmp_path / "two.json"), cluster="demo-cpu", model_dir=str(tiny_model),
+                        model_name="tiny", kv_capacity_tokens=64, router="rr")
+    with start_server(opts) as srv:
+        for i in range(4):
+            httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": f"p{i}", "max_tokens": 3},
+                       timeout=60).raise_for_status()
+        steps = {rid: s["steps"] for rid, s in srv.deployment.engine.stats()["replicas"].items()}
+        assert all(n > 0 for n in steps.values()), steps
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 100})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert "KV" in r.json()["error"]["message"]
+
+        events = []
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": "x", "max_tokens": 60, "ignore_eos": True,
+                                "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    if not events:
+                        for pid in srv.deployment.engine.worker_pids().values():
+                            os.kill(pid, signal.SIGKILL)
+                    events.append(line[6:])
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
+        assert httpx.get(srv.url + "/health").status_code == 503

@@ -37,6 +37,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-capacity", type=int, help="KV-cache tokens per replica (default: what memory allows)")
     p.add_argument("--slo-ttft", type=float, help="TTFT target in seconds (aladdin router)")
     p.add_argument("--slo-tpot", type=float, help="TPOT target in seconds (aladdin router)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM / Ctrl-C: seconds in-flight requests get to finish (default 30); new ones get 503")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0,
+                   help="a worker silent this long (hung, stopped) is declared dead and its requests re-run (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
@@ -45,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from hetserve.errors import HetserveError, RuntimeFailure
+    from hetserve.errors import HetserveError, RuntimeFailure, SpecError
 
     try:
         from hetserve.serve.launch import ServeOptions, build
@@ -58,12 +62,20 @@ def run(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan)  # input errors first, in one line, before anything starts
     cluster = load_cluster(args.cluster or plan.cluster)
+    _check_model_dir(args.model)
+    _check_port_free(args.host, args.port)
+    if args.heartbeat_timeout <= 0.2:
+        raise SpecError("--heartbeat-timeout", "heartbeat_timeout", "more than 0.2 s (workers beat every "
+                        "min(0.5 s, timeout / 4))", args.heartbeat_timeout)
+    engine_options = {"heartbeat_timeout_s": args.heartbeat_timeout,
+                      "heartbeat_interval_s": min(0.5, args.heartbeat_timeout / 4)}
     try:
         opts = ServeOptions(plan=plan, cluster=cluster, model_dir=args.model, model_name=args.model_name,
                             backend=args.backend, router=args.router, transmission=args.transmission,
                             shape_links=args.shape_links, time_scale=args.time_scale,
                             micro_batches=args.micro_batches, kv_capacity_tokens=args.kv_capacity, seed=args.seed,
-                            slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, ray_address=args.ray_address)
+                            slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, ray_address=args.ray_address,
+                            engine_options=engine_options)
     except ValueError as exc:
         raise RuntimeFailure(str(exc)) from exc
     console = Console(stderr=True)
@@ -79,10 +91,39 @@ def run(args: argparse.Namespace) -> int:
                   f"(router {args.router}, transmission {args.transmission}"
                   f"{', shaped links' if args.shape_links else ''})")
     try:
-        serve_forever(deployment.app, args.host, args.port, log_level=args.log_level)
+        serve_forever(deployment.app, args.host, args.port, log_level=args.log_level,
+                      drain_timeout_s=args.drain_timeout)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; stopping is the normal end
         pass
     finally:
         deployment.close()
     console.print("stopped; every worker has exited")
     return 0
+
+
+def _check_model_dir(path: str) -> None:
+    """The checkpoint folder exists and its config.json reads as a supported model (never the hub)."""
+    from pathlib import Path
+
+    from hetserve.errors import SpecError
+    from hetserve.specs.model import ModelSpec
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise SpecError(path, "--model", "a checkpoint folder holding config.json (see `hetserve make-model`)",
+                        "no such folder" if not folder.exists() else "no config.json in it")
+    ModelSpec.from_hf_config(folder)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Bind the address once before any worker starts, so a taken port or bad host fails in a second."""
+    import socket
+
+    from hetserve.errors import SpecError
+
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except (OSError, OverflowError) as exc:
+        raise SpecError(f"{host}:{port}", "--host/--port", "an address this machine can listen on",
+                        getattr(exc, "strerror", None) or str(exc)) from exc

@@ -11,6 +11,7 @@ latency_cdf.png under ``-o``; prints a table either way.
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 
 
@@ -51,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also simulate the trace at these mean rates (req/s); with -o, plot throughput and "
                         "SLO attainment against rate (rate_sweep.png)")
     p.add_argument("--efficiency", help="cost-model efficiency JSON (from `hetserve calibrate -o`)")
+    p.add_argument("--within-context", action="store_true",
+                   help="drop requests whose prompt + output exceed the model's context (default: run them, "
+                        "with a warning that counts them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", help="directory for summary.json, requests.csv and plots")
     p.add_argument("--json", action="store_true", help="print the summary JSON instead of a table")
@@ -85,6 +89,15 @@ def run(args: argparse.Namespace) -> int:
         wl = wl.scale_rate(args.rate_scale)
     elif args.rate is not None:
         wl = wl.with_rate(args.rate)
+    over = int(((wl.input_tokens + wl.output_tokens) > model.max_context).sum()) if len(wl) else 0
+    if over and args.within_context:
+        wl = wl.within_context(model.max_context)
+    elif over:
+        worst = int((wl.input_tokens + wl.output_tokens).max())
+        print(
+            f"warning: {over} of {len(wl)} requests of {args.workload} exceed {model.name}'s context of "
+            f"{model.max_context} tokens (prompt + output; the longest has {worst}); simulated as given — "
+            "--within-context drops them", file=sys.stderr)
     if len(wl) == 0:
         raise SpecError(args.workload, "(requests)", "at least one request after filtering")
     try:

@@ -1,0 +1,225 @@
+"""One link model for both clocks: messages over shared network resources.
+
+The simulator drives it with simulated time (``hetserve.sim.links``), the runtime's
+``--shape-links`` with wall time (``hetserve.runtime.links``); neither keeps its own copy. Pure:
+no threads, no sockets, no event loop — every method takes ``now`` and says what happened.
+
+Model (DESIGN.md, "Links are shared resources"):
+
+* a message crosses every resource of its ``Path`` (``hetserve.specs.network``): sending NIC,
+  site pipe or dedicated link, receiving NIC — or one private in-box / per-pair link;
+* messages queue at their path's first resource (the sending NIC; for a private pair, the pair).
+  Each queue has its own ``TransmissionPolicy`` (serial, fair, MoLink — ``policies.transmission``)
+  that decides which of its messages are on the wire and how many bytes (``resolve_allocation``):
+  ``concurrent=False``: one send at a time, never pre-empted (a chunk on the wire stays on it),
+  the policy asked again when it ends; ``concurrent=True``: all its sends at once;
+* every send on the wire, from every queue, shares every resource it crosses **max-min fairly**
+  (``cost.network.max_min_rates``, the very function the cost model prices concurrent transfers
+  with); rates are re-shared whenever a send starts or ends;
+* a message is delivered its path's latency (+ ``overhead_s``) after its last byte leaves:
+  latency once per message, whatever it shared on the way.
+
+Parameters for calibration (defaults reproduce the plain model): ``overhead_s`` per message,
+``competing_penalty`` (a resource crossed by n sends delivers ``capacity / (1 + penalty·(n−1))``).
+
+With one private resource per device pair (an explicit matrix cluster) this is exactly the old
+per-pair link: a message alone takes ``α + bytes/β`` = ``CostModel.p2p_time``.
+
+Invariants: a queue's ``sends`` is empty iff it has nothing pending; every send's message is
+pending in its queue; a non-concurrent queue holds at most one send; ``rates`` align with the
+flattened sends and were set at ``since``. Running time per event: O(sends × path length ×
+resources on the wire).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from hetserve.cost.network import max_min_rates
+from hetserve.policies.base import DecodeTiming, LinkInfo, TrafficKind, TransferView, TransmissionPolicy
+from hetserve.policies.transmission import resolve_allocation
+from hetserve.specs.network import Path
+
+EPS_BYTES = 1e-3
+KINDS: tuple[TrafficKind, ...] = ("decode", "prefill", "kv")
+
+
+class Message:
+    __slots__ = ("id", "kind", "path", "total", "remaining", "enqueued", "first_byte")
+
+    def __init__(self, mid: Any, kind: TrafficKind, path: Path, nbytes: float, now: float):
+        self.id, self.kind, self.path = mid, kind, path
+        self.total = self.remaining = float(nbytes)
+        self.enqueued = now
+        self.first_byte: float | None = None
+
+
+class SenderQueue:
+    """The messages waiting at one sending resource and its policy's current allocation.
+
+    ``decode_timing(now)`` / ``decode_hint(now)`` (set by the caller, optional): the sender's decode
+    timings and the predicted time to its next decode message, for MoLink's chunk sizing.
+    """
+
+    def __init__(self, name: str, policy: TransmissionPolicy):
+        self.name, self.policy = name, policy
+        self.pending: dict[Any, Message] = {}
+        self.sends: list[list] = []  # [message, bytes of this send left]
+        self.concurrent = False
+        self.decode_timing: Callable[[float], DecodeTiming | None] | None = None
+        self.decode_hint: Callable[[float], float | None] | None = None
+        self.busy_s = 0.0  # time with at least one send on the wire
+        self.bytes_sent: dict[str, float] = {k: 0.0 for k in KINDS}
+        self.messages: dict[str, int] = {k: 0 for k in KINDS}
+        self.queueing_s: dict[str, float] = {k: 0.0 for k in KINDS}  # Σ first byte − enqueue
+
+    @property
+    def idle(self) -> bool:
+        return not self.sends
+
+    @property
+    def pending_bytes(self) -> float:
+        return sum(m.remaining for m in self.pending.values())
+
+    def info(self, now: float) -> LinkInfo:
+        """What the policy sees: the narrowest path and the lowest latency among the pending
+        messages (a NIC's queue may hold messages to several destinations)."""
+        paths = [m.path for m in self.pending.values()]
+        bw = min(p.bandwidth for p in paths)
+        lat = min(p.latency_s for p in paths)
+        timing = self.decode_timing(now) if self.decode_timing is not None else None
+        return LinkInfo(lat, bw if math.isfinite(bw) else 1e18, timing)
+
+    def replan(self, now: float) -> None:
+        self.sends = []
+        if not self.pending:
+            return
+        views = [TransferView(m.id, m.kind, m.total, max(m.remaining, 0.0), m.enqueued)
+                 for m in self.pending.values()]
+        hint = self.decode_hint(now) if self.decode_hint is not None else None
+        pairs, self.concurrent = resolve_allocation(self.policy, self.pending, views, self.info(now), now, hint)
+        self.sends = [[m, n] for m, n in pairs]
+        for m, _ in self.sends:
+            if m.first_byte is None:
+                m.first_byte = now
+                self.queueing_s[m.kind] += now - m.enqueued
+
+
+class LinkModel:
+    """Every queue and every send on the wire of one network (see the module doc)."""
+
+    def __init__(self, make_policy: Callable[[], TransmissionPolicy], overhead_s: float = 0.0,
+                 competing_penalty: float = 0.0):
+        if overhead_s < 0 or competing_penalty < 0:
+            raise ValueError("overhead_s and competing_penalty must be non-negative")
+        self.make_policy = make_policy
+        self.overhead_s, self.competing_penalty = float(overhead_s), float(competing_penalty)
+        self.queues: dict[str, SenderQueue] = {}
+        self._wire: list[list] = []  # the sends of every queue, flattened (same list objects)
+        self._queue_of: list[SenderQueue] = []
+        self._rates: list[float] = []
+        self._since = 0.0
+
+    # ------------------------------------------------------------------ queries
+    def queue(self, path: Path) -> SenderQueue:
+        """The queue a message on ``path`` waits in (created on first use, with its own policy)."""
+        name = path.sender.name
+        q = self.queues.get(name)
+        if q is None:
+            q = self.queues[name] = SenderQueue(name, self.make_policy())
+        return q
+
+    @property
+    def idle(self) -> bool:
+        return not self._wire
+
+    def next_event_s(self) -> float | None:
+        """When the first send on the wire finishes (None: nothing on the wire)."""
+        if not self._wire:
+            return None
+        dt = min((s[1] / r if r > 0 else math.inf) for s, r in zip(self._wire, self._rates))
+        return self._since + max(dt, 0.0) if math.isfinite(dt) else None
+
+    # ------------------------------------------------------------------ actions
+    def put(self, mid: Any, kind: TrafficKind, path: Path, nbytes: float, now: float) -> list[tuple[Any, float]]:
+        """Enqueue a message; returns ``(id, deliver_at)`` of every message finished by ``now``
+        (this one too, when it has no bytes: it only pays the latency)."""
+        if kind not in KINDS:
+            raise ValueError(f"traffic kind must be one of {KINDS}, got {kind!r}")
+        q = self.queue(path)
+        if mid in q.pending:
+            raise ValueError(f"message {mid} is already pending")
+        done = self.advance(now)
+        q.messages[kind] += 1
+        if nbytes <= 0:
+            done.append((mid, now + path.latency_s + self.overhead_s))
+            return done
+        self._settle(now)
+        q.pending[mid] = Message(mid, kind, path, nbytes, now)
+        if not q.sends or q.concurrent:
+            # idle, or sharing: re-decide now; sequential and busy: the send in flight ends first
+            q.replan(now)
+        self._reshare()
+        return done
+
+    def advance(self, now: float) -> list[tuple[Any, float]]:
+        """Handle every send that finished by ``now``; ``(id, deliver_at)`` of finished messages.
+
+        Calling late is fine: events are handled at their own times."""
+        done: list[tuple[Any, float]] = []
+        while True:
+            t = self.next_event_s()
+            if t is None or t > now:
+                return done
+            done.extend(self._on_event(t))
+
+    # ------------------------------------------------------------------ internals
+    def _settle(self, now: float) -> None:
+        """Move every send on the wire forward to ``now`` at its current rate."""
+        dt = now - self._since
+        if dt > 0 and self._wire:
+            busy = set()
+            for s, r, q in zip(self._wire, self._rates, self._queue_of):
+                moved = min(s[1], r * dt) if math.isfinite(r) else s[1]
+                s[1] -= moved
+                m = s[0]
+                m.remaining -= moved
+                q.bytes_sent[m.kind] += moved
+                busy.add(q.name)
+            for name in busy:
+                self.queues[name].busy_s += dt
+        self._since = max(self._since, now)
+
+    def _reshare(self) -> None:
+        """Max-min fair rates for everything on the wire now."""
+        wire, owner = [], []
+        for q in self.queues.values():
+            for s in q.sends:
+                wire.append(s)
+                owner.append(q)
+        self._wire, self._queue_of = wire, owner
+        self._rates = max_min_rates([s[0].path.resources for s in wire], self.competing_penalty) if wire else []
+
+    def _on_event(self, t: float) -> list[tuple[Any, float]]:
+        # the sends finishing now end exactly (no float residue from rate × dt)
+        ending = {id(s) for s, r in zip(self._wire, self._rates)
+                  if (r > 0 and self._since + s[1] / r <= t + 1e-12 * max(1.0, abs(t))) or math.isinf(r)}
+        self._settle(t)
+        for s, q in zip(self._wire, self._queue_of):
+            if id(s) in ending and s[1] > 0:
+                s[0].remaining -= s[1]
+                q.bytes_sent[s[0].kind] += s[1]
+                s[1] = 0.0
+        done = []
+        for q in self.queues.values():
+            finished = [s for s in q.sends if s[1] <= EPS_BYTES + 1e-12 * s[0].total]
+            if not finished:
+                continue
+            for m, _ in finished:
+                if m.remaining <= EPS_BYTES + 1e-9 * m.total:
+                    del q.pending[m.id]
+                    done.append((m.id, t + m.path.latency_s + self.overhead_s))
+            q.replan(t)
+        self._reshare()
+        return done

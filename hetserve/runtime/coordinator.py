@@ -1,0 +1,363 @@
+"""``Coordinator``: the engine's scheduling state and the loop that drives it.
+
+One thread owns all of it (one ``ReplicaScheduler`` and ``BlockManager`` per replica, the shared
+waiting queue, the hand-offs, the steps in flight); other threads talk to it by posting messages to
+the transport's inbox. Its loop: take every message that arrived (results, KV acknowledgements,
+submissions, aborts), check the workers are alive, start the hand-offs whose destination has room,
+start the steps each replica can run, publish a stats snapshot.
+
+Disaggregated plans: a prefill replica runs the prompt and samples the first token; the request
+then waits for room on the decode replica chosen by the route policy, the prefill workers send
+their KV pieces straight to the decode workers (layer-matched, re-sharded), and the request joins
+the decode replica's running batch once every decode worker has acknowledged its pieces.
+
+Liveness: every worker sends a heartbeat every ``heartbeat_interval_s``; a worker whose process
+exited, or that was silent for ``heartbeat_timeout_s`` (hung, SIGSTOPped), is declared dead and its
+replica leaves service (its other workers are killed: a replica cannot run with a rank missing).
+
+No request lost: each request the dead replica held (running there, its KV there or on its way
+there, or placed there and waiting) goes back to the head of the waiting queue and is re-run on a
+live replica — it re-prefills its prompt plus the tokens it already streamed and continues the
+same stream, so its client sees only a pause. Sampling is keyed by (seed, position), so a seeded
+request continues exactly as it would have. When the last decode replica of a disaggregated plan
+dies, the prefill replicas become colocated ones (prefill and decode in place). A request fails with
+one ``RuntimeFailure`` only when no live replica can ever hold it, or after ``max_reruns`` re-runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from hetserve.errors import RuntimeFailure
+from hetserve.runtime.layout import ReplicaSpec
+from hetserve.runtime.routing import KVRoutePolicy
+from hetserve.runtime.scheduler import ReplicaScheduler
+from hetserve.runtime.sequence import Sequence, Status
+from hetserve.runtime.transport import Message, Priority, SocketTransport
+from hetserve.runtime.worker_group import WorkerGroup, last_line
+
+POLL_S = 0.1  # how often worker processes are checked for exit
+
+
+class Coordinator:
+    def __init__(self, layout: tuple[ReplicaSpec, ...], schedulers: dict[str, ReplicaScheduler],
+                 transport: SocketTransport, workers: WorkerGroup, route_policy: KVRoutePolicy,
+                 heartbeat_timeout_s: float = 3.0, max_reruns: int = 3):
+        self.layout = layout
+        self.replicas = {r.id: r for r in layout}
+        self.schedulers = schedulers
+        self.transport = transport
+        self.workers = workers
+        self.route_policy = route_policy
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.max_reruns = max_reruns
+        self.last_beat: dict[str, float] = {}
+        self.deaths: list[dict[str, Any]] = []  # one record per replica taken out of service
+        self._step_ids = itertools.count(1)
+        self._transfer_ids = itertools.count(1)
+        self.seqs: dict[int, Sequence] = {}  # every unfinished request
+        self.waiting: deque[Sequence] = deque()
+        self.handoff_queue: deque[Sequence] = deque()  # first token done, waiting for room on a decode replica
+        self.handoffs: dict[int, Sequence] = {}  # KV on its way
+        self.steps: dict[int, tuple[str, list[Sequence], list[int]]] = {}  # step id -> (replica, seqs, q_lens)
+        self.num_completed = self.num_failed = 0
+        self.broken: str | None = None
+        self.stopping = False
+        self._last_poll = 0.0
+        self.stats: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> None:
+        now = time.monotonic()
+        self.last_beat = {name: now for name in self.workers.procs}
+        try:
+            while not self.stopping:
+                msg = self.transport.recv(timeout=0.02)
+                while msg is not None:
+                    self._handle(msg)
+                    msg = self.transport.recv(timeout=0)
+                if self.stopping:
+                    break
+                self._poll_workers()
+                self._start_handoffs()
+                self._schedule()
+                self._publish_stats()
+        except BaseException as exc:  # noqa: BLE001 - a coordinator bug must not leave callers hanging
+            self.broken = f"the coordinator failed: {exc!r}"
+            self.fail_all(self.broken)
+            raise
+
+    def fail_all(self, why: str) -> None:
+        """Fail every unfinished request and empty the queues (steps in flight finish unheard)."""
+        for seq in list(self.seqs.values()):
+            self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {why}"))
+        self.waiting.clear()
+        self.handoff_queue.clear()
+        self.handoffs.clear()
+        for sched in self.schedulers.values():
+            sched.pinned.clear()
+            sched.ready.clear()
+
+    def _handle(self, msg: Message) -> None:
+        kind = msg.kind
+        if kind == "result":
+            self._on_result(msg.meta["step"], msg.tensors["tokens"].tolist())
+        elif kind == "kv_ready":
+            self._on_kv_ready(msg.meta["seq"], msg.meta["worker"])
+        elif kind == "submit":
+            seq = msg.meta["seq"]
+            if self.broken:
+                self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {self.broken}"))
+            else:
+                if seq.pinned is not None and not self.schedulers[seq.pinned].alive:
+                    seq.pinned = None  # placed on a replica that died meanwhile: any live one will do
+                self.seqs[seq.id] = seq
+                (self.schedulers[seq.pinned].pinned if seq.pinned else self.waiting).append(seq)
+        elif kind == "abort":
+            self._on_abort(msg.meta["id"])
+        elif kind == "fail_all":
+            self.fail_all(msg.meta["reason"])
+        elif kind == "heartbeat":
+            self.last_beat[msg.meta["worker"]] = time.monotonic()
+        elif kind == "error":
+            self.workers.worker_errors[msg.meta["worker"]] = msg.meta["error"]
+        # "wake", "link_error" (the exit poll reports dead peers): nothing to do
+
+    # ------------------------------------------------------------------ steps and hand-offs
+    def _on_result(self, step_id: int, tokens: list[int]) -> None:
+        entry = self.steps.pop(step_id, None)
+        if entry is None:
+            return  # a step of a replica that has failed meanwhile
+        rid, seqs, q_lens = entry
+        sched = self.schedulers[rid]
+        sched.complete(step_id)
+        for seq, token, q in zip(seqs, tokens, q_lens):
+            if seq.status in (Status.FAILED, Status.FINISHED):
+                continue
+            seq.num_cached += q
+            if seq.aborted:
+                self._finish(seq, "abort")
+                continue
+            seq.output.append(int(token))
+            seq.handle._push(int(token))
+            reason = seq.finish_reason()
+            if reason:
+                self._finish(seq, reason)
+            elif sched.role == "prefill":
+                seq.status = Status.HANDOFF
+                self.handoff_queue.append(seq)
+            else:
+                sched.ready.append(seq)
+
+    def _start_handoffs(self) -> None:
+        """Reserve room on a decode replica for each waiting hand-off (FIFO per destination) and send it."""
+        if not self.handoff_queue:
+            return
+        alive = [r for r, s in self.schedulers.items() if s.alive and s.role == "decode"]
+        blocked: set[str] = set()
+        for seq in list(self.handoff_queue):
+            if seq.dst is None or seq.dst not in alive:
+                seq.dst = self.route_policy.choose(seq.replica, alive)
+            dst = self.schedulers[seq.dst]
+            if seq.dst in blocked or not dst.blocks.can_allocate(seq.reserve_tokens):
+                blocked.add(seq.dst)
+                continue
+            self.handoff_queue.remove(seq)
+            seq.dst_table = dst.blocks.allocate(seq.reserve_tokens)
+            seq.acks = set()
+            seq.transfer = next(self._transfer_ids)
+            self.handoffs[seq.transfer] = seq
+            meta = {"step": None, "seqs": [], "priority": int(Priority.KV),
+                    "handoffs": [(seq.transfer, seq.table, seq.num_cached, seq.dst, seq.dst_table)]}
+            self.transport.send(self.replicas[seq.replica].entry, Message("step", meta), Priority.CONTROL)
+
+    def _on_kv_ready(self, transfer: int, worker: str) -> None:
+        seq = self.handoffs.get(transfer)
+        if seq is None:
+            return  # a hand-off abandoned when its source or destination died
+        seq.acks.add(worker)
+        if len(seq.acks) < len(self.replicas[seq.dst].workers):
+            return
+        del self.handoffs[transfer]
+        self.schedulers[seq.replica].release(seq)
+        seq.replica, seq.table, seq.dst, seq.dst_table = seq.dst, seq.dst_table, None, []
+        if seq.aborted:
+            self._finish(seq, "abort")
+            return
+        seq.status = Status.RUNNING
+        self.schedulers[seq.replica].ready.append(seq)
+
+    def _schedule(self) -> None:
+        prefill_first = sorted((s for s in self.schedulers.values() if s.alive),
+                               key=lambda s: (not s.serves_prefill, s.num_running))
+        for sched in prefill_first:
+            while sched.can_start_step():
+                batch = sched.next_step(self.waiting)
+                if not batch:
+                    break
+                self._send_step(sched, batch)
+
+    def _send_step(self, sched: ReplicaScheduler, batch: list[Sequence]) -> None:
+        step_id = next(self._step_ids)
+        entries, input_ids, q_lens = [], [], []
+        for seq in batch:
+            start, tokens = seq.next_input()
+            entries.append((seq.id, start, len(tokens), seq.table, seq.sample_key()))
+            input_ids.extend(tokens)
+            q_lens.append(len(tokens))
+        priority = Priority.DECODE if all(q == 1 and s.num_cached for q, s in zip(q_lens, batch)) else Priority.PREFILL
+        meta = {"step": step_id, "seqs": entries, "handoffs": [], "priority": int(priority)}
+        sched.start(step_id, batch)
+        self.steps[step_id] = (sched.id, batch, q_lens)
+        self.transport.send(self.replicas[sched.id].entry,
+                            Message("step", meta, {"input_ids": torch.tensor(input_ids, dtype=torch.long)}), priority)
+
+    # ------------------------------------------------------------------ finishing, aborts, failures
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.replica is not None and seq.table:
+            self.schedulers[seq.replica].release(seq)
+        seq.status = Status.FINISHED
+        self.seqs.pop(seq.id, None)
+        self.num_completed += 1
+        seq.handle._finish(reason)
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        if seq.replica is not None and seq.table and seq.replica in self.schedulers:
+            self.schedulers[seq.replica].release(seq)
+        if seq.dst is not None and seq.dst_table:
+            self.schedulers[seq.dst].blocks.free(seq.dst_table)
+            seq.dst_table = []
+        seq.status = Status.FAILED
+        self.seqs.pop(seq.id, None)
+        self.num_failed += 1
+        seq.handle._finish("error", error)
+
+    def _on_abort(self, request_id: int) -> None:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return
+        seq.aborted = True
+        if seq.status == Status.WAITING:
+            (self.schedulers[seq.pinned].pinned if seq.pinned else self.waiting).remove(seq)
+            self._finish(seq, "abort")
+        elif seq.status == Status.HANDOFF and seq in self.handoff_queue:
+            self.handoff_queue.remove(seq)
+            self._finish(seq, "abort")
+        elif seq.status == Status.RUNNING and seq.replica and seq in self.schedulers[seq.replica].ready:
+            self.schedulers[seq.replica].ready.remove(seq)
+            self._finish(seq, "abort")
+        # in flight or KV in transit: finished when the step result / last acknowledgement arrives
+
+    def _poll_workers(self) -> None:
+        now = time.monotonic()
+        if now - self._last_poll < POLL_S:
+            return
+        self._last_poll = now
+        for name, code in self.workers.exited():
+            if name not in self.workers.dead:  # an earlier death this round may have taken its replica
+                self._on_worker_death(name, f"died with exit code {code}")
+        for name in self.workers.procs:
+            silent = now - self.last_beat.get(name, now)
+            if name not in self.workers.dead and silent > self.heartbeat_timeout_s:
+                self._on_worker_death(name, f"sent no heartbeat for {silent:.1f} s (hung or stopped)")
+
+    def _on_worker_death(self, name: str, what: str) -> None:
+        w = self.workers.worker(name)
+        error = self.workers.worker_errors.get(name)
+        why = f"worker {name} (replica {w.replica}, stage {w.stage}, pid {self.workers.pids[name]}) {what}"
+        if error:
+            why += f": {last_line(error)}"
+        rid = w.replica
+        sched = self.schedulers[rid]
+        sched.alive = False
+        self.workers.stop_replica(self.replicas[rid])  # the rest of its replica cannot work without it
+        for step_id in [s for s, (r, _, _) in self.steps.items() if r == rid]:
+            del self.steps[step_id]
+        sched.inflight.clear()
+        sched.ready.clear()
+        sched.pinned.clear()
+        hit = [seq for seq in self.seqs.values() if seq.replica == rid or seq.pinned == rid or seq.dst == rid]
+        rerun = []
+        for seq in hit:
+            if seq.replica != rid and seq.status == Status.HANDOFF:
+                self._reroute(seq)  # its KV is safe on a live prefill replica: hand it to another decode replica
+            else:
+                rerun.append(seq)
+        if not any(s.alive and s.role == "decode" for s in self.schedulers.values()):
+            # a disaggregated plan lost its last decode replica: its prefill replicas decode in place
+            converted = [s for s in self.schedulers.values() if s.alive and s.role == "prefill"]
+            for s in converted:
+                s.role = "colocated"
+                # its requests hold prompt-sized KV only: drop its steps in flight and re-run them
+                for step_id in [k for k, (r, _, _) in self.steps.items() if r == s.id]:
+                    del self.steps[step_id]
+                s.inflight.clear()
+            ids = {s.id for s in converted}
+            rerun += [seq for seq in self.seqs.values() if seq.replica in ids and seq not in rerun]
+        self.deaths.append({"worker": name, "replica": rid, "why": why, "at": time.monotonic(),
+                            "requests": len(rerun)})
+        self._rerun(sorted(rerun, key=lambda q: q.id), why)
+        alive = [s for s in self.schedulers.values() if s.alive]
+        if not any(s.serves_prefill for s in alive) or not any(s.serves_decode for s in alive):
+            self.broken = why
+            self.fail_all(f"{why}; no replica left to serve it")
+            return
+        for seq in list(self.waiting):  # a request only the dead replica's KV pool could hold fails now
+            if not self._can_ever_serve(seq):
+                self.waiting.remove(seq)
+                self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {why}; no live replica's KV pool "
+                                               f"can hold its {seq.reserve_tokens} tokens"))
+
+    def _reroute(self, seq: Sequence) -> None:
+        """A hand-off whose destination died goes back to the hand-off queue (the route policy picks again)."""
+        self.handoffs.pop(seq.transfer, None)
+        seq.dst, seq.dst_table, seq.acks = None, [], set()  # the dead replica's blocks are gone with it
+        if seq not in self.handoff_queue:
+            self.handoff_queue.appendleft(seq)
+
+    def _rerun(self, seqs: list[Sequence], why: str) -> None:
+        """Put ``seqs`` back at the head of the waiting queue, in arrival order, to re-prefill on a live replica."""
+        for seq in reversed(seqs):
+            if seq in self.handoff_queue:
+                self.handoff_queue.remove(seq)
+            self.handoffs.pop(seq.transfer, None)
+            for queue in [self.waiting] + [s.ready for s in self.schedulers.values()] + \
+                         [s.pinned for s in self.schedulers.values()]:
+                if seq in queue:
+                    queue.remove(seq)
+            if seq.replica is not None and seq.table and self.schedulers[seq.replica].alive:
+                self.schedulers[seq.replica].release(seq)
+            if seq.dst is not None and seq.dst_table and self.schedulers[seq.dst].alive:
+                self.schedulers[seq.dst].blocks.free(seq.dst_table)
+            seq.replica, seq.table, seq.num_cached, seq.pinned = None, [], 0, None
+            seq.dst, seq.dst_table, seq.acks = None, [], set()
+            if seq.aborted:
+                self._finish(seq, "abort")
+                continue
+            seq.reruns += 1
+            if seq.reruns > self.max_reruns:
+                self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {why} (its replica died "
+                                               f"{seq.reruns} times; giving up)"))
+                continue
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+
+    def _can_ever_serve(self, seq: Sequence) -> bool:
+        scheds = [s for s in self.schedulers.values() if s.alive]
+        return (any(s.blocks.fits_ever(s.admission_tokens(seq)) for s in scheds if s.serves_prefill)
+                and any(s.blocks.fits_ever(seq.reserve_tokens) for s in scheds if s.serves_decode))
+
+    def _publish_stats(self) -> None:
+        self.stats = {
+            "waiting": len(self.waiting) + sum(len(s.pinned) for s in self.schedulers.values()),
+            "handoff_waiting": len(self.handoff_queue),
+            "handoff_in_flight": len(self.handoffs), "running": sum(s.num_running for s in self.schedulers.values()),
+            "completed": self.num_completed, "failed": self.num_failed, "broken": self.broken,
+            "replicas": {rid: s.stats() for rid, s in self.schedulers.items()},
+            "reruns": sum(d["requests"] for d in self.deaths), "deaths": list(self.deaths),
+        }

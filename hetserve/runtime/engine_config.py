@@ -1,0 +1,76 @@
+"""``EngineConfig``: the engine's knobs, and how big each replica's KV pool is.
+
+The KV pool of a replica is what its config asks for (checked against the memory its smallest
+device has left next to its weights) or, when nothing is asked, what that memory allows (capped on
+CPU, where the device memory of the cluster file is fictional).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetserve.errors import PlanError
+from hetserve.runtime.deployment import check_memory
+from hetserve.runtime.layout import ReplicaSpec
+from hetserve.runtime.model.config import ArchConfig
+from hetserve.specs.cluster import Cluster
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_capacity_tokens: int | dict[str, int] | None = None  # per replica; None: what memory allows, capped
+    default_kv_tokens: int = 16384  # the cap on CPU, where device memory in the cluster file is fictional
+    block_size: int = 16
+    max_num_seqs: int = 64  # per step
+    max_batched_tokens: int = 2048  # per step, prompt tokens + decode tokens
+    dtype: str | None = None  # None: float32 on CPU, the checkpoint's dtype on CUDA
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    memory_fraction: float = 0.9
+    start_timeout_s: float = 120.0
+    micro_batches: int | None = None  # steps in flight per replica; None: its number of pipeline stages
+    start_method: str = "spawn"  # or "forkserver": workers fork from a server that imported torch once
+    heartbeat_interval_s: float = 0.5  # each worker reports it is alive this often
+    heartbeat_timeout_s: float = 3.0  # silent this long (a hung or SIGSTOPped worker): declared dead
+    max_reruns: int = 3  # a request whose replica died is re-run on a live one at most this many times
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_batched_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and max_batched_tokens must be positive")
+        if self.start_method not in ("spawn", "forkserver"):
+            raise ValueError(f"start_method must be spawn or forkserver, got {self.start_method!r}")
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be positive, got {self.micro_batches}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in (None, "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
+            raise ValueError(f"heartbeat interval ({self.heartbeat_interval_s}) must be positive and below the "
+                             f"heartbeat timeout ({self.heartbeat_timeout_s})")
+        if self.max_reruns < 0:
+            raise ValueError(f"max_reruns must be >= 0, got {self.max_reruns}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+
+
+def kv_capacity(layout: tuple[ReplicaSpec, ...], cluster: Cluster, arch: ArchConfig, dtype: str,
+                config: EngineConfig, use_cuda: bool) -> dict[str, int]:
+    """KV tokens per replica: asked for (checked against memory) or what memory allows (capped on CPU)."""
+    fit = check_memory(layout, cluster, arch, dtype, config.memory_fraction)
+    out = {}
+    for r in layout:
+        asked = config.kv_capacity_tokens
+        if isinstance(asked, dict):
+            asked = asked.get(r.id)
+        if asked is None:
+            tokens = fit[r.id] if use_cuda else min(fit[r.id], config.default_kv_tokens)
+        elif asked > fit[r.id]:
+            raise PlanError(f"replica {r.id}: a KV pool of {asked} tokens does not fit next to its weights "
+                            f"(at most {fit[r.id]} tokens on its smallest device)")
+        else:
+            tokens = asked
+        blocks = tokens // config.block_size
+        if blocks < 1:
+            raise PlanError(f"replica {r.id}: room for {tokens} KV tokens, less than one block of {config.block_size}")
+        out[r.id] = blocks * config.block_size
+    return out

@@ -1,0 +1,56 @@
+"""What a simulated replica sees of the simulation around it: ``ReplicaEnv``.
+
+Replicas hold state and price their work with the cost model; everything that crosses replicas
+(placing a finished prefill, moving KV, recording a finished request, re-asking the predictor)
+goes through these few calls, so a replica never reaches into the ``Simulator`` itself and the
+simulator module is the only one that knows every replica kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hetserve.cost.analytic import CostModel
+    from hetserve.sim.events import EventLoop
+    from hetserve.sim.links import Network
+    from hetserve.sim.requests import RequestTable
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """The batching knobs a replica reads (filled from ``SimOptions``)."""
+
+    token_budget: int  # prompt tokens per prefill batch (a longer prompt runs alone)
+    chunk_tokens: int  # tokens per mixed iteration with chunked prefill (decode tokens included)
+    chunked_prefill: bool
+    max_batch: int  # running requests per decode / colocated replica
+    micro_batches: int | None  # pipeline micro-batches (None: the cost model's)
+    paged: bool  # KV admission "paged" (vLLM) rather than "reserve"
+
+
+class ReplicaEnv(Protocol):
+    """The narrow interface between a replica and the simulation that drives it."""
+
+    loop: "EventLoop"
+    cost: "CostModel"
+    req: "RequestTable"
+    network: "Network"
+    limits: BatchLimits
+    activation_bytes: int  # bytes of one token's activations between pipeline stages
+
+    def first_token(self, rid: int) -> None:
+        """Request ``rid`` emitted its first token now."""
+
+    def prefill_done(self, rid: int, src) -> None:
+        """A prefill replica finished ``rid``'s prompt: route it to a decode replica."""
+
+    def start_kv(self, rid: int, src, dst) -> None:
+        """Move ``rid``'s prompt KV from prefill replica ``src`` to decode replica ``dst``."""
+
+    def finished(self, rid: int) -> None:
+        """Request ``rid`` emitted its last token now."""
+
+    def repredict(self, rid: int, generated: int) -> float:
+        """``rid``'s predicted output, re-asked once it has outlived the prediction."""

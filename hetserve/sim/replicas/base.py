@@ -1,0 +1,89 @@
+"""``Replica``: what every simulated replica keeps — identity, KV accounting, busy time."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Callable
+
+from hetserve.cost.layout import ReplicaLayout
+from hetserve.planner.plan import PlanReplica
+from hetserve.policies.base import ReplicaState, RunningRequest
+from hetserve.sim.env import ReplicaEnv
+
+
+class LazyRequests(Sequence):
+    """A snapshot's per-request views, built on first access. A policy that decides on the
+    snapshot's totals (Aladdin's screen rules out an overloaded worker in O(1)) never pays for
+    the views of a long queue, which keeps a simulation linear in requests under overload.
+
+    The views describe the moment of the decision: built later (after the event loop has moved
+    on) they would describe another moment, so that raises. A policy that keeps a snapshot past
+    its decision copies the views (``tuple(state.requests)``) while deciding."""
+
+    __slots__ = ("_build", "_items", "_loop", "_stamp")
+
+    def __init__(self, build: Callable[[], tuple[RunningRequest, ...]], loop):
+        self._build = build
+        self._items: tuple[RunningRequest, ...] | None = None
+        self._loop, self._stamp = loop, loop.events
+
+    def _get(self) -> tuple[RunningRequest, ...]:
+        if self._items is None:
+            if self._loop.events != self._stamp:
+                raise RuntimeError("a snapshot's request views were first read after its decision; "
+                                   "copy them (tuple(state.requests)) while deciding")
+            self._items = tuple(self._build())
+        return self._items
+
+    def __getitem__(self, i):
+        return self._get()[i]
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __iter__(self):
+        return iter(self._get())
+
+
+class Replica:
+    def __init__(self, env: ReplicaEnv, index: int, spec: PlanReplica, layout: ReplicaLayout):
+        self.env, self.loop, self.cost, self.req = env, env.loop, env.cost, env.req
+        self.limits = env.limits
+        self.index, self.id, self.role, self.layout = index, spec.id, spec.role, layout
+        self.kv_capacity = float(self.cost.kv_capacity_tokens(layout))
+        self.kv_used = 0.0
+        self.kv_peak = 0.0
+        self._kv_area = 0.0
+        self._kv_t = 0.0
+        self.busy_s = 0.0
+        self._busy_until = 0.0
+        self.served = 0
+        self.capacity_norm = 1.0
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _kv_add(self, tokens: float) -> None:
+        now = self.loop.now
+        self._kv_area += self.kv_used * (now - self._kv_t)
+        self._kv_t = now
+        self.kv_used += tokens
+        if self.kv_used > self.kv_peak:
+            self.kv_peak = self.kv_used
+
+    def _busy(self, start: float, end: float) -> None:
+        """Add [start, end) to the busy time (intervals may overlap; their union counts)."""
+        lo = start if start > self._busy_until else self._busy_until
+        if end > lo:
+            self.busy_s += end - lo
+        if end > self._busy_until:
+            self._busy_until = end
+
+    def kv_mean(self, end: float) -> float:
+        area = self._kv_area + self.kv_used * max(0.0, end - self._kv_t)
+        return area / end if end > 0 else 0.0
+
+    def _can_hold(self, used: float, tokens: float) -> bool:
+        # A request larger than the whole pool still runs once the pool is empty (never dropped).
+        return used + tokens <= self.kv_capacity or used <= 0
+
+    def state(self, with_requests: bool = False) -> ReplicaState:  # pragma: no cover - overridden
+        raise NotImplementedError

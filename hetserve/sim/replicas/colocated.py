@@ -1,0 +1,157 @@
+"""``ColocatedReplica``: a vLLM-style engine, prefill and decode on one replica.
+
+Waiting prompts interrupt the running decode batch at its next iteration boundary (prefill
+first), or, with chunked prefill, ride along with decode iterations up to a token budget.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hetserve.cost.analytic import PrefillBatch
+from hetserve.policies.base import ReplicaState
+from hetserve.sim.events import Priority
+from hetserve.sim.replicas.decoding import Decoding
+
+
+class ColocatedReplica(Decoding):
+    def __init__(self, env, index, spec, layout):
+        super().__init__(env, index, spec, layout)
+        self.waiting: deque[int] = deque()
+        self.queued_tokens = 0
+        self.chunked = self.limits.chunked_prefill
+        self._chunking: list[list[int]] = []  # [rid, prompt tokens already prefilled]
+        self._prefilling: list[int] = []  # the prompts of the prefill now running (unchunked)
+
+    def place(self, rid: int) -> None:
+        self.waiting.append(rid)
+        self.queued_tokens += self.req.inp[rid]
+        self.pred_sum += self.req.pred[rid]
+        if self._admissible():
+            self._request_boundary()
+
+    def _admissible(self) -> bool:
+        if self.kv.preempted or not self.waiting or self.admitted >= self.max_batch:
+            return False
+        return self._can_hold(self.kv.base(), self.kv.need(self.waiting[0]))
+
+    def _take(self, budget: int) -> list[int]:
+        """Admit waiting prompts in order within ``budget`` tokens, KV and the batch limit."""
+        r, taken, tokens = self.req, [], 0
+        while self._admissible():
+            rid = self.waiting[0]
+            if taken and tokens + r.inp[rid] > budget:
+                break
+            self.waiting.popleft()
+            self.queued_tokens -= r.inp[rid]
+            self.kv.hold(self.kv.need(rid))
+            self.admitted += 1
+            r.t_start[rid] = self.loop.now
+            taken.append(rid)
+            tokens += r.inp[rid]
+        return taken
+
+    def _admit(self) -> None:
+        if self._admissible() or self.kv.recompute_fits():
+            self._request_boundary()
+
+    def _after_boundary(self) -> None:
+        if self._recompute():
+            return
+        if self.chunked:
+            if self._mixed_iteration():
+                return
+        else:
+            rids = self._take(self.limits.token_budget)
+            if rids:
+                now = self.loop.now
+                dur = self.cost.prefill_time(self.layout, PrefillBatch.of([self.req.inp[i] for i in rids]))
+                self._pause(now + dur)
+                self._prefilling = rids
+                self._busy(now, now + dur)
+                self.loop.schedule(now + dur, Priority.WORK, self._on_prefill_done, rids)
+                return
+        self._start_segment()
+
+    def _on_prefill_done(self, rids: list[int]) -> None:
+        self._paused = False
+        self._prefilling = []
+        self._first_tokens(rids)
+        self._after_boundary()
+
+    def _first_tokens(self, rids: list[int]) -> None:
+        r = self.req
+        done = []
+        for rid in rids:
+            self.env.first_token(rid)
+            if r.out[rid] <= 1:
+                done.append(rid)
+                self.kv.never_joins(rid)
+            else:
+                self._join(rid)
+        self._finish_all(done)
+
+    # ------------------------------------------------------------------ chunked prefill
+    def _mixed_iteration(self) -> bool:
+        """One iteration carrying every running decode plus prompt chunks up to the token budget."""
+        budget = self.limits.chunk_tokens
+        b = self.batch
+        self._chunking.extend([rid, 0] for rid in self._take(1 << 62))
+        if not self._chunking:
+            return False
+        if b.size:
+            self.kv.make_room()  # room for this iteration's decode tokens
+        r = self.req
+        left = max(1, budget - b.size)
+        chunks, sum_sq, tokens = [], 2.0 * b.context, b.size
+        for item in self._chunking:
+            if left <= 0:
+                break
+            rid, done = item
+            c = min(r.inp[rid] - done, left)
+            chunks.append((item, c))
+            sum_sq += c * c + 2.0 * c * done
+            tokens += c
+            left -= c
+        pb = PrefillBatch(b.size + len(chunks), tokens, sum_sq)
+        dur = self.cost.prefill_time(self.layout, pb)
+        if b.size:
+            dur = max(dur, self.cost.decode_step_time(self.layout, b.size, b.context, self.limits.micro_batches))
+        now = self.loop.now
+        self._pause(now + dur)
+        self._busy(now, now + dur)
+        self.loop.schedule(now + dur, Priority.WORK, self._on_mixed_done, chunks)
+        return True
+
+    def _on_mixed_done(self, chunks: list[tuple[list[int], int]]) -> None:
+        self._paused = False
+        if self.batch.size:
+            self._finish_all(self.batch.advance(1))
+        finished = []
+        for item, c in chunks:
+            item[1] += c
+            if item[1] >= self.req.inp[item[0]]:
+                finished.append(item[0])
+        if finished:
+            gone = set(finished)
+            self._chunking = [it for it in self._chunking if it[0] not in gone]
+            self._first_tokens(finished)
+        self._after_boundary()
+
+    def _not_started(self):
+        for rid in self._prefilling:
+            yield rid, 0
+        for rid, _ in self._chunking:
+            yield rid, 0
+        for rid in self.waiting:
+            yield rid, 0
+
+    def state(self, with_requests: bool = False) -> ReplicaState:
+        b = self.batch
+        queued = len(self.waiting) + len(self._chunking) + len(self.kv.preempted)
+        outstanding = self.queued_tokens + (max(0.0, self.pred_sum - self._generated_sum()) if b.size
+                                            else self.pred_sum)
+        return ReplicaState(self.id, "colocated", queued, b.size, self.queued_tokens, outstanding,
+                            self._context_now(), int(self.kv_used), int(self.kv_capacity),
+                            self._snapshot_requests(with_requests), self.capacity_norm, self._prefill_wait(),
+                            self.loop.now - self.req.arrival[self.waiting[0]] if self.waiting else 0.0)

@@ -1,0 +1,70 @@
+"""``DecodeReplica``: admits finished prefills in arrival order when their KV fits (requests wait,
+none is dropped), pulls their KV over the links, and runs them with continuous batching."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hetserve.policies.base import ReplicaState
+from hetserve.sim.replicas.decoding import Decoding
+from hetserve.sim.replicas.prefill import PrefillReplica
+
+
+class DecodeReplica(Decoding):
+    def __init__(self, env, index, spec, layout):
+        super().__init__(env, index, spec, layout)
+        self.waiting: deque[tuple[int, PrefillReplica]] = deque()
+        self.pending: list[int] = []  # KV arrived, joining at the next boundary
+        self._inbound: dict[int, None] = {}  # admitted, not yet in the batch (KV on the way or pending)
+
+    def enqueue(self, rid: int, src: PrefillReplica) -> None:
+        """A finished prefill routed here: admit when its KV fits, then pull the KV."""
+        self.waiting.append((rid, src))
+        self.pred_sum += self.req.pred[rid]
+        self._admit()
+
+    def _admit(self) -> None:
+        kv = self.kv
+        if kv.preempted:  # pre-empted requests come back first
+            if kv.recompute_fits():
+                self._request_boundary()
+            return
+        while self.waiting and self.admitted < self.max_batch:
+            rid, src = self.waiting[0]
+            need = kv.need(rid)
+            if not self._can_hold(kv.base(), need):
+                break
+            self.waiting.popleft()
+            kv.hold(need)
+            self.admitted += 1
+            self._inbound[rid] = None
+            self.env.start_kv(rid, src, self)
+
+    def kv_arrived(self, rid: int) -> None:
+        self.pending.append(rid)
+        self._request_boundary()
+
+    def _after_boundary(self) -> None:
+        if self._recompute():
+            return
+        for rid in self.pending:
+            del self._inbound[rid]
+            self._join(rid)
+        self.pending.clear()
+        self._start_segment()
+        if self.kv.grows:
+            self._admit()  # the segment's end is known now: room for more?
+
+    def _not_started(self):
+        for rid in self._inbound:
+            yield rid, 1  # the first token came with the prefill
+        for rid, _ in self.waiting:
+            yield rid, 1
+
+    def state(self, with_requests: bool = False) -> ReplicaState:
+        b = self.batch
+        queued = len(self.waiting) + self.admitted - b.size + len(self.kv.preempted)
+        outstanding = max(0.0, self.pred_sum - self._generated_sum()) if b.size else self.pred_sum
+        return ReplicaState(self.id, "decode", queued, b.size, 0, outstanding, self._context_now(),
+                            int(self.kv_used), int(self.kv_capacity),
+                            self._snapshot_requests(with_requests), self.capacity_norm)

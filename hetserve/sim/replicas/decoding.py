@@ -1,0 +1,169 @@
+"""``Decoding``: continuous batching with iteration boundaries on demand (decode and colocated).
+
+The running requests are a ``DecodeBatch`` (one event per change of membership, not per token).
+Whatever must happen between iterations (admissions, a prefill, a recompute) asks for the next
+iteration boundary (``_request_boundary``); the subclass's ``_after_boundary`` decides what runs
+next. KV admission is a strategy object (``self.kv``, see ``kv.py``).
+"""
+
+from __future__ import annotations
+
+from hetserve.cost.analytic import PrefillBatch
+from hetserve.policies.base import RunningRequest
+from hetserve.sim.batch import DecodeBatch
+from hetserve.sim.events import Priority
+from hetserve.sim.replicas.base import LazyRequests, Replica
+from hetserve.sim.replicas.kv import make_kv_admission
+
+
+class Decoding(Replica):
+    def __init__(self, env, index, spec, layout):
+        super().__init__(env, index, spec, layout)
+        mb = self.limits.micro_batches
+        step = self.cost.decode_step_time
+        self.batch = DecodeBatch(lambda b, c: step(layout, b, c, mb))
+        self.max_batch = self.limits.max_batch
+        self.admitted = 0  # holding a KV reservation and not finished
+        self._version = 0
+        self._next: float | None = None  # time of the boundary event now scheduled
+        self._paused = False  # a prefill (or mixed iteration) is running; boundaries wait for it
+        self._paused_until = 0.0  # when the running prefill (mixed iteration, recompute) ends
+        self.pred_sum = 0.0  # Σ predicted output of admitted requests
+        self.kv = make_kv_admission(self, self.limits.paged)
+
+    @property
+    def preemptions(self) -> int:
+        return self.kv.preemptions
+
+    def _request_boundary(self) -> None:
+        """Stop the running segment at its next iteration boundary (or wake an idle replica)."""
+        if self._paused:
+            return
+        b, now = self.batch, self.loop.now
+        if b.active:
+            j = b.boundary_at_or_after(now)
+            t, prio = b.t0 + b.elapsed(j), Priority.WORK
+        else:
+            j, t, prio = 0, now, Priority.SCHEDULE
+        if self._next is not None and self._next <= t:
+            return
+        self._version += 1
+        self._next = t
+        self.loop.schedule(t, prio, self._on_boundary, (self._version, j))
+
+    def _pause(self, until: float) -> None:
+        """A prefill (or mixed iteration, or recompute) starts at a boundary and runs until
+        ``until``: decoding waits for it, and a boundary event already scheduled (e.g. by an
+        admission a moment ago) is void — the pause's own end re-runs ``_after_boundary``."""
+        self._paused = True
+        self._paused_until = until
+        self._version += 1
+        self._next = None
+
+    def _on_boundary(self, arg: tuple[int, int]) -> None:
+        version, j = arg
+        if version != self._version:
+            return
+        self._next = None
+        b = self.batch
+        if b.active:
+            self._busy(b.t0, self.loop.now)
+            self.kv.at_boundary(j)
+            self._finish_all(b.advance(j))
+        self._after_boundary()
+
+    def _start_segment(self) -> None:
+        if self.batch.size == 0:
+            return
+        end = self.batch.start(self.loop.now, self.kv.segment_limit())
+        self._version += 1
+        self._next = end
+        self.loop.schedule(end, Priority.WORK, self._on_boundary, (self._version, self.batch.k))
+
+    def _join(self, rid: int) -> None:
+        r = self.req
+        if r.t_join[rid] != r.t_join[rid]:  # NaN: first time (a re-join keeps it: ATGT counts the stall)
+            r.t_join[rid] = self.loop.now
+        g = self.kv.join(rid)
+        self.batch.add(rid, r.inp[rid] + g, r.out[rid] - g, r.inp[rid] + r.out[rid])
+
+    def _finish_all(self, rids: list[int]) -> None:
+        r = self.req
+        for rid in rids:
+            self.kv.finish(rid)
+            self.admitted -= 1
+            self.pred_sum -= r.pred[rid]
+            self.served += 1
+            self.env.finished(rid)
+        self.kv.after_finish()
+        if rids:
+            self._admit()
+
+    def _recompute(self) -> bool:
+        """At a boundary: re-prefill pre-empted requests (prompt + tokens made so far), oldest first,
+        as one prefill that pauses decoding; they re-join when it ends. False: none fits."""
+        take = self.kv.take_recompute(self.limits.token_budget)
+        if not take:
+            return False
+        now = self.loop.now
+        dur = self.cost.prefill_time(self.layout, PrefillBatch.of([n for _, n in take]))
+        self._pause(now + dur)
+        self._busy(now, now + dur)
+        self.loop.schedule(now + dur, Priority.WORK, self._on_recomputed, [rid for rid, _ in take])
+        return True
+
+    def _on_recomputed(self, rids: list[int]) -> None:
+        self._paused = False
+        for rid in rids:
+            self._join(rid)
+        self._after_boundary()
+
+    def _admit(self) -> None:  # pragma: no cover - overridden
+        pass
+
+    def _after_boundary(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _generated_sum(self) -> float:
+        return self.batch.generated(self.loop.now)
+
+    def _requests(self) -> tuple[RunningRequest, ...]:
+        """Per-request views for policies that ask for them (``needs_requests``): the running batch
+        (``decode_time_s`` = time since joining it, the time ATGT counts), then the requests placed
+        here that are not running yet (``started=False``: waiting for prefill, KV or a slot)."""
+        b, r, now, env = self.batch, self.req, self.loop.now, self.env
+        it = b.iteration + b.iterations_done(now)
+        out = []
+        for rid, joined in b.members.items():
+            gen = it - joined + 1
+            out.append(RunningRequest(rid, r.inp[rid], gen, env.repredict(rid, gen), now - r.t_join[rid]))
+        for rid, gen in self._not_started():
+            dt = now - r.t_join[rid]  # a pre-empted request has been decoding; others: NaN -> 0
+            out.append(RunningRequest(rid, r.inp[rid], gen, env.repredict(rid, gen), dt if dt == dt else 0.0,
+                                      started=False))
+        for rid, gen in self.kv.preempted:
+            out.append(RunningRequest(rid, r.inp[rid], gen, env.repredict(rid, gen), now - r.t_join[rid],
+                                      started=False))
+        return tuple(out)
+
+    def _not_started(self):  # pragma: no cover - overridden
+        """(rid, tokens generated so far) of the requests placed here and not in the batch."""
+        return ()
+
+    def _prefill_wait(self) -> float:
+        """Seconds until a prefill could start here: the rest of the prefill (mixed iteration,
+        recompute) now running, or of the decode iteration now running (prefill waits for its
+        boundary); 0 when idle."""
+        now, b = self.loop.now, self.batch
+        if self._paused:
+            return max(0.0, self._paused_until - now)
+        if b.active:
+            return max(0.0, b.t0 + b.elapsed(b.boundary_at_or_after(now)) - now)
+        return 0.0
+
+    def _snapshot_requests(self, with_requests: bool):
+        return LazyRequests(self._requests, self.loop) if with_requests else ()
+
+    def _context_now(self) -> int:
+        b = self.batch
+        return int(b.context + b.iterations_done(self.loop.now) * b.size) if b.active else int(b.context)

@@ -1,0 +1,114 @@
+"""``PrefillReplica``: a FIFO of prompts, batched up to a token budget and the KV it can hold.
+
+The stages of a pipeline overlap (batch n+1 enters stage 0 when batch n leaves it), hand-offs
+priced by ``CostModel.pp_handoff_time``. It keeps each prompt's KV until the decode side has
+pulled it (``release``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hetserve.cost.analytic import PrefillBatch
+from hetserve.policies.base import ReplicaState, RunningRequest
+from hetserve.sim.events import Priority
+from hetserve.sim.replicas.base import LazyRequests, Replica
+
+
+class PrefillReplica(Replica):
+    def __init__(self, env, index, spec, layout):
+        super().__init__(env, index, spec, layout)
+        self.queue: deque[int] = deque()
+        self.queued_tokens = 0
+        self.running = 0
+        self.running_tokens = 0
+        self._in_prefill: dict[int, None] = {}  # rids of the batches now running (snapshots only)
+        self._free = [0.0] * len(layout.stages)  # when each stage can take the next batch
+        self._kick_at: float | None = None
+        self._stages = [(s, i == len(layout.stages) - 1) for i, s in enumerate(layout.stages)]
+
+    def place(self, rid: int) -> None:
+        self.queue.append(rid)
+        self.queued_tokens += self.req.inp[rid]
+        self._kick()
+
+    def release(self, tokens: int) -> None:
+        """The decode side has pulled ``tokens`` of KV: free them."""
+        self._kv_add(-tokens)
+        if self.queue:
+            self._kick()
+
+    def _kick(self) -> None:
+        t = max(self.loop.now, self._free[0])
+        if self._kick_at is None or t < self._kick_at:
+            self._kick_at = t
+            self.loop.schedule(t, Priority.SCHEDULE, self._on_kick, t)
+
+    def _take(self) -> tuple[list[int], list[int]]:
+        """Prompts of the next batch, in order, within the token budget and the KV left."""
+        inp, budget = self.req.inp, self.limits.token_budget
+        lengths: list[int] = []
+        rids: list[int] = []
+        tokens = 0
+        while self.queue:
+            n = inp[self.queue[0]]
+            if rids and tokens + n > budget:
+                break
+            if not self._can_hold(self.kv_used + tokens, n) and not (not rids and self.kv_used <= 0):
+                break
+            rids.append(self.queue.popleft())
+            lengths.append(n)
+            tokens += n
+        return rids, lengths
+
+    def _on_kick(self, t: float) -> None:
+        if t != self._kick_at:
+            return
+        self._kick_at = None
+        now = self.loop.now
+        if now < self._free[0]:
+            self._kick()
+            return
+        rids, lengths = self._take()
+        if not rids:
+            return  # blocked on KV; ``release`` kicks again
+        tokens = sum(lengths)
+        self.queued_tokens -= tokens
+        self.running += len(rids)
+        self.running_tokens += tokens
+        self._kv_add(tokens)
+        batch = PrefillBatch.of(lengths)
+        t = now
+        stages = self.layout.stages
+        for i, (stage, last) in enumerate(self._stages):
+            start = t if t > self._free[i] else self._free[i]
+            end = start + self.cost.stage_prefill_time(stage, batch, last)
+            self._free[i] = end
+            t = end if last else end + self.cost.pp_handoff_time(stage, stages[i + 1], tokens)
+        self._busy(now, t)
+        for rid in rids:
+            self.req.t_start[rid] = now
+            self._in_prefill[rid] = None
+        self.loop.schedule(t, Priority.WORK, self._on_done, (rids, tokens))
+        if self.queue:
+            self._kick()
+
+    def _on_done(self, arg: tuple[list[int], int]) -> None:
+        rids, tokens = arg
+        self.running -= len(rids)
+        self.running_tokens -= tokens
+        self.served += len(rids)
+        for rid in rids:
+            del self._in_prefill[rid]
+            self.env.prefill_done(rid, self)
+
+    def state(self, with_requests: bool = False) -> ReplicaState:
+        reqs = ()
+        if with_requests:
+            r = self.req
+            reqs = LazyRequests(lambda: tuple(RunningRequest(rid, r.inp[rid], 0, r.pred[rid], 0.0, started=False)
+                                              for rid in (*self._in_prefill, *self.queue)), self.loop)
+        return ReplicaState(self.id, "prefill", len(self.queue), self.running, self.queued_tokens,
+                            float(self.queued_tokens + self.running_tokens), 0, int(self.kv_used), 0,
+                            reqs, self.capacity_norm, max(0.0, self._free[0] - self.loop.now),
+                            self.loop.now - self.req.arrival[self.queue[0]] if self.queue else 0.0)

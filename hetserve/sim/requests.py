@@ -1,0 +1,26 @@
+"""Per-request inputs and timestamps of one simulation, as plain lists (fast to index from Python)."""
+
+from __future__ import annotations
+
+from hetserve.specs.workload import Workload
+
+
+class RequestTable:
+    """Row ``rid`` is request ``rid`` of the workload; timestamps are NaN until the event happens."""
+
+    def __init__(self, wl: Workload):
+        n = len(wl)
+        self.n = n
+        self.arrival: list[float] = wl.arrival_s.tolist()
+        self.inp: list[int] = wl.input_tokens.tolist()
+        self.out: list[int] = wl.output_tokens.tolist()
+        self.pred: list[float] = [0.0] * n
+        nan = float("nan")
+        self.t_start = [nan] * n  # prefill began
+        self.t_first = [nan] * n  # first token
+        self.t_kv_start = [nan] * n
+        self.t_kv_done = [nan] * n
+        self.t_join = [nan] * n  # joined a decode batch
+        self.t_finish = [nan] * n
+        self.prefill_rep = [-1] * n
+        self.decode_rep = [-1] * n

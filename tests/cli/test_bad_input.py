@@ -1,0 +1,117 @@
+"""Every bad input the CLI can get: one line naming it and what was expected, exit code 2, no traceback.
+
+Options are covered by walking the parser (every numeric option of every command gets NaN, a
+negative and a non-number); files by one table per file kind, read through ``describe`` (which
+does nothing but load them) and through the commands that take them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from hetserve.cli.main import build_parser, main
+
+
+def run(argv: list[str], capsys) -> tuple[int, list[str]]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse refuses a value while parsing
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, [ln for ln in captured.err.splitlines() if ln.strip()]
+
+
+def _numeric_options() -> list[tuple[str, str]]:
+    out = []
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for command, parser in sub.choices.items():
+        for action in parser._actions:
+            if action.option_strings and getattr(action.type, "__name__", "") in ("int", "float"):
+                out.append((command, action.option_strings[-1]))
+    return out
+
+
+OPTIONS = _numeric_options()
+
+
+def test_the_walk_finds_the_options_it_should():
+    assert {("serve", "--port"), ("simulate", "--slo-ttft"), ("plan", "--time-limit"), ("make-model", "--layers"),
+            ("capacity", "--rate"), ("serve", "--drain-timeout")} <= set(OPTIONS)
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "inf", "abc"])
+@pytest.mark.parametrize("command, option", OPTIONS, ids=[f"{c}{o}" for c, o in OPTIONS])
+def test_every_numeric_option_refuses_bad_numbers(command, option, value, capsys):
+    code, err = run([command, option, value], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert option in err[0] and "expected" in err[0] and "Traceback" not in err[0]
+
+
+def test_a_port_past_65535_is_refused_before_anything_starts(capsys):
+    code, err = run(["serve", "--plan", "x.json", "--model", "m", "--port", "70000"], capsys)
+    assert code == 2 and err == ["hetserve serve: error: argument --port: expected an integer in [0, 65535], "
+                                 "got '70000'"]
+
+
+CLUSTER = "name: c\nmachines:\n  - {name: a, gpu: RTX-4090, count: COUNT}\n"
+CONFIG = {"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 128}
+NOT_UTF8 = b"\xff\xfe\x00bad"
+
+# (kind, file name, content, words the one line must hold)
+FILES = [
+    ("cluster", "c.yaml", CLUSTER.replace("COUNT", "true"), ["count"]),
+    ("cluster", "c.yaml", CLUSTER.replace("COUNT", "200000"), ["count", "1024"]),
+    ("cluster", "c.yaml", CLUSTER.replace("COUNT", "2") + "network:\n  intra_site: {bandwidth_gbps: .inf, "
+     "latency_ms: 1}\n", ["bandwidth_gbps", "finite"]),
+    ("cluster", "c.yaml", NOT_UTF8, ["UTF-8"]),
+    ("cluster", "missing.yaml", None, ["missing.yaml"]),
+    ("model", "config.json", json.dumps({**CONFIG, "num_key_value_heads": "abc"}), ["num_key_value_heads"]),
+    ("model", "config.json", json.dumps({**CONFIG, "num_key_value_heads": 3}), ["shape"]),
+    ("model", "config.json", json.dumps({**CONFIG, "head_dim": -4}), ["head_dim"]),
+    ("model", "config.json", NOT_UTF8, ["UTF-8"]),
+    ("workload", "w.csv", NOT_UTF8, ["UTF-8"]),
+    ("workload", "w.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nnan,10,10\n", ["timestamp", "finite"]),
+    ("workload", "w.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\ninf,10,10\n", ["timestamp", "finite"]),
+    ("workload", "w.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n0,-5,10\n", ["positive"]),
+    ("workload", "w.csv", "a,b\n1,2\n", ["header"]),
+]
+
+
+@pytest.mark.parametrize("kind, name, content, words", FILES, ids=[f"{k}-{i}" for i, (k, *_ ) in enumerate(FILES)])
+def test_every_file_kind_reports_one_line(kind, name, content, words, tmp_path, capsys):
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    code, err = run(["describe", kind, str(path)], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert name in err[0] and all(w in err[0] for w in words), err[0]
+
+
+def test_serve_checks_the_model_folder_before_starting_workers(tmp_path, capsys):
+    from hetserve.planner.plan import Plan
+
+    plan = tmp_path / "plan.json"
+    Plan.from_dict({"model": "tiny", "cluster": "demo-cpu", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 2]}]}]}).save(plan)
+    code, err = run(["serve", "--plan", str(plan), "--model", str(tmp_path / "nonexistent"), "--port", "0"], capsys)
+    assert code == 2 and len(err) == 1 and "nonexistent" in err[0] and "config.json" in err[0]
+
+
+def test_simulate_says_when_requests_exceed_the_models_context(tmp_path, capsys):
+    wl = tmp_path / "w.csv"
+    wl.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,1000000000000,10\n1,10,10\n")
+    model = tmp_path / "tiny-llama"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": 8}))
+    args = ["simulate", "--plan", "examples/plans/demo-tiny-disagg.json", "--model", str(model),
+            "--workload", str(wl), "--json", "--no-progress"]
+    code, err = run(args + ["--within-context"], capsys)
+    assert code == 0 and not err
+    code, err = run(args, capsys)
+    assert any("1 of 2 requests" in ln and "context" in ln for ln in err), err

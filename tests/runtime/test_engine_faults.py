@@ -1,0 +1,82 @@
+"""Faults on the real engine: a killed or frozen worker loses no request while a live replica can
+serve it; the last replica's death fails what is left with one clear error."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from hetserve.errors import RuntimeFailure
+from hetserve.runtime.sampling import SamplingParams
+
+PROMPTS = [[i + 1] * (i + 2) for i in range(4)]
+
+
+def two_colocated_plan():
+    from hetserve.planner.plan import Plan
+
+    return Plan.from_dict({"model": "tiny", "cluster": "runtime-test", "replicas": [
+        {"id": f"c{i}", "role": "colocated", "stages": [{"devices": [f"m0:{i}"], "layers": [0, 3]}]}
+        for i in range(2)]})
+
+
+def _wait_first_tokens(handles):
+    for h in handles:
+        next(iter(h))
+
+
+@pytest.mark.timeout(180)
+def test_decode_death_in_pd_plan_reruns_on_the_prefill_replica(model_dirs, cluster_file, plans):
+    """Kill -9 the decode replica mid-stream: the prefill replica decodes in place, every stream
+    continues to exactly the greedy output an undisturbed run gives, and later requests succeed."""
+    from hetserve.runtime.engine import Engine, EngineConfig
+
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    eng = Engine.from_plan(plans.disaggregated(), cluster_file, model_dirs["opt"], EngineConfig(kv_capacity_tokens=4096))
+    try:
+        want = eng.generate(PROMPTS, params, timeout=60)  # undisturbed, through the hand-off
+        handles = [eng.submit(p, params) for p in PROMPTS]
+        _wait_first_tokens(handles)
+        os.kill(eng.worker_pids()["m0:3"], signal.SIGKILL)  # decode replica, second stage
+        assert [h.result(timeout=60) for h in handles] == want
+        assert all(h.finish_reason == "length" for h in handles)
+        assert eng.submit(PROMPTS[0], params).result(timeout=60) == want[0]
+        stats = eng.stats()
+        assert stats["failed"] == 0 and stats["broken"] is None
+        assert [d["replica"] for d in stats["deaths"]] == ["d0"]
+        assert stats["replicas"]["d0"]["alive"] is False and stats["replicas"]["p0"]["role"] == "colocated"
+    finally:
+        eng.shutdown()
+    assert all(p.exitcode is not None for p in eng.procs.values())
+
+
+@pytest.mark.timeout(180)
+def test_frozen_worker_is_declared_dead_and_the_last_death_fails_cleanly(model_dirs, cluster_file):
+    """SIGSTOP one of two replicas: no heartbeat, declared dead, its requests finish on the other
+    with the same tokens. Then kill the last one: what is left fails with one error, submit refuses."""
+    from hetserve.runtime.engine import Engine, EngineConfig
+
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    config = EngineConfig(kv_capacity_tokens=4096, heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0)
+    eng = Engine.from_plan(two_colocated_plan(), cluster_file, model_dirs["llama"], config)
+    try:
+        want = eng.generate(PROMPTS, params, timeout=60)
+        handles = [eng.submit(p, params, replica=f"c{i % 2}") for i, p in enumerate(PROMPTS)]
+        _wait_first_tokens(handles)
+        os.kill(eng.worker_pids()["m0:1"], signal.SIGSTOP)
+        assert [h.result(timeout=60) for h in handles] == want
+        death = eng.stats()["deaths"][0]
+        assert death["replica"] == "c1" and "no heartbeat" in death["why"]
+        assert eng.procs["m0:1"].exitcode is not None  # the frozen process was killed, not left behind
+
+        long = eng.submit(PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True))
+        next(iter(long))
+        os.kill(eng.worker_pids()["m0:0"], signal.SIGKILL)
+        with pytest.raises(RuntimeFailure, match="m0:0.*no replica left"):
+            long.result(timeout=30)
+        with pytest.raises(RuntimeFailure, match="cannot serve"):
+            eng.submit([1, 2, 3])
+    finally:
+        eng.shutdown()

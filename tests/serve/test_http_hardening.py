@@ -1,0 +1,112 @@
+"""The HTTP front under bad input, benchmark clients, lost replicas and graceful shutdown (fake engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+
+from hetserve.serve.fake import FakeBackend
+
+NESTED = b'{"model": "tiny", "prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+
+
+def _body(**fields) -> bytes:
+    return json.dumps({"model": "tiny", "prompt": "x", **fields}).encode()
+
+
+# (body, param the 400 must name); each must be refused before anything reaches the engine
+BAD = [
+    (b'{"model": "tiny", "prompt": "\\ud800"}', None),  # a lone surrogate: valid JSON, not text
+    (NESTED, None),
+    (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "temperature"),
+    (b'{"model": "tiny", "prompt": "x", "max_tokens": 1e999}', "max_tokens"),
+    (_body(n=2), "n"),
+    (_body(top_k=5), "top_k"),
+    (_body(repetition_penalty=1.2), "repetition_penalty"),
+    (_body(min_tokens=-1), "min_tokens"),
+    (_body(min_tokens=9, max_tokens=4), "min_tokens"),
+    (_body(seed=10 ** 30), "seed"),
+    (_body(stream_options={"include_usage": True}), "stream_options"),
+    (_body(prompt=[[1, 2], [3]]), "prompt"),
+    (_body(prompt=[999_999]), "prompt"),
+    (_body(metadata=["not", "a", "map"]), "metadata"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD, ids=range(len(BAD)))
+def test_bad_bodies_are_one_400_naming_the_field_and_counted(serve_fake, body, param):
+    url, backend, _ = serve_fake()
+    r = httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    assert not backend.placed
+    metrics = httpx.get(url + "/metrics").text
+    assert 'hetserve_requests_total{endpoint="completions",outcome="rejected"} 1.0' in metrics
+
+
+def test_benchmark_client_fields_are_accepted(serve_fake):
+    """What guidellm / aiperf / inference-perf send: ignore_eos, min_tokens and OpenAI's no-op fields."""
+    url, _, _ = serve_fake(backend=FakeBackend(eos_at=3))
+    base = {"model": "tiny", "prompt": "x", "max_tokens": 6, "seed": 1}
+    r = httpx.post(url + "/v1/completions", json=base)
+    assert r.json()["usage"]["completion_tokens"] == 3  # <eos> ends it
+    r = httpx.post(url + "/v1/completions", json={**base, "ignore_eos": True, "min_tokens": 2, "store": False,
+                                                  "metadata": {"run": "1"}, "parallel_tool_calls": False,
+                                                  "top_k": -1, "skip_special_tokens": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 6 and r.json()["choices"][0]["finish_reason"] == "length"
+    card = httpx.get(url + "/v1/models/tiny")
+    assert card.status_code == 200 and card.json()["id"] == "tiny"
+    assert httpx.get(url + "/v1/models/other").status_code == 404
+
+
+def test_dead_replica_is_never_chosen_and_health_says_so(serve_fake):
+    from hetserve.policies.placement import make_placement
+
+    url, backend, _ = serve_fake(placement=make_placement("rr"))
+    backend.dead.add("r1")
+    for _ in range(4):
+        assert httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}
+                          ).status_code == 200
+    assert set(backend.placed) == {"r0"}
+    health = httpx.get(url + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "degraded"
+    assert {r["id"]: r["alive"] for r in health.json()["replicas"]} == {"r0": True, "r1": False}
+    metrics = httpx.get(url + "/metrics").text
+    assert 'hetserve_replica_up{replica="r1",role="colocated"} 0.0' in metrics
+    assert 'hetserve_replica_up{replica="r0",role="colocated"} 1.0' in metrics
+    backend.dead.add("r0")
+    assert httpx.get(url + "/health").status_code == 503
+
+
+def _stream(url: str, max_tokens: int, out: list) -> None:
+    with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                      json={"model": "tiny", "prompt": "x", "max_tokens": max_tokens, "stream": True}) as r:
+        out.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
+
+
+def test_drain_finishes_short_requests_and_ends_long_ones_with_an_error_event(serve_fake, wait_until):
+    url, _, coord = serve_fake(backend=FakeBackend(token_delay_s=0.05))
+    short, long = [], []
+    threads = [threading.Thread(target=_stream, args=(url, n, out)) for n, out in ((5, short), (250, long))]
+    for t in threads:
+        t.start()
+    assert wait_until(lambda: coord.in_flight == 2)
+    drained = {}
+    drain = threading.Thread(target=lambda: drained.update(cut=asyncio.run(coord.drain(1.0))))
+    drain.start()
+    assert wait_until(lambda: coord.draining)
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "overloaded"
+    assert httpx.get(url + "/health").json()["status"] == "draining"
+    drain.join(30)
+    for t in threads:
+        t.join(30)
+    assert drained["cut"] == 1
+    assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length"
+    assert long[-1] == "[DONE]" and "drain timeout" in json.loads(long[-2])["error"]["message"]

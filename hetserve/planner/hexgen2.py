@@ -323,6 +323,15 @@ def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, opti
     if not options.allow_colocated:
         return to_plan(ctx, result, name, budget, notes="disaggregated (colocated plans not allowed)")
     colocated, col_v = colocated_alternative(ctx, evaluator, best)
+    if len(cluster) <= POPULATION_MAX_DEVICES:
+        # HexGen's genetic search over colocated groups may cut across machines where the knapsack
+        # units do not; on small pools it is cheap, so the colocated side is at least HexGen's
+        from hetserve.planner.hexgen import search_colocated
+
+        hx = search_colocated(ctx, evaluator, Budget(name, options), options)
+        hx_v = evaluator.score(hx)
+        if hx_v > col_v * (1 + 1e-9):
+            colocated, col_v = hx, hx_v
     mixed, mix_v = mixed_alternative(ctx, evaluator, best, colocated)
     if mix_v > max(value, col_v) * (1 + 1e-9):
         budget.credit("final", "mixed alternative", mix_v - max(value, col_v))

@@ -332,7 +332,11 @@ def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, opti
         hx_v = evaluator.score(hx)
         if hx_v > col_v * (1 + 1e-9):
             colocated, col_v = hx, hx_v
-    mixed, mix_v = mixed_alternative(ctx, evaluator, best, colocated)
+    # the mixed climb is not budget-aware: on large pools whose search already used its time, skip it
+    if len(cluster) <= POPULATION_MAX_DEVICES or not budget.exhausted():
+        mixed, mix_v = mixed_alternative(ctx, evaluator, best, colocated)
+    else:
+        mixed, mix_v = (), -1.0
     if mix_v > max(value, col_v) * (1 + 1e-9):
         budget.credit("final", "mixed alternative", mix_v - max(value, col_v))
         budget.record(mix_v)

@@ -5,10 +5,11 @@ types) and simulate the whole Azure conversation trace against the plan.
 
 Part 2 — run it for real, on this machine: calibrate the cost model to this CPU, plan a tiny
 model on the ``demo-tiny`` pool (worker slots small enough that one replica needs two of them),
-serve the plan (prefill and decode replicas as local worker processes behind the OpenAI-
-compatible endpoint), replay a slice of the Azure trace through the official ``openai`` client,
-and print the served TTFT / TPOT / throughput beside the simulator's prediction for the same
-plan and requests.
+and end with ``hetserve compare``: serve the plan (prefill and decode replicas as local worker
+processes behind the OpenAI-compatible endpoint), replay a slice of the Azure trace through the
+official ``openai`` client, simulate the same requests with the same policies, batching knobs and
+KV pools, and print served vs simulated TTFT / TPOT / E2E (mean, p50, p90, p99) and throughput,
+with both CDFs in ``demo-out/compare/compare_cdf.png`` and the table in ``compare.json``.
 
 Everything lands in ``demo-out/``.
 """
@@ -20,7 +21,6 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from hetserve.cli.main import main as cli
 
@@ -48,15 +48,6 @@ def predict_large_pool() -> None:
 
 
 def serve_tiny_model(n_requests: int = 24, max_input: int = 256, max_output: int = 32, rate: float = 2.0) -> None:
-    from hetserve.cost.analytic import CostModel, load_efficiency
-    from hetserve.planner.plan import Plan
-    from hetserve.serve.launch import ServeOptions, start_server
-    from hetserve.serve.loadgen import replay, requests_from_workload, summarize
-    from hetserve.sim import SimOptions, simulate
-    from hetserve.specs.cluster import load_cluster
-    from hetserve.specs.model import load_model
-    from hetserve.specs.workload import Workload, load_workload
-
     model_dir, plan_path = OUT / "tiny-llama", OUT / "tiny-plan.json"
     step("3. the small pool: 4 worker slots, two GPU types, two boxes", ["describe", "cluster", "demo-tiny"])
     step("4. a tiny random-weight Llama (GQA) checkpoint",
@@ -68,37 +59,12 @@ def serve_tiny_model(n_requests: int = 24, max_input: int = 256, max_output: int
     step("6. plan the pool for this machine (short requests: the tiny model's context is 1,024 tokens)",
          ["plan", "--cluster", "demo-tiny", "--model", str(model_dir), "--workload", "azure-conv",
           "--workload-class", "LPLD", "--efficiency", str(calibration), "--disaggregated", "-o", str(plan_path)])
-    plan, cluster, spec = Plan.load(plan_path), load_cluster("demo-tiny"), load_model(model_dir)
-    efficiency = load_efficiency(calibration)
-
-    trace = load_workload("azure-conv").of_class("LPLD").with_rate(rate)
-    requests = requests_from_workload(trace, n_requests, max_input=max_input, max_output=max_output)
-    console.rule(f"[bold]7. serve the plan (prefill and decode replicas as worker processes) and replay {n_requests} Azure requests through the openai client[/]")
-    with start_server(ServeOptions(plan=plan, cluster=cluster, model_dir=str(model_dir), router="jsq")) as server:
-        console.print(f"serving on {server.url} — replaying at {rate} req/s …")
-        results = replay(server.url, model_dir.name, requests)
-    served = summarize(results)
-
-    workload = Workload.from_lists("azure-slice", [r.arrival_s for r in requests],
-                                   [len(r.prompt) for r in requests], [r.max_tokens for r in requests])
-    predicted = simulate(plan, cluster, spec, workload, SimOptions(placement="jsq", progress=False),
-                         cost=CostModel(cluster, spec, efficiency)).summary()
-
-    console.rule("[bold]8. served vs simulated, same plan and requests[/]")
-    t = Table("metric", "served", "simulated", "sim / served")
-    rows = [("completed", served["completed"], predicted["completed"]),
-            ("output tokens/s", served["throughput_tokens_per_s"], predicted["throughput_tokens_per_s"])]
-    for key in ("ttft_s", "tpot_s", "e2e_s"):
-        for stat in ("mean", "p50", "p90"):
-            rows.append((f"{key[:-2].upper()} {stat} (ms)", served[key][stat] * 1e3, predicted[key][stat] * 1e3))
-    for name, s, p in rows:
-        ratio = f"{p / s:.2f}" if s else "-"
-        t.add_row(name, f"{s:,.1f}" if isinstance(s, float) else str(s), f"{p:,.1f}" if isinstance(p, float) else str(p),
-                  ratio)
-    console.print(t)
-    if served["errors"]:
-        console.print(f"[red]errors: {served['errors']}[/]")
-        sys.exit(1)
+    step(f"7. serve the plan, replay {n_requests} Azure requests through the openai client, simulate the same "
+         "requests: served vs simulated",
+         ["compare", "--plan", str(plan_path), "--model", str(model_dir), "--cluster", "demo-tiny",
+          "--workload", "azure-conv", "--workload-class", "LPLD", "--rate", str(rate), "-n", str(n_requests),
+          "--max-input", str(max_input), "--max-output", str(max_output), "--efficiency", str(calibration),
+          "-o", str(OUT / "compare")])
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Sequence
 
-from hetserve.cost.layout import ReplicaLayout, StageLayout
+from hetserve.cost.layout import ReplicaLayout, StageLayout, kv_pieces
 from hetserve.cost.network import concurrent_time
 from hetserve.errors import SpecError
 from hetserve.specs.cluster import Cluster
@@ -281,22 +281,17 @@ class CostModel:
     def kv_transfer_pairs(self, src: ReplicaLayout, dst: ReplicaLayout, tokens: float):
         """Yield (src device, dst device, bytes) for moving ``tokens`` tokens of KV.
 
-        Layers [a, b) held by a prefill stage go to the decode stage(s) holding them; within a
-        layer range, prefill TP shard i (heads [i/tp, (i+1)/tp)) sends to every decode shard it
-        overlaps, the bytes scaled by the overlap.
+        The pieces are ``cost.layout.kv_pieces`` (the runtime moves the same ones): layers [a, b)
+        held by a prefill stage go to the decode stage(s) holding them; within a layer range, the
+        prefill TP shard holding KV heads [h0, h1) sends to every decode shard it overlaps, the bytes
+        scaled by the heads they share.
         """
-        per_layer = tokens * self.model.kv_bytes_per_token_per_layer
-        for ps in src.stages:
-            for ds in dst.stages:
-                lo, hi = max(ps.layers[0], ds.layers[0]), min(ps.layers[1], ds.layers[1])
-                if lo >= hi:
-                    continue
-                seg = (hi - lo) * per_layer
-                for i, d in enumerate(ps.devices):
-                    for k, e in enumerate(ds.devices):
-                        frac = _overlap(i, ps.tp, k, ds.tp)
-                        if frac > 0:
-                            yield d, e, seg * frac
+        m = self.model
+        per_head_layer = tokens * m.kv_bytes_per_token_per_layer / m.num_kv_heads
+        pieces = kv_pieces([(s.layers, s.tp) for s in src.stages], [(s.layers, s.tp) for s in dst.stages],
+                           m.num_kv_heads)
+        for si, i, di, k, (lo, hi), (h0, h1) in pieces:
+            yield src.stages[si].devices[i], dst.stages[di].devices[k], (hi - lo) * (h1 - h0) * per_head_layer
 
     def _kv_per_pair(self, src: ReplicaLayout, dst: ReplicaLayout, tokens: float) -> dict[tuple[int, int], float]:
         per_pair: dict[tuple[int, int], float] = {}
@@ -373,8 +368,3 @@ def device_weight_bytes(model: ModelSpec, num_layers: int, tp: int, is_first: bo
 def device_kv_bytes_per_token(model: ModelSpec, num_layers: int, tp: int) -> float:
     """KV bytes per token on one device of a stage: its layers, its 1/tp of the KV heads."""
     return num_layers * model.kv_bytes_per_token_per_layer / tp
-
-
-def _overlap(i: int, n: int, k: int, m: int) -> float:
-    """Length of [i/n, (i+1)/n) ∩ [k/m, (k+1)/m)."""
-    return max(0.0, min((i + 1) / n, (k + 1) / m) - max(i / n, k / m))

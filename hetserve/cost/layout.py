@@ -60,3 +60,36 @@ class ReplicaLayout:
             if s.layers[0] <= layer < s.layers[1]:
                 return s
         raise IndexError(layer)
+
+
+# ----------------------------------------------------------------------------- KV hand-off pairing
+# One rule for which prefill shard sends which layers and KV heads to which decode shard: the cost
+# model prices it (``CostModel.kv_transfer_pairs``), the runtime moves it (``runtime.layout.kv_transfers``).
+
+
+def kv_head_range(rank: int, tp: int, num_kv_heads: int) -> tuple[int, int]:
+    """KV heads ``[lo, hi)`` that TP rank ``rank`` of a ``tp``-way stage holds."""
+    return rank * num_kv_heads // tp, (rank + 1) * num_kv_heads // tp
+
+
+def kv_pieces(src: list[tuple[tuple[int, int], int]], dst: list[tuple[tuple[int, int], int]],
+              num_kv_heads: int) -> list[tuple[int, int, int, int, tuple[int, int], tuple[int, int]]]:
+    """Pieces of a prefill -> decode KV hand-off between two pipelines given as ``[(layers, tp), ...]``
+    per stage: ``(src stage, src rank, dst stage, dst rank, layers, heads)`` for every pair of shards
+    holding a common layer range and KV-head range (layer-matched, re-sharded across TP degrees).
+    Together the pieces cover every (layer, KV head) once per destination shard.
+    Running time O(shards of src x shards of dst)."""
+    out = []
+    for si, ((a0, a1), tp_a) in enumerate(src):
+        for di, ((b0, b1), tp_b) in enumerate(dst):
+            lo, hi = max(a0, b0), min(a1, b1)
+            if lo >= hi:
+                continue
+            for i in range(tp_a):
+                ha = kv_head_range(i, tp_a, num_kv_heads)
+                for k in range(tp_b):
+                    hb = kv_head_range(k, tp_b, num_kv_heads)
+                    h0, h1 = max(ha[0], hb[0]), min(ha[1], hb[1])
+                    if h0 < h1:
+                        out.append((si, i, di, k, (lo, hi), (h0, h1)))
+    return out

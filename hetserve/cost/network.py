@@ -31,45 +31,59 @@ def max_min_rates(paths: Sequence[Sequence[Resource]], competing_penalty: float 
     """Max-min fair rate (bytes/s) of each flow crossing ``paths[i]``'s resources.
 
     ``keys[i]`` (optional) names the resources of flow i (default: the resources themselves).
-    A flow that crosses only unlimited resources gets ``inf``. Running time
-    O(rounds × Σ path lengths), rounds ≤ number of distinct resources.
+    A flow that crosses only unlimited resources gets ``inf``. Flows with the same resources get
+    the same rate, so they are filled as one class with a count: running time
+    O(rounds × distinct paths × path length), rounds ≤ number of distinct resources.
     """
-    n = len(paths)
     keys = keys if keys is not None else paths
+    cls_of: dict[tuple, int] = {}
+    members: list[tuple] = []  # resource keys of each class
+    count: list[int] = []
     cap: dict[Hashable, float] = {}
-    users: dict[Hashable, list[int]] = {}
-    for i, (path, ks) in enumerate(zip(paths, keys)):
-        for r, k in zip(path, ks):
-            if k not in cap:
-                cap[k] = r.bandwidth
-                users[k] = []
-            users[k].append(i)
+    flow_cls = []
+    for path, ks in zip(paths, keys):
+        key = tuple(ks)
+        c = cls_of.get(key)
+        if c is None:
+            c = cls_of[key] = len(members)
+            members.append(key)
+            count.append(0)
+            for r, k in zip(path, ks):
+                cap.setdefault(k, r.bandwidth)
+        count[c] += 1
+        flow_cls.append(c)
+    users: dict[Hashable, list[int]] = {k: [] for k in cap}
+    flows_on: dict[Hashable, int] = {k: 0 for k in cap}
+    for c, key in enumerate(members):
+        for k in key:
+            users[k].append(c)
+            flows_on[k] += count[c]
     if competing_penalty > 0:
-        for k, us in users.items():
-            cap[k] = cap[k] / (1.0 + competing_penalty * (len(us) - 1))
-    rate = [math.inf] * n
-    frozen = [False] * n
+        for k, n in flows_on.items():
+            cap[k] = cap[k] / (1.0 + competing_penalty * (n - 1))
+    rate = [math.inf] * len(members)
+    frozen = [False] * len(members)
     left = dict(cap)
-    active = {k: len(us) for k, us in users.items()}
+    active = dict(flows_on)
     while True:
         # the resource whose equal share for its unfrozen flows is the smallest sets their rate
         best_k, best_share = None, math.inf
-        for k, cnt in active.items():
-            if cnt > 0:
-                share = left[k] / cnt
+        for k, n in active.items():
+            if n > 0:
+                share = left[k] / n
                 if share < best_share:
                     best_k, best_share = k, share
         if best_k is None or math.isinf(best_share):
-            return rate
+            return [rate[c] for c in flow_cls]
         best_share = max(best_share, 0.0)
-        for i in users[best_k]:
-            if frozen[i]:
+        for c in users[best_k]:
+            if frozen[c]:
                 continue
-            frozen[i] = True
-            rate[i] = best_share
-            for k in keys[i]:
-                left[k] -= best_share
-                active[k] -= 1
+            frozen[c] = True
+            rate[c] = best_share
+            for k in members[c]:
+                left[k] -= best_share * count[c]
+                active[k] -= count[c]
 
 
 def transfer_times(transfers: Sequence[tuple[Path, float]], competing_penalty: float = 0.0,

@@ -34,11 +34,12 @@ from hetserve.planner.slo import slo_batch
 EXHAUSTIVE_PRODUCT = 64
 MAX_LAYOUT_GROUPS = 8
 MAX_LAYOUT_ROUNDS = 4
-# ... and where a shared NIC / pipe binds (every trial is then a linear program): one round over
-# the few least-used groups. Spreading KV over more device pairs (what most alternatives do)
-# gains nothing once a shared NIC, not a pair, is the bottleneck.
+# ... and where a shared NIC / pipe binds (every trial is then a linear program): none, unless
+# the search asks for exhaustive layouts (exact). Spreading KV over more device pairs (what most
+# alternatives do) gains nothing once a shared NIC, not a pair, is the bottleneck; measured on
+# hexgen2-het1 (every KV route crosses a 3 Gbit/s pipe) the ascent cost 60 % of the search time.
 MAX_LAYOUT_GROUPS_SHARED = 3
-MAX_LAYOUT_ROUNDS_SHARED = 1
+MAX_LAYOUT_ROUNDS_SHARED = 0
 _ROLE_ORDER = {"prefill": 0, "decode": 1, "colocated": 2}
 _PREFIX = {"prefill": "p", "decode": "d", "colocated": "c"}
 
@@ -206,6 +207,10 @@ class Evaluator:
     def _choose_layouts(self, groups, layouts, caps, net: FlowNetwork, value: float, nodes: dict[int, float]):
         """(choice, requests per T) of the best combination of alternative layouts found
         (``value`` and the result include what colocated groups serve)."""
+        # a shared resource that binds makes every trial a linear program: a short ascent at most
+        shared_binds = not self.exhaustive_layouts and value < self._bound_without_resources(net) * (1 - 1e-9)
+        if shared_binds and MAX_LAYOUT_ROUNDS_SHARED == 0:
+            return (0,) * len(groups), value
         opts = {i: self._options(groups[i]) for i in net.prefill + net.decode}
         free = [i for i in net.prefill + net.decode if len(opts[i]) > 1]
         if not free:
@@ -213,8 +218,6 @@ class Evaluator:
         product = 1
         for i in free:
             product *= len(opts[i])
-        # a shared resource that binds makes every trial a linear program: search those by a short ascent
-        shared_binds = not self.exhaustive_layouts and value < self._bound_without_resources(net) * (1 - 1e-9)
         if self.exhaustive_layouts or (product <= EXHAUSTIVE_PRODUCT and not shared_binds):
             return self._enumerate_layouts(groups, opts, free, net, value)
         if shared_binds:

@@ -199,7 +199,8 @@ class LinkModel:
                 wire.append(s)
                 owner.append(q)
         self._wire, self._queue_of = wire, owner
-        self._rates = max_min_rates([s[0].path.resources for s in wire], self.competing_penalty) if wire else []
+        self._rates = (max_min_rates([s[0].path.resources for s in wire], self.competing_penalty,
+                                     keys=[s[0].path.names for s in wire]) if wire else [])
 
     def _on_event(self, t: float) -> list[tuple[Any, float]]:
         # the sends finishing now end exactly (no float residue from rate × dt)

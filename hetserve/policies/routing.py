@@ -13,10 +13,25 @@ Candidates are the plan's KV routes out of the prefill replica, as ``(ReplicaSta
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from hetserve.policies.base import ReplicaState, RequestInfo, RoutePolicy
 from hetserve.policies.placement import PolicyContext
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hetserve.planner.plan import Plan
+
+
+def route_candidates(plan: "Plan", src: str, decoders: Sequence[str]) -> list[tuple[str, float]]:
+    """The KV routes a route policy chooses among for prefill replica ``src``: the plan's routes out
+    of it to replicas in ``decoders`` (the live decode replicas, in plan order), or every one of
+    ``decoders`` at weight 1 when it has none. Used by the simulator and the runtime alike."""
+    live = set(decoders)
+    routes: dict[str, float] = {}
+    for k in plan.routes_from(src):
+        if k.dst in live:
+            routes[k.dst] = routes.get(k.dst, 0.0) + k.weight
+    return list(routes.items()) or [(d, 1.0) for d in decoders]
 
 
 class FlowWeighted:

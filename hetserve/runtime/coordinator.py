@@ -34,10 +34,12 @@ from typing import Any
 import torch
 
 from hetserve.errors import RuntimeFailure
+from hetserve.policies.base import RequestInfo
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.routing import KVRoutePolicy
 from hetserve.runtime.scheduler import ReplicaScheduler
 from hetserve.runtime.sequence import Sequence, Status
+from hetserve.runtime.snapshot import replica_snapshots, state_from_stats
 from hetserve.runtime.transport import Message, Priority, SocketTransport
 from hetserve.runtime.worker_group import WorkerGroup, last_line
 
@@ -70,6 +72,9 @@ class Coordinator:
         self.stopping = False
         self._last_poll = 0.0
         self.stats: dict[str, Any] = {}
+        # When a list: ("arrive", seq id) per submission handled and ("step", replica, decode ids,
+        # prompt ids) per step started, in order (tests compare it with the simulator's steps).
+        self.trace: list[tuple] | None = None
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -117,6 +122,8 @@ class Coordinator:
                 if seq.pinned is not None and not self.schedulers[seq.pinned].alive:
                     seq.pinned = None  # placed on a replica that died meanwhile: any live one will do
                 self.seqs[seq.id] = seq
+                if self.trace is not None:
+                    self.trace.append(("arrive", seq.id))
                 (self.schedulers[seq.pinned].pinned if seq.pinned else self.waiting).append(seq)
         elif kind == "abort":
             self._on_abort(msg.meta["id"])
@@ -160,9 +167,15 @@ class Coordinator:
             return
         alive = [r for r, s in self.schedulers.items() if s.alive and s.role == "decode"]
         blocked: set[str] = set()
+        states = None
         for seq in list(self.handoff_queue):
             if seq.dst is None or seq.dst not in alive:
-                seq.dst = self.route_policy.choose(seq.replica, alive)
+                if states is None:  # the decode replicas as the route policy sees them (as in the simulator)
+                    snaps = replica_snapshots({r: self.schedulers[r] for r in alive}, self._in_handoff())
+                    states = {r: state_from_stats(r, {"role": "decode", "state": snaps[r]}) for r in alive}
+                now = time.monotonic()
+                info = RequestInfo(seq.id, seq.handle.arrival_time, len(seq.prompt), float(seq.params.max_tokens))
+                seq.dst = self.route_policy.choose(info, seq.replica, alive, states, now)
             dst = self.schedulers[seq.dst]
             if seq.dst in blocked or not dst.blocks.can_allocate(seq.reserve_tokens):
                 blocked.add(seq.dst)
@@ -213,6 +226,9 @@ class Coordinator:
         priority = Priority.DECODE if all(q == 1 and s.num_cached for q, s in zip(q_lens, batch)) else Priority.PREFILL
         meta = {"step": step_id, "seqs": entries, "handoffs": [], "priority": int(priority)}
         sched.start(step_id, batch)
+        if self.trace is not None:
+            self.trace.append(("step", sched.id, tuple(q.id for q in batch if q.num_cached),
+                               tuple(q.id for q in batch if not q.num_cached)))
         self.steps[step_id] = (sched.id, batch, q_lens)
         self.transport.send(self.replicas[sched.id].entry,
                             Message("step", meta, {"input_ids": torch.tensor(input_ids, dtype=torch.long)}), priority)
@@ -260,7 +276,7 @@ class Coordinator:
         self._last_poll = now
         for name, code in self.workers.exited():
             if name not in self.workers.dead:  # an earlier death this round may have taken its replica
-                self._on_worker_death(name, f"died with exit code {code}")
+                self._on_worker_death(name, self.workers.exit_reason(name, code))
         for name in self.workers.procs:
             silent = now - self.last_beat.get(name, now)
             if name not in self.workers.dead and silent > self.heartbeat_timeout_s:
@@ -361,3 +377,8 @@ class Coordinator:
             "replicas": {rid: s.stats() for rid, s in self.schedulers.items()},
             "reruns": sum(d["requests"] for d in self.deaths), "deaths": list(self.deaths),
         }
+        for rid, snap in replica_snapshots(self.schedulers, self._in_handoff()).items():
+            self.stats["replicas"][rid]["state"] = snap
+
+    def _in_handoff(self) -> list[Sequence]:
+        return [*self.handoff_queue, *self.handoffs.values()]

@@ -18,6 +18,7 @@ and runtime; embeddings and LM head sit on stage leaders only.
 
 from __future__ import annotations
 
+from hetserve.cost.layout import kv_head_range
 from hetserve.cost.analytic import device_kv_bytes_per_token, device_weight_bytes
 from hetserve.errors import PlanError
 from hetserve.planner.plan import Plan, PlanReplica
@@ -128,12 +129,11 @@ def _replica_spec(r: PlanReplica, cluster: Cluster, cfg: ArchConfig, device_of: 
     stages = []
     for i, (s, devices) in enumerate(zip(r.stages, ordered)):
         t = len(devices)
-        per = cfg.num_kv_heads // t
         nxt = ordered[i + 1][0] if i + 1 < n else None
         stages.append(tuple(
             WorkerSpec(name=d, replica=r.id, role=r.role, stage=i, num_stages=n, layers=tuple(s.layers),
                        tp_rank=k, tp_world=t, leader=devices[0], next_leader=nxt,
-                       kv_heads=(k * per, (k + 1) * per), device=device_of[d])
+                       kv_heads=kv_head_range(k, t, cfg.num_kv_heads), device=device_of[d])
             for k, d in enumerate(devices)))
     return ReplicaSpec(r.id, r.role, tuple(stages))
 

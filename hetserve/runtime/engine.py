@@ -39,7 +39,8 @@ from hetserve.runtime.kv_cache import BlockManager
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.model.config import ArchConfig
 from hetserve.runtime.model.loader import CheckpointReader
-from hetserve.runtime.routing import KVRoutePolicy, WeightedRoutes
+from hetserve.runtime.rendezvous import LOOPBACK
+from hetserve.runtime.routing import KVRoutePolicy, PlanRoutes
 from hetserve.runtime.sampling import SamplingParams
 from hetserve.runtime.scheduler import ReplicaScheduler
 from hetserve.runtime.sequence import Sequence
@@ -59,32 +60,38 @@ class Engine:
     def from_plan(cls, plan: Plan | str | Path, cluster: Cluster | str | Path, model_dir: str | Path,
                   config: EngineConfig | None = None, *, route_policy: KVRoutePolicy | None = None,
                   link_scheduler: Callable[[str, str], LinkScheduler] | None = None,
-                  shaper: LinkShaper | None = None) -> "Engine":
+                  shaper: LinkShaper | None = None, devices: dict[str, str] | None = None) -> "Engine":
         """Check ``plan`` against the checkpoint in ``model_dir`` and ``cluster``, start its workers.
 
         ``route_policy`` picks the decode replica of each hand-off (default: the plan's KV-route
         weights). ``link_scheduler`` (a picklable factory ``(src, dst) -> LinkScheduler``) and
-        ``shaper`` (picklable) go into every endpoint's send path. Blocks until every worker has
+        ``shaper`` (picklable) go into every endpoint's send path. ``devices`` (plan device -> torch
+        device) is decided by the launcher when the workers' machines are not this one (the Ray
+        backend); None: from this process's CUDA devices. Blocks until every worker has
         loaded its shard; raises PlanError / SpecError / RuntimeFailure instead of hanging.
         """
         config = config or EngineConfig()
         plan = plan if isinstance(plan, Plan) else Plan.load(plan)
         cluster = cluster if isinstance(cluster, Cluster) else load_cluster(str(cluster))
         arch = ArchConfig.from_dir(model_dir)
-        use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-        if use_cuda and not torch.cuda.is_available():
-            raise RuntimeFailure("device='cuda' requested but CUDA is not available")
-        if use_cuda:
-            n = torch.cuda.device_count()
-            device_of = {d: f"cuda:{i % n}" for i, d in enumerate(plan.devices)}
+        if devices is not None:
+            device_of = {d: devices[d] for d in plan.devices}
+            use_cuda = any(v.startswith("cuda") for v in device_of.values())
         else:
-            device_of = {d: "cpu" for d in plan.devices}
+            use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+            if use_cuda and not torch.cuda.is_available():
+                raise RuntimeFailure("device='cuda' requested but CUDA is not available")
+            if use_cuda:
+                n = torch.cuda.device_count()
+                device_of = {d: f"cuda:{i % n}" for i, d in enumerate(plan.devices)}
+            else:
+                device_of = {d: "cpu" for d in plan.devices}
         dtype = config.dtype or (arch.dtype if use_cuda else "float32")
         layout = build_layout(plan, cluster, arch, device_of, source=f"plan for {plan.model!r}")
         capacity = kv_capacity(layout, cluster, arch, dtype, config, use_cuda)
         CheckpointReader(model_dir).close()  # a missing checkpoint is reported here, not by every worker
         engine = cls(plan, layout, arch, str(model_dir), dtype, capacity, config,
-                     route_policy or WeightedRoutes.from_plan(plan), link_scheduler, shaper)
+                     route_policy or PlanRoutes(plan), link_scheduler, shaper)
         try:
             engine._start_workers()
         except BaseException:
@@ -107,7 +114,8 @@ class Engine:
                                    config.micro_batches or len(r.stages), config.max_num_seqs,
                                    config.max_batched_tokens)
             for r in layout}
-        self.transport = SocketTransport(ENGINE, scheduler_factory=link_scheduler, shaper=shaper)
+        self.transport = SocketTransport(ENGINE, host=config.host or LOOPBACK, scheduler_factory=link_scheduler,
+                                         shaper=shaper)
         self.workers = WorkerGroup(layout, self.transport, config.start_timeout_s)
         self.coordinator = Coordinator(layout, self.schedulers, self.transport, self.workers, route_policy,
                                        heartbeat_timeout_s=config.heartbeat_timeout_s, max_reruns=config.max_reruns)
@@ -214,6 +222,7 @@ class Engine:
                                 block_size=self.config.block_size, engine_address=self.transport.address,
                                 store_address=store_address, backend=backend,
                                 link_scheduler=self._link_scheduler, shaper=self._shaper,
+                                host=self.transport.address[0],  # the Ray backend rebinds each to its node
                                 heartbeat_s=self.config.heartbeat_interval_s)
 
         self.workers.start(make_config, self.config.start_method)

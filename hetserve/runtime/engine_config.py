@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetserve.errors import PlanError
+from hetserve.policies.batching import DEFAULT_BATCHING
 from hetserve.runtime.deployment import check_memory
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.model.config import ArchConfig
@@ -20,9 +21,10 @@ from hetserve.specs.cluster import Cluster
 class EngineConfig:
     kv_capacity_tokens: int | dict[str, int] | None = None  # per replica; None: what memory allows, capped
     default_kv_tokens: int = 16384  # the cap on CPU, where device memory in the cluster file is fictional
-    block_size: int = 16
-    max_num_seqs: int = 64  # per step
-    max_batched_tokens: int = 2048  # per step, prompt tokens + decode tokens
+    # batching: the defaults the simulator uses too (policies.batching.BatchingConfig)
+    block_size: int = DEFAULT_BATCHING.block_size
+    max_num_seqs: int = DEFAULT_BATCHING.max_batch  # per step
+    max_batched_tokens: int = DEFAULT_BATCHING.token_budget  # per step, prompt tokens + decode tokens
     dtype: str | None = None  # None: float32 on CPU, the checkpoint's dtype on CUDA
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     memory_fraction: float = 0.9
@@ -32,6 +34,9 @@ class EngineConfig:
     heartbeat_interval_s: float = 0.5  # each worker reports it is alive this often
     heartbeat_timeout_s: float = 3.0  # silent this long (a hung or SIGSTOPped worker): declared dead
     max_reruns: int = 3  # a request whose replica died is re-run on a live one at most this many times
+    # the address the engine's endpoint and TP rendezvous store bind and advertise to the workers: one
+    # address their nodes can reach, never all interfaces; None: 127.0.0.1 (the Ray backend: its node IP)
+    host: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_batched_tokens < 1:
@@ -51,6 +56,10 @@ class EngineConfig:
             raise ValueError(f"max_reruns must be >= 0, got {self.max_reruns}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.host is not None:
+            from hetserve.runtime.rendezvous import check_bind_address
+
+            check_bind_address(self.host, "host")
 
 
 def kv_capacity(layout: tuple[ReplicaSpec, ...], cluster: Cluster, arch: ArchConfig, dtype: str,

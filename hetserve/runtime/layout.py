@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetserve.cost.layout import kv_pieces
 from hetserve.planner.plan import HasRole
 
 
@@ -70,16 +71,14 @@ class KVTransfer:
 
 
 def kv_transfers(src: ReplicaSpec, dst: ReplicaSpec) -> list[KVTransfer]:
-    """Pieces of a hand-off from ``src`` to ``dst``: every (src worker, dst worker) overlap.
+    """Pieces of a hand-off from ``src`` to ``dst``: every (src worker, dst worker) overlap, as the
+    cost model prices them (``hetserve.cost.layout.kv_pieces``: one pairing rule for both).
 
     Together the pieces cover every (layer, KV head) exactly once per destination worker's share.
     Running time O(|src workers| * |dst workers|).
     """
-    out = []
-    for a in src.workers:
-        for b in dst.workers:
-            lo, hi = max(a.layers[0], b.layers[0]), min(a.layers[1], b.layers[1])
-            h0, h1 = max(a.kv_heads[0], b.kv_heads[0]), min(a.kv_heads[1], b.kv_heads[1])
-            if lo < hi and h0 < h1:
-                out.append(KVTransfer(a.name, b.name, (lo, hi), (h0, h1)))
-    return out
+    heads = max(w.kv_heads[1] for w in src.workers)  # the last rank holds the last head
+    pieces = kv_pieces([(s[0].layers, len(s)) for s in src.stages], [(s[0].layers, len(s)) for s in dst.stages],
+                       heads)
+    return [KVTransfer(src.stages[si][i].name, dst.stages[di][k].name, layers, hs)
+            for si, i, di, k, layers, hs in pieces]

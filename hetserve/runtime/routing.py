@@ -1,45 +1,38 @@
-"""Which decode replica receives a prefill replica's KV: a policy object, plan-weighted by default.
+"""Which decode replica receives a prefill replica's KV: the shared route policy, fed live state.
 
-``KVRoutePolicy.choose(src, candidates)`` returns one of ``candidates`` (alive decode replicas).
-``WeightedRoutes`` follows the plan's KV-route weights with smooth weighted round robin (each
-choice adds every weight to a running credit and picks the largest, then debits it by the total),
-so over any window the share of requests sent to each decode replica tracks its weight, without
-randomness. Routes to replicas that are not candidates are skipped; a prefill replica without
-routes spreads evenly. Pure Python, so the simulator's policies can replace it one-for-one.
+The decision is ``hetserve.policies.routing`` (``flow``: the plan's KV-route weights by smooth
+weighted round robin; ``load``; ``aladdin``), the very objects the simulator calls. ``PlanRoutes``
+only builds their candidates the way the simulator does (``route_candidates``: the plan's routes
+out of the prefill replica to live decode replicas, or every live decode replica evenly when it
+has none) with the engine's own snapshot of each decode replica (``hetserve.runtime.snapshot``).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Mapping, Protocol
 
 from hetserve.planner.plan import Plan
+from hetserve.policies.base import ReplicaState, RequestInfo, RoutePolicy
+from hetserve.policies.routing import make_route, route_candidates
 
 
 class KVRoutePolicy(Protocol):
-    def choose(self, src: str, candidates: list[str]) -> str: ...
+    def choose(self, request: RequestInfo, src: str, alive: list[str], states: Mapping[str, ReplicaState],
+               now: float) -> str: ...
 
 
-class WeightedRoutes:
-    def __init__(self, weights: dict[str, dict[str, float]]):
-        self.weights = weights
-        self._credit: dict[tuple[str, str], float] = {}
+class PlanRoutes:
+    def __init__(self, plan: Plan, policy: RoutePolicy | str = "flow"):
+        self.plan = plan
+        self.policy = make_route(policy) if isinstance(policy, str) else policy
+        self.name = getattr(self.policy, "name", "?")
 
-    @staticmethod
-    def from_plan(plan: Plan) -> "WeightedRoutes":
-        weights: dict[str, dict[str, float]] = {}
-        for k in plan.kv_routes:
-            weights.setdefault(k.src, {})[k.dst] = weights.get(k.src, {}).get(k.dst, 0.0) + k.weight
-        return WeightedRoutes(weights)
-
-    def choose(self, src: str, candidates: list[str]) -> str:
-        if not candidates:
+    def choose(self, request: RequestInfo, src: str, alive: list[str], states: Mapping[str, ReplicaState],
+               now: float) -> str:
+        """A decode replica among ``alive`` for ``request``'s KV from prefill replica ``src``."""
+        routes = route_candidates(self.plan, src, alive)
+        if not routes:
             raise ValueError("no decode replica to route to")
-        w = {d: x for d, x in self.weights.get(src, {}).items() if d in candidates and x > 0}
-        if not w:
-            w = {d: 1.0 for d in candidates}
-        total = sum(w.values())
-        for d, x in w.items():
-            self._credit[(src, d)] = self._credit.get((src, d), 0.0) + x
-        best = max(w, key=lambda d: self._credit[(src, d)])
-        self._credit[(src, best)] -= total
-        return best
+        if len(routes) == 1:
+            return routes[0][0]
+        return self.policy.choose(request, src, [(states[d], w) for d, w in routes], now)

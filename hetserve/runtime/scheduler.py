@@ -2,13 +2,14 @@
 
 Every step is rebuilt from scratch (requests join and leave the running batch every iteration):
 the decoding sequences that are not already in flight, plus, on a prefill-capable replica, new
-requests from the head of the shared waiting queue while their KV fits the pool and the token
-budget allows. Up to ``num_stages`` steps are in flight at once, on disjoint sequences, so every
-pipeline stage has work; decode sequences are spread evenly over those micro-batches.
+requests from the head of its waiting queues, admitted by the shared policy
+(``hetserve.policies.batching.StepBuilder``: token budget, sequence limit, KV reservation; the
+simulator builds its steps with the same object). Up to ``num_stages`` steps are in flight at
+once, on disjoint sequences, so every pipeline stage has work; decode sequences are spread evenly
+over those micro-batches (``decode_share``).
 
-A colocated or decode replica reserves a request's whole KV (prompt + max_tokens) on admission; a
-prefill replica reserves the prompt only and frees it once the KV reached a decode replica.
-Pure Python (no torch), like the policies.
+KV reservations are ``kv_reservation``: prompt + max_tokens on a colocated or decode replica, the
+prompt on a prefill replica (freed once the KV reached a decode replica). Pure Python (no torch).
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from __future__ import annotations
 from collections import deque
 
 from hetserve.planner.plan import HasRole
+from hetserve.policies.batching import DEFAULT_BATCHING, StepBuilder, decode_share, kv_reservation
 from hetserve.runtime.kv_cache import BlockManager
 from hetserve.runtime.sequence import Sequence, Status
 
 
 class ReplicaScheduler(HasRole):
     def __init__(self, replica_id: str, role: str, blocks: BlockManager, num_stages: int,
-                 max_num_seqs: int = 64, max_batched_tokens: int = 2048):
+                 max_num_seqs: int = DEFAULT_BATCHING.max_batch,
+                 max_batched_tokens: int = DEFAULT_BATCHING.token_budget):
         self.id = replica_id
         self.role = role
         self.blocks = blocks
@@ -41,7 +44,9 @@ class ReplicaScheduler(HasRole):
         return len(self.ready) + sum(len(v) for v in self.inflight.values())
 
     def admission_tokens(self, seq: Sequence) -> int:
-        return seq.reserve_tokens if self.serves_decode else seq.prefill_tokens
+        # a re-run request (its replica died) re-prefills what it had generated too
+        return kv_reservation(seq.prefill_tokens, seq.params.max_tokens - len(seq.output), self.serves_decode,
+                              self.blocks.block_size)
 
     def can_start_step(self) -> bool:
         return self.alive and len(self.inflight) < self.max_inflight
@@ -52,25 +57,24 @@ class ReplicaScheduler(HasRole):
             return []
         batch: list[Sequence] = []
         if self.serves_decode and self.ready:
-            share = -(-self.num_running // self.max_inflight)  # even split over micro-batches
+            share = decode_share(self.num_running, self.max_inflight)
             for _ in range(min(len(self.ready), share, self.max_num_seqs)):
                 batch.append(self.ready.popleft())
-        tokens = len(batch)
+        decodes = len(batch)
         if self.serves_prefill:
+            step = StepBuilder(self.max_batched_tokens, self.max_num_seqs, tokens=decodes, seqs=decodes)
             for queue in (self.pinned, waiting):  # requests placed here first, then the shared queue
-                while queue and len(batch) < self.max_num_seqs:
+                while queue:
                     seq = queue[0]
-                    need = seq.prefill_tokens
-                    if batch and tokens + need > self.max_batched_tokens:
-                        return batch
                     reserve = self.admission_tokens(seq)
-                    if not self.blocks.can_allocate(reserve):
-                        return batch  # FCFS: nobody overtakes a request that does not fit yet
+                    if not step.offer(seq.prefill_tokens, self.blocks.can_allocate(reserve)):
+                        break  # FCFS: nobody overtakes a request that does not fit yet
                     queue.popleft()
                     seq.table = self.blocks.allocate(reserve)
                     seq.replica, seq.num_cached, seq.status = self.id, 0, Status.RUNNING
                     batch.append(seq)
-                    tokens += need
+                if queue:
+                    break
         return batch
 
     def start(self, step_id: int, batch: list[Sequence]) -> None:

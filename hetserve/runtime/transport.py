@@ -8,7 +8,7 @@ One small interface, ``Transport``:
     post(message)                   put a message into this endpoint's own inbox (wake-ups)
     address / set_address(peer, address) / close()
 
-Two implementations: ``SocketTransport`` (TCP over 127.0.0.1, one connection per ordered pair of
+Two implementations: ``SocketTransport`` (TCP on one bound address, one connection per ordered pair of
 endpoints, used between processes) and ``InProcTransport`` (queues inside one process, for tests of
 coordinator logic without processes).
 
@@ -242,7 +242,7 @@ _HELLO = struct.Struct(">H")
 
 
 class SocketTransport(Transport):
-    """TCP endpoint on ``host`` (default 127.0.0.1), port chosen by the OS.
+    """TCP endpoint on ``host`` (default 127.0.0.1; one address, never all interfaces), port chosen by the OS.
 
     Threads: one acceptor, one reader per incoming connection, one sender per peer this endpoint
     sends to. ``scheduler_factory(src, dst)`` makes the ``LinkScheduler`` of each outgoing link;
@@ -252,8 +252,10 @@ class SocketTransport(Transport):
     def __init__(self, name: str, host: str = "127.0.0.1",
                  scheduler_factory: Callable[[str, str], LinkScheduler] | None = None,
                  shaper: LinkShaper | None = None):
+        from hetserve.runtime.rendezvous import check_bind_address, listen_socket
+
         super().__init__(name)
-        self._listener = socket.create_server((host, 0))
+        self._listener = listen_socket(check_bind_address(host, f"endpoint {name}'s bind address"))
         self._host = host
         self._addresses: dict[str, tuple[str, int]] = {}
         self._links: dict[str, LinkScheduler] = {}

@@ -27,7 +27,6 @@ import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
-from datetime import timedelta
 
 import torch
 
@@ -58,12 +57,14 @@ class WorkerConfig:
     link_scheduler: Any = None  # picklable factory (src, dst) -> LinkScheduler; None: PriorityScheduler
     shaper: Any = None  # picklable LinkShaper; None: no shaping
     heartbeat_s: float = 0.5  # how often this worker tells the coordinator it is alive (0: never)
+    host: str = "127.0.0.1"  # the address this worker binds and advertises: its node's (rendezvous.py)
 
 
 def worker_main(cfg: WorkerConfig) -> None:
     """Process entry point (``torch.multiprocessing`` spawn target)."""
     torch.set_num_threads(1)
-    transport = SocketTransport(cfg.spec.name, scheduler_factory=cfg.link_scheduler, shaper=cfg.shaper)
+    transport = SocketTransport(cfg.spec.name, host=cfg.host, scheduler_factory=cfg.link_scheduler,
+                                shaper=cfg.shaper)
     transport.set_address(ENGINE, cfg.engine_address)
     # Watch the parent this process has now: the engine (spawn), the fork server (forkserver,
     # which exits with the engine) or Ray's worker process (ray backend).
@@ -137,13 +138,10 @@ class Worker:
         return next(r for r in self.cfg.layout if r.id == rid)
 
     def _init_group(self) -> None:
-        import torch.distributed as dist
+        from hetserve.runtime.rendezvous import init_tp_group
 
-        host, port = self.cfg.store_address
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
-        prefix = dist.PrefixStore(f"{self.spec.replica}/stage{self.spec.stage}", store)
-        dist.init_process_group(self.cfg.backend, store=prefix, rank=self.spec.tp_rank, world_size=self.spec.tp_world,
-                                timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+        init_tp_group(self.cfg.backend, self.cfg.store_address, f"{self.spec.replica}/stage{self.spec.stage}",
+                      self.spec.tp_rank, self.spec.tp_world, self.cfg.host, GROUP_TIMEOUT_S)
 
     # ------------------------------------------------------------------ receiving thread
     def _on_message(self, msg: Message) -> bool:

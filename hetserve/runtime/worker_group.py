@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from hetserve.errors import RuntimeFailure
 from hetserve.runtime.layout import ReplicaSpec
+from hetserve.runtime.rendezvous import BoundStore
 from hetserve.runtime.transport import Message, Priority, SocketTransport
 from hetserve.runtime.worker import ENGINE, WorkerConfig, worker_main
 
@@ -38,19 +39,18 @@ class WorkerGroup:
         workers = [w for r in self.layout for w in r.workers]
         store_address = None
         if any(w.tp_world > 1 for w in workers):
-            import torch.distributed as dist
-
-            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-            store_address = ("127.0.0.1", self._store.port)
+            # on the engine's own address: every worker's node reaches it there, and nothing else listens
+            self._store = BoundStore(self.transport.address[0])
+            store_address = self._store.address
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             ctx.set_forkserver_preload(["hetserve.runtime.worker"])
         replicas = {r.id: r for r in self.layout}
         for w in workers:
             stage = replicas[w.replica].stages[w.stage]
-            gpus = [s.device for s in stage]
+            gpus = [(s.name.rpartition(":")[0], s.device) for s in stage]  # (machine, device): cuda:0 on two boxes
             # NCCL needs one GPU per rank; ranks sharing a GPU (more workers than GPUs) use gloo
-            backend = "nccl" if gpus[0].startswith("cuda") and len(set(gpus)) == len(gpus) else "gloo"
+            backend = "nccl" if gpus[0][1].startswith("cuda") and len(set(gpus)) == len(gpus) else "gloo"
             cfg: WorkerConfig = make_config(w, store_address, backend)
             p = ctx.Process(target=worker_main, args=(cfg,), name=f"hetserve-worker-{w.name}", daemon=True)
             p.start()
@@ -113,6 +113,12 @@ class WorkerGroup:
         return [(name, p.exitcode) for name, p in self.procs.items()
                 if name not in self.dead and p.exitcode is not None]
 
+    def exit_reason(self, name: str, code: int) -> str:
+        """How worker ``name`` ended, for error messages: its exit code, and why where the process
+        stand-in knows (a Ray worker whose node left the cluster)."""
+        cause = getattr(self.procs[name], "cause", None)
+        return f"died with exit code {code}" + (f" ({cause})" if cause else "")
+
     def stop_replica(self, replica: ReplicaSpec) -> None:
         """Mark every worker of ``replica`` dead and kill those still running (a replica cannot work
         with a worker missing)."""
@@ -141,7 +147,9 @@ class WorkerGroup:
         kill_processes(self.procs)
 
     def close(self) -> None:
-        self._store = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
 
 def kill_processes(procs: dict[str, Any]) -> None:

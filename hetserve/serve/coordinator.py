@@ -185,6 +185,8 @@ class Coordinator:
                             req.ttft_s = self.clock() - req.arrival
                         req.text += delta
                         yield delta
+                    else:  # its text is held back (a partial character): the client still sees it arrive
+                        yield ""
                     if stream.stopped:  # a stop string: the engine does not know, so abort it
                         req.finish_reason = "stop"
                         break

@@ -1,8 +1,8 @@
 """``EngineBackend``: the runtime ``Engine`` (local processes or Ray actors) behind the ``Backend`` protocol.
 
 Passes the server's ``SamplingParams`` to the engine, streams the engine's
-``RequestHandle`` asynchronously, turns the engine's per-replica statistics into the
-``ReplicaState`` snapshots the placement policies read, and reads link counters from the
+``RequestHandle`` asynchronously, hands the engine's per-replica snapshots
+(``hetserve.runtime.snapshot``) to the placement policies as ``ReplicaState``, and reads link counters from the
 ``LinkSchedulerFactory`` the engine was started with.
 
 Engine errors are mapped once, here: a ``ValueError`` from ``submit`` (prompt outside the
@@ -19,6 +19,7 @@ from typing import AsyncIterator, Sequence
 from hetserve.errors import InfeasibleError, RuntimeFailure
 from hetserve.policies.base import ReplicaState
 from hetserve.runtime.params import SamplingParams
+from hetserve.runtime.snapshot import state_from_stats
 from hetserve.serve.errors import ContextLengthExceeded, InvalidRequest, ServerError, Unavailable
 
 
@@ -59,19 +60,10 @@ class EngineBackend:
             handle.abort()
 
     def replicas(self) -> list[ReplicaState]:
+        """The engine's own per-replica snapshot (``hetserve.runtime.snapshot``): per-replica queues,
+        tokens outstanding, context tokens and KV use, the fields the simulator fills."""
         stats = self.engine.stats()
-        waiting = int(stats.get("waiting", 0))
-        out = []
-        for rid, s in stats.get("replicas", {}).items():
-            block = self.engine.config.block_size
-            running = int(s.get("running", 0))
-            queued = waiting if s["role"] in ("prefill", "colocated") else 0
-            out.append(ReplicaState(
-                id=rid, role=s["role"], queued_requests=queued, running_requests=running,
-                queued_prefill_tokens=0, outstanding_tokens=float(running + queued), context_tokens=0,
-                kv_used_tokens=int(s.get("kv_used_blocks", 0)) * block,
-                kv_capacity_tokens=int(s.get("kv_total_blocks", 0)) * block, alive=bool(s.get("alive", True))))
-        return out
+        return [state_from_stats(rid, s) for rid, s in stats.get("replicas", {}).items()]
 
     def fail_all(self, reason: str) -> None:
         """End every request in flight with ``reason`` (graceful shutdown past its drain timeout)."""

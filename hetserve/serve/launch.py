@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hetserve.policies.batching import DEFAULT_BATCHING
+
 BACKENDS = ("local", "ray")
 
 
@@ -29,18 +31,22 @@ class ServeOptions:
     model_name: str | None = None  # the name clients pass as ``model``; default: the folder's name
     backend: str = "local"
     router: str = "jsq"  # placement policy (hetserve.policies.placement)
+    route: str = "flow"  # KV route policy (hetserve.policies.routing), as `simulate --route`
     transmission: str = "serial"  # link scheduling (hetserve.policies.transmission)
     shape_links: bool = False  # hold messages to the cluster's per-pair bandwidth / latency
     time_scale: float = 1.0  # >1 speeds every shaped link up by this factor (latency / s, bandwidth * s)
     micro_batches: int | None = None  # steps in flight per pipeline (MoLink §4.3: N..2N); None: N
     kv_capacity_tokens: int | None = None
-    max_num_seqs: int = 64
-    max_batched_tokens: int = 2048
+    max_num_seqs: int = DEFAULT_BATCHING.max_batch
+    max_batched_tokens: int = DEFAULT_BATCHING.token_budget
     seed: int = 0
     slo_ttft_s: float | None = None  # for the aladdin router
     slo_tpot_s: float | None = None
     engine_options: dict[str, Any] = field(default_factory=dict)  # extra EngineConfig fields
     ray_address: str | None = None  # connect to a running Ray cluster; None: start one locally
+    # where the engine's endpoint and TP rendezvous store listen, reachable from every worker's node;
+    # None: 127.0.0.1 (local backend) or this machine's Ray node IP (ray backend). Never all interfaces.
+    advertise_address: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -51,6 +57,10 @@ class ServeOptions:
             raise ValueError(f"time_scale must be positive, got {self.time_scale}")
         if not self.model_dir:
             raise ValueError("model_dir is required (a checkpoint folder; see `hetserve make-model`)")
+        if self.advertise_address is not None:
+            from hetserve.runtime.rendezvous import check_bind_address
+
+            check_bind_address(self.advertise_address, "--advertise-address")
 
 
 class Deployment:
@@ -100,6 +110,24 @@ def placement_policy(opts: ServeOptions, plan, cluster):
     return make_placement(opts.router, PolicyContext(**ctx_kwargs))
 
 
+def route_policy(opts: ServeOptions, plan, cluster):
+    """The KV route policy ``opts.route`` over the plan's routes, built as the simulator builds it."""
+    from hetserve.policies.placement import PolicyContext
+    from hetserve.policies.routing import make_route
+    from hetserve.runtime.routing import PlanRoutes
+
+    ctx_kwargs: dict[str, Any] = {"seed": opts.seed, "plan": plan}
+    if opts.route == "aladdin":
+        from hetserve.cost.analytic import CostModel
+        from hetserve.specs.model import load_model
+        from hetserve.specs.workload import SLO
+
+        ctx_kwargs.update(cost=CostModel(cluster, load_model(opts.model_dir)),
+                          layouts={r.id: r.layout(cluster) for r in plan.replicas},
+                          slo=SLO(ttft_s=opts.slo_ttft_s, tpot_s=opts.slo_tpot_s))
+    return PlanRoutes(plan, make_route(opts.route, PolicyContext(**ctx_kwargs)))
+
+
 def build(opts: ServeOptions) -> Deployment:
     """Start the engine and build the app (blocks until every worker has loaded its shard)."""
     from hetserve.runtime.engine import Engine, EngineConfig
@@ -111,22 +139,26 @@ def build(opts: ServeOptions) -> Deployment:
 
     plan, cluster = _load(opts)
     placement = placement_policy(opts, plan, cluster)
+    routes = route_policy(opts, plan, cluster)
     codec = HFCodec.from_dir(opts.model_dir)
     stats_dir = tempfile.mkdtemp(prefix="hetserve-links-")
     links = LinkSchedulerFactory(cluster, opts.transmission, shape=opts.shape_links, time_scale=opts.time_scale,
                                  stats_dir=stats_dir)
     config = EngineConfig(**{"max_num_seqs": opts.max_num_seqs, "max_batched_tokens": opts.max_batched_tokens,
                              "kv_capacity_tokens": opts.kv_capacity_tokens, "micro_batches": opts.micro_batches,
-                             **opts.engine_options})
+                             "host": opts.advertise_address, **opts.engine_options})
     ray_session = None
     try:
         if opts.backend == "ray":
             from hetserve.runtime.ray_backend import RaySession, start_ray_engine
 
-            ray_session = RaySession.start(cluster, address=opts.ray_address)
-            engine = start_ray_engine(plan, cluster, opts.model_dir, config, link_scheduler=links)
+            ray_session = RaySession.start(cluster, address=opts.ray_address, node_ip_address=opts.advertise_address)
+            # a private one-node Ray hosts every machine on loopback: the cluster file's addresses don't apply
+            engine = start_ray_engine(plan, cluster, opts.model_dir, config, link_scheduler=links,
+                                      machine_addresses={} if ray_session.private else None, route_policy=routes)
         else:
-            engine = Engine.from_plan(plan, cluster, opts.model_dir, config, link_scheduler=links)
+            engine = Engine.from_plan(plan, cluster, opts.model_dir, config, link_scheduler=links,
+                                      route_policy=routes)
     except BaseException:
         links.close()
         if ray_session is not None:

@@ -6,9 +6,11 @@ the start) as a streaming completion and measures, per request, the client-side 
 results into the simulator's summary shape (``ttft_s`` / ``tpot_s`` / ``e2e_s`` with mean and
 percentiles), so measured and simulated figures print side by side.
 
-Prompts are token-id lists, so the server sees exactly the lengths of the trace. Each streamed
-chunk carries the text of one or more tokens; usage (``include_usage``) gives the exact token
-count, and TPOT uses it: (last chunk - first chunk) / (tokens - 1).
+Prompts are token-id lists, so the server sees exactly the lengths of the trace. hetserve streams
+one chunk per token — an empty one while the token's text is held back (a partial UTF-8
+character, common with a random-weight byte-level model) — so the first chunk is the first token,
+not the first printable text; usage (``include_usage``) gives the exact token count, and TPOT uses
+it: (last chunk - first chunk) / (tokens - 1).
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def requests_from_workload(workload, n: int, vocab_low: int = 32, vocab_high: in
     return out
 
 
-async def _one(client, model: str, req: LoadRequest, t0: float, temperature: float) -> LoadResult:
+async def _one(client, model: str, req: LoadRequest, t0: float, temperature: float,
+               ignore_eos: bool = False) -> LoadResult:
     await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.monotonic()))
     sent = time.monotonic()
     first = last = None
@@ -64,11 +67,12 @@ async def _one(client, model: str, req: LoadRequest, t0: float, temperature: flo
     try:
         stream = await client.completions.create(model=model, prompt=req.prompt, max_tokens=req.max_tokens,
                                                  temperature=temperature, stream=True,
-                                                 stream_options={"include_usage": True})
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True} if ignore_eos else None)
         async for chunk in stream:
             now = time.monotonic()
-            if chunk.choices and chunk.choices[0].text:
-                if first is None:
+            if chunk.choices and chunk.choices[0].finish_reason is None:  # one chunk per token, even a
+                if first is None:  # token whose text is held back (partial character: empty text)
                     first = now
                 last = now
             if chunk.usage is not None:
@@ -88,7 +92,7 @@ async def _one(client, model: str, req: LoadRequest, t0: float, temperature: flo
 
 
 async def replay_async(url: str, model: str, requests: Sequence[LoadRequest], temperature: float = 0.0,
-                       timeout_s: float = 600.0) -> list[LoadResult]:
+                       timeout_s: float = 600.0, ignore_eos: bool = False) -> list[LoadResult]:
     import httpx
     import openai
 
@@ -99,15 +103,16 @@ async def replay_async(url: str, model: str, requests: Sequence[LoadRequest], te
                                     trust_env=False))
     try:
         t0 = time.monotonic()
-        return list(await asyncio.gather(*(_one(client, model, r, t0, temperature) for r in requests)))
+        return list(await asyncio.gather(*(_one(client, model, r, t0, temperature, ignore_eos) for r in requests)))
     finally:
         await client.close()
 
 
 def replay(url: str, model: str, requests: Sequence[LoadRequest], temperature: float = 0.0,
-           timeout_s: float = 600.0) -> list[LoadResult]:
-    """Send ``requests`` at their arrival offsets; returns one result per request, in order."""
-    return asyncio.run(replay_async(url, model, requests, temperature, timeout_s))
+           timeout_s: float = 600.0, ignore_eos: bool = False) -> list[LoadResult]:
+    """Send ``requests`` at their arrival offsets; returns one result per request, in order.
+    ``ignore_eos``: every request generates exactly ``max_tokens`` (a trace's output length)."""
+    return asyncio.run(replay_async(url, model, requests, temperature, timeout_s, ignore_eos))
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:

@@ -22,12 +22,13 @@ if TYPE_CHECKING:  # pragma: no cover
 class BatchLimits:
     """The batching knobs a replica reads (filled from ``SimOptions``)."""
 
-    token_budget: int  # prompt tokens per prefill batch (a longer prompt runs alone)
+    token_budget: int  # tokens per step (policies.batching.StepBuilder)
     chunk_tokens: int  # tokens per mixed iteration with chunked prefill (decode tokens included)
-    chunked_prefill: bool
+    prefill_mode: str  # "mixed" | "prefill_first" | "chunked" (policies.batching)
     max_batch: int  # running requests per decode / colocated replica
     micro_batches: int | None  # pipeline micro-batches (None: the cost model's)
     paged: bool  # KV admission "paged" (vLLM) rather than "reserve"
+    block_size: int = 16  # KV reservations are whole blocks of this many tokens
 
 
 class ReplicaEnv(Protocol):
@@ -54,3 +55,6 @@ class ReplicaEnv(Protocol):
 
     def repredict(self, rid: int, generated: int) -> float:
         """``rid``'s predicted output, re-asked once it has outlived the prediction."""
+
+    def slowdown(self, replica) -> float:
+        """Factor on the work ``replica`` starts now (CPU worker slots sharing a host's cores)."""

@@ -29,6 +29,7 @@ from collections import deque
 
 from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import DecodeTiming, ReplicaState, RunningRequest
+from hetserve.policies.batching import StepBuilder, kv_reservation
 from hetserve.policies.transmission import round_trip_time
 from hetserve.sim.batch import DecodeBatch
 from hetserve.sim.events import Priority
@@ -107,7 +108,7 @@ class PipelineReplica(Replica):
         while self.waiting and self.admitted < self.max_batch:
             head = self.waiting[0]
             rid = head if self.role == "colocated" else head[0]
-            need = r.inp[rid] + r.out[rid]
+            need = self._need(rid)
             if not self._can_hold(self.kv_used, need):
                 break
             self.waiting.popleft()
@@ -122,6 +123,9 @@ class PipelineReplica(Replica):
             else:
                 self._inbound[rid] = None
                 self.env.start_kv(rid, head[1], self)
+
+    def _need(self, rid: int) -> int:
+        return kv_reservation(self.req.inp[rid], self.req.out[rid], True, self.limits.block_size)
 
     def kv_arrived(self, rid: int) -> None:
         self._inbound.pop(rid, None)
@@ -143,11 +147,10 @@ class PipelineReplica(Replica):
             grp.batch.add(rid, r.inp[rid] + 1, r.out[rid] - 1, r.inp[rid] + r.out[rid])
         grp.joins.clear()
         if grp.prefill:
-            take, tokens = [], 0
-            while grp.prefill and (not take or tokens + r.inp[grp.prefill[0]] <= self.limits.token_budget):
-                rid = grp.prefill.pop(0)
-                take.append(rid)
-                tokens += r.inp[rid]
+            take, step = [], StepBuilder(self.limits.token_budget, self.max_batch)
+            while grp.prefill and step.offer(r.inp[grp.prefill[0]], True):
+                take.append(grp.prefill.pop(0))
+            tokens = step.tokens
             item = _Item(g, "prefill", take, len(take), 0.0, tokens)
         elif grp.batch.size:
             item = _Item(g, "decode", [], grp.batch.size, grp.batch.context, grp.batch.size)
@@ -220,13 +223,16 @@ class PipelineReplica(Replica):
     def _finish_all(self, rids: list[int]) -> None:
         r = self.req
         for rid in rids:
-            self._kv_add(-(r.inp[rid] + r.out[rid]))
+            self._kv_add(-self._need(rid))
             self.admitted -= 1
             self.pred_sum -= r.pred[rid]
             self.served += 1
             self.env.finished(rid)
         if rids:
             self._admit()
+
+    def busy_now(self) -> bool:
+        return any(self._busy_stage)
 
     # ------------------------------------------------------------------ MoLink's view
     def _timing(self, s: int, now: float) -> DecodeTiming:

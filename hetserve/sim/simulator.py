@@ -23,10 +23,11 @@ from typing import Any, Callable, Literal
 from hetserve.cost.analytic import CostModel
 from hetserve.errors import PlanError
 from hetserve.planner.plan import Plan
+from hetserve.policies.batching import DEFAULT_BATCHING, PREFILL_MODES
 from hetserve.policies.base import PlacementPolicy, RequestInfo, RoutePolicy, TransmissionPolicy
 from hetserve.policies.placement import PolicyContext, make_placement
 from hetserve.policies.predictor import OraclePredictor
-from hetserve.policies.routing import make_route
+from hetserve.policies.routing import make_route, route_candidates
 from hetserve.sim.env import BatchLimits
 from hetserve.sim.events import EventLoop, Priority
 from hetserve.sim.fastcost import fast
@@ -51,16 +52,31 @@ class SimOptions:
     # observe(rid, input, output)); None = oracle, the true length.
     predictor: Any = None
     slo: SLO = field(default_factory=SLO)
-    token_budget: int = 4096  # prompt tokens per prefill batch (a longer prompt runs alone)
-    chunked_prefill: bool = False  # colocated replicas: Sarathi/vLLM chunked prefill
-    chunk_tokens: int = 512  # tokens per mixed iteration with chunked prefill (decode tokens included)
+    # Batching: the runtime's defaults (policies.batching.BatchingConfig), one set for both.
+    token_budget: int = DEFAULT_BATCHING.token_budget  # tokens per step (decode + prompt tokens)
+    chunked_prefill: bool = False  # colocated replicas: Sarathi/vLLM chunked prefill (prefill_mode "chunked")
+    chunk_tokens: int = DEFAULT_BATCHING.chunk_tokens  # tokens per mixed iteration with chunked prefill
+    # colocated replicas: "mixed" (the runtime: whole prompts ride in the decode step) or
+    # "prefill_first" (vLLM v0: a prompts-only step pauses decoding); chunked_prefill wins
+    prefill_mode: str = DEFAULT_BATCHING.prefill_mode
     max_batch: int | None = None  # running requests per decode / colocated replica; None: the cost model's
+    kv_block_tokens: int = DEFAULT_BATCHING.block_size  # KV reservations are whole blocks
+    # KV pool per replica in tokens (one number, or replica id -> tokens); None: the cost model's
+    # (the runtime's EngineConfig.kv_capacity_tokens, so a replay can give both the same pool)
+    kv_capacity_tokens: int | dict[str, int] | None = None
     micro_batches: int | None = None  # pipeline micro-batches (None: the cost model's min(S, batch))
     pipeline: Literal["aggregate", "detailed"] = "aggregate"
     # KV admission on decode / colocated replicas: "reserve" holds prompt + whole (true) output from
     # admission, so the pool never overflows; "paged" (vLLM) holds what the context has grown to,
     # admits while the prompt fits, and pre-empts the newest request (recompute) on overflow.
     kv_admission: Literal["reserve", "paged"] = "reserve"
+    # What a served request spends outside the engine (HTTP, tokenisation, SSE; `hetserve calibrate`
+    # measures it): it reaches the replicas this long after its arrival, and TTFT/E2E count it.
+    request_overhead_s: float = 0.0
+    # CPU worker slots sharing a host's cores (cluster file `cpu_cores`): how much one worker slows
+    # down per other worker computing on its host at the same time (`hetserve calibrate` measures it;
+    # 1: only the cores' share, k busy workers on c cores run at c / k of their speed).
+    contention_slowdown: float = 1.0
     seed: int = 0
     policy_options: dict[str, Any] = field(default_factory=dict)  # PolicyContext.options (e.g. Aladdin's gamma)
     # the link model's calibration knobs (hetserve.policies.links): seconds added per message, and
@@ -72,6 +88,14 @@ class SimOptions:
     def __post_init__(self) -> None:
         if self.token_budget <= 0 or self.chunk_tokens <= 0 or (self.max_batch is not None and self.max_batch <= 0):
             raise ValueError("token_budget, chunk_tokens and max_batch must be positive")
+        if self.prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}")
+        if self.contention_slowdown < 1:
+            raise ValueError("contention_slowdown must be at least 1")
+        if self.request_overhead_s < 0:
+            raise ValueError("request_overhead_s must be non-negative")
+        if self.kv_block_tokens <= 0:
+            raise ValueError("kv_block_tokens must be positive")
         if self.micro_batches is not None and self.micro_batches <= 0:
             raise ValueError("micro_batches must be positive")
         if self.pipeline not in ("aggregate", "detailed"):
@@ -108,8 +132,9 @@ class Simulator:
             raise PlanError(f"plan is for model {plan.model!r}, simulating {model.name!r}")
         self.cost = fast(cost or CostModel(cluster, model))
         self.max_batch = opts.max_batch or self.cost.eff.max_batch
-        self.limits = BatchLimits(opts.token_budget, opts.chunk_tokens, opts.chunked_prefill, self.max_batch,
-                                  opts.micro_batches, opts.kv_admission == "paged")
+        mode = "chunked" if opts.chunked_prefill else opts.prefill_mode
+        self.limits = BatchLimits(opts.token_budget, opts.chunk_tokens, mode, self.max_batch,
+                                  opts.micro_batches, opts.kv_admission == "paged", opts.kv_block_tokens)
         self.activation_bytes = model.hidden * model.dtype_bytes
         self.loop = EventLoop()
         self.req = RequestTable(workload)
@@ -124,26 +149,29 @@ class Simulator:
             if opts.pipeline == "detailed" and r.role != "prefill" and len(r.stages) > 1:
                 cls = PipelineReplica
             rep = cls(self, i, r, self.layouts[r.id])
+            cap = opts.kv_capacity_tokens
+            if isinstance(cap, dict):
+                cap = cap.get(r.id)
+            if cap is not None:
+                rep.kv_capacity = float(cap)
             if rep.kv_capacity <= 0:
                 raise PlanError(f"replica {r.id}: the model's weights do not fit its devices "
                                 f"(KV capacity {rep.kv_capacity:.0f} tokens)")
             self.replicas.append(rep)
         self.by_id = {r.id: r for r in self.replicas}
+        self._set_hosts()
         self.entry = [r for r in self.replicas if r.role in ("prefill", "colocated")]
         if not self.entry:
             raise PlanError("plan has no prefill or colocated replica")
         self._routes: dict[str, list[tuple[Replica, float]]] = {}
-        decoders = [r for r in self.replicas if r.role == "decode"]
+        decoders = [r.id for r in self.replicas if r.role == "decode"]
         for r in self.replicas:
             if r.role != "prefill":
                 continue
-            routes = []
             for k in plan.routes_from(r.id):
                 if k.dst not in self.by_id or self.by_id[k.dst].role != "decode":
                     raise PlanError(f"KV route {k.src} -> {k.dst}: {k.dst!r} is not a decode replica of the plan")
-                routes.append((self.by_id[k.dst], k.weight))
-            if not routes:
-                routes = [(d, 1.0) for d in decoders]
+            routes = [(self.by_id[d], w) for d, w in route_candidates(plan, r.id, decoders)]
             if not routes:
                 raise PlanError(f"prefill replica {r.id} has no decode replica to send KV to")
             self._routes[r.id] = routes
@@ -161,13 +189,45 @@ class Simulator:
         self.wall_s = 0.0
 
     # ------------------------------------------------------------------ setup helpers
+    def _set_hosts(self) -> None:
+        """Replicas on CPU worker slots (cluster ``cpu_cores``): their host and how many of their
+        workers compute at once (the widest TP group, times the stages kept busy by micro-batches)."""
+        self._on_host: dict[str, list[Replica]] = {}
+        for rep in self.replicas:
+            dev = self.cluster.devices[rep.layout.devices[0]]
+            if dev.cpu_cores is None:
+                continue
+            stages = rep.layout.stages
+            S = len(stages)
+            rep.host_cores = dev.cpu_cores
+            rep.concurrency = min(len(rep.layout.devices), max(s.tp for s in stages) * min(S, self.opts.micro_batches or S))
+            self._on_host.setdefault(dev.machine, []).append(rep)
+            rep.host = dev.machine
+
+    def slowdown(self, rep: Replica) -> float:
+        """Factor on the work ``rep`` starts now: k workers computing on its host's c cores (its own
+        and those of the other busy replicas there) run at max(k / c, 1 + (s − 1)(k − 1)) times their
+        time alone, s the measured slow-down per extra worker. 1 off CPU worker slots."""
+        host = getattr(rep, "host", None)
+        if host is None:
+            return 1.0
+        k = rep.concurrency + sum(o.concurrency for o in self._on_host[host] if o is not rep and o.busy_now())
+        return max(k / rep.host_cores, 1.0 + (self.opts.contention_slowdown - 1.0) * (k - 1), 1.0)
+
     def _set_capacity_norms(self) -> None:
-        """Relative capacity per role: prefill by 1/TTFT at the mean prompt, decoders by tokens/s."""
+        """Relative capacity per role: the plan's own share where its estimate has one (requests
+        per period each replica was planned to serve: what the planner's throughput assumes),
+        else prefill by 1/TTFT at the mean prompt, decoders by tokens/s."""
         wl, c = self.workload, self.cost
         mi, mo = max(1.0, wl.mean_input), max(1.0, wl.mean_output)
+        planned = self.plan.estimate.get("replicas", {}) if isinstance(self.plan.estimate, dict) else {}
         raw = {}
         for r in self.replicas:
-            if r.role == "prefill":
+            share = planned.get(r.id, {})
+            share = share.get("flow_requests_per_period", share.get("capacity_requests_per_period"))
+            if isinstance(share, (int, float)) and share > 0:
+                raw[r.id] = float(share)
+            elif r.role == "prefill":
                 raw[r.id] = 1.0 / c.ttft(r.layout, round(mi))
             else:
                 raw[r.id] = c.decode_throughput(r.layout, mi, mo)[1] or 1e-9
@@ -183,7 +243,7 @@ class Simulator:
         n = self.req.n
         t0 = time.perf_counter()
         if n:
-            self.loop.schedule(self.req.arrival[0], Priority.ARRIVAL, self._on_arrival, 0)
+            self.loop.schedule(self.req.arrival[0] + self.opts.request_overhead_s, Priority.ARRIVAL, self._on_arrival, 0)
         if self.opts.progress and n:
             from rich.progress import Progress
             with Progress(transient=True) as bar:
@@ -200,7 +260,8 @@ class Simulator:
     def _on_arrival(self, rid: int) -> None:
         r = self.req
         if rid + 1 < r.n:
-            self.loop.schedule(r.arrival[rid + 1], Priority.ARRIVAL, self._on_arrival, rid + 1)
+            self.loop.schedule(r.arrival[rid + 1] + self.opts.request_overhead_s, Priority.ARRIVAL, self._on_arrival,
+                               rid + 1)
         pred = float(self.predictor.predict(rid, r.inp[rid], 0))
         r.pred[rid] = pred
         info = RequestInfo(rid, r.arrival[rid], r.inp[rid], pred)
@@ -219,6 +280,7 @@ class Simulator:
                   "transmission": self.network.policy_name,
                   "predictor": getattr(self.predictor, "name", type(self.predictor).__name__),
                   "pipeline": self.opts.pipeline, "chunked_prefill": self.opts.chunked_prefill,
+                  "prefill_mode": self.limits.prefill_mode, "token_budget": self.opts.token_budget,
                   "kv_admission": self.opts.kv_admission,
                   "preemptions": sum(getattr(x, "preemptions", 0) for x in self.replicas),
                   "policy_options": {k: v for k, v in self.opts.policy_options.items()
@@ -240,7 +302,7 @@ class Simulator:
         r = self.req
         r.t_first[rid] = self.loop.now
         if r.out[rid] <= 1:  # the prefill produced the only token: no KV hand-off
-            src.release(r.inp[rid])
+            src.release(rid)
             self.finished(rid)
             return
         routes = self._routes[src.id]
@@ -268,7 +330,7 @@ class Simulator:
 
         def done(_start: float, rid=rid, tokens=tokens) -> None:
             r.t_kv_done[rid] = self.loop.now
-            src.release(tokens)
+            src.release(rid)
             dst.kv_arrived(rid)
 
         self.network.send("kv", [(d, e, b * tokens) for d, e, b in pairs], done)

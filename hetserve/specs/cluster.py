@@ -79,6 +79,9 @@ class _Machine(pydantic.BaseModel):
     address: str | None = None  # host for the Ray backend; optional
     # Memory per device, overriding the GPU's: a CPU worker slot or a MIG slice.
     memory_gb: float | None = pydantic.Field(default=None, gt=0)
+    # CPU worker slots: the machine's slots share this many cores (the simulator slows work that
+    # runs on several slots at once; `hetserve calibrate` measures the slow-down). None: real GPUs.
+    cpu_cores: pydantic.StrictInt | None = pydantic.Field(default=None, gt=0)
 
 
 class _Network(pydantic.BaseModel):
@@ -118,6 +121,7 @@ class Device:
     site: str
     gpu: GpuType
     memory_bytes: float = 0.0  # 0: the GPU's own memory
+    cpu_cores: int | None = None  # CPU worker slot: cores its machine's slots share (None: a GPU)
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
@@ -225,7 +229,7 @@ def _resolve(spec: _ClusterFile, source: str) -> Cluster:
         machine_gpu[m.name] = g
         memory = m.memory_gb * 1e9 if m.memory_gb else 0.0
         for k in range(m.count):
-            devices.append(Device(len(devices), f"{m.name}:{k}", m.name, m.site, g, memory))
+            devices.append(Device(len(devices), f"{m.name}:{k}", m.name, m.site, g, memory, m.cpu_cores))
     n = len(devices)
 
     topology = None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 RESOURCE_KINDS = ("nic_out", "nic_in", "pipe", "link", "intra", "pair")
 SHARED_KINDS = ("nic_out", "nic_in", "pipe", "link")  # what the planner books capacity on
@@ -49,6 +50,9 @@ class Resource:
         if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
             raise ValueError(f"resource {self.name}: latency must be finite and non-negative")
 
+    def __hash__(self) -> int:  # the name identifies a resource; hashing every field is slow in hot loops
+        return hash(self.name)
+
     @property
     def shared(self) -> bool:
         """True for NICs, site pipes and dedicated links: several device pairs cross it."""
@@ -61,6 +65,11 @@ class Path:
 
     resources: tuple[Resource, ...]
     latency_s: float
+
+    @cached_property
+    def names(self) -> tuple[str, ...]:
+        """The resources' names (cheap dictionary keys for the sharing computations)."""
+        return tuple(r.name for r in self.resources)
 
     @property
     def bandwidth(self) -> float:

@@ -23,3 +23,45 @@ def test_fit_recovers_known_efficiency(tmp_path):
     assert cal.efficiency.compute == pytest.approx(3e-4, rel=0.02)
     assert cal.efficiency.step_overhead_s == pytest.approx(0.004, rel=0.02)
     assert cal.mean_abs_error < 0.01
+
+
+@pytest.mark.timeout(240)
+def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, capsys):
+    """`hetserve calibrate` on the real engine and server: the saved efficiency re-predicts every
+    printed point, the fit beats the default efficiency on the measurements, and the file says
+    where and when it was measured and what a request spends outside the engine."""
+    import json
+
+    from hetserve.cli.main import main
+    from hetserve.cost.analytic import load_efficiency
+    from hetserve.runtime.calibrate import load_request_overhead
+    from hetserve.specs.model import load_model
+
+    model_dir = make_model(tmp_path / "m", "llama", layers=2, hidden=64, heads=4, kv_heads=2)
+    out = tmp_path / "cal.json"
+    code = main(["calibrate", "--model", str(model_dir), "--prompt-lengths", "16,96", "--batch-sizes", "1,6",
+                 "--decode-tokens", "6", "--reps", "1", "-o", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert [(p["phase"], p["size"]) for p in data["points"]] == [("prefill", 16), ("prefill", 96),
+                                                                 ("decode", 1), ("decode", 6)]
+    assert all(p["measured_s"] > 0 for p in data["points"])
+    spec = load_model(model_dir)
+    lay = ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),))
+    fitted = CostModel(_one_device_cluster("RTX-4090"), spec, load_efficiency(out))
+    default = CostModel(_one_device_cluster("RTX-4090"), spec, Efficiency())
+
+    def predict(cm, p):
+        return cm.ttft(lay, p["size"]) if p["phase"] == "prefill" else cm.decode_step_time(lay, p["size"],
+                                                                                           p["size"] * (16 + 3))
+    for p in data["points"]:
+        assert predict(fitted, p) == pytest.approx(p["predicted_s"], rel=1e-9)
+        assert f"{(p['predicted_s'] - p['measured_s']) / p['measured_s']:+.0%}" in printed  # error per point
+    err = lambda cm: sum(abs(predict(cm, p) / p["measured_s"] - 1) for p in data["points"])  # noqa: E731
+    assert err(fitted) < err(default)
+    assert data["measured_on"]["device"] and data["measured_on"]["cores"] >= 1 and "UTC" in data["measured_on"]["date"]
+    assert load_request_overhead(out) == data["runtime"]["request_overhead_s"] >= 0.0
+    flat = " ".join(printed.split())  # rich wraps long lines
+    assert data["runtime"]["contention_slowdown"] >= 1.0 and "slow-down beside one more busy process" in flat
+    assert "request overhead" in flat and "worst" in flat

@@ -194,14 +194,26 @@ def test_sampler_greedy_seeded_and_top_p():
         SamplingParams(max_tokens=0)
 
 
-def test_weighted_routes_follow_plan_weights_and_skip_dead_replicas():
-    from hetserve.runtime.routing import WeightedRoutes
+def test_plan_routes_follow_plan_weights_and_skip_dead_replicas():
+    """The runtime's route choice is the simulator's policy (flow: smooth weighted round robin)."""
+    from hetserve.planner.plan import Plan
+    from hetserve.policies.base import ReplicaState, RequestInfo
+    from hetserve.runtime.routing import PlanRoutes
 
-    r = WeightedRoutes({"p0": {"d0": 0.75, "d1": 0.25}})
-    picks = [r.choose("p0", ["d0", "d1"]) for _ in range(8)]
+    plan = Plan.from_dict({"model": "tiny", "cluster": "c", "replicas": [
+        {"id": i, "role": role, "stages": [{"devices": [f"m0:{k}"], "layers": [0, 3]}]}
+        for k, (i, role) in enumerate([("p0", "prefill"), ("px", "prefill"), ("d0", "decode"), ("d1", "decode")])],
+        "kv_routes": [{"from": "p0", "to": "d0", "weight": 0.75}, {"from": "p0", "to": "d1", "weight": 0.25}]})
+    states = {d: ReplicaState(d, "decode", 0, 0, 0, 0.0, 0, 0, 100) for d in ("d0", "d1")}
+    info = RequestInfo(1, 0.0, 10, 5.0)
+    r = PlanRoutes(plan)
+    picks = [r.choose(info, "p0", ["d0", "d1"], states, 0.0) for _ in range(8)]
     assert picks.count("d0") == 6 and picks.count("d1") == 2
-    assert {r.choose("p0", ["d1"]) for _ in range(3)} == {"d1"}
-    assert {r.choose("px", ["d0", "d1"]) for _ in range(4)} == {"d0", "d1"}  # no routes: even spread
+    assert {r.choose(info, "p0", ["d1"], states, 0.0) for _ in range(3)} == {"d1"}
+    assert {r.choose(info, "px", ["d0", "d1"], states, 0.0) for _ in range(4)} == {"d0", "d1"}  # no routes: even
+    busy = {"d0": ReplicaState("d0", "decode", 5, 9, 0, 900.0, 0, 0, 100), "d1": states["d1"]}
+    load = PlanRoutes(plan, "load")
+    assert load.choose(info, "p0", ["d0", "d1"], busy, 0.0) == "d1"  # the load policy reads the snapshot
 
 
 # ----------------------------------------------------------------------------- transport
@@ -326,3 +338,45 @@ def test_make_model_cli(tmp_path):
     cfg = ArchConfig.from_dir(tmp_path / "m")
     assert (cfg.arch, cfg.num_layers, cfg.hidden_size) == ("opt", 2, 32)
     assert main(["make-model", "--arch", "llama", "--heads", "3", "-o", str(tmp_path / "bad")]) == 2
+
+
+def test_runtime_snapshot_counts_tokens_context_and_per_replica_queues():
+    """The fields the simulator fills: tokens (not requests) outstanding, real context, each replica
+    its own queue (not the global one), decode replicas the hand-offs routed to them."""
+    from collections import deque
+
+    from hetserve.runtime.handle import RequestHandle
+    from hetserve.runtime.scheduler import ReplicaScheduler
+    from hetserve.runtime.sequence import Sequence
+    from hetserve.runtime.snapshot import replica_snapshots, state_from_stats
+
+    def seq(i, n, max_tokens, out=0, pinned=None):
+        s = Sequence(i, list(range(n)), SamplingParams(max_tokens=max_tokens), 0, frozenset(), RequestHandle(i, n),
+                     pinned=pinned)
+        s.output = [1] * out
+        s.num_cached = n + max(0, out - 1) if out else 0
+        return s
+
+    c0 = ReplicaScheduler("c0", "colocated", BlockManager(64, 16), num_stages=1)
+    c1 = ReplicaScheduler("c1", "colocated", BlockManager(64, 16), num_stages=1)
+    p0 = ReplicaScheduler("p0", "prefill", BlockManager(64, 16), num_stages=1)
+    d0 = ReplicaScheduler("d0", "decode", BlockManager(64, 16), num_stages=1)
+    c0.ready.extend([seq(1, 100, 50, out=10), seq(2, 20, 8, out=3)])
+    c0.pinned.append(seq(3, 30, 40, pinned="c0"))
+    c1.pinned.extend([seq(4, 7, 5, pinned="c1")])
+    p0.start(9, [seq(5, 64, 10)])
+    moving = seq(6, 12, 30, out=1)
+    moving.replica, moving.dst = "p0", "d0"
+    d0.ready.append(seq(7, 40, 20, out=5))
+    c0.blocks.allocate(150 + 28)
+    snap = replica_snapshots({"c0": c0, "c1": c1, "p0": p0, "d0": d0}, [moving])
+    s = state_from_stats("c0", {"role": "colocated", "state": snap["c0"]})
+    assert (s.queued_requests, s.running_requests, s.queued_prefill_tokens) == (1, 2, 30)
+    assert s.outstanding_tokens == 30 + 40 + (50 - 10) + (8 - 3)  # prompt to prefill + tokens still to come
+    assert s.context_tokens == (100 + 10) + (20 + 3)
+    assert (s.kv_used_tokens, s.kv_capacity_tokens) == (12 * 16, 64 * 16)
+    assert snap["c1"]["queued_requests"] == 1 and snap["c1"]["outstanding_tokens"] == 12
+    assert snap["p0"]["running_requests"] == 1 and snap["p0"]["outstanding_tokens"] == 64
+    assert snap["d0"]["queued_requests"] == 1  # the hand-off routed to it
+    assert snap["d0"]["outstanding_tokens"] == (30 - 1) + (20 - 5)
+    assert snap["d0"]["context_tokens"] == 45

@@ -253,3 +253,21 @@ def test_client_disconnect_while_waiting_non_streaming_frees_the_request(serve_f
         httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 250}, timeout=0.3)
     assert wait_until(lambda: not backend.running and coord.in_flight == 0)
     assert len(backend.aborted) == 1
+
+
+def test_one_stream_chunk_per_token_even_while_a_partial_character_is_held_back(serve_fake):
+    """A token whose text is not complete yet (the first byte of "é") still streams a chunk, with
+    empty text, so a client times the first token, not the first printable character."""
+
+    class Utf8Backend(FakeBackend):
+        async def generate(self, request_id, prompt_token_ids, params, replica=None):
+            for t in (0xC3, 0xA9, ord("a")):
+                await asyncio.sleep(0.002)
+                yield t
+
+    url, _, _ = serve_fake(Utf8Backend())
+    chunks = list(client(url).completions.create(model="tiny", prompt="x", max_tokens=3, stream=True,
+                                                 stream_options={"include_usage": True}))
+    per_token = [c.choices[0].text for c in chunks if c.choices and c.choices[0].finish_reason is None]
+    assert per_token == ["", "é", "a"]
+    assert chunks[-1].usage.completion_tokens == 3

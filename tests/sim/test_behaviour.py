@@ -49,12 +49,13 @@ def test_max_batch_bounds_the_running_batch(cluster, model):
     assert max(r.sum() for r in running) <= 8
 
 
-def test_colocated_prefill_interrupts_decode(cluster, model, cost):
+def test_colocated_prefill_first_interrupts_decode(cluster, model, cost):
     plan = single({"c0": ["m0:0"]})
     lay = plan.replica("c0").layout(cluster)
-    alone = simulate(plan, cluster, model, Workload.from_lists("a", [0.0], [200], [400]))
+    opts = SimOptions(prefill_mode="prefill_first")
+    alone = simulate(plan, cluster, model, Workload.from_lists("a", [0.0], [200], [400]), opts)
     t_b = alone.t_finish[0] / 2  # B arrives while A decodes
-    both = simulate(plan, cluster, model, Workload.from_lists("ab", [0.0, t_b], [200, 3000], [400, 2]))
+    both = simulate(plan, cluster, model, Workload.from_lists("ab", [0.0, t_b], [200, 3000], [400, 2]), opts)
     step = cost.decode_step_time(lay, 1, 200 + 400)
     prefill_b = cost.ttft(lay, 3000)
     # B waits at most one decode iteration, then its prefill runs with A's decode paused
@@ -63,6 +64,22 @@ def test_colocated_prefill_interrupts_decode(cluster, model, cost):
     assert both.t_finish[0] - alone.t_finish[0] >= prefill_b
     gap = both.t_first[1] - both.t_start[1]
     assert gap == pytest.approx(prefill_b, rel=1e-9)
+
+
+def test_colocated_mixed_prompt_rides_in_the_decode_step(cluster, model, cost):
+    """The default (the runtime's engine): B's prompt runs in one iteration together with A's decode
+    token, so A loses less than B's prefill and B's first token comes after one mixed iteration."""
+    plan = single({"c0": ["m0:0"]})
+    lay = plan.replica("c0").layout(cluster)
+    alone = simulate(plan, cluster, model, Workload.from_lists("a", [0.0], [200], [400]))
+    t_b = alone.t_finish[0] / 2
+    both = simulate(plan, cluster, model, Workload.from_lists("ab", [0.0, t_b], [200, 3000], [400, 2]))
+    prefill_b = cost.ttft(lay, 3000)
+    step = cost.decode_step_time(lay, 1, 200 + 400)
+    assert both.t_first[1] - both.t_start[1] >= prefill_b * 0.99  # the mixed iteration costs the prompt
+    delay = both.t_finish[0] - alone.t_finish[0]
+    assert 0 < delay < prefill_b  # A's token came out of the mixed iteration: no whole-prefill pause
+    assert both.ttft[1] <= both.t_first[1] - both.t_start[1] + step
 
 
 def test_chunked_prefill_spreads_the_prompt_over_iterations(cluster, model, cost):
@@ -163,3 +180,29 @@ def test_colocated_prefills_never_overlap(cluster, model):
     ends = np.array([res.t_first[res.t_start == s].max() for s in starts])
     assert np.all(starts[1:] >= ends[:-1] - 1e-9)  # each prefill batch starts after the previous ended
     assert res.replicas[0].utilisation <= 1.0 + 1e-9
+
+
+def test_cpu_slots_sharing_cores_slow_concurrent_work(model):
+    """Two replicas on CPU worker slots that share one core: a prompt that runs while the other
+    replica decodes takes twice as long (k / c = 2), or (1 + (s - 1)) with a measured slow-down s;
+    the same plan on GPUs (no cpu_cores) is not slowed."""
+    from hetserve.specs.cluster import cluster_from_dict
+
+    def cluster(cores):
+        m = {"name": "m0", "gpu": "A100-SXM-80G", "count": 2, "site": "s0"}
+        if cores:
+            m["cpu_cores"] = cores
+        return cluster_from_dict({"name": "test", "machines": [m]})
+
+    plan = single({"c0": ["m0:0"], "c1": ["m0:1"]})
+    wl = Workload.from_lists("two", [0.0, 0.001], [100, 3000], [400, 2])  # c1's prompt while c0 decodes
+    opts = SimOptions(placement="rr")
+    free = simulate(plan, cluster(None), model, wl, opts)
+    shared = simulate(plan, cluster(1), model, wl, opts)
+    loose = simulate(plan, cluster(2), model, wl, opts)
+    measured = simulate(plan, cluster(2), model, wl, SimOptions(placement="rr", contention_slowdown=1.5))
+    prefill = free.t_first[1] - free.t_start[1]
+    assert shared.t_first[1] - shared.t_start[1] == pytest.approx(2 * prefill, rel=1e-6)
+    assert loose.t_first[1] - loose.t_start[1] == pytest.approx(prefill, rel=1e-6)  # 2 workers, 2 cores
+    assert measured.t_first[1] - measured.t_start[1] == pytest.approx(1.5 * prefill, rel=1e-6)
+    assert free.t_finish[0] < shared.t_finish[0]  # c0's decode, started alone, slows once c1 works

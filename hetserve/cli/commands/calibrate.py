@@ -1,17 +1,46 @@
-"""``hetserve calibrate``: fit the cost model's efficiency factors to the engine on this machine."""
+"""``hetserve calibrate``: fit the cost model's efficiency (and the serving overheads) to this machine."""
 
 from __future__ import annotations
 
 import argparse
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return sizes
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="measure the engine here and fit the cost model's efficiency",
-                       description="Run the engine on one device, measure prefill and decode times, and fit "
-                                   "the cost model's compute efficiency and per-iteration overhead to them.")
+                       description="Serve the model on one device, measure prefill and decode times on the engine "
+                                   "and TTFT through HTTP, and fit the cost model's compute and memory efficiency, "
+                                   "per-iteration overhead and the per-request serving overhead to them.")
     p.add_argument("--model", required=True, help="checkpoint folder (see `hetserve make-model`)")
     p.add_argument("--gpu", default="RTX-4090", help="GPU type the efficiency is relative to (default RTX-4090)")
-    p.add_argument("-o", "--output", help="write the calibration JSON here (for `simulate --efficiency`)")
+    p.add_argument("--prompt-lengths", type=_sizes, default=(32, 128, 256, 512), metavar="L1,L2,...",
+                   help="prefill probes, prompt tokens (default 32,128,256,512)")
+    p.add_argument("--batch-sizes", type=_sizes, default=(1, 4, 16), metavar="B1,B2,...",
+                   help="decode probes, requests at once (default 1,4,16)")
+    p.add_argument("--decode-tokens", type=_positive, default=24, help="tokens per decode probe (default 24)")
+    p.add_argument("--reps", type=_positive, default=3, help="repetitions per prefill probe (median; default 3)")
+    p.add_argument("--no-serving", action="store_true",
+                   help="engine only: skip the HTTP probes (no request overhead measured)")
+    p.add_argument("-o", "--output", help="write the calibration JSON here (for `plan/simulate --efficiency`)")
     p.set_defaults(func=run)
 
 
@@ -23,14 +52,21 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.specs.gpus import gpu
 
     gpu(args.gpu, "--gpu")  # a clear error before any process starts
-    cal = calibrate(args.model, args.gpu)
-    t = Table("phase", "size", "measured ms", "cost model ms", "error", title=f"calibration against {args.gpu}")
+    cal = calibrate(args.model, args.gpu, prompt_lengths=args.prompt_lengths, batch_sizes=args.batch_sizes,
+                    decode_tokens=args.decode_tokens, reps=args.reps, serving=not args.no_serving)
+    on = cal.measured_on
+    t = Table("phase", "size", "measured ms", "cost model ms", "error",
+              title=f"calibration against {args.gpu} (measured on {on.get('device', '?')}, {on.get('cores', '?')} "
+                    f"cores, {on.get('date', '?')}, load avg {on.get('load_avg_1m', '?')})")
     for p in cal.points:
         t.add_row(p.phase, str(p.size), f"{p.measured_s * 1e3:.2f}", f"{p.predicted_s * 1e3:.2f}", f"{p.error:+.0%}")
     console = Console()
     console.print(t)
-    console.print(f"compute efficiency {cal.efficiency.compute:.3g}, overhead {cal.efficiency.step_overhead_s * 1e3:.2f} "
-                  f"ms per iteration, mean |error| {cal.mean_abs_error:.0%}")
+    console.print(f"compute efficiency {cal.efficiency.compute:.3g}, memory efficiency {cal.efficiency.memory:.3g}, "
+                  f"overhead {cal.efficiency.step_overhead_s * 1e3:.2f} ms per iteration, request overhead (HTTP, "
+                  f"tokenisation, SSE) {cal.request_overhead_s * 1e3:.2f} ms, slow-down beside one more busy "
+                  f"process {cal.contention_slowdown:.2f}x; fit error per point: mean "
+                  f"{cal.mean_abs_error:.0%}, worst {cal.max_abs_error:.0%}")
     if args.output:
         cal.save(args.output)
         console.print(f"wrote {args.output}")

@@ -1,7 +1,8 @@
 """``hetserve serve``: run a plan's replicas and serve them over an OpenAI-compatible HTTP API.
 
     hetserve serve --plan plan.json --cluster demo-cpu --model ./tiny [--host 127.0.0.1 --port 8000]
-        [--backend local|ray] [--router jsq] [--transmission molink] [--shape-links] [--micro-batches 4]
+        [--backend local|ray] [--ray-address HEAD:6379] [--advertise-address 10.0.0.5]
+        [--router jsq] [--route flow] [--transmission molink] [--shape-links] [--micro-batches 4]
 
 torch, FastAPI and uvicorn are imported inside ``run`` so the rest of the CLI works without the
 ``runtime`` extra.
@@ -20,12 +21,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", help="cluster preset or file (default: the preset the plan names)")
     p.add_argument("--model", required=True, help="checkpoint folder (Hugging Face layout; see make-model)")
     p.add_argument("--model-name", help="the model name clients use (default: the folder's name)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1", help="address the HTTP API binds (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--backend", choices=["local", "ray"], default="local",
                    help="local processes (default) or Ray actors placed on the machines the plan names")
     p.add_argument("--ray-address", help="Ray cluster to join (default: start one on this machine)")
+    p.add_argument("--advertise-address",
+                   help="this machine's address on the pool's network: the engine's endpoint and TP rendezvous "
+                        "store listen there for the workers (default: 127.0.0.1, or with --backend ray this "
+                        "machine's Ray node IP; never all interfaces); see docs/multinode.md")
     p.add_argument("--router", default="jsq", help="placement policy: jsq, rr, po2, lot, aladdin (default jsq)")
+    p.add_argument("--route", default="flow", choices=["flow", "load", "aladdin"],
+                   help="KV route policy for prefill -> decode hand-offs: flow (the plan's weights), load, "
+                        "aladdin (default flow; the same policy objects `simulate --route` uses)")
     p.add_argument("--transmission", default="serial",
                    help="link scheduling: serial, fair, molink (default serial)")
     p.add_argument("--shape-links", action="store_true",
@@ -71,10 +79,11 @@ def run(args: argparse.Namespace) -> int:
                       "heartbeat_interval_s": min(0.5, args.heartbeat_timeout / 4)}
     try:
         opts = ServeOptions(plan=plan, cluster=cluster, model_dir=args.model, model_name=args.model_name,
-                            backend=args.backend, router=args.router, transmission=args.transmission,
+                            backend=args.backend, router=args.router, route=args.route, transmission=args.transmission,
                             shape_links=args.shape_links, time_scale=args.time_scale,
                             micro_batches=args.micro_batches, kv_capacity_tokens=args.kv_capacity, seed=args.seed,
                             slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, ray_address=args.ray_address,
+                            advertise_address=args.advertise_address,
                             engine_options=engine_options)
     except ValueError as exc:
         raise RuntimeFailure(str(exc)) from exc

@@ -14,6 +14,8 @@ import argparse
 import sys
 import json
 
+from hetserve.policies.batching import DEFAULT_BATCHING
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="simulate a plan under a workload trace",
@@ -36,8 +38,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-tpot", type=float, help="TPOT / ATGT target, seconds per token")
     p.add_argument("--slo-e2e", type=float, help="end-to-end latency target, seconds")
     p.add_argument("--limit", type=int, help="only the first N requests")
-    p.add_argument("--token-budget", type=int, default=4096, help="prompt tokens per prefill batch")
+    p.add_argument("--token-budget", type=int, default=DEFAULT_BATCHING.token_budget,
+                   help=f"tokens per step, decode + prompt (default {DEFAULT_BATCHING.token_budget}, as the runtime)")
     p.add_argument("--chunked-prefill", action="store_true", help="colocated replicas: chunked prefill")
+    p.add_argument("--prefill-mode", choices=["mixed", "prefill_first"], default=DEFAULT_BATCHING.prefill_mode,
+                   help="colocated replicas: prompts ride in the decode step (mixed, the runtime's engine; "
+                        "default) or a prompts-only step pauses decoding (prefill_first, vLLM v0)")
     p.add_argument("--max-batch", type=int, help="running requests per decode replica (default: the cost "
                    "model's, 256)")
     p.add_argument("--micro-batches", type=int, help="pipeline micro-batches (default: one per stage)")
@@ -51,7 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep-rates", metavar="R1,R2,...",
                    help="also simulate the trace at these mean rates (req/s); with -o, plot throughput and "
                         "SLO attainment against rate (rate_sweep.png)")
-    p.add_argument("--efficiency", help="cost-model efficiency JSON (from `hetserve calibrate -o`)")
+    p.add_argument("--efficiency", help="cost-model efficiency JSON (from `hetserve calibrate -o`; its measured "
+                   "request overhead, HTTP + tokenisation + SSE, is added to every request too)")
     p.add_argument("--within-context", action="store_true",
                    help="drop requests whose prompt + output exceed the model's context (default: run them, "
                         "with a warning that counts them)")
@@ -112,14 +119,20 @@ def run(args: argparse.Namespace) -> int:
         from hetserve.policies.predictor import BucketMeanPredictor
         predictor = BucketMeanPredictor()
     try:
+        from hetserve.runtime.calibrate import load_contention, load_request_overhead
+
+        cost = CostModel(cluster, model, load_efficiency(args.efficiency)) if args.efficiency else None
+        overhead = load_request_overhead(args.efficiency) if args.efficiency else 0.0
+        contention = load_contention(args.efficiency) if args.efficiency else 1.0
         opts = SimOptions(placement=args.router, route=args.route, transmission=args.transmission, slo=slo,
+                          request_overhead_s=overhead, contention_slowdown=contention,
                           predictor=predictor, token_budget=args.token_budget, chunked_prefill=args.chunked_prefill,
+                          prefill_mode=args.prefill_mode,
                           max_batch=args.max_batch, micro_batches=args.micro_batches, pipeline=args.pipeline,
                           kv_admission=args.kv_admission,
                           seed=args.seed, policy_options=policy_options,
                           progress=not args.no_progress and not args.json)
         validate_plan(plan, cluster, model)
-        cost = CostModel(cluster, model, load_efficiency(args.efficiency)) if args.efficiency else None
         result = simulate(plan, cluster, model, wl, opts, cost=cost)
     except ValueError as exc:
         if isinstance(exc, (PlanError, SpecError)):

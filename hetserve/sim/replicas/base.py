@@ -85,5 +85,9 @@ class Replica:
         # A request larger than the whole pool still runs once the pool is empty (never dropped).
         return used + tokens <= self.kv_capacity or used <= 0
 
+    def busy_now(self) -> bool:
+        """Whether the replica is computing now (for host contention)."""
+        return self._busy_until > self.loop.now
+
     def state(self, with_requests: bool = False) -> ReplicaState:  # pragma: no cover - overridden
         raise NotImplementedError

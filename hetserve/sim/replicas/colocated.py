@@ -1,7 +1,9 @@
 """``ColocatedReplica``: a vLLM-style engine, prefill and decode on one replica.
 
-Waiting prompts interrupt the running decode batch at its next iteration boundary (prefill
-first), or, with chunked prefill, ride along with decode iterations up to a token budget.
+Waiting prompts are taken at the running batch's next iteration boundary by the shared batching
+policy (``policies.batching.StepBuilder``) and, per ``prefill_mode``: ride in that iteration
+with the decodes ("mixed", the runtime's engine), run as a prompts-only step that pauses decoding
+("prefill_first"), or ride along as chunks up to ``chunk_tokens`` per iteration ("chunked").
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from collections import deque
 
 from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import ReplicaState
+from hetserve.policies.batching import StepBuilder
 from hetserve.sim.events import Priority
 from hetserve.sim.replicas.decoding import Decoding
 
@@ -19,7 +22,7 @@ class ColocatedReplica(Decoding):
         super().__init__(env, index, spec, layout)
         self.waiting: deque[int] = deque()
         self.queued_tokens = 0
-        self.chunked = self.limits.chunked_prefill
+        self.mode = self.limits.prefill_mode
         self._chunking: list[list[int]] = []  # [rid, prompt tokens already prefilled]
         self._prefilling: list[int] = []  # the prompts of the prefill now running (unchunked)
 
@@ -35,12 +38,15 @@ class ColocatedReplica(Decoding):
             return False
         return self._can_hold(self.kv.base(), self.kv.need(self.waiting[0]))
 
-    def _take(self, budget: int) -> list[int]:
-        """Admit waiting prompts in order within ``budget`` tokens, KV and the batch limit."""
-        r, taken, tokens = self.req, [], 0
-        while self._admissible():
+    def _take(self, budget: int | None, decode_tokens: int = 0) -> list[int]:
+        """Admit waiting prompts in order into a step of ``budget`` tokens that already carries
+        ``decode_tokens`` (the shared ``StepBuilder``), within the KV and the batch limit."""
+        r = self.req
+        step = StepBuilder(budget, self.max_batch, tokens=decode_tokens, seqs=self.admitted)
+        taken = []
+        while self.waiting and not self.kv.preempted:
             rid = self.waiting[0]
-            if taken and tokens + r.inp[rid] > budget:
+            if not step.offer(r.inp[rid], self._can_hold(self.kv.base(), self.kv.need(rid))):
                 break
             self.waiting.popleft()
             self.queued_tokens -= r.inp[rid]
@@ -48,7 +54,6 @@ class ColocatedReplica(Decoding):
             self.admitted += 1
             r.t_start[rid] = self.loop.now
             taken.append(rid)
-            tokens += r.inp[rid]
         return taken
 
     def _admit(self) -> None:
@@ -58,7 +63,7 @@ class ColocatedReplica(Decoding):
     def _after_boundary(self) -> None:
         if self._recompute():
             return
-        if self.chunked:
+        if self.mode != "prefill_first":
             if self._mixed_iteration():
                 return
         else:
@@ -66,6 +71,9 @@ class ColocatedReplica(Decoding):
             if rids:
                 now = self.loop.now
                 dur = self.cost.prefill_time(self.layout, PrefillBatch.of([self.req.inp[i] for i in rids]))
+                dur *= self.env.slowdown(self)
+                if self.trace is not None:
+                    self.trace.append((now, now + dur, (), tuple(rids)))
                 self._pause(now + dur)
                 self._prefilling = rids
                 self._busy(now, now + dur)
@@ -91,12 +99,17 @@ class ColocatedReplica(Decoding):
                 self._join(rid)
         self._finish_all(done)
 
-    # ------------------------------------------------------------------ chunked prefill
+    # ------------------------------------------------------------------ mixed / chunked prefill
     def _mixed_iteration(self) -> bool:
-        """One iteration carrying every running decode plus prompt chunks up to the token budget."""
-        budget = self.limits.chunk_tokens
+        """One iteration carrying every running decode plus prompts: whole ones admitted within the
+        token budget ("mixed"), or chunks of the admitted ones up to ``chunk_tokens`` ("chunked")."""
         b = self.batch
-        self._chunking.extend([rid, 0] for rid in self._take(1 << 62))
+        if self.mode == "chunked":
+            budget = self.limits.chunk_tokens
+            self._chunking.extend([rid, 0] for rid in self._take(None))
+        else:
+            budget = 1 << 62  # the whole prompts taken fit the step by construction
+            self._chunking.extend([rid, 0] for rid in self._take(self.limits.token_budget, b.size))
         if not self._chunking:
             return False
         if b.size:
@@ -117,7 +130,10 @@ class ColocatedReplica(Decoding):
         dur = self.cost.prefill_time(self.layout, pb)
         if b.size:
             dur = max(dur, self.cost.decode_step_time(self.layout, b.size, b.context, self.limits.micro_batches))
+        dur *= self.env.slowdown(self)
         now = self.loop.now
+        if self.trace is not None:
+            self.trace.append((now, now + dur, tuple(b.members), tuple(item[0] for item, _ in chunks)))
         self._pause(now + dur)
         self._busy(now, now + dur)
         self.loop.schedule(now + dur, Priority.WORK, self._on_mixed_done, chunks)

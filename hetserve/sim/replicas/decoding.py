@@ -21,7 +21,8 @@ class Decoding(Replica):
         super().__init__(env, index, spec, layout)
         mb = self.limits.micro_batches
         step = self.cost.decode_step_time
-        self.batch = DecodeBatch(lambda b, c: step(layout, b, c, mb))
+        self._slow = 1.0  # host contention on the running segment (env.slowdown at its start)
+        self.batch = DecodeBatch(lambda b, c: step(layout, b, c, mb) * self._slow)
         self.max_batch = self.limits.max_batch
         self.admitted = 0  # holding a KV reservation and not finished
         self._version = 0
@@ -30,6 +31,9 @@ class Decoding(Replica):
         self._paused_until = 0.0  # when the running prefill (mixed iteration, recompute) ends
         self.pred_sum = 0.0  # Σ predicted output of admitted requests
         self.kv = make_kv_admission(self, self.limits.paged)
+        # When a list: (start, end, decode rids, prompt rids) per iteration, in order (tests compare
+        # it step by step with the runtime's coordinator trace).
+        self.trace: list[tuple[float, float, tuple[int, ...], tuple[int, ...]]] | None = None
 
     @property
     def preemptions(self) -> int:
@@ -68,6 +72,10 @@ class Decoding(Replica):
         b = self.batch
         if b.active:
             self._busy(b.t0, self.loop.now)
+            if self.trace is not None:
+                members = tuple(b.members)
+                self.trace.extend((b.t0 + b.elapsed(i), b.t0 + b.elapsed(i + 1), members, ())
+                                  for i in range(j))
             self.kv.at_boundary(j)
             self._finish_all(b.advance(j))
         self._after_boundary()
@@ -75,7 +83,9 @@ class Decoding(Replica):
     def _start_segment(self) -> None:
         if self.batch.size == 0:
             return
-        end = self.batch.start(self.loop.now, self.kv.segment_limit())
+        limit = self.kv.segment_limit()
+        self._slow = self.env.slowdown(self)
+        end = self.batch.start(self.loop.now, limit)
         self._version += 1
         self._next = end
         self.loop.schedule(end, Priority.WORK, self._on_boundary, (self._version, self.batch.k))
@@ -106,7 +116,7 @@ class Decoding(Replica):
         if not take:
             return False
         now = self.loop.now
-        dur = self.cost.prefill_time(self.layout, PrefillBatch.of([n for _, n in take]))
+        dur = self.cost.prefill_time(self.layout, PrefillBatch.of([n for _, n in take])) * self.env.slowdown(self)
         self._pause(now + dur)
         self._busy(now, now + dur)
         self.loop.schedule(now + dur, Priority.WORK, self._on_recomputed, [rid for rid, _ in take])
@@ -123,6 +133,9 @@ class Decoding(Replica):
 
     def _after_boundary(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def busy_now(self) -> bool:
+        return self.batch.active or self._paused
 
     def _generated_sum(self) -> float:
         return self.batch.generated(self.loop.now)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hetserve.policies.batching import kv_reservation
+
 if TYPE_CHECKING:  # pragma: no cover
     from hetserve.sim.replicas.decoding import Decoding
 
@@ -27,9 +29,10 @@ class ReserveKV:
         self.preemptions = 0
 
     def need(self, rid: int) -> float:
-        """KV to reserve when admitting ``rid``: prompt + whole output."""
+        """KV to reserve when admitting ``rid``: prompt + whole output (the shared policy's
+        ``kv_reservation``, whole blocks)."""
         r = self.rep.req
-        return r.inp[rid] + r.out[rid]
+        return kv_reservation(r.inp[rid], r.out[rid], True, self.rep.limits.block_size)
 
     def base(self) -> float:
         """KV an admission must fit beside: what is reserved."""
@@ -43,8 +46,7 @@ class ReserveKV:
         return 1
 
     def finish(self, rid: int) -> None:
-        r = self.rep.req
-        self.rep._kv_add(-(r.inp[rid] + r.out[rid]))
+        self.rep._kv_add(-self.need(rid))
 
     def after_finish(self) -> None:
         pass

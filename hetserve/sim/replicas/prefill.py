@@ -11,6 +11,7 @@ from collections import deque
 
 from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import ReplicaState, RunningRequest
+from hetserve.policies.batching import StepBuilder, kv_reservation
 from hetserve.sim.events import Priority
 from hetserve.sim.replicas.base import LazyRequests, Replica
 
@@ -32,9 +33,13 @@ class PrefillReplica(Replica):
         self.queued_tokens += self.req.inp[rid]
         self._kick()
 
-    def release(self, tokens: int) -> None:
-        """The decode side has pulled ``tokens`` of KV: free them."""
-        self._kv_add(-tokens)
+    def reservation(self, rid: int) -> int:
+        """KV held for ``rid``'s prompt (whole blocks)."""
+        return kv_reservation(self.req.inp[rid], 0, False, self.limits.block_size)
+
+    def release(self, rid: int) -> None:
+        """The decode side has pulled ``rid``'s KV (or it needed none): free it."""
+        self._kv_add(-self.reservation(rid))
         if self.queue:
             self._kick()
 
@@ -44,22 +49,23 @@ class PrefillReplica(Replica):
             self._kick_at = t
             self.loop.schedule(t, Priority.SCHEDULE, self._on_kick, t)
 
-    def _take(self) -> tuple[list[int], list[int]]:
-        """Prompts of the next batch, in order, within the token budget and the KV left."""
-        inp, budget = self.req.inp, self.limits.token_budget
+    def _take(self) -> tuple[list[int], list[int], int]:
+        """Prompts of the next batch, in order (the shared ``StepBuilder``: token budget, batch
+        limit, KV left); returns their ids, lengths and KV reservation."""
+        inp, lim = self.req.inp, self.limits
+        step = StepBuilder(lim.token_budget, lim.max_batch)
         lengths: list[int] = []
         rids: list[int] = []
-        tokens = 0
+        held = 0
         while self.queue:
-            n = inp[self.queue[0]]
-            if rids and tokens + n > budget:
-                break
-            if not self._can_hold(self.kv_used + tokens, n) and not (not rids and self.kv_used <= 0):
+            rid = self.queue[0]
+            need = self.reservation(rid)
+            if not step.offer(inp[rid], self._can_hold(self.kv_used + held, need)):
                 break
             rids.append(self.queue.popleft())
-            lengths.append(n)
-            tokens += n
-        return rids, lengths
+            lengths.append(inp[rid])
+            held += need
+        return rids, lengths, held
 
     def _on_kick(self, t: float) -> None:
         if t != self._kick_at:
@@ -69,20 +75,21 @@ class PrefillReplica(Replica):
         if now < self._free[0]:
             self._kick()
             return
-        rids, lengths = self._take()
+        rids, lengths, held = self._take()
         if not rids:
             return  # blocked on KV; ``release`` kicks again
         tokens = sum(lengths)
         self.queued_tokens -= tokens
         self.running += len(rids)
         self.running_tokens += tokens
-        self._kv_add(tokens)
+        self._kv_add(held)
         batch = PrefillBatch.of(lengths)
+        slow = self.env.slowdown(self)
         t = now
         stages = self.layout.stages
         for i, (stage, last) in enumerate(self._stages):
             start = t if t > self._free[i] else self._free[i]
-            end = start + self.cost.stage_prefill_time(stage, batch, last)
+            end = start + self.cost.stage_prefill_time(stage, batch, last) * slow
             self._free[i] = end
             t = end if last else end + self.cost.pp_handoff_time(stage, stages[i + 1], tokens)
         self._busy(now, t)
@@ -101,6 +108,10 @@ class PrefillReplica(Replica):
         for rid in rids:
             del self._in_prefill[rid]
             self.env.prefill_done(rid, self)
+
+    def busy_now(self) -> bool:
+        now = self.loop.now
+        return any(f > now for f in self._free)
 
     def state(self, with_requests: bool = False) -> ReplicaState:
         reqs = ()

@@ -1,0 +1,152 @@
+"""Shared network capacity: do plans fit the NICs and pipes, and does the simulator deliver them?
+
+    python -m bench.bench_network routes   [--time-limit S] [--pools a,b] [--algorithms x,y]
+    python -m bench.bench_network agree    [--time-limit S] [--pools a,b] [--requests N]
+    python -m bench.bench_network ratio    [--time-limit S]
+
+``routes``: every algorithm plans Llama-2-70B (Azure conversation trace) on the held-out pools
+(``bench.pools.held_out_pools``); each plan is written to a file, read back, and its traffic per
+NIC / site pipe recomputed from the file alone (``hetserve.planner.traffic``). Target: at most
+110 % of any capacity. ``exact`` is left out (it refuses pools over 8 GPUs).
+
+``agree``: hexgen2's plan on het1-het5 and the held-out pools, simulated saturated (3x the
+plan's request rate, the first N Azure requests, default 6,000); simulated tokens/s against the
+planner's estimate. Target: within +-15 %.
+
+``ratio``: hexgen2's estimate over uniform's on het1-het5 (the paper reports its Figure 5 gains
+against DistServe-like uniform placement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.pools import held_out_pools  # noqa: E402
+from hetserve.planner import ALGORITHMS, Plan, PlanOptions  # noqa: E402
+from hetserve.planner.traffic import plan_traffic  # noqa: E402
+from hetserve.sim.simulator import SimOptions, simulate  # noqa: E402
+from hetserve.specs.cluster import load_cluster  # noqa: E402
+from hetserve.specs.model import load_model  # noqa: E402
+from hetserve.specs.workload import load_workload  # noqa: E402
+
+console = Console(width=150)
+HET = ("hexgen2-het1", "hexgen2-het2", "hexgen2-het3", "hexgen2-het4", "hexgen2-het5")
+ALGOS = ("hexgen2", "random-swap", "genetic", "uniform", "hexgen")
+
+
+def _pools(names: str | None) -> dict:
+    pools = {n: load_cluster(n) for n in HET}
+    pools.update(held_out_pools())
+    if names:
+        pools = {n: c for n, c in pools.items() if n in names.split(",")}
+    return pools
+
+
+def _plan(algo, cluster, model, wl, time_limit):
+    t = time.perf_counter()
+    p = ALGORITHMS[algo](cluster, model, wl, PlanOptions(seed=0, time_limit_s=time_limit))
+    return p, time.perf_counter() - t
+
+
+def routes(args) -> None:
+    model, wl = load_model("llama-2-70b"), load_workload("azure-conv")
+    pools = _pools(args.pools or ",".join(held_out_pools()))
+    t = Table(title=f"routed traffic recomputed from the plan file (llama-2-70b, azure-conv; time limit "
+                    f"{args.time_limit:.0f} s; load {os.getloadavg()[0]:.1f})")
+    for col in ("pool", "algorithm", "tokens/s", "busiest resource", "planned Gbit/s", "capacity", "util",
+                "≤ 110 %", "plan s"):
+        t.add_column(col, justify="left" if col in ("pool", "algorithm", "busiest resource") else "right")
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, cluster in pools.items():
+            for algo in (args.algorithms.split(",") if args.algorithms else ALGOS):
+                plan, wall = _plan(algo, cluster, model, wl, args.time_limit)
+                path = Path(tmp) / f"{name}-{algo}.json"
+                plan.save(path)
+                back = Plan.load(path)  # the check reads the file, not the search's objects
+                traffic = plan_traffic(back, cluster, model)
+                top = traffic[0] if traffic else None
+                util = top.utilisation if top else 0.0
+                worst = max(worst, util)
+                t.add_row(name, algo, f"{back.estimate['throughput_tokens_per_s']:,.0f}",
+                          top.name if top else "(no traffic between boxes)",
+                          f"{top.gbps:.3g}" if top else "–", f"{top.capacity * 8 / 1e9:.3g}" if top else "–",
+                          f"{util:.1%}", "yes" if util <= 1.10 else "NO", f"{wall:.1f}")
+                console.print(f"{name} {algo} util {util:.3f} ({wall:.0f} s)")
+    console.print(t)
+    console.print(f"worst utilisation over every plan: {worst:.1%} (target ≤ 110 %)")
+
+
+def agree(args) -> None:
+    model, wl = load_model("llama-2-70b"), load_workload("azure-conv")
+    trace = wl.head(args.requests)
+    t = Table(title=f"planner estimate vs simulator, saturated at 3× the plan's rate ({args.requests:,} Azure "
+                    f"requests, placement {args.placement}; load {os.getloadavg()[0]:.1f})")
+    for col in ("pool", "plan", "estimate tok/s", "simulated tok/s", "sim / est", "within ±15 %", "sim s"):
+        t.add_column(col, justify="left" if col in ("pool", "plan") else "right")
+    for name, cluster in _pools(args.pools).items():
+        cached = Path(args.plans_dir) / f"{name}-{args.algorithm}.json" if args.plans_dir else None
+        if cached is not None and cached.exists():
+            plan = Plan.load(cached)
+        else:
+            plan, _ = _plan(args.algorithm, cluster, model, wl, args.time_limit)
+            if cached is not None:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                plan.save(cached)
+        e = plan.estimate
+        rate = 3 * e["requests_per_period"] / e["period_s"]
+        t0 = time.perf_counter()
+        res = simulate(plan, cluster, model, trace.with_rate(rate), SimOptions(placement=args.placement))
+        wall = time.perf_counter() - t0
+        sim = res.summary()["throughput_tokens_per_s"]
+        est = e["throughput_tokens_per_s"]
+        kind = "disagg" if plan.is_disaggregated else "colocated"
+        t.add_row(name, f"{args.algorithm} ({kind}, {len(plan.replicas)} replicas)", f"{est:,.0f}", f"{sim:,.0f}",
+                  f"{sim / est:.2f}", "yes" if abs(sim / est - 1) <= 0.15 else "NO", f"{wall:.1f}")
+        console.print(f"{name}: estimate {est:,.0f} simulated {sim:,.0f} ({sim / est:.2f})")
+    console.print(t)
+
+
+def ratio(args) -> None:
+    model, wl = load_model("llama-2-70b"), load_workload("azure-conv")
+    t = Table(title=f"hexgen2 / uniform estimate (llama-2-70b, azure-conv; load {os.getloadavg()[0]:.1f})")
+    for col in ("pool", "hexgen2 tok/s", "uniform tok/s", "ratio"):
+        t.add_column(col, justify="right")
+    for name in HET:
+        c = load_cluster(name)
+        h, _ = _plan("hexgen2", c, model, wl, args.time_limit)
+        u, _ = _plan("uniform", c, model, wl, args.time_limit)
+        a, b = h.estimate["throughput_tokens_per_s"], u.estimate["throughput_tokens_per_s"]
+        t.add_row(name, f"{a:,.0f}", f"{b:,.0f}", f"{a / b:.2f}")
+        console.print(f"{name}: {a:,.0f} / {b:,.0f} = {a / b:.2f}")
+    console.print(t)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("routes", "agree", "ratio"))
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--pools", help="comma-separated pool names (default: all of the sub-command's)")
+    ap.add_argument("--algorithms", help="routes: comma-separated algorithms")
+    ap.add_argument("--algorithm", default="hexgen2", help="agree: the planner")
+    ap.add_argument("--requests", type=int, default=6000)
+    ap.add_argument("--placement", default="jsq", help="agree: the simulator's request placement (default jsq)")
+    ap.add_argument("--plans-dir", help="agree: reuse / keep the plans here")
+    args = ap.parse_args(argv)
+    {"routes": routes, "agree": agree, "ratio": ratio}[args.what](args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""``hetserve compare``: replay a trace against the live server and the simulator; served vs simulated."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="served vs simulated for the same plan and requests",
+                       description="Serve the plan, replay a slice of a trace through the openai client, simulate "
+                                   "the same requests with the same policies and batching, and print served vs "
+                                   "simulated TTFT/TPOT/E2E (mean, p50, p90, p99) and throughput.")
+    p.add_argument("--plan", required=True, help="plan file (JSON or YAML)")
+    p.add_argument("--model", required=True, help="checkpoint folder (see `hetserve make-model`)")
+    p.add_argument("--cluster", help="cluster preset or file (default: the preset the plan names)")
+    p.add_argument("--workload", default="azure-conv", help="workload preset or CSV (default azure-conv)")
+    p.add_argument("--workload-class", choices=["HPLD", "HPHD", "LPHD", "LPLD"], help="only one HexGen-2 class")
+    p.add_argument("--rate", type=float, help="request rate, requests/s (default: the trace's)")
+    p.add_argument("-n", "--num-requests", type=int, default=24, help="requests to replay (default 24)")
+    p.add_argument("--max-input", type=int, default=256, help="cap on prompt tokens (default 256)")
+    p.add_argument("--max-output", type=int, default=32, help="cap on output tokens (default 32)")
+    p.add_argument("--efficiency", help="calibration file (hetserve calibrate -o) for the simulator's cost model")
+    p.add_argument("--router", default="jsq", help="placement policy, both sides (default jsq)")
+    p.add_argument("--route", default="flow", choices=["flow", "load", "aladdin"],
+                   help="KV route policy, both sides (default flow)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output", help="folder for compare.json and compare_cdf.png")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from hetserve.compare import CompareOptions, compare, print_table
+    from hetserve.errors import RuntimeFailure
+    from hetserve.planner.plan import Plan
+    from hetserve.specs.cluster import load_cluster
+
+    plan = Plan.load(args.plan)  # input errors first, in one line
+    cluster = load_cluster(args.cluster or plan.cluster)
+    if args.efficiency:
+        from hetserve.cost.analytic import load_efficiency
+        load_efficiency(args.efficiency)
+    try:
+        c = compare(CompareOptions(plan=plan, model_dir=args.model, cluster=cluster, workload=args.workload,
+                                   workload_class=args.workload_class, rate=args.rate,
+                                   num_requests=args.num_requests, max_input=args.max_input,
+                                   max_output=args.max_output, efficiency=args.efficiency, router=args.router,
+                                   route=args.route, seed=args.seed))
+    except RuntimeError as exc:
+        raise RuntimeFailure(str(exc)) from exc
+    console = Console()
+    print_table(c, console)
+    if args.output:
+        for path in c.save(args.output):
+            console.print(f"wrote {path}")
+    return 0

@@ -1,0 +1,207 @@
+"""``hetserve compare``: the same requests against the live server and the simulator, side by side.
+
+The served side starts the plan's engine behind the OpenAI-compatible server, replays a slice of a
+trace through the ``openai`` client (every request generates exactly its trace output length:
+``ignore_eos``) and times every request at the client. The simulated side plays the same requests
+(same arrival offsets, prompt and output lengths) against the same plan with the same policies and
+batching knobs the server ran with (placement, KV route, token budget, sequence cap, each replica's
+actual KV pool in blocks) and the cost model calibrated to this machine (``--efficiency``: the
+efficiency factors and the per-request HTTP/tokenisation/SSE overhead of ``hetserve calibrate``).
+
+Output: a table of mean / p50 / p90 / p99 of TTFT, TPOT and E2E and the output throughput, served
+vs simulated with their ratio; one figure with both CDFs per metric; the table as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+METRICS = ("ttft_s", "tpot_s", "e2e_s")
+STATS = ("mean", "p50", "p90", "p99")
+
+
+@dataclass(frozen=True)
+class CompareOptions:
+    plan: Any  # Plan or path
+    model_dir: str
+    cluster: Any = None  # Cluster, preset or path; None: the plan's
+    workload: str = "azure-conv"
+    workload_class: str | None = None
+    rate: float | None = None  # requests/s (None: the trace's own)
+    num_requests: int = 24
+    start: int = 0  # first request of the trace
+    max_input: int | None = 256
+    max_output: int | None = 32
+    efficiency: str | None = None  # calibration file (hetserve calibrate -o)
+    router: str = "jsq"
+    route: str = "flow"
+    seed: int = 0
+
+
+@dataclass
+class Comparison:
+    table: dict[str, dict[str, float]]  # "ttft_s.mean" -> {"served", "simulated", "ratio"}
+    served: dict[str, np.ndarray]  # per request, seconds
+    simulated: dict[str, np.ndarray]
+    info: dict[str, Any]
+    # (plan, cluster, model spec, requests, engine config, KV pools, efficiency, request overhead,
+    # served summary): what a benchmark needs to simulate the same run again with other options
+    context: tuple = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"table": self.table, "info": self.info}
+
+    def save(self, out_dir: str | Path) -> list[Path]:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "compare.json"
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        return [path, plot_cdfs(self, out / "compare_cdf.png")]
+
+
+def _stats(x: np.ndarray) -> dict[str, float]:
+    x = x[np.isfinite(x)]
+    if len(x) == 0:
+        return {s: float("nan") for s in STATS}
+    p50, p90, p99 = np.percentile(x, [50, 90, 99])
+    return {"mean": float(x.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def table_of(served: dict[str, np.ndarray], simulated: dict[str, np.ndarray], served_tps: float,
+             simulated_tps: float) -> dict[str, dict[str, float]]:
+    """Served vs simulated per statistic, with the ratio simulated / served."""
+    rows = {"throughput_tokens_per_s": (served_tps, simulated_tps)}
+    for m in METRICS:
+        a, b = _stats(served[m]), _stats(simulated[m])
+        for s in STATS:
+            rows[f"{m}.{s}"] = (a[s], b[s])
+    return {k: {"served": v, "simulated": w, "ratio": (w / v) if v else float("nan")} for k, (v, w) in rows.items()}
+
+
+def compare(opts: CompareOptions) -> Comparison:
+    """Serve, replay, simulate; see the module docstring."""
+    from hetserve.cost.analytic import load_efficiency
+    from hetserve.planner.plan import Plan
+    from hetserve.runtime.calibrate import load_contention, load_request_overhead, machine_info
+    from hetserve.serve.launch import ServeOptions, start_server
+    from hetserve.serve.loadgen import replay, requests_from_workload, summarize
+    from hetserve.specs.cluster import Cluster, load_cluster
+    from hetserve.specs.model import load_model
+    from hetserve.specs.workload import load_workload
+
+    plan = opts.plan if isinstance(opts.plan, Plan) else Plan.load(opts.plan)
+    cluster = opts.cluster if isinstance(opts.cluster, Cluster) else load_cluster(str(opts.cluster or plan.cluster))
+    spec = load_model(opts.model_dir)
+    if spec.name != plan.model:  # the checkpoint folder's name need not be the plan's model name
+        import dataclasses
+
+        spec = dataclasses.replace(spec, name=plan.model)
+    trace = load_workload(opts.workload)
+    if opts.workload_class:
+        trace = trace.of_class(opts.workload_class)
+    if opts.rate:
+        trace = trace.with_rate(opts.rate)
+    requests = requests_from_workload(trace, opts.num_requests, max_input=opts.max_input,
+                                      max_output=opts.max_output, seed=opts.seed, start=opts.start)
+    load_before = os.getloadavg()[0]
+    serve_opts = ServeOptions(plan=plan, cluster=cluster, model_dir=str(opts.model_dir), router=opts.router,
+                              route=opts.route, seed=opts.seed)
+    with start_server(serve_opts) as server:
+        engine = server.deployment.engine
+        pools = {rid: s.blocks.capacity_tokens for rid, s in engine.schedulers.items()}
+        cfg = engine.config
+        results = replay(server.url, server.deployment.coordinator.model_name, requests, ignore_eos=True)
+    load_after = os.getloadavg()[0]
+    summary = summarize(results)
+    if summary["errors"]:
+        raise RuntimeError(f"served requests failed: {summary['errors']}")
+    served = {"ttft_s": np.array([r.ttft_s for r in results]), "e2e_s": np.array([r.e2e_s for r in results]),
+              "tpot_s": np.array([r.tpot_s for r in results if r.tpot_s is not None])}
+
+    efficiency = load_efficiency(opts.efficiency) if opts.efficiency else None
+    overhead = load_request_overhead(opts.efficiency) if opts.efficiency else 0.0
+    contention = load_contention(opts.efficiency) if opts.efficiency else 1.0
+    res = simulate_side(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead,
+                        contention_slowdown=contention)
+    steps = res.output_tokens > 1
+    simulated = {"ttft_s": res.ttft, "e2e_s": res.e2e, "tpot_s": res.tpot[steps]}
+    table = table_of(served, simulated, summary["throughput_tokens_per_s"],
+                     res.summary()["throughput_tokens_per_s"])
+    info = {"plan": str(getattr(opts.plan, "name", opts.plan)) if not isinstance(opts.plan, Plan) else plan.algorithm,
+            "replicas": {r.id: r.role for r in plan.replicas}, "requests": len(requests),
+            "workload": opts.workload, "workload_class": opts.workload_class, "rate": opts.rate,
+            "router": opts.router, "route": opts.route, "efficiency": opts.efficiency,
+            "request_overhead_s": overhead, "contention_slowdown": contention, "kv_pools": pools, "token_budget": cfg.max_batched_tokens,
+            "max_num_seqs": cfg.max_num_seqs, "load_avg_1m": [round(load_before, 2), round(load_after, 2)],
+            "machine": machine_info(),
+            "served_source": "measured at the openai client on this machine",
+            "simulated_source": ("cost model calibrated by " + opts.efficiency) if opts.efficiency
+            else "cost model with default (uncalibrated) efficiency"}
+    return Comparison(table, served, simulated, info,
+                      (plan, cluster, spec, requests, cfg, pools, efficiency, overhead, summary, contention))
+
+
+def simulate_side(plan, cluster, spec, requests, opts: CompareOptions, cfg, pools: dict[str, int], efficiency,
+                  overhead: float, **overrides):
+    """The simulator on the replayed requests with the server's policies, batching knobs and KV pools
+    (``overrides``: other ``SimOptions`` fields, e.g. to play the pre-issue-13 defaults)."""
+    from hetserve.cost.analytic import CostModel
+    from hetserve.sim import SimOptions, simulate
+    from hetserve.specs.workload import Workload
+
+    workload = Workload.from_lists("replay", [r.arrival_s for r in requests], [len(r.prompt) for r in requests],
+                                   [r.max_tokens for r in requests])
+    kw = dict(placement=opts.router, route=opts.route, seed=opts.seed, token_budget=cfg.max_batched_tokens,
+              max_batch=cfg.max_num_seqs, kv_block_tokens=cfg.block_size, kv_capacity_tokens=pools,
+              micro_batches=cfg.micro_batches, request_overhead_s=overhead)
+    kw.update(overrides)
+    return simulate(plan, cluster, spec, workload, SimOptions(**kw), cost=CostModel(cluster, spec, efficiency))
+
+
+def plot_cdfs(c: Comparison, path: str | Path) -> Path:
+    """One figure: served and simulated CDFs of TTFT, TPOT and E2E (one panel each)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, m, title in zip(axes, METRICS, ("TTFT", "TPOT", "E2E")):
+        for data, label, style in ((c.served[m], "served", "-"), (c.simulated[m], "simulated", "--")):
+            x = np.sort(data[np.isfinite(data)]) * 1e3
+            if len(x):
+                ax.step(x, np.arange(1, len(x) + 1) / len(x), style, where="post", label=label)
+        ax.set_xlabel(f"{title} (ms)")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("fraction of requests")
+    axes[0].legend(loc="lower right")
+    fig.suptitle(f"served vs simulated ({c.info['requests']} requests; {c.info['simulated_source']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def print_table(c: Comparison, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    t = Table("metric", "served", "simulated", "sim / served",
+              title=f"served vs simulated — load avg {c.info['load_avg_1m'][0]} → {c.info['load_avg_1m'][1]} "
+                    f"(served: measured; simulated: {c.info['simulated_source']})")
+    for key, row in c.table.items():
+        scale, unit = (1.0, "") if key.startswith("throughput") else (1e3, " ms")
+        name = "output tokens/s" if key.startswith("throughput") else key.replace("_s.", " ").upper().replace(
+            "MEAN", "mean").replace("P50", "p50").replace("P90", "p90").replace("P99", "p99") + unit
+        r = row["ratio"]
+        t.add_row(name, f"{row['served'] * scale:,.1f}", f"{row['simulated'] * scale:,.1f}",
+                  f"{r:.2f}" if r == r else "-")
+    console.print(t)

@@ -1,0 +1,97 @@
+"""Continuous batching: which requests run in a replica's next step. One copy, two clocks.
+
+The simulator's replicas (``hetserve.sim.replicas``) and the runtime's ``ReplicaScheduler`` both
+build every step with ``StepBuilder`` and reserve KV with ``kv_reservation``, from the defaults in
+``BatchingConfig`` (the only place they are written). Pure Python: no torch, no sockets.
+
+A step (one forward pass of a replica) carries:
+
+* every running decode sequence (one token each) — on a pipeline, an even share per micro-batch;
+* on a prefill-capable replica, waiting prompts from the head of the FCFS queue while
+  - the step stays within ``token_budget`` tokens (decode tokens + prompt tokens; the first prompt
+    of a step always gets in, so a prompt longer than the budget runs, alone with the decodes),
+  - the replica runs at most ``max_batch`` sequences,
+  - the prompt's KV reservation fits the pool (``kv_reservation``); the first prompt that does not
+    fit stops admission (nobody overtakes it: FCFS).
+
+``prefill_mode`` says how prompts meet decodes on a colocated replica:
+``"mixed"`` (the runtime's engine, vLLM v1 without chunking): whole prompts ride in the decode
+step; ``"prefill_first"`` (vLLM v0): a step of prompts only, decoding waits for it;
+``"chunked"`` (Sarathi): prompt chunks ride along up to ``chunk_tokens`` per step. The runtime
+implements ``"mixed"``; the other two are simulator what-ifs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+PrefillMode = Literal["mixed", "prefill_first", "chunked"]
+PREFILL_MODES = ("mixed", "prefill_first", "chunked")
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    """The batching knobs, with the one set of defaults the simulator and the runtime share."""
+
+    token_budget: int = 2048  # tokens per step: decode tokens + prompt tokens
+    max_batch: int = 256  # sequences per step (running requests per replica); vLLM's max_num_seqs
+    prefill_mode: PrefillMode = "mixed"
+    chunk_tokens: int = 512  # tokens per step with chunked prefill (decode tokens included)
+    block_size: int = 16  # KV tokens per block; reservations are whole blocks
+
+    def __post_init__(self) -> None:
+        if min(self.token_budget, self.max_batch, self.chunk_tokens, self.block_size) < 1:
+            raise ValueError("token_budget, max_batch, chunk_tokens and block_size must be positive")
+        if self.prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}, got {self.prefill_mode!r}")
+
+
+DEFAULT_BATCHING = BatchingConfig()
+
+
+def kv_reservation(prompt_tokens: int, max_tokens: int, decoding: bool, block_size: int) -> int:
+    """KV tokens a replica reserves when it admits a request, in whole blocks.
+
+    A decoding (decode or colocated) replica reserves every token the request can ever hold,
+    prompt + ``max_tokens``, so a running request never runs out of room; a prefill replica the
+    prompt only (it frees it once the KV reached the decode side). The simulator's requests carry
+    their true output length as ``max_tokens`` (a replayed trace sends exactly that, ignoring EOS).
+    """
+    tokens = prompt_tokens + max_tokens if decoding else prompt_tokens
+    return -(-tokens // block_size) * block_size
+
+
+def decode_share(running: int, micro_batches: int) -> int:
+    """Decode sequences per micro-batch: the running ones spread evenly over the steps in flight."""
+    return -(-running // max(1, micro_batches))
+
+
+class StepBuilder:
+    """Admission of waiting prompts into one step: ``offer`` each head of queue until it says no.
+
+    ``tokens`` / ``seqs``: what the step already carries (its decode tokens and sequences; the
+    simulator passes the replica's admitted requests as ``seqs``, the same number on a one-stage
+    replica). ``budget``: the step's token budget (``None``: unlimited, e.g. chunked prefill).
+    """
+
+    __slots__ = ("budget", "max_seqs", "tokens", "seqs", "prompts")
+
+    def __init__(self, budget: int | None, max_seqs: int, tokens: int = 0, seqs: int = 0):
+        self.budget, self.max_seqs = budget, max_seqs
+        self.tokens, self.seqs, self.prompts = tokens, seqs, 0
+
+    def room_for(self, prompt_tokens: int) -> bool:
+        """Whether a prompt of ``prompt_tokens`` fits the step's budget and sequence limit."""
+        if self.seqs >= self.max_seqs:
+            return False
+        return self.budget is None or self.prompts == 0 or self.tokens + prompt_tokens <= self.budget
+
+    def offer(self, prompt_tokens: int, kv_fits: bool) -> bool:
+        """Admit the head of the queue if it fits the step and its KV fits the pool (then count it)."""
+        if not kv_fits or not self.room_for(prompt_tokens):
+            return False
+        self.tokens += prompt_tokens
+        self.seqs += 1
+        self.prompts += 1
+        return True

@@ -1,0 +1,95 @@
+"""Where the runtime listens: one bind address per process, checked, and TP groups that use it.
+
+Every socket the runtime opens binds one named address — the engine's endpoint and rendezvous
+store bind the engine's ``host``, each worker's endpoint and its gloo device bind its node's
+address — and advertises that same address to its peers. None binds all interfaces: a pool that
+spans machines is reachable where it says it is, and nowhere else.
+
+Two things in torch would otherwise bind more than asked for:
+
+- ``TCPStore(host, 0, is_master=True)`` listens on every interface whatever ``host`` says; the
+  store here is handed a socket already bound to ``host`` (``master_listen_fd``).
+- gloo picks its own address from the machine's hostname (or ``GLOO_SOCKET_IFNAME``), which on many
+  hosts resolves to 127.0.x.1 — unreachable from other machines, and not the node's address when
+  several nodes share one machine. The TP group here uses gloo with a device bound to ``host``
+  (registered as the backend ``hetserve_gloo``). NCCL's own bootstrap picks its interface from
+  ``NCCL_SOCKET_IFNAME``; only its rendezvous goes through the store.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from datetime import timedelta
+
+LOOPBACK = "127.0.0.1"
+_WILDCARDS = {"", "0.0.0.0", "::", "[::]", "*"}
+GLOO = "hetserve_gloo"  # gloo with a device bound to the worker's address
+
+
+def check_bind_address(host: str, what: str = "address") -> str:
+    """``host`` if it names one address; ValueError for a wildcard (all interfaces) or a malformed one."""
+    if host is None or str(host).strip() in _WILDCARDS:
+        raise ValueError(f"{what} must name this machine's address on the network its peers use "
+                         f"(e.g. 10.0.0.5), not {host!r}: that listens on every interface and advertises none")
+    host = str(host).strip()
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not all(part and len(part) < 64 for part in host.split(".")) or " " in host:
+            raise ValueError(f"{what} {host!r} is neither an IP address nor a host name") from None
+    return host
+
+
+def listen_socket(host: str) -> socket.socket:
+    """A TCP listening socket bound to ``host`` (IPv4, IPv6 or a host name) on a port the OS picks."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, 0), family=family)
+
+
+class BoundStore:
+    """The rendezvous store of TP groups (a ``torch.distributed.TCPStore`` master) listening on ``host`` only."""
+
+    def __init__(self, host: str):
+        import torch.distributed as dist
+
+        sock = listen_socket(host)
+        self.address: tuple[str, int] = sock.getsockname()[:2]
+        self.store = dist.TCPStore(self.address[0], self.address[1], is_master=True, wait_for_workers=False,
+                                   master_listen_fd=sock.fileno(), use_libuv=True)
+        sock.detach()  # the store serves on this very socket and closes it when it goes
+
+    def close(self) -> None:
+        self.store = None
+
+
+def init_tp_group(backend: str, store_address: tuple[str, int], prefix: str, rank: int, world: int,
+                  host: str, timeout_s: float) -> None:
+    """Join this process's TP group (the default process group) through the store at ``store_address``.
+
+    ``backend`` "gloo" binds gloo's device to ``host``; "nccl" is NCCL as configured by its
+    environment. ``prefix`` keeps the keys of different groups apart in one store.
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore(store_address[0], store_address[1], is_master=False, timeout=timedelta(seconds=60))
+    group_store = dist.PrefixStore(prefix, store)
+    if backend == "gloo":
+        _register_bound_gloo(host)
+        backend = GLOO
+    dist.init_process_group(backend, store=group_store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def _register_bound_gloo(host: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed import ProcessGroupGloo
+
+    def create(store, rank, size, timeout):
+        opts = ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+        return ProcessGroupGloo(store, rank, size, opts)
+
+    if not hasattr(dist.Backend, GLOO.upper()):  # one registration per process
+        dist.Backend.register_backend(GLOO, create, devices=["cpu", "cuda"])

@@ -3,6 +3,9 @@
     python -m bench.bench_planner scaling [--quick]   # wall time and throughput vs pool size
     python -m bench.bench_planner quality [--quick]   # hexgen2 vs baselines on hexgen2-het1, 4 classes
     python -m bench.bench_planner exact               # gap to the exact search on pools of ≤ 8 GPUs
+    python -m bench.bench_planner seeds [--seeds 5]    # 5 seeds on het1–het5 + 48 GPUs; baselines; gains; bound gap
+    python -m bench.bench_planner bound --sizes 20,64,320  # hexgen2 against the LP upper bound
+    python -m bench.bench_planner cost                # HexGen-2 §5.2 cost efficiency; Mélange-style rent table
     python -m bench.bench_planner all [--quick]
 
 Scaling: HexGen-2 on synthetic pools (``bench.pools``) of 20…320 GPUs serving Llama-2-70B on the
@@ -101,11 +104,23 @@ def _case_study():
                     "inter_site": {"bandwidth_gbps": 3, "latency_ms": 15}}})
 
 
-def exact_gap() -> None:
+def _island(g1: str, n1: int, g2: str, n2: int):
+    """A box in one site and an island of smaller GPUs behind a 0.5 Gbit/s pipe (mixed plans win)."""
+    return cluster_from_dict({
+        "name": f"island {n1}×{g1.split('-')[0]} + {n2}×{g2}",
+        "machines": [{"name": "a0", "gpu": g1, "count": n1, "site": "a"},
+                     {"name": "b0", "gpu": g2, "count": n2, "site": "b"}],
+        "network": {"intra_site": {"bandwidth_gbps": 100, "latency_ms": 0.1},
+                    "inter_site": {"bandwidth_gbps": 0.5, "latency_ms": 30}}})
+
+
+def exact_gap(only_mixed: bool = False) -> None:
     wl = load_workload("azure-conv")
-    pools = [(_case_study(), "llama-2-70b"), (load_cluster("hexgen2-homo"), "llama-2-70b"),
+    islands = [(_island("H100-SXM-80G", 4, "RTX-4090", 4), "llama-2-7b"),
+               (_island("A100-SXM-80G", 4, "L4", 2), "llama-2-7b"), (_island("L40", 4, "A6000", 4), "llama-2-7b")]
+    pools = islands if only_mixed else [(_case_study(), "llama-2-70b"), (load_cluster("hexgen2-homo"), "llama-2-70b"),
              (load_cluster("aladdin-a100"), "llama-2-70b"), (load_cluster("demo-cpu"), "llama-2-7b"),
-             (load_cluster("aladdin-v100"), "llama-2-7b"), (load_cluster("molink-3x4090"), "llama-2-7b")]
+             (load_cluster("aladdin-v100"), "llama-2-7b"), (load_cluster("molink-3x4090"), "llama-2-7b"), *islands]
     others = ("uniform", "random-swap", "genetic")
     t = Table(title="gap to the exact search (partitions × roles × layout alternatives, and colocated), tokens/s")
     for col in ("pool", "model", "class", "exact", "exact s", "kind", "hexgen2", "hexgen2 s", "hexgen2 / exact",
@@ -124,15 +139,142 @@ def exact_gap() -> None:
             hc = _run("hexgen", cluster, m, w)[0].estimate["throughput_tokens_per_s"]
             ratios.append(hv / xv)
             t.add_row(cluster.name, mname, k, f"{xv:,.0f}", f"{tx:.2f}",
-                      "disagg." if x.is_disaggregated else "coloc.", f"{hv:,.0f}", f"{th:.2f}", f"{hv / xv:.3f}",
+                      ("mixed" if x.is_disaggregated and x.by_role("colocated") else
+                       "disagg." if x.is_disaggregated else "coloc."), f"{hv:,.0f}", f"{th:.2f}", f"{hv / xv:.3f}",
                       *(f"{r:.3f}" for r in rest), f"{hc / xc:.3f}")
     console.print(t)
     console.print(f"hexgen2 / exact: min {min(ratios):.3f}, mean {statistics.mean(ratios):.3f} over {len(ratios)} cases")
 
 
+HET = ("hexgen2-het1", "hexgen2-het2", "hexgen2-het3", "hexgen2-het4", "hexgen2-het5")
+BASELINES = ("genetic", "random-swap", "uniform", "hexgen")
+
+
+def _load() -> str:
+    import os
+
+    return "load avg " + " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def seeds(n_seeds: int, pools=None) -> None:
+    """hexgen2 on every seed: spread, every baseline on the same seed, the share of the gain each
+    kind of move earned (search log), and the gap to the upper bound."""
+    model, wl = load_model("llama-2-70b"), load_workload("azure-conv")
+    pools = pools or [*HET, "synthetic-48"]
+    t = Table(title=f"hexgen2 over {n_seeds} seeds (llama-2-70b, azure-conv); baselines on the same seeds")
+    for col in ("pool", "hexgen2 tokens/s per seed", "spread", "wall s (mean)", "min hexgen2 / best baseline",
+                "upper bound", "hexgen2 / bound"):
+        t.add_column(col, justify="left" if col == "pool" else "right")
+    gains: dict[str, float] = {}
+    for name in pools:
+        c = synthetic_pool(48) if name == "synthetic-48" else load_cluster(name)
+        vals, walls, worst = [], [], float("inf")
+        for s in range(n_seeds):
+            h, wall = _run("hexgen2", c, model, wl, seed=s)
+            v = h.estimate["throughput_tokens_per_s"]
+            vals.append(v)
+            walls.append(wall)
+            for g in (h.search_log or {}).get("gains", []):
+                key = "restart kicks" if g["phase"] == "restart" else (
+                    "final step" if g["phase"] == "final" else g["kind"].split(":")[0] if g["kind"].startswith("cut")
+                    else "other guided edits")
+                gains[key] = gains.get(key, 0.0) + g["tokens_per_s"]
+            best_base = max(_run(a, c, model, wl, seed=s)[0].estimate["throughput_tokens_per_s"] for a in BASELINES)
+            worst = min(worst, v / best_base)
+            ub = h.estimate["upper_bound_tokens_per_s"]
+        t.add_row(name, " / ".join(f"{v:,.0f}" for v in vals), f"{(max(vals) - min(vals)) / max(vals):.1%}",
+                  f"{statistics.mean(walls):.1f}", f"{worst:.3f}", f"{ub:,.0f}", f"{max(vals) / ub:.3f}")
+        console.print(f"  {name}: {' / '.join(f'{v:,.0f}' for v in vals)}; spread "
+                      f"{(max(vals) - min(vals)) / max(vals):.1%}; min hexgen2/best baseline {worst:.3f}; "
+                      f"bound {ub:,.0f} ({max(vals) / ub:.3f}); gains so far "
+                      + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(gains.items(), key=lambda x: -x[1]))
+                      + f" ({_load()})", style="dim")
+    console.print(t)
+    total = sum(gains.values()) or 1.0
+    g = Table(title="share of hexgen2's improvement over its phase-1 start, by kind of move (all pools and seeds)")
+    g.add_column("kind")
+    g.add_column("share", justify="right")
+    for k, v in sorted(gains.items(), key=lambda x: -x[1]):
+        g.add_row(k, f"{v / total:.1%}")
+    console.print(g)
+    console.print("cut …: min-cut-guided edits in the first descent or after a guided escape; other guided "
+                  "edits: the flow-utilisation moves (idle devices, splits, merges); restart kicks: climbs "
+                  "after a random kick; final step: colocated / mixed alternative. " + _load())
+
+
+def bound_gap(sizes) -> None:
+    model, wl = load_model("llama-2-70b"), load_workload("azure-conv")
+    t = Table(title="hexgen2 against the LP upper bound (planner/bound.py), synthetic pools")
+    for col in ("GPUs", "hexgen2 tokens/s", "wall s", "upper bound", "bound s", "hexgen2 / bound"):
+        t.add_column(col, justify="right")
+    from hetserve.planner.bound import upper_bound
+    from hetserve.planner.context import PlanContext
+    for n in sizes:
+        c = synthetic_pool(n)
+        h, wall = _run("hexgen2", c, model, wl)
+        t0 = time.perf_counter()
+        ub = upper_bound(PlanContext(c, model, wl)).tokens_per_s
+        tb = time.perf_counter() - t0
+        v = h.estimate["throughput_tokens_per_s"]
+        t.add_row(str(n), f"{v:,.0f}", f"{wall:.1f}", f"{ub:,.0f}", f"{tb:.2f}", f"{v / ub:.3f}")
+        console.print(f"  {n} GPUs done ({_load()})", style="dim")
+    console.print(t)
+
+
+def cost(quick: bool) -> None:
+    """HexGen-2 §5.2: setting 5 (70 % of the budget) against 8×H100 with DistServe-style plans;
+    the budget objective choosing GPUs from the union of settings 1–5; a Mélange-style table."""
+    from hetserve.planner import plan as plan_fn
+
+    model, wl = load_model("llama-2-70b"), load_workload("azure-conv")
+    homo, het5 = load_cluster("hexgen2-homo"), load_cluster("hexgen2-het5")
+    t = Table(title=f"cost efficiency (HexGen-2 §5.2): het5 ${het5.usd_per_hour():.2f}/h vs homogeneous "
+                    f"${homo.usd_per_hour():.2f}/h")
+    for col in ("class", "homo uniform (DistServe)", "homo hexgen2", "het5 hexgen2", "het5 / homo uniform",
+                "het5 tokens/$ / homo tokens/$"):
+        t.add_column(col, justify="left" if col == "class" else "right")
+    for k in (("all",) + CLASSES[:2] if quick else ("all",) + CLASSES):
+        w = wl if k == "all" else wl.of_class(k)
+        u = _run("uniform", homo, model, w)[0].estimate
+        hh = _run("hexgen2", homo, model, w)[0].estimate
+        h5 = _run("hexgen2", het5, model, w)[0].estimate
+        t.add_row(k, f"{u['throughput_tokens_per_s']:,.0f}", f"{hh['throughput_tokens_per_s']:,.0f}",
+                  f"{h5['throughput_tokens_per_s']:,.0f}",
+                  f"{h5['throughput_tokens_per_s'] / u['throughput_tokens_per_s']:.2f}",
+                  f"{h5['tokens_per_usd'] / u['tokens_per_usd']:.2f}")
+    console.print(t)
+    # Mélange-style: which GPUs to rent for a rate, within TTFT ≤ 2 s and TPOT ≤ 0.1 s
+    pool = synthetic_pool(48)
+    m = Table(title=f"cheapest GPUs for a rate ({pool.name}: H100 / A100 / L40 / A6000 machines; "
+                    f"TTFT ≤ 2 s, TPOT ≤ 0.1 s; sized at 70 % load)")
+    for col in ("requests/s", "GPUs chosen", "$/h", "LP lower bound $/h", "estimated goodput req/s",
+                "simulated SLO attainment", "simulated completed"):
+        m.add_column(col, justify="right")
+    from hetserve.sim.simulator import SimOptions, simulate
+    from hetserve.specs.workload import SLO
+    for rate in ((0.5, 2.0) if quick else (0.5, 1.0, 2.0, 4.0)):
+        opts = PlanOptions(seed=0, objective="cost", rate=rate, slo_ttft_s=2.0, slo_tpot_s=0.1)
+        p = plan_fn(pool, model, wl, "hexgen2", opts)
+        e = p.estimate
+        counts: dict[str, int] = {}
+        for d in p.devices:
+            g = pool.device(d).gpu.name
+            counts[g] = counts.get(g, 0) + 1
+        sim = simulate(p, pool, model, wl.with_rate(rate).head(400),
+                       SimOptions(slo=SLO(ttft_s=2.0, tpot_s=0.1), chunked_prefill=True)).summary()
+        m.add_row(f"{rate:g}", ", ".join(f"{n}×{g}" for g, n in sorted(counts.items())),
+                  f"{e['cost_usd_per_hour']:.2f}", f"{e['min_cost_bound_usd_per_hour']:.2f}",
+                  f"{e['goodput_requests_per_s']:.2f}", f"{sim['slo_attainment']:.2f}", f"{sim['completed']}/400")
+        console.print(f"  rate {rate} done ({_load()})", style="dim")
+    console.print(m)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("scaling", "quality", "exact", "all"))
+    p.add_argument("what", choices=("scaling", "quality", "exact", "seeds", "bound", "cost", "all"))
+    p.add_argument("--mixed-only", action="store_true", help="exact: only the island pools (mixed plans)")
+    p.add_argument("--seeds", type=int, default=5, help="seeds for the seeds benchmark")
+    p.add_argument("--pools", help="comma-separated pools for the seeds benchmark (presets or synthetic-48)")
     p.add_argument("--quick", action="store_true", help="fewer sizes / classes (a minute or two)")
     p.add_argument("--time-limit", type=float, default=110.0, help="search time limit per run (s)")
     p.add_argument("--ten-x-up-to", type=int, default=64, help="largest pool given the 10× run")
@@ -145,7 +287,13 @@ def main(argv=None) -> int:
     if args.what in ("quality", "all"):
         quality(args.quick, args.time_limit)
     if args.what in ("exact", "all"):
-        exact_gap()
+        exact_gap(args.mixed_only)
+    if args.what in ("seeds", "all"):
+        seeds(args.seeds, args.pools.split(",") if args.pools else None)
+    if args.what in ("bound", "all"):
+        bound_gap([int(x) for x in args.sizes.split(",")] if args.sizes else [20, 64, 320])
+    if args.what in ("cost", "all"):
+        cost(args.quick)
     return 0
 
 

@@ -42,9 +42,11 @@ __all__ = ["ALGORITHMS", "KVRoute", "Plan", "PlanOptions", "PlanReplica", "PlanS
 
 
 def plan(cluster, model, workload, algorithm: str = "hexgen2", options: PlanOptions | None = None) -> Plan:
-    """Run one algorithm by name (see ``ALGORITHMS``)."""
+    """Run one algorithm by name (see ``ALGORITHMS``) for the options' objective and budget."""
     from hetserve.errors import PlanError
 
     if algorithm not in ALGORITHMS:
         raise PlanError(f"unknown planning algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-    return ALGORITHMS[algorithm](cluster, model, workload, options or PlanOptions())
+    from hetserve.planner.objectives import plan_for
+
+    return plan_for(ALGORITHMS[algorithm], cluster, model, workload, options or PlanOptions())

@@ -20,6 +20,7 @@ from hetserve.cost.analytic import CostModel
 from hetserve.cost.layout import ReplicaLayout
 from hetserve.errors import InfeasibleError
 from hetserve.planner.options import PlanOptions
+from hetserve.planner.slo import SLOTargets
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec
 from hetserve.specs.workload import Workload
@@ -47,6 +48,10 @@ class PlanContext:
         bw = np.array(cluster.bandwidth, dtype=float) * 8 / 1e9
         np.fill_diagonal(bw, 0.0)
         self.bandwidth_gbps = bw
+        # SLO-aware capacities (``planner.slo``) for the goodput and cost objectives
+        o = self.options
+        targets = SLOTargets(o.slo_ttft_s, o.slo_tpot_s)
+        self.slo: SLOTargets | None = targets if o.objective != "throughput" and targets.any else None
         self._init_classes()
         self._kv_cache: dict[tuple, float] = {}
         self._kv_load_cache: dict[tuple, dict[str, float]] = {}

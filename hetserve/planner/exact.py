@@ -9,8 +9,10 @@ variants) is solved, by branch and bound on min(Σ prefill, Σ decode) capacity;
 bound cannot beat the best so far are skipped. It then compares the best colocated placement
 (``exact_colocated``'s knapsack) and returns the better, its note saying which — so it bounds
 every algorithm here, ``hexgen2`` (which also weighs an all-colocated plan) included.
-Outside its space: placements mixing colocated and disaggregated replicas, and layouts the
-per-group search does not keep (its TP-split × layer-split × class-order candidates).
+Mixed plans: the devices a disaggregated multiset leaves are cut into the colocated replicas that
+serve most (the knapsack below; colocated capacity adds), so placements mixing colocated and
+prefill/decode replicas are covered too. Outside its space: layouts the per-group search does not
+keep (its TP-split × layer-split × class-order candidates).
 
 ``exact_colocated`` is the colocated counterpart (HexGen's space): the value is additive, so it
 is a knapsack over count vectors, solved by dynamic programming.
@@ -66,27 +68,31 @@ def _materialize(ctx: PlanContext, items) -> tuple[Group, ...]:
 
 
 def exact(cluster: Cluster, model: ModelSpec, workload: Workload, options: PlanOptions | None = None) -> Plan:
-    """Optimal placement by enumeration (small pools only): the better of the best disaggregated
-    placement (partitions × roles × per-group layout alternatives) and the best colocated one."""
+    """Optimal placement by enumeration (small pools only): the best of the best placement with
+    prefill and decode groups (partitions × roles × per-group layout alternatives, the devices they
+    leave cut into colocated replicas — mixed plans included) and the best all-colocated one."""
     ctx, budget, ev = _setup("exact", cluster, model, workload, options, exhaustive_layouts=True)
-    best_v, best = _exact_disaggregated(ctx, budget, ev)
     col_v, col = _exact_colocated(ctx)
+    best_v, best = _exact_disaggregated(ctx, budget, ev, mixed=ctx.options.allow_colocated)
     if budget.stopped_by == "converged":
         budget.stopped_by = "exhausted"
     if col and col_v > best_v * (1 + 1e-9):
         budget.record(col_v)
-        note = (f"colocated replicas serve {col_v:.0f} tokens/s, the best disaggregated placement "
-                f"{best_v:.0f}: colocated plan" if best is not None else
+        note = (f"colocated replicas serve {col_v:.0f} tokens/s, the best placement with prefill and decode "
+                f"replicas {best_v:.0f}: colocated plan" if best is not None else
                 "no prefill + decode pair fits: colocated plan")
         return to_plan(ctx, ev.evaluate(_materialize(ctx, [(v, "colocated") for v in col])), "exact", budget, notes=note)
     if best is None:
         raise ctx.no_replica_error()
-    note = f"disaggregated {best_v:.0f} tokens/s ≥ colocated {col_v:.0f}: disaggregated plan" if col else None
+    kind = "mixed" if any(g.role == "colocated" for g in best) else "disaggregated"
+    note = f"{kind} {best_v:.0f} tokens/s ≥ colocated {col_v:.0f}: {kind} plan" if col else None
     return to_plan(ctx, ev.evaluate(best), "exact", budget, notes=note)
 
 
-def _exact_disaggregated(ctx: PlanContext, budget: Budget, ev: Evaluator):
-    """(tokens/s, placement) of the best placement with ≥ 1 prefill and ≥ 1 decode group."""
+def _exact_disaggregated(ctx: PlanContext, budget: Budget, ev: Evaluator, mixed: bool = False):
+    """(tokens/s, placement) of the best placement with ≥ 1 prefill and ≥ 1 decode group; with
+    ``mixed``, the devices they leave are cut into the colocated replicas that serve most
+    (``_colocated_dp``: colocated capacity is additive, so the best cut of the rest is exact)."""
     comp = lambda v: tuple((k, n) for k, n in enumerate(v) if n)  # noqa: E731
     items = []
     for v in _parts(ctx):
@@ -97,13 +103,15 @@ def _exact_disaggregated(ctx: PlanContext, budget: Budget, ev: Evaluator):
     items.sort(key=lambda x: (x[1], x[0]))
     best = [0.0, None]
     limit = ctx.class_counts
+    rest = _colocated_dp(ctx) if mixed else (lambda left: (0.0, ()))
 
     def rec(start: int, left: list[int], chosen: list, cap_p: float, cap_d: float) -> None:
         if budget.exhausted():
             return
+        col_cap, col_parts = rest(tuple(left))
         # min(Σ prefill, Σ decode) of best capacities bounds every layout choice (``Evaluator``)
-        if cap_p > 0 and cap_d > 0 and ctx.tokens_per_s(min(cap_p, cap_d)) > best[0] * (1 + 1e-9):
-            placement = _materialize(ctx, [(v, r) for v, r, _ in chosen])
+        if cap_p > 0 and cap_d > 0 and ctx.tokens_per_s(min(cap_p, cap_d) + col_cap) > best[0] * (1 + 1e-9):
+            placement = _materialize(ctx, [(v, r) for v, r, _ in chosen] + [(v, "colocated") for v in col_parts])
             value = ev.score(placement)
             if value > best[0] * (1 + 1e-9):
                 best[0], best[1] = value, placement
@@ -120,8 +128,8 @@ def _exact_disaggregated(ctx: PlanContext, budget: Budget, ev: Evaluator):
     return best[0], best[1]
 
 
-def _exact_colocated(ctx: PlanContext) -> tuple[float, tuple]:
-    """(tokens/s, class-count vectors) of the best colocated placement: a knapsack DP."""
+def _colocated_dp(ctx: PlanContext):
+    """``left`` class-count vector → (requests per T, vectors) of the best colocated cut (knapsack)."""
     parts = []
     for v in _parts(ctx):
         c = ctx.layouts.choice(tuple((k, n) for k, n in enumerate(v) if n), "colocated")
@@ -138,7 +146,12 @@ def _exact_colocated(ctx: PlanContext) -> tuple[float, tuple]:
                     out = (cap + sub[0], (v,) + sub[1])
         return out
 
-    value, chosen = best(ctx.class_counts)
+    return best
+
+
+def _exact_colocated(ctx: PlanContext) -> tuple[float, tuple]:
+    """(tokens/s, class-count vectors) of the best colocated placement: a knapsack DP."""
+    value, chosen = _colocated_dp(ctx)(ctx.class_counts)
     return ctx.tokens_per_s(value), chosen
 
 

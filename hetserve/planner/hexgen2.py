@@ -26,12 +26,12 @@ flow)); a layout search is only paid once per new group composition.
 
 from __future__ import annotations
 
-import functools
-import itertools
 import random
 from typing import Callable, Sequence
 
 from hetserve.planner.context import PlanContext
+from hetserve.planner.guided import cut_moves
+from hetserve.planner.mixing import colocated_alternative, mixed_alternative
 from hetserve.planner.moves import Placement, flip, merge, move, pick_device, random_edit, split, split_devices, swap
 from hetserve.planner.options import Budget, PlanOptions, default_restarts
 from hetserve.planner.partition import assign_roles, group_bandwidth, initial_partition
@@ -50,36 +50,42 @@ MAX_MERGES = 4  # group pairs tried for a merge per iteration (best connected fi
 RANDOM_CANDIDATES = 12  # random edits scored per iteration by random-swap
 DEFAULT_RANDOM_PATIENCE = 25  # random-swap: iterations without improvement before stopping
 KICK_EDITS = (2, 4)  # random edits applied to the best placement at a restart
+POPULATION_MAX_DEVICES = 64  # pools up to this size refine every phase-1 start, not only the best
 
-Mover = Callable[[PlanContext, Evaluation, random.Random], list[Placement]]
+# A mover proposes (kind, placement) candidates; the kind names the edit for the search log.
+Mover = Callable[[PlanContext, Evaluation, random.Random], list[tuple[str, Placement]]]
 
 
 # ----------------------------------------------------------------------------- phase 1
 
 
-def phase1(ctx: PlanContext, ev: Evaluator, seed: int) -> Placement:
-    """Initial partition into K groups and their types (§3.1).
+def phase1_starts(ctx: PlanContext, ev: Evaluator, seed: int) -> list[Placement]:
+    """Initial partitions into K groups and their types (§3.1), best-scoring first.
 
     K = pool memory / replica memory (App. A). That replica memory assumes 32 requests of KV, a
-    guess; the partition is also built for K·¾ and K·3⁄2 and the best-scoring start is kept.
+    guess; the partition is also built for K·¾ and K·3⁄2.
     """
     k0 = max(2, ctx.num_replicas_by_memory())
-    best, best_v = None, -1.0
+    scored = []
     for k in sorted({k0, max(2, round(k0 * 0.75)), min(ctx.num_devices, round(k0 * 1.5))}):
         groups = initial_partition(ctx, range(ctx.num_devices), k, seed)
         roles = assign_roles(ev, groups)
         start = canonical(Group.of(g, r) for g, r in zip(groups, roles))
-        v = ev.score(start)
-        if v > best_v:
-            best, best_v = start, v
-    return best  # type: ignore[return-value]
+        scored.append((-ev.score(start), k, start))
+    return [s for _, _, s in sorted(scored)]
+
+
+def phase1(ctx: PlanContext, ev: Evaluator, seed: int) -> Placement:
+    """The best-scoring initial partition (``phase1_starts``)."""
+    return phase1_starts(ctx, ev, seed)[0]
 
 
 # ----------------------------------------------------------------------------- guided edits
 
 
-def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[Placement]:
-    """Edits suggested by the flow: capacity from idle and under-used groups to bottlenecks."""
+def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[tuple[str, Placement]]:
+    """Edits suggested by the flow: first those that relieve its min cut (``guided.cut_moves``),
+    then capacity from idle and under-used groups to the bottleneck side, splits and merges."""
     groups, caps = ev.groups, ev.capacities
     n = len(groups)
     util = [ev.utilization(i) for i in range(n)]
@@ -103,15 +109,15 @@ def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[P
     targets = on_side(sat, bottleneck)
     targets = sorted(targets, key=lambda i: (caps[i], i))[:MAX_TARGETS]
     w = group_bandwidth(ctx, [g.devices for g in groups])
-    out: list[Placement | None] = []
+    out: list[tuple[str, Placement | None]] = list(cut_moves(ctx, ev))
 
     # idle devices first: fold a group that cannot hold a replica into its best-connected neighbours
     for h in dead:
         for g in sorted((g for g in range(n) if g != h), key=lambda g: (-w[h, g], g))[:3]:
-            out.append(merge(groups, g, h))
+            out.append(("merge idle group", merge(groups, g, h)))
         for h2 in dead:
             if h2 > h:
-                out.append(merge(groups, h, h2))
+                out.append(("merge idle group", merge(groups, h, h2)))
 
     # idle devices (left out by their group's layout) are free capacity: give one to a group of the
     # bottleneck side, or gather them (per machine and all together) into new groups
@@ -123,7 +129,7 @@ def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[P
             for h in sorted((h for h in idle if h != g), key=lambda h: (-w[g, h], h))[:MAX_DONORS]:
                 for k in sorted({ctx.class_of[d] for d in idle[h]}):
                     d = max(x for x in idle[h] if ctx.class_of[x] == k)
-                    out.append(move(groups, h, g, d))
+                    out.append(("give idle device", move(groups, h, g, d)))
         spare = sorted(d for ds in idle.values() for d in ds)
         by_machine: dict[str, list[int]] = {}
         for d in spare:
@@ -131,7 +137,7 @@ def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[P
         for bundle in [spare] + [ds for ds in by_machine.values() if len(ds) < len(spare)]:
             if ctx.can_hold_weights(bundle):
                 for role in ("prefill", "decode"):
-                    out.append(_new_group(groups, bundle, role))
+                    out.append(("gather idle devices", _new_group(groups, bundle, role)))
 
     # move or swap one device from an under-used (or idle) group into a bottleneck group
     for g in targets:
@@ -142,14 +148,14 @@ def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[P
                                key=lambda k: (-ctx.bandwidth_gbps[ctx.classes[k][0], list(groups[g].devices)].sum(), k))
             for k in h_classes[:2]:
                 d = pick_device(ctx, groups[h], k)
-                out.append(move(groups, h, g, d))
+                out.append(("move device", move(groups, h, g, d)))
                 for kg in sorted(g_classes - {k}):
-                    out.append(swap(groups, h, g, d, pick_device(ctx, groups[g], kg)))
+                    out.append(("swap devices", swap(groups, h, g, d, pick_device(ctx, groups[g], kg))))
 
     # role flips toward the bottleneck side
     flip_from = on_side(slack, other)
     for i in sorted(flip_from, key=lambda i: (util[i], i))[:4]:
-        out.append(flip(groups, i))
+        out.append(("flip role", flip(groups, i)))
         # donate-and-flip: hand one device to the best-connected group of the old role first, so
         # the side that loses a group gains capacity (one move alone may not raise the flow)
         same = sorted((g for g in live if g != i and groups[g].role == groups[i].role), key=lambda g: (-w[i, g], g))
@@ -160,33 +166,28 @@ def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[P
                     j = moved.index(Group.of((d for d in groups[i].devices if d != pick_device(ctx, groups[i], k)),
                                              groups[i].role)) if len(groups[i].devices) > 1 else None
                     if j is not None:
-                        out.append(flip(moved, j))
+                        out.append(("donate and flip", flip(moved, j)))
     # a balanced network with spare KV links: flip the strongest group of each side
     if prefill_bound and decode_bound:
         for side in (pre, dec):
             if len(side) > 1:
-                out.append(flip(groups, max(side, key=lambda i: (caps[i], -i))))
+                out.append(("flip role", flip(groups, max(side, key=lambda i: (caps[i], -i)))))
 
     # restructure: split groups whose halves can each hold the weights (the largest first), merge
     # well-connected groups of one role on the bottleneck side and under-used neighbours
     splittable = [i for i in live if len(groups[i].devices) > 1
                   and all(ctx.can_hold_weights(h) for h in split_devices(ctx, groups[i].devices))]
     for i in sorted(splittable, key=lambda i: (-len(groups[i].devices), -caps[i], i))[:MAX_SPLITS]:
-        out.append(split(ctx, groups, i))
-        out.append(split(ctx, groups, i, ("prefill", "decode")))
+        out.append(("split group", split(ctx, groups, i)))
+        out.append(("split group", split(ctx, groups, i, ("prefill", "decode"))))
     side = on_side(live, bottleneck)
     pairs = [(a, b) for a in side for b in side if a < b and groups[a].role == groups[b].role]
     pairs = sorted(pairs, key=lambda p: (-w[p], p))[:MAX_MERGES]
     pairs += sorted(((a, b) for a in slack for b in slack if a < b and groups[a].role == groups[b].role),
                     key=lambda p: (-w[p], p))[:MAX_MERGES]
     for a, b in pairs:
-        out.append(merge(groups, a, b))
-    seen, result = set(), []
-    for p in out:
-        if p is not None and p != groups and p not in seen:
-            seen.add(p)
-            result.append(p)
-    return result
+        out.append(("merge groups", merge(groups, a, b)))
+    return _distinct(groups, out)
 
 
 def _new_group(groups: Sequence[Group], devices: Sequence[int], role: str) -> Placement:
@@ -196,13 +197,23 @@ def _new_group(groups: Sequence[Group], devices: Sequence[int], role: str) -> Pl
     return canonical(rest + [Group.of(devices, role)])
 
 
-def random_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[Placement]:
+def _distinct(groups: Placement, out: list[tuple[str, Placement | None]]) -> list[tuple[str, Placement]]:
+    """Candidates that change the placement, each once (the first kind that proposed it)."""
+    seen, result = set(), []
+    for kind, p in out:
+        if p is not None and p != groups and p not in seen:
+            seen.add(p)
+            result.append((kind, p))
+    return result
+
+
+def random_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[tuple[str, Placement]]:
     """The truncated variant's edits: random moves, swaps and flips, no flow information."""
     out = []
     for _ in range(RANDOM_CANDIDATES):
         p = random_edit(ctx, ev.groups, rng)
         if p is not None and p != ev.groups:
-            out.append(p)
+            out.append(("random edit", p))
     return out
 
 
@@ -213,25 +224,32 @@ def refine(ctx: PlanContext, evaluator: Evaluator, start: Placement, budget: Bud
            rng: random.Random, restarts: int, patience: int | None = None) -> Placement:
     """Best-improvement local search from ``start`` with ``mover``'s candidates.
 
-    Guided (``patience`` None): stop at a local optimum, then restart from a kicked copy of the
-    best up to ``restarts`` times in a row without a new best. Random (``patience`` set): stop
+    Guided (``patience`` None): at a local optimum, alternately escape along the best unvisited
+    flow-guided edit (downhill allowed) or restart from a kicked copy of the best, up to
+    ``restarts`` times in a row without a new best. Random (``patience`` set): stop
     after ``patience`` iterations in a row without improvement.
     """
     best = cur = canonical(start)
     best_v = cur_v = evaluator.score(cur)
     cur_ev = evaluator.evaluate(cur)
-    budget.best = best_v
+    budget.best = max(budget.best, best_v)
+    if budget.start_value is None:
+        budget.start_value = best_v
     stall = 0
     left = restarts
+    phase = "descent"
+    visited: set[Placement] = set()
     while not budget.exhausted():
-        pick, pick_v = None, cur_v
-        for cand in mover(ctx, cur_ev, rng):
+        pick, pick_v, pick_kind = None, cur_v, ""
+        for kind, cand in mover(ctx, cur_ev, rng):
             v = evaluator.score(cand, floor=pick_v)
             if v > pick_v * (1 + 1e-9) + 1e-12:
-                pick, pick_v = cand, v
+                pick, pick_v, pick_kind = cand, v, kind
             if budget.exhausted():
                 break
         if pick is not None:
+            # credit only what lifts the best so far: a climb back up to it after a kick is no gain
+            budget.credit(phase, pick_kind, max(0.0, pick_v - max(cur_v, best_v, budget.best)))
             cur, cur_v, stall = pick, pick_v, 0
             cur_ev = evaluator.evaluate(cur)
             if cur_v > best_v * (1 + 1e-9):
@@ -246,13 +264,34 @@ def refine(ctx: PlanContext, evaluator: Evaluator, start: Placement, budget: Bud
                 budget.record(best_v)
                 break
             left -= 1
-            cur = best
-            for _ in range(rng.randint(*KICK_EDITS)):
-                kicked = random_edit(ctx, cur, rng)
-                cur = kicked if kicked is not None else cur
+            # at a local optimum: every other time, step to the best unvisited edit the flow suggests
+            # even though it scores lower (a guided escape, tabu on where earlier escapes went);
+            # otherwise kick the best placement with random edits (a restart)
+            escape = _escape(evaluator, mover(ctx, cur_ev, rng), visited) if left % 2 else None
+            if escape is not None:
+                phase, cur = "escape", escape
+                visited.add(cur)
+            else:
+                phase = "restart"
+                cur = best
+                for _ in range(rng.randint(*KICK_EDITS)):
+                    kicked = random_edit(ctx, cur, rng)
+                    cur = kicked if kicked is not None else cur
             cur_v = evaluator.score(cur)
             cur_ev = evaluator.evaluate(cur)
         budget.record(best_v)
+    return best
+
+
+def _escape(evaluator: Evaluator, candidates, visited: set) -> Placement | None:
+    """The best-scoring candidate not visited before (None when all were)."""
+    best, best_v = None, -1.0
+    for _, cand in candidates:
+        if cand in visited:
+            continue
+        v = evaluator.score(cand)
+        if v > best_v:
+            best, best_v = cand, v
     return best
 
 
@@ -263,9 +302,20 @@ def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, opti
          mover: Mover, patience: int | None) -> Plan:
     ctx, budget, evaluator = start_search(name, cluster, model, workload, options)
     rng = random.Random(options.seed)
-    start = phase1(ctx, evaluator, options.seed)
     restarts = options.restarts if options.restarts is not None else default_restarts(len(cluster))
-    best = refine(ctx, evaluator, start, budget, mover, rng, restarts, patience)
+    if patience is None and len(cluster) <= POPULATION_MAX_DEVICES:
+        # a small population: one chain from each phase-1 start (they share the evaluator's cache),
+        # each with half the restarts — the starts' diversity is what makes seeds agree
+        best, best_v = None, -1.0
+        for start in phase1_starts(ctx, evaluator, options.seed):
+            found = refine(ctx, evaluator, start, budget, mover, rng, max(2, restarts // 2), patience)
+            v = evaluator.score(found)
+            if v > best_v * (1 + 1e-9):
+                best, best_v = found, v
+            if budget.exhausted():
+                break
+    else:
+        best = refine(ctx, evaluator, phase1(ctx, evaluator, options.seed), budget, mover, rng, restarts, patience)
     result = evaluator.evaluate(best)
     if result.flow.value <= 0:
         return colocated_fallback(ctx, name, budget)
@@ -273,7 +323,28 @@ def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, opti
     if not options.allow_colocated:
         return to_plan(ctx, result, name, budget, notes="disaggregated (colocated plans not allowed)")
     colocated, col_v = colocated_alternative(ctx, evaluator, best)
+    if len(cluster) <= POPULATION_MAX_DEVICES:
+        # HexGen's genetic search over colocated groups may cut across machines where the knapsack
+        # units do not; on small pools it is cheap, so the colocated side is at least HexGen's
+        from hetserve.planner.hexgen import search_colocated
+
+        hx = search_colocated(ctx, evaluator, Budget(name, options), options)
+        hx_v = evaluator.score(hx)
+        if hx_v > col_v * (1 + 1e-9):
+            colocated, col_v = hx, hx_v
+    # the mixed climb is not budget-aware: on large pools whose search already used its time, skip it
+    if len(cluster) <= POPULATION_MAX_DEVICES or not budget.exhausted():
+        mixed, mix_v = mixed_alternative(ctx, evaluator, best, colocated)
+    else:
+        mixed, mix_v = (), -1.0
+    if mix_v > max(value, col_v) * (1 + 1e-9):
+        budget.credit("final", "mixed alternative", mix_v - max(value, col_v))
+        budget.record(mix_v)
+        return to_plan(ctx, evaluator.evaluate(mixed), name, budget,
+                       notes=f"chose a mixed plan (colocated replicas beside prefill/decode ones): {mix_v:.0f} "
+                             f"tokens/s against {value:.0f} disaggregated and {col_v:.0f} all colocated")
     if col_v > value * (1 + 1e-9):
+        budget.credit("final", "colocated alternative", col_v - value)
         budget.record(col_v)
         return to_plan(ctx, evaluator.evaluate(colocated), name, budget,
                        notes=f"chose colocated replicas: {col_v:.0f} tokens/s against "
@@ -282,85 +353,6 @@ def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, opti
     return to_plan(ctx, result, name, budget,
                    notes=f"chose disaggregation: {value:.0f} tokens/s against {col_v:.0f} with colocated "
                          f"replicas")
-
-
-MAX_KNAPSACK_VECTORS = 256  # sub-vectors of a group's composition the colocated knapsack enumerates
-
-
-def colocated_alternative(ctx: PlanContext, evaluator: Evaluator, groups: Placement) -> tuple[Placement, float]:
-    """The best all-colocated placement cut from a few coarse units: the placement's own groups,
-    the machines, and (when its class-count space has at most ``MAX_KNAPSACK_VECTORS`` vectors)
-    the whole pool. Each unit's devices are re-cut into the colocated replicas that serve most —
-    a knapsack over the sub-vectors of its class-count vector (halving per class, recursively,
-    beyond that size); devices no unit's cut uses are pooled and cut the same way. Colocated
-    capacity is additive, so each unit is decided on its own. Returns (placement, tokens/s)."""
-    by_machine: dict[str, list[int]] = {}
-    for d in ctx.cluster.devices:
-        by_machine.setdefault(d.machine, []).append(d.index)
-    unit_sets = [[g.devices for g in groups], [tuple(ds) for ds in by_machine.values()]]
-    size = 1
-    for n in ctx.class_counts:
-        size *= n + 1
-    if size <= MAX_KNAPSACK_VECTORS:
-        unit_sets.append([tuple(range(ctx.num_devices))])
-    best: tuple[Placement, float] = ((), -1.0)
-    for units in unit_sets:
-        parts: list[Group] = []
-        for devices in units:
-            parts.extend(Group.of(ds, "colocated") for ds in _colocated_cut(ctx, evaluator, tuple(sorted(devices))))
-        used = {d for p in parts for d in p.devices}
-        spare = tuple(d for d in range(ctx.num_devices) if d not in used)
-        if spare and ctx.can_hold_weights(spare):
-            parts.extend(Group.of(ds, "colocated") for ds in _colocated_cut(ctx, evaluator, spare))
-        placement = canonical(parts)
-        v = evaluator.score(placement) if placement else 0.0
-        if v > best[1] * (1 + 1e-9):
-            best = (placement, v)
-    return best
-
-
-def _colocated_cut(ctx: PlanContext, evaluator: Evaluator, devices: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Device sets of the colocated replicas that serve most on ``devices`` (see above)."""
-    comp = ctx.composition(devices)
-    size = 1
-    for _, n in comp:
-        size *= n + 1
-    by_cls: dict[int, list[int]] = {}
-    for d in sorted(devices):
-        by_cls.setdefault(ctx.class_of[d], []).append(d)
-    if size > MAX_KNAPSACK_VECTORS:
-        whole = evaluator.capacity(devices, "colocated")
-        a, b = split_devices(ctx, devices)
-        if a and b and ctx.can_hold_weights(a) and ctx.can_hold_weights(b):
-            ca, cb = _colocated_cut(ctx, evaluator, tuple(a)), _colocated_cut(ctx, evaluator, tuple(b))
-            if sum(evaluator.capacity(x, "colocated") for x in ca + cb) > whole * (1 + 1e-9):
-                return ca + cb
-        return [devices] if whole > 0 else []
-    classes = [k for k, _ in comp]
-    vecs = [v for v in itertools.product(*(range(n + 1) for _, n in comp)) if any(v)]
-    first = {k: by_cls[k] for k in classes}
-
-    def devs(v):
-        return tuple(d for k, n in zip(classes, v) for d in first[k][:n])
-
-    items = [(v, c) for v in vecs if ctx.can_hold_weights(devs(v)) and (c := evaluator.capacity(devs(v), "colocated")) > 0]
-
-    @functools.lru_cache(maxsize=None)
-    def best(left: tuple[int, ...]) -> tuple[float, tuple]:
-        out: tuple[float, tuple] = (0.0, ())
-        for v, cap in items:
-            if all(n <= m for n, m in zip(v, left)):
-                sub = best(tuple(m - n for n, m in zip(v, left)))
-                if cap + sub[0] > out[0] * (1 + 1e-12):
-                    out = (cap + sub[0], (v,) + sub[1])
-        return out
-
-    _, chosen = best(tuple(n for _, n in comp))
-    out, offset = [], [0] * len(classes)
-    for v in chosen:
-        out.append(tuple(d for j, (k, n) in enumerate(zip(classes, v)) for d in first[k][offset[j]:offset[j] + n]))
-        offset = [o + n for o, n in zip(offset, v)]
-    return out
 
 
 def colocated_fallback(ctx: PlanContext, name: str, budget: Budget) -> Plan:

@@ -26,28 +26,22 @@ Results are cached by (class-count vector, role): the searches above ask for the
 composition thousands of times. One search costs O(combos × candidates) cost-model calls,
 a few milliseconds; a cache hit costs a dict lookup and the device mapping.
 
-**Alternatives for the KV links** (``alternatives`` / ``options``). The capacity-best layout is
-not always best for the placement: a decode replica of 4 × TP1 stages receives its KV cache
-over four times as many device pairs as one TP4 stage, which wins when the links between the
-prefill and decode groups are slow (HexGen-2 App. E). So besides the best layout each
-(composition, role) keeps up to ``MAX_ALTERNATIVES - 1`` others, found lazily (only when an
-evaluator asks, i.e. when a placement's flow is limited by KV edges): the Pareto frontier of
-the TP splits already scored over (capacity ↑, largest layers-per-device of a stage ↓ — the
-bytes the busiest KV pair carries), keeping the one that spreads the KV widest, plus the
-same shapes in reversed class order (HexGen-2 App. A adjusts the stage order of both phases
-to minimise KV cost: which machine holds which layers decides which links carry them). No
-alternative has more capacity than the best, so min(Σ prefill, Σ decode) of best capacities
-stays an upper bound on any choice of alternatives. ``placement.Evaluator`` picks one per group.
+The module is split by concept: the layer split and its polish of one stage sequence
+(``layer_split.LayerSplits``), the KV-friendlier alternatives (``layout_alternatives``) and
+the shapes both return (``layout_choice``); ``LayoutSearch`` here enumerates TP splits and
+class orders and owns the caches.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from hetserve.cost.analytic import PrefillBatch
 from hetserve.cost.layout import ReplicaLayout, StageLayout
+from hetserve.planner.layer_split import LayerSplits
+from hetserve.planner.layout_alternatives import KVAlternatives
+from hetserve.planner.layout_choice import LayoutChoice, StageShape  # noqa: F401 (StageShape: re-exported)
 
 if TYPE_CHECKING:
     from hetserve.planner.context import PlanContext
@@ -58,38 +52,9 @@ PREFILL_KV_REQUESTS = 4
 # Enumerate TP splits exactly up to this many per class and this many combinations per group.
 MAX_SPLITS_PER_CLASS = 12
 MAX_COMBOS = 48
-MAX_POLISH_ROUNDS = 40
-MAX_POLISH_EVALUATIONS = 200
-_DECODE_PROBE_BATCH = 16
-# Layouts kept per (composition, role) for the evaluator to choose from (the best included), and
-# the least capacity an alternative may have, relative to the best.
-MAX_ALTERNATIVES = 4
-MIN_ALTERNATIVE_FRACTION = 0.25
-KV_MARGIN = 0.8  # an alternative must cut a KV load by at least 20% to be kept
 
 
-@dataclass(frozen=True)
-class StageShape:
-    """A stage before devices are chosen: ``tp`` devices of class ``cls`` holding ``layers``."""
-
-    cls: int
-    tp: int
-    layers: tuple[int, int]
-
-
-@dataclass(frozen=True)
-class LayoutChoice:
-    """The best layout of one composition in one role: capacity (requests per T) and shape."""
-
-    capacity: float
-    shapes: tuple[StageShape, ...]
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.shapes)
-
-
-class LayoutSearch:
+class LayoutSearch(KVAlternatives, LayerSplits):
     """Best layout of a device group for a role, cached by the group's class composition."""
 
     def __init__(self, ctx: "PlanContext"):
@@ -135,110 +100,6 @@ class LayoutSearch:
         result = self._search(comp, role)
         self._cache[key] = result
         return result
-
-    def alternatives(self, comp: tuple[tuple[int, int], ...], role: str) -> tuple[LayoutChoice, ...]:
-        """The best layout first, then up to ``MAX_ALTERNATIVES - 1`` KV-friendlier ones (see the
-        module docstring); () when nothing fits. Cached by (composition, role)."""
-        key = (comp, role)
-        hit = self._alt_cache.get(key)
-        if hit is not None:
-            return hit
-        best = self.choice(comp, role)
-        out: tuple[LayoutChoice, ...] = ()
-        if best is not None:
-            out = (best,) + self._alternatives(comp, role, best)
-        self._alt_cache[key] = out
-        return out
-
-    def options(self, devices: Sequence[int], role: str) -> tuple[tuple[ReplicaLayout, float], ...]:
-        """``alternatives`` mapped onto ``devices``: ((layout, capacity), …), best first."""
-        key = (tuple(devices), role)
-        hit = self._options_cache.get(key)
-        if hit is None:
-            hit = tuple((self.materialize(devices, c), c.capacity) for c in self.alternatives(
-                self.ctx.composition(devices), role))
-            self._options_cache[key] = hit
-        return hit
-
-    def _alternatives(self, comp, role: str, best: LayoutChoice) -> tuple[LayoutChoice, ...]:
-        if role == "colocated" or (comp, role) not in self._scored:
-            return ()
-        order, scored = self._scored[(comp, role)]
-        floor = MIN_ALTERNATIVE_FRACTION * best.capacity
-        best_key = self._shape_key(best.shapes)
-        # unpolished candidates of every scored TP split (the best's own split excluded)
-        cands = []
-        for combo, (v, layers) in scored.items():
-            if v >= floor and layers:
-                c = self._choice_of(order, combo, layers, v)
-                if self._shape_key(c.shapes) != best_key:
-                    cands.append((combo, c))
-        # Pareto frontier over (capacity ↑, KV loads ↓), a load counting only when it improves on
-        # every higher-capacity layout kept so far by a clear margin
-        frontier: list[tuple] = []
-        kept = [_kv_loads(best)]
-        for combo, c in sorted(cands, key=lambda x: (-x[1].capacity, _kv_loads(x[1]), x[0])):
-            loads = _kv_loads(c)
-            if any(all(loads[t] < KV_MARGIN * k[t] for k in kept) for t in range(len(loads))):
-                frontier.append((combo, c))
-                kept.append(loads)
-        # the widest spread for each load measure first, then the highest capacities
-        picked = []
-        for t in range(len(kept[0])):
-            if frontier:
-                pick = min(frontier, key=lambda x: (_kv_loads(x[1])[t], -x[1].capacity, x[0]))
-                if pick not in picked:
-                    picked.append(pick)
-        picked += [f for f in frontier if f not in picked]
-        picked = sorted(picked[:MAX_ALTERNATIVES - 1], key=lambda x: (-x[1].capacity, x[0]))
-        out: list[LayoutChoice] = []
-        for combo, c in picked:
-            v, layers = self._polish(order, combo, tuple(s.layers[1] - s.layers[0] for s in c.shapes), role, c.capacity)
-            out.append(self._choice_of(order, combo, layers, v))
-        # the same TP splits in the other class order (multi-class groups: other layers on other
-        # links), for the best layout and each alternative
-        if len(order) > 1:
-            best_order = tuple(dict.fromkeys(x.cls for x in best.shapes))
-            for o, combo in [(order, self._combo_of(order, best.shapes))] + [(order, c) for c, _ in picked]:
-                if combo is None:
-                    continue
-                if self._combo_of(o, best.shapes) == combo and best_order != tuple(k for k in o if k in best_order):
-                    # the best is already the reversed order of this split: its other order is ``order``
-                    v, layers = scored.get(combo, (0.0, ()))
-                    c = self._choice_of(order, combo, layers, v) if layers else None
-                else:
-                    c = self._reversed(o, combo, role)
-                if c is not None and c.capacity >= floor:
-                    out.append(c)
-        seen = {best_key}
-        result = []
-        for c in out:
-            k = self._shape_key(c.shapes)
-            if k not in seen and c.capacity <= best.capacity * (1 + 1e-9):
-                seen.add(k)
-                result.append(c)
-        return tuple(result[:2 * (MAX_ALTERNATIVES - 1)])
-
-    @staticmethod
-    def _shape_key(shapes) -> tuple:
-        return tuple((s.cls, s.tp, s.layers) for s in shapes)
-
-    def _choice_of(self, order, combo, layers, value) -> LayoutChoice:
-        shapes, start = [], 0
-        for (k, tp, _), n in zip(self._stages(order, combo), layers):
-            shapes.append(StageShape(k, tp, (start, start + n)))
-            start += n
-        return LayoutChoice(value, tuple(shapes))
-
-    @staticmethod
-    def _combo_of(order, shapes) -> tuple[tuple[int, ...], ...] | None:
-        """The per-class TP split (in ``order``) a shape sequence was built from."""
-        by_cls: dict[int, list[int]] = {}
-        for s in shapes:
-            by_cls.setdefault(s.cls, []).append(s.tp)
-        if not set(by_cls) <= set(order):
-            return None
-        return tuple(tuple(by_cls.get(k, ())) for k in order)
 
     def materialize(self, devices: Sequence[int], choice: LayoutChoice) -> ReplicaLayout:
         """Map a class-level choice onto concrete devices (lowest indices of each class first)."""
@@ -385,150 +246,3 @@ class LayoutSearch:
         self._order_cache[classes] = best
         return best
 
-    @staticmethod
-    def _stages(order, combo) -> list[tuple[int, int, int]]:
-        """(class, tp, representative offset) per stage, in pipeline order."""
-        out = []
-        for k, split in zip(order, combo):
-            off = 0
-            for tp in split:
-                out.append((k, tp, off))
-                off += tp
-        return out
-
-    def _stage(self, k: int, tp: int, off: int, layers: int) -> StageLayout:
-        return StageLayout(self.ctx.classes[k][off:off + tp], (0, layers))
-
-    def _probe(self, k: int, tp: int, first: bool, last: bool, role: str) -> tuple[int, float]:
-        """(most layers that fit with the role's minimum KV, seconds per extra layer) of a stage."""
-        key = (k, tp, first, last, role)
-        hit = self._probe_cache.get(key)
-        if hit is not None:
-            return hit
-        cost, L, need = self.ctx.cost, self.num_layers, self.min_kv[role]
-        lo, hi = 0, L  # largest l with capacity >= need (capacity falls as l grows)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if cost.stage_kv_capacity(self._stage(k, tp, 0, mid), first, last) >= need:
-                lo = mid
-            else:
-                hi = mid - 1
-        s1, s2 = self._stage(k, tp, 0, 1), self._stage(k, tp, 0, 2)
-        pf = cost.stage_prefill_time(s2, self._prompt) - cost.stage_prefill_time(s1, self._prompt)
-        b = _DECODE_PROBE_BATCH
-        ctxt = b * (self.ctx.input_tokens + self.ctx.output_tokens / 2)
-        dc = cost.stage_decode_time(s2, b, ctxt) - cost.stage_decode_time(s1, b, ctxt)
-        slope = {"prefill": pf, "decode": dc, "colocated": pf + self.ctx.output_tokens / b * dc}[role]
-        self._probe_cache[key] = (lo, max(slope, 1e-12))
-        return lo, max(slope, 1e-12)
-
-    def _evaluate(self, stages, layers, role: str) -> float:
-        ctx = self.ctx
-        parts, start = [], 0
-        for (k, tp, off), n in zip(stages, layers):
-            parts.append(StageLayout(ctx.classes[k][off:off + tp], (start, start + n)))
-            start += n
-        return self.layout_capacity(ReplicaLayout(tuple(parts)), role)
-
-    def layout_capacity(self, layout: ReplicaLayout, role: str) -> float:
-        """Requests per T that ``layout`` serves in ``role``; 0 if it lacks the role's minimum KV."""
-        ctx, cost = self.ctx, self.ctx.cost
-        if cost.kv_capacity_tokens(layout) < self.min_kv[role]:
-            return 0.0
-        T, i, o = ctx.period_s, ctx.input_tokens, ctx.output_tokens
-        if role == "prefill":
-            return cost.prefill_capacity(layout, i, T)
-        if role == "decode":
-            return cost.decode_capacity(layout, i, o, T)
-        return cost.colocated_capacity(layout, i, o, T)
-
-    def _best_split(self, order, combo, role: str) -> tuple[float, tuple[int, ...]]:
-        """Best of the candidate layer splits for one stage sequence: (capacity, layers)."""
-        stages = self._stages(order, combo)
-        S, L = len(stages), self.num_layers
-        if S == 0 or S > L:
-            return 0.0, ()
-        probes = [self._probe(k, tp, i == 0, i == S - 1, role) for i, (k, tp, _) in enumerate(stages)]
-        caps = [p[0] for p in probes]
-        if min(caps) < 1 or sum(caps) < L:
-            return 0.0, ()
-        speed = [1.0 / p[1] for p in probes]
-        mem = [float(c) for c in caps]
-        ms, ss = sum(mem), sum(speed)
-        blend = [m / ms + s / ss for m, s in zip(mem, speed)]
-        candidates = {_integerize(w, caps, L) for w in (mem, speed, blend)}
-        if role == "prefill":
-            candidates.add(_fill_fastest([p[1] for p in probes], caps, L))
-        best = (0.0, ())
-        for layers in sorted(candidates):
-            v = self._evaluate(stages, layers, role)
-            if v > best[0]:
-                best = (v, layers)
-        return best
-
-    def _polish(self, order, combo, layers, role, value) -> tuple[float, tuple[int, ...]]:
-        """Steepest ascent over moves of one (or L/16) layers between two stages."""
-        stages = self._stages(order, combo)
-        S = len(stages)
-        if S < 2:
-            return value, layers
-        caps = [self._probe(k, tp, i == 0, i == S - 1, role)[0] for i, (k, tp, _) in enumerate(stages)]
-        steps = sorted({1, max(1, self.num_layers // 16)}, reverse=True) if S <= 4 else [1]
-        cur, cur_v = list(layers), value
-        evaluations = 0
-        for _ in range(MAX_POLISH_ROUNDS):
-            if evaluations > MAX_POLISH_EVALUATIONS:
-                break
-            best_v, best_l = cur_v, None
-            for delta in steps:
-                for i in range(S):
-                    if cur[i] - delta < 1:
-                        continue
-                    for j in range(S):
-                        if j == i or cur[j] + delta > caps[j]:
-                            continue
-                        trial = cur.copy()
-                        trial[i] -= delta
-                        trial[j] += delta
-                        v = self._evaluate(stages, trial, role)
-                        evaluations += 1
-                        if v > best_v * (1 + 1e-9):
-                            best_v, best_l = v, trial
-            if best_l is None:
-                break
-            cur, cur_v = best_l, best_v
-        return cur_v, tuple(cur)
-
-
-def _kv_loads(c: LayoutChoice) -> tuple[float, float]:
-    """What the busiest device pair of a KV hand-off carries, in layers (× bytes per layer and
-    head share), against a TP1 counterpart (largest layers / TP of a stage) and a wide-TP one
-    (largest layer count of a stage): a layer range on a TP-t stage exchanged with a TP-u stage
-    puts 1 / max(t, u) of its bytes on each pair."""
-    return (max((s.layers[1] - s.layers[0]) / s.tp for s in c.shapes),
-            float(max(s.layers[1] - s.layers[0] for s in c.shapes)))
-
-
-def _integerize(weights: Sequence[float], caps: Sequence[int], total: int) -> tuple[int, ...]:
-    """Integer layer counts ∝ weights, each in [1, cap], summing to ``total`` (largest remainder)."""
-    s = sum(weights)
-    x = [total * w / s for w in weights]
-    n = [min(c, max(1, int(v))) for v, c in zip(x, caps)]
-    while sum(n) < total:
-        i = max((j for j in range(len(n)) if n[j] < caps[j]), key=lambda j: (x[j] - n[j], -j))
-        n[i] += 1
-    while sum(n) > total:
-        i = min((j for j in range(len(n)) if n[j] > 1), key=lambda j: (x[j] - n[j], j))
-        n[i] -= 1
-    return tuple(n)
-
-
-def _fill_fastest(slopes: Sequence[float], caps: Sequence[int], total: int) -> tuple[int, ...]:
-    """One layer per stage, the rest to the fastest stages up to their memory (prefill latency)."""
-    n = [1] * len(slopes)
-    left = total - len(n)
-    for j in sorted(range(len(n)), key=lambda j: (slopes[j], j)):
-        add = min(left, caps[j] - 1)
-        n[j] += add
-        left -= add
-    return tuple(n)

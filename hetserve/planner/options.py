@@ -25,6 +25,9 @@ def default_restarts(num_devices: int) -> int:
     return max(6, min(30, 600 // max(1, num_devices)))
 
 
+OBJECTIVES = ("throughput", "goodput", "cost")
+
+
 @dataclass(frozen=True)
 class SearchProgress:
     """What a search reports after each iteration (for progress bars and convergence plots)."""
@@ -52,6 +55,11 @@ class PlanOptions:
     max_exact_devices: the exact search refuses larger pools.
     allow_colocated: HexGen-2 may return an all-colocated plan when it serves more (False: always
         disaggregated, as in the paper).
+    objective: ``throughput`` (tokens/s at full load), ``goodput`` (requests/s meeting
+        ``slo_ttft_s`` / ``slo_tpot_s``: capacities from ``planner.slo``) or ``cost`` (the cheapest
+        subset of the pool whose plan serves ``rate`` requests/s within the SLOs; ``planner.objectives``).
+    budget_usd_per_hour: use only devices costing at most this much per hour in total (the planner
+        chooses which; ``planner.objectives``).
     """
 
     seed: int = 0
@@ -64,8 +72,21 @@ class PlanOptions:
     efficiency: Efficiency | None = None
     max_exact_devices: int = 8
     allow_colocated: bool = True
+    objective: str = "throughput"
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    rate: float | None = None  # requests/s the ``cost`` objective must serve
+    budget_usd_per_hour: float | None = None
 
     def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        for k in ("slo_ttft_s", "slo_tpot_s", "rate", "budget_usd_per_hour"):
+            v = getattr(self, k)
+            if v is not None and not v > 0:
+                raise ValueError(f"{k} must be positive, got {v}")
+        if self.objective == "cost" and self.rate is None:
+            raise ValueError("objective 'cost' needs a rate (requests/s) to serve")
         if self.time_limit_s is not None and self.time_limit_s <= 0:
             raise ValueError(f"time_limit_s must be positive, got {self.time_limit_s}")
         if self.max_iterations is not None and self.max_iterations < 1:
@@ -98,6 +119,12 @@ class Budget:
         self.best = 0.0
         self.history: list[tuple[float, float]] = []
         self.stopped_by = "converged"
+        # tokens/s each kind of edit added to the current placement when it was accepted, keyed
+        # by (phase, kind): phase "descent" = the first climb from the start, "restart" = climbs
+        # after a random kick (the restarts' share of the gain)
+        self.gains: dict[tuple[str, str], float] = {}
+        self.accepted: dict[tuple[str, str], int] = {}
+        self.start_value: float | None = None
 
     @property
     def elapsed_s(self) -> float:
@@ -124,11 +151,29 @@ class Budget:
                 frac = max(frac, self.iteration / self.options.max_iterations)
             self.options.progress(SearchProgress(self.algorithm, self.iteration, t, self.best, min(1.0, frac)))
 
-    def summary(self, max_points: int = 200) -> dict:
-        """Search statistics for ``Plan.estimate['search']`` (history thinned to ``max_points``)."""
+    def credit(self, phase: str, kind: str, gain: float) -> None:
+        """An accepted edit of ``kind`` raised the current placement by ``gain`` tokens/s."""
+        key = (phase, kind)
+        self.gains[key] = self.gains.get(key, 0.0) + gain
+        self.accepted[key] = self.accepted.get(key, 0) + 1
+
+    def summary(self) -> dict:
+        """Search statistics for ``Plan.estimate['search']`` (the history goes to ``log``)."""
+        return {"iterations": self.iteration, "wall_s": round(self.elapsed_s, 4), "stopped_by": self.stopped_by}
+
+    def log(self, max_points: int = 2000) -> dict:
+        """The search log (``Plan.search_log``, written by ``hetserve plan --history FILE``):
+        best value over time (thinned to ``max_points``) and the gain of each kind of edit."""
         hist = self.history
         if len(hist) > max_points:
             step = len(hist) / max_points
             hist = [hist[int(i * step)] for i in range(max_points)] + [hist[-1]]
-        return {"iterations": self.iteration, "wall_s": round(self.elapsed_s, 4), "stopped_by": self.stopped_by,
-                "history": [[round(t, 4), round(v, 3)] for t, v in hist]}
+        out = {"algorithm": self.algorithm, **self.summary(),
+               "history": [[round(t, 4), round(v, 3)] for t, v in hist]}
+        if self.start_value is not None:
+            out["start_tokens_per_s"] = round(self.start_value, 3)
+        if self.gains:
+            out["gains"] = [{"phase": ph, "kind": k, "accepted": self.accepted[(ph, k)],
+                             "tokens_per_s": round(g, 3)}
+                            for (ph, k), g in sorted(self.gains.items(), key=lambda x: -x[1])]
+        return out

@@ -21,11 +21,13 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from hetserve.cost.layout import ReplicaLayout
+from hetserve.planner.bound import upper_bound
 from hetserve.planner.context import PlanContext
 from hetserve.planner.flow import (FlowNetwork, FlowResult, max_flow_nodes, max_flow_total, resource_loads, solve,
                                    solve_fast)
 from hetserve.planner.options import Budget, PlanOptions
 from hetserve.planner.plan import KVRoute, Plan, PlanReplica
+from hetserve.planner.slo import slo_batch
 
 # Alternative layouts (see ``Evaluator``): enumerate all combinations up to this many, else
 # coordinate ascent over at most this many unsaturated groups for at most this many rounds.
@@ -399,6 +401,10 @@ def to_plan(ctx: PlanContext, ev: Evaluation, algorithm: str, budget: Budget | N
             entry["flow_requests_per_period"] = round(ev.flow.node_flow.get(i, 0.0), 3)
         elif i in ev.flow.colocated_flow:  # what it serves: less than its capacity where a shared link binds
             entry["flow_requests_per_period"] = round(ev.flow.colocated_flow[i], 3)
+        if ctx.slo is not None and ev.groups[i].role != "prefill":
+            # the decode batch the SLO capacity assumes: run the replica with at most this many
+            entry["slo_max_batch"] = slo_batch(ctx.cost, ev.layouts[i], ev.groups[i].role, ctx.input_tokens,
+                                               ctx.output_tokens, ctx.slo)
         per_replica[names[i]] = entry
     estimate = {
         "throughput_tokens_per_s": round(ev.tokens_per_s, 3),
@@ -412,12 +418,20 @@ def to_plan(ctx: PlanContext, ev: Evaluation, algorithm: str, budget: Budget | N
         "devices_total": ctx.num_devices,
         "replicas": per_replica,
     }
+    if ctx.options.objective != "throughput":
+        estimate["objective"] = ctx.options.objective
+    if ctx.slo is not None:
+        estimate["goodput_requests_per_s"] = round(ev.requests_per_period / ctx.period_s, 4)
+        estimate["slo"] = {"ttft_s": ctx.slo.ttft_s, "tpot_s": ctx.slo.tpot_s}
+    # what no placement of this pool can beat under the cost model (planner.bound)
+    estimate["upper_bound_tokens_per_s"] = round(upper_bound(ctx).tokens_per_s, 3)
     estimate["network"] = network_estimate(ctx, ev)
     if notes:
         estimate["notes"] = notes
     if budget is not None:
         estimate["search"] = budget.summary()
-    return Plan(ctx.model.name, ctx.cluster.name, algorithm, tuple(replicas), tuple(routes), estimate)
+    return Plan(ctx.model.name, ctx.cluster.name, algorithm, tuple(replicas), tuple(routes), estimate,
+                search_log=None if budget is None else budget.log())
 
 
 def network_estimate(ctx: PlanContext, ev: Evaluation) -> dict[str, dict]:

@@ -102,6 +102,9 @@ class Plan:
     replicas: tuple[PlanReplica, ...]
     kv_routes: tuple[KVRoute, ...] = ()
     estimate: dict[str, Any] = field(default_factory=dict)
+    # How the search got here (best value over time, gains per kind of edit): kept out of the plan
+    # file so it stays readable; ``hetserve plan --history FILE`` writes it on its own.
+    search_log: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     # ---------------------------------------------------------------- queries
     def replica(self, rid: str) -> PlanReplica:

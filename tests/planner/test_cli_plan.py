@@ -7,14 +7,18 @@ from hetserve.specs.model import load_model
 
 
 def test_plan_writes_a_valid_plan(tmp_path, capsys):
-    out = tmp_path / "plan.json"
+    out, hist = tmp_path / "plan.json", tmp_path / "history.json"
     assert main(["plan", "--cluster", "hexgen2-het1", "--model", "llama-2-70b", "--workload-class", "LPHD",
-                 "--max-iterations", "5", "--quiet", "-o", str(out)]) == 0
+                 "--max-iterations", "5", "--quiet", "-o", str(out), "--history", str(hist)]) == 0
     text = capsys.readouterr().out
     assert "KV routes" in text and "tokens/s" in text and "$" in text
     plan = Plan.load(out)
     validate_plan(plan, load_cluster("hexgen2-het1"), load_model("llama-2-70b"))
     assert json.loads(out.read_text())["estimate"]["throughput_tokens_per_s"] > 0
+    # the plan keeps the search's summary; the history file has the convergence curve
+    assert "history" not in json.loads(out.read_text())["estimate"]["search"]
+    run = json.loads(hist.read_text())["runs"][0]
+    assert run["algorithm"] == "hexgen2" and len(run["history"]) == run["iterations"] >= 5
 
 
 def test_compare_and_plot(tmp_path, capsys):

@@ -46,6 +46,7 @@ FAILOVER_PLAN = {"model": "tiny", "cluster": "loopback-pool", "replicas": [
 PROMPTS = [list(b"Hello, many machines!"), [5, 9, 2], list(range(40, 80)), list(b"A"),
            list(b"The quick brown fox jumps over the lazy dog."), [300, 7, 7, 7, 301, 12]]
 MAX_NEW = 16
+FAILOVER_NEW = 300  # node-loss test: outputs long enough to outlive the node (see the test)
 FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 300,
                       "health_check_timeout_ms": 300, "health_check_failure_threshold": 3}
 
@@ -151,15 +152,18 @@ def model(tmp_path_factory):
     from hetserve.runtime.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "tiny", "llama", layers=LAYERS, hidden=64, heads=4,
-                      kv_heads=2, max_positions=256, seed=3)
+                      kv_heads=2, max_positions=512, seed=3)
 
 
-def _hf_greedy(model, max_new: int) -> list[list[int]]:
-    """transformers' greedy ``generate`` (new tokens only, stopping at EOS), one prompt at a time."""
+def _hf_greedy(model, max_new: int, stop_at_eos: bool = True) -> list[list[int]]:
+    """transformers' greedy ``generate`` (new tokens only, stopping at EOS unless told not to), one
+    prompt at a time."""
     import torch
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(model)).eval()
+    if not stop_at_eos:  # the engine's ignore_eos: EOS is an ordinary token and generation goes on
+        hf.generation_config.eos_token_id = None
     with torch.no_grad():
         return [hf.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False)[0, len(p):].tolist()
                 for p in PROMPTS]
@@ -243,10 +247,12 @@ def test_a_node_that_leaves_mid_load_loses_no_request(pool, model, shapes_engine
                                     kv_capacity_tokens=1024, max_num_seqs=3))
     engine = deployment.engine
     assert engine.transport.address[0] == HEAD and ray.is_initialized()
-    # long enough that r2 is still generating when its node is gone (its worker exits within 0.5 s)
-    reference = _hf_greedy(model, 3 * MAX_NEW)
+    # r2 must still be generating when its worker goes (up to 0.5 s after the raylet): no EOS stops,
+    # and 300-token outputs of which only two fit r2's KV pool at once, so r2 has hundreds of
+    # decode steps left when it is killed, however fast the machine
+    reference = _hf_greedy(model, FAILOVER_NEW, stop_at_eos=False)
     try:
-        params = SamplingParams(max_tokens=3 * MAX_NEW, temperature=0.0)
+        params = SamplingParams(max_tokens=FAILOVER_NEW, temperature=0.0, ignore_eos=True)
         handles = [engine.submit(p, params) for p in PROMPTS]
         assert wait_until(lambda: engine.stats().get("replicas", {}).get("r2", {}).get("running", 0) > 0
                           and any(h.tokens for h in handles), 60)

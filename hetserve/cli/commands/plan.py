@@ -31,8 +31,22 @@ def register(subparsers) -> None:
     p.add_argument("--disaggregated", action="store_true",
                    help="hexgen2 / random-swap: always return prefill and decode replicas (as the paper), "
                         "even where colocated replicas would serve more")
+    p.add_argument("--objective", choices=("throughput", "goodput", "cost"), default="throughput",
+                   help="throughput (default): tokens/s at full load; goodput: requests/s meeting --slo-ttft/"
+                        "--slo-tpot; cost: the cheapest subset of the pool serving --rate within the SLOs")
+    p.add_argument("--slo-ttft", type=float, metavar="S", help="time-to-first-token target, seconds")
+    p.add_argument("--slo-tpot", type=float, metavar="S", help="time-per-output-token target, seconds")
+    p.add_argument("--rate", type=float, metavar="REQ/S", help="requests/s the cost objective must serve")
+    p.add_argument("--budget-usd-per-hour", type=float, metavar="USD",
+                   help="use only GPUs costing at most this much per hour in total (the planner chooses which)")
     p.add_argument("--efficiency", metavar="JSON", help="cost-model efficiency (from `hetserve calibrate -o`)")
     p.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan (the best one with --compare)")
+    p.add_argument("--explain", action="store_true",
+                   help="say what bounds the plan (a replica's compute or memory, KV links, a named NIC or pipe) "
+                        "and what one more GPU of each type or 2x the busiest shared link would give")
+    p.add_argument("--history", metavar="FILE.json",
+                   help="write the search log (best value over time, gain of each kind of edit) of every "
+                        "algorithm run; the plan file keeps only the search's summary")
     p.add_argument("--plot", metavar="PNG", help="draw best estimated throughput versus search time")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -49,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import load_workload
 
+    from hetserve.planner.objectives import plan_for
+
+    _check_objective(args)
     names = [a.strip() for a in (args.compare or args.algorithm).split(",") if a.strip()]
     for a in names:
         if a not in ALGORITHMS:
@@ -70,8 +87,10 @@ def run(args: argparse.Namespace) -> int:
 
             options = PlanOptions(seed=args.seed, time_limit_s=args.time_limit, max_iterations=args.max_iterations,
                                   period_s=args.period, progress=report, allow_colocated=not args.disaggregated,
-                                  efficiency=load_efficiency(args.efficiency) if args.efficiency else None)
-            plan = ALGORITHMS[name](cluster, model, workload, options)
+                                  efficiency=load_efficiency(args.efficiency) if args.efficiency else None,
+                                  objective=args.objective, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
+                                  rate=args.rate, budget_usd_per_hour=args.budget_usd_per_hour)
+            plan = plan_for(ALGORITHMS[name], cluster, model, workload, options)
         validate_plan(plan, cluster, model)
         for w in network_warnings(plan, cluster, model):
             console.print(f"[yellow]warning[/]: {name}: {w}")
@@ -84,10 +103,29 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         best.save(args.output)
         console.print(f"wrote {args.output} ({best.algorithm})")
+    if args.explain:
+        print_explanation(console, best, args, cluster, model, workload, options, ALGORITHMS[best.algorithm])
+    if args.history:
+        write_history(plans, args.history)
+        console.print(f"wrote {args.history}")
     if args.plot:
         plot_convergence(plans, args.plot)
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _check_objective(args) -> None:
+    """One clear line for option combinations that make no sense (exit code 2 via PlanError)."""
+    for opt in ("slo_ttft", "slo_tpot", "rate", "budget_usd_per_hour", "time_limit", "period"):
+        v = getattr(args, opt, None)
+        if v is not None and not v > 0:
+            raise PlanError(f"--{opt.replace('_', '-')}: expected a positive number, got {v}")
+    if args.objective == "cost" and args.rate is None:
+        raise PlanError("--objective cost: give --rate REQ/S, the requests per second the plan must serve")
+    if args.objective == "goodput" and args.slo_ttft is None and args.slo_tpot is None:
+        raise PlanError("--objective goodput: give --slo-ttft and/or --slo-tpot (seconds)")
+    if args.rate is not None and args.objective != "cost":
+        raise PlanError("--rate: only read by --objective cost")
 
 
 def _stages(replica) -> str:
@@ -142,6 +180,20 @@ def print_plan(console, plan) -> None:
         + (f"${usd:,.2f}/hour ({e.get('tokens_per_usd', 0):,.0f} tokens/$)" if usd is not None else "price unknown")
         + (f"; search {search.get('wall_s', 0):.1f} s, {search.get('iterations', 0)} iterations "
            f"({search.get('stopped_by')})" if search else ""))
+    ub = e.get("upper_bound_tokens_per_s")
+    if ub:
+        console.print(f"within {100 * (1 - e.get('throughput_tokens_per_s', 0) / ub):.1f} % of the bound: "
+                      f"no placement of this pool exceeds {ub:,.1f} tokens/s under the cost model "
+                      f"(LP relaxation, planner/bound.py)")
+    if "goodput_requests_per_s" in e:
+        slo = e.get("slo", {})
+        console.print(f"goodput {e['goodput_requests_per_s']:,.3f} requests/s within TTFT ≤ {slo.get('ttft_s')} s, "
+                      f"TPOT ≤ {slo.get('tpot_s')} s (estimate: M/D/1 prefill queue, decode batch within the TPOT)")
+    if "budget_usd_per_hour" in e:
+        console.print(f"budget ${e['budget_usd_per_hour']:,.2f}/h: plan uses ${usd or 0:,.2f}/h")
+    if "rate_requests_per_s" in e:
+        console.print(f"cheapest found for {e['rate_requests_per_s']:g} requests/s: ${usd or 0:,.2f}/h "
+                      f"(no subset can cost less than ${e['min_cost_bound_usd_per_hour']:,.2f}/h, LP bound)")
     network = e.get("network") or {}
     if network:
         busiest = list(network.items())[:BUSIEST_RESOURCES]
@@ -173,6 +225,41 @@ def print_comparison(console, plans) -> None:
     console.print("P / D / C: prefill, decode and colocated replicas; req/T: requests per period T")
 
 
+def print_explanation(console, plan, args, cluster, model, workload, options, fn) -> None:
+    import dataclasses
+
+    from rich.table import Table
+
+    from hetserve.planner.explain import bottlenecks, what_ifs
+
+    console.print("[bold]what bounds this plan[/bold] (min cut of its flow):")
+    for line in bottlenecks(plan, cluster, model, workload, options):
+        console.print(f"  • {line}")
+    base = plan.estimate.get("throughput_tokens_per_s", 0.0)
+    plain = dataclasses.replace(options, budget_usd_per_hour=None, objective="throughput"
+                                if options.objective == "cost" else options.objective)
+    rows = what_ifs(plan, args.cluster, model, workload, plain, fn)
+    if not rows:
+        console.print("  (what-ifs need a cluster file with machines, not a device matrix)")
+        return
+    t = Table(title=f"what-ifs (quick re-plan, {plan.algorithm}, fewer restarts; bound = planner/bound.py)")
+    for col in ("change", "tokens/s", "vs plan", "upper bound"):
+        t.add_column(col, justify="left" if col == "change" else "right")
+    for label, v, ub in rows:
+        t.add_row(label, "–" if v is None else f"{v:,.1f}", "–" if v is None or not base else f"{v / base - 1:+.1%}",
+                  f"{ub:,.0f}" if ub else "–")
+    console.print(t)
+
+
+def write_history(plans, path: str | Path) -> None:
+    """The search logs of ``plans`` as one JSON file: ``{"runs": [log, ...]}``."""
+    import json
+
+    runs = [p.search_log or {"algorithm": p.algorithm} for p in plans]
+    Path(path).write_text(json.dumps({"model": plans[0].model, "cluster": plans[0].cluster, "runs": runs},
+                                     indent=1) + "\n")
+
+
 def plot_convergence(plans, path: str | Path) -> None:
     import matplotlib
 
@@ -181,7 +268,7 @@ def plot_convergence(plans, path: str | Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for p in plans:
-        hist = p.estimate.get("search", {}).get("history", [])
+        hist = (p.search_log or {}).get("history", [])
         if hist:
             ax.step([h[0] for h in hist], [h[1] for h in hist], where="post", label=p.algorithm)
     ax.set_xlabel("search time (s)")

@@ -1,0 +1,254 @@
+"""An upper bound on the throughput any placement of the pool can reach under the cost model.
+
+Exact search stops at 8 GPUs; this answers "how good is this plan?" for any pool size. It is a
+linear programme (scipy ``linprog``, HiGHS) over how many devices of each kind (GPU type × site)
+serve prefill, decode or colocated replicas, whose constraints are *relaxations* of the cost
+model — every one holds for any group of devices in any layout, so the optimum bounds every
+algorithm here (``exact`` included), mixed plans too:
+
+* **compute** and **memory bandwidth** (roofline). A stage's time per layer is at least its
+  work over its TP group's summed FLOP/s or bytes/s (the cost model paces a TP group by its
+  slowest device, so the sum over the group is an over-estimate), and Σ layers = L, so:
+
+  - prefill capacity (T / TTFT of the mean prompt) ≤ T·F_g / (L·F1) and ≤ T·M_g / (L·B1), with
+    F1, B1 the FLOPs and bytes of one layer for one prompt and F_g, M_g the group's sums;
+    also ≤ T·τ·f_max / (L·F1) per group (one stage is at most a TP group of τ devices), and a
+    group must hold the weights, so the prefill groups number at most U_p / W;
+  - decode tokens/s ≤ F_g / (L·(2P + 4q·c̄)) and ≤ b·M_g / (L·(W_l + b·c̄·kv)) at the engine's
+    batch cap b (``Efficiency.max_batch``; the fraction grows with b), c̄ = I + O/2 tokens of
+    context per request; a pipeline of m micro-batches reads its weights m ≥ 1 times a step;
+  - a colocated request costs TTFT + O / (tokens/s): the same terms added, and the mixed
+    compute-plus-bandwidth ones bounded by tangent planes of the concave T / (a/F + b/M).
+
+  These are per-device additive, hence linear in the device counts.
+* **prefill / decode balance**: the disaggregated part serves at most min(Σ prefill, Σ decode).
+* **shared network** (when the cluster has shared NICs and pipes): the KV flow splits into
+  machine-to-machine parts, each bounded by the prefill / decode rates of the machines at its
+  ends; every part loads the NICs and pipes on its path with its KV bytes (``_network_rows``).
+* **budget**: Σ price × devices used ≤ the budget, when one is set.
+
+What it leaves out (why it is a bound, and where the gap comes from): TP all-reduces and
+pipeline hand-offs (and their network traffic), the slowest device pacing a TP group, KV memory
+limiting the decode batch below the cap, per-pair KV links, and the integrality of groups. Running time: one LP of
+3·(kinds) + a few variables, milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import linprog
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The LP's optimum: tokens/s, requests per T, and the device counts per kind and role."""
+
+    tokens_per_s: float
+    requests_per_period: float
+    counts: dict[tuple[str, str, str], float]  # (gpu, site, role) -> devices (fractional)
+    binding: tuple[str, ...]  # names of the constraints with no slack at the optimum
+
+    def to_dict(self) -> dict:
+        return {"tokens_per_s": round(self.tokens_per_s, 3), "binding": list(self.binding)}
+
+
+@dataclass(frozen=True)
+class _Kind:
+    gpu: str
+    site: str
+    machine: str
+    device: int  # a representative device (for network paths)
+    count: int
+    flops: float  # achieved FLOP/s of one device
+    membw: float  # achieved bytes/s
+    usable: float  # usable bytes
+    usd_per_hour: float | None
+
+
+def _kinds(ctx, devices=None) -> list[_Kind]:
+    cost = ctx.cost
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for d in (ctx.cluster.devices if devices is None else [ctx.cluster.devices[i] for i in devices]):
+        groups.setdefault((d.gpu.name, d.site, d.machine), []).append(d.index)
+    out = []
+    for (gpu, site, machine), idx in sorted(groups.items()):
+        d = idx[0]
+        out.append(_Kind(gpu, site, machine, d, len(idx), cost._flops[d], cost._membw[d], cost._memory[d],
+                         ctx.cluster.devices[d].gpu.usd_per_hour))
+    return out
+
+
+def _rates(ctx, k: _Kind) -> dict[str, list[float]]:
+    """Per-device upper bounds (requests per T) of each role: one list of linear rates per role;
+    a group's capacity is at most the sum over its devices of every one of them."""
+    m, T = ctx.model, ctx.period_s
+    I, O = max(1, round(ctx.input_tokens)), ctx.output_tokens
+    L, P, q, kv = m.num_layers, m.params_per_layer, m.q_dim, m.kv_bytes_per_token_per_layer
+    W_l = m.bytes_per_layer
+    b = ctx.cost.eff.max_batch
+    cbar = ctx.input_tokens + O / 2
+    F1 = 2.0 * P * I + 2.0 * q * I * I
+    B1 = W_l + I * kv
+    a1, b1 = L * F1, L * B1  # prefill: seconds × FLOP/s, seconds × bytes/s
+    a2 = O * L * (2.0 * P + 4.0 * q * cbar)  # decode of one request's output
+    b2 = O * L * (W_l / b + cbar * kv)
+    f, bw = k.flops, k.membw
+    colocated = [T * f / (a1 + a2), T * bw / (b1 + b2)]
+    return {
+        "prefill": [T * f / a1, T * bw / b1],
+        "decode": [T * f / a2, T * bw / b2],
+        "colocated": colocated,
+        "_mixed": [a1, a2, b1, b2],
+    }
+
+
+@dataclass
+class _LP:
+    kinds: list
+    A: np.ndarray
+    rhs: np.ndarray
+    names: list[str]
+    prices: np.ndarray  # $/h of each variable (0 for the sums)
+    served: np.ndarray  # coefficients of requests per T served (Fl + Cv)
+
+
+def _build(ctx, budget_usd_per_hour: float | None = None, devices=None) -> _LP:
+    """The LP's constraints (``A x ≤ rhs``, x ≥ 0) for ``ctx``'s pool or only ``devices``."""
+    kinds = _kinds(ctx, devices)
+    T = ctx.period_s
+    nk = len(kinds)
+    # variables: x[k, role] (3 per kind), then Pv, Dv, Cv, Fl, then (shared network only) u[m, m']:
+    # requests' worth of KV cache (layer fractions) prefilled on machine m and decoded on m'
+    nx = 3 * nk
+    iP, iD, iC, iF = nx, nx + 1, nx + 2, nx + 3
+    machines = sorted({k.machine for k in kinds})
+    network = bool(getattr(ctx, "resources", None))
+    pairs = [(a, b) for a in machines for b in machines] if network else []
+    iu = {pair: nx + 4 + j for j, pair in enumerate(pairs)}
+    nv = nx + 4 + len(pairs)
+    A, rhs, names = [], [], []
+
+    def row(coefs: dict[int, float], bound: float, name: str) -> None:
+        r = np.zeros(nv)
+        for i, c in coefs.items():
+            r[i] += c
+        A.append(r)
+        rhs.append(bound)
+        names.append(name)
+
+    rates = [_rates(ctx, k) for k in kinds]
+    for j, k in enumerate(kinds):
+        row({3 * j + r: 1.0 for r in range(3)}, float(k.count), f"devices {k.gpu}@{k.site}")
+    sums = {"prefill": iP, "decode": iD, "colocated": iC}
+    labels = {0: "compute", 1: "memory bandwidth"}
+    for r, role in enumerate(ROLES):
+        for t in range(2):
+            row({sums[role]: 1.0, **{3 * j + r: -rates[j][role][t] for j in range(nk)}}, 0.0, f"{role} {labels[t]}")
+    # prefill: each group ≤ one TP group of the fastest kind; groups ≤ usable memory / weights
+    m = ctx.model
+    tau = max(ctx.layouts.tp_ok[-1] if ctx.layouts.tp_ok else 1, 1)
+    tau = min(tau, max(ctx.class_counts))
+    I = max(1, round(ctx.input_tokens))
+    F1 = 2.0 * m.params_per_layer * I + 2.0 * m.q_dim * I * I
+    per_group = T * tau * max(k.flops for k in kinds) / (m.num_layers * F1)
+    row({iP: 1.0, **{3 * j: -per_group * k.usable / m.weight_bytes for j, k in enumerate(kinds)}}, 0.0,
+        "prefill groups (memory) × one TP group each")
+    # colocated: tangent planes of T / (a/F + b/M) at each kind's (f, m) and at the pool's
+    a1, a2, b1, b2 = rates[0]["_mixed"]
+    points = [(k.flops, k.membw) for k in kinds] + [(sum(k.flops * k.count for k in kinds),
+                                                     sum(k.membw * k.count for k in kinds))]
+    for a, bb in ((a1, b2), (a2, b1)):
+        for F0, M0 in points:
+            g = T / (a / F0 + bb / M0) ** 2
+            gF, gM = g * a / F0 ** 2, g * bb / M0 ** 2
+            row({iC: 1.0, **{3 * j + 2: -(gF * k.flops + gM * k.membw) for j, k in enumerate(kinds)}}, 0.0,
+                "colocated compute + bandwidth")
+    row({iF: 1.0, iP: -1.0}, 0.0, "prefill capacity")
+    row({iF: 1.0, iD: -1.0}, 0.0, "decode capacity")
+    if network:
+        _network_rows(ctx, kinds, rates, machines, iu, iF, row)
+    prices = np.zeros(nv)
+    for j, k in enumerate(kinds):  # (the u variables cost nothing)
+        prices[3 * j:3 * j + 3] = k.usd_per_hour or 0.0
+    if budget_usd_per_hour is not None:
+        row({i: prices[i] for i in range(nx)}, float(budget_usd_per_hour), "budget")
+    served = np.zeros(nv)
+    served[iF] = served[iC] = 1.0
+    return _LP(kinds, np.array(A), np.array(rhs), names, prices, served)
+
+
+def _network_rows(ctx, kinds, rates, machines, iu, iF, row) -> None:
+    """Shared NICs and pipes (issue 9's capacity nodes): the flow splits into u[m, m'] — the
+    requests' worth of KV (as layer fractions) prefilled on machine m and decoded on m'. What
+    leaves m is at most m's prefill devices' rates (a group's layers on m run on m's devices, so
+    the per-device bounds hold per machine), what arrives at m' at most its decode devices';
+    u[m, m'] × KV bytes per request crosses every resource on the path m → m'."""
+    row({iF: 1.0, **{i: -1.0 for i in iu.values()}}, 0.0, "KV routes")
+    by_machine: dict[str, list[int]] = {}
+    for j, k in enumerate(kinds):
+        by_machine.setdefault(k.machine, []).append(j)
+    for m in machines:
+        for t in range(2):
+            row({**{iu[(m, b)]: 1.0 for b in machines}, **{3 * j: -rates[j]["prefill"][t] for j in by_machine[m]}},
+                0.0, f"prefill on {m}")
+            row({**{iu[(a, m)]: 1.0 for a in machines}, **{3 * j + 1: -rates[j]["decode"][t] for j in by_machine[m]}},
+                0.0, f"decode on {m}")
+    kv_bytes = ctx.input_tokens * ctx.model.kv_bytes_per_token
+    rep = {k.machine: k.device for k in kinds}
+    crossing: dict[str, list[int]] = {}
+    for (a, b), i in iu.items():
+        if a != b:
+            for r in ctx.cluster.path(rep[a], rep[b]).resources:
+                if r.name in ctx.resource_cap:
+                    crossing.setdefault(r.name, []).append(i)
+    for name, idx in sorted(crossing.items()):
+        row({i: kv_bytes for i in idx}, ctx.resource_cap[name], f"network {name}")
+
+
+def _counts(lp: _LP, x) -> dict[tuple[str, str, str], float]:
+    out: dict[tuple[str, str, str], float] = {}
+    for j, k in enumerate(lp.kinds):
+        for r, role in enumerate(ROLES):
+            if x[3 * j + r] > 1e-9:
+                out[(k.gpu, k.site, role)] = out.get((k.gpu, k.site, role), 0.0) + float(x[3 * j + r])
+    return out
+
+
+def upper_bound(ctx, budget_usd_per_hour: float | None = None, devices=None) -> Bound:
+    """Solve the LP above for ``ctx`` (all devices, or only ``devices``); see the module docstring."""
+    lp = _build(ctx, budget_usd_per_hour, devices)
+    res = linprog(-lp.served, A_ub=lp.A, b_ub=lp.rhs, bounds=[(0, None)] * len(lp.served), method="highs")
+    if res.status != 0:  # pragma: no cover - the LP is always feasible (all zeros) and bounded
+        raise RuntimeError(f"upper-bound LP failed: {res.message}")
+    req = -float(res.fun)
+    # binding = a constraint whose relaxation would raise the optimum (non-zero dual value)
+    duals = np.abs(res.ineqlin.marginals)
+    binding = tuple(dict.fromkeys(n for n, y in zip(lp.names, duals) if y > 1e-9))
+    return Bound(ctx.tokens_per_s(req), req, _counts(lp, res.x), binding)
+
+
+def min_cost(ctx, requests_per_period: float, devices=None) -> tuple[float, dict] | None:
+    """A lower bound on the $/h of any subset of the pool whose plan serves ``requests_per_period``
+    (the same relaxation, minimising price): (usd per hour, device counts), or None when even the
+    relaxation of the whole pool cannot serve that much."""
+    lp = _build(ctx, None, devices)
+    A = np.vstack([lp.A, -lp.served])
+    rhs = np.append(lp.rhs, -requests_per_period)
+    res = linprog(lp.prices, A_ub=A, b_ub=rhs, bounds=[(0, None)] * len(lp.served), method="highs")
+    if res.status != 0:
+        return None
+    return float(res.fun), _counts(lp, res.x)
+
+
+def device_rates(ctx) -> dict[tuple[str, str], float]:
+    """Per-device requests per T a device of each kind can add at best (the LP's loosest rate of
+    its best role), for ranking kinds by value per dollar."""
+    out = {}
+    for k in _kinds(ctx):
+        r = _rates(ctx, k)
+        out[(k.gpu, k.site)] = max(out.get((k.gpu, k.site), 0.0), max(min(r[role]) for role in ROLES))
+    return out

@@ -1,0 +1,125 @@
+"""``hetserve plan --explain``: what bounds a plan, and what more hardware would give.
+
+* **Bound**: the plan's placement is priced again with its own layouts (the shared
+  ``Evaluator``) and the min cut of its flow (``guided.min_cut``) is read: which groups' compute
+  or memory (saturated prefill / decode replicas), which KV edges, which NICs or site pipes
+  carry the whole flow; colocated replicas add their own capacity beside it.
+* **What-ifs**, each a new search with the same algorithm and options (fewer restarts, so a
+  what-if is a quick estimate, not a full search) on an edited copy of the cluster file:
+  one more GPU of each type (on the first machine that has it), and twice the bandwidth of the
+  plan's busiest shared link (its NIC, or its site pipe as a ``network.links`` entry). Each row
+  also gives the upper bound (``planner.bound``) of the edited pool.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+from hetserve.errors import InfeasibleError, PlanError, SpecError
+from hetserve.planner.bound import upper_bound
+from hetserve.planner.context import PlanContext
+from hetserve.planner.guided import min_cut
+from hetserve.planner.placement import Evaluator, Group
+from hetserve.specs._validation import read_mapping
+from hetserve.specs.cluster import _preset_dir, cluster_from_dict
+
+WHAT_IF_RESTARTS = 4
+
+
+def bottlenecks(plan, cluster, model, workload, options) -> list[str]:
+    """Lines naming what limits ``plan`` (see the module docstring)."""
+    ctx = PlanContext(cluster, model, workload, options)
+    groups = [Group.of(r.layout(cluster).devices, r.role) for r in plan.replicas]
+    ev = Evaluator(ctx).evaluate_layouts(groups, [r.layout(cluster) for r in plan.replicas])
+    ids = [r.id for r in plan.replicas]
+    cut = min_cut(ev)
+    lines = []
+    for i in cut.nodes:
+        role = groups[i].role
+        what = "compute (TTFT of one prompt)" if role == "prefill" else "compute / memory (decode batch)"
+        lines.append(f"{role} replica {ids[i]}: its {what} is saturated — "
+                     f"{ev.capacities[i]:,.0f} requests per {ctx.period_s:.0f} s, all used")
+    for p, d in cut.kv_edges:
+        lines.append(f"KV links {ids[p]} → {ids[d]} are full ({ev.network.edge_cap[(p, d)]:,.0f} requests per "
+                     f"{ctx.period_s:.0f} s)")
+    for r in dict.fromkeys(x[0] for x in cut.resources):
+        res = ctx.resources.get(r)
+        gbps = "" if res is None else f", {res.bandwidth * 8 / 1e9:.3g} Gbit/s"
+        lines.append(f"shared link {r} is full{gbps} (KV of routes "
+                     + ", ".join(f"{ids[p]}→{ids[d]}" for x, p, d in cut.resources if x == r) + ")")
+    col = [i for i, g in enumerate(groups) if g.role == "colocated" and ev.capacities[i] > 0]
+    if col:
+        lines.append(f"{len(col)} colocated replica(s) serve {sum(ev.capacities[i] for i in col):,.0f} requests per "
+                     f"{ctx.period_s:.0f} s on their own (each bound by its own compute / memory)")
+    if not lines:
+        lines.append("no prefill/decode flow to cut")
+    return lines
+
+
+def _cluster_data(cluster_arg: str) -> dict | None:
+    path = Path(cluster_arg)
+    if not path.exists():
+        path = _preset_dir() / f"{cluster_arg}.yaml"
+    if not path.exists():
+        return None
+    data = read_mapping(path)
+    return None if "matrix" in data and data.get("matrix") else data
+
+
+def _variants(data: dict, plan) -> list[tuple[str, dict]]:
+    out = []
+    seen = set()
+    for m in data["machines"]:
+        if m["gpu"] in seen:
+            continue
+        seen.add(m["gpu"])
+        d = copy.deepcopy(data)
+        for mm in d["machines"]:
+            if mm["name"] == m["name"]:
+                mm["count"] = int(mm.get("count", 1)) + 1
+        out.append((f"+1 {m['gpu']} (on {m['name']})", d))
+    network = plan.estimate.get("network") or {}
+    if network:
+        name, v = next(iter(network.items()))
+        d = copy.deepcopy(data)
+        double = 2 * v["capacity_gbps"]
+        if name.startswith(("nic-out:", "nic-in:")):
+            machine = name.split(":", 1)[1]
+            for mm in d["machines"]:
+                if mm["name"] == machine:
+                    nic = dict(mm.get("nic") or {})
+                    nic["bandwidth_gbps"] = double
+                    nic.setdefault("latency_ms", d.get("network", {}).get("intra_site", {}).get("latency_ms", 0.5))
+                    mm["nic"] = nic
+        elif name.startswith("pipe:"):
+            a, b = name.split(":", 1)[1].split(">")
+            net = d.setdefault("network", {})
+            lat = net.get("inter_site", {}).get("latency_ms", 10.0)
+            net["links"] = list(net.get("links", [])) + [{"between": [a, b], "bandwidth_gbps": double,
+                                                         "latency_ms": lat}]
+        else:
+            d = None
+        if d is not None:
+            out.append((f"2× {name} ({v['capacity_gbps']:.3g} → {double:.3g} Gbit/s)", d))
+    return out
+
+
+def what_ifs(plan, cluster_arg: str, model, workload, options, fn) -> list[tuple[str, float | None, float]]:
+    """(change, tokens/s of a quick re-plan or None if it failed, upper bound) per variant."""
+    data = _cluster_data(cluster_arg)
+    if data is None:
+        return []
+    quick = dataclasses.replace(options, restarts=WHAT_IF_RESTARTS, progress=None)
+    rows = []
+    for label, d in _variants(data, plan):
+        try:
+            c = cluster_from_dict(d, f"{cluster_arg} ({label})")
+            ub = upper_bound(PlanContext(c, model, workload, quick)).tokens_per_s
+            v = fn(c, model, workload, quick).estimate["throughput_tokens_per_s"]
+        except (InfeasibleError, PlanError, SpecError) as exc:  # reported, not fatal
+            rows.append((f"{label}: {exc}", None, 0.0))
+            continue
+        rows.append((label, v, ub))
+    return rows

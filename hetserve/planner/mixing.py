@@ -1,0 +1,189 @@
+"""Colocated and mixed alternatives to a disaggregated placement (HexGen-2's last step here).
+
+* ``colocated_alternative``: the best all-colocated placement cut from a few coarse units.
+* ``mixed_alternative``: colocated replicas beside prefill/decode ones — from the disaggregated
+  placement, groups turned colocated one at a time (each re-cut into the colocated replicas that
+  serve most), and all groups of one site at once (an island behind a narrow pipe); from the
+  colocated placement, pairs of well-connected colocated groups turned into a prefill and a
+  decode replica, colocated groups absorbed into a prefill or decode group, and single groups
+  split into the two. Greedy best-improvement rounds, each
+  candidate scored by the shared ``Evaluator`` (colocated capacities add to the max flow).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+from hetserve.planner.context import PlanContext
+from hetserve.planner.moves import Placement, merge, split, split_devices
+from hetserve.planner.partition import group_bandwidth
+from hetserve.planner.placement import Evaluator, Group, canonical
+
+MAX_MIXED_ROUNDS = 8
+MAX_PAIR_CANDIDATES = 60  # colocated pairs tried per round (best connected first)
+MAX_ABSORB = 3  # third groups tried with each pair
+
+
+MAX_KNAPSACK_VECTORS = 256  # sub-vectors of a group's composition the colocated knapsack enumerates
+
+
+def colocated_alternative(ctx: PlanContext, evaluator: Evaluator, groups: Placement) -> tuple[Placement, float]:
+    """The best all-colocated placement cut from a few coarse units: the placement's own groups,
+    the machines, and (when its class-count space has at most ``MAX_KNAPSACK_VECTORS`` vectors)
+    the whole pool. Each unit's devices are re-cut into the colocated replicas that serve most —
+    a knapsack over the sub-vectors of its class-count vector (halving per class, recursively,
+    beyond that size); devices no unit's cut uses are pooled and cut the same way. Colocated
+    capacity is additive, so each unit is decided on its own. Returns (placement, tokens/s)."""
+    by_machine: dict[str, list[int]] = {}
+    for d in ctx.cluster.devices:
+        by_machine.setdefault(d.machine, []).append(d.index)
+    unit_sets = [[g.devices for g in groups], [tuple(ds) for ds in by_machine.values()]]
+    size = 1
+    for n in ctx.class_counts:
+        size *= n + 1
+    if size <= MAX_KNAPSACK_VECTORS:
+        unit_sets.append([tuple(range(ctx.num_devices))])
+    best: tuple[Placement, float] = ((), -1.0)
+    for units in unit_sets:
+        parts: list[Group] = []
+        for devices in units:
+            parts.extend(Group.of(ds, "colocated") for ds in _colocated_cut(ctx, evaluator, tuple(sorted(devices))))
+        used = {d for p in parts for d in p.devices}
+        spare = tuple(d for d in range(ctx.num_devices) if d not in used)
+        if spare and ctx.can_hold_weights(spare):
+            parts.extend(Group.of(ds, "colocated") for ds in _colocated_cut(ctx, evaluator, spare))
+        placement = canonical(parts)
+        v = evaluator.score(placement) if placement else 0.0
+        if v > best[1] * (1 + 1e-9):
+            best = (placement, v)
+    return best
+
+
+def _colocated_cut(ctx: PlanContext, evaluator: Evaluator, devices: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Device sets of the colocated replicas that serve most on ``devices`` (see above)."""
+    comp = ctx.composition(devices)
+    size = 1
+    for _, n in comp:
+        size *= n + 1
+    by_cls: dict[int, list[int]] = {}
+    for d in sorted(devices):
+        by_cls.setdefault(ctx.class_of[d], []).append(d)
+    if size > MAX_KNAPSACK_VECTORS:
+        whole = evaluator.capacity(devices, "colocated")
+        a, b = split_devices(ctx, devices)
+        if a and b and ctx.can_hold_weights(a) and ctx.can_hold_weights(b):
+            ca, cb = _colocated_cut(ctx, evaluator, tuple(a)), _colocated_cut(ctx, evaluator, tuple(b))
+            if sum(evaluator.capacity(x, "colocated") for x in ca + cb) > whole * (1 + 1e-9):
+                return ca + cb
+        return [devices] if whole > 0 else []
+    classes = [k for k, _ in comp]
+    vecs = [v for v in itertools.product(*(range(n + 1) for _, n in comp)) if any(v)]
+    first = {k: by_cls[k] for k in classes}
+
+    def devs(v):
+        return tuple(d for k, n in zip(classes, v) for d in first[k][:n])
+
+    items = [(v, c) for v in vecs if ctx.can_hold_weights(devs(v)) and (c := evaluator.capacity(devs(v), "colocated")) > 0]
+
+    @functools.lru_cache(maxsize=None)
+    def best(left: tuple[int, ...]) -> tuple[float, tuple]:
+        out: tuple[float, tuple] = (0.0, ())
+        for v, cap in items:
+            if all(n <= m for n, m in zip(v, left)):
+                sub = best(tuple(m - n for n, m in zip(v, left)))
+                if cap + sub[0] > out[0] * (1 + 1e-12):
+                    out = (cap + sub[0], (v,) + sub[1])
+        return out
+
+    _, chosen = best(tuple(n for _, n in comp))
+    out, offset = [], [0] * len(classes)
+    for v in chosen:
+        out.append(tuple(d for j, (k, n) in enumerate(zip(classes, v)) for d in first[k][offset[j]:offset[j] + n]))
+        offset = [o + n for o, n in zip(offset, v)]
+    return out
+
+
+
+
+def _recut(ctx: PlanContext, evaluator: Evaluator, groups: Placement, idx) -> Placement:
+    """``groups`` with the groups at ``idx`` replaced by the best colocated cut of their devices."""
+    take = set(idx)
+    devices = tuple(sorted(d for i in idx for d in groups[i].devices))
+    cut = [Group.of(ds, "colocated") for ds in _colocated_cut(ctx, evaluator, devices)]
+    used = {d for g in cut for d in g.devices}
+    idle = tuple(d for d in devices if d not in used)
+    rest = [g for i, g in enumerate(groups) if i not in take] + cut
+    if idle:  # devices no colocated replica uses stay in a (zero-capacity) group: movable later
+        rest.append(Group.of(idle, "colocated"))
+    return canonical(rest)
+
+
+def _climb(evaluator: Evaluator, start: Placement, candidates) -> tuple[Placement, float]:
+    cur, cur_v = start, evaluator.score(start)
+    for _ in range(MAX_MIXED_ROUNDS):
+        pick, pick_v = None, cur_v
+        for cand in candidates(cur):
+            if cand is None or cand == cur:
+                continue
+            v = evaluator.score(cand, floor=pick_v)
+            if v > pick_v * (1 + 1e-9):
+                pick, pick_v = cand, v
+        if pick is None:
+            break
+        cur, cur_v = pick, pick_v
+    return cur, cur_v
+
+
+def mixed_alternative(ctx: PlanContext, evaluator: Evaluator, disaggregated: Placement,
+                      colocated: Placement) -> tuple[Placement, float]:
+    """The best mixed placement found from either end (see the module docstring)."""
+
+    def from_disaggregated(groups: Placement):
+        pd = [i for i, g in enumerate(groups) if g.role in ("prefill", "decode")]
+        for i in pd:
+            yield _recut(ctx, evaluator, groups, [i])
+        by_site: dict[str, list[int]] = {}
+        for i in pd:
+            sites = {ctx.cluster.devices[d].site for d in groups[i].devices}
+            if len(sites) == 1:
+                by_site.setdefault(sites.pop(), []).append(i)
+        for idx in by_site.values():
+            if 1 < len(idx) < len(pd):
+                yield _recut(ctx, evaluator, groups, idx)
+
+    def from_colocated(groups: Placement):
+        col = [i for i, g in enumerate(groups) if g.role == "colocated" and g.devices]
+        if len(col) >= 2:
+            w = group_bandwidth(ctx, [g.devices for g in groups])
+            pairs = sorted(((a, b) for a in col for b in col if a < b), key=lambda p: (-w[p], p))
+            for a, b in pairs[:MAX_PAIR_CANDIDATES]:
+                for ra, rb in (("prefill", "decode"), ("decode", "prefill")):
+                    out = list(groups)
+                    out[a], out[b] = Group(groups[a].devices, ra), Group(groups[b].devices, rb)
+                    yield canonical(out)
+                    # the pair alone may not pay; with a third colocated group absorbed into one of
+                    # them it may (a two-step move a greedy climb would not take)
+                    near = sorted((c for c in col if c not in (a, b)), key=lambda c: (-w[a, c] - w[b, c], c))
+                    for c in near[:MAX_ABSORB]:
+                        for host in (a, b):
+                            yield merge(out, host, c)
+        # a colocated group absorbed into a prefill or decode group (more devices for the bottleneck)
+        pd = [i for i, g in enumerate(groups) if g.role in ("prefill", "decode")]
+        if col and pd:
+            w = group_bandwidth(ctx, [g.devices for g in groups])
+            pairs = sorted(((c, g) for c in col for g in pd), key=lambda p: (-w[p], p))
+            for c, g in pairs[:MAX_PAIR_CANDIDATES]:
+                yield merge(groups, g, c)
+        for i in col:
+            a, b = split_devices(ctx, groups[i].devices)
+            if a and b and ctx.can_hold_weights(a) and ctx.can_hold_weights(b):
+                yield split(ctx, groups, i, ("prefill", "decode"))
+
+    best: tuple[Placement, float] = ((), -1.0)
+    for start, gen in ((disaggregated, from_disaggregated), (colocated, from_colocated)):
+        if start:
+            p, v = _climb(evaluator, start, gen)
+            if v > best[1] * (1 + 1e-9):
+                best = (p, v)
+    return best

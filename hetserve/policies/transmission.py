@@ -71,7 +71,8 @@ def available_time(now: float, timing: DecodeTiming | None, next_decode_in_s: fl
     Case 1 (t_c = t_s): a decode batch starts now: T_a = T_d.
     Case 2 (t_c > t_s, batch still running): T_a = t_s + T_d − t_c.
     Case 3 (no batch running: the iteration's last batch has left): the next decode output is
-    batch B1 coming back round the pipeline: T_a = t_p + T_o + T_m − t_c.
+    batch B1, the next to execute, coming back round the pipeline: T_a = t_p + T_o + T_m − t_c
+    (the caller picks B1 as the group expected back first: ``next_decode_return``).
     Without ``timing``, ``next_decode_in_s`` (the caller's own prediction) is T_a.
     """
     eps = 1e-9
@@ -104,6 +105,20 @@ def round_trip_time(stage_times_s: Sequence[float], latencies_s: Sequence[float]
     t_m = sum(latencies_s) + sum(act_bytes_per_token * tokens / bandwidths[i] for i in range(m - 1))
     t_m += token_bytes * tokens / bandwidths[m - 1]
     return t_o + t_m
+
+
+def next_decode_return(returns: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """Case 3's (t_p, T_o + T_m): of the micro-batch groups in flight, the one expected back first.
+
+    §4.2, case 3: "we consider the finishing time t_f of the next decode execution ... The batch B_1
+    is expected to be the next to execute, as indicated by dec* in Figure 5. Hence, we focus on the
+    start time (i.e., arrival time) of the next execution of B_1". B_1 is named as *the next to
+    execute*: in the paper's strict round robin that is the iteration's first batch. With more groups
+    than stages, or groups that stall on a prefill, the next decode back at this server is whichever
+    group's t_p + T_o + T_m is earliest, not always group 0's, so we take the minimum over all of
+    them (docs/policies.md). ``returns``: (t_p, T_o + T_m) per group; empty: ``None``.
+    """
+    return min(returns, key=lambda r: r[0] + r[1], default=None)
 
 
 class MoLinkTransmission:

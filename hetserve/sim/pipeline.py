@@ -30,7 +30,7 @@ from collections import deque
 from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import DecodeTiming, ReplicaState, RunningRequest
 from hetserve.policies.batching import StepBuilder, kv_reservation
-from hetserve.policies.transmission import round_trip_time
+from hetserve.policies.transmission import next_decode_return, round_trip_time
 from hetserve.sim.batch import DecodeBatch
 from hetserve.sim.events import Priority
 from hetserve.sim.replicas.base import Replica
@@ -78,7 +78,7 @@ class PipelineReplica(Replica):
         self._queue = [deque() for _ in range(S)]
         self._busy_stage = [False] * S
         self._exec = [(None, 0.0)] * S  # (start, duration) of the decode item running per stage
-        self._first_done = [None] * S  # when group 0's latest decode item finished per stage
+        self._done_at = [[None] * m for _ in range(S)]  # per stage, when each group's latest decode item finished
         net = env.network
         self._hops = []
         nb = 1e6
@@ -186,8 +186,7 @@ class PipelineReplica(Replica):
         self._busy_stage[s] = False
         if item.kind == "decode":
             self._exec[s] = (None, 0.0)
-            if item.group == 0:
-                self._first_done[s] = now
+            self._done_at[s][item.group] = now
         if self._queue[s]:  # the stage takes its next item as this one's output leaves
             self._start(s)
         S = len(self.layout.stages)
@@ -237,15 +236,17 @@ class PipelineReplica(Replica):
     # ------------------------------------------------------------------ MoLink's view
     def _timing(self, s: int, now: float) -> DecodeTiming:
         start, dur = self._exec[s]
-        return DecodeTiming(start, dur, self._first_done[s], self._round_trip())
+        back = next_decode_return([(t_p, self._round_trip(g)) for g, t_p in enumerate(self._done_at[s])
+                                   if t_p is not None and self.groups[g].in_flight and self.groups[g].batch.size])
+        return DecodeTiming(start, dur, *back) if back else DecodeTiming(start, dur)
 
-    def _round_trip(self) -> float:
-        """T_o + T_m of MoLink §4.2 for group 0 (B1) as it is now: its decode compute on every
+    def _round_trip(self, g: int) -> float:
+        """T_o + T_m of MoLink §4.2 for group ``g`` as it is now: its decode compute on every
         stage plus its activations (token ids on the closing hop) over every hop of the ring,
         priced by the cost model and the links — what the paper adds to t_p in case 3."""
-        g = self.groups[0].batch
-        size = max(1, g.size)
-        ctx = g.context if g.size else 0.0
+        batch = self.groups[g].batch
+        size = max(1, batch.size)
+        ctx = batch.context if batch.size else 0.0
         stages = self.layout.stages
         times = [self.cost.stage_decode_time(st, size, ctx, i == len(stages) - 1) for i, st in enumerate(stages)]
         lat = [la for la, _ in self._hop_links]

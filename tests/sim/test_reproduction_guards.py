@@ -141,3 +141,37 @@ def test_aladdin_builds_no_views_of_overloaded_workers(model, monkeypatch):
     # queues build up); views of every worker at every decision would be 4,800 listing millions
     assert calls["views"] < 0.5 * 4 * len(wl)
     assert calls["listed"] < 60 * len(wl)
+
+
+def test_next_decode_return_is_the_earliest_group_not_group_0():
+    from hetserve.policies.transmission import next_decode_return
+    # group 0 left at 0.0 and needs 1.0 s round the ring; group 1 left at 0.5 and is back at 0.7
+    assert next_decode_return([(0.0, 1.0), (0.5, 0.2), (0.3, 0.9)]) == (0.5, 0.2)
+    assert next_decode_return([]) is None
+
+
+def test_case_3_predicts_the_next_decode_of_any_group_in_the_simulator(model, monkeypatch):
+    """MoLink §4.2 case 3 in the detailed pipeline: t_p + T_o + T_m is the earliest expected return
+    over every micro-batch group in flight, not group 0's only (6 groups on 3 stages, so another
+    group is often back first)."""
+    from hetserve.sim.pipeline import PipelineReplica
+    seen = {"calls": 0, "other": 0}
+    real = PipelineReplica._timing
+
+    def spy(self, s, now):
+        t = real(self, s, now)
+        back = [(g, tp + self._round_trip(g)) for g, tp in enumerate(self._done_at[s])
+                if tp is not None and self.groups[g].in_flight and self.groups[g].batch.size]
+        if back:
+            g_first, t_first = min(back, key=lambda b: b[1])
+            assert t.iteration_first_done_s + t.round_trip_s == pytest.approx(t_first)
+            seen["calls"] += 1
+            seen["other"] += g_first != 0
+        return t
+
+    monkeypatch.setattr(PipelineReplica, "_timing", spy)
+    wl = burst(24, inp=600, out=60, gap=0.5, seed=3)
+    res = simulate(pipeline3(model), molink_cluster(), model, wl,
+                   SimOptions(transmission="molink", pipeline="detailed", micro_batches=6))
+    assert res.summary()["completed"] == len(wl)
+    assert seen["calls"] and seen["other"], seen  # the estimate had to look past group 0

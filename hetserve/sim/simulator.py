@@ -221,18 +221,25 @@ class Simulator:
         wl, c = self.workload, self.cost
         mi, mo = max(1.0, wl.mean_input), max(1.0, wl.mean_output)
         planned = self.plan.estimate.get("replicas", {}) if isinstance(self.plan.estimate, dict) else {}
-        raw = {}
+        raw, from_plan = {}, set()
         for r in self.replicas:
             share = planned.get(r.id, {})
             share = share.get("flow_requests_per_period", share.get("capacity_requests_per_period"))
             if isinstance(share, (int, float)) and share > 0:
                 raw[r.id] = float(share)
+                from_plan.add(r.id)
             elif r.role == "prefill":
                 raw[r.id] = 1.0 / c.ttft(r.layout, round(mi))
             else:
                 raw[r.id] = c.decode_throughput(r.layout, mi, mo)[1] or 1e-9
-        for role in ("prefill", "decode", "colocated"):
-            group = [r for r in self.replicas if r.role == role]
+        # Prefill and colocated replicas are placement candidates side by side: where the plan gives
+        # every one a share (requests per period, one unit) they are normalised together, else a
+        # colocated replica would rank as high as the top prefill one and draw several times its share.
+        entry = [r for r in self.replicas if r.role in ("prefill", "colocated")]
+        same_unit = bool(entry) and all(r.id in from_plan for r in entry)
+        groups = (("prefill", "colocated"), ("decode",)) if same_unit else (("prefill",), ("decode",), ("colocated",))
+        for roles in groups:
+            group = [r for r in self.replicas if r.role in roles]
             if group:
                 top = max(raw[r.id] for r in group)
                 for r in group:

@@ -188,7 +188,10 @@ class Worker:
             kind, meta, hidden = self._next()
             if kind == "shutdown":
                 return
-            if kind == "noop":
+            if kind in ("noop", "link_error"):
+                # link_error: the transport could not reach a peer (a decode worker that died mid
+                # hand-off). The engine notices dead workers itself (exit poll, heartbeats) and
+                # abandons or re-runs what they held; this worker must live on to serve the re-run.
                 continue
             with torch.inference_mode():
                 self._send_kv(meta["handoffs"])

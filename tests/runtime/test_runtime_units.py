@@ -380,3 +380,21 @@ def test_runtime_snapshot_counts_tokens_context_and_per_replica_queues():
     assert snap["d0"]["queued_requests"] == 1  # the hand-off routed to it
     assert snap["d0"]["outstanding_tokens"] == (30 - 1) + (20 - 5)
     assert snap["d0"]["context_tokens"] == 45
+
+
+def test_worker_step_loop_outlives_a_link_error():
+    """A send to a peer that died (a decode worker gone mid hand-off) makes the transport post a
+    ``link_error`` into the worker's own inbox; the step loop must skip it, not die on it (the
+    engine re-runs the dead peer's work on this very worker)."""
+    from types import SimpleNamespace
+
+    from hetserve.runtime.worker import Worker
+
+    inbox = deque([Message("link_error", {"peer": "m1:0", "error": "ConnectionResetError()"}),
+                   Message("shutdown")])
+    worker = Worker.__new__(Worker)  # only the step loop is under test: no model, no sockets
+    worker.spec = SimpleNamespace(is_leader=True)
+    worker.tp = None
+    worker.transport = SimpleNamespace(recv=lambda timeout=None: inbox.popleft() if inbox else None)
+    worker.run()  # returns at "shutdown"
+    assert not inbox

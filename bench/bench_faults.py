@@ -62,10 +62,8 @@ def stream(url: str, max_tokens: int, out: dict, first: threading.Event) -> None
     out.update(ok=not errors and events[-1:] == ["[DONE]"] and tokens == max_tokens, errors=errors, tokens=tokens)
 
 
-def scenario(server, sig: int, streams: int, max_tokens: int, after: int) -> dict:
-    import httpx
-
-    engine = server.deployment.engine
+def start_streams(server, streams: int, max_tokens: int) -> tuple[list[dict], list[threading.Thread]]:
+    """Start ``streams`` streaming completions; return once each has its first token."""
     outs = [dict() for _ in range(streams)]
     firsts = [threading.Event() for _ in range(streams)]
     threads = [threading.Thread(target=stream, args=(server.url, max_tokens, o, f)) for o, f in zip(outs, firsts)]
@@ -73,6 +71,24 @@ def scenario(server, sig: int, streams: int, max_tokens: int, after: int) -> dic
         t.start()
     for f in firsts:
         f.wait(60)
+    return outs, threads
+
+
+def later_requests_ok(server, after: int) -> int:
+    """How many of ``after`` fresh 8-token completions, sent after a fault, succeed in full."""
+    import httpx
+
+    ok = 0
+    for _ in range(after):
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "hello", "max_tokens": 8, "ignore_eos": True})
+        ok += r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    return ok
+
+
+def scenario(server, sig: int, streams: int, max_tokens: int, after: int) -> dict:
+    engine = server.deployment.engine
+    outs, threads = start_streams(server, streams, max_tokens)
     running = {rid: s["running"] for rid, s in engine.stats()["replicas"].items() if s["alive"]}
     victim_replica = max(running, key=running.get)
     victim = next(w.name for w in engine.replicas[victim_replica].workers)
@@ -85,11 +101,7 @@ def scenario(server, sig: int, streams: int, max_tokens: int, after: int) -> dic
     while len(engine.stats()["deaths"]) == deaths_before and time.monotonic() < deadline:
         time.sleep(0.05)
     death = engine.stats()["deaths"][deaths_before:][:1]
-    later = 0
-    for _ in range(after):
-        r = httpx.post(server.url + "/v1/completions", timeout=60,
-                       json={"model": "tiny", "prompt": "hello", "max_tokens": 8, "ignore_eos": True})
-        later += r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    later = later_requests_ok(server, after)
     return {"signal": signal.Signals(sig).name, "victim": f"{victim} ({victim_replica}, {running[victim_replica]} "
             "streams)", "completed": sum(o.get("ok", False) for o in outs), "streams": streams,
             "errors": sum(len(o.get("errors", [])) for o in outs), "later_ok": later, "later": after,
@@ -108,13 +120,7 @@ def replan_scenario(server, streams: int, max_tokens: int, after: int) -> dict:
 
     engine = server.deployment.engine
     replanner = server.deployment.coordinator.replanner
-    outs = [dict() for _ in range(streams)]
-    firsts = [threading.Event() for _ in range(streams)]
-    threads = [threading.Thread(target=stream, args=(server.url, max_tokens, o, f)) for o, f in zip(outs, firsts)]
-    for t in threads:
-        t.start()
-    for f in firsts:
-        f.wait(60)
+    outs, threads = start_streams(server, streams, max_tokens)
     victim = "m0:0"
     t_signal = time.monotonic()
     os.kill(engine.worker_pids()[victim], signal.SIGKILL)
@@ -126,11 +132,7 @@ def replan_scenario(server, streams: int, max_tokens: int, after: int) -> dict:
     for t in threads:
         t.join(180)
     death = engine.stats()["deaths"][0]
-    later = 0
-    for _ in range(after):
-        r = httpx.post(server.url + "/v1/completions", timeout=60,
-                       json={"model": "tiny", "prompt": "hello", "max_tokens": 8, "ignore_eos": True})
-        later += r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    later = later_requests_ok(server, after)
     served = {rid: s["steps"] for rid, s in engine.stats()["replicas"].items()}
     t_back = time.monotonic()
     back = httpx.post(server.url + "/admin/replan", json={"returned": [victim]}, timeout=300).json()

@@ -56,6 +56,7 @@ class PlanContext:
         self._kv_cache: dict[tuple, float] = {}
         self._kv_load_cache: dict[tuple, dict[str, float]] = {}
         self._node_load_cache: dict[tuple, dict[str, float]] = {}
+        self._group_ids: dict[tuple, int] = {}
         # Shared NICs / site pipes / dedicated links: capacity nodes of the flow network (bytes per T)
         self.resources = {r.name: r for r in cluster.shared_resources() if math.isfinite(r.bandwidth)}
         self.resource_cap = {name: r.bandwidth * self.period_s for name, r in self.resources.items()}
@@ -146,6 +147,15 @@ class PlanContext:
             cap = self.period_s / t if t > 0 else float("inf")
             self._kv_cache[key] = cap
         return cap
+
+    def group_id(self, devices: tuple[int, ...], choice: int = 0) -> int:
+        """A small integer naming (device tuple, layout choice): KV-edge cache keys of two ints
+        hash and compare far faster than two device tuples (a 320-GPU search looks up millions)."""
+        key = (devices, choice)
+        gid = self._group_ids.get(key)
+        if gid is None:
+            gid = self._group_ids[key] = len(self._group_ids)
+        return gid
 
     def kv_load(self, src: ReplicaLayout, dst: ReplicaLayout, key=None) -> dict[str, float]:
         """Bytes one request's KV (mean prompt) puts on each shared resource from ``src`` to ``dst``."""

@@ -97,6 +97,9 @@ class FlowResult:
     node_flow: dict[int, float] = field(default_factory=dict)  # through each compute node
     edge_flow: dict[tuple[int, int], float] = field(default_factory=dict)  # prefill → decode
     colocated_flow: dict[int, float] = field(default_factory=dict)  # requests per T each colocated group serves
+    # the LP's dual values (``solve_with_resources`` only): per group's node row, per byte of a resource
+    node_dual: dict[int, float] = field(default_factory=dict)
+    resource_dual: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -143,9 +146,10 @@ def solve_with_resources(net: FlowNetwork) -> FlowResult:
         for r, b in ld.items():
             if r in index:
                 a[index[r], j] = b
+    tops = {}
     for r in names:  # rows in requests (cap / bytes per request) keep the LP well scaled
         row = a[index[r]]
-        top = row.max()
+        top = tops[r] = row.max()
         a[index[r]] = row / top
         rhs.append(net.resource_cap[r] / top)
     bounds = [(0.0, min(net.edge_cap.get(e, 0.0), 1e15)) for e in edges]
@@ -160,7 +164,53 @@ def solve_with_resources(net: FlowNetwork) -> FlowResult:
         node_flow[p] += f
         node_flow[d] += f
     colocated = {c: float(x[len(edges) + k]) for k, c in enumerate(net.colocated)}
-    return FlowResult(sum(edge_flow.values()), node_flow, edge_flow, colocated)
+    # duals of the maximisation (HiGHS reports ∂min/∂b ≤ 0); resource rows were scaled by 1 / top
+    lam = np.maximum(-np.asarray(res.ineqlin.marginals, dtype=float), 0.0)
+    node_dual = {g: float(lam[i]) for i, g in enumerate(net.prefill + net.decode)}
+    resource_dual = {r: float(lam[i]) / float(tops[r]) for r, i in index.items() if tops[r] > 0}
+    return FlowResult(sum(edge_flow.values()), node_flow, edge_flow, colocated, node_dual, resource_dual)
+
+
+def dual_bound(net: FlowNetwork, node_dual: dict[int, float | None], resource_dual: dict[str, float]) -> float:
+    """An upper bound on ``solve_with_resources(net).total`` from any dual prices, by weak duality.
+
+    The LP is max Σx s.t. node rows (y_g), resource rows (z_r, per byte) and x ≤ u. Any y, z ≥ 0
+    with w_e = max(0, 1 − y_p − y_d − z·load(p, d)) for every column is dual feasible, so
+    Σ y·cap + Σ z·resource cap + Σ w·u ≥ the max flow. Prices from a neighbouring placement's
+    LP (``node_dual`` per group of this network; None for a group that placement did not have,
+    priced here at 0 or 1, whichever is cheaper) make it tight enough to skip most candidate
+    LPs of a search step. O(P·D·resources)."""
+    z = {r: v for r, v in resource_dual.items() if v > 0 and r in net.resource_cap}
+
+    def zl(load: dict[str, float]) -> float:
+        return sum(z[r] * b for r, b in load.items() if r in z) if z else 0.0
+
+    groups = net.prefill + net.decode
+    zn = {g: zl(net.node_load.get(g, {})) for g in groups + net.colocated}
+    ze = {e: zl(ld) for e, ld in net.edge_load.items()} if z else {}
+    dec = set(net.decode)
+
+    def column_cost(p: int, d: int, y: dict) -> float:
+        w = 1.0 - (y.get(p) or 0.0) - (y.get(d) or 0.0) - ze.get((p, d), 0.0) - zn[p] - zn[d]
+        if w <= 0:
+            return 0.0
+        u = net.edge_cap.get((p, d), 0.0)
+        return w * min(u, 1e15)
+
+    y: dict[int, float | None] = {g: node_dual.get(g) for g in groups}
+    for g in [g for g in groups if y[g] is None]:
+        others = net.prefill if g in dec else net.decode
+        pairs = [(o, g) if g in dec else (g, o) for o in others]
+        costs = []
+        for yg in (0.0, 1.0):
+            y[g] = yg
+            costs.append((yg * net.node_cap[g] + sum(column_cost(p, d, y) for p, d in pairs), yg))
+        y[g] = min(costs)[1]
+    total = sum((y[g] or 0.0) * net.node_cap[g] for g in groups)
+    total += sum(v * net.resource_cap[r] for r, v in z.items())
+    total += sum(column_cost(p, d, y) for p in net.prefill for d in net.decode)
+    total += sum(net.node_cap[c] * max(0.0, 1.0 - zn[c]) for c in net.colocated)
+    return total
 
 
 def _unconstrained_colocated(net: FlowNetwork) -> dict[int, float]:

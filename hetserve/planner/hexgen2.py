@@ -289,7 +289,7 @@ def _escape(evaluator: Evaluator, candidates, visited: set) -> Placement | None:
     for _, cand in candidates:
         if cand in visited:
             continue
-        v = evaluator.score(cand)
+        v = evaluator.score(cand, floor=best_v)  # a candidate bounded below the best so far cannot win
         if v > best_v:
             best, best_v = cand, v
     return best

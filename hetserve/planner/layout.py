@@ -42,6 +42,7 @@ from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.planner.layer_split import LayerSplits
 from hetserve.planner.layout_alternatives import KVAlternatives
 from hetserve.planner.layout_choice import LayoutChoice, StageShape  # noqa: F401 (StageShape: re-exported)
+from hetserve.planner.layout_choice import remap as _remap
 
 if TYPE_CHECKING:
     from hetserve.planner.context import PlanContext
@@ -70,6 +71,9 @@ class LayoutSearch(KVAlternatives, LayerSplits):
         self._scored: dict[tuple, tuple[tuple[int, ...], dict]] = {}  # (comp, role) → (order, combo scores)
         self._alt_cache: dict[tuple, tuple[LayoutChoice, ...]] = {}
         self._options_cache: dict[tuple, tuple[tuple[ReplicaLayout, float], ...]] = {}
+        # isomorphic compositions (same GPU types, counts and links, other machines) share one search
+        self._canon_cache: dict[tuple, tuple[tuple, tuple[int, ...]]] = {}
+        self._reps: dict[tuple, tuple[tuple, tuple[int, ...]]] = {}  # (canonical key, role) → (comp, classes)
         self.searches = 0  # cache misses, for benchmarks
         io = (ctx.input_tokens, ctx.output_tokens)
         self.min_kv = {"prefill": PREFILL_KV_REQUESTS * io[0], "decode": io[0] + io[1], "colocated": io[0] + io[1]}
@@ -97,9 +101,47 @@ class LayoutSearch(KVAlternatives, LayerSplits):
         key = (comp, role)
         if key in self._cache:
             return self._cache[key]
-        result = self._search(comp, role)
+        rep = self._representative(comp, role)
+        if rep is None:
+            result = self._search(comp, role)
+        else:  # an isomorphic composition was searched: the same shapes on this one's classes
+            result = _remap(self.choice(rep[0], role), rep[1])
         self._cache[key] = result
         return result
+
+    def _representative(self, comp: tuple[tuple[int, int], ...], role: str):
+        """(searched composition, its class → this composition's class) when a composition
+        isomorphic to ``comp`` was searched before; None (and ``comp`` becomes the
+        representative) otherwise.
+
+        Two compositions are isomorphic when, with their classes in canonical order, the GPU
+        types, memories, counts, links inside each class and links between the classes agree:
+        every cost-model call of a layout search then prices the same (a layout's capacity reads
+        only those), so the searched shapes moved onto the other classes have the same capacity.
+        On pools of many machines of a few types this is what keeps the cache hitting."""
+        hit = self._canon_cache.get(comp)
+        if hit is None:
+            hit = self._canon_cache[comp] = self._canonical(comp)
+        canon, classes = hit
+        rep = self._reps.setdefault((canon, role), (comp, classes))
+        if rep[0] == comp:
+            return None
+        return rep[0], dict(zip(rep[1], classes))
+
+    def _canonical(self, comp: tuple[tuple[int, int], ...]) -> tuple[tuple, tuple[int, ...]]:
+        """(canonical key, the composition's classes in canonical order); see ``_representative``."""
+        ctx = self.ctx
+        bw, lat = ctx.cluster.bandwidth, ctx.cluster.latency
+        feats = {}
+        for k, n in comp:
+            members = ctx.classes[k]
+            d = ctx.cluster.devices[members[0]]
+            inner = (float(bw[members[0], members[1]]), float(lat[members[0], members[1]])) if n > 1 else ()
+            feats[k] = (d.gpu.name, float(d.memory_bytes), n, inner)
+        classes = tuple(sorted(feats, key=lambda k: (feats[k], k)))
+        reps = [ctx.classes[k][0] for k in classes]
+        links = tuple((float(bw[a, b]), float(lat[a, b])) for a in reps for b in reps if a != b)
+        return (tuple(feats[k] for k in classes), links), classes
 
     def materialize(self, devices: Sequence[int], choice: LayoutChoice) -> ReplicaLayout:
         """Map a class-level choice onto concrete devices (lowest indices of each class first)."""
@@ -245,4 +287,5 @@ class LayoutSearch(KVAlternatives, LayerSplits):
         best = min(candidates, key=lambda p: (sum(hop[(a, b)] for a, b in zip(p, p[1:])), p))
         self._order_cache[classes] = best
         return best
+
 

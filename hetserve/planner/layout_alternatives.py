@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from hetserve.cost.layout import ReplicaLayout
-from hetserve.planner.layout_choice import LayoutChoice, StageShape
+from hetserve.planner.layout_choice import LayoutChoice, StageShape, remap as _remap
 
 # Layouts kept per (composition, role) for the evaluator to choose from (the best included), and
 # the least capacity an alternative may have, relative to the best.
@@ -41,7 +41,10 @@ class KVAlternatives:
             return hit
         best = self.choice(comp, role)
         out: tuple[LayoutChoice, ...] = ()
-        if best is not None:
+        rep = self._representative(comp, role)
+        if rep is not None:  # an isomorphic composition's alternatives, on this one's classes
+            out = tuple(_remap(c, rep[1]) for c in self.alternatives(rep[0], role))
+        elif best is not None:
             out = (best,) + self._alternatives(comp, role, best)
         self._alt_cache[key] = out
         return out

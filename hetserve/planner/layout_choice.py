@@ -25,3 +25,11 @@ class LayoutChoice:
     def num_stages(self) -> int:
         return len(self.shapes)
 
+
+
+def remap(choice: LayoutChoice | None, classes: dict[int, int]) -> LayoutChoice | None:
+    """``choice``'s shapes moved onto other classes (``classes``: old class → new class), for an
+    isomorphic composition (``LayoutSearch._representative``)."""
+    if choice is None:
+        return None
+    return LayoutChoice(choice.capacity, tuple(StageShape(classes[s.cls], s.tp, s.layers) for s in choice.shapes))

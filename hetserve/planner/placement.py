@@ -23,8 +23,8 @@ from typing import Iterable, Sequence
 from hetserve.cost.layout import ReplicaLayout
 from hetserve.planner.bound import upper_bound
 from hetserve.planner.context import PlanContext
-from hetserve.planner.flow import (FlowNetwork, FlowResult, max_flow_nodes, max_flow_total, resource_loads, solve,
-                                   solve_fast)
+from hetserve.planner.flow import (FlowNetwork, FlowResult, dual_bound, max_flow_nodes, max_flow_total, resource_loads,
+                                   solve, solve_fast)
 from hetserve.planner.options import Budget, PlanOptions
 from hetserve.planner.plan import KVRoute, Plan, PlanReplica
 from hetserve.planner.slo import slo_batch
@@ -110,6 +110,9 @@ class Evaluator:
         self._choices: dict[tuple[Group, ...], tuple[int, ...]] = {}
         self._fixed_caps: dict[tuple[ReplicaLayout, str], float] = {}
         self.evaluations = 0  # distinct placements scored
+        # LP prices (per group, per byte of a resource) of the last evaluated placement: bound
+        # its neighbours' LPs by weak duality (``_dual_pruned``)
+        self._prices: tuple[dict[Group, float], dict[str, float]] | None = None
         self.layout_trials = 0  # max flows solved while choosing alternative layouts
 
     def capacity(self, devices: Sequence[int], role: str) -> float:
@@ -146,7 +149,7 @@ class Evaluator:
         if floor >= 0 and ctx.tokens_per_s((net.upper_bound() if pre and dec else 0.0) + colocated) <= floor:
             return layouts, caps, net, colocated
         c = choice or (0,) * len(groups)
-        net.edge_cap = {(p, d): self._kv(groups, layouts, c, p, d) for p in pre for d in dec}
+        net.edge_cap = self._kv_edges(groups, layouts, c, pre, dec)
         self._add_loads(groups, layouts, c, net)
         return layouts, caps, net, colocated
 
@@ -165,14 +168,34 @@ class Evaluator:
         ctx = self.ctx
         for g in (net.prefill + net.decode + net.colocated if changed is None else changed):
             net.node_load[g] = ctx.node_load(layouts[g], groups[g].role)
+        ids = {g: ctx.group_id(groups[g].devices, choice[g]) for g in net.prefill + net.decode}
+        cache, edge_load = ctx._kv_load_cache, net.edge_load
         for p in net.prefill:
+            ip = ids[p]
             for d in net.decode:
                 if changed is None or p in changed or d in changed:
-                    net.edge_load[(p, d)] = ctx.kv_load(
-                        layouts[p], layouts[d], (groups[p].devices, choice[p], groups[d].devices, choice[d]))
+                    key = (ip, ids[d])
+                    load = cache.get(key)
+                    edge_load[(p, d)] = load if load is not None else ctx.kv_load(layouts[p], layouts[d], key)
 
     def _kv(self, groups, layouts, choice, p: int, d: int) -> float:
-        return self.ctx.kv_capacity(layouts[p], layouts[d], (groups[p].devices, choice[p], groups[d].devices, choice[d]))
+        ctx = self.ctx
+        key = (ctx.group_id(groups[p].devices, choice[p]), ctx.group_id(groups[d].devices, choice[d]))
+        return ctx.kv_capacity(layouts[p], layouts[d], key)
+
+    def _kv_edges(self, groups, layouts, choice, pre, dec) -> dict[tuple[int, int], float]:
+        """Every p → d KV-edge capacity (the loop of ``_kv`` inlined: it runs millions of times
+        on large pools)."""
+        ctx = self.ctx
+        ids = {g: ctx.group_id(groups[g].devices, choice[g]) for g in pre + dec}
+        cache, out = ctx._kv_cache, {}
+        for p in pre:
+            ip = ids[p]
+            for d in dec:
+                key = (ip, ids[d])
+                cap = cache.get(key)
+                out[(p, d)] = cap if cap is not None else ctx.kv_capacity(layouts[p], layouts[d], key)
+        return out
 
     def score(self, groups: Iterable[Group], floor: float = -1.0) -> float:
         """Estimated tokens/s of a placement (scipy max flow; cached).
@@ -188,6 +211,10 @@ class Evaluator:
         bound = self.ctx.tokens_per_s((net.upper_bound() if net.prefill and net.decode else 0.0) + colocated)
         if floor >= 0 and bound <= floor:
             return bound
+        if floor >= 0 and self._prices is not None and net.prefill and net.decode and net.loads_resources():
+            pruned = self._dual_pruned(key, net, floor)
+            if pruned is not None:
+                return pruned
         self.evaluations += 1
         if net.loads_resources():
             flow = solve_fast(net)
@@ -202,6 +229,22 @@ class Evaluator:
         self._scores[key] = value
         self._choices[key] = choice
         return value
+
+    def _dual_pruned(self, key: tuple[Group, ...], net: FlowNetwork, floor: float) -> float | None:
+        """A bound (tokens/s) on a placement that cannot beat ``floor``, without solving its LP:
+        weak duality with the last evaluated placement's prices (``flow.dual_bound``; most
+        neighbours of a search step keep most groups, so the prices fit). Only where a shared
+        resource surely binds — the bound is below the max flow that ignores resources — since
+        then no layout alternative is tried (``_choose_layouts``) and the score is that LP's
+        value. None when the placement must be solved."""
+        if self.exhaustive_layouts or MAX_LAYOUT_ROUNDS_SHARED != 0:
+            return None
+        prices, resource_prices = self._prices
+        requests = dual_bound(net, {i: prices.get(key[i]) for i in net.prefill + net.decode}, resource_prices)
+        bound = self.ctx.tokens_per_s(requests) * (1 + 1e-7)  # margin for the LP solver's tolerances
+        if bound > floor or requests >= self._bound_without_resources(net) * (1 - 1e-9):
+            return None
+        return bound
 
     # ------------------------------------------------------------------ alternative layouts
     def _choose_layouts(self, groups, layouts, caps, net: FlowNetwork, value: float, nodes: dict[int, float]):
@@ -362,6 +405,8 @@ class Evaluator:
             self.score(key)
         layouts, caps, net, _ = self._network(key, self._choices[key])
         flow = solve(net)
+        if flow.node_dual:
+            self._prices = ({key[i]: y for i, y in flow.node_dual.items()}, flow.resource_dual)
         req = flow.total
         return Evaluation(key, tuple(layouts), tuple(caps), net, flow, req, self.ctx.tokens_per_s(req))
 

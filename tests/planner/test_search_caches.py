@@ -1,0 +1,119 @@
+"""The shortcuts that make large searches fast must not change what they compute:
+
+* isomorphic compositions share one layout search (``LayoutSearch._representative``): the shared
+  result has exactly the capacity a fresh search of that composition finds;
+* candidates skipped by the weak-duality bound (``flow.dual_bound`` / ``Evaluator._dual_pruned``)
+  could not have won: the bound is never below the LP's max flow, and a search gives the same
+  plan with the shortcut as without it.
+"""
+
+import random
+
+import pytest
+
+from hetserve.planner import PlanOptions
+from hetserve.planner.flow import dual_bound, solve_with_resources
+from hetserve.planner.hexgen2 import hexgen2
+from hetserve.planner.moves import random_edit
+from hetserve.planner.placement import Evaluator, start_search
+from hetserve.specs.cluster import cluster_from_dict, load_cluster
+
+
+def _two_site_pool():
+    """Four identical 4×A100 boxes, two per site: {a0, a1} and {a1, b0} have the same GPU types
+    and counts but not the same link between their boxes."""
+    return cluster_from_dict({
+        "name": "two-sites",
+        "machines": [{"name": n, "gpu": "A100-SXM-80G", "count": 4, "site": s}
+                     for n, s in (("a0", "a"), ("a1", "a"), ("b0", "b"), ("b1", "b"))],
+        "network": {"intra_site": {"bandwidth_gbps": 100, "latency_ms": 0.2},
+                    "inter_site": {"bandwidth_gbps": 3, "latency_ms": 15}},
+    })
+
+
+def test_isomorphic_compositions_share_a_search_with_the_same_capacity(llama70b, azure):
+    cluster = _two_site_pool()
+    ctx = start_search("t", cluster, llama70b, azure, PlanOptions())[0]
+    fresh = start_search("t", cluster, llama70b, azure, PlanOptions())[0]
+    classes = {cluster.devices[ctx.classes[k][0]].machine: k for k in range(len(ctx.classes))}
+    pairs = [("a0", "a1"), ("b0", "b1"), ("a1", "b0"), ("a0", "b1"), ("a0", "a1")]
+    searched_before = None
+    for role in ("prefill", "decode", "colocated"):
+        for x, y in pairs:
+            for n in (2, 4):
+                comp = tuple(sorted(((classes[x], n), (classes[y], 4))))
+                got = ctx.layouts.choice(comp, role)
+                want = fresh.layouts._search(comp, role)  # no cache, no representative
+                assert (got is None) == (want is None)
+                if got is None:
+                    continue
+                assert got.capacity == pytest.approx(want.capacity, rel=1e-12), (role, x, y, n)
+                devices = [d for k, c in comp for d in ctx.classes[k][:c]]
+                layout = ctx.layouts.materialize(devices, got)
+                assert set(layout.devices) <= set(devices)
+                assert ctx.layouts.layout_capacity(layout, role) == pytest.approx(got.capacity, rel=1e-12)
+                for alt, cap in ctx.layouts.options(devices, role):
+                    assert set(alt.devices) <= set(devices)
+                    assert ctx.layouts.layout_capacity(alt, role) == pytest.approx(cap, rel=1e-12)
+        if searched_before is None:
+            searched_before = ctx.layouts.searches
+    # same-site pairs share one search, cross-site pairs another: far fewer searches than asks
+    assert ctx.layouts.searches < fresh.layouts.searches
+
+
+def test_dual_bound_is_never_below_the_lp(llama70b, azure):
+    """Prices from one placement's LP bound its random neighbours' LPs (weak duality), and a
+    new group priced at 0 or 1 keeps the bound valid."""
+    cluster = load_cluster("hexgen2-het1")  # every KV route between sites crosses a shared pipe
+    ctx, _, ev = start_search("t", cluster, llama70b, azure, PlanOptions())
+    rng = random.Random(3)
+    from hetserve.planner.hexgen2 import phase1
+
+    cur = phase1(ctx, ev, 0)
+    checked = 0
+    for _ in range(12):
+        e = ev.evaluate(cur)
+        if e.flow.node_dual:
+            prices = {cur[i]: y for i, y in e.flow.node_dual.items()}
+            for _ in range(6):
+                cand = random_edit(ctx, cur, rng)
+                if cand is None:
+                    continue
+                _, _, net, _ = ev._network(cand)
+                if not (net.prefill and net.decode and net.loads_resources()):
+                    continue
+                lp = solve_with_resources(net).total
+                bound = dual_bound(net, {i: prices.get(cand[i]) for i in net.prefill + net.decode},
+                                   e.flow.resource_dual)
+                assert bound >= lp * (1 - 1e-7) - 1e-9
+                checked += 1
+        cur = random_edit(ctx, cur, rng) or cur
+    assert checked >= 10
+
+
+def test_every_candidate_the_dual_shortcut_skips_scores_at_most_its_bound(llama70b, azure, monkeypatch):
+    """In a real search: each skipped candidate, scored in full by a fresh evaluator (its layout
+    alternatives included), is worth no more than the bound that skipped it — so it could not
+    have been picked — and the search ends where it ends without the shortcut."""
+    cluster = load_cluster("hexgen2-het1")
+    wl = azure.head(2000)
+    opts = PlanOptions(seed=0, restarts=2, max_iterations=12)
+    skipped = []
+    original = Evaluator._dual_pruned
+
+    def spy(self, key, net, floor):
+        bound = original(self, key, net, floor)
+        if bound is not None:
+            skipped.append((key, bound))
+        return bound
+
+    monkeypatch.setattr(Evaluator, "_dual_pruned", spy)
+    fast = hexgen2(cluster, llama70b, wl, opts)
+    assert len(skipped) >= 10
+    ctx, _, reference = start_search("t", cluster, llama70b, wl, opts)
+    monkeypatch.setattr(Evaluator, "_dual_pruned", lambda self, key, net, floor: None)
+    for key, bound in skipped[:40]:
+        assert reference.score(key) <= bound * (1 + 1e-9)
+    slow = hexgen2(cluster, llama70b, wl, opts)
+    assert fast.estimate["throughput_tokens_per_s"] == pytest.approx(slow.estimate["throughput_tokens_per_s"],
+                                                                     rel=1e-9)

@@ -61,6 +61,39 @@ class LayerSplits:
         return lo, max(slope, 1e-12)
 
     def _evaluate(self, stages, layers, role: str) -> float:
+        """Capacity of ``stages`` holding ``layers``, memoised by what the cost model reads of
+        them (``_sequence_key``): searches of different compositions price the same stage
+        sequences over and over (a class left idle, the same GPUs on another machine)."""
+        key = (self._sequence_key(stages), tuple(layers), role)
+        hit = self._evaluated.get(key)
+        if hit is None:
+            hit = self._evaluated[key] = self._evaluate_fresh(stages, layers, role)
+        return hit
+
+    def _sequence_key(self, stages) -> tuple:
+        """Per stage: GPU type, memory, TP degree and the link inside its class; between
+        consecutive stages: the link between them. A layout's capacity depends on nothing else
+        (devices of a class are interchangeable, ``PlanContext``), whatever the machines."""
+        stages = tuple(stages)
+        key = self._sequence_keys.get(stages)
+        if key is None:
+            ctx = self.ctx
+            bw, lat = ctx.cluster.bandwidth, ctx.cluster.latency
+            parts = []
+            for i, (k, tp, _) in enumerate(stages):
+                members = ctx.classes[k]
+                d = ctx.cluster.devices[members[0]]
+                inner = (float(bw[members[0], members[1]]), float(lat[members[0], members[1]])) if tp > 1 or (
+                    i + 1 < len(stages) and stages[i + 1][0] == k) else ()
+                hop = ()
+                if i + 1 < len(stages) and stages[i + 1][0] != k:
+                    a, b = members[0], ctx.classes[stages[i + 1][0]][0]
+                    hop = (float(bw[a, b]), float(lat[a, b]))
+                parts.append((d.gpu.name, float(d.memory_bytes), tp, inner, hop))
+            key = self._sequence_keys[stages] = tuple(parts)
+        return key
+
+    def _evaluate_fresh(self, stages, layers, role: str) -> float:
         ctx = self.ctx
         parts, start = [], 0
         for (k, tp, off), n in zip(stages, layers):

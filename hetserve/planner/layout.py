@@ -66,6 +66,8 @@ class LayoutSearch(KVAlternatives, LayerSplits):
         self._cache: dict[tuple, LayoutChoice | None] = {}
         self._best_cache: dict[tuple, tuple[ReplicaLayout, float] | None] = {}
         self._probe_cache: dict[tuple, tuple[int, float]] = {}
+        self._evaluated: dict[tuple, float] = {}  # (stage-sequence key, layers, role) → capacity
+        self._sequence_keys: dict[tuple, tuple] = {}
         self._order_cache: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._splits_cache: dict[int, list[tuple[int, ...]]] = {}
         self._scored: dict[tuple, tuple[tuple[int, ...], dict]] = {}  # (comp, role) → (order, combo scores)

@@ -26,12 +26,14 @@ MAX_ABSORB = 3  # third groups tried with each pair
 
 
 MAX_KNAPSACK_VECTORS = 256  # sub-vectors of a group's composition the colocated knapsack enumerates
+PAIR_UNITS_MAX_DEVICES = 64  # pools up to this size also cut every pair of machines together
 
 
 def colocated_alternative(ctx: PlanContext, evaluator: Evaluator, groups: Placement) -> tuple[Placement, float]:
     """The best all-colocated placement cut from a few coarse units: the placement's own groups,
-    the machines, and (when its class-count space has at most ``MAX_KNAPSACK_VECTORS`` vectors)
-    the whole pool. Each unit's devices are re-cut into the colocated replicas that serve most —
+    the machines, every pair of machines beside the other machines (pools of at most
+    ``PAIR_UNITS_MAX_DEVICES``), and (when its class-count space has at most
+    ``MAX_KNAPSACK_VECTORS`` vectors) the whole pool. Each unit's devices are re-cut into the colocated replicas that serve most —
     a knapsack over the sub-vectors of its class-count vector (halving per class, recursively,
     beyond that size); devices no unit's cut uses are pooled and cut the same way. Colocated
     capacity is additive, so each unit is decided on its own. Returns (placement, tokens/s)."""
@@ -44,6 +46,17 @@ def colocated_alternative(ctx: PlanContext, evaluator: Evaluator, groups: Placem
         size *= n + 1
     if size <= MAX_KNAPSACK_VECTORS:
         unit_sets.append([tuple(range(ctx.num_devices))])
+    if ctx.num_devices <= PAIR_UNITS_MAX_DEVICES:
+        # two machines cut together: a replica across them (2 H100 beside 2 A100 on hexgen2-het1)
+        # is found whatever groups the seed's search ended with, not only when they held it
+        machines = list(by_machine.values())
+        for a, b in itertools.combinations(range(len(machines)), 2):
+            pair = tuple(machines[a] + machines[b])
+            pair_size = 1
+            for _, n in ctx.composition(pair):
+                pair_size *= n + 1
+            if pair_size <= MAX_KNAPSACK_VECTORS:
+                unit_sets.append([pair] + [tuple(ds) for i, ds in enumerate(machines) if i not in (a, b)])
     best: tuple[Placement, float] = ((), -1.0)
     for units in unit_sets:
         parts: list[Group] = []

@@ -117,3 +117,21 @@ def test_every_candidate_the_dual_shortcut_skips_scores_at_most_its_bound(llama7
     slow = hexgen2(cluster, llama70b, wl, opts)
     assert fast.estimate["throughput_tokens_per_s"] == pytest.approx(slow.estimate["throughput_tokens_per_s"],
                                                                      rel=1e-9)
+
+
+def test_colocated_side_cuts_pairs_of_machines_together(llama70b, azure):
+    """hexgen2-het1: a colocated replica of 2 H100 + 2 A100 (two machines) serves more than the
+    per-machine cuts; the colocated alternative finds it from any groups, so seeds agree."""
+    from hetserve.planner.mixing import colocated_alternative
+    from hetserve.planner.placement import Group, canonical
+
+    cluster = load_cluster("hexgen2-het1")
+    ctx, _, ev = start_search("t", cluster, llama70b, azure, PlanOptions())
+    per_machine: dict[str, list[int]] = {}
+    for d in cluster.devices:
+        per_machine.setdefault(d.machine, []).append(d.index)
+    machines = canonical(Group.of(ds, "colocated") for ds in per_machine.values())
+    placement, value = colocated_alternative(ctx, ev, machines)
+    spans = [{cluster.devices[d].machine for d in g.devices} for g in placement]
+    assert any(len(s) > 1 for s in spans)
+    assert value > ev.score(machines) * 1.01

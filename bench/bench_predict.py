@@ -97,8 +97,7 @@ def main() -> int:
     from rich.table import Table
 
     from hetserve.compare import CompareOptions, compare, simulate_side, table_of
-    from hetserve.cost.analytic import load_efficiency
-    from hetserve.runtime.calibrate import load_contention, load_request_overhead
+    from hetserve.runtime.calibrate import load_contention, load_request_overhead, served_efficiency
     from hetserve.runtime.make_model import make_model
     from hetserve.serve.loadgen import requests_from_workload
     from hetserve.specs.cluster import load_cluster
@@ -131,7 +130,7 @@ def main() -> int:
         plan = plans()[name]
         if not args.calibration and not args.calibrate_once and name != args.plans.split(",")[0]:
             cal = calibrate(name)
-        efficiency, overhead, contention = load_efficiency(cal), load_request_overhead(cal), load_contention(cal)
+        efficiency, overhead, contention = served_efficiency(cal), load_request_overhead(cal), load_contention(cal)
         cap = capacity_rps(plan, cluster, spec, base_requests, efficiency, overhead, contention)
         for frac in (float(f) for f in args.fractions.split(",")):
             rate = frac * cap

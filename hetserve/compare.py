@@ -86,9 +86,8 @@ def table_of(served: dict[str, np.ndarray], simulated: dict[str, np.ndarray], se
 
 def compare(opts: CompareOptions) -> Comparison:
     """Serve, replay, simulate; see the module docstring."""
-    from hetserve.cost.analytic import load_efficiency
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.calibrate import load_contention, load_request_overhead, machine_info
+    from hetserve.runtime.calibrate import load_contention, load_request_overhead, machine_info, served_efficiency
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import replay, requests_from_workload, summarize
     from hetserve.specs.cluster import Cluster, load_cluster
@@ -124,7 +123,7 @@ def compare(opts: CompareOptions) -> Comparison:
     served = {"ttft_s": np.array([r.ttft_s for r in results]), "e2e_s": np.array([r.e2e_s for r in results]),
               "tpot_s": np.array([r.tpot_s for r in results if r.tpot_s is not None])}
 
-    efficiency = load_efficiency(opts.efficiency) if opts.efficiency else None
+    efficiency = served_efficiency(opts.efficiency) if opts.efficiency else None
     overhead = load_request_overhead(opts.efficiency) if opts.efficiency else 0.0
     contention = load_contention(opts.efficiency) if opts.efficiency else 1.0
     res = simulate_side(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead,

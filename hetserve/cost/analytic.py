@@ -49,15 +49,22 @@ class Efficiency:
     usable_memory: float = 0.9  # of device memory (CUDA context, allocator fragmentation)
     activation_buffers: int = 4  # HexGen Appendix B: 4 reusable activation buffers
     activation_tokens: int = 2048  # tokens those buffers are sized for (the prefill token budget)
-    step_overhead_s: float = 0.0  # fixed time per stage per iteration (launches, scheduling)
+    # Fixed costs of one iteration, split by where the runtime pays them (``hetserve calibrate``
+    # fits all three; 0 = the pure roofline):
+    step_overhead_s: float = 0.0  # per stage: taking the step message, attention metadata, launches, the hand-on
+    iteration_overhead_s: float = 0.0  # per replica, on its last stage: the scheduler's turn-around, sampling, tokens back
+    seq_overhead_s: float = 0.0  # per sequence in the step, on the last stage: its bookkeeping, sampling, token streamed
     max_batch: int = 256  # running requests per replica: the serving engine's cap (vLLM's max_num_seqs)
 
     def __post_init__(self) -> None:
         for k in ("compute", "memory", "usable_memory"):
             if not 0 < getattr(self, k) <= 1:
                 raise ValueError(f"efficiency {k} must be in (0, 1]")
-        if self.activation_buffers < 0 or self.activation_tokens <= 0 or self.step_overhead_s < 0:
-            raise ValueError("activation_buffers, activation_tokens and step_overhead_s must be non-negative")
+        if self.activation_buffers < 0 or self.activation_tokens <= 0:
+            raise ValueError("activation_buffers and activation_tokens must be non-negative")
+        for k in ("step_overhead_s", "iteration_overhead_s", "seq_overhead_s"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"{k} must be non-negative")
         if self.max_batch < 1:
             raise ValueError("max_batch must be at least 1")
 
@@ -147,9 +154,14 @@ class CostModel:
         return max(flops / (t * f), nbytes / (t * m))
 
     def _head_time(self, stage: StageLayout, rows: float) -> float:
-        """Final norm + LM head on the last stage for ``rows`` sequences (one logit row each)."""
+        """Final norm + LM head on the last stage for ``rows`` sequences (one logit row each), plus
+        the once-per-iteration costs of the replica: the step's turn-around through the scheduler
+        and its per-sequence work. They sit on the last stage because that is where an iteration
+        closes (it samples and sends the tokens back; the next step of this micro-batch starts
+        after), so a pipeline pays them once per iteration, not once per stage."""
         m = self.model
-        return self._roofline(stage, 2.0 * m.hidden * m.vocab * rows, m.vocab * m.hidden * m.dtype_bytes)
+        head = self._roofline(stage, 2.0 * m.hidden * m.vocab * rows, m.vocab * m.hidden * m.dtype_bytes)
+        return head + self.eff.iteration_overhead_s + self.eff.seq_overhead_s * rows
 
     def stage_prefill_time(self, stage: StageLayout, batch: PrefillBatch, is_last: bool = False) -> float:
         """Prefill of ``batch`` through this stage's layers, TP all-reduces included."""

@@ -6,16 +6,35 @@ fractions are unknown; this module measures them. It serves a single-stage coloc
 the checkpoint on one device (the real engine behind the real HTTP server) and measures
 
 * TTFT of single prompts of several lengths on the engine (prefill: achieved FLOP/s),
-* TPOT of decode batches of several sizes on the engine (memory streaming and the fixed
-  per-iteration cost: the coordinator's step, the process hop, sampling), and
+* TPOT of decode batches of several sizes on the engine (memory streaming, the fixed cost of an
+  iteration, and what each sequence of the batch adds beyond its FLOPs),
 * the same prompts through HTTP with the ``openai`` client (tokenisation, HTTP and SSE: what a
-  served request spends outside the engine, ``request_overhead_s``),
+  served request spends outside the engine, ``request_overhead_s``), and the same decode batches
+  streamed through HTTP: each token of each sequence is one SSE event the server encodes and the
+  client parses, on the cores and under the GIL the coordinator needs for the next step, so a
+  served iteration is slower per sequence than the engine's (``stream_overhead_s``, per sequence
+  per iteration: the slope of served − engine TPOT over the batch size), and
+* (``pipeline``) a prompt and a single-sequence decode on a two-stage pipeline of the same
+  checkpoint (two devices): what a second stage adds tells the per-stage fixed cost apart from the
+  once-per-iteration one,
 
-and fits ``Efficiency(compute, memory, step_overhead_s)`` minimising the squared log error of the
-cost model over the engine measurements. The fit's error per point is reported: it is the cost
-model's error on this machine. The result is one JSON file (``Calibration.save``) that the planner
-(``--efficiency``) and the simulator (``--efficiency``: efficiency and request overhead) read,
-stamped with the device, the date and the load average during the measurement.
+and fits ``Efficiency(compute, memory, step_overhead_s, iteration_overhead_s, seq_overhead_s)``
+minimising the squared log error of the cost model over the engine measurements. Where the fixed
+costs come from, read from the runtime (``worker.py``, ``coordinator.py``):
+
+* ``iteration_overhead_s`` — once per iteration of a replica: the coordinator's turn-around
+  (result message in, bookkeeping, the next step scheduled and pickled to the first stage),
+  embedding lookup, sampling and the token message on the last stage;
+* ``step_overhead_s`` — once per stage: a stage leader takes the step message (unpickles it),
+  builds the attention metadata, runs the layer stack's fixed dispatch and sends its activations on;
+* ``seq_overhead_s`` — once per sequence in the step: its entry in the step message, its block
+  table in the attention metadata, its own attention over its KV, its token streamed to its
+  request (on this CPU demo ~0.1-0.3 ms per sequence, beyond the FLOPs the roofline prices).
+
+The fit's error per point is reported: it is the cost model's error on this machine. The result
+is one JSON file (``Calibration.save``) that the planner (``--efficiency``) and the simulator
+(``--efficiency``: efficiency and request overhead) read, stamped with the device, the date and
+the load average during the measurement.
 """
 
 from __future__ import annotations
@@ -31,7 +50,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import least_squares
 
-from hetserve.cost.analytic import CostModel, Efficiency
+from hetserve.cost.analytic import CostModel, Efficiency, load_efficiency
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.planner.plan import Plan
 from hetserve.specs.cluster import Cluster, cluster_from_dict
@@ -44,6 +63,7 @@ class CalibrationPoint:
     size: int  # prompt tokens (prefill) or batch size (decode)
     measured_s: float
     predicted_s: float
+    stages: int = 1  # pipeline stages of the replica measured (2: the pipeline probes)
 
     @property
     def error(self) -> float:
@@ -56,6 +76,7 @@ class Calibration:
     efficiency: Efficiency
     points: tuple[CalibrationPoint, ...]
     request_overhead_s: float = 0.0  # HTTP + tokenisation + SSE per request, outside the engine
+    stream_overhead_s: float = 0.0  # per sequence per iteration: its token streamed over HTTP/SSE to its client
     contention_slowdown: float = 1.0  # decode step time with one more busy CPU process / alone
     measured_on: dict = field(default_factory=dict)  # device, cores, date, load average
 
@@ -73,6 +94,7 @@ class Calibration:
         Path(path).write_text(json.dumps({
             "gpu": self.gpu, "efficiency": asdict(self.efficiency), "mean_abs_error": self.mean_abs_error,
             "max_abs_error": self.max_abs_error, "runtime": {"request_overhead_s": self.request_overhead_s,
+                                                           "stream_overhead_s": self.stream_overhead_s,
                                                            "contention_slowdown": self.contention_slowdown},
             "measured_on": self.measured_on, "points": [asdict(p) for p in self.points]}, indent=2) + "\n")
 
@@ -80,6 +102,20 @@ class Calibration:
 def load_request_overhead(path: str | Path) -> float:
     """``runtime.request_overhead_s`` of a calibration file (0 when it has none)."""
     return float(_runtime(path).get("request_overhead_s", 0.0))
+
+
+def load_stream_overhead(path: str | Path) -> float:
+    """``runtime.stream_overhead_s`` of a calibration file (0 when it has none)."""
+    return float(_runtime(path).get("stream_overhead_s", 0.0))
+
+
+def served_efficiency(path: str | Path) -> Efficiency:
+    """The calibrated efficiency of a *served* deployment: the engine's, with each sequence's token
+    streamed over HTTP/SSE added to its per-sequence cost per iteration (what the simulator must
+    charge to predict what clients of the HTTP server see; the planner's ``--efficiency`` reads the
+    engine's alone, ``load_efficiency``)."""
+    eff = load_efficiency(path)
+    return replace(eff, seq_overhead_s=eff.seq_overhead_s + load_stream_overhead(path))
 
 
 def load_contention(path: str | Path) -> float:
@@ -115,15 +151,28 @@ def machine_info() -> dict:
             .strftime("%Y-%m-%d %H:%M UTC"), "load_avg_1m": round(load[0], 2)}
 
 
-def _one_device_cluster(gpu_name: str) -> Cluster:
+def _one_device_cluster(gpu_name: str, count: int = 1) -> Cluster:
     # Memory is left at the GPU's: calibration measures speed, not capacity.
-    return cluster_from_dict({"name": "calibration", "machines": [{"name": "cal", "gpu": gpu_name, "count": 1}]})
+    return cluster_from_dict({"name": "calibration", "machines": [{"name": "cal", "gpu": gpu_name, "count": count}]})
 
 
-def _one_device_plan(spec, cluster: Cluster) -> Plan:
+def _stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Layers split as evenly as they go over ``stages`` stages (the pipeline probe's layout)."""
+    cuts = [round(i * num_layers / stages) for i in range(stages + 1)]
+    return list(zip(cuts, cuts[1:]))
+
+
+def _one_device_plan(spec, cluster: Cluster, stages: int = 1) -> Plan:
+    """One colocated replica; ``stages`` > 1: a pipeline with one device per stage."""
     return Plan.from_dict({"model": spec.name, "cluster": cluster.name, "algorithm": "calibration",
                            "replicas": [{"id": "c0", "role": "colocated",
-                                         "stages": [{"devices": ["cal:0"], "layers": [0, spec.num_layers]}]}]})
+                                         "stages": [{"devices": [f"cal:{i}"], "layers": [lo, hi]}
+                                                    for i, (lo, hi) in enumerate(_stage_bounds(spec.num_layers,
+                                                                                               stages))]}]})
+
+
+def _layout(spec, stages: int = 1) -> ReplicaLayout:
+    return ReplicaLayout(tuple(StageLayout((i,), b) for i, b in enumerate(_stage_bounds(spec.num_layers, stages))))
 
 
 @dataclass
@@ -131,14 +180,19 @@ class Measurements:
     ttft: dict[int, float]  # prompt length -> median TTFT on the engine (s)
     tpot: dict[int, float]  # batch size -> median TPOT on the engine (s)
     http_ttft: dict[int, float] = field(default_factory=dict)  # prompt length -> median TTFT through HTTP
+    http_tpot: dict[int, float] = field(default_factory=dict)  # batch size -> median TPOT streamed through HTTP
     contention: float = 1.0  # TPOT of the largest decode probe beside one busy process / alone
     load_avg: list[float] = field(default_factory=list)  # 1-minute load average during the run
+    pp_ttft: dict[int, float] = field(default_factory=dict)  # two-stage pipeline: prompt length -> median TTFT
+    pp_tpot: dict[int, float] = field(default_factory=dict)  # two-stage pipeline: batch size -> median TPOT
 
 
 def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), batch_sizes=(1, 4, 16),
-            decode_tokens: int = 24, reps: int = 3, serving: bool = True) -> Measurements:
-    """Median TTFT per prompt length and median TPOT per batch size on the engine, and (``serving``)
-    median TTFT of the same prompts through the HTTP server and the ``openai`` client."""
+            decode_tokens: int = 24, reps: int = 3, serving: bool = True, pipeline: bool = True) -> Measurements:
+    """Median TTFT per prompt length and median TPOT per batch size on the engine, (``serving``)
+    median TTFT of the same prompts through the HTTP server and the ``openai`` client, and
+    (``pipeline``, checkpoints of two or more layers) the TTFT of the second prompt length and the
+    TPOT of one sequence on a two-stage pipeline."""
     from hetserve.runtime.engine import Engine, EngineConfig
     from hetserve.runtime.sampling import SamplingParams
 
@@ -164,6 +218,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         ttft_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
         tpot_s: dict[int, list[float]] = {b: [] for b in batch_sizes}
         http_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
+        http_tpot_s: dict[int, list[float]] = {b: [] for b in batch_sizes}
         for _ in range(reps):
             for L in prompt_lengths:
                 h = engine.submit(rng.integers(32, 127, L).tolist(), SamplingParams(max_tokens=1, ignore_eos=True))
@@ -185,6 +240,11 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
                 for L, r in zip(prompt_lengths, replay(server.url, Path(model_dir).resolve().name, reqs,
                                                        ignore_eos=True)):
                     http_s[L].append(r.ttft_s)
+                # the decode probes again, every token streamed to the client (as the engine probes: all at once)
+                for b in batch_sizes:
+                    reqs = [LoadRequest(0.0, rng.integers(32, 127, 16).tolist(), decode_tokens) for _ in range(b)]
+                    res = replay(server.url, Path(model_dir).resolve().name, reqs, ignore_eos=True)
+                    http_tpot_s[b].append(statistics.median(r.tpot_s for r in res))
         # Contention: the largest decode probe again while one more process keeps a core busy (as a
         # second worker slot of the same host would); the ratio to the probe alone is the slow-down.
         import multiprocessing
@@ -212,52 +272,96 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         m.ttft = {L: statistics.median(v) for L, v in ttft_s.items()}
         m.tpot = {b: statistics.median(v) for b, v in tpot_s.items()}
         m.http_ttft = {L: statistics.median(v) for L, v in http_s.items() if v}
+        m.http_tpot = {b: statistics.median(v) for b, v in http_tpot_s.items() if v}
     finally:
         if server is not None:
             server.close()
         else:
             engine.shutdown()
+    if pipeline and spec.num_layers >= 2:
+        _measure_pipeline(m, model_dir, spec, gpu_name, prompt_lengths[min(1, len(prompt_lengths) - 1)],
+                          decode_tokens, reps, rng)
     return m
+
+
+def _measure_pipeline(m: Measurements, model_dir: str, spec, gpu_name: str, prompt: int, decode_tokens: int,
+                      reps: int, rng) -> None:
+    """A prompt and a one-sequence decode on a two-stage pipeline (one micro-batch: nothing
+    overlaps, so the difference to one stage is the second stage's fixed cost and hand-on)."""
+    from hetserve.runtime.engine import Engine, EngineConfig
+    from hetserve.runtime.sampling import SamplingParams
+
+    cluster = _one_device_cluster(gpu_name, 2)
+    engine = Engine.from_plan(_one_device_plan(spec, cluster, 2), cluster, model_dir, EngineConfig(max_num_seqs=4))
+    try:
+        engine.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        ttft, tpot = [], []
+        for _ in range(reps):
+            h = engine.submit(rng.integers(32, 127, prompt).tolist(), SamplingParams(max_tokens=1, ignore_eos=True))
+            h.result(timeout=120)
+            ttft.append(h.ttft)
+            h = engine.submit(rng.integers(32, 127, 16).tolist(),
+                              SamplingParams(max_tokens=decode_tokens, ignore_eos=True))
+            h.result(timeout=120)
+            tpot.append(h.tpot)
+            m.load_avg.append(os.getloadavg()[0])
+        m.pp_ttft = {prompt: statistics.median(ttft)}
+        m.pp_tpot = {1: statistics.median(tpot)}
+    finally:
+        engine.shutdown()
 
 
 def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, float],
         base: Efficiency | None = None, decode_prompt_tokens: int = 16, decode_tokens: int = 24,
         http_ttft: dict[int, float] | None = None, measured_on: dict | None = None,
-        contention: float = 1.0) -> Calibration:
-    """Solve for compute and memory efficiency and the per-iteration overhead (least squares on
-    the log of predicted / measured over every point); the request overhead is the median of
-    HTTP TTFT − engine TTFT over the prompt lengths measured both ways."""
+        contention: float = 1.0, pp_ttft: dict[int, float] | None = None,
+        pp_tpot: dict[int, float] | None = None, http_tpot: dict[int, float] | None = None) -> Calibration:
+    """Solve for compute and memory efficiency and the fixed costs per iteration, per stage and per
+    sequence (least squares on the log of predicted / measured over every point); the request
+    overhead is the median of HTTP TTFT − engine TTFT over the prompt lengths measured both ways,
+    the stream overhead the least-squares slope (through 0) of HTTP TPOT − engine TPOT over the
+    batch sizes measured both ways.
+
+    Without pipeline points (``pp_ttft``/``pp_tpot``) a stage's fixed cost cannot be told from the
+    iteration's: all of it is fitted as ``iteration_overhead_s`` (exact for one-stage replicas)."""
     spec = load_model(model_dir)
-    cluster = _one_device_cluster(gpu_name)
-    layout = ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),))
-    base = replace(base or Efficiency(), step_overhead_s=0.0)
+    pp_ttft, pp_tpot = pp_ttft or {}, pp_tpot or {}
+    cluster = _one_device_cluster(gpu_name, 2 if pp_ttft or pp_tpot else 1)
+    one, two = _layout(spec, 1), _layout(spec, 2)
+    base = replace(base or Efficiency(), step_overhead_s=0.0, iteration_overhead_s=0.0, seq_overhead_s=0.0)
+    ctx = decode_prompt_tokens + decode_tokens / 2
+    probes = ([("prefill", L, 1, t) for L, t in ttft.items()] + [("decode", b, 1, t) for b, t in tpot.items()]
+              + [("prefill", L, 2, t) for L, t in pp_ttft.items()] + [("decode", b, 2, t) for b, t in pp_tpot.items()])
+    split = any(stages == 2 for _, _, stages, _ in probes)
 
     def predict(eff: Efficiency):
         cm = CostModel(cluster, spec, eff)
-        ctx = decode_prompt_tokens + decode_tokens / 2
-        return np.array([*(cm.ttft(layout, L) for L in ttft), *(cm.decode_step_time(layout, b, b * ctx) for b in tpot)])
+        return np.array([cm.ttft(one if st == 1 else two, n) if ph == "prefill"
+                         else cm.decode_step_time(one if st == 1 else two, n, n * ctx) for ph, n, st, _ in probes])
 
-    measured = np.array([*ttft.values(), *tpot.values()])
+    measured = np.array([t for *_, t in probes])
 
     def eff_of(x) -> Efficiency:
-        return replace(base, compute=float(10 ** x[0]), memory=float(10 ** x[1]), step_overhead_s=float(x[2]))
+        return replace(base, compute=float(10 ** x[0]), memory=float(10 ** x[1]), iteration_overhead_s=float(x[2]),
+                       seq_overhead_s=float(x[3]), step_overhead_s=float(x[4]) if split else 0.0)
 
     def residuals(x):
         return np.log(predict(eff_of(x)) / measured)
 
     best = None
+    hi = float(max(measured))
     for c0 in (-5.0, -3.0, -1.0):  # a few starts: the roofline's max() makes the surface piecewise
-        x0 = np.array([c0, c0, 0.5 * float(min(measured))])
-        r = least_squares(residuals, x0, bounds=([-9, -9, 0.0], [0, 0, float(max(measured))]))
+        x0 = np.array([c0, c0, 0.4 * float(min(measured)), 0.0, 0.05 * float(min(measured))])
+        r = least_squares(residuals, x0, bounds=([-9, -9, 0.0, 0.0, 0.0], [0, 0, hi, hi, hi]))
         if best is None or r.cost < best.cost:
             best = r
     eff = eff_of(best.x)
-    pred = predict(eff)
-    points = tuple([CalibrationPoint("prefill", L, ttft[L], p) for L, p in zip(ttft, pred)]
-                   + [CalibrationPoint("decode", b, tpot[b], p) for b, p in zip(tpot, pred[len(ttft):])])
+    points = tuple(CalibrationPoint(ph, n, t, float(p), st) for (ph, n, st, t), p in zip(probes, predict(eff)))
     common = [L for L in (http_ttft or {}) if L in ttft]
     overhead = max(0.0, statistics.median(http_ttft[L] - ttft[L] for L in common)) if common else 0.0
-    return Calibration(gpu_name, eff, points, overhead, contention, measured_on or {})
+    both = [b for b in (http_tpot or {}) if b in tpot]
+    stream = max(0.0, sum(b * (http_tpot[b] - tpot[b]) for b in both) / sum(b * b for b in both)) if both else 0.0
+    return Calibration(gpu_name, eff, points, overhead, stream, contention, measured_on or {})
 
 
 def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
@@ -266,4 +370,5 @@ def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
     info = machine_info()
     info["load_avg_1m"] = round(float(np.mean(m.load_avg)), 2) if m.load_avg else info["load_avg_1m"]
     return fit(model_dir, gpu_name, m.ttft, m.tpot, decode_tokens=kwargs.get("decode_tokens", 24),
-               http_ttft=m.http_ttft, measured_on=info, contention=m.contention)
+               http_ttft=m.http_ttft, measured_on=info, contention=m.contention, pp_ttft=m.pp_ttft,
+               pp_tpot=m.pp_tpot, http_tpot=m.http_tpot)

@@ -16,9 +16,11 @@ the checkpoint on one device (the real engine behind the real HTTP server) and m
   per iteration: the slope of served − engine TPOT over the batch size), and
 * (``pipeline``) a prompt and a single-sequence decode on a two-stage pipeline of the same
   checkpoint (two devices): what a second stage adds tells the per-stage fixed cost apart from the
-  once-per-iteration one,
+  once-per-iteration one, and (``tp``) the same on one stage of TP 2: what it adds beyond half
+  the compute is the fixed cost of its collectives,
 
-and fits ``Efficiency(compute, memory, step_overhead_s, iteration_overhead_s, seq_overhead_s)``
+and fits ``Efficiency(compute, memory, step_overhead_s, iteration_overhead_s, seq_overhead_s,
+collective_overhead_s)``
 minimising the squared log error of the cost model over the engine measurements. Where the fixed
 costs come from, read from the runtime (``worker.py``, ``coordinator.py``):
 
@@ -29,7 +31,10 @@ costs come from, read from the runtime (``worker.py``, ``coordinator.py``):
   builds the attention metadata, runs the layer stack's fixed dispatch and sends its activations on;
 * ``seq_overhead_s`` — once per sequence in the step: its entry in the step message, its block
   table in the attention metadata, its own attention over its KV, its token streamed to its
-  request (on this CPU demo ~0.1-0.3 ms per sequence, beyond the FLOPs the roofline prices).
+  request (on this CPU demo ~0.1-0.3 ms per sequence, beyond the FLOPs the roofline prices);
+* ``collective_overhead_s`` — once per collective of a TP group (two all-reduces per layer, the
+  leader's broadcasts of the step and its activations): the launch and every member reaching it
+  (on CPU worker slots sharing cores, a process switch: ~1-2 ms here, α of the cluster file ~µs).
 
 The fit's error per point is reported: it is the cost model's error on this machine. The result
 is one JSON file (``Calibration.save``) that the planner (``--efficiency``) and the simulator
@@ -64,6 +69,7 @@ class CalibrationPoint:
     measured_s: float
     predicted_s: float
     stages: int = 1  # pipeline stages of the replica measured (2: the pipeline probes)
+    tp: int = 1  # its TP degree (2: the TP probes)
 
     @property
     def error(self) -> float:
@@ -162,17 +168,24 @@ def _stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
-def _one_device_plan(spec, cluster: Cluster, stages: int = 1) -> Plan:
-    """One colocated replica; ``stages`` > 1: a pipeline with one device per stage."""
+def _one_device_plan(spec, cluster: Cluster, stages: int = 1, tp: int = 1) -> Plan:
+    """One colocated replica; ``stages`` > 1: a pipeline with one device per stage; ``tp`` > 1: one
+    stage on ``tp`` devices."""
+    devs = [[f"cal:{i * tp + k}" for k in range(tp)] for i in range(stages)]
     return Plan.from_dict({"model": spec.name, "cluster": cluster.name, "algorithm": "calibration",
                            "replicas": [{"id": "c0", "role": "colocated",
-                                         "stages": [{"devices": [f"cal:{i}"], "layers": [lo, hi]}
-                                                    for i, (lo, hi) in enumerate(_stage_bounds(spec.num_layers,
-                                                                                               stages))]}]})
+                                         "stages": [{"devices": d, "layers": [lo, hi]}
+                                                    for d, (lo, hi) in zip(devs, _stage_bounds(spec.num_layers,
+                                                                                                stages))]}]})
 
 
-def _layout(spec, stages: int = 1) -> ReplicaLayout:
-    return ReplicaLayout(tuple(StageLayout((i,), b) for i, b in enumerate(_stage_bounds(spec.num_layers, stages))))
+def _layout(spec, stages: int = 1, tp: int = 1) -> ReplicaLayout:
+    return ReplicaLayout(tuple(StageLayout(tuple(range(i * tp, (i + 1) * tp)), b)
+                               for i, b in enumerate(_stage_bounds(spec.num_layers, stages))))
+
+
+def _tp_divides(spec, tp: int) -> bool:
+    return spec.num_heads % tp == 0 and spec.num_kv_heads % tp == 0 and spec.ffn_hidden % tp == 0
 
 
 @dataclass
@@ -185,14 +198,18 @@ class Measurements:
     load_avg: list[float] = field(default_factory=list)  # 1-minute load average during the run
     pp_ttft: dict[int, float] = field(default_factory=dict)  # two-stage pipeline: prompt length -> median TTFT
     pp_tpot: dict[int, float] = field(default_factory=dict)  # two-stage pipeline: batch size -> median TPOT
+    tp_ttft: dict[int, float] = field(default_factory=dict)  # one stage on TP 2: prompt length -> median TTFT
+    tp_tpot: dict[int, float] = field(default_factory=dict)  # one stage on TP 2: batch size -> median TPOT
 
 
 def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), batch_sizes=(1, 4, 16),
-            decode_tokens: int = 24, reps: int = 3, serving: bool = True, pipeline: bool = True) -> Measurements:
+            decode_tokens: int = 24, reps: int = 3, serving: bool = True, pipeline: bool = True,
+            tp: bool = True) -> Measurements:
     """Median TTFT per prompt length and median TPOT per batch size on the engine, (``serving``)
-    median TTFT of the same prompts through the HTTP server and the ``openai`` client, and
-    (``pipeline``, checkpoints of two or more layers) the TTFT of the second prompt length and the
-    TPOT of one sequence on a two-stage pipeline."""
+    median TTFT of the same prompts and TPOT of the same batches through the HTTP server and the
+    ``openai`` client, and the TTFT of the second prompt length and the TPOT of one sequence on a
+    two-stage pipeline (``pipeline``, checkpoints of two or more layers) and on one stage of TP 2
+    (``tp``, heads and FFN divisible by 2)."""
     from hetserve.runtime.engine import Engine, EngineConfig
     from hetserve.runtime.sampling import SamplingParams
 
@@ -202,7 +219,20 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
     rng = np.random.default_rng(0)
     prompt_lengths = [L for L in prompt_lengths if L + decode_tokens < spec.max_context]
     m = Measurements({}, {})
-    server = None
+
+    def prefill(eng, L: int) -> float:
+        h = eng.submit(rng.integers(32, 127, L).tolist(), SamplingParams(max_tokens=1, ignore_eos=True))
+        h.result(timeout=120)
+        return h.ttft
+
+    def decode(eng, b: int) -> float:
+        handles = [eng.submit(rng.integers(32, 127, 16).tolist(),
+                              SamplingParams(max_tokens=decode_tokens, ignore_eos=True)) for _ in range(b)]
+        for h in handles:
+            h.result(timeout=120)
+        return statistics.median(h.tpot for h in handles)
+
+    server = pp = tp2 = None
     if serving:
         from hetserve.serve.launch import ServeOptions, start_server
 
@@ -212,6 +242,19 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
     else:
         engine = Engine.from_plan(plan, cluster, model_dir, EngineConfig(max_num_seqs=max(batch_sizes)))
     try:
+        pp_prompt = prompt_lengths[min(1, len(prompt_lengths) - 1)]
+        if pipeline and spec.num_layers >= 2:
+            # A two-stage pipeline of the same checkpoint, probed in the same rounds (the load drifts):
+            # one micro-batch, so what it adds to one stage is the second stage's fixed cost and hand-on.
+            cluster2 = _one_device_cluster(gpu_name, 2)
+            pp = Engine.from_plan(_one_device_plan(spec, cluster2, 2), cluster2, model_dir, EngineConfig(max_num_seqs=4))
+            pp.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        if tp and _tp_divides(spec, 2):
+            # One stage on TP 2: what it adds beyond half the compute is its collectives' fixed cost.
+            cluster2 = _one_device_cluster(gpu_name, 2)
+            tp2 = Engine.from_plan(_one_device_plan(spec, cluster2, 1, 2), cluster2, model_dir,
+                                   EngineConfig(max_num_seqs=4))
+            tp2.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         engine.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         # Rounds over every probe (not every probe's repetitions in a row): on a shared machine the
         # load drifts, and interleaving spreads it over all points instead of biasing some.
@@ -219,17 +262,21 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         tpot_s: dict[int, list[float]] = {b: [] for b in batch_sizes}
         http_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
         http_tpot_s: dict[int, list[float]] = {b: [] for b in batch_sizes}
+        pp_ttft_s: list[float] = []
+        pp_tpot_s: list[float] = []
+        tp_ttft_s: list[float] = []
+        tp_tpot_s: list[float] = []
         for _ in range(reps):
             for L in prompt_lengths:
-                h = engine.submit(rng.integers(32, 127, L).tolist(), SamplingParams(max_tokens=1, ignore_eos=True))
-                h.result(timeout=120)
-                ttft_s[L].append(h.ttft)
+                ttft_s[L].append(prefill(engine, L))
             for b in batch_sizes:
-                handles = [engine.submit(rng.integers(32, 127, 16).tolist(),
-                                         SamplingParams(max_tokens=decode_tokens, ignore_eos=True)) for _ in range(b)]
-                for h in handles:
-                    h.result(timeout=120)
-                tpot_s[b].append(statistics.median(h.tpot for h in handles))
+                tpot_s[b].append(decode(engine, b))
+            if pp is not None:
+                pp_ttft_s.append(prefill(pp, pp_prompt))
+                pp_tpot_s.append(decode(pp, 1))
+            if tp2 is not None:
+                tp_ttft_s.append(prefill(tp2, pp_prompt))
+                tp_tpot_s.append(decode(tp2, 1))
             m.load_avg.append(os.getloadavg()[0])
             if server is not None:
                 from hetserve.serve.loadgen import LoadRequest, replay
@@ -245,6 +292,10 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
                     reqs = [LoadRequest(0.0, rng.integers(32, 127, 16).tolist(), decode_tokens) for _ in range(b)]
                     res = replay(server.url, Path(model_dir).resolve().name, reqs, ignore_eos=True)
                     http_tpot_s[b].append(statistics.median(r.tpot_s for r in res))
+        for extra in (pp, tp2):
+            if extra is not None:
+                extra.shutdown()
+        pp = tp2 = None
         # Contention: the largest decode probe again while one more process keeps a core busy (as a
         # second worker slot of the same host would); the ratio to the probe alone is the slow-down.
         import multiprocessing
@@ -255,15 +306,8 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         burner.start()
         try:
             b = max(batch_sizes)
-            alone = statistics.median(tpot_s[b])
-            busy = []
-            for _ in range(reps):
-                handles = [engine.submit(rng.integers(32, 127, 16).tolist(),
-                                         SamplingParams(max_tokens=decode_tokens, ignore_eos=True)) for _ in range(b)]
-                for h in handles:
-                    h.result(timeout=120)
-                busy.append(statistics.median(h.tpot for h in handles))
-            m.contention = max(1.0, statistics.median(busy) / alone)
+            busy = [decode(engine, b) for _ in range(reps)]
+            m.contention = max(1.0, statistics.median(busy) / statistics.median(tpot_s[b]))
         finally:
             stop.set()
             burner.join(timeout=5)
@@ -273,49 +317,29 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         m.tpot = {b: statistics.median(v) for b, v in tpot_s.items()}
         m.http_ttft = {L: statistics.median(v) for L, v in http_s.items() if v}
         m.http_tpot = {b: statistics.median(v) for b, v in http_tpot_s.items() if v}
+        if pp_ttft_s:
+            m.pp_ttft = {pp_prompt: statistics.median(pp_ttft_s)}
+            m.pp_tpot = {1: statistics.median(pp_tpot_s)}
+        if tp_ttft_s:
+            m.tp_ttft = {pp_prompt: statistics.median(tp_ttft_s)}
+            m.tp_tpot = {1: statistics.median(tp_tpot_s)}
     finally:
+        for extra in (pp, tp2):
+            if extra is not None:
+                extra.shutdown()
         if server is not None:
             server.close()
         else:
             engine.shutdown()
-    if pipeline and spec.num_layers >= 2:
-        _measure_pipeline(m, model_dir, spec, gpu_name, prompt_lengths[min(1, len(prompt_lengths) - 1)],
-                          decode_tokens, reps, rng)
     return m
-
-
-def _measure_pipeline(m: Measurements, model_dir: str, spec, gpu_name: str, prompt: int, decode_tokens: int,
-                      reps: int, rng) -> None:
-    """A prompt and a one-sequence decode on a two-stage pipeline (one micro-batch: nothing
-    overlaps, so the difference to one stage is the second stage's fixed cost and hand-on)."""
-    from hetserve.runtime.engine import Engine, EngineConfig
-    from hetserve.runtime.sampling import SamplingParams
-
-    cluster = _one_device_cluster(gpu_name, 2)
-    engine = Engine.from_plan(_one_device_plan(spec, cluster, 2), cluster, model_dir, EngineConfig(max_num_seqs=4))
-    try:
-        engine.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-        ttft, tpot = [], []
-        for _ in range(reps):
-            h = engine.submit(rng.integers(32, 127, prompt).tolist(), SamplingParams(max_tokens=1, ignore_eos=True))
-            h.result(timeout=120)
-            ttft.append(h.ttft)
-            h = engine.submit(rng.integers(32, 127, 16).tolist(),
-                              SamplingParams(max_tokens=decode_tokens, ignore_eos=True))
-            h.result(timeout=120)
-            tpot.append(h.tpot)
-            m.load_avg.append(os.getloadavg()[0])
-        m.pp_ttft = {prompt: statistics.median(ttft)}
-        m.pp_tpot = {1: statistics.median(tpot)}
-    finally:
-        engine.shutdown()
 
 
 def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, float],
         base: Efficiency | None = None, decode_prompt_tokens: int = 16, decode_tokens: int = 24,
         http_ttft: dict[int, float] | None = None, measured_on: dict | None = None,
         contention: float = 1.0, pp_ttft: dict[int, float] | None = None,
-        pp_tpot: dict[int, float] | None = None, http_tpot: dict[int, float] | None = None) -> Calibration:
+        pp_tpot: dict[int, float] | None = None, http_tpot: dict[int, float] | None = None,
+        tp_ttft: dict[int, float] | None = None, tp_tpot: dict[int, float] | None = None) -> Calibration:
     """Solve for compute and memory efficiency and the fixed costs per iteration, per stage and per
     sequence (least squares on the log of predicted / measured over every point); the request
     overhead is the median of HTTP TTFT − engine TTFT over the prompt lengths measured both ways,
@@ -323,27 +347,33 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     batch sizes measured both ways.
 
     Without pipeline points (``pp_ttft``/``pp_tpot``) a stage's fixed cost cannot be told from the
-    iteration's: all of it is fitted as ``iteration_overhead_s`` (exact for one-stage replicas)."""
+    iteration's: all of it is fitted as ``iteration_overhead_s`` (exact for one-stage replicas).
+    Without TP points (``tp_ttft``/``tp_tpot``, one stage on TP 2) ``collective_overhead_s`` is 0."""
     spec = load_model(model_dir)
-    pp_ttft, pp_tpot = pp_ttft or {}, pp_tpot or {}
-    cluster = _one_device_cluster(gpu_name, 2 if pp_ttft or pp_tpot else 1)
-    one, two = _layout(spec, 1), _layout(spec, 2)
-    base = replace(base or Efficiency(), step_overhead_s=0.0, iteration_overhead_s=0.0, seq_overhead_s=0.0)
+    pp_ttft, pp_tpot, tp_ttft, tp_tpot = pp_ttft or {}, pp_tpot or {}, tp_ttft or {}, tp_tpot or {}
+    cluster = _one_device_cluster(gpu_name, 2 if pp_ttft or pp_tpot or tp_ttft or tp_tpot else 1)
+    shapes = {(1, 1): _layout(spec), (2, 1): _layout(spec, 2), (1, 2): _layout(spec, 1, 2)}
+    base = replace(base or Efficiency(), step_overhead_s=0.0, iteration_overhead_s=0.0, seq_overhead_s=0.0,
+                   collective_overhead_s=0.0)
     ctx = decode_prompt_tokens + decode_tokens / 2
-    probes = ([("prefill", L, 1, t) for L, t in ttft.items()] + [("decode", b, 1, t) for b, t in tpot.items()]
-              + [("prefill", L, 2, t) for L, t in pp_ttft.items()] + [("decode", b, 2, t) for b, t in pp_tpot.items()])
-    split = any(stages == 2 for _, _, stages, _ in probes)
+    probes = [(ph, n, st, t_, sec) for ph, st, t_, d in (("prefill", 1, 1, ttft), ("decode", 1, 1, tpot),
+                                                         ("prefill", 2, 1, pp_ttft), ("decode", 2, 1, pp_tpot),
+                                                         ("prefill", 1, 2, tp_ttft), ("decode", 1, 2, tp_tpot))
+              for n, sec in d.items()]
+    split = any(st == 2 for _, _, st, _, _ in probes)
+    tp_probed = any(t_ == 2 for _, _, _, t_, _ in probes)
 
     def predict(eff: Efficiency):
         cm = CostModel(cluster, spec, eff)
-        return np.array([cm.ttft(one if st == 1 else two, n) if ph == "prefill"
-                         else cm.decode_step_time(one if st == 1 else two, n, n * ctx) for ph, n, st, _ in probes])
+        return np.array([cm.ttft(shapes[st, t_], n) if ph == "prefill"
+                         else cm.decode_step_time(shapes[st, t_], n, n * ctx) for ph, n, st, t_, _ in probes])
 
-    measured = np.array([t for *_, t in probes])
+    measured = np.array([sec for *_, sec in probes])
 
     def eff_of(x) -> Efficiency:
         return replace(base, compute=float(10 ** x[0]), memory=float(10 ** x[1]), iteration_overhead_s=float(x[2]),
-                       seq_overhead_s=float(x[3]), step_overhead_s=float(x[4]) if split else 0.0)
+                       seq_overhead_s=float(x[3]), step_overhead_s=float(x[4]) if split else 0.0,
+                       collective_overhead_s=float(x[5]) if tp_probed else 0.0)
 
     def residuals(x):
         return np.log(predict(eff_of(x)) / measured)
@@ -351,12 +381,13 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     best = None
     hi = float(max(measured))
     for c0 in (-5.0, -3.0, -1.0):  # a few starts: the roofline's max() makes the surface piecewise
-        x0 = np.array([c0, c0, 0.4 * float(min(measured)), 0.0, 0.05 * float(min(measured))])
-        r = least_squares(residuals, x0, bounds=([-9, -9, 0.0, 0.0, 0.0], [0, 0, hi, hi, hi]))
+        x0 = np.array([c0, c0, 0.4 * float(min(measured)), 0.0, 0.05 * float(min(measured)),
+                       0.01 * float(min(measured))])
+        r = least_squares(residuals, x0, bounds=([-9, -9, 0.0, 0.0, 0.0, 0.0], [0, 0, hi, hi, hi, hi]))
         if best is None or r.cost < best.cost:
             best = r
     eff = eff_of(best.x)
-    points = tuple(CalibrationPoint(ph, n, t, float(p), st) for (ph, n, st, t), p in zip(probes, predict(eff)))
+    points = tuple(CalibrationPoint(ph, n, sec, float(p), st, t_) for (ph, n, st, t_, sec), p in zip(probes, predict(eff)))
     common = [L for L in (http_ttft or {}) if L in ttft]
     overhead = max(0.0, statistics.median(http_ttft[L] - ttft[L] for L in common)) if common else 0.0
     both = [b for b in (http_tpot or {}) if b in tpot]
@@ -371,4 +402,4 @@ def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
     info["load_avg_1m"] = round(float(np.mean(m.load_avg)), 2) if m.load_avg else info["load_avg_1m"]
     return fit(model_dir, gpu_name, m.ttft, m.tpot, decode_tokens=kwargs.get("decode_tokens", 24),
                http_ttft=m.http_ttft, measured_on=info, contention=m.contention, pp_ttft=m.pp_ttft,
-               pp_tpot=m.pp_tpot, http_tpot=m.http_tpot)
+               pp_tpot=m.pp_tpot, http_tpot=m.http_tpot, tp_ttft=m.tp_ttft, tp_tpot=m.tp_tpot)

@@ -17,20 +17,24 @@ def test_fit_recovers_known_efficiency(tmp_path):
     from hetserve.specs.model import load_model
 
     spec = load_model(model_dir)
-    truth = Efficiency(compute=3e-4, iteration_overhead_s=0.004, step_overhead_s=0.0012, seq_overhead_s=0.0003)
+    truth = Efficiency(compute=3e-4, iteration_overhead_s=0.004, step_overhead_s=0.0012, seq_overhead_s=0.0003,
+                       collective_overhead_s=0.0009)
     cm = CostModel(_one_device_cluster("RTX-4090", 2), spec, truth)
     lay = ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),))
     half = spec.num_layers // 2
     pp = ReplicaLayout((StageLayout((0,), (0, half)), StageLayout((1,), (half, spec.num_layers))))
+    tp = ReplicaLayout((StageLayout((0, 1), (0, spec.num_layers)),))
     ttft = {L: cm.ttft(lay, L) for L in (32, 128, 256, 512)}
     tpot = {b: cm.decode_step_time(lay, b, b * (16 + 12)) for b in (1, 4, 16)}
     cal = fit(str(model_dir), "RTX-4090", ttft, tpot, pp_ttft={128: cm.ttft(pp, 128)},
-              pp_tpot={1: cm.decode_step_time(pp, 1, 16 + 12)})
+              pp_tpot={1: cm.decode_step_time(pp, 1, 16 + 12)}, tp_ttft={128: cm.ttft(tp, 128)},
+              tp_tpot={1: cm.decode_step_time(tp, 1, 16 + 12)})
     assert cal.efficiency.compute == pytest.approx(3e-4, rel=0.02)
     assert cal.efficiency.iteration_overhead_s == pytest.approx(0.004, rel=0.02)
     assert cal.efficiency.step_overhead_s == pytest.approx(0.0012, rel=0.02)
     assert cal.efficiency.seq_overhead_s == pytest.approx(0.0003, rel=0.02)
-    assert [p.stages for p in cal.points] == [1] * 7 + [2, 2]
+    assert cal.efficiency.collective_overhead_s == pytest.approx(0.0009, rel=0.02)
+    assert [(p.stages, p.tp) for p in cal.points] == [(1, 1)] * 7 + [(2, 1)] * 2 + [(1, 2)] * 2
     assert cal.max_abs_error < 0.01
     # each token streamed over HTTP: served TPOT grows by 0.5 ms per sequence beyond the engine's
     served = fit(str(model_dir), "RTX-4090", ttft, tpot, http_tpot={b: t + b * 0.0005 for b, t in tpot.items()})
@@ -43,7 +47,7 @@ def test_fit_recovers_known_efficiency(tmp_path):
         assert served_model.decode_step_time(lay, b, b * (16 + 12)) == pytest.approx(t + b * 0.0005, rel=0.02)
     # without the pipeline probes the fixed cost is one lump per iteration (exact for one stage)
     lump = fit(str(model_dir), "RTX-4090", ttft, tpot).efficiency
-    assert lump.step_overhead_s == 0.0
+    assert lump.step_overhead_s == 0.0 and lump.collective_overhead_s == 0.0
     assert lump.iteration_overhead_s == pytest.approx(0.004 + 0.0012, rel=0.02)
 
 
@@ -66,18 +70,19 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
     assert code == 0
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
-    assert [(p["phase"], p["size"], p["stages"]) for p in data["points"]] == [
-        ("prefill", 16, 1), ("prefill", 96, 1), ("decode", 1, 1), ("decode", 6, 1), ("prefill", 96, 2),
-        ("decode", 1, 2)]
+    assert [(p["phase"], p["size"], p["stages"], p["tp"]) for p in data["points"]] == [
+        ("prefill", 16, 1, 1), ("prefill", 96, 1, 1), ("decode", 1, 1, 1), ("decode", 6, 1, 1),
+        ("prefill", 96, 2, 1), ("decode", 1, 2, 1), ("prefill", 96, 1, 2), ("decode", 1, 1, 2)]
     assert all(p["measured_s"] > 0 for p in data["points"])
     spec = load_model(model_dir)
-    lays = {1: ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),)),
-            2: ReplicaLayout((StageLayout((0,), (0, 1)), StageLayout((1,), (1, 2))))}
+    lays = {(1, 1): ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),)),
+            (2, 1): ReplicaLayout((StageLayout((0,), (0, 1)), StageLayout((1,), (1, 2)))),
+            (1, 2): ReplicaLayout((StageLayout((0, 1), (0, spec.num_layers)),))}
     fitted = CostModel(_one_device_cluster("RTX-4090", 2), spec, load_efficiency(out))
     default = CostModel(_one_device_cluster("RTX-4090", 2), spec, Efficiency())
 
     def predict(cm, p):
-        lay = lays[p["stages"]]
+        lay = lays[p["stages"], p["tp"]]
         return cm.ttft(lay, p["size"]) if p["phase"] == "prefill" else cm.decode_step_time(lay, p["size"],
                                                                                            p["size"] * (16 + 3))
     for p in data["points"]:
@@ -92,3 +97,4 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
     assert data["runtime"]["contention_slowdown"] >= 1.0 and "slow-down beside one more busy process" in flat
     assert "request overhead" in flat and "worst" in flat
     assert "per stage" in flat and "from the two-stage probes" in flat and "per sequence" in flat
+    assert "per TP collective (from the TP 2 probes)" in flat

@@ -41,6 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-pipeline", action="store_true",
                    help="skip the two-stage pipeline probes (the per-stage fixed cost is then not told apart "
                         "from the per-iteration one)")
+    p.add_argument("--no-tp", action="store_true",
+                   help="skip the TP 2 probes (the collectives' fixed cost is then 0)")
     p.add_argument("--no-serving", action="store_true",
                    help="engine only: skip the HTTP probes (no request overhead measured)")
     p.add_argument("-o", "--output", help="write the calibration JSON here (for `plan/simulate --efficiency`)")
@@ -57,13 +59,13 @@ def run(args: argparse.Namespace) -> int:
     gpu(args.gpu, "--gpu")  # a clear error before any process starts
     cal = calibrate(args.model, args.gpu, prompt_lengths=args.prompt_lengths, batch_sizes=args.batch_sizes,
                     decode_tokens=args.decode_tokens, reps=args.reps, serving=not args.no_serving,
-                    pipeline=not args.no_pipeline)
+                    pipeline=not args.no_pipeline, tp=not args.no_tp)
     on = cal.measured_on
-    t = Table("phase", "size", "stages", "measured ms", "cost model ms", "error",
+    t = Table("phase", "size", "stages", "tp", "measured ms", "cost model ms", "error",
               title=f"calibration against {args.gpu} (measured on {on.get('device', '?')}, {on.get('cores', '?')} "
                     f"cores, {on.get('date', '?')}, load avg {on.get('load_avg_1m', '?')})")
     for p in cal.points:
-        t.add_row(p.phase, str(p.size), str(p.stages), f"{p.measured_s * 1e3:.2f}", f"{p.predicted_s * 1e3:.2f}", f"{p.error:+.0%}")
+        t.add_row(p.phase, str(p.size), str(p.stages), str(p.tp), f"{p.measured_s * 1e3:.2f}", f"{p.predicted_s * 1e3:.2f}", f"{p.error:+.0%}")
     console = Console()
     console.print(t)
     eff = cal.efficiency
@@ -72,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
                   f"{eff.step_overhead_s * 1e3:.2f} ms per stage (step message, attention metadata, hand-on; "
                   f"{'from the two-stage probes' if any(p.stages > 1 for p in cal.points) else 'not separated: no pipeline probe'}"
                   f") + {eff.seq_overhead_s * 1e3:.3f} ms per sequence (bookkeeping, its attention, token streamed; "
-                  f"from the decode batch sizes), request overhead (HTTP, "
+                  f"from the decode batch sizes) + {eff.collective_overhead_s * 1e3:.2f} ms per TP collective ("
+                  f"{'from the TP 2 probes' if any(p.tp > 1 for p in cal.points) else 'no TP probe'}), "
+                  f"request overhead (HTTP, "
                   f"tokenisation, SSE) {cal.request_overhead_s * 1e3:.2f} ms, stream overhead (each token over "
                   f"HTTP/SSE, served − engine TPOT per sequence) {cal.stream_overhead_s * 1e3:.3f} ms, slow-down beside one more busy "
                   f"process {cal.contention_slowdown:.2f}x; fit error per point: mean "

@@ -203,7 +203,7 @@ class Measurements:
 
 
 def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), batch_sizes=(1, 4, 16),
-            decode_tokens: int = 24, reps: int = 3, serving: bool = True, pipeline: bool = True,
+            decode_tokens: int = 24, reps: int = 5, serving: bool = True, pipeline: bool = True,
             tp: bool = True) -> Measurements:
     """Median TTFT per prompt length and median TPOT per batch size on the engine, (``serving``)
     median TTFT of the same prompts and TPOT of the same batches through the HTTP server and the

@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", type=_sizes, default=(1, 4, 16), metavar="B1,B2,...",
                    help="decode probes, requests at once (default 1,4,16)")
     p.add_argument("--decode-tokens", type=_positive, default=24, help="tokens per decode probe (default 24)")
-    p.add_argument("--reps", type=_positive, default=3, help="repetitions per prefill probe (median; default 3)")
+    p.add_argument("--reps", type=_positive, default=5,
+                   help="rounds over every probe (median per probe; default 5: the load of a shared machine drifts)")
     p.add_argument("--no-pipeline", action="store_true",
                    help="skip the two-stage pipeline probes (the per-stage fixed cost is then not told apart "
                         "from the per-iteration one)")

@@ -31,23 +31,21 @@ costs come from, read from the runtime (``worker.py``, ``coordinator.py``):
   builds the attention metadata, runs the layer stack's fixed dispatch and sends its activations on;
 * ``seq_overhead_s`` — once per sequence in the step: its entry in the step message, its block
   table in the attention metadata, its own attention over its KV, its token streamed to its
-  request (on this CPU demo ~0.1-0.3 ms per sequence, beyond the FLOPs the roofline prices);
+  request (on this CPU demo 0.1-0.5 ms per sequence, beyond the FLOPs the roofline prices);
 * ``collective_overhead_s`` — once per collective of a TP group (two all-reduces per layer, the
   leader's broadcasts of the step and its activations): the launch and every member reaching it
-  (on CPU worker slots sharing cores, a process switch: ~1-2 ms here, α of the cluster file ~µs).
+  (on CPU worker slots sharing cores, a process switch: 1.3-1.8 ms here, α of the cluster file ~µs).
 
 The fit's error per point is reported: it is the cost model's error on this machine. The result
-is one JSON file (``Calibration.save``) that the planner (``--efficiency``) and the simulator
-(``--efficiency``: efficiency and request overhead) read, stamped with the device, the date and
-the load average during the measurement.
+is one JSON file (``Calibration.save``) that the planner (``--efficiency``: the engine's
+efficiency) and the simulator (``simulate``/``compare --efficiency``: the served efficiency,
+``served_efficiency``, and the request overhead) read, stamped with the device, the date and the
+load average during the measurement.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import platform
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -56,9 +54,8 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from hetserve.cost.analytic import CostModel, Efficiency, load_efficiency
-from hetserve.cost.layout import ReplicaLayout, StageLayout
-from hetserve.planner.plan import Plan
-from hetserve.specs.cluster import Cluster, cluster_from_dict
+from hetserve.runtime.calibration_probes import (  # noqa: F401  (re-exported: calibrate's public names)
+    Measurements, _layout, _one_device_cluster, _one_device_plan, machine_info, measure)
 from hetserve.specs.model import load_model
 
 
@@ -83,6 +80,9 @@ class Calibration:
     points: tuple[CalibrationPoint, ...]
     request_overhead_s: float = 0.0  # HTTP + tokenisation + SSE per request, outside the engine
     stream_overhead_s: float = 0.0  # per sequence per iteration: its token streamed over HTTP/SSE to its client
+    # per KV hand-off beyond the link's α-β time: the prefill worker's step message, reading and
+    # pickling the KV, the socket, the pool write on the decode worker's receiving thread, the acks
+    kv_handoff_overhead_s: float = 0.0
     contention_slowdown: float = 1.0  # decode step time with one more busy CPU process / alone
     measured_on: dict = field(default_factory=dict)  # device, cores, date, load average
 
@@ -101,6 +101,7 @@ class Calibration:
             "gpu": self.gpu, "efficiency": asdict(self.efficiency), "mean_abs_error": self.mean_abs_error,
             "max_abs_error": self.max_abs_error, "runtime": {"request_overhead_s": self.request_overhead_s,
                                                            "stream_overhead_s": self.stream_overhead_s,
+                                                           "kv_handoff_overhead_s": self.kv_handoff_overhead_s,
                                                            "contention_slowdown": self.contention_slowdown},
             "measured_on": self.measured_on, "points": [asdict(p) for p in self.points]}, indent=2) + "\n")
 
@@ -113,6 +114,12 @@ def load_request_overhead(path: str | Path) -> float:
 def load_stream_overhead(path: str | Path) -> float:
     """``runtime.stream_overhead_s`` of a calibration file (0 when it has none)."""
     return float(_runtime(path).get("stream_overhead_s", 0.0))
+
+
+def load_kv_handoff_overhead(path: str | Path) -> float:
+    """``runtime.kv_handoff_overhead_s`` of a calibration file (0 when it has none): the simulator's
+    ``link_overhead_s`` (each KV message is delivered this much later than its bytes)."""
+    return float(_runtime(path).get("kv_handoff_overhead_s", 0.0))
 
 
 def served_efficiency(path: str | Path) -> Efficiency:
@@ -134,217 +141,19 @@ def _runtime(path: str | Path) -> dict:
     return data.get("runtime", {}) if isinstance(data, dict) else {}
 
 
-def _burn(stop) -> None:  # pragma: no cover - runs in a child process
-    """Keep one core busy (pure Python, one thread), as one more worker process computing would."""
-    x = 0
-    while not stop.is_set():
-        for i in range(20000):
-            x += i * i
-
-
-def machine_info() -> dict:
-    """Where a measurement was taken: CPU model, cores, date (UTC), load average now."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    return {"device": cpu, "cores": os.cpu_count(), "date": datetime.datetime.now(datetime.timezone.utc)
-            .strftime("%Y-%m-%d %H:%M UTC"), "load_avg_1m": round(load[0], 2)}
-
-
-def _one_device_cluster(gpu_name: str, count: int = 1) -> Cluster:
-    # Memory is left at the GPU's: calibration measures speed, not capacity.
-    return cluster_from_dict({"name": "calibration", "machines": [{"name": "cal", "gpu": gpu_name, "count": count}]})
-
-
-def _stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Layers split as evenly as they go over ``stages`` stages (the pipeline probe's layout)."""
-    cuts = [round(i * num_layers / stages) for i in range(stages + 1)]
-    return list(zip(cuts, cuts[1:]))
-
-
-def _one_device_plan(spec, cluster: Cluster, stages: int = 1, tp: int = 1) -> Plan:
-    """One colocated replica; ``stages`` > 1: a pipeline with one device per stage; ``tp`` > 1: one
-    stage on ``tp`` devices."""
-    devs = [[f"cal:{i * tp + k}" for k in range(tp)] for i in range(stages)]
-    return Plan.from_dict({"model": spec.name, "cluster": cluster.name, "algorithm": "calibration",
-                           "replicas": [{"id": "c0", "role": "colocated",
-                                         "stages": [{"devices": d, "layers": [lo, hi]}
-                                                    for d, (lo, hi) in zip(devs, _stage_bounds(spec.num_layers,
-                                                                                                stages))]}]})
-
-
-def _layout(spec, stages: int = 1, tp: int = 1) -> ReplicaLayout:
-    return ReplicaLayout(tuple(StageLayout(tuple(range(i * tp, (i + 1) * tp)), b)
-                               for i, b in enumerate(_stage_bounds(spec.num_layers, stages))))
-
-
-def _tp_divides(spec, tp: int) -> bool:
-    return spec.num_heads % tp == 0 and spec.num_kv_heads % tp == 0 and spec.ffn_hidden % tp == 0
-
-
-@dataclass
-class Measurements:
-    ttft: dict[int, float]  # prompt length -> median TTFT on the engine (s)
-    tpot: dict[int, float]  # batch size -> median TPOT on the engine (s)
-    http_ttft: dict[int, float] = field(default_factory=dict)  # prompt length -> median TTFT through HTTP
-    http_tpot: dict[int, float] = field(default_factory=dict)  # batch size -> median TPOT streamed through HTTP
-    contention: float = 1.0  # TPOT of the largest decode probe beside one busy process / alone
-    load_avg: list[float] = field(default_factory=list)  # 1-minute load average during the run
-    pp_ttft: dict[int, float] = field(default_factory=dict)  # two-stage pipeline: prompt length -> median TTFT
-    pp_tpot: dict[int, float] = field(default_factory=dict)  # two-stage pipeline: batch size -> median TPOT
-    tp_ttft: dict[int, float] = field(default_factory=dict)  # one stage on TP 2: prompt length -> median TTFT
-    tp_tpot: dict[int, float] = field(default_factory=dict)  # one stage on TP 2: batch size -> median TPOT
-
-
-def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), batch_sizes=(1, 4, 16),
-            decode_tokens: int = 24, reps: int = 5, serving: bool = True, pipeline: bool = True,
-            tp: bool = True) -> Measurements:
-    """Median TTFT per prompt length and median TPOT per batch size on the engine, (``serving``)
-    median TTFT of the same prompts and TPOT of the same batches through the HTTP server and the
-    ``openai`` client, and the TTFT of the second prompt length and the TPOT of one sequence on a
-    two-stage pipeline (``pipeline``, checkpoints of two or more layers) and on one stage of TP 2
-    (``tp``, heads and FFN divisible by 2)."""
-    from hetserve.runtime.engine import Engine, EngineConfig
-    from hetserve.runtime.sampling import SamplingParams
-
-    spec = load_model(model_dir)
-    cluster = _one_device_cluster(gpu_name)
-    plan = _one_device_plan(spec, cluster)
-    rng = np.random.default_rng(0)
-    prompt_lengths = [L for L in prompt_lengths if L + decode_tokens < spec.max_context]
-    m = Measurements({}, {})
-
-    def prefill(eng, L: int) -> float:
-        h = eng.submit(rng.integers(32, 127, L).tolist(), SamplingParams(max_tokens=1, ignore_eos=True))
-        h.result(timeout=120)
-        return h.ttft
-
-    def decode(eng, b: int) -> float:
-        handles = [eng.submit(rng.integers(32, 127, 16).tolist(),
-                              SamplingParams(max_tokens=decode_tokens, ignore_eos=True)) for _ in range(b)]
-        for h in handles:
-            h.result(timeout=120)
-        return statistics.median(h.tpot for h in handles)
-
-    server = pp = tp2 = None
-    if serving:
-        from hetserve.serve.launch import ServeOptions, start_server
-
-        server = start_server(ServeOptions(plan=plan, cluster=cluster, model_dir=str(model_dir),
-                                           max_num_seqs=max(batch_sizes)))
-        engine = server.deployment.engine
-    else:
-        engine = Engine.from_plan(plan, cluster, model_dir, EngineConfig(max_num_seqs=max(batch_sizes)))
-    try:
-        pp_prompt = prompt_lengths[min(1, len(prompt_lengths) - 1)]
-        if pipeline and spec.num_layers >= 2:
-            # A two-stage pipeline of the same checkpoint, probed in the same rounds (the load drifts):
-            # one micro-batch, so what it adds to one stage is the second stage's fixed cost and hand-on.
-            cluster2 = _one_device_cluster(gpu_name, 2)
-            pp = Engine.from_plan(_one_device_plan(spec, cluster2, 2), cluster2, model_dir, EngineConfig(max_num_seqs=4))
-            pp.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-        if tp and _tp_divides(spec, 2):
-            # One stage on TP 2: what it adds beyond half the compute is its collectives' fixed cost.
-            cluster2 = _one_device_cluster(gpu_name, 2)
-            tp2 = Engine.from_plan(_one_device_plan(spec, cluster2, 1, 2), cluster2, model_dir,
-                                   EngineConfig(max_num_seqs=4))
-            tp2.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-        engine.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-        # Rounds over every probe (not every probe's repetitions in a row): on a shared machine the
-        # load drifts, and interleaving spreads it over all points instead of biasing some.
-        ttft_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
-        tpot_s: dict[int, list[float]] = {b: [] for b in batch_sizes}
-        http_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
-        http_tpot_s: dict[int, list[float]] = {b: [] for b in batch_sizes}
-        pp_ttft_s: list[float] = []
-        pp_tpot_s: list[float] = []
-        tp_ttft_s: list[float] = []
-        tp_tpot_s: list[float] = []
-        for _ in range(reps):
-            for L in prompt_lengths:
-                ttft_s[L].append(prefill(engine, L))
-            for b in batch_sizes:
-                tpot_s[b].append(decode(engine, b))
-            if pp is not None:
-                pp_ttft_s.append(prefill(pp, pp_prompt))
-                pp_tpot_s.append(decode(pp, 1))
-            if tp2 is not None:
-                tp_ttft_s.append(prefill(tp2, pp_prompt))
-                tp_tpot_s.append(decode(tp2, 1))
-            m.load_avg.append(os.getloadavg()[0])
-            if server is not None:
-                from hetserve.serve.loadgen import LoadRequest, replay
-
-                # one client, requests spaced out (each alone on the server), as a replayed trace sends them
-                gap = 1.5 * max(ttft_s[L][-1] for L in prompt_lengths) + 0.05
-                reqs = [LoadRequest(i * gap, rng.integers(32, 127, L).tolist(), 1) for i, L in enumerate(prompt_lengths)]
-                for L, r in zip(prompt_lengths, replay(server.url, Path(model_dir).resolve().name, reqs,
-                                                       ignore_eos=True)):
-                    http_s[L].append(r.ttft_s)
-                # the decode probes again, every token streamed to the client (as the engine probes: all at once)
-                for b in batch_sizes:
-                    reqs = [LoadRequest(0.0, rng.integers(32, 127, 16).tolist(), decode_tokens) for _ in range(b)]
-                    res = replay(server.url, Path(model_dir).resolve().name, reqs, ignore_eos=True)
-                    http_tpot_s[b].append(statistics.median(r.tpot_s for r in res))
-        for extra in (pp, tp2):
-            if extra is not None:
-                extra.shutdown()
-        pp = tp2 = None
-        # Contention: the largest decode probe again while one more process keeps a core busy (as a
-        # second worker slot of the same host would); the ratio to the probe alone is the slow-down.
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")
-        stop = ctx.Event()
-        burner = ctx.Process(target=_burn, args=(stop,), daemon=True)
-        burner.start()
-        try:
-            b = max(batch_sizes)
-            busy = [decode(engine, b) for _ in range(reps)]
-            m.contention = max(1.0, statistics.median(busy) / statistics.median(tpot_s[b]))
-        finally:
-            stop.set()
-            burner.join(timeout=5)
-            if burner.is_alive():
-                burner.kill()
-        m.ttft = {L: statistics.median(v) for L, v in ttft_s.items()}
-        m.tpot = {b: statistics.median(v) for b, v in tpot_s.items()}
-        m.http_ttft = {L: statistics.median(v) for L, v in http_s.items() if v}
-        m.http_tpot = {b: statistics.median(v) for b, v in http_tpot_s.items() if v}
-        if pp_ttft_s:
-            m.pp_ttft = {pp_prompt: statistics.median(pp_ttft_s)}
-            m.pp_tpot = {1: statistics.median(pp_tpot_s)}
-        if tp_ttft_s:
-            m.tp_ttft = {pp_prompt: statistics.median(tp_ttft_s)}
-            m.tp_tpot = {1: statistics.median(tp_tpot_s)}
-    finally:
-        for extra in (pp, tp2):
-            if extra is not None:
-                extra.shutdown()
-        if server is not None:
-            server.close()
-        else:
-            engine.shutdown()
-    return m
-
-
 def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, float],
         base: Efficiency | None = None, decode_prompt_tokens: int = 16, decode_tokens: int = 24,
         http_ttft: dict[int, float] | None = None, measured_on: dict | None = None,
         contention: float = 1.0, pp_ttft: dict[int, float] | None = None,
         pp_tpot: dict[int, float] | None = None, http_tpot: dict[int, float] | None = None,
-        tp_ttft: dict[int, float] | None = None, tp_tpot: dict[int, float] | None = None) -> Calibration:
+        tp_ttft: dict[int, float] | None = None, tp_tpot: dict[int, float] | None = None,
+        kv_handoff: dict[int, float] | None = None) -> Calibration:
     """Solve for compute and memory efficiency and the fixed costs per iteration, per stage and per
     sequence (least squares on the log of predicted / measured over every point); the request
     overhead is the median of HTTP TTFT − engine TTFT over the prompt lengths measured both ways,
     the stream overhead the least-squares slope (through 0) of HTTP TPOT − engine TPOT over the
-    batch sizes measured both ways.
+    batch sizes measured both ways, the KV hand-off overhead the median of the measured hand-off
+    (``kv_handoff``: prompt tokens -> seconds) − the cost model's transfer time for that KV.
 
     Without pipeline points (``pp_ttft``/``pp_tpot``) a stage's fixed cost cannot be told from the
     iteration's: all of it is fitted as ``iteration_overhead_s`` (exact for one-stage replicas).
@@ -392,7 +201,11 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     overhead = max(0.0, statistics.median(http_ttft[L] - ttft[L] for L in common)) if common else 0.0
     both = [b for b in (http_tpot or {}) if b in tpot]
     stream = max(0.0, sum(b * (http_tpot[b] - tpot[b]) for b in both) / sum(b * b for b in both)) if both else 0.0
-    return Calibration(gpu_name, eff, points, overhead, stream, contention, measured_on or {})
+    two = _one_device_cluster(gpu_name, 2)
+    cm2 = CostModel(two, spec, eff)
+    handoff = max(0.0, statistics.median(t - cm2.kv_transfer_time(_layout(spec), _layout(spec, 1, 1, first_device=1), L)
+                                         for L, t in kv_handoff.items())) if kv_handoff else 0.0
+    return Calibration(gpu_name, eff, points, overhead, stream, handoff, contention, measured_on or {})
 
 
 def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
@@ -402,4 +215,5 @@ def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
     info["load_avg_1m"] = round(float(np.mean(m.load_avg)), 2) if m.load_avg else info["load_avg_1m"]
     return fit(model_dir, gpu_name, m.ttft, m.tpot, decode_tokens=kwargs.get("decode_tokens", 24),
                http_ttft=m.http_ttft, measured_on=info, contention=m.contention, pp_ttft=m.pp_ttft,
-               pp_tpot=m.pp_tpot, http_tpot=m.http_tpot, tp_ttft=m.tp_ttft, tp_tpot=m.tp_tpot)
+               pp_tpot=m.pp_tpot, http_tpot=m.http_tpot, tp_ttft=m.tp_ttft, tp_tpot=m.tp_tpot,
+               kv_handoff=m.kv_handoff)

@@ -45,6 +45,15 @@ def test_fit_recovers_known_efficiency(tmp_path):
     served_model = CostModel(_one_device_cluster("RTX-4090"), spec, eff)
     for b, t in tpot.items():  # the simulator's served iteration is the client's TPOT
         assert served_model.decode_step_time(lay, b, b * (16 + 12)) == pytest.approx(t + b * 0.0005, rel=0.02)
+    # a KV hand-off measured 3 ms above what the cost model's link gives for that KV
+    from hetserve.runtime.calibrate import _layout, load_kv_handoff_overhead
+
+    link = CostModel(_one_device_cluster("RTX-4090", 2), spec, cal.efficiency).kv_transfer_time(
+        _layout(spec), _layout(spec, first_device=1), 128)
+    handed = fit(str(model_dir), "RTX-4090", ttft, tpot, kv_handoff={128: link + 0.003})
+    assert handed.kv_handoff_overhead_s == pytest.approx(0.003, rel=1e-3)
+    handed.save(tmp_path / "handoff.json")
+    assert load_kv_handoff_overhead(tmp_path / "handoff.json") == pytest.approx(0.003, rel=1e-3)
     # without the pipeline probes the fixed cost is one lump per iteration (exact for one stage)
     lump = fit(str(model_dir), "RTX-4090", ttft, tpot).efficiency
     assert lump.step_overhead_s == 0.0 and lump.collective_overhead_s == 0.0
@@ -93,6 +102,8 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
     assert data["measured_on"]["device"] and data["measured_on"]["cores"] >= 1 and "UTC" in data["measured_on"]["date"]
     assert load_request_overhead(out) == data["runtime"]["request_overhead_s"] >= 0.0
     assert data["runtime"]["stream_overhead_s"] >= 0.0 and "stream overhead" in " ".join(printed.split())
+    # the hand-off probe ran (prefill slot -> decode slot): a process hop and a socket cost something
+    assert data["runtime"]["kv_handoff_overhead_s"] > 0.0 and "KV hand-off overhead" in " ".join(printed.split())
     flat = " ".join(printed.split())  # rich wraps long lines
     assert data["runtime"]["contention_slowdown"] >= 1.0 and "slow-down beside one more busy process" in flat
     assert "request overhead" in flat and "worst" in flat

@@ -44,6 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "from the per-iteration one)")
     p.add_argument("--no-tp", action="store_true",
                    help="skip the TP 2 probes (the collectives' fixed cost is then 0)")
+    p.add_argument("--no-handoff", action="store_true",
+                   help="skip the KV hand-off probe (prefill slot -> decode slot; its overhead is then 0)")
     p.add_argument("--no-serving", action="store_true",
                    help="engine only: skip the HTTP probes (no request overhead measured)")
     p.add_argument("-o", "--output", help="write the calibration JSON here (for `plan/simulate --efficiency`)")
@@ -60,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     gpu(args.gpu, "--gpu")  # a clear error before any process starts
     cal = calibrate(args.model, args.gpu, prompt_lengths=args.prompt_lengths, batch_sizes=args.batch_sizes,
                     decode_tokens=args.decode_tokens, reps=args.reps, serving=not args.no_serving,
-                    pipeline=not args.no_pipeline, tp=not args.no_tp)
+                    pipeline=not args.no_pipeline, tp=not args.no_tp,
+                    handoff=not args.no_handoff)
     on = cal.measured_on
     t = Table("phase", "size", "stages", "tp", "measured ms", "cost model ms", "error",
               title=f"calibration against {args.gpu} (measured on {on.get('device', '?')}, {on.get('cores', '?')} "
@@ -79,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{'from the TP 2 probes' if any(p.tp > 1 for p in cal.points) else 'no TP probe'}), "
                   f"request overhead (HTTP, "
                   f"tokenisation, SSE) {cal.request_overhead_s * 1e3:.2f} ms, stream overhead (each token over "
-                  f"HTTP/SSE, served − engine TPOT per sequence) {cal.stream_overhead_s * 1e3:.3f} ms, slow-down beside one more busy "
+                  f"HTTP/SSE, served − engine TPOT per sequence) {cal.stream_overhead_s * 1e3:.3f} ms, KV hand-off "
+                  f"overhead (beyond the link's α-β) {cal.kv_handoff_overhead_s * 1e3:.2f} ms, slow-down beside one more busy "
                   f"process {cal.contention_slowdown:.2f}x; fit error per point: mean "
                   f"{cal.mean_abs_error:.0%}, worst {cal.max_abs_error:.0%}")
     if args.output:

@@ -2,7 +2,7 @@
 
     python -m bench.bench_network routes   [--time-limit S] [--pools a,b] [--algorithms x,y]
     python -m bench.bench_network agree    [--time-limit S] [--pools a,b] [--requests N]
-    python -m bench.bench_network ratio    [--time-limit S]
+    python -m bench.bench_network ratio    [--time-limit S] [--pools a,b]
 
 ``routes``: every algorithm plans Llama-2-70B (Azure conversation trace) on the held-out pools
 (``bench.pools.held_out_pools``); each plan is written to a file, read back, and its traffic per
@@ -147,8 +147,8 @@ def ratio(args) -> None:
     t = Table(title=f"hexgen2 / uniform estimate (llama-2-70b, azure-conv; load {os.getloadavg()[0]:.1f})")
     for col in ("pool", "hexgen2 tok/s", "uniform tok/s", "ratio"):
         t.add_column(col, justify="right")
-    for name in HET:
-        c = load_cluster(name)
+    pools = _pools(args.pools or ",".join(HET + ("heldout-narrow-pipe-32",)))
+    for name, c in pools.items():
         h, _ = _plan("hexgen2", c, model, wl, args.time_limit)
         u, _ = _plan("uniform", c, model, wl, args.time_limit)
         a, b = h.estimate["throughput_tokens_per_s"], u.estimate["throughput_tokens_per_s"]

@@ -1,6 +1,6 @@
 """Experiment 3: Aladdin Figures 11 and 12 — GPUs needed to meet the SLOs against arrival rate.
 
-    python experiments/aladdin_figures.py [--quick] [--rates 5,10,15,20,25] [--requests 1500]
+    python experiments/aladdin_figures.py [--quick] [--rates 5,10,15,20,25] [--requests 1500] [--windows 10]
         [--sections eq6,gpus,split,same,rebalance,kv,kv70,grouped] [--plot docs/experiments/aladdin_figures.png]
 
 Setting (Aladdin §6.1, §6.4): Llama2-13B on A100-80GB workers joined by PCIe inside 4-GPU boxes,
@@ -23,7 +23,8 @@ Like with like (every section):
 
 Sections: ``eq6`` worker size; ``gpus`` Figure 11 (colocated); ``split`` Figure 12 (decode
 instances); ``same`` attainment on one plan (JSQ's pool) on ShareGPT-Poisson and on the bursty
-Azure conversation trace; ``rebalance`` Algorithm 2 on/off with the bucket and a noisy predictor;
+Azure conversation trace, over ``--windows`` disjoint windows of the trace (mean, range and
+Aladdin's paired difference from JSQ); ``rebalance`` Algorithm 2 on/off with the bucket and a noisy predictor;
 ``kv`` Llama2-13B on V100 (800 ms / 50 ms, Table 2), where Eq. 6 says KV limits the batch; ``kv70``
 Llama2-70B on A100 (1600 ms / 75 ms), where the KV pool binds in simulation (pre-emptions);
 ``grouped`` Appendix A's grouped scheduling.
@@ -41,7 +42,7 @@ import numpy as np
 
 from hetserve.capacity.config import best_worker_config, homogeneous_cluster, worker_options
 from hetserve.capacity.simulated import attainment, run_pool, workers_needed
-from hetserve.capacity.workers import fluid_workers
+from hetserve.capacity.workers import fluid_workers, min_workers
 from hetserve.errors import InfeasibleError
 from hetserve.policies.aladdin import AladdinPlacement, models_from_cost
 from hetserve.policies.grouped import GroupedPlacement, split_groups
@@ -95,7 +96,7 @@ class Setting:
 
 
 def aladdin(slo: SLO, gamma: float = 1.0, theta: float = 1.0, rebalance: bool = True, groups: int = 1,
-            made: list | None = None):
+            made: list | None = None, overflow: str = "least_overdraft"):
     """A policy maker for ``run_pool``: Aladdin with coefficients fitted per pool (grouped when
     ``groups`` > 1); every policy made is appended to ``made`` (to read its stats)."""
     def make(pool):
@@ -103,7 +104,8 @@ def aladdin(slo: SLO, gamma: float = 1.0, theta: float = 1.0, rebalance: bool = 
         models = models_from_cost(pool.cost, layouts, slo)
 
         def one(ids):
-            return AladdinPlacement({i: models[i] for i in ids}, slo, gamma=gamma, theta=theta, rebalance=rebalance)
+            return AladdinPlacement({i: models[i] for i in ids}, slo, gamma=gamma, theta=theta, rebalance=rebalance,
+                                    overflow=overflow)
         pol = one(pool.worker_ids) if groups == 1 else GroupedPlacement(
             split_groups(pool.worker_ids, min(groups, len(pool.worker_ids))), one)
         if made is not None:
@@ -191,27 +193,61 @@ def section_gpus(s: Setting, rates: list[float], g: int, mode: str, curves: dict
     curves[mode] = got
 
 
-def section_same(s: Setting, rates: list[float], g: int) -> None:
-    """Attainment of each policy on one plan: the pool JSQ needs at that rate."""
-    azure = load_workload("azure-conv").filter_lengths(2048, 2048)
+def trace_windows(s: Setting, trace: str, rate: float, windows: int) -> list[Workload]:
+    """``windows`` disjoint windows of ``s.requests`` requests at ``rate``: consecutive slices of the
+    ShareGPT lengths with Poisson arrivals (seed ``s.seed`` + k), or consecutive slices of the Azure
+    conversation trace with its own (bursty) arrivals rescaled to ``rate``. Fewer if the file runs out."""
+    src = s.base if trace == "sharegpt" else load_workload("azure-conv").filter_lengths(2048, 2048)
+    k_max = max(1, min(windows, len(src) // s.requests))
+    out = []
+    for k in range(k_max):
+        w = src._take(np.arange(k * s.requests, (k + 1) * s.requests), src.name)
+        out.append(w.with_poisson_arrivals(rate, s.seed + k) if trace == "sharegpt" else w.with_rate(rate))
+    return out
+
+
+def section_same(s: Setting, rates: list[float], g: int, windows: int) -> None:
+    """Attainment of each policy on one plan — the pool JSQ needs at that rate — over ``windows``
+    disjoint trace windows: JSQ's pool is the fewest workers whose mean attainment over the windows
+    meets the target; each policy's mean and range are reported, and Aladdin's paired difference
+    from JSQ (mean ± 2 standard errors over the windows). One window of 800 requests decides 99 %
+    by a handful of requests; the windows make the comparison one of distributions."""
     bucket = s.bucket()
+    traces = {"sharegpt": "ShareGPT, Poisson", "azure": "Azure conv (bursty, held out)"}
+    pols = {"JSQ": ("jsq", None), "power-of-two": ("po2", None), "Aladdin, true lengths": (aladdin(s.slo), None),
+            "Aladdin, bucket predictor": (aladdin(s.slo), bucket)}
     print(f"### Same plan, same trace: SLO attainment on the pool JSQ needs ({g} GPU/worker)\n")
-    print("| trace | rate | workers | JSQ | power-of-two | Aladdin, true lengths | Aladdin, bucket predictor |")
-    print("|---|---|---|---|---|---|---|")
-    for trace in ("ShareGPT, Poisson", "Azure conv (bursty, held out)"):
+    print(f"Each cell: mean attainment over disjoint windows of {s.requests} requests (range in brackets). "
+          "Δ: Aladdin (true lengths; bucket predictor) minus JSQ, paired by window, mean ± 2 s.e.\n")
+    print("| trace | rate | windows | workers | " + " | ".join(pols) + " | Δ true lengths | Δ bucket |")
+    print("|---|---|---|---|" + "---|" * (len(pols) + 2))
+    met = total = 0
+    for key, trace in traces.items():
         for rate in rates:
-            wl = s.poisson(rate) if trace.startswith("Share") else azure.head(s.requests).with_rate(rate)
-            n = needed(s, rate, "jsq", g, wl=wl)
-            if n is None:
+            wls = trace_windows(s, key, rate, windows)
+
+            def attain(pol, n, pred=None):
+                return np.array([attainment(run_pool(s.model, s.gpu, wl, s.slo, pol, n, g, intra=s.intra,
+                                                     predictor=pred() if pred else None, kv_admission=s.kv), s.slo)
+                                 for wl in wls])
+            fluid = s.fluid(rate, g, "colocated")
+            try:
+                n = min_workers(lambda n: attain("jsq", n).mean() >= s.target, 1, fluid, 4 * fluid + 8)
+            except InfeasibleError:
                 continue
-            n //= g
-            cells = []
-            for pol, pred in (("jsq", None), ("po2", None), (aladdin(s.slo), None), (aladdin(s.slo), bucket)):
-                res = run_pool(s.model, s.gpu, wl, s.slo, pol, n, g, intra=s.intra,
-                               predictor=pred() if pred else None, kv_admission=s.kv)
-                cells.append(f"{100 * attainment(res, s.slo):.1f}%")
-            print(f"| {trace} | {rate:g} | {n} | " + " | ".join(cells) + " |")
-    print()
+            got = {name: attain(pol, n, pred) for name, (pol, pred) in pols.items()}
+            cells = [f"{100 * a.mean():.2f}% ({100 * a.min():.1f}–{100 * a.max():.1f})" for a in got.values()]
+            deltas = []
+            for name in ("Aladdin, true lengths", "Aladdin, bucket predictor"):
+                d = got[name] - got["JSQ"]
+                se = d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else float("nan")
+                deltas.append(f"{100 * d.mean():+.2f} ± {200 * se:.2f}")
+            ok = got["Aladdin, true lengths"].mean() >= got["JSQ"].mean()
+            met += ok
+            total += 1
+            print(f"| {trace} | {rate:g} | {len(wls)} | {n} | " + " | ".join(cells) + " | " + " | ".join(deltas) + " |",
+                  flush=True)
+    print(f"\nAladdin (true lengths) mean ≥ JSQ mean at {met} of {total} points.\n")
 
 
 def section_rebalance(s: Setting, rate: float, g: int) -> None:
@@ -338,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=1500, help="requests simulated per rate")
     ap.add_argument("--sections", default="eq6,gpus,split,same,rebalance,kv,kv70,grouped")
     ap.add_argument("--target", type=float, default=0.99)
+    ap.add_argument("--windows", type=int, default=10,
+                    help="disjoint trace windows per point in the 'same' section (mean and range reported)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-admission", choices=["paged", "reserve"], default="paged",
                     help="KV admission for every policy: vLLM-style paged growth with recompute pre-emption "
@@ -346,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rates = [float(x) for x in args.rates.split(",")]
     if args.quick:
-        rates, args.requests = rates[:2], min(args.requests, 400)
+        rates, args.requests, args.windows = rates[:2], min(args.requests, 400), min(args.windows, 2)
     sections = {x.strip() for x in args.sections.split(",")}
     model = load_model(MODEL)
     share = load_workload("sharegpt", seed=args.seed).filter_lengths(2048, 2048)
@@ -366,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     if "split" in sections:
         section_gpus(a100, rates, g, "decode", curves)
     if "same" in sections:
-        section_same(a100, rates, g)
+        section_same(a100, rates, g, args.windows)
     mid = rates[len(rates) // 2]
     if "rebalance" in sections:
         section_rebalance(a100, mid, g)

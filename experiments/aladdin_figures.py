@@ -221,7 +221,9 @@ def section_same(s: Setting, rates: list[float], g: int, windows: int) -> None:
     bucket = s.bucket()
     traces = {"sharegpt": "ShareGPT, Poisson", "azure": "Azure conv (bursty, held out)"}
     pols = {"JSQ": ("jsq", None), "power-of-two": ("po2", None), "Aladdin, true lengths": (aladdin(s.slo), None),
-            "Aladdin, bucket predictor": (aladdin(s.slo), bucket)}
+            "Aladdin, bucket predictor": (aladdin(s.slo), bucket),
+            "Aladdin, true lengths, overflow to the least loaded (before)": (aladdin(s.slo, overflow="least_loaded"),
+                                                                             None)}
     print(f"### Same plan, same trace: SLO attainment on the pool JSQ needs ({g} GPU/worker)\n")
     print(f"Each cell: mean attainment over disjoint windows of {s.requests} requests (range in brackets). "
           "Δ: Aladdin (true lengths; bucket predictor) minus JSQ, paired by window, mean ± 2 s.e.\n")

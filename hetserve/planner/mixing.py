@@ -151,6 +151,7 @@ def mixed_alternative(ctx: PlanContext, evaluator: Evaluator, disaggregated: Pla
         for idx in by_site.values():
             if 1 < len(idx) < len(pd):
                 yield _recut(ctx, evaluator, groups, idx)
+        yield from _splits(groups, pd)
 
     def from_colocated(groups: Placement):
         col = [i for i, g in enumerate(groups) if g.role == "colocated" and g.devices]
@@ -179,6 +180,16 @@ def mixed_alternative(ctx: PlanContext, evaluator: Evaluator, disaggregated: Pla
             a, b = split_devices(ctx, groups[i].devices)
             if a and b and ctx.can_hold_weights(a) and ctx.can_hold_weights(b):
                 yield split(ctx, groups, i, ("prefill", "decode"))
+        yield from _splits(groups, pd)
+
+    def _splits(groups: Placement, idx):
+        """Prefill or decode groups halved into two replicas of the same role: beside colocated
+        replicas the P/D side is small, and two one-GPU prefill replicas can serve more than
+        one TP-2 replica (HexGen §4.3's split, which the partition step does not revisit)."""
+        for i in idx:
+            a, b = split_devices(ctx, groups[i].devices)
+            if a and b and ctx.can_hold_weights(a) and ctx.can_hold_weights(b):
+                yield split(ctx, groups, i)
 
     best: tuple[Placement, float] = ((), -1.0)
     for start, gen in ((disaggregated, from_disaggregated), (colocated, from_colocated)):

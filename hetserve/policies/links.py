@@ -120,6 +120,9 @@ class LinkModel:
         self._queue_of: list[SenderQueue] = []
         self._rates: list[float] = []
         self._since = 0.0
+        # rates stale since a send started or ended at ``_since``: they are re-shared once, before
+        # time moves on (a KV hand-off puts one message per TP shard / layer piece at one instant)
+        self._stale = False
 
     # ------------------------------------------------------------------ queries
     def queue(self, path: Path) -> SenderQueue:
@@ -132,10 +135,12 @@ class LinkModel:
 
     @property
     def idle(self) -> bool:
+        self._fresh()
         return not self._wire
 
     def next_event_s(self) -> float | None:
         """When the first send on the wire finishes (None: nothing on the wire)."""
+        self._fresh()
         if not self._wire:
             return None
         dt = min((s[1] / r if r > 0 else math.inf) for s, r in zip(self._wire, self._rates))
@@ -160,7 +165,9 @@ class LinkModel:
         if not q.sends or q.concurrent:
             # idle, or sharing: re-decide now; sequential and busy: the send in flight ends first
             q.replan(now)
-        self._reshare()
+        self._stale = True
+        if not math.isfinite(path.bandwidth):
+            self._fresh()  # an unlimited path finishes at once: let the next advance see it
         return done
 
     def advance(self, now: float) -> list[tuple[Any, float]]:
@@ -168,6 +175,8 @@ class LinkModel:
 
         Calling late is fine: events are handled at their own times."""
         done: list[tuple[Any, float]] = []
+        if self._stale and now <= self._since:
+            return done  # a send started at ``now``: nothing finishes in zero time
         while True:
             t = self.next_event_s()
             if t is None or t > now:
@@ -178,6 +187,8 @@ class LinkModel:
     def _settle(self, now: float) -> None:
         """Move every send on the wire forward to ``now`` at its current rate."""
         dt = now - self._since
+        if dt > 0:
+            self._fresh()
         if dt > 0 and self._wire:
             busy = set()
             for s, r, q in zip(self._wire, self._rates, self._queue_of):
@@ -190,6 +201,11 @@ class LinkModel:
             for name in busy:
                 self.queues[name].busy_s += dt
         self._since = max(self._since, now)
+
+    def _fresh(self) -> None:
+        if self._stale:
+            self._stale = False
+            self._reshare()
 
     def _reshare(self) -> None:
         """Max-min fair rates for everything on the wire now."""
@@ -222,5 +238,5 @@ class LinkModel:
                     del q.pending[m.id]
                     done.append((m.id, t + m.path.latency_s + self.overhead_s))
             q.replan(t)
-        self._reshare()
+        self._stale = True
         return done

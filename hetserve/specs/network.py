@@ -71,9 +71,10 @@ class Path:
         """The resources' names (cheap dictionary keys for the sharing computations)."""
         return tuple(r.name for r in self.resources)
 
-    @property
+    @cached_property
     def bandwidth(self) -> float:
-        """Uncontended rate: the narrowest resource on the path (bytes/s)."""
+        """Uncontended rate: the narrowest resource on the path (bytes/s); cached: the link model
+        asks for it on every re-plan of a queue."""
         return min(r.bandwidth for r in self.resources)
 
     @property

@@ -96,7 +96,21 @@ def test_capacities_follow_hexgen2_appendix_a():
     b, tps = cm.decode_throughput(lay, 512, 128)
     assert b == cm.max_decode_batch(lay, 640) and b > 32
     assert cm.decode_capacity(lay, 512, 128, 600) == pytest.approx(600 * tps / 128)
-    assert cm.colocated_capacity(lay, 512, 128) < min(cm.prefill_capacity(lay, 512), cm.decode_capacity(lay, 512, 128))
+    # a colocated replica does both jobs: never more than either alone; prompts that ride in a
+    # memory-bound decode step can be free (the roofline's max), so "at most", not "less"
+    assert cm.colocated_capacity(lay, 512, 128) <= min(cm.prefill_capacity(lay, 512), cm.decode_capacity(lay, 512, 128))
+    assert cm.colocated_capacity(lay, 4000, 128) < cm.decode_capacity(lay, 4000, 128)  # compute-bound prompts
+
+
+def test_mixed_step_prices_decode_and_prompt_tokens_as_one_pass():
+    cm = CostModel(CLUSTER, LLAMA7)
+    lay = one_stage(0)
+    prompts = PrefillBatch.of([3000, 1000])
+    t = cm.mixed_step_time(lay, 8, 8 * 600, prompts)
+    whole = PrefillBatch(10, 8 + 4000, 2 * 8 * 600 + prompts.sum_sq)
+    assert t == pytest.approx(max(cm.prefill_time(lay, whole), cm.decode_step_time(lay, 8, 8 * 600)))
+    assert t < cm.prefill_time(lay, prompts) + cm.decode_step_time(lay, 8, 8 * 600)  # weights read once
+    assert cm.mixed_step_time(lay, 8, 8 * 600, PrefillBatch(0, 0, 0.0)) == cm.decode_step_time(lay, 8, 8 * 600)
 
 
 def test_pipeline_micro_batches_overlap_stages():

@@ -9,7 +9,7 @@ from hetserve.specs.model import load_model
 def test_plan_writes_a_valid_plan(tmp_path, capsys):
     out, hist = tmp_path / "plan.json", tmp_path / "history.json"
     assert main(["plan", "--cluster", "hexgen2-het1", "--model", "llama-2-70b", "--workload-class", "LPHD",
-                 "--max-iterations", "5", "--quiet", "-o", str(out), "--history", str(hist)]) == 0
+                 "--max-iterations", "5", "--disaggregated", "--quiet", "-o", str(out), "--history", str(hist)]) == 0
     text = capsys.readouterr().out
     assert "KV routes" in text and "tokens/s" in text and "$" in text
     plan = Plan.load(out)

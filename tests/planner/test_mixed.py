@@ -10,25 +10,24 @@ from hetserve.specs.cluster import cluster_from_dict
 from hetserve.specs.model import load_model
 
 
-def island_pool(g1="H100-SXM-80G", n1=4, g2="RTX-4090", n2=4):
-    """A box in one site and an island of smaller GPUs behind a 0.5 Gbit/s pipe."""
-    return cluster_from_dict({"name": "island", "machines": [
-        {"name": "a0", "gpu": g1, "count": n1, "site": "a"},
-        {"name": "b0", "gpu": g2, "count": n2, "site": "b"}],
-        "network": {"intra_site": {"bandwidth_gbps": 100, "latency_ms": 0.1},
-                    "inter_site": {"bandwidth_gbps": 0.5, "latency_ms": 30}}})
+def two_box_pool(g1="A6000", n1=2, g2="L4", n2=6):
+    """Two boxes on one 100 Gbit/s network: few memory-rich GPUs beside many compute-dense,
+    memory-poor L4s (good at prefill, poor at decode). With prompts priced inside mixed decode
+    steps (``CostModel.colocated_capacity``) colocated replicas win on most small pools; here
+    part of the pool still pays for prefill → decode."""
+    return cluster_from_dict({"name": "two-box", "machines": [
+        {"name": "a0", "gpu": g1, "count": n1}, {"name": "b0", "gpu": g2, "count": n2}],
+        "network": {"intra_site": {"bandwidth_gbps": 100, "latency_ms": 0.1}}})
 
 
 def _roles(p):
     return {r.role for r in p.replicas}
 
 
-@pytest.mark.parametrize("pool,wclass", [(("H100-SXM-80G", 4, "RTX-4090", 4), None),
-                                         (("A100-SXM-80G", 4, "L4", 2), None),
-                                         (("L40", 4, "A6000", 4), "LPHD")])
-def test_exact_and_hexgen2_find_the_same_mixed_plan(pool, wclass, azure):
-    c, m = island_pool(*pool), load_model("llama-2-7b")
-    w = azure if wclass is None else azure.of_class(wclass)
+@pytest.mark.parametrize("model", ["llama-2-7b", "llama-2-13b"])
+def test_exact_and_hexgen2_find_the_same_mixed_plan(model, azure):
+    c, m = two_box_pool(), load_model(model)
+    w = azure
     x = ALGORITHMS["exact"](c, m, w, PlanOptions(seed=0))
     h = ALGORITHMS["hexgen2"](c, m, w, PlanOptions(seed=0))
     for p in (x, h):
@@ -39,7 +38,7 @@ def test_exact_and_hexgen2_find_the_same_mixed_plan(pool, wclass, azure):
 
 
 def test_simulator_runs_a_mixed_plan(azure):
-    c, m = island_pool(), load_model("llama-2-7b")
+    c, m = two_box_pool(), load_model("llama-2-7b")
     p = ALGORITHMS["exact"](c, m, azure, PlanOptions(seed=0))
     s = simulate(p, c, m, azure.with_rate(20.0).head(200)).summary()
     assert s["completed"] == 200

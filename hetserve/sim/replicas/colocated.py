@@ -116,7 +116,7 @@ class ColocatedReplica(Decoding):
             self.kv.make_room()  # room for this iteration's decode tokens
         r = self.req
         left = max(1, budget - b.size)
-        chunks, sum_sq, tokens = [], 2.0 * b.context, b.size
+        chunks, sum_sq, tokens = [], 0.0, 0
         for item in self._chunking:
             if left <= 0:
                 break
@@ -126,10 +126,8 @@ class ColocatedReplica(Decoding):
             sum_sq += c * c + 2.0 * c * done
             tokens += c
             left -= c
-        pb = PrefillBatch(b.size + len(chunks), tokens, sum_sq)
-        dur = self.cost.prefill_time(self.layout, pb)
-        if b.size:
-            dur = max(dur, self.cost.decode_step_time(self.layout, b.size, b.context, self.limits.micro_batches))
+        prompts = PrefillBatch(len(chunks), tokens, sum_sq)
+        dur = self.cost.mixed_step_time(self.layout, b.size, b.context, prompts, self.limits.micro_batches)
         dur *= self.env.slowdown(self)
         now = self.loop.now
         if self.trace is not None:

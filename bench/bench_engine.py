@@ -228,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         calibration = calibrate(str(model_dir), "RTX-4090", batch_sizes=(1, 4, 16, 32))
         eff = calibration.efficiency
         print(f"  calibrated cost model: compute efficiency {eff.compute:.3g} of the RTX 4090 datasheet, "
-              f"{1000 * eff.step_overhead_s:.2f} ms per iteration, mean |error| {calibration.mean_abs_error:.0%}",
+              f"{1000 * eff.iteration_overhead_s:.2f} ms per iteration + {1000 * eff.step_overhead_s:.2f} ms per "
+              f"stage + {1000 * eff.seq_overhead_s:.3f} ms per sequence + {1000 * eff.collective_overhead_s:.2f} ms "
+              f"per TP collective, mean |error| {calibration.mean_abs_error:.0%}",
               flush=True)
     for name in engine_plans:
         rows.append(bench_engine(name, all_plans[name], cluster_path, model_dir, prompts, args.max_tokens,

@@ -1,6 +1,6 @@
 """How well the simulator predicts the served runtime: three plans x two request rates on this machine.
 
-    .venv/bin/python bench/bench_predict.py [--requests 24] [--calibration cal.json] [--json out.json]
+    .venv/bin/python bench/bench_predict.py [--requests 48] [--calibration cal.json] [--json out.json]
 
 Plans (a tiny random-weight Llama, 8 layers, hidden 256, 4 heads, 2 KV heads; CPU worker slots named RTX 4090):
 
@@ -79,15 +79,17 @@ def capacity_rps(plan, cluster, spec, requests, efficiency, overhead, contention
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--requests", type=int, default=48,
+                    help="requests per cell (default 48: 24 left the p90s to two or three requests)")
     ap.add_argument("--calibration", help="calibration file (default: run `hetserve calibrate` first)")
     ap.add_argument("--plans", default="asym-colocated,prefill-decode,pipeline-2")
     ap.add_argument("--fractions", default="0.2,0.8", help="rates as fractions of the simulated capacity")
     ap.add_argument("--json", help="write every cell here")
     ap.add_argument("--shared-cores", action="store_true",
                     help="the pool's slots share 2 cores (cpu_cores: 2): the simulator models contention "
-                         "with the calibrated slow-down (off by default: it over-predicted here, see "
-                         "docs/benchmarks.md)")
+                         "with the calibrated slow-down (off by default: it over-predicted here, and the "
+                         "calibrated per-stage, per-collective and stream costs, measured on these shared "
+                         "cores, already hold most of it; see docs/benchmarks.md)")
     ap.add_argument("--calibrate-once", action="store_true",
                     help="one calibration at the start (default: calibrate again before each plan, so the "
                          "calibration sees the load the served cells see on a shared machine)")
@@ -97,8 +99,7 @@ def main() -> int:
     from rich.table import Table
 
     from hetserve.compare import CompareOptions, compare, simulate_side, table_of
-    from hetserve.cost.analytic import load_efficiency
-    from hetserve.runtime.calibrate import load_contention, load_request_overhead
+    from hetserve.runtime.calibrate import load_contention, load_request_overhead, served_efficiency
     from hetserve.runtime.make_model import make_model
     from hetserve.serve.loadgen import requests_from_workload
     from hetserve.specs.cluster import load_cluster
@@ -131,7 +132,7 @@ def main() -> int:
         plan = plans()[name]
         if not args.calibration and not args.calibrate_once and name != args.plans.split(",")[0]:
             cal = calibrate(name)
-        efficiency, overhead, contention = load_efficiency(cal), load_request_overhead(cal), load_contention(cal)
+        efficiency, overhead, contention = served_efficiency(cal), load_request_overhead(cal), load_contention(cal)
         cap = capacity_rps(plan, cluster, spec, base_requests, efficiency, overhead, contention)
         for frac in (float(f) for f in args.fractions.split(",")):
             rate = frac * cap

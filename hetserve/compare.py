@@ -86,9 +86,9 @@ def table_of(served: dict[str, np.ndarray], simulated: dict[str, np.ndarray], se
 
 def compare(opts: CompareOptions) -> Comparison:
     """Serve, replay, simulate; see the module docstring."""
-    from hetserve.cost.analytic import load_efficiency
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.calibrate import load_contention, load_request_overhead, machine_info
+    from hetserve.runtime.calibrate import (load_contention, load_kv_handoff_overhead, load_request_overhead,
+                                            machine_info, served_efficiency)
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import replay, requests_from_workload, summarize
     from hetserve.specs.cluster import Cluster, load_cluster
@@ -124,11 +124,12 @@ def compare(opts: CompareOptions) -> Comparison:
     served = {"ttft_s": np.array([r.ttft_s for r in results]), "e2e_s": np.array([r.e2e_s for r in results]),
               "tpot_s": np.array([r.tpot_s for r in results if r.tpot_s is not None])}
 
-    efficiency = load_efficiency(opts.efficiency) if opts.efficiency else None
+    efficiency = served_efficiency(opts.efficiency) if opts.efficiency else None
     overhead = load_request_overhead(opts.efficiency) if opts.efficiency else 0.0
     contention = load_contention(opts.efficiency) if opts.efficiency else 1.0
+    handoff = load_kv_handoff_overhead(opts.efficiency) if opts.efficiency else 0.0
     res = simulate_side(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead,
-                        contention_slowdown=contention)
+                        contention_slowdown=contention, link_overhead_s=handoff)
     steps = res.output_tokens > 1
     simulated = {"ttft_s": res.ttft, "e2e_s": res.e2e, "tpot_s": res.tpot[steps]}
     table = table_of(served, simulated, summary["throughput_tokens_per_s"],
@@ -137,7 +138,7 @@ def compare(opts: CompareOptions) -> Comparison:
             "replicas": {r.id: r.role for r in plan.replicas}, "requests": len(requests),
             "workload": opts.workload, "workload_class": opts.workload_class, "rate": opts.rate,
             "router": opts.router, "route": opts.route, "efficiency": opts.efficiency,
-            "request_overhead_s": overhead, "contention_slowdown": contention, "kv_pools": pools, "token_budget": cfg.max_batched_tokens,
+            "request_overhead_s": overhead, "kv_handoff_overhead_s": handoff, "contention_slowdown": contention, "kv_pools": pools, "token_budget": cfg.max_batched_tokens,
             "max_num_seqs": cfg.max_num_seqs, "load_avg_1m": [round(load_before, 2), round(load_after, 2)],
             "machine": machine_info(),
             "served_source": "measured at the openai client on this machine",

@@ -38,6 +38,11 @@ from hetserve.specs.model import ModelSpec
 REPLICA_MEMORY_BATCH = 32
 # HexGen-2 §3.2: node and edge capacities are requests per period T ("e.g. 10 minutes").
 DEFAULT_PERIOD_S = 600.0
+# Collectives a TP group runs per iteration besides its layers' two all-reduces each: the leader
+# broadcasts the step (``broadcast_object_list``: its size, then its bytes) and the stage's input
+# activations to the group (runtime/worker.py ``_next`` / ``_compute``; vLLM broadcasts its step
+# metadata the same way).
+TP_STEP_COLLECTIVES = 3
 
 
 @dataclass(frozen=True)
@@ -49,15 +54,23 @@ class Efficiency:
     usable_memory: float = 0.9  # of device memory (CUDA context, allocator fragmentation)
     activation_buffers: int = 4  # HexGen Appendix B: 4 reusable activation buffers
     activation_tokens: int = 2048  # tokens those buffers are sized for (the prefill token budget)
-    step_overhead_s: float = 0.0  # fixed time per stage per iteration (launches, scheduling)
+    # Fixed costs of one iteration, split by where the runtime pays them (``hetserve calibrate``
+    # fits all three; 0 = the pure roofline):
+    step_overhead_s: float = 0.0  # per stage: taking the step message, attention metadata, launches, the hand-on
+    iteration_overhead_s: float = 0.0  # per replica, on its last stage: the scheduler's turn-around, sampling, tokens back
+    seq_overhead_s: float = 0.0  # per sequence in the step, on the last stage: its bookkeeping, sampling, token streamed
+    collective_overhead_s: float = 0.0  # per collective of a TP group (> 1 device): its launch and the members' meeting
     max_batch: int = 256  # running requests per replica: the serving engine's cap (vLLM's max_num_seqs)
 
     def __post_init__(self) -> None:
         for k in ("compute", "memory", "usable_memory"):
             if not 0 < getattr(self, k) <= 1:
                 raise ValueError(f"efficiency {k} must be in (0, 1]")
-        if self.activation_buffers < 0 or self.activation_tokens <= 0 or self.step_overhead_s < 0:
-            raise ValueError("activation_buffers, activation_tokens and step_overhead_s must be non-negative")
+        if self.activation_buffers < 0 or self.activation_tokens <= 0:
+            raise ValueError("activation_buffers and activation_tokens must be non-negative")
+        for k in ("step_overhead_s", "iteration_overhead_s", "seq_overhead_s", "collective_overhead_s"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"{k} must be non-negative")
         if self.max_batch < 1:
             raise ValueError("max_batch must be at least 1")
 
@@ -146,10 +159,23 @@ class CostModel:
         m = min(self._membw[d] for d in stage.devices)
         return max(flops / (t * f), nbytes / (t * m))
 
+    def _collectives_time(self, stage: StageLayout) -> float:
+        """The fixed cost of a TP group's collectives in one iteration: two all-reduces per layer plus
+        the step's broadcasts, each paying ``collective_overhead_s`` beyond its α-β time (the
+        launch, and every member reaching it: on CPU worker slots sharing cores, a process switch)."""
+        if stage.tp <= 1:
+            return 0.0
+        return (2 * stage.num_layers + TP_STEP_COLLECTIVES) * self.eff.collective_overhead_s
+
     def _head_time(self, stage: StageLayout, rows: float) -> float:
-        """Final norm + LM head on the last stage for ``rows`` sequences (one logit row each)."""
+        """Final norm + LM head on the last stage for ``rows`` sequences (one logit row each), plus
+        the once-per-iteration costs of the replica: the step's turn-around through the scheduler
+        and its per-sequence work. They sit on the last stage because that is where an iteration
+        closes (it samples and sends the tokens back; the next step of this micro-batch starts
+        after), so a pipeline pays them once per iteration, not once per stage."""
         m = self.model
-        return self._roofline(stage, 2.0 * m.hidden * m.vocab * rows, m.vocab * m.hidden * m.dtype_bytes)
+        head = self._roofline(stage, 2.0 * m.hidden * m.vocab * rows, m.vocab * m.hidden * m.dtype_bytes)
+        return head + self.eff.iteration_overhead_s + self.eff.seq_overhead_s * rows
 
     def stage_prefill_time(self, stage: StageLayout, batch: PrefillBatch, is_last: bool = False) -> float:
         """Prefill of ``batch`` through this stage's layers, TP all-reduces included."""
@@ -159,7 +185,7 @@ class CostModel:
         per_layer = self._roofline(stage, flops, nbytes)
         comm = 2 * self.allreduce_time(stage.devices, batch.tokens * m.hidden * m.dtype_bytes)
         head = self._head_time(stage, batch.num_seqs) if is_last else 0.0
-        return stage.num_layers * (per_layer + comm) + head + self.eff.step_overhead_s
+        return stage.num_layers * (per_layer + comm) + self._collectives_time(stage) + head + self.eff.step_overhead_s
 
     def stage_decode_time(self, stage: StageLayout, batch: float, context_tokens: float,
                           is_last: bool = False) -> float:
@@ -170,7 +196,7 @@ class CostModel:
         per_layer = self._roofline(stage, flops, nbytes)
         comm = 2 * self.allreduce_time(stage.devices, batch * m.hidden * m.dtype_bytes)
         head = self._head_time(stage, batch) if is_last else 0.0
-        return stage.num_layers * (per_layer + comm) + head + self.eff.step_overhead_s
+        return stage.num_layers * (per_layer + comm) + self._collectives_time(stage) + head + self.eff.step_overhead_s
 
     def stage_weight_bytes(self, stage: StageLayout, is_first: bool, is_last: bool) -> float:
         """Weight bytes on the stage's fullest device: its leader (see ``device_weight_bytes``)."""

@@ -6,24 +6,46 @@ fractions are unknown; this module measures them. It serves a single-stage coloc
 the checkpoint on one device (the real engine behind the real HTTP server) and measures
 
 * TTFT of single prompts of several lengths on the engine (prefill: achieved FLOP/s),
-* TPOT of decode batches of several sizes on the engine (memory streaming and the fixed
-  per-iteration cost: the coordinator's step, the process hop, sampling), and
+* TPOT of decode batches of several sizes on the engine (memory streaming, the fixed cost of an
+  iteration, and what each sequence of the batch adds beyond its FLOPs),
 * the same prompts through HTTP with the ``openai`` client (tokenisation, HTTP and SSE: what a
-  served request spends outside the engine, ``request_overhead_s``),
+  served request spends outside the engine, ``request_overhead_s``), and the same decode batches
+  streamed through HTTP: each token of each sequence is one SSE event the server encodes and the
+  client parses, on the cores and under the GIL the coordinator needs for the next step, so a
+  served iteration is slower per sequence than the engine's (``stream_overhead_s``, per sequence
+  per iteration: the slope of served − engine TPOT over the batch size), and
+* (``pipeline``) a prompt and a single-sequence decode on a two-stage pipeline of the same
+  checkpoint (two devices): what a second stage adds tells the per-stage fixed cost apart from the
+  once-per-iteration one, and (``tp``) the same on one stage of TP 2: what it adds beyond half
+  the compute is the fixed cost of its collectives,
 
-and fits ``Efficiency(compute, memory, step_overhead_s)`` minimising the squared log error of the
-cost model over the engine measurements. The fit's error per point is reported: it is the cost
-model's error on this machine. The result is one JSON file (``Calibration.save``) that the planner
-(``--efficiency``) and the simulator (``--efficiency``: efficiency and request overhead) read,
-stamped with the device, the date and the load average during the measurement.
+and fits ``Efficiency(compute, memory, step_overhead_s, iteration_overhead_s, seq_overhead_s,
+collective_overhead_s)``
+minimising the squared log error of the cost model over the engine measurements. Where the fixed
+costs come from, read from the runtime (``worker.py``, ``coordinator.py``):
+
+* ``iteration_overhead_s`` — once per iteration of a replica: the coordinator's turn-around
+  (result message in, bookkeeping, the next step scheduled and pickled to the first stage),
+  embedding lookup, sampling and the token message on the last stage;
+* ``step_overhead_s`` — once per stage: a stage leader takes the step message (unpickles it),
+  builds the attention metadata, runs the layer stack's fixed dispatch and sends its activations on;
+* ``seq_overhead_s`` — once per sequence in the step: its entry in the step message, its block
+  table in the attention metadata, its own attention over its KV, its token streamed to its
+  request (on this CPU demo 0.1-0.5 ms per sequence, beyond the FLOPs the roofline prices);
+* ``collective_overhead_s`` — once per collective of a TP group (two all-reduces per layer, the
+  leader's broadcasts of the step and its activations): the launch and every member reaching it
+  (on CPU worker slots sharing cores, a process switch: 1.3-1.8 ms here, α of the cluster file ~µs).
+
+The fit's error per point is reported: it is the cost model's error on this machine. The result
+is one JSON file (``Calibration.save``) that the planner (``--efficiency``: the engine's
+efficiency) and the simulator (``simulate``/``compare --efficiency``: the served efficiency,
+``served_efficiency``, and the request overhead) read, stamped with the device, the date and the
+load average during the measurement.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import platform
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -31,10 +53,9 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import least_squares
 
-from hetserve.cost.analytic import CostModel, Efficiency
-from hetserve.cost.layout import ReplicaLayout, StageLayout
-from hetserve.planner.plan import Plan
-from hetserve.specs.cluster import Cluster, cluster_from_dict
+from hetserve.cost.analytic import CostModel, Efficiency, load_efficiency
+from hetserve.runtime.calibration_probes import (  # noqa: F401  (re-exported: calibrate's public names)
+    Measurements, _layout, _one_device_cluster, _one_device_plan, machine_info, measure)
 from hetserve.specs.model import load_model
 
 
@@ -44,6 +65,8 @@ class CalibrationPoint:
     size: int  # prompt tokens (prefill) or batch size (decode)
     measured_s: float
     predicted_s: float
+    stages: int = 1  # pipeline stages of the replica measured (2: the pipeline probes)
+    tp: int = 1  # its TP degree (2: the TP probes)
 
     @property
     def error(self) -> float:
@@ -56,6 +79,10 @@ class Calibration:
     efficiency: Efficiency
     points: tuple[CalibrationPoint, ...]
     request_overhead_s: float = 0.0  # HTTP + tokenisation + SSE per request, outside the engine
+    stream_overhead_s: float = 0.0  # per sequence per iteration: its token streamed over HTTP/SSE to its client
+    # per KV hand-off beyond the link's α-β time: the prefill worker's step message, reading and
+    # pickling the KV, the socket, the pool write on the decode worker's receiving thread, the acks
+    kv_handoff_overhead_s: float = 0.0
     contention_slowdown: float = 1.0  # decode step time with one more busy CPU process / alone
     measured_on: dict = field(default_factory=dict)  # device, cores, date, load average
 
@@ -73,6 +100,8 @@ class Calibration:
         Path(path).write_text(json.dumps({
             "gpu": self.gpu, "efficiency": asdict(self.efficiency), "mean_abs_error": self.mean_abs_error,
             "max_abs_error": self.max_abs_error, "runtime": {"request_overhead_s": self.request_overhead_s,
+                                                           "stream_overhead_s": self.stream_overhead_s,
+                                                           "kv_handoff_overhead_s": self.kv_handoff_overhead_s,
                                                            "contention_slowdown": self.contention_slowdown},
             "measured_on": self.measured_on, "points": [asdict(p) for p in self.points]}, indent=2) + "\n")
 
@@ -80,6 +109,26 @@ class Calibration:
 def load_request_overhead(path: str | Path) -> float:
     """``runtime.request_overhead_s`` of a calibration file (0 when it has none)."""
     return float(_runtime(path).get("request_overhead_s", 0.0))
+
+
+def load_stream_overhead(path: str | Path) -> float:
+    """``runtime.stream_overhead_s`` of a calibration file (0 when it has none)."""
+    return float(_runtime(path).get("stream_overhead_s", 0.0))
+
+
+def load_kv_handoff_overhead(path: str | Path) -> float:
+    """``runtime.kv_handoff_overhead_s`` of a calibration file (0 when it has none): the simulator's
+    ``link_overhead_s`` (each KV message is delivered this much later than its bytes)."""
+    return float(_runtime(path).get("kv_handoff_overhead_s", 0.0))
+
+
+def served_efficiency(path: str | Path) -> Efficiency:
+    """The calibrated efficiency of a *served* deployment: the engine's, with each sequence's token
+    streamed over HTTP/SSE added to its per-sequence cost per iteration (what the simulator must
+    charge to predict what clients of the HTTP server see; the planner's ``--efficiency`` reads the
+    engine's alone, ``load_efficiency``)."""
+    eff = load_efficiency(path)
+    return replace(eff, seq_overhead_s=eff.seq_overhead_s + load_stream_overhead(path))
 
 
 def load_contention(path: str | Path) -> float:
@@ -92,172 +141,71 @@ def _runtime(path: str | Path) -> dict:
     return data.get("runtime", {}) if isinstance(data, dict) else {}
 
 
-def _burn(stop) -> None:  # pragma: no cover - runs in a child process
-    """Keep one core busy (pure Python, one thread), as one more worker process computing would."""
-    x = 0
-    while not stop.is_set():
-        for i in range(20000):
-            x += i * i
-
-
-def machine_info() -> dict:
-    """Where a measurement was taken: CPU model, cores, date (UTC), load average now."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    return {"device": cpu, "cores": os.cpu_count(), "date": datetime.datetime.now(datetime.timezone.utc)
-            .strftime("%Y-%m-%d %H:%M UTC"), "load_avg_1m": round(load[0], 2)}
-
-
-def _one_device_cluster(gpu_name: str) -> Cluster:
-    # Memory is left at the GPU's: calibration measures speed, not capacity.
-    return cluster_from_dict({"name": "calibration", "machines": [{"name": "cal", "gpu": gpu_name, "count": 1}]})
-
-
-def _one_device_plan(spec, cluster: Cluster) -> Plan:
-    return Plan.from_dict({"model": spec.name, "cluster": cluster.name, "algorithm": "calibration",
-                           "replicas": [{"id": "c0", "role": "colocated",
-                                         "stages": [{"devices": ["cal:0"], "layers": [0, spec.num_layers]}]}]})
-
-
-@dataclass
-class Measurements:
-    ttft: dict[int, float]  # prompt length -> median TTFT on the engine (s)
-    tpot: dict[int, float]  # batch size -> median TPOT on the engine (s)
-    http_ttft: dict[int, float] = field(default_factory=dict)  # prompt length -> median TTFT through HTTP
-    contention: float = 1.0  # TPOT of the largest decode probe beside one busy process / alone
-    load_avg: list[float] = field(default_factory=list)  # 1-minute load average during the run
-
-
-def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), batch_sizes=(1, 4, 16),
-            decode_tokens: int = 24, reps: int = 3, serving: bool = True) -> Measurements:
-    """Median TTFT per prompt length and median TPOT per batch size on the engine, and (``serving``)
-    median TTFT of the same prompts through the HTTP server and the ``openai`` client."""
-    from hetserve.runtime.engine import Engine, EngineConfig
-    from hetserve.runtime.sampling import SamplingParams
-
-    spec = load_model(model_dir)
-    cluster = _one_device_cluster(gpu_name)
-    plan = _one_device_plan(spec, cluster)
-    rng = np.random.default_rng(0)
-    prompt_lengths = [L for L in prompt_lengths if L + decode_tokens < spec.max_context]
-    m = Measurements({}, {})
-    server = None
-    if serving:
-        from hetserve.serve.launch import ServeOptions, start_server
-
-        server = start_server(ServeOptions(plan=plan, cluster=cluster, model_dir=str(model_dir),
-                                           max_num_seqs=max(batch_sizes)))
-        engine = server.deployment.engine
-    else:
-        engine = Engine.from_plan(plan, cluster, model_dir, EngineConfig(max_num_seqs=max(batch_sizes)))
-    try:
-        engine.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-        # Rounds over every probe (not every probe's repetitions in a row): on a shared machine the
-        # load drifts, and interleaving spreads it over all points instead of biasing some.
-        ttft_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
-        tpot_s: dict[int, list[float]] = {b: [] for b in batch_sizes}
-        http_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
-        for _ in range(reps):
-            for L in prompt_lengths:
-                h = engine.submit(rng.integers(32, 127, L).tolist(), SamplingParams(max_tokens=1, ignore_eos=True))
-                h.result(timeout=120)
-                ttft_s[L].append(h.ttft)
-            for b in batch_sizes:
-                handles = [engine.submit(rng.integers(32, 127, 16).tolist(),
-                                         SamplingParams(max_tokens=decode_tokens, ignore_eos=True)) for _ in range(b)]
-                for h in handles:
-                    h.result(timeout=120)
-                tpot_s[b].append(statistics.median(h.tpot for h in handles))
-            m.load_avg.append(os.getloadavg()[0])
-            if server is not None:
-                from hetserve.serve.loadgen import LoadRequest, replay
-
-                # one client, requests spaced out (each alone on the server), as a replayed trace sends them
-                gap = 1.5 * max(ttft_s[L][-1] for L in prompt_lengths) + 0.05
-                reqs = [LoadRequest(i * gap, rng.integers(32, 127, L).tolist(), 1) for i, L in enumerate(prompt_lengths)]
-                for L, r in zip(prompt_lengths, replay(server.url, Path(model_dir).resolve().name, reqs,
-                                                       ignore_eos=True)):
-                    http_s[L].append(r.ttft_s)
-        # Contention: the largest decode probe again while one more process keeps a core busy (as a
-        # second worker slot of the same host would); the ratio to the probe alone is the slow-down.
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")
-        stop = ctx.Event()
-        burner = ctx.Process(target=_burn, args=(stop,), daemon=True)
-        burner.start()
-        try:
-            b = max(batch_sizes)
-            alone = statistics.median(tpot_s[b])
-            busy = []
-            for _ in range(reps):
-                handles = [engine.submit(rng.integers(32, 127, 16).tolist(),
-                                         SamplingParams(max_tokens=decode_tokens, ignore_eos=True)) for _ in range(b)]
-                for h in handles:
-                    h.result(timeout=120)
-                busy.append(statistics.median(h.tpot for h in handles))
-            m.contention = max(1.0, statistics.median(busy) / alone)
-        finally:
-            stop.set()
-            burner.join(timeout=5)
-            if burner.is_alive():
-                burner.kill()
-        m.ttft = {L: statistics.median(v) for L, v in ttft_s.items()}
-        m.tpot = {b: statistics.median(v) for b, v in tpot_s.items()}
-        m.http_ttft = {L: statistics.median(v) for L, v in http_s.items() if v}
-    finally:
-        if server is not None:
-            server.close()
-        else:
-            engine.shutdown()
-    return m
-
-
 def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, float],
         base: Efficiency | None = None, decode_prompt_tokens: int = 16, decode_tokens: int = 24,
         http_ttft: dict[int, float] | None = None, measured_on: dict | None = None,
-        contention: float = 1.0) -> Calibration:
-    """Solve for compute and memory efficiency and the per-iteration overhead (least squares on
-    the log of predicted / measured over every point); the request overhead is the median of
-    HTTP TTFT − engine TTFT over the prompt lengths measured both ways."""
+        contention: float = 1.0, pp_ttft: dict[int, float] | None = None,
+        pp_tpot: dict[int, float] | None = None, http_tpot: dict[int, float] | None = None,
+        tp_ttft: dict[int, float] | None = None, tp_tpot: dict[int, float] | None = None,
+        kv_handoff: dict[int, float] | None = None) -> Calibration:
+    """Solve for compute and memory efficiency and the fixed costs per iteration, per stage and per
+    sequence (least squares on the log of predicted / measured over every point); the request
+    overhead is the median of HTTP TTFT − engine TTFT over the prompt lengths measured both ways,
+    the stream overhead the least-squares slope (through 0) of HTTP TPOT − engine TPOT over the
+    batch sizes measured both ways, the KV hand-off overhead the median of the measured hand-off
+    (``kv_handoff``: prompt tokens -> seconds) − the cost model's transfer time for that KV.
+
+    Without pipeline points (``pp_ttft``/``pp_tpot``) a stage's fixed cost cannot be told from the
+    iteration's: all of it is fitted as ``iteration_overhead_s`` (exact for one-stage replicas).
+    Without TP points (``tp_ttft``/``tp_tpot``, one stage on TP 2) ``collective_overhead_s`` is 0."""
     spec = load_model(model_dir)
-    cluster = _one_device_cluster(gpu_name)
-    layout = ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),))
-    base = replace(base or Efficiency(), step_overhead_s=0.0)
+    pp_ttft, pp_tpot, tp_ttft, tp_tpot = pp_ttft or {}, pp_tpot or {}, tp_ttft or {}, tp_tpot or {}
+    cluster = _one_device_cluster(gpu_name, 2 if pp_ttft or pp_tpot or tp_ttft or tp_tpot else 1)
+    shapes = {(1, 1): _layout(spec), (2, 1): _layout(spec, 2), (1, 2): _layout(spec, 1, 2)}
+    base = replace(base or Efficiency(), step_overhead_s=0.0, iteration_overhead_s=0.0, seq_overhead_s=0.0,
+                   collective_overhead_s=0.0)
+    ctx = decode_prompt_tokens + decode_tokens / 2
+    probes = [(ph, n, st, t_, sec) for ph, st, t_, d in (("prefill", 1, 1, ttft), ("decode", 1, 1, tpot),
+                                                         ("prefill", 2, 1, pp_ttft), ("decode", 2, 1, pp_tpot),
+                                                         ("prefill", 1, 2, tp_ttft), ("decode", 1, 2, tp_tpot))
+              for n, sec in d.items()]
+    split = any(st == 2 for _, _, st, _, _ in probes)
+    tp_probed = any(t_ == 2 for _, _, _, t_, _ in probes)
 
     def predict(eff: Efficiency):
         cm = CostModel(cluster, spec, eff)
-        ctx = decode_prompt_tokens + decode_tokens / 2
-        return np.array([*(cm.ttft(layout, L) for L in ttft), *(cm.decode_step_time(layout, b, b * ctx) for b in tpot)])
+        return np.array([cm.ttft(shapes[st, t_], n) if ph == "prefill"
+                         else cm.decode_step_time(shapes[st, t_], n, n * ctx) for ph, n, st, t_, _ in probes])
 
-    measured = np.array([*ttft.values(), *tpot.values()])
+    measured = np.array([sec for *_, sec in probes])
 
     def eff_of(x) -> Efficiency:
-        return replace(base, compute=float(10 ** x[0]), memory=float(10 ** x[1]), step_overhead_s=float(x[2]))
+        return replace(base, compute=float(10 ** x[0]), memory=float(10 ** x[1]), iteration_overhead_s=float(x[2]),
+                       seq_overhead_s=float(x[3]), step_overhead_s=float(x[4]) if split else 0.0,
+                       collective_overhead_s=float(x[5]) if tp_probed else 0.0)
 
     def residuals(x):
         return np.log(predict(eff_of(x)) / measured)
 
     best = None
+    hi = float(max(measured))
     for c0 in (-5.0, -3.0, -1.0):  # a few starts: the roofline's max() makes the surface piecewise
-        x0 = np.array([c0, c0, 0.5 * float(min(measured))])
-        r = least_squares(residuals, x0, bounds=([-9, -9, 0.0], [0, 0, float(max(measured))]))
+        x0 = np.array([c0, c0, 0.4 * float(min(measured)), 0.0, 0.05 * float(min(measured)),
+                       0.01 * float(min(measured))])
+        r = least_squares(residuals, x0, bounds=([-9, -9, 0.0, 0.0, 0.0, 0.0], [0, 0, hi, hi, hi, hi]))
         if best is None or r.cost < best.cost:
             best = r
     eff = eff_of(best.x)
-    pred = predict(eff)
-    points = tuple([CalibrationPoint("prefill", L, ttft[L], p) for L, p in zip(ttft, pred)]
-                   + [CalibrationPoint("decode", b, tpot[b], p) for b, p in zip(tpot, pred[len(ttft):])])
+    points = tuple(CalibrationPoint(ph, n, sec, float(p), st, t_) for (ph, n, st, t_, sec), p in zip(probes, predict(eff)))
     common = [L for L in (http_ttft or {}) if L in ttft]
     overhead = max(0.0, statistics.median(http_ttft[L] - ttft[L] for L in common)) if common else 0.0
-    return Calibration(gpu_name, eff, points, overhead, contention, measured_on or {})
+    both = [b for b in (http_tpot or {}) if b in tpot]
+    stream = max(0.0, sum(b * (http_tpot[b] - tpot[b]) for b in both) / sum(b * b for b in both)) if both else 0.0
+    two = _one_device_cluster(gpu_name, 2)
+    cm2 = CostModel(two, spec, eff)
+    handoff = max(0.0, statistics.median(t - cm2.kv_transfer_time(_layout(spec), _layout(spec, 1, 1, first_device=1), L)
+                                         for L, t in kv_handoff.items())) if kv_handoff else 0.0
+    return Calibration(gpu_name, eff, points, overhead, stream, handoff, contention, measured_on or {})
 
 
 def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
@@ -266,4 +214,6 @@ def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
     info = machine_info()
     info["load_avg_1m"] = round(float(np.mean(m.load_avg)), 2) if m.load_avg else info["load_avg_1m"]
     return fit(model_dir, gpu_name, m.ttft, m.tpot, decode_tokens=kwargs.get("decode_tokens", 24),
-               http_ttft=m.http_ttft, measured_on=info, contention=m.contention)
+               http_ttft=m.http_ttft, measured_on=info, contention=m.contention, pp_ttft=m.pp_ttft,
+               pp_tpot=m.pp_tpot, http_tpot=m.http_tpot, tp_ttft=m.tp_ttft, tp_tpot=m.tp_tpot,
+               kv_handoff=m.kv_handoff)

@@ -199,6 +199,7 @@ class Coordinator:
             seq.dst_table = dst.blocks.allocate(seq.reserve_tokens)
             seq.acks = set()
             seq.transfer = next(self._transfer_ids)
+            seq.handoff_sent = time.monotonic()
             self.handoffs[seq.transfer] = seq
             meta = {"step": None, "seqs": [], "priority": int(Priority.KV),
                     "handoffs": [(seq.transfer, seq.table, seq.num_cached, seq.dst, seq.dst_table)]}
@@ -212,6 +213,7 @@ class Coordinator:
         if len(seq.acks) < len(self.replicas[seq.dst].workers):
             return
         del self.handoffs[transfer]
+        seq.handle.handoff_s = time.monotonic() - seq.handoff_sent  # calibration measures the hand-off by it
         self.schedulers[seq.replica].release(seq)
         seq.replica, seq.table, seq.dst, seq.dst_table = seq.dst, seq.dst_table, None, []
         if seq.aborted:

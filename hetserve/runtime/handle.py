@@ -23,6 +23,8 @@ class RequestHandle:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        # disaggregated: seconds from sending its KV hand-off to the last decode worker's acknowledgement
+        self.handoff_s: float | None = None
         self._done = False
         self._cv = threading.Condition()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []

@@ -52,6 +52,7 @@ class Sequence:
     aborted: bool = False
     reruns: int = 0  # times it was re-run after its replica died
     transfer: int = 0  # id of its current KV hand-off (fresh per attempt, so stale pieces never count)
+    handoff_sent: float = 0.0  # monotonic time its current hand-off was sent to the prefill workers
 
     @property
     def reserve_tokens(self) -> int:

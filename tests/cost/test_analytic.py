@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetserve.cost.analytic import CostModel, Efficiency, PrefillBatch
+from hetserve.cost.analytic import TP_STEP_COLLECTIVES, CostModel, Efficiency, PrefillBatch
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.specs.cluster import Cluster, cluster_from_dict
 from hetserve.specs.model import MODEL_PRESETS
@@ -121,9 +121,32 @@ def test_pipeline_micro_batches_overlap_stages():
     assert cm.decode_step_time(pp, 64, 64 * 600, micro_batches=1) > cm.decode_step_time(one_stage(0), 64, 64 * 600)
 
 
+def test_fixed_costs_are_charged_where_the_runtime_pays_them():
+    """A second pipeline stage adds one stage's fixed cost, not another iteration's: the
+    scheduler turn-around and each sequence's own work are paid once per iteration (last stage)."""
+    eff = Efficiency(step_overhead_s=0.001, iteration_overhead_s=0.004, seq_overhead_s=0.0002)
+    base, cm = CostModel(CLUSTER, LLAMA7), CostModel(CLUSTER, LLAMA7, eff)
+    pp = ReplicaLayout((StageLayout((0,), (0, 16)), StageLayout((1,), (16, 32))))
+    extra = lambda lay, b: cm.decode_step_time(lay, b, 0, 1) - base.decode_step_time(lay, b, 0, 1)  # noqa: E731
+    assert extra(one_stage(0), 1) == pytest.approx(0.001 + 0.004 + 0.0002, rel=1e-6)
+    assert extra(pp, 1) == pytest.approx(2 * 0.001 + 0.004 + 0.0002, rel=1e-6)
+    assert extra(one_stage(0), 16) == pytest.approx(0.001 + 0.004 + 16 * 0.0002, rel=1e-6)
+    pre = cm.ttft(pp, 100) - base.ttft(pp, 100)
+    assert pre == pytest.approx(2 * 0.001 + 0.004 + 0.0002, rel=1e-6)
+    # a TP group pays its collectives' fixed cost: two all-reduces per layer plus the step's broadcasts
+    coll = CostModel(CLUSTER, LLAMA7, Efficiency(collective_overhead_s=0.0001))
+    tp2 = ReplicaLayout((StageLayout((0, 1), (0, 32)),))
+    assert coll.decode_step_time(tp2, 1, 0) - base.decode_step_time(tp2, 1, 0) == pytest.approx(
+        (2 * 32 + TP_STEP_COLLECTIVES) * 0.0001, rel=1e-6)
+    assert coll.decode_step_time(one_stage(0), 1, 0) == base.decode_step_time(one_stage(0), 1, 0)
+
+
 def test_efficiency_validation():
     with pytest.raises(ValueError):
         Efficiency(compute=0)
+    for k in ("step_overhead_s", "iteration_overhead_s", "seq_overhead_s", "collective_overhead_s"):
+        with pytest.raises(ValueError, match=k):
+            Efficiency(**{k: -1e-3})
     assert CostModel(CLUSTER, LLAMA7, Efficiency(step_overhead_s=0.01)).decode_step_time(one_stage(0), 1, 0) > 0.01
 
 

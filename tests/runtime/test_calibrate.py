@@ -4,25 +4,60 @@ import pytest
 
 from hetserve.cost.analytic import CostModel, Efficiency
 from hetserve.cost.layout import ReplicaLayout, StageLayout
-from hetserve.runtime.calibrate import _one_device_cluster, fit
+from hetserve.runtime.calibrate import _one_device_cluster, fit, served_efficiency
 from hetserve.runtime.make_model import make_model
 
 
 def test_fit_recovers_known_efficiency(tmp_path):
+    """Every fitted term is recovered from measurements it generated: compute efficiency, the
+    fixed cost per iteration, per stage (told apart by the two-stage probes) and per sequence (the
+    decode batch sizes' slope beyond the FLOPs)."""
     model_dir = tmp_path / "m"
     make_model(model_dir, "llama", layers=4, hidden=128, heads=4, kv_heads=2)
     from hetserve.specs.model import load_model
 
     spec = load_model(model_dir)
-    truth = Efficiency(compute=3e-4, step_overhead_s=0.004)
-    cm = CostModel(_one_device_cluster("RTX-4090"), spec, truth)
+    truth = Efficiency(compute=3e-4, iteration_overhead_s=0.004, step_overhead_s=0.0012, seq_overhead_s=0.0003,
+                       collective_overhead_s=0.0009)
+    cm = CostModel(_one_device_cluster("RTX-4090", 2), spec, truth)
     lay = ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),))
+    half = spec.num_layers // 2
+    pp = ReplicaLayout((StageLayout((0,), (0, half)), StageLayout((1,), (half, spec.num_layers))))
+    tp = ReplicaLayout((StageLayout((0, 1), (0, spec.num_layers)),))
     ttft = {L: cm.ttft(lay, L) for L in (32, 128, 256, 512)}
     tpot = {b: cm.decode_step_time(lay, b, b * (16 + 12)) for b in (1, 4, 16)}
-    cal = fit(str(model_dir), "RTX-4090", ttft, tpot)
+    cal = fit(str(model_dir), "RTX-4090", ttft, tpot, pp_ttft={128: cm.ttft(pp, 128)},
+              pp_tpot={1: cm.decode_step_time(pp, 1, 16 + 12)}, tp_ttft={128: cm.ttft(tp, 128)},
+              tp_tpot={1: cm.decode_step_time(tp, 1, 16 + 12)})
     assert cal.efficiency.compute == pytest.approx(3e-4, rel=0.02)
-    assert cal.efficiency.step_overhead_s == pytest.approx(0.004, rel=0.02)
-    assert cal.mean_abs_error < 0.01
+    assert cal.efficiency.iteration_overhead_s == pytest.approx(0.004, rel=0.02)
+    assert cal.efficiency.step_overhead_s == pytest.approx(0.0012, rel=0.02)
+    assert cal.efficiency.seq_overhead_s == pytest.approx(0.0003, rel=0.02)
+    assert cal.efficiency.collective_overhead_s == pytest.approx(0.0009, rel=0.02)
+    assert [(p.stages, p.tp) for p in cal.points] == [(1, 1)] * 7 + [(2, 1)] * 2 + [(1, 2)] * 2
+    assert cal.max_abs_error < 0.01
+    # each token streamed over HTTP: served TPOT grows by 0.5 ms per sequence beyond the engine's
+    served = fit(str(model_dir), "RTX-4090", ttft, tpot, http_tpot={b: t + b * 0.0005 for b, t in tpot.items()})
+    assert served.stream_overhead_s == pytest.approx(0.0005, rel=1e-6)
+    served.save(tmp_path / "cal.json")
+    eff = served_efficiency(tmp_path / "cal.json")
+    assert eff.seq_overhead_s == pytest.approx(served.efficiency.seq_overhead_s + 0.0005, rel=1e-9)
+    served_model = CostModel(_one_device_cluster("RTX-4090"), spec, eff)
+    for b, t in tpot.items():  # the simulator's served iteration is the client's TPOT
+        assert served_model.decode_step_time(lay, b, b * (16 + 12)) == pytest.approx(t + b * 0.0005, rel=0.02)
+    # a KV hand-off measured 3 ms above what the cost model's link gives for that KV
+    from hetserve.runtime.calibrate import _layout, load_kv_handoff_overhead
+
+    link = CostModel(_one_device_cluster("RTX-4090", 2), spec, cal.efficiency).kv_transfer_time(
+        _layout(spec), _layout(spec, first_device=1), 128)
+    handed = fit(str(model_dir), "RTX-4090", ttft, tpot, kv_handoff={128: link + 0.003})
+    assert handed.kv_handoff_overhead_s == pytest.approx(0.003, rel=1e-3)
+    handed.save(tmp_path / "handoff.json")
+    assert load_kv_handoff_overhead(tmp_path / "handoff.json") == pytest.approx(0.003, rel=1e-3)
+    # without the pipeline probes the fixed cost is one lump per iteration (exact for one stage)
+    lump = fit(str(model_dir), "RTX-4090", ttft, tpot).efficiency
+    assert lump.step_overhead_s == 0.0 and lump.collective_overhead_s == 0.0
+    assert lump.iteration_overhead_s == pytest.approx(0.004 + 0.0012, rel=0.02)
 
 
 @pytest.mark.timeout(240)
@@ -44,15 +79,19 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
     assert code == 0
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
-    assert [(p["phase"], p["size"]) for p in data["points"]] == [("prefill", 16), ("prefill", 96),
-                                                                 ("decode", 1), ("decode", 6)]
+    assert [(p["phase"], p["size"], p["stages"], p["tp"]) for p in data["points"]] == [
+        ("prefill", 16, 1, 1), ("prefill", 96, 1, 1), ("decode", 1, 1, 1), ("decode", 6, 1, 1),
+        ("prefill", 96, 2, 1), ("decode", 1, 2, 1), ("prefill", 96, 1, 2), ("decode", 1, 1, 2)]
     assert all(p["measured_s"] > 0 for p in data["points"])
     spec = load_model(model_dir)
-    lay = ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),))
-    fitted = CostModel(_one_device_cluster("RTX-4090"), spec, load_efficiency(out))
-    default = CostModel(_one_device_cluster("RTX-4090"), spec, Efficiency())
+    lays = {(1, 1): ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),)),
+            (2, 1): ReplicaLayout((StageLayout((0,), (0, 1)), StageLayout((1,), (1, 2)))),
+            (1, 2): ReplicaLayout((StageLayout((0, 1), (0, spec.num_layers)),))}
+    fitted = CostModel(_one_device_cluster("RTX-4090", 2), spec, load_efficiency(out))
+    default = CostModel(_one_device_cluster("RTX-4090", 2), spec, Efficiency())
 
     def predict(cm, p):
+        lay = lays[p["stages"], p["tp"]]
         return cm.ttft(lay, p["size"]) if p["phase"] == "prefill" else cm.decode_step_time(lay, p["size"],
                                                                                            p["size"] * (16 + 3))
     for p in data["points"]:
@@ -62,6 +101,11 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
     assert err(fitted) < err(default)
     assert data["measured_on"]["device"] and data["measured_on"]["cores"] >= 1 and "UTC" in data["measured_on"]["date"]
     assert load_request_overhead(out) == data["runtime"]["request_overhead_s"] >= 0.0
+    assert data["runtime"]["stream_overhead_s"] >= 0.0 and "stream overhead" in " ".join(printed.split())
+    # the hand-off probe ran (prefill slot -> decode slot): a process hop and a socket cost something
+    assert data["runtime"]["kv_handoff_overhead_s"] > 0.0 and "KV hand-off overhead" in " ".join(printed.split())
     flat = " ".join(printed.split())  # rich wraps long lines
     assert data["runtime"]["contention_slowdown"] >= 1.0 and "slow-down beside one more busy process" in flat
     assert "request overhead" in flat and "worst" in flat
+    assert "per stage" in flat and "from the two-stage probes" in flat and "per sequence" in flat
+    assert "per TP collective (from the TP 2 probes)" in flat

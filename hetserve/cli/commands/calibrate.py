@@ -37,7 +37,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", type=_sizes, default=(1, 4, 16), metavar="B1,B2,...",
                    help="decode probes, requests at once (default 1,4,16)")
     p.add_argument("--decode-tokens", type=_positive, default=24, help="tokens per decode probe (default 24)")
-    p.add_argument("--reps", type=_positive, default=3, help="repetitions per prefill probe (median; default 3)")
+    p.add_argument("--reps", type=_positive, default=5,
+                   help="rounds over every probe (median per probe; default 5: the load of a shared machine drifts)")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="skip the two-stage pipeline probes (the per-stage fixed cost is then not told apart "
+                        "from the per-iteration one)")
+    p.add_argument("--no-tp", action="store_true",
+                   help="skip the TP 2 probes (the collectives' fixed cost is then 0)")
+    p.add_argument("--no-handoff", action="store_true",
+                   help="skip the KV hand-off probe (prefill slot -> decode slot; its overhead is then 0)")
     p.add_argument("--no-serving", action="store_true",
                    help="engine only: skip the HTTP probes (no request overhead measured)")
     p.add_argument("-o", "--output", help="write the calibration JSON here (for `plan/simulate --efficiency`)")
@@ -53,18 +61,29 @@ def run(args: argparse.Namespace) -> int:
 
     gpu(args.gpu, "--gpu")  # a clear error before any process starts
     cal = calibrate(args.model, args.gpu, prompt_lengths=args.prompt_lengths, batch_sizes=args.batch_sizes,
-                    decode_tokens=args.decode_tokens, reps=args.reps, serving=not args.no_serving)
+                    decode_tokens=args.decode_tokens, reps=args.reps, serving=not args.no_serving,
+                    pipeline=not args.no_pipeline, tp=not args.no_tp,
+                    handoff=not args.no_handoff)
     on = cal.measured_on
-    t = Table("phase", "size", "measured ms", "cost model ms", "error",
+    t = Table("phase", "size", "stages", "tp", "measured ms", "cost model ms", "error",
               title=f"calibration against {args.gpu} (measured on {on.get('device', '?')}, {on.get('cores', '?')} "
                     f"cores, {on.get('date', '?')}, load avg {on.get('load_avg_1m', '?')})")
     for p in cal.points:
-        t.add_row(p.phase, str(p.size), f"{p.measured_s * 1e3:.2f}", f"{p.predicted_s * 1e3:.2f}", f"{p.error:+.0%}")
+        t.add_row(p.phase, str(p.size), str(p.stages), str(p.tp), f"{p.measured_s * 1e3:.2f}", f"{p.predicted_s * 1e3:.2f}", f"{p.error:+.0%}")
     console = Console()
     console.print(t)
-    console.print(f"compute efficiency {cal.efficiency.compute:.3g}, memory efficiency {cal.efficiency.memory:.3g}, "
-                  f"overhead {cal.efficiency.step_overhead_s * 1e3:.2f} ms per iteration, request overhead (HTTP, "
-                  f"tokenisation, SSE) {cal.request_overhead_s * 1e3:.2f} ms, slow-down beside one more busy "
+    eff = cal.efficiency
+    console.print(f"compute efficiency {eff.compute:.3g}, memory efficiency {eff.memory:.3g}, fixed costs "
+                  f"{eff.iteration_overhead_s * 1e3:.2f} ms per iteration (scheduler turn-around, sampling) + "
+                  f"{eff.step_overhead_s * 1e3:.2f} ms per stage (step message, attention metadata, hand-on; "
+                  f"{'from the two-stage probes' if any(p.stages > 1 for p in cal.points) else 'not separated: no pipeline probe'}"
+                  f") + {eff.seq_overhead_s * 1e3:.3f} ms per sequence (bookkeeping, its attention, token streamed; "
+                  f"from the decode batch sizes) + {eff.collective_overhead_s * 1e3:.2f} ms per TP collective ("
+                  f"{'from the TP 2 probes' if any(p.tp > 1 for p in cal.points) else 'no TP probe'}), "
+                  f"request overhead (HTTP, "
+                  f"tokenisation, SSE) {cal.request_overhead_s * 1e3:.2f} ms, stream overhead (each token over "
+                  f"HTTP/SSE, served − engine TPOT per sequence) {cal.stream_overhead_s * 1e3:.3f} ms, KV hand-off "
+                  f"overhead (beyond the link's α-β) {cal.kv_handoff_overhead_s * 1e3:.2f} ms, slow-down beside one more busy "
                   f"process {cal.contention_slowdown:.2f}x; fit error per point: mean "
                   f"{cal.mean_abs_error:.0%}, worst {cal.max_abs_error:.0%}")
     if args.output:

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from hetserve.errors import PlanError, SpecError
-    from hetserve.cost.analytic import CostModel, load_efficiency
+    from hetserve.cost.analytic import CostModel
     from hetserve.planner.plan import Plan
     from hetserve.planner.validate import validate_plan
     from hetserve.sim import SimOptions, simulate
@@ -119,13 +119,15 @@ def run(args: argparse.Namespace) -> int:
         from hetserve.policies.predictor import BucketMeanPredictor
         predictor = BucketMeanPredictor()
     try:
-        from hetserve.runtime.calibrate import load_contention, load_request_overhead
+        from hetserve.runtime.calibrate import (load_contention, load_kv_handoff_overhead, load_request_overhead,
+                                                served_efficiency)
 
-        cost = CostModel(cluster, model, load_efficiency(args.efficiency)) if args.efficiency else None
+        cost = CostModel(cluster, model, served_efficiency(args.efficiency)) if args.efficiency else None
         overhead = load_request_overhead(args.efficiency) if args.efficiency else 0.0
         contention = load_contention(args.efficiency) if args.efficiency else 1.0
+        handoff = load_kv_handoff_overhead(args.efficiency) if args.efficiency else 0.0
         opts = SimOptions(placement=args.router, route=args.route, transmission=args.transmission, slo=slo,
-                          request_overhead_s=overhead, contention_slowdown=contention,
+                          request_overhead_s=overhead, contention_slowdown=contention, link_overhead_s=handoff,
                           predictor=predictor, token_budget=args.token_budget, chunked_prefill=args.chunked_prefill,
                           prefill_mode=args.prefill_mode,
                           max_batch=args.max_batch, micro_batches=args.micro_batches, pipeline=args.pipeline,

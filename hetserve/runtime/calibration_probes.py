@@ -1,0 +1,250 @@
+"""The measurements ``hetserve calibrate`` fits the cost model to (``runtime/calibrate.py`` fits).
+
+One colocated replica of the checkpoint on one device, served by the real engine behind the real
+HTTP server, probed in interleaved rounds (the load of a shared machine drifts): single prompts of
+several lengths (TTFT), decode batches of several sizes (TPOT), the same through HTTP with the
+``openai`` client, and a prompt and a one-sequence decode on a two-stage pipeline and on one stage
+of TP 2 of the same checkpoint, and the KV hand-off of that prompt from a prefill to a decode
+replica; then the largest decode batch again beside one busy process (the contention slow-down). The replica shapes (``_one_device_plan``, ``_layout``) are shared with the
+fit, so both price the same layouts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hetserve.cost.layout import ReplicaLayout, StageLayout
+from hetserve.planner.plan import Plan
+from hetserve.specs.cluster import Cluster, cluster_from_dict
+from hetserve.specs.model import load_model
+
+
+def _burn(stop) -> None:  # pragma: no cover - runs in a child process
+    """Keep one core busy (pure Python, one thread), as one more worker process computing would."""
+    x = 0
+    while not stop.is_set():
+        for i in range(20000):
+            x += i * i
+
+
+def machine_info() -> dict:
+    """Where a measurement was taken: CPU model, cores, date (UTC), load average now."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {"device": cpu, "cores": os.cpu_count(), "date": datetime.datetime.now(datetime.timezone.utc)
+            .strftime("%Y-%m-%d %H:%M UTC"), "load_avg_1m": round(load[0], 2)}
+
+
+def _one_device_cluster(gpu_name: str, count: int = 1) -> Cluster:
+    # Memory is left at the GPU's: calibration measures speed, not capacity.
+    return cluster_from_dict({"name": "calibration", "machines": [{"name": "cal", "gpu": gpu_name, "count": count}]})
+
+
+def _stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Layers split as evenly as they go over ``stages`` stages (the pipeline probe's layout)."""
+    cuts = [round(i * num_layers / stages) for i in range(stages + 1)]
+    return list(zip(cuts, cuts[1:]))
+
+
+def _one_device_plan(spec, cluster: Cluster, stages: int = 1, tp: int = 1) -> Plan:
+    """One colocated replica; ``stages`` > 1: a pipeline with one device per stage; ``tp`` > 1: one
+    stage on ``tp`` devices."""
+    devs = [[f"cal:{i * tp + k}" for k in range(tp)] for i in range(stages)]
+    return Plan.from_dict({"model": spec.name, "cluster": cluster.name, "algorithm": "calibration",
+                           "replicas": [{"id": "c0", "role": "colocated",
+                                         "stages": [{"devices": d, "layers": [lo, hi]}
+                                                    for d, (lo, hi) in zip(devs, _stage_bounds(spec.num_layers,
+                                                                                                stages))]}]})
+
+
+def _layout(spec, stages: int = 1, tp: int = 1, first_device: int = 0) -> ReplicaLayout:
+    """The replica ``_one_device_plan`` serves, as the cost model sees it (devices from ``first_device``)."""
+    return ReplicaLayout(tuple(StageLayout(tuple(range(first_device + i * tp, first_device + (i + 1) * tp)), b)
+                               for i, b in enumerate(_stage_bounds(spec.num_layers, stages))))
+
+
+def _handoff_plan(spec, cluster: Cluster) -> Plan:
+    """A prefill replica on one device handing its KV to a decode replica on another."""
+    stage = lambda dev: [{"devices": [dev], "layers": [0, spec.num_layers]}]  # noqa: E731
+    return Plan.from_dict({"model": spec.name, "cluster": cluster.name, "algorithm": "calibration",
+                           "replicas": [{"id": "p0", "role": "prefill", "stages": stage("cal:0")},
+                                        {"id": "d0", "role": "decode", "stages": stage("cal:1")}],
+                           "kv_routes": [{"from": "p0", "to": "d0", "weight": 1.0}]})
+
+
+def _tp_divides(spec, tp: int) -> bool:
+    return spec.num_heads % tp == 0 and spec.num_kv_heads % tp == 0 and spec.ffn_hidden % tp == 0
+
+
+@dataclass
+class Measurements:
+    ttft: dict[int, float]  # prompt length -> median TTFT on the engine (s)
+    tpot: dict[int, float]  # batch size -> median TPOT on the engine (s)
+    http_ttft: dict[int, float] = field(default_factory=dict)  # prompt length -> median TTFT through HTTP
+    http_tpot: dict[int, float] = field(default_factory=dict)  # batch size -> median TPOT streamed through HTTP
+    contention: float = 1.0  # TPOT of the largest decode probe beside one busy process / alone
+    load_avg: list[float] = field(default_factory=list)  # 1-minute load average during the run
+    pp_ttft: dict[int, float] = field(default_factory=dict)  # two-stage pipeline: prompt length -> median TTFT
+    pp_tpot: dict[int, float] = field(default_factory=dict)  # two-stage pipeline: batch size -> median TPOT
+    tp_ttft: dict[int, float] = field(default_factory=dict)  # one stage on TP 2: prompt length -> median TTFT
+    tp_tpot: dict[int, float] = field(default_factory=dict)  # one stage on TP 2: batch size -> median TPOT
+    kv_handoff: dict[int, float] = field(default_factory=dict)  # prefill -> decode slot: prompt -> median hand-off (s)
+
+
+def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), batch_sizes=(1, 4, 16),
+            decode_tokens: int = 24, reps: int = 5, serving: bool = True, pipeline: bool = True,
+            tp: bool = True, handoff: bool = True) -> Measurements:
+    """Median TTFT per prompt length and median TPOT per batch size on the engine, (``serving``)
+    median TTFT of the same prompts and TPOT of the same batches through the HTTP server and the
+    ``openai`` client, and the TTFT of the second prompt length and the TPOT of one sequence on a
+    two-stage pipeline (``pipeline``, checkpoints of two or more layers) and on one stage of TP 2
+    (``tp``, heads and FFN divisible by 2), and (``handoff``) the KV hand-off of that prompt from a
+    prefill replica to a decode replica (the coordinator's send to the last acknowledgement)."""
+    from hetserve.runtime.engine import Engine, EngineConfig
+    from hetserve.runtime.sampling import SamplingParams
+
+    spec = load_model(model_dir)
+    cluster = _one_device_cluster(gpu_name)
+    plan = _one_device_plan(spec, cluster)
+    rng = np.random.default_rng(0)
+    prompt_lengths = [L for L in prompt_lengths if L + decode_tokens < spec.max_context]
+    m = Measurements({}, {})
+
+    def prefill(eng, L: int) -> float:
+        h = eng.submit(rng.integers(32, 127, L).tolist(), SamplingParams(max_tokens=1, ignore_eos=True))
+        h.result(timeout=120)
+        return h.ttft
+
+    def decode(eng, b: int) -> float:
+        handles = [eng.submit(rng.integers(32, 127, 16).tolist(),
+                              SamplingParams(max_tokens=decode_tokens, ignore_eos=True)) for _ in range(b)]
+        for h in handles:
+            h.result(timeout=120)
+        return statistics.median(h.tpot for h in handles)
+
+    server = pp = tp2 = pd = None
+    if serving:
+        from hetserve.serve.launch import ServeOptions, start_server
+
+        server = start_server(ServeOptions(plan=plan, cluster=cluster, model_dir=str(model_dir),
+                                           max_num_seqs=max(batch_sizes)))
+        engine = server.deployment.engine
+    else:
+        engine = Engine.from_plan(plan, cluster, model_dir, EngineConfig(max_num_seqs=max(batch_sizes)))
+    try:
+        pp_prompt = prompt_lengths[min(1, len(prompt_lengths) - 1)]
+        if pipeline and spec.num_layers >= 2:
+            # A two-stage pipeline of the same checkpoint, probed in the same rounds (the load drifts):
+            # one micro-batch, so what it adds to one stage is the second stage's fixed cost and hand-on.
+            cluster2 = _one_device_cluster(gpu_name, 2)
+            pp = Engine.from_plan(_one_device_plan(spec, cluster2, 2), cluster2, model_dir, EngineConfig(max_num_seqs=4))
+            pp.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        if tp and _tp_divides(spec, 2):
+            # One stage on TP 2: what it adds beyond half the compute is its collectives' fixed cost.
+            cluster2 = _one_device_cluster(gpu_name, 2)
+            tp2 = Engine.from_plan(_one_device_plan(spec, cluster2, 1, 2), cluster2, model_dir,
+                                   EngineConfig(max_num_seqs=4))
+            tp2.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        if handoff:
+            cluster2 = _one_device_cluster(gpu_name, 2)
+            pd = Engine.from_plan(_handoff_plan(spec, cluster2), cluster2, model_dir, EngineConfig(max_num_seqs=4))
+            pd.generate([[65] * 8], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+        engine.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        # Rounds over every probe (not every probe's repetitions in a row): on a shared machine the
+        # load drifts, and interleaving spreads it over all points instead of biasing some.
+        ttft_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
+        tpot_s: dict[int, list[float]] = {b: [] for b in batch_sizes}
+        http_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
+        http_tpot_s: dict[int, list[float]] = {b: [] for b in batch_sizes}
+        pp_ttft_s: list[float] = []
+        pp_tpot_s: list[float] = []
+        tp_ttft_s: list[float] = []
+        tp_tpot_s: list[float] = []
+        handoff_s: list[float] = []
+        for _ in range(reps):
+            for L in prompt_lengths:
+                ttft_s[L].append(prefill(engine, L))
+            for b in batch_sizes:
+                tpot_s[b].append(decode(engine, b))
+            if pp is not None:
+                pp_ttft_s.append(prefill(pp, pp_prompt))
+                pp_tpot_s.append(decode(pp, 1))
+            if tp2 is not None:
+                tp_ttft_s.append(prefill(tp2, pp_prompt))
+                tp_tpot_s.append(decode(tp2, 1))
+            if pd is not None:
+                h = pd.submit(rng.integers(32, 127, pp_prompt).tolist(), SamplingParams(max_tokens=2, ignore_eos=True))
+                h.result(timeout=120)
+                if h.handoff_s is not None:
+                    handoff_s.append(h.handoff_s)
+            m.load_avg.append(os.getloadavg()[0])
+            if server is not None:
+                from hetserve.serve.loadgen import LoadRequest, replay
+
+                # one client, requests spaced out (each alone on the server), as a replayed trace sends them
+                gap = 1.5 * max(ttft_s[L][-1] for L in prompt_lengths) + 0.05
+                reqs = [LoadRequest(i * gap, rng.integers(32, 127, L).tolist(), 1) for i, L in enumerate(prompt_lengths)]
+                for L, r in zip(prompt_lengths, replay(server.url, Path(model_dir).resolve().name, reqs,
+                                                       ignore_eos=True)):
+                    http_s[L].append(r.ttft_s)
+                # the decode probes again, every token streamed to the client (as the engine probes: all at once)
+                for b in batch_sizes:
+                    reqs = [LoadRequest(0.0, rng.integers(32, 127, 16).tolist(), decode_tokens) for _ in range(b)]
+                    res = replay(server.url, Path(model_dir).resolve().name, reqs, ignore_eos=True)
+                    http_tpot_s[b].append(statistics.median(r.tpot_s for r in res))
+        for extra in (pp, tp2, pd):
+            if extra is not None:
+                extra.shutdown()
+        pp = tp2 = pd = None
+        # Contention: the largest decode probe again while one more process keeps a core busy (as a
+        # second worker slot of the same host would); the ratio to the probe alone is the slow-down.
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        stop = ctx.Event()
+        burner = ctx.Process(target=_burn, args=(stop,), daemon=True)
+        burner.start()
+        try:
+            b = max(batch_sizes)
+            busy = [decode(engine, b) for _ in range(reps)]
+            m.contention = max(1.0, statistics.median(busy) / statistics.median(tpot_s[b]))
+        finally:
+            stop.set()
+            burner.join(timeout=5)
+            if burner.is_alive():
+                burner.kill()
+        m.ttft = {L: statistics.median(v) for L, v in ttft_s.items()}
+        m.tpot = {b: statistics.median(v) for b, v in tpot_s.items()}
+        m.http_ttft = {L: statistics.median(v) for L, v in http_s.items() if v}
+        m.http_tpot = {b: statistics.median(v) for b, v in http_tpot_s.items() if v}
+        if pp_ttft_s:
+            m.pp_ttft = {pp_prompt: statistics.median(pp_ttft_s)}
+            m.pp_tpot = {1: statistics.median(pp_tpot_s)}
+        if tp_ttft_s:
+            m.tp_ttft = {pp_prompt: statistics.median(tp_ttft_s)}
+            m.tp_tpot = {1: statistics.median(tp_tpot_s)}
+        if handoff_s:
+            m.kv_handoff = {pp_prompt: statistics.median(handoff_s)}
+    finally:
+        for extra in (pp, tp2, pd):
+            if extra is not None:
+                extra.shutdown()
+        if server is not None:
+            server.close()
+        else:
+            engine.shutdown()
+    return m

@@ -1,7 +1,7 @@
 """Experiment 3: Aladdin Figures 11 and 12 — GPUs needed to meet the SLOs against arrival rate.
 
-    python experiments/aladdin_figures.py [--quick] [--rates 5,10,15,20,25] [--requests 1500]
-        [--sections eq6,gpus,split,same,rebalance,kv,kv70,grouped] [--plot docs/experiments/aladdin_figures.png]
+    python experiments/aladdin_figures.py [--quick] [--rates 5,10,15,20,25] [--requests 1500] [--windows 10]
+        [--sections eq6,gpus,split,same,stalls,rebalance,kv,kv70,grouped] [--plot docs/experiments/aladdin_figures.png]
 
 Setting (Aladdin §6.1, §6.4): Llama2-13B on A100-80GB workers joined by PCIe inside 4-GPU boxes,
 TTFT 600 ms and ATGT 30 ms (Table 2), ShareGPT prompt and output lengths (the bundled ShareGPT
@@ -19,11 +19,17 @@ Like with like (every section):
   is shown too), with the true output lengths (oracle) and with the bucket-mean predictor fitted on
   held-out ShareGPT requests (the paper's "most naive" predictor), which is what makes its
   re-balancing (Algorithm 2) act;
-* worker sizes: Eq. 6's choice and 1 GPU per worker (the paper's Table 3 for 13B on A100).
+* worker sizes: Eq. 6's choice and 1 GPU per worker (the paper's Table 3 for 13B on A100);
+* colocated workers batch as the paper's vLLM did: a step of prompts pauses decoding ("prefill
+  preempts decode", §4.2 (d)); ``--prefill-mode mixed`` lets prompts ride in the decode step (the
+  runtime's engine and the simulator's default).
 
 Sections: ``eq6`` worker size; ``gpus`` Figure 11 (colocated); ``split`` Figure 12 (decode
 instances); ``same`` attainment on one plan (JSQ's pool) on ShareGPT-Poisson and on the bursty
-Azure conversation trace; ``rebalance`` Algorithm 2 on/off with the bucket and a noisy predictor;
+Azure conversation trace, over ``--windows`` disjoint windows of the trace (mean, range and
+Aladdin's paired difference from JSQ); ``stalls`` where Aladdin's misses come from (per-request
+diagnosis: misses that decoded through a prompt placed with no worker feasible); ``rebalance``
+Algorithm 2 on/off with the bucket and a noisy predictor;
 ``kv`` Llama2-13B on V100 (800 ms / 50 ms, Table 2), where Eq. 6 says KV limits the batch; ``kv70``
 Llama2-70B on A100 (1600 ms / 75 ms), where the KV pool binds in simulation (pre-emptions);
 ``grouped`` Appendix A's grouped scheduling.
@@ -41,7 +47,7 @@ import numpy as np
 
 from hetserve.capacity.config import best_worker_config, homogeneous_cluster, worker_options
 from hetserve.capacity.simulated import attainment, run_pool, workers_needed
-from hetserve.capacity.workers import fluid_workers
+from hetserve.capacity.workers import fluid_workers, min_workers
 from hetserve.errors import InfeasibleError
 from hetserve.policies.aladdin import AladdinPlacement, models_from_cost
 from hetserve.policies.grouped import GroupedPlacement, split_groups
@@ -76,6 +82,7 @@ class Setting:
     kv: str
     seed: int
     model: object = field(repr=False, default=None)
+    prefill_mode: str = "prefill_first"  # vLLM's, as the paper ran it: a prompt step pauses decoding
 
     def poisson(self, rate: float) -> Workload:
         return self.base.with_poisson_arrivals(rate, self.seed).head(self.requests)
@@ -95,7 +102,7 @@ class Setting:
 
 
 def aladdin(slo: SLO, gamma: float = 1.0, theta: float = 1.0, rebalance: bool = True, groups: int = 1,
-            made: list | None = None):
+            made: list | None = None, overflow: str = "least_overdraft"):
     """A policy maker for ``run_pool``: Aladdin with coefficients fitted per pool (grouped when
     ``groups`` > 1); every policy made is appended to ``made`` (to read its stats)."""
     def make(pool):
@@ -103,7 +110,8 @@ def aladdin(slo: SLO, gamma: float = 1.0, theta: float = 1.0, rebalance: bool = 
         models = models_from_cost(pool.cost, layouts, slo)
 
         def one(ids):
-            return AladdinPlacement({i: models[i] for i in ids}, slo, gamma=gamma, theta=theta, rebalance=rebalance)
+            return AladdinPlacement({i: models[i] for i in ids}, slo, gamma=gamma, theta=theta, rebalance=rebalance,
+                                    overflow=overflow)
         pol = one(pool.worker_ids) if groups == 1 else GroupedPlacement(
             split_groups(pool.worker_ids, min(groups, len(pool.worker_ids))), one)
         if made is not None:
@@ -121,7 +129,7 @@ def needed(s: Setting, rate: float, policy, g: int, mode: str = "colocated", pre
     try:
         n = workers_needed(s.model, s.gpu, wl or s.poisson(rate), slo, policy, g, mode, s.target,
                            prefill_workers=prefill, intra=s.intra, hint=fluid, max_workers=4 * fluid + 8,
-                           predictor_factory=predictor, kv_admission=s.kv)
+                           predictor_factory=predictor, kv_admission=s.kv, prefill_mode=s.prefill_mode)
     except InfeasibleError:
         return None
     return n * g
@@ -191,26 +199,138 @@ def section_gpus(s: Setting, rates: list[float], g: int, mode: str, curves: dict
     curves[mode] = got
 
 
-def section_same(s: Setting, rates: list[float], g: int) -> None:
-    """Attainment of each policy on one plan: the pool JSQ needs at that rate."""
-    azure = load_workload("azure-conv").filter_lengths(2048, 2048)
+def trace_windows(s: Setting, trace: str, rate: float, windows: int) -> list[Workload]:
+    """``windows`` disjoint windows of ``s.requests`` requests at ``rate``: consecutive slices of the
+    ShareGPT lengths with Poisson arrivals (seed ``s.seed`` + k), or consecutive slices of the Azure
+    conversation trace with its own (bursty) arrivals rescaled to ``rate``. Fewer if the file runs out."""
+    src = s.base if trace == "sharegpt" else load_workload("azure-conv").filter_lengths(2048, 2048)
+    k_max = max(1, min(windows, len(src) // s.requests))
+    out = []
+    for k in range(k_max):
+        w = src._take(np.arange(k * s.requests, (k + 1) * s.requests), src.name)
+        out.append(w.with_poisson_arrivals(rate, s.seed + k) if trace == "sharegpt" else w.with_rate(rate))
+    return out
+
+
+def section_same(s: Setting, rates: list[float], g: int, windows: int) -> None:
+    """Attainment of each policy on one plan — the pool JSQ needs at that rate — over ``windows``
+    disjoint trace windows: JSQ's pool is the fewest workers whose mean attainment over the windows
+    meets the target; each policy's mean and range are reported, and Aladdin's paired difference
+    from JSQ (mean ± 2 standard errors over the windows). One window of 800 requests decides 99 %
+    by a handful of requests; the windows make the comparison one of distributions."""
     bucket = s.bucket()
+    traces = {"sharegpt": "ShareGPT, Poisson", "azure": "Azure conv (bursty, held out)"}
+    pols = {"JSQ": ("jsq", None), "power-of-two": ("po2", None), "Aladdin, true lengths": (aladdin(s.slo), None),
+            "Aladdin, bucket predictor": (aladdin(s.slo), bucket),
+            "Aladdin, true lengths, overflow to the least loaded (before)": (aladdin(s.slo, overflow="least_loaded"),
+                                                                             None)}
     print(f"### Same plan, same trace: SLO attainment on the pool JSQ needs ({g} GPU/worker)\n")
-    print("| trace | rate | workers | JSQ | power-of-two | Aladdin, true lengths | Aladdin, bucket predictor |")
-    print("|---|---|---|---|---|---|---|")
-    for trace in ("ShareGPT, Poisson", "Azure conv (bursty, held out)"):
+    print(f"Each cell: mean attainment over disjoint windows of {s.requests} requests (range in brackets). "
+          "Δ: Aladdin (true lengths; bucket predictor) minus JSQ, paired by window, mean ± 2 s.e.\n")
+    print("| trace | rate | windows | workers | " + " | ".join(pols) + " | Δ true lengths | Δ bucket |")
+    print("|---|---|---|---|" + "---|" * (len(pols) + 2))
+    met = total = 0
+    for key, trace in traces.items():
         for rate in rates:
-            wl = s.poisson(rate) if trace.startswith("Share") else azure.head(s.requests).with_rate(rate)
-            n = needed(s, rate, "jsq", g, wl=wl)
-            if n is None:
+            wls = trace_windows(s, key, rate, windows)
+
+            def attain(pol, n, pred=None):
+                return np.array([attainment(run_pool(s.model, s.gpu, wl, s.slo, pol, n, g, intra=s.intra,
+                                                     predictor=pred() if pred else None, kv_admission=s.kv,
+                                                     prefill_mode=s.prefill_mode), s.slo)
+                                 for wl in wls])
+            fluid = s.fluid(rate, g, "colocated")
+            try:
+                n = min_workers(lambda n: attain("jsq", n).mean() >= s.target, 1, fluid, 4 * fluid + 8)
+            except InfeasibleError:
                 continue
-            n //= g
-            cells = []
-            for pol, pred in (("jsq", None), ("po2", None), (aladdin(s.slo), None), (aladdin(s.slo), bucket)):
-                res = run_pool(s.model, s.gpu, wl, s.slo, pol, n, g, intra=s.intra,
-                               predictor=pred() if pred else None, kv_admission=s.kv)
-                cells.append(f"{100 * attainment(res, s.slo):.1f}%")
-            print(f"| {trace} | {rate:g} | {n} | " + " | ".join(cells) + " |")
+            got = {name: attain(pol, n, pred) for name, (pol, pred) in pols.items()}
+            cells = [f"{100 * a.mean():.2f}% ({100 * a.min():.1f}–{100 * a.max():.1f})" for a in got.values()]
+            deltas = []
+            for name in ("Aladdin, true lengths", "Aladdin, bucket predictor"):
+                d = got[name] - got["JSQ"]
+                se = d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else float("nan")
+                deltas.append(f"{100 * d.mean():+.2f} ± {200 * se:.2f}")
+            ok = got["Aladdin, true lengths"].mean() >= got["JSQ"].mean()
+            met += ok
+            total += 1
+            print(f"| {trace} | {rate:g} | {len(wls)} | {n} | " + " | ".join(cells) + " | " + " | ".join(deltas) + " |",
+                  flush=True)
+    print(f"\nAladdin (true lengths) mean ≥ JSQ mean at {met} of {total} points.\n")
+
+
+def stall_diagnosis(s: Setting, wl: Workload, n: int, g: int, policy) -> dict:
+    """One run on ``n`` workers with every replica's iterations traced: the requests that miss
+    TTFT or ATGT, how many of them decoded through a prompt that Aladdin placed as an overflow (no
+    worker feasible), and how often an overflow went to the same worker as the overflow before."""
+    from hetserve.capacity.simulated import build_pool
+    from hetserve.policies.placement import PolicyContext, make_placement
+    from hetserve.sim.simulator import SimOptions, Simulator
+
+    pool = build_pool(s.model, s.gpu, n, g, intra=s.intra)
+    over: list[tuple[int, str]] = []  # (request id, worker) of each overflow placement, in order
+    if policy == "jsq":
+        layouts = {r.id: r.layout(pool.cluster) for r in pool.plan.replicas}
+        pol = make_placement("jsq", PolicyContext(slo=s.slo, cost=pool.cost, plan=pool.plan, layouts=layouts))
+    else:
+        pol = policy(pool)
+        choose = pol.choose
+
+        def traced(request, cands, now):
+            k = pol.stats["overflow"]
+            x = choose(request, cands, now)
+            if pol.stats["overflow"] > k:
+                over.append((request.id, x))
+            return x
+        pol.choose = traced
+    opts = SimOptions(placement=pol, slo=s.slo, kv_admission=s.kv, prefill_mode=s.prefill_mode)
+    sim = Simulator(pool.plan, pool.cluster, s.model, wl, opts, pool.cost)
+    for rep in sim.replicas:
+        rep.trace = []  # (start, end, decoding requests, prompts) of every iteration
+    res = sim.run()
+    traces = {rep.id: rep.trace for rep in sim.replicas}
+    overflowed = {rid for rid, _ in over}
+    miss = ~(np.isfinite(res.t_finish) & (res.ttft <= s.slo.ttft_s) & (res.atgt <= s.slo.tpot_s))
+    stalled = 0
+    for i in np.flatnonzero(miss):
+        its = traces[res.prefill_replica[i]]
+        stalled += any(t[1] > res.t_first[i] and t[0] < res.t_finish[i] and (i in t[2] or not t[2])
+                       and overflowed.intersection(t[3])
+                       for t in its)
+    return {"misses": int(miss.sum()), "ttft": int((res.ttft > s.slo.ttft_s).sum()), "stalled": stalled,
+            "overflows": len(over), "repeat": sum(a[1] == b[1] for a, b in zip(over, over[1:]))}
+
+
+def section_stalls(s: Setting, points: list[tuple[str, float]], g: int, windows: int) -> None:
+    """Why Aladdin fell behind JSQ on the same plan (issue 12): per-request diagnosis over the
+    windows for JSQ and for Aladdin with either overflow rule, on JSQ's pool."""
+    print(f"### Where Aladdin's misses come from: {windows} windows of {s.requests} requests, JSQ's pool\n")
+    print("| trace | rate | workers | policy | misses (TTFT) | misses that decoded through an overflow "
+          "prompt | overflow placements | overflow to the same worker as the one before |")
+    print("|---|---|---|---|---|---|---|---|")
+    names = {"sharegpt": "ShareGPT, Poisson", "azure": "Azure conv (bursty, held out)"}
+    for key, rate in points:
+        wls = trace_windows(s, key, rate, windows)
+        fluid = s.fluid(rate, g, "colocated")
+
+        def jsq_ok(n):
+            return np.mean([attainment(run_pool(s.model, s.gpu, wl, s.slo, "jsq", n, g, intra=s.intra,
+                                                kv_admission=s.kv, prefill_mode=s.prefill_mode), s.slo)
+                            for wl in wls]) >= s.target
+        n = min_workers(jsq_ok, 1, fluid, 4 * fluid + 8)
+        for name, pol in (("JSQ", "jsq"), ("Aladdin, overflow to the least loaded (before)",
+                                           aladdin(s.slo, overflow="least_loaded")),
+                          ("Aladdin, overflow to the least overdraft of (d) (now)", aladdin(s.slo))):
+            tot: dict[str, int] = {}
+            for wl in wls:
+                for k, v in stall_diagnosis(s, wl, n, g, pol).items():
+                    tot[k] = tot.get(k, 0) + v
+            over = f"{tot['overflows']}" if pol != "jsq" else "—"
+            rep = f"{tot['repeat']} ({100 * tot['repeat'] / max(1, tot['overflows'] - len(wls)):.0f}%)" \
+                if pol != "jsq" else "—"
+            stalled = f"{tot['stalled']}" if pol != "jsq" else "—"
+            print(f"| {names[key]} | {rate:g} | {n} | {name} | {tot['misses']} ({tot['ttft']}) | {stalled} | {over} | "
+                  f"{rep} |", flush=True)
     print()
 
 
@@ -227,7 +347,7 @@ def section_rebalance(s: Setting, rate: float, g: int) -> None:
         for on in (True, False):
             made: list = []
             res = run_pool(s.model, s.gpu, wl, s.slo, aladdin(s.slo, rebalance=on, made=made), n, g, intra=s.intra,
-                           predictor=pred(), kv_admission=s.kv)
+                           predictor=pred(), kv_admission=s.kv, prefill_mode=s.prefill_mode)
             st = made[-1].stats
             gpus = needed(s, rate, aladdin(s.slo, rebalance=on), g, predictor=pred, wl=wl)
             print(f"| {name} | {'on' if on else 'off'} | {100 * attainment(res, s.slo):.1f}% | {st['moved']} | "
@@ -254,7 +374,8 @@ def section_kv(s: Setting, rates: list[float]) -> None:
     rate = rates[-1]
     n = (needed(s, rate, "jsq", g) or 0) // g
     if n:
-        res = run_pool(s.model, s.gpu, s.poisson(rate), s.slo, "jsq", n, g, intra=s.intra, kv_admission="paged")
+        res = run_pool(s.model, s.gpu, s.poisson(rate), s.slo, "jsq", n, g, intra=s.intra, kv_admission="paged",
+                       prefill_mode=s.prefill_mode)
         peak = max(r.kv_peak_tokens / r.kv_capacity_tokens for r in res.replicas if r.kv_capacity_tokens)
         pre = res.info["preemptions"]
         print(f"\nJSQ's pool at {rate:g} req/s ({n} workers, paged): peak KV use {100 * peak:.0f}% of the pool, "
@@ -282,7 +403,8 @@ def section_kv70(s: Setting, rates: list[float]) -> None:
         for r, n in zip(rates, got[name]):
             if not n:
                 continue
-            res = run_pool(model, s.gpu, sk.poisson(r), sk.slo, pol, n // g, g, intra=s.intra, kv_admission=s.kv)
+            res = run_pool(model, s.gpu, sk.poisson(r), sk.slo, pol, n // g, g, intra=s.intra, kv_admission=s.kv,
+                           prefill_mode=s.prefill_mode)
             peak = max(x.kv_peak_tokens / x.kv_capacity_tokens for x in res.replicas if x.kv_capacity_tokens)
             print(f"| {name} | {r:g} | {n // g} | {100 * peak:.0f}% | {res.info['preemptions']} | "
                   f"{100 * attainment(res, sk.slo):.1f}% |")
@@ -303,7 +425,7 @@ def section_grouped(s: Setting, rate: float, g: int) -> None:
         made: list = []
         t0 = time.perf_counter()
         res = run_pool(s.model, s.gpu, wl, s.slo, aladdin(s.slo, groups=k, made=made), central // g, g,
-                       intra=s.intra, kv_admission=s.kv)
+                       intra=s.intra, kv_admission=s.kv, prefill_mode=s.prefill_mode)
         wall = time.perf_counter() - t0
         print(f"| {k} | {cell(gpus)} | {100 * attainment(res, s.slo):.1f}% | {1e6 * wall / len(wl):.0f} |")
     print("\npaper — Appendix A: more groups cut the scheduling latency; each group should hold ≥ 1/(2e) "
@@ -336,28 +458,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="two rates, 400 requests: a smoke run for tests")
     ap.add_argument("--rates", default="5,10,15,20,25")
     ap.add_argument("--requests", type=int, default=1500, help="requests simulated per rate")
-    ap.add_argument("--sections", default="eq6,gpus,split,same,rebalance,kv,kv70,grouped")
+    ap.add_argument("--sections", default="eq6,gpus,split,same,stalls,rebalance,kv,kv70,grouped")
     ap.add_argument("--target", type=float, default=0.99)
+    ap.add_argument("--windows", type=int, default=10,
+                    help="disjoint trace windows per point in the 'same' section (mean and range reported)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-admission", choices=["paged", "reserve"], default="paged",
                     help="KV admission for every policy: vLLM-style paged growth with recompute pre-emption "
                          "(default), or the oracle reservation of prompt + whole output")
+    ap.add_argument("--prefill-mode", choices=["prefill_first", "mixed", "chunked"], default="prefill_first",
+                    help="how prompts meet decodes on a colocated worker: a prompts-only step that pauses decoding "
+                         "(vLLM v0, the paper's engine: 'prefill preempts decode'; default), prompts riding in the "
+                         "decode step (the runtime's engine), or Sarathi chunks")
     ap.add_argument("--plot", help="write Figures 11/12 as a PNG here")
     args = ap.parse_args(argv)
     rates = [float(x) for x in args.rates.split(",")]
     if args.quick:
-        rates, args.requests = rates[:2], min(args.requests, 400)
+        rates, args.requests, args.windows = rates[:2], min(args.requests, 400), min(args.windows, 2)
     sections = {x.strip() for x in args.sections.split(",")}
     model = load_model(MODEL)
     share = load_workload("sharegpt", seed=args.seed).filter_lengths(2048, 2048)
     base = share.head(len(share) // 2)
     history = share._take(np.arange(len(share) // 2, len(share)), "sharegpt-history")
-    a100 = Setting(A100, SLO_A100, PCIE, base, history, args.requests, args.target, args.kv_admission, args.seed, model)
+    a100 = Setting(A100, SLO_A100, PCIE, base, history, args.requests, args.target, args.kv_admission, args.seed, model,
+                   args.prefill_mode)
     t0 = time.perf_counter()
     print(f"# Aladdin Figures 11/12: {MODEL}, ShareGPT lengths (mean in {base.mean_input:.0f}, out "
           f"{base.mean_output:.0f}), Poisson arrivals, {args.requests} requests per point, target "
-          f"{args.target:.0%} of requests within TTFT and ATGT, KV admission {args.kv_admission!r} for every "
-          f"policy, fewest workers by bisection for every policy\n")
+          f"{args.target:.0%} of requests within TTFT and ATGT, KV admission {args.kv_admission!r} and prefill mode "
+          f"{args.prefill_mode!r} for every policy, fewest workers by bisection for every policy\n")
     g = section_eq6(a100, f"{MODEL} on {A100} (PCIe boxes of 4), TTFT {SLO_A100.ttft_s}s / ATGT {SLO_A100.tpot_s}s")
     print("(paper, Table 3: 1 GPU per worker for Llama2-13B on A100)\n")
     curves: dict = {}
@@ -366,7 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     if "split" in sections:
         section_gpus(a100, rates, g, "decode", curves)
     if "same" in sections:
-        section_same(a100, rates, g)
+        section_same(a100, rates, g, args.windows)
+    if "stalls" in sections:
+        section_stalls(a100, [("azure", 15.0), ("sharegpt", 20.0)] if not args.quick else [("azure", rates[0])], g,
+                       args.windows)
     mid = rates[len(rates) // 2]
     if "rebalance" in sections:
         section_rebalance(a100, mid, g)

@@ -101,9 +101,12 @@ PolicyMaker = Callable[[Pool], object]
 
 def run_pool(model: ModelSpec, gpu: str, workload: Workload, slo: SLO, policy: str | PolicyMaker, workers: int,
              gpus_per_worker: int, mode: Mode = "colocated", prefill_workers: int = 0, per_machine: int = 4,
-             intra: dict | None = None, predictor=None, kv_admission: str = "paged"):
+             intra: dict | None = None, predictor=None, kv_admission: str = "paged", prefill_mode: str | None = None):
     """One simulation of ``workload`` on a pool of ``workers`` workers; returns the ``SimResult``.
-    ``kv_admission``: the simulator's KV admission mode ("reserve" or "paged", ``SimOptions``)."""
+    ``kv_admission``: the simulator's KV admission mode ("reserve" or "paged", ``SimOptions``).
+    ``prefill_mode``: how prompts meet decodes on a colocated worker (``SimOptions.prefill_mode``;
+    None: the simulator's default, the runtime's "mixed")."""
+    mode_opts = {} if prefill_mode is None else {"prefill_mode": prefill_mode}
     from hetserve.policies.placement import PolicyContext, make_placement
     from hetserve.sim.simulator import SimOptions, simulate
 
@@ -115,10 +118,10 @@ def run_pool(model: ModelSpec, gpu: str, workload: Workload, slo: SLO, policy: s
         pol = make_placement(policy, PolicyContext(slo=slo, cost=pool.cost, plan=pool.plan, layouts=layouts,
                                                    workload=workload))
     if mode == "colocated":
-        opts = SimOptions(placement=pol, slo=slo, predictor=predictor, kv_admission=kv_admission)
+        opts = SimOptions(placement=pol, slo=slo, predictor=predictor, kv_admission=kv_admission, **mode_opts)
     else:
         opts = SimOptions(placement="jsq", route=PlacementAsRoute(pol), slo=slo, predictor=predictor,
-                          kv_admission=kv_admission)
+                          kv_admission=kv_admission, **mode_opts)
     return simulate(pool.plan, pool.cluster, model, workload, opts, pool.cost)
 
 
@@ -126,7 +129,7 @@ def workers_needed(model: ModelSpec, gpu: str, workload: Workload, slo: SLO, pol
                    gpus_per_worker: int, mode: Mode = "colocated", target: float = 0.99,
                    prefill_workers: int = 0, per_machine: int = 4, intra: dict | None = None,
                    hint: int | None = None, predictor_factory=None, max_workers: int = 512,
-                   decode_metric: str = "atgt", kv_admission: str = "paged") -> int:
+                   decode_metric: str = "atgt", kv_admission: str = "paged", prefill_mode: str | None = None) -> int:
     """Fewest workers whose simulation attains ``target`` of the SLOs (O(log n) simulations).
 
     ``decode_metric``: "atgt" (Aladdin's, default) or "tpot". ``predictor_factory``: a fresh
@@ -138,7 +141,7 @@ def workers_needed(model: ModelSpec, gpu: str, workload: Workload, slo: SLO, pol
     def meets(n: int) -> bool:
         pred = predictor_factory() if predictor_factory else None
         res = run_pool(model, gpu, workload, slo, policy, n, gpus_per_worker, mode, prefill_workers,
-                       per_machine, intra, pred, kv_admission)
+                       per_machine, intra, pred, kv_admission, prefill_mode)
         return attainment(res, slo, metric) >= target
 
     return min_workers(meets, 1, hint, max_workers)

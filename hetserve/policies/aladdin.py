@@ -28,8 +28,18 @@ constraint still holds after adding it:
     iteration. The peak is at t = 0 or just before some request ends, so it is checked there
     (sort + prefix sums, O(n log n) per worker).
 
-When no worker is feasible Algorithm 1 opens a new bin; a fixed pool cannot, so the request goes to
-the least loaded worker and ``stats["overflow"]`` counts it (capacity planning reads that). When no
+When no worker is feasible Algorithm 1 opens a new bin; a fixed pool cannot, and
+``stats["overflow"]`` counts the request (capacity planning reads that). The paper does not say
+where it goes then. Under load it is nearly always (d) that fails everywhere — every worker holds a
+request that has just joined and saved nothing yet — so the request goes, among the workers where
+only (d) fails, to the one whose requests lose the least saved time to its prefill (the smallest
+overdraft of (d): "the prefill time of new requests can not exceed the time that ongoing requests
+have saved compared with the ATGT limit", §4.2 — exceeded where it is exceeded least); to the least
+loaded worker when (b), (c) or (e) fail everywhere too. Sending every overflow to the least loaded
+worker (``overflow="least_loaded"``, the earlier rule) stacks a burst's prompts on the worker with
+the least context, one stall after another on the same short requests: on the bursty Azure trace at
+15 req/s every ATGT miss of Aladdin's was a request stalled by 1–9 such prompts
+(docs/experiments/aladdin_figures.md). When no
 candidate has any constraint (prefill workers and no TTFT target) there is no bin to fill: the
 request goes to the least loaded worker too (``stats["unbounded"]``) — packing would pile every
 prompt on one worker.
@@ -60,6 +70,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from hetserve.cost.fitted import PerformanceModel
+from hetserve.policies.aladdin_models import models_from_cost  # noqa: F401  (re-exported)
 from hetserve.policies.base import ReplicaState, RequestInfo
 from hetserve.policies.predictor import OutputPredictor
 from hetserve.specs.workload import SLO
@@ -110,7 +121,7 @@ class AladdinPlacement:
     def __init__(self, models: Mapping[str, PerformanceModel] | PerformanceModel, slo: SLO, *,
                  gamma: float = 0.5, theta: float = 1.0, predictor: OutputPredictor | None = None,
                  rebalance: bool = True, project_slack: bool = False, error_ttl: int = 64,
-                 token_budget: int = 4096):
+                 token_budget: int = 4096, overflow: str = "least_overdraft"):
         if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"gamma must be in [0, 1], got {gamma}")
         if not 0.0 < theta <= 1.0:
@@ -119,6 +130,9 @@ class AladdinPlacement:
             raise ValueError("error_ttl must be at least 1")
         if token_budget < 1:
             raise ValueError("token_budget must be at least 1")
+        if overflow not in ("least_overdraft", "least_loaded"):
+            raise ValueError(f"overflow must be 'least_overdraft' or 'least_loaded', got {overflow!r}")
+        self.overflow = overflow
         self.token_budget = int(token_budget)
         self.models = models
         self.slo = slo
@@ -266,6 +280,28 @@ class AladdinPlacement:
             ttft = self.ttft_estimate(request, r, m) + r.queued_age_s <= self.slo.ttft_s
         return Check(atgt=atgt, ttft=ttft)
 
+    def overdraft(self, request: RequestInfo, r: ReplicaState, pred: float, v: _View,
+                  m: PerformanceModel | None = None) -> float:
+        """Constraint (d)'s excess in seconds: the prefill of the queued prompts and ``request`` minus
+        θ · the least ATGT time any request on ``r`` has saved (≤ 0: (d) holds). 0 on workers
+        (d) does not apply to."""
+        T = self.slo.tpot_s
+        if r.role != "colocated" or T is None or not len(v.l_in):
+            return 0.0
+        m = m or self.model_for(r.id)
+        # every request on the worker — waiting ones too: they start decoding before this
+        # prompt's prefill runs, and the stall lands in their ATGT as well
+        # ATGT budget of the tokens made since joining the batch (the first one came with the
+        # prefill) minus the decode time spent on them
+        slack = T * np.maximum(v.gen - 1.0, 0.0) - v.dec_time
+        if self.project_slack:  # what each will still save, at the γ-point iteration time
+            b = self._batch(r, v) + 1
+            ctx = self._weighted_context(v) + request.input_tokens + self.gamma * pred
+            t_iter = m.decode.time(b, ctx)
+            slack = slack + (T - t_iter) * np.maximum(v.pred - v.gen, 0.0)
+        new_tokens = r.queued_prefill_tokens + request.input_tokens
+        return self.prefill_batches_time(m, new_tokens) - self.theta * float(slack.min())
+
     def check(self, request: RequestInfo, r: ReplicaState, pred: float | None = None,
               view: _View | None = None) -> Check:
         """Constraints (b)–(e) for putting ``request`` on ``r``."""
@@ -280,21 +316,10 @@ class AladdinPlacement:
             b = self._batch(r, v) + 1
             ctx = self._weighted_context(v) + request.input_tokens + self.gamma * pred
             atgt = ctx <= theta * m.decode.context_limit(b, T)
-        new_tokens = r.queued_prefill_tokens + request.input_tokens
         if prefills and self.slo.ttft_s is not None:  # (c)
             ttft = self.ttft_estimate(request, r, m) + r.queued_age_s <= self.slo.ttft_s
         if r.role == "colocated" and T is not None and len(v.l_in):  # (d)
-            # every request on the worker — waiting ones too: they start decoding before this
-            # prompt's prefill runs, and the stall lands in their ATGT as well
-            # ATGT budget of the tokens made since joining the batch (the first one came with the
-            # prefill) minus the decode time spent on them
-            slack = T * np.maximum(v.gen - 1.0, 0.0) - v.dec_time
-            if self.project_slack:  # what each will still save, at the γ-point iteration time
-                b = self._batch(r, v) + 1
-                ctx = self._weighted_context(v) + request.input_tokens + self.gamma * pred
-                t_iter = m.decode.time(b, ctx)
-                slack = slack + (T - t_iter) * np.maximum(v.pred - v.gen, 0.0)
-            preempt = self.prefill_batches_time(m, new_tokens) <= theta * float(slack.min())
+            preempt = self.overdraft(request, r, pred, v, m) <= 0.0
         cap = r.kv_capacity_tokens or m.kv_capacity_tokens
         if decodes and cap > 0:  # (e)
             kv = self.kv_peak(m, v, request.input_tokens, pred) <= cap
@@ -358,18 +383,31 @@ class AladdinPlacement:
             views = {i: self._view(candidates[i]) for i in open_}
             norms = {i: self.capacity_norm(candidates[i], views[i]) for i in open_}
             order = sorted(open_, key=lambda i: (-norms[i], -candidates[i].capacity_norm, i))
-            feasible = [i for i in order if self.check(request, candidates[i], pred, views[i]).ok]
+            checks = {i: self.check(request, candidates[i], pred, views[i]) for i in order}
+            feasible = [i for i in order if checks[i].ok]
             if feasible:
                 x = feasible[0]
                 if self.rebalance and len(feasible) > 1:
                     x = self._rebalance(x, feasible, candidates, views, pred)
             else:
                 self.stats["overflow"] += 1
-                x = self._least_loaded(request, candidates, [self.rough_norm(r) for r in candidates])
+                x = self._overflow(request, candidates, pred, views, checks)
         chosen = candidates[x].id
         self._placed[request.id] = (chosen, pred)
         self.stats["placed"] += 1
         return chosen
+
+    def _overflow(self, request: RequestInfo, cands: Sequence[ReplicaState], pred: float,
+                  views: Mapping[int, _View], checks: Mapping[int, Check]) -> int:
+        """No feasible worker, and a fixed pool cannot open a bin (Algorithm 1, line 12). With
+        ``overflow="least_overdraft"``: among the workers where only (d) fails, the one whose
+        ongoing requests lose the least saved ATGT time to the prefill (smallest overdraft); the
+        least loaded worker when there is none. ``"least_loaded"``: always the least loaded."""
+        if self.overflow == "least_overdraft":
+            only_d = [i for i, c in checks.items() if c.atgt and c.ttft and c.kv]
+            if only_d:
+                return min(only_d, key=lambda i: (self.overdraft(request, cands[i], pred, views[i]), i))
+        return self._least_loaded(request, cands, [self.rough_norm(r) for r in cands])
 
     # ---------------------------------------------------------------- re-balancing (Algorithm 2)
     def _error(self, r: ReplicaState, v: _View) -> tuple[float, float]:
@@ -439,37 +477,6 @@ class AladdinRoute:
         self.placement.on_finish(request_id, input_tokens, output_tokens)
 
 
-# ----------------------------------------------------------------------------- coefficients
-
-
-def _layout_key(cost, layout) -> tuple:
-    devs = cost.cluster.devices
-    ids = list(layout.devices)
-    sub = tuple(tuple((float(cost.cluster.latency[a, b]), float(cost.cluster.bandwidth[a, b])) for b in ids)
-                for a in ids)
-    return tuple((tuple(devs[d].gpu.name for d in s.devices), s.layers) for s in layout.stages) + (sub,)
-
-
-def models_from_cost(cost, layouts: Mapping[str, object], slo: SLO | None = None,
-                     **fit_kwargs) -> dict[str, PerformanceModel]:
-    """A ``PerformanceModel`` per replica fitted to the analytic cost model (``layouts``: replica id
-    -> ``ReplicaLayout``). With an ATGT target, decode is fitted on iterations up to 1.5× it (the
-    region placement decides in). Replicas of identical shape share one fit."""
-    from hetserve.cost.fitted import fit_from_cost_model
-
-    if slo is not None and slo.tpot_s is not None:
-        fit_kwargs.setdefault("max_decode_s", 1.5 * slo.tpot_s)
-
-    cache: dict[tuple, PerformanceModel] = {}
-    out = {}
-    for rid, layout in layouts.items():
-        key = _layout_key(cost, layout)
-        if key not in cache:
-            cache[key] = fit_from_cost_model(cost, layout, **fit_kwargs)
-        out[rid] = cache[key]
-    return out
-
-
 # ----------------------------------------------------------------------------- registries
 
 
@@ -485,7 +492,8 @@ def from_context(ctx) -> AladdinPlacement:
                              "or options['models']")
         models = models_from_cost(ctx.cost, ctx.layouts, slo=ctx.slo)
     return AladdinPlacement(models, ctx.slo or SLO(), gamma=opts.get("gamma", 0.5), theta=opts.get("theta", 1.0),
-                            rebalance=opts.get("rebalance", True), token_budget=opts.get("token_budget", 4096))
+                            rebalance=opts.get("rebalance", True), token_budget=opts.get("token_budget", 4096),
+                            overflow=opts.get("overflow", "least_overdraft"))
 
 
 def _register() -> None:

@@ -29,3 +29,12 @@ def test_hexgen_budget_quick(capsys):
     out = capsys.readouterr().out
     for pool in ("homogeneous 16×A100-40G", "hexgen-full-price", "hexgen-half-price"):
         assert f"| 32 | {pool} |" in out
+
+
+def test_aladdin_same_plan_over_windows_quick(capsys):
+    args = ["--quick", "--sections", "same", "--rates", "5", "--requests", "200", "--windows", "2"]
+    assert load("aladdin_figures").main(args) == 0
+    out = capsys.readouterr().out
+    for trace in ("ShareGPT, Poisson", "Azure conv (bursty, held out)"):
+        assert f"| {trace} | 5 | 2 |" in out  # two windows per point
+    assert "Aladdin (true lengths) mean ≥ JSQ mean at" in out

@@ -117,6 +117,38 @@ def test_overflow_goes_to_least_loaded_and_is_counted():
     assert pol.stats["overflow"] == 1
 
 
+def test_overflow_on_prefill_stall_goes_where_it_overdraws_least_saved_time():
+    # Every worker fails only (d): a 900-token prompt (0.9 s of prefill) exceeds what any of their
+    # requests has saved. "fresh" is the least loaded but its request has just joined (saved 0 s);
+    # "saved" holds four requests that have each saved 0.25 s. The stall overdraws 0.65 s there
+    # against 0.9 s on "fresh", so it goes to "saved" — least loaded would stack it on "fresh"
+    # (in bursts: one prompt after another on the worker with the least context).
+    fresh = worker("fresh", [running(1, 100, 1, 50)], role="colocated")
+    saved = worker("saved", [running(10 + k, 100, 10, 50, dec_time=10 * 0.02) for k in range(4)], role="colocated")
+    # (b) fails on "full" (Σctx beyond Eq. 4's limit) although its requests saved the most, and (e) on
+    # "small_kv" (a 300-token KV pool) although the stall would overdraw only 0.55 s there: the
+    # overdraft ranks only workers where (d) alone fails
+    full = worker("full", [running(20 + k, 250, 40, 50, dec_time=0.0) for k in range(10)], role="colocated")
+    small_kv = worker("small_kv", [running(40 + k, 100, 10, 50, dec_time=10 * 0.01) for k in range(2)],
+                      role="colocated", cap=300)
+    pol = AladdinPlacement(MODEL, SLO_)
+    new = req(30, 900, 20)
+    checks = [pol.check(new, w) for w in (fresh, saved, full, small_kv)]
+    assert [c.ok for c in checks] == [False, False, False, False]
+    assert checks[0].atgt and checks[0].ttft and checks[0].kv and not checks[0].preempt
+    assert checks[1].atgt and checks[1].ttft and checks[1].kv and not checks[1].preempt
+    assert not checks[2].atgt
+    assert pol.screen(new, small_kv, 20).ok and not checks[3].kv and not checks[3].preempt
+    v = {w.id: pol._view(w) for w in (fresh, saved, small_kv)}
+    assert pol.overdraft(new, small_kv, 20, v["small_kv"]) < pol.overdraft(new, saved, 20, v["saved"]) < \
+        pol.overdraft(new, fresh, 20, v["fresh"])
+    assert pol.rough_norm(fresh) < pol.rough_norm(saved)  # least loaded would pick "fresh"
+    assert pol.choose(new, [fresh, full, small_kv, saved], 0.0) == "saved"
+    assert pol.stats["overflow"] == 1
+    old = AladdinPlacement(MODEL, SLO_, overflow="least_loaded")
+    assert old.choose(new, [fresh, full, small_kv, saved], 0.0) == "fresh"
+
+
 def test_outlived_requests_are_repredicted_into_the_constraints():
     pred = BucketMeanPredictor().fit([900] * 50, [300] * 25 + [3000] * 25)  # bucket mean 1650
     # A request predicted 1650 tokens has generated 1700: re-predicted as E[out | out > 1700] = 3000,

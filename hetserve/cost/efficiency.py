@@ -1,0 +1,66 @@
+"""What the cost model's roofline assumes of the hardware and the engine, and what calibration sets.
+
+``Efficiency`` holds the achieved fractions of datasheet peaks, the engine's fixed costs per
+stage / iteration / sequence / TP collective and its batch cap; ``load_efficiency`` reads them
+from a JSON file (a flat mapping, or ``hetserve calibrate -o``'s output). The formulas that use
+them live in ``hetserve.cost.analytic``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from hetserve.errors import SpecError
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fractions of datasheet peaks and other knobs a calibration may set."""
+
+    compute: float = 0.5  # of peak dense FP16 tensor FLOP/s (typical prefill MFU on large GEMMs)
+    memory: float = 0.8  # of peak HBM bandwidth (typical for decode weight streaming)
+    usable_memory: float = 0.9  # of device memory (CUDA context, allocator fragmentation)
+    activation_buffers: int = 4  # HexGen Appendix B: 4 reusable activation buffers
+    activation_tokens: int = 2048  # tokens those buffers are sized for (the prefill token budget)
+    # Fixed costs of one iteration, split by where the runtime pays them (``hetserve calibrate``
+    # fits all three; 0 = the pure roofline):
+    step_overhead_s: float = 0.0  # per stage: taking the step message, attention metadata, launches, the hand-on
+    iteration_overhead_s: float = 0.0  # per replica, on its last stage: the scheduler's turn-around, sampling, tokens back
+    seq_overhead_s: float = 0.0  # per sequence in the step, on the last stage: its bookkeeping, sampling, token streamed
+    collective_overhead_s: float = 0.0  # per collective of a TP group (> 1 device): its launch and the members' meeting
+    max_batch: int = 256  # running requests per replica: the serving engine's cap (vLLM's max_num_seqs)
+
+    def __post_init__(self) -> None:
+        for k in ("compute", "memory", "usable_memory"):
+            if not 0 < getattr(self, k) <= 1:
+                raise ValueError(f"efficiency {k} must be in (0, 1]")
+        if self.activation_buffers < 0 or self.activation_tokens <= 0:
+            raise ValueError("activation_buffers and activation_tokens must be non-negative")
+        for k in ("step_overhead_s", "iteration_overhead_s", "seq_overhead_s", "collective_overhead_s"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"{k} must be non-negative")
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+
+
+def load_efficiency(path: str | Path) -> Efficiency:
+    """Read efficiency factors from JSON: a flat mapping of ``Efficiency`` fields, or a
+    calibration file holding one under ``"efficiency"`` (``hetserve calibrate -o``)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecError(str(path), "(file)", "a readable JSON file", str(exc)) from exc
+    data = data.get("efficiency", data) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        raise SpecError(str(path), "efficiency", "a mapping of Efficiency fields")
+    known = {f.name for f in fields(Efficiency)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise SpecError(str(path), unknown[0], "one of " + ", ".join(sorted(known)))
+    try:
+        return Efficiency(**data)
+    except (TypeError, ValueError) as exc:
+        raise SpecError(str(path), "efficiency", "values in range", str(exc)) from exc

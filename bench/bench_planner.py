@@ -119,10 +119,20 @@ def _island(g1: str, n1: int, g2: str, n2: int):
                     "inter_site": {"bandwidth_gbps": 0.5, "latency_ms": 30}}})
 
 
+def _two_box(g1: str, n1: int, g2: str, n2: int):
+    """Two boxes on one 100 Gbit/s network: memory-rich GPUs beside compute-dense, memory-poor L4s
+    (with prompts priced inside mixed decode steps, the pools where mixed plans still win)."""
+    return cluster_from_dict({
+        "name": f"two-box {n1}×{g1.split('-')[0]} + {n2}×{g2}",
+        "machines": [{"name": "a0", "gpu": g1, "count": n1}, {"name": "b0", "gpu": g2, "count": n2}],
+        "network": {"intra_site": {"bandwidth_gbps": 100, "latency_ms": 0.1}}})
+
+
 def exact_gap(only_mixed: bool = False) -> None:
     wl = load_workload("azure-conv")
     islands = [(_island("H100-SXM-80G", 4, "RTX-4090", 4), "llama-2-7b"),
-               (_island("A100-SXM-80G", 4, "L4", 2), "llama-2-7b"), (_island("L40", 4, "A6000", 4), "llama-2-7b")]
+               (_island("A100-SXM-80G", 4, "L4", 2), "llama-2-7b"), (_island("L40", 4, "A6000", 4), "llama-2-7b"),
+               (_two_box("A6000", 2, "L4", 6), "llama-2-7b"), (_two_box("A6000", 2, "L4", 6), "llama-2-13b")]
     pools = islands if only_mixed else [(_case_study(), "llama-2-70b"), (load_cluster("hexgen2-homo"), "llama-2-70b"),
              (load_cluster("aladdin-a100"), "llama-2-70b"), (load_cluster("demo-cpu"), "llama-2-7b"),
              (load_cluster("aladdin-v100"), "llama-2-7b"), (load_cluster("molink-3x4090"), "llama-2-7b"), *islands]
@@ -277,7 +287,7 @@ def cost(quick: bool) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=("scaling", "quality", "exact", "seeds", "bound", "cost", "all"))
-    p.add_argument("--mixed-only", action="store_true", help="exact: only the island pools (mixed plans)")
+    p.add_argument("--mixed-only", action="store_true", help="exact: only the island and two-box pools (mixed plans)")
     p.add_argument("--seeds", type=int, default=5, help="seeds for the seeds benchmark")
     p.add_argument("--pools", help="comma-separated pools for the seeds benchmark (presets or synthetic-48)")
     p.add_argument("--quick", action="store_true", help="fewer sizes / classes (a minute or two)")

@@ -15,11 +15,12 @@ from typing import Sequence
 
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.planner.context import PlanContext
+from hetserve.planner.estimate import to_plan
 from hetserve.planner.hexgen import genetic_search, initial_population
 from hetserve.planner.hexgen2 import colocated_fallback
 from hetserve.planner.options import PlanOptions
 from hetserve.planner.partition import assign_roles
-from hetserve.planner.placement import Group, canonical, start_search, to_plan
+from hetserve.planner.placement import Group, canonical, start_search
 from hetserve.planner.plan import Plan
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec

@@ -28,8 +28,9 @@ from functools import lru_cache
 
 from hetserve.errors import PlanError
 from hetserve.planner.context import PlanContext
+from hetserve.planner.estimate import to_plan
 from hetserve.planner.options import Budget, PlanOptions
-from hetserve.planner.placement import Evaluator, Group, canonical, start_search, to_plan
+from hetserve.planner.placement import Evaluator, Group, canonical, start_search
 from hetserve.planner.plan import Plan
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec

@@ -26,9 +26,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from hetserve.planner.context import PlanContext
+from hetserve.planner.estimate import to_plan
 from hetserve.planner.moves import split_devices
 from hetserve.planner.options import Budget, PlanOptions
-from hetserve.planner.placement import Evaluator, Group, canonical, start_search, to_plan
+from hetserve.planner.placement import Evaluator, Group, canonical, start_search
 from hetserve.planner.plan import Plan
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec

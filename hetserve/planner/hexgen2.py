@@ -30,12 +30,13 @@ import random
 from typing import Callable, Sequence
 
 from hetserve.planner.context import PlanContext
+from hetserve.planner.estimate import to_plan
 from hetserve.planner.guided import cut_moves
 from hetserve.planner.mixing import colocated_alternative, mixed_alternative
 from hetserve.planner.moves import Placement, flip, merge, move, pick_device, random_edit, split, split_devices, swap
 from hetserve.planner.options import Budget, PlanOptions, default_restarts
 from hetserve.planner.partition import assign_roles, group_bandwidth, initial_partition
-from hetserve.planner.placement import Evaluation, Evaluator, Group, canonical, start_search, to_plan
+from hetserve.planner.placement import Evaluation, Evaluator, Group, canonical, start_search
 from hetserve.planner.plan import Plan
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec

@@ -49,7 +49,8 @@ requests that outlived their prediction (re-predicted by the predictor; they als
 constraints with the new prediction), requests that finished early (from ``on_finish``), and the
 moves made so far. After best fit picks worker x, the request moves to the feasible worker y that
 most reduces Σ_i |k2·l^e_i + c2·b^e_i| / √(k2² + c2²) (the distance of each worker's error line,
-Eq. 4, from the origin), if any does. Ledger entries expire after ``error_ttl`` placements.
+Eq. 4, from the origin), if any does. Ledger entries expire after ``error_ttl`` placements
+(``policies.aladdin_rebalance.ErrorLedger``).
 
 Cost per decision: each worker is first screened on its totals (batch size, context and queued
 prompt tokens: lower bounds of what (b) sums, and (c) exactly); only a worker that passes gets its
@@ -71,6 +72,7 @@ import numpy as np
 
 from hetserve.cost.fitted import PerformanceModel
 from hetserve.policies.aladdin_models import models_from_cost  # noqa: F401  (re-exported)
+from hetserve.policies.aladdin_rebalance import ErrorLedger
 from hetserve.policies.base import ReplicaState, RequestInfo
 from hetserve.policies.predictor import OutputPredictor
 from hetserve.specs.workload import SLO
@@ -143,7 +145,7 @@ class AladdinPlacement:
         self.error_ttl = int(error_ttl)
         self._placed: dict[int, tuple[str, float]] = {}  # request id -> (replica, prediction)
         self._repred: dict[int, float] = {}  # re-predictions made here (own predictor only)
-        self._ledger: dict[str, list[tuple[int, float, float]]] = {}  # replica -> [(expiry, l, b)]
+        self._errors = ErrorLedger(self.model_for, self.error_ttl)  # Algorithm 2's re-balancing
         self._tick = 0
         self.stats = {"placed": 0, "overflow": 0, "moved": 0, "unbounded": 0}
 
@@ -410,34 +412,11 @@ class AladdinPlacement:
         return self._least_loaded(request, cands, [self.rough_norm(r) for r in cands])
 
     # ---------------------------------------------------------------- re-balancing (Algorithm 2)
-    def _error(self, r: ReplicaState, v: _View) -> tuple[float, float]:
-        entries = [e for e in self._ledger.get(r.id, ()) if e[0] >= self._tick]
-        self._ledger[r.id] = entries
-        return (v.under_l + sum(e[1] for e in entries), v.under_b + sum(e[2] for e in entries))
-
-    def _distance(self, rid: str, l_err: float, b_err: float) -> float:
-        d = self.model_for(rid).decode
-        norm = math.hypot(d.k2, d.c2)
-        return abs(d.k2 * l_err + d.c2 * b_err) / norm if norm > 0 else 0.0
-
     def _rebalance(self, x: int, feasible: list[int], cands: Sequence[ReplicaState], views: Mapping[int, _View],
                    pred: float) -> int:
-        ex = self._error(cands[x], views[x])
-        base_x = self._distance(cands[x].id, *ex)
-        best, best_gain = x, -1e-12
-        for y in feasible:
-            if y == x:
-                continue
-            ey = self._error(cands[y], views[y])
-            before = base_x + self._distance(cands[y].id, *ey)
-            after = (self._distance(cands[x].id, ex[0] - pred, ex[1] - 1)
-                     + self._distance(cands[y].id, ey[0] + pred, ey[1] + 1))
-            if after - before < best_gain:
-                best, best_gain = y, after - before
+        unders = {i: (views[i].under_l, views[i].under_b) for i in feasible}
+        best = self._errors.move(x, feasible, [r.id for r in cands], unders, pred, self._tick)
         if best != x:
-            expiry = self._tick + self.error_ttl
-            self._ledger.setdefault(cands[x].id, []).append((expiry, -pred, -1.0))
-            self._ledger.setdefault(cands[best].id, []).append((expiry, pred, 1.0))
             self.stats["moved"] += 1
         return best
 
@@ -449,8 +428,7 @@ class AladdinPlacement:
         self._repred.pop(request_id, None)
         placed = self._placed.pop(request_id, None)
         if placed is not None and output_tokens < placed[1]:
-            rid, pred = placed
-            self._ledger.setdefault(rid, []).append((self._tick + self.error_ttl, output_tokens - pred, -1.0))
+            self._errors.finished_early(placed[0], self._tick, output_tokens, placed[1])
 
 
 class AladdinRoute:

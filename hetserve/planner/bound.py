@@ -35,12 +35,21 @@ limiting the decode batch below the cap, per-pair KV links, and the integrality 
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import linprog
 
+from hetserve.planner import bound_groups
+from hetserve.planner.bound_columns import ColumnBounds, Kind
+
 ROLES = ("prefill", "decode", "colocated")
+GROUP_K = 8  # columns: groups of at most this many devices (at least the largest TP degree)
+MAX_COLUMNS = 2000  # compositions per programme; past it, GPU types instead of machines, then a smaller K
+GROUP_NODE_LIMIT = 500  # HiGHS's MILP: past it its dual bound (still a bound) is used; deterministic
+GROUP_TIME_LIMIT_S = 60.0  # a safety net only (wall time would make the bound depend on the load)
 
 
 @dataclass(frozen=True)
@@ -218,8 +227,10 @@ def _counts(lp: _LP, x) -> dict[tuple[str, str, str], float]:
     return out
 
 
-def upper_bound(ctx, budget_usd_per_hour: float | None = None, devices=None) -> Bound:
-    """Solve the LP above for ``ctx`` (all devices, or only ``devices``); see the module docstring."""
+def upper_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
+                node_limit: int = GROUP_NODE_LIMIT) -> Bound:
+    """The tighter of the per-device LP above and the group-column programme
+    (``bound_groups``; see the module docstring) for ``ctx`` (all devices, or only ``devices``)."""
     lp = _build(ctx, budget_usd_per_hour, devices)
     res = linprog(-lp.served, A_ub=lp.A, b_ub=lp.rhs, bounds=[(0, None)] * len(lp.served), method="highs")
     if res.status != 0:  # pragma: no cover - the LP is always feasible (all zeros) and bounded
@@ -228,7 +239,104 @@ def upper_bound(ctx, budget_usd_per_hour: float | None = None, devices=None) -> 
     # binding = a constraint whose relaxation would raise the optimum (non-zero dual value)
     duals = np.abs(res.ineqlin.marginals)
     binding = tuple(dict.fromkeys(n for n, y in zip(lp.names, duals) if y > 1e-9))
-    return Bound(ctx.tokens_per_s(req), req, _counts(lp, res.x), binding)
+    per_device = Bound(ctx.tokens_per_s(req), req, _counts(lp, res.x), binding)
+    groups = group_bound(ctx, budget_usd_per_hour, devices, node_limit)
+    if groups is None or groups.requests_per_period >= req:
+        return per_device
+    return groups
+
+
+def group_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
+                node_limit: int = GROUP_NODE_LIMIT) -> Bound | None:
+    """The group-column programme alone (None when the pool has no columns to offer)."""
+    mk = _kinds(ctx, devices)
+    cols = columns(ctx, mk)
+    if cols is None:
+        return None
+    rates = [_rates(ctx, k) for k in mk]
+    relaxed, best, binding, used, _ = bound_groups.solve(ctx, mk, rates, cols, budget_usd_per_hour, node_limit,
+                                                         GROUP_TIME_LIMIT_S)
+    counts: dict[tuple[str, str, str], float] = {}
+    for (g, role), n in used.items():
+        k = mk[cols.kind_of.index(g)]
+        counts[(k.gpu, k.site, role)] = counts.get((k.gpu, k.site, role), 0.0) + n
+    return Bound(ctx.tokens_per_s(best), best, counts, binding)
+
+
+def columns(ctx, mk) -> "bound_groups.Columns | None":
+    """The column kinds, compositions and ceilings for ``mk`` (the machine kinds in play):
+    machine kinds when their compositions of at most K devices number at most
+    ``MAX_COLUMNS``, else GPU types (the best link of each type), K lowered until they fit."""
+    machine = [_column_kind(ctx, [k]) for k in mk]
+    by_type: dict[tuple, list] = {}
+    for k in mk:
+        by_type.setdefault((k.gpu, k.flops, k.membw, k.usable), []).append(k)
+    t_max = max((t for t in ctx.layouts.tp_ok if t <= max(k.count for k in mk)), default=1)
+    k_cap = max(GROUP_K, t_max)
+    for kinds, kind_of in ((machine, list(range(len(mk)))),
+                           ([_column_kind(ctx, ks) for ks in by_type.values()],
+                            [list(by_type).index((k.gpu, k.flops, k.membw, k.usable)) for k in mk])):
+        counts = [k.count for k in kinds]
+        K = min(k_cap, sum(counts))
+        while K >= t_max:
+            comps = _compositions(counts, K, MAX_COLUMNS)
+            if comps is not None:
+                break
+            K -= 1
+        else:
+            continue
+        cb = ColumnBounds(ctx, kinds)
+        exact = {c: cb.exact(c) for c in comps}
+        caps = np.array([_closure(c, exact) for c in comps]).reshape(len(comps), 3)
+        big_stages, big_pf, big_col, big_dec = cb.big()  # K ≥ t_max: a big group has ≥ 2 stages
+        prices = [float(mk[kind_of.index(g)].usd_per_hour or 0.0) for g in range(len(kinds))]
+        return bound_groups.Columns(comps, caps, kind_of, kinds is machine, big_stages, np.array(big_pf), np.array(big_col), np.array(big_dec),
+                                    K, counts, prices)
+    return None
+
+
+def _column_kind(ctx, ks) -> Kind:
+    """A column kind from machine kinds of one device type: the best link between two of its
+    devices (α lowest, β highest) stands for every TP group of them."""
+    devs = [d.index for d in ctx.cluster.devices if any(
+        d.gpu.name == k.gpu and d.machine == k.machine for k in ks)]
+    lat, bw = ctx.cluster.latency, ctx.cluster.bandwidth
+    alpha, beta = math.inf, 0.0
+    for a in devs:
+        for b in devs:
+            if a != b:
+                alpha, beta = min(alpha, float(lat[a, b])), max(beta, float(bw[a, b]))
+    k = ks[0]
+    return Kind("+".join(x.machine for x in ks) + "/" + k.gpu, sum(x.count for x in ks), k.flops, k.membw, k.usable,
+                0.0 if alpha == math.inf else alpha, beta or 1.0, k.machine, k.device if len(ks) == 1 else -1)
+
+
+def _compositions(counts, K, limit):
+    """Every count vector ≤ ``counts`` with 1…K devices, or None past ``limit`` of them."""
+    out: list[tuple[int, ...]] = []
+
+    def rec(i, left, acc):
+        if len(out) > limit:
+            return
+        if i == len(counts):
+            if sum(acc):
+                out.append(tuple(acc))
+            return
+        for n in range(min(counts[i], left) + 1):
+            rec(i + 1, left - n, acc + [n])
+
+    rec(0, K, [])
+    return None if len(out) > limit else out
+
+
+def _closure(comp, exact) -> tuple[float, float, float]:
+    """A group may leave devices idle: the best ceiling over every sub-composition."""
+    best = [0.0, 0.0, 0.0]
+    for sub in itertools.product(*[range(n + 1) for n in comp]):
+        v = exact.get(sub)
+        if v is not None:
+            best = [max(a, b) for a, b in zip(best, v)]
+    return tuple(best)
 
 
 def min_cost(ctx, requests_per_period: float, devices=None) -> tuple[float, dict] | None:

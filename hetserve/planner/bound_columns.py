@@ -1,0 +1,296 @@
+"""Proven capacity ceilings of one device group (a "column" of ``planner.bound``'s programme).
+
+For a *composition* — how many devices of each kind a group holds (a kind: one class of
+``PlanContext``, i.e. one GPU type on one machine) — and a role, ``ColumnBounds.capacity`` returns
+a number no layout of such a group can beat under the cost model (``cost.analytic``), whatever
+its TP split, stage order or layer split. The proof, term by term:
+
+* **Stages.** A layout is a pipeline of S stages; every stage is a TP group of ``t`` devices of
+  one kind (the planners' search space: ``LayoutSearch`` builds TP groups inside one class) with
+  ``t`` in the model's allowed degrees. We enumerate every multiset of such stages that uses all
+  the group's devices exactly (each kind's count cut into allowed degrees); a layout that leaves
+  devices idle is a layout of a smaller composition, and ``capacity`` takes the maximum over all
+  sub-compositions (``_closure``). Stage order only changes hand-offs and where embeddings / head
+  sit: hand-offs are dropped (≥ 0) and the embeddings / head weights are only charged in total.
+* **Per-layer times** are the cost model's own formulas for a one-kind stage — roofline
+  ``max(FLOPs / (t·f), bytes / (t·B))`` plus two all-reduces per layer, each
+  ``2·(t−1)·(α + bytes/(t·β))`` (inside one class every pair has the same link, so this is
+  ``CostModel.allreduce_time`` exactly), plus the collective and step overheads. Only the
+  layer count ``l_i`` of each stage is free; every time below is linear in it.
+* **Layer split relaxed to reals**, ``0 ≤ l_i ≤ cap_i`` and ``Σ l_i = L``: the real split is one
+  of these points, so the minimum of a time over them is a lower bound on the layout's time.
+  ``cap_i`` is the memory rule of ``CostModel.stage_kv_capacity`` solved for ``l``: a stage of
+  ``t`` devices with usable memory ``M`` holding ``l`` layers and ``x`` KV tokens needs
+  ``l·(P·dtype + x·kv_l) ≤ t·(M − activations)`` (its leader's embeddings / head only make it
+  tighter; they are charged in total: ``Σ_i t_i·(M_i − act) − E ≥ L·(P·dtype + x·kv_l)``).
+* **Prefill** (one prompt at a time, no micro-batching): TTFT ≥ min Σ_i l_i·τ_i + Σ_i e_i
+  + the smallest head time — a fractional knapsack (fill the fastest stages to their memory cap);
+  capacity ≤ T / that.
+* **Decode** at every batch ``b`` up to the engine cap (the real one is the largest that fits,
+  one of them): ``m = min(S, b)`` micro-batches of ``b/m``; the cost model's step is
+  ``max(Σ stage + hops, m·max stage)``, so step ≥ max(min Σ_i T_i, min m·max_i T_i): the
+  knapsack and a water-filling level; KV memory caps ``l_i`` at ``x = b·(I + O)`` tokens (this is
+  what makes small groups slow: little memory after the weights, a small batch). Capacity ≤
+  T·b / (O·step), maximised over ``b``.
+* **Colocated**: the cost model's steady state mixes ``k`` prompts into a share ``s`` of the steps;
+  the mean step ``s·max(prefill of the mixed batch, decode) + (1−s)·decode`` is at least both
+  ``s·prefill + (1−s)·Σ decode stages`` (one knapsack, the prefill pass is not micro-batched)
+  and the decode step's bound; capacity ≤ T·(b/O) / that, maximised over ``b``.
+
+**Groups larger than the column cap K** (``big``): a group using more than K devices has more
+than K ≥ the largest TP degree devices in use, so S ≥ 2 stages and ``m ≥ min(2, b)``:
+
+* prefill / colocated: the prompt passes every stage in turn, so its time is at least L × the
+  fastest one-stage per-layer time of the pool (memory ignored): a ceiling *per group*, and such
+  groups number at most (devices in them) / (K + 1);
+* decode: ``step ≥ m·T_i`` for every stage gives ``l_i ≤ step / ρ_i`` with ``ρ_i = m·τ_i(b/m)``,
+  and Σ l_i = L, so capacity ≤ T·b/(O·L)·Σ_i 1/ρ_i — a rate per device (``1 / (t·ρ)``, at the
+  best TP degree and batch), valid for any such group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One device kind of the columns: per-device figures of the cost model and the link
+    between two devices of the kind (α s, β bytes/s) that a TP group of them uses."""
+
+    name: str
+    count: int
+    flops: float
+    membw: float
+    usable: float
+    alpha: float
+    beta: float
+    machine: str
+    device: int = -1  # a device of the kind (for the links to other machines); -1: kinds span machines
+
+
+class ColumnBounds:
+    """Capacity ceilings (requests per T) of compositions over ``kinds`` for one ``PlanContext``."""
+
+    def __init__(self, ctx, kinds: list[Kind]):
+        self.ctx, self.kinds = ctx, kinds
+        m, eff = ctx.model, ctx.cost.eff
+        self.T, self.L = ctx.period_s, m.num_layers
+        self.I = max(1, round(ctx.input_tokens))
+        self.Ir, self.O = ctx.input_tokens, ctx.output_tokens
+        self.Oc = max(self.O, 1.0)
+        self.tp_ok = [t for t in ctx.layouts.tp_ok]
+        self.act = eff.activation_buffers * eff.activation_tokens * m.hidden * m.dtype_bytes
+        self.extras = (m.embedding_params + m.head_params + (m.vocab * m.hidden if m.tie_embeddings else 0)) * m.dtype_bytes
+        self.b = np.arange(1, eff.max_batch + 1, dtype=float)
+        self._cache: dict[tuple, tuple[float, float, float]] = {}
+        self._stage_cache: dict[tuple[int, int], dict] = {}
+
+    # ------------------------------------------------------------------ one stage kind
+    def _per_layer(self, k: Kind, t: int, tokens, sum_sq, ctx_tokens):
+        """Per-layer seconds of a ``t``-device stage of kind ``k``: roofline + 2 all-reduces of
+        ``tokens`` activations + the per-layer collective overheads (``CostModel.stage_*_time``)."""
+        m, eff = self.ctx.model, self.ctx.cost.eff
+        flops = 2.0 * m.params_per_layer * tokens + 2.0 * m.q_dim * sum_sq
+        nbytes = m.bytes_per_layer + ctx_tokens * m.kv_bytes_per_token_per_layer
+        roof = np.maximum(flops / (t * k.flops), nbytes / (t * k.membw))
+        if t <= 1:
+            return roof
+        ar = 2.0 * (t - 1) * (k.alpha + tokens * m.hidden * m.dtype_bytes / t / k.beta)
+        return roof + 2.0 * ar + 2.0 * eff.collective_overhead_s
+
+    def _fixed(self, t: int) -> float:
+        eff = self.ctx.cost.eff
+        return eff.step_overhead_s + (3 * eff.collective_overhead_s if t > 1 else 0.0)
+
+    def _head(self, k: Kind, t: int, rows):
+        m, eff = self.ctx.model, self.ctx.cost.eff
+        roof = np.maximum(2.0 * m.hidden * m.vocab * rows / (t * k.flops), m.vocab * m.hidden * m.dtype_bytes / (t * k.membw))
+        return roof + eff.iteration_overhead_s + eff.seq_overhead_s * rows
+
+    def _stage(self, ki: int, t: int) -> dict:
+        """Vectors over the batch b = 1…cap of one stage kind's per-layer times and memory."""
+        key = (ki, t)
+        if key in self._stage_cache:
+            return self._stage_cache[key]
+        k, m, b = self.kinds[ki], self.ctx.model, self.b
+        I, Ir, O = self.I, self.Ir, self.O
+        cbar = Ir + O / 2
+        out = {"room": t * (k.usable - self.act)}  # bytes for weights + KV over the stage
+        out["pf"] = float(self._per_layer(k, t, I, float(I) * I, I))
+        out["pf_head"] = float(self._head(k, t, 1))
+        joins = b / self.Oc
+        share = -np.expm1(-joins)
+        kk = joins / share
+        nseq = np.maximum(1, np.round(kk))
+        # the mixed step as the cost model prices it: one prefill batch of decode + prompt tokens
+        tok = b + kk * Ir
+        out["mix"] = self._per_layer(k, t, tok, 2.0 * b * cbar + kk * Ir * Ir, tok)
+        out["mix_head"] = self._head(k, t, b + nseq)
+        self._stage_cache[key] = out
+        return out
+
+    def _dl(self, ki, t, mb, cbar):
+        k, m = self.kinds[ki], self.ctx.model
+        flops = 2.0 * m.params_per_layer * mb + 4.0 * m.q_dim * mb * cbar
+        nbytes = m.bytes_per_layer + mb * cbar * m.kv_bytes_per_token_per_layer
+        roof = np.maximum(flops / (t * k.flops), nbytes / (t * k.membw))
+        if t <= 1:
+            return roof
+        ar = 2.0 * (t - 1) * (k.alpha + mb * m.hidden * m.dtype_bytes / t / k.beta)
+        return roof + 2.0 * ar + 2.0 * self.ctx.cost.eff.collective_overhead_s
+
+    # ------------------------------------------------------------------ one structure
+    def _hops(self, kinds: list[int]) -> tuple[int, float, float]:
+        """(hand-offs between machines at least, the smallest α and the largest β among them):
+        a pipeline through r machines crosses between machines at least r − 1 times."""
+        devs = {self.kinds[k].machine: self.kinds[k].device for k in kinds}
+        if len(devs) < 2 or min(devs.values()) < 0:
+            return 0, 0.0, 1.0
+        lat, bw = self.ctx.cluster.latency, self.ctx.cluster.bandwidth
+        reps = list(devs.values())
+        pairs = [(a, b) for a in reps for b in reps if a != b]
+        return len(reps) - 1, min(float(lat[a, b]) for a, b in pairs), max(float(bw[a, b]) for a, b in pairs)
+
+    def _structure(self, stages: tuple[tuple[int, int], ...], hops=(0, 0.0, 1.0)) -> tuple[float, float, float]:
+        """Ceilings (prefill, decode, colocated) of layouts made of exactly these stages, whose
+        pipeline crosses between machines at least ``hops[0]`` times (α ≥ hops[1], β ≤ hops[2])."""
+        m = self.ctx.model
+        nh, alpha, beta = hops
+        act_bytes = m.hidden * m.dtype_bytes
+
+        def hop(tokens):  # hand-offs of ``tokens`` activations: p2p_time, α + bytes / β each
+            return nh * (alpha + tokens * act_bytes / beta)
+
+        L, T, b = self.L, self.T, self.b
+        S = len(stages)
+        info = [self._stage(ki, t) for ki, t in stages]
+        room = np.array([s["room"] for s in info])
+        fixed = np.array([self._fixed(t) for _, t in stages])
+        W = m.params_per_layer * m.dtype_bytes
+        kvl = m.kv_bytes_per_token_per_layer
+        # prefill: weights only (one token of KV, as ``fits``)
+        cap_pf = room / (W + kvl)
+        if room.sum() - self.extras < L * W:
+            return 0.0, 0.0, 0.0
+        pf = np.array([s["pf"] for s in info])
+        ttft = _knapsack(pf[None, :], cap_pf[None, :], L)[0] + fixed.sum() + min(s["pf_head"] for s in info) + hop(self.I)
+        prefill = T / ttft if math.isfinite(ttft) else 0.0
+        # decode / colocated at every batch b: memory caps on layers
+        den = W + b * (self.Ir + self.O) * kvl  # (nb,)
+        cap = room[None, :] / den[:, None]  # (nb, S)
+        ok = (room.sum() - self.extras) / den >= L
+        mb = b / np.minimum(S, b)  # micro-batch
+        mcount = np.minimum(S, b)
+        cbar = self.Ir + self.O / 2
+        dec = np.stack([self._dl(ki, t, mb, cbar) for ki, t in stages], axis=1)  # (nb, S)
+        sum_lb = _knapsack(dec, cap, L) + fixed.sum() + hop(mb)
+        max_lb = mcount * _waterfill(dec, fixed[None, :], cap, L)
+        step = np.maximum(sum_lb, max_lb)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            dcap = np.where(ok & np.isfinite(step), T * b / (self.Oc * step), 0.0)
+        decode = float(dcap.max(initial=0.0))
+        joins = b / self.Oc
+        share = -np.expm1(-joins)
+        mix = np.stack([s["mix"] for s in info], axis=1)
+        mix_head = np.min(np.stack([s["mix_head"] for s in info], axis=1), axis=1)
+        lin = (_knapsack(share[:, None] * mix + (1 - share[:, None]) * dec, cap, L) + fixed.sum() + share * mix_head
+               + share * hop(b + joins / share * self.Ir) + (1 - share) * hop(mb))
+        avg = np.maximum(lin, step)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ccap = np.where(ok & np.isfinite(avg), T * joins / avg, 0.0)
+        return prefill, decode, float(ccap.max(initial=0.0))
+
+    # ------------------------------------------------------------------ groups beyond K
+    def big(self) -> tuple[list[tuple[int, int]], list[float], list[float], list[float]]:
+        """For groups using more devices than any TP group holds (so S ≥ 2 stages): the stage
+        kinds (kind, t), per stage kind the prefill ceiling of one group whose fastest stage is
+        of it and the colocated ceiling of one whose best stage is of it, and per kind the decode
+        rate of one device."""
+        L, T, b = self.L, self.T, self.b
+        joins = b / self.Oc
+        share = -np.expm1(-joins)
+        cbar = self.Ir + self.O / 2
+        mcount = np.minimum(2, b)
+        stages = [(ki, t) for ki, k in enumerate(self.kinds) for t in self.tp_ok if t <= k.count]
+        prefill, colocated, rates = [], [], []
+        for ki, t in stages:
+            prefill.append(T / (L * self._stage(ki, t)["pf"]))
+            mix = share * self._stage(ki, t)["mix"] + (1 - share) * self._dl(ki, t, b / mcount, cbar)
+            colocated.append(float((T * joins / (L * mix)).max()))
+        for ki, k in enumerate(self.kinds):
+            best = 0.0
+            for t in (t for t in self.tp_ok if t <= k.count):
+                rho = mcount * self._dl(ki, t, b / mcount, cbar)  # seconds per layer per step
+                best = max(best, float((T * b / (self.Oc * L * t * rho)).max()))
+            rates.append(best)
+        return stages, prefill, colocated, rates
+
+    # ------------------------------------------------------------------ compositions
+    def _splits(self, n: int) -> list[tuple[int, ...]]:
+        out: list[tuple[int, ...]] = []
+
+        def rec(rest, top, acc):
+            if rest == 0:
+                out.append(acc)
+                return
+            for t in self.tp_ok:
+                if t <= min(rest, top):
+                    rec(rest - t, t, acc + (t,))
+
+        rec(n, n, ())
+        return out
+
+    def exact(self, comp: tuple[int, ...]) -> tuple[float, float, float]:
+        """Ceilings of layouts that use every device of ``comp`` (counts per kind)."""
+        if comp in self._cache:
+            return self._cache[comp]
+        best = [0.0, 0.0, 0.0]
+        per_kind = [[(ki, s) for s in self._splits(n)] for ki, n in enumerate(comp) if n]
+        hops = self._hops([ki for ki, n in enumerate(comp) if n])
+        for combo in itertools.product(*per_kind):
+            stages = tuple((ki, t) for ki, split in combo for t in split)
+            if not stages:
+                continue
+            vals = self._structure(stages, hops)
+            best = [max(a, v) for a, v in zip(best, vals)]
+        self._cache[comp] = tuple(best)
+        return self._cache[comp]
+
+
+def _knapsack(cost: np.ndarray, cap: np.ndarray, L: float) -> np.ndarray:
+    """min Σ_i cost_i·l_i s.t. 0 ≤ l_i ≤ cap_i, Σ l_i = L, row by row (inf where infeasible):
+    the fractional knapsack — fill the cheapest first."""
+    order = np.argsort(cost, axis=1)
+    c = np.take_along_axis(cost, order, axis=1)
+    k = np.take_along_axis(cap, order, axis=1)
+    before = np.cumsum(k, axis=1) - k
+    take = np.clip(L - before, 0.0, k)
+    total = (c * take).sum(axis=1)
+    return np.where(k.sum(axis=1) >= L * (1 - 1e-12), total, np.inf)
+
+
+def _waterfill(a: np.ndarray, e: np.ndarray, cap: np.ndarray, L: float) -> np.ndarray:
+    """min z s.t. a_i·l_i + e_i ≤ z, 0 ≤ l_i ≤ cap_i, Σ l_i = L, row by row (inf if infeasible).
+
+    The layers that fit under a level z, Σ clip((z − e_i)/a_i, 0, cap_i), are piecewise linear
+    and non-decreasing in z, with kinks at e_i and e_i + a_i·cap_i: find the first kink where
+    they reach L and interpolate back along the segment before it."""
+    e = np.broadcast_to(e, a.shape)
+    pts = np.sort(np.concatenate([e, e + a * cap], axis=1), axis=1)  # (n, 2S)
+    room = np.clip((pts[:, :, None] - e[:, None, :]) / a[:, None, :], 0.0, cap[:, None, :]).sum(axis=2)
+    enough = room >= L * (1 - 1e-12)
+    first = np.argmax(enough, axis=1)
+    rows = np.arange(a.shape[0])
+    hi_z, hi_r = pts[rows, first], room[rows, first]
+    prev = np.maximum(first - 1, 0)
+    lo_z, lo_r = pts[rows, prev], room[rows, prev]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.where((first > 0) & (hi_r > lo_r), lo_z + (L - lo_r) * (hi_z - lo_z) / (hi_r - lo_r), hi_z)
+    return np.where(enough.any(axis=1), z, np.inf)

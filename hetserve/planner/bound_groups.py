@@ -1,0 +1,203 @@
+"""The group-column programme of ``planner.bound``: integer numbers of groups per composition.
+
+Variables: ``y[j, r]`` — how many groups of composition ``j`` (device counts per kind, at most
+K devices; ``bound_columns``) serve in role ``r`` (integers); ``z[g, r]`` — devices of kind ``g``
+in groups of more than K devices, ``n[r]`` — how many such groups; ``x[k, r]`` — devices of each
+machine kind (the old LP's kinds) in prefill / decode; ``F`` — requests per T through the
+prefill → decode network; ``u[m, m']`` — its KV prefilled on machine m and decoded on m'.
+
+Rows (every real plan, read as the groups it holds, satisfies them — hence a bound):
+
+* devices per kind; (K + 1)·n[r] ≤ Σ z[·, r];
+* F ≤ Σ prefill ceilings, F ≤ Σ decode ceilings (columns' ``ColumnBounds`` values, big groups'
+  per-group / per-device ceilings);
+* shared network (as the old LP): Σ u = F; what leaves machine m is at most the prefill
+  capacity there — per machine kind the old per-device rates, and, where columns are machine
+  kinds, each column's ceiling capped by its devices on m at those rates (a group's KV leaves
+  m only for the layers held there); likewise what arrives at m; Σ u × KV bytes ≤ each NIC /
+  pipe on the path;
+* budget: Σ price × devices ≤ B.
+
+Objective F + Σ colocated ceilings. Solved by HiGHS (``scipy.optimize.milp``) with a node limit
+(deterministic: the same pool gives the same bound on any machine) and a time limit as a safety
+net; the bound returned is the solver's dual bound (valid whether or not it proved the
+optimum), and never above the LP relaxation's value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+
+from hetserve.planner.bound_columns import ROLES
+
+
+@dataclass
+class Columns:
+    comps: list[tuple[int, ...]]  # counts per column kind
+    caps: np.ndarray  # (columns, 3) requests per T
+    kind_of: list[int]  # machine kind (old LP kind) -> column kind
+    machine_kinds: bool  # column kinds are machine kinds (one-to-one)
+    big_stages: list[tuple[int, int]]  # (column kind, TP degree) a big group's fastest stage may be
+    big_pf: np.ndarray  # ceiling of one big prefill group whose fastest stage is of each stage kind
+    big_col: np.ndarray  # ceiling of one big colocated group whose best stage is of each stage kind
+    big_dec: np.ndarray  # per-device decode rate of each column kind in a big group
+    K: int
+    counts: list[int]
+    prices: list[float]
+
+
+def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, time_limit: float):
+    """(LP relaxation value, MILP dual bound, binding row names, devices per (kind, role))."""
+    nj, ng, nk = len(cols.comps), len(cols.counts), len(mk)
+    big = sum(cols.counts) > cols.K
+    machines = sorted({k.machine for k in mk})
+    network = bool(getattr(ctx, "resources", None))
+    pairs = [(a, b) for a in machines for b in machines] if network else []
+    iy = 0
+    iz = iy + 3 * nj
+    ns = len(cols.big_stages)
+    ib = iz + (3 * ng if big else 0)  # n[s, r]: big groups whose fastest / best stage is of stage kind s
+    iC = ib + (3 * ns if big else 0)  # requests per T the big colocated groups serve
+    iN = iC + 1  # big decode groups
+    ix = iC + (2 if big else 0)
+    iF = ix + (2 * nk if network else 0)
+    iu = {p: iF + 1 + i for i, p in enumerate(pairs)}
+    nv = iF + 1 + len(pairs)
+    A, rhs, names = [], [], []
+
+    def row(coefs, bound, name):
+        r = np.zeros(nv)
+        for i, c in coefs.items():
+            r[i] += c
+        A.append(r)
+        rhs.append(bound)
+        names.append(name)
+
+    comps = np.array(cols.comps, dtype=float).reshape(nj, ng)
+    for g in range(ng):
+        c = {iy + 3 * j + r: comps[j, g] for j in range(nj) for r in range(3) if comps[j, g]}
+        if big:
+            c.update({iz + 3 * g + r: 1.0 for r in range(3)})
+        row(c, float(cols.counts[g]), f"devices of kind {g}")
+    if big:  # a big group has > K devices, t of them in its fastest stage (of kind g, degree t)
+        for r in (0, 2):
+            row({**{ib + 3 * s + r: cols.K + 1.0 for s in range(ns)}, **{iz + 3 * g + r: -1.0 for g in range(ng)}},
+                0.0, f"big {ROLES[r]} groups")
+            for g in range(ng):
+                row({**{ib + 3 * s + r: float(t) for s, (h, t) in enumerate(cols.big_stages) if h == g},
+                     iz + 3 * g + r: -1.0}, 0.0, f"big {ROLES[r]} groups led by kind {g}")
+        row({iC: 1.0, **{ib + 3 * s + 2: -cols.big_col[s] for s in range(ns)}}, 0.0, "big colocated groups")
+        total = float(sum(cols.counts))
+        row({iN: cols.K + 1.0, **{iz + 3 * g + 1: -1.0 for g in range(ng)}}, 0.0, "big decode groups")
+        row({iN: -total, **{iz + 3 * g + 1: 1.0 for g in range(ng)}}, 0.0, "big decode groups")
+        row({iC: 1.0, **{iz + 3 * g + 2: -cols.big_dec[g] for g in range(ng)}}, 0.0, "big colocated decode")
+    for r, name in ((0, "prefill capacity"), (1, "decode capacity")):
+        c = {iF: 1.0, **{iy + 3 * j + r: -cols.caps[j, r] for j in range(nj)}}
+        if big and r == 0:
+            c.update({ib + 3 * s: -cols.big_pf[s] for s in range(ns)})
+        if big and r == 1:
+            c.update({iz + 3 * g + 1: -cols.big_dec[g] for g in range(ng)})
+        row(c, 0.0, name)
+    if network:
+        _network(ctx, mk, rates, cols, machines, iu, iF, iy, iz, ix, big, row)
+    if budget is not None:
+        c = {}
+        for g in range(ng):
+            for j in range(nj):
+                for r in range(3):
+                    c[iy + 3 * j + r] = c.get(iy + 3 * j + r, 0.0) + comps[j, g] * cols.prices[g]
+            if big:
+                for r in range(3):
+                    c[iz + 3 * g + r] = cols.prices[g]
+        row(c, float(budget), "budget")
+    obj = np.zeros(nv)
+    obj[iF] = 1.0
+    for j in range(nj):
+        obj[iy + 3 * j + 2] = cols.caps[j, 2]
+    if big:
+        obj[iC] = 1.0
+    A = np.array(A)
+    rhs = np.array(rhs)
+    # scale rows (capacities ~1e4, KV bytes ~1e11) so HiGHS sees numbers near 1
+    scale = np.maximum(np.abs(A).max(axis=1), 1e-12)
+    A, rhs = A / scale[:, None], rhs / scale
+    lp = linprog(-obj, A_ub=A, b_ub=rhs, bounds=[(0, None)] * nv, method="highs")
+    if lp.status != 0:  # pragma: no cover - all zeros is feasible, every variable is capped
+        raise RuntimeError(f"group-column LP failed: {lp.message}")
+    relaxed = -float(lp.fun)
+    duals = np.abs(lp.ineqlin.marginals)
+    binding = tuple(dict.fromkeys(n for n, y in zip(names, duals) if y > 1e-9))
+    integrality = np.zeros(nv)
+    integrality[iy:iy + 3 * nj] = 1
+    if big:  # whole big groups too
+        integrality[ib:iC] = 1
+        integrality[iN] = 1
+    res = milp(-obj, constraints=LinearConstraint(A, -np.inf, rhs), integrality=integrality,
+               bounds=Bounds(0, np.inf), options={"node_limit": node_limit, "time_limit": time_limit, "disp": False})
+    dual = getattr(res, "mip_dual_bound", None)
+    best = relaxed if dual is None or not math.isfinite(dual) else min(relaxed, -float(dual))
+    x = res.x if res.x is not None else lp.x
+    used: dict[tuple[int, str], float] = {}
+    for j in range(nj):
+        for r in range(3):
+            if x[iy + 3 * j + r] > 1e-9:
+                for g in range(ng):
+                    if comps[j, g]:
+                        used[(g, ROLES[r])] = used.get((g, ROLES[r]), 0.0) + comps[j, g] * x[iy + 3 * j + r]
+    return relaxed, best, binding, used, (None if res.x is None else -float(res.fun))
+
+
+def _network(ctx, mk, rates, cols, machines, iu, iF, iy, iz, ix, big, row) -> None:
+    """KV routes over the shared NICs and pipes (see the module docstring)."""
+    nk, nj = len(mk), len(cols.comps)
+    row({iF: 1.0, **{i: -1.0 for i in iu.values()}}, 0.0, "KV routes")
+    # x[k, r]: machine-kind devices in prefill (r = 0) / decode (r = 1), tied to the columns
+    for g in range(len(cols.counts)):
+        members = [k for k in range(nk) if cols.kind_of[k] == g]
+        for r in range(2):
+            c = {ix + 2 * k + r: 1.0 for k in members}
+            for j in range(nj):
+                if cols.comps[j][g]:
+                    c[iy + 3 * j + r] = -float(cols.comps[j][g])
+            if big:
+                c[iz + 3 * g + r] = -1.0
+            row(c, 0.0, f"machine devices of kind {g} ({ROLES[r]})")
+            row({i: -v for i, v in c.items()}, 0.0, f"machine devices of kind {g} ({ROLES[r]})")
+    by_machine: dict[str, list[int]] = {}
+    for k, kind in enumerate(mk):
+        by_machine.setdefault(kind.machine, []).append(k)
+    per_device = [[min(rates[k]["prefill"]), min(rates[k]["decode"])] for k in range(nk)]
+    # a device holds at most (usable − activation buffers) / (weights of one layer) layer shards
+    m_ = ctx.model
+    act = ctx.cost.eff.activation_buffers * ctx.cost.eff.activation_tokens * m_.hidden * m_.dtype_bytes
+    layer_room = [max(0.0, k.usable - act) / (m_.bytes_per_layer * m_.num_layers) for k in mk]
+    for m in machines:
+        for r, side in ((0, 0), (1, 1)):
+            flow = {i: 1.0 for p, i in iu.items() if p[side] == m}
+            role = ROLES[r]
+            row({**flow, **{ix + 2 * k + r: -per_device[k][r] for k in by_machine[m]}}, 0.0, f"{role} on {m}")
+            if cols.machine_kinds:
+                c = dict(flow)
+                for j in range(nj):
+                    here = sum(cols.comps[j][cols.kind_of[k]] * per_device[k][r] for k in by_machine[m])
+                    if here > 0:  # and at most the share of the layers m's devices can hold
+                        held = sum(cols.comps[j][cols.kind_of[k]] * layer_room[k] for k in by_machine[m])
+                        c[iy + 3 * j + r] = -min(cols.caps[j, r], here, cols.caps[j, r] * min(1.0, held))
+                if big:
+                    for k in by_machine[m]:
+                        c[iz + 3 * cols.kind_of[k] + r] = -per_device[k][r]
+                row(c, 0.0, f"{role} on {m} (groups)")
+    kv_bytes = ctx.input_tokens * ctx.model.kv_bytes_per_token
+    rep = {k.machine: k.device for k in mk}
+    crossing: dict[str, list[int]] = {}
+    for (a, b), i in iu.items():
+        if a != b:
+            for r in ctx.cluster.path(rep[a], rep[b]).resources:
+                if r.name in ctx.resource_cap:
+                    crossing.setdefault(r.name, []).append(i)
+    for name, idx in sorted(crossing.items()):
+        row({i: kv_bytes for i in idx}, ctx.resource_cap[name], f"network {name}")

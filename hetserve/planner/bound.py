@@ -229,8 +229,17 @@ def _counts(lp: _LP, x) -> dict[tuple[str, str, str], float]:
 
 def upper_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
                 node_limit: int = GROUP_NODE_LIMIT) -> Bound:
-    """The tighter of the per-device LP above and the group-column programme
-    (``bound_groups``; see the module docstring) for ``ctx`` (all devices, or only ``devices``)."""
+    """The tighter of the per-device LP and the group-column programme (see the module
+    docstring) for ``ctx`` (all devices, or only ``devices``)."""
+    per_device = per_device_bound(ctx, budget_usd_per_hour, devices)
+    groups = group_bound(ctx, budget_usd_per_hour, devices, node_limit)
+    if groups is None or groups.requests_per_period >= per_device.requests_per_period:
+        return per_device
+    return groups
+
+
+def per_device_bound(ctx, budget_usd_per_hour: float | None = None, devices=None) -> Bound:
+    """The per-device LP alone (``_build``)."""
     lp = _build(ctx, budget_usd_per_hour, devices)
     res = linprog(-lp.served, A_ub=lp.A, b_ub=lp.rhs, bounds=[(0, None)] * len(lp.served), method="highs")
     if res.status != 0:  # pragma: no cover - the LP is always feasible (all zeros) and bounded
@@ -239,16 +248,14 @@ def upper_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
     # binding = a constraint whose relaxation would raise the optimum (non-zero dual value)
     duals = np.abs(res.ineqlin.marginals)
     binding = tuple(dict.fromkeys(n for n, y in zip(lp.names, duals) if y > 1e-9))
-    per_device = Bound(ctx.tokens_per_s(req), req, _counts(lp, res.x), binding)
-    groups = group_bound(ctx, budget_usd_per_hour, devices, node_limit)
-    if groups is None or groups.requests_per_period >= req:
-        return per_device
-    return groups
+    return Bound(ctx.tokens_per_s(req), req, _counts(lp, res.x), binding)
 
 
 def group_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
                 node_limit: int = GROUP_NODE_LIMIT) -> Bound | None:
     """The group-column programme alone (None when the pool has no columns to offer)."""
+    if ctx.slo is not None:  # SLO capacities price colocated replicas by another formula
+        return None
     mk = _kinds(ctx, devices)
     cols = columns(ctx, mk)
     if cols is None:

@@ -60,6 +60,9 @@ class Bound:
     requests_per_period: float
     counts: dict[tuple[str, str, str], float]  # (gpu, site, role) -> devices (fractional)
     binding: tuple[str, ...]  # names of the constraints with no slack at the optimum
+    # group programme only, when its columns are machine kinds: the column groups of its best
+    # integer point as ({"machine/gpu": devices}, role, how many) — a plan the planner can score
+    incumbent: tuple = ()
 
     def to_dict(self) -> dict:
         return {"tokens_per_s": round(self.tokens_per_s, 3), "binding": list(self.binding)}
@@ -261,13 +264,18 @@ def group_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
     if cols is None:
         return None
     rates = [_rates(ctx, k) for k in mk]
-    relaxed, best, binding, used, _ = bound_groups.solve(ctx, mk, rates, cols, budget_usd_per_hour, node_limit,
-                                                         GROUP_TIME_LIMIT_S)
+    relaxed, best, binding, used, incumbent = bound_groups.solve(ctx, mk, rates, cols, budget_usd_per_hour,
+                                                                 node_limit, GROUP_TIME_LIMIT_S)
     counts: dict[tuple[str, str, str], float] = {}
     for (g, role), n in used.items():
         k = mk[cols.kind_of.index(g)]
-        counts[(k.gpu, k.site, role)] = counts.get((k.gpu, k.site, role), 0.0) + n
-    return Bound(ctx.tokens_per_s(best), best, counts, binding)
+        site = k.site if cols.machine_kinds else "*"
+        counts[(k.gpu, site, role)] = counts.get((k.gpu, site, role), 0.0) + n
+    plan = ()
+    if cols.machine_kinds:
+        plan = tuple(({mk[g].machine + "/" + mk[g].gpu: n for g, n in enumerate(comp) if n}, role, count)
+                     for comp, role, count in incumbent)
+    return Bound(ctx.tokens_per_s(best), best, counts, binding, plan)
 
 
 def columns(ctx, mk) -> "bound_groups.Columns | None":

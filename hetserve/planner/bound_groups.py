@@ -51,7 +51,8 @@ class Columns:
 
 
 def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, time_limit: float):
-    """(LP relaxation value, MILP dual bound, binding row names, devices per (kind, role))."""
+    """(LP relaxation value, MILP dual bound, binding row names of the relaxation, devices per
+    (kind, role), the solver's best integer point as (composition, role, groups))."""
     nj, ng, nk = len(cols.comps), len(cols.counts), len(mk)
     big = sum(cols.counts) > cols.K
     machines = sorted({k.machine for k in mk})
@@ -148,7 +149,13 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
                 for g in range(ng):
                     if comps[j, g]:
                         used[(g, ROLES[r])] = used.get((g, ROLES[r]), 0.0) + comps[j, g] * x[iy + 3 * j + r]
-    return relaxed, best, binding, used, (None if res.x is None else -float(res.fun))
+    incumbent = []  # the solver's best integer point: (composition, role, how many groups)
+    if res.x is not None:
+        for j in range(nj):
+            for r in range(3):
+                if res.x[iy + 3 * j + r] > 0.5:
+                    incumbent.append((cols.comps[j], ROLES[r], int(round(res.x[iy + 3 * j + r]))))
+    return relaxed, best, binding, used, incumbent
 
 
 def _network(ctx, mk, rates, cols, machines, iu, iF, iy, iz, ix, big, row) -> None:

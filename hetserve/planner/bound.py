@@ -1,7 +1,31 @@
 """An upper bound on the throughput any placement of the pool can reach under the cost model.
 
-Exact search stops at 8 GPUs; this answers "how good is this plan?" for any pool size. It is a
-linear programme (scipy ``linprog``, HiGHS) over how many devices of each kind (GPU type × site)
+Exact search stops at 8 GPUs; this answers "how good is this plan?" for any pool size. Two
+relaxations, each proven for every plan the cost model scores (exact search and hexgen2
+included, mixed plans too); ``upper_bound`` returns the tighter:
+
+**1. Group columns** (``group_bound``; ``bound_columns`` and ``bound_groups``). A plan is a set of
+groups, each with a composition (devices per kind) and a role. For every composition of at most
+K devices (K = ``bound_groups.GROUP_K``, at least the largest TP degree a class allows) ``ColumnBounds`` computes
+a ceiling per role that no layout of such a group beats — every TP split enumerated, layer splits
+relaxed to reals under the cost model's own memory rule (so the decode batch is limited by the
+KV memory left after the weights, which is what makes small replicas slow), the cost model's
+per-layer times with its all-reduces, ``m = min(S, b)`` weight reads per decode step, and at
+least one hand-off per machine change (proof term by term in ``bound_columns``). A group using
+more than K devices has S ≥ 2 stages; it gets a per-group ceiling (prefill, colocated: the
+prompt passes its fastest stage type's time L times) and per-device decode rates. A mixed-integer
+programme then counts whole groups: devices per kind, prefill / decode balance, the shared-network
+rows (with each group's KV share on a machine capped by what its devices there can hold) and
+the budget. Kinds are machine classes while their compositions number ≤ ``bound_groups.MAX_COLUMNS``; past
+that, GPU types (TP groups across machines allowed at the type's best link), K lowered if needed.
+HiGHS stops after ``GROUP_NODE_LIMIT`` branch-and-bound nodes (deterministic) and its *dual*
+bound is used, so an unfinished search still gives a bound. Scope: layouts whose TP groups are
+devices of one class (same machine and GPU type) — every layout the planners build
+(``LayoutSearch``); a hand-written plan with a TP group across machines or GPU types is covered
+only by the per-device LP. Under SLO objectives (goodput / cost) the columns are skipped.
+
+**2. Per-device LP** (``per_device_bound``; also ``min_cost`` and ``device_rates``). A linear
+programme (scipy ``linprog``, HiGHS) over how many devices of each kind (GPU type × site)
 serve prefill, decode or colocated replicas, whose constraints are *relaxations* of the cost
 model — every one holds for any group of devices in any layout, so the optimum bounds every
 algorithm here (``exact`` included), mixed plans too:
@@ -27,27 +51,24 @@ algorithm here (``exact`` included), mixed plans too:
   ends; every part loads the NICs and pipes on its path with its KV bytes (``_network_rows``).
 * **budget**: Σ price × devices used ≤ the budget, when one is set.
 
-What it leaves out (why it is a bound, and where the gap comes from): TP all-reduces and
-pipeline hand-offs (and their network traffic), the slowest device pacing a TP group, KV memory
-limiting the decode batch below the cap, per-pair KV links, and the integrality of groups. Running time: one LP of
-3·(kinds) + a few variables, milliseconds.
+What the per-device LP leaves out: TP all-reduces and pipeline hand-offs, KV memory limiting the
+decode batch below the cap, and the integrality of groups — the group columns keep all three.
+Both leave out per-pair KV links (``kv_capacity``: each request's KV is split by the decode
+group's layers, the programme routes it freely) and the activation / all-reduce traffic of
+groups across machines. Running time: the LP milliseconds; the group programme a few seconds
+(``bench_planner bound`` prints it).
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import linprog
 
 from hetserve.planner import bound_groups
-from hetserve.planner.bound_columns import ColumnBounds, Kind
 
 ROLES = ("prefill", "decode", "colocated")
-GROUP_K = 8  # columns: groups of at most this many devices (at least the largest TP degree)
-MAX_COLUMNS = 2000  # compositions per programme; past it, GPU types instead of machines, then a smaller K
 GROUP_NODE_LIMIT = 500  # HiGHS's MILP: past it its dual bound (still a bound) is used; deterministic
 GROUP_TIME_LIMIT_S = 60.0  # a safety net only (wall time would make the bound depend on the load)
 
@@ -260,7 +281,7 @@ def group_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
     if ctx.slo is not None:  # SLO capacities price colocated replicas by another formula
         return None
     mk = _kinds(ctx, devices)
-    cols = columns(ctx, mk)
+    cols = bound_groups.columns(ctx, mk)
     if cols is None:
         return None
     rates = [_rates(ctx, k) for k in mk]
@@ -276,82 +297,6 @@ def group_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
         plan = tuple(({mk[g].machine + "/" + mk[g].gpu: n for g, n in enumerate(comp) if n}, role, count)
                      for comp, role, count in incumbent)
     return Bound(ctx.tokens_per_s(best), best, counts, binding, plan)
-
-
-def columns(ctx, mk) -> "bound_groups.Columns | None":
-    """The column kinds, compositions and ceilings for ``mk`` (the machine kinds in play):
-    machine kinds when their compositions of at most K devices number at most
-    ``MAX_COLUMNS``, else GPU types (the best link of each type), K lowered until they fit."""
-    machine = [_column_kind(ctx, [k]) for k in mk]
-    by_type: dict[tuple, list] = {}
-    for k in mk:
-        by_type.setdefault((k.gpu, k.flops, k.membw, k.usable), []).append(k)
-    t_max = max((t for t in ctx.layouts.tp_ok if t <= max(k.count for k in mk)), default=1)
-    k_cap = max(GROUP_K, t_max)
-    for kinds, kind_of in ((machine, list(range(len(mk)))),
-                           ([_column_kind(ctx, ks) for ks in by_type.values()],
-                            [list(by_type).index((k.gpu, k.flops, k.membw, k.usable)) for k in mk])):
-        counts = [k.count for k in kinds]
-        K = min(k_cap, sum(counts))
-        while K >= t_max:
-            comps = _compositions(counts, K, MAX_COLUMNS)
-            if comps is not None:
-                break
-            K -= 1
-        else:
-            continue
-        cb = ColumnBounds(ctx, kinds)
-        exact = {c: cb.exact(c) for c in comps}
-        caps = np.array([_closure(c, exact) for c in comps]).reshape(len(comps), 3)
-        big_stages, big_pf, big_col, big_dec = cb.big()  # K ≥ t_max: a big group has ≥ 2 stages
-        prices = [float(mk[kind_of.index(g)].usd_per_hour or 0.0) for g in range(len(kinds))]
-        return bound_groups.Columns(comps, caps, kind_of, kinds is machine, big_stages, np.array(big_pf), np.array(big_col), np.array(big_dec),
-                                    K, counts, prices)
-    return None
-
-
-def _column_kind(ctx, ks) -> Kind:
-    """A column kind from machine kinds of one device type: the best link between two of its
-    devices (α lowest, β highest) stands for every TP group of them."""
-    devs = [d.index for d in ctx.cluster.devices if any(
-        d.gpu.name == k.gpu and d.machine == k.machine for k in ks)]
-    lat, bw = ctx.cluster.latency, ctx.cluster.bandwidth
-    alpha, beta = math.inf, 0.0
-    for a in devs:
-        for b in devs:
-            if a != b:
-                alpha, beta = min(alpha, float(lat[a, b])), max(beta, float(bw[a, b]))
-    k = ks[0]
-    return Kind("+".join(x.machine for x in ks) + "/" + k.gpu, sum(x.count for x in ks), k.flops, k.membw, k.usable,
-                0.0 if alpha == math.inf else alpha, beta or 1.0, k.machine, k.device if len(ks) == 1 else -1)
-
-
-def _compositions(counts, K, limit):
-    """Every count vector ≤ ``counts`` with 1…K devices, or None past ``limit`` of them."""
-    out: list[tuple[int, ...]] = []
-
-    def rec(i, left, acc):
-        if len(out) > limit:
-            return
-        if i == len(counts):
-            if sum(acc):
-                out.append(tuple(acc))
-            return
-        for n in range(min(counts[i], left) + 1):
-            rec(i + 1, left - n, acc + [n])
-
-    rec(0, K, [])
-    return None if len(out) > limit else out
-
-
-def _closure(comp, exact) -> tuple[float, float, float]:
-    """A group may leave devices idle: the best ceiling over every sub-composition."""
-    best = [0.0, 0.0, 0.0]
-    for sub in itertools.product(*[range(n + 1) for n in comp]):
-        v = exact.get(sub)
-        if v is not None:
-            best = [max(a, b) for a, b in zip(best, v)]
-    return tuple(best)
 
 
 def min_cost(ctx, requests_per_period: float, devices=None) -> tuple[float, dict] | None:

@@ -1,7 +1,7 @@
 """Proven capacity ceilings of one device group (a "column" of ``planner.bound``'s programme).
 
-For a *composition* — how many devices of each kind a group holds (a kind: one class of
-``PlanContext``, i.e. one GPU type on one machine) — and a role, ``ColumnBounds.capacity`` returns
+For a *composition* — how many devices of each kind a group holds (a kind: one GPU type on one
+machine, or all of a GPU type's devices at its best link) — and a role, ``ColumnBounds.exact`` returns
 a number no layout of such a group can beat under the cost model (``cost.analytic``), whatever
 its TP split, stage order or layer split. The proof, term by term:
 
@@ -9,9 +9,12 @@ its TP split, stage order or layer split. The proof, term by term:
   one kind (the planners' search space: ``LayoutSearch`` builds TP groups inside one class) with
   ``t`` in the model's allowed degrees. We enumerate every multiset of such stages that uses all
   the group's devices exactly (each kind's count cut into allowed degrees); a layout that leaves
-  devices idle is a layout of a smaller composition, and ``capacity`` takes the maximum over all
-  sub-compositions (``_closure``). Stage order only changes hand-offs and where embeddings / head
-  sit: hand-offs are dropped (≥ 0) and the embeddings / head weights are only charged in total.
+  devices idle is a layout of the smaller composition it uses, and the programme counts such a
+  group as that composition (its idle devices only loosen the device rows). Stage order only
+  changes hand-offs and where embeddings / head sit: hand-offs are charged at the fewest machine
+  changes (below) and the embeddings / head weights only in total.
+* **Hand-offs**: a pipeline through r machines crosses between machines at least r − 1 times,
+  each a ``p2p_time`` of at least the smallest α and the largest β between those machines.
 * **Per-layer times** are the cost model's own formulas for a one-kind stage — roofline
   ``max(FLOPs / (t·f), bytes / (t·B))`` plus two all-reduces per layer, each
   ``2·(t−1)·(α + bytes/(t·β))`` (inside one class every pair has the same link, so this is
@@ -41,8 +44,9 @@ its TP split, stage order or layer split. The proof, term by term:
 than K ≥ the largest TP degree devices in use, so S ≥ 2 stages and ``m ≥ min(2, b)``:
 
 * prefill / colocated: the prompt passes every stage in turn, so its time is at least L × the
-  fastest one-stage per-layer time of the pool (memory ignored): a ceiling *per group*, and such
-  groups number at most (devices in them) / (K + 1);
+  per-layer time of the group's fastest stage type (kind g, degree t; memory ignored): a ceiling
+  *per group* for each stage type, such a group holding t devices of kind g and K + 1 in all;
+  colocated also at most the decode rates below (its mean step is at least the decode step);
 * decode: ``step ≥ m·T_i`` for every stage gives ``l_i ≤ step / ρ_i`` with ``ρ_i = m·τ_i(b/m)``,
   and Σ l_i = L, so capacity ≤ T·b/(O·L)·Σ_i 1/ρ_i — a rate per device (``1 / (t·ρ)``, at the
   best TP degree and batch), valid for any such group.

@@ -32,7 +32,10 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
-from hetserve.planner.bound_columns import ROLES
+from hetserve.planner.bound_columns import ROLES, ColumnBounds, Kind
+
+GROUP_K = 8  # columns: groups of at most this many devices (at least the largest TP degree)
+MAX_COLUMNS = 2000  # compositions per programme; past it, GPU types instead of machines, then a smaller K
 
 
 @dataclass
@@ -48,6 +51,72 @@ class Columns:
     K: int
     counts: list[int]
     prices: list[float]
+
+
+def columns(ctx, mk) -> Columns | None:
+    """The column kinds, compositions and ceilings for ``mk`` (the machine kinds in play):
+    machine kinds when their compositions of at most K devices number at most
+    ``MAX_COLUMNS``, else GPU types (the best link of each type), K lowered until they fit."""
+    machine = [_column_kind(ctx, [k]) for k in mk]
+    by_type: dict[tuple, list] = {}
+    for k in mk:
+        by_type.setdefault((k.gpu, k.flops, k.membw, k.usable), []).append(k)
+    t_max = max((t for t in ctx.layouts.tp_ok if t <= max(k.count for k in mk)), default=1)
+    k_cap = max(GROUP_K, t_max)
+    for kinds, kind_of in ((machine, list(range(len(mk)))),
+                           ([_column_kind(ctx, ks) for ks in by_type.values()],
+                            [list(by_type).index((k.gpu, k.flops, k.membw, k.usable)) for k in mk])):
+        counts = [k.count for k in kinds]
+        K = min(k_cap, sum(counts))
+        while K >= t_max:
+            comps = _compositions(counts, K, MAX_COLUMNS)
+            if comps is not None:
+                break
+            K -= 1
+        else:
+            continue
+        cb = ColumnBounds(ctx, kinds)
+        # a group that leaves devices idle counts as the composition of those it uses
+        caps = np.array([cb.exact(c) for c in comps]).reshape(len(comps), 3)
+        big_stages, big_pf, big_col, big_dec = cb.big()  # K ≥ t_max: a big group has ≥ 2 stages
+        prices = [float(mk[kind_of.index(g)].usd_per_hour or 0.0) for g in range(len(kinds))]
+        return Columns(comps, caps, kind_of, kinds is machine, big_stages, np.array(big_pf), np.array(big_col),
+                       np.array(big_dec), K, counts, prices)
+    return None
+
+
+def _column_kind(ctx, ks) -> Kind:
+    """A column kind from machine kinds of one device type: the best link between two of its
+    devices (α lowest, β highest) stands for every TP group of them."""
+    devs = [d.index for d in ctx.cluster.devices if any(
+        d.gpu.name == k.gpu and d.machine == k.machine for k in ks)]
+    lat, bw = ctx.cluster.latency, ctx.cluster.bandwidth
+    alpha, beta = math.inf, 0.0
+    for a in devs:
+        for b in devs:
+            if a != b:
+                alpha, beta = min(alpha, float(lat[a, b])), max(beta, float(bw[a, b]))
+    k = ks[0]
+    return Kind("+".join(x.machine for x in ks) + "/" + k.gpu, sum(x.count for x in ks), k.flops, k.membw, k.usable,
+                0.0 if alpha == math.inf else alpha, beta or 1.0, k.machine, k.device if len(ks) == 1 else -1)
+
+
+def _compositions(counts, K, limit):
+    """Every count vector ≤ ``counts`` with 1…K devices, or None past ``limit`` of them."""
+    out: list[tuple[int, ...]] = []
+
+    def rec(i, left, acc):
+        if len(out) > limit:
+            return
+        if i == len(counts):
+            if sum(acc):
+                out.append(tuple(acc))
+            return
+        for n in range(min(counts[i], left) + 1):
+            rec(i + 1, left - n, acc + [n])
+
+    rec(0, K, [])
+    return None if len(out) > limit else out
 
 
 def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, time_limit: float):

@@ -8,7 +8,7 @@ import pytest
 
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.planner import ALGORITHMS, PlanOptions
-from hetserve.planner import bound
+from hetserve.planner import bound, bound_groups
 from hetserve.planner.bound_columns import ColumnBounds
 from hetserve.planner.context import PlanContext
 from hetserve.specs.cluster import cluster_from_dict
@@ -97,7 +97,7 @@ def test_every_layout_stays_under_its_compositions_ceiling(llama7b, azure):
     ctx = PlanContext(_pool(), llama7b, azure)
     mk = bound._kinds(ctx)
     assert [k.machine for k in mk] == ["a0", "b0"]  # machine kinds = the context's classes here
-    cb = ColumnBounds(ctx, [bound._column_kind(ctx, [k]) for k in mk])
+    cb = ColumnBounds(ctx, [bound_groups._column_kind(ctx, [k]) for k in mk])
     stage_kinds, big_pf, big_col, big_dec = cb.big()
     t_max = max(t for t in ctx.layouts.tp_ok if t <= max(ctx.class_counts))
     best: dict[tuple, list[float]] = {}
@@ -157,8 +157,8 @@ def test_gpu_type_columns_stay_above_exact(llama7b, azure, monkeypatch):
     TP groups across machines allowed) and groups past a smaller K are "big": still above exact."""
     c = _three_boxes()
     x = ALGORITHMS["exact"](c, llama7b, azure, PlanOptions(seed=0))
-    monkeypatch.setattr(bound, "MAX_COLUMNS", 7)
+    monkeypatch.setattr(bound_groups, "MAX_COLUMNS", 7)
     ctx = PlanContext(c, llama7b, azure)
-    cols = bound.columns(ctx, bound._kinds(ctx))
+    cols = bound_groups.columns(ctx, bound._kinds(ctx))
     assert (cols.K, cols.machine_kinds) == (2, False)
     assert x.estimate["throughput_tokens_per_s"] <= bound.group_bound(ctx).tokens_per_s * (1 + 1e-9)

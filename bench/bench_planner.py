@@ -268,7 +268,7 @@ def _score_incumbent(ctx, incumbent) -> float:
                 devs += free[kind][:n]
                 free[kind] = free[kind][n:]
             groups.append(Group.of(devs, role))
-    return Evaluator(ctx).evaluate(groups).tokens_per_s
+    return Evaluator(ctx, exhaustive_layouts=True).evaluate(groups).tokens_per_s
 
 
 def cost(quick: bool) -> None:

@@ -275,11 +275,37 @@ def per_device_bound(ctx, budget_usd_per_hour: float | None = None, devices=None
     return Bound(ctx.tokens_per_s(req), req, _counts(lp, res.x), binding)
 
 
+_CACHE: dict[tuple, Bound | None] = {}  # planning a pool prices its bound more than once
+_CACHE_SIZE = 64
+
+
+def _fingerprint(ctx, budget, devices, node_limit) -> tuple:
+    """Everything the group bound reads: devices, links, shared resources, model, workload means,
+    efficiencies, period, budget (clusters built in tests share names, so not the name)."""
+    c = ctx.cluster
+    devs = tuple((d.gpu.name, d.machine, d.site, d.memory_bytes, d.gpu.fp16_flops, d.gpu.mem_bandwidth,
+                  d.gpu.usd_per_hour) for d in c.devices)
+    return (devs, c.latency.tobytes(), c.bandwidth.tobytes(), tuple(sorted(ctx.resource_cap.items())),
+            repr(ctx.model), ctx.input_tokens, ctx.output_tokens, ctx.period_s, repr(ctx.cost.eff),
+            budget, None if devices is None else tuple(devices), node_limit, bound_groups.GROUP_K,
+            bound_groups.MAX_COLUMNS)
+
+
 def group_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
                 node_limit: int = GROUP_NODE_LIMIT) -> Bound | None:
-    """The group-column programme alone (None when the pool has no columns to offer)."""
+    """The group-column programme alone (None when the pool has no columns to offer, or under
+    SLO objectives); cached by everything it reads."""
     if ctx.slo is not None:  # SLO capacities price colocated replicas by another formula
         return None
+    key = _fingerprint(ctx, budget_usd_per_hour, devices, node_limit)
+    if key not in _CACHE:
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = _group_bound(ctx, budget_usd_per_hour, devices, node_limit)
+    return _CACHE[key]
+
+
+def _group_bound(ctx, budget_usd_per_hour, devices, node_limit) -> Bound | None:
     mk = _kinds(ctx, devices)
     cols = bound_groups.columns(ctx, mk)
     if cols is None:

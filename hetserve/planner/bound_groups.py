@@ -134,7 +134,7 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
     iC = ib + (3 * ns if big else 0)  # requests per T the big colocated groups serve
     iN = iC + 1  # big decode groups
     ix = iC + (2 if big else 0)
-    iF = ix + (2 * nk if network else 0)
+    iF = ix + (2 * nk if network and not cols.machine_kinds else 0)
     iu = {p: iF + 1 + i for i, p in enumerate(pairs)}
     nv = iF + 1 + len(pairs)
     A, rhs, names = [], [], []
@@ -172,8 +172,9 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
         if big and r == 1:
             c.update({iz + 3 * g + 1: -cols.big_dec[g] for g in range(ng)})
         row(c, 0.0, name)
+    share = shares(ctx, mk, rates, cols, machines) if network and cols.machine_kinds else None
     if network:
-        _network(ctx, mk, rates, cols, machines, iu, iF, iy, iz, ix, big, row)
+        _network(ctx, mk, rates, cols, machines, iu, iF, iy, iz, ix, big, row, share)
     if budget is not None:
         c = {}
         for g in range(ng):
@@ -195,7 +196,9 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
     # scale rows (capacities ~1e4, KV bytes ~1e11) so HiGHS sees numbers near 1
     scale = np.maximum(np.abs(A).max(axis=1), 1e-12)
     A, rhs = A / scale[:, None], rhs / scale
-    lp = linprog(-obj, A_ub=A, b_ub=rhs, bounds=[(0, None)] * nv, method="highs")
+    upper = np.full(nv, np.inf)
+    upper[iy:iy + 3 * nj] = np.where(dominated(cols, share).ravel(), 0.0, np.inf)
+    lp = linprog(-obj, A_ub=A, b_ub=rhs, bounds=list(zip(np.zeros(nv), upper)), method="highs")
     if lp.status != 0:  # pragma: no cover - all zeros is feasible, every variable is capped
         raise RuntimeError(f"group-column LP failed: {lp.message}")
     relaxed = -float(lp.fun)
@@ -207,7 +210,7 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
         integrality[ib:iC] = 1
         integrality[iN] = 1
     res = milp(-obj, constraints=LinearConstraint(A, -np.inf, rhs), integrality=integrality,
-               bounds=Bounds(0, np.inf), options={"node_limit": node_limit, "time_limit": time_limit, "disp": False})
+               bounds=Bounds(0, upper), options={"node_limit": node_limit, "time_limit": time_limit, "disp": False})
     dual = getattr(res, "mip_dual_bound", None)
     best = relaxed if dual is None or not math.isfinite(dual) else min(relaxed, -float(dual))
     x = res.x if res.x is not None else lp.x
@@ -227,12 +230,56 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
     return relaxed, best, binding, used, incumbent
 
 
-def _network(ctx, mk, rates, cols, machines, iu, iF, iy, iz, ix, big, row) -> None:
+def _by_machine(mk) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for k, kind in enumerate(mk):
+        out.setdefault(kind.machine, []).append(k)
+    return out
+
+
+def shares(ctx, mk, rates, cols, machines) -> np.ndarray:
+    """(columns, prefill / decode, machines): requests per T of a group's KV that can leave
+    (prefill) or reach (decode) machine m — at most its ceiling, the per-device rates of its
+    devices on m, and its ceiling × the share of the layers those devices can hold."""
+    m_, eff = ctx.model, ctx.cost.eff
+    act = eff.activation_buffers * eff.activation_tokens * m_.hidden * m_.dtype_bytes
+    room = [max(0.0, k.usable - act) / (m_.bytes_per_layer * m_.num_layers) for k in mk]
+    per_device = [[min(rates[k]["prefill"]), min(rates[k]["decode"])] for k in range(len(mk))]
+    by_machine = _by_machine(mk)
+    out = np.zeros((len(cols.comps), 2, len(machines)))
+    for j, comp in enumerate(cols.comps):
+        for mi, m in enumerate(machines):
+            held = sum(comp[cols.kind_of[k]] * room[k] for k in by_machine[m])
+            for r in range(2):
+                here = sum(comp[cols.kind_of[k]] * per_device[k][r] for k in by_machine[m])
+                if here > 0:
+                    out[j, r, mi] = min(cols.caps[j, r], here, cols.caps[j, r] * min(1.0, held))
+    return out
+
+
+def dominated(cols, share: np.ndarray | None) -> np.ndarray:
+    """(columns, roles) True where another column uses no more devices of any kind, has at
+    least the ceiling and (prefill / decode) at least the share on every machine: any plan using
+    the first can use the second instead and satisfy every row, so the first is left out."""
+    comps = np.array(cols.comps, dtype=float)
+    out = np.zeros((len(comps), 3), dtype=bool)
+    for j in range(len(comps)):
+        fewer = (comps <= comps[j]).all(axis=1)
+        fewer[j] = False
+        for r in range(3):
+            ok = fewer & (cols.caps[:, r] >= cols.caps[j, r])
+            if share is not None and r < 2:
+                ok &= (share[:, r, :] >= share[j, r, :]).all(axis=1)
+            out[j, r] = ok.any()
+    return out
+
+
+def _network(ctx, mk, rates, cols, machines, iu, iF, iy, iz, ix, big, row, shares) -> None:
     """KV routes over the shared NICs and pipes (see the module docstring)."""
     nk, nj = len(mk), len(cols.comps)
     row({iF: 1.0, **{i: -1.0 for i in iu.values()}}, 0.0, "KV routes")
-    # x[k, r]: machine-kind devices in prefill (r = 0) / decode (r = 1), tied to the columns
-    for g in range(len(cols.counts)):
+    # x[k, r] (GPU-type columns only): machine-kind devices in prefill (r = 0) / decode (r = 1)
+    for g in range(len(cols.counts) if not cols.machine_kinds else 0):
         members = [k for k in range(nk) if cols.kind_of[k] == g]
         for r in range(2):
             c = {ix + 2 * k + r: 1.0 for k in members}
@@ -243,30 +290,23 @@ def _network(ctx, mk, rates, cols, machines, iu, iF, iy, iz, ix, big, row) -> No
                 c[iz + 3 * g + r] = -1.0
             row(c, 0.0, f"machine devices of kind {g} ({ROLES[r]})")
             row({i: -v for i, v in c.items()}, 0.0, f"machine devices of kind {g} ({ROLES[r]})")
-    by_machine: dict[str, list[int]] = {}
-    for k, kind in enumerate(mk):
-        by_machine.setdefault(kind.machine, []).append(k)
+    by_machine = _by_machine(mk)
     per_device = [[min(rates[k]["prefill"]), min(rates[k]["decode"])] for k in range(nk)]
-    # a device holds at most (usable − activation buffers) / (weights of one layer) layer shards
-    m_ = ctx.model
-    act = ctx.cost.eff.activation_buffers * ctx.cost.eff.activation_tokens * m_.hidden * m_.dtype_bytes
-    layer_room = [max(0.0, k.usable - act) / (m_.bytes_per_layer * m_.num_layers) for k in mk]
-    for m in machines:
+    for mi, m in enumerate(machines):
         for r, side in ((0, 0), (1, 1)):
             flow = {i: 1.0 for p, i in iu.items() if p[side] == m}
             role = ROLES[r]
-            row({**flow, **{ix + 2 * k + r: -per_device[k][r] for k in by_machine[m]}}, 0.0, f"{role} on {m}")
-            if cols.machine_kinds:
-                c = dict(flow)
-                for j in range(nj):
-                    here = sum(cols.comps[j][cols.kind_of[k]] * per_device[k][r] for k in by_machine[m])
-                    if here > 0:  # and at most the share of the layers m's devices can hold
-                        held = sum(cols.comps[j][cols.kind_of[k]] * layer_room[k] for k in by_machine[m])
-                        c[iy + 3 * j + r] = -min(cols.caps[j, r], here, cols.caps[j, r] * min(1.0, held))
-                if big:
-                    for k in by_machine[m]:
-                        c[iz + 3 * cols.kind_of[k] + r] = -per_device[k][r]
-                row(c, 0.0, f"{role} on {m} (groups)")
+            if not cols.machine_kinds:  # GPU-type columns: the machines' devices per role, per-device rates
+                row({**flow, **{ix + 2 * k + r: -per_device[k][r] for k in by_machine[m]}}, 0.0, f"{role} on {m}")
+                continue
+            c = dict(flow)  # machine columns: each group's share on m (these imply the per-device rows)
+            for j in range(nj):
+                if shares[j, r, mi] > 0:
+                    c[iy + 3 * j + r] = -shares[j, r, mi]
+            if big:
+                for k in by_machine[m]:
+                    c[iz + 3 * cols.kind_of[k] + r] = -per_device[k][r]
+            row(c, 0.0, f"{role} on {m} (groups)")
     kv_bytes = ctx.input_tokens * ctx.model.kv_bytes_per_token
     rep = {k.machine: k.device for k in mk}
     crossing: dict[str, list[int]] = {}

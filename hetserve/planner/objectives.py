@@ -25,7 +25,7 @@ import math
 from typing import Callable
 
 from hetserve.errors import InfeasibleError, PlanError
-from hetserve.planner.bound import device_rates, min_cost, upper_bound
+from hetserve.planner.bound import device_rates, min_cost, per_device_bound, upper_bound
 from hetserve.planner.context import PlanContext
 from hetserve.planner.options import DEFAULT_TIME_LIMIT_S, PlanOptions
 from hetserve.planner.plan import Plan
@@ -75,7 +75,7 @@ def budget_subsets(ctx: PlanContext, budget: float) -> list[list[int]]:
     pool = _kind_devices(cluster)
     rates = device_rates(ctx)
     per_dollar = sorted(pool, key=lambda k: (-rates[k] / prices[k], k))
-    lp = upper_bound(ctx, budget)
+    lp = per_device_bound(ctx, budget)  # (its device counts guide the subsets; milliseconds)
     want: dict[tuple[str, str], float] = {}
     for (gpu, site, _), n in lp.counts.items():
         want[(gpu, site)] = want.get((gpu, site), 0.0) + n

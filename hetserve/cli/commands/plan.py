@@ -184,7 +184,7 @@ def print_plan(console, plan) -> None:
     if ub:
         console.print(f"within {100 * (1 - e.get('throughput_tokens_per_s', 0) / ub):.1f} % of the bound: "
                       f"no placement of this pool exceeds {ub:,.1f} tokens/s under the cost model "
-                      f"(LP relaxation, planner/bound.py)")
+                      f"(group-column and per-device relaxations, planner/bound.py)")
     if "goodput_requests_per_s" in e:
         slo = e.get("slo", {})
         console.print(f"goodput {e['goodput_requests_per_s']:,.3f} requests/s within TTFT ≤ {slo.get('ttft_s')} s, "

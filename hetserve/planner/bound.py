@@ -1,8 +1,8 @@
 """An upper bound on the throughput any placement of the pool can reach under the cost model.
 
 Exact search stops at 8 GPUs; this answers "how good is this plan?" for any pool size. Two
-relaxations, each proven for every plan the cost model scores (exact search and hexgen2
-included, mixed plans too); ``upper_bound`` returns the tighter:
+linear relaxations; ``upper_bound`` returns the first, proven for every plan the planners build
+(exact search and hexgen2 included, mixed plans too):
 
 **1. Group columns** (``group_bound``; ``bound_columns`` and ``bound_groups``). A plan is a set of
 groups, each with a composition (devices per kind) and a role. For every composition of at most
@@ -24,11 +24,14 @@ devices of one class (same machine and GPU type) — every layout the planners b
 (``LayoutSearch``); a hand-written plan with a TP group across machines or GPU types is covered
 only by the per-device LP. Under SLO objectives (goodput / cost) the columns are skipped.
 
-**2. Per-device LP** (``per_device_bound``; also ``min_cost`` and ``device_rates``). A linear
-programme (scipy ``linprog``, HiGHS) over how many devices of each kind (GPU type × site)
-serve prefill, decode or colocated replicas, whose constraints are *relaxations* of the cost
-model — every one holds for any group of devices in any layout, so the optimum bounds every
-algorithm here (``exact`` included), mixed plans too:
+**2. Per-device LP** (``per_device_bound``; also ``min_cost`` and ``device_rates``; ``upper_bound``
+only under SLO objectives). A linear programme (scipy ``linprog``, HiGHS) over how many devices
+of each kind (GPU type × site) serve prefill, decode or colocated replicas, meant as a relaxation
+of the cost model. **It no longer is one for colocated replicas**: it prices a colocated request
+as its prompt plus its decode steps, while the cost model's mixed steady state (issue 9: prompts
+ride in decode steps and share their weight reads) costs less, and exact search beats it on
+several pools (aladdin-v100 and the island pools of bench_planner with llama-2-7b: up to 1.35×; see
+``tests/planner/test_bound_groups.py``). Its rows:
 
 * **compute** and **memory bandwidth** (roofline). A stage's time per layer is at least its
   work over its TP group's summed FLOP/s or bytes/s (the cost model paces a TP group by its
@@ -253,13 +256,13 @@ def _counts(lp: _LP, x) -> dict[tuple[str, str, str], float]:
 
 def upper_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
                 node_limit: int = GROUP_NODE_LIMIT) -> Bound:
-    """The tighter of the per-device LP and the group-column programme (see the module
-    docstring) for ``ctx`` (all devices, or only ``devices``)."""
-    per_device = per_device_bound(ctx, budget_usd_per_hour, devices)
+    """The group-column programme for ``ctx`` (all devices, or only ``devices``); the per-device
+    LP only where the programme has no columns (SLO objectives). Not the smaller of the two: the
+    per-device LP prices a colocated request as a prompt plus its decode steps, and the cost
+    model's mixed steady state (prompts riding in decode steps) beats that, so on some pools
+    exact search exceeds it (aladdin-v100 with llama-2-7b: 1,998 against 1,862 tokens/s)."""
     groups = group_bound(ctx, budget_usd_per_hour, devices, node_limit)
-    if groups is None or groups.requests_per_period >= per_device.requests_per_period:
-        return per_device
-    return groups
+    return groups if groups is not None else per_device_bound(ctx, budget_usd_per_hour, devices)
 
 
 def per_device_bound(ctx, budget_usd_per_hour: float | None = None, devices=None) -> Bound:

@@ -140,7 +140,7 @@ def test_group_bound_is_above_exact_and_below_the_per_device_lp(pool, model, azu
     groups = bound.group_bound(ctx)
     lp = bound.per_device_bound(ctx)
     assert groups is not None
-    assert x.estimate["throughput_tokens_per_s"] <= groups.tokens_per_s * (1 + 1e-9)
+    assert x.estimate["throughput_tokens_per_s"] <= groups.tokens_per_s * (1 + 1e-6)  # the estimate is rounded
     assert groups.tokens_per_s < lp.tokens_per_s
     assert x.estimate["upper_bound_tokens_per_s"] == pytest.approx(bound.upper_bound(ctx).tokens_per_s)
 
@@ -162,3 +162,16 @@ def test_gpu_type_columns_stay_above_exact(llama7b, azure, monkeypatch):
     cols = bound_groups.columns(ctx, bound._kinds(ctx))
     assert (cols.K, cols.machine_kinds) == (2, False)
     assert x.estimate["throughput_tokens_per_s"] <= bound.group_bound(ctx).tokens_per_s * (1 + 1e-9)
+
+
+def test_upper_bound_holds_where_the_per_device_lp_does_not(llama7b, azure):
+    """The per-device LP prices a colocated request as prompt + decode steps; the cost model's
+    mixed steady state is cheaper, and exact beats the LP here. upper_bound (the group
+    programme) still holds."""
+    from hetserve.specs.cluster import load_cluster
+
+    c = load_cluster("aladdin-v100")
+    x = ALGORITHMS["exact"](c, llama7b, azure, PlanOptions(seed=0)).estimate["throughput_tokens_per_s"]
+    ctx = PlanContext(c, llama7b, azure)
+    assert x > bound.per_device_bound(ctx).tokens_per_s
+    assert x <= bound.upper_bound(ctx).tokens_per_s * (1 + 1e-6)

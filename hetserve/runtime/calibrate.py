@@ -36,6 +36,12 @@ costs come from, read from the runtime (``worker.py``, ``coordinator.py``):
   leader's broadcasts of the step and its activations): the launch and every member reaching it
   (on CPU worker slots sharing cores, a process switch: 1.3-1.8 ms here, α of the cluster file ~µs).
 
+and, from the same HTTP probes, what the *front end* spends: the CPU time of the process that
+serves and replays them (HTTP/SSE server, coordinator, client), split by least squares into
+``frontend_request_cpu_s`` per request and ``frontend_token_cpu_s`` per output token. Where CPU
+worker slots share a host's cores, the simulator counts the front end as one more consumer of
+them (``sim.hosts``): measured on the bench's prefill/decode plan, it used 0.25 of a core at 20 req/s.
+
 The fit's error per point is reported: it is the cost model's error on this machine. The result
 is one JSON file (``Calibration.save``) that the planner (``--efficiency``: the engine's
 efficiency) and the simulator (``simulate``/``compare --efficiency``: the served efficiency,
@@ -85,6 +91,10 @@ class Calibration:
     kv_handoff_overhead_s: float = 0.0
     contention_slowdown: float = 1.0  # decode step time with one more busy CPU process / alone
     measured_on: dict = field(default_factory=dict)  # device, cores, date, load average
+    # CPU seconds the front end (HTTP/SSE server, coordinator, replaying client: one process) spends
+    # per request and per output token: the simulator's front-end CPU consumer (``sim.hosts``)
+    frontend_request_cpu_s: float = 0.0
+    frontend_token_cpu_s: float = 0.0
 
     @property
     def mean_abs_error(self) -> float:
@@ -102,7 +112,9 @@ class Calibration:
             "max_abs_error": self.max_abs_error, "runtime": {"request_overhead_s": self.request_overhead_s,
                                                            "stream_overhead_s": self.stream_overhead_s,
                                                            "kv_handoff_overhead_s": self.kv_handoff_overhead_s,
-                                                           "contention_slowdown": self.contention_slowdown},
+                                                           "contention_slowdown": self.contention_slowdown,
+                                                           "frontend_request_cpu_s": self.frontend_request_cpu_s,
+                                                           "frontend_token_cpu_s": self.frontend_token_cpu_s},
             "measured_on": self.measured_on, "points": [asdict(p) for p in self.points]}, indent=2) + "\n")
 
 
@@ -136,6 +148,42 @@ def load_contention(path: str | Path) -> float:
     return max(1.0, float(_runtime(path).get("contention_slowdown", 1.0)))
 
 
+def load_frontend_cpu(path: str | Path) -> tuple[float, float]:
+    """``runtime.frontend_request_cpu_s`` and ``runtime.frontend_token_cpu_s`` of a calibration file
+    (0, 0 when it has none)."""
+    rt = _runtime(path)
+    return (max(0.0, float(rt.get("frontend_request_cpu_s", 0.0))),
+            max(0.0, float(rt.get("frontend_token_cpu_s", 0.0))))
+
+
+def served_sim_options(path: str | Path | None) -> dict:
+    """The ``SimOptions`` fields a calibration file sets for simulating a *served* deployment (what
+    ``compare``, ``simulate --efficiency`` and ``bench_predict`` pass): the request overhead, the
+    KV hand-off overhead per message, the contention slow-down and the front end's CPU costs.
+    ``None``: no calibration, every field at its default."""
+    if path is None:
+        return {}
+    req_cpu, tok_cpu = load_frontend_cpu(path)
+    return {"request_overhead_s": load_request_overhead(path), "contention_slowdown": load_contention(path),
+            "link_overhead_s": load_kv_handoff_overhead(path), "frontend_request_cpu_s": req_cpu,
+            "frontend_token_cpu_s": tok_cpu}
+
+
+def fit_frontend_cpu(samples) -> tuple[float, float]:
+    """Non-negative least squares of ``cpu = request · requests + token · tokens`` over the HTTP
+    probes' ``(requests, output tokens, CPU seconds)``; (0, 0) without samples."""
+    from scipy.optimize import nnls
+
+    rows = [(n, t, c) for n, t, c in samples or () if n > 0]
+    if len(rows) < 2:
+        return 0.0, 0.0
+    a = np.array([[n, t] for n, t, _ in rows], float)
+    scale = a.max(axis=0)
+    coef, _ = nnls(a / scale, np.array([c for *_, c in rows], float))
+    req, tok = coef / scale
+    return float(req), float(tok)
+
+
 def _runtime(path: str | Path) -> dict:
     data = json.loads(Path(path).read_text())
     return data.get("runtime", {}) if isinstance(data, dict) else {}
@@ -147,13 +195,14 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         contention: float = 1.0, pp_ttft: dict[int, float] | None = None,
         pp_tpot: dict[int, float] | None = None, http_tpot: dict[int, float] | None = None,
         tp_ttft: dict[int, float] | None = None, tp_tpot: dict[int, float] | None = None,
-        kv_handoff: dict[int, float] | None = None) -> Calibration:
+        kv_handoff: dict[int, float] | None = None, frontend_cpu=None) -> Calibration:
     """Solve for compute and memory efficiency and the fixed costs per iteration, per stage and per
     sequence (least squares on the log of predicted / measured over every point); the request
     overhead is the median of HTTP TTFT − engine TTFT over the prompt lengths measured both ways,
     the stream overhead the least-squares slope (through 0) of HTTP TPOT − engine TPOT over the
     batch sizes measured both ways, the KV hand-off overhead the median of the measured hand-off
-    (``kv_handoff``: prompt tokens -> seconds) − the cost model's transfer time for that KV.
+    (``kv_handoff``: prompt tokens -> seconds) − the cost model's transfer time for that KV, the
+    front end's CPU per request and per token ``fit_frontend_cpu(frontend_cpu)``.
 
     Without pipeline points (``pp_ttft``/``pp_tpot``) a stage's fixed cost cannot be told from the
     iteration's: all of it is fitted as ``iteration_overhead_s`` (exact for one-stage replicas).
@@ -205,7 +254,9 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     cm2 = CostModel(two, spec, eff)
     handoff = max(0.0, statistics.median(t - cm2.kv_transfer_time(_layout(spec), _layout(spec, 1, 1, first_device=1), L)
                                          for L, t in kv_handoff.items())) if kv_handoff else 0.0
-    return Calibration(gpu_name, eff, points, overhead, stream, handoff, contention, measured_on or {})
+    req_cpu, tok_cpu = fit_frontend_cpu(frontend_cpu)
+    return Calibration(gpu_name, eff, points, overhead, stream, handoff, contention, measured_on or {},
+                       req_cpu, tok_cpu)
 
 
 def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
@@ -216,4 +267,4 @@ def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
     return fit(model_dir, gpu_name, m.ttft, m.tpot, decode_tokens=kwargs.get("decode_tokens", 24),
                http_ttft=m.http_ttft, measured_on=info, contention=m.contention, pp_ttft=m.pp_ttft,
                pp_tpot=m.pp_tpot, http_tpot=m.http_tpot, tp_ttft=m.tp_ttft, tp_tpot=m.tp_tpot,
-               kv_handoff=m.kv_handoff)
+               kv_handoff=m.kv_handoff, frontend_cpu=m.frontend_cpu)

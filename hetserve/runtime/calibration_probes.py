@@ -34,6 +34,36 @@ def _burn(stop) -> None:  # pragma: no cover - runs in a child process
             x += i * i
 
 
+def _idle_cpu_rate(seconds: float = 0.2) -> float:
+    """CPU seconds per second this process burns while it serves nothing (idle threads polling)."""
+    import time
+
+    c0, t0 = time.process_time(), time.perf_counter()
+    time.sleep(seconds)
+    return max(0.0, (time.process_time() - c0) / (time.perf_counter() - t0))
+
+
+class _cpu_meter:
+    """``with _cpu_meter(idle) as used: ...``; ``used()``: this process's CPU seconds over the block
+    beyond ``idle`` CPU seconds per second of it (never negative)."""
+
+    def __init__(self, idle: float):
+        self.idle = idle
+        self.cpu = self.wall = 0.0
+
+    def __enter__(self):
+        import time
+
+        self._c, self._t = time.process_time(), time.perf_counter()
+        return lambda: self.cpu
+
+    def __exit__(self, *exc) -> None:
+        import time
+
+        self.wall = time.perf_counter() - self._t
+        self.cpu = max(0.0, time.process_time() - self._c - self.idle * self.wall)
+
+
 def machine_info() -> dict:
     """Where a measurement was taken: CPU model, cores, date (UTC), load average now."""
     cpu = platform.processor() or platform.machine()
@@ -103,6 +133,9 @@ class Measurements:
     tp_ttft: dict[int, float] = field(default_factory=dict)  # one stage on TP 2: prompt length -> median TTFT
     tp_tpot: dict[int, float] = field(default_factory=dict)  # one stage on TP 2: batch size -> median TPOT
     kv_handoff: dict[int, float] = field(default_factory=dict)  # prefill -> decode slot: prompt -> median hand-off (s)
+    # the front end's CPU (server, coordinator and client: this process) per HTTP probe:
+    # (requests, output tokens, CPU seconds beyond this process's idle rate)
+    frontend_cpu: list[tuple[int, int, float]] = field(default_factory=list)
 
 
 def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), batch_sizes=(1, 4, 16),
@@ -195,16 +228,24 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
             if server is not None:
                 from hetserve.serve.loadgen import LoadRequest, replay
 
+                # This process is the front end (HTTP server, coordinator, the client): its CPU time
+                # over a replay, less what its idle threads (other probes' coordinators, heartbeats)
+                # burn meanwhile, is what the served requests cost it.
+                idle = _idle_cpu_rate()
                 # one client, requests spaced out (each alone on the server), as a replayed trace sends them
                 gap = 1.5 * max(ttft_s[L][-1] for L in prompt_lengths) + 0.05
                 reqs = [LoadRequest(i * gap, rng.integers(32, 127, L).tolist(), 1) for i, L in enumerate(prompt_lengths)]
-                for L, r in zip(prompt_lengths, replay(server.url, Path(model_dir).resolve().name, reqs,
-                                                       ignore_eos=True)):
+                with _cpu_meter(idle) as used:
+                    res = replay(server.url, Path(model_dir).resolve().name, reqs, ignore_eos=True)
+                m.frontend_cpu.append((len(reqs), len(reqs), used()))
+                for L, r in zip(prompt_lengths, res):
                     http_s[L].append(r.ttft_s)
                 # the decode probes again, every token streamed to the client (as the engine probes: all at once)
                 for b in batch_sizes:
                     reqs = [LoadRequest(0.0, rng.integers(32, 127, 16).tolist(), decode_tokens) for _ in range(b)]
-                    res = replay(server.url, Path(model_dir).resolve().name, reqs, ignore_eos=True)
+                    with _cpu_meter(idle) as used:
+                        res = replay(server.url, Path(model_dir).resolve().name, reqs, ignore_eos=True)
+                    m.frontend_cpu.append((b, b * decode_tokens, used()))
                     http_tpot_s[b].append(statistics.median(r.tpot_s for r in res))
         for extra in (pp, tp2, pd):
             if extra is not None:

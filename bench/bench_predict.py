@@ -90,9 +90,11 @@ def served_table(cell: dict) -> dict:
     return cell.get("served") or {}
 
 
-def replay_cells(path: str, shared_cores: bool, console) -> list[dict]:
+def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | None = None) -> list[dict]:
     """Re-simulate the cells of a ``--json`` file with the code of now against their served figures
-    (the calibration file each cell used: its saved content, or its path where it still exists)."""
+    (the calibration file each cell used: its saved content, or its path where it still exists;
+    ``runtime_from``: a calibration file whose front-end terms the cells take instead, to try terms
+    measured later on served runs saved before them)."""
     import dataclasses
 
     import numpy as np
@@ -119,10 +121,15 @@ def replay_cells(path: str, shared_cores: bool, console) -> list[dict]:
         if cell.get("calibration_data"):
             cal.write_text(json.dumps(cell["calibration_data"]))
         elif Path(cell["calibration"]).exists():
-            cal = Path(cell["calibration"])
+            cal.write_text(Path(cell["calibration"]).read_text())
         else:
             raise SystemExit(f"--replay {path}: cell {i} ({cell['plan']}): its calibration {cell['calibration']} "
                              "is gone and the file does not hold its content")
+        if runtime_from:
+            content, other = json.loads(cal.read_text()), json.loads(Path(runtime_from).read_text())
+            content.setdefault("runtime", {}).update({k: v for k, v in other.get("runtime", {}).items()
+                                                      if k.startswith("frontend_")})
+            cal.write_text(json.dumps(content))
         plan = plans()[cell["plan"]]
         n = int(cell.get("requests", 48))
         requests = requests_from_workload(trace.with_rate(cell["rate"]), n, max_input=128, max_output=32)
@@ -186,6 +193,9 @@ def main() -> int:
                          "against 21 with; docs/benchmarks.md)")
     ap.add_argument("--replay", metavar="JSON",
                     help="serve nothing: re-simulate the cells of a --json file against their served figures")
+    ap.add_argument("--frontend-from", metavar="CAL",
+                    help="with --replay: the front end's CPU terms from this calibration file instead of each "
+                         "cell's (served runs saved before calibrate measured them)")
     ap.add_argument("--calibrate-once", action="store_true",
                     help="one calibration at the start (default: calibrate again before each plan, so the "
                          "calibration sees the load the served cells see on a shared machine)")
@@ -195,7 +205,7 @@ def main() -> int:
 
     console = Console()
     if args.replay:
-        cells = replay_cells(args.replay, args.shared_cores, console)
+        cells = replay_cells(args.replay, args.shared_cores, console, args.frontend_from)
         print_cells(cells, f"simulator (now) vs the served figures of {args.replay}", console)
         if args.json:
             Path(args.json).write_text(json.dumps({"cells": cells, "replayed": args.replay}, indent=2) + "\n")

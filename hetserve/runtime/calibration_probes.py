@@ -134,8 +134,9 @@ class Measurements:
     tp_tpot: dict[int, float] = field(default_factory=dict)  # one stage on TP 2: batch size -> median TPOT
     kv_handoff: dict[int, float] = field(default_factory=dict)  # prefill -> decode slot: prompt -> median hand-off (s)
     # the front end's CPU (server, coordinator and client: this process) per HTTP probe:
-    # (requests, output tokens, CPU seconds beyond this process's idle rate)
-    frontend_cpu: list[tuple[int, int, float]] = field(default_factory=list)
+    # (requests, engine steps, output tokens, CPU seconds beyond this process's idle rate and a
+    # replay's own start and end: the client's set-up, measured with an empty replay)
+    frontend_cpu: list[tuple[int, int, int, float]] = field(default_factory=list)
 
 
 def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), batch_sizes=(1, 4, 16),
@@ -197,6 +198,10 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
             pd = Engine.from_plan(_handoff_plan(spec, cluster2), cluster2, model_dir, EngineConfig(max_num_seqs=4))
             pd.generate([[65] * 8], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
         engine.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        if server is not None:  # the client's and the server's first request import and build things once
+            from hetserve.serve.loadgen import LoadRequest, replay
+
+            replay(server.url, Path(model_dir).resolve().name, [LoadRequest(0.0, [65] * 8, 2)], ignore_eos=True)
         # Rounds over every probe (not every probe's repetitions in a row): on a shared machine the
         # load drifts, and interleaving spreads it over all points instead of biasing some.
         ttft_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
@@ -226,18 +231,20 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
                     handoff_s.append(h.handoff_s)
             m.load_avg.append(os.getloadavg()[0])
             if server is not None:
-                from hetserve.serve.loadgen import LoadRequest, replay
-
                 # This process is the front end (HTTP server, coordinator, the client): its CPU time
                 # over a replay, less what its idle threads (other probes' coordinators, heartbeats)
                 # burn meanwhile, is what the served requests cost it.
                 idle = _idle_cpu_rate()
+                with _cpu_meter(idle) as used:
+                    replay(server.url, Path(model_dir).resolve().name, [], ignore_eos=True)
+                setup = used()
                 # one client, requests spaced out (each alone on the server), as a replayed trace sends them
                 gap = 1.5 * max(ttft_s[L][-1] for L in prompt_lengths) + 0.05
                 reqs = [LoadRequest(i * gap, rng.integers(32, 127, L).tolist(), 1) for i, L in enumerate(prompt_lengths)]
                 with _cpu_meter(idle) as used:
                     res = replay(server.url, Path(model_dir).resolve().name, reqs, ignore_eos=True)
-                m.frontend_cpu.append((len(reqs), len(reqs), used()))
+                # one step per prompt (each alone), one token each
+                m.frontend_cpu.append((len(reqs), len(reqs), len(reqs), max(0.0, used() - setup)))
                 for L, r in zip(prompt_lengths, res):
                     http_s[L].append(r.ttft_s)
                 # the decode probes again, every token streamed to the client (as the engine probes: all at once)
@@ -245,7 +252,8 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
                     reqs = [LoadRequest(0.0, rng.integers(32, 127, 16).tolist(), decode_tokens) for _ in range(b)]
                     with _cpu_meter(idle) as used:
                         res = replay(server.url, Path(model_dir).resolve().name, reqs, ignore_eos=True)
-                    m.frontend_cpu.append((b, b * decode_tokens, used()))
+                    # all b in each step: the prompts' step, then decode_tokens - 1 decode steps
+                    m.frontend_cpu.append((b, decode_tokens, b * decode_tokens, max(0.0, used() - setup)))
                     http_tpot_s[b].append(statistics.median(r.tpot_s for r in res))
         for extra in (pp, tp2, pd):
             if extra is not None:

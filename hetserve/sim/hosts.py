@@ -14,11 +14,12 @@ over-predicted its light-load TTFT/TPOT/E2E by 1.17-1.26x; docs/benchmarks.md).
 
 *The front end* (the coordinator, the HTTP/SSE server and, as ``hetserve compare`` and
 ``bench_predict`` run it, the replaying client: one Python process) also computes on the host: it
-spends ``frontend_request_cpu_s`` CPU seconds per request (HTTP, tokenisation, placement) and
-``frontend_token_cpu_s`` per output token (the result message, the SSE event, the client's parse).
+spends ``frontend_request_cpu_s`` CPU seconds per request (HTTP, tokenisation, placement),
+``frontend_step_cpu_s`` per engine step (the coordinator takes the result, schedules and sends the
+next step) and ``frontend_token_cpu_s`` per output token (its SSE event, the client's parse).
 It joins ``k`` with its utilisation ``u ≤ 1`` (one process): 1 while it works off the requests that
-arrived (each adds its CPU seconds to a backlog), plus the token rate of the decoding replicas
-now times the per-token cost. ``hetserve calibrate`` measures both costs (the CPU time of the
+arrived (each adds its CPU seconds to a backlog), plus the step and token rates of the decoding
+replicas now times their costs. ``hetserve calibrate`` measures both costs (the CPU time of the
 process that serves and replays its HTTP probes); both default to 0, and nothing of this applies
 to devices without ``cpu_cores`` (GPUs), so the planner's and GPU simulations are unchanged.
 """
@@ -33,15 +34,16 @@ class FrontEndCost:
     """CPU the serving front end spends (seconds; ``hetserve calibrate`` measures them)."""
 
     request_cpu_s: float = 0.0  # per request: HTTP request, tokenisation, placement, stream set-up
-    token_cpu_s: float = 0.0  # per output token: result message, handle, SSE event, the client's parse
+    step_cpu_s: float = 0.0  # per engine step: the coordinator takes the result, schedules, sends the next
+    token_cpu_s: float = 0.0  # per output token: its handle, the SSE event, the client's parse
 
     def __post_init__(self) -> None:
-        if self.request_cpu_s < 0 or self.token_cpu_s < 0:
+        if min(self.request_cpu_s, self.step_cpu_s, self.token_cpu_s) < 0:
             raise ValueError("front-end CPU costs must be non-negative")
 
     @property
     def zero(self) -> bool:
-        return self.request_cpu_s == 0 and self.token_cpu_s == 0
+        return self.request_cpu_s == 0 and self.step_cpu_s == 0 and self.token_cpu_s == 0
 
 
 def busy_workers(rep, micro_batches: int | None) -> float:
@@ -88,13 +90,16 @@ class HostContention:
 
     def frontend_load(self) -> float:
         """The front end's utilisation now (0..1): its request backlog, plus the decoding replicas'
-        tokens per second times the CPU each token costs it."""
+        steps and tokens per second times the CPU each costs it."""
         if self.frontend_host is None or self.frontend.zero:
             return 0.0
         u = 1.0 if self._backlog_until > self.loop.now else 0.0
-        if self.frontend.token_cpu_s > 0:
-            rate = sum(r.token_rate() for reps in self.on_host.values() for r in reps)
-            u += self.frontend.token_cpu_s * rate
+        fe = self.frontend
+        if fe.token_cpu_s > 0 or fe.step_cpu_s > 0:
+            for reps in self.on_host.values():
+                for r in reps:
+                    steps, tokens = r.step_rate()
+                    u += fe.step_cpu_s * steps + fe.token_cpu_s * tokens
         return min(1.0, u)
 
     def slowdown(self, rep) -> float:

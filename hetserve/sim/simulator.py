@@ -80,9 +80,10 @@ class SimOptions:
     contention_slowdown: float = 1.0
     # The serving front end (coordinator, HTTP/SSE server, and the replaying client where it runs
     # beside them) as one more CPU consumer on the first replica's host, when that host's slots
-    # share cores (``sim.hosts``): CPU seconds per request and per output token (`hetserve
-    # calibrate` measures both; 0: no front end on the host's cores).
+    # share cores (``sim.hosts``): CPU seconds per request, per engine step and per output token (`hetserve
+    # calibrate` measures them; 0: no front end on the host's cores).
     frontend_request_cpu_s: float = 0.0
+    frontend_step_cpu_s: float = 0.0
     frontend_token_cpu_s: float = 0.0
     seed: int = 0
     policy_options: dict[str, Any] = field(default_factory=dict)  # PolicyContext.options (e.g. Aladdin's gamma)
@@ -101,8 +102,8 @@ class SimOptions:
             raise ValueError("contention_slowdown must be at least 1")
         if self.request_overhead_s < 0:
             raise ValueError("request_overhead_s must be non-negative")
-        if self.frontend_request_cpu_s < 0 or self.frontend_token_cpu_s < 0:
-            raise ValueError("frontend_request_cpu_s and frontend_token_cpu_s must be non-negative")
+        if min(self.frontend_request_cpu_s, self.frontend_step_cpu_s, self.frontend_token_cpu_s) < 0:
+            raise ValueError("frontend_request_cpu_s, frontend_step_cpu_s and frontend_token_cpu_s must be non-negative")
         if self.kv_block_tokens <= 0:
             raise ValueError("kv_block_tokens must be positive")
         if self.micro_batches is not None and self.micro_batches <= 0:
@@ -169,7 +170,8 @@ class Simulator:
             self.replicas.append(rep)
         self.by_id = {r.id: r for r in self.replicas}
         self.hosts = HostContention(self.replicas, cluster, self.loop, opts.contention_slowdown,
-                                    FrontEndCost(opts.frontend_request_cpu_s, opts.frontend_token_cpu_s),
+                                    FrontEndCost(opts.frontend_request_cpu_s, opts.frontend_step_cpu_s,
+                                                 opts.frontend_token_cpu_s),
                                     opts.micro_batches)
         self.entry = [r for r in self.replicas if r.role in ("prefill", "colocated")]
         if not self.entry:

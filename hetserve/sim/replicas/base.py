@@ -94,9 +94,9 @@ class Replica:
         once (``sim.hosts.busy_workers``)."""
         return 1
 
-    def token_rate(self) -> float:
-        """Output tokens per second it makes now (what the front end streams; ``sim.hosts``)."""
-        return 0.0
+    def step_rate(self) -> tuple[float, float]:
+        """(steps, output tokens) per second it runs now: the front end's work (``sim.hosts``)."""
+        return 0.0, 0.0
 
     def state(self, with_requests: bool = False) -> ReplicaState:  # pragma: no cover - overridden
         raise NotImplementedError

@@ -140,9 +140,9 @@ class Decoding(Replica):
     def inflight(self) -> int:
         return self.batch.size + len(getattr(self, "_chunking", ())) + len(getattr(self, "_prefilling", ()))
 
-    def token_rate(self) -> float:
+    def step_rate(self) -> tuple[float, float]:
         b = self.batch
-        return b.size / b.a if b.active and b.a > 0 else 0.0
+        return (1.0 / b.a, b.size / b.a) if b.active and b.a > 0 else (0.0, 0.0)
 
     def _generated_sum(self) -> float:
         return self.batch.generated(self.loop.now)

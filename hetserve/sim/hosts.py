@@ -82,7 +82,10 @@ class HostContention:
         self._backlog_until = 0.0  # when the front end has worked off the requests that arrived
 
     def on_arrival(self) -> None:
-        """A request reached the front end: its per-request CPU joins the backlog."""
+        """A request reached the replicas (after the request overhead): its per-request CPU joins the
+        front end's backlog from now. (Charged from the HTTP arrival instead, before the overhead,
+        the replays of docs/benchmarks.md hit 25 and 23 of 42 rather than 26 and 27: the front end's
+        per-request work overlaps the prompt's prefill — the stream's set-up, the first token's event.)"""
         if self.frontend_host is None or self.frontend.request_cpu_s <= 0:
             return
         now = self.loop.now

@@ -103,7 +103,8 @@ class SimOptions:
         if self.request_overhead_s < 0:
             raise ValueError("request_overhead_s must be non-negative")
         if min(self.frontend_request_cpu_s, self.frontend_step_cpu_s, self.frontend_token_cpu_s) < 0:
-            raise ValueError("frontend_request_cpu_s, frontend_step_cpu_s and frontend_token_cpu_s must be non-negative")
+            raise ValueError("frontend_request_cpu_s, frontend_step_cpu_s and frontend_token_cpu_s "
+                             "must be non-negative")
         if self.kv_block_tokens <= 0:
             raise ValueError("kv_block_tokens must be positive")
         if self.micro_batches is not None and self.micro_batches <= 0:

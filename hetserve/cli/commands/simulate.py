@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
 
         cost = CostModel(cluster, model, served_efficiency(args.efficiency)) if args.efficiency else None
         opts = SimOptions(placement=args.router, route=args.route, transmission=args.transmission, slo=slo,
-                          **served_sim_options(args.efficiency), predictor=predictor, token_budget=args.token_budget, chunked_prefill=args.chunked_prefill,
+                          **served_sim_options(args.efficiency), predictor=predictor,
+                          token_budget=args.token_budget, chunked_prefill=args.chunked_prefill,
                           prefill_mode=args.prefill_mode,
                           max_batch=args.max_batch, micro_batches=args.micro_batches, pipeline=args.pipeline,
                           kv_admission=args.kv_admission,

@@ -90,7 +90,7 @@ class Calibration:
     # per KV hand-off beyond the link's α-β time: the prefill worker's step message, reading and
     # pickling the KV, the socket, the pool write on the decode worker's receiving thread, the acks
     kv_handoff_overhead_s: float = 0.0
-    contention_slowdown: float = 1.0  # decode step time with one more busy CPU process / alone
+    contention_slowdown: float = 1.0  # a worker's CPU time per decode probe beside one more busy worker / alone
     measured_on: dict = field(default_factory=dict)  # device, cores, date, load average
     # CPU seconds the front end (HTTP/SSE server, coordinator, replaying client: one process) spends
     # per request and per output token: the simulator's front-end CPU consumer (``sim.hosts``)

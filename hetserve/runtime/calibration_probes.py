@@ -5,7 +5,8 @@ HTTP server, probed in interleaved rounds (the load of a shared machine drifts):
 several lengths (TTFT), decode batches of several sizes (TPOT), the same through HTTP with the
 ``openai`` client, and a prompt and a one-sequence decode on a two-stage pipeline and on one stage
 of TP 2 of the same checkpoint, and the KV hand-off of that prompt from a prefill to a decode
-replica; then the largest decode batch again beside one busy process (the contention slow-down). The replica shapes (``_one_device_plan``, ``_layout``) are shared with the
+replica; then the largest decode batch alone and beside one more busy worker-like process, interleaved (the
+contention slow-down: the ratio of the worker's own CPU time). The replica shapes (``_one_device_plan``, ``_layout``) are shared with the
 fit, so both price the same layouts.
 """
 
@@ -15,6 +16,7 @@ import datetime
 import os
 import platform
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,18 +28,31 @@ from hetserve.specs.cluster import Cluster, cluster_from_dict
 from hetserve.specs.model import load_model
 
 
-def _burn(stop) -> None:  # pragma: no cover - runs in a child process
-    """Keep one core busy (pure Python, one thread), as one more worker process computing would."""
-    x = 0
+def _burn(stop, go, weight_bytes: float) -> None:  # pragma: no cover - runs in a child process
+    """While ``go`` is set, keep one core busy as one more worker process would: one torch thread
+    multiplying by a matrix of the checkpoint's weight size (its weights streamed, its cache used)."""
+    import torch
+
+    torch.set_num_threads(1)
+    n = max(64, int((min(weight_bytes, 64e6) / 4) ** 0.5))
+    w, v = torch.randn(n, n), torch.randn(n, 4)
     while not stop.is_set():
-        for i in range(20000):
-            x += i * i
+        if go.wait(0.05):
+            w @ v
+
+
+def _cpu_ns(pid: int) -> float | None:
+    """CPU time of ``pid``'s main thread in ns (``/proc/PID/schedstat``; None where there is none).
+    A worker's step loop runs on its main thread: time-sharing the cores leaves this unchanged, so a
+    ratio of it measures what a neighbour costs beyond its share of the cores."""
+    try:
+        return float(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _idle_cpu_rate(seconds: float = 0.2) -> float:
     """CPU seconds per second this process burns while it serves nothing (idle threads polling)."""
-    import time
-
     c0, t0 = time.process_time(), time.perf_counter()
     time.sleep(seconds)
     return max(0.0, (time.process_time() - c0) / (time.perf_counter() - t0))
@@ -52,14 +67,10 @@ class _cpu_meter:
         self.cpu = self.wall = 0.0
 
     def __enter__(self):
-        import time
-
         self._c, self._t = time.process_time(), time.perf_counter()
         return lambda: self.cpu
 
     def __exit__(self, *exc) -> None:
-        import time
-
         self.wall = time.perf_counter() - self._t
         self.cpu = max(0.0, time.process_time() - self._c - self.idle * self.wall)
 
@@ -126,7 +137,7 @@ class Measurements:
     tpot: dict[int, float]  # batch size -> median TPOT on the engine (s)
     http_ttft: dict[int, float] = field(default_factory=dict)  # prompt length -> median TTFT through HTTP
     http_tpot: dict[int, float] = field(default_factory=dict)  # batch size -> median TPOT streamed through HTTP
-    contention: float = 1.0  # TPOT of the largest decode probe beside one busy process / alone
+    contention: float = 1.0  # the worker's CPU time for the largest decode probe beside one busy process / alone
     load_avg: list[float] = field(default_factory=list)  # 1-minute load average during the run
     pp_ttft: dict[int, float] = field(default_factory=dict)  # two-stage pipeline: prompt length -> median TTFT
     pp_tpot: dict[int, float] = field(default_factory=dict)  # two-stage pipeline: batch size -> median TPOT
@@ -259,18 +270,32 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
             if extra is not None:
                 extra.shutdown()
         pp = tp2 = pd = None
-        # Contention: the largest decode probe again while one more process keeps a core busy (as a
-        # second worker slot of the same host would); the ratio to the probe alone is the slow-down.
+        # Contention: the largest decode probe alone and beside one more process computing as a second
+        # worker slot of the same host would, interleaved. The slow-down is the ratio of the worker's
+        # own CPU time per probe (what the neighbour costs it beyond the cores' share, which the
+        # simulator's k / c already counts: cache, memory bandwidth); the ratio of wall times, where
+        # /proc has no CPU time, would also hold the other sessions' load of a shared machine.
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
-        stop = ctx.Event()
-        burner = ctx.Process(target=_burn, args=(stop,), daemon=True)
+        stop, go = ctx.Event(), ctx.Event()
+        burner = ctx.Process(target=_burn, args=(stop, go, spec.weight_bytes), daemon=True)
         burner.start()
+        pids = list(engine.worker_pids().values())
         try:
             b = max(batch_sizes)
-            busy = [decode(engine, b) for _ in range(reps)]
-            m.contention = max(1.0, statistics.median(busy) / statistics.median(tpot_s[b]))
+            alone, busy = [], []
+            for _ in range(reps):
+                for on, out in ((False, alone), (True, busy)):
+                    go.set() if on else go.clear()
+                    if on:
+                        time.sleep(0.05)  # the burner is computing before the probe starts
+                    c0 = [_cpu_ns(p) for p in pids]
+                    t = decode(engine, b)
+                    c1 = [_cpu_ns(p) for p in pids]
+                    cpu = None if None in c0 + c1 else sum(c1) - sum(c0)
+                    out.append(cpu if cpu else t)
+            m.contention = max(1.0, statistics.median(busy) / statistics.median(alone))
         finally:
             stop.set()
             burner.join(timeout=5)

@@ -85,11 +85,6 @@ def capacity_rps(plan, cluster, spec, requests, efficiency, served_options: dict
     return len(requests) / float(res.t_finish.max())
 
 
-def served_table(cell: dict) -> dict:
-    """The served figures of a saved cell: per request where it kept them, else its table's."""
-    return cell.get("served") or {}
-
-
 def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | None = None) -> list[dict]:
     """Re-simulate the cells of a ``--json`` file with the code of now against their served figures
     (the calibration file each cell used: its saved content, or its path where it still exists;
@@ -142,7 +137,7 @@ def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | Non
         res = simulate_side(plan, cluster, spec, requests, opts, cfg, pools, served_efficiency(cal), overhead, **kw)
         steps = res.output_tokens > 1
         sim = {"ttft_s": res.ttft, "e2e_s": res.e2e, "tpot_s": res.tpot[steps]}
-        served = served_table(cell)
+        served = cell.get("served")  # per request (files written since --replay exists)
         if served:
             table = table_of({k: np.asarray(v, float) for k, v in served["per_request"].items()}, sim,
                              served["throughput_tokens_per_s"], res.summary()["throughput_tokens_per_s"])

@@ -1,7 +1,7 @@
 """An upper bound on the throughput any placement of the pool can reach under the cost model.
 
 Exact search stops at 8 GPUs; this answers "how good is this plan?" for any pool size. Two
-linear relaxations; ``upper_bound`` returns the first, proven for every plan the planners build
+relaxations; ``upper_bound`` returns the first, proven for every plan the planners build
 (exact search and hexgen2 included, mixed plans too):
 
 **1. Group columns** (``group_bound``; ``bound_columns`` and ``bound_groups``). A plan is a set of

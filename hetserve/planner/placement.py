@@ -110,6 +110,9 @@ class Evaluator:
         # its neighbours' LPs by weak duality (``_dual_pruned``)
         self._prices: tuple[dict[Group, float], dict[str, float]] | None = None
         self.layout_trials = 0  # max flows solved while choosing alternative layouts
+        # LP results of placements scored since the last ``evaluate``: the one it keeps was
+        # usually just scored, and its flow needs that very LP (``flow.solve``)
+        self._solved: dict[tuple[Group, ...], FlowResult] = {}
 
     def capacity(self, devices: Sequence[int], role: str) -> float:
         return self.ctx.layouts.capacity(devices, role)
@@ -221,6 +224,8 @@ class Evaluator:
         choice = (0,) * len(key)
         if net.prefill and net.decode and value < (net.upper_bound() + colocated) * (1 - 1e-9):
             choice, value = self._choose_layouts(key, layouts, caps, net, value, nodes)
+        if net.loads_resources() and flow.unconstrained is not None and not any(choice):
+            self._solved[key] = flow
         value = self.ctx.tokens_per_s(value)
         self._scores[key] = value
         self._choices[key] = choice
@@ -400,7 +405,8 @@ class Evaluator:
         if key not in self._choices:
             self.score(key)
         layouts, caps, net, _ = self._network(key, self._choices[key])
-        flow = solve(net)
+        flow = solve(net, self._solved.get(key))
+        self._solved.clear()
         if flow.node_dual:
             self._prices = ({key[i]: y for i, y in flow.node_dual.items()}, flow.resource_dual)
         req = flow.total

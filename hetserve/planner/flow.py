@@ -307,17 +307,18 @@ def _dinic(net: FlowNetwork, nodes: bool = True, edges: bool = True):
     P, D = len(net.prefill), len(net.decode)
     n = P + D + 2
     src, snk = 0, n - 1
-    rows, cols, caps = [], [], []
-    for i, p in enumerate(net.prefill):
-        rows.append(src), cols.append(1 + i), caps.append(net._int(net.node_cap[p], s, bound))
-    for j, d in enumerate(net.decode):
-        rows.append(1 + P + j), cols.append(snk), caps.append(net._int(net.node_cap[d], s, bound))
-    for i, p in enumerate(net.prefill):
-        for j, d in enumerate(net.decode):
-            c = net._int(net.edge_cap[(p, d)], s, bound)
-            if c > 0:
-                rows.append(1 + i), cols.append(1 + P + j), caps.append(c)
-    m = csr_array((np.asarray(caps, dtype=np.int32), (np.asarray(rows), np.asarray(cols))), shape=(n, n))
+    # the compact network in CSR form, rows in order (source, prefill nodes, decode nodes): built
+    # directly, capacities as ``FlowNetwork._int`` rounds them (vectorised: it runs per candidate)
+    node = _int_caps(np.fromiter((net.node_cap[g] for g in net.prefill + net.decode), float, P + D), s, bound)
+    kv = _int_caps(np.fromiter((net.edge_cap[(p, d)] for p in net.prefill for d in net.decode), float, P * D),
+                   s, bound).reshape(P, D)
+    keep = kv > 0
+    per_row = keep.sum(axis=1)
+    indptr = np.concatenate(([0, P], P + np.cumsum(per_row), P + per_row.sum() + np.arange(1, D + 1),
+                             [P + per_row.sum() + D]))
+    indices = np.concatenate((np.arange(1, P + 1), (1 + P + np.nonzero(keep)[1]), np.full(D, snk)))
+    data = np.concatenate((node[:P], kv[keep], node[P:])).astype(np.int32)
+    m = csr_array((data, indices.astype(np.int32), indptr.astype(np.int32)), shape=(n, n))
     res = maximum_flow(m, src, snk, method="dinic")
     if not nodes and not edges:
         return res.flow_value / s, {}, {}
@@ -327,6 +328,14 @@ def _dinic(net: FlowNetwork, nodes: bool = True, edges: bool = True):
     edge_flow = ({(p, d): max(0.0, float(f[1 + i, 1 + P + j])) / s for i, p in enumerate(net.prefill)
                   for j, d in enumerate(net.decode)} if edges else {})
     return res.flow_value / s, node_flow, edge_flow
+
+
+def _int_caps(caps: np.ndarray, s: float, bound: int) -> np.ndarray:
+    """``FlowNetwork._int`` on an array: capacity × scale truncated, at most ``bound`` (inf too)."""
+    out = np.full(len(caps), bound, dtype=np.int64)
+    finite = np.isfinite(caps)
+    out[finite] = np.minimum(bound, (caps[finite] * s).astype(np.int64))
+    return out
 
 
 def build_graph(net: FlowNetwork) -> nx.DiGraph:
@@ -352,22 +361,18 @@ def solve(net: FlowNetwork, lp: FlowResult | None = None) -> FlowResult:
     """Max flow by networkx preflow-push, with the flow through every node and KV edge; the
     LP of ``solve_with_resources`` when that flow overloads a capacity node.
 
-    Where the LP's optimum is below the max flow that ignores resources, every max flow — the
-    one preflow-push would find included — overloads a resource, so the LP is returned without
-    running preflow-push (on large pools most kept placements: it cost as much as the LP).
-    ``lp``: that LP's result for this very network, when the caller has it (``solve_fast``'s,
-    with ``unconstrained`` set)."""
+    ``lp``: that LP's result for this very network when the caller has it (``solve_fast``'s,
+    with ``unconstrained`` set). Where its optimum is below the max flow that ignores
+    resources, every max flow — the one preflow-push would find included — overloads a
+    resource, so it is returned without running preflow-push (it cost as much as the LP on
+    large pools)."""
     if not net.prefill or not net.decode:
         flow = FlowResult(0.0, {g: 0.0 for g in net.prefill + net.decode}, {}, _unconstrained_colocated(net))
         if net.loads_resources() and not _respects_resources(net, flow):
             return solve_with_resources(net)
         return flow
-    if net.loads_resources():
-        if lp is None or lp.unconstrained is None:
-            lp = solve_with_resources(net)
-            lp.unconstrained = _dinic(net, nodes=False, edges=False)[0] + sum(_unconstrained_colocated(net).values())
-        if lp.total < lp.unconstrained * (1 - 1e-7):
-            return lp
+    if lp is not None and lp.unconstrained is not None and lp.total < lp.unconstrained * (1 - 1e-7):
+        return lp
     s = net.scale()
     g = build_graph(net)
     value, flow = nx.maximum_flow(g, "source", "sink", flow_func=preflow_push)

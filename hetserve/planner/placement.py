@@ -223,7 +223,8 @@ class Evaluator:
             value += colocated
         choice = (0,) * len(key)
         if net.prefill and net.decode and value < (net.upper_bound() + colocated) * (1 - 1e-9):
-            choice, value = self._choose_layouts(key, layouts, caps, net, value, nodes)
+            known = flow.unconstrained if net.loads_resources() else None
+            choice, value = self._choose_layouts(key, layouts, caps, net, value, nodes, known)
         if net.loads_resources() and flow.unconstrained is not None and not any(choice):
             self._solved[key] = flow
         value = self.ctx.tokens_per_s(value)
@@ -248,11 +249,15 @@ class Evaluator:
         return bound
 
     # ------------------------------------------------------------------ alternative layouts
-    def _choose_layouts(self, groups, layouts, caps, net: FlowNetwork, value: float, nodes: dict[int, float]):
+    def _choose_layouts(self, groups, layouts, caps, net: FlowNetwork, value: float, nodes: dict[int, float],
+                        unconstrained: float | None = None):
         """(choice, requests per T) of the best combination of alternative layouts found
-        (``value`` and the result include what colocated groups serve)."""
+        (``value`` and the result include what colocated groups serve; ``unconstrained``: the
+        max flow without resources, ``_bound_without_resources``, when the caller has it)."""
         # a shared resource that binds makes every trial a linear program: a short ascent at most
-        shared_binds = not self.exhaustive_layouts and value < self._bound_without_resources(net) * (1 - 1e-9)
+        if unconstrained is None and not self.exhaustive_layouts:
+            unconstrained = self._bound_without_resources(net)
+        shared_binds = not self.exhaustive_layouts and value < unconstrained * (1 - 1e-9)
         if shared_binds and MAX_LAYOUT_ROUNDS_SHARED == 0:
             return (0,) * len(groups), value
         opts = {i: self._options(groups[i]) for i in net.prefill + net.decode}

@@ -42,6 +42,8 @@ class CompareOptions:
     router: str = "jsq"
     route: str = "flow"
     seed: int = 0
+    prefill_mode: str = "mixed"  # the engine's and the simulator's: "mixed" | "chunked"
+    chunk_tokens: int = 512  # chunked prefill: tokens per step, decode tokens included
 
 
 @dataclass
@@ -111,7 +113,8 @@ def compare(opts: CompareOptions) -> Comparison:
                                       max_output=opts.max_output, seed=opts.seed, start=opts.start)
     load_before = os.getloadavg()[0]
     serve_opts = ServeOptions(plan=plan, cluster=cluster, model_dir=str(opts.model_dir), router=opts.router,
-                              route=opts.route, seed=opts.seed)
+                              route=opts.route, seed=opts.seed,
+                              engine_options={"prefill_mode": opts.prefill_mode, "chunk_tokens": opts.chunk_tokens})
     with start_server(serve_opts) as server:
         engine = server.deployment.engine
         pools = {rid: s.blocks.capacity_tokens for rid, s in engine.schedulers.items()}
@@ -139,6 +142,7 @@ def compare(opts: CompareOptions) -> Comparison:
             "workload": opts.workload, "workload_class": opts.workload_class, "rate": opts.rate,
             "router": opts.router, "route": opts.route, "efficiency": opts.efficiency,
             "request_overhead_s": overhead, "kv_handoff_overhead_s": handoff, "contention_slowdown": contention, "kv_pools": pools, "token_budget": cfg.max_batched_tokens,
+            "prefill_mode": cfg.prefill_mode, "chunk_tokens": cfg.chunk_tokens,
             "max_num_seqs": cfg.max_num_seqs, "load_avg_1m": [round(load_before, 2), round(load_after, 2)],
             "machine": machine_info(),
             "served_source": "measured at the openai client on this machine",
@@ -160,7 +164,8 @@ def simulate_side(plan, cluster, spec, requests, opts: CompareOptions, cfg, pool
                                    [r.max_tokens for r in requests])
     kw = dict(placement=opts.router, route=opts.route, seed=opts.seed, token_budget=cfg.max_batched_tokens,
               max_batch=cfg.max_num_seqs, kv_block_tokens=cfg.block_size, kv_capacity_tokens=pools,
-              micro_batches=cfg.micro_batches, request_overhead_s=overhead)
+              micro_batches=cfg.micro_batches, request_overhead_s=overhead,
+              chunked_prefill=cfg.prefill_mode == "chunked", chunk_tokens=cfg.chunk_tokens)
     kw.update(overrides)
     return simulate(plan, cluster, spec, workload, SimOptions(**kw), cost=CostModel(cluster, spec, efficiency))
 

@@ -17,8 +17,10 @@ A step (one forward pass of a replica) carries:
 ``prefill_mode`` says how prompts meet decodes on a colocated replica:
 ``"mixed"`` (the runtime's engine, vLLM v1 without chunking): whole prompts ride in the decode
 step; ``"prefill_first"`` (vLLM v0): a step of prompts only, decoding waits for it;
-``"chunked"`` (Sarathi): prompt chunks ride along up to ``chunk_tokens`` per step. The runtime
-implements ``"mixed"``; the other two are simulator what-ifs.
+``"chunked"`` (Sarathi, vLLM's chunked prefill): every prompt that fits the KV pool and the
+sequence limit is admitted, and admitted prompts feed chunks, in admission order, up to
+``chunk_tokens`` per step with the decode tokens counted (``prompt_chunks``). The runtime
+implements ``"mixed"`` and ``"chunked"``; ``"prefill_first"`` is a simulator what-if.
 """
 
 from __future__ import annotations
@@ -60,6 +62,24 @@ def kv_reservation(prompt_tokens: int, max_tokens: int, decoding: bool, block_si
     """
     tokens = prompt_tokens + max_tokens if decoding else prompt_tokens
     return -(-tokens // block_size) * block_size
+
+
+def prompt_chunks(remaining: list[int], chunk_tokens: int, decode_tokens: int) -> list[int]:
+    """Chunked prefill: tokens each admitted prompt feeds this step, for prompts with ``remaining``
+    tokens left to prefill, in admission order (the returned list may be shorter: the rest wait).
+
+    The step carries ``decode_tokens`` decodes and at most ``chunk_tokens`` tokens in all, but at
+    least one prompt token, so prompts always make progress beside a full decode batch.
+    """
+    left = max(1, chunk_tokens - decode_tokens)
+    out = []
+    for r in remaining:
+        if left <= 0:
+            break
+        c = min(r, left)
+        out.append(c)
+        left -= c
+    return out
 
 
 def decode_share(running: int, micro_batches: int) -> int:

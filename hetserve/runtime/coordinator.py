@@ -165,6 +165,8 @@ class Coordinator:
             if seq.aborted:
                 self._finish(seq, "abort")
                 continue
+            if not sched.chunk_done(seq):
+                continue  # chunked prefill, not its last chunk: the token it sampled is no output
             seq.output.append(int(token))
             seq.handle._push(int(token))
             reason = seq.finish_reason()
@@ -240,12 +242,12 @@ class Coordinator:
             entries.append((seq.id, start, len(tokens), seq.table, seq.sample_key()))
             input_ids.extend(tokens)
             q_lens.append(len(tokens))
-        priority = Priority.DECODE if all(q == 1 and s.num_cached for q, s in zip(q_lens, batch)) else Priority.PREFILL
+        priority = Priority.PREFILL if any(s.prefilling for s in batch) else Priority.DECODE
         meta = {"step": step_id, "seqs": entries, "handoffs": [], "priority": int(priority)}
         sched.start(step_id, batch)
         if self.trace is not None:
-            self.trace.append(("step", sched.id, tuple(q.id for q in batch if q.num_cached),
-                               tuple(q.id for q in batch if not q.num_cached)))
+            self.trace.append(("step", sched.id, tuple(q.id for q in batch if not q.prefilling),
+                               tuple(q.id for q in batch if q.prefilling)))
         self.steps[step_id] = (sched.id, batch, q_lens)
         self.transport.send(self.replicas[sched.id].entry,
                             Message("step", meta, {"input_ids": torch.tensor(input_ids, dtype=torch.long)}), priority)
@@ -281,8 +283,8 @@ class Coordinator:
         elif seq.status == Status.HANDOFF and seq in self.handoff_queue:
             self.handoff_queue.remove(seq)
             self._finish(seq, "abort")
-        elif seq.status == Status.RUNNING and seq.replica and seq in self.schedulers[seq.replica].ready:
-            self.schedulers[seq.replica].ready.remove(seq)
+        elif seq.status == Status.RUNNING and seq.replica and self.schedulers[seq.replica].idle(seq):
+            self.schedulers[seq.replica].drop(seq)
             self._finish(seq, "abort")
         # in flight or KV in transit: finished when the step result / last acknowledgement arrives
 
@@ -311,9 +313,7 @@ class Coordinator:
         self.workers.stop_replica(self.replicas[rid])  # the rest of its replica cannot work without it
         for step_id in [s for s, (r, _, _) in self.steps.items() if r == rid]:
             del self.steps[step_id]
-        sched.inflight.clear()
-        sched.ready.clear()
-        sched.pinned.clear()
+        sched.clear()
         hit = [seq for seq in self.seqs.values() if seq.replica == rid or seq.pinned == rid or seq.dst == rid]
         rerun = []
         for seq in hit:
@@ -329,7 +329,7 @@ class Coordinator:
                 # its requests hold prompt-sized KV only: drop its steps in flight and re-run them
                 for step_id in [k for k, (r, _, _) in self.steps.items() if r == s.id]:
                     del self.steps[step_id]
-                s.inflight.clear()
+                s.clear(steps_only=True)
             ids = {s.id for s in converted}
             rerun += [seq for seq in self.seqs.values() if seq.replica in ids and seq not in rerun]
         self.deaths.append({"worker": name, "replica": rid, "why": why, "at": time.monotonic(),
@@ -356,9 +356,7 @@ class Coordinator:
             self.workers.stop_replica(self.replicas[rid])
             for step_id in [s for s, (r, _, _) in self.steps.items() if r == rid]:
                 del self.steps[step_id]
-            sched.inflight.clear()
-            sched.ready.clear()
-            sched.pinned.clear()
+            sched.clear()
             hit = [q for q in self.seqs.values() if rid in (q.replica, q.pinned, q.dst)]
             for seq in hit:
                 if seq.replica != rid and seq.status == Status.HANDOFF:
@@ -402,15 +400,15 @@ class Coordinator:
             if seq in self.handoff_queue:
                 self.handoff_queue.remove(seq)
             self.handoffs.pop(seq.transfer, None)
-            for queue in [self.waiting] + [s.ready for s in self.schedulers.values()] + \
-                         [s.pinned for s in self.schedulers.values()]:
-                if seq in queue:
-                    queue.remove(seq)
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            for s in self.schedulers.values():
+                s.drop(seq)
             if seq.replica is not None and seq.table and self.schedulers[seq.replica].alive:
                 self.schedulers[seq.replica].release(seq)
             if seq.dst is not None and seq.dst_table and self.schedulers[seq.dst].alive:
                 self.schedulers[seq.dst].blocks.free(seq.dst_table)
-            seq.replica, seq.table, seq.num_cached, seq.pinned = None, [], 0, None
+            seq.replica, seq.table, seq.num_cached, seq.prefill_end, seq.pinned = None, [], 0, 0, None
             seq.dst, seq.dst_table, seq.acks = None, [], set()
             if seq.aborted:
                 self._finish(seq, "abort")

@@ -3,9 +3,10 @@
 ``build_layout(plan, cluster, cfg, device_of)`` returns the ``ReplicaSpec`` records of ``layout.py``
 after checking (PlanError, naming the replica and stage, otherwise):
 
-- every replica's stages cover ``[0, num_layers)`` of the checkpoint, in order;
-- every stage's TP degree divides the heads, KV heads and FFN width; no device is used twice;
-- some replica runs prefill and some runs decode; KV routes join prefill to decode replicas.
+- the structural checks every engine shares (``planner.validate.check_runnable``): stages cover
+  ``[0, num_layers)`` of the checkpoint in order, TP degrees divide the heads, KV heads and FFN
+  width, no device is used twice, some replica runs prefill and some decode, KV routes join
+  prefill to decode replicas.
 
 Inside a stage, the leader (TP rank 0) is the device with the lowest latency to the neighbouring
 stages' devices (HexGen §3.2): only leaders exchange activations between stages.
@@ -18,10 +19,13 @@ and runtime; embeddings and LM head sit on stage leaders only.
 
 from __future__ import annotations
 
+import dataclasses
+
 from hetserve.cost.layout import kv_head_range
 from hetserve.cost.analytic import device_kv_bytes_per_token, device_weight_bytes
 from hetserve.errors import PlanError
 from hetserve.planner.plan import Plan, PlanReplica
+from hetserve.planner.validate import check_runnable
 from hetserve.runtime.layout import ReplicaSpec, WorkerSpec
 from hetserve.runtime.model.config import ArchConfig
 from hetserve.specs.cluster import Cluster
@@ -77,47 +81,12 @@ def check_memory(layout: tuple[ReplicaSpec, ...], cluster: Cluster, cfg: ArchCon
 
 def build_layout(plan: Plan, cluster: Cluster, cfg: ArchConfig, device_of: dict[str, str],
                  source: str = "plan") -> tuple[ReplicaSpec, ...]:
-    """Check ``plan`` against the checkpoint ``cfg`` and ``cluster``; return the runtime layout."""
-    seen: set[str] = set()
-    replicas = []
-    for r in plan.replicas:
-        _check_replica(r, cfg, cluster, seen, source)
-        replicas.append(_replica_spec(r, cluster, cfg, device_of))
-    roles = {r.role for r in plan.replicas}
-    if not roles & {"prefill", "colocated"}:
-        raise PlanError(f"{source}: no replica can run prefill (roles: {sorted(roles)})")
-    if not roles & {"decode", "colocated"}:
-        raise PlanError(f"{source}: no replica can run decode (roles: {sorted(roles)})")
-    ids = {r.id for r in plan.replicas}
-    for k in plan.kv_routes:
-        if k.src not in ids or plan.replica(k.src).role != "prefill":
-            raise PlanError(f"{source}: kv route from {k.src!r}: not a prefill replica of the plan")
-        if k.dst not in ids or plan.replica(k.dst).role != "decode":
-            raise PlanError(f"{source}: kv route to {k.dst!r}: not a decode replica of the plan")
-    if "prefill" in roles and "decode" not in roles:
-        raise PlanError(f"{source}: prefill replicas need at least one decode replica to hand their KV to")
-    return tuple(replicas)
-
-
-def _check_replica(r: PlanReplica, cfg: ArchConfig, cluster: Cluster, seen: set[str], source: str) -> None:
-    spec = model_spec(cfg, DTYPE_BYTES["float32"])  # only shapes are checked here
-    end = 0
-    for i, s in enumerate(r.stages):
-        if s.layers[0] != end or s.layers[1] <= s.layers[0]:
-            raise PlanError(f"{source}: replica {r.id} stage {i} has layers {list(s.layers)}; "
-                            f"expected a non-empty range starting at {end}")
-        end = s.layers[1]
-        for d in s.devices:
-            if not cluster.has_device(d):
-                raise PlanError(f"{source}: replica {r.id} uses device {d!r}, which cluster {cluster.name!r} lacks")
-            if d in seen:
-                raise PlanError(f"{source}: device {d!r} appears twice in the plan")
-            seen.add(d)
-        if why := spec.tp_problem(s.tp):
-            raise PlanError(f"{source}: replica {r.id} stage {i}: {why}")
-    if end != cfg.num_layers:
-        raise PlanError(f"{source}: replica {r.id} covers layers [0, {end}) but the checkpoint has "
-                        f"{cfg.num_layers} layers")
+    """Check ``plan`` against the checkpoint ``cfg`` and ``cluster`` (the planner's one set of plan
+    checks, ``check_runnable``); return the runtime layout."""
+    # only shapes matter to the checks; the checkpoint stands for the plan's model, whatever its name
+    spec = model_spec(cfg, DTYPE_BYTES["float32"])
+    check_runnable(plan, cluster, dataclasses.replace(spec, name=f"the checkpoint ({spec.name})"), source)
+    return tuple(_replica_spec(r, cluster, cfg, device_of) for r in plan.replicas)
 
 
 def _replica_spec(r: PlanReplica, cluster: Cluster, cfg: ArchConfig, device_of: dict[str, str]) -> ReplicaSpec:

@@ -23,10 +23,8 @@ import torch
 from hetserve.errors import PlanError
 from hetserve.planner.plan import Plan
 from hetserve.runtime.deployment import build_layout
-from hetserve.runtime.engine_config import kv_capacity
-from hetserve.runtime.kv_cache import BlockManager
+from hetserve.runtime.engine_config import kv_capacity, scheduler_for
 from hetserve.runtime.layout import ReplicaSpec
-from hetserve.runtime.scheduler import ReplicaScheduler
 from hetserve.runtime.transport import Message
 from hetserve.runtime.worker import WorkerConfig
 from hetserve.specs.cluster import Cluster
@@ -67,9 +65,7 @@ def reconfigure(engine, plan: Plan, cluster: Cluster) -> dict[str, Any]:
     added = tuple(r for r in layout if r.id not in keep.values())
     capacity = kv_capacity(added, cluster, engine.arch, engine.dtype, engine.config, engine._use_cuda) if added else {}
     cfg = engine.config
-    schedulers = [ReplicaScheduler(r.id, r.role, BlockManager(capacity[r.id] // cfg.block_size, cfg.block_size),
-                                   cfg.micro_batches or len(r.stages), cfg.max_num_seqs, cfg.max_batched_tokens)
-                  for r in added]
+    schedulers = [scheduler_for(r, capacity[r.id], cfg) for r in added]
     if not added and not keep:
         raise PlanError("re-plan: the new plan has no replica")
 

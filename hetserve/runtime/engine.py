@@ -33,16 +33,14 @@ from hetserve.errors import InfeasibleError, RuntimeFailure
 from hetserve.planner.plan import Plan
 from hetserve.runtime.coordinator import Coordinator
 from hetserve.runtime.deployment import build_layout
-from hetserve.runtime.engine_config import EngineConfig, kv_capacity
+from hetserve.runtime.engine_config import EngineConfig, kv_capacity, scheduler_for
 from hetserve.runtime.handle import RequestHandle
-from hetserve.runtime.kv_cache import BlockManager
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.model.config import ArchConfig
 from hetserve.runtime.model.loader import CheckpointReader
 from hetserve.runtime.rendezvous import LOOPBACK
 from hetserve.runtime.routing import KVRoutePolicy, PlanRoutes
 from hetserve.runtime.sampling import SamplingParams
-from hetserve.runtime.scheduler import ReplicaScheduler
 from hetserve.runtime.sequence import Sequence
 from hetserve.runtime.transport import LinkScheduler, LinkShaper, Message, SocketTransport
 from hetserve.runtime.worker import ENGINE, WorkerConfig
@@ -110,11 +108,7 @@ class Engine:
         self.route_policy = route_policy
         self._link_scheduler, self._shaper = link_scheduler, shaper
         self.replicas = {r.id: r for r in layout}
-        self.schedulers = {
-            r.id: ReplicaScheduler(r.id, r.role, BlockManager(capacity[r.id] // config.block_size, config.block_size),
-                                   config.micro_batches or len(r.stages), config.max_num_seqs,
-                                   config.max_batched_tokens)
-            for r in layout}
+        self.schedulers = {r.id: scheduler_for(r, capacity[r.id], config) for r in layout}
         self.transport = SocketTransport(ENGINE, host=config.host or LOOPBACK, scheduler_factory=link_scheduler,
                                          shaper=shaper)
         self.workers = WorkerGroup(layout, self.transport, config.start_timeout_s)

@@ -13,7 +13,9 @@ from hetserve.errors import PlanError
 from hetserve.policies.batching import DEFAULT_BATCHING
 from hetserve.runtime.deployment import check_memory
 from hetserve.runtime.layout import ReplicaSpec
+from hetserve.runtime.kv_cache import BlockManager
 from hetserve.runtime.model.config import ArchConfig
+from hetserve.runtime.scheduler import ReplicaScheduler
 from hetserve.specs.cluster import Cluster
 
 
@@ -25,6 +27,8 @@ class EngineConfig:
     block_size: int = DEFAULT_BATCHING.block_size
     max_num_seqs: int = DEFAULT_BATCHING.max_batch  # per step
     max_batched_tokens: int = DEFAULT_BATCHING.token_budget  # per step, prompt tokens + decode tokens
+    prefill_mode: str = DEFAULT_BATCHING.prefill_mode  # "mixed" | "chunked" (colocated replicas)
+    chunk_tokens: int = DEFAULT_BATCHING.chunk_tokens  # chunked: tokens per step, decode tokens included
     dtype: str | None = None  # None: float32 on CPU, the checkpoint's dtype on CUDA
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     memory_fraction: float = 0.9
@@ -39,8 +43,11 @@ class EngineConfig:
     host: str | None = None
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_batched_tokens < 1:
-            raise ValueError("block_size, max_num_seqs and max_batched_tokens must be positive")
+        if min(self.block_size, self.max_num_seqs, self.max_batched_tokens, self.chunk_tokens) < 1:
+            raise ValueError("block_size, max_num_seqs, max_batched_tokens and chunk_tokens must be positive")
+        if self.prefill_mode not in ("mixed", "chunked"):
+            raise ValueError(f"prefill_mode must be mixed or chunked, got {self.prefill_mode!r} "
+                             "(prefill_first is a simulator what-if)")
         if self.start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be spawn or forkserver, got {self.start_method!r}")
         if self.micro_batches is not None and self.micro_batches < 1:
@@ -83,3 +90,10 @@ def kv_capacity(layout: tuple[ReplicaSpec, ...], cluster: Cluster, arch: ArchCon
             raise PlanError(f"replica {r.id}: room for {tokens} KV tokens, less than one block of {config.block_size}")
         out[r.id] = blocks * config.block_size
     return out
+
+
+def scheduler_for(r: ReplicaSpec, kv_tokens: int, config: EngineConfig) -> ReplicaScheduler:
+    """Replica ``r``'s scheduler: its KV pool of ``kv_tokens`` and the config's batching knobs."""
+    return ReplicaScheduler(r.id, r.role, BlockManager(kv_tokens // config.block_size, config.block_size),
+                            config.micro_batches or len(r.stages), config.max_num_seqs, config.max_batched_tokens,
+                            config.prefill_mode, config.chunk_tokens)

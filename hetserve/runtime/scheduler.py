@@ -8,6 +8,11 @@ simulator builds its steps with the same object). Up to ``num_stages`` steps are
 once, on disjoint sequences, so every pipeline stage has work; decode sequences are spread evenly
 over those micro-batches (``decode_share``).
 
+With ``prefill_mode="chunked"`` (a colocated replica), every waiting prompt that fits the KV pool
+and the sequence limit is admitted into ``prefilling``, and each step gives the admitted prompts
+that are not already in flight chunks up to ``chunk_tokens`` with the decodes counted
+(``prompt_chunks``, the simulator's rule); a prompt's token comes out of its last chunk.
+
 KV reservations are ``kv_reservation``: prompt + max_tokens on a colocated or decode replica, the
 prompt on a prefill replica (freed once the KV reached a decode replica). Pure Python (no torch).
 """
@@ -17,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 
 from hetserve.planner.plan import HasRole
-from hetserve.policies.batching import DEFAULT_BATCHING, StepBuilder, decode_share, kv_reservation
+from hetserve.policies.batching import DEFAULT_BATCHING, StepBuilder, decode_share, kv_reservation, prompt_chunks
 from hetserve.runtime.kv_cache import BlockManager
 from hetserve.runtime.sequence import Sequence, Status
 
@@ -25,13 +30,21 @@ from hetserve.runtime.sequence import Sequence, Status
 class ReplicaScheduler(HasRole):
     def __init__(self, replica_id: str, role: str, blocks: BlockManager, num_stages: int,
                  max_num_seqs: int = DEFAULT_BATCHING.max_batch,
-                 max_batched_tokens: int = DEFAULT_BATCHING.token_budget):
+                 max_batched_tokens: int = DEFAULT_BATCHING.token_budget,
+                 prefill_mode: str = DEFAULT_BATCHING.prefill_mode, chunk_tokens: int = DEFAULT_BATCHING.chunk_tokens):
+        if prefill_mode not in ("mixed", "chunked"):
+            raise ValueError(f"the engine batches prompts 'mixed' or 'chunked', not {prefill_mode!r} "
+                             "('prefill_first' is a simulator what-if)")
         self.id = replica_id
         self.role = role
         self.blocks = blocks
         self.max_inflight = max(1, num_stages)
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
+        self.chunked = prefill_mode == "chunked" and role == "colocated"
+        self.chunk_tokens = chunk_tokens
+        self.prefilling: list[Sequence] = []  # chunked: admitted, prompt not all prefilled, admission order
+        self._in_flight: set[int] = set()  # ids of the sequences of the steps in flight
         self.ready: deque[Sequence] = deque()  # holding KV here, waiting for their next decode step
         self.pinned: deque[Sequence] = deque()  # waiting requests placed on this replica at submission
         self.inflight: dict[int, list[Sequence]] = {}  # step id -> its sequences
@@ -41,7 +54,10 @@ class ReplicaScheduler(HasRole):
 
     @property
     def num_running(self) -> int:
-        return len(self.ready) + sum(len(v) for v in self.inflight.values())
+        return len(self.ready) + len(self._idle_prefilling()) + sum(len(v) for v in self.inflight.values())
+
+    def _idle_prefilling(self) -> list[Sequence]:
+        return [q for q in self.prefilling if q.id not in self._in_flight]
 
     def admission_tokens(self, seq: Sequence) -> int:
         # a re-run request (its replica died) re-prefills what it had generated too
@@ -61,39 +77,89 @@ class ReplicaScheduler(HasRole):
             for _ in range(min(len(self.ready), share, self.max_num_seqs)):
                 batch.append(self.ready.popleft())
         decodes = len(batch)
+        if self.chunked:
+            return batch + self._chunks(waiting, decodes)
         if self.serves_prefill:
             step = StepBuilder(self.max_batched_tokens, self.max_num_seqs, tokens=decodes, seqs=decodes)
-            for queue in (self.pinned, waiting):  # requests placed here first, then the shared queue
-                while queue:
-                    seq = queue[0]
-                    reserve = self.admission_tokens(seq)
-                    if not step.offer(seq.prefill_tokens, self.blocks.can_allocate(reserve)):
-                        break  # FCFS: nobody overtakes a request that does not fit yet
-                    queue.popleft()
-                    seq.table = self.blocks.allocate(reserve)
-                    seq.replica, seq.num_cached, seq.status = self.id, 0, Status.RUNNING
-                    batch.append(seq)
-                if queue:
-                    break
+            batch += self._admit(step, waiting)
         return batch
+
+    def _admit(self, step: StepBuilder, waiting: deque[Sequence]) -> list[Sequence]:
+        """Admit waiting requests (placed here first, then the shared queue) while ``step`` takes them."""
+        admitted = []
+        for queue in (self.pinned, waiting):
+            while queue:
+                seq = queue[0]
+                reserve = self.admission_tokens(seq)
+                if not step.offer(seq.prefill_tokens, self.blocks.can_allocate(reserve)):
+                    return admitted  # FCFS: nobody overtakes a request that does not fit yet
+                queue.popleft()
+                seq.table = self.blocks.allocate(reserve)
+                seq.replica, seq.num_cached, seq.status = self.id, 0, Status.RUNNING
+                seq.prefill_end, seq.chunk = seq.prefill_tokens, 0
+                admitted.append(seq)
+        return admitted
+
+    def _chunks(self, waiting: deque[Sequence], decodes: int) -> list[Sequence]:
+        """Chunked prefill: admit all that fits (no token budget), then chunk the idle prompts."""
+        step = StepBuilder(None, self.max_num_seqs, tokens=decodes, seqs=decodes + len(self.prefilling))
+        self.prefilling += self._admit(step, waiting)
+        idle = self._idle_prefilling()
+        sizes = prompt_chunks([q.prefill_end - q.num_cached for q in idle], self.chunk_tokens, decodes)
+        for q, c in zip(idle, sizes):
+            q.chunk = c
+        return idle[:len(sizes)]
+
+    def chunk_done(self, seq: Sequence) -> bool:
+        """After a step: whether ``seq`` finished its prefill (its token is its first output)."""
+        if seq.prefilling:
+            return False
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        return True
 
     def start(self, step_id: int, batch: list[Sequence]) -> None:
         self.inflight[step_id] = batch
+        self._in_flight.update(q.id for q in batch)
         self.num_steps += 1
         self.last_batch_size = len(batch)
 
     def complete(self, step_id: int) -> list[Sequence]:
-        return self.inflight.pop(step_id)
+        batch = self.inflight.pop(step_id)
+        self._in_flight.difference_update(q.id for q in batch)
+        return batch
 
     def release(self, seq: Sequence) -> None:
         """Give back the blocks ``seq`` holds here."""
         if seq.table:
             self.blocks.free(seq.table)
             seq.table = []
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+
+    def idle(self, seq: Sequence) -> bool:
+        """Whether ``seq`` runs here and waits for its next step (not in a step in flight)."""
+        return seq.id not in self._in_flight and (seq in self.ready or seq in self.prefilling)
+
+    def drop(self, seq: Sequence) -> None:
+        """Forget ``seq`` in every queue here (its blocks stay: ``release`` gives them back)."""
+        for queue in (self.ready, self.pinned, self.prefilling):
+            if seq in queue:
+                queue.remove(seq)
+
+    def clear(self, steps_only: bool = False) -> None:
+        """Forget the steps in flight (their replica died, or turned colocated) and, unless
+        ``steps_only``, every sequence queued here."""
+        self.inflight.clear()
+        self._in_flight.clear()
+        if not steps_only:
+            self.ready.clear()
+            self.pinned.clear()
+            self.prefilling.clear()
 
     def stats(self) -> dict:
         return {"role": self.role, "alive": self.alive, "running": self.num_running, "ready": len(self.ready),
-                "waiting": len(self.pinned),
+                "waiting": len(self.pinned), "prefilling": len(self.prefilling),
                 "inflight_steps": len(self.inflight), "batch_size": self.last_batch_size, "steps": self.num_steps,
                 "kv_used_blocks": self.blocks.num_used_blocks, "kv_total_blocks": self.blocks.num_blocks,
                 "kv_usage": self.blocks.usage}

@@ -9,9 +9,10 @@ Life cycle (``status``):
     any --no live replica can serve it / engine shut down--> FAILED
 
 ``num_cached`` tokens of the sequence have their KV in the pool of ``replica`` (blocks ``table``).
-The next step feeds the prompt and every token generated so far (prefill, ``num_cached == 0``; the
-output is non-empty only for a request re-run after its replica died) or the last generated token
-at position ``num_cached``.
+While ``prefilling`` (``num_cached < prefill_end``), the next step feeds the prompt and every token
+generated so far (the output is non-empty only for a request re-run after its replica died) from
+``num_cached`` on: all of it, or ``chunk`` tokens with chunked prefill. After that, each step feeds
+the last generated token at position ``num_cached``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class Sequence:
     replica: str | None = None
     table: list[int] = field(default_factory=list)
     num_cached: int = 0
+    prefill_end: int = 0  # tokens its prefill covers, set when a replica admits it
+    chunk: int = 0  # chunked prefill: tokens the next step feeds (0: all that is left)
     # during a hand-off: destination replica, its block table, workers that acknowledged
     dst: str | None = None
     dst_table: list[int] = field(default_factory=list)
@@ -64,10 +67,16 @@ class Sequence:
         """Tokens its (re-)prefill feeds: the prompt plus whatever was generated before a re-run."""
         return len(self.prompt) + len(self.output)
 
+    @property
+    def prefilling(self) -> bool:
+        """Admitted, and part of its prompt still has no KV (before its first step, or between chunks)."""
+        return self.num_cached < self.prefill_end
+
     def next_input(self) -> tuple[int, list[int]]:
         """(start position, tokens) the next step feeds."""
-        if self.num_cached == 0:
-            return 0, self.prompt + self.output
+        if self.prefilling:
+            rest = (self.prompt + self.output)[self.num_cached:self.prefill_end]
+            return self.num_cached, rest[:self.chunk] if self.chunk else rest
         return self.num_cached, [self.output[-1]]
 
     def sample_key(self) -> SampleKey:

@@ -5,7 +5,8 @@ Built by the coordinator thread after every loop (``replica_snapshots``), publis
 the Ray backend), and turned back into ``ReplicaState`` for the policies by ``state_from_stats``.
 Field by field, as the simulator's replicas define them (``hetserve.sim.replicas``):
 
-* ``queued_requests`` — prefill-capable: requests placed on this replica and not admitted yet;
+* ``queued_requests`` — prefill-capable: requests placed on this replica and not admitted yet
+  (with chunked prefill, also the admitted ones still prefilling, as the simulator counts them);
   decode: hand-offs routed here that wait for room or whose KV is on its way;
 * ``running_requests`` — sequences holding KV here and stepping (a prefill replica: its prompts
   in flight);
@@ -54,7 +55,9 @@ def replica_snapshots(schedulers: Mapping[str, ReplicaScheduler],
             parked.setdefault(seq.replica, []).append(seq)
     out = {}
     for rid, s in schedulers.items():
-        running = list(s.ready) + [q for batch in s.inflight.values() for q in batch]
+        # chunked prefill: admitted prompts still prefilling count as queued, as in the simulator
+        chunking = list(s.prefilling)
+        running = [q for q in list(s.ready) + [q for batch in s.inflight.values() for q in batch] if q not in chunking]
         block = s.blocks.block_size
         kv_used = s.blocks.num_used_blocks * block
         if s.role == "prefill":
@@ -67,8 +70,8 @@ def replica_snapshots(schedulers: Mapping[str, ReplicaScheduler],
                         "kv_capacity_tokens": s.blocks.capacity_tokens}
             continue
         if s.role == "colocated":
-            queued = list(s.pinned)
-            qtok = sum(_to_prefill(q) for q in queued)
+            qtok = sum(_to_prefill(q) for q in s.pinned)
+            queued = list(s.pinned) + chunking
             outstanding = qtok + sum(_left(q) for q in queued)
         else:
             queued = inbound.get(rid, [])
@@ -77,7 +80,7 @@ def replica_snapshots(schedulers: Mapping[str, ReplicaScheduler],
         outstanding += sum(_left(q) for q in running)
         out[rid] = {"queued_requests": len(queued), "running_requests": len(running),
                     "queued_prefill_tokens": qtok, "outstanding_tokens": float(outstanding),
-                    "context_tokens": sum(len(q.prompt) + len(q.output) for q in running if q.num_cached),
+                    "context_tokens": sum(len(q.prompt) + len(q.output) for q in running if not q.prefilling),
                     "kv_used_tokens": kv_used, "kv_capacity_tokens": s.blocks.capacity_tokens}
     return out
 

@@ -22,7 +22,8 @@ from typing import Any, Callable, Literal
 
 from hetserve.cost.analytic import CostModel
 from hetserve.errors import PlanError
-from hetserve.planner.plan import Plan
+from hetserve.planner.plan import Plan, serves_prefill
+from hetserve.planner.validate import check_runnable
 from hetserve.policies.batching import DEFAULT_BATCHING, PREFILL_MODES
 from hetserve.policies.base import PlacementPolicy, RequestInfo, RoutePolicy, TransmissionPolicy
 from hetserve.policies.placement import PolicyContext, make_placement
@@ -130,6 +131,7 @@ class Simulator:
         self.opts = opts = options or SimOptions()
         if plan.model != model.name:
             raise PlanError(f"plan is for model {plan.model!r}, simulating {model.name!r}")
+        check_runnable(plan, cluster, model, source=f"plan for {plan.model!r}")
         self.cost = fast(cost or CostModel(cluster, model))
         self.max_batch = opts.max_batch or self.cost.eff.max_batch
         mode = "chunked" if opts.chunked_prefill else opts.prefill_mode
@@ -160,21 +162,13 @@ class Simulator:
             self.replicas.append(rep)
         self.by_id = {r.id: r for r in self.replicas}
         self._set_hosts()
-        self.entry = [r for r in self.replicas if r.role in ("prefill", "colocated")]
-        if not self.entry:
-            raise PlanError("plan has no prefill or colocated replica")
+        self.entry = [r for r in self.replicas if serves_prefill(r.role)]
         self._routes: dict[str, list[tuple[Replica, float]]] = {}
         decoders = [r.id for r in self.replicas if r.role == "decode"]
         for r in self.replicas:
             if r.role != "prefill":
                 continue
-            for k in plan.routes_from(r.id):
-                if k.dst not in self.by_id or self.by_id[k.dst].role != "decode":
-                    raise PlanError(f"KV route {k.src} -> {k.dst}: {k.dst!r} is not a decode replica of the plan")
-            routes = [(self.by_id[d], w) for d, w in route_candidates(plan, r.id, decoders)]
-            if not routes:
-                raise PlanError(f"prefill replica {r.id} has no decode replica to send KV to")
-            self._routes[r.id] = routes
+            self._routes[r.id] = [(self.by_id[d], w) for d, w in route_candidates(plan, r.id, decoders)]
         self._kv_pairs: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
         self._set_capacity_norms()
         ctx = PolicyContext(seed=opts.seed, slo=opts.slo, cost=self.cost, plan=plan, layouts=self.layouts,

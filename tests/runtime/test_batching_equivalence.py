@@ -6,6 +6,9 @@ The engine runs first with real worker processes; its coordinator records each s
 step. The simulator then replays the same requests, each arriving just before the step that
 preceded it in the engine (the simulator's own clock, found step by step), and its colocated replica
 records each iteration. Both must list the same (decode ids, prompt ids) for every step.
+
+The same again with chunked prefill (``prefill_mode="chunked"``, 20 tokens per step with the decodes
+counted): the prompt ids of a step are then the prompts feeding a chunk in it.
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ PHASES = [0, 1, 1, 2, 2, 2, 3, 3]
 KV_TOKENS = 224  # 14 blocks of 16
 TOKEN_BUDGET = 48
 MAX_SEQS = 4
+CHUNK = 20
 
 
-def _engine_trace(model_dir, cluster_file, plan):
+def _engine_trace(model_dir, cluster_file, plan, mode):
     from hetserve.runtime.engine import Engine, EngineConfig
     from hetserve.runtime.sampling import SamplingParams
 
-    cfg = EngineConfig(kv_capacity_tokens=KV_TOKENS, max_batched_tokens=TOKEN_BUDGET, max_num_seqs=MAX_SEQS)
+    cfg = EngineConfig(kv_capacity_tokens=KV_TOKENS, max_batched_tokens=TOKEN_BUDGET, max_num_seqs=MAX_SEQS,
+                       prefill_mode=mode, chunk_tokens=CHUNK)
     eng = Engine.from_plan(plan, cluster_file, model_dir, cfg)
     try:
         eng.coordinator.trace = []
@@ -52,7 +57,7 @@ def _engine_trace(model_dir, cluster_file, plan):
         eng.shutdown()
 
 
-def _sim_steps(plan, cluster_file, model_dir, arrivals_before_step):
+def _sim_steps(plan, cluster_file, model_dir, arrivals_before_step, mode):
     """Simulate, placing request i just before the simulator's step ``arrivals_before_step[i]``."""
     import numpy as np
 
@@ -65,7 +70,7 @@ def _sim_steps(plan, cluster_file, model_dir, arrivals_before_step):
     cluster = load_cluster(str(cluster_file))
     model = dataclasses.replace(load_model(model_dir), name=plan.model)
     opts = SimOptions(token_budget=TOKEN_BUDGET, max_batch=MAX_SEQS, kv_capacity_tokens=KV_TOKENS,
-                      kv_block_tokens=16)
+                      kv_block_tokens=16, chunked_prefill=mode == "chunked", chunk_tokens=CHUNK)
 
     def run(times):
         k = len(times)
@@ -89,7 +94,7 @@ def _sim_steps(plan, cluster_file, model_dir, arrivals_before_step):
     return [(tuple(d), tuple(p)) for _, _, d, p in steps]
 
 
-def compare(trace, ids, plan, cluster_file, model_dir):
+def compare(trace, ids, plan, cluster_file, model_dir, mode):
     """Engine steps and simulator steps, as (sorted decode indices, prompt indices) per step."""
     index = {rid: i for i, rid in enumerate(ids)}
     arrivals, engine_steps = {}, []
@@ -99,18 +104,23 @@ def compare(trace, ids, plan, cluster_file, model_dir):
         else:
             engine_steps.append((tuple(sorted(index[x] for x in ev[2])), tuple(index[x] for x in ev[3])))
     before = [arrivals[i] for i in range(len(REQUESTS))]
-    sim_steps = [(tuple(sorted(d)), p) for d, p in _sim_steps(plan, cluster_file, model_dir, before)]
+    sim_steps = [(tuple(sorted(d)), p) for d, p in _sim_steps(plan, cluster_file, model_dir, before, mode)]
     return engine_steps, sim_steps
 
 
 @pytest.mark.timeout(240)
-def test_simulator_and_engine_form_the_same_batches(model_dirs, cluster_file, plans):
+@pytest.mark.parametrize("mode", ["mixed", "chunked"])
+def test_simulator_and_engine_form_the_same_batches(model_dirs, cluster_file, plans, mode):
     plan = plans.single()
-    trace, ids = _engine_trace(model_dirs["llama"], cluster_file, plan)
-    engine_steps, sim_steps = compare(trace, ids, plan, cluster_file, model_dirs["llama"])
-    for i, (_, out) in enumerate(REQUESTS):  # each request: one prefill, then max_tokens - 1 decodes
-        assert sum(i in p for _, p in engine_steps) == 1
+    trace, ids = _engine_trace(model_dirs["llama"], cluster_file, plan, mode)
+    engine_steps, sim_steps = compare(trace, ids, plan, cluster_file, model_dirs["llama"], mode)
+    for i, (n, out) in enumerate(REQUESTS):  # each request: its prefill steps, then max_tokens - 1 decodes
+        chunks = sum(i in p for _, p in engine_steps)
+        assert chunks == 1 if mode == "mixed" else chunks >= -(-n // CHUNK)
         assert sum(i in d for d, _ in engine_steps) == out - 1
+    if mode == "chunked":
+        assert any(sum(i in p for _, p in engine_steps) > -(-n // CHUNK) for i, (n, _) in enumerate(REQUESTS))
+        assert any(len(p) > 1 for _, p in engine_steps)  # one step fed chunks of two prompts
     assert max(len(d) + len(p) for d, p in engine_steps) == MAX_SEQS  # the sequence cap was reached
     assert any(p and d for d, p in engine_steps)  # prompts rode in decode steps
     for k, (e, s) in enumerate(zip(engine_steps, sim_steps)):

@@ -4,6 +4,8 @@ Two plan shapes x two architectures:
 (a) colocated, asymmetric: TP 2 on layer 0, then TP 1 on layers 1-2 (uneven layers);
 (b) disaggregated: prefill TP 2 -> decode with two pipeline stages of TP 1 (KV re-sharded 2 -> 1+1).
 Prompts of different lengths arrive at different times, so later ones join a running batch.
+(c) shape (a) with chunked prefill of 16 tokens per step (decodes included): the 50- and 90-token
+prompts prefill over several steps, two steps in flight, beside running decodes.
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ ARRIVALS_S = [0.0, 0.0, 0.05, 0.15, 0.3, 0.3]
 
 
 @pytest.fixture(scope="module", params=[("llama", "colocated"), ("llama", "disaggregated"),
-                                        ("opt", "colocated"), ("opt", "disaggregated")],
+                                        ("opt", "colocated"), ("opt", "disaggregated"), ("llama", "chunked")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def engine(request, model_dirs, cluster_file, plans):
     from hetserve.runtime.engine import Engine, EngineConfig
 
     arch, shape = request.param
-    plan = plans.colocated() if shape == "colocated" else plans.disaggregated()
-    eng = Engine.from_plan(plan, cluster_file, model_dirs[arch], EngineConfig(kv_capacity_tokens=2048))
+    plan = plans.disaggregated() if shape == "disaggregated" else plans.colocated()
+    chunked = dict(prefill_mode="chunked", chunk_tokens=16) if shape == "chunked" else {}
+    eng = Engine.from_plan(plan, cluster_file, model_dirs[arch], EngineConfig(kv_capacity_tokens=2048, **chunked))
     eng.arch_name, eng.shape = arch, shape
     yield eng
     eng.shutdown()
@@ -44,12 +47,16 @@ def test_greedy_matches_transformers_generate(engine, model_dirs, hf_reference):
     from hetserve.runtime.sampling import SamplingParams
 
     expected = hf_reference(model_dirs[engine.arch_name], PROMPTS, MAX_NEW)
+    engine.coordinator.trace = []
     handles, t0 = [], time.monotonic()
     for prompt, at in zip(PROMPTS, ARRIVALS_S):
         time.sleep(max(0.0, t0 + at - time.monotonic()))
         handles.append(engine.submit(prompt, SamplingParams(max_tokens=MAX_NEW)))
     got = [list(h) for h in handles]  # streamed token by token
     assert got == expected
+    prefill_steps = [ids for ev in engine.coordinator.trace if ev[0] == "step" for ids in ev[3]]
+    steps = prefill_steps.count(handles[4].request_id)  # 90 tokens: >= 6 chunks of <= 16 (decodes count too)
+    assert steps >= 6 if engine.shape == "chunked" else steps == 1
     assert all(h.finish_reason in ("stop", "length") for h in handles)
     stats = engine.stats()
     assert stats["failed"] == 0

@@ -165,6 +165,34 @@ def test_continuous_batching_admits_while_kv_fits_and_decodes_every_step():
     assert [s.id for s in sched.next_step(waiting)] == [3]
 
 
+def test_chunked_prefill_feeds_chunks_in_admission_order_and_skips_prompts_in_flight():
+    """Chunked prefill on a two-stage replica: every prompt that fits is admitted, chunks fill the
+    step's 8 tokens with the decodes counted, a prompt in flight gets no second chunk, and an
+    idle prompt can be dropped (an abort) without touching the steps in flight."""
+    from hetserve.runtime.scheduler import ReplicaScheduler
+
+    sched = ReplicaScheduler("c0", "colocated", BlockManager(64, 16), num_stages=2, prefill_mode="chunked",
+                             chunk_tokens=8)
+    a, b, c = _seq(1, 5, 4), _seq(2, 12, 4), _seq(3, 30, 4)
+    first = sched.next_step(deque([a, b, c]))
+    assert [s.id for s in first] == [1, 2] and [s.next_input()[1] for s in first] == [[1] * 5, [1] * 3]
+    assert [s.id for s in sched.prefilling] == [1, 2, 3]  # all three admitted (KV fits), 3 waits for room
+    sched.start(1, first)
+    second = sched.next_step(deque())  # 1 and 2 are in flight: only 3 may feed a chunk
+    assert [(s.id, s.next_input()) for s in second] == [(3, (0, [1] * 8))]
+    sched.start(2, second)
+    for s in sched.complete(1):
+        s.num_cached += len(s.next_input()[1])
+    assert sched.chunk_done(a) and not sched.chunk_done(b)  # 1 prefilled whole; 2 has 9 tokens left
+    a.output = [7]
+    sched.ready.append(a)
+    assert sched.idle(b) and not sched.idle(c)  # 3 is still in flight
+    sched.drop(b)
+    assert [s.id for s in sched.prefilling] == [3] and sched.num_running == 2  # a ready, c in flight
+    with pytest.raises(ValueError, match="simulator what-if"):
+        ReplicaScheduler("c0", "colocated", BlockManager(4, 16), num_stages=1, prefill_mode="prefill_first")
+
+
 def test_micro_batches_split_decoders_over_pipeline_stages():
     from hetserve.runtime.scheduler import ReplicaScheduler
 

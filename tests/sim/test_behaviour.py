@@ -28,7 +28,7 @@ def test_nothing_is_dropped_under_overload(cluster, model):
 
 def test_kv_admission_makes_requests_wait(cluster, model, cost):
     """The decode pool holds ~4 requests' footprint: the rest wait with their KV on the prefill side."""
-    plan = single({"p0": ["m0:0", "m0:1", "m0:2"], "d0": ["m1:0"]})
+    plan = single({"p0": ["m0:0", "m0:1", "m0:2", "m0:3"], "d0": ["m1:0"]})
     cap = cost.kv_capacity_tokens(plan.replica("d0").layout(cluster))
     per = int(cap // 4)
     wl = Workload.from_lists("big", [0.0] * 12, [per - 200] * 12, [200] * 12)

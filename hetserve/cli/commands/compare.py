@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from hetserve.cli.commands.serve import add_prefill_mode_options
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="served vs simulated for the same plan and requests",
@@ -24,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--route", default="flow", choices=["flow", "load", "aladdin"],
                    help="KV route policy, both sides (default flow)")
     p.add_argument("--seed", type=int, default=0)
+    add_prefill_mode_options(p)
     p.add_argument("-o", "--output", help="folder for compare.json and compare_cdf.png")
     p.set_defaults(func=run)
 
@@ -46,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
                                    workload_class=args.workload_class, rate=args.rate,
                                    num_requests=args.num_requests, max_input=args.max_input,
                                    max_output=args.max_output, efficiency=args.efficiency, router=args.router,
-                                   route=args.route, seed=args.seed))
+                                   route=args.route, seed=args.seed, prefill_mode=args.prefill_mode,
+                                   chunk_tokens=args.chunk_tokens))
     except RuntimeError as exc:
         raise RuntimeFailure(str(exc)) from exc
     console = Console()

@@ -56,9 +56,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="workload preset or CSV the re-plan's planner plans for (default azure-conv)")
     p.add_argument("--replan-time-limit", type=float, default=10.0, metavar="S",
                    help="the re-plan's planner search time limit in seconds (default 10)")
+    add_prefill_mode_options(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
+
+
+def add_prefill_mode_options(p: argparse.ArgumentParser) -> None:
+    """How colocated replicas batch prompts (``policies.batching``), for ``serve`` and ``compare``."""
+    from hetserve.policies.batching import DEFAULT_BATCHING
+
+    p.add_argument("--prefill-mode", choices=["mixed", "chunked"], default=DEFAULT_BATCHING.prefill_mode,
+                   help="colocated replicas: whole prompts ride in the decode step (mixed, default) or prompts "
+                        "feed chunks of at most --chunk-tokens per step, decodes included (chunked)")
+    p.add_argument("--chunk-tokens", type=int, default=DEFAULT_BATCHING.chunk_tokens,
+                   help=f"tokens per step with --prefill-mode chunked (default {DEFAULT_BATCHING.chunk_tokens})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
 
         load_workload(args.replan_workload)  # a bad workload is reported now, not at the first failure
     engine_options = {"heartbeat_timeout_s": args.heartbeat_timeout,
-                      "heartbeat_interval_s": min(0.5, args.heartbeat_timeout / 4)}
+                      "heartbeat_interval_s": min(0.5, args.heartbeat_timeout / 4),
+                      "prefill_mode": args.prefill_mode, "chunk_tokens": args.chunk_tokens}
     try:
         opts = ServeOptions(plan=plan, cluster=cluster, model_dir=args.model, model_name=args.model_name,
                             backend=args.backend, router=args.router, route=args.route, transmission=args.transmission,

@@ -12,7 +12,7 @@ from collections import deque
 
 from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import ReplicaState
-from hetserve.policies.batching import StepBuilder
+from hetserve.policies.batching import StepBuilder, prompt_chunks
 from hetserve.sim.events import Priority
 from hetserve.sim.replicas.decoding import Decoding
 
@@ -115,17 +115,10 @@ class ColocatedReplica(Decoding):
         if b.size:
             self.kv.make_room()  # room for this iteration's decode tokens
         r = self.req
-        left = max(1, budget - b.size)
-        chunks, sum_sq, tokens = [], 0.0, 0
-        for item in self._chunking:
-            if left <= 0:
-                break
-            rid, done = item
-            c = min(r.inp[rid] - done, left)
-            chunks.append((item, c))
-            sum_sq += c * c + 2.0 * c * done
-            tokens += c
-            left -= c
+        sizes = prompt_chunks([r.inp[rid] - done for rid, done in self._chunking], budget, b.size)
+        chunks = list(zip(self._chunking, sizes))
+        tokens = sum(sizes)
+        sum_sq = sum(c * c + 2.0 * c * item[1] for item, c in chunks)
         prompts = PrefillBatch(len(chunks), tokens, sum_sq)
         dur = self.cost.mixed_step_time(self.layout, b.size, b.context, prompts, self.limits.micro_batches)
         dur *= self.env.slowdown(self)

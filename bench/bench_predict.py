@@ -1,6 +1,8 @@
 """How well the simulator predicts the served runtime: three plans x two request rates on this machine.
 
     .venv/bin/python bench/bench_predict.py [--requests 48] [--calibration cal.json] [--json out.json]
+        [--plans asym-colocated,prefill-decode,pipeline-2] [--fractions 0.2,0.8] [--no-shared-cores]
+    .venv/bin/python bench/bench_predict.py --replay out.json      # re-simulate saved cells, no serving
 
 Plans (a tiny random-weight Llama, 8 layers, hidden 256, 4 heads, 2 KV heads; CPU worker slots named RTX 4090):
 
@@ -15,11 +17,17 @@ model). Each cell serves the plan, replays the requests (Azure conversation, LPL
 <= 128 tokens, outputs <= 32 tokens, ``ignore_eos``) through the ``openai`` client, and simulates
 the same requests with the server's policies, batching knobs and KV pools
 (``hetserve.compare``). Reported: served (measured), simulated (calibrated cost model, this
-session's defaults; ``--shared-cores``: the pool's 4 slots share the 2 cores) and *baseline*
+session's defaults; the cluster file says the pool's 4 slots share the 2 cores, so the simulator
+counts the busy workers and the front end on them, ``sim.hosts``; ``--no-shared-cores``: each
+slot as if alone) and *baseline*
 simulated (the simulator as it was before issue 13: prefill pauses decoding, 4,096-token prefill
 budget, no request overhead, no shared cores) — each metric's sim / served
 ratio and whether it is within +-15 %. The 1-minute load average before and after each cell is
 printed: the machine is shared, so the served side is noisy.
+
+``--json`` keeps each cell's served figures per request and its calibration file's content, so
+``--replay FILE`` re-simulates every cell with the code (and options) of now against the *same*
+served measurement: compare model variants without serving again (the served side is the noise).
 """
 
 from __future__ import annotations
@@ -63,18 +71,106 @@ def plans() -> dict:
     }
 
 
-def capacity_rps(plan, cluster, spec, requests, efficiency, overhead, contention) -> float:
-    """Requests/s the simulator gives the plan for a burst of ``requests`` (all at t = 0)."""
+def capacity_rps(plan, cluster, spec, requests, efficiency, served_options: dict) -> float:
+    """Requests/s the simulator gives the plan for a burst of ``requests`` (all at t = 0);
+    ``served_options``: the calibration's ``SimOptions`` fields (``served_sim_options``)."""
     from hetserve.cost.analytic import CostModel
     from hetserve.sim import SimOptions, simulate
     from hetserve.specs.workload import Workload
 
     wl = Workload.from_lists("burst", [0.0] * len(requests), [len(r.prompt) for r in requests],
                              [r.max_tokens for r in requests])
-    res = simulate(plan, cluster, spec, wl, SimOptions(request_overhead_s=overhead, kv_capacity_tokens=16384,
-                                                       contention_slowdown=contention),
+    res = simulate(plan, cluster, spec, wl, SimOptions(kv_capacity_tokens=16384, **served_options),
                    cost=CostModel(cluster, spec, efficiency))
     return len(requests) / float(res.t_finish.max())
+
+
+def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | None = None) -> list[dict]:
+    """Re-simulate the cells of a ``--json`` file with the code of now against their served figures
+    (the calibration file each cell used: its saved content, or its path where it still exists;
+    ``runtime_from``: a calibration file whose front-end terms the cells take instead, to try terms
+    measured later on served runs saved before them)."""
+    import dataclasses
+
+    import numpy as np
+
+    from hetserve.compare import CompareOptions, simulate_side, table_of
+    from hetserve.runtime.calibrate import served_efficiency, served_sim_options
+    from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.runtime.make_model import make_model
+    from hetserve.serve.loadgen import requests_from_workload
+    from hetserve.specs.cluster import load_cluster
+    from hetserve.specs.model import load_model
+    from hetserve.specs.workload import load_workload
+
+    data = json.loads(Path(path).read_text())
+    tmp = Path(tempfile.mkdtemp(prefix="bench-predict-replay-"))
+    (tmp / "cluster.yaml").write_text(CLUSTER_SHARED if shared_cores else CLUSTER)
+    cluster = load_cluster(str(tmp / "cluster.yaml"))
+    model_dir = make_model(tmp / "tiny", "llama", layers=8, hidden=256, heads=4, kv_heads=2, ffn=768)
+    spec = dataclasses.replace(load_model(model_dir), name="tiny")
+    trace = load_workload("azure-conv").of_class("LPLD")
+    cells = []
+    for i, cell in enumerate(data["cells"]):
+        cal = tmp / f"calibration-{i}.json"
+        if cell.get("calibration_data"):
+            cal.write_text(json.dumps(cell["calibration_data"]))
+        elif Path(cell["calibration"]).exists():
+            cal.write_text(Path(cell["calibration"]).read_text())
+        else:
+            raise SystemExit(f"--replay {path}: cell {i} ({cell['plan']}): its calibration {cell['calibration']} "
+                             "is gone and the file does not hold its content")
+        if runtime_from:
+            content, other = json.loads(cal.read_text()), json.loads(Path(runtime_from).read_text())
+            content.setdefault("runtime", {}).update({k: v for k, v in other.get("runtime", {}).items()
+                                                      if k.startswith("frontend_")})
+            cal.write_text(json.dumps(content))
+        plan = plans()[cell["plan"]]
+        n = int(cell.get("requests", 48))
+        requests = requests_from_workload(trace.with_rate(cell["rate"]), n, max_input=128, max_output=32)
+        opts = CompareOptions(plan=plan, model_dir=str(model_dir), cluster=cluster, workload_class="LPLD",
+                              rate=cell["rate"], num_requests=n, max_input=128, max_output=32, efficiency=str(cal))
+        cfg = EngineConfig(**cell.get("engine", {}))
+        pools = cell.get("kv_pools") or {r.id: 16384 for r in plan.replicas}
+        kw = served_sim_options(cal)
+        overhead = kw.pop("request_overhead_s")
+        res = simulate_side(plan, cluster, spec, requests, opts, cfg, pools, served_efficiency(cal), overhead, **kw)
+        steps = res.output_tokens > 1
+        sim = {"ttft_s": res.ttft, "e2e_s": res.e2e, "tpot_s": res.tpot[steps]}
+        served = cell.get("served")  # per request (files written since --replay exists)
+        if served:
+            table = table_of({k: np.asarray(v, float) for k, v in served["per_request"].items()}, sim,
+                             served["throughput_tokens_per_s"], res.summary()["throughput_tokens_per_s"])
+        else:  # an older file: the served column of its table
+            fake = table_of(sim, sim, 1.0, res.summary()["throughput_tokens_per_s"])
+            table = {k: {"served": cell["table"][k]["served"], "simulated": v["simulated"],
+                         "ratio": v["simulated"] / cell["table"][k]["served"]} for k, v in fake.items()}
+        cells.append({**cell, "table": table})
+    console.print(f"replayed {len(cells)} cells of {path} against their served figures "
+                  f"({'shared' if shared_cores else 'separate'} cores)")
+    return cells
+
+
+def print_cells(cells: list[dict], title: str, console) -> None:
+    from rich.table import Table
+
+    t = Table("plan", "rate", "load", "metric", "served", "sim", "sim/served", "±15%", "baseline/served",
+              title=title)
+    hits = total = base_hits = 0
+    for cell in cells:
+        for m in METRICS:
+            row, brow = cell["table"][m], cell.get("baseline_table", {}).get(m)
+            scale = 1.0 if m.startswith("throughput") else 1e3
+            ok = abs(row["ratio"] - 1) <= 0.15
+            hits, total = hits + ok, total + 1
+            base_hits += brow is not None and abs(brow["ratio"] - 1) <= 0.15
+            t.add_row(cell["plan"], f"{cell['rate']:.2f}", f"{cell['load_avg_1m'][0]:.1f}",
+                      m.replace("_s.", " ") + ("" if scale == 1 else " ms"), f"{row['served'] * scale:,.1f}",
+                      f"{row['simulated'] * scale:,.1f}", f"{row['ratio']:.2f}", "yes" if ok else "NO",
+                      f"{brow['ratio']:.2f}" if brow else "-")
+    console.print(t)
+    console.print(f"within ±15 %: {hits} of {total} (baseline simulator: {base_hits} of {total}); ratio "
+                  f"{hits / max(base_hits, 1):.2f}x the baseline's hits")
 
 
 def main() -> int:
@@ -85,28 +181,39 @@ def main() -> int:
     ap.add_argument("--plans", default="asym-colocated,prefill-decode,pipeline-2")
     ap.add_argument("--fractions", default="0.2,0.8", help="rates as fractions of the simulated capacity")
     ap.add_argument("--json", help="write every cell here")
-    ap.add_argument("--shared-cores", action="store_true",
-                    help="the pool's slots share 2 cores (cpu_cores: 2): the simulator models contention "
-                         "with the calibrated slow-down (off by default: it over-predicted here, and the "
-                         "calibrated per-stage, per-collective and stream costs, measured on these shared "
-                         "cores, already hold most of it; see docs/benchmarks.md)")
+    ap.add_argument("--shared-cores", action=argparse.BooleanOptionalAction, default=True,
+                    help="the pool's slots share 2 cores (cpu_cores: 2, the truth on this machine): the simulator "
+                         "counts the busy workers and the front end on them (sim.hosts; default). "
+                         "--no-shared-cores: every slot as if it had its own cores (8 of 42 on a quiet machine, "
+                         "against 21 with; docs/benchmarks.md)")
+    ap.add_argument("--replay", metavar="JSON",
+                    help="serve nothing: re-simulate the cells of a --json file against their served figures")
+    ap.add_argument("--frontend-from", metavar="CAL",
+                    help="with --replay: the front end's CPU terms from this calibration file instead of each "
+                         "cell's (served runs saved before calibrate measured them)")
     ap.add_argument("--calibrate-once", action="store_true",
                     help="one calibration at the start (default: calibrate again before each plan, so the "
                          "calibration sees the load the served cells see on a shared machine)")
     args = ap.parse_args()
 
     from rich.console import Console
-    from rich.table import Table
+
+    console = Console()
+    if args.replay:
+        cells = replay_cells(args.replay, args.shared_cores, console, args.frontend_from)
+        print_cells(cells, f"simulator (now) vs the served figures of {args.replay}", console)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"cells": cells, "replayed": args.replay}, indent=2) + "\n")
+        return 0
 
     from hetserve.compare import CompareOptions, compare, simulate_side, table_of
-    from hetserve.runtime.calibrate import load_contention, load_request_overhead, served_efficiency
+    from hetserve.runtime.calibrate import served_efficiency, served_sim_options
     from hetserve.runtime.make_model import make_model
     from hetserve.serve.loadgen import requests_from_workload
     from hetserve.specs.cluster import load_cluster
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import load_workload
 
-    console = Console()
     tmp = Path(tempfile.mkdtemp(prefix="bench-predict-"))
     (tmp / "cluster.yaml").write_text(CLUSTER_SHARED if args.shared_cores else CLUSTER)
     cluster = load_cluster(str(tmp / "cluster.yaml"))
@@ -132,8 +239,7 @@ def main() -> int:
         plan = plans()[name]
         if not args.calibration and not args.calibrate_once and name != args.plans.split(",")[0]:
             cal = calibrate(name)
-        efficiency, overhead, contention = served_efficiency(cal), load_request_overhead(cal), load_contention(cal)
-        cap = capacity_rps(plan, cluster, spec, base_requests, efficiency, overhead, contention)
+        cap = capacity_rps(plan, cluster, spec, base_requests, served_efficiency(cal), served_sim_options(cal))
         for frac in (float(f) for f in args.fractions.split(",")):
             rate = frac * cap
             opts = CompareOptions(plan=plan, model_dir=str(model_dir), cluster=cluster, workload_class="LPLD",
@@ -149,26 +255,17 @@ def main() -> int:
                                   served_summary["throughput_tokens_per_s"],
                                   base.summary()["throughput_tokens_per_s"])
             cells.append({"plan": name, "rate": rate, "fraction": frac, "load_avg_1m": c.info["load_avg_1m"],
-                          "calibration": cal,
+                          "requests": args.requests, "calibration": cal,
+                          "calibration_data": json.loads(Path(cal).read_text()),
+                          "engine": {"max_num_seqs": cfg.max_num_seqs, "max_batched_tokens": cfg.max_batched_tokens,
+                                     "block_size": cfg.block_size, "micro_batches": cfg.micro_batches,
+                                     "prefill_mode": cfg.prefill_mode, "chunk_tokens": cfg.chunk_tokens},
+                          "kv_pools": pools,
+                          "served": {"per_request": {k: [float(x) for x in v] for k, v in c.served.items()},
+                                     "throughput_tokens_per_s": served_summary["throughput_tokens_per_s"]},
                           "table": c.table, "baseline_table": base_table})
-    t = Table("plan", "rate", "load", "metric", "served", "sim", "sim/served", "±15%", "baseline/served",
-              title=f"simulator vs served on this machine ({args.requests} requests per cell; calibrated "
-                    f"{'once' if args.calibration or args.calibrate_once else 'before each plan'})")
-    hits = total = base_hits = 0
-    for cell in cells:
-        for m in METRICS:
-            row, brow = cell["table"][m], cell["baseline_table"][m]
-            scale = 1.0 if m.startswith("throughput") else 1e3
-            ok = abs(row["ratio"] - 1) <= 0.15
-            hits, total = hits + ok, total + 1
-            base_hits += abs(brow["ratio"] - 1) <= 0.15
-            t.add_row(cell["plan"], f"{cell['rate']:.2f}", f"{cell['load_avg_1m'][0]:.1f}",
-                      m.replace("_s.", " ") + ("" if scale == 1 else " ms"), f"{row['served'] * scale:,.1f}",
-                      f"{row['simulated'] * scale:,.1f}", f"{row['ratio']:.2f}", "yes" if ok else "NO",
-                      f"{brow['ratio']:.2f}")
-    console.print(t)
-    console.print(f"within ±15 %: {hits} of {total} (baseline simulator: {base_hits} of {total}); ratio "
-                  f"{hits / max(base_hits, 1):.2f}x the baseline's hits")
+    print_cells(cells, f"simulator vs served on this machine ({args.requests} requests per cell; calibrated "
+                       f"{'once' if args.calibration or args.calibrate_once else 'before each plan'})", console)
     if args.json:
         Path(args.json).write_text(json.dumps({"cells": cells, "calibration": cal}, indent=2) + "\n")
     return 0

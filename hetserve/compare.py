@@ -89,8 +89,7 @@ def table_of(served: dict[str, np.ndarray], simulated: dict[str, np.ndarray], se
 def compare(opts: CompareOptions) -> Comparison:
     """Serve, replay, simulate; see the module docstring."""
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.calibrate import (load_contention, load_kv_handoff_overhead, load_request_overhead,
-                                            machine_info, served_efficiency)
+    from hetserve.runtime.calibrate import machine_info, served_efficiency, served_sim_options
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import replay, requests_from_workload, summarize
     from hetserve.specs.cluster import Cluster, load_cluster
@@ -128,11 +127,10 @@ def compare(opts: CompareOptions) -> Comparison:
               "tpot_s": np.array([r.tpot_s for r in results if r.tpot_s is not None])}
 
     efficiency = served_efficiency(opts.efficiency) if opts.efficiency else None
-    overhead = load_request_overhead(opts.efficiency) if opts.efficiency else 0.0
-    contention = load_contention(opts.efficiency) if opts.efficiency else 1.0
-    handoff = load_kv_handoff_overhead(opts.efficiency) if opts.efficiency else 0.0
-    res = simulate_side(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead,
-                        contention_slowdown=contention, link_overhead_s=handoff)
+    sim_kw = served_sim_options(opts.efficiency)
+    overhead = sim_kw.pop("request_overhead_s", 0.0)
+    contention, handoff = sim_kw.get("contention_slowdown", 1.0), sim_kw.get("link_overhead_s", 0.0)
+    res = simulate_side(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead, **sim_kw)
     steps = res.output_tokens > 1
     simulated = {"ttft_s": res.ttft, "e2e_s": res.e2e, "tpot_s": res.tpot[steps]}
     table = table_of(served, simulated, summary["throughput_tokens_per_s"],
@@ -141,7 +139,9 @@ def compare(opts: CompareOptions) -> Comparison:
             "replicas": {r.id: r.role for r in plan.replicas}, "requests": len(requests),
             "workload": opts.workload, "workload_class": opts.workload_class, "rate": opts.rate,
             "router": opts.router, "route": opts.route, "efficiency": opts.efficiency,
-            "request_overhead_s": overhead, "kv_handoff_overhead_s": handoff, "contention_slowdown": contention, "kv_pools": pools, "token_budget": cfg.max_batched_tokens,
+            "request_overhead_s": overhead, "kv_handoff_overhead_s": handoff, "contention_slowdown": contention,
+            "frontend_cpu_s": {k: sim_kw.get(f"frontend_{k}_cpu_s", 0.0) for k in ("request", "step", "token")},
+            "kv_pools": pools, "token_budget": cfg.max_batched_tokens,
             "prefill_mode": cfg.prefill_mode, "chunk_tokens": cfg.chunk_tokens,
             "max_num_seqs": cfg.max_num_seqs, "load_avg_1m": [round(load_before, 2), round(load_after, 2)],
             "machine": machine_info(),

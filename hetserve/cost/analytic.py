@@ -99,12 +99,17 @@ class CostModel:
         return min(self.p2p_time(d, e, nbytes) for d in a.devices for e in b.devices)
 
     # ================================================================== per stage
-    def _roofline(self, stage: StageLayout, flops: float, nbytes: float) -> float:
-        """Per-device time for work split evenly over the stage's TP group, slowest device pacing."""
+    def _roofline(self, stage: StageLayout, flops: float, nbytes: float, attn_flops: float = 0.0) -> float:
+        """Per-device time for work split evenly over the stage's TP group, slowest device pacing.
+        ``attn_flops`` (attention's score and value products) run at ``compute`` like the rest, or at
+        ``Efficiency.attention`` of peak where a calibration set one (0: the same as ``compute``)."""
         t = stage.tp
         f = min(self._flops[d] for d in stage.devices)
         m = min(self._membw[d] for d in stage.devices)
-        return max(flops / (t * f), nbytes / (t * m))
+        if self.eff.attention > 0:
+            fa = f / self.eff.compute * self.eff.attention
+            return max(flops / (t * f) + attn_flops / (t * fa), nbytes / (t * m))
+        return max((flops + attn_flops) / (t * f), nbytes / (t * m))
 
     def _collectives_time(self, stage: StageLayout) -> float:
         """The fixed cost of a TP group's collectives in one iteration: two all-reduces per layer plus
@@ -127,9 +132,9 @@ class CostModel:
     def stage_prefill_time(self, stage: StageLayout, batch: PrefillBatch, is_last: bool = False) -> float:
         """Prefill of ``batch`` through this stage's layers, TP all-reduces included."""
         m = self.model
-        flops = 2.0 * m.params_per_layer * batch.tokens + 2.0 * m.q_dim * batch.sum_sq
+        flops = 2.0 * m.params_per_layer * batch.tokens
         nbytes = m.bytes_per_layer + batch.tokens * m.kv_bytes_per_token_per_layer
-        per_layer = self._roofline(stage, flops, nbytes)
+        per_layer = self._roofline(stage, flops, nbytes, 2.0 * m.q_dim * batch.sum_sq)
         comm = 2 * self.allreduce_time(stage.devices, batch.tokens * m.hidden * m.dtype_bytes)
         head = self._head_time(stage, batch.num_seqs) if is_last else 0.0
         return stage.num_layers * (per_layer + comm) + self._collectives_time(stage) + head + self.eff.step_overhead_s
@@ -138,9 +143,9 @@ class CostModel:
                           is_last: bool = False) -> float:
         """One decode iteration for ``batch`` sequences holding ``context_tokens`` in total."""
         m = self.model
-        flops = 2.0 * m.params_per_layer * batch + 4.0 * m.q_dim * context_tokens
+        flops = 2.0 * m.params_per_layer * batch
         nbytes = m.bytes_per_layer + context_tokens * m.kv_bytes_per_token_per_layer
-        per_layer = self._roofline(stage, flops, nbytes)
+        per_layer = self._roofline(stage, flops, nbytes, 4.0 * m.q_dim * context_tokens)
         comm = 2 * self.allreduce_time(stage.devices, batch * m.hidden * m.dtype_bytes)
         head = self._head_time(stage, batch) if is_last else 0.0
         return stage.num_layers * (per_layer + comm) + self._collectives_time(stage) + head + self.eff.step_overhead_s

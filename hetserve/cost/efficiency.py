@@ -21,6 +21,11 @@ class Efficiency:
 
     compute: float = 0.5  # of peak dense FP16 tensor FLOP/s (typical prefill MFU on large GEMMs)
     memory: float = 0.8  # of peak HBM bandwidth (typical for decode weight streaming)
+    # of peak FLOP/s for attention's score and value products (a causal prefill's 2·q_dim·s² per
+    # layer, a decode token's 4·q_dim·context): 0 = the same as ``compute`` (the pure roofline).
+    # Small batched matmuls over a growing context do not run at the weight GEMMs' rate (on this
+    # CPU demo a prompt's time per token grows with its length: `hetserve calibrate` fits it).
+    attention: float = 0.0
     usable_memory: float = 0.9  # of device memory (CUDA context, allocator fragmentation)
     activation_buffers: int = 4  # HexGen Appendix B: 4 reusable activation buffers
     activation_tokens: int = 2048  # tokens those buffers are sized for (the prefill token budget)
@@ -36,6 +41,8 @@ class Efficiency:
         for k in ("compute", "memory", "usable_memory"):
             if not 0 < getattr(self, k) <= 1:
                 raise ValueError(f"efficiency {k} must be in (0, 1]")
+        if not 0 <= self.attention <= 1:
+            raise ValueError("efficiency attention must be in [0, 1] (0: the same as compute)")
         if self.activation_buffers < 0 or self.activation_tokens <= 0:
             raise ValueError("activation_buffers and activation_tokens must be non-negative")
         for k in ("step_overhead_s", "iteration_overhead_s", "seq_overhead_s", "collective_overhead_s"):

@@ -36,6 +36,13 @@ costs come from, read from the runtime (``worker.py``, ``coordinator.py``):
   leader's broadcasts of the step and its activations): the launch and every member reaching it
   (on CPU worker slots sharing cores, a process switch: 1.3-1.8 ms here, α of the cluster file ~µs).
 
+and, from the same HTTP probes, what the *front end* spends: the CPU time of the process that
+serves and replays them (HTTP/SSE server, coordinator, client), split by least squares into
+``frontend_request_cpu_s`` per request, ``frontend_step_cpu_s`` per engine step (the coordinator's
+turn-around) and ``frontend_token_cpu_s`` per output token (the SSE event and the client's parse). Where CPU
+worker slots share a host's cores, the simulator counts the front end as one more consumer of
+them (``sim.hosts``): measured on the bench's prefill/decode plan, it used 0.25 of a core at 20 req/s.
+
 The fit's error per point is reported: it is the cost model's error on this machine. The result
 is one JSON file (``Calibration.save``) that the planner (``--efficiency``: the engine's
 efficiency) and the simulator (``simulate``/``compare --efficiency``: the served efficiency,
@@ -83,8 +90,14 @@ class Calibration:
     # per KV hand-off beyond the link's α-β time: the prefill worker's step message, reading and
     # pickling the KV, the socket, the pool write on the decode worker's receiving thread, the acks
     kv_handoff_overhead_s: float = 0.0
-    contention_slowdown: float = 1.0  # decode step time with one more busy CPU process / alone
+    contention_slowdown: float = 1.0  # a worker's CPU time per decode probe beside one more busy worker / alone
     measured_on: dict = field(default_factory=dict)  # device, cores, date, load average
+    # CPU seconds the front end (HTTP/SSE server, coordinator, replaying client: one process) spends
+    # per request and per output token: the simulator's front-end CPU consumer (``sim.hosts``)
+    frontend_request_cpu_s: float = 0.0
+    frontend_token_cpu_s: float = 0.0
+    frontend_step_cpu_s: float = 0.0  # per engine step: the coordinator's result, scheduling and next step
+    frontend_points: tuple = ()  # FrontEndPoint per HTTP probe: the front-end fit's error per point
 
     @property
     def mean_abs_error(self) -> float:
@@ -102,8 +115,12 @@ class Calibration:
             "max_abs_error": self.max_abs_error, "runtime": {"request_overhead_s": self.request_overhead_s,
                                                            "stream_overhead_s": self.stream_overhead_s,
                                                            "kv_handoff_overhead_s": self.kv_handoff_overhead_s,
-                                                           "contention_slowdown": self.contention_slowdown},
-            "measured_on": self.measured_on, "points": [asdict(p) for p in self.points]}, indent=2) + "\n")
+                                                           "contention_slowdown": self.contention_slowdown,
+                                                           "frontend_request_cpu_s": self.frontend_request_cpu_s,
+                                                           "frontend_token_cpu_s": self.frontend_token_cpu_s,
+                                                           "frontend_step_cpu_s": self.frontend_step_cpu_s},
+            "measured_on": self.measured_on, "points": [asdict(p) for p in self.points],
+            "frontend_points": [asdict(p) for p in self.frontend_points]}, indent=2) + "\n")
 
 
 def load_request_overhead(path: str | Path) -> float:
@@ -136,6 +153,66 @@ def load_contention(path: str | Path) -> float:
     return max(1.0, float(_runtime(path).get("contention_slowdown", 1.0)))
 
 
+def load_frontend_cpu(path: str | Path) -> tuple[float, float, float]:
+    """``runtime.frontend_{request,step,token}_cpu_s`` of a calibration file (0 where it has none)."""
+    rt = _runtime(path)
+    return tuple(max(0.0, float(rt.get(f"frontend_{k}_cpu_s", 0.0))) for k in ("request", "step", "token"))
+
+
+def served_sim_options(path: str | Path | None) -> dict:
+    """The ``SimOptions`` fields a calibration file sets for simulating a *served* deployment (what
+    ``compare``, ``simulate --efficiency`` and ``bench_predict`` pass): the request overhead, the
+    KV hand-off overhead per message, the contention slow-down and the front end's CPU costs.
+    ``None``: no calibration, every field at its default."""
+    if path is None:
+        return {}
+    req_cpu, step_cpu, tok_cpu = load_frontend_cpu(path)
+    return {"request_overhead_s": load_request_overhead(path), "contention_slowdown": load_contention(path),
+            "link_overhead_s": load_kv_handoff_overhead(path), "frontend_request_cpu_s": req_cpu,
+            "frontend_step_cpu_s": step_cpu, "frontend_token_cpu_s": tok_cpu}
+
+
+@dataclass(frozen=True)
+class FrontEndPoint:
+    """One HTTP probe's front-end CPU: measured (median over the rounds) and as fitted."""
+
+    requests: int
+    steps: int
+    tokens: int
+    measured_s: float
+    predicted_s: float
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_s - self.measured_s) / self.measured_s if self.measured_s > 0 else 0.0
+
+
+def fit_frontend_cpu(samples) -> tuple[tuple[float, float, float], tuple[FrontEndPoint, ...]]:
+    """Non-negative least squares of ``cpu = request · requests + step · steps + token · tokens`` over
+    the HTTP probes' ``(requests, engine steps, output tokens, CPU seconds)``, each probe's median
+    over its rounds (the first round warms the client up); ((0, 0, 0), ()) without two probes.
+    Relative residuals (each probe weighted by 1 / its CPU): the small probes count as much as
+    the large ones."""
+    from scipy.optimize import nnls
+
+    by: dict[tuple[int, int, int], list[float]] = {}
+    for n, k, t, c in samples or ():
+        if n > 0:
+            by.setdefault((n, k, t), []).append(c)
+    keys = sorted(by)
+    if len(keys) < 2:
+        return (0.0, 0.0, 0.0), ()
+    y = np.array([statistics.median(by[key]) for key in keys], float)
+    a = np.array(keys, float)
+    w = 1.0 / np.maximum(y, 1e-6)
+    scale = a.max(axis=0)
+    coef, _ = nnls(a / scale * w[:, None], y * w)
+    coef = coef / scale
+    pred = a @ coef
+    points = tuple(FrontEndPoint(n, k, t, float(m), float(p)) for (n, k, t), m, p in zip(keys, y, pred))
+    return (float(coef[0]), float(coef[1]), float(coef[2])), points
+
+
 def _runtime(path: str | Path) -> dict:
     data = json.loads(Path(path).read_text())
     return data.get("runtime", {}) if isinstance(data, dict) else {}
@@ -147,23 +224,27 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         contention: float = 1.0, pp_ttft: dict[int, float] | None = None,
         pp_tpot: dict[int, float] | None = None, http_tpot: dict[int, float] | None = None,
         tp_ttft: dict[int, float] | None = None, tp_tpot: dict[int, float] | None = None,
-        kv_handoff: dict[int, float] | None = None) -> Calibration:
+        kv_handoff: dict[int, float] | None = None, frontend_cpu=None, attention: bool = True) -> Calibration:
     """Solve for compute and memory efficiency and the fixed costs per iteration, per stage and per
     sequence (least squares on the log of predicted / measured over every point); the request
     overhead is the median of HTTP TTFT − engine TTFT over the prompt lengths measured both ways,
     the stream overhead the least-squares slope (through 0) of HTTP TPOT − engine TPOT over the
     batch sizes measured both ways, the KV hand-off overhead the median of the measured hand-off
-    (``kv_handoff``: prompt tokens -> seconds) − the cost model's transfer time for that KV.
+    (``kv_handoff``: prompt tokens -> seconds) − the cost model's transfer time for that KV, the
+    front end's CPU per request and per token ``fit_frontend_cpu(frontend_cpu)``.
 
     Without pipeline points (``pp_ttft``/``pp_tpot``) a stage's fixed cost cannot be told from the
     iteration's: all of it is fitted as ``iteration_overhead_s`` (exact for one-stage replicas).
-    Without TP points (``tp_ttft``/``tp_tpot``, one stage on TP 2) ``collective_overhead_s`` is 0."""
+    Without TP points (``tp_ttft``/``tp_tpot``, one stage on TP 2) ``collective_overhead_s`` is 0.
+    ``attention`` (and three or more prompt lengths): attention's FLOPs get their own efficiency
+    (``Efficiency.attention``), which lets a prompt's time per token grow with its length as measured."""
     spec = load_model(model_dir)
     pp_ttft, pp_tpot, tp_ttft, tp_tpot = pp_ttft or {}, pp_tpot or {}, tp_ttft or {}, tp_tpot or {}
     cluster = _one_device_cluster(gpu_name, 2 if pp_ttft or pp_tpot or tp_ttft or tp_tpot else 1)
     shapes = {(1, 1): _layout(spec), (2, 1): _layout(spec, 2), (1, 2): _layout(spec, 1, 2)}
     base = replace(base or Efficiency(), step_overhead_s=0.0, iteration_overhead_s=0.0, seq_overhead_s=0.0,
-                   collective_overhead_s=0.0)
+                   collective_overhead_s=0.0, attention=0.0)
+    attention = attention and len(ttft) >= 3  # its own efficiency needs the curvature of three lengths
     ctx = decode_prompt_tokens + decode_tokens / 2
     probes = [(ph, n, st, t_, sec) for ph, st, t_, d in (("prefill", 1, 1, ttft), ("decode", 1, 1, tpot),
                                                          ("prefill", 2, 1, pp_ttft), ("decode", 2, 1, pp_tpot),
@@ -182,7 +263,8 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     def eff_of(x) -> Efficiency:
         return replace(base, compute=float(10 ** x[0]), memory=float(10 ** x[1]), iteration_overhead_s=float(x[2]),
                        seq_overhead_s=float(x[3]), step_overhead_s=float(x[4]) if split else 0.0,
-                       collective_overhead_s=float(x[5]) if tp_probed else 0.0)
+                       collective_overhead_s=float(x[5]) if tp_probed else 0.0,
+                       attention=float(10 ** x[6]) if attention else 0.0)
 
     def residuals(x):
         return np.log(predict(eff_of(x)) / measured)
@@ -191,8 +273,8 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     hi = float(max(measured))
     for c0 in (-5.0, -3.0, -1.0):  # a few starts: the roofline's max() makes the surface piecewise
         x0 = np.array([c0, c0, 0.4 * float(min(measured)), 0.0, 0.05 * float(min(measured)),
-                       0.01 * float(min(measured))])
-        r = least_squares(residuals, x0, bounds=([-9, -9, 0.0, 0.0, 0.0, 0.0], [0, 0, hi, hi, hi, hi]))
+                       0.01 * float(min(measured)), c0])
+        r = least_squares(residuals, x0, bounds=([-9, -9, 0.0, 0.0, 0.0, 0.0, -9], [0, 0, hi, hi, hi, hi, 0]))
         if best is None or r.cost < best.cost:
             best = r
     eff = eff_of(best.x)
@@ -205,7 +287,9 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     cm2 = CostModel(two, spec, eff)
     handoff = max(0.0, statistics.median(t - cm2.kv_transfer_time(_layout(spec), _layout(spec, 1, 1, first_device=1), L)
                                          for L, t in kv_handoff.items())) if kv_handoff else 0.0
-    return Calibration(gpu_name, eff, points, overhead, stream, handoff, contention, measured_on or {})
+    (req_cpu, step_cpu, tok_cpu), fe_points = fit_frontend_cpu(frontend_cpu)
+    return Calibration(gpu_name, eff, points, overhead, stream, handoff, contention, measured_on or {},
+                       req_cpu, tok_cpu, step_cpu, fe_points)
 
 
 def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
@@ -216,4 +300,4 @@ def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
     return fit(model_dir, gpu_name, m.ttft, m.tpot, decode_tokens=kwargs.get("decode_tokens", 24),
                http_ttft=m.http_ttft, measured_on=info, contention=m.contention, pp_ttft=m.pp_ttft,
                pp_tpot=m.pp_tpot, http_tpot=m.http_tpot, tp_ttft=m.tp_ttft, tp_tpot=m.tp_tpot,
-               kv_handoff=m.kv_handoff)
+               kv_handoff=m.kv_handoff, frontend_cpu=m.frontend_cpu)

@@ -5,7 +5,8 @@ HTTP server, probed in interleaved rounds (the load of a shared machine drifts):
 several lengths (TTFT), decode batches of several sizes (TPOT), the same through HTTP with the
 ``openai`` client, and a prompt and a one-sequence decode on a two-stage pipeline and on one stage
 of TP 2 of the same checkpoint, and the KV hand-off of that prompt from a prefill to a decode
-replica; then the largest decode batch again beside one busy process (the contention slow-down). The replica shapes (``_one_device_plan``, ``_layout``) are shared with the
+replica; then the largest decode batch alone and beside one more busy worker-like process, interleaved (the
+contention slow-down: the ratio of the worker's own CPU time). The replica shapes (``_one_device_plan``, ``_layout``) are shared with the
 fit, so both price the same layouts.
 """
 
@@ -15,6 +16,7 @@ import datetime
 import os
 import platform
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,12 +28,51 @@ from hetserve.specs.cluster import Cluster, cluster_from_dict
 from hetserve.specs.model import load_model
 
 
-def _burn(stop) -> None:  # pragma: no cover - runs in a child process
-    """Keep one core busy (pure Python, one thread), as one more worker process computing would."""
-    x = 0
+def _burn(stop, go, weight_bytes: float) -> None:  # pragma: no cover - runs in a child process
+    """While ``go`` is set, keep one core busy as one more worker process would: one torch thread
+    multiplying by a matrix of the checkpoint's weight size (its weights streamed, its cache used)."""
+    import torch
+
+    torch.set_num_threads(1)
+    n = max(64, int((min(weight_bytes, 64e6) / 4) ** 0.5))
+    w, v = torch.randn(n, n), torch.randn(n, 4)
     while not stop.is_set():
-        for i in range(20000):
-            x += i * i
+        if go.wait(0.05):
+            w @ v
+
+
+def _cpu_ns(pid: int) -> float | None:
+    """CPU time of ``pid``'s main thread in ns (``/proc/PID/schedstat``; None where there is none).
+    A worker's step loop runs on its main thread: time-sharing the cores leaves this unchanged, so a
+    ratio of it measures what a neighbour costs beyond its share of the cores."""
+    try:
+        return float(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _idle_cpu_rate(seconds: float = 0.2) -> float:
+    """CPU seconds per second this process burns while it serves nothing (idle threads polling)."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    time.sleep(seconds)
+    return max(0.0, (time.process_time() - c0) / (time.perf_counter() - t0))
+
+
+class _cpu_meter:
+    """``with _cpu_meter(idle) as used: ...``; ``used()``: this process's CPU seconds over the block
+    beyond ``idle`` CPU seconds per second of it (never negative)."""
+
+    def __init__(self, idle: float):
+        self.idle = idle
+        self.cpu = self.wall = 0.0
+
+    def __enter__(self):
+        self._c, self._t = time.process_time(), time.perf_counter()
+        return lambda: self.cpu
+
+    def __exit__(self, *exc) -> None:
+        self.wall = time.perf_counter() - self._t
+        self.cpu = max(0.0, time.process_time() - self._c - self.idle * self.wall)
 
 
 def machine_info() -> dict:
@@ -96,13 +137,17 @@ class Measurements:
     tpot: dict[int, float]  # batch size -> median TPOT on the engine (s)
     http_ttft: dict[int, float] = field(default_factory=dict)  # prompt length -> median TTFT through HTTP
     http_tpot: dict[int, float] = field(default_factory=dict)  # batch size -> median TPOT streamed through HTTP
-    contention: float = 1.0  # TPOT of the largest decode probe beside one busy process / alone
+    contention: float = 1.0  # the worker's CPU time for the largest decode probe beside one busy process / alone
     load_avg: list[float] = field(default_factory=list)  # 1-minute load average during the run
     pp_ttft: dict[int, float] = field(default_factory=dict)  # two-stage pipeline: prompt length -> median TTFT
     pp_tpot: dict[int, float] = field(default_factory=dict)  # two-stage pipeline: batch size -> median TPOT
     tp_ttft: dict[int, float] = field(default_factory=dict)  # one stage on TP 2: prompt length -> median TTFT
     tp_tpot: dict[int, float] = field(default_factory=dict)  # one stage on TP 2: batch size -> median TPOT
     kv_handoff: dict[int, float] = field(default_factory=dict)  # prefill -> decode slot: prompt -> median hand-off (s)
+    # the front end's CPU (server, coordinator and client: this process) per HTTP probe:
+    # (requests, engine steps, output tokens, CPU seconds beyond this process's idle rate and a
+    # replay's own start and end: the client's set-up, measured with an empty replay)
+    frontend_cpu: list[tuple[int, int, int, float]] = field(default_factory=list)
 
 
 def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), batch_sizes=(1, 4, 16),
@@ -164,6 +209,10 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
             pd = Engine.from_plan(_handoff_plan(spec, cluster2), cluster2, model_dir, EngineConfig(max_num_seqs=4))
             pd.generate([[65] * 8], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
         engine.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        if server is not None:  # the client's and the server's first request import and build things once
+            from hetserve.serve.loadgen import LoadRequest, replay
+
+            replay(server.url, Path(model_dir).resolve().name, [LoadRequest(0.0, [65] * 8, 2)], ignore_eos=True)
         # Rounds over every probe (not every probe's repetitions in a row): on a shared machine the
         # load drifts, and interleaving spreads it over all points instead of biasing some.
         ttft_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
@@ -193,35 +242,60 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
                     handoff_s.append(h.handoff_s)
             m.load_avg.append(os.getloadavg()[0])
             if server is not None:
-                from hetserve.serve.loadgen import LoadRequest, replay
-
+                # This process is the front end (HTTP server, coordinator, the client): its CPU time
+                # over a replay, less what its idle threads (other probes' coordinators, heartbeats)
+                # burn meanwhile, is what the served requests cost it.
+                idle = _idle_cpu_rate()
+                with _cpu_meter(idle) as used:
+                    replay(server.url, Path(model_dir).resolve().name, [], ignore_eos=True)
+                setup = used()
                 # one client, requests spaced out (each alone on the server), as a replayed trace sends them
                 gap = 1.5 * max(ttft_s[L][-1] for L in prompt_lengths) + 0.05
                 reqs = [LoadRequest(i * gap, rng.integers(32, 127, L).tolist(), 1) for i, L in enumerate(prompt_lengths)]
-                for L, r in zip(prompt_lengths, replay(server.url, Path(model_dir).resolve().name, reqs,
-                                                       ignore_eos=True)):
+                with _cpu_meter(idle) as used:
+                    res = replay(server.url, Path(model_dir).resolve().name, reqs, ignore_eos=True)
+                # one step per prompt (each alone), one token each
+                m.frontend_cpu.append((len(reqs), len(reqs), len(reqs), max(0.0, used() - setup)))
+                for L, r in zip(prompt_lengths, res):
                     http_s[L].append(r.ttft_s)
                 # the decode probes again, every token streamed to the client (as the engine probes: all at once)
                 for b in batch_sizes:
                     reqs = [LoadRequest(0.0, rng.integers(32, 127, 16).tolist(), decode_tokens) for _ in range(b)]
-                    res = replay(server.url, Path(model_dir).resolve().name, reqs, ignore_eos=True)
+                    with _cpu_meter(idle) as used:
+                        res = replay(server.url, Path(model_dir).resolve().name, reqs, ignore_eos=True)
+                    # all b in each step: the prompts' step, then decode_tokens - 1 decode steps
+                    m.frontend_cpu.append((b, decode_tokens, b * decode_tokens, max(0.0, used() - setup)))
                     http_tpot_s[b].append(statistics.median(r.tpot_s for r in res))
         for extra in (pp, tp2, pd):
             if extra is not None:
                 extra.shutdown()
         pp = tp2 = pd = None
-        # Contention: the largest decode probe again while one more process keeps a core busy (as a
-        # second worker slot of the same host would); the ratio to the probe alone is the slow-down.
+        # Contention: the largest decode probe alone and beside one more process computing as a second
+        # worker slot of the same host would, interleaved. The slow-down is the ratio of the worker's
+        # own CPU time per probe (what the neighbour costs it beyond the cores' share, which the
+        # simulator's k / c already counts: cache, memory bandwidth); the ratio of wall times, where
+        # /proc has no CPU time, would also hold the other sessions' load of a shared machine.
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
-        stop = ctx.Event()
-        burner = ctx.Process(target=_burn, args=(stop,), daemon=True)
+        stop, go = ctx.Event(), ctx.Event()
+        burner = ctx.Process(target=_burn, args=(stop, go, spec.weight_bytes), daemon=True)
         burner.start()
+        pids = list(engine.worker_pids().values())
         try:
             b = max(batch_sizes)
-            busy = [decode(engine, b) for _ in range(reps)]
-            m.contention = max(1.0, statistics.median(busy) / statistics.median(tpot_s[b]))
+            alone, busy = [], []
+            for _ in range(reps):
+                for on, out in ((False, alone), (True, busy)):
+                    go.set() if on else go.clear()
+                    if on:
+                        time.sleep(0.05)  # the burner is computing before the probe starts
+                    c0 = [_cpu_ns(p) for p in pids]
+                    t = decode(engine, b)
+                    c1 = [_cpu_ns(p) for p in pids]
+                    cpu = None if None in c0 + c1 else sum(c1) - sum(c0)
+                    out.append(cpu if cpu else t)
+            m.contention = max(1.0, statistics.median(busy) / statistics.median(alone))
         finally:
             stop.set()
             burner.join(timeout=5)

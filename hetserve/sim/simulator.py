@@ -32,6 +32,7 @@ from hetserve.policies.routing import make_route, route_candidates
 from hetserve.sim.env import BatchLimits
 from hetserve.sim.events import EventLoop, Priority
 from hetserve.sim.fastcost import fast
+from hetserve.sim.hosts import FrontEndCost, HostContention
 from hetserve.sim.links import Network
 from hetserve.sim.metrics import SimResult, result_of
 from hetserve.sim.pipeline import PipelineReplica
@@ -78,6 +79,13 @@ class SimOptions:
     # down per other worker computing on its host at the same time (`hetserve calibrate` measures it;
     # 1: only the cores' share, k busy workers on c cores run at c / k of their speed).
     contention_slowdown: float = 1.0
+    # The serving front end (coordinator, HTTP/SSE server, and the replaying client where it runs
+    # beside them) as one more CPU consumer on the first replica's host, when that host's slots
+    # share cores (``sim.hosts``): CPU seconds per request, per engine step and per output token (`hetserve
+    # calibrate` measures them; 0: no front end on the host's cores).
+    frontend_request_cpu_s: float = 0.0
+    frontend_step_cpu_s: float = 0.0
+    frontend_token_cpu_s: float = 0.0
     seed: int = 0
     policy_options: dict[str, Any] = field(default_factory=dict)  # PolicyContext.options (e.g. Aladdin's gamma)
     # the link model's calibration knobs (hetserve.policies.links): seconds added per message, and
@@ -95,6 +103,9 @@ class SimOptions:
             raise ValueError("contention_slowdown must be at least 1")
         if self.request_overhead_s < 0:
             raise ValueError("request_overhead_s must be non-negative")
+        if min(self.frontend_request_cpu_s, self.frontend_step_cpu_s, self.frontend_token_cpu_s) < 0:
+            raise ValueError("frontend_request_cpu_s, frontend_step_cpu_s and frontend_token_cpu_s "
+                             "must be non-negative")
         if self.kv_block_tokens <= 0:
             raise ValueError("kv_block_tokens must be positive")
         if self.micro_batches is not None and self.micro_batches <= 0:
@@ -161,7 +172,10 @@ class Simulator:
                                 f"(KV capacity {rep.kv_capacity:.0f} tokens)")
             self.replicas.append(rep)
         self.by_id = {r.id: r for r in self.replicas}
-        self._set_hosts()
+        self.hosts = HostContention(self.replicas, cluster, self.loop, opts.contention_slowdown,
+                                    FrontEndCost(opts.frontend_request_cpu_s, opts.frontend_step_cpu_s,
+                                                 opts.frontend_token_cpu_s),
+                                    opts.micro_batches)
         self.entry = [r for r in self.replicas if serves_prefill(r.role)]
         self._routes: dict[str, list[tuple[Replica, float]]] = {}
         decoders = [r.id for r in self.replicas if r.role == "decode"]
@@ -183,30 +197,10 @@ class Simulator:
         self.wall_s = 0.0
 
     # ------------------------------------------------------------------ setup helpers
-    def _set_hosts(self) -> None:
-        """Replicas on CPU worker slots (cluster ``cpu_cores``): their host and how many of their
-        workers compute at once (the widest TP group, times the stages kept busy by micro-batches)."""
-        self._on_host: dict[str, list[Replica]] = {}
-        for rep in self.replicas:
-            dev = self.cluster.devices[rep.layout.devices[0]]
-            if dev.cpu_cores is None:
-                continue
-            stages = rep.layout.stages
-            S = len(stages)
-            rep.host_cores = dev.cpu_cores
-            rep.concurrency = min(len(rep.layout.devices), max(s.tp for s in stages) * min(S, self.opts.micro_batches or S))
-            self._on_host.setdefault(dev.machine, []).append(rep)
-            rep.host = dev.machine
-
     def slowdown(self, rep: Replica) -> float:
-        """Factor on the work ``rep`` starts now: k workers computing on its host's c cores (its own
-        and those of the other busy replicas there) run at max(k / c, 1 + (s − 1)(k − 1)) times their
-        time alone, s the measured slow-down per extra worker. 1 off CPU worker slots."""
-        host = getattr(rep, "host", None)
-        if host is None:
-            return 1.0
-        k = rep.concurrency + sum(o.concurrency for o in self._on_host[host] if o is not rep and o.busy_now())
-        return max(k / rep.host_cores, 1.0 + (self.opts.contention_slowdown - 1.0) * (k - 1), 1.0)
+        """Factor on the work ``rep`` starts now: CPU worker slots sharing their host's cores with
+        the other busy replicas and the serving front end there (``sim.hosts``); 1 off CPU slots."""
+        return self.hosts.slowdown(rep)
 
     def _set_capacity_norms(self) -> None:
         """Relative capacity per role: the plan's own share where its estimate has one (requests
@@ -263,6 +257,7 @@ class Simulator:
         if rid + 1 < r.n:
             self.loop.schedule(r.arrival[rid + 1] + self.opts.request_overhead_s, Priority.ARRIVAL, self._on_arrival,
                                rid + 1)
+        self.hosts.on_arrival()
         pred = float(self.predictor.predict(rid, r.inp[rid], 0))
         r.pred[rid] = pred
         info = RequestInfo(rid, r.arrival[rid], r.inp[rid], pred)

@@ -109,3 +109,48 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
     assert "request overhead" in flat and "worst" in flat
     assert "per stage" in flat and "from the two-stage probes" in flat and "per sequence" in flat
     assert "per TP collective (from the TP 2 probes)" in flat
+    # the front end (this process: server, coordinator, client) spent CPU on the HTTP probes, fitted per point
+    assert sum(data["runtime"][f"frontend_{k}_cpu_s"] for k in ("request", "step", "token")) > 0.0
+    assert len(data["frontend_points"]) >= 2 and "the front end's CPU" in flat and "per engine step" in flat
+
+
+def test_fit_recovers_attention_efficiency_and_the_front_end_cpu(tmp_path):
+    """Attention's own efficiency (a prompt's time per token growing with its length) is recovered
+    from prompts of several lengths, and fitting without it leaves the long prompts off; the front
+    end's CPU per request, per engine step and per token is recovered from HTTP probes (the first
+    round's warm-up dropped by the median) and reaches the simulator's options."""
+    from hetserve.runtime.calibrate import fit_frontend_cpu, served_sim_options
+    from hetserve.specs.model import load_model
+
+    model_dir = tmp_path / "m"
+    make_model(model_dir, "llama", layers=4, hidden=128, heads=4, kv_heads=2)
+    spec = load_model(model_dir)
+    truth = Efficiency(compute=3e-4, attention=6e-5, iteration_overhead_s=0.004, seq_overhead_s=0.0003)
+    cm = CostModel(_one_device_cluster("RTX-4090"), spec, truth)
+    lay = ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),))
+    ttft = {L: cm.ttft(lay, L) for L in (32, 128, 256, 512)}
+    tpot = {b: cm.decode_step_time(lay, b, b * (16 + 12)) for b in (1, 4, 16)}
+    cal = fit(str(model_dir), "RTX-4090", ttft, tpot)
+    assert cal.efficiency.attention == pytest.approx(6e-5, rel=0.05)
+    assert cal.max_abs_error < 0.01
+    flat = fit(str(model_dir), "RTX-4090", ttft, tpot, attention=False)
+    assert flat.efficiency.attention == 0.0 and flat.max_abs_error > 0.02
+    # attention at the compute efficiency is the plain roofline (the default, 0, changes nothing)
+    same = CostModel(_one_device_cluster("RTX-4090"), spec, Efficiency(compute=3e-4, attention=3e-4))
+    plain = CostModel(_one_device_cluster("RTX-4090"), spec, Efficiency(compute=3e-4))
+    assert same.ttft(lay, 512) == pytest.approx(plain.ttft(lay, 512), rel=1e-12)
+
+    req, step, tok = 0.006, 0.0015, 0.0002
+    probes = [(4, 4, 4), (1, 24, 24), (4, 24, 96), (16, 24, 384)]
+    samples = [(n, k, t, req * n + step * k + tok * t + (0.5 if r == i == 0 else 0.0))  # round 1 warms up
+               for r in range(3) for i, (n, k, t) in enumerate(probes)]
+    (r_, s_, t_), points = fit_frontend_cpu(samples)
+    assert (r_, s_, t_) == pytest.approx((req, step, tok), rel=1e-4)
+    assert len(points) == 4 and max(abs(p.error) for p in points) < 1e-4
+    assert fit_frontend_cpu(samples[:1]) == ((0.0, 0.0, 0.0), ())
+    served = fit(str(model_dir), "RTX-4090", ttft, tpot, frontend_cpu=samples)
+    served.save(tmp_path / "fe.json")
+    opts = served_sim_options(tmp_path / "fe.json")
+    assert opts["frontend_request_cpu_s"] == pytest.approx(req, rel=1e-4)
+    assert opts["frontend_step_cpu_s"] == pytest.approx(step, rel=1e-4)
+    assert opts["frontend_token_cpu_s"] == pytest.approx(tok, rel=1e-4)

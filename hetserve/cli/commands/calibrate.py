@@ -84,8 +84,17 @@ def run(args: argparse.Namespace) -> int:
                   f"tokenisation, SSE) {cal.request_overhead_s * 1e3:.2f} ms, stream overhead (each token over "
                   f"HTTP/SSE, served − engine TPOT per sequence) {cal.stream_overhead_s * 1e3:.3f} ms, KV hand-off "
                   f"overhead (beyond the link's α-β) {cal.kv_handoff_overhead_s * 1e3:.2f} ms, slow-down beside one more busy "
-                  f"process {cal.contention_slowdown:.2f}x; fit error per point: mean "
+                  f"process {cal.contention_slowdown:.2f}x, front end's CPU (server, coordinator, client) "
+                  f"{cal.frontend_request_cpu_s * 1e3:.2f} ms per request + {cal.frontend_step_cpu_s * 1e3:.3f} ms per "
+                  f"engine step + {cal.frontend_token_cpu_s * 1e3:.3f} ms per token; fit error per point: mean "
                   f"{cal.mean_abs_error:.0%}, worst {cal.max_abs_error:.0%}")
+    if cal.frontend_points:
+        f = Table("requests", "engine steps", "tokens", "measured CPU ms", "fitted ms", "error",
+                  title="the front end's CPU (HTTP/SSE server, coordinator, client: this process) per HTTP probe")
+        for p in cal.frontend_points:
+            f.add_row(str(p.requests), str(p.steps), str(p.tokens), f"{p.measured_s * 1e3:.1f}",
+                      f"{p.predicted_s * 1e3:.1f}", f"{p.error:+.0%}")
+        console.print(f)
     if args.output:
         cal.save(args.output)
         console.print(f"wrote {args.output}")

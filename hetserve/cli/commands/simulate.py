@@ -119,16 +119,12 @@ def run(args: argparse.Namespace) -> int:
         from hetserve.policies.predictor import BucketMeanPredictor
         predictor = BucketMeanPredictor()
     try:
-        from hetserve.runtime.calibrate import (load_contention, load_kv_handoff_overhead, load_request_overhead,
-                                                served_efficiency)
+        from hetserve.runtime.calibrate import served_efficiency, served_sim_options
 
         cost = CostModel(cluster, model, served_efficiency(args.efficiency)) if args.efficiency else None
-        overhead = load_request_overhead(args.efficiency) if args.efficiency else 0.0
-        contention = load_contention(args.efficiency) if args.efficiency else 1.0
-        handoff = load_kv_handoff_overhead(args.efficiency) if args.efficiency else 0.0
         opts = SimOptions(placement=args.router, route=args.route, transmission=args.transmission, slo=slo,
-                          request_overhead_s=overhead, contention_slowdown=contention, link_overhead_s=handoff,
-                          predictor=predictor, token_budget=args.token_budget, chunked_prefill=args.chunked_prefill,
+                          **served_sim_options(args.efficiency), predictor=predictor,
+                          token_budget=args.token_budget, chunked_prefill=args.chunked_prefill,
                           prefill_mode=args.prefill_mode,
                           max_batch=args.max_batch, micro_batches=args.micro_batches, pipeline=args.pipeline,
                           kv_admission=args.kv_admission,

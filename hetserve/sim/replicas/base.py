@@ -89,5 +89,14 @@ class Replica:
         """Whether the replica is computing now (for host contention)."""
         return self._busy_until > self.loop.now
 
+    def inflight(self) -> int:
+        """Sequences (micro-batches) it has in flight now: how many of its stages can be busy at
+        once (``sim.hosts.busy_workers``)."""
+        return 1
+
+    def step_rate(self) -> tuple[float, float]:
+        """(steps, output tokens) per second it runs now: the front end's work (``sim.hosts``)."""
+        return 0.0, 0.0
+
     def state(self, with_requests: bool = False) -> ReplicaState:  # pragma: no cover - overridden
         raise NotImplementedError

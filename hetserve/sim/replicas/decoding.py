@@ -137,6 +137,13 @@ class Decoding(Replica):
     def busy_now(self) -> bool:
         return self.batch.active or self._paused
 
+    def inflight(self) -> int:
+        return self.batch.size + len(getattr(self, "_chunking", ())) + len(getattr(self, "_prefilling", ()))
+
+    def step_rate(self) -> tuple[float, float]:
+        b = self.batch
+        return (1.0 / b.a, b.size / b.a) if b.active and b.a > 0 else (0.0, 0.0)
+
     def _generated_sum(self) -> float:
         return self.batch.generated(self.loop.now)
 

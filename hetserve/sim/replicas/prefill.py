@@ -113,6 +113,10 @@ class PrefillReplica(Replica):
         now = self.loop.now
         return any(f > now for f in self._free)
 
+    def inflight(self) -> int:
+        now = self.loop.now
+        return sum(f > now for f in self._free)
+
     def state(self, with_requests: bool = False) -> ReplicaState:
         reqs = ()
         if with_requests:

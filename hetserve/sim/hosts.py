@@ -1,0 +1,118 @@
+"""Host contention: CPU worker slots sharing a host's cores, and the serving front end beside them.
+
+A cluster file may say that a machine's worker slots share ``cpu_cores`` cores (the CPU demo: four
+"GPUs" on a 2-core box). Work a replica starts there runs ``slowdown`` times slower than alone:
+
+    k = the workers computing on the host now (this replica's, the other busy replicas', the front end's share)
+    slowdown = max(k / c, 1 + (s − 1)(k − 1), 1)        (c cores, s the measured slow-down per extra worker)
+
+*Workers computing now* counts the stages that can be busy at once: a replica of S stages with
+``m`` micro-batches in flight keeps ``min(S, m)`` stages busy, and ``m`` is at most its running
+sequences (one sequence is one micro-batch), so a pipeline decoding one request keeps one stage
+busy, not all of them (measured on the asymmetric TP-2 + TP-1 plan: counting every stage
+over-predicted its light-load TTFT/TPOT/E2E by 1.17-1.26x; docs/benchmarks.md).
+
+*The front end* (the coordinator, the HTTP/SSE server and, as ``hetserve compare`` and
+``bench_predict`` run it, the replaying client: one Python process) also computes on the host: it
+spends ``frontend_request_cpu_s`` CPU seconds per request (HTTP, tokenisation, placement),
+``frontend_step_cpu_s`` per engine step (the coordinator takes the result, schedules and sends the
+next step) and ``frontend_token_cpu_s`` per output token (its SSE event, the client's parse).
+It joins ``k`` with its utilisation ``u ≤ 1`` (one process): 1 while it works off the requests that
+arrived (each adds its CPU seconds to a backlog), plus the step and token rates of the decoding
+replicas now times their costs. ``hetserve calibrate`` measures both costs (the CPU time of the
+process that serves and replays its HTTP probes); both default to 0, and nothing of this applies
+to devices without ``cpu_cores`` (GPUs), so the planner's and GPU simulations are unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FrontEndCost:
+    """CPU the serving front end spends (seconds; ``hetserve calibrate`` measures them)."""
+
+    request_cpu_s: float = 0.0  # per request: HTTP request, tokenisation, placement, stream set-up
+    step_cpu_s: float = 0.0  # per engine step: the coordinator takes the result, schedules, sends the next
+    token_cpu_s: float = 0.0  # per output token: its handle, the SSE event, the client's parse
+
+    def __post_init__(self) -> None:
+        if min(self.request_cpu_s, self.step_cpu_s, self.token_cpu_s) < 0:
+            raise ValueError("front-end CPU costs must be non-negative")
+
+    @property
+    def zero(self) -> bool:
+        return self.request_cpu_s == 0 and self.step_cpu_s == 0 and self.token_cpu_s == 0
+
+
+def busy_workers(rep, micro_batches: int | None) -> float:
+    """Worker processes of ``rep`` computing at once: the busy stages' TP groups. A replica of S
+    stages keeps ``min(S, micro-batches, sequences in flight)`` stages busy (at their mean TP)."""
+    stages = rep.layout.stages
+    S = len(stages)
+    if S == 1:
+        return float(stages[0].tp)
+    inflight = rep.inflight()
+    m = max(1, min(S, micro_batches or S, inflight))
+    return min(float(len(rep.layout.devices)), m * sum(s.tp for s in stages) / S)
+
+
+class HostContention:
+    """Who computes on each host with ``cpu_cores`` (replicas and the front end) and the slow-down
+    that gives the work a replica starts now. One per simulation."""
+
+    def __init__(self, replicas, cluster, loop, contention_slowdown: float = 1.0,
+                 frontend: FrontEndCost | None = None, micro_batches: int | None = None):
+        self.loop, self.s, self.micro_batches = loop, contention_slowdown, micro_batches
+        self.frontend = frontend or FrontEndCost()
+        self.on_host: dict[str, list] = {}
+        self.cores: dict[str, int] = {}
+        for rep in replicas:
+            dev = cluster.devices[rep.layout.devices[0]]
+            if dev.cpu_cores is None:
+                continue
+            rep.host = dev.machine
+            self.cores[dev.machine] = dev.cpu_cores
+            self.on_host.setdefault(dev.machine, []).append(rep)
+        # The front end runs beside the first replica of the plan (the CLI serves from there); only
+        # a host with CPU worker slots feels it.
+        first = cluster.devices[replicas[0].layout.devices[0]] if replicas else None
+        self.frontend_host = first.machine if first is not None and first.cpu_cores is not None else None
+        self._backlog_until = 0.0  # when the front end has worked off the requests that arrived
+
+    def on_arrival(self) -> None:
+        """A request reached the replicas (after the request overhead): its per-request CPU joins the
+        front end's backlog from now. (Charged from the HTTP arrival instead, before the overhead,
+        the replays of docs/benchmarks.md hit 25 and 23 of 42 rather than 26 and 27: the front end's
+        per-request work overlaps the prompt's prefill — the stream's set-up, the first token's event.)"""
+        if self.frontend_host is None or self.frontend.request_cpu_s <= 0:
+            return
+        now = self.loop.now
+        self._backlog_until = max(now, self._backlog_until) + self.frontend.request_cpu_s
+
+    def frontend_load(self) -> float:
+        """The front end's utilisation now (0..1): its request backlog, plus the decoding replicas'
+        steps and tokens per second times the CPU each costs it."""
+        if self.frontend_host is None or self.frontend.zero:
+            return 0.0
+        u = 1.0 if self._backlog_until > self.loop.now else 0.0
+        fe = self.frontend
+        if fe.token_cpu_s > 0 or fe.step_cpu_s > 0:
+            for reps in self.on_host.values():
+                for r in reps:
+                    steps, tokens = r.step_rate()
+                    u += fe.step_cpu_s * steps + fe.token_cpu_s * tokens
+        return min(1.0, u)
+
+    def slowdown(self, rep) -> float:
+        """Factor on the work ``rep`` starts now (1 off CPU worker slots)."""
+        host = getattr(rep, "host", None)
+        if host is None:
+            return 1.0
+        mb = self.micro_batches
+        k = busy_workers(rep, mb)
+        k += sum(busy_workers(o, mb) for o in self.on_host[host] if o is not rep and o.busy_now())
+        if host == self.frontend_host:
+            k += self.frontend_load()
+        return max(k / self.cores[host], 1.0 + (self.s - 1.0) * (k - 1.0), 1.0)

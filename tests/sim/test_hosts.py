@@ -1,0 +1,67 @@
+"""Host contention (``sim.hosts``): the stages busy now and the serving front end share the cores."""
+
+import pytest
+
+from hetserve.planner.plan import Plan
+from hetserve.sim import SimOptions, simulate
+from hetserve.sim.hosts import FrontEndCost
+from hetserve.specs.cluster import cluster_from_dict
+from hetserve.specs.workload import Workload
+
+from .plans import single
+
+
+def _cluster(cores, count=2):
+    m = {"name": "m0", "gpu": "A100-SXM-80G", "count": count, "site": "s0"}
+    if cores:
+        m["cpu_cores"] = cores
+    return cluster_from_dict({"name": "test", "machines": [m]})
+
+
+def test_a_pipeline_running_one_sequence_keeps_one_stage_busy(model):
+    """A two-stage pipeline on one core serving a single request: one micro-batch, so one stage
+    computes at a time and nothing is slowed (counting both stages as busy, the model before,
+    doubled every step: what over-predicted the asymmetric plan's light load by 1.2x)."""
+    plan = Plan.from_dict({"model": "llama-2-7b", "cluster": "test", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 16]},
+                                                      {"devices": ["m0:1"], "layers": [16, 32]}]}]})
+    wl = Workload.from_lists("one", [0.0], [300], [40])
+    alone = simulate(plan, _cluster(None), model, wl, SimOptions())
+    one_core = simulate(plan, _cluster(1), model, wl, SimOptions())
+    assert one_core.t_first[0] == pytest.approx(alone.t_first[0], rel=1e-9)
+    assert one_core.t_finish[0] == pytest.approx(alone.t_finish[0], rel=1e-9)
+    # two requests decoding: two micro-batches, both stages busy on the one core
+    two = Workload.from_lists("two", [0.0, 0.0], [300, 300], [40, 40])
+    assert (simulate(plan, _cluster(1), model, two, SimOptions()).t_finish.max()
+            > 1.5 * simulate(plan, _cluster(None), model, two, SimOptions()).t_finish.max())
+
+
+def test_the_front_end_joins_the_contention_on_its_host(model):
+    """Two replicas on two shared cores: a prompt that runs while the other replica decodes is not
+    slowed (2 workers, 2 cores) until the front end computes beside them: with its per-token and
+    per-step CPU it is busy a share u of the time and the prompt takes (2 + u) / 2 as long; its
+    per-request backlog makes it fully busy (3 / 2). Off CPU slots (GPUs) the front end costs nothing."""
+    plan = single({"c0": ["m0:0"], "c1": ["m0:1"]})
+    wl = Workload.from_lists("two", [0.0, 0.5], [100, 3000], [400, 2])  # c1's prompt while c0 decodes
+    base = SimOptions(placement="rr")
+    plain = simulate(plan, _cluster(2), model, wl, base)
+    prefill = plain.t_first[1] - plain.t_start[1]
+    fe = dict(frontend_step_cpu_s=0.002, frontend_token_cpu_s=0.001)
+    busy = simulate(plan, _cluster(2), model, wl, SimOptions(placement="rr", **fe))
+    # c0 decodes one sequence: u = step + token CPU per step, over its step time then
+    step = (plain.t_finish[0] - plain.t_first[0]) / 399
+    u = min(1.0, 0.003 / step)
+    assert 0 < u < 1
+    assert busy.t_first[1] - busy.t_start[1] == pytest.approx((2 + u) / 2 * prefill, rel=0.02)
+    # each request keeps the front end busy for 1 s of CPU: c1's prompt starts inside c1's backlog
+    backlog = simulate(plan, _cluster(2), model, wl, SimOptions(placement="rr", frontend_request_cpu_s=1.0))
+    assert backlog.t_first[1] - backlog.t_start[1] == pytest.approx(1.5 * prefill, rel=1e-6)
+    gpus = simulate(plan, _cluster(None), model, wl, SimOptions(placement="rr", frontend_request_cpu_s=1.0, **fe))
+    assert gpus.t_first[1] - gpus.t_start[1] == pytest.approx(prefill, rel=1e-9)
+
+
+def test_front_end_costs_are_checked():
+    with pytest.raises(ValueError):
+        FrontEndCost(token_cpu_s=-1.0)
+    with pytest.raises(ValueError):
+        SimOptions(frontend_step_cpu_s=-0.1)

@@ -318,11 +318,14 @@ class CostModel:
         """All device pairs send at once, sharing the NICs / pipes on their paths (max-min
         fair, ``cost.network``); the last part delivered finishes the hand-off. Never less than
         the slowest pair alone (``kv_transfer_time_uncontended``, the old per-pair formula)."""
-        per_pair = self._kv_per_pair(src, dst, tokens)
-        if not per_pair:
-            return 0.0
+        transfers = self.kv_transfers(src, dst, tokens)
+        return concurrent_time(transfers) if transfers else 0.0
+
+    def kv_transfers(self, src: ReplicaLayout, dst: ReplicaLayout, tokens: float) -> list:
+        """``(Path, bytes)`` of every device pair of the hand-off: what ``kv_transfer_time`` prices
+        (the planner memoises it by the transfers' shape, ``PlanContext.kv_capacity``)."""
         path = self.cluster.path
-        return concurrent_time([(path(d, e), b) for (d, e), b in per_pair.items()])
+        return [(path(d, e), b) for (d, e), b in self._kv_per_pair(src, dst, tokens).items()]
 
     def kv_transfer_time_uncontended(self, src: ReplicaLayout, dst: ReplicaLayout, tokens: float) -> float:
         """The per-pair lower bound: every pair as if alone on its own link."""

@@ -18,6 +18,7 @@ import numpy as np
 
 from hetserve.cost.analytic import CostModel
 from hetserve.cost.layout import ReplicaLayout
+from hetserve.cost.network import concurrent_time
 from hetserve.errors import InfeasibleError
 from hetserve.planner.options import PlanOptions
 from hetserve.planner.slo import SLOTargets
@@ -54,6 +55,7 @@ class PlanContext:
         self.slo: SLOTargets | None = targets if o.objective != "throughput" and targets.any else None
         self._init_classes()
         self._kv_cache: dict[tuple, float] = {}
+        self._kv_time_cache: dict[tuple, float] = {}  # transfer_shape → seconds
         self._kv_load_cache: dict[tuple, dict[str, float]] = {}
         self._node_load_cache: dict[tuple, dict[str, float]] = {}
         self._group_ids: dict[tuple, int] = {}
@@ -83,6 +85,17 @@ class PlanContext:
             for d in members:
                 self.class_of[d] = k
         self.class_counts = tuple(len(m) for m in classes)
+
+    @cached_property
+    def class_bandwidth_gbps(self) -> np.ndarray:
+        """Symmetrised bandwidth (Gbit/s) between a device of class k and one of class l (k = l:
+        two members of one class; 0 for a class of one): ``partition.group_bandwidth`` sums it."""
+        bw = (self.bandwidth_gbps + self.bandwidth_gbps.T) / 2
+        reps = [m[0] for m in self.classes]
+        b = bw[np.ix_(reps, reps)].copy()
+        for k, m in enumerate(self.classes):
+            b[k, k] = bw[m[0], m[1]] if len(m) > 1 else 0.0
+        return b
 
     def class_name(self, k: int) -> str:
         d = self.cluster.devices[self.classes[k][0]]
@@ -143,10 +156,23 @@ class PlanContext:
         key = key or (src, dst)
         cap = self._kv_cache.get(key)
         if cap is None:
-            t = self.cost.kv_transfer_time(src, dst, self.input_tokens)
+            t = self._kv_time(src, dst)
             cap = self.period_s / t if t > 0 else float("inf")
             self._kv_cache[key] = cap
         return cap
+
+    def _kv_time(self, src: ReplicaLayout, dst: ReplicaLayout) -> float:
+        """``CostModel.kv_transfer_time`` memoised by the hand-off's shape (``transfer_shape``):
+        on a pool of many alike machines most new prefill/decode pairs repeat one already priced,
+        and the max-min sharing is most of a KV edge's cost."""
+        transfers = self.cost.kv_transfers(src, dst, self.input_tokens)
+        if not transfers:
+            return 0.0
+        shape = transfer_shape(transfers)
+        t = self._kv_time_cache.get(shape)
+        if t is None:
+            t = self._kv_time_cache[shape] = concurrent_time(transfers)
+        return t
 
     def group_id(self, devices: tuple[int, ...], choice: int = 0) -> int:
         """A small integer naming (device tuple, layout choice): KV-edge cache keys of two ints
@@ -183,6 +209,27 @@ class PlanContext:
     def tokens_per_s(self, requests_per_period: float) -> float:
         """The one throughput estimate of every algorithm: requests per T × mean output / T."""
         return requests_per_period * self.output_tokens / self.period_s
+
+
+def transfer_shape(transfers) -> tuple:
+    """What ``cost.network.concurrent_time`` reads of ``(Path, bytes)`` transfers: per transfer
+    its bytes, latency and resources, each resource named by the order it first appears in and
+    priced by its bandwidth. Transfers of the same shape share the same resources the same way,
+    so they take the same time, bit for bit (the sharing iterates resources in that order too);
+    which machines or sites they are does not matter."""
+    label: dict[str, int] = {}
+    bandwidths: list[float] = []
+    parts = []
+    for path, nbytes in transfers:
+        ids = []
+        for r in path.resources:
+            i = label.get(r.name)
+            if i is None:
+                i = label[r.name] = len(bandwidths)
+                bandwidths.append(r.bandwidth)
+            ids.append(i)
+        parts.append((tuple(ids), nbytes, path.latency_s))
+    return tuple(parts), tuple(bandwidths)
 
 
 def _interchangeable(members: list[int], lat: np.ndarray, bw: np.ndarray) -> bool:

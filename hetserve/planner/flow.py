@@ -50,6 +50,7 @@ import numpy as np
 from networkx.algorithms.flow import preflow_push
 from scipy.optimize import linprog
 from scipy.sparse import csr_array
+from scipy.sparse import vstack as sparse_vstack
 from scipy.sparse.csgraph import maximum_flow
 
 _MAX_INT = 2**31 - 1
@@ -100,6 +101,9 @@ class FlowResult:
     # the LP's dual values (``solve_with_resources`` only): per group's node row, per byte of a resource
     node_dual: dict[int, float] = field(default_factory=dict)
     resource_dual: dict[str, float] = field(default_factory=dict)
+    # ``solve_fast`` only, when it needed the LP: the max flow that ignores resources (``solve``
+    # reads it to skip preflow-push, whose flow then surely overloads a resource)
+    unconstrained: float | None = None
 
     @property
     def total(self) -> float:
@@ -134,24 +138,45 @@ def solve_with_resources(net: FlowNetwork) -> FlowResult:
     cols = len(edges) + C
     if cols == 0:
         return FlowResult(0.0)
-    loads = [net.route_load(p, d) for p, d in edges] + [net.node_load.get(c, {}) for c in net.colocated]
-    names = sorted({r for ld in loads for r in ld if math.isfinite(net.resource_cap.get(r, math.inf))})
-    a = np.zeros((P + D + len(names), cols))
-    k = np.arange(len(edges))
-    a[k // D, k] = 1.0 if D else 0.0  # prefill p's outflow (edges are p-major)
-    a[P + k % D, k] = 1.0 if D else 0.0  # decode d's inflow
-    rhs = [net.node_cap[g] for g in net.prefill + net.decode]
-    index = {r: P + D + i for i, r in enumerate(names)}
-    for j, ld in enumerate(loads):
-        for r, b in ld.items():
+    # a resource row per finite shared resource any column loads: what a request routed p → d
+    # puts on it is its KV (edge_load) plus both groups' own bytes (node_load), summed in that
+    # order (``route_load``'s), filled row-wise here (per column it cost most of the build)
+    finite = {r for r, c in net.resource_cap.items() if math.isfinite(c)}
+    ends = (net.prefill + net.decode) if edges else []
+    used = {r for e in edges for r in net.edge_load.get(e, ())}
+    used.update(r for g in ends + net.colocated for r in net.node_load.get(g, ()))
+    names = sorted(used & finite)
+    R = len(names)
+    index = {r: i for i, r in enumerate(names)}
+    res_rows = np.zeros((R, cols))
+    for j, e in enumerate(edges):
+        for r, b in net.edge_load.get(e, {}).items():
             if r in index:
-                a[index[r], j] = b
-    tops = {}
-    for r in names:  # rows in requests (cap / bytes per request) keep the LP well scaled
-        row = a[index[r]]
-        top = tops[r] = row.max()
-        a[index[r]] = row / top
-        rhs.append(net.resource_cap[r] / top)
+                res_rows[index[r], j] = b
+    for i, p in enumerate(net.prefill if edges else ()):
+        for r, b in net.node_load.get(p, {}).items():
+            if r in index:
+                res_rows[index[r], i * D:(i + 1) * D] += b
+    for j, d in enumerate(net.decode if edges else ()):
+        for r, b in net.node_load.get(d, {}).items():
+            if r in index:
+                res_rows[index[r], j:len(edges):D] += b
+    for k, c in enumerate(net.colocated):
+        for r, b in net.node_load.get(c, {}).items():
+            if r in index:
+                res_rows[index[r], len(edges) + k] = b
+    # rows in requests (cap / bytes per request) keep the LP well scaled
+    tops_arr = res_rows.max(axis=1) if R else np.zeros(0)
+    res_rows /= tops_arr[:, None]
+    tops = {r: tops_arr[i] for i, r in enumerate(names)}
+    rhs = [net.node_cap[g] for g in net.prefill + net.decode] + [net.resource_cap[r] / tops[r] for r in names]
+    # node rows (prefill p's outflow, decode d's inflow; edges are p-major) then the resource
+    # rows, as a sparse matrix: HiGHS gets the same nonzeros a dense one would give it
+    k = np.arange(len(edges))
+    node_rows = csr_array((np.ones(2 * len(edges)), (np.concatenate([k // D, P + k % D]) if D else k,
+                                                     np.concatenate([k, k]) if D else k)), shape=(P + D, cols))
+    a = sparse_vstack([node_rows, csr_array(res_rows)], format="csc")
+    index = {r: P + D + i for i, r in enumerate(names)}
     bounds = [(0.0, min(net.edge_cap.get(e, 0.0), 1e15)) for e in edges]
     bounds += [(0.0, net.node_cap[c]) for c in net.colocated]
     res = linprog(-np.ones(cols), A_ub=a, b_ub=np.asarray(rhs), bounds=bounds, method="highs")
@@ -178,8 +203,8 @@ def dual_bound(net: FlowNetwork, node_dual: dict[int, float | None], resource_du
     with w_e = max(0, 1 − y_p − y_d − z·load(p, d)) for every column is dual feasible, so
     Σ y·cap + Σ z·resource cap + Σ w·u ≥ the max flow. Prices from a neighbouring placement's
     LP (``node_dual`` per group of this network; None for a group that placement did not have,
-    priced here at 0 or 1, whichever is cheaper) make it tight enough to skip most candidate
-    LPs of a search step. O(P·D·resources)."""
+    priced here at the price that minimises the bound, ``_best_price``) make it tight enough to
+    skip most candidate LPs of a search step. O(P·D·resources)."""
     z = {r: v for r, v in resource_dual.items() if v > 0 and r in net.resource_cap}
 
     def zl(load: dict[str, float]) -> float:
@@ -198,19 +223,40 @@ def dual_bound(net: FlowNetwork, node_dual: dict[int, float | None], resource_du
         return w * min(u, 1e15)
 
     y: dict[int, float | None] = {g: node_dual.get(g) for g in groups}
-    for g in [g for g in groups if y[g] is None]:
-        others = net.prefill if g in dec else net.decode
-        pairs = [(o, g) if g in dec else (g, o) for o in others]
-        costs = []
-        for yg in (0.0, 1.0):
-            y[g] = yg
-            costs.append((yg * net.node_cap[g] + sum(column_cost(p, d, y) for p, d in pairs), yg))
-        y[g] = min(costs)[1]
+    new = [g for g in groups if y[g] is None]
+    for _ in range(2 if len(new) > 1 else 1):  # a second pass: the new groups' prices see each other's
+        for g in new:
+            y[g] = _best_price(net, g, g in dec, y, ze, zn)
     total = sum((y[g] or 0.0) * net.node_cap[g] for g in groups)
     total += sum(v * net.resource_cap[r] for r, v in z.items())
     total += sum(column_cost(p, d, y) for p in net.prefill for d in net.decode)
     total += sum(net.node_cap[c] * max(0.0, 1.0 - zn[c]) for c in net.colocated)
     return total
+
+
+def _best_price(net: FlowNetwork, g: int, is_decode: bool, y: dict, ze: dict, zn: dict) -> float:
+    """The price y_g ≥ 0 of group g's node row that minimises ``dual_bound`` with the other
+    prices fixed: its part, y·cap_g + Σ_e u_e·max(0, a_e − y) over g's columns e (a_e = 1 − the
+    other prices on e), is convex and piecewise linear in y, so the minimum sits where the slope
+    cap_g − Σ_{a_e > y} u_e turns non-negative, at 0 or at one of the a_e. Any y ≥ 0 keeps the
+    bound valid; this one is the tightest (at least as tight as 0 or 1). O(columns log columns)."""
+    others = net.prefill if is_decode else net.decode
+    pts = []
+    for o in others:
+        p, d = (o, g) if is_decode else (g, o)
+        a = 1.0 - (y.get(o) or 0.0) - ze.get((p, d), 0.0) - zn[p] - zn[d]
+        u = min(net.edge_cap.get((p, d), 0.0), 1e15)
+        if a > 0 and u > 0:
+            pts.append((a, u))
+    cap = net.node_cap[g]
+    slope = cap - sum(u for _, u in pts)  # at y = 0
+    best = 0.0
+    for a, u in sorted(pts):
+        if slope >= 0:
+            break
+        best = a
+        slope += u
+    return best
 
 
 def _unconstrained_colocated(net: FlowNetwork) -> dict[int, float]:
@@ -230,7 +276,9 @@ def solve_fast(net: FlowNetwork) -> FlowResult:
     value, nodes, edges = _dinic(net)
     flow = FlowResult(value, nodes, edges, _unconstrained_colocated(net))
     if net.loads_resources() and not _respects_resources(net, flow):
-        return solve_with_resources(net)
+        lp = solve_with_resources(net)
+        lp.unconstrained = flow.total
+        return lp
     return flow
 
 
@@ -259,17 +307,18 @@ def _dinic(net: FlowNetwork, nodes: bool = True, edges: bool = True):
     P, D = len(net.prefill), len(net.decode)
     n = P + D + 2
     src, snk = 0, n - 1
-    rows, cols, caps = [], [], []
-    for i, p in enumerate(net.prefill):
-        rows.append(src), cols.append(1 + i), caps.append(net._int(net.node_cap[p], s, bound))
-    for j, d in enumerate(net.decode):
-        rows.append(1 + P + j), cols.append(snk), caps.append(net._int(net.node_cap[d], s, bound))
-    for i, p in enumerate(net.prefill):
-        for j, d in enumerate(net.decode):
-            c = net._int(net.edge_cap[(p, d)], s, bound)
-            if c > 0:
-                rows.append(1 + i), cols.append(1 + P + j), caps.append(c)
-    m = csr_array((np.asarray(caps, dtype=np.int32), (np.asarray(rows), np.asarray(cols))), shape=(n, n))
+    # the compact network in CSR form, rows in order (source, prefill nodes, decode nodes): built
+    # directly, capacities as ``FlowNetwork._int`` rounds them (vectorised: it runs per candidate)
+    node = _int_caps(np.fromiter((net.node_cap[g] for g in net.prefill + net.decode), float, P + D), s, bound)
+    kv = _int_caps(np.fromiter((net.edge_cap[(p, d)] for p in net.prefill for d in net.decode), float, P * D),
+                   s, bound).reshape(P, D)
+    keep = kv > 0
+    per_row = keep.sum(axis=1)
+    indptr = np.concatenate(([0, P], P + np.cumsum(per_row), P + per_row.sum() + np.arange(1, D + 1),
+                             [P + per_row.sum() + D]))
+    indices = np.concatenate((np.arange(1, P + 1), (1 + P + np.nonzero(keep)[1]), np.full(D, snk)))
+    data = np.concatenate((node[:P], kv[keep], node[P:])).astype(np.int32)
+    m = csr_array((data, indices.astype(np.int32), indptr.astype(np.int32)), shape=(n, n))
     res = maximum_flow(m, src, snk, method="dinic")
     if not nodes and not edges:
         return res.flow_value / s, {}, {}
@@ -279,6 +328,14 @@ def _dinic(net: FlowNetwork, nodes: bool = True, edges: bool = True):
     edge_flow = ({(p, d): max(0.0, float(f[1 + i, 1 + P + j])) / s for i, p in enumerate(net.prefill)
                   for j, d in enumerate(net.decode)} if edges else {})
     return res.flow_value / s, node_flow, edge_flow
+
+
+def _int_caps(caps: np.ndarray, s: float, bound: int) -> np.ndarray:
+    """``FlowNetwork._int`` on an array: capacity × scale truncated, at most ``bound`` (inf too)."""
+    out = np.full(len(caps), bound, dtype=np.int64)
+    finite = np.isfinite(caps)
+    out[finite] = np.minimum(bound, (caps[finite] * s).astype(np.int64))
+    return out
 
 
 def build_graph(net: FlowNetwork) -> nx.DiGraph:
@@ -300,14 +357,22 @@ def build_graph(net: FlowNetwork) -> nx.DiGraph:
     return g
 
 
-def solve(net: FlowNetwork) -> FlowResult:
+def solve(net: FlowNetwork, lp: FlowResult | None = None) -> FlowResult:
     """Max flow by networkx preflow-push, with the flow through every node and KV edge; the
-    LP of ``solve_with_resources`` when that flow overloads a capacity node."""
+    LP of ``solve_with_resources`` when that flow overloads a capacity node.
+
+    ``lp``: that LP's result for this very network when the caller has it (``solve_fast``'s,
+    with ``unconstrained`` set). Where its optimum is below the max flow that ignores
+    resources, every max flow — the one preflow-push would find included — overloads a
+    resource, so it is returned without running preflow-push (it cost as much as the LP on
+    large pools)."""
     if not net.prefill or not net.decode:
         flow = FlowResult(0.0, {g: 0.0 for g in net.prefill + net.decode}, {}, _unconstrained_colocated(net))
         if net.loads_resources() and not _respects_resources(net, flow):
             return solve_with_resources(net)
         return flow
+    if lp is not None and lp.unconstrained is not None and lp.total < lp.unconstrained * (1 - 1e-7):
+        return lp
     s = net.scale()
     g = build_graph(net)
     value, flow = nx.maximum_flow(g, "source", "sink", flow_func=preflow_push)
@@ -316,5 +381,5 @@ def solve(net: FlowNetwork) -> FlowResult:
     edge_flow = {(p, d): flow[("out", p)][("in", d)] / s for p in net.prefill for d in net.decode}
     result = FlowResult(value / s, node_flow, edge_flow, _unconstrained_colocated(net))
     if net.loads_resources() and not _respects_resources(net, result):
-        return solve_with_resources(net)
+        return lp if lp is not None else solve_with_resources(net)
     return result

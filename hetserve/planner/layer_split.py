@@ -20,8 +20,9 @@ _DECODE_PROBE_BATCH = 16
 
 
 class LayerSplits:
-    """Layer splits and their capacity; expects ``ctx``, ``num_layers``, ``min_kv``, ``_prompt``
-    and ``_probe_cache`` on the instance (``LayoutSearch`` sets them)."""
+    """Layer splits and their capacity; expects ``ctx``, ``cost`` (the context's cost model with
+    memoised stage prices, ``stage_memo``), ``num_layers``, ``min_kv``, ``_prompt`` and
+    ``_probe_cache`` on the instance (``LayoutSearch`` sets them)."""
 
     @staticmethod
     def _stages(order, combo) -> list[tuple[int, int, int]]:
@@ -43,7 +44,7 @@ class LayerSplits:
         hit = self._probe_cache.get(key)
         if hit is not None:
             return hit
-        cost, L, need = self.ctx.cost, self.num_layers, self.min_kv[role]
+        cost, L, need = self.cost, self.num_layers, self.min_kv[role]
         lo, hi = 0, L  # largest l with capacity >= need (capacity falls as l grows)
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -103,7 +104,7 @@ class LayerSplits:
 
     def layout_capacity(self, layout: ReplicaLayout, role: str) -> float:
         """Requests per T that ``layout`` serves in ``role``; 0 if it lacks the role's minimum KV."""
-        ctx, cost = self.ctx, self.ctx.cost
+        ctx, cost = self.ctx, self.cost
         if cost.kv_capacity_tokens(layout) < self.min_kv[role]:
             return 0.0
         T, i, o = ctx.period_s, ctx.input_tokens, ctx.output_tokens

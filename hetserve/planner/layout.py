@@ -43,6 +43,7 @@ from hetserve.planner.layer_split import LayerSplits
 from hetserve.planner.layout_alternatives import KVAlternatives
 from hetserve.planner.layout_choice import LayoutChoice, StageShape  # noqa: F401 (StageShape: re-exported)
 from hetserve.planner.layout_choice import remap as _remap
+from hetserve.planner.stage_memo import StageMemoCost
 
 if TYPE_CHECKING:
     from hetserve.planner.context import PlanContext
@@ -60,6 +61,7 @@ class LayoutSearch(KVAlternatives, LayerSplits):
 
     def __init__(self, ctx: "PlanContext"):
         self.ctx = ctx
+        self.cost = StageMemoCost(ctx.cost)  # the same prices, stage terms memoised
         m = ctx.model
         self.num_layers = m.num_layers
         self.tp_ok = [t for t in range(1, 65) if m.tp_problem(t) is None]

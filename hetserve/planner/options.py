@@ -16,13 +16,15 @@ from hetserve.cost.analytic import DEFAULT_PERIOD_S, Efficiency
 
 
 def default_restarts(num_devices: int) -> int:
-    """Restarts for a pool of this size: 30 on 20 GPUs, falling to 6 from 100 GPUs on.
+    """Restarts for a pool of this size: 30 on 20 GPUs, 6 at 100 GPUs, falling to 2 from 300 on.
 
-    A round costs roughly in proportion to the pool, so this keeps small pools well under 10 s
-    (where extra rounds reliably find better plans: hexgen2-het1 gains 3–8 %) and leaves the
-    320-GPU search time as it was.
+    A round costs roughly in proportion to the pool, so restarts × pool size stays about 600:
+    small pools stay well under 10 s (where extra rounds reliably find better plans:
+    hexgen2-het1 gains 3–8 %), and large ones stop after a couple of fruitless rounds (at 320 GPUs
+    the rounds after the first descent were ~45 % of the search; 2, 6 and 60 restarts all give
+    the same plan there, ``bench_planner scaling``, docs/planner.md).
     """
-    return max(6, min(30, 600 // max(1, num_devices)))
+    return max(2, min(30, 600 // max(1, num_devices)))
 
 
 OBJECTIVES = ("throughput", "goodput", "cost")
@@ -101,7 +103,7 @@ class PlanOptions:
             raise ValueError("max_exact_devices must be at least 1")
 
 
-DEFAULT_TIME_LIMIT_S = 110.0  # HexGen-2 on 320 GPUs converges in ~80–95 s on 2 cores
+DEFAULT_TIME_LIMIT_S = 110.0  # HexGen-2 on 320 GPUs converges in ~30–40 s of CPU on 2 cores (docs/planner.md)
 
 
 class Budget:

@@ -110,6 +110,9 @@ class Evaluator:
         # its neighbours' LPs by weak duality (``_dual_pruned``)
         self._prices: tuple[dict[Group, float], dict[str, float]] | None = None
         self.layout_trials = 0  # max flows solved while choosing alternative layouts
+        # LP results of placements scored since the last ``evaluate``: the one it keeps was
+        # usually just scored, and its flow needs that very LP (``flow.solve``)
+        self._solved: dict[tuple[Group, ...], FlowResult] = {}
 
     def capacity(self, devices: Sequence[int], role: str) -> float:
         return self.ctx.layouts.capacity(devices, role)
@@ -220,7 +223,10 @@ class Evaluator:
             value += colocated
         choice = (0,) * len(key)
         if net.prefill and net.decode and value < (net.upper_bound() + colocated) * (1 - 1e-9):
-            choice, value = self._choose_layouts(key, layouts, caps, net, value, nodes)
+            known = flow.unconstrained if net.loads_resources() else None
+            choice, value = self._choose_layouts(key, layouts, caps, net, value, nodes, known)
+        if net.loads_resources() and flow.unconstrained is not None and not any(choice):
+            self._solved[key] = flow
         value = self.ctx.tokens_per_s(value)
         self._scores[key] = value
         self._choices[key] = choice
@@ -243,11 +249,15 @@ class Evaluator:
         return bound
 
     # ------------------------------------------------------------------ alternative layouts
-    def _choose_layouts(self, groups, layouts, caps, net: FlowNetwork, value: float, nodes: dict[int, float]):
+    def _choose_layouts(self, groups, layouts, caps, net: FlowNetwork, value: float, nodes: dict[int, float],
+                        unconstrained: float | None = None):
         """(choice, requests per T) of the best combination of alternative layouts found
-        (``value`` and the result include what colocated groups serve)."""
+        (``value`` and the result include what colocated groups serve; ``unconstrained``: the
+        max flow without resources, ``_bound_without_resources``, when the caller has it)."""
         # a shared resource that binds makes every trial a linear program: a short ascent at most
-        shared_binds = not self.exhaustive_layouts and value < self._bound_without_resources(net) * (1 - 1e-9)
+        if unconstrained is None and not self.exhaustive_layouts:
+            unconstrained = self._bound_without_resources(net)
+        shared_binds = not self.exhaustive_layouts and value < unconstrained * (1 - 1e-9)
         if shared_binds and MAX_LAYOUT_ROUNDS_SHARED == 0:
             return (0,) * len(groups), value
         opts = {i: self._options(groups[i]) for i in net.prefill + net.decode}
@@ -400,7 +410,8 @@ class Evaluator:
         if key not in self._choices:
             self.score(key)
         layouts, caps, net, _ = self._network(key, self._choices[key])
-        flow = solve(net)
+        flow = solve(net, self._solved.get(key))
+        self._solved.clear()
         if flow.node_dual:
             self._prices = ({key[i]: y for i, y in flow.node_dual.items()}, flow.resource_dual)
         req = flow.total

@@ -63,7 +63,8 @@ def test_isomorphic_compositions_share_a_search_with_the_same_capacity(llama70b,
 
 def test_dual_bound_is_never_below_the_lp(llama70b, azure):
     """Prices from one placement's LP bound its random neighbours' LPs (weak duality), and a
-    new group priced at 0 or 1 keeps the bound valid."""
+    new group priced to minimise the bound (``flow._best_price``) keeps it valid; a negative
+    price (not dual feasible) fails here."""
     cluster = load_cluster("hexgen2-het1")  # every KV route between sites crosses a shared pipe
     ctx, _, ev = start_search("t", cluster, llama70b, azure, PlanOptions())
     rng = random.Random(3)

@@ -26,6 +26,7 @@ BENCHES = {
     "engine": ["bench/bench_engine.py", "--max-tokens", "16"],  # 32 requests, as the target
     "serve": ["bench/bench_serve.py", "--rates", "0.5", "--window", "6", "--max-output", "16"],
     "multinode": ["bench/bench_multinode.py", "--requests", "8", "--max-tokens", "16", "--repeats", "1"],
+    "frontend": ["bench/bench_frontend.py", "--requests", "24"],  # engine alone vs served over HTTP
 }
 
 

@@ -1,0 +1,157 @@
+"""What the HTTP front end costs a served plan on this machine, beside the engine alone (issue 13).
+
+    .venv/bin/python bench/bench_frontend.py [--rates 5.16,20.65] [--requests 48]
+
+Two tables, each with its baseline measured in the same run:
+
+1. **Core contention.** One worker-like process (one torch thread, the tiny Llama of
+   ``bench_predict``) times a batch-4 decode step alone, beside one process prefilling 128 tokens in
+   a loop, and beside two. Ratio: each step time ÷ the step alone.
+2. **Engine vs served.** ``bench_predict``'s ``prefill-decode`` plan and requests (Azure LPLD, prompts
+   <= 128, outputs <= 32 tokens, ``ignore_eos``), sent at the same arrival times once straight to
+   ``Engine.submit`` (no HTTP) and once through the HTTP server and the ``openai`` client (what
+   ``bench_predict`` serves). Reported: TTFT and TPOT means, KV hand-off time (engine side), and
+   served ÷ engine, plus the extra time per decode step the front end adds.
+
+The machine is shared: the 1-minute load average is printed beside every table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _tiny_llama():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(1)  # as runtime/worker.py: one core's worth of work per worker
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=2)
+    return torch, LlamaForCausalLM(cfg).eval()
+
+
+def _prefill_loop(stop) -> None:
+    torch, model = _tiny_llama()
+    x = torch.randint(0, 32000, (1, 128))
+    with torch.no_grad():
+        while not stop.is_set():
+            model(x)
+
+
+def _decode_step_ms(reps: int = 60) -> float:
+    torch, model = _tiny_llama()
+    x = torch.randint(0, 32000, (4, 1))
+    with torch.no_grad():
+        for _ in range(10):
+            model(x)
+        t = time.perf_counter()
+        for _ in range(reps):
+            model(x)
+    return (time.perf_counter() - t) / reps * 1e3
+
+
+def contention_rows() -> list[tuple[str, float]]:
+    rows = [("alone", _decode_step_ms())]
+    for n in (1, 2):
+        stop = mp.Event()
+        procs = [mp.Process(target=_prefill_loop, args=(stop,)) for _ in range(n)]
+        for p in procs:
+            p.start()
+        time.sleep(3)  # the burners have built their models and run
+        rows.append((f"beside {n} prefill process{'es' if n > 1 else ''}", _decode_step_ms()))
+        stop.set()
+        for p in procs:
+            p.join()
+    return rows
+
+
+def engine_vs_served(rate: float, n: int, tmp: Path, model_dir: Path) -> dict[str, dict[str, float]]:
+    import numpy as np
+
+    import bench_predict as bp
+    from hetserve.runtime.engine import Engine, EngineConfig
+    from hetserve.runtime.sampling import SamplingParams
+    from hetserve.serve.launch import ServeOptions, start_server
+    from hetserve.serve.loadgen import replay, requests_from_workload
+    from hetserve.specs.cluster import load_cluster
+    from hetserve.specs.workload import load_workload
+
+    cluster_path = tmp / "cluster.yaml"
+    plan = bp.plans()["prefill-decode"]
+    trace = load_workload("azure-conv").of_class("LPLD").with_rate(rate)
+    reqs = requests_from_workload(trace, n, max_input=128, max_output=32)
+    with Engine.from_plan(plan, cluster_path, model_dir, EngineConfig(kv_capacity_tokens=16384)) as eng:
+        handles, t0 = [], time.monotonic()
+        for r in reqs:
+            time.sleep(max(0.0, t0 + r.arrival_s - time.monotonic()))
+            handles.append(eng.submit(r.prompt, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)))
+        for h in handles:
+            h.result(timeout=120)
+    engine = {"ttft_ms": np.mean([h.ttft for h in handles]) * 1e3,
+              "tpot_ms": np.mean([h.tpot for h in handles if h.tpot]) * 1e3,
+              "handoff_ms": np.mean([h.handoff_s for h in handles if h.handoff_s is not None]) * 1e3}
+    opts = ServeOptions(plan=plan, cluster=load_cluster(str(cluster_path)), model_dir=str(model_dir))
+    with start_server(opts) as server:
+        results = replay(server.url, server.deployment.coordinator.model_name, reqs, ignore_eos=True)
+    ok = [r for r in results if r.error is None]
+    served = {"ttft_ms": np.mean([r.ttft_s for r in ok]) * 1e3,
+              "tpot_ms": np.mean([r.tpot_s for r in ok if r.tpot_s is not None]) * 1e3,
+              "handoff_ms": float("nan")}
+    return {"engine": engine, "served": served}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", default="5.16,20.65", help="requests/s (default: bench_predict's prefill-decode "
+                                                          "light and near-saturation rates of a quiet run)")
+    ap.add_argument("--requests", type=int, default=48)
+    args = ap.parse_args()
+    mp.set_start_method("spawn", force=True)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    import bench_predict as bp
+    from hetserve.runtime.make_model import make_model
+
+    console = Console()
+    t = Table(title=f"decode step (batch 4, one torch thread) beside other processes on {os.cpu_count()} cores, "
+                    f"load {os.getloadavg()[0]:.2f}")
+    for col in ("beside", "step ms", "÷ alone"):
+        t.add_column(col)
+    rows = contention_rows()
+    for name, ms in rows:
+        t.add_row(name, f"{ms:.2f}", f"{ms / rows[0][1]:.2f}")
+    console.print(t)
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-frontend-"))
+    (tmp / "cluster.yaml").write_text(bp.CLUSTER)
+    model_dir = make_model(tmp / "tiny", "llama", layers=8, hidden=256, heads=4, kv_heads=2, ffn=768)
+    t = Table(title="prefill-decode plan: the engine alone vs served over HTTP (same requests, same arrivals)")
+    for col in ("req/s", "load", "TTFT engine ms", "TTFT served ms", "served ÷ engine", "TPOT engine ms",
+                "TPOT served ms", "served ÷ engine", "hand-off ms (engine)"):
+        t.add_column(col)
+    for rate in (float(r) for r in args.rates.split(",")):
+        r = engine_vs_served(rate, args.requests, tmp, model_dir)
+        e, s = r["engine"], r["served"]
+        t.add_row(f"{rate:.2f}", f"{os.getloadavg()[0]:.2f}", f"{e['ttft_ms']:.1f}", f"{s['ttft_ms']:.1f}",
+                  f"{s['ttft_ms'] / e['ttft_ms']:.2f}", f"{e['tpot_ms']:.2f}", f"{s['tpot_ms']:.2f}",
+                  f"{s['tpot_ms'] / e['tpot_ms']:.2f}", f"{e['handoff_ms']:.1f}")
+    console.print(t)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

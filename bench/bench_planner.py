@@ -242,7 +242,7 @@ def bound_gap(sizes, pools=None) -> None:
         cpu = time.process_time() - cpu
         ub = min(lp, g.tokens_per_s) if g else lp
         v = h.estimate["throughput_tokens_per_s"]
-        scored = _score_incumbent(ctx, g.incumbent) if g and g.incumbent else None
+        scored = _score_incumbent(ctx) if g and g.incumbent else None
         binding = [b for b in (g.binding if g else ()) if not b.startswith(("devices", "machine devices"))]
         t.add_row(name, str(len(c)), f"{v:,.0f}", f"{lp:,.0f}", f"{g.tokens_per_s:,.0f}" if g else "–", f"{cpu:.1f}",
                   f"{v / lp:.3f}", f"{v / ub:.3f}", f"{scored:,.0f}" if scored else "–")
@@ -253,23 +253,14 @@ def bound_gap(sizes, pools=None) -> None:
     console.print("bound CPU s: group_bound alone (columns + MILP). " + _load())
 
 
-def _score_incumbent(ctx, incumbent) -> float:
-    """The planner's evaluator on the programme's column groups (devices of each machine kind
-    taken in index order)."""
-    from hetserve.planner.placement import Evaluator, Group
+def _score_incumbent(ctx) -> float | None:
+    """The planner's evaluator (every layout) on the bound's own best integer point
+    (``hexgen2.bound_start``), or None where the bound's columns are not machines."""
+    from hetserve.planner.hexgen2 import bound_start
+    from hetserve.planner.placement import Evaluator
 
-    free: dict[str, list[int]] = {}
-    for d in ctx.cluster.devices:
-        free.setdefault(f"{d.machine}/{d.gpu.name}", []).append(d.index)
-    groups = []
-    for comp, role, count in incumbent:
-        for _ in range(count):
-            devs = []
-            for kind, n in comp.items():
-                devs += free[kind][:n]
-                free[kind] = free[kind][n:]
-            groups.append(Group.of(devs, role))
-    return Evaluator(ctx, exhaustive_layouts=True).evaluate(groups).tokens_per_s
+    start = bound_start(ctx)
+    return Evaluator(ctx, exhaustive_layouts=True).evaluate(start).tokens_per_s if start else None
 
 
 def cost(quick: bool) -> None:

@@ -17,6 +17,10 @@ small pools, the whole pool, each re-cut into the colocated replicas that serve 
 its note saying which was chosen: on pools whose links are too slow for KV caches (home GPUs)
 or workloads where one phase dominates, colocation wins.
 
+On pools of up to ``POPULATION_MAX_DEVICES`` devices one more chain starts from the upper bound's
+own plan (``bound_start``: the group programme of ``planner/bound.py`` sees every group composition
+at once, where the partition may not reach), and its refined result is returned when it serves more.
+
 ``random_swap`` is the truncated variant of §5.3: the same loop with random edits in place of
 the guided ones. Neither ever returns a worse placement than its phase-1 start.
 
@@ -74,6 +78,30 @@ def phase1_starts(ctx: PlanContext, ev: Evaluator, seed: int) -> list[Placement]
         start = canonical(Group.of(g, r) for g, r in zip(groups, roles))
         scored.append((-ev.score(start), k, start))
     return [s for _, _, s in sorted(scored)]
+
+
+def bound_start(ctx: PlanContext) -> Placement | None:
+    """The upper bound's own best integer point as a placement (``planner/bound.py``: its column
+    groups, devices of each machine's GPU type taken in index order), or None where the bound's
+    columns are not machines. A start the partition may not reach: the bound sees every group
+    composition at once (on het3 its plan scores above the guided climb's)."""
+    from hetserve.planner.bound import group_bound
+
+    g = group_bound(ctx)
+    if g is None or not g.incumbent:
+        return None
+    free: dict[str, list[int]] = {}
+    for d in ctx.cluster.devices:
+        free.setdefault(f"{d.machine}/{d.gpu.name}", []).append(d.index)
+    groups = []
+    for comp, role, count in g.incumbent:
+        for _ in range(count):
+            devices: list[int] = []
+            for kind, n in comp.items():
+                devices += free[kind][:n]
+                free[kind] = free[kind][n:]
+            groups.append(Group.of(devices, role))
+    return canonical(groups)
 
 
 def phase1(ctx: PlanContext, ev: Evaluator, seed: int) -> Placement:
@@ -317,6 +345,25 @@ def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, opti
                 break
     else:
         best = refine(ctx, evaluator, phase1(ctx, evaluator, options.seed), budget, mover, rng, restarts, patience)
+    seeded = None
+    if patience is None and len(cluster) <= POPULATION_MAX_DEVICES and not budget.exhausted():
+        start = bound_start(ctx)
+        if start is not None and evaluator.score(start) > 0:
+            seeded = refine(ctx, evaluator, start, budget, mover, rng, max(2, restarts // 2), patience)
+    plan = _choose(ctx, evaluator, best, name, options, budget)
+    if seeded is not None and (v := evaluator.score(seeded)) > plan.estimate["throughput_tokens_per_s"] * (1 + 1e-6):
+        budget.credit("final", "bound's plan, refined", v - plan.estimate["throughput_tokens_per_s"])
+        budget.record(v)
+        return to_plan(ctx, evaluator.evaluate(seeded), name, budget,
+                       notes=f"chose the upper bound's own plan, refined: {v:.0f} tokens/s against "
+                             f"{plan.estimate['throughput_tokens_per_s']:.0f} from the partition's search")
+    return plan
+
+
+def _choose(ctx: PlanContext, evaluator: Evaluator, best: Placement, name: str, options: PlanOptions,
+            budget: Budget) -> Plan:
+    """The plan from the refined ``best``: disaggregated, all colocated or mixed, whichever serves most."""
+    cluster = ctx.cluster
     result = evaluator.evaluate(best)
     if result.flow.value <= 0:
         return colocated_fallback(ctx, name, budget)

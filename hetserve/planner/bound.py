@@ -233,16 +233,7 @@ def _network_rows(ctx, kinds, rates, machines, iu, iF, row) -> None:
                 0.0, f"prefill on {m}")
             row({**{iu[(a, m)]: 1.0 for a in machines}, **{3 * j + 1: -rates[j]["decode"][t] for j in by_machine[m]}},
                 0.0, f"decode on {m}")
-    kv_bytes = ctx.input_tokens * ctx.model.kv_bytes_per_token
-    rep = {k.machine: k.device for k in kinds}
-    crossing: dict[str, list[int]] = {}
-    for (a, b), i in iu.items():
-        if a != b:
-            for r in ctx.cluster.path(rep[a], rep[b]).resources:
-                if r.name in ctx.resource_cap:
-                    crossing.setdefault(r.name, []).append(i)
-    for name, idx in sorted(crossing.items()):
-        row({i: kv_bytes for i in idx}, ctx.resource_cap[name], f"network {name}")
+    bound_groups.resource_rows(ctx, kinds, iu, row)
 
 
 def _counts(lp: _LP, x) -> dict[tuple[str, str, str], float]:

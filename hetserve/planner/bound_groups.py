@@ -325,8 +325,15 @@ def _network(ctx, mk, rates, cols, machines, iu, iF, iy, iz, ix, big, row, share
                 for k in by_machine[m]:
                     c[iz + 3 * cols.kind_of[k] + r] = -per_device[k][r]
             row(c, 0.0, f"{role} on {m} (groups)")
+    resource_rows(ctx, mk, iu, row)
+
+
+def resource_rows(ctx, kinds, iu: dict, row) -> None:
+    """Shared NICs and pipes: the KV routes ``u[m, m']`` (variable index ``iu[(m, m')]``, requests'
+    worth of KV from machine m to m') that cross a resource carry at most its capacity in bytes.
+    ``kinds``: anything with ``machine`` and a representative ``device`` per machine."""
     kv_bytes = ctx.input_tokens * ctx.model.kv_bytes_per_token
-    rep = {k.machine: k.device for k in mk}
+    rep = {k.machine: k.device for k in kinds}
     crossing: dict[str, list[int]] = {}
     for (a, b), i in iu.items():
         if a != b:

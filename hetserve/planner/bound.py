@@ -166,15 +166,8 @@ def _build(ctx, budget_usd_per_hour: float | None = None, devices=None) -> _LP:
     pairs = [(a, b) for a in machines for b in machines] if network else []
     iu = {pair: nx + 4 + j for j, pair in enumerate(pairs)}
     nv = nx + 4 + len(pairs)
-    A, rhs, names = [], [], []
-
-    def row(coefs: dict[int, float], bound: float, name: str) -> None:
-        r = np.zeros(nv)
-        for i, c in coefs.items():
-            r[i] += c
-        A.append(r)
-        rhs.append(bound)
-        names.append(name)
+    row = bound_groups.Rows(nv)
+    A, rhs, names = row.A, row.rhs, row.names
 
     rates = [_rates(ctx, k) for k in kinds]
     for j, k in enumerate(kinds):

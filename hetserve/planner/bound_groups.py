@@ -140,15 +140,8 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
     iF = ix + (2 * nk if network and not cols.machine_kinds else 0)
     iu = {p: iF + 1 + i for i, p in enumerate(pairs)}
     nv = iF + 1 + len(pairs)
-    A, rhs, names = [], [], []
-
-    def row(coefs, bound, name):
-        r = np.zeros(nv)
-        for i, c in coefs.items():
-            r[i] += c
-        A.append(r)
-        rhs.append(bound)
-        names.append(name)
+    row = Rows(nv)
+    A, rhs, names = row.A, row.rhs, row.names
 
     comps = np.array(cols.comps, dtype=float).reshape(nj, ng)
     for g in range(ng):
@@ -326,6 +319,25 @@ def _network(ctx, mk, rates, cols, machines, iu, iF, iy, iz, ix, big, row, share
                     c[iz + 3 * cols.kind_of[k] + r] = -per_device[k][r]
             row(c, 0.0, f"{role} on {m} (groups)")
     resource_rows(ctx, mk, iu, row)
+
+
+class Rows:
+    """Rows ``coefs · x ≤ bound`` of a programme over ``nv`` variables, each with a name (for the
+    binding constraints reported): call with ({variable: coefficient}, bound, name)."""
+
+    def __init__(self, nv: int):
+        self.nv = nv
+        self.A: list[np.ndarray] = []
+        self.rhs: list[float] = []
+        self.names: list[str] = []
+
+    def __call__(self, coefs: dict[int, float], bound: float, name: str) -> None:
+        r = np.zeros(self.nv)
+        for i, c in coefs.items():
+            r[i] += c
+        self.A.append(r)
+        self.rhs.append(bound)
+        self.names.append(name)
 
 
 def resource_rows(ctx, kinds, iu: dict, row) -> None:

@@ -13,7 +13,7 @@ the simulator and the runtime call the same objects. Baselines here:
 ==========  ==================================================================================
 
 The registry maps a name to a factory called with one ``PolicyContext``. Other modules add
-names with ``register_placement``; ``aladdin`` lives in ``hetserve.policies.aladdin`` and is
+names with ``register_placement``; ``aladdin`` is built in ``hetserve.policies.aladdin_route`` and is
 imported on first use (that module calls ``register_placement("aladdin", ...)`` when imported).
 """
 
@@ -117,7 +117,7 @@ PLACEMENT_POLICIES: dict[str, PlacementFactory] = {
 }
 
 # Names whose module registers them when imported (kept lazy: they may pull in heavier code).
-_LAZY_PLACEMENT = {"aladdin": "hetserve.policies.aladdin"}
+_LAZY_PLACEMENT = {"aladdin": "hetserve.policies.aladdin_route"}
 
 
 def register_placement(name: str, factory: PlacementFactory) -> None:

@@ -69,7 +69,7 @@ class LoadAware:
 
 RouteFactory = Callable[[PolicyContext], RoutePolicy]
 ROUTE_POLICIES: dict[str, RouteFactory] = {"flow": FlowWeighted, "load": LoadAware}
-_LAZY_ROUTE: dict[str, str] = {"aladdin": "hetserve.policies.aladdin"}
+_LAZY_ROUTE: dict[str, str] = {"aladdin": "hetserve.policies.aladdin_route"}
 
 
 def register_route(name: str, factory: RouteFactory) -> None:

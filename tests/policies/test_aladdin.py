@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 
 from hetserve.cost.fitted import DecodeModel, KVModel, PerformanceModel, PrefillModel
-from hetserve.policies.aladdin import AladdinPlacement, AladdinRoute
+from hetserve.policies.aladdin import AladdinPlacement
+from hetserve.policies.aladdin_route import AladdinRoute
 from hetserve.policies.base import ReplicaState, RequestInfo, RunningRequest
 from hetserve.policies.predictor import BucketMeanPredictor
 from hetserve.specs.workload import SLO

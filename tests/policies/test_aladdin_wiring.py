@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from hetserve.policies.aladdin import AladdinPlacement, AladdinRoute
+from hetserve.policies.aladdin import AladdinPlacement
+from hetserve.policies.aladdin_route import AladdinRoute
 from hetserve.specs.workload import SLO
 
 

@@ -76,8 +76,9 @@ class Coordinator:
         # elastic re-plan: start-up messages of workers being added go here (Engine.reconfigure reads them)
         self.joining: queue.Queue | None = None
         self.replans: list[dict[str, Any]] = []
-        # When a list: ("arrive", seq id) per submission handled and ("step", replica, decode ids,
-        # prompt ids) per step started, in order (tests compare it with the simulator's steps).
+        # When a list: ("arrive", seq id) per submission handled, ("step", replica, decode ids,
+        # prompt ids) per step started and ("preempt", replica, ids) per pre-emption, in order
+        # (tests compare it with the simulator's steps).
         self.trace: list[tuple] | None = None
 
     # ------------------------------------------------------------------ loop
@@ -194,11 +195,12 @@ class Coordinator:
                 info = RequestInfo(seq.id, seq.handle.arrival_time, len(seq.prompt), float(seq.params.max_tokens))
                 seq.dst = self.route_policy.choose(info, seq.replica, alive, states, now)
             dst = self.schedulers[seq.dst]
-            if seq.dst in blocked or not dst.blocks.can_allocate(seq.reserve_tokens):
+            tokens = dst.handoff_tokens(seq)
+            if seq.dst in blocked or not dst.can_admit(tokens):
                 blocked.add(seq.dst)
                 continue
             self.handoff_queue.remove(seq)
-            seq.dst_table = dst.blocks.allocate(seq.reserve_tokens)
+            seq.dst_table = dst.blocks.allocate(tokens)
             seq.acks = set()
             seq.transfer = next(self._transfer_ids)
             seq.handoff_sent = time.monotonic()
@@ -230,6 +232,8 @@ class Coordinator:
         for sched in prefill_first:
             while sched.can_start_step():
                 batch = sched.next_step(self.waiting)
+                if sched.last_preempted and self.trace is not None:
+                    self.trace.append(("preempt", sched.id, tuple(q.id for q in sched.last_preempted)))
                 if not batch:
                     break
                 self._send_step(sched, batch)

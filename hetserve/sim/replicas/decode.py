@@ -31,11 +31,10 @@ class DecodeReplica(Decoding):
             return
         while self.waiting and self.admitted < self.max_batch:
             rid, src = self.waiting[0]
-            need = kv.need(rid)
-            if not self._can_hold(kv.base(), need):
+            if not kv.admits(rid, whole_segment=True):  # beside all the running segment will take
                 break
             self.waiting.popleft()
-            kv.hold(need)
+            kv.admit(rid)
             self.admitted += 1
             self._inbound[rid] = None
             self.env.start_kv(rid, src, self)
@@ -45,12 +44,13 @@ class DecodeReplica(Decoding):
         self._request_boundary()
 
     def _after_boundary(self) -> None:
-        if self._recompute():
-            return
         for rid in self.pending:
             del self._inbound[rid]
             self._join(rid)
         self.pending.clear()
+        self._preempt()
+        if self._recompute():
+            return
         self._start_segment()
         if self.kv.grows:
             self._admit()  # the segment's end is known now: room for more?

@@ -34,6 +34,8 @@ class Decoding(Replica):
         # When a list: (start, end, decode rids, prompt rids) per iteration, in order (tests compare
         # it step by step with the runtime's coordinator trace).
         self.trace: list[tuple[float, float, tuple[int, ...], tuple[int, ...]]] | None = None
+        # with ``trace``: (index of the next iteration in ``trace``, ids pre-empted, latest first)
+        self.preempt_trace: list[tuple[int, tuple[int, ...]]] = []
 
     @property
     def preemptions(self) -> int:
@@ -109,6 +111,38 @@ class Decoding(Replica):
         if rids:
             self._admit()
 
+    def _preempt(self) -> None:
+        """At a boundary, before anything is admitted: make room for the next iteration's KV."""
+        victims = self.kv.make_room(self._prefilling_ids())
+        if victims:
+            if self.trace is not None:
+                self.preempt_trace.append((len(self.trace), tuple(victims)))
+            self._requeue(victims)
+
+    def _prefilling_ids(self) -> list[int]:
+        """Admitted prompts not yet in the batch that a pre-emption may take back (chunked prefill)."""
+        return []
+
+    def _requeue(self, victims: list[int]) -> None:
+        """Pre-empted requests wait here to be re-prefilled (``_recompute``)."""
+        for rid in victims:
+            self.kv.preempted.append((rid, self.kv.made(rid)))
+
+    def _first_tokens(self, rids: list[int]) -> None:
+        """``rids``' prefills (or recomputes) sampled a token: each joins the batch, or ends with it."""
+        r, kv = self.req, self.kv
+        done = []
+        for rid in rids:
+            made = kv.made(rid)
+            if not made:
+                self.env.first_token(rid)
+            if made + 1 >= r.out[rid]:
+                done.append(rid)
+                kv.never_joins(rid)
+            else:
+                self._join(rid)
+        self._finish_all(done)
+
     def _recompute(self) -> bool:
         """At a boundary: re-prefill pre-empted requests (prompt + tokens made so far), oldest first,
         as one prefill that pauses decoding; they re-join when it ends. False: none fits."""
@@ -124,8 +158,7 @@ class Decoding(Replica):
 
     def _on_recomputed(self, rids: list[int]) -> None:
         self._paused = False
-        for rid in rids:
-            self._join(rid)
+        self._first_tokens(rids)
         self._after_boundary()
 
     def _admit(self) -> None:  # pragma: no cover - overridden

@@ -1,0 +1,114 @@
+"""KV admission over a replica's pool of blocks, and pre-emption: one rule, two clocks.
+
+The simulator's decoding replicas (``sim/replicas/kv.py``) and the runtime's ``ReplicaScheduler``
+both decide with these functions, over the same few numbers (blocks free, blocks in the pool, and
+per running sequence its id, blocks held and tokens cached). Pure Python: no torch, no sockets.
+
+Two modes (``KV_ADMISSIONS``):
+
+* ``"reserve"``: a request holds prompt + ``max_tokens`` (whole blocks) from admission
+  (``policies.batching.kv_reservation``), so a running request never runs out of room and nothing
+  is ever pre-empted. The simulator's requests carry their true output length as ``max_tokens``.
+* ``"paged"`` (vLLM's block manager): a sequence holds the blocks its cached tokens fill. Admission
+  takes the blocks of the tokens its prefill writes (``prefill_blocks``) while, after them, at least
+  a watermark of the pool stays free (``can_admit_paged``; vLLM's ``watermark=0.01``). Every decode
+  step writes one more token, which takes a new block when the last one is full (``step_growth``).
+  When the step's new blocks do not fit, the sequence that arrived last is pre-empted (its blocks
+  freed) until they do (``preemptions``; vLLM pre-empts from the back of its running queue) and goes
+  back to the head of the waiting queue, to be *recomputed*: its prompt and the tokens it had made
+  are prefilled again, and that prefill samples its next token, as in vLLM. A step that pre-empts
+  admits no new prompt (vLLM v0's scheduler does the same), and the last running sequence is
+  never pre-empted (the runtime refuses, at submission, a request whose prompt + ``max_tokens``
+  cannot fit the empty pool; the simulator lets a lone larger one overflow, nothing is dropped).
+
+Accounting conventions (both sides keep them): a sequence whose KV holds ``cached`` tokens holds
+``blocks_for(cached)`` blocks, except an admitted prompt not yet (fully) prefilled, which already
+holds the blocks of its whole prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+KVAdmission = Literal["reserve", "paged"]
+KV_ADMISSIONS = ("reserve", "paged")
+DEFAULT_WATERMARK = 0.01  # share of the pool an admission must leave free (vLLM's default)
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks of ``block_size`` tokens that ``tokens`` tokens of KV fill."""
+    return -(-int(tokens) // block_size)
+
+
+def watermark_blocks(total_blocks: int, watermark: float = DEFAULT_WATERMARK) -> int:
+    return int(watermark * total_blocks)
+
+
+def prefill_blocks(prefill_tokens: int, block_size: int) -> int:
+    """Blocks a paged admission takes: those of every token its (re-)prefill writes."""
+    return blocks_for(prefill_tokens, block_size)
+
+
+def can_admit_paged(free_blocks: int, total_blocks: int, need_blocks: int,
+                    watermark: float = DEFAULT_WATERMARK) -> bool:
+    """Whether a prompt needing ``need_blocks`` is admitted into a pool with ``free_blocks`` free
+    (after the blocks the step's decodes take). An empty pool takes any prompt (the caller made sure
+    it can ever fit), so a prompt near the pool's size is not locked out by the watermark."""
+    if free_blocks >= total_blocks:
+        return True
+    return free_blocks - need_blocks >= watermark_blocks(total_blocks, watermark)
+
+
+def decode_growth(cached: int, block_size: int, steps: int = 1) -> int:
+    """New blocks a sequence with ``cached`` tokens of KV takes over its next ``steps`` decode steps
+    (each writes one token)."""
+    return blocks_for(cached + steps, block_size) - blocks_for(cached, block_size)
+
+
+@dataclass(frozen=True)
+class RunningKV:
+    """One running sequence as the pre-emption rule sees it."""
+
+    id: int  # arrival order: a larger id arrived later
+    blocks: int  # blocks it holds now
+    growth: int  # blocks its next step takes (0 when it is not in the step, or prefilling)
+
+
+def step_growth(running: Iterable[RunningKV]) -> int:
+    return sum(s.growth for s in running)
+
+
+def preemptions(running: list[RunningKV], free_blocks: int) -> list[int]:
+    """Ids to pre-empt, in order, so the step's new blocks fit: the latest arrival first, never the
+    last sequence left. Empty when the step fits as it is. O(n log n)."""
+    order = sorted(running, key=lambda s: s.id)
+    need = step_growth(order)
+    victims: list[int] = []
+    while need > free_blocks and len(order) > 1:
+        s = order.pop()
+        victims.append(s.id)
+        free_blocks += s.blocks
+        need -= s.growth
+    return victims
+
+
+def steps_that_fit(cached: list[int], free_blocks: int, block_size: int, limit: int) -> int:
+    """The most decode steps (≤ ``limit``) a batch whose sequences cache ``cached`` tokens can run
+    before its new blocks exceed ``free_blocks`` — each step of the runtime's scheduler checks the
+    same (``step_growth`` ≤ free), so a simulated segment of this many steps pre-empts nowhere the
+    runtime would. O(n log limit)."""
+    def growth(j: int) -> int:
+        return sum(decode_growth(c, block_size, j) for c in cached)
+
+    if growth(limit) <= free_blocks:
+        return limit
+    lo, hi = 0, limit  # growth(lo) fits, growth(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if growth(mid) <= free_blocks:
+            lo = mid
+        else:
+            hi = mid
+    return lo

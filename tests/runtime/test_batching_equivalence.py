@@ -170,6 +170,9 @@ def test_simulator_and_engine_form_the_same_batches(model_dirs, cluster_file, pl
     if case.kv_admission == "paged":
         assert len({v for _, vs in engine_pre for v in vs}) >= 2  # pre-emption happened, to two requests at least
         assert engine_pre == sim_pre, f"pre-emptions: engine {engine_pre} vs simulator {sim_pre}"
+        for k, victims in engine_pre:  # the latest arrivals of those running went
+            running = set(engine_steps[k - 1][0]) | set(engine_steps[k - 1][1])
+            assert set(victims) <= running and min(victims) > max(running - set(victims)), (k, victims, running)
         model_dir = model_dirs["llama"]
         for i in sorted({v for _, vs in engine_pre for v in vs}):  # recomputed, still the model's tokens
             n, out = case.requests[i]

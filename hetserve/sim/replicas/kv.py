@@ -200,11 +200,9 @@ class PagedKV:
 
     def segment_limit(self) -> int | None:
         """Iterations the batch runs before a step's new blocks would not fit (the runtime pre-empts
-        there); one after a pre-emption, so the next step asks admission again, as the runtime does."""
+        there). No admission is possible before then: the pool only fills during a segment."""
         b = self.rep.batch
         k = b.next_finish_iteration - b.iteration
-        if self.preempted_now:
-            return 1
         fit = steps_that_fit(self._cached(), self.total - self._used(), self.bs, k)
         return None if fit >= k or fit == 0 else fit  # 0: a lone request larger than the pool runs anyway
 

@@ -34,7 +34,8 @@ class ReplicaScheduler(HasRole):
                  max_num_seqs: int = DEFAULT_BATCHING.max_batch,
                  max_batched_tokens: int = DEFAULT_BATCHING.token_budget,
                  prefill_mode: str = DEFAULT_BATCHING.prefill_mode, chunk_tokens: int = DEFAULT_BATCHING.chunk_tokens,
-                 kv_admission: str = DEFAULT_BATCHING.kv_admission, kv_watermark: float = DEFAULT_BATCHING.kv_watermark):
+                 kv_admission: str = DEFAULT_BATCHING.kv_admission,
+                 kv_watermark: float = DEFAULT_BATCHING.kv_watermark):
         if prefill_mode not in ("mixed", "chunked"):
             raise ValueError(f"the engine batches prompts 'mixed' or 'chunked', not {prefill_mode!r} "
                              "('prefill_first' is a simulator what-if)")
@@ -227,5 +228,5 @@ class ReplicaScheduler(HasRole):
         return {"role": self.role, "alive": self.alive, "running": self.num_running, "ready": len(self.ready),
                 "waiting": len(self.pinned), "prefilling": len(self.prefilling),
                 "inflight_steps": len(self.inflight), "batch_size": self.last_batch_size, "steps": self.num_steps,
-                "preemptions": self.num_preemptions, "kv_used_blocks": self.blocks.num_used_blocks, "kv_total_blocks": self.blocks.num_blocks,
-                "kv_usage": self.blocks.usage}
+                "preemptions": self.num_preemptions, "kv_used_blocks": self.blocks.num_used_blocks,
+                "kv_total_blocks": self.blocks.num_blocks, "kv_usage": self.blocks.usage}

@@ -6,6 +6,8 @@ it had streamed), handed off again, and still streams exactly the model's greedy
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from .test_batching_equivalence import PAGED, _prompt, greedy
@@ -21,7 +23,10 @@ def test_a_request_preempted_on_a_decode_replica_is_recomputed_and_completes(mod
     with Engine.from_plan(plans.disaggregated(), cluster_file, model_dir, cfg) as eng:
         handles = [eng.submit(_prompt(i, n), SamplingParams(max_tokens=out, ignore_eos=True))
                    for i, (n, out) in enumerate(PAGED.requests)]
-        outputs = [h.result(timeout=120) for h in handles]
+        outputs = [h.result(timeout=120) for h in handles]  # raises if one failed
+        deadline = time.monotonic() + 10
+        while eng.stats()["completed"] < len(handles) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the coordinator publishes its stats after the loop round that finished them
         stats = eng.stats()
     assert stats["replicas"]["d0"]["preemptions"] > 0 and stats["replicas"]["p0"]["preemptions"] == 0
     assert stats["completed"] == len(PAGED.requests) and stats["failed"] == 0

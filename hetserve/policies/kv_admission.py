@@ -94,21 +94,57 @@ def preemptions(running: list[RunningKV], free_blocks: int) -> list[int]:
     return victims
 
 
-def steps_that_fit(cached: list[int], free_blocks: int, block_size: int, limit: int) -> int:
-    """The most decode steps (≤ ``limit``) a batch whose sequences cache ``cached`` tokens can run
-    before its new blocks exceed ``free_blocks`` — each step of the runtime's scheduler checks the
-    same (``step_growth`` ≤ free), so a simulated segment of this many steps pre-empts nowhere the
-    runtime would. O(n log limit)."""
-    def growth(j: int) -> int:
-        return sum(decode_growth(c, block_size, j) for c in cached)
+class BatchBlocks:
+    """The blocks a batch of decoding sequences holds, as aggregates: the simulator advances a whole
+    batch one token per step, so it needs Σ ``blocks_for(cached + t)`` at any step ``t`` without a
+    loop over the sequences. Each sequence is added with ``offset`` = tokens cached − the step count
+    ``t`` at which it has them; writing ``offset + block_size − 1 = a·B + r`` per sequence and
+    ``t = q·B + u``, the sum is Σa + n·q + #{r ≥ B − u} (O(B) per question, O(1) per change)."""
 
-    if growth(limit) <= free_blocks:
-        return limit
-    lo, hi = 0, limit  # growth(lo) fits, growth(hi) does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if growth(mid) <= free_blocks:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    __slots__ = ("block_size", "n", "sum_a", "res")
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.n = self.sum_a = 0
+        self.res = [0] * block_size  # sequences per residue r
+
+    def add(self, offset: int, sign: int = 1) -> None:
+        a, r = divmod(offset + self.block_size - 1, self.block_size)
+        self.n += sign
+        self.sum_a += sign * a
+        self.res[r] += sign
+
+    def remove(self, offset: int) -> None:
+        self.add(offset, -1)
+
+    def blocks(self, t: int) -> int:
+        """Σ ``blocks_for(offset + t)`` over the sequences."""
+        q, u = divmod(t, self.block_size)
+        return self.sum_a + self.n * q + (sum(self.res[self.block_size - u:]) if u else 0)
+
+    def growth(self, t: int, steps: int = 1) -> int:
+        """New blocks the batch takes over the ``steps`` decode steps after step ``t``."""
+        return self.blocks(t + steps) - self.blocks(t)
+
+    def steps_that_fit(self, t: int, free_blocks: int, limit: int) -> int:
+        """The most decode steps (≤ ``limit``) from step ``t`` before the batch's new blocks exceed
+        ``free_blocks`` — each step of the runtime's scheduler checks the same (``step_growth`` ≤
+        free), so a simulated segment of this many steps pre-empts nowhere the runtime would."""
+        if self.growth(t, limit) <= free_blocks:
+            return limit
+        lo, hi = 0, limit  # growth over lo steps fits, over hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.growth(t, mid) <= free_blocks:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+
+def steps_that_fit(cached: list[int], free_blocks: int, block_size: int, limit: int) -> int:
+    """``BatchBlocks.steps_that_fit`` for sequences caching ``cached`` tokens now."""
+    batch = BatchBlocks(block_size)
+    for c in cached:
+        batch.add(c)
+    return batch.steps_that_fit(0, free_blocks, limit)

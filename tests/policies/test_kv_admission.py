@@ -12,7 +12,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from hetserve.policies.kv_admission import (RunningKV, blocks_for, can_admit_paged, decode_growth, preemptions,
+from hetserve.policies.kv_admission import (BatchBlocks, RunningKV, blocks_for, can_admit_paged, decode_growth, preemptions,
                                             steps_that_fit, watermark_blocks)
 
 
@@ -50,6 +50,20 @@ def test_steps_that_fit_is_the_step_by_step_rule(seed):
         c = [x + 1 for x in c]
         steps += 1
     assert steps_that_fit(cached, free, 16, 60) == steps
+
+
+def test_batch_blocks_aggregates_equal_the_sum_over_sequences():
+    rng = np.random.default_rng(7)
+    batch, offsets = BatchBlocks(16), []
+    for _ in range(60):
+        if offsets and rng.random() < 0.3:
+            batch.remove(offsets.pop(int(rng.integers(len(offsets)))))
+        else:
+            offsets.append(int(rng.integers(-40, 200)))  # offset = cached - step count: may be negative
+            batch.add(offsets[-1])
+        t = int(rng.integers(40, 120))
+        assert batch.blocks(t) == sum(blocks_for(o + t, 16) for o in offsets)
+        assert batch.growth(t) == sum(decode_growth(o + t, 16) for o in offsets)
 
 
 def _seq(i, prompt_len, max_tokens):

@@ -22,8 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hetserve.policies.batching import kv_reservation
-from hetserve.policies.kv_admission import (RunningKV, blocks_for, can_admit_paged, decode_growth, preemptions,
-                                            steps_that_fit)
+from hetserve.policies.kv_admission import BatchBlocks, RunningKV, blocks_for, can_admit_paged, decode_growth, preemptions
 
 if TYPE_CHECKING:  # pragma: no cover
     from hetserve.sim.replicas.decoding import Decoding
@@ -91,6 +90,7 @@ class PagedKV:
         self.bs = rep.limits.block_size
         self.held = 0  # blocks of admitted requests outside the batch (prefilling, KV inbound, recomputing)
         self.off: dict[int, int] = {}  # batch member -> tokens cached minus the batch's iteration count
+        self.blocks = BatchBlocks(self.bs)  # the members' blocks, as aggregates over ``off``
         self.g0: dict[int, int] = {}  # pre-empted (until it finishes) -> tokens it had made
         self.preempted: list[tuple[int, int]] = []  # decode replica: (rid, tokens made) waiting to recompute
         self.preemptions = 0
@@ -102,13 +102,9 @@ class PagedKV:
         """The pool's blocks (the runtime's too: its KV tokens // block size)."""
         return int(self.rep.kv_capacity // self.bs)
 
-    def _cached(self, j: int = 0) -> list[int]:
-        """Tokens each batch member has cached ``j`` iterations after the batch's last boundary."""
-        it = self.rep.batch.iteration + j
-        return [o + it for o in self.off.values()]
-
     def _used(self, j: int = 0) -> int:
-        return self.held + sum(blocks_for(c, self.bs) for c in self._cached(j))
+        """Blocks held ``j`` iterations after the batch's last boundary."""
+        return self.held + self.blocks.blocks(self.rep.batch.iteration + j)
 
     def _free_for_admission(self, whole_segment: bool) -> int:
         """Blocks free at the next boundary once its iteration's decodes have their new blocks (or,
@@ -120,9 +116,7 @@ class PagedKV:
             j = b.k
         else:
             j = b.boundary_at_or_after(self.rep.loop.now)
-        cached = self._cached(j)
-        growth = sum(decode_growth(c, self.bs) for c in cached) if b.size else 0
-        return self.total - self.held - sum(blocks_for(c, self.bs) for c in cached) - growth
+        return self.total - self._used(j + 1)  # after the next iteration's new blocks
 
     def sync(self, j: int | None = None) -> None:
         """Set the replica's ``kv_used`` (tokens) to what the pool holds now."""
@@ -153,11 +147,13 @@ class PagedKV:
         n = self.prefill_tokens(rid)
         self.held -= blocks_for(n, self.bs)
         self.off[rid] = n - self.rep.batch.iteration
+        self.blocks.add(self.off[rid])
         return self.g0.get(rid, 0) + 1  # its prefill sampled one more
 
     def finish(self, rid: int) -> None:
         self.g0.pop(rid, None)
-        self.off.pop(rid, None)
+        if rid in self.off:
+            self.blocks.remove(self.off.pop(rid))
 
     def after_finish(self) -> None:
         self.sync()
@@ -180,16 +176,20 @@ class PagedKV:
         the batch) are the replica's to drop. Returns the pre-empted ids, latest arrival first."""
         rep = self.rep
         b, r = rep.batch, rep.req
-        cached = dict(zip(self.off, self._cached()))
+        free = self.total - self._used()
+        if self.blocks.growth(b.iteration) <= free:
+            self.preempted_now = False
+            return []  # the next iteration fits (O(B), the common case)
+        cached = {rid: o + b.iteration for rid, o in self.off.items()}
         running = [RunningKV(rid, blocks_for(c, self.bs), decode_growth(c, self.bs)) for rid, c in cached.items()]
         running += [RunningKV(rid, blocks_for(self.prefill_tokens(rid), self.bs), 0) for rid in prefilling]
-        victims = preemptions(running, self.total - self._used())
+        victims = preemptions(running, free)
         self.preempted_now = bool(victims)
         for rid in victims:
             if rid not in cached:
                 continue
             c = cached[rid]
-            del self.off[rid]
+            self.blocks.remove(self.off.pop(rid))
             b.remove(rid, c + 1)  # the batch counts its sampled, not yet cached, token too
             rep.admitted -= 1
             self.g0[rid] = c - r.inp[rid] + 1
@@ -203,7 +203,7 @@ class PagedKV:
         there). No admission is possible before then: the pool only fills during a segment."""
         b = self.rep.batch
         k = b.next_finish_iteration - b.iteration
-        fit = steps_that_fit(self._cached(), self.total - self._used(), self.bs, k)
+        fit = self.blocks.steps_that_fit(b.iteration, self.total - self._used(), k)
         return None if fit >= k or fit == 0 else fit  # 0: a lone request larger than the pool runs anyway
 
     def recompute_fits(self) -> bool:

@@ -38,7 +38,7 @@ from hetserve.errors import RuntimeFailure
 from hetserve.policies.base import RequestInfo
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.routing import KVRoutePolicy
-from hetserve.runtime.scheduler import ReplicaScheduler
+from hetserve.runtime.scheduler import ReplicaScheduler, requeue
 from hetserve.runtime.sequence import Sequence, Status
 from hetserve.runtime.snapshot import replica_snapshots, state_from_stats
 from hetserve.runtime.transport import Message, Priority, SocketTransport
@@ -232,11 +232,23 @@ class Coordinator:
         for sched in prefill_first:
             while sched.can_start_step():
                 batch = sched.next_step(self.waiting)
-                if sched.last_preempted and self.trace is not None:
-                    self.trace.append(("preempt", sched.id, tuple(q.id for q in sched.last_preempted)))
+                if sched.last_preempted:
+                    self._requeue(sched.id, sched.last_preempted)
                 if not batch:
                     break
                 self._send_step(sched, batch)
+
+    def _requeue(self, replica: str, preempted: list[Sequence]) -> None:
+        """Pre-empted sequences (paged KV) go back to the head of the queue they were admitted from:
+        the prefill-capable replica they were placed on, if it is alive, else the shared one. Their
+        recompute re-prefills prompt + output there (on a disaggregated plan, then a new hand-off)."""
+        if self.trace is not None:
+            self.trace.append(("preempt", replica, tuple(q.id for q in preempted)))
+        for seq in preempted:
+            home = self.schedulers.get(seq.pinned) if seq.pinned else None
+            if home is None or not home.alive:
+                seq.pinned, home = None, None
+            requeue(home.pinned if home else self.waiting, seq)
 
     def _send_step(self, sched: ReplicaScheduler, batch: list[Sequence]) -> None:
         step_id = next(self._step_ids)

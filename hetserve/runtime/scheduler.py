@@ -13,8 +13,14 @@ and the sequence limit is admitted into ``prefilling``, and each step gives the 
 that are not already in flight chunks up to ``chunk_tokens`` with the decodes counted
 (``prompt_chunks``, the simulator's rule); a prompt's token comes out of its last chunk.
 
-KV reservations are ``kv_reservation``: prompt + max_tokens on a colocated or decode replica, the
-prompt on a prefill replica (freed once the KV reached a decode replica). Pure Python (no torch).
+KV admission (``kv_admission``): "reserve" takes ``kv_reservation`` at admission, prompt + max_tokens
+on a colocated or decode replica, the prompt on a prefill replica (freed once the KV reached a
+decode replica). "paged" (``policies.kv_admission``; the simulator's ``PagedKV`` decides with the
+same functions) takes the blocks of the prefill at admission and one more block whenever a decode
+step fills the last; when a step's new blocks do not fit, the latest-arrived sequence here is
+pre-empted: its blocks are freed and the coordinator puts it back at the head of the waiting queue it
+came from (``requeue``), to be recomputed (prompt + output so far prefilled again; its stream
+continues). A step that pre-empts admits no prompt. Pure Python (no torch).
 """
 
 from __future__ import annotations
@@ -101,7 +107,7 @@ class ReplicaScheduler(HasRole):
             for _ in range(min(len(self.ready), share, self.max_num_seqs)):
                 batch.append(self.ready.popleft())
         if self.paged and batch:
-            self._make_room(batch, waiting)
+            self._make_room(batch)
         decodes = len(batch)
         if self.chunked:
             return batch + self._chunks(waiting, decodes)
@@ -136,9 +142,11 @@ class ReplicaScheduler(HasRole):
             q.chunk = c
         return idle[:len(sizes)]
 
-    def _make_room(self, batch: list[Sequence], waiting: deque[Sequence]) -> None:
+    def _make_room(self, batch: list[Sequence]) -> None:
         """Paged KV: give the step's decodes the blocks their tokens need, pre-empting (the shared
-        rule, ``kv_admission.preemptions``) the latest-arrived idle sequences here until they fit."""
+        rule, ``kv_admission.preemptions``) the latest-arrived idle sequences here until they fit.
+        The pre-empted (``last_preempted``) hold nothing here any more; the coordinator puts them
+        back in a waiting queue (``requeue``)."""
         bs = self.blocks.block_size
         in_step = {q.id for q in batch}
         idle = {q.id: q for q in [*batch, *self.ready, *self._idle_prefilling()]}
@@ -150,7 +158,9 @@ class ReplicaScheduler(HasRole):
                 batch.remove(seq)
             self.drop(seq)
             self.release(seq)
-            self._requeue(seq, waiting)
+            seq.replica, seq.num_cached, seq.prefill_end, seq.chunk = None, 0, 0, 0
+            seq.status = Status.WAITING
+            seq.preemptions += 1
             self.last_preempted.append(seq)
         self.num_preemptions += len(self.last_preempted)
         for seq in list(batch):
@@ -162,20 +172,6 @@ class ReplicaScheduler(HasRole):
                 self.ready.appendleft(seq)
                 continue
             seq.table += self.blocks.allocate(more * bs)
-
-    def _requeue(self, seq: Sequence, waiting: deque[Sequence]) -> None:
-        """A pre-empted sequence goes back to the head of its queue (before later arrivals): this
-        replica's own if it was placed here, else the shared one; it is recomputed when admitted."""
-        seq.replica, seq.num_cached, seq.prefill_end, seq.chunk = None, 0, 0, 0
-        seq.status = Status.WAITING
-        seq.preemptions += 1
-        queue = self.pinned if seq.pinned == self.id else waiting
-        if seq.pinned != self.id:
-            seq.pinned = None
-        i = 0
-        while i < len(queue) and queue[i].id < seq.id and queue[i].preemptions:
-            i += 1  # behind sequences pre-empted before it that arrived earlier
-        queue.insert(i, seq)
 
     def chunk_done(self, seq: Sequence) -> bool:
         """After a step: whether ``seq`` finished its prefill (its token is its first output)."""
@@ -230,3 +226,12 @@ class ReplicaScheduler(HasRole):
                 "inflight_steps": len(self.inflight), "batch_size": self.last_batch_size, "steps": self.num_steps,
                 "preemptions": self.num_preemptions, "kv_used_blocks": self.blocks.num_used_blocks,
                 "kv_total_blocks": self.blocks.num_blocks, "kv_usage": self.blocks.usage}
+
+
+def requeue(queue: deque[Sequence], seq: Sequence) -> None:
+    """Put a pre-empted ``seq`` back at the head of ``queue``, to be recomputed when admitted: in
+    arrival order behind those pre-empted before it that arrived earlier, before everything else."""
+    i = 0
+    while i < len(queue) and queue[i].id < seq.id and queue[i].preemptions:
+        i += 1
+    queue.insert(i, seq)

@@ -76,8 +76,13 @@ def _seq(i, prompt_len, max_tokens):
 
 
 def _run_step(sched, step_id):
-    """The coordinator's part: the step ran; every sequence cached its input and sampled a token."""
+    """The coordinator's part: pre-empted sequences go back to the queue; the step ran; every
+    sequence cached its input and sampled a token."""
+    from hetserve.runtime.scheduler import requeue
+
     batch = sched.next_step(sched.waiting_q)
+    for seq in sched.last_preempted:
+        requeue(sched.waiting_q, seq)
     sched.start(step_id, batch)
     for s in sched.complete(step_id):
         s.num_cached += len(s.next_input()[1])

@@ -7,9 +7,9 @@
   its prefill while a watermark stays free; at an iteration boundary where the next iteration's
   new blocks do not fit, the latest arrival is pre-empted, to be recomputed (its prompt + the tokens
   it had made prefilled again; that prefill samples its next token). A colocated replica puts it
-  back at the head of its waiting queue (the runtime's engine does the same); a decode replica
-  re-prefills it itself (``preempted``, ``take_recompute``: in the runtime it goes back to a prefill
-  replica instead).
+  back at the head of its waiting queue; a decode replica sends it back to the prefill replica
+  that prefilled it (``ReplicaEnv.recompute``), which re-prefills it and hands it off again — both
+  as the runtime's engine does. ``RequestTable.made`` keeps the tokens it had made.
 
 The replica (``Decoding``) asks the strategy; the strategy keeps its own bookkeeping and adjusts
 the replica's ``kv_used`` (the pool's occupancy in tokens, which the statistics and snapshots read).
@@ -22,7 +22,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hetserve.policies.batching import kv_reservation
-from hetserve.policies.kv_admission import BatchBlocks, RunningKV, blocks_for, can_admit_paged, decode_growth, preemptions
+from hetserve.policies.kv_admission import (BatchBlocks, RunningKV, blocks_for, can_admit_paged, decode_growth,
+                                            preemptions)
 
 if TYPE_CHECKING:  # pragma: no cover
     from hetserve.sim.replicas.decoding import Decoding
@@ -33,7 +34,6 @@ class ReserveKV:
 
     def __init__(self, rep: "Decoding"):
         self.rep = rep
-        self.preempted: list[tuple[int, int]] = []  # always empty: nothing is pre-empted
         self.preemptions = 0
 
     def need(self, rid: int) -> float:
@@ -75,12 +75,6 @@ class ReserveKV:
     def segment_limit(self) -> int | None:
         return None
 
-    def recompute_fits(self) -> bool:
-        return False
-
-    def take_recompute(self, budget: int) -> list[tuple[int, int]]:
-        return []
-
 
 class PagedKV:
     grows = True  # KV use grows as the contexts do
@@ -91,8 +85,6 @@ class PagedKV:
         self.held = 0  # blocks of admitted requests outside the batch (prefilling, KV inbound, recomputing)
         self.off: dict[int, int] = {}  # batch member -> tokens cached minus the batch's iteration count
         self.blocks = BatchBlocks(self.bs)  # the members' blocks, as aggregates over ``off``
-        self.g0: dict[int, int] = {}  # pre-empted (until it finishes) -> tokens it had made
-        self.preempted: list[tuple[int, int]] = []  # decode replica: (rid, tokens made) waiting to recompute
         self.preemptions = 0
         self.preempted_now = False  # the last boundary pre-empted: it admits no prompt (as the runtime)
 
@@ -128,10 +120,10 @@ class PagedKV:
     # ------------------------------------------------------------------ admission
     def prefill_tokens(self, rid: int) -> int:
         """Tokens ``rid``'s (re-)prefill writes: its prompt and the tokens it made before a pre-emption."""
-        return self.rep.req.inp[rid] + self.g0.get(rid, 0)
+        return self.rep.req.inp[rid] + self.rep.req.made[rid]
 
     def made(self, rid: int) -> int:
-        return self.g0.get(rid, 0)
+        return self.rep.req.made[rid]
 
     def admits(self, rid: int, whole_segment: bool = False) -> bool:
         if self.preempted_now:
@@ -148,10 +140,9 @@ class PagedKV:
         self.held -= blocks_for(n, self.bs)
         self.off[rid] = n - self.rep.batch.iteration
         self.blocks.add(self.off[rid])
-        return self.g0.get(rid, 0) + 1  # its prefill sampled one more
+        return self.rep.req.made[rid] + 1  # its prefill sampled one more
 
     def finish(self, rid: int) -> None:
-        self.g0.pop(rid, None)
         if rid in self.off:
             self.blocks.remove(self.off.pop(rid))
 
@@ -192,7 +183,7 @@ class PagedKV:
             self.blocks.remove(self.off.pop(rid))
             b.remove(rid, c + 1)  # the batch counts its sampled, not yet cached, token too
             rep.admitted -= 1
-            self.g0[rid] = c - r.inp[rid] + 1
+            r.made[rid] = c - r.inp[rid] + 1
         self.preemptions += len(victims)
         if victims:
             self.sync(0)
@@ -205,34 +196,6 @@ class PagedKV:
         k = b.next_finish_iteration - b.iteration
         fit = self.blocks.steps_that_fit(b.iteration, self.total - self._used(), k)
         return None if fit >= k or fit == 0 else fit  # 0: a lone request larger than the pool runs anyway
-
-    def recompute_fits(self) -> bool:
-        rep = self.rep
-        if not self.preempted or rep.admitted >= rep.max_batch:
-            return False
-        rid, gen = min(self.preempted)
-        need = blocks_for(rep.req.inp[rid] + gen, self.bs)
-        return can_admit_paged(self._free_for_admission(False), self.total, need)
-
-    def take_recompute(self, budget: int) -> list[tuple[int, int]]:
-        """Decode replica: pre-empted requests to re-prefill now, oldest first, within ``budget``
-        tokens, as ``(rid, prompt + tokens made so far)``; they are admitted again (KV held)."""
-        if self.preempted_now or not self.recompute_fits():
-            return []
-        rep = self.rep
-        take, tokens = [], 0
-        self.preempted.sort()
-        while self.recompute_fits():
-            rid, gen = self.preempted[0]
-            n = rep.req.inp[rid] + gen
-            if take and tokens + n > budget:
-                break
-            self.preempted.pop(0)
-            rep.admitted += 1
-            self.admit(rid)
-            take.append((rid, n))
-            tokens += n
-        return take
 
 
 def make_kv_admission(rep: "Decoding", paged: bool) -> ReserveKV | PagedKV:

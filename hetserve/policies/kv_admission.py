@@ -28,9 +28,11 @@ holds the blocks of its whole prefill.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, MutableSequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
+
+T = TypeVar("T")
 
 KVAdmission = Literal["reserve", "paged"]
 KV_ADMISSIONS = ("reserve", "paged")
@@ -148,3 +150,13 @@ def steps_that_fit(cached: list[int], free_blocks: int, block_size: int, limit: 
     for c in cached:
         batch.add(c)
     return batch.steps_that_fit(0, free_blocks, limit)
+
+
+def requeue(queue: MutableSequence[T], item: T, order: Callable[[T], int], preempted: Callable[[T], bool]) -> None:
+    """Put a pre-empted ``item`` back at the head of a waiting ``queue``, to be recomputed when
+    admitted: in arrival order (``order``) behind the pre-empted ones that arrived earlier, before
+    everything else (vLLM puts pre-empted sequences back at the front of its waiting queue)."""
+    i, key = 0, order(item)
+    while i < len(queue) and order(queue[i]) < key and preempted(queue[i]):
+        i += 1
+    queue.insert(i, item)

@@ -31,6 +31,7 @@ from hetserve.planner.plan import HasRole
 from hetserve.policies.batching import DEFAULT_BATCHING, StepBuilder, decode_share, kv_reservation, prompt_chunks
 from hetserve.policies.kv_admission import (KV_ADMISSIONS, RunningKV, blocks_for, can_admit_paged, decode_growth,
                                             preemptions)
+from hetserve.policies.kv_admission import requeue as requeue_at
 from hetserve.runtime.kv_cache import BlockManager
 from hetserve.runtime.sequence import Sequence, Status
 
@@ -229,9 +230,5 @@ class ReplicaScheduler(HasRole):
 
 
 def requeue(queue: deque[Sequence], seq: Sequence) -> None:
-    """Put a pre-empted ``seq`` back at the head of ``queue``, to be recomputed when admitted: in
-    arrival order behind those pre-empted before it that arrived earlier, before everything else."""
-    i = 0
-    while i < len(queue) and queue[i].id < seq.id and queue[i].preemptions:
-        i += 1
-    queue.insert(i, seq)
+    """Put a pre-empted ``seq`` back at the head of ``queue`` (the shared rule, ``kv_admission.requeue``)."""
+    requeue_at(queue, seq, lambda q: q.id, lambda q: q.preemptions > 0)

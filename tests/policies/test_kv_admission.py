@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hetserve.policies.kv_admission import (BatchBlocks, RunningKV, blocks_for, can_admit_paged, decode_growth, preemptions,
-                                            steps_that_fit, watermark_blocks)
+                                            requeue, steps_that_fit, watermark_blocks)
 
 
 def test_blocks_growth_and_watermark():
@@ -50,6 +50,15 @@ def test_steps_that_fit_is_the_step_by_step_rule(seed):
         c = [x + 1 for x in c]
         steps += 1
     assert steps_that_fit(cached, free, 16, 60) == steps
+
+
+def test_requeue_puts_the_preempted_first_in_arrival_order():
+    made = {2: 5, 6: 1}  # 2 and 6 were pre-empted earlier and wait at the head
+    queue = [2, 6, 3, 9]
+    for rid in (7, 4):  # pre-empted now, latest arrival first
+        made[rid] = 1
+        requeue(queue, rid, int, lambda r: r in made)
+    assert queue == [2, 4, 6, 7, 3, 9]
 
 
 def test_batch_blocks_aggregates_equal_the_sum_over_sequences():

@@ -13,6 +13,7 @@ from collections import deque
 from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import ReplicaState
 from hetserve.policies.batching import StepBuilder, prompt_chunks
+from hetserve.policies.kv_admission import requeue
 from hetserve.sim.events import Priority
 from hetserve.sim.replicas.decoding import Decoding
 
@@ -59,18 +60,15 @@ class ColocatedReplica(Decoding):
         return taken
 
     def _requeue(self, victims: list[int]) -> None:
-        """Pre-empted requests (latest arrival first) go back to the head of the waiting queue, in
-        arrival order behind those pre-empted before them (the runtime's ``ReplicaScheduler._requeue``)."""
+        """Pre-empted requests go back to the head of the waiting queue (``kv_admission.requeue``, as
+        the runtime's coordinator does), to be recomputed when admitted again."""
         gone = set(victims)
         for item in [it for it in self._chunking if it[0] in gone]:  # admitted prompts not prefilled yet
             self._chunking.remove(item)
             self.kv.drop_prefilling(item[0])
             self.admitted -= 1
         for rid in victims:
-            i = 0
-            while i < len(self.waiting) and self.waiting[i] < rid and self.kv.made(self.waiting[i]):
-                i += 1
-            self.waiting.insert(i, rid)
+            requeue(self.waiting, rid, int, self.req.made.__getitem__)
             self.queued_tokens += self.kv.prefill_tokens(rid)
 
     def _prefilling_ids(self) -> list[int]:

@@ -12,6 +12,7 @@ from collections import deque
 from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import ReplicaState, RunningRequest
 from hetserve.policies.batching import StepBuilder, kv_reservation
+from hetserve.policies.kv_admission import requeue
 from hetserve.sim.events import Priority
 from hetserve.sim.replicas.base import LazyRequests, Replica
 
@@ -35,11 +36,8 @@ class PrefillReplica(Replica):
 
     def requeue(self, rid: int) -> None:
         """``rid`` was pre-empted on a decode replica (paged KV): re-prefill its prompt and the tokens it
-        had made, at the head of the queue behind those pre-empted before it that arrived earlier."""
-        r, i = self.req, 0
-        while i < len(self.queue) and self.queue[i] < rid and r.made[self.queue[i]]:
-            i += 1
-        self.queue.insert(i, rid)
+        had made, at the head of its queue."""
+        requeue(self.queue, rid, int, self.req.made.__getitem__)  # the runtime's rule (kv_admission.requeue)
         self.queued_tokens += self._tokens(rid)
         self._kick()
 

@@ -19,8 +19,10 @@ The ``Plan`` an evaluated placement becomes is written by ``planner.estimate.to_
 
 from __future__ import annotations
 
+import heapq
+import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from hetserve.cost.layout import ReplicaLayout
 from hetserve.planner.context import PlanContext
@@ -38,6 +40,9 @@ MAX_LAYOUT_ROUNDS = 4
 # hexgen2-het1 (every KV route crosses a 3 Gbit/s pipe) the ascent cost 60 % of the search time.
 MAX_LAYOUT_GROUPS_SHARED = 3
 MAX_LAYOUT_ROUNDS_SHARED = 0
+# ``Evaluator.best_of`` reads a bound as this much higher: a value the flow or LP computes may sit
+# a rounding error above a bound computed by another sum (and ties are decided by list order)
+BOUND_SLACK = 1 + 1e-9
 
 
 @dataclass(frozen=True, order=True)
@@ -86,6 +91,22 @@ class Evaluation:
         return self.flow.node_flow.get(i, 0.0) / cap
 
 
+@dataclass
+class Pending:
+    """A placement part-way through ``Evaluator.score``: its groups' layouts (``choice``: index
+    into each group's options) and capacities, its flow network (KV edges and loads filled in
+    once ``built``) and the best bound (tokens/s) known on its score."""
+
+    key: tuple[Group, ...]
+    layouts: list[ReplicaLayout | None]
+    caps: list[float]
+    net: FlowNetwork
+    colocated: float  # requests per T the colocated groups serve
+    bound: float
+    choice: tuple[int, ...]
+    built: bool = False
+
+
 class Evaluator:
     """Scores placements for one ``PlanContext``; caches scores by canonical placement.
 
@@ -107,7 +128,7 @@ class Evaluator:
         self._fixed_caps: dict[tuple[ReplicaLayout, str], float] = {}
         self.evaluations = 0  # distinct placements scored
         # LP prices (per group, per byte of a resource) of the last evaluated placement: bound
-        # its neighbours' LPs by weak duality (``_dual_pruned``)
+        # its neighbours' LPs by weak duality (``_dual_bound``)
         self._prices: tuple[dict[Group, float], dict[str, float]] | None = None
         self.layout_trials = 0  # max flows solved while choosing alternative layouts
         # LP results of placements scored since the last ``evaluate``: the one it keeps was
@@ -132,6 +153,13 @@ class Evaluator:
 
         With ``floor`` ≥ 0 and a capacity bound that cannot beat it, the KV edges are not built
         (the network's ``edge_cap`` stays empty and only its ``upper_bound`` is meaningful)."""
+        c = self._pending(groups, choice)
+        if floor < 0 or c.bound > floor:
+            self._build(c)
+        return c.layouts, c.caps, c.net, c.colocated
+
+    def _pending(self, groups: Sequence[Group], choice: Sequence[int] | None = None) -> "Pending":
+        """A placement's layouts, capacities and capacity bound, its KV edges not yet built."""
         ctx = self.ctx
         layouts: list[ReplicaLayout | None] = []
         caps: list[float] = []
@@ -144,13 +172,16 @@ class Evaluator:
             caps.append(0.0 if best is None else best[1])
         net = self._empty_network(groups, caps)
         colocated = sum(net.node_cap[c] for c in net.colocated)
-        pre, dec = net.prefill, net.decode
-        if floor >= 0 and ctx.tokens_per_s((net.upper_bound() if pre and dec else 0.0) + colocated) <= floor:
-            return layouts, caps, net, colocated
-        c = choice or (0,) * len(groups)
-        net.edge_cap = self._kv_edges(groups, layouts, c, pre, dec)
-        self._add_loads(groups, layouts, c, net)
-        return layouts, caps, net, colocated
+        bound = ctx.tokens_per_s((net.upper_bound() if net.prefill and net.decode else 0.0) + colocated)
+        return Pending(tuple(groups), layouts, caps, net, colocated, bound, tuple(choice or (0,) * len(groups)))
+
+    def _build(self, c: "Pending") -> None:
+        """Fill in a pending placement's KV edges and resource loads."""
+        if c.built:
+            return
+        c.built = True
+        c.net.edge_cap = self._kv_edges(c.key, c.layouts, c.choice, c.net.prefill, c.net.decode)
+        self._add_loads(c.key, c.layouts, c.choice, c.net)
 
     def _empty_network(self, groups: Sequence[Group], caps: Sequence[float]) -> FlowNetwork:
         """Groups and their capacities as a flow network, KV edges and loads not yet filled in."""
@@ -206,14 +237,79 @@ class Evaluator:
         hit = self._scores.get(key)
         if hit is not None:
             return hit
-        layouts, caps, net, colocated = self._network(key, None, floor)
-        bound = self.ctx.tokens_per_s((net.upper_bound() if net.prefill and net.decode else 0.0) + colocated)
-        if floor >= 0 and bound <= floor:
-            return bound
-        if floor >= 0 and self._prices is not None and net.prefill and net.decode and net.loads_resources():
-            pruned = self._dual_pruned(key, net, floor)
+        c = self._pending(key)
+        if floor >= 0 and c.bound <= floor:
+            return c.bound
+        self._build(c)
+        if floor >= 0:
+            pruned = self._dual_bound(c, floor)
             if pruned is not None:
                 return pruned
+        return self._solve(c)
+
+    def best_of(self, candidates: Sequence[Sequence[Group]], floor: float, stop: Callable[[], bool] | None = None,
+                rel: float = 1e-9, margin: float = 1e-12) -> tuple[int | None, float]:
+        """(index, tokens/s) of the candidate that serves most, if it beats ``floor``
+        (v > floor·(1 + rel) + margin); among candidates within ``rel`` of that best, the first
+        in list order. (None, floor) when none beats it.
+
+        What a scan scoring each candidate against the best so far (``score(c, floor=best)``)
+        returns, with far fewer flows solved: every candidate's capacity bound first, then, best
+        bound first, the bound tightened by weak duality (its KV edges built), then its flow
+        solved, until no bound left can reach the best value found. A scan solves every
+        candidate that beats the best *so far*; most of them lose to a later one. ``stop``
+        (the search budget) ends it early with the best found so far."""
+        def beats(v: float) -> bool:
+            return v > floor * (1 + rel) + margin
+
+        exact: dict[int, float] = {}
+        pending: dict[int, Pending] = {}
+        heap: list[tuple[float, int]] = []
+        for i, cand in enumerate(candidates):
+            key = canonical(cand)
+            hit = self._scores.get(key)
+            if hit is not None:
+                if beats(hit):
+                    exact[i] = hit
+                continue
+            c = self._pending(key)
+            if beats(c.bound):
+                pending[i] = c
+                heap.append((-c.bound * BOUND_SLACK, i))
+        heapq.heapify(heap)
+        top, first = -math.inf, None  # the best value found, the first candidate within rel of it
+
+        def settle(i: int, v: float) -> None:
+            nonlocal top, first
+            exact[i] = v
+            top = max(top, v)
+            first = min(j for j, u in exact.items() if u >= top * (1 - rel))
+
+        for i, v in list(exact.items()):
+            settle(i, v)
+        while heap and -heap[0][0] >= top * (1 - rel) and not (stop is not None and stop()):
+            b, i = heapq.heappop(heap)
+            if -b <= top * (1 + rel) and i > first:  # can neither beat the pick nor tie it ahead of it
+                continue
+            c = pending[i]
+            if not c.built:  # tighten its bound first: solve it only if it still leads
+                self._build(c)
+                dual = self._dual_bound(c)
+                if dual is not None and dual < c.bound:
+                    c.bound = dual
+                if beats(c.bound):
+                    heapq.heappush(heap, (-c.bound * BOUND_SLACK, i))
+                continue
+            v = self._scores.get(c.key)
+            v = self._solve(c) if v is None else v
+            if beats(v):
+                settle(i, v)
+        return (None, floor) if first is None else (first, exact[first])
+
+    def _solve(self, c: "Pending") -> float:
+        """Score a built pending placement in full: its flow, then (where KV edges bind) the
+        best combination of layout alternatives; cached."""
+        key, layouts, caps, net, colocated = c.key, c.layouts, c.caps, c.net, c.colocated
         self.evaluations += 1
         if net.loads_resources():
             flow = solve_fast(net)
@@ -232,19 +328,21 @@ class Evaluator:
         self._choices[key] = choice
         return value
 
-    def _dual_pruned(self, key: tuple[Group, ...], net: FlowNetwork, floor: float) -> float | None:
-        """A bound (tokens/s) on a placement that cannot beat ``floor``, without solving its LP:
+    def _dual_bound(self, c: "Pending", floor: float | None = None) -> float | None:
+        """A bound (tokens/s) on a built pending placement's score without solving its LP:
         weak duality with the last evaluated placement's prices (``flow.dual_bound``; most
         neighbours of a search step keep most groups, so the prices fit). Only where a shared
         resource surely binds — the bound is below the max flow that ignores resources — since
         then no layout alternative is tried (``_choose_layouts``) and the score is that LP's
-        value. None when the placement must be solved."""
-        if self.exhaustive_layouts or MAX_LAYOUT_ROUNDS_SHARED != 0:
+        value. None when it does not apply, or (given a ``floor``) when it is above the floor."""
+        net = c.net
+        if (self._prices is None or not (net.prefill and net.decode and net.loads_resources())
+                or self.exhaustive_layouts or MAX_LAYOUT_ROUNDS_SHARED != 0):
             return None
         prices, resource_prices = self._prices
-        requests = dual_bound(net, {i: prices.get(key[i]) for i in net.prefill + net.decode}, resource_prices)
+        requests = dual_bound(net, {i: prices.get(c.key[i]) for i in net.prefill + net.decode}, resource_prices)
         bound = self.ctx.tokens_per_s(requests) * (1 + 1e-7)  # margin for the LP solver's tolerances
-        if bound > floor or requests >= self._bound_without_resources(net) * (1 - 1e-9):
+        if (floor is not None and bound > floor) or requests >= self._bound_without_resources(net) * (1 - 1e-9):
             return None
         return bound
 

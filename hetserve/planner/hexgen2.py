@@ -71,9 +71,9 @@ def phase1_starts(ctx: PlanContext, ev: Evaluator, seed: int) -> list[Placement]
     guess; the partition is also built for K·¾ and K·3⁄2.
     """
     k0 = max(2, ctx.num_replicas_by_memory())
-    scored = []
+    scored, orders = [], {}
     for k in sorted({k0, max(2, round(k0 * 0.75)), min(ctx.num_devices, round(k0 * 1.5))}):
-        groups = initial_partition(ctx, range(ctx.num_devices), k, seed)
+        groups = initial_partition(ctx, range(ctx.num_devices), k, seed, orders)
         roles = assign_roles(ev, groups)
         start = canonical(Group.of(g, r) for g, r in zip(groups, roles))
         scored.append((-ev.score(start), k, start))

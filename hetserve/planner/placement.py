@@ -26,7 +26,9 @@ from typing import Callable, Iterable, Sequence
 
 from hetserve.cost.layout import ReplicaLayout
 from hetserve.planner.context import PlanContext
-from hetserve.planner.flow import FlowNetwork, FlowResult, dual_bound, max_flow_nodes, max_flow_total, solve, solve_fast
+from hetserve.planner.flow import (FlowNetwork, FlowResult, _dinic, dual_bound, max_flow_nodes, max_flow_total, solve,
+                                   solve_fast)
+from hetserve.planner.neighbour_bound import NeighbourBound
 from hetserve.planner.options import Budget, PlanOptions
 
 # Alternative layouts (see ``Evaluator``): enumerate all combinations up to this many, else
@@ -105,6 +107,7 @@ class Pending:
     bound: float
     choice: tuple[int, ...]
     built: bool = False
+    tightened: bool = False  # ``bound`` is the duality bound where one applies
 
 
 class Evaluator:
@@ -134,6 +137,7 @@ class Evaluator:
         # LP results of placements scored since the last ``evaluate``: the one it keeps was
         # usually just scored, and its flow needs that very LP (``flow.solve``)
         self._solved: dict[tuple[Group, ...], FlowResult] = {}
+        self._neighbour: NeighbourBound | None = None  # ``_prices``' placement's dual terms
 
     def capacity(self, devices: Sequence[int], role: str) -> float:
         return self.ctx.layouts.capacity(devices, role)
@@ -292,14 +296,18 @@ class Evaluator:
             if -b <= top * (1 + rel) and i > first:  # can neither beat the pick nor tie it ahead of it
                 continue
             c = pending[i]
-            if not c.built:  # tighten its bound first: solve it only if it still leads
-                self._build(c)
-                dual = self._dual_bound(c)
+            if not c.tightened:  # tighten its bound first: solve it only if it still leads
+                c.tightened = True
+                dual = self._neighbour_bound(c)
+                if dual is None:  # the whole network, then
+                    self._build(c)
+                    dual = self._dual_bound(c)
                 if dual is not None and dual < c.bound:
                     c.bound = dual
                 if beats(c.bound):
                     heapq.heappush(heap, (-c.bound * BOUND_SLACK, i))
                 continue
+            self._build(c)
             v = self._scores.get(c.key)
             v = self._solve(c) if v is None else v
             if beats(v):
@@ -327,6 +335,24 @@ class Evaluator:
         self._scores[key] = value
         self._choices[key] = choice
         return value
+
+    def _neighbour_bound(self, c: "Pending") -> float | None:
+        """``_dual_bound`` of a pending placement from the last priced placement's terms, its KV
+        edges not built (``NeighbourBound``); None where that cannot show it bounds the score."""
+        nb, ctx = self._neighbour, self.ctx
+        if nb is None or self.exhaustive_layouts or MAX_LAYOUT_ROUNDS_SHARED != 0:
+            return None
+        key, layouts, choice = c.key, c.layouts, c.choice
+
+        def column(p: int, d: int):
+            ids = (ctx.group_id(key[p].devices, choice[p]), ctx.group_id(key[d].devices, choice[d]))
+            cap = ctx._kv_cache.get(ids)
+            cap = cap if cap is not None else ctx.kv_capacity(layouts[p], layouts[d], ids)
+            load = ctx._kv_load_cache.get(ids)
+            return cap, load if load is not None else ctx.kv_load(layouts[p], layouts[d], ids)
+
+        requests = nb.bound(key, c.net, column, lambda g: ctx.node_load(layouts[g], key[g].role))
+        return None if requests is None else ctx.tokens_per_s(requests) * (1 + 1e-7)
 
     def _dual_bound(self, c: "Pending", floor: float | None = None) -> float | None:
         """A bound (tokens/s) on a built pending placement's score without solving its LP:
@@ -512,6 +538,11 @@ class Evaluator:
         self._solved.clear()
         if flow.node_dual:
             self._prices = ({key[i]: y for i, y in flow.node_dual.items()}, flow.resource_dual)
+            self._neighbour = None
+            if not any(self._choices[key]) and net.resource_cap:  # its terms are those of the best layouts
+                free_value, free_nodes, _ = _dinic(net, edges=False)
+                self._neighbour = NeighbourBound.of(key, net, flow.node_dual, flow.resource_dual,
+                                                    free_value, free_nodes)
         req = flow.total
         return Evaluation(key, tuple(layouts), tuple(caps), net, flow, req, self.ctx.tokens_per_s(req))
 

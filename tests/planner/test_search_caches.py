@@ -176,3 +176,29 @@ def test_best_of_picks_what_a_full_scan_picks(llama70b, azure, pool, iterations,
         assert ties > 0
     else:
         assert sum(priced for *_, priced in calls) >= 2
+
+
+def test_neighbour_bound_is_the_duality_bound_from_the_base_terms(llama70b, azure, monkeypatch):
+    """``NeighbourBound`` (the base placement's dual terms plus the added groups' columns) gives
+    the bound ``flow.dual_bound`` computes on the candidate's whole network, and claims it only
+    where it bounds the candidate's score. A dropped or double-counted column fails here."""
+    cluster = load_cluster("hexgen2-het1")
+    wl = azure.head(2000)
+    opts = PlanOptions(seed=0, restarts=2, max_iterations=12)
+    seen = []
+    original = Evaluator._neighbour_bound
+
+    def spy(self, c):
+        got = original(self, c)
+        if got is not None:
+            self._build(c)
+            seen.append((c.key, got, self._dual_bound(c)))
+        return got
+
+    monkeypatch.setattr(Evaluator, "_neighbour_bound", spy)
+    hexgen2(cluster, llama70b, wl, opts)
+    assert len(seen) >= 5
+    reference = start_search("t", cluster, llama70b, wl, opts)[2]
+    for key, got, exact in seen:
+        assert exact == pytest.approx(got, rel=1e-9)
+        assert reference.score(key) <= got * (1 + 1e-9)

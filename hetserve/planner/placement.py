@@ -19,49 +19,18 @@ The ``Plan`` an evaluated placement becomes is written by ``planner.estimate.to_
 
 from __future__ import annotations
 
-import heapq
-import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from hetserve.cost.layout import ReplicaLayout
+from hetserve.planner.bounded_choice import BOUND_SLACK, BoundedChoice  # noqa: F401 (BOUND_SLACK: re-exported)
 from hetserve.planner.context import PlanContext
-from hetserve.planner.flow import (FlowNetwork, FlowResult, _dinic, dual_bound, max_flow_nodes, max_flow_total, solve,
-                                   solve_fast)
+from hetserve.planner.flow import FlowNetwork, FlowResult, _dinic, max_flow_nodes, max_flow_total, solve, solve_fast
+from hetserve.planner.groups import Group, canonical  # noqa: F401 (re-exported: the searches import them here)
+from hetserve.planner.layout_trials import (EXHAUSTIVE_PRODUCT, MAX_LAYOUT_GROUPS, MAX_LAYOUT_GROUPS_SHARED,  # noqa: F401
+                                            MAX_LAYOUT_ROUNDS, MAX_LAYOUT_ROUNDS_SHARED, LayoutTrials)
 from hetserve.planner.neighbour_bound import NeighbourBound
 from hetserve.planner.options import Budget, PlanOptions
-
-# Alternative layouts (see ``Evaluator``): enumerate all combinations up to this many, else
-# coordinate ascent over at most this many unsaturated groups for at most this many rounds.
-EXHAUSTIVE_PRODUCT = 64
-MAX_LAYOUT_GROUPS = 8
-MAX_LAYOUT_ROUNDS = 4
-# ... and where a shared NIC / pipe binds (every trial is then a linear program): none, unless
-# the search asks for exhaustive layouts (exact). Spreading KV over more device pairs (what most
-# alternatives do) gains nothing once a shared NIC, not a pair, is the bottleneck; measured on
-# hexgen2-het1 (every KV route crosses a 3 Gbit/s pipe) the ascent cost 60 % of the search time.
-MAX_LAYOUT_GROUPS_SHARED = 3
-MAX_LAYOUT_ROUNDS_SHARED = 0
-# ``Evaluator.best_of`` reads a bound as this much higher: a value the flow or LP computes may sit
-# a rounding error above a bound computed by another sum (and ties are decided by list order)
-BOUND_SLACK = 1 + 1e-9
-
-
-@dataclass(frozen=True, order=True)
-class Group:
-    """Devices (sorted indices) that together serve one replica in ``role``."""
-
-    devices: tuple[int, ...]
-    role: str
-
-    @staticmethod
-    def of(devices: Iterable[int], role: str) -> "Group":
-        return Group(tuple(sorted(devices)), role)
-
-
-def canonical(groups: Iterable[Group]) -> tuple[Group, ...]:
-    """Placements compare equal whatever the order of their groups."""
-    return tuple(sorted(g for g in groups if g.devices))
 
 
 @dataclass
@@ -110,17 +79,13 @@ class Pending:
     tightened: bool = False  # ``bound`` is the duality bound where one applies
 
 
-class Evaluator:
+class Evaluator(LayoutTrials, BoundedChoice):
     """Scores placements for one ``PlanContext``; caches scores by canonical placement.
 
-    Layouts: every group starts from its capacity-best layout. When the max flow then falls
-    short of min(Σ prefill, Σ decode) capacity — KV edges limit it — the evaluator also tries
-    the group's KV-friendlier alternatives (``LayoutSearch.options``) and keeps the combination
-    with the largest max flow: all combinations, by branch and bound on that capacity bound,
-    when there are at most ``EXHAUSTIVE_PRODUCT`` of them (always, with ``exhaustive_layouts``,
-    which the exact search sets), otherwise coordinate ascent over the groups the flow leaves
-    unsaturated. No alternative has more capacity than the best, so when the flow already meets
-    the bound there is nothing to try, and the bound stays valid for pruning.
+    Layouts: every group starts from its capacity-best layout; where KV edges bind, the groups'
+    KV-friendlier alternatives are tried (``layout_trials.LayoutTrials``). A search step's
+    candidates are compared by ``best_of`` (``bounded_choice.BoundedChoice``): bounds first,
+    flows only for the candidates that may win.
     """
 
     def __init__(self, ctx: PlanContext, exhaustive_layouts: bool = False):
@@ -251,69 +216,6 @@ class Evaluator:
                 return pruned
         return self._solve(c)
 
-    def best_of(self, candidates: Sequence[Sequence[Group]], floor: float, stop: Callable[[], bool] | None = None,
-                rel: float = 1e-9, margin: float = 1e-12) -> tuple[int | None, float]:
-        """(index, tokens/s) of the candidate that serves most, if it beats ``floor``
-        (v > floor·(1 + rel) + margin); among candidates within ``rel`` of that best, the first
-        in list order. (None, floor) when none beats it.
-
-        What a scan scoring each candidate against the best so far (``score(c, floor=best)``)
-        returns, with far fewer flows solved: every candidate's capacity bound first, then, best
-        bound first, the bound tightened by weak duality (its KV edges built), then its flow
-        solved, until no bound left can reach the best value found. A scan solves every
-        candidate that beats the best *so far*; most of them lose to a later one. ``stop``
-        (the search budget) ends it early with the best found so far."""
-        def beats(v: float) -> bool:
-            return v > floor * (1 + rel) + margin
-
-        exact: dict[int, float] = {}
-        pending: dict[int, Pending] = {}
-        heap: list[tuple[float, int]] = []
-        for i, cand in enumerate(candidates):
-            key = canonical(cand)
-            hit = self._scores.get(key)
-            if hit is not None:
-                if beats(hit):
-                    exact[i] = hit
-                continue
-            c = self._pending(key)
-            if beats(c.bound):
-                pending[i] = c
-                heap.append((-c.bound * BOUND_SLACK, i))
-        heapq.heapify(heap)
-        top, first = -math.inf, None  # the best value found, the first candidate within rel of it
-
-        def settle(i: int, v: float) -> None:
-            nonlocal top, first
-            exact[i] = v
-            top = max(top, v)
-            first = min(j for j, u in exact.items() if u >= top * (1 - rel))
-
-        for i, v in list(exact.items()):
-            settle(i, v)
-        while heap and -heap[0][0] >= top * (1 - rel) and not (stop is not None and stop()):
-            b, i = heapq.heappop(heap)
-            if -b <= top * (1 + rel) and i > first:  # can neither beat the pick nor tie it ahead of it
-                continue
-            c = pending[i]
-            if not c.tightened:  # tighten its bound first: solve it only if it still leads
-                c.tightened = True
-                dual = self._neighbour_bound(c)
-                if dual is None:  # the whole network, then
-                    self._build(c)
-                    dual = self._dual_bound(c)
-                if dual is not None and dual < c.bound:
-                    c.bound = dual
-                if beats(c.bound):
-                    heapq.heappush(heap, (-c.bound * BOUND_SLACK, i))
-                continue
-            self._build(c)
-            v = self._scores.get(c.key)
-            v = self._solve(c) if v is None else v
-            if beats(v):
-                settle(i, v)
-        return (None, floor) if first is None else (first, exact[first])
-
     def _solve(self, c: "Pending") -> float:
         """Score a built pending placement in full: its flow, then (where KV edges bind) the
         best combination of layout alternatives; cached."""
@@ -335,165 +237,6 @@ class Evaluator:
         self._scores[key] = value
         self._choices[key] = choice
         return value
-
-    def _neighbour_bound(self, c: "Pending") -> float | None:
-        """``_dual_bound`` of a pending placement from the last priced placement's terms, its KV
-        edges not built (``NeighbourBound``); None where that cannot show it bounds the score."""
-        nb, ctx = self._neighbour, self.ctx
-        if nb is None or self.exhaustive_layouts or MAX_LAYOUT_ROUNDS_SHARED != 0:
-            return None
-        key, layouts, choice = c.key, c.layouts, c.choice
-
-        def column(p: int, d: int):
-            ids = (ctx.group_id(key[p].devices, choice[p]), ctx.group_id(key[d].devices, choice[d]))
-            cap = ctx._kv_cache.get(ids)
-            cap = cap if cap is not None else ctx.kv_capacity(layouts[p], layouts[d], ids)
-            load = ctx._kv_load_cache.get(ids)
-            return cap, load if load is not None else ctx.kv_load(layouts[p], layouts[d], ids)
-
-        requests = nb.bound(key, c.net, column, lambda g: ctx.node_load(layouts[g], key[g].role))
-        return None if requests is None else ctx.tokens_per_s(requests) * (1 + 1e-7)
-
-    def _dual_bound(self, c: "Pending", floor: float | None = None) -> float | None:
-        """A bound (tokens/s) on a built pending placement's score without solving its LP:
-        weak duality with the last evaluated placement's prices (``flow.dual_bound``; most
-        neighbours of a search step keep most groups, so the prices fit). Only where a shared
-        resource surely binds — the bound is below the max flow that ignores resources — since
-        then no layout alternative is tried (``_choose_layouts``) and the score is that LP's
-        value. None when it does not apply, or (given a ``floor``) when it is above the floor."""
-        net = c.net
-        if (self._prices is None or not (net.prefill and net.decode and net.loads_resources())
-                or self.exhaustive_layouts or MAX_LAYOUT_ROUNDS_SHARED != 0):
-            return None
-        prices, resource_prices = self._prices
-        requests = dual_bound(net, {i: prices.get(c.key[i]) for i in net.prefill + net.decode}, resource_prices)
-        bound = self.ctx.tokens_per_s(requests) * (1 + 1e-7)  # margin for the LP solver's tolerances
-        if (floor is not None and bound > floor) or requests >= self._bound_without_resources(net) * (1 - 1e-9):
-            return None
-        return bound
-
-    # ------------------------------------------------------------------ alternative layouts
-    def _choose_layouts(self, groups, layouts, caps, net: FlowNetwork, value: float, nodes: dict[int, float],
-                        unconstrained: float | None = None):
-        """(choice, requests per T) of the best combination of alternative layouts found
-        (``value`` and the result include what colocated groups serve; ``unconstrained``: the
-        max flow without resources, ``_bound_without_resources``, when the caller has it)."""
-        # a shared resource that binds makes every trial a linear program: a short ascent at most
-        if unconstrained is None and not self.exhaustive_layouts:
-            unconstrained = self._bound_without_resources(net)
-        shared_binds = not self.exhaustive_layouts and value < unconstrained * (1 - 1e-9)
-        if shared_binds and MAX_LAYOUT_ROUNDS_SHARED == 0:
-            return (0,) * len(groups), value
-        opts = {i: self._options(groups[i]) for i in net.prefill + net.decode}
-        free = [i for i in net.prefill + net.decode if len(opts[i]) > 1]
-        if not free:
-            return (0,) * len(groups), value
-        product = 1
-        for i in free:
-            product *= len(opts[i])
-        if self.exhaustive_layouts or (product <= EXHAUSTIVE_PRODUCT and not shared_binds):
-            return self._enumerate_layouts(groups, opts, free, net, value)
-        if shared_binds:
-            return self._ascend_layouts(groups, opts, free, layouts, net, value, nodes,
-                                        MAX_LAYOUT_ROUNDS_SHARED, MAX_LAYOUT_GROUPS_SHARED)
-        return self._ascend_layouts(groups, opts, free, layouts, net, value, nodes)
-
-    def _trial(self, groups, opts, choice, net: FlowNetwork, changed) -> FlowNetwork:
-        """``net`` with the groups in ``changed`` switched to ``choice``'s layouts."""
-        node_cap = dict(net.node_cap)
-        edge_cap = dict(net.edge_cap)
-        lay = {i: opts[i][choice[i]][0] for i in net.prefill + net.decode}
-        for i in changed:
-            node_cap[i] = opts[i][choice[i]][1]
-        for i in changed:
-            if groups[i].role == "prefill":
-                for d in net.decode:
-                    edge_cap[(i, d)] = self._kv(groups, lay, choice, i, d)
-            else:
-                for p in net.prefill:
-                    edge_cap[(p, i)] = self._kv(groups, lay, choice, p, i)
-        trial = FlowNetwork(net.prefill, net.decode, node_cap, edge_cap, net.colocated, net.resource_cap,
-                            dict(net.edge_load), dict(net.node_load))
-        self._add_loads(groups, lay, choice, trial, changed=tuple(changed))
-        return trial
-
-    @staticmethod
-    def _bound_without_resources(net: FlowNetwork) -> float:
-        """The max flow (plus colocated capacity) if no shared resource bound it."""
-        if not net.loads_resources():
-            return -1.0
-        return max_flow_nodes(FlowNetwork(net.prefill, net.decode, net.node_cap, net.edge_cap), nodes=False)[0] + \
-            sum(net.node_cap[c] for c in net.colocated)
-
-    @staticmethod
-    def _bound(net: FlowNetwork) -> float:
-        """Requests per T no choice of layouts can beat: min(Σ prefill, Σ decode) + colocated."""
-        return net.upper_bound() + sum(net.node_cap[c] for c in net.colocated)
-
-    def _enumerate_layouts(self, groups, opts, free, net: FlowNetwork, value: float):
-        """Every combination of the free groups' options, pruned by the capacity bound."""
-        best = [value, (0,) * len(groups)]
-        choice = [0] * len(groups)
-        pre = set(net.prefill)
-        # best capacities of the groups not yet assigned, per side, for the bound
-        rest_p = [0.0] * (len(free) + 1)
-        rest_d = [0.0] * (len(free) + 1)
-        for k in range(len(free) - 1, -1, -1):
-            i = free[k]
-            rest_p[k] = rest_p[k + 1] + (opts[i][0][1] if i in pre else 0.0)
-            rest_d[k] = rest_d[k + 1] + (opts[i][0][1] if i not in pre else 0.0)
-        fixed_p = sum(net.node_cap[i] for i in net.prefill if i not in free)
-        fixed_d = sum(net.node_cap[i] for i in net.decode if i not in free)
-        colocated = sum(net.node_cap[c] for c in net.colocated)
-
-        def rec(k: int, cap_p: float, cap_d: float) -> None:
-            if min(fixed_p + cap_p + rest_p[k], fixed_d + cap_d + rest_d[k]) + colocated <= best[0] * (1 + 1e-9):
-                return
-            if k == len(free):
-                if any(choice):
-                    self.layout_trials += 1
-                    v = max_flow_total(self._trial(groups, opts, choice, net, free))
-                    if v > best[0] * (1 + 1e-9):
-                        best[0], best[1] = v, tuple(choice)
-                return
-            i = free[k]
-            for a, (_, cap) in enumerate(opts[i]):
-                choice[i] = a
-                rec(k + 1, cap_p + (cap if i in pre else 0.0), cap_d + (cap if i not in pre else 0.0))
-            choice[i] = 0
-
-        rec(0, 0.0, 0.0)
-        return best[1], best[0]
-
-    def _ascend_layouts(self, groups, opts, free, layouts, net: FlowNetwork, value: float, nodes,
-                        rounds: int = MAX_LAYOUT_ROUNDS, max_groups: int = MAX_LAYOUT_GROUPS):
-        """Coordinate ascent: switch one group's layout at a time while the max flow grows;
-        only groups the flow leaves unsaturated (their KV edges, not their capacity, bind)."""
-        choice = [0] * len(groups)
-        cur = net
-        for _ in range(rounds):
-            cands = sorted((i for i in free if nodes.get(i, 0.0) < cur.node_cap[i] * 0.999),
-                           key=lambda i: (nodes.get(i, 0.0) / cur.node_cap[i], i))[:max_groups]
-            pick = None
-            for i in cands:
-                for a in range(len(opts[i])):
-                    if a == choice[i]:
-                        continue
-                    trial_choice = choice.copy()
-                    trial_choice[i] = a
-                    trial = self._trial(groups, opts, trial_choice, cur, (i,))
-                    if self._bound(trial) <= value * (1 + 1e-9):
-                        continue
-                    self.layout_trials += 1
-                    v = max_flow_total(trial)
-                    if v > value * (1 + 1e-9):
-                        value, pick = v, (trial_choice, trial)
-            if pick is None:
-                break
-            choice, cur = pick
-            f = solve_fast(cur)
-            value, nodes = f.total, f.node_flow
-        return tuple(choice), value
 
     def _fixed_network(self, groups: Sequence[Group], layouts: Sequence[ReplicaLayout]):
         ctx = self.ctx

@@ -156,16 +156,27 @@ class PlanContext:
         key = key or (src, dst)
         cap = self._kv_cache.get(key)
         if cap is None:
-            t = self._kv_time(src, dst)
-            cap = self.period_s / t if t > 0 else float("inf")
-            self._kv_cache[key] = cap
+            cap = self._kv_pair(src, dst, key)[0]
         return cap
 
-    def _kv_time(self, src: ReplicaLayout, dst: ReplicaLayout) -> float:
+    def _kv_pair(self, src: ReplicaLayout, dst: ReplicaLayout, key) -> tuple[float, dict[str, float]]:
+        """(capacity, loads) of a hand-off, both priced from one list of its transfers and cached
+        under ``key`` (``kv_capacity`` / ``kv_load``): a search needs both for every new pair."""
+        transfers = self.cost.kv_transfers(src, dst, self.input_tokens)
+        t = self._kv_time(transfers)
+        cap = self._kv_cache[key] = self.period_s / t if t > 0 else float("inf")
+        raw: dict = {}  # what ``CostModel.kv_resource_bytes`` sums, from the same transfers
+        for path, nbytes in transfers:
+            for r in path.resources:
+                if r.shared:
+                    raw[r] = raw.get(r, 0.0) + nbytes
+        load = self._kv_load_cache[key] = {r.name: b for r, b in raw.items() if r.name in self.resources}
+        return cap, load
+
+    def _kv_time(self, transfers) -> float:
         """``CostModel.kv_transfer_time`` memoised by the hand-off's shape (``transfer_shape``):
         on a pool of many alike machines most new prefill/decode pairs repeat one already priced,
         and the max-min sharing is most of a KV edge's cost."""
-        transfers = self.cost.kv_transfers(src, dst, self.input_tokens)
         if not transfers:
             return 0.0
         shape = transfer_shape(transfers)
@@ -188,8 +199,7 @@ class PlanContext:
         key = key or (src, dst)
         load = self._kv_load_cache.get(key)
         if load is None:
-            raw = self.cost.kv_resource_bytes(src, dst, self.input_tokens)
-            load = self._kv_load_cache[key] = {r.name: b for r, b in raw.items() if r.name in self.resources}
+            load = self._kv_pair(src, dst, key)[1]
         return load
 
     def node_load(self, layout: ReplicaLayout, role: str) -> dict[str, float]:

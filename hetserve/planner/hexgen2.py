@@ -71,9 +71,9 @@ def phase1_starts(ctx: PlanContext, ev: Evaluator, seed: int) -> list[Placement]
     guess; the partition is also built for K·¾ and K·3⁄2.
     """
     k0 = max(2, ctx.num_replicas_by_memory())
-    scored = []
+    scored, orders = [], {}
     for k in sorted({k0, max(2, round(k0 * 0.75)), min(ctx.num_devices, round(k0 * 1.5))}):
-        groups = initial_partition(ctx, range(ctx.num_devices), k, seed)
+        groups = initial_partition(ctx, range(ctx.num_devices), k, seed, orders)
         roles = assign_roles(ev, groups)
         start = canonical(Group.of(g, r) for g, r in zip(groups, roles))
         scored.append((-ev.score(start), k, start))
@@ -270,12 +270,11 @@ def refine(ctx: PlanContext, evaluator: Evaluator, start: Placement, budget: Bud
     visited: set[Placement] = set()
     while not budget.exhausted():
         pick, pick_v, pick_kind = None, cur_v, ""
-        for kind, cand in mover(ctx, cur_ev, rng):
-            v = evaluator.score(cand, floor=pick_v)
-            if v > pick_v * (1 + 1e-9) + 1e-12:
-                pick, pick_v, pick_kind = cand, v, kind
-            if budget.exhausted():
-                break
+        cands = mover(ctx, cur_ev, rng)
+        i, v = evaluator.best_of([c for _, c in cands], cur_v, stop=budget.exhausted)
+        if i is not None:
+            pick_kind, pick = cands[i]
+            pick_v = v
         if pick is not None:
             # credit only what lifts the best so far: a climb back up to it after a kick is no gain
             budget.credit(phase, pick_kind, max(0.0, pick_v - max(cur_v, best_v, budget.best)))
@@ -313,15 +312,11 @@ def refine(ctx: PlanContext, evaluator: Evaluator, start: Placement, budget: Bud
 
 
 def _escape(evaluator: Evaluator, candidates, visited: set) -> Placement | None:
-    """The best-scoring candidate not visited before (None when all were)."""
-    best, best_v = None, -1.0
-    for _, cand in candidates:
-        if cand in visited:
-            continue
-        v = evaluator.score(cand, floor=best_v)  # a candidate bounded below the best so far cannot win
-        if v > best_v:
-            best, best_v = cand, v
-    return best
+    """The best-scoring candidate not visited before, the first of those within a rounding error
+    of it (None when all were)."""
+    fresh = [cand for _, cand in candidates if cand not in visited]
+    i, _ = evaluator.best_of(fresh, -1.0)
+    return None if i is None else fresh[i]
 
 
 # ----------------------------------------------------------------------------- algorithms

@@ -22,7 +22,7 @@ _DECODE_PROBE_BATCH = 16
 class LayerSplits:
     """Layer splits and their capacity; expects ``ctx``, ``cost`` (the context's cost model with
     memoised stage prices, ``stage_memo``), ``num_layers``, ``min_kv``, ``_prompt`` and
-    ``_probe_cache`` on the instance (``LayoutSearch`` sets them)."""
+    ``_probe_cache`` and ``_split_memo`` on the instance (``LayoutSearch`` sets them)."""
 
     @staticmethod
     def _stages(order, combo) -> list[tuple[int, int, int]]:
@@ -122,6 +122,16 @@ class LayerSplits:
         S, L = len(stages), self.num_layers
         if S == 0 or S > L:
             return 0.0, ()
+        # the probes and the splits' capacities read only what ``_sequence_key`` names: stage
+        # sequences alike in that are split alike (most of a large pool's searches repeat them)
+        key = (self._sequence_key(stages), role)
+        hit = self._split_memo.get(key)
+        if hit is None:
+            hit = self._split_memo[key] = self._best_split_fresh(stages, role)
+        return hit
+
+    def _best_split_fresh(self, stages, role: str) -> tuple[float, tuple[int, ...]]:
+        S, L = len(stages), self.num_layers
         probes = [self._probe(k, tp, i == 0, i == S - 1, role) for i, (k, tp, _) in enumerate(stages)]
         caps = [p[0] for p in probes]
         if min(caps) < 1 or sum(caps) < L:

@@ -69,6 +69,7 @@ class LayoutSearch(KVAlternatives, LayerSplits):
         self._best_cache: dict[tuple, tuple[ReplicaLayout, float] | None] = {}
         self._probe_cache: dict[tuple, tuple[int, float]] = {}
         self._evaluated: dict[tuple, float] = {}  # (stage-sequence key, layers, role) → capacity
+        self._split_memo: dict[tuple, tuple[float, tuple[int, ...]]] = {}  # (sequence key, role) → best split
         self._sequence_keys: dict[tuple, tuple] = {}
         self._order_cache: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._splits_cache: dict[int, list[tuple[int, ...]]] = {}

@@ -33,16 +33,22 @@ ROLE_BALANCE_SLACK = 0.9  # a role swap may cost at most 10% of min(prefill, dec
 KL_MAX_NODES = 160  # Kernighan–Lin on larger bisections costs more than it returns
 
 
-def initial_partition(ctx: PlanContext, devices: Sequence[int], k: int, seed: int = 0) -> list[list[int]]:
-    """Split ``devices`` into ``k`` groups of balanced memory and small inter-group bandwidth."""
+def initial_partition(ctx: PlanContext, devices: Sequence[int], k: int, seed: int = 0,
+                      orders: dict | None = None) -> list[list[int]]:
+    """Split ``devices`` into ``k`` groups of balanced memory and small inter-group bandwidth.
+
+    ``orders``: Laplacian orders by device set, shared by the partitions of one pool into
+    several K (each starts by bisecting the whole pool; the eigendecomposition was most of a
+    320-GPU partition's time)."""
     devices = sorted(devices)
     if k <= 1 or len(devices) <= 1:
         return [devices]
+    orders = {} if orders is None else orders
     k = min(k, len(devices))
     k_left = k // 2
-    left, right = _spectral_bisect(ctx, devices, k_left / k)
+    left, right = _spectral_bisect(ctx, devices, k_left / k, orders)
     left, right = _kernighan_lin(ctx, left, right, k_left / k, seed)
-    return (initial_partition(ctx, left, k_left, seed) + initial_partition(ctx, right, k - k_left, seed))
+    return (initial_partition(ctx, left, k_left, seed, orders) + initial_partition(ctx, right, k - k_left, seed, orders))
 
 
 def _laplacian_order(w: np.ndarray) -> np.ndarray:
@@ -54,11 +60,17 @@ def _laplacian_order(w: np.ndarray) -> np.ndarray:
     return np.lexsort((np.arange(len(w)), np.round(fiedler, 9)))
 
 
-def _spectral_bisect(ctx: PlanContext, devices: list[int], frac: float) -> tuple[list[int], list[int]]:
+def _spectral_bisect(ctx: PlanContext, devices: list[int], frac: float,
+                     orders: dict | None = None) -> tuple[list[int], list[int]]:
     idx = np.asarray(devices)
     w = ctx.bandwidth_gbps[np.ix_(idx, idx)]
     w = (w + w.T) / 2
-    order = _laplacian_order(w)
+    key = tuple(devices)
+    order = None if orders is None else orders.get(key)
+    if order is None:
+        order = _laplacian_order(w)
+        if orders is not None:
+            orders[key] = order
     mem = np.asarray([ctx.memory[d] for d in devices], dtype=float)[order]
     target = frac * mem.sum()
     tol = 0.5 * ctx.replica_memory_bytes

@@ -23,38 +23,14 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from hetserve.cost.layout import ReplicaLayout
+from hetserve.planner.bounded_choice import BOUND_SLACK, BoundedChoice  # noqa: F401 (BOUND_SLACK: re-exported)
 from hetserve.planner.context import PlanContext
-from hetserve.planner.flow import FlowNetwork, FlowResult, dual_bound, max_flow_nodes, max_flow_total, solve, solve_fast
+from hetserve.planner.flow import FlowNetwork, FlowResult, _dinic, max_flow_nodes, max_flow_total, solve, solve_fast
+from hetserve.planner.groups import Group, canonical  # noqa: F401 (re-exported: the searches import them here)
+from hetserve.planner.layout_trials import (EXHAUSTIVE_PRODUCT, MAX_LAYOUT_GROUPS, MAX_LAYOUT_GROUPS_SHARED,  # noqa: F401
+                                            MAX_LAYOUT_ROUNDS, MAX_LAYOUT_ROUNDS_SHARED, LayoutTrials)
+from hetserve.planner.neighbour_bound import NeighbourBound
 from hetserve.planner.options import Budget, PlanOptions
-
-# Alternative layouts (see ``Evaluator``): enumerate all combinations up to this many, else
-# coordinate ascent over at most this many unsaturated groups for at most this many rounds.
-EXHAUSTIVE_PRODUCT = 64
-MAX_LAYOUT_GROUPS = 8
-MAX_LAYOUT_ROUNDS = 4
-# ... and where a shared NIC / pipe binds (every trial is then a linear program): none, unless
-# the search asks for exhaustive layouts (exact). Spreading KV over more device pairs (what most
-# alternatives do) gains nothing once a shared NIC, not a pair, is the bottleneck; measured on
-# hexgen2-het1 (every KV route crosses a 3 Gbit/s pipe) the ascent cost 60 % of the search time.
-MAX_LAYOUT_GROUPS_SHARED = 3
-MAX_LAYOUT_ROUNDS_SHARED = 0
-
-
-@dataclass(frozen=True, order=True)
-class Group:
-    """Devices (sorted indices) that together serve one replica in ``role``."""
-
-    devices: tuple[int, ...]
-    role: str
-
-    @staticmethod
-    def of(devices: Iterable[int], role: str) -> "Group":
-        return Group(tuple(sorted(devices)), role)
-
-
-def canonical(groups: Iterable[Group]) -> tuple[Group, ...]:
-    """Placements compare equal whatever the order of their groups."""
-    return tuple(sorted(g for g in groups if g.devices))
 
 
 @dataclass
@@ -86,17 +62,30 @@ class Evaluation:
         return self.flow.node_flow.get(i, 0.0) / cap
 
 
-class Evaluator:
+@dataclass
+class Pending:
+    """A placement part-way through ``Evaluator.score``: its groups' layouts (``choice``: index
+    into each group's options) and capacities, its flow network (KV edges and loads filled in
+    once ``built``) and the best bound (tokens/s) known on its score."""
+
+    key: tuple[Group, ...]
+    layouts: list[ReplicaLayout | None]
+    caps: list[float]
+    net: FlowNetwork
+    colocated: float  # requests per T the colocated groups serve
+    bound: float
+    choice: tuple[int, ...]
+    built: bool = False
+    tightened: bool = False  # ``bound`` is the duality bound where one applies
+
+
+class Evaluator(LayoutTrials, BoundedChoice):
     """Scores placements for one ``PlanContext``; caches scores by canonical placement.
 
-    Layouts: every group starts from its capacity-best layout. When the max flow then falls
-    short of min(Σ prefill, Σ decode) capacity — KV edges limit it — the evaluator also tries
-    the group's KV-friendlier alternatives (``LayoutSearch.options``) and keeps the combination
-    with the largest max flow: all combinations, by branch and bound on that capacity bound,
-    when there are at most ``EXHAUSTIVE_PRODUCT`` of them (always, with ``exhaustive_layouts``,
-    which the exact search sets), otherwise coordinate ascent over the groups the flow leaves
-    unsaturated. No alternative has more capacity than the best, so when the flow already meets
-    the bound there is nothing to try, and the bound stays valid for pruning.
+    Layouts: every group starts from its capacity-best layout; where KV edges bind, the groups'
+    KV-friendlier alternatives are tried (``layout_trials.LayoutTrials``). A search step's
+    candidates are compared by ``best_of`` (``bounded_choice.BoundedChoice``): bounds first,
+    flows only for the candidates that may win.
     """
 
     def __init__(self, ctx: PlanContext, exhaustive_layouts: bool = False):
@@ -107,12 +96,13 @@ class Evaluator:
         self._fixed_caps: dict[tuple[ReplicaLayout, str], float] = {}
         self.evaluations = 0  # distinct placements scored
         # LP prices (per group, per byte of a resource) of the last evaluated placement: bound
-        # its neighbours' LPs by weak duality (``_dual_pruned``)
+        # its neighbours' LPs by weak duality (``_dual_bound``)
         self._prices: tuple[dict[Group, float], dict[str, float]] | None = None
         self.layout_trials = 0  # max flows solved while choosing alternative layouts
         # LP results of placements scored since the last ``evaluate``: the one it keeps was
         # usually just scored, and its flow needs that very LP (``flow.solve``)
         self._solved: dict[tuple[Group, ...], FlowResult] = {}
+        self._neighbour: NeighbourBound | None = None  # ``_prices``' placement's dual terms
 
     def capacity(self, devices: Sequence[int], role: str) -> float:
         return self.ctx.layouts.capacity(devices, role)
@@ -132,6 +122,13 @@ class Evaluator:
 
         With ``floor`` ≥ 0 and a capacity bound that cannot beat it, the KV edges are not built
         (the network's ``edge_cap`` stays empty and only its ``upper_bound`` is meaningful)."""
+        c = self._pending(groups, choice)
+        if floor < 0 or c.bound > floor:
+            self._build(c)
+        return c.layouts, c.caps, c.net, c.colocated
+
+    def _pending(self, groups: Sequence[Group], choice: Sequence[int] | None = None) -> "Pending":
+        """A placement's layouts, capacities and capacity bound, its KV edges not yet built."""
         ctx = self.ctx
         layouts: list[ReplicaLayout | None] = []
         caps: list[float] = []
@@ -144,13 +141,16 @@ class Evaluator:
             caps.append(0.0 if best is None else best[1])
         net = self._empty_network(groups, caps)
         colocated = sum(net.node_cap[c] for c in net.colocated)
-        pre, dec = net.prefill, net.decode
-        if floor >= 0 and ctx.tokens_per_s((net.upper_bound() if pre and dec else 0.0) + colocated) <= floor:
-            return layouts, caps, net, colocated
-        c = choice or (0,) * len(groups)
-        net.edge_cap = self._kv_edges(groups, layouts, c, pre, dec)
-        self._add_loads(groups, layouts, c, net)
-        return layouts, caps, net, colocated
+        bound = ctx.tokens_per_s((net.upper_bound() if net.prefill and net.decode else 0.0) + colocated)
+        return Pending(tuple(groups), layouts, caps, net, colocated, bound, tuple(choice or (0,) * len(groups)))
+
+    def _build(self, c: "Pending") -> None:
+        """Fill in a pending placement's KV edges and resource loads."""
+        if c.built:
+            return
+        c.built = True
+        c.net.edge_cap = self._kv_edges(c.key, c.layouts, c.choice, c.net.prefill, c.net.decode)
+        self._add_loads(c.key, c.layouts, c.choice, c.net)
 
     def _empty_network(self, groups: Sequence[Group], caps: Sequence[float]) -> FlowNetwork:
         """Groups and their capacities as a flow network, KV edges and loads not yet filled in."""
@@ -206,14 +206,20 @@ class Evaluator:
         hit = self._scores.get(key)
         if hit is not None:
             return hit
-        layouts, caps, net, colocated = self._network(key, None, floor)
-        bound = self.ctx.tokens_per_s((net.upper_bound() if net.prefill and net.decode else 0.0) + colocated)
-        if floor >= 0 and bound <= floor:
-            return bound
-        if floor >= 0 and self._prices is not None and net.prefill and net.decode and net.loads_resources():
-            pruned = self._dual_pruned(key, net, floor)
+        c = self._pending(key)
+        if floor >= 0 and c.bound <= floor:
+            return c.bound
+        self._build(c)
+        if floor >= 0:
+            pruned = self._dual_bound(c, floor)
             if pruned is not None:
                 return pruned
+        return self._solve(c)
+
+    def _solve(self, c: "Pending") -> float:
+        """Score a built pending placement in full: its flow, then (where KV edges bind) the
+        best combination of layout alternatives; cached."""
+        key, layouts, caps, net, colocated = c.key, c.layouts, c.caps, c.net, c.colocated
         self.evaluations += 1
         if net.loads_resources():
             flow = solve_fast(net)
@@ -231,145 +237,6 @@ class Evaluator:
         self._scores[key] = value
         self._choices[key] = choice
         return value
-
-    def _dual_pruned(self, key: tuple[Group, ...], net: FlowNetwork, floor: float) -> float | None:
-        """A bound (tokens/s) on a placement that cannot beat ``floor``, without solving its LP:
-        weak duality with the last evaluated placement's prices (``flow.dual_bound``; most
-        neighbours of a search step keep most groups, so the prices fit). Only where a shared
-        resource surely binds — the bound is below the max flow that ignores resources — since
-        then no layout alternative is tried (``_choose_layouts``) and the score is that LP's
-        value. None when the placement must be solved."""
-        if self.exhaustive_layouts or MAX_LAYOUT_ROUNDS_SHARED != 0:
-            return None
-        prices, resource_prices = self._prices
-        requests = dual_bound(net, {i: prices.get(key[i]) for i in net.prefill + net.decode}, resource_prices)
-        bound = self.ctx.tokens_per_s(requests) * (1 + 1e-7)  # margin for the LP solver's tolerances
-        if bound > floor or requests >= self._bound_without_resources(net) * (1 - 1e-9):
-            return None
-        return bound
-
-    # ------------------------------------------------------------------ alternative layouts
-    def _choose_layouts(self, groups, layouts, caps, net: FlowNetwork, value: float, nodes: dict[int, float],
-                        unconstrained: float | None = None):
-        """(choice, requests per T) of the best combination of alternative layouts found
-        (``value`` and the result include what colocated groups serve; ``unconstrained``: the
-        max flow without resources, ``_bound_without_resources``, when the caller has it)."""
-        # a shared resource that binds makes every trial a linear program: a short ascent at most
-        if unconstrained is None and not self.exhaustive_layouts:
-            unconstrained = self._bound_without_resources(net)
-        shared_binds = not self.exhaustive_layouts and value < unconstrained * (1 - 1e-9)
-        if shared_binds and MAX_LAYOUT_ROUNDS_SHARED == 0:
-            return (0,) * len(groups), value
-        opts = {i: self._options(groups[i]) for i in net.prefill + net.decode}
-        free = [i for i in net.prefill + net.decode if len(opts[i]) > 1]
-        if not free:
-            return (0,) * len(groups), value
-        product = 1
-        for i in free:
-            product *= len(opts[i])
-        if self.exhaustive_layouts or (product <= EXHAUSTIVE_PRODUCT and not shared_binds):
-            return self._enumerate_layouts(groups, opts, free, net, value)
-        if shared_binds:
-            return self._ascend_layouts(groups, opts, free, layouts, net, value, nodes,
-                                        MAX_LAYOUT_ROUNDS_SHARED, MAX_LAYOUT_GROUPS_SHARED)
-        return self._ascend_layouts(groups, opts, free, layouts, net, value, nodes)
-
-    def _trial(self, groups, opts, choice, net: FlowNetwork, changed) -> FlowNetwork:
-        """``net`` with the groups in ``changed`` switched to ``choice``'s layouts."""
-        node_cap = dict(net.node_cap)
-        edge_cap = dict(net.edge_cap)
-        lay = {i: opts[i][choice[i]][0] for i in net.prefill + net.decode}
-        for i in changed:
-            node_cap[i] = opts[i][choice[i]][1]
-        for i in changed:
-            if groups[i].role == "prefill":
-                for d in net.decode:
-                    edge_cap[(i, d)] = self._kv(groups, lay, choice, i, d)
-            else:
-                for p in net.prefill:
-                    edge_cap[(p, i)] = self._kv(groups, lay, choice, p, i)
-        trial = FlowNetwork(net.prefill, net.decode, node_cap, edge_cap, net.colocated, net.resource_cap,
-                            dict(net.edge_load), dict(net.node_load))
-        self._add_loads(groups, lay, choice, trial, changed=tuple(changed))
-        return trial
-
-    @staticmethod
-    def _bound_without_resources(net: FlowNetwork) -> float:
-        """The max flow (plus colocated capacity) if no shared resource bound it."""
-        if not net.loads_resources():
-            return -1.0
-        return max_flow_nodes(FlowNetwork(net.prefill, net.decode, net.node_cap, net.edge_cap), nodes=False)[0] + \
-            sum(net.node_cap[c] for c in net.colocated)
-
-    @staticmethod
-    def _bound(net: FlowNetwork) -> float:
-        """Requests per T no choice of layouts can beat: min(Σ prefill, Σ decode) + colocated."""
-        return net.upper_bound() + sum(net.node_cap[c] for c in net.colocated)
-
-    def _enumerate_layouts(self, groups, opts, free, net: FlowNetwork, value: float):
-        """Every combination of the free groups' options, pruned by the capacity bound."""
-        best = [value, (0,) * len(groups)]
-        choice = [0] * len(groups)
-        pre = set(net.prefill)
-        # best capacities of the groups not yet assigned, per side, for the bound
-        rest_p = [0.0] * (len(free) + 1)
-        rest_d = [0.0] * (len(free) + 1)
-        for k in range(len(free) - 1, -1, -1):
-            i = free[k]
-            rest_p[k] = rest_p[k + 1] + (opts[i][0][1] if i in pre else 0.0)
-            rest_d[k] = rest_d[k + 1] + (opts[i][0][1] if i not in pre else 0.0)
-        fixed_p = sum(net.node_cap[i] for i in net.prefill if i not in free)
-        fixed_d = sum(net.node_cap[i] for i in net.decode if i not in free)
-        colocated = sum(net.node_cap[c] for c in net.colocated)
-
-        def rec(k: int, cap_p: float, cap_d: float) -> None:
-            if min(fixed_p + cap_p + rest_p[k], fixed_d + cap_d + rest_d[k]) + colocated <= best[0] * (1 + 1e-9):
-                return
-            if k == len(free):
-                if any(choice):
-                    self.layout_trials += 1
-                    v = max_flow_total(self._trial(groups, opts, choice, net, free))
-                    if v > best[0] * (1 + 1e-9):
-                        best[0], best[1] = v, tuple(choice)
-                return
-            i = free[k]
-            for a, (_, cap) in enumerate(opts[i]):
-                choice[i] = a
-                rec(k + 1, cap_p + (cap if i in pre else 0.0), cap_d + (cap if i not in pre else 0.0))
-            choice[i] = 0
-
-        rec(0, 0.0, 0.0)
-        return best[1], best[0]
-
-    def _ascend_layouts(self, groups, opts, free, layouts, net: FlowNetwork, value: float, nodes,
-                        rounds: int = MAX_LAYOUT_ROUNDS, max_groups: int = MAX_LAYOUT_GROUPS):
-        """Coordinate ascent: switch one group's layout at a time while the max flow grows;
-        only groups the flow leaves unsaturated (their KV edges, not their capacity, bind)."""
-        choice = [0] * len(groups)
-        cur = net
-        for _ in range(rounds):
-            cands = sorted((i for i in free if nodes.get(i, 0.0) < cur.node_cap[i] * 0.999),
-                           key=lambda i: (nodes.get(i, 0.0) / cur.node_cap[i], i))[:max_groups]
-            pick = None
-            for i in cands:
-                for a in range(len(opts[i])):
-                    if a == choice[i]:
-                        continue
-                    trial_choice = choice.copy()
-                    trial_choice[i] = a
-                    trial = self._trial(groups, opts, trial_choice, cur, (i,))
-                    if self._bound(trial) <= value * (1 + 1e-9):
-                        continue
-                    self.layout_trials += 1
-                    v = max_flow_total(trial)
-                    if v > value * (1 + 1e-9):
-                        value, pick = v, (trial_choice, trial)
-            if pick is None:
-                break
-            choice, cur = pick
-            f = solve_fast(cur)
-            value, nodes = f.total, f.node_flow
-        return tuple(choice), value
 
     def _fixed_network(self, groups: Sequence[Group], layouts: Sequence[ReplicaLayout]):
         ctx = self.ctx
@@ -414,6 +281,11 @@ class Evaluator:
         self._solved.clear()
         if flow.node_dual:
             self._prices = ({key[i]: y for i, y in flow.node_dual.items()}, flow.resource_dual)
+            self._neighbour = None
+            if not any(self._choices[key]) and net.resource_cap:  # its terms are those of the best layouts
+                free_value, free_nodes, _ = _dinic(net, edges=False)
+                self._neighbour = NeighbourBound.of(key, net, flow.node_dual, flow.resource_dual,
+                                                    free_value, free_nodes)
         req = flow.total
         return Evaluation(key, tuple(layouts), tuple(caps), net, flow, req, self.ctx.tokens_per_s(req))
 

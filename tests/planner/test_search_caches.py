@@ -2,9 +2,11 @@
 
 * isomorphic compositions share one layout search (``LayoutSearch._representative``): the shared
   result has exactly the capacity a fresh search of that composition finds;
-* candidates skipped by the weak-duality bound (``flow.dual_bound`` / ``Evaluator._dual_pruned``)
+* candidates skipped by the weak-duality bound (``flow.dual_bound`` / ``Evaluator._dual_bound``)
   could not have won: the bound is never below the LP's max flow, and a search gives the same
-  plan with the shortcut as without it.
+  plan with the shortcut as without it;
+* ``Evaluator.best_of`` (bounds first, flows solved best bound first) picks what a scan that
+  scores every candidate in full picks: the best value, the first in list order among ties.
 """
 
 import random
@@ -100,19 +102,19 @@ def test_every_candidate_the_dual_shortcut_skips_scores_at_most_its_bound(llama7
     wl = azure.head(2000)
     opts = PlanOptions(seed=0, restarts=2, max_iterations=12)
     skipped = []
-    original = Evaluator._dual_pruned
+    original = Evaluator._dual_bound
 
-    def spy(self, key, net, floor):
-        bound = original(self, key, net, floor)
+    def spy(self, c, floor=None):
+        bound = original(self, c, floor)
         if bound is not None:
-            skipped.append((key, bound))
+            skipped.append((c.key, bound))
         return bound
 
-    monkeypatch.setattr(Evaluator, "_dual_pruned", spy)
+    monkeypatch.setattr(Evaluator, "_dual_bound", spy)
     fast = hexgen2(cluster, llama70b, wl, opts)
     assert len(skipped) >= 10
     ctx, _, reference = start_search("t", cluster, llama70b, wl, opts)
-    monkeypatch.setattr(Evaluator, "_dual_pruned", lambda self, key, net, floor: None)
+    monkeypatch.setattr(Evaluator, "_dual_bound", lambda self, c, floor=None: None)
     for key, bound in skipped[:40]:
         assert reference.score(key) <= bound * (1 + 1e-9)
     slow = hexgen2(cluster, llama70b, wl, opts)
@@ -136,3 +138,67 @@ def test_colocated_side_cuts_pairs_of_machines_together(llama70b, azure):
     spans = [{cluster.devices[d].machine for d in g.devices} for g in placement]
     assert any(len(s) > 1 for s in spans)
     assert value > ev.score(machines) * 1.01
+
+
+@pytest.mark.parametrize("pool, iterations", [("hexgen2-het1", 12), ("two-sites", 6)])
+def test_best_of_picks_what_a_full_scan_picks(llama70b, azure, pool, iterations, monkeypatch):
+    """Over a real search's candidate lists (het1: shared pipes bind, so the duality bound
+    prunes; two-sites: identical boxes, so many candidates tie exactly), ``best_of`` returns the
+    candidate a scan scoring every candidate in full keeps: the best, the first of equals. A
+    bound read too low, or ties broken by which flow was solved first, fails here."""
+    cluster = load_cluster(pool) if pool != "two-sites" else _two_site_pool()
+    wl = azure.head(2000)
+    opts = PlanOptions(seed=0, restarts=2, max_iterations=iterations)
+    calls = []
+    original = Evaluator.best_of
+
+    def spy(self, candidates, floor, *args, **kw):
+        got = original(self, candidates, floor, *args, **kw)
+        calls.append((list(candidates), floor, got, self._prices is not None))
+        return got
+
+    monkeypatch.setattr(Evaluator, "best_of", spy)
+    hexgen2(cluster, llama70b, wl, opts)
+    reference = start_search("t", cluster, llama70b, wl, opts)[2]
+    ties = 0
+    for candidates, floor, (got, got_v), _ in calls:
+        full = [reference.score(c) for c in candidates]
+        pick, pick_v = None, floor
+        for i, v in enumerate(full):
+            if v > pick_v * (1 + 1e-9) + 1e-12:
+                pick, pick_v = i, v
+        assert got == pick
+        assert got_v == pytest.approx(pick_v, rel=1e-12)
+        if pick is not None:
+            ties += sum(1 for v in full[pick + 1:] if v >= pick_v * (1 - 1e-9))
+    assert len(calls) >= 5
+    if pool == "two-sites":
+        assert ties > 0
+    else:
+        assert sum(priced for *_, priced in calls) >= 2
+
+
+def test_neighbour_bound_is_the_duality_bound_from_the_base_terms(llama70b, azure, monkeypatch):
+    """``NeighbourBound`` (the base placement's dual terms plus the added groups' columns) gives
+    the bound ``flow.dual_bound`` computes on the candidate's whole network, and claims it only
+    where it bounds the candidate's score. A dropped or double-counted column fails here."""
+    cluster = load_cluster("hexgen2-het1")
+    wl = azure.head(2000)
+    opts = PlanOptions(seed=0, restarts=2, max_iterations=12)
+    seen = []
+    original = Evaluator._neighbour_bound
+
+    def spy(self, c):
+        got = original(self, c)
+        if got is not None:
+            self._build(c)
+            seen.append((c.key, got, self._dual_bound(c)))
+        return got
+
+    monkeypatch.setattr(Evaluator, "_neighbour_bound", spy)
+    hexgen2(cluster, llama70b, wl, opts)
+    assert len(seen) >= 5
+    reference = start_search("t", cluster, llama70b, wl, opts)[2]
+    for key, got, exact in seen:
+        assert exact == pytest.approx(got, rel=1e-9)
+        assert reference.score(key) <= got * (1 + 1e-9)

@@ -85,6 +85,9 @@ def test_kv_time_memo_matches_the_cost_model_for_every_pair(llama7b, azure):
             continue
         want = ctx.period_s / ctx.cost.kv_transfer_time(src, dst, ctx.input_tokens)
         assert ctx.kv_capacity(src, dst) == want, (ma, mb, src, dst)
+        # the loads come from the same transfers (``PlanContext._kv_pair``), bit for bit
+        raw = ctx.cost.kv_resource_bytes(src, dst, ctx.input_tokens)
+        assert ctx.kv_load(src, dst) == {r.name: b for r, b in raw.items() if r.name in ctx.resources}
         seen += 1
     assert seen > 100
     assert len(ctx._kv_time_cache) < seen  # shapes were shared

@@ -70,6 +70,7 @@ import numpy as np
 from scipy.optimize import linprog
 
 from hetserve.planner import bound_groups
+from hetserve.planner.bound_network import Rows, resource_rows
 
 ROLES = ("prefill", "decode", "colocated")
 GROUP_NODE_LIMIT = 500  # HiGHS's MILP: past it its dual bound (still a bound) is used; deterministic
@@ -166,8 +167,7 @@ def _build(ctx, budget_usd_per_hour: float | None = None, devices=None) -> _LP:
     pairs = [(a, b) for a in machines for b in machines] if network else []
     iu = {pair: nx + 4 + j for j, pair in enumerate(pairs)}
     nv = nx + 4 + len(pairs)
-    row = bound_groups.Rows(nv)
-    A, rhs, names = row.A, row.rhs, row.names
+    row = Rows(nv)
 
     rates = [_rates(ctx, k) for k in kinds]
     for j, k in enumerate(kinds):
@@ -207,7 +207,7 @@ def _build(ctx, budget_usd_per_hour: float | None = None, devices=None) -> _LP:
         row({i: prices[i] for i in range(nx)}, float(budget_usd_per_hour), "budget")
     served = np.zeros(nv)
     served[iF] = served[iC] = 1.0
-    return _LP(kinds, np.array(A), np.array(rhs), names, prices, served)
+    return _LP(kinds, row.A, np.array(row.rhs), row.names, prices, served)
 
 
 def _network_rows(ctx, kinds, rates, machines, iu, iF, row) -> None:
@@ -226,7 +226,7 @@ def _network_rows(ctx, kinds, rates, machines, iu, iF, row) -> None:
                 0.0, f"prefill on {m}")
             row({**{iu[(a, m)]: 1.0 for a in machines}, **{3 * j + 1: -rates[j]["decode"][t] for j in by_machine[m]}},
                 0.0, f"decode on {m}")
-    bound_groups.resource_rows(ctx, kinds, iu, row)
+    resource_rows(ctx, kinds, iu, row)
 
 
 def _counts(lp: _LP, x) -> dict[tuple[str, str, str], float]:

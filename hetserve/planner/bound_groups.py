@@ -4,18 +4,27 @@ Variables: ``y[j, r]`` — how many groups of composition ``j`` (device counts p
 K devices; ``bound_columns``) serve in role ``r`` (integers); ``z[g, r]`` — devices of kind ``g``
 in groups of more than K devices, ``n[r]`` — how many such groups; ``x[k, r]`` — devices of each
 machine kind (the old LP's kinds) in prefill / decode; ``F`` — requests per T through the
-prefill → decode network; ``u[m, m']`` — its KV prefilled on machine m and decoded on m'.
+prefill → decode network; ``u[m, m']`` — its KV prefilled on machine m and decoded on m'; with
+machine columns and shared links, the KV variables of ``bound_network.TiedRows``.
 
 Rows (every real plan, read as the groups it holds, satisfies them — hence a bound):
 
 * devices per kind; (K + 1)·n[r] ≤ Σ z[·, r];
 * F ≤ Σ prefill ceilings, F ≤ Σ decode ceilings (columns' ``ColumnBounds`` values, big groups'
   per-group / per-device ceilings);
-* shared network (as the old LP): Σ u = F; what leaves machine m is at most the prefill
-  capacity there — per machine kind the old per-device rates, and, where columns are machine
-  kinds, each column's ceiling capped by its devices on m at those rates (a group's KV leaves
-  m only for the layers held there); likewise what arrives at m; Σ u × KV bytes ≤ each NIC /
-  pipe on the path;
+* shared network: Σ u = F; u × KV bytes ≤ each NIC / pipe on the path. GPU-type columns
+  (``bound_network.loose_rows``): what leaves machine m is at most the prefill capacity there
+  (per machine kind the old per-device rates), likewise what arrives. Machine columns
+  (``bound_network.TiedRows``): what leaves / reaches m *equals* the KV of the groups there — a
+  one-machine group's whole flow, a spread group's KV on m (``a[j, r, m]``, Σ_m a = its flow,
+  a ≤ its ceiling capped by the layers and per-device rates there), big groups' flow there;
+  KV kept on m is bounded by what can stay (a request from a one-machine prefill group into a
+  spread decode group keeps on its machine at most the share of the layers the decode group's
+  devices there can hold, and the mirror image); and ``bound_shares``'s lines tie a spread
+  group's KV on each machine to its flow (serving more needs more of the layers where memory
+  and speed are). Spread columns get these rows lazily: first as the loose per-machine sums,
+  then tied once the LP or the MILP uses them (rounds; each round's programme is a relaxation
+  of the fully tied one, so each value is a bound — the last MILP's dual bound is returned);
 * budget: Σ price × devices ≤ B.
 
 Objective F + Σ colocated ceilings. Solved by HiGHS (``scipy.optimize.milp``) with a node limit
@@ -23,7 +32,8 @@ Objective F + Σ colocated ceilings. Solved by HiGHS (``scipy.optimize.milp``) w
 limit as a safety net; the bound returned is the solver's dual bound (valid whether or not it
 proved the optimum), and never above the LP relaxation's value. Columns another column
 dominates (no more devices of any kind, at least the ceiling and the machine shares) are fixed
-at zero: a plan using one can use the other.
+at zero: a plan using one can use the other (not for spread columns in prefill / decode under
+tied KV rows: a smaller group cannot always send its KV the same way).
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from hetserve.planner.bound_shares import facets, share_ceilings
 
 GROUP_K = 8  # columns: groups of at most this many devices (at least the largest TP degree)
 MAX_COLUMNS = 2000  # compositions per programme; past it, GPU types instead of machines, then a smaller K
+MAX_ALL_COLUMNS = 1000  # every composition of the pool as a column (no big groups) while they are at most this many
 
 
 @dataclass
@@ -58,6 +69,7 @@ class Columns:
     K: int
     counts: list[int]
     prices: list[float]
+    big_colocated_columns: bool  # compositions past K devices are columns too (colocated only)
 
 
 def columns(ctx, mk) -> Columns | None:
@@ -82,13 +94,18 @@ def columns(ctx, mk) -> Columns | None:
             K -= 1
         else:
             continue
+        # colocated: every composition of the pool as a column when they are few (those past K
+        # devices priced by ``ColumnBounds.relaxed``), so no colocated group is "big"
+        every = _compositions(counts, sum(counts), MAX_ALL_COLUMNS) if K < sum(counts) and K == k_cap else None
+        if every is not None:
+            comps = comps + [c for c in every if sum(c) > K]
         cb = ColumnBounds(ctx, kinds)
         # a group that leaves devices idle counts as the composition of those it uses
-        caps = np.array([cb.exact(c) for c in comps]).reshape(len(comps), 3)
+        caps = np.array([cb.exact(c) if sum(c) <= k_cap else cb.relaxed(c) for c in comps]).reshape(len(comps), 3)
         big_stages, big_pf, big_col, big_dec = cb.big()  # K ≥ t_max: a big group has ≥ 2 stages
         prices = [float(mk[kind_of.index(g)].usd_per_hour or 0.0) for g in range(len(kinds))]
         return Columns(comps, caps, kind_of, kinds is machine, big_stages, np.array(big_pf), np.array(big_col),
-                       np.array(big_dec), K, counts, prices)
+                       np.array(big_dec), K, counts, prices, every is not None)
     return None
 
 
@@ -194,6 +211,12 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
     upper = np.full(nv, np.inf)
     ties = _Ties(ctx, mk, rates, cols, machines, nv, big, share, (iu, iF, iy, iz, ib)) if tie_kv else None
     upper[iy:iy + 3 * nj] = np.where(dominated(cols, share, ties.spread if ties else None).ravel(), 0.0, np.inf)
+    for j, comp in enumerate(cols.comps):
+        if sum(comp) > cols.K:  # a colocated column only; prefill / decode groups this large are "big"
+            upper[iy + 3 * j:iy + 3 * j + 2] = 0.0
+    if big and cols.big_colocated_columns:  # every colocated group is a column
+        upper[ib + 2:iC:3] = 0.0
+        upper[iz + 2:ib:3] = 0.0
     integrality = np.zeros(nv)
     integrality[iy:iy + 3 * nj] = 1
     if big:  # whole big groups too
@@ -217,13 +240,15 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
             break
     duals = np.abs(lp.ineqlin.marginals)
     binding = tuple(dict.fromkeys(n for n, y in zip(names, duals) if y > 1e-9))
-    best, res = relaxed, None
+    best, res, last = relaxed, None, math.inf
     for _ in range(_CUT_ROUNDS_MILP if ties else 1):
         (A, rhs), c_, up_, int_, _ = programme()
         res = _milp(-c_, A, rhs, int_, up_, {"node_limit": node_limit, "time_limit": time_limit,
                                              "highs": _HIGHS_OPTIONS})
-        if not (ties and res.x is not None and ties.add(res.x)):
-            break
+        value = -float(res.fun) if res.fun is not None else math.inf
+        if not (ties and res.x is not None and value < last * (1 - 1e-3) and ties.add(res.x)):
+            break  # no untied column in use, or the last round moved the optimum by < 0.1 %
+        last = value
     # the last programme is the tightest; its dual bound is the bound (no smaller one of an
     # earlier, looser round is taken: a solver's dual bound that undercut a later one would be
     # a numerical slip, not a proof)

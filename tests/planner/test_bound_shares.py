@@ -79,6 +79,24 @@ def test_every_spread_layout_sends_its_kv_as_the_lines_say(llama7b, azure):
     assert checked > 300 and binding > 0  # and the lines are not all slack
 
 
+def test_relaxed_ceilings_hold_for_every_pipeline(llama7b, azure):
+    """``ColumnBounds.relaxed`` (compositions past K devices, stages not enumerated) stays above
+    every layout of two or more stages of a 5-GPU pool, and within 50 % of the enumerated ceiling."""
+    ctx = PlanContext(_pool(), llama7b, azure)
+    mk = bound._kinds(ctx)
+    cb = ColumnBounds(ctx, [bound_groups._column_kind(ctx, [k]) for k in mk])
+    n = 0
+    for used, lay in _layouts(ctx, random.Random(2), per_order=3):
+        if len(lay.stages) < 2:
+            continue
+        relaxed = cb.relaxed(used)
+        for r, role in enumerate(("prefill", "decode", "colocated")):
+            assert _capacity(ctx, lay, role) <= relaxed[r] * (1 + 1e-9), (used, lay, role)
+            assert relaxed[r] <= 1.5 * cb.exact(used)[r] + 1e-9
+        n += 1
+    assert n > 500
+
+
 @pytest.mark.slow
 def test_tied_kv_closes_the_gap_on_het4():
     """het4: the untied programme let a decode group across the H100 and A100 sites keep the

@@ -38,7 +38,7 @@ from hetserve.errors import RuntimeFailure
 from hetserve.policies.base import RequestInfo
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.routing import KVRoutePolicy
-from hetserve.runtime.scheduler import ReplicaScheduler
+from hetserve.runtime.scheduler import ReplicaScheduler, requeue
 from hetserve.runtime.sequence import Sequence, Status
 from hetserve.runtime.snapshot import replica_snapshots, state_from_stats
 from hetserve.runtime.transport import Message, Priority, SocketTransport
@@ -76,8 +76,9 @@ class Coordinator:
         # elastic re-plan: start-up messages of workers being added go here (Engine.reconfigure reads them)
         self.joining: queue.Queue | None = None
         self.replans: list[dict[str, Any]] = []
-        # When a list: ("arrive", seq id) per submission handled and ("step", replica, decode ids,
-        # prompt ids) per step started, in order (tests compare it with the simulator's steps).
+        # When a list: ("arrive", seq id) per submission handled, ("step", replica, decode ids,
+        # prompt ids) per step started and ("preempt", replica, ids) per pre-emption, in order
+        # (tests compare it with the simulator's steps).
         self.trace: list[tuple] | None = None
 
     # ------------------------------------------------------------------ loop
@@ -194,11 +195,12 @@ class Coordinator:
                 info = RequestInfo(seq.id, seq.handle.arrival_time, len(seq.prompt), float(seq.params.max_tokens))
                 seq.dst = self.route_policy.choose(info, seq.replica, alive, states, now)
             dst = self.schedulers[seq.dst]
-            if seq.dst in blocked or not dst.blocks.can_allocate(seq.reserve_tokens):
+            tokens = dst.handoff_tokens(seq)
+            if seq.dst in blocked or not dst.can_admit(tokens):
                 blocked.add(seq.dst)
                 continue
             self.handoff_queue.remove(seq)
-            seq.dst_table = dst.blocks.allocate(seq.reserve_tokens)
+            seq.dst_table = dst.blocks.allocate(tokens)
             seq.acks = set()
             seq.transfer = next(self._transfer_ids)
             seq.handoff_sent = time.monotonic()
@@ -230,9 +232,23 @@ class Coordinator:
         for sched in prefill_first:
             while sched.can_start_step():
                 batch = sched.next_step(self.waiting)
+                if sched.last_preempted:
+                    self._requeue(sched.id, sched.last_preempted)
                 if not batch:
                     break
                 self._send_step(sched, batch)
+
+    def _requeue(self, replica: str, preempted: list[Sequence]) -> None:
+        """Pre-empted sequences (paged KV) go back to the head of the queue they were admitted from:
+        the prefill-capable replica they were placed on, if it is alive, else the shared one. Their
+        recompute re-prefills prompt + output there (on a disaggregated plan, then a new hand-off)."""
+        if self.trace is not None:
+            self.trace.append(("preempt", replica, tuple(q.id for q in preempted)))
+        for seq in preempted:
+            home = self.schedulers.get(seq.pinned) if seq.pinned else None
+            if home is None or not home.alive:
+                seq.pinned, home = None, None
+            requeue(home.pinned if home else self.waiting, seq)
 
     def _send_step(self, sched: ReplicaScheduler, batch: list[Sequence]) -> None:
         step_id = next(self._step_ids)

@@ -19,8 +19,9 @@ rows and the budget. Where the columns are machines, a group spread over machine
 sends) each request's KV on each machine in proportion to the layers it holds there
 (``bound_network.TiedRows``, ``bound_shares``): the KV crossing each pipe is tied to where the
 layers must sit to reach the group's flow, and a request from a one-machine group keeps on its
-machine at most the share of the layers the other group's devices there can hold. Kinds are machine classes while their compositions number ≤ ``bound_groups.MAX_COLUMNS``; past
-that, GPU types (TP groups across machines allowed at the type's best link), K lowered if needed.
+machine at most the share of the layers the other group's devices there can hold. Kinds are
+machine classes while their compositions number ≤ ``bound_groups.MAX_COLUMNS``; past that, GPU
+types (TP groups across machines allowed at the type's best link), K lowered if needed.
 HiGHS stops after ``GROUP_NODE_LIMIT`` branch-and-bound nodes (deterministic) and its *dual*
 bound is used, so an unfinished search still gives a bound. Scope: layouts whose TP groups are
 devices of one class (same machine and GPU type) — every layout the planners build
@@ -62,8 +63,9 @@ decode batch below the cap, the integrality of groups and the tie of KV to layer
 columns keep all four (the tie where columns are machines). Both leave out the activation /
 all-reduce traffic of groups across machines, and the group programme still routes the KV of
 requests between two spread groups, and between a one-machine group and a spread one on other
-machines than its own, by machine totals (a transport relaxation of the per-pair layer overlap). Running time: the LP milliseconds; the group programme a few seconds
-(``bench_planner bound`` prints it).
+machines than its own, by machine totals (a transport relaxation of the per-pair layer overlap).
+Running time: the LP milliseconds; the group programme a few seconds (``bench_planner bound``
+prints it).
 """
 
 from __future__ import annotations

@@ -310,13 +310,14 @@ class ColumnBounds:
         dec = np.stack([np.min([self._dl(ki, t, mb, cbar) for t in tps[ki]], axis=0) for ki in kinds], axis=1)
         per_dev = np.stack([np.min([t * m2 * self._dl(ki, t, b / m2, cbar) for t in tps[ki]], axis=0) / comp[ki]
                             for ki in kinds], axis=1)
-        step = np.maximum(_knapsack(dec, cap, L) + fixed + hop(mb), _waterfill(per_dev, np.full_like(per_dev, e_min), cap, L))
+        step = np.maximum(_knapsack(dec, cap, L) + fixed + hop(mb),
+                          _waterfill(per_dev, np.full_like(per_dev, e_min), cap, L))
         with np.errstate(divide="ignore", invalid="ignore"):
             decode = float(np.where(ok & np.isfinite(step), T * b / (self.Oc * step), 0.0).max(initial=0.0))
         joins = b / self.Oc
         share = -np.expm1(-joins)
-        mix = np.stack([np.min([share * info[(ki, t)]["mix"] + (1 - share) * self._dl(ki, t, mb, cbar) for t in tps[ki]],
-                               axis=0) for ki in kinds], axis=1)
+        mix = np.stack([np.min([share * info[(ki, t)]["mix"] + (1 - share) * self._dl(ki, t, mb, cbar)
+                                for t in tps[ki]], axis=0) for ki in kinds], axis=1)
         mix_head = np.min(np.stack([v["mix_head"] for v in info.values()], axis=1), axis=1)
         lin = (_knapsack(mix, cap, L) + fixed + share * mix_head + share * hop(b + joins / share * self.Ir)
                + (1 - share) * hop(mb))

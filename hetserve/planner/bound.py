@@ -15,9 +15,13 @@ least one hand-off per machine change (proof term by term in ``bound_columns``).
 more than K devices has S ≥ 2 stages; it gets a per-group ceiling (prefill, colocated: the
 prompt passes its fastest stage type's time L times) and per-device decode rates. A mixed-integer
 programme then counts whole groups: devices per kind, prefill / decode balance, the shared-network
-rows (with each group's KV share on a machine capped by what its devices there can hold) and
-the budget. Kinds are machine classes while their compositions number ≤ ``bound_groups.MAX_COLUMNS``; past
-that, GPU types (TP groups across machines allowed at the type's best link), K lowered if needed.
+rows and the budget. Where the columns are machines, a group spread over machines takes (or
+sends) each request's KV on each machine in proportion to the layers it holds there
+(``bound_network.TiedRows``, ``bound_shares``): the KV crossing each pipe is tied to where the
+layers must sit to reach the group's flow, and a request from a one-machine group keeps on its
+machine at most the share of the layers the other group's devices there can hold. Kinds are
+machine classes while their compositions number ≤ ``bound_groups.MAX_COLUMNS``; past that, GPU
+types (TP groups across machines allowed at the type's best link), K lowered if needed.
 HiGHS stops after ``GROUP_NODE_LIMIT`` branch-and-bound nodes (deterministic) and its *dual*
 bound is used, so an unfinished search still gives a bound. Scope: layouts whose TP groups are
 devices of one class (same machine and GPU type) — every layout the planners build
@@ -55,11 +59,13 @@ several pools (aladdin-v100 and the island pools of bench_planner with llama-2-7
 * **budget**: Σ price × devices used ≤ the budget, when one is set.
 
 What the per-device LP leaves out: TP all-reduces and pipeline hand-offs, KV memory limiting the
-decode batch below the cap, and the integrality of groups — the group columns keep all three.
-Both leave out per-pair KV links (``kv_capacity``: each request's KV is split by the decode
-group's layers, the programme routes it freely) and the activation / all-reduce traffic of
-groups across machines. Running time: the LP milliseconds; the group programme a few seconds
-(``bench_planner bound`` prints it).
+decode batch below the cap, the integrality of groups and the tie of KV to layers — the group
+columns keep all four (the tie where columns are machines). Both leave out the activation /
+all-reduce traffic of groups across machines, and the group programme still routes the KV of
+requests between two spread groups, and between a one-machine group and a spread one on other
+machines than its own, by machine totals (a transport relaxation of the per-pair layer overlap).
+Running time: the LP milliseconds; the group programme a few seconds (``bench_planner bound``
+prints it).
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ import numpy as np
 from scipy.optimize import linprog
 
 from hetserve.planner import bound_groups
+from hetserve.planner.bound_network import Rows, resource_rows
 
 ROLES = ("prefill", "decode", "colocated")
 GROUP_NODE_LIMIT = 500  # HiGHS's MILP: past it its dual bound (still a bound) is used; deterministic
@@ -166,8 +173,7 @@ def _build(ctx, budget_usd_per_hour: float | None = None, devices=None) -> _LP:
     pairs = [(a, b) for a in machines for b in machines] if network else []
     iu = {pair: nx + 4 + j for j, pair in enumerate(pairs)}
     nv = nx + 4 + len(pairs)
-    row = bound_groups.Rows(nv)
-    A, rhs, names = row.A, row.rhs, row.names
+    row = Rows(nv)
 
     rates = [_rates(ctx, k) for k in kinds]
     for j, k in enumerate(kinds):
@@ -207,7 +213,7 @@ def _build(ctx, budget_usd_per_hour: float | None = None, devices=None) -> _LP:
         row({i: prices[i] for i in range(nx)}, float(budget_usd_per_hour), "budget")
     served = np.zeros(nv)
     served[iF] = served[iC] = 1.0
-    return _LP(kinds, np.array(A), np.array(rhs), names, prices, served)
+    return _LP(kinds, row.A, np.array(row.rhs), row.names, prices, served)
 
 
 def _network_rows(ctx, kinds, rates, machines, iu, iF, row) -> None:
@@ -226,7 +232,7 @@ def _network_rows(ctx, kinds, rates, machines, iu, iF, row) -> None:
                 0.0, f"prefill on {m}")
             row({**{iu[(a, m)]: 1.0 for a in machines}, **{3 * j + 1: -rates[j]["decode"][t] for j in by_machine[m]}},
                 0.0, f"decode on {m}")
-    bound_groups.resource_rows(ctx, kinds, iu, row)
+    resource_rows(ctx, kinds, iu, row)
 
 
 def _counts(lp: _LP, x) -> dict[tuple[str, str, str], float]:

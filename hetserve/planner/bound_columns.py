@@ -267,6 +267,66 @@ class ColumnBounds:
         self._cache[comp] = tuple(best)
         return self._cache[comp]
 
+    def relaxed(self, comp: tuple[int, ...]) -> tuple[float, float, float]:
+        """Ceilings of layouts that use every device of ``comp`` without enumerating their
+        stages (for groups past K devices): each kind's devices hold at most their memory's
+        layers; a Σ-over-stages time is at least each kind's fastest TP degree per layer at the
+        smallest micro-batch (b over Σ devices micro-batches), the max-stage time at least the
+        fewest device-seconds per layer spread over the kind's devices with m = min(2, b) (at
+        least two stages: more than K ≥ any TP degree devices), the stage overheads at least
+        one step overhead per stage for the fewest stages; hand-offs as ``exact``."""
+        key = ("relaxed", comp)
+        if key in self._cache:
+            return self._cache[key]
+        m, eff = self.ctx.model, self.ctx.cost.eff
+        L, T, b = self.L, self.T, self.b
+        kinds = [ki for ki, n in enumerate(comp) if n]
+        tps = {ki: [t for t in self.tp_ok if t <= comp[ki]] for ki in kinds}
+        n_dev = float(sum(comp))
+        S_min = max(2.0, float(sum(math.ceil(comp[ki] / max(tps[ki])) for ki in kinds)))
+        fixed, e_min = S_min * eff.step_overhead_s, eff.step_overhead_s
+        nh, alpha, beta = self._hops(kinds)
+        act_bytes = m.hidden * m.dtype_bytes
+
+        def hop(tokens):
+            return nh * (alpha + tokens * act_bytes / beta)
+
+        room = np.array([comp[ki] * (self.kinds[ki].usable - self.act) for ki in kinds])
+        W, kvl = m.params_per_layer * m.dtype_bytes, m.kv_bytes_per_token_per_layer
+        if room.sum() - self.extras < L * W:
+            self._cache[key] = (0.0, 0.0, 0.0)
+            return self._cache[key]
+        info = {(ki, t): self._stage(ki, t) for ki in kinds for t in tps[ki]}
+        pf = np.array([min(info[(ki, t)]["pf"] for t in tps[ki]) for ki in kinds])
+        ttft = (_knapsack(pf[None, :], (room / (W + kvl))[None, :], L)[0] + fixed
+                + min(v["pf_head"] for v in info.values()) + hop(self.I))
+        prefill = T / ttft if math.isfinite(ttft) else 0.0
+        den = W + b * (self.Ir + self.O) * kvl
+        cap = room[None, :] / den[:, None]
+        ok = (room.sum() - self.extras) / den >= L
+        cbar = self.Ir + self.O / 2
+        mb = b / np.minimum(n_dev, b)
+        m2 = np.minimum(2.0, b)
+        dec = np.stack([np.min([self._dl(ki, t, mb, cbar) for t in tps[ki]], axis=0) for ki in kinds], axis=1)
+        per_dev = np.stack([np.min([t * m2 * self._dl(ki, t, b / m2, cbar) for t in tps[ki]], axis=0) / comp[ki]
+                            for ki in kinds], axis=1)
+        step = np.maximum(_knapsack(dec, cap, L) + fixed + hop(mb),
+                          _waterfill(per_dev, np.full_like(per_dev, e_min), cap, L))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            decode = float(np.where(ok & np.isfinite(step), T * b / (self.Oc * step), 0.0).max(initial=0.0))
+        joins = b / self.Oc
+        share = -np.expm1(-joins)
+        mix = np.stack([np.min([share * info[(ki, t)]["mix"] + (1 - share) * self._dl(ki, t, mb, cbar)
+                                for t in tps[ki]], axis=0) for ki in kinds], axis=1)
+        mix_head = np.min(np.stack([v["mix_head"] for v in info.values()], axis=1), axis=1)
+        lin = (_knapsack(mix, cap, L) + fixed + share * mix_head + share * hop(b + joins / share * self.Ir)
+               + (1 - share) * hop(mb))
+        avg = np.maximum(lin, step)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            colocated = float(np.where(ok & np.isfinite(avg), T * joins / avg, 0.0).max(initial=0.0))
+        self._cache[key] = (prefill, decode, colocated)
+        return self._cache[key]
+
 
 def _knapsack(cost: np.ndarray, cap: np.ndarray, L: float) -> np.ndarray:
     """min Σ_i cost_i·l_i s.t. 0 ≤ l_i ≤ cap_i, Σ l_i = L, row by row (inf where infeasible):

@@ -4,18 +4,27 @@ Variables: ``y[j, r]`` — how many groups of composition ``j`` (device counts p
 K devices; ``bound_columns``) serve in role ``r`` (integers); ``z[g, r]`` — devices of kind ``g``
 in groups of more than K devices, ``n[r]`` — how many such groups; ``x[k, r]`` — devices of each
 machine kind (the old LP's kinds) in prefill / decode; ``F`` — requests per T through the
-prefill → decode network; ``u[m, m']`` — its KV prefilled on machine m and decoded on m'.
+prefill → decode network; ``u[m, m']`` — its KV prefilled on machine m and decoded on m'; with
+machine columns and shared links, the KV variables of ``bound_network.TiedRows``.
 
 Rows (every real plan, read as the groups it holds, satisfies them — hence a bound):
 
 * devices per kind; (K + 1)·n[r] ≤ Σ z[·, r];
 * F ≤ Σ prefill ceilings, F ≤ Σ decode ceilings (columns' ``ColumnBounds`` values, big groups'
   per-group / per-device ceilings);
-* shared network (as the old LP): Σ u = F; what leaves machine m is at most the prefill
-  capacity there — per machine kind the old per-device rates, and, where columns are machine
-  kinds, each column's ceiling capped by its devices on m at those rates (a group's KV leaves
-  m only for the layers held there); likewise what arrives at m; Σ u × KV bytes ≤ each NIC /
-  pipe on the path;
+* shared network: Σ u = F; u × KV bytes ≤ each NIC / pipe on the path. GPU-type columns
+  (``bound_network.loose_rows``): what leaves machine m is at most the prefill capacity there
+  (per machine kind the old per-device rates), likewise what arrives. Machine columns
+  (``bound_network.TiedRows``): what leaves / reaches m *equals* the KV of the groups there — a
+  one-machine group's whole flow, a spread group's KV on m (``a[j, r, m]``, Σ_m a = its flow,
+  a ≤ its ceiling capped by the layers and per-device rates there), big groups' flow there;
+  KV kept on m is bounded by what can stay (a request from a one-machine prefill group into a
+  spread decode group keeps on its machine at most the share of the layers the decode group's
+  devices there can hold, and the mirror image); and ``bound_shares``'s lines tie a spread
+  group's KV on each machine to its flow (serving more needs more of the layers where memory
+  and speed are). Spread columns get these rows lazily: first as the loose per-machine sums,
+  then tied once the LP or the MILP uses them (rounds; each round's programme is a relaxation
+  of the fully tied one, so each value is a bound — the last MILP's dual bound is returned);
 * budget: Σ price × devices ≤ B.
 
 Objective F + Σ colocated ceilings. Solved by HiGHS (``scipy.optimize.milp``) with a node limit
@@ -23,7 +32,8 @@ Objective F + Σ colocated ceilings. Solved by HiGHS (``scipy.optimize.milp``) w
 limit as a safety net; the bound returned is the solver's dual bound (valid whether or not it
 proved the optimum), and never above the LP relaxation's value. Columns another column
 dominates (no more devices of any kind, at least the ceiling and the machine shares) are fixed
-at zero: a plan using one can use the other.
+at zero: a plan using one can use the other (not for spread columns in prefill / decode under
+tied KV rows: a smaller group cannot always send its KV the same way).
 """
 
 from __future__ import annotations
@@ -34,11 +44,16 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+from scipy.sparse import csr_array, diags
+from scipy.sparse import vstack as sparse_vstack
 
 from hetserve.planner.bound_columns import ROLES, ColumnBounds, Kind
+from hetserve.planner.bound_network import Rows, TiedRows, dominated, loose_rows, shares
+from hetserve.planner.bound_shares import facets, share_ceilings
 
 GROUP_K = 8  # columns: groups of at most this many devices (at least the largest TP degree)
 MAX_COLUMNS = 2000  # compositions per programme; past it, GPU types instead of machines, then a smaller K
+MAX_ALL_COLUMNS = 1000  # every composition of the pool as a column (no big groups) while they are at most this many
 
 
 @dataclass
@@ -54,6 +69,7 @@ class Columns:
     K: int
     counts: list[int]
     prices: list[float]
+    big_colocated_columns: bool  # compositions past K devices are columns too (colocated only)
 
 
 def columns(ctx, mk) -> Columns | None:
@@ -78,13 +94,18 @@ def columns(ctx, mk) -> Columns | None:
             K -= 1
         else:
             continue
+        # colocated: every composition of the pool as a column when they are few (those past K
+        # devices priced by ``ColumnBounds.relaxed``), so no colocated group is "big"
+        every = _compositions(counts, sum(counts), MAX_ALL_COLUMNS) if K < sum(counts) and K == k_cap else None
+        if every is not None:
+            comps = comps + [c for c in every if sum(c) > K]
         cb = ColumnBounds(ctx, kinds)
         # a group that leaves devices idle counts as the composition of those it uses
-        caps = np.array([cb.exact(c) for c in comps]).reshape(len(comps), 3)
+        caps = np.array([cb.exact(c) if sum(c) <= k_cap else cb.relaxed(c) for c in comps]).reshape(len(comps), 3)
         big_stages, big_pf, big_col, big_dec = cb.big()  # K ≥ t_max: a big group has ≥ 2 stages
         prices = [float(mk[kind_of.index(g)].usd_per_hour or 0.0) for g in range(len(kinds))]
         return Columns(comps, caps, kind_of, kinds is machine, big_stages, np.array(big_pf), np.array(big_col),
-                       np.array(big_dec), K, counts, prices)
+                       np.array(big_dec), K, counts, prices, every is not None)
     return None
 
 
@@ -129,6 +150,7 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
     big = sum(cols.counts) > cols.K
     machines = sorted({k.machine for k in mk})
     network = bool(getattr(ctx, "resources", None))
+    tie_kv = network and cols.machine_kinds
     pairs = [(a, b) for a in machines for b in machines] if network else []
     iy = 0
     iz = iy + 3 * nj
@@ -141,7 +163,6 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
     iu = {p: iF + 1 + i for i, p in enumerate(pairs)}
     nv = iF + 1 + len(pairs)
     row = Rows(nv)
-    A, rhs, names = row.A, row.rhs, row.names
 
     comps = np.array(cols.comps, dtype=float).reshape(nj, ng)
     for g in range(ng):
@@ -169,8 +190,8 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
             c.update({iz + 3 * g + 1: -cols.big_dec[g] for g in range(ng)})
         row(c, 0.0, name)
     share = shares(ctx, mk, rates, cols, machines) if network and cols.machine_kinds else None
-    if network:
-        _network(ctx, mk, rates, cols, machines, iu, iF, iy, iz, ix, big, row, share)
+    if network and not tie_kv:
+        loose_rows(ctx, mk, rates, cols, machines, iu, iF, iy, iz, ix, big, row, share)
     if budget is not None:
         c = {}
         for g in range(ng):
@@ -187,27 +208,53 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
         obj[iy + 3 * j + 2] = cols.caps[j, 2]
     if big:
         obj[iC] = 1.0
-    A = np.array(A)
-    rhs = np.array(rhs)
-    # scale rows (capacities ~1e4, KV bytes ~1e11) so HiGHS sees numbers near 1
-    scale = np.maximum(np.abs(A).max(axis=1), 1e-12)
-    A, rhs = A / scale[:, None], rhs / scale
     upper = np.full(nv, np.inf)
-    upper[iy:iy + 3 * nj] = np.where(dominated(cols, share).ravel(), 0.0, np.inf)
-    lp = linprog(-obj, A_ub=A, b_ub=rhs, bounds=list(zip(np.zeros(nv), upper)), method="highs")
-    if lp.status != 0:  # pragma: no cover - all zeros is feasible, every variable is capped
-        raise RuntimeError(f"group-column LP failed: {lp.message}")
-    relaxed = -float(lp.fun)
-    duals = np.abs(lp.ineqlin.marginals)
-    binding = tuple(dict.fromkeys(n for n, y in zip(names, duals) if y > 1e-9))
+    ties = _Ties(ctx, mk, rates, cols, machines, nv, big, share, (iu, iF, iy, iz, ib)) if tie_kv else None
+    upper[iy:iy + 3 * nj] = np.where(dominated(cols, share, ties.spread if ties else None).ravel(), 0.0, np.inf)
+    for j, comp in enumerate(cols.comps):
+        if sum(comp) > cols.K:  # a colocated column only; prefill / decode groups this large are "big"
+            upper[iy + 3 * j:iy + 3 * j + 2] = 0.0
+    if big and cols.big_colocated_columns:  # every colocated group is a column
+        upper[ib + 2:iC:3] = 0.0
+        upper[iz + 2:ib:3] = 0.0
     integrality = np.zeros(nv)
     integrality[iy:iy + 3 * nj] = 1
     if big:  # whole big groups too
         integrality[ib:iC] = 1
         integrality[iN] = 1
-    res = _milp(-obj, A, rhs, integrality, upper, {"node_limit": node_limit, "time_limit": time_limit})
+
+    def programme():  # the rows (and the variables' bounds) with the columns tied so far
+        parts, n = ([row], nv) if ties is None else ties.rows(row)
+        pad = n - nv
+        return (_matrix(parts, n), np.concatenate([obj, np.zeros(pad)]), np.concatenate([upper, np.full(pad, np.inf)]),
+                np.concatenate([integrality, np.zeros(pad)]), [name for p in parts for name in p.names])
+
+    # the spread columns the solver uses get tied KV rows and layer-share cuts, a round at a
+    # time: every round's programme is a relaxation of the fully tied one, so each value is a bound
+    lp, relaxed = None, math.inf
+    for _ in range(_CUT_ROUNDS):
+        matrix, c_, up_, _, names = programme()
+        lp = _lp(c_, matrix, up_)
+        relaxed = min(relaxed, -float(lp.fun))
+        if not (ties and ties.add(lp.x)):
+            break
+    duals = np.abs(lp.ineqlin.marginals)
+    binding = tuple(dict.fromkeys(n for n, y in zip(names, duals) if y > 1e-9))
+    best, res, last = relaxed, None, math.inf
+    for _ in range(_CUT_ROUNDS_MILP if ties else 1):
+        (A, rhs), c_, up_, int_, _ = programme()
+        res = _milp(-c_, A, rhs, int_, up_, {"node_limit": node_limit, "time_limit": time_limit,
+                                             "highs": _HIGHS_OPTIONS})
+        value = -float(res.fun) if res.fun is not None else math.inf
+        if not (ties and res.x is not None and value < last * (1 - 1e-3) and ties.add(res.x)):
+            break  # no untied column in use, or the last round moved the optimum by < 0.1 %
+        last = value
+    # the last programme is the tightest; its dual bound is the bound (no smaller one of an
+    # earlier, looser round is taken: a solver's dual bound that undercut a later one would be
+    # a numerical slip, not a proof)
     dual = getattr(res, "mip_dual_bound", None)
-    best = relaxed if dual is None or not math.isfinite(dual) else min(relaxed, -float(dual))
+    if dual is not None and math.isfinite(dual):
+        best = min(best, -float(dual))
     x = res.x if res.x is not None else lp.x
     used: dict[tuple[int, str], float] = {}
     for j in range(nj):
@@ -225,6 +272,66 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
     return relaxed, best, binding, used, incumbent
 
 
+_CUT_ROUNDS = 12  # LP rounds of layer-share cuts for the spread columns in use (each: a bound)
+_CUT_ROUNDS_MILP = 8  # then MILP rounds, while its best integer point uses an untied column
+
+
+class _Ties:
+    """Which spread columns have tied KV rows (``TiedRows``) and their layer-share lines
+    (``bound_shares``), computed once per column when the solver first uses it."""
+
+    def __init__(self, ctx, mk, rates, cols, machines, nv, big, share, idx):
+        self.ctx, self.mk, self.rates, self.cols, self.machines, self.nv = ctx, mk, rates, cols, machines, nv
+        self.big, self.share, self.idx = big, share, idx
+        self.cb = ColumnBounds(ctx, [_column_kind(ctx, [k]) for k in mk])
+        self.kind_machine = [machines.index(k.machine) for k in mk]
+        self.spread = TiedRows(ctx, mk, cols, machines, nv, big).spread
+        self.lines: dict[tuple[int, int, int], list] = {}
+        self.tied: set[int] = set()
+
+    def rows(self, base: Rows) -> tuple[list[Rows], int]:
+        iu, iF, iy, iz, ib = self.idx
+        tie = TiedRows(self.ctx, self.mk, self.cols, self.machines, self.nv, self.big, self.tied)
+        net = Rows(tie.nv)
+        tie.rows(self.ctx, self.mk, self.rates, self.cols, iu, iF, iy, iz, ib, net, self.share)
+        for (j, r, mi), lines in sorted(self.lines.items()):
+            tie.cut_rows(j, r, mi, lines, iy, net)
+        return [base, net], tie.nv
+
+    def add(self, x) -> bool:
+        """Tie every spread column used in prefill or decode in ``x`` that is not yet; True if any."""
+        iy = self.idx[2]
+        new = [int(j) for j in np.flatnonzero(self.spread) if int(j) not in self.tied
+               and max(x[iy + 3 * j], x[iy + 3 * j + 1]) > 1e-9]
+        for j in new:
+            self.tied.add(j)
+            comp = self.cols.comps[j]
+            for mi in sorted({self.kind_machine[k] for k in range(len(comp)) if comp[self.cols.kind_of[k]]}):
+                on_m = [self.kind_machine[k] == mi for k in range(len(comp))]
+                caps_h = share_ceilings(self.cb, comp, on_m)
+                for r in range(2):
+                    self.lines[(j, r, mi)] = facets(self.cols.caps[j, r], caps_h[r])
+        return bool(new)
+
+
+def _matrix(parts: list[Rows], nv: int):
+    """The rows as one sparse matrix over ``nv`` variables, each row scaled so its largest
+    coefficient is 1 (capacities ~1e4, KV bytes ~1e11: HiGHS wants numbers near 1)."""
+    A = sparse_vstack([p.sparse(nv) for p in parts]).tocsr()
+    rhs = np.concatenate([np.array(p.rhs, dtype=float) for p in parts])
+    scale = np.array([max((abs(v) for v in c.values()), default=1.0) for p in parts for c in p.coefs])
+    scale = np.maximum(scale, 1e-12)
+    return csr_array(diags(1.0 / scale) @ A), rhs / scale
+
+
+def _lp(obj, matrix, upper):
+    A, rhs = matrix
+    lp = linprog(-obj, A_ub=A, b_ub=rhs, bounds=list(zip(np.zeros(len(obj)), upper)), method="highs")
+    if lp.status != 0:  # pragma: no cover - all zeros is feasible, every variable is capped
+        raise RuntimeError(f"group-column LP failed: {lp.message}")
+    return lp
+
+
 # Only the dual bound is used: HiGHS's primal heuristics (sub-MIPs, most of the root's time) are
 # switched off and it stops within 0.2 % of its best integer point (the dual bound stays a bound).
 # scipy passes these HiGHS options through verbatim (with a warning, silenced here).
@@ -237,120 +344,8 @@ def _milp(c, A, rhs, integrality, upper, options):
                              bounds=Bounds(0, upper), options={**options, **extra, "disp": False})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        res = run(_HIGHS_OPTIONS)
+        res = run(options.pop("highs"))
     return res if res.status != 4 else run({})  # 4: HiGHS refused (e.g. an option it does not know)
 
 
-def _by_machine(mk) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for k, kind in enumerate(mk):
-        out.setdefault(kind.machine, []).append(k)
-    return out
 
-
-def shares(ctx, mk, rates, cols, machines) -> np.ndarray:
-    """(columns, prefill / decode, machines): requests per T of a group's KV that can leave
-    (prefill) or reach (decode) machine m — at most its ceiling, the per-device rates of its
-    devices on m, and its ceiling × the share of the layers those devices can hold."""
-    m_, eff = ctx.model, ctx.cost.eff
-    act = eff.activation_buffers * eff.activation_tokens * m_.hidden * m_.dtype_bytes
-    room = [max(0.0, k.usable - act) / (m_.bytes_per_layer * m_.num_layers) for k in mk]
-    per_device = [[min(rates[k]["prefill"]), min(rates[k]["decode"])] for k in range(len(mk))]
-    by_machine = _by_machine(mk)
-    out = np.zeros((len(cols.comps), 2, len(machines)))
-    for j, comp in enumerate(cols.comps):
-        for mi, m in enumerate(machines):
-            held = sum(comp[cols.kind_of[k]] * room[k] for k in by_machine[m])
-            for r in range(2):
-                here = sum(comp[cols.kind_of[k]] * per_device[k][r] for k in by_machine[m])
-                if here > 0:
-                    out[j, r, mi] = min(cols.caps[j, r], here, cols.caps[j, r] * min(1.0, held))
-    return out
-
-
-def dominated(cols, share: np.ndarray | None) -> np.ndarray:
-    """(columns, roles) True where another column uses no more devices of any kind, has at
-    least the ceiling and (prefill / decode) at least the share on every machine: any plan using
-    the first can use the second instead and satisfy every row, so the first is left out."""
-    comps = np.array(cols.comps, dtype=float)
-    out = np.zeros((len(comps), 3), dtype=bool)
-    for j in range(len(comps)):
-        fewer = (comps <= comps[j]).all(axis=1)
-        fewer[j] = False
-        for r in range(3):
-            ok = fewer & (cols.caps[:, r] >= cols.caps[j, r])
-            if share is not None and r < 2:
-                ok &= (share[:, r, :] >= share[j, r, :]).all(axis=1)
-            out[j, r] = ok.any()
-    return out
-
-
-def _network(ctx, mk, rates, cols, machines, iu, iF, iy, iz, ix, big, row, shares) -> None:
-    """KV routes over the shared NICs and pipes (see the module docstring)."""
-    nk, nj = len(mk), len(cols.comps)
-    row({iF: 1.0, **{i: -1.0 for i in iu.values()}}, 0.0, "KV routes")
-    # x[k, r] (GPU-type columns only): machine-kind devices in prefill (r = 0) / decode (r = 1)
-    for g in range(len(cols.counts) if not cols.machine_kinds else 0):
-        members = [k for k in range(nk) if cols.kind_of[k] == g]
-        for r in range(2):
-            c = {ix + 2 * k + r: 1.0 for k in members}
-            for j in range(nj):
-                if cols.comps[j][g]:
-                    c[iy + 3 * j + r] = -float(cols.comps[j][g])
-            if big:
-                c[iz + 3 * g + r] = -1.0
-            row(c, 0.0, f"machine devices of kind {g} ({ROLES[r]})")
-            row({i: -v for i, v in c.items()}, 0.0, f"machine devices of kind {g} ({ROLES[r]})")
-    by_machine = _by_machine(mk)
-    per_device = [[min(rates[k]["prefill"]), min(rates[k]["decode"])] for k in range(nk)]
-    for mi, m in enumerate(machines):
-        for r, side in ((0, 0), (1, 1)):
-            flow = {i: 1.0 for p, i in iu.items() if p[side] == m}
-            role = ROLES[r]
-            if not cols.machine_kinds:  # GPU-type columns: the machines' devices per role, per-device rates
-                row({**flow, **{ix + 2 * k + r: -per_device[k][r] for k in by_machine[m]}}, 0.0, f"{role} on {m}")
-                continue
-            c = dict(flow)  # machine columns: each group's share on m (these imply the per-device rows)
-            for j in range(nj):
-                if shares[j, r, mi] > 0:
-                    c[iy + 3 * j + r] = -shares[j, r, mi]
-            if big:
-                for k in by_machine[m]:
-                    c[iz + 3 * cols.kind_of[k] + r] = -per_device[k][r]
-            row(c, 0.0, f"{role} on {m} (groups)")
-    resource_rows(ctx, mk, iu, row)
-
-
-class Rows:
-    """Rows ``coefs · x ≤ bound`` of a programme over ``nv`` variables, each with a name (for the
-    binding constraints reported): call with ({variable: coefficient}, bound, name)."""
-
-    def __init__(self, nv: int):
-        self.nv = nv
-        self.A: list[np.ndarray] = []
-        self.rhs: list[float] = []
-        self.names: list[str] = []
-
-    def __call__(self, coefs: dict[int, float], bound: float, name: str) -> None:
-        r = np.zeros(self.nv)
-        for i, c in coefs.items():
-            r[i] += c
-        self.A.append(r)
-        self.rhs.append(bound)
-        self.names.append(name)
-
-
-def resource_rows(ctx, kinds, iu: dict, row) -> None:
-    """Shared NICs and pipes: the KV routes ``u[m, m']`` (variable index ``iu[(m, m')]``, requests'
-    worth of KV from machine m to m') that cross a resource carry at most its capacity in bytes.
-    ``kinds``: anything with ``machine`` and a representative ``device`` per machine."""
-    kv_bytes = ctx.input_tokens * ctx.model.kv_bytes_per_token
-    rep = {k.machine: k.device for k in kinds}
-    crossing: dict[str, list[int]] = {}
-    for (a, b), i in iu.items():
-        if a != b:
-            for r in ctx.cluster.path(rep[a], rep[b]).resources:
-                if r.name in ctx.resource_cap:
-                    crossing.setdefault(r.name, []).append(i)
-    for name, idx in sorted(crossing.items()):
-        row({i: kv_bytes for i in idx}, ctx.resource_cap[name], f"network {name}")

@@ -175,3 +175,15 @@ def test_upper_bound_holds_where_the_per_device_lp_does_not(llama7b, azure):
     ctx = PlanContext(c, llama7b, azure)
     assert x > bound.per_device_bound(ctx).tokens_per_s
     assert x <= bound.upper_bound(ctx).tokens_per_s * (1 + 1e-6)
+
+
+def test_colocated_columns_past_k_stay_above_exact(llama7b, azure, monkeypatch):
+    """With K = 2 every larger composition is a colocated column priced by
+    ``ColumnBounds.relaxed`` (prefill / decode groups that large stay "big"): still above exact."""
+    c = _three_boxes()
+    x = ALGORITHMS["exact"](c, llama7b, azure, PlanOptions(seed=0))
+    monkeypatch.setattr(bound_groups, "GROUP_K", 2)
+    ctx = PlanContext(c, llama7b, azure)
+    cols = bound_groups.columns(ctx, bound._kinds(ctx))
+    assert cols.K == 2 and cols.big_colocated_columns and max(sum(comp) for comp in cols.comps) == 5
+    assert x.estimate["throughput_tokens_per_s"] <= bound.group_bound(ctx).tokens_per_s * (1 + 1e-6)

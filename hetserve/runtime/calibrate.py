@@ -98,6 +98,10 @@ class Calibration:
     frontend_token_cpu_s: float = 0.0
     frontend_step_cpu_s: float = 0.0  # per engine step: the coordinator's result, scheduling and next step
     frontend_points: tuple = ()  # FrontEndPoint per HTTP probe: the front-end fit's error per point
+    # seconds a replica's next step waits for the front end (its GIL) per unit of the front end's
+    # utilisation by other work (``sim.hosts``): the GIL probe's median delay per step per unit of
+    # the GIL-holding thread's share
+    frontend_dispatch_s: float = 0.0
 
     @property
     def mean_abs_error(self) -> float:
@@ -118,7 +122,8 @@ class Calibration:
                                                            "contention_slowdown": self.contention_slowdown,
                                                            "frontend_request_cpu_s": self.frontend_request_cpu_s,
                                                            "frontend_token_cpu_s": self.frontend_token_cpu_s,
-                                                           "frontend_step_cpu_s": self.frontend_step_cpu_s},
+                                                           "frontend_step_cpu_s": self.frontend_step_cpu_s,
+                                                           "frontend_dispatch_s": self.frontend_dispatch_s},
             "measured_on": self.measured_on, "points": [asdict(p) for p in self.points],
             "frontend_points": [asdict(p) for p in self.frontend_points]}, indent=2) + "\n")
 
@@ -159,6 +164,11 @@ def load_frontend_cpu(path: str | Path) -> tuple[float, float, float]:
     return tuple(max(0.0, float(rt.get(f"frontend_{k}_cpu_s", 0.0))) for k in ("request", "step", "token"))
 
 
+def load_frontend_dispatch(path: str | Path) -> float:
+    """``runtime.frontend_dispatch_s`` of a calibration file (0 when it has none: no GIL probe)."""
+    return max(0.0, float(_runtime(path).get("frontend_dispatch_s", 0.0)))
+
+
 def served_sim_options(path: str | Path | None) -> dict:
     """The ``SimOptions`` fields a calibration file sets for simulating a *served* deployment (what
     ``compare``, ``simulate --efficiency`` and ``bench_predict`` pass): the request overhead, the
@@ -169,7 +179,8 @@ def served_sim_options(path: str | Path | None) -> dict:
     req_cpu, step_cpu, tok_cpu = load_frontend_cpu(path)
     return {"request_overhead_s": load_request_overhead(path), "contention_slowdown": load_contention(path),
             "link_overhead_s": load_kv_handoff_overhead(path), "frontend_request_cpu_s": req_cpu,
-            "frontend_step_cpu_s": step_cpu, "frontend_token_cpu_s": tok_cpu}
+            "frontend_step_cpu_s": step_cpu, "frontend_token_cpu_s": tok_cpu,
+            "frontend_dispatch_s": load_frontend_dispatch(path)}
 
 
 @dataclass(frozen=True)
@@ -224,7 +235,8 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         contention: float = 1.0, pp_ttft: dict[int, float] | None = None,
         pp_tpot: dict[int, float] | None = None, http_tpot: dict[int, float] | None = None,
         tp_ttft: dict[int, float] | None = None, tp_tpot: dict[int, float] | None = None,
-        kv_handoff: dict[int, float] | None = None, frontend_cpu=None, attention: bool = True) -> Calibration:
+        kv_handoff: dict[int, float] | None = None, frontend_cpu=None, attention: bool = True,
+        dispatch: list[float] | None = None) -> Calibration:
     """Solve for compute and memory efficiency and the fixed costs per iteration, per stage and per
     sequence (least squares on the log of predicted / measured over every point); the request
     overhead is the median of HTTP TTFT − engine TTFT over the prompt lengths measured both ways,
@@ -289,7 +301,8 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
                                          for L, t in kv_handoff.items())) if kv_handoff else 0.0
     (req_cpu, step_cpu, tok_cpu), fe_points = fit_frontend_cpu(frontend_cpu)
     return Calibration(gpu_name, eff, points, overhead, stream, handoff, contention, measured_on or {},
-                       req_cpu, tok_cpu, step_cpu, fe_points)
+                       req_cpu, tok_cpu, step_cpu, fe_points,
+                       max(0.0, statistics.median(dispatch)) if dispatch else 0.0)
 
 
 def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
@@ -300,4 +313,4 @@ def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
     return fit(model_dir, gpu_name, m.ttft, m.tpot, decode_tokens=kwargs.get("decode_tokens", 24),
                http_ttft=m.http_ttft, measured_on=info, contention=m.contention, pp_ttft=m.pp_ttft,
                pp_tpot=m.pp_tpot, http_tpot=m.http_tpot, tp_ttft=m.tp_ttft, tp_tpot=m.tp_tpot,
-               kv_handoff=m.kv_handoff, frontend_cpu=m.frontend_cpu)
+               kv_handoff=m.kv_handoff, frontend_cpu=m.frontend_cpu, dispatch=m.dispatch)

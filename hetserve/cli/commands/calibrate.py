@@ -86,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
                   f"overhead (beyond the link's α-β) {cal.kv_handoff_overhead_s * 1e3:.2f} ms, slow-down beside one more busy "
                   f"process {cal.contention_slowdown:.2f}x, front end's CPU (server, coordinator, client) "
                   f"{cal.frontend_request_cpu_s * 1e3:.2f} ms per request + {cal.frontend_step_cpu_s * 1e3:.3f} ms per "
-                  f"engine step + {cal.frontend_token_cpu_s * 1e3:.3f} ms per token; fit error per point: mean "
+                  f"engine step + {cal.frontend_token_cpu_s * 1e3:.3f} ms per token, a step's wait for the front "
+                  f"end's GIL {cal.frontend_dispatch_s * 1e3:.2f} ms per unit of its utilisation by other work (the "
+                  f"GIL probe); fit error per point: mean "
                   f"{cal.mean_abs_error:.0%}, worst {cal.max_abs_error:.0%}")
     if cal.frontend_points:
         f = Table("requests", "engine steps", "tokens", "measured CPU ms", "fitted ms", "error",

@@ -102,6 +102,7 @@ class Calibration:
     # utilisation by other work (``sim.hosts``): the GIL probe's median delay per step per unit of
     # the GIL-holding thread's share
     frontend_dispatch_s: float = 0.0
+    memory_bound: bool = True  # a decode probe is bandwidth-bound at the fitted memory efficiency (else: the default)
 
     @property
     def mean_abs_error(self) -> float:
@@ -116,7 +117,7 @@ class Calibration:
         simulator also reads ``runtime.request_overhead_s`` from it (``load_request_overhead``)."""
         Path(path).write_text(json.dumps({
             "gpu": self.gpu, "efficiency": asdict(self.efficiency), "mean_abs_error": self.mean_abs_error,
-            "max_abs_error": self.max_abs_error, "runtime": {"request_overhead_s": self.request_overhead_s,
+            "max_abs_error": self.max_abs_error, "memory_bound": self.memory_bound, "runtime": {"request_overhead_s": self.request_overhead_s,
                                                            "stream_overhead_s": self.stream_overhead_s,
                                                            "kv_handoff_overhead_s": self.kv_handoff_overhead_s,
                                                            "contention_slowdown": self.contention_slowdown,
@@ -229,6 +230,13 @@ def _runtime(path: str | Path) -> dict:
     return data.get("runtime", {}) if isinstance(data, dict) else {}
 
 
+def _memory_binds(cm: CostModel, layout, batch: int, context: float) -> bool:
+    """Whether the decode step of ``batch`` sequences is bandwidth-bound at ``cm``'s efficiency (its
+    time changes when memory efficiency rises)."""
+    faster = CostModel(cm.cluster, cm.model, replace(cm.eff, memory=1.0))
+    return faster.decode_step_time(layout, batch, context) < cm.decode_step_time(layout, batch, context) * (1 - 1e-9)
+
+
 def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, float],
         base: Efficiency | None = None, decode_prompt_tokens: int = 16, decode_tokens: int = 24,
         http_ttft: dict[int, float] | None = None, measured_on: dict | None = None,
@@ -262,47 +270,78 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
                                                          ("prefill", 2, 1, pp_ttft), ("decode", 2, 1, pp_tpot),
                                                          ("prefill", 1, 2, tp_ttft), ("decode", 1, 2, tp_tpot))
               for n, sec in d.items()]
-    split = any(st == 2 for _, _, st, _, _ in probes)
-    tp_probed = any(t_ == 2 for _, _, _, t_, _ in probes)
 
-    def predict(eff: Efficiency):
+    def predict(eff: Efficiency, subset=None):
         cm = CostModel(cluster, spec, eff)
         return np.array([cm.ttft(shapes[st, t_], n) if ph == "prefill"
-                         else cm.decode_step_time(shapes[st, t_], n, n * ctx) for ph, n, st, t_, _ in probes])
+                         else cm.decode_step_time(shapes[st, t_], n, n * ctx)
+                         for ph, n, st, t_, _ in (probes if subset is None else subset)])
 
     measured = np.array([sec for *_, sec in probes])
 
-    def eff_of(x) -> Efficiency:
-        return replace(base, compute=float(10 ** x[0]), memory=float(10 ** x[1]), iteration_overhead_s=float(x[2]),
-                       seq_overhead_s=float(x[3]), step_overhead_s=float(x[4]) if split else 0.0,
-                       collective_overhead_s=float(x[5]) if tp_probed else 0.0,
-                       attention=float(10 ** x[6]) if attention else 0.0)
+    def solve(subset, eff_of, x0s, lo, hi_):
+        """Least squares of the log error over ``subset``'s points: the best of a few starts (the
+        roofline's max() makes the surface piecewise)."""
+        meas = np.array([sec for *_, sec in subset])
+        best = None
+        for x0 in x0s:
+            r = least_squares(lambda x: np.log(predict(eff_of(x), subset) / meas), x0, bounds=(lo, hi_))
+            if best is None or r.cost < best.cost:
+                best = r
+        return best.x
 
-    def residuals(x):
-        return np.log(predict(eff_of(x)) / measured)
-
-    best = None
+    # Each term from the probes that isolate it (a joint fit let the noise of the two-device probes
+    # move the one-device terms, and memory efficiency wander 0.03-0.47 between calibrations a
+    # minute apart): (1) the one-device prompts and decode batches give compute, attention and
+    # memory efficiency, the per-sequence cost and the fixed cost of a one-stage iteration; (2) the
+    # two-stage probes split that fixed cost into its per-stage and per-iteration parts; (3) the
+    # TP 2 probes give the per-collective cost. Then every point is priced by the one result.
     hi = float(max(measured))
-    for c0 in (-5.0, -3.0, -1.0):  # a few starts: the roofline's max() makes the surface piecewise
-        x0 = np.array([c0, c0, 0.4 * float(min(measured)), 0.0, 0.05 * float(min(measured)),
-                       0.01 * float(min(measured)), c0])
-        r = least_squares(residuals, x0, bounds=([-9, -9, 0.0, 0.0, 0.0, 0.0, -9], [0, 0, hi, hi, hi, hi, 0]))
-        if best is None or r.cost < best.cost:
-            best = r
-    eff = eff_of(best.x)
+    one = [p for p in probes if p[2] == 1 and p[3] == 1]
+
+    def eff_one(x) -> Efficiency:
+        return replace(base, compute=float(10 ** x[0]), memory=float(10 ** x[1]),
+                       iteration_overhead_s=float(x[2]), seq_overhead_s=float(x[3]),
+                       attention=float(10 ** x[4]) if attention else 0.0)
+
+    starts = [np.array([c0, c0, 0.4 * float(min(measured)), 0.0, c0]) for c0 in (-5.0, -3.0, -1.0)]
+    eff = eff_one(solve(one, eff_one, starts, [-9, -9, 0.0, 0.0, -9], [0, 0, hi, hi, 0]))
+    memory_bound = any(p[0] == "decode" and _memory_binds(CostModel(cluster, spec, eff), shapes[1, 1], p[1], p[1] * ctx)
+                       for p in one)
+    if not memory_bound:
+        # No probe is bandwidth-bound at this efficiency: every value above it prices them alike, so
+        # it is not measured (it wandered 0.03-0.47 between calibrations a minute apart): keep the default.
+        eff = replace(eff, memory=max(eff.memory, base.memory))
+    lump = eff.iteration_overhead_s  # what one stage pays per iteration: its step + the iteration's turn-around
+    multi = [p for p in probes if p[2] == 2 or p[3] == 2]
+    if multi:
+        # (2)+(3) together: the per-stage part of the lump (two-stage probes), the per-collective
+        # cost (TP 2 probes) and the transport's share of the link bandwidth (what a prompt's
+        # T·hidden activations cost per hop or all-reduce beyond a one-token decode's)
+        has_pp, has_tp = any(p[2] == 2 for p in multi), any(p[3] == 2 for p in multi)
+        has_link = any(p[0] == "prefill" for p in multi) and any(p[0] == "decode" for p in multi)
+
+        def multi_of(x) -> Efficiency:
+            st = float(x[0]) if has_pp else 0.0
+            return replace(eff, step_overhead_s=st, iteration_overhead_s=lump - st,
+                           collective_overhead_s=float(x[1]) if has_tp else 0.0,
+                           link=float(10 ** x[2]) if has_link else 1.0)
+
+        starts = [np.array([0.25 * lump, 0.01 * float(min(measured)), l0]) for l0 in (-4.0, -2.0, 0.0)]
+        eff = multi_of(solve(multi, multi_of, starts, [0.0, 0.0, -9], [max(lump, 1e-12), hi, 0]))
     points = tuple(CalibrationPoint(ph, n, sec, float(p), st, t_) for (ph, n, st, t_, sec), p in zip(probes, predict(eff)))
     common = [L for L in (http_ttft or {}) if L in ttft]
     overhead = max(0.0, statistics.median(http_ttft[L] - ttft[L] for L in common)) if common else 0.0
     both = [b for b in (http_tpot or {}) if b in tpot]
     stream = max(0.0, sum(b * (http_tpot[b] - tpot[b]) for b in both) / sum(b * b for b in both)) if both else 0.0
     two = _one_device_cluster(gpu_name, 2)
-    cm2 = CostModel(two, spec, eff)
+    cm2 = CostModel(two, spec, replace(eff, link=1.0))  # the simulator's KV messages cross the file's links
     handoff = max(0.0, statistics.median(t - cm2.kv_transfer_time(_layout(spec), _layout(spec, 1, 1, first_device=1), L)
                                          for L, t in kv_handoff.items())) if kv_handoff else 0.0
     (req_cpu, step_cpu, tok_cpu), fe_points = fit_frontend_cpu(frontend_cpu)
     return Calibration(gpu_name, eff, points, overhead, stream, handoff, contention, measured_on or {},
                        req_cpu, tok_cpu, step_cpu, fe_points,
-                       max(0.0, statistics.median(dispatch)) if dispatch else 0.0)
+                       max(0.0, statistics.median(dispatch)) if dispatch else 0.0, memory_bound)
 
 
 def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:

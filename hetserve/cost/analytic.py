@@ -71,7 +71,7 @@ class CostModel:
         self._membw = [d.gpu.mem_bandwidth * self.eff.memory for d in devs]
         self._memory = [d.memory_bytes * self.eff.usable_memory for d in devs]
         self._alpha = cluster.latency
-        self._beta = cluster.bandwidth * self.eff.link if self.eff.link != 1.0 else cluster.bandwidth
+        self._beta = cluster.bandwidth
 
     # ================================================================== communication
     def allreduce_time(self, devices: Sequence[int], nbytes: float) -> float:

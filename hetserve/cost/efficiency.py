@@ -36,15 +36,9 @@ class Efficiency:
     seq_overhead_s: float = 0.0  # per sequence in the step, on the last stage: its bookkeeping, sampling, token streamed
     collective_overhead_s: float = 0.0  # per collective of a TP group (> 1 device): its launch and the members' meeting
     max_batch: int = 256  # running requests per replica: the serving engine's cap (vLLM's max_num_seqs)
-    # of the cluster file's link bandwidth the runtime's transport achieves between two workers (TP
-    # all-reduces, pipeline hand-offs, KV): 1 = the datasheet link. On CPU worker slots the
-    # activations go through gloo or a pickled socket, far below the PCIe/NVLink figure the file
-    # names (`hetserve calibrate` fits it from the TP 2 and two-stage prompts, which move T·hidden
-    # bytes per collective or hop, against their one-token decodes).
-    link: float = 1.0
 
     def __post_init__(self) -> None:
-        for k in ("compute", "memory", "usable_memory", "link"):
+        for k in ("compute", "memory", "usable_memory"):
             if not 0 < getattr(self, k) <= 1:
                 raise ValueError(f"efficiency {k} must be in (0, 1]")
         if not 0 <= self.attention <= 1:

@@ -291,11 +291,11 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         return best.x
 
     # Each term from the probes that isolate it (a joint fit let the noise of the two-device probes
-    # move the one-device terms, and memory efficiency wander 0.03-0.47 between calibrations a
-    # minute apart): (1) the one-device prompts and decode batches give compute, attention and
-    # memory efficiency, the per-sequence cost and the fixed cost of a one-stage iteration; (2) the
-    # two-stage probes split that fixed cost into its per-stage and per-iteration parts; (3) the
-    # TP 2 probes give the per-collective cost. Then every point is priced by the one result.
+    # move the one-device terms): (1) the one-device prompts and decode batches give compute,
+    # attention and memory efficiency, the per-sequence cost and the fixed cost of a one-stage
+    # iteration; (2) the two-stage probes split that fixed cost into its per-stage and
+    # per-iteration parts; (3) the TP 2 probes give the per-collective cost. Then every point is
+    # priced by the one result.
     hi = float(max(measured))
     one = [p for p in probes if p[2] == 1 and p[3] == 1]
 
@@ -313,29 +313,21 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         # it is not measured (it wandered 0.03-0.47 between calibrations a minute apart): keep the default.
         eff = replace(eff, memory=max(eff.memory, base.memory))
     lump = eff.iteration_overhead_s  # what one stage pays per iteration: its step + the iteration's turn-around
-    multi = [p for p in probes if p[2] == 2 or p[3] == 2]
-    if multi:
-        # (2)+(3) together: the per-stage part of the lump (two-stage probes), the per-collective
-        # cost (TP 2 probes) and the transport's share of the link bandwidth (what a prompt's
-        # T·hidden activations cost per hop or all-reduce beyond a one-token decode's)
-        has_pp, has_tp = any(p[2] == 2 for p in multi), any(p[3] == 2 for p in multi)
-        has_link = any(p[0] == "prefill" for p in multi) and any(p[0] == "decode" for p in multi)
-
-        def multi_of(x) -> Efficiency:
-            st = float(x[0]) if has_pp else 0.0
-            return replace(eff, step_overhead_s=st, iteration_overhead_s=lump - st,
-                           collective_overhead_s=float(x[1]) if has_tp else 0.0,
-                           link=float(10 ** x[2]) if has_link else 1.0)
-
-        starts = [np.array([0.25 * lump, 0.01 * float(min(measured)), l0]) for l0 in (-4.0, -2.0, 0.0)]
-        eff = multi_of(solve(multi, multi_of, starts, [0.0, 0.0, -9], [max(lump, 1e-12), hi, 0]))
+    two = [p for p in probes if p[2] == 2]
+    if two and lump > 0:
+        split_of = lambda x: replace(eff, step_overhead_s=float(x[0]), iteration_overhead_s=lump - float(x[0]))  # noqa: E731
+        eff = split_of(solve(two, split_of, [np.array([0.25 * lump])], [0.0], [lump]))
+    tp_pts = [p for p in probes if p[3] == 2]
+    if tp_pts:
+        col_of = lambda x: replace(eff, collective_overhead_s=float(x[0]))  # noqa: E731
+        eff = col_of(solve(tp_pts, col_of, [np.array([0.01 * float(min(measured))])], [0.0], [hi]))
     points = tuple(CalibrationPoint(ph, n, sec, float(p), st, t_) for (ph, n, st, t_, sec), p in zip(probes, predict(eff)))
     common = [L for L in (http_ttft or {}) if L in ttft]
     overhead = max(0.0, statistics.median(http_ttft[L] - ttft[L] for L in common)) if common else 0.0
     both = [b for b in (http_tpot or {}) if b in tpot]
     stream = max(0.0, sum(b * (http_tpot[b] - tpot[b]) for b in both) / sum(b * b for b in both)) if both else 0.0
     two = _one_device_cluster(gpu_name, 2)
-    cm2 = CostModel(two, spec, replace(eff, link=1.0))  # the simulator's KV messages cross the file's links
+    cm2 = CostModel(two, spec, eff)
     handoff = max(0.0, statistics.median(t - cm2.kv_transfer_time(_layout(spec), _layout(spec, 1, 1, first_device=1), L)
                                          for L, t in kv_handoff.items())) if kv_handoff else 0.0
     (req_cpu, step_cpu, tok_cpu), fe_points = fit_frontend_cpu(frontend_cpu)

@@ -244,10 +244,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         http_tpot_s: dict[int, list[float]] = {b: [] for b in batch_sizes}
         pp_ttft_s: list[float] = []
         pp_tpot_s: list[float] = []
-        # TP 2 prompts of two lengths: what a prompt's activations cost per all-reduce (the transport's
-        # bandwidth) is told from the collectives' fixed cost by how it grows with the length
-        tp_lengths = sorted({prompt_lengths[0], pp_prompt})
-        tp_ttft_s: dict[int, list[float]] = {L: [] for L in tp_lengths}
+        tp_ttft_s: list[float] = []
         tp_tpot_s: list[float] = []
         handoff_s: list[float] = []
         for _ in range(reps):
@@ -259,8 +256,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
                 pp_ttft_s.append(prefill(pp, pp_prompt))
                 pp_tpot_s.append(decode(pp, 1))
             if tp2 is not None:
-                for L in tp_lengths:
-                    tp_ttft_s[L].append(prefill(tp2, L))
+                tp_ttft_s.append(prefill(tp2, pp_prompt))
                 tp_tpot_s.append(decode(tp2, 1))
             if pd is not None:
                 h = pd.submit(rng.integers(32, 127, pp_prompt).tolist(), SamplingParams(max_tokens=2, ignore_eos=True))
@@ -357,8 +353,8 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         if pp_ttft_s:
             m.pp_ttft = {pp_prompt: statistics.median(pp_ttft_s)}
             m.pp_tpot = {1: statistics.median(pp_tpot_s)}
-        if tp_tpot_s:
-            m.tp_ttft = {L: statistics.median(v) for L, v in tp_ttft_s.items()}
+        if tp_ttft_s:
+            m.tp_ttft = {pp_prompt: statistics.median(tp_ttft_s)}
             m.tp_tpot = {1: statistics.median(tp_tpot_s)}
         if handoff_s:
             m.kv_handoff = {pp_prompt: statistics.median(handoff_s)}

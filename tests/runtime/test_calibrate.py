@@ -18,7 +18,7 @@ def test_fit_recovers_known_efficiency(tmp_path):
 
     spec = load_model(model_dir)
     truth = Efficiency(compute=3e-4, iteration_overhead_s=0.004, step_overhead_s=0.0012, seq_overhead_s=0.0003,
-                       collective_overhead_s=0.0009, link=0.002)
+                       collective_overhead_s=0.0009)
     cm = CostModel(_one_device_cluster("RTX-4090", 2), spec, truth)
     lay = ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),))
     half = spec.num_layers // 2
@@ -27,18 +27,16 @@ def test_fit_recovers_known_efficiency(tmp_path):
     ttft = {L: cm.ttft(lay, L) for L in (32, 128, 256, 512)}
     tpot = {b: cm.decode_step_time(lay, b, b * (16 + 12)) for b in (1, 4, 16)}
     cal = fit(str(model_dir), "RTX-4090", ttft, tpot, pp_ttft={128: cm.ttft(pp, 128)},
-              pp_tpot={1: cm.decode_step_time(pp, 1, 16 + 12)}, tp_ttft={L: cm.ttft(tp, L) for L in (32, 128)},
+              pp_tpot={1: cm.decode_step_time(pp, 1, 16 + 12)}, tp_ttft={128: cm.ttft(tp, 128)},
               tp_tpot={1: cm.decode_step_time(tp, 1, 16 + 12)})
     assert cal.efficiency.compute == pytest.approx(3e-4, rel=0.02)
     assert cal.efficiency.iteration_overhead_s == pytest.approx(0.004, rel=0.02)
     assert cal.efficiency.step_overhead_s == pytest.approx(0.0012, rel=0.02)
     assert cal.efficiency.seq_overhead_s == pytest.approx(0.0003, rel=0.02)
     assert cal.efficiency.collective_overhead_s == pytest.approx(0.0009, rel=0.02)
-    # the transport's share of the link bandwidth: TP prompts of two lengths against a one-token decode
-    assert cal.efficiency.link == pytest.approx(0.002, rel=0.05)
     # no decode probe is bandwidth-bound: memory efficiency stays the default (it prices nothing here)
     assert not cal.memory_bound and cal.efficiency.memory == Efficiency().memory
-    assert [(p.stages, p.tp) for p in cal.points] == [(1, 1)] * 7 + [(2, 1)] * 2 + [(1, 2)] * 3
+    assert [(p.stages, p.tp) for p in cal.points] == [(1, 1)] * 7 + [(2, 1)] * 2 + [(1, 2)] * 2
     assert cal.max_abs_error < 0.01
     # each token streamed over HTTP: served TPOT grows by 0.5 ms per sequence beyond the engine's
     served = fit(str(model_dir), "RTX-4090", ttft, tpot, http_tpot={b: t + b * 0.0005 for b, t in tpot.items()})
@@ -85,8 +83,7 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
     data = json.loads(out.read_text())
     assert [(p["phase"], p["size"], p["stages"], p["tp"]) for p in data["points"]] == [
         ("prefill", 16, 1, 1), ("prefill", 96, 1, 1), ("decode", 1, 1, 1), ("decode", 6, 1, 1),
-        ("prefill", 96, 2, 1), ("decode", 1, 2, 1), ("prefill", 16, 1, 2), ("prefill", 96, 1, 2),
-        ("decode", 1, 1, 2)]
+        ("prefill", 96, 2, 1), ("decode", 1, 2, 1), ("prefill", 96, 1, 2), ("decode", 1, 1, 2)]
     assert all(p["measured_s"] > 0 for p in data["points"])
     spec = load_model(model_dir)
     lays = {(1, 1): ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),)),

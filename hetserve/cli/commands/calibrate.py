@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     eff = cal.efficiency
     console.print(f"compute efficiency {eff.compute:.3g}, attention {eff.attention:.3g}, memory efficiency "
                   f"{eff.memory:.3g}{'' if cal.memory_bound else ' (the default: no decode probe is bandwidth-bound)'}"
-                  f", transport {eff.link:.3g} of the link bandwidth, fixed costs "
+                  f", fixed costs "
                   f"{eff.iteration_overhead_s * 1e3:.2f} ms per iteration (scheduler turn-around, sampling) + "
                   f"{eff.step_overhead_s * 1e3:.2f} ms per stage (step message, attention metadata, hand-on; "
                   f"{'from the two-stage probes' if any(p.stages > 1 for p in cal.points) else 'not separated: no pipeline probe'}"

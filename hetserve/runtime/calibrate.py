@@ -231,10 +231,11 @@ def _runtime(path: str | Path) -> dict:
 
 
 def _memory_binds(cm: CostModel, layout, batch: int, context: float) -> bool:
-    """Whether the decode step of ``batch`` sequences is bandwidth-bound at ``cm``'s efficiency (its
-    time changes when memory efficiency rises)."""
+    """Whether the decode step of ``batch`` sequences is bandwidth-bound at ``cm``'s efficiency: its
+    time drops by more than 1 % when memory efficiency rises to 1 (a fit may stop just inside the
+    bound, where the efficiency still prices next to nothing)."""
     faster = CostModel(cm.cluster, cm.model, replace(cm.eff, memory=1.0))
-    return faster.decode_step_time(layout, batch, context) < cm.decode_step_time(layout, batch, context) * (1 - 1e-9)
+    return faster.decode_step_time(layout, batch, context) < cm.decode_step_time(layout, batch, context) * 0.99
 
 
 def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, float],
@@ -300,11 +301,14 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     one = [p for p in probes if p[2] == 1 and p[3] == 1]
 
     def eff_one(x) -> Efficiency:
+        # attention's efficiency as a fraction of compute's, at most 1: the small products over a
+        # context never run faster than the weight GEMMs (free, the fit ran it to the bound 1.0 on a
+        # noisy prompt curve, i.e. attention for nothing)
         return replace(base, compute=float(10 ** x[0]), memory=float(10 ** x[1]),
                        iteration_overhead_s=float(x[2]), seq_overhead_s=float(x[3]),
-                       attention=float(10 ** x[4]) if attention else 0.0)
+                       attention=float(10 ** (x[0] + x[4])) if attention else 0.0)
 
-    starts = [np.array([c0, c0, 0.4 * float(min(measured)), 0.0, c0]) for c0 in (-5.0, -3.0, -1.0)]
+    starts = [np.array([c0, c0, 0.4 * float(min(measured)), 0.0, -0.5]) for c0 in (-5.0, -3.0, -1.0)]
     eff = eff_one(solve(one, eff_one, starts, [-9, -9, 0.0, 0.0, -9], [0, 0, hi, hi, 0]))
     memory_bound = any(p[0] == "decode" and _memory_binds(CostModel(cluster, spec, eff), shapes[1, 1], p[1], p[1] * ctx)
                        for p in one)

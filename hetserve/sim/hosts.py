@@ -22,6 +22,15 @@ arrived (each adds its CPU seconds to a backlog), plus the step and token rates 
 replicas now times their costs. ``hetserve calibrate`` measures both costs (the CPU time of the
 process that serves and replays its HTTP probes); both default to 0, and nothing of this applies
 to devices without ``cpu_cores`` (GPUs), so the planner's and GPU simulations are unchanged.
+
+*The front end is also one serial server* (one GIL): a replica's next step is dispatched through
+it (the transport's reader thread, the coordinator, the sender thread), so whenever other work holds
+the GIL the step waits. ``dispatch_wait`` charges each step a replica starts
+``frontend_dispatch_s × min(1, u_other)``, ``u_other`` the front end's utilisation by work that is
+not the replica's own: the requests' recent rate and the other replicas' steps and tokens. The
+replica's own tokens are streamed while its next step computes, in phase, and ``stream_overhead_s``
+prices them. ``hetserve calibrate``'s GIL probe measures ``frontend_dispatch_s``. This applies on any
+host (the GIL is not the cores) wherever it is set; it defaults to 0.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
   serve most), and all groups of one site at once (an island behind a narrow pipe); from the
   colocated placement, pairs of well-connected colocated groups turned into a prefill and a
   decode replica, colocated groups absorbed into a prefill or decode group, and single groups
-  split into the two. Greedy best-improvement rounds, each
+  split into the two, and prefill/decode groups halved (into one role or one of each). Greedy best-improvement rounds, each
   candidate scored by the shared ``Evaluator`` (colocated capacities add to the max flow).
 """
 
@@ -23,6 +23,8 @@ from hetserve.planner.placement import Evaluator, Group, canonical
 MAX_MIXED_ROUNDS = 8
 MAX_PAIR_CANDIDATES = 60  # colocated pairs tried per round (best connected first)
 MAX_ABSORB = 3  # third groups tried with each pair
+LOOKAHEAD_MAX_DEVICES = 16  # pools up to this size look two moves ahead when one does not pay
+LOOKAHEAD = 4  # non-improving candidates expanded per round
 
 
 MAX_KNAPSACK_VECTORS = 256  # sub-vectors of a group's composition the colocated knapsack enumerates
@@ -132,16 +134,28 @@ def _recut(ctx: PlanContext, evaluator: Evaluator, groups: Placement, idx) -> Pl
     return canonical(rest)
 
 
-def _climb(evaluator: Evaluator, start: Placement, candidates) -> tuple[Placement, float]:
+def _climb(evaluator: Evaluator, start: Placement, candidates, lookahead: int = 0) -> tuple[Placement, float]:
+    """Greedy best-improvement rounds. With ``lookahead`` k > 0, a round with no improving move
+    tries two-move paths through its k best non-improving candidates: turning a colocated pair into
+    prefill and decode often loses until the prefill half is split again (small pools only)."""
     cur, cur_v = start, evaluator.score(start)
     for _ in range(MAX_MIXED_ROUNDS):
-        pick, pick_v = None, cur_v
+        pick, pick_v, near = None, cur_v, []
         for cand in candidates(cur):
             if cand is None or cand == cur:
                 continue
-            v = evaluator.score(cand, floor=pick_v)
+            v = evaluator.score(cand, floor=-1.0 if lookahead else pick_v)  # ranked below: exact
             if v > pick_v * (1 + 1e-9):
                 pick, pick_v = cand, v
+            elif lookahead and v > 0:
+                near.append((v, cand))
+        if pick is None and near:
+            for _, first in sorted(near, key=lambda x: -x[0])[:lookahead]:
+                for cand in candidates(first):
+                    if cand is not None and cand != cur:
+                        v = evaluator.score(cand, floor=pick_v)
+                        if v > pick_v * (1 + 1e-9):
+                            pick, pick_v = cand, v
         if pick is None:
             break
         cur, cur_v = pick, pick_v
@@ -196,18 +210,22 @@ def mixed_alternative(ctx: PlanContext, evaluator: Evaluator, disaggregated: Pla
         yield from _splits(groups, pd)
 
     def _splits(groups: Placement, idx):
-        """Prefill or decode groups halved into two replicas of the same role: beside colocated
+        """Prefill or decode groups halved into two replicas of the same role (or one of each): beside colocated
         replicas the P/D side is small, and two one-GPU prefill replicas can serve more than
         one TP-2 replica (HexGen §4.3's split, which the partition step does not revisit)."""
         for i in idx:
             a, b = split_devices(ctx, groups[i].devices)
             if a and b and ctx.can_hold_weights(a) and ctx.can_hold_weights(b):
                 yield split(ctx, groups, i)
+                # or one half on each side: one L4 prefilling for another beside two decoding
+                # A6000s (the two-box pool), a pair the partition never proposes
+                for roles in (("prefill", "decode"), ("decode", "prefill")):
+                    yield split(ctx, groups, i, roles)
 
     best: tuple[Placement, float] = ((), -1.0)
     for start, gen in ((disaggregated, from_disaggregated), (colocated, from_colocated)):
         if start:
-            p, v = _climb(evaluator, start, gen)
+            p, v = _climb(evaluator, start, gen, LOOKAHEAD if ctx.num_devices <= LOOKAHEAD_MAX_DEVICES else 0)
             if v > best[1] * (1 + 1e-9):
                 best = (p, v)
     return best

@@ -11,6 +11,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load(name):
+    """Load an experiment script as ``python experiments/NAME.py`` would: its folder on the path,
+    so the sibling modules it imports (e.g. ``aladdin_setting``) resolve."""
+    if str(ROOT / "experiments") not in sys.path:
+        sys.path.insert(0, str(ROOT / "experiments"))
     spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod

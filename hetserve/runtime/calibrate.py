@@ -21,7 +21,10 @@ the checkpoint on one device (the real engine behind the real HTTP server) and m
 
 and fits ``Efficiency(compute, memory, step_overhead_s, iteration_overhead_s, seq_overhead_s,
 collective_overhead_s)``
-minimising the squared log error of the cost model over the engine measurements. Where the fixed
+minimising the squared log error of the cost model over the engine measurements, each term from
+the probes that isolate it (``fit``: one-device terms, then the per-stage split, then the
+per-collective cost; a joint fit let the two-device probes' noise move the one-device terms, and
+memory efficiency, which no probe is bandwidth-bound at, wander 0.03-0.47). Where the fixed
 costs come from, read from the runtime (``worker.py``, ``coordinator.py``):
 
 * ``iteration_overhead_s`` — once per iteration of a replica: the coordinator's turn-around
@@ -42,6 +45,9 @@ serves and replays them (HTTP/SSE server, coordinator, client), split by least s
 turn-around) and ``frontend_token_cpu_s`` per output token (the SSE event and the client's parse). Where CPU
 worker slots share a host's cores, the simulator counts the front end as one more consumer of
 them (``sim.hosts``): measured on the bench's prefill/decode plan, it used 0.25 of a core at 20 req/s.
+The GIL probe measures what that process's other work costs a replica's steps: a decode batch alone
+and beside a thread holding the GIL half the time, ``frontend_dispatch_s`` = the step's delay per
+unit of that share (the simulator's front-end queue, ``sim.hosts.HostContention.dispatch_wait``).
 
 The fit's error per point is reported: it is the cost model's error on this machine. The result
 is one JSON file (``Calibration.save``) that the planner (``--efficiency``: the engine's
@@ -246,8 +252,11 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         tp_ttft: dict[int, float] | None = None, tp_tpot: dict[int, float] | None = None,
         kv_handoff: dict[int, float] | None = None, frontend_cpu=None, attention: bool = True,
         dispatch: list[float] | None = None) -> Calibration:
-    """Solve for compute and memory efficiency and the fixed costs per iteration, per stage and per
-    sequence (least squares on the log of predicted / measured over every point); the request
+    """Solve for compute, attention and memory efficiency and the fixed costs per iteration, per
+    stage, per sequence and per TP collective (least squares on the log of predicted / measured, in
+    stages: the one-device points, then the two-stage points for the per-stage part, then the TP 2
+    points for the per-collective cost; memory efficiency stays ``base``'s where no decode point is
+    bandwidth-bound, ``Calibration.memory_bound``), the GIL wait the median of ``dispatch``; the request
     overhead is the median of HTTP TTFT − engine TTFT over the prompt lengths measured both ways,
     the stream overhead the least-squares slope (through 0) of HTTP TPOT − engine TPOT over the
     batch sizes measured both ways, the KV hand-off overhead the median of the measured hand-off

@@ -44,6 +44,7 @@ class CompareOptions:
     seed: int = 0
     prefill_mode: str = "mixed"  # the engine's and the simulator's: "mixed" | "chunked"
     chunk_tokens: int = 512  # chunked prefill: tokens per step, decode tokens included
+    kv_admission: str = "reserve"  # both sides: "reserve" | "paged" (policies.kv_admission)
 
 
 @dataclass
@@ -113,7 +114,8 @@ def compare(opts: CompareOptions) -> Comparison:
     load_before = os.getloadavg()[0]
     serve_opts = ServeOptions(plan=plan, cluster=cluster, model_dir=str(opts.model_dir), router=opts.router,
                               route=opts.route, seed=opts.seed,
-                              engine_options={"prefill_mode": opts.prefill_mode, "chunk_tokens": opts.chunk_tokens})
+                              engine_options={"prefill_mode": opts.prefill_mode, "chunk_tokens": opts.chunk_tokens,
+                                              "kv_admission": opts.kv_admission})
     with start_server(serve_opts) as server:
         engine = server.deployment.engine
         pools = {rid: s.blocks.capacity_tokens for rid, s in engine.schedulers.items()}
@@ -143,6 +145,7 @@ def compare(opts: CompareOptions) -> Comparison:
             "frontend_cpu_s": {k: sim_kw.get(f"frontend_{k}_cpu_s", 0.0) for k in ("request", "step", "token")},
             "kv_pools": pools, "token_budget": cfg.max_batched_tokens,
             "prefill_mode": cfg.prefill_mode, "chunk_tokens": cfg.chunk_tokens,
+            "kv_admission": {"served": cfg.kv_admission, "simulated": res.info["kv_admission"]},
             "max_num_seqs": cfg.max_num_seqs, "load_avg_1m": [round(load_before, 2), round(load_after, 2)],
             "machine": machine_info(),
             "served_source": "measured at the openai client on this machine",
@@ -165,7 +168,8 @@ def simulate_side(plan, cluster, spec, requests, opts: CompareOptions, cfg, pool
     kw = dict(placement=opts.router, route=opts.route, seed=opts.seed, token_budget=cfg.max_batched_tokens,
               max_batch=cfg.max_num_seqs, kv_block_tokens=cfg.block_size, kv_capacity_tokens=pools,
               micro_batches=cfg.micro_batches, request_overhead_s=overhead,
-              chunked_prefill=cfg.prefill_mode == "chunked", chunk_tokens=cfg.chunk_tokens)
+              chunked_prefill=cfg.prefill_mode == "chunked", chunk_tokens=cfg.chunk_tokens,
+              kv_admission=cfg.kv_admission)
     kw.update(overrides)
     return simulate(plan, cluster, spec, workload, SimOptions(**kw), cost=CostModel(cluster, spec, efficiency))
 

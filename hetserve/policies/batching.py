@@ -1,7 +1,8 @@
 """Continuous batching: which requests run in a replica's next step. One copy, two clocks.
 
 The simulator's replicas (``hetserve.sim.replicas``) and the runtime's ``ReplicaScheduler`` both
-build every step with ``StepBuilder`` and reserve KV with ``kv_reservation``, from the defaults in
+build every step with ``StepBuilder`` and admit KV with ``kv_reservation`` ("reserve") or the paged
+rule of ``policies.kv_admission`` ("paged", with pre-emption), from the defaults in
 ``BatchingConfig`` (the only place they are written). Pure Python: no torch, no sockets.
 
 A step (one forward pass of a replica) carries:
@@ -11,8 +12,8 @@ A step (one forward pass of a replica) carries:
   - the step stays within ``token_budget`` tokens (decode tokens + prompt tokens; the first prompt
     of a step always gets in, so a prompt longer than the budget runs, alone with the decodes),
   - the replica runs at most ``max_batch`` sequences,
-  - the prompt's KV reservation fits the pool (``kv_reservation``); the first prompt that does not
-    fit stops admission (nobody overtakes it: FCFS).
+  - the prompt's KV fits the pool (``kv_reservation``, or ``kv_admission.can_admit_paged``); the
+    first prompt that does not fit stops admission (nobody overtakes it: FCFS).
 
 ``prefill_mode`` says how prompts meet decodes on a colocated replica:
 ``"mixed"`` (the runtime's engine, vLLM v1 without chunking): whole prompts ride in the decode
@@ -28,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from hetserve.policies.kv_admission import DEFAULT_WATERMARK, KV_ADMISSIONS, KVAdmission
+
 PrefillMode = Literal["mixed", "prefill_first", "chunked"]
 PREFILL_MODES = ("mixed", "prefill_first", "chunked")
 
@@ -41,10 +44,18 @@ class BatchingConfig:
     prefill_mode: PrefillMode = "mixed"
     chunk_tokens: int = 512  # tokens per step with chunked prefill (decode tokens included)
     block_size: int = 16  # KV tokens per block; reservations are whole blocks
+    # "reserve" (prompt + max_tokens held from admission) or "paged" (vLLM: blocks as the context
+    # grows, pre-emption by recompute; policies.kv_admission)
+    kv_admission: KVAdmission = "reserve"
+    kv_watermark: float = DEFAULT_WATERMARK  # paged: share of the pool an admission leaves free
 
     def __post_init__(self) -> None:
         if min(self.token_budget, self.max_batch, self.chunk_tokens, self.block_size) < 1:
             raise ValueError("token_budget, max_batch, chunk_tokens and block_size must be positive")
+        if self.kv_admission not in KV_ADMISSIONS:
+            raise ValueError(f"kv_admission must be one of {', '.join(KV_ADMISSIONS)}, got {self.kv_admission!r}")
+        if not 0 <= self.kv_watermark < 1:
+            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
         if self.prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}, got {self.prefill_mode!r}")
 

@@ -1,6 +1,7 @@
 """The serving runtime: real worker processes running a Plan's replicas.
 
     engine.py      Engine: starts workers, coordinator thread (scheduling, hand-offs, failures), submit()
+    coordinator.py the coordinator's loop: messages, steps, hand-offs  recovery.py  worker deaths, re-runs, re-plans
     worker.py      one process per device: a TP rank of a pipeline stage; leader relays activations
     scheduler.py   continuous batching for one replica        kv_cache.py   BlockManager (admission)
     sequence.py    per-request state                          handle.py     RequestHandle (sync/async)

@@ -11,17 +11,8 @@ then waits for room on the decode replica chosen by the route policy, the prefil
 their KV pieces straight to the decode workers (layer-matched, re-sharded), and the request joins
 the decode replica's running batch once every decode worker has acknowledged its pieces.
 
-Liveness: every worker sends a heartbeat every ``heartbeat_interval_s``; a worker whose process
-exited, or that was silent for ``heartbeat_timeout_s`` (hung, SIGSTOPped), is declared dead and its
-replica leaves service (its other workers are killed: a replica cannot run with a rank missing).
-
-No request lost: each request the dead replica held (running there, its KV there or on its way
-there, or placed there and waiting) goes back to the head of the waiting queue and is re-run on a
-live replica — it re-prefills its prompt plus the tokens it already streamed and continues the
-same stream, so its client sees only a pause. Sampling is keyed by (seed, position), so a seeded
-request continues exactly as it would have. When the last decode replica of a disaggregated plan
-dies, the prefill replicas become colocated ones (prefill and decode in place). A request fails with
-one ``RuntimeFailure`` only when no live replica can ever hold it, or after ``max_reruns`` re-runs.
+Worker deaths, re-runs and elastic re-plans: ``Recovery`` (runtime/recovery.py), a mixin over
+this state.
 """
 
 from __future__ import annotations
@@ -37,17 +28,16 @@ import torch
 from hetserve.errors import RuntimeFailure
 from hetserve.policies.base import RequestInfo
 from hetserve.runtime.layout import ReplicaSpec
+from hetserve.runtime.recovery import Recovery
 from hetserve.runtime.routing import KVRoutePolicy
-from hetserve.runtime.scheduler import ReplicaScheduler
+from hetserve.runtime.scheduler import ReplicaScheduler, requeue
 from hetserve.runtime.sequence import Sequence, Status
 from hetserve.runtime.snapshot import replica_snapshots, state_from_stats
 from hetserve.runtime.transport import Message, Priority, SocketTransport
-from hetserve.runtime.worker_group import WorkerGroup, last_line
-
-POLL_S = 0.1  # how often worker processes are checked for exit
+from hetserve.runtime.worker_group import WorkerGroup
 
 
-class Coordinator:
+class Coordinator(Recovery):
     def __init__(self, layout: tuple[ReplicaSpec, ...], schedulers: dict[str, ReplicaScheduler],
                  transport: SocketTransport, workers: WorkerGroup, route_policy: KVRoutePolicy,
                  heartbeat_timeout_s: float = 3.0, max_reruns: int = 3):
@@ -76,8 +66,9 @@ class Coordinator:
         # elastic re-plan: start-up messages of workers being added go here (Engine.reconfigure reads them)
         self.joining: queue.Queue | None = None
         self.replans: list[dict[str, Any]] = []
-        # When a list: ("arrive", seq id) per submission handled and ("step", replica, decode ids,
-        # prompt ids) per step started, in order (tests compare it with the simulator's steps).
+        # When a list: ("arrive", seq id) per submission handled, ("step", replica, decode ids,
+        # prompt ids) per step started and ("preempt", replica, ids) per pre-emption, in order
+        # (tests compare it with the simulator's steps).
         self.trace: list[tuple] | None = None
 
     # ------------------------------------------------------------------ loop
@@ -194,11 +185,12 @@ class Coordinator:
                 info = RequestInfo(seq.id, seq.handle.arrival_time, len(seq.prompt), float(seq.params.max_tokens))
                 seq.dst = self.route_policy.choose(info, seq.replica, alive, states, now)
             dst = self.schedulers[seq.dst]
-            if seq.dst in blocked or not dst.blocks.can_allocate(seq.reserve_tokens):
+            tokens = dst.handoff_tokens(seq)
+            if seq.dst in blocked or not dst.can_admit(tokens):
                 blocked.add(seq.dst)
                 continue
             self.handoff_queue.remove(seq)
-            seq.dst_table = dst.blocks.allocate(seq.reserve_tokens)
+            seq.dst_table = dst.blocks.allocate(tokens)
             seq.acks = set()
             seq.transfer = next(self._transfer_ids)
             seq.handoff_sent = time.monotonic()
@@ -230,9 +222,23 @@ class Coordinator:
         for sched in prefill_first:
             while sched.can_start_step():
                 batch = sched.next_step(self.waiting)
+                if sched.last_preempted:
+                    self._requeue(sched.id, sched.last_preempted)
                 if not batch:
                     break
                 self._send_step(sched, batch)
+
+    def _requeue(self, replica: str, preempted: list[Sequence]) -> None:
+        """Pre-empted sequences (paged KV) go back to the head of the queue they were admitted from:
+        the prefill-capable replica they were placed on, if it is alive, else the shared one. Their
+        recompute re-prefills prompt + output there (on a disaggregated plan, then a new hand-off)."""
+        if self.trace is not None:
+            self.trace.append(("preempt", replica, tuple(q.id for q in preempted)))
+        for seq in preempted:
+            home = self.schedulers.get(seq.pinned) if seq.pinned else None
+            if home is None or not home.alive:
+                seq.pinned, home = None, None
+            requeue(home.pinned if home else self.waiting, seq)
 
     def _send_step(self, sched: ReplicaScheduler, batch: list[Sequence]) -> None:
         step_id = next(self._step_ids)
@@ -287,144 +293,6 @@ class Coordinator:
             self.schedulers[seq.replica].drop(seq)
             self._finish(seq, "abort")
         # in flight or KV in transit: finished when the step result / last acknowledgement arrives
-
-    def _poll_workers(self) -> None:
-        now = time.monotonic()
-        if now - self._last_poll < POLL_S:
-            return
-        self._last_poll = now
-        for name, code in self.workers.exited():
-            if name not in self.workers.dead:  # an earlier death this round may have taken its replica
-                self._on_worker_death(name, self.workers.exit_reason(name, code))
-        for name in self.workers.procs:
-            silent = now - self.last_beat.get(name, now)
-            if name not in self.workers.dead and silent > self.heartbeat_timeout_s:
-                self._on_worker_death(name, f"sent no heartbeat for {silent:.1f} s (hung or stopped)")
-
-    def _on_worker_death(self, name: str, what: str) -> None:
-        w = self.workers.worker(name)
-        error = self.workers.worker_errors.get(name)
-        why = f"worker {name} (replica {w.replica}, stage {w.stage}, pid {self.workers.pids[name]}) {what}"
-        if error:
-            why += f": {last_line(error)}"
-        rid = w.replica
-        sched = self.schedulers[rid]
-        sched.alive = False
-        self.workers.stop_replica(self.replicas[rid])  # the rest of its replica cannot work without it
-        for step_id in [s for s, (r, _, _) in self.steps.items() if r == rid]:
-            del self.steps[step_id]
-        sched.clear()
-        hit = [seq for seq in self.seqs.values() if seq.replica == rid or seq.pinned == rid or seq.dst == rid]
-        rerun = []
-        for seq in hit:
-            if seq.replica != rid and seq.status == Status.HANDOFF:
-                self._reroute(seq)  # its KV is safe on a live prefill replica: hand it to another decode replica
-            else:
-                rerun.append(seq)
-        if not any(s.alive and s.role == "decode" for s in self.schedulers.values()):
-            # a disaggregated plan lost its last decode replica: its prefill replicas decode in place
-            converted = [s for s in self.schedulers.values() if s.alive and s.role == "prefill"]
-            for s in converted:
-                s.role = "colocated"
-                # its requests hold prompt-sized KV only: drop its steps in flight and re-run them
-                for step_id in [k for k, (r, _, _) in self.steps.items() if r == s.id]:
-                    del self.steps[step_id]
-                s.clear(steps_only=True)
-            ids = {s.id for s in converted}
-            rerun += [seq for seq in self.seqs.values() if seq.replica in ids and seq not in rerun]
-        self.deaths.append({"worker": name, "replica": rid, "why": why, "at": time.monotonic(),
-                            "requests": len(rerun)})
-        self._rerun(sorted(rerun, key=lambda q: q.id), why)
-        alive = [s for s in self.schedulers.values() if s.alive]
-        if not any(s.serves_prefill for s in alive) or not any(s.serves_decode for s in alive):
-            self.broken = why
-            self.fail_all(f"{why}; no replica left to serve it")
-            return
-        for seq in list(self.waiting):  # a request only the dead replica's KV pool could hold fails now
-            if not self._can_ever_serve(seq):
-                self.waiting.remove(seq)
-                self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {why}; no live replica's KV pool "
-                                               f"can hold its {seq.reserve_tokens} tokens"))
-
-    # ------------------------------------------------------------------ elastic re-plan
-    def _retire(self, rids: list[str], why: str) -> None:
-        """Take replicas out of the plan (dead ones, or survivors the re-plan changes): their requests
-        re-run on the replicas that stay, exactly as after a death; their devices are freed."""
-        for rid in rids:
-            sched = self.schedulers[rid]
-            sched.alive = False
-            self.workers.stop_replica(self.replicas[rid])
-            for step_id in [s for s, (r, _, _) in self.steps.items() if r == rid]:
-                del self.steps[step_id]
-            sched.clear()
-            hit = [q for q in self.seqs.values() if rid in (q.replica, q.pinned, q.dst)]
-            for seq in hit:
-                if seq.replica != rid and seq.status == Status.HANDOFF:
-                    self._reroute(seq)
-            self._rerun(sorted((q for q in hit if q.replica == rid or q.status != Status.HANDOFF),
-                               key=lambda q: q.id), f"{why}: replica {rid} retired")
-        for rid in rids:
-            self.workers.forget(self.replicas[rid])
-            for w in self.replicas[rid].workers:
-                self.last_beat.pop(w.name, None)
-            del self.schedulers[rid], self.replicas[rid]
-        self.layout = tuple(r for r in self.layout if r.id not in rids)
-        self.workers.layout = self.layout
-
-    def _add(self, meta: dict[str, Any]) -> None:
-        """Put newly started replicas into service (their processes come from ``WorkerGroup.start_more``)."""
-        self.layout = meta["layout"]
-        self.workers.add(meta["procs"], self.layout)
-        now = time.monotonic()
-        for name in meta["procs"]:
-            self.last_beat[name] = now
-        for spec, sched in zip(meta["replicas"], meta["schedulers"]):
-            self.replicas[spec.id] = spec
-            self.schedulers[spec.id] = sched
-        if hasattr(self.route_policy, "plan"):  # PlanRoutes: the new plan's KV routes
-            self.route_policy.plan = meta["plan"]
-        alive = [s for s in self.schedulers.values() if s.alive]
-        if any(s.serves_prefill for s in alive) and any(s.serves_decode for s in alive):
-            self.broken = None  # the re-planned deployment can serve again
-
-    def _reroute(self, seq: Sequence) -> None:
-        """A hand-off whose destination died goes back to the hand-off queue (the route policy picks again)."""
-        self.handoffs.pop(seq.transfer, None)
-        seq.dst, seq.dst_table, seq.acks = None, [], set()  # the dead replica's blocks are gone with it
-        if seq not in self.handoff_queue:
-            self.handoff_queue.appendleft(seq)
-
-    def _rerun(self, seqs: list[Sequence], why: str) -> None:
-        """Put ``seqs`` back at the head of the waiting queue, in arrival order, to re-prefill on a live replica."""
-        for seq in reversed(seqs):
-            if seq in self.handoff_queue:
-                self.handoff_queue.remove(seq)
-            self.handoffs.pop(seq.transfer, None)
-            if seq in self.waiting:
-                self.waiting.remove(seq)
-            for s in self.schedulers.values():
-                s.drop(seq)
-            if seq.replica is not None and seq.table and self.schedulers[seq.replica].alive:
-                self.schedulers[seq.replica].release(seq)
-            if seq.dst is not None and seq.dst_table and self.schedulers[seq.dst].alive:
-                self.schedulers[seq.dst].blocks.free(seq.dst_table)
-            seq.replica, seq.table, seq.num_cached, seq.prefill_end, seq.pinned = None, [], 0, 0, None
-            seq.dst, seq.dst_table, seq.acks = None, [], set()
-            if seq.aborted:
-                self._finish(seq, "abort")
-                continue
-            seq.reruns += 1
-            if seq.reruns > self.max_reruns:
-                self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {why} (its replica died "
-                                               f"{seq.reruns} times; giving up)"))
-                continue
-            seq.status = Status.WAITING
-            self.waiting.appendleft(seq)
-
-    def _can_ever_serve(self, seq: Sequence) -> bool:
-        scheds = [s for s in self.schedulers.values() if s.alive]
-        return (any(s.blocks.fits_ever(s.admission_tokens(seq)) for s in scheds if s.serves_prefill)
-                and any(s.blocks.fits_ever(seq.reserve_tokens) for s in scheds if s.serves_decode))
 
     def _publish_stats(self) -> None:
         self.stats = {

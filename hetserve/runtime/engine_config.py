@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from hetserve.errors import PlanError
 from hetserve.policies.batching import DEFAULT_BATCHING
+from hetserve.policies.kv_admission import KV_ADMISSIONS
 from hetserve.runtime.deployment import check_memory
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.kv_cache import BlockManager
@@ -29,6 +30,9 @@ class EngineConfig:
     max_batched_tokens: int = DEFAULT_BATCHING.token_budget  # per step, prompt tokens + decode tokens
     prefill_mode: str = DEFAULT_BATCHING.prefill_mode  # "mixed" | "chunked" (colocated replicas)
     chunk_tokens: int = DEFAULT_BATCHING.chunk_tokens  # chunked: tokens per step, decode tokens included
+    # "reserve": prompt + max_tokens held from admission; "paged": vLLM's blocks as the context grows,
+    # pre-empting (recompute) the latest arrival when a step would not fit (policies.kv_admission)
+    kv_admission: str = DEFAULT_BATCHING.kv_admission
     dtype: str | None = None  # None: float32 on CPU, the checkpoint's dtype on CUDA
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     memory_fraction: float = 0.9
@@ -48,6 +52,8 @@ class EngineConfig:
         if self.prefill_mode not in ("mixed", "chunked"):
             raise ValueError(f"prefill_mode must be mixed or chunked, got {self.prefill_mode!r} "
                              "(prefill_first is a simulator what-if)")
+        if self.kv_admission not in KV_ADMISSIONS:
+            raise ValueError(f"kv_admission must be one of {', '.join(KV_ADMISSIONS)}, got {self.kv_admission!r}")
         if self.start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be spawn or forkserver, got {self.start_method!r}")
         if self.micro_batches is not None and self.micro_batches < 1:
@@ -96,4 +102,4 @@ def scheduler_for(r: ReplicaSpec, kv_tokens: int, config: EngineConfig) -> Repli
     """Replica ``r``'s scheduler: its KV pool of ``kv_tokens`` and the config's batching knobs."""
     return ReplicaScheduler(r.id, r.role, BlockManager(kv_tokens // config.block_size, config.block_size),
                             config.micro_batches or len(r.stages), config.max_num_seqs, config.max_batched_tokens,
-                            config.prefill_mode, config.chunk_tokens)
+                            config.prefill_mode, config.chunk_tokens, config.kv_admission)

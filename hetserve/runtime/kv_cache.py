@@ -5,9 +5,10 @@ One ``BlockManager`` per replica lives in the coordinator; every worker of the r
 A block is ``block_size`` consecutive slots; a request's block table maps its token positions to
 slots (``table[p // block_size] * block_size + p % block_size``).
 
-Admission reserves a request's whole KV (prompt + max new tokens) up front, so a running request
-never runs out of room and nothing needs preempting; a request that does not fit waits. Ask
-``can_allocate`` before ``allocate``. No torch here: the simulator can drive the same class.
+What a request is given is the scheduler's decision (``policies.kv_admission``): by default its
+whole KV (prompt + max new tokens) up front, so nothing is ever pre-empted; with paged admission
+its prompt's blocks, then one block at a time as it grows (a pre-empted request's blocks come back
+here). Ask ``can_allocate`` before ``allocate``. No torch here.
 
 Invariant: ``free_blocks`` and the tables handed out partition ``range(num_blocks)``.
 """

@@ -13,8 +13,14 @@ and the sequence limit is admitted into ``prefilling``, and each step gives the 
 that are not already in flight chunks up to ``chunk_tokens`` with the decodes counted
 (``prompt_chunks``, the simulator's rule); a prompt's token comes out of its last chunk.
 
-KV reservations are ``kv_reservation``: prompt + max_tokens on a colocated or decode replica, the
-prompt on a prefill replica (freed once the KV reached a decode replica). Pure Python (no torch).
+KV admission (``kv_admission``): "reserve" takes ``kv_reservation`` at admission, prompt + max_tokens
+on a colocated or decode replica, the prompt on a prefill replica (freed once the KV reached a
+decode replica). "paged" (``policies.kv_admission``; the simulator's ``PagedKV`` decides with the
+same functions) takes the blocks of the prefill at admission and one more block whenever a decode
+step fills the last; when a step's new blocks do not fit, the latest-arrived sequence here is
+pre-empted: its blocks are freed and the coordinator puts it back at the head of the waiting queue it
+came from (``requeue``), to be recomputed (prompt + output so far prefilled again; its stream
+continues). A step that pre-empts admits no prompt. Pure Python (no torch).
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ from collections import deque
 
 from hetserve.planner.plan import HasRole
 from hetserve.policies.batching import DEFAULT_BATCHING, StepBuilder, decode_share, kv_reservation, prompt_chunks
+from hetserve.policies.kv_admission import (KV_ADMISSIONS, RunningKV, blocks_for, can_admit_paged, decode_growth,
+                                            preemptions)
+from hetserve.policies.kv_admission import requeue as requeue_at
 from hetserve.runtime.kv_cache import BlockManager
 from hetserve.runtime.sequence import Sequence, Status
 
@@ -31,10 +40,14 @@ class ReplicaScheduler(HasRole):
     def __init__(self, replica_id: str, role: str, blocks: BlockManager, num_stages: int,
                  max_num_seqs: int = DEFAULT_BATCHING.max_batch,
                  max_batched_tokens: int = DEFAULT_BATCHING.token_budget,
-                 prefill_mode: str = DEFAULT_BATCHING.prefill_mode, chunk_tokens: int = DEFAULT_BATCHING.chunk_tokens):
+                 prefill_mode: str = DEFAULT_BATCHING.prefill_mode, chunk_tokens: int = DEFAULT_BATCHING.chunk_tokens,
+                 kv_admission: str = DEFAULT_BATCHING.kv_admission,
+                 kv_watermark: float = DEFAULT_BATCHING.kv_watermark):
         if prefill_mode not in ("mixed", "chunked"):
             raise ValueError(f"the engine batches prompts 'mixed' or 'chunked', not {prefill_mode!r} "
                              "('prefill_first' is a simulator what-if)")
+        if kv_admission not in KV_ADMISSIONS:
+            raise ValueError(f"kv_admission must be one of {', '.join(KV_ADMISSIONS)}, got {kv_admission!r}")
         self.id = replica_id
         self.role = role
         self.blocks = blocks
@@ -43,6 +56,10 @@ class ReplicaScheduler(HasRole):
         self.max_batched_tokens = max_batched_tokens
         self.chunked = prefill_mode == "chunked" and role == "colocated"
         self.chunk_tokens = chunk_tokens
+        self.paged = kv_admission == "paged"
+        self.kv_watermark = kv_watermark
+        self.num_preemptions = 0
+        self.last_preempted: list[Sequence] = []  # pre-empted by the last ``next_step`` call
         self.prefilling: list[Sequence] = []  # chunked: admitted, prompt not all prefilled, admission order
         self._in_flight: set[int] = set()  # ids of the sequences of the steps in flight
         self.ready: deque[Sequence] = deque()  # holding KV here, waiting for their next decode step
@@ -60,15 +77,29 @@ class ReplicaScheduler(HasRole):
         return [q for q in self.prefilling if q.id not in self._in_flight]
 
     def admission_tokens(self, seq: Sequence) -> int:
-        # a re-run request (its replica died) re-prefills what it had generated too
+        # a re-run request (its replica died, or pre-empted) re-prefills what it had generated too
+        if self.paged:
+            return seq.prefill_tokens
         return kv_reservation(seq.prefill_tokens, seq.params.max_tokens - len(seq.output), self.serves_decode,
                               self.blocks.block_size)
+
+    def handoff_tokens(self, seq: Sequence) -> int:
+        """KV a decode replica takes for ``seq``'s hand-off: all it may hold, or (paged) what it brings."""
+        return seq.num_cached if self.paged else seq.reserve_tokens
+
+    def can_admit(self, tokens: int) -> bool:
+        """Whether a sequence taking ``tokens`` tokens of KV is admitted into the pool now."""
+        if not self.paged:
+            return self.blocks.can_allocate(tokens)
+        b = self.blocks
+        return can_admit_paged(b.num_free_blocks, b.num_blocks, blocks_for(tokens, b.block_size), self.kv_watermark)
 
     def can_start_step(self) -> bool:
         return self.alive and len(self.inflight) < self.max_inflight
 
     def next_step(self, waiting: deque[Sequence]) -> list[Sequence]:
         """Sequences of the next step (empty: nothing to run). Admitted ones get their blocks."""
+        self.last_preempted = []
         if not self.can_start_step():
             return []
         batch: list[Sequence] = []
@@ -76,10 +107,12 @@ class ReplicaScheduler(HasRole):
             share = decode_share(self.num_running, self.max_inflight)
             for _ in range(min(len(self.ready), share, self.max_num_seqs)):
                 batch.append(self.ready.popleft())
+        if self.paged and batch:
+            self._make_room(batch)
         decodes = len(batch)
         if self.chunked:
             return batch + self._chunks(waiting, decodes)
-        if self.serves_prefill:
+        if self.serves_prefill and not self.last_preempted:
             step = StepBuilder(self.max_batched_tokens, self.max_num_seqs, tokens=decodes, seqs=decodes)
             batch += self._admit(step, waiting)
         return batch
@@ -91,7 +124,7 @@ class ReplicaScheduler(HasRole):
             while queue:
                 seq = queue[0]
                 reserve = self.admission_tokens(seq)
-                if not step.offer(seq.prefill_tokens, self.blocks.can_allocate(reserve)):
+                if not step.offer(seq.prefill_tokens, not self.last_preempted and self.can_admit(reserve)):
                     return admitted  # FCFS: nobody overtakes a request that does not fit yet
                 queue.popleft()
                 seq.table = self.blocks.allocate(reserve)
@@ -109,6 +142,37 @@ class ReplicaScheduler(HasRole):
         for q, c in zip(idle, sizes):
             q.chunk = c
         return idle[:len(sizes)]
+
+    def _make_room(self, batch: list[Sequence]) -> None:
+        """Paged KV: give the step's decodes the blocks their tokens need, pre-empting (the shared
+        rule, ``kv_admission.preemptions``) the latest-arrived idle sequences here until they fit.
+        The pre-empted (``last_preempted``) hold nothing here any more; the coordinator puts them
+        back in a waiting queue (``requeue``)."""
+        bs = self.blocks.block_size
+        in_step = {q.id for q in batch}
+        idle = {q.id: q for q in [*batch, *self.ready, *self._idle_prefilling()]}
+        running = [RunningKV(q.id, len(q.table), decode_growth(q.num_cached, bs) if q.id in in_step else 0)
+                   for q in idle.values()]
+        for sid in preemptions(running, self.blocks.num_free_blocks):
+            seq = idle[sid]
+            if seq in batch:
+                batch.remove(seq)
+            self.drop(seq)
+            self.release(seq)
+            seq.replica, seq.num_cached, seq.prefill_end, seq.chunk = None, 0, 0, 0
+            seq.status = Status.WAITING
+            seq.preemptions += 1
+            self.last_preempted.append(seq)
+        self.num_preemptions += len(self.last_preempted)
+        for seq in list(batch):
+            more = blocks_for(seq.num_cached + 1, bs) - len(seq.table)
+            if more <= 0:
+                continue
+            if self.blocks.num_free_blocks < more:  # the rest is held by steps in flight: wait for them
+                batch.remove(seq)
+                self.ready.appendleft(seq)
+                continue
+            seq.table += self.blocks.allocate(more * bs)
 
     def chunk_done(self, seq: Sequence) -> bool:
         """After a step: whether ``seq`` finished its prefill (its token is its first output)."""
@@ -161,5 +225,10 @@ class ReplicaScheduler(HasRole):
         return {"role": self.role, "alive": self.alive, "running": self.num_running, "ready": len(self.ready),
                 "waiting": len(self.pinned), "prefilling": len(self.prefilling),
                 "inflight_steps": len(self.inflight), "batch_size": self.last_batch_size, "steps": self.num_steps,
-                "kv_used_blocks": self.blocks.num_used_blocks, "kv_total_blocks": self.blocks.num_blocks,
-                "kv_usage": self.blocks.usage}
+                "preemptions": self.num_preemptions, "kv_used_blocks": self.blocks.num_used_blocks,
+                "kv_total_blocks": self.blocks.num_blocks, "kv_usage": self.blocks.usage}
+
+
+def requeue(queue: deque[Sequence], seq: Sequence) -> None:
+    """Put a pre-empted ``seq`` back at the head of ``queue`` (the shared rule, ``kv_admission.requeue``)."""
+    requeue_at(queue, seq, lambda q: q.id, lambda q: q.preemptions > 0)

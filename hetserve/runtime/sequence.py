@@ -6,6 +6,7 @@ Life cycle (``status``):
     RUNNING (colocated/decode replica) --each step--> RUNNING ... --stop/length--> FINISHED
     RUNNING (prefill replica) --first token--> HANDOFF --KV acknowledged by every decode worker--> RUNNING (decode replica)
     RUNNING / HANDOFF --its replica died--> WAITING (re-run: re-prefill prompt + output so far)
+    RUNNING --pre-empted (paged KV full)--> WAITING (recompute: re-prefill prompt + output so far)
     any --no live replica can serve it / engine shut down--> FAILED
 
 ``num_cached`` tokens of the sequence have their KV in the pool of ``replica`` (blocks ``table``).
@@ -54,6 +55,7 @@ class Sequence:
     acks: set[str] = field(default_factory=set)
     aborted: bool = False
     reruns: int = 0  # times it was re-run after its replica died
+    preemptions: int = 0  # times it was pre-empted (paged KV) and recomputed
     transfer: int = 0  # id of its current KV hand-off (fresh per attempt, so stale pieces never count)
     handoff_sent: float = 0.0  # monotonic time its current hand-off was sent to the prefill workers
 

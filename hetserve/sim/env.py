@@ -50,6 +50,9 @@ class ReplicaEnv(Protocol):
     def start_kv(self, rid: int, src, dst) -> None:
         """Move ``rid``'s prompt KV from prefill replica ``src`` to decode replica ``dst``."""
 
+    def recompute(self, rid: int) -> None:
+        """``rid`` was pre-empted on a decode replica: its prefill replica recomputes it."""
+
     def finished(self, rid: int) -> None:
         """Request ``rid`` emitted its last token now."""
 

@@ -23,4 +23,7 @@ class RequestTable:
         self.t_join = [nan] * n  # joined a decode batch
         self.t_finish = [nan] * n
         self.prefill_rep = [-1] * n
+        # tokens a request had made when it was last pre-empted (paged KV; 0: never): its recompute
+        # re-prefills prompt + these, and that prefill samples its next token
+        self.made = [0] * n
         self.decode_rep = [-1] * n

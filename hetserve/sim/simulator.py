@@ -304,8 +304,9 @@ class Simulator:
 
     def prefill_done(self, rid: int, src: PrefillReplica) -> None:
         r = self.req
-        r.t_first[rid] = self.loop.now
-        if r.out[rid] <= 1:  # the prefill produced the only token: no KV hand-off
+        if not r.made[rid]:  # a recompute (paged KV) streamed its first token long ago
+            r.t_first[rid] = self.loop.now
+        if r.made[rid] + 1 >= r.out[rid]:  # the prefill produced the last token: no KV hand-off
             src.release(rid)
             self.finished(rid)
             return
@@ -329,7 +330,7 @@ class Simulator:
                 merged[(d, e)] = merged.get((d, e), 0.0) + b
             pairs = self._kv_pairs[key] = [(d, e, b) for (d, e), b in merged.items()]
         r = self.req
-        tokens = r.inp[rid]
+        tokens = r.inp[rid] + r.made[rid]  # a recompute brings what it had made too
         r.t_kv_start[rid] = self.loop.now
 
         def done(_start: float, rid=rid, tokens=tokens) -> None:
@@ -338,6 +339,9 @@ class Simulator:
             dst.kv_arrived(rid)
 
         self.network.send("kv", [(d, e, b * tokens) for d, e, b in pairs], done)
+
+    def recompute(self, rid: int) -> None:
+        self.replicas[self.req.prefill_rep[rid]].requeue(rid)
 
     def finished(self, rid: int) -> None:
         r = self.req

@@ -9,6 +9,10 @@ records each iteration. Both must list the same (decode ids, prompt ids) for eve
 
 The same again with chunked prefill (``prefill_mode="chunked"``, 20 tokens per step with the decodes
 counted): the prompt ids of a step are then the prompts feeding a chunk in it.
+
+And with paged KV admission (``kv_admission="paged"``, ``policies.kv_admission``) on a pool of 10
+blocks that long outputs overflow: both must pre-empt the same requests before the same steps, and
+recompute them in the same steps; the engine's greedy tokens must still be the model's.
 """
 
 from __future__ import annotations
@@ -31,33 +35,52 @@ MAX_SEQS = 4
 CHUNK = 20
 
 
-def _engine_trace(model_dir, cluster_file, plan, mode):
+@dataclasses.dataclass(frozen=True)
+class Case:
+    mode: str = "mixed"
+    kv_admission: str = "reserve"
+    requests: tuple = tuple(REQUESTS)
+    phases: tuple = tuple(PHASES)
+    kv_tokens: int = KV_TOKENS
+
+
+# Paged: 10 blocks of 16. Every prompt fits at admission, but the outputs grow past the pool (final
+# footprints 5 + 5 + 4 + 3 blocks), so the latest arrivals are pre-empted and recomputed, some twice.
+PAGED = Case(kv_admission="paged", requests=((20, 60), (20, 50), (24, 40), (15, 30)), phases=(0, 1, 1, 2),
+             kv_tokens=160)
+CASES = {"mixed": Case(), "chunked": Case(mode="chunked"), "paged": PAGED,
+         "paged-chunked": dataclasses.replace(PAGED, mode="chunked")}
+
+
+def _prompt(i, n):
+    return [(7 * i + k) % 200 + 3 for k in range(n)]
+
+
+def _engine_trace(model_dir, cluster_file, plan, case):
     from hetserve.runtime.engine import Engine, EngineConfig
     from hetserve.runtime.sampling import SamplingParams
 
-    cfg = EngineConfig(kv_capacity_tokens=KV_TOKENS, max_batched_tokens=TOKEN_BUDGET, max_num_seqs=MAX_SEQS,
-                       prefill_mode=mode, chunk_tokens=CHUNK)
+    cfg = EngineConfig(kv_capacity_tokens=case.kv_tokens, max_batched_tokens=TOKEN_BUDGET, max_num_seqs=MAX_SEQS,
+                       prefill_mode=case.mode, chunk_tokens=CHUNK, kv_admission=case.kv_admission)
     eng = Engine.from_plan(plan, cluster_file, model_dir, cfg)
     try:
         eng.coordinator.trace = []
         handles = []
-        for i, (n, out) in enumerate(REQUESTS):
-            if i and PHASES[i] != PHASES[i - 1]:
-                lead = handles[PHASES.index(PHASES[i - 1])]
+        for i, (n, out) in enumerate(case.requests):
+            if i and case.phases[i] != case.phases[i - 1]:
+                lead = handles[case.phases.index(case.phases[i - 1])]
                 deadline = time.monotonic() + 60
                 while len(lead.tokens) < 3 and not lead.finished:
                     assert time.monotonic() < deadline, "the engine stopped producing tokens"
                     time.sleep(0.001)
-            prompt = [(7 * i + k) % 200 + 3 for k in range(n)]
-            handles.append(eng.submit(prompt, SamplingParams(max_tokens=out, ignore_eos=True)))
-        for h in handles:
-            h.result(timeout=60)
-        return eng.coordinator.trace, [h.request_id for h in handles]
+            handles.append(eng.submit(_prompt(i, n), SamplingParams(max_tokens=out, ignore_eos=True)))
+        outputs = [h.result(timeout=60) for h in handles]
+        return eng.coordinator.trace, [h.request_id for h in handles], outputs
     finally:
         eng.shutdown()
 
 
-def _sim_steps(plan, cluster_file, model_dir, arrivals_before_step, mode):
+def _sim_steps(plan, cluster_file, model_dir, arrivals_before_step, case):
     """Simulate, placing request i just before the simulator's step ``arrivals_before_step[i]``."""
     import numpy as np
 
@@ -69,15 +92,19 @@ def _sim_steps(plan, cluster_file, model_dir, arrivals_before_step, mode):
 
     cluster = load_cluster(str(cluster_file))
     model = dataclasses.replace(load_model(model_dir), name=plan.model)
-    opts = SimOptions(token_budget=TOKEN_BUDGET, max_batch=MAX_SEQS, kv_capacity_tokens=KV_TOKENS,
-                      kv_block_tokens=16, chunked_prefill=mode == "chunked", chunk_tokens=CHUNK)
+    opts = SimOptions(token_budget=TOKEN_BUDGET, max_batch=MAX_SEQS, kv_capacity_tokens=case.kv_tokens,
+                      kv_block_tokens=16, chunked_prefill=case.mode == "chunked", chunk_tokens=CHUNK,
+                      kv_admission=case.kv_admission)
+    reqs = case.requests
+    preempted = []
 
     def run(times):
         k = len(times)
-        wl = Workload.from_lists("replay", times, [n for n, _ in REQUESTS[:k]], [o for _, o in REQUESTS[:k]])
+        wl = Workload.from_lists("replay", times, [n for n, _ in reqs[:k]], [o for _, o in reqs[:k]])
         sim = Simulator(plan, cluster, model, wl, opts)
         sim.replicas[0].trace = []
         sim.run()
+        preempted[:] = sim.replicas[0].preempt_trace
         return sim.replicas[0].trace
 
     times: list[float] = [0.0]  # the first request opens the run (workloads start at 0)
@@ -91,37 +118,75 @@ def _sim_steps(plan, cluster_file, model_dir, arrivals_before_step, mode):
         times.append(t)
     steps = run(times)
     assert np.all(np.diff(times) >= 0)
-    return [(tuple(d), tuple(p)) for _, _, d, p in steps]
+    return [(tuple(d), tuple(p)) for _, _, d, p in steps], list(preempted)
 
 
-def compare(trace, ids, plan, cluster_file, model_dir, mode):
-    """Engine steps and simulator steps, as (sorted decode indices, prompt indices) per step."""
+def compare(trace, ids, plan, cluster_file, model_dir, case):
+    """Engine steps and simulator steps, as (sorted decode indices, prompt indices) per step, and
+    each side's pre-emptions as (index of the step they came before, pre-empted indices)."""
     index = {rid: i for i, rid in enumerate(ids)}
-    arrivals, engine_steps = {}, []
+    arrivals, engine_steps, engine_pre = {}, [], []
     for ev in trace:
         if ev[0] == "arrive":
             arrivals[index[ev[1]]] = len(engine_steps)
+        elif ev[0] == "preempt":
+            engine_pre.append((len(engine_steps), tuple(index[x] for x in ev[2])))
         else:
             engine_steps.append((tuple(sorted(index[x] for x in ev[2])), tuple(index[x] for x in ev[3])))
-    before = [arrivals[i] for i in range(len(REQUESTS))]
-    sim_steps = [(tuple(sorted(d)), p) for d, p in _sim_steps(plan, cluster_file, model_dir, before, mode)]
-    return engine_steps, sim_steps
+    before = [arrivals[i] for i in range(len(case.requests))]
+    steps, sim_pre = _sim_steps(plan, cluster_file, model_dir, before, case)
+    sim_steps = [(tuple(sorted(d)), p) for d, p in steps]
+    return engine_steps, sim_steps, engine_pre, sim_pre
+
+
+def greedy(model_dir, prompt, n):
+    """The model's greedy continuation of ``prompt``, ``n`` tokens, EOS ignored (as the engine's requests)."""
+    import torch
+
+    from .conftest import _HF_CACHE, hf_greedy
+
+    hf_greedy(model_dir, [], 0)  # loads (and caches) the model
+    model, out = _HF_CACHE[str(model_dir)], []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is ~10x faster on a busy machine
+    try:
+        with torch.no_grad():
+            res = model(torch.tensor([prompt]), use_cache=True)
+            for _ in range(n):
+                out.append(int(res.logits[0, -1].argmax()))
+                res = model(torch.tensor([[out[-1]]]), past_key_values=res.past_key_values, use_cache=True)
+    finally:
+        torch.set_num_threads(threads)
+    return out
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["mixed", "chunked"])
-def test_simulator_and_engine_form_the_same_batches(model_dirs, cluster_file, plans, mode):
+@pytest.mark.parametrize("name", list(CASES))
+def test_simulator_and_engine_form_the_same_batches(model_dirs, cluster_file, plans, name):
+    case, mode = CASES[name], CASES[name].mode
     plan = plans.single()
-    trace, ids = _engine_trace(model_dirs["llama"], cluster_file, plan, mode)
-    engine_steps, sim_steps = compare(trace, ids, plan, cluster_file, model_dirs["llama"], mode)
-    for i, (n, out) in enumerate(REQUESTS):  # each request: its prefill steps, then max_tokens - 1 decodes
+    trace, ids, outputs = _engine_trace(model_dirs["llama"], cluster_file, plan, case)
+    engine_steps, sim_steps, engine_pre, sim_pre = compare(trace, ids, plan, cluster_file, model_dirs["llama"], case)
+    for i, (n, out) in enumerate(case.requests):  # each request: its prefill steps, then max_tokens - 1 decodes
         chunks = sum(i in p for _, p in engine_steps)
-        assert chunks == 1 if mode == "mixed" else chunks >= -(-n // CHUNK)
-        assert sum(i in d for d, _ in engine_steps) == out - 1
-    if mode == "chunked":
+        recomputes = sum(i in v for _, v in engine_pre)  # each pre-emption: one more prefill, one decode less
+        assert chunks == 1 + recomputes if mode == "mixed" else chunks >= -(-n // CHUNK)
+        assert sum(i in d for d, _ in engine_steps) == out - 1 - recomputes
+    if case.kv_admission == "paged":
+        assert len({v for _, vs in engine_pre for v in vs}) >= 2  # pre-emption happened, to two requests at least
+        assert engine_pre == sim_pre, f"pre-emptions: engine {engine_pre} vs simulator {sim_pre}"
+        for k, victims in engine_pre:  # the latest arrivals of those running went
+            running = set(engine_steps[k - 1][0]) | set(engine_steps[k - 1][1])
+            assert set(victims) <= running and min(victims) > max(running - set(victims)), (k, victims, running)
+        model_dir = model_dirs["llama"]
+        for i in sorted({v for _, vs in engine_pre for v in vs}):  # recomputed, still the model's tokens
+            n, out = case.requests[i]
+            assert outputs[i] == greedy(model_dir, _prompt(i, n), out), f"request {i}"
+    if case == CASES["chunked"]:
         assert any(sum(i in p for _, p in engine_steps) > -(-n // CHUNK) for i, (n, _) in enumerate(REQUESTS))
         assert any(len(p) > 1 for _, p in engine_steps)  # one step fed chunks of two prompts
-    assert max(len(d) + len(p) for d, p in engine_steps) == MAX_SEQS  # the sequence cap was reached
+    if case.kv_admission == "reserve":
+        assert max(len(d) + len(p) for d, p in engine_steps) == MAX_SEQS  # the sequence cap was reached
     assert any(p and d for d, p in engine_steps)  # prompts rode in decode steps
     for k, (e, s) in enumerate(zip(engine_steps, sim_steps)):
         assert e == s, f"step {k}: engine {e} vs simulator {s}"

@@ -22,7 +22,7 @@ def test_compare_serves_simulates_and_writes_table_and_cdfs(tmp_path, capsys):
     out = tmp_path / "out"
     code = main(["compare", "--plan", str(plan), "--model", str(model), "--cluster", str(tmp_path / "cluster.yaml"),
                  "--workload-class", "LPLD", "--rate", "20", "-n", "6", "--max-input", "48", "--max-output", "6",
-                 "-o", str(out)])
+                 "--kv-admission", "paged", "-o", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
     data = json.loads((out / "compare.json").read_text())
@@ -35,6 +35,7 @@ def test_compare_serves_simulates_and_writes_table_and_cdfs(tmp_path, capsys):
     assert table["throughput_tokens_per_s"]["served"] > 0
     # the simulator ran with the server's KV pools and batching knobs, not its own
     assert set(data["info"]["kv_pools"]) == {"p0", "d0"} and data["info"]["token_budget"] == 2048
+    assert data["info"]["kv_admission"] == {"served": "paged", "simulated": "paged"}  # both sides (an ample pool: nothing is pre-empted)
     assert data["info"]["load_avg_1m"] and "uncalibrated" in data["info"]["simulated_source"]
     assert (out / "compare_cdf.png").stat().st_size > 10_000
     assert "TTFT p99" in printed and "output tokens/s" in printed

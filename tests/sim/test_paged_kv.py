@@ -39,6 +39,9 @@ def test_paged_admits_more_then_preempts_newest_and_finishes_all(cluster, model,
     # the newest requests are the ones pre-empted: their decode is stretched by the recompute stall;
     # the oldest never is (it runs at the pace of the batch it is in)
     assert paged.atgt[-1] > paged.atgt[0]
+    if role == "d":  # each pre-empted request was recomputed by the prefill replica (as in the runtime)
+        p = next(r for r in paged.replicas if r.id == "p0")
+        assert p.requests == len(wl) + paged.info["preemptions"]
 
 
 def test_paged_equals_reserve_when_the_pool_is_ample(cluster, model):

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
                                    num_requests=args.num_requests, max_input=args.max_input,
                                    max_output=args.max_output, efficiency=args.efficiency, router=args.router,
                                    route=args.route, seed=args.seed, prefill_mode=args.prefill_mode,
-                                   chunk_tokens=args.chunk_tokens))
+                                   chunk_tokens=args.chunk_tokens, kv_admission=args.kv_admission))
     except RuntimeError as exc:
         raise RuntimeFailure(str(exc)) from exc
     console = Console()

@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_prefill_mode_options(p: argparse.ArgumentParser) -> None:
-    """How colocated replicas batch prompts (``policies.batching``), for ``serve`` and ``compare``."""
+    """How replicas batch prompts and admit KV (``policies.batching``), for ``serve`` and ``compare``."""
     from hetserve.policies.batching import DEFAULT_BATCHING
 
     p.add_argument("--prefill-mode", choices=["mixed", "chunked"], default=DEFAULT_BATCHING.prefill_mode,
@@ -71,6 +71,10 @@ def add_prefill_mode_options(p: argparse.ArgumentParser) -> None:
                         "feed chunks of at most --chunk-tokens per step, decodes included (chunked)")
     p.add_argument("--chunk-tokens", type=int, default=DEFAULT_BATCHING.chunk_tokens,
                    help=f"tokens per step with --prefill-mode chunked (default {DEFAULT_BATCHING.chunk_tokens})")
+    p.add_argument("--kv-admission", choices=["reserve", "paged"], default=DEFAULT_BATCHING.kv_admission,
+                   help="KV on colocated/decode replicas: reserve prompt + max_tokens at admission (reserve, "
+                        "default), or vLLM's paged blocks as the context grows, pre-empting the latest arrival "
+                        "(recomputed later) when a step would not fit (paged)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
         load_workload(args.replan_workload)  # a bad workload is reported now, not at the first failure
     engine_options = {"heartbeat_timeout_s": args.heartbeat_timeout,
                       "heartbeat_interval_s": min(0.5, args.heartbeat_timeout / 4),
-                      "prefill_mode": args.prefill_mode, "chunk_tokens": args.chunk_tokens}
+                      "prefill_mode": args.prefill_mode, "chunk_tokens": args.chunk_tokens,
+                      "kv_admission": args.kv_admission}
     try:
         opts = ServeOptions(plan=plan, cluster=cluster, model_dir=args.model, model_name=args.model_name,
                             backend=args.backend, router=args.router, route=args.route, transmission=args.transmission,

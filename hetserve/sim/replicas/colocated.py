@@ -13,6 +13,7 @@ from collections import deque
 from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import ReplicaState
 from hetserve.policies.batching import StepBuilder, prompt_chunks
+from hetserve.policies.kv_admission import requeue
 from hetserve.sim.events import Priority
 from hetserve.sim.replicas.decoding import Decoding
 
@@ -34,35 +35,51 @@ class ColocatedReplica(Decoding):
             self._request_boundary()
 
     def _admissible(self) -> bool:
-        if self.kv.preempted or not self.waiting or self.admitted >= self.max_batch:
+        if not self.waiting or self.admitted >= self.max_batch:
             return False
-        return self._can_hold(self.kv.base(), self.kv.need(self.waiting[0]))
+        return self.kv.admits(self.waiting[0])
 
     def _take(self, budget: int | None, decode_tokens: int = 0) -> list[int]:
         """Admit waiting prompts in order into a step of ``budget`` tokens that already carries
         ``decode_tokens`` (the shared ``StepBuilder``), within the KV and the batch limit."""
-        r = self.req
+        r, kv = self.req, self.kv
         step = StepBuilder(budget, self.max_batch, tokens=decode_tokens, seqs=self.admitted)
         taken = []
-        while self.waiting and not self.kv.preempted:
+        while self.waiting:
             rid = self.waiting[0]
-            if not step.offer(r.inp[rid], self._can_hold(self.kv.base(), self.kv.need(rid))):
+            n = kv.prefill_tokens(rid)
+            if not step.offer(n, kv.admits(rid)):
                 break
             self.waiting.popleft()
-            self.queued_tokens -= r.inp[rid]
-            self.kv.hold(self.kv.need(rid))
+            self.queued_tokens -= n
+            kv.admit(rid)
             self.admitted += 1
-            r.t_start[rid] = self.loop.now
+            if not kv.made(rid):  # a recompute keeps its first start
+                r.t_start[rid] = self.loop.now
             taken.append(rid)
         return taken
 
+    def _requeue(self, victims: list[int]) -> None:
+        """Pre-empted requests go back to the head of the waiting queue (``kv_admission.requeue``, as
+        the runtime's coordinator does), to be recomputed when admitted again."""
+        gone = set(victims)
+        for item in [it for it in self._chunking if it[0] in gone]:  # admitted prompts not prefilled yet
+            self._chunking.remove(item)
+            self.kv.drop_prefilling(item[0])
+            self.admitted -= 1
+        for rid in victims:
+            requeue(self.waiting, rid, int, self.req.made.__getitem__)
+            self.queued_tokens += self.kv.prefill_tokens(rid)
+
+    def _prefilling_ids(self) -> list[int]:
+        return [rid for rid, _ in self._chunking]
+
     def _admit(self) -> None:
-        if self._admissible() or self.kv.recompute_fits():
+        if self._admissible():
             self._request_boundary()
 
     def _after_boundary(self) -> None:
-        if self._recompute():
-            return
+        self._preempt()
         if self.mode != "prefill_first":
             if self._mixed_iteration():
                 return
@@ -70,8 +87,13 @@ class ColocatedReplica(Decoding):
             rids = self._take(self.limits.token_budget)
             if rids:
                 now = self.loop.now
+<<<<<<< HEAD
                 dur = self.cost.prefill_time(self.layout, PrefillBatch.of([self.req.inp[i] for i in rids]))
                 dur = dur * self.env.slowdown(self) + self.env.dispatch_wait(self)
+=======
+                dur = self.cost.prefill_time(self.layout, PrefillBatch.of([self.kv.prefill_tokens(i) for i in rids]))
+                dur *= self.env.slowdown(self)
+>>>>>>> main
                 if self.trace is not None:
                     self.trace.append((now, now + dur, (), tuple(rids)))
                 self._pause(now + dur)
@@ -87,18 +109,6 @@ class ColocatedReplica(Decoding):
         self._first_tokens(rids)
         self._after_boundary()
 
-    def _first_tokens(self, rids: list[int]) -> None:
-        r = self.req
-        done = []
-        for rid in rids:
-            self.env.first_token(rid)
-            if r.out[rid] <= 1:
-                done.append(rid)
-                self.kv.never_joins(rid)
-            else:
-                self._join(rid)
-        self._finish_all(done)
-
     # ------------------------------------------------------------------ mixed / chunked prefill
     def _mixed_iteration(self) -> bool:
         """One iteration carrying every running decode plus prompts: whole ones admitted within the
@@ -112,10 +122,8 @@ class ColocatedReplica(Decoding):
             self._chunking.extend([rid, 0] for rid in self._take(self.limits.token_budget, b.size))
         if not self._chunking:
             return False
-        if b.size:
-            self.kv.make_room()  # room for this iteration's decode tokens
-        r = self.req
-        sizes = prompt_chunks([r.inp[rid] - done for rid, done in self._chunking], budget, b.size)
+        n = self.kv.prefill_tokens
+        sizes = prompt_chunks([n(rid) - done for rid, done in self._chunking], budget, b.size)
         chunks = list(zip(self._chunking, sizes))
         tokens = sum(sizes)
         sum_sq = sum(c * c + 2.0 * c * item[1] for item, c in chunks)
@@ -137,7 +145,7 @@ class ColocatedReplica(Decoding):
         finished = []
         for item, c in chunks:
             item[1] += c
-            if item[1] >= self.req.inp[item[0]]:
+            if item[1] >= self.kv.prefill_tokens(item[0]):
                 finished.append(item[0])
         if finished:
             gone = set(finished)
@@ -151,11 +159,11 @@ class ColocatedReplica(Decoding):
         for rid, _ in self._chunking:
             yield rid, 0
         for rid in self.waiting:
-            yield rid, 0
+            yield rid, self.kv.made(rid)
 
     def state(self, with_requests: bool = False) -> ReplicaState:
         b = self.batch
-        queued = len(self.waiting) + len(self._chunking) + len(self.kv.preempted)
+        queued = len(self.waiting) + len(self._chunking)
         outstanding = self.queued_tokens + (max(0.0, self.pred_sum - self._generated_sum()) if b.size
                                             else self.pred_sum)
         return ReplicaState(self.id, "colocated", queued, b.size, self.queued_tokens, outstanding,

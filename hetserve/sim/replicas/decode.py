@@ -1,5 +1,6 @@
 """``DecodeReplica``: admits finished prefills in arrival order when their KV fits (requests wait,
-none is dropped), pulls their KV over the links, and runs them with continuous batching."""
+none is dropped), pulls their KV over the links, and runs them with continuous batching. With paged
+KV a pre-empted request goes back to its prefill replica to be recomputed."""
 
 from __future__ import annotations
 
@@ -25,17 +26,12 @@ class DecodeReplica(Decoding):
 
     def _admit(self) -> None:
         kv = self.kv
-        if kv.preempted:  # pre-empted requests come back first
-            if kv.recompute_fits():
-                self._request_boundary()
-            return
         while self.waiting and self.admitted < self.max_batch:
             rid, src = self.waiting[0]
-            need = kv.need(rid)
-            if not self._can_hold(kv.base(), need):
+            if not kv.admits(rid, whole_segment=True):  # beside all the running segment will take
                 break
             self.waiting.popleft()
-            kv.hold(need)
+            kv.admit(rid)
             self.admitted += 1
             self._inbound[rid] = None
             self.env.start_kv(rid, src, self)
@@ -45,15 +41,21 @@ class DecodeReplica(Decoding):
         self._request_boundary()
 
     def _after_boundary(self) -> None:
-        if self._recompute():
-            return
         for rid in self.pending:
             del self._inbound[rid]
             self._join(rid)
         self.pending.clear()
+        self._preempt()
         self._start_segment()
         if self.kv.grows:
             self._admit()  # the segment's end is known now: room for more?
+
+    def _requeue(self, victims: list[int]) -> None:
+        """Pre-empted requests go back to the prefill replica that prefilled them, to be recomputed
+        and handed off again (the runtime's engine does the same)."""
+        for rid in victims:
+            self.pred_sum -= self.req.pred[rid]
+            self.env.recompute(rid)
 
     def _not_started(self):
         for rid in self._inbound:
@@ -63,7 +65,7 @@ class DecodeReplica(Decoding):
 
     def state(self, with_requests: bool = False) -> ReplicaState:
         b = self.batch
-        queued = len(self.waiting) + self.admitted - b.size + len(self.kv.preempted)
+        queued = len(self.waiting) + self.admitted - b.size
         outstanding = max(0.0, self.pred_sum - self._generated_sum()) if b.size else self.pred_sum
         return ReplicaState(self.id, "decode", queued, b.size, 0, outstanding, self._context_now(),
                             int(self.kv_used), int(self.kv_capacity),

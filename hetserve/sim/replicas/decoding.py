@@ -1,7 +1,7 @@
 """``Decoding``: continuous batching with iteration boundaries on demand (decode and colocated).
 
 The running requests are a ``DecodeBatch`` (one event per change of membership, not per token).
-Whatever must happen between iterations (admissions, a prefill, a recompute) asks for the next
+Whatever must happen between iterations (admissions, a prefill, a pre-emption) asks for the next
 iteration boundary (``_request_boundary``); the subclass's ``_after_boundary`` decides what runs
 next. KV admission is a strategy object (``self.kv``, see ``kv.py``).
 """
@@ -36,6 +36,8 @@ class Decoding(Replica):
         # When a list: (start, end, decode rids, prompt rids) per iteration, in order (tests compare
         # it step by step with the runtime's coordinator trace).
         self.trace: list[tuple[float, float, tuple[int, ...], tuple[int, ...]]] | None = None
+        # with ``trace``: (index of the next iteration in ``trace``, ids pre-empted, latest first)
+        self.preempt_trace: list[tuple[int, tuple[int, ...]]] = []
 
     @property
     def preemptions(self) -> int:
@@ -112,25 +114,36 @@ class Decoding(Replica):
         if rids:
             self._admit()
 
-    def _recompute(self) -> bool:
-        """At a boundary: re-prefill pre-empted requests (prompt + tokens made so far), oldest first,
-        as one prefill that pauses decoding; they re-join when it ends. False: none fits."""
-        take = self.kv.take_recompute(self.limits.token_budget)
-        if not take:
-            return False
-        now = self.loop.now
-        dur = (self.cost.prefill_time(self.layout, PrefillBatch.of([n for _, n in take])) * self.env.slowdown(self)
-               + self.env.dispatch_wait(self))
-        self._pause(now + dur)
-        self._busy(now, now + dur)
-        self.loop.schedule(now + dur, Priority.WORK, self._on_recomputed, [rid for rid, _ in take])
-        return True
+    def _preempt(self) -> None:
+        """At a boundary, before anything is admitted: make room for the next iteration's KV."""
+        victims = self.kv.make_room(self._prefilling_ids())
+        if victims:
+            if self.trace is not None:
+                self.preempt_trace.append((len(self.trace), tuple(victims)))
+            self._requeue(victims)
 
-    def _on_recomputed(self, rids: list[int]) -> None:
-        self._paused = False
+    def _prefilling_ids(self) -> list[int]:
+        """Admitted prompts not yet in the batch that a pre-emption may take back (chunked prefill)."""
+        return []
+
+    def _requeue(self, victims: list[int]) -> None:  # pragma: no cover - overridden
+        """Send pre-empted requests (latest arrival first) where they are recomputed."""
+        raise NotImplementedError
+
+    def _first_tokens(self, rids: list[int]) -> None:
+        """``rids``' prefills (or recomputes) sampled a token: each joins the batch, or ends with it."""
+        r, kv = self.req, self.kv
+        done = []
         for rid in rids:
-            self._join(rid)
-        self._after_boundary()
+            made = kv.made(rid)
+            if not made:
+                self.env.first_token(rid)
+            if made + 1 >= r.out[rid]:
+                done.append(rid)
+                kv.never_joins(rid)
+            else:
+                self._join(rid)
+        self._finish_all(done)
 
     def _admit(self) -> None:  # pragma: no cover - overridden
         pass
@@ -164,9 +177,6 @@ class Decoding(Replica):
         for rid, gen in self._not_started():
             dt = now - r.t_join[rid]  # a pre-empted request has been decoding; others: NaN -> 0
             out.append(RunningRequest(rid, r.inp[rid], gen, env.repredict(rid, gen), dt if dt == dt else 0.0,
-                                      started=False))
-        for rid, gen in self.kv.preempted:
-            out.append(RunningRequest(rid, r.inp[rid], gen, env.repredict(rid, gen), now - r.t_join[rid],
                                       started=False))
         return tuple(out)
 

@@ -1,13 +1,20 @@
 """KV admission on a decoding replica, as strategy objects (one per replica).
 
 * ``ReserveKV`` — a request holds its prompt + whole (true) output from admission, so the pool
-  never overflows and nothing is ever pre-empted.
-* ``PagedKV`` — vLLM's paged pool: a request holds what its context has grown to; admission needs
-  room for the prompt and its first token (plus a 1 % watermark); when an iteration would not
-  fit, the newest running request is pre-empted and later re-prefilled (recompute).
+  never overflows and nothing is ever pre-empted (``policies.batching.kv_reservation``).
+* ``PagedKV`` — vLLM's paged pool, decided by ``policies.kv_admission`` (the functions the runtime's
+  scheduler calls): a request holds the blocks its cached tokens fill; admission takes the blocks of
+  its prefill while a watermark stays free; at an iteration boundary where the next iteration's
+  new blocks do not fit, the latest arrival is pre-empted, to be recomputed (its prompt + the tokens
+  it had made prefilled again; that prefill samples its next token). A colocated replica puts it
+  back at the head of its waiting queue; a decode replica sends it back to the prefill replica
+  that prefilled it (``ReplicaEnv.recompute``), which re-prefills it and hands it off again — both
+  as the runtime's engine does. ``RequestTable.made`` keeps the tokens it had made.
 
 The replica (``Decoding``) asks the strategy; the strategy keeps its own bookkeeping and adjusts
-the replica's ``kv_used`` (the pool's occupancy, which the statistics and snapshots read).
+the replica's ``kv_used`` (the pool's occupancy in tokens, which the statistics and snapshots read).
+Every question is asked at an iteration boundary, or, while a segment of iterations runs, about
+its next boundary (``admits``).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hetserve.policies.batching import kv_reservation
+from hetserve.policies.kv_admission import (BatchBlocks, RunningKV, blocks_for, can_admit_paged, decode_growth,
+                                            preemptions)
 
 if TYPE_CHECKING:  # pragma: no cover
     from hetserve.sim.replicas.decoding import Decoding
@@ -25,21 +34,24 @@ class ReserveKV:
 
     def __init__(self, rep: "Decoding"):
         self.rep = rep
-        self.preempted: list[tuple[int, int]] = []  # always empty: nothing is pre-empted
         self.preemptions = 0
 
     def need(self, rid: int) -> float:
-        """KV to reserve when admitting ``rid``: prompt + whole output (the shared policy's
-        ``kv_reservation``, whole blocks)."""
+        """KV to reserve when admitting ``rid``: prompt + whole output (whole blocks)."""
         r = self.rep.req
         return kv_reservation(r.inp[rid], r.out[rid], True, self.rep.limits.block_size)
 
-    def base(self) -> float:
-        """KV an admission must fit beside: what is reserved."""
-        return self.rep.kv_used
+    def prefill_tokens(self, rid: int) -> int:
+        return self.rep.req.inp[rid]
 
-    def hold(self, tokens: float) -> None:
-        self.rep._kv_add(tokens)
+    def made(self, rid: int) -> int:
+        return 0
+
+    def admits(self, rid: int, whole_segment: bool = False) -> bool:
+        return self.rep._can_hold(self.rep.kv_used, self.need(rid))
+
+    def admit(self, rid: int) -> None:
+        self.rep._kv_add(self.need(rid))
 
     def join(self, rid: int) -> int:
         """``rid`` joins the batch: tokens it has generated so far (its first, from the prefill)."""
@@ -52,129 +64,138 @@ class ReserveKV:
         pass
 
     def never_joins(self, rid: int) -> None:
-        """``rid`` finished with its first token (it never joins; ``finish`` frees its reservation)."""
+        """``rid`` finished with its prefill's token (it never joins; ``finish`` frees its reservation)."""
 
     def at_boundary(self, j: int) -> None:
         pass
 
+    def make_room(self, prefilling: list[int] = ()) -> list[int]:
+        return []
+
     def segment_limit(self) -> int | None:
         return None
 
-    def make_room(self) -> int | None:
-        return None
-
-    def recompute_fits(self) -> bool:
-        return False
-
-    def take_recompute(self, budget: int) -> list[tuple[int, int]]:
-        return []
-
 
 class PagedKV:
-    grows = True  # KV use grows one token per request per iteration
+    grows = True  # KV use grows as the contexts do
 
     def __init__(self, rep: "Decoding"):
         self.rep = rep
-        self.held = 0.0  # KV of admitted requests outside the batch (prefilling, KV inbound)
-        self.g0: dict[int, int] = {}  # tokens a re-joining request had made before pre-emption
-        self.preempted: list[tuple[int, int]] = []  # (rid, tokens made) waiting to recompute
+        self.bs = rep.limits.block_size
+        self.held = 0  # blocks of admitted requests outside the batch (prefilling, KV inbound, recomputing)
+        self.off: dict[int, int] = {}  # batch member -> tokens cached minus the batch's iteration count
+        self.blocks = BatchBlocks(self.bs)  # the members' blocks, as aggregates over ``off``
         self.preemptions = 0
+        self.preempted_now = False  # the last boundary pre-empted: it admits no prompt (as the runtime)
 
-    def need(self, rid: int) -> float:
-        """KV to reserve when admitting ``rid``: the prompt and its first token (the rest grows one
-        token per iteration)."""
-        return self.rep.req.inp[rid] + 1
+    # ------------------------------------------------------------------ what the pool holds
+    @property
+    def total(self) -> int:
+        """The pool's blocks (the runtime's too: its KV tokens // block size)."""
+        return int(self.rep.kv_capacity // self.bs)
 
-    def base(self) -> float:
-        """The most the pool will hold before the running segment ends, so no admission makes the
-        segment overflow; plus vLLM's watermark (1 % of the pool) so an admission does not pre-empt
-        at once."""
+    def _used(self, j: int = 0) -> int:
+        """Blocks held ``j`` iterations after the batch's last boundary."""
+        return self.held + self.blocks.blocks(self.rep.batch.iteration + j)
+
+    def _free_for_admission(self, whole_segment: bool) -> int:
+        """Blocks free at the next boundary once its iteration's decodes have their new blocks (or,
+        ``whole_segment``, beside everything the running segment will take)."""
+        b = self.rep.batch
+        if not b.active:
+            j = 0
+        elif whole_segment:
+            j = b.k
+        else:
+            j = b.boundary_at_or_after(self.rep.loop.now)
+        return self.total - self._used(j + 1)  # after the next iteration's new blocks
+
+    def sync(self, j: int | None = None) -> None:
+        """Set the replica's ``kv_used`` (tokens) to what the pool holds now."""
         rep = self.rep
-        b = rep.batch
-        return self.held + (b.c0 + b.k * b.size if b.active else b.context) + 0.01 * rep.kv_capacity
+        if j is None:
+            j = rep.batch.iterations_done(rep.loop.now)
+        rep._kv_add(self._used(j) * self.bs - rep.kv_used)
 
-    def hold(self, tokens: float) -> None:
-        self.held += tokens
+    # ------------------------------------------------------------------ admission
+    def prefill_tokens(self, rid: int) -> int:
+        """Tokens ``rid``'s (re-)prefill writes: its prompt and the tokens it made before a pre-emption."""
+        return self.rep.req.inp[rid] + self.rep.req.made[rid]
+
+    def made(self, rid: int) -> int:
+        return self.rep.req.made[rid]
+
+    def admits(self, rid: int, whole_segment: bool = False) -> bool:
+        if self.preempted_now:
+            return False
+        need = blocks_for(self.prefill_tokens(rid), self.bs)
+        return can_admit_paged(self._free_for_admission(whole_segment), self.total, need)
+
+    def admit(self, rid: int) -> None:
+        self.held += blocks_for(self.prefill_tokens(rid), self.bs)
         self.sync()
 
-    def sync(self) -> None:
-        """Set the replica's ``kv_used`` to what the pool holds now."""
-        rep = self.rep
-        b = rep.batch
-        ctx = b.context + b.iterations_done(rep.loop.now) * b.size if b.active else b.context
-        rep._kv_add(self.held + ctx - rep.kv_used)
-
     def join(self, rid: int) -> int:
-        g = self.g0.get(rid, 1)
-        self.held -= self.rep.req.inp[rid] + g
-        return g
+        n = self.prefill_tokens(rid)
+        self.held -= blocks_for(n, self.bs)
+        self.off[rid] = n - self.rep.batch.iteration
+        self.blocks.add(self.off[rid])
+        return self.rep.req.made[rid] + 1  # its prefill sampled one more
 
     def finish(self, rid: int) -> None:
-        self.g0.pop(rid, None)
+        if rid in self.off:
+            self.blocks.remove(self.off.pop(rid))
 
     def after_finish(self) -> None:
         self.sync()
 
     def never_joins(self, rid: int) -> None:
-        self.held -= self.rep.req.inp[rid] + 1  # its prompt's KV goes now
+        self.held -= blocks_for(self.prefill_tokens(rid), self.bs)  # its prompt's KV goes now
+
+    def drop_prefilling(self, rid: int) -> None:
+        """An admitted prompt not yet prefilled is pre-empted: its blocks go."""
+        self.held -= blocks_for(self.prefill_tokens(rid), self.bs)
 
     def at_boundary(self, j: int) -> None:
         """The pool is fullest just before the finishing requests leave."""
-        rep = self.rep
-        b = rep.batch
-        rep._kv_add(self.held + b.c0 + j * b.size - rep.kv_used)
+        self.sync(j)
 
-    def segment_limit(self) -> int | None:
-        return self.make_room()
-
-    def make_room(self) -> int | None:
-        """At a boundary: iterations the batch can run before the pool overflows; when not even one
-        fits, pre-empt the newest request (vLLM's recompute pre-emption) until it does. A lone
-        request larger than the pool runs anyway (nothing is dropped)."""
+    # ------------------------------------------------------------------ pre-emption
+    def make_room(self, prefilling: list[int] = ()) -> list[int]:
+        """At a boundary: pre-empt (``kv_admission.preemptions``) until the next iteration's new
+        blocks fit; batch members leave the batch here, ``prefilling`` ones (admitted prompts, not in
+        the batch) are the replica's to drop. Returns the pre-empted ids, latest arrival first."""
         rep = self.rep
         b, r = rep.batch, rep.req
-        while True:
-            free = rep.kv_capacity - self.held - b.context
-            if free >= b.size:
-                return int(free // b.size)
-            if b.size <= 1:
-                return None
-            rid = max(b.members)  # the latest arrival goes first (vLLM pre-empts from the back)
-            gen = b.iteration - b.members[rid] + self.g0.get(rid, 1)
-            b.remove(rid, r.inp[rid] + gen)
+        free = self.total - self._used()
+        if self.blocks.growth(b.iteration) <= free:
+            self.preempted_now = False
+            return []  # the next iteration fits (O(B), the common case)
+        cached = {rid: o + b.iteration for rid, o in self.off.items()}
+        running = [RunningKV(rid, blocks_for(c, self.bs), decode_growth(c, self.bs)) for rid, c in cached.items()]
+        running += [RunningKV(rid, blocks_for(self.prefill_tokens(rid), self.bs), 0) for rid in prefilling]
+        victims = preemptions(running, free)
+        self.preempted_now = bool(victims)
+        for rid in victims:
+            if rid not in cached:
+                continue
+            c = cached[rid]
+            self.blocks.remove(self.off.pop(rid))
+            b.remove(rid, c + 1)  # the batch counts its sampled, not yet cached, token too
             rep.admitted -= 1
-            self.preemptions += 1
-            self.preempted.append((rid, gen))
-            self.sync()
+            r.made[rid] = c - r.inp[rid] + 1
+        self.preemptions += len(victims)
+        if victims:
+            self.sync(0)
+        return victims
 
-    def recompute_fits(self) -> bool:
-        rep = self.rep
-        if not self.preempted or rep.admitted >= rep.max_batch:
-            return False
-        rid, gen = min(self.preempted)
-        # room for the request and one more iteration of the batch it re-joins (no instant re-pre-emption)
-        return rep._can_hold(self.base() + rep.batch.size + 1, rep.req.inp[rid] + gen)
-
-    def take_recompute(self, budget: int) -> list[tuple[int, int]]:
-        """Pre-empted requests to re-prefill now, oldest first, within ``budget`` tokens, as
-        ``(rid, prompt + tokens made so far)``; they are admitted again (KV held)."""
-        if not self.recompute_fits():
-            return []
-        rep = self.rep
-        r, take, tokens = rep.req, [], 0
-        self.preempted.sort()
-        while self.recompute_fits():
-            rid, gen = self.preempted[0]
-            n = r.inp[rid] + gen
-            if take and tokens + n > budget:
-                break
-            self.preempted.pop(0)
-            self.g0[rid] = gen
-            rep.admitted += 1
-            self.hold(n)
-            take.append((rid, n))
-            tokens += n
-        return take
+    def segment_limit(self) -> int | None:
+        """Iterations the batch runs before a step's new blocks would not fit (the runtime pre-empts
+        there). No admission is possible before then: the pool only fills during a segment."""
+        b = self.rep.batch
+        k = b.next_finish_iteration - b.iteration
+        fit = self.blocks.steps_that_fit(b.iteration, self.total - self._used(), k)
+        return None if fit >= k or fit == 0 else fit  # 0: a lone request larger than the pool runs anyway
 
 
 def make_kv_admission(rep: "Decoding", paged: bool) -> ReserveKV | PagedKV:

@@ -12,6 +12,7 @@ from collections import deque
 from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import ReplicaState, RunningRequest
 from hetserve.policies.batching import StepBuilder, kv_reservation
+from hetserve.policies.kv_admission import requeue
 from hetserve.sim.events import Priority
 from hetserve.sim.replicas.base import LazyRequests, Replica
 
@@ -34,9 +35,20 @@ class PrefillReplica(Replica):
         self.queued_tokens += self.req.inp[rid]
         self._kick()
 
+    def requeue(self, rid: int) -> None:
+        """``rid`` was pre-empted on a decode replica (paged KV): re-prefill its prompt and the tokens it
+        had made, at the head of its queue."""
+        requeue(self.queue, rid, int, self.req.made.__getitem__)  # the runtime's rule (kv_admission.requeue)
+        self.queued_tokens += self._tokens(rid)
+        self._kick()
+
+    def _tokens(self, rid: int) -> int:
+        """Tokens ``rid``'s prefill feeds: its prompt, and what it had made if it is a recompute."""
+        return self.req.inp[rid] + self.req.made[rid]
+
     def reservation(self, rid: int) -> int:
-        """KV held for ``rid``'s prompt (whole blocks)."""
-        return kv_reservation(self.req.inp[rid], 0, False, self.limits.block_size)
+        """KV held for ``rid``'s prefill (whole blocks)."""
+        return kv_reservation(self._tokens(rid), 0, False, self.limits.block_size)
 
     def release(self, rid: int) -> None:
         """The decode side has pulled ``rid``'s KV (or it needed none): free it."""
@@ -53,7 +65,7 @@ class PrefillReplica(Replica):
     def _take(self) -> tuple[list[int], list[int], int]:
         """Prompts of the next batch, in order (the shared ``StepBuilder``: token budget, batch
         limit, KV left); returns their ids, lengths and KV reservation."""
-        inp, lim = self.req.inp, self.limits
+        lim = self.limits
         step = StepBuilder(lim.token_budget, lim.max_batch)
         lengths: list[int] = []
         rids: list[int] = []
@@ -61,10 +73,11 @@ class PrefillReplica(Replica):
         while self.queue:
             rid = self.queue[0]
             need = self.reservation(rid)
-            if not step.offer(inp[rid], self._can_hold(self.kv_used + held, need)):
+            n = self._tokens(rid)
+            if not step.offer(n, self._can_hold(self.kv_used + held, need)):
                 break
             rids.append(self.queue.popleft())
-            lengths.append(inp[rid])
+            lengths.append(n)
             held += need
         return rids, lengths, held
 
@@ -96,7 +109,8 @@ class PrefillReplica(Replica):
         self._busy(now, t)
         self._rate = (1.0 / (t - now), len(rids) / (t - now)) if t > now else (0.0, 0.0)
         for rid in rids:
-            self.req.t_start[rid] = now
+            if not self.req.made[rid]:  # a recompute keeps its first start
+                self.req.t_start[rid] = now
             self._in_prefill[rid] = None
         self.loop.schedule(t, Priority.WORK, self._on_done, (rids, tokens))
         if self.queue:

@@ -1,0 +1,171 @@
+"""``Recovery``: how the coordinator keeps every request when workers die or the plan changes.
+
+Liveness: every worker sends a heartbeat every ``heartbeat_interval_s``; a worker whose process
+exited, or that was silent for ``heartbeat_timeout_s`` (hung, SIGSTOPped), is declared dead and its
+replica leaves service (its other workers are killed: a replica cannot run with a rank missing).
+
+No request lost: each request the dead replica held (running there, its KV there or on its way
+there, or placed there and waiting) goes back to the head of the waiting queue and is re-run on a
+live replica — it re-prefills its prompt plus the tokens it already streamed and continues the
+same stream, so its client sees only a pause. Sampling is keyed by (seed, position), so a seeded
+request continues exactly as it would have. When the last decode replica of a disaggregated plan
+dies, the prefill replicas become colocated ones (prefill and decode in place). A request fails with
+one ``RuntimeFailure`` only when no live replica can ever hold it, or after ``max_reruns`` re-runs.
+
+Elastic re-plans (``Engine.reconfigure``) use the same path: retired replicas' requests re-run on
+the replicas that stay, and new replicas join in service.
+
+A mixin over the ``Coordinator``'s state (its schedulers, queues, steps in flight and workers),
+kept apart so the coordinator's own file holds the normal path: messages, steps, hand-offs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from hetserve.errors import RuntimeFailure
+from hetserve.runtime.sequence import Sequence, Status
+from hetserve.runtime.worker_group import last_line
+
+POLL_S = 0.1  # how often worker processes are checked for exit
+
+
+class Recovery:
+    """Worker deaths, re-runs and elastic re-plans, for ``Coordinator`` (see the module docstring)."""
+
+    def _poll_workers(self) -> None:
+        now = time.monotonic()
+        if now - self._last_poll < POLL_S:
+            return
+        self._last_poll = now
+        for name, code in self.workers.exited():
+            if name not in self.workers.dead:  # an earlier death this round may have taken its replica
+                self._on_worker_death(name, self.workers.exit_reason(name, code))
+        for name in self.workers.procs:
+            silent = now - self.last_beat.get(name, now)
+            if name not in self.workers.dead and silent > self.heartbeat_timeout_s:
+                self._on_worker_death(name, f"sent no heartbeat for {silent:.1f} s (hung or stopped)")
+
+    def _stop_replica(self, rid: str) -> None:
+        """Out of service: its workers stopped, its steps in flight forgotten, its batches cleared."""
+        self.schedulers[rid].alive = False
+        self.workers.stop_replica(self.replicas[rid])
+        for step_id in [s for s, (r, _, _) in self.steps.items() if r == rid]:
+            del self.steps[step_id]
+        self.schedulers[rid].clear()
+
+    def _on_worker_death(self, name: str, what: str) -> None:
+        w = self.workers.worker(name)
+        error = self.workers.worker_errors.get(name)
+        why = f"worker {name} (replica {w.replica}, stage {w.stage}, pid {self.workers.pids[name]}) {what}"
+        if error:
+            why += f": {last_line(error)}"
+        rid = w.replica
+        self._stop_replica(rid)  # the rest of its replica cannot work without it
+        hit = [seq for seq in self.seqs.values() if seq.replica == rid or seq.pinned == rid or seq.dst == rid]
+        rerun = []
+        for seq in hit:
+            if seq.replica != rid and seq.status == Status.HANDOFF:
+                self._reroute(seq)  # its KV is safe on a live prefill replica: hand it to another decode replica
+            else:
+                rerun.append(seq)
+        if not any(s.alive and s.role == "decode" for s in self.schedulers.values()):
+            # a disaggregated plan lost its last decode replica: its prefill replicas decode in place
+            converted = [s for s in self.schedulers.values() if s.alive and s.role == "prefill"]
+            for s in converted:
+                s.role = "colocated"
+                # its requests hold prompt-sized KV only: drop its steps in flight and re-run them
+                for step_id in [k for k, (r, _, _) in self.steps.items() if r == s.id]:
+                    del self.steps[step_id]
+                s.clear(steps_only=True)
+            ids = {s.id for s in converted}
+            rerun += [seq for seq in self.seqs.values() if seq.replica in ids and seq not in rerun]
+        self.deaths.append({"worker": name, "replica": rid, "why": why, "at": time.monotonic(),
+                            "requests": len(rerun)})
+        self._rerun(sorted(rerun, key=lambda q: q.id), why)
+        alive = [s for s in self.schedulers.values() if s.alive]
+        if not any(s.serves_prefill for s in alive) or not any(s.serves_decode for s in alive):
+            self.broken = why
+            self.fail_all(f"{why}; no replica left to serve it")
+            return
+        for seq in list(self.waiting):  # a request only the dead replica's KV pool could hold fails now
+            if not self._can_ever_serve(seq):
+                self.waiting.remove(seq)
+                self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {why}; no live replica's KV pool "
+                                               f"can hold its {seq.reserve_tokens} tokens"))
+
+    # ------------------------------------------------------------------ elastic re-plan
+    def _retire(self, rids: list[str], why: str) -> None:
+        """Take replicas out of the plan (dead ones, or survivors the re-plan changes): their requests
+        re-run on the replicas that stay, exactly as after a death; their devices are freed."""
+        for rid in rids:
+            self._stop_replica(rid)
+            hit = [q for q in self.seqs.values() if rid in (q.replica, q.pinned, q.dst)]
+            for seq in hit:
+                if seq.replica != rid and seq.status == Status.HANDOFF:
+                    self._reroute(seq)
+            self._rerun(sorted((q for q in hit if q.replica == rid or q.status != Status.HANDOFF),
+                               key=lambda q: q.id), f"{why}: replica {rid} retired")
+        for rid in rids:
+            self.workers.forget(self.replicas[rid])
+            for w in self.replicas[rid].workers:
+                self.last_beat.pop(w.name, None)
+            del self.schedulers[rid], self.replicas[rid]
+        self.layout = tuple(r for r in self.layout if r.id not in rids)
+        self.workers.layout = self.layout
+
+    def _add(self, meta: dict[str, Any]) -> None:
+        """Put newly started replicas into service (their processes come from ``WorkerGroup.start_more``)."""
+        self.layout = meta["layout"]
+        self.workers.add(meta["procs"], self.layout)
+        now = time.monotonic()
+        for name in meta["procs"]:
+            self.last_beat[name] = now
+        for spec, sched in zip(meta["replicas"], meta["schedulers"]):
+            self.replicas[spec.id] = spec
+            self.schedulers[spec.id] = sched
+        if hasattr(self.route_policy, "plan"):  # PlanRoutes: the new plan's KV routes
+            self.route_policy.plan = meta["plan"]
+        alive = [s for s in self.schedulers.values() if s.alive]
+        if any(s.serves_prefill for s in alive) and any(s.serves_decode for s in alive):
+            self.broken = None  # the re-planned deployment can serve again
+
+    def _reroute(self, seq: Sequence) -> None:
+        """A hand-off whose destination died goes back to the hand-off queue (the route policy picks again)."""
+        self.handoffs.pop(seq.transfer, None)
+        seq.dst, seq.dst_table, seq.acks = None, [], set()  # the dead replica's blocks are gone with it
+        if seq not in self.handoff_queue:
+            self.handoff_queue.appendleft(seq)
+
+    def _rerun(self, seqs: list[Sequence], why: str) -> None:
+        """Put ``seqs`` back at the head of the waiting queue, in arrival order, to re-prefill on a live replica."""
+        for seq in reversed(seqs):
+            if seq in self.handoff_queue:
+                self.handoff_queue.remove(seq)
+            self.handoffs.pop(seq.transfer, None)
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            for s in self.schedulers.values():
+                s.drop(seq)
+            if seq.replica is not None and seq.table and self.schedulers[seq.replica].alive:
+                self.schedulers[seq.replica].release(seq)
+            if seq.dst is not None and seq.dst_table and self.schedulers[seq.dst].alive:
+                self.schedulers[seq.dst].blocks.free(seq.dst_table)
+            seq.replica, seq.table, seq.num_cached, seq.prefill_end, seq.pinned = None, [], 0, 0, None
+            seq.dst, seq.dst_table, seq.acks = None, [], set()
+            if seq.aborted:
+                self._finish(seq, "abort")
+                continue
+            seq.reruns += 1
+            if seq.reruns > self.max_reruns:
+                self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {why} (its replica died "
+                                               f"{seq.reruns} times; giving up)"))
+                continue
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+
+    def _can_ever_serve(self, seq: Sequence) -> bool:
+        scheds = [s for s in self.schedulers.values() if s.alive]
+        return (any(s.blocks.fits_ever(s.admission_tokens(seq)) for s in scheds if s.serves_prefill)
+                and any(s.blocks.fits_ever(seq.reserve_tokens) for s in scheds if s.serves_decode))

@@ -87,13 +87,8 @@ class ColocatedReplica(Decoding):
             rids = self._take(self.limits.token_budget)
             if rids:
                 now = self.loop.now
-<<<<<<< HEAD
-                dur = self.cost.prefill_time(self.layout, PrefillBatch.of([self.req.inp[i] for i in rids]))
-                dur = dur * self.env.slowdown(self) + self.env.dispatch_wait(self)
-=======
                 dur = self.cost.prefill_time(self.layout, PrefillBatch.of([self.kv.prefill_tokens(i) for i in rids]))
-                dur *= self.env.slowdown(self)
->>>>>>> main
+                dur = dur * self.env.slowdown(self) + self.env.dispatch_wait(self)
                 if self.trace is not None:
                     self.trace.append((now, now + dur, (), tuple(rids)))
                 self._pause(now + dur)

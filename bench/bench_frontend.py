@@ -12,6 +12,10 @@ Two tables, each with its baseline measured in the same run:
    ``Engine.submit`` (no HTTP) and once through the HTTP server and the ``openai`` client (what
    ``bench_predict`` serves). Reported: TTFT and TPOT means, KV hand-off time (engine side), and
    served ÷ engine, plus the extra time per decode step the front end adds.
+3. **Where a served step's extra time goes.** The decode replica's steps timed in the coordinator
+   on both sides of table 2: its own turn-around (result handled -> next step sent) and the round
+   trip (sent -> result handled: the sender thread, the worker, the reader thread and the
+   coordinator's wake-up, each needing the front end's GIL).
 
 The machine is shared: the 1-minute load average is printed beside every table.
 """
@@ -77,6 +81,57 @@ def contention_rows() -> list[tuple[str, float]]:
     return rows
 
 
+class StepTimer:
+    """Times the decode replica's steps in the coordinator (a measurement hook for this bench only):
+    per step, the coordinator's own turn-around (its result handled -> its next step sent) and the
+    round trip (step sent -> its result handled: the sender thread, the worker, the reader thread
+    and the coordinator's wake-up, each needing the front end's GIL)."""
+
+    def __init__(self, replica: str = "d0"):
+        self.replica, self.events = replica, []
+
+    def __enter__(self):
+        import hetserve.runtime.coordinator as coord
+
+        self._mod, self._orig = coord.Coordinator, (coord.Coordinator._on_result, coord.Coordinator._send_step)
+        on_result, send_step = self._orig
+        events, rid = self.events, self.replica
+
+        def timed_result(c, step_id, tokens):
+            entry = c.steps.get(step_id)
+            if entry is not None and entry[0] == rid:
+                events.append(("result", time.monotonic()))
+            return on_result(c, step_id, tokens)
+
+        def timed_send(c, sched, batch):
+            if sched.id == rid:
+                events.append(("send", time.monotonic()))
+            return send_step(c, sched, batch)
+
+        self._mod._on_result, self._mod._send_step = timed_result, timed_send
+        return self
+
+    def __exit__(self, *exc):
+        self._mod._on_result, self._mod._send_step = self._orig
+
+    def summary(self) -> dict[str, float]:
+        import numpy as np
+
+        turn, trip, last_send, last_result = [], [], None, None
+        for kind, t in self.events:
+            if kind == "send":
+                if last_result is not None and last_send is not None and last_result > last_send:
+                    turn.append(t - last_result)  # a step sent right after this replica's last result
+                last_send = t
+            else:
+                if last_send is not None:
+                    trip.append(t - last_send)
+                last_result = t
+        return {"turn_ms": float(np.median(turn)) * 1e3 if turn else float("nan"),
+                "turn_mean_ms": float(np.mean(turn)) * 1e3 if turn else float("nan"),
+                "trip_ms": float(np.mean(trip)) * 1e3 if trip else float("nan"), "steps": len(trip)}
+
+
 def engine_vs_served(rate: float, n: int, tmp: Path, model_dir: Path) -> dict[str, dict[str, float]]:
     import numpy as np
 
@@ -92,7 +147,8 @@ def engine_vs_served(rate: float, n: int, tmp: Path, model_dir: Path) -> dict[st
     plan = bp.plans()["prefill-decode"]
     trace = load_workload("azure-conv").of_class("LPLD").with_rate(rate)
     reqs = requests_from_workload(trace, n, max_input=128, max_output=32)
-    with Engine.from_plan(plan, cluster_path, model_dir, EngineConfig(kv_capacity_tokens=16384)) as eng:
+    with Engine.from_plan(plan, cluster_path, model_dir, EngineConfig(kv_capacity_tokens=16384)) as eng, \
+            StepTimer() as eng_steps:
         handles, t0 = [], time.monotonic()
         for r in reqs:
             time.sleep(max(0.0, t0 + r.arrival_s - time.monotonic()))
@@ -101,14 +157,15 @@ def engine_vs_served(rate: float, n: int, tmp: Path, model_dir: Path) -> dict[st
             h.result(timeout=120)
     engine = {"ttft_ms": np.mean([h.ttft for h in handles]) * 1e3,
               "tpot_ms": np.mean([h.tpot for h in handles if h.tpot]) * 1e3,
-              "handoff_ms": np.mean([h.handoff_s for h in handles if h.handoff_s is not None]) * 1e3}
+              "handoff_ms": np.mean([h.handoff_s for h in handles if h.handoff_s is not None]) * 1e3,
+              **eng_steps.summary()}
     opts = ServeOptions(plan=plan, cluster=load_cluster(str(cluster_path)), model_dir=str(model_dir))
-    with start_server(opts) as server:
+    with start_server(opts) as server, StepTimer() as served_steps:
         results = replay(server.url, server.deployment.coordinator.model_name, reqs, ignore_eos=True)
     ok = [r for r in results if r.error is None]
     served = {"ttft_ms": np.mean([r.ttft_s for r in ok]) * 1e3,
               "tpot_ms": np.mean([r.tpot_s for r in ok if r.tpot_s is not None]) * 1e3,
-              "handoff_ms": float("nan")}
+              "handoff_ms": float("nan"), **served_steps.summary()}
     return {"engine": engine, "served": served}
 
 
@@ -143,13 +200,21 @@ def main() -> int:
     for col in ("req/s", "load", "TTFT engine ms", "TTFT served ms", "served ÷ engine", "TPOT engine ms",
                 "TPOT served ms", "served ÷ engine", "hand-off ms (engine)"):
         t.add_column(col)
+    steps = Table(title="the decode replica's steps in the coordinator: its own turn-around (result handled -> next "
+                        "step sent) and the round trip (sent -> result handled, through the front end's threads)")
+    for col in ("req/s", "side", "steps", "turn-around p50 ms", "turn-around mean ms", "round trip mean ms"):
+        steps.add_column(col)
     for rate in (float(r) for r in args.rates.split(",")):
         r = engine_vs_served(rate, args.requests, tmp, model_dir)
         e, s = r["engine"], r["served"]
+        for side, x in (("engine", e), ("served", s)):
+            steps.add_row(f"{rate:.2f}", side, str(x["steps"]), f"{x['turn_ms']:.2f}", f"{x['turn_mean_ms']:.2f}",
+                          f"{x['trip_ms']:.2f}")
         t.add_row(f"{rate:.2f}", f"{os.getloadavg()[0]:.2f}", f"{e['ttft_ms']:.1f}", f"{s['ttft_ms']:.1f}",
                   f"{s['ttft_ms'] / e['ttft_ms']:.2f}", f"{e['tpot_ms']:.2f}", f"{s['tpot_ms']:.2f}",
                   f"{s['tpot_ms'] / e['tpot_ms']:.2f}", f"{e['handoff_ms']:.1f}")
     console.print(t)
+    console.print(steps)
     return 0
 
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_predict.py [--requests 48] [--calibration cal.json] [--json out.json]
         [--plans asym-colocated,prefill-decode,pipeline-2] [--fractions 0.2,0.8] [--no-shared-cores]
-    .venv/bin/python bench/bench_predict.py --replay out.json      # re-simulate saved cells, no serving
+    .venv/bin/python bench/bench_predict.py --replay out.json [--refit] [--frontend-from cal.json]   # no serving
 
 Plans (a tiny random-weight Llama, 8 layers, hidden 256, 4 heads, 2 KV heads; CPU worker slots named RTX 4090):
 
@@ -85,11 +85,31 @@ def capacity_rps(plan, cluster, spec, requests, efficiency, served_options: dict
     return len(requests) / float(res.t_finish.max())
 
 
-def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | None = None) -> list[dict]:
+def refit_calibration(content: dict, model_dir) -> dict:
+    """``content`` (a saved calibration) with its efficiency fitted again from its own measured points
+    by today's ``runtime.calibrate.fit`` (the runtime terms kept): a replay then measures today's fit
+    on the same measurements."""
+    from dataclasses import asdict
+
+    from hetserve.runtime.calibrate import fit
+
+    by: dict[tuple, dict[int, float]] = {}
+    for p in content.get("points", []):
+        by.setdefault((p["phase"], p.get("stages", 1), p.get("tp", 1)), {})[p["size"]] = p["measured_s"]
+    g = lambda ph, st, tp: by.get((ph, st, tp), {})  # noqa: E731
+    cal = fit(str(model_dir), content.get("gpu", "RTX-4090"), g("prefill", 1, 1), g("decode", 1, 1),
+              pp_ttft=g("prefill", 2, 1), pp_tpot=g("decode", 2, 1), tp_ttft=g("prefill", 1, 2), tp_tpot=g("decode", 1, 2))
+    points = [asdict(p) for p in cal.points]
+    return {**content, "efficiency": asdict(cal.efficiency), "points": points, "refitted": True}
+
+
+def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | None = None,
+                 refit: bool = False) -> list[dict]:
     """Re-simulate the cells of a ``--json`` file with the code of now against their served figures
     (the calibration file each cell used: its saved content, or its path where it still exists;
     ``runtime_from``: a calibration file whose front-end terms the cells take instead, to try terms
-    measured later on served runs saved before them)."""
+    measured later on served runs saved before them; ``refit``: each calibration's efficiency fitted
+    again from its saved points by today's fit)."""
     import dataclasses
 
     import numpy as np
@@ -120,6 +140,8 @@ def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | Non
         else:
             raise SystemExit(f"--replay {path}: cell {i} ({cell['plan']}): its calibration {cell['calibration']} "
                              "is gone and the file does not hold its content")
+        if refit:
+            cal.write_text(json.dumps(refit_calibration(json.loads(cal.read_text()), model_dir)))
         if runtime_from:
             content, other = json.loads(cal.read_text()), json.loads(Path(runtime_from).read_text())
             content.setdefault("runtime", {}).update({k: v for k, v in other.get("runtime", {}).items()
@@ -191,6 +213,8 @@ def main() -> int:
     ap.add_argument("--frontend-from", metavar="CAL",
                     help="with --replay: the front end's CPU terms from this calibration file instead of each "
                          "cell's (served runs saved before calibrate measured them)")
+    ap.add_argument("--refit", action="store_true",
+                    help="with --replay: fit each cell's calibration again from its saved points with today's fit")
     ap.add_argument("--calibrate-once", action="store_true",
                     help="one calibration at the start (default: calibrate again before each plan, so the "
                          "calibration sees the load the served cells see on a shared machine)")
@@ -200,7 +224,7 @@ def main() -> int:
 
     console = Console()
     if args.replay:
-        cells = replay_cells(args.replay, args.shared_cores, console, args.frontend_from)
+        cells = replay_cells(args.replay, args.shared_cores, console, args.frontend_from, args.refit)
         print_cells(cells, f"simulator (now) vs the served figures of {args.replay}", console)
         if args.json:
             Path(args.json).write_text(json.dumps({"cells": cells, "replayed": args.replay}, indent=2) + "\n")

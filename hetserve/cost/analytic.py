@@ -195,11 +195,14 @@ class CostModel:
         return self.prefill_time(layout, PrefillBatch.single(prompt_tokens))
 
     def decode_step_time(self, layout: ReplicaLayout, batch: float, context_tokens: float,
-                         micro_batches: int | None = None) -> float:
+                         micro_batches: int | None = None, dispatch_s: float = 0.0) -> float:
         """Time for every sequence of the batch to gain one token (= TPOT at this batch).
 
         A pipeline of S stages runs ``m`` micro-batches (default ``min(S, batch)``) so all stages
-        stay busy: one round takes ``max(Σ stage + hand-offs, m · slowest stage)`` at batch/m each.
+        stay busy: one round takes ``max(Σ stage + hand-offs + dispatch, m · slowest stage)`` at
+        batch/m each. ``dispatch_s``: what a micro-batch waits between its last stage and its next
+        step on the first (the serving front end's turn-around beyond ``iteration_overhead_s``,
+        ``sim.hosts``): on the ring's latency, so with m > 1 the other micro-batches hide it.
         """
         if batch <= 0:
             return 0.0
@@ -209,7 +212,7 @@ class CostModel:
         times = [self.stage_decode_time(s, b, c, last) for s, _, last in stages]
         hops = sum(self.pp_handoff_time(s, layout.stages[i + 1], b) for i, (s, _, last) in enumerate(stages)
                    if not last)
-        return max(sum(times) + hops, m * max(times))
+        return max(sum(times) + hops + dispatch_s, m * max(times))
 
     def max_decode_batch(self, layout: ReplicaLayout, tokens_per_request: float) -> int:
         """Largest number of requests that run at once: their full KV (prompt + output) must fit,

@@ -21,7 +21,10 @@ the checkpoint on one device (the real engine behind the real HTTP server) and m
 
 and fits ``Efficiency(compute, memory, step_overhead_s, iteration_overhead_s, seq_overhead_s,
 collective_overhead_s)``
-minimising the squared log error of the cost model over the engine measurements. Where the fixed
+minimising the squared log error of the cost model over the engine measurements, each term from
+the probes that isolate it (``fit``: one-device terms, then the per-stage split, then the
+per-collective cost; a joint fit let the two-device probes' noise move the one-device terms, and
+memory efficiency, which no probe is bandwidth-bound at, wander 0.03-0.47). Where the fixed
 costs come from, read from the runtime (``worker.py``, ``coordinator.py``):
 
 * ``iteration_overhead_s`` — once per iteration of a replica: the coordinator's turn-around
@@ -42,6 +45,9 @@ serves and replays them (HTTP/SSE server, coordinator, client), split by least s
 turn-around) and ``frontend_token_cpu_s`` per output token (the SSE event and the client's parse). Where CPU
 worker slots share a host's cores, the simulator counts the front end as one more consumer of
 them (``sim.hosts``): measured on the bench's prefill/decode plan, it used 0.25 of a core at 20 req/s.
+The GIL probe measures what that process's other work costs a replica's steps: a decode batch alone
+and beside a thread holding the GIL half the time, ``frontend_dispatch_s`` = the step's delay per
+unit of that share (the simulator's front-end queue, ``sim.hosts.HostContention.dispatch_wait``).
 
 The fit's error per point is reported: it is the cost model's error on this machine. The result
 is one JSON file (``Calibration.save``) that the planner (``--efficiency``: the engine's
@@ -98,6 +104,11 @@ class Calibration:
     frontend_token_cpu_s: float = 0.0
     frontend_step_cpu_s: float = 0.0  # per engine step: the coordinator's result, scheduling and next step
     frontend_points: tuple = ()  # FrontEndPoint per HTTP probe: the front-end fit's error per point
+    # seconds a replica's next step waits for the front end (its GIL) per unit of the front end's
+    # utilisation by other work (``sim.hosts``): the GIL probe's median delay per step per unit of
+    # the GIL-holding thread's share
+    frontend_dispatch_s: float = 0.0
+    memory_bound: bool = True  # a decode probe is bandwidth-bound at the fitted memory efficiency (else: the default)
 
     @property
     def mean_abs_error(self) -> float:
@@ -112,13 +123,14 @@ class Calibration:
         simulator also reads ``runtime.request_overhead_s`` from it (``load_request_overhead``)."""
         Path(path).write_text(json.dumps({
             "gpu": self.gpu, "efficiency": asdict(self.efficiency), "mean_abs_error": self.mean_abs_error,
-            "max_abs_error": self.max_abs_error, "runtime": {"request_overhead_s": self.request_overhead_s,
+            "max_abs_error": self.max_abs_error, "memory_bound": self.memory_bound, "runtime": {"request_overhead_s": self.request_overhead_s,
                                                            "stream_overhead_s": self.stream_overhead_s,
                                                            "kv_handoff_overhead_s": self.kv_handoff_overhead_s,
                                                            "contention_slowdown": self.contention_slowdown,
                                                            "frontend_request_cpu_s": self.frontend_request_cpu_s,
                                                            "frontend_token_cpu_s": self.frontend_token_cpu_s,
-                                                           "frontend_step_cpu_s": self.frontend_step_cpu_s},
+                                                           "frontend_step_cpu_s": self.frontend_step_cpu_s,
+                                                           "frontend_dispatch_s": self.frontend_dispatch_s},
             "measured_on": self.measured_on, "points": [asdict(p) for p in self.points],
             "frontend_points": [asdict(p) for p in self.frontend_points]}, indent=2) + "\n")
 
@@ -159,6 +171,11 @@ def load_frontend_cpu(path: str | Path) -> tuple[float, float, float]:
     return tuple(max(0.0, float(rt.get(f"frontend_{k}_cpu_s", 0.0))) for k in ("request", "step", "token"))
 
 
+def load_frontend_dispatch(path: str | Path) -> float:
+    """``runtime.frontend_dispatch_s`` of a calibration file (0 when it has none: no GIL probe)."""
+    return max(0.0, float(_runtime(path).get("frontend_dispatch_s", 0.0)))
+
+
 def served_sim_options(path: str | Path | None) -> dict:
     """The ``SimOptions`` fields a calibration file sets for simulating a *served* deployment (what
     ``compare``, ``simulate --efficiency`` and ``bench_predict`` pass): the request overhead, the
@@ -169,7 +186,8 @@ def served_sim_options(path: str | Path | None) -> dict:
     req_cpu, step_cpu, tok_cpu = load_frontend_cpu(path)
     return {"request_overhead_s": load_request_overhead(path), "contention_slowdown": load_contention(path),
             "link_overhead_s": load_kv_handoff_overhead(path), "frontend_request_cpu_s": req_cpu,
-            "frontend_step_cpu_s": step_cpu, "frontend_token_cpu_s": tok_cpu}
+            "frontend_step_cpu_s": step_cpu, "frontend_token_cpu_s": tok_cpu,
+            "frontend_dispatch_s": load_frontend_dispatch(path)}
 
 
 @dataclass(frozen=True)
@@ -218,15 +236,27 @@ def _runtime(path: str | Path) -> dict:
     return data.get("runtime", {}) if isinstance(data, dict) else {}
 
 
+def _memory_binds(cm: CostModel, layout, batch: int, context: float) -> bool:
+    """Whether the decode step of ``batch`` sequences is bandwidth-bound at ``cm``'s efficiency: its
+    time drops by more than 1 % when memory efficiency rises to 1 (a fit may stop just inside the
+    bound, where the efficiency still prices next to nothing)."""
+    faster = CostModel(cm.cluster, cm.model, replace(cm.eff, memory=1.0))
+    return faster.decode_step_time(layout, batch, context) < cm.decode_step_time(layout, batch, context) * 0.99
+
+
 def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, float],
         base: Efficiency | None = None, decode_prompt_tokens: int = 16, decode_tokens: int = 24,
         http_ttft: dict[int, float] | None = None, measured_on: dict | None = None,
         contention: float = 1.0, pp_ttft: dict[int, float] | None = None,
         pp_tpot: dict[int, float] | None = None, http_tpot: dict[int, float] | None = None,
         tp_ttft: dict[int, float] | None = None, tp_tpot: dict[int, float] | None = None,
-        kv_handoff: dict[int, float] | None = None, frontend_cpu=None, attention: bool = True) -> Calibration:
-    """Solve for compute and memory efficiency and the fixed costs per iteration, per stage and per
-    sequence (least squares on the log of predicted / measured over every point); the request
+        kv_handoff: dict[int, float] | None = None, frontend_cpu=None, attention: bool = True,
+        dispatch: list[float] | None = None) -> Calibration:
+    """Solve for compute, attention and memory efficiency and the fixed costs per iteration, per
+    stage, per sequence and per TP collective (least squares on the log of predicted / measured, in
+    stages: the one-device points, then the two-stage points for the per-stage part, then the TP 2
+    points for the per-collective cost; memory efficiency stays ``base``'s where no decode point is
+    bandwidth-bound, ``Calibration.memory_bound``), the GIL wait the median of ``dispatch``; the request
     overhead is the median of HTTP TTFT − engine TTFT over the prompt lengths measured both ways,
     the stream overhead the least-squares slope (through 0) of HTTP TPOT − engine TPOT over the
     batch sizes measured both ways, the KV hand-off overhead the median of the measured hand-off
@@ -250,34 +280,60 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
                                                          ("prefill", 2, 1, pp_ttft), ("decode", 2, 1, pp_tpot),
                                                          ("prefill", 1, 2, tp_ttft), ("decode", 1, 2, tp_tpot))
               for n, sec in d.items()]
-    split = any(st == 2 for _, _, st, _, _ in probes)
-    tp_probed = any(t_ == 2 for _, _, _, t_, _ in probes)
 
-    def predict(eff: Efficiency):
+    def predict(eff: Efficiency, subset=None):
         cm = CostModel(cluster, spec, eff)
         return np.array([cm.ttft(shapes[st, t_], n) if ph == "prefill"
-                         else cm.decode_step_time(shapes[st, t_], n, n * ctx) for ph, n, st, t_, _ in probes])
+                         else cm.decode_step_time(shapes[st, t_], n, n * ctx)
+                         for ph, n, st, t_, _ in (probes if subset is None else subset)])
 
     measured = np.array([sec for *_, sec in probes])
 
-    def eff_of(x) -> Efficiency:
-        return replace(base, compute=float(10 ** x[0]), memory=float(10 ** x[1]), iteration_overhead_s=float(x[2]),
-                       seq_overhead_s=float(x[3]), step_overhead_s=float(x[4]) if split else 0.0,
-                       collective_overhead_s=float(x[5]) if tp_probed else 0.0,
-                       attention=float(10 ** x[6]) if attention else 0.0)
+    def solve(subset, eff_of, x0s, lo, hi_):
+        """Least squares of the log error over ``subset``'s points: the best of a few starts (the
+        roofline's max() makes the surface piecewise)."""
+        meas = np.array([sec for *_, sec in subset])
+        best = None
+        for x0 in x0s:
+            r = least_squares(lambda x: np.log(predict(eff_of(x), subset) / meas), x0, bounds=(lo, hi_))
+            if best is None or r.cost < best.cost:
+                best = r
+        return best.x
 
-    def residuals(x):
-        return np.log(predict(eff_of(x)) / measured)
-
-    best = None
+    # Each term from the probes that isolate it (a joint fit let the noise of the two-device probes
+    # move the one-device terms): (1) the one-device prompts and decode batches give compute,
+    # attention and memory efficiency, the per-sequence cost and the fixed cost of a one-stage
+    # iteration; (2) the two-stage probes split that fixed cost into its per-stage and
+    # per-iteration parts; (3) the TP 2 probes give the per-collective cost. Then every point is
+    # priced by the one result.
     hi = float(max(measured))
-    for c0 in (-5.0, -3.0, -1.0):  # a few starts: the roofline's max() makes the surface piecewise
-        x0 = np.array([c0, c0, 0.4 * float(min(measured)), 0.0, 0.05 * float(min(measured)),
-                       0.01 * float(min(measured)), c0])
-        r = least_squares(residuals, x0, bounds=([-9, -9, 0.0, 0.0, 0.0, 0.0, -9], [0, 0, hi, hi, hi, hi, 0]))
-        if best is None or r.cost < best.cost:
-            best = r
-    eff = eff_of(best.x)
+    one = [p for p in probes if p[2] == 1 and p[3] == 1]
+
+    def eff_one(x) -> Efficiency:
+        # attention's efficiency as a fraction of compute's, at most 1: the small products over a
+        # context never run faster than the weight GEMMs (free, the fit ran it to the bound 1.0 on a
+        # noisy prompt curve, i.e. attention for nothing)
+        return replace(base, compute=float(10 ** x[0]), memory=float(10 ** x[1]),
+                       iteration_overhead_s=float(x[2]), seq_overhead_s=float(x[3]),
+                       attention=float(10 ** (x[0] + x[4])) if attention else 0.0)
+
+    starts = [np.array([c0, c0, 0.4 * float(min(measured)), 0.0, -0.5]) for c0 in (-5.0, -3.0, -1.0)]
+    eff = eff_one(solve(one, eff_one, starts, [-9, -9, 0.0, 0.0, -9], [0, 0, hi, hi, 0]))
+    memory_bound = any(p[0] == "decode" and _memory_binds(CostModel(cluster, spec, eff), shapes[1, 1], p[1], p[1] * ctx)
+                       for p in one)
+    if not memory_bound:
+        # No probe is bandwidth-bound at this efficiency: every value above it prices them alike, so
+        # it is not measured (it wandered 0.03-0.47 between calibrations a minute apart): keep the default.
+        eff = replace(eff, memory=max(eff.memory, base.memory))
+    lump = eff.iteration_overhead_s  # what one stage pays per iteration: its step + the iteration's turn-around
+    two = [p for p in probes if p[2] == 2]
+    if two and lump > 0:
+        split_of = lambda x: replace(eff, step_overhead_s=float(x[0]), iteration_overhead_s=lump - float(x[0]))  # noqa: E731
+        eff = split_of(solve(two, split_of, [np.array([0.25 * lump])], [0.0], [lump]))
+    tp_pts = [p for p in probes if p[3] == 2]
+    if tp_pts:
+        col_of = lambda x: replace(eff, collective_overhead_s=float(x[0]))  # noqa: E731
+        eff = col_of(solve(tp_pts, col_of, [np.array([0.01 * float(min(measured))])], [0.0], [hi]))
     points = tuple(CalibrationPoint(ph, n, sec, float(p), st, t_) for (ph, n, st, t_, sec), p in zip(probes, predict(eff)))
     common = [L for L in (http_ttft or {}) if L in ttft]
     overhead = max(0.0, statistics.median(http_ttft[L] - ttft[L] for L in common)) if common else 0.0
@@ -289,7 +345,8 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
                                          for L, t in kv_handoff.items())) if kv_handoff else 0.0
     (req_cpu, step_cpu, tok_cpu), fe_points = fit_frontend_cpu(frontend_cpu)
     return Calibration(gpu_name, eff, points, overhead, stream, handoff, contention, measured_on or {},
-                       req_cpu, tok_cpu, step_cpu, fe_points)
+                       req_cpu, tok_cpu, step_cpu, fe_points,
+                       max(0.0, statistics.median(dispatch)) if dispatch else 0.0, memory_bound)
 
 
 def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
@@ -300,4 +357,4 @@ def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
     return fit(model_dir, gpu_name, m.ttft, m.tpot, decode_tokens=kwargs.get("decode_tokens", 24),
                http_ttft=m.http_ttft, measured_on=info, contention=m.contention, pp_ttft=m.pp_ttft,
                pp_tpot=m.pp_tpot, http_tpot=m.http_tpot, tp_ttft=m.tp_ttft, tp_tpot=m.tp_tpot,
-               kv_handoff=m.kv_handoff, frontend_cpu=m.frontend_cpu)
+               kv_handoff=m.kv_handoff, frontend_cpu=m.frontend_cpu, dispatch=m.dispatch)

@@ -41,6 +41,26 @@ def _burn(stop, go, weight_bytes: float) -> None:  # pragma: no cover - runs in 
             w @ v
 
 
+def _gil_load(stop, duty: float, burst_s: float, used: list) -> None:
+    """Hold this process's GIL as the serving front end's other work does (an HTTP request's
+    handling, a batch of SSE events, another replica's step): pure-Python bursts of ``burst_s``,
+    apart by exponential gaps so the process's GIL is busy a ``duty`` share of the time at random
+    phase to the engine's steps. ``used``: appended the share of wall time spent inside bursts (the
+    GIL's busy share: a burst preempted by the OS still holds the GIL, as a front end's work does)."""
+    import random
+
+    rng = random.Random(0)
+    held, t0 = 0.0, time.perf_counter()
+    while not stop.is_set():
+        start = time.perf_counter()
+        end = start + burst_s
+        while time.perf_counter() < end:
+            pass
+        held += time.perf_counter() - start
+        time.sleep(rng.expovariate(duty / (burst_s * (1.0 - duty))))
+    used.append(held / max(1e-9, time.perf_counter() - t0))
+
+
 def _cpu_ns(pid: int) -> float | None:
     """CPU time of ``pid``'s main thread in ns (``/proc/PID/schedstat``; None where there is none).
     A worker's step loop runs on its main thread: time-sharing the cores leaves this unchanged, so a
@@ -144,6 +164,9 @@ class Measurements:
     tp_ttft: dict[int, float] = field(default_factory=dict)  # one stage on TP 2: prompt length -> median TTFT
     tp_tpot: dict[int, float] = field(default_factory=dict)  # one stage on TP 2: batch size -> median TPOT
     kv_handoff: dict[int, float] = field(default_factory=dict)  # prefill -> decode slot: prompt -> median hand-off (s)
+    # the front end's dispatch wait: (engine TPOT of the dispatch probe beside a GIL-holding thread −
+    # alone) / that thread's utilisation, per round ("the GIL probe"; seconds per unit of utilisation)
+    dispatch: list[float] = field(default_factory=list)
     # the front end's CPU (server, coordinator and client: this process) per HTTP probe:
     # (requests, engine steps, output tokens, CPU seconds beyond this process's idle rate and a
     # replay's own start and end: the client's set-up, measured with an empty replay)
@@ -270,6 +293,28 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
             if extra is not None:
                 extra.shutdown()
         pp = tp2 = pd = None
+        # The GIL probe: the engine's coordinator shares this process (and its GIL) with the HTTP
+        # server and the client; other work holding the GIL delays each next step of a replica. A
+        # decode batch alone and beside a thread holding the GIL a known share of the time at random
+        # phase (bursts of the interpreter's switch interval, the longest one thread holds it while
+        # another waits), interleaved; the step's delay per unit of that share (median over the rounds) is the simulator's
+        # ``frontend_dispatch_s`` (sim.hosts).
+        import sys
+        import threading
+
+        b_gil, duty = min(4, max(batch_sizes)), 0.5  # half the time: a delay well above the load's noise
+        for _ in range(reps):
+            alone = decode(engine, b_gil)
+            stop_gil, used = threading.Event(), []
+            th = threading.Thread(target=_gil_load, args=(stop_gil, duty, sys.getswitchinterval(), used), daemon=True)
+            th.start()
+            try:
+                busy_t = decode(engine, b_gil)
+            finally:
+                stop_gil.set()
+                th.join()
+            if used and used[0] > 0:
+                m.dispatch.append((busy_t - alone) / used[0])
         # Contention: the largest decode probe alone and beside one more process computing as a second
         # worker slot of the same host would, interleaved. The slow-down is the ratio of the worker's
         # own CPU time per probe (what the neighbour costs it beyond the cores' share, which the

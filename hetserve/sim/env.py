@@ -61,3 +61,7 @@ class ReplicaEnv(Protocol):
 
     def slowdown(self, replica) -> float:
         """Factor on the work ``replica`` starts now (CPU worker slots sharing a host's cores)."""
+
+    def dispatch_wait(self, replica) -> float:
+        """Seconds ``replica``'s next step waits for the serving front end (its GIL) beyond what
+        the cost model prices (``sim.hosts``)."""

@@ -22,11 +22,24 @@ arrived (each adds its CPU seconds to a backlog), plus the step and token rates 
 replicas now times their costs. ``hetserve calibrate`` measures both costs (the CPU time of the
 process that serves and replays its HTTP probes); both default to 0, and nothing of this applies
 to devices without ``cpu_cores`` (GPUs), so the planner's and GPU simulations are unchanged.
+
+*The front end is also one serial server* (one GIL): a replica's next step is dispatched through
+it (the transport's reader thread, the coordinator, the sender thread), so whenever other work holds
+the GIL the step waits. ``dispatch_wait`` charges each step a replica starts
+``frontend_dispatch_s × min(1, u_other)``, ``u_other`` the front end's utilisation by work that is
+not the replica's own: the requests' recent rate and the other replicas' steps and tokens. The
+replica's own tokens are streamed while its next step computes, in phase, and ``stream_overhead_s``
+prices them. ``hetserve calibrate``'s GIL probe measures ``frontend_dispatch_s``. This applies on any
+host (the GIL is not the cores) wherever it is set; it defaults to 0.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+# the window (s) over which the front end's request rate is taken: a few arrivals at the rates served here
+REQUEST_WINDOW_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -36,9 +49,12 @@ class FrontEndCost:
     request_cpu_s: float = 0.0  # per request: HTTP request, tokenisation, placement, stream set-up
     step_cpu_s: float = 0.0  # per engine step: the coordinator takes the result, schedules, sends the next
     token_cpu_s: float = 0.0  # per output token: its handle, the SSE event, the client's parse
+    # seconds a replica's next step waits for the front end (one GIL) per unit of the front end's
+    # utilisation by other work: the GIL's dispatch delay (``hetserve calibrate`` measures it)
+    dispatch_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if min(self.request_cpu_s, self.step_cpu_s, self.token_cpu_s) < 0:
+        if min(self.request_cpu_s, self.step_cpu_s, self.token_cpu_s, self.dispatch_s) < 0:
             raise ValueError("front-end CPU costs must be non-negative")
 
     @property
@@ -80,16 +96,38 @@ class HostContention:
         first = cluster.devices[replicas[0].layout.devices[0]] if replicas else None
         self.frontend_host = first.machine if first is not None and first.cpu_cores is not None else None
         self._backlog_until = 0.0  # when the front end has worked off the requests that arrived
+        self.replicas = list(replicas)
+        # the requests' CPU of the last REQUEST_WINDOW_S (decaying): the front end's request rate
+        self._req_work, self._req_t = 0.0, 0.0
 
     def on_arrival(self) -> None:
         """A request reached the replicas (after the request overhead): its per-request CPU joins the
         front end's backlog from now. (Charged from the HTTP arrival instead, before the overhead,
         the replays of docs/benchmarks.md hit 25 and 23 of 42 rather than 26 and 27: the front end's
         per-request work overlaps the prompt's prefill — the stream's set-up, the first token's event.)"""
-        if self.frontend_host is None or self.frontend.request_cpu_s <= 0:
+        if self.frontend.request_cpu_s <= 0:
             return
         now = self.loop.now
         self._backlog_until = max(now, self._backlog_until) + self.frontend.request_cpu_s
+        self._req_work = self._req_work * math.exp((self._req_t - now) / REQUEST_WINDOW_S) + self.frontend.request_cpu_s
+        self._req_t = now
+
+    def dispatch_wait(self, rep) -> float:
+        """Seconds ``rep``'s next step waits for the front end: ``dispatch_s`` times the front end's
+        utilisation by work that is not ``rep``'s own (the requests' recent rate, the other
+        replicas' steps and tokens), at most 1. ``rep``'s own tokens are streamed while its next
+        step computes, in phase with it: calibration's ``stream_overhead_s`` prices them. 0 where no
+        ``dispatch_s`` is set."""
+        fe = self.frontend
+        if fe.dispatch_s <= 0:
+            return 0.0
+        now = self.loop.now
+        u = self._req_work * math.exp((self._req_t - now) / REQUEST_WINDOW_S) / REQUEST_WINDOW_S
+        for r in self.replicas:
+            if r is not rep:
+                steps, tokens = r.step_rate()
+                u += fe.step_cpu_s * steps + fe.token_cpu_s * tokens
+        return fe.dispatch_s * min(1.0, u)
 
     def frontend_load(self) -> float:
         """The front end's utilisation now (0..1): its request backlog, plus the decoding replicas'

@@ -86,6 +86,9 @@ class SimOptions:
     frontend_request_cpu_s: float = 0.0
     frontend_step_cpu_s: float = 0.0
     frontend_token_cpu_s: float = 0.0
+    # seconds a replica's next step waits for the front end (one GIL) per unit of the front end's
+    # utilisation by other work (``sim.hosts``; `hetserve calibrate` measures it; 0: no wait)
+    frontend_dispatch_s: float = 0.0
     seed: int = 0
     policy_options: dict[str, Any] = field(default_factory=dict)  # PolicyContext.options (e.g. Aladdin's gamma)
     # the link model's calibration knobs (hetserve.policies.links): seconds added per message, and
@@ -103,9 +106,10 @@ class SimOptions:
             raise ValueError("contention_slowdown must be at least 1")
         if self.request_overhead_s < 0:
             raise ValueError("request_overhead_s must be non-negative")
-        if min(self.frontend_request_cpu_s, self.frontend_step_cpu_s, self.frontend_token_cpu_s) < 0:
-            raise ValueError("frontend_request_cpu_s, frontend_step_cpu_s and frontend_token_cpu_s "
-                             "must be non-negative")
+        if min(self.frontend_request_cpu_s, self.frontend_step_cpu_s, self.frontend_token_cpu_s,
+               self.frontend_dispatch_s) < 0:
+            raise ValueError("frontend_request_cpu_s, frontend_step_cpu_s, frontend_token_cpu_s and "
+                             "frontend_dispatch_s must be non-negative")
         if self.kv_block_tokens <= 0:
             raise ValueError("kv_block_tokens must be positive")
         if self.micro_batches is not None and self.micro_batches <= 0:
@@ -174,7 +178,7 @@ class Simulator:
         self.by_id = {r.id: r for r in self.replicas}
         self.hosts = HostContention(self.replicas, cluster, self.loop, opts.contention_slowdown,
                                     FrontEndCost(opts.frontend_request_cpu_s, opts.frontend_step_cpu_s,
-                                                 opts.frontend_token_cpu_s),
+                                                 opts.frontend_token_cpu_s, opts.frontend_dispatch_s),
                                     opts.micro_batches)
         self.entry = [r for r in self.replicas if serves_prefill(r.role)]
         self._routes: dict[str, list[tuple[Replica, float]]] = {}
@@ -201,6 +205,10 @@ class Simulator:
         """Factor on the work ``rep`` starts now: CPU worker slots sharing their host's cores with
         the other busy replicas and the serving front end there (``sim.hosts``); 1 off CPU slots."""
         return self.hosts.slowdown(rep)
+
+    def dispatch_wait(self, rep: Replica) -> float:
+        """Seconds ``rep``'s next step waits for the serving front end (``sim.hosts``)."""
+        return self.hosts.dispatch_wait(rep)
 
     def _set_capacity_norms(self) -> None:
         """Relative capacity per role: the plan's own share where its estimate has one (requests

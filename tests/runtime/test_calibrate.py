@@ -34,6 +34,8 @@ def test_fit_recovers_known_efficiency(tmp_path):
     assert cal.efficiency.step_overhead_s == pytest.approx(0.0012, rel=0.02)
     assert cal.efficiency.seq_overhead_s == pytest.approx(0.0003, rel=0.02)
     assert cal.efficiency.collective_overhead_s == pytest.approx(0.0009, rel=0.02)
+    # no decode probe is bandwidth-bound: memory efficiency stays the default (it prices nothing here)
+    assert not cal.memory_bound and cal.efficiency.memory == Efficiency().memory
     assert [(p.stages, p.tp) for p in cal.points] == [(1, 1)] * 7 + [(2, 1)] * 2 + [(1, 2)] * 2
     assert cal.max_abs_error < 0.01
     # each token streamed over HTTP: served TPOT grows by 0.5 ms per sequence beyond the engine's
@@ -112,6 +114,7 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
     # the front end (this process: server, coordinator, client) spent CPU on the HTTP probes, fitted per point
     assert sum(data["runtime"][f"frontend_{k}_cpu_s"] for k in ("request", "step", "token")) > 0.0
     assert len(data["frontend_points"]) >= 2 and "the front end's CPU" in flat and "per engine step" in flat
+    assert data["runtime"]["frontend_dispatch_s"] >= 0.0 and "(the GIL probe)" in flat
 
 
 def test_fit_recovers_attention_efficiency_and_the_front_end_cpu(tmp_path):
@@ -148,9 +151,11 @@ def test_fit_recovers_attention_efficiency_and_the_front_end_cpu(tmp_path):
     assert (r_, s_, t_) == pytest.approx((req, step, tok), rel=1e-4)
     assert len(points) == 4 and max(abs(p.error) for p in points) < 1e-4
     assert fit_frontend_cpu(samples[:1]) == ((0.0, 0.0, 0.0), ())
-    served = fit(str(model_dir), "RTX-4090", ttft, tpot, frontend_cpu=samples)
+    # the GIL probe's rounds (step delay per unit of the GIL-holding thread's share): their median
+    served = fit(str(model_dir), "RTX-4090", ttft, tpot, frontend_cpu=samples, dispatch=[0.012, 0.5, 0.02])
     served.save(tmp_path / "fe.json")
     opts = served_sim_options(tmp_path / "fe.json")
+    assert opts["frontend_dispatch_s"] == pytest.approx(0.02, rel=1e-9)
     assert opts["frontend_request_cpu_s"] == pytest.approx(req, rel=1e-4)
     assert opts["frontend_step_cpu_s"] == pytest.approx(step, rel=1e-4)
     assert opts["frontend_token_cpu_s"] == pytest.approx(tok, rel=1e-4)

@@ -65,3 +65,38 @@ def test_front_end_costs_are_checked():
         FrontEndCost(token_cpu_s=-1.0)
     with pytest.raises(ValueError):
         SimOptions(frontend_step_cpu_s=-0.1)
+
+
+def test_a_busy_front_end_delays_a_replica_by_the_other_replicas_work(model):
+    """The front end is one serial server (one GIL): a replica's next step waits for it in
+    proportion to its utilisation by work that is not the replica's own. c0 decodes alone, then
+    beside c1 decoding on the same front end: with ``frontend_dispatch_s`` its step grows by
+    dispatch × (c1's step and token CPU per second of c1's step) — two replicas, longer TPOT than
+    one. Its own tokens (in phase with its steps) never delay it, and on a pipeline running two
+    micro-batches a small wait hides behind the other micro-batch."""
+    plan = single({"c0": ["m0:0"], "c1": ["m0:1"]})
+    fe = dict(frontend_step_cpu_s=0.002, frontend_token_cpu_s=0.001, frontend_dispatch_s=0.02)
+
+    def c0_tpot(wl, **kw):  # request 2 on c0 (round robin: 0 -> c0, 1 -> c1, 2 -> c0)
+        res = simulate(plan, _cluster(None), model, wl, SimOptions(placement="rr", **kw))
+        return (res.t_finish[2] - res.t_first[2]) / (200 - 1), res
+
+    # request 0 only prefills (one token); request 1 on c1 decodes (or not, alone) the whole time
+    one = Workload.from_lists("one", [0.0, 0.0, 0.5], [100, 100, 100], [1, 1, 200])
+    two = Workload.from_lists("two", [0.0, 0.0, 0.5], [100, 100, 100], [1, 3000, 200])
+    alone, _ = c0_tpot(one)
+    assert c0_tpot(one, **fe)[0] == pytest.approx(alone, rel=1e-9)  # its own work: no wait
+    assert c0_tpot(two)[0] == pytest.approx(alone, rel=1e-9)  # no front-end costs: replicas independent
+    beside, _ = c0_tpot(two, **fe)
+    from hetserve.cost.analytic import CostModel
+    from hetserve.cost.layout import ReplicaLayout, StageLayout
+
+    cm = CostModel(_cluster(None), model)
+    c1_step = cm.decode_step_time(ReplicaLayout((StageLayout((1,), (0, 32)),)), 1, 101)  # its segment's rate
+    assert beside == pytest.approx(alone + 0.02 * min(1.0, 0.003 / c1_step), rel=1e-3)
+    assert beside > alone * 1.05
+    pp = ReplicaLayout((StageLayout((0,), (0, 16)), StageLayout((1,), (16, 32))))
+    ring = cm.decode_step_time(pp, 2, 600, micro_batches=2)
+    assert cm.decode_step_time(pp, 2, 600, 2, dispatch_s=1e-5) == ring  # hidden by the other micro-batch
+    assert cm.decode_step_time(pp, 1, 300, 1, dispatch_s=1e-3) == pytest.approx(
+        cm.decode_step_time(pp, 1, 300, 1) + 1e-3, rel=1e-12)  # one micro-batch: on its path

@@ -37,8 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", type=_sizes, default=(1, 4, 16), metavar="B1,B2,...",
                    help="decode probes, requests at once (default 1,4,16)")
     p.add_argument("--decode-tokens", type=_positive, default=24, help="tokens per decode probe (default 24)")
-    p.add_argument("--reps", type=_positive, default=5,
-                   help="rounds over every probe (median per probe; default 5: the load of a shared machine drifts)")
+    p.add_argument("--reps", type=_positive, default=7,
+                   help="rounds over every probe (median per probe; default 7: the load of a shared machine drifts)")
     p.add_argument("--no-pipeline", action="store_true",
                    help="skip the two-stage pipeline probes (the per-stage fixed cost is then not told apart "
                         "from the per-iteration one)")
@@ -73,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     console.print(t)
     eff = cal.efficiency
-    console.print(f"compute efficiency {eff.compute:.3g}, memory efficiency {eff.memory:.3g}, fixed costs "
+    console.print(f"compute efficiency {eff.compute:.3g}, attention {eff.attention:.3g}, memory efficiency "
+                  f"{eff.memory:.3g}{'' if cal.memory_bound else ' (the default: no decode probe is bandwidth-bound)'}"
+                  f", fixed costs "
                   f"{eff.iteration_overhead_s * 1e3:.2f} ms per iteration (scheduler turn-around, sampling) + "
                   f"{eff.step_overhead_s * 1e3:.2f} ms per stage (step message, attention metadata, hand-on; "
                   f"{'from the two-stage probes' if any(p.stages > 1 for p in cal.points) else 'not separated: no pipeline probe'}"
@@ -86,7 +88,9 @@ def run(args: argparse.Namespace) -> int:
                   f"overhead (beyond the link's α-β) {cal.kv_handoff_overhead_s * 1e3:.2f} ms, slow-down beside one more busy "
                   f"process {cal.contention_slowdown:.2f}x, front end's CPU (server, coordinator, client) "
                   f"{cal.frontend_request_cpu_s * 1e3:.2f} ms per request + {cal.frontend_step_cpu_s * 1e3:.3f} ms per "
-                  f"engine step + {cal.frontend_token_cpu_s * 1e3:.3f} ms per token; fit error per point: mean "
+                  f"engine step + {cal.frontend_token_cpu_s * 1e3:.3f} ms per token, a step's wait for the front "
+                  f"end's GIL {cal.frontend_dispatch_s * 1e3:.2f} ms per unit of its utilisation by other work (the "
+                  f"GIL probe); fit error per point: mean "
                   f"{cal.mean_abs_error:.0%}, worst {cal.max_abs_error:.0%}")
     if cal.frontend_points:
         f = Table("requests", "engine steps", "tokens", "measured CPU ms", "fitted ms", "error",

@@ -88,7 +88,7 @@ class ColocatedReplica(Decoding):
             if rids:
                 now = self.loop.now
                 dur = self.cost.prefill_time(self.layout, PrefillBatch.of([self.kv.prefill_tokens(i) for i in rids]))
-                dur *= self.env.slowdown(self)
+                dur = dur * self.env.slowdown(self) + self.env.dispatch_wait(self)
                 if self.trace is not None:
                     self.trace.append((now, now + dur, (), tuple(rids)))
                 self._pause(now + dur)
@@ -124,7 +124,7 @@ class ColocatedReplica(Decoding):
         sum_sq = sum(c * c + 2.0 * c * item[1] for item, c in chunks)
         prompts = PrefillBatch(len(chunks), tokens, sum_sq)
         dur = self.cost.mixed_step_time(self.layout, b.size, b.context, prompts, self.limits.micro_batches)
-        dur *= self.env.slowdown(self)
+        dur = dur * self.env.slowdown(self) + self.env.dispatch_wait(self)
         now = self.loop.now
         if self.trace is not None:
             self.trace.append((now, now + dur, tuple(b.members), tuple(item[0] for item, _ in chunks)))

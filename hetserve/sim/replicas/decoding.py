@@ -22,7 +22,9 @@ class Decoding(Replica):
         mb = self.limits.micro_batches
         step = self.cost.decode_step_time
         self._slow = 1.0  # host contention on the running segment (env.slowdown at its start)
-        self.batch = DecodeBatch(lambda b, c: step(layout, b, c, mb) * self._slow)
+        self._wait = 0.0  # the front end's dispatch wait per iteration (env.dispatch_wait at its start)
+        # the wait is not computing, so host contention does not stretch it
+        self.batch = DecodeBatch(lambda b, c: step(layout, b, c, mb, self._wait / self._slow) * self._slow)
         self.max_batch = self.limits.max_batch
         self.admitted = 0  # holding a KV reservation and not finished
         self._version = 0
@@ -87,6 +89,7 @@ class Decoding(Replica):
             return
         limit = self.kv.segment_limit()
         self._slow = self.env.slowdown(self)
+        self._wait = self.env.dispatch_wait(self)
         end = self.batch.start(self.loop.now, limit)
         self._version += 1
         self._next = end

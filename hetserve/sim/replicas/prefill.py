@@ -27,6 +27,7 @@ class PrefillReplica(Replica):
         self._in_prefill: dict[int, None] = {}  # rids of the batches now running (snapshots only)
         self._free = [0.0] * len(layout.stages)  # when each stage can take the next batch
         self._kick_at: float | None = None
+        self._rate = (0.0, 0.0)  # (steps, tokens) per second of the last batch started
         self._stages = [(s, i == len(layout.stages) - 1) for i, s in enumerate(layout.stages)]
 
     def place(self, rid: int) -> None:
@@ -98,7 +99,7 @@ class PrefillReplica(Replica):
         self._kv_add(held)
         batch = PrefillBatch.of(lengths)
         slow = self.env.slowdown(self)
-        t = now
+        t = now + self.env.dispatch_wait(self)  # the step waits for the front end to send it
         stages = self.layout.stages
         for i, (stage, last) in enumerate(self._stages):
             start = t if t > self._free[i] else self._free[i]
@@ -106,6 +107,7 @@ class PrefillReplica(Replica):
             self._free[i] = end
             t = end if last else end + self.cost.pp_handoff_time(stage, stages[i + 1], tokens)
         self._busy(now, t)
+        self._rate = (1.0 / (t - now), len(rids) / (t - now)) if t > now else (0.0, 0.0)
         for rid in rids:
             if not self.req.made[rid]:  # a recompute keeps its first start
                 self.req.t_start[rid] = now
@@ -126,6 +128,10 @@ class PrefillReplica(Replica):
     def busy_now(self) -> bool:
         now = self.loop.now
         return any(f > now for f in self._free)
+
+    def step_rate(self) -> tuple[float, float]:
+        """(steps, first tokens) per second of the batch now running: the front end's work."""
+        return self._rate if self.busy_now() else (0.0, 0.0)
 
     def inflight(self) -> int:
         now = self.loop.now

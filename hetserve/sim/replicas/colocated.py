@@ -88,7 +88,7 @@ class ColocatedReplica(Decoding):
             if rids:
                 now = self.loop.now
                 dur = self.cost.prefill_time(self.layout, PrefillBatch.of([self.kv.prefill_tokens(i) for i in rids]))
-                dur = dur * self.env.slowdown(self) + self.env.dispatch_wait(self)
+                dur = self._on_host(dur)
                 if self.trace is not None:
                     self.trace.append((now, now + dur, (), tuple(rids)))
                 self._pause(now + dur)
@@ -124,7 +124,7 @@ class ColocatedReplica(Decoding):
         sum_sq = sum(c * c + 2.0 * c * item[1] for item, c in chunks)
         prompts = PrefillBatch(len(chunks), tokens, sum_sq)
         dur = self.cost.mixed_step_time(self.layout, b.size, b.context, prompts, self.limits.micro_batches)
-        dur = dur * self.env.slowdown(self) + self.env.dispatch_wait(self)
+        dur = self._on_host(dur)
         now = self.loop.now
         if self.trace is not None:
             self.trace.append((now, now + dur, tuple(b.members), tuple(item[0] for item, _ in chunks)))
@@ -165,3 +165,8 @@ class ColocatedReplica(Decoding):
                             self._context_now(), int(self.kv_used), int(self.kv_capacity),
                             self._snapshot_requests(with_requests), self.capacity_norm, self._prefill_wait(),
                             self.loop.now - self.req.arrival[self.waiting[0]] if self.waiting else 0.0)
+
+    def _on_host(self, dur: float) -> float:
+        """A step's cost-model time as this host runs it: slowed by the cores it shares, and
+        started once the serving front end has sent it (one rule for both kinds of step)."""
+        return dur * self.env.slowdown(self) + self.env.dispatch_wait(self)

@@ -271,6 +271,11 @@ def main() -> int:
                                   efficiency=cal)
             console.rule(f"{name} at {rate:.2f} req/s ({frac:.0%} of the simulated capacity {cap:.2f} req/s)")
             c = compare(opts)
+            if c.info.get("steps"):
+                from hetserve.step_compare import print_steps
+
+                print_steps(c.info["steps"]["served"], c.info["steps"]["simulated"], console)
+                console.print("cores busy (served): " + ", ".join(f"{k} {v:.2f}" for k, v in c.info["cores_busy"].items()))
             plan_, cluster_, spec_, requests, cfg, pools, eff, ovh, served_summary, _ = c.context
             base = simulate_side(plan_, cluster_baseline, spec_, requests, opts, cfg, pools, eff, 0.0,
                                  prefill_mode="prefill_first", token_budget=4096)
@@ -287,7 +292,8 @@ def main() -> int:
                           "kv_pools": pools,
                           "served": {"per_request": {k: [float(x) for x in v] for k, v in c.served.items()},
                                      "throughput_tokens_per_s": served_summary["throughput_tokens_per_s"]},
-                          "table": c.table, "baseline_table": base_table})
+                          "table": c.table, "baseline_table": base_table, "steps": c.info.get("steps"),
+                          "cores_busy": c.info.get("cores_busy")})
     print_cells(cells, f"simulator vs served on this machine ({args.requests} requests per cell; calibrated "
                        f"{'once' if args.calibration or args.calibrate_once else 'before each plan'})", console)
     if args.json:

@@ -9,13 +9,17 @@ actual KV pool in blocks) and the cost model calibrated to this machine (``--eff
 efficiency factors and the per-request HTTP/tokenisation/SSE overhead of ``hetserve calibrate``).
 
 Output: a table of mean / p50 / p90 / p99 of TTFT, TPOT and E2E and the output throughput, served
-vs simulated with their ratio; one figure with both CDFs per metric; the table as JSON.
+vs simulated with their ratio; one figure with both CDFs per metric; the table as JSON. Beside it,
+where the time goes (``hetserve.step_compare``): the engine steps of both sides per replica (their
+batches, spans and token intervals, and the cost model's time for the served batches) and the cores
+each served process kept busy.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +100,8 @@ def compare(opts: CompareOptions) -> Comparison:
     from hetserve.specs.cluster import Cluster, load_cluster
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import load_workload
+    from hetserve.step_compare import (cpu_utilisation, process_cpu_s, served_rows, simulated_rows, step_model,
+                                       summarise)
 
     plan = opts.plan if isinstance(opts.plan, Plan) else Plan.load(opts.plan)
     cluster = opts.cluster if isinstance(opts.cluster, Cluster) else load_cluster(str(opts.cluster or plan.cluster))
@@ -120,7 +126,12 @@ def compare(opts: CompareOptions) -> Comparison:
         engine = server.deployment.engine
         pools = {rid: s.blocks.capacity_tokens for rid, s in engine.schedulers.items()}
         cfg = engine.config
+        engine.coordinator.step_times = []  # appended by the coordinator thread, read once it is done
+        pids = {"front end": os.getpid(), **engine.workers.pids}
+        cpu0, t0 = {k: process_cpu_s(p) for k, p in pids.items()}, time.monotonic()
         results = replay(server.url, server.deployment.coordinator.model_name, requests, ignore_eos=True)
+        cpu = cpu_utilisation(cpu0, {k: process_cpu_s(p) for k, p in pids.items()}, time.monotonic() - t0)
+        served_steps = served_rows(engine.coordinator.step_times)
     load_after = os.getloadavg()[0]
     summary = summarize(results)
     if summary["errors"]:
@@ -132,7 +143,13 @@ def compare(opts: CompareOptions) -> Comparison:
     sim_kw = served_sim_options(opts.efficiency)
     overhead = sim_kw.pop("request_overhead_s", 0.0)
     contention, handoff = sim_kw.get("contention_slowdown", 1.0), sim_kw.get("link_overhead_s", 0.0)
-    res = simulate_side(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead, **sim_kw)
+    sim = simulator_for(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead, **sim_kw)
+    for rep in sim.replicas:
+        rep.trace = []
+    res = sim.run()
+    model_time = step_model(sim.cost, {r.id: r.layout for r in sim.replicas})
+    steps_info = {"served": summarise(served_steps, model_time),
+                  "simulated": summarise(simulated_rows(sim.replicas, lambda i: len(requests[i].prompt)))}
     steps = res.output_tokens > 1
     simulated = {"ttft_s": res.ttft, "e2e_s": res.e2e, "tpot_s": res.tpot[steps]}
     table = table_of(served, simulated, summary["throughput_tokens_per_s"],
@@ -143,6 +160,7 @@ def compare(opts: CompareOptions) -> Comparison:
             "router": opts.router, "route": opts.route, "efficiency": opts.efficiency,
             "request_overhead_s": overhead, "kv_handoff_overhead_s": handoff, "contention_slowdown": contention,
             "frontend_cpu_s": {k: sim_kw.get(f"frontend_{k}_cpu_s", 0.0) for k in ("request", "step", "token")},
+            "prompt_tokens": [len(r.prompt) for r in requests], "steps": steps_info, "cores_busy": cpu,
             "kv_pools": pools, "token_budget": cfg.max_batched_tokens,
             "prefill_mode": cfg.prefill_mode, "chunk_tokens": cfg.chunk_tokens,
             "kv_admission": {"served": cfg.kv_admission, "simulated": res.info["kv_admission"]},
@@ -159,8 +177,15 @@ def simulate_side(plan, cluster, spec, requests, opts: CompareOptions, cfg, pool
                   overhead: float, **overrides):
     """The simulator on the replayed requests with the server's policies, batching knobs and KV pools
     (``overrides``: other ``SimOptions`` fields, e.g. to play the pre-issue-13 defaults)."""
+    return simulator_for(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead, **overrides).run()
+
+
+def simulator_for(plan, cluster, spec, requests, opts: CompareOptions, cfg, pools: dict[str, int], efficiency,
+                  overhead: float, **overrides):
+    """``simulate_side``'s ``Simulator``, not run yet (to trace its replicas' steps first)."""
     from hetserve.cost.analytic import CostModel
-    from hetserve.sim import SimOptions, simulate
+    from hetserve.sim import SimOptions
+    from hetserve.sim.simulator import Simulator
     from hetserve.specs.workload import Workload
 
     workload = Workload.from_lists("replay", [r.arrival_s for r in requests], [len(r.prompt) for r in requests],
@@ -171,7 +196,7 @@ def simulate_side(plan, cluster, spec, requests, opts: CompareOptions, cfg, pool
               chunked_prefill=cfg.prefill_mode == "chunked", chunk_tokens=cfg.chunk_tokens,
               kv_admission=cfg.kv_admission)
     kw.update(overrides)
-    return simulate(plan, cluster, spec, workload, SimOptions(**kw), cost=CostModel(cluster, spec, efficiency))
+    return Simulator(plan, cluster, spec, workload, SimOptions(**kw), CostModel(cluster, spec, efficiency))
 
 
 def plot_cdfs(c: Comparison, path: str | Path) -> Path:
@@ -215,3 +240,7 @@ def print_table(c: Comparison, console=None) -> None:
         t.add_row(name, f"{row['served'] * scale:,.1f}", f"{row['simulated'] * scale:,.1f}",
                   f"{r:.2f}" if r == r else "-")
     console.print(t)
+    if c.info.get("steps"):
+        from hetserve.step_compare import print_steps
+
+        print_steps(c.info["steps"]["served"], c.info["steps"]["simulated"], console)

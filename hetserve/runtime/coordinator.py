@@ -33,6 +33,7 @@ from hetserve.runtime.routing import KVRoutePolicy
 from hetserve.runtime.scheduler import ReplicaScheduler, requeue
 from hetserve.runtime.sequence import Sequence, Status
 from hetserve.runtime.snapshot import replica_snapshots, state_from_stats
+from hetserve.runtime.step_timing import StepTiming
 from hetserve.runtime.transport import Message, Priority, SocketTransport
 from hetserve.runtime.worker_group import WorkerGroup
 
@@ -70,6 +71,10 @@ class Coordinator(Recovery):
         # prompt ids) per step started and ("preempt", replica, ids) per pre-emption, in order
         # (tests compare it with the simulator's steps).
         self.trace: list[tuple] | None = None
+        # When a list: one ``StepTiming`` per step finished, as the coordinator saw it (``hetserve
+        # compare`` sets it to tell the step times from the queueing in served vs simulated).
+        self.step_times: list[StepTiming] | None = None
+        self._step_started: dict[int, StepTiming] = {}
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -147,6 +152,10 @@ class Coordinator(Recovery):
         if entry is None:
             return  # a step of a replica that has failed meanwhile
         rid, seqs, q_lens = entry
+        timing = self._step_started.pop(step_id, None)
+        if timing is not None and self.step_times is not None:
+            timing.finished = time.monotonic()
+            self.step_times.append(timing)
         sched = self.schedulers[rid]
         sched.complete(step_id)
         for seq, token, q in zip(seqs, tokens, q_lens):
@@ -255,6 +264,11 @@ class Coordinator(Recovery):
             self.trace.append(("step", sched.id, tuple(q.id for q in batch if not q.prefilling),
                                tuple(q.id for q in batch if q.prefilling)))
         self.steps[step_id] = (sched.id, batch, q_lens)
+        if self.step_times is not None:
+            decodes = [(s, q) for s, q in zip(batch, q_lens) if not s.prefilling]
+            self._step_started[step_id] = StepTiming(
+                sched.id, time.monotonic(), tuple(s.id for s, _ in decodes),
+                sum(s.num_cached + q for s, q in decodes), tuple(q for s, q in zip(batch, q_lens) if s.prefilling))
         self.transport.send(self.replicas[sched.id].entry,
                             Message("step", meta, {"input_ids": torch.tensor(input_ids, dtype=torch.long)}), priority)
 

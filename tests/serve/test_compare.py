@@ -21,7 +21,7 @@ def test_compare_serves_simulates_and_writes_table_and_cdfs(tmp_path, capsys):
         "kv_routes": [{"from": "p0", "to": "d0", "weight": 1.0}]}))
     out = tmp_path / "out"
     code = main(["compare", "--plan", str(plan), "--model", str(model), "--cluster", str(tmp_path / "cluster.yaml"),
-                 "--workload-class", "LPLD", "--rate", "20", "-n", "6", "--max-input", "48", "--max-output", "6",
+                 "--workload-class", "LPLD", "--rate", "200", "-n", "6", "--max-input", "48", "--max-output", "6",
                  "--kv-admission", "paged", "-o", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
@@ -39,3 +39,16 @@ def test_compare_serves_simulates_and_writes_table_and_cdfs(tmp_path, capsys):
     assert data["info"]["load_avg_1m"] and "uncalibrated" in data["info"]["simulated_source"]
     assert (out / "compare_cdf.png").stat().st_size > 10_000
     assert "TTFT p99" in printed and "output tokens/s" in printed
+    # the engine steps of both sides: the same prompt tokens through p0, and 5 decode tokens per
+    # request on d0 (the first comes from the prefill), however each side batched them
+    steps = data["info"]["steps"]
+    prompts = sum(len_ for len_ in data["info"]["prompt_tokens"])
+    for side in ("served", "simulated"):
+        pre, dec = steps[side]["p0 prompt"], steps[side]["d0 decode"]
+        assert pre["steps"] * pre["prompt_tokens"] == pytest.approx(prompts)
+        assert dec["steps"] * dec["decodes"] == pytest.approx(6 * 5)
+        assert dec["step_ms"] > 0 and dec["token_ms"] > 0
+    assert steps["served"]["d0 decode"]["model_ms"] > 0
+    assert set(data["info"]["cores_busy"]) == {"front end", "m0:0", "m0:1"}
+    assert all(0 <= v <= 8 for v in data["info"]["cores_busy"].values())
+    assert "engine steps" in printed

@@ -29,6 +29,8 @@ class PrefillReplica(Replica):
         self._kick_at: float | None = None
         self._rate = (0.0, 0.0)  # (steps, tokens) per second of the last batch started
         self._stages = [(s, i == len(layout.stages) - 1) for i, s in enumerate(layout.stages)]
+        # when a list: (start, end, (), prompt ids) per batch, as ``Decoding.trace`` (hetserve compare)
+        self.trace: list[tuple[float, float, tuple, tuple[int, ...]]] | None = None
 
     def place(self, rid: int) -> None:
         self.queue.append(rid)
@@ -107,6 +109,8 @@ class PrefillReplica(Replica):
             self._free[i] = end
             t = end if last else end + self.cost.pp_handoff_time(stage, stages[i + 1], tokens)
         self._busy(now, t)
+        if self.trace is not None:
+            self.trace.append((now, t, (), tuple(rids)))
         self._rate = (1.0 / (t - now), len(rids) / (t - now)) if t > now else (0.0, 0.0)
         for rid in rids:
             if not self.req.made[rid]:  # a recompute keeps its first start

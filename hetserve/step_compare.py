@@ -1,0 +1,145 @@
+"""Served vs simulated engine steps for the same requests: where a latency gap comes from.
+
+``hetserve compare`` gives TTFT / TPOT / E2E per request; when the two sides differ, these step
+figures say whether the cost model's *step* is off or the time goes *between* steps (queueing, the
+front end, the transport). Per replica and kind of step (``decode``: running sequences only;
+``prompt``: a step carrying prompt tokens), each side gives:
+
+* ``steps``, the mean decoding sequences per step and the mean prompt tokens per step;
+* ``step_ms``: the mean span of a step — served: from the coordinator sending it to handling its
+  result (``runtime.step_timing``); simulated: the step's time on the simulator's clock, contention
+  and the front end's dispatch wait included;
+* ``token_ms`` (decode steps): the mean interval between a sequence's consecutive tokens at the
+  engine — for a pipeline the interval between one micro-batch's results, so it compares with the
+  simulator's iteration; the served TPOT adds the HTTP/SSE stream to it;
+* ``model_ms`` (served side): the calibrated cost model's time for the *served* batches, alone on
+  the machine (no contention, no dispatch wait): served ``step_ms`` / ``model_ms`` is how much longer
+  the live step took than the cost model says that very batch takes.
+
+And the cores each served process kept busy during the replay (``cpu_utilisation``: the front end —
+server, coordinator, client — and every worker), which the simulator's host model estimates.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepRow:
+    replica: str
+    started: float
+    finished: float
+    decode_ids: tuple[int, ...]
+    decode_context: float
+    prompt_tokens: tuple[int, ...]
+
+    @property
+    def kind(self) -> str:
+        return "prompt" if self.prompt_tokens else "decode"
+
+
+def served_rows(timings: Iterable[Any]) -> list[StepRow]:
+    """``runtime.step_timing.StepTiming`` records as rows."""
+    return [StepRow(t.replica, t.started, t.finished, tuple(t.decode_ids), float(t.decode_context),
+                    tuple(t.prompt_tokens)) for t in timings]
+
+
+def simulated_rows(replicas, prompt_len) -> list[StepRow]:
+    """The steps the simulator's replicas traced (``trace``: (start, end, decode ids, prompt ids)),
+    ``prompt_len(rid)`` the prompt tokens of a request."""
+    rows = []
+    for rep in replicas:
+        for start, end, decodes, prompts in rep.trace or ():
+            rows.append(StepRow(rep.id, start, end, tuple(decodes), 0.0, tuple(prompt_len(r) for r in prompts)))
+    return rows
+
+
+def _token_intervals(rows: list[StepRow]) -> list[float]:
+    """Per step and decoding member, the time since that member's previous token (step finishes;
+    a sequence's first decode step counts from the step that finished its prompt)."""
+    last: dict[int, float] = {}
+    out = []
+    for r in sorted(rows, key=lambda r: r.finished):
+        for rid in r.decode_ids:
+            if rid in last:
+                out.append(r.finished - last[rid])
+            last[rid] = r.finished
+    return out
+
+
+def summarise(rows: list[StepRow], model_time=None) -> dict[str, dict[str, float]]:
+    """Per "replica kind": steps, mean decodes, mean prompt tokens, mean step ms, mean token ms and,
+    with ``model_time(row)`` (seconds), the cost model's mean for the same steps."""
+    out: dict[str, dict[str, float]] = {}
+    for key in sorted({(r.replica, r.kind) for r in rows}):
+        sel = [r for r in rows if (r.replica, r.kind) == key]
+        rep_rows = [r for r in rows if r.replica == key[0]]
+        d = {"steps": float(len(sel)),
+             "decodes": float(np.mean([len(r.decode_ids) for r in sel])),
+             "prompt_tokens": float(np.mean([sum(r.prompt_tokens) for r in sel])),
+             "step_ms": 1e3 * float(np.mean([r.finished - r.started for r in sel]))}
+        if key[1] == "decode":
+            gaps = _token_intervals(rep_rows)
+            d["token_ms"] = 1e3 * float(np.mean(gaps)) if gaps else float("nan")
+        if model_time is not None:
+            d["model_ms"] = 1e3 * float(np.mean([model_time(r) for r in sel]))
+        out[f"{key[0]} {key[1]}"] = d
+    return out
+
+
+def step_model(cost, layouts: dict, micro_batches: int | None = None):
+    """``model_time(row)``: the cost model's time for a served step's batch on its replica's layout
+    (alone: no contention, no dispatch wait). A pipeline's step is one micro-batch through every stage."""
+    from hetserve.cost.analytic import PrefillBatch
+
+    def model_time(r: StepRow) -> float:
+        layout = layouts[r.replica]
+        if r.prompt_tokens:
+            prompts = PrefillBatch.of(list(r.prompt_tokens))
+            if not r.decode_ids:
+                return cost.prefill_time(layout, prompts)
+            return cost.mixed_step_time(layout, len(r.decode_ids), r.decode_context, prompts, 1)
+        return cost.decode_step_time(layout, len(r.decode_ids), r.decode_context, 1)
+
+    return model_time
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used so far: /proc on Linux, else None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cpu_utilisation(before: dict[str, float | None], after: dict[str, float | None], wall_s: float) -> dict:
+    """Per process, the cores it kept busy on average between two ``process_cpu_s`` readings."""
+    return {k: (after[k] - v) / wall_s for k, v in before.items()
+            if v is not None and after.get(k) is not None and wall_s > 0}
+
+
+def print_steps(served: dict, simulated: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    t = Table("replica · step", "served steps", "sim steps", "decodes served / sim", "prompt tok served / sim",
+              "step ms served / sim", "cost model ms (served batches)", "token ms served / sim",
+              title="engine steps: served (coordinator clock) vs simulated")
+    nan = float("nan")
+    for key in sorted(set(served) | set(simulated)):
+        a, b = served.get(key, {}), simulated.get(key, {})
+        g = lambda d, k: d.get(k, nan)  # noqa: E731
+        t.add_row(key, f"{g(a, 'steps'):.0f}", f"{g(b, 'steps'):.0f}",
+                  f"{g(a, 'decodes'):.1f} / {g(b, 'decodes'):.1f}",
+                  f"{g(a, 'prompt_tokens'):.0f} / {g(b, 'prompt_tokens'):.0f}",
+                  f"{g(a, 'step_ms'):.2f} / {g(b, 'step_ms'):.2f}", f"{g(a, 'model_ms'):.2f}",
+                  f"{g(a, 'token_ms'):.2f} / {g(b, 'token_ms'):.2f}")
+    console.print(t)

@@ -126,15 +126,19 @@ class NeighbourBound:
         left on the other groups."""
         free = self.free_value - sum(self.free_flow.get(g, 0.0) for g in removed)
         left = {i: net.node_cap[i] - self.free_flow.get(key[i], 0.0) for i in net.prefill + net.decode}
+        # a column between two added groups is met from both ends: what the first sent over it
+        # is gone for the second (counted twice, the "feasible" flow exceeded the max flow)
+        room = {e: cap for e, (cap, _) in cols.items()}
         for i in new:
             sent = 0.0
-            for e, (cap, _) in cols.items():
+            for e in cols:
                 if i not in e:
                     continue
                 o = e[1] if e[0] == i else e[0]
-                x = min(cap, left[o], left[i] - sent)
+                x = min(room[e], left[o], left[i] - sent)
                 if x > 0:
                     left[o] -= x
+                    room[e] -= x
                     sent += x
             left[i] -= sent
             free += sent

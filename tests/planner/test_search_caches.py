@@ -74,7 +74,11 @@ def test_dual_bound_is_never_below_the_lp(llama70b, azure):
 
     cur = phase1(ctx, ev, 0)
     checked = 0
-    for _ in range(12):
+    # random walks until 10 neighbours whose shared resources load were checked (how many of a
+    # walk's neighbours qualify depends on the phase-1 start, i.e. on the BLAS's rounding)
+    for _ in range(60):
+        if checked >= 10:
+            break
         e = ev.evaluate(cur)
         if e.flow.node_dual:
             prices = {cur[i]: y for i, y in e.flow.node_dual.items()}

@@ -1,0 +1,111 @@
+"""Transports without worker processes: the socket transport (tensors of every dtype, priority
+classes, chunked and interleaved messages, shaping), the priority link scheduler and the
+in-process hub. Split from ``test_runtime_units.py``, which keeps the model, KV, scheduling and
+checkpoint units."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import torch
+
+from hetserve.runtime.transport import (Chunk, InProcHub, Message, Outgoing, Priority, PriorityScheduler,
+                                        SocketTransport)
+
+
+def test_socket_transport_roundtrip_and_priority():
+    a, b = SocketTransport("a"), SocketTransport("b")
+    try:
+        a.set_address("b", b.address)
+        tensors = {"f": torch.randn(3, 4), "h": torch.randn(5).to(torch.bfloat16), "i": torch.arange(7),
+                   "empty": torch.zeros(0, 3)}
+        a.send("b", Message("x", {"k": [1, 2]}, tensors), Priority.KV)
+        got = b.recv(timeout=5)
+        assert got.kind == "x" and got.meta == {"k": [1, 2]} and got.src == "a"
+        for k, t in tensors.items():
+            assert got.tensors[k].dtype == t.dtype and torch.equal(got.tensors[k], t)
+        assert a.flush(5)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_priority_scheduler_sends_urgent_classes_first():
+    s = PriorityScheduler()
+    for i, p in enumerate([Priority.KV, Priority.PREFILL, Priority.DECODE, Priority.KV]):
+        buf = memoryview(bytes([i]))
+        s.push(Outgoing(i, int(p), [buf], 1, 0.0))
+    assert [s.pop(0).msg_id for _ in range(4)] == [2, 1, 0, 3]
+    assert s.pop(0.01) is None
+
+
+class ChunkingRoundRobin:
+    """A LinkScheduler cutting every message into 7-byte chunks, interleaving messages."""
+
+    def __init__(self):
+        self.queue, self.cv = deque(), threading.Condition()
+
+    def push(self, item):
+        data = b"".join(item.buffers)
+        with self.cv:
+            self.queue.append([item.msg_id, 0, data])
+            self.cv.notify()
+
+    def pop(self, timeout=None):
+        with self.cv:
+            if not self.cv.wait_for(lambda: bool(self.queue), timeout):
+                return None
+            entry = self.queue.popleft()
+            msg_id, off, data = entry
+            chunk = Chunk(msg_id, off, len(data), data[off:off + 7])
+            entry[1] += 7
+            if entry[1] < len(data):
+                self.queue.append(entry)
+            return chunk
+
+    def pending_bytes(self):
+        return 0
+
+
+def test_chunked_interleaved_messages_are_reassembled():
+    a = SocketTransport("a", scheduler_factory=lambda src, dst: ChunkingRoundRobin())
+    b = SocketTransport("b")
+    try:
+        a.set_address("b", b.address)
+        sent = [torch.arange(n, dtype=torch.float32) for n in (1, 50, 9)]
+        for i, t in enumerate(sent):
+            a.send("b", Message("m", {"i": i}, {"t": t}))
+        got = {m.meta["i"]: m.tensors["t"] for m in (b.recv(timeout=5) for _ in sent)}
+        for i, t in enumerate(sent):
+            assert torch.equal(got[i], t)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_shaper_delays_sends():
+    class Slow:
+        def delay(self, src, dst, nbytes):
+            return 0.2
+
+    a, b = SocketTransport("a", shaper=Slow()), SocketTransport("b")
+    try:
+        a.set_address("b", b.address)
+        t0 = time.monotonic()
+        a.send("b", Message("m"))
+        assert b.recv(timeout=5) is not None and time.monotonic() - t0 >= 0.2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_inproc_transport():
+    hub = InProcHub()
+    a, b = hub.endpoint("a"), hub.endpoint("b")
+    a.send("b", Message("hello", {"n": 1}, {"t": torch.ones(2)}), Priority.DECODE)
+    m = b.recv(timeout=1)
+    assert m.kind == "hello" and m.src == "a" and torch.equal(m.tensors["t"], torch.ones(2))
+    assert a.sent == [("b", "hello", Priority.DECODE)]
+    assert b.recv(timeout=0.01) is None

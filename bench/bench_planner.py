@@ -237,6 +237,7 @@ def bound_gap(sizes, pools=None) -> None:
         ctx = PlanContext(c, model, wl)
         lp = B.per_device_bound(ctx).tokens_per_s
         B._CACHE.clear()  # the plan's estimate already solved it: time a fresh solve
+        B._COLUMNS.clear()
         cpu = time.process_time()
         g = B.group_bound(ctx)
         cpu = time.process_time() - cpu

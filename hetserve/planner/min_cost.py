@@ -15,7 +15,8 @@ from __future__ import annotations
 from hetserve.planner.bound import per_device_min_cost, upper_bound
 
 TOLERANCE = 0.03  # bisection stops when the budget proven short and one proven enough are this close
-MAX_PROBES = 6  # budgeted bounds solved at most per call (seconds each for the group programme)
+MAX_PROBES = 10  # budgeted bounds solved at most per call (0.1–2 s each for the group programme on
+# het1 below half its price, 8–15 s near the whole pool)
 
 
 def min_cost(ctx, requests_per_period: float, devices=None) -> tuple[float, dict] | None:
@@ -33,16 +34,21 @@ def min_cost(ctx, requests_per_period: float, devices=None) -> tuple[float, dict
         if floor is None:
             return None
         lo, counts = min(floor[0], hi), floor[1]
-    # the first probe where the bound reaches the rate at the latest if it grows linearly from
-    # nothing at no budget (its LP relaxation is concave in the budget); then halve the gap
-    guess = hi * requests_per_period / whole.requests_per_period if whole.requests_per_period > 0 else hi
-    for probe in range(MAX_PROBES):
+    # the first probe where the bound would reach the rate if it grew in proportion to the
+    # budget; budgets double while they fall short (whole replicas make small budgets serve
+    # nothing, so the answer is often above that guess), then the gap is halved
+    b = hi * requests_per_period / whole.requests_per_period if whole.requests_per_period > 0 else hi
+    enough_found = False
+    for _ in range(MAX_PROBES):
         if hi - lo <= TOLERANCE * hi:
             break
-        b = guess if probe == 0 and lo < guess < hi else (lo + hi) / 2
+        if not lo < b < hi:
+            b = (lo + hi) / 2
         got = upper_bound(ctx, b, devices)
         if got.requests_per_period < requests_per_period:
             lo = b
+            b = 2 * b if not enough_found else (lo + hi) / 2
         else:
-            hi, counts = b, got.counts
+            hi, counts, enough_found = b, got.counts, True
+            b = (lo + hi) / 2
     return lo, counts

@@ -237,6 +237,7 @@ def bound_gap(sizes, pools=None) -> None:
         ctx = PlanContext(c, model, wl)
         lp = B.per_device_bound(ctx).tokens_per_s
         B._CACHE.clear()  # the plan's estimate already solved it: time a fresh solve
+        B._COLUMNS.clear()
         cpu = time.process_time()
         g = B.group_bound(ctx)
         cpu = time.process_time() - cpu
@@ -289,7 +290,7 @@ def cost(quick: bool) -> None:
     pool = synthetic_pool(48)
     m = Table(title=f"cheapest GPUs for a rate ({pool.name}: H100 / A100 / L40 / A6000 machines; "
                     f"TTFT ≤ 2 s, TPOT ≤ 0.1 s; sized at 70 % load)")
-    for col in ("requests/s", "GPUs chosen", "$/h", "LP lower bound $/h", "estimated goodput req/s",
+    for col in ("requests/s", "GPUs chosen", "$/h", "lower bound $/h (min_cost)", "estimated goodput req/s",
                 "simulated SLO attainment", "simulated completed"):
         m.add_column(col, justify="right")
     from hetserve.sim.simulator import SimOptions, simulate

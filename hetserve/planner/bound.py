@@ -26,16 +26,29 @@ HiGHS stops after ``GROUP_NODE_LIMIT`` branch-and-bound nodes (deterministic) an
 bound is used, so an unfinished search still gives a bound. Scope: layouts whose TP groups are
 devices of one class (same machine and GPU type) — every layout the planners build
 (``LayoutSearch``); a hand-written plan with a TP group across machines or GPU types is covered
-only by the per-device LP. Under SLO objectives (goodput / cost) the columns are skipped.
+only by the per-device LP.
 
-**2. Per-device LP** (``per_device_bound``; also ``min_cost`` and ``device_rates``; ``upper_bound``
-only under SLO objectives). A linear programme (scipy ``linprog``, HiGHS) over how many devices
-of each kind (GPU type × site) serve prefill, decode or colocated replicas, meant as a relaxation
-of the cost model. **It no longer is one for colocated replicas**: it prices a colocated request
-as its prompt plus its decode steps, while the cost model's mixed steady state (issue 9: prompts
-ride in decode steps and share their weight reads) costs less, and exact search beats it on
-several pools (aladdin-v100 and the island pools of bench_planner with llama-2-7b: up to 1.35×; see
-``tests/planner/test_bound_groups.py``). Its rows:
+**Under SLO objectives** (goodput / cost: ``ctx.slo`` set) ``upper_bound`` is the smaller of the
+group programme solved *without* the SLOs (``throughput_context``) and the per-device LP. Both
+count requests per T (tokens/s = requests per T × mean output / T, the same conversion for
+goodput and throughput, so the units match). The group programme holds because every SLO
+capacity is at most the throughput capacity of the same replica (``planner.slo`` caps decode and
+colocated ones there; prefill's is T / TTFT × a load cap ≤ 1), the plan's flow network is the
+same (KV edges and shared links do not depend on the SLOs), and a plan's value only grows with
+its replicas' capacities. The per-device LP holds under SLOs (unlike for throughput, below):
+the SLO capacity prices a colocated request exactly as the LP does, stand-alone TTFT plus
+O / (tokens/s) at a batch no larger than the engine cap, and caps it lower still.
+
+**2. Per-device LP** (``per_device_bound``; also ``device_rates``; ``upper_bound`` only under SLO
+objectives, or where the programme has no columns). A linear programme (scipy ``linprog``,
+HiGHS) over how many devices of each kind (GPU type × site) serve prefill, decode or colocated
+replicas, meant as a relaxation of the cost model. **It is none for throughput capacities of
+colocated replicas**: it prices a colocated request as its prompt plus its decode steps, while
+the cost model's mixed steady state (issue 9: prompts ride in decode steps and share their
+weight reads) costs less, and exact search beats it on several pools (aladdin-v100 and the
+island pools of bench_planner with llama-2-7b: up to 1.35×; see ``tests/planner/test_bound_groups.py``).
+``planner.objectives`` still reads its device counts as a *heuristic* guide to which GPUs to
+rent (milliseconds), never as a bound. Its rows:
 
 * **compute** and **memory bandwidth** (roofline). A stage's time per layer is at least its
   work over its TP group's summed FLOP/s or bytes/s (the cost model paces a TP group by its
@@ -66,10 +79,13 @@ requests between two spread groups, and between a one-machine group and a spread
 machines than its own, by machine totals (a transport relaxation of the per-pair layer overlap).
 Running time: the LP milliseconds; the group programme a few seconds (``bench_planner bound``
 prints it).
+
+The cheapest device set for a rate (a lower bound on its price from this bound): ``planner.min_cost``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -247,12 +263,30 @@ def _counts(lp: _LP, x) -> dict[tuple[str, str, str], float]:
 def upper_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
                 node_limit: int = GROUP_NODE_LIMIT) -> Bound:
     """The group-column programme for ``ctx`` (all devices, or only ``devices``); the per-device
-    LP only where the programme has no columns (SLO objectives). Not the smaller of the two: the
-    per-device LP prices a colocated request as a prompt plus its decode steps, and the cost
-    model's mixed steady state (prompts riding in decode steps) beats that, so on some pools
-    exact search exceeds it (aladdin-v100 with llama-2-7b: 1,998 against 1,862 tokens/s)."""
-    groups = group_bound(ctx, budget_usd_per_hour, devices, node_limit)
-    return groups if groups is not None else per_device_bound(ctx, budget_usd_per_hour, devices)
+    LP only where the programme has no columns. Not the smaller of the two: the per-device LP
+    prices a colocated request as a prompt plus its decode steps, and the cost model's mixed
+    steady state (prompts riding in decode steps) beats that, so on some pools exact search
+    exceeds it (aladdin-v100 with llama-2-7b: 1,998 against 1,862 tokens/s). Under SLO
+    objectives: the smaller of the programme without the SLOs and the per-device LP (both hold
+    there; module docstring)."""
+    if ctx.slo is None:
+        groups = group_bound(ctx, budget_usd_per_hour, devices, node_limit)
+        return groups if groups is not None else per_device_bound(ctx, budget_usd_per_hour, devices)
+    lp = per_device_bound(ctx, budget_usd_per_hour, devices)
+    groups = group_bound(throughput_context(ctx), budget_usd_per_hour, devices, node_limit)
+    return lp if groups is None or lp.requests_per_period <= groups.requests_per_period else groups
+
+
+def throughput_context(ctx):
+    """``ctx`` without its SLOs: the same pool, model, workload, period and efficiencies, with
+    throughput capacities (what bounds goodput; ``ctx`` itself when it has no SLOs)."""
+    if ctx.slo is None:
+        return ctx
+    from hetserve.planner.context import PlanContext  # (the context reads the planner's layers)
+
+    options = dataclasses.replace(ctx.options, objective="throughput", slo_ttft_s=None, slo_tpot_s=None,
+                                  rate=None, budget_usd_per_hour=None)
+    return PlanContext(ctx.cluster, ctx.model, ctx.workload, options)
 
 
 def per_device_bound(ctx, budget_usd_per_hour: float | None = None, devices=None) -> Bound:
@@ -287,7 +321,7 @@ def _fingerprint(ctx, budget, devices, node_limit) -> tuple:
 def group_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
                 node_limit: int = GROUP_NODE_LIMIT) -> Bound | None:
     """The group-column programme alone (None when the pool has no columns to offer, or under
-    SLO objectives); cached by everything it reads."""
+    SLO objectives: ``upper_bound`` passes ``throughput_context``); cached by everything it reads."""
     if ctx.slo is not None:  # SLO capacities price colocated replicas by another formula
         return None
     key = _fingerprint(ctx, budget_usd_per_hour, devices, node_limit)
@@ -298,9 +332,17 @@ def group_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
     return _CACHE[key]
 
 
+_COLUMNS: dict[tuple, object] = {}  # a pool's columns, shared by its budgets (min_cost's bisection)
+
+
 def _group_bound(ctx, budget_usd_per_hour, devices, node_limit) -> Bound | None:
     mk = _kinds(ctx, devices)
-    cols = bound_groups.columns(ctx, mk)
+    key = _fingerprint(ctx, None, devices, None)
+    if key not in _COLUMNS:
+        if len(_COLUMNS) >= _CACHE_SIZE:
+            _COLUMNS.pop(next(iter(_COLUMNS)))
+        _COLUMNS[key] = bound_groups.columns(ctx, mk)
+    cols = _COLUMNS[key]
     if cols is None:
         return None
     rates = [_rates(ctx, k) for k in mk]
@@ -318,10 +360,10 @@ def _group_bound(ctx, budget_usd_per_hour, devices, node_limit) -> Bound | None:
     return Bound(ctx.tokens_per_s(best), best, counts, binding, plan)
 
 
-def min_cost(ctx, requests_per_period: float, devices=None) -> tuple[float, dict] | None:
-    """A lower bound on the $/h of any subset of the pool whose plan serves ``requests_per_period``
-    (the same relaxation, minimising price): (usd per hour, device counts), or None when even the
-    relaxation of the whole pool cannot serve that much."""
+def per_device_min_cost(ctx, requests_per_period: float, devices=None) -> tuple[float, dict] | None:
+    """The per-device LP minimising price for the rate: (usd per hour, device counts), or None
+    when the LP cannot serve that much. A floor on the price only under SLO capacities (module
+    docstring); ``planner.min_cost`` uses it there."""
     lp = _build(ctx, None, devices)
     A = np.vstack([lp.A, -lp.served])
     rhs = np.append(lp.rhs, -requests_per_period)

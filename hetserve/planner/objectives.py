@@ -4,15 +4,17 @@ Both choose *which* devices to use, then run the algorithm on that subset
 (``Cluster.subset``: device names stay those of the pool, so the plan reads against it):
 
 * ``within_budget`` (``PlanOptions.budget_usd_per_hour``): candidate subsets costing at most the
-  budget come from the upper-bound LP with a budget row (``bound.upper_bound``; which GPU kinds
-  to rent, fractionally), rounded down and topped up greedily by value per dollar, plus a
+  budget come from the per-device LP with a budget row (``bound.per_device_bound``; which GPU
+  kinds to rent, fractionally — a heuristic guide here, not a bound: it undercounts colocated
+  replicas' throughput), rounded down and topped up greedily by value per dollar, plus a
   greedy-by-value subset and the LP's kinds filled whole machines first; the algorithm runs on
   each (the time limit shared out) and the best plan by the objective is kept. A plan never
   costs more than the budget: every candidate is checked before it is searched.
-* ``cheapest`` (``objective="cost"``, ``PlanOptions.rate``): the LP's minimum price for the rate
-  is a lower bound on the answer; budgets rise from it (×1.1, or by one device of the cheapest
-  kind) until the plan's estimate serves the rate at ``TARGET_LOAD`` (the margin that keeps
-  queues short; with SLOs the capacities are already SLO-aware, ``planner.slo``).
+* ``cheapest`` (``objective="cost"``, ``PlanOptions.rate``): ``min_cost`` (the smallest budget at
+  which the upper bound reaches the rate) is a lower bound on the answer; budgets rise from it
+  (×1.1, or by one device of the cheapest kind) until the plan's estimate serves the rate at
+  ``TARGET_LOAD`` (the margin that keeps queues short; with SLOs the capacities are already
+  SLO-aware, ``planner.slo``).
 
 The plan's estimate says so: ``budget_usd_per_hour``, ``rate_requests_per_s``,
 ``min_cost_bound_usd_per_hour``, and the upper bound of the budget problem on the whole pool.
@@ -25,7 +27,8 @@ import math
 from typing import Callable
 
 from hetserve.errors import InfeasibleError, PlanError
-from hetserve.planner.bound import device_rates, min_cost, per_device_bound, upper_bound
+from hetserve.planner.bound import device_rates, per_device_bound, upper_bound
+from hetserve.planner.min_cost import min_cost
 from hetserve.planner.context import PlanContext
 from hetserve.planner.options import DEFAULT_TIME_LIMIT_S, PlanOptions
 from hetserve.planner.plan import Plan
@@ -75,7 +78,7 @@ def budget_subsets(ctx: PlanContext, budget: float) -> list[list[int]]:
     pool = _kind_devices(cluster)
     rates = device_rates(ctx)
     per_dollar = sorted(pool, key=lambda k: (-rates[k] / prices[k], k))
-    lp = per_device_bound(ctx, budget)  # (its device counts guide the subsets; milliseconds)
+    lp = per_device_bound(ctx, budget)  # a heuristic guide (milliseconds), not a bound: module docstring
     want: dict[tuple[str, str], float] = {}
     for (gpu, site, _), n in lp.counts.items():
         want[(gpu, site)] = want.get((gpu, site), 0.0) + n

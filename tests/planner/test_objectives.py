@@ -4,7 +4,8 @@ import pytest
 
 from hetserve.cli.main import main
 from hetserve.planner import ALGORITHMS, PlanOptions, plan, validate_plan
-from hetserve.planner.bound import min_cost, upper_bound
+from hetserve.planner.bound import upper_bound
+from hetserve.planner.min_cost import min_cost
 from hetserve.planner.context import PlanContext
 from hetserve.planner.slo import SLOTargets, decode_batch_within, slo_capacity, ttft_load_cap
 from hetserve.sim.simulator import SimOptions, simulate
@@ -71,7 +72,7 @@ def test_cost_plan_meets_the_rate_in_simulation(llama70b, azure):
 
 def test_min_cost_bound_grows_with_the_rate(llama70b, azure):
     ctx = PlanContext(load_cluster("hexgen2-het1"), llama70b, azure)
-    a, b = min_cost(ctx, 1000)[0], min_cost(ctx, 4000)[0]
+    a, b = min_cost(ctx, 1000)[0], min_cost(ctx, 2500)[0]
     assert 0 < a < b
     assert min_cost(ctx, 10 * upper_bound(ctx).requests_per_period) is None
 

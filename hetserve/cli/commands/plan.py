@@ -193,7 +193,7 @@ def print_plan(console, plan) -> None:
         console.print(f"budget ${e['budget_usd_per_hour']:,.2f}/h: plan uses ${usd or 0:,.2f}/h")
     if "rate_requests_per_s" in e:
         console.print(f"cheapest found for {e['rate_requests_per_s']:g} requests/s: ${usd or 0:,.2f}/h "
-                      f"(no subset can cost less than ${e['min_cost_bound_usd_per_hour']:,.2f}/h, LP bound)")
+                      f"(no subset can cost less than ${e['min_cost_bound_usd_per_hour']:,.2f}/h: planner/min_cost.py)")
     network = e.get("network") or {}
     if network:
         busiest = list(network.items())[:BUSIEST_RESOURCES]

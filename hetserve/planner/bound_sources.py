@@ -30,14 +30,23 @@ lo_{k,m} and up_{k,m} times its flow.
 
 **Who sends to whom.** One-machine prefill groups on p send all their flow somewhere:
 to one-machine decode groups (Φ[p, m], all of it over p → m), to a level of a tied spread decode
-group (x), or to the rest (spread groups without tied rows, groups past K: e[p], at most those
-groups' flow); the mirror image for one-machine decode groups. KV from p to m ≠ p is then at
-least Φ[p, m] plus the w's of that pair (disjoint sets of requests), so u[p, m] ≥ that sum, and
-the pipe and NIC rows on u do the rest. Every row holds for the plan's real groups, flows and
-layer splits read this way, so the programme stays a relaxation of every plan.
+group (x), to a spread decode column without tied rows (e[class, p]: the columns grouped by role,
+machines and the share each machine's devices can hold; at most their groups' ceilings and
+their flow), or to groups past K devices (e[p], at most their flow); the mirror image for
+one-machine decode groups. For a one-machine group on q and every set M of other machines
+(all of them up to 6 machines; past that single ones and the whole set), the KV between q and
+M is at least Φ over M, plus the w's of the levels over M, plus, for an untied class whose
+other machines all lie in M, (1 − the share q's devices in it can hold) × its flow with q (a
+request keeps at most that share on q, the rest lands on the class's other machines) —
+disjoint sets of requests, so the sum of the routes ``u`` over those pairs is at least that,
+and the pipe and NIC rows on u do the rest. Every row holds for the plan's real groups, flows
+and layer splits read this way, so the programme stays a relaxation of every plan. Not tied:
+the KV between two spread groups, and that of groups past K (their shares are not known).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
@@ -91,8 +100,17 @@ class SourceRows:
                         i += 1
         self.i_phi = {(p, m): i + nm * p + m for p in range(nm) for m in range(nm)}
         i += nm * nm
-        self.i_e = i  # e[r, q]: one-machine groups' flow to / from the rest
-        self.nv = i + 2 * nm
+        self.i_e = i  # e[r, q]: one-machine groups' flow to / from big groups
+        i += 2 * nm
+        # untied spread columns, by role, machines and the share each machine can hold: their
+        # flow with one-machine groups on q, e[class, q]
+        self.classes: dict[tuple, list[int]] = {}
+        for j in tie.loose:
+            held = tuple(tie.held[j][mi] if mi in tie.where[j] else 0.0 for mi in range(nm))
+            for r in range(2):
+                self.classes.setdefault((r, tuple(tie.where[j]), held), []).append(j)
+        self.i_c = {key: i + nm * n for n, key in enumerate(sorted(self.classes))}
+        self.nv = i + nm * len(self.classes)
         self.integers = sorted(self.i_y.values())
 
     def rows(self, iu: dict, iy: int, row) -> None:
@@ -137,18 +155,52 @@ class SourceRows:
                 for (j, rr, k, qq), x in self.i_x.items():
                     if rr == o and qq == q:
                         c[x] = -1.0
+                for key, i in self.i_c.items():
+                    if key[0] == o:
+                        c[i + q] = -1.0
                 row.equal(c, 0.0, f"one-machine {ROLES[r]} flow on {machines[q]} by partner")
-            rest = {**{tie.i_L + 2 * mi + o: 1.0 for mi in range(nm)}}
             if tie.big:
-                rest.update({tie.i_B + 2 * mi + o: 1.0 for mi in range(nm)})
-            row({**{self.i_e + 2 * q + r: 1.0 for q in range(nm)}, **{i: -v for i, v in rest.items()}}, 0.0,
-                f"one-machine {ROLES[r]} flow with untied or big partners")
-        for p in range(nm):
-            for m in range(nm):
-                if p == m:
-                    continue
-                c = {iu[(machines[p], machines[m])]: -1.0, self.i_phi[(p, m)]: 1.0}
-                for (j, r, k, q, mi), w in self.i_w.items():
-                    if (r == 1 and q == p and mi == m) or (r == 0 and mi == p and q == m):
-                        c[w] = 1.0
-                row(c, 0.0, f"KV {machines[p]} → {machines[m]} by source")
+                rest = {tie.i_B + 2 * mi + o: 1.0 for mi in range(nm)}
+                row({**{self.i_e + 2 * q + r: 1.0 for q in range(nm)}, **{i: -v for i, v in rest.items()}}, 0.0,
+                    f"one-machine {ROLES[r]} flow with big partners")
+            else:
+                for q in range(nm):
+                    row({self.i_e + 2 * q + r: 1.0}, 0.0, "no big groups")
+            untied = [i + q for key, i in self.i_c.items() if key[0] == o for q in range(nm)]
+            if untied:
+                row({**{i: 1.0 for i in untied}, **{tie.i_L + 2 * mi + o: -1.0 for mi in range(nm)}}, 0.0,
+                    f"one-machine {ROLES[r]} flow with untied spread partners")
+        for key, js in self.classes.items():
+            r = key[0]
+            row({**{self.i_c[key] + q: 1.0 for q in range(nm)}, **{iy + 3 * j + r: -float(cols.caps[j, r]) for j in js}},
+                0.0, f"{ROLES[r]} flow of untied spread columns by partner")
+        self._kv_rows(iu, row)
+
+    def _kv_rows(self, iu, row) -> None:
+        """For a one-machine group on q and each set M of other machines: the KV between q and M
+        (out of q: q prefills; into q: q decodes) is at least Φ over M, the levels' KV with q
+        over M, and for an untied spread class whose other machines lie in M, (1 − the share
+        q can hold) × its flow with q."""
+        tie, machines = self.tie, self.tie.machines
+        nm = len(machines)
+        for q in range(nm):
+            others = [m for m in range(nm) if m != q]
+            subsets = [M for n in range(1, len(others) + 1) for M in itertools.combinations(others, n)]
+            if nm > 6:  # 2^(n−1) sets: past 6 machines only single ones and all of them
+                subsets = [M for M in subsets if len(M) in (1, len(others))]
+            for M in subsets:
+                for r in range(2):  # r: the one-machine group's role
+                    o = 1 - r
+                    pair = (lambda m: (q, m)) if r == 0 else (lambda m: (m, q))
+                    c = {iu[(machines[a], machines[b])]: -1.0 for a, b in map(pair, M)}
+                    for m in M:
+                        c[self.i_phi[pair(m)]] = 1.0
+                    for (j, rr, k, qq, mi), w in self.i_w.items():
+                        if rr == o and qq == q and mi in M:
+                            c[w] = 1.0
+                    for (rr, where, held), i in self.i_c.items():
+                        rest = set(where) - {q}
+                        if rr == o and rest and rest <= set(M) and held[q] < 1.0:
+                            c[i + q] = 1.0 - held[q]
+                    name = f"KV {machines[q]} → {len(M)} machines" if r == 0 else f"KV {len(M)} machines → {machines[q]}"
+                    row(c, 0.0, name + " by source")

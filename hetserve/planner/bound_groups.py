@@ -22,7 +22,10 @@ Rows (every real plan, read as the groups it holds, satisfies them — hence a b
   spread decode group keeps on its machine at most the share of the layers the decode group's
   devices there can hold, and the mirror image); and ``bound_shares``'s lines tie a spread
   group's KV on each machine to its flow (serving more needs more of the layers where memory
-  and speed are). Spread columns get these rows lazily: first as the loose per-machine sums,
+  and speed are); ``bound_sources`` prices the KV per source (flow levels of the tied spread
+  columns with share boxes, the one-machine groups' flow split by partner, and the KV between a
+  one-machine group and every set of other machines at least what those partners send). Spread
+  columns get these rows lazily: first as the loose per-machine sums,
   then tied once the LP or the MILP uses them (rounds; each round's programme is a relaxation
   of the fully tied one, so each value is a bound — the last MILP's dual bound is returned);
 * budget: Σ price × devices ≤ B.

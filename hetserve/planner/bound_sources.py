@@ -172,8 +172,9 @@ class SourceRows:
                     f"one-machine {ROLES[r]} flow with untied spread partners")
         for key, js in self.classes.items():
             r = key[0]
-            row({**{self.i_c[key] + q: 1.0 for q in range(nm)}, **{iy + 3 * j + r: -float(cols.caps[j, r]) for j in js}},
-                0.0, f"{ROLES[r]} flow of untied spread columns by partner")
+            caps = {iy + 3 * j + r: -float(cols.caps[j, r]) for j in js}
+            row({**{self.i_c[key] + q: 1.0 for q in range(nm)}, **caps}, 0.0,
+                f"{ROLES[r]} flow of untied spread columns by partner")
         self._kv_rows(iu, row)
 
     def _kv_rows(self, iu, row) -> None:
@@ -202,5 +203,5 @@ class SourceRows:
                         rest = set(where) - {q}
                         if rr == o and rest and rest <= set(M) and held[q] < 1.0:
                             c[i + q] = 1.0 - held[q]
-                    name = f"KV {machines[q]} → {len(M)} machines" if r == 0 else f"KV {len(M)} machines → {machines[q]}"
-                    row(c, 0.0, name + " by source")
+                    ends = (machines[q], f"{len(M)} machines")
+                    row(c, 0.0, "KV {} → {} by source".format(*(ends if r == 0 else ends[::-1])))

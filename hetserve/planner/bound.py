@@ -74,9 +74,10 @@ rent (milliseconds), never as a bound. Its rows:
 What the per-device LP leaves out: TP all-reduces and pipeline hand-offs, KV memory limiting the
 decode batch below the cap, the integrality of groups and the tie of KV to layers — the group
 columns keep all four (the tie where columns are machines). Both leave out the activation /
-all-reduce traffic of groups across machines, and the group programme still routes the KV of
-requests between two spread groups, and between a one-machine group and a spread one on other
-machines than its own, by machine totals (a transport relaxation of the per-pair layer overlap).
+all-reduce traffic of groups across machines. The group programme prices the KV between a
+one-machine group and a spread one per source (``bound_sources``: flow levels with share boxes
+for the tied columns, memory shares for the others), but still routes by machine totals the KV
+between two spread groups and that of groups past K (a transport relaxation of the layer overlap).
 Running time: the LP milliseconds; the group programme a few seconds (``bench_planner bound``
 prints it).
 

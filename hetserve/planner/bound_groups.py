@@ -22,7 +22,10 @@ Rows (every real plan, read as the groups it holds, satisfies them — hence a b
   spread decode group keeps on its machine at most the share of the layers the decode group's
   devices there can hold, and the mirror image); and ``bound_shares``'s lines tie a spread
   group's KV on each machine to its flow (serving more needs more of the layers where memory
-  and speed are). Spread columns get these rows lazily: first as the loose per-machine sums,
+  and speed are); ``bound_sources`` prices the KV per source (flow levels of the tied spread
+  columns with share boxes, the one-machine groups' flow split by partner, and the KV between a
+  one-machine group and every set of other machines at least what those partners send). Spread
+  columns get these rows lazily: first as the loose per-machine sums,
   then tied once the LP or the MILP uses them (rounds; each round's programme is a relaxation
   of the fully tied one, so each value is a bound — the last MILP's dual bound is returned);
 * budget: Σ price × devices ≤ B.
@@ -50,6 +53,7 @@ from scipy.sparse import vstack as sparse_vstack
 from hetserve.planner.bound_columns import ROLES, ColumnBounds, Kind
 from hetserve.planner.bound_network import Rows, TiedRows, dominated, loose_rows, shares
 from hetserve.planner.bound_shares import facets, share_ceilings
+from hetserve.planner.bound_sources import SourceRows, levels
 
 GROUP_K = 8  # columns: groups of at most this many devices (at least the largest TP degree)
 MAX_COLUMNS = 2000  # compositions per programme; past it, GPU types instead of machines, then a smaller K
@@ -224,10 +228,12 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
         integrality[iN] = 1
 
     def programme():  # the rows (and the variables' bounds) with the columns tied so far
-        parts, n = ([row], nv) if ties is None else ties.rows(row)
+        parts, n, integers = ([row], nv, []) if ties is None else ties.rows(row)
         pad = n - nv
+        whole = np.concatenate([integrality, np.zeros(pad)])
+        whole[integers] = 1
         return (_matrix(parts, n), np.concatenate([obj, np.zeros(pad)]), np.concatenate([upper, np.full(pad, np.inf)]),
-                np.concatenate([integrality, np.zeros(pad)]), [name for p in parts for name in p.names])
+                whole, [name for p in parts for name in p.names])
 
     # the spread columns the solver uses get tied KV rows and layer-share cuts, a round at a
     # time: every round's programme is a relaxation of the fully tied one, so each value is a bound
@@ -240,14 +246,17 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
             break
     duals = np.abs(lp.ineqlin.marginals)
     binding = tuple(dict.fromkeys(n for n, y in zip(names, duals) if y > 1e-9))
-    best, res, last = relaxed, None, math.inf
+    best, res, last, still = relaxed, None, math.inf, 0
     for _ in range(_CUT_ROUNDS_MILP if ties else 1):
         (A, rhs), c_, up_, int_, _ = programme()
         res = _milp(-c_, A, rhs, int_, up_, {"node_limit": node_limit, "time_limit": time_limit,
                                              "highs": _HIGHS_OPTIONS})
         value = -float(res.fun) if res.fun is not None else math.inf
-        if not (ties and res.x is not None and value < last * (1 - 1e-3) and ties.add(res.x)):
-            break  # no untied column in use, or the last round moved the optimum by < 0.1 %
+        still = still + 1 if value >= last * (1 - 1e-3) else 0
+        # stop when no untied column is in use, or after _PATIENCE rounds that moved the optimum
+        # by < 0.1 % (het2: a round that does not move it can be followed by one that does)
+        if not (ties and res.x is not None and still < _PATIENCE and ties.add(res.x)):
+            break
         last = value
     # the last programme is the tightest; its dual bound is the bound (no smaller one of an
     # earlier, looser round is taken: a solver's dual bound that undercut a later one would be
@@ -274,6 +283,7 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
 
 _CUT_ROUNDS = 12  # LP rounds of layer-share cuts for the spread columns in use (each: a bound)
 _CUT_ROUNDS_MILP = 8  # then MILP rounds, while its best integer point uses an untied column
+_PATIENCE = 2  # ... and the optimum moved by ≥ 0.1 % in one of the last two rounds
 
 
 class _Ties:
@@ -285,18 +295,26 @@ class _Ties:
         self.big, self.share, self.idx = big, share, idx
         self.cb = ColumnBounds(ctx, [_column_kind(ctx, [k]) for k in mk])
         self.kind_machine = [machines.index(k.machine) for k in mk]
-        self.spread = TiedRows(ctx, mk, cols, machines, nv, big).spread
+        untied = TiedRows(ctx, mk, cols, machines, nv, big)
+        self.spread, self.held = untied.spread, untied.held
         self.lines: dict[tuple[int, int, int], list] = {}
+        self.levels: dict[tuple[int, int], tuple] = {}  # bound_sources.levels per tied column and role
         self.tied: set[int] = set()
 
-    def rows(self, base: Rows) -> tuple[list[Rows], int]:
+    def rows(self, base: Rows) -> tuple[list[Rows], int, list[int]]:
+        """The rows with the columns tied so far: (row blocks, variables, integer variables)."""
         iu, iF, iy, iz, ib = self.idx
         tie = TiedRows(self.ctx, self.mk, self.cols, self.machines, self.nv, self.big, self.tied)
         net = Rows(tie.nv)
         tie.rows(self.ctx, self.mk, self.rates, self.cols, iu, iF, iy, iz, ib, net, self.share)
         for (j, r, mi), lines in sorted(self.lines.items()):
             tie.cut_rows(j, r, mi, lines, iy, net)
-        return [base, net], tie.nv
+        if not self.levels:
+            return [base, net], tie.nv, []
+        src = SourceRows(tie, self.cols, self.levels, tie.nv)
+        by_source = Rows(src.nv)
+        src.rows(iu, iy, by_source)
+        return [base, net, by_source], src.nv, src.integers
 
     def add(self, x) -> bool:
         """Tie every spread column used in prefill or decode in ``x`` that is not yet; True if any."""
@@ -306,11 +324,17 @@ class _Ties:
         for j in new:
             self.tied.add(j)
             comp = self.cols.comps[j]
-            for mi in sorted({self.kind_machine[k] for k in range(len(comp)) if comp[self.cols.kind_of[k]]}):
+            where = sorted({self.kind_machine[k] for k in range(len(comp)) if comp[self.cols.kind_of[k]]})
+            le, ge = [], []
+            for mi in where:
                 on_m = [self.kind_machine[k] == mi for k in range(len(comp))]
-                caps_h = share_ceilings(self.cb, comp, on_m)
+                le.append(share_ceilings(self.cb, comp, on_m))
+                ge.append(share_ceilings(self.cb, comp, on_m, at_least=True))
                 for r in range(2):
-                    self.lines[(j, r, mi)] = facets(self.cols.caps[j, r], caps_h[r])
+                    self.lines[(j, r, mi)] = facets(self.cols.caps[j, r], le[-1][r])
+            for r in range(2):
+                self.levels[(j, r)] = levels(self.cols.caps[j, r], np.array([c[r] for c in le]),
+                                             np.array([c[r] for c in ge]), [self.held[j][mi] for mi in where])
         return bool(new)
 
 

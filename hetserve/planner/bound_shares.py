@@ -35,22 +35,26 @@ SHARES = np.arange(1, 40) / 40.0  # the thresholds h (every 2.5 % of the layers)
 _BISECT = 60
 
 
-def share_ceilings(cb: ColumnBounds, comp: tuple[int, ...], on_m: list[bool], hs=SHARES) -> np.ndarray:
+def share_ceilings(cb: ColumnBounds, comp: tuple[int, ...], on_m: list[bool], hs=SHARES,
+                   at_least: bool = False) -> np.ndarray:
     """(prefill, decode) × len(hs): ceilings of layouts of ``comp`` (counts per column kind) that
-    hold at most h·L layers on the kinds flagged in ``on_m`` (one machine's kinds)."""
+    hold at most h·L layers on the kinds flagged in ``on_m`` (one machine's kinds) — or, with
+    ``at_least``, at least h·L there (the layer split relaxed the same way, so the same proof)."""
     out = np.zeros((2, len(hs)))
     per_kind = [[(ki, s) for s in cb._splits(n)] for ki, n in enumerate(comp) if n]
     hops = cb._hops([ki for ki, n in enumerate(comp) if n])
+    hs = np.asarray(hs, dtype=float)
+    lo, hi = (hs, np.ones_like(hs)) if at_least else (np.zeros_like(hs), hs)
     for combo in itertools.product(*per_kind):
         stages = tuple((ki, t) for ki, split in combo for t in split)
         if stages:
-            out = np.maximum(out, _capped(cb, stages, hops, np.array([on_m[ki] for ki, _ in stages]), np.asarray(hs)))
+            out = np.maximum(out, _capped(cb, stages, hops, np.array([on_m[ki] for ki, _ in stages]), lo, hi))
     return out
 
 
-def _capped(cb: ColumnBounds, stages, hops, in_g: np.ndarray, hs: np.ndarray) -> np.ndarray:
+def _capped(cb: ColumnBounds, stages, hops, in_g: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """``ColumnBounds._structure``'s prefill and decode ceilings with the stages flagged in
-    ``in_g`` holding at most h·L layers, for every h in ``hs`` (2 × len(hs))."""
+    ``in_g`` holding between lo·L and hi·L layers, for every pair of ``lo`` and ``hi`` (2 × len)."""
     m = cb.ctx.model
     nh_, alpha, beta = hops
     act_bytes = m.hidden * m.dtype_bytes
@@ -59,7 +63,7 @@ def _capped(cb: ColumnBounds, stages, hops, in_g: np.ndarray, hs: np.ndarray) ->
         return nh_ * (alpha + tokens * act_bytes / beta)
 
     L, T, b = cb.L, cb.T, cb.b
-    S, nh, nb = len(stages), len(hs), len(cb.b)
+    S, nh, nb = len(stages), len(lo), len(cb.b)
     info = [cb._stage(ki, t) for ki, t in stages]
     room = np.array([s["room"] for s in info])
     fixed = np.array([cb._fixed(t) for _, t in stages])
@@ -67,10 +71,10 @@ def _capped(cb: ColumnBounds, stages, hops, in_g: np.ndarray, hs: np.ndarray) ->
     kvl = m.kv_bytes_per_token_per_layer
     if room.sum() - cb.extras < L * W:
         return np.zeros((2, nh))
-    H = hs * L
+    H, Hlo = hi * L, lo * L
     pf = np.array([s["pf"] for s in info])
     cap_pf = room / (W + kvl)
-    ttft = (knapsack_capped(np.tile(pf, (nh, 1)), np.tile(cap_pf, (nh, 1)), L, in_g, H)
+    ttft = (knapsack_capped(np.tile(pf, (nh, 1)), np.tile(cap_pf, (nh, 1)), L, in_g, H, Hlo)
             + fixed.sum() + min(s["pf_head"] for s in info) + hop(cb.I))
     with np.errstate(divide="ignore"):
         prefill = np.where(np.isfinite(ttft), T / ttft, 0.0)
@@ -82,56 +86,68 @@ def _capped(cb: ColumnBounds, stages, hops, in_g: np.ndarray, hs: np.ndarray) ->
     cbar = cb.Ir + cb.O / 2
     dec = np.stack([cb._dl(ki, t, mb, cbar) for ki, t in stages], axis=1)  # (nb, S)
     rows_dec, rows_cap = np.tile(dec, (nh, 1)), np.tile(cap, (nh, 1))  # row h·nb + batch
-    Hr = np.repeat(H, nb)
-    sum_lb = knapsack_capped(rows_dec, rows_cap, L, in_g, Hr) + fixed.sum() + np.tile(hop(mb), nh)
+    Hr, Hlor = np.repeat(H, nb), np.repeat(Hlo, nb)
+    sum_lb = knapsack_capped(rows_dec, rows_cap, L, in_g, Hr, Hlor) + fixed.sum() + np.tile(hop(mb), nh)
     max_lb = np.tile(mcount, nh) * waterfill_capped(rows_dec, np.broadcast_to(fixed, rows_dec.shape), rows_cap, L,
-                                                    in_g, Hr)
+                                                    in_g, Hr, Hlor)
     step = np.maximum(sum_lb, max_lb).reshape(nh, nb)
     with np.errstate(divide="ignore", invalid="ignore"):
         dcap = np.where(ok[None, :] & np.isfinite(step), T * b[None, :] / (cb.Oc * step), 0.0)
     return np.stack([prefill, dcap.max(axis=1, initial=0.0)])
 
 
-def knapsack_capped(cost: np.ndarray, cap: np.ndarray, L: float, in_g: np.ndarray, H: np.ndarray) -> np.ndarray:
-    """min Σ cost_i·l_i s.t. 0 ≤ l_i ≤ cap_i, Σ_{i in g} l_i ≤ H, Σ l_i = L, row by row (inf where
-    infeasible): cheapest first, the flagged items also limited by what is left of H."""
+def knapsack_capped(cost: np.ndarray, cap: np.ndarray, L: float, in_g: np.ndarray, H: np.ndarray,
+                    lo: np.ndarray | None = None) -> np.ndarray:
+    """min Σ cost_i·l_i s.t. 0 ≤ l_i ≤ cap_i, lo ≤ Σ_{i in g} l_i ≤ H, Σ l_i = L, row by row (inf
+    where infeasible). The cost is separable and convex in n = Σ_{i in g} l_i (each side filled
+    cheapest first), so the optimum is greedy from n = lo: the flagged items' cheapest lo layers
+    first, then cheapest first over everything left, the flagged items also limited by H − lo."""
     order = np.argsort(cost, axis=1)
     c = np.take_along_axis(cost, order, axis=1)
-    k = np.take_along_axis(cap, order, axis=1)
+    k = np.take_along_axis(cap, order, axis=1).astype(float)
     g = in_g[order]
-    rest = np.full(cost.shape[0], float(L))
-    room = np.array(H, dtype=float)
     total = np.zeros(cost.shape[0])
+    need = np.zeros(cost.shape[0]) if lo is None else np.array(lo, dtype=float)
+    for p in range(cost.shape[1]):  # the flagged items' cheapest ``lo`` layers
+        take = np.where(g[:, p], np.clip(np.minimum(k[:, p], need), 0.0, None), 0.0)
+        total += c[:, p] * take
+        need -= take
+        k[:, p] -= take
+    rest = float(L) - (0.0 if lo is None else np.asarray(lo, dtype=float))
+    room = np.array(H, dtype=float) - (0.0 if lo is None else np.asarray(lo, dtype=float))
     for p in range(cost.shape[1]):
         lim = np.where(g[:, p], np.minimum(k[:, p], room), k[:, p])
         take = np.clip(np.minimum(lim, rest), 0.0, None)
         total += c[:, p] * take
         rest -= take
         room -= np.where(g[:, p], take, 0.0)
-    return np.where(rest <= L * 1e-12, total, np.inf)
+    return np.where((rest <= L * 1e-12) & (need <= L * 1e-12), total, np.inf)
 
 
 def waterfill_capped(a: np.ndarray, e: np.ndarray, cap: np.ndarray, L: float, in_g: np.ndarray,
-                     H: np.ndarray) -> np.ndarray:
-    """min z s.t. a_i·l_i + e_i ≤ z, 0 ≤ l_i ≤ cap_i, Σ_{i in g} l_i ≤ H, Σ l_i = L, row by row
-    (inf if infeasible): the layers under a level z are non-decreasing in z, so bisect from the
-    unconstrained level (a lower bound) and return the lower end."""
+                     H: np.ndarray, lo: np.ndarray | None = None) -> np.ndarray:
+    """min z s.t. a_i·l_i + e_i ≤ z, 0 ≤ l_i ≤ cap_i, lo ≤ Σ_{i in g} l_i ≤ H, Σ l_i = L, row by
+    row (inf if infeasible): the layers under a level z are non-decreasing in z (so is whether
+    the flagged ones reach lo), so bisect from the unconstrained level (a lower bound) and
+    return the lower end."""
+    low = np.zeros(a.shape[0]) if lo is None else np.asarray(lo, dtype=float)
 
     def fits(z):
         lay = np.clip((z[:, None] - e) / a, 0.0, cap)
-        return lay[:, ~in_g].sum(axis=1) + np.minimum(H, lay[:, in_g].sum(axis=1)) >= L * (1 - 1e-12)
+        in_ = lay[:, in_g].sum(axis=1)
+        return (in_ >= low * (1 - 1e-12)) & (lay[:, ~in_g].sum(axis=1) + np.minimum(H, in_) >= L * (1 - 1e-12))
 
     hi = (e + a * cap).max(axis=1)
     feasible = fits(hi)
-    lo = _waterfill(a, e, cap, L)
-    lo = np.where(np.isfinite(lo), np.minimum(lo, hi), hi)
-    done = fits(lo)  # the cap does not bind: the unconstrained level is the answer
+    lo_z = _waterfill(a, e, cap, L)
+    lo_z = np.where(np.isfinite(lo_z), np.minimum(lo_z, hi), hi)
+    done = fits(lo_z)  # the share does not bind: the unconstrained level is the answer
     for _ in range(_BISECT):
-        mid = 0.5 * (lo + hi)
+        mid = 0.5 * (lo_z + hi)
         up = fits(mid)
         hi = np.where(up, mid, hi)
-        lo = np.where(up | done, lo, mid)
-    return np.where(feasible, lo, np.inf)
+        lo_z = np.where(up | done, lo_z, mid)
+    return np.where(feasible, lo_z, np.inf)
 
 
 def facets(ceiling: float, caps_h: np.ndarray, hs=SHARES) -> list[tuple[float, float]]:

@@ -187,3 +187,19 @@ def test_colocated_columns_past_k_stay_above_exact(llama7b, azure, monkeypatch):
     cols = bound_groups.columns(ctx, bound._kinds(ctx))
     assert cols.K == 2 and cols.big_colocated_columns and max(sum(comp) for comp in cols.comps) == 5
     assert x.estimate["throughput_tokens_per_s"] <= bound.group_bound(ctx).tokens_per_s * (1 + 1e-6)
+
+
+def test_bound_with_kv_per_source_stays_above_exact(azure, monkeypatch):
+    """The two boxes with llama-2-13b, HPHD requests: the programme ties a spread column, so its
+    flow levels and the KV-per-source rows (``bound_sources``) are in it; exact stays below."""
+    from hetserve.planner import bound_sources
+
+    built = []
+    rows = bound_sources.SourceRows.rows
+    monkeypatch.setattr(bound_sources.SourceRows, "rows", lambda self, *a: built.append(len(self.lv)) or rows(self, *a))
+    c, m, w = two_box_pool(), load_model("llama-2-13b"), azure.of_class("HPHD")
+    x = ALGORITHMS["exact"](c, m, w, PlanOptions(seed=0)).estimate["throughput_tokens_per_s"]
+    bound._CACHE.clear()
+    g = bound.group_bound(PlanContext(c, m, w))
+    assert built and max(built) > 0
+    assert x <= g.tokens_per_s * (1 + 1e-6), (x, g.tokens_per_s)

@@ -95,3 +95,52 @@ def test_engine_serves_a_mixed_plan(tmp_path):
     assert got == want
     steps = {rid: r["steps"] for rid, r in stats["replicas"].items()}
     assert steps["c0"] > 0 and steps["d0"] > 0 and steps["p0"] > 0, steps  # every replica worked
+
+
+def _het2_groups():
+    from hetserve.planner.placement import Group, canonical, start_search
+    from hetserve.specs.cluster import load_cluster
+    from hetserve.specs.workload import load_workload
+
+    c = load_cluster("hexgen2-het2")
+    ctx, _, ev = start_search("t", c, load_model("llama-2-70b"), load_workload("azure-conv"), PlanOptions())
+    by: dict[str, list[int]] = {}
+    for d in c.devices:
+        by.setdefault(d.gpu.name.split("-")[0], []).append(d.index)
+    H, A, L, X = by["H100"], by["A100"], by["L40"], by["A6000"]
+    place = lambda *gs: canonical(Group.of(ds, r) for ds, r in gs)  # noqa: E731
+    dec = [A[2], H[2]] + X[4:6] + L[4:6]
+    return ctx, ev, place, (H, A, L, X), dec
+
+
+def test_mixed_climb_turns_a_group_colocated_with_its_machine_mates():
+    """hexgen2-het2: from the disaggregated 1,623 plan (a decode group across the four sites, the
+    H100 pair, the A100 pair, four L40 and four A6000 prefilling) the mixed plan worth 1,822 — the
+    three H100 colocated — lies behind a move where each half loses: flipping the H100 pair alone,
+    or moving the decode group's H100 to it alone. ``_recut_with_machine_mates`` makes it one move
+    (1,684 -> 1,749 from the mixed climb's first stop); without it the climb ends at 1,684."""
+    from hetserve.planner.mixing import _recut_with_machine_mates, colocated_alternative, mixed_alternative
+
+    ctx, ev, place, (H, A, L, X), dec = _het2_groups()
+    disaggregated = place((H[:2], "prefill"), (dec, "decode"), (A[:2], "prefill"), (L[:4], "prefill"),
+                          (X[:4], "prefill"))
+    pair = disaggregated.index(next(g for g in disaggregated if set(g.devices) == set(H[:2])))
+    moved = _recut_with_machine_mates(ctx, ev, disaggregated, pair)
+    h100s = [g for g in moved if set(g.devices) & set(H)]
+    assert [g.role for g in h100s] == ["colocated"] * len(h100s) and {d for g in h100s for d in g.devices} == set(H)
+    col, _ = colocated_alternative(ctx, ev, disaggregated)
+    mixed, value = mixed_alternative(ctx, ev, disaggregated, col)
+    assert value == pytest.approx(1822, abs=1) and value > ev.score(disaggregated) * 1.1
+    assert {r for g in mixed for r in [g.role]} == {"prefill", "decode", "colocated"}
+
+
+def test_bound_start_gives_the_big_groups_devices_a_role():
+    """The bound's incumbent on het2 lists three prefill groups; the other 10 GPUs sit in a group
+    past K the programme prices per device. The start puts them in one decode group, so it serves
+    (it scored 0 with them left out, and the climb from the bound's plan never ran)."""
+    from hetserve.planner.hexgen2 import bound_start
+
+    ctx, ev, *_ = _het2_groups()
+    start = bound_start(ctx)
+    assert sorted(d for g in start for d in g.devices) == list(range(ctx.num_devices))
+    assert {g.role for g in start} == {"prefill", "decode"} and ev.score(start) > 0

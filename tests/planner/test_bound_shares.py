@@ -51,10 +51,7 @@ def test_every_spread_layout_sends_its_kv_as_the_lines_say(llama7b, azure):
     share h of the layers on machine m never beats C_m(h') for any threshold h' ≥ h, and the KV it
     takes (decode) / sends (prefill) there at any flow up to its capacity, h·f, is above every line
     the programme gets for its composition."""
-    ctx = PlanContext(_pool(), llama7b, azure)
-    mk = bound._kinds(ctx)
-    cb = ColumnBounds(ctx, [bound_groups._column_kind(ctx, [k]) for k in mk])
-    L = ctx.model.num_layers
+    ctx, mk, cb, L = _machine_columns(llama7b, azure)
     cache: dict = {}
     checked = binding = 0
     for used, lay in _layouts(ctx, random.Random(1), per_order=4):
@@ -80,14 +77,18 @@ def test_every_spread_layout_sends_its_kv_as_the_lines_say(llama7b, azure):
     assert checked > 300 and binding > 0  # and the lines are not all slack
 
 
+def _machine_columns(llama7b, azure):
+    """The 5-GPU pool's context, its machine kinds, their column bounds and the layer count."""
+    ctx = PlanContext(_pool(), llama7b, azure)
+    mk = bound._kinds(ctx)
+    return ctx, mk, ColumnBounds(ctx, [bound_groups._column_kind(ctx, [k]) for k in mk]), ctx.model.num_layers
+
+
 def test_every_spread_layout_lies_in_the_share_box_of_its_flow_level(llama7b, azure):
     """The same brute force for ``bound_sources``: a layout holding a share h on machine m never
     beats C^≥_m(h') for any h' ≤ h, and serving any flow f up to its capacity its share lies in
     the box [lo, up] of the level holding f (the rows that price KV per source)."""
-    ctx = PlanContext(_pool(), llama7b, azure)
-    mk = bound._kinds(ctx)
-    cb = ColumnBounds(ctx, [bound_groups._column_kind(ctx, [k]) for k in mk])
-    L = ctx.model.num_layers
+    ctx, mk, cb, L = _machine_columns(llama7b, azure)
     cache: dict = {}
     checked = narrow = 0
     for used, lay in _layouts(ctx, random.Random(2), per_order=4):

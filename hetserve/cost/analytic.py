@@ -111,10 +111,11 @@ class CostModel:
             return max(flops / (t * f) + attn_flops / (t * fa), nbytes / (t * m))
         return max((flops + attn_flops) / (t * f), nbytes / (t * m))
 
-    def _collectives_time(self, stage: StageLayout) -> float:
+    def collectives_time(self, stage: StageLayout) -> float:
         """The fixed cost of a TP group's collectives in one iteration: two all-reduces per layer plus
         the step's broadcasts, each paying ``collective_overhead_s`` beyond its α-β time (the
-        launch, and every member reaching it: on CPU worker slots sharing cores, a process switch)."""
+        launch, and every member reaching it: on CPU worker slots sharing cores, a process switch).
+        Waiting, not computing: the simulator's host contention does not stretch it (``sim.hosts``)."""
         if stage.tp <= 1:
             return 0.0
         return (2 * stage.num_layers + TP_STEP_COLLECTIVES) * self.eff.collective_overhead_s
@@ -137,7 +138,7 @@ class CostModel:
         per_layer = self._roofline(stage, flops, nbytes, 2.0 * m.q_dim * batch.sum_sq)
         comm = 2 * self.allreduce_time(stage.devices, batch.tokens * m.hidden * m.dtype_bytes)
         head = self._head_time(stage, batch.num_seqs) if is_last else 0.0
-        return stage.num_layers * (per_layer + comm) + self._collectives_time(stage) + head + self.eff.step_overhead_s
+        return stage.num_layers * (per_layer + comm) + self.collectives_time(stage) + head + self.eff.step_overhead_s
 
     def stage_decode_time(self, stage: StageLayout, batch: float, context_tokens: float,
                           is_last: bool = False) -> float:
@@ -148,7 +149,7 @@ class CostModel:
         per_layer = self._roofline(stage, flops, nbytes, 4.0 * m.q_dim * context_tokens)
         comm = 2 * self.allreduce_time(stage.devices, batch * m.hidden * m.dtype_bytes)
         head = self._head_time(stage, batch) if is_last else 0.0
-        return stage.num_layers * (per_layer + comm) + self._collectives_time(stage) + head + self.eff.step_overhead_s
+        return stage.num_layers * (per_layer + comm) + self.collectives_time(stage) + head + self.eff.step_overhead_s
 
     def stage_weight_bytes(self, stage: StageLayout, is_first: bool, is_last: bool) -> float:
         """Weight bytes on the stage's fullest device: its leader (see ``device_weight_bytes``)."""

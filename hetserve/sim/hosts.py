@@ -1,7 +1,9 @@
 """Host contention: CPU worker slots sharing a host's cores, and the serving front end beside them.
 
 A cluster file may say that a machine's worker slots share ``cpu_cores`` cores (the CPU demo: four
-"GPUs" on a 2-core box). Work a replica starts there runs ``slowdown`` times slower than alone:
+"GPUs" on a 2-core box). Work a replica starts there runs ``slowdown`` times slower than alone —
+its computing part: the TP collectives' fixed cost is members waiting for each other and is not
+stretched (``on_host``):
 
     k = the workers computing on the host now (this replica's, the other busy replicas', the front end's share)
     slowdown = max(k / c, 1 + (s − 1)(k − 1), 1)        (c cores, s the measured slow-down per extra worker)
@@ -60,6 +62,16 @@ class FrontEndCost:
     @property
     def zero(self) -> bool:
         return self.request_cpu_s == 0 and self.step_cpu_s == 0 and self.token_cpu_s == 0
+
+
+def on_host(seconds: float, waiting: float, slowdown: float) -> float:
+    """A cost-model time as a host sharing its cores runs it: the computing part stretched by the
+    slow-down, ``waiting`` (the TP collectives' fixed cost: members meeting, not computing) not.
+    On the CPU demo's asymmetric TP-2 plan the workers kept 1.0 of the 2 cores busy and the
+    front end 0.2 while the simulator counted three busy workers; stretching the collectives too
+    over-predicted its TPOT by 1.19-1.27 (docs/benchmarks.md)."""
+    waiting = min(waiting, seconds)
+    return (seconds - waiting) * slowdown + waiting
 
 
 def busy_workers(rep, micro_batches: int | None) -> float:

@@ -15,6 +15,7 @@ from hetserve.policies.base import ReplicaState
 from hetserve.policies.batching import StepBuilder, prompt_chunks
 from hetserve.policies.kv_admission import requeue
 from hetserve.sim.events import Priority
+from hetserve.sim.hosts import on_host
 from hetserve.sim.replicas.decoding import Decoding
 
 
@@ -169,4 +170,4 @@ class ColocatedReplica(Decoding):
     def _on_host(self, dur: float) -> float:
         """A step's cost-model time as this host runs it: slowed by the cores it shares, and
         started once the serving front end has sent it (one rule for both kinds of step)."""
-        return dur * self.env.slowdown(self) + self.env.dispatch_wait(self)
+        return on_host(dur, self._collectives, self.env.slowdown(self)) + self.env.dispatch_wait(self)

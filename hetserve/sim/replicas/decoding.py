@@ -12,6 +12,7 @@ from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import RunningRequest
 from hetserve.sim.batch import DecodeBatch
 from hetserve.sim.events import Priority
+from hetserve.sim.hosts import on_host
 from hetserve.sim.replicas.base import LazyRequests, Replica
 from hetserve.sim.replicas.kv import make_kv_admission
 
@@ -23,8 +24,10 @@ class Decoding(Replica):
         step = self.cost.decode_step_time
         self._slow = 1.0  # host contention on the running segment (env.slowdown at its start)
         self._wait = 0.0  # the front end's dispatch wait per iteration (env.dispatch_wait at its start)
-        # the wait is not computing, so host contention does not stretch it
-        self.batch = DecodeBatch(lambda b, c: step(layout, b, c, mb, self._wait / self._slow) * self._slow)
+        # the wait and the TP collectives' fixed cost are not computing: host contention does not stretch them
+        self._collectives = sum(self.cost.collectives_time(s) for s in layout.stages)
+        self.batch = DecodeBatch(lambda b, c: on_host(step(layout, b, c, mb, self._wait / self._slow),
+                                                      self._collectives, self._slow))
         self.max_batch = self.limits.max_batch
         self.admitted = 0  # holding a KV reservation and not finished
         self._version = 0

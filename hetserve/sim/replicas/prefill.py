@@ -14,6 +14,7 @@ from hetserve.policies.base import ReplicaState, RunningRequest
 from hetserve.policies.batching import StepBuilder, kv_reservation
 from hetserve.policies.kv_admission import requeue
 from hetserve.sim.events import Priority
+from hetserve.sim.hosts import on_host
 from hetserve.sim.replicas.base import LazyRequests, Replica
 
 
@@ -105,7 +106,7 @@ class PrefillReplica(Replica):
         stages = self.layout.stages
         for i, (stage, last) in enumerate(self._stages):
             start = t if t > self._free[i] else self._free[i]
-            end = start + self.cost.stage_prefill_time(stage, batch, last) * slow
+            end = start + on_host(self.cost.stage_prefill_time(stage, batch, last), self.cost.collectives_time(stage), slow)
             self._free[i] = end
             t = end if last else end + self.cost.pp_handoff_time(stage, stages[i + 1], tokens)
         self._busy(now, t)

@@ -176,9 +176,12 @@ def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | Non
 def print_cells(cells: list[dict], title: str, console) -> None:
     from rich.table import Table
 
-    t = Table("plan", "rate", "load", "metric", "served", "sim", "sim/served", "±15%", "baseline/served",
-              title=title)
+    from hetserve.compare import OTHERS_DISTURB
+
+    t = Table("plan", "rate", "load", "other cores", "metric", "served", "sim", "sim/served", "±15%",
+              "baseline/served", title=title)
     hits = total = base_hits = 0
+    disturbed = [c for c in cells if (c.get("other_cores_busy") or 0.0) > OTHERS_DISTURB]
     for cell in cells:
         for m in METRICS:
             row, brow = cell["table"][m], cell.get("baseline_table", {}).get(m)
@@ -187,12 +190,22 @@ def print_cells(cells: list[dict], title: str, console) -> None:
             hits, total = hits + ok, total + 1
             base_hits += brow is not None and abs(brow["ratio"] - 1) <= 0.15
             t.add_row(cell["plan"], f"{cell['rate']:.2f}", f"{cell['load_avg_1m'][0]:.1f}",
-                      m.replace("_s.", " ") + ("" if scale == 1 else " ms"), f"{row['served'] * scale:,.1f}",
+                      _fmt_others(cell.get("other_cores_busy")), m.replace("_s.", " ") + ("" if scale == 1 else " ms"), f"{row['served'] * scale:,.1f}",
                       f"{row['simulated'] * scale:,.1f}", f"{row['ratio']:.2f}", "yes" if ok else "NO",
                       f"{brow['ratio']:.2f}" if brow else "-")
     console.print(t)
     console.print(f"within ±15 %: {hits} of {total} (baseline simulator: {base_hits} of {total}); ratio "
                   f"{hits / max(base_hits, 1):.2f}x the baseline's hits")
+    if disturbed:
+        names = ", ".join(f"{c['plan']} {c['rate']:.2f}" for c in disturbed)
+        console.print(f"{len(disturbed)} of {len(cells)} cells were served while other processes kept more than "
+                      f"{OTHERS_DISTURB} cores busy ({names}):"
+                      " their served figures measure the neighbours too; run again on a quiet machine")
+
+
+def _fmt_others(cores) -> str:
+    """Cores other processes kept busy while a cell was served (``-``: not measured, an old file)."""
+    return "-" if cores is None else f"{cores:.2f}"
 
 
 def main() -> int:
@@ -275,7 +288,8 @@ def main() -> int:
                 from hetserve.step_compare import print_steps
 
                 print_steps(c.info["steps"]["served"], c.info["steps"]["simulated"], console)
-                console.print("cores busy (served): " + ", ".join(f"{k} {v:.2f}" for k, v in c.info["cores_busy"].items()))
+                console.print("cores busy (served): " + ", ".join(f"{k} {v:.2f}" for k, v in c.info["cores_busy"].items())
+                              + f"; other processes {_fmt_others(c.info.get('other_cores_busy'))}")
             plan_, cluster_, spec_, requests, cfg, pools, eff, ovh, served_summary, _ = c.context
             base = simulate_side(plan_, cluster_baseline, spec_, requests, opts, cfg, pools, eff, 0.0,
                                  prefill_mode="prefill_first", token_budget=4096)
@@ -293,7 +307,7 @@ def main() -> int:
                           "served": {"per_request": {k: [float(x) for x in v] for k, v in c.served.items()},
                                      "throughput_tokens_per_s": served_summary["throughput_tokens_per_s"]},
                           "table": c.table, "baseline_table": base_table, "steps": c.info.get("steps"),
-                          "cores_busy": c.info.get("cores_busy")})
+                          "cores_busy": c.info.get("cores_busy"), "other_cores_busy": c.info.get("other_cores_busy")})
     print_cells(cells, f"simulator vs served on this machine ({args.requests} requests per cell; calibrated "
                        f"{'once' if args.calibration or args.calibrate_once else 'before each plan'})", console)
     if args.json:

@@ -100,8 +100,8 @@ def compare(opts: CompareOptions) -> Comparison:
     from hetserve.specs.cluster import Cluster, load_cluster
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import load_workload
-    from hetserve.step_compare import (cpu_utilisation, process_cpu_s, served_rows, simulated_rows, step_model,
-                                       summarise)
+    from hetserve.step_compare import (cpu_utilisation, machine_busy_cpu_s, other_cores_busy, process_cpu_s,
+                                       served_rows, simulated_rows, step_model, summarise)
 
     plan = opts.plan if isinstance(opts.plan, Plan) else Plan.load(opts.plan)
     cluster = opts.cluster if isinstance(opts.cluster, Cluster) else load_cluster(str(opts.cluster or plan.cluster))
@@ -129,8 +129,11 @@ def compare(opts: CompareOptions) -> Comparison:
         engine.coordinator.step_times = []  # appended by the coordinator thread, read once it is done
         pids = {"front end": os.getpid(), **engine.workers.pids}
         cpu0, t0 = {k: process_cpu_s(p) for k, p in pids.items()}, time.monotonic()
+        machine0 = machine_busy_cpu_s()
         results = replay(server.url, server.deployment.coordinator.model_name, requests, ignore_eos=True)
-        cpu = cpu_utilisation(cpu0, {k: process_cpu_s(p) for k, p in pids.items()}, time.monotonic() - t0)
+        wall = time.monotonic() - t0
+        cpu = cpu_utilisation(cpu0, {k: process_cpu_s(p) for k, p in pids.items()}, wall)
+        others = other_cores_busy(cpu, machine0, machine_busy_cpu_s(), wall)
         served_steps = served_rows(engine.coordinator.step_times)
     load_after = os.getloadavg()[0]
     summary = summarize(results)
@@ -161,6 +164,7 @@ def compare(opts: CompareOptions) -> Comparison:
             "request_overhead_s": overhead, "kv_handoff_overhead_s": handoff, "contention_slowdown": contention,
             "frontend_cpu_s": {k: sim_kw.get(f"frontend_{k}_cpu_s", 0.0) for k in ("request", "step", "token")},
             "prompt_tokens": [len(r.prompt) for r in requests], "steps": steps_info, "cores_busy": cpu,
+            "other_cores_busy": None if others is None else round(others, 3),
             "kv_pools": pools, "token_budget": cfg.max_batched_tokens,
             "prefill_mode": cfg.prefill_mode, "chunk_tokens": cfg.chunk_tokens,
             "kv_admission": {"served": cfg.kv_admission, "simulated": res.info["kv_admission"]},
@@ -224,6 +228,11 @@ def plot_cdfs(c: Comparison, path: str | Path) -> Path:
     return Path(path)
 
 
+# Cores other processes may keep busy before a served figure is called disturbed: a quiet machine's
+# daemons and the shell stay well under it, one CPU-bound neighbour (a test run, a build) is far over.
+OTHERS_DISTURB = 0.15
+
+
 def print_table(c: Comparison, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -244,3 +253,7 @@ def print_table(c: Comparison, console=None) -> None:
         from hetserve.step_compare import print_steps
 
         print_steps(c.info["steps"]["served"], c.info["steps"]["simulated"], console)
+    others = c.info.get("other_cores_busy")
+    if others is not None:
+        console.print(f"other processes on this machine kept {others:.2f} cores busy during the replay"
+                      + (" — the served figures carry their load" if others > OTHERS_DISTURB else ""))

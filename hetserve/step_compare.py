@@ -119,10 +119,35 @@ def process_cpu_s(pid: int) -> float | None:
         return None
 
 
+def machine_busy_cpu_s() -> float | None:
+    """CPU seconds all of this machine's cores have spent busy since boot (/proc/stat: everything but
+    idle and I/O wait), or None off Linux. Less the served processes' own CPU over the same window, it
+    is what *other* processes took from the cores during a replay: a served figure measured beside a
+    busy neighbour describes the neighbour as much as the plan, and the bench must be able to say so."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+        if fields[0] != "cpu":
+            return None
+        ticks = [int(x) for x in fields[1:]]
+        busy = sum(ticks[:8]) - ticks[3] - ticks[4]  # user nice system idle iowait irq softirq steal
+        return busy / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def cpu_utilisation(before: dict[str, float | None], after: dict[str, float | None], wall_s: float) -> dict:
     """Per process, the cores it kept busy on average between two ``process_cpu_s`` readings."""
     return {k: (after[k] - v) / wall_s for k, v in before.items()
             if v is not None and after.get(k) is not None and wall_s > 0}
+
+
+def other_cores_busy(own: dict[str, float], machine_before: float | None, machine_after: float | None,
+                     wall_s: float) -> float | None:
+    """Cores kept busy by processes other than the served ones (``own``: ``cpu_utilisation``'s
+    result) between two ``machine_busy_cpu_s`` readings; None where either reading is missing."""
+    if machine_before is None or machine_after is None or wall_s <= 0:
+        return None
+    return max(0.0, (machine_after - machine_before) / wall_s - sum(own.values()))
 
 
 def print_steps(served: dict, simulated: dict, console=None) -> None:

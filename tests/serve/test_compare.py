@@ -37,6 +37,8 @@ def test_compare_serves_simulates_and_writes_table_and_cdfs(tmp_path, capsys):
     assert set(data["info"]["kv_pools"]) == {"p0", "d0"} and data["info"]["token_budget"] == 2048
     assert data["info"]["kv_admission"] == {"served": "paged", "simulated": "paged"}  # both sides (an ample pool: nothing is pre-empted)
     assert data["info"]["load_avg_1m"] and "uncalibrated" in data["info"]["simulated_source"]
+    assert data["info"]["other_cores_busy"] >= 0.0  # what the neighbours took from the served side
+    assert "other processes on this machine kept" in printed
     assert (out / "compare_cdf.png").stat().st_size > 10_000
     assert "TTFT p99" in printed and "output tokens/s" in printed
     # the engine steps of both sides: the same prompt tokens through p0, and 5 decode tokens per

@@ -30,3 +30,34 @@ def test_every_token_of_a_burst_is_in_one_traced_step(cluster, model, replicas):
     assert pre["steps"] < 12 and dec["decodes"] > 1  # batched: the trace is not one request per step
     assert decode_slots == (np.asarray(wl.output_tokens) - 1).sum()
     assert all(r.finished > r.started for r in rows) and dec["token_ms"] > 0
+
+
+@pytest.mark.skipif(not __import__("pathlib").Path("/proc/stat").exists(), reason="reads /proc (Linux)")
+def test_other_cores_busy_sees_a_busy_neighbour_and_not_the_served_processes():
+    """``hetserve compare`` and bench_predict flag served figures measured beside a busy neighbour:
+    a process that is not among the served ones and spins for the window shows up as about one
+    core; the same spinning counted as served shows up as nothing."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from hetserve.step_compare import cpu_utilisation, machine_busy_cpu_s, other_cores_busy, process_cpu_s
+
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
+    try:
+        time.sleep(0.2)  # the interpreter is up and spinning
+        procs = {"me": os.getpid(), "spinner": spin.pid}
+        cpu0, m0, t0 = {k: process_cpu_s(p) for k, p in procs.items()}, machine_busy_cpu_s(), time.monotonic()
+        time.sleep(1.0)
+        wall = time.monotonic() - t0
+        cpu1, m1 = {k: process_cpu_s(p) for k, p in procs.items()}, machine_busy_cpu_s()
+    finally:
+        spin.wait(timeout=10)
+    me = cpu_utilisation({"me": cpu0["me"]}, cpu1, wall)
+    both = cpu_utilisation(cpu0, cpu1, wall)
+    beside = other_cores_busy(me, m0, m1, wall)  # the spinner is a neighbour
+    assert beside is not None and beside > 0.6  # about one core, less the scheduler's slack
+    served = other_cores_busy(both, m0, m1, wall)  # the spinner is one of the served processes
+    assert served == pytest.approx(max(0.0, beside - both["spinner"]))
+    assert other_cores_busy({}, None, 1.0, 1.0) is None

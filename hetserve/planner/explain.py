@@ -106,14 +106,20 @@ def _variants(data: dict, plan) -> list[tuple[str, dict]]:
     return out
 
 
-def what_ifs(plan, cluster_arg: str, model, workload, options, fn) -> list[tuple[str, float | None, float]]:
-    """(change, tokens/s of a quick re-plan or None if it failed, upper bound) per variant."""
+def what_ifs(plan, cluster_arg: str, model, workload, options, fn,
+             on_variant=None) -> list[tuple[str, float | None, float]]:
+    """(change, tokens/s of a quick re-plan or None if it failed, upper bound) per variant.
+    ``on_variant(i, n, label)`` is called before each of the ``n`` re-plans: on a big pool each takes
+    tens of seconds, so the CLI shows how far it is."""
     data = _cluster_data(cluster_arg)
     if data is None:
         return []
     quick = dataclasses.replace(options, restarts=WHAT_IF_RESTARTS, progress=None)
     rows = []
-    for label, d in _variants(data, plan):
+    variants = _variants(data, plan)
+    for i, (label, d) in enumerate(variants):
+        if on_variant is not None:
+            on_variant(i, len(variants), label)
         try:
             c = cluster_from_dict(d, f"{cluster_arg} ({label})")
             ub = upper_bound(PlanContext(c, model, workload, quick)).tokens_per_s

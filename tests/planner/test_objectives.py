@@ -123,3 +123,23 @@ def test_explain_names_the_cut_and_builds_what_ifs(case_study, llama70b, azure):
     assert rows["+1 H100-SXM-80G (on h0)"]["machines"][0]["count"] == 5
     link = rows["2× pipe:a>b (3 → 6 Gbit/s)"]["network"]["links"][-1]
     assert link["between"] == ["a", "b"] and link["bandwidth_gbps"] == 6.0
+
+
+def test_what_ifs_report_each_re_plan_before_it_runs(azure):
+    """`plan --explain` re-plans once per variant (tens of seconds each on a big pool); the CLI's
+    progress bar hangs on ``on_variant``, called once per variant, in order, before its re-plan."""
+    from hetserve.planner.explain import what_ifs
+
+    model = load_model("llama-2-7b")
+    p = plan(load_cluster("molink-3x4090"), model, azure, "uniform", PlanOptions(seed=0))
+    seen, planned = [], []
+
+    def fn(c, m, w, o):
+        planned.append(len(seen))  # the callback has already announced this variant
+        return ALGORITHMS["uniform"](c, m, w, o)
+
+    rows = what_ifs(p, "molink-3x4090", model, azure, PlanOptions(seed=0), fn,
+                    on_variant=lambda i, n, label: seen.append((i, n, label)))
+    assert rows and [s[2] for s in seen] == [r[0] for r in rows]
+    assert [s[0] for s in seen] == list(range(len(rows))) and {s[1] for s in seen} == {len(rows)}
+    assert planned == list(range(1, len(rows) + 1))

@@ -238,7 +238,16 @@ def print_explanation(console, plan, args, cluster, model, workload, options, fn
     base = plan.estimate.get("throughput_tokens_per_s", 0.0)
     plain = dataclasses.replace(options, budget_usd_per_hour=None, objective="throughput"
                                 if options.objective == "cost" else options.objective)
-    rows = what_ifs(plan, args.cluster, model, workload, plain, fn)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("[bold]what-ifs[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True, disable=args.quiet) as bar:
+        task = bar.add_task("", total=None)
+
+        def on_variant(i, n, label):
+            bar.update(task, total=n, completed=i, description=label)
+
+        rows = what_ifs(plan, args.cluster, model, workload, plain, fn, on_variant=on_variant)
     if not rows:
         console.print("  (what-ifs need a cluster file with machines, not a device matrix)")
         return

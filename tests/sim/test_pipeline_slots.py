@@ -43,6 +43,22 @@ def test_a_prompt_on_a_pipeline_with_a_free_slot_starts_at_once(model):
     assert res.t_finish[1] < res.t_finish[0]
 
 
+def test_the_decoding_micro_batch_waits_behind_the_prompt(model):
+    """The prompt's step goes first through every stage (each stage's worker runs steps first come,
+    first served): request 0 gains no token from its next iteration boundary until the prompt is
+    through, so it finishes a prefill later, less at most one iteration. Request 1 only prefills."""
+    plan = _plan(2)
+    layout = plan.replicas[0].layout(CLUSTER)
+    cm = CostModel(CLUSTER, model)
+    alone = simulate(plan, CLUSTER, model, Workload.from_lists("one", [0.0], [PROMPT], [400]), SimOptions())
+    both = simulate(plan, CLUSTER, model, Workload.from_lists("two", [0.0, ARRIVAL], [PROMPT, PROMPT], [400, 1]),
+                    SimOptions())
+    prefill = cm.prefill_time(layout, PrefillBatch.single(PROMPT))
+    step = cm.decode_step_time(layout, 1, PROMPT + 200)
+    assert both.t_first[1] - ARRIVAL == pytest.approx(prefill, rel=1e-9)
+    assert prefill - step <= both.t_finish[0] - alone.t_finish[0] <= prefill + 1e-9
+
+
 def test_one_stage_still_mixes_the_prompt_into_the_next_iteration(model):
     """One stage runs one step at a time (the runtime too): the prompt waits for the boundary and
     rides in a mixed iteration with the decode, which costs more than the prompt alone."""

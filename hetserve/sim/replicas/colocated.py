@@ -34,6 +34,8 @@ class ColocatedReplica(Decoding):
         self._slots = min(S, self.limits.micro_batches or S) if S > 1 and self.mode == "mixed" else 0
         self._beside: list[list[int]] = []  # prompts of the steps now running beside the decodes
         self._beside_ready: list[int] = []  # their first tokens are out: they join at the next boundary
+        self._beside_end = 0.0  # when the last of them ends
+        self._held = False  # the decodes wait behind them (paused from their boundary until they end)
 
     def place(self, rid: int) -> None:
         self.waiting.append(rid)
@@ -62,6 +64,7 @@ class ColocatedReplica(Decoding):
         self._beside.append(rids)
         now = self.loop.now
         dur = self._on_host(self.cost.prefill_time(self.layout, PrefillBatch.of([self.kv.prefill_tokens(i) for i in rids])))
+        self._beside_end = max(self._beside_end, now + dur)
         if self.trace is not None:
             self.trace.append((now, now + dur, (), tuple(rids)))
         self._busy(now, now + dur)
@@ -71,6 +74,9 @@ class ColocatedReplica(Decoding):
 
     def _on_beside_done(self, rids: list[int]) -> None:
         self._beside.remove(rids)
+        held = self._held and not self._beside
+        if held:
+            self._held = self._paused = False
         done = []
         for rid in rids:
             if not self.kv.made(rid):
@@ -81,7 +87,9 @@ class ColocatedReplica(Decoding):
             else:
                 self._beside_ready.append(rid)
         self._finish_all(done)
-        if self._beside_ready:
+        if held:
+            self._after_boundary()
+        elif self._beside_ready:
             self._request_boundary()
 
     def inflight(self) -> int:
@@ -138,6 +146,12 @@ class ColocatedReplica(Decoding):
         for rid in self._beside_ready:
             self._join(rid)
         self._beside_ready.clear()
+        if self._beside and self.batch.size:
+            # The decoding micro-batch queues behind the prompt at every stage (each stage's worker
+            # runs its steps first come, first served): it gains no token until the prompt is through.
+            self._pause(self._beside_end)
+            self._held = True
+            return
         self._preempt()
         if self.mode != "prefill_first":
             if self._mixed_iteration():

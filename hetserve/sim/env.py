@@ -62,6 +62,10 @@ class ReplicaEnv(Protocol):
     def slowdown(self, replica) -> float:
         """Factor on the work ``replica`` starts now (CPU worker slots sharing a host's cores)."""
 
+    def host_changed(self, replica) -> None:
+        """``replica`` started or ended a piece of work on a host whose cores it shares: the work
+        running beside it there is re-priced (``sim.hosts``)."""
+
     def dispatch_wait(self, replica) -> float:
         """Seconds ``replica``'s next step waits for the serving front end (its GIL) beyond what
         the cost model prices (``sim.hosts``)."""

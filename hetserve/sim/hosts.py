@@ -124,6 +124,19 @@ class HostContention:
         self._req_work = self._req_work * math.exp((self._req_t - now) / REQUEST_WINDOW_S) + self.frontend.request_cpu_s
         self._req_t = now
 
+    def changed(self, rep) -> None:
+        """``rep`` started or ended a piece of work on its host: every other replica there re-prices
+        what it is running (a decode segment, from its next iteration boundary), so the slow-down
+        follows who computes beside it instead of staying what it was when the segment started. A
+        decode segment runs until its next finish or join, hundreds of ms: on the prefill-decode plan
+        a prefill starting beside a running segment (30 ms) was never felt by it, nor its end."""
+        host = getattr(rep, "host", None)
+        if host is None:
+            return
+        for other in self.on_host[host]:
+            if other is not rep:
+                other.reprice()
+
     def dispatch_wait(self, rep) -> float:
         """Seconds ``rep``'s next step waits for the front end: ``dispatch_s`` times the front end's
         utilisation by work that is not ``rep``'s own (the requests' recent rate, the other

@@ -206,6 +206,10 @@ class Simulator:
         the other busy replicas and the serving front end there (``sim.hosts``); 1 off CPU slots."""
         return self.hosts.slowdown(rep)
 
+    def host_changed(self, rep: Replica) -> None:
+        """``rep`` started or ended work on a host with shared cores: its neighbours re-price (``sim.hosts``)."""
+        self.hosts.changed(rep)
+
     def dispatch_wait(self, rep: Replica) -> float:
         """Seconds ``rep``'s next step waits for the serving front end (``sim.hosts``)."""
         return self.hosts.dispatch_wait(rep)

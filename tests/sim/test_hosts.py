@@ -136,3 +136,26 @@ def test_host_contention_stretches_computing_not_the_tp_collectives(model, role)
     tpot_shared = (shared.t_finish[0] - shared.t_first[0]) / 39
     # (disaggregated: t_first -> t_finish also holds the KV hand-off, the same on both; 1e-3 of it)
     assert tpot_shared == pytest.approx(2 * (tpot_alone - fixed) + fixed, rel=1e-3)
+
+
+def test_a_decode_segment_feels_a_prefill_that_starts_beside_it(model):
+    """Prefill and decode replicas on one shared core: request 0 decodes on d0 when request 1's long
+    prompt (one output token: it never joins d0) starts prefilling on p0. d0's running segment is
+    re-priced at that prefill's start and again at its end, so request 0 finishes later by about the
+    prefill's length (both share the core: d0 computes at half speed meanwhile). The segment used to
+    keep the factor it started with, so the prefill was never felt. On GPUs nothing changes."""
+    plan = Plan.from_dict({"model": "llama-2-7b", "cluster": "test", "replicas": [
+        {"id": "p0", "role": "prefill", "stages": [{"devices": ["m0:0"], "layers": [0, 32]}]},
+        {"id": "d0", "role": "decode", "stages": [{"devices": ["m0:1"], "layers": [0, 32]}]}],
+        "kv_routes": [{"from": "p0", "to": "d0", "weight": 1.0}]})
+    alone = Workload.from_lists("one", [0.0], [100], [2000])
+    beside = Workload.from_lists("two", [0.0, 1.0], [100, 4000], [2000, 1])
+    for cores in (1, None):
+        a = simulate(plan, _cluster(cores), model, alone, SimOptions())
+        b = simulate(plan, _cluster(cores), model, beside, SimOptions())
+        prefill = b.t_first[1] - b.t_start[1]
+        assert a.t_first[0] < 1.0 < b.t_first[1] < a.t_finish[0]  # the prefill runs inside request 0's decode
+        if cores is None:
+            assert b.t_finish[0] == pytest.approx(a.t_finish[0], rel=1e-9)
+        else:
+            assert b.t_finish[0] - a.t_finish[0] == pytest.approx(prefill / 2, rel=0.1)

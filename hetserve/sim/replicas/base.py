@@ -89,6 +89,10 @@ class Replica:
         """Whether the replica is computing now (for host contention)."""
         return self._busy_until > self.loop.now
 
+    def reprice(self) -> None:
+        """A neighbour on this host started or ended work (``sim.hosts``): re-price what runs here
+        from its next step, where that can change. Default: nothing (a step is priced when it starts)."""
+
     def inflight(self) -> int:
         """Sequences (micro-batches) it has in flight now: how many of its stages can be busy at
         once (``sim.hosts.busy_workers``)."""

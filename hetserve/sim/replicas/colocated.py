@@ -27,13 +27,76 @@ class ColocatedReplica(Decoding):
         self.mode = self.limits.prefill_mode
         self._chunking: list[list[int]] = []  # [rid, prompt tokens already prefilled]
         self._prefilling: list[int] = []  # the prompts of the prefill now running (unchunked)
+        # A pipeline runs up to ``m`` steps at once (the runtime's ``ReplicaScheduler``: one per
+        # micro-batch), so a prompt that finds a slot free starts at once in a step of its own,
+        # beside the decoding micro-batches, instead of waiting for their iteration boundary.
+        S = len(layout.stages)
+        self._slots = min(S, self.limits.micro_batches or S) if S > 1 and self.mode == "mixed" else 0
+        self._beside: list[list[int]] = []  # prompts of the steps now running beside the decodes
+        self._beside_ready: list[int] = []  # their first tokens are out: they join at the next boundary
+        self._beside_end = 0.0  # when the last of them ends
+        self._held = False  # the decodes wait behind them (paused from their boundary until they end)
 
     def place(self, rid: int) -> None:
         self.waiting.append(rid)
         self.queued_tokens += self.req.inp[rid]
         self.pred_sum += self.req.pred[rid]
         if self._admissible():
+            if not self._start_beside():
+                self._request_boundary()
+
+    def _steps_in_flight(self) -> int:
+        """Steps the runtime would have in flight now: the decoding micro-batches (the running
+        sequences spread over at most ``m``), a prompts-only or mixed step, the steps beside."""
+        b = self.batch
+        return min(self._slots, b.size) + (1 if self._paused else 0) + len(self._beside)
+
+    def _start_beside(self) -> bool:
+        """A pipeline with a step slot free: the waiting prompts run now in a step of their own
+        (the decoding micro-batches go on), as the runtime's scheduler starts one whenever fewer than
+        ``m`` are in flight. Returns whether one started."""
+        busy = self.batch.size or self._paused  # idle: the prompt starts at once the usual way
+        if not self._slots or not busy or self._steps_in_flight() >= self._slots:
+            return False
+        rids = self._take(self.limits.token_budget)
+        if not rids:
+            return False
+        self._beside.append(rids)
+        now = self.loop.now
+        dur = self._on_host(self.cost.prefill_time(self.layout, PrefillBatch.of([self.kv.prefill_tokens(i) for i in rids])))
+        self._beside_end = max(self._beside_end, now + dur)
+        if self.trace is not None:
+            self.trace.append((now, now + dur, (), tuple(rids)))
+        self._busy(now, now + dur)
+        self.loop.schedule(now + dur, Priority.WORK, self._on_beside_done, rids)
+        self._request_boundary()  # the decoding micro-batches share the host with it from their next iteration
+        return True
+
+    def _on_beside_done(self, rids: list[int]) -> None:
+        self._beside.remove(rids)
+        held = self._held and not self._beside
+        if held:
+            self._held = self._paused = False
+        done = []
+        for rid in rids:
+            if not self.kv.made(rid):
+                self.env.first_token(rid)
+            if self.kv.made(rid) + 1 >= self.req.out[rid]:
+                done.append(rid)
+                self.kv.never_joins(rid)
+            else:
+                self._beside_ready.append(rid)
+        self._finish_all(done)
+        if held:
+            self._after_boundary()
+        elif self._beside_ready:
             self._request_boundary()
+
+    def inflight(self) -> int:
+        return super().inflight() + sum(map(len, self._beside)) + len(self._beside_ready)
+
+    def busy_now(self) -> bool:
+        return super().busy_now() or bool(self._beside)
 
     def _admissible(self) -> bool:
         if not self.waiting or self.admitted >= self.max_batch:
@@ -80,6 +143,15 @@ class ColocatedReplica(Decoding):
             self._request_boundary()
 
     def _after_boundary(self) -> None:
+        for rid in self._beside_ready:
+            self._join(rid)
+        self._beside_ready.clear()
+        if self._beside and self.batch.size:
+            # The decoding micro-batch queues behind the prompt at every stage (each stage's worker
+            # runs its steps first come, first served): it gains no token until the prompt is through.
+            self._pause(self._beside_end)
+            self._held = True
+            return
         self._preempt()
         if self.mode != "prefill_first":
             if self._mixed_iteration():
@@ -152,6 +224,11 @@ class ColocatedReplica(Decoding):
     def _not_started(self):
         for rid in self._prefilling:
             yield rid, 0
+        for rids in self._beside:
+            for rid in rids:
+                yield rid, 0
+        for rid in self._beside_ready:
+            yield rid, 1
         for rid, _ in self._chunking:
             yield rid, 0
         for rid in self.waiting:

@@ -154,6 +154,12 @@ class Decoding(Replica):
     def _after_boundary(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
+    def reprice(self) -> None:
+        """Cut the running segment at its next iteration boundary; the next segment is priced with
+        the host as it is then (``sim.hosts.HostContention.changed``)."""
+        if self.batch.active:
+            self._request_boundary()
+
     def busy_now(self) -> bool:
         return self.batch.active or self._paused
 

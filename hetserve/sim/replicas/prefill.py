@@ -118,6 +118,7 @@ class PrefillReplica(Replica):
                 self.req.t_start[rid] = now
             self._in_prefill[rid] = None
         self.loop.schedule(t, Priority.WORK, self._on_done, (rids, tokens))
+        self.env.host_changed(self)  # the decoding beside it on a shared host slows from now
         if self.queue:
             self._kick()
 
@@ -129,6 +130,7 @@ class PrefillReplica(Replica):
         for rid in rids:
             del self._in_prefill[rid]
             self.env.prefill_done(rid, self)
+        self.env.host_changed(self)
 
     def busy_now(self) -> bool:
         now = self.loop.now

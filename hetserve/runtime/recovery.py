@@ -9,7 +9,8 @@ there, or placed there and waiting) goes back to the head of the waiting queue a
 live replica — it re-prefills its prompt plus the tokens it already streamed and continues the
 same stream, so its client sees only a pause. Sampling is keyed by (seed, position), so a seeded
 request continues exactly as it would have. When the last decode replica of a disaggregated plan
-dies, the prefill replicas become colocated ones (prefill and decode in place). A request fails with
+dies, the prefill replicas become colocated ones (prefill and decode in place); when its last prefill
+replica dies, the decode replicas do. A request fails with
 one ``RuntimeFailure`` only when no live replica can ever hold it, or after ``max_reruns`` re-runs.
 
 Elastic re-plans (``Engine.reconfigure``) use the same path: retired replicas' requests re-run on
@@ -81,6 +82,12 @@ class Recovery:
                 s.clear(steps_only=True)
             ids = {s.id for s in converted}
             rerun += [seq for seq in self.seqs.values() if seq.replica in ids and seq not in rerun]
+        if not any(s.alive and s.serves_prefill for s in self.schedulers.values()):
+            # ... and one that lost its last prefill replica: its decode replicas prefill in place.
+            # Their running requests keep their KV and go on decoding; the re-runs prefill there.
+            for s in self.schedulers.values():
+                if s.alive and s.role == "decode":
+                    s.role = "colocated"
         self.deaths.append({"worker": name, "replica": rid, "why": why, "at": time.monotonic(),
                             "requests": len(rerun)})
         self._rerun(sorted(rerun, key=lambda q: q.id), why)

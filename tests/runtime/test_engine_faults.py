@@ -53,6 +53,32 @@ def test_decode_death_in_pd_plan_reruns_on_the_prefill_replica(model_dirs, clust
 
 
 @pytest.mark.timeout(180)
+def test_prefill_death_in_pd_plan_reruns_on_the_decode_replica(model_dirs, cluster_file, plans):
+    """Kill -9 the (only) prefill replica mid-stream: the decode replica prefills in place
+    (colocated), every stream still ends with the undisturbed greedy output, later requests
+    succeed; the deployment is not declared broken while a live replica can hold the requests."""
+    from hetserve.runtime.engine import Engine, EngineConfig
+
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    eng = Engine.from_plan(plans.disaggregated(), cluster_file, model_dirs["opt"], EngineConfig(kv_capacity_tokens=4096))
+    try:
+        want = eng.generate(PROMPTS, params, timeout=60)
+        handles = [eng.submit(p, params) for p in PROMPTS]
+        _wait_first_tokens(handles)
+        os.kill(eng.worker_pids()["m0:0"], signal.SIGKILL)  # prefill replica, TP rank 0
+        assert [h.result(timeout=60) for h in handles] == want
+        assert all(h.finish_reason == "length" for h in handles)
+        assert eng.submit(PROMPTS[0], params).result(timeout=60) == want[0]
+        stats = eng.stats()
+        assert stats["failed"] == 0 and stats["broken"] is None
+        assert [d["replica"] for d in stats["deaths"]] == ["p0"]
+        assert stats["replicas"]["p0"]["alive"] is False and stats["replicas"]["d0"]["role"] == "colocated"
+    finally:
+        eng.shutdown()
+    assert all(p.exitcode is not None for p in eng.procs.values())
+
+
+@pytest.mark.timeout(180)
 def test_frozen_worker_is_declared_dead_and_the_last_death_fails_cleanly(model_dirs, cluster_file):
     """SIGSTOP one of two replicas: no heartbeat, declared dead, its requests finish on the other
     with the same tokens. Then kill the last one: what is left fails with one error, submit refuses."""

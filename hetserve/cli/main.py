@@ -4,8 +4,8 @@ Each subcommand lives in its own module under ``hetserve.cli.commands`` and expo
 ``register(subparsers)``, which adds its parser and sets ``func`` to a callable taking the parsed
 args and returning an exit code. Modules are discovered, so a new command is a new file.
 
-Every ``HetserveError`` becomes one line on stderr and exit code 2; no traceback unless
-``HETSERVE_DEBUG=1``.
+Every ``HetserveError`` (and an ``OSError`` naming a file) becomes one line on stderr and exit code 2;
+no traceback unless ``HETSERVE_DEBUG=1``.
 """
 
 from __future__ import annotations
@@ -51,6 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("HETSERVE_DEBUG"):
             raise
         print(f"hetserve: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        # a path the user named that cannot be read or written (-o onto an existing file, a folder
+        # that cannot be made): one line naming it, as for any other bad input
+        if exc.filename is None or os.environ.get("HETSERVE_DEBUG"):
+            raise
+        print(f"hetserve: error: {exc.filename}: expected a path that can be written or read, "
+              f"got '{exc.strerror}'", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("hetserve: interrupted", file=sys.stderr)

@@ -133,3 +133,16 @@ def test_capacity_refuses_a_rate_its_simulation_cannot_resolve(capsys):
                      "--slo-tpot", "0.1"], capsys)
     assert code == 2 and len(err) == 1, err
     assert "--rate" in err[0] and "1e+12" in err[0] and "--method fluid" in err[0], err[0]
+
+
+@pytest.mark.parametrize("where", ["a-file", "no-such-dir/sub/out"])
+def test_an_output_path_that_cannot_be_written_is_one_line(where, tmp_path, capsys):
+    """-o naming an existing file (a folder was wanted) or a place that cannot be created: one line
+    naming the path, exit code 2, no traceback."""
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "no-such-dir").write_text("a file, so no folder can be made under it")
+    out = str(tmp_path / where)
+    code, err = run(["make-model", "--arch", "llama", "--layers", "1", "--hidden", "32", "--heads", "2",
+                     "--kv-heads", "1", "--ffn", "64", "-o", out], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("hetserve: error: ") and str(tmp_path) in err[0] and "Traceback" not in err[0]

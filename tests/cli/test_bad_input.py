@@ -146,3 +146,20 @@ def test_an_output_path_that_cannot_be_written_is_one_line(where, tmp_path, caps
                      "--kv-heads", "1", "--ffn", "64", "-o", out], capsys)
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("hetserve: error: ") and str(tmp_path) in err[0] and "Traceback" not in err[0]
+
+
+@pytest.mark.parametrize("argv", [
+    ["calibrate", "--model", "llama-2-7b"],
+    ["compare", "--plan", "PLAN", "--cluster", "demo-tiny", "--model", "llama-2-7b", "--workload-class", "LPLD"],
+], ids=["calibrate", "compare"])
+def test_a_model_that_is_no_checkpoint_folder_is_refused_at_once(argv, tmp_path, capsys, monkeypatch):
+    """A preset name (or any path without config.json) where a checkpoint folder is needed: one line
+    naming --model, exit code 2, before any worker starts or the Hugging Face hub is asked."""
+    plan = {"model": "tiny", "cluster": "demo-tiny", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 2]}]}]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    argv = [str(tmp_path / "plan.json") if a == "PLAN" else a for a in argv]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # were the hub asked, this would hang, then trace back
+    code, err = run(argv, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "--model" in err[0] and "checkpoint folder" in err[0] and "Traceback" not in err[0]

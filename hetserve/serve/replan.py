@@ -52,17 +52,19 @@ class Replanner:
             self._note_deaths()
             eng = self.engine
             new_cluster = load_cluster(cluster) if cluster else eng.cluster
-            if lost is not None:
-                self.lost = set(lost)
-            self.lost -= set(returned or ())
-            unknown = sorted(d for d in self.lost | set(returned or ()) if not new_cluster.has_device(d))
+            # the request's view of the lost devices; kept only once a plan is made (a refused
+            # re-plan must not leave its devices behind for the next one)
+            new_lost = set(lost) if lost is not None else set(self.lost)
+            new_lost -= set(returned or ())
+            unknown = sorted(d for d in new_lost | set(returned or ()) if not new_cluster.has_device(d))
             if unknown and (lost is not None or returned):
                 raise PlanError(f"re-plan: devices {unknown} are not in cluster {new_cluster.name!r}")
             dead = {rid for rid, s in eng.stats().get("replicas", {}).items() if not s.get("alive", True)}
             spec = model_spec(eng.arch, DTYPE_BYTES[eng.dtype])
-            plan = replan(new_cluster, spec, load_workload(self.workload), eng.plan, self.lost,
+            plan = replan(new_cluster, spec, load_workload(self.workload), eng.plan, new_lost,
                           algorithm=self.algorithm, dead_replicas=dead,
                           options=PlanOptions(seed=self.seed, time_limit_s=self.time_limit_s))
+            self.lost = new_lost
             t_planned = time.monotonic()
             record = eng.reconfigure(plan, new_cluster)
             record = {"trigger": trigger, "lost": sorted(self.lost), "plan_s": t_planned - t0, **record,

@@ -1,0 +1,27 @@
+"""A re-plan refused for bad input changes nothing: the next re-plan does not inherit its devices."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetserve.errors import HetserveError
+from hetserve.serve.replan import Replanner
+from hetserve.specs.cluster import load_cluster
+
+
+class _Engine:
+    cluster = load_cluster("demo-tiny")
+
+    def stats(self):
+        return {"deaths": [], "replicas": {}}
+
+
+def test_a_refused_replan_leaves_the_lost_devices_as_they_were():
+    r = Replanner(_Engine())
+    r.lost = {"m0:1"}
+    with pytest.raises(HetserveError, match="zz:9"):
+        r.replan(lost=["zz:9"])
+    assert r.lost == {"m0:1"}
+    with pytest.raises(HetserveError, match="zz:9"):
+        r.replan(returned=["m0:1", "zz:9"])
+    assert r.lost == {"m0:1"}

@@ -65,3 +65,15 @@ def test_simulate_rejects_bad_sweep_rates(tmp_path, capsys):
                "--no-progress", "--sweep-rates", "1,-2"])
     assert rc == 2
     assert "sweep_rates" in capsys.readouterr().err
+
+
+def test_without_an_slo_attainment_and_goodput_are_not_printed_as_figures(tmp_path, capsys):
+    """No --slo-*: every request trivially meets "the SLO"; printing attainment 1.000 beside a TTFT
+    p90 of minutes misleads. The table says n/a instead (summary and sweep)."""
+    plan, cluster = files(tmp_path)
+    rc = main(["simulate", "--plan", plan, "--cluster", cluster, "--workload", "azure-conv", "--limit", "40",
+               "--no-progress", "--sweep-rates", "1,8"])
+    assert rc == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "SLO attainment" in ln or ln.strip().startswith("│ 8")]
+    assert lines and all("1.000" not in ln for ln in lines), lines
+    assert any("n/a" in ln for ln in lines)

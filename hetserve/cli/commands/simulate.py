@@ -178,11 +178,22 @@ def _sweep(args, rates, plan, cluster, model, wl, opts, cost) -> None:
               title="rate sweep")
     for r in rows:
         s = r["summary"]
-        t.add_row(f"{r['rate']:g}", f"{s['throughput_tokens_per_s']:.1f}", f"{s['slo_attainment']:.3f}",
-                  f"{s['goodput_requests_per_s']:.3f}", f"{s['ttft_s']['p90']:.3g}", f"{s['tpot_s']['p90']:.3g}")
+        slo = _has_slo(s)
+        t.add_row(f"{r['rate']:g}", f"{s['throughput_tokens_per_s']:.1f}",
+                  f"{s['slo_attainment']:.3f}" if slo else NO_SLO,
+                  f"{s['goodput_requests_per_s']:.3f}" if slo else NO_SLO,
+                  f"{s['ttft_s']['p90']:.3g}", f"{s['tpot_s']['p90']:.3g}")
     Console().print(t)
     if plot is not None:
         Console().print(f"wrote {plot}")
+
+
+NO_SLO = "n/a (no --slo-*)"
+
+
+def _has_slo(s: dict) -> bool:
+    """Was any SLO given? Without one every request "meets" it: attainment 1 and goodput = rate say nothing."""
+    return any(v is not None for v in (s.get("slo") or {}).values())
 
 
 def print_summary(console, s: dict, title: str) -> None:
@@ -204,8 +215,8 @@ def print_summary(console, s: dict, title: str) -> None:
     for label, val in (("requests completed", f"{s['completed']} / {s['requests']}"),
                        ("duration", f"{s['duration_s']:.1f} s"),
                        ("output tokens/s", f"{s['throughput_tokens_per_s']:.1f}"),
-                       ("SLO attainment", f"{s['slo_attainment']:.3f}"),
-                       ("goodput", f"{s['goodput_requests_per_s']:.3f} req/s"),
+                       ("SLO attainment", f"{s['slo_attainment']:.3f}" if _has_slo(s) else NO_SLO),
+                       ("goodput", f"{s['goodput_requests_per_s']:.3f} req/s" if _has_slo(s) else NO_SLO),
                        ("GPU-hours", f"{s['gpu_hours']:.3f}"),
                        ("$ per million output tokens", f"{usd:.2f}" if usd is not None else "n/a"),
                        ("simulated in", f"{s['run']['wall_s']:.2f} s ({s['run']['events']} events)")):

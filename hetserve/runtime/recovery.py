@@ -22,6 +22,7 @@ kept apart so the coordinator's own file holds the normal path: messages, steps,
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -30,6 +31,8 @@ from hetserve.runtime.sequence import Sequence, Status
 from hetserve.runtime.worker_group import last_line
 
 POLL_S = 0.1  # how often worker processes are checked for exit
+
+log = logging.getLogger("hetserve.runtime")
 
 
 class Recovery:
@@ -90,6 +93,9 @@ class Recovery:
                     s.role = "colocated"
         self.deaths.append({"worker": name, "replica": rid, "why": why, "at": time.monotonic(),
                             "requests": len(rerun)})
+        roles = ", ".join(f"{s.id} {s.role}" for s in self.schedulers.values() if s.alive) or "none"
+        log.warning("%s: replica %s out of service, %d request(s) re-run; live replicas: %s",
+                    why, rid, len(rerun), roles)
         self._rerun(sorted(rerun, key=lambda q: q.id), why)
         alive = [s for s in self.schedulers.values() if s.alive]
         if not any(s.serves_prefill for s in alive) or not any(s.serves_decode for s in alive):

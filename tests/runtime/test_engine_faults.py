@@ -53,7 +53,7 @@ def test_decode_death_in_pd_plan_reruns_on_the_prefill_replica(model_dirs, clust
 
 
 @pytest.mark.timeout(180)
-def test_prefill_death_in_pd_plan_reruns_on_the_decode_replica(model_dirs, cluster_file, plans):
+def test_prefill_death_in_pd_plan_reruns_on_the_decode_replica(model_dirs, cluster_file, plans, caplog):
     """Kill -9 the (only) prefill replica mid-stream: the decode replica prefills in place
     (colocated), every stream still ends with the undisturbed greedy output, later requests
     succeed; the deployment is not declared broken while a live replica can hold the requests."""
@@ -73,6 +73,8 @@ def test_prefill_death_in_pd_plan_reruns_on_the_decode_replica(model_dirs, clust
         assert stats["failed"] == 0 and stats["broken"] is None
         assert [d["replica"] for d in stats["deaths"]] == ["p0"]
         assert stats["replicas"]["p0"]["alive"] is False and stats["replicas"]["d0"]["role"] == "colocated"
+        # the operator hears of it (the server's log), not only /health and /metrics
+        assert any("m0:0" in r.getMessage() and "d0 colocated" in r.getMessage() for r in caplog.records)
     finally:
         eng.shutdown()
     assert all(p.exitcode is not None for p in eng.procs.values())

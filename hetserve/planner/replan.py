@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hetserve.errors import PlanError
+from hetserve.errors import InfeasibleError, PlanError
 from hetserve.planner.options import PlanOptions
 from hetserve.planner.plan import KVRoute, Plan
 
@@ -28,6 +28,12 @@ def replan(cluster, model, workload, running: Plan, lost: set[str] | frozenset[s
     if any(r.role == "prefill" for r in replicas) and not any(r.role == "decode" for r in replicas):
         # kept prefill replicas with no decode replica left to hand off to: plan their devices too
         kept = [r for r in kept if r.role != "prefill"]
+        replicas, routes, free = _around(cluster, model, workload, running, kept, lost, algorithm, options)
+    fed = {k.dst for k in routes}
+    if any(r.role == "decode" and r.id not in fed for r in replicas):
+        # kept decode replicas no prefill replica feeds (theirs died; the freed devices made none or
+        # only colocated ones): plan their devices too
+        kept = [r for r in kept if not (r.role == "decode" and r.id not in fed)]
         replicas, routes, free = _around(cluster, model, workload, running, kept, lost, algorithm, options)
     if not replicas:
         raise PlanError(f"re-plan: no replica fits the {len(free)} free device(s) of {cluster.name!r}")
@@ -45,7 +51,7 @@ def _around(cluster, model, workload, running: Plan, kept: list, lost, algorithm
     if free:
         try:
             fresh = run_planner(cluster.subset(free), model, workload, algorithm, options or PlanOptions())
-        except PlanError:
+        except (PlanError, InfeasibleError):
             fresh = None  # the freed devices cannot hold a replica on their own
     kept_ids = {r.id for r in kept}
     routes = [k for k in running.kv_routes if k.src in kept_ids and k.dst in kept_ids]

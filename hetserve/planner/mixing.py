@@ -26,6 +26,11 @@ MAX_PAIR_CANDIDATES = 60  # colocated pairs tried per round (best connected firs
 MAX_ABSORB = 3  # third groups tried with each pair
 LOOKAHEAD_MAX_DEVICES = 16  # pools up to this size look two moves ahead when one does not pay
 LOOKAHEAD = 4  # non-improving candidates expanded per round
+# pools up to this size also try a group turned colocated with its machine-mates: each such cut is
+# of a new, larger composition (new layout searches); at 80 / 160 / 320 GPUs it never changed the
+# plan and cost 1-4 s CPU (the mixed climb from the disaggregated side ends below the colocated
+# plan there); the search's other small-pool extras (bound's start) stop at the same size
+MACHINE_MATES_MAX_DEVICES = 64
 
 
 MAX_KNAPSACK_VECTORS = 256  # sub-vectors of a group's composition the colocated knapsack enumerates
@@ -218,8 +223,9 @@ def mixed_alternative(ctx: PlanContext, evaluator: Evaluator, disaggregated: Pla
         for idx in by_site.values():
             if 1 < len(idx) < len(pd):
                 yield _recut(ctx, evaluator, groups, idx)
-        for i in pd:
-            yield _recut_with_machine_mates(ctx, evaluator, groups, i)
+        if ctx.num_devices <= MACHINE_MATES_MAX_DEVICES:
+            for i in pd:
+                yield _recut_with_machine_mates(ctx, evaluator, groups, i)
         yield from _splits(groups, pd)
 
     def from_colocated(groups: Placement):

@@ -70,7 +70,8 @@ class LayoutSearch(KVAlternatives, LayerSplits):
         self._probe_cache: dict[tuple, tuple[int, float]] = {}
         self._evaluated: dict[tuple, float] = {}  # (stage-sequence key, layers, role) → capacity
         self._split_memo: dict[tuple, tuple[float, tuple[int, ...]]] = {}  # (sequence key, role) → best split
-        self._sequence_keys: dict[tuple, tuple] = {}
+        self._sequence_keys: dict[tuple, int] = {}  # stages -> ``_sequence_key``
+        self._sequence_ids: dict[tuple, int] = {}  # what a layout's capacity reads -> its number
         self._order_cache: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._splits_cache: dict[int, list[tuple[int, ...]]] = {}
         self._scored: dict[tuple, tuple[tuple[int, ...], dict]] = {}  # (comp, role) → (order, combo scores)

@@ -103,6 +103,7 @@ class Evaluator(LayoutTrials, BoundedChoice):
         # usually just scored, and its flow needs that very LP (``flow.solve``)
         self._solved: dict[tuple[Group, ...], FlowResult] = {}
         self._neighbour: NeighbourBound | None = None  # ``_prices``' placement's dual terms
+        self.colocated_cuts: dict[tuple, list[tuple[int, ...]]] = {}  # composition -> ``mixing._colocated_cut``
 
     def capacity(self, devices: Sequence[int], role: str) -> float:
         return self.ctx.layouts.capacity(devices, role)

@@ -27,28 +27,35 @@ class StageMemoCost(CostModel):
 
     def __init__(self, base: CostModel):  # noqa: super().__init__ not called: shares base's state
         self.__dict__.update(base.__dict__)
-        self._signatures: dict[tuple[int, ...], tuple] = {}
+        self._signatures: dict[tuple[int, ...], int] = {}  # devices -> signature number
+        self._signature_ids: dict[tuple, int] = {}  # what the formulas read -> its number
         self._prefill: dict[tuple, float] = {}
         self._decode: dict[tuple, float] = {}
         self._kv: dict[tuple, float] = {}
         self._handoff: dict[tuple, float] = {}
 
-    def signature(self, devices: tuple[int, ...]) -> tuple:
-        """What the stage formulas read of a TP group's devices (module docstring)."""
+    def signature(self, devices: tuple[int, ...]) -> int:
+        """What the stage formulas read of a TP group's devices (module docstring), as a small
+        integer: equal signatures get the same number. The memo keys below are looked up
+        millions of times on large pools, and a tuple's hash is not cached (a TP-4 signature
+        hashes ~40 floats per lookup)."""
         sig = self._signatures.get(devices)
         if sig is None:
             c = self.cluster
             if len({c.devices[d].machine for d in devices}) > 1:
-                sig = ("devices", devices)
+                full = ("devices", devices)
             else:
-                sig = (tuple((self._flops[d], self._membw[d], self._memory[d]) for d in devices),
-                       tuple((float(self._alpha[d, e]), float(self._beta[d, e])) for d in devices for e in devices
-                             if d != e))
-            self._signatures[devices] = sig
+                full = (tuple((self._flops[d], self._membw[d], self._memory[d]) for d in devices),
+                        tuple((float(self._alpha[d, e]), float(self._beta[d, e])) for d in devices for e in devices
+                              if d != e))
+            sig = self._signatures[devices] = self._signature_ids.setdefault(full, len(self._signature_ids))
         return sig
 
     def stage_prefill_time(self, stage: StageLayout, batch: PrefillBatch, is_last: bool = False) -> float:
-        key = (self.signature(stage.devices), stage.layers[1] - stage.layers[0], batch, is_last)
+        # the batch by its fields: equal batches are equal field by field, and a tuple of them
+        # hashes in C (the frozen dataclass's hash is a Python call)
+        key = (self.signature(stage.devices), stage.layers[1] - stage.layers[0], batch.num_seqs, batch.tokens,
+               batch.sum_sq, is_last)
         t = self._prefill.get(key)
         if t is None:
             t = self._prefill[key] = super().stage_prefill_time(stage, batch, is_last)

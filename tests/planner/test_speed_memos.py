@@ -5,7 +5,9 @@
   inside the TP group;
 * KV hand-off times (``PlanContext.kv_capacity``) are shared between pairs of replicas only when
   their transfers have the same shape — bytes, latencies and the bandwidth of every resource
-  they cross, shared the same way.
+  they cross, shared the same way;
+* the colocated cut of a device set (``mixing._colocated_cut``) is shared between device sets of
+  the same classes and counts, moved onto their devices.
 """
 
 import itertools
@@ -91,3 +93,30 @@ def test_kv_time_memo_matches_the_cost_model_for_every_pair(llama7b, azure):
         seen += 1
     assert seen > 100
     assert len(ctx._kv_time_cache) < seen  # shapes were shared
+
+
+def test_colocated_cut_memo_gives_each_device_set_its_fresh_cut(llama70b, azure):
+    from hetserve.planner.mixing import _colocated_cut, _colocated_cut_fresh
+    from hetserve.planner.placement import Evaluator
+
+    cluster = _pool()
+    ctx = PlanContext(cluster, llama70b, azure, PlanOptions())
+    ev = Evaluator(ctx)
+    by = {m: [d.index for d in cluster.devices if d.machine == m] for m in ("nv", "pcie", "small", "l40", "far")}
+    sets = []
+    for a, b in itertools.combinations(by, 2):
+        for na, nb in ((2, 2), (3, 1), (4, 3)):
+            # the first and the last devices of each box: one composition, other devices
+            sets.append(tuple(sorted(by[a][:na] + by[b][:nb])))
+            sets.append(tuple(sorted(by[a][-na:] + by[b][-nb:])))
+    sets.append(tuple(range(ctx.num_devices)))  # past the knapsack's size: halved, recursively
+    served = 0
+    for devices in sets:
+        got = sorted(tuple(sorted(ds)) for ds in _colocated_cut(ctx, ev, devices))
+        want = sorted(tuple(sorted(ds)) for ds in
+                      _colocated_cut_fresh(ctx, Evaluator(ctx), devices, ctx.composition(devices)))
+        assert got == want, devices
+        assert {d for ds in got for d in ds} <= set(devices)
+        served += bool(got)
+    assert served > len(sets) // 2
+    assert len(ev.colocated_cuts) < len(sets)  # the memo was hit

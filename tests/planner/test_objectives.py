@@ -43,9 +43,11 @@ def test_bound_is_above_every_algorithm_on_a_preset(llama70b, azure):
 
 
 def test_budget_plans_never_exceed_the_budget_and_use_it(llama70b, azure):
-    c = load_cluster("hexgen2-het1")  # $28.8/h in all
+    c = load_cluster("hexgen2-het1")  # $20.88/h in all at the catalogue's prices
     values = []
-    for budget in (12.0, 20.0):
+    # budgets that buy 6 and 10 of its 20 GPUs: each subset's group bound is solved in about a
+    # second, where $20 (19 GPUs) took over a minute and checked nothing more
+    for budget in (8.0, 10.0):
         p = plan(c, llama70b, azure, "hexgen2", PlanOptions(seed=0, max_iterations=15, budget_usd_per_hour=budget))
         validate_plan(p, c, llama70b)
         assert p.estimate["cost_usd_per_hour"] <= budget + 1e-9

@@ -28,9 +28,15 @@ def _wait_first_tokens(handles):
 
 
 @pytest.mark.timeout(180)
-def test_decode_death_in_pd_plan_reruns_on_the_prefill_replica(model_dirs, cluster_file, plans):
-    """Kill -9 the decode replica mid-stream: the prefill replica decodes in place, every stream
-    continues to exactly the greedy output an undisturbed run gives, and later requests succeed."""
+@pytest.mark.parametrize("worker,dead,survivor", [
+    ("m0:3", "d0", "p0"),  # the decode replica's second stage: the prefill replica decodes in place
+    ("m0:0", "p0", "d0"),  # the prefill replica's TP rank 0: the decode replica prefills in place
+])
+def test_a_pd_plan_losing_one_side_reruns_on_the_other(model_dirs, cluster_file, plans, caplog,
+                                                      worker, dead, survivor):
+    """Kill -9 the only replica of one role mid-stream: the other turns colocated, every stream
+    continues to exactly the greedy output an undisturbed run gives, later requests succeed, and the
+    deployment is not declared broken while a live replica can hold the requests."""
     from hetserve.runtime.engine import Engine, EngineConfig
 
     params = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -39,42 +45,16 @@ def test_decode_death_in_pd_plan_reruns_on_the_prefill_replica(model_dirs, clust
         want = eng.generate(PROMPTS, params, timeout=60)  # undisturbed, through the hand-off
         handles = [eng.submit(p, params) for p in PROMPTS]
         _wait_first_tokens(handles)
-        os.kill(eng.worker_pids()["m0:3"], signal.SIGKILL)  # decode replica, second stage
+        os.kill(eng.worker_pids()[worker], signal.SIGKILL)
         assert [h.result(timeout=60) for h in handles] == want
         assert all(h.finish_reason == "length" for h in handles)
         assert eng.submit(PROMPTS[0], params).result(timeout=60) == want[0]
         stats = eng.stats()
         assert stats["failed"] == 0 and stats["broken"] is None
-        assert [d["replica"] for d in stats["deaths"]] == ["d0"]
-        assert stats["replicas"]["d0"]["alive"] is False and stats["replicas"]["p0"]["role"] == "colocated"
-    finally:
-        eng.shutdown()
-    assert all(p.exitcode is not None for p in eng.procs.values())
-
-
-@pytest.mark.timeout(180)
-def test_prefill_death_in_pd_plan_reruns_on_the_decode_replica(model_dirs, cluster_file, plans, caplog):
-    """Kill -9 the (only) prefill replica mid-stream: the decode replica prefills in place
-    (colocated), every stream still ends with the undisturbed greedy output, later requests
-    succeed; the deployment is not declared broken while a live replica can hold the requests."""
-    from hetserve.runtime.engine import Engine, EngineConfig
-
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    eng = Engine.from_plan(plans.disaggregated(), cluster_file, model_dirs["opt"], EngineConfig(kv_capacity_tokens=4096))
-    try:
-        want = eng.generate(PROMPTS, params, timeout=60)
-        handles = [eng.submit(p, params) for p in PROMPTS]
-        _wait_first_tokens(handles)
-        os.kill(eng.worker_pids()["m0:0"], signal.SIGKILL)  # prefill replica, TP rank 0
-        assert [h.result(timeout=60) for h in handles] == want
-        assert all(h.finish_reason == "length" for h in handles)
-        assert eng.submit(PROMPTS[0], params).result(timeout=60) == want[0]
-        stats = eng.stats()
-        assert stats["failed"] == 0 and stats["broken"] is None
-        assert [d["replica"] for d in stats["deaths"]] == ["p0"]
-        assert stats["replicas"]["p0"]["alive"] is False and stats["replicas"]["d0"]["role"] == "colocated"
+        assert [d["replica"] for d in stats["deaths"]] == [dead]
+        assert stats["replicas"][dead]["alive"] is False and stats["replicas"][survivor]["role"] == "colocated"
         # the operator hears of it (the server's log), not only /health and /metrics
-        assert any("m0:0" in r.getMessage() and "d0 colocated" in r.getMessage() for r in caplog.records)
+        assert any(worker in r.getMessage() and f"{survivor} colocated" in r.getMessage() for r in caplog.records)
     finally:
         eng.shutdown()
     assert all(p.exitcode is not None for p in eng.procs.values())

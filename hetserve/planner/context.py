@@ -23,6 +23,7 @@ from hetserve.errors import InfeasibleError
 from hetserve.planner.options import PlanOptions
 from hetserve.planner.slo import SLOTargets
 from hetserve.specs.cluster import Cluster
+from hetserve.specs.gpus import fmt_gb
 from hetserve.specs.model import ModelSpec
 from hetserve.specs.workload import Workload
 
@@ -130,21 +131,19 @@ class PlanContext:
     def check_feasible(self) -> None:
         """Raise ``InfeasibleError`` with the numbers if no replica fits the whole pool."""
         m = self.model
-        total = sum(self.memory) / GB
-        usable = sum(self.usable_memory) / GB
-        need = m.weight_bytes / GB
-        if usable < need:
+        if sum(self.usable_memory) < m.weight_bytes:
             raise InfeasibleError(
-                f"{m.name} needs {need:.0f} GB for its weights alone, the pool {self.cluster.name} has "
-                f"{total:.0f} GB ({usable:.0f} GB usable at {self.cost.eff.usable_memory:.0%}) over "
+                f"{m.name} needs {fmt_gb(m.weight_bytes)} for its weights alone, the pool {self.cluster.name} has "
+                f"{fmt_gb(sum(self.memory))} ({fmt_gb(sum(self.usable_memory))} usable at "
+                f"{self.cost.eff.usable_memory:.0%}) over "
                 f"{self.num_devices} devices")
 
     def no_replica_error(self) -> InfeasibleError:
         """The pool has memory for the weights but no group found a layout that fits."""
         m = self.model
         return InfeasibleError(
-            f"{m.name} ({m.weight_bytes / GB:.0f} GB of weights) found no pipeline layout on the pool "
-            f"{self.cluster.name} ({sum(self.usable_memory) / GB:.0f} GB usable): every stage also needs its "
+            f"{m.name} ({fmt_gb(m.weight_bytes)} of weights) found no pipeline layout on the pool "
+            f"{self.cluster.name} ({fmt_gb(sum(self.usable_memory))} usable): every stage also needs its "
             f"activation buffers and at least one request's KV cache "
             f"({(self.input_tokens + self.output_tokens) * m.kv_bytes_per_token / GB:.2f} GB)")
 

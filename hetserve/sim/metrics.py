@@ -186,5 +186,5 @@ class SimResult:
         self.to_csv(written[1])
         if plots:
             from hetserve.sim.plots import plot_latency_cdfs
-            written.append(plot_latency_cdfs({"run": self}, out / "latency_cdf.png"))
+            written.append(plot_latency_cdfs({"simulated": self}, out / "latency_cdf.png"))
         return written

@@ -18,10 +18,13 @@ def _plt():
     return plt
 
 
-def plot_latency_cdfs(results: Mapping[str, "SimResult"], path: str | Path) -> Path:
-    """CDFs of TTFT, TPOT and E2E, one line per labelled result."""
+def plot_latency_cdfs(results: Mapping[str, "SimResult"], path: str | Path,
+                      title: str = "simulated latency (discrete-event simulator, analytic cost model)") -> Path:
+    """CDFs of TTFT, TPOT and E2E, one line per labelled result; the title says where the figures
+    come from (simulated, not measured)."""
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig.suptitle(title, fontsize=10)
     for label, res in results.items():
         for ax, (name, x) in zip(axes, (("TTFT", res.ttft), ("TPOT", res.tpot), ("E2E", res.e2e))):
             x = np.sort(x[np.isfinite(x)])

@@ -17,6 +17,13 @@ from hetserve.errors import SpecError
 GB = 1e9  # decimal gigabyte, as the datasheets use
 
 
+def fmt_gb(nbytes: float) -> str:
+    """``nbytes`` as decimal GB for messages: whole GB where that is precise enough, else enough
+    digits that a CPU worker slot's 0.3 GB (or a tiny model's 0.004 GB) does not print as "0 GB"."""
+    gb = nbytes / GB
+    return f"{gb:,.0f} GB" if gb >= 10 else f"{gb:.2g} GB"
+
+
 @dataclass(frozen=True)
 class GpuType:
     """One GPU model. Units: bytes, bytes/s, FLOP/s, USD/hour."""

@@ -37,6 +37,15 @@ def test_infeasible_pool_is_one_line_exit_2(capsys):
     assert "llama-2-70b needs 138 GB for its weights alone, the pool molink-3x4090 has 72 GB" in err
 
 
+def test_a_pool_of_small_slots_says_its_memory_not_zero(capsys):
+    """CPU worker slots hold well under a GB each: the message says how much, not '0 GB'."""
+    assert main(["plan", "--cluster", "demo-tiny", "--model", "llama-2-7b", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "llama-2-7b needs 13 GB for its weights alone" in err and " 0 GB" not in err
+    assert main(["describe", "cluster", "demo-tiny"]) == 0
+    assert " 0 GB" not in capsys.readouterr().out
+
+
 def test_unknown_algorithm_exit_2(capsys):
     assert main(["plan", "--cluster", "demo-cpu", "--model", "llama-2-7b", "--algorithm", "magic"]) == 2
     assert "unknown planning algorithm 'magic'" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetserve.specs.cluster import GBPS, Cluster, cluster_presets, load_cluster
+from hetserve.specs.gpus import fmt_gb
 from hetserve.specs.model import ModelSpec, load_model, model_presets
 from hetserve.specs.workload import CLASSES, Workload, load_workload, workload_presets
 
@@ -44,7 +45,7 @@ def _fmt_link(latency_s: float, bandwidth: float) -> str:
 
 def describe_cluster(c: Cluster, console: Console) -> None:
     price = c.usd_per_hour()
-    console.print(f"[bold]cluster {c.name}[/]: {len(c)} devices, {c.total_memory_bytes / 1e9:,.0f} GB, "
+    console.print(f"[bold]cluster {c.name}[/]: {len(c)} devices, {fmt_gb(c.total_memory_bytes)}, "
                   + (f"${price:.2f}/h" if price is not None else "price unknown (a GPU has no listed price)"))
     if c.description:
         console.print(c.description)

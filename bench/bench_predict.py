@@ -190,7 +190,8 @@ def print_cells(cells: list[dict], title: str, console) -> None:
             hits, total = hits + ok, total + 1
             base_hits += brow is not None and abs(brow["ratio"] - 1) <= 0.15
             t.add_row(cell["plan"], f"{cell['rate']:.2f}", f"{cell['load_avg_1m'][0]:.1f}",
-                      _fmt_others(cell.get("other_cores_busy")), m.replace("_s.", " ") + ("" if scale == 1 else " ms"), f"{row['served'] * scale:,.1f}",
+                      _fmt_others(cell.get("other_cores_busy")), m.replace("_s.", " ") + ("" if scale == 1 else " ms"),
+                      f"{row['served'] * scale:,.1f}",
                       f"{row['simulated'] * scale:,.1f}", f"{row['ratio']:.2f}", "yes" if ok else "NO",
                       f"{brow['ratio']:.2f}" if brow else "-")
     console.print(t)

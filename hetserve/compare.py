@@ -28,6 +28,9 @@ import numpy as np
 
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 STATS = ("mean", "p50", "p90", "p99")
+# Cores other processes may keep busy before a served figure is called disturbed: a quiet machine's
+# daemons and the shell stay well under it, one CPU-bound neighbour (a test run, a build) is far over.
+OTHERS_DISTURB = 0.15
 
 
 @dataclass(frozen=True)
@@ -226,11 +229,6 @@ def plot_cdfs(c: Comparison, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
-
-
-# Cores other processes may keep busy before a served figure is called disturbed: a quiet machine's
-# daemons and the shell stay well under it, one CPU-bound neighbour (a test run, a build) is far over.
-OTHERS_DISTURB = 0.15
 
 
 def print_table(c: Comparison, console=None) -> None:

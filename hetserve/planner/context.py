@@ -23,11 +23,9 @@ from hetserve.errors import InfeasibleError
 from hetserve.planner.options import PlanOptions
 from hetserve.planner.slo import SLOTargets
 from hetserve.specs.cluster import Cluster
-from hetserve.specs.gpus import fmt_gb
+from hetserve.specs.gpus import GB, fmt_gb
 from hetserve.specs.model import ModelSpec
 from hetserve.specs.workload import Workload
-
-GB = 1e9
 
 
 class PlanContext:

@@ -59,10 +59,10 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.runtime.calibrate import calibrate
     from hetserve.specs.gpus import gpu
 
-    from hetserve.cli.commands.serve import _check_model_dir
+    from hetserve.cli.model_dir import check_model_dir
 
     gpu(args.gpu, "--gpu")  # a clear error before any process starts
-    _check_model_dir(args.model)  # a folder, never a hub name looked up online
+    check_model_dir(args.model)  # a folder, never a hub name looked up online
     cal = calibrate(args.model, args.gpu, prompt_lengths=args.prompt_lengths, batch_sizes=args.batch_sizes,
                     decode_tokens=args.decode_tokens, reps=args.reps, serving=not args.no_serving,
                     pipeline=not args.no_pipeline, tp=not args.no_tp,

@@ -39,10 +39,10 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.planner.plan import Plan
     from hetserve.specs.cluster import load_cluster
 
-    from hetserve.cli.commands.serve import _check_model_dir
+    from hetserve.cli.model_dir import check_model_dir
 
     plan = Plan.load(args.plan)  # input errors first, in one line
-    _check_model_dir(args.model)  # a folder, never a hub name looked up online
+    check_model_dir(args.model)  # a folder, never a hub name looked up online
     cluster = load_cluster(args.cluster or plan.cluster)
     if args.efficiency:
         from hetserve.cost.analytic import load_efficiency

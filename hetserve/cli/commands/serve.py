@@ -88,12 +88,13 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:  # the runtime extra is missing
         raise RuntimeFailure(f"hetserve serve needs the runtime extra (pip install 'hetserve[runtime]'): {exc}") \
             from exc
+    from hetserve.cli.model_dir import check_model_dir
     from hetserve.planner.plan import Plan
     from hetserve.specs.cluster import load_cluster
 
     plan = Plan.load(args.plan)  # input errors first, in one line, before anything starts
     cluster = load_cluster(args.cluster or plan.cluster)
-    _check_model_dir(args.model)
+    check_model_dir(args.model)
     _check_port_free(args.host, args.port)
     if args.heartbeat_timeout <= 0.2:
         raise SpecError("--heartbeat-timeout", "heartbeat_timeout", "more than 0.2 s (workers beat every "
@@ -142,20 +143,6 @@ def run(args: argparse.Namespace) -> int:
         deployment.close()
     console.print("stopped; every worker has exited")
     return 0
-
-
-def _check_model_dir(path: str) -> None:
-    """The checkpoint folder exists and its config.json reads as a supported model (never the hub)."""
-    from pathlib import Path
-
-    from hetserve.errors import SpecError
-    from hetserve.specs.model import ModelSpec
-
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise SpecError(path, "--model", "a checkpoint folder holding config.json (see `hetserve make-model`)",
-                        "no such folder" if not folder.exists() else "no config.json in it")
-    ModelSpec.from_hf_config(folder)
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -162,6 +162,14 @@ def _parse_rates(text: str) -> list[float]:
     return rates
 
 
+NO_SLO = "n/a (no --slo-*)"
+
+
+def _has_slo(s: dict) -> bool:
+    """Was any SLO given? Without one every request "meets" it: attainment 1 and goodput = rate say nothing."""
+    return any(v is not None for v in (s.get("slo") or {}).values())
+
+
 def _sweep(args, rates, plan, cluster, model, wl, opts, cost) -> None:
     """The same trace at several mean rates: a table, and with -o a plot."""
     from dataclasses import replace
@@ -186,14 +194,6 @@ def _sweep(args, rates, plan, cluster, model, wl, opts, cost) -> None:
     Console().print(t)
     if plot is not None:
         Console().print(f"wrote {plot}")
-
-
-NO_SLO = "n/a (no --slo-*)"
-
-
-def _has_slo(s: dict) -> bool:
-    """Was any SLO given? Without one every request "meets" it: attainment 1 and goodput = rate say nothing."""
-    return any(v is not None for v in (s.get("slo") or {}).values())
 
 
 def print_summary(console, s: dict, title: str) -> None:

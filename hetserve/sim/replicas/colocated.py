@@ -62,13 +62,7 @@ class ColocatedReplica(Decoding):
         if not rids:
             return False
         self._beside.append(rids)
-        now = self.loop.now
-        dur = self._on_host(self.cost.prefill_time(self.layout, PrefillBatch.of([self.kv.prefill_tokens(i) for i in rids])))
-        self._beside_end = max(self._beside_end, now + dur)
-        if self.trace is not None:
-            self.trace.append((now, now + dur, (), tuple(rids)))
-        self._busy(now, now + dur)
-        self.loop.schedule(now + dur, Priority.WORK, self._on_beside_done, rids)
+        self._beside_end = max(self._beside_end, self._prompt_step(rids, self._on_beside_done))
         self._request_boundary()  # the decoding micro-batches share the host with it from their next iteration
         return True
 
@@ -159,17 +153,23 @@ class ColocatedReplica(Decoding):
         else:
             rids = self._take(self.limits.token_budget)
             if rids:
-                now = self.loop.now
-                dur = self.cost.prefill_time(self.layout, PrefillBatch.of([self.kv.prefill_tokens(i) for i in rids]))
-                dur = self._on_host(dur)
-                if self.trace is not None:
-                    self.trace.append((now, now + dur, (), tuple(rids)))
-                self._pause(now + dur)
                 self._prefilling = rids
-                self._busy(now, now + dur)
-                self.loop.schedule(now + dur, Priority.WORK, self._on_prefill_done, rids)
+                self._pause(self._prompt_step(rids, self._on_prefill_done))
                 return
         self._start_segment()
+
+    def _prompt_step(self, rids: list[int], on_done) -> float:
+        """Run ``rids``' prompts in a step of their own (no decodes in it) as this host runs it;
+        ``on_done(rids)`` at its end, which is returned. Prefill-first runs it with the decodes
+        paused; a pipeline with a free micro-batch slot runs it beside them."""
+        now = self.loop.now
+        end = now + self._on_host(self.cost.prefill_time(self.layout,
+                                                        PrefillBatch.of([self.kv.prefill_tokens(i) for i in rids])))
+        if self.trace is not None:
+            self.trace.append((now, end, (), tuple(rids)))
+        self._busy(now, end)
+        self.loop.schedule(end, Priority.WORK, on_done, rids)
+        return end
 
     def _on_prefill_done(self, rids: list[int]) -> None:
         self._paused = False

@@ -104,12 +104,13 @@ def refit_calibration(content: dict, model_dir) -> dict:
 
 
 def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | None = None,
-                 refit: bool = False) -> list[dict]:
+                 refit: bool = False, speed_correction: bool = True) -> list[dict]:
     """Re-simulate the cells of a ``--json`` file with the code of now against their served figures
     (the calibration file each cell used: its saved content, or its path where it still exists;
     ``runtime_from``: a calibration file whose front-end terms the cells take instead, to try terms
     measured later on served runs saved before them; ``refit``: each calibration's efficiency fitted
-    again from its saved points by today's fit)."""
+    again from its saved points by today's fit; ``speed_correction``: each cell's calibrated times
+    scaled by the slow-down its speed probe read while it was served, as ``compare`` did)."""
     import dataclasses
 
     import numpy as np
@@ -154,20 +155,27 @@ def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | Non
                               rate=cell["rate"], num_requests=n, max_input=128, max_output=32, efficiency=str(cal))
         cfg = EngineConfig(**cell.get("engine", {}))
         pools = cell.get("kv_pools") or {r.id: 16384 for r in plan.replicas}
-        kw = served_sim_options(cal)
-        overhead = kw.pop("request_overhead_s")
-        res = simulate_side(plan, cluster, spec, requests, opts, cfg, pools, served_efficiency(cal), overhead, **kw)
-        steps = res.output_tokens > 1
-        sim = {"ttft_s": res.ttft, "e2e_s": res.e2e, "tpot_s": res.tpot[steps]}
         served = cell.get("served")  # per request (files written since --replay exists)
-        if served:
-            table = table_of({k: np.asarray(v, float) for k, v in served["per_request"].items()}, sim,
-                             served["throughput_tokens_per_s"], res.summary()["throughput_tokens_per_s"])
-        else:  # an older file: the served column of its table
-            fake = table_of(sim, sim, 1.0, res.summary()["throughput_tokens_per_s"])
-            table = {k: {"served": cell["table"][k]["served"], "simulated": v["simulated"],
-                         "ratio": v["simulated"] / cell["table"][k]["served"]} for k, v in fake.items()}
-        cells.append({**cell, "table": table})
+
+        def table_at(slow: float) -> dict:
+            kw = served_sim_options(cal, slow)
+            overhead = kw.pop("request_overhead_s")
+            res = simulate_side(plan, cluster, spec, requests, opts, cfg, pools, served_efficiency(cal, slow),
+                                overhead, **kw)
+            sim = {"ttft_s": res.ttft, "e2e_s": res.e2e, "tpot_s": res.tpot[res.output_tokens > 1]}
+            tps = res.summary()["throughput_tokens_per_s"]
+            if served:
+                return table_of({k: np.asarray(v, float) for k, v in served["per_request"].items()}, sim,
+                                served["throughput_tokens_per_s"], tps)
+            fake = table_of(sim, sim, 1.0, tps)  # an older file: the served column of its table
+            return {k: {"served": cell["table"][k]["served"], "simulated": v["simulated"],
+                        "ratio": v["simulated"] / cell["table"][k]["served"]} for k, v in fake.items()}
+
+        speed = cell.get("speed")
+        if speed:
+            speed = {**speed, "table_as_calibrated": table_at(1.0)}
+        cells.append({**cell, "table": table_at(speed["slowdown"] if speed and speed_correction else 1.0),
+                      "speed": speed})
     console.print(f"replayed {len(cells)} cells of {path} against their served figures "
                   f"({'shared' if shared_cores else 'separate'} cores)")
     return cells
@@ -178,30 +186,39 @@ def print_cells(cells: list[dict], title: str, console) -> None:
 
     from hetserve.compare import OTHERS_DISTURB
 
-    t = Table("plan", "rate", "load", "other cores", "metric", "served", "sim", "sim/served", "±15%",
-              "baseline/served", title=title)
-    hits = total = base_hits = 0
+    t = Table("plan", "rate", "load", "other cores", "slow-down", "metric", "served", "sim", "sim/served", "±15%",
+              "as calibrated", "baseline/served", title=title)
+    hits = total = base_hits = cal_hits = 0
     disturbed = [c for c in cells if (c.get("other_cores_busy") or 0.0) > OTHERS_DISTURB]
     for cell in cells:
         for m in METRICS:
             row, brow = cell["table"][m], cell.get("baseline_table", {}).get(m)
+            crow = ((cell.get("speed") or {}).get("table_as_calibrated") or {}).get(m, row)
+            cal_hits += abs(crow["ratio"] - 1) <= 0.15
             scale = 1.0 if m.startswith("throughput") else 1e3
             ok = abs(row["ratio"] - 1) <= 0.15
             hits, total = hits + ok, total + 1
             base_hits += brow is not None and abs(brow["ratio"] - 1) <= 0.15
             t.add_row(cell["plan"], f"{cell['rate']:.2f}", f"{cell['load_avg_1m'][0]:.1f}",
-                      _fmt_others(cell.get("other_cores_busy")), m.replace("_s.", " ") + ("" if scale == 1 else " ms"),
+                      _fmt_others(cell.get("other_cores_busy")), _fmt_slowdown(cell.get("speed")),
+                      m.replace("_s.", " ") + ("" if scale == 1 else " ms"),
                       f"{row['served'] * scale:,.1f}",
                       f"{row['simulated'] * scale:,.1f}", f"{row['ratio']:.2f}", "yes" if ok else "NO",
-                      f"{brow['ratio']:.2f}" if brow else "-")
+                      f"{crow['ratio']:.2f}", f"{brow['ratio']:.2f}" if brow else "-")
     console.print(t)
     console.print(f"within ±15 %: {hits} of {total} (baseline simulator: {base_hits} of {total}); ratio "
-                  f"{hits / max(base_hits, 1):.2f}x the baseline's hits")
+                  f"{hits / max(base_hits, 1):.2f}x the baseline's hits; at the calibration's machine speed, without "
+                  f"the speed probe's correction: {cal_hits} of {total}")
     if disturbed:
         names = ", ".join(f"{c['plan']} {c['rate']:.2f}" for c in disturbed)
         console.print(f"{len(disturbed)} of {len(cells)} cells were served while other processes kept more than "
                       f"{OTHERS_DISTURB} cores busy ({names}):"
                       " their served figures measure the neighbours too; run again on a quiet machine")
+
+
+def _fmt_slowdown(speed) -> str:
+    """The machine's slow-down since calibration the speed probe read around a cell (``-``: none)."""
+    return "-" if not speed else f"x{speed['slowdown']:.2f}"
 
 
 def _fmt_others(cores) -> str:
@@ -229,6 +246,10 @@ def main() -> int:
                          "cell's (served runs saved before calibrate measured them)")
     ap.add_argument("--refit", action="store_true",
                     help="with --replay: fit each cell's calibration again from its saved points with today's fit")
+    ap.add_argument("--no-speed-correction", dest="speed_correction", action="store_false",
+                    help="simulate at the calibration's machine speed (default: scaled by the slow-down the speed "
+                         "probe reads before and after each cell, as `hetserve compare` does; a replay uses the "
+                         "slow-down its file recorded)")
     ap.add_argument("--calibrate-once", action="store_true",
                     help="one calibration at the start (default: calibrate again before each plan, so the "
                          "calibration sees the load the served cells see on a shared machine)")
@@ -238,7 +259,8 @@ def main() -> int:
 
     console = Console()
     if args.replay:
-        cells = replay_cells(args.replay, args.shared_cores, console, args.frontend_from, args.refit)
+        cells = replay_cells(args.replay, args.shared_cores, console, args.frontend_from, args.refit,
+                             args.speed_correction)
         print_cells(cells, f"simulator (now) vs the served figures of {args.replay}", console)
         if args.json:
             Path(args.json).write_text(json.dumps({"cells": cells, "replayed": args.replay}, indent=2) + "\n")
@@ -282,7 +304,7 @@ def main() -> int:
             rate = frac * cap
             opts = CompareOptions(plan=plan, model_dir=str(model_dir), cluster=cluster, workload_class="LPLD",
                                   rate=rate, num_requests=args.requests, max_input=128, max_output=32,
-                                  efficiency=cal)
+                                  efficiency=cal, speed_correction=args.speed_correction)
             console.rule(f"{name} at {rate:.2f} req/s ({frac:.0%} of the simulated capacity {cap:.2f} req/s)")
             c = compare(opts)
             if c.info.get("steps"):
@@ -308,7 +330,8 @@ def main() -> int:
                           "served": {"per_request": {k: [float(x) for x in v] for k, v in c.served.items()},
                                      "throughput_tokens_per_s": served_summary["throughput_tokens_per_s"]},
                           "table": c.table, "baseline_table": base_table, "steps": c.info.get("steps"),
-                          "cores_busy": c.info.get("cores_busy"), "other_cores_busy": c.info.get("other_cores_busy")})
+                          "cores_busy": c.info.get("cores_busy"), "other_cores_busy": c.info.get("other_cores_busy"),
+                          "speed": c.info.get("speed")})
     print_cells(cells, f"simulator vs served on this machine ({args.requests} requests per cell; calibrated "
                        f"{'once' if args.calibration or args.calibrate_once else 'before each plan'})", console)
     if args.json:

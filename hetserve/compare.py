@@ -13,6 +13,12 @@ vs simulated with their ratio; one figure with both CDFs per metric; the table a
 where the time goes (``hetserve.step_compare``): the engine steps of both sides per replica (their
 batches, spans and token intervals, and the cost model's time for the served batches) and the cores
 each served process kept busy.
+
+The machine's speed drifts on a shared VM (tens of percent within minutes), so the calibration's
+machine is not the served run's: with a calibration that holds a speed reading, ``compare`` reads
+the speed probe again just before and after serving and scales the calibrated times by the ratio
+(``runtime.speed_probe``; ``speed_correction=False`` / ``--no-speed-correction``: as calibrated).
+The table as calibrated is kept beside it (``info["speed"]``).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ STATS = ("mean", "p50", "p90", "p99")
 # Cores other processes may keep busy before a served figure is called disturbed: a quiet machine's
 # daemons and the shell stay well under it, one CPU-bound neighbour (a test run, a build) is far over.
 OTHERS_DISTURB = 0.15
+SPEED_PROBE_S = 2.0  # each speed reading, before and after serving (runtime.speed_probe)
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,9 @@ class CompareOptions:
     prefill_mode: str = "mixed"  # the engine's and the simulator's: "mixed" | "chunked"
     chunk_tokens: int = 512  # chunked prefill: tokens per step, decode tokens included
     kv_admission: str = "reserve"  # both sides: "reserve" | "paged" (policies.kv_admission)
+    # read the machine's speed just before and after serving and scale the calibrated times by its
+    # ratio to the calibration's reading (runtime.speed_probe; a calibration without one: no change)
+    speed_correction: bool = True
 
 
 @dataclass
@@ -97,7 +107,8 @@ def table_of(served: dict[str, np.ndarray], simulated: dict[str, np.ndarray], se
 def compare(opts: CompareOptions) -> Comparison:
     """Serve, replay, simulate; see the module docstring."""
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.calibrate import machine_info, served_efficiency, served_sim_options
+    from hetserve.runtime.calibrate import load_speed_probe, machine_info, served_efficiency, served_sim_options
+    from hetserve.runtime.speed_probe import SpeedProbe, combine, slowdown
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import replay, requests_from_workload, summarize
     from hetserve.specs.cluster import Cluster, load_cluster
@@ -120,6 +131,8 @@ def compare(opts: CompareOptions) -> Comparison:
         trace = trace.with_rate(opts.rate)
     requests = requests_from_workload(trace, opts.num_requests, max_input=opts.max_input,
                                       max_output=opts.max_output, seed=opts.seed, start=opts.start)
+    at_calibration = load_speed_probe(opts.efficiency) if opts.efficiency and opts.speed_correction else None
+    probe = SpeedProbe(opts.model_dir) if at_calibration else None  # loaded before serving starts
     load_before = os.getloadavg()[0]
     serve_opts = ServeOptions(plan=plan, cluster=cluster, model_dir=str(opts.model_dir), router=opts.router,
                               route=opts.route, seed=opts.seed,
@@ -130,6 +143,7 @@ def compare(opts: CompareOptions) -> Comparison:
         pools = {rid: s.blocks.capacity_tokens for rid, s in engine.schedulers.items()}
         cfg = engine.config
         engine.coordinator.step_times = []  # appended by the coordinator thread, read once it is done
+        speed_before = probe.read(SPEED_PROBE_S) if probe else None  # the workers idle, started
         pids = {"front end": os.getpid(), **engine.workers.pids}
         cpu0, t0 = {k: process_cpu_s(p) for k, p in pids.items()}, time.monotonic()
         machine0 = machine_busy_cpu_s()
@@ -138,6 +152,8 @@ def compare(opts: CompareOptions) -> Comparison:
         cpu = cpu_utilisation(cpu0, {k: process_cpu_s(p) for k, p in pids.items()}, wall)
         others = other_cores_busy(cpu, machine0, machine_busy_cpu_s(), wall)
         served_steps = served_rows(engine.coordinator.step_times)
+        # after the CPU readings: the probe's own CPU is not the served run's
+        speed = (speed_before, probe.read(SPEED_PROBE_S)) if probe else ()
     load_after = os.getloadavg()[0]
     summary = summarize(results)
     if summary["errors"]:
@@ -145,8 +161,9 @@ def compare(opts: CompareOptions) -> Comparison:
     served = {"ttft_s": np.array([r.ttft_s for r in results]), "e2e_s": np.array([r.e2e_s for r in results]),
               "tpot_s": np.array([r.tpot_s for r in results if r.tpot_s is not None])}
 
-    efficiency = served_efficiency(opts.efficiency) if opts.efficiency else None
-    sim_kw = served_sim_options(opts.efficiency)
+    slow = slowdown(combine(speed), at_calibration) if speed else 1.0
+    efficiency = served_efficiency(opts.efficiency, slow) if opts.efficiency else None
+    sim_kw = served_sim_options(opts.efficiency, slow)
     overhead = sim_kw.pop("request_overhead_s", 0.0)
     contention, handoff = sim_kw.get("contention_slowdown", 1.0), sim_kw.get("link_overhead_s", 0.0)
     sim = simulator_for(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead, **sim_kw)
@@ -156,10 +173,18 @@ def compare(opts: CompareOptions) -> Comparison:
     model_time = step_model(sim.cost, {r.id: r.layout for r in sim.replicas})
     steps_info = {"served": summarise(served_steps, model_time),
                   "simulated": summarise(simulated_rows(sim.replicas, lambda i: len(requests[i].prompt)))}
-    steps = res.output_tokens > 1
-    simulated = {"ttft_s": res.ttft, "e2e_s": res.e2e, "tpot_s": res.tpot[steps]}
-    table = table_of(served, simulated, summary["throughput_tokens_per_s"],
+    table = table_of(served, _simulated(res), summary["throughput_tokens_per_s"],
                      res.summary()["throughput_tokens_per_s"])
+    speed_info = None
+    if speed:
+        # the same simulation at the calibration's speed: what the correction changed
+        kw = served_sim_options(opts.efficiency)
+        res0 = simulate_side(plan, cluster, spec, requests, opts, cfg, pools, served_efficiency(opts.efficiency),
+                             kw.pop("request_overhead_s"), **kw)
+        speed_info = {"slowdown": round(slow, 4), "at_calibration": at_calibration.to_dict(),
+                      "before": speed[0].to_dict(), "after": speed[1].to_dict(),
+                      "table_as_calibrated": table_of(served, _simulated(res0), summary["throughput_tokens_per_s"],
+                                                      res0.summary()["throughput_tokens_per_s"])}
     info = {"plan": str(getattr(opts.plan, "name", opts.plan)) if not isinstance(opts.plan, Plan) else plan.algorithm,
             "replicas": {r.id: r.role for r in plan.replicas}, "requests": len(requests),
             "workload": opts.workload, "workload_class": opts.workload_class, "rate": opts.rate,
@@ -168,16 +193,29 @@ def compare(opts: CompareOptions) -> Comparison:
             "frontend_cpu_s": {k: sim_kw.get(f"frontend_{k}_cpu_s", 0.0) for k in ("request", "step", "token")},
             "prompt_tokens": [len(r.prompt) for r in requests], "steps": steps_info, "cores_busy": cpu,
             "other_cores_busy": None if others is None else round(others, 3),
-            "kv_pools": pools, "token_budget": cfg.max_batched_tokens,
+            "speed": speed_info, "kv_pools": pools, "token_budget": cfg.max_batched_tokens,
             "prefill_mode": cfg.prefill_mode, "chunk_tokens": cfg.chunk_tokens,
             "kv_admission": {"served": cfg.kv_admission, "simulated": res.info["kv_admission"]},
             "max_num_seqs": cfg.max_num_seqs, "load_avg_1m": [round(load_before, 2), round(load_after, 2)],
             "machine": machine_info(),
             "served_source": "measured at the openai client on this machine",
-            "simulated_source": ("cost model calibrated by " + opts.efficiency) if opts.efficiency
-            else "cost model with default (uncalibrated) efficiency"}
-    return Comparison(table, served, simulated, info,
+            "simulated_source": _simulated_source(opts.efficiency, slow if speed else None)}
+    return Comparison(table, served, _simulated(res), info,
                       (plan, cluster, spec, requests, cfg, pools, efficiency, overhead, summary, contention))
+
+
+def _simulated(res) -> dict[str, np.ndarray]:
+    """A simulation's per-request TTFT, TPOT (requests of two or more tokens) and E2E."""
+    return {"ttft_s": res.ttft, "e2e_s": res.e2e, "tpot_s": res.tpot[res.output_tokens > 1]}
+
+
+def _simulated_source(efficiency: str | None, slow: float | None) -> str:
+    if not efficiency:
+        return "cost model with default (uncalibrated) efficiency"
+    if slow is None:
+        return "cost model calibrated by " + efficiency
+    return (f"cost model calibrated by {efficiency}, its times x{slow:.2f}: the machine's speed probe "
+            "before and after serving vs at calibration")
 
 
 def simulate_side(plan, cluster, spec, requests, opts: CompareOptions, cfg, pools: dict[str, int], efficiency,
@@ -235,6 +273,8 @@ def print_table(c: Comparison, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from hetserve.runtime.speed_probe import PROMPT_TOKENS
+
     console = console or Console()
     t = Table("metric", "served", "simulated", "sim / served",
               title=f"served vs simulated — load avg {c.info['load_avg_1m'][0]} → {c.info['load_avg_1m'][1]} "
@@ -251,6 +291,16 @@ def print_table(c: Comparison, console=None) -> None:
         from hetserve.step_compare import print_steps
 
         print_steps(c.info["steps"]["served"], c.info["steps"]["simulated"], console)
+    sp = c.info.get("speed")
+    if sp:
+        ref, before, after = sp["at_calibration"], sp["before"], sp["after"]
+        hits = lambda t: sum(abs(r["ratio"] - 1) <= 0.15 for r in t.values())  # noqa: E731
+        console.print(f"machine speed (speed probe: one-token decode / {PROMPT_TOKENS}-token prompt in this process): "
+                      f"{before['decode_s'] * 1e3:.2f} / {before['prefill_s'] * 1e3:.1f} ms before serving, "
+                      f"{after['decode_s'] * 1e3:.2f} / {after['prefill_s'] * 1e3:.1f} ms after, "
+                      f"{ref['decode_s'] * 1e3:.2f} / {ref['prefill_s'] * 1e3:.1f} ms at calibration: simulated "
+                      f"times x{sp['slowdown']:.2f} (as calibrated, {hits(sp['table_as_calibrated'])} of "
+                      f"{len(c.table)} figures within ±15 %; with the correction {hits(c.table)})")
     others = c.info.get("other_cores_busy")
     if others is not None:
         console.print(f"other processes on this machine kept {others:.2f} cores busy during the replay"

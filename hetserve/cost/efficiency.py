@@ -9,7 +9,7 @@ them live in ``hetserve.cost.analytic``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from hetserve.errors import SpecError
@@ -50,6 +50,20 @@ class Efficiency:
                 raise ValueError(f"{k} must be non-negative")
         if self.max_batch < 1:
             raise ValueError("max_batch must be at least 1")
+
+    def at_speed(self, slowdown: float) -> "Efficiency":
+        """The same engine on a machine ``slowdown`` times slower (``runtime.speed_probe``: a shared
+        VM's speed drifts after calibration): every time it prices scaled by ``slowdown`` — the
+        achieved fractions of peak divided (at most 1), the fixed costs multiplied."""
+        if slowdown <= 0:
+            raise ValueError("slowdown must be positive")
+        frac = lambda x: min(1.0, x / slowdown)  # noqa: E731
+        return replace(self, compute=frac(self.compute), memory=frac(self.memory),
+                       attention=frac(self.attention) if self.attention else 0.0,
+                       step_overhead_s=self.step_overhead_s * slowdown,
+                       iteration_overhead_s=self.iteration_overhead_s * slowdown,
+                       seq_overhead_s=self.seq_overhead_s * slowdown,
+                       collective_overhead_s=self.collective_overhead_s * slowdown)
 
 
 def load_efficiency(path: str | Path) -> Efficiency:

@@ -69,6 +69,7 @@ from scipy.optimize import least_squares
 from hetserve.cost.analytic import CostModel, Efficiency, load_efficiency
 from hetserve.runtime.calibration_probes import (  # noqa: F401  (re-exported: calibrate's public names)
     Measurements, _layout, _one_device_cluster, _one_device_plan, machine_info, measure)
+from hetserve.runtime.speed_probe import SpeedReading, combine
 from hetserve.specs.model import load_model
 
 
@@ -109,6 +110,7 @@ class Calibration:
     # the GIL-holding thread's share
     frontend_dispatch_s: float = 0.0
     memory_bound: bool = True  # a decode probe is bandwidth-bound at the fitted memory efficiency (else: the default)
+    speed_probe: SpeedReading | None = None  # the machine's speed index over the rounds (runtime.speed_probe)
 
     @property
     def mean_abs_error(self) -> float:
@@ -132,6 +134,7 @@ class Calibration:
                                                            "frontend_step_cpu_s": self.frontend_step_cpu_s,
                                                            "frontend_dispatch_s": self.frontend_dispatch_s},
             "measured_on": self.measured_on, "points": [asdict(p) for p in self.points],
+            "speed_probe": self.speed_probe.to_dict() if self.speed_probe else None,
             "frontend_points": [asdict(p) for p in self.frontend_points]}, indent=2) + "\n")
 
 
@@ -151,13 +154,21 @@ def load_kv_handoff_overhead(path: str | Path) -> float:
     return float(_runtime(path).get("kv_handoff_overhead_s", 0.0))
 
 
-def served_efficiency(path: str | Path) -> Efficiency:
+def served_efficiency(path: str | Path, slowdown: float = 1.0) -> Efficiency:
     """The calibrated efficiency of a *served* deployment: the engine's, with each sequence's token
     streamed over HTTP/SSE added to its per-sequence cost per iteration (what the simulator must
     charge to predict what clients of the HTTP server see; the planner's ``--efficiency`` reads the
-    engine's alone, ``load_efficiency``)."""
+    engine's alone, ``load_efficiency``); ``slowdown``: on a machine that many times slower than at
+    calibration (``runtime.speed_probe``)."""
     eff = load_efficiency(path)
-    return replace(eff, seq_overhead_s=eff.seq_overhead_s + load_stream_overhead(path))
+    return replace(eff, seq_overhead_s=eff.seq_overhead_s + load_stream_overhead(path)).at_speed(slowdown)
+
+
+def load_speed_probe(path: str | Path) -> SpeedReading | None:
+    """``speed_probe`` of a calibration file (None: calibrated before the probe existed)."""
+    data = json.loads(Path(path).read_text())
+    sp = data.get("speed_probe") if isinstance(data, dict) else None
+    return SpeedReading.from_dict(sp) if sp else None
 
 
 def load_contention(path: str | Path) -> float:
@@ -176,18 +187,19 @@ def load_frontend_dispatch(path: str | Path) -> float:
     return max(0.0, float(_runtime(path).get("frontend_dispatch_s", 0.0)))
 
 
-def served_sim_options(path: str | Path | None) -> dict:
+def served_sim_options(path: str | Path | None, slowdown: float = 1.0) -> dict:
     """The ``SimOptions`` fields a calibration file sets for simulating a *served* deployment (what
     ``compare``, ``simulate --efficiency`` and ``bench_predict`` pass): the request overhead, the
-    KV hand-off overhead per message, the contention slow-down and the front end's CPU costs.
+    KV hand-off overhead per message, the contention slow-down and the front end's CPU costs; the
+    times scaled by ``slowdown`` (``served_efficiency``; the contention slow-down is a ratio).
     ``None``: no calibration, every field at its default."""
     if path is None:
         return {}
     req_cpu, step_cpu, tok_cpu = load_frontend_cpu(path)
-    return {"request_overhead_s": load_request_overhead(path), "contention_slowdown": load_contention(path),
-            "link_overhead_s": load_kv_handoff_overhead(path), "frontend_request_cpu_s": req_cpu,
-            "frontend_step_cpu_s": step_cpu, "frontend_token_cpu_s": tok_cpu,
-            "frontend_dispatch_s": load_frontend_dispatch(path)}
+    times = {"request_overhead_s": load_request_overhead(path), "link_overhead_s": load_kv_handoff_overhead(path),
+             "frontend_request_cpu_s": req_cpu, "frontend_step_cpu_s": step_cpu, "frontend_token_cpu_s": tok_cpu,
+             "frontend_dispatch_s": load_frontend_dispatch(path)}
+    return {**{k: v * slowdown for k, v in times.items()}, "contention_slowdown": load_contention(path)}
 
 
 @dataclass(frozen=True)
@@ -251,7 +263,7 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         pp_tpot: dict[int, float] | None = None, http_tpot: dict[int, float] | None = None,
         tp_ttft: dict[int, float] | None = None, tp_tpot: dict[int, float] | None = None,
         kv_handoff: dict[int, float] | None = None, frontend_cpu=None, attention: bool = True,
-        dispatch: list[float] | None = None) -> Calibration:
+        dispatch: list[float] | None = None, speed_probe: SpeedReading | None = None) -> Calibration:
     """Solve for compute, attention and memory efficiency and the fixed costs per iteration, per
     stage, per sequence and per TP collective (least squares on the log of predicted / measured, in
     stages: the one-device points, then the two-stage points for the per-stage part, then the TP 2
@@ -346,7 +358,7 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     (req_cpu, step_cpu, tok_cpu), fe_points = fit_frontend_cpu(frontend_cpu)
     return Calibration(gpu_name, eff, points, overhead, stream, handoff, contention, measured_on or {},
                        req_cpu, tok_cpu, step_cpu, fe_points,
-                       max(0.0, statistics.median(dispatch)) if dispatch else 0.0, memory_bound)
+                       max(0.0, statistics.median(dispatch)) if dispatch else 0.0, memory_bound, speed_probe)
 
 
 def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
@@ -357,4 +369,5 @@ def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
     return fit(model_dir, gpu_name, m.ttft, m.tpot, decode_tokens=kwargs.get("decode_tokens", 24),
                http_ttft=m.http_ttft, measured_on=info, contention=m.contention, pp_ttft=m.pp_ttft,
                pp_tpot=m.pp_tpot, http_tpot=m.http_tpot, tp_ttft=m.tp_ttft, tp_tpot=m.tp_tpot,
-               kv_handoff=m.kv_handoff, frontend_cpu=m.frontend_cpu, dispatch=m.dispatch)
+               kv_handoff=m.kv_handoff, frontend_cpu=m.frontend_cpu, dispatch=m.dispatch,
+               speed_probe=combine(m.speed) if m.speed else None)

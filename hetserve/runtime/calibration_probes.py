@@ -171,17 +171,20 @@ class Measurements:
     # (requests, engine steps, output tokens, CPU seconds beyond this process's idle rate and a
     # replay's own start and end: the client's set-up, measured with an empty replay)
     frontend_cpu: list[tuple[int, int, int, float]] = field(default_factory=list)
+    speed: list = field(default_factory=list)  # a SpeedReading per round (runtime.speed_probe)
 
 
 def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), batch_sizes=(1, 4, 16),
             decode_tokens: int = 24, reps: int = 5, serving: bool = True, pipeline: bool = True,
-            tp: bool = True, handoff: bool = True) -> Measurements:
+            tp: bool = True, handoff: bool = True, speed: bool = True) -> Measurements:
     """Median TTFT per prompt length and median TPOT per batch size on the engine, (``serving``)
     median TTFT of the same prompts and TPOT of the same batches through the HTTP server and the
     ``openai`` client, and the TTFT of the second prompt length and the TPOT of one sequence on a
     two-stage pipeline (``pipeline``, checkpoints of two or more layers) and on one stage of TP 2
     (``tp``, heads and FFN divisible by 2), and (``handoff``) the KV hand-off of that prompt from a
-    prefill replica to a decode replica (the coordinator's send to the last acknowledgement)."""
+    prefill replica to a decode replica (the coordinator's send to the last acknowledgement), and
+    (``speed``) the machine's speed index in every round (``runtime.speed_probe``), which
+    ``hetserve compare`` reads again when it serves."""
     from hetserve.runtime.engine import Engine, EngineConfig
     from hetserve.runtime.sampling import SamplingParams
 
@@ -247,7 +250,14 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         tp_ttft_s: list[float] = []
         tp_tpot_s: list[float] = []
         handoff_s: list[float] = []
+        probe = None
+        if speed:
+            from hetserve.runtime.speed_probe import SpeedProbe
+
+            probe = SpeedProbe(model_dir)
         for _ in range(reps):
+            if probe is not None:
+                m.speed.append(probe.read(1.0))
             for L in prompt_lengths:
                 ttft_s[L].append(prefill(engine, L))
             for b in batch_sizes:

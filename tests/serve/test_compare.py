@@ -54,3 +54,39 @@ def test_compare_serves_simulates_and_writes_table_and_cdfs(tmp_path, capsys):
     assert set(data["info"]["cores_busy"]) == {"front end", "m0:0", "m0:1"}
     assert all(0 <= v <= 8 for v in data["info"]["cores_busy"].values())
     assert "engine steps" in printed
+
+
+@pytest.mark.timeout(240)
+def test_compare_scales_the_calibration_by_the_machine_speed_it_reads_while_serving(tmp_path, capsys):
+    """A calibration whose speed probe read twice the speed of now: compare reads the probe before and
+    after serving, finds the machine about 2x slower and prices the simulation that much slower than
+    as calibrated (both tables kept)."""
+    from hetserve.cli.main import main
+    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.speed_probe import SpeedProbe
+
+    model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=64, heads=4, kv_heads=2)
+    (tmp_path / "cluster.yaml").write_text("name: cmp\nmachines:\n  - {name: m0, gpu: RTX-4090, count: 1}\n")
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"model": "tiny", "cluster": "cmp", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 2]}]}]}))
+    now = SpeedProbe(model).read(0.5)
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"gpu": "RTX-4090", "efficiency": {"compute": 2e-4, "memory": 0.8, "iteration_overhead_s": 3e-3},
+                               "runtime": {"request_overhead_s": 0.002},
+                               "speed_probe": {"decode_s": now.decode_s / 2, "prefill_s": now.prefill_s / 2}}))
+    out = tmp_path / "out"
+    code = main(["compare", "--plan", str(plan), "--model", str(model), "--cluster", str(tmp_path / "cluster.yaml"),
+                 "--workload-class", "LPLD", "--rate", "20", "-n", "4", "--max-input", "48", "--max-output", "4",
+                 "--efficiency", str(cal), "-o", str(out)])
+    assert code == 0
+    flat = " ".join(capsys.readouterr().out.split())
+    info = json.loads((out / "compare.json").read_text())["info"]
+    speed, table = info["speed"], json.loads((out / "compare.json").read_text())["table"]
+    assert 1.3 < speed["slowdown"] < 3.5  # twice as slow as the file says, give or take the machine's noise
+    assert speed["before"]["decode_s"] > 0 and speed["after"]["prefill_s"] > 0
+    for key in ("ttft_s.mean", "e2e_s.mean"):
+        assert table[key]["simulated"] > 1.2 * speed["table_as_calibrated"][key]["simulated"]
+        assert table[key]["served"] == speed["table_as_calibrated"][key]["served"]
+    assert "machine speed (speed probe" in flat and f"x{speed['slowdown']:.2f}" in flat
+    assert "speed probe before and after serving" in info["simulated_source"]

@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from hetserve.runtime.calibrate import calibrate
+    from hetserve.runtime.speed_probe import PROMPT_TOKENS
     from hetserve.specs.gpus import gpu
 
     from hetserve.cli.model_dir import check_model_dir
@@ -95,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
                   f"end's GIL {cal.frontend_dispatch_s * 1e3:.2f} ms per unit of its utilisation by other work (the "
                   f"GIL probe); fit error per point: mean "
                   f"{cal.mean_abs_error:.0%}, worst {cal.max_abs_error:.0%}")
+    if cal.speed_probe:
+        sp = cal.speed_probe
+        console.print(f"machine speed probe (runtime.speed_probe; `hetserve compare` reads it again when it serves): "
+                      f"one-token decode {sp.decode_s * 1e3:.2f} ms, {PROMPT_TOKENS}-token prompt "
+                      f"{sp.prefill_s * 1e3:.1f} ms (median over the rounds)")
     if cal.frontend_points:
         f = Table("requests", "engine steps", "tokens", "measured CPU ms", "fitted ms", "error",
                   title="the front end's CPU (HTTP/SSE server, coordinator, client: this process) per HTTP probe")

@@ -26,6 +26,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--route", default="flow", choices=["flow", "load", "aladdin"],
                    help="KV route policy, both sides (default flow)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-speed-correction", dest="speed_correction", action="store_false",
+                   help="price the simulation at the calibration's machine speed (default: read the machine's speed "
+                        "probe before and after serving and scale the calibrated times by its ratio to the "
+                        "calibration's reading; a shared VM's speed drifts by tens of percent within minutes)")
     add_prefill_mode_options(p)
     p.add_argument("-o", "--output", help="folder for compare.json and compare_cdf.png")
     p.set_defaults(func=run)
@@ -53,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
                                    num_requests=args.num_requests, max_input=args.max_input,
                                    max_output=args.max_output, efficiency=args.efficiency, router=args.router,
                                    route=args.route, seed=args.seed, prefill_mode=args.prefill_mode,
-                                   chunk_tokens=args.chunk_tokens, kv_admission=args.kv_admission))
+                                   chunk_tokens=args.chunk_tokens, kv_admission=args.kv_admission,
+                                   speed_correction=args.speed_correction))
     except RuntimeError as exc:
         raise RuntimeFailure(str(exc)) from exc
     console = Console()

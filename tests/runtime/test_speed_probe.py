@@ -1,0 +1,78 @@
+"""The machine's speed probe and what a slow-down does to the calibrated times."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hetserve.cost.analytic import CostModel
+from hetserve.cost.efficiency import Efficiency
+from hetserve.cost.layout import ReplicaLayout, StageLayout
+from hetserve.runtime.calibrate import load_speed_probe, served_efficiency, served_sim_options
+from hetserve.runtime.calibration_probes import _one_device_cluster
+from hetserve.runtime.speed_probe import SpeedProbe, SpeedReading, combine, slowdown
+from hetserve.specs.model import load_model
+
+CPU_LIKE = Efficiency(compute=2e-4, memory=3e-3, attention=1e-4, step_overhead_s=1e-3, iteration_overhead_s=4e-3,
+                      seq_overhead_s=2e-4, collective_overhead_s=5e-4)
+
+
+def test_a_machine_twice_as_slow_doubles_every_priced_time(model_dirs):
+    """Every compute term the cost model prices on a calibrated CPU scales with the slow-down (fixed
+    costs, compute, attention, weights streamed); a pipeline's hand-on and TP 2's collectives keep
+    their links' time (a link is not the cores)."""
+    spec = load_model(model_dirs["llama"])
+    cluster = _one_device_cluster("RTX-4090", 2)
+    layouts = [ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),)),
+               ReplicaLayout((StageLayout((0,), (0, 1)), StageLayout((1,), (1, spec.num_layers)))),
+               ReplicaLayout((StageLayout((0, 1), (0, spec.num_layers)),))]
+    now, slow = CostModel(cluster, spec, CPU_LIKE), CostModel(cluster, spec, CPU_LIKE.at_speed(2.0))
+    one, *linked = layouts
+    assert slow.ttft(one, 96) == pytest.approx(2 * now.ttft(one, 96), rel=1e-9)
+    assert slow.decode_step_time(one, 4, 4 * 40) == pytest.approx(2 * now.decode_step_time(one, 4, 4 * 40), rel=1e-9)
+    for lay in linked:
+        for t_now, t_slow in ((now.ttft(lay, 96), slow.ttft(lay, 96)),
+                              (now.decode_step_time(lay, 4, 160), slow.decode_step_time(lay, 4, 160))):
+            assert 1.95 * t_now < t_slow <= 2 * t_now * (1 + 1e-9)
+    assert slow.ttft(linked[1], 96) < 1.999 * now.ttft(linked[1], 96)  # TP 2's all-reduces of a prompt: link time
+    assert CPU_LIKE.at_speed(1.0) == CPU_LIKE
+    with pytest.raises(ValueError):
+        CPU_LIKE.at_speed(0.0)
+
+
+def test_served_options_scale_their_times_not_the_contention_ratio(tmp_path):
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"efficiency": {"compute": 2e-4, "iteration_overhead_s": 4e-3},
+                               "runtime": {"request_overhead_s": 0.01, "stream_overhead_s": 1e-4,
+                                           "kv_handoff_overhead_s": 0.002, "contention_slowdown": 1.3,
+                                           "frontend_request_cpu_s": 0.003, "frontend_step_cpu_s": 2e-4,
+                                           "frontend_token_cpu_s": 1e-4, "frontend_dispatch_s": 5e-4},
+                               "speed_probe": {"decode_s": 0.006, "prefill_s": 0.03, "samples": 80}}))
+    one, slow = served_sim_options(cal), served_sim_options(cal, 1.5)
+    assert slow["contention_slowdown"] == one["contention_slowdown"] == 1.3
+    for k in one:
+        if k != "contention_slowdown":
+            assert slow[k] == pytest.approx(1.5 * one[k]) and one[k] > 0, k
+    eff, eff_slow = served_efficiency(cal), served_efficiency(cal, 1.5)
+    assert eff_slow.seq_overhead_s == pytest.approx(1.5 * eff.seq_overhead_s)  # the stream overhead included
+    assert eff_slow.compute == pytest.approx(eff.compute / 1.5)
+    assert load_speed_probe(cal) == SpeedReading(0.006, 0.03, 80)
+
+
+def test_slowdown_is_the_geometric_mean_of_the_two_ratios():
+    then = SpeedReading(0.005, 0.030, 10)
+    assert slowdown(SpeedReading(0.010, 0.030, 10), then) == pytest.approx(2 ** 0.5)
+    assert slowdown(then, then) == 1.0
+    assert combine([SpeedReading(0.004, 0.02, 5), SpeedReading(0.006, 0.04, 7), SpeedReading(0.005, 0.03, 1)]) == \
+        SpeedReading(0.005, 0.03, 13)
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_the_probe_times_the_checkpoint_in_this_process(model_dirs, arch):
+    import torch
+
+    threads = torch.get_num_threads()
+    r = SpeedProbe(model_dirs[arch]).read(0.2)
+    assert r.samples >= 8 and 0 < r.decode_s < r.prefill_s  # a 128-token prompt costs more than one token
+    assert torch.get_num_threads() == threads  # one thread while it reads, as a worker; restored after

@@ -33,6 +33,29 @@ def test_serve_reports_a_missing_plan_in_one_line(tmp_path, capsys):
     assert len(err) == 1 and "nope.json" in err[0]
 
 
+@pytest.mark.parametrize("option,names", [("--router", ["aladdin", "jsq", "lot", "po2", "rr"]),
+                                          ("--route", ["aladdin", "flow", "load"]),
+                                          ("--transmission", ["fair", "molink", "serial"])])
+def test_serve_refuses_an_unknown_policy_before_any_worker_starts(tmp_path, capsys, monkeypatch, option, names):
+    """A policy name outside the registry: one line naming the option, the value and the choices,
+    exit code 2, and no worker started (``build`` is never reached)."""
+    from hetserve.planner.plan import Plan
+    from hetserve.runtime.make_model import make_model
+    from hetserve.serve import launch
+
+    def no_build(opts):
+        raise AssertionError(f"workers started for {option} foo")
+
+    monkeypatch.setattr(launch, "build", no_build)
+    model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=32, heads=2)
+    plan = tmp_path / "plan.json"
+    Plan.from_dict(PLAN).save(plan)
+    assert cli(["serve", "--plan", str(plan), "--cluster", "demo-cpu", "--model", str(model), option, "foo"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and option in err[0] and "'foo'" in err[0], err
+    assert all(name in err[0] for name in names), err
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import argparse
 
+from hetserve.policies.placement import placement_names
+from hetserve.policies.routing import route_names
+from hetserve.policies.transmission import transmission_names
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a plan over an OpenAI-compatible HTTP API",
@@ -30,12 +34,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="this machine's address on the pool's network: the engine's endpoint and TP rendezvous "
                         "store listen there for the workers (default: 127.0.0.1, or with --backend ray this "
                         "machine's Ray node IP; never all interfaces); see docs/multinode.md")
-    p.add_argument("--router", default="jsq", help="placement policy: jsq, rr, po2, lot, aladdin (default jsq)")
-    p.add_argument("--route", default="flow", choices=["flow", "load", "aladdin"],
+    # choices from the policies' own registries (one list of names): a bad name is refused by
+    # argparse in one line, exit code 2, before any worker starts
+    p.add_argument("--router", default="jsq", choices=placement_names(),
+                   help="placement policy: %(choices)s (default jsq)")
+    p.add_argument("--route", default="flow", choices=route_names(),
                    help="KV route policy for prefill -> decode hand-offs: flow (the plan's weights), load, "
                         "aladdin (default flow; the same policy objects `simulate --route` uses)")
-    p.add_argument("--transmission", default="serial",
-                   help="link scheduling: serial, fair, molink (default serial)")
+    p.add_argument("--transmission", default="serial", choices=transmission_names(),
+                   help="link scheduling: %(choices)s (default serial)")
     p.add_argument("--shape-links", action="store_true",
                    help="emulate the cluster's per-pair bandwidth and latency between workers")
     p.add_argument("--time-scale", type=float, default=1.0,

@@ -76,9 +76,13 @@ def register_route(name: str, factory: RouteFactory) -> None:
     ROUTE_POLICIES[name] = factory
 
 
+def route_names() -> list[str]:
+    return sorted(set(ROUTE_POLICIES) | set(_LAZY_ROUTE))
+
+
 def make_route(name: str, ctx: PolicyContext | None = None) -> RoutePolicy:
     if name not in ROUTE_POLICIES and name in _LAZY_ROUTE:
         importlib.import_module(_LAZY_ROUTE[name])
     if name not in ROUTE_POLICIES:
-        raise ValueError(f"unknown route policy {name!r}; choose one of {', '.join(sorted(ROUTE_POLICIES))}")
+        raise ValueError(f"unknown route policy {name!r}; choose one of {', '.join(route_names())}")
     return ROUTE_POLICIES[name](ctx or PolicyContext())

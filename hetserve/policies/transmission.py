@@ -202,13 +202,17 @@ TRANSMISSION_POLICIES: dict[str, Callable[[], object]] = {
 }
 
 
+def transmission_names() -> list[str]:
+    return sorted(TRANSMISSION_POLICIES)
+
+
 def make_transmission(name: str, **kwargs):
     """A fresh policy instance by name (one per link: MoLink keeps per-link state)."""
     try:
         return TRANSMISSION_POLICIES[name](**kwargs)
     except KeyError:
         raise ValueError(f"unknown transmission policy {name!r}; choose one of "
-                         + ", ".join(sorted(TRANSMISSION_POLICIES))) from None
+                         + ", ".join(transmission_names())) from None
 
 
 # ----------------------------------------------------------------------------- micro-batches (§4.3)

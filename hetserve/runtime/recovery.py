@@ -43,6 +43,7 @@ class Recovery:
         if now - self._last_poll < POLL_S:
             return
         self._last_poll = now
+        self.workers.reap()  # the workers killed with a dead one's replica: no zombie left behind
         for name, code in self.workers.exited():
             if name not in self.workers.dead:  # an earlier death this round may have taken its replica
                 self._on_worker_death(name, self.workers.exit_reason(name, code))

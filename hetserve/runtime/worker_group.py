@@ -31,6 +31,7 @@ class WorkerGroup:
         self.pids: dict[str, int] = {}
         self.worker_errors: dict[str, str] = {}
         self.dead: set[str] = set()
+        self._unreaped: set[str] = set()  # dead workers killed but not yet waited for (zombies until reaped)
         self.addresses: dict[str, Any] = {}  # worker name -> its transport address
         self._store = None
 
@@ -153,6 +154,7 @@ class WorkerGroup:
                 p.join(timeout=2.0)
             self.pids.pop(w.name, None)
             self.dead.discard(w.name)
+            self._unreaped.discard(w.name)
             self.addresses.pop(w.name, None)
             self.worker_errors.pop(w.name, None)
 
@@ -180,6 +182,16 @@ class WorkerGroup:
             self.dead.add(w.name)
             if self.procs[w.name].exitcode is None:
                 self.procs[w.name].kill()
+                self._unreaped.add(w.name)  # SIGKILL is not instant: reaped by a later ``reap``
+        self.reap()
+
+    def reap(self) -> None:
+        """Wait for the dead workers that were killed, without blocking, so none lingers as a zombie
+        process until shutdown (``exited`` skips the dead, so nothing else would poll them). Reading
+        ``exitcode`` polls the process (waitpid with WNOHANG) and collects its status once it is gone."""
+        for name in list(self._unreaped):
+            if self.procs[name].exitcode is not None:
+                self._unreaped.discard(name)
 
     def send_shutdown(self) -> None:
         """Ask every live replica's stages to exit (each stage's first rank tells its TP peers)."""

@@ -38,6 +38,9 @@ from hetserve.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoi
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _DISCONNECT_POLL_S = 0.25
+# prompts up to this many characters (or token ids) are tokenized on the event loop: well under a
+# millisecond, and never queued behind huge prompts in the thread pool
+INLINE_PROMPT_CHARS = 16_384
 RETRY_AFTER_S = 5  # what a client is told to wait while this server drains (another instance may take over)
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
@@ -158,7 +161,9 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None):
     async def completions(request: Request):
         body: CompletionRequest = await read_body(request, CompletionRequest)
         admit("completions", body)
-        req = _prepare(c, "completions", body, body.single_prompt, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+        prompt = body.single_prompt
+        ids = await _tokenize(c, len(prompt), lambda: prompt)
+        req = _prepare(c, "completions", body, ids, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
         rid, created = new_id("cmpl"), now_s()
         if body.stream:
             def chunk(text: str, finish: str | None) -> str:
@@ -181,8 +186,9 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None):
     async def chat_completions(request: Request):
         body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
         admit("chat", body)
-        prompt = c.codec.render_chat([(m.role, m.text) for m in body.messages])
-        req = _prepare(c, "chat", body, prompt, body.token_limit, None, prompt_param="messages")
+        messages = [(m.role, m.text) for m in body.messages]
+        ids = await _tokenize(c, sum(len(t) for _, t in messages), lambda: c.codec.render_chat(messages), "messages")
+        req = _prepare(c, "chat", body, ids, body.token_limit, None, prompt_param="messages")
         rid, created = new_id("chatcmpl"), now_s()
         if body.stream:
             def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
@@ -206,10 +212,20 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None):
     return app
 
 
-def _prepare(c: Coordinator, endpoint: str, body, prompt, max_tokens, default_max, prompt_param: str = "prompt"
-             ) -> Prepared:
+async def _tokenize(c: Coordinator, size: int, make_prompt, prompt_param: str = "prompt") -> list[int]:
+    """``c.tokenize(make_prompt())``, on a worker thread when the prompt is over ``INLINE_PROMPT_CHARS``
+    (``size``): rendering and tokenizing megabytes of text takes seconds, and on the event loop it
+    would stall every other stream and /health meanwhile."""
+    def work() -> list[int]:
+        return c.tokenize(make_prompt(), prompt_param)
+
+    return work() if size <= INLINE_PROMPT_CHARS else await asyncio.to_thread(work)
+
+
+def _prepare(c: Coordinator, endpoint: str, body, ids: list[int], max_tokens, default_max,
+             prompt_param: str = "prompt") -> Prepared:
     # a client error raised here is counted as rejected by the error handler
-    return c.prepare(endpoint, prompt, max_tokens=max_tokens, default_max_tokens=default_max,
+    return c.prepare(endpoint, ids, max_tokens=max_tokens, default_max_tokens=default_max,
                      temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                      stop=body.stop_strings, prompt_param=prompt_param, ignore_eos=body.ignore_eos,
                      min_tokens=body.min_tokens)

@@ -95,15 +95,10 @@ class Coordinator:
         return max(caps) if caps else None
 
     # ------------------------------------------------------------------ can I?
-    def prepare(self, endpoint: str, prompt: str | Sequence[int], *, max_tokens: int | None,
-                default_max_tokens: int | None, temperature: float, top_p: float, seed: int | None,
-                stop: Sequence[str], prompt_param: str = "prompt", ignore_eos: bool = False,
-                min_tokens: int = 0) -> Prepared:
-        """Tokenize and check a request; raises ``InvalidRequest`` / ``ContextLengthExceeded``.
-
-        ``max_tokens`` None takes ``default_max_tokens``, or (if that is None too) the room left
-        in the context.
-        """
+    def tokenize(self, prompt: str | Sequence[int], prompt_param: str = "prompt") -> list[int]:
+        """The prompt's token ids: text through the codec, ids checked against the vocabulary; raises
+        ``InvalidRequest``. Reads no state but the codec's, so the server may call it on a worker thread
+        (a prompt of megabytes takes seconds; ``hetserve.serve.app._tokenize``). O(prompt length)."""
         if isinstance(prompt, str):
             ids = self.codec.encode(prompt)
         else:
@@ -113,6 +108,18 @@ class Coordinator:
                 raise InvalidRequest(f"{prompt_param}: token ids must be in [0, {vocab})", param=prompt_param)
         if not ids:
             raise InvalidRequest(f"{prompt_param}: the prompt is empty after tokenization", param=prompt_param)
+        return ids
+
+    def prepare(self, endpoint: str, ids: list[int], *, max_tokens: int | None,
+                default_max_tokens: int | None, temperature: float, top_p: float, seed: int | None,
+                stop: Sequence[str], prompt_param: str = "prompt", ignore_eos: bool = False,
+                min_tokens: int = 0) -> Prepared:
+        """Check a request whose prompt ``tokenize`` gave as ``ids``; raises ``InvalidRequest`` /
+        ``ContextLengthExceeded``.
+
+        ``max_tokens`` None takes ``default_max_tokens``, or (if that is None too) the room left
+        in the context.
+        """
         ctx = self.max_context
         room = ctx - len(ids)
         if room < 1:

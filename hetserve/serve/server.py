@@ -1,5 +1,7 @@
 """Running the app under uvicorn: in the foreground (the CLI) or on a background thread (tests, bench).
 
+``bind_socket(host, port)`` takes the address before anything starts (port 0: the OS picks one, and
+the socket knows which); ``serve_forever(app, sock)`` serves on it.
 ``ServerThread(app, host, port=0)`` binds (port 0: the OS picks a free one), starts serving on its
 own thread and event loop, and exposes ``url``; ``stop()`` shuts it down and joins. It is a
 context manager.
@@ -7,6 +9,7 @@ context manager.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -18,12 +21,37 @@ def _config(app, host: str, port: int, log_level: str):
                           lifespan="on", timeout_graceful_shutdown=5, ws="none")
 
 
-def serve_forever(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-                  drain_timeout_s: float = 30.0) -> None:
-    """Serve until SIGTERM / Ctrl-C, then shut down gracefully: new requests get 503 with
-    ``Retry-After`` while the ones in flight finish (up to ``drain_timeout_s``); those left end with
-    one error event and ``[DONE]``. A second signal stops at once."""
-    _draining_server(_config(app, host, port, log_level), app.state.coordinator, drain_timeout_s).run()
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: a free one, ``getsockname()`` says which) but not
+    listening yet, so connections are refused, not left hanging, until the server accepts them (the
+    server listens when it starts). Raises ``OSError`` (a port another server listens on, unknown host).
+
+    Bound, the port is reserved against ordinary binds while the workers start; on Linux another
+    socket with SO_REUSEADDR could still share it until this one listens."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses the port
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    """``http://host:port`` of a bound socket (IPv6 hosts in brackets)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve_forever(app, sock: socket.socket, log_level: str = "info", drain_timeout_s: float = 30.0) -> None:
+    """Serve on ``sock`` (from ``bind_socket``) until SIGTERM / Ctrl-C, then shut down gracefully: new
+    requests get 503 with ``Retry-After`` while the ones in flight finish (up to ``drain_timeout_s``);
+    those left end with one error event and ``[DONE]``. A second signal stops at once."""
+    host, port = sock.getsockname()[:2]
+    config = _config(app, host, port, log_level)
+    _draining_server(config, app.state.coordinator, drain_timeout_s).run(sockets=[sock])
 
 
 def _draining_server(config, coordinator, drain_timeout_s: float):

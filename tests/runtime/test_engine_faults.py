@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -86,5 +87,40 @@ def test_frozen_worker_is_declared_dead_and_the_last_death_fails_cleanly(model_d
             long.result(timeout=30)
         with pytest.raises(RuntimeFailure, match="cannot serve"):
             eng.submit([1, 2, 3])
+    finally:
+        eng.shutdown()
+
+
+def _is_zombie_or_gone(pid: int) -> bool | None:
+    """True: ``pid`` is a zombie; False: it runs; None: it is gone (reaped). Reads /proc, so it
+    does not reap the process itself as ``Process.exitcode`` would."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return None
+    return stat.rpartition(")")[2].split()[0] == "Z"  # the state field follows the "(comm)" field
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process states from /proc")
+def test_a_dead_replicas_workers_are_reaped_not_left_as_zombies(model_dirs, cluster_file, plans):
+    """Kill -9 one stage of a two-stage replica: the engine notices, kills the other stage, and
+    waits for both, so neither stays a zombie process until shutdown."""
+    from hetserve.runtime.engine import Engine, EngineConfig
+
+    plan = plans.single(stages=((("m0:0",), (0, 2)), (("m0:1",), (2, 3))))
+    eng = Engine.from_plan(plan, cluster_file, model_dirs["llama"], EngineConfig(kv_capacity_tokens=1024))
+    try:
+        pids = eng.worker_pids()
+        os.kill(pids["m0:0"], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not eng.stats().get("deaths") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert eng.stats().get("deaths"), "the engine did not notice the killed worker"
+        # reaping takes one exit poll after the kill (0.1 s); a zombie stays one for good
+        while time.monotonic() < deadline and any(_is_zombie_or_gone(p) is not None for p in pids.values()):
+            time.sleep(0.05)
+        assert {n: _is_zombie_or_gone(p) for n, p in pids.items()} == {"m0:0": None, "m0:1": None}
     finally:
         eng.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -31,6 +32,29 @@ def test_serve_reports_a_missing_plan_in_one_line(tmp_path, capsys):
     assert cli(["serve", "--plan", str(tmp_path / "nope.json"), "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nope.json" in err[0]
+
+
+@pytest.mark.parametrize("option,names", [("--router", ["aladdin", "jsq", "lot", "po2", "rr"]),
+                                          ("--route", ["aladdin", "flow", "load"]),
+                                          ("--transmission", ["fair", "molink", "serial"])])
+def test_serve_refuses_an_unknown_policy_before_any_worker_starts(tmp_path, capsys, monkeypatch, option, names):
+    """A policy name outside the registry: one line naming the option, the value and the choices,
+    exit code 2, and no worker started (``build`` is never reached)."""
+    from hetserve.planner.plan import Plan
+    from hetserve.runtime.make_model import make_model
+    from hetserve.serve import launch
+
+    def no_build(opts):
+        raise AssertionError(f"workers started for {option} foo")
+
+    monkeypatch.setattr(launch, "build", no_build)
+    model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=32, heads=2)
+    plan = tmp_path / "plan.json"
+    Plan.from_dict(PLAN).save(plan)
+    assert cli(["serve", "--plan", str(plan), "--cluster", "demo-cpu", "--model", str(model), option, "foo"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and option in err[0] and "'foo'" in err[0], err
+    assert all(name in err[0] for name in names), err
 
 
 def _free_port() -> int:
@@ -99,3 +123,49 @@ def test_serve_command_answers_and_stops_cleanly(tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, proc.stdout.read()
+
+
+@pytest.mark.slow
+def test_serve_port_0_prints_the_port_it_serves_on(tmp_path):
+    """``--port 0``: the OS picks the port, and the URL printed at start-up is the one that answers."""
+    from hetserve.planner.plan import Plan
+    from hetserve.runtime.make_model import make_model
+
+    model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=32, heads=2)
+    plan = tmp_path / "plan.json"
+    Plan.from_dict(PLAN).save(plan)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "127.0.0.1", "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-m", "hetserve.cli.main", "serve", "--plan", str(plan),
+                             "--cluster", "demo-cpu", "--model", str(model), "--port", "0",
+                             "--log-level", "warning", "--drain-timeout", "1"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # until the pipe closes
+    reader.start()
+    try:
+        deadline = time.monotonic() + 90
+        url = None
+        while url is None and time.monotonic() < deadline and proc.poll() is None:
+            found = re.search(r"on (http://127\.0\.0\.1:(\d+))/v1", "".join(lines))
+            url = found and found.group(1)
+            time.sleep(0.05)
+        assert url is not None, "".join(lines)
+        assert not url.endswith(":0")
+        health = None
+        while time.monotonic() < deadline:  # the line is printed just before uvicorn starts accepting
+            try:
+                health = httpx.get(url + "/health", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert health is not None and health.status_code == 200 and health.json()["model"] == "tiny"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    reader.join(5)
+    assert proc.returncode == 0, "".join(lines)

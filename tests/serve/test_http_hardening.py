@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from hetserve.serve.fake import FakeBackend
+from hetserve.serve.fake import ByteCodec, FakeBackend
 
 NESTED = b'{"model": "tiny", "prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
 
@@ -63,6 +63,47 @@ def test_benchmark_client_fields_are_accepted(serve_fake):
     card = httpx.get(url + "/v1/models/tiny")
     assert card.status_code == 200 and card.json()["id"] == "tiny"
     assert httpx.get(url + "/v1/models/other").status_code == 404
+
+
+class _HeldCodec(ByteCodec):
+    """Encoding a prompt over ``big`` characters blocks until ``release`` is set (a huge prompt's
+    seconds of tokenizing, held for as long as the test needs)."""
+
+    def __init__(self, big: int):
+        self.big, self.entered, self.release = big, threading.Event(), threading.Event()
+
+    def encode(self, text: str) -> list[int]:
+        if len(text) > self.big:
+            self.entered.set()
+            self.release.wait(timeout=60)
+        return super().encode(text)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(serve_fake, endpoint):
+    """While a 6 MB prompt is being tokenized, /health and a small streaming request are answered:
+    both finish before its tokenizing does."""
+    codec = _HeldCodec(big=1_000_000)
+    url, _, _ = serve_fake(FakeBackend(max_context=256), codec=codec)
+    huge = "x" * 6_000_000
+    path, body = (("/v1/completions", {"model": "tiny", "prompt": huge}) if endpoint == "completions" else
+                  ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": huge}]}))
+    answers: list[httpx.Response] = []
+    big = threading.Thread(target=lambda: answers.append(httpx.post(url + path, json=body, timeout=90)))
+    big.start()
+    try:
+        assert codec.entered.wait(timeout=30), "the huge prompt never reached the tokenizer"
+        health = httpx.get(url + "/health", timeout=20)
+        small = {"model": "tiny", "prompt": "hi", "max_tokens": 5, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=small, timeout=20) as resp:
+            events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+        assert not codec.release.is_set()  # the huge prompt is still being tokenized
+    finally:
+        codec.release.set()
+        big.join(60)
+    assert health.status_code == 200
+    assert events[-1] == "[DONE]" and len(events) == 5 + 2  # five tokens, the finish chunk, [DONE]
+    assert answers and answers[0].status_code == 400 and "maximum context length" in answers[0].text
 
 
 def test_dead_replica_is_never_chosen_and_health_says_so(serve_fake):

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import argparse
 
+from hetserve.policies.placement import placement_names
+from hetserve.policies.routing import route_names
+from hetserve.policies.transmission import transmission_names
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a plan over an OpenAI-compatible HTTP API",
@@ -30,12 +34,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="this machine's address on the pool's network: the engine's endpoint and TP rendezvous "
                         "store listen there for the workers (default: 127.0.0.1, or with --backend ray this "
                         "machine's Ray node IP; never all interfaces); see docs/multinode.md")
-    p.add_argument("--router", default="jsq", help="placement policy: jsq, rr, po2, lot, aladdin (default jsq)")
-    p.add_argument("--route", default="flow", choices=["flow", "load", "aladdin"],
+    # choices from the policies' own registries (one list of names): a bad name is refused by
+    # argparse in one line, exit code 2, before any worker starts
+    p.add_argument("--router", default="jsq", choices=placement_names(),
+                   help="placement policy: %(choices)s (default jsq)")
+    p.add_argument("--route", default="flow", choices=route_names(),
                    help="KV route policy for prefill -> decode hand-offs: flow (the plan's weights), load, "
                         "aladdin (default flow; the same policy objects `simulate --route` uses)")
-    p.add_argument("--transmission", default="serial",
-                   help="link scheduling: serial, fair, molink (default serial)")
+    p.add_argument("--transmission", default="serial", choices=transmission_names(),
+                   help="link scheduling: %(choices)s (default serial)")
     p.add_argument("--shape-links", action="store_true",
                    help="emulate the cluster's per-pair bandwidth and latency between workers")
     p.add_argument("--time-scale", type=float, default=1.0,
@@ -78,13 +85,10 @@ def add_prefill_mode_options(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from hetserve.errors import HetserveError, RuntimeFailure, SpecError
+    from hetserve.errors import RuntimeFailure, SpecError
 
     try:
-        from hetserve.serve.launch import ServeOptions, build
-        from hetserve.serve.server import serve_forever
+        from hetserve.serve.launch import ServeOptions
     except ImportError as exc:  # the runtime extra is missing
         raise RuntimeFailure(f"hetserve serve needs the runtime extra (pip install 'hetserve[runtime]'): {exc}") \
             from exc
@@ -95,7 +99,6 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)  # input errors first, in one line, before anything starts
     cluster = load_cluster(args.cluster or plan.cluster)
     check_model_dir(args.model)
-    _check_port_free(args.host, args.port)
     if args.heartbeat_timeout <= 0.2:
         raise SpecError("--heartbeat-timeout", "heartbeat_timeout", "more than 0.2 s (workers beat every "
                         "min(0.5 s, timeout / 4))", args.heartbeat_timeout)
@@ -122,6 +125,18 @@ def run(args: argparse.Namespace) -> int:
                             replan_workload=args.replan_workload, replan_time_limit_s=args.replan_time_limit)
     except ValueError as exc:
         raise RuntimeFailure(str(exc)) from exc
+    sock = _bind(args.host, args.port)
+    with sock:  # bound from here: port 0 is a real one, printed once the workers are up
+        return _start_and_serve(args, opts, sock)
+
+
+def _start_and_serve(args: argparse.Namespace, opts, sock) -> int:
+    from rich.console import Console
+
+    from hetserve.errors import HetserveError, RuntimeFailure
+    from hetserve.serve.launch import build
+    from hetserve.serve.server import serve_forever, url_of
+
     console = Console(stderr=True)
     console.print(f"starting {args.backend} workers for {args.plan} ...")
     try:
@@ -131,12 +146,11 @@ def run(args: argparse.Namespace) -> int:
             raise
         raise RuntimeFailure(str(exc)) from exc
     name = deployment.coordinator.model_name
-    console.print(f"serving model [bold]{name}[/] on http://{args.host}:{args.port}/v1 "
+    console.print(f"serving model [bold]{name}[/] on {url_of(sock)}/v1 "
                   f"(router {args.router}, transmission {args.transmission}"
-                  f"{', shaped links' if args.shape_links else ''})")
+                  f"{', shaped links' if args.shape_links else ''})", soft_wrap=True)
     try:
-        serve_forever(deployment.app, args.host, args.port, log_level=args.log_level,
-                      drain_timeout_s=args.drain_timeout)
+        serve_forever(deployment.app, sock, log_level=args.log_level, drain_timeout_s=args.drain_timeout)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; stopping is the normal end
         pass
     finally:
@@ -145,15 +159,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """Bind the address once before any worker starts, so a taken port or bad host fails in a second."""
-    import socket
-
+def _bind(host: str, port: int):
+    """Take the address before any worker starts, so a taken port or bad host fails in a second."""
     from hetserve.errors import SpecError
+    from hetserve.serve.server import bind_socket
 
     try:
-        with socket.create_server((host, port)):
-            pass
+        return bind_socket(host, port)
     except (OSError, OverflowError) as exc:
         raise SpecError(f"{host}:{port}", "--host/--port", "an address this machine can listen on",
                         getattr(exc, "strerror", None) or str(exc)) from exc

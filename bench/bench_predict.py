@@ -25,6 +25,12 @@ budget, no request overhead, no shared cores) — each metric's sim / served
 ratio and whether it is within +-15 %. The 1-minute load average before and after each cell is
 printed: the machine is shared, so the served side is noisy.
 
+The machine's own speed drifts by tens of percent within minutes (docs/benchmarks.md, eighth
+session), so each cell's simulation is priced at the speed the machine's speed probe read just
+before and after that cell was served, relative to the calibration's reading
+(``runtime.speed_probe``, as ``hetserve compare`` does; the slow-down column, and the hits *as
+calibrated* beside; ``--no-speed-correction``: as calibrated).
+
 ``--json`` keeps each cell's served figures per request and its calibration file's content, so
 ``--replay FILE`` re-simulates every cell with the code (and options) of now against the *same*
 served measurement: compare model variants without serving again (the served side is the noise).

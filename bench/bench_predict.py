@@ -97,14 +97,16 @@ def refit_calibration(content: dict, model_dir) -> dict:
     on the same measurements."""
     from dataclasses import asdict
 
-    from hetserve.runtime.calibrate import fit
+    from hetserve.runtime.calibrate import LONG_DECODE_PROMPT, fit
 
     by: dict[tuple, dict[int, float]] = {}
     for p in content.get("points", []):
-        by.setdefault((p["phase"], p.get("stages", 1), p.get("tp", 1)), {})[p["size"]] = p["measured_s"]
-    g = lambda ph, st, tp: by.get((ph, st, tp), {})  # noqa: E731
+        prompt = p.get("prompt", 16 if p["phase"] == "decode" else 0)  # files before the long-context probe: 16
+        by.setdefault((p["phase"], p.get("stages", 1), p.get("tp", 1), prompt), {})[p["size"]] = p["measured_s"]
+    g = lambda ph, st, tp, L=None: by.get((ph, st, tp, (16 if ph == "decode" else 0) if L is None else L), {})  # noqa: E731
     cal = fit(str(model_dir), content.get("gpu", "RTX-4090"), g("prefill", 1, 1), g("decode", 1, 1),
-              pp_ttft=g("prefill", 2, 1), pp_tpot=g("decode", 2, 1), tp_ttft=g("prefill", 1, 2), tp_tpot=g("decode", 1, 2))
+              pp_ttft=g("prefill", 2, 1), pp_tpot=g("decode", 2, 1), tp_ttft=g("prefill", 1, 2), tp_tpot=g("decode", 1, 2),
+              tpot_long=g("decode", 1, 1, LONG_DECODE_PROMPT))
     points = [asdict(p) for p in cal.points]
     return {**content, "efficiency": asdict(cal.efficiency), "points": points, "refitted": True}
 

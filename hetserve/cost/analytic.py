@@ -99,15 +99,18 @@ class CostModel:
         return min(self.p2p_time(d, e, nbytes) for d in a.devices for e in b.devices)
 
     # ================================================================== per stage
-    def _roofline(self, stage: StageLayout, flops: float, nbytes: float, attn_flops: float = 0.0) -> float:
+    def _roofline(self, stage: StageLayout, flops: float, nbytes: float, attn_flops: float = 0.0,
+                  attn_eff: float = 0.0) -> float:
         """Per-device time for work split evenly over the stage's TP group, slowest device pacing.
         ``attn_flops`` (attention's score and value products) run at ``compute`` like the rest, or at
-        ``Efficiency.attention`` of peak where a calibration set one (0: the same as ``compute``)."""
+        ``attn_eff`` of peak (default ``Efficiency.attention``) where a calibration set one (0: the
+        same as ``compute``)."""
         t = stage.tp
         f = min(self._flops[d] for d in stage.devices)
         m = min(self._membw[d] for d in stage.devices)
-        if self.eff.attention > 0:
-            fa = f / self.eff.compute * self.eff.attention
+        attn_eff = attn_eff or self.eff.attention
+        if attn_eff > 0:
+            fa = f / self.eff.compute * attn_eff
             return max(flops / (t * f) + attn_flops / (t * fa), nbytes / (t * m))
         return max((flops + attn_flops) / (t * f), nbytes / (t * m))
 
@@ -146,7 +149,7 @@ class CostModel:
         m = self.model
         flops = 2.0 * m.params_per_layer * batch
         nbytes = m.bytes_per_layer + context_tokens * m.kv_bytes_per_token_per_layer
-        per_layer = self._roofline(stage, flops, nbytes, 4.0 * m.q_dim * context_tokens)
+        per_layer = self._roofline(stage, flops, nbytes, 4.0 * m.q_dim * context_tokens, self.eff.decode_attention)
         comm = 2 * self.allreduce_time(stage.devices, batch * m.hidden * m.dtype_bytes)
         head = self._head_time(stage, batch) if is_last else 0.0
         return stage.num_layers * (per_layer + comm) + self.collectives_time(stage) + head + self.eff.step_overhead_s

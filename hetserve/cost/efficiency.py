@@ -26,6 +26,11 @@ class Efficiency:
     # Small batched matmuls over a growing context do not run at the weight GEMMs' rate (on this
     # CPU demo a prompt's time per token grows with its length: `hetserve calibrate` fits it).
     attention: float = 0.0
+    # of peak FLOP/s for a *decode* step's attention over its context (4·q_dim·context per layer):
+    # 0 = the same as ``attention``. A decode step reads every sequence's KV blocks one by one (on
+    # this CPU demo ~4 µs per context token, 15x a prompt's attention per FLOP); `hetserve calibrate`
+    # fits it from decode probes at two context lengths.
+    decode_attention: float = 0.0
     usable_memory: float = 0.9  # of device memory (CUDA context, allocator fragmentation)
     activation_buffers: int = 4  # HexGen Appendix B: 4 reusable activation buffers
     activation_tokens: int = 2048  # tokens those buffers are sized for (the prefill token budget)
@@ -43,6 +48,8 @@ class Efficiency:
                 raise ValueError(f"efficiency {k} must be in (0, 1]")
         if not 0 <= self.attention <= 1:
             raise ValueError("efficiency attention must be in [0, 1] (0: the same as compute)")
+        if not 0 <= self.decode_attention <= 1:
+            raise ValueError("efficiency decode_attention must be in [0, 1] (0: the same as attention)")
         if self.activation_buffers < 0 or self.activation_tokens <= 0:
             raise ValueError("activation_buffers and activation_tokens must be non-negative")
         for k in ("step_overhead_s", "iteration_overhead_s", "seq_overhead_s", "collective_overhead_s"):
@@ -60,6 +67,7 @@ class Efficiency:
         frac = lambda x: min(1.0, x / slowdown)  # noqa: E731
         return replace(self, compute=frac(self.compute), memory=frac(self.memory),
                        attention=frac(self.attention) if self.attention else 0.0,
+                       decode_attention=frac(self.decode_attention) if self.decode_attention else 0.0,
                        step_overhead_s=self.step_overhead_s * slowdown,
                        iteration_overhead_s=self.iteration_overhead_s * slowdown,
                        seq_overhead_s=self.seq_overhead_s * slowdown,

@@ -68,7 +68,7 @@ from scipy.optimize import least_squares
 
 from hetserve.cost.analytic import CostModel, Efficiency, load_efficiency
 from hetserve.runtime.calibration_probes import (  # noqa: F401  (re-exported: calibrate's public names)
-    Measurements, _layout, _one_device_cluster, _one_device_plan, machine_info, measure)
+    LONG_DECODE_PROMPT, Measurements, _layout, _one_device_cluster, _one_device_plan, machine_info, measure)
 from hetserve.runtime.speed_probe import SpeedReading, combine
 from hetserve.specs.model import load_model
 
@@ -81,6 +81,7 @@ class CalibrationPoint:
     predicted_s: float
     stages: int = 1  # pipeline stages of the replica measured (2: the pipeline probes)
     tp: int = 1  # its TP degree (2: the TP probes)
+    prompt: int = 0  # decode probes: each sequence's prompt tokens (its context less the tokens decoded)
 
     @property
     def error(self) -> float:
@@ -263,7 +264,8 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         pp_tpot: dict[int, float] | None = None, http_tpot: dict[int, float] | None = None,
         tp_ttft: dict[int, float] | None = None, tp_tpot: dict[int, float] | None = None,
         kv_handoff: dict[int, float] | None = None, frontend_cpu=None, attention: bool = True,
-        dispatch: list[float] | None = None, speed_probe: SpeedReading | None = None) -> Calibration:
+        dispatch: list[float] | None = None, speed_probe: SpeedReading | None = None,
+        tpot_long: dict[int, float] | None = None, long_prompt_tokens: int = LONG_DECODE_PROMPT) -> Calibration:
     """Solve for compute, attention and memory efficiency and the fixed costs per iteration, per
     stage, per sequence and per TP collective (least squares on the log of predicted / measured, in
     stages: the one-device points, then the two-stage points for the per-stage part, then the TP 2
@@ -279,25 +281,32 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     iteration's: all of it is fitted as ``iteration_overhead_s`` (exact for one-stage replicas).
     Without TP points (``tp_ttft``/``tp_tpot``, one stage on TP 2) ``collective_overhead_s`` is 0.
     ``attention`` (and three or more prompt lengths): attention's FLOPs get their own efficiency
-    (``Efficiency.attention``), which lets a prompt's time per token grow with its length as measured."""
+    (``Efficiency.attention``), which lets a prompt's time per token grow with its length as measured.
+    ``tpot_long`` (batch -> TPOT of sequences started from ``long_prompt_tokens``-token prompts): a
+    decode step's attention over its context gets its own efficiency (``Efficiency.decode_attention``),
+    which lets a decode step's time grow with its context as measured."""
     spec = load_model(model_dir)
     pp_ttft, pp_tpot, tp_ttft, tp_tpot = pp_ttft or {}, pp_tpot or {}, tp_ttft or {}, tp_tpot or {}
     cluster = _one_device_cluster(gpu_name, 2 if pp_ttft or pp_tpot or tp_ttft or tp_tpot else 1)
     shapes = {(1, 1): _layout(spec), (2, 1): _layout(spec, 2), (1, 2): _layout(spec, 1, 2)}
     base = replace(base or Efficiency(), step_overhead_s=0.0, iteration_overhead_s=0.0, seq_overhead_s=0.0,
-                   collective_overhead_s=0.0, attention=0.0)
+                   collective_overhead_s=0.0, attention=0.0, decode_attention=0.0)
     attention = attention and len(ttft) >= 3  # its own efficiency needs the curvature of three lengths
-    ctx = decode_prompt_tokens + decode_tokens / 2
-    probes = [(ph, n, st, t_, sec) for ph, st, t_, d in (("prefill", 1, 1, ttft), ("decode", 1, 1, tpot),
-                                                         ("prefill", 2, 1, pp_ttft), ("decode", 2, 1, pp_tpot),
-                                                         ("prefill", 1, 2, tp_ttft), ("decode", 1, 2, tp_tpot))
+    tpot_long = tpot_long or {}
+    short = decode_prompt_tokens
+    # (phase, size, stages, tp, decode prompt, seconds)
+    probes = [(ph, n, st, t_, 0 if ph == "prefill" else L, sec)
+              for ph, st, t_, L, d in (("prefill", 1, 1, 0, ttft), ("decode", 1, 1, short, tpot),
+                                       ("decode", 1, 1, long_prompt_tokens, tpot_long),
+                                       ("prefill", 2, 1, 0, pp_ttft), ("decode", 2, 1, short, pp_tpot),
+                                       ("prefill", 1, 2, 0, tp_ttft), ("decode", 1, 2, short, tp_tpot))
               for n, sec in d.items()]
 
     def predict(eff: Efficiency, subset=None):
         cm = CostModel(cluster, spec, eff)
         return np.array([cm.ttft(shapes[st, t_], n) if ph == "prefill"
-                         else cm.decode_step_time(shapes[st, t_], n, n * ctx)
-                         for ph, n, st, t_, _ in (probes if subset is None else subset)])
+                         else cm.decode_step_time(shapes[st, t_], n, n * (L + decode_tokens / 2))
+                         for ph, n, st, t_, L, _ in (probes if subset is None else subset)])
 
     measured = np.array([sec for *_, sec in probes])
 
@@ -321,17 +330,21 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     hi = float(max(measured))
     one = [p for p in probes if p[2] == 1 and p[3] == 1]
 
+    long_decode = bool(tpot_long)
+
     def eff_one(x) -> Efficiency:
-        # attention's efficiency as a fraction of compute's, at most 1: the small products over a
+        # attention's efficiencies as fractions of compute's, at most 1: the small products over a
         # context never run faster than the weight GEMMs (free, the fit ran it to the bound 1.0 on a
         # noisy prompt curve, i.e. attention for nothing)
         return replace(base, compute=float(10 ** x[0]), memory=float(10 ** x[1]),
                        iteration_overhead_s=float(x[2]), seq_overhead_s=float(x[3]),
-                       attention=float(10 ** (x[0] + x[4])) if attention else 0.0)
+                       attention=float(10 ** (x[0] + x[4])) if attention else 0.0,
+                       decode_attention=float(10 ** (x[0] + x[5])) if long_decode else 0.0)
 
-    starts = [np.array([c0, c0, 0.4 * float(min(measured)), 0.0, -0.5]) for c0 in (-5.0, -3.0, -1.0)]
-    eff = eff_one(solve(one, eff_one, starts, [-9, -9, 0.0, 0.0, -9], [0, 0, hi, hi, 0]))
-    memory_bound = any(p[0] == "decode" and _memory_binds(CostModel(cluster, spec, eff), shapes[1, 1], p[1], p[1] * ctx)
+    starts = [np.array([c0, c0, 0.4 * float(min(measured)), 0.0, -0.5, -1.0]) for c0 in (-5.0, -3.0, -1.0)]
+    eff = eff_one(solve(one, eff_one, starts, [-9, -9, 0.0, 0.0, -9, -9], [0, 0, hi, hi, 0, 0]))
+    memory_bound = any(p[0] == "decode" and _memory_binds(CostModel(cluster, spec, eff), shapes[1, 1], p[1],
+                                                          p[1] * (p[4] + decode_tokens / 2))
                        for p in one)
     if not memory_bound:
         # No probe is bandwidth-bound at this efficiency: every value above it prices them alike, so
@@ -346,7 +359,8 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     if tp_pts:
         col_of = lambda x: replace(eff, collective_overhead_s=float(x[0]))  # noqa: E731
         eff = col_of(solve(tp_pts, col_of, [np.array([0.01 * float(min(measured))])], [0.0], [hi]))
-    points = tuple(CalibrationPoint(ph, n, sec, float(p), st, t_) for (ph, n, st, t_, sec), p in zip(probes, predict(eff)))
+    points = tuple(CalibrationPoint(ph, n, sec, float(p), st, t_, L)
+                   for (ph, n, st, t_, L, sec), p in zip(probes, predict(eff)))
     common = [L for L in (http_ttft or {}) if L in ttft]
     overhead = max(0.0, statistics.median(http_ttft[L] - ttft[L] for L in common)) if common else 0.0
     both = [b for b in (http_tpot or {}) if b in tpot]
@@ -370,4 +384,4 @@ def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
                http_ttft=m.http_ttft, measured_on=info, contention=m.contention, pp_ttft=m.pp_ttft,
                pp_tpot=m.pp_tpot, http_tpot=m.http_tpot, tp_ttft=m.tp_ttft, tp_tpot=m.tp_tpot,
                kv_handoff=m.kv_handoff, frontend_cpu=m.frontend_cpu, dispatch=m.dispatch,
-               speed_probe=combine(m.speed) if m.speed else None)
+               speed_probe=combine(m.speed) if m.speed else None, tpot_long=m.tpot_long)

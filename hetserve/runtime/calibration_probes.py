@@ -28,6 +28,10 @@ from hetserve.specs.cluster import Cluster, cluster_from_dict
 from hetserve.specs.model import load_model
 
 
+DECODE_PROMPT = 16  # prompt tokens of each sequence of the decode probes
+LONG_DECODE_PROMPT = 256  # ... and of the long-context decode probe
+
+
 def _burn(stop, go, weight_bytes: float) -> None:  # pragma: no cover - runs in a child process
     """While ``go`` is set, keep one core busy as one more worker process would: one torch thread
     multiplying by a matrix of the checkpoint's weight size (its weights streamed, its cache used)."""
@@ -155,6 +159,9 @@ def _tp_divides(spec, tp: int) -> bool:
 class Measurements:
     ttft: dict[int, float]  # prompt length -> median TTFT on the engine (s)
     tpot: dict[int, float]  # batch size -> median TPOT on the engine (s)
+    # batch size -> median TPOT of sequences started from a LONG_DECODE_PROMPT-token prompt: a decode
+    # step's cost per context token (its attention over the KV) beside the short-context probes
+    tpot_long: dict[int, float] = field(default_factory=dict)
     http_ttft: dict[int, float] = field(default_factory=dict)  # prompt length -> median TTFT through HTTP
     http_tpot: dict[int, float] = field(default_factory=dict)  # batch size -> median TPOT streamed through HTTP
     contention: float = 1.0  # the worker's CPU time for the largest decode probe beside one busy process / alone
@@ -176,8 +183,10 @@ class Measurements:
 
 def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), batch_sizes=(1, 4, 16),
             decode_tokens: int = 24, reps: int = 5, serving: bool = True, pipeline: bool = True,
-            tp: bool = True, handoff: bool = True, speed: bool = True) -> Measurements:
-    """Median TTFT per prompt length and median TPOT per batch size on the engine, (``serving``)
+            tp: bool = True, handoff: bool = True, speed: bool = True, long_decode: bool = True) -> Measurements:
+    """Median TTFT per prompt length and median TPOT per batch size on the engine (``long_decode``:
+    and of one batch started from LONG_DECODE_PROMPT-token prompts, the decode's cost per context
+    token: served contexts are prompts long, the other decode probes' 16 tokens), (``serving``)
     median TTFT of the same prompts and TPOT of the same batches through the HTTP server and the
     ``openai`` client, and the TTFT of the second prompt length and the TPOT of one sequence on a
     two-stage pipeline (``pipeline``, checkpoints of two or more layers) and on one stage of TP 2
@@ -200,8 +209,8 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         h.result(timeout=120)
         return h.ttft
 
-    def decode(eng, b: int) -> float:
-        handles = [eng.submit(rng.integers(32, 127, 16).tolist(),
+    def decode(eng, b: int, prompt: int = DECODE_PROMPT) -> float:
+        handles = [eng.submit(rng.integers(32, 127, prompt).tolist(),
                               SamplingParams(max_tokens=decode_tokens, ignore_eos=True)) for _ in range(b)]
         for h in handles:
             h.result(timeout=120)
@@ -243,6 +252,9 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         # load drifts, and interleaving spreads it over all points instead of biasing some.
         ttft_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
         tpot_s: dict[int, list[float]] = {b: [] for b in batch_sizes}
+        long_b = min(4, max(batch_sizes))
+        long_decode = long_decode and LONG_DECODE_PROMPT + decode_tokens < spec.max_context
+        long_s: list[float] = []
         http_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
         http_tpot_s: dict[int, list[float]] = {b: [] for b in batch_sizes}
         pp_ttft_s: list[float] = []
@@ -262,6 +274,8 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
                 ttft_s[L].append(prefill(engine, L))
             for b in batch_sizes:
                 tpot_s[b].append(decode(engine, b))
+            if long_decode:
+                long_s.append(decode(engine, long_b, LONG_DECODE_PROMPT))
             if pp is not None:
                 pp_ttft_s.append(prefill(pp, pp_prompt))
                 pp_tpot_s.append(decode(pp, 1))
@@ -358,6 +372,8 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
                 burner.kill()
         m.ttft = {L: statistics.median(v) for L, v in ttft_s.items()}
         m.tpot = {b: statistics.median(v) for b, v in tpot_s.items()}
+        if long_s:
+            m.tpot_long = {long_b: statistics.median(long_s)}
         m.http_ttft = {L: statistics.median(v) for L, v in http_s.items() if v}
         m.http_tpot = {b: statistics.median(v) for b, v in http_tpot_s.items() if v}
         if pp_ttft_s:

@@ -81,9 +81,10 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
     assert code == 0
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
-    assert [(p["phase"], p["size"], p["stages"], p["tp"]) for p in data["points"]] == [
-        ("prefill", 16, 1, 1), ("prefill", 96, 1, 1), ("decode", 1, 1, 1), ("decode", 6, 1, 1),
-        ("prefill", 96, 2, 1), ("decode", 1, 2, 1), ("prefill", 96, 1, 2), ("decode", 1, 1, 2)]
+    assert [(p["phase"], p["size"], p["stages"], p["tp"], p["prompt"]) for p in data["points"]] == [
+        ("prefill", 16, 1, 1, 0), ("prefill", 96, 1, 1, 0), ("decode", 1, 1, 1, 16), ("decode", 6, 1, 1, 16),
+        ("decode", 4, 1, 1, 256), ("prefill", 96, 2, 1, 0), ("decode", 1, 2, 1, 16), ("prefill", 96, 1, 2, 0),
+        ("decode", 1, 1, 2, 16)]
     assert all(p["measured_s"] > 0 for p in data["points"])
     spec = load_model(model_dir)
     lays = {(1, 1): ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),)),
@@ -94,8 +95,8 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
 
     def predict(cm, p):
         lay = lays[p["stages"], p["tp"]]
-        return cm.ttft(lay, p["size"]) if p["phase"] == "prefill" else cm.decode_step_time(lay, p["size"],
-                                                                                           p["size"] * (16 + 3))
+        return cm.ttft(lay, p["size"]) if p["phase"] == "prefill" else cm.decode_step_time(
+            lay, p["size"], p["size"] * (p["prompt"] + 3))
     for p in data["points"]:
         assert predict(fitted, p) == pytest.approx(p["predicted_s"], rel=1e-9)
         assert f"{(p['predicted_s'] - p['measured_s']) / p['measured_s']:+.0%}" in printed  # error per point
@@ -145,6 +146,23 @@ def test_fit_recovers_attention_efficiency_and_the_front_end_cpu(tmp_path):
     same = CostModel(_one_device_cluster("RTX-4090"), spec, Efficiency(compute=3e-4, attention=3e-4))
     plain = CostModel(_one_device_cluster("RTX-4090"), spec, Efficiency(compute=3e-4))
     assert same.ttft(lay, 512) == pytest.approx(plain.ttft(lay, 512), rel=1e-12)
+
+    # a decode step's attention over its context at its own, lower efficiency (the runtime reads each
+    # sequence's KV blocks one by one): recovered from a decode batch at a long context beside the
+    # short ones; without it the short-context fit misses the long-context step
+    truth_d = Efficiency(compute=3e-4, attention=6e-5, decode_attention=4e-6, iteration_overhead_s=0.004,
+                         seq_overhead_s=0.0003)
+    cm_d = CostModel(_one_device_cluster("RTX-4090"), spec, truth_d)
+    tpot_d = {b: cm_d.decode_step_time(lay, b, b * (16 + 12)) for b in (1, 4, 16)}
+    long_d = {4: cm_d.decode_step_time(lay, 4, 4 * (256 + 12))}
+    ttft_d = {L: cm_d.ttft(lay, L) for L in (32, 128, 256, 512)}
+    dec = fit(str(model_dir), "RTX-4090", ttft_d, tpot_d, tpot_long=long_d)
+    assert dec.efficiency.decode_attention == pytest.approx(4e-6, rel=0.05) and dec.max_abs_error < 0.01
+    assert [p.prompt for p in dec.points if p.phase == "decode"] == [16, 16, 16, 256]
+    blind = fit(str(model_dir), "RTX-4090", ttft_d, tpot_d)
+    assert blind.efficiency.decode_attention == 0.0
+    assert CostModel(_one_device_cluster("RTX-4090"), spec, blind.efficiency).decode_step_time(
+        lay, 4, 4 * (256 + 12)) < 0.9 * long_d[4]
 
     req, step, tok = 0.006, 0.0015, 0.0002
     probes = [(4, 4, 4), (1, 24, 24), (4, 24, 96), (16, 24, 384)]

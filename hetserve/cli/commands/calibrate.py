@@ -69,15 +69,17 @@ def run(args: argparse.Namespace) -> int:
                     pipeline=not args.no_pipeline, tp=not args.no_tp,
                     handoff=not args.no_handoff)
     on = cal.measured_on
-    t = Table("phase", "size", "stages", "tp", "measured ms", "cost model ms", "error",
+    t = Table("phase", "size", "context", "stages", "tp", "measured ms", "cost model ms", "error",
               title=f"calibration against {args.gpu} (measured on {on.get('device', '?')}, {on.get('cores', '?')} "
                     f"cores, {on.get('date', '?')}, load avg {on.get('load_avg_1m', '?')})")
     for p in cal.points:
-        t.add_row(p.phase, str(p.size), str(p.stages), str(p.tp), f"{p.measured_s * 1e3:.2f}", f"{p.predicted_s * 1e3:.2f}", f"{p.error:+.0%}")
+        t.add_row(p.phase, str(p.size), f"{p.prompt}+" if p.phase == "decode" else "-", str(p.stages), str(p.tp), f"{p.measured_s * 1e3:.2f}", f"{p.predicted_s * 1e3:.2f}", f"{p.error:+.0%}")
     console = Console()
     console.print(t)
     eff = cal.efficiency
-    console.print(f"compute efficiency {eff.compute:.3g}, attention {eff.attention:.3g}, memory efficiency "
+    console.print(f"compute efficiency {eff.compute:.3g}, attention {eff.attention:.3g} (prompts), "
+                  f"{eff.decode_attention or eff.attention:.3g} (a decode step over its context"
+                  f"{'' if eff.decode_attention else ': as prompts, no long-context probe'}), memory efficiency "
                   f"{eff.memory:.3g}{'' if cal.memory_bound else ' (the default: no decode probe is bandwidth-bound)'}"
                   f", fixed costs "
                   f"{eff.iteration_overhead_s * 1e3:.2f} ms per iteration (scheduler turn-around, sampling) + "

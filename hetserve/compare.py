@@ -37,7 +37,10 @@ STATS = ("mean", "p50", "p90", "p99")
 # Cores other processes may keep busy before a served figure is called disturbed: a quiet machine's
 # daemons and the shell stay well under it, one CPU-bound neighbour (a test run, a build) is far over.
 OTHERS_DISTURB = 0.15
-SPEED_PROBE_S = 2.0  # each speed reading, before and after serving (runtime.speed_probe)
+# the speed probe before and after serving (runtime.speed_probe): readings of SPEED_READING_S each,
+# SPEED_READINGS a side; the slow-down is from the median of them all, so a blip of the machine's
+# speed on one side (seen: a 2 s slow spell before a cell, 1.4x) does not price the whole cell
+SPEED_READINGS, SPEED_READING_S = 5, 0.5
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,7 @@ def compare(opts: CompareOptions) -> Comparison:
         pools = {rid: s.blocks.capacity_tokens for rid, s in engine.schedulers.items()}
         cfg = engine.config
         engine.coordinator.step_times = []  # appended by the coordinator thread, read once it is done
-        speed_before = probe.read(SPEED_PROBE_S) if probe else None  # the workers idle, started
+        speed_before = probe.readings(SPEED_READINGS, SPEED_READING_S) if probe else []  # the workers idle, started
         pids = {"front end": os.getpid(), **engine.workers.pids}
         cpu0, t0 = {k: process_cpu_s(p) for k, p in pids.items()}, time.monotonic()
         machine0 = machine_busy_cpu_s()
@@ -153,7 +156,7 @@ def compare(opts: CompareOptions) -> Comparison:
         others = other_cores_busy(cpu, machine0, machine_busy_cpu_s(), wall)
         served_steps = served_rows(engine.coordinator.step_times)
         # after the CPU readings: the probe's own CPU is not the served run's
-        speed = (speed_before, probe.read(SPEED_PROBE_S)) if probe else ()
+        speed = (speed_before, probe.readings(SPEED_READINGS, SPEED_READING_S)) if probe else ()
     load_after = os.getloadavg()[0]
     summary = summarize(results)
     if summary["errors"]:
@@ -161,7 +164,7 @@ def compare(opts: CompareOptions) -> Comparison:
     served = {"ttft_s": np.array([r.ttft_s for r in results]), "e2e_s": np.array([r.e2e_s for r in results]),
               "tpot_s": np.array([r.tpot_s for r in results if r.tpot_s is not None])}
 
-    slow = slowdown(combine(speed), at_calibration) if speed else 1.0
+    slow = slowdown(combine(speed[0] + speed[1]), at_calibration) if speed else 1.0
     efficiency = served_efficiency(opts.efficiency, slow) if opts.efficiency else None
     sim_kw = served_sim_options(opts.efficiency, slow)
     overhead = sim_kw.pop("request_overhead_s", 0.0)
@@ -182,7 +185,8 @@ def compare(opts: CompareOptions) -> Comparison:
         res0 = simulate_side(plan, cluster, spec, requests, opts, cfg, pools, served_efficiency(opts.efficiency),
                              kw.pop("request_overhead_s"), **kw)
         speed_info = {"slowdown": round(slow, 4), "at_calibration": at_calibration.to_dict(),
-                      "before": speed[0].to_dict(), "after": speed[1].to_dict(),
+                      "before": combine(speed[0]).to_dict(), "after": combine(speed[1]).to_dict(),
+                      "readings": [r.to_dict() for r in speed[0] + speed[1]],
                       "table_as_calibrated": table_of(served, _simulated(res0), summary["throughput_tokens_per_s"],
                                                       res0.summary()["throughput_tokens_per_s"])}
     info = {"plan": str(getattr(opts.plan, "name", opts.plan)) if not isinstance(opts.plan, Plan) else plan.algorithm,

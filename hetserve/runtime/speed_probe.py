@@ -68,6 +68,10 @@ class SpeedProbe:
         self.prompt_tokens = max(1, min(PROMPT_TOKENS, limit - 2))
         self.read(0.0)  # warm-up: the first calls allocate and pick kernels
 
+    def readings(self, n: int, seconds: float) -> list[SpeedReading]:
+        """``n`` readings of ``seconds`` each, back to back (``combine`` takes their median)."""
+        return [self.read(seconds) for _ in range(n)]
+
     def read(self, seconds: float = 1.5) -> SpeedReading:
         """Alternate 8 decode steps and one prompt for about ``seconds`` (at least one round)."""
         torch = self._torch

@@ -115,13 +115,7 @@ def test_serve_command_answers_and_stops_cleanly(tmp_path):
         reader.join(60)
         assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
     finally:
-        if proc.poll() is None and not events:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc, signal_it=not events)  # once streaming began, the test's own SIGTERM is the one under test
     assert proc.returncode == 0, proc.stdout.read()
 
 
@@ -160,12 +154,17 @@ def test_serve_port_0_prints_the_port_it_serves_on(tmp_path):
                 time.sleep(0.1)
         assert health is not None and health.status_code == 200 and health.json()["model"] == "tiny"
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
     reader.join(5)
     assert proc.returncode == 0, "".join(lines)
+
+
+def _stop(proc: subprocess.Popen, signal_it: bool = True) -> None:
+    """SIGTERM a server this test started (``signal_it``) and wait for it; kill it after 30 s."""
+    if signal_it and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -38,8 +38,9 @@ def test_serve_reports_a_missing_plan_in_one_line(tmp_path, capsys):
                                           ("--route", ["aladdin", "flow", "load"]),
                                           ("--transmission", ["fair", "molink", "serial"])])
 def test_serve_refuses_an_unknown_policy_before_any_worker_starts(tmp_path, capsys, monkeypatch, option, names):
-    """A policy name outside the registry: one line naming the option, the value and the choices,
-    exit code 2, and no worker started (``build`` is never reached)."""
+    """A policy name outside the registry (``serve``, and ``compare`` for its options): one line naming
+    the option, the value and the choices, exit code 2, and no worker started (``build`` is never
+    reached)."""
     from hetserve.planner.plan import Plan
     from hetserve.runtime.make_model import make_model
     from hetserve.serve import launch
@@ -51,10 +52,12 @@ def test_serve_refuses_an_unknown_policy_before_any_worker_starts(tmp_path, caps
     model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=32, heads=2)
     plan = tmp_path / "plan.json"
     Plan.from_dict(PLAN).save(plan)
-    assert cli(["serve", "--plan", str(plan), "--cluster", "demo-cpu", "--model", str(model), option, "foo"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and option in err[0] and "'foo'" in err[0], err
-    assert all(name in err[0] for name in names), err
+    commands = ["serve"] + (["compare"] if option != "--transmission" else [])  # compare has no --transmission
+    for command in commands:
+        assert cli([command, "--plan", str(plan), "--cluster", "demo-cpu", "--model", str(model), option, "foo"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and option in err[0] and "'foo'" in err[0] and command in err[0], err
+        assert all(name in err[0] for name in names), err
 
 
 def _free_port() -> int:

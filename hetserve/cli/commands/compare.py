@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from hetserve.policies.placement import placement_names
+from hetserve.policies.routing import route_names
+
 from hetserve.cli.commands.serve import add_prefill_mode_options
 
 
@@ -22,9 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-input", type=int, default=256, help="cap on prompt tokens (default 256)")
     p.add_argument("--max-output", type=int, default=32, help="cap on output tokens (default 32)")
     p.add_argument("--efficiency", help="calibration file (hetserve calibrate -o) for the simulator's cost model")
-    p.add_argument("--router", default="jsq", help="placement policy, both sides (default jsq)")
-    p.add_argument("--route", default="flow", choices=["flow", "load", "aladdin"],
-                   help="KV route policy, both sides (default flow)")
+    # choices from the policies' registries, as `serve`: a bad name is refused before any worker starts
+    p.add_argument("--router", default="jsq", choices=placement_names(),
+                   help="placement policy, both sides: %(choices)s (default jsq)")
+    p.add_argument("--route", default="flow", choices=route_names(),
+                   help="KV route policy, both sides: %(choices)s (default flow)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-speed-correction", dest="speed_correction", action="store_false",
                    help="price the simulation at the calibration's machine speed (default: read the machine's speed "

@@ -68,7 +68,7 @@ from scipy.optimize import least_squares
 
 from hetserve.cost.analytic import CostModel, Efficiency, load_efficiency
 from hetserve.runtime.calibration_probes import (  # noqa: F401  (re-exported: calibrate's public names)
-    LONG_DECODE_PROMPT, Measurements, _layout, _one_device_cluster, _one_device_plan, machine_info, measure)
+    DECODE_PROMPT, LONG_DECODE_PROMPT, Measurements, _layout, _one_device_cluster, _one_device_plan, machine_info, measure)
 from hetserve.runtime.speed_probe import SpeedReading, combine
 from hetserve.specs.model import load_model
 
@@ -258,7 +258,7 @@ def _memory_binds(cm: CostModel, layout, batch: int, context: float) -> bool:
 
 
 def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, float],
-        base: Efficiency | None = None, decode_prompt_tokens: int = 16, decode_tokens: int = 24,
+        base: Efficiency | None = None, decode_prompt_tokens: int = DECODE_PROMPT, decode_tokens: int = 24,
         http_ttft: dict[int, float] | None = None, measured_on: dict | None = None,
         contention: float = 1.0, pp_ttft: dict[int, float] | None = None,
         pp_tpot: dict[int, float] | None = None, http_tpot: dict[int, float] | None = None,

@@ -180,3 +180,23 @@ def test_fit_recovers_attention_efficiency_and_the_front_end_cpu(tmp_path):
     assert opts["frontend_request_cpu_s"] == pytest.approx(req, rel=1e-4)
     assert opts["frontend_step_cpu_s"] == pytest.approx(step, rel=1e-4)
     assert opts["frontend_token_cpu_s"] == pytest.approx(tok, rel=1e-4)
+
+
+def test_calibrate_options_turn_the_long_decode_and_speed_probes_off(tmp_path, monkeypatch):
+    """``--no-long-decode`` / ``--no-speed-probe`` reach the measurement (both on by default)."""
+    import hetserve.runtime.calibrate as calibrate_mod
+    from hetserve.cli.main import main
+
+    seen = []
+
+    def stop(model_dir, gpu, **kw):
+        seen.append(kw)
+        raise SystemExit(7)  # the options were read: nothing to measure
+
+    monkeypatch.setattr(calibrate_mod, "calibrate", stop)
+    model_dir = make_model(tmp_path / "m", "llama", layers=2, hidden=64, heads=4, kv_heads=2)
+    for extra in ([], ["--no-long-decode", "--no-speed-probe"]):
+        with pytest.raises(SystemExit):
+            main(["calibrate", "--model", str(model_dir), *extra])
+    assert (seen[0]["long_decode"], seen[0]["speed"]) == (True, True)
+    assert (seen[1]["long_decode"], seen[1]["speed"]) == (False, False)

@@ -46,6 +46,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="skip the TP 2 probes (the collectives' fixed cost is then 0)")
     p.add_argument("--no-handoff", action="store_true",
                    help="skip the KV hand-off probe (prefill slot -> decode slot; its overhead is then 0)")
+    p.add_argument("--no-long-decode", action="store_true",
+                   help="skip the decode batch from 256-token prompts (a decode step's attention over its context "
+                        "is then priced at the prompts' attention efficiency)")
+    p.add_argument("--no-speed-probe", action="store_true",
+                   help="skip the machine's speed probe in each round (`hetserve compare` then prices at the "
+                        "calibration's speed)")
     p.add_argument("--no-serving", action="store_true",
                    help="engine only: skip the HTTP probes (no request overhead measured)")
     p.add_argument("-o", "--output", help="write the calibration JSON here (for `plan/simulate --efficiency`)")
@@ -67,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     cal = calibrate(args.model, args.gpu, prompt_lengths=args.prompt_lengths, batch_sizes=args.batch_sizes,
                     decode_tokens=args.decode_tokens, reps=args.reps, serving=not args.no_serving,
                     pipeline=not args.no_pipeline, tp=not args.no_tp,
-                    handoff=not args.no_handoff)
+                    handoff=not args.no_handoff, long_decode=not args.no_long_decode,
+                    speed=not args.no_speed_probe)
     on = cal.measured_on
     t = Table("phase", "size", "context", "stages", "tp", "measured ms", "cost model ms", "error",
               title=f"calibration against {args.gpu} (measured on {on.get('device', '?')}, {on.get('cores', '?')} "

@@ -25,6 +25,20 @@ def _positive(text: str) -> int:
     return v
 
 
+# --no-NAME: skip a group of probes, and what the fit does without it
+SKIPS = {
+    "pipeline": "the two-stage pipeline probes (the per-stage fixed cost is then not told apart from the "
+                "per-iteration one)",
+    "tp": "the TP 2 probes (the collectives' fixed cost is then 0)",
+    "handoff": "the KV hand-off probe (prefill slot -> decode slot; its overhead is then 0)",
+    "long-decode": "the decode batch from 256-token prompts (a decode step's attention over its context is then "
+                   "priced at the prompts' attention efficiency)",
+    "speed-probe": "the machine's speed probe in each round (`hetserve compare` then prices at the calibration's "
+                   "speed)",
+    "serving": "the HTTP probes: engine only (no request overhead measured)",
+}
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="measure the engine here and fit the cost model's efficiency",
                        description="Serve the model on one device, measure prefill and decode times on the engine "
@@ -39,21 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-tokens", type=_positive, default=24, help="tokens per decode probe (default 24)")
     p.add_argument("--reps", type=_positive, default=7,
                    help="rounds over every probe (median per probe; default 7: the load of a shared machine drifts)")
-    p.add_argument("--no-pipeline", action="store_true",
-                   help="skip the two-stage pipeline probes (the per-stage fixed cost is then not told apart "
-                        "from the per-iteration one)")
-    p.add_argument("--no-tp", action="store_true",
-                   help="skip the TP 2 probes (the collectives' fixed cost is then 0)")
-    p.add_argument("--no-handoff", action="store_true",
-                   help="skip the KV hand-off probe (prefill slot -> decode slot; its overhead is then 0)")
-    p.add_argument("--no-long-decode", action="store_true",
-                   help="skip the decode batch from 256-token prompts (a decode step's attention over its context "
-                        "is then priced at the prompts' attention efficiency)")
-    p.add_argument("--no-speed-probe", action="store_true",
-                   help="skip the machine's speed probe in each round (`hetserve compare` then prices at the "
-                        "calibration's speed)")
-    p.add_argument("--no-serving", action="store_true",
-                   help="engine only: skip the HTTP probes (no request overhead measured)")
+    for name, what in SKIPS.items():
+        p.add_argument(f"--no-{name}", action="store_true", help=f"skip {what}")
     p.add_argument("-o", "--output", help="write the calibration JSON here (for `plan/simulate --efficiency`)")
     p.set_defaults(func=run)
 
@@ -72,9 +73,8 @@ def run(args: argparse.Namespace) -> int:
     check_model_dir(args.model)  # a folder, never a hub name looked up online
     cal = calibrate(args.model, args.gpu, prompt_lengths=args.prompt_lengths, batch_sizes=args.batch_sizes,
                     decode_tokens=args.decode_tokens, reps=args.reps, serving=not args.no_serving,
-                    pipeline=not args.no_pipeline, tp=not args.no_tp,
-                    handoff=not args.no_handoff, long_decode=not args.no_long_decode,
-                    speed=not args.no_speed_probe)
+                    pipeline=not args.no_pipeline, tp=not args.no_tp, handoff=not args.no_handoff,
+                    long_decode=not args.no_long_decode, speed=not args.no_speed_probe)
     on = cal.measured_on
     t = Table("phase", "size", "context", "stages", "tp", "measured ms", "cost model ms", "error",
               title=f"calibration against {args.gpu} (measured on {on.get('device', '?')}, {on.get('cores', '?')} "

@@ -97,13 +97,17 @@ def refit_calibration(content: dict, model_dir) -> dict:
     on the same measurements."""
     from dataclasses import asdict
 
-    from hetserve.runtime.calibrate import LONG_DECODE_PROMPT, fit
+    from hetserve.runtime.calibrate import DECODE_PROMPT, LONG_DECODE_PROMPT, fit
 
     by: dict[tuple, dict[int, float]] = {}
     for p in content.get("points", []):
-        prompt = p.get("prompt", 16 if p["phase"] == "decode" else 0)  # files before the long-context probe: 16
+        prompt = p.get("prompt", DECODE_PROMPT if p["phase"] == "decode" else 0)  # files before the long-context probe
         by.setdefault((p["phase"], p.get("stages", 1), p.get("tp", 1), prompt), {})[p["size"]] = p["measured_s"]
-    g = lambda ph, st, tp, L=None: by.get((ph, st, tp, (16 if ph == "decode" else 0) if L is None else L), {})  # noqa: E731
+
+    def g(phase: str, stages: int, tp: int, prompt: int | None = None) -> dict[int, float]:
+        short = DECODE_PROMPT if phase == "decode" else 0
+        return by.get((phase, stages, tp, short if prompt is None else prompt), {})
+
     cal = fit(str(model_dir), content.get("gpu", "RTX-4090"), g("prefill", 1, 1), g("decode", 1, 1),
               pp_ttft=g("prefill", 2, 1), pp_tpot=g("decode", 2, 1), tp_ttft=g("prefill", 1, 2), tp_tpot=g("decode", 1, 2),
               tpot_long=g("decode", 1, 1, LONG_DECODE_PROMPT))
@@ -123,8 +127,7 @@ def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | Non
 
     import numpy as np
 
-    from hetserve.compare import CompareOptions, simulate_side, table_of
-    from hetserve.runtime.calibrate import served_efficiency, served_sim_options
+    from hetserve.compare import CompareOptions, simulate_calibrated, simulated_of, table_against, table_of
     from hetserve.runtime.engine_config import EngineConfig
     from hetserve.runtime.make_model import make_model
     from hetserve.serve.loadgen import requests_from_workload
@@ -166,16 +169,12 @@ def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | Non
         served = cell.get("served")  # per request (files written since --replay exists)
 
         def table_at(slow: float) -> dict:
-            kw = served_sim_options(cal, slow)
-            overhead = kw.pop("request_overhead_s")
-            res = simulate_side(plan, cluster, spec, requests, opts, cfg, pools, served_efficiency(cal, slow),
-                                overhead, **kw)
-            sim = {"ttft_s": res.ttft, "e2e_s": res.e2e, "tpot_s": res.tpot[res.output_tokens > 1]}
-            tps = res.summary()["throughput_tokens_per_s"]
+            res = simulate_calibrated(plan, cluster, spec, requests, opts, cfg, pools, cal, slow)
             if served:
-                return table_of({k: np.asarray(v, float) for k, v in served["per_request"].items()}, sim,
-                                served["throughput_tokens_per_s"], tps)
-            fake = table_of(sim, sim, 1.0, tps)  # an older file: the served column of its table
+                return table_against({k: np.asarray(v, float) for k, v in served["per_request"].items()},
+                                     served["throughput_tokens_per_s"], res)
+            sim = simulated_of(res)
+            fake = table_of(sim, sim, 1.0, res.summary()["throughput_tokens_per_s"])  # an older file: its served column
             return {k: {"served": cell["table"][k]["served"], "simulated": v["simulated"],
                         "ratio": v["simulated"] / cell["table"][k]["served"]} for k, v in fake.items()}
 
@@ -274,7 +273,7 @@ def main() -> int:
             Path(args.json).write_text(json.dumps({"cells": cells, "replayed": args.replay}, indent=2) + "\n")
         return 0
 
-    from hetserve.compare import CompareOptions, compare, simulate_side, table_of
+    from hetserve.compare import CompareOptions, compare, simulate_side, table_against
     from hetserve.runtime.calibrate import served_efficiency, served_sim_options
     from hetserve.runtime.make_model import make_model
     from hetserve.serve.loadgen import requests_from_workload
@@ -324,10 +323,7 @@ def main() -> int:
             plan_, cluster_, spec_, requests, cfg, pools, eff, ovh, served_summary, _ = c.context
             base = simulate_side(plan_, cluster_baseline, spec_, requests, opts, cfg, pools, eff, 0.0,
                                  prefill_mode="prefill_first", token_budget=4096)
-            steps = base.output_tokens > 1
-            base_table = table_of(c.served, {"ttft_s": base.ttft, "e2e_s": base.e2e, "tpot_s": base.tpot[steps]},
-                                  served_summary["throughput_tokens_per_s"],
-                                  base.summary()["throughput_tokens_per_s"])
+            base_table = table_against(c.served, served_summary["throughput_tokens_per_s"], base)
             cells.append({"plan": name, "rate": rate, "fraction": frac, "load_avg_1m": c.info["load_avg_1m"],
                           "requests": args.requests, "calibration": cal,
                           "calibration_data": json.loads(Path(cal).read_text()),

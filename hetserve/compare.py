@@ -176,19 +176,15 @@ def compare(opts: CompareOptions) -> Comparison:
     model_time = step_model(sim.cost, {r.id: r.layout for r in sim.replicas})
     steps_info = {"served": summarise(served_steps, model_time),
                   "simulated": summarise(simulated_rows(sim.replicas, lambda i: len(requests[i].prompt)))}
-    table = table_of(served, _simulated(res), summary["throughput_tokens_per_s"],
-                     res.summary()["throughput_tokens_per_s"])
+    table = table_against(served, summary["throughput_tokens_per_s"], res)
     speed_info = None
     if speed:
         # the same simulation at the calibration's speed: what the correction changed
-        kw = served_sim_options(opts.efficiency)
-        res0 = simulate_side(plan, cluster, spec, requests, opts, cfg, pools, served_efficiency(opts.efficiency),
-                             kw.pop("request_overhead_s"), **kw)
+        res0 = simulate_calibrated(plan, cluster, spec, requests, opts, cfg, pools, opts.efficiency)
         speed_info = {"slowdown": round(slow, 4), "at_calibration": at_calibration.to_dict(),
                       "before": combine(speed[0]).to_dict(), "after": combine(speed[1]).to_dict(),
                       "readings": [r.to_dict() for r in speed[0] + speed[1]],
-                      "table_as_calibrated": table_of(served, _simulated(res0), summary["throughput_tokens_per_s"],
-                                                      res0.summary()["throughput_tokens_per_s"])}
+                      "table_as_calibrated": table_against(served, summary["throughput_tokens_per_s"], res0)}
     info = {"plan": str(getattr(opts.plan, "name", opts.plan)) if not isinstance(opts.plan, Plan) else plan.algorithm,
             "replicas": {r.id: r.role for r in plan.replicas}, "requests": len(requests),
             "workload": opts.workload, "workload_class": opts.workload_class, "rate": opts.rate,
@@ -204,13 +200,30 @@ def compare(opts: CompareOptions) -> Comparison:
             "machine": machine_info(),
             "served_source": "measured at the openai client on this machine",
             "simulated_source": _simulated_source(opts.efficiency, slow if speed else None)}
-    return Comparison(table, served, _simulated(res), info,
+    return Comparison(table, served, simulated_of(res), info,
                       (plan, cluster, spec, requests, cfg, pools, efficiency, overhead, summary, contention))
 
 
-def _simulated(res) -> dict[str, np.ndarray]:
+def simulated_of(res) -> dict[str, np.ndarray]:
     """A simulation's per-request TTFT, TPOT (requests of two or more tokens) and E2E."""
     return {"ttft_s": res.ttft, "e2e_s": res.e2e, "tpot_s": res.tpot[res.output_tokens > 1]}
+
+
+def table_against(served: dict[str, np.ndarray], served_tps: float, res) -> dict[str, dict[str, float]]:
+    """``table_of`` the served figures against a simulation's result."""
+    return table_of(served, simulated_of(res), served_tps, res.summary()["throughput_tokens_per_s"])
+
+
+def simulate_calibrated(plan, cluster, spec, requests, opts: CompareOptions, cfg, pools: dict[str, int],
+                        calibration, slowdown: float = 1.0):
+    """``simulate_side`` priced by a calibration file (its served efficiency, request overhead and
+    other ``SimOptions`` fields) on a machine ``slowdown`` times slower than at calibration."""
+    from hetserve.runtime.calibrate import served_efficiency, served_sim_options
+
+    kw = served_sim_options(calibration, slowdown)
+    overhead = kw.pop("request_overhead_s")
+    return simulate_side(plan, cluster, spec, requests, opts, cfg, pools, served_efficiency(calibration, slowdown),
+                         overhead, **kw)
 
 
 def _simulated_source(efficiency: str | None, slow: float | None) -> str:

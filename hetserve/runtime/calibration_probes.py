@@ -100,7 +100,9 @@ class _cpu_meter:
 
 
 def machine_info() -> dict:
-    """Where a measurement was taken: CPU model, cores, date (UTC), load average now."""
+    """Where a measurement was taken: the device the engine ran on (the GPU's name where CUDA is
+    available: the engine's ``device="auto"`` then runs there; else the CPU model), the host's CPU
+    and cores, date (UTC), load average now."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -110,8 +112,14 @@ def machine_info() -> dict:
     except OSError:
         pass
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    return {"device": cpu, "cores": os.cpu_count(), "date": datetime.datetime.now(datetime.timezone.utc)
+    info = {"device": cpu, "cores": os.cpu_count(), "date": datetime.datetime.now(datetime.timezone.utc)
             .strftime("%Y-%m-%d %H:%M UTC"), "load_avg_1m": round(load[0], 2)}
+    import torch
+
+    if torch.cuda.is_available():
+        info.update(device=f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda}, torch {torch.__version__})",
+                    host_cpu=cpu, gpus=torch.cuda.device_count())
+    return info
 
 
 def _one_device_cluster(gpu_name: str, count: int = 1) -> Cluster:
@@ -202,6 +210,14 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
     plan = _one_device_plan(spec, cluster)
     rng = np.random.default_rng(0)
     prompt_lengths = [L for L in prompt_lengths if L + decode_tokens < spec.max_context]
+    long_b = min(4, max(batch_sizes))
+    long_decode = long_decode and LONG_DECODE_PROMPT + decode_tokens < spec.max_context
+    # KV tokens of every probe replica: twice what the largest probe holds at once. Not what memory
+    # allows: the probes' cluster names one GPU type for worker slots that may share one real device
+    # (on a one-GPU machine every slot of the pipeline, TP and hand-off probes is cuda:0), and a
+    # pool sized to the datasheet's memory per slot would not fit beside the others.
+    kv_tokens = 2 * max(max(batch_sizes) * (DECODE_PROMPT + decode_tokens), max(prompt_lengths) + decode_tokens,
+                        long_b * (LONG_DECODE_PROMPT + decode_tokens) if long_decode else 0)
     m = Measurements({}, {})
 
     def prefill(eng, L: int) -> float:
@@ -221,27 +237,30 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         from hetserve.serve.launch import ServeOptions, start_server
 
         server = start_server(ServeOptions(plan=plan, cluster=cluster, model_dir=str(model_dir),
-                                           max_num_seqs=max(batch_sizes)))
+                                           max_num_seqs=max(batch_sizes), kv_capacity_tokens=kv_tokens))
         engine = server.deployment.engine
     else:
-        engine = Engine.from_plan(plan, cluster, model_dir, EngineConfig(max_num_seqs=max(batch_sizes)))
+        engine = Engine.from_plan(plan, cluster, model_dir,
+                                  EngineConfig(max_num_seqs=max(batch_sizes), kv_capacity_tokens=kv_tokens))
     try:
         pp_prompt = prompt_lengths[min(1, len(prompt_lengths) - 1)]
         if pipeline and spec.num_layers >= 2:
             # A two-stage pipeline of the same checkpoint, probed in the same rounds (the load drifts):
             # one micro-batch, so what it adds to one stage is the second stage's fixed cost and hand-on.
             cluster2 = _one_device_cluster(gpu_name, 2)
-            pp = Engine.from_plan(_one_device_plan(spec, cluster2, 2), cluster2, model_dir, EngineConfig(max_num_seqs=4))
+            pp = Engine.from_plan(_one_device_plan(spec, cluster2, 2), cluster2, model_dir,
+                                  EngineConfig(max_num_seqs=4, kv_capacity_tokens=kv_tokens))
             pp.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         if tp and _tp_divides(spec, 2):
             # One stage on TP 2: what it adds beyond half the compute is its collectives' fixed cost.
             cluster2 = _one_device_cluster(gpu_name, 2)
             tp2 = Engine.from_plan(_one_device_plan(spec, cluster2, 1, 2), cluster2, model_dir,
-                                   EngineConfig(max_num_seqs=4))
+                                   EngineConfig(max_num_seqs=4, kv_capacity_tokens=kv_tokens))
             tp2.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         if handoff:
             cluster2 = _one_device_cluster(gpu_name, 2)
-            pd = Engine.from_plan(_handoff_plan(spec, cluster2), cluster2, model_dir, EngineConfig(max_num_seqs=4))
+            pd = Engine.from_plan(_handoff_plan(spec, cluster2), cluster2, model_dir,
+                                  EngineConfig(max_num_seqs=4, kv_capacity_tokens=kv_tokens))
             pd.generate([[65] * 8], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
         engine.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         if server is not None:  # the client's and the server's first request import and build things once
@@ -252,8 +271,6 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         # load drifts, and interleaving spreads it over all points instead of biasing some.
         ttft_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
         tpot_s: dict[int, list[float]] = {b: [] for b in batch_sizes}
-        long_b = min(4, max(batch_sizes))
-        long_decode = long_decode and LONG_DECODE_PROMPT + decode_tokens < spec.max_context
         long_s: list[float] = []
         http_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
         http_tpot_s: dict[int, list[float]] = {b: [] for b in batch_sizes}

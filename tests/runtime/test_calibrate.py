@@ -200,3 +200,58 @@ def test_calibrate_options_turn_the_long_decode_and_speed_probes_off(tmp_path, m
             main(["calibrate", "--model", str(model_dir), *extra])
     assert (seen[0]["long_decode"], seen[0]["speed"]) == (True, True)
     assert (seen[1]["long_decode"], seen[1]["speed"]) == (False, False)
+
+
+def test_probe_replicas_get_a_kv_pool_sized_to_the_probes_not_the_datasheet(tmp_path, monkeypatch):
+    """Every probe replica asks for a KV pool twice the largest probe's tokens. Sized to the GPU's
+    datasheet memory instead (what the engine does on CUDA when nothing is asked), the pipeline, TP
+    and hand-off probes' slots, which share one real GPU on a one-GPU machine, ran it out of memory."""
+    from hetserve.runtime import calibration_probes
+    from hetserve.runtime.engine import Engine
+
+    configs = []
+
+    class Stop(Exception):
+        pass
+
+    def record(plan, cluster, model_dir, config=None, **kw):
+        configs.append(config)
+        raise Stop  # the engine's config was read: nothing to start
+
+    monkeypatch.setattr(Engine, "from_plan", staticmethod(record))
+    model_dir = make_model(tmp_path / "m", "llama", layers=2, hidden=64, heads=4, kv_heads=2)
+    with pytest.raises(Stop):
+        calibration_probes.measure(str(model_dir), "H200", prompt_lengths=(32, 128), batch_sizes=(1, 8),
+                                   decode_tokens=24, serving=False, speed=False)
+    # 4 sequences from 256-token prompts + 24 decoded is the largest probe here
+    assert configs[0].kv_capacity_tokens == 2 * 4 * (calibration_probes.LONG_DECODE_PROMPT + 24)
+
+
+def test_machine_info_names_the_gpu_the_engine_runs_on(monkeypatch):
+    """Where CUDA is available the engine's ``device="auto"`` runs there: a calibration's
+    ``measured_on`` names that GPU (and keeps the host's CPU), not the CPU alone."""
+    import torch
+
+    from hetserve.runtime.calibration_probes import machine_info
+
+    cpu = machine_info()["device"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    info = machine_info()
+    assert info["device"].startswith("NVIDIA H200 (CUDA") and info["host_cpu"] == cpu and info["gpus"] == 1
+
+
+def test_the_committed_gpu_calibrations_load_and_say_where_they_were_measured():
+    """examples/calibrations/: files `plan/simulate --efficiency` read, each naming its GPU and date."""
+    import json
+    from pathlib import Path
+
+    from hetserve.cost.efficiency import load_efficiency
+
+    files = sorted((Path(__file__).resolve().parents[2] / "examples" / "calibrations").glob("*/*.json"))
+    assert files
+    for f in files:
+        on = json.loads(f.read_text())["measured_on"]
+        assert "(CUDA" in on["device"] and on["date"].startswith("20"), f
+        assert load_efficiency(f).iteration_overhead_s > 0  # the fit's fixed cost, read back

@@ -163,3 +163,22 @@ def test_a_model_that_is_no_checkpoint_folder_is_refused_at_once(argv, tmp_path,
     code, err = run(argv, capsys)
     assert code == 2 and len(err) == 1, err
     assert "--model" in err[0] and "checkpoint folder" in err[0] and "Traceback" not in err[0]
+
+
+@pytest.mark.parametrize("command,option", [("simulate", "--router"), ("simulate", "--route"),
+                                            ("simulate", "--transmission"), ("capacity", "--router")])
+def test_simulate_and_capacity_refuse_an_unknown_policy_naming_the_choices(command, option, capsys):
+    """A policy name outside its registry is refused by the parser (as ``serve`` and ``compare``
+    refuse it): one line with the option, the value and every choice, exit code 2, before any plan,
+    model or workload is read."""
+    from hetserve.policies.placement import placement_names
+    from hetserve.policies.routing import route_names
+    from hetserve.policies.transmission import transmission_names
+
+    names = {"--router": placement_names(), "--route": route_names(), "--transmission": transmission_names()}[option]
+    required = {"simulate": ["--plan", "p.json", "--workload", "azure-conv"],
+                "capacity": ["--gpu", "A100-SXM-80G", "--model", "llama-2-7b", "--workload", "azure-conv",
+                             "--rates", "5", "--slo-ttft", "1", "--slo-tpot", "0.1"]}[command]
+    code, err = run([command, *required, option, "foo"], capsys)
+    assert code == 2 and len(err) == 1 and command in err[0], err
+    assert option in err[0] and "'foo'" in err[0] and all(f"'{n}'" in err[0] for n in names), err

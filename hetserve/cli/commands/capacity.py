@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetserve.errors import SpecError
+from hetserve.policies.placement import placement_names
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     rates.add_argument("--rates", help="comma-separated arrival rates, req/s (fits N_w = ceil(k5*r + c5))")
     p.add_argument("--slo-ttft", type=float, required=True, help="TTFT target, seconds")
     p.add_argument("--slo-tpot", type=float, required=True, help="ATGT / TPOT target, seconds per token")
-    p.add_argument("--router", default="aladdin", help="placement policy: aladdin, jsq, po2, rr, lot")
+    p.add_argument("--router", default="aladdin", choices=placement_names(),
+                   help="placement policy: %(choices)s (default aladdin)")
     p.add_argument("--mode", choices=["colocated", "decode"], default="colocated",
                    help="colocated workers, or decode workers behind a prefill pool (only decode counted)")
     p.add_argument("--gpus-per-worker", type=int, help="override the Eq. 6 choice")

@@ -15,6 +15,9 @@ import sys
 import json
 
 from hetserve.policies.batching import DEFAULT_BATCHING
+from hetserve.policies.placement import placement_names
+from hetserve.policies.routing import route_names
+from hetserve.policies.transmission import transmission_names
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,9 +32,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--rate-scale", type=float, help="multiply the arrival rate (compress time)")
     rate.add_argument("--rate", type=float, help="mean arrival rate, req/s")
-    p.add_argument("--router", default="jsq", help="placement policy: aladdin, jsq, po2, rr, lot (default jsq)")
-    p.add_argument("--route", default="flow", help="KV route policy: flow (plan weights) or load (default flow)")
-    p.add_argument("--transmission", default="fair", help="link scheduling: molink, fair, serial (default fair)")
+    # choices from the policies' registries, as `serve` and `compare` take them: a bad name is one line, exit 2
+    p.add_argument("--router", default="jsq", choices=placement_names(),
+                   help="placement policy: %(choices)s (default jsq)")
+    p.add_argument("--route", default="flow", choices=route_names(),
+                   help="KV route policy: %(choices)s (default flow: the plan's weights)")
+    p.add_argument("--transmission", default="fair", choices=transmission_names(),
+                   help="link scheduling: %(choices)s (default fair)")
     p.add_argument("--gamma", type=float, help="aladdin: strictness knob γ in [0, 1] (default 0.5)")
     p.add_argument("--theta", type=float, help="aladdin: safety factor θ in (0, 1] (default 1)")
     p.add_argument("--slo-ttft", type=float, help="TTFT target, seconds")

@@ -9,27 +9,7 @@
 # Knobs (environment): GPU, REPS (rounds, default 5), SKIP_TINY / ONLY_TINY, TINY_S / BIG_S (time
 # limits), PY (the Python to run), NO_WHEELS (ignore .whl).
 set -u
-OUT=${OUT:-$PWD/out/gpu}
-mkdir -p "$OUT"
-if [ -z "${NO_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-PY=${PY:-python3}
-hs() { $PY -m hetserve.cli.main "$@"; }
-if [ -z "${GPU:-}" ]; then
-  case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" in
-    *H200*) GPU=H200 ;;
-    *"H100 80GB HBM3"*) GPU=H100-SXM-80G ;;
-    *H100*PCIe*) GPU=H100-PCIe-80G ;;
-    *) echo "set GPU to a row of hetserve/data/gpus.csv (nvidia-smi names no GPU this script knows)"; exit 2 ;;
-  esac
-fi
-{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv; nproc; date -u; } 2>&1 | tee "$OUT/machine.txt"
-$PY -c "import torch, transformers, fastapi, uvicorn, pydantic, openai; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)" >>"$OUT/machine.txt" 2>&1 || { cat "$OUT/machine.txt"; exit 1; }
+. "$(dirname "$0")/env.sh"
 
 # 1. the demo's tiny Llama (float32, as on CPU), every probe
 if [ -z "${SKIP_TINY:-}" ]; then

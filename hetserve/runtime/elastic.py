@@ -63,7 +63,8 @@ def reconfigure(engine, plan: Plan, cluster: Cluster) -> dict[str, Any]:
     device_of = {d: f"cuda:{i % n_gpu}" if n_gpu else "cpu" for i, d in enumerate(merged.devices)}
     layout = build_layout(merged, cluster, engine.arch, device_of, source="re-plan")
     added = tuple(r for r in layout if r.id not in keep.values())
-    capacity = kv_capacity(added, cluster, engine.arch, engine.dtype, engine.config, engine._use_cuda) if added else {}
+    capacity = kv_capacity(added, cluster, engine.arch, engine.dtype, engine.config,
+                           engine._use_cuda and n_gpu >= len(merged.devices)) if added else {}
     cfg = engine.config
     schedulers = [scheduler_for(r, capacity[r.id], cfg) for r in added]
     if not added and not keep:

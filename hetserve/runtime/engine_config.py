@@ -76,8 +76,10 @@ class EngineConfig:
 
 
 def kv_capacity(layout: tuple[ReplicaSpec, ...], cluster: Cluster, arch: ArchConfig, dtype: str,
-                config: EngineConfig, use_cuda: bool) -> dict[str, int]:
-    """KV tokens per replica: asked for (checked against memory) or what memory allows (capped on CPU)."""
+                config: EngineConfig, memory_is_real: bool) -> dict[str, int]:
+    """KV tokens per replica: asked for (checked against memory) or what memory allows, capped at
+    ``config.default_kv_tokens`` unless ``memory_is_real`` (every device a GPU of its own: on CPU, or
+    with plan devices sharing a GPU, the cluster file's memory is not what the workers have)."""
     fit = check_memory(layout, cluster, arch, dtype, config.memory_fraction)
     out = {}
     for r in layout:
@@ -85,7 +87,7 @@ def kv_capacity(layout: tuple[ReplicaSpec, ...], cluster: Cluster, arch: ArchCon
         if isinstance(asked, dict):
             asked = asked.get(r.id)
         if asked is None:
-            tokens = fit[r.id] if use_cuda else min(fit[r.id], config.default_kv_tokens)
+            tokens = fit[r.id] if memory_is_real else min(fit[r.id], config.default_kv_tokens)
         elif asked > fit[r.id]:
             raise PlanError(f"replica {r.id}: a KV pool of {asked} tokens does not fit next to its weights "
                             f"(at most {fit[r.id]} tokens on its smallest device)")

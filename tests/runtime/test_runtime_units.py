@@ -325,3 +325,36 @@ def test_worker_step_loop_outlives_a_link_error():
     worker.transport = SimpleNamespace(recv=lambda timeout=None: inbox.popleft() if inbox else None)
     worker.run()  # returns at "shutdown"
     assert not inbox
+
+
+@pytest.mark.parametrize("gpus,real", [(1, False), (2, True)])
+def test_plan_devices_sharing_a_gpu_get_capped_kv_pools(tmp_path, monkeypatch, gpus, real):
+    """On CUDA a pool is sized to the cluster file's memory only where each plan device has a GPU of
+    its own. Two plan devices on one GPU (``cuda:{i % n}``) would each size a pool to a whole GPU's
+    memory, and two such pools do not fit on one: they are capped as on CPU."""
+    from hetserve.planner.plan import Plan
+    from hetserve.runtime import engine as engine_mod
+    from hetserve.runtime.make_model import make_model
+    from hetserve.specs.cluster import cluster_from_dict
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def record(layout, cluster, arch, dtype, config, memory_is_real):
+        seen.append((sorted({s.device for r in layout for st in r.stages for s in st}), memory_is_real))
+        raise Stop
+
+    monkeypatch.setattr(engine_mod, "kv_capacity", record)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    model = make_model(tmp_path / "m", "llama", layers=2, hidden=32, heads=2)
+    cluster = cluster_from_dict({"name": "g", "machines": [{"name": "g", "gpu": "H200", "count": 2}]})
+    plan = Plan.from_dict({"model": "m", "cluster": "g", "replicas": [
+        {"id": "p0", "role": "prefill", "stages": [{"devices": ["g:0"], "layers": [0, 2]}]},
+        {"id": "d0", "role": "decode", "stages": [{"devices": ["g:1"], "layers": [0, 2]}]}],
+        "kv_routes": [{"from": "p0", "to": "d0", "weight": 1.0}]})
+    with pytest.raises(Stop):
+        engine_mod.Engine.from_plan(plan, cluster, str(model))
+    assert seen == [([f"cuda:{i}" for i in range(gpus)], real)]

@@ -204,8 +204,8 @@ def test_calibrate_options_turn_the_long_decode_and_speed_probes_off(tmp_path, m
 
 def test_probe_replicas_get_a_kv_pool_sized_to_the_probes_not_the_datasheet(tmp_path, monkeypatch):
     """Every probe replica asks for a KV pool twice the largest probe's tokens. Sized to the GPU's
-    datasheet memory instead (what the engine does on CUDA when nothing is asked), the pipeline, TP
-    and hand-off probes' slots, which share one real GPU on a one-GPU machine, ran it out of memory."""
+    datasheet memory instead (what the engine did on CUDA when nothing was asked), the pipeline, TP
+    and hand-off probes' slots, which share one real GPU on a one-GPU machine, would not fit on it."""
     from hetserve.runtime import calibration_probes
     from hetserve.runtime.engine import Engine
 

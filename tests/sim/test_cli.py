@@ -46,7 +46,8 @@ def test_unknown_router_is_one_line(tmp_path, capsys):
     rc = main(["simulate", "--plan", plan, "--cluster", cluster, "--workload", "azure-conv", "--limit", "5",
                "--router", "nope", "--no-progress"])
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("hetserve: error:") and "nope" in err and len(err.strip().splitlines()) == 1
+    # refused by the parser (the policies' registry as choices): one line naming the command and the value
+    assert rc == 2 and err.startswith("hetserve simulate: error:") and "nope" in err and len(err.strip().splitlines()) == 1
 
 
 def test_simulate_rate_sweep_table_and_plot(tmp_path, capsys):

@@ -1,7 +1,7 @@
 """``hetserve compare``: the same requests against the live server and the simulator, side by side.
 
-The served side starts the plan's engine behind the OpenAI-compatible server, replays a slice of a
-trace through the ``openai`` client (every request generates exactly its trace output length:
+The served side starts the plan's engine behind the OpenAI-compatible server, warms it with one
+short request per replica, replays a slice of a trace through the ``openai`` client (every request generates exactly its trace output length:
 ``ignore_eos``) and times every request at the client. The simulated side plays the same requests
 (same arrival offsets, prompt and output lengths) against the same plan with the same policies and
 batching knobs the server ran with (placement, KV route, token budget, sequence cap, each replica's
@@ -113,7 +113,7 @@ def compare(opts: CompareOptions) -> Comparison:
     from hetserve.runtime.calibrate import load_speed_probe, machine_info, served_efficiency, served_sim_options
     from hetserve.runtime.speed_probe import SpeedProbe, combine, slowdown
     from hetserve.serve.launch import ServeOptions, start_server
-    from hetserve.serve.loadgen import replay, requests_from_workload, summarize
+    from hetserve.serve.loadgen import LoadRequest, replay, requests_from_workload, summarize
     from hetserve.specs.cluster import Cluster, load_cluster
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import load_workload
@@ -145,12 +145,18 @@ def compare(opts: CompareOptions) -> Comparison:
         engine = server.deployment.engine
         pools = {rid: s.blocks.capacity_tokens for rid, s in engine.schedulers.items()}
         cfg = engine.config
+        model_name = server.deployment.coordinator.model_name
+        # The timed replay meets a warm server: one short request per replica goes first. A fresh
+        # server's first request pays once for what the simulator never prices (the client's
+        # connection, the workers' first kernels): on one H200 it was each 48-request replay's p99
+        # TTFT, 250-380 ms against 20-40 ms simulated (examples/calibrations/README.md).
+        replay(server.url, model_name, [LoadRequest(0.0, [65] * 16, 2) for _ in plan.replicas], ignore_eos=True)
         engine.coordinator.step_times = []  # appended by the coordinator thread, read once it is done
         speed_before = probe.readings(SPEED_READINGS, SPEED_READING_S) if probe else []  # the workers idle, started
         pids = {"front end": os.getpid(), **engine.workers.pids}
         cpu0, t0 = {k: process_cpu_s(p) for k, p in pids.items()}, time.monotonic()
         machine0 = machine_busy_cpu_s()
-        results = replay(server.url, server.deployment.coordinator.model_name, requests, ignore_eos=True)
+        results = replay(server.url, model_name, requests, ignore_eos=True)
         wall = time.monotonic() - t0
         cpu = cpu_utilisation(cpu0, {k: process_cpu_s(p) for k, p in pids.items()}, wall)
         others = other_cores_busy(cpu, machine0, machine_busy_cpu_s(), wall)

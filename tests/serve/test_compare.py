@@ -8,9 +8,18 @@ import pytest
 
 
 @pytest.mark.timeout(240)
-def test_compare_serves_simulates_and_writes_table_and_cdfs(tmp_path, capsys):
+def test_compare_serves_simulates_and_writes_table_and_cdfs(tmp_path, capsys, monkeypatch):
     from hetserve.cli.main import main
     from hetserve.runtime.make_model import make_model
+    from hetserve.serve import loadgen
+
+    sent, real_replay = [], loadgen.replay
+
+    def counted(url, model, requests, **kw):
+        sent.append(len(requests))
+        return real_replay(url, model, requests, **kw)
+
+    monkeypatch.setattr(loadgen, "replay", counted)
 
     model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=64, heads=4, kv_heads=2)
     (tmp_path / "cluster.yaml").write_text("name: cmp\nmachines:\n  - {name: m0, gpu: RTX-4090, count: 2}\n")
@@ -24,6 +33,7 @@ def test_compare_serves_simulates_and_writes_table_and_cdfs(tmp_path, capsys):
                  "--workload-class", "LPLD", "--rate", "200", "-n", "6", "--max-input", "48", "--max-output", "6",
                  "--kv-admission", "paged", "-o", str(out)])
     assert code == 0
+    assert sent == [2, 6]  # a warm-up request per replica, then the timed replay (the steps below are its alone)
     printed = capsys.readouterr().out
     data = json.loads((out / "compare.json").read_text())
     table = data["table"]

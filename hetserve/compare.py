@@ -1,8 +1,8 @@
 """``hetserve compare``: the same requests against the live server and the simulator, side by side.
 
 The served side starts the plan's engine behind the OpenAI-compatible server, warms it with one
-short request per replica, replays a slice of a trace through the ``openai`` client (every request generates exactly its trace output length:
-``ignore_eos``) and times every request at the client. The simulated side plays the same requests
+short request per replica, replays a slice of a trace through the ``openai`` client (every request
+generates exactly its trace output length: ``ignore_eos``) and times every request at the client. The simulated side plays the same requests
 (same arrival offsets, prompt and output lengths) against the same plan with the same policies and
 batching knobs the server ran with (placement, KV route, token budget, sequence cap, each replica's
 actual KV pool in blocks) and the cost model calibrated to this machine (``--efficiency``: the
@@ -110,7 +110,7 @@ def table_of(served: dict[str, np.ndarray], simulated: dict[str, np.ndarray], se
 def compare(opts: CompareOptions) -> Comparison:
     """Serve, replay, simulate; see the module docstring."""
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.calibrate import load_speed_probe, machine_info, served_efficiency, served_sim_options
+    from hetserve.runtime.calibrate import load_speed_probe, machine_info
     from hetserve.runtime.speed_probe import SpeedProbe, combine, slowdown
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import LoadRequest, replay, requests_from_workload, summarize
@@ -171,9 +171,7 @@ def compare(opts: CompareOptions) -> Comparison:
               "tpot_s": np.array([r.tpot_s for r in results if r.tpot_s is not None])}
 
     slow = slowdown(combine(speed[0] + speed[1]), at_calibration) if speed else 1.0
-    efficiency = served_efficiency(opts.efficiency, slow) if opts.efficiency else None
-    sim_kw = served_sim_options(opts.efficiency, slow)
-    overhead = sim_kw.pop("request_overhead_s", 0.0)
+    efficiency, overhead, sim_kw = calibrated_inputs(opts.efficiency, slow)
     contention, handoff = sim_kw.get("contention_slowdown", 1.0), sim_kw.get("link_overhead_s", 0.0)
     sim = simulator_for(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead, **sim_kw)
     for rep in sim.replicas:
@@ -220,16 +218,23 @@ def table_against(served: dict[str, np.ndarray], served_tps: float, res) -> dict
     return table_of(served, simulated_of(res), served_tps, res.summary()["throughput_tokens_per_s"])
 
 
-def simulate_calibrated(plan, cluster, spec, requests, opts: CompareOptions, cfg, pools: dict[str, int],
-                        calibration, slowdown: float = 1.0):
-    """``simulate_side`` priced by a calibration file (its served efficiency, request overhead and
-    other ``SimOptions`` fields) on a machine ``slowdown`` times slower than at calibration."""
+def calibrated_inputs(calibration, slowdown: float = 1.0):
+    """What a calibration file sets for simulating a served deployment, its times scaled by
+    ``slowdown``: (served efficiency, request overhead, the other ``SimOptions`` fields). ``None``:
+    no calibration (default efficiency, no overhead, every field at its default)."""
     from hetserve.runtime.calibrate import served_efficiency, served_sim_options
 
     kw = served_sim_options(calibration, slowdown)
-    overhead = kw.pop("request_overhead_s")
-    return simulate_side(plan, cluster, spec, requests, opts, cfg, pools, served_efficiency(calibration, slowdown),
-                         overhead, **kw)
+    overhead = kw.pop("request_overhead_s", 0.0)
+    return (served_efficiency(calibration, slowdown) if calibration else None), overhead, kw
+
+
+def simulate_calibrated(plan, cluster, spec, requests, opts: CompareOptions, cfg, pools: dict[str, int],
+                        calibration, slowdown: float = 1.0):
+    """``simulate_side`` priced by a calibration file (``calibrated_inputs``) on a machine
+    ``slowdown`` times slower than at calibration."""
+    efficiency, overhead, kw = calibrated_inputs(calibration, slowdown)
+    return simulate_side(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead, **kw)
 
 
 def _simulated_source(efficiency: str | None, slow: float | None) -> str:

@@ -23,7 +23,7 @@ import torch
 from hetserve.errors import PlanError
 from hetserve.planner.plan import Plan
 from hetserve.runtime.deployment import build_layout
-from hetserve.runtime.engine_config import kv_capacity, scheduler_for
+from hetserve.runtime.engine_config import kv_capacity, memory_is_real, scheduler_for
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.transport import Message
 from hetserve.runtime.worker import WorkerConfig
@@ -64,7 +64,7 @@ def reconfigure(engine, plan: Plan, cluster: Cluster) -> dict[str, Any]:
     layout = build_layout(merged, cluster, engine.arch, device_of, source="re-plan")
     added = tuple(r for r in layout if r.id not in keep.values())
     capacity = kv_capacity(added, cluster, engine.arch, engine.dtype, engine.config,
-                           engine._use_cuda and n_gpu >= len(merged.devices)) if added else {}
+                           memory_is_real(device_of, cluster, engine._use_cuda)) if added else {}
     cfg = engine.config
     schedulers = [scheduler_for(r, capacity[r.id], cfg) for r in added]
     if not added and not keep:

@@ -33,7 +33,7 @@ from hetserve.errors import InfeasibleError, RuntimeFailure
 from hetserve.planner.plan import Plan
 from hetserve.runtime.coordinator import Coordinator
 from hetserve.runtime.deployment import build_layout
-from hetserve.runtime.engine_config import EngineConfig, kv_capacity, scheduler_for
+from hetserve.runtime.engine_config import EngineConfig, kv_capacity, memory_is_real, scheduler_for
 from hetserve.runtime.handle import RequestHandle
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.model.config import ArchConfig
@@ -86,12 +86,7 @@ class Engine:
                 device_of = {d: "cpu" for d in plan.devices}
         dtype = config.dtype or (arch.dtype if use_cuda else "float32")
         layout = build_layout(plan, cluster, arch, device_of, source=f"plan for {plan.model!r}")
-        # The cluster file's device memory is real only where each plan device has a GPU of its own:
-        # plan devices sharing one (more devices than this machine has GPUs: i % n above) would each
-        # size a pool to a whole GPU's memory and run it out, so they are capped as on CPU.
-        gpus = {(cluster.device(d).machine, dev) for d, dev in device_of.items()}  # cuda:0 on two boxes: two GPUs
-        memory_is_real = use_cuda and len(gpus) == len(device_of)
-        capacity = kv_capacity(layout, cluster, arch, dtype, config, memory_is_real)
+        capacity = kv_capacity(layout, cluster, arch, dtype, config, memory_is_real(device_of, cluster, use_cuda))
         CheckpointReader(model_dir).close()  # a missing checkpoint is reported here, not by every worker
         engine = cls(plan, layout, arch, str(model_dir), dtype, capacity, config,
                      route_policy or PlanRoutes(plan), link_scheduler, shaper)

@@ -75,6 +75,14 @@ class EngineConfig:
             check_bind_address(self.host, "host")
 
 
+def memory_is_real(device_of: dict[str, str], cluster: Cluster, use_cuda: bool) -> bool:
+    """Whether the cluster file's device memory is what the workers have: on CUDA, with every plan
+    device on a GPU of its own. Plan devices sharing one (``cuda:{i % n}`` on a machine with fewer GPUs
+    than the plan names) would each size a pool to a whole GPU's memory and run it out."""
+    gpus = {(cluster.device(d).machine, dev) for d, dev in device_of.items()}  # cuda:0 on two boxes: two GPUs
+    return use_cuda and len(gpus) == len(device_of)
+
+
 def kv_capacity(layout: tuple[ReplicaSpec, ...], cluster: Cluster, arch: ArchConfig, dtype: str,
                 config: EngineConfig, memory_is_real: bool) -> dict[str, int]:
     """KV tokens per replica: asked for (checked against memory) or what memory allows, capped at

@@ -1,6 +1,6 @@
 """Run the quick variant of every benchmark in turn and print each one's output (`make bench`).
 
-    .venv/bin/python bench/run_all.py [--only planner,sim,aladdin,engine,serve,multinode]
+    .venv/bin/python bench/run_all.py [--only planner,sim,aladdin,engine,serve,multinode,frontend,overhead]
 
 Each benchmark runs as its own subprocess from the repository root, with this interpreter; its
 output streams through as it is produced. The quick settings here are for a smoke run of about
@@ -27,6 +27,7 @@ BENCHES = {
     "serve": ["bench/bench_serve.py", "--rates", "0.5", "--window", "6", "--max-output", "16"],
     "multinode": ["bench/bench_multinode.py", "--requests", "8", "--max-tokens", "16", "--repeats", "1"],
     "frontend": ["bench/bench_frontend.py", "--requests", "24"],  # engine alone vs served over HTTP
+    "overhead": ["bench/bench_overhead.py", "--runs", "2", "--reps", "2"],  # calibration's request overhead, paired vs not
 }
 
 

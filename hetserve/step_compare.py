@@ -73,12 +73,39 @@ def _token_intervals(rows: list[StepRow]) -> list[float]:
     return out
 
 
+def beside_prompts(rows: list[StepRow]) -> dict[int, float]:
+    """Per decode-only step (by its index in ``rows``) of a replica beside which other replicas in
+    ``rows`` ran prompt steps, the share of its span they covered (at most 1). On worker slots that share a host's cores a
+    prefill beside a decode step slows it: the split in ``summarise`` shows by how much, served and
+    simulated."""
+    prompts = [r for r in rows if r.kind == "prompt"]
+    if not prompts:
+        return {}
+    who = np.array([r.replica for r in prompts])
+    start = np.array([r.started for r in prompts])
+    end = np.array([r.finished for r in prompts])
+    out = {}
+    for i, r in enumerate(rows):
+        if r.kind != "decode" or r.finished <= r.started or not (who != r.replica).any():
+            continue
+        covered = np.clip(np.minimum(end, r.finished) - np.maximum(start, r.started), 0.0, None)
+        out[i] = min(1.0, float(covered[who != r.replica].sum()) / (r.finished - r.started))
+    return out
+
+
 def summarise(rows: list[StepRow], model_time=None) -> dict[str, dict[str, float]]:
     """Per "replica kind": steps, mean decodes, mean prompt tokens, mean step ms, mean token ms and,
-    with ``model_time(row)`` (seconds), the cost model's mean for the same steps."""
+    with ``model_time(row)`` (seconds), the cost model's mean for the same steps. Where other
+    replicas ran prompt steps, a replica's decode steps are also split into "decode alone" (none
+    beside them) and "decode beside prompt" (beside them for at least half of the step;
+    ``beside_prompts``)."""
     out: dict[str, dict[str, float]] = {}
-    for key in sorted({(r.replica, r.kind) for r in rows}):
-        sel = [r for r in rows if (r.replica, r.kind) == key]
+    groups = {key: [r for r in rows if (r.replica, r.kind) == key] for key in sorted({(r.replica, r.kind) for r in rows})}
+    share = beside_prompts(rows)
+    for i, r in enumerate(rows):
+        if i in share and (share[i] == 0.0 or share[i] >= 0.5):
+            groups.setdefault((r.replica, "decode alone" if share[i] == 0.0 else "decode beside prompt"), []).append(r)
+    for key, sel in groups.items():
         rep_rows = [r for r in rows if r.replica == key[0]]
         d = {"steps": float(len(sel)),
              "decodes": float(np.mean([len(r.decode_ids) for r in sel])),
@@ -158,13 +185,14 @@ def print_steps(served: dict, simulated: dict, console=None) -> None:
     t = Table("replica · step", "served steps", "sim steps", "decodes served / sim", "prompt tok served / sim",
               "step ms served / sim", "cost model ms (served batches)", "token ms served / sim",
               title="engine steps: served (coordinator clock) vs simulated")
-    nan = float("nan")
     for key in sorted(set(served) | set(simulated)):
         a, b = served.get(key, {}), simulated.get(key, {})
-        g = lambda d, k: d.get(k, nan)  # noqa: E731
-        t.add_row(key, f"{g(a, 'steps'):.0f}", f"{g(b, 'steps'):.0f}",
-                  f"{g(a, 'decodes'):.1f} / {g(b, 'decodes'):.1f}",
-                  f"{g(a, 'prompt_tokens'):.0f} / {g(b, 'prompt_tokens'):.0f}",
-                  f"{g(a, 'step_ms'):.2f} / {g(b, 'step_ms'):.2f}", f"{g(a, 'model_ms'):.2f}",
-                  f"{g(a, 'token_ms'):.2f} / {g(b, 'token_ms'):.2f}")
+
+        def g(d: dict, k: str, digits: int) -> str:  # "–": not measured for this row (or this side)
+            x = d.get(k, float("nan"))
+            return "–" if x != x else f"{x:.{digits}f}"
+        t.add_row(key, g(a, "steps", 0), g(b, "steps", 0), f"{g(a, 'decodes', 1)} / {g(b, 'decodes', 1)}",
+                  f"{g(a, 'prompt_tokens', 0)} / {g(b, 'prompt_tokens', 0)}",
+                  f"{g(a, 'step_ms', 2)} / {g(b, 'step_ms', 2)}", g(a, "model_ms", 2),
+                  f"{g(a, 'token_ms', 2)} / {g(b, 'token_ms', 2)}")
     console.print(t)

@@ -257,6 +257,23 @@ def _memory_binds(cm: CostModel, layout, batch: int, context: float) -> bool:
     return faster.decode_step_time(layout, batch, context) < cm.decode_step_time(layout, batch, context) * 0.99
 
 
+def request_overhead(http_ttft: dict[int, float] | None, ttft: dict[int, float],
+                     outside: tuple[list[float], list[float]] | None = None) -> float:
+    """What a served request spends outside the engine before its first token (HTTP, tokenisation,
+    the stream's set-up). With ``outside`` (``Measurements.http_outside``, ``.engine_outside``: per
+    request, TTFT less its own prompt step's span, through HTTP and on the engine): the difference of
+    their medians. Each is paired within one request, so it holds no drift of the machine's speed;
+    the median HTTP TTFT less the median engine TTFT of the same prompt length, measured seconds
+    apart, held it: over the 24 plan calibrations of eight bench_predict runs it ranged 3.0-14.5 ms,
+    while their light cells' served requests spent 6.4-12.4 ms beside their prompt step
+    (docs/benchmarks.md, eleventh session). Without
+    ``outside``: that older estimate, the median over the prompt lengths measured both ways."""
+    if outside and outside[0] and outside[1]:
+        return max(0.0, statistics.median(outside[0]) - statistics.median(outside[1]))
+    common = [L for L in (http_ttft or {}) if L in ttft]
+    return max(0.0, statistics.median(http_ttft[L] - ttft[L] for L in common)) if common else 0.0
+
+
 def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, float],
         base: Efficiency | None = None, decode_prompt_tokens: int = DECODE_PROMPT, decode_tokens: int = 24,
         http_ttft: dict[int, float] | None = None, measured_on: dict | None = None,
@@ -265,14 +282,14 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         tp_ttft: dict[int, float] | None = None, tp_tpot: dict[int, float] | None = None,
         kv_handoff: dict[int, float] | None = None, frontend_cpu=None, attention: bool = True,
         dispatch: list[float] | None = None, speed_probe: SpeedReading | None = None,
-        tpot_long: dict[int, float] | None = None, long_prompt_tokens: int = LONG_DECODE_PROMPT) -> Calibration:
+        tpot_long: dict[int, float] | None = None, long_prompt_tokens: int = LONG_DECODE_PROMPT,
+        outside: tuple[list[float], list[float]] | None = None) -> Calibration:
     """Solve for compute, attention and memory efficiency and the fixed costs per iteration, per
     stage, per sequence and per TP collective (least squares on the log of predicted / measured, in
     stages: the one-device points, then the two-stage points for the per-stage part, then the TP 2
     points for the per-collective cost; memory efficiency stays ``base``'s where no decode point is
     bandwidth-bound, ``Calibration.memory_bound``), the GIL wait the median of ``dispatch``; the request
-    overhead is the median of HTTP TTFT − engine TTFT over the prompt lengths measured both ways,
-    the stream overhead the least-squares slope (through 0) of HTTP TPOT − engine TPOT over the
+    overhead ``request_overhead(http_ttft, ttft, outside)``, the stream overhead the least-squares slope (through 0) of HTTP TPOT − engine TPOT over the
     batch sizes measured both ways, the KV hand-off overhead the median of the measured hand-off
     (``kv_handoff``: prompt tokens -> seconds) − the cost model's transfer time for that KV, the
     front end's CPU per request and per token ``fit_frontend_cpu(frontend_cpu)``.
@@ -361,8 +378,7 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         eff = col_of(solve(tp_pts, col_of, [np.array([0.01 * float(min(measured))])], [0.0], [hi]))
     points = tuple(CalibrationPoint(ph, n, sec, float(p), st, t_, L)
                    for (ph, n, st, t_, L, sec), p in zip(probes, predict(eff)))
-    common = [L for L in (http_ttft or {}) if L in ttft]
-    overhead = max(0.0, statistics.median(http_ttft[L] - ttft[L] for L in common)) if common else 0.0
+    overhead = request_overhead(http_ttft, ttft, outside)
     both = [b for b in (http_tpot or {}) if b in tpot]
     stream = max(0.0, sum(b * (http_tpot[b] - tpot[b]) for b in both) / sum(b * b for b in both)) if both else 0.0
     two = _one_device_cluster(gpu_name, 2)
@@ -384,4 +400,5 @@ def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
                http_ttft=m.http_ttft, measured_on=info, contention=m.contention, pp_ttft=m.pp_ttft,
                pp_tpot=m.pp_tpot, http_tpot=m.http_tpot, tp_ttft=m.tp_ttft, tp_tpot=m.tp_tpot,
                kv_handoff=m.kv_handoff, frontend_cpu=m.frontend_cpu, dispatch=m.dispatch,
-               speed_probe=combine(m.speed) if m.speed else None, tpot_long=m.tpot_long)
+               speed_probe=combine(m.speed) if m.speed else None, tpot_long=m.tpot_long,
+               outside=(m.http_outside, m.engine_outside))

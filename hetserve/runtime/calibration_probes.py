@@ -24,79 +24,13 @@ import numpy as np
 
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.planner.plan import Plan
+from hetserve.runtime.host_load import burn, cpu_meter, cpu_ns, gil_load, idle_cpu_rate
 from hetserve.specs.cluster import Cluster, cluster_from_dict
 from hetserve.specs.model import load_model
 
 
 DECODE_PROMPT = 16  # prompt tokens of each sequence of the decode probes
 LONG_DECODE_PROMPT = 256  # ... and of the long-context decode probe
-
-
-def _burn(stop, go, weight_bytes: float) -> None:  # pragma: no cover - runs in a child process
-    """While ``go`` is set, keep one core busy as one more worker process would: one torch thread
-    multiplying by a matrix of the checkpoint's weight size (its weights streamed, its cache used)."""
-    import torch
-
-    torch.set_num_threads(1)
-    n = max(64, int((min(weight_bytes, 64e6) / 4) ** 0.5))
-    w, v = torch.randn(n, n), torch.randn(n, 4)
-    while not stop.is_set():
-        if go.wait(0.05):
-            w @ v
-
-
-def _gil_load(stop, duty: float, burst_s: float, used: list) -> None:
-    """Hold this process's GIL as the serving front end's other work does (an HTTP request's
-    handling, a batch of SSE events, another replica's step): pure-Python bursts of ``burst_s``,
-    apart by exponential gaps so the process's GIL is busy a ``duty`` share of the time at random
-    phase to the engine's steps. ``used``: appended the share of wall time spent inside bursts (the
-    GIL's busy share: a burst preempted by the OS still holds the GIL, as a front end's work does)."""
-    import random
-
-    rng = random.Random(0)
-    held, t0 = 0.0, time.perf_counter()
-    while not stop.is_set():
-        start = time.perf_counter()
-        end = start + burst_s
-        while time.perf_counter() < end:
-            pass
-        held += time.perf_counter() - start
-        time.sleep(rng.expovariate(duty / (burst_s * (1.0 - duty))))
-    used.append(held / max(1e-9, time.perf_counter() - t0))
-
-
-def _cpu_ns(pid: int) -> float | None:
-    """CPU time of ``pid``'s main thread in ns (``/proc/PID/schedstat``; None where there is none).
-    A worker's step loop runs on its main thread: time-sharing the cores leaves this unchanged, so a
-    ratio of it measures what a neighbour costs beyond its share of the cores."""
-    try:
-        return float(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _idle_cpu_rate(seconds: float = 0.2) -> float:
-    """CPU seconds per second this process burns while it serves nothing (idle threads polling)."""
-    c0, t0 = time.process_time(), time.perf_counter()
-    time.sleep(seconds)
-    return max(0.0, (time.process_time() - c0) / (time.perf_counter() - t0))
-
-
-class _cpu_meter:
-    """``with _cpu_meter(idle) as used: ...``; ``used()``: this process's CPU seconds over the block
-    beyond ``idle`` CPU seconds per second of it (never negative)."""
-
-    def __init__(self, idle: float):
-        self.idle = idle
-        self.cpu = self.wall = 0.0
-
-    def __enter__(self):
-        self._c, self._t = time.process_time(), time.perf_counter()
-        return lambda: self.cpu
-
-    def __exit__(self, *exc) -> None:
-        self.wall = time.perf_counter() - self._t
-        self.cpu = max(0.0, time.process_time() - self._c - self.idle * self.wall)
 
 
 def machine_info() -> dict:
@@ -172,6 +106,12 @@ class Measurements:
     tpot_long: dict[int, float] = field(default_factory=dict)
     http_ttft: dict[int, float] = field(default_factory=dict)  # prompt length -> median TTFT through HTTP
     http_tpot: dict[int, float] = field(default_factory=dict)  # batch size -> median TPOT streamed through HTTP
+    # Per request, its TTFT less the span of its own prompt step (the coordinator's ``step_times``):
+    # through HTTP (what the server and the client add, plus the engine's own hand-on) and on the
+    # engine (the hand-on alone). Paired within one request, so the machine's drift between the
+    # probes cancels; the request overhead is the difference of their medians (``calibrate.fit``).
+    http_outside: list[float] = field(default_factory=list)
+    engine_outside: list[float] = field(default_factory=list)
     contention: float = 1.0  # the worker's CPU time for the largest decode probe beside one busy process / alone
     load_avg: list[float] = field(default_factory=list)  # 1-minute load average during the run
     pp_ttft: dict[int, float] = field(default_factory=dict)  # two-stage pipeline: prompt length -> median TTFT
@@ -224,6 +164,16 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         h = eng.submit(rng.integers(32, 127, L).tolist(), SamplingParams(max_tokens=1, ignore_eos=True))
         h.result(timeout=120)
         return h.ttft
+
+    def with_prompt_steps(fn):
+        """``fn()`` with the main engine's coordinator timing its steps: (its result, the spans of
+        the steps that carried prompts, in the order they started)."""
+        engine.coordinator.step_times = []
+        try:
+            out = fn()
+        finally:
+            steps, engine.coordinator.step_times = engine.coordinator.step_times, None
+        return out, [t.seconds for t in sorted(steps, key=lambda t: t.started) if t.prompt_tokens]
 
     def decode(eng, b: int, prompt: int = DECODE_PROMPT) -> float:
         handles = [eng.submit(rng.integers(32, 127, prompt).tolist(),
@@ -288,7 +238,10 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
             if probe is not None:
                 m.speed.append(probe.read(1.0))
             for L in prompt_lengths:
-                ttft_s[L].append(prefill(engine, L))
+                t, spans = with_prompt_steps(lambda: prefill(engine, L))
+                ttft_s[L].append(t)
+                if len(spans) == 1:  # the probe's one prompt step
+                    m.engine_outside.append(t - spans[0])
             for b in batch_sizes:
                 tpot_s[b].append(decode(engine, b))
             if long_decode:
@@ -309,23 +262,26 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
                 # This process is the front end (HTTP server, coordinator, the client): its CPU time
                 # over a replay, less what its idle threads (other probes' coordinators, heartbeats)
                 # burn meanwhile, is what the served requests cost it.
-                idle = _idle_cpu_rate()
-                with _cpu_meter(idle) as used:
+                idle = idle_cpu_rate()
+                with cpu_meter(idle) as used:
                     replay(server.url, Path(model_dir).resolve().name, [], ignore_eos=True)
                 setup = used()
                 # one client, requests spaced out (each alone on the server), as a replayed trace sends them
                 gap = 1.5 * max(ttft_s[L][-1] for L in prompt_lengths) + 0.05
                 reqs = [LoadRequest(i * gap, rng.integers(32, 127, L).tolist(), 1) for i, L in enumerate(prompt_lengths)]
-                with _cpu_meter(idle) as used:
-                    res = replay(server.url, Path(model_dir).resolve().name, reqs, ignore_eos=True)
+                with cpu_meter(idle) as used:
+                    res, spans = with_prompt_steps(
+                        lambda: replay(server.url, Path(model_dir).resolve().name, reqs, ignore_eos=True))
                 # one step per prompt (each alone), one token each
                 m.frontend_cpu.append((len(reqs), len(reqs), len(reqs), max(0.0, used() - setup)))
                 for L, r in zip(prompt_lengths, res):
                     http_s[L].append(r.ttft_s)
+                if len(spans) == len(res):  # each request alone: its prompt step is the one in its turn
+                    m.http_outside.extend(r.ttft_s - span for r, span in zip(res, spans))
                 # the decode probes again, every token streamed to the client (as the engine probes: all at once)
                 for b in batch_sizes:
                     reqs = [LoadRequest(0.0, rng.integers(32, 127, 16).tolist(), decode_tokens) for _ in range(b)]
-                    with _cpu_meter(idle) as used:
+                    with cpu_meter(idle) as used:
                         res = replay(server.url, Path(model_dir).resolve().name, reqs, ignore_eos=True)
                     # all b in each step: the prompts' step, then decode_tokens - 1 decode steps
                     m.frontend_cpu.append((b, decode_tokens, b * decode_tokens, max(0.0, used() - setup)))
@@ -347,7 +303,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         for _ in range(reps):
             alone = decode(engine, b_gil)
             stop_gil, used = threading.Event(), []
-            th = threading.Thread(target=_gil_load, args=(stop_gil, duty, sys.getswitchinterval(), used), daemon=True)
+            th = threading.Thread(target=gil_load, args=(stop_gil, duty, sys.getswitchinterval(), used), daemon=True)
             th.start()
             try:
                 busy_t = decode(engine, b_gil)
@@ -365,7 +321,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
 
         ctx = multiprocessing.get_context("spawn")
         stop, go = ctx.Event(), ctx.Event()
-        burner = ctx.Process(target=_burn, args=(stop, go, spec.weight_bytes), daemon=True)
+        burner = ctx.Process(target=burn, args=(stop, go, spec.weight_bytes), daemon=True)
         burner.start()
         pids = list(engine.worker_pids().values())
         try:
@@ -376,9 +332,9 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
                     go.set() if on else go.clear()
                     if on:
                         time.sleep(0.05)  # the burner is computing before the probe starts
-                    c0 = [_cpu_ns(p) for p in pids]
+                    c0 = [cpu_ns(p) for p in pids]
                     t = decode(engine, b)
-                    c1 = [_cpu_ns(p) for p in pids]
+                    c1 = [cpu_ns(p) for p in pids]
                     cpu = None if None in c0 + c1 else sum(c1) - sum(c0)
                     out.append(cpu if cpu else t)
             m.contention = max(1.0, statistics.median(busy) / statistics.median(alone))

@@ -1,5 +1,7 @@
 """Calibration recovers the efficiency factors that generated its measurements (no engine needed)."""
 
+import statistics
+
 import pytest
 
 from hetserve.cost.analytic import CostModel, Efficiency
@@ -255,3 +257,32 @@ def test_the_committed_gpu_calibrations_load_and_say_where_they_were_measured():
         on = json.loads(f.read_text())["measured_on"]
         assert "(CUDA" in on["device"] and on["date"].startswith("20"), f
         assert load_efficiency(f).iteration_overhead_s > 0  # the fit's fixed cost, read back
+
+
+def test_request_overhead_is_the_paired_difference_where_measured():
+    """The request overhead is the median HTTP TTFT less its own prompt step, less the same on the
+    engine (paired within each request); the unpaired medians per prompt length only without them."""
+    from hetserve.runtime.calibrate import request_overhead
+
+    http, engine = {32: 0.050, 128: 0.080}, {32: 0.030, 128: 0.075}  # unpaired: median(20, 5) ms
+    assert request_overhead(http, engine) == pytest.approx(0.0125)
+    paired = ([0.009, 0.008, 0.010], [0.0002, 0.0003, 0.0001])
+    assert request_overhead(http, engine, paired) == pytest.approx(0.009 - 0.0002)
+    assert request_overhead(http, engine, ([], [])) == pytest.approx(0.0125)
+    assert request_overhead(None, engine, ([0.001], [0.002])) == 0.0  # never negative
+
+
+@pytest.mark.timeout(180)
+def test_calibration_pairs_each_probe_request_with_its_own_prompt_step(tmp_path):
+    """On the real engine and server: every TTFT probe, on the engine and through HTTP, yields its
+    TTFT less the span of its own prompt step as the coordinator timed it, and HTTP adds the server
+    and the client to that."""
+    from hetserve.runtime.calibration_probes import measure
+
+    model_dir = make_model(tmp_path / "m", "llama", layers=2, hidden=64, heads=4, kv_heads=2)
+    m = measure(str(model_dir), "RTX-4090", prompt_lengths=(16, 64), batch_sizes=(1,), decode_tokens=4, reps=2,
+                pipeline=False, tp=False, handoff=False, speed=False, long_decode=False)
+    assert len(m.engine_outside) == len(m.http_outside) == 2 * 2  # per round, one per prompt length
+    assert all(0.0 <= x < 0.5 * min(m.ttft.values()) for x in m.engine_outside)  # the step is nearly all of it
+    assert min(m.http_outside) > 0.0 and max(m.http_outside) < max(m.http_ttft.values())
+    assert statistics.median(m.http_outside) > statistics.median(m.engine_outside)

@@ -64,3 +64,50 @@ def test_other_cores_busy_sees_a_busy_neighbour_and_not_the_served_processes():
     assert beside is not None and beside > 0.6  # about one core, less the scheduler's slack
     served = other_cores_busy(both, m0, m1, wall)  # the spinner is one of the served processes
     assert served == pytest.approx(max(0.0, beside - both["spinner"]))
+
+
+def test_decode_steps_split_by_prompt_steps_of_other_replicas_beside_them():
+    """A decode step is "alone" when no other replica runs a prompt step during it and "beside
+    prompt" when one covers at least half of it; a replica's own prompt steps do not count, and a
+    plan whose only prompts are its own replica's gets no split."""
+    from hetserve.step_compare import StepRow, beside_prompts
+
+    p = StepRow("p0", 0.010, 0.050, (), 0.0, (128,))
+    d = [StepRow("d0", 0.000, 0.008, (1,), 20.0, ()),  # before the prompt
+         StepRow("d0", 0.012, 0.022, (1, 2), 40.0, ()),  # inside it
+         StepRow("d0", 0.045, 0.060, (1, 2), 42.0, ()),  # a third of it: neither
+         StepRow("d0", 0.070, 0.080, (2,), 30.0, ())]
+    rows = [p, *d]
+    assert beside_prompts(rows) == {1: 0.0, 2: 1.0, 3: pytest.approx(1 / 3), 4: 0.0}
+    steps = summarise(rows)
+    assert steps["d0 decode"]["steps"] == 4
+    assert steps["d0 decode alone"]["steps"] == 2 and steps["d0 decode alone"]["step_ms"] == pytest.approx(9.0)
+    assert steps["d0 decode beside prompt"]["steps"] == 1 and steps["d0 decode beside prompt"]["decodes"] == 2
+    assert "p0 prompt" in steps and not any(k.startswith("p0 decode") for k in steps)
+    own = [StepRow("c0", 0.0, 0.04, (), 0.0, (64,)), StepRow("c0", 0.01, 0.02, (1,), 9.0, ())]
+    assert set(summarise(own)) == {"c0 prompt", "c0 decode"}
+
+
+def test_simulated_decode_steps_beside_a_prefill_are_slower_only_on_shared_cores(model):
+    """On worker slots sharing one core, the simulator's decode steps that run beside the other
+    replica's prefill take longer than those alone; on GPUs (no ``cpu_cores``) they do not."""
+    from hetserve.specs.cluster import cluster_from_dict
+    from hetserve.specs.workload import Workload
+
+    def split(cores):
+        m = {"name": "m0", "gpu": "A100-SXM-80G", "count": 2, "site": "s0", **({"cpu_cores": cores} if cores else {})}
+        cluster = cluster_from_dict({"name": "test", "machines": [m]})
+        wl = Workload.from_lists("spaced", np.arange(12) * 0.25, [2000] * 12, [60] * 12)
+        sim = Simulator(single({"p0": ["m0:0"], "d0": ["m0:1"]}, routes=[("p0", "d0", 1.0)]), cluster, model, wl,
+                        SimOptions())
+        for rep in sim.replicas:
+            rep.trace = []
+        sim.run()
+        steps = summarise(simulated_rows(sim.replicas, lambda i: int(wl.input_tokens[i])))
+        return steps["d0 decode alone"], steps["d0 decode beside prompt"]
+
+    alone, beside = split(1)
+    assert alone["steps"] > 10 and beside["steps"] > 10
+    assert beside["step_ms"] > 1.5 * alone["step_ms"]
+    alone, beside = split(None)
+    assert beside["step_ms"] == pytest.approx(alone["step_ms"], rel=0.05)

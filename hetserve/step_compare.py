@@ -14,9 +14,13 @@ front end, the transport). Per replica and kind of step (``decode``: running seq
   simulator's iteration; the served TPOT adds the HTTP/SSE stream to it;
 * ``model_ms`` (served side): the calibrated cost model's time for the *served* batches, alone on
   the machine (no contention, no dispatch wait): served ``step_ms`` / ``model_ms`` is how much longer
-  the live step took than the cost model says that very batch takes.
+  the live step took than the cost model says that very batch takes;
+* ``worker_ms`` / ``worker_cpu_ms`` (served side): the stage leaders' own wall time on the step and
+  their step threads' CPU time in it (``runtime.worker``): ``step_ms`` less ``worker_ms`` went to the
+  transport and the front end, ``worker_ms`` less ``worker_cpu_ms`` to the worker waiting for a core.
 
-And the cores each served process kept busy during the replay (``cpu_utilisation``: the front end —
+Decode steps are also split by whether another replica ran a prompt step beside them
+(``beside_prompts``). And the cores each served process kept busy during the replay (``cpu_utilisation``: the front end —
 server, coordinator, client — and every worker), which the simulator's host model estimates.
 """
 
@@ -38,6 +42,8 @@ class StepRow:
     decode_ids: tuple[int, ...]
     decode_context: float
     prompt_tokens: tuple[int, ...]
+    worker_s: float = float("nan")  # served: the stage leaders' own time on the step (runtime.step_timing)
+    worker_cpu_s: float = float("nan")  # ... and their step threads' CPU time
 
     @property
     def kind(self) -> str:
@@ -47,7 +53,7 @@ class StepRow:
 def served_rows(timings: Iterable[Any]) -> list[StepRow]:
     """``runtime.step_timing.StepTiming`` records as rows."""
     return [StepRow(t.replica, t.started, t.finished, tuple(t.decode_ids), float(t.decode_context),
-                    tuple(t.prompt_tokens)) for t in timings]
+                    tuple(t.prompt_tokens), t.worker_s, t.worker_cpu_s) for t in timings]
 
 
 def simulated_rows(replicas, prompt_len) -> list[StepRow]:
@@ -116,6 +122,9 @@ def summarise(rows: list[StepRow], model_time=None) -> dict[str, dict[str, float
             d["token_ms"] = 1e3 * float(np.mean(gaps)) if gaps else float("nan")
         if model_time is not None:
             d["model_ms"] = 1e3 * float(np.mean([model_time(r) for r in sel]))
+        worker = [(r.worker_s, r.worker_cpu_s) for r in sel if r.worker_s == r.worker_s]  # not NaN: timed
+        if worker:
+            d["worker_ms"], d["worker_cpu_ms"] = (1e3 * float(x) for x in np.mean(worker, axis=0))
         out[f"{key[0]} {key[1]}"] = d
     return out
 
@@ -183,8 +192,8 @@ def print_steps(served: dict, simulated: dict, console=None) -> None:
 
     console = console or Console()
     t = Table("replica · step", "served steps", "sim steps", "decodes served / sim", "prompt tok served / sim",
-              "step ms served / sim", "cost model ms (served batches)", "token ms served / sim",
-              title="engine steps: served (coordinator clock) vs simulated")
+              "step ms served / sim", "worker ms (its CPU), served", "cost model ms (served batches)",
+              "token ms served / sim", title="engine steps: served (coordinator clock) vs simulated")
     for key in sorted(set(served) | set(simulated)):
         a, b = served.get(key, {}), simulated.get(key, {})
 
@@ -193,6 +202,7 @@ def print_steps(served: dict, simulated: dict, console=None) -> None:
             return "–" if x != x else f"{x:.{digits}f}"
         t.add_row(key, g(a, "steps", 0), g(b, "steps", 0), f"{g(a, 'decodes', 1)} / {g(b, 'decodes', 1)}",
                   f"{g(a, 'prompt_tokens', 0)} / {g(b, 'prompt_tokens', 0)}",
-                  f"{g(a, 'step_ms', 2)} / {g(b, 'step_ms', 2)}", g(a, "model_ms", 2),
+                  f"{g(a, 'step_ms', 2)} / {g(b, 'step_ms', 2)}", f"{g(a, 'worker_ms', 2)} ({g(a, 'worker_cpu_ms', 2)})",
+                  g(a, "model_ms", 2),
                   f"{g(a, 'token_ms', 2)} / {g(b, 'token_ms', 2)}")
     console.print(t)

@@ -20,6 +20,11 @@ class StepTiming:
     decode_context: int  # tokens of context those sequences attend to (their KV after this step)
     prompt_tokens: tuple[int, ...]  # per prompt (or chunk) in the step, its tokens
     finished: float = 0.0  # when the coordinator handled its result
+    # the stage leaders' own time on it, summed over the stages (wall; CPU of their step threads):
+    # the span less ``worker_s`` is the transport and the front end (its GIL), the wall less the CPU
+    # the worker waiting for a core
+    worker_s: float = float("nan")
+    worker_cpu_s: float = float("nan")
 
     @property
     def seconds(self) -> float:

@@ -194,9 +194,10 @@ class Worker:
                 # abandons or re-runs what they held; this worker must live on to serve the re-run.
                 continue
             with torch.inference_mode():
+                began = (time.perf_counter(), time.thread_time())  # this stage's part of the step, wall and CPU
                 self._send_kv(meta["handoffs"])
                 if meta["seqs"]:
-                    self._compute(meta, hidden)  # forwards to the next stage itself
+                    self._compute(meta, hidden, began)  # forwards to the next stage itself
                 elif self.spec.is_leader and not self.spec.is_last:  # hand-off only: pass it down the pipeline
                     self.transport.send(self.spec.next_leader, Message("step", meta), Priority.CONTROL)
 
@@ -215,7 +216,7 @@ class Worker:
         tensor = (msg.tensors.get("hidden", msg.tensors.get("input_ids")) if msg else None)
         return kind, meta, tensor
 
-    def _compute(self, meta: dict, received: torch.Tensor | None) -> None:
+    def _compute(self, meta: dict, received: torch.Tensor | None, began: tuple[float, float]) -> None:
         spec = self.spec
         seqs = meta["seqs"]
         am = build_attn_meta([s[1] for s in seqs], [s[2] for s in seqs], [s[3] for s in seqs],
@@ -238,9 +239,10 @@ class Worker:
         if spec.is_last:
             logits = self.model.logits(h[am.last_token])  # (B, V)
             tokens = sample(logits, [s[4] for s in seqs])
-            self.transport.send(ENGINE, Message("result", {"step": meta["step"]}, {"tokens": tokens}))
+            self.transport.send(ENGINE, Message("result", {"step": meta["step"], **_spent(meta, began)}, {"tokens": tokens}))
         else:
-            self.transport.send(spec.next_leader, Message("step", meta, {"hidden": h}), Priority(meta["priority"]))
+            self.transport.send(spec.next_leader, Message("step", {**meta, **_spent(meta, began)}, {"hidden": h}),
+                                Priority(meta["priority"]))
 
     def _send_kv(self, handoffs: list) -> None:
         """Send this worker's pieces of each hand-off (its layers x its KV heads) to the decode workers."""
@@ -253,3 +255,11 @@ class Worker:
                 meta = {"seq": seq, "layers": piece.layers, "heads": piece.heads, "table": dst_table,
                         "num_tokens": num_tokens, "expect": expect}
                 self.transport.send(piece.dst, Message("kv", meta, {"kv": kv}), Priority.KV)
+
+
+def _spent(meta: dict, began: tuple[float, float]) -> dict[str, float]:
+    """The step's worker time so far: the earlier stage leaders' (in ``meta``) plus this one's since
+    ``began`` (wall, and CPU of this thread: less than wall where the OS ran something else here).
+    The coordinator keeps the last stage's total beside its own span (``StepTiming.worker_s``)."""
+    return {"worker_s": meta.get("worker_s", 0.0) + time.perf_counter() - began[0],
+            "worker_cpu_s": meta.get("worker_cpu_s", 0.0) + time.thread_time() - began[1]}

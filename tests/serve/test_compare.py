@@ -61,6 +61,11 @@ def test_compare_serves_simulates_and_writes_table_and_cdfs(tmp_path, capsys, mo
         assert dec["steps"] * dec["decodes"] == pytest.approx(6 * 5)
         assert dec["step_ms"] > 0 and dec["token_ms"] > 0
     assert steps["served"]["d0 decode"]["model_ms"] > 0
+    # the workers' own time on each served step (their stage leaders' wall and CPU), inside its span
+    for key in ("p0 prompt", "d0 decode"):
+        row = steps["served"][key]
+        assert 0 < row["worker_cpu_ms"] <= 1.05 * row["worker_ms"] and row["worker_ms"] < row["step_ms"], (key, row)
+    assert "worker_ms" not in steps["simulated"]["d0 decode"]
     assert set(data["info"]["cores_busy"]) == {"front end", "m0:0", "m0:1"}
     assert all(0 <= v <= 8 for v in data["info"]["cores_busy"].values())
     assert "engine steps" in printed

@@ -20,8 +20,9 @@ front end, the transport). Per replica and kind of step (``decode``: running seq
   transport and the front end, ``worker_ms`` less ``worker_cpu_ms`` to the worker waiting for a core.
 
 Decode steps are also split by whether another replica ran a prompt step beside them
-(``beside_prompts``). And the cores each served process kept busy during the replay (``cpu_utilisation``: the front end —
-server, coordinator, client — and every worker), which the simulator's host model estimates.
+(``beside_prompts``). And the cores each served process kept busy during the replay
+(``cpu_utilisation``: the front end — server, coordinator, client — and every worker), which the
+simulator's host model estimates.
 """
 
 from __future__ import annotations
@@ -81,9 +82,9 @@ def _token_intervals(rows: list[StepRow]) -> list[float]:
 
 def beside_prompts(rows: list[StepRow]) -> dict[int, float]:
     """Per decode-only step (by its index in ``rows``) of a replica beside which other replicas in
-    ``rows`` ran prompt steps, the share of its span they covered (at most 1). On worker slots that share a host's cores a
-    prefill beside a decode step slows it: the split in ``summarise`` shows by how much, served and
-    simulated."""
+    ``rows`` ran prompt steps, the share of its span they covered (at most 1). On worker slots that
+    share a host's cores a prefill beside a decode step slows it: the split in ``summarise`` shows
+    by how much, served and simulated."""
     prompts = [r for r in rows if r.kind == "prompt"]
     if not prompts:
         return {}
@@ -106,7 +107,8 @@ def summarise(rows: list[StepRow], model_time=None) -> dict[str, dict[str, float
     beside them) and "decode beside prompt" (beside them for at least half of the step;
     ``beside_prompts``)."""
     out: dict[str, dict[str, float]] = {}
-    groups = {key: [r for r in rows if (r.replica, r.kind) == key] for key in sorted({(r.replica, r.kind) for r in rows})}
+    keys = sorted({(r.replica, r.kind) for r in rows})
+    groups = {key: [r for r in rows if (r.replica, r.kind) == key] for key in keys}
     share = beside_prompts(rows)
     for i, r in enumerate(rows):
         if i in share and (share[i] == 0.0 or share[i] >= 0.5):

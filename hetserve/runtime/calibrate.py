@@ -266,8 +266,8 @@ def request_overhead(http_ttft: dict[int, float] | None, ttft: dict[int, float],
     the median HTTP TTFT less the median engine TTFT of the same prompt length, measured seconds
     apart, held it: over the 24 plan calibrations of eight bench_predict runs it ranged 3.0-14.5 ms,
     while their light cells' served requests spent 6.4-12.4 ms beside their prompt step
-    (docs/benchmarks.md, eleventh session). Without
-    ``outside``: that older estimate, the median over the prompt lengths measured both ways."""
+    (docs/benchmarks.md, eleventh session). Without ``outside``: that older estimate, the median
+    over the prompt lengths measured both ways."""
     if outside and outside[0] and outside[1]:
         return max(0.0, statistics.median(outside[0]) - statistics.median(outside[1]))
     common = [L for L in (http_ttft or {}) if L in ttft]
@@ -289,8 +289,9 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     stages: the one-device points, then the two-stage points for the per-stage part, then the TP 2
     points for the per-collective cost; memory efficiency stays ``base``'s where no decode point is
     bandwidth-bound, ``Calibration.memory_bound``), the GIL wait the median of ``dispatch``; the request
-    overhead ``request_overhead(http_ttft, ttft, outside)``, the stream overhead the least-squares slope (through 0) of HTTP TPOT − engine TPOT over the
-    batch sizes measured both ways, the KV hand-off overhead the median of the measured hand-off
+    overhead ``request_overhead(http_ttft, ttft, outside)``, the stream overhead the least-squares
+    slope (through 0) of HTTP TPOT − engine TPOT over the batch sizes measured both ways, the KV
+    hand-off overhead the median of the measured hand-off
     (``kv_handoff``: prompt tokens -> seconds) − the cost model's transfer time for that KV, the
     front end's CPU per request and per token ``fit_frontend_cpu(frontend_cpu)``.
 

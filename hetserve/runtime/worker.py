@@ -239,7 +239,8 @@ class Worker:
         if spec.is_last:
             logits = self.model.logits(h[am.last_token])  # (B, V)
             tokens = sample(logits, [s[4] for s in seqs])
-            self.transport.send(ENGINE, Message("result", {"step": meta["step"], **_spent(meta, began)}, {"tokens": tokens}))
+            self.transport.send(ENGINE, Message("result", {"step": meta["step"], **_spent(meta, began)},
+                                                {"tokens": tokens}))
         else:
             self.transport.send(spec.next_leader, Message("step", {**meta, **_spent(meta, began)}, {"hidden": h}),
                                 Priority(meta["priority"]))

@@ -2,7 +2,8 @@
 
 The served side starts the plan's engine behind the OpenAI-compatible server, warms it with one
 short request per replica, replays a slice of a trace through the ``openai`` client (every request
-generates exactly its trace output length: ``ignore_eos``) and times every request at the client. The simulated side plays the same requests
+generates exactly its trace output length: ``ignore_eos``) and times every request at the client.
+The simulated side plays the same requests
 (same arrival offsets, prompt and output lengths) against the same plan with the same policies and
 batching knobs the server ran with (placement, KV route, token budget, sequence cap, each replica's
 actual KV pool in blocks) and the cost model calibrated to this machine (``--efficiency``: the

@@ -93,10 +93,13 @@ def beside_prompts(rows: list[StepRow]) -> dict[int, float]:
     end = np.array([r.finished for r in prompts])
     out = {}
     for i, r in enumerate(rows):
-        if r.kind != "decode" or r.finished <= r.started or not (who != r.replica).any():
+        if r.kind != "decode" or r.finished <= r.started:
             continue
-        covered = np.clip(np.minimum(end, r.finished) - np.maximum(start, r.started), 0.0, None)
-        out[i] = min(1.0, float(covered[who != r.replica].sum()) / (r.finished - r.started))
+        others = who != r.replica
+        if not others.any():
+            continue
+        covered = np.clip(np.minimum(end[others], r.finished) - np.maximum(start[others], r.started), 0.0, None)
+        out[i] = min(1.0, float(covered.sum()) / (r.finished - r.started))
     return out
 
 
@@ -106,21 +109,20 @@ def summarise(rows: list[StepRow], model_time=None) -> dict[str, dict[str, float
     replicas ran prompt steps, a replica's decode steps are also split into "decode alone" (none
     beside them) and "decode beside prompt" (beside them for at least half of the step;
     ``beside_prompts``)."""
-    out: dict[str, dict[str, float]] = {}
-    keys = sorted({(r.replica, r.kind) for r in rows})
-    groups = {key: [r for r in rows if (r.replica, r.kind) == key] for key in keys}
+    groups: dict[tuple[str, str], list[StepRow]] = {}
     share = beside_prompts(rows)
     for i, r in enumerate(rows):
+        groups.setdefault((r.replica, r.kind), []).append(r)
         if i in share and (share[i] == 0.0 or share[i] >= 0.5):
             groups.setdefault((r.replica, "decode alone" if share[i] == 0.0 else "decode beside prompt"), []).append(r)
-    for key, sel in groups.items():
-        rep_rows = [r for r in rows if r.replica == key[0]]
+    out: dict[str, dict[str, float]] = {}
+    for key, sel in sorted(groups.items()):
         d = {"steps": float(len(sel)),
              "decodes": float(np.mean([len(r.decode_ids) for r in sel])),
              "prompt_tokens": float(np.mean([sum(r.prompt_tokens) for r in sel])),
              "step_ms": 1e3 * float(np.mean([r.finished - r.started for r in sel]))}
         if key[1] == "decode":
-            gaps = _token_intervals(rep_rows)
+            gaps = _token_intervals([r for r in rows if r.replica == key[0]])
             d["token_ms"] = 1e3 * float(np.mean(gaps)) if gaps else float("nan")
         if model_time is not None:
             d["model_ms"] = 1e3 * float(np.mean([model_time(r) for r in sel]))

@@ -147,7 +147,7 @@ class Coordinator(Recovery):
         # "wake", "link_error" (the exit poll reports dead peers): nothing to do
 
     # ------------------------------------------------------------------ steps and hand-offs
-    def _on_result(self, step_id: int, tokens: list[int], meta: dict | None = None) -> None:
+    def _on_result(self, step_id: int, tokens: list[int], meta: dict) -> None:
         entry = self.steps.pop(step_id, None)
         if entry is None:
             return  # a step of a replica that has failed meanwhile
@@ -155,8 +155,8 @@ class Coordinator(Recovery):
         timing = self._step_started.pop(step_id, None)
         if timing is not None and self.step_times is not None:
             timing.finished = time.monotonic()
-            timing.worker_s = (meta or {}).get("worker_s", float("nan"))
-            timing.worker_cpu_s = (meta or {}).get("worker_cpu_s", float("nan"))
+            timing.worker_s = meta.get("worker_s", float("nan"))
+            timing.worker_cpu_s = meta.get("worker_cpu_s", float("nan"))
             self.step_times.append(timing)
         sched = self.schedulers[rid]
         sched.complete(step_id)

@@ -242,8 +242,8 @@ class Worker:
             self.transport.send(ENGINE, Message("result", {"step": meta["step"], **_spent(meta, began)},
                                                 {"tokens": tokens}))
         else:
-            self.transport.send(spec.next_leader, Message("step", {**meta, **_spent(meta, began)}, {"hidden": h}),
-                                Priority(meta["priority"]))
+            meta.update(_spent(meta, began))  # the next stage adds its own
+            self.transport.send(spec.next_leader, Message("step", meta, {"hidden": h}), Priority(meta["priority"]))
 
     def _send_kv(self, handoffs: list) -> None:
         """Send this worker's pieces of each hand-off (its layers x its KV heads) to the decode workers."""

@@ -31,9 +31,14 @@ before and after that cell was served, relative to the calibration's reading
 (``runtime.speed_probe``, as ``hetserve compare`` does; the slow-down column, and the hits *as
 calibrated* beside; ``--no-speed-correction``: as calibrated).
 
-``--json`` keeps each cell's served figures per request and its calibration file's content, so
-``--replay FILE`` re-simulates every cell with the code (and options) of now against the *same*
-served measurement: compare model variants without serving again (the served side is the noise).
+``--json`` keeps each cell's served figures per request, its served engine steps and its calibration
+file's content, so ``--replay FILE`` re-simulates every cell with the code (and options) of now
+against the *same* served measurement, step tables included: compare model variants without serving
+again (the served side is the noise).
+
+``--serve-twice`` replays each cell's requests a second time on the same server, after the first
+run's measurements: the second run against the first is how far two served runs of one cell lie
+apart, the noise floor of the ±15 % target (a prediction cannot be held closer than that).
 """
 
 from __future__ import annotations
@@ -127,13 +132,15 @@ def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | Non
 
     import numpy as np
 
-    from hetserve.compare import CompareOptions, simulate_calibrated, simulated_of, table_against, table_of
+    from hetserve.compare import (CompareOptions, calibrated_inputs, simulate_calibrated, simulate_with_steps,
+                                  simulated_of, table_against, table_of)
     from hetserve.runtime.engine_config import EngineConfig
     from hetserve.runtime.make_model import make_model
     from hetserve.serve.loadgen import requests_from_workload
     from hetserve.specs.cluster import load_cluster
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import load_workload
+    from hetserve.step_compare import rows_from_json
 
     data = json.loads(Path(path).read_text())
     tmp = Path(tempfile.mkdtemp(prefix="bench-predict-replay-"))
@@ -167,22 +174,30 @@ def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | Non
         cfg = EngineConfig(**cell.get("engine", {}))
         pools = cell.get("kv_pools") or {r.id: 16384 for r in plan.replicas}
         served = cell.get("served")  # per request (files written since --replay exists)
+        # the served engine steps (files written since they are kept): the step tables are made again
+        rows = rows_from_json(cell["served_steps"]) if cell.get("served_steps") else None
 
-        def table_at(slow: float) -> dict:
-            res = simulate_calibrated(plan, cluster, spec, requests, opts, cfg, pools, cal, slow)
+        def table_at(slow: float) -> tuple[dict, dict | None]:
+            steps = None
+            if rows is not None:
+                eff, overhead, kw = calibrated_inputs(str(cal), slow)
+                res, steps = simulate_with_steps(plan, cluster, spec, requests, opts, cfg, pools, eff, overhead,
+                                                 rows, **kw)
+            else:
+                res = simulate_calibrated(plan, cluster, spec, requests, opts, cfg, pools, cal, slow)
             if served:
                 return table_against({k: np.asarray(v, float) for k, v in served["per_request"].items()},
-                                     served["throughput_tokens_per_s"], res)
+                                     served["throughput_tokens_per_s"], res), steps
             sim = simulated_of(res)
             fake = table_of(sim, sim, 1.0, res.summary()["throughput_tokens_per_s"])  # an older file: its served column
             return {k: {"served": cell["table"][k]["served"], "simulated": v["simulated"],
-                        "ratio": v["simulated"] / cell["table"][k]["served"]} for k, v in fake.items()}
+                        "ratio": v["simulated"] / cell["table"][k]["served"]} for k, v in fake.items()}, steps
 
         speed = cell.get("speed")
         if speed:
-            speed = {**speed, "table_as_calibrated": table_at(1.0)}
-        cells.append({**cell, "table": table_at(speed["slowdown"] if speed and speed_correction else 1.0),
-                      "speed": speed})
+            speed = {**speed, "table_as_calibrated": table_at(1.0)[0]}
+        table, steps = table_at(speed["slowdown"] if speed and speed_correction else 1.0)
+        cells.append({**cell, "table": table, "speed": speed, "steps": steps or cell.get("steps")})
     console.print(f"replayed {len(cells)} cells of {path} against their served figures "
                   f"({'shared' if shared_cores else 'separate'} cores)")
     return cells
@@ -193,9 +208,10 @@ def print_cells(cells: list[dict], title: str, console) -> None:
 
     from hetserve.compare import OTHERS_DISTURB
 
+    twice = any(c.get("served_again") for c in cells)
     t = Table("plan", "rate", "load", "other cores", "slow-down", "metric", "served", "sim", "sim/served", "±15%",
-              "as calibrated", "baseline/served", title=title)
-    hits = total = base_hits = cal_hits = 0
+              "as calibrated", "baseline/served", *(["served again/served"] if twice else []), title=title)
+    hits = total = base_hits = cal_hits = again_hits = sim_again_hits = 0
     disturbed = [c for c in cells if (c.get("other_cores_busy") or 0.0) > OTHERS_DISTURB]
     for cell in cells:
         for m in METRICS:
@@ -206,16 +222,25 @@ def print_cells(cells: list[dict], title: str, console) -> None:
             ok = abs(row["ratio"] - 1) <= 0.15
             hits, total = hits + ok, total + 1
             base_hits += brow is not None and abs(brow["ratio"] - 1) <= 0.15
+            arow = (cell.get("served_again") or {}).get("table", {}).get(m)
+            again_hits += arow is not None and abs(arow["ratio"] - 1) <= 0.15
+            # the simulation against the second run: its "simulated" column is that run's figure
+            sim_again_hits += arow is not None and abs(row["simulated"] / arow["simulated"] - 1) <= 0.15
             t.add_row(cell["plan"], f"{cell['rate']:.2f}", f"{cell['load_avg_1m'][0]:.1f}",
                       _fmt_others(cell.get("other_cores_busy")), _fmt_slowdown(cell.get("speed")),
                       m.replace("_s.", " ") + ("" if scale == 1 else " ms"),
                       f"{row['served'] * scale:,.1f}",
                       f"{row['simulated'] * scale:,.1f}", f"{row['ratio']:.2f}", "yes" if ok else "NO",
-                      f"{crow['ratio']:.2f}", f"{brow['ratio']:.2f}" if brow else "-")
+                      f"{crow['ratio']:.2f}", f"{brow['ratio']:.2f}" if brow else "-",
+                      *([f"{arow['ratio']:.2f}" if arow else "-"] if twice else []))
     console.print(t)
     console.print(f"within ±15 %: {hits} of {total} (baseline simulator: {base_hits} of {total}); ratio "
                   f"{hits / max(base_hits, 1):.2f}x the baseline's hits; at the calibration's machine speed, without "
                   f"the speed probe's correction: {cal_hits} of {total}")
+    if twice:
+        console.print(f"served twice (--serve-twice: the same requests again on the same server): the second run "
+                      f"within ±15 % of the first in {again_hits} of {total} figures (the simulation within ±15 % of the "
+                      f"second run: {sim_again_hits}): two served runs of one cell lie that far apart")
     if disturbed:
         names = ", ".join(f"{c['plan']} {c['rate']:.2f}" for c in disturbed)
         console.print(f"{len(disturbed)} of {len(cells)} cells were served while other processes kept more than "
@@ -257,6 +282,9 @@ def main() -> int:
                     help="simulate at the calibration's machine speed (default: scaled by the slow-down the speed "
                          "probe reads before and after each cell, as `hetserve compare` does; a replay uses the "
                          "slow-down its file recorded)")
+    ap.add_argument("--serve-twice", action="store_true",
+                    help="replay each cell's requests a second time on the same server: the second run against "
+                         "the first is the served side's own spread (the noise floor of the ±15 %% target)")
     ap.add_argument("--calibrate-once", action="store_true",
                     help="one calibration at the start (default: calibrate again before each plan, so the "
                          "calibration sees the load the served cells see on a shared machine)")
@@ -268,6 +296,12 @@ def main() -> int:
     if args.replay:
         cells = replay_cells(args.replay, args.shared_cores, console, args.frontend_from, args.refit,
                              args.speed_correction)
+        for cell in cells:
+            if cell.get("served_steps"):  # the step tables made again by the simulator of now
+                from hetserve.step_compare import print_steps
+
+                console.rule(f"{cell['plan']} at {cell['rate']:.2f} req/s")
+                print_steps(cell["steps"]["served"], cell["steps"]["simulated"], console)
         print_cells(cells, f"simulator (now) vs the served figures of {args.replay}", console)
         if args.json:
             Path(args.json).write_text(json.dumps({"cells": cells, "replayed": args.replay}, indent=2) + "\n")
@@ -280,6 +314,7 @@ def main() -> int:
     from hetserve.specs.cluster import load_cluster
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import load_workload
+    from hetserve.step_compare import rows_to_json
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-predict-"))
     (tmp / "cluster.yaml").write_text(CLUSTER_SHARED if args.shared_cores else CLUSTER)
@@ -311,7 +346,8 @@ def main() -> int:
             rate = frac * cap
             opts = CompareOptions(plan=plan, model_dir=str(model_dir), cluster=cluster, workload_class="LPLD",
                                   rate=rate, num_requests=args.requests, max_input=128, max_output=32,
-                                  efficiency=cal, speed_correction=args.speed_correction)
+                                  efficiency=cal, speed_correction=args.speed_correction,
+                                  serve_twice=args.serve_twice)
             console.rule(f"{name} at {rate:.2f} req/s ({frac:.0%} of the simulated capacity {cap:.2f} req/s)")
             c = compare(opts)
             if c.info.get("steps"):
@@ -335,7 +371,8 @@ def main() -> int:
                                      "throughput_tokens_per_s": served_summary["throughput_tokens_per_s"]},
                           "table": c.table, "baseline_table": base_table, "steps": c.info.get("steps"),
                           "cores_busy": c.info.get("cores_busy"), "other_cores_busy": c.info.get("other_cores_busy"),
-                          "speed": c.info.get("speed")})
+                          "speed": c.info.get("speed"), "served_again": c.info.get("served_again"),
+                          "served_steps": rows_to_json(c.served_steps)})
     print_cells(cells, f"simulator vs served on this machine ({args.requests} requests per cell; calibrated "
                        f"{'once' if args.calibration or args.calibrate_once else 'before each plan'})", console)
     if args.json:

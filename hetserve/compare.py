@@ -20,6 +20,10 @@ machine is not the served run's: with a calibration that holds a speed reading, 
 the speed probe again just before and after serving and scales the calibrated times by the ratio
 (``runtime.speed_probe``; ``speed_correction=False`` / ``--no-speed-correction``: as calibrated).
 The table as calibrated is kept beside it (``info["speed"]``).
+
+``serve_twice`` / ``--serve-twice`` replays the same requests a second time on the same server once
+the first run is measured, and keeps the second run against the first (``info["served_again"]``):
+the machine's own spread between two runs, which bounds how close any prediction can be held.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +70,9 @@ class CompareOptions:
     # read the machine's speed just before and after serving and scale the calibrated times by its
     # ratio to the calibration's reading (runtime.speed_probe; a calibration without one: no change)
     speed_correction: bool = True
+    # replay the same requests a second time on the same server (after the first run's measurements):
+    # how far two served runs of one cell lie apart is the noise any prediction of them meets
+    serve_twice: bool = False
 
 
 @dataclass
@@ -77,6 +84,7 @@ class Comparison:
     # (plan, cluster, model spec, requests, engine config, KV pools, efficiency, request overhead,
     # served summary): what a benchmark needs to simulate the same run again with other options
     context: tuple = ()
+    served_steps: list = field(default_factory=list)  # the served run's engine steps (step_compare.StepRow)
 
     def to_json(self) -> dict[str, Any]:
         return {"table": self.table, "info": self.info}
@@ -119,7 +127,7 @@ def compare(opts: CompareOptions) -> Comparison:
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import load_workload
     from hetserve.step_compare import (cpu_utilisation, machine_busy_cpu_s, other_cores_busy, process_cpu_s,
-                                       served_rows, simulated_rows, step_model, summarise)
+                                       served_rows)
 
     plan = opts.plan if isinstance(opts.plan, Plan) else Plan.load(opts.plan)
     cluster = opts.cluster if isinstance(opts.cluster, Cluster) else load_cluster(str(opts.cluster or plan.cluster))
@@ -164,24 +172,25 @@ def compare(opts: CompareOptions) -> Comparison:
         served_steps = served_rows(engine.coordinator.step_times)
         # after the CPU readings: the probe's own CPU is not the served run's
         speed = (speed_before, probe.readings(SPEED_READINGS, SPEED_READING_S)) if probe else ()
+        again = replay(server.url, model_name, requests, ignore_eos=True) if opts.serve_twice else None
     load_after = os.getloadavg()[0]
     summary = summarize(results)
-    if summary["errors"]:
-        raise RuntimeError(f"served requests failed: {summary['errors']}")
-    served = {"ttft_s": np.array([r.ttft_s for r in results]), "e2e_s": np.array([r.e2e_s for r in results]),
-              "tpot_s": np.array([r.tpot_s for r in results if r.tpot_s is not None])}
+    served = _served_of(results, summary)
 
     slow = slowdown(combine(speed[0] + speed[1]), at_calibration) if speed else 1.0
     efficiency, overhead, sim_kw = calibrated_inputs(opts.efficiency, slow)
     contention, handoff = sim_kw.get("contention_slowdown", 1.0), sim_kw.get("link_overhead_s", 0.0)
-    sim = simulator_for(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead, **sim_kw)
-    for rep in sim.replicas:
-        rep.trace = []
-    res = sim.run()
-    model_time = step_model(sim.cost, {r.id: r.layout for r in sim.replicas})
-    steps_info = {"served": summarise(served_steps, model_time),
-                  "simulated": summarise(simulated_rows(sim.replicas, lambda i: len(requests[i].prompt)))}
+    res, steps_info = simulate_with_steps(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead,
+                                          served_steps, **sim_kw)
     table = table_against(served, summary["throughput_tokens_per_s"], res)
+    served_again = None
+    if again is not None:
+        summary_again = summarize(again)
+        per_request = _served_of(again, summary_again)
+        served_again = {"table": table_of(served, per_request, summary["throughput_tokens_per_s"],
+                                          summary_again["throughput_tokens_per_s"]),
+                        "per_request": {k: [float(x) for x in v] for k, v in per_request.items()},
+                        "throughput_tokens_per_s": summary_again["throughput_tokens_per_s"]}
     speed_info = None
     if speed:
         # the same simulation at the calibration's speed: what the correction changed
@@ -198,7 +207,7 @@ def compare(opts: CompareOptions) -> Comparison:
             "frontend_cpu_s": {k: sim_kw.get(f"frontend_{k}_cpu_s", 0.0) for k in ("request", "step", "token")},
             "prompt_tokens": [len(r.prompt) for r in requests], "steps": steps_info, "cores_busy": cpu,
             "other_cores_busy": None if others is None else round(others, 3),
-            "speed": speed_info, "kv_pools": pools, "token_budget": cfg.max_batched_tokens,
+            "speed": speed_info, "served_again": served_again, "kv_pools": pools, "token_budget": cfg.max_batched_tokens,
             "prefill_mode": cfg.prefill_mode, "chunk_tokens": cfg.chunk_tokens,
             "kv_admission": {"served": cfg.kv_admission, "simulated": res.info["kv_admission"]},
             "max_num_seqs": cfg.max_num_seqs, "load_avg_1m": [round(load_before, 2), round(load_after, 2)],
@@ -206,7 +215,33 @@ def compare(opts: CompareOptions) -> Comparison:
             "served_source": "measured at the openai client on this machine",
             "simulated_source": _simulated_source(opts.efficiency, slow if speed else None)}
     return Comparison(table, served, simulated_of(res), info,
-                      (plan, cluster, spec, requests, cfg, pools, efficiency, overhead, summary, contention))
+                      (plan, cluster, spec, requests, cfg, pools, efficiency, overhead, summary, contention),
+                      served_steps)
+
+
+def simulate_with_steps(plan, cluster, spec, requests, opts: CompareOptions, cfg, pools: dict[str, int], efficiency,
+                        overhead: float, served_steps: list, **overrides):
+    """``simulate_side`` with its replicas' steps traced: (result, the step tables of both sides:
+    ``step_compare.summarise`` of ``served_steps`` with the cost model's time for each served
+    batch, and of the simulated steps)."""
+    from hetserve.step_compare import simulated_rows, step_model, summarise
+
+    sim = simulator_for(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead, **overrides)
+    for rep in sim.replicas:
+        rep.trace = []
+    res = sim.run()
+    model_time = step_model(sim.cost, {r.id: r.layout for r in sim.replicas})
+    return res, {"served": summarise(served_steps, model_time),
+                 "simulated": summarise(simulated_rows(sim.replicas, lambda i: len(requests[i].prompt)))}
+
+
+def _served_of(results, summary: dict) -> dict[str, np.ndarray]:
+    """The replay's per-request TTFT, TPOT (requests of two or more tokens) and E2E; a failed request
+    fails the comparison (a served run that lost requests is no measurement of the plan)."""
+    if summary["errors"]:
+        raise RuntimeError(f"served requests failed: {summary['errors']}")
+    return {"ttft_s": np.array([r.ttft_s for r in results]), "e2e_s": np.array([r.e2e_s for r in results]),
+            "tpot_s": np.array([r.tpot_s for r in results if r.tpot_s is not None])}
 
 
 def simulated_of(res) -> dict[str, np.ndarray]:
@@ -298,6 +333,15 @@ def plot_cdfs(c: Comparison, path: str | Path) -> Path:
     return Path(path)
 
 
+def _ratio(r: float) -> str:
+    return f"{r:.2f}" if r == r else "-"
+
+
+def within_band(table: dict[str, dict[str, float]], band: float = 0.15) -> int:
+    """Figures of a ``table_of`` table whose ratio lies within ±``band`` of 1."""
+    return sum(abs(row["ratio"] - 1) <= band for row in table.values())
+
+
 def print_table(c: Comparison, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -305,7 +349,8 @@ def print_table(c: Comparison, console=None) -> None:
     from hetserve.runtime.speed_probe import PROMPT_TOKENS
 
     console = console or Console()
-    t = Table("metric", "served", "simulated", "sim / served",
+    again = (c.info.get("served_again") or {}).get("table")
+    t = Table("metric", "served", "simulated", "sim / served", *(["served again / served"] if again else []),
               title=f"served vs simulated — load avg {c.info['load_avg_1m'][0]} → {c.info['load_avg_1m'][1]} "
                     f"(served: measured; simulated: {c.info['simulated_source']})")
     for key, row in c.table.items():
@@ -314,8 +359,13 @@ def print_table(c: Comparison, console=None) -> None:
             "MEAN", "mean").replace("P50", "p50").replace("P90", "p90").replace("P99", "p99") + unit
         r = row["ratio"]
         t.add_row(name, f"{row['served'] * scale:,.1f}", f"{row['simulated'] * scale:,.1f}",
-                  f"{r:.2f}" if r == r else "-")
+                  _ratio(r), *([_ratio(again[key]["ratio"])] if again else []))
     console.print(t)
+    if again:
+        console.print(f"served twice (the same requests, the same server, one run after the other): the second "
+                      f"run within ±15 % of the first in {within_band(again)} of {len(again)} figures, the "
+                      f"simulation in {within_band(c.table)}: how far two served runs lie apart bounds how close "
+                      "any prediction of one can be")
     if c.info.get("steps"):
         from hetserve.step_compare import print_steps
 
@@ -323,13 +373,12 @@ def print_table(c: Comparison, console=None) -> None:
     sp = c.info.get("speed")
     if sp:
         ref, before, after = sp["at_calibration"], sp["before"], sp["after"]
-        hits = lambda t: sum(abs(r["ratio"] - 1) <= 0.15 for r in t.values())  # noqa: E731
         console.print(f"machine speed (speed probe: one-token decode / {PROMPT_TOKENS}-token prompt in this process): "
                       f"{before['decode_s'] * 1e3:.2f} / {before['prefill_s'] * 1e3:.1f} ms before serving, "
                       f"{after['decode_s'] * 1e3:.2f} / {after['prefill_s'] * 1e3:.1f} ms after, "
                       f"{ref['decode_s'] * 1e3:.2f} / {ref['prefill_s'] * 1e3:.1f} ms at calibration: simulated "
-                      f"times x{sp['slowdown']:.2f} (as calibrated, {hits(sp['table_as_calibrated'])} of "
-                      f"{len(c.table)} figures within ±15 %; with the correction {hits(c.table)})")
+                      f"times x{sp['slowdown']:.2f} (as calibrated, {within_band(sp['table_as_calibrated'])} of "
+                      f"{len(c.table)} figures within ±15 %; with the correction {within_band(c.table)})")
     others = c.info.get("other_cores_busy")
     if others is not None:
         console.print(f"other processes on this machine kept {others:.2f} cores busy during the replay"

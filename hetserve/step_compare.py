@@ -57,6 +57,26 @@ def served_rows(timings: Iterable[Any]) -> list[StepRow]:
                     tuple(t.prompt_tokens), t.worker_s, t.worker_cpu_s) for t in timings]
 
 
+ROW_FIELDS = ("replica", "started", "finished", "decode_ids", "decode_context", "prompt_tokens", "worker_s",
+              "worker_cpu_s")
+
+
+def rows_to_json(rows: list[StepRow]) -> dict[str, list]:
+    """Rows as columns (a benchmark's JSON keeps a run's served steps, so a replay can split them
+    again); an untimed worker (NaN) as null."""
+    def plain(x):
+        return list(x) if isinstance(x, tuple) else (None if isinstance(x, float) and x != x else x)
+    return {f: [plain(getattr(r, f)) for r in rows] for f in ROW_FIELDS}
+
+
+def rows_from_json(cols: dict[str, list]) -> list[StepRow]:
+    """``rows_to_json``'s inverse."""
+    nan = float("nan")
+    return [StepRow(rep, start, end, tuple(dec), float(ctx), tuple(pr), nan if w is None else w,
+                    nan if wc is None else wc)
+            for rep, start, end, dec, ctx, pr, w, wc in zip(*(cols[f] for f in ROW_FIELDS))]
+
+
 def simulated_rows(replicas, prompt_len) -> list[StepRow]:
     """The steps the simulator's replicas traced (``trace``: (start, end, decode ids, prompt ids)),
     ``prompt_len(rid)`` the prompt tokens of a request."""

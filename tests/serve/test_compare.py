@@ -72,13 +72,23 @@ def test_compare_serves_simulates_and_writes_table_and_cdfs(tmp_path, capsys, mo
 
 
 @pytest.mark.timeout(240)
-def test_compare_scales_the_calibration_by_the_machine_speed_it_reads_while_serving(tmp_path, capsys):
+def test_compare_scales_the_calibration_by_the_machine_speed_it_reads_while_serving(tmp_path, capsys, monkeypatch):
     """A calibration whose speed probe read twice the speed of now: compare reads the probe before and
     after serving, finds the machine about 2x slower and prices the simulation that much slower than
-    as calibrated (both tables kept)."""
+    as calibrated (both tables kept). ``--serve-twice``: the same requests replayed a second time,
+    after the first run's measurements, and that run's figures set against the first's."""
     from hetserve.cli.main import main
     from hetserve.runtime.make_model import make_model
     from hetserve.runtime.speed_probe import SpeedProbe
+    from hetserve.serve import loadgen
+
+    sent, real_replay = [], loadgen.replay
+
+    def counted(url, model, requests, **kw):
+        sent.append([(r.arrival_s, len(r.prompt), r.max_tokens) for r in requests])
+        return real_replay(url, model, requests, **kw)
+
+    monkeypatch.setattr(loadgen, "replay", counted)
 
     model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=64, heads=4, kv_heads=2)
     (tmp_path / "cluster.yaml").write_text("name: cmp\nmachines:\n  - {name: m0, gpu: RTX-4090, count: 1}\n")
@@ -93,8 +103,9 @@ def test_compare_scales_the_calibration_by_the_machine_speed_it_reads_while_serv
     out = tmp_path / "out"
     code = main(["compare", "--plan", str(plan), "--model", str(model), "--cluster", str(tmp_path / "cluster.yaml"),
                  "--workload-class", "LPLD", "--rate", "20", "-n", "4", "--max-input", "48", "--max-output", "4",
-                 "--efficiency", str(cal), "-o", str(out)])
+                 "--efficiency", str(cal), "--serve-twice", "-o", str(out)])
     assert code == 0
+    assert len(sent) == 3 and len(sent[1]) == 4 and sent[2] == sent[1]  # warm-up, the timed run, the same again
     flat = " ".join(capsys.readouterr().out.split())
     info = json.loads((out / "compare.json").read_text())["info"]
     speed, table = info["speed"], json.loads((out / "compare.json").read_text())["table"]
@@ -105,3 +116,10 @@ def test_compare_scales_the_calibration_by_the_machine_speed_it_reads_while_serv
         assert table[key]["served"] == speed["table_as_calibrated"][key]["served"]
     assert "machine speed (speed probe" in flat and f"x{speed['slowdown']:.2f}" in flat
     assert "speed probe before and after serving" in info["simulated_source"]
+    again = info["served_again"]
+    assert set(again["table"]) == set(table) and len(again["per_request"]["ttft_s"]) == 4
+    for key, row in again["table"].items():  # the second run against the first
+        assert row["served"] == table[key]["served"]
+        assert row["ratio"] == pytest.approx(row["simulated"] / row["served"])
+    assert again["table"]["ttft_s.mean"]["simulated"] == pytest.approx(sum(again["per_request"]["ttft_s"]) / 4)
+    assert "served twice" in flat and "served again / served" in flat

@@ -111,3 +111,65 @@ def test_simulated_decode_steps_beside_a_prefill_are_slower_only_on_shared_cores
     assert beside["step_ms"] > 1.5 * alone["step_ms"]
     alone, beside = split(None)
     assert beside["step_ms"] == pytest.approx(alone["step_ms"], rel=0.05)
+
+
+def test_step_rows_survive_a_json_file_untimed_workers_included():
+    """bench_predict keeps each cell's served engine steps in its JSON (``rows_to_json``) so that a
+    replay can split them again: every field comes back, a worker that was not timed (NaN) as NaN."""
+    import json
+    import math
+
+    from hetserve.step_compare import StepRow, rows_from_json, rows_to_json
+
+    rows = [StepRow("d0", 0.5, 0.51, (3, 4), 140.0, (), 0.007, 0.0065),
+            StepRow("p0", 0.5, 0.54, (), 0.0, (128, 91)),  # no worker time: NaN
+            StepRow("c0", 1.0, 1.02, (7,), 33.0, (12,), 0.015, 0.012)]
+    back = rows_from_json(json.loads(json.dumps(rows_to_json(rows))))
+    assert len(back) == 3
+    for a, b in zip(rows, back):
+        for f in ("replica", "started", "finished", "decode_ids", "decode_context", "prompt_tokens"):
+            assert getattr(a, f) == getattr(b, f), f
+        for f in ("worker_s", "worker_cpu_s"):
+            x, y = getattr(a, f), getattr(b, f)
+            assert (math.isnan(x) and math.isnan(y)) or x == y, f
+    assert back[1].kind == "prompt" and back[0].kind == "decode"
+
+
+def test_bench_predict_replay_makes_the_step_tables_again_from_the_saved_steps(tmp_path):
+    """``bench_predict --replay`` re-simulates a saved cell and, where the file holds the served
+    engine steps, splits them again beside the new simulation's own (not the tables saved with the
+    file, which the code of then made)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from hetserve.step_compare import StepRow, rows_to_json
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("bench_predict", root / "bench" / "bench_predict.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    served_rows = [StepRow("c0", 0.0, 0.04, (), 0.0, (128,), 0.035, 0.03),
+                   StepRow("c0", 0.04, 0.05, (0,), 129.0, (), 0.007, 0.006),
+                   StepRow("c0", 0.05, 0.06, (0,), 130.0, (), 0.007, 0.006)]
+    cell = {"plan": "pipeline-2", "rate": 2.0, "fraction": 0.2, "requests": 6, "load_avg_1m": [0.1, 0.1],
+            "calibration": "gone.json",
+            "calibration_data": {"gpu": "RTX-4090",
+                                 "efficiency": {"compute": 2e-4, "memory": 0.8, "iteration_overhead_s": 3e-3},
+                                 "runtime": {"request_overhead_s": 0.002}},
+            "engine": {}, "kv_pools": {"c0": 16384},
+            "served": {"per_request": {"ttft_s": [0.05] * 6, "tpot_s": [0.01] * 6, "e2e_s": [0.3] * 6},
+                       "throughput_tokens_per_s": 40.0},
+            "steps": None, "speed": None, "served_steps": rows_to_json(served_rows)}
+    path = tmp_path / "cells.json"
+    path.write_text(json.dumps({"cells": [cell]}))
+    (out,) = bench.replay_cells(str(path), True, Console(file=open(tmp_path / "log", "w")))
+    served, simulated = out["steps"]["served"], out["steps"]["simulated"]
+    assert served["c0 prompt"]["steps"] == 1 and served["c0 decode"]["steps"] == 2
+    assert served["c0 decode"]["worker_ms"] == pytest.approx(7.0)
+    assert served["c0 prompt"]["model_ms"] > 0  # the cost model's time for the served batch
+    assert simulated["c0 prompt"]["steps"] == 6  # the six replayed prompts, simulated now
+    assert out["table"]["ttft_s.mean"]["served"] == pytest.approx(0.05)

@@ -35,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="price the simulation at the calibration's machine speed (default: read the machine's speed "
                         "probe before and after serving and scale the calibrated times by its ratio to the "
                         "calibration's reading; a shared VM's speed drifts by tens of percent within minutes)")
+    p.add_argument("--serve-twice", action="store_true",
+                   help="replay the same requests a second time on the same server and print the second run "
+                        "against the first beside the simulation: how far two served runs lie apart")
     add_prefill_mode_options(p)
     p.add_argument("-o", "--output", help="folder for compare.json and compare_cdf.png")
     p.set_defaults(func=run)
@@ -63,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
                                    max_output=args.max_output, efficiency=args.efficiency, router=args.router,
                                    route=args.route, seed=args.seed, prefill_mode=args.prefill_mode,
                                    chunk_tokens=args.chunk_tokens, kv_admission=args.kv_admission,
-                                   speed_correction=args.speed_correction))
+                                   speed_correction=args.speed_correction, serve_twice=args.serve_twice))
     except RuntimeError as exc:
         raise RuntimeFailure(str(exc)) from exc
     console = Console()

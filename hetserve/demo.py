@@ -9,7 +9,9 @@ and end with ``hetserve compare``: serve the plan (prefill and decode replicas a
 processes behind the OpenAI-compatible endpoint), replay a slice of the Azure trace through the
 official ``openai`` client, simulate the same requests with the same policies, batching knobs and
 KV pools, and print served vs simulated TTFT / TPOT / E2E (mean, p50, p90, p99) and throughput,
-with both CDFs in ``demo-out/compare/compare_cdf.png`` and the table in ``compare.json``.
+with both CDFs in ``demo-out/compare/compare_cdf.png`` and the table in ``compare.json``. The
+requests are served a second time on the same server (``--serve-twice``), so the table also says how
+far two served runs lie apart: the closest any prediction of one run can be held.
 
 Everything lands in ``demo-out/``.
 """
@@ -59,12 +61,12 @@ def serve_tiny_model(n_requests: int = 24, max_input: int = 256, max_output: int
     step("6. plan the pool for this machine (short requests: the tiny model's context is 1,024 tokens)",
          ["plan", "--cluster", "demo-tiny", "--model", str(model_dir), "--workload", "azure-conv",
           "--workload-class", "LPLD", "--efficiency", str(calibration), "--disaggregated", "-o", str(plan_path)])
-    step(f"7. serve the plan, replay {n_requests} Azure requests through the openai client, simulate the same "
-         "requests: served vs simulated",
+    step(f"7. serve the plan, replay {n_requests} Azure requests through the openai client (twice: how far two "
+         "served runs lie apart), simulate the same requests: served vs simulated",
          ["compare", "--plan", str(plan_path), "--model", str(model_dir), "--cluster", "demo-tiny",
           "--workload", "azure-conv", "--workload-class", "LPLD", "--rate", str(rate), "-n", str(n_requests),
           "--max-input", str(max_input), "--max-output", str(max_output), "--efficiency", str(calibration),
-          "-o", str(OUT / "compare")])
+          "--serve-twice", "-o", str(OUT / "compare")])
 
 
 def main() -> None:

@@ -206,7 +206,7 @@ def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | Non
 def print_cells(cells: list[dict], title: str, console) -> None:
     from rich.table import Table
 
-    from hetserve.compare import OTHERS_DISTURB
+    from hetserve.compare import OTHERS_DISTURB, in_band
 
     twice = any(c.get("served_again") for c in cells)
     t = Table("plan", "rate", "load", "other cores", "slow-down", "metric", "served", "sim", "sim/served", "±15%",
@@ -217,15 +217,15 @@ def print_cells(cells: list[dict], title: str, console) -> None:
         for m in METRICS:
             row, brow = cell["table"][m], cell.get("baseline_table", {}).get(m)
             crow = ((cell.get("speed") or {}).get("table_as_calibrated") or {}).get(m, row)
-            cal_hits += abs(crow["ratio"] - 1) <= 0.15
+            cal_hits += in_band(crow["ratio"])
             scale = 1.0 if m.startswith("throughput") else 1e3
-            ok = abs(row["ratio"] - 1) <= 0.15
+            ok = in_band(row["ratio"])
             hits, total = hits + ok, total + 1
-            base_hits += brow is not None and abs(brow["ratio"] - 1) <= 0.15
+            base_hits += brow is not None and in_band(brow["ratio"])
             arow = (cell.get("served_again") or {}).get("table", {}).get(m)
-            again_hits += arow is not None and abs(arow["ratio"] - 1) <= 0.15
+            again_hits += arow is not None and in_band(arow["ratio"])
             # the simulation against the second run: its "simulated" column is that run's figure
-            sim_again_hits += arow is not None and abs(row["simulated"] / arow["simulated"] - 1) <= 0.15
+            sim_again_hits += arow is not None and in_band(row["simulated"] / arow["simulated"])
             t.add_row(cell["plan"], f"{cell['rate']:.2f}", f"{cell['load_avg_1m'][0]:.1f}",
                       _fmt_others(cell.get("other_cores_busy")), _fmt_slowdown(cell.get("speed")),
                       m.replace("_s.", " ") + ("" if scale == 1 else " ms"),
@@ -296,10 +296,10 @@ def main() -> int:
     if args.replay:
         cells = replay_cells(args.replay, args.shared_cores, console, args.frontend_from, args.refit,
                              args.speed_correction)
+        from hetserve.step_compare import print_steps
+
         for cell in cells:
             if cell.get("served_steps"):  # the step tables made again by the simulator of now
-                from hetserve.step_compare import print_steps
-
                 console.rule(f"{cell['plan']} at {cell['rate']:.2f} req/s")
                 print_steps(cell["steps"]["served"], cell["steps"]["simulated"], console)
         print_cells(cells, f"simulator (now) vs the served figures of {args.replay}", console)
@@ -307,7 +307,7 @@ def main() -> int:
             Path(args.json).write_text(json.dumps({"cells": cells, "replayed": args.replay}, indent=2) + "\n")
         return 0
 
-    from hetserve.compare import CompareOptions, compare, simulate_side, table_against
+    from hetserve.compare import CompareOptions, compare, per_request_json, simulate_side, table_against
     from hetserve.runtime.calibrate import served_efficiency, served_sim_options
     from hetserve.runtime.make_model import make_model
     from hetserve.serve.loadgen import requests_from_workload
@@ -367,7 +367,7 @@ def main() -> int:
                                      "block_size": cfg.block_size, "micro_batches": cfg.micro_batches,
                                      "prefill_mode": cfg.prefill_mode, "chunk_tokens": cfg.chunk_tokens},
                           "kv_pools": pools,
-                          "served": {"per_request": {k: [float(x) for x in v] for k, v in c.served.items()},
+                          "served": {"per_request": per_request_json(c.served),
                                      "throughput_tokens_per_s": served_summary["throughput_tokens_per_s"]},
                           "table": c.table, "baseline_table": base_table, "steps": c.info.get("steps"),
                           "cores_busy": c.info.get("cores_busy"), "other_cores_busy": c.info.get("other_cores_busy"),

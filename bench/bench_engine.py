@@ -230,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  calibrated cost model: compute efficiency {eff.compute:.3g} of the RTX 4090 datasheet, "
               f"{1000 * eff.iteration_overhead_s:.2f} ms per iteration + {1000 * eff.step_overhead_s:.2f} ms per "
               f"stage + {1000 * eff.seq_overhead_s:.3f} ms per sequence + {1000 * eff.collective_overhead_s:.2f} ms "
-              f"per TP collective, mean |error| {calibration.mean_abs_error:.0%}",
+              f"per TP collective + {1e9 * eff.collective_s_per_byte:.2f} ms per MB it carries, "
+              f"{1e9 * eff.multi_row_s_per_byte:.3f} ms per MB of weights once a step has more than one row, "
+              f"mean |error| {calibration.mean_abs_error:.0%}",
               flush=True)
     for name in engine_plans:
         rows.append(bench_engine(name, all_plans[name], cluster_path, model_dir, prompts, args.max_tokens,

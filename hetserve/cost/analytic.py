@@ -123,6 +123,26 @@ class CostModel:
             return 0.0
         return (2 * stage.num_layers + TP_STEP_COLLECTIVES) * self.eff.collective_overhead_s
 
+    def collective_bytes_time(self, stage: StageLayout, rows: float) -> float:
+        """What a TP group's collectives spend per byte beyond the link's α-β time
+        (``Efficiency.collective_s_per_byte``): each layer's two all-reduces and the broadcast of the
+        stage's input, ``rows`` tokens of activations each."""
+        if stage.tp <= 1 or self.eff.collective_s_per_byte <= 0:
+            return 0.0
+        return (2 * stage.num_layers + 1) * rows * self.model.hidden * self.model.dtype_bytes * self.eff.collective_s_per_byte
+
+    def multi_row_time(self, stage: StageLayout, rows: float, head_rows: float, is_last: bool) -> float:
+        """What the stage's matrix products spend beyond the roofline once they multiply more than
+        one row (``Efficiency.multi_row_s_per_byte`` per byte of a device's weight shard): its layers
+        at ``rows`` tokens, the LM head on the last stage at ``head_rows`` (one per sequence). Ramped
+        by ``min(1, rows - 1)``: fractional rows are a mean over micro-batches."""
+        per_byte = self.eff.multi_row_s_per_byte
+        if per_byte <= 0:
+            return 0.0
+        m = self.model
+        t = per_byte * stage.num_layers * m.bytes_per_layer / stage.tp * _beyond_one_row(rows)
+        return t + (per_byte * m.vocab * m.hidden * m.dtype_bytes * _beyond_one_row(head_rows) if is_last else 0.0)
+
     def _head_time(self, stage: StageLayout, rows: float) -> float:
         """Final norm + LM head on the last stage for ``rows`` sequences (one logit row each), plus
         the once-per-iteration costs of the replica: the step's turn-around through the scheduler
@@ -141,7 +161,9 @@ class CostModel:
         per_layer = self._roofline(stage, flops, nbytes, 2.0 * m.q_dim * batch.sum_sq)
         comm = 2 * self.allreduce_time(stage.devices, batch.tokens * m.hidden * m.dtype_bytes)
         head = self._head_time(stage, batch.num_seqs) if is_last else 0.0
-        return stage.num_layers * (per_layer + comm) + self.collectives_time(stage) + head + self.eff.step_overhead_s
+        return (stage.num_layers * (per_layer + comm) + self.collectives_time(stage) + head + self.eff.step_overhead_s
+                + self.multi_row_time(stage, batch.tokens, batch.num_seqs, is_last)
+                + self.collective_bytes_time(stage, batch.tokens))
 
     def stage_decode_time(self, stage: StageLayout, batch: float, context_tokens: float,
                           is_last: bool = False) -> float:
@@ -152,7 +174,8 @@ class CostModel:
         per_layer = self._roofline(stage, flops, nbytes, 4.0 * m.q_dim * context_tokens, self.eff.decode_attention)
         comm = 2 * self.allreduce_time(stage.devices, batch * m.hidden * m.dtype_bytes)
         head = self._head_time(stage, batch) if is_last else 0.0
-        return stage.num_layers * (per_layer + comm) + self.collectives_time(stage) + head + self.eff.step_overhead_s
+        return (stage.num_layers * (per_layer + comm) + self.collectives_time(stage) + head + self.eff.step_overhead_s
+                + self.multi_row_time(stage, batch, batch, is_last) + self.collective_bytes_time(stage, batch))
 
     def stage_weight_bytes(self, stage: StageLayout, is_first: bool, is_last: bool) -> float:
         """Weight bytes on the stage's fullest device: its leader (see ``device_weight_bytes``)."""
@@ -373,6 +396,11 @@ class CostModel:
                                 if r.shared:
                                     out[r] = out.get(r, 0.0) + 4 * s.num_layers * chunk
         return out
+
+
+def _beyond_one_row(rows: float) -> float:
+    """0 for one row, 1 for two or more, linear between (a mean over micro-batches of 1 and 2 rows)."""
+    return min(1.0, max(0.0, rows - 1.0))
 
 
 def device_weight_bytes(model: ModelSpec, num_layers: int, tp: int, is_first: bool, is_last: bool,

@@ -40,6 +40,16 @@ class Efficiency:
     iteration_overhead_s: float = 0.0  # per replica, on its last stage: the scheduler's turn-around, sampling, tokens back
     seq_overhead_s: float = 0.0  # per sequence in the step, on the last stage: its bookkeeping, sampling, token streamed
     collective_overhead_s: float = 0.0  # per collective of a TP group (> 1 device): its launch and the members' meeting
+    # per byte a TP collective carries (each layer's two all-reduces and the broadcast of the stage's
+    # input activations), beyond the link's α-β time: on CPU worker slots, gloo's copies and sums
+    collective_s_per_byte: float = 0.0
+    # seconds per weight byte (of a device's shard) that a step's matrix products spend once they
+    # multiply more than one row: one row runs as matrix-vector products, two or more as a GEMM,
+    # which on this CPU demo costs about one more pass over the weights (torch's fp32 linear of a
+    # 768x256 matrix: 18 µs for one row, 32 µs for two, 40 µs for four). Scaled by min(1, rows - 1),
+    # so a mean of 1.5 rows per micro-batch pays half. `hetserve calibrate` fits it from the decode
+    # probes of one and of more sequences (0 = the pure roofline).
+    multi_row_s_per_byte: float = 0.0
     max_batch: int = 256  # running requests per replica: the serving engine's cap (vLLM's max_num_seqs)
 
     def __post_init__(self) -> None:
@@ -52,7 +62,8 @@ class Efficiency:
             raise ValueError("efficiency decode_attention must be in [0, 1] (0: the same as attention)")
         if self.activation_buffers < 0 or self.activation_tokens <= 0:
             raise ValueError("activation_buffers and activation_tokens must be non-negative")
-        for k in ("step_overhead_s", "iteration_overhead_s", "seq_overhead_s", "collective_overhead_s"):
+        for k in ("step_overhead_s", "iteration_overhead_s", "seq_overhead_s", "collective_overhead_s",
+                  "multi_row_s_per_byte", "collective_s_per_byte"):
             if getattr(self, k) < 0:
                 raise ValueError(f"{k} must be non-negative")
         if self.max_batch < 1:
@@ -71,7 +82,9 @@ class Efficiency:
                        step_overhead_s=self.step_overhead_s * slowdown,
                        iteration_overhead_s=self.iteration_overhead_s * slowdown,
                        seq_overhead_s=self.seq_overhead_s * slowdown,
-                       collective_overhead_s=self.collective_overhead_s * slowdown)
+                       collective_overhead_s=self.collective_overhead_s * slowdown,
+                       multi_row_s_per_byte=self.multi_row_s_per_byte * slowdown,
+                       collective_s_per_byte=self.collective_s_per_byte * slowdown)
 
 
 def load_efficiency(path: str | Path) -> Efficiency:

@@ -20,7 +20,7 @@ the checkpoint on one device (the real engine behind the real HTTP server) and m
   the compute is the fixed cost of its collectives,
 
 and fits ``Efficiency(compute, memory, step_overhead_s, iteration_overhead_s, seq_overhead_s,
-collective_overhead_s)``
+collective_overhead_s, collective_s_per_byte, multi_row_s_per_byte)``
 minimising the squared log error of the cost model over the engine measurements, each term from
 the probes that isolate it (``fit``: one-device terms, then the per-stage split, then the
 per-collective cost; a joint fit let the two-device probes' noise move the one-device terms, and
@@ -37,7 +37,12 @@ costs come from, read from the runtime (``worker.py``, ``coordinator.py``):
   request (on this CPU demo 0.1-0.5 ms per sequence, beyond the FLOPs the roofline prices);
 * ``collective_overhead_s`` — once per collective of a TP group (two all-reduces per layer, the
   leader's broadcasts of the step and its activations): the launch and every member reaching it
-  (on CPU worker slots sharing cores, a process switch: 1.3-1.8 ms here, α of the cluster file ~µs).
+  (on CPU worker slots sharing cores, a process switch: 1.3-1.8 ms here, α of the cluster file ~µs);
+* ``collective_s_per_byte`` — per byte those collectives carry (a prompt's activations are
+  hundreds of times a decode's): gloo's copies and sums through host memory, beyond the link's β;
+* ``multi_row_s_per_byte`` — per weight byte, once a step multiplies more than one row: torch runs a
+  one-row linear as a matrix-vector product and two or more as a GEMM, which here costs about one
+  more pass over the weights (fp32 768x256: 18 µs for one row, 32 µs for two, 40 µs for four).
 
 and, from the same HTTP probes, what the *front end* spends: the CPU time of the process that
 serves and replays them (HTTP/SSE server, coordinator, client), split by least squares into
@@ -283,7 +288,8 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         kv_handoff: dict[int, float] | None = None, frontend_cpu=None, attention: bool = True,
         dispatch: list[float] | None = None, speed_probe: SpeedReading | None = None,
         tpot_long: dict[int, float] | None = None, long_prompt_tokens: int = LONG_DECODE_PROMPT,
-        outside: tuple[list[float], list[float]] | None = None) -> Calibration:
+        outside: tuple[list[float], list[float]] | None = None, multi_row: bool = True,
+        collective_bytes: bool = True) -> Calibration:
     """Solve for compute, attention and memory efficiency and the fixed costs per iteration, per
     stage, per sequence and per TP collective (least squares on the log of predicted / measured, in
     stages: the one-device points, then the two-stage points for the per-stage part, then the TP 2
@@ -302,13 +308,17 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     (``Efficiency.attention``), which lets a prompt's time per token grow with its length as measured.
     ``tpot_long`` (batch -> TPOT of sequences started from ``long_prompt_tokens``-token prompts): a
     decode step's attention over its context gets its own efficiency (``Efficiency.decode_attention``),
-    which lets a decode step's time grow with its context as measured."""
+    which lets a decode step's time grow with its context as measured. ``multi_row`` (a one-sequence
+    decode probe beside larger ones): the matrix products' extra cost once a step has more than one
+    row (``Efficiency.multi_row_s_per_byte``). ``collective_bytes`` (a TP prompt beside the TP
+    decode): the collectives' cost per byte beside their fixed cost (``Efficiency.collective_s_per_byte``)."""
     spec = load_model(model_dir)
     pp_ttft, pp_tpot, tp_ttft, tp_tpot = pp_ttft or {}, pp_tpot or {}, tp_ttft or {}, tp_tpot or {}
     cluster = _one_device_cluster(gpu_name, 2 if pp_ttft or pp_tpot or tp_ttft or tp_tpot else 1)
     shapes = {(1, 1): _layout(spec), (2, 1): _layout(spec, 2), (1, 2): _layout(spec, 1, 2)}
     base = replace(base or Efficiency(), step_overhead_s=0.0, iteration_overhead_s=0.0, seq_overhead_s=0.0,
-                   collective_overhead_s=0.0, attention=0.0, decode_attention=0.0)
+                   collective_overhead_s=0.0, attention=0.0, decode_attention=0.0,
+                   multi_row_s_per_byte=0.0, collective_s_per_byte=0.0)
     attention = attention and len(ttft) >= 3  # its own efficiency needs the curvature of three lengths
     tpot_long = tpot_long or {}
     short = decode_prompt_tokens
@@ -343,12 +353,19 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     # move the one-device terms): (1) the one-device prompts and decode batches give compute,
     # attention and memory efficiency, the per-sequence cost and the fixed cost of a one-stage
     # iteration; (2) the two-stage probes split that fixed cost into its per-stage and
-    # per-iteration parts; (3) the TP 2 probes give the per-collective cost. Then every point is
-    # priced by the one result.
+    # per-iteration parts; (3) the TP 2 probes give the per-collective cost and the cost per byte
+    # the collectives carry. Then every point is priced by the one result.
     hi = float(max(measured))
     one = [p for p in probes if p[2] == 1 and p[3] == 1]
 
     long_decode = bool(tpot_long)
+    # What a step's matrix products cost once they multiply more than one row (a GEMM where one row
+    # is a matrix-vector product): a decode of one sequence took 5.9 ms here, of two 7.1, of four
+    # 7.7, of sixteen 10.9, and a line through b = 1, 4, 16 missed by +12 % / -11 % (the served
+    # batches are 1-5). Fitted as seconds over the one-device replica's weights (the unknowns of one
+    # scale); it needs a one-sequence decode beside decodes of more.
+    multi_row = multi_row and 1 in tpot and any(b > 1 for b in tpot)
+    one_bytes = spec.num_layers * spec.bytes_per_layer + spec.vocab * spec.hidden * spec.dtype_bytes
 
     def eff_one(x) -> Efficiency:
         # attention's efficiencies as fractions of compute's, at most 1: the small products over a
@@ -357,10 +374,11 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         return replace(base, compute=float(10 ** x[0]), memory=float(10 ** x[1]),
                        iteration_overhead_s=float(x[2]), seq_overhead_s=float(x[3]),
                        attention=float(10 ** (x[0] + x[4])) if attention else 0.0,
-                       decode_attention=float(10 ** (x[0] + x[5])) if long_decode else 0.0)
+                       decode_attention=float(10 ** (x[0] + x[5])) if long_decode else 0.0,
+                       multi_row_s_per_byte=float(x[6]) / one_bytes if multi_row else 0.0)
 
-    starts = [np.array([c0, c0, 0.4 * float(min(measured)), 0.0, -0.5, -1.0]) for c0 in (-5.0, -3.0, -1.0)]
-    eff = eff_one(solve(one, eff_one, starts, [-9, -9, 0.0, 0.0, -9, -9], [0, 0, hi, hi, 0, 0]))
+    starts = [np.array([c0, c0, 0.4 * float(min(measured)), 0.0, -0.5, -1.0, 0.0]) for c0 in (-5.0, -3.0, -1.0)]
+    eff = eff_one(solve(one, eff_one, starts, [-9, -9, 0.0, 0.0, -9, -9, 0.0], [0, 0, hi, hi, 0, 0, hi]))
     memory_bound = any(p[0] == "decode" and _memory_binds(CostModel(cluster, spec, eff), shapes[1, 1], p[1],
                                                           p[1] * (p[4] + decode_tokens / 2))
                        for p in one)
@@ -375,8 +393,17 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         eff = split_of(solve(two, split_of, [np.array([0.25 * lump])], [0.0], [lump]))
     tp_pts = [p for p in probes if p[3] == 2]
     if tp_pts:
-        col_of = lambda x: replace(eff, collective_overhead_s=float(x[0]))  # noqa: E731
-        eff = col_of(solve(tp_pts, col_of, [np.array([0.01 * float(min(measured))])], [0.0], [hi]))
+        # With a TP prompt beside the TP decode, the collectives' cost splits into a fixed part per
+        # collective and a part per byte they carry (a prompt's are its tokens' activations): one
+        # fixed cost priced the decode 10-16 % over and the prompt 10-18 % under (docs/benchmarks.md).
+        per_byte = collective_bytes and {p[0] for p in tp_pts} == {"prefill", "decode"}
+        # the per-byte unknown as seconds over the largest probe's bytes (the unknowns of one scale)
+        scale = (2 * spec.num_layers + 1) * spec.hidden * spec.dtype_bytes * max(p[1] for p in tp_pts)
+
+        def col_of(x) -> Efficiency:
+            return replace(eff, collective_overhead_s=float(x[0]),
+                           collective_s_per_byte=float(x[1]) / scale if per_byte else 0.0)
+        eff = col_of(solve(tp_pts, col_of, [np.array([0.01 * float(min(measured)), 0.0])], [0.0, 0.0], [hi, hi]))
     points = tuple(CalibrationPoint(ph, n, sec, float(p), st, t_, L)
                    for (ph, n, st, t_, L, sec), p in zip(probes, predict(eff)))
     overhead = request_overhead(http_ttft, ttft, outside)

@@ -141,10 +141,45 @@ def test_fixed_costs_are_charged_where_the_runtime_pays_them():
     assert coll.decode_step_time(one_stage(0), 1, 0) == base.decode_step_time(one_stage(0), 1, 0)
 
 
+def test_a_step_of_more_than_one_row_pays_one_more_pass_over_its_weights():
+    """``multi_row_s_per_byte``: a one-sequence decode (matrix-vector products) pays nothing, two or
+    more sequences pay it over each device's weight shard (a TP 2 device half the layers' bytes),
+    the LM head on the last stage included; 1.5 rows, a mean over micro-batches, pay half; a prompt
+    of many tokens pays it on its layers and on the head only beside another prompt."""
+    per = 1e-12
+    base, cm = CostModel(CLUSTER, LLAMA7), CostModel(CLUSTER, LLAMA7, Efficiency(multi_row_s_per_byte=per))
+    extra = lambda lay, b: cm.decode_step_time(lay, b, 0, 1) - base.decode_step_time(lay, b, 0, 1)  # noqa: E731
+    layers, head = 32 * 202_383_360 * 2, 32000 * 4096 * 2
+    assert extra(one_stage(0), 1) == 0.0
+    for b in (2, 4, 16):
+        assert extra(one_stage(0), b) == pytest.approx(per * (layers + head), rel=1e-9)
+    assert extra(one_stage(0), 1.5) == pytest.approx(0.5 * per * (layers + head), rel=1e-9)
+    assert extra(one_stage(0, 1), 4) == pytest.approx(per * (layers / 2 + head), rel=1e-9)
+    one_prompt = cm.ttft(one_stage(0), 100) - base.ttft(one_stage(0), 100)
+    assert one_prompt == pytest.approx(per * layers, rel=1e-9)
+    two = PrefillBatch.of([50, 50])
+    assert cm.prefill_time(one_stage(0), two) - base.prefill_time(one_stage(0), two) == pytest.approx(
+        per * (layers + head), rel=1e-9)
+
+
+def test_tp_collectives_pay_per_byte_they_carry():
+    """``collective_s_per_byte``: each layer's two all-reduces and the stage input's broadcast carry
+    the step's rows of activations; a prompt of 100 tokens pays 100 times a one-sequence decode, a
+    stage without TP nothing."""
+    per = 1e-10
+    base, cm = CostModel(CLUSTER, LLAMA7), CostModel(CLUSTER, LLAMA7, Efficiency(collective_s_per_byte=per))
+    tp2 = one_stage(0, 1)
+    row = (2 * 32 + 1) * 4096 * 2 * per
+    assert cm.decode_step_time(tp2, 1, 0) - base.decode_step_time(tp2, 1, 0) == pytest.approx(row, rel=1e-9)
+    assert cm.ttft(tp2, 100) - base.ttft(tp2, 100) == pytest.approx(100 * row, rel=1e-9)
+    assert cm.ttft(one_stage(0), 100) == base.ttft(one_stage(0), 100)
+
+
 def test_efficiency_validation():
     with pytest.raises(ValueError):
         Efficiency(compute=0)
-    for k in ("step_overhead_s", "iteration_overhead_s", "seq_overhead_s", "collective_overhead_s"):
+    for k in ("step_overhead_s", "iteration_overhead_s", "seq_overhead_s", "collective_overhead_s",
+              "collective_s_per_byte", "multi_row_s_per_byte"):
         with pytest.raises(ValueError, match=k):
             Efficiency(**{k: -1e-3})
     assert CostModel(CLUSTER, LLAMA7, Efficiency(step_overhead_s=0.01)).decode_step_time(one_stage(0), 1, 0) > 0.01

@@ -12,7 +12,9 @@ stretched (``on_host``):
 ``m`` micro-batches in flight keeps ``min(S, m)`` stages busy, and ``m`` is at most its running
 sequences (one sequence is one micro-batch), so a pipeline decoding one request keeps one stage
 busy, not all of them (measured on the asymmetric TP-2 + TP-1 plan: counting every stage
-over-predicted its light-load TTFT/TPOT/E2E by 1.17-1.26x; docs/benchmarks.md).
+over-predicted its light-load TTFT/TPOT/E2E by 1.17-1.26x; docs/benchmarks.md), and a lone
+micro-batch keeps busy the TP group of the stage it computes on, weighted by the time it spends
+there (``computing_tp``: 1.16 workers on that plan, not the stages' mean TP of 1.5).
 
 *The front end* (the coordinator, the HTTP/SSE server and, as ``hetserve compare`` and
 ``bench_predict`` run it, the replaying client: one Python process) also computes on the host: it
@@ -76,14 +78,32 @@ def on_host(seconds: float, waiting: float, slowdown: float) -> float:
 
 def busy_workers(rep, micro_batches: int | None) -> float:
     """Worker processes of ``rep`` computing at once: the busy stages' TP groups. A replica of S
-    stages keeps ``min(S, micro-batches, sequences in flight)`` stages busy (at their mean TP)."""
+    stages keeps ``min(S, micro-batches, sequences in flight)`` stages busy: every one with S micro-batches
+    in flight, fewer at the TP its micro-batches compute on (``computing_tp``)."""
     stages = rep.layout.stages
     S = len(stages)
     if S == 1:
         return float(stages[0].tp)
     inflight = rep.inflight()
     m = max(1, min(S, micro_batches or S, inflight))
-    return min(float(len(rep.layout.devices)), m * sum(s.tp for s in stages) / S)
+    if m >= S:
+        return float(sum(s.tp for s in stages))
+    return min(float(len(rep.layout.devices)), m * rep.computing_tp())
+
+
+def computing_tp(cost, layout) -> float:
+    """The TP degree of the stage a lone micro-batch computes on, averaged over its way round the
+    stages by the time it computes on each (a one-sequence decode; the collectives' fixed cost is
+    waiting, ``on_host``). The asymmetric plan's TP 2 stage of 2 layers and TP 1 stage of 6 compute
+    1.3 and 6.8 ms of a decode (t1's calibration, docs/benchmarks.md): 1.16 workers busy, where
+    the mean over stages says 1.5."""
+    stages = layout.stages
+    last = len(stages) - 1
+    t = [max(0.0, cost.stage_decode_time(s, 1, 1, i == last) - cost.collectives_time(s)) for i, s in enumerate(stages)]
+    total = sum(t)
+    if total <= 0:
+        return sum(s.tp for s in stages) / len(stages)
+    return sum(s.tp * x for s, x in zip(stages, t)) / total
 
 
 class HostContention:

@@ -36,6 +36,25 @@ def test_a_pipeline_running_one_sequence_keeps_one_stage_busy(model):
             > 1.5 * simulate(plan, _cluster(None), model, two, SimOptions()).t_finish.max())
 
 
+def test_a_lone_request_keeps_busy_the_tp_of_the_stage_it_computes_on(model):
+    """An asymmetric pipeline (TP 2 on 2 layers, TP 1 on 30) on one core, one request: its
+    micro-batch computes on the TP 2 stage for a small share of its time, so the core runs
+    ``computing_tp`` workers (time-weighted, near 1), not the stages' mean TP of 1.5: the prompt is
+    stretched by that much and no more."""
+    from hetserve.cost.analytic import CostModel
+    from hetserve.sim.hosts import computing_tp
+
+    plan = Plan.from_dict({"model": "llama-2-7b", "cluster": "test", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0", "m0:1"], "layers": [0, 2]},
+                                                      {"devices": ["m0:2"], "layers": [2, 32]}]}]})
+    wl = Workload.from_lists("one", [0.0], [300], [2])
+    alone, one_core = _cluster(None, 3), _cluster(1, 3)
+    tp = computing_tp(CostModel(one_core, model), plan.replicas[0].layout(one_core))
+    assert 1.0 < tp < 1.1
+    ttft = lambda cl: simulate(plan, cl, model, wl, SimOptions()).t_first[0]  # noqa: E731
+    assert ttft(one_core) == pytest.approx(tp * ttft(alone), rel=1e-6)
+
+
 def test_the_front_end_joins_the_contention_on_its_host(model):
     """Two replicas on two shared cores: a prompt that runs while the other replica decodes is not
     slowed (2 workers, 2 cores) until the front end computes beside them: with its per-token and

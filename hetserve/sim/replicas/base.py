@@ -9,6 +9,7 @@ from hetserve.cost.layout import ReplicaLayout
 from hetserve.planner.plan import PlanReplica
 from hetserve.policies.base import ReplicaState, RunningRequest
 from hetserve.sim.env import ReplicaEnv
+from hetserve.sim.hosts import computing_tp
 
 
 class LazyRequests(Sequence):
@@ -59,6 +60,7 @@ class Replica:
         self._busy_until = 0.0
         self.served = 0
         self.capacity_norm = 1.0
+        self._computing_tp: float | None = None
 
     # ------------------------------------------------------------------ bookkeeping
     def _kv_add(self, tokens: float) -> None:
@@ -97,6 +99,13 @@ class Replica:
         """Sequences (micro-batches) it has in flight now: how many of its stages can be busy at
         once (``sim.hosts.busy_workers``)."""
         return 1
+
+    def computing_tp(self) -> float:
+        """The TP of the stage a lone micro-batch of this replica computes on, time-weighted
+        (``sim.hosts.computing_tp``; one cost-model pass, kept)."""
+        if self._computing_tp is None:
+            self._computing_tp = computing_tp(self.cost, self.layout)
+        return self._computing_tp
 
     def step_rate(self) -> tuple[float, float]:
         """(steps, output tokens) per second it runs now: the front end's work (``sim.hosts``)."""

@@ -46,7 +46,7 @@ class Efficiency:
     # seconds per weight byte (of a device's shard) that a step's matrix products spend once they
     # multiply more than one row: one row runs as matrix-vector products, two or more as a GEMM,
     # which on this CPU demo costs about one more pass over the weights (torch's fp32 linear of a
-    # 768x256 matrix: 18 µs for one row, 32 µs for two, 40 µs for four). Scaled by min(1, rows - 1),
+    # 768x256 matrix: 18 µs for one row, 31 µs for two, 40 µs for four). Scaled by min(1, rows - 1),
     # so a mean of 1.5 rows per micro-batch pays half. `hetserve calibrate` fits it from the decode
     # probes of one and of more sequences (0 = the pure roofline).
     multi_row_s_per_byte: float = 0.0

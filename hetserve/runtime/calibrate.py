@@ -42,7 +42,7 @@ costs come from, read from the runtime (``worker.py``, ``coordinator.py``):
   hundreds of times a decode's): gloo's copies and sums through host memory, beyond the link's β;
 * ``multi_row_s_per_byte`` — per weight byte, once a step multiplies more than one row: torch runs a
   one-row linear as a matrix-vector product and two or more as a GEMM, which here costs about one
-  more pass over the weights (fp32 768x256: 18 µs for one row, 32 µs for two, 40 µs for four).
+  more pass over the weights (fp32 768x256: 18 µs for one row, 31 µs for two, 40 µs for four).
 
 and, from the same HTTP probes, what the *front end* spends: the CPU time of the process that
 serves and replays them (HTTP/SSE server, coordinator, client), split by least squares into

@@ -149,7 +149,8 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
     assert data["runtime"]["contention_slowdown"] >= 1.0 and "slow-down beside one more busy process" in flat
     assert "request overhead" in flat and "worst" in flat
     assert "per stage" in flat and "from the two-stage probes" in flat and "per sequence" in flat
-    assert "per TP collective (from the TP 2 probes)" in flat
+    assert "per TP collective" in flat and "per MB it carries (from the TP 2 prompt against the TP 2 decode)" in flat
+    assert "matrix products of more than one row" in flat
     # the front end (this process: server, coordinator, client) spent CPU on the HTTP probes, fitted per point
     assert sum(data["runtime"][f"frontend_{k}_cpu_s"] for k in ("request", "step", "token")) > 0.0
     assert len(data["frontend_points"]) >= 2 and "the front end's CPU" in flat and "per engine step" in flat

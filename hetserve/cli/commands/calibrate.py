@@ -93,10 +93,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{eff.step_overhead_s * 1e3:.2f} ms per stage (step message, attention metadata, hand-on; "
                   f"{'from the two-stage probes' if any(p.stages > 1 for p in cal.points) else 'not separated: no pipeline probe'}"
                   f") + {eff.seq_overhead_s * 1e3:.3f} ms per sequence (bookkeeping, its attention, token streamed; "
-                  f"from the decode batch sizes) + {eff.collective_overhead_s * 1e3:.2f} ms per TP collective ("
-                  f"{'from the TP 2 probes' if any(p.tp > 1 for p in cal.points) else 'no TP probe'}) + "
-                  f"{eff.collective_s_per_byte * 1e9:.2f} ms per MB they carry (from the TP prompt against the TP "
-                  f"decode), matrix products of more than one row (GEMM, not matrix-vector) "
+                  f"from the decode batch sizes) + {_collectives(cal)}, matrix products of more than one row (GEMM, "
+                  f"not matrix-vector) "
                   f"{eff.multi_row_s_per_byte * 1e9:.3f} ms per MB of a device's weights (from the one-sequence "
                   f"decode against the larger ones), "
                   f"request overhead (HTTP, "
@@ -125,3 +123,12 @@ def run(args: argparse.Namespace) -> int:
         cal.save(args.output)
         console.print(f"wrote {args.output}")
     return 0
+
+
+def _collectives(cal) -> str:
+    """What the TP collectives cost, and where from (nothing measured without the TP 2 probes)."""
+    if not any(p.tp > 1 for p in cal.points):
+        return "no TP collective cost (no TP probe)"
+    eff = cal.efficiency
+    return (f"{eff.collective_overhead_s * 1e3:.2f} ms per TP collective + {eff.collective_s_per_byte * 1e9:.2f} ms "
+            f"per MB it carries (from the TP 2 prompt against the TP 2 decode)")

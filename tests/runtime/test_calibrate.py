@@ -10,6 +10,19 @@ from hetserve.runtime.calibrate import _one_device_cluster, fit, served_efficien
 from hetserve.runtime.make_model import make_model
 
 
+def _probes_priced_by(cm, spec):
+    """What calibrate's probes would measure if ``cm`` were the machine: (prompt TTFTs and decode
+    TPOTs on one device, the two-stage and TP 2 probes as ``fit``'s keyword arguments)."""
+    lay = ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),))
+    half = spec.num_layers // 2
+    pp = ReplicaLayout((StageLayout((0,), (0, half)), StageLayout((1,), (half, spec.num_layers))))
+    tp = ReplicaLayout((StageLayout((0, 1), (0, spec.num_layers)),))
+    ttft = {L: cm.ttft(lay, L) for L in (32, 128, 256, 512)}
+    tpot = {b: cm.decode_step_time(lay, b, b * (16 + 12)) for b in (1, 4, 16)}
+    return ttft, tpot, dict(pp_ttft={128: cm.ttft(pp, 128)}, pp_tpot={1: cm.decode_step_time(pp, 1, 16 + 12)},
+                            tp_ttft={128: cm.ttft(tp, 128)}, tp_tpot={1: cm.decode_step_time(tp, 1, 16 + 12)})
+
+
 def test_fit_recovers_known_efficiency(tmp_path):
     """Every fitted term is recovered from measurements it generated: compute efficiency, the
     fixed cost per iteration, per stage (told apart by the two-stage probes) and per sequence (the
@@ -23,14 +36,8 @@ def test_fit_recovers_known_efficiency(tmp_path):
                        collective_overhead_s=0.0009)
     cm = CostModel(_one_device_cluster("RTX-4090", 2), spec, truth)
     lay = ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),))
-    half = spec.num_layers // 2
-    pp = ReplicaLayout((StageLayout((0,), (0, half)), StageLayout((1,), (half, spec.num_layers))))
-    tp = ReplicaLayout((StageLayout((0, 1), (0, spec.num_layers)),))
-    ttft = {L: cm.ttft(lay, L) for L in (32, 128, 256, 512)}
-    tpot = {b: cm.decode_step_time(lay, b, b * (16 + 12)) for b in (1, 4, 16)}
-    cal = fit(str(model_dir), "RTX-4090", ttft, tpot, pp_ttft={128: cm.ttft(pp, 128)},
-              pp_tpot={1: cm.decode_step_time(pp, 1, 16 + 12)}, tp_ttft={128: cm.ttft(tp, 128)},
-              tp_tpot={1: cm.decode_step_time(tp, 1, 16 + 12)})
+    ttft, tpot, probes = _probes_priced_by(cm, spec)
+    cal = fit(str(model_dir), "RTX-4090", ttft, tpot, **probes)
     assert cal.efficiency.compute == pytest.approx(3e-4, rel=0.02)
     assert cal.efficiency.iteration_overhead_s == pytest.approx(0.004, rel=0.02)
     assert cal.efficiency.step_overhead_s == pytest.approx(0.0012, rel=0.02)
@@ -80,15 +87,7 @@ def test_fit_recovers_the_multi_row_and_per_byte_collective_costs(tmp_path):
     truth = Efficiency(compute=3e-4, iteration_overhead_s=0.004, step_overhead_s=0.0012, seq_overhead_s=0.0001,
                        collective_overhead_s=0.0009, multi_row_s_per_byte=0.0015 / one_bytes,
                        collective_s_per_byte=4e-9)
-    cm = CostModel(_one_device_cluster("RTX-4090", 2), spec, truth)
-    lay = ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),))
-    half = spec.num_layers // 2
-    pp = ReplicaLayout((StageLayout((0,), (0, half)), StageLayout((1,), (half, spec.num_layers))))
-    tp = ReplicaLayout((StageLayout((0, 1), (0, spec.num_layers)),))
-    ttft = {L: cm.ttft(lay, L) for L in (32, 128, 256, 512)}
-    tpot = {b: cm.decode_step_time(lay, b, b * (16 + 12)) for b in (1, 4, 16)}
-    probes = dict(pp_ttft={128: cm.ttft(pp, 128)}, pp_tpot={1: cm.decode_step_time(pp, 1, 16 + 12)},
-                  tp_ttft={128: cm.ttft(tp, 128)}, tp_tpot={1: cm.decode_step_time(tp, 1, 16 + 12)})
+    ttft, tpot, probes = _probes_priced_by(CostModel(_one_device_cluster("RTX-4090", 2), spec, truth), spec)
     cal = fit(str(model_dir), "RTX-4090", ttft, tpot, **probes)
     assert cal.max_abs_error < 0.01
     assert cal.efficiency.multi_row_s_per_byte == pytest.approx(truth.multi_row_s_per_byte, rel=0.05)

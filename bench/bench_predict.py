@@ -36,6 +36,9 @@ file's content, so ``--replay FILE`` re-simulates every cell with the code (and 
 against the *same* served measurement, step tables included: compare model variants without serving
 again (the served side is the noise).
 
+Beside the table it prints issue 13's calibration target: how many points of the plans' calibrations
+(fitted again by the code of now with ``--replay --refit``) lie within ±10 % (``bench/predict_report.py``).
+
 ``--serve-twice`` replays each cell's requests a second time on the same server, after the first
 run's measurements: the second run against the first is how far two served runs of one cell lie
 apart, the noise floor of the ±15 % target (a prediction cannot be held closer than that).
@@ -53,6 +56,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.predict_report import _fmt_others, print_cells  # noqa: E402  (after the path: run as a script)
+
 CLUSTER = """\
 name: bench-predict
 machines:
@@ -61,8 +66,6 @@ machines:
 # --shared-cores: the pool says its slots share this machine's 2 cores (simulated contention)
 CLUSTER_SHARED = CLUSTER.replace("count: 4}", "count: 4, cpu_cores: 2}")
 CLUSTER_BASELINE = CLUSTER  # the slots as the simulator saw them before issue 13
-METRICS = ["throughput_tokens_per_s", "ttft_s.mean", "ttft_s.p90", "tpot_s.mean", "tpot_s.p90",
-           "e2e_s.mean", "e2e_s.p90"]
 
 
 def plans() -> dict:
@@ -197,65 +200,11 @@ def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | Non
         if speed:
             speed = {**speed, "table_as_calibrated": table_at(1.0)[0]}
         table, steps = table_at(speed["slowdown"] if speed and speed_correction else 1.0)
-        cells.append({**cell, "table": table, "speed": speed, "steps": steps or cell.get("steps")})
+        cells.append({**cell, "table": table, "speed": speed, "steps": steps or cell.get("steps"),
+                      "calibration_data": json.loads(cal.read_text())})  # as replayed: refitted with --refit
     console.print(f"replayed {len(cells)} cells of {path} against their served figures "
                   f"({'shared' if shared_cores else 'separate'} cores)")
     return cells
-
-
-def print_cells(cells: list[dict], title: str, console) -> None:
-    from rich.table import Table
-
-    from hetserve.compare import OTHERS_DISTURB, in_band
-
-    twice = any(c.get("served_again") for c in cells)
-    t = Table("plan", "rate", "load", "other cores", "slow-down", "metric", "served", "sim", "sim/served", "±15%",
-              "as calibrated", "baseline/served", *(["served again/served"] if twice else []), title=title)
-    hits = total = base_hits = cal_hits = again_hits = sim_again_hits = 0
-    disturbed = [c for c in cells if (c.get("other_cores_busy") or 0.0) > OTHERS_DISTURB]
-    for cell in cells:
-        for m in METRICS:
-            row, brow = cell["table"][m], cell.get("baseline_table", {}).get(m)
-            crow = ((cell.get("speed") or {}).get("table_as_calibrated") or {}).get(m, row)
-            cal_hits += in_band(crow["ratio"])
-            scale = 1.0 if m.startswith("throughput") else 1e3
-            ok = in_band(row["ratio"])
-            hits, total = hits + ok, total + 1
-            base_hits += brow is not None and in_band(brow["ratio"])
-            arow = (cell.get("served_again") or {}).get("table", {}).get(m)
-            again_hits += arow is not None and in_band(arow["ratio"])
-            # the simulation against the second run: its "simulated" column is that run's figure
-            sim_again_hits += arow is not None and in_band(row["simulated"] / arow["simulated"])
-            t.add_row(cell["plan"], f"{cell['rate']:.2f}", f"{cell['load_avg_1m'][0]:.1f}",
-                      _fmt_others(cell.get("other_cores_busy")), _fmt_slowdown(cell.get("speed")),
-                      m.replace("_s.", " ") + ("" if scale == 1 else " ms"),
-                      f"{row['served'] * scale:,.1f}",
-                      f"{row['simulated'] * scale:,.1f}", f"{row['ratio']:.2f}", "yes" if ok else "NO",
-                      f"{crow['ratio']:.2f}", f"{brow['ratio']:.2f}" if brow else "-",
-                      *([f"{arow['ratio']:.2f}" if arow else "-"] if twice else []))
-    console.print(t)
-    console.print(f"within ±15 %: {hits} of {total} (baseline simulator: {base_hits} of {total}); ratio "
-                  f"{hits / max(base_hits, 1):.2f}x the baseline's hits; at the calibration's machine speed, without "
-                  f"the speed probe's correction: {cal_hits} of {total}")
-    if twice:
-        console.print(f"served twice (--serve-twice: the same requests again on the same server): the second run "
-                      f"within ±15 % of the first in {again_hits} of {total} figures (the simulation within ±15 % of the "
-                      f"second run: {sim_again_hits}): two served runs of one cell lie that far apart")
-    if disturbed:
-        names = ", ".join(f"{c['plan']} {c['rate']:.2f}" for c in disturbed)
-        console.print(f"{len(disturbed)} of {len(cells)} cells were served while other processes kept more than "
-                      f"{OTHERS_DISTURB} cores busy ({names}):"
-                      " their served figures measure the neighbours too; run again on a quiet machine")
-
-
-def _fmt_slowdown(speed) -> str:
-    """The machine's slow-down since calibration the speed probe read around a cell (``-``: none)."""
-    return "-" if not speed else f"x{speed['slowdown']:.2f}"
-
-
-def _fmt_others(cores) -> str:
-    """Cores other processes kept busy while a cell was served (``-``: not measured, an old file)."""
-    return "-" if cores is None else f"{cores:.2f}"
 
 
 def main() -> int:

@@ -173,3 +173,20 @@ def test_bench_predict_replay_makes_the_step_tables_again_from_the_saved_steps(t
     assert served["c0 prompt"]["model_ms"] > 0  # the cost model's time for the served batch
     assert simulated["c0 prompt"]["steps"] == 6  # the six replayed prompts, simulated now
     assert out["table"]["ttft_s.mean"]["served"] == pytest.approx(0.05)
+
+
+def test_bench_predict_counts_the_calibration_points_within_ten_percent_once_per_calibration(tmp_path):
+    """Issue 13's calibration target, as bench_predict prints it: every point of each distinct
+    calibration its cells used (two cells of one plan share one), a point 11 % off a miss."""
+    from bench.predict_report import calibration_fit
+
+    def point(measured, predicted, phase="decode", size=1):
+        return {"phase": phase, "size": size, "stages": 1, "tp": 1, "measured_s": measured, "predicted_s": predicted}
+    good = {"points": [point(1.0, 1.09), point(2.0, 1.85, "prefill", 128)]}
+    bad = {"points": [point(1.0, 1.0), point(1.0, 0.89, "prefill", 32)]}
+    cells = [{"calibration": "a.json", "calibration_data": good}, {"calibration": "a.json", "calibration_data": good},
+             {"calibration": "b.json", "calibration_data": bad}, {"calibration": "c.json"}]
+    within, points, all_within, cals, misses = calibration_fit(cells)
+    assert (within, points, all_within, cals) == (3, 4, 1, 2)
+    assert misses == ["prefill 32 on 1 stage(s) TP 1 -11.0%"]
+

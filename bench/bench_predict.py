@@ -56,7 +56,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.predict_report import _fmt_others, print_cells  # noqa: E402  (after the path: run as a script)
+from bench.predict_report import fmt_others, print_cells  # noqa: E402  (after the path: run as a script)
 
 CLUSTER = """\
 name: bench-predict
@@ -304,7 +304,7 @@ def main() -> int:
 
                 print_steps(c.info["steps"]["served"], c.info["steps"]["simulated"], console)
                 console.print("cores busy (served): " + ", ".join(f"{k} {v:.2f}" for k, v in c.info["cores_busy"].items())
-                              + f"; other processes {_fmt_others(c.info.get('other_cores_busy'))}")
+                              + f"; other processes {fmt_others(c.info.get('other_cores_busy'))}")
             plan_, cluster_, spec_, requests, cfg, pools, eff, ovh, served_summary, _ = c.context
             base = simulate_side(plan_, cluster_baseline, spec_, requests, opts, cfg, pools, eff, 0.0,
                                  prefill_mode="prefill_first", token_budget=4096)

@@ -34,7 +34,7 @@ def print_cells(cells: list[dict], title: str, console) -> None:
             # the simulation against the second run: its "simulated" column is that run's figure
             sim_again_hits += arow is not None and in_band(row["simulated"] / arow["simulated"])
             t.add_row(cell["plan"], f"{cell['rate']:.2f}", f"{cell['load_avg_1m'][0]:.1f}",
-                      _fmt_others(cell.get("other_cores_busy")), _fmt_slowdown(cell.get("speed")),
+                      fmt_others(cell.get("other_cores_busy")), _fmt_slowdown(cell.get("speed")),
                       m.replace("_s.", " ") + ("" if scale == 1 else " ms"),
                       f"{row['served'] * scale:,.1f}",
                       f"{row['simulated'] * scale:,.1f}", f"{row['ratio']:.2f}", "yes" if ok else "NO",
@@ -64,6 +64,8 @@ def calibration_fit(cells: list[dict]) -> tuple[int, int, int, int, list[str]]:
     """Issue 13's calibration target over the distinct calibrations ``cells`` used (each cell keeps
     its calibration's content; a ``--refit`` replay the content fitted again): (points within
     ±10 %, points, calibrations with every point within, calibrations, the misses as text)."""
+    from hetserve.compare import in_band
+
     seen: dict[str, list[dict]] = {}
     for c in cells:
         points = (c.get("calibration_data") or {}).get("points")
@@ -71,11 +73,12 @@ def calibration_fit(cells: list[dict]) -> tuple[int, int, int, int, list[str]]:
             seen.setdefault(c["calibration"], points)
     within = total = all_within = 0
     misses = []
-    for name, points in seen.items():
-        off = [p for p in points if abs(p["predicted_s"] - p["measured_s"]) > CALIBRATION_BAND * p["measured_s"]]
+    for points in seen.values():
+        errors = [(p, p["predicted_s"] / p["measured_s"] - 1) for p in points]
+        off = [(p, e) for p, e in errors if not in_band(1 + e, CALIBRATION_BAND)]
         within, total, all_within = within + len(points) - len(off), total + len(points), all_within + (not off)
-        misses += [f"{p['phase']} {p['size']} on {p.get('stages', 1)} stage(s) TP {p.get('tp', 1)} "
-                   f"{(p['predicted_s'] - p['measured_s']) / p['measured_s']:+.1%}" for p in off]
+        misses += [f"{p['phase']} {p['size']} on {p.get('stages', 1)} stage(s) TP {p.get('tp', 1)} {e:+.1%}"
+                   for p, e in off]
     return within, total, all_within, len(seen), misses
 
 
@@ -84,6 +87,6 @@ def _fmt_slowdown(speed) -> str:
     return "-" if not speed else f"x{speed['slowdown']:.2f}"
 
 
-def _fmt_others(cores) -> str:
+def fmt_others(cores) -> str:
     """Cores other processes kept busy while a cell was served (``-``: not measured, an old file)."""
     return "-" if cores is None else f"{cores:.2f}"

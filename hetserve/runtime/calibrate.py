@@ -279,6 +279,13 @@ def request_overhead(http_ttft: dict[int, float] | None, ttft: dict[int, float],
     return max(0.0, statistics.median(http_ttft[L] - ttft[L] for L in common)) if common else 0.0
 
 
+def _per_byte_scale(cluster, spec, **per_byte: float) -> CostModel:
+    """A cost model pricing nothing but one per-byte term at 1 s per byte: its time for a probe is the
+    bytes that probe pays the term on (``fit`` fits the term as seconds over them, so its unknowns
+    share one scale), counted by the cost model's own formula rather than a copy of it."""
+    return CostModel(cluster, spec, replace(Efficiency(), **per_byte))
+
+
 def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, float],
         base: Efficiency | None = None, decode_prompt_tokens: int = DECODE_PROMPT, decode_tokens: int = 24,
         http_ttft: dict[int, float] | None = None, measured_on: dict | None = None,
@@ -365,7 +372,7 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     # batches are 1-5). Fitted as seconds over the one-device replica's weights (the unknowns of one
     # scale); it needs a one-sequence decode beside decodes of more.
     multi_row = multi_row and 1 in tpot and any(b > 1 for b in tpot)
-    one_bytes = spec.num_layers * spec.bytes_per_layer + spec.vocab * spec.hidden * spec.dtype_bytes
+    one_bytes = _per_byte_scale(cluster, spec, multi_row_s_per_byte=1.0).multi_row_time(shapes[1, 1].stages[0], 2, 2, True)
 
     def eff_one(x) -> Efficiency:
         # attention's efficiencies as fractions of compute's, at most 1: the small products over a
@@ -398,7 +405,8 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         # fixed cost priced the decode 10-16 % over and the prompt 10-18 % under (docs/benchmarks.md).
         per_byte = collective_bytes and {p[0] for p in tp_pts} == {"prefill", "decode"}
         # the per-byte unknown as seconds over the largest probe's bytes (the unknowns of one scale)
-        scale = (2 * spec.num_layers + 1) * spec.hidden * spec.dtype_bytes * max(p[1] for p in tp_pts)
+        scale = _per_byte_scale(cluster, spec, collective_s_per_byte=1.0).collective_bytes_time(
+            shapes[1, 2].stages[0], max(p[1] for p in tp_pts))
 
         def col_of(x) -> Efficiency:
             return replace(eff, collective_overhead_s=float(x[0]),

@@ -76,8 +76,9 @@ def test_compare_scales_the_calibration_by_the_machine_speed_it_reads_while_serv
     """A calibration whose speed probe read four times the speed of now: compare reads the probe before
     and after serving, finds the machine about 4x slower and prices the simulation that much slower
     than as calibrated (both tables kept). (At 2x, CI once read 1.15: the machine ran 1.7x faster
-    while compare served than during this test's own reading a few seconds before.) ``--serve-twice``: the same requests replayed a second time,
-    after the first run's measurements, and that run's figures set against the first's."""
+    while compare served than during this test's own reading a few seconds before.) ``--serve-twice``:
+    the same requests replayed a second time, after the first run's measurements, and that run's
+    figures set against the first's."""
     from hetserve.cli.main import main
     from hetserve.runtime.make_model import make_model
     from hetserve.runtime.speed_probe import SpeedProbe

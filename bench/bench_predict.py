@@ -257,7 +257,7 @@ def main() -> int:
         return 0
 
     from hetserve.compare import CompareOptions, compare, per_request_json, simulate_side, table_against
-    from hetserve.runtime.calibrate import served_efficiency, served_sim_options
+    from hetserve.runtime.calibration_file import served_efficiency, served_sim_options
     from hetserve.runtime.make_model import make_model
     from hetserve.serve.loadgen import requests_from_workload
     from hetserve.specs.cluster import load_cluster

@@ -18,7 +18,9 @@ each served process kept busy.
 The machine's speed drifts on a shared VM (tens of percent within minutes), so the calibration's
 machine is not the served run's: with a calibration that holds a speed reading, ``compare`` reads
 the speed probe again just before and after serving and scales the calibrated times by the ratio
-(``runtime.speed_probe``; ``speed_correction=False`` / ``--no-speed-correction``: as calibrated).
+(``runtime.speed_probe``; ``speed_correction=False`` / ``--no-speed-correction``: as calibrated). A
+calibration of a GPU engine is taken as calibrated: the probe is a CPU engine's speed index
+(``runtime.calibration_file.speed_reference``).
 The table as calibrated is kept beside it (``info["speed"]``).
 
 ``serve_twice`` / ``--serve-twice`` replays the same requests a second time on the same server once
@@ -121,7 +123,8 @@ def table_of(served: dict[str, np.ndarray], simulated: dict[str, np.ndarray], se
 def compare(opts: CompareOptions) -> Comparison:
     """Serve, replay, simulate; see the module docstring."""
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.calibrate import load_speed_probe, machine_info
+    from hetserve.runtime.calibrate import machine_info
+    from hetserve.runtime.calibration_file import speed_reference
     from hetserve.runtime.speed_probe import SpeedProbe, combine, slowdown
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import LoadRequest, replay, requests_from_workload, summarize
@@ -145,7 +148,7 @@ def compare(opts: CompareOptions) -> Comparison:
         trace = trace.with_rate(opts.rate)
     requests = requests_from_workload(trace, opts.num_requests, max_input=opts.max_input,
                                       max_output=opts.max_output, seed=opts.seed, start=opts.start)
-    at_calibration = load_speed_probe(opts.efficiency) if opts.efficiency and opts.speed_correction else None
+    at_calibration, speed_note = speed_reference(opts.efficiency, opts.speed_correction)
     probe = SpeedProbe(opts.model_dir) if at_calibration else None  # loaded before serving starts
     load_before = os.getloadavg()[0]
     serve_opts = ServeOptions(plan=plan, cluster=cluster, model_dir=str(opts.model_dir), router=opts.router,
@@ -215,7 +218,7 @@ def compare(opts: CompareOptions) -> Comparison:
             "max_num_seqs": cfg.max_num_seqs, "load_avg_1m": [round(load_before, 2), round(load_after, 2)],
             "machine": machine_info(),
             "served_source": "measured at the openai client on this machine",
-            "simulated_source": _simulated_source(opts.efficiency, slow if speed else None)}
+            "simulated_source": _simulated_source(opts.efficiency, slow if speed else None, speed_note)}
     return Comparison(table, served, simulated_of(res), info,
                       (plan, cluster, spec, requests, cfg, pools, efficiency, overhead, summary, contention),
                       served_steps)
@@ -260,7 +263,7 @@ def calibrated_inputs(calibration, slowdown: float = 1.0):
     """What a calibration file sets for simulating a served deployment, its times scaled by
     ``slowdown``: (served efficiency, request overhead, the other ``SimOptions`` fields). ``None``:
     no calibration (default efficiency, no overhead, every field at its default)."""
-    from hetserve.runtime.calibrate import served_efficiency, served_sim_options
+    from hetserve.runtime.calibration_file import served_efficiency, served_sim_options
 
     kw = served_sim_options(calibration, slowdown)
     overhead = kw.pop("request_overhead_s", 0.0)
@@ -275,11 +278,11 @@ def simulate_calibrated(plan, cluster, spec, requests, opts: CompareOptions, cfg
     return simulate_side(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead, **kw)
 
 
-def _simulated_source(efficiency: str | None, slow: float | None) -> str:
+def _simulated_source(efficiency: str | None, slow: float | None, note: str | None = None) -> str:
     if not efficiency:
         return "cost model with default (uncalibrated) efficiency"
     if slow is None:
-        return "cost model calibrated by " + efficiency
+        return "cost model calibrated by " + efficiency + (f", {note}" if note else "")
     return (f"cost model calibrated by {efficiency}, its times x{slow:.2f}: the machine's speed probe "
             "before and after serving vs at calibration")
 

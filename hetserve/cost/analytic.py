@@ -14,7 +14,8 @@ Starts from HexGen Table 1 / Appendix B and refines it:
   all device pairs in parallel, sharing the NICs and site pipes they cross
   (``hetserve.cost.network``, max-min fair); time = the last part delivered (HexGen-2 §3.2,
   Appendix A, with DESIGN.md's shared links). ``*_resource_bytes`` say which shared resources a
-  request's KV and PP hand-offs load, for the planner's capacity nodes.
+  request's KV and PP hand-offs load, for the planner's capacity nodes. These live in
+  ``cost/transfers.py`` (``TransferCosts``, a part of ``CostModel``).
 
 In a TP group the slowest device sets the pace (bulk-synchronous), so a stage uses the minimum
 FLOP/s and memory bandwidth over its devices. Units: seconds, bytes, FLOP/s, bytes/s.
@@ -27,8 +28,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from hetserve.cost.efficiency import Efficiency, load_efficiency  # noqa: F401 (re-exported: the knobs' old home)
-from hetserve.cost.layout import ReplicaLayout, StageLayout, kv_pieces
+from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.cost.network import concurrent_time
+from hetserve.cost.transfers import TransferCosts
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec
 
@@ -60,7 +62,7 @@ class PrefillBatch:
         return PrefillBatch(1, int(length), float(length) * length)
 
 
-class CostModel:
+class CostModel(TransferCosts):
     """Prices stages and replicas of ``model`` on ``cluster``. Pure functions of their inputs."""
 
     def __init__(self, cluster: Cluster, model: ModelSpec, efficiency: Efficiency | None = None):
@@ -230,6 +232,13 @@ class CostModel:
         batch/m each. ``dispatch_s``: what a micro-batch waits between its last stage and its next
         step on the first (the serving front end's turn-around beyond ``iteration_overhead_s``,
         ``sim.hosts``): on the ring's latency, so with m > 1 the other micro-batches hide it.
+
+        The turn-around itself (``iteration_overhead_s``, priced on the last stage) holds that stage
+        only where the devices are CPU worker slots sharing a host's cores (``cpu_cores``): the
+        front end turning one micro-batch round takes a core the stages need. On a GPU host with
+        cores to spare it overlaps the other micro-batches' stages, and one front end turning every
+        micro-batch is the bound instead: ``m · slowest stage`` counts the last stage without it,
+        beside ``m · iteration_overhead_s`` (``_turn_around_overlaps``).
         """
         if batch <= 0:
             return 0.0
@@ -239,7 +248,23 @@ class CostModel:
         times = [self.stage_decode_time(s, b, c, last) for s, _, last in stages]
         hops = sum(self.pp_handoff_time(s, layout.stages[i + 1], b) for i, (s, _, last) in enumerate(stages)
                    if not last)
-        return max(sum(times) + hops + dispatch_s, m * max(times))
+        ring = sum(times) + hops + dispatch_s
+        if m > 1 and self._turn_around_overlaps(layout):
+            turn = min(self.eff.iteration_overhead_s, times[-1])
+            return max(ring, m * max(times[:-1] + [times[-1] - turn]), m * turn)
+        return max(ring, m * max(times))
+
+    def _turn_around_overlaps(self, layout: ReplicaLayout) -> bool:
+        """Whether a pipeline's turn-around overlaps its other micro-batches' stages: on GPUs, not on
+        CPU worker slots sharing cores. Measured on the demo's tiny Llama, two-stage pipeline: on one
+        H200 (16 cores) each sequence gained a token every 14.6 ms with 1.4 micro-batches in flight,
+        where two micro-batches' round prices 14.2 ms this way and 21.7 ms with the turn-around on
+        the last stage; on the 2-core CPU machine a micro-batch's step grew from 10-12 ms alone to
+        16.4 ms beside a second, which the turn-around on the last stage prices and the overlap
+        does not (18 saved runs replayed: 576 of 742 figures within ±15 %, with the overlap 500;
+        docs/benchmarks.md, fourteenth session)."""
+        devices = self.cluster.devices
+        return all(devices[d].cpu_cores is None for d in layout.devices)
 
     def max_decode_batch(self, layout: ReplicaLayout, tokens_per_request: float) -> int:
         """Largest number of requests that run at once: their full KV (prompt + output) must fit,
@@ -320,82 +345,6 @@ class CostModel:
         """HexGen-2 App. A: parameters + 32 requests' KV cache, in bytes."""
         m = self.model
         return m.weight_bytes + REPLICA_MEMORY_BATCH * m.kv_bytes_per_token * (input_tokens + output_tokens)
-
-    # ------------------------------------------------------------------ KV hand-off
-    def kv_transfer_pairs(self, src: ReplicaLayout, dst: ReplicaLayout, tokens: float):
-        """Yield (src device, dst device, bytes) for moving ``tokens`` tokens of KV.
-
-        The pieces are ``cost.layout.kv_pieces`` (the runtime moves the same ones): layers [a, b)
-        held by a prefill stage go to the decode stage(s) holding them; within a layer range, the
-        prefill TP shard holding KV heads [h0, h1) sends to every decode shard it overlaps, the bytes
-        scaled by the heads they share.
-        """
-        m = self.model
-        per_head_layer = tokens * m.kv_bytes_per_token_per_layer / m.num_kv_heads
-        pieces = kv_pieces([(s.layers, s.tp) for s in src.stages], [(s.layers, s.tp) for s in dst.stages],
-                           m.num_kv_heads)
-        for si, i, di, k, (lo, hi), (h0, h1) in pieces:
-            yield src.stages[si].devices[i], dst.stages[di].devices[k], (hi - lo) * (h1 - h0) * per_head_layer
-
-    def _kv_per_pair(self, src: ReplicaLayout, dst: ReplicaLayout, tokens: float) -> dict[tuple[int, int], float]:
-        per_pair: dict[tuple[int, int], float] = {}
-        for d, e, nbytes in self.kv_transfer_pairs(src, dst, tokens):
-            if d != e:
-                per_pair[(d, e)] = per_pair.get((d, e), 0.0) + nbytes
-        return per_pair
-
-    def kv_transfer_time(self, src: ReplicaLayout, dst: ReplicaLayout, tokens: float) -> float:
-        """All device pairs send at once, sharing the NICs / pipes on their paths (max-min
-        fair, ``cost.network``); the last part delivered finishes the hand-off. Never less than
-        the slowest pair alone (``kv_transfer_time_uncontended``, the old per-pair formula)."""
-        transfers = self.kv_transfers(src, dst, tokens)
-        return concurrent_time(transfers) if transfers else 0.0
-
-    def kv_transfers(self, src: ReplicaLayout, dst: ReplicaLayout, tokens: float) -> list:
-        """``(Path, bytes)`` of every device pair of the hand-off: what ``kv_transfer_time`` prices
-        (the planner memoises it by the transfers' shape, ``PlanContext.kv_capacity``)."""
-        path = self.cluster.path
-        return [(path(d, e), b) for (d, e), b in self._kv_per_pair(src, dst, tokens).items()]
-
-    def kv_transfer_time_uncontended(self, src: ReplicaLayout, dst: ReplicaLayout, tokens: float) -> float:
-        """The per-pair lower bound: every pair as if alone on its own link."""
-        return max((self.p2p_time(d, e, b) for (d, e), b in self._kv_per_pair(src, dst, tokens).items()),
-                   default=0.0)
-
-    def kv_resource_bytes(self, src: ReplicaLayout, dst: ReplicaLayout, tokens: float) -> dict:
-        """Bytes one request's KV (``tokens`` tokens) puts on each shared resource (NIC, pipe,
-        dedicated link) going from ``src`` to ``dst``: {Resource: bytes}."""
-        out: dict = {}
-        for (d, e), b in self._kv_per_pair(src, dst, tokens).items():
-            for r in self.cluster.path(d, e).resources:
-                if r.shared:
-                    out[r] = out.get(r, 0.0) + b
-        return out
-
-    def pp_resource_bytes(self, layout: ReplicaLayout, tokens: float) -> dict:
-        """Bytes ``tokens`` tokens of activations put on each shared resource when they cross
-        the replica's stage boundaries (over the fastest pair, as ``pp_handoff_time``), plus TP
-        all-reduces of stages that span machines: {Resource: bytes}."""
-        m = self.model
-        act = tokens * m.hidden * m.dtype_bytes
-        out: dict = {}
-        for a, b in zip(layout.stages, layout.stages[1:]):
-            d, e = min(((d, e) for d in a.devices for e in b.devices), key=lambda p: self.p2p_time(*p, act))
-            if d != e:
-                for r in self.cluster.path(d, e).resources:
-                    if r.shared:
-                        out[r] = out.get(r, 0.0) + act
-        for s in layout.stages:
-            if len({self.cluster.devices[d].machine for d in s.devices}) > 1:
-                # two all-reduces per layer, each two supersteps of chunks to every other member
-                chunk = act / s.tp
-                for d in s.devices:
-                    for e in s.devices:
-                        if d != e:
-                            for r in self.cluster.path(d, e).resources:
-                                if r.shared:
-                                    out[r] = out.get(r, 0.0) + 4 * s.num_layers * chunk
-        return out
 
 
 def _beyond_one_row(rows: float) -> float:

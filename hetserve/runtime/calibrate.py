@@ -56,8 +56,8 @@ unit of that share (the simulator's front-end queue, ``sim.hosts.HostContention.
 
 The fit's error per point is reported: it is the cost model's error on this machine. The result
 is one JSON file (``Calibration.save``) that the planner (``--efficiency``: the engine's
-efficiency) and the simulator (``simulate``/``compare --efficiency``: the served efficiency,
-``served_efficiency``, and the request overhead) read, stamped with the device, the date and the
+efficiency) and the simulator (``simulate``/``compare --efficiency``: the served efficiency and
+the serving overheads, ``runtime.calibration_file``) read, stamped with the device, the date and the
 load average during the measurement.
 """
 
@@ -71,7 +71,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import least_squares
 
-from hetserve.cost.analytic import CostModel, Efficiency, load_efficiency
+from hetserve.cost.analytic import CostModel, Efficiency
 from hetserve.runtime.calibration_probes import (  # noqa: F401  (re-exported: calibrate's public names)
     DECODE_PROMPT, LONG_DECODE_PROMPT, Measurements, _layout, _one_device_cluster, _one_device_plan, machine_info, measure)
 from hetserve.runtime.speed_probe import SpeedReading, combine
@@ -128,7 +128,7 @@ class Calibration:
 
     def save(self, path: str | Path) -> None:
         """JSON that ``cost.analytic.load_efficiency`` (``plan/simulate --efficiency``) reads; the
-        simulator also reads ``runtime.request_overhead_s`` from it (``load_request_overhead``)."""
+        simulator also reads its ``runtime`` terms (``runtime.calibration_file``)."""
         Path(path).write_text(json.dumps({
             "gpu": self.gpu, "efficiency": asdict(self.efficiency), "mean_abs_error": self.mean_abs_error,
             "max_abs_error": self.max_abs_error, "memory_bound": self.memory_bound, "runtime": {"request_overhead_s": self.request_overhead_s,
@@ -142,70 +142,6 @@ class Calibration:
             "measured_on": self.measured_on, "points": [asdict(p) for p in self.points],
             "speed_probe": self.speed_probe.to_dict() if self.speed_probe else None,
             "frontend_points": [asdict(p) for p in self.frontend_points]}, indent=2) + "\n")
-
-
-def load_request_overhead(path: str | Path) -> float:
-    """``runtime.request_overhead_s`` of a calibration file (0 when it has none)."""
-    return float(_runtime(path).get("request_overhead_s", 0.0))
-
-
-def load_stream_overhead(path: str | Path) -> float:
-    """``runtime.stream_overhead_s`` of a calibration file (0 when it has none)."""
-    return float(_runtime(path).get("stream_overhead_s", 0.0))
-
-
-def load_kv_handoff_overhead(path: str | Path) -> float:
-    """``runtime.kv_handoff_overhead_s`` of a calibration file (0 when it has none): the simulator's
-    ``link_overhead_s`` (each KV message is delivered this much later than its bytes)."""
-    return float(_runtime(path).get("kv_handoff_overhead_s", 0.0))
-
-
-def served_efficiency(path: str | Path, slowdown: float = 1.0) -> Efficiency:
-    """The calibrated efficiency of a *served* deployment: the engine's, with each sequence's token
-    streamed over HTTP/SSE added to its per-sequence cost per iteration (what the simulator must
-    charge to predict what clients of the HTTP server see; the planner's ``--efficiency`` reads the
-    engine's alone, ``load_efficiency``); ``slowdown``: on a machine that many times slower than at
-    calibration (``runtime.speed_probe``)."""
-    eff = load_efficiency(path)
-    return replace(eff, seq_overhead_s=eff.seq_overhead_s + load_stream_overhead(path)).at_speed(slowdown)
-
-
-def load_speed_probe(path: str | Path) -> SpeedReading | None:
-    """``speed_probe`` of a calibration file (None: calibrated before the probe existed)."""
-    data = json.loads(Path(path).read_text())
-    sp = data.get("speed_probe") if isinstance(data, dict) else None
-    return SpeedReading.from_dict(sp) if sp else None
-
-
-def load_contention(path: str | Path) -> float:
-    """``runtime.contention_slowdown`` of a calibration file (1 when it has none)."""
-    return max(1.0, float(_runtime(path).get("contention_slowdown", 1.0)))
-
-
-def load_frontend_cpu(path: str | Path) -> tuple[float, float, float]:
-    """``runtime.frontend_{request,step,token}_cpu_s`` of a calibration file (0 where it has none)."""
-    rt = _runtime(path)
-    return tuple(max(0.0, float(rt.get(f"frontend_{k}_cpu_s", 0.0))) for k in ("request", "step", "token"))
-
-
-def load_frontend_dispatch(path: str | Path) -> float:
-    """``runtime.frontend_dispatch_s`` of a calibration file (0 when it has none: no GIL probe)."""
-    return max(0.0, float(_runtime(path).get("frontend_dispatch_s", 0.0)))
-
-
-def served_sim_options(path: str | Path | None, slowdown: float = 1.0) -> dict:
-    """The ``SimOptions`` fields a calibration file sets for simulating a *served* deployment (what
-    ``compare``, ``simulate --efficiency`` and ``bench_predict`` pass): the request overhead, the
-    KV hand-off overhead per message, the contention slow-down and the front end's CPU costs; the
-    times scaled by ``slowdown`` (``served_efficiency``; the contention slow-down is a ratio).
-    ``None``: no calibration, every field at its default."""
-    if path is None:
-        return {}
-    req_cpu, step_cpu, tok_cpu = load_frontend_cpu(path)
-    times = {"request_overhead_s": load_request_overhead(path), "link_overhead_s": load_kv_handoff_overhead(path),
-             "frontend_request_cpu_s": req_cpu, "frontend_step_cpu_s": step_cpu, "frontend_token_cpu_s": tok_cpu,
-             "frontend_dispatch_s": load_frontend_dispatch(path)}
-    return {**{k: v * slowdown for k, v in times.items()}, "contention_slowdown": load_contention(path)}
 
 
 @dataclass(frozen=True)
@@ -247,11 +183,6 @@ def fit_frontend_cpu(samples) -> tuple[tuple[float, float, float], tuple[FrontEn
     pred = a @ coef
     points = tuple(FrontEndPoint(n, k, t, float(m), float(p)) for (n, k, t), m, p in zip(keys, y, pred))
     return (float(coef[0]), float(coef[1]), float(coef[2])), points
-
-
-def _runtime(path: str | Path) -> dict:
-    data = json.loads(Path(path).read_text())
-    return data.get("runtime", {}) if isinstance(data, dict) else {}
 
 
 def _memory_binds(cm: CostModel, layout, batch: int, context: float) -> bool:

@@ -141,6 +141,29 @@ def test_fixed_costs_are_charged_where_the_runtime_pays_them():
     assert coll.decode_step_time(one_stage(0), 1, 0) == base.decode_step_time(one_stage(0), 1, 0)
 
 
+@pytest.mark.parametrize("cpu_cores", [None, 2])
+def test_a_pipelines_turn_around_overlaps_its_other_micro_batch_on_gpus_only(cpu_cores):
+    """Two micro-batches on two stages of a host-bound engine (a turn-around of 7 ms, stages of
+    about 3 and 4 ms of their own): on GPUs the front end turns one micro-batch round while the
+    other computes, so the round is the ring, bounded by one front end turning both; on CPU worker
+    slots sharing cores the turn-around holds the last stage, twice a round."""
+    machines = [{"name": "g", "gpu": "H200", "count": 2, **({"cpu_cores": cpu_cores} if cpu_cores else {})}]
+    cluster = cluster_from_dict({"name": "host", "machines": machines})
+    model = MODEL_PRESETS["llama-2-7b"]
+    eff = Efficiency(compute=0.5, memory=0.8, step_overhead_s=0.003, iteration_overhead_s=0.007)
+    cm = CostModel(cluster, model, eff)
+    pp = ReplicaLayout((StageLayout((0,), (0, 2)), StageLayout((1,), (2, 4))))
+    first, last = (cm.stage_decode_time(s, 1, 100, i == 1) for i, s in enumerate(pp.stages))
+    ring = first + last + cm.pp_handoff_time(pp.stages[0], pp.stages[1], 1)
+    assert last - 0.007 > first and 2 * (last - 0.007) < ring < 2 * last  # the case the rule decides
+    two = cm.decode_step_time(pp, 2, 200)
+    if cpu_cores is None:
+        assert two == pytest.approx(max(ring, 2 * 0.007), rel=1e-9)
+    else:
+        assert two == pytest.approx(2 * last, rel=1e-9)
+    assert cm.decode_step_time(pp, 1, 100) == pytest.approx(ring, rel=1e-9)  # one micro-batch: the ring either way
+
+
 def test_a_step_of_more_than_one_row_pays_one_more_pass_over_its_weights():
     """``multi_row_s_per_byte``: a one-sequence decode (matrix-vector products) pays nothing, two or
     more sequences pay it over each device's weight shard (a TP 2 device half the layers' bytes),

@@ -6,7 +6,8 @@ import pytest
 
 from hetserve.cost.analytic import CostModel, Efficiency
 from hetserve.cost.layout import ReplicaLayout, StageLayout
-from hetserve.runtime.calibrate import _one_device_cluster, fit, served_efficiency
+from hetserve.runtime.calibrate import _one_device_cluster, fit
+from hetserve.runtime.calibration_file import served_efficiency
 from hetserve.runtime.make_model import make_model
 
 
@@ -57,7 +58,8 @@ def test_fit_recovers_known_efficiency(tmp_path):
     for b, t in tpot.items():  # the simulator's served iteration is the client's TPOT
         assert served_model.decode_step_time(lay, b, b * (16 + 12)) == pytest.approx(t + b * 0.0005, rel=0.02)
     # a KV hand-off measured 3 ms above what the cost model's link gives for that KV
-    from hetserve.runtime.calibrate import _layout, load_kv_handoff_overhead
+    from hetserve.runtime.calibrate import _layout
+    from hetserve.runtime.calibration_file import load_kv_handoff_overhead
 
     link = CostModel(_one_device_cluster("RTX-4090", 2), spec, cal.efficiency).kv_transfer_time(
         _layout(spec), _layout(spec, first_device=1), 128)
@@ -108,7 +110,7 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
 
     from hetserve.cli.main import main
     from hetserve.cost.analytic import load_efficiency
-    from hetserve.runtime.calibrate import load_request_overhead
+    from hetserve.runtime.calibration_file import load_request_overhead
     from hetserve.specs.model import load_model
 
     model_dir = make_model(tmp_path / "m", "llama", layers=2, hidden=64, heads=4, kv_heads=2)
@@ -164,7 +166,8 @@ def test_fit_recovers_attention_efficiency_and_the_front_end_cpu(tmp_path):
     from prompts of several lengths, and fitting without it leaves the long prompts off; the front
     end's CPU per request, per engine step and per token is recovered from HTTP probes (the first
     round's warm-up dropped by the median) and reaches the simulator's options."""
-    from hetserve.runtime.calibrate import fit_frontend_cpu, served_sim_options
+    from hetserve.runtime.calibrate import fit_frontend_cpu
+    from hetserve.runtime.calibration_file import served_sim_options
     from hetserve.specs.model import load_model
 
     model_dir = tmp_path / "m"

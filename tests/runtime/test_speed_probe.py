@@ -9,7 +9,7 @@ import pytest
 from hetserve.cost.analytic import CostModel
 from hetserve.cost.efficiency import Efficiency
 from hetserve.cost.layout import ReplicaLayout, StageLayout
-from hetserve.runtime.calibrate import load_speed_probe, served_efficiency, served_sim_options
+from hetserve.runtime.calibration_file import load_speed_probe, served_efficiency, served_sim_options, speed_reference
 from hetserve.runtime.calibration_probes import _one_device_cluster
 from hetserve.runtime.speed_probe import SpeedProbe, SpeedReading, combine, slowdown
 from hetserve.specs.model import load_model
@@ -59,6 +59,26 @@ def test_served_options_scale_their_times_not_the_contention_ratio(tmp_path):
     assert eff_slow.seq_overhead_s == pytest.approx(1.5 * eff.seq_overhead_s)  # the stream overhead included
     assert eff_slow.compute == pytest.approx(eff.compute / 1.5)
     assert load_speed_probe(cal) == SpeedReading(0.006, 0.03, 80)
+
+
+def test_compare_scales_a_cpu_calibration_by_the_probe_and_takes_a_gpu_one_as_calibrated(tmp_path):
+    """The probe times the checkpoint on one CPU thread: it indexes a CPU engine's speed. A calibration
+    whose engine ran on a GPU (``measured_on.gpus``) gets no correction, and compare says why."""
+    probe = {"decode_s": 0.006, "prefill_s": 0.03, "samples": 80}
+    files = {}
+    for name, measured_on, reading in (("cpu", {"device": "AMD EPYC", "cores": 2}, probe),
+                                       ("gpu", {"device": "NVIDIA H200 (CUDA 13.0)", "cores": 16, "gpus": 1}, probe),
+                                       ("old", {"device": "AMD EPYC", "cores": 2}, None)):
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(json.dumps({"efficiency": {"compute": 2e-4}, "measured_on": measured_on,
+                                           "speed_probe": reading}))
+    assert speed_reference(files["cpu"]) == (SpeedReading(0.006, 0.03, 80), None)
+    reading, why = speed_reference(files["gpu"])
+    assert reading is None and "GPU" in why
+    reading, why = speed_reference(files["cpu"], correction=False)
+    assert reading is None and "--no-speed-correction" in why
+    assert speed_reference(files["old"]) == (None, None)  # calibrated before the probe existed
+    assert speed_reference(None) == (None, None)
 
 
 def test_slowdown_is_the_geometric_mean_of_the_two_ratios():

@@ -34,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-speed-correction", dest="speed_correction", action="store_false",
                    help="price the simulation at the calibration's machine speed (default: read the machine's speed "
                         "probe before and after serving and scale the calibrated times by its ratio to the "
-                        "calibration's reading; a shared VM's speed drifts by tens of percent within minutes)")
+                        "calibration's reading; a shared VM's speed drifts by tens of percent within minutes; a calibration "
+                        "whose engine ran on a GPU is always taken as calibrated: the probe times the CPU)")
     p.add_argument("--serve-twice", action="store_true",
                    help="replay the same requests a second time on the same server and print the second run "
                         "against the first beside the simulation: how far two served runs lie apart")

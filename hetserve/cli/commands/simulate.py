@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         from hetserve.policies.predictor import BucketMeanPredictor
         predictor = BucketMeanPredictor()
     try:
-        from hetserve.runtime.calibrate import served_efficiency, served_sim_options
+        from hetserve.runtime.calibration_file import served_efficiency, served_sim_options
 
         cost = CostModel(cluster, model, served_efficiency(args.efficiency)) if args.efficiency else None
         opts = SimOptions(placement=args.router, route=args.route, transmission=args.transmission, slo=slo,

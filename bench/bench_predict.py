@@ -105,7 +105,7 @@ def refit_calibration(content: dict, model_dir) -> dict:
     on the same measurements."""
     from dataclasses import asdict
 
-    from hetserve.runtime.calibrate import DECODE_PROMPT, LONG_DECODE_PROMPT, fit
+    from hetserve.runtime.calibrate import DECODE_PROMPT, LONG_DECODE_PROMPT, fit, stream_overheads
 
     by: dict[tuple, dict[int, float]] = {}
     for p in content.get("points", []):
@@ -120,7 +120,11 @@ def refit_calibration(content: dict, model_dir) -> dict:
               pp_ttft=g("prefill", 2, 1), pp_tpot=g("decode", 2, 1), tp_ttft=g("prefill", 1, 2), tp_tpot=g("decode", 1, 2),
               tpot_long=g("decode", 1, 1, LONG_DECODE_PROMPT))
     points = [asdict(p) for p in cal.points]
-    return {**content, "efficiency": asdict(cal.efficiency), "points": points, "refitted": True}
+    runtime = dict(content.get("runtime", {}))
+    http = {int(b): t for b, t in (content.get("http_tpot") or {}).items()}
+    if http:  # files since the stream's fixed part is measured: its line fitted again too
+        runtime["stream_step_overhead_s"], runtime["stream_overhead_s"] = stream_overheads(http, g("decode", 1, 1))
+    return {**content, "efficiency": asdict(cal.efficiency), "points": points, "runtime": runtime, "refitted": True}
 
 
 def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | None = None,

@@ -12,8 +12,9 @@ the checkpoint on one device (the real engine behind the real HTTP server) and m
   served request spends outside the engine, ``request_overhead_s``), and the same decode batches
   streamed through HTTP: each token of each sequence is one SSE event the server encodes and the
   client parses, on the cores and under the GIL the coordinator needs for the next step, so a
-  served iteration is slower per sequence than the engine's (``stream_overhead_s``, per sequence
-  per iteration: the slope of served − engine TPOT over the batch size), and
+  served iteration is slower than the engine's, by a fixed part per step and a part per sequence
+  (``stream_step_overhead_s`` and ``stream_overhead_s``: the line of served − engine TPOT over the
+  batch size, ``stream_overheads``), and
 * (``pipeline``) a prompt and a single-sequence decode on a two-stage pipeline of the same
   checkpoint (two devices): what a second stage adds tells the per-stage fixed cost apart from the
   once-per-iteration one, and (``tp``) the same on one stage of TP 2: what it adds beyond half
@@ -117,6 +118,10 @@ class Calibration:
     frontend_dispatch_s: float = 0.0
     memory_bound: bool = True  # a decode probe is bandwidth-bound at the fitted memory efficiency (else: the default)
     speed_probe: SpeedReading | None = None  # the machine's speed index over the rounds (runtime.speed_probe)
+    # per decoding step: the fixed part of streaming its tokens over HTTP/SSE, beyond
+    # ``stream_overhead_s`` per sequence (the intercept of served − engine TPOT over the batch sizes)
+    stream_step_overhead_s: float = 0.0
+    http_tpot: dict = field(default_factory=dict)  # batch size -> median TPOT through HTTP (the stream fit's data)
 
     @property
     def mean_abs_error(self) -> float:
@@ -133,6 +138,7 @@ class Calibration:
             "gpu": self.gpu, "efficiency": asdict(self.efficiency), "mean_abs_error": self.mean_abs_error,
             "max_abs_error": self.max_abs_error, "memory_bound": self.memory_bound, "runtime": {"request_overhead_s": self.request_overhead_s,
                                                            "stream_overhead_s": self.stream_overhead_s,
+                                                           "stream_step_overhead_s": self.stream_step_overhead_s,
                                                            "kv_handoff_overhead_s": self.kv_handoff_overhead_s,
                                                            "contention_slowdown": self.contention_slowdown,
                                                            "frontend_request_cpu_s": self.frontend_request_cpu_s,
@@ -141,7 +147,8 @@ class Calibration:
                                                            "frontend_dispatch_s": self.frontend_dispatch_s},
             "measured_on": self.measured_on, "points": [asdict(p) for p in self.points],
             "speed_probe": self.speed_probe.to_dict() if self.speed_probe else None,
-            "frontend_points": [asdict(p) for p in self.frontend_points]}, indent=2) + "\n")
+            "frontend_points": [asdict(p) for p in self.frontend_points],
+            "http_tpot": {str(b): t for b, t in sorted(self.http_tpot.items())}}, indent=2) + "\n")
 
 
 @dataclass(frozen=True)
@@ -210,6 +217,25 @@ def request_overhead(http_ttft: dict[int, float] | None, ttft: dict[int, float],
     return max(0.0, statistics.median(http_ttft[L] - ttft[L] for L in common)) if common else 0.0
 
 
+def stream_overheads(http_tpot: dict[int, float] | None, tpot: dict[int, float]) -> tuple[float, float]:
+    """(per step, per sequence): what streaming a decode step's tokens over HTTP/SSE adds to it, the
+    non-negative least-squares line ``a + b · n`` through HTTP TPOT − engine TPOT over the batch
+    sizes ``n`` measured both ways; through 0 (``a`` = 0) with one size. The line through 0 that
+    calibration fitted before priced one sequence at 0.14-0.19 ms where it measured 1.7 ms; the
+    line fits 0.9-1.8 ms per step + 0.04-0.06 ms per sequence (batches of 1, 2, 4, 16, twice, on
+    the CPU demo; docs/benchmarks.md, fourteenth session)."""
+    from scipy.optimize import nnls
+
+    both = sorted(b for b in (http_tpot or {}) if b in tpot)
+    if not both:
+        return 0.0, 0.0
+    diff = np.array([http_tpot[b] - tpot[b] for b in both], float)
+    if len(both) == 1:
+        return 0.0, max(0.0, float(diff[0] / both[0]))
+    (a, b), _ = nnls(np.array([[1.0, float(n)] for n in both]), diff)
+    return float(a), float(b)
+
+
 def _per_byte_scale(cluster, spec, **per_byte: float) -> CostModel:
     """A cost model pricing nothing but one per-byte term at 1 s per byte: its time for a probe is the
     bytes that probe pays the term on (``fit`` fits the term as seconds over them, so its unknowns
@@ -233,8 +259,8 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     stages: the one-device points, then the two-stage points for the per-stage part, then the TP 2
     points for the per-collective cost; memory efficiency stays ``base``'s where no decode point is
     bandwidth-bound, ``Calibration.memory_bound``), the GIL wait the median of ``dispatch``; the request
-    overhead ``request_overhead(http_ttft, ttft, outside)``, the stream overhead the least-squares
-    slope (through 0) of HTTP TPOT − engine TPOT over the batch sizes measured both ways, the KV
+    overhead ``request_overhead(http_ttft, ttft, outside)``, the stream overheads per step and per
+    sequence ``stream_overheads(http_tpot, tpot)``, the KV
     hand-off overhead the median of the measured hand-off
     (``kv_handoff``: prompt tokens -> seconds) − the cost model's transfer time for that KV, the
     front end's CPU per request and per token ``fit_frontend_cpu(frontend_cpu)``.
@@ -346,8 +372,7 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     points = tuple(CalibrationPoint(ph, n, sec, float(p), st, t_, L)
                    for (ph, n, st, t_, L, sec), p in zip(probes, predict(eff)))
     overhead = request_overhead(http_ttft, ttft, outside)
-    both = [b for b in (http_tpot or {}) if b in tpot]
-    stream = max(0.0, sum(b * (http_tpot[b] - tpot[b]) for b in both) / sum(b * b for b in both)) if both else 0.0
+    stream_step, stream = stream_overheads(http_tpot, tpot)
     two = _one_device_cluster(gpu_name, 2)
     cm2 = CostModel(two, spec, eff)
     handoff = max(0.0, statistics.median(t - cm2.kv_transfer_time(_layout(spec), _layout(spec, 1, 1, first_device=1), L)
@@ -355,7 +380,8 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     (req_cpu, step_cpu, tok_cpu), fe_points = fit_frontend_cpu(frontend_cpu)
     return Calibration(gpu_name, eff, points, overhead, stream, handoff, contention, measured_on or {},
                        req_cpu, tok_cpu, step_cpu, fe_points,
-                       max(0.0, statistics.median(dispatch)) if dispatch else 0.0, memory_bound, speed_probe)
+                       max(0.0, statistics.median(dispatch)) if dispatch else 0.0, memory_bound, speed_probe,
+                       stream_step, dict(http_tpot or {}))
 
 
 def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:

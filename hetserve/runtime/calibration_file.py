@@ -29,6 +29,12 @@ def load_stream_overhead(path: str | Path) -> float:
     return float(_runtime(path).get("stream_overhead_s", 0.0))
 
 
+def load_stream_step_overhead(path: str | Path) -> float:
+    """``runtime.stream_step_overhead_s`` of a calibration file (0 when it has none: calibrated
+    before it was measured)."""
+    return max(0.0, float(_runtime(path).get("stream_step_overhead_s", 0.0)))
+
+
 def load_kv_handoff_overhead(path: str | Path) -> float:
     """``runtime.kv_handoff_overhead_s`` of a calibration file (0 when it has none): the simulator's
     ``link_overhead_s`` (each KV message is delivered this much later than its bytes)."""
@@ -79,7 +85,8 @@ def served_sim_options(path: str | Path | None, slowdown: float = 1.0) -> dict:
     req_cpu, step_cpu, tok_cpu = load_frontend_cpu(path)
     times = {"request_overhead_s": load_request_overhead(path), "link_overhead_s": load_kv_handoff_overhead(path),
              "frontend_request_cpu_s": req_cpu, "frontend_step_cpu_s": step_cpu, "frontend_token_cpu_s": tok_cpu,
-             "frontend_dispatch_s": load_frontend_dispatch(path)}
+             "frontend_dispatch_s": load_frontend_dispatch(path),
+             "stream_step_overhead_s": load_stream_step_overhead(path)}
     return {**{k: v * slowdown for k, v in times.items()}, "contention_slowdown": load_contention(path)}
 
 

@@ -66,6 +66,7 @@ class ReplicaEnv(Protocol):
         """``replica`` started or ended a piece of work on a host whose cores it shares: the work
         running beside it there is re-priced (``sim.hosts``)."""
 
-    def dispatch_wait(self, replica) -> float:
-        """Seconds ``replica``'s next step waits for the serving front end (its GIL) beyond what
-        the cost model prices (``sim.hosts``)."""
+    def dispatch_wait(self, replica, decodes: bool = True) -> float:
+        """Seconds ``replica``'s next step waits for the serving front end (its GIL, and where the
+        step ``decodes``, its tokens' fixed streaming part) beyond what the cost model prices
+        (``sim.hosts``)."""

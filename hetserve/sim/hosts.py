@@ -56,9 +56,12 @@ class FrontEndCost:
     # seconds a replica's next step waits for the front end (one GIL) per unit of the front end's
     # utilisation by other work: the GIL's dispatch delay (``hetserve calibrate`` measures it)
     dispatch_s: float = 0.0
+    # seconds a decoding step's tokens take the front end to stream beyond their per-sequence cost
+    # (the step's fixed part of the SSE events): the replica's next step waits for it
+    stream_step_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if min(self.request_cpu_s, self.step_cpu_s, self.token_cpu_s, self.dispatch_s) < 0:
+        if min(self.request_cpu_s, self.step_cpu_s, self.token_cpu_s, self.dispatch_s, self.stream_step_s) < 0:
             raise ValueError("front-end CPU costs must be non-negative")
 
     @property
@@ -157,22 +160,28 @@ class HostContention:
             if other is not rep:
                 other.reprice()
 
-    def dispatch_wait(self, rep) -> float:
+    def dispatch_wait(self, rep, decodes: bool = True) -> float:
         """Seconds ``rep``'s next step waits for the front end: ``dispatch_s`` times the front end's
         utilisation by work that is not ``rep``'s own (the requests' recent rate, the other
-        replicas' steps and tokens), at most 1. ``rep``'s own tokens are streamed while its next
-        step computes, in phase with it: calibration's ``stream_overhead_s`` prices them. 0 where no
-        ``dispatch_s`` is set."""
+        replicas' steps and tokens), at most 1, plus, where the step ``decodes``, ``stream_step_s``: its
+        own tokens are streamed per sequence while its next step computes
+        (calibration's ``stream_overhead_s`` prices that), but each step's events also cost a fixed
+        part first. Calibration measures it as the intercept of served − engine TPOT over the batch
+        sizes: 0.9-1.8 ms on the CPU demo, where the slope is 0.04-0.06 ms per sequence. A prompt
+        step's first token is the request overhead's (``request_overhead_s``). On a pipeline the
+        wait is on the ring's latency, which a second micro-batch hides
+        (``CostModel.decode_step_time``)."""
         fe = self.frontend
+        stream = fe.stream_step_s if decodes else 0.0
         if fe.dispatch_s <= 0:
-            return 0.0
+            return stream
         now = self.loop.now
         u = self._req_work * math.exp((self._req_t - now) / REQUEST_WINDOW_S) / REQUEST_WINDOW_S
         for r in self.replicas:
             if r is not rep:
                 steps, tokens = r.step_rate()
                 u += fe.step_cpu_s * steps + fe.token_cpu_s * tokens
-        return fe.dispatch_s * min(1.0, u)
+        return fe.dispatch_s * min(1.0, u) + stream
 
     def frontend_load(self) -> float:
         """The front end's utilisation now (0..1): its request backlog, plus the decoding replicas'

@@ -89,6 +89,9 @@ class SimOptions:
     # seconds a replica's next step waits for the front end (one GIL) per unit of the front end's
     # utilisation by other work (``sim.hosts``; `hetserve calibrate` measures it; 0: no wait)
     frontend_dispatch_s: float = 0.0
+    # seconds each decoding step waits for the front end to stream its tokens, beyond their
+    # per-sequence cost (the fixed part of a step's SSE events; `hetserve calibrate` measures it)
+    stream_step_overhead_s: float = 0.0
     seed: int = 0
     policy_options: dict[str, Any] = field(default_factory=dict)  # PolicyContext.options (e.g. Aladdin's gamma)
     # the link model's calibration knobs (hetserve.policies.links): seconds added per message, and
@@ -107,9 +110,9 @@ class SimOptions:
         if self.request_overhead_s < 0:
             raise ValueError("request_overhead_s must be non-negative")
         if min(self.frontend_request_cpu_s, self.frontend_step_cpu_s, self.frontend_token_cpu_s,
-               self.frontend_dispatch_s) < 0:
-            raise ValueError("frontend_request_cpu_s, frontend_step_cpu_s, frontend_token_cpu_s and "
-                             "frontend_dispatch_s must be non-negative")
+               self.frontend_dispatch_s, self.stream_step_overhead_s) < 0:
+            raise ValueError("frontend_request_cpu_s, frontend_step_cpu_s, frontend_token_cpu_s, "
+                             "frontend_dispatch_s and stream_step_overhead_s must be non-negative")
         if self.kv_block_tokens <= 0:
             raise ValueError("kv_block_tokens must be positive")
         if self.micro_batches is not None and self.micro_batches <= 0:
@@ -178,7 +181,8 @@ class Simulator:
         self.by_id = {r.id: r for r in self.replicas}
         self.hosts = HostContention(self.replicas, cluster, self.loop, opts.contention_slowdown,
                                     FrontEndCost(opts.frontend_request_cpu_s, opts.frontend_step_cpu_s,
-                                                 opts.frontend_token_cpu_s, opts.frontend_dispatch_s),
+                                                 opts.frontend_token_cpu_s, opts.frontend_dispatch_s,
+                                                 opts.stream_step_overhead_s),
                                     opts.micro_batches)
         self.entry = [r for r in self.replicas if serves_prefill(r.role)]
         self._routes: dict[str, list[tuple[Replica, float]]] = {}
@@ -210,9 +214,9 @@ class Simulator:
         """``rep`` started or ended work on a host with shared cores: its neighbours re-price (``sim.hosts``)."""
         self.hosts.changed(rep)
 
-    def dispatch_wait(self, rep: Replica) -> float:
+    def dispatch_wait(self, rep: Replica, decodes: bool = True) -> float:
         """Seconds ``rep``'s next step waits for the serving front end (``sim.hosts``)."""
-        return self.hosts.dispatch_wait(rep)
+        return self.hosts.dispatch_wait(rep, decodes)
 
     def _set_capacity_norms(self) -> None:
         """Relative capacity per role: the plan's own share where its estimate has one (requests

@@ -111,6 +111,7 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
     from hetserve.cli.main import main
     from hetserve.cost.analytic import load_efficiency
     from hetserve.runtime.calibration_file import load_request_overhead
+    from hetserve.runtime.calibration_probes import DECODE_PROMPT
     from hetserve.specs.model import load_model
 
     model_dir = make_model(tmp_path / "m", "llama", layers=2, hidden=64, heads=4, kv_heads=2)
@@ -144,6 +145,10 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
     assert data["measured_on"]["device"] and data["measured_on"]["cores"] >= 1 and "UTC" in data["measured_on"]["date"]
     assert load_request_overhead(out) == data["runtime"]["request_overhead_s"] >= 0.0
     assert data["runtime"]["stream_overhead_s"] >= 0.0 and "stream overhead" in " ".join(printed.split())
+    # the stream fit's data kept (a replay fits its line again) and its fixed part per step
+    assert set(data["http_tpot"]) == {str(p["size"]) for p in data["points"] if p["phase"] == "decode" and p["stages"] == 1
+                                      and p["tp"] == 1 and p["prompt"] == DECODE_PROMPT}
+    assert data["runtime"]["stream_step_overhead_s"] >= 0.0 and "ms per step +" in " ".join(printed.split())
     # the hand-off probe ran (prefill slot -> decode slot): a process hop and a socket cost something
     assert data["runtime"]["kv_handoff_overhead_s"] > 0.0 and "KV hand-off overhead" in " ".join(printed.split())
     flat = " ".join(printed.split())  # rich wraps long lines
@@ -296,6 +301,21 @@ def test_the_committed_gpu_calibrations_load_and_say_where_they_were_measured():
         on = json.loads(f.read_text())["measured_on"]
         assert "(CUDA" in on["device"] and on["date"].startswith("20"), f
         assert load_efficiency(f).iteration_overhead_s > 0  # the fit's fixed cost, read back
+
+
+def test_streaming_costs_a_fixed_part_per_step_and_a_part_per_sequence():
+    """Served − engine TPOT over the batch sizes is a line ``a + b · n`` (non-negative): the step's
+    fixed SSE part and each sequence's token; through 0 with one batch size; nothing without any."""
+    from hetserve.runtime.calibrate import stream_overheads
+
+    engine = {1: 0.0088, 2: 0.0107, 4: 0.0120, 16: 0.0169}
+    http = {n: t + 0.0012 + n * 0.00005 for n, t in engine.items()}
+    step, seq = stream_overheads(http, engine)
+    assert step == pytest.approx(0.0012, rel=1e-6) and seq == pytest.approx(0.00005, rel=1e-6)
+    # the line through 0 fitted before: at one sequence 0.12 ms where 1.25 ms is measured
+    assert stream_overheads({4: engine[4] + 0.002}, engine) == (0.0, pytest.approx(0.0005))
+    assert stream_overheads({n: t - 0.001 for n, t in engine.items()}, engine) == (0.0, 0.0)  # never negative
+    assert stream_overheads(None, engine) == (0.0, 0.0)
 
 
 def test_request_overhead_is_the_paired_difference_where_measured():

@@ -48,7 +48,8 @@ def test_served_options_scale_their_times_not_the_contention_ratio(tmp_path):
                                "runtime": {"request_overhead_s": 0.01, "stream_overhead_s": 1e-4,
                                            "kv_handoff_overhead_s": 0.002, "contention_slowdown": 1.3,
                                            "frontend_request_cpu_s": 0.003, "frontend_step_cpu_s": 2e-4,
-                                           "frontend_token_cpu_s": 1e-4, "frontend_dispatch_s": 5e-4},
+                                           "frontend_token_cpu_s": 1e-4, "frontend_dispatch_s": 5e-4,
+                                           "stream_step_overhead_s": 8e-4},
                                "speed_probe": {"decode_s": 0.006, "prefill_s": 0.03, "samples": 80}}))
     one, slow = served_sim_options(cal), served_sim_options(cal, 1.5)
     assert slow["contention_slowdown"] == one["contention_slowdown"] == 1.3

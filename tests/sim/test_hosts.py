@@ -121,6 +121,21 @@ def test_a_busy_front_end_delays_a_replica_by_the_other_replicas_work(model):
         cm.decode_step_time(pp, 1, 300, 1) + 1e-3, rel=1e-12)  # one micro-batch: on its path
 
 
+def test_each_decoding_step_waits_for_its_tokens_fixed_streaming_part(model):
+    """``stream_step_overhead_s``: every decode step of a request waits that much more for the front
+    end (its tokens' fixed SSE part); a prefill replica's prompt step does not (its first token is
+    the request overhead's). One request on a prefill/decode pair: its TTFT is unchanged and its
+    TPOT grows by exactly the overhead; on a colocated replica the same."""
+    wl = Workload.from_lists("one", [0.0], [100], [50])
+    for plan in (single({"c0": ["m0:0"]}), single({"p0": ["m0:0"], "d0": ["m0:1"]}, routes=[("p0", "d0", 1.0)])):
+        base = simulate(plan, _cluster(None), model, wl, SimOptions())
+        more = simulate(plan, _cluster(None), model, wl, SimOptions(stream_step_overhead_s=0.003))
+        assert more.ttft[0] == pytest.approx(base.ttft[0], rel=1e-9), plan.replicas
+        assert more.tpot[0] == pytest.approx(base.tpot[0] + 0.003, rel=1e-6), plan.replicas
+    with pytest.raises(ValueError, match="stream_step_overhead_s"):
+        SimOptions(stream_step_overhead_s=-1e-3)
+
+
 @pytest.mark.parametrize("role", ["colocated", "prefill-decode"])
 def test_host_contention_stretches_computing_not_the_tp_collectives(model, role):
     """A TP-2 replica on one core is slowed 2x (both members compute), but the collectives' fixed

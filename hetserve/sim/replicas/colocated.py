@@ -164,7 +164,8 @@ class ColocatedReplica(Decoding):
         paused; a pipeline with a free micro-batch slot runs it beside them."""
         now = self.loop.now
         end = now + self._on_host(self.cost.prefill_time(self.layout,
-                                                        PrefillBatch.of([self.kv.prefill_tokens(i) for i in rids])))
+                                                        PrefillBatch.of([self.kv.prefill_tokens(i) for i in rids])),
+                                  decodes=False)
         if self.trace is not None:
             self.trace.append((now, end, (), tuple(rids)))
         self._busy(now, end)
@@ -197,7 +198,7 @@ class ColocatedReplica(Decoding):
         sum_sq = sum(c * c + 2.0 * c * item[1] for item, c in chunks)
         prompts = PrefillBatch(len(chunks), tokens, sum_sq)
         dur = self.cost.mixed_step_time(self.layout, b.size, b.context, prompts, self.limits.micro_batches)
-        dur = self._on_host(dur)
+        dur = self._on_host(dur, decodes=b.size > 0)
         now = self.loop.now
         if self.trace is not None:
             self.trace.append((now, now + dur, tuple(b.members), tuple(item[0] for item, _ in chunks)))
@@ -244,7 +245,8 @@ class ColocatedReplica(Decoding):
                             self._snapshot_requests(with_requests), self.capacity_norm, self._prefill_wait(),
                             self.loop.now - self.req.arrival[self.waiting[0]] if self.waiting else 0.0)
 
-    def _on_host(self, dur: float) -> float:
+    def _on_host(self, dur: float, decodes: bool) -> float:
         """A step's cost-model time as this host runs it: slowed by the cores it shares, and
-        started once the serving front end has sent it (one rule for both kinds of step)."""
-        return on_host(dur, self._collectives, self.env.slowdown(self)) + self.env.dispatch_wait(self)
+        started once the serving front end has sent it (one rule for both kinds of step), and has
+        streamed the tokens of the step's ``decodes`` before it."""
+        return on_host(dur, self._collectives, self.env.slowdown(self)) + self.env.dispatch_wait(self, decodes)

@@ -102,7 +102,7 @@ class PrefillReplica(Replica):
         self._kv_add(held)
         batch = PrefillBatch.of(lengths)
         slow = self.env.slowdown(self)
-        t = now + self.env.dispatch_wait(self)  # the step waits for the front end to send it
+        t = now + self.env.dispatch_wait(self, decodes=False)  # the step waits for the front end to send it
         stages = self.layout.stages
         for i, (stage, last) in enumerate(self._stages):
             start = t if t > self._free[i] else self._free[i]

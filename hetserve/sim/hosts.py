@@ -1,7 +1,8 @@
 """Host contention: CPU worker slots sharing a host's cores, and the serving front end beside them.
 
 A cluster file may say that a machine's worker slots share ``cpu_cores`` cores (the CPU demo: four
-"GPUs" on a 2-core box). Work a replica starts there runs ``slowdown`` times slower than alone —
+"GPUs" on a 2-core box), and, with ``cpu_host``, that several machines' slots share one host's
+(``demo-tiny``'s two boxes emulated on one computer). Work a replica starts there runs ``slowdown`` times slower than alone —
 its computing part: the TP collectives' fixed cost is members waiting for each other and is not
 stretched (``on_host``):
 
@@ -123,13 +124,13 @@ class HostContention:
             dev = cluster.devices[rep.layout.devices[0]]
             if dev.cpu_cores is None:
                 continue
-            rep.host = dev.machine
-            self.cores[dev.machine] = dev.cpu_cores
-            self.on_host.setdefault(dev.machine, []).append(rep)
+            rep.host = dev.cpu_host
+            self.cores[dev.cpu_host] = dev.cpu_cores
+            self.on_host.setdefault(dev.cpu_host, []).append(rep)
         # The front end runs beside the first replica of the plan (the CLI serves from there); only
         # a host with CPU worker slots feels it.
         first = cluster.devices[replicas[0].layout.devices[0]] if replicas else None
-        self.frontend_host = first.machine if first is not None and first.cpu_cores is not None else None
+        self.frontend_host = first.cpu_host if first is not None and first.cpu_cores is not None else None
         self._backlog_until = 0.0  # when the front end has worked off the requests that arrived
         self.replicas = list(replicas)
         # the requests' CPU of the last REQUEST_WINDOW_S (decaying): the front end's request rate

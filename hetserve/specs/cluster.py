@@ -82,6 +82,9 @@ class _Machine(pydantic.BaseModel):
     # CPU worker slots: the machine's slots share this many cores (the simulator slows work that
     # runs on several slots at once; `hetserve calibrate` measures the slow-down). None: real GPUs.
     cpu_cores: pydantic.StrictInt | None = pydantic.Field(default=None, gt=0)
+    # the host whose cores those are, where boxes are emulated on one machine (the CPU demo's two
+    # boxes on one computer): machines naming the same host share its ``cpu_cores``. None: this box.
+    cpu_host: str | None = pydantic.Field(default=None, min_length=1)
 
 
 class _Network(pydantic.BaseModel):
@@ -122,6 +125,7 @@ class Device:
     gpu: GpuType
     memory_bytes: float = 0.0  # 0: the GPU's own memory
     cpu_cores: int | None = None  # CPU worker slot: cores its machine's slots share (None: a GPU)
+    cpu_host: str | None = None  # CPU worker slot: the host whose cores it shares (its machine, or `cpu_host`)
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
@@ -222,14 +226,24 @@ class Cluster:
 def _resolve(spec: _ClusterFile, source: str) -> Cluster:
     devices: list[Device] = []
     machine_gpu: dict[str, GpuType] = {}
+    host_cores: dict[str, int] = {}
     for mi, m in enumerate(spec.machines):
         if m.name in machine_gpu:
             raise SpecError(source, f"machines.{mi}.name", "a unique machine name", m.name)
         g = gpu(m.gpu, source, f"machines.{mi}.gpu")
         machine_gpu[m.name] = g
         memory = m.memory_gb * 1e9 if m.memory_gb else 0.0
+        host = None
+        if m.cpu_cores is not None:
+            host = m.cpu_host or m.name
+            if host_cores.setdefault(host, m.cpu_cores) != m.cpu_cores:
+                raise SpecError(source, f"machines.{mi}.cpu_cores",
+                                f"{host_cores[host]}, as the other machines on host {host!r} say", m.cpu_cores)
+        elif m.cpu_host is not None:
+            raise SpecError(source, f"machines.{mi}.cpu_host", "cpu_cores beside it (the host's cores its slots share)",
+                            m.cpu_host)
         for k in range(m.count):
-            devices.append(Device(len(devices), f"{m.name}:{k}", m.name, m.site, g, memory, m.cpu_cores))
+            devices.append(Device(len(devices), f"{m.name}:{k}", m.name, m.site, g, memory, m.cpu_cores, host))
     n = len(devices)
 
     topology = None
@@ -324,6 +338,11 @@ def _preset_dir() -> Path:
     return Path(str(resources.files("hetserve") / "data" / "clusters"))
 
 
+def preset_path(name: str) -> Path:
+    """The file of a bundled cluster preset."""
+    return _preset_dir() / f"{name}.yaml"
+
+
 def cluster_presets() -> list[str]:
     """Names of the bundled cluster presets."""
     return sorted(p.stem for p in _preset_dir().glob("*.yaml"))
@@ -333,7 +352,7 @@ def load_cluster(name_or_path: str | Path) -> Cluster:
     """Load a cluster from a YAML/JSON file or a bundled preset name."""
     path = Path(name_or_path)
     if not path.exists():
-        preset = _preset_dir() / f"{name_or_path}.yaml"
+        preset = preset_path(str(name_or_path))
         if not preset.exists():
             raise SpecError(str(name_or_path), "(cluster)",
                             "an existing file or a preset: " + ", ".join(cluster_presets()))

@@ -193,3 +193,23 @@ def test_a_decode_segment_feels_a_prefill_that_starts_beside_it(model):
             assert b.t_finish[0] == pytest.approx(a.t_finish[0], rel=1e-9)
         else:
             assert b.t_finish[0] - a.t_finish[0] == pytest.approx(prefill / 2, rel=0.1)
+
+
+@pytest.mark.parametrize("cpu_host", [None, "pc"])
+def test_boxes_emulated_on_one_computer_share_its_cores(model, cpu_host):
+    """Two machines of one core each: a prompt on m1 beside a decode on m0 contends for the cores
+    only where both name the same ``cpu_host`` (the CPU demo's two boxes on one computer); each
+    machine its own host, the prompt runs as alone."""
+    machines = [{"name": n, "gpu": "A100-SXM-80G", "count": 1, "site": "s0", "cpu_cores": 1,
+                 **({"cpu_host": cpu_host} if cpu_host else {})} for n in ("m0", "m1")]
+    cluster = cluster_from_dict({"name": "test", "machines": machines,
+                                 "network": {"intra_site": {"bandwidth_gbps": 10, "latency_ms": 0.2}}})
+    plan = single({"c0": ["m0:0"], "c1": ["m1:0"]})
+    wl = Workload.from_lists("two", [0.0, 0.5], [100, 3000], [400, 2])  # c1's prompt while c0 decodes
+    res = simulate(plan, cluster, model, wl, SimOptions(placement="rr"))
+    alone = simulate(plan, cluster, model, Workload.from_lists("one", [0.5], [3000], [2]), SimOptions(placement="rr"))
+    prefill, prefill_alone = res.t_first[1] - res.t_start[1], alone.t_first[0] - alone.t_start[0]
+    if cpu_host:
+        assert prefill == pytest.approx(2 * prefill_alone, rel=1e-6)  # two workers, one core
+    else:
+        assert prefill == pytest.approx(prefill_alone, rel=1e-9)

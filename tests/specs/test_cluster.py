@@ -333,3 +333,32 @@ def test_bad_nic_or_pipe_bandwidth(tmp_path, where, value):
         field = "network.links.0.bandwidth_gbps"
     err = spec_error(tmp_path, text)
     assert err.field == field
+
+
+def test_cpu_slots_name_the_host_whose_cores_they_share(tmp_path):
+    """``cpu_host``: boxes emulated on one computer share its ``cpu_cores``; default: each box its
+    own; GPUs none. Machines naming one host must agree on its cores; a host without cores is refused."""
+    c = load_cluster(write(tmp_path, """
+        name: pc
+        machines:
+          - {name: a, gpu: RTX-4090, count: 2, cpu_cores: 4, cpu_host: pc}
+          - {name: b, gpu: L4, count: 1, cpu_cores: 4, cpu_host: pc}
+          - {name: c, gpu: L4, count: 1, cpu_cores: 2}
+          - {name: g, gpu: H100-SXM-80G, count: 1}
+        network: {intra_site: {bandwidth_gbps: 10, latency_ms: 0.2}}
+        """))
+    assert [(d.cpu_cores, d.cpu_host) for d in c.devices] == [(4, "pc"), (4, "pc"), (4, "pc"), (2, "c"), (None, None)]
+    err = spec_error(tmp_path, """
+        name: pc
+        machines:
+          - {name: a, gpu: RTX-4090, count: 2, cpu_cores: 4, cpu_host: pc}
+          - {name: b, gpu: L4, count: 1, cpu_cores: 2, cpu_host: pc}
+        network: {intra_site: {bandwidth_gbps: 10, latency_ms: 0.2}}
+        """)
+    assert err.field == "machines.1.cpu_cores" and "4, as the other machines on host 'pc' say" in str(err)
+    err = spec_error(tmp_path, """
+        name: pc
+        machines:
+          - {name: a, gpu: RTX-4090, count: 2, cpu_host: pc}
+        """)
+    assert err.field == "machines.0.cpu_host" and "cpu_cores" in str(err)

@@ -105,7 +105,7 @@ def refit_calibration(content: dict, model_dir) -> dict:
     on the same measurements."""
     from dataclasses import asdict
 
-    from hetserve.runtime.calibrate import DECODE_PROMPT, LONG_DECODE_PROMPT, fit, stream_overheads
+    from hetserve.runtime.calibrate import DECODE_PROMPT, LONG_DECODE_PROMPT, fit
 
     by: dict[tuple, dict[int, float]] = {}
     for p in content.get("points", []):
@@ -116,14 +116,14 @@ def refit_calibration(content: dict, model_dir) -> dict:
         short = DECODE_PROMPT if phase == "decode" else 0
         return by.get((phase, stages, tp, short if prompt is None else prompt), {})
 
+    http = {int(b): t for b, t in (content.get("http_tpot") or {}).items()}
     cal = fit(str(model_dir), content.get("gpu", "RTX-4090"), g("prefill", 1, 1), g("decode", 1, 1),
               pp_ttft=g("prefill", 2, 1), pp_tpot=g("decode", 2, 1), tp_ttft=g("prefill", 1, 2), tp_tpot=g("decode", 1, 2),
-              tpot_long=g("decode", 1, 1, LONG_DECODE_PROMPT))
+              tpot_long=g("decode", 1, 1, LONG_DECODE_PROMPT), http_tpot=http)
     points = [asdict(p) for p in cal.points]
     runtime = dict(content.get("runtime", {}))
-    http = {int(b): t for b, t in (content.get("http_tpot") or {}).items()}
     if http:  # files since the stream's fixed part is measured: its line fitted again too
-        runtime["stream_step_overhead_s"], runtime["stream_overhead_s"] = stream_overheads(http, g("decode", 1, 1))
+        runtime["stream_step_overhead_s"], runtime["stream_overhead_s"] = cal.stream_step_overhead_s, cal.stream_overhead_s
     return {**content, "efficiency": asdict(cal.efficiency), "points": points, "runtime": runtime, "refitted": True}
 
 

@@ -60,10 +60,11 @@ def this_machines_pool() -> Path:
 
     from hetserve.specs.cluster import preset_path
 
+    cores = os.cpu_count() or 1
     pool = yaml.safe_load(preset_path("demo-tiny").read_text())
     for m in pool["machines"]:
-        m.update(cpu_cores=os.cpu_count() or 1, cpu_host="this-computer")
-    pool["assumptions"] += f" Here: the slots are processes of this computer, sharing its {os.cpu_count()} cores."
+        m.update(cpu_cores=cores, cpu_host="this-computer")
+    pool["assumptions"] += f" Here: the slots are processes of this computer, sharing its {cores} cores."
     path = OUT / "demo-tiny.yaml"
     path.write_text(yaml.safe_dump(pool, sort_keys=False))
     return path

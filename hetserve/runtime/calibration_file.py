@@ -19,26 +19,28 @@ from hetserve.cost.analytic import Efficiency, load_efficiency
 from hetserve.runtime.speed_probe import SpeedReading
 
 
+# runtime terms of the file: (default where the file has none, floor or None); the times scale by
+# the speed probe's slow-down, the contention slow-down is a ratio
+_TERMS = {"request_overhead_s": (0.0, None), "stream_overhead_s": (0.0, None),
+          "stream_step_overhead_s": (0.0, 0.0), "kv_handoff_overhead_s": (0.0, None),
+          "contention_slowdown": (1.0, 1.0), "frontend_request_cpu_s": (0.0, 0.0),
+          "frontend_step_cpu_s": (0.0, 0.0), "frontend_token_cpu_s": (0.0, 0.0), "frontend_dispatch_s": (0.0, 0.0)}
+# the SimOptions field each served time sets (``served_sim_options``)
+_SIM_TIMES = {"request_overhead_s": "request_overhead_s", "link_overhead_s": "kv_handoff_overhead_s",
+              "frontend_request_cpu_s": "frontend_request_cpu_s", "frontend_step_cpu_s": "frontend_step_cpu_s",
+              "frontend_token_cpu_s": "frontend_token_cpu_s", "frontend_dispatch_s": "frontend_dispatch_s",
+              "stream_step_overhead_s": "stream_step_overhead_s"}
+
+
 def load_request_overhead(path: str | Path) -> float:
     """``runtime.request_overhead_s`` of a calibration file (0 when it has none)."""
-    return float(_runtime(path).get("request_overhead_s", 0.0))
-
-
-def load_stream_overhead(path: str | Path) -> float:
-    """``runtime.stream_overhead_s`` of a calibration file (0 when it has none)."""
-    return float(_runtime(path).get("stream_overhead_s", 0.0))
-
-
-def load_stream_step_overhead(path: str | Path) -> float:
-    """``runtime.stream_step_overhead_s`` of a calibration file (0 when it has none: calibrated
-    before it was measured)."""
-    return max(0.0, float(_runtime(path).get("stream_step_overhead_s", 0.0)))
+    return _term(_runtime(path), "request_overhead_s")
 
 
 def load_kv_handoff_overhead(path: str | Path) -> float:
     """``runtime.kv_handoff_overhead_s`` of a calibration file (0 when it has none): the simulator's
     ``link_overhead_s`` (each KV message is delivered this much later than its bytes)."""
-    return float(_runtime(path).get("kv_handoff_overhead_s", 0.0))
+    return _term(_runtime(path), "kv_handoff_overhead_s")
 
 
 def served_efficiency(path: str | Path, slowdown: float = 1.0) -> Efficiency:
@@ -48,59 +50,26 @@ def served_efficiency(path: str | Path, slowdown: float = 1.0) -> Efficiency:
     engine's alone, ``load_efficiency``); ``slowdown``: on a machine that many times slower than at
     calibration (``runtime.speed_probe``)."""
     eff = load_efficiency(path)
-    return replace(eff, seq_overhead_s=eff.seq_overhead_s + load_stream_overhead(path)).at_speed(slowdown)
+    stream = _term(_runtime(path), "stream_overhead_s")
+    return replace(eff, seq_overhead_s=eff.seq_overhead_s + stream).at_speed(slowdown)
 
 
 def load_speed_probe(path: str | Path) -> SpeedReading | None:
     """``speed_probe`` of a calibration file (None: calibrated before the probe existed)."""
-    data = json.loads(Path(path).read_text())
-    sp = data.get("speed_probe") if isinstance(data, dict) else None
-    return SpeedReading.from_dict(sp) if sp else None
-
-
-def load_contention(path: str | Path) -> float:
-    """``runtime.contention_slowdown`` of a calibration file (1 when it has none)."""
-    return max(1.0, float(_runtime(path).get("contention_slowdown", 1.0)))
-
-
-def load_frontend_cpu(path: str | Path) -> tuple[float, float, float]:
-    """``runtime.frontend_{request,step,token}_cpu_s`` of a calibration file (0 where it has none)."""
-    rt = _runtime(path)
-    return tuple(max(0.0, float(rt.get(f"frontend_{k}_cpu_s", 0.0))) for k in ("request", "step", "token"))
-
-
-def load_frontend_dispatch(path: str | Path) -> float:
-    """``runtime.frontend_dispatch_s`` of a calibration file (0 when it has none: no GIL probe)."""
-    return max(0.0, float(_runtime(path).get("frontend_dispatch_s", 0.0)))
+    return _speed_probe(_read(path))
 
 
 def served_sim_options(path: str | Path | None, slowdown: float = 1.0) -> dict:
     """The ``SimOptions`` fields a calibration file sets for simulating a *served* deployment (what
     ``compare``, ``simulate --efficiency`` and ``bench_predict`` pass): the request overhead, the
-    KV hand-off overhead per message, the contention slow-down and the front end's CPU costs; the
-    times scaled by ``slowdown`` (``served_efficiency``; the contention slow-down is a ratio).
-    ``None``: no calibration, every field at its default."""
+    KV hand-off overhead per message, the contention slow-down, the front end's CPU costs and the
+    stream's fixed part per step; the times scaled by ``slowdown`` (``served_efficiency``; the
+    contention slow-down is a ratio). ``None``: no calibration, every field at its default."""
     if path is None:
         return {}
-    req_cpu, step_cpu, tok_cpu = load_frontend_cpu(path)
-    times = {"request_overhead_s": load_request_overhead(path), "link_overhead_s": load_kv_handoff_overhead(path),
-             "frontend_request_cpu_s": req_cpu, "frontend_step_cpu_s": step_cpu, "frontend_token_cpu_s": tok_cpu,
-             "frontend_dispatch_s": load_frontend_dispatch(path),
-             "stream_step_overhead_s": load_stream_step_overhead(path)}
-    return {**{k: v * slowdown for k, v in times.items()}, "contention_slowdown": load_contention(path)}
-
-
-def _runtime(path: str | Path) -> dict:
-    data = json.loads(Path(path).read_text())
-    return data.get("runtime", {}) if isinstance(data, dict) else {}
-
-
-def calibrated_on_gpu(path: str | Path) -> bool:
-    """Whether the engine of a calibration file ran on a GPU (``measured_on.gpus``, which
-    ``calibration_probes.machine_info`` stamps where CUDA was available)."""
-    data = json.loads(Path(path).read_text())
-    on = data.get("measured_on") if isinstance(data, dict) else None
-    return bool(isinstance(on, dict) and on.get("gpus"))
+    rt = _runtime(path)
+    return {**{field: _term(rt, key) * slowdown for field, key in _SIM_TIMES.items()},
+            "contention_slowdown": _term(rt, "contention_slowdown")}
 
 
 def speed_reference(efficiency: str | Path | None, correction: bool = True) -> tuple[SpeedReading | None, str | None]:
@@ -113,12 +82,40 @@ def speed_reference(efficiency: str | Path | None, correction: bool = True) -> t
     correction took 21 of 39 to 5 (examples/calibrations/README.md)."""
     if not efficiency:
         return None, None
-    reading = load_speed_probe(efficiency)
+    data = _read(efficiency)
+    reading = _speed_probe(data)
     if reading is None:
         return None, None
     if not correction:
         return None, "as calibrated (--no-speed-correction)"
-    if calibrated_on_gpu(efficiency):
+    if _on_gpu(data):
         return None, ("as calibrated: its engine ran on a GPU, whose host-bound step the speed probe "
                       "(one CPU thread) does not track")
     return reading, None
+
+
+def _read(path: str | Path) -> dict:
+    data = json.loads(Path(path).read_text())
+    return data if isinstance(data, dict) else {}
+
+
+def _runtime(path: str | Path) -> dict:
+    return _read(path).get("runtime", {})
+
+
+def _term(runtime: dict, key: str) -> float:
+    default, floor = _TERMS[key]
+    value = float(runtime.get(key, default))
+    return value if floor is None else max(floor, value)
+
+
+def _speed_probe(data: dict) -> SpeedReading | None:
+    sp = data.get("speed_probe")
+    return SpeedReading.from_dict(sp) if sp else None
+
+
+def _on_gpu(data: dict) -> bool:
+    """The engine ran on a GPU: ``measured_on.gpus``, which ``calibration_probes.machine_info``
+    stamps where CUDA was available."""
+    on = data.get("measured_on")
+    return bool(isinstance(on, dict) and on.get("gpus"))

@@ -65,7 +65,9 @@ machines:
 """
 # --shared-cores: the pool says its slots share this machine's 2 cores (simulated contention)
 CLUSTER_SHARED = CLUSTER.replace("count: 4}", "count: 4, cpu_cores: 2}")
-CLUSTER_BASELINE = CLUSTER  # the slots as the simulator saw them before issue 13
+# the slots as the simulator saw them before issue 13: no cpu_cores, so (since the cost model tells CPU
+# slots from GPUs by it) a pipeline's turn-around is priced as on a GPU host here
+CLUSTER_BASELINE = CLUSTER
 
 
 def plans() -> dict:

@@ -65,6 +65,7 @@ def calibration_fit(cells: list[dict]) -> tuple[int, int, int, int, list[str]]:
     its calibration's content; a ``--refit`` replay the content fitted again): (points within
     ±10 %, points, calibrations with every point within, calibrations, the misses as text)."""
     from hetserve.compare import in_band
+    from hetserve.runtime.calibrate import CalibrationPoint
 
     seen: dict[str, list[dict]] = {}
     for c in cells:
@@ -74,7 +75,7 @@ def calibration_fit(cells: list[dict]) -> tuple[int, int, int, int, list[str]]:
     within = total = all_within = 0
     misses = []
     for points in seen.values():
-        errors = [(p, p["predicted_s"] / p["measured_s"] - 1) for p in points]
+        errors = [(p, CalibrationPoint(**p).error) for p in points]
         off = [(p, e) for p, e in errors if not in_band(1 + e, CALIBRATION_BAND)]
         within, total, all_within = within + len(points) - len(off), total + len(points), all_within + (not off)
         misses += [f"{p['phase']} {p['size']} on {p.get('stages', 1)} stage(s) TP {p.get('tp', 1)} {e:+.1%}"

@@ -49,7 +49,19 @@ def predict_large_pool() -> None:
           "-o", str(OUT / "het1-sim")])
 
 
-def this_machines_pool() -> Path:
+HERE_POOL = "demo-tiny-here"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask where the OS has one (a container given 2
+    of a host's 16 CPUs has 2), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def this_machines_pool(out: Path = OUT) -> Path:
     """``demo-tiny`` as it runs here: its two boxes' four worker slots are processes of this one
     computer, sharing its cores (``cpu_cores``, ``cpu_host``), which the simulator then counts
     (``sim.hosts``) and the cost model prices as CPU slots. Left as bundled (GPUs in two boxes),
@@ -60,12 +72,15 @@ def this_machines_pool() -> Path:
 
     from hetserve.specs.cluster import preset_path
 
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     pool = yaml.safe_load(preset_path("demo-tiny").read_text())
+    # its own name: a plan made on it names this file's pool, so a later `serve` / `compare` without
+    # --cluster fails on the name instead of quietly taking the bundled GPU preset
+    pool["name"] = HERE_POOL
     for m in pool["machines"]:
         m.update(cpu_cores=cores, cpu_host="this-computer")
     pool["assumptions"] += f" Here: the slots are processes of this computer, sharing its {cores} cores."
-    path = OUT / "demo-tiny.yaml"
+    path = out / f"{HERE_POOL}.yaml"
     path.write_text(yaml.safe_dump(pool, sort_keys=False))
     return path
 

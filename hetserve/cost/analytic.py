@@ -229,7 +229,7 @@ class CostModel(TransferCosts):
 
         A pipeline of S stages runs ``m`` micro-batches (default ``min(S, batch)``) so all stages
         stay busy: one round takes ``max(Σ stage + hand-offs + dispatch, m · slowest stage)`` at
-        batch/m each. ``dispatch_s``: what a micro-batch waits between its last stage and its next
+        batch/m each (on CPU worker slots; GPU hosts: below). ``dispatch_s``: what a micro-batch waits between its last stage and its next
         step on the first (the serving front end's turn-around beyond ``iteration_overhead_s``,
         ``sim.hosts``): on the ring's latency, so with m > 1 the other micro-batches hide it.
 

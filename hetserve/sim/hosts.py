@@ -34,8 +34,10 @@ the GIL the step waits. ``dispatch_wait`` charges each step a replica starts
 ``frontend_dispatch_s × min(1, u_other)``, ``u_other`` the front end's utilisation by work that is
 not the replica's own: the requests' recent rate and the other replicas' steps and tokens. The
 replica's own tokens are streamed while its next step computes, in phase, and ``stream_overhead_s``
-prices them. ``hetserve calibrate``'s GIL probe measures ``frontend_dispatch_s``. This applies on any
-host (the GIL is not the cores) wherever it is set; it defaults to 0.
+prices them per sequence; each decoding step also waits their fixed part, ``stream_step_overhead_s``.
+``hetserve calibrate``'s GIL probe measures ``frontend_dispatch_s`` and its HTTP decode probes the
+stream's two parts. Both waits apply on any host (the GIL is not the cores) wherever they are set;
+they default to 0.
 """
 
 from __future__ import annotations

@@ -59,12 +59,46 @@ def test_attn_meta_for_a_mixed_batch():
     m = build_attn_meta([5, 0], [1, 3], [[3, 1], [2]], block_size=4)
     assert m.positions.tolist() == [5, 0, 1, 2]
     assert m.slot_mapping.tolist() == [1 * 4 + 1, 8, 9, 10]
-    assert m.gather_slots.shape == (2, 6)
-    assert m.gather_slots[0].tolist() == [12, 13, 14, 15, 4, 5]
-    assert m.mask.shape == (2, 1, 3, 6)
-    assert m.mask[0, 0, 0].tolist() == [True] * 6
-    assert m.mask[1, 0, 1].tolist() == [True, True, False, False, False, False]  # causal inside the prompt
     assert m.last_token.tolist() == [0, 3]
+    # the decode and the prompt attend in separate grids: the decode is not padded to the prompt's 3 rows
+    decodes, prompts = m.groups
+    assert decodes.tokens.tolist() == [0] and prompts.tokens.tolist() == [1, 2, 3]
+    assert decodes.gather_slots.tolist() == [[12, 13, 14, 15, 4, 5]]
+    assert decodes.mask.shape == (1, 1, 1, 6) and decodes.mask[0, 0, 0].tolist() == [True] * 6
+    assert prompts.gather_slots.tolist() == [[8, 9, 10]]
+    assert prompts.mask.shape == (1, 1, 3, 3)
+    assert prompts.mask[0, 0, 1].tolist() == [True, True, False]  # causal inside the prompt
+    # one kind of sequence: one grid over every token, in order
+    (only,) = build_attn_meta([5, 2], [1, 1], [[3, 1], [2]], block_size=4).groups
+    assert only.tokens is None and only.mask.shape == (2, 1, 1, 6)
+
+
+def test_a_mixed_step_attends_as_its_sequences_would_alone():
+    """Grouped attention of a step mixing decodes and prompts (any order) gives each token what a
+    step of that sequence alone gives."""
+    import torch
+
+    from hetserve.runtime.model.attention import build_attn_meta, paged_attention
+
+    torch.manual_seed(0)
+    H, Hkv, D, bs = 4, 2, 8, 4
+    seqs = [(6, 1, [0, 1]), (0, 5, [2, 3]), (9, 1, [4, 5, 6]), (3, 2, [7, 8])]  # (start, q_len, blocks)
+    T = sum(q for _, q, _ in seqs)
+    q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+    kc0, vc0 = torch.randn(64, Hkv, D), torch.randn(64, Hkv, D)  # earlier tokens' K/V
+    kc, vc = kc0.clone(), vc0.clone()
+    meta = build_attn_meta([s for s, _, _ in seqs], [n for _, n, _ in seqs], [b for _, _, b in seqs], bs)
+    assert len(meta.groups) == 2
+    mixed = paged_attention(q, k, v, kc, vc, meta, 0.3)
+    at = 0
+    for s, n, b in seqs:
+        kc1, vc1 = kc0.clone(), vc0.clone()
+        alone = paged_attention(q[at:at + n], k[at:at + n], v[at:at + n], kc1, vc1,
+                                build_attn_meta([s], [n], [b], bs), 0.3)
+        torch.testing.assert_close(mixed[at:at + n], alone)
+        at += n
+    torch.testing.assert_close(kc[meta.slot_mapping], k)  # every new token's K/V in its slot
+    torch.testing.assert_close(vc[meta.slot_mapping], v)
 
 
 def test_tp_slices_split_heads_and_keep_row_bias_once():

@@ -125,9 +125,14 @@ def test_each_decoding_step_waits_for_its_tokens_fixed_streaming_part(model):
     """``stream_step_overhead_s``: every decode step of a request waits that much more for the front
     end (its tokens' fixed SSE part); a prefill replica's prompt step does not (its first token is
     the request overhead's). One request on a prefill/decode pair: its TTFT is unchanged and its
-    TPOT grows by exactly the overhead; on a colocated replica the same."""
+    TPOT grows by exactly the overhead; on a colocated replica the same, and on a two-stage
+    pipeline, whose one micro-batch waits it on the ring's way back to its first stage."""
     wl = Workload.from_lists("one", [0.0], [100], [50])
-    for plan in (single({"c0": ["m0:0"]}), single({"p0": ["m0:0"], "d0": ["m0:1"]}, routes=[("p0", "d0", 1.0)])):
+    pipeline = Plan.from_dict({"model": "llama-2-7b", "cluster": "test", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 16]},
+                                                     {"devices": ["m0:1"], "layers": [16, 32]}]}]})
+    for plan in (single({"c0": ["m0:0"]}), single({"p0": ["m0:0"], "d0": ["m0:1"]}, routes=[("p0", "d0", 1.0)]),
+                 pipeline):
         base = simulate(plan, _cluster(None), model, wl, SimOptions())
         more = simulate(plan, _cluster(None), model, wl, SimOptions(stream_step_overhead_s=0.003))
         assert more.ttft[0] == pytest.approx(base.ttft[0], rel=1e-9), plan.replicas

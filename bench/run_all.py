@@ -1,6 +1,6 @@
 """Run the quick variant of every benchmark in turn and print each one's output (`make bench`).
 
-    .venv/bin/python bench/run_all.py [--only planner,sim,aladdin,engine,serve,multinode,frontend,overhead]
+    .venv/bin/python bench/run_all.py [--only planner,sim,aladdin,engine,attention,serve,multinode,frontend,overhead]
 
 Each benchmark runs as its own subprocess from the repository root, with this interpreter; its
 output streams through as it is produced. The quick settings here are for a smoke run of about
@@ -24,6 +24,7 @@ BENCHES = {
     "sim": ["bench/bench_sim.py"],
     "aladdin": ["bench/bench_aladdin.py", "--requests", "1000"],  # 1x vs 10x the Azure rate
     "engine": ["bench/bench_engine.py", "--max-tokens", "16"],  # 32 requests, as the target
+    "attention": ["bench/bench_attention.py", "--reps", "50"],  # a mixed step: one padded grid vs grouped
     "serve": ["bench/bench_serve.py", "--rates", "0.5", "--window", "6", "--max-output", "16"],
     "multinode": ["bench/bench_multinode.py", "--requests", "8", "--max-tokens", "16", "--repeats", "1"],
     "frontend": ["bench/bench_frontend.py", "--requests", "24"],  # engine alone vs served over HTTP

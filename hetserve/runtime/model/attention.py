@@ -51,13 +51,16 @@ class AttnMeta:
 
 
 def build_attn_meta(starts: list[int], q_lens: list[int], block_tables: list[list[int]], block_size: int,
-                    device: torch.device | str = "cpu") -> AttnMeta:
-    """Attention metadata for one step. Running time O(B * (Q + K)) tensor work, no per-token Python."""
+                    device: torch.device | str = "cpu", grouped: bool = True) -> AttnMeta:
+    """Attention metadata for one step. Running time O(B * (Q + K)) tensor work, no per-token Python.
+    ``grouped=False``: every sequence in one padded grid, as before the groups (``bench/bench_attention.py``
+    measures both)."""
     start = torch.tensor(starts, dtype=torch.long)  # (B,)
     q_len = torch.tensor(q_lens, dtype=torch.long)  # (B,)
     first = torch.cumsum(q_len, 0) - q_len  # (B,) index in T of each sequence's first new token
     decoding = q_len == 1
-    kinds = [decoding, ~decoding] if bool(decoding.any()) and not bool(decoding.all()) else [None]
+    mixed = grouped and bool(decoding.any()) and not bool(decoding.all())
+    kinds = [decoding, ~decoding] if mixed else [None]
     positions = torch.empty(int(q_len.sum()), dtype=torch.long)  # (T,)
     slot_mapping = torch.empty_like(positions)
     groups = []

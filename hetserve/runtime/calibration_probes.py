@@ -25,6 +25,7 @@ import numpy as np
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.planner.plan import Plan
 from hetserve.runtime.host_load import burn, cpu_meter, cpu_ns, gil_load, idle_cpu_rate
+from hetserve.runtime.speed_probe import round_median
 from hetserve.specs.cluster import Cluster, cluster_from_dict
 from hetserve.specs.model import load_model
 
@@ -141,7 +142,8 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
     (``tp``, heads and FFN divisible by 2), and (``handoff``) the KV hand-off of that prompt from a
     prefill replica to a decode replica (the coordinator's send to the last acknowledgement), and
     (``speed``) the machine's speed index in every round (``runtime.speed_probe``), which
-    ``hetserve compare`` reads again when it serves."""
+    ``hetserve compare`` reads again when it serves; each round's times are then scaled to the
+    speed of the median reading (``speed_probe.round_median``)."""
     from hetserve.runtime.engine import Engine, EngineConfig
     from hetserve.runtime.sampling import SamplingParams
 
@@ -219,44 +221,45 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
             replay(server.url, Path(model_dir).resolve().name, [LoadRequest(0.0, [65] * 8, 2)], ignore_eos=True)
         # Rounds over every probe (not every probe's repetitions in a row): on a shared machine the
         # load drifts, and interleaving spreads it over all points instead of biasing some.
-        ttft_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
-        tpot_s: dict[int, list[float]] = {b: [] for b in batch_sizes}
-        long_s: list[float] = []
-        http_s: dict[int, list[float]] = {L: [] for L in prompt_lengths}
-        http_tpot_s: dict[int, list[float]] = {b: [] for b in batch_sizes}
-        pp_ttft_s: list[float] = []
-        pp_tpot_s: list[float] = []
-        tp_ttft_s: list[float] = []
-        tp_tpot_s: list[float] = []
-        handoff_s: list[float] = []
+        # per probe, (round, seconds) of every round
+        ttft_s: dict[int, list[tuple[int, float]]] = {L: [] for L in prompt_lengths}
+        tpot_s: dict[int, list[tuple[int, float]]] = {b: [] for b in batch_sizes}
+        long_s: list[tuple[int, float]] = []
+        http_s: dict[int, list[tuple[int, float]]] = {L: [] for L in prompt_lengths}
+        http_tpot_s: dict[int, list[tuple[int, float]]] = {b: [] for b in batch_sizes}
+        pp_ttft_s: list[tuple[int, float]] = []
+        pp_tpot_s: list[tuple[int, float]] = []
+        tp_ttft_s: list[tuple[int, float]] = []
+        tp_tpot_s: list[tuple[int, float]] = []
+        handoff_s: list[tuple[int, float]] = []
         probe = None
         if speed:
             from hetserve.runtime.speed_probe import SpeedProbe
 
             probe = SpeedProbe(model_dir)
-        for _ in range(reps):
+        for rnd in range(reps):
             if probe is not None:
                 m.speed.append(probe.read(1.0))
             for L in prompt_lengths:
                 t, spans = with_prompt_steps(lambda: prefill(engine, L))
-                ttft_s[L].append(t)
+                ttft_s[L].append((rnd, t))
                 if len(spans) == 1:  # the probe's one prompt step
                     m.engine_outside.append(t - spans[0])
             for b in batch_sizes:
-                tpot_s[b].append(decode(engine, b))
+                tpot_s[b].append((rnd, decode(engine, b)))
             if long_decode:
-                long_s.append(decode(engine, long_b, LONG_DECODE_PROMPT))
+                long_s.append((rnd, decode(engine, long_b, LONG_DECODE_PROMPT)))
             if pp is not None:
-                pp_ttft_s.append(prefill(pp, pp_prompt))
-                pp_tpot_s.append(decode(pp, 1))
+                pp_ttft_s.append((rnd, prefill(pp, pp_prompt)))
+                pp_tpot_s.append((rnd, decode(pp, 1)))
             if tp2 is not None:
-                tp_ttft_s.append(prefill(tp2, pp_prompt))
-                tp_tpot_s.append(decode(tp2, 1))
+                tp_ttft_s.append((rnd, prefill(tp2, pp_prompt)))
+                tp_tpot_s.append((rnd, decode(tp2, 1)))
             if pd is not None:
                 h = pd.submit(rng.integers(32, 127, pp_prompt).tolist(), SamplingParams(max_tokens=2, ignore_eos=True))
                 h.result(timeout=120)
                 if h.handoff_s is not None:
-                    handoff_s.append(h.handoff_s)
+                    handoff_s.append((rnd, h.handoff_s))
             m.load_avg.append(os.getloadavg()[0])
             if server is not None:
                 # This process is the front end (HTTP server, coordinator, the client): its CPU time
@@ -267,7 +270,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
                     replay(server.url, Path(model_dir).resolve().name, [], ignore_eos=True)
                 setup = used()
                 # one client, requests spaced out (each alone on the server), as a replayed trace sends them
-                gap = 1.5 * max(ttft_s[L][-1] for L in prompt_lengths) + 0.05
+                gap = 1.5 * max(ttft_s[L][-1][1] for L in prompt_lengths) + 0.05
                 reqs = [LoadRequest(i * gap, rng.integers(32, 127, L).tolist(), 1) for i, L in enumerate(prompt_lengths)]
                 with cpu_meter(idle) as used:
                     res, spans = with_prompt_steps(
@@ -275,7 +278,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
                 # one step per prompt (each alone), one token each
                 m.frontend_cpu.append((len(reqs), len(reqs), len(reqs), max(0.0, used() - setup)))
                 for L, r in zip(prompt_lengths, res):
-                    http_s[L].append(r.ttft_s)
+                    http_s[L].append((rnd, r.ttft_s))
                 if len(spans) == len(res):  # each request alone: its prompt step is the one in its turn
                     m.http_outside.extend(r.ttft_s - span for r, span in zip(res, spans))
                 # the decode probes again, every token streamed to the client (as the engine probes: all at once)
@@ -285,7 +288,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
                         res = replay(server.url, Path(model_dir).resolve().name, reqs, ignore_eos=True)
                     # all b in each step: the prompts' step, then decode_tokens - 1 decode steps
                     m.frontend_cpu.append((b, decode_tokens, b * decode_tokens, max(0.0, used() - setup)))
-                    http_tpot_s[b].append(statistics.median(r.tpot_s for r in res))
+                    http_tpot_s[b].append((rnd, statistics.median(r.tpot_s for r in res)))
         for extra in (pp, tp2, pd):
             if extra is not None:
                 extra.shutdown()
@@ -343,20 +346,23 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
             burner.join(timeout=5)
             if burner.is_alive():
                 burner.kill()
-        m.ttft = {L: statistics.median(v) for L, v in ttft_s.items()}
-        m.tpot = {b: statistics.median(v) for b, v in tpot_s.items()}
+        # each round's times at the machine speed of the calibration's median reading (its speed
+        # probe read just before the round): the speed drifts within a calibration too
+        med = lambda samples: round_median(samples, m.speed)  # noqa: E731
+        m.ttft = {L: med(v) for L, v in ttft_s.items()}
+        m.tpot = {b: med(v) for b, v in tpot_s.items()}
         if long_s:
-            m.tpot_long = {long_b: statistics.median(long_s)}
-        m.http_ttft = {L: statistics.median(v) for L, v in http_s.items() if v}
-        m.http_tpot = {b: statistics.median(v) for b, v in http_tpot_s.items() if v}
+            m.tpot_long = {long_b: med(long_s)}
+        m.http_ttft = {L: med(v) for L, v in http_s.items() if v}
+        m.http_tpot = {b: med(v) for b, v in http_tpot_s.items() if v}
         if pp_ttft_s:
-            m.pp_ttft = {pp_prompt: statistics.median(pp_ttft_s)}
-            m.pp_tpot = {1: statistics.median(pp_tpot_s)}
+            m.pp_ttft = {pp_prompt: med(pp_ttft_s)}
+            m.pp_tpot = {1: med(pp_tpot_s)}
         if tp_ttft_s:
-            m.tp_ttft = {pp_prompt: statistics.median(tp_ttft_s)}
-            m.tp_tpot = {1: statistics.median(tp_tpot_s)}
+            m.tp_ttft = {pp_prompt: med(tp_ttft_s)}
+            m.tp_tpot = {1: med(tp_tpot_s)}
         if handoff_s:
-            m.kv_handoff = {pp_prompt: statistics.median(handoff_s)}
+            m.kv_handoff = {pp_prompt: med(handoff_s)}
     finally:
         for extra in (pp, tp2, pd):
             if extra is not None:

@@ -52,6 +52,24 @@ def slowdown(now: SpeedReading, then: SpeedReading) -> float:
     return ((now.decode_s / then.decode_s) * (now.prefill_s / then.prefill_s)) ** 0.5
 
 
+def round_median(samples: Sequence[tuple[int, float]], readings: Sequence[SpeedReading]) -> float:
+    """Median of a calibration probe's ``(round, seconds)`` samples, each first scaled to the speed of
+    the rounds' median reading (``combine``) by its own round's reading: on this VM the machine's
+    speed moves within one calibration too (round readings 0.94-1.27x their median), and a probe's
+    samples from a slow round otherwise pull its median up. That median reading is the calibration's
+    reference, the one ``hetserve compare`` scales the calibrated times from, so a calibration then
+    describes the machine at one speed. Three calibrations of one machine, a minute apart: their
+    one-sequence decode spread 17 % raw, 11 % scaled; a decode of four 14 % and 5 %; the two-stage
+    decode 17 % and 7 % (docs/benchmarks.md, fifteenth session). Without readings (or a round
+    without one), the plain median."""
+    if not samples:
+        raise ValueError("no samples")
+    if not readings:
+        return statistics.median(s for _, s in samples)
+    ref = combine(readings)
+    return statistics.median(s / slowdown(readings[r], ref) if r < len(readings) else s for r, s in samples)
+
+
 class SpeedProbe:
     """The checkpoint loaded once in this process; ``read`` times it."""
 

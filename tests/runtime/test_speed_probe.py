@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -11,7 +12,7 @@ from hetserve.cost.efficiency import Efficiency
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.runtime.calibration_file import load_speed_probe, served_efficiency, served_sim_options, speed_reference
 from hetserve.runtime.calibration_probes import _one_device_cluster
-from hetserve.runtime.speed_probe import SpeedProbe, SpeedReading, combine, slowdown
+from hetserve.runtime.speed_probe import SpeedProbe, SpeedReading, combine, round_median, slowdown
 from hetserve.specs.model import load_model
 
 CPU_LIKE = Efficiency(compute=2e-4, memory=3e-3, attention=1e-4, step_overhead_s=1e-3, iteration_overhead_s=4e-3,
@@ -88,6 +89,21 @@ def test_slowdown_is_the_geometric_mean_of_the_two_ratios():
     assert slowdown(then, then) == 1.0
     assert combine([SpeedReading(0.004, 0.02, 5), SpeedReading(0.006, 0.04, 7), SpeedReading(0.005, 0.03, 1)]) == \
         SpeedReading(0.005, 0.03, 13)
+
+
+def test_a_calibration_round_on_a_slow_machine_counts_at_the_reference_speed():
+    """A probe measured in three rounds, the machine 1.5x slower in one of them (its speed reading
+    says so): each sample scaled by its round's reading gives the time at the median reading's
+    speed, where the plain median is pulled up by the slow round."""
+    normal, slow = SpeedReading(0.005, 0.030, 8), SpeedReading(0.0075, 0.045, 8)
+    readings = [normal, slow, normal]
+    samples = [(0, 0.010), (1, 0.0151), (2, 0.0102), (1, 0.0149)]  # rounds 0 and 2 normal, round 1 slow
+    assert statistics.median(s for _, s in samples) == pytest.approx(0.01255)
+    assert round_median(samples, readings) == pytest.approx(statistics.median([0.010, 0.0151 / 1.5, 0.0102, 0.0149 / 1.5]))
+    assert round_median(samples, readings) == pytest.approx(0.0100333, rel=1e-4)
+    assert round_median(samples, []) == pytest.approx(0.01255)  # no readings: the plain median
+    with pytest.raises(ValueError):
+        round_median([], readings)
 
 
 @pytest.mark.parametrize("arch", ["llama", "opt"])

@@ -347,8 +347,13 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
             if burner.is_alive():
                 burner.kill()
         # each round's times at the machine speed of the calibration's median reading (its speed
-        # probe read just before the round): the speed drifts within a calibration too
-        med = lambda samples: round_median(samples, m.speed)  # noqa: E731
+        # probe read just before the round): the speed drifts within a calibration too. Not where the
+        # engine ran on a GPU: the probe times this process's CPU, which does not pace a GPU's steps
+        # (``calibration_file.speed_reference`` leaves such calibrations uncorrected for the same reason).
+        import torch
+
+        readings = [] if torch.cuda.is_available() else m.speed
+        med = lambda samples: round_median(samples, readings)  # noqa: E731
         m.ttft = {L: med(v) for L, v in ttft_s.items()}
         m.tpot = {b: med(v) for b, v in tpot_s.items()}
         if long_s:

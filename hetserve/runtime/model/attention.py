@@ -13,9 +13,10 @@ see the flat ``(T, hidden)`` batch; only attention needs the per-sequence view, 
 
 Why two groups: one grid pads every sequence to the longest query of the step, so a decode beside a
 128-token prompt attended as 128 rows, 127 of them padding. On the CPU demo a 128-token prompt with
-three decodes of 140 tokens of context took 1.90 ms of attention per layer in one grid, 0.54 ms
-(the prompt's 0.39 + the decodes' 0.15) in two; a served pipeline's mixed steps ran 1.34-1.39x
-what the cost model prices for them (which never padded; docs/benchmarks.md, fifteenth session).
+three decodes of 140 tokens of context took 1.90 ms of attention per layer in one grid, 0.60 ms in
+two (``bench/bench_attention.py``: 1.7-17.8x over prompts of 32-512 tokens beside 1-16 decodes),
+and a served pipeline's mixed steps had run 1.34-1.39x what the cost model prices for them (which
+never padded; docs/benchmarks.md, fifteenth session).
 
 Slot of position ``p`` of a sequence with block table ``bt``: ``bt[p // block_size] * block_size +
 p % block_size``. Cost per layer: O(Σ_g B_g * Q_g * K_g * heads * head_dim).

@@ -60,14 +60,14 @@ def round_median(samples: Sequence[tuple[int, float]], readings: Sequence[SpeedR
     reference, the one ``hetserve compare`` scales the calibrated times from, so a calibration then
     describes the machine at one speed. Three calibrations of one machine, a minute apart: their
     one-sequence decode spread 17 % raw, 11 % scaled; a decode of four 14 % and 5 %; the two-stage
-    decode 17 % and 7 % (docs/benchmarks.md, fifteenth session). Without readings (or a round
-    without one), the plain median."""
+    decode 17 % and 7 % (docs/benchmarks.md, fifteenth session). Without readings, the plain
+    median (``measure`` reads one before every round, or none at all)."""
     if not samples:
         raise ValueError("no samples")
     if not readings:
         return statistics.median(s for _, s in samples)
     ref = combine(readings)
-    return statistics.median(s / slowdown(readings[r], ref) if r < len(readings) else s for r, s in samples)
+    return statistics.median(s / slowdown(readings[r], ref) for r, s in samples)
 
 
 class SpeedProbe:

@@ -130,23 +130,19 @@ def refit_calibration(content: dict, model_dir) -> dict:
 
 
 def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | None = None,
-                 refit: bool = False, speed_correction: bool = True, speed_from: str = "probe") -> list[dict]:
+                 refit: bool = False, speed_correction: bool = True) -> list[dict]:
     """Re-simulate the cells of a ``--json`` file with the code of now against their served figures
     (the calibration file each cell used: its saved content, or its path where it still exists;
     ``runtime_from``: a calibration file whose front-end terms the cells take instead, to try terms
     measured later on served runs saved before them; ``refit``: each calibration's efficiency fitted
     again from its saved points by today's fit; ``speed_correction``: each cell's calibrated times
-    scaled by the slow-down its speed probe read while it was served, as ``compare`` did; ``speed_from``
-    "deployment": by the slow-down at which its deployment probe's requests, simulated with the
-    calibration of now, meet their served times — cells saved before the probe existed keep the speed
-    probe's)."""
+    scaled by the slow-down its speed probe read while it was served, as ``compare`` did)."""
     import dataclasses
 
     import numpy as np
 
-    from hetserve.compare import (CompareOptions, calibrated_inputs, probe_simulated, simulate_calibrated,
-                                  simulate_with_steps, simulated_of, table_against, table_of)
-    from hetserve.deployment_probe import ProbeResult, solve_slowdown
+    from hetserve.compare import (CompareOptions, calibrated_inputs, simulate_calibrated, simulate_with_steps,
+                                  simulated_of, table_against, table_of)
     from hetserve.runtime.engine_config import EngineConfig
     from hetserve.runtime.make_model import make_model
     from hetserve.serve.loadgen import requests_from_workload
@@ -209,18 +205,8 @@ def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | Non
         speed = cell.get("speed")
         if speed:
             speed = {**speed, "table_as_calibrated": table_at(1.0)[0]}
-        slow = speed["slowdown"] if speed and speed_correction else 1.0
-        dep = cell.get("deployment_speed")
-        if dep and speed_correction:
-            probes = [ProbeResult(**r) for r in dep["before"] + dep["after"]]
-            dep_slow = solve_slowdown(lambda s: probe_simulated(plan, cluster, spec, opts, cfg, pools, s), probes)
-            other = slow if speed_from == "deployment" else dep_slow
-            dep = {**dep, "slowdown": round(dep_slow, 4), "table_other": table_at(other)[0]}
-            if speed_from == "deployment":
-                slow = dep_slow
-        table, steps = table_at(slow)
+        table, steps = table_at(speed["slowdown"] if speed and speed_correction else 1.0)
         cells.append({**cell, "table": table, "speed": speed, "steps": steps or cell.get("steps"),
-                      "deployment_speed": dep, "speed_from": speed_from if dep else "probe",
                       "calibration_data": json.loads(cal.read_text())})  # as replayed: refitted with --refit
     console.print(f"replayed {len(cells)} cells of {path} against their served figures "
                   f"({'shared' if shared_cores else 'separate'} cores)")
@@ -251,12 +237,6 @@ def main() -> int:
                     help="simulate at the calibration's machine speed (default: scaled by the slow-down the speed "
                          "probe reads before and after each cell, as `hetserve compare` does; a replay uses the "
                          "slow-down its file recorded)")
-    ap.add_argument("--speed-from", choices=("probe", "deployment"), default="probe",
-                    help="what scales each cell's calibrated times to the machine it was served on: the speed "
-                         "probe in the serving process (default), or the deployment probe: a few requests, each "
-                         "alone on the served plan, before and after the cell (hetserve.deployment_probe). The "
-                         "other reading's hits are printed beside; a replay re-solves the deployment probe's "
-                         "slow-down with each cell's (refitted) calibration")
     ap.add_argument("--serve-twice", action="store_true",
                     help="replay each cell's requests a second time on the same server: the second run against "
                          "the first is the served side's own spread (the noise floor of the ±15 %% target)")
@@ -270,7 +250,7 @@ def main() -> int:
     console = Console()
     if args.replay:
         cells = replay_cells(args.replay, args.shared_cores, console, args.frontend_from, args.refit,
-                             args.speed_correction, args.speed_from)
+                             args.speed_correction)
         from hetserve.step_compare import print_steps
 
         for cell in cells:
@@ -322,7 +302,7 @@ def main() -> int:
             opts = CompareOptions(plan=plan, model_dir=str(model_dir), cluster=cluster, workload_class="LPLD",
                                   rate=rate, num_requests=args.requests, max_input=128, max_output=32,
                                   efficiency=cal, speed_correction=args.speed_correction,
-                                  serve_twice=args.serve_twice, speed_from=args.speed_from)
+                                  serve_twice=args.serve_twice)
             console.rule(f"{name} at {rate:.2f} req/s ({frac:.0%} of the simulated capacity {cap:.2f} req/s)")
             c = compare(opts)
             if c.info.get("steps"):
@@ -347,7 +327,6 @@ def main() -> int:
                           "table": c.table, "baseline_table": base_table, "steps": c.info.get("steps"),
                           "cores_busy": c.info.get("cores_busy"), "other_cores_busy": c.info.get("other_cores_busy"),
                           "speed": c.info.get("speed"), "served_again": c.info.get("served_again"),
-                          "deployment_speed": c.info.get("deployment_speed"), "speed_from": args.speed_from,
                           "served_steps": rows_to_json(c.served_steps)})
     print_cells(cells, f"simulator vs served on this machine ({args.requests} requests per cell; calibrated "
                        f"{'once' if args.calibration or args.calibrate_once else 'before each plan'})", console)

@@ -18,15 +18,13 @@ def print_cells(cells: list[dict], title: str, console) -> None:
     twice = any(c.get("served_again") for c in cells)
     t = Table("plan", "rate", "load", "other cores", "slow-down", "metric", "served", "sim", "sim/served", "±15%",
               "as calibrated", "baseline/served", *(["served again/served"] if twice else []), title=title)
-    hits = total = base_hits = cal_hits = again_hits = sim_again_hits = other_hits = others = 0
+    hits = total = base_hits = cal_hits = again_hits = sim_again_hits = 0
     disturbed = [c for c in cells if (c.get("other_cores_busy") or 0.0) > OTHERS_DISTURB]
     for cell in cells:
         for m in METRICS:
             row, brow = cell["table"][m], cell.get("baseline_table", {}).get(m)
             crow = ((cell.get("speed") or {}).get("table_as_calibrated") or {}).get(m, row)
             cal_hits += in_band(crow["ratio"])
-            orow = ((cell.get("deployment_speed") or {}).get("table_other") or {}).get(m)
-            other_hits, others = other_hits + (orow is not None and in_band(orow["ratio"])), others + (orow is not None)
             scale = 1.0 if m.startswith("throughput") else 1e3
             ok = in_band(row["ratio"])
             hits, total = hits + ok, total + 1
@@ -36,7 +34,7 @@ def print_cells(cells: list[dict], title: str, console) -> None:
             # the simulation against the second run: its "simulated" column is that run's figure
             sim_again_hits += arow is not None and in_band(row["simulated"] / arow["simulated"])
             t.add_row(cell["plan"], f"{cell['rate']:.2f}", f"{cell['load_avg_1m'][0]:.1f}",
-                      fmt_others(cell.get("other_cores_busy")), _fmt_slowdown(cell),
+                      fmt_others(cell.get("other_cores_busy")), _fmt_slowdown(cell.get("speed")),
                       m.replace("_s.", " ") + ("" if scale == 1 else " ms"),
                       f"{row['served'] * scale:,.1f}",
                       f"{row['simulated'] * scale:,.1f}", f"{row['ratio']:.2f}", "yes" if ok else "NO",
@@ -46,11 +44,6 @@ def print_cells(cells: list[dict], title: str, console) -> None:
     console.print(f"within ±15 %: {hits} of {total} (baseline simulator: {base_hits} of {total}); ratio "
                   f"{hits / max(base_hits, 1):.2f}x the baseline's hits; at the calibration's machine speed, without "
                   f"the speed probe's correction: {cal_hits} of {total}")
-    if others:
-        used = {c.get("speed_from", "probe") for c in cells if c.get("deployment_speed")}
-        other = "the speed probe's" if used == {"deployment"} else "the deployment probe's"
-        console.print(f"scaled by {other} slow-down instead (hetserve.deployment_probe; cells that have both): "
-                      f"{other_hits} of {others}")
     if twice:
         console.print(f"served twice (--serve-twice: the same requests again on the same server): the second run "
                       f"within ±15 % of the first in {again_hits} of {total} figures (the simulation within ±15 % of the "
@@ -90,12 +83,8 @@ def calibration_fit(cells: list[dict]) -> tuple[int, int, int, int, list[str]]:
     return within, total, all_within, len(seen), misses
 
 
-def _fmt_slowdown(cell: dict) -> str:
-    """The slow-down since calibration that priced a cell: the speed probe's around it, or (``dep``)
-    the deployment probe's (``-``: none)."""
-    dep, speed = cell.get("deployment_speed"), cell.get("speed")
-    if dep and cell.get("speed_from") == "deployment":
-        return f"x{dep['slowdown']:.2f} dep"
+def _fmt_slowdown(speed) -> str:
+    """The machine's slow-down since calibration the speed probe read around a cell (``-``: none)."""
     return "-" if not speed else f"x{speed['slowdown']:.2f}"
 
 

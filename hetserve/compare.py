@@ -50,8 +50,6 @@ BAND = 0.15
 # SPEED_READINGS a side; the slow-down is from the median of them all, so a blip of the machine's
 # speed on one side (seen: a 2 s slow spell before a cell, 1.4x) does not price the whole cell
 SPEED_READINGS, SPEED_READING_S = 5, 0.5
-# what may scale the calibrated times to the served run's machine (CompareOptions.speed_from)
-SPEED_FROM = ("probe", "deployment")
 
 
 @dataclass(frozen=True)
@@ -76,10 +74,6 @@ class CompareOptions:
     # read the machine's speed just before and after serving and scale the calibrated times by its
     # ratio to the calibration's reading (runtime.speed_probe; a calibration without one: no change)
     speed_correction: bool = True
-    # which reading scales the calibrated times: "probe" (the speed probe in this process,
-    # runtime.speed_probe) or "deployment" (the served plan's own workers, probed with a few
-    # requests alone before and after the trace: hetserve.deployment_probe). Both are kept.
-    speed_from: str = "probe"
     # replay the same requests a second time on the same server (after the first run's measurements):
     # how far two served runs of one cell lie apart is the noise any prediction of them meets
     serve_twice: bool = False
@@ -140,10 +134,6 @@ def compare(opts: CompareOptions) -> Comparison:
     from hetserve.step_compare import (cpu_utilisation, machine_busy_cpu_s, other_cores_busy, process_cpu_s,
                                        served_rows)
 
-    from hetserve import deployment_probe
-
-    if opts.speed_from not in SPEED_FROM:
-        raise ValueError(f"speed_from must be one of {', '.join(SPEED_FROM)}, got {opts.speed_from!r}")
     plan = opts.plan if isinstance(opts.plan, Plan) else Plan.load(opts.plan)
     cluster = opts.cluster if isinstance(opts.cluster, Cluster) else load_cluster(str(opts.cluster or plan.cluster))
     spec = load_model(opts.model_dir)
@@ -175,9 +165,6 @@ def compare(opts: CompareOptions) -> Comparison:
         # connection, the workers' first kernels): on one H200 it was each 48-request replay's p99
         # TTFT, 250-380 ms against 20-40 ms simulated (examples/calibrations/README.md).
         replay(server.url, model_name, [LoadRequest(0.0, [65] * 16, 2) for _ in plan.replicas], ignore_eos=True)
-        # the deployment probe (hetserve.deployment_probe): the plan's own workers, a few requests alone
-        dep_probe = deployment_probe.probe_requests(spec.max_context) if opts.efficiency and opts.speed_correction else []
-        dep_before = deployment_probe.measure(server.url, model_name, dep_probe)
         engine.coordinator.step_times = []  # appended by the coordinator thread, read once it is done
         speed_before = probe.readings(SPEED_READINGS, SPEED_READING_S) if probe else []  # the workers idle, started
         pids = {"front end": os.getpid(), **engine.workers.pids}
@@ -190,27 +177,12 @@ def compare(opts: CompareOptions) -> Comparison:
         served_steps = served_rows(engine.coordinator.step_times)
         # after the CPU readings: the probe's own CPU is not the served run's
         speed = (speed_before, probe.readings(SPEED_READINGS, SPEED_READING_S)) if probe else ()
-        dep_after = deployment_probe.measure(server.url, model_name, dep_probe)
         again = replay(server.url, model_name, requests, ignore_eos=True) if opts.serve_twice else None
     load_after = os.getloadavg()[0]
     summary = summarize(results)
     served = _served_of(results, summary)
 
-    probe_slow = slowdown(combine(speed[0] + speed[1]), at_calibration) if speed else 1.0
-    slow = probe_slow
-    dep = None
-    if dep_before:
-        dep_slow = deployment_probe.solve_slowdown(
-            lambda s: probe_simulated(plan, cluster, spec, opts, cfg, pools, s), dep_before + dep_after)
-        dep = {"slowdown": round(dep_slow, 4), "before": [r.to_dict() for r in dep_before],
-               "after": [r.to_dict() for r in dep_after]}
-        # the table at the reading not chosen, so one run compares the two
-        other = probe_slow if opts.speed_from == "deployment" else dep_slow
-        dep["table_other"] = table_against(served, summary["throughput_tokens_per_s"],
-                                           simulate_calibrated(plan, cluster, spec, requests, opts, cfg, pools,
-                                                               opts.efficiency, other))
-        if opts.speed_from == "deployment":
-            slow = dep_slow
+    slow = slowdown(combine(speed[0] + speed[1]), at_calibration) if speed else 1.0
     efficiency, overhead, sim_kw = calibrated_inputs(opts.efficiency, slow)
     contention, handoff = sim_kw.get("contention_slowdown", 1.0), sim_kw.get("link_overhead_s", 0.0)
     res, steps_info = simulate_with_steps(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead,
@@ -228,7 +200,7 @@ def compare(opts: CompareOptions) -> Comparison:
     if speed:
         # the same simulation at the calibration's speed: what the correction changed
         res0 = simulate_calibrated(plan, cluster, spec, requests, opts, cfg, pools, opts.efficiency)
-        speed_info = {"slowdown": round(probe_slow, 4), "at_calibration": at_calibration.to_dict(),
+        speed_info = {"slowdown": round(slow, 4), "at_calibration": at_calibration.to_dict(),
                       "before": combine(speed[0]).to_dict(), "after": combine(speed[1]).to_dict(),
                       "readings": [r.to_dict() for r in speed[0] + speed[1]],
                       "table_as_calibrated": table_against(served, summary["throughput_tokens_per_s"], res0)}
@@ -240,14 +212,13 @@ def compare(opts: CompareOptions) -> Comparison:
             "frontend_cpu_s": {k: sim_kw.get(f"frontend_{k}_cpu_s", 0.0) for k in ("request", "step", "token")},
             "prompt_tokens": [len(r.prompt) for r in requests], "steps": steps_info, "cores_busy": cpu,
             "other_cores_busy": None if others is None else round(others, 3),
-            "speed": speed_info, "deployment_speed": dep, "served_again": served_again, "kv_pools": pools, "token_budget": cfg.max_batched_tokens,
+            "speed": speed_info, "served_again": served_again, "kv_pools": pools, "token_budget": cfg.max_batched_tokens,
             "prefill_mode": cfg.prefill_mode, "chunk_tokens": cfg.chunk_tokens,
             "kv_admission": {"served": cfg.kv_admission, "simulated": res.info["kv_admission"]},
             "max_num_seqs": cfg.max_num_seqs, "load_avg_1m": [round(load_before, 2), round(load_after, 2)],
             "machine": machine_info(),
             "served_source": "measured at the openai client on this machine",
-            "simulated_source": _simulated_source(opts.efficiency, slow if speed or dep else None, speed_note,
-                                                  opts.speed_from if dep else "probe")}
+            "simulated_source": _simulated_source(opts.efficiency, slow if speed else None, speed_note)}
     return Comparison(table, served, simulated_of(res), info,
                       (plan, cluster, spec, requests, cfg, pools, efficiency, overhead, summary, contention),
                       served_steps)
@@ -299,17 +270,6 @@ def calibrated_inputs(calibration, slowdown: float = 1.0):
     return (served_efficiency(calibration, slowdown) if calibration else None), overhead, kw
 
 
-def probe_simulated(plan, cluster, spec, opts: CompareOptions, cfg, pools: dict[str, int],
-                     slowdown: float) -> tuple[float, float]:
-    """The deployment probe's requests, each alone, simulated with the calibration at ``slowdown``:
-    their mean TTFT and mean TPOT (``deployment_probe.solve_slowdown``)."""
-    from hetserve import deployment_probe
-
-    reqs = deployment_probe.probe_requests(spec.max_context, gap_s=deployment_probe.PROBE_GAP_S)
-    res = simulate_calibrated(plan, cluster, spec, reqs, opts, cfg, pools, opts.efficiency, slowdown)
-    return float(np.mean(res.ttft)), float(np.mean(res.tpot[res.output_tokens > 1]))
-
-
 def simulate_calibrated(plan, cluster, spec, requests, opts: CompareOptions, cfg, pools: dict[str, int],
                         calibration, slowdown: float = 1.0):
     """``simulate_side`` priced by a calibration file (``calibrated_inputs``) on a machine
@@ -318,15 +278,11 @@ def simulate_calibrated(plan, cluster, spec, requests, opts: CompareOptions, cfg
     return simulate_side(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead, **kw)
 
 
-def _simulated_source(efficiency: str | None, slow: float | None, note: str | None = None,
-                      speed_from: str = "probe") -> str:
+def _simulated_source(efficiency: str | None, slow: float | None, note: str | None = None) -> str:
     if not efficiency:
         return "cost model with default (uncalibrated) efficiency"
     if slow is None:
         return "cost model calibrated by " + efficiency + (f", {note}" if note else "")
-    if speed_from == "deployment":
-        return (f"cost model calibrated by {efficiency}, its times x{slow:.2f}: the deployment probe's requests "
-                "(each alone, before and after serving) vs the same requests simulated")
     return (f"cost model calibrated by {efficiency}, its times x{slow:.2f}: the machine's speed probe "
             "before and after serving vs at calibration")
 
@@ -405,7 +361,6 @@ def print_table(c: Comparison, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from hetserve.deployment_probe import PROBE_OUTPUT, PROBE_PROMPT
     from hetserve.runtime.speed_probe import PROMPT_TOKENS
 
     console = console or Console()
@@ -438,18 +393,7 @@ def print_table(c: Comparison, console=None) -> None:
                       f"{after['decode_s'] * 1e3:.2f} / {after['prefill_s'] * 1e3:.1f} ms after, "
                       f"{ref['decode_s'] * 1e3:.2f} / {ref['prefill_s'] * 1e3:.1f} ms at calibration: simulated "
                       f"times x{sp['slowdown']:.2f} (as calibrated, {within_band(sp['table_as_calibrated'])} of "
-                      f"{len(c.table)} figures within ±15 %)")
-    dep = c.info.get("deployment_speed")
-    if dep:
-        probes = dep["before"] + dep["after"]
-        used = c.info["simulated_source"].find("deployment probe") >= 0
-        console.print(f"deployment probe ({len(probes)} requests of {PROBE_PROMPT} prompt / {PROBE_OUTPUT} output tokens, "
-                      f"each alone on the served plan, before and after the replay): TTFT "
-                      f"{np.mean([p['ttft_s'] for p in probes]) * 1e3:.1f} ms, TPOT "
-                      f"{np.mean([p['tpot_s'] for p in probes]) * 1e3:.2f} ms, as simulated at x{dep['slowdown']:.2f}; "
-                      f"scaled by {'it' if used else 'the speed probe'}: {within_band(c.table)} of {len(c.table)} "
-                      f"figures within ±15 %, by {'the speed probe' if used else 'it'}: "
-                      f"{within_band(dep['table_other'])}")
+                      f"{len(c.table)} figures within ±15 %; with the correction {within_band(c.table)})")
     others = c.info.get("other_cores_busy")
     if others is not None:
         console.print(f"other processes on this machine kept {others:.2f} cores busy during the replay"

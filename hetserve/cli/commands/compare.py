@@ -36,10 +36,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "probe before and after serving and scale the calibrated times by its ratio to the "
                         "calibration's reading; a shared VM's speed drifts by tens of percent within minutes; a calibration "
                         "whose engine ran on a GPU is always taken as calibrated: the probe times the CPU)")
-    p.add_argument("--speed-from", choices=("probe", "deployment"), default="probe",
-                   help="what scales the calibrated times to the machine now: the speed probe (default), or the "
-                        "deployment probe: a few requests, each alone on the served plan, before and after the "
-                        "replay, matched by the simulator (hetserve.deployment_probe); both are printed")
     p.add_argument("--serve-twice", action="store_true",
                    help="replay the same requests a second time on the same server and print the second run "
                         "against the first beside the simulation: how far two served runs lie apart")
@@ -71,8 +67,7 @@ def run(args: argparse.Namespace) -> int:
                                    max_output=args.max_output, efficiency=args.efficiency, router=args.router,
                                    route=args.route, seed=args.seed, prefill_mode=args.prefill_mode,
                                    chunk_tokens=args.chunk_tokens, kv_admission=args.kv_admission,
-                                   speed_correction=args.speed_correction, serve_twice=args.serve_twice,
-                                   speed_from=args.speed_from))
+                                   speed_correction=args.speed_correction, serve_twice=args.serve_twice))
     except RuntimeError as exc:
         raise RuntimeFailure(str(exc)) from exc
     console = Console()

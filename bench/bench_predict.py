@@ -42,6 +42,9 @@ Beside the table it prints issue 13's calibration target: how many points of the
 ``--serve-twice`` replays each cell's requests a second time on the same server, after the first
 run's measurements: the second run against the first is how far two served runs of one cell lie
 apart, the noise floor of the ±15 % target (a prediction cannot be held closer than that).
+
+``bench/predict_oracle.py RUN.json ...`` replays saved runs with each cell's slow-down scaled after the
+fact: how many of the misses a better reading of each cell's machine speed would remove.
 """
 
 from __future__ import annotations
@@ -137,6 +140,15 @@ def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | Non
     measured later on served runs saved before them; ``refit``: each calibration's efficiency fitted
     again from its saved points by today's fit; ``speed_correction``: each cell's calibrated times
     scaled by the slow-down its speed probe read while it was served, as ``compare`` did)."""
+    # the checkpoint (25 MB) and the calibrations are made again in a folder that goes with the replay:
+    # replays run by the hundred while a model is tried, and each once left its folder behind
+    with tempfile.TemporaryDirectory(prefix="bench-predict-replay-") as d:
+        return _replay_cells(Path(d), path, shared_cores, console, runtime_from, refit, speed_correction)
+
+
+def _replay_cells(tmp: Path, path: str, shared_cores: bool, console, runtime_from: str | None,
+                  refit: bool, speed_correction: bool) -> list[dict]:
+    """``replay_cells`` in the folder ``tmp``."""
     import dataclasses
 
     import numpy as np
@@ -152,7 +164,6 @@ def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | Non
     from hetserve.step_compare import rows_from_json
 
     data = json.loads(Path(path).read_text())
-    tmp = Path(tempfile.mkdtemp(prefix="bench-predict-replay-"))
     (tmp / "cluster.yaml").write_text(CLUSTER_SHARED if shared_cores else CLUSTER)
     cluster = load_cluster(str(tmp / "cluster.yaml"))
     model_dir = make_model(tmp / "tiny", "llama", layers=8, hidden=256, heads=4, kv_heads=2, ffn=768)

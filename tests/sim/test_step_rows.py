@@ -135,12 +135,13 @@ def test_step_rows_survive_a_json_file_untimed_workers_included():
     assert back[1].kind == "prompt" and back[0].kind == "decode"
 
 
-def test_bench_predict_replay_makes_the_step_tables_again_from_the_saved_steps(tmp_path):
+def test_bench_predict_replay_makes_the_step_tables_again_from_the_saved_steps(tmp_path, monkeypatch):
     """``bench_predict --replay`` re-simulates a saved cell and, where the file holds the served
     engine steps, splits them again beside the new simulation's own (not the tables saved with the
-    file, which the code of then made)."""
+    file, which the code of then made), and leaves no temporary folder behind."""
     import importlib.util
     import json
+    import tempfile
     from pathlib import Path
 
     from rich.console import Console
@@ -166,7 +167,11 @@ def test_bench_predict_replay_makes_the_step_tables_again_from_the_saved_steps(t
             "steps": None, "speed": None, "served_steps": rows_to_json(served_rows)}
     path = tmp_path / "cells.json"
     path.write_text(json.dumps({"cells": [cell]}))
+    scratch = tmp_path / "scratch"  # the replay's temporary folder (a checkpoint of 25 MB) goes with it
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     (out,) = bench.replay_cells(str(path), True, Console(file=open(tmp_path / "log", "w")))
+    assert not [p for p in scratch.iterdir() if p.name.startswith("bench-predict-replay-")]
     served, simulated = out["steps"]["served"], out["steps"]["simulated"]
     assert served["c0 prompt"]["steps"] == 1 and served["c0 decode"]["steps"] == 2
     assert served["c0 decode"]["worker_ms"] == pytest.approx(7.0)
@@ -190,3 +195,13 @@ def test_bench_predict_counts_the_calibration_points_within_ten_percent_once_per
     assert (within, points, all_within, cals) == (3, 4, 1, 2)
     assert misses == ["prefill 32 on 1 stage(s) TP 1 -11.0%"]
 
+
+
+def test_predict_oracle_moves_a_cell_only_where_a_factor_gains_a_figure():
+    """``bench/predict_oracle.py``'s choice per cell: the most figures within ±15 %; on a tie factor 1,
+    then the factor nearest to it."""
+    from bench.predict_oracle import oracle
+
+    per_factor = {0.9: [7, 3, 5], 1.0: [6, 5, 5], 1.1: [2, 3, 5], 1.2: [7, 3, 5]}
+    at_one, best, chosen = oracle(per_factor)
+    assert (at_one, best, chosen) == (16, 17, [0.9, 1.0, 1.0])

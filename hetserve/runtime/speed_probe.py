@@ -114,3 +114,67 @@ class SpeedProbe:
         finally:
             torch.set_num_threads(threads)
         return SpeedReading(statistics.median(decode), statistics.median(prefill), len(decode))
+
+
+# the background probe: one decode step every BACKGROUND_INTERVAL_S in a process of its own
+BACKGROUND_INTERVAL_S = 0.2
+
+
+def _background_loop(model_dir: str, interval_s: float, conn) -> None:
+    """The background probe's process: the probe's decode step every ``interval_s`` seconds, timed by
+    this thread's CPU time (a core it waited for is not the machine's speed), until told to stop;
+    then the CPU seconds of every step go back through ``conn``."""
+    import copy
+    import time as _t
+
+    probe = SpeedProbe(model_dir)
+    torch = probe._torch
+    torch.set_num_threads(1)
+    cpu = []
+    with torch.inference_mode():
+        out = probe.model(torch.full((1, CONTEXT_TOKENS), 65), use_cache=True)
+        token = torch.full((1, 1), 66)
+        conn.send("ready")
+        while True:
+            if conn.poll(interval_s):
+                order = conn.recv()
+                conn.send(cpu)
+                cpu = []
+                if order == "stop":
+                    return
+                continue
+            past = copy.deepcopy(out.past_key_values)  # the same context every step
+            c0 = _t.thread_time()
+            probe.model(token, past_key_values=past, use_cache=True)
+            cpu.append(_t.thread_time() - c0)
+
+
+class BackgroundProbe:
+    """The speed probe's decode step read *while* a served run goes on, from a process of its own
+    (not the front end's GIL) at a low duty (one ~5 ms step per ``BACKGROUND_INTERVAL_S``), by CPU
+    time. ``start`` returns once its checkpoint is loaded; ``stop`` returns the median CPU seconds of
+    a step, comparable to a calibration's ``decode_s`` read alone."""
+
+    def __init__(self, model_dir: str, interval_s: float = BACKGROUND_INTERVAL_S):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_background_loop, args=(str(model_dir), interval_s, child), daemon=True)
+
+    def start(self) -> "BackgroundProbe":
+        self._proc.start()
+        if not self._conn.poll(120) or self._conn.recv() != "ready":
+            self._proc.kill()
+            raise RuntimeError("the background speed probe did not start")
+        return self
+
+    def lap(self, stop: bool = False) -> tuple[float, int]:
+        """(median CPU seconds of a decode step since the last lap, steps read); ``stop``: and end."""
+        self._conn.send("stop" if stop else "lap")
+        cpu = self._conn.recv() if self._conn.poll(60) else []
+        if stop:
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.kill()
+        return (statistics.median(cpu) if cpu else float("nan")), len(cpu)

@@ -18,15 +18,13 @@ def print_cells(cells: list[dict], title: str, console) -> None:
     twice = any(c.get("served_again") for c in cells)
     t = Table("plan", "rate", "load", "other cores", "slow-down", "metric", "served", "sim", "sim/served", "±15%",
               "as calibrated", "baseline/served", *(["served again/served"] if twice else []), title=title)
-    hits = total = base_hits = cal_hits = again_hits = sim_again_hits = bg_hits = bg_total = 0
+    hits = total = base_hits = cal_hits = again_hits = sim_again_hits = 0
     disturbed = [c for c in cells if (c.get("other_cores_busy") or 0.0) > OTHERS_DISTURB]
     for cell in cells:
         for m in METRICS:
             row, brow = cell["table"][m], cell.get("baseline_table", {}).get(m)
             crow = ((cell.get("speed") or {}).get("table_as_calibrated") or {}).get(m, row)
             cal_hits += in_band(crow["ratio"])
-            bg = ((cell.get("speed") or {}).get("background") or {}).get("table", {}).get(m)
-            bg_hits, bg_total = bg_hits + (bg is not None and in_band(bg["ratio"])), bg_total + (bg is not None)
             scale = 1.0 if m.startswith("throughput") else 1e3
             ok = in_band(row["ratio"])
             hits, total = hits + ok, total + 1
@@ -46,9 +44,6 @@ def print_cells(cells: list[dict], title: str, console) -> None:
     console.print(f"within ±15 %: {hits} of {total} (baseline simulator: {base_hits} of {total}); ratio "
                   f"{hits / max(base_hits, 1):.2f}x the baseline's hits; at the calibration's machine speed, without "
                   f"the speed probe's correction: {cal_hits} of {total}")
-    if bg_total:
-        console.print(f"scaled by the background probe's reading during each replay instead (experimental): "
-                      f"{bg_hits} of {bg_total}")
     if twice:
         console.print(f"served twice (--serve-twice: the same requests again on the same server): the second run "
                       f"within ±15 % of the first in {again_hits} of {total} figures (the simulation within ±15 % of the "

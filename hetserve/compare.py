@@ -125,7 +125,7 @@ def compare(opts: CompareOptions) -> Comparison:
     from hetserve.planner.plan import Plan
     from hetserve.runtime.calibrate import machine_info
     from hetserve.runtime.calibration_file import speed_reference
-    from hetserve.runtime.speed_probe import BackgroundProbe, SpeedProbe, combine, slowdown
+    from hetserve.runtime.speed_probe import SpeedProbe, combine, slowdown
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import LoadRequest, replay, requests_from_workload, summarize
     from hetserve.specs.cluster import Cluster, load_cluster
@@ -166,16 +166,12 @@ def compare(opts: CompareOptions) -> Comparison:
         # TTFT, 250-380 ms against 20-40 ms simulated (examples/calibrations/README.md).
         replay(server.url, model_name, [LoadRequest(0.0, [65] * 16, 2) for _ in plan.replicas], ignore_eos=True)
         engine.coordinator.step_times = []  # appended by the coordinator thread, read once it is done
-        # the background probe (experimental, sixteenth session): its own process, read while the replay runs
-        background = BackgroundProbe(opts.model_dir, 0.1).start() if probe else None
         speed_before = probe.readings(SPEED_READINGS, SPEED_READING_S) if probe else []  # the workers idle, started
-        bg_idle = background.lap() if background else None
         pids = {"front end": os.getpid(), **engine.workers.pids}
         cpu0, t0 = {k: process_cpu_s(p) for k, p in pids.items()}, time.monotonic()
         machine0 = machine_busy_cpu_s()
         results = replay(server.url, model_name, requests, ignore_eos=True)
         wall = time.monotonic() - t0
-        bg_during = background.lap(stop=True) if background else None
         cpu = cpu_utilisation(cpu0, {k: process_cpu_s(p) for k, p in pids.items()}, wall)
         others = other_cores_busy(cpu, machine0, machine_busy_cpu_s(), wall)
         served_steps = served_rows(engine.coordinator.step_times)
@@ -207,8 +203,6 @@ def compare(opts: CompareOptions) -> Comparison:
         speed_info = {"slowdown": round(slow, 4), "at_calibration": at_calibration.to_dict(),
                       "before": combine(speed[0]).to_dict(), "after": combine(speed[1]).to_dict(),
                       "readings": [r.to_dict() for r in speed[0] + speed[1]],
-                      "background": _background(bg_idle, bg_during, slow, served, summary, plan, cluster, spec,
-                                                requests, opts, cfg, pools),
                       "table_as_calibrated": table_against(served, summary["throughput_tokens_per_s"], res0)}
     info = {"plan": str(getattr(opts.plan, "name", opts.plan)) if not isinstance(opts.plan, Plan) else plan.algorithm,
             "replicas": {r.id: r.role for r in plan.replicas}, "requests": len(requests),
@@ -274,17 +268,6 @@ def calibrated_inputs(calibration, slowdown: float = 1.0):
     kw = served_sim_options(calibration, slowdown)
     overhead = kw.pop("request_overhead_s", 0.0)
     return (served_efficiency(calibration, slowdown) if calibration else None), overhead, kw
-
-
-def _background(idle, during, slow, served, summary, plan, cluster, spec, requests, opts, cfg, pools) -> dict | None:
-    """The background probe's reading (experimental): the speed probe's slow-down times its CPU time
-    per step during the replay over that before it, and the table at that slow-down."""
-    if not idle or not during or not (idle[0] > 0 and during[0] > 0):
-        return None
-    bg_slow = slow * during[0] / idle[0]
-    res = simulate_calibrated(plan, cluster, spec, requests, opts, cfg, pools, opts.efficiency, bg_slow)
-    return {"idle_s": idle[0], "during_s": during[0], "steps": [idle[1], during[1]], "slowdown": round(bg_slow, 4),
-            "table": table_against(served, summary["throughput_tokens_per_s"], res)}
 
 
 def simulate_calibrated(plan, cluster, spec, requests, opts: CompareOptions, cfg, pools: dict[str, int],

@@ -196,7 +196,6 @@ def test_bench_predict_counts_the_calibration_points_within_ten_percent_once_per
     assert misses == ["prefill 32 on 1 stage(s) TP 1 -11.0%"]
 
 
-
 def test_predict_oracle_moves_a_cell_only_where_a_factor_gains_a_figure():
     """``bench/predict_oracle.py``'s choice per cell: the most figures within ±15 %; on a tie factor 1,
     then the factor nearest to it."""

@@ -140,15 +140,22 @@ def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | Non
     measured later on served runs saved before them; ``refit``: each calibration's efficiency fitted
     again from its saved points by today's fit; ``speed_correction``: each cell's calibrated times
     scaled by the slow-down its speed probe read while it was served, as ``compare`` did)."""
+    return replay_data(json.loads(Path(path).read_text()), path, shared_cores, console, runtime_from, refit,
+                       speed_correction)
+
+
+def replay_data(data: dict, source: str, shared_cores: bool, console, runtime_from: str | None = None,
+                refit: bool = False, speed_correction: bool = True) -> list[dict]:
+    """``replay_cells`` of a ``--json`` file's content already read (``source`` names it in messages)."""
     # the checkpoint (25 MB) and the calibrations are made again in a folder that goes with the replay:
     # replays run by the hundred while a model is tried, and each once left its folder behind
     with tempfile.TemporaryDirectory(prefix="bench-predict-replay-") as d:
-        return _replay_cells(Path(d), path, shared_cores, console, runtime_from, refit, speed_correction)
+        return _replay_cells(Path(d), data, source, shared_cores, console, runtime_from, refit, speed_correction)
 
 
-def _replay_cells(tmp: Path, path: str, shared_cores: bool, console, runtime_from: str | None,
+def _replay_cells(tmp: Path, data: dict, source: str, shared_cores: bool, console, runtime_from: str | None,
                   refit: bool, speed_correction: bool) -> list[dict]:
-    """``replay_cells`` in the folder ``tmp``."""
+    """``replay_data`` in the folder ``tmp``."""
     import dataclasses
 
     import numpy as np
@@ -163,7 +170,6 @@ def _replay_cells(tmp: Path, path: str, shared_cores: bool, console, runtime_fro
     from hetserve.specs.workload import load_workload
     from hetserve.step_compare import rows_from_json
 
-    data = json.loads(Path(path).read_text())
     (tmp / "cluster.yaml").write_text(CLUSTER_SHARED if shared_cores else CLUSTER)
     cluster = load_cluster(str(tmp / "cluster.yaml"))
     model_dir = make_model(tmp / "tiny", "llama", layers=8, hidden=256, heads=4, kv_heads=2, ffn=768)
@@ -177,7 +183,7 @@ def _replay_cells(tmp: Path, path: str, shared_cores: bool, console, runtime_fro
         elif Path(cell["calibration"]).exists():
             cal.write_text(Path(cell["calibration"]).read_text())
         else:
-            raise SystemExit(f"--replay {path}: cell {i} ({cell['plan']}): its calibration {cell['calibration']} "
+            raise SystemExit(f"--replay {source}: cell {i} ({cell['plan']}): its calibration {cell['calibration']} "
                              "is gone and the file does not hold its content")
         if refit:
             cal.write_text(json.dumps(refit_calibration(json.loads(cal.read_text()), model_dir)))
@@ -219,7 +225,7 @@ def _replay_cells(tmp: Path, path: str, shared_cores: bool, console, runtime_fro
         table, steps = table_at(speed["slowdown"] if speed and speed_correction else 1.0)
         cells.append({**cell, "table": table, "speed": speed, "steps": steps or cell.get("steps"),
                       "calibration_data": json.loads(cal.read_text())})  # as replayed: refitted with --refit
-    console.print(f"replayed {len(cells)} cells of {path} against their served figures "
+    console.print(f"replayed {len(cells)} cells of {source} against their served figures "
                   f"({'shared' if shared_cores else 'separate'} cores)")
     return cells
 

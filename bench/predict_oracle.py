@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -44,17 +43,14 @@ def replay_scaled(path: str, factor: float) -> list[int]:
     """Figures within ±15 % per cell of ``path`` replayed (refitted) with every slow-down times ``factor``."""
     from rich.console import Console
 
-    from bench.bench_predict import replay_cells
+    from bench.bench_predict import replay_data
 
     data = json.loads(Path(path).read_text())
     for cell in data["cells"]:
         speed = cell.get("speed") or {"slowdown": 1.0}
         cell["speed"] = {**speed, "slowdown": speed["slowdown"] * factor}
-    with tempfile.TemporaryDirectory(prefix="predict-oracle-") as d:
-        scaled = Path(d) / "scaled.json"
-        scaled.write_text(json.dumps(data))
-        with open(os.devnull, "w") as quiet:
-            cells = replay_cells(str(scaled), True, Console(file=quiet), refit=True)
+    with open(os.devnull, "w") as quiet:
+        cells = replay_data(data, path, True, Console(file=quiet), refit=True)
     return [hits(c["table"]) for c in cells]
 
 

@@ -32,11 +32,13 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.scratch import scratch_dir  # noqa: E402  (after the path: run as a script)
 
 CLUSTER = """\
 name: bench-cpu
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.hf_threads)
 
     kv_heads = args.kv_heads or (max(1, args.heads // 2) if args.arch == "llama" else None)
-    tmp = Path(tempfile.mkdtemp(prefix="hetserve-bench-"))
+    tmp = scratch_dir("hetserve-bench-")
     # the folder name is the model name the plans (and the simulator) expect
     model_dir = make_model(tmp / "tiny", args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
                            kv_heads=kv_heads, seed=0)

@@ -26,13 +26,14 @@ import argparse
 import multiprocessing as mp
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench.scratch import scratch_dir  # noqa: E402  (after the path: run as a script)
 
 
 def _tiny_llama():
@@ -193,7 +194,7 @@ def main() -> int:
         t.add_row(name, f"{ms:.2f}", f"{ms / rows[0][1]:.2f}")
     console.print(t)
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-frontend-"))
+    tmp = scratch_dir("bench-frontend-")
     (tmp / "cluster.yaml").write_text(bp.CLUSTER)
     model_dir = make_model(tmp / "tiny", "llama", layers=8, hidden=256, heads=4, kv_heads=2, ffn=768)
     t = Table(title="prefill-decode plan: the engine alone vs served over HTTP (same requests, same arrivals)")

@@ -29,15 +29,15 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.scratch import scratch_dir  # noqa: E402  (after the path: run as a script)
 
 NODES = {"m0": "127.0.0.2", "m1": "127.0.0.3", "m2": "127.0.0.4"}
 LAYERS = 4
@@ -147,21 +147,17 @@ def main() -> int:
     from hetserve.runtime.make_model import make_model
     from hetserve.specs.cluster import load_cluster
 
-    ray_tmp = tempfile.mkdtemp(prefix="hsbn-", dir="/tmp")  # Ray's socket paths must stay short
+    ray_tmp = str(scratch_dir("hsbn-", dir="/tmp"))  # Ray's socket paths must stay short
     os.environ.update(RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_TMPDIR=ray_tmp)
-    work = Path(tempfile.mkdtemp(prefix="hsbn-work-"))
-    try:
-        (work / "pool.yaml").write_text(cluster_yaml())
-        cluster = load_cluster(str(work / "pool.yaml"))
-        model = make_model(work / "tiny", "llama", layers=LAYERS, hidden=args.hidden, heads=4, kv_heads=2,
-                           max_positions=512, seed=0)
-        rng = random.Random(0)
-        prompts = [[rng.randrange(32, 127) for _ in range(rng.randrange(8, 65))] for _ in range(args.requests)]
-        up1, one = one_node(cluster, model, prompts, args.max_tokens, args.repeats)
-        up3, three = three_nodes(cluster, model, prompts, args.max_tokens, args.repeats)
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
+    work = scratch_dir("hsbn-work-")
+    (work / "pool.yaml").write_text(cluster_yaml())
+    cluster = load_cluster(str(work / "pool.yaml"))
+    model = make_model(work / "tiny", "llama", layers=LAYERS, hidden=args.hidden, heads=4, kv_heads=2,
+                       max_positions=512, seed=0)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(32, 127) for _ in range(rng.randrange(8, 65))] for _ in range(args.requests)]
+    up1, one = one_node(cluster, model, prompts, args.max_tokens, args.repeats)
+    up3, three = three_nodes(cluster, model, prompts, args.max_tokens, args.repeats)
 
     load = os.getloadavg()
     print(f"\n{args.requests} requests x {args.max_tokens} tokens, tiny Llama ({LAYERS} layers, hidden {args.hidden}); "

@@ -23,12 +23,13 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.scratch import scratch_dir  # noqa: E402  (after the path: run as a script)
 
 
 def main() -> int:
@@ -48,7 +49,7 @@ def main() -> int:
     from hetserve.runtime.make_model import make_model
 
     console = Console()
-    model_dir = make_model(Path(tempfile.mkdtemp(prefix="bench-overhead-")) / "tiny", "llama", layers=8,
+    model_dir = make_model(scratch_dir("bench-overhead-") / "tiny", "llama", layers=8,
                            hidden=256, heads=4, kv_heads=2, ffn=768)
     t = Table("run", "unpaired (ms)", "paired (ms)", "HTTP TTFT − its step, median (ms)",
               "engine TTFT − its step, median (ms)", "1-min load", "s",

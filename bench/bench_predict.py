@@ -60,6 +60,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.predict_report import fmt_others, print_cells  # noqa: E402  (after the path: run as a script)
+from bench.scratch import scratch_dir  # noqa: E402  (after the path: run as a script)
 
 CLUSTER = """\
 name: bench-predict
@@ -288,7 +289,7 @@ def main() -> int:
     from hetserve.specs.workload import load_workload
     from hetserve.step_compare import rows_to_json
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-predict-"))
+    tmp = scratch_dir("bench-predict-")
     (tmp / "cluster.yaml").write_text(CLUSTER_SHARED if args.shared_cores else CLUSTER)
     cluster = load_cluster(str(tmp / "cluster.yaml"))
     (tmp / "cluster-baseline.yaml").write_text(CLUSTER_BASELINE)

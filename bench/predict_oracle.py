@@ -1,6 +1,6 @@
 """How much of the prediction error is the served cell's own machine speed? Saved runs replayed at scaled speeds.
 
-    .venv/bin/python bench/predict_oracle.py RUN.json [RUN.json ...] [--factors 0.88,0.92,...] [--jobs 2]
+    .venv/bin/python bench/predict_oracle.py RUN.json [RUN.json ...] [--factors 0.88,0.92,...] [--jobs 2] [--by-figure]
 
 Each file is a ``bench_predict --json`` run. Every cell is re-simulated by the code of now (``--replay
 --refit``) with its slow-down (the speed probe's, ``compare``) multiplied by each factor in turn, and
@@ -10,6 +10,8 @@ after the fact, an *oracle*: the speed each cell's workers ran at, had it been k
 between the two columns is the error a better reading of the machine's speed could remove; what
 the oracle still misses is the model's shape (its batching, contention and tails) plus the noise
 of one served run's percentiles. No factor here is a prediction: the oracle looks at the answer.
+``--by-figure`` splits that remainder per plan, load and metric: a figure whose mean ratio stays off 1
+at the oracle's factors is the model's shape (e.g. the asymmetric plan's TTFT, docs/benchmarks.md).
 
 On the 2-core VM (docs/benchmarks.md, sixteenth session) the 29 live runs whose --json files were
 kept (2026-11-23 to 2026-11-27) gave 942 of 1,204 figures within ±15 % at factor 1 and 1,129 with the
@@ -33,14 +35,15 @@ from bench.predict_report import METRICS  # noqa: E402  (after the path: run as 
 DEFAULT_FACTORS = (0.88, 0.92, 0.96, 1.0, 1.04, 1.08, 1.12)
 
 
-def hits(table: dict) -> int:
+def hits(ratios: dict[str, float]) -> int:
     from hetserve.compare import in_band
 
-    return sum(in_band(table[m]["ratio"]) for m in METRICS)
+    return sum(in_band(ratios[m]) for m in METRICS)
 
 
-def replay_scaled(path: str, factor: float) -> list[int]:
-    """Figures within ±15 % per cell of ``path`` replayed (refitted) with every slow-down times ``factor``."""
+def replay_scaled(path: str, factor: float) -> list[dict]:
+    """``path`` replayed (refitted) with every slow-down times ``factor``: per cell its plan, load
+    fraction and issue 13's 7 ratios (simulated / served)."""
     from rich.console import Console
 
     from bench.bench_predict import replay_data
@@ -51,7 +54,8 @@ def replay_scaled(path: str, factor: float) -> list[int]:
         cell["speed"] = {**speed, "slowdown": speed["slowdown"] * factor}
     with open(os.devnull, "w") as quiet:
         cells = replay_data(data, path, True, Console(file=quiet), refit=True)
-    return [hits(c["table"]) for c in cells]
+    return [{"plan": c["plan"], "fraction": c["fraction"], "ratios": {m: c["table"][m]["ratio"] for m in METRICS}}
+            for c in cells]
 
 
 def oracle(per_factor: dict[float, list[int]]) -> tuple[int, int, list[float]]:
@@ -63,12 +67,37 @@ def oracle(per_factor: dict[float, list[int]]) -> tuple[int, int, list[float]]:
     return sum(per_factor[1.0]), sum(per_factor[f][i] for i, f in enumerate(chosen)), chosen
 
 
+def figure_bias(picked: list[tuple[dict, dict]]) -> list[dict]:
+    """Per plan, load and metric over the runs' cells: the geometric mean of simulated / served and
+    the figures within ±15 %, as predicted and at each cell's oracle factor. ``picked``: per cell, its
+    replay at factor 1 and at the factor the oracle chose. What stays off 1 at the oracle's factor
+    is not the cell's machine speed (the oracle has taken that out): the model's shape."""
+    import math
+
+    from hetserve.compare import in_band
+
+    groups: dict[tuple[str, float, str], list[tuple[float, float]]] = {}
+    for one, best in picked:
+        for m in METRICS:
+            groups.setdefault((one["plan"], one["fraction"], m), []).append((one["ratios"][m], best["ratios"][m]))
+    rows = []
+    for (plan, fraction, m), pairs in groups.items():
+        gmean = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
+        rows.append({"plan": plan, "fraction": fraction, "metric": m, "cells": len(pairs),
+                     "ratio": gmean([a for a, _ in pairs]), "ratio_oracle": gmean([b for _, b in pairs]),
+                     "hits": sum(in_band(a) for a, _ in pairs), "hits_oracle": sum(in_band(b) for _, b in pairs)})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="bench_predict --json files")
     ap.add_argument("--factors", default=",".join(map(str, DEFAULT_FACTORS)),
                     help="slow-down multipliers tried per cell (1.0 is always among them)")
     ap.add_argument("--jobs", type=int, default=2, help="replays at once (default 2: this VM's cores)")
+    ap.add_argument("--by-figure", action="store_true",
+                    help="also print, per plan, load and metric, the mean ratio and hits as predicted and at "
+                         "each cell's oracle factor (what stays off is the model's shape, not the speed)")
     args = ap.parse_args()
     factors = sorted({1.0, *(float(f) for f in args.factors.split(","))})
 
@@ -78,7 +107,7 @@ def main() -> int:
 
     console = Console()
     jobs = [(run, f) for run in args.runs for f in factors]
-    scores: dict[tuple[str, float], list[int]] = {}
+    scores: dict[tuple[str, float], list[dict]] = {}
     with Progress(console=console) as bar, ProcessPoolExecutor(args.jobs) as pool:
         task = bar.add_task("replaying", total=len(jobs))
         futures = {pool.submit(replay_scaled, run, f): (run, f) for run, f in jobs}
@@ -89,16 +118,30 @@ def main() -> int:
               title="saved runs replayed with each cell's slow-down scaled (the oracle looks at the answer)")
     total = at_one = best = 0
     chosen: dict[float, int] = {}
+    picked = []
     for run in args.runs:
-        one, top, picks = oracle({f: scores[run, f] for f in factors})
-        for f in picks:
+        one, top, picks = oracle({f: [hits(c["ratios"]) for c in scores[run, f]] for f in factors})
+        for i, f in enumerate(picks):
             chosen[f] = chosen.get(f, 0) + 1
+            picked.append((scores[run, 1.0][i], scores[run, f][i]))
         n = len(picks)
         t.add_row(Path(run).stem, str(n), str(7 * n), str(one), str(top))
         total, at_one, best = total + 7 * n, at_one + one, best + top
     t.add_row("all", "", str(total), str(at_one), str(best))
     console.print(t)
     console.print("best factor per cell: " + ", ".join(f"x{f:.2f} {chosen.get(f, 0)}" for f in factors))
+    if args.by_figure:
+        t = Table(title="per figure: ratio = sim/served (geometric mean over the cells) and the cells within ±15 %, "
+                        "as predicted and at each cell's oracle factor (what stays off 1 there is the model's shape)")
+        for col in ("plan", "load", "metric"):
+            t.add_column(col, no_wrap=True)
+        for col in ("cells", "ratio", "±15 %", "oracle", "±15 %"):
+            t.add_column(col, justify="right")
+        for r in sorted(figure_bias(picked), key=lambda r: (r["plan"], r["fraction"], METRICS.index(r["metric"]))):
+            t.add_row(r["plan"], f"{r['fraction']:.0%}", r["metric"].replace("_tokens_per_s", "").replace("_s.", " "),
+                      str(r["cells"]), f"{r['ratio']:.2f}", str(r["hits"]), f"{r['ratio_oracle']:.2f}",
+                      str(r["hits_oracle"]))
+        console.print(t)
     return 0
 
 

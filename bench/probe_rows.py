@@ -18,12 +18,13 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.scratch import scratch_dir  # noqa: E402  (after the path: run as a script)
 
 ROWS = (1, 2, 4, 8, 16)
 SHAPES = ((256, 256), (768, 256), (3072, 1024))  # (out, in): the tiny Llama's q/o, gate/up, and a larger one
@@ -77,7 +78,7 @@ def main() -> int:
     torch.set_num_threads(threads)
     console.print(t)
 
-    tmp, rng = Path(tempfile.mkdtemp(prefix="probe-rows-")), np.random.default_rng(0)
+    tmp, rng = scratch_dir("probe-rows-"), np.random.default_rng(0)
     model_dir = make_model(tmp / "tiny", "llama", layers=8, hidden=256, heads=4, kv_heads=2, ffn=768)
     spec = load_model(model_dir)
     cluster = _one_device_cluster("RTX-4090")

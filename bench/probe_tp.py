@@ -17,11 +17,12 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.scratch import scratch_dir  # noqa: E402  (after the path: run as a script)
 
 
 def main() -> int:
@@ -37,7 +38,7 @@ def main() -> int:
     from hetserve.runtime.sampling import SamplingParams
     from hetserve.specs.model import load_model
 
-    tmp, rng = Path(tempfile.mkdtemp(prefix="probe-tp-")), np.random.default_rng(0)
+    tmp, rng = scratch_dir("probe-tp-"), np.random.default_rng(0)
     engines = {}
     try:
         for layers in (8, 2):

@@ -47,8 +47,6 @@ from dataclasses import dataclass
 
 # the window (s) over which the front end's request rate is taken: a few arrivals at the rates served here
 REQUEST_WINDOW_S = 0.5
-import os
-_EXP = os.environ.get('HS_EXP', '')
 
 
 @dataclass(frozen=True)
@@ -188,16 +186,12 @@ class HostContention:
                 u += fe.step_cpu_s * steps + fe.token_cpu_s * tokens
         return fe.dispatch_s * min(1.0, u) + stream
 
-    def frontend_load(self, horizon_s: float | None = None) -> float:
+    def frontend_load(self) -> float:
         """The front end's utilisation now (0..1): its request backlog, plus the decoding replicas'
         steps and tokens per second times the CPU each costs it."""
         if self.frontend_host is None or self.frontend.zero:
             return 0.0
-        left = self._backlog_until - self.loop.now
-        if horizon_s and _EXP:
-            u = min(1.0, max(0.0, left) / horizon_s)
-        else:
-            u = 1.0 if left > 0 else 0.0
+        u = 1.0 if self._backlog_until > self.loop.now else 0.0
         fe = self.frontend
         if fe.token_cpu_s > 0 or fe.step_cpu_s > 0:
             for reps in self.on_host.values():
@@ -206,14 +200,14 @@ class HostContention:
                     u += fe.step_cpu_s * steps + fe.token_cpu_s * tokens
         return min(1.0, u)
 
-    def slowdown(self, rep, horizon_s: float | None = None, own_workers: float | None = None) -> float:
+    def slowdown(self, rep) -> float:
         """Factor on the work ``rep`` starts now (1 off CPU worker slots)."""
         host = getattr(rep, "host", None)
         if host is None:
             return 1.0
         mb = self.micro_batches
-        k = busy_workers(rep, mb) if own_workers is None else own_workers
+        k = busy_workers(rep, mb)
         k += sum(busy_workers(o, mb) for o in self.on_host[host] if o is not rep and o.busy_now())
         if host == self.frontend_host:
-            k += self.frontend_load(horizon_s)
+            k += self.frontend_load()
         return max(k / self.cores[host], 1.0 + (self.s - 1.0) * (k - 1.0), 1.0)

@@ -17,8 +17,6 @@ from hetserve.policies.kv_admission import requeue
 from hetserve.sim.events import Priority
 from hetserve.sim.hosts import on_host
 from hetserve.sim.replicas.decoding import Decoding
-import os
-_EXP = os.environ.get('HS_EXP', '')
 
 
 class ColocatedReplica(Decoding):
@@ -165,13 +163,9 @@ class ColocatedReplica(Decoding):
         ``on_done(rids)`` at its end, which is returned. Prefill-first runs it with the decodes
         paused; a pipeline with a free micro-batch slot runs it beside them."""
         now = self.loop.now
-        batch = PrefillBatch.of([self.kv.prefill_tokens(i) for i in rids])
-        b = self.batch
-        if _EXP == '4' and len(self.layout.stages) > 1 and getattr(self, 'host', None) is not None and b.size:
-            m = max(1, min(self._slots or 1, b.size))
-            end = now + self._stagewise(batch, b.size / m, b.context / m, m) + self.env.dispatch_wait(self, False)
-        else:
-            end = now + self._on_host(self.cost.prefill_time(self.layout, batch), decodes=False)
+        end = now + self._on_host(self.cost.prefill_time(self.layout,
+                                                        PrefillBatch.of([self.kv.prefill_tokens(i) for i in rids])),
+                                  decodes=False)
         if self.trace is not None:
             self.trace.append((now, end, (), tuple(rids)))
         self._busy(now, end)
@@ -203,15 +197,8 @@ class ColocatedReplica(Decoding):
         tokens = sum(sizes)
         sum_sq = sum(c * c + 2.0 * c * item[1] for item, c in chunks)
         prompts = PrefillBatch(len(chunks), tokens, sum_sq)
-        S = len(self.layout.stages)
-        m = max(1, min(self._slots or 1, b.size)) if b.size else 1
-        if _EXP == '4' and S > 1 and getattr(self, 'host', None) is not None and m > 1:
-            own, ctx = b.size / m, b.context / m
-            mine = PrefillBatch(own + prompts.num_seqs, own + prompts.tokens, 2.0 * ctx + prompts.sum_sq)
-            dur = self._stagewise(mine, own, ctx, m - 1) + self.env.dispatch_wait(self, True)
-        else:
-            dur = self.cost.mixed_step_time(self.layout, b.size, b.context, prompts, self.limits.micro_batches)
-            dur = self._on_host(dur, decodes=b.size > 0)
+        dur = self.cost.mixed_step_time(self.layout, b.size, b.context, prompts, self.limits.micro_batches)
+        dur = self._on_host(dur, decodes=b.size > 0)
         now = self.loop.now
         if self.trace is not None:
             self.trace.append((now, now + dur, tuple(b.members), tuple(item[0] for item, _ in chunks)))
@@ -258,29 +245,8 @@ class ColocatedReplica(Decoding):
                             self._snapshot_requests(with_requests), self.capacity_norm, self._prefill_wait(),
                             self.loop.now - self.req.arrival[self.waiting[0]] if self.waiting else 0.0)
 
-    def _stagewise(self, batch, other_b: float, other_ctx: float, others: int) -> float:
-        """EXPERIMENT: a prompt step on a pipeline beside ``others`` decoding micro-batches of
-        ``other_b`` sequences, priced stage by stage: on its stage i the prompt computes with its own
-        TP; each other micro-batch computes on the other stages for at most its stage time there
-        (then it queues behind the prompt), and the prompt first waits half the other micro-batch's
-        time on stage i."""
-        cost, stages = self.cost, self.layout.stages
-        last = len(stages) - 1
-        p = [cost.stage_prefill_time(s, batch, i == last) for i, s in enumerate(stages)]
-        d = [cost.stage_decode_time(s, other_b, other_ctx, i == last) for i, s in enumerate(stages)]
-        horizon = sum(p)
-        total = 0.0
-        for i, s in enumerate(stages):
-            duty = sum(stages[j].tp * min(1.0, d[j] / p[i]) for j in range(len(stages)) if j != i) if p[i] > 0 else 0.0
-            k = s.tp + others * duty
-            slow = self.env.slowdown(self, horizon, k)
-            total += on_host(p[i], cost.collectives_time(s), slow) + others * d[i] / 2
-            if i < last:
-                total += cost.pp_handoff_time(s, stages[i + 1], batch.tokens)
-        return total
-
     def _on_host(self, dur: float, decodes: bool) -> float:
         """A step's cost-model time as this host runs it: slowed by the cores it shares, and
         started once the serving front end has sent it (one rule for both kinds of step), and has
         streamed the tokens of the step's ``decodes`` before it."""
-        return on_host(dur, self._collectives, self.env.slowdown(self, dur)) + self.env.dispatch_wait(self, decodes)
+        return on_host(dur, self._collectives, self.env.slowdown(self)) + self.env.dispatch_wait(self, decodes)

@@ -101,7 +101,7 @@ class PrefillReplica(Replica):
         self.running_tokens += tokens
         self._kv_add(held)
         batch = PrefillBatch.of(lengths)
-        slow = self.env.slowdown(self, self.cost.prefill_time(self.layout, batch))
+        slow = self.env.slowdown(self)
         t = now + self.env.dispatch_wait(self, decodes=False)  # the step waits for the front end to send it
         stages = self.layout.stages
         for i, (stage, last) in enumerate(self._stages):

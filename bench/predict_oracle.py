@@ -72,7 +72,7 @@ def figure_bias(picked: list[tuple[dict, dict]]) -> list[dict]:
     the figures within ±15 %, as predicted and at each cell's oracle factor. ``picked``: per cell, its
     replay at factor 1 and at the factor the oracle chose. What stays off 1 at the oracle's factor
     is not the cell's machine speed (the oracle has taken that out): the model's shape."""
-    import math
+    from statistics import geometric_mean
 
     from hetserve.compare import in_band
 
@@ -80,13 +80,27 @@ def figure_bias(picked: list[tuple[dict, dict]]) -> list[dict]:
     for one, best in picked:
         for m in METRICS:
             groups.setdefault((one["plan"], one["fraction"], m), []).append((one["ratios"][m], best["ratios"][m]))
-    rows = []
-    for (plan, fraction, m), pairs in groups.items():
-        gmean = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
-        rows.append({"plan": plan, "fraction": fraction, "metric": m, "cells": len(pairs),
-                     "ratio": gmean([a for a, _ in pairs]), "ratio_oracle": gmean([b for _, b in pairs]),
-                     "hits": sum(in_band(a) for a, _ in pairs), "hits_oracle": sum(in_band(b) for _, b in pairs)})
-    return rows
+    return [{"plan": plan, "fraction": fraction, "metric": m, "cells": len(pairs),
+             "ratio": geometric_mean([a for a, _ in pairs]), "ratio_oracle": geometric_mean([b for _, b in pairs]),
+             "hits": sum(in_band(a) for a, _ in pairs), "hits_oracle": sum(in_band(b) for _, b in pairs)}
+            for (plan, fraction, m), pairs in groups.items()]
+
+
+def print_by_figure(rows: list[dict], console) -> None:
+    """``figure_bias``'s rows as a table, by plan, load and issue 13's order of the metrics."""
+    from rich.table import Table
+
+    t = Table(title="per figure: ratio = sim/served (geometric mean over the cells) and the cells within ±15 %, "
+                    "as predicted and at each cell's oracle factor (what stays off 1 there is the model's shape)")
+    for col in ("plan", "load", "metric"):
+        t.add_column(col, no_wrap=True)
+    for col in ("cells", "ratio", "±15 %", "oracle", "±15 %"):
+        t.add_column(col, justify="right")
+    for r in sorted(rows, key=lambda r: (r["plan"], r["fraction"], METRICS.index(r["metric"]))):
+        t.add_row(r["plan"], f"{r['fraction']:.0%}", r["metric"].replace("_tokens_per_s", "").replace("_s.", " "),
+                  str(r["cells"]), f"{r['ratio']:.2f}", str(r["hits"]), f"{r['ratio_oracle']:.2f}",
+                  str(r["hits_oracle"]))
+    console.print(t)
 
 
 def main() -> int:
@@ -131,17 +145,7 @@ def main() -> int:
     console.print(t)
     console.print("best factor per cell: " + ", ".join(f"x{f:.2f} {chosen.get(f, 0)}" for f in factors))
     if args.by_figure:
-        t = Table(title="per figure: ratio = sim/served (geometric mean over the cells) and the cells within ±15 %, "
-                        "as predicted and at each cell's oracle factor (what stays off 1 there is the model's shape)")
-        for col in ("plan", "load", "metric"):
-            t.add_column(col, no_wrap=True)
-        for col in ("cells", "ratio", "±15 %", "oracle", "±15 %"):
-            t.add_column(col, justify="right")
-        for r in sorted(figure_bias(picked), key=lambda r: (r["plan"], r["fraction"], METRICS.index(r["metric"]))):
-            t.add_row(r["plan"], f"{r['fraction']:.0%}", r["metric"].replace("_tokens_per_s", "").replace("_s.", " "),
-                      str(r["cells"]), f"{r['ratio']:.2f}", str(r["hits"]), f"{r['ratio_oracle']:.2f}",
-                      str(r["hits_oracle"]))
-        console.print(t)
+        print_by_figure(figure_bias(picked), console)
     return 0
 
 

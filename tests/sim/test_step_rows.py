@@ -212,7 +212,8 @@ def test_predict_oracle_by_figure_keeps_each_cells_ratios_apart_at_one_and_at_it
     from bench.predict_oracle import METRICS, figure_bias
 
     def cell(plan, fraction, ttft):
-        return {"plan": plan, "fraction": fraction, "ratios": {m: (ttft if m == "ttft_s.mean" else 1.0) for m in METRICS}}
+        ratios = {m: (ttft if m == "ttft_s.mean" else 1.0) for m in METRICS}
+        return {"plan": plan, "fraction": fraction, "ratios": ratios}
 
     picked = [(cell("a", 0.2, 1.30), cell("a", 0.2, 1.10)), (cell("a", 0.2, 1.20), cell("a", 0.2, 1.21)),
               (cell("b", 0.8, 0.80), cell("b", 0.8, 1.00))]
@@ -220,7 +221,8 @@ def test_predict_oracle_by_figure_keeps_each_cells_ratios_apart_at_one_and_at_it
     assert len(rows) == 2 * len(METRICS)
     a = rows["a", 0.2, "ttft_s.mean"]
     assert a["cells"] == 2 and a["hits"] == 0 and a["hits_oracle"] == 1
-    assert a["ratio"] == pytest.approx((1.30 * 1.20) ** 0.5) and a["ratio_oracle"] == pytest.approx((1.10 * 1.21) ** 0.5)
+    assert a["ratio"] == pytest.approx((1.30 * 1.20) ** 0.5)
+    assert a["ratio_oracle"] == pytest.approx((1.10 * 1.21) ** 0.5)
     b = rows["b", 0.8, "ttft_s.mean"]
     assert (b["ratio"], b["ratio_oracle"], b["hits"], b["hits_oracle"]) == (pytest.approx(0.8), 1.0, 0, 1)
     assert rows["a", 0.2, "tpot_s.p90"]["hits"] == 2

@@ -98,16 +98,16 @@ class StepTimer:
         on_result, send_step = self._orig
         events, rid = self.events, self.replica
 
-        def timed_result(c, step_id, tokens):
+        def timed_result(c, step_id, *rest):  # whatever else the coordinator passes on (tokens, meta)
             entry = c.steps.get(step_id)
             if entry is not None and entry[0] == rid:
                 events.append(("result", time.monotonic()))
-            return on_result(c, step_id, tokens)
+            return on_result(c, step_id, *rest)
 
-        def timed_send(c, sched, batch):
+        def timed_send(c, sched, *rest):
             if sched.id == rid:
                 events.append(("send", time.monotonic()))
-            return send_step(c, sched, batch)
+            return send_step(c, sched, *rest)
 
         self._mod._on_result, self._mod._send_step = timed_result, timed_send
         return self

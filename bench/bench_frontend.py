@@ -182,7 +182,6 @@ def main() -> int:
     from rich.table import Table
 
     import bench_predict as bp
-    from hetserve.runtime.make_model import make_model
 
     console = Console()
     t = Table(title=f"decode step (batch 4, one torch thread) beside other processes on {os.cpu_count()} cores, "
@@ -196,7 +195,7 @@ def main() -> int:
 
     tmp = scratch_dir("bench-frontend-")
     (tmp / "cluster.yaml").write_text(bp.CLUSTER)
-    model_dir = make_model(tmp / "tiny", "llama", layers=8, hidden=256, heads=4, kv_heads=2, ffn=768)
+    model_dir = bp.tiny_model(tmp)
     t = Table(title="prefill-decode plan: the engine alone vs served over HTTP (same requests, same arrivals)")
     for col in ("req/s", "load", "TTFT engine ms", "TTFT served ms", "served ÷ engine", "TPOT engine ms",
                 "TPOT served ms", "served ÷ engine", "hand-off ms (engine)"):

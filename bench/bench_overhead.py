@@ -44,13 +44,12 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from bench.bench_predict import tiny_model
     from hetserve.runtime.calibrate import request_overhead
     from hetserve.runtime.calibration_probes import measure
-    from hetserve.runtime.make_model import make_model
 
     console = Console()
-    model_dir = make_model(scratch_dir("bench-overhead-") / "tiny", "llama", layers=8,
-                           hidden=256, heads=4, kv_heads=2, ffn=768)
+    model_dir = tiny_model(scratch_dir("bench-overhead-"))
     t = Table("run", "unpaired (ms)", "paired (ms)", "HTTP TTFT − its step, median (ms)",
               "engine TTFT − its step, median (ms)", "1-min load", "s",
               title="request overhead per calibration measurement (measured on this machine)")

@@ -74,6 +74,15 @@ CLUSTER_SHARED = CLUSTER.replace("count: 4}", "count: 4, cpu_cores: 2}")
 CLUSTER_BASELINE = CLUSTER
 
 
+def tiny_model(folder: Path) -> Path:
+    """The checkpoint these benchmarks serve, in ``folder``/tiny (the plans' model name): a random-weight
+    Llama of 8 layers, hidden 256, 4 heads (2 KV), FFN 768. A replay must make the very model the
+    run served; ``bench_frontend``, ``bench_overhead`` and ``probe_rows`` measure on it too."""
+    from hetserve.runtime.make_model import make_model
+
+    return make_model(folder / "tiny", "llama", layers=8, hidden=256, heads=4, kv_heads=2, ffn=768)
+
+
 def plans() -> dict:
     from hetserve.planner.plan import Plan
 
@@ -164,7 +173,6 @@ def _replay_cells(tmp: Path, data: dict, source: str, shared_cores: bool, consol
     from hetserve.compare import (CompareOptions, calibrated_inputs, simulate_calibrated, simulate_with_steps,
                                   simulated_of, table_against, table_of)
     from hetserve.runtime.engine_config import EngineConfig
-    from hetserve.runtime.make_model import make_model
     from hetserve.serve.loadgen import requests_from_workload
     from hetserve.specs.cluster import load_cluster
     from hetserve.specs.model import load_model
@@ -173,7 +181,7 @@ def _replay_cells(tmp: Path, data: dict, source: str, shared_cores: bool, consol
 
     (tmp / "cluster.yaml").write_text(CLUSTER_SHARED if shared_cores else CLUSTER)
     cluster = load_cluster(str(tmp / "cluster.yaml"))
-    model_dir = make_model(tmp / "tiny", "llama", layers=8, hidden=256, heads=4, kv_heads=2, ffn=768)
+    model_dir = tiny_model(tmp)
     spec = dataclasses.replace(load_model(model_dir), name="tiny")
     trace = load_workload("azure-conv").of_class("LPLD")
     cells = []
@@ -282,7 +290,6 @@ def main() -> int:
 
     from hetserve.compare import CompareOptions, compare, per_request_json, simulate_side, table_against
     from hetserve.runtime.calibration_file import served_efficiency, served_sim_options
-    from hetserve.runtime.make_model import make_model
     from hetserve.serve.loadgen import requests_from_workload
     from hetserve.specs.cluster import load_cluster
     from hetserve.specs.model import load_model
@@ -294,7 +301,7 @@ def main() -> int:
     cluster = load_cluster(str(tmp / "cluster.yaml"))
     (tmp / "cluster-baseline.yaml").write_text(CLUSTER_BASELINE)
     cluster_baseline = load_cluster(str(tmp / "cluster-baseline.yaml"))
-    model_dir = make_model(tmp / "tiny", "llama", layers=8, hidden=256, heads=4, kv_heads=2, ffn=768)
+    model_dir = tiny_model(tmp)
     from hetserve.cli.main import main as cli
 
     def calibrate(name: str) -> str:

@@ -59,10 +59,10 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from bench.bench_predict import tiny_model
     from hetserve.cost.analytic import CostModel, load_efficiency
     from hetserve.runtime.calibration_probes import DECODE_PROMPT, _layout, _one_device_cluster, _one_device_plan
     from hetserve.runtime.engine import Engine, EngineConfig
-    from hetserve.runtime.make_model import make_model
     from hetserve.runtime.sampling import SamplingParams
     from hetserve.specs.model import load_model
 
@@ -79,7 +79,7 @@ def main() -> int:
     console.print(t)
 
     tmp, rng = scratch_dir("probe-rows-"), np.random.default_rng(0)
-    model_dir = make_model(tmp / "tiny", "llama", layers=8, hidden=256, heads=4, kv_heads=2, ffn=768)
+    model_dir = tiny_model(tmp)
     spec = load_model(model_dir)
     cluster = _one_device_cluster("RTX-4090")
     tokens = 24

@@ -22,6 +22,8 @@ from typing import Sequence
 
 import numpy as np
 
+from hetserve.serve.server import KEEP_ALIVE_S
+
 
 @dataclass(frozen=True)
 class LoadRequest:
@@ -99,7 +101,10 @@ async def replay_async(url: str, model: str, requests: Sequence[LoadRequest], te
     client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key="hetserve", max_retries=0,
                                 timeout=timeout_s,
                                 http_client=openai.DefaultAsyncHttpxClient(
-                                    limits=httpx.Limits(max_connections=max(16, len(requests) + 4)),
+                                    # an idle connection is dropped well before the server's
+                                    # keep-alive ends, never as the server closes it (server.KEEP_ALIVE_S)
+                                    limits=httpx.Limits(max_connections=max(16, len(requests) + 4),
+                                                        keepalive_expiry=min(5.0, KEEP_ALIVE_S / 2)),
                                     trust_env=False))
     try:
         t0 = time.monotonic()

@@ -13,12 +13,19 @@ import socket
 import threading
 import time
 
+# Seconds an idle keep-alive connection stays open. It must outlast the clients' own pools: httpx (and
+# so openai's client) re-uses an idle connection for 5 s, aiohttp for 15 s. At uvicorn's default of 5 s
+# the server closed a connection just as the client sent its next request on it, and the request failed
+# with "Server disconnected without sending a response" (openai: APIConnectionError): one of 96
+# requests of a `bench_predict` cell, 2026-11-27.
+KEEP_ALIVE_S = 30
+
 
 def _config(app, host: str, port: int, log_level: str):
     import uvicorn
 
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                          lifespan="on", timeout_graceful_shutdown=5, ws="none")
+                          lifespan="on", timeout_graceful_shutdown=5, ws="none", timeout_keep_alive=KEEP_ALIVE_S)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -180,3 +180,25 @@ def test_admin_replan_forwards_its_fields_and_refuses_bad_ones(serve_fake):
     r = httpx.post(url + "/admin/replan", json={"returned": ["nope:0"]})
     assert r.status_code == 400 and "nope:0" in r.json()["error"]["message"]
     assert len(coord.replanner.calls) == 2  # the malformed bodies never reached the planner
+
+
+def test_an_idle_keep_alive_connection_outlives_the_clients_pools(serve_fake):
+    """httpx (openai's client) re-uses an idle connection for up to 5 s: the server must still hold
+    it then. At uvicorn's default keep-alive (5 s) it had closed it, and a request sent on it just
+    then failed (`bench_predict`, 2026-11-27). Here: one connection, idle 5.5 s, asked again on it."""
+    import http.client
+    import time
+    from urllib.parse import urlsplit
+
+    url, _, _ = serve_fake()
+    conn = http.client.HTTPConnection(urlsplit(url).hostname, urlsplit(url).port, timeout=5)
+    try:
+        for round_ in range(2):
+            if round_:
+                time.sleep(5.5)
+            conn.request("GET", "/health")  # on the same socket: http.client opens one only when it has none
+            resp = conn.getresponse()  # a closed connection: RemoteDisconnected
+            assert resp.status == 200, (round_, resp.status)
+            resp.read()
+    finally:
+        conn.close()

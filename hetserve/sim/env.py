@@ -59,8 +59,9 @@ class ReplicaEnv(Protocol):
     def repredict(self, rid: int, generated: int) -> float:
         """``rid``'s predicted output, re-asked once it has outlived the prediction."""
 
-    def slowdown(self, replica) -> float:
-        """Factor on the work ``replica`` starts now (CPU worker slots sharing a host's cores)."""
+    def slowdown(self, replica, own_workers: float | None = None) -> float:
+        """Factor on the work ``replica`` starts now (CPU worker slots sharing a host's cores);
+        ``own_workers``: its own workers computing then, where the caller counts them itself."""
 
     def host_changed(self, replica) -> None:
         """``replica`` started or ended a piece of work on a host whose cores it shares: the work

@@ -82,6 +82,33 @@ def on_host(seconds: float, waiting: float, slowdown: float) -> float:
     return (seconds - waiting) * slowdown + waiting
 
 
+def pipeline_step_beside(cost, layout, prompts, other_b: float, other_context: float, others: int,
+                         slowdown) -> float:
+    """A pipeline's step carrying ``prompts`` beside ``others`` decoding micro-batches of ``other_b``
+    sequences (``other_context`` tokens) each, as a host sharing its cores runs it, priced stage by
+    stage. On stage i the step computes with that stage's TP group while each other micro-batch
+    computes on the other stages, for at most its own time there; ``slowdown(k)`` is the host's
+    factor with ``k`` of the replica's workers computing. Before stage i the step waits, on average,
+    half of an other micro-batch's time there (each stage's worker runs its steps in turn).
+
+    Priced as one step with every stage's worker busy throughout (``busy_workers``), the asymmetric
+    plan's prompt steps beside its decodes came out 1.22-1.41x the served ones on both pipelines,
+    where the prompt alone was priced right; stage by stage, within a few percent (docs/benchmarks.md,
+    seventeenth and eighteenth sessions)."""
+    stages = layout.stages
+    last = len(stages) - 1
+    p = [cost.stage_prefill_time(s, prompts, i == last) for i, s in enumerate(stages)]
+    d = [cost.stage_decode_time(s, other_b, other_context, i == last) for i, s in enumerate(stages)]
+    total = 0.0
+    for i, stage in enumerate(stages):
+        beside = sum(stages[j].tp * min(1.0, d[j] / p[i]) for j in range(len(stages)) if j != i) if p[i] > 0 else 0.0
+        total += on_host(p[i], cost.collectives_time(stage), slowdown(stage.tp + others * beside))
+        total += others * d[i] / 2
+        if i < last:
+            total += cost.pp_handoff_time(stage, stages[i + 1], prompts.tokens)
+    return total
+
+
 def busy_workers(rep, micro_batches: int | None) -> float:
     """Worker processes of ``rep`` computing at once: the busy stages' TP groups. A replica of S
     stages keeps ``min(S, micro-batches, sequences in flight)`` stages busy: every one with S micro-batches
@@ -200,13 +227,14 @@ class HostContention:
                     u += fe.step_cpu_s * steps + fe.token_cpu_s * tokens
         return min(1.0, u)
 
-    def slowdown(self, rep) -> float:
-        """Factor on the work ``rep`` starts now (1 off CPU worker slots)."""
+    def slowdown(self, rep, own_workers: float | None = None) -> float:
+        """Factor on the work ``rep`` starts now (1 off CPU worker slots); ``own_workers``: ``rep``'s
+        own workers computing then, where the caller counts them (``pipeline_step_beside``)."""
         host = getattr(rep, "host", None)
         if host is None:
             return 1.0
         mb = self.micro_batches
-        k = busy_workers(rep, mb)
+        k = busy_workers(rep, mb) if own_workers is None else own_workers
         k += sum(busy_workers(o, mb) for o in self.on_host[host] if o is not rep and o.busy_now())
         if host == self.frontend_host:
             k += self.frontend_load()

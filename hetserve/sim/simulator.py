@@ -205,10 +205,10 @@ class Simulator:
         self.wall_s = 0.0
 
     # ------------------------------------------------------------------ setup helpers
-    def slowdown(self, rep: Replica) -> float:
+    def slowdown(self, rep: Replica, own_workers: float | None = None) -> float:
         """Factor on the work ``rep`` starts now: CPU worker slots sharing their host's cores with
         the other busy replicas and the serving front end there (``sim.hosts``); 1 off CPU slots."""
-        return self.hosts.slowdown(rep)
+        return self.hosts.slowdown(rep, own_workers)
 
     def host_changed(self, rep: Replica) -> None:
         """``rep`` started or ended work on a host with shared cores: its neighbours re-price (``sim.hosts``)."""

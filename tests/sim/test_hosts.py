@@ -218,3 +218,56 @@ def test_boxes_emulated_on_one_computer_share_its_cores(model, cpu_host):
         assert prefill == pytest.approx(2 * prefill_alone, rel=1e-6)  # two workers, one core
     else:
         assert prefill == pytest.approx(prefill_alone, rel=1e-9)
+
+
+def _two_tp2_stages():
+    return Plan.from_dict({"model": "llama-2-7b", "cluster": "test", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0", "m0:1"], "layers": [0, 16]},
+                                                      {"devices": ["m0:2", "m0:3"], "layers": [16, 32]}]}]})
+
+
+def test_two_micro_batches_stretch_the_tp_collectives_too(model):
+    """A pipeline of two TP-2 stages on one core. Decoding one sequence (one micro-batch) the
+    collectives' fixed cost is members meeting while nothing else of the replica computes: not
+    stretched (TPOT on one core < 2x alone, the busy TP group's factor). Decoding two (two
+    micro-batches, all four workers) the other stage computes beside each TP group's collectives,
+    so the whole iteration is stretched 4x. Unstretched there, the asymmetric plan's two-sequence
+    token interval was 0.85 of served while one sequence's was right."""
+    from dataclasses import replace
+
+    from hetserve.cost.analytic import CostModel
+    from hetserve.cost.efficiency import Efficiency
+
+    eff = replace(Efficiency(), collective_overhead_s=0.004)
+    decode = {}
+    for n in (1, 2):
+        wl = Workload.from_lists("n", [0.0] * n, [300] * n, [40] * n)
+        for cores in (None, 1):
+            c = _cluster(cores, 4)
+            r = simulate(_two_tp2_stages(), c, model, wl, SimOptions(), cost=CostModel(c, model, eff))
+            assert r.t_first.max() == pytest.approx(r.t_first.min(), rel=1e-9)  # one prompt step for all
+            decode[n, cores] = r.t_finish.max() - r.t_first.max()
+    assert decode[1, 1] < 1.9 * decode[1, None]
+    assert decode[2, 1] == pytest.approx(4 * decode[2, None], rel=1e-9)
+
+
+def test_a_prompt_beside_a_decoding_micro_batch_is_priced_stage_by_stage(model):
+    """A two-stage TP-1 pipeline on one core decodes request 0 when request 1's prompt arrives and
+    takes the free micro-batch slot. On each stage the prompt shares the core only with the decode's
+    work on the other stage, for at most that work's time (``sim.hosts.pipeline_step_beside``), so
+    it takes a little longer than alone, not twice as long: priced as one step with both stages'
+    workers busy throughout, the asymmetric plan's prompt steps beside its decodes came out
+    1.22-1.41x the served ones."""
+    from hetserve.cost.analytic import CostModel, PrefillBatch
+
+    plan = Plan.from_dict({"model": "llama-2-7b", "cluster": "test", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 16]},
+                                                      {"devices": ["m0:1"], "layers": [16, 32]}]}]})
+    wl = Workload.from_lists("two", [0.0, 1.0], [100, 2000], [400, 2])
+    one_core = _cluster(1)
+    res = simulate(plan, one_core, model, wl, SimOptions())
+    assert res.t_first[0] < 1.0 < res.t_first[1] < res.t_finish[0]  # the prompt runs beside request 0's decode
+    cost = CostModel(one_core, model)
+    alone = cost.prefill_time(plan.replicas[0].layout(one_core), PrefillBatch.of([2000]))
+    beside = res.t_first[1] - res.t_start[1]
+    assert alone < beside < 1.2 * alone

@@ -15,7 +15,7 @@ from hetserve.policies.base import ReplicaState
 from hetserve.policies.batching import StepBuilder, prompt_chunks
 from hetserve.policies.kv_admission import requeue
 from hetserve.sim.events import Priority
-from hetserve.sim.hosts import on_host
+from hetserve.sim.hosts import on_host, pipeline_step_beside
 from hetserve.sim.replicas.decoding import Decoding
 
 
@@ -163,9 +163,14 @@ class ColocatedReplica(Decoding):
         ``on_done(rids)`` at its end, which is returned. Prefill-first runs it with the decodes
         paused; a pipeline with a free micro-batch slot runs it beside them."""
         now = self.loop.now
-        end = now + self._on_host(self.cost.prefill_time(self.layout,
-                                                        PrefillBatch.of([self.kv.prefill_tokens(i) for i in rids])),
-                                  decodes=False)
+        prompts = PrefillBatch.of([self.kv.prefill_tokens(i) for i in rids])
+        b = self.batch
+        if self._slots and b.size and getattr(self, "host", None) is not None:
+            m = min(self._slots, b.size)  # the decoding micro-batches it runs beside
+            dur = self._beside_decodes(prompts, b.size / m, b.context / m, m) + self.env.dispatch_wait(self, False)
+        else:
+            dur = self._on_host(self.cost.prefill_time(self.layout, prompts), decodes=False)
+        end = now + dur
         if self.trace is not None:
             self.trace.append((now, end, (), tuple(rids)))
         self._busy(now, end)
@@ -197,8 +202,15 @@ class ColocatedReplica(Decoding):
         tokens = sum(sizes)
         sum_sq = sum(c * c + 2.0 * c * item[1] for item, c in chunks)
         prompts = PrefillBatch(len(chunks), tokens, sum_sq)
-        dur = self.cost.mixed_step_time(self.layout, b.size, b.context, prompts, self.limits.micro_batches)
-        dur = self._on_host(dur, decodes=b.size > 0)
+        m = min(self._slots, b.size)
+        if m > 1 and getattr(self, "host", None) is not None:
+            # the prompts ride in one micro-batch (its decodes as one-token rows), the others go on
+            own, context = b.size / m, b.context / m
+            step = PrefillBatch(own + prompts.num_seqs, own + prompts.tokens, own + 2.0 * context + prompts.sum_sq)
+            dur = self._beside_decodes(step, own, context, m - 1) + self.env.dispatch_wait(self, True)
+        else:
+            dur = self.cost.mixed_step_time(self.layout, b.size, b.context, prompts, self.limits.micro_batches)
+            dur = self._on_host(dur, decodes=b.size > 0)
         now = self.loop.now
         if self.trace is not None:
             self.trace.append((now, now + dur, tuple(b.members), tuple(item[0] for item, _ in chunks)))
@@ -244,6 +256,12 @@ class ColocatedReplica(Decoding):
                             self._context_now(), int(self.kv_used), int(self.kv_capacity),
                             self._snapshot_requests(with_requests), self.capacity_norm, self._prefill_wait(),
                             self.loop.now - self.req.arrival[self.waiting[0]] if self.waiting else 0.0)
+
+    def _beside_decodes(self, step: PrefillBatch, other_b: float, other_context: float, others: int) -> float:
+        """A pipeline's step carrying prompts beside ``others`` decoding micro-batches, on a host
+        sharing its cores: priced stage by stage (``sim.hosts.pipeline_step_beside``)."""
+        return pipeline_step_beside(self.cost, self.layout, step, other_b, other_context, others,
+                                    lambda workers: self.env.slowdown(self, workers))
 
     def _on_host(self, dur: float, decodes: bool) -> float:
         """A step's cost-model time as this host runs it: slowed by the cores it shares, and

@@ -27,7 +27,7 @@ class Decoding(Replica):
         # the wait and the TP collectives' fixed cost are not computing: host contention does not stretch them
         self._collectives = sum(self.cost.collectives_time(s) for s in layout.stages)
         self.batch = DecodeBatch(lambda b, c: on_host(step(layout, b, c, mb, self._wait / self._slow),
-                                                      self._collectives, self._slow))
+                                                      self._meeting(b), self._slow))
         self.max_batch = self.limits.max_batch
         self.admitted = 0  # holding a KV reservation and not finished
         self._version = 0
@@ -41,6 +41,19 @@ class Decoding(Replica):
         self.trace: list[tuple[float, float, tuple[int, ...], tuple[int, ...]]] | None = None
         # with ``trace``: (index of the next iteration in ``trace``, ids pre-empted, latest first)
         self.preempt_trace: list[tuple[int, tuple[int, ...]]] = []
+
+    def _meeting(self, batch: int) -> float:
+        """The part of a decode iteration of ``batch`` sequences that host contention does not
+        stretch: the TP collectives' fixed cost while one micro-batch computes (its members meet;
+        nothing of the replica computes beside them). With two or more micro-batches in flight the
+        other stages compute beside a TP group's collectives, and its members wait for cores too.
+        Left unstretched there, the asymmetric TP-2 + TP-1 plan's token interval with two sequences
+        came out 0.85 of served while one sequence's was right (0.98; docs/benchmarks.md, eighteenth
+        session)."""
+        stages = len(self.layout.stages)
+        if stages > 1 and min(stages, self.limits.micro_batches or stages, batch) > 1:
+            return 0.0
+        return self._collectives
 
     @property
     def preemptions(self) -> int:

@@ -17,6 +17,12 @@ over-predicted its light-load TTFT/TPOT/E2E by 1.17-1.26x; docs/benchmarks.md), 
 micro-batch keeps busy the TP group of the stage it computes on, weighted by the time it spends
 there (``computing_tp``: 1.16 workers on that plan, not the stages' mean TP of 1.5).
 
+*A pipeline's prompt step beside its decoding micro-batches* is priced stage by stage
+(``pipeline_step_beside``): on each stage the prompt shares the cores with the other micro-batches'
+work on the other stages, for as long as that work lasts, rather than with every stage's workers
+for the whole step. And with two or more micro-batches in flight the TP collectives are stretched
+too (``Decoding._meeting``): the other stages compute beside a TP group's meeting.
+
 *The front end* (the coordinator, the HTTP/SSE server and, as ``hetserve compare`` and
 ``bench_predict`` run it, the replaying client: one Python process) also computes on the host: it
 spends ``frontend_request_cpu_s`` CPU seconds per request (HTTP, tokenisation, placement),

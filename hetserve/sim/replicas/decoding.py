@@ -24,7 +24,8 @@ class Decoding(Replica):
         step = self.cost.decode_step_time
         self._slow = 1.0  # host contention on the running segment (env.slowdown at its start)
         self._wait = 0.0  # the front end's dispatch wait per iteration (env.dispatch_wait at its start)
-        # the wait and the TP collectives' fixed cost are not computing: host contention does not stretch them
+        # the wait and (one micro-batch in flight: ``_meeting``) the TP collectives' fixed cost are not
+        # computing: host contention does not stretch them
         self._collectives = sum(self.cost.collectives_time(s) for s in layout.stages)
         self.batch = DecodeBatch(lambda b, c: on_host(step(layout, b, c, mb, self._wait / self._slow),
                                                       self._meeting(b), self._slow))

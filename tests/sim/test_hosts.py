@@ -271,3 +271,21 @@ def test_a_prompt_beside_a_decoding_micro_batch_is_priced_stage_by_stage(model):
     alone = cost.prefill_time(plan.replicas[0].layout(one_core), PrefillBatch.of([2000]))
     beside = res.t_first[1] - res.t_start[1]
     assert alone < beside < 1.2 * alone
+
+
+def test_prompts_riding_in_one_of_two_micro_batches_are_priced_stage_by_stage(model):
+    """Both micro-batch slots of a two-stage TP-1 pipeline on one core decode (requests 0 and 1),
+    so request 2's prompt waits for their boundary and rides in one micro-batch's step while the
+    other goes on. Stage by stage, the step shares the core only with the other micro-batch's work
+    on the other stage: a little longer than the same step on GPUs (no shared cores), where all
+    stages' workers counted busy throughout made it over twice as long."""
+    plan = Plan.from_dict({"model": "llama-2-7b", "cluster": "test", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 16]},
+                                                      {"devices": ["m0:1"], "layers": [16, 32]}]}]})
+    wl = Workload.from_lists("three", [0.0, 0.0, 1.0], [100, 100, 2000], [400, 400, 2])
+    step = {}
+    for cores in (None, 1):
+        res = simulate(plan, _cluster(cores), model, wl, SimOptions())
+        assert res.t_first[1] < 1.0 < res.t_first[2] < res.t_finish[:2].min()  # it rides beside both decodes
+        step[cores] = res.t_first[2] - res.t_start[2]
+    assert step[None] < step[1] < 1.3 * step[None]

@@ -99,7 +99,7 @@ def pipeline_step_beside(cost, layout, prompts, other_b: float, other_context: f
 
     Priced as one step with every stage's worker busy throughout (``busy_workers``), the asymmetric
     plan's prompt steps beside its decodes came out 1.22-1.41x the served ones on both pipelines,
-    where the prompt alone was priced right; stage by stage, within a few percent (docs/benchmarks.md,
+    where the prompt alone was priced right; stage by stage, 1.02-1.24x (docs/benchmarks.md,
     seventeenth and eighteenth sessions)."""
     stages = layout.stages
     last = len(stages) - 1

@@ -18,13 +18,19 @@ def _cluster(cores, count=2):
     return cluster_from_dict({"name": "test", "machines": [m]})
 
 
+def _two_stages(tp: int):
+    """A colocated pipeline of two stages of ``tp`` devices each, 16 layers each."""
+    devs = [f"m0:{i}" for i in range(2 * tp)]
+    return Plan.from_dict({"model": "llama-2-7b", "cluster": "test", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": devs[:tp], "layers": [0, 16]},
+                                                      {"devices": devs[tp:], "layers": [16, 32]}]}]})
+
+
 def test_a_pipeline_running_one_sequence_keeps_one_stage_busy(model):
     """A two-stage pipeline on one core serving a single request: one micro-batch, so one stage
     computes at a time and nothing is slowed (counting both stages as busy, the model before,
     doubled every step: what over-predicted the asymmetric plan's light load by 1.2x)."""
-    plan = Plan.from_dict({"model": "llama-2-7b", "cluster": "test", "replicas": [
-        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 16]},
-                                                      {"devices": ["m0:1"], "layers": [16, 32]}]}]})
+    plan = _two_stages(tp=1)
     wl = Workload.from_lists("one", [0.0], [300], [40])
     alone = simulate(plan, _cluster(None), model, wl, SimOptions())
     one_core = simulate(plan, _cluster(1), model, wl, SimOptions())
@@ -128,9 +134,7 @@ def test_each_decoding_step_waits_for_its_tokens_fixed_streaming_part(model):
     TPOT grows by exactly the overhead; on a colocated replica the same, and on a two-stage
     pipeline, whose one micro-batch waits it on the ring's way back to its first stage."""
     wl = Workload.from_lists("one", [0.0], [100], [50])
-    pipeline = Plan.from_dict({"model": "llama-2-7b", "cluster": "test", "replicas": [
-        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 16]},
-                                                     {"devices": ["m0:1"], "layers": [16, 32]}]}]})
+    pipeline = _two_stages(tp=1)
     for plan in (single({"c0": ["m0:0"]}), single({"p0": ["m0:0"], "d0": ["m0:1"]}, routes=[("p0", "d0", 1.0)]),
                  pipeline):
         base = simulate(plan, _cluster(None), model, wl, SimOptions())
@@ -220,12 +224,6 @@ def test_boxes_emulated_on_one_computer_share_its_cores(model, cpu_host):
         assert prefill == pytest.approx(prefill_alone, rel=1e-9)
 
 
-def _two_tp2_stages():
-    return Plan.from_dict({"model": "llama-2-7b", "cluster": "test", "replicas": [
-        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0", "m0:1"], "layers": [0, 16]},
-                                                      {"devices": ["m0:2", "m0:3"], "layers": [16, 32]}]}]})
-
-
 def test_two_micro_batches_stretch_the_tp_collectives_too(model):
     """A pipeline of two TP-2 stages on one core. Decoding one sequence (one micro-batch) the
     collectives' fixed cost is members meeting while nothing else of the replica computes: not
@@ -244,7 +242,7 @@ def test_two_micro_batches_stretch_the_tp_collectives_too(model):
         wl = Workload.from_lists("n", [0.0] * n, [300] * n, [40] * n)
         for cores in (None, 1):
             c = _cluster(cores, 4)
-            r = simulate(_two_tp2_stages(), c, model, wl, SimOptions(), cost=CostModel(c, model, eff))
+            r = simulate(_two_stages(tp=2), c, model, wl, SimOptions(), cost=CostModel(c, model, eff))
             assert r.t_first.max() == pytest.approx(r.t_first.min(), rel=1e-9)  # one prompt step for all
             decode[n, cores] = r.t_finish.max() - r.t_first.max()
     assert decode[1, 1] < 1.9 * decode[1, None]
@@ -260,9 +258,7 @@ def test_a_prompt_beside_a_decoding_micro_batch_is_priced_stage_by_stage(model):
     1.22-1.41x the served ones."""
     from hetserve.cost.analytic import CostModel, PrefillBatch
 
-    plan = Plan.from_dict({"model": "llama-2-7b", "cluster": "test", "replicas": [
-        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 16]},
-                                                      {"devices": ["m0:1"], "layers": [16, 32]}]}]})
+    plan = _two_stages(tp=1)
     wl = Workload.from_lists("two", [0.0, 1.0], [100, 2000], [400, 2])
     one_core = _cluster(1)
     res = simulate(plan, one_core, model, wl, SimOptions())
@@ -279,9 +275,7 @@ def test_prompts_riding_in_one_of_two_micro_batches_are_priced_stage_by_stage(mo
     other goes on. Stage by stage, the step shares the core only with the other micro-batch's work
     on the other stage: a little longer than the same step on GPUs (no shared cores), where all
     stages' workers counted busy throughout made it over twice as long."""
-    plan = Plan.from_dict({"model": "llama-2-7b", "cluster": "test", "replicas": [
-        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 16]},
-                                                      {"devices": ["m0:1"], "layers": [16, 32]}]}]})
+    plan = _two_stages(tp=1)
     wl = Workload.from_lists("three", [0.0, 0.0, 1.0], [100, 100, 2000], [400, 400, 2])
     step = {}
     for cores in (None, 1):

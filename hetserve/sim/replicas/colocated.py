@@ -45,11 +45,14 @@ class ColocatedReplica(Decoding):
             if not self._start_beside():
                 self._request_boundary()
 
+    def _decoding_micro_batches(self) -> int:
+        """The running sequences spread over at most ``m`` micro-batches (0 off a pipeline in "mixed" mode)."""
+        return min(self._slots, self.batch.size)
+
     def _steps_in_flight(self) -> int:
-        """Steps the runtime would have in flight now: the decoding micro-batches (the running
-        sequences spread over at most ``m``), a prompts-only or mixed step, the steps beside."""
-        b = self.batch
-        return min(self._slots, b.size) + (1 if self._paused else 0) + len(self._beside)
+        """Steps the runtime would have in flight now: the decoding micro-batches, a prompts-only or
+        mixed step, the steps beside."""
+        return self._decoding_micro_batches() + (1 if self._paused else 0) + len(self._beside)
 
     def _start_beside(self) -> bool:
         """A pipeline with a step slot free: the waiting prompts run now in a step of their own
@@ -165,8 +168,8 @@ class ColocatedReplica(Decoding):
         now = self.loop.now
         prompts = PrefillBatch.of([self.kv.prefill_tokens(i) for i in rids])
         b = self.batch
-        if self._slots and b.size and getattr(self, "host", None) is not None:
-            m = min(self._slots, b.size)  # the decoding micro-batches it runs beside
+        m = self._decoding_micro_batches()  # those it runs beside
+        if m and self._shares_cores():
             dur = self._beside_decodes(prompts, b.size / m, b.context / m, m) + self.env.dispatch_wait(self, False)
         else:
             dur = self._on_host(self.cost.prefill_time(self.layout, prompts), decodes=False)
@@ -202,8 +205,8 @@ class ColocatedReplica(Decoding):
         tokens = sum(sizes)
         sum_sq = sum(c * c + 2.0 * c * item[1] for item, c in chunks)
         prompts = PrefillBatch(len(chunks), tokens, sum_sq)
-        m = min(self._slots, b.size)
-        if m > 1 and getattr(self, "host", None) is not None:
+        m = self._decoding_micro_batches()
+        if m > 1 and self._shares_cores():
             # the prompts ride in one micro-batch (its decodes as one-token rows), the others go on
             own, context = b.size / m, b.context / m
             step = PrefillBatch(own + prompts.num_seqs, own + prompts.tokens, own + 2.0 * context + prompts.sum_sq)
@@ -256,6 +259,10 @@ class ColocatedReplica(Decoding):
                             self._context_now(), int(self.kv_used), int(self.kv_capacity),
                             self._snapshot_requests(with_requests), self.capacity_norm, self._prefill_wait(),
                             self.loop.now - self.req.arrival[self.waiting[0]] if self.waiting else 0.0)
+
+    def _shares_cores(self) -> bool:
+        """Whether this replica's workers share a host's cores (``sim.hosts`` set its ``host``)."""
+        return getattr(self, "host", None) is not None
 
     def _beside_decodes(self, step: PrefillBatch, other_b: float, other_context: float, others: int) -> float:
         """A pipeline's step carrying prompts beside ``others`` decoding micro-batches, on a host

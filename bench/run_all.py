@@ -28,7 +28,7 @@ BENCHES = {
     "serve": ["bench/bench_serve.py", "--rates", "0.5", "--window", "6", "--max-output", "16"],
     "multinode": ["bench/bench_multinode.py", "--requests", "8", "--max-tokens", "16", "--repeats", "1"],
     "frontend": ["bench/bench_frontend.py", "--requests", "24"],  # engine alone vs served over HTTP
-    "overhead": ["bench/bench_overhead.py", "--runs", "2", "--reps", "2"],  # calibration's request overhead, paired vs not
+    "overhead": ["bench/bench_overhead.py", "--runs", "2", "--reps", "2"],  # calibration's request and stream overheads, paired vs not
 }
 
 

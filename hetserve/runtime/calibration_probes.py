@@ -25,7 +25,7 @@ import numpy as np
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.planner.plan import Plan
 from hetserve.runtime.host_load import burn, cpu_meter, cpu_ns, gil_load, idle_cpu_rate
-from hetserve.runtime.speed_probe import round_median
+from hetserve.runtime.speed_probe import paired_round_median, round_median
 from hetserve.specs.cluster import Cluster, cluster_from_dict
 from hetserve.specs.model import load_model
 
@@ -106,7 +106,13 @@ class Measurements:
     # step's cost per context token (its attention over the KV) beside the short-context probes
     tpot_long: dict[int, float] = field(default_factory=dict)
     http_ttft: dict[int, float] = field(default_factory=dict)  # prompt length -> median TTFT through HTTP
-    http_tpot: dict[int, float] = field(default_factory=dict)  # batch size -> median TPOT streamed through HTTP
+    # batch size -> TPOT streamed through HTTP: the engine's median plus the median of the rounds'
+    # HTTP − engine differences (``speed_probe.paired_round_median``)
+    http_tpot: dict[int, float] = field(default_factory=dict)
+    # batch size -> (round, seconds) of every round: the engine's and the HTTP decode probes, raw
+    # (``bench/bench_overhead.py`` differences them both ways)
+    tpot_rounds: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    http_tpot_rounds: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     # Per request, its TTFT less the span of its own prompt step (the coordinator's ``step_times``):
     # through HTTP (what the server and the client add, plus the engine's own hand-on) and on the
     # engine (the hand-on alone). Paired within one request, so the machine's drift between the
@@ -359,7 +365,13 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         if long_s:
             m.tpot_long = {long_b: med(long_s)}
         m.http_ttft = {L: med(v) for L, v in http_s.items() if v}
-        m.http_tpot = {b: med(v) for b, v in http_tpot_s.items() if v}
+        # the HTTP TPOT as the engine's plus the round-paired difference: the stream fit
+        # (``calibrate.stream_overheads``) takes HTTP − engine per batch size, and a difference of
+        # two medians from different rounds kept the rounds' drift (its intercept ranged 0-2.9 ms
+        # over 15 calibrations, docs/benchmarks.md, eighteenth session)
+        m.http_tpot = {b: m.tpot[b] + paired_round_median(v, tpot_s[b], readings)
+                       for b, v in http_tpot_s.items() if v}
+        m.tpot_rounds, m.http_tpot_rounds = tpot_s, {b: v for b, v in http_tpot_s.items() if v}
         if pp_ttft_s:
             m.pp_ttft = {pp_prompt: med(pp_ttft_s)}
             m.pp_tpot = {1: med(pp_tpot_s)}

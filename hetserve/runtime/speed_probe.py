@@ -70,6 +70,18 @@ def round_median(samples: Sequence[tuple[int, float]], readings: Sequence[SpeedR
     return statistics.median(s / slowdown(readings[r], ref) for r, s in samples)
 
 
+def paired_round_median(a: Sequence[tuple[int, float]], b: Sequence[tuple[int, float]],
+                        readings: Sequence[SpeedReading]) -> float:
+    """``round_median`` of ``a − b`` taken round by round: two probes of one round run seconds apart,
+    so the machine's drift between rounds cancels in their difference, where a difference of their
+    two medians keeps it (each median may come from another round). The request overhead's spread
+    over calibrations fell to 0.43x when it was paired per request (docs/benchmarks.md, eleventh
+    session); the stream overhead (HTTP − engine TPOT) is paired per round with this."""
+    by_round = dict(b)
+    pairs = [(r, s - by_round[r]) for r, s in a if r in by_round]
+    return round_median(pairs, readings)
+
+
 class SpeedProbe:
     """The checkpoint loaded once in this process; ``read`` times it."""
 

@@ -12,7 +12,7 @@ from hetserve.cost.efficiency import Efficiency
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.runtime.calibration_file import load_speed_probe, served_efficiency, served_sim_options, speed_reference
 from hetserve.runtime.calibration_probes import _one_device_cluster
-from hetserve.runtime.speed_probe import SpeedProbe, SpeedReading, combine, round_median, slowdown
+from hetserve.runtime.speed_probe import SpeedProbe, SpeedReading, combine, paired_round_median, round_median, slowdown
 from hetserve.specs.model import load_model
 
 CPU_LIKE = Efficiency(compute=2e-4, memory=3e-3, attention=1e-4, step_overhead_s=1e-3, iteration_overhead_s=4e-3,
@@ -104,6 +104,20 @@ def test_a_calibration_round_on_a_slow_machine_counts_at_the_reference_speed():
     assert round_median(samples, []) == pytest.approx(0.01255)  # no readings: the plain median
     with pytest.raises(ValueError):
         round_median([], readings)
+
+
+def test_two_probes_are_differenced_round_by_round():
+    """The stream overhead is HTTP − engine TPOT. Paired per round, the difference is the median of
+    the rounds' own differences (1.0, 2.5, 1.5 ms: 1.5); the difference of the two medians (9.5 − 7.0)
+    mixes two rounds and gives 2.5. A round one probe lacks is left out; a slow round's difference
+    is scaled to the reference speed as ``round_median`` scales a sample."""
+    engine = [(0, 0.0060), (1, 0.0070), (2, 0.0090)]
+    http = [(0, 0.0070), (1, 0.0095), (2, 0.0105), (3, 0.0500)]  # round 3: no engine sample
+    assert round_median(http[:3], []) - round_median(engine, []) == pytest.approx(0.0025)
+    assert paired_round_median(http, engine, []) == pytest.approx(0.0015)
+    normal, slow = SpeedReading(0.005, 0.030, 8), SpeedReading(0.010, 0.060, 8)
+    # round 1 twice as slow: its 2.5 ms counts as 1.25 at the reference (median reading: normal)
+    assert paired_round_median(http, engine, [normal, slow, normal, normal]) == pytest.approx(0.00125)
 
 
 @pytest.mark.parametrize("arch", ["llama", "opt"])

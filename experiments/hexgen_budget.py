@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     rates = [float(x) for x in args.rates.split(",")]
     steps = 8
     if args.quick:
-        outs, args.requests, args.search_s, steps = outs[:1], min(args.requests, 150), 15.0, 3
+        # an explicit --search-s below the quick run's 15 s stands (it was overridden before)
+        outs, args.requests, args.search_s, steps = outs[:1], min(args.requests, 150), min(args.search_s, 15.0), 3
     model = load_model(MODEL)
     t0 = time.perf_counter()
     print(f"# HexGen §5.2: {MODEL}, ShareGPT prompts ≤ 1024 tokens, fixed output lengths, Poisson arrivals, "

@@ -71,7 +71,7 @@ def main() -> int:
               "engine TTFT − its step, median (ms)", "1-min load", "s",
               title="request overhead per calibration measurement (measured on this machine)")
     unpaired, paired = [], []
-    s = Table("run", *(f"batch {b}: unpaired / paired (ms)" for b in batch_sizes),
+    streams = Table("run", *(f"batch {b}: unpaired / paired (ms)" for b in batch_sizes),
               "unpaired line (ms/step + ms/seq)", "paired line (ms/step + ms/seq)",
               title="stream overheads per calibration measurement: HTTP − engine TPOT by batch size, and the line "
                     "through it (measured on this machine)")
@@ -91,7 +91,7 @@ def main() -> int:
                  "paired": {b: m.http_tpot[b] - m.tpot[b] for b in batch_sizes}}
         for kind, d in diffs.items():
             lines[kind].append(stream_overheads({b: m.tpot[b] + d[b] for b in batch_sizes}, m.tpot))
-        s.add_row(str(i + 1), *(f"{diffs['unpaired'][b] * 1e3:.2f} / {diffs['paired'][b] * 1e3:.2f}" for b in batch_sizes),
+        streams.add_row(str(i + 1), *(f"{diffs['unpaired'][b] * 1e3:.2f} / {diffs['paired'][b] * 1e3:.2f}" for b in batch_sizes),
                   *(f"{lines[kind][-1][0] * 1e3:.2f} + {lines[kind][-1][1] * 1e3:.3f}" for kind in lines))
     spread = lambda xs: max(xs) - min(xs)  # noqa: E731
     ratio = lambda p, u: spread(p) / spread(u) if spread(u) > 0 else float("nan")  # noqa: E731
@@ -100,9 +100,9 @@ def main() -> int:
     console.print(f"request overhead: spread of the paired estimate ÷ spread of the unpaired one: {ratio(paired, unpaired):.2f}")
     steps = {kind: [a for a, _ in v] for kind, v in lines.items()}
     per_seq = {kind: [b for _, b in v] for kind, v in lines.items()}
-    s.add_row("spread", *([""] * len(batch_sizes)),
+    streams.add_row("spread", *([""] * len(batch_sizes)),
               *(f"{spread(steps[k]) * 1e3:.2f} + {spread(per_seq[k]) * 1e3:.3f}" for k in lines))
-    console.print(s)
+    console.print(streams)
     console.print(f"stream overhead per step: spread paired ÷ unpaired {ratio(steps['paired'], steps['unpaired']):.2f}; "
                   f"per sequence {ratio(per_seq['paired'], per_seq['unpaired']):.2f}")
     return 0

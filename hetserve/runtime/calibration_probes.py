@@ -369,9 +369,9 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         # (``calibrate.stream_overheads``) takes HTTP − engine per batch size, and a difference of
         # two medians from different rounds kept the rounds' drift (its intercept ranged 0-2.9 ms
         # over 15 calibrations, docs/benchmarks.md, eighteenth session)
-        m.http_tpot = {b: m.tpot[b] + paired_round_median(v, tpot_s[b], readings)
-                       for b, v in http_tpot_s.items() if v}
         m.tpot_rounds, m.http_tpot_rounds = tpot_s, {b: v for b, v in http_tpot_s.items() if v}
+        m.http_tpot = {b: m.tpot[b] + paired_round_median(v, tpot_s[b], readings)
+                       for b, v in m.http_tpot_rounds.items()}
         if pp_ttft_s:
             m.pp_ttft = {pp_prompt: med(pp_ttft_s)}
             m.pp_tpot = {1: med(pp_tpot_s)}

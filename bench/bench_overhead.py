@@ -61,7 +61,7 @@ def main() -> int:
     from rich.table import Table
 
     from bench.bench_predict import tiny_model
-    from hetserve.runtime.calibrate import request_overhead, stream_overheads
+    from hetserve.runtime.overhead_fit import request_overhead, stream_overheads
     from hetserve.runtime.calibration_probes import measure
     from hetserve.runtime.speed_probe import round_median
 

@@ -229,16 +229,20 @@ class CostModel(TransferCosts):
 
         A pipeline of S stages runs ``m`` micro-batches (default ``min(S, batch)``) so all stages
         stay busy: one round takes ``max(Σ stage + hand-offs + dispatch, m · slowest stage)`` at
-        batch/m each (on CPU worker slots; GPU hosts: below). ``dispatch_s``: what a micro-batch waits between its last stage and its next
-        step on the first (the serving front end's turn-around beyond ``iteration_overhead_s``,
-        ``sim.hosts``): on the ring's latency, so with m > 1 the other micro-batches hide it.
+        batch/m each. ``dispatch_s``: what a micro-batch waits between its last stage and its next
+        step on the first (the serving front end streaming its tokens and its GIL, ``sim.hosts``):
+        on the ring's latency; where the devices are CPU worker slots sharing a host's cores it
+        also holds the slowest stage once per micro-batch (the front end takes a core the stages
+        need): on the demo's two-stage pipeline two micro-batches of one sequence took 14.9 ms a
+        round on the engine and 17.9 ms through HTTP, one 12.5 and 13.9 (docs/benchmarks.md,
+        twentieth session).
 
-        The turn-around itself (``iteration_overhead_s``, priced on the last stage) holds that stage
-        only where the devices are CPU worker slots sharing a host's cores (``cpu_cores``): the
-        front end turning one micro-batch round takes a core the stages need. On a GPU host with
-        cores to spare it overlaps the other micro-batches' stages, and one front end turning every
-        micro-batch is the bound instead: ``m · slowest stage`` counts the last stage without it,
-        beside ``m · iteration_overhead_s`` (``_turn_around_overlaps``).
+        The turn-around (``iteration_overhead_s``, priced on the last stage) holds that stage for
+        the share ``Efficiency.turn_hold`` of it while other micro-batches are in flight; the rest
+        overlaps their stages, and one front end turning every micro-batch is the bound instead
+        (``m ·`` that rest). ``hetserve calibrate`` measures the share from a two-stage pipeline
+        decoding two sequences beside one; uncalibrated it is all of it on CPU worker slots and
+        none on GPU hosts (``_turn_hold``).
         """
         if batch <= 0:
             return 0.0
@@ -249,22 +253,30 @@ class CostModel(TransferCosts):
         hops = sum(self.pp_handoff_time(s, layout.stages[i + 1], b) for i, (s, _, last) in enumerate(stages)
                    if not last)
         ring = sum(times) + hops + dispatch_s
-        if m > 1 and self._turn_around_overlaps(layout):
-            turn = min(self.eff.iteration_overhead_s, times[-1])
-            return max(ring, m * max(times[:-1] + [times[-1] - turn]), m * turn)
-        return max(ring, m * max(times))
+        if m == 1:
+            return ring
+        shared = self._on_shared_cores(layout)
+        free = (1.0 - self._turn_hold(shared)) * min(self.eff.iteration_overhead_s, times[-1])
+        wait = dispatch_s if shared else 0.0
+        return max(ring, m * (max(times[:-1] + [times[-1] - free]) + wait), m * free)
 
-    def _turn_around_overlaps(self, layout: ReplicaLayout) -> bool:
-        """Whether a pipeline's turn-around overlaps its other micro-batches' stages: on GPUs, not on
-        CPU worker slots sharing cores. Measured on the demo's tiny Llama, two-stage pipeline: on one
-        H200 (16 cores) each sequence gained a token every 14.6 ms with 1.4 micro-batches in flight,
-        where two micro-batches' round prices 14.2 ms this way and 21.7 ms with the turn-around on
-        the last stage; on the 2-core CPU machine a micro-batch's step grew from 10-12 ms alone to
-        16.4 ms beside a second, which the turn-around on the last stage prices and the overlap
-        does not (18 saved runs replayed: 576 of 742 figures within ±15 %, with the overlap 500;
-        docs/benchmarks.md, fourteenth session)."""
+    def _turn_hold(self, shared_cores: bool) -> float:
+        """The share of the turn-around that holds a pipeline's last stage (``decode_step_time``):
+        calibrated, or by the host: all of it where worker slots share cores, none on GPU hosts."""
+        if self.eff.turn_hold is not None:
+            return self.eff.turn_hold
+        return 1.0 if shared_cores else 0.0
+
+    def _on_shared_cores(self, layout: ReplicaLayout) -> bool:
+        """Whether the replica's devices are CPU worker slots sharing a host's cores (``cpu_cores``),
+        where the front end computes beside the stages. Uncalibrated, the turn-around holds the last
+        stage there and overlaps on GPU hosts: on one H200 (16 cores) the demo's two-stage pipeline
+        gained a token every 14.6 ms per sequence with 1.4 micro-batches in flight, where the overlap
+        prices 14.2 ms and the hold 21.7 ms; on the 2-core CPU machine, 18 saved runs replayed hit
+        576 of 742 figures within ±15 % with the hold and 500 with the overlap (docs/benchmarks.md,
+        fourteenth session)."""
         devices = self.cluster.devices
-        return all(devices[d].cpu_cores is None for d in layout.devices)
+        return any(devices[d].cpu_cores is not None for d in layout.devices)
 
     def max_decode_batch(self, layout: ReplicaLayout, tokens_per_request: float) -> int:
         """Largest number of requests that run at once: their full KV (prompt + output) must fit,

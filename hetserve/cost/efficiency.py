@@ -50,6 +50,11 @@ class Efficiency:
     # so a mean of 1.5 rows per micro-batch pays half. `hetserve calibrate` fits it from the decode
     # probes of one and of more sequences (0 = the pure roofline).
     multi_row_s_per_byte: float = 0.0
+    # the share of ``iteration_overhead_s`` that holds a pipeline's last stage while its other
+    # micro-batches are in flight (the rest overlaps them, ``CostModel.decode_step_time``); None: by
+    # the host (all of it on CPU worker slots sharing cores, none on GPU hosts). `hetserve calibrate`
+    # fits it from a two-stage pipeline decoding two sequences (two micro-batches) beside one.
+    turn_hold: float | None = None
     max_batch: int = 256  # running requests per replica: the serving engine's cap (vLLM's max_num_seqs)
 
     def __post_init__(self) -> None:
@@ -66,6 +71,8 @@ class Efficiency:
                   "multi_row_s_per_byte", "collective_s_per_byte"):
             if getattr(self, k) < 0:
                 raise ValueError(f"{k} must be non-negative")
+        if self.turn_hold is not None and not 0 <= self.turn_hold <= 1:
+            raise ValueError("turn_hold must be in [0, 1] (or null: by the host)")
         if self.max_batch < 1:
             raise ValueError("max_batch must be at least 1")
 

@@ -14,14 +14,15 @@ the checkpoint on one device (the real engine behind the real HTTP server) and m
   client parses, on the cores and under the GIL the coordinator needs for the next step, so a
   served iteration is slower than the engine's, by a fixed part per step and a part per sequence
   (``stream_step_overhead_s`` and ``stream_overhead_s``: the line of served − engine TPOT over the
-  batch size, ``stream_overheads``), and
+  batch size, ``overhead_fit.stream_overheads``), and
 * (``pipeline``) a prompt and a single-sequence decode on a two-stage pipeline of the same
   checkpoint (two devices): what a second stage adds tells the per-stage fixed cost apart from the
-  once-per-iteration one, and (``tp``) the same on one stage of TP 2: what it adds beyond half
-  the compute is the fixed cost of its collectives,
+  once-per-iteration one; a decode of two sequences there (two micro-batches in flight): how much of
+  the turn-around holds the last stage meanwhile (``Efficiency.turn_hold``), and (``tp``) the same
+  on one stage of TP 2: what it adds beyond half the compute is the fixed cost of its collectives,
 
 and fits ``Efficiency(compute, memory, step_overhead_s, iteration_overhead_s, seq_overhead_s,
-collective_overhead_s, collective_s_per_byte, multi_row_s_per_byte)``
+collective_overhead_s, collective_s_per_byte, multi_row_s_per_byte, turn_hold)``
 minimising the squared log error of the cost model over the engine measurements, each term from
 the probes that isolate it (``fit``: one-device terms, then the per-stage split, then the
 per-collective cost; a joint fit let the two-device probes' noise move the one-device terms, and
@@ -75,6 +76,8 @@ from scipy.optimize import least_squares
 from hetserve.cost.analytic import CostModel, Efficiency
 from hetserve.runtime.calibration_probes import (  # noqa: F401  (re-exported: calibrate's public names)
     DECODE_PROMPT, LONG_DECODE_PROMPT, Measurements, _layout, _one_device_cluster, _one_device_plan, machine_info, measure)
+from hetserve.runtime.overhead_fit import (  # noqa: F401  (re-exported: calibrate's public names)
+    FrontEndPoint, fit_frontend_cpu, request_overhead, stream_overheads)
 from hetserve.runtime.speed_probe import SpeedReading, combine
 from hetserve.specs.model import load_model
 
@@ -151,89 +154,12 @@ class Calibration:
             "http_tpot": {str(b): t for b, t in sorted(self.http_tpot.items())}}, indent=2) + "\n")
 
 
-@dataclass(frozen=True)
-class FrontEndPoint:
-    """One HTTP probe's front-end CPU: measured (median over the rounds) and as fitted."""
-
-    requests: int
-    steps: int
-    tokens: int
-    measured_s: float
-    predicted_s: float
-
-    @property
-    def error(self) -> float:
-        return (self.predicted_s - self.measured_s) / self.measured_s if self.measured_s > 0 else 0.0
-
-
-def fit_frontend_cpu(samples) -> tuple[tuple[float, float, float], tuple[FrontEndPoint, ...]]:
-    """Non-negative least squares of ``cpu = request · requests + step · steps + token · tokens`` over
-    the HTTP probes' ``(requests, engine steps, output tokens, CPU seconds)``, each probe's median
-    over its rounds (the first round warms the client up); ((0, 0, 0), ()) without two probes.
-    Relative residuals (each probe weighted by 1 / its CPU): the small probes count as much as
-    the large ones."""
-    from scipy.optimize import nnls
-
-    by: dict[tuple[int, int, int], list[float]] = {}
-    for n, k, t, c in samples or ():
-        if n > 0:
-            by.setdefault((n, k, t), []).append(c)
-    keys = sorted(by)
-    if len(keys) < 2:
-        return (0.0, 0.0, 0.0), ()
-    y = np.array([statistics.median(by[key]) for key in keys], float)
-    a = np.array(keys, float)
-    w = 1.0 / np.maximum(y, 1e-6)
-    scale = a.max(axis=0)
-    coef, _ = nnls(a / scale * w[:, None], y * w)
-    coef = coef / scale
-    pred = a @ coef
-    points = tuple(FrontEndPoint(n, k, t, float(m), float(p)) for (n, k, t), m, p in zip(keys, y, pred))
-    return (float(coef[0]), float(coef[1]), float(coef[2])), points
-
-
 def _memory_binds(cm: CostModel, layout, batch: int, context: float) -> bool:
     """Whether the decode step of ``batch`` sequences is bandwidth-bound at ``cm``'s efficiency: its
     time drops by more than 1 % when memory efficiency rises to 1 (a fit may stop just inside the
     bound, where the efficiency still prices next to nothing)."""
     faster = CostModel(cm.cluster, cm.model, replace(cm.eff, memory=1.0))
     return faster.decode_step_time(layout, batch, context) < cm.decode_step_time(layout, batch, context) * 0.99
-
-
-def request_overhead(http_ttft: dict[int, float] | None, ttft: dict[int, float],
-                     outside: tuple[list[float], list[float]] | None = None) -> float:
-    """What a served request spends outside the engine before its first token (HTTP, tokenisation,
-    the stream's set-up). With ``outside`` (``Measurements.http_outside``, ``.engine_outside``: per
-    request, TTFT less its own prompt step's span, through HTTP and on the engine): the difference of
-    their medians. Each is paired within one request, so it holds no drift of the machine's speed;
-    the median HTTP TTFT less the median engine TTFT of the same prompt length, measured seconds
-    apart, held it: over the 24 plan calibrations of eight bench_predict runs it ranged 3.0-14.5 ms,
-    while their light cells' served requests spent 6.4-12.4 ms beside their prompt step
-    (docs/benchmarks.md, eleventh session). Without ``outside``: that older estimate, the median
-    over the prompt lengths measured both ways."""
-    if outside and outside[0] and outside[1]:
-        return max(0.0, statistics.median(outside[0]) - statistics.median(outside[1]))
-    common = [L for L in (http_ttft or {}) if L in ttft]
-    return max(0.0, statistics.median(http_ttft[L] - ttft[L] for L in common)) if common else 0.0
-
-
-def stream_overheads(http_tpot: dict[int, float] | None, tpot: dict[int, float]) -> tuple[float, float]:
-    """(per step, per sequence): what streaming a decode step's tokens over HTTP/SSE adds to it, the
-    non-negative least-squares line ``a + b · n`` through HTTP TPOT − engine TPOT over the batch
-    sizes ``n`` measured both ways; through 0 (``a`` = 0) with one size. The line through 0 that
-    calibration fitted before priced one sequence at 0.14-0.19 ms where it measured 1.7 ms; the
-    line fits 0.9-1.8 ms per step + 0.04-0.06 ms per sequence (batches of 1, 2, 4, 16, twice, on
-    the CPU demo; docs/benchmarks.md, fourteenth session)."""
-    from scipy.optimize import nnls
-
-    both = sorted(b for b in (http_tpot or {}) if b in tpot)
-    if not both:
-        return 0.0, 0.0
-    diff = np.array([http_tpot[b] - tpot[b] for b in both], float)
-    if len(both) == 1:
-        return 0.0, max(0.0, float(diff[0] / both[0]))
-    (a, b), _ = nnls(np.array([[1.0, float(n)] for n in both]), diff)
-    return float(a), float(b)
 
 
 def _per_byte_scale(cluster, spec, **per_byte: float) -> CostModel:
@@ -351,10 +277,17 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         # it is not measured (it wandered 0.03-0.47 between calibrations a minute apart): keep the default.
         eff = replace(eff, memory=max(eff.memory, base.memory))
     lump = eff.iteration_overhead_s  # what one stage pays per iteration: its step + the iteration's turn-around
-    two = [p for p in probes if p[2] == 2]
+    # one micro-batch on two stages: the split; two micro-batches (a decode of two): the turn-around's hold
+    two = [p for p in probes if p[2] == 2 and not (p[0] == "decode" and p[1] > 1)]
+    rounds = [p for p in probes if p[2] == 2 and p[0] == "decode" and p[1] > 1]
     if two and lump > 0:
         split_of = lambda x: replace(eff, step_overhead_s=float(x[0]), iteration_overhead_s=lump - float(x[0]))  # noqa: E731
         eff = split_of(solve(two, split_of, [np.array([0.25 * lump])], [0.0], [lump]))
+        if rounds:
+            # On this CPU machine two micro-batches took 1.19x one on the engine, where the whole
+            # turn-around on the last stage prices 1.67x (docs/benchmarks.md, twentieth session).
+            hold_of = lambda x: replace(eff, turn_hold=float(x[0]))  # noqa: E731
+            eff = hold_of(solve(rounds, hold_of, [np.array([h]) for h in (0.1, 0.5, 0.9)], [0.0], [1.0]))
     tp_pts = [p for p in probes if p[3] == 2]
     if tp_pts:
         # With a TP prompt beside the TP decode, the collectives' cost splits into a fixed part per

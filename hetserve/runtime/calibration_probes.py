@@ -122,7 +122,9 @@ class Measurements:
     contention: float = 1.0  # the worker's CPU time for the largest decode probe beside one busy process / alone
     load_avg: list[float] = field(default_factory=list)  # 1-minute load average during the run
     pp_ttft: dict[int, float] = field(default_factory=dict)  # two-stage pipeline: prompt length -> median TTFT
-    pp_tpot: dict[int, float] = field(default_factory=dict)  # two-stage pipeline: batch size -> median TPOT
+    # two-stage pipeline: batch size -> median TPOT; 2 (two micro-batches of one): the one-sequence
+    # median plus the rounds' paired difference, as ``http_tpot`` (what a second micro-batch adds)
+    pp_tpot: dict[int, float] = field(default_factory=dict)
     tp_ttft: dict[int, float] = field(default_factory=dict)  # one stage on TP 2: prompt length -> median TTFT
     tp_tpot: dict[int, float] = field(default_factory=dict)  # one stage on TP 2: batch size -> median TPOT
     kv_handoff: dict[int, float] = field(default_factory=dict)  # prefill -> decode slot: prompt -> median hand-off (s)
@@ -204,7 +206,8 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         pp_prompt = prompt_lengths[min(1, len(prompt_lengths) - 1)]
         if pipeline and spec.num_layers >= 2:
             # A two-stage pipeline of the same checkpoint, probed in the same rounds (the load drifts):
-            # one micro-batch, so what it adds to one stage is the second stage's fixed cost and hand-on.
+            # one micro-batch, so what it adds to one stage is the second stage's fixed cost and hand-on;
+            # and two (two sequences): how much of the turn-around holds the last stage meanwhile.
             cluster2 = _one_device_cluster(gpu_name, 2)
             pp = Engine.from_plan(_one_device_plan(spec, cluster2, 2), cluster2, model_dir,
                                   EngineConfig(max_num_seqs=4, kv_capacity_tokens=kv_tokens))
@@ -235,6 +238,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         http_tpot_s: dict[int, list[tuple[int, float]]] = {b: [] for b in batch_sizes}
         pp_ttft_s: list[tuple[int, float]] = []
         pp_tpot_s: list[tuple[int, float]] = []
+        pp_round_s: list[tuple[int, float]] = []  # two sequences: two micro-batches in flight
         tp_ttft_s: list[tuple[int, float]] = []
         tp_tpot_s: list[tuple[int, float]] = []
         handoff_s: list[tuple[int, float]] = []
@@ -258,6 +262,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
             if pp is not None:
                 pp_ttft_s.append((rnd, prefill(pp, pp_prompt)))
                 pp_tpot_s.append((rnd, decode(pp, 1)))
+                pp_round_s.append((rnd, decode(pp, 2)))
             if tp2 is not None:
                 tp_ttft_s.append((rnd, prefill(tp2, pp_prompt)))
                 tp_tpot_s.append((rnd, decode(tp2, 1)))
@@ -374,7 +379,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
                        for b, v in m.http_tpot_rounds.items()}
         if pp_ttft_s:
             m.pp_ttft = {pp_prompt: med(pp_ttft_s)}
-            m.pp_tpot = {1: med(pp_tpot_s)}
+            m.pp_tpot = {1: med(pp_tpot_s), 2: med(pp_tpot_s) + paired_round_median(pp_round_s, pp_tpot_s, readings)}
         if tp_ttft_s:
             m.tp_ttft = {pp_prompt: med(tp_ttft_s)}
             m.tp_tpot = {1: med(tp_tpot_s)}

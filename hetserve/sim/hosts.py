@@ -219,9 +219,13 @@ class HostContention:
                 u += fe.step_cpu_s * steps + fe.token_cpu_s * tokens
         return fe.dispatch_s * min(1.0, u) + stream
 
-    def frontend_load(self) -> float:
+    def frontend_load(self, rep=None) -> float:
         """The front end's utilisation now (0..1): its request backlog, plus the decoding replicas'
-        steps and tokens per second times the CPU each costs it."""
+        steps and tokens per second times the CPU each costs it. ``rep``, the replica whose work is
+        being priced, counts at the rate its next steps run (``Replica.pending_step_rate``): at
+        the start of its segment its batch is not running yet, and counted as idle, the front end's
+        work for its own steps never slowed them (a one-replica pipeline near saturation: TPOT 0.97
+        of served over seven saved runs, 1.02 counted; docs/benchmarks.md, twentieth session)."""
         if self.frontend_host is None or self.frontend.zero:
             return 0.0
         u = 1.0 if self._backlog_until > self.loop.now else 0.0
@@ -229,7 +233,7 @@ class HostContention:
         if fe.token_cpu_s > 0 or fe.step_cpu_s > 0:
             for reps in self.on_host.values():
                 for r in reps:
-                    steps, tokens = r.step_rate()
+                    steps, tokens = r.pending_step_rate() if r is rep else r.step_rate()
                     u += fe.step_cpu_s * steps + fe.token_cpu_s * tokens
         return min(1.0, u)
 
@@ -243,5 +247,5 @@ class HostContention:
         k = busy_workers(rep, mb) if own_workers is None else own_workers
         k += sum(busy_workers(o, mb) for o in self.on_host[host] if o is not rep and o.busy_now())
         if host == self.frontend_host:
-            k += self.frontend_load()
+            k += self.frontend_load(rep)
         return max(k / self.cores[host], 1.0 + (self.s - 1.0) * (k - 1.0), 1.0)

@@ -164,6 +164,35 @@ def test_a_pipelines_turn_around_overlaps_its_other_micro_batch_on_gpus_only(cpu
     assert cm.decode_step_time(pp, 1, 100) == pytest.approx(ring, rel=1e-9)  # one micro-batch: the ring either way
 
 
+@pytest.mark.parametrize("cpu_cores", [None, 2])
+def test_a_calibrated_turn_hold_sets_the_share_of_the_turn_around_that_holds_the_last_stage(cpu_cores):
+    """``Efficiency.turn_hold`` h: two micro-batches' round is ``max(ring, 2·(last − (1 − h)·turn), 2·(1 − h)·turn)``
+    on any host (h = 0 is the GPU overlap, h = 1 the CPU hold); a share between prices between. On
+    CPU worker slots the front end's wait (``dispatch_s``) also holds the slowest stage once per
+    micro-batch (two micro-batches of one took 14.9 ms on the engine and 17.9 through HTTP, one
+    12.5 and 13.9); on a GPU host it stays on the ring alone."""
+    machines = [{"name": "g", "gpu": "H200", "count": 2, **({"cpu_cores": cpu_cores} if cpu_cores else {})}]
+    cluster = cluster_from_dict({"name": "host", "machines": machines})
+    model = MODEL_PRESETS["llama-2-7b"]
+    pp = ReplicaLayout((StageLayout((0,), (0, 2)), StageLayout((1,), (2, 4))))
+    turn, wait = 0.007, 0.002
+    rounds = []
+    for hold in (0.0, 0.5, 1.0):
+        eff = Efficiency(compute=0.5, memory=0.8, step_overhead_s=0.003, iteration_overhead_s=turn, turn_hold=hold)
+        cm = CostModel(cluster, model, eff)
+        first, last = (cm.stage_decode_time(s, 1, 100, i == 1) for i, s in enumerate(pp.stages))
+        ring = first + last + cm.pp_handoff_time(pp.stages[0], pp.stages[1], 1)
+        free = (1 - hold) * turn
+        held = 2 * (max(first, last - free) + (wait if cpu_cores else 0.0))
+        expected = max(ring + wait, held, 2 * free)
+        rounds.append(cm.decode_step_time(pp, 2, 200, dispatch_s=wait))
+        assert rounds[-1] == pytest.approx(expected, rel=1e-9)
+        assert cm.decode_step_time(pp, 1, 100, dispatch_s=wait) == pytest.approx(ring + wait, rel=1e-9)
+    assert rounds[0] <= rounds[1] < rounds[2]  # the ring binds below some share
+    with pytest.raises(ValueError, match="turn_hold"):
+        Efficiency(turn_hold=1.5)
+
+
 def test_a_step_of_more_than_one_row_pays_one_more_pass_over_its_weights():
     """``multi_row_s_per_byte``: a one-sequence decode (matrix-vector products) pays nothing, two or
     more sequences pay it over each device's weight shard (a TP 2 device half the layers' bytes),

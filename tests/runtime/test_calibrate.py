@@ -20,21 +20,23 @@ def _probes_priced_by(cm, spec):
     tp = ReplicaLayout((StageLayout((0, 1), (0, spec.num_layers)),))
     ttft = {L: cm.ttft(lay, L) for L in (32, 128, 256, 512)}
     tpot = {b: cm.decode_step_time(lay, b, b * (16 + 12)) for b in (1, 4, 16)}
-    return ttft, tpot, dict(pp_ttft={128: cm.ttft(pp, 128)}, pp_tpot={1: cm.decode_step_time(pp, 1, 16 + 12)},
+    pp_tpot = {b: cm.decode_step_time(pp, b, b * (16 + 12)) for b in (1, 2)}  # 2: two micro-batches in flight
+    return ttft, tpot, dict(pp_ttft={128: cm.ttft(pp, 128)}, pp_tpot=pp_tpot,
                             tp_ttft={128: cm.ttft(tp, 128)}, tp_tpot={1: cm.decode_step_time(tp, 1, 16 + 12)})
 
 
 def test_fit_recovers_known_efficiency(tmp_path):
     """Every fitted term is recovered from measurements it generated: compute efficiency, the
-    fixed cost per iteration, per stage (told apart by the two-stage probes) and per sequence (the
-    decode batch sizes' slope beyond the FLOPs)."""
+    fixed cost per iteration, per stage (told apart by the two-stage probes), the share of the
+    turn-around that holds the last stage (the two-stage decode of two sequences) and per sequence
+    (the decode batch sizes' slope beyond the FLOPs)."""
     model_dir = tmp_path / "m"
     make_model(model_dir, "llama", layers=4, hidden=128, heads=4, kv_heads=2)
     from hetserve.specs.model import load_model
 
     spec = load_model(model_dir)
     truth = Efficiency(compute=3e-4, iteration_overhead_s=0.004, step_overhead_s=0.0012, seq_overhead_s=0.0003,
-                       collective_overhead_s=0.0009)
+                       collective_overhead_s=0.0009, turn_hold=0.9)
     cm = CostModel(_one_device_cluster("RTX-4090", 2), spec, truth)
     lay = ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),))
     ttft, tpot, probes = _probes_priced_by(cm, spec)
@@ -44,9 +46,10 @@ def test_fit_recovers_known_efficiency(tmp_path):
     assert cal.efficiency.step_overhead_s == pytest.approx(0.0012, rel=0.02)
     assert cal.efficiency.seq_overhead_s == pytest.approx(0.0003, rel=0.02)
     assert cal.efficiency.collective_overhead_s == pytest.approx(0.0009, rel=0.02)
+    assert cal.efficiency.turn_hold == pytest.approx(0.9, abs=0.02)
     # no decode probe is bandwidth-bound: memory efficiency stays the default (it prices nothing here)
     assert not cal.memory_bound and cal.efficiency.memory == Efficiency().memory
-    assert [(p.stages, p.tp) for p in cal.points] == [(1, 1)] * 7 + [(2, 1)] * 2 + [(1, 2)] * 2
+    assert [(p.stages, p.tp) for p in cal.points] == [(1, 1)] * 7 + [(2, 1)] * 3 + [(1, 2)] * 2
     assert cal.max_abs_error < 0.01
     # each token streamed over HTTP: served TPOT grows by 0.5 ms per sequence beyond the engine's
     served = fit(str(model_dir), "RTX-4090", ttft, tpot, http_tpot={b: t + b * 0.0005 for b, t in tpot.items()})
@@ -71,6 +74,7 @@ def test_fit_recovers_known_efficiency(tmp_path):
     lump = fit(str(model_dir), "RTX-4090", ttft, tpot).efficiency
     assert lump.step_overhead_s == 0.0 and lump.collective_overhead_s == 0.0
     assert lump.iteration_overhead_s == pytest.approx(0.004 + 0.0012, rel=0.02)
+    assert lump.turn_hold is None  # not measured: the cost model's default by host
 
 
 @pytest.mark.timeout(240)
@@ -123,7 +127,8 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
     data = json.loads(out.read_text())
     assert [(p["phase"], p["size"], p["stages"], p["tp"], p["prompt"]) for p in data["points"]] == [
         ("prefill", 16, 1, 1, 0), ("prefill", 96, 1, 1, 0), ("decode", 1, 1, 1, 16), ("decode", 6, 1, 1, 16),
-        ("decode", 4, 1, 1, 256), ("prefill", 96, 2, 1, 0), ("decode", 1, 2, 1, 16), ("prefill", 96, 1, 2, 0),
+        ("decode", 4, 1, 1, 256), ("prefill", 96, 2, 1, 0), ("decode", 1, 2, 1, 16), ("decode", 2, 2, 1, 16),
+        ("prefill", 96, 1, 2, 0),
         ("decode", 1, 1, 2, 16)]
     assert all(p["measured_s"] > 0 for p in data["points"])
     spec = load_model(model_dir)
@@ -155,6 +160,7 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
     assert data["runtime"]["contention_slowdown"] >= 1.0 and "slow-down beside one more busy process" in flat
     assert "request overhead" in flat and "worst" in flat
     assert "per stage" in flat and "from the two-stage probes" in flat and "per sequence" in flat
+    assert 0.0 <= data["efficiency"]["turn_hold"] <= 1.0 and "of the turn-around holds" in flat
     assert "per TP collective" in flat and "per MB it carries (from the TP 2 prompt against the TP 2 decode)" in flat
     assert "matrix products of more than one row" in flat
     # the front end (this process: server, coordinator, client) spent CPU on the HTTP probes, fitted per point
@@ -171,7 +177,7 @@ def test_fit_recovers_attention_efficiency_and_the_front_end_cpu(tmp_path):
     from prompts of several lengths, and fitting without it leaves the long prompts off; the front
     end's CPU per request, per engine step and per token is recovered from HTTP probes (the first
     round's warm-up dropped by the median) and reaches the simulator's options."""
-    from hetserve.runtime.calibrate import fit_frontend_cpu
+    from hetserve.runtime.overhead_fit import fit_frontend_cpu
     from hetserve.runtime.calibration_file import served_sim_options
     from hetserve.specs.model import load_model
 
@@ -306,7 +312,7 @@ def test_the_committed_gpu_calibrations_load_and_say_where_they_were_measured():
 def test_streaming_costs_a_fixed_part_per_step_and_a_part_per_sequence():
     """Served − engine TPOT over the batch sizes is a line ``a + b · n`` (non-negative): the step's
     fixed SSE part and each sequence's token; through 0 with one batch size; nothing without any."""
-    from hetserve.runtime.calibrate import stream_overheads
+    from hetserve.runtime.overhead_fit import stream_overheads
 
     engine = {1: 0.0088, 2: 0.0107, 4: 0.0120, 16: 0.0169}
     http = {n: t + 0.0012 + n * 0.00005 for n, t in engine.items()}
@@ -321,7 +327,7 @@ def test_streaming_costs_a_fixed_part_per_step_and_a_part_per_sequence():
 def test_request_overhead_is_the_paired_difference_where_measured():
     """The request overhead is the median HTTP TTFT less its own prompt step, less the same on the
     engine (paired within each request); the unpaired medians per prompt length only without them."""
-    from hetserve.runtime.calibrate import request_overhead
+    from hetserve.runtime.overhead_fit import request_overhead
 
     http, engine = {32: 0.050, 128: 0.080}, {32: 0.030, 128: 0.075}  # unpaired: median(20, 5) ms
     assert request_overhead(http, engine) == pytest.approx(0.0125)

@@ -85,6 +85,26 @@ def test_the_front_end_joins_the_contention_on_its_host(model):
     assert gpus.t_first[1] - gpus.t_start[1] == pytest.approx(prefill, rel=1e-9)
 
 
+def test_the_front_end_work_for_a_replicas_own_steps_slows_them(model):
+    """A two-stage pipeline on two shared cores, two micro-batches in flight: both workers compute,
+    and the front end turning their steps (per-step and per-token CPU) is a third consumer of the
+    two cores, so the steps take (2 + u) / 2 as long. Each segment is priced before its batch runs:
+    counted at that moment's rate, the replica's own front-end work never slowed it (before the
+    first finish nothing is known of its rate: that first segment is not slowed either way)."""
+    plan = _two_stages(tp=1)
+    wl = Workload.from_lists("three", [0.0, 0.0, 0.0], [100, 100, 100], [60, 200, 200])
+    plain = simulate(plan, _cluster(2), model, wl, SimOptions())
+    fe = dict(frontend_step_cpu_s=0.004, frontend_token_cpu_s=0.001)
+    busy = simulate(plan, _cluster(2), model, wl, SimOptions(**fe))
+    # up to the first finish: the same; then two sequences in two micro-batches, slowed by the front end
+    assert busy.t_finish[0] == pytest.approx(plain.t_finish[0], rel=1e-9)
+    ratio = (busy.t_finish[1] - busy.t_finish[0]) / (plain.t_finish[1] - plain.t_finish[0])
+    assert 1.05 < ratio < 1.5
+    gpus = simulate(plan, _cluster(None), model, wl, SimOptions(**fe))  # GPUs: the front end has cores to spare
+    assert gpus.t_finish[1] == pytest.approx(simulate(plan, _cluster(None), model, wl, SimOptions()).t_finish[1],
+                                             rel=1e-9)
+
+
 def test_front_end_costs_are_checked():
     with pytest.raises(ValueError):
         FrontEndCost(token_cpu_s=-1.0)

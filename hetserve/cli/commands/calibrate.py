@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{eff.iteration_overhead_s * 1e3:.2f} ms per iteration (scheduler turn-around, sampling) + "
                   f"{eff.step_overhead_s * 1e3:.2f} ms per stage (step message, attention metadata, hand-on; "
                   f"{'from the two-stage probes' if any(p.stages > 1 for p in cal.points) else 'not separated: no pipeline probe'}"
-                  f") + {eff.seq_overhead_s * 1e3:.3f} ms per sequence (bookkeeping, its attention, token streamed; "
+                  f"{_turn_hold(eff)}) + {eff.seq_overhead_s * 1e3:.3f} ms per sequence (bookkeeping, its attention, token streamed; "
                   f"from the decode batch sizes) + {_collectives(cal)}, matrix products of more than one row (GEMM, "
                   f"not matrix-vector) "
                   f"{eff.multi_row_s_per_byte * 1e9:.3f} ms per MB of a device's weights (from the one-sequence "
@@ -124,6 +124,14 @@ def run(args: argparse.Namespace) -> int:
         cal.save(args.output)
         console.print(f"wrote {args.output}")
     return 0
+
+
+def _turn_hold(eff) -> str:
+    """The share of the turn-around that holds a pipeline's last stage, where the two-micro-batch probe measured it."""
+    if eff.turn_hold is None:
+        return ""
+    return (f"; {eff.turn_hold:.0%} of the turn-around holds a pipeline's last stage while another micro-batch "
+            "is in flight (from the two-stage decode of two)")
 
 
 def _collectives(cal) -> str:

@@ -111,5 +111,10 @@ class Replica:
         """(steps, output tokens) per second it runs now: the front end's work (``sim.hosts``)."""
         return 0.0, 0.0
 
+    def pending_step_rate(self) -> tuple[float, float]:
+        """``step_rate`` of the work it is about to start (``sim.hosts``: priced before it runs).
+        Default: the rate now."""
+        return self.step_rate()
+
     def state(self, with_requests: bool = False) -> ReplicaState:  # pragma: no cover - overridden
         raise NotImplementedError

@@ -184,6 +184,12 @@ class Decoding(Replica):
         b = self.batch
         return (1.0 / b.a, b.size / b.a) if b.active and b.a > 0 else (0.0, 0.0)
 
+    def pending_step_rate(self) -> tuple[float, float]:
+        """Between segments the batch is stopped: the next one runs about as fast as the last
+        did, at the batch's size now (0 before its first segment)."""
+        b = self.batch
+        return (1.0 / b.a, b.size / b.a) if b.a > 0 and b.size > 0 else (0.0, 0.0)
+
     def _generated_sum(self) -> float:
         return self.batch.generated(self.loop.now)
 

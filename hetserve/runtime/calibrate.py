@@ -169,6 +169,27 @@ def _per_byte_scale(cluster, spec, **per_byte: float) -> CostModel:
     return CostModel(cluster, spec, replace(Efficiency(), **per_byte))
 
 
+def turn_hold(cm: CostModel, layout, rounds, decode_tokens: int) -> float | None:
+    """The share of the turn-around that holds a pipeline's last stage (``Efficiency.turn_hold``)
+    from decodes of more sequences than stages' worth of one (``rounds``: ``fit``'s probe tuples):
+    the share at which the last stage's bound, ``m · (last − (1 − h) · turn)``, is the measured
+    round; the median over the probes, within [0, 1]. The round is ``max`` of that bound and the
+    front end's, ``m · (1 − h) · turn``, so a round below both has two solutions; the last stage's is
+    the one that grows with the batch, as measured (two micro-batches of one sequence 1.31x one,
+    of two 1.62x; the front end's bound gives 1.13x and 1.23x; docs/benchmarks.md, twentieth
+    session). On this CPU machine two micro-batches took 1.17-1.24x one on the engine, where the
+    whole turn-around on the last stage priced 1.67x."""
+    stages = layout.stages
+    shares = []
+    for _, n, _, _, prompt, seconds in rounds:
+        m = min(len(stages), n)
+        last = cm.stage_decode_time(stages[-1], n / m, n * (prompt + decode_tokens / 2) / m, True)
+        turn = min(cm.eff.iteration_overhead_s, last)
+        if turn > 0:
+            shares.append(1.0 - (last - seconds / m) / turn)
+    return float(np.clip(statistics.median(shares), 0.0, 1.0)) if shares else None
+
+
 def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, float],
         base: Efficiency | None = None, decode_prompt_tokens: int = DECODE_PROMPT, decode_tokens: int = 24,
         http_ttft: dict[int, float] | None = None, measured_on: dict | None = None,
@@ -284,10 +305,7 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         split_of = lambda x: replace(eff, step_overhead_s=float(x[0]), iteration_overhead_s=lump - float(x[0]))  # noqa: E731
         eff = split_of(solve(two, split_of, [np.array([0.25 * lump])], [0.0], [lump]))
         if rounds:
-            # On this CPU machine two micro-batches took 1.19x one on the engine, where the whole
-            # turn-around on the last stage prices 1.67x (docs/benchmarks.md, twentieth session).
-            hold_of = lambda x: replace(eff, turn_hold=float(x[0]))  # noqa: E731
-            eff = hold_of(solve(rounds, hold_of, [np.array([h]) for h in (0.1, 0.5, 0.9)], [0.0], [1.0]))
+            eff = replace(eff, turn_hold=turn_hold(CostModel(cluster, spec, eff), shapes[2, 1], rounds, decode_tokens))
     tp_pts = [p for p in probes if p[3] == 2]
     if tp_pts:
         # With a TP prompt beside the TP decode, the collectives' cost splits into a fixed part per

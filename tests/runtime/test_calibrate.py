@@ -77,6 +77,28 @@ def test_fit_recovers_known_efficiency(tmp_path):
     assert lump.turn_hold is None  # not measured: the cost model's default by host
 
 
+def test_the_turn_hold_is_the_last_stages_share_where_two_shares_price_the_round(tmp_path):
+    """A long turn-around (20 ms, stages of ~2 ms): two micro-batches' round is the last stage's bound
+    at the true share 0.6, and the front end's bound, ``2 · (1 − h) · turn``, gives the same round at
+    about 0.34. The fit takes the last stage's share: the one whose round grows with the batch, as measured."""
+    from hetserve.specs.model import load_model
+
+    model_dir = make_model(tmp_path / "m", "llama", layers=4, hidden=128, heads=4, kv_heads=2)
+    spec = load_model(model_dir)
+    truth = Efficiency(compute=3e-4, iteration_overhead_s=0.02, step_overhead_s=0.0012, turn_hold=0.6)
+    cm = CostModel(_one_device_cluster("RTX-4090", 2), spec, truth)
+    ttft, tpot, probes = _probes_priced_by(cm, spec)
+    two = probes["pp_tpot"][2]
+    h_low = 1 - two / (2 * 0.02)  # the front end's bound alone gives the round
+    assert 0 < h_low < 0.5
+    low = CostModel(_one_device_cluster("RTX-4090", 2), spec, Efficiency(
+        compute=3e-4, iteration_overhead_s=0.02, step_overhead_s=0.0012, turn_hold=h_low))
+    pp = ReplicaLayout((StageLayout((0,), (0, 2)), StageLayout((1,), (2, 4))))
+    assert low.decode_step_time(pp, 2, 2 * 28) == pytest.approx(two, rel=1e-9)  # both shares price it
+    cal = fit(str(model_dir), "RTX-4090", ttft, tpot, **probes)
+    assert cal.efficiency.turn_hold == pytest.approx(0.6, abs=0.02)
+
+
 @pytest.mark.timeout(240)
 def test_fit_recovers_the_multi_row_and_per_byte_collective_costs(tmp_path):
     """A decode step of one sequence cheaper than a line through larger batches says (the GEMV /

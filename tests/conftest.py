@@ -1,5 +1,10 @@
 """Session-wide test settings."""
 
+import fcntl
+import hashlib
+import os
+import pickle
+
 import pytest
 
 
@@ -16,3 +21,38 @@ def _keep_every_group_bound():
     bound._CACHE_SIZE = 100_000
     yield
     bound._CACHE_SIZE = saved
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _share_group_bounds_between_workers(tmp_path_factory):
+    """With two pytest workers (``make test``: pytest-xdist) each process solved het1's and het2's
+    group bounds itself, about a minute each. Solved once, each bound is kept on disk under the
+    session's temporary root, keyed by everything it reads (``bound._fingerprint``), and the other
+    worker reads it; a lock per bound makes a worker that needs one being solved wait for it rather
+    than solve it again."""
+    from hetserve.planner import bound
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' folders share this one
+    folder = root / "group-bounds"
+    folder.mkdir(exist_ok=True)
+    solve = bound._group_bound
+
+    def shared(ctx, budget_usd_per_hour, devices, node_limit):
+        key = hashlib.sha256(pickle.dumps(bound._fingerprint(ctx, budget_usd_per_hour, devices, node_limit)))
+        path = folder / f"{key.hexdigest()}.pkl"
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if path.exists():
+                return pickle.loads(path.read_bytes())
+            result = solve(ctx, budget_usd_per_hour, devices, node_limit)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(pickle.dumps(result))
+            tmp.replace(path)
+            return result
+
+    shared.__wrapped__ = solve  # a test that spies on a fresh solve calls this one
+    bound._group_bound = shared
+    yield
+    bound._group_bound = solve

@@ -171,8 +171,8 @@ def _per_byte_scale(cluster, spec, **per_byte: float) -> CostModel:
 
 def turn_hold(cm: CostModel, layout, rounds, decode_tokens: int) -> float | None:
     """The share of the turn-around that holds a pipeline's last stage (``Efficiency.turn_hold``)
-    from decodes of more sequences than stages' worth of one (``rounds``: ``fit``'s probe tuples):
-    the share at which the last stage's bound, ``m · (last − (1 − h) · turn)``, is the measured
+    from decodes of two or more sequences on it (``rounds``: ``fit``'s probe tuples, each sequence
+    a micro-batch up to one per stage): the share at which the last stage's bound, ``m · (last − (1 − h) · turn)``, is the measured
     round; the median over the probes, within [0, 1]. The round is ``max`` of that bound and the
     front end's, ``m · (1 − h) · turn``, so a round below both has two solutions; the last stage's is
     the one that grows with the batch, as measured (two micro-batches of one sequence 1.31x one,

@@ -28,7 +28,8 @@ demo: setup
 
 # Two pytest workers (pytest-xdist), a test file each at a time (--dist loadfile: a file's module
 # fixtures, e.g. the three-node Ray pool, start once): on CI's 2 cores pytest took 17.5 min in one
-# process and 11.0 in two (fresh-clone CI, 2026-11-27), most of it planner searches on one core each.
+# process and 11.0-11.6 in two (fresh-clone CI, 2026-11-27), most of it planner searches on one core
+# each; 10.7 since the workers share the group bounds they solve (tests/conftest.py).
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: setup

@@ -29,6 +29,7 @@ BENCHES = {
     "multinode": ["bench/bench_multinode.py", "--requests", "8", "--max-tokens", "16", "--repeats", "1"],
     "frontend": ["bench/bench_frontend.py", "--requests", "24"],  # engine alone vs served over HTTP
     "overhead": ["bench/bench_overhead.py", "--runs", "2", "--reps", "2"],  # calibration's request and stream overheads, paired vs not
+    "pipeline-round": ["bench/bench_pipeline_round.py", "--rounds", "3"],  # two micro-batches vs one, calibrated vs held
 }
 
 

@@ -246,12 +246,9 @@ class CostModel(TransferCosts):
         """
         if batch <= 0:
             return 0.0
-        stages = self._ends(layout)
-        m = max(1, min(micro_batches or len(stages), math.ceil(batch)))
-        b, c = batch / m, context_tokens / m
-        times = [self.stage_decode_time(s, b, c, last) for s, _, last in stages]
-        hops = sum(self.pp_handoff_time(s, layout.stages[i + 1], b) for i, (s, _, last) in enumerate(stages)
-                   if not last)
+        m, times = self.micro_batch_stage_times(layout, batch, context_tokens, micro_batches)
+        b = batch / m
+        hops = sum(self.pp_handoff_time(s, layout.stages[i + 1], b) for i, s in enumerate(layout.stages[:-1]))
         ring = sum(times) + hops + dispatch_s
         if m == 1:
             return ring
@@ -259,6 +256,16 @@ class CostModel(TransferCosts):
         free = (1.0 - self._turn_hold(shared)) * min(self.eff.iteration_overhead_s, times[-1])
         wait = dispatch_s if shared else 0.0
         return max(ring, m * (max(times[:-1] + [times[-1] - free]) + wait), m * free)
+
+    def micro_batch_stage_times(self, layout: ReplicaLayout, batch: float, context_tokens: float,
+                                micro_batches: int | None = None) -> tuple[int, list[float]]:
+        """(``m``, each stage's decode time for one of the ``m`` micro-batches ``batch`` sequences
+        split into): the pieces of ``decode_step_time``'s round (calibration solves the turn-around's
+        hold from them)."""
+        stages = self._ends(layout)
+        m = max(1, min(micro_batches or len(stages), math.ceil(batch)))
+        b, c = batch / m, context_tokens / m
+        return m, [self.stage_decode_time(s, b, c, last) for s, _, last in stages]
 
     def _turn_hold(self, shared_cores: bool) -> float:
         """The share of the turn-around that holds a pipeline's last stage (``decode_step_time``):

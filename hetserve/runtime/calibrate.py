@@ -179,14 +179,12 @@ def turn_hold(cm: CostModel, layout, rounds, decode_tokens: int) -> float | None
     of two 1.62x; the front end's bound gives 1.13x and 1.23x; docs/benchmarks.md, twentieth
     session). On this CPU machine two micro-batches took 1.17-1.24x one on the engine, where the
     whole turn-around on the last stage priced 1.67x."""
-    stages = layout.stages
     shares = []
     for _, n, _, _, prompt, seconds in rounds:
-        m = min(len(stages), n)
-        last = cm.stage_decode_time(stages[-1], n / m, n * (prompt + decode_tokens / 2) / m, True)
-        turn = min(cm.eff.iteration_overhead_s, last)
+        m, times = cm.micro_batch_stage_times(layout, n, n * (prompt + decode_tokens / 2))
+        turn = min(cm.eff.iteration_overhead_s, times[-1])
         if turn > 0:
-            shares.append(1.0 - (last - seconds / m) / turn)
+            shares.append(1.0 - (times[-1] - seconds / m) / turn)
     return float(np.clip(statistics.median(shares), 0.0, 1.0)) if shares else None
 
 

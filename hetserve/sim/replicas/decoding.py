@@ -181,8 +181,7 @@ class Decoding(Replica):
         return self.batch.size + len(getattr(self, "_chunking", ())) + len(getattr(self, "_prefilling", ()))
 
     def step_rate(self) -> tuple[float, float]:
-        b = self.batch
-        return (1.0 / b.a, b.size / b.a) if b.active and b.a > 0 else (0.0, 0.0)
+        return self.pending_step_rate() if self.batch.active else (0.0, 0.0)
 
     def pending_step_rate(self) -> tuple[float, float]:
         """Between segments the batch is stopped: the next one runs about as fast as the last

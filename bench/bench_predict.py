@@ -44,7 +44,9 @@ run's measurements: the second run against the first is how far two served runs 
 apart, the noise floor of the ±15 % target (a prediction cannot be held closer than that).
 
 ``bench/predict_oracle.py RUN.json ...`` replays saved runs with each cell's slow-down scaled after the
-fact: how many of the misses a better reading of each cell's machine speed would remove.
+fact: how many of the misses a better reading of each cell's machine speed would remove;
+``bench/predict_occupancy.py RUN.json ...`` splits each cell's TTFT by what was in flight at each
+arrival: the cell's level (idle arrivals) apart from the model's shape.
 """
 
 from __future__ import annotations
@@ -212,7 +214,8 @@ def _replay_cells(tmp: Path, data: dict, source: str, shared_cores: bool, consol
         # the served engine steps (files written since they are kept): the step tables are made again
         rows = rows_from_json(cell["served_steps"]) if cell.get("served_steps") else None
 
-        def table_at(slow: float) -> tuple[dict, dict | None]:
+        def table_at(slow: float) -> tuple[dict, dict | None, list[float]]:
+            """The cell simulated at ``slow``: its table, its step tables, each request's TTFT."""
             steps = None
             if rows is not None:
                 eff, overhead, kw = calibrated_inputs(str(cal), slow)
@@ -220,20 +223,24 @@ def _replay_cells(tmp: Path, data: dict, source: str, shared_cores: bool, consol
                                                  rows, **kw)
             else:
                 res = simulate_calibrated(plan, cluster, spec, requests, opts, cfg, pools, cal, slow)
+            ttft = [float(x) for x in res.ttft]
             if served:
                 return table_against({k: np.asarray(v, float) for k, v in served["per_request"].items()},
-                                     served["throughput_tokens_per_s"], res), steps
+                                     served["throughput_tokens_per_s"], res), steps, ttft
             sim = simulated_of(res)
             fake = table_of(sim, sim, 1.0, res.summary()["throughput_tokens_per_s"])  # an older file: its served column
             return {k: {"served": cell["table"][k]["served"], "simulated": v["simulated"],
-                        "ratio": v["simulated"] / cell["table"][k]["served"]} for k, v in fake.items()}, steps
+                        "ratio": v["simulated"] / cell["table"][k]["served"]} for k, v in fake.items()}, steps, ttft
 
         speed = cell.get("speed")
         if speed:
             speed = {**speed, "table_as_calibrated": table_at(1.0)[0]}
-        table, steps = table_at(speed["slowdown"] if speed and speed_correction else 1.0)
+        table, steps, ttft = table_at(speed["slowdown"] if speed and speed_correction else 1.0)
+        # as replayed (the calibration refitted with --refit); each request's arrival and simulated
+        # TTFT for the split by what the replica held at its arrival (bench/predict_occupancy.py)
         cells.append({**cell, "table": table, "speed": speed, "steps": steps or cell.get("steps"),
-                      "calibration_data": json.loads(cal.read_text())})  # as replayed: refitted with --refit
+                      "calibration_data": json.loads(cal.read_text()),
+                      "arrival_s": [r.arrival_s for r in requests], "simulated_ttft_s": ttft})
     console.print(f"replayed {len(cells)} cells of {source} against their served figures "
                   f"({'shared' if shared_cores else 'separate'} cores)")
     return cells

@@ -178,6 +178,9 @@ def test_bench_predict_replay_makes_the_step_tables_again_from_the_saved_steps(t
     assert served["c0 prompt"]["model_ms"] > 0  # the cost model's time for the served batch
     assert simulated["c0 prompt"]["steps"] == 6  # the six replayed prompts, simulated now
     assert out["table"]["ttft_s.mean"]["served"] == pytest.approx(0.05)
+    # each request's arrival and simulated TTFT, for bench/predict_occupancy.py's split
+    assert len(out["arrival_s"]) == 6 and out["arrival_s"][0] == 0.0
+    assert sum(out["simulated_ttft_s"]) / 6 == pytest.approx(out["table"]["ttft_s.mean"]["simulated"])
 
 
 def test_bench_predict_counts_the_calibration_points_within_ten_percent_once_per_calibration(tmp_path):
@@ -226,3 +229,24 @@ def test_predict_oracle_by_figure_keeps_each_cells_ratios_apart_at_one_and_at_it
     b = rows["b", 0.8, "ttft_s.mean"]
     assert (b["ratio"], b["ratio_oracle"], b["hits"], b["hits_oracle"]) == (pytest.approx(0.8), 1.0, 0, 1)
     assert rows["a", 0.2, "tpot_s.p90"]["hits"] == 2
+
+
+def test_predict_occupancy_splits_requests_by_what_was_in_flight_at_their_arrival():
+    """``bench/predict_occupancy.py``: a request counts the earlier ones whose served E2E had not ended
+    when it arrived; each class's served and simulated TTFT means; the shape divides a cell's level
+    out (1 in flight over idle, per cell, then their geometric mean)."""
+    from bench.predict_occupancy import in_flight_at_arrival, shape, split_cell
+
+    arrival = [0.0, 0.1, 0.15, 1.0, 1.05]
+    e2e = [0.2, 0.2, 0.5, 0.1, 0.3]  # 0 ends at 0.2, 1 at 0.3, 2 at 0.65, 3 at 1.1
+    assert list(in_flight_at_arrival(np.array(arrival), np.array(e2e))) == [0, 1, 2, 0, 1]
+    cell = {"arrival_s": arrival, "simulated_ttft_s": [0.11, 0.24, 0.3, 0.09, 0.2],
+            "served": {"per_request": {"ttft_s": [0.1, 0.2, 0.3, 0.1, 0.2], "e2e_s": e2e}}}
+    split = split_cell(cell)
+    assert split["idle"] == (2, pytest.approx(0.1), pytest.approx(0.1))
+    assert split["1 in flight"] == (2, pytest.approx(0.2), pytest.approx(0.22))
+    assert split["2+ in flight"] == (1, pytest.approx(0.3), pytest.approx(0.3))
+    assert shape([split]) == pytest.approx(1.1)  # 1.1 beside one request, 1.0 idle
+    other = {"idle": (3, 0.1, 0.12), "1 in flight": (1, 0.2, 0.24)}  # level 1.2, shape 1.0
+    assert shape([split, other]) == pytest.approx(1.1 ** 0.5)
+    assert shape([{"idle": (3, 0.1, 0.12)}]) is None

@@ -156,6 +156,15 @@ def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | Non
                        speed_correction)
 
 
+def replay_quietly(data: dict, source: str, refit: bool = False) -> list[dict]:
+    """``replay_data`` with the shared cores and nothing printed (the tools that replay saved runs by
+    the dozen: ``predict_oracle``, ``predict_occupancy``)."""
+    from rich.console import Console
+
+    with open(os.devnull, "w") as quiet:
+        return replay_data(data, source, True, Console(file=quiet), refit=refit)
+
+
 def replay_data(data: dict, source: str, shared_cores: bool, console, runtime_from: str | None = None,
                 refit: bool = False, speed_correction: bool = True) -> list[dict]:
     """``replay_cells`` of a ``--json`` file's content already read (``source`` names it in messages)."""

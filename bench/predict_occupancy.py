@@ -65,13 +65,9 @@ def shape(splits: list[dict]) -> float | None:
 
 def replay_split(path: str, refit: bool) -> list[dict]:
     """``path`` replayed: per cell its plan, load fraction and ``split_cell``."""
-    from rich.console import Console
+    from bench.bench_predict import replay_quietly
 
-    from bench.bench_predict import replay_data
-
-    data = json.loads(Path(path).read_text())
-    with open(os.devnull, "w") as quiet:
-        cells = replay_data(data, path, True, Console(file=quiet), refit=refit)
+    cells = replay_quietly(json.loads(Path(path).read_text()), path, refit=refit)
     return [{"plan": c["plan"], "fraction": c["fraction"], "split": split_cell(c)}
             for c in cells if c.get("served")]
 

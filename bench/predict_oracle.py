@@ -44,16 +44,13 @@ def hits(ratios: dict[str, float]) -> int:
 def replay_scaled(path: str, factor: float) -> list[dict]:
     """``path`` replayed (refitted) with every slow-down times ``factor``: per cell its plan, load
     fraction and issue 13's 7 ratios (simulated / served)."""
-    from rich.console import Console
-
-    from bench.bench_predict import replay_data
+    from bench.bench_predict import replay_quietly
 
     data = json.loads(Path(path).read_text())
     for cell in data["cells"]:
         speed = cell.get("speed") or {"slowdown": 1.0}
         cell["speed"] = {**speed, "slowdown": speed["slowdown"] * factor}
-    with open(os.devnull, "w") as quiet:
-        cells = replay_data(data, path, True, Console(file=quiet), refit=True)
+    cells = replay_quietly(data, path, refit=True)
     return [{"plan": c["plan"], "fraction": c["fraction"], "ratios": {m: c["table"][m]["ratio"] for m in METRICS}}
             for c in cells]
 

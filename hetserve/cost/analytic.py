@@ -253,7 +253,7 @@ class CostModel(TransferCosts):
         if m == 1:
             return ring
         shared = self._on_shared_cores(layout)
-        free = (1.0 - self._turn_hold(shared)) * min(self.eff.iteration_overhead_s, times[-1])
+        free = (1.0 - self._turn_hold(shared)) * self.turn_around(times)
         wait = dispatch_s if shared else 0.0
         return max(ring, m * (max(times[:-1] + [times[-1] - free]) + wait), m * free)
 
@@ -266,6 +266,11 @@ class CostModel(TransferCosts):
         m = max(1, min(micro_batches or len(stages), math.ceil(batch)))
         b, c = batch / m, context_tokens / m
         return m, [self.stage_decode_time(s, b, c, last) for s, _, last in stages]
+
+    def turn_around(self, stage_times: list[float]) -> float:
+        """The turn-around a micro-batch's last stage carries (``iteration_overhead_s``, at most that
+        stage's time in ``micro_batch_stage_times``): the part ``turn_hold`` shares out."""
+        return min(self.eff.iteration_overhead_s, stage_times[-1])
 
     def _turn_hold(self, shared_cores: bool) -> float:
         """The share of the turn-around that holds a pipeline's last stage (``decode_step_time``):

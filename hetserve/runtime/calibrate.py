@@ -182,7 +182,7 @@ def turn_hold(cm: CostModel, layout, rounds, decode_tokens: int) -> float | None
     shares = []
     for _, n, _, _, prompt, seconds in rounds:
         m, times = cm.micro_batch_stage_times(layout, n, n * (prompt + decode_tokens / 2))
-        turn = min(cm.eff.iteration_overhead_s, times[-1])
+        turn = cm.turn_around(times)
         if turn > 0:
             shares.append(1.0 - (times[-1] - seconds / m) / turn)
     return float(np.clip(statistics.median(shares), 0.0, 1.0)) if shares else None

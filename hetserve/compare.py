@@ -279,11 +279,11 @@ def simulate_calibrated(plan, cluster, spec, requests, opts: CompareOptions, cfg
 
 
 def _simulated_source(efficiency: str | None, slow: float | None, note: str | None = None) -> str:
-    if not efficiency:
-        return "cost model with default (uncalibrated) efficiency"
-    if slow is None:
-        return "cost model calibrated by " + efficiency + (f", {note}" if note else "")
-    return (f"cost model calibrated by {efficiency}, its times x{slow:.2f}: the machine's speed probe "
+    from hetserve.runtime.calibration_file import timings_source
+
+    if not efficiency or slow is None:
+        return timings_source(efficiency) + (f", {note}" if note and efficiency else "")
+    return (f"{timings_source(efficiency)}, its times x{slow:.2f}: the machine's speed probe "
             "before and after serving vs at calibration")
 
 

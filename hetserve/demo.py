@@ -107,7 +107,12 @@ def serve_tiny_model(n_requests: int = 24, max_input: int = 256, max_output: int
           "--serve-twice", "-o", str(OUT / "compare")])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    # no options: --help says what it runs and where it writes, rather than starting a run of minutes
+    argparse.ArgumentParser(prog="python -m hetserve.demo", description=__doc__.split("\n\n")[0].replace("``", ""),
+                            epilog="HETSERVE_DEMO_OUT sets the output folder (default demo-out).").parse_args(argv)
     OUT.mkdir(exist_ok=True)
     predict_large_pool()
     serve_tiny_model()

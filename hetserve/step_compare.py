@@ -215,9 +215,11 @@ def print_steps(served: dict, simulated: dict, console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    t = Table("replica · step", "served steps", "sim steps", "decodes served / sim", "prompt tok served / sim",
-              "step ms served / sim", "worker ms (its CPU), served", "cost model ms (served batches)",
-              "token ms served / sim", title="engine steps: served (coordinator clock) vs simulated")
+    t = Table(title="engine steps: served (coordinator clock) vs simulated")
+    for header in ("replica · step", "served steps", "sim steps", "decodes served / sim", "prompt tok served / sim",
+                   "step ms served / sim", "worker ms (its CPU), served", "cost model ms (served batches)",
+                   "token ms served / sim"):
+        t.add_column(header, overflow="fold")  # a narrow (piped: 80 columns) console wraps figures, never cuts them
     for key in sorted(set(served) | set(simulated)):
         a, b = served.get(key, {}), simulated.get(key, {})
 

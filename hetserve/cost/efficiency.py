@@ -94,22 +94,53 @@ class Efficiency:
                        collective_s_per_byte=self.collective_s_per_byte * slowdown)
 
 
+# The top-level keys of a calibration file (``hetserve calibrate -o``, ``runtime.calibrate.Calibration.save``;
+# a test holds the two together) and the JSON type each must have: an unknown key is a typo or
+# another tool's file, and is refused rather than silently ignored.
+CALIBRATION_KEYS = {"gpu": str, "efficiency": dict, "mean_abs_error": (int, float), "max_abs_error": (int, float),
+                    "memory_bound": bool, "runtime": dict, "measured_on": dict, "points": list,
+                    "speed_probe": (dict, type(None)), "frontend_points": list, "http_tpot": dict,
+                    "refitted": bool}  # bench/bench_predict.py --replay --refit: fitted again from its own points
+
+
 def load_efficiency(path: str | Path) -> Efficiency:
     """Read efficiency factors from JSON: a flat mapping of ``Efficiency`` fields, or a
-    calibration file holding one under ``"efficiency"`` (``hetserve calibrate -o``)."""
+    calibration file holding one under ``"efficiency"`` (``hetserve calibrate -o``). A wrong key or
+    value raises ``SpecError`` naming the file, the field's dotted path and what was expected."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise SpecError(str(path), "(file)", "a readable JSON file", str(exc)) from exc
-    data = data.get("efficiency", data) if isinstance(data, dict) else data
     if not isinstance(data, dict):
-        raise SpecError(str(path), "efficiency", "a mapping of Efficiency fields")
-    known = {f.name for f in fields(Efficiency)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise SpecError(str(path), unknown[0], "one of " + ", ".join(sorted(known)))
+        raise SpecError(str(path), "(file)", "a mapping of Efficiency fields or a calibration file",
+                        type(data).__name__)
+    prefix = ""
+    if "efficiency" in data:  # a calibration file
+        for key, value in data.items():
+            if key not in CALIBRATION_KEYS:
+                raise SpecError(str(path), key, "one of the calibration file's keys: " + ", ".join(CALIBRATION_KEYS))
+            if not isinstance(value, CALIBRATION_KEYS[key]) or (CALIBRATION_KEYS[key] == (int, float)
+                                                                and isinstance(value, bool)):
+                raise SpecError(str(path), key, _json_type(CALIBRATION_KEYS[key]), value)
+        data, prefix = data["efficiency"], "efficiency."
+    known = {f.name: f.type for f in fields(Efficiency)}
+    for key, value in data.items():
+        if key not in known:
+            raise SpecError(str(path), prefix + key, "one of " + ", ".join(sorted(known)))
+        optional = "None" in str(known[key])
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(str(path), prefix + key, "a number" + (" or null" if optional else ""), value)
     try:
         return Efficiency(**data)
     except (TypeError, ValueError) as exc:
-        raise SpecError(str(path), "efficiency", "values in range", str(exc)) from exc
+        raise SpecError(str(path), prefix.rstrip(".") or "(file)", "values in range", str(exc)) from exc
+
+
+def _json_type(kind) -> str:
+    names = {str: "a string", dict: "a mapping", list: "a list", bool: "true or false", type(None): "null",
+             int: "a number", float: "a number"}
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(dict.fromkeys(names[k] for k in kinds))

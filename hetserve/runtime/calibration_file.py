@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hetserve.cost.analytic import Efficiency, load_efficiency
+from hetserve.errors import SpecError
 from hetserve.runtime.speed_probe import SpeedReading
 
 
@@ -72,6 +73,16 @@ def served_sim_options(path: str | Path | None, slowdown: float = 1.0) -> dict:
             "contention_slowdown": _term(rt, "contention_slowdown")}
 
 
+def timings_source(path: str | Path | None) -> str:
+    """Where a simulation's times come from, for its table: the calibration file and, where it says,
+    the device and date it was measured on; or, without one, the roofline estimate."""
+    if not path:
+        return "roofline cost model: datasheet peaks x default efficiencies (uncalibrated: an estimate)"
+    on = _read(path).get("measured_on") or {}
+    where = ", ".join(str(on[k]) for k in ("device", "date") if on.get(k))
+    return f"cost model calibrated by {path}" + (f" (measured on {where})" if where else "")
+
+
 def speed_reference(efficiency: str | Path | None, correction: bool = True) -> tuple[SpeedReading | None, str | None]:
     """The calibration's speed-probe reading that ``hetserve compare`` scales its times by, or None,
     and why not where the file holds one (else None). The probe times the checkpoint on one CPU
@@ -95,8 +106,22 @@ def speed_reference(efficiency: str | Path | None, correction: bool = True) -> t
 
 
 def _read(path: str | Path) -> dict:
-    data = json.loads(Path(path).read_text())
-    return data if isinstance(data, dict) else {}
+    """The file's content, its ``runtime`` terms checked (``load_efficiency`` checks the rest)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecError(str(path), "(file)", "a readable JSON file", str(exc)) from exc
+    if not isinstance(data, dict):
+        return {}
+    runtime = data.get("runtime", {})
+    if not isinstance(runtime, dict):
+        raise SpecError(str(path), "runtime", "a mapping of the serving terms", runtime)
+    for key, value in runtime.items():
+        if key not in _TERMS:
+            raise SpecError(str(path), f"runtime.{key}", "one of " + ", ".join(_TERMS))
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(str(path), f"runtime.{key}", "a number", value)
+    return data
 
 
 def _runtime(path: str | Path) -> dict:

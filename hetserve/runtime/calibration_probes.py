@@ -94,7 +94,8 @@ def _handoff_plan(spec, cluster: Cluster) -> Plan:
                            "kv_routes": [{"from": "p0", "to": "d0", "weight": 1.0}]})
 
 
-def _tp_divides(spec, tp: int) -> bool:
+def tp_divides(spec, tp: int) -> bool:
+    """The checkpoint's heads, KV heads and FFN split evenly over ``tp`` devices (a TP probe is possible)."""
     return spec.num_heads % tp == 0 and spec.num_kv_heads % tp == 0 and spec.ffn_hidden % tp == 0
 
 
@@ -212,7 +213,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
             pp = Engine.from_plan(_one_device_plan(spec, cluster2, 2), cluster2, model_dir,
                                   EngineConfig(max_num_seqs=4, kv_capacity_tokens=kv_tokens))
             pp.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-        if tp and _tp_divides(spec, 2):
+        if tp and tp_divides(spec, 2):
             # One stage on TP 2: what it adds beyond half the compute is its collectives' fixed cost.
             cluster2 = _one_device_cluster(gpu_name, 2)
             tp2 = Engine.from_plan(_one_device_plan(spec, cluster2, 1, 2), cluster2, model_dir,

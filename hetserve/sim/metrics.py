@@ -100,6 +100,12 @@ class SimResult:
         return self.t_first - self.arrival
 
     @property
+    def queue(self) -> np.ndarray:
+        """Waiting for a replica: from reaching the replicas (the arrival plus the served front end's
+        request overhead, HTTP and tokenisation, which is not queueing) to the prompt's start."""
+        return np.maximum(0.0, self.t_start - self.arrival - self.info.get("request_overhead_s", 0.0))
+
+    @property
     def e2e(self) -> np.ndarray:
         return self.t_finish - self.arrival
 
@@ -149,7 +155,7 @@ class SimResult:
             "ttft_s": _stats(self.ttft), "tpot_s": _stats(self.tpot), "e2e_s": _stats(self.e2e),
             # extensions
             "atgt_s": _stats(self.atgt),
-            "queue_s": _stats(self.t_start - self.arrival),
+            "queue_s": _stats(self.queue),
             "kv_transfer_s": _stats((self.t_kv_done - self.t_kv_start)[np.isfinite(self.t_kv_done)]),
             "slo": {"ttft_s": self.slo.ttft_s, "tpot_s": self.slo.tpot_s, "e2e_s": self.slo.e2e_s},
             "input_tokens": int(self.input_tokens.sum()), "output_tokens": out_tokens,
@@ -167,7 +173,7 @@ class SimResult:
         """One row per request: inputs, replicas, timestamps and latencies (seconds)."""
         cols = {"id": np.arange(len(self)), "arrival_s": self.arrival, "input_tokens": self.input_tokens,
                 "output_tokens": self.output_tokens, "ttft_s": self.ttft, "tpot_s": self.tpot, "atgt_s": self.atgt,
-                "e2e_s": self.e2e, "queue_s": self.t_start - self.arrival,
+                "e2e_s": self.e2e, "queue_s": self.queue,
                 "kv_transfer_s": self.t_kv_done - self.t_kv_start, "first_token_s": self.t_first,
                 "finish_s": self.t_finish, "slo_met": self.slo_met.astype(int)}
         with Path(path).open("w", newline="") as fh:

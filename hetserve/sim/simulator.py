@@ -293,7 +293,7 @@ class Simulator:
                   "predictor": getattr(self.predictor, "name", type(self.predictor).__name__),
                   "pipeline": self.opts.pipeline, "chunked_prefill": self.opts.chunked_prefill,
                   "prefill_mode": self.limits.prefill_mode, "token_budget": self.opts.token_budget,
-                  "kv_admission": self.opts.kv_admission,
+                  "kv_admission": self.opts.kv_admission, "request_overhead_s": self.opts.request_overhead_s,
                   "preemptions": sum(getattr(x, "preemptions", 0) for x in self.replicas),
                   "policy_options": {k: v for k, v in self.opts.policy_options.items()
                                      if isinstance(v, (bool, int, float, str))},

@@ -148,6 +148,28 @@ def test_an_output_path_that_cannot_be_written_is_one_line(where, tmp_path, caps
     assert err[0].startswith("hetserve: error: ") and str(tmp_path) in err[0] and "Traceback" not in err[0]
 
 
+@pytest.mark.parametrize("command", ["calibrate", "plan"])
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_work(command, tmp_path, capsys, monkeypatch):
+    """calibrate measures for minutes and plan searches: -o under a file (no folder there) is refused
+    first, naming --output, and the work never starts."""
+    import hetserve.planner.objectives as objectives
+    import hetserve.runtime.calibrate as calibrate
+
+    def work(*a, **k):
+        raise AssertionError("the work started before the output path was checked")
+    monkeypatch.setattr(calibrate, "calibrate", work)
+    monkeypatch.setattr(objectives, "plan_for", work)
+    (tmp_path / "afile").write_text("x")
+    out = str(tmp_path / "afile" / "x.json")
+    assert run(["make-model", "--arch", "llama", "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1",
+                "--ffn", "64", "-o", str(tmp_path / "m")], capsys)[0] == 0
+    argv = (["calibrate", "--model", str(tmp_path / "m"), "-o", out] if command == "calibrate" else
+            ["plan", "--cluster", "demo-tiny", "--model", "llama-2-7b", "--workload", "azure-conv", "-o", out])
+    code, err = run(argv, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "--output" in err[0] and out in err[0] and "is not a folder" in err[0], err[0]
+
+
 @pytest.mark.parametrize("argv", [
     ["calibrate", "--model", "llama-2-7b"],
     ["compare", "--plan", "PLAN", "--cluster", "demo-tiny", "--model", "llama-2-7b", "--workload-class", "LPLD"],

@@ -32,3 +32,17 @@ def test_a_plan_made_on_the_demo_pool_does_not_fall_back_to_the_bundled_preset()
     # the plan records the pool's name; without --cluster the commands load that name, which is no preset
     with pytest.raises(SpecError):
         load_cluster(HERE_POOL)
+
+
+def test_demo_help_prints_usage_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    """`python -m hetserve.demo --help` says what the demo does; it does not start its run of minutes."""
+    import pytest
+
+    import hetserve.demo as demo
+
+    monkeypatch.setattr(demo, "OUT", tmp_path / "out")
+    monkeypatch.setattr(demo, "predict_large_pool", lambda: pytest.fail("the demo started"))
+    with pytest.raises(SystemExit) as done:
+        demo.main(["--help"])
+    assert done.value.code == 0 and "make demo" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()

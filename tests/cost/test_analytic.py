@@ -313,3 +313,17 @@ def test_load_efficiency_flat_and_calibration_shapes(tmp_path):
     bad.write_text(json.dumps({"speed": 1}))
     with pytest.raises(SpecError, match="speed"):
         load_efficiency(bad)
+    # a calibration file's wrong key or value names its dotted field and what was expected
+    for content, field, expected in (
+            ({"gpu": "L4", "efficiency": {"memory": 0.5}, "bogus_key": 1}, "bogus_key", "calibration file's keys"),
+            ({"gpu": "L4", "efficiency": {"memory": 0.5}, "mean_abs_error": "fast"}, "mean_abs_error", "a number"),
+            ({"gpu": "L4", "efficiency": {"compute": "fast"}}, "efficiency.compute", "a number"),
+            ({"gpu": "L4", "efficiency": {"bogus": 1}}, "efficiency.bogus", "one of"),
+            ({"gpu": "L4", "efficiency": {"compute": 2.0}}, "efficiency", "values in range"),
+            ([1, 2], "(file)", "a mapping")):
+        bad.write_text(json.dumps(content))
+        with pytest.raises(SpecError) as err:
+            load_efficiency(bad)
+        assert (err.value.field, str(bad)) == (field, err.value.source) and expected in err.value.expected
+    nested.write_text(json.dumps({"gpu": "L4", "efficiency": {"memory": 0.5, "turn_hold": None}}))
+    assert load_efficiency(nested).turn_hold is None  # null where the field allows it

@@ -6,7 +6,7 @@ import pytest
 
 from hetserve.cost.analytic import CostModel, Efficiency
 from hetserve.cost.layout import ReplicaLayout, StageLayout
-from hetserve.runtime.calibrate import _one_device_cluster, fit
+from hetserve.runtime.calibrate import Calibration, _one_device_cluster, fit
 from hetserve.runtime.calibration_file import served_efficiency
 from hetserve.runtime.make_model import make_model
 
@@ -375,3 +375,17 @@ def test_calibration_pairs_each_probe_request_with_its_own_prompt_step(tmp_path)
     assert statistics.median(m.engine_outside) < 0.5 * min(m.ttft.values())  # ... and is nearly all of it
     assert min(m.http_outside) > 0.0
     assert statistics.median(m.http_outside) > statistics.median(m.engine_outside)
+
+
+def test_calibrate_says_why_it_measured_no_tp_collective(tmp_path):
+    """Without TP 2 probes the collectives cost nothing: the table says whether --no-tp or the
+    checkpoint's shape (heads that do not split in two) left them out."""
+    import argparse
+
+    from hetserve.cli.commands.calibrate import _collectives
+
+    make_model(tmp_path / "odd", "llama", layers=2, hidden=64, heads=4, kv_heads=1)
+    no_points = Calibration("RTX-4090", Efficiency(), ())
+    shape = _collectives(no_points, argparse.Namespace(model=str(tmp_path / "odd"), no_tp=False))
+    assert "1 KV heads" in shape and "do not all split in two" in shape
+    assert _collectives(no_points, argparse.Namespace(model=str(tmp_path / "odd"), no_tp=True)).endswith("--no-tp)")

@@ -61,6 +61,15 @@ def test_served_options_scale_their_times_not_the_contention_ratio(tmp_path):
     assert eff_slow.seq_overhead_s == pytest.approx(1.5 * eff.seq_overhead_s)  # the stream overhead included
     assert eff_slow.compute == pytest.approx(eff.compute / 1.5)
     assert load_speed_probe(cal) == SpeedReading(0.006, 0.03, 80)
+    # a runtime term misspelt or not a number: an error naming it, not a default or a traceback
+    from hetserve.errors import SpecError
+
+    content = json.loads(cal.read_text())
+    for key, value, expected in (("request_overhead", 0.01, "one of"), ("request_overhead_s", "10 ms", "a number")):
+        cal.write_text(json.dumps({**content, "runtime": {key: value}}))
+        with pytest.raises(SpecError) as err:
+            served_sim_options(cal)
+        assert err.value.field == f"runtime.{key}" and expected in err.value.expected
 
 
 def test_compare_scales_a_cpu_calibration_by_the_probe_and_takes_a_gpu_one_as_calibrated(tmp_path):

@@ -143,6 +143,18 @@ def test_summary_keys_and_files(cluster, model, tmp_path):
     assert all(f.exists() for f in files) and (tmp_path / "latency_cdf.png").stat().st_size > 1000
 
 
+def test_queue_is_the_wait_for_a_replica_not_the_request_overhead(cluster, model):
+    """A served request reaches the replicas after the front end's request overhead (HTTP,
+    tokenisation): requests spaced far apart never wait for a replica, so their queue is 0, while
+    their TTFT still carries the overhead."""
+    plan = single({"p0": ["m0:0"], "d0": ["m1:0"]})
+    wl = burst(5, inp=100, out=5, gap=10.0)
+    alone = simulate(plan, cluster, model, wl)
+    served = simulate(plan, cluster, model, wl, SimOptions(request_overhead_s=0.05))
+    assert served.summary()["queue_s"]["p99"] == pytest.approx(0.0, abs=1e-9)
+    assert np.allclose(served.ttft, alone.ttft + 0.05)
+
+
 def test_slo_attainment_counts_every_target(cluster, model):
     plan = single({"p0": ["m0:0"], "d0": ["m1:0"]})
     wl = burst(100, gap=0.01)

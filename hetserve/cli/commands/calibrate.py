@@ -68,9 +68,12 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.specs.gpus import gpu
 
     from hetserve.cli.model_dir import check_model_dir
+    from hetserve.cli.output_path import check_output_file
 
     gpu(args.gpu, "--gpu")  # a clear error before any process starts
     check_model_dir(args.model)  # a folder, never a hub name looked up online
+    if args.output:
+        check_output_file(args.output, "--output")
     cal = calibrate(args.model, args.gpu, prompt_lengths=args.prompt_lengths, batch_sizes=args.batch_sizes,
                     decode_tokens=args.decode_tokens, reps=args.reps, serving=not args.no_serving,
                     pipeline=not args.no_pipeline, tp=not args.no_tp, handoff=not args.no_handoff,
@@ -93,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{eff.step_overhead_s * 1e3:.2f} ms per stage (step message, attention metadata, hand-on; "
                   f"{'from the two-stage probes' if any(p.stages > 1 for p in cal.points) else 'not separated: no pipeline probe'}"
                   f"{_turn_hold(eff)}) + {eff.seq_overhead_s * 1e3:.3f} ms per sequence (bookkeeping, its attention, token streamed; "
-                  f"from the decode batch sizes) + {_collectives(cal)}, matrix products of more than one row (GEMM, "
+                  f"from the decode batch sizes) + {_collectives(cal, args)}, matrix products of more than one row (GEMM, "
                   f"not matrix-vector) "
                   f"{eff.multi_row_s_per_byte * 1e9:.3f} ms per MB of a device's weights (from the one-sequence "
                   f"decode against the larger ones), "
@@ -134,10 +137,18 @@ def _turn_hold(eff) -> str:
             "is in flight (from the two-stage decode of two)")
 
 
-def _collectives(cal) -> str:
-    """What the TP collectives cost, and where from (nothing measured without the TP 2 probes)."""
+def _collectives(cal, args) -> str:
+    """What the TP collectives cost, and where from (nothing measured without the TP 2 probes, and
+    why there were none)."""
     if not any(p.tp > 1 for p in cal.points):
-        return "no TP collective cost (no TP probe)"
+        from hetserve.runtime.calibration_probes import tp_divides
+        from hetserve.specs.model import load_model
+
+        spec = load_model(args.model)
+        why = ("--no-tp" if args.no_tp else
+               f"the checkpoint's {spec.num_heads} heads, {spec.num_kv_heads} KV heads and FFN of {spec.ffn_hidden} "
+               "do not all split in two" if not tp_divides(spec, 2) else "no TP probe")
+        return f"no TP collective cost (no TP 2 probe: {why})"
     eff = cal.efficiency
     return (f"{eff.collective_overhead_s * 1e3:.2f} ms per TP collective + {eff.collective_s_per_byte * 1e9:.2f} ms "
             f"per MB it carries (from the TP 2 prompt against the TP 2 decode)")

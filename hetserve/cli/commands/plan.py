@@ -63,9 +63,13 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import load_workload
 
+    from hetserve.cli.output_path import check_output_file
     from hetserve.planner.objectives import plan_for
 
     _check_objective(args)
+    for path, flag in ((args.output, "--output"), (args.plot, "--plot")):
+        if path:
+            check_output_file(path, flag)  # before the search, not after it
     names = [a.strip() for a in (args.compare or args.algorithm).split(",") if a.strip()]
     for a in names:
         if a not in ALGORITHMS:

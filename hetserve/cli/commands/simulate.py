@@ -149,7 +149,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        print_summary(Console(), summary, f"{plan.algorithm} plan on {cluster.name}, {wl.name} ({len(wl)} requests)")
+        from hetserve.runtime.calibration_file import timings_source
+
+        print_summary(Console(), summary, f"{plan.algorithm} plan on {cluster.name}, {wl.name} ({len(wl)} requests)",
+                      f"simulated; times from the {timings_source(args.efficiency)}")
         if args.output:
             Console().print(f"wrote {args.output}/summary.json, requests.csv, latency_cdf.png")
     if rates:
@@ -203,11 +206,12 @@ def _sweep(args, rates, plan, cluster, model, wl, opts, cost) -> None:
         Console().print(f"wrote {plot}")
 
 
-def print_summary(console, s: dict, title: str) -> None:
-    """The summary as two rich tables: latencies, then throughput / SLO / cost and replicas."""
+def print_summary(console, s: dict, title: str, source: str | None = None) -> None:
+    """The summary as two rich tables: latencies, then throughput / SLO / cost and replicas;
+    ``source`` (under the latencies): where the times come from."""
     from rich.table import Table
 
-    lat = Table(title=title, title_justify="left")
+    lat = Table(title=title, title_justify="left", caption=source, caption_justify="left")
     lat.add_column("latency (s)")
     for k in ("mean", "p50", "p90", "p99"):
         lat.add_column(k, justify="right")

@@ -1,0 +1,23 @@
+"""The check a command makes on a file it will write, before the work that fills it (a calibration
+measures for minutes, a plan searches for as long as it is let): a path it cannot write is refused
+first, in one line, rather than after the work is done and lost."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hetserve.errors import SpecError
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """``path`` (given as ``flag``) names a file in an existing folder that can be written."""
+    target = Path(path)
+    if target.is_dir():
+        raise SpecError(path, flag, "a file to write", "a folder")
+    folder = target.parent
+    if not folder.is_dir():
+        raise SpecError(path, flag, "a file in an existing folder",
+                        f"{folder} is not a folder" if folder.exists() else f"no folder {folder}")
+    if not os.access(folder, os.W_OK):
+        raise SpecError(path, flag, "a file in a folder this user can write", f"{folder} is read-only")

@@ -27,16 +27,26 @@ def _expected(err: dict[str, Any], model: type[pydantic.BaseModel] | None) -> st
 
 
 def validate(model: type[M], data: Any, source: str) -> M:
-    """Validate ``data`` against a pydantic model; the first problem becomes a SpecError."""
+    """Validate ``data`` against a pydantic model; the first problem becomes a SpecError. A field
+    that is not known comes first: a misspelt key is also why its right spelling is missing
+    (``bandwdth_gbps``: the error names it, and says that ``bandwidth_gbps`` is required there)."""
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err.get("loc", ())) or "(top level)"
+        errors = exc.errors()
+        extra = [e for e in errors if e.get("type") == "extra_forbidden"]
+        err = extra[0] if extra else errors[0]
+        loc = tuple(err.get("loc", ()))
+        field = ".".join(str(p) for p in loc) or "(top level)"
         got = err.get("input") if err.get("type") not in ("missing",) else None
         if isinstance(got, (dict, list)):
             got = None  # a whole sub-document is not a helpful "got"
-        raise SpecError(source, field, _expected(err, model), got) from exc
+        expected = _expected(err, model)
+        missing = [str(e["loc"][-1]) for e in errors
+                   if extra and e.get("type") == "missing" and tuple(e.get("loc", ()))[:-1] == loc[:-1]]
+        if missing:
+            expected = expected[:-1] + f"; {', '.join(repr(m) for m in missing)} is required here)"
+        raise SpecError(source, field, expected, got) from exc
 
 
 def read_mapping(path: Path) -> dict[str, Any]:

@@ -362,3 +362,11 @@ def test_cpu_slots_name_the_host_whose_cores_they_share(tmp_path):
           - {name: a, gpu: RTX-4090, count: 2, cpu_host: pc}
         """)
     assert err.field == "machines.0.cpu_host" and "cpu_cores" in str(err)
+
+
+def test_a_misspelt_key_is_named_before_the_field_it_left_missing(tmp_path):
+    """`bandwdth_gbps` both is unknown and leaves `bandwidth_gbps` missing: the error names the
+    misspelt key the user wrote (and the one required there), not only the missing one."""
+    err = spec_error(tmp_path, TWO_BOXES.replace("inter_site: {bandwidth_gbps", "inter_site: {bandwdth_gbps"))
+    assert err.field == "network.inter_site.bandwdth_gbps"
+    assert "check its spelling" in err.expected and "'bandwidth_gbps' is required here" in err.expected

@@ -45,7 +45,8 @@ def validate(model: type[M], data: Any, source: str) -> M:
         missing = [str(e["loc"][-1]) for e in errors
                    if extra and e.get("type") == "missing" and tuple(e.get("loc", ()))[:-1] == loc[:-1]]
         if missing:
-            expected = expected[:-1] + f"; {', '.join(repr(m) for m in missing)} is required here)"
+            expected = (expected[:-1] + f"; {', '.join(repr(m) for m in missing)} "
+                        f"{'is' if len(missing) == 1 else 'are'} required here)")
         raise SpecError(source, field, expected, got) from exc
 
 

@@ -11,13 +11,13 @@ engine's efficiency alone (``cost.analytic.load_efficiency``).
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
 from hetserve.cost.analytic import Efficiency, load_efficiency
 from hetserve.errors import SpecError
 from hetserve.runtime.speed_probe import SpeedReading
+from hetserve.specs._validation import read_mapping
 
 
 # runtime terms of the file: (default where the file has none, floor or None); the times scale by
@@ -107,12 +107,7 @@ def speed_reference(efficiency: str | Path | None, correction: bool = True) -> t
 
 def _read(path: str | Path) -> dict:
     """The file's content, its ``runtime`` terms checked (``load_efficiency`` checks the rest)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SpecError(str(path), "(file)", "a readable JSON file", str(exc)) from exc
-    if not isinstance(data, dict):
-        return {}
+    data = read_mapping(Path(path))
     runtime = data.get("runtime", {})
     if not isinstance(runtime, dict):
         raise SpecError(str(path), "runtime", "a mapping of the serving terms", runtime)

@@ -42,10 +42,10 @@ def validate(model: type[M], data: Any, source: str) -> M:
         if isinstance(got, (dict, list)):
             got = None  # a whole sub-document is not a helpful "got"
         expected = _expected(err, model)
-        missing = [str(e["loc"][-1]) for e in errors
+        missing = [repr(str(e["loc"][-1])) for e in errors
                    if extra and e.get("type") == "missing" and tuple(e.get("loc", ()))[:-1] == loc[:-1]]
-        if missing:
-            expected = (expected[:-1] + f"; {', '.join(repr(m) for m in missing)} "
+        if missing:  # the unknown key is likely the misspelling of the one missing beside it
+            expected = (f"no such field (check its spelling; {', '.join(missing)} "
                         f"{'is' if len(missing) == 1 else 'are'} required here)")
         raise SpecError(source, field, expected, got) from exc
 

@@ -7,7 +7,7 @@
 # Knobs as bench/gpu/calibrate_gpu.sh (env.sh), and N (requests per cell, default 48).
 set -u
 . "$(dirname "$0")/env.sh"
-CAL=${CAL:-examples/calibrations/h200-2026-11-27/tiny-llama.json}
+CAL=${CAL:-examples/calibrations/h200-2026-11-28/tiny-llama.json}
 N=${N:-48}
 hs make-model --arch llama --layers 8 --hidden 256 --heads 4 --kv-heads 1 --ffn 768 -o /tmp/tiny-llama >/dev/null
 cat > /tmp/gpu2.yaml <<YAML

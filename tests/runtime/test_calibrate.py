@@ -389,3 +389,20 @@ def test_calibrate_says_why_it_measured_no_tp_collective(tmp_path):
     shape = _collectives(no_points, argparse.Namespace(model=str(tmp_path / "odd"), no_tp=False))
     assert "1 KV heads" in shape and "do not all split in two" in shape
     assert _collectives(no_points, argparse.Namespace(model=str(tmp_path / "odd"), no_tp=True)).endswith("--no-tp)")
+
+
+@pytest.mark.timeout(180)
+def test_the_tp_probe_is_sampled_several_times_a_round_and_priced_by_their_median(tmp_path):
+    """On the real engine: the TP 2 probe, the noisiest on a shared machine (two processes meet at
+    every all-reduce), is taken TP_SAMPLES_PER_ROUND times in each round, and the calibration's TP
+    points are the median over all of them, not over one a round."""
+    from hetserve.runtime.calibration_probes import TP_SAMPLES_PER_ROUND, measure
+
+    assert TP_SAMPLES_PER_ROUND >= 2
+    model_dir = make_model(tmp_path / "m", "llama", layers=2, hidden=64, heads=4, kv_heads=2)
+    m = measure(str(model_dir), "RTX-4090", prompt_lengths=(16, 32), batch_sizes=(1,), decode_tokens=4, reps=2,
+                serving=False, pipeline=False, handoff=False, speed=False, long_decode=False)
+    for key, point in (("ttft", m.tp_ttft[32]), ("tpot", m.tp_tpot[1])):
+        samples = m.tp_rounds[key]
+        assert sorted(r for r, _ in samples) == [0] * TP_SAMPLES_PER_ROUND + [1] * TP_SAMPLES_PER_ROUND
+        assert point == statistics.median(s for _, s in samples)

@@ -35,11 +35,11 @@ LONG_DECODE_PROMPT = 256  # ... and of the long-context decode probe
 # The TP 2 probe is taken this many times in each round (1: after the one-device probes; 2: and at
 # the round's end; 3: and at its start), where every other probe is taken once. Its decode is two
 # worker processes meeting at two all-reduces per layer, so a spell of seconds in which either waits
-# for a core stretches every token: in a run of twenty rounds two read 2.2x and 2.4x the run's median,
-# and one bench calibration's five rounds read 4.67x the one-device decode where thirteen others read
-# 3.3-4.1x. Over ten calibrations, three samples a round against the middle one alone: the decode's
-# ratio to the one-device decode spread 0.19 against 0.22 (standard deviation), the prompt's 0.14
-# against 0.23 (docs/benchmarks.md, twenty-third session).
+# for a core stretches every token: in a run of twenty rounds two read 2.2x and 2.4x the run's
+# median, and one bench calibration's seven rounds read 4.67x the one-device decode where thirteen
+# others read 3.3-4.1x. Over ten calibrations of five rounds, three samples a round against the
+# middle one alone: the decode's ratio to the one-device decode spread 0.19 against 0.22 (standard
+# deviation), the prompt's 0.14 against 0.23 (docs/benchmarks.md, twenty-third session).
 TP_SAMPLES_PER_ROUND = 3
 
 

@@ -57,7 +57,8 @@ def main() -> int:
 
     from bench.bench_predict import tiny_model
     from hetserve.cost.analytic import CostModel
-    from hetserve.runtime.calibrate import _layout, _one_device_cluster, _one_device_plan, calibrate
+    from hetserve.runtime.calibrate import calibrate
+    from hetserve.runtime.probe_shapes import one_device_cluster, one_device_plan, probe_layout
     from hetserve.runtime.calibration_file import served_efficiency
     from hetserve.runtime.sequence import SamplingParams
     from hetserve.serve.launch import ServeOptions, start_server
@@ -75,8 +76,8 @@ def main() -> int:
     hold = cal.efficiency.turn_hold
     console.print(f"fitted turn_hold {hold:.2f}" if hold is not None else "turn_hold not fitted (no two-stage probe)")
 
-    cluster = _one_device_cluster(args.gpu, 2)
-    server = start_server(ServeOptions(plan=_one_device_plan(spec, cluster, 2), cluster=cluster, model_dir=str(model_dir),
+    cluster = one_device_cluster(args.gpu, 2)
+    server = start_server(ServeOptions(plan=one_device_plan(spec, cluster, 2), cluster=cluster, model_dir=str(model_dir),
                                        max_num_seqs=max(BATCHES), kv_capacity_tokens=16384))
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
@@ -101,7 +102,7 @@ def main() -> int:
     # the same two slots, as a cluster file says them: sharing this machine's cores
     shared = cluster_from_dict({"name": "round", "machines": [{"name": "cal", "gpu": args.gpu, "count": 2,
                                                                 "cpu_cores": os.cpu_count() or 1}]})
-    layout = _layout(spec, 2)
+    layout = probe_layout(spec, 2)
     wait = cal.stream_step_overhead_s
     served = served_efficiency(scratch / "cal.json")
     models = {"calibrated": (cal.efficiency, served),

@@ -61,7 +61,8 @@ def main() -> int:
 
     from bench.bench_predict import tiny_model
     from hetserve.cost.analytic import CostModel, load_efficiency
-    from hetserve.runtime.calibration_probes import DECODE_PROMPT, _layout, _one_device_cluster, _one_device_plan
+    from hetserve.runtime.calibration_probes import DECODE_PROMPT
+    from hetserve.runtime.probe_shapes import one_device_cluster, one_device_plan, probe_layout
     from hetserve.runtime.engine import Engine, EngineConfig
     from hetserve.runtime.sampling import SamplingParams
     from hetserve.specs.model import load_model
@@ -81,9 +82,9 @@ def main() -> int:
     tmp, rng = scratch_dir("probe-rows-"), np.random.default_rng(0)
     model_dir = tiny_model(tmp)
     spec = load_model(model_dir)
-    cluster = _one_device_cluster("RTX-4090")
+    cluster = one_device_cluster("RTX-4090")
     tokens = 24
-    eng = Engine.from_plan(_one_device_plan(spec, cluster), cluster, model_dir,
+    eng = Engine.from_plan(one_device_plan(spec, cluster), cluster, model_dir,
                            EngineConfig(max_num_seqs=max(batches), kv_capacity_tokens=4 * max(batches) * 64))
     try:
         eng.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
@@ -106,7 +107,7 @@ def main() -> int:
         extra = "-" if prev is None else f"{(med - prev[1]) / (b - prev[0]):.2f}"
         row = [str(b), f"{med:.2f}", f"{min(tpot[b]) * 1e3:.2f}-{max(tpot[b]) * 1e3:.2f}", extra]
         if cm:
-            model = cm.decode_step_time(_layout(spec), b, b * (DECODE_PROMPT + tokens / 2)) * 1e3
+            model = cm.decode_step_time(probe_layout(spec), b, b * (DECODE_PROMPT + tokens / 2)) * 1e3
             row += [f"{model:.2f}", f"{(model - med) / med:+.0%}"]
         t.add_row(*row)
         prev = (b, med)

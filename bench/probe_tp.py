@@ -32,7 +32,7 @@ def main() -> int:
 
     import numpy as np
 
-    from hetserve.runtime.calibration_probes import _one_device_cluster, _one_device_plan
+    from hetserve.runtime.probe_shapes import one_device_cluster, one_device_plan
     from hetserve.runtime.engine import Engine, EngineConfig
     from hetserve.runtime.make_model import make_model
     from hetserve.runtime.sampling import SamplingParams
@@ -46,8 +46,8 @@ def main() -> int:
                                    ffn=768)
             spec = load_model(model_dir)
             for tp in (1, 2):
-                cluster = _one_device_cluster("RTX-4090", tp)
-                eng = Engine.from_plan(_one_device_plan(spec, cluster, 1, tp), cluster, model_dir,
+                cluster = one_device_cluster("RTX-4090", tp)
+                eng = Engine.from_plan(one_device_plan(spec, cluster, 1, tp), cluster, model_dir,
                                        EngineConfig(max_num_seqs=4))
                 eng.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
                 engines[(layers, tp)] = eng

@@ -75,9 +75,10 @@ from scipy.optimize import least_squares
 
 from hetserve.cost.analytic import CostModel, Efficiency
 from hetserve.runtime.calibration_probes import (  # noqa: F401  (re-exported: calibrate's public names)
-    DECODE_PROMPT, LONG_DECODE_PROMPT, Measurements, _layout, _one_device_cluster, _one_device_plan, machine_info, measure)
+    DECODE_PROMPT, LONG_DECODE_PROMPT, Measurements, machine_info, measure)
 from hetserve.runtime.overhead_fit import (  # noqa: F401  (re-exported: calibrate's public names)
     FrontEndPoint, fit_frontend_cpu, request_overhead, stream_overheads)
+from hetserve.runtime.probe_shapes import one_device_cluster, probe_layout
 from hetserve.runtime.speed_probe import SpeedReading, combine
 from hetserve.specs.model import load_model
 
@@ -223,8 +224,8 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     decode): the collectives' cost per byte beside their fixed cost (``Efficiency.collective_s_per_byte``)."""
     spec = load_model(model_dir)
     pp_ttft, pp_tpot, tp_ttft, tp_tpot = pp_ttft or {}, pp_tpot or {}, tp_ttft or {}, tp_tpot or {}
-    cluster = _one_device_cluster(gpu_name, 2 if pp_ttft or pp_tpot or tp_ttft or tp_tpot else 1)
-    shapes = {(1, 1): _layout(spec), (2, 1): _layout(spec, 2), (1, 2): _layout(spec, 1, 2)}
+    cluster = one_device_cluster(gpu_name, 2 if pp_ttft or pp_tpot or tp_ttft or tp_tpot else 1)
+    shapes = {(1, 1): probe_layout(spec), (2, 1): probe_layout(spec, 2), (1, 2): probe_layout(spec, 1, 2)}
     base = replace(base or Efficiency(), step_overhead_s=0.0, iteration_overhead_s=0.0, seq_overhead_s=0.0,
                    collective_overhead_s=0.0, attention=0.0, decode_attention=0.0,
                    multi_row_s_per_byte=0.0, collective_s_per_byte=0.0)
@@ -322,9 +323,9 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
                    for (ph, n, st, t_, L, sec), p in zip(probes, predict(eff)))
     overhead = request_overhead(http_ttft, ttft, outside)
     stream_step, stream = stream_overheads(http_tpot, tpot)
-    two = _one_device_cluster(gpu_name, 2)
+    two = one_device_cluster(gpu_name, 2)
     cm2 = CostModel(two, spec, eff)
-    handoff = max(0.0, statistics.median(t - cm2.kv_transfer_time(_layout(spec), _layout(spec, 1, 1, first_device=1), L)
+    handoff = max(0.0, statistics.median(t - cm2.kv_transfer_time(probe_layout(spec), probe_layout(spec, 1, 1, first_device=1), L)
                                          for L, t in kv_handoff.items())) if kv_handoff else 0.0
     (req_cpu, step_cpu, tok_cpu), fe_points = fit_frontend_cpu(frontend_cpu)
     return Calibration(gpu_name, eff, points, overhead, stream, handoff, contention, measured_on or {},

@@ -6,8 +6,8 @@ several lengths (TTFT), decode batches of several sizes (TPOT), the same through
 ``openai`` client, and a prompt and a one-sequence decode on a two-stage pipeline and on one stage
 of TP 2 of the same checkpoint, and the KV hand-off of that prompt from a prefill to a decode
 replica; then the largest decode batch alone and beside one more busy worker-like process, interleaved (the
-contention slow-down: the ratio of the worker's own CPU time). The replica shapes (``_one_device_plan``, ``_layout``) are shared with the
-fit, so both price the same layouts.
+contention slow-down: the ratio of the worker's own CPU time). The replicas probed are
+``probe_shapes``', which the fit prices too.
 """
 
 from __future__ import annotations
@@ -22,11 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hetserve.cost.layout import ReplicaLayout, StageLayout
-from hetserve.planner.plan import Plan
 from hetserve.runtime.host_load import burn, cpu_meter, cpu_ns, gil_load, idle_cpu_rate
 from hetserve.runtime.speed_probe import paired_round_median, round_median
-from hetserve.specs.cluster import Cluster, cluster_from_dict
+from hetserve.runtime.probe_shapes import handoff_plan, one_device_cluster, one_device_plan, tp_divides
 from hetserve.specs.model import load_model
 
 
@@ -64,48 +62,6 @@ def machine_info() -> dict:
         info.update(device=f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda}, torch {torch.__version__})",
                     host_cpu=cpu, gpus=torch.cuda.device_count())
     return info
-
-
-def _one_device_cluster(gpu_name: str, count: int = 1) -> Cluster:
-    # Memory is left at the GPU's: calibration measures speed, not capacity.
-    return cluster_from_dict({"name": "calibration", "machines": [{"name": "cal", "gpu": gpu_name, "count": count}]})
-
-
-def _stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Layers split as evenly as they go over ``stages`` stages (the pipeline probe's layout)."""
-    cuts = [round(i * num_layers / stages) for i in range(stages + 1)]
-    return list(zip(cuts, cuts[1:]))
-
-
-def _one_device_plan(spec, cluster: Cluster, stages: int = 1, tp: int = 1) -> Plan:
-    """One colocated replica; ``stages`` > 1: a pipeline with one device per stage; ``tp`` > 1: one
-    stage on ``tp`` devices."""
-    devs = [[f"cal:{i * tp + k}" for k in range(tp)] for i in range(stages)]
-    return Plan.from_dict({"model": spec.name, "cluster": cluster.name, "algorithm": "calibration",
-                           "replicas": [{"id": "c0", "role": "colocated",
-                                         "stages": [{"devices": d, "layers": [lo, hi]}
-                                                    for d, (lo, hi) in zip(devs, _stage_bounds(spec.num_layers,
-                                                                                                stages))]}]})
-
-
-def _layout(spec, stages: int = 1, tp: int = 1, first_device: int = 0) -> ReplicaLayout:
-    """The replica ``_one_device_plan`` serves, as the cost model sees it (devices from ``first_device``)."""
-    return ReplicaLayout(tuple(StageLayout(tuple(range(first_device + i * tp, first_device + (i + 1) * tp)), b)
-                               for i, b in enumerate(_stage_bounds(spec.num_layers, stages))))
-
-
-def _handoff_plan(spec, cluster: Cluster) -> Plan:
-    """A prefill replica on one device handing its KV to a decode replica on another."""
-    stage = lambda dev: [{"devices": [dev], "layers": [0, spec.num_layers]}]  # noqa: E731
-    return Plan.from_dict({"model": spec.name, "cluster": cluster.name, "algorithm": "calibration",
-                           "replicas": [{"id": "p0", "role": "prefill", "stages": stage("cal:0")},
-                                        {"id": "d0", "role": "decode", "stages": stage("cal:1")}],
-                           "kv_routes": [{"from": "p0", "to": "d0", "weight": 1.0}]})
-
-
-def tp_divides(spec, tp: int) -> bool:
-    """The checkpoint's heads, KV heads and FFN split evenly over ``tp`` devices (a TP probe is possible)."""
-    return spec.num_heads % tp == 0 and spec.num_kv_heads % tp == 0 and spec.ffn_hidden % tp == 0
 
 
 @dataclass
@@ -168,8 +124,8 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
     from hetserve.runtime.sampling import SamplingParams
 
     spec = load_model(model_dir)
-    cluster = _one_device_cluster(gpu_name)
-    plan = _one_device_plan(spec, cluster)
+    cluster = one_device_cluster(gpu_name)
+    plan = one_device_plan(spec, cluster)
     rng = np.random.default_rng(0)
     prompt_lengths = [L for L in prompt_lengths if L + decode_tokens < spec.max_context]
     long_b = min(4, max(batch_sizes))
@@ -220,19 +176,19 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
             # A two-stage pipeline of the same checkpoint, probed in the same rounds (the load drifts):
             # one micro-batch, so what it adds to one stage is the second stage's fixed cost and hand-on;
             # and two (two sequences): how much of the turn-around holds the last stage meanwhile.
-            cluster2 = _one_device_cluster(gpu_name, 2)
-            pp = Engine.from_plan(_one_device_plan(spec, cluster2, 2), cluster2, model_dir,
+            cluster2 = one_device_cluster(gpu_name, 2)
+            pp = Engine.from_plan(one_device_plan(spec, cluster2, 2), cluster2, model_dir,
                                   EngineConfig(max_num_seqs=4, kv_capacity_tokens=kv_tokens))
             pp.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         if tp and tp_divides(spec, 2):
             # One stage on TP 2: what it adds beyond half the compute is its collectives' fixed cost.
-            cluster2 = _one_device_cluster(gpu_name, 2)
-            tp2 = Engine.from_plan(_one_device_plan(spec, cluster2, 1, 2), cluster2, model_dir,
+            cluster2 = one_device_cluster(gpu_name, 2)
+            tp2 = Engine.from_plan(one_device_plan(spec, cluster2, 1, 2), cluster2, model_dir,
                                    EngineConfig(max_num_seqs=4, kv_capacity_tokens=kv_tokens))
             tp2.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         if handoff:
-            cluster2 = _one_device_cluster(gpu_name, 2)
-            pd = Engine.from_plan(_handoff_plan(spec, cluster2), cluster2, model_dir,
+            cluster2 = one_device_cluster(gpu_name, 2)
+            pd = Engine.from_plan(handoff_plan(spec, cluster2), cluster2, model_dir,
                                   EngineConfig(max_num_seqs=4, kv_capacity_tokens=kv_tokens))
             pd.generate([[65] * 8], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
         engine.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up

@@ -6,7 +6,8 @@ import pytest
 
 from hetserve.cost.analytic import CostModel, Efficiency
 from hetserve.cost.layout import ReplicaLayout, StageLayout
-from hetserve.runtime.calibrate import Calibration, _one_device_cluster, fit
+from hetserve.runtime.calibrate import Calibration, fit
+from hetserve.runtime.probe_shapes import one_device_cluster
 from hetserve.runtime.calibration_file import served_efficiency
 from hetserve.runtime.make_model import make_model
 
@@ -37,7 +38,7 @@ def test_fit_recovers_known_efficiency(tmp_path):
     spec = load_model(model_dir)
     truth = Efficiency(compute=3e-4, iteration_overhead_s=0.004, step_overhead_s=0.0012, seq_overhead_s=0.0003,
                        collective_overhead_s=0.0009, turn_hold=0.9)
-    cm = CostModel(_one_device_cluster("RTX-4090", 2), spec, truth)
+    cm = CostModel(one_device_cluster("RTX-4090", 2), spec, truth)
     lay = ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),))
     ttft, tpot, probes = _probes_priced_by(cm, spec)
     cal = fit(str(model_dir), "RTX-4090", ttft, tpot, **probes)
@@ -57,15 +58,15 @@ def test_fit_recovers_known_efficiency(tmp_path):
     served.save(tmp_path / "cal.json")
     eff = served_efficiency(tmp_path / "cal.json")
     assert eff.seq_overhead_s == pytest.approx(served.efficiency.seq_overhead_s + 0.0005, rel=1e-9)
-    served_model = CostModel(_one_device_cluster("RTX-4090"), spec, eff)
+    served_model = CostModel(one_device_cluster("RTX-4090"), spec, eff)
     for b, t in tpot.items():  # the simulator's served iteration is the client's TPOT
         assert served_model.decode_step_time(lay, b, b * (16 + 12)) == pytest.approx(t + b * 0.0005, rel=0.02)
     # a KV hand-off measured 3 ms above what the cost model's link gives for that KV
-    from hetserve.runtime.calibrate import _layout
+    from hetserve.runtime.probe_shapes import probe_layout
     from hetserve.runtime.calibration_file import load_kv_handoff_overhead
 
-    link = CostModel(_one_device_cluster("RTX-4090", 2), spec, cal.efficiency).kv_transfer_time(
-        _layout(spec), _layout(spec, first_device=1), 128)
+    link = CostModel(one_device_cluster("RTX-4090", 2), spec, cal.efficiency).kv_transfer_time(
+        probe_layout(spec), probe_layout(spec, first_device=1), 128)
     handed = fit(str(model_dir), "RTX-4090", ttft, tpot, kv_handoff={128: link + 0.003})
     assert handed.kv_handoff_overhead_s == pytest.approx(0.003, rel=1e-3)
     handed.save(tmp_path / "handoff.json")
@@ -86,12 +87,12 @@ def test_the_turn_hold_is_the_last_stages_share_where_two_shares_price_the_round
     model_dir = make_model(tmp_path / "m", "llama", layers=4, hidden=128, heads=4, kv_heads=2)
     spec = load_model(model_dir)
     truth = Efficiency(compute=3e-4, iteration_overhead_s=0.02, step_overhead_s=0.0012, turn_hold=0.6)
-    cm = CostModel(_one_device_cluster("RTX-4090", 2), spec, truth)
+    cm = CostModel(one_device_cluster("RTX-4090", 2), spec, truth)
     ttft, tpot, probes = _probes_priced_by(cm, spec)
     two = probes["pp_tpot"][2]
     h_low = 1 - two / (2 * 0.02)  # the front end's bound alone gives the round
     assert 0 < h_low < 0.5
-    low = CostModel(_one_device_cluster("RTX-4090", 2), spec, Efficiency(
+    low = CostModel(one_device_cluster("RTX-4090", 2), spec, Efficiency(
         compute=3e-4, iteration_overhead_s=0.02, step_overhead_s=0.0012, turn_hold=h_low))
     pp = ReplicaLayout((StageLayout((0,), (0, 2)), StageLayout((1,), (2, 4))))
     assert low.decode_step_time(pp, 2, 2 * 28) == pytest.approx(two, rel=1e-9)  # both shares price it
@@ -115,7 +116,7 @@ def test_fit_recovers_the_multi_row_and_per_byte_collective_costs(tmp_path):
     truth = Efficiency(compute=3e-4, iteration_overhead_s=0.004, step_overhead_s=0.0012, seq_overhead_s=0.0001,
                        collective_overhead_s=0.0009, multi_row_s_per_byte=0.0015 / one_bytes,
                        collective_s_per_byte=4e-9)
-    ttft, tpot, probes = _probes_priced_by(CostModel(_one_device_cluster("RTX-4090", 2), spec, truth), spec)
+    ttft, tpot, probes = _probes_priced_by(CostModel(one_device_cluster("RTX-4090", 2), spec, truth), spec)
     cal = fit(str(model_dir), "RTX-4090", ttft, tpot, **probes)
     assert cal.max_abs_error < 0.01
     assert cal.efficiency.multi_row_s_per_byte == pytest.approx(truth.multi_row_s_per_byte, rel=0.05)
@@ -157,8 +158,8 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
     lays = {(1, 1): ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),)),
             (2, 1): ReplicaLayout((StageLayout((0,), (0, 1)), StageLayout((1,), (1, 2)))),
             (1, 2): ReplicaLayout((StageLayout((0, 1), (0, spec.num_layers)),))}
-    fitted = CostModel(_one_device_cluster("RTX-4090", 2), spec, load_efficiency(out))
-    default = CostModel(_one_device_cluster("RTX-4090", 2), spec, Efficiency())
+    fitted = CostModel(one_device_cluster("RTX-4090", 2), spec, load_efficiency(out))
+    default = CostModel(one_device_cluster("RTX-4090", 2), spec, Efficiency())
 
     def predict(cm, p):
         lay = lays[p["stages"], p["tp"]]
@@ -207,7 +208,7 @@ def test_fit_recovers_attention_efficiency_and_the_front_end_cpu(tmp_path):
     make_model(model_dir, "llama", layers=4, hidden=128, heads=4, kv_heads=2)
     spec = load_model(model_dir)
     truth = Efficiency(compute=3e-4, attention=6e-5, iteration_overhead_s=0.004, seq_overhead_s=0.0003)
-    cm = CostModel(_one_device_cluster("RTX-4090"), spec, truth)
+    cm = CostModel(one_device_cluster("RTX-4090"), spec, truth)
     lay = ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),))
     ttft = {L: cm.ttft(lay, L) for L in (32, 128, 256, 512)}
     tpot = {b: cm.decode_step_time(lay, b, b * (16 + 12)) for b in (1, 4, 16)}
@@ -217,8 +218,8 @@ def test_fit_recovers_attention_efficiency_and_the_front_end_cpu(tmp_path):
     flat = fit(str(model_dir), "RTX-4090", ttft, tpot, attention=False)
     assert flat.efficiency.attention == 0.0 and flat.max_abs_error > 0.02
     # attention at the compute efficiency is the plain roofline (the default, 0, changes nothing)
-    same = CostModel(_one_device_cluster("RTX-4090"), spec, Efficiency(compute=3e-4, attention=3e-4))
-    plain = CostModel(_one_device_cluster("RTX-4090"), spec, Efficiency(compute=3e-4))
+    same = CostModel(one_device_cluster("RTX-4090"), spec, Efficiency(compute=3e-4, attention=3e-4))
+    plain = CostModel(one_device_cluster("RTX-4090"), spec, Efficiency(compute=3e-4))
     assert same.ttft(lay, 512) == pytest.approx(plain.ttft(lay, 512), rel=1e-12)
 
     # a decode step's attention over its context at its own, lower efficiency (the runtime reads each
@@ -226,7 +227,7 @@ def test_fit_recovers_attention_efficiency_and_the_front_end_cpu(tmp_path):
     # short ones; without it the short-context fit misses the long-context step
     truth_d = Efficiency(compute=3e-4, attention=6e-5, decode_attention=4e-6, iteration_overhead_s=0.004,
                          seq_overhead_s=0.0003)
-    cm_d = CostModel(_one_device_cluster("RTX-4090"), spec, truth_d)
+    cm_d = CostModel(one_device_cluster("RTX-4090"), spec, truth_d)
     tpot_d = {b: cm_d.decode_step_time(lay, b, b * (16 + 12)) for b in (1, 4, 16)}
     long_d = {4: cm_d.decode_step_time(lay, 4, 4 * (256 + 12))}
     ttft_d = {L: cm_d.ttft(lay, L) for L in (32, 128, 256, 512)}
@@ -235,7 +236,7 @@ def test_fit_recovers_attention_efficiency_and_the_front_end_cpu(tmp_path):
     assert [p.prompt for p in dec.points if p.phase == "decode"] == [16, 16, 16, 256]
     blind = fit(str(model_dir), "RTX-4090", ttft_d, tpot_d)
     assert blind.efficiency.decode_attention == 0.0
-    assert CostModel(_one_device_cluster("RTX-4090"), spec, blind.efficiency).decode_step_time(
+    assert CostModel(one_device_cluster("RTX-4090"), spec, blind.efficiency).decode_step_time(
         lay, 4, 4 * (256 + 12)) < 0.9 * long_d[4]
 
     req, step, tok = 0.006, 0.0015, 0.0002

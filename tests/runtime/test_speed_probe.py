@@ -11,7 +11,7 @@ from hetserve.cost.analytic import CostModel
 from hetserve.cost.efficiency import Efficiency
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.runtime.calibration_file import load_speed_probe, served_efficiency, served_sim_options, speed_reference
-from hetserve.runtime.calibration_probes import _one_device_cluster
+from hetserve.runtime.probe_shapes import one_device_cluster
 from hetserve.runtime.speed_probe import SpeedProbe, SpeedReading, combine, paired_round_median, round_median, slowdown
 from hetserve.specs.model import load_model
 
@@ -25,7 +25,7 @@ def test_a_machine_twice_as_slow_doubles_every_priced_time(model_dirs):
     costs, compute, attention, weights streamed); a pipeline's hand-on and TP 2's collectives keep
     their links' time (a link is not the cores)."""
     spec = load_model(model_dirs["llama"])
-    cluster = _one_device_cluster("RTX-4090", 2)
+    cluster = one_device_cluster("RTX-4090", 2)
     layouts = [ReplicaLayout((StageLayout((0,), (0, spec.num_layers)),)),
                ReplicaLayout((StageLayout((0,), (0, 1)), StageLayout((1,), (1, spec.num_layers)))),
                ReplicaLayout((StageLayout((0, 1), (0, spec.num_layers)),))]

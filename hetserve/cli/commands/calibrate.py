@@ -141,7 +141,7 @@ def _collectives(cal, args) -> str:
     """What the TP collectives cost, and where from (nothing measured without the TP 2 probes, and
     why there were none)."""
     if not any(p.tp > 1 for p in cal.points):
-        from hetserve.runtime.calibration_probes import tp_divides
+        from hetserve.runtime.probe_shapes import tp_divides
         from hetserve.specs.model import load_model
 
         spec = load_model(args.model)

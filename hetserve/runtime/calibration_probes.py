@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from hetserve.runtime.host_load import burn, cpu_meter, cpu_ns, gil_load, idle_cpu_rate
-from hetserve.runtime.speed_probe import paired_round_median, round_median
 from hetserve.runtime.probe_shapes import handoff_plan, one_device_cluster, one_device_plan, tp_divides
+from hetserve.runtime.speed_probe import paired_round_median, round_median
 from hetserve.specs.model import load_model
 
 
@@ -115,11 +115,12 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
     median TTFT of the same prompts and TPOT of the same batches through the HTTP server and the
     ``openai`` client, and the TTFT of the second prompt length and the TPOT of one sequence on a
     two-stage pipeline (``pipeline``, checkpoints of two or more layers) and on one stage of TP 2
-    (``tp``, heads and FFN divisible by 2; ``TP_SAMPLES_PER_ROUND`` times a round), and (``handoff``) the KV hand-off of that prompt from a
-    prefill replica to a decode replica (the coordinator's send to the last acknowledgement), and
-    (``speed``) the machine's speed index in every round (``runtime.speed_probe``), which
-    ``hetserve compare`` reads again when it serves; each round's times are then scaled to the
-    speed of the median reading (``speed_probe.round_median``)."""
+    (``tp``, heads and FFN divisible by 2; ``TP_SAMPLES_PER_ROUND`` times a round), and
+    (``handoff``) the KV hand-off of that prompt from a prefill replica to a decode replica (the
+    coordinator's send to the last acknowledgement), and (``speed``) the machine's speed index in
+    every round (``runtime.speed_probe``), which ``hetserve compare`` reads again when it serves;
+    each round's times are then scaled to the speed of the median reading
+    (``speed_probe.round_median``)."""
     from hetserve.runtime.engine import Engine, EngineConfig
     from hetserve.runtime.sampling import SamplingParams
 

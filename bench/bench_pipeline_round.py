@@ -58,8 +58,8 @@ def main() -> int:
     from bench.bench_predict import tiny_model
     from hetserve.cost.analytic import CostModel
     from hetserve.runtime.calibrate import calibrate
-    from hetserve.runtime.probe_shapes import one_device_cluster, one_device_plan, probe_layout
     from hetserve.runtime.calibration_file import served_efficiency
+    from hetserve.runtime.probe_shapes import one_device_cluster, one_device_plan, probe_layout
     from hetserve.runtime.sequence import SamplingParams
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import LoadRequest, replay

@@ -62,8 +62,8 @@ def main() -> int:
     from bench.bench_predict import tiny_model
     from hetserve.cost.analytic import CostModel, load_efficiency
     from hetserve.runtime.calibration_probes import DECODE_PROMPT
-    from hetserve.runtime.probe_shapes import one_device_cluster, one_device_plan, probe_layout
     from hetserve.runtime.engine import Engine, EngineConfig
+    from hetserve.runtime.probe_shapes import one_device_cluster, one_device_plan, probe_layout
     from hetserve.runtime.sampling import SamplingParams
     from hetserve.specs.model import load_model
 

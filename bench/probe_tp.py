@@ -32,9 +32,9 @@ def main() -> int:
 
     import numpy as np
 
-    from hetserve.runtime.probe_shapes import one_device_cluster, one_device_plan
     from hetserve.runtime.engine import Engine, EngineConfig
     from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.probe_shapes import one_device_cluster, one_device_plan
     from hetserve.runtime.sampling import SamplingParams
     from hetserve.specs.model import load_model
 

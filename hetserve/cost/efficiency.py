@@ -120,7 +120,7 @@ def load_efficiency(path: str | Path) -> Efficiency:
         for key, value in data.items():
             if key not in CALIBRATION_KEYS:
                 raise SpecError(str(path), key, "one of the calibration file's keys: " + ", ".join(CALIBRATION_KEYS))
-            if not _of_type(value, CALIBRATION_KEYS[key]):
+            if not of_json_type(value, CALIBRATION_KEYS[key]):
                 raise SpecError(str(path), key, _json_type(CALIBRATION_KEYS[key]), value)
         data, prefix = data["efficiency"], "efficiency."
     known = {f.name: f.type for f in fields(Efficiency)}
@@ -130,7 +130,7 @@ def load_efficiency(path: str | Path) -> Efficiency:
         optional = "None" in str(known[key])
         if value is None and optional:
             continue
-        if not _of_type(value, (int, float)):
+        if not of_json_type(value, (int, float)):
             raise SpecError(str(path), prefix + key, "a number" + (" or null" if optional else ""), value)
     try:
         return Efficiency(**data)
@@ -138,7 +138,7 @@ def load_efficiency(path: str | Path) -> Efficiency:
         raise SpecError(str(path), prefix.rstrip(".") or "(file)", "values in range", str(exc)) from exc
 
 
-def _of_type(value, kind) -> bool:
+def of_json_type(value, kind) -> bool:
     """``isinstance`` as JSON means it: true and false are not numbers."""
     kinds = kind if isinstance(kind, tuple) else (kind,)
     return isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)

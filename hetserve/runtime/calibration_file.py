@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hetserve.cost.analytic import Efficiency, load_efficiency
+from hetserve.cost.efficiency import of_json_type
 from hetserve.errors import SpecError
 from hetserve.runtime.speed_probe import SpeedReading
 from hetserve.specs._validation import read_mapping
@@ -114,7 +115,7 @@ def _read(path: str | Path) -> dict:
     for key, value in runtime.items():
         if key not in _TERMS:
             raise SpecError(str(path), f"runtime.{key}", "one of " + ", ".join(_TERMS))
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not of_json_type(value, (int, float)):
             raise SpecError(str(path), f"runtime.{key}", "a number", value)
     return data
 

@@ -94,8 +94,14 @@ def pipeline_step_beside(cost, layout, prompts, other_b: float, other_context: f
     sequences (``other_context`` tokens) each, as a host sharing its cores runs it, priced stage by
     stage. On stage i the step computes with that stage's TP group while each other micro-batch
     computes on the other stages, for at most its own time there; ``slowdown(k)`` is the host's
-    factor with ``k`` of the replica's workers computing. Before stage i the step waits, on average,
-    half of an other micro-batch's time there (each stage's worker runs its steps in turn).
+    factor with ``k`` of the replica's workers computing. Before stage i the step waits for an other
+    micro-batch that holds that stage's worker (each worker runs its steps in turn): it is there
+    ``d_i / cycle`` of the time (``cycle``: its way round all stages) and has half of ``d_i`` left on
+    average, so the step waits ``d_i² / (2 · cycle)`` there (``_residual_wait``), not ``d_i / 2`` —
+    that priced the other micro-batch as sitting on every stage the step reaches. Replayed over the ten
+    saved runs of 2026-11-25 to 2026-11-28 (``bench_predict --replay --refit``), 357 of 420 figures
+    within ±15 % against 349, and 219 of 294 against 216 on the seven runs before them
+    (docs/benchmarks.md, twenty-fourth session).
 
     Priced as one step with every stage's worker busy throughout (``busy_workers``), the asymmetric
     plan's prompt steps beside its decodes came out 1.22-1.41x the served ones on both pipelines,
@@ -109,10 +115,18 @@ def pipeline_step_beside(cost, layout, prompts, other_b: float, other_context: f
     for i, stage in enumerate(stages):
         beside = sum(stages[j].tp * min(1.0, d[j] / p[i]) for j in range(len(stages)) if j != i) if p[i] > 0 else 0.0
         total += on_host(p[i], cost.collectives_time(stage), slowdown(stage.tp + others * beside))
-        total += others * d[i] / 2
+        total += others * _residual_wait(d, i)
         if i < last:
             total += cost.pp_handoff_time(stage, stages[i + 1], prompts.tokens)
     return total
+
+
+def _residual_wait(stage_times: list[float], i: int) -> float:
+    """What a step reaching stage ``i`` at a random moment waits there for one other micro-batch that
+    goes round the stages taking ``stage_times`` on each: it is on stage ``i`` for that share of its
+    cycle, with half of its time there left on average."""
+    cycle = sum(stage_times)
+    return stage_times[i] ** 2 / (2 * cycle) if cycle > 0 else 0.0
 
 
 def busy_workers(rep, micro_batches: int | None) -> float:

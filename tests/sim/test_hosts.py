@@ -289,6 +289,42 @@ def test_a_prompt_beside_a_decoding_micro_batch_is_priced_stage_by_stage(model):
     assert alone < beside < 1.2 * alone
 
 
+
+def test_a_prompt_beside_a_micro_batch_waits_for_it_only_on_the_stage_it_holds():
+    """A prompt step reaching a stage at a random moment waits there only while the other
+    micro-batch holds that stage's worker: for a micro-batch taking 1 ms on stage 0 and 9 ms on
+    stage 1, 4.1 ms on average, not 5 (half its time on every stage, as if it sat on each one the
+    prompt reached). The expectation is taken here over the other micro-batch's phase, on a grid."""
+    import numpy as np
+
+    from hetserve.cost.analytic import PrefillBatch
+    from hetserve.cost.layout import ReplicaLayout, StageLayout
+    from hetserve.sim.hosts import pipeline_step_beside
+
+    p, d = [0.004, 0.020], [0.001, 0.009]  # the prompt's and the other micro-batch's time per stage
+
+    class StageTimes:  # the cost model's times per stage, nothing else
+        def stage_prefill_time(self, stage, prompts, is_last):
+            return p[stage.devices[0]]
+
+        def stage_decode_time(self, stage, b, context, is_last):
+            return d[stage.devices[0]]
+
+        def collectives_time(self, stage):
+            return 0.0
+
+        def pp_handoff_time(self, a, b, tokens):
+            return 0.0
+
+    layout = ReplicaLayout((StageLayout((0,), (0, 16)), StageLayout((1,), (16, 32))))
+    step = pipeline_step_beside(StageTimes(), layout, PrefillBatch.of([128]), 1, 16, 1, lambda workers: 1.0)
+    cycle = sum(d)
+    phase = (np.arange(100_000) + 0.5) / 100_000 * cycle  # where the other micro-batch is in its cycle
+    ends = np.cumsum(d)
+    wait = sum(np.where((phase >= end - t) & (phase < end), end - phase, 0.0).mean() for t, end in zip(d, ends))
+    assert wait == pytest.approx(0.0041, rel=1e-3)
+    assert step - sum(p) == pytest.approx(wait, rel=1e-3)
+
 def test_prompts_riding_in_one_of_two_micro_batches_are_priced_stage_by_stage(model):
     """Both micro-batch slots of a two-stage TP-1 pipeline on one core decode (requests 0 and 1),
     so request 2's prompt waits for their boundary and rides in one micro-batch's step while the

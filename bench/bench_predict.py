@@ -46,7 +46,9 @@ apart, the noise floor of the ±15 % target (a prediction cannot be held closer 
 ``bench/predict_oracle.py RUN.json ...`` replays saved runs with each cell's slow-down scaled after the
 fact: how many of the misses a better reading of each cell's machine speed would remove;
 ``bench/predict_occupancy.py RUN.json ...`` splits each cell's TTFT by what was in flight at each
-arrival: the cell's level (idle arrivals) apart from the model's shape.
+arrival: the cell's level (idle arrivals) apart from the model's shape; ``bench/predict_steps.py
+RUN.json ...`` splits each cell's served engine steps (decode steps by batch, prompt steps by what
+ran beside them) against the cost model and the simulator.
 """
 
 from __future__ import annotations
@@ -156,26 +158,29 @@ def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | Non
                        speed_correction)
 
 
-def replay_quietly(data: dict, source: str, refit: bool = False) -> list[dict]:
+def replay_quietly(data: dict, source: str, refit: bool = False, keep_rows: bool = False) -> list[dict]:
     """``replay_data`` with the shared cores and nothing printed (the tools that replay saved runs by
-    the dozen: ``predict_oracle``, ``predict_occupancy``)."""
+    the dozen: ``predict_oracle``, ``predict_occupancy``, ``predict_steps``)."""
     from rich.console import Console
 
     with open(os.devnull, "w") as quiet:
-        return replay_data(data, source, True, Console(file=quiet), refit=refit)
+        return replay_data(data, source, True, Console(file=quiet), refit=refit, keep_rows=keep_rows)
 
 
 def replay_data(data: dict, source: str, shared_cores: bool, console, runtime_from: str | None = None,
-                refit: bool = False, speed_correction: bool = True) -> list[dict]:
-    """``replay_cells`` of a ``--json`` file's content already read (``source`` names it in messages)."""
+                refit: bool = False, speed_correction: bool = True, keep_rows: bool = False) -> list[dict]:
+    """``replay_cells`` of a ``--json`` file's content already read (``source`` names it in messages).
+    ``keep_rows``: each cell also gets ``step_rows``, its served and simulated engine steps as
+    replayed (``compare.simulate_with_steps``'s ``rows_out``)."""
     # the checkpoint (25 MB) and the calibrations are made again in a folder that goes with the replay:
     # replays run by the hundred while a model is tried, and each once left its folder behind
     with tempfile.TemporaryDirectory(prefix="bench-predict-replay-") as d:
-        return _replay_cells(Path(d), data, source, shared_cores, console, runtime_from, refit, speed_correction)
+        return _replay_cells(Path(d), data, source, shared_cores, console, runtime_from, refit, speed_correction,
+                             keep_rows)
 
 
 def _replay_cells(tmp: Path, data: dict, source: str, shared_cores: bool, console, runtime_from: str | None,
-                  refit: bool, speed_correction: bool) -> list[dict]:
+                  refit: bool, speed_correction: bool, keep_rows: bool = False) -> list[dict]:
     """``replay_data`` in the folder ``tmp``."""
     import dataclasses
 
@@ -222,6 +227,7 @@ def _replay_cells(tmp: Path, data: dict, source: str, shared_cores: bool, consol
         served = cell.get("served")  # per request (files written since --replay exists)
         # the served engine steps (files written since they are kept): the step tables are made again
         rows = rows_from_json(cell["served_steps"]) if cell.get("served_steps") else None
+        kept: dict = {}  # the last simulation's step rows (keep_rows)
 
         def table_at(slow: float) -> tuple[dict, dict | None, list[float]]:
             """The cell simulated at ``slow``: its table, its step tables, each request's TTFT."""
@@ -229,7 +235,7 @@ def _replay_cells(tmp: Path, data: dict, source: str, shared_cores: bool, consol
             if rows is not None:
                 eff, overhead, kw = calibrated_inputs(str(cal), slow)
                 res, steps = simulate_with_steps(plan, cluster, spec, requests, opts, cfg, pools, eff, overhead,
-                                                 rows, **kw)
+                                                 rows, kept if keep_rows else None, **kw)
             else:
                 res = simulate_calibrated(plan, cluster, spec, requests, opts, cfg, pools, cal, slow)
             ttft = [float(x) for x in res.ttft]
@@ -249,7 +255,8 @@ def _replay_cells(tmp: Path, data: dict, source: str, shared_cores: bool, consol
         # TTFT for the split by what the replica held at its arrival (bench/predict_occupancy.py)
         cells.append({**cell, "table": table, "speed": speed, "steps": steps or cell.get("steps"),
                       "calibration_data": json.loads(cal.read_text()),
-                      "arrival_s": [r.arrival_s for r in requests], "simulated_ttft_s": ttft})
+                      "arrival_s": [r.arrival_s for r in requests], "simulated_ttft_s": ttft,
+                      **({"step_rows": kept} if kept else {})})
     console.print(f"replayed {len(cells)} cells of {source} against their served figures "
                   f"({'shared' if shared_cores else 'separate'} cores)")
     return cells

@@ -225,10 +225,12 @@ def compare(opts: CompareOptions) -> Comparison:
 
 
 def simulate_with_steps(plan, cluster, spec, requests, opts: CompareOptions, cfg, pools: dict[str, int], efficiency,
-                        overhead: float, served_steps: list, **overrides):
+                        overhead: float, served_steps: list, rows_out: dict | None = None, **overrides):
     """``simulate_side`` with its replicas' steps traced: (result, the step tables of both sides:
     ``step_compare.summarise`` of ``served_steps`` with the cost model's time for each served
-    batch, and of the simulated steps)."""
+    batch, and of the simulated steps). ``rows_out``: also filled with the rows themselves
+    (``served``, ``model_s``: the cost model's time for each served row, ``simulated``), for a
+    breakdown finer than the tables (``bench/predict_steps.py``)."""
     from hetserve.step_compare import simulated_rows, step_model, summarise
 
     sim = simulator_for(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead, **overrides)
@@ -236,8 +238,10 @@ def simulate_with_steps(plan, cluster, spec, requests, opts: CompareOptions, cfg
         rep.trace = []
     res = sim.run()
     model_time = step_model(sim.cost, {r.id: r.layout for r in sim.replicas})
-    return res, {"served": summarise(served_steps, model_time),
-                 "simulated": summarise(simulated_rows(sim.replicas, lambda i: len(requests[i].prompt)))}
+    simulated = simulated_rows(sim.replicas, lambda i: len(requests[i].prompt))
+    if rows_out is not None:
+        rows_out.update(served=served_steps, model_s=[model_time(r) for r in served_steps], simulated=simulated)
+    return res, {"served": summarise(served_steps, model_time), "simulated": summarise(simulated)}
 
 
 def _served_of(results, summary: dict) -> dict[str, np.ndarray]:

@@ -181,6 +181,39 @@ def test_bench_predict_replay_makes_the_step_tables_again_from_the_saved_steps(t
     # each request's arrival and simulated TTFT, for bench/predict_occupancy.py's split
     assert len(out["arrival_s"]) == 6 and out["arrival_s"][0] == 0.0
     assert sum(out["simulated_ttft_s"]) / 6 == pytest.approx(out["table"]["ttft_s.mean"]["simulated"])
+    # asked for, the rows themselves (bench/predict_steps.py): the served ones with the cost model's
+    # time for each, and the simulated steps the tables were made from
+    assert "step_rows" not in out
+    (kept,) = bench.replay_quietly(json.loads(path.read_text()), str(path), keep_rows=True)
+    rows = kept["step_rows"]
+    assert rows["served"] == served_rows and len(rows["model_s"]) == 3 and min(rows["model_s"]) > 0
+    assert sum(len(r.prompt_tokens) for r in rows["simulated"]) == 6
+
+
+def test_predict_steps_splits_decode_steps_by_batch_and_prompt_steps_by_what_ran_beside():
+    """``bench/predict_steps.py``: decode-only steps grouped by their sequences (six and more in one
+    row), with the served span, worker times, model time and context per sequence averaged; a
+    prompt step is *beside* where another step of the replica overlapped it, *with decodes* where
+    decodes rode in it, else *alone*."""
+    from bench.predict_steps import BATCH_CAP, decode_by_batch, prompt_kinds
+    from hetserve.step_compare import StepRow
+
+    rows = [StepRow("c0", 0.00, 0.05, (), 0.0, (100,), 0.04, 0.03),  # alone
+            StepRow("c0", 0.05, 0.07, (0,), 101.0, (), 0.015, 0.012),
+            StepRow("c0", 0.06, 0.12, (), 0.0, (50, 30), 0.05, 0.04),  # beside the decode above
+            StepRow("c0", 0.12, 0.20, (0,), 102.0, (60,), 0.07, 0.06),  # with a decode
+            StepRow("c0", 0.20, 0.23, (0, 1), 200.0, (), 0.02, 0.018),
+            StepRow("c0", 0.23, 0.27, tuple(range(BATCH_CAP + 2)), 800.0, (), 0.03, 0.025)]
+    model = [0.04, 0.01, 0.05, 0.06, 0.02, 0.03]
+    batches = decode_by_batch(rows, model)
+    assert [(g["batch"], g["steps"]) for g in batches] == [(1, 1), (2, 1), (BATCH_CAP, 1)]
+    assert batches[0]["span_s"] == pytest.approx(0.02) and batches[0]["worker_s"] == pytest.approx(0.015)
+    assert batches[1]["model_s"] == pytest.approx(0.02) and batches[1]["context"] == pytest.approx(100.0)
+    kinds = prompt_kinds(rows, model)
+    assert {k: v["steps"] for k, v in kinds.items()} == {"alone": 1, "beside": 1, "with decodes": 1}
+    assert kinds["beside"]["span_s"] == pytest.approx(0.06) and kinds["beside"]["tokens"] == 80
+    assert kinds["alone"]["model_s"] == pytest.approx(0.04)
+    assert np.isnan(prompt_kinds(rows)["alone"]["model_s"])  # simulated rows: no model column
 
 
 def test_bench_predict_counts_the_calibration_points_within_ten_percent_once_per_calibration(tmp_path):

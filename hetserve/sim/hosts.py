@@ -98,9 +98,10 @@ def pipeline_step_beside(cost, layout, prompts, other_b: float, other_context: f
     micro-batch that holds that stage's worker (each worker runs its steps in turn): it is there
     ``d_i / cycle`` of the time (``cycle``: its way round all stages) and has half of ``d_i`` left on
     average, so the step waits ``d_i² / (2 · cycle)`` there (``_residual_wait``), not ``d_i / 2`` —
-    that priced the other micro-batch as sitting on every stage the step reaches. Replayed over the ten
-    saved runs of 2026-11-25 to 2026-11-28 (``bench_predict --replay --refit``), 357 of 420 figures
-    within ±15 % against 349, and 219 of 294 against 216 on the seven runs before them
+    that priced the other micro-batch as sitting on every stage the step reaches. Replayed
+    (``bench_predict --replay --refit``) over the ten saved runs z8-z17 (2026-11-27 22:10 to
+    2026-11-28 06:53): 357 of 420 figures within ±15 % against 349; over the seven before them
+    219 of 294 against 216; the two live runs after the change, 34 and 25 of 42 against 30 and 25
     (docs/benchmarks.md, twenty-fourth session).
 
     Priced as one step with every stage's worker busy throughout (``busy_workers``), the asymmetric

@@ -15,9 +15,9 @@ of now (``--replay --refit``, the slow-down its speed probe read) and its engine
   as one round, so its decode steps are not split here).
 
 On the 2-core VM (docs/benchmarks.md, twenty-fourth session) the two-stage pipeline near saturation
-showed its served micro-batch decode grow 2.3-3.3 ms per sequence from one to five sequences of
-~138 tokens of context, where the cost model grows 0.9-1.3: the calibration's decode probes (1, 4
-and 16 sequences of 16-token contexts) do not see that range.
+showed its served micro-batch decode grow 2.5-3.3 ms of wall per sequence from two to five
+sequences of ~138 tokens of context, where the cost model grows 0.9-1.3: the calibration's decode
+probes (1, 4 and 16 sequences of 16-token contexts) do not see that range.
 """
 
 from __future__ import annotations

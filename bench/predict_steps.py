@@ -41,8 +41,9 @@ def decode_by_batch(served, model_s) -> list[dict]:
     groups: dict[int, list] = {}
     for row, model in zip(served, model_s):
         if row.decode_ids and not row.prompt_tokens:
+            per_seq = row.decode_context / len(row.decode_ids)
             groups.setdefault(min(len(row.decode_ids), BATCH_CAP), []).append(
-                (row.finished - row.started, row.worker_s, row.worker_cpu_s, model, row.decode_context / len(row.decode_ids)))
+                (row.finished - row.started, row.worker_s, row.worker_cpu_s, model, per_seq))
     return [{"batch": b, "steps": len(v), **dict(zip(("span_s", "worker_s", "cpu_s", "model_s", "context"),
                                                     np.nanmean(np.array(v), axis=0)))}
             for b, v in sorted(groups.items())]
@@ -56,13 +57,14 @@ def prompt_kinds(rows, model_s=None) -> dict[str, dict]:
     starts = np.array([rows[i].started for i in order])
     ends = np.array([rows[i].finished for i in order])
     kinds: dict[str, list] = {}
-    for k, i in enumerate(order):
+    for i in order:
         r = rows[i]
         if not r.prompt_tokens:
             continue
         overlapped = ((starts < r.finished) & (ends > r.started)).sum() > 1
         kind = "with decodes" if r.decode_ids else "beside" if overlapped else "alone"
-        kinds.setdefault(kind, []).append((r.finished - r.started, sum(r.prompt_tokens), model_s[i] if model_s else 0.0))
+        model = model_s[i] if model_s else 0.0
+        kinds.setdefault(kind, []).append((r.finished - r.started, sum(r.prompt_tokens), model))
     return {kind: {"steps": len(v), "span_s": float(np.mean([x[0] for x in v])),
                    "tokens": float(np.mean([x[1] for x in v])),
                    "model_s": float(np.mean([x[2] for x in v])) if model_s else float("nan")}
@@ -74,13 +76,13 @@ def print_cell(cell: dict, console) -> None:
 
     rows = cell["step_rows"]
     speed = (cell.get("speed") or {}).get("slowdown", 1.0)
-    console.rule(f"{cell['plan']} at {cell['rate']:.2f} req/s ({cell['fraction']:.0%} of capacity), slow-down {speed:.3f}")
+    console.rule(f"{cell['plan']} at {cell['rate']:.2f} req/s ({cell['fraction']:.0%} of capacity), "
+                 f"slow-down {speed:.3f}")
     t = Table("sequences", "steps", "served span ms", "worker ms", "worker CPU ms", "model ms", "context / sequence",
               title="served decode steps by batch (a pipeline's micro-batch) against the cost model's time for it")
     for g in decode_by_batch(rows["served"], rows["model_s"]):
-        t.add_row(f"{g['batch']}{'+' if g['batch'] == BATCH_CAP else ''}", str(g["steps"]), f"{g['span_s'] * 1e3:.1f}",
-                  f"{g['worker_s'] * 1e3:.1f}", f"{g['cpu_s'] * 1e3:.1f}", f"{g['model_s'] * 1e3:.1f}",
-                  f"{g['context']:.0f}")
+        t.add_row(f"{g['batch']}{'+' if g['batch'] == BATCH_CAP else ''}", str(g["steps"]),
+                  *(f"{g[k] * 1e3:.1f}" for k in ("span_s", "worker_s", "cpu_s", "model_s")), f"{g['context']:.0f}")
     console.print(t)
     served, simulated = prompt_kinds(rows["served"], rows["model_s"]), prompt_kinds(rows["simulated"])
     t = Table("prompt step", "served steps", "served span ms", "model ms", "simulated steps", "simulated ms",
@@ -115,7 +117,8 @@ def main() -> int:
                          and (loads is None or any(abs(c["fraction"] - f) < 1e-6 for f in loads))]
         missing = [c["plan"] for c in data["cells"] if not c.get("served_steps")]
         if missing:
-            raise SystemExit(f"{run}: cells without served steps ({', '.join(missing)}): saved before they were kept")
+            raise SystemExit(f"{run}: cells without served steps ({', '.join(missing)}): saved before they "
+                             "were kept")
         console.print(f"[bold]{run}[/bold]")
         for cell in replay_quietly(data, run, refit=True, keep_rows=True):
             print_cell(cell, console)

@@ -101,8 +101,8 @@ def pipeline_step_beside(cost, layout, prompts, other_b: float, other_context: f
     that priced the other micro-batch as sitting on every stage the step reaches. Replayed
     (``bench_predict --replay --refit``) over the ten saved runs z8-z17 (2026-11-27 22:10 to
     2026-11-28 06:53): 357 of 420 figures within ±15 % against 349; over the seven before them
-    219 of 294 against 216; the two live runs after the change, 34 and 25 of 42 against 30 and 25
-    (docs/benchmarks.md, twenty-fourth session).
+    219 of 294 against 216; the served figures of the two live runs after it (z18, z19), 34 and 25
+    of 42 against 30 and 25 (docs/benchmarks.md, twenty-fourth session).
 
     Priced as one step with every stage's worker busy throughout (``busy_workers``), the asymmetric
     plan's prompt steps beside its decodes came out 1.22-1.41x the served ones on both pipelines,

@@ -289,7 +289,6 @@ def test_a_prompt_beside_a_decoding_micro_batch_is_priced_stage_by_stage(model):
     assert alone < beside < 1.2 * alone
 
 
-
 def test_a_prompt_beside_a_micro_batch_waits_for_it_only_on_the_stage_it_holds():
     """A prompt step reaching a stage at a random moment waits there only while the other
     micro-batch holds that stage's worker: for a micro-batch taking 1 ms on stage 0 and 9 ms on

@@ -51,17 +51,16 @@ def decode_by_batch(served, model_s) -> list[dict]:
 
 def prompt_kinds(rows, model_s=None) -> dict[str, dict]:
     """Prompt steps by what ran beside them: {"alone" | "beside" | "with decodes": steps, mean span,
-    mean model time (served rows only), mean prompt tokens}. *Beside*: another step of the replica
-    overlapped it (the rows are one replica's, or a plan of one replica)."""
-    order = sorted(range(len(rows)), key=lambda i: rows[i].started)
-    starts = np.array([rows[i].started for i in order])
-    ends = np.array([rows[i].finished for i in order])
+    mean model time (served rows only), mean prompt tokens}. *Beside*: another step of the same
+    replica overlapped it (another replica's steps, e.g. a prefill/decode plan's decode side, do not count)."""
+    starts = np.array([r.started for r in rows])
+    ends = np.array([r.finished for r in rows])
+    replicas = np.array([r.replica for r in rows])
     kinds: dict[str, list] = {}
-    for i in order:
-        r = rows[i]
+    for i, r in enumerate(rows):
         if not r.prompt_tokens:
             continue
-        overlapped = ((starts < r.finished) & (ends > r.started)).sum() > 1
+        overlapped = ((starts < r.finished) & (ends > r.started) & (replicas == r.replica)).sum() > 1
         kind = "with decodes" if r.decode_ids else "beside" if overlapped else "alone"
         model = model_s[i] if model_s else 0.0
         kinds.setdefault(kind, []).append((r.finished - r.started, sum(r.prompt_tokens), model))

@@ -22,21 +22,25 @@ def stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
+def _stage_devices(stages: int, tp: int, first_device: int = 0) -> list[range]:
+    """Device indices of each stage: ``tp`` consecutive devices a stage, from ``first_device``."""
+    return [range(first_device + i * tp, first_device + (i + 1) * tp) for i in range(stages)]
+
+
 def one_device_plan(spec, cluster: Cluster, stages: int = 1, tp: int = 1) -> Plan:
     """One colocated replica; ``stages`` > 1: a pipeline with one device per stage; ``tp`` > 1: one
     stage on ``tp`` devices."""
-    devs = [[f"cal:{i * tp + k}" for k in range(tp)] for i in range(stages)]
+    bounds = stage_bounds(spec.num_layers, stages)
     return Plan.from_dict({"model": spec.name, "cluster": cluster.name, "algorithm": "calibration",
                            "replicas": [{"id": "c0", "role": "colocated",
-                                         "stages": [{"devices": d, "layers": [lo, hi]}
-                                                    for d, (lo, hi) in zip(devs, stage_bounds(spec.num_layers,
-                                                                                                stages))]}]})
+                                         "stages": [{"devices": [f"cal:{d}" for d in devs], "layers": [lo, hi]}
+                                                    for devs, (lo, hi) in zip(_stage_devices(stages, tp), bounds)]}]})
 
 
 def probe_layout(spec, stages: int = 1, tp: int = 1, first_device: int = 0) -> ReplicaLayout:
     """The replica ``one_device_plan`` serves, as the cost model sees it (devices from ``first_device``)."""
-    return ReplicaLayout(tuple(StageLayout(tuple(range(first_device + i * tp, first_device + (i + 1) * tp)), b)
-                               for i, b in enumerate(stage_bounds(spec.num_layers, stages))))
+    return ReplicaLayout(tuple(StageLayout(tuple(devs), b) for devs, b in
+                               zip(_stage_devices(stages, tp, first_device), stage_bounds(spec.num_layers, stages))))
 
 
 def handoff_plan(spec, cluster: Cluster) -> Plan:

@@ -156,7 +156,9 @@ class CostModel(TransferCosts):
         return head + self.eff.iteration_overhead_s + self.eff.seq_overhead_s * rows
 
     def stage_prefill_time(self, stage: StageLayout, batch: PrefillBatch, is_last: bool = False) -> float:
-        """Prefill of ``batch`` through this stage's layers, TP all-reduces included."""
+        """Prefill of ``batch`` through this stage's layers, TP all-reduces included; the stage's fixed
+        cost is a decode step's plus ``prompt_step_overhead_s`` (a mixed step, priced as a prefill
+        batch, pays it once)."""
         m = self.model
         flops = 2.0 * m.params_per_layer * batch.tokens
         nbytes = m.bytes_per_layer + batch.tokens * m.kv_bytes_per_token_per_layer
@@ -164,7 +166,7 @@ class CostModel(TransferCosts):
         comm = 2 * self.allreduce_time(stage.devices, batch.tokens * m.hidden * m.dtype_bytes)
         head = self._head_time(stage, batch.num_seqs) if is_last else 0.0
         return (stage.num_layers * (per_layer + comm) + self.collectives_time(stage) + head + self.eff.step_overhead_s
-                + self.multi_row_time(stage, batch.tokens, batch.num_seqs, is_last)
+                + self.eff.prompt_step_overhead_s + self.multi_row_time(stage, batch.tokens, batch.num_seqs, is_last)
                 + self.collective_bytes_time(stage, batch.tokens))
 
     def stage_decode_time(self, stage: StageLayout, batch: float, context_tokens: float,

@@ -40,6 +40,11 @@ class Efficiency:
     iteration_overhead_s: float = 0.0  # per replica, on its last stage: the scheduler's turn-around, sampling, tokens back
     seq_overhead_s: float = 0.0  # per sequence in the step, on the last stage: its bookkeeping, sampling, token streamed
     collective_overhead_s: float = 0.0  # per collective of a TP group (> 1 device): its launch and the members' meeting
+    # per stage, per step that carries prompt tokens, beyond a decode step's fixed costs (its
+    # attention's causal mask and padded query grid, ``runtime/model/attention.py``): without it a
+    # 32-token prompt on this CPU demo was priced 5.6 % low on average over 60 calibrations; fitted
+    # 1.1-5.5 ms there. `hetserve calibrate` fits it (0 = none)
+    prompt_step_overhead_s: float = 0.0
     # per byte a TP collective carries (each layer's two all-reduces and the broadcast of the stage's
     # input activations), beyond the link's α-β time: on CPU worker slots, gloo's copies and sums
     collective_s_per_byte: float = 0.0
@@ -68,7 +73,7 @@ class Efficiency:
         if self.activation_buffers < 0 or self.activation_tokens <= 0:
             raise ValueError("activation_buffers and activation_tokens must be non-negative")
         for k in ("step_overhead_s", "iteration_overhead_s", "seq_overhead_s", "collective_overhead_s",
-                  "multi_row_s_per_byte", "collective_s_per_byte"):
+                  "prompt_step_overhead_s", "multi_row_s_per_byte", "collective_s_per_byte"):
             if getattr(self, k) < 0:
                 raise ValueError(f"{k} must be non-negative")
         if self.turn_hold is not None and not 0 <= self.turn_hold <= 1:
@@ -90,6 +95,7 @@ class Efficiency:
                        iteration_overhead_s=self.iteration_overhead_s * slowdown,
                        seq_overhead_s=self.seq_overhead_s * slowdown,
                        collective_overhead_s=self.collective_overhead_s * slowdown,
+                       prompt_step_overhead_s=self.prompt_step_overhead_s * slowdown,
                        multi_row_s_per_byte=self.multi_row_s_per_byte * slowdown,
                        collective_s_per_byte=self.collective_s_per_byte * slowdown)
 

@@ -20,8 +20,9 @@ its TP split, stage order or layer split. The proof, term by term:
   ``2·(t−1)·(α + bytes/(t·β))`` (inside one class every pair has the same link, so this is
   ``CostModel.allreduce_time`` exactly), plus the collective and step overheads. Only the
   layer count ``l_i`` of each stage is free; every time below is linear in it. A calibration's
-  per-byte terms (``Efficiency.multi_row_s_per_byte``, ``collective_s_per_byte``) are left out:
-  they only add time, so the ceiling still holds, less tightly.
+  per-byte terms (``Efficiency.multi_row_s_per_byte``, ``collective_s_per_byte``) and a prompt
+  step's own fixed cost (``prompt_step_overhead_s``) are left out: they only add time, so the
+  ceiling still holds, less tightly.
 * **Layer split relaxed to reals**, ``0 ≤ l_i ≤ cap_i`` and ``Σ l_i = L``: the real split is one
   of these points, so the minimum of a time over them is a lower bound on the layout's time.
   ``cap_i`` is the memory rule of ``CostModel.stage_kv_capacity`` solved for ``l``: a stage of

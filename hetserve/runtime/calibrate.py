@@ -22,9 +22,10 @@ the checkpoint on one device (the real engine behind the real HTTP server) and m
   on one stage of TP 2: what it adds beyond half the compute is the fixed cost of its collectives,
 
 and fits ``Efficiency(compute, memory, step_overhead_s, iteration_overhead_s, seq_overhead_s,
-collective_overhead_s, collective_s_per_byte, multi_row_s_per_byte, turn_hold)``
+collective_overhead_s, collective_s_per_byte, multi_row_s_per_byte, prompt_step_overhead_s, turn_hold)``
 minimising the squared log error of the cost model over the engine measurements, each term from
-the probes that isolate it (``fit``: one-device terms, then the per-stage split, then the
+the probes that isolate it (``fit``: one-device terms, then a prompt step's own fixed cost with
+the FLOPs' efficiencies, then the per-stage split, then the
 per-collective cost; a joint fit let the two-device probes' noise move the one-device terms, and
 memory efficiency, which no probe is bandwidth-bound at, wander 0.03-0.47). Where the fixed
 costs come from, read from the runtime (``worker.py``, ``coordinator.py``):
@@ -34,6 +35,12 @@ costs come from, read from the runtime (``worker.py``, ``coordinator.py``):
   embedding lookup, sampling and the token message on the last stage;
 * ``step_overhead_s`` — once per stage: a stage leader takes the step message (unpickles it),
   builds the attention metadata, runs the layer stack's fixed dispatch and sends its activations on;
+* ``prompt_step_overhead_s`` — once per stage, on a step that carries a prompt, beyond the above:
+  its attention metadata holds a causal mask and a padded query grid that each layer scatters the
+  queries into and gathers them back from (``model/attention.py``; a decode's grid is the batch
+  itself), the likeliest part of it, not measured apart; fitted
+  1.1-5.5 ms on the CPU demo (60 bench calibrations refitted), priced on every stage because a
+  two-stage pipeline's prompt paid it twice (its point 2.0 % low on average, against 6.1 % once);
 * ``seq_overhead_s`` — once per sequence in the step: its entry in the step message, its block
   table in the attention metadata, its own attention over its KV, its token streamed to its
   request (on this CPU demo 0.1-0.5 ms per sequence, beyond the FLOPs the roofline prices);
@@ -199,7 +206,7 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         dispatch: list[float] | None = None, speed_probe: SpeedReading | None = None,
         tpot_long: dict[int, float] | None = None, long_prompt_tokens: int = LONG_DECODE_PROMPT,
         outside: tuple[list[float], list[float]] | None = None, multi_row: bool = True,
-        collective_bytes: bool = True) -> Calibration:
+        collective_bytes: bool = True, prompt_fixed: bool = True) -> Calibration:
     """Solve for compute, attention and memory efficiency and the fixed costs per iteration, per
     stage, per sequence and per TP collective (least squares on the log of predicted / measured, in
     stages: the one-device points, then the two-stage points for the per-stage part, then the TP 2
@@ -221,14 +228,18 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     which lets a decode step's time grow with its context as measured. ``multi_row`` (a one-sequence
     decode probe beside larger ones): the matrix products' extra cost once a step has more than one
     row (``Efficiency.multi_row_s_per_byte``). ``collective_bytes`` (a TP prompt beside the TP
-    decode): the collectives' cost per byte beside their fixed cost (``Efficiency.collective_s_per_byte``)."""
+    decode): the collectives' cost per byte beside their fixed cost (``Efficiency.collective_s_per_byte``).
+    ``prompt_fixed`` (two or more prompt lengths beside the decode probes): what a stage spends on a
+    step that carries a prompt beyond a decode step's fixed costs (``Efficiency.prompt_step_overhead_s``);
+    without it the 32-token prompt was priced 5.6 % low on average over 60 bench calibrations
+    (-16 % at worst), the 256-token one 3.1 % high (docs/benchmarks.md, twenty-fifth session)."""
     spec = load_model(model_dir)
     pp_ttft, pp_tpot, tp_ttft, tp_tpot = pp_ttft or {}, pp_tpot or {}, tp_ttft or {}, tp_tpot or {}
     cluster = one_device_cluster(gpu_name, 2 if pp_ttft or pp_tpot or tp_ttft or tp_tpot else 1)
     shapes = {(1, 1): probe_layout(spec), (2, 1): probe_layout(spec, 2), (1, 2): probe_layout(spec, 1, 2)}
     base = replace(base or Efficiency(), step_overhead_s=0.0, iteration_overhead_s=0.0, seq_overhead_s=0.0,
                    collective_overhead_s=0.0, attention=0.0, decode_attention=0.0,
-                   multi_row_s_per_byte=0.0, collective_s_per_byte=0.0)
+                   multi_row_s_per_byte=0.0, collective_s_per_byte=0.0, prompt_step_overhead_s=0.0)
     attention = attention and len(ttft) >= 3  # its own efficiency needs the curvature of three lengths
     tpot_long = tpot_long or {}
     short = decode_prompt_tokens
@@ -289,6 +300,18 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
 
     starts = [np.array([c0, c0, 0.4 * float(min(measured)), 0.0, -0.5, -1.0, 0.0]) for c0 in (-5.0, -3.0, -1.0)]
     eff = eff_one(solve(one, eff_one, starts, [-9, -9, 0.0, 0.0, -9, -9, 0.0], [0, 0, hi, hi, 0, 0, hi]))
+    if prompt_fixed and len(ttft) >= 2 and tpot:
+        # (1b) What a step carrying a prompt pays beyond a decode step's fixed costs, fitted with the
+        # other one-device terms again but memory efficiency held at (1)'s: with it free, the
+        # prompts' own intercept let the decodes' fixed costs turn into a bandwidth bound (memory
+        # 0.0025 of peak, ``iteration_overhead_s`` 0) that priced the pipeline probes 10-37 % off.
+        memory = float(np.log10(eff.memory))
+        joint = lambda x: replace(eff_one(np.r_[x[0], memory, x[1:6]]), prompt_step_overhead_s=float(x[6]))  # noqa: E731
+        x1 = [np.r_[np.log10(eff.compute), eff.iteration_overhead_s, eff.seq_overhead_s,
+                    np.log10(eff.attention / eff.compute) if attention else -0.5,
+                    np.log10(eff.decode_attention / eff.compute) if long_decode else -1.0,
+                    eff.multi_row_s_per_byte * one_bytes, p0] for p0 in (0.0, 0.1 * float(min(measured)))]
+        eff = joint(solve(one, joint, x1, [-9, 0.0, 0.0, -9, -9, 0.0, 0.0], [0, hi, hi, 0, 0, hi, hi]))
     memory_bound = any(p[0] == "decode" and _memory_binds(CostModel(cluster, spec, eff), shapes[1, 1], p[1],
                                                           p[1] * (p[4] + decode_tokens / 2))
                        for p in one)

@@ -30,15 +30,18 @@ from hetserve.specs.model import load_model
 
 DECODE_PROMPT = 16  # prompt tokens of each sequence of the decode probes
 LONG_DECODE_PROMPT = 256  # ... and of the long-context decode probe
-# The TP 2 probe is taken this many times in each round (1: after the one-device probes; 2: and at
-# the round's end; 3: and at its start), where every other probe is taken once. Its decode is two
-# worker processes meeting at two all-reduces per layer, so a spell of seconds in which either waits
-# for a core stretches every token: in a run of twenty rounds two read 2.2x and 2.4x the run's
-# median, and one bench calibration's seven rounds read 4.67x the one-device decode where thirteen
-# others read 3.3-4.1x. Over ten calibrations of five rounds, three samples a round against the
-# middle one alone: the decode's ratio to the one-device decode spread 0.19 against 0.22 (standard
-# deviation), the prompt's 0.14 against 0.23 (docs/benchmarks.md, twenty-third session).
-TP_SAMPLES_PER_ROUND = 3
+# The noisiest probes, the TP 2 probe and the two-stage pipeline's prompt, are taken this many times
+# in each round (1: after the one-device probes; 2: and at the round's end; 3: and at its start),
+# where every other probe is taken once. Each is two worker processes handing work to each other, so
+# a spell of seconds in which either waits for a core stretches the probe: in a run of twenty rounds
+# two TP decodes read 2.2x and 2.4x the run's median, and one bench calibration's seven rounds read
+# 4.67x the one-device decode where thirteen others read 3.3-4.1x. Over ten calibrations of five
+# rounds, three TP samples a round against the middle one alone: the decode's ratio to the
+# one-device decode spread 0.19 against 0.22 (standard deviation), the prompt's 0.14 against 0.23
+# (docs/benchmarks.md, twenty-third session). The two-stage prompt, once a round, was the one
+# point of 60 bench calibrations' fits (z1-z20, refitted) off by more than 10 % in 10 of them
+# (-21 to +14 %, spread 6.9 %), where its one-device twin spread 2.4 % (twenty-fifth session).
+NOISY_SAMPLES_PER_ROUND = 3
 
 
 def machine_info() -> dict:
@@ -93,8 +96,9 @@ class Measurements:
     pp_tpot: dict[int, float] = field(default_factory=dict)
     tp_ttft: dict[int, float] = field(default_factory=dict)  # one stage on TP 2: prompt length -> median TTFT
     tp_tpot: dict[int, float] = field(default_factory=dict)  # one stage on TP 2: batch size -> median TPOT
-    # the TP 2 probe's (round, seconds) samples, raw: "ttft" (the prompt) and "tpot" (one sequence)
-    tp_rounds: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    # the (round, seconds) samples of the probes taken NOISY_SAMPLES_PER_ROUND times a round, raw:
+    # "tp_ttft" and "tp_tpot" (TP 2: the prompt, one sequence), "pp_ttft" (the two-stage prompt)
+    noisy_rounds: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     kv_handoff: dict[int, float] = field(default_factory=dict)  # prefill -> decode slot: prompt -> median hand-off (s)
     # the front end's dispatch wait: (engine TPOT of the dispatch probe beside a GIL-holding thread −
     # alone) / that thread's utilisation, per round ("the GIL probe"; seconds per unit of utilisation)
@@ -115,7 +119,8 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
     median TTFT of the same prompts and TPOT of the same batches through the HTTP server and the
     ``openai`` client, and the TTFT of the second prompt length and the TPOT of one sequence on a
     two-stage pipeline (``pipeline``, checkpoints of two or more layers) and on one stage of TP 2
-    (``tp``, heads and FFN divisible by 2; ``TP_SAMPLES_PER_ROUND`` times a round), and
+    (``tp``, heads and FFN divisible by 2; it and the two-stage prompt ``NOISY_SAMPLES_PER_ROUND``
+    times a round), and
     (``handoff``) the KV hand-off of that prompt from a prefill replica to a decode replica (the
     coordinator's send to the last acknowledgement), and (``speed``) the machine's speed index in
     every round (``runtime.speed_probe``), which ``hetserve compare`` reads again when it serves;
@@ -217,16 +222,18 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
 
             probe = SpeedProbe(model_dir)
 
-        def tp_sample(rnd: int) -> None:
+        def noisy_sample(rnd: int) -> None:
             if tp2 is not None:
                 tp_ttft_s.append((rnd, prefill(tp2, pp_prompt)))
                 tp_tpot_s.append((rnd, decode(tp2, 1)))
+            if pp is not None:
+                pp_ttft_s.append((rnd, prefill(pp, pp_prompt)))
 
         for rnd in range(reps):
             if probe is not None:
                 m.speed.append(probe.read(1.0))
-            if TP_SAMPLES_PER_ROUND >= 3:
-                tp_sample(rnd)
+            if NOISY_SAMPLES_PER_ROUND >= 3:
+                noisy_sample(rnd)
             for L in prompt_lengths:
                 t, spans = with_prompt_steps(lambda: prefill(engine, L))
                 ttft_s[L].append((rnd, t))
@@ -236,11 +243,10 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
                 tpot_s[b].append((rnd, decode(engine, b)))
             if long_decode:
                 long_s.append((rnd, decode(engine, long_b, LONG_DECODE_PROMPT)))
+            noisy_sample(rnd)
             if pp is not None:
-                pp_ttft_s.append((rnd, prefill(pp, pp_prompt)))
                 pp_tpot_s.append((rnd, decode(pp, 1)))
                 pp_round_s.append((rnd, decode(pp, 2)))
-            tp_sample(rnd)
             if pd is not None:
                 h = pd.submit(rng.integers(32, 127, pp_prompt).tolist(), SamplingParams(max_tokens=2, ignore_eos=True))
                 h.result(timeout=120)
@@ -275,8 +281,8 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
                     # all b in each step: the prompts' step, then decode_tokens - 1 decode steps
                     m.frontend_cpu.append((b, decode_tokens, b * decode_tokens, max(0.0, used() - setup)))
                     http_tpot_s[b].append((rnd, statistics.median(r.tpot_s for r in res)))
-            if TP_SAMPLES_PER_ROUND >= 2:
-                tp_sample(rnd)
+            if NOISY_SAMPLES_PER_ROUND >= 2:
+                noisy_sample(rnd)
         for extra in (pp, tp2, pd):
             if extra is not None:
                 extra.shutdown()
@@ -361,7 +367,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         if tp_ttft_s:
             m.tp_ttft = {pp_prompt: med(tp_ttft_s)}
             m.tp_tpot = {1: med(tp_tpot_s)}
-            m.tp_rounds = {"ttft": tp_ttft_s, "tpot": tp_tpot_s}
+        m.noisy_rounds = {k: v for k, v in (("tp_ttft", tp_ttft_s), ("tp_tpot", tp_tpot_s), ("pp_ttft", pp_ttft_s)) if v}
         if handoff_s:
             m.kv_handoff = {pp_prompt: med(handoff_s)}
     finally:

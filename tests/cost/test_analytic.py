@@ -139,6 +139,16 @@ def test_fixed_costs_are_charged_where_the_runtime_pays_them():
     assert coll.decode_step_time(tp2, 1, 0) - base.decode_step_time(tp2, 1, 0) == pytest.approx(
         (2 * 32 + TP_STEP_COLLECTIVES) * 0.0001, rel=1e-6)
     assert coll.decode_step_time(one_stage(0), 1, 0) == base.decode_step_time(one_stage(0), 1, 0)
+    # a step carrying a prompt pays its own fixed cost on every stage, once a step (a mixed step too);
+    # a decode step never
+    prompt = CostModel(CLUSTER, LLAMA7, Efficiency(prompt_step_overhead_s=0.003))
+    assert prompt.ttft(pp, 100) - base.ttft(pp, 100) == pytest.approx(2 * 0.003, rel=1e-6)
+    assert prompt.ttft(one_stage(0), 100) - base.ttft(one_stage(0), 100) == pytest.approx(0.003, rel=1e-6)
+    two = PrefillBatch.of([100, 50])
+    assert prompt.prefill_time(pp, two) - base.prefill_time(pp, two) == pytest.approx(2 * 0.003, rel=1e-6)
+    assert prompt.decode_step_time(pp, 4, 400) == base.decode_step_time(pp, 4, 400)
+    mixed = lambda c: c.mixed_step_time(one_stage(0), 4, 400, PrefillBatch.single(1000))  # noqa: E731
+    assert mixed(prompt) - mixed(base) == pytest.approx(0.003, rel=1e-6)
 
 
 @pytest.mark.parametrize("cpu_cores", [None, 2])
@@ -231,7 +241,7 @@ def test_efficiency_validation():
     with pytest.raises(ValueError):
         Efficiency(compute=0)
     for k in ("step_overhead_s", "iteration_overhead_s", "seq_overhead_s", "collective_overhead_s",
-              "collective_s_per_byte", "multi_row_s_per_byte"):
+              "collective_s_per_byte", "multi_row_s_per_byte", "prompt_step_overhead_s"):
         with pytest.raises(ValueError, match=k):
             Efficiency(**{k: -1e-3})
     assert CostModel(CLUSTER, LLAMA7, Efficiency(step_overhead_s=0.01)).decode_step_time(one_stage(0), 1, 0) > 0.01

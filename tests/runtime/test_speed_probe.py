@@ -17,7 +17,7 @@ from hetserve.specs.model import load_model
 
 CPU_LIKE = Efficiency(compute=2e-4, memory=3e-3, attention=1e-4, step_overhead_s=1e-3, iteration_overhead_s=4e-3,
                       seq_overhead_s=2e-4, collective_overhead_s=5e-4, collective_s_per_byte=2e-9,
-                      multi_row_s_per_byte=5e-11)
+                      multi_row_s_per_byte=5e-11, prompt_step_overhead_s=2e-3)
 
 
 def test_a_machine_twice_as_slow_doubles_every_priced_time(model_dirs):

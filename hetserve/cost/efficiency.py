@@ -43,7 +43,7 @@ class Efficiency:
     # per stage, per step that carries prompt tokens, beyond a decode step's fixed costs (its
     # attention's causal mask and padded query grid, ``runtime/model/attention.py``): without it a
     # 32-token prompt on this CPU demo was priced 5.6 % low on average over 60 calibrations; fitted
-    # 1.1-5.5 ms there. `hetserve calibrate` fits it (0 = none)
+    # 0-8.4 ms there (median 2.9). `hetserve calibrate` fits it (0 = none)
     prompt_step_overhead_s: float = 0.0
     # per byte a TP collective carries (each layer's two all-reduces and the broadcast of the stage's
     # input activations), beyond the link's α-β time: on CPU worker slots, gloo's copies and sums

@@ -39,8 +39,9 @@ costs come from, read from the runtime (``worker.py``, ``coordinator.py``):
   its attention metadata holds a causal mask and a padded query grid that each layer scatters the
   queries into and gathers them back from (``model/attention.py``; a decode's grid is the batch
   itself), the likeliest part of it, not measured apart; fitted
-  1.1-5.5 ms on the CPU demo (60 bench calibrations refitted), priced on every stage because a
-  two-stage pipeline's prompt paid it twice (its point 2.0 % low on average, against 6.1 % once);
+  0-8.4 ms on the CPU demo (median 2.9 over 66 bench calibrations refitted), priced on every stage
+  because a two-stage pipeline's prompt pays it twice (its point 0.7 % low on average, against
+  6.2 % with it priced once a replica);
 * ``seq_overhead_s`` — once per sequence in the step: its entry in the step message, its block
   table in the attention metadata, its own attention over its KV, its token streamed to its
   request (on this CPU demo 0.1-0.5 ms per sequence, beyond the FLOPs the roofline prices);

@@ -39,8 +39,9 @@ LONG_DECODE_PROMPT = 256  # ... and of the long-context decode probe
 # rounds, three TP samples a round against the middle one alone: the decode's ratio to the
 # one-device decode spread 0.19 against 0.22 (standard deviation), the prompt's 0.14 against 0.23
 # (docs/benchmarks.md, twenty-third session). The two-stage prompt, once a round, was the one
-# point of 60 bench calibrations' fits (z1-z20, refitted) off by more than 10 % in 10 of them
-# (-21 to +14 %, spread 6.9 %), where its one-device twin spread 2.4 % (twenty-fifth session).
+# point of 60 bench calibrations' fits (refitted with a prompt step's own fixed cost) off by more
+# than 10 % in all 8 with a miss (-20 to +15 %; standard deviation 7.3 %, its one-device twin's
+# 2.4 %; twenty-fifth session).
 NOISY_SAMPLES_PER_ROUND = 3
 
 

@@ -24,8 +24,8 @@ the checkpoint on one device (the real engine behind the real HTTP server) and m
 and fits ``Efficiency(compute, memory, step_overhead_s, iteration_overhead_s, seq_overhead_s,
 collective_overhead_s, collective_s_per_byte, multi_row_s_per_byte, prompt_step_overhead_s, turn_hold)``
 minimising the squared log error of the cost model over the engine measurements, each term from
-the probes that isolate it (``fit``: one-device terms, then a prompt step's own fixed cost with
-the FLOPs' efficiencies, then the per-stage split, then the
+the probes that isolate it (``fit``: one-device terms, then the same again with a prompt step's
+own fixed cost and memory efficiency held, then the per-stage split, then the
 per-collective cost; a joint fit let the two-device probes' noise move the one-device terms, and
 memory efficiency, which no probe is bandwidth-bound at, wander 0.03-0.47). Where the fixed
 costs come from, read from the runtime (``worker.py``, ``coordinator.py``):
@@ -209,8 +209,9 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         outside: tuple[list[float], list[float]] | None = None, multi_row: bool = True,
         collective_bytes: bool = True, prompt_fixed: bool = True) -> Calibration:
     """Solve for compute, attention and memory efficiency and the fixed costs per iteration, per
-    stage, per sequence and per TP collective (least squares on the log of predicted / measured, in
-    stages: the one-device points, then the two-stage points for the per-stage part, then the TP 2
+    stage, per prompt step, per sequence and per TP collective (least squares on the log of predicted
+    / measured, in stages: the one-device points (twice: then with the prompt step's cost), then the
+    two-stage points for the per-stage part, then the TP 2
     points for the per-collective cost; memory efficiency stays ``base``'s where no decode point is
     bandwidth-bound, ``Calibration.memory_bound``), the GIL wait the median of ``dispatch``; the request
     overhead ``request_overhead(http_ttft, ttft, outside)``, the stream overheads per step and per
@@ -307,12 +308,15 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
         # prompts' own intercept let the decodes' fixed costs turn into a bandwidth bound (memory
         # 0.0025 of peak, ``iteration_overhead_s`` 0) that priced the pipeline probes 10-37 % off.
         memory = float(np.log10(eff.memory))
-        joint = lambda x: replace(eff_one(np.r_[x[0], memory, x[1:6]]), prompt_step_overhead_s=float(x[6]))  # noqa: E731
+
+        def eff_prompt(x) -> Efficiency:  # eff_one's unknowns less memory, then the prompt step's cost
+            return replace(eff_one(np.r_[x[0], memory, x[1:6]]), prompt_step_overhead_s=float(x[6]))
+
         x1 = [np.r_[np.log10(eff.compute), eff.iteration_overhead_s, eff.seq_overhead_s,
                     np.log10(eff.attention / eff.compute) if attention else -0.5,
                     np.log10(eff.decode_attention / eff.compute) if long_decode else -1.0,
                     eff.multi_row_s_per_byte * one_bytes, p0] for p0 in (0.0, 0.1 * float(min(measured)))]
-        eff = joint(solve(one, joint, x1, [-9, 0.0, 0.0, -9, -9, 0.0, 0.0], [0, hi, hi, 0, 0, hi, hi]))
+        eff = eff_prompt(solve(one, eff_prompt, x1, [-9, 0.0, 0.0, -9, -9, 0.0, 0.0], [0, hi, hi, 0, 0, hi, hi]))
     memory_bound = any(p[0] == "decode" and _memory_binds(CostModel(cluster, spec, eff), shapes[1, 1], p[1],
                                                           p[1] * (p[4] + decode_tokens / 2))
                        for p in one)

@@ -301,21 +301,18 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
                        multi_row_s_per_byte=float(x[6]) / one_bytes if multi_row else 0.0)
 
     starts = [np.array([c0, c0, 0.4 * float(min(measured)), 0.0, -0.5, -1.0, 0.0]) for c0 in (-5.0, -3.0, -1.0)]
-    eff = eff_one(solve(one, eff_one, starts, [-9, -9, 0.0, 0.0, -9, -9, 0.0], [0, 0, hi, hi, 0, 0, hi]))
+    x_one = solve(one, eff_one, starts, [-9, -9, 0.0, 0.0, -9, -9, 0.0], [0, 0, hi, hi, 0, 0, hi])
+    eff = eff_one(x_one)
     if prompt_fixed and len(ttft) >= 2 and tpot:
         # (1b) What a step carrying a prompt pays beyond a decode step's fixed costs, fitted with the
         # other one-device terms again but memory efficiency held at (1)'s: with it free, the
         # prompts' own intercept let the decodes' fixed costs turn into a bandwidth bound (memory
         # 0.0025 of peak, ``iteration_overhead_s`` 0) that priced the pipeline probes 10-37 % off.
-        memory = float(np.log10(eff.memory))
-
         def eff_prompt(x) -> Efficiency:  # eff_one's unknowns less memory, then the prompt step's cost
-            return replace(eff_one(np.r_[x[0], memory, x[1:6]]), prompt_step_overhead_s=float(x[6]))
+            return replace(eff_one(np.r_[x[0], x_one[1], x[1:6]]), prompt_step_overhead_s=float(x[6]))
 
-        x1 = [np.r_[np.log10(eff.compute), eff.iteration_overhead_s, eff.seq_overhead_s,
-                    np.log10(eff.attention / eff.compute) if attention else -0.5,
-                    np.log10(eff.decode_attention / eff.compute) if long_decode else -1.0,
-                    eff.multi_row_s_per_byte * one_bytes, p0] for p0 in (0.0, 0.1 * float(min(measured)))]
+        # from (1)'s solution, with no prompt cost and with one of a tenth of the shortest probe
+        x1 = [np.r_[np.delete(x_one, 1), p0] for p0 in (0.0, 0.1 * float(min(measured)))]
         eff = eff_prompt(solve(one, eff_prompt, x1, [-9, 0.0, 0.0, -9, -9, 0.0, 0.0], [0, hi, hi, 0, 0, hi, hi]))
     memory_bound = any(p[0] == "decode" and _memory_binds(CostModel(cluster, spec, eff), shapes[1, 1], p[1],
                                                           p[1] * (p[4] + decode_tokens / 2))

@@ -13,6 +13,9 @@ of now (``--replay --refit``, the slow-down its speed probe read) and its engine
   free micro-batch slot), *with decodes* riding in the same step; served span and model time, and
   the simulated steps of the same kind (the simulator traces a pipeline's decoding micro-batches
   as one round, so its decode steps are not split here).
+* **token periods by the sequences decoding**: a sequence's time from one of its decode steps to its
+  next, by how many sequences of its replica decoded in that time, served against simulated. A
+  period is what TPOT averages, and it is comparable on both sides however the steps are traced.
 
 On the 2-core VM (docs/benchmarks.md, twenty-fourth session) the two-stage pipeline near saturation
 showed its served micro-batch decode grow 2.5-3.3 ms of wall per sequence from two to five
@@ -34,6 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BATCH_CAP = 6  # decode steps of this many sequences or more share a row
+PERIOD_CAP = 4  # token periods with this many sequences decoding or more share a row
 
 
 def decode_by_batch(served, model_s) -> list[dict]:
@@ -70,6 +74,30 @@ def prompt_kinds(rows, model_s=None) -> dict[str, dict]:
             for kind, v in kinds.items()}
 
 
+def token_periods(rows) -> dict[int, list[float]]:
+    """Each sequence's token periods (seconds from the start of one of its decode steps to the start
+    of its next), keyed by the sequences of its replica that decoded in that time (``PERIOD_CAP`` and
+    more under one key). Decode-only steps: a step carrying a prompt ends its sequences' periods
+    there (its time is the prompt's TTFT as much as their TPOT)."""
+    by_replica: dict[str, list] = {}
+    for r in rows:
+        by_replica.setdefault(r.replica, []).append(r)
+    periods: dict[int, list[float]] = {}
+    for steps in by_replica.values():
+        steps.sort(key=lambda r: r.started)
+        last: dict[int, int] = {}  # sequence -> index of its last decode-only step
+        for i, r in enumerate(steps):
+            for seq in r.decode_ids:
+                j = last.pop(seq, None)
+                if r.prompt_tokens:
+                    continue
+                if j is not None:
+                    beside = {s for q in steps[j:i + 1] if not q.prompt_tokens for s in q.decode_ids}
+                    periods.setdefault(min(len(beside), PERIOD_CAP), []).append(r.started - steps[j].started)
+                last[seq] = i
+    return periods
+
+
 def print_cell(cell: dict, console) -> None:
     from rich.table import Table
 
@@ -93,6 +121,15 @@ def print_cell(cell: dict, console) -> None:
         t.add_row(kind, str(a["steps"]) if a else "0", f"{a['span_s'] * 1e3:.1f}" if a else "-",
                   f"{a['model_s'] * 1e3:.1f}" if a else "-", str(b["steps"]) if b else "0",
                   f"{b['span_s'] * 1e3:.1f}" if b else "-", f"{b['span_s'] / a['span_s']:.2f}" if a and b else "-")
+    console.print(t)
+    served, simulated = token_periods(rows["served"]), token_periods(rows["simulated"])
+    t = Table("sequences decoding", "served periods", "served median ms", "simulated periods", "simulated median ms",
+              "sim / served", title="a sequence's token periods by the sequences decoding in them")
+    for n in sorted(set(served) | set(simulated)):
+        a, b = served.get(n), simulated.get(n)
+        t.add_row(f"{n}{'+' if n == PERIOD_CAP else ''}", str(len(a or [])),
+                  f"{np.median(a) * 1e3:.1f}" if a else "-", str(len(b or [])),
+                  f"{np.median(b) * 1e3:.1f}" if b else "-", f"{np.median(b) / np.median(a):.2f}" if a and b else "-")
     console.print(t)
 
 

@@ -216,6 +216,29 @@ def test_predict_steps_splits_decode_steps_by_batch_and_prompt_steps_by_what_ran
     assert np.isnan(prompt_kinds(rows)["alone"]["model_s"])  # simulated rows: no model column
 
 
+
+def test_predict_steps_token_periods_count_the_sequences_of_the_replica_decoding_in_them():
+    """``bench/predict_steps.py``: a sequence's token period runs from one of its decode-only steps to
+    its next, keyed by the sequences of *its* replica decoding in that time (two micro-batches of a
+    pipeline take turns: each period holds both); a step carrying a prompt ends the periods there."""
+    from bench.predict_steps import PERIOD_CAP, token_periods
+    from hetserve.step_compare import StepRow
+
+    rows = [StepRow("c0", 0.00, 0.01, (0,), 20.0, ()),  # alone: 0 -> 0.01
+            StepRow("c0", 0.01, 0.02, (0,), 21.0, ()),
+            StepRow("c0", 0.02, 0.03, (1,), 20.0, ()),  # a second micro-batch: 0 waits 0.01 -> 0.04
+            StepRow("c0", 0.04, 0.05, (0,), 22.0, ()),
+            StepRow("c0", 0.05, 0.08, (0,), 23.0, (64,)),  # with a prompt: 0's period ends unmeasured
+            StepRow("c0", 0.08, 0.09, (0,), 24.0, ()),
+            StepRow("d0", 0.03, 0.04, (7,), 20.0, ()),  # another replica: never beside c0's sequences
+            StepRow("d0", 0.06, 0.07, (7,), 21.0, ()),
+            StepRow("x0", 0.00, 0.01, tuple(range(PERIOD_CAP + 1)), 99.0, ()),
+            StepRow("x0", 0.02, 0.03, tuple(range(PERIOD_CAP + 1)), 99.0, ())]
+    periods = token_periods(rows)
+    assert sorted(periods) == [1, 2, PERIOD_CAP]
+    assert periods[1] == pytest.approx([0.01, 0.03])  # c0's first, d0's
+    assert periods[2] == pytest.approx([0.03])  # 0.01 -> 0.04 beside sequence 1; none across the prompt
+    assert periods[PERIOD_CAP] == pytest.approx([0.02] * (PERIOD_CAP + 1))
 def test_bench_predict_counts_the_calibration_points_within_ten_percent_once_per_calibration(tmp_path):
     """Issue 13's calibration target, as bench_predict prints it: every point of each distinct
     calibration its cells used (two cells of one plan share one), a point 11 % off a miss."""

@@ -216,7 +216,6 @@ def test_predict_steps_splits_decode_steps_by_batch_and_prompt_steps_by_what_ran
     assert np.isnan(prompt_kinds(rows)["alone"]["model_s"])  # simulated rows: no model column
 
 
-
 def test_predict_steps_token_periods_count_the_sequences_of_the_replica_decoding_in_them():
     """``bench/predict_steps.py``: a sequence's token period runs from one of its decode-only steps to
     its next, keyed by the sequences of *its* replica decoding in that time (two micro-batches of a
@@ -239,6 +238,8 @@ def test_predict_steps_token_periods_count_the_sequences_of_the_replica_decoding
     assert periods[1] == pytest.approx([0.01, 0.03])  # c0's first, d0's
     assert periods[2] == pytest.approx([0.03])  # 0.01 -> 0.04 beside sequence 1; none across the prompt
     assert periods[PERIOD_CAP] == pytest.approx([0.02] * (PERIOD_CAP + 1))
+
+
 def test_bench_predict_counts_the_calibration_points_within_ten_percent_once_per_calibration(tmp_path):
     """Issue 13's calibration target, as bench_predict prints it: every point of each distinct
     calibration its cells used (two cells of one plan share one), a point 11 % off a miss."""

@@ -153,7 +153,8 @@ def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | Non
     ``runtime_from``: a calibration file whose front-end terms the cells take instead, to try terms
     measured later on served runs saved before them; ``refit``: each calibration's efficiency fitted
     again from its saved points by today's fit; ``speed_correction``: each cell's calibrated times
-    scaled by the slow-down its speed probe read while it was served, as ``compare`` did)."""
+    scaled by the slow-down its speed probe read while it was served, weighted as ``compare`` weights
+    it now: ``speed_probe.weighted``)."""
     return replay_data(json.loads(Path(path).read_text()), path, shared_cores, console, runtime_from, refit,
                        speed_correction)
 
@@ -189,6 +190,7 @@ def _replay_cells(tmp: Path, data: dict, source: str, shared_cores: bool, consol
     from hetserve.compare import (CompareOptions, calibrated_inputs, simulate_calibrated, simulate_with_steps,
                                   simulated_of, table_against, table_of)
     from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.runtime.speed_probe import weighted
     from hetserve.serve.loadgen import requests_from_workload
     from hetserve.specs.cluster import load_cluster
     from hetserve.specs.model import load_model
@@ -250,7 +252,8 @@ def _replay_cells(tmp: Path, data: dict, source: str, shared_cores: bool, consol
         speed = cell.get("speed")
         if speed:
             speed = {**speed, "table_as_calibrated": table_at(1.0)[0]}
-        table, steps, ttft = table_at(speed["slowdown"] if speed and speed_correction else 1.0)
+        # the probe's measured ratio weighted as compare weights it now (runtime.speed_probe.weighted)
+        table, steps, ttft = table_at(weighted(speed["slowdown"]) if speed and speed_correction else 1.0)
         # as replayed (the calibration refitted with --refit); each request's arrival and simulated
         # TTFT for the split by what the replica held at its arrival (bench/predict_occupancy.py)
         cells.append({**cell, "table": table, "speed": speed, "steps": steps or cell.get("steps"),

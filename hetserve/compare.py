@@ -18,7 +18,8 @@ each served process kept busy.
 The machine's speed drifts on a shared VM (tens of percent within minutes), so the calibration's
 machine is not the served run's: with a calibration that holds a speed reading, ``compare`` reads
 the speed probe again just before and after serving and scales the calibrated times by the ratio
-(``runtime.speed_probe``; ``speed_correction=False`` / ``--no-speed-correction``: as calibrated). A
+to the power ``speed_weight`` (``runtime.speed_probe.SPEED_WEIGHT``: the part of the ratio that
+carries to the workers; ``speed_correction=False`` / ``--no-speed-correction``: as calibrated). A
 calibration of a GPU engine is taken as calibrated: the probe is a CPU engine's speed index
 (``runtime.calibration_file.speed_reference``).
 The table as calibrated is kept beside it (``info["speed"]``).
@@ -38,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from hetserve.runtime.speed_probe import SPEED_WEIGHT
 
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 STATS = ("mean", "p50", "p90", "p99")
@@ -74,6 +77,7 @@ class CompareOptions:
     # read the machine's speed just before and after serving and scale the calibrated times by its
     # ratio to the calibration's reading (runtime.speed_probe; a calibration without one: no change)
     speed_correction: bool = True
+    speed_weight: float = SPEED_WEIGHT  # how much of the probe's ratio the times take, as a power
     # replay the same requests a second time on the same server (after the first run's measurements):
     # how far two served runs of one cell lie apart is the noise any prediction of them meets
     serve_twice: bool = False
@@ -125,7 +129,7 @@ def compare(opts: CompareOptions) -> Comparison:
     from hetserve.planner.plan import Plan
     from hetserve.runtime.calibrate import machine_info
     from hetserve.runtime.calibration_file import speed_reference
-    from hetserve.runtime.speed_probe import SpeedProbe, combine, slowdown
+    from hetserve.runtime.speed_probe import SpeedProbe, combine, slowdown, weighted
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import LoadRequest, replay, requests_from_workload, summarize
     from hetserve.specs.cluster import Cluster, load_cluster
@@ -182,7 +186,8 @@ def compare(opts: CompareOptions) -> Comparison:
     summary = summarize(results)
     served = _served_of(results, summary)
 
-    slow = slowdown(combine(speed[0] + speed[1]), at_calibration) if speed else 1.0
+    measured = slowdown(combine(speed[0] + speed[1]), at_calibration) if speed else 1.0
+    slow = weighted(measured, opts.speed_weight)
     efficiency, overhead, sim_kw = calibrated_inputs(opts.efficiency, slow)
     contention, handoff = sim_kw.get("contention_slowdown", 1.0), sim_kw.get("link_overhead_s", 0.0)
     res, steps_info = simulate_with_steps(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead,
@@ -200,7 +205,9 @@ def compare(opts: CompareOptions) -> Comparison:
     if speed:
         # the same simulation at the calibration's speed: what the correction changed
         res0 = simulate_calibrated(plan, cluster, spec, requests, opts, cfg, pools, opts.efficiency)
-        speed_info = {"slowdown": round(slow, 4), "at_calibration": at_calibration.to_dict(),
+        # "slowdown": the probe's ratio as measured (replays weight it again, bench_predict --replay)
+        speed_info = {"slowdown": round(measured, 4), "applied": round(slow, 4), "weight": opts.speed_weight,
+                      "at_calibration": at_calibration.to_dict(),
                       "before": combine(speed[0]).to_dict(), "after": combine(speed[1]).to_dict(),
                       "readings": [r.to_dict() for r in speed[0] + speed[1]],
                       "table_as_calibrated": table_against(served, summary["throughput_tokens_per_s"], res0)}
@@ -218,7 +225,8 @@ def compare(opts: CompareOptions) -> Comparison:
             "max_num_seqs": cfg.max_num_seqs, "load_avg_1m": [round(load_before, 2), round(load_after, 2)],
             "machine": machine_info(),
             "served_source": "measured at the openai client on this machine",
-            "simulated_source": _simulated_source(opts.efficiency, slow if speed else None, speed_note)}
+            "simulated_source": _simulated_source(opts.efficiency, slow if speed else None, speed_note,
+                                                  opts.speed_weight)}
     return Comparison(table, served, simulated_of(res), info,
                       (plan, cluster, spec, requests, cfg, pools, efficiency, overhead, summary, contention),
                       served_steps)
@@ -282,13 +290,14 @@ def simulate_calibrated(plan, cluster, spec, requests, opts: CompareOptions, cfg
     return simulate_side(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead, **kw)
 
 
-def _simulated_source(efficiency: str | None, slow: float | None, note: str | None = None) -> str:
+def _simulated_source(efficiency: str | None, slow: float | None, note: str | None = None,
+                      weight: float = SPEED_WEIGHT) -> str:
     from hetserve.runtime.calibration_file import timings_source
 
     if not efficiency or slow is None:
         return timings_source(efficiency) + (f", {note}" if note and efficiency else "")
     return (f"{timings_source(efficiency)}, its times x{slow:.2f}: the machine's speed probe "
-            "before and after serving vs at calibration")
+            f"before and after serving vs at calibration, to the power {weight:g}")
 
 
 def simulate_side(plan, cluster, spec, requests, opts: CompareOptions, cfg, pools: dict[str, int], efficiency,
@@ -395,8 +404,9 @@ def print_table(c: Comparison, console=None) -> None:
         console.print(f"machine speed (speed probe: one-token decode / {PROMPT_TOKENS}-token prompt in this process): "
                       f"{before['decode_s'] * 1e3:.2f} / {before['prefill_s'] * 1e3:.1f} ms before serving, "
                       f"{after['decode_s'] * 1e3:.2f} / {after['prefill_s'] * 1e3:.1f} ms after, "
-                      f"{ref['decode_s'] * 1e3:.2f} / {ref['prefill_s'] * 1e3:.1f} ms at calibration: simulated "
-                      f"times x{sp['slowdown']:.2f} (as calibrated, {within_band(sp['table_as_calibrated'])} of "
+                      f"{ref['decode_s'] * 1e3:.2f} / {ref['prefill_s'] * 1e3:.1f} ms at calibration, a ratio of "
+                      f"x{sp['slowdown']:.2f}: simulated times x{sp.get('applied', sp['slowdown']):.2f}, its power "
+                      f"{sp.get('weight', 1.0):g} (as calibrated, {within_band(sp['table_as_calibrated'])} of "
                       f"{len(c.table)} figures within ±15 %; with the correction {within_band(c.table)})")
     others = c.info.get("other_cores_busy")
     if others is not None:

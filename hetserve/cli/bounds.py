@@ -19,6 +19,7 @@ BOUNDS: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "theta": (0, 1, False, True),
     "target": (0, 1, False, False),
     "drain_timeout": (0, None, True, False),
+    "speed_weight": (0, 1, True, True),  # compare: the power of the speed probe's ratio
 }
 POSITIVE = (0, None, False, False)
 

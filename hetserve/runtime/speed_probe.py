@@ -6,8 +6,9 @@ session: the one-token decode 6.3 ms in one run, 9.1 ms in the next). A served r
 another machine than the one the cost model was fitted on. The probe is a short, fixed piece of the
 same work — the checkpoint's one-token decode steps and a prompt, through ``transformers`` in this
 process on one thread, as each worker computes — read in ``hetserve calibrate``'s rounds and again
-just before and after ``hetserve compare`` serves. The ratio of the two (``slowdown``) scales every
-calibrated time (``Efficiency.at_speed``), so the simulator prices the machine the served run met.
+just before and after ``hetserve compare`` serves. The ratio of the two (``slowdown``), to the power
+``SPEED_WEIGHT`` (``weighted``: the part of it that carries to the workers), scales every calibrated
+time (``Efficiency.at_speed``), so the simulator prices the machine the served run met.
 
 It is a *machine* index, not a cost: it prices no plan shape, and the plan being compared plays no
 part in it.
@@ -22,6 +23,13 @@ from typing import Sequence
 
 PROMPT_TOKENS = 128  # the probe's prompt (shorter where the checkpoint's context is)
 CONTEXT_TOKENS = 16  # the decode steps' context
+# How much of the probe's ratio carries to the served workers, as a power (``weighted``). The probe
+# runs in this process, on one thread, between the serving phases; the workers' speed while serving
+# follows it only in part. Over the 132 cells of 22 bench_predict runs (z1-z22), each cell's
+# served / simulated-as-calibrated factor regressed on the ratio, in logs: slope 0.76 (r 0.58); the
+# residual spread 0.110 taking the ratio to this power, 0.112 taking all of it, 0.135 none of it
+# (docs/benchmarks.md, twenty-sixth session).
+SPEED_WEIGHT = 0.75
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,14 @@ def slowdown(now: SpeedReading, then: SpeedReading) -> float:
     """How many times slower the machine runs now than then: the geometric mean of the decode and
     the prompt ratios (the two stress the cores differently: weights streamed vs GEMMs)."""
     return ((now.decode_s / then.decode_s) * (now.prefill_s / then.prefill_s)) ** 0.5
+
+
+def weighted(slow: float, weight: float = SPEED_WEIGHT) -> float:
+    """The factor the calibrated times are scaled by for a probe ratio ``slow``: ``slow ** weight``
+    (``SPEED_WEIGHT``; 1: all of the ratio, 0: none, as calibrated)."""
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"the speed probe's weight must be in [0, 1], not {weight}")
+    return slow ** weight
 
 
 def round_median(samples: Sequence[tuple[int, float]], readings: Sequence[SpeedReading]) -> float:

@@ -92,6 +92,20 @@ def test_compare_scales_a_cpu_calibration_by_the_probe_and_takes_a_gpu_one_as_ca
     assert speed_reference(None) == (None, None)
 
 
+def test_the_probes_ratio_carries_to_the_served_times_by_its_weight():
+    """``compare`` scales the calibrated times by the probe's ratio to the power ``SPEED_WEIGHT``: the
+    part of it that followed the served runs' speed; 1 takes all of it, 0 none; a weight outside
+    [0, 1] is refused."""
+    from hetserve.runtime.speed_probe import SPEED_WEIGHT, weighted
+
+    assert 0 < SPEED_WEIGHT < 1
+    assert weighted(2.0) == pytest.approx(2.0 ** SPEED_WEIGHT) and weighted(0.5) == pytest.approx(0.5 ** SPEED_WEIGHT)
+    assert 1.0 < weighted(1.4) < 1.4 and 0.7 < weighted(0.7) < 1.0  # toward 1 from either side
+    assert weighted(1.4, 1.0) == 1.4 and weighted(1.4, 0.0) == 1.0
+    with pytest.raises(ValueError, match="weight"):
+        weighted(1.4, 1.5)
+
+
 def test_slowdown_is_the_geometric_mean_of_the_two_ratios():
     then = SpeedReading(0.005, 0.030, 10)
     assert slowdown(SpeedReading(0.010, 0.030, 10), then) == pytest.approx(2 ** 0.5)

@@ -121,6 +121,12 @@ def test_compare_scales_the_calibration_by_the_machine_speed_it_reads_while_serv
         assert table[key]["simulated"] > 1.2 * speed["table_as_calibrated"][key]["simulated"]
         assert table[key]["served"] == speed["table_as_calibrated"][key]["served"]
     assert "machine speed (speed probe" in flat and f"x{speed['slowdown']:.2f}" in flat
+    # the simulated times take the ratio to the power SPEED_WEIGHT, and say so
+    from hetserve.runtime.speed_probe import SPEED_WEIGHT
+
+    assert speed["weight"] == SPEED_WEIGHT
+    assert speed["applied"] == pytest.approx(speed["slowdown"] ** SPEED_WEIGHT, rel=1e-3)
+    assert f"x{speed['applied']:.2f}" in flat and f"x{speed['applied']:.2f}" in info["simulated_source"]
     assert "speed probe before and after serving" in info["simulated_source"]
     again = info["served_again"]
     assert set(again["table"]) == set(table) and len(again["per_request"]["ttft_s"]) == 4

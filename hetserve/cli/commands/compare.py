@@ -6,6 +6,7 @@ import argparse
 
 from hetserve.policies.placement import placement_names
 from hetserve.policies.routing import route_names
+from hetserve.runtime.speed_probe import SPEED_WEIGHT
 
 from hetserve.cli.commands.serve import add_prefill_mode_options
 
@@ -36,6 +37,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "probe before and after serving and scale the calibrated times by its ratio to the "
                         "calibration's reading; a shared VM's speed drifts by tens of percent within minutes; a calibration "
                         "whose engine ran on a GPU is always taken as calibrated: the probe times the CPU)")
+    p.add_argument("--speed-weight", type=float, default=SPEED_WEIGHT, metavar="W",
+                   help="how much of the speed probe's ratio the simulated times take, as a power: 1 all of it, "
+                        "0 none (default %(default)s: the part of it that followed the served runs' speed over 22 "
+                        "bench runs, docs/benchmarks.md)")
     p.add_argument("--serve-twice", action="store_true",
                    help="replay the same requests a second time on the same server and print the second run "
                         "against the first beside the simulation: how far two served runs lie apart")
@@ -67,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
                                    max_output=args.max_output, efficiency=args.efficiency, router=args.router,
                                    route=args.route, seed=args.seed, prefill_mode=args.prefill_mode,
                                    chunk_tokens=args.chunk_tokens, kv_admission=args.kv_admission,
-                                   speed_correction=args.speed_correction, serve_twice=args.serve_twice))
+                                   speed_correction=args.speed_correction, speed_weight=args.speed_weight,
+                                   serve_twice=args.serve_twice))
     except RuntimeError as exc:
         raise RuntimeFailure(str(exc)) from exc
     console = Console()

@@ -75,7 +75,8 @@ class CompareOptions:
     chunk_tokens: int = 512  # chunked prefill: tokens per step, decode tokens included
     kv_admission: str = "reserve"  # both sides: "reserve" | "paged" (policies.kv_admission)
     # read the machine's speed just before and after serving and scale the calibrated times by its
-    # ratio to the calibration's reading (runtime.speed_probe; a calibration without one: no change)
+    # ratio to the calibration's reading, to the power speed_weight (runtime.speed_probe; a
+    # calibration without one: no change)
     speed_correction: bool = True
     speed_weight: float = SPEED_WEIGHT  # how much of the probe's ratio the times take, as a power
     # replay the same requests a second time on the same server (after the first run's measurements):
@@ -405,9 +406,9 @@ def print_table(c: Comparison, console=None) -> None:
                       f"{before['decode_s'] * 1e3:.2f} / {before['prefill_s'] * 1e3:.1f} ms before serving, "
                       f"{after['decode_s'] * 1e3:.2f} / {after['prefill_s'] * 1e3:.1f} ms after, "
                       f"{ref['decode_s'] * 1e3:.2f} / {ref['prefill_s'] * 1e3:.1f} ms at calibration, a ratio of "
-                      f"x{sp['slowdown']:.2f}: simulated times x{sp.get('applied', sp['slowdown']):.2f}, its power "
-                      f"{sp.get('weight', 1.0):g} (as calibrated, {within_band(sp['table_as_calibrated'])} of "
-                      f"{len(c.table)} figures within ±15 %; with the correction {within_band(c.table)})")
+                      f"x{sp['slowdown']:.2f}; simulated times x{sp.get('applied', sp['slowdown']):.2f} (the ratio "
+                      f"to the power {sp.get('weight', 1.0):g}; as calibrated, {within_band(sp['table_as_calibrated'])} "
+                      f"of {len(c.table)} figures within ±15 %, with the correction {within_band(c.table)})")
     others = c.info.get("other_cores_busy")
     if others is not None:
         console.print(f"other processes on this machine kept {others:.2f} cores busy during the replay"

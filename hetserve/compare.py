@@ -291,8 +291,7 @@ def simulate_calibrated(plan, cluster, spec, requests, opts: CompareOptions, cfg
     return simulate_side(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead, **kw)
 
 
-def _simulated_source(efficiency: str | None, slow: float | None, note: str | None = None,
-                      weight: float = SPEED_WEIGHT) -> str:
+def _simulated_source(efficiency: str | None, slow: float | None, note: str | None, weight: float) -> str:
     from hetserve.runtime.calibration_file import timings_source
 
     if not efficiency or slow is None:
@@ -406,8 +405,8 @@ def print_table(c: Comparison, console=None) -> None:
                       f"{before['decode_s'] * 1e3:.2f} / {before['prefill_s'] * 1e3:.1f} ms before serving, "
                       f"{after['decode_s'] * 1e3:.2f} / {after['prefill_s'] * 1e3:.1f} ms after, "
                       f"{ref['decode_s'] * 1e3:.2f} / {ref['prefill_s'] * 1e3:.1f} ms at calibration, a ratio of "
-                      f"x{sp['slowdown']:.2f}; simulated times x{sp.get('applied', sp['slowdown']):.2f} (the ratio "
-                      f"to the power {sp.get('weight', 1.0):g}; as calibrated, {within_band(sp['table_as_calibrated'])} "
+                      f"x{sp['slowdown']:.2f}; simulated times x{sp['applied']:.2f} (the ratio "
+                      f"to the power {sp['weight']:g}; as calibrated, {within_band(sp['table_as_calibrated'])} "
                       f"of {len(c.table)} figures within ±15 %, with the correction {within_band(c.table)})")
     others = c.info.get("other_cores_busy")
     if others is not None:

@@ -87,6 +87,7 @@ The cheapest device set for a rate (a lower bound on its price from this bound):
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,7 +98,7 @@ from hetserve.planner.bound_network import Rows, resource_rows
 
 ROLES = ("prefill", "decode", "colocated")
 GROUP_NODE_LIMIT = 500  # HiGHS's MILP: past it its dual bound (still a bound) is used; deterministic
-GROUP_TIME_LIMIT_S = 60.0  # a safety net only (wall time would make the bound depend on the load)
+GROUP_TIME_LIMIT_S = 60.0  # per MILP run, a safety net only (wall time would make the bound depend on the load)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,9 @@ class Bound:
     # group programme only, when its columns are machine kinds: the column groups of its best
     # integer point as ({"machine/gpu": devices}, role, how many) — a plan the planner can score
     incumbent: tuple = ()
+    # the caller's time (``time_limit_s``) ran out before the solver finished: still a bound, a
+    # looser one than the programme gives with the time it needs
+    cut_short: bool = False
 
     def to_dict(self) -> dict:
         return {"tokens_per_s": round(self.tokens_per_s, 3), "binding": list(self.binding)}
@@ -262,7 +266,7 @@ def _counts(lp: _LP, x) -> dict[tuple[str, str, str], float]:
 
 
 def upper_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
-                node_limit: int = GROUP_NODE_LIMIT) -> Bound:
+                node_limit: int = GROUP_NODE_LIMIT, time_limit_s: float | None = None) -> Bound:
     """The group-column programme for ``ctx`` (all devices, or only ``devices``); the per-device
     LP only where the programme has no columns. Not the smaller of the two: the per-device LP
     prices a colocated request as a prompt plus its decode steps, and the cost model's mixed
@@ -271,10 +275,10 @@ def upper_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
     objectives: the smaller of the programme without the SLOs and the per-device LP (both hold
     there; module docstring)."""
     if ctx.slo is None:
-        groups = group_bound(ctx, budget_usd_per_hour, devices, node_limit)
+        groups = group_bound(ctx, budget_usd_per_hour, devices, node_limit, time_limit_s)
         return groups if groups is not None else per_device_bound(ctx, budget_usd_per_hour, devices)
     lp = per_device_bound(ctx, budget_usd_per_hour, devices)
-    groups = group_bound(throughput_context(ctx), budget_usd_per_hour, devices, node_limit)
+    groups = group_bound(throughput_context(ctx), budget_usd_per_hour, devices, node_limit, time_limit_s)
     return lp if groups is None or lp.requests_per_period <= groups.requests_per_period else groups
 
 
@@ -303,7 +307,9 @@ def per_device_bound(ctx, budget_usd_per_hour: float | None = None, devices=None
     return Bound(ctx.tokens_per_s(req), req, _counts(lp, res.x), binding)
 
 
-_CACHE: dict[tuple, Bound | None] = {}  # planning a pool prices its bound more than once
+# planning a pool prices its bound more than once: the bound and the time it was given (None: all
+# it needed)
+_CACHE: dict[tuple, tuple[Bound | None, float | None]] = {}
 _CACHE_SIZE = 64
 
 
@@ -320,23 +326,33 @@ def _fingerprint(ctx, budget, devices, node_limit) -> tuple:
 
 
 def group_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
-                node_limit: int = GROUP_NODE_LIMIT) -> Bound | None:
+                node_limit: int = GROUP_NODE_LIMIT, time_limit_s: float | None = None) -> Bound | None:
     """The group-column programme alone (None when the pool has no columns to offer, or under
-    SLO objectives: ``upper_bound`` passes ``throughput_context``); cached by everything it reads."""
+    SLO objectives: ``upper_bound`` passes ``throughput_context``); cached by everything it reads.
+    ``time_limit_s`` caps the solver's runs together (None: ``GROUP_TIME_LIMIT_S`` each); a bound
+    they cut short is solved again by a call with more time."""
     if ctx.slo is not None:  # SLO capacities price colocated replicas by another formula
         return None
     key = _fingerprint(ctx, budget_usd_per_hour, devices, node_limit)
-    if key not in _CACHE:
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = _group_bound(ctx, budget_usd_per_hour, devices, node_limit)
-    return _CACHE[key]
+    bound, given = _CACHE.get(key, (None, 0.0))
+    if key in _CACHE and not (bound is not None and bound.cut_short and _longer(time_limit_s, given)):
+        return bound
+    if len(_CACHE) >= _CACHE_SIZE:
+        _CACHE.pop(next(iter(_CACHE)))
+    bound = _group_bound(ctx, budget_usd_per_hour, devices, node_limit, time_limit_s)
+    _CACHE[key] = (bound, time_limit_s)
+    return bound
+
+
+def _longer(wanted: float | None, given: float | None) -> bool:
+    return given is not None and (wanted is None or wanted > given)
 
 
 _COLUMNS: dict[tuple, object] = {}  # a pool's columns, shared by its budgets (min_cost's bisection)
 
 
-def _group_bound(ctx, budget_usd_per_hour, devices, node_limit) -> Bound | None:
+def _group_bound(ctx, budget_usd_per_hour, devices, node_limit, time_limit_s) -> Bound | None:
+    deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
     mk = _kinds(ctx, devices)
     key = _fingerprint(ctx, None, devices, None)
     if key not in _COLUMNS:
@@ -347,8 +363,8 @@ def _group_bound(ctx, budget_usd_per_hour, devices, node_limit) -> Bound | None:
     if cols is None:
         return None
     rates = [_rates(ctx, k) for k in mk]
-    relaxed, best, binding, used, incumbent = bound_groups.solve(ctx, mk, rates, cols, budget_usd_per_hour,
-                                                                 node_limit, GROUP_TIME_LIMIT_S)
+    relaxed, best, binding, used, incumbent, cut = bound_groups.solve(ctx, mk, rates, cols, budget_usd_per_hour,
+                                                                      node_limit, GROUP_TIME_LIMIT_S, deadline)
     counts: dict[tuple[str, str, str], float] = {}
     for (g, role), n in used.items():
         k = mk[cols.kind_of.index(g)]
@@ -358,7 +374,7 @@ def _group_bound(ctx, budget_usd_per_hour, devices, node_limit) -> Bound | None:
     if cols.machine_kinds:
         plan = tuple(({mk[g].machine + "/" + mk[g].gpu: n for g, n in enumerate(comp) if n}, role, count)
                      for comp, role, count in incumbent)
-    return Bound(ctx.tokens_per_s(best), best, counts, binding, plan)
+    return Bound(ctx.tokens_per_s(best), best, counts, binding, plan, cut)
 
 
 def per_device_min_cost(ctx, requests_per_period: float, devices=None) -> tuple[float, dict] | None:

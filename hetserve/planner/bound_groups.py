@@ -42,6 +42,7 @@ tied KV rows: a smaller group cannot always send its KV the same way).
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -147,9 +148,13 @@ def _compositions(counts, K, limit):
     return None if len(out) > limit else out
 
 
-def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, time_limit: float):
+def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, time_limit: float,
+          deadline: float | None = None):
     """(LP relaxation value, MILP dual bound, binding row names of the relaxation, devices per
-    (kind, role), the solver's best integer point as (composition, role, groups))."""
+    (kind, role), the solver's best integer point as (composition, role, groups), whether the
+    solver stopped at its time limit). ``time_limit`` caps each MILP run; ``deadline``
+    (``time.perf_counter()``), when given, caps them all together: a run it cuts short still
+    gives a dual bound, only a looser one."""
     nj, ng, nk = len(cols.comps), len(cols.counts), len(mk)
     big = sum(cols.counts) > cols.K
     machines = sorted({k.machine for k in mk})
@@ -246,11 +251,16 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
             break
     duals = np.abs(lp.ineqlin.marginals)
     binding = tuple(dict.fromkeys(n for n, y in zip(names, duals) if y > 1e-9))
-    best, res, last, still = relaxed, None, math.inf, 0
+    best, res, last, still, cut, earlier = relaxed, None, math.inf, 0, False, math.inf
     for _ in range(_CUT_ROUNDS_MILP if ties else 1):
+        if res is not None and deadline is not None and time.perf_counter() >= deadline:
+            cut = True  # the rounds so far were each a relaxation of the tied programme: a bound
+            break
         (A, rhs), c_, up_, int_, _ = programme()
-        res = _milp(-c_, A, rhs, int_, up_, {"node_limit": node_limit, "time_limit": time_limit,
-                                             "highs": _HIGHS_OPTIONS})
+        res, stopped = _milp(-c_, A, rhs, int_, up_, {"node_limit": node_limit, "highs": _HIGHS_OPTIONS},
+                             time_limit, deadline)
+        cut = cut or stopped
+        earlier = min(earlier, _dual(res))
         value = -float(res.fun) if res.fun is not None else math.inf
         still = still + 1 if value >= last * (1 - 1e-3) else 0
         # stop when no untied column is in use, or after _PATIENCE rounds that moved the optimum
@@ -260,10 +270,9 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
         last = value
     # the last programme is the tightest; its dual bound is the bound (no smaller one of an
     # earlier, looser round is taken: a solver's dual bound that undercut a later one would be
-    # a numerical slip, not a proof)
-    dual = getattr(res, "mip_dual_bound", None)
-    if dual is not None and math.isfinite(dual):
-        best = min(best, -float(dual))
+    # a numerical slip, not a proof) — unless the time cut a run short: then an earlier round's
+    # finished search can be tighter than the last one's, and each is a bound
+    best = min(best, earlier if cut else _dual(res))
     x = res.x if res.x is not None else lp.x
     used: dict[tuple[int, str], float] = {}
     for j in range(nj):
@@ -278,12 +287,13 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
             for r in range(3):
                 if res.x[iy + 3 * j + r] > 0.5:
                     incumbent.append((cols.comps[j], ROLES[r], int(round(res.x[iy + 3 * j + r]))))
-    return relaxed, best, binding, used, incumbent
+    return relaxed, best, binding, used, incumbent, cut
 
 
 _CUT_ROUNDS = 12  # LP rounds of layer-share cuts for the spread columns in use (each: a bound)
 _CUT_ROUNDS_MILP = 8  # then MILP rounds, while its best integer point uses an untied column
 _PATIENCE = 2  # ... and the optimum moved by ≥ 0.1 % in one of the last two rounds
+_MIN_RUN_S = 0.5  # a MILP run started at (or past) the deadline still gets this long to find a dual bound
 
 
 class _Ties:
@@ -363,9 +373,19 @@ _HIGHS_OPTIONS = {"mip_heuristic_effort": 0.0, "mip_heuristic_run_rins": False, 
                   "mip_heuristic_run_root_reduced_cost": False, "mip_rel_gap": 0.002}
 
 
-def _milp(c, A, rhs, integrality, upper, options):
-    run = lambda extra: milp(c, constraints=LinearConstraint(A, -np.inf, rhs), integrality=integrality,  # noqa: E731
-                             bounds=Bounds(0, upper), options={**options, **extra, "disp": False})
+def _dual(res) -> float:
+    """The run's dual bound on the (maximised) objective; inf where it has none."""
+    dual = getattr(res, "mip_dual_bound", None)
+    return -float(dual) if dual is not None and math.isfinite(dual) else math.inf
+
+
+def _milp(c, A, rhs, integrality, upper, options, time_limit: float, deadline: float | None):
+    """HiGHS's run and whether the time (``time_limit`` per run, ``deadline`` in all) cut it short."""
+    def run(extra):
+        left = time_limit if deadline is None else min(time_limit, max(_MIN_RUN_S, deadline - time.perf_counter()))
+        return milp(c, constraints=LinearConstraint(A, -np.inf, rhs), integrality=integrality,
+                    bounds=Bounds(0, upper), options={**options, **extra, "time_limit": left, "disp": False})
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         res = run(options.pop("highs"))
@@ -374,7 +394,10 @@ def _milp(c, A, rhs, integrality, upper, options):
     # again without the HiGHS options: on het1 two of five rounds do, 68 s of bound where keeping the
     # node-limited dual bound takes 45 s and gives a looser one (2,147 against 2,048 tokens/s;
     # docs/benchmarks.md, nineteenth session). Left as it is: which to keep is the bound's question.
-    return res if res.status != 4 else run({})
-
-
-
+    if res.status != 4:
+        # scipy's 1: "iteration or time limit reached" (the node limit is its 4 with scipy 1.17, above)
+        return res, res.status == 1
+    again = run({})
+    if again.status == 1 and math.isfinite(_dual(res)):
+        return res, True  # the rerun ran out of time: keep the run that searched all its nodes
+    return again, again.status == 1

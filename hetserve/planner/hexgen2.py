@@ -69,14 +69,15 @@ def phase1_starts(ctx: PlanContext, ev: Evaluator, seed: int) -> list[Placement]
     return [s for _, _, s in sorted(scored)]
 
 
-def bound_start(ctx: PlanContext) -> Placement | None:
+def bound_start(ctx: PlanContext, time_limit_s: float | None = None) -> Placement | None:
     """The upper bound's own best integer point as a placement (``planner/bound.py``: its column
     groups, devices of each machine's GPU type taken in index order), or None where the bound's
     columns are not machines. A start the partition may not reach: the bound sees every group
-    composition at once (on het3 its plan scores above the guided climb's)."""
+    composition at once (on het3 its plan scores above the guided climb's). ``time_limit_s``: the
+    bound's (``bound.group_bound``)."""
     from hetserve.planner.bound import group_bound
 
-    g = group_bound(ctx)
+    g = group_bound(ctx, time_limit_s=time_limit_s)
     if g is None or not g.incumbent:
         return None
     free: dict[str, list[int]] = {}
@@ -202,7 +203,7 @@ def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, opti
         best = refine(ctx, evaluator, phase1(ctx, evaluator, options.seed), budget, mover, rng, restarts, patience)
     seeded = None
     if patience is None and len(cluster) <= POPULATION_MAX_DEVICES and not budget.exhausted():
-        start = bound_start(ctx)
+        start = bound_start(ctx, budget.bound_time_s())
         if start is not None and evaluator.score(start) > 0:
             seeded = refine(ctx, evaluator, start, budget, mover, rng, max(2, restarts // 2), patience)
     plan = _choose(ctx, evaluator, best, name, options, budget, () if seeded is None else (seeded,))

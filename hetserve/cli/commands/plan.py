@@ -24,7 +24,8 @@ def register(subparsers) -> None:
     p.add_argument("--compare", metavar="A,B,...", help="run several algorithms and print them side by side")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--time-limit", type=float, default=None, metavar="S",
-                   help="search time limit per algorithm in seconds (default 110)")
+                   help="time limit per algorithm in seconds, the plan's upper bound included (default 110; "
+                        "the bound gets at least a quarter of it, looser where its solver needs longer)")
     p.add_argument("--max-iterations", type=int, default=None, metavar="N", help="cap on search iterations")
     p.add_argument("--period", type=float, default=600.0, metavar="S",
                    help="period T of the flow network, seconds (default 600)")
@@ -188,7 +189,11 @@ def print_plan(console, plan) -> None:
     if ub:
         console.print(f"within {100 * (1 - e.get('throughput_tokens_per_s', 0) / ub):.1f} % of the bound: "
                       f"no placement of this pool exceeds {ub:,.1f} tokens/s under the cost model "
-                      f"(group-column and per-device relaxations, planner/bound.py)")
+                      f"(group-column and per-device relaxations, planner/bound.py; solved in "
+                      f"{e.get('upper_bound_wall_s', 0):.1f} s)")
+        if e.get("upper_bound_cut_short"):
+            console.print("the bound's solver stopped at the time limit: a looser bound than it would prove "
+                          "with more time (a longer --time-limit tightens it)")
     if "goodput_requests_per_s" in e:
         slo = e.get("slo", {})
         console.print(f"goodput {e['goodput_requests_per_s']:,.3f} requests/s within TTFT ≤ {slo.get('ttft_s')} s, "

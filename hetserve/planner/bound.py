@@ -115,6 +115,7 @@ class Bound:
     # the caller's time (``time_limit_s``) ran out before the solver finished: still a bound, a
     # looser one than the programme gives with the time it needs
     cut_short: bool = False
+    wall_s: float = 0.0  # the solve's (a cached bound keeps its own)
 
     def to_dict(self) -> dict:
         return {"tokens_per_s": round(self.tokens_per_s, 3), "binding": list(self.binding)}
@@ -352,7 +353,8 @@ _COLUMNS: dict[tuple, object] = {}  # a pool's columns, shared by its budgets (m
 
 
 def _group_bound(ctx, budget_usd_per_hour, devices, node_limit, time_limit_s) -> Bound | None:
-    deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
+    started = time.perf_counter()
+    deadline = None if time_limit_s is None else started + time_limit_s
     mk = _kinds(ctx, devices)
     key = _fingerprint(ctx, None, devices, None)
     if key not in _COLUMNS:
@@ -374,7 +376,7 @@ def _group_bound(ctx, budget_usd_per_hour, devices, node_limit, time_limit_s) ->
     if cols.machine_kinds:
         plan = tuple(({mk[g].machine + "/" + mk[g].gpu: n for g, n in enumerate(comp) if n}, role, count)
                      for comp, role, count in incumbent)
-    return Bound(ctx.tokens_per_s(best), best, counts, binding, plan, cut)
+    return Bound(ctx.tokens_per_s(best), best, counts, binding, plan, cut, time.perf_counter() - started)
 
 
 def per_device_min_cost(ctx, requests_per_period: float, devices=None) -> tuple[float, dict] | None:

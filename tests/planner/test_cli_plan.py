@@ -49,3 +49,12 @@ def test_a_pool_of_small_slots_says_its_memory_not_zero(capsys):
 def test_unknown_algorithm_exit_2(capsys):
     assert main(["plan", "--cluster", "demo-cpu", "--model", "llama-2-7b", "--algorithm", "magic"]) == 2
     assert "unknown planning algorithm 'magic'" in capsys.readouterr().err
+
+
+def test_explain_prints_the_cut_and_a_what_if_table_with_each_re_plans_bound(capsys):
+    assert main(["plan", "--cluster", "molink-3x4090", "--model", "llama-2-7b", "--algorithm", "uniform",
+                 "--explain", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "what bounds this plan" in text and "what-ifs" in text
+    rows = [line for line in text.splitlines() if "+1 " in line]
+    assert rows and all(line.rstrip(" │|").split()[-1].replace(",", "").isdigit() for line in rows), rows

@@ -190,7 +190,7 @@ def print_plan(console, plan) -> None:
         console.print(f"within {100 * (1 - e.get('throughput_tokens_per_s', 0) / ub):.1f} % of the bound: "
                       f"no placement of this pool exceeds {ub:,.1f} tokens/s under the cost model "
                       f"(group-column and per-device relaxations, planner/bound.py; solved in "
-                      f"{e.get('upper_bound_wall_s', 0):.1f} s)")
+                      f"{e.get('upper_bound_wall_s', 0):.2g} s)")
         if e.get("upper_bound_cut_short"):
             console.print("the bound's solver stopped at the time limit: a looser bound than it would prove "
                           "with more time (a longer --time-limit tightens it)")
@@ -263,10 +263,12 @@ def print_explanation(console, plan, args, cluster, model, workload, options, fn
     t = Table(title=f"what-ifs (quick re-plan, {plan.algorithm}, fewer restarts; bound = planner/bound.py)")
     for col in ("change", "tokens/s", "vs plan", "upper bound"):
         t.add_column(col, justify="left" if col == "change" else "right")
-    for label, v, ub in rows:
+    for label, v, ub, cut in rows:
         t.add_row(label, "–" if v is None else f"{v:,.1f}", "–" if v is None or not base else f"{v / base - 1:+.1%}",
-                  f"{ub:,.0f}" if ub else "–")
+                  (f"{ub:,.0f}" + (" *" if cut else "")) if ub else "–")
     console.print(t)
+    if any(cut for *_, cut in rows):
+        console.print("  * the bound's solver stopped at the time limit: a looser bound")
 
 
 def write_history(plans, path: str | Path) -> None:

@@ -106,7 +106,7 @@ class PlanOptions:
 DEFAULT_TIME_LIMIT_S = 110.0  # HexGen-2 on 320 GPUs converges in ~30–40 s of CPU on 2 cores (docs/planner.md)
 # a plan's upper bound (``planner.bound``) gets what the search left of the time limit, and at least
 # this share of it: on hexgen2-het1 the bound's MILP wants about a minute, which took
-# `plan --time-limit 30` to 100 s; now it stops at the limit and gives a looser bound
+# `plan --time-limit 30` to 101 s; now 42 s, the solver stopped where the time ran out (a looser bound)
 BOUND_SHARE = 0.25
 
 

@@ -274,7 +274,8 @@ def upper_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
     steady state (prompts riding in decode steps) beats that, so on some pools exact search
     exceeds it (aladdin-v100 with llama-2-7b: 1,998 against 1,862 tokens/s). Under SLO
     objectives: the smaller of the programme without the SLOs and the per-device LP (both hold
-    there; module docstring)."""
+    there; module docstring). ``time_limit_s``: the programme's solver stops there, with a looser
+    bound (``Bound.cut_short``; ``group_bound``)."""
     if ctx.slo is None:
         groups = group_bound(ctx, budget_usd_per_hour, devices, node_limit, time_limit_s)
         return groups if groups is not None else per_device_bound(ctx, budget_usd_per_hour, devices)
@@ -335,9 +336,9 @@ def group_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
     if ctx.slo is not None:  # SLO capacities price colocated replicas by another formula
         return None
     key = _fingerprint(ctx, budget_usd_per_hour, devices, node_limit)
-    bound, given = _CACHE.get(key, (None, 0.0))
-    if key in _CACHE and not (bound is not None and bound.cut_short and _longer(time_limit_s, given)):
-        return bound
+    hit = _CACHE.get(key)
+    if hit is not None and _serves(hit, time_limit_s):
+        return hit[0]
     if len(_CACHE) >= _CACHE_SIZE:
         _CACHE.pop(next(iter(_CACHE)))
     bound = _group_bound(ctx, budget_usd_per_hour, devices, node_limit, time_limit_s)
@@ -345,8 +346,11 @@ def group_bound(ctx, budget_usd_per_hour: float | None = None, devices=None,
     return bound
 
 
-def _longer(wanted: float | None, given: float | None) -> bool:
-    return given is not None and (wanted is None or wanted > given)
+def _serves(entry: tuple[Bound | None, float | None], wanted_s: float | None) -> bool:
+    """A cached bound serves a call unless its solver was cut short and the call gives it more time."""
+    bound, given_s = entry
+    more_time = given_s is not None and (wanted_s is None or wanted_s > given_s)
+    return bound is None or not bound.cut_short or not more_time
 
 
 _COLUMNS: dict[tuple, object] = {}  # a pool's columns, shared by its budgets (min_cost's bisection)

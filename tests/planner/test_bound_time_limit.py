@@ -1,0 +1,52 @@
+"""The plan's upper bound within the time limit (``bound.group_bound(time_limit_s=...)``,
+``Budget.bound_time_s``): a solver the time stops still gives a bound, a looser one, and says so."""
+
+from __future__ import annotations
+
+from hetserve.planner.context import PlanContext
+from hetserve.specs.cluster import load_cluster
+from hetserve.specs.model import load_model
+from hetserve.specs.workload import load_workload
+
+
+def test_a_bound_the_time_cuts_short_is_still_a_bound_and_more_time_solves_it_again(monkeypatch):
+    """``group_bound(time_limit_s=...)``: a solver stopped by the time still returns a bound (its
+    dual bound, looser), flags it, and a later call with more time solves it again rather than
+    reading the cut one from the cache; a finished bound serves every later call."""
+    from hetserve.planner import bound, bound_groups
+
+    _fresh_solves(monkeypatch, bound, bound_groups)
+    ctx = PlanContext(load_cluster("hexgen2-het4"), load_model("llama-2-70b"), load_workload("azure-conv"))
+    cut = bound.group_bound(ctx, time_limit_s=1e-3)
+    assert cut.cut_short
+    full = bound.group_bound(ctx)
+    assert not full.cut_short
+    assert cut.tokens_per_s >= full.tokens_per_s * (1 - 1e-9)
+    assert bound.group_bound(ctx, time_limit_s=1e-3) is full
+
+
+def test_plan_time_limit_covers_the_bound_and_the_plan_says_when_it_cut_it(monkeypatch, tmp_path, capsys):
+    """`hetserve plan --time-limit`: the plan's upper bound gets what the search left (at least a
+    share of the limit), and a bound cut short is flagged in the plan file and the printout."""
+    import json
+
+    from hetserve.cli.main import main
+    from hetserve.planner import bound, bound_groups, options
+
+    _fresh_solves(monkeypatch, bound, bound_groups)
+    monkeypatch.setattr(options, "BOUND_SHARE", 1e-3)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", "hexgen2-het4", "--model", "llama-2-70b", "--time-limit", "0.2", "--quiet",
+                 "-o", str(out)]) == 0
+    assert "the bound's solver stopped at the time limit" in capsys.readouterr().out
+    e = json.loads(out.read_text())["estimate"]
+    assert e["upper_bound_cut_short"] is True
+    assert e["upper_bound_tokens_per_s"] >= e["throughput_tokens_per_s"]
+
+
+def _fresh_solves(monkeypatch, bound, bound_groups):
+    """No bound from this process's cache or the session's shared ones (``tests/conftest.py``), and a
+    MILP run past its deadline stopped at once (not after ``_MIN_RUN_S``)."""
+    monkeypatch.setattr(bound, "_CACHE", {})
+    monkeypatch.setattr(bound, "_group_bound", getattr(bound._group_bound, "__wrapped__", bound._group_bound))
+    monkeypatch.setattr(bound_groups, "_MIN_RUN_S", 1e-3)

@@ -137,13 +137,45 @@ class PlanContext:
                 f"{self.num_devices} devices")
 
     def no_replica_error(self) -> InfeasibleError:
-        """The pool has memory for the weights but no group found a layout that fits."""
+        """The pool has memory for the weights but no group found a layout that fits (or, under SLOs,
+        none that meets them: ``_slo_error``)."""
         m = self.model
+        if self.slo is not None and (err := self._slo_error()) is not None:
+            return err
         return InfeasibleError(
             f"{m.name} ({fmt_gb(m.weight_bytes)} of weights) found no pipeline layout on the pool "
             f"{self.cluster.name} ({fmt_gb(sum(self.usable_memory))} usable): every stage also needs its "
             f"activation buffers and at least one request's KV cache "
             f"({(self.input_tokens + self.output_tokens) * m.kv_bytes_per_token / GB:.2f} GB)")
+
+    def _slo_error(self) -> InfeasibleError | None:
+        """Under SLOs, when the pool has layouts without them: the fastest one found, one machine's
+        devices each, and how far its stand-alone TTFT / TPOT are from the targets (an SLO no replica
+        meets gives every layout a capacity of 0, which is not a memory problem)."""
+        from hetserve.cost.analytic import PrefillBatch
+        from hetserve.planner.bound import throughput_context
+
+        free = throughput_context(self)
+        best = None
+        for devices in _machines(self.cluster):
+            found = free.layouts.best(devices, "colocated")
+            if found is None:
+                continue
+            lay = found[0]
+            ttft = self.cost.prefill_time(lay, PrefillBatch.single(round(self.input_tokens)))
+            tpot = self.cost.decode_step_time(lay, 1, self.input_tokens + self.output_tokens / 2)
+            if best is None or (ttft, tpot) < best[:2]:
+                best = (ttft, tpot, lay)
+        if best is None:
+            return None
+        ttft, tpot, lay = best
+        wanted = " and ".join(f"{name} ≤ {v:g} s" for name, v in (("TTFT", self.slo.ttft_s), ("TPOT", self.slo.tpot_s))
+                              if v is not None)
+        devices = ", ".join(self.cluster.devices[d].name for d in lay.devices)
+        return InfeasibleError(
+            f"no replica of {self.model.name} on {self.cluster.name} meets {wanted}: the fastest found "
+            f"({devices}) takes TTFT {ttft:.3g} s for the mean prompt ({self.input_tokens:.0f} tokens) and "
+            f"TPOT {tpot:.3g} s, each alone (cost model); loosen the SLOs, or plan --objective throughput")
 
     # ------------------------------------------------------------------ KV edges
     def kv_capacity(self, src: ReplicaLayout, dst: ReplicaLayout, key=None) -> float:
@@ -253,3 +285,11 @@ def _interchangeable(members: list[int], lat: np.ndarray, bw: np.ndarray) -> boo
     inner = np.ix_(members, members)
     off = ~np.eye(len(members), dtype=bool)
     return len(set(lat[inner][off].tolist())) == 1 and len(set(bw[inner][off].tolist())) == 1
+
+
+def _machines(cluster) -> list[list[int]]:
+    """Device indices per machine, in the cluster's order."""
+    out: dict[str, list[int]] = {}
+    for d in cluster.devices:
+        out.setdefault(d.machine, []).append(d.index)
+    return list(out.values())

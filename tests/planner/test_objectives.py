@@ -101,6 +101,7 @@ def test_slo_capacities(llama70b, azure):
 @pytest.mark.parametrize("argv,msg", [
     (["--objective", "cost"], "--objective cost: give --rate"),
     (["--objective", "goodput"], "--objective goodput: give --slo-ttft"),
+    (["--slo-ttft", "2"], "--slo-ttft / --slo-tpot: only read by --objective goodput or cost"),
     (["--budget-usd-per-hour", "-3"], "--budget-usd-per-hour"),
     (["--budget-usd-per-hour", "1"], "no subset of hexgen2-het1 within $1.00/h"),
 ])
@@ -145,3 +146,15 @@ def test_what_ifs_report_each_re_plan_before_it_runs(azure):
     assert rows and [s[2] for s in seen] == [r[0] for r in rows]
     assert [s[0] for s in seen] == list(range(len(rows))) and {s[1] for s in seen} == {len(rows)}
     assert planned == list(range(1, len(rows) + 1))
+
+
+@pytest.mark.parametrize("slo", [["--slo-ttft", "0.05"], ["--slo-tpot", "0.0001"]])
+def test_slos_no_replica_meets_say_so_not_memory(slo, capsys):
+    """SLOs no layout meets give every replica a capacity of 0: the error names the targets and the
+    fastest replica's own TTFT and TPOT, not the pool's memory (which holds the model)."""
+    assert main(["plan", "--cluster", "demo-cpu", "--model", "llama-2-7b", "--objective", "goodput", *slo,
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no replica of llama-2-7b on demo-cpu meets" in err, err
+    assert f"{'TTFT' if slo[0] == '--slo-ttft' else 'TPOT'} ≤ {slo[1]} s" in err and "memory" not in err
+    assert "TTFT" in err and "TPOT" in err and "--objective throughput" in err

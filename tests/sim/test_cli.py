@@ -1,12 +1,15 @@
 """``hetserve simulate`` end to end on a small cluster file."""
 
 import json
+from pathlib import Path
 
 import yaml
 
 from hetserve.cli.main import main
 
 from .plans import single
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 CLUSTER = {"name": "test", "machines": [{"name": "m0", "gpu": "A100-SXM-80G", "count": 4, "site": "s0"},
                                         {"name": "m1", "gpu": "A100-SXM-80G", "count": 4, "site": "s1"}],
@@ -78,3 +81,15 @@ def test_without_an_slo_attainment_and_goodput_are_not_printed_as_figures(tmp_pa
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "SLO attainment" in ln or ln.strip().startswith("│ 8")]
     assert lines and all("1.000" not in ln for ln in lines), lines
     assert any("n/a" in ln for ln in lines)
+
+
+def test_a_plan_naming_a_checkpoint_not_here_says_so_and_how_to_get_it(tmp_path, capsys, monkeypatch):
+    """The bundled demo plans name the checkpoint `make-model -o NAME` writes; simulated from a folder
+    without it, the error names the plan file, its model field and the two ways out."""
+    monkeypatch.chdir(tmp_path)
+    rc = main(["simulate", "--plan", str(EXAMPLES / "plans" / "asym-colocated.json"), "--workload", "azure-conv",
+               "--limit", "5", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert "asym-colocated.json: field 'model'" in err and "'tiny-llama-gqa'" in err
+    assert "pass --model" in err and "make-model ... -o tiny-llama-gqa" in err

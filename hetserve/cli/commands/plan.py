@@ -131,6 +131,13 @@ def _check_objective(args) -> None:
         raise PlanError("--objective goodput: give --slo-ttft and/or --slo-tpot (seconds)")
     if args.rate is not None and args.objective != "cost":
         raise PlanError("--rate: only read by --objective cost")
+    if args.objective == "throughput" and (args.slo_ttft is not None or args.slo_tpot is not None):
+        raise PlanError("--slo-ttft / --slo-tpot: only read by --objective goodput or cost "
+                        "(throughput plans for full load, without SLOs)")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _stages(replica) -> str:
@@ -183,17 +190,17 @@ def print_plan(console, plan) -> None:
         f"({e.get('requests_per_period', 0):,.0f} requests per {e.get('period_s', 600):.0f} s); "
         f"{e.get('devices_used')}/{e.get('devices_total')} devices; "
         + (f"${usd:,.2f}/hour ({e.get('tokens_per_usd', 0):,.0f} tokens/$)" if usd is not None else "price unknown")
-        + (f"; search {search.get('wall_s', 0):.1f} s, {search.get('iterations', 0)} iterations "
+        + (f"; search {search.get('wall_s', 0):.1f} s, {_count(search.get('iterations', 0), 'iteration')} "
            f"({search.get('stopped_by')})" if search else ""))
     ub = e.get("upper_bound_tokens_per_s")
     if ub:
         console.print(f"within {100 * (1 - e.get('throughput_tokens_per_s', 0) / ub):.1f} % of the bound: "
                       f"no placement of this pool exceeds {ub:,.1f} tokens/s under the cost model "
-                      f"(group-column and per-device relaxations, planner/bound.py; solved in "
+                      f"(group-column and per-device relaxations, planner/bound.py; its solver ran "
                       f"{e.get('upper_bound_wall_s', 0):.2g} s)")
         if e.get("upper_bound_cut_short"):
-            console.print("the bound's solver stopped at the time limit: a looser bound than it would prove "
-                          "with more time (a longer --time-limit tightens it)")
+            console.print("the bound's solver stopped at the time limit, unfinished: still a bound, a looser one "
+                          "than it would prove with more time (a longer --time-limit tightens it)")
     if "goodput_requests_per_s" in e:
         slo = e.get("slo", {})
         console.print(f"goodput {e['goodput_requests_per_s']:,.3f} requests/s within TTFT ≤ {slo.get('ttft_s')} s, "
@@ -254,6 +261,12 @@ def print_explanation(console, plan, args, cluster, model, workload, options, fn
         task = bar.add_task("", total=None)
 
         def on_variant(i, n, label):
+            if i == 0:  # each re-plan is a search of its own: say what that costs before the first
+                from hetserve.planner.options import DEFAULT_TIME_LIMIT_S
+
+                limit = options.time_limit_s or DEFAULT_TIME_LIMIT_S
+                console.print(f"what-ifs: {n} quick re-plans, each up to the time limit ({limit:g} s) "
+                              f"and its bound's share")
             bar.update(task, total=n, completed=i, description=label)
 
         rows = what_ifs(plan, args.cluster, model, workload, plain, fn, on_variant=on_variant)
@@ -268,7 +281,9 @@ def print_explanation(console, plan, args, cluster, model, workload, options, fn
                   (f"{ub:,.0f}" + (" *" if cut else "")) if ub else "–")
     console.print(t)
     if any(cut for *_, cut in rows):
-        console.print("  * the bound's solver stopped at the time limit: a looser bound")
+        console.print("  * the bound's solver stopped at the time limit, unfinished: still a bound, but looser by "
+                      "however far it had got, so starred bounds do not compare with each other or with the "
+                      "plan's (a longer --time-limit tightens them)")
 
 
 def write_history(plans, path: str | Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import json
+from pathlib import Path
 
 from hetserve.policies.batching import DEFAULT_BATCHING
 from hetserve.policies.placement import placement_names
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     rates = _parse_rates(args.sweep_rates) if args.sweep_rates else []
     plan = Plan.load(args.plan)
     cluster = load_cluster(args.cluster or plan.cluster)
-    model = load_model(args.model or plan.model)
+    model = load_model(args.model) if args.model else _plan_model(args.plan, plan.model)
     wl = load_workload(args.workload, seed=args.seed)
     if args.workload_class:
         wl = wl.of_class(args.workload_class)
@@ -154,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         print_summary(Console(), summary, f"{plan.algorithm} plan on {cluster.name}, {wl.name} ({len(wl)} requests)",
                       f"simulated; times from the {timings_source(args.efficiency)}")
         if args.output:
-            Console().print(f"wrote {args.output}/summary.json, requests.csv, latency_cdf.png")
+            Console().print(f"wrote {Path(args.output) / 'summary.json'}, requests.csv, latency_cdf.png")
     if rates:
         _sweep(args, rates, plan, cluster, model, wl, opts, cost)
     return 0
@@ -173,6 +174,20 @@ def _parse_rates(text: str) -> list[float]:
 
 
 NO_SLO = "n/a (no --slo-*)"
+
+
+def _plan_model(plan_path: str, name: str):
+    """The model the plan names (its ``model`` field), or a clear error that says where the name came
+    from: a demo plan names a checkpoint folder `hetserve make-model -o NAME` writes."""
+    from hetserve.errors import SpecError
+    from hetserve.specs.model import load_model, model_presets
+
+    try:
+        return load_model(name)
+    except SpecError as exc:
+        raise SpecError(plan_path, "model", f"a model preset ({', '.join(model_presets())}), a config.json or a "
+                        f"checkpoint folder; pass --model, or build the checkpoint it names with "
+                        f"`hetserve make-model ... -o {name}`", name) from exc
 
 
 def _has_slo(s: dict) -> bool:

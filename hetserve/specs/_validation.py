@@ -64,6 +64,8 @@ def read_mapping(path: Path) -> dict[str, Any]:
         where = getattr(exc, "problem_mark", None)
         line = f" (line {where.line + 1})" if where is not None else ""
         raise SpecError(str(path), "(file)", f"valid YAML/JSON{line}", str(exc).splitlines()[0]) from exc
+    if data is None:
+        raise SpecError(str(path), "(top level)", "a mapping of fields", "an empty file")
     if not isinstance(data, dict):
         raise SpecError(str(path), "(top level)", "a mapping of fields", type(data).__name__)
     return data

@@ -71,6 +71,7 @@ FILES = [
      "latency_ms: 1}\n", ["bandwidth_gbps", "finite"]),
     ("cluster", "c.yaml", NOT_UTF8, ["UTF-8"]),
     ("cluster", "missing.yaml", None, ["missing.yaml"]),
+    ("cluster", "c.yaml", "", ["empty file"]),
     ("model", "config.json", json.dumps({**CONFIG, "num_key_value_heads": "abc"}), ["num_key_value_heads"]),
     ("model", "config.json", json.dumps({**CONFIG, "num_key_value_heads": 3}), ["shape"]),
     ("model", "config.json", json.dumps({**CONFIG, "head_dim": -4}), ["head_dim"]),

@@ -158,3 +158,10 @@ def test_slos_no_replica_meets_say_so_not_memory(slo, capsys):
     assert err.count("\n") == 0 and "no replica of llama-2-7b on demo-cpu meets" in err, err
     assert f"{'TTFT' if slo[0] == '--slo-ttft' else 'TPOT'} ≤ {slo[1]} s" in err and "memory" not in err
     assert "TTFT" in err and "TPOT" in err and "--objective throughput" in err
+
+
+def test_a_goodput_plan_says_its_value_and_bound_count_what_meets_the_slos(capsys):
+    assert main(["plan", "--cluster", "demo-cpu", "--model", "llama-2-7b", "--objective", "goodput",
+                 "--slo-ttft", "2", "--slo-tpot", "0.1", "--quiet"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "estimated throughput within the SLOs" in text and "tokens/s within the SLOs under the cost model" in text

@@ -185,8 +185,10 @@ def print_plan(console, plan) -> None:
         console.print(routes)
     usd = e.get("cost_usd_per_hour")
     search = e.get("search", {})
+    # under SLO objectives the capacities, the plan's value and its bound all count what meets the SLOs
+    within_slo = " within the SLOs" if "slo" in e else ""
     console.print(
-        f"estimated throughput [bold]{e.get('throughput_tokens_per_s', 0):,.1f} tokens/s[/bold] "
+        f"estimated throughput{within_slo} [bold]{e.get('throughput_tokens_per_s', 0):,.1f} tokens/s[/bold] "
         f"({e.get('requests_per_period', 0):,.0f} requests per {e.get('period_s', 600):.0f} s); "
         f"{e.get('devices_used')}/{e.get('devices_total')} devices; "
         + (f"${usd:,.2f}/hour ({e.get('tokens_per_usd', 0):,.0f} tokens/$)" if usd is not None else "price unknown")
@@ -195,7 +197,7 @@ def print_plan(console, plan) -> None:
     ub = e.get("upper_bound_tokens_per_s")
     if ub:
         console.print(f"within {100 * (1 - e.get('throughput_tokens_per_s', 0) / ub):.1f} % of the bound: "
-                      f"no placement of this pool exceeds {ub:,.1f} tokens/s under the cost model "
+                      f"no placement of this pool exceeds {ub:,.1f} tokens/s{within_slo} under the cost model "
                       f"(group-column and per-device relaxations, planner/bound.py; its solver ran "
                       f"{e.get('upper_bound_wall_s', 0):.2g} s)")
         if e.get("upper_bound_cut_short"):

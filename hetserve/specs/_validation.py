@@ -20,6 +20,10 @@ def _expected(err: dict[str, Any], model: type[pydantic.BaseModel] | None) -> st
         return "a value (the field is required)"
     if kind == "extra_forbidden":
         return "no such field (check its spelling)"
+    if kind in ("too_long", "too_short") and " should have " in msg:  # "List should have at least 1 item after validation, not 0"
+        return msg.split(" should have ", 1)[1].replace(" after validation", "")
+    if kind == "tuple_type":  # the files' pairs: a stage's layers [start, end), a link's two sites
+        return "a list of two, e.g. [0, 4]"
     for prefix in ("Input should be ", "Value error, "):
         if msg.startswith(prefix):
             return msg[len(prefix):]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -205,3 +206,15 @@ def test_simulate_and_capacity_refuse_an_unknown_policy_naming_the_choices(comma
     code, err = run([command, *required, option, "foo"], capsys)
     assert code == 2 and len(err) == 1 and command in err[0], err
     assert option in err[0] and "'foo'" in err[0] and all(f"'{n}'" in err[0] for n in names), err
+
+
+@pytest.mark.parametrize("layers, words", [("0-10", "expected a list of two, e.g. [0, 4], got '0-10'"),
+                                           ([0, 1, 2], "expected at most 2 items, not 3")])
+def test_a_plan_stages_layers_that_are_no_pair_say_what_a_pair_is(layers, words, tmp_path, capsys):
+    plan = json.loads((Path(__file__).resolve().parents[2] / "examples/plans/asym-colocated.json").read_text())
+    plan["replicas"][0]["stages"][0]["layers"] = layers
+    (tmp_path / "p.json").write_text(json.dumps(plan))
+    code, err = run(["simulate", "--plan", str(tmp_path / "p.json"), "--model", "llama-2-7b",
+                     "--workload", "azure-conv"], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "field 'replicas.0.stages.0.layers'" in err[0] and words in err[0], err[0]

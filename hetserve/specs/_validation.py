@@ -65,8 +65,11 @@ def read_mapping(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        where = getattr(exc, "problem_mark", None)
+        where, began = getattr(exc, "problem_mark", None), getattr(exc, "context_mark", None)
         line = f" (line {where.line + 1})" if where is not None else ""
+        if where is not None and began is not None and began.line != where.line:
+            # an unclosed bracket is noticed lines later: name where it opened too
+            line = f" (line {began.line + 1}, noticed at line {where.line + 1})"
         raise SpecError(str(path), "(file)", f"valid YAML/JSON{line}", str(exc).splitlines()[0]) from exc
     if data is None:
         raise SpecError(str(path), "(top level)", "a mapping of fields", "an empty file")

@@ -370,3 +370,8 @@ def test_a_misspelt_key_is_named_before_the_field_it_left_missing(tmp_path):
     err = spec_error(tmp_path, TWO_BOXES.replace("inter_site: {bandwidth_gbps", "inter_site: {bandwdth_gbps"))
     assert err.field == "network.inter_site.bandwdth_gbps"
     assert "check its spelling" in err.expected and "'bandwidth_gbps' is required here" in err.expected
+
+
+def test_an_unclosed_bracket_names_the_line_it_opened_on(tmp_path):
+    err = spec_error(tmp_path, "name: t\nmachines:\n  - {name: a, gpu: L4, count: 2\n  - {name: b}\n")
+    assert err.field == "(file)" and "(line 3, noticed at line 4)" in str(err), str(err)

@@ -167,7 +167,8 @@ def print_plan(console, plan) -> None:
 
     e = plan.estimate
     per = e.get("replicas", {})
-    t = Table(title=f"{plan.algorithm}: {plan.model} on {plan.cluster}")
+    t = Table(title=f"{plan.algorithm}: {plan.model} on {plan.cluster}",
+              caption=f"req/T: requests per period T = {e.get('period_s', 600):g} s (cost model estimate)")
     for col in ("replica", "role", "devices", "stages (TP×layers)", "capacity req/T", "flow req/T"):
         t.add_column(col, justify="right" if "req" in col else "left")
     for r in plan.replicas:

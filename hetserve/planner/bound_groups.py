@@ -43,15 +43,14 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 from scipy.sparse import csr_array, diags
 from scipy.sparse import vstack as sparse_vstack
 
 from hetserve.planner.bound_columns import ROLES, ColumnBounds, Kind
+from hetserve.planner.bound_milp import dual_bound, run_milp, solve_lp
 from hetserve.planner.bound_network import Rows, TiedRows, dominated, loose_rows, shares
 from hetserve.planner.bound_shares import facets, share_ceilings
 from hetserve.planner.bound_sources import SourceRows, levels
@@ -245,7 +244,7 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
     lp, relaxed = None, math.inf
     for _ in range(_CUT_ROUNDS):
         matrix, c_, up_, _, names = programme()
-        lp = _lp(c_, matrix, up_)
+        lp = solve_lp(c_, matrix, up_)
         relaxed = min(relaxed, -float(lp.fun))
         if not (ties and ties.add(lp.x)):
             break
@@ -257,10 +256,9 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
             cut = True  # the rounds so far were each a relaxation of the tied programme: a bound
             break
         (A, rhs), c_, up_, int_, _ = programme()
-        res, stopped = _milp(-c_, A, rhs, int_, up_, {"node_limit": node_limit, "highs": _HIGHS_OPTIONS},
-                             time_limit, deadline)
+        res, stopped = run_milp(-c_, A, rhs, int_, up_, node_limit, time_limit, deadline)
         cut = cut or stopped
-        earlier = min(earlier, _dual(res))
+        earlier = min(earlier, dual_bound(res))
         value = -float(res.fun) if res.fun is not None else math.inf
         still = still + 1 if value >= last * (1 - 1e-3) else 0
         # stop when no untied column is in use, or after _PATIENCE rounds that moved the optimum
@@ -272,7 +270,7 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
     # earlier, looser round is taken: a solver's dual bound that undercut a later one would be
     # a numerical slip, not a proof) — unless the time cut a run short: then an earlier round's
     # finished search can be tighter than the last one's, and each is a bound
-    best = min(best, earlier if cut else _dual(res))
+    best = min(best, earlier if cut else dual_bound(res))
     x = res.x if res.x is not None else lp.x
     used: dict[tuple[int, str], float] = {}
     for j in range(nj):
@@ -293,7 +291,6 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
 _CUT_ROUNDS = 12  # LP rounds of layer-share cuts for the spread columns in use (each: a bound)
 _CUT_ROUNDS_MILP = 8  # then MILP rounds, while its best integer point uses an untied column
 _PATIENCE = 2  # ... and the optimum moved by ≥ 0.1 % in one of the last two rounds
-_MIN_RUN_S = 0.5  # a MILP run started at (or past) the deadline still gets this long to find a dual bound
 
 
 class _Ties:
@@ -356,48 +353,3 @@ def _matrix(parts: list[Rows], nv: int):
     scale = np.array([max((abs(v) for v in c.values()), default=1.0) for p in parts for c in p.coefs])
     scale = np.maximum(scale, 1e-12)
     return csr_array(diags(1.0 / scale) @ A), rhs / scale
-
-
-def _lp(obj, matrix, upper):
-    A, rhs = matrix
-    lp = linprog(-obj, A_ub=A, b_ub=rhs, bounds=list(zip(np.zeros(len(obj)), upper)), method="highs")
-    if lp.status != 0:  # pragma: no cover - all zeros is feasible, every variable is capped
-        raise RuntimeError(f"group-column LP failed: {lp.message}")
-    return lp
-
-
-# Only the dual bound is used: HiGHS's primal heuristics (sub-MIPs, most of the root's time) are
-# switched off and it stops within 0.2 % of its best integer point (the dual bound stays a bound).
-# scipy passes these HiGHS options through verbatim (with a warning, silenced here).
-_HIGHS_OPTIONS = {"mip_heuristic_effort": 0.0, "mip_heuristic_run_rins": False, "mip_heuristic_run_rens": False,
-                  "mip_heuristic_run_root_reduced_cost": False, "mip_rel_gap": 0.002}
-
-
-def _dual(res) -> float:
-    """The run's dual bound on the (maximised) objective; inf where it has none."""
-    dual = getattr(res, "mip_dual_bound", None)
-    return -float(dual) if dual is not None and math.isfinite(dual) else math.inf
-
-
-def _milp(c, A, rhs, integrality, upper, options, time_limit: float, deadline: float | None):
-    """HiGHS's run and whether the time (``time_limit`` per run, ``deadline`` in all) cut it short."""
-    def run(extra):
-        left = time_limit if deadline is None else min(time_limit, max(_MIN_RUN_S, deadline - time.perf_counter()))
-        return milp(c, constraints=LinearConstraint(A, -np.inf, rhs), integrality=integrality,
-                    bounds=Bounds(0, upper), options={**options, **extra, "time_limit": left, "disp": False})
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        res = run(options.pop("highs"))
-    # scipy's status 4 is "other": HiGHS refused the run (an option it does not know), or, with scipy
-    # 1.17, it stopped at the node limit (HiGHS's status 16, which scipy does not name). Both run
-    # again without the HiGHS options: on het1 two of five rounds do, 68 s of bound where keeping the
-    # node-limited dual bound takes 45 s and gives a looser one (2,147 against 2,048 tokens/s;
-    # docs/benchmarks.md, nineteenth session). Left as it is: which to keep is the bound's question.
-    if res.status != 4:
-        # scipy's 1: "iteration or time limit reached" (the node limit is its 4 with scipy 1.17, above)
-        return res, res.status == 1
-    again = run({})
-    if again.status == 1 and math.isfinite(_dual(res)):
-        return res, True  # the rerun ran out of time: keep the run that searched all its nodes
-    return again, again.status == 1

@@ -13,9 +13,9 @@ def test_a_bound_the_time_cuts_short_is_still_a_bound_and_more_time_solves_it_ag
     """``group_bound(time_limit_s=...)``: a solver stopped by the time still returns a bound (its
     dual bound, looser), flags it, and a later call with more time solves it again rather than
     reading the cut one from the cache; a finished bound serves every later call."""
-    from hetserve.planner import bound, bound_groups
+    from hetserve.planner import bound, bound_milp
 
-    _fresh_solves(monkeypatch, bound, bound_groups)
+    _fresh_solves(monkeypatch, bound, bound_milp)
     ctx = PlanContext(load_cluster("hexgen2-het4"), load_model("llama-2-70b"), load_workload("azure-conv"))
     cut = bound.group_bound(ctx, time_limit_s=1e-3)
     assert cut.cut_short
@@ -31,9 +31,9 @@ def test_plan_time_limit_covers_the_bound_and_the_plan_says_when_it_cut_it(monke
     import json
 
     from hetserve.cli.main import main
-    from hetserve.planner import bound, bound_groups, options
+    from hetserve.planner import bound, bound_milp, options
 
-    _fresh_solves(monkeypatch, bound, bound_groups)
+    _fresh_solves(monkeypatch, bound, bound_milp)
     monkeypatch.setattr(options, "BOUND_SHARE", 1e-3)
     out = tmp_path / "plan.json"
     assert main(["plan", "--cluster", "hexgen2-het4", "--model", "llama-2-70b", "--time-limit", "0.2", "--quiet",
@@ -44,9 +44,9 @@ def test_plan_time_limit_covers_the_bound_and_the_plan_says_when_it_cut_it(monke
     assert e["upper_bound_tokens_per_s"] >= e["throughput_tokens_per_s"]
 
 
-def _fresh_solves(monkeypatch, bound, bound_groups):
+def _fresh_solves(monkeypatch, bound, bound_milp):
     """No bound from this process's cache or the session's shared ones (``tests/conftest.py``), and a
-    MILP run past its deadline stopped at once (not after ``_MIN_RUN_S``)."""
+    MILP run past its deadline stopped at once (not after ``bound_milp.MIN_RUN_S``)."""
     monkeypatch.setattr(bound, "_CACHE", {})
     monkeypatch.setattr(bound, "_group_bound", getattr(bound._group_bound, "__wrapped__", bound._group_bound))
-    monkeypatch.setattr(bound_groups, "_MIN_RUN_S", 1e-3)
+    monkeypatch.setattr(bound_milp, "MIN_RUN_S", 1e-3)

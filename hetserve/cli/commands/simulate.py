@@ -185,6 +185,8 @@ def _plan_model(plan_path: str, name: str):
     try:
         return load_model(name)
     except SpecError as exc:
+        if exc.field != "(model)":  # found, but malformed: that error says more
+            raise
         raise SpecError(plan_path, "model", f"a model preset ({', '.join(model_presets())}), a config.json or a "
                         f"checkpoint folder; pass --model, or build the checkpoint it names with "
                         f"`hetserve make-model ... -o {name}`", name) from exc

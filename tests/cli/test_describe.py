@@ -13,6 +13,15 @@ def test_describe_model_70b(capsys):
     assert "68.98 B" in out and "327,680 bytes" in out
 
 
+def test_describe_a_tiny_model_prints_its_size_not_zero(tmp_path, capsys):
+    assert main(["make-model", "--arch", "llama", "--layers", "2", "--hidden", "64", "--heads", "4",
+                 "--kv-heads", "2", "-o", str(tmp_path / "tiny")]) == 0
+    capsys.readouterr()
+    assert main(["describe", "model", str(tmp_path / "tiny")]) == 0
+    out = capsys.readouterr().out
+    assert "0.00 B" not in out and "0.00 GB" not in out and " M (" in out
+
+
 @pytest.mark.parametrize("name", cluster_presets())
 def test_describe_every_cluster_preset(name, capsys):
     assert main(["describe", "cluster", name]) == 0

@@ -101,8 +101,9 @@ def _describe_shared(c: Cluster, console: Console) -> None:
 def describe_model(m: ModelSpec, console: Console) -> None:
     t = Table(title=f"model {m.name} ({m.arch})", show_header=False)
     rows = [
-        ("parameters", f"{m.num_params / 1e9:,.2f} B ({m.num_params:,})"),
-        ("weights (fp16)", f"{m.weight_bytes / 1e9:,.2f} GB"),
+        ("parameters", (f"{m.num_params / 1e9:,.2f} B" if m.num_params >= 1e8 else f"{m.num_params / 1e6:,.3g} M")
+         + f" ({m.num_params:,})"),
+        ("weights (fp16)", fmt_gb(m.weight_bytes)),
         ("layers", str(m.num_layers)),
         ("hidden / FFN", f"{m.hidden} / {m.ffn_hidden} ({'gated, 3 matrices' if m.gated_ffn else '2 matrices'})"),
         ("heads / KV heads / head dim", f"{m.num_heads} / {m.num_kv_heads} / {m.dim_head}"

@@ -23,7 +23,8 @@ machine at most the share of the layers the other group's devices there can hold
 machine classes while their compositions number ≤ ``bound_groups.MAX_COLUMNS``; past that, GPU
 types (TP groups across machines allowed at the type's best link), K lowered if needed.
 HiGHS stops after ``GROUP_NODE_LIMIT`` branch-and-bound nodes (deterministic) and its *dual*
-bound is used, so an unfinished search still gives a bound. Scope: layouts whose TP groups are
+bound is used, so an unfinished search still gives a bound; a plan's bound also stops where its
+time limit does (``time_limit_s``: looser then, and flagged ``cut_short``). Scope: layouts whose TP groups are
 devices of one class (same machine and GPU type) — every layout the planners build
 (``LayoutSearch``); a hand-written plan with a TP group across machines or GPU types is covered
 only by the per-device LP.

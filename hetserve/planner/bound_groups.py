@@ -32,7 +32,7 @@ Rows (every real plan, read as the groups it holds, satisfies them — hence a b
 
 Objective F + Σ colocated ceilings. Solved by HiGHS (``scipy.optimize.milp``) with a node limit
 (deterministic: the same pool gives the same bound on any machine), a 0.2 % gap and a time
-limit as a safety net; the bound returned is the solver's dual bound (valid whether or not it
+limit as a safety net, or the caller's deadline (``solve``'s, a plan's time limit); the bound returned is the solver's dual bound (valid whether or not it
 proved the optimum), and never above the LP relaxation's value. Columns another column
 dominates (no more devices of any kind, at least the ceiling and the machine shares) are fixed
 at zero: a plan using one can use the other (not for spread columns in prefill / decode under

@@ -152,17 +152,16 @@ class PlanContext:
         """Under SLOs, when the pool has layouts without them: the fastest one found, one machine's
         devices each, and how far its stand-alone TTFT / TPOT are from the targets (an SLO no replica
         meets gives every layout a capacity of 0, which is not a memory problem)."""
-        from hetserve.cost.analytic import PrefillBatch
         from hetserve.planner.bound import throughput_context
 
         free = throughput_context(self)
         best = None
-        for devices in _machines(self.cluster):
-            found = free.layouts.best(devices, "colocated")
+        for devices in self.cluster.machines.values():
+            found = free.layouts.best([d.index for d in devices], "colocated")
             if found is None:
                 continue
             lay = found[0]
-            ttft = self.cost.prefill_time(lay, PrefillBatch.single(round(self.input_tokens)))
+            ttft = self.cost.ttft(lay, max(1, round(self.input_tokens)))  # as planner.slo prices it
             tpot = self.cost.decode_step_time(lay, 1, self.input_tokens + self.output_tokens / 2)
             if best is None or (ttft, tpot) < best[:2]:
                 best = (ttft, tpot, lay)
@@ -285,11 +284,3 @@ def _interchangeable(members: list[int], lat: np.ndarray, bw: np.ndarray) -> boo
     inner = np.ix_(members, members)
     off = ~np.eye(len(members), dtype=bool)
     return len(set(lat[inner][off].tolist())) == 1 and len(set(bw[inner][off].tolist())) == 1
-
-
-def _machines(cluster) -> list[list[int]]:
-    """Device indices per machine, in the cluster's order."""
-    out: dict[str, list[int]] = {}
-    for d in cluster.devices:
-        out.setdefault(d.machine, []).append(d.index)
-    return list(out.values())

@@ -250,6 +250,7 @@ def print_explanation(console, plan, args, cluster, model, workload, options, fn
     from rich.table import Table
 
     from hetserve.planner.explain import bottlenecks, what_ifs
+    from hetserve.planner.options import DEFAULT_TIME_LIMIT_S
 
     console.print("[bold]what bounds this plan[/bold] (min cut of its flow):")
     for line in bottlenecks(plan, cluster, model, workload, options):
@@ -265,10 +266,8 @@ def print_explanation(console, plan, args, cluster, model, workload, options, fn
 
         def on_variant(i, n, label):
             if i == 0:  # each re-plan is a search of its own: say what that costs before the first
-                from hetserve.planner.options import DEFAULT_TIME_LIMIT_S
-
-                limit = options.time_limit_s or DEFAULT_TIME_LIMIT_S
-                console.print(f"what-ifs: {n} quick re-plans, each up to the time limit ({limit:g} s) "
+                console.print(f"what-ifs: {n} quick re-plans, each up to the time limit "
+                              f"({options.time_limit_s or DEFAULT_TIME_LIMIT_S:g} s) "
                               f"and its bound's share")
             bar.update(task, total=n, completed=i, description=label)
 

@@ -16,7 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `bench` importable
 
 
 def per_layer_us(prompt: int, decodes: int, context: int, grouped: bool, reps: int) -> float:
@@ -44,7 +48,7 @@ def per_layer_us(prompt: int, decodes: int, context: int, grouped: bool, reps: i
 
 def main() -> int:
     import torch
-    from rich.console import Console
+    from bench.console import wide_console
     from rich.table import Table
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -64,7 +68,7 @@ def main() -> int:
             grouped = per_layer_us(prompt, decodes, args.context, True, args.reps)
             rows.append({"prompt": prompt, "decodes": decodes, "one_grid_us": one, "grouped_us": grouped})
             table.add_row(str(prompt), str(decodes), f"{one:,.0f}", f"{grouped:,.0f}", f"{one / grouped:.2f}")
-    Console().print(table)
+    wide_console().print(table)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

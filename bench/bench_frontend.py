@@ -178,12 +178,12 @@ def main() -> int:
     args = ap.parse_args()
     mp.set_start_method("spawn", force=True)
 
-    from rich.console import Console
+    from bench.console import wide_console
     from rich.table import Table
 
     import bench_predict as bp
 
-    console = Console()
+    console = wide_console()
     t = Table(title=f"decode step (batch 4, one torch thread) beside other processes on {os.cpu_count()} cores, "
                     f"load {os.getloadavg()[0]:.2f}")
     for col in ("beside", "step ms", "÷ alone"):

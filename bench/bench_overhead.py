@@ -57,7 +57,7 @@ def main() -> int:
     if len(batch_sizes) < 2 or min(batch_sizes) < 1:
         ap.error("--batch-sizes needs two or more sizes of at least 1 (a line through one point has no intercept)")
 
-    from rich.console import Console
+    from bench.console import wide_console
     from rich.table import Table
 
     from bench.bench_predict import tiny_model
@@ -65,7 +65,7 @@ def main() -> int:
     from hetserve.runtime.calibration_probes import measure
     from hetserve.runtime.speed_probe import round_median
 
-    console = Console()
+    console = wide_console()
     model_dir = tiny_model(scratch_dir("bench-overhead-"))
     t = Table("run", "unpaired (ms)", "paired (ms)", "HTTP TTFT − its step, median (ms)",
               "engine TTFT − its step, median (ms)", "1-min load", "s",

@@ -52,7 +52,7 @@ def main() -> int:
         ap.error("--rounds must be at least 1 and --tokens at least 4")
 
     import numpy as np
-    from rich.console import Console
+    from bench.console import wide_console
     from rich.table import Table
 
     from bench.bench_predict import tiny_model
@@ -66,7 +66,7 @@ def main() -> int:
     from hetserve.specs.cluster import cluster_from_dict
     from hetserve.specs.model import load_model
 
-    console = Console()
+    console = wide_console()
     scratch = scratch_dir("bench-pipeline-round-")
     model_dir = tiny_model(scratch)
     spec = load_model(model_dir)

@@ -155,8 +155,16 @@ def replay_cells(path: str, shared_cores: bool, console, runtime_from: str | Non
     again from its saved points by today's fit; ``speed_correction``: each cell's calibrated times
     scaled by the slow-down its speed probe read while it was served, weighted as ``compare`` weights
     it now: ``speed_probe.weighted``)."""
-    return replay_data(json.loads(Path(path).read_text()), path, shared_cores, console, runtime_from, refit,
+    return replay_data(read_run(path), path, shared_cores, console, runtime_from, refit,
                        speed_correction)
+
+
+def read_run(path: str) -> dict:
+    """A ``--json`` file's content; ``.json.gz`` too (the runs kept in ``bench/runs/``)."""
+    import gzip
+
+    raw = gzip.decompress(Path(path).read_bytes()) if str(path).endswith(".gz") else Path(path).read_bytes()
+    return json.loads(raw)
 
 
 def replay_quietly(data: dict, source: str, refit: bool = False, keep_rows: bool = False) -> list[dict]:
@@ -297,9 +305,9 @@ def main() -> int:
                          "calibration sees the load the served cells see on a shared machine)")
     args = ap.parse_args()
 
-    from rich.console import Console
+    from bench.console import wide_console
 
-    console = Console()
+    console = wide_console()
     if args.replay:
         cells = replay_cells(args.replay, args.shared_cores, console, args.frontend_from, args.refit,
                              args.speed_correction)

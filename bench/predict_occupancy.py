@@ -21,7 +21,6 @@ served; and the asymmetric plan's idle arrivals 1.12, the other two plans' 1.00 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -65,9 +64,9 @@ def shape(splits: list[dict]) -> float | None:
 
 def replay_split(path: str, refit: bool) -> list[dict]:
     """``path`` replayed: per cell its plan, load fraction and ``split_cell``."""
-    from bench.bench_predict import replay_quietly
+    from bench.bench_predict import read_run, replay_quietly
 
-    cells = replay_quietly(json.loads(Path(path).read_text()), path, refit=refit)
+    cells = replay_quietly(read_run(path), path, refit=refit)
     return [{"plan": c["plan"], "fraction": c["fraction"], "split": split_cell(c)}
             for c in cells if c.get("served")]
 
@@ -84,11 +83,11 @@ def main() -> int:
 
     from statistics import geometric_mean
 
-    from rich.console import Console
+    from bench.console import wide_console
     from rich.progress import Progress
     from rich.table import Table
 
-    console = Console()
+    console = wide_console()
     with Progress(console=console, transient=True) as bar, ProcessPoolExecutor(args.jobs) as pool:
         task = bar.add_task("replaying", total=len(args.runs))
         futures = [(run, pool.submit(replay_split, run, args.refit)) for run in args.runs]

@@ -21,7 +21,6 @@ oracle (factors 0.88-1.12; 88 of 172 cells chose another factor than 1); about 2
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -44,9 +43,9 @@ def hits(ratios: dict[str, float]) -> int:
 def replay_scaled(path: str, factor: float) -> list[dict]:
     """``path`` replayed (refitted) with every slow-down times ``factor``: per cell its plan, load
     fraction and issue 13's 7 ratios (simulated / served)."""
-    from bench.bench_predict import replay_quietly
+    from bench.bench_predict import read_run, replay_quietly
 
-    data = json.loads(Path(path).read_text())
+    data = read_run(path)
     for cell in data["cells"]:
         speed = cell.get("speed") or {"slowdown": 1.0}
         cell["speed"] = {**speed, "slowdown": speed["slowdown"] * factor}
@@ -112,11 +111,11 @@ def main() -> int:
     args = ap.parse_args()
     factors = sorted({1.0, *(float(f) for f in args.factors.split(","))})
 
-    from rich.console import Console
+    from bench.console import wide_console
     from rich.progress import Progress
     from rich.table import Table
 
-    console = Console()
+    console = wide_console()
     jobs = [(run, f) for run in args.runs for f in factors]
     scores: dict[tuple[str, float], list[dict]] = {}
     with Progress(console=console) as bar, ProcessPoolExecutor(args.jobs) as pool:

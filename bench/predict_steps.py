@@ -26,7 +26,6 @@ probes (1, 4 and 16 sequences of 16-token contexts) do not see that range.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -140,15 +139,15 @@ def main() -> int:
     ap.add_argument("--loads", help="comma-separated load fractions, e.g. 0.8 (default: every load)")
     args = ap.parse_args()
 
-    from rich.console import Console
+    from bench.console import wide_console
 
-    from bench.bench_predict import replay_quietly
+    from bench.bench_predict import read_run, replay_quietly
 
-    console = Console()
+    console = wide_console()
     plans = set(args.plans.split(",")) if args.plans else None
     loads = [float(x) for x in args.loads.split(",")] if args.loads else None
     for run in args.runs:
-        data = json.loads(Path(run).read_text())
+        data = read_run(run)
         data["cells"] = [c for c in data["cells"] if (plans is None or c["plan"] in plans)
                          and (loads is None or any(abs(c["fraction"] - f) < 1e-6 for f in loads))]
         missing = [c["plan"] for c in data["cells"] if not c.get("served_steps")]

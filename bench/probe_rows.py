@@ -56,7 +56,7 @@ def main() -> int:
 
     import numpy as np
     import torch
-    from rich.console import Console
+    from bench.console import wide_console
     from rich.table import Table
 
     from bench.bench_predict import tiny_model
@@ -67,7 +67,7 @@ def main() -> int:
     from hetserve.runtime.sampling import SamplingParams
     from hetserve.specs.model import load_model
 
-    console = Console()
+    console = wide_console()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each worker (runtime/worker.py)
     t = Table("out x in", "MB", *[f"{r} µs" for r in ROWS], "(2 − 1) µs/MB",

@@ -39,7 +39,7 @@ def main() -> int:
         ap.error("--lengths must be at least 1 and --rounds at least 1")
 
     import numpy as np
-    from rich.console import Console
+    from bench.console import wide_console
     from rich.progress import track
     from rich.table import Table
 
@@ -84,7 +84,7 @@ def main() -> int:
         if cm:
             row.append(f"{cm.ttft(probe_layout(spec), L) * 1e3:.0f} / {cm.ttft(probe_layout(spec, 2), L) * 1e3:.0f}")
         t.add_row(*row)
-    Console(width=max(100, Console().width)).print(t)
+    wide_console().print(t)
     return 0
 
 

@@ -229,21 +229,23 @@ def _choose(ctx: PlanContext, evaluator: Evaluator, best: Placement, name: str, 
     value = result.tokens_per_s
     if not options.allow_colocated:
         return to_plan(ctx, result, name, budget, notes="disaggregated (colocated plans not allowed)")
-    colocated, col_v = colocated_alternative(ctx, evaluator, best)
+    # what follows the search has the rest of the time limit (``options.FINAL_SHARE``); each step
+    # below stops where it runs out, with the best it has
+    colocated, col_v = colocated_alternative(ctx, evaluator, best, budget.out_of_time)
     if len(cluster) <= POPULATION_MAX_DEVICES:
         # HexGen's genetic search over colocated groups may cut across machines where the knapsack
         # units do not; on small pools it is cheap, so the colocated side is at least HexGen's
         from hetserve.planner.hexgen import search_colocated
 
-        hx = search_colocated(ctx, evaluator, Budget(name, options), options)
+        hx = search_colocated(ctx, evaluator, budget.rest(name), options)
         hx_v = evaluator.score(hx)
         if hx_v > col_v * (1 + 1e-9):
             colocated, col_v = hx, hx_v
-    # the mixed climb is not budget-aware: on large pools whose search already used its time, skip it
+    # on large pools whose search already used its time, skip the mixed climb (it re-cuts many groups)
     mixed, mix_v = (), -1.0
     if len(cluster) <= POPULATION_MAX_DEVICES or not budget.exhausted():
         for start in (best,) + tuple(o for o in others if o != best):
-            m, v = mixed_alternative(ctx, evaluator, start, colocated)
+            m, v = mixed_alternative(ctx, evaluator, start, colocated, budget.out_of_time)
             if v > mix_v * (1 + 1e-9):
                 mixed, mix_v = m, v
     if mix_v > max(value, col_v) * (1 + 1e-9):
@@ -268,7 +270,7 @@ def colocated_fallback(ctx: PlanContext, name: str, budget: Budget) -> Plan:
     """A pool that cannot hold a prefill and a decode replica gets HexGen's colocated plan."""
     from hetserve.planner.hexgen import search_colocated
 
-    best = search_colocated(ctx, Evaluator(ctx), budget, ctx.options)
+    best = search_colocated(ctx, Evaluator(ctx), budget.rest(name), ctx.options)  # the time the search left
     ev = Evaluator(ctx).evaluate(best)
     return to_plan(ctx, ev, name, budget,
                    notes="fewer than two replicas fit: colocated (HexGen) plan instead of disaggregated")

@@ -37,14 +37,17 @@ MAX_KNAPSACK_VECTORS = 256  # sub-vectors of a group's composition the colocated
 PAIR_UNITS_MAX_DEVICES = 64  # pools up to this size also cut every pair of machines together
 
 
-def colocated_alternative(ctx: PlanContext, evaluator: Evaluator, groups: Placement) -> tuple[Placement, float]:
+def colocated_alternative(ctx: PlanContext, evaluator: Evaluator, groups: Placement,
+                          stop=None) -> tuple[Placement, float]:
     """The best all-colocated placement cut from a few coarse units: the placement's own groups,
     the machines, every pair of machines beside the other machines (pools of at most
     ``PAIR_UNITS_MAX_DEVICES``), and (when its class-count space has at most
     ``MAX_KNAPSACK_VECTORS`` vectors) the whole pool. Each unit's devices are re-cut into the colocated replicas that serve most —
     a knapsack over the sub-vectors of its class-count vector (halving per class, recursively,
     beyond that size); devices no unit's cut uses are pooled and cut the same way. Colocated
-    capacity is additive, so each unit is decided on its own. Returns (placement, tokens/s)."""
+    capacity is additive, so each unit is decided on its own. Returns (placement, tokens/s).
+    ``stop()`` true (the plan's time is spent) ends it after the current unit set; the first is
+    always cut."""
     by_machine: dict[str, list[int]] = {}
     for d in ctx.cluster.devices:
         by_machine.setdefault(d.machine, []).append(d.index)
@@ -78,6 +81,8 @@ def colocated_alternative(ctx: PlanContext, evaluator: Evaluator, groups: Placem
         v = evaluator.score(placement) if placement else 0.0
         if v > best[1] * (1 + 1e-9):
             best = (placement, v)
+        if stop is not None and stop():
+            break
     return best
 
 
@@ -179,11 +184,14 @@ def _recut_with_machine_mates(ctx: PlanContext, evaluator: Evaluator, groups: Pl
     return _recut(ctx, evaluator, placement, [placement.index(joined)])
 
 
-def _climb(evaluator: Evaluator, start: Placement, candidates, lookahead: int = 0) -> tuple[Placement, float]:
+def _climb(evaluator: Evaluator, start: Placement, candidates, lookahead: int = 0,
+           stop=None) -> tuple[Placement, float]:
     """Greedy best-improvement rounds. With ``lookahead`` k > 0, a round with no improving move
     tries two-move paths through its k best non-improving candidates: turning a colocated pair into
-    prefill and decode often loses until the prefill half is split again (small pools only)."""
+    prefill and decode often loses until the prefill half is split again (small pools only).
+    ``stop()`` true ends the climb at the best placement scored so far."""
     cur, cur_v = start, evaluator.score(start)
+    stopped = False
     for _ in range(MAX_MIXED_ROUNDS):
         pick, pick_v, near = None, cur_v, []
         for cand in candidates(cur):
@@ -194,6 +202,11 @@ def _climb(evaluator: Evaluator, start: Placement, candidates, lookahead: int = 
                 pick, pick_v = cand, v
             elif lookahead and v > 0:
                 near.append((v, cand))
+            if stop is not None and stop():
+                stopped = True
+                break
+        if stopped:
+            return (pick, pick_v) if pick is not None else (cur, cur_v)
         if pick is None and near:
             for _, first in sorted(near, key=lambda x: -x[0])[:lookahead]:
                 for cand in candidates(first):
@@ -208,8 +221,9 @@ def _climb(evaluator: Evaluator, start: Placement, candidates, lookahead: int = 
 
 
 def mixed_alternative(ctx: PlanContext, evaluator: Evaluator, disaggregated: Placement,
-                      colocated: Placement) -> tuple[Placement, float]:
-    """The best mixed placement found from either end (see the module docstring)."""
+                      colocated: Placement, stop=None) -> tuple[Placement, float]:
+    """The best mixed placement found from either end (see the module docstring); ``stop()`` true
+    ends each climb where it is (``_climb``)."""
 
     def from_disaggregated(groups: Placement):
         pd = [i for i, g in enumerate(groups) if g.role in ("prefill", "decode")]
@@ -273,7 +287,7 @@ def mixed_alternative(ctx: PlanContext, evaluator: Evaluator, disaggregated: Pla
     best: tuple[Placement, float] = ((), -1.0)
     for start, gen in ((disaggregated, from_disaggregated), (colocated, from_colocated)):
         if start:
-            p, v = _climb(evaluator, start, gen, LOOKAHEAD if ctx.num_devices <= LOOKAHEAD_MAX_DEVICES else 0)
+            p, v = _climb(evaluator, start, gen, LOOKAHEAD if ctx.num_devices <= LOOKAHEAD_MAX_DEVICES else 0, stop)
             if v > best[1] * (1 + 1e-9):
                 best = (p, v)
     return best

@@ -2,7 +2,7 @@
 
 Every algorithm is ``fn(cluster, model, workload, options) -> Plan``; ``PlanOptions`` is the one
 options type. A search stops at the first of: its own convergence rule, ``max_iterations``,
-``time_limit_s``. With a fixed ``seed`` and a run that stops by convergence or by
+``time_limit_s`` less the share kept for what follows the search (``FINAL_SHARE``). With a fixed ``seed`` and a run that stops by convergence or by
 ``max_iterations`` (not by the clock) the plan is the same on every run and every machine.
 """
 
@@ -46,7 +46,9 @@ class PlanOptions:
     """Knobs common to every algorithm.
 
     seed: every random choice derives from it.
-    time_limit_s: wall-clock cap on the search (None: ``DEFAULT_TIME_LIMIT_S``, 110 s).
+    time_limit_s: wall-clock cap on the whole call (None: ``DEFAULT_TIME_LIMIT_S``, 110 s): the search
+        stops at ``1 − FINAL_SHARE`` of it and what follows (the alternatives, the upper bound) ends
+        at it, except the bound's minimum share and the bound's columns (``Budget``).
     max_iterations: cap on search iterations (refinement rounds, generations, restarts …); None: no cap.
     patience: iterations without improvement before a stochastic search stops (None: algorithm default).
     restarts: perturb-and-refine rounds HexGen-2 runs after its first convergence (0: stop there;
@@ -104,10 +106,16 @@ class PlanOptions:
 
 
 DEFAULT_TIME_LIMIT_S = 110.0  # HexGen-2 on 320 GPUs converges in ~30–40 s of CPU on 2 cores (docs/planner.md)
-# a plan's upper bound (``planner.bound``) gets what the search left of the time limit, and at least
-# this share of it: on hexgen2-het1 the bound's MILP wants about a minute, which took
-# `plan --time-limit 30` to 101 s; now 42 s, the solver stopped where the time ran out (a looser bound)
+# the search stops this share of the time limit early: what follows it (HexGen-2's colocated and mixed
+# alternatives, every plan's upper bound) has the rest. Searching to the limit, `plan --time-limit 10`
+# took 15.9 s on hexgen2-het1 and 18.6 s on hexgen-full-price (docs/planner.md)
+FINAL_SHARE = 0.25
+# a plan's upper bound (``planner.bound``) gets what is left of the time limit, and at least this share
+# of it where the alternatives took the rest: on hexgen2-het1 the bound's MILP wants about a minute,
+# which took `plan --time-limit 30` to 101 s; the solver stops where its time runs out (a looser bound).
+# (A floor of 0.1 gave 33.2 s against 34.8 there, and a bound of 2,156 tokens/s against 2,116.)
 BOUND_SHARE = 0.25
+REST_MIN_SHARE = 0.02  # of the time limit, the least a search after the search gets (``Budget.rest``)
 
 
 class Budget:
@@ -117,9 +125,12 @@ class Budget:
     curve. ``exhausted()`` is the single place that reads the clock against the limits.
     """
 
-    def __init__(self, algorithm: str, options: PlanOptions):
+    def __init__(self, algorithm: str, options: PlanOptions, time_limit_s: float | None = None,
+                 reserve: float = FINAL_SHARE):
         self.algorithm, self.options = algorithm, options
-        self.time_limit_s = options.time_limit_s or DEFAULT_TIME_LIMIT_S
+        self.time_limit_s = time_limit_s or options.time_limit_s or DEFAULT_TIME_LIMIT_S
+        # the search's own limit: ``reserve`` of the time is kept for what runs after it
+        self.search_limit_s = self.time_limit_s * (1.0 - reserve)
         self.start = time.perf_counter()
         self.iteration = 0
         self.best = 0.0
@@ -140,10 +151,21 @@ class Budget:
         if self.options.max_iterations is not None and self.iteration >= self.options.max_iterations:
             self.stopped_by = "max_iterations"
             return True
-        if self.elapsed_s >= self.time_limit_s:
+        if self.elapsed_s >= self.search_limit_s:
             self.stopped_by = "time_limit"
             return True
         return False
+
+    def out_of_time(self) -> bool:
+        """The whole time limit is spent: what runs after the search stops at its next step."""
+        return self.elapsed_s >= self.time_limit_s
+
+    def rest(self, algorithm: str) -> "Budget":
+        """A budget for a search run after this one (HexGen-2's colocated HexGen search): the time
+        this one has left, nothing reserved; at least ``REST_MIN_SHARE`` of the limit, so that it
+        finishes a first iteration."""
+        left = max(self.time_limit_s - self.elapsed_s, REST_MIN_SHARE * self.time_limit_s)
+        return Budget(algorithm, self.options, time_limit_s=left, reserve=0.0)
 
     def bound_time_s(self) -> float:
         """Seconds the plan's upper bound may take (``BOUND_SHARE``)."""
@@ -156,7 +178,7 @@ class Budget:
         t = self.elapsed_s
         self.history.append((t, self.best))
         if self.options.progress is not None:
-            frac = t / self.time_limit_s
+            frac = t / self.search_limit_s
             if self.options.max_iterations:
                 frac = max(frac, self.iteration / self.options.max_iterations)
             self.options.progress(SearchProgress(self.algorithm, self.iteration, t, self.best, min(1.0, frac)))

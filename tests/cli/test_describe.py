@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -48,3 +49,39 @@ def test_malformed_cluster_is_one_line_exit_2(tmp_path):
 def test_list_presets(capsys):
     assert main(["describe", "model"]) == 0
     assert "llama-2-70b" in capsys.readouterr().out
+
+
+def test_describe_plan_prints_its_table_and_checks_it(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", "demo-cpu", "--model", "llama-2-7b", "--algorithm", "uniform", "--quiet",
+                 "-o", str(path)]) == 0
+    planned = capsys.readouterr().out
+    assert main(["describe", "plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    # the same replica table and estimate line as `plan` printed, then the check against demo-cpu
+    table = [line for line in planned.splitlines() if "TP" in line]
+    assert table and all(line in out for line in table)
+    assert "estimated throughput" in out and "checked: the plan fits demo-cpu" in out
+
+
+def test_describe_plan_names_what_no_longer_fits(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", "demo-cpu", "--model", "llama-2-7b", "--algorithm", "uniform", "--quiet",
+                 "-o", str(path)]) == 0
+    capsys.readouterr()
+    # the pool it is checked against lacks the plan's devices: exit 2, one line saying why
+    assert main(["describe", "plan", str(path), "--cluster", "molink-3x4090"]) == 2
+    err = capsys.readouterr().err
+    assert "is invalid" in err and "Traceback" not in err
+    # a plan naming a cluster this machine does not know is printed, not checked
+    data = json.loads(path.read_text())
+    data["cluster"] = "a-pool-from-elsewhere"
+    path.write_text(json.dumps(data))
+    assert main(["describe", "plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "not checked" in out and "a-pool-from-elsewhere" in out and "--cluster" in out
+
+
+def test_describe_plan_without_a_file_says_what_to_give(capsys):
+    assert main(["describe", "plan"]) == 2
+    assert "give a plan file" in capsys.readouterr().err

@@ -27,6 +27,8 @@ def test_compare_and_plot(tmp_path, capsys):
                  "--quiet", "--plot", str(png)]) == 0
     text = capsys.readouterr().out
     assert "hexgen2" in text and "uniform" in text and "exact" in text
+    # rich prints 80 columns where the output is not a terminal: every header and figure in full
+    assert all(h in text for h in ("search s", "$/h", "P/D/C", "iters")) and "…" not in text
     assert png.stat().st_size > 1000
 
 

@@ -1,4 +1,6 @@
-"""``hetserve describe cluster|model|workload NAME``: a readable summary of one input."""
+"""``hetserve describe cluster|model|workload NAME`` and ``describe plan FILE``: a readable summary of
+one input, or of a plan file someone handed you (the table ``hetserve plan`` printed, and whether the
+plan still fits its cluster and model)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from hetserve.errors import HetserveError, PlanError
 from hetserve.specs.cluster import GBPS, Cluster, cluster_presets, load_cluster
 from hetserve.specs.gpus import fmt_gb
 from hetserve.specs.model import ModelSpec, load_model, model_presets
@@ -16,16 +19,21 @@ from hetserve.specs.workload import CLASSES, Workload, load_workload, workload_p
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("describe", help="summarise a cluster, model or workload",
-                       description="Print a summary of a cluster, model or workload (preset name or file).")
-    p.add_argument("kind", choices=["cluster", "model", "workload"])
-    p.add_argument("name", nargs="?", help="preset name or file; omit to list the presets")
+    p = sub.add_parser("describe", help="summarise a cluster, model, workload or plan file",
+                       description="Print a summary of a cluster, model or workload (preset name or file), "
+                                   "or of a plan file (from `hetserve plan -o`).")
+    p.add_argument("kind", choices=["cluster", "model", "workload", "plan"])
+    p.add_argument("name", nargs="?", help="preset name or file; omit to list the presets (plan: a plan file)")
     p.add_argument("--rate", type=float, help="workload: rescale arrivals to this mean rate (req/s)")
+    p.add_argument("--cluster", help="plan: check it against this cluster (default: the one the plan names)")
+    p.add_argument("--model", help="plan: check it against this model (default: the one the plan names)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
+    if args.kind == "plan":
+        return describe_plan(args, console)
     if args.name is None:
         presets = {"cluster": cluster_presets, "model": model_presets, "workload": workload_presets}[args.kind]()
         console.print(f"{args.kind} presets: " + ", ".join(presets))
@@ -130,3 +138,26 @@ def describe_workload(w: Workload, console: Console) -> None:
     console.print(t)
     counts = Counter(w.classes().tolist())
     console.print("classes (HexGen-2 §5.1): " + ", ".join(f"{c} {counts.get(c, 0):,}" for c in CLASSES))
+
+
+def describe_plan(args: argparse.Namespace, console: Console) -> int:
+    """The plan file's table (as ``hetserve plan`` printed it), then whether it still holds on its
+    cluster and model: a plan travels as a file, and the presets or the pool may have changed since."""
+    from hetserve.cli.commands.plan import print_plan
+    from hetserve.planner import validate_plan
+    from hetserve.planner.plan import Plan
+
+    if args.name is None:
+        raise PlanError("describe plan: give a plan file (written by `hetserve plan -o PLAN.json`)")
+    plan = Plan.load(args.name)
+    print_plan(console, plan)
+    try:
+        cluster = load_cluster(args.cluster or plan.cluster)
+        model = load_model(args.model or plan.model)
+    except HetserveError as exc:
+        console.print(f"[yellow]not checked[/]: {exc} (pass --cluster / --model to check it)")
+        return 0
+    validate_plan(plan, cluster, model)  # raises PlanError (exit 2) naming every problem
+    console.print(f"checked: the plan fits {cluster.name} ({len(cluster)} devices) and {model.name} "
+                  f"(devices, layers, memory, KV routes: planner/validate.py)")
+    return 0

@@ -24,8 +24,10 @@ def register(subparsers) -> None:
     p.add_argument("--compare", metavar="A,B,...", help="run several algorithms and print them side by side")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--time-limit", type=float, default=None, metavar="S",
-                   help="time limit per algorithm in seconds, the plan's upper bound included (default 110; "
-                        "the bound gets at least a quarter of it, looser where its solver needs longer)")
+                   help="time limit per algorithm in seconds (default 110): the search stops at three quarters "
+                        "of it, the final alternatives and the plan's upper bound share the rest; the bound gets "
+                        "at least a quarter (looser where its solver needs longer), and building its columns "
+                        "can add a few seconds on a first plan of a pool")
     p.add_argument("--max-iterations", type=int, default=None, metavar="N", help="cap on search iterations")
     p.add_argument("--period", type=float, default=600.0, metavar="S",
                    help="period T of the flow network, seconds (default 600)")
@@ -224,12 +226,16 @@ def print_plan(console, plan) -> None:
 
 
 def print_comparison(console, plans) -> None:
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=f"{plans[0].model} on {plans[0].cluster}")
-    for col in ("algorithm", "tokens/s", "req/T", "P", "D", "C", "devices", "$/h", "search s", "iters"):
-        t.add_column(col, justify="left" if col == "algorithm" else "right",
-                     no_wrap=col in ("algorithm", "tokens/s"))
+    # no rules between columns, P/D/C in one: ten bordered columns cut headers to "sear…" and "$/…" at 80
+    # characters; where even this is too wide, the algorithm's name folds, never a number
+    t = Table(title=f"{plans[0].model} on {plans[0].cluster}", box=box.SIMPLE_HEAD, show_edge=False,
+              collapse_padding=True, pad_edge=False)
+    for col in ("algorithm", "tokens/s", "req/T", "P/D/C", "GPUs", "$/h", "search s", "iters"):
+        t.add_column(col, justify="left" if col == "algorithm" else "right", no_wrap=col != "algorithm",
+                     overflow="fold")
     base = max(p.estimate.get("throughput_tokens_per_s", 0.0) for p in plans) or 1.0
     for p in plans:
         e = p.estimate
@@ -237,11 +243,12 @@ def print_comparison(console, plans) -> None:
         usd = e.get("cost_usd_per_hour")
         tps = e.get("throughput_tokens_per_s", 0.0)
         t.add_row(p.algorithm, f"{tps:,.1f} ({tps / base:.0%})", f"{e.get('requests_per_period', 0):,.0f}",
-                  str(len(p.by_role("prefill"))), str(len(p.by_role("decode"))), str(len(p.by_role("colocated"))),
+                  "/".join(str(len(p.by_role(r))) for r in ("prefill", "decode", "colocated")),
                   f"{e.get('devices_used')}/{e.get('devices_total')}", "–" if usd is None else f"{usd:,.2f}",
                   f"{s.get('wall_s', 0):.2f}", str(s.get("iterations", 0)))
     console.print(t)
-    console.print("P / D / C: prefill, decode and colocated replicas; req/T: requests per period T")
+    console.print("P/D/C: prefill, decode and colocated replicas; GPUs: used / in the pool; "
+                  "req/T: requests per period T")
 
 
 def print_explanation(console, plan, args, cluster, model, workload, options, fn) -> None:
@@ -267,8 +274,7 @@ def print_explanation(console, plan, args, cluster, model, workload, options, fn
         def on_variant(i, n, label):
             if i == 0:  # each re-plan is a search of its own: say what that costs before the first
                 console.print(f"what-ifs: {n} quick re-plans, each up to the time limit "
-                              f"({options.time_limit_s or DEFAULT_TIME_LIMIT_S:g} s) "
-                              f"and its bound's share")
+                              f"({options.time_limit_s or DEFAULT_TIME_LIMIT_S:g} s)")
             bar.update(task, total=n, completed=i, description=label)
 
         rows = what_ifs(plan, args.cluster, model, workload, plain, fn, on_variant=on_variant)

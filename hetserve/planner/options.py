@@ -2,8 +2,9 @@
 
 Every algorithm is ``fn(cluster, model, workload, options) -> Plan``; ``PlanOptions`` is the one
 options type. A search stops at the first of: its own convergence rule, ``max_iterations``,
-``time_limit_s`` less the share kept for what follows the search (``FINAL_SHARE``). With a fixed ``seed`` and a run that stops by convergence or by
-``max_iterations`` (not by the clock) the plan is the same on every run and every machine.
+``time_limit_s`` less the share kept for what follows the search (``FINAL_SHARE``). With a fixed
+``seed`` and a run that stops by convergence or by ``max_iterations`` (not by the clock) the plan is
+the same on every run and every machine.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ class Budget:
     """Clock, iteration count and best-value history of one search run.
 
     ``history`` holds ``(elapsed_s, best_tokens_per_s)`` after every iteration: the convergence
-    curve. ``exhausted()`` is the single place that reads the clock against the limits.
+    curve. ``exhausted()`` (the search) and ``out_of_time()`` (what follows it) are where the
+    clock is read against the limits.
     """
 
     def __init__(self, algorithm: str, options: PlanOptions, time_limit_s: float | None = None,

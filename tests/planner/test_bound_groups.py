@@ -95,7 +95,7 @@ def test_every_layout_stays_under_its_compositions_ceiling(llama7b, azure):
     random and skewed layer splits): the cost model's capacity never exceeds the ceiling, and the
     best of them comes close to it (the ceiling is not just large)."""
     ctx = PlanContext(_pool(), llama7b, azure)
-    mk = bound._kinds(ctx)
+    mk = bound.device_kinds(ctx)
     assert [k.machine for k in mk] == ["a0", "b0"]  # machine kinds = the context's classes here
     cb = ColumnBounds(ctx, [bound_groups._column_kind(ctx, [k]) for k in mk])
     stage_kinds, big_pf, big_col, big_dec = cb.big()
@@ -159,7 +159,7 @@ def test_gpu_type_columns_stay_above_exact(llama7b, azure, monkeypatch):
     x = ALGORITHMS["exact"](c, llama7b, azure, PlanOptions(seed=0))
     monkeypatch.setattr(bound_groups, "MAX_COLUMNS", 7)
     ctx = PlanContext(c, llama7b, azure)
-    cols = bound_groups.columns(ctx, bound._kinds(ctx))
+    cols = bound_groups.columns(ctx, bound.device_kinds(ctx))
     assert (cols.K, cols.machine_kinds) == (2, False)
     assert x.estimate["throughput_tokens_per_s"] <= bound.group_bound(ctx).tokens_per_s * (1 + 1e-9)
 
@@ -184,7 +184,7 @@ def test_colocated_columns_past_k_stay_above_exact(llama7b, azure, monkeypatch):
     x = ALGORITHMS["exact"](c, llama7b, azure, PlanOptions(seed=0))
     monkeypatch.setattr(bound_groups, "GROUP_K", 2)
     ctx = PlanContext(c, llama7b, azure)
-    cols = bound_groups.columns(ctx, bound._kinds(ctx))
+    cols = bound_groups.columns(ctx, bound.device_kinds(ctx))
     assert cols.K == 2 and cols.big_colocated_columns and max(sum(comp) for comp in cols.comps) == 5
     assert x.estimate["throughput_tokens_per_s"] <= bound.group_bound(ctx).tokens_per_s * (1 + 1e-6)
 

@@ -80,7 +80,7 @@ def test_every_spread_layout_sends_its_kv_as_the_lines_say(llama7b, azure):
 def _machine_columns(llama7b, azure):
     """The 5-GPU pool's context, its machine kinds, their column bounds and the layer count."""
     ctx = PlanContext(_pool(), llama7b, azure)
-    mk = bound._kinds(ctx)
+    mk = bound.device_kinds(ctx)
     return ctx, mk, ColumnBounds(ctx, [bound_groups._column_kind(ctx, [k]) for k in mk]), ctx.model.num_layers
 
 
@@ -137,7 +137,7 @@ def test_relaxed_ceilings_hold_for_every_pipeline(llama7b, azure):
     """``ColumnBounds.relaxed`` (compositions past K devices, stages not enumerated) stays above
     every layout of two or more stages of a 5-GPU pool, and within 50 % of the enumerated ceiling."""
     ctx = PlanContext(_pool(), llama7b, azure)
-    mk = bound._kinds(ctx)
+    mk = bound.device_kinds(ctx)
     cb = ColumnBounds(ctx, [bound_groups._column_kind(ctx, [k]) for k in mk])
     n = 0
     for used, lay in _layouts(ctx, random.Random(2), per_order=3):

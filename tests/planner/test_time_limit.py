@@ -97,6 +97,6 @@ def test_hexgen2s_colocated_search_gets_what_the_limit_left_not_a_limit_of_its_o
         return real(ctx, evaluator, budget, opts)
 
     monkeypatch.setattr(hexgen, "search_colocated", spy)
-    ctx_opts = PlanOptions(seed=0, time_limit_s=50, max_iterations=2, restarts=0)
-    hexgen2.hexgen2(load_cluster("demo-cpu"), load_model("llama-2-7b"), load_workload("azure-conv"), ctx_opts)
+    opts = PlanOptions(seed=0, time_limit_s=50, max_iterations=2, restarts=0)
+    hexgen2.hexgen2(load_cluster("demo-cpu"), load_model("llama-2-7b"), load_workload("azure-conv"), opts)
     assert given and all(b.time_limit_s < 50 and b.search_limit_s == b.time_limit_s for b in given)

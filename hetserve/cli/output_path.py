@@ -21,3 +21,23 @@ def check_output_file(path: str, flag: str) -> None:
                         f"{folder} is not a folder" if folder.exists() else f"no folder {folder}")
     if not os.access(folder, os.W_OK):
         raise SpecError(path, flag, "a file in a folder this user can write", f"{folder} is read-only")
+
+
+def check_plot_file(path: str, flag: str) -> None:
+    """``check_output_file``, and ``path`` ends in a format matplotlib writes (``.png``, ``.pdf``,
+    ``.svg`` …): an unknown one failed in ``savefig`` after the work, and none had ``.png`` added."""
+    check_output_file(path, flag)
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = Path(path).suffix.lstrip(".").lower()
+    if suffix not in formats:
+        raise SpecError(path, flag, "a picture file ending in " + ", ".join(f".{f}" for f in sorted(formats)),
+                        f".{suffix}" if suffix else "no extension")
+
+
+def check_output_folder(path: str, flag: str) -> None:
+    """``path`` (given as ``flag``) is a folder, or one that can be made: not an existing file."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise SpecError(path, flag, "a folder to write into", "an existing file")

@@ -218,3 +218,51 @@ def test_a_plan_stages_layers_that_are_no_pair_say_what_a_pair_is(layers, words,
                      "--workload", "azure-conv"], capsys)
     assert code == 2 and len(err) == 1, err
     assert "field 'replicas.0.stages.0.layers'" in err[0] and words in err[0], err[0]
+
+
+@pytest.mark.parametrize("flag, name, words", [
+    ("--plot", "conv.txt", "a picture file ending in"),  # matplotlib failed on it after the search
+    ("--plot", "conv", "no extension"),  # matplotlib wrote conv.png while the CLI said "wrote conv"
+    ("--history", "no-such-dir/h.json", "no folder"),  # refused only after the search
+])
+def test_plan_refuses_a_plot_or_history_path_it_cannot_write_before_searching(flag, name, words, tmp_path, capsys,
+                                                                             monkeypatch):
+    import hetserve.planner.objectives as objectives
+
+    def work(*a, **k):
+        raise AssertionError("the search started before the output path was checked")
+    monkeypatch.setattr(objectives, "plan_for", work)
+    out = str(tmp_path / name)
+    code, err = run(["plan", "--cluster", "demo-cpu", "--model", "llama-2-7b", flag, out], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert flag in err[0] and words in err[0], err[0]
+
+
+@pytest.mark.parametrize("command", ["simulate", "compare"])
+def test_an_output_folder_that_is_a_file_is_refused_before_the_work(command, tmp_path, capsys, monkeypatch):
+    """simulate / compare -o name a folder: an existing file there was found only after the whole
+    simulation (or serving), as "File exists"."""
+    import hetserve.compare as compare_module
+    import hetserve.sim as sim
+
+    def work(*a, **k):
+        raise AssertionError("the work started before the output folder was checked")
+    monkeypatch.setattr(sim, "simulate", work)
+    monkeypatch.setattr(compare_module, "compare", work)
+    taken = tmp_path / "out.json"
+    taken.write_text("x")
+    argv = {"simulate": ["simulate", "--plan", "examples/plans/demo-tiny-disagg.json", "--workload", "azure-conv",
+                         "-o", str(taken)],
+            "compare": ["compare", "--plan", "examples/plans/demo-tiny-disagg.json", "--model", str(tmp_path),
+                        "-o", str(taken)]}[command]
+    code, err = run(argv, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "--output" in err[0] and "a folder to write into" in err[0] and "an existing file" in err[0], err[0]
+
+
+def test_capacity_takes_a_rate_given_twice_as_one(capsys):
+    """`--rates 5,5` fitted the worker law to two equal rates and ended in a ValueError traceback."""
+    code = main(["capacity", "--model", "llama-2-7b", "--gpu", "A100-SXM-80G", "--workload", "azure-conv",
+                 "--rates", "5,5", "--slo-ttft", "5", "--slo-tpot", "0.1", "--method", "fluid"])
+    out = capsys.readouterr().out
+    assert code == 0 and "N_w" not in out  # one rate: a row, no law

@@ -85,3 +85,18 @@ def test_describe_plan_names_what_no_longer_fits(tmp_path, capsys):
 def test_describe_plan_without_a_file_says_what_to_give(capsys):
     assert main(["describe", "plan"]) == 2
     assert "give a plan file" in capsys.readouterr().err
+
+
+def test_describe_plan_refuses_a_cluster_or_model_the_user_names_that_does_not_load(tmp_path, capsys):
+    """An explicit --cluster / --model that cannot be loaded is an error (exit 2), not "not checked"
+    with exit 0: a script reading the exit code took that as "the plan fits"."""
+    for flag in ("--cluster", "--model"):
+        assert main(["describe", "plan", "examples/plans/demo-tiny-disagg.json", flag, "nosuch"]) == 2
+        assert "nosuch" in capsys.readouterr().err
+
+
+def test_describe_plan_of_a_hand_written_plan_says_it_holds_no_estimate(capsys):
+    """The bundled hand-written plans have no estimate: not "0.0 tokens/s" and capacities of 0."""
+    assert main(["describe", "plan", "examples/plans/asym-colocated.json", "--cluster", "demo-cpu"]) in (0, 2)
+    out = capsys.readouterr().out
+    assert "holds no estimate" in out and "0.0 tokens/s" not in out and "None" not in out

@@ -57,7 +57,7 @@ def _rates(args) -> list[float]:
             raise SpecError("--rates", "rates", "comma-separated numbers", args.rates) from exc
     if not vals or any(v <= 0 for v in vals):
         raise SpecError("--rates", "rates", "positive numbers of requests/s", args.rate or args.rates)
-    return vals
+    return sorted(set(vals))  # a rate given twice is one row (the worker law needs two distinct rates)
 
 
 def run(args: argparse.Namespace) -> int:

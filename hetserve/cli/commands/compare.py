@@ -58,7 +58,10 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.specs.cluster import load_cluster
 
     from hetserve.cli.model_dir import check_model_dir
+    from hetserve.cli.output_path import check_output_folder
 
+    if args.output:
+        check_output_folder(args.output, "--output")  # before serving, not after it
     plan = Plan.load(args.plan)  # input errors first, in one line
     check_model_dir(args.model)  # a folder, never a hub name looked up online
     cluster = load_cluster(args.cluster or plan.cluster)

@@ -150,12 +150,24 @@ def describe_plan(args: argparse.Namespace, console: Console) -> int:
     if args.name is None:
         raise PlanError("describe plan: give a plan file (written by `hetserve plan -o PLAN.json`)")
     plan = Plan.load(args.name)
+    # what the user names must load (exit 2 otherwise); what only the plan names may be missing here
+    cluster = load_cluster(args.cluster) if args.cluster else None
+    model = load_model(args.model) if args.model else None
     print_plan(console, plan)
-    try:
-        cluster = load_cluster(args.cluster or plan.cluster)
-        model = load_model(args.model or plan.model)
-    except HetserveError as exc:
-        console.print(f"[yellow]not checked[/]: {exc} (pass --cluster / --model to check it)")
+    missing = []
+    if cluster is None:
+        try:
+            cluster = load_cluster(plan.cluster)
+        except HetserveError:
+            missing.append(f"its cluster {plan.cluster!r} is not a preset or file here (pass --cluster)")
+    if model is None:
+        try:
+            model = load_model(plan.model)
+        except HetserveError:
+            missing.append(f"its model {plan.model!r} is not a preset or checkpoint here (pass --model; "
+                           f"a tiny checkpoint: `hetserve make-model ... -o {plan.model}`)")
+    if missing:
+        console.print("[yellow]not checked[/]: " + "; ".join(missing))
         return 0
     validate_plan(plan, cluster, model)  # raises PlanError (exit 2) naming every problem
     console.print(f"checked: the plan fits {cluster.name} ({len(cluster)} devices) and {model.name} "

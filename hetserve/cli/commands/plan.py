@@ -66,13 +66,15 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import load_workload
 
-    from hetserve.cli.output_path import check_output_file
+    from hetserve.cli.output_path import check_output_file, check_plot_file
     from hetserve.planner.objectives import plan_for
 
     _check_objective(args)
-    for path, flag in ((args.output, "--output"), (args.plot, "--plot")):
+    for path, flag in ((args.output, "--output"), (args.history, "--history")):
         if path:
             check_output_file(path, flag)  # before the search, not after it
+    if args.plot:
+        check_plot_file(args.plot, "--plot")
     names = [a.strip() for a in (args.compare or args.algorithm).split(",") if a.strip()]
     for a in names:
         if a not in ALGORITHMS:
@@ -170,12 +172,14 @@ def print_plan(console, plan) -> None:
     e = plan.estimate
     per = e.get("replicas", {})
     t = Table(title=f"{plan.algorithm}: {plan.model} on {plan.cluster}",
-              caption=f"req/T: requests per period T = {e.get('period_s', 600):g} s (cost model estimate)")
+              caption=f"req/T: requests per period T = {e.get('period_s', 600):g} s (cost model estimate)"
+              if e else None)
     for col in ("replica", "role", "devices", "stages (TP×layers)", "capacity req/T", "flow req/T"):
         t.add_column(col, justify="right" if "req" in col else "left")
     for r in plan.replicas:
         info = per.get(r.id, {})
-        t.add_row(r.id, r.role, _devices(r), _stages(r), f"{info.get('capacity_requests_per_period', 0):,.0f}",
+        t.add_row(r.id, r.role, _devices(r), _stages(r),
+                  f"{info['capacity_requests_per_period']:,.0f}" if "capacity_requests_per_period" in info else "–",
                   f"{info['flow_requests_per_period']:,.0f}" if "flow_requests_per_period" in info else "–")
     console.print(t)
     if plan.kv_routes:
@@ -186,6 +190,10 @@ def print_plan(console, plan) -> None:
         for k in plan.kv_routes:
             routes.add_row(k.src, k.dst, f"{k.weight:.3f}")
         console.print(routes)
+    if not e:  # a hand-written plan (the bundled examples): say so rather than print zeros
+        console.print("this plan file holds no estimate (written by hand, not by `hetserve plan`): "
+                      "`hetserve simulate --plan FILE` predicts how it serves")
+        return
     usd = e.get("cost_usd_per_hour")
     search = e.get("search", {})
     # under SLO objectives the capacities, the plan's value and its bound all count what meets the SLOs
@@ -195,8 +203,8 @@ def print_plan(console, plan) -> None:
         f"({e.get('requests_per_period', 0):,.0f} requests per {e.get('period_s', 600):.0f} s); "
         f"{e.get('devices_used')}/{e.get('devices_total')} devices; "
         + (f"${usd:,.2f}/hour ({e.get('tokens_per_usd', 0):,.0f} tokens/$)" if usd is not None else "price unknown")
-        + (f"; search {search.get('wall_s', 0):.1f} s, {_count(search.get('iterations', 0), 'iteration')} "
-           f"({search.get('stopped_by')})" if search else ""))
+        + (f"; planned in {search.get('wall_s', 0):.1f} s ({_count(search.get('iterations', 0), 'search iteration')}, "
+           f"{search.get('stopped_by')}; the alternatives and the bound included)" if search else ""))
     ub = e.get("upper_bound_tokens_per_s")
     if ub:
         console.print(f"within {100 * (1 - e.get('throughput_tokens_per_s', 0) / ub):.1f} % of the bound: "
@@ -217,7 +225,8 @@ def print_plan(console, plan) -> None:
                       f"(no subset can cost less than ${e['min_cost_bound_usd_per_hour']:,.2f}/h: planner/min_cost.py)")
     network = e.get("network") or {}
     if network:
-        busiest = list(network.items())[:BUSIEST_RESOURCES]
+        # busiest first whatever order the file kept (a YAML plan's keys come back sorted)
+        busiest = sorted(network.items(), key=lambda kv: -kv[1].get("utilisation", 0.0))[:BUSIEST_RESOURCES]
         console.print("busiest shared links (planned / capacity): " + "; ".join(
             f"{name} {v['planned_gbps']:.3g}/{v['capacity_gbps']:.3g} Gbit/s ({v['utilisation']:.0%})"
             for name, v in busiest))
@@ -274,7 +283,8 @@ def print_explanation(console, plan, args, cluster, model, workload, options, fn
         def on_variant(i, n, label):
             if i == 0:  # each re-plan is a search of its own: say what that costs before the first
                 console.print(f"what-ifs: {n} quick re-plans, each up to the time limit "
-                              f"({options.time_limit_s or DEFAULT_TIME_LIMIT_S:g} s)")
+                              f"({options.time_limit_s or DEFAULT_TIME_LIMIT_S:g} s) plus its pool's bound "
+                              f"columns (seconds on a large pool)")
             bar.update(task, total=n, completed=i, description=label)
 
         rows = what_ifs(plan, args.cluster, model, workload, plain, fn, on_variant=on_variant)

@@ -89,7 +89,11 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import SLO, load_workload
 
+    from hetserve.cli.output_path import check_output_folder
+
     rates = _parse_rates(args.sweep_rates) if args.sweep_rates else []
+    if args.output:
+        check_output_folder(args.output, "--output")  # before the simulation, not after it
     plan = Plan.load(args.plan)
     cluster = load_cluster(args.cluster or plan.cluster)
     model = load_model(args.model) if args.model else _plan_model(args.plan, plan.model)

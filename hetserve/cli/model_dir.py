@@ -1,11 +1,12 @@
-"""The ``--model`` check that every command serving or measuring a real checkpoint makes first."""
+"""The ``--model`` check that every command serving or measuring a real checkpoint makes first, and
+the model a plan file names, loaded with an error that says where the name came from."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from hetserve.errors import SpecError
-from hetserve.specs.model import ModelSpec
+from hetserve.specs.model import ModelSpec, load_model, model_presets
 
 
 def check_model_dir(path: str) -> None:
@@ -16,3 +17,16 @@ def check_model_dir(path: str) -> None:
         raise SpecError(path, "--model", "a checkpoint folder holding config.json (see `hetserve make-model`)",
                         "no such folder" if not folder.exists() else "no config.json in it")
     ModelSpec.from_hf_config(folder)
+
+
+def plan_model(plan_path: str, name: str) -> ModelSpec:
+    """The model the plan names (its ``model`` field), or a clear error that says where the name came
+    from: a demo plan names a checkpoint folder `hetserve make-model -o NAME` writes."""
+    try:
+        return load_model(name)
+    except SpecError as exc:
+        if exc.field != "(model)":  # found, but malformed: that error says more
+            raise
+        raise SpecError(plan_path, "model", f"a model preset ({', '.join(model_presets())}), a config.json or a "
+                        f"checkpoint folder; pass --model, or build the checkpoint it names with "
+                        f"`hetserve make-model ... -o {name}`", name) from exc

@@ -166,12 +166,15 @@ class Budget:
         """A budget for a search run after this one (HexGen-2's colocated HexGen search): the time
         this one has left, nothing reserved; at least ``REST_MIN_SHARE`` of the limit, so that it
         finishes a first iteration."""
-        left = max(self.time_limit_s - self.elapsed_s, REST_MIN_SHARE * self.time_limit_s)
-        return Budget(algorithm, self.options, time_limit_s=left, reserve=0.0)
+        return Budget(algorithm, self.options, time_limit_s=self._left_s(REST_MIN_SHARE), reserve=0.0)
 
     def bound_time_s(self) -> float:
         """Seconds the plan's upper bound may take (``BOUND_SHARE``)."""
-        return max(self.time_limit_s - self.elapsed_s, BOUND_SHARE * self.time_limit_s)
+        return self._left_s(BOUND_SHARE)
+
+    def _left_s(self, at_least_share: float) -> float:
+        """What is left of the time limit, and at least ``at_least_share`` of it."""
+        return max(self.time_limit_s - self.elapsed_s, at_least_share * self.time_limit_s)
 
     def record(self, best_tokens_per_s: float) -> None:
         """Close one iteration: remember the best value so far and report progress."""

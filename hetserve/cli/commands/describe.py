@@ -144,6 +144,7 @@ def describe_plan(args: argparse.Namespace, console: Console) -> int:
     """The plan file's table (as ``hetserve plan`` printed it), then whether it still holds on its
     cluster and model: a plan travels as a file, and the presets or the pool may have changed since."""
     from hetserve.cli.commands.plan import print_plan
+    from hetserve.cli.model_dir import plan_model
     from hetserve.planner import validate_plan
     from hetserve.planner.plan import Plan
 
@@ -162,10 +163,9 @@ def describe_plan(args: argparse.Namespace, console: Console) -> int:
             missing.append(f"its cluster {plan.cluster!r} is not a preset or file here (pass --cluster)")
     if model is None:
         try:
-            model = load_model(plan.model)
-        except HetserveError:
-            missing.append(f"its model {plan.model!r} is not a preset or checkpoint here (pass --model; "
-                           f"a tiny checkpoint: `hetserve make-model ... -o {plan.model}`)")
+            model = plan_model(args.name, plan.model)
+        except HetserveError as exc:
+            missing.append(str(exc))
     if missing:
         console.print("[yellow]not checked[/]: " + "; ".join(missing))
         return 0

@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import SLO, load_workload
 
+    from hetserve.cli.model_dir import plan_model
     from hetserve.cli.output_path import check_output_folder
 
     rates = _parse_rates(args.sweep_rates) if args.sweep_rates else []
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_folder(args.output, "--output")  # before the simulation, not after it
     plan = Plan.load(args.plan)
     cluster = load_cluster(args.cluster or plan.cluster)
-    model = load_model(args.model) if args.model else _plan_model(args.plan, plan.model)
+    model = load_model(args.model) if args.model else plan_model(args.plan, plan.model)
     wl = load_workload(args.workload, seed=args.seed)
     if args.workload_class:
         wl = wl.of_class(args.workload_class)
@@ -178,22 +179,6 @@ def _parse_rates(text: str) -> list[float]:
 
 
 NO_SLO = "n/a (no --slo-*)"
-
-
-def _plan_model(plan_path: str, name: str):
-    """The model the plan names (its ``model`` field), or a clear error that says where the name came
-    from: a demo plan names a checkpoint folder `hetserve make-model -o NAME` writes."""
-    from hetserve.errors import SpecError
-    from hetserve.specs.model import load_model, model_presets
-
-    try:
-        return load_model(name)
-    except SpecError as exc:
-        if exc.field != "(model)":  # found, but malformed: that error says more
-            raise
-        raise SpecError(plan_path, "model", f"a model preset ({', '.join(model_presets())}), a config.json or a "
-                        f"checkpoint folder; pass --model, or build the checkpoint it names with "
-                        f"`hetserve make-model ... -o {name}`", name) from exc
 
 
 def _has_slo(s: dict) -> bool:

@@ -4,8 +4,15 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming a
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` (200 ok / degraded, 503 when no live
 replica can serve or the server is draining), ``GET /metrics`` (Prometheus text format).
 
+Keys (``hetserve.serve.keys``): with API keys set, every route but the probes (``/health``,
+``/metrics``; them too with ``protect_probes``) needs ``Authorization: Bearer <key>``; ``/admin/*`` needs
+an admin key and does not exist (404) without one. The check is an app-wide dependency, so it runs on
+the matched route, before the body is read; a route must be declared on the app (``@app.get`` ...)
+to be guarded.
+
 Every client error (4xx) is logged with its field and counted in ``hetserve_requests_total`` with
-outcome ``rejected``; while draining (graceful shutdown), new requests get 503 with ``Retry-After``.
+outcome ``rejected`` (``unauthorized`` for a missing or wrong key); while draining (graceful
+shutdown), new requests get 503 with ``Retry-After``.
 
 FastAPI is imported at module level (route annotations must resolve); the CLI imports this module
 only inside ``hetserve serve``. Bodies are read and validated here (``hetserve.serve.protocol``); everything below HTTP — limits,
@@ -22,15 +29,16 @@ import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from hetserve.errors import HetserveError
 from hetserve.serve.coordinator import Coordinator, Prepared
-from hetserve.serve.errors import (InvalidRequest, ModelNotFound, Overloaded, error_event, install_error_handlers,
-                                   log, to_api_error)
+from hetserve.serve.errors import (InvalidRequest, ModelNotFound, NotFound, Overloaded, Unauthorized, error_event,
+                                   install_error_handlers, log, to_api_error)
+from hetserve.serve.keys import ADMIN_PREFIX, APIAuth, bearer_token
 from hetserve.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                                      CompletionRequest, CompletionResponse, DeltaMessage, ModelCard, ModelList,
@@ -45,23 +53,48 @@ RETRY_AFTER_S = 5  # what a client is told to wait while this server drains (ano
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
-def create_app(coordinator: Coordinator, *, on_shutdown=None):
-    """The FastAPI app serving ``coordinator``. ``on_shutdown``: an async callable run at shutdown."""
+def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | None = None):
+    """The FastAPI app serving ``coordinator``. ``on_shutdown``: an async callable run at shutdown.
+    ``auth``: the keys (default none: the API open, the admin routes off)."""
     @asynccontextmanager
     async def lifespan(_app):
         yield
         if on_shutdown is not None:
             await on_shutdown()
 
-    app = FastAPI(title="hetserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    auth = auth or APIAuth()
+
+    async def check_key(request: Request) -> None:
+        route = request.scope.get("route")
+        need = auth.required(getattr(route, "path", None) or request.url.path)
+        if need is None:
+            return
+        token = bearer_token(request.headers.get("authorization"))
+        if need == "admin":
+            if not auth.admin_keys:  # off: indistinguishable from a route that does not exist
+                raise NotFound("Not Found")
+            if not auth.admin_keys.matches(token):
+                raise Unauthorized("This endpoint needs the server's admin key, sent as 'Authorization: Bearer "
+                                   "<admin key>'." if token is None else "Incorrect admin key provided.")
+        elif not auth.api_keys.matches(token):
+            raise Unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
+                               if token is None else "Incorrect API key provided.")
+
+    # no /openapi.json (nor docs): FastAPI serves it as a plain route, outside the app's dependencies,
+    # so it would be the one route the key check never sees
+    app = FastAPI(title="hetserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None, dependencies=[Depends(check_key)])
     c = coordinator
 
     def count_client_error(path: str, err) -> None:
         if 400 <= err.status < 500:
-            c.metrics.requests.labels(_ENDPOINTS.get(path, "other"), "rejected").inc()  # bounded labels
+            endpoint = "admin" if path.startswith(ADMIN_PREFIX + "/") else _ENDPOINTS.get(path, "other")
+            outcome = "unauthorized" if err.status == 401 else "rejected"
+            c.metrics.requests.labels(endpoint, outcome).inc()  # bounded labels
 
     install_error_handlers(app, on_error=count_client_error)
     app.state.coordinator = coordinator
+    app.state.auth = auth
     started = now_s()
 
     def admit(endpoint: str, body) -> None:

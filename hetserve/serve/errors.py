@@ -3,6 +3,7 @@
     APIError                      an error the client gets as OpenAI's JSON shape
     ├── InvalidRequest (400)      malformed body, unsupported field, bad value
     │   └── ContextLengthExceeded prompt + max_tokens beyond the model's context or any replica's KV pool
+    ├── Unauthorized (401)        no API key, or not one of the server's (``WWW-Authenticate: Bearer``)
     ├── ModelNotFound (404)       ``model`` is not the one this server serves
     ├── NotFound (404)            no such route
     ├── MethodNotAllowed (405)
@@ -49,6 +50,14 @@ class InvalidRequest(APIError):
 
 class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
+
+
+class Unauthorized(APIError):
+    """OpenAI's answer to a missing or wrong key; the message never repeats what the client sent."""
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+    def __init__(self, message: str):
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
 
 
 class ModelNotFound(APIError):

@@ -50,8 +50,22 @@ class ServeOptions:
     replan_on_failure: bool = False  # re-plan the surviving devices when a replica dies (serve/replan.py)
     replan_workload: str = "azure-conv"  # the workload the re-plan's planner plans for
     replan_time_limit_s: float = 10.0  # the re-plan's planner search time limit
+    # HTTP keys (serve/keys.py): with any API key, every route but the probes needs one; /admin/* is off
+    # without an admin key. Kept out of repr so a logged or printed options object shows no key.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)
+    protect_probes: bool = False  # /health and /metrics need an API key too
 
     def __post_init__(self) -> None:
+        from hetserve.serve.keys import check_key
+
+        for name in ("api_keys", "admin_keys"):
+            keys = getattr(self, name)
+            if isinstance(keys, str):  # one string would be read as one key per character
+                raise ValueError(f"{name} must be a list of keys, not one string")
+            object.__setattr__(self, name, tuple(check_key(k, name) for k in keys))
+        if self.protect_probes and not self.api_keys:
+            raise ValueError("protect_probes needs at least one API key (the probes would stay open)")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.micro_batches is not None and self.micro_batches < 1:
@@ -178,8 +192,38 @@ def build(opts: ServeOptions) -> Deployment:
 
         coordinator.replanner = Replanner(engine, opts.replan_workload, time_limit_s=opts.replan_time_limit_s,
                                           seed=opts.seed, on_failure=opts.replan_on_failure)
-    app = create_app(coordinator)
+    app = create_app(coordinator, auth=auth_of(opts))
     return Deployment(opts, plan, cluster, engine, links, coordinator, app, stats_dir, ray_session)
+
+
+def auth_of(opts: ServeOptions):
+    """The ``APIAuth`` the HTTP app enforces for ``opts``."""
+    from hetserve.serve.keys import APIAuth, KeySet
+
+    return APIAuth(api_keys=KeySet(opts.api_keys), admin_keys=KeySet(opts.admin_keys),
+                   protect_probes=opts.protect_probes)
+
+
+def tls_options(cert: str | None, key: str | None, ca: str | None) -> dict[str, Any]:
+    """``engine_options`` for TLS on the worker links: ``{"tls": TLSFiles(cert=, key=, ca=)}`` when all
+    three files are given, ``{}`` when none is. One or two of them is an error (a link would be half
+    configured), and so is a path that is not a readable file. Raises ``SpecError``."""
+    from hetserve.errors import SpecError
+
+    given = {"--tls-cert": cert, "--tls-key": key, "--tls-ca": ca}
+    if not any(given.values()):
+        return {}
+    missing = [name for name, v in given.items() if not v]
+    if missing:
+        raise SpecError("--tls-cert/--tls-key/--tls-ca", "tls", "all three files or none",
+                        f"missing {', '.join(missing)}")
+    for name, path in given.items():
+        if not Path(path).is_file():
+            raise SpecError(name, "path", "an existing file", path)
+    # imported here: the runtime's TLS support is optional and loads only when TLS is asked for
+    from hetserve.runtime.auth import TLSFiles
+
+    return {"tls": TLSFiles(cert=str(cert), key=str(key), ca=str(ca))}
 
 
 class RunningServer:

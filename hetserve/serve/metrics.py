@@ -7,7 +7,9 @@ scrapes.
     hetserve_time_to_first_token_seconds       histogram
     hetserve_time_per_output_token_seconds     histogram (per request: (e2e - ttft) / (tokens - 1))
     hetserve_e2e_request_latency_seconds       histogram
-    hetserve_requests_total{endpoint,outcome}  counter  (outcome: stop, length, aborted, error, rejected)
+    hetserve_requests_total{endpoint,outcome}  counter  (outcome: stop, length, aborted, error, rejected,
+                                                        unauthorized: no key or a wrong one; endpoint:
+                                                        completions, chat, admin, other)
     hetserve_prompt_tokens_total / hetserve_generation_tokens_total
     hetserve_requests_in_flight                gauge    (admitted by HTTP, not finished)
     hetserve_replica_up{replica,role}                gauge    (1 serving, 0 lost a worker)

@@ -16,18 +16,18 @@ def fake_backend():
 
 @pytest.fixture
 def serve_fake():
-    """``serve_fake(backend=None, placement=None, codec=None) -> (url, backend, coordinator)``; servers
-    stop at teardown."""
+    """``serve_fake(backend=None, placement=None, codec=None, auth=None) -> (url, backend, coordinator)``
+    (``auth``: a ``hetserve.serve.keys.APIAuth``); servers stop at teardown."""
     from hetserve.serve.app import create_app
     from hetserve.serve.coordinator import Coordinator
     from hetserve.serve.server import ServerThread
 
     servers = []
 
-    def start(backend: FakeBackend | None = None, placement=None, model_name: str = "tiny", codec=None):
+    def start(backend: FakeBackend | None = None, placement=None, model_name: str = "tiny", codec=None, auth=None):
         backend = backend or FakeBackend()
         coord = Coordinator(backend, codec or ByteCodec(), model_name, placement=placement)
-        srv = ServerThread(create_app(coord))
+        srv = ServerThread(create_app(coord, auth=auth))
         servers.append(srv)
         return srv.url, backend, coord
 

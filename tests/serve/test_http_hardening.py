@@ -167,17 +167,20 @@ class _RecordingReplanner:
 
 
 def test_admin_replan_forwards_its_fields_and_refuses_bad_ones(serve_fake):
-    url, _, coord = serve_fake()
-    r = httpx.post(url + "/admin/replan", json={})
+    from hetserve.serve.keys import APIAuth, KeySet
+
+    url, _, coord = serve_fake(auth=APIAuth(admin_keys=KeySet(["admin-secret"])))
+    admin = {"Authorization": "Bearer admin-secret"}  # /admin/* is off without an admin key
+    r = httpx.post(url + "/admin/replan", json={}, headers=admin)
     assert r.status_code == 400 and "cannot re-plan" in r.json()["error"]["message"]  # no replanner (Ray)
     coord.replanner = _RecordingReplanner()
-    r = httpx.post(url + "/admin/replan", json={"returned": ["m0:0"], "cluster": "c.yaml"})
+    r = httpx.post(url + "/admin/replan", json={"returned": ["m0:0"], "cluster": "c.yaml"}, headers=admin)
     assert r.status_code == 200 and r.json()["added"] == ["c1"]
     assert coord.replanner.calls == [("c.yaml", None, ["m0:0"])]
     for body, param in [({"lost": "m0:0"}, "lost"), ({"cluster": 3}, "cluster"), ({"devices": []}, "devices")]:
-        r = httpx.post(url + "/admin/replan", json=body)
+        r = httpx.post(url + "/admin/replan", json=body, headers=admin)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    r = httpx.post(url + "/admin/replan", json={"returned": ["nope:0"]})
+    r = httpx.post(url + "/admin/replan", json={"returned": ["nope:0"]}, headers=admin)
     assert r.status_code == 400 and "nope:0" in r.json()["error"]["message"]
     assert len(coord.replanner.calls) == 2  # the malformed bodies never reached the planner
 

@@ -3,6 +3,8 @@
     hetserve serve --plan plan.json --cluster demo-cpu --model ./tiny [--host 127.0.0.1 --port 8000]
         [--backend local|ray] [--ray-address HEAD:6379] [--advertise-address 10.0.0.5]
         [--router jsq] [--route flow] [--transmission molink] [--shape-links] [--micro-batches 4]
+        [--api-key-file keys.txt] [--admin-key-file admin.txt] [--protect-probes]
+        [--tls-cert node.pem --tls-key node.key --tls-ca ca.pem]
 
 torch, FastAPI and uvicorn are imported inside ``run`` so the rest of the CLI works without the
 ``runtime`` extra.
@@ -64,6 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replan-time-limit", type=float, default=10.0, metavar="S",
                    help="the re-plan's planner search time limit in seconds (default 10)")
     add_prefill_mode_options(p)
+    add_key_options(p)
+    p.add_argument("--tls-cert", metavar="PATH", help="TLS certificate for the worker links (with --tls-key, --tls-ca)")
+    p.add_argument("--tls-key", metavar="PATH", help="TLS private key for the worker links")
+    p.add_argument("--tls-ca", metavar="PATH", help="CA certificate the worker links' peers must be signed by")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
@@ -84,11 +90,49 @@ def add_prefill_mode_options(p: argparse.ArgumentParser) -> None:
                         "(recomputed later) when a step would not fit (paged)")
 
 
+def add_key_options(p: argparse.ArgumentParser) -> None:
+    """The HTTP API's keys (``hetserve.serve.keys``)."""
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (repeatable: several keys; default: "
+                        "$HETSERVE_API_KEY, comma-separated; none: the API is open). A key on the command line "
+                        "shows in ps: prefer --api-key-file or the variable")
+    p.add_argument("--api-key-file", action="append", metavar="PATH",
+                   help="API keys, one per line, from a file only its owner can read (mode 600); repeatable")
+    p.add_argument("--admin-key", action="append", metavar="KEY",
+                   help="the key /admin/* (re-plan) requires (default: $HETSERVE_ADMIN_KEY; none: /admin/* is off)")
+    p.add_argument("--admin-key-file", action="append", metavar="PATH",
+                   help="admin keys, one per line, from a file only its owner can read (mode 600)")
+    p.add_argument("--protect-probes", action="store_true",
+                   help="/health and /metrics need an API key too (default: open, for load balancers and Prometheus)")
+
+
+def key_options(args: argparse.Namespace) -> dict:
+    """``ServeOptions`` fields from the key options: a command-line key or key file wins over the
+    environment variable. The variables are then removed from this process's environment, so the
+    worker processes it starts do not inherit the keys."""
+    import os
+
+    from hetserve.errors import SpecError
+    from hetserve.serve.keys import ADMIN_KEY_ENV, API_KEY_ENV, keys_from
+
+    api = keys_from(args.api_key, args.api_key_file, API_KEY_ENV, "--api-key")
+    admin = keys_from(args.admin_key, args.admin_key_file, ADMIN_KEY_ENV, "--admin-key")
+    if set(api) & set(admin):
+        raise SpecError("--admin-key", "admin key", "a key that is not also an API key (an API key would open "
+                                                     "/admin/*)")
+    if args.protect_probes and not api:
+        raise SpecError("--protect-probes", "api key", f"an API key (--api-key, --api-key-file or {API_KEY_ENV}); "
+                                                       "without one the probes would stay open")
+    for name in (API_KEY_ENV, ADMIN_KEY_ENV):
+        os.environ.pop(name, None)
+    return {"api_keys": tuple(api), "admin_keys": tuple(admin), "protect_probes": args.protect_probes}
+
+
 def run(args: argparse.Namespace) -> int:
     from hetserve.errors import RuntimeFailure, SpecError
 
     try:
-        from hetserve.serve.launch import ServeOptions
+        from hetserve.serve.launch import ServeOptions, tls_options
     except ImportError as exc:  # the runtime extra is missing
         raise RuntimeFailure(f"hetserve serve needs the runtime extra (pip install 'hetserve[runtime]'): {exc}") \
             from exc
@@ -110,10 +154,11 @@ def run(args: argparse.Namespace) -> int:
         from hetserve.specs.workload import load_workload
 
         load_workload(args.replan_workload)  # a bad workload is reported now, not at the first failure
+    keys = key_options(args)
     engine_options = {"heartbeat_timeout_s": args.heartbeat_timeout,
                       "heartbeat_interval_s": min(0.5, args.heartbeat_timeout / 4),
                       "prefill_mode": args.prefill_mode, "chunk_tokens": args.chunk_tokens,
-                      "kv_admission": args.kv_admission}
+                      "kv_admission": args.kv_admission, **tls_options(args.tls_cert, args.tls_key, args.tls_ca)}
     try:
         opts = ServeOptions(plan=plan, cluster=cluster, model_dir=args.model, model_name=args.model_name,
                             backend=args.backend, router=args.router, route=args.route, transmission=args.transmission,
@@ -122,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
                             slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, ray_address=args.ray_address,
                             advertise_address=args.advertise_address,
                             engine_options=engine_options, replan_on_failure=args.replan_on_failure,
-                            replan_workload=args.replan_workload, replan_time_limit_s=args.replan_time_limit)
+                            replan_workload=args.replan_workload, replan_time_limit_s=args.replan_time_limit,
+                            **keys)
     except ValueError as exc:
         raise RuntimeFailure(str(exc)) from exc
     sock = _bind(args.host, args.port)
@@ -149,6 +195,8 @@ def _start_and_serve(args: argparse.Namespace, opts, sock) -> int:
     console.print(f"serving model [bold]{name}[/] on {url_of(sock)}/v1 "
                   f"(router {args.router}, transmission {args.transmission}"
                   f"{', shaped links' if args.shape_links else ''})", soft_wrap=True)
+    for line in deployment.app.state.auth.describe():
+        console.print(line, soft_wrap=True, markup=False)
     try:
         serve_forever(deployment.app, sock, log_level=args.log_level, drain_timeout_s=args.drain_timeout)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; stopping is the normal end

@@ -36,7 +36,7 @@ test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 bench: setup
-	$(BIN)/python bench/run_all.py
+	$(BIN)/python -m bench.run_all
 
 # guidellm and aiperf drive `hetserve serve` as real clients; they live in their own venv
 # (their dependency pins clash with the runtime's), never in hetserve's dependencies.
@@ -46,7 +46,7 @@ $(BENCH_VENV)/.installed:
 	touch $@
 
 bench-clients: setup $(BENCH_VENV)/.installed
-	$(BIN)/python bench/bench_clients.py --client-bin $(BENCH_VENV)/bin
+	$(BIN)/python -m bench.bench_clients --client-bin $(BENCH_VENV)/bin
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) demo-out .pytest_cache

@@ -1,8 +1,8 @@
 """Aladdin placement under overload: simulation wall time at 1× and 10× the Azure rate.
 
-    .venv/bin/python bench/bench_aladdin.py [--requests 4000] [--scales 1,10] [--workers 8]
+    .venv/bin/python -m bench.bench_aladdin [--requests 4000] [--scales 1,10] [--workers 8]
 
-Target (issue 11, item 7): ``aladdin`` placement stays linear in requests under overload — the
+Target: ``aladdin`` placement stays linear in requests under overload — the
 same requests at 10× the Azure conversation trace's rate (the pool is then far too small, queues
 grow without bound) finish in about the wall time of 1×. Baseline measured in the same run: JSQ
 on the same pool and trace. Pools (Aladdin's §6 setting): Llama2-13B on 1-GPU A100 workers,

@@ -1,11 +1,10 @@
 """A step's attention when it mixes prompts and decodes: one padded grid vs a grid per kind.
 
-    .venv/bin/python bench/bench_attention.py [--reps 200] [--context 140] [--json out.json]
+    .venv/bin/python -m bench.bench_attention [--reps 200] [--context 140] [--json out.json]
 
 ``runtime.model.attention.paged_attention`` on one layer of the benchmarks' tiny Llama (4 query heads,
 2 KV heads, head size 64, one torch thread), for a prompt of 32 / 128 / 512 tokens beside 0 / 1 / 4 /
-16 decoding sequences of ``--context`` tokens each. *One grid* (``build_attn_meta(grouped=False)``, the
-runtime before the fifteenth session) pads every decode to the prompt's query rows; *grouped* (the
+16 decoding sequences of ``--context`` tokens each. *One grid* (``build_attn_meta(grouped=False)``) pads every decode to the prompt's query rows; *grouped* (the
 runtime now) attends the decodes in their own grid. Printed: microseconds per layer (median over
 ``--reps`` after a warm-up), and one grid / grouped, measured in the same run. The cost model prices a
 mixed step as its prompt's and decodes' work without padding (``CostModel.mixed_step_time``).
@@ -16,11 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `bench` importable
 
 
 def per_layer_us(prompt: int, decodes: int, context: int, grouped: bool, reps: int) -> float:
@@ -48,7 +43,7 @@ def per_layer_us(prompt: int, decodes: int, context: int, grouped: bool, reps: i
 
 def main() -> int:
     import torch
-    from bench.console import wide_console
+    from bench.lib.console import wide_console
     from rich.table import Table
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

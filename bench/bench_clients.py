@@ -1,7 +1,7 @@
 """Standard benchmark clients against ``hetserve serve``: guidellm and aiperf, beside the server's metrics.
 
     make bench-clients                      # installs guidellm + aiperf into .bench-venv, then runs this
-    .venv/bin/python bench/bench_clients.py --client-bin /tmp/benchvenv/bin [--requests 40] [--concurrency 4]
+    .venv/bin/python -m bench.bench_clients --client-bin /tmp/benchvenv/bin [--requests 40] [--concurrency 4]
 
 Starts ``hetserve serve`` (a subprocess, as a user would) with two colocated replicas of a
 random-weight Llama (8 layers, hidden 64) on ``demo-cpu``, then runs each client with synthetic

@@ -1,7 +1,7 @@
 """Engine vs transformers ``generate``: output tokens/s, TTFT and TPOT on one tiny model and request set.
 
-    .venv/bin/python bench/bench_engine.py                       # 32 requests x 64 tokens, Llama GQA
-    .venv/bin/python bench/bench_engine.py --arch opt --requests 16 --json out.json
+    .venv/bin/python -m bench.bench_engine                       # 32 requests x 64 tokens, Llama GQA
+    .venv/bin/python -m bench.bench_engine --arch opt --requests 16 --json out.json
 
 Systems, all on the same checkpoint (built in a temp dir) and the same requests, all arriving at
 t = 0 (prompt lengths 8..120 bytes, every request generating exactly ``--max-tokens`` tokens):
@@ -14,8 +14,8 @@ t = 0 (prompt lengths 8..120 bytes, every request generating exactly ``--max-tok
 
 Every engine worker runs one torch thread; the transformers baselines run ``--hf-threads`` (default 1).
 TTFT is measured from the common arrival time; TPOT is (last - first token time) / (tokens - 1) per
-request; tokens/s is all output tokens over the makespan. Engine start-up is excluded. The target of
-issue 5: continuous batching >= 4x the tokens/s of one-at-a-time ``generate`` at 32 concurrent requests.
+request; tokens/s is all output tokens over the makespan. Engine start-up is excluded. The
+target: continuous batching >= 4x the tokens/s of one-at-a-time ``generate`` at 32 concurrent requests.
 
 Beside every engine row, the simulator's prediction for the same plan and requests (``--no-sim`` to
 skip): the cost model's efficiency is first fitted to this machine
@@ -36,9 +36,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.scratch import scratch_dir  # noqa: E402  (after the path: run as a script)
+from bench.lib.workdir import workdir
 
 CLUSTER = """\
 name: bench-cpu
@@ -204,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.hf_threads)
 
     kv_heads = args.kv_heads or (max(1, args.heads // 2) if args.arch == "llama" else None)
-    tmp = scratch_dir("hetserve-bench-")
+    tmp = workdir("hetserve-bench-")
     # the folder name is the model name the plans (and the simulator) expect
     model_dir = make_model(tmp / "tiny", args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
                            kv_heads=kv_heads, seed=0)

@@ -1,6 +1,6 @@
 """Serving through worker faults: kill -9 and SIGSTOP of a worker while streams run.
 
-    .venv/bin/python bench/bench_faults.py [--streams 12] [--max-tokens 48] [--heartbeat-timeout 3]
+    .venv/bin/python -m bench.bench_faults [--streams 12] [--max-tokens 48] [--heartbeat-timeout 3]
                                            [--replan-time-limit 5]
 
 One server (``hetserve serve``'s code path, in-process: ``start_server``) runs four colocated

@@ -1,6 +1,6 @@
-"""What the HTTP front end costs a served plan on this machine, beside the engine alone (issue 13).
+"""What the HTTP front end costs a served plan on this machine, beside the engine alone.
 
-    .venv/bin/python bench/bench_frontend.py [--rates 5.16,20.65] [--requests 48]
+    .venv/bin/python -m bench.bench_frontend [--rates 5.16,20.65] [--requests 48]
 
 Two tables, each with its baseline measured in the same run:
 
@@ -25,15 +25,12 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench.scratch import scratch_dir  # noqa: E402  (after the path: run as a script)
+from bench.lib.workdir import workdir
 
 
 def _tiny_llama():
@@ -136,7 +133,7 @@ class StepTimer:
 def engine_vs_served(rate: float, n: int, tmp: Path, model_dir: Path) -> dict[str, dict[str, float]]:
     import numpy as np
 
-    import bench_predict as bp
+    from bench import bench_predict as bp
     from hetserve.runtime.engine import Engine, EngineConfig
     from hetserve.runtime.sampling import SamplingParams
     from hetserve.serve.launch import ServeOptions, start_server
@@ -178,10 +175,10 @@ def main() -> int:
     args = ap.parse_args()
     mp.set_start_method("spawn", force=True)
 
-    from bench.console import wide_console
+    from bench.lib.console import wide_console
     from rich.table import Table
 
-    import bench_predict as bp
+    from bench import bench_predict as bp
 
     console = wide_console()
     t = Table(title=f"decode step (batch 4, one torch thread) beside other processes on {os.cpu_count()} cores, "
@@ -193,7 +190,7 @@ def main() -> int:
         t.add_row(name, f"{ms:.2f}", f"{ms / rows[0][1]:.2f}")
     console.print(t)
 
-    tmp = scratch_dir("bench-frontend-")
+    tmp = workdir("bench-frontend-")
     (tmp / "cluster.yaml").write_text(bp.CLUSTER)
     model_dir = bp.tiny_model(tmp)
     t = Table(title="prefill-decode plan: the engine alone vs served over HTTP (same requests, same arrivals)")

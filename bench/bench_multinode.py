@@ -1,7 +1,7 @@
 """One plan on three Ray nodes vs the same plan on one Ray node: start-up time, tokens/s, same tokens.
 
-    .venv/bin/python bench/bench_multinode.py                    # 32 requests x 64 tokens, both plan shapes (~3 min)
-    .venv/bin/python bench/bench_multinode.py --requests 8 --max-tokens 16 --json out.json
+    .venv/bin/python -m bench.bench_multinode                    # 32 requests x 64 tokens, both plan shapes (~3 min)
+    .venv/bin/python -m bench.bench_multinode --requests 8 --max-tokens 16 --json out.json
 
 On this one machine: "three nodes" is a Ray cluster of three nodes, each on its own loopback address
 (127.0.0.2 head, 127.0.0.3, 127.0.0.4), each advertising one machine of the cluster file, so every
@@ -35,9 +35,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.scratch import scratch_dir  # noqa: E402  (after the path: run as a script)
+from bench.lib.workdir import workdir
 
 NODES = {"m0": "127.0.0.2", "m1": "127.0.0.3", "m2": "127.0.0.4"}
 LAYERS = 4
@@ -147,9 +146,9 @@ def main() -> int:
     from hetserve.runtime.make_model import make_model
     from hetserve.specs.cluster import load_cluster
 
-    ray_tmp = str(scratch_dir("hsbn-", dir="/tmp"))  # Ray's socket paths must stay short
+    ray_tmp = str(workdir("hsbn-", dir="/tmp"))  # Ray's socket paths must stay short
     os.environ.update(RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_TMPDIR=ray_tmp)
-    work = scratch_dir("hsbn-work-")
+    work = workdir("hsbn-work-")
     (work / "pool.yaml").write_text(cluster_yaml())
     cluster = load_cluster(str(work / "pool.yaml"))
     model = make_model(work / "tiny", "llama", layers=LAYERS, hidden=args.hidden, heads=4, kv_heads=2,

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,16 +34,13 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.pools import held_out_pools  # noqa: E402
-from hetserve.planner import ALGORITHMS, Plan, PlanOptions  # noqa: E402
-from hetserve.planner.traffic import plan_traffic  # noqa: E402
-from hetserve.sim.simulator import SimOptions, simulate  # noqa: E402
-from hetserve.specs.cluster import load_cluster  # noqa: E402
-from hetserve.specs.model import load_model  # noqa: E402
-from hetserve.specs.workload import load_workload  # noqa: E402
+from bench.lib.pools import held_out_pools
+from hetserve.planner import ALGORITHMS, Plan, PlanOptions
+from hetserve.planner.traffic import plan_traffic
+from hetserve.sim.simulator import SimOptions, simulate
+from hetserve.specs.cluster import load_cluster
+from hetserve.specs.model import load_model
+from hetserve.specs.workload import load_workload
 
 console = Console(width=150)
 HET = ("hexgen2-het1", "hexgen2-het2", "hexgen2-het3", "hexgen2-het4", "hexgen2-het5")

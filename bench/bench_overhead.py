@@ -1,6 +1,6 @@
-"""How steady calibration's request and stream overheads are: paired estimates against unpaired ones (issue 13).
+"""How steady calibration's request and stream overheads are: paired estimates against unpaired ones.
 
-    .venv/bin/python bench/bench_overhead.py [--runs 4] [--gpu RTX-4090] [--reps 5] [--batch-sizes 1,4,16]
+    .venv/bin/python -m bench.bench_overhead [--runs 4] [--gpu RTX-4090] [--reps 5] [--batch-sizes 1,4,16]
 
 ``hetserve calibrate`` prices what a served request spends outside the engine before its first
 token (HTTP, tokenisation, the stream's set-up) as ``request_overhead_s``. This bench runs the
@@ -33,12 +33,10 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.scratch import scratch_dir  # noqa: E402  (after the path: run as a script)
+from bench.lib.workdir import workdir
 
 
 def main() -> int:
@@ -57,7 +55,7 @@ def main() -> int:
     if len(batch_sizes) < 2 or min(batch_sizes) < 1:
         ap.error("--batch-sizes needs two or more sizes of at least 1 (a line through one point has no intercept)")
 
-    from bench.console import wide_console
+    from bench.lib.console import wide_console
     from rich.table import Table
 
     from bench.bench_predict import tiny_model
@@ -66,7 +64,7 @@ def main() -> int:
     from hetserve.runtime.speed_probe import round_median
 
     console = wide_console()
-    model_dir = tiny_model(scratch_dir("bench-overhead-"))
+    model_dir = tiny_model(workdir("bench-overhead-"))
     t = Table("run", "unpaired (ms)", "paired (ms)", "HTTP TTFT − its step, median (ms)",
               "engine TTFT − its step, median (ms)", "1-min load", "s",
               title="request overhead per calibration measurement (measured on this machine)")

@@ -1,6 +1,6 @@
-"""A two-stage pipeline's round with two micro-batches in flight: measured, and as the cost model prices it (issue 13).
+"""A two-stage pipeline's round with two micro-batches in flight: measured, and as the cost model prices it.
 
-    .venv/bin/python bench/bench_pipeline_round.py [--rounds 6] [--tokens 32] [--gpu RTX-4090]
+    .venv/bin/python -m bench.bench_pipeline_round [--rounds 6] [--tokens 32] [--gpu RTX-4090]
 
 ``hetserve calibrate`` fits the cost model to this machine (its two-stage probe now decodes one
 and two sequences, and ``Efficiency.turn_hold``, the share of the turn-around that holds the last
@@ -34,9 +34,8 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.scratch import scratch_dir  # noqa: E402  (after the path: run as a script)
+from bench.lib.workdir import workdir
 
 BATCHES = (1, 2, 4)
 PROMPT = 16
@@ -52,7 +51,7 @@ def main() -> int:
         ap.error("--rounds must be at least 1 and --tokens at least 4")
 
     import numpy as np
-    from bench.console import wide_console
+    from bench.lib.console import wide_console
     from rich.table import Table
 
     from bench.bench_predict import tiny_model
@@ -67,12 +66,12 @@ def main() -> int:
     from hetserve.specs.model import load_model
 
     console = wide_console()
-    scratch = scratch_dir("bench-pipeline-round-")
-    model_dir = tiny_model(scratch)
+    work = workdir("bench-pipeline-round-")
+    model_dir = tiny_model(work)
     spec = load_model(model_dir)
     console.print("calibrating (hetserve calibrate's probes) ...")
     cal = calibrate(str(model_dir), args.gpu)
-    cal.save(scratch / "cal.json")
+    cal.save(work / "cal.json")
     hold = cal.efficiency.turn_hold
     console.print(f"fitted turn_hold {hold:.2f}" if hold is not None else "turn_hold not fitted (no two-stage probe)")
 
@@ -104,7 +103,7 @@ def main() -> int:
                                                                 "cpu_cores": os.cpu_count() or 1}]})
     layout = probe_layout(spec, 2)
     wait = cal.stream_step_overhead_s
-    served = served_efficiency(scratch / "cal.json")
+    served = served_efficiency(work / "cal.json")
     models = {"calibrated": (cal.efficiency, served),
               "hold 1": (dataclasses.replace(cal.efficiency, turn_hold=1.0), dataclasses.replace(served, turn_hold=1.0))}
 
@@ -119,7 +118,7 @@ def main() -> int:
                       f"{pp[2].measured_s * 1e3:.2f} ms ({pp[2].measured_s / pp[1].measured_s:.2f}x, measured), "
                       f"priced {pp[1].predicted_s * 1e3:.2f} / {pp[2].predicted_s * 1e3:.2f} ms")
     # Each row also against its path's one-micro-batch row: the machine's speed drifts by tens of
-    # percent within minutes (docs/benchmarks.md), which moves every row alike; the share of the
+    # percent within minutes on a shared machine, which moves every row alike; the share of the
     # turn-around that holds the last stage sets the rows' shape.
     t = Table("batch", "micro-batches", "path", "measured (ms)", "calibrated (ms)", "hold 1 (ms)",
               "measured / batch 1", "calibrated / batch 1", "hold 1 / batch 1",

@@ -23,11 +23,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-if __package__ in (None, ""):  # run as `python bench/bench_planner.py`: make `bench` importable
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.pools import synthetic_pool  # noqa: E402
+from bench.lib.pools import synthetic_pool
 from hetserve.planner import ALGORITHMS, PlanOptions
 from hetserve.planner.options import default_restarts
 from hetserve.specs.cluster import cluster_from_dict, load_cluster

@@ -1,8 +1,8 @@
 """How well the simulator predicts the served runtime: three plans x two request rates on this machine.
 
-    .venv/bin/python bench/bench_predict.py [--requests 48] [--calibration cal.json] [--json out.json]
+    .venv/bin/python -m bench.bench_predict [--requests 48] [--calibration cal.json] [--json out.json]
         [--plans asym-colocated,prefill-decode,pipeline-2] [--fractions 0.2,0.8] [--no-shared-cores]
-    .venv/bin/python bench/bench_predict.py --replay out.json [--refit] [--frontend-from cal.json]   # no serving
+    .venv/bin/python -m bench.bench_predict --replay out.json [--refit] [--frontend-from cal.json]   # no serving
 
 Plans (a tiny random-weight Llama, 8 layers, hidden 256, 4 heads, 2 KV heads; CPU worker slots named RTX 4090):
 
@@ -16,17 +16,16 @@ being the simulator's throughput in requests/s for a burst of the same requests 
 model). Each cell serves the plan, replays the requests (Azure conversation, LPLD class, prompts
 <= 128 tokens, outputs <= 32 tokens, ``ignore_eos``) through the ``openai`` client, and simulates
 the same requests with the server's policies, batching knobs and KV pools
-(``hetserve.compare``). Reported: served (measured), simulated (calibrated cost model, this
-session's defaults; the cluster file says the pool's 4 slots share the 2 cores, so the simulator
+(``hetserve.compare``). Reported: served (measured), simulated (calibrated cost model, the
+default options; the cluster file says the pool's 4 slots share the 2 cores, so the simulator
 counts the busy workers and the front end on them, ``sim.hosts``; ``--no-shared-cores``: each
 slot as if alone) and *baseline*
-simulated (the simulator as it was before issue 13: prefill pauses decoding, 4,096-token prefill
+simulated (a naive simulator: prefill pauses decoding, 4,096-token prefill
 budget, no request overhead, no shared cores) — each metric's sim / served
 ratio and whether it is within +-15 %. The 1-minute load average before and after each cell is
 printed: the machine is shared, so the served side is noisy.
 
-The machine's own speed drifts by tens of percent within minutes (docs/benchmarks.md, eighth
-session), so each cell's simulation is priced at the speed the machine's speed probe read just
+The machine's own speed drifts by tens of percent within minutes on a shared VM, so each cell's simulation is priced at the speed the machine's speed probe read just
 before and after that cell was served, relative to the calibration's reading
 (``runtime.speed_probe``, as ``hetserve compare`` does; the slow-down column, and the hits *as
 calibrated* beside; ``--no-speed-correction``: as calibrated).
@@ -36,17 +35,17 @@ file's content, so ``--replay FILE`` re-simulates every cell with the code (and 
 against the *same* served measurement, step tables included: compare model variants without serving
 again (the served side is the noise).
 
-Beside the table it prints issue 13's calibration target: how many points of the plans' calibrations
-(fitted again by the code of now with ``--replay --refit``) lie within ±10 % (``bench/predict_report.py``).
+Beside the table it prints the calibration target: how many points of the plans' calibrations
+(fitted again by the code of now with ``--replay --refit``) lie within ±10 % (``bench.predict_report``).
 
 ``--serve-twice`` replays each cell's requests a second time on the same server, after the first
 run's measurements: the second run against the first is how far two served runs of one cell lie
 apart, the noise floor of the ±15 % target (a prediction cannot be held closer than that).
 
-``bench/predict_oracle.py RUN.json ...`` replays saved runs with each cell's slow-down scaled after the
+``python -m bench.predict_oracle RUN.json ...`` replays saved runs with each cell's slow-down scaled after the
 fact: how many of the misses a better reading of each cell's machine speed would remove;
-``bench/predict_occupancy.py RUN.json ...`` splits each cell's TTFT by what was in flight at each
-arrival: the cell's level (idle arrivals) apart from the model's shape; ``bench/predict_steps.py
+``python -m bench.predict_occupancy RUN.json ...`` splits each cell's TTFT by what was in flight at each
+arrival: the cell's level (idle arrivals) apart from the model's shape; ``python -m bench.predict_steps
 RUN.json ...`` splits each cell's served engine steps (decode steps by batch, prompt steps by what
 ran beside them) against the cost model and the simulator.
 """
@@ -61,10 +60,9 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.predict_report import fmt_others, print_cells  # noqa: E402  (after the path: run as a script)
-from bench.scratch import scratch_dir  # noqa: E402  (after the path: run as a script)
+from bench.predict_report import fmt_others, print_cells
+from bench.lib.workdir import workdir
 
 CLUSTER = """\
 name: bench-predict
@@ -73,8 +71,8 @@ machines:
 """
 # --shared-cores: the pool says its slots share this machine's 2 cores (simulated contention)
 CLUSTER_SHARED = CLUSTER.replace("count: 4}", "count: 4, cpu_cores: 2}")
-# the slots as the simulator saw them before issue 13: no cpu_cores, so (since the cost model tells CPU
-# slots from GPUs by it) a pipeline's turn-around is priced as on a GPU host here
+# the baseline's slots: no cpu_cores, so (the cost model tells CPU slots from GPUs by it) a pipeline's
+# turn-around is priced as on a GPU host here
 CLUSTER_BASELINE = CLUSTER
 
 
@@ -284,8 +282,8 @@ def main() -> int:
     ap.add_argument("--shared-cores", action=argparse.BooleanOptionalAction, default=True,
                     help="the pool's slots share 2 cores (cpu_cores: 2, the truth on this machine): the simulator "
                          "counts the busy workers and the front end on them (sim.hosts; default). "
-                         "--no-shared-cores: every slot as if it had its own cores (8 of 42 on a quiet machine, "
-                         "against 21 with; docs/benchmarks.md)")
+                         "--no-shared-cores: every slot as if it had its own cores, which "
+                         "under-predicts every served latency on a machine whose slots share cores")
     ap.add_argument("--replay", metavar="JSON",
                     help="serve nothing: re-simulate the cells of a --json file against their served figures")
     ap.add_argument("--frontend-from", metavar="CAL",
@@ -305,7 +303,7 @@ def main() -> int:
                          "calibration sees the load the served cells see on a shared machine)")
     args = ap.parse_args()
 
-    from bench.console import wide_console
+    from bench.lib.console import wide_console
 
     console = wide_console()
     if args.replay:
@@ -330,7 +328,7 @@ def main() -> int:
     from hetserve.specs.workload import load_workload
     from hetserve.step_compare import rows_to_json
 
-    tmp = scratch_dir("bench-predict-")
+    tmp = workdir("bench-predict-")
     (tmp / "cluster.yaml").write_text(CLUSTER_SHARED if args.shared_cores else CLUSTER)
     cluster = load_cluster(str(tmp / "cluster.yaml"))
     (tmp / "cluster-baseline.yaml").write_text(CLUSTER_BASELINE)

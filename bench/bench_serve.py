@@ -1,6 +1,6 @@
 """Serving on shaped links: MoLink vs fair vs serial transmission, measured and simulated.
 
-    .venv/bin/python bench/bench_serve.py [--rates 0.1,0.3,0.5,0.7] [--window 15] \
+    .venv/bin/python -m bench.bench_serve [--rates 0.1,0.3,0.5,0.7] [--window 15] \
         [--policies serial,fair,molink] [--json out.json]
 
 A three-stage pipeline (one colocated replica, one layer per stage) of a random-weight Llama

@@ -1,8 +1,8 @@
 """Simulator speed: the whole Azure conversation trace against a hexgen2 plan for hexgen2-het1.
 
-    .venv/bin/python bench/bench_sim.py [--repeats 1,2,4] [--plan plan.json] [--transmission fair]
+    .venv/bin/python -m bench.bench_sim [--repeats 1,2,4] [--plan plan.json] [--transmission fair]
 
-Target (issue 4): the 1x trace (19,366 requests, ~58 min) in under 10 s wall (350x faster than
+Target: the 1x trace (19,366 requests, ~58 min) in under 10 s wall (350x faster than
 real time), and wall time growing linearly with the number of requests (1x, 2x, 4x via
 ``Workload.repeat``). Prints a table; not a timed test.
 """
@@ -17,6 +17,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from hetserve.planner import ALGORITHMS, PlanOptions
 from hetserve.planner.plan import Plan
 from hetserve.sim import SimOptions, simulate
 from hetserve.specs.cluster import load_cluster
@@ -25,15 +26,7 @@ from hetserve.specs.workload import load_workload
 
 
 def hexgen2_plan(cluster, model, workload) -> tuple[Plan, str]:
-    try:
-        from hetserve.planner import ALGORITHMS, PlanOptions
-        return ALGORITHMS["hexgen2"](cluster, model, workload, PlanOptions(seed=0)), "hexgen2 (seed 0)"
-    except ImportError:  # planner not available: a hand-built disaggregated plan
-        import sys
-        from pathlib import Path
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sim"))
-        from plans import het1_disaggregated
-        return het1_disaggregated(), "hand-built disaggregated"
+    return ALGORITHMS["hexgen2"](cluster, model, workload, PlanOptions(seed=0)), "hexgen2 (seed 0)"
 
 
 def main() -> None:

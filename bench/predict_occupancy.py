@@ -1,6 +1,6 @@
 """Where a plan's TTFT miss sits: saved runs' requests split by what the served deployment held when each arrived.
 
-    .venv/bin/python bench/predict_occupancy.py RUN.json [RUN.json ...] [--plans asym-colocated,...] [--jobs 2]
+    .venv/bin/python -m bench.predict_occupancy RUN.json [RUN.json ...] [--plans asym-colocated,...] [--jobs 2]
         [--refit] [--by-run]
 
 Each file is a ``bench_predict --json`` run, re-simulated by the code of now (``--replay``; ``--refit``:
@@ -12,10 +12,7 @@ simulated / served TTFT mean (the geometric mean over the runs' cells; ``--by-ru
 The *idle* ratio is the cell's level (its calibration and machine speed: it moves ±15 % from run to
 run); the *1 in flight* ratio over the *idle* one is the model's shape — how much one running
 request adds to a new prompt's first token, simulated against served — and holds still from run
-to run where the level does not. On the 2-core VM (docs/benchmarks.md, twenty-first session) over
-eleven saved runs (about 20 s) the light cells' shape was 1.05 (asymmetric), 1.06 (prefill/decode)
-and 1.12 (the two-stage pipeline): a prompt beside one decoding request is priced a little over what
-served; and the asymmetric plan's idle arrivals 1.12, the other two plans' 1.00 and 0.99.
+to run where the level does not. About 2 s a saved run; the latest figures are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ from pathlib import Path
 import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CLASSES = ("idle", "1 in flight", "2+ in flight")
 
@@ -83,7 +79,7 @@ def main() -> int:
 
     from statistics import geometric_mean
 
-    from bench.console import wide_console
+    from bench.lib.console import wide_console
     from rich.progress import Progress
     from rich.table import Table
 

@@ -1,21 +1,18 @@
 """How much of the prediction error is the served cell's own machine speed? Saved runs replayed at scaled speeds.
 
-    .venv/bin/python bench/predict_oracle.py RUN.json [RUN.json ...] [--factors 0.88,0.92,...] [--jobs 2] [--by-figure]
+    .venv/bin/python -m bench.predict_oracle RUN.json [RUN.json ...] [--factors 0.88,0.92,...] [--jobs 2] [--by-figure]
 
 Each file is a ``bench_predict --json`` run. Every cell is re-simulated by the code of now (``--replay
 --refit``) with its slow-down (the speed probe's, ``compare``) multiplied by each factor in turn, and
-scored against its own served figures (issue 13's 7 metrics within ±15 %). Printed per run: the
+scored against its own served figures (the 7 metrics of ``bench_predict`` within ±15 %). Printed per run: the
 figures within ±15 % at factor 1 (what ``--replay`` gives) and with the best factor chosen per cell
 after the fact, an *oracle*: the speed each cell's workers ran at, had it been known. The gap
 between the two columns is the error a better reading of the machine's speed could remove; what
 the oracle still misses is the model's shape (its batching, contention and tails) plus the noise
 of one served run's percentiles. No factor here is a prediction: the oracle looks at the answer.
 ``--by-figure`` splits that remainder per plan, load and metric: a figure whose mean ratio stays off 1
-at the oracle's factors is the model's shape (e.g. the asymmetric plan's TTFT, docs/benchmarks.md).
-
-On the 2-core VM (docs/benchmarks.md, sixteenth session) the 29 live runs whose --json files were
-kept (2026-11-23 to 2026-11-27) gave 942 of 1,204 figures within ±15 % at factor 1 and 1,129 with the
-oracle (factors 0.88-1.12; 88 of 172 cells chose another factor than 1); about 2.5 minutes, two jobs.
+at the oracle's factors is the model's shape (e.g. the asymmetric plan's TTFT). About 5 s a saved run with two jobs; the latest figures are in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -27,9 +24,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.predict_report import METRICS  # noqa: E402  (after the path: run as a script)
+from bench.predict_report import METRICS
 
 DEFAULT_FACTORS = (0.88, 0.92, 0.96, 1.0, 1.04, 1.08, 1.12)
 
@@ -42,7 +38,7 @@ def hits(ratios: dict[str, float]) -> int:
 
 def replay_scaled(path: str, factor: float) -> list[dict]:
     """``path`` replayed (refitted) with every slow-down times ``factor``: per cell its plan, load
-    fraction and issue 13's 7 ratios (simulated / served)."""
+    fraction and the 7 ratios (simulated / served)."""
     from bench.bench_predict import read_run, replay_quietly
 
     data = read_run(path)
@@ -83,7 +79,7 @@ def figure_bias(picked: list[tuple[dict, dict]]) -> list[dict]:
 
 
 def print_by_figure(rows: list[dict], console) -> None:
-    """``figure_bias``'s rows as a table, by plan, load and issue 13's order of the metrics."""
+    """``figure_bias``'s rows as a table, by plan, load and ``bench_predict``'s order of the metrics."""
     from rich.table import Table
 
     t = Table(title="per figure: ratio = sim/served (geometric mean over the cells) and the cells within ±15 %, "
@@ -111,7 +107,7 @@ def main() -> int:
     args = ap.parse_args()
     factors = sorted({1.0, *(float(f) for f in args.factors.split(","))})
 
-    from bench.console import wide_console
+    from bench.lib.console import wide_console
     from rich.progress import Progress
     from rich.table import Table
 

@@ -1,5 +1,5 @@
 """What ``bench_predict`` prints: the served-vs-simulated table of its cells, the hits within ±15 %
-(the simulation's, as calibrated, the baseline's, the second served run's) and issue 13's
+(the simulation's, as calibrated, the baseline's, the second served run's) and the
 calibration target (every point of each plan's calibration within ±10 %).
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 METRICS = ["throughput_tokens_per_s", "ttft_s.mean", "ttft_s.p90", "tpot_s.mean", "tpot_s.p90",
            "e2e_s.mean", "e2e_s.p90"]
-CALIBRATION_BAND = 0.10  # issue 13's target for the calibration fit: every point within ±10 %
+CALIBRATION_BAND = 0.10  # the calibration fit's target: every point within ±10 %
 
 
 def print_cells(cells: list[dict], title: str, console) -> None:

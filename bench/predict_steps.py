@@ -1,6 +1,6 @@
 """Where a cell's step times part: the served engine steps against the cost model and the simulator.
 
-    .venv/bin/python bench/predict_steps.py RUN.json [RUN.json ...] [--plans pipeline-2] [--loads 0.8]
+    .venv/bin/python -m bench.predict_steps RUN.json [RUN.json ...] [--plans pipeline-2] [--loads 0.8]
 
 Each file is a ``bench_predict --json`` run; every cell asked for is replayed (refitted) by the code
 of now (``--replay --refit``, the slow-down its speed probe read) and its engine steps split two ways:
@@ -17,23 +17,17 @@ of now (``--replay --refit``, the slow-down its speed probe read) and its engine
   next, by how many sequences of its replica decoded in that time, served against simulated. A
   period is what TPOT averages, and it is comparable on both sides however the steps are traced.
 
-On the 2-core VM (docs/benchmarks.md, twenty-fourth session) the two-stage pipeline near saturation
-showed its served micro-batch decode grow 2.5-3.3 ms of wall per sequence from two to five
-sequences of ~138 tokens of context, where the cost model grows 0.9-1.3: the calibration's decode
-probes (1, 4 and 16 sequences of 16-token contexts) do not see that range.
+About 10 s a saved run; the latest figures are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BATCH_CAP = 6  # decode steps of this many sequences or more share a row
 PERIOD_CAP = 4  # token periods with this many sequences decoding or more share a row
@@ -139,7 +133,7 @@ def main() -> int:
     ap.add_argument("--loads", help="comma-separated load fractions, e.g. 0.8 (default: every load)")
     args = ap.parse_args()
 
-    from bench.console import wide_console
+    from bench.lib.console import wide_console
 
     from bench.bench_predict import read_run, replay_quietly
 

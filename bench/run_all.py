@@ -1,10 +1,10 @@
 """Run the quick variant of every benchmark in turn and print each one's output (`make bench`).
 
-    .venv/bin/python bench/run_all.py [--only planner,sim,aladdin,engine,attention,serve,multinode,frontend,overhead]
+    .venv/bin/python -m bench.run_all [--only planner,sim,aladdin,engine,attention,serve,multinode,frontend,overhead,pipeline-round]
 
 Each benchmark runs as its own subprocess from the repository root, with this interpreter; its
 output streams through as it is produced. The quick settings here are for a smoke run of about
-5 minutes on 2 cores; the figures in docs/ come from the full commands listed in docs/benchmarks.md.
+5 minutes on 2 cores; the figures in docs/benchmarks.md come from the full commands listed there.
 Exits non-zero if any benchmark failed.
 """
 
@@ -18,18 +18,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# name -> argv after the interpreter (bench_planner imports bench.pools, so it runs as a module)
+# name -> argv after the interpreter: each benchmark runs as a module of the `bench` package
 BENCHES = {
     "planner": ["-m", "bench.bench_planner", "all", "--quick"],
-    "sim": ["bench/bench_sim.py"],
-    "aladdin": ["bench/bench_aladdin.py", "--requests", "1000"],  # 1x vs 10x the Azure rate
-    "engine": ["bench/bench_engine.py", "--max-tokens", "16"],  # 32 requests, as the target
-    "attention": ["bench/bench_attention.py", "--reps", "50"],  # a mixed step: one padded grid vs grouped
-    "serve": ["bench/bench_serve.py", "--rates", "0.5", "--window", "6", "--max-output", "16"],
-    "multinode": ["bench/bench_multinode.py", "--requests", "8", "--max-tokens", "16", "--repeats", "1"],
-    "frontend": ["bench/bench_frontend.py", "--requests", "24"],  # engine alone vs served over HTTP
-    "overhead": ["bench/bench_overhead.py", "--runs", "2", "--reps", "2"],  # calibration's request and stream overheads, paired vs not
-    "pipeline-round": ["bench/bench_pipeline_round.py", "--rounds", "3"],  # two micro-batches vs one, calibrated vs held
+    "sim": ["-m", "bench.bench_sim"],
+    "aladdin": ["-m", "bench.bench_aladdin", "--requests", "1000"],  # 1x vs 10x the Azure rate
+    "engine": ["-m", "bench.bench_engine", "--max-tokens", "16"],  # 32 requests, as the target
+    "attention": ["-m", "bench.bench_attention", "--reps", "50"],  # a mixed step: one padded grid vs grouped
+    "serve": ["-m", "bench.bench_serve", "--rates", "0.5", "--window", "6", "--max-output", "16"],
+    "multinode": ["-m", "bench.bench_multinode", "--requests", "8", "--max-tokens", "16", "--repeats", "1"],
+    "frontend": ["-m", "bench.bench_frontend", "--requests", "24"],  # engine alone vs served over HTTP
+    "overhead": ["-m", "bench.bench_overhead", "--runs", "2", "--reps", "2"],  # calibration's request and stream overheads, paired vs not
+    "pipeline-round": ["-m", "bench.bench_pipeline_round", "--rounds", "3"],  # two micro-batches vs one, calibrated vs held
 }
 
 

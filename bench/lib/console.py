@@ -1,8 +1,7 @@
 """The console a benchmark prints its tables on: at least ``MIN_WIDTH`` columns wide.
 
-Rich takes 80 columns when the output is not a terminal (a log file, CI, ``nohup``), and folded the
-13-column table of ``bench_predict`` into cells of three characters ("pr… │ 20… │ 1.5 │ 0.…"):
-a benchmark's table is read from its log more often than live."""
+Rich takes 80 columns when the output is not a terminal (a log file, CI, ``nohup``) and folds a wide
+table into cells of a few characters; a benchmark's table is read from its log more often than live."""
 
 from __future__ import annotations
 

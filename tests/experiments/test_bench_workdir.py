@@ -1,5 +1,5 @@
-"""Benchmarks leave no scratch folder behind (``bench/scratch.py``): hundreds of runs, each leaving
-a tiny model checkpoint in /tmp, filled this VM's disk once."""
+"""Benchmarks leave no working folder behind (``bench/lib/workdir.py``): a tiny model checkpoint left in
+the temporary folder by every run soon fills a small disk."""
 
 import ast
 import os
@@ -10,10 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
-import sys
-sys.path.insert(0, {root!r})
-from bench.scratch import scratch_dir
-d = scratch_dir("bench-test-")
+from bench.lib.workdir import workdir
+d = workdir("bench-test-")
 (d / "tiny").mkdir()
 (d / "tiny" / "model.safetensors").write_bytes(b"0" * 1024)
 print(d, flush=True)
@@ -24,21 +22,21 @@ if {fail}:
 
 def run(tmp_path, fail=False, keep=False):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    env.pop("HETSERVE_KEEP_SCRATCH", None)
+    env.pop("HETSERVE_KEEP_WORKDIR", None)
     if keep:
-        env["HETSERVE_KEEP_SCRATCH"] = "1"
-    p = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT), fail=fail)], env=env,
+        env["HETSERVE_KEEP_WORKDIR"] = "1"
+    p = subprocess.run([sys.executable, "-c", SCRIPT.format(fail=fail)], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     return p, Path(p.stdout.strip())
 
 
-def test_the_scratch_folder_goes_when_the_benchmark_ends(tmp_path):
+def test_the_work_folder_goes_when_the_benchmark_ends(tmp_path):
     p, d = run(tmp_path)
     assert p.returncode == 0, p.stderr
     assert d.parent == tmp_path and not d.exists()
 
 
-def test_the_scratch_folder_goes_when_the_benchmark_fails(tmp_path):
+def test_the_work_folder_goes_when_the_benchmark_fails(tmp_path):
     p, d = run(tmp_path, fail=True)
     assert p.returncode != 0 and "the benchmark failed" in p.stderr
     assert d.parent == tmp_path and not d.exists()
@@ -48,15 +46,15 @@ def test_keep_leaves_the_folder_and_says_where(tmp_path):
     p, d = run(tmp_path, keep=True)
     assert p.returncode == 0, p.stderr
     assert (d / "tiny" / "model.safetensors").exists()
-    assert f"scratch folder kept (HETSERVE_KEEP_SCRATCH): {d}" in p.stderr
+    assert f"work folder kept (HETSERVE_KEEP_WORKDIR): {d}" in p.stderr
 
 
 def test_no_benchmark_makes_a_temporary_folder_it_does_not_remove():
-    """``tempfile.mkdtemp`` leaves its folder; benchmarks take ``scratch_dir`` (or a
+    """``tempfile.mkdtemp`` leaves its folder; benchmarks take ``workdir`` (or a
     ``TemporaryDirectory``) instead."""
     offenders = []
     for path in sorted((ROOT / "bench").rglob("*.py")):
-        if path.name == "scratch.py":
+        if path == ROOT / "bench" / "lib" / "workdir.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call):

@@ -34,7 +34,7 @@ def synthetic_pool(n: int, seed: int = 0) -> Cluster:
 
 
 # ----------------------------------------------------------------------------- held-out pools
-# Pools no planner or cost-model constant was tuned on (issue 9's targets are measured on them).
+# Pools no planner or cost-model constant was tuned on (the shared-link targets are measured on them).
 
 
 def _pool(name: str, machines: list[dict], intra_gbps: float, pipes: dict[tuple[str, str], float],

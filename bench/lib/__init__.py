@@ -1,0 +1,1 @@
+"""Helpers the benchmarks share: their working folder, their console, the synthetic pools."""

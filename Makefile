@@ -27,10 +27,9 @@ demo: setup
 	$(BIN)/python -m hetserve.demo
 
 # Two pytest workers (pytest-xdist), a test file each at a time (--dist loadfile: a file's module
-# fixtures, e.g. the three-node Ray pool, start once): on CI's 2 cores pytest took 17.5 min in one
-# process and 11.0-11.6 in two (fresh-clone CI, 2026-11-27), most of it planner searches on one core
-# each; 10.7 since the workers share the group bounds they solve (tests/conftest.py).
-# TEST_WORKERS=0 runs it in one process.
+# fixtures, e.g. the three-node Ray pool, start once). Most of the suite's time is planner searches
+# on one core each, so two workers on CI's two cores take about two thirds of one process's time;
+# the workers share the group bounds they solve (tests/conftest.py). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile

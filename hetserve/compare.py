@@ -47,7 +47,7 @@ STATS = ("mean", "p50", "p90", "p99")
 # Cores other processes may keep busy before a served figure is called disturbed: a quiet machine's
 # daemons and the shell stay well under it, one CPU-bound neighbour (a test run, a build) is far over.
 OTHERS_DISTURB = 0.15
-# issue 13's target: a simulated figure within ±15 % of the served one
+# the prediction target: a simulated figure within ±15 % of the served one
 BAND = 0.15
 # the speed probe before and after serving (runtime.speed_probe): readings of SPEED_READING_S each,
 # SPEED_READINGS a side; the slow-down is from the median of them all, so a blip of the machine's
@@ -303,7 +303,7 @@ def _simulated_source(efficiency: str | None, slow: float | None, note: str | No
 def simulate_side(plan, cluster, spec, requests, opts: CompareOptions, cfg, pools: dict[str, int], efficiency,
                   overhead: float, **overrides):
     """The simulator on the replayed requests with the server's policies, batching knobs and KV pools
-    (``overrides``: other ``SimOptions`` fields, e.g. to play the pre-issue-13 defaults)."""
+    (``overrides``: other ``SimOptions`` fields, e.g. bench_predict's naive baseline)."""
     return simulator_for(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead, **overrides).run()
 
 

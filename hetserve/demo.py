@@ -65,9 +65,8 @@ def this_machines_pool(out: Path = OUT) -> Path:
     """``demo-tiny`` as it runs here: its two boxes' four worker slots are processes of this one
     computer, sharing its cores (``cpu_cores``, ``cpu_host``), which the simulator then counts
     (``sim.hosts``) and the cost model prices as CPU slots. Left as bundled (GPUs in two boxes),
-    the simulated demo compare of 2026-11-27 07:00 UTC came within ±15 % of served in 4 of 7 figures
-    (a decode step beside a prompt took 20.4 ms served, 10.0 simulated); as this pool, 7 of 7
-    (docs/benchmarks.md, fourteenth session)."""
+    the simulator would give each slot hardware of its own, and a decode step beside a prompt,
+    which waits for a core here, would come out at half its served time."""
     import yaml
 
     from hetserve.specs.cluster import preset_path

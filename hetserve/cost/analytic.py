@@ -235,9 +235,8 @@ class CostModel(TransferCosts):
         step on the first (the serving front end streaming its tokens and its GIL, ``sim.hosts``):
         on the ring's latency; where the devices are CPU worker slots sharing a host's cores it
         also holds the slowest stage once per micro-batch (the front end takes a core the stages
-        need): on the demo's two-stage pipeline two micro-batches of one sequence took 14.9 ms a
-        round on the engine and 17.9 ms through HTTP, one 12.5 and 13.9 (docs/benchmarks.md,
-        twentieth session).
+        need): on the CPU demo's two-stage pipeline two micro-batches pay the front end's wait
+        twice a round through HTTP, one micro-batch once.
 
         The turn-around (``iteration_overhead_s``, priced on the last stage) holds that stage for
         the share ``Efficiency.turn_hold`` of it while other micro-batches are in flight; the rest
@@ -284,11 +283,9 @@ class CostModel(TransferCosts):
     def _on_shared_cores(self, layout: ReplicaLayout) -> bool:
         """Whether the replica's devices are CPU worker slots sharing a host's cores (``cpu_cores``),
         where the front end computes beside the stages. Uncalibrated, the turn-around holds the last
-        stage there and overlaps on GPU hosts: on one H200 (16 cores) the demo's two-stage pipeline
-        gained a token every 14.6 ms per sequence with 1.4 micro-batches in flight, where the overlap
-        prices 14.2 ms and the hold 21.7 ms; on the 2-core CPU machine, 18 saved runs replayed hit
-        576 of 742 figures within ±15 % with the hold and 500 with the overlap (docs/benchmarks.md,
-        fourteenth session)."""
+        stage there and overlaps on GPU hosts: on a GPU host the served two-stage pipeline's round
+        matches the overlap (the hold prices it about 1.5x), and on CPU slots sharing two cores the
+        hold predicts the served runs better than the overlap (docs/cost-model.md)."""
         devices = self.cluster.devices
         return any(devices[d].cpu_cores is not None for d in layout.devices)
 

@@ -41,9 +41,9 @@ class Efficiency:
     seq_overhead_s: float = 0.0  # per sequence in the step, on the last stage: its bookkeeping, sampling, token streamed
     collective_overhead_s: float = 0.0  # per collective of a TP group (> 1 device): its launch and the members' meeting
     # per stage, per step that carries prompt tokens, beyond a decode step's fixed costs (its
-    # attention's causal mask and padded query grid, ``runtime/model/attention.py``): without it a
-    # 32-token prompt on this CPU demo was priced 5.6 % low on average over 60 calibrations; fitted
-    # 0-8.4 ms there (median 2.9). `hetserve calibrate` fits it (0 = none)
+    # attention's causal mask and padded query grid, ``runtime/model/attention.py``): without it short
+    # prompts are priced low and long ones high, the one intercept of the decode probes being too low
+    # for a step that carries a prompt. `hetserve calibrate` fits it (0 = none)
     prompt_step_overhead_s: float = 0.0
     # per byte a TP collective carries (each layer's two all-reduces and the broadcast of the stage's
     # input activations), beyond the link's α-β time: on CPU worker slots, gloo's copies and sums

@@ -5,7 +5,7 @@ for its kinds and per-device rates, by the group programme there.
 A linear programme (scipy ``linprog``, HiGHS) over how many devices of each kind serve prefill,
 decode or colocated replicas, meant as a relaxation of the cost model. **It is none for throughput capacities of
 colocated replicas**: it prices a colocated request as its prompt plus its decode steps, while
-the cost model's mixed steady state (issue 9: prompts ride in decode steps and share their
+the cost model's mixed steady state (prompts ride in decode steps and share their
 weight reads) costs less, and exact search beats it on several pools (aladdin-v100 and the
 island pools of bench_planner with llama-2-7b: up to 1.35×; see ``tests/planner/test_bound_groups.py``).
 ``planner.objectives`` still reads its device counts as a *heuristic* guide to which GPUs to
@@ -165,7 +165,7 @@ def build_lp(ctx, budget_usd_per_hour: float | None = None, devices=None) -> Dev
 
 
 def _network_rows(ctx, kinds, rates, machines, iu, iF, row) -> None:
-    """Shared NICs and pipes (issue 9's capacity nodes): the flow splits into u[m, m'] — the
+    """Shared NICs and pipes (the planner's capacity nodes): the flow splits into u[m, m'] — the
     requests' worth of KV (as layer fractions) prefilled on machine m and decoded on m'. What
     leaves m is at most m's prefill devices' rates (a group's layers on m run on m's devices, so
     the per-device bounds hold per machine), what arrives at m' at most its decode devices';

@@ -52,9 +52,9 @@ def run_milp(c, A, rhs, integrality, upper, node_limit: int, time_limit: float, 
         res = run(_HIGHS_OPTIONS)
     # scipy's status 4 is "other": HiGHS refused the run (an option it does not know), or, with scipy
     # 1.17, it stopped at the node limit (HiGHS's status 16, which scipy does not name). Both run
-    # again without the HiGHS options: on het1 two of five rounds do, 68 s of bound where keeping the
-    # node-limited dual bound takes 45 s and gives a looser one (2,147 against 2,048 tokens/s;
-    # docs/benchmarks.md, nineteenth session). Left as it is: which to keep is the bound's question.
+    # again without the HiGHS options. Rerunning costs time (on hexgen2-het1 about 68 s of bound
+    # against 45 s) but gives a tighter bound than the node-limited run's dual bound (2,048 against
+    # 2,147 tokens/s), so the rerun is kept.
     if res.status != 4:
         # scipy's 1: "iteration or time limit reached" (the node limit is its 4 with scipy 1.17, above)
         return res, res.status == 1

@@ -1,74 +1,28 @@
 """Calibrate the cost model (and the serving overheads) to the machine the engine runs on.
 
-The cost model prices work with datasheet peaks times ``Efficiency`` fractions. On a machine
-whose workers are not the GPUs the cluster file names (the CPU demo, or a new GPU), those
-fractions are unknown; this module measures them. It serves a single-stage colocated replica of
-the checkpoint on one device (the real engine behind the real HTTP server) and measures
+The cost model prices work as datasheet peaks times ``Efficiency`` fractions plus fixed costs where
+the runtime pays them (docs/cost-model.md). Where the workers are not the GPUs the cluster file
+names (the CPU demo, a new GPU) those numbers are unknown, so this module measures them: it serves
+the checkpoint on one device (the real engine behind the real HTTP server), and in interleaved
+rounds times prompts of several lengths and decode batches of several sizes on the engine and
+through HTTP, a prompt and decodes on a two-stage pipeline and on one stage of TP 2
+(``calibration_probes.measure``).
 
-* TTFT of single prompts of several lengths on the engine (prefill: achieved FLOP/s),
-* TPOT of decode batches of several sizes on the engine (memory streaming, the fixed cost of an
-  iteration, and what each sequence of the batch adds beyond its FLOPs),
-* the same prompts through HTTP with the ``openai`` client (tokenisation, HTTP and SSE: what a
-  served request spends outside the engine, ``request_overhead_s``), and the same decode batches
-  streamed through HTTP: each token of each sequence is one SSE event the server encodes and the
-  client parses, on the cores and under the GIL the coordinator needs for the next step, so a
-  served iteration is slower than the engine's, by a fixed part per step and a part per sequence
-  (``stream_step_overhead_s`` and ``stream_overhead_s``: the line of served − engine TPOT over the
-  batch size, ``overhead_fit.stream_overheads``), and
-* (``pipeline``) a prompt and a single-sequence decode on a two-stage pipeline of the same
-  checkpoint (two devices): what a second stage adds tells the per-stage fixed cost apart from the
-  once-per-iteration one; a decode of two sequences there (two micro-batches in flight): how much of
-  the turn-around holds the last stage meanwhile (``Efficiency.turn_hold``), and (``tp``) the same
-  on one stage of TP 2: what it adds beyond half the compute is the fixed cost of its collectives,
+``fit`` solves for the efficiencies and fixed costs by least squares on log(predicted / measured),
+each term from the probes that isolate it, in stages: the one-device points (compute, attention,
+memory, the per-sequence and per-iteration costs, then again with a prompt step's own cost), the
+two-stage points (the per-stage part of the fixed cost and the share of the turn-around that holds
+the last stage), the TP 2 points (the per-collective cost and its per-byte part). Fitting all at
+once lets the noisy two-device probes move the one-device terms. Memory efficiency keeps its
+default where no decode probe is bandwidth-bound, since then no value of it is measured.
 
-and fits ``Efficiency(compute, memory, step_overhead_s, iteration_overhead_s, seq_overhead_s,
-collective_overhead_s, collective_s_per_byte, multi_row_s_per_byte, prompt_step_overhead_s, turn_hold)``
-minimising the squared log error of the cost model over the engine measurements, each term from
-the probes that isolate it (``fit``: one-device terms, then the same again with a prompt step's
-own fixed cost and memory efficiency held, then the per-stage split, then the
-per-collective cost; a joint fit let the two-device probes' noise move the one-device terms, and
-memory efficiency, which no probe is bandwidth-bound at, wander 0.03-0.47). Where the fixed
-costs come from, read from the runtime (``worker.py``, ``coordinator.py``):
-
-* ``iteration_overhead_s`` — once per iteration of a replica: the coordinator's turn-around
-  (result message in, bookkeeping, the next step scheduled and pickled to the first stage),
-  embedding lookup, sampling and the token message on the last stage;
-* ``step_overhead_s`` — once per stage: a stage leader takes the step message (unpickles it),
-  builds the attention metadata, runs the layer stack's fixed dispatch and sends its activations on;
-* ``prompt_step_overhead_s`` — once per stage, on a step that carries a prompt, beyond the above:
-  its attention metadata holds a causal mask and a padded query grid that each layer scatters the
-  queries into and gathers them back from (``model/attention.py``; a decode's grid is the batch
-  itself), the likeliest part of it, not measured apart; fitted
-  0-8.4 ms on the CPU demo (median 2.9 over 66 bench calibrations refitted), priced on every stage
-  because a two-stage pipeline's prompt pays it twice (its point 0.7 % low on average, against
-  6.2 % with it priced once a replica);
-* ``seq_overhead_s`` — once per sequence in the step: its entry in the step message, its block
-  table in the attention metadata, its own attention over its KV, its token streamed to its
-  request (on this CPU demo 0.1-0.5 ms per sequence, beyond the FLOPs the roofline prices);
-* ``collective_overhead_s`` — once per collective of a TP group (two all-reduces per layer, the
-  leader's broadcasts of the step and its activations): the launch and every member reaching it
-  (on CPU worker slots sharing cores, a process switch: 1.3-1.8 ms here, α of the cluster file ~µs);
-* ``collective_s_per_byte`` — per byte those collectives carry (a prompt's activations are
-  hundreds of times a decode's): gloo's copies and sums through host memory, beyond the link's β;
-* ``multi_row_s_per_byte`` — per weight byte, once a step multiplies more than one row: torch runs a
-  one-row linear as a matrix-vector product and two or more as a GEMM, which here costs about one
-  more pass over the weights (fp32 768x256: 18 µs for one row, 31 µs for two, 40 µs for four).
-
-and, from the same HTTP probes, what the *front end* spends: the CPU time of the process that
-serves and replays them (HTTP/SSE server, coordinator, client), split by least squares into
-``frontend_request_cpu_s`` per request, ``frontend_step_cpu_s`` per engine step (the coordinator's
-turn-around) and ``frontend_token_cpu_s`` per output token (the SSE event and the client's parse). Where CPU
-worker slots share a host's cores, the simulator counts the front end as one more consumer of
-them (``sim.hosts``): measured on the bench's prefill/decode plan, it used 0.25 of a core at 20 req/s.
-The GIL probe measures what that process's other work costs a replica's steps: a decode batch alone
-and beside a thread holding the GIL half the time, ``frontend_dispatch_s`` = the step's delay per
-unit of that share (the simulator's front-end queue, ``sim.hosts.HostContention.dispatch_wait``).
-
-The fit's error per point is reported: it is the cost model's error on this machine. The result
-is one JSON file (``Calibration.save``) that the planner (``--efficiency``: the engine's
-efficiency) and the simulator (``simulate``/``compare --efficiency``: the served efficiency and
-the serving overheads, ``runtime.calibration_file``) read, stamped with the device, the date and the
-load average during the measurement.
+The HTTP probes give what a served request spends outside the engine (``request_overhead_s``), what
+streaming a step's tokens adds (``stream_step_overhead_s`` + ``stream_overhead_s`` per sequence),
+the front end's CPU per request, step and token, and its GIL wait (``frontend_dispatch_s``): the
+simulator's model of the serving process on shared cores (``sim.hosts``). Each point's fit error is
+reported, as the cost model's error on this machine. The result is one JSON file
+(``Calibration.save``) that ``plan --efficiency`` and ``simulate``/``compare --efficiency`` read,
+stamped with the device, the date and the load average during the measurement.
 """
 
 from __future__ import annotations
@@ -184,10 +138,8 @@ def turn_hold(cm: CostModel, layout, rounds, decode_tokens: int) -> float | None
     a micro-batch up to one per stage): the share at which the last stage's bound, ``m · (last − (1 − h) · turn)``, is the measured
     round; the median over the probes, within [0, 1]. The round is ``max`` of that bound and the
     front end's, ``m · (1 − h) · turn``, so a round below both has two solutions; the last stage's is
-    the one that grows with the batch, as measured (two micro-batches of one sequence 1.31x one,
-    of two 1.62x; the front end's bound gives 1.13x and 1.23x; docs/benchmarks.md, twentieth
-    session). On this CPU machine two micro-batches took 1.17-1.24x one on the engine, where the
-    whole turn-around on the last stage priced 1.67x."""
+    the one that grows with the batch, as the measured rounds do (the front end's bound barely
+    grows with it)."""
     shares = []
     for _, n, _, _, prompt, seconds in rounds:
         m, times = cm.micro_batch_stage_times(layout, n, n * (prompt + decode_tokens / 2))
@@ -233,8 +185,7 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     decode): the collectives' cost per byte beside their fixed cost (``Efficiency.collective_s_per_byte``).
     ``prompt_fixed`` (two or more prompt lengths beside the decode probes): what a stage spends on a
     step that carries a prompt beyond a decode step's fixed costs (``Efficiency.prompt_step_overhead_s``);
-    without it the 32-token prompt was priced 5.6 % low on average over 60 bench calibrations
-    (-16 % at worst), the 256-token one 3.1 % high (docs/benchmarks.md, twenty-fifth session)."""
+    without it short prompts are priced low and long ones high."""
     spec = load_model(model_dir)
     pp_ttft, pp_tpot, tp_ttft, tp_tpot = pp_ttft or {}, pp_tpot or {}, tp_ttft or {}, tp_tpot or {}
     cluster = one_device_cluster(gpu_name, 2 if pp_ttft or pp_tpot or tp_ttft or tp_tpot else 1)
@@ -283,10 +234,10 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
 
     long_decode = bool(tpot_long)
     # What a step's matrix products cost once they multiply more than one row (a GEMM where one row
-    # is a matrix-vector product): a decode of one sequence took 5.9 ms here, of two 7.1, of four
-    # 7.7, of sixteen 10.9, and a line through b = 1, 4, 16 missed by +12 % / -11 % (the served
-    # batches are 1-5). Fitted as seconds over the one-device replica's weights (the unknowns of one
-    # scale); it needs a one-sequence decode beside decodes of more.
+    # is a matrix-vector product): the first added sequence costs several times each later one, so
+    # a line through b = 1, 4, 16 misprices the small batches a server mostly runs. Fitted as
+    # seconds over the one-device replica's weights (the unknowns of one scale); it needs a
+    # one-sequence decode beside decodes of more.
     multi_row = multi_row and 1 in tpot and any(b > 1 for b in tpot)
     one_bytes = _per_byte_scale(cluster, spec, multi_row_s_per_byte=1.0).multi_row_time(shapes[1, 1].stages[0], 2, 2, True)
 
@@ -319,7 +270,7 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
                        for p in one)
     if not memory_bound:
         # No probe is bandwidth-bound at this efficiency: every value above it prices them alike, so
-        # it is not measured (it wandered 0.03-0.47 between calibrations a minute apart): keep the default.
+        # it is not measured (left free, it wanders tenfold between calibrations): keep the default.
         eff = replace(eff, memory=max(eff.memory, base.memory))
     lump = eff.iteration_overhead_s  # what one stage pays per iteration: its step + the iteration's turn-around
     # one micro-batch on two stages: the split; two micro-batches (a decode of two): the turn-around's hold
@@ -334,7 +285,7 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
     if tp_pts:
         # With a TP prompt beside the TP decode, the collectives' cost splits into a fixed part per
         # collective and a part per byte they carry (a prompt's are its tokens' activations): one
-        # fixed cost priced the decode 10-16 % over and the prompt 10-18 % under (docs/benchmarks.md).
+        # fixed cost prices the decode over and the prompt under by 10-18 %.
         per_byte = collective_bytes and {p[0] for p in tp_pts} == {"prefill", "decode"}
         # the per-byte unknown as seconds over the largest probe's bytes (the unknowns of one scale)
         scale = _per_byte_scale(cluster, spec, collective_s_per_byte=1.0).collective_bytes_time(

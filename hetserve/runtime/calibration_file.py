@@ -88,10 +88,9 @@ def speed_reference(efficiency: str | Path | None, correction: bool = True) -> t
     """The calibration's speed-probe reading that ``hetserve compare`` scales its times by, or None,
     and why not where the file holds one (else None). The probe times the checkpoint on one CPU
     thread: it indexes a CPU engine's speed, not a GPU engine's, whose step is set by the host's
-    Python and launch path. On one H200, four sets of three cells came within ±15 %
-    in 77 of 156 figures as calibrated and 65 with the probe's correction; in the last set the probe
-    read the host x0.59 in every cell while the served steps ran no faster than calibrated, and the
-    correction took 21 of 39 to 5 (examples/calibrations/README.md)."""
+    Python and launch path: on an H200 host the probe read the host up to 1.7x faster while the
+    served steps ran no faster than calibrated, so the correction made the prediction worse
+    (examples/calibrations/README.md)."""
     if not efficiency:
         return None, None
     data = _read(efficiency)

@@ -33,15 +33,9 @@ LONG_DECODE_PROMPT = 256  # ... and of the long-context decode probe
 # The noisiest probes, the TP 2 probe and the two-stage pipeline's prompt, are taken this many times
 # in each round (1: after the one-device probes; 2: and at the round's end; 3: and at its start),
 # where every other probe is taken once. Each is two worker processes handing work to each other, so
-# a spell of seconds in which either waits for a core stretches the probe: in a run of twenty rounds
-# two TP decodes read 2.2x and 2.4x the run's median, and one bench calibration's seven rounds read
-# 4.67x the one-device decode where thirteen others read 3.3-4.1x. Over ten calibrations of five
-# rounds, three TP samples a round against the middle one alone: the decode's ratio to the
-# one-device decode spread 0.19 against 0.22 (standard deviation), the prompt's 0.14 against 0.23
-# (docs/benchmarks.md, twenty-third session). The two-stage prompt, once a round, was the one
-# point of 60 bench calibrations' fits (refitted with a prompt step's own fixed cost) off by more
-# than 10 % in all 8 with a miss (-20 to +15 %; standard deviation 7.3 %, its one-device twin's
-# 2.4 %; twenty-fifth session).
+# on shared cores a spell of seconds in which either waits for a core stretches the probe (single TP
+# decodes read 2x the median now and then): three samples a round, priced by their median, narrow its
+# spread by about a third, where one sample a round let one slow spell set a calibration's TP price.
 NOISY_SAMPLES_PER_ROUND = 3
 
 
@@ -314,7 +308,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         # worker slot of the same host would, interleaved. The slow-down is the ratio of the worker's
         # own CPU time per probe (what the neighbour costs it beyond the cores' share, which the
         # simulator's k / c already counts: cache, memory bandwidth); the ratio of wall times, where
-        # /proc has no CPU time, would also hold the other sessions' load of a shared machine.
+        # /proc has no CPU time, would also hold the load of other processes on a shared machine.
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
@@ -356,8 +350,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         m.http_ttft = {L: med(v) for L, v in http_s.items() if v}
         # the HTTP TPOT as the engine's plus the round-paired difference: the stream fit
         # (``calibrate.stream_overheads``) takes HTTP − engine per batch size, and a difference of
-        # two medians from different rounds kept the rounds' drift (its intercept ranged 0-2.9 ms
-        # over 15 calibrations, docs/benchmarks.md, eighteenth session)
+        # two medians from different rounds keeps the machine's drift between rounds in it
         m.tpot_rounds, m.http_tpot_rounds = tpot_s, {b: v for b, v in http_tpot_s.items() if v}
         m.http_tpot = {b: m.tpot[b] + paired_round_median(v, tpot_s[b], readings)
                        for b, v in m.http_tpot_rounds.items()}

@@ -60,12 +60,11 @@ def request_overhead(http_ttft: dict[int, float] | None, ttft: dict[int, float],
     """What a served request spends outside the engine before its first token (HTTP, tokenisation,
     the stream's set-up). With ``outside`` (``Measurements.http_outside``, ``.engine_outside``: per
     request, TTFT less its own prompt step's span, through HTTP and on the engine): the difference of
-    their medians. Each is paired within one request, so it holds no drift of the machine's speed;
-    the median HTTP TTFT less the median engine TTFT of the same prompt length, measured seconds
-    apart, held it: over the 24 plan calibrations of eight bench_predict runs it ranged 3.0-14.5 ms,
-    while their light cells' served requests spent 6.4-12.4 ms beside their prompt step
-    (docs/benchmarks.md, eleventh session). Without ``outside``: that older estimate, the median
-    over the prompt lengths measured both ways."""
+    their medians. Each is paired within one request, so it holds no drift of the machine's speed,
+    where the median HTTP TTFT less the median engine TTFT of the same prompt length, measured
+    seconds apart, holds it (on a shared VM that difference spreads about twice as widely between
+    calibrations). Without ``outside``: that unpaired estimate, the median over the prompt lengths
+    measured both ways."""
     if outside and outside[0] and outside[1]:
         return max(0.0, statistics.median(outside[0]) - statistics.median(outside[1]))
     common = [L for L in (http_ttft or {}) if L in ttft]
@@ -75,10 +74,9 @@ def request_overhead(http_ttft: dict[int, float] | None, ttft: dict[int, float],
 def stream_overheads(http_tpot: dict[int, float] | None, tpot: dict[int, float]) -> tuple[float, float]:
     """(per step, per sequence): what streaming a decode step's tokens over HTTP/SSE adds to it, the
     non-negative least-squares line ``a + b · n`` through HTTP TPOT − engine TPOT over the batch
-    sizes ``n`` measured both ways; through 0 (``a`` = 0) with one size. The line through 0 that
-    calibration fitted before priced one sequence at 0.14-0.19 ms where it measured 1.7 ms; the
-    line fits 0.9-1.8 ms per step + 0.04-0.06 ms per sequence (batches of 1, 2, 4, 16, twice, on
-    the CPU demo; docs/benchmarks.md, fourteenth session)."""
+    sizes ``n`` measured both ways; through 0 (``a`` = 0) with one size. The fixed part is most of
+    it: on the CPU demo the line is 0.9-1.8 ms per step + 0.04-0.06 ms per sequence, so a line
+    through 0 would price a lone sequence's stream at a tenth of what it costs."""
     from scipy.optimize import nnls
 
     both = sorted(b for b in (http_tpot or {}) if b in tpot)

@@ -1,8 +1,8 @@
 """How fast this machine runs the checkpoint *now*, relative to when it was calibrated.
 
 A calibration is a few minutes of measurements; on a shared VM the machine's own speed then drifts
-by tens of percent within minutes, with no other process of the VM busy (docs/benchmarks.md, eighth
-session: the one-token decode 6.3 ms in one run, 9.1 ms in the next). A served run then meets
+by tens of percent within minutes, with no other process of the VM busy (a one-token decode of
+6.3 ms in one run, 9.1 ms in the next). A served run then meets
 another machine than the one the cost model was fitted on. The probe is a short, fixed piece of the
 same work — the checkpoint's one-token decode steps and a prompt, through ``transformers`` in this
 process on one thread, as each worker computes — read in ``hetserve calibrate``'s rounds and again
@@ -25,10 +25,9 @@ PROMPT_TOKENS = 128  # the probe's prompt (shorter where the checkpoint's contex
 CONTEXT_TOKENS = 16  # the decode steps' context
 # How much of the probe's ratio carries to the served workers, as a power (``weighted``). The probe
 # runs in this process, on one thread, between the serving phases; the workers' speed while serving
-# follows it only in part. Over the 132 cells of 22 bench_predict runs (z1-z22), each cell's
-# served / simulated-as-calibrated factor regressed on the ratio, in logs: slope 0.76 (r 0.58); the
-# residual spread 0.110 taking the ratio to this power, 0.112 taking all of it, 0.135 none of it
-# (docs/benchmarks.md, twenty-sixth session).
+# follows it only in part. Regressed in logs over bench_predict's cells, each cell's served /
+# simulated-as-calibrated factor on the ratio has a slope of about 0.75, and that power leaves the
+# least residual spread (docs/cost-model.md).
 SPEED_WEIGHT = 0.75
 
 
@@ -74,9 +73,8 @@ def round_median(samples: Sequence[tuple[int, float]], readings: Sequence[SpeedR
     speed moves within one calibration too (round readings 0.94-1.27x their median), and a probe's
     samples from a slow round otherwise pull its median up. That median reading is the calibration's
     reference, the one ``hetserve compare`` scales the calibrated times from, so a calibration then
-    describes the machine at one speed. Three calibrations of one machine, a minute apart: their
-    one-sequence decode spread 17 % raw, 11 % scaled; a decode of four 14 % and 5 %; the two-stage
-    decode 17 % and 7 % (docs/benchmarks.md, fifteenth session). Without readings, the plain
+    describes the machine at one speed, and calibrations a minute apart agree about twice as
+    closely on their decode probes as with the raw samples. Without readings, the plain
     median (``measure`` reads one before every round, or none at all)."""
     if not samples:
         raise ValueError("no samples")
@@ -90,9 +88,8 @@ def paired_round_median(a: Sequence[tuple[int, float]], b: Sequence[tuple[int, f
                         readings: Sequence[SpeedReading]) -> float:
     """``round_median`` of ``a − b`` taken round by round: two probes of one round run seconds apart,
     so the machine's drift between rounds cancels in their difference, where a difference of their
-    two medians keeps it (each median may come from another round). The request overhead's spread
-    over calibrations fell to 0.43x when it was paired per request (docs/benchmarks.md, eleventh
-    session); the stream overhead (HTTP − engine TPOT) is paired per round with this."""
+    two medians keeps it (each median may come from another round). The stream overhead (HTTP −
+    engine TPOT) is paired per round with this, as the request overhead is paired per request."""
     by_round = dict(b)
     pairs = [(r, s - by_round[r]) for r, s in a if r in by_round]
     return round_median(pairs, readings)

@@ -106,7 +106,7 @@ def test_fit_recovers_the_multi_row_and_per_byte_collective_costs(tmp_path):
     GEMM switch), and a TP prompt dearer per token than the TP decode's fixed cost says (bytes
     through the collectives): both are recovered from measurements they generated, every point
     within 1 %. Fitted without them, the one-sequence decode and the TP pair miss by more than 5 %:
-    the shapes of the 12 % misses of the CPU demo's calibrations (docs/benchmarks.md)."""
+    the shapes of the 12 % misses of the CPU demo's calibrations (docs/cost-model.md)."""
     from hetserve.specs.model import load_model
 
     model_dir = tmp_path / "m"

@@ -39,8 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "whose engine ran on a GPU is always taken as calibrated: the probe times the CPU)")
     p.add_argument("--speed-weight", type=float, default=SPEED_WEIGHT, metavar="W",
                    help="how much of the speed probe's ratio the simulated times take, as a power: 1 all of it, "
-                        "0 none (default %(default)s: the part of it that followed the served runs' speed over 22 "
-                        "bench runs, docs/benchmarks.md)")
+                        "0 none (default %(default)s: the part of it that follows the served workers' speed, "
+                        "docs/cost-model.md)")
     p.add_argument("--serve-twice", action="store_true",
                    help="replay the same requests a second time on the same server and print the second run "
                         "against the first beside the simulation: how far two served runs lie apart")

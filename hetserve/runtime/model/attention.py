@@ -12,11 +12,9 @@ see the flat ``(T, hidden)`` batch; only attention needs the per-sequence view, 
   ``(B_g, Q_g)`` grid, attend with a causal mask offset by ``start``, and are gathered back.
 
 Why two groups: one grid pads every sequence to the longest query of the step, so a decode beside a
-128-token prompt attended as 128 rows, 127 of them padding. On the CPU demo a 128-token prompt with
-three decodes of 140 tokens of context took 1.90 ms of attention per layer in one grid, 0.60 ms in
-two (``bench/bench_attention.py``: 1.7-17.8x over prompts of 32-512 tokens beside 1-16 decodes),
-and a served pipeline's mixed steps had run 1.34-1.39x what the cost model prices for them (which
-never padded; docs/benchmarks.md, fifteenth session).
+128-token prompt would attend as 128 rows, 127 of them padding: 1.7-17.8x the attention time of
+two grids over prompts of 32-512 tokens beside 1-16 decodes on the CPU demo (``python -m
+bench.bench_attention``), and a mixed step the cost model cannot price (it prices no padding).
 
 Slot of position ``p`` of a sequence with block table ``bt``: ``bt[p // block_size] * block_size +
 p % block_size``. Cost per layer: O(Σ_g B_g * Q_g * K_g * heads * head_dim).
@@ -54,8 +52,7 @@ class AttnMeta:
 def build_attn_meta(starts: list[int], q_lens: list[int], block_tables: list[list[int]], block_size: int,
                     device: torch.device | str = "cpu", grouped: bool = True) -> AttnMeta:
     """Attention metadata for one step. Running time O(B * (Q + K)) tensor work, no per-token Python.
-    ``grouped=False``: every sequence in one padded grid, as before the groups (``bench/bench_attention.py``
-    measures both)."""
+    ``grouped=False``: every sequence in one padded grid (``bench.bench_attention`` measures both)."""
     start = torch.tensor(starts, dtype=torch.long)  # (B,)
     q_len = torch.tensor(q_lens, dtype=torch.long)  # (B,)
     first = torch.cumsum(q_len, 0) - q_len  # (B,) index in T of each sequence's first new token

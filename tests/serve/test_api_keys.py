@@ -100,22 +100,32 @@ def test_without_keys_the_api_stays_open(serve_fake):
         assert call(url, method, path, body).status_code == 200
 
 
-def test_every_route_of_the_app_is_guarded(serve_fake):
+def test_every_route_of_the_app_is_guarded(fake_backend):
     """A route added later is behind the key too: every route of the app but the probes answers 401
     without a key (the admin ones as well, with their own key)."""
-    url, _, coord = keyed(serve_fake, admin=(ADMIN_KEY,))
     from hetserve.serve.app import create_app
+    from hetserve.serve.coordinator import Coordinator
+    from hetserve.serve.fake import ByteCodec
+    from hetserve.serve.server import ServerThread
 
-    app = create_app(coord)
+    app = create_app(Coordinator(fake_backend, ByteCodec(), "tiny"),
+                     auth=APIAuth(api_keys=KeySet([KEY]), admin_keys=KeySet([ADMIN_KEY])))
+
+    @app.get("/added-later")
+    async def added_later():
+        return {"ok": True}
+
     seen = 0
-    for route in app.routes:
-        if not hasattr(route, "methods") or route.path in ("/health", "/metrics"):
-            continue
-        path = re.sub(r"\{[^}]*\}", "tiny", route.path)
-        for method in route.methods - {"HEAD"}:
-            assert_401(call(url, method, path))
-            seen += 1
-    assert seen >= 5
+    with ServerThread(app) as srv:
+        for route in app.routes:
+            if not hasattr(route, "methods") or route.path in ("/health", "/metrics"):
+                continue
+            path = re.sub(r"\{[^}]*\}", "tiny", route.path)
+            for method in route.methods - {"HEAD"}:
+                assert_401(call(srv.url, method, path))
+                seen += 1
+        assert call(srv.url, "GET", "/added-later", headers=bearer(KEY)).json() == {"ok": True}
+    assert seen >= 6
 
 
 # ---------------------------------------------------------------------------------------------- admin

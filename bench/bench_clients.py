@@ -11,6 +11,10 @@ client: its completed / errored request counts and its own TTFT and latency, the
 ``hetserve_requests_total`` by outcome and its TTFT histogram mean over the same requests (the
 server measures TTFT at the first text it streams; a client adds the network and its own parsing).
 
+``--with-api-key`` serves behind a fresh random API key (``HETSERVE_API_KEY``) and hands it to both
+clients (guidellm's backend ``api_key``, aiperf's ``--api-key``): a client that does not send it
+fails with 401s.
+
 Token counts differ between a client and the server when the client re-tokenizes the output text
 (aiperf does): the server's count is the ``usage`` it returns.
 """
@@ -21,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import socket
 import subprocess
 import sys
@@ -63,7 +68,8 @@ def diff(after: dict, before: dict) -> dict:
 
 
 def run_guidellm(bin_dir: Path, url: str, model: Path, args, out: Path) -> dict:
-    cmd = [str(bin_dir / "guidellm"), "run", "--backend", f"kind=openai_http,target={url},model=tiny",
+    key = f",api_key={args.key}" if args.key else ""
+    cmd = [str(bin_dir / "guidellm"), "run", "--backend", f"kind=openai_http,target={url},model=tiny{key}",
            "--profile", f"kind=concurrent,streams={args.concurrency}",
            "--data", f"kind=synthetic_text,prompt_tokens={args.isl},output_tokens={args.osl}",
            "--tokenizer", f"kind=hf_auto,model={model}",
@@ -84,7 +90,7 @@ def run_aiperf(bin_dir: Path, url: str, model: Path, args, out: Path) -> dict:
            "--streaming", "--concurrency", str(args.concurrency), "--request-count", str(args.requests),
            "--isl", str(args.isl), "--osl", str(args.osl), "--tokenizer", str(model),
            "--extra-inputs", "ignore_eos:true", "--extra-inputs", f"min_tokens:{args.osl}",
-           "--artifact-dir", str(out), "--ui", "none"]
+           "--artifact-dir", str(out), "--ui", "none"] + (["--api-key", args.key] if args.key else [])
     # aiperf's offline mode resolves a tokenizer *folder* through the hub cache and fails: let it see the folder
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
@@ -105,7 +111,10 @@ def main() -> None:
     ap.add_argument("--isl", type=int, default=32, help="prompt tokens")
     ap.add_argument("--osl", type=int, default=16, help="output tokens")
     ap.add_argument("--clients", default="guidellm,aiperf")
+    ap.add_argument("--with-api-key", action="store_true",
+                    help="serve behind a fresh random API key and pass it to the clients")
     args = ap.parse_args()
+    args.key = secrets.token_urlsafe(32) if args.with_api_key else None
     bin_dir = Path(args.client_bin)
     from hetserve.planner.plan import Plan
     from hetserve.runtime.make_model import make_model
@@ -117,6 +126,9 @@ def main() -> None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "HF_HUB_OFFLINE": "1"}
+        env.pop("HETSERVE_API_KEY", None)
+        if args.key:  # through the environment: a key in the server's argv would show in ps
+            env["HETSERVE_API_KEY"] = args.key
         server = subprocess.Popen([sys.executable, "-m", "hetserve.cli.main", "serve", "--plan", str(tmp / "plan.json"),
                                    "--cluster", "demo-cpu", "--model", str(model), "--port", str(port),
                                    "--log-level", "warning"], env=env, stdout=subprocess.PIPE,
@@ -142,7 +154,8 @@ def main() -> None:
             server.wait(60)
     load = os.getloadavg()
     print(f"\n{args.requests} requests per client, concurrency {args.concurrency}, {args.isl} prompt / {args.osl} "
-          f"output tokens; 2 colocated CPU replicas on demo-cpu; load average {load[0]:.1f} / {load[1]:.1f}\n")
+          f"output tokens; 2 colocated CPU replicas on demo-cpu{', behind an API key' if args.key else ''}; "
+          f"load average {load[0]:.1f} / {load[1]:.1f}\n")
     print("| client | completed | errored | client TTFT mean (ms) | client latency mean (s) | server requests_total "
           "(this run) | server TTFT mean (ms) | wall (s) |")
     print("|---|---|---|---|---|---|---|---|")

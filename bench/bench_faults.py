@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import tempfile
 import threading
@@ -108,6 +109,8 @@ def scenario(server, sig: int, streams: int, max_tokens: int, after: int) -> dic
             "detected_s": death[0]["at"] - t_signal if death else None}
 
 
+# /admin/replan exists only behind an admin key: a fresh one per run, known to this script alone
+ADMIN_KEY = secrets.token_urlsafe(32)
 REPLAN_PLAN = {"model": "tiny", "cluster": "demo-cpu", "algorithm": "manual", "replicas": [
     {"id": f"c{i}", "role": "colocated", "stages": [{"devices": [f"m{i}:0"], "layers": [0, 2]},
                                                      {"devices": [f"m{i}:1"], "layers": [2, 4]}]}
@@ -135,7 +138,8 @@ def replan_scenario(server, streams: int, max_tokens: int, after: int) -> dict:
     later = later_requests_ok(server, after)
     served = {rid: s["steps"] for rid, s in engine.stats()["replicas"].items()}
     t_back = time.monotonic()
-    back = httpx.post(server.url + "/admin/replan", json={"returned": [victim]}, timeout=300).json()
+    back = httpx.post(server.url + "/admin/replan", json={"returned": [victim]}, timeout=300,
+                      headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
     join_s = time.monotonic() - t_back
     return {"completed": sum(o.get("ok", False) for o in outs), "streams": streams,
             "errors": sum(len(o.get("errors", [])) for o in outs), "later_ok": later, "later": after,
@@ -172,7 +176,7 @@ def main() -> None:
             for sig in (signal.SIGKILL, signal.SIGSTOP):
                 rows.append(scenario(server, sig, args.streams, args.max_tokens, args.after))
         ropts = replace(opts, plan=Plan.from_dict(REPLAN_PLAN), replan_on_failure=True,
-                        replan_time_limit_s=args.replan_time_limit)
+                        replan_time_limit_s=args.replan_time_limit, admin_keys=(ADMIN_KEY,))
         with start_server(ropts) as server:
             replan_row = replan_scenario(server, args.streams, args.max_tokens, args.after)
     load = os.getloadavg()

@@ -60,7 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a worker silent this long (hung, stopped) is declared dead and its requests re-run (default 3)")
     p.add_argument("--replan-on-failure", action="store_true",
                    help="when a replica dies, re-plan the surviving devices (warm-started from the running plan) "
-                        "and bring the new replicas up while the others serve; POST /admin/replan (with --admin-key) does it on demand")
+                        "and bring the new replicas up while the others serve; POST /admin/replan (with --admin-key) "
+                        "does it on demand")
     p.add_argument("--replan-workload", default="azure-conv",
                    help="workload preset or CSV the re-plan's planner plans for (default azure-conv)")
     p.add_argument("--replan-time-limit", type=float, default=10.0, metavar="S",

@@ -34,7 +34,8 @@ from hetserve.runtime.scheduler import ReplicaScheduler, requeue
 from hetserve.runtime.sequence import Sequence, Status
 from hetserve.runtime.snapshot import replica_snapshots, state_from_stats
 from hetserve.runtime.step_timing import StepTiming
-from hetserve.runtime.transport import Message, Priority, SocketTransport
+from hetserve.runtime.transport import Priority, SocketTransport
+from hetserve.runtime.wire import Message
 from hetserve.runtime.worker_group import WorkerGroup
 
 
@@ -51,6 +52,7 @@ class Coordinator(Recovery):
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_reruns = max_reruns
         self.last_beat: dict[str, float] = {}
+        self.refused: dict[str, dict[str, int]] = {}  # worker -> its endpoint's refused connections by reason
         self.deaths: list[dict[str, Any]] = []  # one record per replica taken out of service
         self._step_ids = itertools.count(1)
         self._transfer_ids = itertools.count(1)
@@ -131,6 +133,7 @@ class Coordinator(Recovery):
             self.fail_all(msg.meta["reason"])
         elif kind == "heartbeat":
             self.last_beat[msg.meta["worker"]] = time.monotonic()
+            self.refused[msg.meta["worker"]] = msg.meta.get("rejected", {})
         elif kind == "error":
             self.workers.worker_errors[msg.meta["worker"]] = msg.meta["error"]
             if self.joining is not None:

@@ -25,7 +25,7 @@ from hetserve.planner.plan import Plan
 from hetserve.runtime.deployment import build_layout
 from hetserve.runtime.engine_config import kv_capacity, memory_is_real, scheduler_for
 from hetserve.runtime.layout import ReplicaSpec
-from hetserve.runtime.transport import Message
+from hetserve.runtime.wire import Message
 from hetserve.runtime.worker import WorkerConfig
 from hetserve.specs.cluster import Cluster
 
@@ -89,7 +89,8 @@ def reconfigure(engine, plan: Plan, cluster: Cluster) -> dict[str, Any]:
             sched = next(s for s in schedulers if s.id == w.replica)
             return WorkerConfig(spec=w, layout=layout, model_dir=engine.model_dir, dtype=engine.dtype,
                                 num_slots=sched.blocks.capacity_tokens, block_size=cfg.block_size,
-                                engine_address=engine.transport.address, store_address=store_address,
+                                engine_address=engine.transport.address, security=engine.security,
+                                store_address=store_address,
                                 backend=backend, link_scheduler=engine._link_scheduler, shaper=engine._shaper,
                                 host=engine.transport.address[0], heartbeat_s=cfg.heartbeat_interval_s)
         try:

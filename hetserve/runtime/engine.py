@@ -31,9 +31,11 @@ import torch
 
 from hetserve.errors import InfeasibleError, RuntimeFailure
 from hetserve.planner.plan import Plan
+from hetserve.runtime.auth import LinkSecurity, deployment_secret
 from hetserve.runtime.coordinator import Coordinator
 from hetserve.runtime.deployment import build_layout
-from hetserve.runtime.engine_config import EngineConfig, kv_capacity, memory_is_real, scheduler_for
+from hetserve.runtime.engine_config import (EngineConfig, kv_capacity, largest_message_bytes, memory_is_real,
+                                            scheduler_for)
 from hetserve.runtime.handle import RequestHandle
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.model.config import ArchConfig
@@ -42,7 +44,8 @@ from hetserve.runtime.rendezvous import LOOPBACK
 from hetserve.runtime.routing import KVRoutePolicy, PlanRoutes
 from hetserve.runtime.sampling import SamplingParams
 from hetserve.runtime.sequence import Sequence
-from hetserve.runtime.transport import LinkScheduler, LinkShaper, Message, SocketTransport
+from hetserve.runtime.transport import LinkScheduler, LinkShaper, SocketTransport
+from hetserve.runtime.wire import Message
 from hetserve.runtime.worker import ENGINE, WorkerConfig
 from hetserve.runtime.worker_group import WorkerGroup, kill_processes
 from hetserve.specs.cluster import Cluster, load_cluster
@@ -109,8 +112,11 @@ class Engine:
         self._link_scheduler, self._shaper = link_scheduler, shaper
         self.replicas = {r.id: r for r in layout}
         self.schedulers = {r.id: scheduler_for(r, capacity[r.id], config) for r in layout}
-        self.transport = SocketTransport(ENGINE, host=config.host or LOOPBACK, scheduler_factory=link_scheduler,
-                                         shaper=shaper)
+        # one secret per deployment: every worker this engine starts (now or on a re-plan) gets it
+        self.security = LinkSecurity(deployment_secret(), tls=config.tls,
+                                     max_message_bytes=largest_message_bytes(arch, capacity, config))
+        self.transport = SocketTransport(ENGINE, self.security, host=config.host or LOOPBACK,
+                                         scheduler_factory=link_scheduler, shaper=shaper)
         self.workers = WorkerGroup(layout, self.transport, config.start_timeout_s)
         self.coordinator = Coordinator(layout, self.schedulers, self.transport, self.workers, route_policy,
                                        heartbeat_timeout_s=config.heartbeat_timeout_s, max_reruns=config.max_reruns)
@@ -123,6 +129,16 @@ class Engine:
         self._close_lock = threading.Lock()
         self._thread = threading.Thread(target=self.coordinator.run, name="hetserve-coordinator", daemon=True)
         self._finalizer = weakref.finalize(self, kill_processes, self.workers.procs)
+
+    def refused_connections(self) -> dict[str, int]:
+        """Connections the engine's and the workers' endpoints closed unread, by reason (a failed
+        handshake, a malformed message, too many handshakes at once): the count of an attack or a
+        misconfigured peer. Workers report theirs with each heartbeat."""
+        total = dict(self.transport.rejected)
+        for counts in list(self.coordinator.refused.values()):
+            for reason, n in counts.items():
+                total[reason] = total.get(reason, 0) + n
+        return total
 
     @property
     def procs(self) -> dict[str, Any]:
@@ -219,6 +235,7 @@ class Engine:
             return WorkerConfig(spec=w, layout=self.layout, model_dir=self.model_dir, dtype=self.dtype,
                                 num_slots=self.schedulers[w.replica].blocks.capacity_tokens,
                                 block_size=self.config.block_size, engine_address=self.transport.address,
+                                security=self.security,
                                 store_address=store_address, backend=backend,
                                 link_scheduler=self._link_scheduler, shaper=self._shaper,
                                 host=self.transport.address[0],  # the Ray backend rebinds each to its node

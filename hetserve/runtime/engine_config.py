@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from hetserve.errors import PlanError
 from hetserve.policies.batching import DEFAULT_BATCHING
 from hetserve.policies.kv_admission import KV_ADMISSIONS
+from hetserve.runtime.auth import TLSFiles
 from hetserve.runtime.deployment import check_memory
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.kv_cache import BlockManager
 from hetserve.runtime.model.config import ArchConfig
 from hetserve.runtime.scheduler import ReplicaScheduler
+from hetserve.runtime.wire import MAX_HEADER_BYTES
 from hetserve.specs.cluster import Cluster
 
 
@@ -45,6 +47,7 @@ class EngineConfig:
     # the address the engine's endpoint and TP rendezvous store bind and advertise to the workers: one
     # address their nodes can reach, never all interfaces; None: 127.0.0.1 (the Ray backend: its node IP)
     host: str | None = None
+    tls: TLSFiles | None = None  # TLS on every link between the engine and its workers (runtime/auth.py)
 
     def __post_init__(self) -> None:
         if min(self.block_size, self.max_num_seqs, self.max_batched_tokens, self.chunk_tokens) < 1:
@@ -113,3 +116,18 @@ def scheduler_for(r: ReplicaSpec, kv_tokens: int, config: EngineConfig) -> Repli
     return ReplicaScheduler(r.id, r.role, BlockManager(kv_tokens // config.block_size, config.block_size),
                             config.micro_batches or len(r.stages), config.max_num_seqs, config.max_batched_tokens,
                             config.prefill_mode, config.chunk_tokens, config.kv_admission)
+
+
+def largest_message_bytes(arch: ArchConfig, capacity: dict[str, int], config: EngineConfig) -> int:
+    """The most bytes one legitimate message of this deployment carries, with room to spare: the
+    bound every endpoint holds a peer's announced size to before allocating for it.
+
+    The largest are a KV hand-off piece (every layer and KV head of the largest context a replica
+    holds, or of the model's own context if larger: a re-plan may add roomier replicas) and a
+    step's activations (its token budget x hidden size), at 4 bytes an element, the widest dtype
+    served; twice that, plus a full header.
+    """
+    tokens = max(max(capacity.values(), default=0), arch.max_positions, config.max_batched_tokens)
+    kv = arch.num_layers * 2 * tokens * arch.num_kv_heads * arch.head_dim * 4
+    activations = config.max_batched_tokens * arch.hidden_size * 4
+    return 2 * max(kv, activations) + MAX_HEADER_BYTES

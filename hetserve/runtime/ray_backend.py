@@ -24,6 +24,12 @@ over an actor running the same ``worker_main``, and ``start_ray_engine`` hands t
 spawn context that makes those instead of local processes. Everything else — the transport,
 link shaping, the coordinator — is the local backend's.
 
+Ray runs with token authentication unless the environment says otherwise (``ray_auth_env``):
+whoever reaches an unauthenticated Ray's ports can run code on every node. A private Ray gets a
+fresh token of its own; joining a pool, the driver uses the token its nodes were started with
+(``RAY_AUTH_TOKEN`` / ``RAY_AUTH_TOKEN_PATH``, ``docs/multinode.md``). Only tests set
+``RAY_AUTH_MODE=disabled``.
+
 A node that leaves (its raylet dies, the machine goes away) is a worker exit like any other: the
 worker process ends with its raylet (it watches its parent), Ray marks the node's actors dead once
 its health checks fail, ``exitcode`` turns non-zero with ``cause`` saying the node died, and the
@@ -34,7 +40,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
+import secrets
 import threading
 import time
 from typing import Any, Callable
@@ -45,6 +53,31 @@ _NODE_SHARE = 0.001  # of a machine resource per worker: many workers fit one ma
 
 def machine_resource(machine: str) -> str:
     return RESOURCE_PREFIX + machine
+
+
+def ray_auth_env(environ: dict[str, str], joining: bool) -> dict[str, str]:
+    """The Ray authentication settings to add to ``environ`` before Ray starts or is joined.
+
+    Token authentication unless ``RAY_AUTH_MODE`` is set: a private Ray (not ``joining``) without a
+    token gets a fresh one; a driver joining a pool must have the pool's token and is told where to
+    put it. Raises ValueError for a join that cannot authenticate.
+    """
+    mode = environ.get("RAY_AUTH_MODE")
+    if mode is not None and mode != "token":
+        logging.getLogger("hetserve.runtime").warning(
+            "Ray token authentication is off (RAY_AUTH_MODE=%s): whoever reaches Ray's ports can run code "
+            "on every node", mode)
+        return {}
+    extra = {} if mode else {"RAY_AUTH_MODE": "token"}
+    has_token = (environ.get("RAY_AUTH_TOKEN") or environ.get("RAY_AUTH_TOKEN_PATH")
+                 or os.path.exists(os.path.expanduser("~/.ray/auth_token")))
+    if has_token:
+        return extra
+    if joining:
+        raise ValueError("Ray token authentication is on, and this machine has no token for the pool: set "
+                         "RAY_AUTH_TOKEN_PATH to the token file its nodes were started with "
+                         "(docs/multinode.md), or RAY_AUTH_MODE=disabled on a network no one else reaches")
+    return {**extra, "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
 
 class RaySession:
@@ -68,12 +101,12 @@ class RaySession:
 
         if ray.is_initialized():
             return RaySession(False, None)
+        os.environ.update(ray_auth_env(dict(os.environ), joining=bool(address)))
         if address:
             extra = {"_node_ip_address": node_ip_address} if node_ip_address else {}
             ray.init(address=address, include_dashboard=False, log_to_driver=False, **extra)
             return RaySession(True, None)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         tmp_dir = tmp_dir or os.environ.get("RAY_TMPDIR")
         if tmp_dir is None:
             import tempfile

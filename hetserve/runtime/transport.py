@@ -24,6 +24,10 @@ into chunks (MoLink-style decode-first with chunked prefill/KV traffic); the wir
 messages may interleave. The default ``PriorityScheduler`` sends whole messages, highest priority
 class first, FIFO within a class. Messages of one class between one pair arrive in send order; the
 engine relies on nothing stronger.
+
+What crosses a socket is data, never code: the message format and its checks are
+``hetserve.runtime.wire``, and no byte of a message is read before the peer has proved it holds the
+deployment's secret (``hetserve.runtime.auth``). ``docs/security.md`` is the threat model.
 """
 
 from __future__ import annotations
@@ -31,17 +35,18 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-import pickle
+import logging
 import queue
 import socket
-import struct
+import ssl
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Callable, Protocol
 
-import torch
+from hetserve.runtime.auth import HandshakeError, LinkSecurity, accept_handshake, connect_handshake
+from hetserve.runtime.wire import CHUNK_HEADER, MalformedMessage, Message, Reassembly, decode, encode
 
 
 class Priority(IntEnum):
@@ -51,43 +56,6 @@ class Priority(IntEnum):
     DECODE = 1  # activations of decode-only steps: on the critical path of every output token
     PREFILL = 2  # activations of steps that contain prompt processing
     KV = 3  # KV-cache hand-off from a prefill replica to a decode replica
-
-
-@dataclass
-class Message:
-    kind: str
-    meta: dict[str, Any] = field(default_factory=dict)
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    src: str = ""  # filled in by the transport on send
-
-
-# ----------------------------------------------------------------------------- encoding
-
-
-def encode(msg: Message) -> list[memoryview]:
-    """Message -> buffers [header, tensor bytes...]; tensors are copied, so the caller may reuse them."""
-    specs, bufs = [], []
-    for name, t in msg.tensors.items():
-        t = t.detach().to("cpu", copy=True).contiguous()
-        specs.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size()))
-        bufs.append(memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b""))
-    header = pickle.dumps((msg.kind, msg.meta, msg.src, specs), protocol=pickle.HIGHEST_PROTOCOL)
-    return [memoryview(struct.pack(">I", len(header)) + header)] + bufs
-
-
-def decode(payload: bytearray) -> Message:
-    (hlen,) = struct.unpack_from(">I", payload, 0)
-    kind, meta, src, specs = pickle.loads(memoryview(payload)[4:4 + hlen])
-    offset, tensors = 4 + hlen, {}
-    for name, dtype, shape, nbytes in specs:
-        dt = getattr(torch, dtype)
-        if nbytes:
-            raw = torch.frombuffer(payload, dtype=torch.uint8, count=nbytes, offset=offset)
-            tensors[name] = raw.view(dt).reshape(shape)
-        else:
-            tensors[name] = torch.empty(shape, dtype=dt)
-        offset += nbytes
-    return Message(kind, meta, tensors, src)
 
 
 # ----------------------------------------------------------------------------- scheduling hooks
@@ -237,24 +205,33 @@ class InProcTransport(Transport):
 
 # ----------------------------------------------------------------------------- sockets
 
-_CHUNK_HEADER = struct.Struct(">QQQI")  # msg_id, offset, total, chunk length
-_HELLO = struct.Struct(">H")
+MAX_UNAUTHENTICATED = 64  # connections still in their handshake; more are closed at once
+log = logging.getLogger("hetserve.runtime.transport")
 
 
 class SocketTransport(Transport):
     """TCP endpoint on ``host`` (default 127.0.0.1; one address, never all interfaces), port chosen by the OS.
+
+    Every connection is authenticated (``hetserve.runtime.auth``: the deployment's secret, a
+    challenge-response handshake, TLS when ``security.tls`` is set) before a message byte is read, and
+    every chunk and message is checked (``hetserve.runtime.wire``) before memory is allocated for it.
+    A connection that fails either is closed, logged (the first time per reason) and counted in
+    ``rejected``; the endpoint lives on.
 
     Threads: one acceptor, one reader per incoming connection, one sender per peer this endpoint
     sends to. ``scheduler_factory(src, dst)`` makes the ``LinkScheduler`` of each outgoing link;
     ``shaper`` (optional) delays each chunk.
     """
 
-    def __init__(self, name: str, host: str = "127.0.0.1",
+    def __init__(self, name: str, security: LinkSecurity, host: str = "127.0.0.1",
                  scheduler_factory: Callable[[str, str], LinkScheduler] | None = None,
                  shaper: LinkShaper | None = None):
         from hetserve.runtime.rendezvous import check_bind_address, listen_socket
 
         super().__init__(name)
+        self.security = security
+        self._server_tls = security.tls.server_context() if security.tls else None
+        self._client_tls = security.tls.client_context() if security.tls else None
         self._listener = listen_socket(check_bind_address(host, f"endpoint {name}'s bind address"))
         self._host = host
         self._addresses: dict[str, tuple[str, int]] = {}
@@ -264,9 +241,11 @@ class SocketTransport(Transport):
         self._scheduler_factory = scheduler_factory or (lambda src, dst: PriorityScheduler())
         self.shaper = shaper
         self._threads: list[threading.Thread] = []
-        self._socks: list[socket.socket] = []
+        self._socks: set[socket.socket] = set()  # open connections, closed with the endpoint
         self._unsent = 0  # messages pushed and not yet fully written
         self._unsent_cv = threading.Condition()
+        self._handshaking = threading.BoundedSemaphore(MAX_UNAUTHENTICATED)
+        self.rejected: collections.Counter[str] = collections.Counter()  # reason -> connections closed
         self._spawn(self._accept_loop, f"{name}-accept")
 
     @property
@@ -332,14 +311,19 @@ class SocketTransport(Transport):
                 self._spawn(self._send_loop, f"{self.name}->{peer}", peer, link)
             return link
 
+    def _connect(self, peer: str) -> socket.socket:
+        """A connection to ``peer`` on which this end and the peer have proved they hold the secret."""
+        sock = socket.create_connection(self._addresses[peer], timeout=10)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._client_tls is not None:
+            sock = self._client_tls.wrap_socket(sock)
+        self._socks.add(sock)
+        connect_handshake(sock, self.security, self.name)
+        return sock
+
     def _send_loop(self, peer: str, link: LinkScheduler) -> None:
         try:
-            sock = socket.create_connection(self._addresses[peer], timeout=10)
-            sock.settimeout(None)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._socks.append(sock)
-            name = self.name.encode()
-            sock.sendall(_HELLO.pack(len(name)) + name)
+            sock = self._connect(peer)
             while not self.closed and self._links.get(peer) is link:
                 chunk = link.pop(timeout=0.5)
                 if chunk is None:
@@ -348,13 +332,13 @@ class SocketTransport(Transport):
                     wait = self.shaper.delay(self.name, peer, len(chunk.data))
                     if wait > 0:
                         time.sleep(wait)
-                sock.sendall(_CHUNK_HEADER.pack(chunk.msg_id, chunk.offset, chunk.total, len(chunk.data)))
+                sock.sendall(CHUNK_HEADER.pack(chunk.msg_id, chunk.offset, chunk.total, len(chunk.data)))
                 sock.sendall(chunk.data)
                 if chunk.offset + len(chunk.data) == chunk.total:
                     with self._unsent_cv:
                         self._unsent -= 1
                         self._unsent_cv.notify_all()
-        except OSError as exc:
+        except OSError as exc:  # HandshakeError and ssl.SSLError included
             if not self.closed:
                 self.post(Message("link_error", {"peer": peer, "error": repr(exc)}))
 
@@ -364,28 +348,63 @@ class SocketTransport(Transport):
                 sock, _ = self._listener.accept()
             except OSError:
                 return
+            if not self._handshaking.acquire(blocking=False):
+                self._reject("busy", f"more than {MAX_UNAUTHENTICATED} connections in their handshake")
+                self._drop(sock)
+                continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._socks.append(sock)
+            self._socks.add(sock)
             self._spawn(self._read_loop, f"{self.name}-read", sock)
 
-    def _read_loop(self, sock: socket.socket) -> None:
-        partial: dict[int, bytearray] = {}
-        received: dict[int, int] = collections.defaultdict(int)
+    def _authenticate(self, sock: socket.socket) -> socket.socket:
+        """The connection after TLS (if any) and the handshake; HandshakeError or OSError otherwise."""
         try:
-            (n,) = _HELLO.unpack(_read_exact(sock, _HELLO.size))
-            _read_exact(sock, n)  # peer name; messages carry their own src
-            while True:
-                msg_id, offset, total, length = _CHUNK_HEADER.unpack(_read_exact(sock, _CHUNK_HEADER.size))
-                buf = partial.get(msg_id)
-                if buf is None:
-                    buf = partial[msg_id] = bytearray(total)
-                _read_into(sock, memoryview(buf)[offset:offset + length])
-                received[msg_id] += length
-                if received[msg_id] == total:
-                    del partial[msg_id], received[msg_id]
-                    self._deliver(decode(buf))
-        except (OSError, EOFError):
+            if self._server_tls is not None:
+                sock.settimeout(self.security.handshake_timeout_s)
+                self._socks.discard(sock)
+                sock = self._server_tls.wrap_socket(sock, server_side=True)
+                self._socks.add(sock)
+            accept_handshake(sock, self.security)
+            return sock
+        finally:
+            self._handshaking.release()
+
+    def _read_loop(self, sock: socket.socket) -> None:
+        try:
+            sock = self._authenticate(sock)
+        except (HandshakeError, ssl.SSLError, OSError) as exc:
+            if not self.closed:
+                self._reject("handshake", repr(exc))
+            self._drop(sock)
             return
+        frames = Reassembly(self.security.max_message_bytes)
+        try:
+            while True:
+                header = CHUNK_HEADER.unpack(_read_exact(sock, CHUNK_HEADER.size))
+                view = frames.chunk(*header)
+                _read_into(sock, view)
+                payload = frames.complete(header[0], header[3])
+                if payload is not None:
+                    self._deliver(decode(payload))
+        except MalformedMessage as exc:
+            self._reject("malformed", str(exc))
+        except (OSError, EOFError):
+            pass
+        self._drop(sock)
+
+    def _drop(self, sock: socket.socket) -> None:
+        self._socks.discard(sock)
+        try:
+            sock.close()
+        except OSError:
+            pass
+
+    def _reject(self, reason: str, detail: str) -> None:
+        with self._lock:
+            self.rejected[reason] += 1
+            first = self.rejected[reason] == 1
+        (log.warning if first else log.debug)("%s: closed a connection (%s): %s%s", self.name, reason, detail,
+                                              "; later ones are logged at debug level" if first else "")
 
 
 def _read_exact(sock: socket.socket, n: int) -> bytes:

@@ -36,7 +36,9 @@ from hetserve.runtime.model.attention import build_attn_meta
 from hetserve.runtime.model.config import ArchConfig
 from hetserve.runtime.model.loader import build_stage
 from hetserve.runtime.sampling import sample
-from hetserve.runtime.transport import Message, Priority, SocketTransport
+from hetserve.runtime.transport import Priority, SocketTransport
+from hetserve.runtime.auth import LinkSecurity
+from hetserve.runtime.wire import Message, pack_data, unpack_data
 
 ENGINE = "engine"  # the coordinator's endpoint name
 HEARTBEAT_S = 20.0  # an idle leader pings its TP group this often, well inside the group timeout
@@ -52,6 +54,7 @@ class WorkerConfig:
     num_slots: int  # KV pool slots (same for every worker of a replica)
     block_size: int
     engine_address: tuple[str, int]
+    security: LinkSecurity  # the deployment's secret and bounds, shared by every endpoint (runtime/auth.py)
     store_address: tuple[str, int] | None  # TCPStore for TP groups
     backend: str = "gloo"  # TP group backend: nccl when the stage's GPUs are distinct, else gloo
     link_scheduler: Any = None  # picklable factory (src, dst) -> LinkScheduler; None: PriorityScheduler
@@ -63,7 +66,7 @@ class WorkerConfig:
 def worker_main(cfg: WorkerConfig) -> None:
     """Process entry point (``torch.multiprocessing`` spawn target)."""
     torch.set_num_threads(1)
-    transport = SocketTransport(cfg.spec.name, host=cfg.host, scheduler_factory=cfg.link_scheduler,
+    transport = SocketTransport(cfg.spec.name, cfg.security, host=cfg.host, scheduler_factory=cfg.link_scheduler,
                                 shaper=cfg.shaper)
     transport.set_address(ENGINE, cfg.engine_address)
     # Watch the parent this process has now: the engine (spawn), the fork server (forkserver,
@@ -85,10 +88,12 @@ def worker_main(cfg: WorkerConfig) -> None:
 
 def _heartbeat(transport: SocketTransport, name: str, every_s: float) -> None:
     """Tell the coordinator this process is alive. On its own thread, so a long step does not silence
-    it; a frozen (SIGSTOPped) or wedged process stops beating and the coordinator declares it dead."""
+    it; a frozen (SIGSTOPped) or wedged process stops beating and the coordinator declares it dead.
+    Each beat carries the connections this worker's endpoint refused so far (reason -> count)."""
     while not transport.closed:
         try:
-            transport.send(ENGINE, Message("heartbeat", {"worker": name}), Priority.CONTROL)
+            transport.send(ENGINE, Message("heartbeat", {"worker": name, "rejected": dict(transport.rejected)}),
+                           Priority.CONTROL)
         except ConnectionError:
             return
         time.sleep(every_s)
@@ -208,11 +213,7 @@ class Worker:
             msg = self.transport.recv(timeout=HEARTBEAT_S) or Message("noop")
         if not self.tp:
             return msg.kind, msg.meta, msg.tensors.get("hidden", msg.tensors.get("input_ids"))
-        import torch.distributed as dist
-
-        box = [(msg.kind, msg.meta)] if msg else [None]
-        dist.broadcast_object_list(box, src=0)
-        kind, meta = box[0]
+        kind, meta = _broadcast_header(msg.kind, msg.meta) if msg else _broadcast_header()
         tensor = (msg.tensors.get("hidden", msg.tensors.get("input_ids")) if msg else None)
         return kind, meta, tensor
 
@@ -256,6 +257,23 @@ class Worker:
                 meta = {"seq": seq, "layers": piece.layers, "heads": piece.heads, "table": dst_table,
                         "num_tokens": num_tokens, "expect": expect}
                 self.transport.send(piece.dst, Message("kv", meta, {"kv": kv}), Priority.KV)
+
+
+def _broadcast_header(kind: str = "", meta: dict | None = None) -> tuple[str, dict]:
+    """The leader's (kind, meta) on every rank of its TP group, as wire data (no pickle: a TP
+    group's connections are no more trusted than the runtime's sockets)."""
+    import torch.distributed as dist
+
+    size = torch.zeros(1, dtype=torch.int64)
+    if meta is not None:
+        data = torch.frombuffer(bytearray(pack_data([kind, meta])), dtype=torch.uint8)
+        size[0] = data.numel()
+    dist.broadcast(size, src=0)
+    if meta is None:
+        data = torch.empty(int(size[0]), dtype=torch.uint8)
+    dist.broadcast(data, src=0)
+    kind, meta = unpack_data(data.numpy().tobytes())
+    return kind, meta
 
 
 def _spent(meta: dict, began: tuple[float, float]) -> dict[str, float]:

@@ -18,7 +18,8 @@ import torch.multiprocessing as mp
 from hetserve.errors import RuntimeFailure
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.rendezvous import BoundStore
-from hetserve.runtime.transport import Message, Priority, SocketTransport
+from hetserve.runtime.transport import Priority, SocketTransport
+from hetserve.runtime.wire import Message
 from hetserve.runtime.worker import ENGINE, WorkerConfig, worker_main
 
 

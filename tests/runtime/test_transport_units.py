@@ -11,19 +11,22 @@ from collections import deque
 
 import torch
 
-from hetserve.runtime.transport import (Chunk, InProcHub, Message, Outgoing, Priority, PriorityScheduler,
-                                        SocketTransport)
+from hetserve.runtime.auth import LinkSecurity
+from hetserve.runtime.transport import Chunk, InProcHub, Outgoing, Priority, PriorityScheduler, SocketTransport
+from hetserve.runtime.wire import Message
+
+SECURITY = LinkSecurity(b"s" * 32)  # both ends of every link in these tests hold it
 
 
 def test_socket_transport_roundtrip_and_priority():
-    a, b = SocketTransport("a"), SocketTransport("b")
+    a, b = SocketTransport("a", SECURITY), SocketTransport("b", SECURITY)
     try:
         a.set_address("b", b.address)
         tensors = {"f": torch.randn(3, 4), "h": torch.randn(5).to(torch.bfloat16), "i": torch.arange(7),
                    "empty": torch.zeros(0, 3)}
-        a.send("b", Message("x", {"k": [1, 2]}, tensors), Priority.KV)
+        a.send("b", Message("step", {"k": [1, 2], "t": (1, (2, "x")), 3: None}, tensors), Priority.KV)
         got = b.recv(timeout=5)
-        assert got.kind == "x" and got.meta == {"k": [1, 2]} and got.src == "a"
+        assert got.kind == "step" and got.meta == {"k": [1, 2], "t": (1, (2, "x")), 3: None} and got.src == "a"
         for k, t in tensors.items():
             assert got.tensors[k].dtype == t.dtype and torch.equal(got.tensors[k], t)
         assert a.flush(5)
@@ -70,13 +73,13 @@ class ChunkingRoundRobin:
 
 
 def test_chunked_interleaved_messages_are_reassembled():
-    a = SocketTransport("a", scheduler_factory=lambda src, dst: ChunkingRoundRobin())
-    b = SocketTransport("b")
+    a = SocketTransport("a", SECURITY, scheduler_factory=lambda src, dst: ChunkingRoundRobin())
+    b = SocketTransport("b", SECURITY)
     try:
         a.set_address("b", b.address)
         sent = [torch.arange(n, dtype=torch.float32) for n in (1, 50, 9)]
         for i, t in enumerate(sent):
-            a.send("b", Message("m", {"i": i}, {"t": t}))
+            a.send("b", Message("step", {"i": i}, {"t": t}))
         got = {m.meta["i"]: m.tensors["t"] for m in (b.recv(timeout=5) for _ in sent)}
         for i, t in enumerate(sent):
             assert torch.equal(got[i], t)
@@ -90,11 +93,11 @@ def test_shaper_delays_sends():
         def delay(self, src, dst, nbytes):
             return 0.2
 
-    a, b = SocketTransport("a", shaper=Slow()), SocketTransport("b")
+    a, b = SocketTransport("a", SECURITY, shaper=Slow()), SocketTransport("b", SECURITY)
     try:
         a.set_address("b", b.address)
         t0 = time.monotonic()
-        a.send("b", Message("m"))
+        a.send("b", Message("step"))
         assert b.recv(timeout=5) is not None and time.monotonic() - t0 >= 0.2
     finally:
         a.close()
@@ -104,8 +107,8 @@ def test_shaper_delays_sends():
 def test_inproc_transport():
     hub = InProcHub()
     a, b = hub.endpoint("a"), hub.endpoint("b")
-    a.send("b", Message("hello", {"n": 1}, {"t": torch.ones(2)}), Priority.DECODE)
+    a.send("b", Message("result", {"n": 1}, {"t": torch.ones(2)}), Priority.DECODE)
     m = b.recv(timeout=1)
-    assert m.kind == "hello" and m.src == "a" and torch.equal(m.tensors["t"], torch.ones(2))
-    assert a.sent == [("b", "hello", Priority.DECODE)]
+    assert m.kind == "result" and m.src == "a" and torch.equal(m.tensors["t"], torch.ones(2))
+    assert a.sent == [("b", "result", Priority.DECODE)]
     assert b.recv(timeout=0.01) is None

@@ -158,20 +158,23 @@ def test_transport_hook_reorders_by_class_over_real_sockets(tmp_path):
     import pickle
 
     import torch
-    from hetserve.runtime.transport import Message, Priority, SocketTransport
+    from hetserve.runtime.auth import LinkSecurity
+    from hetserve.runtime.transport import Priority, SocketTransport
+    from hetserve.runtime.wire import Message
 
     cluster = load_cluster("molink-3x4090")
+    security = LinkSecurity.fresh()
     orders = {}
     for policy in ("serial", "molink"):
         # 400 Mbit/s, 7.5 ms; a copy through pickle, as a worker process gets it
         factory = pickle.loads(pickle.dumps(LinkSchedulerFactory(cluster, policy, time_scale=4.0,
                                                                  stats_dir=str(tmp_path), stats_every_s=0.05)))
-        a = SocketTransport("pc0:0", scheduler_factory=factory)
-        b = SocketTransport("pc1:0", scheduler_factory=factory)
+        a = SocketTransport("pc0:0", security, scheduler_factory=factory)
+        b = SocketTransport("pc1:0", security, scheduler_factory=factory)
         try:
             a.set_address("pc1:0", b.address)
-            a.send("pc1:0", Message("act", {"tag": "prefill"}, {"x": torch.zeros(250_000)}), Priority.PREFILL)  # 1 MB
-            a.send("pc1:0", Message("act", {"tag": "decode"}, {"x": torch.zeros(64)}), Priority.DECODE)
+            a.send("pc1:0", Message("step", {"tag": "prefill"}, {"x": torch.zeros(250_000)}), Priority.PREFILL)  # 1 MB
+            a.send("pc1:0", Message("step", {"tag": "decode"}, {"x": torch.zeros(64)}), Priority.DECODE)
             got = [b.recv(timeout=10) for _ in range(2)]
             assert all(m is not None for m in got)
             orders[policy] = [m.meta["tag"] for m in got]

@@ -59,10 +59,11 @@ def test_no_endpoint_listens_on_all_interfaces(wildcard, tmp_path, model, capsys
     from hetserve.cli.main import main as cli
     from hetserve.planner.plan import Plan
     from hetserve.runtime.engine import EngineConfig
+    from hetserve.runtime.auth import LinkSecurity
     from hetserve.runtime.transport import SocketTransport
 
     with pytest.raises(ValueError, match="every interface"):
-        SocketTransport("w", host=wildcard)
+        SocketTransport("w", LinkSecurity.fresh(), host=wildcard)
     with pytest.raises(ValueError, match="every interface"):
         EngineConfig(host=wildcard)
     if wildcard:  # the CLI: one line, exit 2, before anything starts

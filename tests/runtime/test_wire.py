@@ -1,0 +1,201 @@
+"""The runtime's wire format and handshake, without processes: what decodes, what is refused and
+before what is allocated, who gets through the handshake."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import socket
+import struct
+import subprocess
+import threading
+
+import pytest
+import torch
+
+from hetserve.runtime.auth import (HandshakeError, LinkSecurity, TLSFiles, accept_handshake, connect_handshake,
+                                   deployment_secret, read_secret_file)
+from hetserve.runtime.layout import ReplicaSpec, WorkerSpec
+from hetserve.runtime.transport import SocketTransport
+from hetserve.runtime.wire import (MalformedMessage, Message, Reassembly, decode, encode, pack_data, unpack_data)
+
+SECURITY = LinkSecurity(b"k" * 32)
+
+
+def _payload(msg: Message) -> bytearray:
+    return bytearray(b"".join(encode(msg)))
+
+
+def _header_payload(header: dict, tail: bytes = b"") -> bytearray:
+    data = pack_data(header)
+    return bytearray(struct.pack(">I", len(data)) + data + tail)
+
+
+def test_plain_data_tuples_and_layout_records_round_trip():
+    w = WorkerSpec("m0:0", "r0", "both", 0, 1, (0, 4), 0, 1, "m0:0", None, (0, 2), "cpu")
+    meta = {"seqs": [(1, 0, 3, [0, 1], (0.7, 1.0, None, 0))], 7: "int key", "layout": (ReplicaSpec("r0", "both", ((w,),)),),
+            "x": float("inf"), "b": True}
+    assert unpack_data(pack_data(meta)) == meta
+    got = decode(_payload(Message("peers", meta, {"t": torch.arange(6).reshape(2, 3)}, "engine")))
+    assert got.meta == meta and got.src == "engine" and torch.equal(got.tensors["t"], torch.arange(6).reshape(2, 3))
+
+
+def test_anything_but_plain_data_cannot_be_sent():
+    with pytest.raises(TypeError, match="cannot go on the wire"):
+        pack_data({"f": open})  # a function: the old pickle header sent whatever it was given
+    with pytest.raises(TypeError):
+        encode(Message("step", {"obj": object()}))
+
+
+@pytest.mark.parametrize("payload, why", [
+    (bytearray(struct.pack(">I", 40) + pickle.dumps(("step", {}, "a", []))), "undecodable|header of"),
+    (bytearray(b"\x00\x00"), "shorter"),
+    (bytearray(struct.pack(">I", 1 << 30)), "header of"),
+])
+def test_foreign_bytes_are_refused(payload, why):
+    with pytest.raises(MalformedMessage, match=why):
+        decode(payload)
+
+
+def test_a_pickled_header_in_the_new_frame_is_refused_without_running():
+    data = pickle.dumps(("step", {}, "a", []))
+    with pytest.raises(MalformedMessage):
+        decode(bytearray(struct.pack(">I", len(data)) + data))
+
+
+@pytest.mark.parametrize("header, why", [
+    ({"kind": "submit", "src": "a", "meta": {}, "tensors": []}, "unknown message kind"),  # posted, never sent
+    ({"kind": "step", "src": "a", "meta": [], "tensors": []}, "meta a map"),
+    ({"kind": "step", "src": "a", "meta": {}}, "map of kind"),
+    ({"kind": "step", "src": "a", "meta": {}, "tensors": [["t", "object", [1], 8]]}, "dtype"),
+    ({"kind": "step", "src": "a", "meta": {}, "tensors": [["t", "float32", [-1], 4]]}, "dtype"),
+    ({"kind": "step", "src": "a", "meta": {}, "tensors": [["t", "float32", [4], 8]]}, "8 bytes for shape"),
+    ({"kind": "step", "src": "a", "meta": {}, "tensors": [["t", "float32", [1 << 40], 1 << 42]]}, "runs past"),
+])
+def test_headers_no_sender_writes_are_refused(header, why):
+    with pytest.raises(MalformedMessage, match=why):
+        decode(_header_payload(header))
+
+
+def test_bytes_after_the_last_tensor_and_unknown_records_are_refused():
+    with pytest.raises(MalformedMessage, match="after the last tensor"):
+        decode(_payload(Message("step")) + b"x")
+    import msgpack
+
+    forged = msgpack.ExtType(2, pack_data(["Popen", {"args": "touch x"}]))
+    with pytest.raises(MalformedMessage, match="unknown record"):
+        unpack_data(msgpack.packb({"a": forged}))
+
+
+def test_reassembly_checks_every_chunk_before_allocating():
+    r = Reassembly(max_message_bytes=1000)
+    with pytest.raises(MalformedMessage, match="bound"):
+        r.chunk(1, 0, 1 << 40, 10)
+    with pytest.raises(MalformedMessage, match="a chunk of"):
+        r.chunk(1, 990, 1000, 20)
+    r.chunk(2, 0, 100, 60)
+    r.complete(2, 60)
+    with pytest.raises(MalformedMessage, match="announced as 100 and 200"):
+        r.chunk(2, 60, 200, 40)
+    with pytest.raises(MalformedMessage, match="more bytes than announced"):
+        r.chunk(2, 0, 100, 60)  # the same bytes again
+    view = r.chunk(2, 60, 100, 40)
+    view[:] = b"y" * 40
+    assert r.complete(2, 40) is not None and not r.partial
+
+
+def test_handshake_lets_the_secret_in_and_keeps_others_out():
+    def run(client_security):
+        a, b = socket.socketpair()
+        server = {}
+        t = threading.Thread(target=lambda: server.update(result=_try(accept_handshake, a, SECURITY)))
+        t.start()
+        client = _try(connect_handshake, b, client_security, "w0")
+        t.join()
+        a.close(), b.close()
+        return server["result"], client
+
+    assert run(SECURITY) == ("w0", None)
+    name, client = run(LinkSecurity(b"x" * 32))
+    assert isinstance(name, HandshakeError) and isinstance(client, HandshakeError)
+
+
+def test_a_silent_or_trickling_peer_is_dropped_at_the_handshake_deadline():
+    a, b = socket.socketpair()
+    b.sendall(b"HSV1")  # then nothing
+    with pytest.raises(HandshakeError, match="timed out"):
+        accept_handshake(a, LinkSecurity(b"k" * 32, handshake_timeout_s=0.3))
+    a.close(), b.close()
+
+
+def _try(fn, *args):
+    try:
+        return fn(*args)
+    except HandshakeError as exc:
+        return exc
+
+
+def test_secret_from_file_env_or_fresh(tmp_path, monkeypatch):
+    monkeypatch.delenv("HETSERVE_SECRET", raising=False)
+    monkeypatch.delenv("HETSERVE_SECRET_FILE", raising=False)
+    assert len(deployment_secret()) == 32 and deployment_secret() != deployment_secret()
+    f = tmp_path / "secret"
+    f.write_text("ab" * 32 + "\n")
+    f.chmod(0o644)
+    with pytest.raises(ValueError, match="mode 644.*chmod 600"):
+        read_secret_file(f)
+    f.chmod(0o600)
+    monkeypatch.setenv("HETSERVE_SECRET_FILE", str(f))
+    assert deployment_secret() == bytes.fromhex("ab" * 32)
+    monkeypatch.delenv("HETSERVE_SECRET_FILE")
+    monkeypatch.setenv("HETSERVE_SECRET", "abcd")
+    with pytest.raises(ValueError, match="at least 16"):
+        deployment_secret()
+    with pytest.raises(ValueError, match="at least 16"):
+        LinkSecurity(b"short")
+    assert "kkkk" not in repr(SECURITY)  # the secret never reaches a log line
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    d = tmp_path_factory.mktemp("tls")
+
+    def run(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+        "-subj", "/CN=hetserve-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=node")
+    run("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "node.pem", "-days", "2")
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "other.key", "-out", "other.pem", "-days", "2",
+        "-subj", "/CN=someone-else")
+    return d
+
+
+def test_tls_links_carry_messages_and_refuse_a_certificate_from_elsewhere(tls_files):
+    d = tls_files
+    tls = TLSFiles(str(d / "node.pem"), str(d / "node.key"), str(d / "ca.pem"))
+    rogue = TLSFiles(str(d / "other.pem"), str(d / "other.key"), str(d / "other.pem"))
+    secure = LinkSecurity(b"k" * 32, tls=tls)
+    a, b = SocketTransport("a", secure), SocketTransport("b", secure)
+    c = SocketTransport("c", LinkSecurity(b"k" * 32, tls=rogue))  # the secret, but not the pool's certificate
+    try:
+        a.set_address("b", b.address)
+        a.send("b", Message("result", {"n": 1}, {"t": torch.ones(3)}))
+        got = b.recv(timeout=10)
+        assert got.kind == "result" and torch.equal(got.tensors["t"], torch.ones(3))
+        c.set_address("b", b.address)
+        c.send("b", Message("result", {"n": 2}))
+        err = c.recv(timeout=10)
+        assert err.kind == "link_error" and b.recv(timeout=0.5) is None
+        assert b.rejected["handshake"] == 1
+    finally:
+        for t in (a, b, c):
+            t.close()
+    with pytest.raises(ValueError, match="does not exist"):
+        TLSFiles(str(d / "missing.pem"), str(d / "node.key"), str(d / "ca.pem"))
+    assert os.path.exists(d / "node.pem")

@@ -28,8 +28,7 @@ def stall_diagnosis(s: Setting, wl: Workload, n: int, g: int, policy) -> dict:
     pool = build_pool(s.model, s.gpu, n, g, intra=s.intra)
     over: list[tuple[int, str]] = []  # (request id, worker) of each overflow placement, in order
     if policy == "jsq":
-        layouts = {r.id: r.layout(pool.cluster) for r in pool.plan.replicas}
-        pol = make_placement("jsq", PolicyContext(slo=s.slo, cost=pool.cost, plan=pool.plan, layouts=layouts))
+        pol = make_placement("jsq", PolicyContext.for_plan(pool.plan, pool.cluster, s.model, slo=s.slo, cost=pool.cost))
     else:
         pol = policy(pool)
         choose = pol.choose

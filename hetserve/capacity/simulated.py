@@ -34,7 +34,7 @@ Mode = Literal["colocated", "decode"]
 
 
 class PlacementAsRoute:
-    """Use a placement policy (jsq, po2, aladdin, ...) to pick the decode replica of a KV hand-off."""
+    """Use a placement policy (eft, jsq, po2, aladdin, ...) to pick the decode replica of a KV hand-off."""
 
     def __init__(self, placement):
         self.placement = placement
@@ -107,20 +107,21 @@ def run_pool(model: ModelSpec, gpu: str, workload: Workload, slo: SLO, policy: s
     ``prefill_mode``: how prompts meet decodes on a colocated worker (``SimOptions.prefill_mode``;
     None: the simulator's default, the runtime's "mixed")."""
     mode_opts = {} if prefill_mode is None else {"prefill_mode": prefill_mode}
-    from hetserve.policies.placement import PolicyContext, make_placement
+    from hetserve.policies.placement import DEFAULT_PLACEMENT, PolicyContext, make_placement
     from hetserve.sim.simulator import SimOptions, simulate
 
     pool = build_pool(model, gpu, workers, gpus_per_worker, mode, prefill_workers, per_machine, intra)
-    layouts = {r.id: r.layout(pool.cluster) for r in pool.plan.replicas if r.id in pool.worker_ids}
     if callable(policy):
         pol = policy(pool)
     else:
-        pol = make_placement(policy, PolicyContext(slo=slo, cost=pool.cost, plan=pool.plan, layouts=layouts,
-                                                   workload=workload))
+        # the policy under test sees (and Aladdin fits performance models for) the counted workers only
+        layouts = {r.id: r.layout(pool.cluster) for r in pool.plan.replicas if r.id in pool.worker_ids}
+        pol = make_placement(policy, PolicyContext.for_plan(pool.plan, pool.cluster, model, workload, slo=slo,
+                                                            cost=pool.cost, layouts=layouts))
     if mode == "colocated":
         opts = SimOptions(placement=pol, slo=slo, predictor=predictor, kv_admission=kv_admission, **mode_opts)
-    else:
-        opts = SimOptions(placement="jsq", route=PlacementAsRoute(pol), slo=slo, predictor=predictor,
+    else:  # the ample prefill pool in front gets the default placement; the policy picks decode workers
+        opts = SimOptions(placement=DEFAULT_PLACEMENT, route=PlacementAsRoute(pol), slo=slo, predictor=predictor,
                           kv_admission=kv_admission, **mode_opts)
     return simulate(pool.plan, pool.cluster, model, workload, opts, pool.cost)
 

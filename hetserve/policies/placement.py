@@ -10,11 +10,16 @@ the simulator and the runtime call the same objects. Baselines here:
 ``lot``     least outstanding tokens per unit of capacity (``outstanding_tokens / capacity_norm``)
 ``po2``     power of two choices: two distinct candidates drawn with a seeded RNG, the less
             loaded one wins (ties: fewer outstanding tokens, then the first drawn)
+``eft``     the default (``DEFAULT_PLACEMENT``): least expected finish time of the replica's
+            backlog plus the request, each replica's tokens priced by the plan's own flow through
+            it (``hetserve.policies.finish_time``)
 ==========  ==================================================================================
 
-The registry maps a name to a factory called with one ``PolicyContext``. Other modules add
-names with ``register_placement``; ``aladdin`` is built in ``hetserve.policies.aladdin_route`` and is
-imported on first use (that module calls ``register_placement("aladdin", ...)`` when imported).
+The registry maps a name to a factory called with one ``PolicyContext``, built by
+``PolicyContext.for_plan`` wherever a plan is simulated or served. Other modules add names with
+``register_placement``; ``eft`` (``hetserve.policies.finish_time``) and ``aladdin``
+(``hetserve.policies.aladdin_route``) are imported on first use (each module calls
+``register_placement`` when imported).
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ from typing import Any, Callable, Sequence
 
 from hetserve.policies.base import PlacementPolicy, ReplicaState, RequestInfo
 
+# The request placement every caller uses unless told otherwise (simulate, serve, compare, the
+# experiments): the plan's own prices per replica, so a heterogeneous plan delivers what it promised.
+DEFAULT_PLACEMENT = "eft"
+
 
 @dataclass(frozen=True)
 class PolicyContext:
@@ -33,7 +42,9 @@ class PolicyContext:
 
     ``cost`` is the shared ``CostModel``; ``layouts`` maps replica id to its ``ReplicaLayout``;
     ``slo`` is the workload's ``SLO``; ``plan`` the ``Plan``; ``workload`` the ``Workload`` (for
-    statistics only: a policy must not peek at future requests).
+    statistics only: a policy must not peek at future requests); ``predictor`` the caller's
+    output-length predictor (``hetserve.policies.predictor.OutputPredictor``), whose predictions
+    reach the policies through ``RequestInfo.predicted_output_tokens``. Build it with ``for_plan``.
     """
 
     seed: int = 0
@@ -43,6 +54,35 @@ class PolicyContext:
     layouts: dict[str, Any] = field(default_factory=dict)
     workload: Any = None
     options: dict[str, Any] = field(default_factory=dict)
+    predictor: Any = None
+
+    @classmethod
+    def for_plan(cls, plan: Any, cluster: Any, model: Any, workload: Any = None, *, slo: Any = None,
+                 seed: int = 0, options: dict[str, Any] | None = None, efficiency: Any = None,
+                 predictor: Any = None, cost: Any = None, layouts: dict[str, Any] | None = None
+                 ) -> "PolicyContext":
+        """The context of ``plan`` on ``cluster`` for ``model``: the one way the simulator, the
+        server and capacity planning build it, so a policy name means the same decision in each.
+
+        ``efficiency``: the cost model's ``Efficiency`` (a calibration), for a ``CostModel`` built
+        here; ``cost``: one already built for this cluster and model (the simulator's memoised
+        one) instead; not both. ``layouts``: replica id -> layout, default every replica's.
+        ``predictor`` must follow ``OutputPredictor`` (``predict(request_id, input_tokens,
+        generated_tokens=0)``, ``observe(request_id, input_tokens, output_tokens)``); TypeError if not.
+        """
+        from hetserve.cost.analytic import CostModel
+        from hetserve.policies.predictor import check_predictor
+
+        if getattr(plan, "model", model.name) != model.name:
+            raise ValueError(f"plan is for model {plan.model!r}, not {model.name!r}")
+        if cost is not None and efficiency is not None:
+            raise ValueError("give a cost model or an efficiency to build one, not both")
+        if predictor is not None:
+            check_predictor(predictor)
+        return cls(seed=seed, slo=slo, cost=cost if cost is not None else CostModel(cluster, model, efficiency),
+                   plan=plan, layouts=dict(layouts) if layouts is not None else
+                   {r.id: r.layout(cluster) for r in plan.replicas},
+                   workload=workload, options=dict(options or {}), predictor=predictor)
 
 
 class _Base:
@@ -117,7 +157,7 @@ PLACEMENT_POLICIES: dict[str, PlacementFactory] = {
 }
 
 # Names whose module registers them when imported (kept lazy: they may pull in heavier code).
-_LAZY_PLACEMENT = {"aladdin": "hetserve.policies.aladdin_route"}
+_LAZY_PLACEMENT = {"aladdin": "hetserve.policies.aladdin_route", "eft": "hetserve.policies.finish_time"}
 
 
 def register_placement(name: str, factory: PlacementFactory) -> None:

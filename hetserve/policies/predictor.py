@@ -18,6 +18,7 @@ Both are pure Python + numpy; nothing here touches the simulator or the runtime.
 from __future__ import annotations
 
 import bisect
+import inspect
 from typing import Mapping, Protocol, Sequence
 
 import numpy as np
@@ -34,6 +35,23 @@ class OutputPredictor(Protocol):
         ...
 
     def observe(self, request_id: int, input_tokens: int, output_tokens: int) -> None: ...
+
+
+def check_predictor(predictor: object) -> None:
+    """TypeError unless ``predictor`` follows ``OutputPredictor``: ``predict`` and ``observe`` each
+    take (request id, input tokens, generated / output tokens). A caller with another argument
+    order would feed a predictor the wrong numbers without any error, so it is refused up front."""
+    for method in ("predict", "observe"):
+        fn = getattr(predictor, method, None)
+        if not callable(fn):
+            raise TypeError(f"{type(predictor).__name__} has no {method}(request_id, input_tokens, ...) method")
+        try:
+            inspect.signature(fn).bind(0, 0, 0)
+        except TypeError as exc:
+            raise TypeError(f"{type(predictor).__name__}.{method} must take (request_id, input_tokens, "
+                            f"{'generated_tokens' if method == 'predict' else 'output_tokens'}): {exc}") from exc
+        except ValueError:  # no signature to read (a builtin): trust it
+            pass
 
 
 class BucketMeanPredictor:

@@ -1,0 +1,169 @@
+"""``eft`` placement: the replica that, by the plan, finishes its backlog plus this request first.
+
+Replicas of a heterogeneous plan differ several-fold in speed, and in how a prompt token compares
+with an output token. Counting requests (``jsq``) or raw tokens sends a slow replica as much as a
+fast one; both leave the fast replicas part idle and the slow ones with a long queue, so a
+saturated run delivers far less than the plan's estimate and the queue drains late.
+
+Each replica i gets two prices, in seconds of its own time when saturated:
+
+* ``a_i`` per prompt token and ``b_i`` per output token, with ``a_i·s_in + b_i·s_out = T_i``, the
+  time per request the plan gives it: ``period_s / flow_requests_per_period`` from the plan's
+  ``estimate`` (``capacity_requests_per_period`` where there is no flow), so placement follows the
+  plan's own flow, which already respects the links the replica's KV and activations cross;
+  without a figure in the plan, the cost model's capacity at the mean lengths;
+* the split between the two follows the cost model on a colocated replica (a prompt token is
+  priced as what it adds to a saturated decode step, an output token as that step over the batch),
+  all on the prompt for a prefill replica, all on the output for a decode one.
+
+A request goes to the candidate with the least ``prompt tokens·a_i + output tokens·b_i`` over its
+backlog (the snapshot's queued prompt tokens and outstanding output tokens) with the request's own
+tokens added, i.e. the earliest expected finish of everything placed there. The request's own part
+makes an idle fast replica win over an idle slow one. Ties go round robin, as in ``lot``.
+
+Where no prices can be set (no plan figure and no cost model, or a candidate the context does not
+know) every candidate is ranked by ``(outstanding tokens + the request's) / capacity_norm`` instead,
+so the ranking never mixes the two scales. Pure Python, O(candidates) per decision.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from hetserve.policies.base import ReplicaState, RequestInfo
+from hetserve.policies.placement import PolicyContext, register_placement
+
+# Mean lengths when neither the plan's estimate nor the workload gives them (round numbers of the
+# Azure conversation trace's order): they only set how a colocated replica's time splits.
+FALLBACK_INPUT_TOKENS = 1024.0
+FALLBACK_OUTPUT_TOKENS = 256.0
+
+
+def mean_lengths(ctx: PolicyContext) -> tuple[float, float]:
+    """(prompt, output) tokens per request the prices assume: the plan's, else the workload's."""
+    est = ctx.plan.estimate if ctx.plan is not None and isinstance(ctx.plan.estimate, dict) else {}
+    tin, tout = est.get("mean_input_tokens"), est.get("mean_output_tokens")
+    if not (isinstance(tin, (int, float)) and tin > 0 and isinstance(tout, (int, float)) and tout > 0):
+        if ctx.workload is not None and len(ctx.workload):
+            tin, tout = ctx.workload.mean_input, ctx.workload.mean_output
+        else:
+            tin, tout = FALLBACK_INPUT_TOKENS, FALLBACK_OUTPUT_TOKENS
+    return max(1.0, float(tin)), max(1.0, float(tout))
+
+
+def _planned_seconds(ctx: PolicyContext, rid: str) -> float | None:
+    """Seconds per request the plan's estimate gives replica ``rid`` (None: no figure)."""
+    est = ctx.plan.estimate if ctx.plan is not None and isinstance(ctx.plan.estimate, dict) else {}
+    info = (est.get("replicas") or {}).get(rid) or {}
+    period = est.get("period_s")
+    if not isinstance(period, (int, float)) or period <= 0:
+        return None
+    for key in ("flow_requests_per_period", "capacity_requests_per_period"):
+        share = info.get(key)
+        if isinstance(share, (int, float)) and share > 0:
+            return float(period) / float(share)
+    return None
+
+
+def _modelled_seconds(cost: Any, layout: Any, role: str, tin: float, tout: float) -> float | None:
+    """Seconds per request of a saturated replica under the cost model (None: it cannot run)."""
+    if role == "prefill":
+        t = cost.ttft(layout, max(1, round(tin)))
+        return t if t > 0 else None
+    if role == "decode":
+        _, tokens_per_s = cost.decode_throughput(layout, tin, tout)
+        return tout / tokens_per_s if tokens_per_s > 0 else None
+    per_period = cost.colocated_capacity(layout, tin, tout, 1.0)
+    return 1.0 / per_period if per_period > 0 else None
+
+
+def _prompt_share(cost: Any, layout: Any, tin: float, tout: float) -> float | None:
+    """Share of a colocated replica's time per request spent on its prompt: a prompt token costs
+    what it adds to a saturated decode step, an output token that step over its batch."""
+    from hetserve.cost.analytic import PrefillBatch
+
+    batch = cost.max_decode_batch(layout, tin + tout)
+    if batch <= 0:
+        return None
+    context = batch * (tin + tout / 2)
+    step = cost.decode_step_time(layout, batch, context)
+    mixed = cost.mixed_step_time(layout, batch, context, PrefillBatch(1, tin, tin * tin))
+    prompt, output = max(0.0, mixed - step), step / batch * tout
+    return prompt / (prompt + output) if prompt + output > 0 else None
+
+
+def replica_prices(ctx: PolicyContext) -> dict[str, tuple[float, float]]:
+    """Replica id -> (seconds per prompt token, seconds per output token), for every replica of
+    ``ctx.plan`` that has a plan figure or a cost-model one (module docstring)."""
+    if ctx.plan is None:
+        return {}
+    tin, tout = mean_lengths(ctx)
+    prices: dict[str, tuple[float, float]] = {}
+    for r in ctx.plan.replicas:
+        layout = ctx.layouts.get(r.id)
+        modelled = ctx.cost is not None and layout is not None
+        seconds = _planned_seconds(ctx, r.id)
+        if seconds is None and modelled:
+            seconds = _modelled_seconds(ctx.cost, layout, r.role, tin, tout)
+        if seconds is None:
+            continue
+        if r.role == "prefill":
+            share = 1.0
+        elif r.role == "decode":
+            share = 0.0
+        else:  # without the cost model, a prompt token and an output token cost the same
+            share = _prompt_share(ctx.cost, layout, tin, tout) if modelled else None
+            if share is None:
+                share = tin / (tin + tout)
+        prices[r.id] = (share * seconds / tin, (1.0 - share) * seconds / tout)
+    return prices
+
+
+def backlog_tokens(c: ReplicaState, request: RequestInfo | None = None) -> tuple[float, float]:
+    """(prompt tokens, output tokens) a replica has still to process, with ``request`` placed on it."""
+    if c.role == "prefill":
+        prompt, output = c.outstanding_tokens, 0.0
+    else:
+        prompt = float(c.queued_prefill_tokens)
+        output = max(0.0, c.outstanding_tokens - c.queued_prefill_tokens)
+    if request is not None:
+        if c.role != "decode":
+            prompt += request.input_tokens
+        if c.role != "prefill":
+            output += request.predicted_output_tokens
+    return prompt, output
+
+
+class ExpectedFinishTime:
+    """Least expected finish time of the backlog plus the request, priced by the plan (module doc)."""
+
+    name = "eft"
+    needs_requests = False
+
+    def __init__(self, ctx: PolicyContext | None = None):
+        self.prices = replica_prices(ctx or PolicyContext())
+        self._next = 0
+
+    def finish_s(self, request: RequestInfo, c: ReplicaState) -> float | None:
+        """Seconds of work ``c`` holds once ``request`` joins it (None: no price for ``c``)."""
+        price = self.prices.get(c.id)
+        if price is None:
+            return None
+        prompt, output = backlog_tokens(c, request)
+        return prompt * price[0] + output * price[1]
+
+    def choose(self, request: RequestInfo, candidates: Sequence[ReplicaState], now: float) -> str:
+        keys = [self.finish_s(request, c) for c in candidates]
+        if any(k is None for k in keys):  # one scale for every candidate: the snapshot's own
+            keys = [sum(backlog_tokens(c, request)) / (c.capacity_norm if c.capacity_norm > 0 else 1.0)
+                    for c in candidates]
+        best = min(keys)
+        tied = [c for c, k in zip(candidates, keys) if k == best]
+        self._next += 1
+        return tied[self._next % len(tied)].id
+
+    def on_finish(self, request_id: int, input_tokens: int, output_tokens: int) -> None:
+        return None
+
+
+register_placement("eft", ExpectedFinishTime)

@@ -358,3 +358,23 @@ def test_hetserve_serve_with_keys_end_to_end(serve_inputs, tmp_path):
     assert "API keys required on /v1/* (2 keys accepted)" in out
     assert "/health and /metrics open" in out and "admin endpoints (/admin/*) on" in out
     assert KEY not in out and OTHER_KEY not in out and ADMIN_KEY not in out
+
+
+def test_cli_hands_the_tls_files_to_the_engine(serve_inputs, captured_options, tmp_path, capsys):
+    """--tls-cert/--tls-key/--tls-ca become the engine's ``tls`` option (the runtime's ``TLSFiles``);
+    without them the engine gets none."""
+    from hetserve.runtime.auth import TLSFiles
+
+    files = {}
+    for what in ("cert", "key", "ca"):
+        files[what] = tmp_path / f"{what}.pem"
+        files[what].write_text("-----BEGIN PLACEHOLDER-----\n")
+        files[what].chmod(0o600)
+    assert cli(serve_inputs + ["--port", "0", "--tls-cert", str(files["cert"]), "--tls-key", str(files["key"]),
+                               "--tls-ca", str(files["ca"])]) == 2
+    tls = captured_options[-1].engine_options["tls"]
+    assert isinstance(tls, TLSFiles)
+    assert (tls.cert, tls.key, tls.ca) == (str(files["cert"]), str(files["key"]), str(files["ca"]))
+    assert cli(serve_inputs + ["--port", "0"]) == 2
+    assert "tls" not in captured_options[-1].engine_options
+    capsys.readouterr()

@@ -8,9 +8,10 @@ and the header is a msgpack map ``{kind, src, meta, tensors}``:
 
 - ``kind`` one of ``KINDS``, the messages processes send each other (the kinds an endpoint posts to
   itself — submit, abort, add, … — never travel, so a peer cannot inject them);
-- ``meta`` plain data only: None, bool, int, float, str, lists, maps, and two tagged extensions —
-  tuples, and the dataclasses named in ``_RECORDS`` (rebuilt by their constructors from plain
-  fields). Nothing on the wire names a function or a class to import, so decoding runs no code;
+- ``meta`` plain data only: None, bool, int, float, str, lists (a tuple arrives as a list), maps,
+  and one tagged extension: the dataclasses named in ``_RECORDS``, rebuilt by their constructors
+  from plain fields (their sequences as tuples). Nothing on the wire names a function or a class to
+  import, so decoding runs no code;
 - ``tensors`` ``[name, dtype, shape, nbytes]`` per tensor, the dtype from ``DTYPES``, ``nbytes``
   equal to the shape's element count times the dtype's size, and the byte counts adding up to
   exactly what follows the header.
@@ -48,7 +49,7 @@ MAX_PARTIAL_MESSAGES = 1024  # messages one connection may have half-received at
 CHUNK_HEADER = struct.Struct(">QQQI")  # a chunk of a message: msg_id, offset, total, chunk length
 
 _HLEN = struct.Struct(">I")
-_TUPLE, _RECORD = 1, 2  # msgpack extension codes
+_RECORD = 2  # msgpack extension code
 _RECORDS: dict[str, type] = {cls.__name__: cls for cls in (WorkerSpec, ReplicaSpec)}
 
 
@@ -68,26 +69,26 @@ class Message:
 
 
 def _default(obj: Any) -> msgpack.ExtType:
-    if isinstance(obj, tuple):
-        return msgpack.ExtType(_TUPLE, pack_data(list(obj)))
     name = type(obj).__name__
     if _RECORDS.get(name) is type(obj):
         fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
         return msgpack.ExtType(_RECORD, pack_data([name, fields]))
-    raise TypeError(f"{type(obj).__name__} cannot go on the wire: only plain data, tuples and "
+    raise TypeError(f"{type(obj).__name__} cannot go on the wire: only plain data and "
                     f"{', '.join(_RECORDS)} (hetserve.runtime.wire)")
 
 
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
 def _ext_hook(code: int, data: bytes) -> Any:
-    if code == _TUPLE:
-        return tuple(unpack_data(data))
     if code == _RECORD:
         name, fields = unpack_data(data)
         cls = _RECORDS.get(name) if isinstance(name, str) else None
         if cls is None or not isinstance(fields, dict):
             raise MalformedMessage(f"unknown record {name!r}")
         try:
-            return cls(**fields)
+            return cls(**{k: _tuples(v) for k, v in fields.items()})
         except TypeError as exc:
             raise MalformedMessage(f"record {name}: {exc}") from None
     raise MalformedMessage(f"unknown extension {code}")
@@ -95,8 +96,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
 
 def pack_data(obj: Any) -> bytes:
     """Plain data (see the module docstring) as msgpack bytes; TypeError for anything else."""
-    # strict_types: a tuple reaches _default instead of passing as a list
-    return msgpack.packb(obj, default=_default, strict_types=True, use_bin_type=True)
+    return msgpack.packb(obj, default=_default, use_bin_type=True)
 
 
 def unpack_data(data: bytes | memoryview) -> Any:

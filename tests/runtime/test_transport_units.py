@@ -26,7 +26,7 @@ def test_socket_transport_roundtrip_and_priority():
                    "empty": torch.zeros(0, 3)}
         a.send("b", Message("step", {"k": [1, 2], "t": (1, (2, "x")), 3: None}, tensors), Priority.KV)
         got = b.recv(timeout=5)
-        assert got.kind == "step" and got.meta == {"k": [1, 2], "t": (1, (2, "x")), 3: None} and got.src == "a"
+        assert got.kind == "step" and got.meta == {"k": [1, 2], "t": [1, [2, "x"]], 3: None} and got.src == "a"
         for k, t in tensors.items():
             assert got.tensors[k].dtype == t.dtype and torch.equal(got.tensors[k], t)
         assert a.flush(5)

@@ -32,11 +32,15 @@ def _header_payload(header: dict, tail: bytes = b"") -> bytearray:
     return bytearray(struct.pack(">I", len(data)) + data + tail)
 
 
-def test_plain_data_tuples_and_layout_records_round_trip():
+def test_plain_data_and_layout_records_round_trip():
     w = WorkerSpec("m0:0", "r0", "both", 0, 1, (0, 4), 0, 1, "m0:0", None, (0, 2), "cpu")
-    meta = {"seqs": [(1, 0, 3, [0, 1], (0.7, 1.0, None, 0))], 7: "int key", "layout": (ReplicaSpec("r0", "both", ((w,),)),),
+    layout = ReplicaSpec("r0", "both", ((w,),))
+    meta = {"seqs": [(1, 0, 3, [0, 1], (0.7, 1.0, None, 0))], 7: "int key", "layout": [layout],
             "x": float("inf"), "b": True}
-    assert unpack_data(pack_data(meta)) == meta
+    got = unpack_data(pack_data(meta))
+    assert got == {**meta, "seqs": [[1, 0, 3, [0, 1], [0.7, 1.0, None, 0]]]}  # tuples arrive as lists
+    assert got["layout"][0] == layout and hash(got["layout"][0]) == hash(layout)  # records as they were
+    meta = got
     got = decode(_payload(Message("peers", meta, {"t": torch.arange(6).reshape(2, 3)}, "engine")))
     assert got.meta == meta and got.src == "engine" and torch.equal(got.tensors["t"], torch.arange(6).reshape(2, 3))
 

@@ -56,28 +56,29 @@ def machine_resource(machine: str) -> str:
 
 
 def ray_auth_env(environ: dict[str, str], joining: bool) -> dict[str, str]:
-    """The Ray authentication settings to add to ``environ`` before Ray starts or is joined.
+    """What to add to ``environ`` before Ray starts or is joined, so that it runs with token
+    authentication unless ``RAY_AUTH_MODE`` says otherwise.
 
-    Token authentication unless ``RAY_AUTH_MODE`` is set: a private Ray (not ``joining``) without a
-    token gets a fresh one; a driver joining a pool must have the pool's token and is told where to
-    put it. Raises ValueError for a join that cannot authenticate.
+    Ray (>= 2.59) turns token authentication on by itself where the mode is unset and a token is at
+    hand (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``). A private Ray without
+    one gets a fresh token here (kept in this process's environment, no file written); a driver
+    joining a pool without the pool's token is refused, with where to put it. Explicitly disabled
+    authentication is honoured, with a warning.
     """
     mode = environ.get("RAY_AUTH_MODE")
-    if mode is not None and mode != "token":
+    if mode is not None and mode.lower() != "token":
         logging.getLogger("hetserve.runtime").warning(
             "Ray token authentication is off (RAY_AUTH_MODE=%s): whoever reaches Ray's ports can run code "
             "on every node", mode)
         return {}
-    extra = {} if mode else {"RAY_AUTH_MODE": "token"}
-    has_token = (environ.get("RAY_AUTH_TOKEN") or environ.get("RAY_AUTH_TOKEN_PATH")
-                 or os.path.exists(os.path.expanduser("~/.ray/auth_token")))
-    if has_token:
-        return extra
+    if (environ.get("RAY_AUTH_TOKEN") or environ.get("RAY_AUTH_TOKEN_PATH")
+            or os.path.exists(os.path.expanduser("~/.ray/auth_token"))):
+        return {}
     if joining:
         raise ValueError("Ray token authentication is on, and this machine has no token for the pool: set "
                          "RAY_AUTH_TOKEN_PATH to the token file its nodes were started with "
                          "(docs/multinode.md), or RAY_AUTH_MODE=disabled on a network no one else reaches")
-    return {**extra, "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    return {"RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
 
 class RaySession:

@@ -1,7 +1,8 @@
-"""Experiment 1 of issue 4: HexGen-2 Appendix table `tab:vllm` (llama-2-70b, tokens/s).
+"""Experiment 1: HexGen-2 Appendix table `tab:vllm` (llama-2-70b, tokens/s).
 
     .venv/bin/python experiments/hexgen2_table.py [--requests 1000] [--online-requests 3000]
-        [--time-limit 20] [--markdown docs/experiments/hexgen2_table.md]
+        [--time-limit 20] [--router eft] [--settings hexgen2-het1,hexgen2-homo]
+        [--columns HPLD,HPHD,LPHD,LPLD,Online] [--markdown docs/experiments/hexgen2_table.md]
 
 For each setting (hexgen2-het1, hexgen2-homo) and planner (hexgen2, hexgen, uniform — the
 DistServe-style baseline) it plans for each workload and simulates:
@@ -15,8 +16,12 @@ DistServe-style baseline) it plans for each workload and simulates:
   and TPOT ≤ 0.2 s (our choice: the paper's SLO section gives no numbers).
 
 The paper's numbers (HexGen-2 on setting 1, HexGen on setting 1, DistServe and vLLM on the
-homogeneous setting) are printed beside ours. Placement: jsq; KV routes: the plan's flow weights;
-links: fair sharing.
+homogeneous setting) are printed beside ours. Placement: ``--router`` (default: the default
+placement, ``DEFAULT_PLACEMENT``); KV routes: the plan's flow weights; links: fair sharing.
+
+After the table, for each setting and column: whether the plan the planner estimates best is also
+the one the simulator delivers most for (the planner's estimate is a steady state; the offline
+columns are a makespan, so a tail of long requests can still order them differently).
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from hetserve.policies.placement import DEFAULT_PLACEMENT, placement_names
 from hetserve.sim import SimOptions, simulate
 from hetserve.specs.cluster import load_cluster
 from hetserve.specs.model import load_model
@@ -63,9 +70,9 @@ def run_setting(cluster_name: str, algorithm: str, trace: Workload, args, consol
 
     cluster, model = load_cluster(cluster_name), load_model("llama-2-70b")
     popts = PlanOptions(seed=args.seed, time_limit_s=args.time_limit)
-    opts = SimOptions(placement="jsq", transmission="fair", seed=args.seed)
+    opts = SimOptions(placement=args.router, transmission="fair", seed=args.seed)
     row: dict = {}
-    for cls in CLASSES:
+    for cls in [c for c in CLASSES if c in args.columns]:
         wl = trace.of_class(cls).head(args.requests)
         t0 = time.perf_counter()
         plan = ALGORITHMS[algorithm](cluster, model, wl, popts)
@@ -75,15 +82,19 @@ def run_setting(cluster_name: str, algorithm: str, trace: Workload, args, consol
               f"{time.perf_counter() - t1:.1f} s", flush=True)
         row[cls] = res.summary()
         row[cls]["plan_shape"] = _shape(plan)
+        row[cls]["estimate_tokens_per_s"] = plan.estimate.get("throughput_tokens_per_s")
+    if "Online" not in args.columns:
+        return row
     wl = trace.head(args.online_requests)
     plan = ALGORITHMS[algorithm](cluster, model, wl, popts)
     peak = simulate(plan, cluster, model, offline(wl), opts).summary()["requests_per_s"]
     online = wl.with_rate(0.75 * peak)
-    res = simulate(plan, cluster, model, online, SimOptions(placement="jsq", transmission="fair", seed=args.seed,
-                                                            slo=ONLINE_SLO))
+    res = simulate(plan, cluster, model, online, SimOptions(placement=args.router, transmission="fair",
+                                                            seed=args.seed, slo=ONLINE_SLO))
     row["Online"] = res.summary()
     row["Online"]["rate"] = 0.75 * peak
     row["Online"]["plan_shape"] = _shape(plan)
+    row["Online"]["estimate_tokens_per_s"] = plan.estimate.get("throughput_tokens_per_s")
     console.log(f"{cluster_name} {algorithm}: online plan {row['Online']['plan_shape']}")
     return row
 
@@ -96,53 +107,84 @@ def _shape(plan) -> str:
     return " ".join(parts)
 
 
-def main() -> None:
+def agreement(results: dict, columns: Sequence[str]) -> list[str]:
+    """Per setting and column: the plan the planner estimates best against the one the simulator
+    delivers most for (one line each, ``agree`` or ``DISAGREE``)."""
+    lines = []
+    for cl in dict.fromkeys(c for c, _ in results):
+        for col in columns:
+            cells = {algo: row[col] for (c, algo), row in results.items() if c == cl and col in row}
+            if len(cells) < 2:
+                continue
+            planned = max(cells, key=lambda a: cells[a]["estimate_tokens_per_s"] or 0.0)
+            delivered = max(cells, key=lambda a: cells[a]["throughput_tokens_per_s"])
+            # equal plans (same estimate) deliver the same: either is the planner's pick
+            same = cells[planned]["estimate_tokens_per_s"] == cells[delivered]["estimate_tokens_per_s"]
+            verdict = "agree" if planned == delivered or same else "DISAGREE"
+            detail = ", ".join(f"{a} {c['estimate_tokens_per_s']:,.0f} est / {c['throughput_tokens_per_s']:,.0f} sim"
+                               for a, c in cells.items())
+            lines.append(f"{cl} {col}: planner's best {planned}, simulator's best {delivered}: {verdict} ({detail})")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000, help="requests per class (offline)")
     ap.add_argument("--online-requests", type=int, default=3000)
     ap.add_argument("--time-limit", type=float, default=20.0, help="planner time limit per plan, seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--router", default=DEFAULT_PLACEMENT, choices=placement_names(),
+                    help=f"request placement (default {DEFAULT_PLACEMENT})")
+    ap.add_argument("--settings", default="hexgen2-het1,hexgen2-homo", help="comma-separated cluster presets")
+    ap.add_argument("--columns", default=",".join(COLUMNS), help=f"comma-separated, of {','.join(COLUMNS)}")
     ap.add_argument("--markdown", help="also write the table as Markdown to this file")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.columns = [c for c in COLUMNS if c in args.columns.split(",")]
     console = Console(width=160)
     trace = load_workload("azure-conv")
     t0 = time.perf_counter()
     results = {}
-    for cl in ("hexgen2-het1", "hexgen2-homo"):
+    for cl in args.settings.split(","):
         for algo in ("hexgen2", "hexgen", "uniform"):
             results[(cl, algo)] = run_setting(cl, algo, trace, args, console)
+    columns = args.columns
     table = Table(title="HexGen-2 tab:vllm — llama-2-70b, output tokens/s: ours (paper)", title_justify="left")
     table.add_column("setting")
     table.add_column("plan")
-    for c in COLUMNS:
+    for c in columns:
         table.add_column(c, justify="right")
     table.add_column("online P99 TTFT / TPOT, SLO att.", justify="right")
-    md = ["| setting | plan (paper system) | " + " | ".join(COLUMNS) + " | online P99 TTFT / TPOT (s), SLO attainment |",
-          "|---|---|" + "---:|" * (len(COLUMNS) + 1)]
+    md = ["| setting | plan (paper system) | " + " | ".join(columns) + " | online P99 TTFT / TPOT (s), SLO attainment |",
+          "|---|---|" + "---:|" * (len(columns) + 1)]
     for (cl, algo), row in results.items():
         paper_name = OURS.get((cl, algo))
         paper = PAPER.get((cl, paper_name)) if paper_name else None
         cells = []
-        for i, c in enumerate(COLUMNS):
+        for c in columns:
             ours = row[c]["throughput_tokens_per_s"]
-            cells.append(f"{ours:.0f}" + (f" ({paper[i]})" if paper else ""))
-        on = row["Online"]
-        extra = f"{on['ttft_s']['p99']:.2f} / {on['tpot_s']['p99']:.3f}, {on['slo_attainment']:.2f}"
+            cells.append(f"{ours:.0f}" + (f" ({paper[COLUMNS.index(c)]})" if paper else ""))
+        on = row.get("Online")
+        extra = f"{on['ttft_s']['p99']:.2f} / {on['tpot_s']['p99']:.3f}, {on['slo_attainment']:.2f}" if on else "–"
         label = algo + (f" ({paper_name})" if paper_name else "")
         table.add_row(cl, label, *cells, extra)
         md.append(f"| {cl} | {label} | " + " | ".join(cells) + f" | {extra} |")
     console.print(table)
     shapes = ["", "Plans (P = prefill, D = decode, C = colocated; digits = TP degree per stage):", ""]
     for (cl, algo), row in results.items():
-        shapes.append(f"- {cl} {algo}: " + "; ".join(f"{c} `{row[c]['plan_shape']}`" for c in COLUMNS))
+        shapes.append(f"- {cl} {algo}: " + "; ".join(f"{c} `{row[c]['plan_shape']}`" for c in columns))
     console.print("\n".join(shapes))
-    console.print("online rates (req/s): " + ", ".join(f"{cl} {a} {r['Online']['rate']:.2f}"
-                                                      for (cl, a), r in results.items()))
+    if "Online" in columns:
+        console.print("online rates (req/s): " + ", ".join(f"{cl} {a} {r['Online']['rate']:.2f}"
+                                                          for (cl, a), r in results.items()))
+    checks = ["", f"Planner's best vs simulator's best (placement {args.router}):", ""] + \
+        [f"- {line}" for line in agreement(results, columns)]
+    console.print("\n".join(checks))
     console.print(f"total {time.perf_counter() - t0:.0f} s")
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text("\n".join(md + shapes) + "\n")
+        Path(args.markdown).write_text("\n".join(md + shapes + checks) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

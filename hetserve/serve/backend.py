@@ -14,6 +14,7 @@ an adapter.
                                cancelled tasks (a client that went away), where nothing may be awaited
     replicas() -> [ReplicaState]   a snapshot for the placement policy and the metrics
     link_stats() -> [LinkStats]    bytes / queueing per shaped link (empty when links are not shaped)
+    refused_connections() -> {reason: n}   connections the runtime's endpoints closed unread (docs/security.md)
     max_context                    the model's context length (prompt + output tokens)
     close()                        stop the engine; idempotent
 """
@@ -38,5 +39,7 @@ class Backend(Protocol):
     def replicas(self) -> list[ReplicaState]: ...
 
     def link_stats(self) -> list: ...
+
+    def refused_connections(self) -> dict[str, int]: ...
 
     async def close(self) -> None: ...

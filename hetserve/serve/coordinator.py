@@ -54,7 +54,7 @@ class Coordinator:
                  clock=time.monotonic):
         self.backend, self.codec, self.model_name = backend, codec, model_name
         self.placement, self.predictor, self.clock = placement, predictor, clock
-        self.metrics = ServerMetrics(lambda: (self._safe_replicas(), self._safe_links()))
+        self.metrics = ServerMetrics(lambda: (self._safe_replicas(), self._safe_links()), self._safe_refused)
         self._seq = itertools.count(1)
         self.in_flight = 0
         self.draining = False  # set by a graceful shutdown: no new request is admitted
@@ -72,6 +72,12 @@ class Coordinator:
             return list(self.backend.link_stats())
         except Exception:  # noqa: BLE001
             return []
+
+    def _safe_refused(self) -> dict[str, int]:
+        try:
+            return dict(self.backend.refused_connections())
+        except Exception:  # noqa: BLE001
+            return {}
 
     def health(self) -> tuple[str, list[dict]]:
         """("ok" | "degraded" | "unavailable" | "draining", one entry per replica with its liveness).

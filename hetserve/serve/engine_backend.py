@@ -72,6 +72,9 @@ class EngineBackend:
     def link_stats(self) -> list:
         return self.links.read_stats() if self.links is not None else []
 
+    def refused_connections(self) -> dict[str, int]:
+        return self.engine.refused_connections()
+
     async def close(self) -> None:
         if self._closed:
             return

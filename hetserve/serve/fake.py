@@ -49,6 +49,7 @@ class FakeBackend:
         self.placed: list[str | None] = []
         self.failure: str | None = None
         self.dead: set[str] = set()  # replicas reported down
+        self.refused: dict[str, int] = {}  # what the runtime's endpoints would have refused, by reason
 
     def _free(self, replica: str) -> int:
         return self.slots[replica] - sum(1 for r in self.running.values() if r == replica)
@@ -106,6 +107,9 @@ class FakeBackend:
         s = LinkStats("m0:0", "m0:1", 0.03, 12.5e6)
         s.bytes_sent["decode"] = 1024.0
         return [s]
+
+    def refused_connections(self) -> dict[str, int]:
+        return dict(self.refused)
 
     async def close(self) -> None:
         pass

@@ -34,7 +34,8 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0
 
 
 class ServerMetrics:
-    def __init__(self, backend_snapshot: Callable[[], tuple[list, list]]):
+    def __init__(self, backend_snapshot: Callable[[], tuple[list, list]],
+                 refused: Callable[[], dict[str, int]] = dict):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry(auto_describe=True)
@@ -50,6 +51,7 @@ class ServerMetrics:
         self.generation_tokens = Counter("hetserve_generation_tokens", "Generated tokens", registry=r)
         self.in_flight = Gauge("hetserve_requests_in_flight", "Requests admitted and not finished", registry=r)
         r.register(_BackendCollector(backend_snapshot))
+        r.register(_RefusedCollector(refused))
 
     def observe(self, ttft_s: float | None, e2e_s: float, output_tokens: int) -> None:
         if ttft_s is not None:
@@ -63,6 +65,27 @@ class ServerMetrics:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _RefusedCollector:
+    """Connections the runtime's endpoints (engine and workers) closed before or while reading them:
+    a failed handshake, a malformed message, too many handshakes at once (docs/security.md)."""
+
+    def __init__(self, refused: Callable[[], dict[str, int]]):
+        self.refused = refused
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        fam = CounterMetricFamily("hetserve_refused_connections", "Runtime connections closed unread, by reason",
+                                  labels=["reason"])
+        counts = self.refused()
+        for reason in ("handshake", "malformed", "busy"):
+            fam.add_metric([reason], counts.get(reason, 0))
+        yield fam
 
 
 class _BackendCollector:

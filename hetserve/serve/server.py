@@ -14,10 +14,9 @@ import threading
 import time
 
 # Seconds an idle keep-alive connection stays open. It must outlast the clients' own pools: httpx (and
-# so openai's client) re-uses an idle connection for 5 s, aiohttp for 15 s. At uvicorn's default of 5 s
-# the server closed a connection just as the client sent its next request on it, and the request failed
-# with "Server disconnected without sending a response" (openai: APIConnectionError): one of 96
-# requests of a `bench_predict` cell, 2026-11-27.
+# so openai's client) re-uses an idle connection for 5 s, aiohttp for 15 s. Where the server's timeout
+# equals the client's, the server may close a connection just as the client sends its next request
+# on it, and that request fails with "Server disconnected without sending a response".
 KEEP_ALIVE_S = 30
 
 

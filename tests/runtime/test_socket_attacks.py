@@ -9,7 +9,6 @@ to every worker's.
 
 from __future__ import annotations
 
-import os
 import pickle
 import random
 import socket
@@ -18,8 +17,10 @@ import threading
 import time
 
 import pytest
+
 from hetserve.runtime.auth import MAGIC, NONCE_BYTES, HandshakeError, LinkSecurity, connect_handshake
 from hetserve.runtime.wire import CHUNK_HEADER
+from tests.runtime.attacks import Exploit, old_framing, send_and_close, trickle
 
 PLAN = {"model": "tiny", "cluster": "demo-cpu", "algorithm": "manual", "replicas": [
     {"id": "p0", "role": "prefill", "stages": [{"devices": ["m0:0", "m0:1"], "layers": [0, 4]}]},
@@ -27,45 +28,6 @@ PLAN = {"model": "tiny", "cluster": "demo-cpu", "algorithm": "manual", "replicas
                                               {"devices": ["m1:1"], "layers": [2, 4]}]}],
     "kv_routes": [{"from": "p0", "to": "d0", "weight": 1.0}]}
 PROMPTS = [[1, 5, 9, 2], [7] * 20, [3, 4]]
-
-
-class _Exploit:
-    """Unpickling this runs a shell command that creates ``path``: the old wire's remote code execution."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.path}",)
-
-
-def _old_framing(payload: bytes) -> bytes:
-    """What the runtime's sockets used to accept: a name, a chunk header, a pickled header."""
-    name = b"engine"
-    header = struct.pack(">I", len(payload)) + payload
-    return struct.pack(">H", len(name)) + name + CHUNK_HEADER.pack(1, 0, len(header), len(header)) + header
-
-
-def _send_and_close(address, data: bytes) -> None:
-    with socket.create_connection(address, timeout=5) as s:
-        try:
-            s.sendall(data)
-            s.settimeout(2)
-            while s.recv(4096):  # until the endpoint closes the connection
-                pass
-        except OSError:
-            pass
-
-
-def _trickle(address, seconds: float) -> None:
-    """A slow client: one byte a second."""
-    try:
-        with socket.create_connection(address, timeout=5) as s:
-            for _ in range(int(seconds)):
-                s.sendall(b"H")
-                time.sleep(1.0)
-    except OSError:
-        pass  # closed by the endpoint: what should happen
 
 
 def _rss_mb(pid: int) -> float:
@@ -103,19 +65,19 @@ def test_attacks_on_every_endpoint_run_nothing_and_kill_nothing(engine, tmp_path
     results = {}
     in_flight = threading.Thread(target=lambda: results.setdefault("tokens", _generate(engine, 24)))
     in_flight.start()
-    slow = [threading.Thread(target=_trickle, args=(a, 8)) for a in endpoints]
+    slow = [threading.Thread(target=trickle, args=(a, 8)) for a in endpoints]
     for t in slow:
         t.start()
-    exploit = pickle.dumps(("step", {}, "engine", [_Exploit(str(marker))]))
+    exploit = pickle.dumps(("step", {}, "engine", [Exploit(str(marker))]))
     rng = random.Random(0)
     for address in endpoints:
         for _ in range(5):
-            _send_and_close(address, _old_framing(exploit))
-            _send_and_close(address, rng.randbytes(rng.randint(1, 4096)))
+            send_and_close(address, old_framing(exploit))
+            send_and_close(address, rng.randbytes(rng.randint(1, 4096)))
             # a frame announcing 2^40 bytes, sent as the old wire wanted it
-            _send_and_close(address, struct.pack(">H", 1) + b"x" + CHUNK_HEADER.pack(1, 0, 1 << 40, 1 << 30))
+            send_and_close(address, struct.pack(">H", 1) + b"x" + CHUNK_HEADER.pack(1, 0, 1 << 40, 1 << 30))
             # the greeting, then a correct-looking frame without the proof
-            _send_and_close(address, MAGIC + bytes(NONCE_BYTES) + struct.pack(">H", 1) + b"x" + bytes(32)
+            send_and_close(address, MAGIC + bytes(NONCE_BYTES) + struct.pack(">H", 1) + b"x" + bytes(32)
                             + CHUNK_HEADER.pack(1, 0, 8, 8) + bytes(8))
     for t in slow:
         t.join()

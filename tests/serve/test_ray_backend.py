@@ -52,11 +52,17 @@ def _compare_backends(tmp_path):
                 assert all(isinstance(p, RayWorkerProcess) for p in dep.engine.procs.values())
                 assert {p.machine for p in dep.engine.procs.values()} == {"m0", "m1"}
                 assert ray.is_initialized()
+                # the Ray-placed workers' endpoints refuse what local ones refuse
+                from tests.runtime.attacks import attack
+
+                for address in [dep.engine.transport.address, *dep.engine.workers.addresses.values()]:
+                    attack(address, str(tmp_path / "pwned"))
             ids = [dep.coordinator.codec.encode(p) for p in PROMPTS]
             tokens[backend] = dep.engine.generate(ids, SamplingParams(max_tokens=10, temperature=0.0), timeout=120)
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
             texts[backend] = [c.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0).choices[0].text
                               for p in PROMPTS]
     assert not ray.is_initialized()  # the session this server started is shut down
+    assert not (tmp_path / "pwned").exists()
     assert tokens["ray"] == tokens["local"]
     assert texts["ray"] == texts["local"]

@@ -21,6 +21,15 @@ backlog (the snapshot's queued prompt tokens and outstanding output tokens) with
 tokens added, i.e. the earliest expected finish of everything placed there. The request's own part
 makes an idle fast replica win over an idle slow one. Ties go round robin, as in ``lot``.
 
+A prefill replica hands a request on once its prompt is done, and the decode replicas behind it
+are not among placement's candidates (their snapshots are not shown to it). So the policy books
+each request it sends to a prefill replica on that replica's KV routes (output tokens by route
+weight, priced at each decode replica's ``b_d``) until ``on_finish``, and ranks a prefill replica
+by the later of its own backlog and that decode backlog (its own backlog breaks ties). Without the
+booking a mixed plan's prefill replicas look idle and draw far more than their decode replicas
+serve. A booked request counts its whole predicted output until it finishes, an overestimate of
+the running ones by what they have made.
+
 Where no prices can be set (no plan figure and no cost model, or a candidate the context does not
 know) every candidate is ranked by ``(outstanding tokens + the request's) / capacity_norm`` instead,
 so the ranking never mixes the two scales. Pure Python, O(candidates) per decision.
@@ -141,29 +150,63 @@ class ExpectedFinishTime:
     needs_requests = False
 
     def __init__(self, ctx: PolicyContext | None = None):
-        self.prices = replica_prices(ctx or PolicyContext())
+        ctx = ctx or PolicyContext()
+        self.prices = replica_prices(ctx)
+        # prefill replica -> [(decode replica, route weight)]: where its requests' outputs go
+        self.routes: dict[str, list[tuple[str, float]]] = {}
+        if ctx.plan is not None:
+            for r in ctx.plan.replicas:
+                if r.role == "prefill":
+                    out = [(k.dst, k.weight) for k in ctx.plan.routes_from(r.id) if k.weight > 0]
+                    total = sum(w for _, w in out)
+                    if out and all(d in self.prices for d, _ in out):
+                        self.routes[r.id] = [(d, w / total) for d, w in out]
+        self._decoding: dict[str, float] = {}  # decode replica -> output tokens expected there
+        self._sent: dict[int, tuple[str, float]] = {}  # request -> (prefill replica, predicted output)
         self._next = 0
 
-    def finish_s(self, request: RequestInfo, c: ReplicaState) -> float | None:
-        """Seconds of work ``c`` holds once ``request`` joins it (None: no price for ``c``)."""
+    def _book(self, src: str, output_tokens: float) -> None:
+        """Book ``output_tokens`` (negative: release them) on the decode replicas behind ``src``."""
+        for d, w in self.routes[src]:
+            self._decoding[d] = self._decoding.get(d, 0.0) + w * output_tokens
+
+    def _decode_s(self, src: str, output_tokens: float) -> float:
+        """Expected seconds the decode replicas behind ``src`` hold with ``output_tokens`` more on
+        them, by route weight."""
+        return sum(w * (self._decoding.get(d, 0.0) + output_tokens) * self.prices[d][1] for d, w in self.routes[src])
+
+    def finish_s(self, request: RequestInfo, c: ReplicaState) -> tuple[float, float] | None:
+        """Seconds until ``c`` would have finished everything placed on it, ``request`` included,
+        and the part of that on ``c`` itself (the tie-break); None: no price for ``c``. A prefill
+        replica's request is finished only once decoded: the decode replicas behind it, whose
+        snapshots placement does not see, hold what this policy has sent them."""
         price = self.prices.get(c.id)
         if price is None:
             return None
         prompt, output = backlog_tokens(c, request)
-        return prompt * price[0] + output * price[1]
+        own = prompt * price[0] + output * price[1]
+        if c.id in self.routes:
+            return max(own, self._decode_s(c.id, request.predicted_output_tokens)), own
+        return own, own
 
     def choose(self, request: RequestInfo, candidates: Sequence[ReplicaState], now: float) -> str:
         keys = [self.finish_s(request, c) for c in candidates]
         if any(k is None for k in keys):  # one scale for every candidate: the snapshot's own
-            keys = [sum(backlog_tokens(c, request)) / (c.capacity_norm if c.capacity_norm > 0 else 1.0)
-                    for c in candidates]
+            keys = [(x, x) for x in (sum(backlog_tokens(c, request)) / (c.capacity_norm if c.capacity_norm > 0 else 1.0)
+                                     for c in candidates)]
         best = min(keys)
         tied = [c for c, k in zip(candidates, keys) if k == best]
         self._next += 1
-        return tied[self._next % len(tied)].id
+        chosen = tied[self._next % len(tied)].id
+        if chosen in self.routes:
+            self._sent[request.id] = (chosen, request.predicted_output_tokens)
+            self._book(chosen, request.predicted_output_tokens)
+        return chosen
 
     def on_finish(self, request_id: int, input_tokens: int, output_tokens: int) -> None:
-        return None
+        sent = self._sent.pop(request_id, None)
+        if sent is not None:
+            self._book(sent[0], -sent[1])
 
 
 register_placement("eft", ExpectedFinishTime)

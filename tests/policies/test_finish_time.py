@@ -191,3 +191,26 @@ def test_for_plan_takes_a_predictor_only_with_the_predictor_protocol():
         PolicyContext.for_plan(plan, cluster, model, predictor=TwoArguments())
     with pytest.raises(TypeError, match="observe"):
         PolicyContext.for_plan(plan, cluster, model, predictor=type("P", (), {"predict": lambda s, a, b, c=0: 1.0})())
+
+
+def test_a_prefill_replica_counts_the_decode_work_it_has_sent_on():
+    """A prefill replica empties as soon as its prompts are done; the decode replicas its routes
+    feed are not among placement's candidates. The policy books each request's output on them (by
+    route weight) until the request finishes, so a burst splits by the whole path's flow."""
+    plan = _plan({"p0": ("prefill", 1000.0), "d0": ("decode", 1000.0), "c0": ("colocated", 1000.0)},
+                 routes=[("p0", "d0", 1.0)])
+    pol = ExpectedFinishTime(PolicyContext(plan=plan))
+    states = {"p0": _state("p0", "prefill"), "c0": _state("c0")}
+    sent = []
+    for i in range(200):
+        rid = pol.choose(RequestInfo(i, 0.0, int(TIN), TOUT), list(states.values()), 0.0)
+        if rid == "c0":  # the colocated replica keeps it; the prefill replica hands it on at once
+            s = states["c0"]
+            states["c0"] = _state("c0", "colocated", s.queued_requests + 1, 0, int(s.queued_prefill_tokens + TIN),
+                                  s.outstanding_tokens + TIN + TOUT)
+        else:
+            sent.append(i)
+    assert len(sent) == pytest.approx(100, abs=2)
+    for i in sent:  # decoded and done: the path is free again
+        pol.on_finish(i, int(TIN), int(TOUT))
+    assert pol.choose(RequestInfo(999, 0.0, int(TIN), TOUT), list(states.values()), 0.0) == "p0"

@@ -8,6 +8,10 @@ token, so it leaves out KV transfer and admission waits that TPOT includes.
 A request attains the SLO when every target that is set holds (TTFT, TPOT, E2E); goodput is
 attaining requests per second of the run. ``duration_s`` runs from the first arrival to the last
 finish. GPU-hours charge every device of the plan for the whole duration.
+
+A request rejected at arrival (``policies.request_checks``: what a served deployment refuses) has no
+timings: it counts in ``requests`` and ``rejected``, never attains the SLO, and is left out of the
+latency figures, the throughput and the token counts, which are those of the completed requests.
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ def result_of(r: "RequestTable", replicas: "list[Replica]", slo: SLO, plan: "Pla
               info: dict[str, Any]) -> "SimResult":
     """The result of a finished run: the request table's timings and each replica's statistics."""
     ids = [x.id for x in replicas]
-    end = max(r.t_finish) if r.n else 0.0
+    finished = [t for t in r.t_finish if t == t]  # rejected requests never finish (NaN)
+    end = max(finished) if finished else (r.arrival[0] if r.n else 0.0)
     span = end - (r.arrival[0] if r.n else 0.0)
     stats = [ReplicaStats(x.id, x.role, len(x.layout.devices), x.served,
                           x.busy_s / span if span > 0 else 0.0, x.kv_capacity, x.kv_mean(end), x.kv_peak)
@@ -69,7 +74,7 @@ def result_of(r: "RequestTable", replicas: "list[Replica]", slo: SLO, plan: "Pla
         np.asarray(r.t_start), np.asarray(r.t_first), np.asarray(r.t_kv_start), np.asarray(r.t_kv_done),
         np.asarray(r.t_join), np.asarray(r.t_finish),
         [ids[i] if i >= 0 else "" for i in r.prefill_rep], [ids[i] if i >= 0 else "" for i in r.decode_rep],
-        slo, stats, len(dev), cluster.usd_per_hour(dev), info=info)
+        slo, stats, len(dev), cluster.usd_per_hour(dev), info=info, rejected=list(r.rejected))
 
 
 @dataclass
@@ -90,6 +95,8 @@ class SimResult:
     num_devices: int
     usd_per_hour: float | None
     info: dict[str, Any] = field(default_factory=dict)  # plan, workload, options, speed
+    # per request, why it was rejected at arrival ("" = admitted; ``policies.request_checks.REASONS``)
+    rejected: list[str] = field(default_factory=list)
 
     # ------------------------------------------------------------------ per request
     def __len__(self) -> int:
@@ -133,32 +140,49 @@ class SimResult:
         return ok
 
     @property
+    def completed(self) -> np.ndarray:
+        """Mask of the requests that finished (not rejected)."""
+        return np.isfinite(self.t_finish)
+
+    @property
+    def rejected_by(self) -> dict[str, int]:
+        """Rejected requests per reason."""
+        counts: dict[str, int] = {}
+        for why in self.rejected:
+            if why:
+                counts[why] = counts.get(why, 0) + 1
+        return counts
+
+    @property
     def duration_s(self) -> float:
-        return float(np.nanmax(self.t_finish) - self.arrival[0]) if len(self) else 0.0
+        done = self.completed
+        return float(self.t_finish[done].max() - self.arrival[0]) if done.any() else 0.0
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> dict[str, Any]:
         """The DESIGN.md summary JSON (its keys first), extended."""
         n = len(self)
-        done = int(np.isfinite(self.t_finish).sum())
+        ok = self.completed
+        done = int(ok.sum())
         dur = self.duration_s
-        out_tokens = int(self.output_tokens.sum())
+        out_tokens = int(self.output_tokens[ok].sum())
         met = self.slo_met
         gpu_hours = self.num_devices * dur / 3600.0
         usd = self.usd_per_hour * dur / 3600.0 if self.usd_per_hour is not None else None
         tput = out_tokens / dur if dur > 0 else 0.0
         return {
-            "requests": n, "completed": done, "duration_s": dur,
+            "requests": n, "completed": done, "rejected": n - done, "rejected_by": self.rejected_by,
+            "duration_s": dur,
             "throughput_tokens_per_s": tput,
             "goodput_requests_per_s": float(met.sum()) / dur if dur > 0 else 0.0,
             "slo_attainment": float(met.mean()) if n else 1.0,
-            "ttft_s": _stats(self.ttft), "tpot_s": _stats(self.tpot), "e2e_s": _stats(self.e2e),
+            "ttft_s": _stats(self.ttft[ok]), "tpot_s": _stats(self.tpot[ok]), "e2e_s": _stats(self.e2e[ok]),
             # extensions
-            "atgt_s": _stats(self.atgt),
-            "queue_s": _stats(self.queue),
+            "atgt_s": _stats(self.atgt[ok]),
+            "queue_s": _stats(self.queue[ok]),
             "kv_transfer_s": _stats((self.t_kv_done - self.t_kv_start)[np.isfinite(self.t_kv_done)]),
             "slo": {"ttft_s": self.slo.ttft_s, "tpot_s": self.slo.tpot_s, "e2e_s": self.slo.e2e_s},
-            "input_tokens": int(self.input_tokens.sum()), "output_tokens": out_tokens,
+            "input_tokens": int(self.input_tokens[ok].sum()), "output_tokens": out_tokens,
             "requests_per_s": done / dur if dur > 0 else 0.0,
             "output_tokens_per_s": tput,
             "gpu_hours": gpu_hours,
@@ -178,8 +202,9 @@ class SimResult:
                 "finish_s": self.t_finish, "slo_met": self.slo_met.astype(int)}
         with Path(path).open("w", newline="") as fh:
             w = csv.writer(fh)
-            w.writerow(list(cols) + ["prefill_replica", "decode_replica"])
-            rows = zip(*[c.tolist() for c in cols.values()], self.prefill_replica, self.decode_replica)
+            w.writerow(list(cols) + ["prefill_replica", "decode_replica", "rejected"])
+            rejected = self.rejected or [""] * len(self)
+            rows = zip(*[c.tolist() for c in cols.values()], self.prefill_replica, self.decode_replica, rejected)
             for row in rows:
                 w.writerow([f"{v:.6g}" if isinstance(v, float) else v for v in row])
 

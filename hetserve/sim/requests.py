@@ -27,3 +27,5 @@ class RequestTable:
         # re-prefills prompt + these, and that prefill samples its next token
         self.made = [0] * n
         self.decode_rep = [-1] * n
+        # why the request was rejected at arrival (``policies.request_checks`` reasons); "" = admitted
+        self.rejected = [""] * n

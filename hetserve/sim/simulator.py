@@ -28,6 +28,7 @@ from hetserve.policies.batching import DEFAULT_BATCHING, PREFILL_MODES
 from hetserve.policies.base import PlacementPolicy, RequestInfo, RoutePolicy, TransmissionPolicy
 from hetserve.policies.placement import PolicyContext, make_placement
 from hetserve.policies.predictor import OraclePredictor
+from hetserve.policies.request_checks import RequestRefused, check_request
 from hetserve.policies.routing import make_route, route_candidates
 from hetserve.sim.env import BatchLimits
 from hetserve.sim.events import EventLoop, Priority
@@ -72,6 +73,10 @@ class SimOptions:
     # admission, so the pool never overflows; "paged" (vLLM) holds what the context has grown to,
     # admits while the prompt fits, and pre-empts the newest request (recompute) on overflow.
     kv_admission: Literal["reserve", "paged"] = "reserve"
+    # A request longer than the model's context (prompt + output): "reject" it at arrival, as a
+    # served deployment does (counted as rejected, not completed), or "run" it as given, as a model
+    # with a longer context would. A request whose KV no replica could ever hold is rejected either way.
+    beyond_context: Literal["reject", "run"] = "reject"
     # What a served request spends outside the engine (HTTP, tokenisation, SSE; `hetserve calibrate`
     # measures it): it reaches the replicas this long after its arrival, and TTFT/E2E count it.
     request_overhead_s: float = 0.0
@@ -121,6 +126,8 @@ class SimOptions:
             raise ValueError("pipeline must be 'aggregate' or 'detailed'")
         if self.kv_admission not in ("reserve", "paged"):
             raise ValueError("kv_admission must be 'reserve' or 'paged'")
+        if self.beyond_context not in ("reject", "run"):
+            raise ValueError("beyond_context must be 'reject' or 'run'")
         if self.kv_admission == "paged" and self.pipeline == "detailed":
             raise ValueError("kv_admission='paged' is modelled with pipeline='aggregate' only")
 
@@ -179,6 +186,8 @@ class Simulator:
                                 f"(KV capacity {rep.kv_capacity:.0f} tokens)")
             self.replicas.append(rep)
         self.by_id = {r.id: r for r in self.replicas}
+        # every replica's role and KV pool: what a request is checked against when it arrives
+        self._pools = [(r.role, r.kv_capacity) for r in self.replicas]
         self.hosts = HostContention(self.replicas, cluster, self.loop, opts.contention_slowdown,
                                     FrontEndCost(opts.frontend_request_cpu_s, opts.frontend_step_cpu_s,
                                                  opts.frontend_token_cpu_s, opts.frontend_dispatch_s,
@@ -202,6 +211,7 @@ class Simulator:
         self._route_needs_requests = bool(getattr(self.router, "needs_requests", False))
         self._repredicted: dict[int, float] = {}
         self.completed = 0
+        self.rejected = 0
         self.wall_s = 0.0
 
     # ------------------------------------------------------------------ setup helpers
@@ -259,12 +269,12 @@ class Simulator:
             from rich.progress import Progress
             with Progress(transient=True) as bar:
                 task = bar.add_task(f"simulating {n} requests", total=n)
-                self.loop.run(on_progress=lambda: bar.update(task, completed=self.completed))
+                self.loop.run(on_progress=lambda: bar.update(task, completed=self.completed + self.rejected))
         else:
             self.loop.run()
         self.wall_s = time.perf_counter() - t0
-        if self.completed != n:  # an internal invariant: nothing is ever dropped
-            raise RuntimeError(f"simulation ended with {n - self.completed} of {n} requests unfinished")
+        if self.completed + self.rejected != n:  # an internal invariant: nothing admitted is ever dropped
+            raise RuntimeError(f"simulation ended with {n - self.completed - self.rejected} of {n} requests unfinished")
         return self._result()
 
     # ------------------------------------------------------------------ request path
@@ -273,6 +283,8 @@ class Simulator:
         if rid + 1 < r.n:
             self.loop.schedule(r.arrival[rid + 1] + self.opts.request_overhead_s, Priority.ARRIVAL, self._on_arrival,
                                rid + 1)
+        if not self._admissible(rid):
+            return
         self.hosts.on_arrival()
         pred = float(self.predictor.predict(rid, r.inp[rid], 0))
         r.pred[rid] = pred
@@ -281,6 +293,19 @@ class Simulator:
         chosen = self.by_id[self.placement.choose(info, cands, self.loop.now)]
         r.prefill_rep[rid] = chosen.index
         chosen.place(rid)
+
+    def _admissible(self, rid: int) -> bool:
+        """Check the request as the engine checks a submitted one (``policies.request_checks``):
+        one it refuses is recorded as rejected here and never placed."""
+        r = self.req
+        try:
+            check_request(r.inp[rid], r.out[rid], self.model.max_context, self._pools, self.limits.block_size,
+                          context=self.opts.beyond_context == "reject")
+        except RequestRefused as exc:
+            r.rejected[rid] = exc.reason
+            self.rejected += 1
+            return False
+        return True
 
     def _result(self) -> SimResult:
         links = self.network.links

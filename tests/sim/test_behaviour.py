@@ -32,7 +32,7 @@ def test_kv_admission_makes_requests_wait(cluster, model, cost):
     cap = cost.kv_capacity_tokens(plan.replica("d0").layout(cluster))
     per = int(cap // 4)
     wl = Workload.from_lists("big", [0.0] * 12, [per - 200] * 12, [200] * 12)
-    res = simulate(plan, cluster, model, wl)
+    res = simulate(plan, cluster, model, wl, SimOptions(beyond_context="run"))  # longer than the context
     d0 = res.replicas[1]
     assert d0.kv_peak_tokens <= cap
     wait = res.t_kv_start - res.t_first  # admission wait before the KV may move
@@ -168,7 +168,10 @@ def test_real_trace_smoke(cluster, model):
     plan = single({"p0": ["m0:0", "m0:1"], "d0": ["m1:0", "m1:1"], "d1": ["m1:2", "m1:3"]},
                   routes=[("p0", "d0", 0.5), ("p0", "d1", 0.5)])
     s = simulate(plan, cluster, model, wl, SimOptions(route="load")).summary()
-    assert s["completed"] == 300 and s["throughput_tokens_per_s"] > 0
+    # the trace's requests beyond the model's context are rejected, as a server rejects them
+    beyond = int(((wl.input_tokens + wl.output_tokens) > model.max_context).sum())
+    assert beyond > 0 and s["rejected"] == beyond and s["rejected_by"] == {"context": beyond}
+    assert s["completed"] == 300 - beyond and s["throughput_tokens_per_s"] > 0
 
 
 def test_rate_sweep_rows_and_plot(cluster, model, tmp_path):
@@ -187,7 +190,8 @@ def test_colocated_prefills_never_overlap(cluster, model):
     """One prefill at a time on a colocated replica: a boundary event scheduled by an admission just
     before a prefill starts must not start another prefill (or decode) during it (regression)."""
     plan = single({"c0": ["m0:0"]})
-    res = simulate(plan, cluster, model, load_workload("azure-conv").head(300).scale_rate(3))
+    res = simulate(plan, cluster, model, load_workload("azure-conv").head(300).scale_rate(3),
+                   SimOptions(beyond_context="run"))
     starts = np.unique(res.t_start)
     ends = np.array([res.t_first[res.t_start == s].max() for s in starts])
     assert np.all(starts[1:] >= ends[:-1] - 1e-9)  # each prefill batch starts after the previous ended

@@ -15,6 +15,10 @@ def running_at(res, ts):
     return [int(((res.t_join <= t) & (res.t_finish > t)).sum()) for t in ts]
 
 
+# the footprints below (a quarter of an A100's pool) lie beyond llama-2-7b's context: run them as given
+RUN = {"beyond_context": "run"}
+
+
 def long_outputs(cap, n=12):
     """Short prompts, long outputs: each request's final footprint is a quarter of the pool."""
     per = int(cap // 4)
@@ -27,8 +31,8 @@ def test_paged_admits_more_then_preempts_newest_and_finishes_all(cluster, model,
     rid = "d0" if role == "d" else "c0"
     cap = cost.kv_capacity_tokens(plan.replica(rid).layout(cluster))
     wl = long_outputs(cap)
-    reserve = simulate(plan, cluster, model, wl)
-    paged = simulate(plan, cluster, model, wl, SimOptions(kv_admission="paged"))
+    reserve = simulate(plan, cluster, model, wl, SimOptions(**RUN))
+    paged = simulate(plan, cluster, model, wl, SimOptions(kv_admission="paged", **RUN))
     ts = np.linspace(0, paged.t_finish.max(), 500)
     assert max(running_at(reserve, ts)) <= 4  # whole footprints: 4 fit
     assert max(running_at(paged, ts)) >= 8  # paged: every short prompt fits at first
@@ -61,7 +65,7 @@ def test_paged_with_chunked_prefill_finishes(cluster, model, cost):
     plan = single({"c0": ["m1:0"]})
     cap = cost.kv_capacity_tokens(plan.replica("c0").layout(cluster))
     wl = long_outputs(cap, n=10)
-    res = simulate(plan, cluster, model, wl, SimOptions(kv_admission="paged", chunked_prefill=True))
+    res = simulate(plan, cluster, model, wl, SimOptions(kv_admission="paged", chunked_prefill=True, **RUN))
     assert res.summary()["completed"] == 10 and res.info["preemptions"] > 0
     assert res.replicas[0].kv_peak_tokens <= cap + 1e-6
 

@@ -1,0 +1,93 @@
+"""Whether a request can be served at all: the checks made when a request is submitted.
+
+The engine makes them when a request is submitted, and the simulator when a request arrives, so a
+simulated trace refuses exactly the requests a served deployment refuses (and counts them as
+refused instead of completing them). Each check raises a ``RequestRefused`` whose ``reason`` names
+the rule (``"empty"``, ``"vocabulary"``, ``"context"``, ``"kv"``); the first three are also
+``ValueError`` and the KV one an ``InfeasibleError``, the types a server maps to HTTP 400.
+
+Pure: no torch, no sockets; O(prompt length) for the token ids, O(replicas) for the KV pools.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from hetserve.errors import InfeasibleError
+from hetserve.planner.plan import serves_decode, serves_prefill
+from hetserve.policies.batching import kv_reservation
+
+
+class RequestRefused(Exception):
+    """A request no replica of the deployment can serve; ``reason`` names the rule it breaks."""
+
+    reason = "refused"
+
+
+class EmptyPrompt(RequestRefused, ValueError):
+    reason = "empty"
+
+
+class OutOfVocabulary(RequestRefused, ValueError):
+    reason = "vocabulary"
+
+
+class ContextExceeded(RequestRefused, ValueError):
+    reason = "context"
+
+
+class KVNeverFits(RequestRefused, InfeasibleError):
+    reason = "kv"
+
+
+REASONS: tuple[str, ...] = ("empty", "vocabulary", "context", "kv")
+
+
+def check_prompt_ids(ids: Sequence[int], vocab_size: int) -> None:
+    """The prompt has at least one token and every id is in the vocabulary ``[0, vocab_size)``."""
+    if not ids:
+        raise EmptyPrompt("the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise OutOfVocabulary(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+
+def check_context(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+    """Prompt + ``max_tokens`` fit the model's context (positions beyond it have no embedding)."""
+    if prompt_tokens <= 0:
+        raise EmptyPrompt("the prompt is empty")
+    if prompt_tokens + max_tokens > max_context:
+        raise ContextExceeded(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
+                              f"model's context of {max_context} tokens")
+
+
+def check_kv_fits(prompt_tokens: int, max_tokens: int, pools: Iterable[tuple[str, float]], block_size: int) -> None:
+    """Some replica could ever hold the request's KV, on each side it needs.
+
+    ``pools``: ``(role, KV capacity in tokens)`` of every live replica. A prompt needs a prefill
+    or colocated replica whose empty pool holds its reservation (the prompt on a prefill replica,
+    prompt + ``max_tokens`` on a colocated one), and a decode or colocated replica whose empty pool
+    holds prompt + ``max_tokens``; reservations are whole blocks of ``block_size`` tokens
+    (``kv_reservation``), as the replicas admit them. A request that fails here would wait forever:
+    no finishing request ever frees enough room.
+    """
+    pools = list(pools)
+    prefill_ok = any(kv_reservation(prompt_tokens, max_tokens, serves_decode(role), block_size) <= cap
+                     for role, cap in pools if serves_prefill(role))
+    decode_ok = any(kv_reservation(prompt_tokens, max_tokens, True, block_size) <= cap
+                    for role, cap in pools if serves_decode(role))
+    if not (prefill_ok and decode_ok):
+        largest = max((cap for _, cap in pools), default=0)
+        raise KVNeverFits(f"a request needing {prompt_tokens + max_tokens} tokens of KV cache (prompt {prompt_tokens} "
+                          f"+ max_tokens) cannot fit any replica's KV pool (largest: {largest:.0f} tokens)")
+
+
+def check_request(prompt_tokens: int, max_tokens: int, max_context: int, pools: Iterable[tuple[str, float]],
+                  block_size: int, *, context: bool = True) -> None:
+    """Every check on a request known by its lengths, in the engine's order: an empty prompt, the
+    model's context (skipped with ``context=False``), then the KV pools (``check_kv_fits``)."""
+    if prompt_tokens <= 0:
+        raise EmptyPrompt("the prompt is empty")
+    if context:
+        check_context(prompt_tokens, max_tokens, max_context)
+    check_kv_fits(prompt_tokens, max_tokens, pools, block_size)

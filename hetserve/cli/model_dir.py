@@ -1,11 +1,14 @@
 """The ``--model`` check that every command serving or measuring a real checkpoint makes first, and
-the model a plan file names, loaded with an error that says where the name came from."""
+the model and cluster a plan file names, loaded with an error that says where the name came from."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from hetserve.errors import SpecError
+from hetserve.planner.plan import Plan, load_plan_cluster
+from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec, load_model, model_presets
 
 
@@ -30,3 +33,10 @@ def plan_model(plan_path: str, name: str) -> ModelSpec:
         raise SpecError(plan_path, "model", f"a model preset ({', '.join(model_presets())}), a config.json or a "
                         f"checkpoint folder; pass --model, or build the checkpoint it names with "
                         f"`hetserve make-model ... -o {name}`", name) from exc
+
+
+def plan_cluster(plan_path: str, plan: Plan, cluster: str | None = None) -> Cluster:
+    """The cluster to run the plan on: ``--cluster`` when given, else the cluster file the plan was
+    made on (a warning on stderr naming it when it changed since), else the preset the plan names;
+    a missing one is one line naming the plan file and the file to pass (``load_plan_cluster``)."""
+    return load_plan_cluster(plan, plan_path, cluster, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))

@@ -6,7 +6,13 @@ File format (JSON; YAML accepted) is the contract in DESIGN.md:
      "replicas": [{"id": "p0", "role": "prefill",
                    "stages": [{"devices": ["a0:0", "a0:1"], "layers": [0, 80]}]}, ...],
      "kv_routes": [{"from": "p0", "to": "d0", "weight": 1.0}],
-     "estimate": {"throughput_tokens_per_s": ..., "cost_usd_per_hour": ...}}
+     "estimate": {"throughput_tokens_per_s": ..., "cost_usd_per_hour": ...},
+     "cluster_file": {"path": "pools/two-sites.yaml", "sha256": "..."}}   # optional
+
+``cluster_file`` (optional, added to the DESIGN.md contract) records the cluster file a plan was
+made on, when it was made from a file rather than a preset: its path, relative to the plan file's
+folder (so the two can move together), and the SHA-256 of its bytes, so a later reader finds the
+file without ``--cluster`` and notices when it has changed (docs/planner.md).
 
 Devices are named here (``machine:index``), not indexed, so a plan file reads on its own;
 ``Plan.replica_layout(replica, cluster)`` turns names into the indices the cost model uses.
@@ -15,10 +21,12 @@ Structural checks live in ``validate_plan`` (hetserve.planner.validate).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import pydantic
 
@@ -94,6 +102,51 @@ class KVRoute:
     weight: float
 
 
+def file_sha256(path: str | Path) -> str:
+    """SHA-256 (hex) of a file's bytes."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ClusterFile:
+    """The cluster file a plan was made on: its path (absolute once loaded) and the SHA-256 of its
+    bytes when the plan was made."""
+
+    path: Path
+    sha256: str
+
+    @staticmethod
+    def of(path: str | Path) -> "ClusterFile":
+        """The file at ``path`` as it is now."""
+        return ClusterFile(Path(os.path.abspath(path)), file_sha256(path))
+
+    @property
+    def shown(self) -> str:
+        """The path as the user would type it: relative to the working directory when below it."""
+        try:
+            rel = os.path.relpath(self.path)
+        except ValueError:  # another drive
+            return str(self.path)
+        return str(self.path) if rel.startswith("..") else rel
+
+    def current_sha256(self) -> str | None:
+        """The file's SHA-256 now (None: it is missing or unreadable)."""
+        try:
+            return file_sha256(self.path)
+        except OSError:
+            return None
+
+    def to_dict(self, base: Path | None = None) -> dict[str, str]:
+        """``path`` relative to ``base`` (the plan file's folder) where it can be, else absolute."""
+        path = str(self.path)
+        if base is not None:
+            try:
+                path = os.path.relpath(self.path, os.path.abspath(base))
+            except ValueError:  # another drive: only the absolute path reaches it
+                pass
+        return {"path": Path(path).as_posix(), "sha256": self.sha256}
+
+
 @dataclass(frozen=True)
 class Plan:
     model: str
@@ -105,6 +158,9 @@ class Plan:
     # How the search got here (best value over time, gains per kind of edit): kept out of the plan
     # file so it stays readable; ``hetserve plan --history FILE`` writes it on its own.
     search_log: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    # The cluster file the plan was made on (None: made on a preset, or the file was not recorded).
+    # Where the plan came from, not what it is: left out of equality.
+    cluster_file: ClusterFile | None = field(default=None, compare=False)
 
     # ---------------------------------------------------------------- queries
     def replica(self, rid: str) -> PlanReplica:
@@ -128,8 +184,10 @@ class Plan:
         return tuple(d for r in self.replicas for d in r.devices)
 
     # ---------------------------------------------------------------- (de)serialisation
-    def to_dict(self) -> dict[str, Any]:
-        return {
+    def to_dict(self, base: str | Path | None = None) -> dict[str, Any]:
+        """The plan file's mapping; ``base``: the folder the file is written to (``cluster_file``'s
+        path is written relative to it)."""
+        data = {
             "model": self.model,
             "cluster": self.cluster,
             "algorithm": self.algorithm,
@@ -139,25 +197,36 @@ class Plan:
             "kv_routes": [{"from": k.src, "to": k.dst, "weight": k.weight} for k in self.kv_routes],
             "estimate": self.estimate,
         }
+        if self.cluster_file is not None:
+            data["cluster_file"] = self.cluster_file.to_dict(Path(base) if base is not None else None)
+        return data
 
     @staticmethod
-    def from_dict(data: dict[str, Any], source: str = "<plan>") -> "Plan":
+    def from_dict(data: dict[str, Any], source: str = "<plan>", base: str | Path | None = None) -> "Plan":
+        """A plan from its file's mapping; ``base``: the plan file's folder, against which a relative
+        ``cluster_file`` path is resolved (default: the working directory)."""
         f = validate(_PlanFile, data, source)
+        cf = None
+        if f.cluster_file is not None:
+            p = Path(f.cluster_file.path)
+            cf = ClusterFile(Path(os.path.abspath(p if p.is_absolute() or base is None else Path(base) / p)),
+                             f.cluster_file.sha256)
         return Plan(
             model=f.model, cluster=f.cluster, algorithm=f.algorithm,
             replicas=tuple(PlanReplica(r.id, r.role, tuple(PlanStage(tuple(s.devices), (s.layers[0], s.layers[1]))
                                                            for s in r.stages)) for r in f.replicas),
             kv_routes=tuple(KVRoute(k.from_, k.to, k.weight) for k in f.kv_routes),
             estimate=dict(f.estimate),
+            cluster_file=cf,
         )
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
         if path.suffix in (".yaml", ".yml"):
             import yaml
-            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+            path.write_text(yaml.safe_dump(self.to_dict(path.parent), sort_keys=False))
         else:
-            path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+            path.write_text(json.dumps(self.to_dict(path.parent), indent=2) + "\n")
 
     @staticmethod
     def load(path: str | Path) -> "Plan":
@@ -165,9 +234,46 @@ class Plan:
         if not path.exists():
             raise SpecError(str(path), "(file)", "an existing plan file")
         try:
-            return Plan.from_dict(read_mapping(path), str(path))
+            return Plan.from_dict(read_mapping(path), str(path), path.parent)
         except SpecError as exc:
             raise PlanError(str(exc)) from exc
+
+
+def load_plan_cluster(plan: Plan, source: str = "<plan>", cluster: str | Path | None = None,
+                      warn: Callable[[str], None] | None = None) -> Cluster:
+    """The cluster to run ``plan`` on: ``cluster`` (a preset or file the user named) when given, else
+    the cluster file the plan records (``warn`` is told, naming the file, when its bytes changed since
+    the plan was made), else the preset the plan names. A recorded file that is missing, or a name
+    that is no preset, is a ``SpecError`` naming ``source`` (the plan file) and saying which file to
+    pass. ``warn`` defaults to ``warnings.warn``."""
+    from hetserve.specs.cluster import cluster_presets, load_cluster
+
+    if cluster is not None:
+        return load_cluster(cluster)
+    cf = plan.cluster_file
+    if cf is not None:
+        now = cf.current_sha256()
+        shown = cf.shown
+        if now is None:
+            raise SpecError(source, "cluster_file.path",
+                            f"the cluster file the plan was made on (cluster {plan.cluster!r}); restore it, or "
+                            f"pass --cluster with that pool's file", f"{shown} (no such file)")
+        if now != cf.sha256:
+            (warn or _warn)(f"{shown}, the cluster file {source} was made on, has changed since (SHA-256 "
+                            f"{cf.sha256[:12]}… then, {now[:12]}… now): the plan runs on it as it is now")
+        return load_cluster(cf.path)
+    try:
+        return load_cluster(plan.cluster)
+    except SpecError as exc:
+        if exc.field != "(cluster)":  # found, but malformed: that error says more
+            raise
+        raise SpecError(source, "cluster", f"a cluster preset ({', '.join(cluster_presets())}); the plan records no "
+                        f"cluster file, so pass --cluster with the file it was made on", plan.cluster) from exc
+
+
+def _warn(message: str) -> None:
+    import warnings
+    warnings.warn(message, stacklevel=3)
 
 
 # ----------------------------------------------------------------------------- file schema
@@ -193,6 +299,12 @@ class _Route(pydantic.BaseModel):
     weight: float = pydantic.Field(ge=0)
 
 
+class _ClusterFile(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    path: str = pydantic.Field(min_length=1)
+    sha256: str = pydantic.Field(pattern=r"^[0-9a-f]{64}$")
+
+
 class _PlanFile(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
     model: str
@@ -201,5 +313,6 @@ class _PlanFile(pydantic.BaseModel):
     replicas: list[_Replica] = pydantic.Field(min_length=1)
     kv_routes: list[_Route] = []
     estimate: dict[str, Any] = {}
+    cluster_file: _ClusterFile | None = None
 
 

@@ -7,6 +7,7 @@ from typing import Sequence
 
 from hetserve.cost.analytic import CostModel
 from hetserve.planner.plan import Plan
+from hetserve.sim.option_checks import at_rate
 from hetserve.sim.simulator import SimOptions, simulate
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec
@@ -15,8 +16,9 @@ from hetserve.specs.workload import Workload
 
 def rate_sweep(plan: Plan, cluster: Cluster, model: ModelSpec, workload: Workload, rates: Sequence[float],
                options: SimOptions | None = None, cost: CostModel | None = None, label: str = "",
-               plot: str | Path | None = None) -> list[dict]:
-    """Simulate ``workload`` rescaled to each mean rate (req/s, burst shape kept).
+               plot: str | Path | None = None, source: str | None = None) -> list[dict]:
+    """Simulate ``workload`` rescaled to each mean rate (req/s, burst shape kept); a ``SpecError``
+    naming ``source`` (default: the workload's name) if its arrivals have no spacing to rescale.
 
     Returns rows ``{"label", "rate", "summary"}``; with ``plot``, also writes throughput and SLO
     attainment against rate to that PNG. Running time: one simulation per rate.
@@ -24,7 +26,7 @@ def rate_sweep(plan: Plan, cluster: Cluster, model: ModelSpec, workload: Workloa
     cost = cost or CostModel(cluster, model)
     rows = []
     for rate in rates:
-        res = simulate(plan, cluster, model, workload.with_rate(rate), options, cost)
+        res = simulate(plan, cluster, model, at_rate(workload, rate, source, "--sweep-rates"), options, cost)
         rows.append({"label": label, "rate": float(rate), "summary": res.summary()})
     if plot is not None:
         from hetserve.sim.plots import plot_rate_sweep

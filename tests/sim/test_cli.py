@@ -30,7 +30,9 @@ def test_simulate_writes_outputs(tmp_path, capsys):
                "--no-progress", "-o", str(out)])
     assert rc == 0
     s = json.loads((out / "summary.json").read_text())
-    assert s["requests"] == s["completed"] == 60 and s["run"]["placement"] == "po2"
+    # the first 60 requests hold 4 beyond llama-2-7b's context: rejected, as a server rejects them
+    assert s["requests"] == 60 and s["completed"] == 56 and s["rejected_by"] == {"context": 4}
+    assert s["run"]["placement"] == "po2"
     assert s["run"]["transmission"] == "serial" and s["slo"]["ttft_s"] == 5.0
     assert (out / "requests.csv").exists() and (out / "latency_cdf.png").exists()
     assert "TTFT" in capsys.readouterr().out

@@ -25,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("kind", choices=["cluster", "model", "workload", "plan"])
     p.add_argument("name", nargs="?", help="preset name or file; omit to list the presets (plan: a plan file)")
     p.add_argument("--rate", type=float, help="workload: rescale arrivals to this mean rate (req/s)")
-    p.add_argument("--cluster", help="plan: check it against this cluster (default: the one the plan names)")
+    p.add_argument("--cluster", help="plan: check it against this cluster (default: the cluster file the plan was "
+                   "made on, else the preset it names)")
     p.add_argument("--model", help="plan: check it against this model (default: the one the plan names)")
     p.set_defaults(func=run)
 
@@ -146,7 +147,7 @@ def describe_plan(args: argparse.Namespace, console: Console) -> int:
     from hetserve.cli.commands.plan import print_plan
     from hetserve.cli.model_dir import plan_model
     from hetserve.planner import validate_plan
-    from hetserve.planner.plan import Plan
+    from hetserve.planner.plan import Plan, load_plan_cluster
 
     if args.name is None:
         raise PlanError("describe plan: give a plan file (written by `hetserve plan -o PLAN.json`)")
@@ -155,12 +156,15 @@ def describe_plan(args: argparse.Namespace, console: Console) -> int:
     cluster = load_cluster(args.cluster) if args.cluster else None
     model = load_model(args.model) if args.model else None
     print_plan(console, plan)
+    cf = plan.cluster_file
+    if cf is not None and args.cluster is None and cf.current_sha256() == cf.sha256:
+        console.print(f"made on the cluster file {cf.shown} (unchanged since: SHA-256 {cf.sha256[:12]}…)")
     missing = []
     if cluster is None:
         try:
-            cluster = load_cluster(plan.cluster)
-        except HetserveError:
-            missing.append(f"its cluster {plan.cluster!r} is not a preset or file here (pass --cluster)")
+            cluster = load_plan_cluster(plan, args.name, warn=lambda msg: console.print(f"[yellow]warning[/]: {msg}"))
+        except HetserveError as exc:
+            missing.append(str(exc))
     if model is None:
         try:
             model = plan_model(args.name, plan.model)

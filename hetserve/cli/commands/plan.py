@@ -66,8 +66,11 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import load_workload
 
+    from dataclasses import replace
+
     from hetserve.cli.output_path import check_output_file, check_plot_file
     from hetserve.planner.objectives import plan_for
+    from hetserve.planner.plan import ClusterFile
 
     _check_objective(args)
     for path, flag in ((args.output, "--output"), (args.history, "--history")):
@@ -110,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         print_comparison(console, plans)
     best = max(plans, key=lambda p: p.estimate.get("throughput_tokens_per_s", 0.0))
     if args.output:
+        if Path(args.cluster).is_file():  # made on a file, not a preset: the plan says which, and its digest
+            best = replace(best, cluster_file=ClusterFile.of(args.cluster))
         best.save(args.output)
         console.print(f"wrote {args.output} ({best.algorithm})")
     if args.explain:

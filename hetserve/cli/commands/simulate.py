@@ -4,7 +4,7 @@
         [--workload-class HPLD] [--rate-scale 2 | --rate 5] [--router jsq] [--transmission fair]
         [--slo-ttft 1 --slo-tpot 0.1 --slo-e2e 60] [--gamma 0.5 --theta 1] [--limit 2000] [-o out/]
 
-The cluster defaults to the preset named in the plan. Writes summary.json, requests.csv and
+The cluster defaults to the cluster file the plan records, else the preset named in the plan. Writes summary.json, requests.csv and
 latency_cdf.png under ``-o``; prints a table either way.
 """
 
@@ -25,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="simulate a plan under a workload trace",
                        description="Discrete-event simulation of a deployment plan under a request trace.")
     p.add_argument("--plan", required=True, help="plan file (JSON or YAML)")
-    p.add_argument("--cluster", help="cluster preset or file (default: the plan's cluster name as a preset)")
+    p.add_argument("--cluster", help="cluster preset or file (default: the cluster file the plan was made on, "
+                   "else the plan's cluster name as a preset)")
     p.add_argument("--model", help="model preset or config.json (default: the plan's model)")
     p.add_argument("--workload", required=True, help="workload preset (azure-conv, sharegpt) or CSV file")
     p.add_argument("--workload-class", choices=["HPLD", "HPHD", "LPHD", "LPLD"],
@@ -38,8 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="placement policy: %(choices)s (default jsq)")
     p.add_argument("--route", default="flow", choices=route_names(),
                    help="KV route policy: %(choices)s (default flow: the plan's weights)")
-    p.add_argument("--transmission", default="fair", choices=transmission_names(),
-                   help="link scheduling: %(choices)s (default fair)")
+    # default None, read as fair: an explicit choice that cannot act on the plan is refused (sim/option_checks.py)
+    p.add_argument("--transmission", choices=transmission_names(),
+                   help="link scheduling: %(choices)s (default fair); under --pipeline aggregate only KV hand-offs "
+                        "cross the links")
     p.add_argument("--gamma", type=float, help="aladdin: strictness knob γ in [0, 1] (default 0.5)")
     p.add_argument("--theta", type=float, help="aladdin: safety factor θ in (0, 1] (default 1)")
     p.add_argument("--slo-ttft", type=float, help="TTFT target, seconds")
@@ -67,9 +70,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "SLO attainment against rate (rate_sweep.png)")
     p.add_argument("--efficiency", help="cost-model efficiency JSON (from `hetserve calibrate -o`; its measured "
                    "request overhead, HTTP + tokenisation + SSE, is added to every request too)")
-    p.add_argument("--within-context", action="store_true",
-                   help="drop requests whose prompt + output exceed the model's context (default: run them, "
-                        "with a warning that counts them)")
+    ctx = p.add_mutually_exclusive_group()
+    ctx.add_argument("--within-context", action="store_true",
+                     help="drop requests whose prompt + output exceed the model's context from the trace (default: "
+                          "reject them at arrival, as a server does, and count them as rejected)")
+    ctx.add_argument("--run-beyond-context", action="store_true",
+                     help="simulate requests beyond the model's context as given, as a longer-context model would "
+                          "serve them (a server rejects them; KV that fits no replica is rejected still)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", help="directory for summary.json, requests.csv and plots")
     p.add_argument("--json", action="store_true", help="print the summary JSON instead of a table")
@@ -85,18 +92,18 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.planner.plan import Plan
     from hetserve.planner.validate import validate_plan
     from hetserve.sim import SimOptions, simulate
-    from hetserve.specs.cluster import load_cluster
+    from hetserve.sim.option_checks import at_rate, at_rate_scale, transmission_note
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import SLO, load_workload
 
-    from hetserve.cli.model_dir import plan_model
+    from hetserve.cli.model_dir import plan_cluster, plan_model
     from hetserve.cli.output_path import check_output_folder
 
     rates = _parse_rates(args.sweep_rates) if args.sweep_rates else []
     if args.output:
         check_output_folder(args.output, "--output")  # before the simulation, not after it
     plan = Plan.load(args.plan)
-    cluster = load_cluster(args.cluster or plan.cluster)
+    cluster = plan_cluster(args.plan, plan, args.cluster)
     model = load_model(args.model) if args.model else plan_model(args.plan, plan.model)
     wl = load_workload(args.workload, seed=args.seed)
     if args.workload_class:
@@ -105,21 +112,25 @@ def run(args: argparse.Namespace) -> int:
         if args.limit <= 0:
             raise SpecError("--limit", "limit", "a positive number of requests", args.limit)
         wl = wl.head(args.limit)
+    # a rate the trace's arrivals cannot take is refused here, not ignored (sim/option_checks.py)
     if args.rate_scale is not None:
-        wl = wl.scale_rate(args.rate_scale)
+        wl = at_rate_scale(wl, args.rate_scale, args.workload)
     elif args.rate is not None:
-        wl = wl.with_rate(args.rate)
+        wl = at_rate(wl, args.rate, args.workload)
     over = int(((wl.input_tokens + wl.output_tokens) > model.max_context).sum()) if len(wl) else 0
     if over and args.within_context:
         wl = wl.within_context(model.max_context)
     elif over:
         worst = int((wl.input_tokens + wl.output_tokens).max())
-        print(
-            f"warning: {over} of {len(wl)} requests of {args.workload} exceed {model.name}'s context of "
-            f"{model.max_context} tokens (prompt + output; the longest has {worst}); simulated as given — "
-            "--within-context drops them", file=sys.stderr)
+        fate = ("simulated as given (a server rejects them)" if args.run_beyond_context else
+                "rejected at arrival as a server rejects them, counted as rejected — --within-context drops them "
+                "from the trace, --run-beyond-context simulates them as given")
+        print(f"warning: {over} of {len(wl)} requests of {args.workload} exceed {model.name}'s context of "
+              f"{model.max_context} tokens (prompt + output; the longest has {worst}): {fate}", file=sys.stderr)
     if len(wl) == 0:
         raise SpecError(args.workload, "(requests)", "at least one request after filtering")
+    if rates:
+        at_rate(wl, rates[0], args.workload, "--sweep-rates")  # before the first simulation, not after it
     try:
         slo = SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e)
     except ValueError as exc:
@@ -127,6 +138,12 @@ def run(args: argparse.Namespace) -> int:
     policy_options = {k: getattr(args, k) for k in ("gamma", "theta") if getattr(args, k) is not None}
     if policy_options and "aladdin" not in (args.router, args.route):
         raise SpecError("--gamma/--theta", "router", "--router aladdin or --route aladdin", args.router)
+    if args.transmission is not None:
+        note = transmission_note(plan, args.plan, args.transmission, args.pipeline)
+        if note is not None and note[0] == "error":
+            raise PlanError(note[1])  # one line naming both options and what to do instead
+        if note is not None:
+            print(f"warning: {note[1]}", file=sys.stderr)
     predictor = None
     if args.predictor == "bucket":
         from hetserve.policies.predictor import BucketMeanPredictor
@@ -135,12 +152,13 @@ def run(args: argparse.Namespace) -> int:
         from hetserve.runtime.calibration_file import served_efficiency, served_sim_options
 
         cost = CostModel(cluster, model, served_efficiency(args.efficiency)) if args.efficiency else None
-        opts = SimOptions(placement=args.router, route=args.route, transmission=args.transmission, slo=slo,
+        opts = SimOptions(placement=args.router, route=args.route, transmission=args.transmission or "fair", slo=slo,
                           **served_sim_options(args.efficiency), predictor=predictor,
                           token_budget=args.token_budget, chunked_prefill=args.chunked_prefill,
                           prefill_mode=args.prefill_mode,
                           max_batch=args.max_batch, micro_batches=args.micro_batches, pipeline=args.pipeline,
                           kv_admission=args.kv_admission,
+                          beyond_context="run" if args.run_beyond_context else "reject",
                           seed=args.seed, policy_options=policy_options,
                           progress=not args.no_progress and not args.json)
         validate_plan(plan, cluster, model)
@@ -179,6 +197,9 @@ def _parse_rates(text: str) -> list[float]:
 
 
 NO_SLO = "n/a (no --slo-*)"
+# what each rejection reason (policies.request_checks) means, for the printed table
+REJECTED_WHY = {"context": "beyond the model's context", "kv": "KV fits no replica", "empty": "empty prompt",
+                "vocabulary": "outside the vocabulary"}
 
 
 def _has_slo(s: dict) -> bool:
@@ -197,7 +218,8 @@ def _sweep(args, rates, plan, cluster, model, wl, opts, cost) -> None:
     from hetserve.sim.sweep import rate_sweep
 
     plot = Path(args.output) / "rate_sweep.png" if args.output else None
-    rows = rate_sweep(plan, cluster, model, wl, rates, replace(opts, progress=False), cost, plot=plot)
+    rows = rate_sweep(plan, cluster, model, wl, rates, replace(opts, progress=False), cost, plot=plot,
+                      source=args.workload)
     t = Table("rate req/s", "output tokens/s", "SLO attainment", "goodput req/s", "TTFT p90 s", "TPOT p90 s",
               title="rate sweep")
     for r in rows:
@@ -229,7 +251,10 @@ def print_summary(console, s: dict, title: str, source: str | None = None) -> No
     tot.add_column()
     tot.add_column(justify="right")
     usd = s.get("usd_per_million_output_tokens")
+    rejected = s.get("rejected", 0)
+    why = ", ".join(f"{v} {REJECTED_WHY.get(k, k)}" for k, v in (s.get("rejected_by") or {}).items())
     for label, val in (("requests completed", f"{s['completed']} / {s['requests']}"),
+                       ("requests rejected", f"{rejected}" + (f" ({why})" if why else "")),
                        ("duration", f"{s['duration_s']:.1f} s"),
                        ("output tokens/s", f"{s['throughput_tokens_per_s']:.1f}"),
                        ("SLO attainment", f"{s['slo_attainment']:.3f}" if _has_slo(s) else NO_SLO),

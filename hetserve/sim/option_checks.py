@@ -1,0 +1,87 @@
+"""Options that cannot act on the trace or plan they are given: an error (or a note) that says why.
+
+* A rate (``--rate``, ``--rate-scale``, ``--sweep-rates``) rescales the trace's arrival times; a trace
+  whose requests all arrive at one instant (or that holds one request) has no spacing to rescale,
+  so the rate would be ignored. ``at_rate`` / ``at_rate_scale`` refuse it instead.
+* Link scheduling (``transmission``) orders the messages that cross the links. Under the aggregate
+  pipeline model only KV hand-offs cross them (a pipeline's stage-to-stage activations are priced
+  inside its step time, not sent); ``link_traffic`` says what the links carry for a plan, so the
+  CLI can say when the chosen scheduling has nothing, or only part of the traffic, to act on.
+"""
+
+from __future__ import annotations
+
+from hetserve.errors import SpecError
+from hetserve.planner.plan import Plan
+from hetserve.specs.workload import Workload
+
+
+def _no_spacing(wl: Workload) -> str | None:
+    """Why ``wl``'s arrivals cannot be rescaled (None: they can)."""
+    if len(wl) < 2:
+        return f"{len(wl)} request" + ("" if len(wl) == 1 else "s")
+    if wl.duration_s <= 0:
+        return f"all {len(wl)} requests arriving at one instant ({float(wl.arrival_s[0]):g} s)"
+    return None
+
+
+def _refuse(wl: Workload, source: str | None, option: str, value: float, why: str) -> SpecError:
+    return SpecError(source or wl.name, "arrivals",
+                     f"arrivals spread over time for {option} {value:g} to rescale (drop {option} to replay the "
+                     f"trace as it is; a trace without arrival times, no TIMESTAMP column, gets Poisson arrivals "
+                     f"at --rate)", why)
+
+
+def at_rate(wl: Workload, rate: float, source: str | None = None, option: str = "--rate") -> Workload:
+    """``wl`` rescaled to a mean arrival rate of ``rate`` req/s (burst shape kept); a ``SpecError``
+    naming ``source`` (the trace as the user named it) when its arrivals have no spacing to rescale."""
+    why = _no_spacing(wl)
+    if why is not None:
+        raise _refuse(wl, source, option, rate, why)
+    return wl.with_rate(rate)
+
+
+def at_rate_scale(wl: Workload, factor: float, source: str | None = None) -> Workload:
+    """``wl`` with time compressed by ``factor``; refused as ``at_rate`` when nothing would change."""
+    why = _no_spacing(wl)
+    if why is not None:
+        raise _refuse(wl, source, "--rate-scale", factor, why)
+    return wl.scale_rate(factor)
+
+
+def pipelined_replicas(plan: Plan) -> list[str]:
+    """Decode and colocated replicas of more than one stage: those ``pipeline="detailed"`` simulates
+    stage by stage, their activations on the links (prefill replicas stay aggregate in both modes)."""
+    return [r.id for r in plan.replicas if r.role != "prefill" and len(r.stages) > 1]
+
+
+def link_traffic(plan: Plan, pipeline: str) -> set[str]:
+    """The traffic kinds (``kv``, ``prefill``, ``decode``) that cross the links when ``plan`` is
+    simulated with ``pipeline`` (``"aggregate"`` or ``"detailed"``): what link scheduling acts on."""
+    kinds = {"kv"} if any(r.role == "prefill" for r in plan.replicas) else set()
+    if pipeline == "detailed" and pipelined_replicas(plan):
+        kinds |= {"prefill", "decode"}
+    return kinds
+
+
+def transmission_note(plan: Plan, plan_source: str, transmission: str, pipeline: str) -> tuple[str, str] | None:
+    """What ``--transmission`` cannot act on for this plan and pipeline model: ``("error", text)``
+    when nothing crosses the links, ``("warning", text)`` when only the KV hand-offs do while
+    pipelined replicas' activations stay off them; None when it acts on all the link traffic."""
+    kinds = link_traffic(plan, pipeline)
+    piped = pipelined_replicas(plan)
+    names = ", ".join(piped[:4]) + (" …" if len(piped) > 4 else "")
+    opt = f"--transmission {transmission}"
+    if not kinds:
+        if piped and pipeline == "aggregate":
+            return ("error", f"{opt} has nothing to schedule under --pipeline aggregate: {plan_source} has no KV "
+                             f"hand-offs, and its pipelines' activations ({names}) are priced inside their steps, "
+                             f"not sent over the links; pass --pipeline detailed to put them on the links, or drop "
+                             f"--transmission")
+        return ("error", f"{opt} has nothing to schedule: {plan_source} has no KV hand-offs and no replica of "
+                         f"several stages, so no message crosses a link; drop --transmission")
+    if piped and pipeline == "aggregate":
+        return ("warning", f"{opt} schedules only the KV hand-offs under --pipeline aggregate; the activations of "
+                           f"{plan_source}'s pipelined replicas ({names}) are priced inside their steps, not sent "
+                           f"over the links: pass --pipeline detailed to schedule them too")
+    return None

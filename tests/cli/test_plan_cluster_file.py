@@ -1,0 +1,113 @@
+"""A plan made on a cluster file records it (path relative to the plan, SHA-256), and ``simulate``
+and ``describe plan`` find it without --cluster, warn when it changed, or say which file to pass."""
+
+import hashlib
+import json
+import shutil
+
+import pytest
+import yaml
+
+from hetserve.cli.main import main
+from hetserve.planner.plan import ClusterFile, Plan
+
+POOL = {"name": "my-pool", "machines": [{"name": "m0", "gpu": "A100-SXM-80G", "count": 2, "site": "s0"},
+                                        {"name": "m1", "gpu": "A100-SXM-80G", "count": 2, "site": "s1"}],
+        "network": {"inter_site": {"bandwidth_gbps": 100, "latency_ms": 1}}}
+SIM = ["--workload", "azure-conv", "--limit", "20", "--no-progress", "--json"]
+
+
+def one_line(capsys) -> str:
+    """What was printed, rich's wrapping at 80 columns undone."""
+    return " ".join(capsys.readouterr().out.split())
+
+
+@pytest.fixture
+def made(tmp_path, monkeypatch, capsys):
+    """``hetserve plan`` on pools/my-pool.yaml, written to plans/plan.json (run from tmp_path)."""
+    monkeypatch.chdir(tmp_path)
+    for folder in ("pools", "plans"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "pools" / "my-pool.yaml").write_text(yaml.safe_dump(POOL))
+    assert main(["plan", "--cluster", "pools/my-pool.yaml", "--model", "llama-2-7b", "--algorithm", "uniform",
+                 "--quiet", "-o", "plans/plan.json"]) == 0
+    capsys.readouterr()
+    return tmp_path
+
+
+def test_the_plan_records_its_cluster_file_relative_to_itself(made):
+    data = json.loads((made / "plans" / "plan.json").read_text())
+    digest = hashlib.sha256((made / "pools" / "my-pool.yaml").read_bytes()).hexdigest()
+    assert data["cluster"] == "my-pool"  # DESIGN.md's field, unchanged
+    assert data["cluster_file"] == {"path": "../pools/my-pool.yaml", "sha256": digest}
+    plan = Plan.load(made / "plans" / "plan.json")
+    assert plan.cluster_file.path == (made / "pools" / "my-pool.yaml").resolve()
+
+
+def test_a_plan_made_on_a_preset_records_no_file(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", "demo-cpu", "--model", "llama-2-7b", "--algorithm", "uniform", "--quiet",
+                 "-o", str(out)]) == 0
+    assert "cluster_file" not in json.loads(out.read_text())
+
+
+def test_simulate_and_describe_find_the_file_without_cluster(made, capsys):
+    assert main(["simulate", "--plan", "plans/plan.json", *SIM]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["run"]["cluster"] == "my-pool" and "cluster file" not in out.err
+    assert main(["describe", "plan", "plans/plan.json"]) == 0
+    text = one_line(capsys)
+    assert "made on the cluster file pools/my-pool.yaml (unchanged" in text and "checked: the plan fits my-pool" in text
+
+
+def test_plan_and_pool_move_together(made, capsys):
+    shutil.move(made / "plans", made / "elsewhere" / "plans")
+    shutil.move(made / "pools", made / "elsewhere" / "pools")
+    assert main(["simulate", "--plan", "elsewhere/plans/plan.json", *SIM]) == 0
+
+
+def test_a_changed_file_is_used_with_a_warning_naming_it(made, capsys):
+    with (made / "pools" / "my-pool.yaml").open("a") as fh:
+        fh.write("# edited after planning\n")
+    assert main(["simulate", "--plan", "plans/plan.json", *SIM]) == 0
+    err = capsys.readouterr().err
+    assert "warning: pools/my-pool.yaml, the cluster file plans/plan.json was made on, has changed since" in err
+    assert main(["describe", "plan", "plans/plan.json"]) == 0
+    assert "my-pool.yaml, the cluster file plans/plan.json was made on, has changed since" in one_line(capsys)
+
+
+def test_a_missing_file_says_which_file_to_pass(made, capsys):
+    (made / "pools" / "my-pool.yaml").rename(made / "pools" / "moved.yaml")
+    assert main(["simulate", "--plan", "plans/plan.json", *SIM]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "plans/plan.json: field 'cluster_file.path'" in err
+    assert "pools/my-pool.yaml (no such file)" in err and "--cluster" in err and "'my-pool'" in err
+    assert main(["describe", "plan", "plans/plan.json"]) == 0
+    assert "not checked" in capsys.readouterr().out
+    # the user names the file: it is used
+    assert main(["simulate", "--plan", "plans/plan.json", "--cluster", "pools/moved.yaml", *SIM]) == 0
+
+
+def test_a_plan_without_a_recorded_file_names_its_cluster_and_the_fix(made, capsys):
+    data = json.loads((made / "plans" / "plan.json").read_text())
+    del data["cluster_file"]
+    (made / "old.json").write_text(json.dumps(data))
+    assert main(["simulate", "--plan", "old.json", *SIM]) == 2
+    err = capsys.readouterr().err
+    assert "old.json: field 'cluster'" in err and "pass --cluster with the file it was made on" in err
+    assert "got 'my-pool'" in err
+
+
+def test_a_malformed_record_is_one_line(made, capsys):
+    data = json.loads((made / "plans" / "plan.json").read_text())
+    data["cluster_file"]["sha256"] = "abc"
+    (made / "bad.json").write_text(json.dumps(data))
+    assert main(["simulate", "--plan", "bad.json", *SIM]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cluster_file.sha256" in err
+
+
+def test_cluster_file_leaves_plan_equality_alone(made):
+    plan = Plan.load(made / "plans" / "plan.json")
+    assert plan.cluster_file == ClusterFile.of(made / "pools" / "my-pool.yaml")
+    assert plan == Plan.from_dict({k: v for k, v in plan.to_dict().items() if k != "cluster_file"})

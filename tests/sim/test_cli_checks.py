@@ -108,3 +108,10 @@ def test_rejected_requests_in_the_json_and_the_table(pool, capsys):
     assert sim(pool, "pd.json", "--workload", trace, "--within-context", "--json") == 0
     s = json.loads(capsys.readouterr().out)
     assert s["requests"] == s["completed"] == 7 and s["rejected"] == 0
+
+
+def test_describe_workload_refuses_a_rate_it_cannot_apply(tmp_path, capsys):
+    trace = write(tmp_path, [(0, 100, 20)] * 5, "burst.csv")
+    assert main(["describe", "workload", trace, "--rate", "5"]) == 2
+    assert f"{trace}: field 'arrivals'" in capsys.readouterr().err
+    assert main(["describe", "workload", trace]) == 0

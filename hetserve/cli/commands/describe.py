@@ -44,7 +44,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.kind == "model":
         describe_model(load_model(args.name), console)
     else:
-        describe_workload(load_workload(args.name, rate=args.rate), console)
+        w = load_workload(args.name, rate=args.rate)
+        if args.rate is not None:
+            from hetserve.sim.option_checks import at_rate
+            at_rate(w, args.rate, args.name)  # arrivals at one instant take no rate: say so, not ignore it
+        describe_workload(w, console)
     return 0
 
 

@@ -31,6 +31,7 @@ import torch
 
 from hetserve.errors import InfeasibleError, RuntimeFailure
 from hetserve.planner.plan import Plan
+from hetserve.policies.request_checks import check_context, check_prompt_ids
 from hetserve.runtime.auth import LinkSecurity, deployment_secret
 from hetserve.runtime.coordinator import Coordinator
 from hetserve.runtime.deployment import build_layout
@@ -166,14 +167,9 @@ class Engine:
             raise RuntimeFailure(f"the engine cannot serve: {self.broken}")
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < self.arch.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.arch.vocab_size})")
-        if len(prompt) + params.max_tokens > self.arch.max_positions:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"model's context of {self.arch.max_positions} tokens")
+        # the simulator refuses by the same rules (policies/request_checks.py)
+        check_prompt_ids(prompt, self.arch.vocab_size)
+        check_context(len(prompt), params.max_tokens, self.arch.max_positions)
         if replica is not None and (replica not in self.schedulers or not self.schedulers[replica].serves_prefill):
             raise ValueError(f"replica {replica!r} is not a prefill or colocated replica of the plan")
         self._check_fits(len(prompt), len(prompt) + params.max_tokens)

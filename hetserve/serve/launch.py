@@ -105,11 +105,12 @@ class Deployment:
 
 
 def _load(opts: ServeOptions):
-    from hetserve.planner.plan import Plan
-    from hetserve.specs.cluster import Cluster, load_cluster
+    from hetserve.planner.plan import Plan, load_plan_cluster
+    from hetserve.specs.cluster import Cluster
 
     plan = opts.plan if isinstance(opts.plan, Plan) else Plan.load(opts.plan)
-    cluster = opts.cluster if isinstance(opts.cluster, Cluster) else load_cluster(opts.cluster or plan.cluster)
+    cluster = opts.cluster if isinstance(opts.cluster, Cluster) else load_plan_cluster(
+        plan, "<plan>" if isinstance(opts.plan, Plan) else str(opts.plan), opts.cluster)
     return plan, cluster
 
 

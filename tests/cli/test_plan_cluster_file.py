@@ -111,3 +111,13 @@ def test_cluster_file_leaves_plan_equality_alone(made):
     plan = Plan.load(made / "plans" / "plan.json")
     assert plan.cluster_file == ClusterFile.of(made / "pools" / "my-pool.yaml")
     assert plan == Plan.from_dict({k: v for k, v in plan.to_dict().items() if k != "cluster_file"})
+
+
+def test_serve_finds_the_file_without_cluster(made):
+    """``hetserve serve`` loads its inputs with the same rule (``serve.launch._load``)."""
+    from types import SimpleNamespace
+
+    from hetserve.serve.launch import _load
+
+    plan, cluster = _load(SimpleNamespace(plan=str(made / "plans" / "plan.json"), cluster=None))
+    assert cluster.name == "my-pool" and plan.cluster == "my-pool"

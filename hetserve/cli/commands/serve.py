@@ -137,12 +137,11 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:  # the runtime extra is missing
         raise RuntimeFailure(f"hetserve serve needs the runtime extra (pip install 'hetserve[runtime]'): {exc}") \
             from exc
-    from hetserve.cli.model_dir import check_model_dir
+    from hetserve.cli.model_dir import check_model_dir, plan_cluster
     from hetserve.planner.plan import Plan
-    from hetserve.specs.cluster import load_cluster
 
     plan = Plan.load(args.plan)  # input errors first, in one line, before anything starts
-    cluster = load_cluster(args.cluster or plan.cluster)
+    cluster = plan_cluster(args.plan, plan, args.cluster)  # --cluster, else the file the plan was made on
     check_model_dir(args.model)
     if args.heartbeat_timeout <= 0.2:
         raise SpecError("--heartbeat-timeout", "heartbeat_timeout", "more than 0.2 s (workers beat every "

@@ -366,6 +366,9 @@ class SocketTransport(Transport):
                 self._socks.add(sock)
             accept_handshake(sock, self.security)
             return sock
+        except BaseException:
+            self._drop(sock)  # the TLS-wrapped socket, where wrapping succeeded
+            raise
         finally:
             self._handshaking.release()
 

@@ -125,7 +125,7 @@ def read_secret_file(path: Path) -> bytes:
         text = path.read_text()
     except OSError as exc:
         raise ValueError(f"secret file {str(path)!r}: {exc.strerror}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+    if not owner_only(mode):
         raise ValueError(f"secret file {str(path)!r} has mode {stat.S_IMODE(mode):o}: others may read it; "
                          f"`chmod 600 {path}`")
     try:
@@ -133,6 +133,12 @@ def read_secret_file(path: Path) -> bytes:
     except ValueError:
         raise ValueError(f"secret file {str(path)!r} must hold hex (e.g. `openssl rand -hex 32 > {path}`)") from None
     return _long_enough(secret, f"secret file {str(path)!r}")
+
+
+def owner_only(st_mode: int) -> bool:
+    """Whether a file of mode ``st_mode`` is closed to its group and others: the rule for every file
+    that holds a secret (the deployment secret, API keys), as ssh holds its key files to it."""
+    return not st_mode & (stat.S_IRWXG | stat.S_IRWXO)
 
 
 def _long_enough(secret: bytes, what: str) -> bytes:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from hetserve.errors import HetserveError
+from hetserve.runtime.auth import owner_only
 
 API_KEY_ENV = "HETSERVE_API_KEY"
 ADMIN_KEY_ENV = "HETSERVE_ADMIN_KEY"
@@ -127,7 +128,7 @@ def read_key_file(path: str) -> list[str]:
     if not stat.S_ISREG(st.st_mode):
         raise KeyConfigError(f"{path}: not a regular file")
     mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o077:
+    if not owner_only(mode):
         raise KeyConfigError(f"{path}: the key file is accessible by group or others (mode {mode:04o}); "
                         f"run 'chmod 600 {path}'")
     keys = [check_key(line.strip(), f"{path} line {i}")

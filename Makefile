@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	touch $(STAMP)
 
 demo: setup
-	$(BIN)/python -m hetserve.demo
+	$(BIN)/python examples/demo.py
 
 # Two pytest workers (pytest-xdist), a test file each at a time (--dist loadfile: a file's module
 # fixtures, e.g. the three-node Ray pool, start once). Most of the suite's time is planner searches

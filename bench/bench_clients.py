@@ -117,7 +117,7 @@ def main() -> None:
     args.key = secrets.token_urlsafe(32) if args.with_api_key else None
     bin_dir = Path(args.client_bin)
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.model.make import make_model
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

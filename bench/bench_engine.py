@@ -19,7 +19,7 @@ target: continuous batching >= 4x the tokens/s of one-at-a-time ``generate`` at 
 
 Beside every engine row, the simulator's prediction for the same plan and requests (``--no-sim`` to
 skip): the cost model's efficiency is first fitted to this machine
-(``hetserve.runtime.calibrate.calibrate``: the engine on one worker, prompts of 32..512 tokens and
+(``hetserve.calibration.calibrate.calibrate``: the engine on one worker, prompts of 32..512 tokens and
 decode batches of 1..32, relative to the cluster's RTX 4090 datasheet), then ``hetserve.sim.simulate``
 plays the same arrivals, prompt lengths and output lengths against the plan with the engine's
 limits (``max_num_seqs`` 64, 2,048 prompt tokens per step, KV reserved at admission).
@@ -150,8 +150,9 @@ def simulate_engine(plan_dict: dict, cluster_path: Path, model_dir: Path, prompt
 def bench_engine(name: str, plan_dict: dict, cluster_path: Path, model_dir: Path, prompts: list[list[int]],
                  max_tokens: int, start_method: str) -> dict:
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.engine import Engine, EngineConfig
-    from hetserve.runtime.sampling import SamplingParams
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.runtime.params import SamplingParams
 
     config = EngineConfig(kv_capacity_tokens=KV_TOKENS, max_num_seqs=MAX_NUM_SEQS,
                           max_batched_tokens=MAX_BATCHED_TOKENS, start_method=start_method)
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.model.make import make_model
 
     torch.set_num_threads(args.hf_threads)
 
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_plans = [p for p in args.plans.split(",") if p]
     calibration = None
     if engine_plans and not args.no_sim:
-        from hetserve.runtime.calibrate import calibrate
+        from hetserve.calibration.calibrate import calibrate
 
         # decode batches up to the bench's concurrency, so the fitted per-iteration cost covers batch 32
         calibration = calibrate(str(model_dir), "RTX-4090", batch_sizes=(1, 4, 16, 32))

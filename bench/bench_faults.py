@@ -162,7 +162,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["NO_PROXY"] = "127.0.0.1,localhost"
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.model.make import make_model
     from hetserve.serve.launch import ServeOptions, start_server
 
     with tempfile.TemporaryDirectory() as tmp:

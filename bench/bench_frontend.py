@@ -5,12 +5,12 @@
 Two tables, each with its baseline measured in the same run:
 
 1. **Core contention.** One worker-like process (one torch thread, the tiny Llama of
-   ``bench_predict``) times a batch-4 decode step alone, beside one process prefilling 128 tokens in
+   ``predict/run``) times a batch-4 decode step alone, beside one process prefilling 128 tokens in
    a loop, and beside two. Ratio: each step time ÷ the step alone.
-2. **Engine vs served.** ``bench_predict``'s ``prefill-decode`` plan and requests (Azure LPLD, prompts
+2. **Engine vs served.** ``predict/run``'s ``prefill-decode`` plan and requests (Azure LPLD, prompts
    <= 128, outputs <= 32 tokens, ``ignore_eos``), sent at the same arrival times once straight to
    ``Engine.submit`` (no HTTP) and once through the HTTP server and the ``openai`` client (what
-   ``bench_predict`` serves). Reported: TTFT and TPOT means, KV hand-off time (engine side), and
+   ``predict/run`` serves). Reported: TTFT and TPOT means, KV hand-off time (engine side), and
    served ÷ engine, plus the extra time per decode step the front end adds.
 3. **Where a served step's extra time goes.** The decode replica's steps timed in the coordinator
    on both sides of table 2: its own turn-around (result handled -> next step sent) and the round
@@ -37,7 +37,7 @@ def _tiny_llama():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.set_num_threads(1)  # as runtime/worker.py: one core's worth of work per worker
+    torch.set_num_threads(1)  # as runtime/workers/worker.py: one core's worth of work per worker
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
                       num_attention_heads=4, num_key_value_heads=2)
@@ -89,9 +89,9 @@ class StepTimer:
         self.replica, self.events = replica, []
 
     def __enter__(self):
-        import hetserve.runtime.coordinator as coord
+        import hetserve.runtime.engine_loop as coord
 
-        self._mod, self._orig = coord.Coordinator, (coord.Coordinator._on_result, coord.Coordinator._send_step)
+        self._mod, self._orig = coord.EngineLoop, (coord.EngineLoop._on_result, coord.EngineLoop._send_step)
         on_result, send_step = self._orig
         events, rid = self.events, self.replica
 
@@ -133,9 +133,10 @@ class StepTimer:
 def engine_vs_served(rate: float, n: int, tmp: Path, model_dir: Path) -> dict[str, dict[str, float]]:
     import numpy as np
 
-    from bench import bench_predict as bp
-    from hetserve.runtime.engine import Engine, EngineConfig
-    from hetserve.runtime.sampling import SamplingParams
+    from bench.predict import run as bp
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.runtime.params import SamplingParams
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import replay, requests_from_workload
     from hetserve.specs.cluster import load_cluster
@@ -178,7 +179,7 @@ def main() -> int:
     from bench.lib.console import wide_console
     from rich.table import Table
 
-    from bench import bench_predict as bp
+    from bench.predict import run as bp
 
     console = wide_console()
     t = Table(title=f"decode step (batch 4, one torch thread) beside other processes on {os.cpu_count()} cores, "

@@ -66,9 +66,9 @@ def plans() -> dict[str, dict]:
 
 def run_plan(plan_dict, cluster, model, prompts, max_tokens, addresses, repeats) -> dict:
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.engine import EngineConfig
-    from hetserve.runtime.ray_backend import start_ray_engine
-    from hetserve.runtime.sampling import SamplingParams
+    from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.runtime.workers.ray_backend import start_ray_engine
+    from hetserve.runtime.params import SamplingParams
 
     t0 = time.monotonic()
     engine = start_ray_engine(Plan.from_dict(plan_dict), cluster, model, EngineConfig(kv_capacity_tokens=4096),
@@ -94,7 +94,7 @@ def run_plan(plan_dict, cluster, model, prompts, max_tokens, addresses, repeats)
 def one_node(cluster, model, prompts, max_tokens, repeats) -> tuple[float, dict]:
     import ray
 
-    from hetserve.runtime.ray_backend import RaySession
+    from hetserve.runtime.workers.ray_backend import RaySession
 
     t0 = time.monotonic()
     # private: 127.0.0.1, every machine's resource, as many CPUs as the three nodes together (Ray starts
@@ -112,7 +112,7 @@ def one_node(cluster, model, prompts, max_tokens, repeats) -> tuple[float, dict]
 def three_nodes(cluster, model, prompts, max_tokens, repeats) -> tuple[float, dict]:
     from ray.cluster_utils import Cluster
 
-    from hetserve.runtime.ray_backend import RaySession, machine_resource
+    from hetserve.runtime.workers.ray_backend import RaySession, machine_resource
 
     small = {"num_cpus": 1, "object_store_memory": 78 * 1024 * 1024}
     t0 = time.monotonic()
@@ -143,7 +143,7 @@ def main() -> int:
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
 
-    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.model.make import make_model
     from hetserve.specs.cluster import load_cluster
 
     ray_tmp = str(workdir("hsbn-", dir="/tmp"))  # Ray's socket paths must stay short

@@ -6,7 +6,7 @@
 token (HTTP, tokenisation, the stream's set-up) as ``request_overhead_s``. This bench runs the
 calibration's measurement (``runtime.calibration_probes.measure``, the TTFT and HTTP probes only:
 no pipeline, TP, hand-off, long-decode or speed probes) ``--runs`` times in a row on
-``bench_predict``'s tiny Llama and prints both estimates per run:
+``predict/run``'s tiny Llama and prints both estimates per run:
 
 - *paired* (what calibration uses): per probe request, its TTFT less the span of its own prompt step
   as the coordinator timed it, through HTTP and on the engine; the difference of the medians;
@@ -58,10 +58,10 @@ def main() -> int:
     from bench.lib.console import wide_console
     from rich.table import Table
 
-    from bench.bench_predict import tiny_model
-    from hetserve.runtime.overhead_fit import request_overhead, stream_overheads
-    from hetserve.runtime.calibration_probes import measure
-    from hetserve.runtime.speed_probe import round_median
+    from bench.predict.run import tiny_model
+    from hetserve.calibration.overhead_fit import request_overhead, stream_overheads
+    from hetserve.calibration.probes import measure
+    from hetserve.calibration.speed_probe import round_median
 
     console = wide_console()
     model_dir = tiny_model(workdir("bench-overhead-"))

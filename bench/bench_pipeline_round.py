@@ -5,7 +5,7 @@
 ``hetserve calibrate`` fits the cost model to this machine (its two-stage probe now decodes one
 and two sequences, and ``Efficiency.turn_hold``, the share of the turn-around that holds the last
 stage while another micro-batch is in flight, is fitted from the two). Then one server of
-``bench_predict``'s tiny Llama on two stages (one worker each) decodes 1, 2 and 4 sequences at once
+``predict/run``'s tiny Llama on two stages (one worker each) decodes 1, 2 and 4 sequences at once
 (one micro-batch, two of one, two of two), on the engine and through HTTP with the ``openai``
 client, in interleaved rounds; the medians are set beside the cost model's round at that batch:
 
@@ -54,12 +54,12 @@ def main() -> int:
     from bench.lib.console import wide_console
     from rich.table import Table
 
-    from bench.bench_predict import tiny_model
+    from bench.predict.run import tiny_model
     from hetserve.cost.analytic import CostModel
-    from hetserve.runtime.calibrate import calibrate
-    from hetserve.runtime.calibration_file import served_efficiency
-    from hetserve.runtime.probe_shapes import one_device_cluster, one_device_plan, probe_layout
-    from hetserve.runtime.sequence import SamplingParams
+    from hetserve.calibration.calibrate import calibrate
+    from hetserve.calibration.file import served_efficiency
+    from hetserve.calibration.probe_shapes import one_device_cluster, one_device_plan, probe_layout
+    from hetserve.runtime.params import SamplingParams
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import LoadRequest, replay
     from hetserve.specs.cluster import cluster_from_dict

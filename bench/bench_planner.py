@@ -218,12 +218,12 @@ def bound_gap(sizes, pools=None) -> None:
     LP (the old bound), the group-column programme and the tighter of the two (what plans report),
     the bound's own CPU time, and — where the programme's columns are machines — its best integer
     point scored by the planner's evaluator (a plan; when it beats hexgen2 the gap is the search's)."""
-    from hetserve.planner import bound as B
+    from hetserve.planner.bound import throughput as B
     from hetserve.planner.context import PlanContext
 
     model, wl = load_model("llama-2-70b"), load_workload("azure-conv")
     names = pools or [*HET, "synthetic-48"] + [f"synthetic-{n}" for n in sizes]
-    t = Table(title="hexgen2 against the upper bound (planner/bound.py), llama-2-70b, azure-conv")
+    t = Table(title="hexgen2 against the upper bound (planner/bound/throughput.py), llama-2-70b, azure-conv")
     for col in ("pool", "GPUs", "hexgen2 tokens/s", "per-device LP", "group bound", "bound CPU s",
                 "hexgen2 / LP", "hexgen2 / bound", "bound's own plan, scored"):
         t.add_column(col, justify="left" if col == "pool" else "right")
@@ -253,8 +253,8 @@ def bound_gap(sizes, pools=None) -> None:
 def _score_incumbent(ctx) -> float | None:
     """The planner's evaluator (every layout) on the bound's own best integer point
     (``hexgen2.bound_start``), or None where the bound's columns are not machines."""
-    from hetserve.planner.hexgen2 import bound_start
-    from hetserve.planner.placement import Evaluator
+    from hetserve.planner.search.hexgen2 import bound_start
+    from hetserve.planner.pool.evaluator import Evaluator
 
     start = bound_start(ctx)
     return Evaluator(ctx, exhaustive_layouts=True).evaluate(start).tokens_per_s if start else None

@@ -78,7 +78,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.model.make import make_model
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import replay, summarize
     from hetserve.specs.cluster import load_cluster

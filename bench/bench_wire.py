@@ -27,9 +27,9 @@ import time
 import torch
 
 from bench.lib.console import wide_console
-from hetserve.runtime.auth import LinkSecurity
-from hetserve.runtime.transport import Priority, SocketTransport
-from hetserve.runtime.wire import Message, decode, encode
+from hetserve.runtime.workers.auth import LinkSecurity
+from hetserve.runtime.workers.transport import Priority, SocketTransport
+from hetserve.runtime.workers.wire import Message, decode, encode
 
 
 def step_messages() -> dict[str, Message]:
@@ -96,7 +96,7 @@ def connection_row(repeats: int) -> tuple[float, float]:
     """(median handshake connection, median bare connection) in microseconds."""
     security = LinkSecurity.fresh()
     server = SocketTransport("server", security)
-    from hetserve.runtime.auth import connect_handshake
+    from hetserve.runtime.workers.auth import connect_handshake
 
     def handshake():
         with socket.create_connection(server.address) as s:

@@ -17,7 +17,8 @@ from hetserve.capacity.config import homogeneous_cluster, worker_options
 from hetserve.capacity.simulated import workers_needed
 from hetserve.capacity.workers import fluid_workers
 from hetserve.errors import InfeasibleError
-from hetserve.policies.aladdin import AladdinPlacement, models_from_cost
+from hetserve.policies.aladdin import AladdinPlacement
+from hetserve.policies.aladdin_models import models_from_cost
 from hetserve.policies.grouped import GroupedPlacement, split_groups
 from hetserve.policies.predictor import BucketMeanPredictor
 from hetserve.specs.workload import SLO, Workload, load_workload

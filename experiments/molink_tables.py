@@ -108,7 +108,7 @@ def calibrate_links(bandwidth_mbps: float = 100.0, latency_ms: float = 30.0, rep
     import threading
 
     from hetserve.policies.transmission import FairTransmission
-    from hetserve.runtime.links import ShapedLink
+    from hetserve.runtime.links.network import ShapedLink
 
     bw, lat = bandwidth_mbps * 1e6 / 8, latency_ms / 1e3
     link = ShapedLink("a", "b", lat, bw, FairTransmission())

@@ -15,7 +15,7 @@ def _keep_every_group_bound():
     out, and the budgeted bounds of min_cost's bisections in between pushed the presets' bounds out,
     so each was solved three times in a run. Keep every bound for the session: a cached one is what
     the same code computed for the same inputs (the key is everything the bound reads)."""
-    from hetserve.planner import bound
+    from hetserve.planner.bound import throughput as bound
 
     saved = bound._CACHE_SIZE
     bound._CACHE_SIZE = 100_000
@@ -30,7 +30,7 @@ def _share_group_bounds_between_workers(tmp_path_factory):
     session's temporary root, keyed by everything it reads (``bound._fingerprint``), and the other
     worker reads it; a lock per bound makes a worker that needs one being solved wait for it rather
     than solve it again."""
-    from hetserve.planner import bound
+    from hetserve.planner.bound import throughput as bound
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):

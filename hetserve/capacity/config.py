@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from hetserve.cost.analytic import CostModel, Efficiency
+from hetserve.cost.analytic import CostModel
+from hetserve.cost.efficiency import Efficiency
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.errors import InfeasibleError
 from hetserve.specs.cluster import Cluster, cluster_from_dict

@@ -1,7 +1,7 @@
 """Planners: from (cluster, model, workload) to a deployment ``Plan``.
 
 Every algorithm is a plain function ``fn(cluster, model, workload, options) -> Plan`` listed in
-``ALGORITHMS``; all of them score placements with the same ``placement.Evaluator`` (per-replica
+``ALGORITHMS``; all of them score pool layouts with the same ``pool.Evaluator`` (per-replica
 layout search + the cost model + HexGen-2's flow network), so their estimates compare directly.
 
     hexgen2          HexGen-2: graph partition + max flow + max-flow-guided refinement
@@ -9,18 +9,18 @@ layout search + the cost model + HexGen-2's flow network), so their estimates co
     genetic          HexGen-2 with HexGen's genetic search generating the groups (§5.3)
     uniform          DistServe-style: one shape for all prefill and one for all decode replicas
     hexgen           HexGen: colocated replicas, genetic search with K-means + elbow init
-    exact            optimal disaggregated placement by enumeration (≤ 8 devices)
-    exact-colocated  optimal colocated placement (≤ 8 devices)
+    exact            optimal disaggregated pool layout by enumeration (≤ 8 devices)
+    exact-colocated  optimal colocated pool layout (≤ 8 devices)
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from hetserve.planner.baselines import genetic, uniform
-from hetserve.planner.exact import exact, exact_colocated
-from hetserve.planner.hexgen import hexgen
-from hetserve.planner.hexgen2 import hexgen2, random_swap
+from hetserve.planner.search.baselines import genetic, uniform
+from hetserve.planner.search.exact import exact, exact_colocated
+from hetserve.planner.search.hexgen import hexgen
+from hetserve.planner.search.hexgen2 import hexgen2, random_swap
 from hetserve.planner.options import PlanOptions, SearchProgress
 from hetserve.planner.plan import KVRoute, Plan, PlanReplica, PlanStage
 from hetserve.planner.validate import validate_plan

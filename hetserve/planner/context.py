@@ -11,6 +11,7 @@ makes the layout cache hit (HexGen §4.2's GPU-type count vectors, refined by ma
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import cached_property
 
@@ -61,7 +62,7 @@ class PlanContext:
         # Shared NICs / site pipes / dedicated links: capacity nodes of the flow network (bytes per T)
         self.resources = {r.name: r for r in cluster.shared_resources() if math.isfinite(r.bandwidth)}
         self.resource_cap = {name: r.bandwidth * self.period_s for name, r in self.resources.items()}
-        from hetserve.planner.layout import LayoutSearch  # layout search reads the context
+        from hetserve.planner.layout.search import LayoutSearch  # layout search reads the context
         self.layouts = LayoutSearch(self)
 
     # ------------------------------------------------------------------ device classes
@@ -148,13 +149,20 @@ class PlanContext:
             f"activation buffers and at least one request's KV cache "
             f"({(self.input_tokens + self.output_tokens) * m.kv_bytes_per_token / GB:.2f} GB)")
 
+    def without_slo(self) -> "PlanContext":
+        """This context without its SLOs: the same pool, model, workload, period and efficiencies, with
+        throughput capacities (what bounds goodput; ``self`` when it has no SLOs)."""
+        if self.slo is None:
+            return self
+        options = dataclasses.replace(self.options, objective="throughput", slo_ttft_s=None, slo_tpot_s=None,
+                                      rate=None, budget_usd_per_hour=None)
+        return PlanContext(self.cluster, self.model, self.workload, options)
+
     def _slo_error(self) -> InfeasibleError | None:
         """Under SLOs, when the pool has layouts without them: the fastest one found, one machine's
         devices each, and how far its stand-alone TTFT / TPOT are from the targets (an SLO no replica
         meets gives every layout a capacity of 0, which is not a memory problem)."""
-        from hetserve.planner.bound import throughput_context
-
-        free = throughput_context(self)
+        free = self.without_slo()
         best = None
         for devices in self.cluster.machines.values():
             found = free.layouts.best([d.index for d in devices], "colocated")

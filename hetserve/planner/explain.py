@@ -1,6 +1,6 @@
 """``hetserve plan --explain``: what bounds a plan, and what more hardware would give.
 
-* **Bound**: the plan's placement is priced again with its own layouts (the shared
+* **Bound**: the plan's pool layout is priced again with its own layouts (the shared
   ``Evaluator``) and the min cut of its flow (``guided.min_cut``) is read: which groups' compute
   or memory (saturated prefill / decode replicas), which KV edges, which NICs or site pipes
   carry the whole flow; colocated replicas add their own capacity beside it.
@@ -19,8 +19,9 @@ from pathlib import Path
 
 from hetserve.errors import InfeasibleError, PlanError, SpecError
 from hetserve.planner.context import PlanContext
-from hetserve.planner.guided import min_cut
-from hetserve.planner.placement import Evaluator, Group
+from hetserve.planner.search.guided import min_cut
+from hetserve.planner.pool.evaluator import Evaluator
+from hetserve.planner.pool.groups import Group
 from hetserve.specs._validation import read_mapping
 from hetserve.specs.cluster import _preset_dir, cluster_from_dict
 

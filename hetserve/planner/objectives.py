@@ -27,8 +27,8 @@ import math
 from typing import Callable
 
 from hetserve.errors import InfeasibleError, PlanError
-from hetserve.planner.bound import device_rates, per_device_bound, upper_bound
-from hetserve.planner.min_cost import min_cost
+from hetserve.planner.bound.throughput import device_rates, per_device_bound, upper_bound
+from hetserve.planner.bound.min_cost import min_cost
 from hetserve.planner.context import PlanContext
 from hetserve.planner.options import DEFAULT_TIME_LIMIT_S, PlanOptions
 from hetserve.planner.plan import Plan

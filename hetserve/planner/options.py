@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from hetserve.cost.analytic import DEFAULT_PERIOD_S, Efficiency
+from hetserve.cost.analytic import DEFAULT_PERIOD_S
+from hetserve.cost.efficiency import Efficiency
 
 
 def default_restarts(num_devices: int) -> int:
@@ -138,7 +139,7 @@ class Budget:
         self.best = 0.0
         self.history: list[tuple[float, float]] = []
         self.stopped_by = "converged"
-        # tokens/s each kind of edit added to the current placement when it was accepted, keyed
+        # tokens/s each kind of edit added to the current pool layout when it was accepted, keyed
         # by (phase, kind): phase "descent" = the first climb from the start, "restart" = climbs
         # after a random kick (the restarts' share of the gain)
         self.gains: dict[tuple[str, str], float] = {}
@@ -189,7 +190,7 @@ class Budget:
             self.options.progress(SearchProgress(self.algorithm, self.iteration, t, self.best, min(1.0, frac)))
 
     def credit(self, phase: str, kind: str, gain: float) -> None:
-        """An accepted edit of ``kind`` raised the current placement by ``gain`` tokens/s."""
+        """An accepted edit of ``kind`` raised the current pool layout by ``gain`` tokens/s."""
         key = (phase, kind)
         self.gains[key] = self.gains.get(key, 0.0) + gain
         self.accepted[key] = self.accepted.get(key, 0) + 1

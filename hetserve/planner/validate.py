@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import math
 
-from hetserve.cost.analytic import CostModel, Efficiency
+from hetserve.cost.analytic import CostModel
+from hetserve.cost.efficiency import Efficiency
 from hetserve.cost.layout import StageLayout
 from hetserve.errors import PlanError, SpecError
 from hetserve.planner.plan import ROLES, Plan, PlanReplica, serves_decode, serves_prefill

@@ -49,7 +49,6 @@ from typing import Mapping, Sequence
 
 from hetserve.cost.fitted import PerformanceModel
 from hetserve.policies.aladdin_constraints import AladdinConstraints, Check, _View
-from hetserve.policies.aladdin_models import models_from_cost  # noqa: F401  (re-exported)
 from hetserve.policies.aladdin_rebalance import ErrorLedger
 from hetserve.policies.base import ReplicaState, RequestInfo
 from hetserve.policies.predictor import OutputPredictor

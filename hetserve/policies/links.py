@@ -1,7 +1,7 @@
 """One link model for both clocks: messages over shared network resources.
 
 The simulator drives it with simulated time (``hetserve.sim.links``), the runtime's
-``--shape-links`` with wall time (``hetserve.runtime.links``); neither keeps its own copy. Pure:
+``--shape-links`` with wall time (``hetserve.runtime.links.network``); neither keeps its own copy. Pure:
 no threads, no sockets, no event loop — every method takes ``now`` and says what happened.
 
 Model (DESIGN.md, "Links are shared resources"):

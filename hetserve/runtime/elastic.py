@@ -25,8 +25,8 @@ from hetserve.planner.plan import Plan
 from hetserve.runtime.deployment import build_layout
 from hetserve.runtime.engine_config import kv_capacity, memory_is_real, scheduler_for
 from hetserve.runtime.layout import ReplicaSpec
-from hetserve.runtime.wire import Message
-from hetserve.runtime.worker import WorkerConfig
+from hetserve.runtime.workers.wire import Message
+from hetserve.runtime.workers.worker import WorkerConfig
 from hetserve.specs.cluster import Cluster
 
 
@@ -39,7 +39,7 @@ def shape(r) -> tuple:
 
 def reconfigure(engine, plan: Plan, cluster: Cluster) -> dict[str, Any]:
     t0 = time.monotonic()
-    coord = engine.coordinator
+    coord = engine.loop
     running = {shape(r): r.id for r in coord.layout if coord.schedulers[r.id].alive}
     keep: dict[str, str] = {}  # new plan id -> running id
     for r in plan.replicas:

@@ -32,8 +32,8 @@ import torch
 from hetserve.errors import InfeasibleError, RuntimeFailure
 from hetserve.planner.plan import Plan
 from hetserve.policies.request_checks import check_context, check_prompt_ids
-from hetserve.runtime.auth import LinkSecurity, deployment_secret
-from hetserve.runtime.coordinator import Coordinator
+from hetserve.runtime.workers.auth import LinkSecurity, deployment_secret
+from hetserve.runtime.engine_loop import EngineLoop
 from hetserve.runtime.deployment import build_layout
 from hetserve.runtime.engine_config import (EngineConfig, kv_capacity, largest_message_bytes, memory_is_real,
                                             scheduler_for)
@@ -41,14 +41,14 @@ from hetserve.runtime.handle import RequestHandle
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.model.config import ArchConfig
 from hetserve.runtime.model.loader import CheckpointReader
-from hetserve.runtime.rendezvous import LOOPBACK
+from hetserve.runtime.workers.rendezvous import LOOPBACK
 from hetserve.runtime.routing import KVRoutePolicy, PlanRoutes
-from hetserve.runtime.sampling import SamplingParams
+from hetserve.runtime.params import SamplingParams
 from hetserve.runtime.sequence import Sequence
-from hetserve.runtime.transport import LinkScheduler, LinkShaper, SocketTransport
-from hetserve.runtime.wire import Message
-from hetserve.runtime.worker import ENGINE, WorkerConfig
-from hetserve.runtime.worker_group import WorkerGroup, kill_processes
+from hetserve.runtime.workers.transport import LinkScheduler, LinkShaper, SocketTransport
+from hetserve.runtime.workers.wire import Message
+from hetserve.runtime.workers.worker import ENGINE, WorkerConfig
+from hetserve.runtime.workers.worker_group import WorkerGroup, kill_processes
 from hetserve.specs.cluster import Cluster, load_cluster
 
 __all__ = ["Engine", "EngineConfig"]
@@ -119,7 +119,7 @@ class Engine:
         self.transport = SocketTransport(ENGINE, self.security, host=config.host or LOOPBACK,
                                          scheduler_factory=link_scheduler, shaper=shaper)
         self.workers = WorkerGroup(layout, self.transport, config.start_timeout_s)
-        self.coordinator = Coordinator(layout, self.schedulers, self.transport, self.workers, route_policy,
+        self.loop = EngineLoop(layout, self.schedulers, self.transport, self.workers, route_policy,
                                        heartbeat_timeout_s=config.heartbeat_timeout_s, max_reruns=config.max_reruns)
         self._ids = itertools.count(1)
         self._reconfiguring = False
@@ -128,7 +128,7 @@ class Engine:
         self._use_cuda = False
         self._closed = False
         self._close_lock = threading.Lock()
-        self._thread = threading.Thread(target=self.coordinator.run, name="hetserve-coordinator", daemon=True)
+        self._thread = threading.Thread(target=self.loop.run, name="hetserve-engine-loop", daemon=True)
         self._finalizer = weakref.finalize(self, kill_processes, self.workers.procs)
 
     def refused_connections(self) -> dict[str, int]:
@@ -136,7 +136,7 @@ class Engine:
         handshake, a malformed message, too many handshakes at once): the count of an attack or a
         misconfigured peer. Workers report theirs with each heartbeat."""
         total = dict(self.transport.rejected)
-        for counts in list(self.coordinator.refused.values()):
+        for counts in list(self.loop.refused.values()):
             for reason, n in counts.items():
                 total[reason] = total.get(reason, 0) + n
         return total
@@ -149,7 +149,7 @@ class Engine:
     @property
     def broken(self) -> str | None:
         """Why the engine cannot serve any more (None while it can)."""
-        return self.coordinator.broken
+        return self.loop.broken
 
     # ------------------------------------------------------------------ public API
     def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams | None = None, *,
@@ -190,7 +190,7 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """Snapshot for /metrics: queue lengths, per-replica running batch and KV use, totals."""
-        return dict(self.coordinator.stats)
+        return dict(self.loop.stats)
 
     def fail_all(self, reason: str) -> None:
         """End every unfinished request with ``RuntimeFailure(reason)`` (the engine keeps serving)."""
@@ -206,11 +206,11 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
-        self.coordinator.stopping = True
+        self.loop.stopping = True
         self.transport.post(Message("wake"))
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
-        self.coordinator.fail_all("the engine was shut down")
+        self.loop.fail_all("the engine was shut down")
         self.workers.send_shutdown()
         self.transport.flush(2.0)
         self.workers.join(timeout)

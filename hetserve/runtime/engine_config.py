@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from hetserve.errors import PlanError
 from hetserve.policies.batching import DEFAULT_BATCHING
 from hetserve.policies.kv_admission import KV_ADMISSIONS
-from hetserve.runtime.auth import TLSFiles
+from hetserve.runtime.workers.auth import TLSFiles
 from hetserve.runtime.deployment import check_memory
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.kv_cache import BlockManager
 from hetserve.runtime.model.config import ArchConfig
 from hetserve.runtime.scheduler import ReplicaScheduler
-from hetserve.runtime.wire import MAX_HEADER_BYTES
+from hetserve.runtime.workers.wire import MAX_HEADER_BYTES
 from hetserve.specs.cluster import Cluster
 
 
@@ -47,7 +47,7 @@ class EngineConfig:
     # the address the engine's endpoint and TP rendezvous store bind and advertise to the workers: one
     # address their nodes can reach, never all interfaces; None: 127.0.0.1 (the Ray backend: its node IP)
     host: str | None = None
-    tls: TLSFiles | None = None  # TLS on every link between the engine and its workers (runtime/auth.py)
+    tls: TLSFiles | None = None  # TLS on every link between the engine and its workers (runtime/workers/auth.py)
 
     def __post_init__(self) -> None:
         if min(self.block_size, self.max_num_seqs, self.max_batched_tokens, self.chunk_tokens) < 1:
@@ -73,7 +73,7 @@ class EngineConfig:
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.host is not None:
-            from hetserve.runtime.rendezvous import check_bind_address
+            from hetserve.runtime.workers.rendezvous import check_bind_address
 
             check_bind_address(self.host, "host")
 

@@ -16,7 +16,7 @@ one ``RuntimeFailure`` only when no live replica can ever hold it, or after ``ma
 Elastic re-plans (``Engine.reconfigure``) use the same path: retired replicas' requests re-run on
 the replicas that stay, and new replicas join in service.
 
-A mixin over the ``Coordinator``'s state (its schedulers, queues, steps in flight and workers),
+A mixin over the ``EngineLoop``'s state (its schedulers, queues, steps in flight and workers),
 kept apart so the coordinator's own file holds the normal path: messages, steps, hand-offs.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 
 from hetserve.errors import RuntimeFailure
 from hetserve.runtime.sequence import Sequence, Status
-from hetserve.runtime.worker_group import last_line
+from hetserve.runtime.workers.worker_group import last_line
 
 POLL_S = 0.1  # how often worker processes are checked for exit
 
@@ -36,7 +36,7 @@ log = logging.getLogger("hetserve.runtime")
 
 
 class Recovery:
-    """Worker deaths, re-runs and elastic re-plans, for ``Coordinator`` (see the module docstring)."""
+    """Worker deaths, re-runs and elastic re-plans, for ``EngineLoop`` (see the module docstring)."""
 
     def _poll_workers(self) -> None:
         now = time.monotonic()

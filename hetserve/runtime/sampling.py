@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from hetserve.runtime.params import SamplingParams  # noqa: F401  (re-exported: the engine's API)
 
 
 # what travels with a step for each sequence: (temperature, top_p, seed, token index)

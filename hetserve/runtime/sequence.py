@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from hetserve.runtime.handle import RequestHandle
-from hetserve.runtime.sampling import SampleKey, SamplingParams
+from hetserve.runtime.sampling import SampleKey
+from hetserve.runtime.params import SamplingParams
 
 
 class Status(Enum):

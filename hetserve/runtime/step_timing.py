@@ -1,7 +1,7 @@
 """``StepTiming``: one engine step as the coordinator saw it, from sending it to handling its result.
 
 ``hetserve compare`` records these on the served side and sets them beside the simulator's steps for
-the same requests (``hetserve.step_compare``): when served and simulated latencies differ, the step
+the same requests (``hetserve.calibration.step_compare``): when served and simulated latencies differ, the step
 times say whether the cost model's step is off or the time goes between steps (queueing, the front
 end). The span includes what a step costs the coordinator on its critical path: the message to the
 first stage, the stages, the result back and the coordinator's turn to read it.

@@ -168,7 +168,7 @@ class Coordinator:
             return cands[0].id if cands else None
         predicted = float(req.params.max_tokens)
         if self.predictor is not None:
-            predicted = min(predicted, float(self.predictor.predict(req.prompt_tokens, req.seq)))
+            predicted = min(predicted, float(self.predictor.predict(req.seq, req.prompt_tokens, 0)))
         info = RequestInfo(req.seq, req.arrival, req.prompt_tokens, predicted)
         return self.placement.choose(info, cands, self.clock())
 
@@ -238,7 +238,7 @@ class Coordinator:
             if outcome in ("stop", "length"):
                 self.metrics.observe(req.ttft_s, self.clock() - req.arrival, req.completion_tokens)
                 if self.predictor is not None:  # learn lengths only from requests that ran to their end
-                    self.predictor.observe(req.prompt_tokens, req.completion_tokens)
+                    self.predictor.observe(req.seq, req.prompt_tokens, req.completion_tokens)
 
     async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
         """Graceful shutdown: admit nothing new, let requests in flight finish for up to ``timeout_s``,

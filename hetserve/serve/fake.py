@@ -102,7 +102,7 @@ class FakeBackend:
         return out
 
     def link_stats(self):
-        from hetserve.runtime.links import LinkStats
+        from hetserve.runtime.links.network import LinkStats
 
         s = LinkStats("m0:0", "m0:1", 0.03, 12.5e6)
         s.bytes_sent["decode"] = 1024.0

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from hetserve.errors import HetserveError
-from hetserve.runtime.auth import owner_only
+from hetserve.runtime.workers.auth import owner_only
 
 API_KEY_ENV = "HETSERVE_API_KEY"
 ADMIN_KEY_ENV = "HETSERVE_ADMIN_KEY"

@@ -75,7 +75,7 @@ class ServeOptions:
         if not self.model_dir:
             raise ValueError("model_dir is required (a checkpoint folder; see `hetserve make-model`)")
         if self.advertise_address is not None:
-            from hetserve.runtime.rendezvous import check_bind_address
+            from hetserve.runtime.workers.rendezvous import check_bind_address
 
             check_bind_address(self.advertise_address, "--advertise-address")
 
@@ -150,8 +150,9 @@ def route_policy(opts: ServeOptions, plan, cluster):
 
 def build(opts: ServeOptions) -> Deployment:
     """Start the engine and build the app (blocks until every worker has loaded its shard)."""
-    from hetserve.runtime.engine import Engine, EngineConfig
-    from hetserve.runtime.links import LinkSchedulerFactory
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.runtime.links.factory import LinkSchedulerFactory
     from hetserve.serve.app import create_app
     from hetserve.serve.coordinator import Coordinator
     from hetserve.serve.engine_backend import EngineBackend
@@ -170,7 +171,7 @@ def build(opts: ServeOptions) -> Deployment:
     ray_session = None
     try:
         if opts.backend == "ray":
-            from hetserve.runtime.ray_backend import RaySession, start_ray_engine
+            from hetserve.runtime.workers.ray_backend import RaySession, start_ray_engine
 
             ray_session = RaySession.start(cluster, address=opts.ray_address, node_ip_address=opts.advertise_address)
             # a private one-node Ray hosts every machine on loopback: the cluster file's addresses don't apply
@@ -222,7 +223,7 @@ def tls_options(cert: str | None, key: str | None, ca: str | None) -> dict[str, 
         if not Path(path).is_file():
             raise SpecError(name, "path", "an existing file", path)
     # imported here: the runtime's TLS support is optional and loads only when TLS is asked for
-    from hetserve.runtime.auth import TLSFiles
+    from hetserve.runtime.workers.auth import TLSFiles
 
     return {"tls": TLSFiles(cert=str(cert), key=str(key), ca=str(ca))}
 

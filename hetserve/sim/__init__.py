@@ -7,7 +7,8 @@
 """
 
 from hetserve.sim.metrics import SimResult
-from hetserve.sim.simulator import OraclePredictor, SimOptions, Simulator, simulate
+from hetserve.policies.predictor import OraclePredictor
+from hetserve.sim.simulator import SimOptions, Simulator, simulate
 from hetserve.sim.sweep import rate_sweep
 
 __all__ = ["simulate", "SimOptions", "SimResult", "Simulator", "OraclePredictor", "rate_sweep"]

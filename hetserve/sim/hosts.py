@@ -24,7 +24,7 @@ for the whole step. And with two or more micro-batches in flight the TP collecti
 too (``Decoding._meeting``): the other stages compute beside a TP group's meeting.
 
 *The front end* (the coordinator, the HTTP/SSE server and, as ``hetserve compare`` and
-``bench_predict`` run it, the replaying client: one Python process) also computes on the host: it
+``predict/run`` run it, the replaying client: one Python process) also computes on the host: it
 spends ``frontend_request_cpu_s`` CPU seconds per request (HTTP, tokenisation, placement),
 ``frontend_step_cpu_s`` per engine step (the coordinator takes the result, schedules and sends the
 next step) and ``frontend_token_cpu_s`` per output token (its SSE event, the client's parse).

@@ -37,7 +37,10 @@ from hetserve.sim.hosts import FrontEndCost, HostContention
 from hetserve.sim.links import Network
 from hetserve.sim.metrics import SimResult, result_of
 from hetserve.sim.pipeline import PipelineReplica
-from hetserve.sim.replicas import ColocatedReplica, DecodeReplica, PrefillReplica, Replica
+from hetserve.sim.replicas.colocated import ColocatedReplica
+from hetserve.sim.replicas.decode import DecodeReplica
+from hetserve.sim.replicas.prefill import PrefillReplica
+from hetserve.sim.replicas.base import Replica
 from hetserve.sim.requests import RequestTable
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec

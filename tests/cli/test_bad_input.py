@@ -155,7 +155,7 @@ def test_an_output_file_that_cannot_be_written_is_refused_before_the_work(comman
     """calibrate measures for minutes and plan searches: -o under a file (no folder there) is refused
     first, naming --output, and the work never starts."""
     import hetserve.planner.objectives as objectives
-    import hetserve.runtime.calibrate as calibrate
+    import hetserve.calibration.calibrate as calibrate
 
     def work(*a, **k):
         raise AssertionError("the work started before the output path was checked")
@@ -242,7 +242,7 @@ def test_plan_refuses_a_plot_or_history_path_it_cannot_write_before_searching(fl
 def test_an_output_folder_that_is_a_file_is_refused_before_the_work(command, tmp_path, capsys, monkeypatch):
     """simulate / compare -o name a folder: an existing file there was found only after the whole
     simulation (or serving), as "File exists"."""
-    import hetserve.compare as compare_module
+    import hetserve.calibration.compare as compare_module
     import hetserve.sim as sim
 
     def work(*a, **k):

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 
-from hetserve.demo import HERE_POOL, this_machines_pool, usable_cores
 from hetserve.errors import SpecError
 from hetserve.specs.cluster import load_cluster
+
+# the demo is a script beside the examples, not part of the library: load it from its file
+_spec = importlib.util.spec_from_file_location("demo", Path(__file__).parents[2] / "examples" / "demo.py")
+demo = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(demo)
+HERE_POOL, this_machines_pool, usable_cores = demo.HERE_POOL, demo.this_machines_pool, demo.usable_cores
 
 
 def test_the_demo_pool_puts_every_slot_on_this_computers_usable_cores(tmp_path, monkeypatch):
@@ -35,11 +42,7 @@ def test_a_plan_made_on_the_demo_pool_does_not_fall_back_to_the_bundled_preset()
 
 
 def test_demo_help_prints_usage_and_runs_nothing(tmp_path, monkeypatch, capsys):
-    """`python -m hetserve.demo --help` says what the demo does; it does not start its run of minutes."""
-    import pytest
-
-    import hetserve.demo as demo
-
+    """`python examples/demo.py --help` says what the demo does; it does not start its run of minutes."""
     monkeypatch.setattr(demo, "OUT", tmp_path / "out")
     monkeypatch.setattr(demo, "predict_large_pool", lambda: pytest.fail("the demo started"))
     with pytest.raises(SystemExit) as done:

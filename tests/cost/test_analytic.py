@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetserve.cost.analytic import TP_STEP_COLLECTIVES, CostModel, Efficiency, PrefillBatch
+from hetserve.cost.analytic import TP_STEP_COLLECTIVES, CostModel, PrefillBatch
+from hetserve.cost.efficiency import Efficiency
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.specs.cluster import Cluster, cluster_from_dict
 from hetserve.specs.model import MODEL_PRESETS
@@ -310,7 +311,7 @@ def test_prefill_batch_helpers():
 def test_load_efficiency_flat_and_calibration_shapes(tmp_path):
     import json
 
-    from hetserve.cost.analytic import load_efficiency
+    from hetserve.cost.efficiency import load_efficiency
     from hetserve.errors import SpecError
 
     flat = tmp_path / "e.json"

@@ -1,4 +1,4 @@
-"""The group-column bound (planner/bound_columns.py, bound_groups.py): every layout the cost
+"""The group-column bound (planner/bound/columns.py, bound_groups.py): every layout the cost
 model can price stays under its composition's ceiling, and the programme stays above exact."""
 
 import itertools
@@ -8,8 +8,9 @@ import pytest
 
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.planner import ALGORITHMS, PlanOptions
-from hetserve.planner import bound, bound_groups
-from hetserve.planner.bound_columns import ColumnBounds
+from hetserve.planner.bound import throughput as bound
+from hetserve.planner.bound import groups as bound_groups
+from hetserve.planner.bound.columns import ColumnBounds
 from hetserve.planner.context import PlanContext
 from hetserve.specs.cluster import cluster_from_dict
 from hetserve.specs.model import load_model
@@ -192,7 +193,7 @@ def test_colocated_columns_past_k_stay_above_exact(llama7b, azure, monkeypatch):
 def test_bound_with_kv_per_source_stays_above_exact(azure, monkeypatch):
     """The two boxes with llama-2-13b, HPHD requests: the programme ties a spread column, so its
     flow levels and the KV-per-source rows (``bound_sources``) are in it; exact stays below."""
-    from hetserve.planner import bound_sources
+    from hetserve.planner.bound import sources as bound_sources
 
     built = []
     rows = bound_sources.SourceRows.rows

@@ -1,4 +1,4 @@
-"""The group bound's tied KV (planner/bound_shares.py, bound_network.TiedRows): a group spread over
+"""The group bound's tied KV (planner/bound/shares.py, bound_network.TiedRows): a group spread over
 machines takes (decode) or sends (prefill) each request's KV on a machine in proportion to the
 layers it holds there; the lines the programme gets from that hold for every layout, and they
 close most of the bound's slack on het4."""
@@ -8,10 +8,11 @@ import random
 import numpy as np
 import pytest
 
-from hetserve.planner import bound, bound_groups
-from hetserve.planner.bound_columns import ColumnBounds, _knapsack, _waterfill
-from hetserve.planner.bound_shares import SHARES, facets, knapsack_capped, share_ceilings, waterfill_capped
-from hetserve.planner.bound_sources import levels
+from hetserve.planner.bound import throughput as bound
+from hetserve.planner.bound import groups as bound_groups
+from hetserve.planner.bound.columns import ColumnBounds, _knapsack, _waterfill
+from hetserve.planner.bound.shares import SHARES, facets, knapsack_capped, share_ceilings, waterfill_capped
+from hetserve.planner.bound.sources import levels
 from hetserve.planner.context import PlanContext
 from hetserve.specs.cluster import load_cluster
 from hetserve.specs.model import load_model
@@ -156,8 +157,8 @@ def test_tied_kv_closes_the_gap_on_het4():
     """het4: the untied programme let a decode group across the H100 and A100 sites keep the
     H100 prefill group's KV local (2,450 tokens/s); with the tie its best plan is the colocated
     one hexgen2 finds (2,084 scored by the evaluator), and the bound stays above that plan."""
-    from hetserve.planner.hexgen2 import bound_start
-    from hetserve.planner.placement import Evaluator
+    from hetserve.planner.search.hexgen2 import bound_start
+    from hetserve.planner.pool.evaluator import Evaluator
 
     ctx = PlanContext(load_cluster("hexgen2-het4"), load_model("llama-2-70b"), load_workload("azure-conv"))
     g = bound.group_bound(ctx)

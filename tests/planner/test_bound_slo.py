@@ -1,4 +1,4 @@
-"""Bounds under SLO objectives and the cost floor (planner/bound.py, planner/min_cost.py, planner/slo.py):
+"""Bounds under SLO objectives and the cost floor (planner/bound/throughput.py, planner/bound/min_cost.py, planner/slo.py):
 goodput is bounded by the group programme without SLOs, and ``min_cost`` is a floor on the
 price where the per-device LP's minimum price is not."""
 
@@ -6,9 +6,10 @@ import pytest
 
 from bench.bench_planner import _island
 from hetserve.cost.layout import ReplicaLayout, StageLayout
-from hetserve.planner import ALGORITHMS, PlanOptions, bound, plan
+from hetserve.planner import ALGORITHMS, PlanOptions, plan
+from hetserve.planner.bound import throughput as bound
 from hetserve.planner.context import PlanContext
-from hetserve.planner.min_cost import min_cost
+from hetserve.planner.bound.min_cost import min_cost
 from hetserve.planner.objectives import TARGET_LOAD, served_requests_per_s
 from hetserve.planner.slo import SLOTargets, slo_capacity
 from hetserve.specs.cluster import cluster_from_dict, load_cluster
@@ -57,7 +58,7 @@ def test_goodput_stays_under_the_bound(pool, model, slo, azure):
     ub = bound.upper_bound(ctx)
     assert x.estimate["throughput_tokens_per_s"] <= ub.tokens_per_s * (1 + 1e-6)
     assert x.estimate["upper_bound_tokens_per_s"] == pytest.approx(ub.tokens_per_s, abs=1e-3)
-    assert ub.tokens_per_s <= bound.group_bound(bound.throughput_context(ctx)).tokens_per_s * (1 + 1e-12)
+    assert ub.tokens_per_s <= bound.group_bound(ctx.without_slo()).tokens_per_s * (1 + 1e-12)
 
 
 def test_goodput_bound_uses_the_group_programme(llama70b, azure):
@@ -66,7 +67,7 @@ def test_goodput_bound_uses_the_group_programme(llama70b, azure):
     c = load_cluster("hexgen2-het1")
     opts = PlanOptions(seed=0, max_iterations=4, objective="goodput", slo_ttft_s=2.0, slo_tpot_s=0.1)
     ctx = PlanContext(c, llama70b, azure, opts)
-    free = bound.group_bound(bound.throughput_context(ctx))
+    free = bound.group_bound(ctx.without_slo())
     lp = bound.per_device_bound(ctx)
     ub = bound.upper_bound(ctx)
     assert ub.requests_per_period == free.requests_per_period < 0.8 * lp.requests_per_period

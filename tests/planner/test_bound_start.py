@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hetserve.planner import PlanOptions, plan
 from hetserve.planner.context import PlanContext
-from hetserve.planner.hexgen2 import bound_start
+from hetserve.planner.search.hexgen2 import bound_start
 from hetserve.specs.cluster import load_cluster
 from hetserve.specs.model import load_model
 from hetserve.specs.workload import load_workload

@@ -13,7 +13,8 @@ def test_a_bound_the_time_cuts_short_is_still_a_bound_and_more_time_solves_it_ag
     """``group_bound(time_limit_s=...)``: a solver stopped by the time still returns a bound (its
     dual bound, looser), flags it, and a later call with more time solves it again rather than
     reading the cut one from the cache; a finished bound serves every later call."""
-    from hetserve.planner import bound, bound_milp
+    from hetserve.planner.bound import throughput as bound
+    from hetserve.planner.bound import milp as bound_milp
 
     _fresh_solves(monkeypatch, bound, bound_milp)
     ctx = PlanContext(load_cluster("hexgen2-het4"), load_model("llama-2-70b"), load_workload("azure-conv"))
@@ -31,7 +32,9 @@ def test_plan_time_limit_covers_the_bound_and_the_plan_says_when_it_cut_it(monke
     import json
 
     from hetserve.cli.main import main
-    from hetserve.planner import bound, bound_milp, options
+    from hetserve.planner import options
+    from hetserve.planner.bound import throughput as bound
+    from hetserve.planner.bound import milp as bound_milp
 
     _fresh_solves(monkeypatch, bound, bound_milp)
     monkeypatch.setattr(options, "BOUND_SHARE", 1e-3)

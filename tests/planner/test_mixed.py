@@ -63,9 +63,10 @@ def test_simulator_runs_a_mixed_plan(azure):
 def test_engine_serves_a_mixed_plan(tmp_path):
     """A colocated replica beside a prefill → decode pair in real worker processes: every prompt
     is answered with transformers' own greedy tokens, on both kinds of replica."""
-    from hetserve.runtime.engine import Engine, EngineConfig
-    from hetserve.runtime.make_model import make_model
-    from hetserve.runtime.sampling import SamplingParams
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.runtime.model.make import make_model
+    from hetserve.runtime.params import SamplingParams
 
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text("name: mixed-test\nmachines:\n  - {name: m0, gpu: RTX-4090, count: 4}\n")
@@ -99,7 +100,8 @@ def test_engine_serves_a_mixed_plan(tmp_path):
 
 
 def _het2_groups():
-    from hetserve.planner.placement import Group, canonical, start_search
+    from hetserve.planner.pool.groups import Group, canonical
+    from hetserve.planner.pool.evaluator import start_search
     from hetserve.specs.cluster import load_cluster
     from hetserve.specs.workload import load_workload
 
@@ -120,7 +122,7 @@ def test_mixed_climb_turns_a_group_colocated_with_its_machine_mates():
     three H100 colocated — lies behind a move where each half loses: flipping the H100 pair alone,
     or moving the decode group's H100 to it alone. ``_recut_with_machine_mates`` makes it one move
     (1,684 -> 1,749 from the mixed climb's first stop); without it the climb ends at 1,684."""
-    from hetserve.planner.mixing import _recut_with_machine_mates, colocated_alternative, mixed_alternative
+    from hetserve.planner.search.mixing import _recut_with_machine_mates, colocated_alternative, mixed_alternative
 
     ctx, ev, place, (H, A, L, X), dec = _het2_groups()
     disaggregated = place((H[:2], "prefill"), (dec, "decode"), (A[:2], "prefill"), (L[:4], "prefill"),
@@ -139,7 +141,7 @@ def test_bound_start_gives_the_big_groups_devices_a_role():
     """The bound's incumbent on het2 lists three prefill groups; the other 10 GPUs sit in a group
     past K the programme prices per device. The start puts them in one decode group, so it serves
     (it scored 0 with them left out, and the climb from the bound's plan never ran)."""
-    from hetserve.planner.hexgen2 import bound_start
+    from hetserve.planner.search.hexgen2 import bound_start
 
     ctx, ev, *_ = _het2_groups()
     start = bound_start(ctx)

@@ -6,8 +6,9 @@ from hypothesis import strategies as st
 
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.planner.context import PlanContext
-from hetserve.planner.flow import FlowNetwork, max_flow_total, max_flow_value, resource_loads, solve
-from hetserve.planner.placement import Evaluator, Group
+from hetserve.planner.pool.flow import FlowNetwork, max_flow_total, max_flow_value, resource_loads, solve
+from hetserve.planner.pool.evaluator import Evaluator
+from hetserve.planner.pool.groups import Group
 from hetserve.specs.cluster import cluster_from_dict
 
 

@@ -4,8 +4,8 @@ import pytest
 
 from hetserve.cli.main import main
 from hetserve.planner import ALGORITHMS, PlanOptions, plan, validate_plan
-from hetserve.planner.bound import upper_bound
-from hetserve.planner.min_cost import min_cost
+from hetserve.planner.bound.throughput import upper_bound
+from hetserve.planner.bound.min_cost import min_cost
 from hetserve.planner.context import PlanContext
 from hetserve.planner.slo import SLOTargets, decode_batch_within, slo_capacity, ttft_load_cap
 from hetserve.sim.simulator import SimOptions, simulate

@@ -10,8 +10,9 @@ from scipy.optimize import linprog
 from hetserve.errors import InfeasibleError, PlanError
 from hetserve.planner import ALGORITHMS, PlanOptions
 from hetserve.planner.context import PlanContext
-from hetserve.planner.flow import FlowNetwork, build_graph, max_flow_value, solve
-from hetserve.planner.placement import Evaluator, Group, canonical
+from hetserve.planner.pool.flow import FlowNetwork, build_graph, max_flow_value, solve
+from hetserve.planner.pool.evaluator import Evaluator
+from hetserve.planner.pool.groups import Group, canonical
 from hetserve.specs.cluster import load_cluster
 from hetserve.specs.model import load_model
 

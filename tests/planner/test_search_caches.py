@@ -14,10 +14,10 @@ import random
 import pytest
 
 from hetserve.planner import PlanOptions
-from hetserve.planner.flow import dual_bound, solve_with_resources
-from hetserve.planner.hexgen2 import hexgen2
-from hetserve.planner.moves import random_edit
-from hetserve.planner.placement import Evaluator, start_search
+from hetserve.planner.pool.flow import dual_bound, solve_with_resources
+from hetserve.planner.search.hexgen2 import hexgen2
+from hetserve.planner.search.moves import random_edit
+from hetserve.planner.pool.evaluator import Evaluator, start_search
 from hetserve.specs.cluster import cluster_from_dict, load_cluster
 
 
@@ -70,7 +70,7 @@ def test_dual_bound_is_never_below_the_lp(llama70b, azure):
     cluster = load_cluster("hexgen2-het1")  # every KV route between sites crosses a shared pipe
     ctx, _, ev = start_search("t", cluster, llama70b, azure, PlanOptions())
     rng = random.Random(3)
-    from hetserve.planner.hexgen2 import phase1
+    from hetserve.planner.search.hexgen2 import phase1
 
     cur = phase1(ctx, ev, 0)
     checked = 0
@@ -129,8 +129,8 @@ def test_every_candidate_the_dual_shortcut_skips_scores_at_most_its_bound(llama7
 def test_colocated_side_cuts_pairs_of_machines_together(llama70b, azure):
     """hexgen2-het1: a colocated replica of 2 H100 + 2 A100 (two machines) serves more than the
     per-machine cuts; the colocated alternative finds it from any groups, so seeds agree."""
-    from hetserve.planner.mixing import colocated_alternative
-    from hetserve.planner.placement import Group, canonical
+    from hetserve.planner.search.mixing import colocated_alternative
+    from hetserve.planner.pool.groups import Group, canonical
 
     cluster = load_cluster("hexgen2-het1")
     ctx, _, ev = start_search("t", cluster, llama70b, azure, PlanOptions())

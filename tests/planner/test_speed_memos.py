@@ -15,7 +15,7 @@ import itertools
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.planner import PlanOptions
 from hetserve.planner.context import PlanContext
-from hetserve.planner.layout import LayoutSearch
+from hetserve.planner.layout.search import LayoutSearch
 from hetserve.specs.cluster import cluster_from_dict
 
 
@@ -96,8 +96,8 @@ def test_kv_time_memo_matches_the_cost_model_for_every_pair(llama7b, azure):
 
 
 def test_colocated_cut_memo_gives_each_device_set_its_fresh_cut(llama70b, azure):
-    from hetserve.planner.mixing import _colocated_cut, _colocated_cut_fresh
-    from hetserve.planner.placement import Evaluator
+    from hetserve.planner.search.mixing import _colocated_cut, _colocated_cut_fresh
+    from hetserve.planner.pool.evaluator import Evaluator
 
     cluster = _pool()
     ctx = PlanContext(cluster, llama70b, azure, PlanOptions())

@@ -5,10 +5,12 @@ replaced by a fake one, so nothing here depends on this machine's speed."""
 
 from __future__ import annotations
 
-from hetserve.planner import mixing, options
+from hetserve.planner import options
+from hetserve.planner.search import mixing
 from hetserve.planner.context import PlanContext
 from hetserve.planner.options import Budget, PlanOptions
-from hetserve.planner.placement import Evaluator, Group, canonical
+from hetserve.planner.pool.evaluator import Evaluator
+from hetserve.planner.pool.groups import Group, canonical
 from hetserve.specs.cluster import load_cluster
 from hetserve.specs.model import load_model
 from hetserve.specs.workload import load_workload
@@ -87,8 +89,8 @@ def test_hexgen2s_colocated_search_gets_what_the_limit_left_not_a_limit_of_its_o
     """Before, `_choose` gave HexGen's genetic search a fresh Budget: the whole time limit again."""
     import importlib
 
-    hexgen = importlib.import_module("hetserve.planner.hexgen")  # the module (the package exports its function)
-    hexgen2 = importlib.import_module("hetserve.planner.hexgen2")
+    hexgen = importlib.import_module("hetserve.planner.search.hexgen")  # the module (the package exports its function)
+    hexgen2 = importlib.import_module("hetserve.planner.search.hexgen2")
     given = []
     real = hexgen.search_colocated
 

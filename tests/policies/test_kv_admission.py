@@ -77,7 +77,7 @@ def test_batch_blocks_aggregates_equal_the_sum_over_sequences():
 
 def _seq(i, prompt_len, max_tokens):
     from hetserve.runtime.handle import RequestHandle
-    from hetserve.runtime.sampling import SamplingParams
+    from hetserve.runtime.params import SamplingParams
     from hetserve.runtime.sequence import Sequence
 
     return Sequence(i, [1] * prompt_len, SamplingParams(max_tokens=max_tokens), 0, frozenset(),

@@ -5,7 +5,7 @@ import pytest
 
 from hetserve.policies.links import LinkModel
 from hetserve.policies.transmission import make_transmission
-from hetserve.runtime.links import WallClockLinks
+from hetserve.runtime.links.clock import WallClockLinks
 from hetserve.sim.events import EventLoop
 from hetserve.sim.links import Network
 from hetserve.specs.cluster import GBPS, cluster_from_dict

@@ -7,7 +7,7 @@ import socket
 import struct
 import time
 
-from hetserve.runtime.wire import CHUNK_HEADER
+from hetserve.runtime.workers.wire import CHUNK_HEADER
 
 
 class Exploit:

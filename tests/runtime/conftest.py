@@ -1,6 +1,6 @@
 """Fixtures for the runtime tests: tiny checkpoints, a 4-device cluster file, plan builders, HF references.
 
-Checkpoints are built once per session in a tmp dir (``hetserve.runtime.make_model``); nothing is
+Checkpoints are built once per session in a tmp dir (``hetserve.runtime.model.make``); nothing is
 downloaded. The reference for every equivalence test is transformers' own ``generate`` (greedy)
 on the same checkpoint, one prompt at a time.
 """
@@ -32,7 +32,7 @@ def cluster_file(tmp_path_factory):
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     """{"llama": dir, "opt": dir}: 3 layers, hidden 64, 4 heads (Llama: 2 KV heads, GQA)."""
-    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.model.make import make_model
 
     root = tmp_path_factory.mktemp("models")
     return {

@@ -57,14 +57,15 @@ def _prompt(i, n):
 
 
 def _engine_trace(model_dir, cluster_file, plan, case):
-    from hetserve.runtime.engine import Engine, EngineConfig
-    from hetserve.runtime.sampling import SamplingParams
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.runtime.params import SamplingParams
 
     cfg = EngineConfig(kv_capacity_tokens=case.kv_tokens, max_batched_tokens=TOKEN_BUDGET, max_num_seqs=MAX_SEQS,
                        prefill_mode=case.mode, chunk_tokens=CHUNK, kv_admission=case.kv_admission)
     eng = Engine.from_plan(plan, cluster_file, model_dir, cfg)
     try:
-        eng.coordinator.trace = []
+        eng.loop.trace = []
         handles = []
         for i, (n, out) in enumerate(case.requests):
             if i and case.phases[i] != case.phases[i - 1]:
@@ -75,7 +76,7 @@ def _engine_trace(model_dir, cluster_file, plan, case):
                     time.sleep(0.001)
             handles.append(eng.submit(_prompt(i, n), SamplingParams(max_tokens=out, ignore_eos=True)))
         outputs = [h.result(timeout=60) for h in handles]
-        return eng.coordinator.trace, [h.request_id for h in handles], outputs
+        return eng.loop.trace, [h.request_id for h in handles], outputs
     finally:
         eng.shutdown()
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from hetserve.runtime.sampling import SamplingParams
+from hetserve.runtime.params import SamplingParams
 
 
 @pytest.mark.timeout(120)
 def test_bench_frontend_step_timer_times_a_real_engines_steps(model_dirs, cluster_file, plans):
     from bench.bench_frontend import StepTimer
-    from hetserve.runtime.engine import Engine, EngineConfig
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
 
     plan = plans.single()
     with Engine.from_plan(plan, cluster_file, model_dirs["llama"], EngineConfig(kv_capacity_tokens=4096)) as eng, \

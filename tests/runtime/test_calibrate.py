@@ -4,12 +4,13 @@ import statistics
 
 import pytest
 
-from hetserve.cost.analytic import CostModel, Efficiency
+from hetserve.cost.analytic import CostModel
+from hetserve.cost.efficiency import Efficiency
 from hetserve.cost.layout import ReplicaLayout, StageLayout
-from hetserve.runtime.calibrate import Calibration, fit
-from hetserve.runtime.probe_shapes import one_device_cluster
-from hetserve.runtime.calibration_file import served_efficiency
-from hetserve.runtime.make_model import make_model
+from hetserve.calibration.calibrate import Calibration, fit
+from hetserve.calibration.probe_shapes import one_device_cluster
+from hetserve.calibration.file import served_efficiency
+from hetserve.runtime.model.make import make_model
 
 
 def _probes_priced_by(cm, spec):
@@ -62,8 +63,8 @@ def test_fit_recovers_known_efficiency(tmp_path):
     for b, t in tpot.items():  # the simulator's served iteration is the client's TPOT
         assert served_model.decode_step_time(lay, b, b * (16 + 12)) == pytest.approx(t + b * 0.0005, rel=0.02)
     # a KV hand-off measured 3 ms above what the cost model's link gives for that KV
-    from hetserve.runtime.probe_shapes import probe_layout
-    from hetserve.runtime.calibration_file import load_kv_handoff_overhead
+    from hetserve.calibration.probe_shapes import probe_layout
+    from hetserve.calibration.file import load_kv_handoff_overhead
 
     link = CostModel(one_device_cluster("RTX-4090", 2), spec, cal.efficiency).kv_transfer_time(
         probe_layout(spec), probe_layout(spec, first_device=1), 128)
@@ -139,9 +140,9 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
     import json
 
     from hetserve.cli.main import main
-    from hetserve.cost.analytic import load_efficiency
-    from hetserve.runtime.calibration_file import load_request_overhead
-    from hetserve.runtime.calibration_probes import DECODE_PROMPT
+    from hetserve.cost.efficiency import load_efficiency
+    from hetserve.calibration.file import load_request_overhead
+    from hetserve.calibration.probes import DECODE_PROMPT
     from hetserve.specs.model import load_model
 
     model_dir = make_model(tmp_path / "m", "llama", layers=2, hidden=64, heads=4, kv_heads=2)
@@ -203,8 +204,8 @@ def test_fit_recovers_attention_efficiency_and_the_front_end_cpu(tmp_path):
     from prompts of several lengths, and fitting without it leaves the long prompts off; the front
     end's CPU per request, per engine step and per token is recovered from HTTP probes (the first
     round's warm-up dropped by the median) and reaches the simulator's options."""
-    from hetserve.runtime.overhead_fit import fit_frontend_cpu
-    from hetserve.runtime.calibration_file import served_sim_options
+    from hetserve.calibration.overhead_fit import fit_frontend_cpu
+    from hetserve.calibration.file import served_sim_options
     from hetserve.specs.model import load_model
 
     model_dir = tmp_path / "m"
@@ -262,7 +263,7 @@ def test_fit_recovers_attention_efficiency_and_the_front_end_cpu(tmp_path):
 
 def test_calibrate_options_turn_the_long_decode_and_speed_probes_off(tmp_path, monkeypatch):
     """``--no-long-decode`` / ``--no-speed-probe`` reach the measurement (both on by default)."""
-    import hetserve.runtime.calibrate as calibrate_mod
+    import hetserve.calibration.calibrate as calibrate_mod
     from hetserve.cli.main import main
 
     seen = []
@@ -284,7 +285,7 @@ def test_probe_replicas_get_a_kv_pool_sized_to_the_probes_not_the_datasheet(tmp_
     """Every probe replica asks for a KV pool twice the largest probe's tokens. Sized to the GPU's
     datasheet memory instead (what the engine did on CUDA when nothing was asked), the pipeline, TP
     and hand-off probes' slots, which share one real GPU on a one-GPU machine, would not fit on it."""
-    from hetserve.runtime import calibration_probes
+    from hetserve.calibration import probes as calibration_probes
     from hetserve.runtime.engine import Engine
 
     configs = []
@@ -310,7 +311,7 @@ def test_machine_info_names_the_gpu_the_engine_runs_on(monkeypatch):
     ``measured_on`` names that GPU (and keeps the host's CPU), not the CPU alone."""
     import torch
 
-    from hetserve.runtime.calibration_probes import machine_info
+    from hetserve.calibration.probes import machine_info
 
     cpu = machine_info()["device"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -338,7 +339,7 @@ def test_the_committed_gpu_calibrations_load_and_say_where_they_were_measured():
 def test_streaming_costs_a_fixed_part_per_step_and_a_part_per_sequence():
     """Served − engine TPOT over the batch sizes is a line ``a + b · n`` (non-negative): the step's
     fixed SSE part and each sequence's token; through 0 with one batch size; nothing without any."""
-    from hetserve.runtime.overhead_fit import stream_overheads
+    from hetserve.calibration.overhead_fit import stream_overheads
 
     engine = {1: 0.0088, 2: 0.0107, 4: 0.0120, 16: 0.0169}
     http = {n: t + 0.0012 + n * 0.00005 for n, t in engine.items()}
@@ -353,7 +354,7 @@ def test_streaming_costs_a_fixed_part_per_step_and_a_part_per_sequence():
 def test_request_overhead_is_the_paired_difference_where_measured():
     """The request overhead is the median HTTP TTFT less its own prompt step, less the same on the
     engine (paired within each request); the unpaired medians per prompt length only without them."""
-    from hetserve.runtime.overhead_fit import request_overhead
+    from hetserve.calibration.overhead_fit import request_overhead
 
     http, engine = {32: 0.050, 128: 0.080}, {32: 0.030, 128: 0.075}  # unpaired: median(20, 5) ms
     assert request_overhead(http, engine) == pytest.approx(0.0125)
@@ -369,7 +370,7 @@ def test_calibration_pairs_each_probe_request_with_its_own_prompt_step(tmp_path)
     TTFT less the span of its own prompt step as the coordinator timed it, and HTTP adds the server
     and the client to that. (A single HTTP sample may exceed a length's median HTTP TTFT: no bound
     between them is asserted.)"""
-    from hetserve.runtime.calibration_probes import measure
+    from hetserve.calibration.probes import measure
 
     model_dir = make_model(tmp_path / "m", "llama", layers=2, hidden=64, heads=4, kv_heads=2)
     m = measure(str(model_dir), "RTX-4090", prompt_lengths=(16, 64), batch_sizes=(1,), decode_tokens=4, reps=2,
@@ -401,7 +402,7 @@ def test_the_noisy_probes_are_sampled_several_times_a_round_and_priced_by_their_
     the noisiest on a shared machine (the TP 2 probe, the two-stage prompt), are taken
     NOISY_SAMPLES_PER_ROUND times in each round, and the calibration's points are the median over
     all of them, not over one a round."""
-    from hetserve.runtime.calibration_probes import NOISY_SAMPLES_PER_ROUND, measure
+    from hetserve.calibration.probes import NOISY_SAMPLES_PER_ROUND, measure
 
     assert NOISY_SAMPLES_PER_ROUND >= 2
     model_dir = make_model(tmp_path / "m", "llama", layers=2, hidden=64, heads=4, kv_heads=2)

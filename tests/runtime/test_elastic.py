@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hetserve.runtime.sampling import SamplingParams
+from hetserve.runtime.params import SamplingParams
 
 PROMPTS = [[i + 1] * (i + 2) for i in range(4)]
 
@@ -31,7 +31,8 @@ def _devices(plan):
 @pytest.mark.timeout(240)
 def test_killed_worker_is_replanned_and_a_returning_device_joins(model_dirs, cluster_file):
     """``--replan-on-failure`` semantics: the Replanner's watcher notices the death and re-plans."""
-    from hetserve.runtime.engine import Engine, EngineConfig
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
     from hetserve.serve.replan import Replanner
 
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -74,7 +75,8 @@ def test_a_kept_prefill_replica_hands_off_to_a_new_decode_replica(model_dirs, cl
     """The running prefill workers learn the new layout: their KV reaches a decode replica (TP 2)
     that did not exist when they started, and the outputs are the undisturbed ones."""
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.engine import Engine, EngineConfig
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
 
     def plan(decode, routes):
         return Plan.from_dict({"model": "tiny", "cluster": "runtime-test", "replicas": [

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import time
 
 import pytest
 
 from hetserve.errors import InfeasibleError, PlanError, RuntimeFailure
-from hetserve.runtime.sampling import SamplingParams
+from hetserve.runtime.params import SamplingParams
 
 PROMPT = list(b"continuous batching")
 
@@ -20,7 +18,8 @@ PROMPT = list(b"continuous batching")
 @pytest.fixture(scope="module")
 def engine(model_dirs, cluster_file, plans):
     """Colocated Llama, two pipeline stages of TP 1 (layers 0, then 1-2)."""
-    from hetserve.runtime.engine import Engine, EngineConfig
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
 
     plan = plans.single(((("m0:0",), (0, 1)), (("m0:1",), (1, 3))))
     eng = Engine.from_plan(plan, cluster_file, model_dirs["llama"], EngineConfig(kv_capacity_tokens=8192))
@@ -114,7 +113,8 @@ def test_bad_requests_are_rejected_at_submit(engine):
 @pytest.mark.timeout(120)
 def test_request_whose_kv_does_not_fit_waits_then_completes(model_dirs, cluster_file, plans, hf_reference):
     """A 64-token pool holds one request of 20 + 40 tokens: the second waits for the first to finish."""
-    from hetserve.runtime.engine import Engine, EngineConfig
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
 
     eng = Engine.from_plan(plans.single(), cluster_file, model_dirs["llama"],
                            EngineConfig(kv_capacity_tokens=64, block_size=16))
@@ -181,7 +181,7 @@ def test_stage_too_big_for_device_memory_is_a_plan_error(cluster_file, plans, tm
     with pytest.raises(PlanError, match=r"device m0:0 \(RTX-4090.*weights need"):
         Engine.from_plan(plans.single(((("m0:0",), (0, 80)),)), cluster_file, tmp_path)
     with pytest.raises(PlanError, match="KV pool"):
-        from hetserve.runtime.engine import EngineConfig
+        from hetserve.runtime.engine_config import EngineConfig
 
         small = dict(big, num_hidden_layers=3, hidden_size=1024, intermediate_size=2048, num_attention_heads=8,
                      num_key_value_heads=8)

@@ -30,7 +30,8 @@ ARRIVALS_S = [0.0, 0.0, 0.05, 0.15, 0.3, 0.3]
                                         ("opt", "colocated"), ("opt", "disaggregated"), ("llama", "chunked")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def engine(request, model_dirs, cluster_file, plans):
-    from hetserve.runtime.engine import Engine, EngineConfig
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
 
     arch, shape = request.param
     plan = plans.disaggregated() if shape == "disaggregated" else plans.colocated()
@@ -44,17 +45,17 @@ def engine(request, model_dirs, cluster_file, plans):
 
 @pytest.mark.timeout(180)
 def test_greedy_matches_transformers_generate(engine, model_dirs, hf_reference):
-    from hetserve.runtime.sampling import SamplingParams
+    from hetserve.runtime.params import SamplingParams
 
     expected = hf_reference(model_dirs[engine.arch_name], PROMPTS, MAX_NEW)
-    engine.coordinator.trace = []
+    engine.loop.trace = []
     handles, t0 = [], time.monotonic()
     for prompt, at in zip(PROMPTS, ARRIVALS_S):
         time.sleep(max(0.0, t0 + at - time.monotonic()))
         handles.append(engine.submit(prompt, SamplingParams(max_tokens=MAX_NEW)))
     got = [list(h) for h in handles]  # streamed token by token
     assert got == expected
-    prefill_steps = [ids for ev in engine.coordinator.trace if ev[0] == "step" for ids in ev[3]]
+    prefill_steps = [ids for ev in engine.loop.trace if ev[0] == "step" for ids in ev[3]]
     steps = prefill_steps.count(handles[4].request_id)  # 90 tokens: >= 6 chunks of <= 16 (decodes count too)
     assert steps >= 6 if engine.shape == "chunked" else steps == 1
     assert all(h.finish_reason in ("stop", "length") for h in handles)
@@ -69,8 +70,9 @@ _SEEDED_REFERENCE: dict = {}
 def seeded_reference(arch, model_dirs, cluster_file, plans):
     """The seeded tokens on a third shape, one device holding every layer (TP 1, one stage), so every
     parametrised shape is compared with a different one (never with itself)."""
-    from hetserve.runtime.engine import Engine, EngineConfig
-    from hetserve.runtime.sampling import SamplingParams
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.runtime.params import SamplingParams
 
     if arch not in _SEEDED_REFERENCE:
         with Engine.from_plan(plans.single(), cluster_file, model_dirs[arch], EngineConfig(kv_capacity_tokens=512)) as eng:
@@ -81,7 +83,7 @@ def seeded_reference(arch, model_dirs, cluster_file, plans):
 @pytest.mark.timeout(120)
 def test_seeded_sampling_same_on_every_plan_shape(engine, model_dirs, cluster_file, plans):
     """Sampling is keyed by (seed, token index): the same seed gives the same tokens on any layout."""
-    from hetserve.runtime.sampling import SamplingParams
+    from hetserve.runtime.params import SamplingParams
 
     tokens = engine.submit(PROMPTS[0], SamplingParams(**SEEDED)).result(timeout=60)
     assert len(tokens) == 20

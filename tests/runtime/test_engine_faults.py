@@ -10,7 +10,7 @@ import time
 import pytest
 
 from hetserve.errors import RuntimeFailure
-from hetserve.runtime.sampling import SamplingParams
+from hetserve.runtime.params import SamplingParams
 
 PROMPTS = [[i + 1] * (i + 2) for i in range(4)]
 
@@ -38,7 +38,8 @@ def test_a_pd_plan_losing_one_side_reruns_on_the_other(model_dirs, cluster_file,
     """Kill -9 the only replica of one role mid-stream: the other turns colocated, every stream
     continues to exactly the greedy output an undisturbed run gives, later requests succeed, and the
     deployment is not declared broken while a live replica can hold the requests."""
-    from hetserve.runtime.engine import Engine, EngineConfig
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
 
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     eng = Engine.from_plan(plans.disaggregated(), cluster_file, model_dirs["opt"], EngineConfig(kv_capacity_tokens=4096))
@@ -65,7 +66,8 @@ def test_a_pd_plan_losing_one_side_reruns_on_the_other(model_dirs, cluster_file,
 def test_frozen_worker_is_declared_dead_and_the_last_death_fails_cleanly(model_dirs, cluster_file):
     """SIGSTOP one of two replicas: no heartbeat, declared dead, its requests finish on the other
     with the same tokens. Then kill the last one: what is left fails with one error, submit refuses."""
-    from hetserve.runtime.engine import Engine, EngineConfig
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
 
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     config = EngineConfig(kv_capacity_tokens=4096, heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0)
@@ -109,7 +111,8 @@ def _is_zombie_or_gone(pid: int) -> bool | None:
 def test_a_dead_replicas_workers_are_reaped_not_left_as_zombies(model_dirs, cluster_file, plans):
     """Kill -9 one stage of a two-stage replica: the engine notices, kills the other stage, and
     waits for both, so neither stays a zombie process until shutdown."""
-    from hetserve.runtime.engine import Engine, EngineConfig
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
 
     plan = plans.single(stages=((("m0:0",), (0, 2)), (("m0:1",), (2, 3))))
     eng = Engine.from_plan(plan, cluster_file, model_dirs["llama"], EngineConfig(kv_capacity_tokens=1024))

@@ -15,8 +15,9 @@ from .test_batching_equivalence import PAGED, _prompt, greedy
 
 @pytest.mark.timeout(180)
 def test_a_request_preempted_on_a_decode_replica_is_recomputed_and_completes(model_dirs, cluster_file, plans):
-    from hetserve.runtime.engine import Engine, EngineConfig
-    from hetserve.runtime.sampling import SamplingParams
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.runtime.params import SamplingParams
 
     model_dir = model_dirs["llama"]
     cfg = EngineConfig(kv_capacity_tokens={"p0": 1024, "d0": PAGED.kv_tokens}, kv_admission="paged")

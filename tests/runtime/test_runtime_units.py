@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from hetserve.runtime.kv_cache import BlockManager
-from hetserve.runtime.sampling import SamplingParams, sample
-from hetserve.runtime.transport import Message
+from hetserve.runtime.params import SamplingParams
+from hetserve.runtime.sampling import sample
+from hetserve.runtime.workers.wire import Message
 
 # ----------------------------------------------------------------------------- model
 
@@ -102,7 +103,7 @@ def test_a_mixed_step_attends_as_its_sequences_would_alone():
 
 
 def test_tp_slices_split_heads_and_keep_row_bias_once():
-    from hetserve.runtime.tp import shard_of
+    from hetserve.runtime.model.tp import shard_of
 
     col = shard_of("column", "weight", (8, 4), rank=1, world=2)
     assert col.slices[0] == slice(4, 8)
@@ -130,7 +131,7 @@ def test_block_manager_admission():
 
 
 def test_kv_pool_roundtrip_and_slots():
-    from hetserve.runtime.kv_pool import KVPool, slots_of
+    from hetserve.runtime.workers.kv_pool import KVPool, slots_of
 
     assert slots_of([3, 0], 6, 4).tolist() == [12, 13, 14, 15, 0, 1]
     pool = KVPool(num_layers=3, num_slots=32, num_kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu")
@@ -304,7 +305,6 @@ def test_make_model_cli(tmp_path):
 def test_runtime_snapshot_counts_tokens_context_and_per_replica_queues():
     """The fields the simulator fills: tokens (not requests) outstanding, real context, each replica
     its own queue (not the global one), decode replicas the hand-offs routed to them."""
-    from collections import deque
 
     from hetserve.runtime.handle import RequestHandle
     from hetserve.runtime.scheduler import ReplicaScheduler
@@ -349,7 +349,7 @@ def test_worker_step_loop_outlives_a_link_error():
     engine re-runs the dead peer's work on this very worker)."""
     from types import SimpleNamespace
 
-    from hetserve.runtime.worker import Worker
+    from hetserve.runtime.workers.worker import Worker
 
     inbox = deque([Message("link_error", {"peer": "m1:0", "error": "ConnectionResetError()"}),
                    Message("shutdown")])
@@ -368,7 +368,7 @@ def test_plan_devices_sharing_a_gpu_get_capped_kv_pools(tmp_path, monkeypatch, g
     memory, and two such pools do not fit on one: they are capped as on CPU."""
     from hetserve.planner.plan import Plan
     from hetserve.runtime import engine as engine_mod
-    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.model.make import make_model
     from hetserve.specs.cluster import cluster_from_dict
 
     seen = []

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from hetserve.runtime.auth import MAGIC, NONCE_BYTES, HandshakeError, LinkSecurity, connect_handshake
-from hetserve.runtime.wire import CHUNK_HEADER
+from hetserve.runtime.workers.auth import MAGIC, NONCE_BYTES, HandshakeError, LinkSecurity, connect_handshake
+from hetserve.runtime.workers.wire import CHUNK_HEADER
 from tests.runtime.attacks import Exploit, old_framing, send_and_close, trickle
 
 PLAN = {"model": "tiny", "cluster": "demo-cpu", "algorithm": "manual", "replicas": [
@@ -39,8 +39,9 @@ def _rss_mb(pid: int) -> float:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.engine import Engine, EngineConfig
-    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.runtime.model.make import make_model
 
     model = make_model(tmp_path_factory.mktemp("model") / "tiny", "llama", layers=4, hidden=64, heads=4,
                        kv_heads=2, max_positions=256)
@@ -50,7 +51,7 @@ def engine(tmp_path_factory):
 
 
 def _generate(engine, max_tokens: int = 8):
-    from hetserve.runtime.sampling import SamplingParams
+    from hetserve.runtime.params import SamplingParams
 
     return engine.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0), timeout=120)
 
@@ -113,7 +114,7 @@ def test_a_peer_with_the_wrong_secret_is_refused_before_a_message_is_read(engine
 
 
 def _refused_by(engine, worker: str) -> int:
-    return engine.coordinator.refused.get(worker, {}).get("handshake", 0)
+    return engine.loop.refused.get(worker, {}).get("handshake", 0)
 
 
 def test_an_authenticated_peer_still_cannot_announce_more_than_the_largest_message(engine):

@@ -10,9 +10,9 @@ import pytest
 from hetserve.cost.analytic import CostModel
 from hetserve.cost.efficiency import Efficiency
 from hetserve.cost.layout import ReplicaLayout, StageLayout
-from hetserve.runtime.calibration_file import load_speed_probe, served_efficiency, served_sim_options, speed_reference
-from hetserve.runtime.probe_shapes import one_device_cluster
-from hetserve.runtime.speed_probe import SpeedProbe, SpeedReading, combine, paired_round_median, round_median, slowdown
+from hetserve.calibration.file import load_speed_probe, served_efficiency, served_sim_options, speed_reference
+from hetserve.calibration.probe_shapes import one_device_cluster
+from hetserve.calibration.speed_probe import SpeedProbe, SpeedReading, combine, paired_round_median, round_median, slowdown
 from hetserve.specs.model import load_model
 
 CPU_LIKE = Efficiency(compute=2e-4, memory=3e-3, attention=1e-4, step_overhead_s=1e-3, iteration_overhead_s=4e-3,
@@ -96,7 +96,7 @@ def test_the_probes_ratio_carries_to_the_served_times_by_its_weight():
     """``compare`` scales the calibrated times by the probe's ratio to the power ``SPEED_WEIGHT``: the
     part of it that followed the served runs' speed; 1 takes all of it, 0 none; a weight outside
     [0, 1] is refused."""
-    from hetserve.runtime.speed_probe import SPEED_WEIGHT, weighted
+    from hetserve.calibration.speed_probe import SPEED_WEIGHT, weighted
 
     assert 0 < SPEED_WEIGHT < 1
     assert weighted(2.0) == pytest.approx(2.0 ** SPEED_WEIGHT) and weighted(0.5) == pytest.approx(0.5 ** SPEED_WEIGHT)

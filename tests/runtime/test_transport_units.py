@@ -11,9 +11,9 @@ from collections import deque
 
 import torch
 
-from hetserve.runtime.auth import LinkSecurity
-from hetserve.runtime.transport import Chunk, InProcHub, Outgoing, Priority, PriorityScheduler, SocketTransport
-from hetserve.runtime.wire import Message
+from hetserve.runtime.workers.auth import LinkSecurity
+from hetserve.runtime.workers.transport import Chunk, InProcHub, Outgoing, Priority, PriorityScheduler, SocketTransport
+from hetserve.runtime.workers.wire import Message
 
 SECURITY = LinkSecurity(b"s" * 32)  # both ends of every link in these tests hold it
 

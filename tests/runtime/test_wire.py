@@ -14,11 +14,11 @@ import threading
 import pytest
 import torch
 
-from hetserve.runtime.auth import (HandshakeError, LinkSecurity, TLSFiles, accept_handshake, connect_handshake,
+from hetserve.runtime.workers.auth import (HandshakeError, LinkSecurity, TLSFiles, accept_handshake, connect_handshake,
                                    deployment_secret, read_secret_file)
 from hetserve.runtime.layout import ReplicaSpec, WorkerSpec
-from hetserve.runtime.transport import SocketTransport
-from hetserve.runtime.wire import (MalformedMessage, Message, Reassembly, decode, encode, pack_data, unpack_data)
+from hetserve.runtime.workers.transport import SocketTransport
+from hetserve.runtime.workers.wire import (MalformedMessage, Message, Reassembly, decode, encode, pack_data, unpack_data)
 
 SECURITY = LinkSecurity(b"k" * 32)
 

@@ -237,7 +237,7 @@ PLAN = {"model": "tiny", "cluster": "demo-cpu", "replicas": [
 @pytest.fixture
 def serve_inputs(tmp_path):
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.model.make import make_model
 
     model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=32, heads=2, max_positions=4096)
     plan = tmp_path / "plan.json"
@@ -363,7 +363,7 @@ def test_hetserve_serve_with_keys_end_to_end(serve_inputs, tmp_path):
 def test_cli_hands_the_tls_files_to_the_engine(serve_inputs, captured_options, tmp_path, capsys):
     """--tls-cert/--tls-key/--tls-ca become the engine's ``tls`` option (the runtime's ``TLSFiles``);
     without them the engine gets none."""
-    from hetserve.runtime.auth import TLSFiles
+    from hetserve.runtime.workers.auth import TLSFiles
 
     files = {}
     for what in ("cert", "key", "ca"):

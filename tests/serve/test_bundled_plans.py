@@ -69,7 +69,7 @@ def ray_session(models):
     """One private one-node Ray on loopback advertising every machine of the bundled pools; servers
     started while it is up join it (and leave it running), and it is shut down after the module."""
     import ray  # make test installs the ray extra: a missing ray must fail, not skip
-    from hetserve.runtime.ray_backend import machine_resource
+    from hetserve.runtime.workers.ray_backend import machine_resource
     from hetserve.specs.cluster import load_cluster
 
     mp = pytest.MonkeyPatch()
@@ -92,14 +92,14 @@ def _serve_once(plan, model_dir, backend):
     """Serve ``plan``; return [(engine tokens, openai completion, engine tokens as text)] for greedy requests."""
     import openai
 
-    from hetserve.runtime.sampling import SamplingParams
+    from hetserve.runtime.params import SamplingParams
     from hetserve.serve.launch import ServeOptions, start_server
 
     opts = ServeOptions(plan=plan, model_dir=str(model_dir), backend=backend)
     with start_server(opts) as srv:
         dep = srv.deployment
         if backend == "ray":
-            from hetserve.runtime.ray_backend import RayWorkerProcess
+            from hetserve.runtime.workers.ray_backend import RayWorkerProcess
 
             assert all(isinstance(p, RayWorkerProcess) for p in dep.engine.procs.values())
             assert {p.machine for p in dep.engine.procs.values()} == {d.split(":")[0] for d in plan.devices}

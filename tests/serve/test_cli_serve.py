@@ -42,7 +42,7 @@ def test_serve_refuses_an_unknown_policy_before_any_worker_starts(tmp_path, caps
     the option, the value and the choices, exit code 2, and no worker started (``build`` is never
     reached)."""
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.model.make import make_model
     from hetserve.serve import launch
 
     def no_build(opts):
@@ -71,7 +71,7 @@ def test_serve_command_answers_and_stops_cleanly(tmp_path):
     import openai
 
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.model.make import make_model
 
     model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=32, heads=2, max_positions=4096)
     plan = tmp_path / "plan.json"
@@ -126,7 +126,7 @@ def test_serve_command_answers_and_stops_cleanly(tmp_path):
 def test_serve_port_0_prints_the_port_it_serves_on(tmp_path):
     """``--port 0``: the OS picks the port, and the URL printed at start-up is the one that answers."""
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.model.make import make_model
 
     model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=32, heads=2)
     plan = tmp_path / "plan.json"

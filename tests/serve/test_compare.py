@@ -10,7 +10,7 @@ import pytest
 @pytest.mark.timeout(240)
 def test_compare_serves_simulates_and_writes_table_and_cdfs(tmp_path, capsys, monkeypatch):
     from hetserve.cli.main import main
-    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.model.make import make_model
     from hetserve.serve import loadgen
 
     sent, real_replay = [], loadgen.replay
@@ -82,8 +82,8 @@ def test_compare_scales_the_calibration_by_the_machine_speed_it_reads_while_serv
     the same requests replayed a second time, after the first run's measurements, and that run's
     figures set against the first's."""
     from hetserve.cli.main import main
-    from hetserve.runtime.make_model import make_model
-    from hetserve.runtime.speed_probe import SpeedProbe
+    from hetserve.runtime.model.make import make_model
+    from hetserve.calibration.speed_probe import SpeedProbe
     from hetserve.serve import loadgen
 
     sent, real_replay = [], loadgen.replay
@@ -99,7 +99,7 @@ def test_compare_scales_the_calibration_by_the_machine_speed_it_reads_while_serv
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"model": "tiny", "cluster": "cmp", "replicas": [
         {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 2]}]}]}))
-    from hetserve.runtime.speed_probe import combine
+    from hetserve.calibration.speed_probe import combine
 
     now = combine(SpeedProbe(model).readings(3, 0.5))  # the median of three, as compare takes ten
     cal = tmp_path / "cal.json"
@@ -122,7 +122,7 @@ def test_compare_scales_the_calibration_by_the_machine_speed_it_reads_while_serv
         assert table[key]["served"] == speed["table_as_calibrated"][key]["served"]
     assert "machine speed (speed probe" in flat and f"x{speed['slowdown']:.2f}" in flat
     # the simulated times take the ratio to the power SPEED_WEIGHT, and say so
-    from hetserve.runtime.speed_probe import SPEED_WEIGHT
+    from hetserve.calibration.speed_probe import SPEED_WEIGHT
 
     assert speed["weight"] == SPEED_WEIGHT
     assert speed["applied"] == pytest.approx(speed["slowdown"] ** SPEED_WEIGHT, rel=1e-3)

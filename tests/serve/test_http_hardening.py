@@ -188,7 +188,7 @@ def test_admin_replan_forwards_its_fields_and_refuses_bad_ones(serve_fake):
 def test_an_idle_keep_alive_connection_outlives_the_clients_pools(serve_fake):
     """httpx (openai's client) re-uses an idle connection for up to 5 s: the server must still hold
     it then. At uvicorn's default keep-alive (5 s) it had closed it, and a request sent on it just
-    then failed (`bench_predict`, 2026-11-27). Here: one connection, idle 5.5 s, asked again on it."""
+    then failed (`predict/run`, 2026-11-27). Here: one connection, idle 5.5 s, asked again on it."""
     import http.client
     import time
     from urllib.parse import urlsplit

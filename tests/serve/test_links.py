@@ -1,4 +1,4 @@
-"""Shaped links and the transmission scheduler in the data path (hetserve.runtime.links).
+"""Shaped links and the transmission scheduler in the data path (hetserve.runtime.links.network).
 
 ``LinkSchedule`` is driven with an explicit clock (exact times); ``ShapedLink`` and the transport
 adapter run in real time, so those tests check only delivery order, never durations.
@@ -12,8 +12,9 @@ import threading
 import pytest
 
 from hetserve.policies.transmission import make_transmission
-from hetserve.runtime.links import (DecodeArrivalPredictor, LinkNetwork, LinkSchedule, LinkSchedulerFactory, LinkStats,
-                                    ShapedLink, merge_stats)
+from hetserve.runtime.links.factory import LinkSchedulerFactory, merge_stats
+from hetserve.runtime.links.clock import DecodeArrivalPredictor, LinkSchedule
+from hetserve.runtime.links.network import LinkNetwork, LinkStats, ShapedLink
 from hetserve.specs.cluster import load_cluster
 
 BW = 12.5e6  # 100 Mbit/s in bytes/s
@@ -158,9 +159,9 @@ def test_transport_hook_reorders_by_class_over_real_sockets(tmp_path):
     import pickle
 
     import torch
-    from hetserve.runtime.auth import LinkSecurity
-    from hetserve.runtime.transport import Priority, SocketTransport
-    from hetserve.runtime.wire import Message
+    from hetserve.runtime.workers.auth import LinkSecurity
+    from hetserve.runtime.workers.transport import Priority, SocketTransport
+    from hetserve.runtime.workers.wire import Message
 
     cluster = load_cluster("molink-3x4090")
     security = LinkSecurity.fresh()

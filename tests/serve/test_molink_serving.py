@@ -35,7 +35,7 @@ def mixed_load(n: int = 20, gap_s: float = 0.3, seed: int = 0):
 @pytest.mark.slow
 def test_molink_gives_lower_mean_tpot_than_fifo_on_shaped_links(tmp_path):
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.model.make import make_model
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import replay, summarize
 

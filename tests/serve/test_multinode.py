@@ -58,9 +58,9 @@ FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_m
 def test_no_endpoint_listens_on_all_interfaces(wildcard, tmp_path, model, capsys):
     from hetserve.cli.main import main as cli
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.engine import EngineConfig
-    from hetserve.runtime.auth import LinkSecurity
-    from hetserve.runtime.transport import SocketTransport
+    from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.runtime.workers.auth import LinkSecurity
+    from hetserve.runtime.workers.transport import SocketTransport
 
     with pytest.raises(ValueError, match="every interface"):
         SocketTransport("w", LinkSecurity.fresh(), host=wildcard)
@@ -78,7 +78,7 @@ def test_no_endpoint_listens_on_all_interfaces(wildcard, tmp_path, model, capsys
 
 def test_a_machine_address_its_ray_node_does_not_have_is_named():
     from hetserve.errors import RuntimeFailure
-    from hetserve.runtime.ray_backend import _check_addresses
+    from hetserve.runtime.workers.ray_backend import _check_addresses
 
     nodes = [{"Alive": True, "NodeManagerAddress": "10.0.0.6", "Resources": {"hetserve_machine_b0": 1000.0}}]
     _check_addresses("lab", {"b0": "10.0.0.6"}, nodes)
@@ -89,7 +89,7 @@ def test_a_machine_address_its_ray_node_does_not_have_is_named():
 
 def test_workers_on_gpu_nodes_get_a_gpu_and_cpu_slots_none():
     from hetserve.errors import RuntimeFailure
-    from hetserve.runtime.ray_backend import _devices
+    from hetserve.runtime.workers.ray_backend import _devices
     import yaml
 
     from hetserve.specs.cluster import cluster_from_dict
@@ -112,7 +112,7 @@ def pool(tmp_path_factory):
     """A 3-node Ray cluster on 127.0.0.2-4 and this driver joined to its head; torn down after."""
     from ray.cluster_utils import Cluster
 
-    from hetserve.runtime.ray_backend import RaySession, machine_resource
+    from hetserve.runtime.workers.ray_backend import RaySession, machine_resource
     from hetserve.specs.cluster import load_cluster
 
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_TMPDIR")}
@@ -150,7 +150,7 @@ def pool(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.model.make import make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "tiny", "llama", layers=LAYERS, hidden=64, heads=4,
                       kv_heads=2, max_positions=512, seed=3)
@@ -180,9 +180,9 @@ def shapes_engine(pool, model, tmp_path_factory):
     """The two plan shapes in one engine, over shaped links with MoLink scheduling (as ``serve
     --transmission molink --shape-links``); link counters land in a folder every node can reach here."""
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.engine import EngineConfig
-    from hetserve.runtime.links import LinkSchedulerFactory
-    from hetserve.runtime.ray_backend import start_ray_engine
+    from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.runtime.links.factory import LinkSchedulerFactory
+    from hetserve.runtime.workers.ray_backend import start_ray_engine
 
     before = _listeners(os.getpid())  # the driver's own Ray sockets
     links = LinkSchedulerFactory(pool.cluster, "molink", shape=True,
@@ -199,7 +199,7 @@ def shapes_engine(pool, model, tmp_path_factory):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("replica", ["p0", "c0"], ids=["prefill-decode", "asymmetric-pipeline"])
 def test_plan_shapes_across_three_nodes_match_transformers(shapes_engine, reference, replica, wait_until):
-    from hetserve.runtime.sampling import SamplingParams
+    from hetserve.runtime.params import SamplingParams
 
     handles = [shapes_engine.submit(p, SamplingParams(max_tokens=MAX_NEW, temperature=0.0), replica=replica)
                for p in PROMPTS]
@@ -238,7 +238,7 @@ def test_every_socket_listens_on_its_nodes_address_only(shapes_engine):
 @pytest.mark.timeout(300)
 def test_a_node_that_leaves_mid_load_loses_no_request(pool, model, shapes_engine, wait_until):
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.sampling import SamplingParams
+    from hetserve.runtime.params import SamplingParams
     from hetserve.serve.launch import ServeOptions, build
 
     shapes_engine.shutdown()  # its workers on m2's node would die with it; this test needs the memory anyway

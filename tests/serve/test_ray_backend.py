@@ -36,9 +36,9 @@ def _compare_backends(tmp_path):
     import openai
 
     from hetserve.planner.plan import Plan
-    from hetserve.runtime.make_model import make_model
-    from hetserve.runtime.ray_backend import RayWorkerProcess
-    from hetserve.runtime.sampling import SamplingParams
+    from hetserve.runtime.model.make import make_model
+    from hetserve.runtime.workers.ray_backend import RayWorkerProcess
+    from hetserve.runtime.params import SamplingParams
     from hetserve.serve.launch import ServeOptions, start_server
 
     model = make_model(tmp_path / "tiny", "llama", layers=4, hidden=64, heads=4, kv_heads=2, max_positions=256)

@@ -22,7 +22,7 @@ PROMPTS = ["hello", "the quick brown fox", "x" * 40]
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.model.make import make_model
 
     return make_model(tmp_path_factory.mktemp("model") / "tiny", "llama", layers=4, hidden=64, heads=4, kv_heads=2,
                       max_positions=CONTEXT)
@@ -48,7 +48,7 @@ def server(tiny_model, plan_file):
 
 
 def greedy_tokens(deployment, prompts=PROMPTS, max_tokens=12):
-    from hetserve.runtime.sampling import SamplingParams
+    from hetserve.runtime.params import SamplingParams
 
     codec = deployment.coordinator.codec
     return deployment.engine.generate([codec.encode(p) for p in prompts],

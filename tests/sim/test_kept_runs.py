@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench_predict():
-    spec = importlib.util.spec_from_file_location("bench_predict", ROOT / "bench" / "bench_predict.py")
+    spec = importlib.util.spec_from_file_location("bench_predict", ROOT / "bench" / "predict/run.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

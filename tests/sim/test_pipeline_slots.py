@@ -73,7 +73,7 @@ def test_the_runtime_scheduler_gives_the_prompt_its_own_step_when_a_slot_is_free
     prompt waiting -> the next step is the prompt alone; with both slots busy, nothing starts."""
     from hetserve.runtime.handle import RequestHandle
     from hetserve.runtime.kv_cache import BlockManager
-    from hetserve.runtime.sampling import SamplingParams
+    from hetserve.runtime.params import SamplingParams
     from hetserve.runtime.scheduler import ReplicaScheduler
     from hetserve.runtime.sequence import Sequence
 

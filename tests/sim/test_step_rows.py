@@ -1,4 +1,4 @@
-"""The simulator's step trace as ``hetserve compare`` reads it (``hetserve.step_compare``): every prompt
+"""The simulator's step trace as ``hetserve compare`` reads it (``hetserve.calibration.step_compare``): every prompt
 token and every decode token of a burst lands in exactly one traced step, whatever the batching."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 
 from hetserve.sim import SimOptions
 from hetserve.sim.simulator import Simulator
-from hetserve.step_compare import simulated_rows, summarise
+from hetserve.calibration.step_compare import simulated_rows, summarise
 
 from .plans import single
 from .test_behaviour import burst
@@ -42,7 +42,7 @@ def test_other_cores_busy_sees_a_busy_neighbour_and_not_the_served_processes():
     import time
     from pathlib import Path
 
-    from hetserve.step_compare import cpu_utilisation, machine_busy_cpu_s, other_cores_busy, process_cpu_s
+    from hetserve.calibration.step_compare import cpu_utilisation, machine_busy_cpu_s, other_cores_busy, process_cpu_s
 
     assert other_cores_busy({}, None, 1.0, 1.0) is None  # a missing reading is "not measured", never 0
     if not Path("/proc/stat").exists():  # off Linux the readings are missing, and say so
@@ -70,7 +70,7 @@ def test_decode_steps_split_by_prompt_steps_of_other_replicas_beside_them():
     """A decode step is "alone" when no other replica runs a prompt step during it and "beside
     prompt" when one covers at least half of it; a replica's own prompt steps do not count, and a
     plan whose only prompts are its own replica's gets no split."""
-    from hetserve.step_compare import StepRow, beside_prompts
+    from hetserve.calibration.step_compare import StepRow, beside_prompts
 
     p = StepRow("p0", 0.010, 0.050, (), 0.0, (128,))
     d = [StepRow("d0", 0.000, 0.008, (1,), 20.0, ()),  # before the prompt
@@ -119,7 +119,7 @@ def test_step_rows_survive_a_json_file_untimed_workers_included():
     import json
     import math
 
-    from hetserve.step_compare import StepRow, rows_from_json, rows_to_json
+    from hetserve.calibration.step_compare import StepRow, rows_from_json, rows_to_json
 
     rows = [StepRow("d0", 0.5, 0.51, (3, 4), 140.0, (), 0.007, 0.0065),
             StepRow("p0", 0.5, 0.54, (), 0.0, (128, 91)),  # no worker time: NaN
@@ -146,10 +146,10 @@ def test_bench_predict_replay_makes_the_step_tables_again_from_the_saved_steps(t
 
     from rich.console import Console
 
-    from hetserve.step_compare import StepRow, rows_to_json
+    from hetserve.calibration.step_compare import StepRow, rows_to_json
 
     root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("bench_predict", root / "bench" / "bench_predict.py")
+    spec = importlib.util.spec_from_file_location("bench_predict", root / "bench" / "predict/run.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
 
@@ -178,10 +178,10 @@ def test_bench_predict_replay_makes_the_step_tables_again_from_the_saved_steps(t
     assert served["c0 prompt"]["model_ms"] > 0  # the cost model's time for the served batch
     assert simulated["c0 prompt"]["steps"] == 6  # the six replayed prompts, simulated now
     assert out["table"]["ttft_s.mean"]["served"] == pytest.approx(0.05)
-    # each request's arrival and simulated TTFT, for bench/predict_occupancy.py's split
+    # each request's arrival and simulated TTFT, for bench/predict/occupancy.py's split
     assert len(out["arrival_s"]) == 6 and out["arrival_s"][0] == 0.0
     assert sum(out["simulated_ttft_s"]) / 6 == pytest.approx(out["table"]["ttft_s.mean"]["simulated"])
-    # asked for, the rows themselves (bench/predict_steps.py): the served ones with the cost model's
+    # asked for, the rows themselves (bench/predict/steps.py): the served ones with the cost model's
     # time for each, and the simulated steps the tables were made from
     assert "step_rows" not in out
     (kept,) = bench.replay_quietly(json.loads(path.read_text()), str(path), keep_rows=True)
@@ -191,12 +191,12 @@ def test_bench_predict_replay_makes_the_step_tables_again_from_the_saved_steps(t
 
 
 def test_predict_steps_splits_decode_steps_by_batch_and_prompt_steps_by_what_ran_beside():
-    """``bench/predict_steps.py``: decode-only steps grouped by their sequences (six and more in one
+    """``bench/predict/steps.py``: decode-only steps grouped by their sequences (six and more in one
     row), with the served span, worker times, model time and context per sequence averaged; a
     prompt step is *beside* where another step of the replica overlapped it, *with decodes* where
     decodes rode in it, else *alone*."""
-    from bench.predict_steps import BATCH_CAP, decode_by_batch, prompt_kinds
-    from hetserve.step_compare import StepRow
+    from bench.predict.steps import BATCH_CAP, decode_by_batch, prompt_kinds
+    from hetserve.calibration.step_compare import StepRow
 
     rows = [StepRow("c0", 0.00, 0.05, (), 0.0, (100,), 0.04, 0.03),  # alone
             StepRow("c0", 0.05, 0.07, (0,), 101.0, (), 0.015, 0.012),
@@ -217,11 +217,11 @@ def test_predict_steps_splits_decode_steps_by_batch_and_prompt_steps_by_what_ran
 
 
 def test_predict_steps_token_periods_count_the_sequences_of_the_replica_decoding_in_them():
-    """``bench/predict_steps.py``: a sequence's token period runs from one of its decode-only steps to
+    """``bench/predict/steps.py``: a sequence's token period runs from one of its decode-only steps to
     its next, keyed by the sequences of *its* replica decoding in that time (two micro-batches of a
     pipeline take turns: each period holds both); a step carrying a prompt ends the periods there."""
-    from bench.predict_steps import PERIOD_CAP, token_periods
-    from hetserve.step_compare import StepRow
+    from bench.predict.steps import PERIOD_CAP, token_periods
+    from hetserve.calibration.step_compare import StepRow
 
     rows = [StepRow("c0", 0.00, 0.01, (0,), 20.0, ()),  # alone: 0 -> 0.01
             StepRow("c0", 0.01, 0.02, (0,), 21.0, ()),
@@ -243,7 +243,7 @@ def test_predict_steps_token_periods_count_the_sequences_of_the_replica_decoding
 def test_bench_predict_counts_the_calibration_points_within_ten_percent_once_per_calibration(tmp_path):
     """Issue 13's calibration target, as bench_predict prints it: every point of each distinct
     calibration its cells used (two cells of one plan share one), a point 11 % off a miss."""
-    from bench.predict_report import calibration_fit
+    from bench.predict.report import calibration_fit
 
     def point(measured, predicted, phase="decode", size=1):
         return {"phase": phase, "size": size, "stages": 1, "tp": 1, "measured_s": measured, "predicted_s": predicted}
@@ -257,9 +257,9 @@ def test_bench_predict_counts_the_calibration_points_within_ten_percent_once_per
 
 
 def test_predict_oracle_moves_a_cell_only_where_a_factor_gains_a_figure():
-    """``bench/predict_oracle.py``'s choice per cell: the most figures within ±15 %; on a tie factor 1,
+    """``bench/predict/oracle.py``'s choice per cell: the most figures within ±15 %; on a tie factor 1,
     then the factor nearest to it."""
-    from bench.predict_oracle import oracle
+    from bench.predict.oracle import oracle
 
     per_factor = {0.9: [7, 3, 5], 1.0: [6, 5, 5], 1.1: [2, 3, 5], 1.2: [7, 3, 5]}
     at_one, best, chosen = oracle(per_factor)
@@ -269,7 +269,7 @@ def test_predict_oracle_moves_a_cell_only_where_a_factor_gains_a_figure():
 def test_predict_oracle_by_figure_keeps_each_cells_ratios_apart_at_one_and_at_its_factor():
     """``--by-figure``: per plan, load and metric, the geometric mean of the ratios and the hits, at
     factor 1 and at the factor the oracle chose for each cell (not another cell's, not factor 1)."""
-    from bench.predict_oracle import METRICS, figure_bias
+    from bench.predict.oracle import METRICS, figure_bias
 
     def cell(plan, fraction, ttft):
         ratios = {m: (ttft if m == "ttft_s.mean" else 1.0) for m in METRICS}
@@ -289,10 +289,10 @@ def test_predict_oracle_by_figure_keeps_each_cells_ratios_apart_at_one_and_at_it
 
 
 def test_predict_occupancy_splits_requests_by_what_was_in_flight_at_their_arrival():
-    """``bench/predict_occupancy.py``: a request counts the earlier ones whose served E2E had not ended
+    """``bench/predict/occupancy.py``: a request counts the earlier ones whose served E2E had not ended
     when it arrived; each class's served and simulated TTFT means; the shape divides a cell's level
     out (1 in flight over idle, per cell, then their geometric mean)."""
-    from bench.predict_occupancy import in_flight_at_arrival, shape, split_cell
+    from bench.predict.occupancy import in_flight_at_arrival, shape, split_cell
 
     arrival = [0.0, 0.1, 0.15, 1.0, 1.05]
     e2e = [0.2, 0.2, 0.5, 0.1, 0.3]  # 0 ends at 0.2, 1 at 0.3, 2 at 0.65, 3 at 1.1

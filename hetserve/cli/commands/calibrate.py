@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from hetserve.runtime.calibrate import calibrate
-    from hetserve.runtime.speed_probe import PROMPT_TOKENS
+    from hetserve.calibration.calibrate import calibrate
+    from hetserve.calibration.speed_probe import PROMPT_TOKENS
     from hetserve.specs.gpus import gpu
 
     from hetserve.cli.model_dir import check_model_dir
@@ -143,7 +143,7 @@ def _collectives(cal, args) -> str:
     """What the TP collectives cost, and where from (nothing measured without the TP 2 probes, and
     why there were none)."""
     if not any(p.tp > 1 for p in cal.points):
-        from hetserve.runtime.probe_shapes import tp_divides
+        from hetserve.calibration.probe_shapes import tp_divides
         from hetserve.specs.model import load_model
 
         spec = load_model(args.model)

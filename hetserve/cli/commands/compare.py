@@ -6,7 +6,7 @@ import argparse
 
 from hetserve.policies.placement import placement_names
 from hetserve.policies.routing import route_names
-from hetserve.runtime.speed_probe import SPEED_WEIGHT
+from hetserve.calibration.speed_probe import SPEED_WEIGHT
 
 from hetserve.cli.commands.serve import add_prefill_mode_options
 
@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from hetserve.compare import CompareOptions, compare, print_table
+    from hetserve.calibration.compare import CompareOptions, compare, print_table
     from hetserve.errors import RuntimeFailure
     from hetserve.planner.plan import Plan
     from hetserve.specs.cluster import load_cluster
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     check_model_dir(args.model)  # a folder, never a hub name looked up online
     cluster = load_cluster(args.cluster or plan.cluster)
     if args.efficiency:
-        from hetserve.cost.analytic import load_efficiency
+        from hetserve.cost.efficiency import load_efficiency
         load_efficiency(args.efficiency)
     try:
         c = compare(CompareOptions(plan=plan, model_dir=args.model, cluster=cluster, workload=args.workload,

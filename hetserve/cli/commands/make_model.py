@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from hetserve.errors import SpecError
-    from hetserve.runtime.make_model import make_model
+    from hetserve.runtime.model.make import make_model
 
     try:
         out = make_model(args.output, args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,

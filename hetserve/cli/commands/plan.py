@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from hetserve.cost.analytic import load_efficiency
+    from hetserve.cost.efficiency import load_efficiency
     from hetserve.planner import ALGORITHMS, PlanOptions, validate_plan
     from hetserve.planner.traffic import network_warnings
     from hetserve.specs.cluster import load_cluster
@@ -214,7 +214,7 @@ def print_plan(console, plan) -> None:
     if ub:
         console.print(f"within {100 * (1 - e.get('throughput_tokens_per_s', 0) / ub):.1f} % of the bound: "
                       f"no placement of this pool exceeds {ub:,.1f} tokens/s{within_slo} under the cost model "
-                      f"(group-column and per-device relaxations, planner/bound.py; its solver ran "
+                      f"(group-column and per-device relaxations, planner/bound/throughput.py; its solver ran "
                       f"{e.get('upper_bound_wall_s', 0):.2g} s)")
         if e.get("upper_bound_cut_short"):
             console.print("the bound's solver stopped at the time limit, unfinished: still a bound, a looser one "
@@ -227,7 +227,7 @@ def print_plan(console, plan) -> None:
         console.print(f"budget ${e['budget_usd_per_hour']:,.2f}/h: plan uses ${usd or 0:,.2f}/h")
     if "rate_requests_per_s" in e:
         console.print(f"cheapest found for {e['rate_requests_per_s']:g} requests/s: ${usd or 0:,.2f}/h "
-                      f"(no subset can cost less than ${e['min_cost_bound_usd_per_hour']:,.2f}/h: planner/min_cost.py)")
+                      f"(no subset can cost less than ${e['min_cost_bound_usd_per_hour']:,.2f}/h: planner/bound/min_cost.py)")
     network = e.get("network") or {}
     if network:
         # busiest first whatever order the file kept (a YAML plan's keys come back sorted)
@@ -296,7 +296,7 @@ def print_explanation(console, plan, args, cluster, model, workload, options, fn
     if not rows:
         console.print("  (what-ifs need a cluster file with machines, not a device matrix)")
         return
-    t = Table(title=f"what-ifs (quick re-plan, {plan.algorithm}, fewer restarts; bound = planner/bound.py)")
+    t = Table(title=f"what-ifs (quick re-plan, {plan.algorithm}, fewer restarts; bound = planner/bound/throughput.py)")
     for col in ("change", "tokens/s", "vs plan", "upper bound"):
         t.add_column(col, justify="left" if col == "change" else "right")
     for label, v, ub, cut in rows:

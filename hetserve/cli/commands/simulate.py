@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         from hetserve.policies.predictor import BucketMeanPredictor
         predictor = BucketMeanPredictor()
     try:
-        from hetserve.runtime.calibration_file import served_efficiency, served_sim_options
+        from hetserve.calibration.file import served_efficiency, served_sim_options
 
         cost = CostModel(cluster, model, served_efficiency(args.efficiency)) if args.efficiency else None
         opts = SimOptions(placement=args.router, route=args.route, transmission=args.transmission or "fair", slo=slo,
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        from hetserve.runtime.calibration_file import timings_source
+        from hetserve.calibration.file import timings_source
 
         print_summary(Console(), summary, f"{plan.algorithm} plan on {cluster.name}, {wl.name} ({len(wl)} requests)",
                       f"simulated; times from the {timings_source(args.efficiency)}")

@@ -2,7 +2,7 @@
 
 Numerics follow transformers' ``modeling_llama`` op for op (norm in float32, RoPE cos/sin from
 ``positions * inv_freq``), so greedy tokens match ``generate``. Tensor parallelism is applied from
-outside by ``hetserve.runtime.tp`` using ``TP_PLAN``; heads are inferred from tensor shapes, so a
+outside by ``hetserve.runtime.model.tp`` using ``TP_PLAN``; heads are inferred from tensor shapes, so a
 sharded attention needs no flags.
 """
 

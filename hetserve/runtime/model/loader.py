@@ -19,7 +19,7 @@ from hetserve.errors import SpecError
 from hetserve.runtime.model.config import ArchConfig
 from hetserve.runtime.model.llama import LlamaStage
 from hetserve.runtime.model.opt import OPTStage
-from hetserve.runtime.tp import apply_tp, shard_of, tp_kind
+from hetserve.runtime.model.tp import apply_tp, shard_of, tp_kind
 
 STAGE_CLASSES: dict[str, type[nn.Module]] = {"llama": LlamaStage, "opt": OPTStage}
 

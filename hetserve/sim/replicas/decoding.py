@@ -8,7 +8,6 @@ next. KV admission is a strategy object (``self.kv``, see ``kv.py``).
 
 from __future__ import annotations
 
-from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import RunningRequest
 from hetserve.sim.batch import DecodeBatch
 from hetserve.sim.events import Priority

@@ -1,0 +1,141 @@
+"""Reading a saved calibration (``hetserve calibrate -o``): what a *served* deployment's simulation
+takes from it.
+
+``runtime.calibrate`` measures and fits; this module is the other side of its file, used by
+``hetserve compare``, ``simulate --efficiency`` and ``bench/predict/run.py``: the engine's
+efficiency with each token's HTTP/SSE stream added (``served_efficiency``), the ``SimOptions``
+fields of the serving overheads, the contention and the front end (``served_sim_options``), both
+scaled by the speed probe's slow-down, and the probe's reading itself. The planner reads the
+engine's efficiency alone (``cost.analytic.load_efficiency``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from hetserve.cost.efficiency import Efficiency, load_efficiency
+from hetserve.cost.efficiency import of_json_type
+from hetserve.errors import SpecError
+from hetserve.calibration.speed_probe import SpeedReading
+from hetserve.specs._validation import read_mapping
+
+
+# runtime terms of the file: (default where the file has none, floor or None); the times scale by
+# the speed probe's slow-down, the contention slow-down is a ratio
+_TERMS = {"request_overhead_s": (0.0, None), "stream_overhead_s": (0.0, None),
+          "stream_step_overhead_s": (0.0, 0.0), "kv_handoff_overhead_s": (0.0, None),
+          "contention_slowdown": (1.0, 1.0), "frontend_request_cpu_s": (0.0, 0.0),
+          "frontend_step_cpu_s": (0.0, 0.0), "frontend_token_cpu_s": (0.0, 0.0), "frontend_dispatch_s": (0.0, 0.0)}
+# the SimOptions field each served time sets (``served_sim_options``)
+_SIM_TIMES = {"request_overhead_s": "request_overhead_s", "link_overhead_s": "kv_handoff_overhead_s",
+              "frontend_request_cpu_s": "frontend_request_cpu_s", "frontend_step_cpu_s": "frontend_step_cpu_s",
+              "frontend_token_cpu_s": "frontend_token_cpu_s", "frontend_dispatch_s": "frontend_dispatch_s",
+              "stream_step_overhead_s": "stream_step_overhead_s"}
+
+
+def load_request_overhead(path: str | Path) -> float:
+    """``runtime.request_overhead_s`` of a calibration file (0 when it has none)."""
+    return _term(_runtime(path), "request_overhead_s")
+
+
+def load_kv_handoff_overhead(path: str | Path) -> float:
+    """``runtime.kv_handoff_overhead_s`` of a calibration file (0 when it has none): the simulator's
+    ``link_overhead_s`` (each KV message is delivered this much later than its bytes)."""
+    return _term(_runtime(path), "kv_handoff_overhead_s")
+
+
+def served_efficiency(path: str | Path, slowdown: float = 1.0) -> Efficiency:
+    """The calibrated efficiency of a *served* deployment: the engine's, with each sequence's token
+    streamed over HTTP/SSE added to its per-sequence cost per iteration (what the simulator must
+    charge to predict what clients of the HTTP server see; the planner's ``--efficiency`` reads the
+    engine's alone, ``load_efficiency``); ``slowdown``: on a machine that many times slower than at
+    calibration (``runtime.speed_probe``)."""
+    eff = load_efficiency(path)
+    stream = _term(_runtime(path), "stream_overhead_s")
+    return replace(eff, seq_overhead_s=eff.seq_overhead_s + stream).at_speed(slowdown)
+
+
+def load_speed_probe(path: str | Path) -> SpeedReading | None:
+    """``speed_probe`` of a calibration file (None: calibrated before the probe existed)."""
+    return _speed_probe(_read(path))
+
+
+def served_sim_options(path: str | Path | None, slowdown: float = 1.0) -> dict:
+    """The ``SimOptions`` fields a calibration file sets for simulating a *served* deployment (what
+    ``compare``, ``simulate --efficiency`` and ``predict/run`` pass): the request overhead, the
+    KV hand-off overhead per message, the contention slow-down, the front end's CPU costs and the
+    stream's fixed part per step; the times scaled by ``slowdown`` (``served_efficiency``; the
+    contention slow-down is a ratio). ``None``: no calibration, every field at its default."""
+    if path is None:
+        return {}
+    rt = _runtime(path)
+    return {**{field: _term(rt, key) * slowdown for field, key in _SIM_TIMES.items()},
+            "contention_slowdown": _term(rt, "contention_slowdown")}
+
+
+def timings_source(path: str | Path | None) -> str:
+    """Where a simulation's times come from, for its table: the calibration file and, where it says,
+    the device and date it was measured on; or, without one, the roofline estimate."""
+    if not path:
+        return "roofline cost model: datasheet peaks x default efficiencies (uncalibrated: an estimate)"
+    on = _read(path).get("measured_on") or {}
+    where = ", ".join(str(on[k]) for k in ("device", "date") if on.get(k))
+    return f"cost model calibrated by {path}" + (f" (measured on {where})" if where else "")
+
+
+def speed_reference(efficiency: str | Path | None, correction: bool = True) -> tuple[SpeedReading | None, str | None]:
+    """The calibration's speed-probe reading that ``hetserve compare`` scales its times by, or None,
+    and why not where the file holds one (else None). The probe times the checkpoint on one CPU
+    thread: it indexes a CPU engine's speed, not a GPU engine's, whose step is set by the host's
+    Python and launch path: on an H200 host the probe read the host up to 1.7x faster while the
+    served steps ran no faster than calibrated, so the correction made the prediction worse
+    (examples/calibrations/README.md)."""
+    if not efficiency:
+        return None, None
+    data = _read(efficiency)
+    reading = _speed_probe(data)
+    if reading is None:
+        return None, None
+    if not correction:
+        return None, "as calibrated (--no-speed-correction)"
+    if _on_gpu(data):
+        return None, ("as calibrated: its engine ran on a GPU, whose host-bound step the speed probe "
+                      "(one CPU thread) does not track")
+    return reading, None
+
+
+def _read(path: str | Path) -> dict:
+    """The file's content, its ``runtime`` terms checked (``load_efficiency`` checks the rest)."""
+    data = read_mapping(Path(path))
+    runtime = data.get("runtime", {})
+    if not isinstance(runtime, dict):
+        raise SpecError(str(path), "runtime", "a mapping of the serving terms", runtime)
+    for key, value in runtime.items():
+        if key not in _TERMS:
+            raise SpecError(str(path), f"runtime.{key}", "one of " + ", ".join(_TERMS))
+        if not of_json_type(value, (int, float)):
+            raise SpecError(str(path), f"runtime.{key}", "a number", value)
+    return data
+
+
+def _runtime(path: str | Path) -> dict:
+    return _read(path).get("runtime", {})
+
+
+def _term(runtime: dict, key: str) -> float:
+    default, floor = _TERMS[key]
+    value = float(runtime.get(key, default))
+    return value if floor is None else max(floor, value)
+
+
+def _speed_probe(data: dict) -> SpeedReading | None:
+    sp = data.get("speed_probe")
+    return SpeedReading.from_dict(sp) if sp else None
+
+
+def _on_gpu(data: dict) -> bool:
+    """The engine ran on a GPU: ``measured_on.gpus``, which ``calibration_probes.machine_info``
+    stamps where CUDA was available."""
+    on = data.get("measured_on")
+    return bool(isinstance(on, dict) and on.get("gpus"))

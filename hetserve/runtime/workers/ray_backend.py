@@ -1,0 +1,331 @@
+"""``--backend ray``: the engine's workers as Ray actors, each on the node of the machine the plan names.
+
+Placement uses Ray custom resources, one per machine of the cluster file: the node that hosts
+machine ``a0`` advertises ``hetserve_machine_a0``, and the worker of device ``a0:3`` asks for a
+sliver of it (plus zero CPUs, so a node's CPU count does not cap its workers). On a real pool
+start each node with its machine's resource (``docs/multinode.md`` walks through it)::
+
+    ray start --address HEAD:6379 --node-ip-address 10.0.0.6 --resources '{"hetserve_machine_a0": 1000}'
+
+and pass ``--ray-address``. Without an address, ``RaySession.start`` starts a private one-node
+Ray on this machine that advertises every machine of the cluster (tests, demos).
+
+Addresses: each worker binds and advertises its own node's address — the cluster file's
+``address`` for its machine if it gives one, else the IP Ray knows the node by — for its endpoint
+and its gloo device (``rendezvous.py``). The engine (the driver) binds its endpoint and the TP
+rendezvous store to ``EngineConfig.host``; left unset, that is the driver's own Ray node IP. A
+worker on a GPU node asks Ray for one GPU (``num_gpus=1``) and uses the one Ray gives it; CPU
+worker slots ask for none.
+
+The engine itself is unchanged: it starts worker *processes* through
+``mp.get_context("spawn").Process(target=worker_main, args=(cfg,))`` and manages them through
+``start / pid / exitcode / join / terminate / kill``. ``RayWorkerProcess`` offers that interface
+over an actor running the same ``worker_main``, and ``start_ray_engine`` hands the engine a
+spawn context that makes those instead of local processes. Everything else — the transport,
+link shaping, the coordinator — is the local backend's.
+
+Ray runs with token authentication unless the environment says otherwise (``ray_auth_env``):
+whoever reaches an unauthenticated Ray's ports can run code on every node. A private Ray gets a
+fresh token of its own; joining a pool, the driver uses the token its nodes were started with
+(``RAY_AUTH_TOKEN`` / ``RAY_AUTH_TOKEN_PATH``, ``docs/multinode.md``). Only tests set
+``RAY_AUTH_MODE=disabled``.
+
+A node that leaves (its raylet dies, the machine goes away) is a worker exit like any other: the
+worker process ends with its raylet (it watches its parent), Ray marks the node's actors dead once
+its health checks fail, ``exitcode`` turns non-zero with ``cause`` saying the node died, and the
+engine's worker-failure path takes over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import secrets
+import threading
+import time
+from typing import Any, Callable
+
+RESOURCE_PREFIX = "hetserve_machine_"
+_NODE_SHARE = 0.001  # of a machine resource per worker: many workers fit one machine's node
+
+
+def machine_resource(machine: str) -> str:
+    return RESOURCE_PREFIX + machine
+
+
+def ray_auth_env(environ: dict[str, str], joining: bool) -> dict[str, str]:
+    """What to add to ``environ`` before Ray starts or is joined, so that it runs with token
+    authentication unless ``RAY_AUTH_MODE`` says otherwise.
+
+    Ray (>= 2.59) turns token authentication on by itself where the mode is unset and a token is at
+    hand (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``). A private Ray without
+    one gets a fresh token here (kept in this process's environment, no file written); a driver
+    joining a pool without the pool's token is refused, with where to put it. Explicitly disabled
+    authentication is honoured, with a warning.
+    """
+    mode = environ.get("RAY_AUTH_MODE")
+    if mode is not None and mode.lower() != "token":
+        logging.getLogger("hetserve.runtime").warning(
+            "Ray token authentication is off (RAY_AUTH_MODE=%s): whoever reaches Ray's ports can run code "
+            "on every node", mode)
+        return {}
+    if (environ.get("RAY_AUTH_TOKEN") or environ.get("RAY_AUTH_TOKEN_PATH")
+            or os.path.exists(os.path.expanduser("~/.ray/auth_token"))):
+        return {}
+    if joining:
+        raise ValueError("Ray token authentication is on, and this machine has no token for the pool: set "
+                         "RAY_AUTH_TOKEN_PATH to the token file its nodes were started with "
+                         "(docs/multinode.md), or RAY_AUTH_MODE=disabled on a network no one else reaches")
+    return {"RAY_AUTH_TOKEN": secrets.token_hex(32)}
+
+
+class RaySession:
+    """A Ray connection for serving: joins ``address`` or starts a private local Ray.
+
+    The local Ray listens on loopback only, keeps its files under ``tmp_dir`` (default
+    ``$RAY_TMPDIR`` or a fresh temporary folder) and advertises one custom resource per machine.
+    ``close()`` shuts down what this session started.
+    """
+
+    def __init__(self, started: bool, tmp_dir: str | None, private: bool = False):
+        self.started, self.tmp_dir = started, tmp_dir
+        self.private = private  # a one-node Ray of this session: every machine on loopback
+
+    @staticmethod
+    def start(cluster, address: str | None = None, num_cpus: int = 2, tmp_dir: str | None = None,
+              node_ip_address: str | None = None) -> "RaySession":
+        """``node_ip_address``: this (driver's) machine's address on the pool's network, when Ray's own
+        guess (the address that reaches the head) is not the one to use."""
+        import ray
+
+        if ray.is_initialized():
+            return RaySession(False, None)
+        os.environ.update(ray_auth_env(dict(os.environ), joining=bool(address)))
+        if address:
+            extra = {"_node_ip_address": node_ip_address} if node_ip_address else {}
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, **extra)
+            return RaySession(True, None)
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        tmp_dir = tmp_dir or os.environ.get("RAY_TMPDIR")
+        if tmp_dir is None:
+            import tempfile
+
+            tmp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
+        resources = {machine_resource(m): 1000.0 for m in cluster.machines}
+        ray.init(num_cpus=num_cpus, resources=resources, include_dashboard=False, _temp_dir=tmp_dir,
+                 log_to_driver=False, _node_ip_address="127.0.0.1")
+        return RaySession(True, tmp_dir, private=True)
+
+    @staticmethod
+    def node_ip() -> str:
+        """The address Ray knows this (driver's) node by."""
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def close(self) -> None:
+        if self.started:
+            import ray
+
+            ray.shutdown()
+            self.started = False
+
+
+def _actor_class():
+    import ray
+
+    @ray.remote(num_cpus=0, max_concurrency=2)
+    class WorkerActor:
+        """Runs one engine worker (``worker_main``) in its own process; ``where`` answers meanwhile."""
+
+        def where(self, address: str | None) -> tuple[int, str]:
+            """(pid, the address the worker will bind): ``address`` if given, else this node's IP."""
+            return os.getpid(), address or ray.util.get_node_ip_address()
+
+        def run(self, target: Callable[[Any], None], cfg: Any, host: str) -> None:
+            spec = cfg.spec
+            if spec.device.startswith("cuda"):  # Ray made only the GPU it granted visible: cuda:0 here
+                spec = dataclasses.replace(spec, device="cuda:0")
+            # the worker watches its own parent (here the node's raylet), see worker_main
+            target(dataclasses.replace(cfg, host=host, spec=spec))
+
+    return WorkerActor
+
+
+class RayWorkerProcess:
+    """The subset of ``multiprocessing.Process`` the engine uses, over a Ray actor on ``machine``'s node.
+
+    ``address``: what the worker binds (the cluster file's address for the machine); None: the
+    node's IP. After ``start``, ``host`` is the address it binds. ``cause`` says why it ended when
+    Ray knows (e.g. its node died).
+    """
+
+    def __init__(self, target: Callable[[Any], None], args: tuple, machine: str, name: str = "",
+                 address: str | None = None):
+        self._target, self._args, self.machine, self.name = target, args, machine, name
+        self.address = address
+        self.daemon = True
+        self._actor = None
+        self._ref = None
+        self.pid: int | None = None
+        self.host: str | None = None
+        self.cause: str | None = None
+        self._exitcode: int | None = None
+
+    def start(self) -> None:
+        import ray
+
+        cfg = self._args[0]
+        gpus = 1 if cfg.spec.device.startswith("cuda") else 0
+        self._actor = _actor_class().options(resources={machine_resource(self.machine): _NODE_SHARE},
+                                             num_gpus=gpus, name=None, lifetime=None).remote()
+        self.pid, self.host = ray.get(self._actor.where.remote(self.address), timeout=120)
+        self._ref = self._actor.run.remote(self._target, cfg, self.host)
+
+    @property
+    def exitcode(self) -> int | None:
+        if self._exitcode is not None or self._ref is None:
+            return self._exitcode
+        import ray
+
+        ready, _ = ray.wait([self._ref], timeout=0)
+        if ready:
+            try:
+                ray.get(ready[0])
+                self._exitcode = 0
+            except Exception as exc:  # noqa: BLE001 - the actor died (os._exit, its node left) or the worker raised
+                self.cause = _death_cause(exc, self.machine)
+                self._exitcode = 1
+        return self._exitcode
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.exitcode is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
+    def is_alive(self) -> bool:
+        return self._ref is not None and self.exitcode is None
+
+    def terminate(self) -> None:
+        self.kill()
+
+    def kill(self) -> None:
+        if self._actor is None:
+            return
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(self._actor, no_restart=True)
+        if self._exitcode is None:
+            self._exitcode = -9
+
+
+def _death_cause(exc: BaseException, machine: str) -> str:
+    """One line: why Ray says the actor ended; node loss named as such."""
+    text = str(exc)
+    if "node" in text.lower() and ("died" in text.lower() or "dead" in text.lower()):
+        return f"the Ray node of machine {machine} left the cluster"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0][:200] if lines else type(exc).__name__
+
+
+class _RayContext:
+    """Stands in for ``mp.get_context("spawn")``: ``Process`` makes ``RayWorkerProcess``es."""
+
+    def __init__(self, machine_of: Callable[[str], str], addresses: dict[str, str]):
+        self.machine_of, self.addresses = machine_of, addresses
+
+    def Process(self, target, args=(), name: str = "", daemon: bool = True, **_):  # noqa: N802 - mp's name
+        machine = self.machine_of(args[0].spec.name)
+        return RayWorkerProcess(target, args, machine, name, address=self.addresses.get(machine))
+
+
+class _RayMP:
+    def __init__(self, ctx: _RayContext, real):
+        self._ctx, self._real = ctx, real
+
+    def get_context(self, method: str | None = None):
+        return self._ctx
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+_SWAP_LOCK = threading.Lock()
+
+
+def start_ray_engine(plan, cluster, model_dir, config=None, *, machine_addresses: dict[str, str] | None = None,
+                     **engine_kwargs):
+    """``Engine.from_plan`` with every worker a Ray actor on its machine's node (Ray must be initialised,
+    e.g. by ``RaySession.start``). ``config.host`` unset: the engine listens on this driver's Ray node IP.
+    ``machine_addresses`` (default: the cluster file's) are what each machine's workers bind; a machine
+    without one binds its Ray node's IP."""
+    import ray
+
+    from hetserve.errors import RuntimeFailure
+    from hetserve.runtime import engine as engine_module
+    from hetserve.runtime.workers import worker_group
+    from hetserve.runtime.engine_config import EngineConfig
+
+    if not ray.is_initialized():
+        raise RuntimeFailure("the Ray backend needs a Ray session (RaySession.start) before the engine starts")
+    machines = {d.name: d.machine for d in cluster.devices}
+    missing = sorted({machine_resource(m) for m in cluster.machines} - set(ray.cluster_resources()))
+    if missing:
+        raise RuntimeFailure("no Ray node advertises " + ", ".join(missing) + "; start each machine's node with "
+                             "`ray start --resources '{\"" + missing[0] + "\": 1000}'`")
+    addresses = dict(cluster.machine_addresses if machine_addresses is None else machine_addresses)
+    nodes = ray.nodes()
+    _check_addresses(cluster.name, addresses, nodes)
+    config = config or EngineConfig()
+    engine_kwargs.setdefault("devices", _devices(cluster, config.device, nodes))
+    if config.host is None:
+        config = dataclasses.replace(config, host=RaySession.node_ip())
+    ctx = _RayContext(lambda device: machines[device], addresses)
+    # The engine's spawn context is its only process-creation point; swap it for the duration of start-up.
+    with _SWAP_LOCK:
+        real = worker_group.mp
+        worker_group.mp = _RayMP(ctx, real)
+        try:
+            return engine_module.Engine.from_plan(plan, cluster, model_dir, config, **engine_kwargs)
+        finally:
+            worker_group.mp = real
+
+
+def _devices(cluster, device: str, nodes: list[dict]) -> dict[str, str]:
+    """Each device's torch device, from its machine's Ray node: ``cuda:<index on the machine>`` where the
+    node has GPUs (Ray then grants the worker one, ``num_gpus=1``), ``cpu`` for CPU worker slots."""
+    from hetserve.errors import RuntimeFailure
+
+    gpu_machines = {m for m in cluster.machines
+                    if any(n.get("Alive") and machine_resource(m) in n.get("Resources", {})
+                           and n["Resources"].get("GPU", 0) > 0 for n in nodes)}
+    if device == "cuda" and set(cluster.machines) - gpu_machines:
+        raise RuntimeFailure("device='cuda' requested but the Ray nodes of machines "
+                             f"{sorted(set(cluster.machines) - gpu_machines)} advertise no GPU")
+    use = gpu_machines if device != "cpu" else set()
+    return {d.name: f"cuda:{d.name.rpartition(':')[2]}" if d.machine in use else "cpu" for d in cluster.devices}
+
+
+def _check_addresses(cluster_name: str, addresses: dict[str, str], nodes: list[dict]) -> None:
+    """A machine's ``address`` in the cluster file must be the IP of the Ray node advertising it
+    (else its workers could not bind it); host names are left to the worker's bind to check."""
+    import ipaddress
+
+    from hetserve.errors import RuntimeFailure
+
+    for machine, address in addresses.items():
+        try:
+            ipaddress.ip_address(address)
+        except ValueError:
+            continue
+        ips = sorted({n["NodeManagerAddress"] for n in nodes
+                      if n.get("Alive") and machine_resource(machine) in n.get("Resources", {})})
+        if ips and address not in ips:
+            raise RuntimeFailure(f"cluster {cluster_name!r}: machine {machine} has address {address}, but the Ray "
+                                 f"node advertising {machine_resource(machine)} is at {', '.join(ips)}; start that "
+                                 f"node with `ray start --node-ip-address {address}` or fix the cluster file")

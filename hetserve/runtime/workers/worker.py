@@ -1,0 +1,284 @@
+"""A worker process: one device, one TP rank of one pipeline stage of one replica.
+
+Control path (one for every TP degree, as nano-vllm): the stage leader (TP rank 0) takes the next
+message, broadcasts it to its TP group, and every rank runs the same method. Activations enter a
+stage only at its leader (from the coordinator for the first stage, from the previous stage's
+leader otherwise) and are broadcast to the group (HexGen §3.2); the leader of the last stage samples
+and sends the tokens to the coordinator.
+
+Messages a worker receives:
+
+    step      {step, seqs: [(seq_id, start, q_len, block_table, sample_key)], handoffs, priority}
+              (+ input_ids for the first stage, hidden for the others); leaders only
+    kv        one piece of a KV hand-off, written into the pool on the receiving thread; when all
+              pieces of a request are in, the worker tells the coordinator ``kv_ready``
+    peers     the address book; answered with ``peers_ack``
+    shutdown  leaders only; broadcast to the group, then every rank exits
+
+Sent to the coordinator: ``ready`` (after loading), ``result`` (last leader), ``kv_ready``,
+``error`` (traceback, just before exiting on any exception).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hetserve.runtime.workers.kv_pool import KVPool, slots_of
+from hetserve.runtime.layout import KVTransfer, ReplicaSpec, WorkerSpec, kv_transfers
+from hetserve.runtime.model.attention import build_attn_meta
+from hetserve.runtime.model.config import ArchConfig
+from hetserve.runtime.model.loader import build_stage
+from hetserve.runtime.sampling import sample
+from hetserve.runtime.workers.transport import Priority, SocketTransport
+from hetserve.runtime.workers.auth import LinkSecurity
+from hetserve.runtime.workers.wire import Message, pack_data, unpack_data
+
+ENGINE = "engine"  # the coordinator's endpoint name
+HEARTBEAT_S = 20.0  # an idle leader pings its TP group this often, well inside the group timeout
+GROUP_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    spec: WorkerSpec
+    layout: tuple[ReplicaSpec, ...]
+    model_dir: str
+    dtype: str
+    num_slots: int  # KV pool slots (same for every worker of a replica)
+    block_size: int
+    engine_address: tuple[str, int]
+    security: LinkSecurity  # the deployment's secret and bounds, shared by every endpoint (runtime/workers/auth.py)
+    store_address: tuple[str, int] | None  # TCPStore for TP groups
+    backend: str = "gloo"  # TP group backend: nccl when the stage's GPUs are distinct, else gloo
+    link_scheduler: Any = None  # picklable factory (src, dst) -> LinkScheduler; None: PriorityScheduler
+    shaper: Any = None  # picklable LinkShaper; None: no shaping
+    heartbeat_s: float = 0.5  # how often this worker tells the coordinator it is alive (0: never)
+    host: str = "127.0.0.1"  # the address this worker binds and advertises: its node's (rendezvous.py)
+
+
+def worker_main(cfg: WorkerConfig) -> None:
+    """Process entry point (``torch.multiprocessing`` spawn target)."""
+    torch.set_num_threads(1)
+    transport = SocketTransport(cfg.spec.name, cfg.security, host=cfg.host, scheduler_factory=cfg.link_scheduler,
+                                shaper=cfg.shaper)
+    transport.set_address(ENGINE, cfg.engine_address)
+    # Watch the parent this process has now: the engine (spawn), the fork server (forkserver,
+    # which exits with the engine) or Ray's worker process (ray backend).
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    try:
+        worker = Worker(cfg, transport)
+        if cfg.heartbeat_s > 0:
+            threading.Thread(target=_heartbeat, args=(transport, cfg.spec.name, cfg.heartbeat_s), daemon=True).start()
+        worker.run()
+    except BaseException:  # noqa: BLE001 - everything is reported, then the process ends
+        transport.send(ENGINE, Message("error", {"worker": cfg.spec.name, "error": traceback.format_exc()}))
+        transport.flush(5.0)
+        os._exit(1)
+    transport.flush(5.0)
+    # skip interpreter teardown: gloo's and torch's static destructors can abort or stall here
+    os._exit(0)
+
+
+def _heartbeat(transport: SocketTransport, name: str, every_s: float) -> None:
+    """Tell the coordinator this process is alive. On its own thread, so a long step does not silence
+    it; a frozen (SIGSTOPped) or wedged process stops beating and the coordinator declares it dead.
+    Each beat carries the connections this worker's endpoint refused so far (reason -> count)."""
+    while not transport.closed:
+        try:
+            transport.send(ENGINE, Message("heartbeat", {"worker": name, "rejected": dict(transport.rejected)}),
+                           Priority.CONTROL)
+        except ConnectionError:
+            return
+        time.sleep(every_s)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit once our parent is gone (so a killed engine leaves no worker behind)."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            os._exit(3)
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig, transport: SocketTransport):
+        self.cfg, self.spec, self.transport = cfg, cfg.spec, transport
+        spec = cfg.spec
+        self.device = torch.device(spec.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = getattr(torch, cfg.dtype)
+        self.tp = spec.tp_world > 1
+        if self.tp:
+            self._init_group()
+        self.arch = ArchConfig.from_dir(cfg.model_dir)
+        self.model = build_stage(self.arch, cfg.model_dir, spec.layers,
+                                 has_embed=spec.is_first and spec.is_leader,
+                                 has_head=spec.is_last and spec.is_leader,
+                                 tp_rank=spec.tp_rank, tp_world=spec.tp_world, device=self.device, dtype=self.dtype)
+        self.pool = KVPool(spec.layers[1] - spec.layers[0], cfg.num_slots, spec.kv_heads[1] - spec.kv_heads[0],
+                           self.arch.head_dim, self.dtype, self.device)
+        self.kv_layers = self.pool.layers()
+        # hand-off pieces this worker sends, per destination replica, and how many each receiver expects
+        self.layout = cfg.layout
+        self.sends = self._plan_sends()
+        self.kv_received: dict[int, int] = {}  # pieces arrive on one receiving thread per sender
+        self._kv_lock = threading.Lock()
+        transport.on_message = self._on_message  # KV and peers are handled on the receiving thread
+        transport.send(ENGINE, Message("ready", {"worker": spec.name, "address": transport.address,
+                                                 "pid": os.getpid()}))
+
+    def _replica(self, rid: str) -> ReplicaSpec:
+        return next(r for r in self.layout if r.id == rid)
+
+    def _plan_sends(self) -> dict[str, list[tuple[KVTransfer, int]]]:
+        sends: dict[str, list[tuple[KVTransfer, int]]] = {}
+        for dst in self.layout:
+            if dst.serves_decode and self.spec.role == "prefill":
+                pieces = kv_transfers(self._replica(self.spec.replica), dst)
+                expect = {w.name: sum(p.dst == w.name for p in pieces) for w in dst.workers}
+                sends[dst.id] = [(p, expect[p.dst]) for p in pieces if p.src == self.spec.name]
+        return sends
+
+    def _init_group(self) -> None:
+        from hetserve.runtime.workers.rendezvous import init_tp_group
+
+        init_tp_group(self.cfg.backend, self.cfg.store_address, f"{self.spec.replica}/stage{self.spec.stage}",
+                      self.spec.tp_rank, self.spec.tp_world, self.cfg.host, GROUP_TIMEOUT_S)
+
+    # ------------------------------------------------------------------ receiving thread
+    def _on_message(self, msg: Message) -> bool:
+        """KV pieces and the address book are handled here; steps go to the inbox for the step loop."""
+        if msg.kind == "kv":
+            self._install_kv(msg)
+            return True
+        if msg.kind == "peers":
+            for name, addr in msg.meta["addresses"].items():
+                if name != self.spec.name:
+                    self.transport.set_address(name, addr)
+            if "layout" in msg.meta:  # a re-plan added replicas: hand-offs may now go to new decode replicas
+                self.layout = msg.meta["layout"]
+                self.sends = self._plan_sends()
+            self.transport.send(ENGINE, Message("peers_ack", {"worker": self.spec.name}))
+            return True
+        return False
+
+    def _install_kv(self, msg: Message) -> None:
+        m = msg.meta
+        first, h0 = self.spec.layers[0], self.spec.kv_heads[0]
+        layers = slice(m["layers"][0] - first, m["layers"][1] - first)
+        heads = slice(m["heads"][0] - h0, m["heads"][1] - h0)
+        self.pool.write(layers, heads, slots_of(m["table"], m["num_tokens"], self.cfg.block_size), msg.tensors["kv"])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the bytes are in place before the coordinator hears so
+        seq = m["seq"]
+        with self._kv_lock:
+            self.kv_received[seq] = self.kv_received.get(seq, 0) + 1
+            complete = self.kv_received[seq] == m["expect"]
+            if complete:
+                del self.kv_received[seq]
+        if complete:
+            self.transport.send(ENGINE, Message("kv_ready", {"seq": seq, "worker": self.spec.name}))
+
+    # ------------------------------------------------------------------ step loop
+    def run(self) -> None:
+        while True:
+            kind, meta, hidden = self._next()
+            if kind == "shutdown":
+                return
+            if kind in ("noop", "link_error"):
+                # link_error: the transport could not reach a peer (a decode worker that died mid
+                # hand-off). The engine notices dead workers itself (exit poll, heartbeats) and
+                # abandons or re-runs what they held; this worker must live on to serve the re-run.
+                continue
+            with torch.inference_mode():
+                began = (time.perf_counter(), time.thread_time())  # this stage's part of the step, wall and CPU
+                self._send_kv(meta["handoffs"])
+                if meta["seqs"]:
+                    self._compute(meta, hidden, began)  # forwards to the next stage itself
+                elif self.spec.is_leader and not self.spec.is_last:  # hand-off only: pass it down the pipeline
+                    self.transport.send(self.spec.next_leader, Message("step", meta), Priority.CONTROL)
+
+    def _next(self) -> tuple[str, dict, torch.Tensor | None]:
+        """Leader: take the next message; every rank: agree on it (broadcast within the TP group)."""
+        msg = None
+        if self.spec.is_leader:
+            msg = self.transport.recv(timeout=HEARTBEAT_S) or Message("noop")
+        if not self.tp:
+            return msg.kind, msg.meta, msg.tensors.get("hidden", msg.tensors.get("input_ids"))
+        kind, meta = _broadcast_header(msg.kind, msg.meta) if msg else _broadcast_header()
+        tensor = (msg.tensors.get("hidden", msg.tensors.get("input_ids")) if msg else None)
+        return kind, meta, tensor
+
+    def _compute(self, meta: dict, received: torch.Tensor | None, began: tuple[float, float]) -> None:
+        spec = self.spec
+        seqs = meta["seqs"]
+        am = build_attn_meta([s[1] for s in seqs], [s[2] for s in seqs], [s[3] for s in seqs],
+                             self.cfg.block_size, self.device)
+        T = int(am.positions.shape[0])
+        if spec.is_leader:
+            if spec.is_first:
+                h = self.model.embed(received.to(self.device), am.positions)  # (T, H)
+            else:
+                h = received.to(device=self.device, dtype=self.dtype)  # (T, H)
+        else:
+            h = torch.empty(T, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+        if self.tp:
+            import torch.distributed as dist
+
+            dist.broadcast(h, src=0)
+        h = self.model(h, self.kv_layers, am)
+        if not spec.is_leader:
+            return
+        if spec.is_last:
+            logits = self.model.logits(h[am.last_token])  # (B, V)
+            tokens = sample(logits, [s[4] for s in seqs])
+            self.transport.send(ENGINE, Message("result", {"step": meta["step"], **_spent(meta, began)},
+                                                {"tokens": tokens}))
+        else:
+            meta.update(_spent(meta, began))  # the next stage adds its own
+            self.transport.send(spec.next_leader, Message("step", meta, {"hidden": h}), Priority(meta["priority"]))
+
+    def _send_kv(self, handoffs: list) -> None:
+        """Send this worker's pieces of each hand-off (its layers x its KV heads) to the decode workers."""
+        first, h0 = self.spec.layers[0], self.spec.kv_heads[0]
+        for seq, src_table, num_tokens, dst, dst_table in handoffs:
+            slots = slots_of(src_table, num_tokens, self.cfg.block_size)
+            for piece, expect in self.sends.get(dst, ()):
+                kv = self.pool.read(slice(piece.layers[0] - first, piece.layers[1] - first),
+                                    slice(piece.heads[0] - h0, piece.heads[1] - h0), slots)
+                meta = {"seq": seq, "layers": piece.layers, "heads": piece.heads, "table": dst_table,
+                        "num_tokens": num_tokens, "expect": expect}
+                self.transport.send(piece.dst, Message("kv", meta, {"kv": kv}), Priority.KV)
+
+
+def _broadcast_header(kind: str = "", meta: dict | None = None) -> tuple[str, dict]:
+    """The leader's (kind, meta) on every rank of its TP group, as wire data (no pickle: a TP
+    group's connections are no more trusted than the runtime's sockets)."""
+    import torch.distributed as dist
+
+    size = torch.zeros(1, dtype=torch.int64)
+    if meta is not None:
+        data = torch.frombuffer(bytearray(pack_data([kind, meta])), dtype=torch.uint8)
+        size[0] = data.numel()
+    dist.broadcast(size, src=0)
+    if meta is None:
+        data = torch.empty(int(size[0]), dtype=torch.uint8)
+    dist.broadcast(data, src=0)
+    kind, meta = unpack_data(data.numpy().tobytes())
+    return kind, meta
+
+
+def _spent(meta: dict, began: tuple[float, float]) -> dict[str, float]:
+    """The step's worker time so far: the earlier stage leaders' (in ``meta``) plus this one's since
+    ``began`` (wall, and CPU of this thread: less than wall where the OS ran something else here).
+    The coordinator keeps the last stage's total beside its own span (``StepTiming.worker_s``)."""
+    return {"worker_s": meta.get("worker_s", 0.0) + time.perf_counter() - began[0],
+            "worker_cpu_s": meta.get("worker_cpu_s", 0.0) + time.thread_time() - began[1]}

@@ -1,0 +1,116 @@
+"""The kernel cost model as the planner, simulator and runtime meet it: per stage of a cluster.
+
+``KernelPricing`` prices a stage's layers, its LM head and its TP all-reduces from the kernel
+table (``kernel_table``) for every device that is a real GPU; ``CostModel`` uses it by default and
+falls back to its roofline where a stage holds a CPU worker slot (``cpu_cores``), or where the
+caller passed an ``Efficiency`` (a calibration wins). Attention's score and value products (not
+among the profiled operators) stay on the roofline: FLOPs at the fitted GEMM compute fraction,
+KV bytes at the fitted GEMM memory fraction. As the roofline does, the slowest device of a TP
+group sets the pace.
+
+``layer_rows`` is what ``hetserve cost layer`` prints.
+"""
+
+from __future__ import annotations
+
+from hetserve.cost.kernel_table import FITTED, ROOFLINE, SOURCE_WORDS, KernelTable, default_table
+from hetserve.cost.kernels import KernelParams, gemm_time, layer_time
+from hetserve.cost.profiles import LayerShape
+from hetserve.specs.gpus import GpuType
+
+_MEMO_LIMIT = 200_000  # memoised layer times before the memo starts afresh (a long simulation)
+
+
+class KernelPricing:
+    """Kernel-table prices for the devices of one cluster and one model."""
+
+    def __init__(self, cluster, model, table: KernelTable | None = None):
+        self.table = table or default_table()
+        self.cluster, self.shape, self.dtype_bytes = cluster, LayerShape.of_model(model), model.dtype_bytes
+        self.hidden, self.vocab = model.hidden, model.vocab
+        self.params: list[tuple[GpuType, KernelParams, str] | None] = []
+        for d in cluster.devices:
+            if d.cpu_cores is not None:  # a CPU worker slot: its GPU type is a price tag, not its speed
+                self.params.append(None)
+            else:
+                p, source = self.table.params_for(d.gpu.name)
+                self.params.append((d.gpu, p, source))
+        self._memo: dict = {}
+
+    def covers(self, devices) -> bool:
+        """Whether every device of a stage is priced here (no CPU worker slot among them)."""
+        return all(self.params[d] is not None for d in devices)
+
+    def sources(self) -> dict[str, str]:
+        """{GPU type: ``fitted`` / ``transferred`` / ``roofline``} over the cluster's devices."""
+        out = {}
+        for d, entry in zip(self.cluster.devices, self.params):
+            out.setdefault(d.gpu.name if entry is None else entry[0].name, ROOFLINE if entry is None else entry[2])
+        return out
+
+    def _types(self, devices):
+        return {self.params[d][0].name: self.params[d] for d in devices}.values()
+
+    def layer(self, devices, tokens: float) -> float:
+        """One layer (without attention's score/value products) at ``tokens`` rows on the slowest
+        device of a TP group of ``devices``."""
+        key = (tuple(devices), tokens)
+        v = self._memo.get(key)
+        if v is None:
+            if len(self._memo) > _MEMO_LIMIT:
+                self._memo.clear()
+            tp = len(devices)
+            v = self._memo[key] = max(layer_time(p, g.fp16_flops, g.mem_bandwidth, self.shape, tp, tokens).layer_s
+                                      for g, p, _ in self._types(devices))
+        return v
+
+    def attention(self, devices, flops: float, nbytes: float) -> float:
+        """Attention's products (``flops``) and KV traffic (``nbytes``), split over the group."""
+        tp = len(devices)
+        return max(max(flops / (tp * g.fp16_flops * p.gemm_compute), nbytes / (tp * g.mem_bandwidth * p.gemm_memory))
+                   for g, p, _ in self._types(devices))
+
+    def head(self, devices, rows: float) -> float:
+        """The LM head's product for ``rows`` sequences, its vocabulary split over the group."""
+        if rows <= 0:
+            return 0.0
+        tp = len(devices)
+        return max(gemm_time(p, g.fp16_flops, g.mem_bandwidth, rows, self.hidden, self.vocab / tp, self.dtype_bytes)
+                   for g, p, _ in self._types(devices))
+
+    def allreduce(self, devices, nbytes: float) -> float | None:
+        """One all-reduce inside one box from the fitted curves, over the group's slowest link;
+        None where the group spans boxes (the cost model's α-β over shared links prices that)."""
+        devs = self.cluster.devices
+        if not self.table.allreduce or len({devs[d].machine for d in devices}) > 1 or not self.covers(devices):
+            return None
+        link = min(self.cluster.bandwidth[d, e] for d in devices for e in devices if d != e)
+        return self.table.allreduce_time(len(devices), nbytes, float(link))
+
+
+def layer_rows(gpu: GpuType, model, tps, tokens, table: KernelTable | None = None) -> tuple[list[dict], str]:
+    """(rows of ``hetserve cost layer``, the source of their figures) for one GPU type and model:
+    ``linear_s`` (QKV, output, gate+up, down), ``layer_s`` (the whole layer without attention's
+    score/value products) and ``allreduce_s`` (one all-reduce of the layer's activations, ``tokens``
+    x hidden, across the TP group on the GPU type's default in-box link) on one TP rank."""
+    from hetserve.specs.cluster import GBPS, default_intra_link
+    table = table or default_table()
+    params, source = table.params_for(gpu.name)
+    shape = LayerShape.of_model(model)
+    link = default_intra_link(gpu)[0] * GBPS
+    rows = []
+    for tp in tps:
+        for n in tokens:
+            lt = layer_time(params, gpu.fp16_flops, gpu.mem_bandwidth, shape, tp, n)
+            nbytes = n * model.hidden * model.dtype_bytes
+            ar = table.allreduce_time(tp, nbytes, link) if table.allreduce or tp == 1 else None
+            rows.append({"gpu": gpu.name, "model": model.name, "tp": tp, "tokens": n, "linear_s": lt.linear_s,
+                         "layer_s": lt.layer_s, "allreduce_s": ar})
+    return rows, source
+
+
+def describe_source(source: str) -> str:
+    return SOURCE_WORDS.get(source, source)
+
+
+__all__ = ["KernelPricing", "layer_rows", "describe_source", "FITTED"]

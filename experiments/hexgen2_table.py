@@ -1,7 +1,7 @@
 """Experiment 1: HexGen-2 Appendix table `tab:vllm` (llama-2-70b, tokens/s).
 
     .venv/bin/python experiments/hexgen2_table.py [--requests 1000] [--online-requests 3000]
-        [--time-limit 20] [--router eft] [--settings hexgen2-het1,hexgen2-homo]
+        [--time-limit 20] [--placement eft] [--settings hexgen2-het1,hexgen2-homo]
         [--columns HPLD,HPHD,LPHD,LPLD,Online] [--markdown docs/experiments/hexgen2_table.md]
 
 For each setting (hexgen2-het1, hexgen2-homo) and planner (hexgen2, hexgen, uniform — the
@@ -16,7 +16,7 @@ DistServe-style baseline) it plans for each workload and simulates:
   and TPOT ≤ 0.2 s (our choice: the paper's SLO section gives no numbers).
 
 The paper's numbers (HexGen-2 on setting 1, HexGen on setting 1, DistServe and vLLM on the
-homogeneous setting) are printed beside ours. Placement: ``--router`` (default: the default
+homogeneous setting) are printed beside ours. Placement: ``--placement`` (default: the default
 placement, ``DEFAULT_PLACEMENT``); KV routes: the plan's flow weights; links: fair sharing.
 
 After the table, for each setting and column: whether the plan the planner estimates best is also
@@ -70,7 +70,7 @@ def run_setting(cluster_name: str, algorithm: str, trace: Workload, args, consol
 
     cluster, model = load_cluster(cluster_name), load_model("llama-2-70b")
     popts = PlanOptions(seed=args.seed, time_limit_s=args.time_limit)
-    opts = SimOptions(placement=args.router, transmission="fair", seed=args.seed)
+    opts = SimOptions(placement=args.placement, transmission="fair", seed=args.seed)
     row: dict = {}
     for cls in [c for c in CLASSES if c in args.columns]:
         wl = trace.of_class(cls).head(args.requests)
@@ -89,7 +89,7 @@ def run_setting(cluster_name: str, algorithm: str, trace: Workload, args, consol
     plan = ALGORITHMS[algorithm](cluster, model, wl, popts)
     peak = simulate(plan, cluster, model, offline(wl), opts).summary()["requests_per_s"]
     online = wl.with_rate(0.75 * peak)
-    res = simulate(plan, cluster, model, online, SimOptions(placement=args.router, transmission="fair",
+    res = simulate(plan, cluster, model, online, SimOptions(placement=args.placement, transmission="fair",
                                                             seed=args.seed, slo=ONLINE_SLO))
     row["Online"] = res.summary()
     row["Online"]["rate"] = 0.75 * peak
@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--online-requests", type=int, default=3000)
     ap.add_argument("--time-limit", type=float, default=20.0, help="planner time limit per plan, seconds")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--router", default=DEFAULT_PLACEMENT, choices=placement_names(),
+    ap.add_argument("--placement", "--router", dest="placement", default=DEFAULT_PLACEMENT, choices=placement_names(),
                     help=f"request placement (default {DEFAULT_PLACEMENT})")
     ap.add_argument("--settings", default="hexgen2-het1,hexgen2-homo", help="comma-separated cluster presets")
     ap.add_argument("--columns", default=",".join(COLUMNS), help=f"comma-separated, of {','.join(COLUMNS)}")
@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "Online" in columns:
         console.print("online rates (req/s): " + ", ".join(f"{cl} {a} {r['Online']['rate']:.2f}"
                                                           for (cl, a), r in results.items()))
-    checks = ["", f"Planner's best vs simulator's best (placement {args.router}):", ""] + \
+    checks = ["", f"Planner's best vs simulator's best (placement {args.placement}):", ""] + \
         [f"- {line}" for line in agreement(results, columns)]
     console.print("\n".join(checks))
     console.print(f"total {time.perf_counter() - t0:.0f} s")

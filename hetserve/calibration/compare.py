@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from hetserve.calibration.speed_probe import SPEED_WEIGHT
+from hetserve.policies.placement import DEFAULT_PLACEMENT
 
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 STATS = ("mean", "p50", "p90", "p99")
@@ -68,7 +69,7 @@ class CompareOptions:
     max_input: int | None = 256
     max_output: int | None = 32
     efficiency: str | None = None  # calibration file (hetserve calibrate -o)
-    router: str = "jsq"
+    placement: str = DEFAULT_PLACEMENT
     route: str = "flow"
     seed: int = 0
     prefill_mode: str = "mixed"  # the engine's and the simulator's: "mixed" | "chunked"
@@ -156,7 +157,7 @@ def compare(opts: CompareOptions) -> Comparison:
     at_calibration, speed_note = speed_reference(opts.efficiency, opts.speed_correction)
     probe = SpeedProbe(opts.model_dir) if at_calibration else None  # loaded before serving starts
     load_before = os.getloadavg()[0]
-    serve_opts = ServeOptions(plan=plan, cluster=cluster, model_dir=str(opts.model_dir), router=opts.router,
+    serve_opts = ServeOptions(plan=plan, cluster=cluster, model_dir=str(opts.model_dir), placement=opts.placement,
                               route=opts.route, seed=opts.seed,
                               engine_options={"prefill_mode": opts.prefill_mode, "chunk_tokens": opts.chunk_tokens,
                                               "kv_admission": opts.kv_admission})
@@ -215,7 +216,7 @@ def compare(opts: CompareOptions) -> Comparison:
     info = {"plan": str(getattr(opts.plan, "name", opts.plan)) if not isinstance(opts.plan, Plan) else plan.algorithm,
             "replicas": {r.id: r.role for r in plan.replicas}, "requests": len(requests),
             "workload": opts.workload, "workload_class": opts.workload_class, "rate": opts.rate,
-            "router": opts.router, "route": opts.route, "efficiency": opts.efficiency,
+            "placement": opts.placement, "route": opts.route, "efficiency": opts.efficiency,
             "request_overhead_s": overhead, "kv_handoff_overhead_s": handoff, "contention_slowdown": contention,
             "frontend_cpu_s": {k: sim_kw.get(f"frontend_{k}_cpu_s", 0.0) for k in ("request", "step", "token")},
             "prompt_tokens": [len(r.prompt) for r in requests], "steps": steps_info, "cores_busy": cpu,
@@ -317,7 +318,7 @@ def simulator_for(plan, cluster, spec, requests, opts: CompareOptions, cfg, pool
 
     workload = Workload.from_lists("replay", [r.arrival_s for r in requests], [len(r.prompt) for r in requests],
                                    [r.max_tokens for r in requests])
-    kw = dict(placement=opts.router, route=opts.route, seed=opts.seed, token_budget=cfg.max_batched_tokens,
+    kw = dict(placement=opts.placement, route=opts.route, seed=opts.seed, token_budget=cfg.max_batched_tokens,
               max_batch=cfg.max_num_seqs, kv_block_tokens=cfg.block_size, kv_capacity_tokens=pools,
               micro_batches=cfg.micro_batches, request_overhead_s=overhead,
               chunked_prefill=cfg.prefill_mode == "chunked", chunk_tokens=cfg.chunk_tokens,

@@ -69,6 +69,7 @@ class LoadAware:
 
 RouteFactory = Callable[[PolicyContext], RoutePolicy]
 ROUTE_POLICIES: dict[str, RouteFactory] = {"flow": FlowWeighted, "load": LoadAware}
+DEFAULT_ROUTE = "flow"  # the plan's KV-route weights: what the planner's flow promised
 _LAZY_ROUTE: dict[str, str] = {"aladdin": "hetserve.policies.aladdin_route"}
 
 

@@ -195,6 +195,10 @@ def resolve_allocation(policy, pending: "Mapping[int, M]", views: Sequence[Trans
     return (sends if concurrent else sends[:1]), concurrent
 
 
+# What a link does when no policy is named, in the simulator and in the server alike: every pending
+# message shares the link, as the engine's asynchronous socket sends do on an unshaped link.
+DEFAULT_TRANSMISSION = "fair"
+
 TRANSMISSION_POLICIES: dict[str, Callable[[], object]] = {
     "serial": SerialTransmission,
     "fair": FairTransmission,

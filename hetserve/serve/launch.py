@@ -6,8 +6,8 @@
         server.url                            # "http://127.0.0.1:PORT"
 
 ``hetserve serve`` is ``serve_forever(build(opts))``; tests and ``bench/bench_serve.py`` use
-``start_server``. The placement policy is built exactly as the simulator builds it
-(``make_placement(name, PolicyContext(...))``), so a name means the same decision in both.
+``start_server``. The placement and KV-route policies are built on ``PolicyContext.for_plan``, the
+context the simulator builds, with the same defaults, so a name means the same decision in both.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from hetserve.policies.batching import DEFAULT_BATCHING
+from hetserve.policies.placement import DEFAULT_PLACEMENT
+from hetserve.policies.routing import DEFAULT_ROUTE
+from hetserve.policies.transmission import DEFAULT_TRANSMISSION
 
 BACKENDS = ("local", "ray")
 
@@ -30,9 +33,16 @@ class ServeOptions:
     model_dir: str = ""
     model_name: str | None = None  # the name clients pass as ``model``; default: the folder's name
     backend: str = "local"
-    router: str = "jsq"  # placement policy (hetserve.policies.placement)
-    route: str = "flow"  # KV route policy (hetserve.policies.routing), as `simulate --route`
-    transmission: str = "serial"  # link scheduling (hetserve.policies.transmission)
+    placement: str = DEFAULT_PLACEMENT  # request placement (hetserve.policies.placement)
+    route: str = DEFAULT_ROUTE  # KV route policy (hetserve.policies.routing), as `simulate --route`
+    transmission: str = DEFAULT_TRANSMISSION  # link scheduling (hetserve.policies.transmission)
+    # what the policies' context holds beside the plan, as in the simulator: the workload (statistics
+    # only), policy knobs (aladdin's gamma / theta), the cost model's efficiency (a calibration) and an
+    # output-length predictor (policies.predictor protocol; None: the request's max_tokens)
+    workload: Any = None
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    efficiency: Any = None
+    predictor: Any = None
     shape_links: bool = False  # hold messages to the cluster's per-pair bandwidth / latency
     time_scale: float = 1.0  # >1 speeds every shaped link up by this factor (latency / s, bandwidth * s)
     micro_batches: int | None = None  # steps in flight per pipeline (MoLink §4.3: N..2N); None: N
@@ -40,7 +50,7 @@ class ServeOptions:
     max_num_seqs: int = DEFAULT_BATCHING.max_batch
     max_batched_tokens: int = DEFAULT_BATCHING.token_budget
     seed: int = 0
-    slo_ttft_s: float | None = None  # for the aladdin router
+    slo_ttft_s: float | None = None  # for aladdin placement / routes
     slo_tpot_s: float | None = None
     engine_options: dict[str, Any] = field(default_factory=dict)  # extra EngineConfig fields
     ray_address: str | None = None  # connect to a running Ray cluster; None: start one locally
@@ -114,53 +124,43 @@ def _load(opts: ServeOptions):
     return plan, cluster
 
 
-def placement_policy(opts: ServeOptions, plan, cluster):
-    """The placement policy ``opts.router``, built as the simulator builds it."""
-    from hetserve.policies.placement import PolicyContext, make_placement
+def policy_context(opts: ServeOptions, plan, cluster):
+    """The policies' context for ``plan``: ``PolicyContext.for_plan``, as the simulator builds it."""
+    import dataclasses
 
-    ctx_kwargs: dict[str, Any] = {"seed": opts.seed, "plan": plan}
-    if opts.router == "aladdin":  # needs the cost model, layouts and SLOs
-        from hetserve.cost.analytic import CostModel
-        from hetserve.specs.model import load_model
-        from hetserve.specs.workload import SLO
-
-        ctx_kwargs.update(cost=CostModel(cluster, load_model(opts.model_dir)),
-                          layouts={r.id: r.layout(cluster) for r in plan.replicas},
-                          slo=SLO(ttft_s=opts.slo_ttft_s, tpot_s=opts.slo_tpot_s))
-    return make_placement(opts.router, PolicyContext(**ctx_kwargs))
-
-
-def route_policy(opts: ServeOptions, plan, cluster):
-    """The KV route policy ``opts.route`` over the plan's routes, built as the simulator builds it."""
+    from hetserve.cost.efficiency import Efficiency, load_efficiency
     from hetserve.policies.placement import PolicyContext
-    from hetserve.policies.routing import make_route
-    from hetserve.runtime.routing import PlanRoutes
+    from hetserve.specs.model import load_model
+    from hetserve.specs.workload import SLO
 
-    ctx_kwargs: dict[str, Any] = {"seed": opts.seed, "plan": plan}
-    if opts.route == "aladdin":
-        from hetserve.cost.analytic import CostModel
-        from hetserve.specs.model import load_model
-        from hetserve.specs.workload import SLO
-
-        ctx_kwargs.update(cost=CostModel(cluster, load_model(opts.model_dir)),
-                          layouts={r.id: r.layout(cluster) for r in plan.replicas},
-                          slo=SLO(ttft_s=opts.slo_ttft_s, tpot_s=opts.slo_tpot_s))
-    return PlanRoutes(plan, make_route(opts.route, PolicyContext(**ctx_kwargs)))
+    # the checkpoint's architecture under the plan's name for the model: a folder's label need not be
+    # the name the plan was made with (the deployment checks that the layers and shapes fit the plan)
+    model = dataclasses.replace(load_model(opts.model_dir), name=plan.model)
+    eff = opts.efficiency
+    if eff is not None and not isinstance(eff, Efficiency):
+        eff = load_efficiency(eff)
+    return PolicyContext.for_plan(plan, cluster, model, opts.workload,
+                                  slo=SLO(ttft_s=opts.slo_ttft_s, tpot_s=opts.slo_tpot_s), seed=opts.seed,
+                                  options=opts.policy_options, efficiency=eff, predictor=opts.predictor)
 
 
 def build(opts: ServeOptions) -> Deployment:
     """Start the engine and build the app (blocks until every worker has loaded its shard)."""
     from hetserve.runtime.engine import Engine
     from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.policies.placement import make_placement
+    from hetserve.policies.routing import make_route
     from hetserve.runtime.links.factory import LinkSchedulerFactory
+    from hetserve.runtime.routing import PlanRoutes
     from hetserve.serve.app import create_app
     from hetserve.serve.coordinator import Coordinator
     from hetserve.serve.engine_backend import EngineBackend
     from hetserve.serve.text import HFCodec
 
     plan, cluster = _load(opts)
-    placement = placement_policy(opts, plan, cluster)
-    routes = route_policy(opts, plan, cluster)
+    ctx = policy_context(opts, plan, cluster)
+    placement = make_placement(opts.placement, ctx)
+    routes = PlanRoutes(plan, make_route(opts.route, ctx))
     codec = HFCodec.from_dir(opts.model_dir)
     stats_dir = tempfile.mkdtemp(prefix="hetserve-links-")
     links = LinkSchedulerFactory(cluster, opts.transmission, shape=opts.shape_links, time_scale=opts.time_scale,
@@ -188,7 +188,7 @@ def build(opts: ServeOptions) -> Deployment:
         raise
     backend = EngineBackend(engine, links)
     name = opts.model_name or Path(opts.model_dir).resolve().name
-    coordinator = Coordinator(backend, codec, name, placement=placement)
+    coordinator = Coordinator(backend, codec, name, placement=placement, predictor=opts.predictor)
     if opts.backend == "local":  # Ray actors are placed once at start-up (ray_backend.py): no re-plan there
         from hetserve.serve.replan import Replanner
 

@@ -26,10 +26,11 @@ from hetserve.planner.plan import Plan, serves_prefill
 from hetserve.planner.validate import check_runnable
 from hetserve.policies.batching import DEFAULT_BATCHING, PREFILL_MODES
 from hetserve.policies.base import PlacementPolicy, RequestInfo, RoutePolicy, TransmissionPolicy
-from hetserve.policies.placement import PolicyContext, make_placement
+from hetserve.policies.placement import DEFAULT_PLACEMENT, PolicyContext, make_placement
 from hetserve.policies.predictor import OraclePredictor
 from hetserve.policies.request_checks import RequestRefused, check_request
-from hetserve.policies.routing import make_route, route_candidates
+from hetserve.policies.routing import DEFAULT_ROUTE, make_route, route_candidates
+from hetserve.policies.transmission import DEFAULT_TRANSMISSION
 from hetserve.sim.env import BatchLimits
 from hetserve.sim.events import EventLoop, Priority
 from hetserve.sim.fastcost import fast
@@ -51,9 +52,9 @@ from hetserve.specs.workload import SLO, Workload
 class SimOptions:
     """Knobs of one simulation run (policies by registry name or as objects)."""
 
-    placement: str | PlacementPolicy = "jsq"
-    route: str | RoutePolicy = "flow"
-    transmission: str | TransmissionPolicy = "fair"
+    placement: str | PlacementPolicy = DEFAULT_PLACEMENT
+    route: str | RoutePolicy = DEFAULT_ROUTE
+    transmission: str | TransmissionPolicy = DEFAULT_TRANSMISSION
     # Output-length predictor (hetserve.policies.predictor protocol: predict(rid, input, generated=0),
     # observe(rid, input, output)); None = oracle, the true length.
     predictor: Any = None
@@ -205,8 +206,9 @@ class Simulator:
             self._routes[r.id] = [(self.by_id[d], w) for d, w in route_candidates(plan, r.id, decoders)]
         self._kv_pairs: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
         self._set_capacity_norms()
-        ctx = PolicyContext(seed=opts.seed, slo=opts.slo, cost=self.cost, plan=plan, layouts=self.layouts,
-                            workload=workload, options=dict(opts.policy_options))
+        ctx = PolicyContext.for_plan(plan, cluster, model, workload, slo=opts.slo, seed=opts.seed,
+                                     options=opts.policy_options, predictor=opts.predictor, cost=self.cost,
+                                     layouts=self.layouts)
         self.placement = make_placement(opts.placement, ctx) if isinstance(opts.placement, str) else opts.placement
         self.router = make_route(opts.route, ctx) if isinstance(opts.route, str) else opts.route
         self.predictor = opts.predictor if opts.predictor is not None else OraclePredictor(self.req.out)

@@ -42,7 +42,7 @@ def server(tiny_model, plan_file):
     from hetserve.serve.launch import ServeOptions, start_server
 
     opts = ServeOptions(plan=str(plan_file), cluster="demo-cpu", model_dir=str(tiny_model), model_name="tiny",
-                        kv_capacity_tokens=CONTEXT, router="jsq")
+                        kv_capacity_tokens=CONTEXT, placement="jsq")
     with start_server(opts) as srv:
         yield srv
 
@@ -234,7 +234,7 @@ def test_two_replicas_spread_reject_what_no_pool_holds_and_fail_cleanly(tiny_mod
 
     Plan.from_dict(TWO).save(tmp_path / "two.json")
     opts = ServeOptions(plan=str(tmp_path / "two.json"), cluster="demo-cpu", model_dir=str(tiny_model),
-                        model_name="tiny", kv_capacity_tokens=64, router="rr")
+                        model_name="tiny", kv_capacity_tokens=64, placement="rr")
     with start_server(opts) as srv:
         for i in range(4):
             httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": f"p{i}", "max_tokens": 3},

@@ -1,10 +1,10 @@
 """``hetserve capacity``: GPUs per worker (Aladdin Eq. 6) and workers per arrival rate (Eq. 7).
 
     hetserve capacity --gpu A100-SXM-80G --model llama-2-13b --workload sharegpt \\
-        --rates 5,10,20 --slo-ttft 0.6 --slo-tpot 0.03 [--router aladdin|jsq|po2|rr|lot]
+        --rates 5,10,20 --slo-ttft 0.6 --slo-tpot 0.03 [--placement aladdin|jsq|po2|rr|lot|eft]
 
 Prints the per-GPU throughput of every TP degree, the fewest workers meeting the SLOs at each
-rate (by simulation with the chosen router, or the fluid bound with ``--method fluid``), the
+rate (by simulation with the chosen placement, or the fluid bound with ``--method fluid``), the
 fitted law N_w = ⌈k5·r + c5⌉, and with ``--heartbeat`` the worker count scaled over the trace.
 """
 
@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     rates.add_argument("--rates", help="comma-separated arrival rates, req/s (fits N_w = ceil(k5*r + c5))")
     p.add_argument("--slo-ttft", type=float, required=True, help="TTFT target, seconds")
     p.add_argument("--slo-tpot", type=float, required=True, help="ATGT / TPOT target, seconds per token")
-    p.add_argument("--router", default="aladdin", choices=placement_names(),
+    p.add_argument("--placement", "--router", dest="placement", default="aladdin", choices=placement_names(),
                    help="placement policy: %(choices)s (default aladdin)")
     p.add_argument("--mode", choices=["colocated", "decode"], default="colocated",
                    help="colocated workers, or decode workers behind a prefill pool (only decode counted)")
@@ -119,13 +119,13 @@ def run(args: argparse.Namespace) -> int:
             wl = load_workload(args.workload, rate=r, seed=args.seed).within_context(model.max_context).head(
                 args.requests)
             pre = max(1, fluid // 2) if args.mode == "decode" else 0
-            n = workers_needed(model, gpu, wl, slo, args.router, g, args.mode, args.target, prefill_workers=pre,
+            n = workers_needed(model, gpu, wl, slo, args.placement, g, args.mode, args.target, prefill_workers=pre,
                                intra=intra, hint=fluid, per_machine=max(4, g))
         else:
             n = fluid
         rows.append((r, n, fluid))
     t = Table(title=f"workers meeting {args.target:.0%} of the SLOs (TTFT {slo.ttft_s}s, ATGT {slo.tpot_s}s)"
-                    + (f", router {args.router}" if args.method == "sim" else ", fluid bound"))
+                    + (f", placement {args.placement}" if args.method == "sim" else ", fluid bound"))
     for col in ("rate req/s", "workers", "GPUs", "fluid bound"):
         t.add_column(col, justify="right")
     for r, n, fluid in rows:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hetserve.policies.placement import placement_names
-from hetserve.policies.routing import route_names
+from hetserve.cli.policy_options import add_policy_options
 from hetserve.calibration.speed_probe import SPEED_WEIGHT
 
 from hetserve.cli.commands.serve import add_prefill_mode_options
@@ -26,11 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-input", type=int, default=256, help="cap on prompt tokens (default 256)")
     p.add_argument("--max-output", type=int, default=32, help="cap on output tokens (default 32)")
     p.add_argument("--efficiency", help="calibration file (hetserve calibrate -o) for the simulator's cost model")
-    # choices from the policies' registries, as `serve`: a bad name is refused before any worker starts
-    p.add_argument("--router", default="jsq", choices=placement_names(),
-                   help="placement policy, both sides: %(choices)s (default jsq)")
-    p.add_argument("--route", default="flow", choices=route_names(),
-                   help="KV route policy, both sides: %(choices)s (default flow)")
+    add_policy_options(p, transmission=False, both_sides=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-speed-correction", dest="speed_correction", action="store_false",
                    help="price the simulation at the calibration's machine speed (default: read the machine's speed "
@@ -72,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         c = compare(CompareOptions(plan=plan, model_dir=args.model, cluster=cluster, workload=args.workload,
                                    workload_class=args.workload_class, rate=args.rate,
                                    num_requests=args.num_requests, max_input=args.max_input,
-                                   max_output=args.max_output, efficiency=args.efficiency, router=args.router,
+                                   max_output=args.max_output, efficiency=args.efficiency, placement=args.placement,
                                    route=args.route, seed=args.seed, prefill_mode=args.prefill_mode,
                                    chunk_tokens=args.chunk_tokens, kv_admission=args.kv_admission,
                                    speed_correction=args.speed_correction, speed_weight=args.speed_weight,

@@ -2,7 +2,7 @@
 
     hetserve serve --plan plan.json --cluster demo-cpu --model ./tiny [--host 127.0.0.1 --port 8000]
         [--backend local|ray] [--ray-address HEAD:6379] [--advertise-address 10.0.0.5]
-        [--router jsq] [--route flow] [--transmission molink] [--shape-links] [--micro-batches 4]
+        [--placement eft] [--route flow] [--transmission molink] [--shape-links] [--micro-batches 4]
         [--api-key-file keys.txt] [--admin-key-file admin.txt] [--protect-probes]
         [--tls-cert node.pem --tls-key node.key --tls-ca ca.pem]
 
@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from hetserve.policies.placement import placement_names
-from hetserve.policies.routing import route_names
-from hetserve.policies.transmission import transmission_names
+from hetserve.cli.policy_options import add_policy_options, transmission_of
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,15 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="this machine's address on the pool's network: the engine's endpoint and TP rendezvous "
                         "store listen there for the workers (default: 127.0.0.1, or with --backend ray this "
                         "machine's Ray node IP; never all interfaces); see docs/multinode.md")
-    # choices from the policies' own registries (one list of names): a bad name is refused by
-    # argparse in one line, exit code 2, before any worker starts
-    p.add_argument("--router", default="jsq", choices=placement_names(),
-                   help="placement policy: %(choices)s (default jsq)")
-    p.add_argument("--route", default="flow", choices=route_names(),
-                   help="KV route policy for prefill -> decode hand-offs: flow (the plan's weights), load, "
-                        "aladdin (default flow; the same policy objects `simulate --route` uses)")
-    p.add_argument("--transmission", default="serial", choices=transmission_names(),
-                   help="link scheduling: %(choices)s (default serial)")
+    add_policy_options(p)  # the same names, policy objects and defaults as `simulate`
     p.add_argument("--shape-links", action="store_true",
                    help="emulate the cluster's per-pair bandwidth and latency between workers")
     p.add_argument("--time-scale", type=float, default=1.0,
@@ -52,8 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batches", type=int,
                    help="steps in flight per pipeline (MoLink searches N..2N for N stages; default N)")
     p.add_argument("--kv-capacity", type=int, help="KV-cache tokens per replica (default: what memory allows)")
-    p.add_argument("--slo-ttft", type=float, help="TTFT target in seconds (aladdin router)")
-    p.add_argument("--slo-tpot", type=float, help="TPOT target in seconds (aladdin router)")
+    p.add_argument("--slo-ttft", type=float, help="TTFT target in seconds (aladdin placement)")
+    p.add_argument("--slo-tpot", type=float, help="TPOT target in seconds (aladdin placement)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM / Ctrl-C: seconds in-flight requests get to finish (default 30); new ones get 503")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0,
@@ -161,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
                       "kv_admission": args.kv_admission, **tls_options(args.tls_cert, args.tls_key, args.tls_ca)}
     try:
         opts = ServeOptions(plan=plan, cluster=cluster, model_dir=args.model, model_name=args.model_name,
-                            backend=args.backend, router=args.router, route=args.route, transmission=args.transmission,
+                            backend=args.backend, placement=args.placement, route=args.route, transmission=transmission_of(args),
                             shape_links=args.shape_links, time_scale=args.time_scale,
                             micro_batches=args.micro_batches, kv_capacity_tokens=args.kv_capacity, seed=args.seed,
                             slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, ray_address=args.ray_address,
@@ -193,7 +183,7 @@ def _start_and_serve(args: argparse.Namespace, opts, sock) -> int:
         raise RuntimeFailure(str(exc)) from exc
     name = deployment.coordinator.model_name
     console.print(f"serving model [bold]{name}[/] on {url_of(sock)}/v1 "
-                  f"(router {args.router}, transmission {args.transmission}"
+                  f"(placement {args.placement}, transmission {transmission_of(args)}"
                   f"{', shaped links' if args.shape_links else ''})", soft_wrap=True)
     for line in deployment.app.state.auth.describe():
         console.print(line, soft_wrap=True, markup=False)

@@ -1,7 +1,7 @@
 """``hetserve simulate``: play a workload against a plan and report latency, throughput and cost.
 
     hetserve simulate --plan plan.json --workload azure-conv [--cluster hexgen2-het1]
-        [--workload-class HPLD] [--rate-scale 2 | --rate 5] [--router jsq] [--transmission fair]
+        [--workload-class HPLD] [--rate-scale 2 | --rate 5] [--placement eft] [--transmission fair]
         [--slo-ttft 1 --slo-tpot 0.1 --slo-e2e 60] [--gamma 0.5 --theta 1] [--limit 2000] [-o out/]
 
 The cluster defaults to the cluster file the plan records, else the preset named in the plan. Writes summary.json, requests.csv and
@@ -15,10 +15,8 @@ import sys
 import json
 from pathlib import Path
 
+from hetserve.cli.policy_options import add_policy_options, transmission_of
 from hetserve.policies.batching import DEFAULT_BATCHING
-from hetserve.policies.placement import placement_names
-from hetserve.policies.routing import route_names
-from hetserve.policies.transmission import transmission_names
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,15 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--rate-scale", type=float, help="multiply the arrival rate (compress time)")
     rate.add_argument("--rate", type=float, help="mean arrival rate, req/s")
-    # choices from the policies' registries, as `serve` and `compare` take them: a bad name is one line, exit 2
-    p.add_argument("--router", default="jsq", choices=placement_names(),
-                   help="placement policy: %(choices)s (default jsq)")
-    p.add_argument("--route", default="flow", choices=route_names(),
-                   help="KV route policy: %(choices)s (default flow: the plan's weights)")
-    # default None, read as fair: an explicit choice that cannot act on the plan is refused (sim/option_checks.py)
-    p.add_argument("--transmission", choices=transmission_names(),
-                   help="link scheduling: %(choices)s (default fair); under --pipeline aggregate only KV hand-offs "
-                        "cross the links")
+    add_policy_options(p)  # under --pipeline aggregate only KV hand-offs cross the links (sim/option_checks.py)
     p.add_argument("--gamma", type=float, help="aladdin: strictness knob γ in [0, 1] (default 0.5)")
     p.add_argument("--theta", type=float, help="aladdin: safety factor θ in (0, 1] (default 1)")
     p.add_argument("--slo-ttft", type=float, help="TTFT target, seconds")
@@ -136,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SpecError("--slo-*", "slo", "positive seconds", str(exc)) from exc
     policy_options = {k: getattr(args, k) for k in ("gamma", "theta") if getattr(args, k) is not None}
-    if policy_options and "aladdin" not in (args.router, args.route):
-        raise SpecError("--gamma/--theta", "router", "--router aladdin or --route aladdin", args.router)
+    if policy_options and "aladdin" not in (args.placement, args.route):
+        raise SpecError("--gamma/--theta", "placement", "--placement aladdin or --route aladdin", args.placement)
     if args.transmission is not None:
         note = transmission_note(plan, args.plan, args.transmission, args.pipeline)
         if note is not None and note[0] == "error":
@@ -152,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         from hetserve.calibration.file import served_efficiency, served_sim_options
 
         cost = CostModel(cluster, model, served_efficiency(args.efficiency)) if args.efficiency else None
-        opts = SimOptions(placement=args.router, route=args.route, transmission=args.transmission or "fair", slo=slo,
+        opts = SimOptions(placement=args.placement, route=args.route, transmission=transmission_of(args), slo=slo,
                           **served_sim_options(args.efficiency), predictor=predictor,
                           token_budget=args.token_budget, chunked_prefill=args.chunked_prefill,
                           prefill_mode=args.prefill_mode,

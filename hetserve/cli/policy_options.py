@@ -1,0 +1,35 @@
+"""The request-policy options ``simulate``, ``serve`` and ``compare`` share: one name and one default each.
+
+Choices come from the policies' own registries (a bad name is refused by argparse in one line, exit
+code 2, before any work starts) and defaults from the policies' modules, so the simulator and the
+server decide the same way when nothing is named.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from hetserve.policies.placement import DEFAULT_PLACEMENT, placement_names
+from hetserve.policies.routing import DEFAULT_ROUTE, route_names
+from hetserve.policies.transmission import DEFAULT_TRANSMISSION, transmission_names
+
+
+def add_policy_options(p: argparse.ArgumentParser, *, transmission: bool = True, both_sides: bool = False) -> None:
+    """``--placement`` (``--router`` is its other spelling), ``--route`` and, with ``transmission``,
+    ``--transmission`` (default None, read as ``DEFAULT_TRANSMISSION``: a command may refuse an
+    explicit choice that cannot act, see ``sim/option_checks.py``)."""
+    sides = ", both sides" if both_sides else ""
+    p.add_argument("--placement", "--router", dest="placement", default=DEFAULT_PLACEMENT, choices=placement_names(),
+                   help=f"request placement{sides}: %(choices)s (default {DEFAULT_PLACEMENT}: least expected finish "
+                        "time, by each replica's planned speed)")
+    p.add_argument("--route", default=DEFAULT_ROUTE, choices=route_names(),
+                   help=f"KV route policy for prefill -> decode hand-offs{sides}: %(choices)s "
+                        f"(default {DEFAULT_ROUTE}: the plan's weights)")
+    if transmission:
+        p.add_argument("--transmission", choices=transmission_names(),
+                       help=f"link scheduling: %(choices)s (default {DEFAULT_TRANSMISSION})")
+
+
+def transmission_of(args: argparse.Namespace) -> str:
+    """The link scheduling ``args`` name, or the default."""
+    return args.transmission or DEFAULT_TRANSMISSION

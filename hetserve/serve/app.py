@@ -33,11 +33,13 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from hetserve.errors import HetserveError
 from hetserve.serve.coordinator import Coordinator, Prepared
-from hetserve.serve.errors import (InvalidRequest, ModelNotFound, NotFound, Overloaded, Unauthorized, error_event,
-                                   install_error_handlers, log, to_api_error)
+from hetserve.serve.errors import (ContextLengthExceeded, InvalidRequest, ModelNotFound, NotFound, Overloaded,
+                                   PayloadTooLarge, Unauthorized, Unavailable, error_event, install_error_handlers,
+                                   log, to_api_error)
 from hetserve.serve.keys import ADMIN_PREFIX, APIAuth, bearer_token
 from hetserve.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
@@ -50,12 +52,24 @@ _DISCONNECT_POLL_S = 0.25
 # millisecond, and never queued behind huge prompts in the thread pool
 INLINE_PROMPT_CHARS = 16_384
 RETRY_AFTER_S = 5  # what a client is told to wait while this server drains (another instance may take over)
+# Request bodies over this many bytes get 413 before the rest is read: a body is held in memory whole
+# (JSON), so without a cap one client could make the server hold gigabytes. 8 MiB holds a 128k-token
+# prompt as token ids or as text, with room for JSON escapes.
+DEFAULT_MAX_BODY_BYTES = 8 << 20
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
-def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | None = None):
+class ClientGone(Exception):
+    """The client closed its connection before its request was read: nobody to answer."""
+
+
+def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
     """The FastAPI app serving ``coordinator``. ``on_shutdown``: an async callable run at shutdown.
-    ``auth``: the keys (default none: the API open, the admin routes off)."""
+    ``auth``: the keys (default none: the API open, the admin routes off). ``max_body_bytes``: the
+    largest request body read (413 beyond it)."""
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     @asynccontextmanager
     async def lifespan(_app):
         yield
@@ -93,6 +107,13 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
             c.metrics.requests.labels(endpoint, outcome).inc()  # bounded labels
 
     install_error_handlers(app, on_error=count_client_error)
+
+    async def client_gone(request: Request, _exc: ClientGone):
+        # counted, not logged as an error: a client hanging up mid-upload is ordinary traffic
+        c.metrics.requests.labels(_ENDPOINTS.get(request.url.path, "other"), "aborted").inc()
+        return Response(status_code=499)  # nginx's "client closed request"; no one reads it
+
+    app.add_exception_handler(ClientGone, client_gone)
     app.state.coordinator = coordinator
     app.state.auth = auth
     started = now_s()
@@ -103,6 +124,10 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
             raise Overloaded("the server is shutting down; retry on another instance or later",
                              headers={"Retry-After": str(RETRY_AFTER_S)})
         check_model(body.model)
+        why = c.unavailable()
+        if why is not None:  # one answer in both modes, before any stream starts
+            c.reject(endpoint, "unavailable")
+            raise Unavailable(why)
         ignored = body.ignored_fields()
         if ignored:
             log.warning("%s: ignored request fields (they change nothing here): %s", endpoint, ", ".join(ignored))
@@ -112,8 +137,38 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
             raise ModelNotFound(f"The model '{name}' does not exist; this server serves '{c.model_name}'.",
                                 param="model")
 
+    async def read_bytes(request: Request) -> bytes:
+        """The body, refused (413) as soon as it is known to be over ``max_body_bytes``: by its
+        Content-Length before a byte is read, else by counting as it arrives (chunked uploads)."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > max_body_bytes:
+            raise PayloadTooLarge(f"request body is {int(declared)} bytes; this server takes at most "
+                                  f"{max_body_bytes}")
+        parts, size = [], 0
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > max_body_bytes:
+                    raise PayloadTooLarge(f"request body is over {max_body_bytes} bytes, the most this "
+                                          "server takes")
+                parts.append(part)
+        except ClientDisconnect as exc:
+            raise ClientGone() from exc
+        return b"".join(parts)
+
+    def check_length(size_chars: int, param: str) -> None:
+        """Refuse a prompt that cannot fit the context before tokenizing it: a token covers at most
+        ``codec.max_token_chars`` characters, so more than context × that many characters is more
+        than the context in tokens (tokenizing megabytes would take seconds and hold gigabytes)."""
+        bound = getattr(c.codec, "max_token_chars", None)
+        if bound and size_chars > c.max_context * bound:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {c.max_context} tokens, however your {param} has "
+                f"{size_chars} characters, more than {c.max_context} tokens even at {bound} characters per "
+                "token (the tokenizer's longest). Please reduce the length of the prompt.", param=param)
+
     async def read_body(request: Request, cls):
-        raw = await request.body()
+        raw = await read_bytes(request)
         try:
             data = json.loads(raw) if raw else None
             # a lone surrogate ("\ud800") is valid JSON but no text: refuse it here, not in the tokenizer
@@ -135,7 +190,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
             raise InvalidRequest("request body is nested too deeply") from exc
 
     # ------------------------------------------------------------------ info routes
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         status, replicas = c.health()
         body = {"status": status, "model": c.model_name, "in_flight": c.in_flight, "replicas": replicas}
@@ -144,16 +199,16 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
     def card() -> ModelCard:
         return ModelCard(id=c.model_name, created=started, max_model_len=c.max_context)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return ModelList(data=[card()])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str):
         check_model(model_id)
         return card()
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
         body, ctype = c.metrics.render()
         return Response(body, media_type=ctype)
@@ -165,7 +220,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
         "lost": [devices gone], "returned": [devices back]}. Answers the re-plan record."""
         if c.replanner is None:
             raise InvalidRequest("this server cannot re-plan (the Ray backend places its actors once)")
-        raw = await request.body()
+        raw = await read_bytes(request)
         try:
             data = json.loads(raw) if raw.strip() else {}
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -195,14 +250,16 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
         body: CompletionRequest = await read_body(request, CompletionRequest)
         admit("completions", body)
         prompt = body.single_prompt
+        if isinstance(prompt, str):
+            check_length(len(prompt), "prompt")
         ids = await _tokenize(c, len(prompt), lambda: prompt)
         req = _prepare(c, "completions", body, ids, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
         rid, created = new_id("cmpl"), now_s()
         if body.stream:
             def chunk(text: str, finish: str | None) -> str:
                 return CompletionResponse(id=rid, created=created, model=c.model_name,
-                                          choices=[CompletionChoice(text=text, finish_reason=finish)]
-                                          ).model_dump_json()
+                                          choices=[CompletionChoice(text=text, finish_reason=finish)],
+                                          usage=running_usage(body, req)).model_dump_json()
 
             def usage_chunk() -> str:
                 return CompletionResponse(id=rid, created=created, model=c.model_name, choices=[],
@@ -220,6 +277,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
         body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
         admit("chat", body)
         messages = [(m.role, m.text) for m in body.messages]
+        check_length(sum(len(t) for _, t in messages), "messages")
         ids = await _tokenize(c, sum(len(t) for _, t in messages), lambda: c.codec.render_chat(messages), "messages")
         req = _prepare(c, "chat", body, ids, body.token_limit, None, prompt_param="messages")
         rid, created = new_id("chatcmpl"), now_s()
@@ -227,8 +285,8 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
             def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
                 delta = DeltaMessage(role="assistant" if role else None, content=text)
                 return ChatCompletionChunk(id=rid, created=created, model=c.model_name,
-                                           choices=[ChatChunkChoice(delta=delta, finish_reason=finish)]
-                                           ).model_dump_json(exclude_none=False)
+                                           choices=[ChatChunkChoice(delta=delta, finish_reason=finish)],
+                                           usage=running_usage(body, req)).model_dump_json(exclude_none=False)
 
             def usage_chunk() -> str:
                 return ChatCompletionChunk(id=rid, created=created, model=c.model_name, choices=[],
@@ -243,6 +301,11 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
 
     app.state.started = time.time()
     return app
+
+
+def running_usage(body, req: Prepared) -> Usage | None:
+    """The usage so far, for a stream chunk when the client asked for it in every chunk."""
+    return Usage.of(req.prompt_tokens, req.completion_tokens) if body.continuous_usage else None
 
 
 async def _tokenize(c: Coordinator, size: int, make_prompt, prompt_param: str = "prompt") -> list[int]:

@@ -91,6 +91,17 @@ class Coordinator:
                   else "degraded" if len(live) < len(reps) else "ok")
         return status, [{"id": r.id, "role": r.role, "alive": r.alive} for r in reps]
 
+    def unavailable(self) -> str | None:
+        """Why no request can be served now (no live replica can prefill and decode), or None. A
+        backend that is bringing replicas up (a re-plan) queues requests instead: None."""
+        if getattr(self.backend, "replanning", False):
+            return None
+        status, reps = self.health()
+        if status != "unavailable" or not reps:
+            return None
+        return ("no live replica can serve this request now (every replica lost a worker); "
+                "retry after a while")
+
     @property
     def max_context(self) -> int:
         return int(self.backend.max_context)
@@ -233,6 +244,7 @@ class Coordinator:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(req.endpoint, outcome).inc()
+            self.metrics.generation_tokens.inc(req.completion_tokens)  # an aborted stream's tokens were made too
             if self.placement is not None and req.replica is not None:
                 self.placement.on_finish(req.seq, req.prompt_tokens, req.completion_tokens)
             if outcome in ("stop", "length"):
@@ -261,8 +273,8 @@ class Coordinator:
                 await asyncio.sleep(poll_s)
         return cut
 
-    def reject(self, endpoint: str) -> None:
-        self.metrics.requests.labels(endpoint, "rejected").inc()
+    def reject(self, endpoint: str, outcome: str = "rejected") -> None:
+        self.metrics.requests.labels(endpoint, outcome).inc()
 
 
 def _is_cancel(exc: BaseException) -> bool:

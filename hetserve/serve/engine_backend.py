@@ -54,6 +54,11 @@ class EngineBackend:
             if not handle.finished:
                 handle.abort()  # cancelled mid-stream (the client went away): free the slot now
 
+    @property
+    def replanning(self) -> bool:
+        """True while a re-plan brings replicas up: requests wait for them rather than being refused."""
+        return bool(getattr(self.engine, "_reconfiguring", False))
+
     def abort(self, request_id: str) -> None:
         handle = self._handles.get(request_id)
         if handle is not None:

@@ -3,12 +3,13 @@
     APIError                      an error the client gets as OpenAI's JSON shape
     ├── InvalidRequest (400)      malformed body, unsupported field, bad value
     │   └── ContextLengthExceeded prompt + max_tokens beyond the model's context or any replica's KV pool
+    ├── PayloadTooLarge (413)     a request body over the server's limit (refused before it is all read)
     ├── Unauthorized (401)        no API key, or not one of the server's (``WWW-Authenticate: Bearer``)
     ├── ModelNotFound (404)       ``model`` is not the one this server serves
     ├── NotFound (404)            no such route
     ├── MethodNotAllowed (405)
     ├── Overloaded (503)          the server is shutting down or the engine is not ready
-    │   └── Unavailable (503)     no live replica can serve (every one lost a worker)
+    │   └── Unavailable (503)     no live replica can serve (every one lost a worker); ``Retry-After`` set
     └── ServerError (500)         anything unexpected (the engine failed mid-request, a worker died)
 
 ``install_error_handlers(app)`` maps every exception a route can raise — ``APIError``, FastAPI's
@@ -52,6 +53,10 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class PayloadTooLarge(APIError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
 class Unauthorized(APIError):
     """OpenAI's answer to a missing or wrong key; the message never repeats what the client sent."""
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
@@ -77,7 +82,13 @@ class Overloaded(APIError):
 
 
 class Unavailable(Overloaded):
+    """No live replica can serve. It always says when to retry: a lost replica may come back (a
+    re-plan), and clients that honour ``Retry-After`` wait instead of failing at once."""
     code = "unavailable"
+    RETRY_AFTER_S = 5
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message, param, headers={"Retry-After": str(self.RETRY_AFTER_S)})
 
 
 class ServerError(APIError):

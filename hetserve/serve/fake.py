@@ -20,6 +20,7 @@ class ByteCodec:
     """Token id b < 256 is byte b; 257 is <eos> (as make_model's tokenizer)."""
 
     eos_token_id = EOS
+    max_token_chars = 1  # a token is one byte, so never more than one character
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

@@ -8,9 +8,10 @@ scrapes.
     hetserve_time_per_output_token_seconds     histogram (per request: (e2e - ttft) / (tokens - 1))
     hetserve_e2e_request_latency_seconds       histogram
     hetserve_requests_total{endpoint,outcome}  counter  (outcome: stop, length, aborted, error, rejected,
+                                                        unavailable: no live replica could serve it,
                                                         unauthorized: no key or a wrong one; endpoint:
                                                         completions, chat, admin, other)
-    hetserve_prompt_tokens_total / hetserve_generation_tokens_total
+    hetserve_prompt_tokens_total / hetserve_generation_tokens_total (every generated token, aborted streams' too)
     hetserve_requests_in_flight                gauge    (admitted by HTTP, not finished)
     hetserve_replica_up{replica,role}                gauge    (1 serving, 0 lost a worker)
     hetserve_replica_queued_requests{replica,role}   gauge
@@ -59,7 +60,6 @@ class ServerMetrics:
             if output_tokens > 1:
                 self.tpot.observe((e2e_s - ttft_s) / (output_tokens - 1))
         self.e2e.observe(e2e_s)
-        self.generation_tokens.inc(output_tokens)
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 MAX_STOP_SEQUENCES = 4
 
@@ -27,41 +27,47 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _finite(**limits):
+    """A float field that must be a finite number within ``limits`` (NaN is refused as not finite,
+    not as out of range)."""
+    return Field(allow_inf_nan=False, **limits)
+
+
 class StreamOptions(_Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # with include_usage: usage in every chunk (as vLLM)
 
 
 class _SamplingFields(_Strict):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = _finite(default=1.0, ge=0.0, le=2.0)
+    top_p: float = _finite(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1)
-    stream: bool = False
+    stream: StrictBool = False  # JSON true / false only: "yes" or 1 is a client bug, not a choice
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)  # what a 64-bit generator takes
     user: str | None = None
     # accepted for compatibility; hetserve's sampler has no penalties, so only the neutral value passes
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = _finite(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = _finite(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     # vLLM extensions honoured here
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     min_tokens: int = Field(default=0, ge=0)
     # vLLM sampling extensions: only the neutral value passes (the sampler has none of them)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     # real OpenAI / vLLM fields that change nothing here: accepted, logged when set (ignored_fields)
-    store: bool | None = None
+    store: StrictBool | None = None
     metadata: dict[str, str] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    skip_special_tokens: bool | None = None
+    skip_special_tokens: StrictBool | None = None
 
     _IGNORED = ("store", "metadata", "parallel_tool_calls", "service_tier", "prompt_cache_key",
                 "safety_identifier", "skip_special_tokens")
@@ -108,12 +114,17 @@ class _SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: ``include_usage`` and ``continuous_usage_stats`` both set (vLLM's rule)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``max_tokens`` defaults to 16, as in OpenAI's API."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    echo: StrictBool = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -169,7 +180,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
+    logprobs: StrictBool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any | None = None

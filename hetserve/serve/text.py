@@ -12,6 +12,9 @@ from typing import Protocol, Sequence
 
 
 class Codec(Protocol):
+    """``max_token_chars`` (optional; None or absent: unknown): no token covers more characters of
+    text, so a text of n characters has at least n / max_token_chars tokens."""
+
     eos_token_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
@@ -33,6 +36,20 @@ class HFCodec:
     def __init__(self, tokenizer):
         self.tok = tokenizer
         self.eos_token_id = tokenizer.eos_token_id
+        self._max_token_chars: int | None = None
+
+    @property
+    def max_token_chars(self) -> int | None:
+        """The longest vocabulary entry, in characters. A vocabulary entry spells its text at least as
+        long as the text it covers (byte-level BPE: one character per byte; sentencepiece: the text
+        with ``▁`` for a space), so this bounds the characters per token. O(vocabulary) once."""
+        if self._max_token_chars is None:
+            try:
+                vocab = self.tok.get_vocab()
+            except (AttributeError, NotImplementedError):
+                return None
+            self._max_token_chars = max((len(t) for t in vocab), default=0) or None
+        return self._max_token_chars
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> "HFCodec":

@@ -69,6 +69,8 @@ class _HeldCodec(ByteCodec):
     """Encoding a prompt over ``big`` characters blocks until ``release`` is set (a huge prompt's
     seconds of tokenizing, held for as long as the test needs)."""
 
+    max_token_chars = None  # no cheap length bound: the prompt must reach the tokenizer
+
     def __init__(self, big: int):
         self.big, self.entered, self.release = big, threading.Event(), threading.Event()
 

@@ -58,6 +58,20 @@ def bottlenecks(plan, cluster, model, workload, options) -> list[str]:
     return lines
 
 
+def engine_cost(plan, cluster, model, workload, options, hexgen2) -> dict:
+    """``plan`` (made under ``options.engine``'s rules) beside an unrestricted ``hexgen2`` plan of the
+    same pool and options, and the bound (the smaller of the two plans' bounds: both bound the same
+    pool, and a solver cut short by the time limit gives a looser one)."""
+    from hetserve.planner.objectives import plan_for
+
+    free = plan_for(hexgen2, cluster, model, workload, dataclasses.replace(options, engine="hetserve", progress=None))
+    bounds = [p.estimate.get("upper_bound_tokens_per_s") or 0.0 for p in (plan, free)]
+    return {"engine": options.engine, "engine_tokens_per_s": plan.estimate.get("throughput_tokens_per_s", 0.0),
+            "unrestricted_tokens_per_s": free.estimate.get("throughput_tokens_per_s", 0.0),
+            "upper_bound_tokens_per_s": min((b for b in bounds if b > 0), default=0.0),
+            "unrestricted_plan": free}
+
+
 def _cluster_data(cluster_arg: str) -> dict | None:
     path = Path(cluster_arg)
     if not path.exists():

@@ -15,6 +15,7 @@ from typing import Callable
 
 from hetserve.cost.analytic import DEFAULT_PERIOD_S
 from hetserve.cost.efficiency import Efficiency
+from hetserve.planner.layout.engines import ENGINES
 
 
 def default_restarts(num_devices: int) -> int:
@@ -66,6 +67,8 @@ class PlanOptions:
         subset of the pool whose plan serves ``rate`` requests/s within the SLOs; ``planner.objectives``).
     budget_usd_per_hour: use only devices costing at most this much per hour in total (the planner
         chooses which; ``planner.objectives``).
+    engine: the engine the plan is for (``hetserve``, ``vllm``, ``sglang``): the layout search
+        considers only the replica shapes it can run (``planner.layout.engines``).
     """
 
     seed: int = 0
@@ -83,8 +86,11 @@ class PlanOptions:
     slo_tpot_s: float | None = None
     rate: float | None = None  # requests/s the ``cost`` objective must serve
     budget_usd_per_hour: float | None = None
+    engine: str = "hetserve"
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         for k in ("slo_ttft_s", "slo_tpot_s", "rate", "budget_usd_per_hour"):

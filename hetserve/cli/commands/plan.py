@@ -42,6 +42,10 @@ def register(subparsers) -> None:
     p.add_argument("--rate", type=float, metavar="REQ/S", help="requests/s the cost objective must serve")
     p.add_argument("--budget-usd-per-hour", type=float, metavar="USD",
                    help="use only GPUs costing at most this much per hour in total (the planner chooses which)")
+    p.add_argument("--engine", choices=("hetserve", "vllm", "sglang"), default="hetserve",
+                   help="the engine the plan will run on (default hetserve): consider only the replica shapes it "
+                        "can run (vllm, sglang: one TP degree per replica; docs/deploy.md); with --explain, the "
+                        "unrestricted hexgen2 estimate beside it")
     p.add_argument("--efficiency", metavar="JSON", help="cost-model efficiency (from `hetserve calibrate -o`)")
     p.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan (the best one with --compare)")
     p.add_argument("--explain", action="store_true",
@@ -101,9 +105,14 @@ def run(args: argparse.Namespace) -> int:
                                   period_s=args.period, progress=report, allow_colocated=not args.disaggregated,
                                   efficiency=load_efficiency(args.efficiency) if args.efficiency else None,
                                   objective=args.objective, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
-                                  rate=args.rate, budget_usd_per_hour=args.budget_usd_per_hour)
+                                  rate=args.rate, budget_usd_per_hour=args.budget_usd_per_hour,
+                                  engine=args.engine)
             plan = plan_for(ALGORITHMS[name], cluster, model, workload, options)
         validate_plan(plan, cluster, model)
+        if args.engine != "hetserve":
+            from hetserve.export.rules import refuse_unless_runnable
+            refuse_unless_runnable(plan, args.engine)  # the search's filter missed a rule: say so, write nothing
+            plan = replace(plan, estimate={**plan.estimate, "engine": args.engine})
         for w in network_warnings(plan, cluster, model):
             console.print(f"[yellow]warning[/]: {name}: {w}")
         plans.append(plan)
@@ -118,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         best.save(args.output)
         console.print(f"wrote {args.output} ({best.algorithm})")
     if args.explain:
+        if args.engine != "hetserve":
+            print_engine_cost(console, best, cluster, model, workload, options, ALGORITHMS["hexgen2"])
         print_explanation(console, best, args, cluster, model, workload, options, ALGORITHMS[best.algorithm])
     if args.history:
         write_history(plans, args.history)
@@ -307,6 +318,19 @@ def print_explanation(console, plan, args, cluster, model, workload, options, fn
         console.print("  * the bound's solver stopped at the time limit, unfinished: still a bound, but looser by "
                       "however far it had got, so starred bounds do not compare with each other or with the "
                       "plan's (a longer --time-limit tightens them)")
+
+
+def print_engine_cost(console, plan, cluster, model, workload, options, hexgen2) -> None:
+    """What the engine's rules cost: this plan's estimate beside an unrestricted hexgen2 plan's and the
+    bound (a second search with the same options and time limit)."""
+    from hetserve.planner.explain import engine_cost
+
+    row = engine_cost(plan, cluster, model, workload, options, hexgen2)
+    ub = row["upper_bound_tokens_per_s"]
+    console.print(f"[bold]what {options.engine}'s rules cost[/bold]: {row['engine_tokens_per_s']:,.1f} tokens/s under "
+                  f"them, {row['unrestricted_tokens_per_s']:,.1f} unrestricted (hexgen2, same options) "
+                  f"({row['engine_tokens_per_s'] / max(row['unrestricted_tokens_per_s'], 1e-9) - 1:+.1%}); "
+                  + (f"bound {ub:,.1f} tokens/s" if ub else "no bound"))
 
 
 def write_history(plans, path: str | Path) -> None:

@@ -43,6 +43,7 @@ from hetserve.planner.layout.layer_split import LayerSplits
 from hetserve.planner.layout.alternatives import KVAlternatives
 from hetserve.planner.layout.choice import LayoutChoice
 from hetserve.planner.layout.choice import remap as _remap
+from hetserve.planner.layout.engines import shape_allowed
 from hetserve.planner.layout.stage_memo import StageMemoCost
 
 if TYPE_CHECKING:
@@ -178,10 +179,14 @@ class LayoutSearch(KVAlternatives, LayerSplits):
         for s in per_class:
             n_combos *= len(s)
         scored: dict[tuple, tuple[float, tuple[int, ...]]] = {}
+        engine = ctx.options.engine
 
         def score(combo):
             if combo not in scored:
-                scored[combo] = self._best_split(order, combo, role)
+                # a shape the target engine cannot run scores nothing: it is never chosen, and
+                # never offered as a KV alternative (those are read from ``scored`` where v > 0)
+                scored[combo] = (self._best_split(order, combo, role) if shape_allowed(engine, role, combo)
+                                 else (0.0, ()))
             return scored[combo][0]
 
         if n_combos <= MAX_COMBOS:

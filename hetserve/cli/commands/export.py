@@ -1,0 +1,44 @@
+"""``hetserve export``: a plan as a launch bundle for hetserve, vLLM or SGLang (docs/deploy.md)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "export", help="write a plan as a launch bundle (scripts per machine, router, deploy.json)",
+        description="Write PLAN as a launch bundle for an engine: one script per machine, a router "
+                    "configuration, README.md and deploy.json. A plan the engine cannot run is refused, "
+                    "naming the replica and the rule (re-plan with `hetserve plan --engine`).")
+    p.add_argument("--plan", required=True, help="plan file (JSON or YAML)")
+    p.add_argument("--cluster", help="cluster preset or file (default: the one the plan was made on); "
+                                     "its machines' `address` is where each process binds")
+    p.add_argument("--to", required=True, choices=("hetserve", "vllm", "sglang"), help="the engine to launch")
+    p.add_argument("--model", help="the checkpoint's path (or hub name) on every machine "
+                                   "(default: the model the plan names)")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="folder to write the bundle into")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hetserve.cli.model_dir import plan_cluster, plan_model
+    from hetserve.cli.output_path import check_output_folder
+    from hetserve.export import export_bundle
+    from hetserve.planner.plan import Plan
+    from hetserve.planner.validate import validate_plan
+
+    check_output_folder(args.output, "--output")
+    plan = Plan.load(args.plan)
+    cluster = plan_cluster(args.plan, plan, args.cluster)
+    model = plan_model(args.plan, plan.model)
+    validate_plan(plan, cluster, model)
+    cluster_path = args.cluster if args.cluster and Path(args.cluster).is_file() else (
+        str(plan.cluster_file.path) if plan.cluster_file is not None else None)
+    written = export_bundle(plan, cluster, args.to, args.output, args.model or plan.model, model.num_layers,
+                            cluster_path=cluster_path)
+    print(f"wrote {len(written)} files to {args.output}: " + ", ".join(
+        str(p.relative_to(args.output)) for p in written))
+    print(f"start it as {Path(args.output) / 'README.md'} says")
+    return 0

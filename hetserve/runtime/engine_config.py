@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetserve.errors import PlanError
-from hetserve.policies.batching import DEFAULT_BATCHING
+from hetserve.policies.batching import DEFAULT_BATCHING, micro_batches_of
 from hetserve.policies.kv_admission import KV_ADMISSIONS
 from hetserve.runtime.workers.auth import TLSFiles
 from hetserve.runtime.deployment import check_memory
@@ -114,7 +114,7 @@ def kv_capacity(layout: tuple[ReplicaSpec, ...], cluster: Cluster, arch: ArchCon
 def scheduler_for(r: ReplicaSpec, kv_tokens: int, config: EngineConfig) -> ReplicaScheduler:
     """Replica ``r``'s scheduler: its KV pool of ``kv_tokens`` and the config's batching knobs."""
     return ReplicaScheduler(r.id, r.role, BlockManager(kv_tokens // config.block_size, config.block_size),
-                            config.micro_batches or len(r.stages), config.max_num_seqs, config.max_batched_tokens,
+                            micro_batches_of(config.micro_batches, len(r.stages)), config.max_num_seqs, config.max_batched_tokens,
                             config.prefill_mode, config.chunk_tokens, config.kv_admission)
 
 

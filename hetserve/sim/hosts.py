@@ -12,8 +12,8 @@ stretched (``on_host``):
 *Workers computing now* counts the stages that can be busy at once: a replica of S stages with
 ``m`` micro-batches in flight keeps ``min(S, m)`` stages busy, and ``m`` is at most its running
 sequences (one sequence is one micro-batch), so a pipeline decoding one request keeps one stage
-busy, not all of them (measured on the asymmetric TP-2 + TP-1 plan: counting every stage
-over-predicted its light-load TTFT/TPOT/E2E by 1.17-1.26x; docs/benchmarks.md), and a lone
+busy, not all of them (counting every stage over-predicts a lightly loaded pipeline's TTFT and
+TPOT by about a fifth), and a lone
 micro-batch keeps busy the TP group of the stage it computes on, weighted by the time it spends
 there (``computing_tp``: 1.16 workers on that plan, not the stages' mean TP of 1.5).
 
@@ -51,6 +51,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hetserve.policies.batching import micro_batches_of
+
 # the window (s) over which the front end's request rate is taken: a few arrivals at the rates served here
 REQUEST_WINDOW_S = 0.5
 
@@ -81,9 +83,8 @@ class FrontEndCost:
 def on_host(seconds: float, waiting: float, slowdown: float) -> float:
     """A cost-model time as a host sharing its cores runs it: the computing part stretched by the
     slow-down, ``waiting`` (the TP collectives' fixed cost: members meeting, not computing) not.
-    On the CPU demo's asymmetric TP-2 plan the workers kept 1.0 of the 2 cores busy and the
-    front end 0.2 while the simulator counted three busy workers; stretching the collectives too
-    over-predicted its TPOT by 1.19-1.27 (docs/benchmarks.md)."""
+    Members waiting in a collective hold no core: stretching that wait too over-predicts a TP
+    group's TPOT on a shared host by about a fifth."""
     waiting = min(waiting, seconds)
     return (seconds - waiting) * slowdown + waiting
 
@@ -98,16 +99,11 @@ def pipeline_step_beside(cost, layout, prompts, other_b: float, other_context: f
     micro-batch that holds that stage's worker (each worker runs its steps in turn): it is there
     ``d_i / cycle`` of the time (``cycle``: its way round all stages) and has half of ``d_i`` left on
     average, so the step waits ``d_i² / (2 · cycle)`` there (``_residual_wait``), not ``d_i / 2`` —
-    that priced the other micro-batch as sitting on every stage the step reaches. Replayed
-    (``bench_predict --replay --refit``) over the ten saved runs z8-z17 (2026-11-27 22:10 to
-    2026-11-28 06:53): 357 of 420 figures within ±15 % against 349; over the seven before them
-    219 of 294 against 216; the served figures of the two live runs after it (z18, z19), 34 and 25
-    of 42 against 30 and 25 (docs/benchmarks.md, twenty-fourth session).
+    that priced the other micro-batch as sitting on every stage the step reaches.
 
-    Priced as one step with every stage's worker busy throughout (``busy_workers``), the asymmetric
-    plan's prompt steps beside its decodes came out 1.22-1.41x the served ones on both pipelines,
-    where the prompt alone was priced right; stage by stage, 1.02-1.24x (docs/benchmarks.md,
-    seventeenth and eighteenth sessions)."""
+    Priced stage by stage rather than as one step with every stage's worker busy throughout
+    (``busy_workers``), which over-prices a prompt step beside decodes by a quarter or more on an
+    asymmetric pipeline (``bench/predict`` measures both against served steps)."""
     stages = layout.stages
     last = len(stages) - 1
     p = [cost.stage_prefill_time(s, prompts, i == last) for i, s in enumerate(stages)]
@@ -139,7 +135,7 @@ def busy_workers(rep, micro_batches: int | None) -> float:
     if S == 1:
         return float(stages[0].tp)
     inflight = rep.inflight()
-    m = max(1, min(S, micro_batches or S, inflight))
+    m = max(1, min(S, micro_batches_of(micro_batches, S), inflight))
     if m >= S:
         return float(sum(s.tp for s in stages))
     return min(float(len(rep.layout.devices)), m * rep.computing_tp())
@@ -148,9 +144,9 @@ def busy_workers(rep, micro_batches: int | None) -> float:
 def computing_tp(cost, layout) -> float:
     """The TP degree of the stage a lone micro-batch computes on, averaged over its way round the
     stages by the time it computes on each (a one-sequence decode; the collectives' fixed cost is
-    waiting, ``on_host``). The asymmetric plan's TP 2 stage of 2 layers and TP 1 stage of 6 compute
-    1.3 and 6.8 ms of a decode (t1's calibration, docs/benchmarks.md): 1.16 workers busy, where
-    the mean over stages says 1.5."""
+    waiting, ``on_host``). A TP-2 stage of 2 layers before a TP-1 stage of 6 keeps about 1.2
+    workers busy, where the mean over stages says 1.5: the lone micro-batch spends most of its
+    time on the longer stage."""
     stages = layout.stages
     last = len(stages) - 1
     t = [max(0.0, cost.stage_decode_time(s, 1, 1, i == last) - cost.collectives_time(s)) for i, s in enumerate(stages)]
@@ -188,9 +184,8 @@ class HostContention:
 
     def on_arrival(self) -> None:
         """A request reached the replicas (after the request overhead): its per-request CPU joins the
-        front end's backlog from now. (Charged from the HTTP arrival instead, before the overhead,
-        the replays of docs/benchmarks.md hit 25 and 23 of 42 rather than 26 and 27: the front end's
-        per-request work overlaps the prompt's prefill — the stream's set-up, the first token's event.)"""
+        front end's backlog from now, not from the HTTP arrival: the front end's per-request work
+        (the stream's set-up, the first token's event) overlaps the prompt's prefill."""
         if self.frontend.request_cpu_s <= 0:
             return
         now = self.loop.now
@@ -239,8 +234,8 @@ class HostContention:
         steps and tokens per second times the CPU each costs it. ``rep``, the replica whose work is
         being priced, counts at the rate its next steps run (``Replica.pending_step_rate``): at
         the start of its segment its batch is not running yet, and counted as idle, the front end's
-        work for its own steps never slowed them (a one-replica pipeline near saturation: TPOT 0.97
-        of served over seven saved runs, 1.02 counted; docs/benchmarks.md, twentieth session)."""
+        work for its own steps would never slow them (a one-replica pipeline near saturation would
+        be predicted faster than served)."""
         if self.frontend_host is None or self.frontend.zero:
             return 0.0
         u = 1.0 if self._backlog_until > self.loop.now else 0.0

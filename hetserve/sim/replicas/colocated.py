@@ -12,7 +12,7 @@ from collections import deque
 
 from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import ReplicaState
-from hetserve.policies.batching import StepBuilder, prompt_chunks
+from hetserve.policies.batching import StepBuilder, micro_batches_of, prompt_chunks
 from hetserve.policies.kv_admission import requeue
 from hetserve.sim.events import Priority
 from hetserve.sim.hosts import on_host, pipeline_step_beside
@@ -31,7 +31,7 @@ class ColocatedReplica(Decoding):
         # micro-batch), so a prompt that finds a slot free starts at once in a step of its own,
         # beside the decoding micro-batches, instead of waiting for their iteration boundary.
         S = len(layout.stages)
-        self._slots = min(S, self.limits.micro_batches or S) if S > 1 and self.mode == "mixed" else 0
+        self._slots = min(S, micro_batches_of(self.limits.micro_batches, S)) if S > 1 and self.mode == "mixed" else 0
         self._beside: list[list[int]] = []  # prompts of the steps now running beside the decodes
         self._beside_ready: list[int] = []  # their first tokens are out: they join at the next boundary
         self._beside_end = 0.0  # when the last of them ends

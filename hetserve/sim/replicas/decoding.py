@@ -9,6 +9,7 @@ next. KV admission is a strategy object (``self.kv``, see ``kv.py``).
 from __future__ import annotations
 
 from hetserve.policies.base import RunningRequest
+from hetserve.policies.batching import micro_batches_of
 from hetserve.sim.batch import DecodeBatch
 from hetserve.sim.events import Priority
 from hetserve.sim.hosts import on_host
@@ -47,11 +48,10 @@ class Decoding(Replica):
         stretch: the TP collectives' fixed cost while one micro-batch computes (its members meet;
         nothing of the replica computes beside them). With two or more micro-batches in flight the
         other stages compute beside a TP group's collectives, and its members wait for cores too.
-        Left unstretched there, the asymmetric TP-2 + TP-1 plan's token interval with two sequences
-        came out 0.85 of served while one sequence's was right (0.98; docs/benchmarks.md, eighteenth
-        session)."""
+        Left unstretched there, an asymmetric pipeline's token interval with two sequences is
+        predicted short while one sequence's is right."""
         stages = len(self.layout.stages)
-        if stages > 1 and min(stages, self.limits.micro_batches or stages, batch) > 1:
+        if stages > 1 and min(stages, micro_batches_of(self.limits.micro_batches, stages), batch) > 1:
             return 0.0
         return self._collectives
 

@@ -190,7 +190,6 @@ def replay_data(data: dict, source: str, shared_cores: bool, console, runtime_fr
 def _replay_cells(tmp: Path, data: dict, source: str, shared_cores: bool, console, runtime_from: str | None,
                   refit: bool, speed_correction: bool, keep_rows: bool = False) -> list[dict]:
     """``replay_data`` in the folder ``tmp``."""
-    import dataclasses
 
     import numpy as np
 
@@ -200,14 +199,14 @@ def _replay_cells(tmp: Path, data: dict, source: str, shared_cores: bool, consol
     from hetserve.calibration.speed_probe import weighted
     from hetserve.serve.loadgen import requests_from_workload
     from hetserve.specs.cluster import load_cluster
-    from hetserve.specs.model import load_model
+    from hetserve.specs.model import load_model_as
     from hetserve.specs.workload import load_workload
     from hetserve.calibration.step_compare import rows_from_json
 
     (tmp / "cluster.yaml").write_text(CLUSTER_SHARED if shared_cores else CLUSTER)
     cluster = load_cluster(str(tmp / "cluster.yaml"))
     model_dir = tiny_model(tmp)
-    spec = dataclasses.replace(load_model(model_dir), name="tiny")
+    spec = load_model_as(model_dir, "tiny")
     trace = load_workload("azure-conv").of_class("LPLD")
     cells = []
     for i, cell in enumerate(data["cells"]):
@@ -325,7 +324,7 @@ def main() -> int:
     from hetserve.calibration.file import served_efficiency, served_sim_options
     from hetserve.serve.loadgen import requests_from_workload
     from hetserve.specs.cluster import load_cluster
-    from hetserve.specs.model import load_model
+    from hetserve.specs.model import load_model_as
     from hetserve.specs.workload import load_workload
     from hetserve.calibration.step_compare import rows_to_json
 
@@ -345,8 +344,7 @@ def main() -> int:
         return path
 
     cal = args.calibration or calibrate("start")
-    import dataclasses
-    spec = dataclasses.replace(load_model(model_dir), name="tiny")
+    spec = load_model_as(model_dir, "tiny")
     trace = load_workload("azure-conv").of_class("LPLD")
     base_requests = requests_from_workload(trace, args.requests, max_input=128, max_output=32)
     cells = []

@@ -135,23 +135,19 @@ def compare(opts: CompareOptions) -> Comparison:
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import LoadRequest, replay, requests_from_workload, summarize
     from hetserve.specs.cluster import Cluster, load_cluster
-    from hetserve.specs.model import load_model
+    from hetserve.specs.model import load_model_as
     from hetserve.specs.workload import load_workload
     from hetserve.calibration.step_compare import (cpu_utilisation, machine_busy_cpu_s, other_cores_busy, process_cpu_s,
                                        served_rows)
 
     plan = opts.plan if isinstance(opts.plan, Plan) else Plan.load(opts.plan)
     cluster = opts.cluster if isinstance(opts.cluster, Cluster) else load_cluster(str(opts.cluster or plan.cluster))
-    spec = load_model(opts.model_dir)
-    if spec.name != plan.model:  # the checkpoint folder's name need not be the plan's model name
-        import dataclasses
-
-        spec = dataclasses.replace(spec, name=plan.model)
+    spec = load_model_as(opts.model_dir, plan.model)
     trace = load_workload(opts.workload)
     if opts.workload_class:
         trace = trace.of_class(opts.workload_class)
     if opts.rate:
-        trace = trace.with_rate(opts.rate)
+        trace = trace.with_rate(opts.rate, source=opts.workload)
     requests = requests_from_workload(trace, opts.num_requests, max_input=opts.max_input,
                                       max_output=opts.max_output, seed=opts.seed, start=opts.start)
     at_calibration, speed_note = speed_reference(opts.efficiency, opts.speed_correction)

@@ -126,16 +126,12 @@ def _load(opts: ServeOptions):
 
 def policy_context(opts: ServeOptions, plan, cluster):
     """The policies' context for ``plan``: ``PolicyContext.for_plan``, as the simulator builds it."""
-    import dataclasses
-
     from hetserve.cost.efficiency import Efficiency, load_efficiency
     from hetserve.policies.placement import PolicyContext
-    from hetserve.specs.model import load_model
+    from hetserve.specs.model import load_model_as
     from hetserve.specs.workload import SLO
 
-    # the checkpoint's architecture under the plan's name for the model: a folder's label need not be
-    # the name the plan was made with (the deployment checks that the layers and shapes fit the plan)
-    model = dataclasses.replace(load_model(opts.model_dir), name=plan.model)
+    model = load_model_as(opts.model_dir, plan.model)
     eff = opts.efficiency
     if eff is not None and not isinstance(eff, Efficiency):
         eff = load_efficiency(eff)

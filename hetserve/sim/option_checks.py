@@ -1,8 +1,5 @@
 """Options that cannot act on the trace or plan they are given: an error (or a note) that says why.
 
-* A rate (``--rate``, ``--rate-scale``, ``--sweep-rates``) rescales the trace's arrival times; a trace
-  whose requests all arrive at one instant (or that holds one request) has no spacing to rescale,
-  so the rate would be ignored. ``at_rate`` / ``at_rate_scale`` refuse it instead.
 * Link scheduling (``transmission``) orders the messages that cross the links. Under the aggregate
   pipeline model only KV hand-offs cross them (a pipeline's stage-to-stage activations are priced
   inside its step time, not sent); ``link_traffic`` says what the links carry for a plan, so the
@@ -11,42 +8,7 @@
 
 from __future__ import annotations
 
-from hetserve.errors import SpecError
 from hetserve.planner.plan import Plan
-from hetserve.specs.workload import Workload
-
-
-def _no_spacing(wl: Workload) -> str | None:
-    """Why ``wl``'s arrivals cannot be rescaled (None: they can)."""
-    if len(wl) < 2:
-        return f"{len(wl)} request" + ("" if len(wl) == 1 else "s")
-    if wl.duration_s <= 0:
-        return f"all {len(wl)} requests arriving at one instant ({float(wl.arrival_s[0]):g} s)"
-    return None
-
-
-def _refuse(wl: Workload, source: str | None, option: str, value: float, why: str) -> SpecError:
-    return SpecError(source or wl.name, "arrivals",
-                     f"arrivals spread over time for {option} {value:g} to rescale (drop {option} to replay the "
-                     f"trace as it is; a trace without arrival times, no TIMESTAMP column, gets Poisson arrivals "
-                     f"at --rate)", why)
-
-
-def at_rate(wl: Workload, rate: float, source: str | None = None, option: str = "--rate") -> Workload:
-    """``wl`` rescaled to a mean arrival rate of ``rate`` req/s (burst shape kept); a ``SpecError``
-    naming ``source`` (the trace as the user named it) when its arrivals have no spacing to rescale."""
-    why = _no_spacing(wl)
-    if why is not None:
-        raise _refuse(wl, source, option, rate, why)
-    return wl.with_rate(rate)
-
-
-def at_rate_scale(wl: Workload, factor: float, source: str | None = None) -> Workload:
-    """``wl`` with time compressed by ``factor``; refused as ``at_rate`` when nothing would change."""
-    why = _no_spacing(wl)
-    if why is not None:
-        raise _refuse(wl, source, "--rate-scale", factor, why)
-    return wl.scale_rate(factor)
 
 
 def pipelined_replicas(plan: Plan) -> list[str]:

@@ -7,7 +7,6 @@ from typing import Sequence
 
 from hetserve.cost.analytic import CostModel
 from hetserve.planner.plan import Plan
-from hetserve.sim.option_checks import at_rate
 from hetserve.sim.simulator import SimOptions, simulate
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec
@@ -26,7 +25,7 @@ def rate_sweep(plan: Plan, cluster: Cluster, model: ModelSpec, workload: Workloa
     cost = cost or CostModel(cluster, model)
     rows = []
     for rate in rates:
-        res = simulate(plan, cluster, model, at_rate(workload, rate, source, "--sweep-rates"), options, cost)
+        res = simulate(plan, cluster, model, workload.with_rate(rate, source=source, option="--sweep-rates"), options, cost)
         rows.append({"label": label, "rate": float(rate), "summary": res.summary()})
     if plot is not None:
         from hetserve.sim.plots import plot_rate_sweep

@@ -10,6 +10,8 @@ a Hugging Face ``config.json`` of the Llama, Mistral, Qwen2 or OPT families.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -214,3 +216,8 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
         return ModelSpec.from_hf_config(path)
     raise SpecError(key, "(model)", "a config.json, a checkpoint folder or a preset: " + ", ".join(model_presets()))
 
+
+def load_model_as(name_or_path: str | Path, name: str) -> ModelSpec:
+    """``load_model``, named as a plan names its model: a checkpoint folder's label need not be the
+    name the plan was made with (what must match, the layers and shapes, the deployment checks)."""
+    return dataclasses.replace(load_model(name_or_path), name=name)

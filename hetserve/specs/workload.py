@@ -141,17 +141,38 @@ class Workload:
     def window(self, start_s: float, end_s: float) -> "Workload":
         return self._take((self.arrival_s >= start_s) & (self.arrival_s < end_s), self.name)
 
-    def scale_rate(self, factor: float) -> "Workload":
-        """Compress time by ``factor`` (2 = twice the arrival rate); the burst shape is kept."""
+    def unspaced(self) -> str | None:
+        """Why the arrivals cannot be rescaled to a rate (None: they can): one request, or all of
+        them at one instant, have no spacing to stretch."""
+        if len(self) < 2:
+            return f"{len(self)} request" + ("" if len(self) == 1 else "s")
+        if self.duration_s <= 0:
+            return f"all {len(self)} requests arriving at one instant ({float(self.arrival_s[0]):g} s)"
+        return None
+
+    def _refuse_rescale(self, source: str | None, option: str, value: float) -> None:
+        why = self.unspaced()
+        if why is not None:  # a rate that would be ignored is refused, never silently dropped
+            raise SpecError(source or self.name, "arrivals",
+                            f"arrivals spread over time for {option} {value:g} to rescale (drop {option} to replay "
+                            f"the trace as it is; a trace without arrival times, no TIMESTAMP column, gets Poisson "
+                            f"arrivals at --rate)", why)
+
+    def scale_rate(self, factor: float, *, source: str | None = None, option: str = "--rate-scale") -> "Workload":
+        """Compress time by ``factor`` (2 = twice the arrival rate); the burst shape is kept.
+        ``SpecError`` naming ``source`` (the trace as the user named it) and ``option`` when the
+        arrivals have no spacing to compress."""
         if factor <= 0:
             raise SpecError(self.name, "rate_scale", "a positive number", factor)
+        self._refuse_rescale(source, option, factor)
         return Workload(self.name, self.arrival_s / factor, self.input_tokens, self.output_tokens)
 
-    def with_rate(self, rate: float) -> "Workload":
-        """Rescale arrivals so the mean rate is ``rate`` requests/s."""
+    def with_rate(self, rate: float, *, source: str | None = None, option: str = "--rate") -> "Workload":
+        """Rescale arrivals so the mean rate is ``rate`` requests/s (refused as ``scale_rate``)."""
         if rate <= 0:
             raise SpecError(self.name, "rate", "a positive number of requests/s", rate)
-        return self.scale_rate(rate / self.rate) if self.rate > 0 else self
+        self._refuse_rescale(source, option, rate)
+        return Workload(self.name, self.arrival_s / (rate / self.rate), self.input_tokens, self.output_tokens)
 
     def with_poisson_arrivals(self, rate: float, seed: int = 0) -> "Workload":
         """Replace arrival times with a Poisson process at ``rate`` req/s."""
@@ -233,7 +254,7 @@ def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
     if time_col is None:
         wl = wl.with_poisson_arrivals(rate or DEFAULT_SYNTHETIC_RATE, seed)
     elif rate is not None:
-        wl = wl.with_rate(rate)
+        wl = wl.with_rate(rate, source=str(src))
     return wl
 
 

@@ -115,3 +115,13 @@ def test_describe_workload_refuses_a_rate_it_cannot_apply(tmp_path, capsys):
     assert main(["describe", "workload", trace, "--rate", "5"]) == 2
     assert f"{trace}: field 'arrivals'" in capsys.readouterr().err
     assert main(["describe", "workload", trace]) == 0
+
+
+def test_every_command_refuses_a_rate_the_trace_cannot_take(pool, capsys):
+    """The rule lives in ``Workload.with_rate``: capacity and describe refuse it as simulate does."""
+    trace = write(pool, [(0, 100 + k, 20) for k in range(20)], "burst.csv")
+    assert main(["capacity", "--model", "llama-2-7b", "--gpu", "A100-SXM-80G", "--workload", trace, "--rate", "5",
+                 "--slo-ttft", "1", "--slo-tpot", "0.1", "--requests", "20"]) == 2
+    assert "at one instant" in capsys.readouterr().err
+    assert main(["describe", "workload", trace, "--rate", "5"]) == 2
+    assert "at one instant" in capsys.readouterr().err

@@ -136,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"N_w = ceil({law.k5:.4f} * r {law.c5 + 0.0:+.3f})  (R² {law.r2:.3f}, "
                       f"max error {law.max_abs_error} worker(s))")
         if args.heartbeat:
-            plan = plan_scaling(base.with_rate(max(rates)) if base.rate > 0 else base, law, args.heartbeat, g)
+            plan = plan_scaling(base.with_rate(max(rates), source=args.workload, option="--rates"), law, args.heartbeat,
+                                g)
             console.print(f"scaling every {args.heartbeat:g}s over the trace at mean {max(rates):g} req/s: "
                           f"{plan.gpu_hours:.2f} GPU-hours vs {plan.static_gpu_hours:.2f} for the peak "
                           f"({plan.peak_workers} workers) all along")

@@ -46,8 +46,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         w = load_workload(args.name, rate=args.rate)
         if args.rate is not None:
-            from hetserve.sim.option_checks import at_rate
-            at_rate(w, args.rate, args.name)  # arrivals at one instant take no rate: say so, not ignore it
+            w.with_rate(args.rate, source=args.name)  # arrivals at one instant take no rate: say so, not ignore it
         describe_workload(w, console)
     return 0
 

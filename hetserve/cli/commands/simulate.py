@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--rate-scale", type=float, help="multiply the arrival rate (compress time)")
     rate.add_argument("--rate", type=float, help="mean arrival rate, req/s")
-    add_policy_options(p)  # under --pipeline aggregate only KV hand-offs cross the links (sim/option_checks.py)
+    add_policy_options(p)  # under --pipeline aggregate only KV hand-offs cross the links (Workload.with_rate)
     p.add_argument("--gamma", type=float, help="aladdin: strictness knob γ in [0, 1] (default 0.5)")
     p.add_argument("--theta", type=float, help="aladdin: safety factor θ in (0, 1] (default 1)")
     p.add_argument("--slo-ttft", type=float, help="TTFT target, seconds")
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.planner.plan import Plan
     from hetserve.planner.validate import validate_plan
     from hetserve.sim import SimOptions, simulate
-    from hetserve.sim.option_checks import at_rate, at_rate_scale, transmission_note
+    from hetserve.sim.option_checks import transmission_note
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import SLO, load_workload
 
@@ -104,9 +104,9 @@ def run(args: argparse.Namespace) -> int:
         wl = wl.head(args.limit)
     # a rate the trace's arrivals cannot take is refused here, not ignored (sim/option_checks.py)
     if args.rate_scale is not None:
-        wl = at_rate_scale(wl, args.rate_scale, args.workload)
+        wl = wl.scale_rate(args.rate_scale, source=args.workload)
     elif args.rate is not None:
-        wl = at_rate(wl, args.rate, args.workload)
+        wl = wl.with_rate(args.rate, source=args.workload)
     over = int(((wl.input_tokens + wl.output_tokens) > model.max_context).sum()) if len(wl) else 0
     if over and args.within_context:
         wl = wl.within_context(model.max_context)
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if len(wl) == 0:
         raise SpecError(args.workload, "(requests)", "at least one request after filtering")
     if rates:
-        at_rate(wl, rates[0], args.workload, "--sweep-rates")  # before the first simulation, not after it
+        wl.with_rate(rates[0], source=args.workload, option="--sweep-rates")  # before the first simulation, not after it
     try:
         slo = SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e)
     except ValueError as exc:

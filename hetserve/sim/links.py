@@ -13,10 +13,13 @@ last part is delivered.
 
 from __future__ import annotations
 
-from typing import Callable
+import heapq
+import math
+from typing import Any, Callable
 
+from hetserve.cost.network import max_min_rates
 from hetserve.policies.base import TrafficKind, TransmissionPolicy
-from hetserve.policies.links import LinkModel, SenderQueue
+from hetserve.policies.links import EPS_BYTES, KINDS, LinkModel, Message, SenderQueue
 from hetserve.sim.events import EventLoop, Priority
 from hetserve.specs.network import Path, pair_path
 
@@ -35,15 +38,17 @@ class Network:
     """The link model of one simulation, driven by its event loop.
 
     ``paths(src, dst)`` gives a device pair's ``Path`` (``Cluster.path``); without it every pair
-    is a private link from the ``latency`` / ``bandwidth`` matrices (no sharing)."""
+    is a private link from the ``latency`` / ``bandwidth`` matrices (no sharing). ``model``: the
+    link model class (default ``SharedLinks``)."""
 
     def __init__(self, latency, bandwidth, make_policy: Callable[[], TransmissionPolicy], loop: EventLoop,
                  paths: Callable[[int, int], Path] | None = None, overhead_s: float = 0.0,
-                 competing_penalty: float = 0.0):
+                 competing_penalty: float = 0.0, model: type[LinkModel] | None = None):
         self._lat, self._bw, self.loop = latency, bandwidth, loop
         self._paths = paths
         self._path_cache: dict[tuple[int, int], Path] = {}
-        self.model = LinkModel(make_policy, overhead_s, competing_penalty)
+        # ``SharedLinks`` by default (the same rule, re-shared per component); ``LinkModel`` re-shares all
+        self.model = (model or SharedLinks)(make_policy, overhead_s, competing_penalty)
         self.policy_name = getattr(make_policy(), "name", "?")
         self._transfers: dict[int, Transfer] = {}
         self._next_id = 0
@@ -110,3 +115,197 @@ def _deliver(transfer: Transfer) -> None:
     transfer.parts_left -= 1
     if transfer.parts_left == 0:
         transfer.on_done(transfer.start_s)
+
+
+class _QueueState:
+    """Per-queue bookkeeping of ``SharedLinks``: the rates of the queue's sends (aligned with
+    ``SenderQueue.sends``), the time they were settled to, an epoch that invalidates old heap
+    entries, and the resource keys the sends cross (with multiplicity)."""
+
+    __slots__ = ("order", "since", "rates", "epoch", "keys")
+
+    def __init__(self, order: int):
+        self.order, self.since, self.rates, self.epoch = order, 0.0, [], 0
+        self.keys: dict = {}
+
+
+class SharedLinks(LinkModel):
+    """``LinkModel`` with the same sharing rule, re-shared only where a send started or ended.
+
+    Max-min rates of one connected component of sends (sends joined by a common resource) do not
+    depend on sends outside it, so when a queue's sends change only the component of the
+    resources its old and new sends cross is re-shared; every other send keeps its rate and its
+    finish time. Each queue is settled (bytes moved at its rates) lazily, when its rates change or
+    it is re-planned; each queue's first finish time sits in a heap, stale entries skipped by the
+    queue's epoch.
+    Running time per event: O(sends in the touched component × path length + log heap), not
+    O(all sends on the wire). Figures equal ``LinkModel``'s up to float rounding of the bytes
+    moved (settled once per rate change instead of at every event of the network).
+    """
+
+    def __init__(self, make_policy: Callable[[], TransmissionPolicy], overhead_s: float = 0.0,
+                 competing_penalty: float = 0.0):
+        super().__init__(make_policy, overhead_s, competing_penalty)
+        self._state: dict[str, _QueueState] = {}
+        self._on_res: dict = {}  # resource key -> {queue name: sends crossing it}
+        self._touched: set = set()  # resource keys whose sends changed since the last re-share
+        self._heap: list = []  # (first finish s of the queue, seq, queue name, epoch)
+        self._seq = 0
+        self._busy: set[str] = set()  # queues with sends on the wire
+
+    def queue(self, path: Path) -> SenderQueue:
+        q = super().queue(path)
+        if q.name not in self._state:
+            self._state[q.name] = _QueueState(len(self._state))
+        return q
+
+    @property
+    def idle(self) -> bool:
+        self._fresh()
+        return not self._busy
+
+    def next_event_s(self) -> float | None:
+        self._fresh()
+        heap = self._heap
+        while heap:
+            t, _, name, epoch = heap[0]
+            if self._state[name].epoch == epoch:
+                return max(t, self._since) if math.isfinite(t) else None
+            heapq.heappop(heap)
+        return None
+
+    # ------------------------------------------------------------------ internals
+    def _settle(self, now: float) -> None:
+        """Only the clock moves; queues are settled when their rates change."""
+        self._fresh()
+        self._since = max(self._since, now)
+
+    def _settle_queue(self, q: SenderQueue, now: float) -> None:
+        st = self._state[q.name]
+        dt = now - st.since
+        if dt > 0 and q.sends:
+            for s, r in zip(q.sends, st.rates):
+                moved = min(s[1], r * dt) if math.isfinite(r) else s[1]
+                s[1] -= moved
+                s[0].remaining -= moved
+                q.bytes_sent[s[0].kind] += moved
+            q.busy_s += dt
+        st.since = max(st.since, now)
+
+    def _rekey(self, q: SenderQueue) -> None:
+        """Move ``q``'s entries in the resource index to its current sends; mark both touched."""
+        st = self._state[q.name]
+        for k in st.keys:
+            users = self._on_res[k]
+            del users[q.name]
+            if not users:
+                del self._on_res[k]
+            self._touched.add(k)
+        keys: dict = {}
+        for s in q.sends:
+            for k in s[0].path.names:
+                keys[k] = keys.get(k, 0) + 1
+        for k, n in keys.items():
+            self._on_res.setdefault(k, {})[q.name] = n
+            self._touched.add(k)
+        st.keys = keys
+        st.rates = []
+        st.epoch += 1
+        if q.sends:
+            self._busy.add(q.name)
+        else:
+            self._busy.discard(q.name)
+        self._stale = True
+
+    def _replan(self, q: SenderQueue, now: float) -> None:
+        self._settle_queue(q, now)
+        q.replan(now)
+        self._rekey(q)
+
+    def _fresh(self) -> None:
+        if not self._stale:
+            return
+        self._stale = False
+        # the component: every queue reachable from the touched resources through shared resources
+        seen_k, seen_q, todo = set(self._touched), set(), list(self._touched)
+        self._touched = set()
+        while todo:
+            for name in self._on_res.get(todo.pop(), ()):
+                if name not in seen_q:
+                    seen_q.add(name)
+                    for k in self._state[name].keys:
+                        if k not in seen_k:
+                            seen_k.add(k)
+                            todo.append(k)
+        # flows in the order ``LinkModel`` flattens them (queue creation order), so the water
+        # filling visits resources and subtracts shares in the same order
+        qs = sorted((self.queues[n] for n in seen_q), key=lambda q: self._state[q.name].order)
+        wire = [s for q in qs for s in q.sends]
+        rates = (max_min_rates([s[0].path.resources for s in wire], self.competing_penalty,
+                               keys=[s[0].path.names for s in wire]) if wire else [])
+        i, now = 0, self._since
+        for q in qs:
+            self._settle_queue(q, now)
+            st = self._state[q.name]
+            st.rates = rates[i:i + len(q.sends)]
+            i += len(q.sends)
+            st.epoch += 1
+            self._push(q, st)
+
+    def _finish_times(self, q: SenderQueue, st: _QueueState) -> list[float]:
+        return [st.since + (s[1] / r if r > 0 else math.inf) if math.isfinite(r) else st.since
+                for s, r in zip(q.sends, st.rates)]
+
+    def _push(self, q: SenderQueue, st: _QueueState) -> None:
+        """One heap entry per queue: when its first send finishes at its current rates."""
+        if q.sends:
+            self._seq += 1
+            heapq.heappush(self._heap, (min(self._finish_times(q, st)), self._seq, q.name, st.epoch))
+
+    def _on_event(self, t: float) -> list[tuple[Any, float]]:
+        tol = t + 1e-12 * max(1.0, abs(t))
+        heap, names = self._heap, []
+        while heap and heap[0][0] <= tol:
+            _, _, name, epoch = heapq.heappop(heap)
+            if self._state[name].epoch == epoch:
+                names.append(name)
+        self._since = max(self._since, t)
+        done = []
+        for name in sorted(names, key=lambda n: self._state[n].order):
+            q, st = self.queues[name], self._state[name]
+            fin = self._finish_times(q, st)
+            ending = [s for s, f in zip(q.sends, fin) if f <= tol] or [q.sends[fin.index(min(fin))]]
+            self._settle_queue(q, t)
+            for s in ending:
+                if s[1] > 0:  # the sends finishing now end exactly (no float residue from rate × dt)
+                    s[0].remaining -= s[1]
+                    q.bytes_sent[s[0].kind] += s[1]
+                    s[1] = 0.0
+            finished = [s for s in q.sends if s[1] <= EPS_BYTES + 1e-12 * s[0].total]
+            for m, _ in finished:
+                if m.remaining <= EPS_BYTES + 1e-9 * m.total:
+                    del q.pending[m.id]
+                    done.append((m.id, t + m.path.latency_s + self.overhead_s))
+            self._replan(q, t)
+        return done
+
+    def put(self, mid: Any, kind: TrafficKind, path: Path, nbytes: float, now: float) -> list[tuple[Any, float]]:
+        if kind not in KINDS:
+            raise ValueError(f"traffic kind must be one of {KINDS}, got {kind!r}")
+        q = self.queue(path)
+        if mid in q.pending:
+            raise ValueError(f"message {mid} is already pending")
+        done = self.advance(now)
+        q.messages[kind] += 1
+        if nbytes <= 0:
+            done.append((mid, now + path.latency_s + self.overhead_s))
+            return done
+        self._settle(now)
+        self._settle_queue(q, now)
+        q.pending[mid] = Message(mid, kind, path, nbytes, now)
+        if not q.sends or q.concurrent:
+            # idle, or sharing: re-decide now; sequential and busy: the send in flight ends first
+            self._replan(q, now)
+        if not math.isfinite(path.bandwidth):
+            self._fresh()  # an unlimited path finishes at once: let the next advance see it
+        return done

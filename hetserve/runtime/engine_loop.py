@@ -113,7 +113,7 @@ class EngineLoop(Recovery):
     def _handle(self, msg: Message) -> None:
         kind = msg.kind
         if kind == "result":
-            self._on_result(msg.meta["step"], msg.tensors["tokens"].tolist(), msg.meta)
+            self._on_result(msg.meta["step"], msg.tensors["tokens"].tolist(), msg.meta, msg.tensors)
         elif kind == "kv_ready":
             self._on_kv_ready(msg.meta["seq"], msg.meta["worker"])
         elif kind == "submit":
@@ -150,7 +150,7 @@ class EngineLoop(Recovery):
         # "wake", "link_error" (the exit poll reports dead peers): nothing to do
 
     # ------------------------------------------------------------------ steps and hand-offs
-    def _on_result(self, step_id: int, tokens: list[int], meta: dict) -> None:
+    def _on_result(self, step_id: int, tokens: list[int], meta: dict, tensors: dict | None = None) -> None:
         entry = self.steps.pop(step_id, None)
         if entry is None:
             return  # a step of a replica that has failed meanwhile
@@ -163,9 +163,12 @@ class EngineLoop(Recovery):
             self.step_times.append(timing)
         sched = self.schedulers[rid]
         sched.complete(step_id)
-        for seq, token, q in zip(seqs, tokens, q_lens):
+        lps = StepLogprobs(seqs, q_lens, tensors or {})
+        for b, (seq, token, q) in enumerate(zip(seqs, tokens, q_lens)):
             if seq.status in (Status.FAILED, Status.FINISHED):
                 continue
+            if b in lps.prompt:
+                seq.handle._prompt_logprobs(*lps.prompt[b])
             seq.num_cached += q
             if seq.aborted:
                 self._finish(seq, "abort")
@@ -173,7 +176,7 @@ class EngineLoop(Recovery):
             if not sched.chunk_done(seq):
                 continue  # chunked prefill, not its last chunk: the token it sampled is no output
             seq.output.append(int(token))
-            seq.handle._push(int(token))
+            seq.handle._push(int(token), lps.sampled.get(b))
             reason = seq.finish_reason()
             if reason:
                 self._finish(seq, reason)
@@ -259,7 +262,8 @@ class EngineLoop(Recovery):
         entries, input_ids, q_lens = [], [], []
         for seq in batch:
             start, tokens = seq.next_input()
-            entries.append((seq.id, start, len(tokens), seq.table, seq.sample_key()))
+            entries.append((seq.id, start, len(tokens), seq.table, seq.sample_key(),
+                            seq.step_extra(start, len(tokens))))
             input_ids.extend(tokens)
             q_lens.append(len(tokens))
         priority = Priority.PREFILL if any(s.prefilling for s in batch) else Priority.DECODE
@@ -327,3 +331,30 @@ class EngineLoop(Recovery):
 
     def _in_handoff(self) -> list[Sequence]:
         return [*self.handoff_queue, *self.handoffs.values()]
+
+
+class StepLogprobs:
+    """A step result's logprobs, per row ``b`` of the step: ``sampled[b]`` = (logprob of the sampled
+    token, [(id, logprob)] of its alternatives), ``prompt[b]`` = (first position, one such pair per
+    prompt position fed). Rows of requests that did not ask have no entry."""
+
+    def __init__(self, seqs: list[Sequence], q_lens: list[int], tensors: dict):
+        self.sampled: dict[int, tuple] = {}
+        self.prompt: dict[int, tuple] = {}
+        if "lp" in tensors:
+            lp, ids, lps = tensors["lp"].tolist(), tensors["top_ids"].tolist(), tensors["top_lps"].tolist()
+            for b, seq in enumerate(seqs):
+                k = seq.params.logprobs
+                if k is not None:
+                    self.sampled[b] = (lp[b], list(zip(ids[b][:k], lps[b][:k])))
+        if "p_lp" in tensors:
+            lp, ids, lps = tensors["p_lp"].tolist(), tensors["p_top_ids"].tolist(), tensors["p_top_lps"].tolist()
+            row = 0
+            for b, (seq, q) in enumerate(zip(seqs, q_lens)):
+                k, start, n = seq.params.prompt_logprobs, seq.num_cached, 0
+                if k is not None and start < len(seq.prompt) - 1:
+                    n = min(start + q, len(seq.prompt) - 1) - start  # as ``Sequence.step_extra`` asked
+                if n:
+                    self.prompt[b] = (start, [(lp[i], list(zip(ids[i][:k], lps[i][:k]))) for i in range(row, row + n)])
+                row += n
+

@@ -18,6 +18,10 @@ class RequestHandle:
         self.request_id = request_id
         self.prompt_len = prompt_len
         self.tokens: list[int] = []
+        # when the request asked for them: per token, (logprob, [(id, logprob)] alternatives) or None
+        self.logprobs: list[tuple | None] = []
+        # per prompt position after the first (asked with prompt_logprobs): the same pairs
+        self.prompt_logprobs: list[tuple] = []
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.error: BaseException | None = None
         self.arrival_time = time.monotonic()
@@ -103,12 +107,18 @@ class RequestHandle:
         return (self.finish_time - self.first_token_time) / (len(self.tokens) - 1)
 
     # ------------------------------------------------------------------ producer side (engine thread)
-    def _push(self, token: int) -> None:
+    def _push(self, token: int, logprobs: tuple | None = None) -> None:
         with self._cv:
             if self.first_token_time is None:
                 self.first_token_time = time.monotonic()
+            self.logprobs.append(logprobs)
             self.tokens.append(token)
             self._notify()
+
+    def _prompt_logprobs(self, start: int, entries: list[tuple]) -> None:
+        """Positions ``start ..`` of the prompt's logprobs (a re-run's prefill writes the same ones again)."""
+        with self._cv:
+            self.prompt_logprobs[start:start + len(entries)] = entries
 
     def _finish(self, reason: str, error: BaseException | None = None) -> None:
         with self._cv:

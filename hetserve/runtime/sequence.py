@@ -59,6 +59,7 @@ class Sequence:
     preemptions: int = 0  # times it was pre-empted (paged KV) and recomputed
     transfer: int = 0  # id of its current KV hand-off (fresh per attempt, so stale pieces never count)
     handoff_sent: float = 0.0  # monotonic time its current hand-off was sent to the prefill workers
+    _seen: list[int] | None = None  # the prompt's distinct ids, for the repetition penalty (computed once)
 
     @property
     def reserve_tokens(self) -> int:
@@ -83,7 +84,23 @@ class Sequence:
         return self.num_cached, [self.output[-1]]
 
     def sample_key(self) -> SampleKey:
-        return (self.params.temperature, self.params.top_p, self.seed, len(self.output))
+        p = self.params
+        return (p.temperature, p.top_p, self.seed, len(self.output), p.presence_penalty, p.frequency_penalty,
+                p.repetition_penalty, -1 if p.logprobs is None else p.logprobs)
+
+    def step_extra(self, start: int, q_len: int) -> dict | None:
+        """What the last stage needs beyond the sample key (plain data; None: nothing):
+        ``history`` (prompt ids seen, output so far) for penalties; ``targets``, the next token of each
+        fed position that is a prompt position with a next prompt token, for prompt logprobs."""
+        p, extra = self.params, {}
+        if p.penalized:
+            if self._seen is None:
+                self._seen = sorted(set(self.prompt))
+            extra["history"] = (self._seen, list(self.output))
+        if p.prompt_logprobs is not None and start < len(self.prompt) - 1:
+            extra["targets"] = self.prompt[start + 1:min(start + q_len, len(self.prompt) - 1) + 1]
+            extra["k"] = p.prompt_logprobs
+        return extra or None
 
     def finish_reason(self) -> str | None:
         """"stop" / "length" once the last token ends the request, else None."""

@@ -8,7 +8,8 @@ an adapter.
     generate(request_id, prompt_token_ids, params, replica) -> async iterator of token ids
         Tokens as the engine produces them; the iterator ends when the request finishes (it hit
         ``max_tokens`` or produced a token of ``stop_token_ids``, which is yielded too). Raises
-        (or the iterator raises) on engine failure.
+        (or the iterator raises) on engine failure. When ``params`` asks for logprobs, each token is
+        a ``SampledToken`` (an int carrying them); the first one carries the prompt's too.
     abort(request_id)          free the request's slot and KV; a no-op for unknown or finished ids.
                                Synchronous and non-blocking: it is called from ``finally`` blocks of
                                cancelled tasks (a client that went away), where nothing may be awaited
@@ -26,6 +27,21 @@ from typing import AsyncIterator, Protocol, Sequence
 from hetserve.policies.base import ReplicaState
 
 from hetserve.runtime.params import SamplingParams
+
+
+class SampledToken(int):
+    """A token id (an int wherever one is expected) with its logprob and the ``top`` alternatives,
+    [(id, logprob)]; the first token of a request that asked for prompt logprobs also carries
+    ``prompt_logprobs``: one (logprob, alternatives) per prompt token after the first."""
+
+    logprob: float | None
+    top: list
+    prompt_logprobs: list | None
+
+    def __new__(cls, token: int, logprob: float | None = None, top=(), prompt_logprobs=None):
+        self = super().__new__(cls, token)
+        self.logprob, self.top, self.prompt_logprobs = logprob, list(top), prompt_logprobs
+        return self
 
 
 class Backend(Protocol):

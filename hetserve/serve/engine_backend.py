@@ -20,6 +20,7 @@ from hetserve.errors import InfeasibleError, RuntimeFailure
 from hetserve.policies.base import ReplicaState
 from hetserve.runtime.params import SamplingParams
 from hetserve.runtime.snapshot import state_from_stats
+from hetserve.serve.backend import SampledToken
 from hetserve.serve.errors import ContextLengthExceeded, InvalidRequest, ServerError, Unavailable
 
 
@@ -43,9 +44,16 @@ class EngineBackend:
         except RuntimeFailure as exc:
             raise Unavailable(str(exc)) from exc
         self._handles[request_id] = handle
+        detailed = params.logprobs is not None or params.prompt_logprobs is not None
         try:
             try:
+                i = 0
                 async for token in handle:
+                    if detailed:  # a token's logprobs are stored before the token (RequestHandle._push)
+                        lp = handle.logprobs[i] or (None, [])
+                        token = SampledToken(token, lp[0], lp[1], handle.prompt_logprobs if i == 0 and
+                                             params.prompt_logprobs is not None else None)
+                    i += 1
                     yield token
             except RuntimeFailure as exc:
                 raise ServerError(str(exc)) from exc

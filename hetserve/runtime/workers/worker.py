@@ -8,7 +8,8 @@ and sends the tokens to the coordinator.
 
 Messages a worker receives:
 
-    step      {step, seqs: [(seq_id, start, q_len, block_table, sample_key)], handoffs, priority}
+    step      {step, seqs: [(seq_id, start, q_len, block_table, sample_key, extra)], handoffs, priority}
+              (``extra``: None, or {history, targets, k}: ``Sequence.step_extra``)
               (+ input_ids for the first stage, hidden for the others); leaders only
     kv        one piece of a KV hand-off, written into the pool on the receiving thread; when all
               pieces of a request are in, the worker tells the coordinator ``kv_ready``
@@ -35,7 +36,7 @@ from hetserve.runtime.layout import KVTransfer, ReplicaSpec, WorkerSpec, kv_tran
 from hetserve.runtime.model.attention import build_attn_meta
 from hetserve.runtime.model.config import ArchConfig
 from hetserve.runtime.model.loader import build_stage
-from hetserve.runtime.sampling import sample
+from hetserve.runtime.sampling import sample, token_logprobs, wants_logprobs
 from hetserve.runtime.workers.transport import Priority, SocketTransport
 from hetserve.runtime.workers.auth import LinkSecurity
 from hetserve.runtime.workers.wire import Message, pack_data, unpack_data
@@ -239,12 +240,35 @@ class Worker:
             return
         if spec.is_last:
             logits = self.model.logits(h[am.last_token])  # (B, V)
-            tokens = sample(logits, [s[4] for s in seqs])
-            self.transport.send(ENGINE, Message("result", {"step": meta["step"], **_spent(meta, began)},
-                                                {"tokens": tokens}))
+            extras = [s[5] if len(s) > 5 else None for s in seqs]
+            keys = [s[4] for s in seqs]
+            tokens = sample(logits, keys, [e.get("history") if e else None for e in extras])
+            out = {"tokens": tokens}
+            k = wants_logprobs(keys)
+            if k >= 0:  # every row gets the widest k; the coordinator keeps each request's own
+                out["lp"], out["top_ids"], out["top_lps"] = token_logprobs(logits, tokens, k)
+            out.update(self._prompt_logprobs(h, am, seqs, extras))
+            self.transport.send(ENGINE, Message("result", {"step": meta["step"], **_spent(meta, began)}, out))
         else:
             meta.update(_spent(meta, began))  # the next stage adds its own
             self.transport.send(spec.next_leader, Message("step", meta, {"hidden": h}), Priority(meta["priority"]))
+
+    def _prompt_logprobs(self, h: torch.Tensor, am, seqs: list, extras: list) -> dict[str, torch.Tensor]:
+        """Logprobs of the prompt tokens this step fed, for the sequences that ask (``targets``): the
+        rows of each one's positions, in ``seqs`` order, concatenated. Only these rows go through the
+        LM head, so a step that asks for none pays nothing."""
+        rows, targets, k = [], [], 0
+        for b, (s, e) in enumerate(zip(seqs, extras)):
+            if e and e.get("targets"):
+                first = int(am.last_token[b]) - s[2] + 1  # this sequence's first row in the step
+                rows.extend(range(first, first + len(e["targets"])))
+                targets.extend(e["targets"])
+                k = max(k, int(e.get("k", 0)))
+        if not rows:
+            return {}
+        logits = self.model.logits(h[torch.tensor(rows, device=h.device)])  # (N, V)
+        lp, ids, lps = token_logprobs(logits, torch.tensor(targets), k)
+        return {"p_lp": lp, "p_top_ids": ids, "p_top_lps": lps}
 
     def _send_kv(self, handoffs: list) -> None:
         """Send this worker's pieces of each hand-off (its layers x its KV heads) to the decode workers."""

@@ -63,7 +63,7 @@ class Replica:
         self._computing_tp: float | None = None
 
     # ------------------------------------------------------------------ bookkeeping
-    def _kv_add(self, tokens: float) -> None:
+    def kv_add(self, tokens: float) -> None:
         now = self.loop.now
         self._kv_area += self.kv_used * (now - self._kv_t)
         self._kv_t = now
@@ -83,7 +83,7 @@ class Replica:
         area = self._kv_area + self.kv_used * max(0.0, end - self._kv_t)
         return area / end if end > 0 else 0.0
 
-    def _can_hold(self, used: float, tokens: float) -> bool:
+    def can_hold(self, used: float, tokens: float) -> bool:
         # A request larger than the whole pool still runs once the pool is empty (never dropped).
         return used + tokens <= self.kv_capacity or used <= 0
 

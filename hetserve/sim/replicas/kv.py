@@ -48,17 +48,17 @@ class ReserveKV:
         return 0
 
     def admits(self, rid: int, whole_segment: bool = False) -> bool:
-        return self.rep._can_hold(self.rep.kv_used, self.need(rid))
+        return self.rep.can_hold(self.rep.kv_used, self.need(rid))
 
     def admit(self, rid: int) -> None:
-        self.rep._kv_add(self.need(rid))
+        self.rep.kv_add(self.need(rid))
 
     def join(self, rid: int) -> int:
         """``rid`` joins the batch: tokens it has generated so far (its first, from the prefill)."""
         return 1
 
     def finish(self, rid: int) -> None:
-        self.rep._kv_add(-self.need(rid))
+        self.rep.kv_add(-self.need(rid))
 
     def after_finish(self) -> None:
         pass
@@ -115,7 +115,7 @@ class PagedKV:
         rep = self.rep
         if j is None:
             j = rep.batch.iterations_done(rep.loop.now)
-        rep._kv_add(self._used(j) * self.bs - rep.kv_used)
+        rep.kv_add(self._used(j) * self.bs - rep.kv_used)
 
     # ------------------------------------------------------------------ admission
     def prefill_tokens(self, rid: int) -> int:

@@ -55,7 +55,7 @@ class PrefillReplica(Replica):
 
     def release(self, rid: int) -> None:
         """The decode side has pulled ``rid``'s KV (or it needed none): free it."""
-        self._kv_add(-self.reservation(rid))
+        self.kv_add(-self.reservation(rid))
         if self.queue:
             self._kick()
 
@@ -77,7 +77,7 @@ class PrefillReplica(Replica):
             rid = self.queue[0]
             need = self.reservation(rid)
             n = self._tokens(rid)
-            if not step.offer(n, self._can_hold(self.kv_used + held, need)):
+            if not step.offer(n, self.can_hold(self.kv_used + held, need)):
                 break
             rids.append(self.queue.popleft())
             lengths.append(n)
@@ -99,7 +99,7 @@ class PrefillReplica(Replica):
         self.queued_tokens -= tokens
         self.running += len(rids)
         self.running_tokens += tokens
-        self._kv_add(held)
+        self.kv_add(held)
         batch = PrefillBatch.of(lengths)
         slow = self.env.slowdown(self)
         t = now + self.env.dispatch_wait(self, decodes=False)  # the step waits for the front end to send it

@@ -1,0 +1,55 @@
+"""``hetserve route``: the OpenAI API in front of a bundle's backends (deploy.json) or of URLs."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "route", help="front OpenAI-compatible backends (a bundle's deploy.json, or URLs) with placement and retries",
+        description="Serve the OpenAI API and forward each request to one of the backends: the plan's weights "
+                    "(or a placement policy) choose; a backend that fails is taken out until its health check "
+                    "passes, and a request that has not streamed yet is retried on another; P/D plans follow "
+                    "vLLM's disaggregated-proxy protocol (docs/deploy.md).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--deploy", metavar="deploy.json", help="a bundle's deploy.json (hetserve export)")
+    src.add_argument("--backends", metavar="URL,URL", help="colocated backends' base URLs, equal weights")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--policy", default="weights", choices=("weights", "jsq", "rr", "lot", "po2"),
+                   help="weights (default): the plan's request shares; or a placement policy over in-flight counts")
+    p.add_argument("--health-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between health checks of every backend (default 1; 0: none)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per-request timeout (default 600)")
+    p.add_argument("--backend-api-key-file", metavar="FILE", help="a file holding the key the backends want")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from hetserve.errors import SpecError
+    from hetserve.serve.route.app import Router
+    from hetserve.serve.route.backends import BackendPool, config_from_deploy, config_from_urls
+    from hetserve.serve.route.server import create_app
+
+    if not 0 <= args.port <= 65535:
+        raise SpecError("--port", "(option)", "an integer in [0, 65535]", str(args.port))
+    for flag, v in (("--timeout", args.timeout), ("--health-interval", args.health_interval)):
+        if not v >= 0 or (flag == "--timeout" and v == 0):
+            raise SpecError(flag, "(option)", "a positive number of seconds", str(v))
+    config = (config_from_deploy(args.deploy) if args.deploy
+              else config_from_urls([u.strip() for u in args.backends.split(",") if u.strip()]))
+    key = None
+    if args.backend_api_key_file:
+        try:
+            with open(args.backend_api_key_file) as f:
+                key = f.read().strip()
+        except OSError as exc:
+            raise SpecError(args.backend_api_key_file, "--backend-api-key-file", "a readable file",
+                            exc.strerror or str(exc)) from exc
+    router = Router(BackendPool(config, args.policy), timeout_s=args.timeout, health_interval_s=args.health_interval,
+                    api_key=key)
+    uvicorn.run(create_app(router), host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,210 @@
+"""``hetserve route``'s HTTP app: the OpenAI API in front of OpenAI-compatible backends.
+
+A request is validated with ``hetserve serve``'s own request models (``serve.protocol``) and its
+errors come back in the same JSON shape (``serve.errors``); the body the client sent is then
+forwarded as it is. One backend takes it (``BackendPool.pick_entry``). Under P/D the vLLM
+disaggregated-proxy protocol applies (as vLLM's ``toy_proxy_server.py``): the prefill backend
+gets the body with ``max_tokens`` 1, ``stream`` false, no ``stream_options`` / ``min_tokens`` and
+``kv_transfer_params`` ``{"do_remote_decode": true, "do_remote_prefill": false, "remote_*": null}``;
+the ``kv_transfer_params`` of its answer go, with the client's body, to the decode backend the
+plan's KV routes pick, whose answer (streamed or not) is the client's.
+
+Retry rule: until the first byte of the answer has gone to the client, a failure (connection
+refused or reset, a 5xx, a stream that breaks) marks that backend down and the request is tried on
+another live one; after that, a stream that breaks ends with an error event (its status line has
+left). A backend's 4xx is the client's answer, not a failure. Health checks (``GET /health``
+every ``health_interval_s``) mark backends down and up again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import AsyncIterator
+
+import httpx
+
+from hetserve.serve.route.backends import Backend, BackendPool
+
+PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+class BackendFailed(Exception):
+    """A backend failed before anything reached the client: try another."""
+
+
+class Metrics:
+    """Per-backend Prometheus metrics in a registry of this app's own."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("hetserve_route_requests", "requests answered, per backend and outcome",
+                                ["backend", "outcome"], registry=self.registry)
+        self.retries = Counter("hetserve_route_retries", "requests moved off a failed backend", ["backend"],
+                               registry=self.registry)
+        self.up = Gauge("hetserve_route_backend_up", "1 when the backend is in service", ["backend"],
+                        registry=self.registry)
+        self.in_flight = Gauge("hetserve_route_in_flight", "requests in flight per backend", ["backend"],
+                               registry=self.registry)
+        self.ttfb = Histogram("hetserve_route_first_byte_seconds", "time to the backend's first byte",
+                              ["backend"], registry=self.registry,
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+        return generate_latest(self.registry)
+
+
+class Router:
+    """Sends one request to backends by the module docstring's rules."""
+
+    def __init__(self, pool: BackendPool, timeout_s: float = 600.0, health_interval_s: float = 1.0,
+                 api_key: str | None = None):
+        self.pool = pool
+        self.metrics = Metrics()
+        self.health_interval_s = health_interval_s
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0),
+                                        limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200))
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        for b in pool.config.backends:
+            self.metrics.up.labels(b.id).set(1 if b.alive else 0)
+        self._health_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ health
+    def start(self) -> None:
+        if self.health_interval_s > 0 and self._health_task is None:
+            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        await self.client.aclose()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check(b) for b in self.pool.config.backends))
+            await asyncio.sleep(self.health_interval_s)
+
+    async def check(self, b: Backend) -> None:
+        try:
+            r = await self.client.get(f"{b.url}/health", timeout=2.0)
+            ok = r.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        self._set_alive(b, ok)
+
+    def _set_alive(self, b: Backend, ok: bool) -> None:
+        b.alive = ok
+        self.metrics.up.labels(b.id).set(1 if ok else 0)
+
+    # ------------------------------------------------------------------ requests
+    async def answer(self, path: str, body: dict) -> tuple[int, dict | None, AsyncIterator[bytes] | None]:
+        """(status, JSON body, None) or (status, None, byte stream) for the client."""
+        tried: set[str] = set()
+        while True:
+            entry = self.pool.pick_entry(tried)
+            if entry is None:
+                from hetserve.serve.errors import Unavailable
+                raise Unavailable("no backend can serve: every one is down", param=None)
+            tried.add(entry.id)
+            try:
+                if entry.role == "prefill":
+                    return await self._disaggregated(entry, path, body)
+                return await self._send(entry, path, body)
+            except BackendFailed:
+                self.metrics.retries.labels(entry.id).inc()
+                continue
+
+    async def _disaggregated(self, prefill: Backend, path: str, body: dict):
+        req = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "min_completion_tokens")}
+        req.update(stream=False, max_tokens=1, kv_transfer_params=dict(PREFILL_KV_PARAMS))
+        if "max_completion_tokens" in body:
+            req["max_completion_tokens"] = 1
+        status, data, _ = await self._send(prefill, path, req, stream=False)
+        if status != 200:
+            return status, data, None
+        decode_body = dict(body)
+        if isinstance(data, dict) and data.get("kv_transfer_params"):
+            decode_body["kv_transfer_params"] = data["kv_transfer_params"]
+        tried: set[str] = set()
+        while True:
+            d = self.pool.pick_decode(prefill.id, tried)
+            if d is None:
+                raise BackendFailed(f"no decode backend for {prefill.id}")
+            tried.add(d.id)
+            try:
+                return await self._send(d, path, decode_body)
+            except BackendFailed:
+                self.metrics.retries.labels(d.id).inc()
+
+    async def _send(self, b: Backend, path: str, body: dict, stream: bool | None = None):
+        stream = bool(body.get("stream")) if stream is None else stream
+        b.in_flight += 1
+        self.metrics.in_flight.labels(b.id).set(b.in_flight)
+        t0 = time.perf_counter()
+        done = True
+        try:
+            req = self.client.build_request("POST", f"{b.url}{path}", json=body, headers=self.headers)
+            try:
+                resp = await self.client.send(req, stream=True)
+            except httpx.HTTPError as exc:
+                self._failed(b)
+                raise BackendFailed(f"{b.id}: {exc}") from exc
+            if resp.status_code >= 500:
+                await resp.aclose()
+                self._failed(b)
+                raise BackendFailed(f"{b.id}: HTTP {resp.status_code}")
+            if not stream or resp.status_code != 200:
+                try:
+                    raw = await resp.aread()
+                except httpx.HTTPError as exc:
+                    self._failed(b)
+                    raise BackendFailed(f"{b.id}: {exc}") from exc
+                finally:
+                    await resp.aclose()
+                self.metrics.ttfb.labels(b.id).observe(time.perf_counter() - t0)
+                self.metrics.requests.labels(b.id, str(resp.status_code)).inc()
+                try:
+                    return resp.status_code, json.loads(raw), None
+                except json.JSONDecodeError as exc:
+                    self._failed(b)
+                    raise BackendFailed(f"{b.id}: answer is not JSON") from exc
+            chunks = resp.aiter_raw()
+            try:  # the first bytes decide: a stream that breaks before them is retried elsewhere
+                first = await chunks.__anext__()
+            except (httpx.HTTPError, StopAsyncIteration) as exc:
+                await resp.aclose()
+                self._failed(b)
+                raise BackendFailed(f"{b.id}: stream ended before its first byte") from exc
+            self.metrics.ttfb.labels(b.id).observe(time.perf_counter() - t0)
+            done = False
+            return 200, None, self._relay(b, resp, first, chunks)
+        finally:
+            if done:
+                b.in_flight -= 1
+                self.metrics.in_flight.labels(b.id).set(b.in_flight)
+
+    async def _relay(self, b: Backend, resp, first: bytes, chunks) -> AsyncIterator[bytes]:
+        outcome = "200"
+        try:
+            yield first
+            async for c in chunks:
+                yield c
+        except httpx.HTTPError:
+            outcome = "broken"
+            self._failed(b)
+            from hetserve.serve.errors import ServerError, error_event
+            yield error_event(ServerError(f"backend {b.id} failed mid-stream")).encode()
+        finally:
+            await resp.aclose()
+            b.in_flight -= 1
+            self.metrics.in_flight.labels(b.id).set(b.in_flight)
+            self.metrics.requests.labels(b.id, outcome).inc()
+
+    def _failed(self, b: Backend) -> None:
+        self._set_alive(b, False)
+        self.metrics.requests.labels(b.id, "failed").inc()

@@ -1,0 +1,138 @@
+"""The OpenAI-compatible backends ``hetserve route`` fronts: who they are, whether they are up, and
+which one takes the next request.
+
+A ``Backend`` is one replica's endpoint with its role and its share of requests. ``BackendPool``
+keeps their state (in-flight requests, health) and makes the two decisions, each with a policy from
+``hetserve.policies`` fed ``ReplicaState`` snapshots, as the simulator and ``hetserve serve`` do:
+
+* ``pick_entry``: the backend a new request goes to first (colocated, or prefill under P/D):
+  ``weights`` = the plan's flow weights, smooth weighted round robin (``routing.FlowWeighted``);
+  any placement name (``jsq``, ``rr``, ``lot``, ``po2``) = that placement policy;
+* ``pick_decode``: the decode backend for a prefill one, by the plan's KV-route weights
+  (``FlowWeighted`` keyed by the prefill backend).
+
+Both skip backends that are marked down or were already tried for this request. A backend is
+marked down by a failed request or a failed health check, and up again by a passing health check.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from hetserve.errors import SpecError
+from hetserve.policies.base import ReplicaState, RequestInfo
+from hetserve.policies.placement import make_placement
+from hetserve.policies.routing import FlowWeighted
+
+ENTRY_POLICIES = ("weights", "jsq", "rr", "lot", "po2")
+
+
+@dataclass
+class Backend:
+    id: str
+    role: str  # "colocated", "prefill" or "decode"
+    url: str  # base URL, no trailing slash: http://host:port
+    weight: float = 1.0
+    alive: bool = True
+    in_flight: int = 0
+
+    def state(self) -> ReplicaState:
+        return ReplicaState(self.id, self.role, 0, self.in_flight, 0, float(self.in_flight), 0, 0, 0,
+                            alive=self.alive)
+
+
+@dataclass(frozen=True)
+class RouteConfig:
+    backends: tuple[Backend, ...]
+    kv_routes: tuple[tuple[str, str, float], ...] = ()
+    protocol: str = "openai"  # or "vllm-disaggregated-proxy"
+
+    @property
+    def disaggregated(self) -> bool:
+        return any(b.role == "prefill" for b in self.backends)
+
+
+def config_from_deploy(path: str | Path) -> RouteConfig:
+    """Backends, weights and KV routes from a bundle's ``deploy.json`` (``hetserve export``)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise SpecError(str(path), "(file)", "a readable deploy.json", exc.strerror or str(exc)) from exc
+    except json.JSONDecodeError as exc:
+        raise SpecError(str(path), "(file)", "JSON", f"line {exc.lineno}: {exc.msg}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("replicas"), list) or not data["replicas"]:
+        raise SpecError(str(path), "replicas", "a non-empty list of replicas", type(data.get("replicas")).__name__
+                        if isinstance(data, dict) else type(data).__name__)
+    router = data.get("router") or {}
+    weights = router.get("weights") or {}
+    backends = []
+    for i, r in enumerate(data["replicas"]):
+        for key in ("id", "role", "endpoint"):
+            if not isinstance(r, dict) or not isinstance(r.get(key), str):
+                raise SpecError(str(path), f"replicas.{i}.{key}", "a string", repr(r.get(key)) if isinstance(r, dict) else r)
+        if r["role"] not in ("prefill", "decode", "colocated"):
+            raise SpecError(str(path), f"replicas.{i}.role", "prefill, decode or colocated", r["role"])
+        if not r["endpoint"].startswith(("http://", "https://")):
+            raise SpecError(str(path), f"replicas.{i}.endpoint", "an http(s):// URL", r["endpoint"])
+        backends.append(Backend(r["id"], r["role"], r["endpoint"].rstrip("/"), float(weights.get(r["id"], 1.0))))
+    routes = []
+    for i, k in enumerate(router.get("kv_routes") or []):
+        try:
+            routes.append((str(k["from"]), str(k["to"]), float(k["weight"])))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SpecError(str(path), f"router.kv_routes.{i}", "{from, to, weight}", k) from exc
+    return RouteConfig(tuple(backends), tuple(routes), str(router.get("protocol", "openai")))
+
+
+def config_from_urls(urls: Sequence[str]) -> RouteConfig:
+    """Colocated backends given by URL (``--backends``), equal weights."""
+    out = []
+    for i, u in enumerate(urls):
+        if not u.startswith(("http://", "https://")):
+            raise SpecError("--backends", f"{i}", "an http(s):// URL", u)
+        out.append(Backend(f"b{i}", "colocated", u.rstrip("/")))
+    return RouteConfig(tuple(out))
+
+
+class BackendPool:
+    """State of the backends and the two decisions (module docstring)."""
+
+    def __init__(self, config: RouteConfig, policy: str = "weights", seed: int = 0):
+        if policy not in ENTRY_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(ENTRY_POLICIES)}, got {policy!r}")
+        self.config = config
+        self.by_id = {b.id: b for b in config.backends}
+        self.entry = [b for b in config.backends if b.role in ("prefill", "colocated")]
+        self.decode = [b for b in config.backends if b.role == "decode"]
+        self._weighted = FlowWeighted()
+        self._placement = None if policy == "weights" else make_placement(policy)
+        self._kv = {}
+        for src, dst, w in config.kv_routes:
+            self._kv.setdefault(src, []).append((dst, w))
+        self._seq = 0
+
+    def _request(self) -> RequestInfo:
+        self._seq += 1
+        return RequestInfo(self._seq, 0.0, 0, 0.0)
+
+    def pick_entry(self, exclude: set[str]) -> Backend | None:
+        live = [b for b in self.entry if b.alive and b.id not in exclude]
+        if not live:
+            return None
+        if self._placement is None:
+            return self.by_id[self._weighted.choose(self._request(), "", [(b.state(), b.weight) for b in live], 0.0)]
+        return self.by_id[self._placement.choose(self._request(), [b.state() for b in live], 0.0)]
+
+    def pick_decode(self, prefill: str, exclude: set[str]) -> Backend | None:
+        routes = dict(self._kv.get(prefill, ())) or {b.id: 1.0 for b in self.decode}
+        live = [(self.by_id[d].state(), w) for d, w in routes.items()
+                if d in self.by_id and self.by_id[d].alive and d not in exclude]
+        if not live:  # the plan's routes from this prefill are all down: any live decode backend
+            live = [(b.state(), 1.0) for b in self.decode if b.alive and b.id not in exclude]
+        if not live:
+            return None
+        return self.by_id[self._weighted.choose(self._request(), prefill, live, 0.0)]

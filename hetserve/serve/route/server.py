@@ -1,0 +1,94 @@
+"""The FastAPI app of ``hetserve route`` (``Router`` does the forwarding; ``route.app``)."""
+
+import json
+from contextlib import asynccontextmanager
+
+from fastapi import Request  # at module level: FastAPI reads the routes' annotations from here
+
+from hetserve.serve.route.app import Router
+
+MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused unread past the limit
+
+
+def create_app(router: Router):
+    import pydantic
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    from hetserve.serve.errors import InvalidRequest, PayloadTooLarge, Unavailable, install_error_handlers
+    from hetserve.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+    @asynccontextmanager
+    async def lifespan(app):
+        router.start()
+        yield
+        await router.close()
+
+    app = FastAPI(title="hetserve route", lifespan=lifespan)
+    install_error_handlers(app)
+
+    async def read_body(request: Request) -> dict:
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise PayloadTooLarge(f"request body over {MAX_BODY_BYTES} bytes")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise InvalidRequest("request body must be a JSON object")
+        return body
+
+    async def forward(path: str, body: dict):
+        status, data, stream = await router.answer(path, body)
+        if stream is not None:
+            return StreamingResponse(stream, media_type="text/event-stream")
+        return JSONResponse(data, status_code=status)
+
+    def validate(model, body: dict) -> None:
+        # the same models and messages as `hetserve serve`: bad input is refused here, never forwarded
+        try:
+            model.model_validate(body)
+        except pydantic.ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from exc
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_body(request)
+        validate(CompletionRequest, body)
+        return await forward("/v1/completions", body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await read_body(request)
+        validate(ChatCompletionRequest, body)
+        return await forward("/v1/chat/completions", body)
+
+    @app.get("/v1/models")
+    async def models():
+        for b in router.pool.config.backends:
+            if b.alive:
+                try:
+                    r = await router.client.get(f"{b.url}/v1/models", headers=router.headers, timeout=5.0)
+                except Exception:
+                    continue
+                if r.status_code == 200:
+                    return JSONResponse(r.json())
+        raise Unavailable("no backend can serve: every one is down")
+
+    @app.get("/health")
+    async def health():
+        up = {b.id: b.alive for b in router.pool.config.backends}
+        ok = any(up[b.id] for b in router.pool.entry) and (not router.pool.decode or any(
+            up[b.id] for b in router.pool.decode))
+        return JSONResponse({"status": "ok" if ok else "unavailable", "backends": up}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

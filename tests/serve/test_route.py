@@ -1,0 +1,236 @@
+"""hetserve route in front of stand-in OpenAI backends (processes on 127.0.0.1, tests/export/route_standin.py):
+the plan's weights are followed, a killed backend loses no request that had not streamed yet, the
+vLLM disaggregated-proxy fields reach prefill and decode, bad input is refused as `hetserve serve`
+refuses it."""
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+STANDIN = Path(__file__).resolve().parent.parent / "export" / "route_standin.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_up(url: str, deadline_s: float = 30.0) -> None:
+    t = time.monotonic() + deadline_s
+    while time.monotonic() < t:
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(url)
+
+
+def load_standin():
+    spec = importlib.util.spec_from_file_location("route_standin", STANDIN)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class Backends:
+    """Stand-in backends: uvicorn servers in threads of this process, and (``process=True``) processes
+    started by this test, which it can kill (by pid)."""
+
+    def __init__(self):
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.servers: list = []
+        self.urls: dict[str, str] = {}
+        self.standin = load_standin()
+
+    def start(self, specs, process=False):
+        import uvicorn
+
+        for bid, role, *delays in specs:
+            port = free_port()
+            first, chunk = delays or (0.0, 0.0)
+            if process:
+                args = [sys.executable, str(STANDIN), "--port", str(port), "--id", bid, "--role", role,
+                        "--first-byte-delay", str(first), "--chunk-delay", str(chunk)]
+                self.procs[bid] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            else:
+                ns = argparse.Namespace(port=port, id=bid, role=role, first_byte_delay=first, chunk_delay=chunk)
+                server = uvicorn.Server(uvicorn.Config(self.standin.build(ns), host="127.0.0.1", port=port,
+                                                       log_level="error"))
+                threading.Thread(target=server.run, daemon=True).start()
+                self.servers.append(server)
+            self.urls[bid] = f"http://127.0.0.1:{port}"
+        for bid, *_ in specs:
+            wait_up(self.urls[bid])
+
+    def stats(self, bid):
+        return httpx.get(f"{self.urls[bid]}/stats", timeout=5).json()
+
+    def kill(self, bid):
+        self.procs[bid].send_signal(signal.SIGKILL)
+        self.procs[bid].wait()
+
+    def stop(self):
+        for server in self.servers:
+            server.should_exit = True
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def backends():
+    b = Backends()
+    b.start([("b0", "colocated"), ("b1", "colocated"), ("b2", "colocated"),
+             ("p0", "prefill"), ("d0", "decode"), ("d1", "decode"), ("s0", "colocated", 0.3, 0.01)])
+    b.start([("s1", "colocated", 0.3, 0.01)], process=True)  # the one a test kills
+    yield b
+    b.stop()
+
+
+class RouteServer:
+    """hetserve route's app under uvicorn in a thread of this process."""
+
+    def __init__(self, deploy: dict, tmp_path, policy="weights", health_interval_s=0.2):
+        import uvicorn
+
+        from hetserve.serve.route.app import Router
+        from hetserve.serve.route.backends import BackendPool, config_from_deploy
+        from hetserve.serve.route.server import create_app
+
+        path = tmp_path / f"deploy-{id(self)}.json"
+        path.write_text(json.dumps(deploy))
+        self.router = Router(BackendPool(config_from_deploy(path), policy), health_interval_s=health_interval_s)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.router), host="127.0.0.1", port=port,
+                                                    log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_up(self.url)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def deploy_of(backends, ids_roles, weights=None, kv_routes=()):
+    return {"engine": "vllm", "engine_version": "x", "plan": "plan.json",
+            "replicas": [{"id": i, "role": r, "devices": [], "launch": [], "endpoint": backends.urls[i]}
+                         for i, r in ids_roles],
+            "router": {"argv": [], "weights": weights or {}, "kv_routes": [
+                {"from": a, "to": b, "weight": w} for a, b, w in kv_routes]}}
+
+
+async def post_many(url, bodies, concurrency=50):
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=30) as c:
+        async def one(body):
+            async with sem:
+                r = await c.post(f"{url}/v1/completions", json=body)
+                return r.status_code, r.json() if not body.get("stream") else r.text
+        return await asyncio.gather(*(one(b) for b in bodies))
+
+
+def test_weights_are_followed(backends, tmp_path):
+    weights = {"b0": 0.5, "b1": 0.3, "b2": 0.2}
+    before = {b: backends.stats(b)["served"] for b in weights}
+    route = RouteServer(deploy_of(backends, [(b, "colocated") for b in weights], weights), tmp_path)
+    try:
+        out = asyncio.run(post_many(route.url, [{"model": "tiny", "prompt": "hi", "max_tokens": 2}] * 400))
+    finally:
+        route.stop()
+    assert all(s == 200 for s, _ in out)
+    served = Counter(body["served_by"] for _, body in out)
+    for b, w in weights.items():
+        assert backends.stats(b)["served"] - before[b] == served[b]
+        assert abs(served[b] / 400 - w) <= 0.05 * w, (served, weights)
+
+
+def test_pd_follows_vllm_proxy_protocol_and_kv_weights(backends, tmp_path):
+    before = backends.stats("d0")["served"], backends.stats("d1")["served"]
+    route = RouteServer(deploy_of(backends, [("p0", "prefill"), ("d0", "decode"), ("d1", "decode")],
+                                  {"p0": 1.0}, [("p0", "d0", 0.75), ("p0", "d1", 0.25)]), tmp_path)
+    try:
+        bodies = [{"model": "tiny", "prompt": "hi", "max_tokens": 3, "min_tokens": 1,
+                   **({"stream": True, "stream_options": {"include_usage": True}} if i % 2 else {})}
+                  for i in range(40)]
+        out = asyncio.run(post_many(route.url, bodies, concurrency=8))
+    finally:
+        route.stop()
+    assert all(s == 200 for s, _ in out), out[:3]
+    for (s, body), req in zip(out, bodies):
+        if req.get("stream"):  # the decode backend's stream, whole
+            assert body.count("data: ") == 4 and body.rstrip().endswith("[DONE]")
+        else:
+            assert body["served_by"] in ("d0", "d1") and len(body["choices"][0]["text"].split()) == 3
+    for b in ("p0", "d0", "d1"):
+        assert backends.stats(b)["problems"] == []
+    d0, d1 = backends.stats("d0")["served"] - before[0], backends.stats("d1")["served"] - before[1]
+    assert (d0, d1) == (30, 10)
+    assert backends.stats("d0")["kv_from"].get("p0", 0) >= 30
+
+
+def test_bad_input_refused_like_serve_and_never_forwarded(backends, tmp_path):
+    before = backends.stats("b0")["served"]
+    route = RouteServer(deploy_of(backends, [("b0", "colocated")]), tmp_path)
+    try:
+        r1 = httpx.post(f"{route.url}/v1/completions", json={"model": "tiny", "prompt": "x", "temperature": 9})
+        r2 = httpx.post(f"{route.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        r3 = httpx.post(f"{route.url}/v1/chat/completions", json={"model": "tiny", "messages": [], "bogus": 1})
+        metrics = httpx.get(f"{route.url}/metrics").text
+    finally:
+        route.stop()
+    for r in (r1, r2, r3):
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r1.json()["error"]["param"] == "temperature"
+    assert backends.stats("b0")["served"] == before
+    assert 'hetserve_route_backend_up{backend="b0"} 1.0' in metrics
+
+
+def test_killed_backend_loses_no_request_that_had_not_streamed(backends, tmp_path):
+    route = RouteServer(deploy_of(backends, [("s0", "colocated"), ("s1", "colocated")], {"s0": 0.5, "s1": 0.5}),
+                        tmp_path)
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=30) as c:
+            async def one(i):
+                await asyncio.sleep(0.01 * i)  # arrivals before and after the kill
+                r = await c.post(f"{route.url}/v1/completions",
+                                 json={"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": True})
+                return r.status_code, r.text
+            tasks = [asyncio.create_task(one(i)) for i in range(40)]
+            await asyncio.sleep(0.15)  # s1 holds requests that have not streamed (its first byte takes 0.3 s)
+            await asyncio.to_thread(backends.kill, "s1")
+            return await asyncio.gather(*tasks)
+    try:
+        out = asyncio.run(scenario())
+        metrics = httpx.get(f"{route.url}/metrics").text
+    finally:
+        route.stop()
+    assert all(s == 200 for s, _ in out)
+    # none had streamed from s1 when it died: every request completes, all four tokens, on s0 at the end
+    for _, text in out:
+        assert '"error"' not in text and text.count("data: ") == 5, text
+    assert sum(1 for _, t in out if '"served_by": "s0"' in t) == 40
+    assert 'hetserve_route_backend_up{backend="s1"} 0.0' in metrics
+    assert 'hetserve_route_retries_total{backend="s1"}' in metrics

@@ -27,7 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from hetserve.cost.device_memory import device_kv_bytes_per_token, device_weight_bytes  # noqa: F401 (re-exported)
 from hetserve.cost.efficiency import Efficiency, load_efficiency  # noqa: F401 (re-exported: the knobs' old home)
+from hetserve.cost.kernel_pricing import KernelPricing
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.cost.network import concurrent_time
 from hetserve.cost.transfers import TransferCosts
@@ -62,25 +64,54 @@ class PrefillBatch:
         return PrefillBatch(1, int(length), float(length) * length)
 
 
-class CostModel(TransferCosts):
-    """Prices stages and replicas of ``model`` on ``cluster``. Pure functions of their inputs."""
+# The efficiency a CostModel holds when its caller passed none. Identity, not equality, marks it:
+# a model rebuilt from ``cost.eff`` (the simulator's memoised twin) keeps the kernel model, and any
+# Efficiency a caller builds or loads (a calibration) keeps the roofline it was fitted through.
+DEFAULT_EFFICIENCY = Efficiency()
+_KERNELS_BY_DEFAULT = True
 
-    def __init__(self, cluster: Cluster, model: ModelSpec, efficiency: Efficiency | None = None):
+
+class CostModel(TransferCosts):
+    """Prices stages and replicas of ``model`` on ``cluster``. Pure functions of their inputs.
+
+    Stages on real GPUs: layers, LM head and in-box all-reduces from measured kernels
+    (``cost/kernel_pricing.py``) unless an ``efficiency`` is passed (a calibration wins) or
+    ``kernels=False``; CPU worker slots (``cpu_cores``): the roofline. ``pricing()`` says which."""
+
+    def __init__(self, cluster: Cluster, model: ModelSpec, efficiency: Efficiency | None = None,
+                 kernels: bool | None = None):
         self.cluster, self.model = cluster, model
-        self.eff = efficiency or Efficiency()
+        self.eff = efficiency or DEFAULT_EFFICIENCY
+        use_kernels = (self.eff is DEFAULT_EFFICIENCY and _KERNELS_BY_DEFAULT) if kernels is None else kernels
+        if not use_kernels and self.eff is DEFAULT_EFFICIENCY:
+            self.eff = Efficiency()  # an equal copy: a model rebuilt from ``self.eff`` keeps the roofline too
+        self.kernels = KernelPricing(cluster, model) if use_kernels else None
         devs = cluster.devices
         self._flops = [d.gpu.fp16_flops * self.eff.compute for d in devs]
         self._membw = [d.gpu.mem_bandwidth * self.eff.memory for d in devs]
+        if self.kernels is not None:
+            self._flops, self._membw = self.kernels.roofline_rates(self._flops, self._membw)
         self._memory = [d.memory_bytes * self.eff.usable_memory for d in devs]
         self._alpha = cluster.latency
         self._beta = cluster.bandwidth
 
     # ================================================================== communication
+    def pricing(self) -> dict[str, str]:
+        """{GPU type: ``fitted`` / ``transferred`` / ``roofline``}: how each type's stages are priced."""
+        if self.kernels is None:
+            return {d.gpu.name: "roofline" for d in self.cluster.devices}
+        return self.kernels.sources()
+
     def allreduce_time(self, devices: Sequence[int], nbytes: float) -> float:
-        """One all-reduce of ``nbytes`` over a TP group (HexGen Eq. 5): two BSP supersteps."""
+        """One all-reduce of ``nbytes`` over a TP group: inside one box from the kernel model's fitted
+        curves where it applies, else HexGen Eq. 5 (two BSP supersteps)."""
         t = len(devices)
         if t <= 1:
             return 0.0
+        if self.kernels is not None:
+            fitted = self.kernels.allreduce(devices, nbytes)
+            if fitted is not None:
+                return fitted
         chunk = nbytes / t
         worst = max(sum(self._alpha[d, e] + chunk / self._beta[d, e] for e in devices if e != d) for d in devices)
         machines = {self.cluster.devices[d].machine for d in devices}
@@ -115,6 +146,17 @@ class CostModel(TransferCosts):
             fa = f / self.eff.compute * attn_eff
             return max(flops / (t * f) + attn_flops / (t * fa), nbytes / (t * m))
         return max((flops + attn_flops) / (t * f), nbytes / (t * m))
+
+    def _layer_time(self, stage: StageLayout, rows: float, flops: float, nbytes: float, attn_flops: float,
+                    attn_eff: float = 0.0) -> float:
+        """One layer of the stage at ``rows`` tokens: the kernel model's operators plus attention's
+        products and KV traffic (``nbytes`` beyond the layer's weights) where it covers the stage,
+        else the roofline of ``flops`` and ``nbytes``."""
+        k = self.kernels
+        if k is not None and k.covers(stage.devices):
+            return k.layer(stage.devices, rows) + k.attention(stage.devices, attn_flops,
+                                                              nbytes - self.model.bytes_per_layer)
+        return self._roofline(stage, flops, nbytes, attn_flops, attn_eff)
 
     def collectives_time(self, stage: StageLayout) -> float:
         """The fixed cost of a TP group's collectives in one iteration: two all-reduces per layer plus
@@ -151,8 +193,9 @@ class CostModel(TransferCosts):
         and its per-sequence work. They sit on the last stage because that is where an iteration
         closes (it samples and sends the tokens back; the next step of this micro-batch starts
         after), so a pipeline pays them once per iteration, not once per stage."""
-        m = self.model
-        head = self._roofline(stage, 2.0 * m.hidden * m.vocab * rows, m.vocab * m.hidden * m.dtype_bytes)
+        m, k = self.model, self.kernels
+        head = (k.head(stage.devices, rows) if k is not None and k.covers(stage.devices) else
+                self._roofline(stage, 2.0 * m.hidden * m.vocab * rows, m.vocab * m.hidden * m.dtype_bytes))
         return head + self.eff.iteration_overhead_s + self.eff.seq_overhead_s * rows
 
     def stage_prefill_time(self, stage: StageLayout, batch: PrefillBatch, is_last: bool = False) -> float:
@@ -162,7 +205,7 @@ class CostModel(TransferCosts):
         m = self.model
         flops = 2.0 * m.params_per_layer * batch.tokens
         nbytes = m.bytes_per_layer + batch.tokens * m.kv_bytes_per_token_per_layer
-        per_layer = self._roofline(stage, flops, nbytes, 2.0 * m.q_dim * batch.sum_sq)
+        per_layer = self._layer_time(stage, batch.tokens, flops, nbytes, 2.0 * m.q_dim * batch.sum_sq)
         comm = 2 * self.allreduce_time(stage.devices, batch.tokens * m.hidden * m.dtype_bytes)
         head = self._head_time(stage, batch.num_seqs) if is_last else 0.0
         return (stage.num_layers * (per_layer + comm) + self.collectives_time(stage) + head + self.eff.step_overhead_s
@@ -175,7 +218,8 @@ class CostModel(TransferCosts):
         m = self.model
         flops = 2.0 * m.params_per_layer * batch
         nbytes = m.bytes_per_layer + context_tokens * m.kv_bytes_per_token_per_layer
-        per_layer = self._roofline(stage, flops, nbytes, 4.0 * m.q_dim * context_tokens, self.eff.decode_attention)
+        per_layer = self._layer_time(stage, batch, flops, nbytes, 4.0 * m.q_dim * context_tokens,
+                                     self.eff.decode_attention)
         comm = 2 * self.allreduce_time(stage.devices, batch * m.hidden * m.dtype_bytes)
         head = self._head_time(stage, batch) if is_last else 0.0
         return (stage.num_layers * (per_layer + comm) + self.collectives_time(stage) + head + self.eff.step_overhead_s
@@ -373,22 +417,3 @@ class CostModel(TransferCosts):
 def _beyond_one_row(rows: float) -> float:
     """0 for one row, 1 for two or more, linear between (a mean over micro-batches of 1 and 2 rows)."""
     return min(1.0, max(0.0, rows - 1.0))
-
-
-def device_weight_bytes(model: ModelSpec, num_layers: int, tp: int, is_first: bool, is_last: bool,
-                        is_leader: bool) -> float:
-    """Weight bytes one device of a stage loads: 1/tp of the stage's layers, plus, on the stage
-    leader only, the embeddings (first stage) or final norm + LM head (last stage; a tied head is
-    a separate copy). This is where the runtime puts them (leaders talk between stages, HexGen
-    §3.2), and the runtime's memory check calls this very function."""
-    params = num_layers * model.params_per_layer / tp
-    if is_leader and is_first:
-        params += model.embedding_params
-    if is_leader and is_last:
-        params += model.head_params + (model.vocab * model.hidden if model.tie_embeddings else 0)
-    return params * model.dtype_bytes
-
-
-def device_kv_bytes_per_token(model: ModelSpec, num_layers: int, tp: int) -> float:
-    """KV bytes per token on one device of a stage: its layers, its 1/tp of the KV heads."""
-    return num_layers * model.kv_bytes_per_token_per_layer / tp

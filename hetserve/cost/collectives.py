@@ -49,6 +49,15 @@ class AllReduceFit:
         e = _interp(lg, self.efficiency)
         return self.alpha_s + 2.0 * (w - 1) / w * nbytes / (link_bandwidth * e)
 
+    def times(self, nbytes, link_bandwidth: float, workers: int | None = None) -> np.ndarray:
+        """``time`` over an array of sizes."""
+        w = workers or self.workers
+        n = np.asarray(nbytes, dtype=float)
+        if w <= 1:
+            return np.zeros_like(n)
+        e = np.exp(np.interp(np.log2(np.maximum(n, 1.0)), KNOTS_LOG2, np.log(self.efficiency)))
+        return np.where(n > 0, self.alpha_s + 2.0 * (w - 1) / w * n / (link_bandwidth * e), 0.0)
+
     def as_dict(self) -> dict:
         return {"workers": self.workers, "alpha_s": self.alpha_s, "efficiency": list(self.efficiency),
                 "size_knots_log2": list(KNOTS_LOG2)}

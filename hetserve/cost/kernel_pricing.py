@@ -13,8 +13,11 @@ group sets the pace.
 
 from __future__ import annotations
 
+import numpy as np
+
+from hetserve.cost.collectives import nearest_fit
 from hetserve.cost.kernel_table import FITTED, ROOFLINE, SOURCE_WORDS, KernelTable, default_table
-from hetserve.cost.kernels import KernelParams, gemm_time, layer_time
+from hetserve.cost.kernels import KernelParams, gemm_time, layer_time, layer_times
 from hetserve.cost.profiles import LayerShape
 from hetserve.specs.gpus import GpuType
 
@@ -36,6 +39,33 @@ class KernelPricing:
                 p, source = self.table.params_for(d.gpu.name)
                 self.params.append((d.gpu, p, source))
         self._memo: dict = {}
+        # GPU types every device of which is priced here (the bound's device kinds go by type)
+        by_type: dict[str, list] = {}
+        for d, entry in zip(cluster.devices, self.params):
+            by_type.setdefault(d.gpu.name, []).append(entry)
+        self._by_type = {name: es[0] for name, es in by_type.items() if all(e is not None for e in es)}
+
+    def roofline_rates(self, flops: list[float], membw: list[float]) -> tuple[list[float], list[float]]:
+        """Per-device FLOP/s and bytes/s for the roofline that readers of ``CostModel._flops`` /
+        ``_membw`` apply (the planner's upper bound, its memo keys): on priced devices the peaks at the
+        fitted GEMM fractions. That roofline never prices a layer above the kernel model does (the
+        kernel model adds floors, tiles and the smooth ramp on top of the same two terms), so a
+        bound drawn from it stays a bound."""
+        out_f, out_m = list(flops), list(membw)
+        for d, entry in enumerate(self.params):
+            if entry is not None:
+                g, p, _ = entry
+                out_f[d], out_m[d] = g.fp16_flops * p.gemm_compute, g.mem_bandwidth * p.gemm_memory
+        return out_f, out_m
+
+    def allreduce_floor(self, workers: int, nbytes, link_bandwidth: float, alpha_beta, in_box: bool = False):
+        """All-reduce times of ``nbytes`` (an array or a number) for the planner's bound: inside one
+        box (``in_box``) the fitted curve over ``link_bandwidth``, as ``allreduce`` charges; else
+        ``alpha_beta`` (the α-β times) capped by it: a floor under either charge."""
+        if not self.table.allreduce or workers <= 1:
+            return alpha_beta
+        fitted = nearest_fit(self.table.allreduce, workers).times(nbytes, link_bandwidth, workers)
+        return fitted if in_box else np.minimum(alpha_beta, fitted)
 
     def covers(self, devices) -> bool:
         """Whether every device of a stage is priced here (no CPU worker slot among them)."""
@@ -86,6 +116,25 @@ class KernelPricing:
             return None
         link = min(self.cluster.bandwidth[d, e] for d in devices for e in devices if d != e)
         return self.table.allreduce_time(len(devices), nbytes, float(link))
+
+
+    # ------------------------------------------------------------------ by GPU type, over arrays
+    def prices_type(self, gpu_name: str) -> bool:
+        """Whether every device of this GPU type is priced here."""
+        return gpu_name in self._by_type
+
+    def layer_times(self, gpu_name: str, tp: int, tokens, attn_flops, kv_bytes) -> np.ndarray:
+        """``layer`` + ``attention`` of a TP group of one GPU type, over arrays of token counts."""
+        g, p, _ = self._by_type[gpu_name]
+        attn = np.maximum(np.asarray(attn_flops, float) / (tp * g.fp16_flops * p.gemm_compute),
+                          np.asarray(kv_bytes, float) / (tp * g.mem_bandwidth * p.gemm_memory))
+        return layer_times(p, g.fp16_flops, g.mem_bandwidth, self.shape, tp, tokens) + attn
+
+    def head_times(self, gpu_name: str, tp: int, rows) -> np.ndarray:
+        """``head`` over an array of row counts."""
+        g, p, _ = self._by_type[gpu_name]
+        return np.vectorize(lambda r: gemm_time(p, g.fp16_flops, g.mem_bandwidth, r, self.hidden, self.vocab / tp,
+                                                self.dtype_bytes) if r > 0 else 0.0, otypes=[float])(rows)
 
 
 def layer_rows(gpu: GpuType, model, tps, tokens, table: KernelTable | None = None) -> tuple[list[dict], str]:

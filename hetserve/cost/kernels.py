@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from hetserve.cost.profiles import LayerShape
 
 ROW_TILE = 128  # rows of one output tile of the GEMM kernels the profiles time (the steps' period)
@@ -141,3 +143,21 @@ def layer_time(p: KernelParams, flops_peak: float, bandwidth: float, shape: Laye
     count = {"norm": norms, "rope": 1, "act": 1, "add": adds}
     rest = sum(count[k] * elementwise_time(p, bandwidth, k, b[k]) for k in ELEMENTWISE)
     return LayerTimes(linear, linear + rest)
+
+
+def layer_times(p: KernelParams, flops_peak: float, bandwidth: float, shape: LayerShape, tp: int, tokens) -> np.ndarray:
+    """``layer_time(...).layer_s`` over an array of token counts (the planner's bound prices whole
+    batch ranges at once; a test holds the two equal)."""
+    m = np.asarray(tokens, dtype=float)
+    tiled = np.where(m <= SMALL_ROWS, m, m + p.gemm_tile_waste * (np.ceil(m / ROW_TILE) * ROW_TILE - m))
+    total = np.zeros_like(m)
+    s = p.gemm_sharpness
+    for k, n in gemm_dims(shape, tp).values():
+        t_mem = 2 * (k * n + m * k + m * n) / (bandwidth * p.gemm_memory)
+        t_comp = 2.0 * tiled * k * n / (flops_peak * p.gemm_compute)
+        hi = np.maximum(t_mem, t_comp)
+        total += p.gemm_floor_s + hi * (1.0 + (np.minimum(t_mem, t_comp) / hi) ** s) ** (1.0 / s)
+    b = elementwise_bytes(shape, tp, m)
+    for kind, count in (("norm", 2), ("rope", 1), ("act", 1), ("add", 2)):
+        total += count * (getattr(p, f"{kind}_floor_s") + b[kind] / (bandwidth * getattr(p, f"{kind}_memory")))
+    return np.where(m > 0, total, 0.0)

@@ -26,7 +26,7 @@ def one_stage(*devices, layers=32):
 
 
 def test_decode_step_batch1_is_weight_streaming():
-    cm = CostModel(CLUSTER, LLAMA7)
+    cm = CostModel(CLUSTER, LLAMA7, kernels=False)
     # 32 layers · 202,383,360 params · 2 B + LM head 32000·4096·2 B, over 80 % of 3.35 TB/s.
     expected = (32 * 202_383_360 * 2 + 32000 * 4096 * 2) / H100_MEMBW
     assert cm.decode_step_time(one_stage(0), 1, 0) == pytest.approx(expected, rel=1e-9)
@@ -34,14 +34,14 @@ def test_decode_step_batch1_is_weight_streaming():
 
 
 def test_prefill_1000_tokens_is_compute_bound():
-    cm = CostModel(CLUSTER, LLAMA7)
+    cm = CostModel(CLUSTER, LLAMA7, kernels=False)
     per_layer = (2 * 202_383_360 * 1000 + 2 * 4096 * 1000**2) / H100_FLOPS
     head = 32000 * 4096 * 2 / H100_MEMBW  # one logit row: streaming the head dominates
     assert cm.ttft(one_stage(0), 1000) == pytest.approx(32 * per_layer + head, rel=1e-9)
 
 
 def test_tp_allreduce_is_hexgen_bsp():
-    cm = CostModel(CLUSTER, LLAMA7)
+    cm = CostModel(CLUSTER, LLAMA7, kernels=False)
     nbytes = 1000 * 4096 * 2
     alpha, beta = 0.005e-3, 3600e9 / 8
     # each of 2 supersteps: every device sends (t-1) chunks of nbytes/t; t = 4
@@ -126,7 +126,7 @@ def test_fixed_costs_are_charged_where_the_runtime_pays_them():
     """A second pipeline stage adds one stage's fixed cost, not another iteration's: the
     scheduler turn-around and each sequence's own work are paid once per iteration (last stage)."""
     eff = Efficiency(step_overhead_s=0.001, iteration_overhead_s=0.004, seq_overhead_s=0.0002)
-    base, cm = CostModel(CLUSTER, LLAMA7), CostModel(CLUSTER, LLAMA7, eff)
+    base, cm = CostModel(CLUSTER, LLAMA7, kernels=False), CostModel(CLUSTER, LLAMA7, eff)
     pp = ReplicaLayout((StageLayout((0,), (0, 16)), StageLayout((1,), (16, 32))))
     extra = lambda lay, b: cm.decode_step_time(lay, b, 0, 1) - base.decode_step_time(lay, b, 0, 1)  # noqa: E731
     assert extra(one_stage(0), 1) == pytest.approx(0.001 + 0.004 + 0.0002, rel=1e-6)
@@ -210,7 +210,7 @@ def test_a_step_of_more_than_one_row_pays_one_more_pass_over_its_weights():
     the LM head on the last stage included; 1.5 rows, a mean over micro-batches, pay half; a prompt
     of many tokens pays it on its layers and on the head only beside another prompt."""
     per = 1e-12
-    base, cm = CostModel(CLUSTER, LLAMA7), CostModel(CLUSTER, LLAMA7, Efficiency(multi_row_s_per_byte=per))
+    base, cm = CostModel(CLUSTER, LLAMA7, kernels=False), CostModel(CLUSTER, LLAMA7, Efficiency(multi_row_s_per_byte=per))
     extra = lambda lay, b: cm.decode_step_time(lay, b, 0, 1) - base.decode_step_time(lay, b, 0, 1)  # noqa: E731
     layers, head = 32 * 202_383_360 * 2, 32000 * 4096 * 2
     assert extra(one_stage(0), 1) == 0.0
@@ -230,7 +230,7 @@ def test_tp_collectives_pay_per_byte_they_carry():
     the step's rows of activations; a prompt of 100 tokens pays 100 times a one-sequence decode, a
     stage without TP nothing."""
     per = 1e-10
-    base, cm = CostModel(CLUSTER, LLAMA7), CostModel(CLUSTER, LLAMA7, Efficiency(collective_s_per_byte=per))
+    base, cm = CostModel(CLUSTER, LLAMA7, kernels=False), CostModel(CLUSTER, LLAMA7, Efficiency(collective_s_per_byte=per))
     tp2 = one_stage(0, 1)
     row = (2 * 32 + 1) * 4096 * 2 * per
     assert cm.decode_step_time(tp2, 1, 0) - base.decode_step_time(tp2, 1, 0) == pytest.approx(row, rel=1e-9)

@@ -44,7 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Serve the model on one device, measure prefill and decode times on the engine "
                                    "and TTFT through HTTP, and fit the cost model's compute and memory efficiency, "
                                    "per-iteration overhead and the per-request serving overhead to them.")
-    p.add_argument("--model", required=True, help="checkpoint folder (see `hetserve make-model`)")
+    p.add_argument("--model", help="checkpoint folder (see `hetserve make-model`); needed unless --profiles")
+    p.add_argument("--profiles", metavar="DIR", help="instead of measuring here: fit the kernel cost model to a folder "
+                   "of measured GPU operator times, written to -o (the same as `hetserve cost fit`)")
     p.add_argument("--gpu", default="RTX-4090", help="GPU type the efficiency is relative to (default RTX-4090)")
     p.add_argument("--prompt-lengths", type=_sizes, default=(32, 128, 256, 512), metavar="L1,L2,...",
                    help="prefill probes, prompt tokens (default 32,128,256,512)")
@@ -70,6 +72,17 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.cli.model_dir import check_model_dir
     from hetserve.cli.output_path import check_output_file
 
+    if args.profiles:
+        from hetserve.cli.commands.cost import run_fit
+        from hetserve.errors import SpecError
+
+        if not args.output:
+            raise SpecError("(command line)", "--output", "a file for the fitted kernel costs (with --profiles)")
+        return run_fit(args)
+    if not args.model:
+        from hetserve.errors import SpecError
+
+        raise SpecError("(command line)", "--model", "a checkpoint folder (or --profiles DIR)")
     gpu(args.gpu, "--gpu")  # a clear error before any process starts
     check_model_dir(args.model)  # a folder, never a hub name looked up online
     if args.output:

@@ -80,6 +80,7 @@ class Kind:
     beta: float
     machine: str
     device: int = -1  # a device of the kind (for the links to other machines); -1: kinds span machines
+    gpu: str = ""  # its GPU type: the cost model's kernel prices where it has them (``cost.kernel_pricing``)
 
 
 class ColumnBounds:
@@ -104,13 +105,34 @@ class ColumnBounds:
         """Per-layer seconds of a ``t``-device stage of kind ``k``: roofline + 2 all-reduces of
         ``tokens`` activations + the per-layer collective overheads (``CostModel.stage_*_time``)."""
         m, eff = self.ctx.model, self.ctx.cost.eff
-        flops = 2.0 * m.params_per_layer * tokens + 2.0 * m.q_dim * sum_sq
-        nbytes = m.bytes_per_layer + ctx_tokens * m.kv_bytes_per_token_per_layer
-        roof = np.maximum(flops / (t * k.flops), nbytes / (t * k.membw))
+        roof = self._layer(k, t, tokens, 2.0 * m.q_dim * sum_sq, ctx_tokens)
         if t <= 1:
             return roof
-        ar = 2.0 * (t - 1) * (k.alpha + tokens * m.hidden * m.dtype_bytes / t / k.beta)
+        ar = self._allreduce(t, k, tokens)
         return roof + 2.0 * ar + 2.0 * eff.collective_overhead_s
+
+    def _allreduce(self, t: int, k: Kind, rows):
+        """One all-reduce of ``rows`` tokens of activations: the α-β model, or the kernel model's
+        fitted in-box curve where the cost model prices with it (a kind spanning machines: the
+        smaller of the two, never above either charge)."""
+        m, kern = self.ctx.model, self._kernels(k)
+        ar = 2.0 * (t - 1) * (k.alpha + rows * m.hidden * m.dtype_bytes / t / k.beta)
+        return ar if kern is None else kern.allreduce_floor(t, rows * m.hidden * m.dtype_bytes, k.beta, ar,
+                                                            in_box=k.device >= 0)
+
+    def _kernels(self, k: Kind):
+        kern = self.ctx.cost.kernels
+        return kern if kern is not None and kern.prices_type(k.gpu) else None
+
+    def _layer(self, k: Kind, t: int, tokens, attn_flops, kv_tokens):
+        """One layer's compute as the cost model prices it: the kernel model where it prices the
+        kind's GPU type, else the roofline."""
+        m, kern = self.ctx.model, self._kernels(k)
+        kv = kv_tokens * m.kv_bytes_per_token_per_layer
+        if kern is not None:
+            return kern.layer_times(k.gpu, t, tokens, attn_flops, kv)
+        flops = 2.0 * m.params_per_layer * tokens + attn_flops
+        return np.maximum(flops / (t * k.flops), (m.bytes_per_layer + kv) / (t * k.membw))
 
     def _fixed(self, t: int) -> float:
         eff = self.ctx.cost.eff
@@ -118,7 +140,9 @@ class ColumnBounds:
 
     def _head(self, k: Kind, t: int, rows):
         m, eff = self.ctx.model, self.ctx.cost.eff
-        roof = np.maximum(2.0 * m.hidden * m.vocab * rows / (t * k.flops), m.vocab * m.hidden * m.dtype_bytes / (t * k.membw))
+        kern = self._kernels(k)
+        roof = (kern.head_times(k.gpu, t, rows) if kern is not None else
+                np.maximum(2.0 * m.hidden * m.vocab * rows / (t * k.flops), m.vocab * m.hidden * m.dtype_bytes / (t * k.membw)))
         return roof + eff.iteration_overhead_s + eff.seq_overhead_s * rows
 
     def _stage(self, ki: int, t: int) -> dict:
@@ -145,13 +169,10 @@ class ColumnBounds:
 
     def _dl(self, ki, t, mb, cbar):
         k, m = self.kinds[ki], self.ctx.model
-        flops = 2.0 * m.params_per_layer * mb + 4.0 * m.q_dim * mb * cbar
-        nbytes = m.bytes_per_layer + mb * cbar * m.kv_bytes_per_token_per_layer
-        roof = np.maximum(flops / (t * k.flops), nbytes / (t * k.membw))
+        roof = self._layer(k, t, mb, 4.0 * m.q_dim * mb * cbar, mb * cbar)
         if t <= 1:
             return roof
-        ar = 2.0 * (t - 1) * (k.alpha + mb * m.hidden * m.dtype_bytes / t / k.beta)
-        return roof + 2.0 * ar + 2.0 * self.ctx.cost.eff.collective_overhead_s
+        return roof + 2.0 * self._allreduce(t, k, mb) + 2.0 * self.ctx.cost.eff.collective_overhead_s
 
     # ------------------------------------------------------------------ one structure
     def _hops(self, kinds: list[int]) -> tuple[int, float, float]:

@@ -126,7 +126,7 @@ def _column_kind(ctx, ks) -> Kind:
                 alpha, beta = min(alpha, float(lat[a, b])), max(beta, float(bw[a, b]))
     k = ks[0]
     return Kind("+".join(x.machine for x in ks) + "/" + k.gpu, sum(x.count for x in ks), k.flops, k.membw, k.usable,
-                0.0 if alpha == math.inf else alpha, beta or 1.0, k.machine, k.device if len(ks) == 1 else -1)
+                0.0 if alpha == math.inf else alpha, beta or 1.0, k.machine, k.device if len(ks) == 1 else -1, k.gpu)
 
 
 def _compositions(counts, K, limit):

@@ -133,12 +133,13 @@ _CACHE_SIZE = 64
 
 def _fingerprint(ctx, budget, devices, node_limit) -> tuple:
     """Everything the group bound reads: devices, links, shared resources, model, workload means,
-    efficiencies, period, budget (clusters built in tests share names, so not the name)."""
+    efficiencies and how each GPU type is priced, period, budget (clusters built in tests share names, so not the name)."""
     c = ctx.cluster
     devs = tuple((d.gpu.name, d.machine, d.site, d.memory_bytes, d.gpu.fp16_flops, d.gpu.mem_bandwidth,
                   d.gpu.usd_per_hour) for d in c.devices)
     return (devs, c.latency.tobytes(), c.bandwidth.tobytes(), tuple(sorted(ctx.resource_cap.items())),
             repr(ctx.model), ctx.input_tokens, ctx.output_tokens, ctx.period_s, repr(ctx.cost.eff),
+            tuple(sorted(ctx.cost.pricing().items())),  # kernel-model or roofline prices
             budget, None if devices is None else tuple(devices), node_limit, bound_groups.GROUP_K,
             bound_groups.MAX_COLUMNS)
 

@@ -49,3 +49,10 @@ bench-clients: setup $(BENCH_VENV)/.installed
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) demo-out .pytest_cache
+
+# Deploy to other engines (docs/deploy.md): what vLLM's / SGLang's rules cost on the bundled pools,
+# and what `hetserve route` adds to TTFT in front of OpenAI backends.
+.PHONY: bench-deploy
+bench-deploy: setup
+	$(BIN)/python -m bench.bench_engines --time-limit 20
+	$(BIN)/python -m bench.bench_route

@@ -186,7 +186,8 @@ def test_kv_routes_follow_flow(case_study, llama70b, azure):
 @pytest.mark.parametrize("algorithm", ["hexgen2", "random-swap", "genetic", "hexgen", "uniform"])
 def test_same_seed_same_plan(algorithm, llama70b, azure):
     c = load_cluster("hexgen2-het2")
-    opts = PlanOptions(seed=7, time_limit_s=120, max_iterations=12, restarts=2, patience=5)
+    # a few iterations and one restart: every random draw the search makes is on the path already
+    opts = PlanOptions(seed=7, time_limit_s=120, max_iterations=5, restarts=1, patience=3)
     a = ALGORITHMS[algorithm](c, llama70b, azure, opts)
     b = ALGORITHMS[algorithm](c, llama70b, azure, opts)
     assert a.replicas == b.replicas and a.kv_routes == b.kv_routes

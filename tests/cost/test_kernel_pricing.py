@@ -140,3 +140,21 @@ def test_a_roofline_cost_model_stays_one_in_the_simulators_twin():
     roof = CostModel(_cluster("A40"), LLAMA7, kernels=False)
     assert fast(roof).kernels is None
     assert fast(roof).decode_step_time(_one_stage(2), 4, 400) == roof.decode_step_time(_one_stage(2), 4, 400)
+
+
+def test_prices_never_fall_as_the_work_grows():
+    """A layer's time and an all-reduce's never drop when tokens or bytes grow (the planner and
+    the property tests of the cost model rely on it), on every GPU type of the catalog."""
+    import numpy as np
+
+    from hetserve.specs.gpus import gpu_catalog
+
+    table, tokens = default_table(), np.arange(1, 4200, dtype=float)
+    for name in gpu_catalog():
+        k = CostModel(_cluster(name, 8), LLAMA7).kernels
+        for tp in (1, 2, 8):
+            assert np.all(np.diff(k.layer_times(name, tp, tokens, 0 * tokens, 0 * tokens)) >= 0), (name, tp)
+    sizes = np.geomspace(1e3, 1e9, 400)
+    for w in (2, 3, 4, 8):
+        t = [table.allreduce_time(w, s, 3e11) for s in sizes]
+        assert np.all(np.diff(t) >= -1e-12 * np.array(t[1:])), w  # flat stretches: equal to rounding

@@ -27,19 +27,18 @@ import asyncio
 import json
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
-
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from hetserve.errors import HetserveError
+from hetserve.serve.choices import LogprobWriter, collect, prompt_entries, sse
 from hetserve.serve.coordinator import Coordinator, Prepared
 from hetserve.serve.errors import (ContextLengthExceeded, InvalidRequest, ModelNotFound, NotFound, Overloaded,
-                                   PayloadTooLarge, Unauthorized, Unavailable, error_event, install_error_handlers,
-                                   log, to_api_error)
+                                   PayloadTooLarge, Unauthorized, Unavailable, install_error_handlers, log,
+                                   to_api_error)
 from hetserve.serve.keys import ADMIN_PREFIX, APIAuth, bearer_token
 from hetserve.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
@@ -47,7 +46,6 @@ from hetserve.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoi
                                      Usage, new_id, now_s)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-_DISCONNECT_POLL_S = 0.25
 # prompts up to this many characters (or token ids) are tokenized on the event loop: well under a
 # millisecond, and never queued behind huge prompts in the thread pool
 INLINE_PROMPT_CHARS = 16_384
@@ -249,28 +247,66 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
     async def completions(request: Request):
         body: CompletionRequest = await read_body(request, CompletionRequest)
         admit("completions", body)
-        prompt = body.single_prompt
-        if isinstance(prompt, str):
-            check_length(len(prompt), "prompt")
-        ids = await _tokenize(c, len(prompt), lambda: prompt)
-        req = _prepare(c, "completions", body, ids, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+        prompts = body.prompts
+        for p in prompts:
+            if isinstance(p, str):
+                check_length(len(p), "prompt")
+        ids_of = [await _tokenize(c, len(p), lambda p=p: p) for p in prompts]
+        k = body.logprobs
+        reqs = [_prepare(c, "completions", body, ids, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
+                         index=i * body.n + j, logprobs=k, prompt_logprobs=k if body.echo else None)
+                for i, ids in enumerate(ids_of) for j in range(body.n)]
+        prompt_of = {r.index: ids_of[r.index // body.n] for r in reqs}
+        writers = {r.index: LogprobWriter(c.codec) for r in reqs}
         rid, created = new_id("cmpl"), now_s()
+
+        def usage() -> Usage:
+            return Usage.of(sum(len(ids) for ids in ids_of), sum(r.completion_tokens for r in reqs))
+
+        def echoed(req: Prepared) -> tuple[str, dict | None]:
+            ids = prompt_of[req.index]
+            text = c.codec.decode(ids)
+            lps = writers[req.index].completions(prompt_entries(ids, req.prompt_logprobs)) if k is not None else None
+            return text, lps
+
         if body.stream:
-            def chunk(text: str, finish: str | None) -> str:
-                return CompletionResponse(id=rid, created=created, model=c.model_name,
-                                          choices=[CompletionChoice(text=text, finish_reason=finish)],
+            sent = {r.index: 0 for r in reqs}  # logprob entries already streamed, per choice
+            echo_due = {r.index: body.echo for r in reqs}
+
+            def first(req: Prepared) -> list[str]:
+                return []  # with echo the prompt goes out with the first chunk, once its logprobs are in
+
+            def chunk(req: Prepared, text: str | None, finish: str | None) -> str:
+                head, lps = "", None
+                if echo_due[req.index]:
+                    echo_due[req.index] = False
+                    head, lps = echoed(req)
+                new = req.logprobs[sent[req.index]:]
+                sent[req.index] += len(new)
+                if k is not None:
+                    more = writers[req.index].completions(new)
+                    lps = more if lps is None else {key: lps[key] + more[key] for key in lps}
+                choice = CompletionChoice(index=req.index, text=head + (text or ""), logprobs=lps,
+                                          finish_reason=finish)
+                return CompletionResponse(id=rid, created=created, model=c.model_name, choices=[choice],
                                           usage=running_usage(body, req)).model_dump_json()
 
             def usage_chunk() -> str:
                 return CompletionResponse(id=rid, created=created, model=c.model_name, choices=[],
-                                          usage=Usage.of(req.prompt_tokens, req.completion_tokens)).model_dump_json()
+                                          usage=usage()).model_dump_json()
 
-            return _sse(c, req, None, chunk, usage_chunk if body.include_usage else None)
-        await _collect(c, req, request)
-        return JSONResponse(CompletionResponse(
-            id=rid, created=created, model=c.model_name,
-            choices=[CompletionChoice(text=req.text, finish_reason=req.finish_reason)],
-            usage=Usage.of(req.prompt_tokens, req.completion_tokens)).model_dump())
+            return sse(c, reqs, first, chunk, usage_chunk if body.include_usage else None)
+        await collect(c, reqs, request)
+        choices = []
+        for req in reqs:
+            text, lps = echoed(req) if body.echo else ("", None)
+            if k is not None:
+                more = writers[req.index].completions(req.logprobs)
+                lps = more if lps is None else {key: lps[key] + more[key] for key in lps}
+            choices.append(CompletionChoice(index=req.index, text=text + req.text, logprobs=lps,
+                                            finish_reason=req.finish_reason))
+        return JSONResponse(CompletionResponse(id=rid, created=created, model=c.model_name, choices=choices,
+                                               usage=usage()).model_dump())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -279,25 +315,44 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
         messages = [(m.role, m.text) for m in body.messages]
         check_length(sum(len(t) for _, t in messages), "messages")
         ids = await _tokenize(c, sum(len(t) for _, t in messages), lambda: c.codec.render_chat(messages), "messages")
-        req = _prepare(c, "chat", body, ids, body.token_limit, None, prompt_param="messages")
+        k = body.sampled_logprobs
+        reqs = [_prepare(c, "chat", body, ids, body.token_limit, None, prompt_param="messages", index=j, logprobs=k)
+                for j in range(body.n)]
+        writer = LogprobWriter(c.codec)
         rid, created = new_id("chatcmpl"), now_s()
+
+        def usage() -> Usage:
+            return Usage.of(len(ids), sum(r.completion_tokens for r in reqs))
+
         if body.stream:
-            def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
-                delta = DeltaMessage(role="assistant" if role else None, content=text)
+            sent = {r.index: 0 for r in reqs}
+
+            def make(req: Prepared, delta: DeltaMessage, lps: dict | None, finish: str | None) -> str:
                 return ChatCompletionChunk(id=rid, created=created, model=c.model_name,
-                                           choices=[ChatChunkChoice(delta=delta, finish_reason=finish)],
+                                           choices=[ChatChunkChoice(index=req.index, delta=delta, logprobs=lps,
+                                                                    finish_reason=finish)],
                                            usage=running_usage(body, req)).model_dump_json(exclude_none=False)
+
+            def first(req: Prepared) -> list[str]:
+                return [make(req, DeltaMessage(role="assistant", content=""), None, None)]
+
+            def chunk(req: Prepared, text: str | None, finish: str | None) -> str:
+                new = req.logprobs[sent[req.index]:]
+                sent[req.index] += len(new)
+                lps = writer.chat(new) if k is not None and new else None
+                return make(req, DeltaMessage(content=text), lps, finish)
 
             def usage_chunk() -> str:
                 return ChatCompletionChunk(id=rid, created=created, model=c.model_name, choices=[],
-                                           usage=Usage.of(req.prompt_tokens, req.completion_tokens)).model_dump_json()
+                                           usage=usage()).model_dump_json()
 
-            return _sse(c, req, chunk("", None, role=True), chunk, usage_chunk if body.include_usage else None)
-        await _collect(c, req, request)
+            return sse(c, reqs, first, chunk, usage_chunk if body.include_usage else None)
+        await collect(c, reqs, request)
         return JSONResponse(ChatCompletionResponse(
             id=rid, created=created, model=c.model_name,
-            choices=[ChatChoice(message=AssistantMessage(content=req.text), finish_reason=req.finish_reason)],
-            usage=Usage.of(req.prompt_tokens, req.completion_tokens)).model_dump())
+            choices=[ChatChoice(index=r.index, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason,
+                                logprobs=writer.chat(r.logprobs) if k is not None else None) for r in reqs],
+            usage=usage()).model_dump())
 
     app.state.started = time.time()
     return app
@@ -319,53 +374,17 @@ async def _tokenize(c: Coordinator, size: int, make_prompt, prompt_param: str = 
 
 
 def _prepare(c: Coordinator, endpoint: str, body, ids: list[int], max_tokens, default_max,
-             prompt_param: str = "prompt") -> Prepared:
-    # a client error raised here is counted as rejected by the error handler
+             prompt_param: str = "prompt", index: int = 0, logprobs: int | None = None,
+             prompt_logprobs: int | None = None) -> Prepared:
+    # a client error raised here is counted as rejected by the error handler. Choice ``index`` draws
+    # with seed + index, so each choice equals a single request sent with that seed.
+    seed = None if body.seed is None else (body.seed + index + 2 ** 63) % 2 ** 64 - 2 ** 63
     return c.prepare(endpoint, ids, max_tokens=max_tokens, default_max_tokens=default_max,
-                     temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                     temperature=body.temperature, top_p=body.top_p, seed=seed,
                      stop=body.stop_strings, prompt_param=prompt_param, ignore_eos=body.ignore_eos,
-                     min_tokens=body.min_tokens)
-
-
-async def _collect(c: Coordinator, req: Prepared, request) -> None:
-    """Run ``req`` to the end; if the client goes away first, cancel it (which aborts it in the engine)."""
-
-    async def drain() -> None:
-        async for _ in c.run(req):
-            pass
-
-    task = asyncio.ensure_future(drain())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                task.result()
-                return
-            if await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                return  # nobody to answer
-    finally:
-        if not task.done():
-            task.cancel()
-
-
-def _sse(c: Coordinator, req: Prepared, first: str | None, chunk, usage_chunk):
-    async def events() -> AsyncIterator[str]:
-        try:
-            if first is not None:
-                yield f"data: {first}\n\n"
-            async for delta in c.run(req):
-                yield f"data: {chunk(delta, None)}\n\n"
-            yield f"data: {chunk('' if first is None else None, req.finish_reason)}\n\n"
-            if usage_chunk is not None:
-                yield f"data: {usage_chunk()}\n\n"
-        except Exception as exc:  # noqa: BLE001 - headers are out: report in-band, then end the stream
-            yield error_event(exc)
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                     min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
+                     frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                     logprobs=logprobs, prompt_logprobs=prompt_logprobs, index=index)
 
 
 __all__ = ["create_app", "to_api_error"]

@@ -40,6 +40,11 @@ class Prepared:
     finish_reason: str | None = None
     text: str = ""
     ttft_s: float | None = None
+    index: int = 0  # the choice it answers (prompt number x n + choice number)
+    score_only: bool = False  # echo with max_tokens 0: the prompt's logprobs, no completion
+    # (token id, logprob, [(id, logprob)] alternatives) per completion token shown, when asked
+    logprobs: list[tuple] = field(default_factory=list)
+    prompt_logprobs: list[tuple] | None = None  # (logprob, alternatives) per prompt token after the first
 
     @property
     def prompt_tokens(self) -> int:
@@ -130,13 +135,19 @@ class Coordinator:
     def prepare(self, endpoint: str, ids: list[int], *, max_tokens: int | None,
                 default_max_tokens: int | None, temperature: float, top_p: float, seed: int | None,
                 stop: Sequence[str], prompt_param: str = "prompt", ignore_eos: bool = False,
-                min_tokens: int = 0) -> Prepared:
+                min_tokens: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                repetition_penalty: float = 1.0, logprobs: int | None = None, prompt_logprobs: int | None = None,
+                index: int = 0) -> Prepared:
         """Check a request whose prompt ``tokenize`` gave as ``ids``; raises ``InvalidRequest`` /
         ``ContextLengthExceeded``.
 
         ``max_tokens`` None takes ``default_max_tokens``, or (if that is None too) the room left
-        in the context.
+        in the context. ``max_tokens`` 0 scores the prompt only: the engine runs its prefill and one
+        token (which nobody sees), so ``prompt_logprobs`` come back with no completion.
         """
+        score_only = max_tokens == 0
+        if score_only:
+            max_tokens, ignore_eos, min_tokens = 1, True, 0
         ctx = self.max_context
         room = ctx - len(ids)
         if room < 1:
@@ -163,11 +174,15 @@ class Coordinator:
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                     stop_token_ids=(eos,) if eos is not None and not ignore_eos else (),
-                                    ignore_eos=ignore_eos, min_tokens=min_tokens)
+                                    ignore_eos=ignore_eos, min_tokens=min_tokens,
+                                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                    repetition_penalty=repetition_penalty,
+                                    logprobs=None if score_only else logprobs, prompt_logprobs=prompt_logprobs)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
         seq = next(self._seq)
-        return Prepared(f"req-{seq}", seq, ids, params, tuple(stop), endpoint, arrival=self.clock())
+        return Prepared(f"req-{seq}", seq, ids, params, tuple(stop), endpoint, arrival=self.clock(), index=index,
+                        score_only=score_only)
 
     # ------------------------------------------------------------------ do it
     def place(self, req: Prepared) -> str | None:
@@ -197,13 +212,20 @@ class Coordinator:
             gen = self.backend.generate(req.request_id, req.prompt_ids, req.params, req.replica)
             try:
                 async for token in gen:
+                    if req.prompt_logprobs is None:
+                        req.prompt_logprobs = getattr(token, "prompt_logprobs", None)
                     if req.finish_reason is not None:
                         break  # the engine went past a stop token or max_tokens: stop it here
+                    if req.score_only:  # the one token run for the prompt's logprobs is nobody's completion
+                        req.finish_reason = "length"
+                        continue
                     req.completion_tokens += 1
                     may_stop = req.completion_tokens >= req.params.min_tokens
                     if token in stop_ids and may_stop:
                         req.finish_reason = "stop"  # the engine ends the request itself
                         continue
+                    if req.params.logprobs is not None:
+                        req.logprobs.append((int(token), getattr(token, "logprob", None), getattr(token, "top", [])))
                     delta = stream.push(token)
                     if delta:
                         if req.ttft_s is None:  # TTFT as the client sees it: the first text streamed
@@ -219,7 +241,7 @@ class Coordinator:
                         req.finish_reason = "length"
                 else:
                     engine_done = True
-                    if req.completion_tokens == 0:
+                    if req.completion_tokens == 0 and not req.score_only:
                         raise ServerError("the engine finished the request without producing a token")
                     req.finish_reason = req.finish_reason or (
                         "length" if req.completion_tokens >= req.params.max_tokens else "stop")

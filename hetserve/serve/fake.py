@@ -12,6 +12,7 @@ from typing import Sequence
 
 from hetserve.policies.base import ReplicaState
 from hetserve.runtime.params import SamplingParams
+from hetserve.serve.backend import SampledToken
 
 EOS = 257
 
@@ -32,10 +33,21 @@ class ByteCodec:
         return "".join(f"{r}: {t}\n" for r, t in messages) + "assistant:"
 
 
+def fake_logprob(position: int) -> float:
+    """The logprob the fake reports for whatever token sits at ``position`` of the sequence."""
+    return -0.5 - position / 100
+
+
+def fake_top(token: int, position: int, k: int) -> list[tuple[int, float]]:
+    """``k`` alternatives: ``token`` first, then the next letters, each one nat less likely."""
+    return [(token if j == 0 else ord("a") + (token + j) % 26, fake_logprob(position) - j) for j in range(k)]
+
+
 class FakeBackend:
     """Replicas of ``slots`` concurrent requests each; token k of a request is the letter
     ``(seed + k) % 26`` (seed: the params' seed, else the prompt's byte sum); ``eos_at`` makes the
-    request end with <eos> as its token number ``eos_at``."""
+    request end with <eos> as its token number ``eos_at``. Asked for logprobs, the token at position
+    p of the sequence has ``fake_logprob(p)`` and alternatives ``fake_top``."""
 
     def __init__(self, replicas: int = 2, slots: int = 64, token_delay_s: float = 0.002,
                  max_context: int = 256, kv_capacity: int = 100_000, eos_at: int | None = None):
@@ -48,6 +60,7 @@ class FakeBackend:
         self.aborted: set[str] = set()
         self.finished: set[str] = set()
         self.placed: list[str | None] = []
+        self.params: dict[str, SamplingParams] = {}  # what each request asked the engine for
         self.failure: str | None = None
         self.dead: set[str] = set()  # replicas reported down
         self.refused: dict[str, int] = {}  # what the runtime's endpoints would have refused, by reason
@@ -58,6 +71,7 @@ class FakeBackend:
     async def generate(self, request_id: str, prompt_token_ids, params: SamplingParams, replica=None):
         replica = replica or "r0"
         self.placed.append(replica)
+        self.params[request_id] = params
         seed = params.seed if params.seed is not None else sum(prompt_token_ids)
         self.waiting[request_id] = replica
         try:
@@ -76,7 +90,16 @@ class FakeBackend:
                 if self.eos_at is not None and k + 1 == self.eos_at and EOS in params.stop_token_ids:
                     yield EOS
                     return
-                yield ord("a") + (seed + k) % 26
+                token = ord("a") + (seed + k) % 26
+                if params.logprobs is None and params.prompt_logprobs is None:
+                    yield token
+                    continue
+                pos, n = len(prompt_token_ids) + k, len(prompt_token_ids)
+                plp = None
+                if k == 0 and params.prompt_logprobs is not None:
+                    plp = [(fake_logprob(i), fake_top(prompt_token_ids[i], i, params.prompt_logprobs))
+                           for i in range(1, n)]
+                yield SampledToken(token, fake_logprob(pos), fake_top(token, pos, params.logprobs or 0), plp)
             self.finished.add(request_id)
         finally:
             self.waiting.pop(request_id, None)

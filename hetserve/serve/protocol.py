@@ -1,15 +1,17 @@
 """The OpenAI wire format: request bodies the server accepts and the objects it returns.
 
 Only what hetserve serves is modelled; fields OpenAI documents but hetserve cannot honour
-(``n > 1``, ``logprobs``, ``echo``, ``best_of > 1``, ``tools``) are rejected with a 400 naming the
-field rather than silently ignored. Unknown fields are rejected too, as OpenAI does.
+(``best_of`` other than ``n``, ``tools``, ``logit_bias``, ``suffix``) are rejected with a 400 naming
+the field rather than silently ignored. Unknown fields are rejected too, as OpenAI does.
 
-vLLM's extensions that benchmark clients send (``ignore_eos``, ``min_tokens``) are honoured. Real
+Honoured: ``n`` choices per prompt and a list of prompts (completions), ``logprobs`` / ``top_logprobs``,
+``echo`` (with ``max_tokens: 0``: score the prompt, generate nothing), ``presence_penalty`` /
+``frequency_penalty`` and vLLM's ``repetition_penalty``. vLLM's extensions that benchmark clients send
+(``ignore_eos``, ``min_tokens``) are honoured. Real
 OpenAI fields that change nothing about generation here (``store``, ``metadata``,
 ``parallel_tool_calls``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
 ``skip_special_tokens``) are accepted; when set, the server logs one warning naming them
-(``ignored_fields``), as vLLM does. vLLM's ``top_k`` / ``min_p`` / ``repetition_penalty`` pass only
-at their neutral values.
+(``ignored_fields``), as vLLM does. vLLM's ``top_k`` / ``min_p`` pass only at their neutral values.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 MAX_STOP_SEQUENCES = 4
+MAX_CHOICES = 64  # choices one request may ask for (prompts x n): each is a request to the engine
+MAX_LOGPROBS = 20  # alternatives per token at most (vLLM's default max_logprobs)
 
 
 class _Strict(BaseModel):
@@ -40,26 +44,25 @@ class StreamOptions(_Strict):
 
 class _SamplingFields(_Strict):
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo (completions): score the prompt
     temperature: float = _finite(default=1.0, ge=0.0, le=2.0)
     top_p: float = _finite(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: StrictBool = False  # JSON true / false only: "yes" or 1 is a client bug, not a choice
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)  # what a 64-bit generator takes
     user: str | None = None
-    # accepted for compatibility; hetserve's sampler has no penalties, so only the neutral value passes
     presence_penalty: float = _finite(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = _finite(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     # vLLM extensions honoured here
     ignore_eos: StrictBool = False
     min_tokens: int = Field(default=0, ge=0)
-    # vLLM sampling extensions: only the neutral value passes (the sampler has none of them)
+    # vLLM sampling extensions: top_k and min_p pass only at their neutral values
     top_k: int | None = None
     min_p: float | None = None
-    repetition_penalty: float | None = None
+    repetition_penalty: float = _finite(default=1.0, gt=0.0, le=100.0)  # vLLM's (sampling.py)
     # real OpenAI / vLLM fields that change nothing here: accepted, logged when set (ignored_fields)
     store: StrictBool | None = None
     metadata: dict[str, str] | None = None
@@ -88,23 +91,24 @@ class _SamplingFields(_Strict):
 
     @model_validator(mode="after")
     def _supported(self) -> "_SamplingFields":
-        if self.n != 1:
-            raise ValueError("n: only n=1 is supported")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty / frequency_penalty: penalties are not supported (use 0)")
         if self.logit_bias:
             raise ValueError("logit_bias: not supported")
         if self.top_k not in (None, 0, -1):
             raise ValueError("top_k: not supported (only -1 or 0, no top-k cut, is accepted)")
         if self.min_p not in (None, 0.0):
             raise ValueError("min_p: not supported (only 0 is accepted)")
-        if self.repetition_penalty not in (None, 1.0):
-            raise ValueError("repetition_penalty: not supported (only 1.0 is accepted)")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens: must be at most max_tokens ({self.max_tokens})")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         return self
+
+    @property
+    def sampled_logprobs(self) -> int | None:
+        """Alternatives asked per sampled token (None: no logprobs)."""
+        if isinstance(self.logprobs, bool):  # chat: logprobs true, top_logprobs alternatives
+            return (self.top_logprobs or 0) if self.logprobs else None
+        return self.logprobs
 
     @property
     def stop_strings(self) -> list[str]:
@@ -125,34 +129,34 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: StrictBool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> "CompletionRequest":
+    def _prompts(self) -> "CompletionRequest":
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError("prompt: only one prompt per request is supported")
         if isinstance(p, (list, str)) and len(p) == 0:
             raise ValueError("prompt: must not be empty")
-        if self.echo:
-            raise ValueError("echo: not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs: not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of: only 1 is supported")
+        if any(len(q) == 0 for q in self.prompts):
+            raise ValueError("prompt: a prompt in the list is empty")
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise ValueError(f"prompt: {len(self.prompts)} prompts x n={self.n} choices is over {MAX_CHOICES}")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only allowed with echo (the prompt scored, nothing generated)")
+        if self.best_of not in (None, self.n):
+            raise ValueError("best_of: only best_of equal to n is supported (every choice is returned)")
         if self.suffix:
             raise ValueError("suffix: not supported")
         return self
 
     @property
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or a list (each a text or token ids)."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            return p[0]  # type: ignore[return-value]
-        return p  # type: ignore[return-value]
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
 
 
 class TextPart(_Strict):
@@ -181,15 +185,17 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any | None = None
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _chat_supported(self) -> "ChatCompletionRequest":
-        if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs: not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: only allowed when logprobs is true")
+        if self.max_tokens == 0:
+            raise ValueError("max_tokens: must be at least 1 in a chat completion")
         if self.tools:
             raise ValueError("tools: not supported")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
@@ -221,7 +227,7 @@ FinishReason = Literal["stop", "length"]
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {tokens, token_logprobs, top_logprobs, text_offset}
     finish_reason: FinishReason | None = None
 
 
@@ -243,7 +249,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {content: [{token, logprob, bytes, top_logprobs}]}
     finish_reason: FinishReason | None = None
 
 
@@ -265,7 +271,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason | None = None
 
 

@@ -93,7 +93,7 @@ def _assert_openai_error(resp: httpx.Response, status: int, param: str | None = 
     (json.dumps({"model": "tiny"}).encode(), "prompt"),
     (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 0}).encode(), "max_tokens"),
     (json.dumps({"model": "tiny", "prompt": "x", "temperature": 3}).encode(), "temperature"),
-    (json.dumps({"model": "tiny", "prompt": "x", "n": 2}).encode(), None),
+    (json.dumps({"model": "tiny", "prompt": "x", "n": 65}).encode(), "n"),
     (json.dumps({"model": "tiny", "prompt": "x", "bogus": 1}).encode(), "bogus"),
     (json.dumps({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}).encode(), "stop"),
 ])

@@ -1,0 +1,151 @@
+"""Running the choices of one HTTP request and writing their logprobs in OpenAI's shapes.
+
+A request with ``n`` choices per prompt and several prompts becomes one ``Prepared`` request per
+choice (its ``index``: prompt number × n + choice number, as OpenAI and vLLM order them), run side by
+side. ``collect`` runs them to the end, cancelling all if the client goes away; ``sse`` streams them
+as one event stream, each chunk naming its choice, and cancels what is left when the client goes.
+
+Logprobs shapes:
+
+- completions (``logprobs: N``): ``{"tokens": [text], "token_logprobs": [lp], "top_logprobs":
+  [{text: lp}], "text_offset": [chars]}``; the top map holds the N most likely tokens and the
+  chosen one (so up to N + 1 entries, as OpenAI says). With ``echo`` the prompt's tokens come first,
+  the first with ``null`` logprob and ``null`` top map;
+- chat (``logprobs: true, top_logprobs: N``): ``{"content": [{"token", "logprob", "bytes",
+  "top_logprobs": [{"token", "logprob", "bytes"}]}]}``.
+
+A token's text is what the tokenizer decodes it to alone (a piece of a multi-byte character shows
+as U+FFFD, as in vLLM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Callable, Sequence
+
+from fastapi.responses import StreamingResponse
+
+from hetserve.serve.coordinator import Coordinator, Prepared
+from hetserve.serve.errors import error_event
+
+_DISCONNECT_POLL_S = 0.25
+
+# (token id, logprob or None, [(id, logprob)] or None)
+Entry = tuple
+
+
+def prompt_entries(ids: Sequence[int], prompt_logprobs: list | None) -> list[Entry]:
+    """The prompt's tokens as logprob entries: the first has none, the rest the engine's."""
+    out: list[Entry] = [(int(ids[0]), None, None)]
+    for tok, (lp, top) in zip(ids[1:], prompt_logprobs or ()):
+        out.append((int(tok), lp, top))
+    return out
+
+
+class LogprobWriter:
+    """Writes entries in one request's format; ``offset`` keeps completions' ``text_offset`` running
+    across stream chunks."""
+
+    def __init__(self, codec, offset: int = 0):
+        self.codec, self.offset = codec, offset
+
+    def text(self, token: int) -> str:
+        return self.codec.decode([token])
+
+    def completions(self, entries: list[Entry]) -> dict:
+        tokens, lps, tops, offsets = [], [], [], []
+        for tok, lp, top in entries:
+            t = self.text(tok)
+            tokens.append(t)
+            lps.append(lp)
+            offsets.append(self.offset)
+            self.offset += len(t)
+            if top is None:
+                tops.append(None)
+            else:
+                m = {self.text(i): v for i, v in top}
+                m.setdefault(t, lp)  # the chosen token is always there
+                tops.append(m)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat(self, entries: list[Entry]) -> dict:
+        def one(tok: int, lp: float) -> dict:
+            t = self.text(tok)
+            return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+
+        return {"content": [{**one(tok, lp), "top_logprobs": [one(i, v) for i, v in top or ()]}
+                            for tok, lp, top in entries]}
+
+
+async def collect(c: Coordinator, reqs: list[Prepared], request) -> None:
+    """Run every request to its end; if the client goes away first, cancel them all (which aborts
+    them in the engine). An error in one cancels the others and is raised."""
+
+    async def drain(req: Prepared) -> None:
+        async for _ in c.run(req):
+            pass
+
+    tasks = [asyncio.ensure_future(drain(r)) for r in reqs]
+    try:
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=_DISCONNECT_POLL_S,
+                                               return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                t.result()  # raises the first failure
+            if pending and await request.is_disconnected():
+                return  # nobody to answer; the finally cancels what is left
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sse(c: Coordinator, reqs: list[Prepared], first: Callable[[Prepared], list[str]],
+        chunk: Callable[[Prepared, str | None, str | None], str], usage_chunk: Callable[[], str] | None):
+    """One SSE stream over ``reqs``: ``first(req)`` events of each choice, then a chunk per token as
+    it comes (``chunk(req, text, None)``), a finish chunk per choice (``chunk(req, None, reason)``),
+    the usage chunk, ``[DONE]``. A failure after the headers ends the stream with one error event."""
+
+    async def events() -> AsyncIterator[str]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(req: Prepared) -> None:
+            try:
+                async for delta in c.run(req):
+                    await queue.put((req, delta, None))
+                await queue.put((req, None, "done"))
+            except Exception as exc:  # noqa: BLE001 - handed to the stream, which reports it in-band
+                await queue.put((req, None, exc))
+
+        tasks: list[asyncio.Task] = []
+        try:
+            for req in reqs:
+                for event in first(req):
+                    yield f"data: {event}\n\n"
+            tasks = [asyncio.ensure_future(pump(r)) for r in reqs]
+            left = len(reqs)
+            while left:
+                req, delta, end = await queue.get()
+                if end is None:
+                    yield f"data: {chunk(req, delta, None)}\n\n"
+                elif end == "done":
+                    left -= 1
+                    yield f"data: {chunk(req, None, req.finish_reason)}\n\n"
+                else:
+                    raise end
+            if usage_chunk is not None:
+                yield f"data: {usage_chunk()}\n\n"
+        except Exception as exc:  # noqa: BLE001 - headers are out: report in-band, then end the stream
+            yield error_event(exc)
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -53,6 +53,14 @@ class Metrics:
         self.ttfb = Histogram("hetserve_route_first_byte_seconds", "time to the backend's first byte",
                               ["backend"], registry=self.registry,
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self._children: dict[str, tuple] = {}
+
+    def of(self, backend: str):
+        """(in_flight gauge, first-byte histogram) of one backend, looked up once."""
+        hit = self._children.get(backend)
+        if hit is None:
+            hit = self._children[backend] = (self.in_flight.labels(backend), self.ttfb.labels(backend))
+        return hit
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
@@ -102,8 +110,10 @@ class Router:
         self.metrics.up.labels(b.id).set(1 if ok else 0)
 
     # ------------------------------------------------------------------ requests
-    async def answer(self, path: str, body: dict) -> tuple[int, dict | None, AsyncIterator[bytes] | None]:
-        """(status, JSON body, None) or (status, None, byte stream) for the client."""
+    async def answer(self, path: str, body: dict, raw: bytes | None = None
+                     ) -> tuple[int, dict | None, AsyncIterator[bytes] | None]:
+        """(status, JSON body, None) or (status, None, byte stream) for the client; ``raw``: the
+        body's bytes as received (forwarded as they are where the body goes on unchanged)."""
         tried: set[str] = set()
         while True:
             entry = self.pool.pick_entry(tried)
@@ -114,7 +124,7 @@ class Router:
             try:
                 if entry.role == "prefill":
                     return await self._disaggregated(entry, path, body)
-                return await self._send(entry, path, body)
+                return await self._send(entry, path, body, raw=raw)
             except BackendFailed:
                 self.metrics.retries.labels(entry.id).inc()
                 continue
@@ -141,14 +151,19 @@ class Router:
             except BackendFailed:
                 self.metrics.retries.labels(d.id).inc()
 
-    async def _send(self, b: Backend, path: str, body: dict, stream: bool | None = None):
+    async def _send(self, b: Backend, path: str, body: dict, stream: bool | None = None, raw: bytes | None = None):
+        """``body`` to ``b`` (``raw``: its bytes as the client sent them, forwarded unchanged)."""
         stream = bool(body.get("stream")) if stream is None else stream
+        in_flight, ttfb = self.metrics.of(b.id)
         b.in_flight += 1
-        self.metrics.in_flight.labels(b.id).set(b.in_flight)
+        in_flight.set(b.in_flight)
         t0 = time.perf_counter()
         done = True
         try:
-            req = self.client.build_request("POST", f"{b.url}{path}", json=body, headers=self.headers)
+            if raw is None:
+                raw = json.dumps(body).encode()
+            req = self.client.build_request("POST", f"{b.url}{path}", content=raw,
+                                            headers={**self.headers, "content-type": "application/json"})
             try:
                 resp = await self.client.send(req, stream=True)
             except httpx.HTTPError as exc:
@@ -166,7 +181,7 @@ class Router:
                     raise BackendFailed(f"{b.id}: {exc}") from exc
                 finally:
                     await resp.aclose()
-                self.metrics.ttfb.labels(b.id).observe(time.perf_counter() - t0)
+                ttfb.observe(time.perf_counter() - t0)
                 self.metrics.requests.labels(b.id, str(resp.status_code)).inc()
                 try:
                     return resp.status_code, json.loads(raw), None
@@ -180,13 +195,13 @@ class Router:
                 await resp.aclose()
                 self._failed(b)
                 raise BackendFailed(f"{b.id}: stream ended before its first byte") from exc
-            self.metrics.ttfb.labels(b.id).observe(time.perf_counter() - t0)
+            ttfb.observe(time.perf_counter() - t0)
             done = False
             return 200, None, self._relay(b, resp, first, chunks)
         finally:
             if done:
                 b.in_flight -= 1
-                self.metrics.in_flight.labels(b.id).set(b.in_flight)
+                in_flight.set(b.in_flight)
 
     async def _relay(self, b: Backend, resp, first: bytes, chunks) -> AsyncIterator[bytes]:
         outcome = "200"

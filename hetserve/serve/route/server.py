@@ -28,7 +28,7 @@ def create_app(router: Router):
     app = FastAPI(title="hetserve route", lifespan=lifespan)
     install_error_handlers(app)
 
-    async def read_body(request: Request) -> dict:
+    async def read_body(request: Request) -> tuple[dict, bytes]:
         raw = b""
         async for chunk in request.stream():
             raw += chunk
@@ -40,10 +40,10 @@ def create_app(router: Router):
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise InvalidRequest("request body must be a JSON object")
-        return body
+        return body, raw
 
-    async def forward(path: str, body: dict):
-        status, data, stream = await router.answer(path, body)
+    async def forward(path: str, body: dict, raw: bytes):
+        status, data, stream = await router.answer(path, body, raw)
         if stream is not None:
             return StreamingResponse(stream, media_type="text/event-stream")
         return JSONResponse(data, status_code=status)
@@ -57,15 +57,15 @@ def create_app(router: Router):
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await read_body(request)
+        body, raw = await read_body(request)
         validate(CompletionRequest, body)
-        return await forward("/v1/completions", body)
+        return await forward("/v1/completions", body, raw)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await read_body(request)
+        body, raw = await read_body(request)
         validate(ChatCompletionRequest, body)
-        return await forward("/v1/chat/completions", body)
+        return await forward("/v1/chat/completions", body, raw)
 
     @app.get("/v1/models")
     async def models():

@@ -151,3 +151,30 @@ def test_penalties_end_to_end_equal_their_definition_on_transformers_logits(serv
     plain = served.submit(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True)).result(60)
     assert out != plain  # the penalties changed something ...
     assert out == want  # ... exactly as defined
+
+
+def test_prompt_scoring_over_http_equals_transformers_log_likelihood(served, hf_logits, model_dirs):
+    """What lm-evaluation-harness's local-completions model sends: a list of prompts, ``echo``,
+    ``max_tokens: 0``, ``logprobs``; each prompt's logprobs (and their sum) are transformers'."""
+    import httpx
+
+    from hetserve.serve.app import create_app
+    from hetserve.serve.coordinator import Coordinator
+    from hetserve.serve.engine_backend import EngineBackend
+    from hetserve.serve.server import ServerThread
+    from hetserve.serve.text import HFCodec
+
+    codec = HFCodec.from_dir(model_dirs["llama"])
+    prompts = ["The quick brown fox", "jumps over the lazy dog."]
+    with ServerThread(create_app(Coordinator(EngineBackend(served), codec, "tiny"))) as srv:
+        r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompts, "echo": True, "max_tokens": 0, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    for choice, prompt in zip(sorted(r.json()["choices"], key=lambda c: c["index"]), prompts):
+        ids = codec.encode(prompt)
+        ref = torch.log_softmax(hf_logits(ids), -1)
+        want = [ref[t, ids[t + 1]].item() for t in range(len(ids) - 1)]
+        got = choice["logprobs"]["token_logprobs"]
+        assert choice["text"] == prompt and got[0] is None and len(got) == len(ids)
+        assert max(abs(a - b) for a, b in zip(got[1:], want)) < TOL
+        assert abs(sum(got[1:]) - sum(want)) < TOL * len(want)

@@ -234,3 +234,19 @@ def test_killed_backend_loses_no_request_that_had_not_streamed(backends, tmp_pat
     assert sum(1 for _, t in out if '"served_by": "s0"' in t) == 40
     assert 'hetserve_route_backend_up{backend="s1"} 0.0' in metrics
     assert 'hetserve_route_retries_total{backend="s1"}' in metrics
+
+
+def test_openai_client_runs_unchanged_against_route(backends, tmp_path):
+    import openai
+
+    route = RouteServer(deploy_of(backends, [("b0", "colocated"), ("b1", "colocated")]), tmp_path)
+    try:
+        client = openai.OpenAI(base_url=f"{route.url}/v1", api_key="unused", max_retries=0)
+        done = client.completions.create(model="tiny", prompt="hi", max_tokens=3)
+        assert len(done.choices[0].text.split()) == 3
+        parts = [c.choices[0].text for c in client.completions.create(model="tiny", prompt="hi", max_tokens=3,
+                                                                      stream=True)]
+        assert len(parts) == 3 and parts[0].endswith("-0")
+        assert [m.id for m in client.models.list()] == ["tiny"]
+    finally:
+        route.stop()

@@ -78,7 +78,10 @@ def config_from_deploy(path: str | Path) -> RouteConfig:
             raise SpecError(str(path), f"replicas.{i}.role", "prefill, decode or colocated", r["role"])
         if not r["endpoint"].startswith(("http://", "https://")):
             raise SpecError(str(path), f"replicas.{i}.endpoint", "an http(s):// URL", r["endpoint"])
-        backends.append(Backend(r["id"], r["role"], r["endpoint"].rstrip("/"), float(weights.get(r["id"], 1.0))))
+        w = weights.get(r["id"], 1.0) if isinstance(weights, dict) else None
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0:
+            raise SpecError(str(path), f"router.weights.{r['id']}", "a non-negative number", repr(w))
+        backends.append(Backend(r["id"], r["role"], r["endpoint"].rstrip("/"), float(w)))
     routes = []
     for i, k in enumerate(router.get("kv_routes") or []):
         try:

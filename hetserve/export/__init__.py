@@ -12,17 +12,17 @@ from pathlib import Path
 
 from hetserve.export import native, sglang, vllm
 from hetserve.export.bundle import Bundle
-from hetserve.export.common import ExportContext
+from hetserve.export.common import RAY_PORT, ExportContext
 from hetserve.export.rules import refuse_unless_runnable
 
 ENGINES = ("hetserve", "vllm", "sglang")
 
 
 def build_bundle(plan, cluster, engine: str, model_path: str, num_layers: int,
-                 cluster_ref: str = "cluster.yaml") -> Bundle:
+                 cluster_ref: str = "cluster.yaml", ray_port: int = RAY_PORT) -> Bundle:
     """The bundle of ``plan`` for ``engine`` (refused with a ``PlanError`` if it cannot run it)."""
     refuse_unless_runnable(plan, engine)
-    ctx = ExportContext(plan, cluster, model_path, num_layers)
+    ctx = ExportContext(plan, cluster, model_path, num_layers, ray_port=ray_port)
     if engine == "vllm":
         b = vllm.build(ctx)
     elif engine == "sglang":
@@ -35,11 +35,11 @@ def build_bundle(plan, cluster, engine: str, model_path: str, num_layers: int,
 
 
 def export_bundle(plan, cluster, engine: str, out_dir: str | Path, model_path: str, num_layers: int,
-                  cluster_path: str | None = None) -> list[Path]:
+                  cluster_path: str | None = None, ray_port: int = RAY_PORT) -> list[Path]:
     """Write ``plan``'s bundle for ``engine`` into ``out_dir``; the cluster file is copied beside it
     (a hetserve bundle's ``hetserve serve`` reads it). Returns the paths written."""
     ref = "cluster.yaml" if cluster_path else cluster.name
-    b = build_bundle(plan, cluster, engine, model_path, num_layers, cluster_ref=ref)
+    b = build_bundle(plan, cluster, engine, model_path, num_layers, cluster_ref=ref, ray_port=ray_port)
     written = b.write(out_dir, plan)
     if cluster_path:
         shutil.copyfile(cluster_path, Path(out_dir) / "cluster.yaml")
@@ -58,7 +58,8 @@ def readme(b: Bundle, plan) -> str:
     lines += ["", "## Start, in this order", "",
               "1. Put the same engine version and the model at the same path on every machine"
               + (" (`pip install 'hetserve[runtime,ray]'`; one Ray token on every machine, mode 600: "
-                 "`ray get-auth-token --generate`, docs/multinode.md)" if b.engine == "hetserve" else "")
+                 "`ray get-auth-token --generate`, docs/multinode.md; the scripts set `RAY_AUTH_MODE=token` "
+                 "unless the environment already sets it)" if b.engine == "hetserve" else "")
               + ".",
               "2. On every machine, its Ray nodes (skip where a script has none): "
               + ", ".join(f"`bash machines/{m}.sh ray` on {m}" for m in b.machines) + ".",

@@ -69,6 +69,7 @@ class Bundle:
     shared: list[Launch] = field(default_factory=list)  # processes of no one replica (a Ray head, hetserve serve)
     readme: str = ""
     extra: dict = field(default_factory=dict)
+    preamble: list[str] = field(default_factory=list)  # shell lines every script runs first (exports)
 
     def deploy_dict(self) -> dict:
         out = {"engine": self.engine, "engine_version": self.engine_version, "plan": "plan.json",
@@ -107,6 +108,7 @@ class Bundle:
                  "# Usage: bash this-script [ray|serve]  (no argument: both). Run the ray phase on every",
                  "# machine before the serve phase on any (README.md).",
                  "set -euo pipefail",
+                 *self.preamble,
                  'phase="${1:-all}"',
                  'case "$phase" in ray|serve|all) ;; *) echo "usage: $0 [ray|serve]" >&2; exit 2;; esac',
                  'if [ "$phase" != serve ]; then']

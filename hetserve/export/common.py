@@ -31,6 +31,7 @@ class ExportContext:
     model_path: str
     num_layers: int
     router_host: str | None = None
+    ray_port: int = RAY_PORT  # the hetserve bundle's Ray head (vLLM replicas' Ray heads count up from it + 1)
     _next: dict = field(default_factory=dict)
 
     def address(self, machine: str) -> str:

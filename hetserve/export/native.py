@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 from hetserve.export.bundle import Bundle, Launch, ReplicaDeploy
-from hetserve.export.common import RAY_PORT, ExportContext, gpu_index, machine_of
+from hetserve.export.common import ExportContext, gpu_index, machine_of
 from hetserve.export.rules import engine_version
 
 SERVE_PORT = 8000
@@ -23,19 +23,17 @@ def build(ctx: ExportContext, cluster_ref: str) -> Bundle:
     plan = ctx.plan
     head = ctx.head_machine
     head_addr = ctx.address(head)
-    ray_addr = f"{head_addr}:{RAY_PORT}"
+    ray_addr = f"{head_addr}:{ctx.ray_port}"
     serve = ["hetserve", "serve", "--backend", "ray", "--ray-address", ray_addr, "--advertise-address", head_addr,
              "--plan", "plan.json", "--cluster", cluster_ref, "--model", ctx.model_path,
              "--host", head_addr, "--port", str(SERVE_PORT)]
     shared = []
     for m, addr in ctx.machines.items():
         resources = json.dumps({f"hetserve_machine_{m}": 1000}, separators=(",", ":"))
-        start = (["ray", "start", "--head", "--port", str(RAY_PORT)] if m == head
+        start = (["ray", "start", "--head", "--port", str(ctx.ray_port)] if m == head
                  else ["ray", "start", "--address", ray_addr])
-        shared.append(Launch(m, start + ["--node-ip-address", addr, "--resources", resources], [],
-                             {"RAY_AUTH_MODE": "token"}, kind="ray"))
-    shared.append(Launch(head, serve, [], {"RAY_AUTH_MODE": "token"},
-                         note="the HTTP API and the engine; places every replica's workers"))
+        shared.append(Launch(m, start + ["--node-ip-address", addr, "--resources", resources], [], {}, kind="ray"))
+    shared.append(Launch(head, serve, [], {}, note="the HTTP API and the engine; places every replica's workers"))
     replicas = []
     for r in plan.replicas:
         by_machine: dict[str, list[int]] = {}
@@ -48,5 +46,8 @@ def build(ctx: ExportContext, cluster_ref: str) -> Bundle:
     router = {"argv": serve, "weights": ctx.entry_weights(), "kv_routes": ctx.kv_routes(),
               "endpoint": f"http://{head_addr}:{SERVE_PORT}", "protocol": "openai",
               "note": "hetserve serve is its own router: the plan's weights place requests on the replicas"}
+    # Ray's token authentication unless the machine's environment says otherwise (docs/multinode.md:
+    # RAY_AUTH_MODE=disabled only on a network no one else reaches)
+    preamble = ['export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"']
     return Bundle("hetserve", engine_version("hetserve"), replicas, router, ctx.machines, shared=shared,
-                  extra={"cluster": cluster_ref})
+                  extra={"cluster": cluster_ref}, preamble=preamble)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 
 from hetserve.export.bundle import Bundle, Launch, ReplicaDeploy
-from hetserve.export.common import ENDPOINT_PORT, RAY_PORT, SIDE_PORT, ExportContext, gpu_index
+from hetserve.export.common import ENDPOINT_PORT, SIDE_PORT, ExportContext, gpu_index
 from hetserve.export.rules import engine_version, machine_runs
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -57,7 +57,7 @@ def build(ctx: ExportContext) -> Bundle:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
             launches.append(Launch(head, argv, gpus, env))
         else:
-            ray_port = RAY_PORT + 1 + ray_clusters  # 6379 itself is left to a hetserve bundle's Ray
+            ray_port = ctx.ray_port + 1 + ray_clusters  # 6379 itself is left to a hetserve bundle's Ray
             ray_clusters += 1
             for i, (m, stages) in enumerate(runs):
                 gpus = [gpu_index(d) for s in stages for d in s.devices]

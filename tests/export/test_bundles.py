@@ -97,7 +97,7 @@ def run_bundle(out, standin_bin, tmp):
         for m, info in deploy["machines"].items():
             launches = [x for r in deploy["replicas"] for x in r["launch"]] + deploy.get("shared", [])
             servers = sum(1 for x in launches if x["machine"] == m and x["kind"] == "server")
-            env = {**os.environ, "PATH": f"{standin_bin}:{os.environ['PATH']}", "STANDIN_DIR": str(records),
+            env = {**{k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}, "PATH": f"{standin_bin}:{os.environ['PATH']}", "STANDIN_DIR": str(records),
                    "STANDIN_MACHINE": m, "STANDIN_LAYERS": str(LAYERS), "STANDIN_SERVERS": str(servers)}
             proc = subprocess.run(["bash", str(out / info["script"]), phase], env=env, capture_output=True,
                                   text=True, timeout=60)
@@ -193,6 +193,7 @@ def test_hetserve_bundle_is_multinode_doc_as_scripts(files, standin_bin):
         assert flag(ray[m]["argv"], "--node-ip-address") == addr
     serve = [r for r in recs if r["kind"] == "server"]
     assert len(serve) == 1 and serve[0]["machine"] == "a0"
+    assert all(r["env"]["RAY_AUTH_MODE"] == "token" for r in recs)  # Ray's token auth unless told otherwise
     assert flag(serve[0]["argv"], "--backend") == "ray" and flag(serve[0]["argv"], "--ray-address") == "10.0.0.5:6379"
     # the bundle's plan and cluster are what serve reads, and they are the plan's
     assert (out / flag(serve[0]["argv"], "--cluster")).read_text() == CLUSTER

@@ -18,6 +18,8 @@ def register(subparsers) -> None:
     p.add_argument("--to", required=True, choices=("hetserve", "vllm", "sglang"), help="the engine to launch")
     p.add_argument("--model", help="the checkpoint's path (or hub name) on every machine "
                                    "(default: the model the plan names)")
+    p.add_argument("--ray-port", type=int, default=6379, metavar="PORT",
+                   help="the Ray head's port (default 6379; multi-machine vLLM replicas' own Ray heads take the next ones)")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="folder to write the bundle into")
     p.set_defaults(func=run)
 
@@ -29,6 +31,10 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.planner.plan import Plan
     from hetserve.planner.validate import validate_plan
 
+    from hetserve.errors import SpecError
+
+    if not 1 <= args.ray_port <= 65000:
+        raise SpecError("--ray-port", "(option)", "a port in [1, 65000]", str(args.ray_port))
     check_output_folder(args.output, "--output")
     plan = Plan.load(args.plan)
     cluster = plan_cluster(args.plan, plan, args.cluster)
@@ -37,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     cluster_path = args.cluster if args.cluster and Path(args.cluster).is_file() else (
         str(plan.cluster_file.path) if plan.cluster_file is not None else None)
     written = export_bundle(plan, cluster, args.to, args.output, args.model or plan.model, model.num_layers,
-                            cluster_path=cluster_path)
+                            cluster_path=cluster_path, ray_port=args.ray_port)
     print(f"wrote {len(written)} files to {args.output}: " + ", ".join(
         str(p.relative_to(args.output)) for p in written))
     print(f"start it as {Path(args.output) / 'README.md'} says")

@@ -51,8 +51,10 @@ clean:
 	rm -rf $(VENV) $(BENCH_VENV) demo-out .pytest_cache
 
 # Deploy to other engines (docs/deploy.md): what vLLM's / SGLang's rules cost on the bundled pools,
-# and what `hetserve route` adds to TTFT in front of OpenAI backends.
+# what `hetserve route` adds to TTFT in front of OpenAI backends, and a hetserve bundle run for real
+# (its scripts start three Ray nodes on 127.0.0.2-4; same completions as one-node serving).
 .PHONY: bench-deploy
 bench-deploy: setup
 	$(BIN)/python -m bench.bench_engines --time-limit 20
 	$(BIN)/python -m bench.bench_route
+	$(BIN)/python tests/export/run_hetserve_bundle.py

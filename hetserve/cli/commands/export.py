@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.export import export_bundle
     from hetserve.planner.plan import Plan
     from hetserve.planner.validate import validate_plan
+    from hetserve.specs.model import load_model
 
     from hetserve.errors import SpecError
 
@@ -38,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     check_output_folder(args.output, "--output")
     plan = Plan.load(args.plan)
     cluster = plan_cluster(args.plan, plan, args.cluster)
-    model = plan_model(args.plan, plan.model)
+    # the model's shape: from --model where it is a checkpoint folder here, else the model the plan names
+    model = (load_model(args.model) if args.model and Path(args.model).exists() else plan_model(args.plan, plan.model))
     validate_plan(plan, cluster, model)
     cluster_path = args.cluster if args.cluster and Path(args.cluster).is_file() else (
         str(plan.cluster_file.path) if plan.cluster_file is not None else None)

@@ -153,13 +153,18 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams | None = None, *,
-               replica: str | None = None) -> RequestHandle:
+               replica: str | None = None, share_prefix_with: RequestHandle | None = None) -> RequestHandle:
         """Queue a request; returns at once with a handle that yields tokens as they are produced.
 
         ``replica`` pins the prompt to one prefill-capable replica (a placement policy's choice);
         by default the first replica with room takes it from the shared FCFS queue. Raises
         ValueError for an empty/out-of-vocabulary prompt, one longer than the model's context or an
         unknown replica, InfeasibleError if its KV could never fit, RuntimeFailure if the engine is down.
+
+        ``share_prefix_with``: the handle of another choice of the same prompt, submitted first; this
+        one then waits for that one's prefill and shares its prompt's KV blocks on the same replica
+        (``EngineLoop._fork``), prefilling only the rest of the prompt. Ignored once that one has
+        produced a token.
         """
         if self._closed:
             raise RuntimeFailure("the engine is shut down")
@@ -179,7 +184,8 @@ class Engine:
         handle._abort = self._post_abort
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(rid, prompt, params, seed, frozenset(stop), handle, pinned=replica)
-        self.transport.post(Message("submit", {"seq": seq}))
+        parent = share_prefix_with.request_id if share_prefix_with is not None else None
+        self.transport.post(Message("submit", {"seq": seq, "parent": parent}))
         return handle
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None,

@@ -31,7 +31,7 @@ from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.recovery import Recovery
 from hetserve.runtime.routing import KVRoutePolicy
 from hetserve.runtime.scheduler import ReplicaScheduler, requeue
-from hetserve.runtime.sequence import Sequence, Status
+from hetserve.runtime.sequence import Sequence, Status, StepLogprobs
 from hetserve.runtime.snapshot import replica_snapshots, state_from_stats
 from hetserve.runtime.step_timing import StepTiming
 from hetserve.runtime.workers.transport import Priority, SocketTransport
@@ -126,7 +126,13 @@ class EngineLoop(Recovery):
                 self.seqs[seq.id] = seq
                 if self.trace is not None:
                     self.trace.append(("arrive", seq.id))
-                (self.schedulers[seq.pinned].pinned if seq.pinned else self.waiting).append(seq)
+                first = self.seqs.get(msg.meta.get("parent"))
+                if (first is not None and not first.output and not first.aborted and first.prompt == seq.prompt
+                        and first.status in (Status.WAITING, Status.RUNNING)):
+                    seq.held_by = first  # waits for the first choice's prefill, then shares its blocks
+                    first.children.append(seq)
+                else:
+                    (self.schedulers[seq.pinned].pinned if seq.pinned else self.waiting).append(seq)
         elif kind == "abort":
             self._on_abort(msg.meta["id"])
         elif kind == "fail_all":
@@ -175,6 +181,8 @@ class EngineLoop(Recovery):
                 continue
             if not sched.chunk_done(seq):
                 continue  # chunked prefill, not its last chunk: the token it sampled is no output
+            if seq.children:
+                self._fork(seq, sched)
             seq.output.append(int(token))
             seq.handle._push(int(token), lps.sampled.get(b))
             reason = seq.finish_reason()
@@ -281,8 +289,41 @@ class EngineLoop(Recovery):
         self.transport.send(self.replicas[sched.id].entry,
                             Message("step", meta, {"input_ids": torch.tensor(input_ids, dtype=torch.long)}), priority)
 
+    def _fork(self, first: Sequence, sched: ReplicaScheduler) -> None:
+        """``first`` has just prefilled its prompt here: its waiting choices take the prompt's full
+        blocks as theirs too and join this replica's queue, each to prefill only the rest of the
+        prompt (under a block) into blocks of its own. Where sharing does not apply (paged KV, whose
+        pre-emption counts a sequence's blocks as its own; a re-prefill; prompt logprobs, which need
+        every position) they queue as plain requests."""
+        children, first.children = first.children, []
+        shared = first.table[:(len(first.prompt) - 1) // sched.blocks.block_size]
+        can_share = bool(shared) and not sched.paged and first.prefill_end == len(first.prompt)
+        for child in reversed(children):  # to the head of the queues, in arrival order
+            child.held_by = None
+            if can_share and child.params.prompt_logprobs is None:
+                child.table = sched.blocks.share(shared)
+                child.replica = child.pinned = sched.id
+                sched.pinned.appendleft(child)
+            else:
+                self._queue_alone(child)
+
+    def _unhold(self, first: Sequence) -> None:
+        """``first`` ended before its prefill: its waiting choices queue as plain requests."""
+        for child in reversed(first.children):
+            child.held_by = None
+            self._queue_alone(child)
+        first.children = []
+
+    def _queue_alone(self, seq: Sequence) -> None:
+        """To the head of the queue of the replica it was placed on (if alive), else the shared one."""
+        home = self.schedulers.get(seq.pinned) if seq.pinned else None
+        if home is None or not home.alive:
+            seq.pinned, home = None, None
+        (home.pinned if home else self.waiting).appendleft(seq)
+
     # ------------------------------------------------------------------ finishing, aborts, failures
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self._unhold(seq)
         if seq.replica is not None and seq.table:
             self.schedulers[seq.replica].release(seq)
         seq.status = Status.FINISHED
@@ -291,6 +332,7 @@ class EngineLoop(Recovery):
         seq.handle._finish(reason)
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
+        self._unhold(seq)
         if seq.replica is not None and seq.table and seq.replica in self.schedulers:
             self.schedulers[seq.replica].release(seq)
         if seq.dst is not None and seq.dst_table:
@@ -306,7 +348,11 @@ class EngineLoop(Recovery):
         if seq is None:
             return
         seq.aborted = True
-        if seq.status == Status.WAITING:
+        if seq.held_by is not None:
+            seq.held_by.children.remove(seq)
+            seq.held_by = None
+            self._finish(seq, "abort")
+        elif seq.status == Status.WAITING:
             (self.schedulers[seq.pinned].pinned if seq.pinned else self.waiting).remove(seq)
             self._finish(seq, "abort")
         elif seq.status == Status.HANDOFF and seq in self.handoff_queue:
@@ -331,30 +377,4 @@ class EngineLoop(Recovery):
 
     def _in_handoff(self) -> list[Sequence]:
         return [*self.handoff_queue, *self.handoffs.values()]
-
-
-class StepLogprobs:
-    """A step result's logprobs, per row ``b`` of the step: ``sampled[b]`` = (logprob of the sampled
-    token, [(id, logprob)] of its alternatives), ``prompt[b]`` = (first position, one such pair per
-    prompt position fed). Rows of requests that did not ask have no entry."""
-
-    def __init__(self, seqs: list[Sequence], q_lens: list[int], tensors: dict):
-        self.sampled: dict[int, tuple] = {}
-        self.prompt: dict[int, tuple] = {}
-        if "lp" in tensors:
-            lp, ids, lps = tensors["lp"].tolist(), tensors["top_ids"].tolist(), tensors["top_lps"].tolist()
-            for b, seq in enumerate(seqs):
-                k = seq.params.logprobs
-                if k is not None:
-                    self.sampled[b] = (lp[b], list(zip(ids[b][:k], lps[b][:k])))
-        if "p_lp" in tensors:
-            lp, ids, lps = tensors["p_lp"].tolist(), tensors["p_top_ids"].tolist(), tensors["p_top_lps"].tolist()
-            row = 0
-            for b, (seq, q) in enumerate(zip(seqs, q_lens)):
-                k, start, n = seq.params.prompt_logprobs, seq.num_cached, 0
-                if k is not None and start < len(seq.prompt) - 1:
-                    n = min(start + q, len(seq.prompt) - 1) - start  # as ``Sequence.step_extra`` asked
-                if n:
-                    self.prompt[b] = (start, [(lp[i], list(zip(ids[i][:k], lps[i][:k]))) for i in range(row, row + n)])
-                row += n
 

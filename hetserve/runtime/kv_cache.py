@@ -10,7 +10,12 @@ whole KV (prompt + max new tokens) up front, so nothing is ever pre-empted; with
 its prompt's blocks, then one block at a time as it grows (a pre-empted request's blocks come back
 here). Ask ``can_allocate`` before ``allocate``. No torch here.
 
-Invariant: ``free_blocks`` and the tables handed out partition ``range(num_blocks)``.
+Sharing: the choices of one prompt (``n > 1``) hold the prompt's full blocks together. A block has a
+reference count: ``allocate`` sets it to 1, ``share`` adds one per extra holder, ``free`` takes one
+off and returns the block to the pool at 0. Shared blocks are only read (a holder writes past them,
+into blocks of its own), so no copy is ever needed.
+
+Invariant: ``free_blocks`` and the blocks with a reference count partition ``range(num_blocks)``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.refs: dict[int, int] = {}  # block -> holders (blocks in use only)
+        self.peak_used_blocks = 0  # the most blocks in use at once
 
     @property
     def capacity_tokens(self) -> int:
@@ -58,7 +65,25 @@ class BlockManager:
         n = self.blocks_needed(num_tokens)
         if n > len(self.free_blocks):
             raise ValueError(f"cannot allocate {n} blocks: {len(self.free_blocks)} free")
-        return [self.free_blocks.popleft() for _ in range(n)]
+        table = [self.free_blocks.popleft() for _ in range(n)]
+        for b in table:
+            self.refs[b] = 1
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
+        return table
+
+    def share(self, blocks: list[int]) -> list[int]:
+        """One more holder for each of ``blocks`` (in use); returns them, as the new holder's table part."""
+        for b in blocks:
+            assert self.refs.get(b, 0) > 0, f"block {b} is not in use"
+            self.refs[b] += 1
+        return list(blocks)
 
     def free(self, table: list[int]) -> None:
-        self.free_blocks.extend(table)
+        """One holder fewer for each block of ``table``; a block nobody holds goes back to the pool."""
+        for b in table:
+            left = self.refs.get(b, 1) - 1
+            if left > 0:
+                self.refs[b] = left
+            else:
+                self.refs.pop(b, None)
+                self.free_blocks.append(b)

@@ -155,6 +155,9 @@ class Recovery:
     def _rerun(self, seqs: list[Sequence], why: str) -> None:
         """Put ``seqs`` back at the head of the waiting queue, in arrival order, to re-prefill on a live replica."""
         for seq in reversed(seqs):
+            if seq.held_by is not None:  # a choice waiting for another's prefill: queue it on its own
+                seq.held_by.children.remove(seq)
+                seq.held_by = None
             if seq in self.handoff_queue:
                 self.handoff_queue.remove(seq)
             self.handoffs.pop(seq.transfer, None)

@@ -123,12 +123,14 @@ class ReplicaScheduler(HasRole):
         for queue in (self.pinned, waiting):
             while queue:
                 seq = queue[0]
-                reserve = self.admission_tokens(seq)
-                if not step.offer(seq.prefill_tokens, not self.last_preempted and self.can_admit(reserve)):
+                # a choice forked from another holds the prompt's shared blocks here already
+                held = len(seq.table) * self.blocks.block_size if seq.replica == self.id else 0
+                reserve = max(0, self.admission_tokens(seq) - held)
+                if not step.offer(seq.prefill_tokens - held, not self.last_preempted and self.can_admit(reserve)):
                     return admitted  # FCFS: nobody overtakes a request that does not fit yet
                 queue.popleft()
-                seq.table = self.blocks.allocate(reserve)
-                seq.replica, seq.num_cached, seq.status = self.id, 0, Status.RUNNING
+                seq.table = (seq.table if held else []) + self.blocks.allocate(reserve)
+                seq.replica, seq.num_cached, seq.status = self.id, held, Status.RUNNING
                 seq.prefill_end, seq.chunk = seq.prefill_tokens, 0
                 admitted.append(seq)
         return admitted

@@ -60,6 +60,10 @@ class Sequence:
     transfer: int = 0  # id of its current KV hand-off (fresh per attempt, so stale pieces never count)
     handoff_sent: float = 0.0  # monotonic time its current hand-off was sent to the prefill workers
     _seen: list[int] | None = None  # the prompt's distinct ids, for the repetition penalty (computed once)
+    # choices of one prompt (n > 1): the first one's ``children`` wait for its prefill, then share its
+    # prompt's full KV blocks (``EngineLoop._fork``); ``held_by`` is the first one while they wait
+    children: list["Sequence"] = field(default_factory=list)
+    held_by: "Sequence | None" = None
 
     @property
     def reserve_tokens(self) -> int:
@@ -109,3 +113,29 @@ class Sequence:
         if len(self.output) >= self.params.max_tokens:
             return "length"
         return None
+
+
+class StepLogprobs:
+    """A step result's logprobs, per row ``b`` of the step: ``sampled[b]`` = (logprob of the sampled
+    token, [(id, logprob)] of its alternatives), ``prompt[b]`` = (first position, one such pair per
+    prompt position fed). Rows of requests that did not ask have no entry."""
+
+    def __init__(self, seqs: list[Sequence], q_lens: list[int], tensors: dict):
+        self.sampled: dict[int, tuple] = {}
+        self.prompt: dict[int, tuple] = {}
+        if "lp" in tensors:
+            lp, ids, lps = tensors["lp"].tolist(), tensors["top_ids"].tolist(), tensors["top_lps"].tolist()
+            for b, seq in enumerate(seqs):
+                k = seq.params.logprobs
+                if k is not None:
+                    self.sampled[b] = (lp[b], list(zip(ids[b][:k], lps[b][:k])))
+        if "p_lp" in tensors:
+            lp, ids, lps = tensors["p_lp"].tolist(), tensors["p_top_ids"].tolist(), tensors["p_top_lps"].tolist()
+            row = 0
+            for b, (seq, q) in enumerate(zip(seqs, q_lens)):
+                k, start, n = seq.params.prompt_logprobs, seq.num_cached, 0
+                if k is not None and start < len(seq.prompt) - 1:
+                    n = min(start + q, len(seq.prompt) - 1) - start  # as ``Sequence.step_extra`` asked
+                if n:
+                    self.prompt[b] = (start, [(lp[i], list(zip(ids[i][:k], lps[i][:k]))) for i in range(row, row + n)])
+                row += n

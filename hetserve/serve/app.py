@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from hetserve.errors import HetserveError
-from hetserve.serve.choices import LogprobWriter, collect, prompt_entries, sse
+from hetserve.serve.choices import LogprobWriter, collect, prompt_entries, share_prompts, sse
 from hetserve.serve.coordinator import Coordinator, Prepared
 from hetserve.serve.errors import (ContextLengthExceeded, InvalidRequest, ModelNotFound, NotFound, Overloaded,
                                    PayloadTooLarge, Unauthorized, Unavailable, install_error_handlers, log,
@@ -257,6 +257,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
                          index=i * body.n + j, logprobs=k, prompt_logprobs=k if body.echo else None)
                 for i, ids in enumerate(ids_of) for j in range(body.n)]
         prompt_of = {r.index: ids_of[r.index // body.n] for r in reqs}
+        share_prompts(reqs, body.n)
         writers = {r.index: LogprobWriter(c.codec) for r in reqs}
         rid, created = new_id("cmpl"), now_s()
 
@@ -318,6 +319,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
         k = body.sampled_logprobs
         reqs = [_prepare(c, "chat", body, ids, body.token_limit, None, prompt_param="messages", index=j, logprobs=k)
                 for j in range(body.n)]
+        share_prompts(reqs, body.n)
         writer = LogprobWriter(c.codec)
         rid, created = new_id("chatcmpl"), now_s()
 

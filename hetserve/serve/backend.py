@@ -10,6 +10,8 @@ an adapter.
         ``max_tokens`` or produced a token of ``stop_token_ids``, which is yielded too). Raises
         (or the iterator raises) on engine failure. When ``params`` asks for logprobs, each token is
         a ``SampledToken`` (an int carrying them); the first one carries the prompt's too.
+        ``share_with`` (optional keyword): the id of a request of the same prompt started just before
+        (another choice of it); a backend that can, shares that prompt's KV between the two.
     abort(request_id)          free the request's slot and KV; a no-op for unknown or finished ids.
                                Synchronous and non-blocking: it is called from ``finally`` blocks of
                                cancelled tasks (a client that went away), where nothing may be awaited
@@ -48,7 +50,7 @@ class Backend(Protocol):
     max_context: int
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                 replica: str | None = None) -> AsyncIterator[int]: ...
+                 replica: str | None = None, *, share_with: str | None = None) -> AsyncIterator[int]: ...
 
     def abort(self, request_id: str) -> None: ...
 

@@ -34,6 +34,13 @@ _DISCONNECT_POLL_S = 0.25
 Entry = tuple
 
 
+def share_prompts(reqs: list[Prepared], n: int) -> None:
+    """The choices of one prompt (``n`` consecutive requests) share the first one's prompt KV."""
+    for i, req in enumerate(reqs):
+        if i % n:
+            req.share_with = reqs[i - i % n].request_id
+
+
 def prompt_entries(ids: Sequence[int], prompt_logprobs: list | None) -> list[Entry]:
     """The prompt's tokens as logprob entries: the first has none, the rest the engine's."""
     out: list[Entry] = [(int(ids[0]), None, None)]

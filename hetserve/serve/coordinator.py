@@ -45,6 +45,7 @@ class Prepared:
     # (token id, logprob, [(id, logprob)] alternatives) per completion token shown, when asked
     logprobs: list[tuple] = field(default_factory=list)
     prompt_logprobs: list[tuple] | None = None  # (logprob, alternatives) per prompt token after the first
+    share_with: str | None = None  # request id of the first choice of the same prompt (its KV is shared)
 
     @property
     def prompt_tokens(self) -> int:
@@ -209,7 +210,9 @@ class Coordinator:
         outcome = "error"
         try:
             req.replica = self.place(req)
-            gen = self.backend.generate(req.request_id, req.prompt_ids, req.params, req.replica)
+            gen = (self.backend.generate(req.request_id, req.prompt_ids, req.params, req.replica,
+                                         share_with=req.share_with) if req.share_with else
+                   self.backend.generate(req.request_id, req.prompt_ids, req.params, req.replica))
             try:
                 async for token in gen:
                     if req.prompt_logprobs is None:

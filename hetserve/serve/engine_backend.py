@@ -34,9 +34,10 @@ class EngineBackend:
         self._closed = False
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                       replica: str | None = None) -> AsyncIterator[int]:
+                       replica: str | None = None, *, share_with: str | None = None) -> AsyncIterator[int]:
         try:
-            handle = self.engine.submit(list(prompt_token_ids), params, replica=replica)
+            first = self._handles.get(share_with) if share_with is not None else None
+            handle = self.engine.submit(list(prompt_token_ids), params, replica=replica, share_prefix_with=first)
         except InfeasibleError as exc:
             raise ContextLengthExceeded(str(exc), param="max_tokens") from exc
         except ValueError as exc:

@@ -68,7 +68,8 @@ class FakeBackend:
     def _free(self, replica: str) -> int:
         return self.slots[replica] - sum(1 for r in self.running.values() if r == replica)
 
-    async def generate(self, request_id: str, prompt_token_ids, params: SamplingParams, replica=None):
+    async def generate(self, request_id: str, prompt_token_ids, params: SamplingParams, replica=None, *,
+                       share_with: str | None = None):
         replica = replica or "r0"
         self.placed.append(replica)
         self.params[request_id] = params

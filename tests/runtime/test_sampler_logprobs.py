@@ -61,9 +61,9 @@ def test_token_logprobs_are_the_raw_log_softmax():
 
 @pytest.fixture(scope="module")
 def served(model_dirs, cluster_file):
-    """A P/D plan whose prefill replica is a pipeline of two stages with 1 and 2 layers (three workers:
-    workers are what a test pays for); the first token and the prompt's logprobs come from the
-    pipeline's last stage, the rest from the decode replica."""
+    """One engine, two shapes (workers are what a test pays for): a P/D pair whose prefill replica
+    ``p0`` is a pipeline of two stages with 1 and 2 layers (the first token and the prompt's logprobs
+    come from its last stage, the rest from ``d0``), and a colocated replica ``c0``."""
     from hetserve.planner.plan import Plan
     from hetserve.runtime.engine import Engine
     from hetserve.runtime.engine_config import EngineConfig
@@ -73,9 +73,10 @@ def served(model_dirs, cluster_file):
     plan = Plan.from_dict({"model": "tiny", "cluster": "runtime-test", "replicas": [
         {"id": "p0", "role": "prefill", "stages": [{"devices": ["m0:0"], "layers": [0, 1]},
                                                    {"devices": ["m0:1"], "layers": [1, LAYERS]}]},
-        {"id": "d0", "role": "decode", "stages": [{"devices": ["m0:2"], "layers": [0, LAYERS]}]}],
+        {"id": "d0", "role": "decode", "stages": [{"devices": ["m0:2"], "layers": [0, LAYERS]}]},
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:3"], "layers": [0, LAYERS]}]}],
         "kv_routes": [{"from": "p0", "to": "d0", "weight": 1.0}]})
-    eng = Engine.from_plan(plan, cluster_file, model_dirs["llama"], EngineConfig(kv_capacity_tokens=1024))
+    eng = Engine.from_plan(plan, cluster_file, model_dirs["llama"], EngineConfig(kv_capacity_tokens=4096, block_size=16))
     yield eng
     eng.shutdown()
 
@@ -83,7 +84,7 @@ def served(model_dirs, cluster_file):
 def test_prompt_targets_of_chunks_cover_the_prompt_once():
     """Chunked prefill: the targets each chunk asks logprobs for, joined, are the prompt after its
     first token; the result rows land at their positions (``StepLogprobs``)."""
-    from hetserve.runtime.engine_loop import StepLogprobs
+    from hetserve.runtime.sequence import StepLogprobs
     from hetserve.runtime.handle import RequestHandle
     from hetserve.runtime.sequence import Sequence
 
@@ -128,11 +129,11 @@ def _check(pairs, ref_rows, tokens):
         assert max(abs(v - w) for (_, v), w in zip(top, want.values.tolist())) < TOL
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_logprobs_match_transformers(served, hf_logits, temperature):
+@pytest.mark.parametrize("temperature, replica", [(0.0, "p0"), (0.9, "p0"), (0.9, "c0")])
+def test_logprobs_match_transformers(served, hf_logits, temperature, replica):
     n = 6
     h = served.submit(PROMPT, SamplingParams(max_tokens=n, temperature=temperature, seed=3, ignore_eos=True,
-                                             logprobs=5, prompt_logprobs=3))
+                                             logprobs=5, prompt_logprobs=3), replica=replica)
     out = h.result(60)
     ref = torch.log_softmax(hf_logits(PROMPT + out), -1)  # row t predicts token t + 1
     assert len(h.logprobs) == n and len(h.prompt_logprobs) == len(PROMPT) - 1
@@ -143,7 +144,7 @@ def test_logprobs_match_transformers(served, hf_logits, temperature):
 def test_penalties_end_to_end_equal_their_definition_on_transformers_logits(served, hf_logits):
     params = SamplingParams(max_tokens=8, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.3,
                             repetition_penalty=1.3)
-    out = served.submit(PROMPT, params).result(60)
+    out = served.submit(PROMPT, params, replica="p0").result(60)
     want: list[int] = []
     for _ in range(8):  # greedy on the penalised raw logits, one token at a time
         logits = hf_logits(PROMPT + want)[-1]
@@ -178,3 +179,50 @@ def test_prompt_scoring_over_http_equals_transformers_log_likelihood(served, hf_
         assert choice["text"] == prompt and got[0] is None and len(got) == len(ids)
         assert max(abs(a - b) for a, b in zip(got[1:], want)) < TOL
         assert abs(sum(got[1:]) - sum(want)) < TOL * len(want)
+
+
+def test_n_choices_share_the_prompts_kv_blocks_and_each_equals_its_single_run(served):
+    """n = 4 on a 512-token prompt with 32 new tokens holds the prompt's full blocks once (each choice
+    re-prefills under a block of its own), and each choice is what a single request with its seed gives."""
+    prompt = [(i * 7) % 250 + 1 for i in range(512)]
+    blocks = served.schedulers["c0"].blocks
+
+    def params(i):
+        return SamplingParams(max_tokens=32, temperature=1.0, seed=100 + i, ignore_eos=True)
+
+    def peak(run):
+        blocks.peak_used_blocks = blocks.num_used_blocks
+        out = run()
+        return out, blocks.peak_used_blocks
+
+    singles, one = peak(lambda: [served.submit(prompt, params(i), replica="c0").result(60) for i in range(4)])
+
+    def group():
+        first = served.submit(prompt, params(0), replica="c0")
+        rest = [served.submit(prompt, params(i), replica="c0", share_prefix_with=first) for i in range(1, 4)]
+        return [h.result(60) for h in [first, *rest]]
+
+    choices, four = peak(group)
+    assert choices == singles and len({tuple(c) for c in choices}) == 4
+    assert four <= 1.3 * one, (four, one)
+    assert blocks.num_used_blocks == 0  # every shared block went back once its last holder ended
+
+
+def test_n_choices_over_http_each_equal_a_single_request_with_its_seed(served, model_dirs):
+    import httpx
+
+    from hetserve.serve.app import create_app
+    from hetserve.serve.coordinator import Coordinator
+    from hetserve.serve.engine_backend import EngineBackend
+    from hetserve.serve.server import ServerThread
+    from hetserve.serve.text import HFCodec
+
+    body = {"model": "tiny", "prompt": "a prompt of some length " * 3, "max_tokens": 8, "temperature": 1.0,
+            "seed": 7, "ignore_eos": True}
+    with ServerThread(create_app(Coordinator(EngineBackend(served), HFCodec.from_dir(model_dirs["llama"]),
+                                             "tiny"))) as srv:
+        many = httpx.post(srv.url + "/v1/completions", json={**body, "n": 3}, timeout=60).json()
+        singles = [httpx.post(srv.url + "/v1/completions", json={**body, "seed": 7 + i}, timeout=60).json()
+                   for i in range(3)]
+    texts = [c["text"] for c in sorted(many["choices"], key=lambda c: c["index"])]
+    assert texts == [s["choices"][0]["text"] for s in singles] and len(set(texts)) == 3

@@ -38,17 +38,22 @@ class HFCodec:
         self.eos_token_id = tokenizer.eos_token_id
         self._max_token_chars: int | None = None
 
+    # a normalizer may fold a few characters of input into one (NFC composes a letter and its accents)
+    _NORMALIZER_SLACK = 4
+
     @property
     def max_token_chars(self) -> int | None:
-        """The longest vocabulary entry, in characters. A vocabulary entry spells its text at least as
-        long as the text it covers (byte-level BPE: one character per byte; sentencepiece: the text
-        with ``▁`` for a space), so this bounds the characters per token. O(vocabulary) once."""
+        """A bound on the input characters one token covers: the longest vocabulary entry, in
+        characters, times ``_NORMALIZER_SLACK``. A vocabulary entry spells its text at least as long as
+        the normalized text it covers (byte-level BPE: one character per byte; sentencepiece: the text
+        with ``▁`` for a space). O(vocabulary) once."""
         if self._max_token_chars is None:
             try:
                 vocab = self.tok.get_vocab()
             except (AttributeError, NotImplementedError):
                 return None
-            self._max_token_chars = max((len(t) for t in vocab), default=0) or None
+            longest = max((len(t) for t in vocab), default=0)
+            self._max_token_chars = longest * self._NORMALIZER_SLACK or None
         return self._max_token_chars
 
     @staticmethod

@@ -1,6 +1,7 @@
 """Planner benchmarks: printed tables, not timed tests.
 
     python -m bench.bench_planner scaling [--quick]   # wall time and throughput vs pool size
+    python -m bench.bench_planner scaling --sizes fleet --ten-x-up-to 0 --time-limit 600  # 1,024–4,096 GPUs
     python -m bench.bench_planner quality [--quick]   # hexgen2 vs baselines on hexgen2-het1, 4 classes
     python -m bench.bench_planner exact               # gap to the exact search on pools of ≤ 8 GPUs
     python -m bench.bench_planner seeds [--seeds 5]    # 5 seeds on het1–het5 + 48 GPUs; baselines; gains; bound gap
@@ -32,6 +33,7 @@ from hetserve.specs.workload import load_workload
 
 CLASSES = ("HPLD", "HPHD", "LPHD", "LPLD")
 SIZES = (20, 64, 128, 192, 256, 320)
+FLEET_SIZES = (1024, 2048, 4096)  # --sizes fleet
 console = Console(width=140)
 
 
@@ -50,14 +52,16 @@ def scaling(quick: bool, ten_x_up_to: int, time_limit: float, sizes=None) -> Non
     sizes = sizes or (SIZES[:2] if quick else SIZES)
     t = Table(title=f"hexgen2 planner time vs pool size (llama-2-70b, azure-conv, time limit {time_limit:.0f} s)")
     for col in ("GPUs", "sites", "replicas", "wall s", "CPU s", "iterations", "stopped by",
-                "tokens/s", "10× run s", "10× tokens/s", "ours / 10×"):
+                "tokens/s", "bound", "ours / bound", "peak MB", "10× run s", "10× tokens/s", "ours / 10×"):
         t.add_column(col, justify="right")
     for n in sizes:
         c = synthetic_pool(n)
         plan, wall = _run("hexgen2", c, model, wl, time_limit_s=time_limit)
         e, s = plan.estimate, plan.estimate["search"]
+        ub = e.get("upper_bound_tokens_per_s")
         row = [str(n), str(len(c.sites)), str(len(plan.replicas)), f"{wall:.1f}", f"{_CPU[0]:.1f}", str(s["iterations"]),
-               s["stopped_by"], f"{e['throughput_tokens_per_s']:,.0f}"]
+               s["stopped_by"], f"{e['throughput_tokens_per_s']:,.0f}", f"{ub:,.0f}" if ub else "–",
+               f"{e['throughput_tokens_per_s'] / ub:.3f}" if ub else "–", f"{_peak_mb():,.0f}"]
         if n <= ten_x_up_to:
             long, wall10 = _run("hexgen2", c, model, wl, time_limit_s=10 * time_limit,
                                 restarts=10 * default_restarts(len(c)))
@@ -68,7 +72,17 @@ def scaling(quick: bool, ten_x_up_to: int, time_limit: float, sizes=None) -> Non
         t.add_row(*row)
         console.print(f"  {n} GPUs done in {wall:.1f} s ({_CPU[0]:.1f} s CPU; {_load()})", style="dim")
     console.print(t)
-    console.print("CPU s: this process's CPU time (on a shared machine wall time is mostly waiting). " + _load())
+    console.print("CPU s: this process's CPU time (on a shared machine wall time is mostly waiting); bound: the "
+                  "plan's proven upper bound (planner/bound), computed inside the run; peak MB: the process's "
+                  "peak resident memory so far (run one size per process for a size's own). " + _load())
+
+
+def _peak_mb() -> float:
+    """This process's peak resident memory so far (MB; the largest pool run so far sets it)."""
+    import resource
+
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 1024 if sys.platform != "darwin" else kb / 2**20
 
 
 def quality(quick: bool, time_limit: float) -> None:
@@ -317,11 +331,13 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer sizes / classes (a minute or two)")
     p.add_argument("--time-limit", type=float, default=110.0, help="search time limit per run (s)")
     p.add_argument("--ten-x-up-to", type=int, default=64, help="largest pool given the 10× run")
-    p.add_argument("--sizes", help="comma-separated pool sizes for scaling (default 20,64,…,320)")
+    p.add_argument("--sizes", help="comma-separated pool sizes for scaling (default 20,64,…,320; "
+                   "'fleet': 1024,2048,4096)")
     args = p.parse_args(argv)
     console.print(f"python {sys.version.split()[0]}; planner benchmarks ({'quick' if args.quick else 'full'})")
     if args.what in ("scaling", "all"):
-        sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else None
+        sizes = (list(FLEET_SIZES) if args.sizes == "fleet"
+                 else [int(x) for x in args.sizes.split(",")] if args.sizes else None)
         scaling(args.quick, args.ten_x_up_to, args.time_limit, sizes)
     if args.what in ("quality", "all"):
         quality(args.quick, args.time_limit)

@@ -76,7 +76,8 @@ def served(model_dirs, cluster_file):
         {"id": "d0", "role": "decode", "stages": [{"devices": ["m0:2"], "layers": [0, LAYERS]}]},
         {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:3"], "layers": [0, LAYERS]}]}],
         "kv_routes": [{"from": "p0", "to": "d0", "weight": 1.0}]})
-    eng = Engine.from_plan(plan, cluster_file, model_dirs["llama"], EngineConfig(kv_capacity_tokens=4096, block_size=16))
+    eng = Engine.from_plan(plan, cluster_file, model_dirs["llama"],
+                           EngineConfig(kv_capacity_tokens=4096, block_size=16))
     yield eng
     eng.shutdown()
 

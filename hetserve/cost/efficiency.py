@@ -106,7 +106,7 @@ class Efficiency:
 CALIBRATION_KEYS = {"gpu": str, "efficiency": dict, "mean_abs_error": (int, float), "max_abs_error": (int, float),
                     "memory_bound": bool, "runtime": dict, "measured_on": dict, "points": list,
                     "speed_probe": (dict, type(None)), "frontend_points": list, "http_tpot": dict,
-                    "refitted": bool}  # bench/bench_predict.py --replay --refit: fitted again from its own points
+                    "refitted": bool}  # bench/predict/run.py --replay --refit: fitted again from its own points
 
 
 def load_efficiency(path: str | Path) -> Efficiency:

@@ -162,4 +162,12 @@ def describe_source(source: str) -> str:
     return SOURCE_WORDS.get(source, source)
 
 
-__all__ = ["KernelPricing", "layer_rows", "describe_source", "FITTED"]
+def describe_pricing(pricing: dict[str, str]) -> str:
+    """One line saying how each GPU type's times are priced (``CostModel.pricing()``)."""
+    by: dict[str, list[str]] = {}
+    for name, how in pricing.items():
+        by.setdefault(how, []).append(name)
+    return "; ".join(f"{', '.join(sorted(names))}: {describe_source(how)}" for how, names in sorted(by.items()))
+
+
+__all__ = ["KernelPricing", "layer_rows", "describe_source", "describe_pricing", "FITTED"]

@@ -248,6 +248,9 @@ def print_plan(console, plan) -> None:
             for name, v in busiest))
     if e.get("notes"):
         console.print(f"note: {e['notes']}")
+    if e.get("pricing"):
+        from hetserve.cost.kernel_pricing import describe_pricing
+        console.print(f"priced by: {describe_pricing(e['pricing'])} (docs/cost-model.md)")
 
 
 def print_comparison(console, plans) -> None:

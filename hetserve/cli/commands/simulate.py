@@ -165,8 +165,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         from hetserve.calibration.file import timings_source
 
+        from hetserve.cost.kernel_pricing import describe_pricing
+
+        source = (timings_source(args.efficiency) if args.efficiency else
+                  "cost model, " + describe_pricing(CostModel(cluster, model).pricing()))
         print_summary(Console(), summary, f"{plan.algorithm} plan on {cluster.name}, {wl.name} ({len(wl)} requests)",
-                      f"simulated; times from the {timings_source(args.efficiency)}")
+                      f"simulated; times from the {source}")
         if args.output:
             Console().print(f"wrote {Path(args.output) / 'summary.json'}, requests.csv, latency_cdf.png")
     if rates:

@@ -81,6 +81,7 @@ def to_plan(ctx: PlanContext, ev: Evaluation, algorithm: str, budget: Budget | N
     if bound.cut_short:
         estimate["upper_bound_cut_short"] = True
     estimate["network"] = network_estimate(ctx, ev)
+    estimate["pricing"] = ctx.cost.pricing()  # per GPU type: fitted / transferred kernel model, or roofline
     if notes:
         estimate["notes"] = notes
     if budget is not None:

@@ -29,9 +29,8 @@ from hetserve.planner.validate import check_runnable
 from hetserve.runtime.layout import ReplicaSpec, WorkerSpec
 from hetserve.runtime.model.config import ArchConfig
 from hetserve.specs.cluster import Cluster
-from hetserve.specs.model import ModelSpec
+from hetserve.specs.model import DTYPE_BYTES, ModelSpec
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 # ----------------------------------------------------------------------------- memory

@@ -43,7 +43,8 @@ class Replanner:
         """Re-plan now; returns the record (kept / retired / added replicas, seconds per part)."""
         from hetserve.planner.options import PlanOptions
         from hetserve.planner.replan import replan
-        from hetserve.runtime.deployment import DTYPE_BYTES, model_spec
+        from hetserve.runtime.deployment import model_spec
+        from hetserve.specs.model import DTYPE_BYTES
         from hetserve.specs.cluster import load_cluster
         from hetserve.specs.workload import load_workload
 

@@ -54,6 +54,29 @@ def validate(model: type[M], data: Any, source: str) -> M:
         raise SpecError(source, field, expected, got) from exc
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last value,
+    so ``bandwidth_gbps`` written twice would silently take the second."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"found the key {key!r} twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _json_object(pairs):
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise json.JSONDecodeError(f"the key {twice[0]!r} twice in one object", "", 0)
+    return dict(pairs)
+
+
 def read_mapping(path: Path) -> dict[str, Any]:
     """Read a YAML or JSON file that must hold a mapping at the top level."""
     try:
@@ -63,7 +86,8 @@ def read_mapping(path: Path) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise SpecError(str(path), "(file)", "a UTF-8 text file", str(exc)) from exc
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = (json.loads(text, object_pairs_hook=_json_object) if path.suffix == ".json"
+                else yaml.load(text, Loader=_UniqueKeyLoader))
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         where, began = getattr(exc, "problem_mark", None), getattr(exc, "context_mark", None)
         line = f" (line {where.line + 1})" if where is not None else ""

@@ -55,13 +55,17 @@ def default_intra_link(gpu_type: GpuType) -> tuple[float, float]:
 
 
 MAX_DEVICES_PER_MACHINE = 1024  # far above any real machine; a typo (200000) fails here, not in allocation
+# Far above any link (NVLink 4 is 3,600 Gbit/s) and any latency: beyond them a value is a typo, and
+# near float's range a rate in bytes/s overflows to inf and the transfer arithmetic to nan.
+MAX_LINK_GBPS = 1e6
+MAX_LINK_LATENCY_MS = 1e6
 
 
 class _Link(pydantic.BaseModel):
     # allow_inf_nan=False: "inf"/"nan" would slip past gt=0 and make a link that costs nothing
     model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
-    bandwidth_gbps: float = pydantic.Field(gt=0)
-    latency_ms: float = pydantic.Field(ge=0)
+    bandwidth_gbps: float = pydantic.Field(gt=0, le=MAX_LINK_GBPS)
+    latency_ms: float = pydantic.Field(ge=0, le=MAX_LINK_LATENCY_MS)
 
 
 class _Override(_Link):
@@ -73,7 +77,7 @@ class _Machine(pydantic.BaseModel):
     name: str = pydantic.Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     gpu: str
     count: pydantic.StrictInt = pydantic.Field(gt=0, le=MAX_DEVICES_PER_MACHINE)  # strict: `true` is no count
-    site: str = "default"
+    site: str = pydantic.Field(default="default", min_length=1)
     intra: _Link | None = None
     nic: _Link | None = None  # the box's network card, each direction (default: network.intra_site)
     address: str | None = None  # host for the Ray backend; optional
@@ -255,10 +259,12 @@ def _resolve(spec: _ClusterFile, source: str) -> Cluster:
                                 f"{len(rows)} rows of lengths {sorted({len(r) for r in rows})}")
         bw, lat = (np.asarray(spec.matrix.bandwidth_gbps, float), np.asarray(spec.matrix.latency_ms, float))
         off = ~np.eye(n, dtype=bool)
-        if (bw[off] <= 0).any():
-            raise SpecError(source, "matrix.bandwidth_gbps", "positive values off the diagonal")
-        if (lat < 0).any():
-            raise SpecError(source, "matrix.latency_ms", "non-negative values")
+        if (bw[off] <= 0).any() or (bw[off] > MAX_LINK_GBPS).any():
+            raise SpecError(source, "matrix.bandwidth_gbps", f"values in (0, {MAX_LINK_GBPS:g}] off the diagonal",
+                            f"{bw[off].min():g} .. {bw[off].max():g}")
+        if (lat < 0).any() or (lat > MAX_LINK_LATENCY_MS).any():
+            raise SpecError(source, "matrix.latency_ms", f"values in [0, {MAX_LINK_LATENCY_MS:g}]",
+                            f"{lat.min():g} .. {lat.max():g}")
         bandwidth, latency = bw * GBPS, lat * MS
     else:
         topology = _topology(spec, source, machine_gpu)

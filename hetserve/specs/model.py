@@ -21,6 +21,15 @@ from hetserve.errors import SpecError
 
 ARCHS = ("llama", "mistral", "qwen2", "opt")
 
+# weight bytes per parameter of the dtypes the runtime loads weights in
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def served_dtype(name) -> str:
+    """The dtype the runtime holds a checkpoint's weights in: its own where the runtime has it,
+    else float32 (a float64 checkpoint is served, and sized, as float32)."""
+    return str(name) if str(name) in DTYPE_BYTES else "float32"
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -161,8 +170,7 @@ class ModelSpec:
                 raise SpecError(src, key, "a positive integer", value)
             return value
 
-        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
-        dtype_bytes = 4 if "32" in dtype else 2
+        dtype_bytes = DTYPE_BYTES[served_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float16")]
         label = name or cfg.get("_name_or_path") or path.parent.name
         if model_type == "opt":
             if cfg.get("word_embed_proj_dim", cfg.get("hidden_size")) != cfg.get("hidden_size"):
@@ -177,10 +185,11 @@ class ModelSpec:
         heads = need("num_attention_heads")
         kv = need("num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads
         head_dim = need("head_dim") if cfg.get("head_dim") is not None else None
+        shape = (need("num_hidden_layers"), need("hidden_size"), heads, kv, need("intermediate_size"),
+                 need("vocab_size"), need("max_position_embeddings"))  # a missing field named as itself
         try:
-            return ModelSpec(str(label), model_type, need("num_hidden_layers"), need("hidden_size"), heads, kv,
-                             need("intermediate_size"), need("vocab_size"), need("max_position_embeddings"),
-                             dtype_bytes, bool(cfg.get("tie_word_embeddings", False)), head_dim)
+            return ModelSpec(str(label), model_type, *shape, dtype_bytes, bool(cfg.get("tie_word_embeddings", False)),
+                             head_dim)
         except ValueError as exc:  # shapes that do not fit together (heads vs hidden, GQA groups)
             raise SpecError(src, "(shape)", "a consistent model shape", str(exc)) from exc
 

@@ -214,25 +214,29 @@ def _parse_time(text: str) -> float:
 def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
     src = str(path)
     try:
-        fh = path.open(newline="")
+        fh = path.open(newline="", encoding="utf-8-sig")  # -sig: a spreadsheet's byte-order mark is no header
     except OSError as exc:
         raise SpecError(src, "(file)", "a readable CSV file", exc.strerror) from exc
     try:
         with fh:
             reader = csv.reader(fh)
-            header = [h.strip() for h in next(reader, [])]
+            # column names in any case ("Timestamp", "contexttokens"): a time column that went unread
+            # would be replaced by made-up arrivals without a word
+            named = [h.strip() for h in next(reader, [])]
+            header = [h.lower() for h in named]
             rows = list(reader)
     except (UnicodeDecodeError, csv.Error) as exc:
         raise SpecError(src, "(file)", "a UTF-8 text CSV file", str(exc).splitlines()[0]) from exc
-    if {"ContextTokens", "GeneratedTokens"} <= set(header):
-        cols, time_col = ("ContextTokens", "GeneratedTokens"), header.index("TIMESTAMP") if "TIMESTAMP" in header else None
+    if {"contexttokens", "generatedtokens"} <= set(header):
+        cols, time_col = ("contexttokens", "generatedtokens"), header.index("timestamp") if "timestamp" in header else None
     elif {"num_prefill_tokens", "num_decode_tokens"} <= set(header):
         cols = ("num_prefill_tokens", "num_decode_tokens")
         time_col = header.index("arrived_at") if "arrived_at" in header else None
     else:
         raise SpecError(src, "(header)", "columns TIMESTAMP,ContextTokens,GeneratedTokens or "
-                        "num_prefill_tokens,num_decode_tokens", ",".join(header))
+                        "num_prefill_tokens,num_decode_tokens", ",".join(named))
     ci, co = header.index(cols[0]), header.index(cols[1])
+    cols = (named[ci], named[co])  # as the file spells them, for the messages below
     arrivals, ins, outs = [], [], []
     for line, row in enumerate(rows, start=2):
         if not row:
@@ -241,7 +245,7 @@ def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
             i, o = int(row[ci]), int(row[co])
             t = _parse_time(row[time_col]) if time_col is not None else 0.0
         except (ValueError, IndexError) as exc:
-            raise SpecError(f"{src}:{line}", cols[0] if "TIMESTAMP" not in header else "row",
+            raise SpecError(f"{src}:{line}", cols[0] if "timestamp" not in header else "row",
                             "integer token counts and a timestamp", ",".join(row)) from exc
         if not math.isfinite(t):
             raise SpecError(f"{src}:{line}", "timestamp", "a finite time", row[time_col])

@@ -83,7 +83,58 @@ FILES = [
     ("workload", "w.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\ninf,10,10\n", ["timestamp", "finite"]),
     ("workload", "w.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n0,-5,10\n", ["positive"]),
     ("workload", "w.csv", "a,b\n1,2\n", ["header"]),
+    # numbers near float's range overflow once in bytes/s; a key given twice keeps only one value
+    ("cluster", "c.yaml", CLUSTER.replace("COUNT", "2") + "network:\n  intra_site: {bandwidth_gbps: 1e308, "
+     "latency_ms: 1}\n", ["bandwidth_gbps", "less than or equal to 1000000"]),
+    ("cluster", "c.yaml", CLUSTER.replace("COUNT", "2") + "network:\n  intra_site: {bandwidth_gbps: 100, "
+     "latency_ms: 1}\n  intra_site: {bandwidth_gbps: 1, latency_ms: 1}\n", ["intra_site", "twice"]),
+    ("cluster", "c.yaml", CLUSTER.replace("COUNT", "2").replace("count: 2", "count: 2, site: ''"), ["site"]),
+    ("model", "config.json", json.dumps({k: v for k, v in CONFIG.items() if k != "intermediate_size"}),
+     ["'intermediate_size'", "a positive integer"]),
 ]
+
+
+@pytest.mark.parametrize("header", ["\ufeffTIMESTAMP,ContextTokens,GeneratedTokens", "Timestamp,contexttokens,"
+                                    "GeneratedTokens"])
+def test_a_traces_arrival_times_are_read_whatever_the_headers_spelling(header, tmp_path):
+    from hetserve.specs.workload import load_workload
+
+    path = tmp_path / "w.csv"
+    path.write_text(header + "\n0,10,10\n5,10,10\n", encoding="utf-8")
+    assert list(load_workload(str(path)).arrival_s) == [0.0, 5.0]  # the file's, not made-up Poisson arrivals
+
+
+def test_a_float64_checkpoint_is_sized_as_the_float32_it_is_served_in(tmp_path):
+    from hetserve.specs.model import load_model
+
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "torch_dtype": "float64"}))
+    assert load_model(str(tmp_path)).dtype_bytes == 4
+
+
+def test_make_model_never_writes_over_a_folder_that_holds_files(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    code, err = run(["make-model", "-o", str(tmp_path)], capsys)
+    assert code == 2 and len(err) == 1 and "config.json" in err[0] and "empty folder" in err[0]
+    assert (tmp_path / "config.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--chunked-prefill", "--prefill-mode", "prefill_first"], ["--chunked-prefill", "one prefill mode"]),
+])
+def test_simulate_refuses_options_that_would_drop_each_other(argv, words, tmp_path, capsys):
+    from hetserve.planner.plan import Plan
+
+    Plan.from_dict({"model": "llama-2-7b", "cluster": "hexgen2-homo", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 32]}]}]}).save(tmp_path / "p.json")
+    code, err = run(["simulate", "--plan", str(tmp_path / "p.json"), "--workload", "azure-conv", "--limit", "5",
+                     "--no-progress", *argv], capsys)
+    assert code == 2 and len(err) == 1 and all(w in err[0] for w in words), err
+
+
+def test_capacity_refuses_a_heartbeat_it_cannot_scale_by(capsys):
+    code, err = run(["capacity", "--model", "llama-2-7b", "--gpu", "A100-SXM-80G", "--workload", "azure-conv",
+                     "--rate", "2", "--slo-ttft", "1", "--slo-tpot", "0.1", "--heartbeat", "10"], capsys)
+    assert code == 2 and len(err) == 1 and "--heartbeat" in err[0] and "two rates" in err[0], err
 
 
 @pytest.mark.parametrize("kind, name, content, words", FILES, ids=[f"{k}-{i}" for i, (k, *_ ) in enumerate(FILES)])

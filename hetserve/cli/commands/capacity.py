@@ -67,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import SLO, load_workload
 
+    if args.heartbeat and len(_rates(args)) < 2:  # the scaling follows the worker law, fitted on two rates
+        raise SpecError("--heartbeat", "rates", "--rates with at least two rates to fit the worker law on",
+                        args.rate if args.rate is not None else args.rates)
     console = Console()
     model = load_model(args.model)
     slo = SLO(args.slo_ttft, args.slo_tpot)

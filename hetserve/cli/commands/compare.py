@@ -50,16 +50,15 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.calibration.compare import CompareOptions, compare, print_table
     from hetserve.errors import RuntimeFailure
     from hetserve.planner.plan import Plan
-    from hetserve.specs.cluster import load_cluster
 
-    from hetserve.cli.model_dir import check_model_dir
+    from hetserve.cli.model_dir import check_model_dir, plan_cluster
     from hetserve.cli.output_path import check_output_folder
 
     if args.output:
         check_output_folder(args.output, "--output")  # before serving, not after it
     plan = Plan.load(args.plan)  # input errors first, in one line
     check_model_dir(args.model)  # a folder, never a hub name looked up online
-    cluster = load_cluster(args.cluster or plan.cluster)
+    cluster = plan_cluster(args.plan, plan, args.cluster)  # the cluster file the plan was made on, as serve
     if args.efficiency:
         from hetserve.cost.efficiency import load_efficiency
         load_efficiency(args.efficiency)

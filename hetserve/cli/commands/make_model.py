@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,6 +28,10 @@ def _run(args: argparse.Namespace) -> int:
     from hetserve.errors import SpecError
     from hetserve.runtime.model.make import make_model
 
+    out_dir = Path(args.output)
+    if out_dir.is_dir() and any(out_dir.iterdir()):  # never write random weights over a real checkpoint
+        raise SpecError(args.output, "-o", "a new or empty folder", "a folder holding " +
+                        ", ".join(sorted(p.name for p in out_dir.iterdir())[:3]))
     try:
         out = make_model(args.output, args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
                          kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,

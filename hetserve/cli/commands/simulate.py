@@ -126,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SpecError("--slo-*", "slo", "positive seconds", str(exc)) from exc
     policy_options = {k: getattr(args, k) for k in ("gamma", "theta") if getattr(args, k) is not None}
+    if args.chunked_prefill and args.prefill_mode != DEFAULT_BATCHING.prefill_mode:  # one would be dropped
+        raise SpecError("--chunked-prefill", "prefill mode", "one prefill mode: --chunked-prefill or --prefill-mode",
+                        f"both (--prefill-mode {args.prefill_mode})")
     if policy_options and "aladdin" not in (args.placement, args.route):
         raise SpecError("--gamma/--theta", "placement", "--placement aladdin or --route aladdin", args.placement)
     if args.transmission is not None:

@@ -176,8 +176,11 @@ class SharedLinks(LinkModel):
 
     # ------------------------------------------------------------------ internals
     def _settle(self, now: float) -> None:
-        """Only the clock moves; queues are settled when their rates change."""
-        self._fresh()
+        """Only the clock moves; queues are settled when their rates change. Rates go stale on
+        every start and end but are re-shared once, before time moves on (a KV hand-off puts
+        one message per TP shard / layer piece at one instant)."""
+        if now > self._since:
+            self._fresh()
         self._since = max(self._since, now)
 
     def _settle_queue(self, q: SenderQueue, now: float) -> None:

@@ -8,6 +8,16 @@ import pickle
 import pytest
 
 
+@pytest.fixture
+def roofline(monkeypatch):
+    """Real GPUs priced by the roofline (``Efficiency``'s fractions of datasheet peaks), not the
+    fitted kernel model: for tests whose subject is not pricing (host contention, the search's
+    moves, the bound's structure) and whose figures and pools were chosen under the roofline."""
+    from hetserve.cost import analytic
+
+    monkeypatch.setattr(analytic, "_KERNELS_BY_DEFAULT", False)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _keep_every_group_bound():
     """Many tests plan the same presets (het1, het2, het3 with llama-2-70b on azure-conv) and so price

@@ -165,7 +165,7 @@ def test_gpu_type_columns_stay_above_exact(llama7b, azure, monkeypatch):
     assert x.estimate["throughput_tokens_per_s"] <= bound.group_bound(ctx).tokens_per_s * (1 + 1e-9)
 
 
-def test_upper_bound_holds_where_the_per_device_lp_does_not(llama7b, azure):
+def test_upper_bound_holds_where_the_per_device_lp_does_not(llama7b, azure, roofline):
     """The per-device LP prices a colocated request as prompt + decode steps; the cost model's
     mixed steady state is cheaper, and exact beats the LP here. upper_bound (the group
     programme) still holds."""

@@ -168,7 +168,7 @@ def test_tied_kv_closes_the_gap_on_het4():
 
 
 @pytest.mark.slow
-def test_kv_per_source_tightens_het2():
+def test_kv_per_source_tightens_het2(roofline):
     """het2: the programme fed a decode group across all four sites from a 2×H100 prefill group
     and routed that group's KV through the pipes with room (2,130 tokens/s; 2,121 with every
     used column tied). With the KV per source (``bound_sources``) each request sends each site

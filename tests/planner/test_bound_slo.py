@@ -75,7 +75,7 @@ def test_goodput_bound_uses_the_group_programme(llama70b, azure):
     assert p.estimate["throughput_tokens_per_s"] <= ub.tokens_per_s * (1 + 1e-9)
 
 
-def test_min_cost_is_a_floor_where_the_per_device_lp_is_not(llama7b, azure):
+def test_min_cost_is_a_floor_where_the_per_device_lp_is_not(llama7b, azure, roofline):
     """Exact's all-colocated plan on the island pool serves more than the per-device LP allows
     (the LP calls its rate impossible); ``min_cost`` stays at or below what that plan costs."""
     c = _island("A100-SXM-80G", 4, "L4", 2)

@@ -21,7 +21,7 @@ def test_bound_start_is_a_placement_of_the_pool():
     assert {g.role for g in start} <= {"prefill", "decode", "colocated"}
 
 
-def test_hexgen2_within_90_percent_of_the_bound_on_het3():
+def test_hexgen2_within_90_percent_of_the_bound_on_het3(roofline):
     p = plan(load_cluster("hexgen2-het3"), load_model("llama-2-70b"), load_workload("azure-conv"), "hexgen2",
              PlanOptions(seed=0))
     e = p.estimate

@@ -37,7 +37,7 @@ def test_exact_and_hexgen2_find_the_same_mixed_plan(model, azure):
     assert "mixed" in x.estimate["notes"] and "mixed" in h.estimate["notes"]
 
 
-def test_hexgen2_reaches_a_mixed_plan_two_moves_away(azure):
+def test_hexgen2_reaches_a_mixed_plan_two_moves_away(azure, roofline):
     """HPHD on the two-box pool: exact's mixed plan (one L4 prefilling for two A6000 and one L4
     decoding, four L4 colocated) lies two moves from hexgen2's all-colocated plan, and the first
     move (a colocated pair turned prefill/decode) loses; the mixed climb's lookahead and its
@@ -116,7 +116,7 @@ def _het2_groups():
     return ctx, ev, place, (H, A, L, X), dec
 
 
-def test_mixed_climb_turns_a_group_colocated_with_its_machine_mates():
+def test_mixed_climb_turns_a_group_colocated_with_its_machine_mates(roofline):
     """hexgen2-het2: from the disaggregated 1,623 plan (a decode group across the four sites, the
     H100 pair, the A100 pair, four L40 and four A6000 prefilling) the mixed plan worth 1,822 — the
     three H100 colocated — lies behind a move where each half loses: flipping the H100 pair alone,

@@ -51,7 +51,7 @@ def test_exact_bounds_every_algorithm_on_small_presets(preset, model, azure):
     _exact_bounds_all(load_cluster(preset), load_model(model), azure)
 
 
-def test_kv_aware_layouts_on_case_study(case_study, llama70b, azure):
+def test_kv_aware_layouts_on_case_study(case_study, llama70b, azure, roofline):
     """App. E with 3 Gbit/s between the boxes. Under the per-pair link model, decode on the A100
     box as 4 × TP1 stages received KV over more pairs than the capacity-best TP2 × 2 and served
     1.4× more. With shared links every pair crosses the same two NICs and one pipe, so spreading
@@ -77,7 +77,7 @@ def test_kv_aware_layouts_on_case_study(case_study, llama70b, azure):
     assert _tps(h) >= _tps(u) * (1 - 1e-9)
 
 
-def test_hexgen2_chooses_colocated_where_it_wins(azure, llama7b):
+def test_hexgen2_chooses_colocated_where_it_wins(azure, llama7b, roofline):
     c = load_cluster("molink-3x4090")  # home GPUs on slow links: KV hand-offs cost too much
     p = ALGORITHMS["hexgen2"](c, llama7b, azure, PlanOptions(seed=0))
     assert not p.is_disaggregated and "chose colocated" in p.estimate["notes"]
@@ -243,7 +243,7 @@ def test_layouts_respect_the_heuristic_and_memory(llama70b, azure):
     assert ctx.layouts.searches == before
 
 
-def test_prefill_latency_optimal_decode_throughput_optimal(case_study, llama70b, azure):
+def test_prefill_latency_optimal_decode_throughput_optimal(case_study, llama70b, azure, roofline):
     ctx = PlanContext(case_study, llama70b, azure)
     pre, _ = ctx.layouts.best((4, 5, 6, 7), "prefill")
     dec, _ = ctx.layouts.best((4, 5, 6, 7), "decode")

@@ -198,7 +198,7 @@ def test_colocated_prefills_never_overlap(cluster, model):
     assert res.replicas[0].utilisation <= 1.0 + 1e-9
 
 
-def test_cpu_slots_sharing_cores_slow_concurrent_work(model):
+def test_cpu_slots_sharing_cores_slow_concurrent_work(model, roofline):
     """Two replicas on CPU worker slots that share one core: a prompt that runs while the other
     replica decodes takes twice as long (k / c = 2), or (1 + (s - 1)) with a measured slow-down s;
     the same plan on GPUs (no cpu_cores) is not slowed."""

@@ -10,6 +10,9 @@ from hetserve.specs.workload import Workload
 
 from .plans import single
 
+# contention is the subject: GPU and CPU-slot pools priced by one model (CPU slots take the roofline)
+pytestmark = pytest.mark.usefixtures("roofline")
+
 
 def _cluster(cores, count=2):
     m = {"name": "m0", "gpu": "A100-SXM-80G", "count": count, "site": "s0"}

@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from hetserve.errors import HetserveError
+from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
 from hetserve.serve.choices import LogprobWriter, collect, prompt_entries, share_prompts, sse
 from hetserve.serve.coordinator import Coordinator, Prepared
 from hetserve.serve.errors import (ContextLengthExceeded, InvalidRequest, ModelNotFound, NotFound, Overloaded,
@@ -50,10 +51,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # millisecond, and never queued behind huge prompts in the thread pool
 INLINE_PROMPT_CHARS = 16_384
 RETRY_AFTER_S = 5  # what a client is told to wait while this server drains (another instance may take over)
-# Request bodies over this many bytes get 413 before the rest is read: a body is held in memory whole
-# (JSON), so without a cap one client could make the server hold gigabytes. 8 MiB holds a 128k-token
-# prompt as token ids or as text, with room for JSON escapes.
-DEFAULT_MAX_BODY_BYTES = 8 << 20
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 

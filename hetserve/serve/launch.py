@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hetserve.policies.batching import DEFAULT_BATCHING
+from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
 from hetserve.policies.placement import DEFAULT_PLACEMENT
 from hetserve.policies.routing import DEFAULT_ROUTE
 from hetserve.policies.transmission import DEFAULT_TRANSMISSION
@@ -65,6 +66,7 @@ class ServeOptions:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     admin_keys: tuple[str, ...] = field(default=(), repr=False)
     protect_probes: bool = False  # /health and /metrics need an API key too
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body is a 413 before it is read
 
     def __post_init__(self) -> None:
         from hetserve.serve.keys import check_key
@@ -190,7 +192,7 @@ def build(opts: ServeOptions) -> Deployment:
 
         coordinator.replanner = Replanner(engine, opts.replan_workload, time_limit_s=opts.replan_time_limit_s,
                                           seed=opts.seed, on_failure=opts.replan_on_failure)
-    app = create_app(coordinator, auth=auth_of(opts))
+    app = create_app(coordinator, auth=auth_of(opts), max_body_bytes=opts.max_body_bytes)
     return Deployment(opts, plan, cluster, engine, links, coordinator, app, stats_dir, ray_session)
 
 

@@ -85,3 +85,12 @@ def test_serving_under_aladdin_with_a_predictor_uses_its_protocol(tiny_model, tm
     assert [p[1:] for p in predictor.predicted] == [(5, 0), (19, 0)]
     assert [o[1:] for o in predictor.observed] == [(5, 3), (19, 3)]
     assert [p[0] for p in predictor.predicted] == [o[0] for o in predictor.observed]
+
+
+def test_the_body_limit_option_reaches_the_server_options():
+    from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--plan", "p", "--model", "m"]).max_body_bytes == DEFAULT_MAX_BODY_BYTES
+    assert parser.parse_args(["serve", "--plan", "p", "--model", "m", "--max-body-bytes", "1000"]).max_body_bytes == 1000
+    assert ServeOptions(plan="p", model_dir="m").max_body_bytes == DEFAULT_MAX_BODY_BYTES

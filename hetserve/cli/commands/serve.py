@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from hetserve.cli.policy_options import add_policy_options, transmission_of
+from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -44,6 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-capacity", type=int, help="KV-cache tokens per replica (default: what memory allows)")
     p.add_argument("--slo-ttft", type=float, help="TTFT target in seconds (aladdin placement)")
     p.add_argument("--slo-tpot", type=float, help="TPOT target in seconds (aladdin placement)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body taken, bytes; a larger one is a 413 before it is read "
+                        f"(default {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM / Ctrl-C: seconds in-flight requests get to finish (default 30); new ones get 503")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0,
@@ -158,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
                             advertise_address=args.advertise_address,
                             engine_options=engine_options, replan_on_failure=args.replan_on_failure,
                             replan_workload=args.replan_workload, replan_time_limit_s=args.replan_time_limit,
-                            **keys)
+                            max_body_bytes=args.max_body_bytes, **keys)
     except ValueError as exc:
         raise RuntimeFailure(str(exc)) from exc
     sock = _bind(args.host, args.port)

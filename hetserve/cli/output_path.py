@@ -41,3 +41,19 @@ def check_output_folder(path: str, flag: str) -> None:
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise SpecError(path, flag, "a folder to write into", "an existing file")
+
+
+def check_distinct(outputs: dict[str, str | None], inputs: dict[str, str | None]) -> None:
+    """No file written (``{flag: path}``) is a file read or another file written: ``-o`` onto the
+    cluster file a plan is made on would replace the input with the plan."""
+    seen: dict[Path, str] = {}
+    for flag, path in inputs.items():
+        if path and Path(path).is_file():
+            seen[Path(path).resolve()] = flag
+    for flag, path in outputs.items():
+        if not path:
+            continue
+        key = Path(path).resolve()
+        if key in seen:
+            raise SpecError(path, flag, "a file other than the command's other files", f"the {seen[key]} file")
+        seen[key] = flag

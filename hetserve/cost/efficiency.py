@@ -116,7 +116,7 @@ def load_efficiency(path: str | Path) -> Efficiency:
     path = Path(path)
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:  # bytes that are no UTF-8 text too
         raise SpecError(str(path), "(file)", "a readable JSON file", str(exc)) from exc
     if not isinstance(data, dict):
         raise SpecError(str(path), "(file)", "a mapping of Efficiency fields or a calibration file",

@@ -187,7 +187,7 @@ def load_table(path: str | Path) -> KernelTable:
     path = Path(path)
     try:
         record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SpecError(str(path), "(file)", "a readable JSON kernel-cost file", str(exc)) from exc
     return table_from_record(record, str(path))
 

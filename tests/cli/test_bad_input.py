@@ -317,3 +317,28 @@ def test_capacity_takes_a_rate_given_twice_as_one(capsys):
                  "--rates", "5,5", "--slo-ttft", "5", "--slo-tpot", "0.1", "--method", "fluid"])
     out = capsys.readouterr().out
     assert code == 0 and "N_w" not in out  # one rate: a row, no law
+
+
+def test_plan_never_writes_over_a_file_it_reads_or_another_it_writes(tmp_path, capsys):
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(CLUSTER.replace("COUNT", "2"))
+    code, err = run(["plan", "--cluster", str(cluster), "--model", "llama-2-7b", "-o", str(cluster)], capsys)
+    assert code == 2 and len(err) == 1 and "--cluster file" in err[0]
+    assert cluster.read_text() == CLUSTER.replace("COUNT", "2")
+    out = str(tmp_path / "p.json")
+    code, err = run(["plan", "--cluster", str(cluster), "--model", "llama-2-7b", "-o", out, "--history", out], capsys)
+    assert code == 2 and len(err) == 1 and "--output file" in err[0]
+
+
+@pytest.mark.parametrize("argv", [["plan", "--cluster", "hexgen2-homo", "--model", "llama-2-7b", "--efficiency"],
+                                  ["cost", "layer", "--gpu", "H200", "--model", "llama-2-7b", "--table"]])
+def test_a_json_input_that_is_no_text_is_one_line(argv, tmp_path, capsys):
+    path = tmp_path / "x.json"
+    path.write_bytes(NOT_UTF8)
+    code, err = run([*argv, str(path)], capsys)
+    assert code == 2 and len(err) == 1 and "x.json" in err[0] and "utf-8" in err[0], err
+
+
+def test_cost_layer_prices_only_shards_the_model_can_be_cut_into(capsys):
+    code, err = run(["cost", "layer", "--gpu", "H200", "--model", "llama-2-7b", "--tp", "1,3"], capsys)
+    assert code == 2 and len(err) == 1 and "TP degree 3 does not divide" in err[0], err

@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 
+from hetserve.errors import SpecError
+
 
 def _ints(text: str) -> tuple[int, ...]:
     try:
@@ -55,6 +57,10 @@ def run_layer(args: argparse.Namespace) -> int:
     g = gpu(args.gpu, "--gpu", "gpu")
     model = load_model(args.model)
     table = load_table(args.table) if args.table else default_table()
+    for tp in args.tp:  # the shards the planner, validator and runtime would refuse are not priced either
+        why = model.tp_problem(tp)
+        if why:
+            raise SpecError("--tp", "tp", f"TP degrees that divide {model.name}'s heads, KV heads and FFN width", why)
     rows, source = layer_rows(g, model, args.tp, args.tokens, table)
     note = f"{g.name}: {describe_source(source)}; all-reduce: " + (
         f"fitted on {table.record.get('allreduce', {}).get('reference_gpu', '?')} in-box all-reduces, "

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dataclasses import replace
 
-    from hetserve.cli.output_path import check_output_file, check_plot_file
+    from hetserve.cli.output_path import check_distinct, check_output_file, check_plot_file
     from hetserve.planner.objectives import plan_for
     from hetserve.planner.plan import ClusterFile
 
@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     for path, flag in ((args.output, "--output"), (args.history, "--history")):
         if path:
             check_output_file(path, flag)  # before the search, not after it
+    check_distinct({"--output": args.output, "--history": args.history, "--plot": args.plot},
+                   {"--cluster": args.cluster, "--workload": args.workload, "--efficiency": args.efficiency})
     if args.plot:
         check_plot_file(args.plot, "--plot")
     names = [a.strip() for a in (args.compare or args.algorithm).split(",") if a.strip()]

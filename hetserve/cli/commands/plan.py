@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from hetserve.errors import PlanError
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     workload = load_workload(args.workload)
     if args.workload_class:
         workload = workload.of_class(args.workload_class)
+    workload = _servable(workload, model)
     console = Console()
     plans = []
     for name in names:
@@ -365,3 +367,18 @@ def plot_convergence(plans, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _servable(workload, model):
+    """The requests a server of ``model`` takes: one longer than its context is refused (by the
+    engine, and by the simulator), so a plan counting it would promise tokens nobody serves."""
+    from hetserve.errors import SpecError
+
+    fits = workload.within_context(model.max_context)
+    if not len(fits):
+        raise SpecError(workload.name, "(requests)", f"requests within {model.name}'s context of "
+                        f"{model.max_context} tokens", f"all {len(workload)} longer")
+    if len(fits) < len(workload):
+        print(f"note: {len(workload) - len(fits)} of {len(workload)} requests exceed {model.name}'s context of "
+              f"{model.max_context} tokens; planned for the {len(fits)} that fit", file=sys.stderr)
+    return fits

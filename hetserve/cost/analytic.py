@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from hetserve.cost.device_memory import device_kv_bytes_per_token, device_weight_bytes  # noqa: F401 (re-exported)
+from hetserve.cost.device_memory import device_activation_bytes, device_kv_bytes_per_token, device_weight_bytes
 from hetserve.cost.efficiency import Efficiency, load_efficiency  # noqa: F401 (re-exported: the knobs' old home)
 from hetserve.cost.kernel_pricing import KernelPricing
 from hetserve.cost.layout import ReplicaLayout, StageLayout
@@ -234,7 +234,7 @@ class CostModel(TransferCosts):
         """Bytes per device: weights / TP + KV of ``kv_tokens`` / TP + activation buffers."""
         m = self.model
         kv = kv_tokens * device_kv_bytes_per_token(m, stage.num_layers, stage.tp)
-        act = self.eff.activation_buffers * self.eff.activation_tokens * m.hidden * m.dtype_bytes
+        act = device_activation_bytes(m, self.eff.activation_buffers, self.eff.activation_tokens)
         return self.stage_weight_bytes(stage, is_first, is_last) + kv + act
 
     def stage_kv_capacity(self, stage: StageLayout, is_first: bool = False, is_last: bool = False) -> float:

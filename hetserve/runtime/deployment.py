@@ -11,8 +11,8 @@ after checking (PlanError, naming the replica and stage, otherwise):
 Inside a stage, the leader (TP rank 0) is the device with the lowest latency to the neighbouring
 stages' devices (HexGen §3.2): only leaders exchange activations between stages.
 
-``check_memory`` checks that every worker's weights fit its device's memory in the cluster file and
-returns, per replica, how many KV tokens fit beside them. Parameter and KV sizes come from the cost
+``check_memory`` checks that every worker's weights and activation buffers fit its device's memory in
+the cluster file and returns, per replica, how many KV tokens fit beside them (the planner's rule). Parameter and KV sizes come from the cost
 model (``device_weight_bytes``, ``device_kv_bytes_per_token``): one formula for planner, simulator
 and runtime; embeddings and LM head sit on stage leaders only.
 """
@@ -22,7 +22,9 @@ from __future__ import annotations
 import dataclasses
 
 from hetserve.cost.layout import kv_head_range
-from hetserve.cost.analytic import device_kv_bytes_per_token, device_weight_bytes
+from hetserve.cost.device_memory import (device_activation_bytes, device_kv_bytes_per_token, device_weight_bytes,
+                                         kv_tokens_fit)
+from hetserve.cost.efficiency import Efficiency
 from hetserve.errors import PlanError
 from hetserve.planner.plan import Plan, PlanReplica
 from hetserve.planner.validate import check_runnable
@@ -53,23 +55,28 @@ def worker_kv_bytes_per_token(spec: ModelSpec, w: WorkerSpec) -> float:
 
 
 def check_memory(layout: tuple[ReplicaSpec, ...], cluster: Cluster, cfg: ArchConfig, dtype: str,
-                 memory_fraction: float = 0.9) -> dict[str, int]:
-    """Per replica, the most KV tokens every worker can hold after its weights (PlanError if weights alone don't fit)."""
+                 memory_fraction: float = Efficiency.usable_memory) -> dict[str, int]:
+    """Per replica, the most KV tokens every worker can hold beside its weights and activation
+    buffers within ``memory_fraction`` of its device's memory: the planner's memory rule
+    (``cost/device_memory.py``) with the runtime's fraction as its usable memory. PlanError if the
+    weights and buffers alone do not fit."""
     spec = model_spec(cfg, DTYPE_BYTES[dtype])
+    eff = Efficiency(usable_memory=memory_fraction)
+    act = device_activation_bytes(spec, eff.activation_buffers, eff.activation_tokens)
     fit: dict[str, int] = {}
     for r in layout:
         tokens = None
         for w in r.workers:
             dev = cluster.device(w.name)
-            budget = dev.memory_bytes * memory_fraction
-            weights = worker_weight_bytes(spec, w)
-            if weights > budget:
+            held = worker_weight_bytes(spec, w) + act
+            n = kv_tokens_fit(dev.memory_bytes, memory_fraction, held, worker_kv_bytes_per_token(spec, w))
+            if n < 0:
                 raise PlanError(
                     f"replica {r.id} stage {w.stage} on device {w.name} ({dev.gpu.name}, "
-                    f"{dev.memory_bytes / 1e9:.1f} GB): its weights need {weights / 1e9:.2f} GB, more than "
-                    f"{memory_fraction:.0%} of the device's memory; use more layers' worth of devices or a higher TP degree")
-            per_token = worker_kv_bytes_per_token(spec, w)
-            n = int((budget - weights) // per_token) if per_token else 1 << 40
+                    f"{dev.memory_bytes / 1e9:.1f} GB): its weights and activation buffers need {held / 1e9:.2f} GB, "
+                    f"more than {memory_fraction:.0%} of the device's memory; use more layers' worth of devices or a "
+                    f"higher TP degree")
+            n = min(int(n), 1 << 40) if n != float("inf") else 1 << 40
             tokens = n if tokens is None else min(tokens, n)
         fit[r.id] = int(tokens)
     return fit

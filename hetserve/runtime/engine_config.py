@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetserve.cost.efficiency import Efficiency
 from hetserve.errors import PlanError
 from hetserve.policies.batching import DEFAULT_BATCHING, micro_batches_of
 from hetserve.policies.kv_admission import KV_ADMISSIONS
@@ -37,7 +38,8 @@ class EngineConfig:
     kv_admission: str = DEFAULT_BATCHING.kv_admission
     dtype: str | None = None  # None: float32 on CPU, the checkpoint's dtype on CUDA
     device: str = "auto"  # "auto" | "cpu" | "cuda"
-    memory_fraction: float = 0.9
+    # of each device's memory the weights, activation buffers and KV may fill: the planner's usable memory
+    memory_fraction: float = Efficiency.usable_memory
     start_timeout_s: float = 120.0
     micro_batches: int | None = None  # steps in flight per replica; None: its number of pipeline stages
     start_method: str = "spawn"  # or "forkserver": workers fork from a server that imported torch once

@@ -178,7 +178,7 @@ def test_stage_too_big_for_device_memory_is_a_plan_error(cluster_file, plans, tm
            "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
            "max_position_embeddings": 4096, "torch_dtype": "float16"}
     (tmp_path / "config.json").write_text(json.dumps(big))
-    with pytest.raises(PlanError, match=r"device m0:0 \(RTX-4090.*weights need"):
+    with pytest.raises(PlanError, match=r"device m0:0 \(RTX-4090.*weights and activation buffers need"):
         Engine.from_plan(plans.single(((("m0:0",), (0, 80)),)), cluster_file, tmp_path)
     with pytest.raises(PlanError, match="KV pool"):
         from hetserve.runtime.engine_config import EngineConfig

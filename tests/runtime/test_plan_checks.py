@@ -89,3 +89,29 @@ def test_engines_accept_a_prefill_replica_without_routes_the_validator_does_not(
     simulate_check(no_routes)
     runtime_check(no_routes)
     assert "prefill replica p0 has no KV route" in problem_of(lambda: validate_plan(no_routes, CLUSTER, SPEC))
+
+
+def test_the_engine_sizes_kv_by_the_planners_memory_rule():
+    """One rule: the engine's KV pool per replica is the cost model's stage KV capacity (weights,
+    activation buffers and KV within the usable memory), whatever the rounding to whole tokens."""
+    from hetserve.cost.analytic import CostModel
+    from hetserve.cost.efficiency import Efficiency
+    from hetserve.planner.plan import Plan
+    from hetserve.runtime.deployment import build_layout, check_memory, model_spec
+    from hetserve.runtime.model.config import ArchConfig
+    from hetserve.specs.cluster import load_cluster
+
+    cluster = load_cluster("demo-cpu")
+    raw = {"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 128, "_name_or_path": "tiny"}
+    cfg = ArchConfig.from_dict(raw)
+    plan = Plan.from_dict({"model": "tiny", "cluster": "demo-cpu", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 2]},
+                                                     {"devices": ["m0:1", "m1:0"], "layers": [2, 4]}]}]})
+    layout = build_layout(plan, cluster, cfg, {d.name: d.name for d in cluster.devices})
+    for fraction in (0.9, 0.5):
+        engine = check_memory(layout, cluster, cfg, "float32", fraction)["c0"]
+        cost = CostModel(cluster, model_spec(cfg, 4), Efficiency(usable_memory=fraction))
+        planned = cost.kv_capacity_tokens(plan.replicas[0].layout(cluster))
+        assert engine == int(planned) or abs(engine - planned) <= 1, (engine, planned)

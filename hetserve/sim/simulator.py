@@ -33,7 +33,7 @@ from hetserve.policies.routing import DEFAULT_ROUTE, make_route, route_candidate
 from hetserve.policies.transmission import DEFAULT_TRANSMISSION
 from hetserve.sim.env import BatchLimits
 from hetserve.sim.events import EventLoop, Priority
-from hetserve.sim.fastcost import fast
+from hetserve.cost.memo import memoised
 from hetserve.sim.hosts import FrontEndCost, HostContention
 from hetserve.sim.links import Network
 from hetserve.sim.metrics import SimResult, result_of
@@ -161,7 +161,7 @@ class Simulator:
         if plan.model != model.name:
             raise PlanError(f"plan is for model {plan.model!r}, simulating {model.name!r}")
         check_runnable(plan, cluster, model, source=f"plan for {plan.model!r}")
-        self.cost = fast(cost or CostModel(cluster, model))
+        self.cost = memoised(cost or CostModel(cluster, model))
         self.max_batch = opts.max_batch or self.cost.eff.max_batch
         mode = "chunked" if opts.chunked_prefill else opts.prefill_mode
         self.limits = BatchLimits(opts.token_budget, opts.chunk_tokens, mode, self.max_batch,

@@ -15,7 +15,7 @@ from hetserve.cost.efficiency import Efficiency
 from hetserve.cost.kernel_pricing import layer_rows
 from hetserve.cost.kernel_table import default_table, load_table
 from hetserve.cost.layout import ReplicaLayout, StageLayout
-from hetserve.sim.fastcost import fast
+from hetserve.cost.memo import memoised
 from hetserve.specs.cluster import cluster_from_dict
 from hetserve.specs.gpus import gpu
 from hetserve.specs.model import MODEL_PRESETS
@@ -59,7 +59,7 @@ def test_a_passed_efficiency_and_cpu_worker_slots_keep_the_roofline():
 
 def test_the_simulators_memoised_twin_keeps_the_kernel_model():
     cm = CostModel(_cluster("A40"), LLAMA7)
-    twin = fast(cm)
+    twin = memoised(cm)
     assert twin.kernels is not None
     assert twin.decode_step_time(_one_stage(2), 4, 400) == pytest.approx(cm.decode_step_time(_one_stage(2), 4, 400))
 
@@ -138,8 +138,8 @@ def test_the_planners_bound_reads_a_roofline_under_the_kernel_prices_and_the_sam
 
 def test_a_roofline_cost_model_stays_one_in_the_simulators_twin():
     roof = CostModel(_cluster("A40"), LLAMA7, kernels=False)
-    assert fast(roof).kernels is None
-    assert fast(roof).decode_step_time(_one_stage(2), 4, 400) == roof.decode_step_time(_one_stage(2), 4, 400)
+    assert memoised(roof).kernels is None
+    assert memoised(roof).decode_step_time(_one_stage(2), 4, 400) == roof.decode_step_time(_one_stage(2), 4, 400)
 
 
 def test_prices_never_fall_as_the_work_grows():

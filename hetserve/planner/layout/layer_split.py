@@ -21,7 +21,7 @@ _DECODE_PROBE_BATCH = 16
 
 class LayerSplits:
     """Layer splits and their capacity; expects ``ctx``, ``cost`` (the context's cost model with
-    memoised stage prices, ``stage_memo``), ``num_layers``, ``min_kv``, ``_prompt`` and
+    memoised stage prices, ``cost.memo``), ``num_layers``, ``min_kv``, ``_prompt`` and
     ``_probe_cache`` and ``_split_memo`` on the instance (``LayoutSearch`` sets them)."""
 
     @staticmethod

@@ -44,7 +44,7 @@ from hetserve.planner.layout.alternatives import KVAlternatives
 from hetserve.planner.layout.choice import LayoutChoice
 from hetserve.planner.layout.choice import remap as _remap
 from hetserve.planner.layout.engines import shape_allowed
-from hetserve.planner.layout.stage_memo import StageMemoCost
+from hetserve.cost.memo import StageMemoCost
 
 if TYPE_CHECKING:
     from hetserve.planner.context import PlanContext

@@ -1,0 +1,132 @@
+"""The cost model with its pure sub-results memoised: the same formulas and the same numbers, looked up.
+
+``MemoCost(base)`` is ``base``'s cost model (same cluster, model, efficiencies and kernel pricing;
+it shares ``base``'s state) with the model's derived shapes (``params_per_layer``, ``q_dim`` …,
+properties recomputed on every access) read once into plain attributes, and the collectives
+(``allreduce_time``, ``p2p_time``) cached on their arguments, which repeat for every iteration at
+a given batch size: what the simulator's hot loop prices.
+
+``StageMemoCost(base)`` adds the per-stage prices (``stage_prefill_time``, ``stage_decode_time``,
+``stage_kv_capacity``, ``pp_handoff_time``) looked up by what the formulas read of a stage: the
+layout search prices thousands of stage sequences whose stages mostly repeat — the same TP group
+holding the same number of layers, on the same or an identical class of GPUs. A stage's price reads
+the layer count, the position (first / last), the batch, and of its devices only their FLOP/s,
+memory bandwidth and usable memory (slowest / smallest device paces) and the links among them (TP
+all-reduce). A stage inside one machine is keyed by those (its ``signature``), so the same GPUs on
+another machine hit; a stage across machines (its all-reduce shares NICs) by its devices. The
+simulator does not key stages: its batches and contexts take ever new values.
+
+The replica-level methods (TTFT, decode step, KV capacity …) are the cost model's own and call
+these, so every figure is the cost model's, bit for bit; nothing here prices anything itself.
+"""
+
+from __future__ import annotations
+
+from hetserve.cost.analytic import CostModel, PrefillBatch
+from hetserve.cost.layout import StageLayout
+
+_SHAPES = ("name", "num_layers", "hidden", "num_heads", "num_kv_heads", "vocab", "dtype_bytes", "q_dim",
+           "kv_dim", "params_per_layer", "embedding_params", "head_params", "bytes_per_layer", "weight_bytes",
+           "kv_bytes_per_token_per_layer", "kv_bytes_per_token", "num_params", "dim_head", "ffn_hidden",
+           "max_context")
+
+
+class _Shapes:
+    """The model's shapes read once into plain attributes; anything else from the spec itself."""
+
+    def __init__(self, model):
+        self.__dict__.update({k: getattr(model, k) for k in _SHAPES})
+        self._spec = model
+
+    def __getattr__(self, name):  # only reached for names not copied above
+        return getattr(self.__dict__["_spec"], name)
+
+
+class MemoCost(CostModel):
+    """``base`` with its shapes read once and its collectives memoised (module docstring)."""
+
+    def __init__(self, base: CostModel):
+        self.__dict__.update(base.__dict__)  # not CostModel.__init__: the same state, shared
+        self.model = _Shapes(base.model)
+        self._ar: dict = {}
+        self._p2p: dict = {}
+
+    def allreduce_time(self, devices, nbytes):
+        key = (tuple(devices), nbytes)
+        v = self._ar.get(key)
+        if v is None:
+            v = self._ar[key] = super().allreduce_time(devices, nbytes)
+        return v
+
+    def p2p_time(self, src, dst, nbytes):
+        key = (src, dst, nbytes)
+        v = self._p2p.get(key)
+        if v is None:
+            v = self._p2p[key] = super().p2p_time(src, dst, nbytes)
+        return v
+
+
+class StageMemoCost(MemoCost):
+    """``MemoCost`` with the per-stage prices memoised by the stage's signature (module docstring)."""
+
+    def __init__(self, base: CostModel):
+        super().__init__(base)
+        self._signatures: dict[tuple[int, ...], int] = {}  # devices -> signature number
+        self._signature_ids: dict[tuple, int] = {}  # what the formulas read -> its number
+        self._prefill: dict[tuple, float] = {}
+        self._decode: dict[tuple, float] = {}
+        self._kv: dict[tuple, float] = {}
+        self._handoff: dict[tuple, float] = {}
+
+    def signature(self, devices: tuple[int, ...]) -> int:
+        """What the stage formulas read of a TP group's devices, as a small integer: equal signatures
+        get the same number. The memo keys below are looked up millions of times on large pools, and
+        a tuple's hash is not cached (a TP-4 signature hashes ~40 floats per lookup)."""
+        sig = self._signatures.get(devices)
+        if sig is None:
+            c = self.cluster
+            if len({c.devices[d].machine for d in devices}) > 1:
+                full = ("devices", devices)
+            else:
+                full = (tuple((self._flops[d], self._membw[d], self._memory[d]) for d in devices),
+                        tuple((float(self._alpha[d, e]), float(self._beta[d, e])) for d in devices for e in devices
+                              if d != e))
+            sig = self._signatures[devices] = self._signature_ids.setdefault(full, len(self._signature_ids))
+        return sig
+
+    def stage_prefill_time(self, stage: StageLayout, batch: PrefillBatch, is_last: bool = False) -> float:
+        # the batch by its fields: equal batches are equal field by field, and a tuple of them
+        # hashes in C (the frozen dataclass's hash is a Python call)
+        key = (self.signature(stage.devices), stage.layers[1] - stage.layers[0], batch.num_seqs, batch.tokens,
+               batch.sum_sq, is_last)
+        t = self._prefill.get(key)
+        if t is None:
+            t = self._prefill[key] = super().stage_prefill_time(stage, batch, is_last)
+        return t
+
+    def stage_decode_time(self, stage: StageLayout, batch: float, context_tokens: float,
+                          is_last: bool = False) -> float:
+        key = (self.signature(stage.devices), stage.layers[1] - stage.layers[0], batch, context_tokens, is_last)
+        t = self._decode.get(key)
+        if t is None:
+            t = self._decode[key] = super().stage_decode_time(stage, batch, context_tokens, is_last)
+        return t
+
+    def stage_kv_capacity(self, stage: StageLayout, is_first: bool = False, is_last: bool = False) -> float:
+        key = (self.signature(stage.devices), stage.layers[1] - stage.layers[0], is_first, is_last)
+        v = self._kv.get(key)
+        if v is None:
+            v = self._kv[key] = super().stage_kv_capacity(stage, is_first, is_last)
+        return v
+
+    def pp_handoff_time(self, a: StageLayout, b: StageLayout, tokens: float) -> float:
+        key = (a.devices, b.devices, tokens)
+        t = self._handoff.get(key)
+        if t is None:
+            t = self._handoff[key] = super().pp_handoff_time(a, b, tokens)
+        return t
+
+
+def memoised(cost: CostModel) -> CostModel:
+    """A ``MemoCost`` over a plain ``CostModel`` (a memoised one or another subclass is returned as is)."""
+    return MemoCost(cost) if type(cost) is CostModel else cost

@@ -27,7 +27,7 @@ BOUND_SLACK = 1 + 1e-9
 
 class BoundedChoice:
     """``best_of`` and the bounds it reads; mixed into ``pool.Evaluator`` (reads its
-    ``_scores``, ``_capacity_bound``, ``_pending``, ``_build``, ``_solve``, ``_prices``, ``_neighbour``)."""
+    ``_scores``, ``_pending``, ``_build``, ``_solve``, ``_prices``, ``_neighbour``)."""
 
     def best_of(self, candidates: Sequence[Sequence[Group]], floor: float, stop: Callable[[], bool] | None = None,
                 rel: float = 1e-9, margin: float = 1e-12) -> tuple[int | None, float]:
@@ -54,8 +54,8 @@ class BoundedChoice:
                 if beats(hit):
                     exact[i] = hit
                 continue
-            if beats(self._capacity_bound(key)):  # the pending pool layout only where it may win
-                c = self._pending(key)
+            c = self._pending(key)
+            if beats(c.bound):
                 pending[i] = c
                 heap.append((-c.bound * BOUND_SLACK, i))
         heapq.heapify(heap)

@@ -128,16 +128,6 @@ class Evaluator(LayoutTrials, BoundedChoice):
         bound = ctx.tokens_per_s((net.upper_bound() if net.prefill and net.decode else 0.0) + colocated)
         return Pending(tuple(groups), layouts, caps, net, colocated, bound, tuple(choice or (0,) * len(groups)))
 
-    def _capacity_bound(self, groups: Sequence[Group]) -> float:
-        """``_pending(groups).bound`` (the same sums in the same order) without building the
-        pending pool layout: a search step prunes most of its candidates by this bound alone."""
-        best, pre, dec, col = self.ctx.layouts.best, [], [], []
-        for g in groups:
-            b = best(g.devices, g.role) if g.devices else None
-            if b is not None and b[1] > 0:
-                {"prefill": pre, "decode": dec, "colocated": col}[g.role].append(b[1])
-        return self.ctx.tokens_per_s((min(sum(pre), sum(dec)) if pre and dec else 0.0) + sum(col))
-
     def _build(self, c: "Pending") -> None:
         """Fill in a pending pool layout's KV edges and resource loads."""
         if c.built:

@@ -109,10 +109,10 @@ class PipelineReplica(Replica):
             head = self.waiting[0]
             rid = head if self.role == "colocated" else head[0]
             need = self._need(rid)
-            if not self._can_hold(self.kv_used, need):
+            if not self.can_hold(self.kv_used, need):
                 break
             self.waiting.popleft()
-            self._kv_add(need)
+            self.kv_add(need)
             self.admitted += 1
             if self.role == "colocated":
                 self.queued_tokens -= r.inp[rid]
@@ -222,7 +222,7 @@ class PipelineReplica(Replica):
     def _finish_all(self, rids: list[int]) -> None:
         r = self.req
         for rid in rids:
-            self._kv_add(-self._need(rid))
+            self.kv_add(-self._need(rid))
             self.admitted -= 1
             self.pred_sum -= r.pred[rid]
             self.served += 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from hetserve.errors import PlanError
@@ -94,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
     workload = load_workload(args.workload)
     if args.workload_class:
         workload = workload.of_class(args.workload_class)
-    workload = _servable(workload, model)
     console = Console()
+    workload = _servable(workload, model, console)
     plans = []
     for name in names:
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[best]}"),
@@ -369,7 +368,7 @@ def plot_convergence(plans, path: str | Path) -> None:
     plt.close(fig)
 
 
-def _servable(workload, model):
+def _servable(workload, model, console):
     """The requests a server of ``model`` takes: one longer than its context is refused (by the
     engine, and by the simulator), so a plan counting it would promise tokens nobody serves."""
     from hetserve.errors import SpecError
@@ -379,6 +378,6 @@ def _servable(workload, model):
         raise SpecError(workload.name, "(requests)", f"requests within {model.name}'s context of "
                         f"{model.max_context} tokens", f"all {len(workload)} longer")
     if len(fits) < len(workload):
-        print(f"note: {len(workload) - len(fits)} of {len(workload)} requests exceed {model.name}'s context of "
-              f"{model.max_context} tokens; planned for the {len(fits)} that fit", file=sys.stderr)
+        console.print(f"note: {len(workload) - len(fits)} of {len(workload)} requests exceed {model.name}'s context "
+                      f"of {model.max_context} tokens; planned for the {len(fits)} that fit", highlight=False)
     return fits

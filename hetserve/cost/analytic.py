@@ -30,7 +30,7 @@ from typing import Sequence
 from hetserve.cost.device_memory import device_activation_bytes, device_kv_bytes_per_token, device_weight_bytes
 from hetserve.cost.efficiency import Efficiency, load_efficiency  # noqa: F401 (re-exported: the knobs' old home)
 from hetserve.cost.kernel_pricing import KernelPricing
-from hetserve.cost.layout import ReplicaLayout, StageLayout
+from hetserve.cost.layout import ReplicaLayout, StageLayout, micro_batches_of
 from hetserve.cost.network import concurrent_time
 from hetserve.cost.transfers import TransferCosts
 from hetserve.specs.cluster import Cluster
@@ -308,7 +308,7 @@ class CostModel(TransferCosts):
         split into): the pieces of ``decode_step_time``'s round (calibration solves the turn-around's
         hold from them)."""
         stages = self._ends(layout)
-        m = max(1, min(micro_batches or len(stages), math.ceil(batch)))
+        m = max(1, min(micro_batches_of(micro_batches, len(stages)), math.ceil(batch)))
         b, c = batch / m, context_tokens / m
         return m, [self.stage_decode_time(s, b, c, last) for s, _, last in stages]
 

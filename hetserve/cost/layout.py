@@ -11,6 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def micro_batches_of(configured: int | None, stages: int) -> int:
+    """Steps a pipeline of ``stages`` runs at once: the configured count, else one per stage (MoLink
+    §4.3's N, which fills every stage once the batch has as many sequences)."""
+    return configured or stages
+
+
 @dataclass(frozen=True)
 class StageLayout:
     devices: tuple[int, ...]  # device indices; TP degree = len(devices)

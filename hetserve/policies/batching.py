@@ -63,12 +63,6 @@ class BatchingConfig:
 DEFAULT_BATCHING = BatchingConfig()
 
 
-def micro_batches_of(configured: int | None, stages: int) -> int:
-    """Steps a pipeline of ``stages`` runs at once: the configured count, else one per stage (MoLink
-    §4.3's N, which fills every stage once the batch has as many sequences)."""
-    return configured or stages
-
-
 def kv_reservation(prompt_tokens: int, max_tokens: int, decoding: bool, block_size: int) -> int:
     """KV tokens a replica reserves when it admits a request, in whole blocks.
 

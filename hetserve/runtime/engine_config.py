@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from hetserve.cost.efficiency import Efficiency
 from hetserve.errors import PlanError
-from hetserve.policies.batching import DEFAULT_BATCHING, micro_batches_of
+from hetserve.cost.layout import micro_batches_of
+from hetserve.policies.batching import DEFAULT_BATCHING
 from hetserve.policies.kv_admission import KV_ADMISSIONS
 from hetserve.runtime.workers.auth import TLSFiles
 from hetserve.runtime.deployment import check_memory

@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hetserve.policies.batching import micro_batches_of
+from hetserve.cost.layout import micro_batches_of
 
 # the window (s) over which the front end's request rate is taken: a few arrivals at the rates served here
 REQUEST_WINDOW_S = 0.5

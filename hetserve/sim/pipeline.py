@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import deque
 
 from hetserve.cost.analytic import PrefillBatch
+from hetserve.cost.layout import micro_batches_of
 from hetserve.policies.base import DecodeTiming, ReplicaState, RunningRequest
 from hetserve.policies.batching import StepBuilder, kv_reservation
 from hetserve.policies.transmission import next_decode_return, round_trip_time
@@ -67,7 +68,7 @@ class PipelineReplica(Replica):
     def __init__(self, env, index, spec, layout):
         super().__init__(env, index, spec, layout)
         S = len(layout.stages)
-        m = self.limits.micro_batches or S
+        m = micro_batches_of(self.limits.micro_batches, S)
         self.groups = [_Group() for _ in range(m)]
         self.max_batch = self.limits.max_batch
         self.admitted = 0

@@ -12,7 +12,8 @@ from collections import deque
 
 from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import ReplicaState
-from hetserve.policies.batching import StepBuilder, micro_batches_of, prompt_chunks
+from hetserve.cost.layout import micro_batches_of
+from hetserve.policies.batching import StepBuilder, prompt_chunks
 from hetserve.policies.kv_admission import requeue
 from hetserve.sim.events import Priority
 from hetserve.sim.hosts import on_host, pipeline_step_beside

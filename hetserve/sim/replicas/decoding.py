@@ -9,7 +9,7 @@ next. KV admission is a strategy object (``self.kv``, see ``kv.py``).
 from __future__ import annotations
 
 from hetserve.policies.base import RunningRequest
-from hetserve.policies.batching import micro_batches_of
+from hetserve.cost.layout import micro_batches_of
 from hetserve.sim.batch import DecodeBatch
 from hetserve.sim.events import Priority
 from hetserve.sim.hosts import on_host

@@ -167,6 +167,7 @@ def test_tied_kv_closes_the_gap_on_het4():
     assert g.tokens_per_s <= 1.03 * scored, (g.tokens_per_s, scored, g.incumbent)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_kv_per_source_tightens_het2(roofline):
     """het2: the programme fed a decode group across all four sites from a 2×H100 prefill group

@@ -234,6 +234,7 @@ def test_every_socket_listens_on_its_nodes_address_only(shapes_engine):
     assert len(driver) >= 2 and {ip for ip, _ in driver} == {HEAD}, sorted(driver)  # endpoint + TP store
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_node_that_leaves_mid_load_loses_no_request(pool, model, shapes_engine, wait_until):

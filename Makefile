@@ -31,8 +31,8 @@ demo: setup
 # on one core each, so two workers on CI's two cores take about two thirds of one process's time;
 # the workers share the group bounds they solve (tests/conftest.py). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-# `long` tests (a minute of CPU each: a Ray node lost under load, group bounds solved under the
-# roofline prices) run in `make test-long`; `make test` stays within six minutes on two cores.
+# `long` tests (10-60 s of CPU each: Ray and shaped-link serving, group bounds under roofline
+# prices, a node lost under load) run in `make test-long`; `make test` stays within six minutes on two cores.
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not long"
 

@@ -7,6 +7,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -28,6 +30,7 @@ def test_molink_equal_counts_quick(capsys):
     assert "Same micro-batch count" in out and "| 0.3 | 3 |" in out and "| 0.3 | 6 |" in out
 
 
+@pytest.mark.long
 def test_hexgen_budget_quick(capsys):
     assert load("hexgen_budget").main(["--quick", "--requests", "60", "--search-s", "5", "--rates", "1"]) == 0
     out = capsys.readouterr().out

@@ -57,6 +57,7 @@ def test_budget_plans_never_exceed_the_budget_and_use_it(llama70b, azure):
     assert values[1] > values[0]  # a larger budget buys more
 
 
+@pytest.mark.long
 def test_cost_plan_meets_the_rate_in_simulation(llama70b, azure):
     c = load_cluster("hexgen2-het1")
     rate, slo = 1.5, SLO(ttft_s=2.0, tpot_s=0.1)

@@ -145,6 +145,7 @@ def test_bundled_plan_serves_with_local_backend(models, name):
     _LOCAL_TOKENS[name] = [r[0] for r in results]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", PLAN_FILES)

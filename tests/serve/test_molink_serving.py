@@ -32,6 +32,7 @@ def mixed_load(n: int = 20, gap_s: float = 0.3, seed: int = 0):
     return out
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_molink_gives_lower_mean_tpot_than_fifo_on_shaped_links(tmp_path):
     from hetserve.planner.plan import Plan

@@ -18,6 +18,7 @@ PLAN = {"model": "tiny", "cluster": "demo-cpu", "replicas": [
 PROMPTS = ["hello", "the quick brown fox", "x" * 40]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_ray_backend_returns_the_same_greedy_tokens_as_local(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

@@ -161,14 +161,18 @@ class LinkModel:
             done.append((mid, now + path.latency_s + self.overhead_s))
             return done
         self._settle(now)
-        q.pending[mid] = Message(mid, kind, path, nbytes, now)
+        self._enqueue(q, Message(mid, kind, path, nbytes, now), now)
+        if not math.isfinite(path.bandwidth):
+            self._fresh()  # an unlimited path finishes at once: let the next advance see it
+        return done
+
+    def _enqueue(self, q: SenderQueue, msg: Message, now: float) -> None:
+        """Queue ``msg`` on ``q``, whose sends are settled up to ``now``."""
+        q.pending[msg.id] = msg
         if not q.sends or q.concurrent:
             # idle, or sharing: re-decide now; sequential and busy: the send in flight ends first
             q.replan(now)
         self._stale = True
-        if not math.isfinite(path.bandwidth):
-            self._fresh()  # an unlimited path finishes at once: let the next advance see it
-        return done
 
     def advance(self, now: float) -> list[tuple[Any, float]]:
         """Handle every send that finished by ``now``; ``(id, deliver_at)`` of finished messages.

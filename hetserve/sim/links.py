@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from hetserve.cost.network import max_min_rates
 from hetserve.policies.base import TrafficKind, TransmissionPolicy
-from hetserve.policies.links import EPS_BYTES, KINDS, LinkModel, Message, SenderQueue
+from hetserve.policies.links import EPS_BYTES, LinkModel, Message, SenderQueue
 from hetserve.sim.events import EventLoop, Priority
 from hetserve.specs.network import Path, pair_path
 
@@ -292,23 +292,10 @@ class SharedLinks(LinkModel):
             self._replan(q, t)
         return done
 
-    def put(self, mid: Any, kind: TrafficKind, path: Path, nbytes: float, now: float) -> list[tuple[Any, float]]:
-        if kind not in KINDS:
-            raise ValueError(f"traffic kind must be one of {KINDS}, got {kind!r}")
-        q = self.queue(path)
-        if mid in q.pending:
-            raise ValueError(f"message {mid} is already pending")
-        done = self.advance(now)
-        q.messages[kind] += 1
-        if nbytes <= 0:
-            done.append((mid, now + path.latency_s + self.overhead_s))
-            return done
-        self._settle(now)
+    def _enqueue(self, q: SenderQueue, msg: Message, now: float) -> None:
+        """Queue ``msg`` with ``q``'s bytes caught up first, and re-share only what ``q`` touches."""
         self._settle_queue(q, now)
-        q.pending[mid] = Message(mid, kind, path, nbytes, now)
+        q.pending[msg.id] = msg
         if not q.sends or q.concurrent:
             # idle, or sharing: re-decide now; sequential and busy: the send in flight ends first
             self._replan(q, now)
-        if not math.isfinite(path.bandwidth):
-            self._fresh()  # an unlimited path finishes at once: let the next advance see it
-        return done

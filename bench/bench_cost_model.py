@@ -1,6 +1,6 @@
 """The kernel cost model against the measured A100 80 GB / A40 profiles: every target's figure.
 
-    .venv/bin/python -m bench.bench_cost_model [--profiles ../shared/data/gpu-profiles] [--json out.json]
+    .venv/bin/python -m bench.bench_cost_model [--profiles hetserve/data/gpu-profiles] [--json out.json]
 
 - *fitted*: each GPU's own fit, whole layers (every model, TP, token count) within ±10 %
   (target ≥ 95 %);
@@ -33,7 +33,7 @@ from hetserve.cost.collectives import MIN_FIT_BYTES
 from hetserve.cost.kernel_fit import errors, fit_gpu, measured_layer, summary
 from hetserve.cost.kernel_table import fit_table
 from hetserve.cost.kernels import gemm_dims
-from hetserve.cost.profiles import read_allreduce, read_compute
+from hetserve.cost.profiles import BUNDLED_PROFILES, read_allreduce, read_compute
 from hetserve.specs.gpus import gpu
 
 A100, A40 = "A100-SXM-80G", "A40"
@@ -102,7 +102,7 @@ def time_cost_layer(runs: int = 5) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profiles", default=str(ROOT.parent / "shared" / "data" / "gpu-profiles"))
+    ap.add_argument("--profiles", default=str(BUNDLED_PROFILES))
     ap.add_argument("--json", help="write the figures here too")
     args = ap.parse_args()
     figs = compute_figures(Path(args.profiles))

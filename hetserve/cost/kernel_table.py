@@ -2,7 +2,7 @@
 where every number came from.
 
 ``hetserve cost fit --profiles DIR -o FILE`` writes it (``fit_table`` + ``save_table``); the bundled
-``hetserve/data/kernel-costs.json`` is that command's output on ``shared/data/gpu-profiles``. Layout::
+``hetserve/data/kernel-costs.json`` is that command's output on ``hetserve/data/gpu-profiles``. Layout::
 
     {"format": "hetserve-kernel-costs/1",
      "command": "hetserve cost fit --profiles gpu-profiles -o ...",

@@ -1,4 +1,4 @@
-"""Measured GPU operator times read from a profile folder (Vidur's layout, ``shared/data/gpu-profiles``).
+"""Measured GPU operator times read from a profile folder (Vidur's layout, ``hetserve/data/gpu-profiles``).
 
 A folder holds ``compute/<gpu>/<org>/<model>/mlp.csv`` (one row per token count and TP degree: the
 model's shape and, per operator of one layer on one TP rank, ``time_stats.<op>.median`` in
@@ -27,6 +27,8 @@ OPTIONAL_OPS = ("post_attention_layernorm",)
 SHAPE_COLUMNS = ("n_head", "n_kv_head", "n_embd", "n_expanded_embd", "num_tokens", "num_tensor_parallel_workers")
 ALLREDUCE_COLUMNS = ("size", "num_workers", "devices_per_node", "time_stats.all_reduce.median")
 MS = 1e-3
+# The profiles bundled with the package (the columns this module reads): what the bundled fit was made on.
+BUNDLED_PROFILES = Path(__file__).resolve().parents[1] / "data" / "gpu-profiles"
 
 # Profile folder names -> the GPU catalog's names (``data/gpus.csv``).
 PROFILE_GPUS = {"a100": "A100-SXM-80G", "a40": "A40"}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -17,11 +16,12 @@ from hetserve.cost.kernel_table import default_table, load_table
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.cost.memo import memoised
 from hetserve.specs.cluster import cluster_from_dict
+from hetserve.cost.profiles import BUNDLED_PROFILES
 from hetserve.specs.gpus import gpu
 from hetserve.specs.model import MODEL_PRESETS
 
 LLAMA7 = MODEL_PRESETS["llama-2-7b"]
-PROFILES = Path(__file__).resolve().parents[3] / "shared" / "data" / "gpu-profiles"
+PROFILES = BUNDLED_PROFILES  # the profiles the bundled fit was made on
 
 
 def _cluster(gpu_name: str, count: int = 2, **extra):
@@ -94,7 +94,6 @@ def test_cost_layer_refuses_an_unknown_gpu(capsys):
     assert "Z100" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not PROFILES.is_dir(), reason="needs shared/data/gpu-profiles")
 def test_cost_fit_writes_a_file_cost_layer_reads(tmp_path, capsys):
     src = PROFILES / "compute" / "a40" / "microsoft" / "phi-2" / "mlp.csv"
     dst = tmp_path / "p" / "compute" / "a40" / "microsoft" / "phi-2" / "mlp.csv"

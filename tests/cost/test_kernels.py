@@ -16,13 +16,12 @@ from hetserve.cost.kernel_fit import _gemm_vec, errors, fit_gpu, summary
 from hetserve.cost.kernel_table import (ALLREDUCE_SETTING, FITTED, TRANSFERRED, default_table, fit_table,
                                         load_table, save_table)
 from hetserve.cost.kernels import KernelParams, gemm_time
-from hetserve.cost.profiles import read_allreduce, read_compute
+from hetserve.cost.profiles import BUNDLED_PROFILES, read_allreduce, read_compute
 from hetserve.errors import SpecError
 from hetserve.specs.gpus import gpu
 
-PROFILES = Path(__file__).resolve().parents[3] / "shared" / "data" / "gpu-profiles"
+PROFILES = BUNDLED_PROFILES  # the profiles the bundled fit was made on
 A100, A40 = "A100-SXM-80G", "A40"
-pytestmark = pytest.mark.skipif(not PROFILES.is_dir(), reason="needs shared/data/gpu-profiles")
 
 
 @pytest.fixture(scope="module")

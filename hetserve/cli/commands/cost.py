@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     fit = cmds.add_parser("fit", help="fit the kernel cost model to a profile folder",
                           description="Fit per-GPU kernel parameters, the transfer rule for GPUs without "
                                       "profiles and the all-reduce curves to a folder of measured operator "
-                                      "times (the layout of shared/data/gpu-profiles).")
+                                      "times (the layout of hetserve/data/gpu-profiles).")
     fit.add_argument("--profiles", required=True, help="profile folder (compute/<gpu>/<org>/<model>/mlp.csv, "
                      "network/<setting>/all_reduce.csv)")
     fit.add_argument("-o", "--output", required=True, help="kernel-cost file to write (JSON)")

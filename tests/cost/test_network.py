@@ -54,15 +54,16 @@ paths = st.lists(st.sets(st.integers(0, 3), min_size=1, max_size=3), min_size=1,
 @settings(max_examples=60, deadline=None)
 @given(paths, st.lists(st.floats(1.0, 1e6), min_size=6, max_size=6), st.integers(0, 3), st.floats(1.0, 1e6))
 def test_adding_a_transfer_never_speeds_up_the_others(members, sizes, extra_on, extra_bytes):
-    """A new transfer on a resource never makes a transfer that shares that resource finish
-    earlier. (Transfers that do *not* cross it may: under max-min fairness a flow slowed on the
-    new one's resource frees capacity elsewhere — a property of fair sharing, not a bug.)"""
+    """A new transfer on a resource never makes a transfer that crosses only that resource finish
+    earlier. (Transfers that cross others too may: under max-min fairness a flow slowed on the new
+    one's resource frees capacity on another, where such a transfer may be the one held back — a
+    property of fair sharing, not a bug.)"""
     pool = [Resource(f"r{i}", "pipe", bw, 0.001) for i, bw in enumerate((5.0, 7.0, 11.0, 13.0))]
     transfers = [(Path(tuple(pool[i] for i in sorted(m)), 0.001), sizes[k]) for k, m in enumerate(members)]
     before = transfer_times(transfers)
     after = transfer_times(transfers + [(Path((pool[extra_on],), 0.001), extra_bytes)])
     for k, (b, a) in enumerate(zip(before, after)):
-        if extra_on in members[k]:
+        if members[k] == {extra_on}:
             assert a >= b * (1 - 1e-9)
     # and each transfer never beats its uncontended time (the per-pair formula is the lower bound)
     for (p, n), t in zip(transfers, before):

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hetserve.errors import SpecError
+from hetserve.specs.model import DTYPE_BYTES, served_dtype
 
 ARCHS = ("llama", "opt")
 
@@ -55,7 +56,7 @@ class ArchConfig:
     @property
     def kv_bytes_per_token_per_layer(self) -> int:
         """K and V of one token in one layer, all KV heads, at the checkpoint dtype."""
-        return 2 * self.num_kv_heads * self.head_dim * _DTYPE_BYTES.get(self.dtype, 4)
+        return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[served_dtype(self.dtype)]
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> "ArchConfig":
@@ -81,9 +82,6 @@ class ArchConfig:
         raise SpecError(source, "model_type", f"one of {ARCHS}", model_type)
 
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
 def _eos(raw: dict[str, Any]) -> tuple[int, ...]:
     eos = raw.get("eos_token_id")
     if eos is None:
@@ -92,8 +90,7 @@ def _eos(raw: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _dtype(raw: dict[str, Any]) -> str:
-    d = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    return d if d in _DTYPE_BYTES else "float32"
+    return served_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32")
 
 
 def _llama(raw: dict[str, Any]) -> ArchConfig:

@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from hetserve.calibration.file import served_efficiency, served_sim_options
 
-        cost = CostModel(cluster, model, served_efficiency(args.efficiency)) if args.efficiency else None
+        cost = CostModel(cluster, model, served_efficiency(args.efficiency) if args.efficiency else None)
         opts = SimOptions(placement=args.placement, route=args.route, transmission=transmission_of(args), slo=slo,
                           **served_sim_options(args.efficiency), predictor=predictor,
                           token_budget=args.token_budget, chunked_prefill=args.chunked_prefill,
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         from hetserve.cost.kernel_pricing import describe_pricing
 
         source = (timings_source(args.efficiency) if args.efficiency else
-                  "cost model, " + describe_pricing(CostModel(cluster, model).pricing()))
+                  "cost model, " + describe_pricing(cost.pricing()))
         print_summary(Console(), summary, f"{plan.algorithm} plan on {cluster.name}, {wl.name} ({len(wl)} requests)",
                       f"simulated; times from the {source}")
         if args.output:

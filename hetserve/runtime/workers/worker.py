@@ -62,11 +62,12 @@ class WorkerConfig:
     shaper: Any = None  # picklable LinkShaper; None: no shaping
     heartbeat_s: float = 0.5  # how often this worker tells the coordinator it is alive (0: never)
     host: str = "127.0.0.1"  # the address this worker binds and advertises: its node's (rendezvous.py)
+    threads: int = 1  # torch intra-op threads of this worker process (the engine divides a host's cores)
 
 
 def worker_main(cfg: WorkerConfig) -> None:
     """Process entry point (``torch.multiprocessing`` spawn target)."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(max(1, cfg.threads))
     transport = SocketTransport(cfg.spec.name, cfg.security, host=cfg.host, scheduler_factory=cfg.link_scheduler,
                                 shaper=cfg.shaper)
     transport.set_address(ENGINE, cfg.engine_address)

@@ -1,0 +1,91 @@
+"""Paged-attention kernels for the serving engine: Triton on CUDA, plain torch elsewhere.
+
+The KV pool of one layer is a pair of caches ``(num_blocks, block_size, Hkv, D)``. Token position
+``p`` of a sequence with block table ``bt`` lives in block ``bt[p // block_size]`` at offset
+``p % block_size``; its slot is ``block * block_size + offset``. Query head ``h`` reads KV head
+``h // (Hq // Hkv)`` (grouped-query attention; Hq a multiple of Hkv).
+
+- ``store_kv(k, v, k_cache, v_cache, slot_mapping, impl=None)``: k, v ``(T, Hkv, D)``;
+  ``slot_mapping (T,)`` int; row t is written to slot ``slot_mapping[t]`` in place; a slot of -1 is
+  skipped (the padding rows of a captured CUDA graph).
+- ``paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, impl=None)``:
+  q ``(B, Hq, D)``, one query per sequence at the last of its ``context_lens[b]`` positions,
+  ``block_tables (B, max_blocks)`` int32, ``context_lens (B,)`` int32 -> ``(B, Hq, D)``. A row of
+  context 0 gives zeros and reads nothing. Triton: flash-decoding (the context split into
+  partitions, each attended by its own program, merged by log-sum-exp); a program serves all the
+  query heads of one KV head, so each KV block is loaded once per group.
+- ``paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+  scale, impl=None, max_query_len=None)``: q ``(T, Hq, D)`` packs the new tokens of B sequences,
+  sequence b's at rows ``query_start_loc[b]:query_start_loc[b+1]`` (``query_start_loc (B+1,)``
+  int32, cumulative). ``context_lens[b]`` counts sequence b's tokens in the pool *including* this
+  step's (already stored with ``store_kv``), so its query i sits at position
+  ``context_lens[b] - q_len[b] + i`` and attends to the positions up to its own: a prompt, a
+  prompt chunk after earlier chunks, or decodes (q_len 1). ``max_query_len``, when the caller
+  knows it, spares the Triton launch a device-to-host read. -> ``(T, Hq, D)``.
+
+``impl``: ``"triton"``, ``"torch"``, or None: Triton when the tensors are on CUDA and Triton
+imports, torch otherwise. On CPU tensors ``impl="triton"`` runs the kernels under Triton's
+interpreter (slow; for checking them). Inputs of float32, bfloat16 or float16; scores, softmax
+and sums accumulate in float32; the output has q's dtype. Checked against the per-sequence loops
+of ``reference.py`` by ``tests/runtime/test_kernels.py`` and ``bench/check_kernels.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from . import torch_impl
+
+IMPLS = ("triton", "torch")
+
+
+def triton_available() -> bool:
+    """Whether Triton can be imported here (it is optional: hetserve runs without it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_impl(impl: str | None, device: torch.device) -> str:
+    """The implementation a call runs: ``impl`` checked, or the default for ``device``."""
+    if impl is None:
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if impl not in IMPLS:
+        raise ValueError(f"unknown kernel impl {impl!r}: choose one of {', '.join(IMPLS)} or None")
+    if impl == "triton" and not triton_available():
+        raise ValueError("impl='triton' needs the triton package (pip install triton), which is not installed")
+    return impl
+
+
+def _triton():
+    from . import triton_kernels
+    return triton_kernels
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping, impl=None) -> None:
+    """Write this step's K/V rows into the pool in place; slots of -1 are skipped."""
+    if resolve_impl(impl, k.device) == "triton":
+        _triton().store_kv(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        torch_impl.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, impl=None):
+    """Decode attention of one query per sequence over its paged context -> (B, Hq, D)."""
+    if resolve_impl(impl, q.device) == "triton":
+        return _triton().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return torch_impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                            impl=None, max_query_len=None):
+    """Causal attention of packed new tokens over their sequences' paged contexts -> (T, Hq, D)."""
+    if resolve_impl(impl, q.device) == "triton":
+        return _triton().paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
+                                                 context_lens, scale, max_query_len)
+    return torch_impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
+                                              context_lens, scale)
+
+
+__all__ = ["IMPLS", "paged_decode_attention", "paged_prefill_attention", "resolve_impl", "store_kv",
+           "triton_available"]

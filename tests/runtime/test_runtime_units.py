@@ -57,26 +57,28 @@ def test_attn_meta_for_a_mixed_batch():
     from hetserve.runtime.model.attention import build_attn_meta
 
     # seq 0: decode at position 5 (blocks [3, 1]); seq 1: prefill of 3 tokens (block [2])
-    m = build_attn_meta([5, 0], [1, 3], [[3, 1], [2]], block_size=4)
+    m = build_attn_meta([5, 0], [1, 3], [[3, 1], [2]], block_size=4, grouped=False)
     assert m.positions.tolist() == [5, 0, 1, 2]
     assert m.slot_mapping.tolist() == [1 * 4 + 1, 8, 9, 10]
     assert m.last_token.tolist() == [0, 3]
-    # the decode and the prompt attend in separate grids: the decode is not padded to the prompt's 3 rows
-    decodes, prompts = m.groups
+    (one,) = m.parts  # one packed call over every token, in order
+    assert one.tokens is None and one.max_query_len == 3
+    assert one.block_tables.tolist() == [[3, 1], [2, 0]] and one.context_lens.tolist() == [6, 3]
+    assert one.query_start_loc.tolist() == [0, 1, 4]
+    # grouped (the plain-torch kernels' default): the decode is not padded to the prompt's 3 rows
+    decodes, prompts = build_attn_meta([5, 0], [1, 3], [[3, 1], [2]], block_size=4, grouped=True).parts
     assert decodes.tokens.tolist() == [0] and prompts.tokens.tolist() == [1, 2, 3]
-    assert decodes.gather_slots.tolist() == [[12, 13, 14, 15, 4, 5]]
-    assert decodes.mask.shape == (1, 1, 1, 6) and decodes.mask[0, 0, 0].tolist() == [True] * 6
-    assert prompts.gather_slots.tolist() == [[8, 9, 10]]
-    assert prompts.mask.shape == (1, 1, 3, 3)
-    assert prompts.mask[0, 0, 1].tolist() == [True, True, False]  # causal inside the prompt
-    # one kind of sequence: one grid over every token, in order
-    (only,) = build_attn_meta([5, 2], [1, 1], [[3, 1], [2]], block_size=4).groups
-    assert only.tokens is None and only.mask.shape == (2, 1, 1, 6)
+    assert decodes.max_query_len == 1 and decodes.context_lens.tolist() == [6]
+    assert prompts.query_start_loc.tolist() == [0, 3] and prompts.block_tables.tolist() == [[2, 0]]
+    # one kind of sequence: one part over every token, in order
+    (only,) = build_attn_meta([5, 2], [1, 1], [[3, 1], [2]], block_size=4).parts
+    assert only.tokens is None and only.max_query_len == 1 and only.context_lens.tolist() == [6, 3]
 
 
-def test_a_mixed_step_attends_as_its_sequences_would_alone():
-    """Grouped attention of a step mixing decodes and prompts (any order) gives each token what a
-    step of that sequence alone gives."""
+@pytest.mark.parametrize("grouped", [True, False])
+def test_a_mixed_step_attends_as_its_sequences_would_alone(grouped):
+    """Attention of a step mixing decodes and prompts (any order), in one packed call or in parts,
+    gives each token what a step of that sequence alone gives."""
     import torch
 
     from hetserve.runtime.model.attention import build_attn_meta, paged_attention
@@ -88,8 +90,9 @@ def test_a_mixed_step_attends_as_its_sequences_would_alone():
     q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
     kc0, vc0 = torch.randn(64, Hkv, D), torch.randn(64, Hkv, D)  # earlier tokens' K/V
     kc, vc = kc0.clone(), vc0.clone()
-    meta = build_attn_meta([s for s, _, _ in seqs], [n for _, n, _ in seqs], [b for _, _, b in seqs], bs)
-    assert len(meta.groups) == 2
+    meta = build_attn_meta([s for s, _, _ in seqs], [n for _, n, _ in seqs], [b for _, _, b in seqs], bs,
+                           grouped=grouped)
+    assert len(meta.parts) == (2 if grouped else 1)
     mixed = paged_attention(q, k, v, kc, vc, meta, 0.3)
     at = 0
     for s, n, b in seqs:
@@ -98,8 +101,9 @@ def test_a_mixed_step_attends_as_its_sequences_would_alone():
                                 build_attn_meta([s], [n], [b], bs), 0.3)
         torch.testing.assert_close(mixed[at:at + n], alone)
         at += n
-    torch.testing.assert_close(kc[meta.slot_mapping], k)  # every new token's K/V in its slot
-    torch.testing.assert_close(vc[meta.slot_mapping], v)
+    slots = meta.slot_mapping.long()
+    torch.testing.assert_close(kc[slots], k)  # every new token's K/V in its slot
+    torch.testing.assert_close(vc[slots], v)
 
 
 def test_tp_slices_split_heads_and_keep_row_bias_once():

@@ -1,104 +1,130 @@
 """Attention over a paged KV pool, for a batch mixing prefills and decodes.
 
 A step runs ``T`` new tokens from ``B`` sequences; sequence ``b`` has ``start[b]`` tokens already in
-the KV pool and ``q_len[b]`` new ones (a prefill: the prompt; a decode: one token). Linear layers
-see the flat ``(T, hidden)`` batch; only attention needs the per-sequence view, described by
-``AttnMeta`` (built once per step, shared by every layer):
+the KV pool and ``q_len[b]`` new ones (a prefill: the prompt or a chunk of it; a decode: one token).
+Linear layers see the flat ``(T, hidden)`` batch; only attention needs the per-sequence view,
+described by ``AttnMeta``, built once per step on the host and copied to the device in one
+transfer (pinned, non-blocking on CUDA), then shared by every layer:
 
-- each new token's K/V is written to its slot (``slot_mapping``);
-- the sequences attend in groups (``AttnGroup``): the decoding ones (one new token each) in one,
-  the prompts (or prompt chunks) in another. Within a group each sequence's whole context is
-  gathered from its slots into a padded ``(B_g, K_g)`` grid, its queries scattered into a padded
-  ``(B_g, Q_g)`` grid, attend with a causal mask offset by ``start``, and are gathered back.
+- each new token's K/V is written to its slot (``slot_mapping``; -1: a padding row, skipped);
+- the sequences attend through ``hetserve.runtime.kernels`` in parts (``AttnPart``): a step of
+  decodes only is one ``paged_decode_attention`` call, anything else one packed
+  ``paged_prefill_attention`` call. With the plain-torch kernels (CPU) a mixed step is split into
+  its decodes and its prompts, because that implementation pads every sequence to the longest
+  query of its call: a decode beside a 128-token prompt would attend as 128 rows (1.7-17.8x the
+  attention time of two calls on the CPU demo, ``python -m bench.bench_attention``).
 
-Why two groups: one grid pads every sequence to the longest query of the step, so a decode beside a
-128-token prompt would attend as 128 rows, 127 of them padding: 1.7-17.8x the attention time of
-two grids over prompts of 32-512 tokens beside 1-16 decodes on the CPU demo (``python -m
-bench.bench_attention``), and a mixed step the cost model cannot price (it prices no padding).
+Nothing here reads device data back to the host: every size a kernel needs (``max_query_len``)
+is known on the host when the step is built.
 
 Slot of position ``p`` of a sequence with block table ``bt``: ``bt[p // block_size] * block_size +
-p % block_size``. Cost per layer: O(Σ_g B_g * Q_g * K_g * heads * head_dim).
+p % block_size``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-import torch.nn.functional as F
+
+from hetserve.runtime import kernels
 
 
 @dataclass
-class AttnGroup:
-    """Sequences of a step that attend in one padded grid."""
+class AttnPart:
+    """Sequences of a step that attend in one kernel call."""
 
-    tokens: torch.Tensor | None  # (T_g,) the group's tokens among the step's T; None: all of them, in order
-    gather_slots: torch.Tensor  # (B_g, K_g) slots of each sequence's context, padded with slot 0
-    mask: torch.Tensor  # (B_g, 1, Q_g, K_g) bool, True = may attend
-    q_dest: torch.Tensor  # (T_g,) index of each of its tokens in the flattened (B_g * Q_g) query grid
+    tokens: torch.Tensor | None  # (T_p,) the part's rows among the step's T; None: all of them, in order
+    block_tables: torch.Tensor  # (B_p, NB) int32, padded with block 0
+    context_lens: torch.Tensor  # (B_p,) int32, this step's tokens included (0: a padding row)
+    query_start_loc: torch.Tensor  # (B_p + 1,) int32, cumulative new tokens
+    max_query_len: int  # 1: a decode part
     num_seqs: int
-    max_q: int
 
 
 @dataclass
 class AttnMeta:
-    positions: torch.Tensor  # (T,) absolute position of each new token
-    slot_mapping: torch.Tensor  # (T,) KV slot each new token writes
-    last_token: torch.Tensor  # (B,) index in T of each sequence's last new token
+    positions: torch.Tensor  # (T,) int32 absolute position of each new token
+    slot_mapping: torch.Tensor  # (T,) int32 KV slot each new token writes (-1: none)
+    last_token: torch.Tensor  # (B,) int32 index in T of each sequence's last new token
     num_seqs: int
-    groups: tuple[AttnGroup, ...]
+    block_size: int
+    parts: tuple[AttnPart, ...]
+
+
+@dataclass
+class HostMeta:
+    """A step's metadata as host arrays, before its one copy to the device."""
+
+    positions: np.ndarray  # (T,)
+    slot_mapping: np.ndarray  # (T,)
+    last_token: np.ndarray  # (B,)
+    parts: list[tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray, int]]  # tokens, bt, ctx, qsl, max_q
+
+
+def host_meta(starts: list[int], q_lens: list[int], block_tables: list[list[int]], block_size: int,
+              split: bool = False, width: int | None = None) -> HostMeta:
+    """Metadata of one step as int32 host arrays. ``split``: decodes and prompts in separate parts
+    when the step has both. ``width``: block-table columns (default: the step's longest context).
+    Running time O(T + B * NB) numpy work, one Python iteration per sequence."""
+    start = np.asarray(starts, dtype=np.int64)  # (B,)
+    q_len = np.asarray(q_lens, dtype=np.int64)  # (B,)
+    ctx = start + q_len  # (B,)
+    qsl = np.concatenate(([0], np.cumsum(q_len)))  # (B+1,)
+    nb = int(-(-ctx.max() // block_size)) if len(ctx) else 1
+    bt = np.zeros((len(q_lens), max(nb, width or 0)), dtype=np.int64)  # (B, NB)
+    for b, table in enumerate(block_tables):
+        n = min(len(table), nb)
+        bt[b, :n] = table[:n]
+    seq = np.repeat(np.arange(len(q_lens)), q_len)  # (T,) sequence of each new token
+    positions = np.arange(qsl[-1]) - qsl[:-1][seq] + start[seq]  # (T,)
+    slots = bt[seq, positions // block_size] * block_size + positions % block_size  # (T,)
+    decoding = q_len == 1
+    groups = [decoding, ~decoding] if split and decoding.any() and not decoding.all() else [None]
+    parts = []
+    for members in groups:
+        if members is None:
+            parts.append((None, bt, ctx, qsl, int(q_len.max(initial=1))))
+            continue
+        tokens = np.concatenate([np.arange(qsl[b], qsl[b + 1]) for b in np.flatnonzero(members)])
+        sub_qsl = np.concatenate(([0], np.cumsum(q_len[members])))
+        parts.append((tokens, bt[members], ctx[members], sub_qsl, int(q_len[members].max())))
+    return HostMeta(positions, slots, qsl[1:] - 1, parts)
+
+
+def to_device(meta: HostMeta, block_size: int, device: torch.device | str) -> AttnMeta:
+    """``meta`` on ``device``: every array packed into one int32 tensor and copied once (from
+    pinned memory, non-blocking, where the device is a GPU); the fields are views of that copy."""
+    device = torch.device(device)
+    arrays = [meta.positions, meta.slot_mapping, meta.last_token]
+    for tokens, bt, ctx, qsl, _ in meta.parts:
+        arrays += ([] if tokens is None else [tokens]) + [bt.reshape(-1), ctx, qsl]
+    packed = torch.from_numpy(np.concatenate(arrays).astype(np.int32))
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    views, at = [], 0
+    for a in arrays:
+        views.append(packed[at:at + a.size])
+        at += a.size
+    out = iter(views)
+    positions, slots, last = next(out), next(out), next(out)
+    parts = []
+    for tokens, bt, ctx, qsl, max_q in meta.parts:
+        tok = None if tokens is None else next(out)
+        parts.append(AttnPart(tokens=tok, block_tables=next(out).view(bt.shape), context_lens=next(out),
+                              query_start_loc=next(out), max_query_len=max_q, num_seqs=len(ctx)))
+    return AttnMeta(positions=positions, slot_mapping=slots, last_token=last, num_seqs=len(meta.last_token),
+                    block_size=block_size, parts=tuple(parts))
 
 
 def build_attn_meta(starts: list[int], q_lens: list[int], block_tables: list[list[int]], block_size: int,
-                    device: torch.device | str = "cpu", grouped: bool = True) -> AttnMeta:
-    """Attention metadata for one step. Running time O(B * (Q + K)) tensor work, no per-token Python.
-    ``grouped=False``: every sequence in one padded grid (``bench.bench_attention`` measures both)."""
-    start = torch.tensor(starts, dtype=torch.long)  # (B,)
-    q_len = torch.tensor(q_lens, dtype=torch.long)  # (B,)
-    first = torch.cumsum(q_len, 0) - q_len  # (B,) index in T of each sequence's first new token
-    decoding = q_len == 1
-    mixed = grouped and bool(decoding.any()) and not bool(decoding.all())
-    kinds = [decoding, ~decoding] if mixed else [None]
-    positions = torch.empty(int(q_len.sum()), dtype=torch.long)  # (T,)
-    slot_mapping = torch.empty_like(positions)
-    groups = []
-    for members in kinds:
-        idx = torch.arange(len(q_lens)) if members is None else torch.nonzero(members).flatten()
-        g, tokens, pos, slots = _group(start[idx], q_len[idx], first[idx], [block_tables[i] for i in idx.tolist()],
-                                       block_size, device, whole=members is None)
-        positions[tokens], slot_mapping[tokens] = pos, slots
-        groups.append(g)
-    return AttnMeta(positions=positions.to(device), slot_mapping=slot_mapping.to(device),
-                    last_token=(first + q_len - 1).to(device), num_seqs=len(q_lens), groups=tuple(groups))
-
-
-def _group(start: torch.Tensor, q_len: torch.Tensor, first: torch.Tensor, block_tables: list[list[int]],
-           block_size: int, device, whole: bool) -> tuple[AttnGroup, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One group's padded grid; also its tokens' indices in T, their positions and KV slots."""
-    B = len(block_tables)
-    ctx_len = start + q_len  # (B,)
-    max_q, max_k = int(q_len.max()), int(ctx_len.max())
-    num_blocks = -(-max_k // block_size)
-    bt = torch.zeros(B, num_blocks, dtype=torch.long)  # (B, NB)
-    for b, table in enumerate(block_tables):
-        n = min(len(table), num_blocks)
-        bt[b, :n] = torch.tensor(table[:n], dtype=torch.long)
-    k_pos = torch.arange(max_k)  # (K,)
-    slots = bt.gather(1, (k_pos // block_size).expand(B, -1)) * block_size + k_pos % block_size  # (B, K)
-    in_ctx = k_pos[None, :] < ctx_len[:, None]  # (B, K)
-    gather_slots = torch.where(in_ctx, slots, torch.zeros_like(slots))
-    q_idx = torch.arange(max_q)  # (Q,)
-    q_pos = start[:, None] + q_idx[None, :]  # (B, Q)
-    q_valid = q_idx[None, :] < q_len[:, None]  # (B, Q)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & in_ctx[:, None, :]  # (B, Q, K)
-    # padded query rows attend to key 0 only, so softmax never sees an all-masked row
-    mask |= (~q_valid)[:, :, None] & (k_pos == 0)[None, None, :]
-    tokens = (first[:, None] + q_idx[None, :])[q_valid]  # (T_g,) in T, sequence by sequence
-    slot_of = slots.gather(1, q_pos.clamp(max=max_k - 1))[q_valid]  # (T_g,)
-    q_dest = (torch.arange(B)[:, None] * max_q + q_idx[None, :])[q_valid]  # (T_g,)
-    group = AttnGroup(tokens=None if whole else tokens.to(device), gather_slots=gather_slots.to(device),
-                      mask=mask[:, None].to(device), q_dest=q_dest.to(device), num_seqs=B, max_q=max_q)
-    return group, tokens, q_pos[q_valid], slot_of
+                    device: torch.device | str = "cpu", grouped: bool | None = None) -> AttnMeta:
+    """Attention metadata for one step on ``device``. ``grouped``: a mixed step's decodes and prompts
+    in separate kernel calls (default: where the kernels are the plain-torch ones)."""
+    if grouped is None:
+        grouped = kernels.resolve_impl(None, torch.device(device)) == "torch"
+    return to_device(host_meta(starts, q_lens, block_tables, block_size, split=grouped), block_size, device)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -107,32 +133,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     q: (T, Hq, D); k, v: (T, Hkv, D); k_cache, v_cache: (S, Hkv, D). Returns (T, Hq * D).
     """
-    k_cache[meta.slot_mapping] = k
-    v_cache[meta.slot_mapping] = v
-    if len(meta.groups) == 1:
-        return _attend(q, k_cache, v_cache, meta.groups[0], scale)
     T, Hq, D = q.shape
-    out = q.new_empty(T, Hq * D)
-    for g in meta.groups:
-        out[g.tokens] = _attend(q[g.tokens], k_cache, v_cache, g, scale)
-    return out
+    kc = k_cache.view(-1, meta.block_size, *k_cache.shape[1:])  # (S / bs, bs, Hkv, D), no copy
+    vc = v_cache.view(-1, meta.block_size, *v_cache.shape[1:])
+    kernels.store_kv(k, v, kc, vc, meta.slot_mapping)
+    if len(meta.parts) == 1:
+        return _attend(q, kc, vc, meta.parts[0], scale).view(T, Hq * D)
+    out = q.new_empty(T, Hq, D)
+    for p in meta.parts:
+        out[p.tokens] = _attend(q[p.tokens], kc, vc, p, scale)
+    return out.view(T, Hq * D)
 
 
-def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttnGroup, scale: float) -> torch.Tensor:
-    """One group's attention: its queries (T_g, Hq, D) over its sequences' contexts -> (T_g, Hq * D)."""
-    _, Hq, D = q.shape
-    keys = k_cache[g.gather_slots]  # (B, K, Hkv, D)
-    values = v_cache[g.gather_slots]  # (B, K, Hkv, D)
-    Hkv = keys.shape[2]
-    B, Q = g.num_seqs, g.max_q
-    if Q == 1:  # every sequence decodes one token: the grid is the batch itself
-        queries = q.view(B, 1, Hq, D)
-    else:
-        queries = q.new_zeros(B * Q, Hq, D)
-        queries[g.q_dest] = q
-        queries = queries.view(B, Q, Hq, D)
-    out = F.scaled_dot_product_attention(
-        queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),  # (B, H, Q|K, D)
-        attn_mask=g.mask, scale=scale, enable_gqa=Hq != Hkv)  # (B, Hq, Q, D)
-    out = out.transpose(1, 2).reshape(B * Q, Hq * D)  # (B*Q, Hq*D)
-    return out if Q == 1 else out[g.q_dest]
+def _attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, p: AttnPart, scale: float) -> torch.Tensor:
+    """One part's attention: its queries (T_p, Hq, D) -> (T_p, Hq, D)."""
+    if p.max_query_len == 1:
+        return kernels.paged_decode_attention(q, kc, vc, p.block_tables, p.context_lens, scale)
+    return kernels.paged_prefill_attention(q, kc, vc, p.block_tables, p.query_start_loc, p.context_lens, scale,
+                                           max_query_len=p.max_query_len)

@@ -45,23 +45,29 @@ DEFAULT_PERIOD_S = 600.0
 # activations to the group (runtime/worker.py ``_next`` / ``_compute``; vLLM broadcasts its step
 # metadata the same way).
 TP_STEP_COLLECTIVES = 3
+# Bytes of one logit in the log-softmax of prompt logprobs: the runtime computes it in float32
+# whatever the served dtype (``runtime/sampling``'s ``token_logprobs``).
+LOGPROB_BYTES = 4
 
 
 @dataclass(frozen=True)
 class PrefillBatch:
-    """A batch of prompts: count, total tokens, and Σ length² (for causal attention)."""
+    """A batch of prompts: count, total tokens, Σ length² (for causal attention), and ``scored``:
+    prompt positions whose logprobs the step returns (``prompt_logprobs``), priced on the last
+    stage by ``CostModel.prompt_logprob_time``."""
 
     num_seqs: int
     tokens: int
     sum_sq: float
+    scored: int = 0
 
     @staticmethod
-    def of(lengths: Sequence[int]) -> "PrefillBatch":
-        return PrefillBatch(len(lengths), int(sum(lengths)), float(sum(s * s for s in lengths)))
+    def of(lengths: Sequence[int], scored: int = 0) -> "PrefillBatch":
+        return PrefillBatch(len(lengths), int(sum(lengths)), float(sum(s * s for s in lengths)), scored)
 
     @staticmethod
-    def single(length: int) -> "PrefillBatch":
-        return PrefillBatch(1, int(length), float(length) * length)
+    def single(length: int, scored: bool = False) -> "PrefillBatch":
+        return PrefillBatch(1, int(length), float(length) * length, int(length) - 1 if scored else 0)
 
 
 # The efficiency a CostModel holds when its caller passed none. Identity, not equality, marks it:
@@ -198,16 +204,32 @@ class CostModel(TransferCosts):
                 self._roofline(stage, 2.0 * m.hidden * m.vocab * rows, m.vocab * m.hidden * m.dtype_bytes))
         return head + self.eff.iteration_overhead_s + self.eff.seq_overhead_s * rows
 
+    def prompt_logprob_time(self, stage: StageLayout, positions: float) -> float:
+        """What a step that returns the logprobs of ``positions`` prompt tokens adds on the last
+        stage: the LM head once more, over those positions' rows (the runtime runs it apart from
+        the sampling rows, so it reads the head's weights again), and the log-softmax over their
+        logits (read, then written, in float32, as ``token_logprobs`` computes it).
+        FLOPs ≈ 2·positions·hidden·vocab; bytes ≈ vocab·hidden·dtype + 2·positions·vocab·4."""
+        if positions <= 0:
+            return 0.0
+        m, k = self.model, self.kernels
+        head = (k.head(stage.devices, positions) if k is not None and k.covers(stage.devices) else
+                self._roofline(stage, 2.0 * m.hidden * m.vocab * positions, m.vocab * m.hidden * m.dtype_bytes))
+        # every logit is read and its log-probability written, on one device (the leader samples)
+        softmax_bytes = 2.0 * positions * m.vocab * LOGPROB_BYTES
+        return head + softmax_bytes / min(self._membw[d] for d in stage.devices)
+
     def stage_prefill_time(self, stage: StageLayout, batch: PrefillBatch, is_last: bool = False) -> float:
         """Prefill of ``batch`` through this stage's layers, TP all-reduces included; the stage's fixed
         cost is a decode step's plus ``prompt_step_overhead_s`` (a mixed step, priced as a prefill
-        batch, pays it once)."""
+        batch, pays it once); on the last stage the scored prompt positions' logprobs."""
         m = self.model
         flops = 2.0 * m.params_per_layer * batch.tokens
         nbytes = m.bytes_per_layer + batch.tokens * m.kv_bytes_per_token_per_layer
         per_layer = self._layer_time(stage, batch.tokens, flops, nbytes, 2.0 * m.q_dim * batch.sum_sq)
         comm = 2 * self.allreduce_time(stage.devices, batch.tokens * m.hidden * m.dtype_bytes)
-        head = self._head_time(stage, batch.num_seqs) if is_last else 0.0
+        head = (self._head_time(stage, batch.num_seqs) + self.prompt_logprob_time(stage, batch.scored)
+                if is_last else 0.0)
         return (stage.num_layers * (per_layer + comm) + self.collectives_time(stage) + head + self.eff.step_overhead_s
                 + self.eff.prompt_step_overhead_s + self.multi_row_time(stage, batch.tokens, batch.num_seqs, is_last)
                 + self.collective_bytes_time(stage, batch.tokens))
@@ -402,7 +424,7 @@ class CostModel(TransferCosts):
         if prompts.tokens <= 0:
             return self.decode_step_time(layout, decode_batch, decode_context, micro_batches)
         batch = PrefillBatch(decode_batch + prompts.num_seqs, decode_batch + prompts.tokens,
-                             2.0 * decode_context + prompts.sum_sq)
+                             2.0 * decode_context + prompts.sum_sq, prompts.scored)
         t = self.prefill_time(layout, batch)
         if decode_batch:
             t = max(t, self.decode_step_time(layout, decode_batch, decode_context, micro_batches))

@@ -98,7 +98,7 @@ class StageMemoCost(MemoCost):
         # the batch by its fields: equal batches are equal field by field, and a tuple of them
         # hashes in C (the frozen dataclass's hash is a Python call)
         key = (self.signature(stage.devices), stage.layers[1] - stage.layers[0], batch.num_seqs, batch.tokens,
-               batch.sum_sq, is_last)
+               batch.sum_sq, batch.scored, is_last)
         t = self._prefill.get(key)
         if t is None:
             t = self._prefill[key] = super().stage_prefill_time(stage, batch, is_last)

@@ -2,11 +2,11 @@
 
 Invariants between events:
 
-* ``size`` requests are running; ``context`` is the sum of their current context lengths
-  (prompt + tokens generated so far); ``iteration`` counts decode iterations completed since the
-  replica started;
-* every running request sits in ``_finish`` as ``(finish_iteration, rid, final_context)``:
-  it emits its last token when iteration ``finish_iteration`` completes;
+* ``size`` rows are running (a request with n choices is n rows, ``sim.choices``); ``context`` is
+  the sum of their current context lengths (prompt + tokens generated so far); ``iteration``
+  counts decode iterations completed since the replica started;
+* every running request sits in ``_finish`` as ``(finish_iteration, rid, final_context, rows)``
+  (its rows' context together): it emits its last token when iteration ``finish_iteration`` completes;
 * a *segment* is a run of iterations with constant membership, from ``t0`` until the next
   request finishes (``k`` iterations). Iteration ``j`` of the segment (0-based) has context
   ``c0 + j·size`` and takes ``a + slope·j`` seconds, where ``a`` and ``a + slope·(k-1)`` are the
@@ -24,7 +24,7 @@ from typing import Callable
 
 
 class DecodeBatch:
-    __slots__ = ("size", "context", "iteration", "_finish", "members", "_step",
+    __slots__ = ("size", "context", "iteration", "_finish", "members", "rows", "_step",
                  "t0", "c0", "a", "slope", "k", "active", "join_sum")
 
     def __init__(self, step_time: Callable[[int, float], float]):
@@ -32,27 +32,31 @@ class DecodeBatch:
         self.size = 0
         self.context = 0.0
         self.iteration = 0
-        self._finish: list[tuple[int, int, int]] = []
+        self._finish: list[tuple[int, int, int, int]] = []
         self.members: dict[int, int] = {}  # rid -> iteration at which it joined
+        self.rows: dict[int, int] = {}  # rid -> the rows it decodes (its choices)
         self.t0 = self.c0 = self.a = self.slope = 0.0
         self.k = 0
         self.active = False
-        self.join_sum = 0  # Σ join iteration over running requests
+        self.join_sum = 0  # Σ join iteration over running rows
 
     # ------------------------------------------------------------------ membership
-    def add(self, rid: int, context: int, iterations: int, final_context: int) -> None:
-        """A request joins with ``context`` tokens and needs ``iterations`` (≥ 1) more iterations."""
-        heapq.heappush(self._finish, (self.iteration + iterations, rid, final_context))
+    def add(self, rid: int, context: int, iterations: int, final_context: int, rows: int = 1) -> None:
+        """A request joins with ``rows`` rows of ``context`` tokens each and needs ``iterations`` (≥ 1)
+        more iterations, ending with ``final_context`` tokens a row."""
+        heapq.heappush(self._finish, (self.iteration + iterations, rid, final_context * rows, rows))
         self.members[rid] = self.iteration
-        self.join_sum += self.iteration
-        self.size += 1
-        self.context += context
+        self.rows[rid] = rows
+        self.join_sum += self.iteration * rows
+        self.size += rows
+        self.context += context * rows
 
     def remove(self, rid: int, context: float) -> None:
-        """Take a running request out between segments (pre-emption); ``context``: what it holds now."""
+        """Take a running request out between segments (pre-emption); ``context``: what its rows hold now."""
         assert not self.active, "remove only at an iteration boundary"
-        self.join_sum -= self.members.pop(rid)
-        self.size -= 1
+        rows = self.rows.pop(rid)
+        self.join_sum -= self.members.pop(rid) * rows
+        self.size -= rows
         self.context = self.context - context if self.size else 0.0
         self._finish = [e for e in self._finish if e[1] != rid]
         heapq.heapify(self._finish)
@@ -64,10 +68,11 @@ class DecodeBatch:
         done = []
         fin = self._finish
         while fin and fin[0][0] <= self.iteration:
-            _, rid, final = heapq.heappop(fin)
-            self.size -= 1
+            _, rid, final, rows = heapq.heappop(fin)
+            self.size -= rows
             self.context -= final
-            self.join_sum -= self.members.pop(rid)
+            self.join_sum -= self.members.pop(rid) * rows
+            del self.rows[rid]
             done.append(rid)
         if self.size == 0:
             self.context = 0.0  # no drift left behind

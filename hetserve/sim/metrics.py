@@ -74,7 +74,8 @@ def result_of(r: "RequestTable", replicas: "list[Replica]", slo: SLO, plan: "Pla
         np.asarray(r.t_start), np.asarray(r.t_first), np.asarray(r.t_kv_start), np.asarray(r.t_kv_done),
         np.asarray(r.t_join), np.asarray(r.t_finish),
         [ids[i] if i >= 0 else "" for i in r.prefill_rep], [ids[i] if i >= 0 else "" for i in r.decode_rep],
-        slo, stats, len(dev), cluster.usd_per_hour(dev), info=info, rejected=list(r.rejected))
+        slo, stats, len(dev), cluster.usd_per_hour(dev), info=info, rejected=list(r.rejected),
+        choices=np.asarray(r.choices, np.int64))
 
 
 @dataclass
@@ -97,6 +98,9 @@ class SimResult:
     info: dict[str, Any] = field(default_factory=dict)  # plan, workload, options, speed
     # per request, why it was rejected at arrival ("" = admitted; ``policies.request_checks.REASONS``)
     rejected: list[str] = field(default_factory=list)
+    # per request, the choices it decoded (OpenAI ``n``; None: one each): ``output_tokens`` is one
+    # choice's, so TPOT is a choice's token interval, and the summary's token counts are all choices'
+    choices: np.ndarray | None = None
 
     # ------------------------------------------------------------------ per request
     def __len__(self) -> int:
@@ -165,7 +169,8 @@ class SimResult:
         ok = self.completed
         done = int(ok.sum())
         dur = self.duration_s
-        out_tokens = int(self.output_tokens[ok].sum())
+        generated = self.output_tokens if self.choices is None else self.output_tokens * self.choices
+        out_tokens = int(generated[ok].sum())
         met = self.slo_met
         gpu_hours = self.num_devices * dur / 3600.0
         usd = self.usd_per_hour * dur / 3600.0 if self.usd_per_hour is not None else None

@@ -179,6 +179,7 @@ class Simulator:
             cls = kinds[r.role]
             if opts.pipeline == "detailed" and r.role != "prefill" and len(r.stages) > 1:
                 cls = PipelineReplica
+                _refuse_choices_in_detail(workload, r.id)
             rep = cls(self, i, r, self.layouts[r.id])
             cap = opts.kv_capacity_tokens
             if isinstance(cap, dict):
@@ -368,7 +369,8 @@ class Simulator:
                 merged[(d, e)] = merged.get((d, e), 0.0) + b
             pairs = self._kv_pairs[key] = [(d, e, b) for (d, e), b in merged.items()]
         r = self.req
-        tokens = r.inp[rid] + r.made[rid]  # a recompute brings what it had made too
+        # each choice's KV goes in a hand-off of its own; a recompute brings what it had made too
+        tokens = r.choices[rid] * (r.inp[rid] + r.made[rid])
         r.t_kv_start[rid] = self.loop.now
 
         def done(_start: float, rid=rid, tokens=tokens) -> None:
@@ -399,6 +401,16 @@ class Simulator:
             pred = max(float(self.predictor.predict(rid, self.req.inp[rid], generated)), generated + 1.0)
             self._repredicted[rid] = pred
         return pred
+
+
+def _refuse_choices_in_detail(workload: Workload, replica: str) -> None:
+    """The stage-by-stage pipeline (``sim/pipeline.py``) decodes one row per request and prices no
+    prompt logprobs: a trace that asks for either is refused there, not simulated as plain requests."""
+    many, scored = int((workload.choices > 1).sum()), int(workload.prompt_logprobs.sum())
+    if many or scored:
+        raise ValueError(f"pipeline='detailed' (replica {replica}) simulates neither n > 1 choices nor prompt "
+                         f"logprobs, and {workload.name} has {many} requests with n > 1 and {scored} scoring their "
+                         f"prompt; use pipeline='aggregate' (--pipeline aggregate)")
 
 
 def simulate(plan: Plan, cluster: Cluster, model: ModelSpec, workload: Workload,

@@ -9,6 +9,12 @@ Readers:
 - length-only files ``num_prefill_tokens,num_decode_tokens`` (ShareGPT), which get Poisson
   arrivals at a chosen rate.
 
+Either layout may add two optional columns (absent: every request is a plain completion):
+``n`` — choices per request (OpenAI's ``n``; each choice generates the row's output tokens), and
+``prompt_logprobs`` — 1 where the request scores its prompt (``echo`` with ``logprobs``: the LM head
+runs over every prompt position). A scoring request with ``max_tokens: 0`` is a row of one output
+token: the engine samples one that nobody sees.
+
 Classes follow HexGen-2 §5.1: heavy prefill = more than 512 input tokens, heavy decode = more
 than 128 output tokens (HPLD, HPHD, LPHD, LPLD).
 """
@@ -45,6 +51,8 @@ class Request:
     arrival_s: float
     input_tokens: int
     output_tokens: int
+    choices: int = 1  # sequences decoded from the one prompt (OpenAI ``n``)
+    prompt_logprobs: bool = False  # the prefill scores every prompt position
 
 
 @dataclass(frozen=True)
@@ -67,7 +75,9 @@ class Workload:
     name: str
     arrival_s: np.ndarray  # float64, sorted, first at 0
     input_tokens: np.ndarray  # int64
-    output_tokens: np.ndarray  # int64
+    output_tokens: np.ndarray  # int64, per choice
+    choices: np.ndarray | None = None  # int64 ≥ 1 per request (None: all 1)
+    prompt_logprobs: np.ndarray | None = None  # bool per request (None: all False)
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
@@ -75,6 +85,15 @@ class Workload:
             raise ValueError("workload arrays must have equal length")
         if n and np.any(np.diff(self.arrival_s) < 0):
             raise ValueError("arrivals must be sorted")
+        # the optional columns are always arrays once built, so every reader indexes them alike
+        ch = np.ones(n, np.int64) if self.choices is None else np.asarray(self.choices, np.int64)
+        lp = np.zeros(n, bool) if self.prompt_logprobs is None else np.asarray(self.prompt_logprobs, bool)
+        if len(ch) != n or len(lp) != n:
+            raise ValueError("workload arrays must have equal length")
+        if n and ch.min() < 1:
+            raise ValueError("choices must be at least 1")
+        object.__setattr__(self, "choices", ch)
+        object.__setattr__(self, "prompt_logprobs", lp)
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -84,7 +103,8 @@ class Workload:
             yield self[i]
 
     def __getitem__(self, i: int) -> Request:
-        return Request(i, float(self.arrival_s[i]), int(self.input_tokens[i]), int(self.output_tokens[i]))
+        return Request(i, float(self.arrival_s[i]), int(self.input_tokens[i]), int(self.output_tokens[i]),
+                       int(self.choices[i]), bool(self.prompt_logprobs[i]))
 
     # ---------------------------------------------------------------- statistics
     @property
@@ -102,7 +122,24 @@ class Workload:
 
     @property
     def mean_output(self) -> float:
+        """Mean output tokens of one choice."""
         return float(self.output_tokens.mean()) if len(self) else 0.0
+
+    @property
+    def mean_choices(self) -> float:
+        return float(self.choices.mean()) if len(self) else 1.0
+
+    @property
+    def scoring_share(self) -> float:
+        """Share of the requests that score their prompt (``prompt_logprobs``)."""
+        return float(self.prompt_logprobs.mean()) if len(self) else 0.0
+
+    def _with(self, name: str, arrival_s: np.ndarray, idx=slice(None), times: int = 1) -> "Workload":
+        """A workload of these requests (``idx``, each ``times`` over) at new arrival times."""
+        def cols(a: np.ndarray) -> np.ndarray:
+            return np.tile(a[idx], times) if times > 1 else a[idx]
+        return Workload(name, arrival_s, cols(self.input_tokens), cols(self.output_tokens), cols(self.choices),
+                        cols(self.prompt_logprobs))
 
     def classes(self) -> np.ndarray:
         """HexGen-2 class label per request (array of strings)."""
@@ -114,7 +151,7 @@ class Workload:
     def _take(self, mask_or_idx: np.ndarray, name: str) -> "Workload":
         arr = self.arrival_s[mask_or_idx]
         start = arr[0] if len(arr) else 0.0
-        return Workload(name, arr - start, self.input_tokens[mask_or_idx], self.output_tokens[mask_or_idx])
+        return self._with(name, arr - start, mask_or_idx)
 
     def of_class(self, cls: str) -> "Workload":
         """Only the requests of one HexGen-2 class (arrival times kept from the trace)."""
@@ -165,14 +202,14 @@ class Workload:
         if factor <= 0:
             raise SpecError(self.name, "rate_scale", "a positive number", factor)
         self._refuse_rescale(source, option, factor)
-        return Workload(self.name, self.arrival_s / factor, self.input_tokens, self.output_tokens)
+        return self._with(self.name, self.arrival_s / factor)
 
     def with_rate(self, rate: float, *, source: str | None = None, option: str = "--rate") -> "Workload":
         """Rescale arrivals so the mean rate is ``rate`` requests/s (refused as ``scale_rate``)."""
         if rate <= 0:
             raise SpecError(self.name, "rate", "a positive number of requests/s", rate)
         self._refuse_rescale(source, option, rate)
-        return Workload(self.name, self.arrival_s / (rate / self.rate), self.input_tokens, self.output_tokens)
+        return self._with(self.name, self.arrival_s / (rate / self.rate))
 
     def with_poisson_arrivals(self, rate: float, seed: int = 0) -> "Workload":
         """Replace arrival times with a Poisson process at ``rate`` req/s."""
@@ -180,21 +217,22 @@ class Workload:
             raise SpecError(self.name, "rate", "a positive number of requests/s", rate)
         gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(self))
         arr = np.concatenate([[0.0], np.cumsum(gaps[1:])]) if len(self) else gaps
-        return Workload(self.name, arr, self.input_tokens, self.output_tokens)
+        return self._with(self.name, arr)
 
     def repeat(self, times: int) -> "Workload":
         """The trace played ``times`` times back to back (for scaling benchmarks)."""
         span = self.duration_s + (1.0 / self.rate if self.rate > 0 else 1.0)
         arr = np.concatenate([self.arrival_s + k * span for k in range(times)])
-        return Workload(f"{self.name}x{times}", arr, np.tile(self.input_tokens, times),
-                        np.tile(self.output_tokens, times))
+        return self._with(f"{self.name}x{times}", arr, times=times)
 
     @staticmethod
-    def from_lists(name: str, arrivals, inputs, outputs) -> "Workload":
+    def from_lists(name: str, arrivals, inputs, outputs, choices=None, prompt_logprobs=None) -> "Workload":
         arr = np.asarray(arrivals, float)
         order = np.argsort(arr, kind="stable")
+        ch = None if choices is None else np.asarray(choices, np.int64)[order]
+        lp = None if prompt_logprobs is None else np.asarray(prompt_logprobs, bool)[order]
         return Workload(name, arr[order] - (arr[order][0] if len(arr) else 0.0),
-                        np.asarray(inputs, np.int64)[order], np.asarray(outputs, np.int64)[order])
+                        np.asarray(inputs, np.int64)[order], np.asarray(outputs, np.int64)[order], ch, lp)
 
 
 # ----------------------------------------------------------------------------- readers
@@ -237,6 +275,7 @@ def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
                         "num_prefill_tokens,num_decode_tokens", ",".join(named))
     ci, co = header.index(cols[0]), header.index(cols[1])
     cols = (named[ci], named[co])  # as the file spells them, for the messages below
+    extra = _OptionalColumns(header, named)
     arrivals, ins, outs = [], [], []
     for line, row in enumerate(rows, start=2):
         if not row:
@@ -251,15 +290,42 @@ def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
             raise SpecError(f"{src}:{line}", "timestamp", "a finite time", row[time_col])
         if i <= 0 or o <= 0:
             raise SpecError(f"{src}:{line}", f"{cols[0]}/{cols[1]}", "positive token counts", f"{i},{o}")
+        extra.read(row, f"{src}:{line}")
         arrivals.append(t), ins.append(i), outs.append(o)
     if not ins:
         raise SpecError(src, "(rows)", "at least one request")
-    wl = Workload.from_lists(name, arrivals, ins, outs)
+    wl = Workload.from_lists(name, arrivals, ins, outs, extra.choices, extra.prompt_logprobs)
     if time_col is None:
         wl = wl.with_poisson_arrivals(rate or DEFAULT_SYNTHETIC_RATE, seed)
     elif rate is not None:
         wl = wl.with_rate(rate, source=str(src))
     return wl
+
+
+class _OptionalColumns:
+    """The trace's optional ``n`` and ``prompt_logprobs`` columns, row by row (None: column absent)."""
+
+    def __init__(self, header: list[str], named: list[str]):
+        self._n = header.index("n") if "n" in header else None
+        self._lp = header.index("prompt_logprobs") if "prompt_logprobs" in header else None
+        self._names = named
+        self.choices: list[int] | None = [] if self._n is not None else None
+        self.prompt_logprobs: list[bool] | None = [] if self._lp is not None else None
+
+    def read(self, row: list[str], where: str) -> None:
+        if self._n is not None:
+            cell = row[self._n].strip() if self._n < len(row) else ""
+            if not cell.isdigit() or int(cell) < 1:
+                raise SpecError(where, self._names[self._n], "a whole number of choices, at least 1", cell)
+            self.choices.append(int(cell))
+        if self._lp is not None:
+            cell = row[self._lp].strip().lower() if self._lp < len(row) else ""
+            if cell not in _FLAGS:
+                raise SpecError(where, self._names[self._lp], "0 or 1 (true / false)", cell)
+            self.prompt_logprobs.append(_FLAGS[cell])
+
+
+_FLAGS = {"0": False, "1": True, "false": False, "true": True}
 
 
 def workload_presets() -> list[str]:

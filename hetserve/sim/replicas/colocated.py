@@ -17,6 +17,7 @@ from hetserve.policies.batching import StepBuilder, prompt_chunks
 from hetserve.policies.kv_admission import requeue
 from hetserve.sim.events import Priority
 from hetserve.sim.hosts import on_host, pipeline_step_beside
+from hetserve.sim.choices import prefill_batch
 from hetserve.sim.replicas.decoding import Decoding
 
 
@@ -40,8 +41,8 @@ class ColocatedReplica(Decoding):
 
     def place(self, rid: int) -> None:
         self.waiting.append(rid)
-        self.queued_tokens += self.req.inp[rid]
-        self.pred_sum += self.req.pred[rid]
+        self.queued_tokens += self.kv.prefill_tokens(rid)
+        self.pred_sum += self.req.pred[rid] * self.req.choices[rid]
         if self._admissible():
             if not self._start_beside():
                 self._request_boundary()
@@ -115,7 +116,8 @@ class ColocatedReplica(Decoding):
             self.waiting.popleft()
             self.queued_tokens -= n
             kv.admit(rid)
-            self.admitted += 1
+            step.seqs += r.choices[rid] - 1  # a request's choices are sequences of the step, as the engine counts
+            self.admitted += r.choices[rid]
             if not kv.made(rid):  # a recompute keeps its first start
                 r.t_start[rid] = self.loop.now
             taken.append(rid)
@@ -128,7 +130,7 @@ class ColocatedReplica(Decoding):
         for item in [it for it in self._chunking if it[0] in gone]:  # admitted prompts not prefilled yet
             self._chunking.remove(item)
             self.kv.drop_prefilling(item[0])
-            self.admitted -= 1
+            self.admitted -= self.req.choices[item[0]]
         for rid in victims:
             requeue(self.waiting, rid, int, self.req.made.__getitem__)
             self.queued_tokens += self.kv.prefill_tokens(rid)
@@ -167,7 +169,7 @@ class ColocatedReplica(Decoding):
         ``on_done(rids)`` at its end, which is returned. Prefill-first runs it with the decodes
         paused; a pipeline with a free micro-batch slot runs it beside them."""
         now = self.loop.now
-        prompts = PrefillBatch.of([self.kv.prefill_tokens(i) for i in rids])
+        prompts = prefill_batch(self.req, rids, self.kv.shared)
         b = self.batch
         m = self._decoding_micro_batches()  # those it runs beside
         if m and self._shares_cores():
@@ -203,14 +205,13 @@ class ColocatedReplica(Decoding):
         n = self.kv.prefill_tokens
         sizes = prompt_chunks([n(rid) - done for rid, done in self._chunking], budget, b.size)
         chunks = list(zip(self._chunking, sizes))
-        tokens = sum(sizes)
-        sum_sq = sum(c * c + 2.0 * c * item[1] for item, c in chunks)
-        prompts = PrefillBatch(len(chunks), tokens, sum_sq)
+        prompts = self._chunk_batch(chunks)
         m = self._decoding_micro_batches()
         if m > 1 and self._shares_cores():
             # the prompts ride in one micro-batch (its decodes as one-token rows), the others go on
             own, context = b.size / m, b.context / m
-            step = PrefillBatch(own + prompts.num_seqs, own + prompts.tokens, own + 2.0 * context + prompts.sum_sq)
+            step = PrefillBatch(own + prompts.num_seqs, own + prompts.tokens, own + 2.0 * context + prompts.sum_sq,
+                                prompts.scored)
             dur = self._beside_decodes(step, own, context, m - 1) + self.env.dispatch_wait(self, True)
         else:
             dur = self.cost.mixed_step_time(self.layout, b.size, b.context, prompts, self.limits.micro_batches)
@@ -222,6 +223,18 @@ class ColocatedReplica(Decoding):
         self._busy(now, now + dur)
         self.loop.schedule(now + dur, Priority.WORK, self._on_mixed_done, chunks)
         return True
+
+    def _chunk_batch(self, chunks: list[tuple[list[int], int]]) -> PrefillBatch:
+        """The prompt tokens of a mixed iteration: whole prompts as their choices feed them
+        (``sim.choices``); a part of a prompt (chunked) as one sequence attending to what it has
+        prefilled, scoring its share of the prompt's scored positions."""
+        r, fed = self.req, self.kv.prefill_tokens
+        if all(item[1] == 0 and c == fed(item[0]) for item, c in chunks):
+            return prefill_batch(r, [item[0] for item, _ in chunks], self.kv.shared)
+        tokens = sum(c for _, c in chunks)
+        sum_sq = sum(c * c + 2.0 * c * item[1] for item, c in chunks)
+        scored = sum(c * r.choices[rid] * (r.inp[rid] - 1) // fed(rid) for (rid, _), c in chunks if r.scored[rid])
+        return PrefillBatch(len(chunks), tokens, sum_sq, scored)
 
     def _on_mixed_done(self, chunks: list[tuple[list[int], int]]) -> None:
         self._paused = False

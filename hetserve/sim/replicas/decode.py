@@ -21,7 +21,7 @@ class DecodeReplica(Decoding):
     def enqueue(self, rid: int, src: PrefillReplica) -> None:
         """A finished prefill routed here: admit when its KV fits, then pull the KV."""
         self.waiting.append((rid, src))
-        self.pred_sum += self.req.pred[rid]
+        self.pred_sum += self.req.pred[rid] * self.req.choices[rid]
         self._admit()
 
     def _admit(self) -> None:
@@ -32,7 +32,7 @@ class DecodeReplica(Decoding):
                 break
             self.waiting.popleft()
             kv.admit(rid)
-            self.admitted += 1
+            self.admitted += self.req.choices[rid]
             self._inbound[rid] = None
             self.env.start_kv(rid, src, self)
 
@@ -54,7 +54,7 @@ class DecodeReplica(Decoding):
         """Pre-empted requests go back to the prefill replica that prefilled them, to be recomputed
         and handed off again (the runtime's engine does the same)."""
         for rid in victims:
-            self.pred_sum -= self.req.pred[rid]
+            self.pred_sum -= self.req.pred[rid] * self.req.choices[rid]
             self.env.recompute(rid)
 
     def _not_started(self):

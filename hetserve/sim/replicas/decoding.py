@@ -30,12 +30,12 @@ class Decoding(Replica):
         self.batch = DecodeBatch(lambda b, c: on_host(step(layout, b, c, mb, self._wait / self._slow),
                                                       self._meeting(b), self._slow))
         self.max_batch = self.limits.max_batch
-        self.admitted = 0  # holding a KV reservation and not finished
+        self.admitted = 0  # sequences (a request's choices each) holding KV and not finished
         self._version = 0
         self._next: float | None = None  # time of the boundary event now scheduled
         self._paused = False  # a prefill (or mixed iteration) is running; boundaries wait for it
         self._paused_until = 0.0  # when the running prefill (mixed iteration, recompute) ends
-        self.pred_sum = 0.0  # Σ predicted output of admitted requests
+        self.pred_sum = 0.0  # Σ predicted output of admitted requests, all their choices
         self.kv = make_kv_admission(self, self.limits.paged)
         # When a list: (start, end, decode rids, prompt rids) per iteration, in order (tests compare
         # it step by step with the runtime's coordinator trace).
@@ -116,14 +116,14 @@ class Decoding(Replica):
         if r.t_join[rid] != r.t_join[rid]:  # NaN: first time (a re-join keeps it: ATGT counts the stall)
             r.t_join[rid] = self.loop.now
         g = self.kv.join(rid)
-        self.batch.add(rid, r.inp[rid] + g, r.out[rid] - g, r.inp[rid] + r.out[rid])
+        self.batch.add(rid, r.inp[rid] + g, r.out[rid] - g, r.inp[rid] + r.out[rid], r.choices[rid])
 
     def _finish_all(self, rids: list[int]) -> None:
         r = self.req
         for rid in rids:
             self.kv.finish(rid)
-            self.admitted -= 1
-            self.pred_sum -= r.pred[rid]
+            self.admitted -= r.choices[rid]
+            self.pred_sum -= r.pred[rid] * r.choices[rid]
             self.served += 1
             self.env.finished(rid)
         self.kv.after_finish()

@@ -15,15 +15,19 @@ The replica (``Decoding``) asks the strategy; the strategy keeps its own bookkee
 the replica's ``kv_used`` (the pool's occupancy in tokens, which the statistics and snapshots read).
 Every question is asked at an iteration boundary, or, while a segment of iterations runs, about
 its next boundary (``admits``).
+
+A request with n choices holds KV for each (``sim.choices``): under ``ReserveKV`` a colocated
+replica keeps the prompt's shared blocks once; under ``PagedKV`` nothing is shared (the engine's
+paged pool counts a sequence's blocks as its own), and its choices are pre-empted together.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hetserve.policies.batching import kv_reservation
 from hetserve.policies.kv_admission import (BatchBlocks, RunningKV, blocks_for, can_admit_paged, decode_growth,
                                             preemptions)
+from hetserve.sim.choices import fed_tokens, reservation, shared_tokens
 
 if TYPE_CHECKING:  # pragma: no cover
     from hetserve.sim.replicas.decoding import Decoding
@@ -36,13 +40,18 @@ class ReserveKV:
         self.rep = rep
         self.preemptions = 0
 
+    def shared(self, rid: int) -> int:
+        """Prompt tokens ``rid``'s choices share here: on the replica that prefills them (colocated);
+        a decode replica takes each choice's KV in a hand-off of its own."""
+        rep = self.rep
+        return shared_tokens(rep.req, rid, rep.limits.block_size, False) if rep.role == "colocated" else 0
+
     def need(self, rid: int) -> float:
-        """KV to reserve when admitting ``rid``: prompt + whole output (whole blocks)."""
-        r = self.rep.req
-        return kv_reservation(r.inp[rid], r.out[rid], True, self.rep.limits.block_size)
+        """KV to reserve when admitting ``rid``: prompt + whole output (whole blocks), each choice's."""
+        return reservation(self.rep.req, rid, True, self.rep.limits.block_size, self.shared(rid))
 
     def prefill_tokens(self, rid: int) -> int:
-        return self.rep.req.inp[rid]
+        return fed_tokens(self.rep.req, rid, self.shared(rid))
 
     def made(self, rid: int) -> int:
         return 0
@@ -118,9 +127,20 @@ class PagedKV:
         rep.kv_add(self._used(j) * self.bs - rep.kv_used)
 
     # ------------------------------------------------------------------ admission
-    def prefill_tokens(self, rid: int) -> int:
-        """Tokens ``rid``'s (re-)prefill writes: its prompt and the tokens it made before a pre-emption."""
+    def shared(self, rid: int) -> int:
+        return 0
+
+    def _cached(self, rid: int) -> int:
+        """Tokens each choice of ``rid`` caches by its (re-)prefill: its prompt and the tokens it made
+        before a pre-emption."""
         return self.rep.req.inp[rid] + self.rep.req.made[rid]
+
+    def _prefill_blocks(self, rid: int) -> int:
+        return self.rep.req.choices[rid] * blocks_for(self._cached(rid), self.bs)
+
+    def prefill_tokens(self, rid: int) -> int:
+        """Tokens ``rid``'s (re-)prefill writes, all its choices'."""
+        return self.rep.req.choices[rid] * self._cached(rid)
 
     def made(self, rid: int) -> int:
         return self.rep.req.made[rid]
@@ -128,33 +148,32 @@ class PagedKV:
     def admits(self, rid: int, whole_segment: bool = False) -> bool:
         if self.preempted_now:
             return False
-        need = blocks_for(self.prefill_tokens(rid), self.bs)
+        need = self._prefill_blocks(rid)
         return can_admit_paged(self._free_for_admission(whole_segment), self.total, need)
 
     def admit(self, rid: int) -> None:
-        self.held += blocks_for(self.prefill_tokens(rid), self.bs)
+        self.held += self._prefill_blocks(rid)
         self.sync()
 
     def join(self, rid: int) -> int:
-        n = self.prefill_tokens(rid)
-        self.held -= blocks_for(n, self.bs)
-        self.off[rid] = n - self.rep.batch.iteration
-        self.blocks.add(self.off[rid])
+        self.held -= self._prefill_blocks(rid)
+        self.off[rid] = self._cached(rid) - self.rep.batch.iteration
+        self.blocks.add(self.off[rid], self.rep.req.choices[rid])
         return self.rep.req.made[rid] + 1  # its prefill sampled one more
 
     def finish(self, rid: int) -> None:
         if rid in self.off:
-            self.blocks.remove(self.off.pop(rid))
+            self.blocks.add(self.off.pop(rid), -self.rep.req.choices[rid])
 
     def after_finish(self) -> None:
         self.sync()
 
     def never_joins(self, rid: int) -> None:
-        self.held -= blocks_for(self.prefill_tokens(rid), self.bs)  # its prompt's KV goes now
+        self.held -= self._prefill_blocks(rid)  # its prompt's KV goes now
 
     def drop_prefilling(self, rid: int) -> None:
         """An admitted prompt not yet prefilled is pre-empted: its blocks go."""
-        self.held -= blocks_for(self.prefill_tokens(rid), self.bs)
+        self.held -= self._prefill_blocks(rid)
 
     def at_boundary(self, j: int) -> None:
         """The pool is fullest just before the finishing requests leave."""
@@ -171,18 +190,20 @@ class PagedKV:
         if self.blocks.growth(b.iteration) <= free:
             self.preempted_now = False
             return []  # the next iteration fits (O(B), the common case)
-        cached = {rid: o + b.iteration for rid, o in self.off.items()}
-        running = [RunningKV(rid, blocks_for(c, self.bs), decode_growth(c, self.bs)) for rid, c in cached.items()]
-        running += [RunningKV(rid, blocks_for(self.prefill_tokens(rid), self.bs), 0) for rid in prefilling]
+        cached = {rid: o + b.iteration for rid, o in self.off.items()}  # per choice
+        n = r.choices
+        running = [RunningKV(rid, n[rid] * blocks_for(c, self.bs), n[rid] * decode_growth(c, self.bs))
+                   for rid, c in cached.items()]
+        running += [RunningKV(rid, self._prefill_blocks(rid), 0) for rid in prefilling]
         victims = preemptions(running, free)
         self.preempted_now = bool(victims)
         for rid in victims:
             if rid not in cached:
                 continue
             c = cached[rid]
-            self.blocks.remove(self.off.pop(rid))
-            b.remove(rid, c + 1)  # the batch counts its sampled, not yet cached, token too
-            rep.admitted -= 1
+            self.blocks.add(self.off.pop(rid), -n[rid])
+            b.remove(rid, n[rid] * (c + 1))  # the batch counts its sampled, not yet cached, token too
+            rep.admitted -= n[rid]
             r.made[rid] = c - r.inp[rid] + 1
         self.preemptions += len(victims)
         if victims:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections import deque
 
-from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import ReplicaState, RunningRequest
-from hetserve.policies.batching import StepBuilder, kv_reservation
+from hetserve.policies.batching import StepBuilder
 from hetserve.policies.kv_admission import requeue
+from hetserve.sim.choices import fed_tokens, prefill_batch, reservation, shared_tokens
 from hetserve.sim.events import Priority
 from hetserve.sim.hosts import on_host
 from hetserve.sim.replicas.base import LazyRequests, Replica
@@ -35,7 +35,7 @@ class PrefillReplica(Replica):
 
     def place(self, rid: int) -> None:
         self.queue.append(rid)
-        self.queued_tokens += self.req.inp[rid]
+        self.queued_tokens += self._tokens(rid)
         self._kick()
 
     def requeue(self, rid: int) -> None:
@@ -45,13 +45,17 @@ class PrefillReplica(Replica):
         self.queued_tokens += self._tokens(rid)
         self._kick()
 
+    def _shared(self, rid: int) -> int:
+        return shared_tokens(self.req, rid, self.limits.block_size, self.limits.paged)
+
     def _tokens(self, rid: int) -> int:
-        """Tokens ``rid``'s prefill feeds: its prompt, and what it had made if it is a recompute."""
-        return self.req.inp[rid] + self.req.made[rid]
+        """Tokens ``rid``'s prefill feeds: its prompt, and what it had made if it is a recompute, for
+        each of its choices (``sim.choices``)."""
+        return fed_tokens(self.req, rid, self._shared(rid))
 
     def reservation(self, rid: int) -> int:
-        """KV held for ``rid``'s prefill (whole blocks)."""
-        return kv_reservation(self._tokens(rid), 0, False, self.limits.block_size)
+        """KV held for ``rid``'s prefill (whole blocks, its choices' together)."""
+        return reservation(self.req, rid, False, self.limits.block_size, self._shared(rid))
 
     def release(self, rid: int) -> None:
         """The decode side has pulled ``rid``'s KV (or it needed none): free it."""
@@ -100,7 +104,7 @@ class PrefillReplica(Replica):
         self.running += len(rids)
         self.running_tokens += tokens
         self.kv_add(held)
-        batch = PrefillBatch.of(lengths)
+        batch = prefill_batch(self.req, rids, self._shared)
         slow = self.env.slowdown(self)
         t = now + self.env.dispatch_wait(self, decodes=False)  # the step waits for the front end to send it
         stages = self.layout.stages

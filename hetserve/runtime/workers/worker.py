@@ -22,6 +22,7 @@ Sent to the coordinator: ``ready`` (after loading), ``result`` (last leader), ``
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -31,16 +32,17 @@ from typing import Any
 
 import torch
 
-from hetserve.runtime.workers.kv_pool import KVPool, slots_of
 from hetserve.runtime.layout import KVTransfer, ReplicaSpec, WorkerSpec, kv_transfers
-from hetserve.runtime.model.attention import build_attn_meta
 from hetserve.runtime.model.config import ArchConfig
 from hetserve.runtime.model.loader import build_stage
+from hetserve.runtime.model.runner import StepRunner
 from hetserve.runtime.sampling import sample, token_logprobs, wants_logprobs
-from hetserve.runtime.workers.transport import Priority, SocketTransport
 from hetserve.runtime.workers.auth import LinkSecurity
+from hetserve.runtime.workers.kv_pool import KVPool, slots_of
+from hetserve.runtime.workers.transport import Priority, SocketTransport
 from hetserve.runtime.workers.wire import Message, pack_data, unpack_data
 
+log = logging.getLogger(__name__)
 ENGINE = "engine"  # the coordinator's endpoint name
 HEARTBEAT_S = 20.0  # an idle leader pings its TP group this often, well inside the group timeout
 GROUP_TIMEOUT_S = 300.0
@@ -63,6 +65,8 @@ class WorkerConfig:
     heartbeat_s: float = 0.5  # how often this worker tells the coordinator it is alive (0: never)
     host: str = "127.0.0.1"  # the address this worker binds and advertises: its node's (rendezvous.py)
     threads: int = 1  # torch intra-op threads of this worker process (the engine divides a host's cores)
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs (on CUDA, where the stage's collectives allow)
+    max_graph_batch: int = 256  # the largest decode batch the step runner pads and captures
 
 
 def worker_main(cfg: WorkerConfig) -> None:
@@ -128,6 +132,7 @@ class Worker:
         self.pool = KVPool(spec.layers[1] - spec.layers[0], cfg.num_slots, spec.kv_heads[1] - spec.kv_heads[0],
                            self.arch.head_dim, self.dtype, self.device)
         self.kv_layers = self.pool.layers()
+        self.runner = self._make_runner()
         # hand-off pieces this worker sends, per destination replica, and how many each receiver expects
         self.layout = cfg.layout
         self.sends = self._plan_sends()
@@ -136,6 +141,17 @@ class Worker:
         transport.on_message = self._on_message  # KV and peers are handled on the receiving thread
         transport.send(ENGINE, Message("ready", {"worker": spec.name, "address": transport.address,
                                                  "pid": os.getpid()}))
+
+    def _make_runner(self) -> StepRunner:
+        cfg = self.cfg
+        # a captured all-reduce needs NCCL: a gloo TP group (CPU, or ranks sharing a GPU) runs eagerly
+        graphs = cfg.cuda_graphs and not (self.tp and cfg.backend != "nccl")
+        if cfg.cuda_graphs and self.device.type == "cuda" and not graphs:
+            log.warning("%s: CUDA graphs off, the TP group's %s all-reduce cannot be captured",
+                        self.spec.name, cfg.backend)
+        max_blocks = min(cfg.num_slots // cfg.block_size, -(-self.arch.max_positions // cfg.block_size))
+        return StepRunner(self.model, self.kv_layers, cfg.block_size, self.arch.hidden_size, self.dtype,
+                          self.device, max_batch=cfg.max_graph_batch, max_blocks=max(1, max_blocks), graphs=graphs)
 
     def _replica(self, rid: str) -> ReplicaSpec:
         return next(r for r in self.layout if r.id == rid)
@@ -222,25 +238,24 @@ class Worker:
     def _compute(self, meta: dict, received: torch.Tensor | None, began: tuple[float, float]) -> None:
         spec = self.spec
         seqs = meta["seqs"]
-        am = build_attn_meta([s[1] for s in seqs], [s[2] for s in seqs], [s[3] for s in seqs],
-                             self.cfg.block_size, self.device)
-        T = int(am.positions.shape[0])
+        step = self.runner.prepare([s[1] for s in seqs], [s[2] for s in seqs], [s[3] for s in seqs])
+        am, T = step.meta, step.num_tokens
         if spec.is_leader:
             if spec.is_first:
-                h = self.model.embed(received.to(self.device), am.positions)  # (T, H)
+                h = self.model.embed(_to(received, self.device), am.positions[:T])  # (T, H)
             else:
-                h = received.to(device=self.device, dtype=self.dtype)  # (T, H)
+                h = _to(received, self.device).to(self.dtype)  # (T, H)
         else:
             h = torch.empty(T, self.arch.hidden_size, dtype=self.dtype, device=self.device)
         if self.tp:
             import torch.distributed as dist
 
             dist.broadcast(h, src=0)
-        h = self.model(h, self.kv_layers, am)
+        h = self.runner.run(step, h)
         if not spec.is_leader:
             return
         if spec.is_last:
-            logits = self.model.logits(h[am.last_token])  # (B, V)
+            logits = self.model.logits(h[am.last_token[:len(seqs)]])  # (B, V)
             extras = [s[5] if len(s) > 5 else None for s in seqs]
             keys = [s[4] for s in seqs]
             tokens = sample(logits, keys, [e.get("history") if e else None for e in extras])
@@ -248,23 +263,23 @@ class Worker:
             k = wants_logprobs(keys)
             if k >= 0:  # every row gets the widest k; the coordinator keeps each request's own
                 out["lp"], out["top_ids"], out["top_lps"] = token_logprobs(logits, tokens, k)
-            out.update(self._prompt_logprobs(h, am, seqs, extras))
+            out.update(self._prompt_logprobs(h, seqs, extras))
             self.transport.send(ENGINE, Message("result", {"step": meta["step"], **_spent(meta, began)}, out))
         else:
             meta.update(_spent(meta, began))  # the next stage adds its own
             self.transport.send(spec.next_leader, Message("step", meta, {"hidden": h}), Priority(meta["priority"]))
 
-    def _prompt_logprobs(self, h: torch.Tensor, am, seqs: list, extras: list) -> dict[str, torch.Tensor]:
+    def _prompt_logprobs(self, h: torch.Tensor, seqs: list, extras: list) -> dict[str, torch.Tensor]:
         """Logprobs of the prompt tokens this step fed, for the sequences that ask (``targets``): the
         rows of each one's positions, in ``seqs`` order, concatenated. Only these rows go through the
         LM head, so a step that asks for none pays nothing."""
-        rows, targets, k = [], [], 0
-        for b, (s, e) in enumerate(zip(seqs, extras)):
+        rows, targets, k, first = [], [], 0, 0
+        for s, e in zip(seqs, extras):
             if e and e.get("targets"):
-                first = int(am.last_token[b]) - s[2] + 1  # this sequence's first row in the step
                 rows.extend(range(first, first + len(e["targets"])))
                 targets.extend(e["targets"])
                 k = max(k, int(e.get("k", 0)))
+            first += s[2]  # the next sequence's first row in the step
         if not rows:
             return {}
         logits = self.model.logits(h[torch.tensor(rows, device=h.device)])  # (N, V)
@@ -282,6 +297,13 @@ class Worker:
                 meta = {"seq": seq, "layers": piece.layers, "heads": piece.heads, "table": dst_table,
                         "num_tokens": num_tokens, "expect": expect}
                 self.transport.send(piece.dst, Message("kv", meta, {"kv": kv}), Priority.KV)
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A received host tensor on ``device``; to a GPU from pinned memory, without blocking the host."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _broadcast_header(kind: str = "", meta: dict | None = None) -> tuple[str, dict]:

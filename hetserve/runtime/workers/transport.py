@@ -137,10 +137,15 @@ class Transport:
         self.closed = False
         # optional hook run on the receiving thread; returning True consumes the message (no inbox hop)
         self.on_message: Callable[[Message], bool] | None = None
+        # optional hook run first, on the receiving thread: the messages to deliver now, in order. A
+        # device channel (device_channel.py) fills in tensors that travelled beside the socket and
+        # consumes its own acknowledgements.
+        self.receive_hook: Callable[[Message], list[Message]] | None = None
 
     def _deliver(self, msg: Message) -> None:
-        if self.on_message is None or not self.on_message(msg):
-            self._inbox.put(msg)
+        for m in (self.receive_hook(msg) if self.receive_hook is not None else (msg,)):
+            if self.on_message is None or not self.on_message(m):
+                self._inbox.put(m)
 
     @property
     def address(self) -> Any:

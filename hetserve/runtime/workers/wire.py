@@ -40,7 +40,8 @@ from hetserve.runtime.layout import ReplicaSpec, WorkerSpec
 
 # the message kinds that cross a socket; everything else is refused
 KINDS = frozenset({"step", "kv", "peers", "shutdown",  # engine/peer -> worker
-                   "ready", "result", "kv_ready", "peers_ack", "heartbeat", "error"})  # worker -> engine
+                   "ready", "result", "kv_ready", "peers_ack", "heartbeat", "error",  # worker -> engine
+                   "channel_ack"})  # worker -> worker: a device channel's transfer arrived (device_channel.py)
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in (
     "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")}
 MAX_HEADER_BYTES = 16 << 20  # a step's block tables for hundreds of sequences stay far below
@@ -159,11 +160,12 @@ def _check_header(header: Any) -> tuple[str, str, dict, list]:
     if not isinstance(specs, list):
         raise MalformedMessage("tensors must be a list")
     for spec in specs:
-        _check_tensor(spec)
+        check_tensor_spec(spec)
     return kind, src, meta, specs
 
 
-def _check_tensor(spec: Any) -> None:
+def check_tensor_spec(spec: Any) -> None:
+    """``[name, dtype, shape, nbytes]`` as ``encode`` writes it; MalformedMessage otherwise."""
     ok = (isinstance(spec, list) and len(spec) == 4 and isinstance(spec[0], str) and spec[1] in DTYPES
           and isinstance(spec[2], list) and all(type(d) is int and d >= 0 for d in spec[2])
           and type(spec[3]) is int)

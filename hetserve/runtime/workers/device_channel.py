@@ -1,0 +1,435 @@
+"""Tensors between two workers without the host round trip: the bytes go device to device, only a
+small header goes on the authenticated socket.
+
+    sender: send(peer, msg)                                  receiver: its transport's receive hook
+      header {seq, tensors[, ipc]} ── socket, CONTROL ──►   check it against what this kind of message
+      tensor bytes ─────────── the pair's group ──────►     must carry, allocate, receive (timeout)
+      holds the tensors until ◄── channel_ack {seq, ok} ──  acknowledge; deliver the message, tensors in
+
+How the bytes go (``ChannelPeer.kind``): ``gloo`` (CPU workers: the same code path in CI), ``nccl``
+(workers on distinct GPUs: point-to-point on a two-rank communicator) or ``ipc`` (two workers of one
+GPU: the receiver opens the sender's allocation by CUDA IPC and copies it on the device). Each pair
+has its own group, made from the deployment's rendezvous store, so a lost worker breaks only the
+groups it was in (a gloo or NCCL group cannot survive a lost member).
+
+Rules, and why:
+
+- Headers and acknowledgements ride the CONTROL class, FIFO per link, so headers arrive in the order
+  the bytes were sent; NCCL matches point-to-point operations in issue order, not by tag. A header
+  out of turn breaks the channel rather than risk a mismatched receive.
+- The receiver allocates only what its expectation for the message's kind says (``expect``: names,
+  dtypes, shapes from the message's own metadata and the worker's layout), within the deployment's
+  message bound; an unexpected header is refused, never allocated.
+- No transfer hangs and none is lost. Every wait has a deadline (``timeout_s``). A failed, refused or
+  timed-out transfer breaks the pair's channel; its sender resends every unacknowledged message over
+  the socket (marked ``dc_resend``) and sends later ones there too; the receiver delivers each
+  sequence number at most once. Where the peer itself is gone, the socket send fails as before and
+  the engine's recovery re-runs the requests the dead worker held.
+- Emulated links (a link scheduler or shaper: ``--shape-links``) and pairs without a common group
+  use the socket; ``stats()`` counts which path each transfer took.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from hetserve.runtime.workers.auth import DEFAULT_MAX_MESSAGE_BYTES
+from hetserve.runtime.workers.transport import Priority, Transport
+from hetserve.runtime.workers.wire import (
+    DTYPES,
+    MalformedMessage,
+    Message,
+    check_tensor_spec,
+)
+
+log = logging.getLogger("hetserve.runtime.workers.device_channel")
+CHANNEL_KINDS = ("gloo", "nccl", "ipc")
+ACK = "channel_ack"
+# torch names the shared-memory file of a CUDA IPC reference counter /torch_<pid>_<random>_<n>
+_REFCOUNT_FILE = re.compile(rb"/torch_[0-9A-Za-z_]{1,60}")
+Expectation = Callable[[dict], dict[str, tuple[torch.dtype, tuple[int, ...]]]]
+
+
+class ChannelError(ConnectionError):
+    """A transfer on a device channel that failed, timed out or was refused."""
+
+
+@dataclass(frozen=True)
+class ChannelPeer:
+    """One end of a pair's channel, as the engine hands it to a worker."""
+
+    peer: str  # the other worker's endpoint name
+    kind: str  # one of CHANNEL_KINDS
+    group: str  # the pair's key prefix in the rendezvous store (unused by ipc)
+    rank: int  # this worker's rank in the pair's group: 0 for the lower name
+
+
+@dataclass
+class _Pending:
+    msg: Message  # as the caller sent it, tensors included, for a resend
+    priority: Priority
+    deadline: float
+    works: list = field(default_factory=list)  # keep the sends (and their tensors) alive
+
+
+@dataclass
+class _Link:
+    spec: ChannelPeer
+    group: object = None  # the pair's ProcessGroup (gloo, nccl); None for ipc
+    broken: str = ""  # why the channel stopped; "" while it works
+    next_out: int = 0  # next sequence number sent
+    next_in: int = 0  # next sequence number expected
+    pending: dict[int, _Pending] = field(default_factory=dict)
+    awaiting: set[int] = field(default_factory=set)  # refused or failed here: delivered when resent
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    ready: threading.Event = field(default_factory=threading.Event)  # set once the group is joined
+
+
+def channel_pairs(layout, tag: str = "0", shaped: bool = False) -> dict[str, tuple[ChannelPeer, ...]]:
+    """Per worker, the channels it shares: each stage leader with the next one, and each prefill worker
+    with the decode workers it hands KV pieces to. None when links are emulated (``shaped``).
+
+    ``tag`` keeps the store keys of one start-up round apart from another's (an elastic re-plan may
+    reuse worker names). Pairs of a CPU and a GPU, or of GPUs on different machines, use the socket.
+    """
+    from hetserve.runtime.layout import kv_transfers
+
+    if shaped:
+        return {}
+    pairs: set[tuple[str, str]] = set()
+    for r in layout:
+        pairs.update((a[0].name, b[0].name) for a, b in zip(r.stages, r.stages[1:]))
+    for src in layout:
+        for dst in layout:
+            if src.role == "prefill" and dst.serves_decode:
+                pairs.update((p.src, p.dst) for p in kv_transfers(src, dst))
+    devices = {w.name: w.device for r in layout for w in r.workers}
+    out: dict[str, list[ChannelPeer]] = collections.defaultdict(list)
+    for a, b in sorted(tuple(sorted(p)) for p in pairs):
+        kind = _kind(a, devices[a], b, devices[b])
+        if kind:
+            group = f"channel/{tag}/{a}|{b}"
+            out[a].append(ChannelPeer(b, kind, group, 0))
+            out[b].append(ChannelPeer(a, kind, group, 1))
+    return {name: tuple(peers) for name, peers in out.items()}
+
+
+def _kind(a: str, dev_a: str, b: str, dev_b: str) -> str:
+    if dev_a == "cpu" and dev_b == "cpu":
+        return "gloo"
+    if dev_a.startswith("cuda") and dev_b.startswith("cuda"):
+        if a.rpartition(":")[0] != b.rpartition(":")[0]:
+            return "nccl"  # GPUs of different machines: NCCL over the network
+        return "ipc" if dev_a == dev_b else "nccl"
+    return ""
+
+
+class DeviceChannel:
+    """The device channels of one worker, beside its socket transport (see the module docstring)."""
+
+    def __init__(self, transport: Transport, peers: tuple[ChannelPeer, ...], device: torch.device | str,
+                 timeout_s: float = 30.0, max_bytes: int | None = None, min_bytes: int = 0):
+        self.transport = transport
+        self.device = torch.device(device)
+        self.timeout_s = timeout_s
+        security = getattr(transport, "security", None)
+        self.max_bytes = max_bytes or getattr(security, "max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
+        self.min_bytes = min_bytes  # smaller messages go on the socket: one message instead of two
+        self.links = {p.peer: _Link(p) for p in peers}
+        for link in self.links.values():
+            if link.spec.kind == "ipc":
+                link.ready.set()
+        self.expect: dict[str, Expectation] = {}  # message kind -> what its tensors must be
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._counts_lock = threading.Lock()
+        self._closed = False
+        transport.receive_hook = self._on_receive
+
+    # ------------------------------------------------------------------ set-up
+    def connect(self, store_address: tuple[str, int] | None, host: str) -> None:
+        """Join every pair's group, in one global order (pairs sorted by name) so that no two workers
+        wait on each other's second group; then start the deadline watch."""
+        import torch.distributed as dist
+
+        store = None
+        for link in sorted(self.links.values(), key=lambda l: l.spec.group):
+            if link.spec.kind == "ipc":
+                continue
+            if store is None:
+                store = dist.TCPStore(store_address[0], store_address[1], is_master=False,
+                                      timeout=timedelta(seconds=max(self.timeout_s, 60.0)))
+            link.group = _pair_group(link.spec, dist.PrefixStore(link.spec.group, store), host,
+                                     self.device, self.timeout_s)
+            link.ready.set()
+        threading.Thread(target=self._watch, name=f"{self.transport.name}-channel", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        for link in self.links.values():
+            link.group = None
+
+    def stats(self) -> dict[str, int]:
+        """Transfers and bytes sent by path (``channel_*``, ``socket_*``) and received by the channel
+        (``channel_in_*``); transfers ``resent`` by socket, headers ``refused``, channels ``failed``."""
+        with self._counts_lock:
+            return dict(self.counts)
+
+    # ------------------------------------------------------------------ sending
+    def send(self, peer: str, msg: Message, priority: Priority = Priority.CONTROL) -> str:
+        """Send ``msg``: its tensors by the pair's channel where there is one that works, else by the
+        socket. Returns the path taken."""
+        link = self.links.get(peer)
+        nbytes = sum(t.numel() * t.element_size() for t in msg.tensors.values())
+        if link is None or link.broken or not msg.tensors or nbytes < self.min_bytes:
+            self._count("socket", nbytes)
+            self.transport.send(peer, msg, priority)
+            return "socket"
+        tensors = {n: t.detach().contiguous() for n, t in msg.tensors.items()}
+        specs = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size()]
+                 for n, t in tensors.items()]
+        with link.lock:
+            seq = link.next_out
+            link.next_out += 1
+            header = {"seq": seq, "tensors": specs}
+            if link.spec.kind == "ipc":
+                header["ipc"] = [_share_cuda(t) for t in tensors.values()]
+            meta = {k: v for k, v in msg.meta.items() if k not in ("dc", "dc_resend")}
+            pending = _Pending(Message(msg.kind, meta, msg.tensors), priority, time.monotonic() + self.timeout_s)
+            link.pending[seq] = pending
+            self.transport.send(peer, Message(msg.kind, {**meta, "dc": header}), Priority.CONTROL)
+            try:
+                if link.spec.kind == "ipc":
+                    pending.works = list(tensors.values())
+                else:
+                    pending.works = [_isend(link, t, seq) for t in tensors.values()]
+                failed = None
+            except RuntimeError as exc:  # the pair's group is gone (its peer died)
+                failed = exc
+        if failed is not None:
+            with link.lock:
+                link.pending.pop(seq, None)
+            self._break(link, f"send failed: {failed}", resend=[(seq, pending)])
+            return "socket"
+        self._count("channel", nbytes)
+        return "channel"
+
+    def _on_ack(self, src: str, meta: dict) -> None:
+        link = self.links.get(src)
+        if link is None:
+            return
+        with link.lock:
+            pending = link.pending.pop(meta.get("seq"), None)
+        if pending is not None and not meta.get("ok"):
+            self._break(link, f"the receiver could not take transfer {meta.get('seq')}: {meta.get('error')}",
+                        resend=[(meta.get("seq"), pending)])
+
+    def _watch(self) -> None:
+        """Resend over the socket what a peer did not acknowledge in time."""
+        while not self._closed:
+            time.sleep(0.05)
+            now = time.monotonic()
+            for link in self.links.values():
+                with link.lock:
+                    late = sorted(s for s, p in link.pending.items() if p.deadline < now)
+                    overdue = [(s, link.pending.pop(s)) for s in late]
+                if overdue:
+                    self._break(link, f"no acknowledgement within {self.timeout_s:.1f} s", resend=overdue)
+
+    def _break(self, link: _Link, why: str, resend: list[tuple[int, _Pending]]) -> None:
+        """Stop using the pair's channel; send what it did not deliver, and everything after, by socket."""
+        with link.lock:
+            first = not link.broken
+            link.broken = link.broken or why
+            rest = sorted(link.pending.items())
+            link.pending.clear()
+        if first:
+            log.warning("%s: channel to %s broken (%s); the socket carries its transfers", self.transport.name,
+                        link.spec.peer, why)
+            self._bump("failed")
+        for seq, p in sorted(resend + rest, key=lambda item: item[0]):
+            self._bump("resent")
+            try:
+                self.transport.send(link.spec.peer, Message(p.msg.kind, {**p.msg.meta, "dc_resend": seq},
+                                                            p.msg.tensors), Priority.CONTROL)
+            except ConnectionError:
+                return  # this endpoint is closing; the engine re-runs what was in flight
+
+    # ------------------------------------------------------------------ receiving
+    def _on_receive(self, msg: Message) -> list[Message]:
+        if msg.kind == ACK:
+            self._on_ack(msg.src, msg.meta)
+            return []
+        if "dc_resend" in msg.meta:
+            return self._on_resend(msg)
+        header = msg.meta.pop("dc", None)
+        if header is None:
+            return [msg]
+        link = self.links.get(msg.src)
+        if link is None:
+            log.warning("%s: a channel header from %s, which shares no channel with it", self.transport.name,
+                        msg.src)
+            return []
+        seq = header.get("seq") if isinstance(header, dict) else None
+        try:
+            with link.lock:
+                if link.broken:
+                    raise ChannelError(f"channel broken: {link.broken}")
+                if seq != link.next_in:
+                    raise ChannelError(f"transfer {seq!r} out of turn (expected {link.next_in})")
+                link.next_in += 1
+            msg.tensors = self._receive(link, header, self._expected(msg))
+        except Exception as exc:  # noqa: BLE001 - a receive that fails must not end the reading thread
+            # RuntimeError: what torch.distributed raises for a lost peer or a timeout
+            self._bump("refused" if isinstance(exc, (MalformedMessage, ValueError)) else "failed")
+            with link.lock:
+                link.broken = link.broken or str(exc)
+                if isinstance(seq, int):
+                    link.awaiting.add(seq)
+            self._ack(msg.src, seq, False, str(exc))
+            return []
+        self._ack(msg.src, seq, True)
+        return [msg]
+
+    def _on_resend(self, msg: Message) -> list[Message]:
+        """A transfer the sender gave up on the channel: delivered unless the channel already did."""
+        seq = msg.meta.pop("dc_resend")
+        link = self.links.get(msg.src)
+        if link is None:
+            return [msg]
+        with link.lock:
+            if seq in link.awaiting:
+                link.awaiting.discard(seq)
+            elif isinstance(seq, int) and seq >= link.next_in:
+                link.next_in = seq + 1  # its header never came: nothing on the channel to wait for
+            else:
+                return []  # delivered by the channel already
+        return [msg]
+
+    def _expected(self, msg: Message) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        rule = self.expect.get(msg.kind)
+        if rule is None:
+            raise MalformedMessage(f"no tensors expected on a {msg.kind!r} message")
+        return rule(msg.meta)
+
+    def _receive(self, link: _Link, header: dict, expected: dict) -> dict[str, torch.Tensor]:
+        specs = header.get("tensors")
+        if not isinstance(specs, list):
+            raise MalformedMessage("a channel header without a tensor list")
+        for spec in specs:
+            check_tensor_spec(spec)
+        got = {s[0]: (DTYPES[s[1]], tuple(s[2])) for s in specs}
+        want = {n: (dt, tuple(shape)) for n, (dt, shape) in expected.items()}
+        if got != want:
+            raise MalformedMessage(f"tensors {_say(got)} where {_say(want)} were expected")
+        total = sum(s[3] for s in specs)
+        if total > self.max_bytes:
+            raise MalformedMessage(f"{total} bytes (this deployment's bound: {self.max_bytes})")
+        if not link.ready.wait(self.timeout_s):  # the peer sent before this end finished joining the group
+            raise ChannelError(f"the channel's group was not joined within {self.timeout_s:.1f} s")
+        if link.spec.kind == "ipc":
+            out = _open_ipc(header.get("ipc"), specs, self.device)
+        else:
+            out = {}
+            for name, (dtype, shape) in got.items():
+                buf = torch.empty(shape, dtype=dtype, device=_wire_device(link, self.device))
+                _wait(link.group.recv([buf], 1 - link.spec.rank, _tag(header["seq"])), self.timeout_s)
+                out[name] = buf
+        self._count("channel_in", total)
+        return out
+
+    def _ack(self, peer: str, seq, ok: bool, error: str = "") -> None:
+        try:
+            self.transport.send(peer, Message(ACK, {"seq": seq, "ok": ok, "error": error[:500]}), Priority.CONTROL)
+        except ConnectionError:
+            pass
+
+    def _count(self, path: str, nbytes: int) -> None:
+        self._bump(f"{path}_transfers")
+        self._bump(f"{path}_bytes", nbytes)
+
+    def _bump(self, key: str, n: int = 1) -> None:
+        with self._counts_lock:
+            self.counts[key] += n
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+def _pair_group(spec: ChannelPeer, store, host: str, device: torch.device, timeout_s: float):
+    """The pair's two-rank group, connected (NCCL's communicator made by a first one-element transfer)."""
+    from torch.distributed import ProcessGroupGloo
+
+    timeout = timedelta(seconds=timeout_s)
+    if spec.kind == "gloo":
+        opts = ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+        return ProcessGroupGloo(store, spec.rank, 2, opts)
+    from torch.distributed import ProcessGroupNCCL
+
+    opts = ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    group = ProcessGroupNCCL(store, spec.rank, 2, opts)
+    probe = torch.zeros(1, device=device)
+    op = group.send if spec.rank == 0 else group.recv
+    _wait(op([probe], 1 - spec.rank, 0), timeout_s)
+    return group
+
+
+def _wire_device(link: _Link, device: torch.device) -> torch.device:
+    return torch.device("cpu") if link.spec.kind == "gloo" else device
+
+
+def _isend(link: _Link, t: torch.Tensor, seq: int):
+    if link.spec.kind == "gloo" and t.device.type != "cpu":
+        t = t.cpu()  # gloo moves host memory
+    return link.group.send([t], 1 - link.spec.rank, _tag(seq))
+
+
+def _tag(seq: int) -> int:
+    return seq % (1 << 31)
+
+
+def _wait(work, timeout_s: float) -> None:
+    if not work.wait(timedelta(seconds=timeout_s)):
+        raise ChannelError(f"no transfer within {timeout_s:.1f} s")
+
+
+def _share_cuda(t: torch.Tensor) -> list:
+    """The plain fields by which another process of this GPU opens ``t`` (CUDA IPC), no pickling."""
+    fields = list(t.untyped_storage()._share_cuda_())
+    return fields + [t.storage_offset()]
+
+
+def _open_ipc(handles, specs: list, device: torch.device) -> dict[str, torch.Tensor]:
+    """Copies, in this process's memory, of the sender's tensors named by CUDA IPC handles."""
+    if not isinstance(handles, list) or len(handles) != len(specs):
+        raise MalformedMessage("a CUDA IPC header must name one allocation per tensor")
+    out = {}
+    with torch.cuda.device(device):
+        for h, (name, dtype, shape, nbytes) in zip(handles, specs):
+            ok = (isinstance(h, list) and len(h) == 9 and h[0] == device.index and isinstance(h[1], bytes)
+                  and all(type(v) is int and v >= 0 for v in (h[2], h[3], h[5], h[8]))
+                  and isinstance(h[4], bytes) and _REFCOUNT_FILE.fullmatch(h[4]) is not None
+                  and isinstance(h[6], bytes) and isinstance(h[7], bool))
+            itemsize = DTYPES[dtype].itemsize
+            if not ok or h[8] * itemsize + nbytes > h[2]:
+                raise MalformedMessage(f"CUDA IPC handle of {name!r} is not one this runtime writes")
+            storage = torch.UntypedStorage._new_shared_cuda(*h[:8])
+            view = torch.empty(0, dtype=DTYPES[dtype], device=device).set_(storage, h[8], shape)
+            out[name] = view.clone()  # a device copy; the sender's memory is released with ``storage``
+        torch.cuda.current_stream(device).synchronize()
+    return out
+
+
+def _say(tensors: dict) -> str:
+    return ", ".join(f"{n} {str(dt).removeprefix('torch.')}{list(s)}" for n, (dt, s) in sorted(tensors.items())) or "none"

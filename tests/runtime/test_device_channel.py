@@ -1,0 +1,235 @@
+"""The device channel between workers (``runtime/workers/device_channel.py``) on CPU, over gloo.
+
+Two processes move activations and KV pieces through a pair's group and get bit-identical tensors;
+a header that disagrees with what the receiver expects is refused before anything is allocated and
+the message arrives once, by socket; a peer killed mid-transfer makes the receiver give up within
+the channel's timeout; a transfer never acknowledged goes by socket; which pairs get which channel.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from hetserve.runtime.workers.auth import LinkSecurity
+from hetserve.runtime.workers.device_channel import (
+    ACK,
+    ChannelPeer,
+    DeviceChannel,
+    channel_pairs,
+)
+from hetserve.runtime.workers.rendezvous import BoundStore
+from hetserve.runtime.workers.transport import InProcHub, Priority, SocketTransport
+from hetserve.runtime.workers.wire import Message
+from tests.runtime import channel_peer
+from tests.runtime.channel_peer import GROUP, HIDDEN, expectations, payloads
+
+SECRET = b"c" * 32
+TIMEOUT_S = 3.0
+
+
+class Pair:
+    """This process as worker "b", the other end ("a", ``channel_peer.peer_main``) in a child process."""
+
+    def __init__(self, scenario: str, timeout_s: float = TIMEOUT_S):
+        self.store = BoundStore("127.0.0.1")
+        self.transport = SocketTransport("b", LinkSecurity(SECRET))
+        self.channel = DeviceChannel(self.transport, (ChannelPeer("a", "gloo", GROUP, 1),), "cpu",
+                                     timeout_s=timeout_s)
+        self.channel.expect.update(expectations())
+        ctx = mp.get_context("spawn")
+        self.proc = ctx.Process(target=channel_peer.peer_main, daemon=True,
+                                args=(SECRET, self.store.address, self.transport.address, scenario, timeout_s))
+        self.proc.start()
+        ready = self.transport.recv(timeout=60)
+        assert ready is not None and ready.kind == "ready", ready
+        self.transport.set_address("a", tuple(ready.meta["address"]))
+        self.channel.connect(self.store.address, "127.0.0.1")
+
+    def close(self) -> None:
+        self.channel.close()
+        self.transport.close()
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(10)
+        self.store.close()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_gloo_channel_moves_activations_and_kv_bit_identical_and_a_refused_header_goes_by_socket():
+    pair = Pair("payloads")
+    try:
+        sent = payloads()
+        got = [pair.transport.recv(timeout=30) for _ in range(len(sent) + 2)]
+        assert all(m is not None for m in got), got
+        for (kind, meta, tensors, _), m in zip(sent, got):
+            assert m.kind == kind and m.meta == {k: list(v) if isinstance(v, tuple) else v for k, v in meta.items()}
+            assert set(m.tensors) == set(tensors) and all(_same_bits(m.tensors[n], t) for n, t in tensors.items())
+        stats = pair.channel.stats()
+        assert stats["channel_in_transfers"] == len(sent)  # every one of them came by the channel
+        # the lying header (6 rows where its metadata says 5) was refused, then the socket brought it, once
+        lie, after = got[len(sent):]
+        assert lie.meta.get("lie") and lie.tensors["hidden"].shape == (6, HIDDEN) and "dc_resend" not in lie.meta
+        assert after.meta.get("after") and torch.equal(after.tensors["hidden"], torch.zeros(2, HIDDEN))
+        assert stats["refused"] == 1 and pair.transport.recv(timeout=0.3) is None
+        pair.transport.send("a", Message("shutdown"))
+        report = pair.transport.recv(timeout=30)
+        assert report.kind == "result"
+        sender = report.meta["stats"]
+        assert sender["channel_transfers"] == len(sent) + 1 and sender["resent"] == 1
+        assert sender["socket_transfers"] == 1 and sender["failed"] == 1  # later transfers by socket
+    finally:
+        pair.close()
+
+
+def test_a_peer_killed_mid_transfer_fails_the_receive_within_the_timeout():
+    pair = Pair("header_then_die")
+    try:
+        receiving = threading.Event()
+        rule = pair.channel.expect["step"]
+        pair.channel.expect["step"] = lambda meta: (receiving.set(), rule(meta))[1]
+        assert receiving.wait(30), "the header never came"
+        os.kill(pair.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while not pair.channel.stats().get("failed") and time.monotonic() - killed < TIMEOUT_S + 10:
+            time.sleep(0.01)
+        assert pair.channel.stats().get("failed") == 1, "the receive is still waiting"
+        assert time.monotonic() - killed < TIMEOUT_S + 2.0  # within the timeout (with slack), never a hang
+        left = pair.transport.recv(timeout=0.2)  # nothing half-received is delivered (the nack finds no peer)
+        assert left is None or left.kind == "link_error", left
+        assert pair.channel.links["a"].broken
+    finally:
+        pair.close()
+
+
+# ----------------------------------------------------------------------------- in one process
+
+
+class _Work:
+    def wait(self, timeout=None):
+        return True
+
+
+class _SilentGroup:
+    """A pair's group whose sends go nowhere: the receiver never acknowledges."""
+
+    def send(self, tensors, dst, tag):
+        return _Work()
+
+
+def _endpoints(timeout_s: float = 5.0, max_bytes: int | None = None):
+    hub = InProcHub()
+    a, b = hub.endpoint("a"), hub.endpoint("b")
+    ca = DeviceChannel(a, (ChannelPeer("b", "gloo", GROUP, 0),), "cpu", timeout_s=timeout_s)
+    cb = DeviceChannel(b, (ChannelPeer("a", "gloo", GROUP, 1),), "cpu", timeout_s=timeout_s, max_bytes=max_bytes)
+    cb.expect.update(expectations())
+    return a, b, ca, cb
+
+
+@pytest.mark.parametrize("tensors", [
+    [["hidden", "float32", [6, HIDDEN], 6 * HIDDEN * 4]],  # a row more than the metadata says
+    [["hidden", "float16", [5, HIDDEN], 5 * HIDDEN * 2]],  # another dtype
+    [["hidden", "float32", [1 << 40, HIDDEN], (1 << 40) * HIDDEN * 4]],  # 2^48 bytes: nothing allocated
+    [["hidden", "float32", [5, HIDDEN], 7]],  # a byte count that does not fit the shape
+    [["hidden", "pickle", [5, HIDDEN], 0]],  # a dtype off the list
+    [],  # no tensor at all
+])
+def test_a_header_that_disagrees_with_the_expectation_is_refused_before_allocating(tensors):
+    a, b, _, cb = _endpoints()
+    acks = []
+    a.receive_hook, a.on_message = None, lambda m: acks.append(m) or True  # "a" sees the raw acknowledgements
+    a.send("b", Message("step", {"rows": 5, "dtype": "float32", "dc": {"seq": 0, "tensors": tensors}}))
+    assert b.recv(timeout=0.05) is None and cb.stats() == {"refused": 1}
+    assert [(m.kind, m.meta["seq"], m.meta["ok"]) for m in acks] == [(ACK, 0, False)]
+    assert cb.links["a"].awaiting == {0}
+    # the sender's socket resend is delivered, once
+    a.send("b", Message("step", {"rows": 5, "dtype": "float32", "dc_resend": 0}, {"hidden": torch.ones(5, HIDDEN)}))
+    a.send("b", Message("step", {"rows": 5, "dtype": "float32", "dc_resend": 0}, {"hidden": torch.ones(5, HIDDEN)}))
+    got = b.recv(timeout=0.05)
+    assert got is not None and got.meta == {"rows": 5, "dtype": "float32"} and b.recv(timeout=0.05) is None
+
+
+def test_headers_beyond_the_deployment_bound_or_of_unexpected_kinds_are_refused():
+    header = {"seq": 0, "tensors": [["hidden", "float32", [5, HIDDEN], 5 * HIDDEN * 4]]}  # 1,280 bytes
+    for msg in (Message("step", {"rows": 5, "dtype": "float32", "dc": header}),
+                Message("result", {"dc": header})):  # a kind that carries no tensors here
+        a, b, _, cb = _endpoints(max_bytes=1000)
+        a.send("b", msg)
+        assert b.recv(timeout=0.05) is None and cb.stats() == {"refused": 1}
+
+
+def test_a_transfer_never_acknowledged_goes_by_socket_and_so_do_later_ones():
+    _, b, ca, _ = _endpoints(timeout_s=0.3)
+    ca.links["b"].group = _SilentGroup()
+    threading.Thread(target=ca._watch, daemon=True).start()
+    b.receive_hook = None  # "b" plays a receiver that never answers
+    h = torch.randn(3, HIDDEN)
+    assert ca.send("b", Message("step", {"rows": 3, "dtype": "float32"}, {"hidden": h}), Priority.DECODE) == "channel"
+    header = b.recv(timeout=1)
+    assert header.meta["dc"]["seq"] == 0 and not header.tensors
+    resent = b.recv(timeout=3)  # after the timeout, the same message by socket
+    assert resent is not None and resent.meta["dc_resend"] == 0 and torch.equal(resent.tensors["hidden"], h)
+    assert ca.send("b", Message("step", {"rows": 3, "dtype": "float32"}, {"hidden": h})) == "socket"
+    stats = ca.stats()
+    assert stats["failed"] == 1 and stats["resent"] == 1 and stats["socket_transfers"] == 1
+    ca.close()
+
+
+def test_a_silent_peer_fails_the_receive_at_the_timeout():
+    # a real gloo pair in this process (two threads): rank 0 sends the header and never the bytes
+    import torch.distributed as dist
+
+    from hetserve.runtime.workers.device_channel import _pair_group
+
+    store = BoundStore("127.0.0.1")
+    client = dist.TCPStore(*store.address, is_master=False)
+    groups = {}
+
+    def join(rank):
+        groups[rank] = _pair_group(ChannelPeer("x", "gloo", GROUP, rank), dist.PrefixStore(GROUP, client),
+                                   "127.0.0.1", torch.device("cpu"), 0.5)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    a, b, _, cb = _endpoints(timeout_s=0.5)
+    cb.links["a"].group = groups[1]
+    cb.links["a"].ready.set()
+    header = {"seq": 0, "tensors": [["hidden", "float32", [4, HIDDEN], 4 * HIDDEN * 4]]}
+    began = time.monotonic()
+    a.send("b", Message("step", {"rows": 4, "dtype": "float32", "dc": header}))  # InProc: b receives it here
+    assert cb.stats() == {"failed": 1} and time.monotonic() - began < 10  # it returned: no hang
+    assert b.recv(timeout=0.05) is None and cb.links["a"].broken
+    store.close()
+
+
+def test_channel_pairs_join_neighbouring_stages_and_kv_pairs_with_the_right_kind():
+    from hetserve.runtime.layout import ReplicaSpec
+
+    def on(replica: ReplicaSpec, device) -> ReplicaSpec:
+        import dataclasses
+        stages = tuple(tuple(dataclasses.replace(w, device=device(w.name)) for w in s) for s in replica.stages)
+        return dataclasses.replace(replica, stages=stages)
+
+    layout = (channel_peer.PREFILL, channel_peer.DECODE)
+    pairs = channel_pairs(layout, tag="t")
+    # stage leaders b -> y; prefill a (KV heads 0-1), x (2-3) -> decode b (every head), y (0-1), z (2-3)
+    assert {p.peer for p in pairs["b"]} == {"a", "x", "y"} and {p.peer for p in pairs["a"]} == {"b", "y"}
+    assert all(p.kind == "gloo" and p.group.startswith("channel/t/") for ps in pairs.values() for p in ps)
+    assert {(p.peer, p.rank) for p in pairs["y"]} == {("a", 1), ("b", 1)} and pairs["z"] == pairs["z"][:1]
+    assert channel_pairs(layout, shaped=True) == {}
+    gpus = {"a": "cuda:0", "x": "cuda:1", "b": "cuda:0", "y": "cuda:1", "z": "cpu"}
+    pairs = channel_pairs((on(layout[0], gpus.get), on(layout[1], gpus.get)))
+    kinds = {(n, p.peer): p.kind for n, ps in pairs.items() for p in ps}
+    assert kinds[("a", "b")] == "ipc" and kinds[("a", "y")] == "nccl" and ("x", "z") not in kinds

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Where tensors go between two workers on a GPU: the KV hand-off (GB/s) and the pipeline hand-off
+# (ms) between two worker processes of one machine, by the authenticated socket (device -> host ->
+# loopback -> device, as before the device channel) and by the device channel (CUDA IPC where both
+# workers share a GPU, NCCL with GPUS=2), both in one run. Llama-2-7B shapes in bf16: activations of
+# 32 / 512 / 2,048 rows x 4,096, KV of 512 / 2,048 tokens x 32 layers x 32 KV heads x 128. Writes
+# $OUT/dataflow.json and $OUT/dataflow.md (the table), plus machine.txt. No network needed; about
+# 1-2 minutes on one H200 (the socket path's 1 GB hand-offs dominate).
+#   bench/gpu/dataflow.sh          on the GPU machine (GPU=, PY=, REPS=, GPUS=, DATAFLOW_S= as env.sh says)
+#   bench/gpu/dataflow.sh --cpu    the dry run: the same script and helper on CPU, tiny shapes, gloo
+# Not covered yet, because the engine cannot load it so: a 7B-shaped model served through
+# `hetserve serve` (prefill against bf16 peak, tokens/s against transformers at 32 concurrent
+# requests, start-up time). It waits for random-weight real-size models built on the GPU and for
+# the workers to send through the device channel; this script measures the channel itself.
+set -u
+cd "$(dirname "$0")/../.."
+if [ "${1:-}" = "--cpu" ]; then
+  export GPU=${GPU:-cpu} PY=${PY:-.venv/bin/python}
+  DEVICE=cpu SHAPE=tiny
+else
+  DEVICE=cuda SHAPE=7b
+fi
+. bench/gpu/env.sh
+timeout "${DATAFLOW_S:-300}" $PY -m bench.gpu.dataflow --device "$DEVICE" --shape "$SHAPE" --gpus "${GPUS:-1}" \
+  --reps "${REPS:-5}" --out "$OUT" 2>&1 | tee "$OUT/dataflow.log"
+rc=${PIPESTATUS[0]}
+echo "dataflow rc $rc" | tee -a "$OUT/machine.txt"
+exit "$rc"

@@ -21,6 +21,12 @@ its path's one-sequence row, measured and priced: the machine's speed drifts by 
 between the calibration and these rounds and moves every row alike, while the hold sets how much
 a second micro-batch adds. The last line: the error of that ratio (mean |log| over the rows of two
 micro-batches), the baseline's over the calibrated one's.
+
+Then the hand-offs themselves (``--handoff-only``: only these): between two worker processes, a
+stage's activations (the decode batches above and a prompt step) and a KV piece of one worker of
+a P/D plan (this model's layers of one stage, a prompt and a 512-token context), each by the
+authenticated socket (what the engine's workers use) and by the device channel over gloo
+(``runtime/workers/device_channel.py``), interleaved in one run (``bench/gpu/dataflow.py``).
 """
 
 from __future__ import annotations
@@ -46,9 +52,36 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds of every probe (default 6)")
     ap.add_argument("--tokens", type=int, default=32, help="tokens each sequence decodes (default 32)")
     ap.add_argument("--gpu", default="RTX-4090", help="the GPU row the worker slots are named after")
+    ap.add_argument("--handoff-only", action="store_true", help="only the socket / device channel hand-offs")
     args = ap.parse_args()
     if args.rounds < 1 or args.tokens < 4:
         ap.error("--rounds must be at least 1 and --tokens at least 4")
+    if not args.handoff_only:
+        round_vs_cost_model(args)
+    handoffs(args)
+    return 0
+
+
+def handoffs(args) -> None:
+    """Stage and KV hand-off time of this bench's model, socket against the device channel (gloo)."""
+    import json
+
+    from bench.gpu.dataflow import Case, measure, table
+    from bench.lib.console import wide_console
+    from bench.predict.run import tiny_model
+
+    cfg = json.loads((Path(tiny_model(workdir("bench-pipeline-handoff-"))) / "config.json").read_text())
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads, layers = cfg.get("num_key_value_heads", heads), cfg["num_hidden_layers"] // 2  # one of two stages
+    rows = [Case("stage", r, (r, hidden), "float32") for r in (*BATCHES, 4 * PROMPT)]
+    rows += [Case("kv", t, (layers, 2, t, kv_heads, hidden // heads), "float32") for t in (PROMPT, 512)]
+    results = measure(rows, "cpu", reps=max(5, args.rounds))
+    wide_console().print(table(results, f"hand-offs between two worker processes on CPU, this bench's model "
+                                        f"(hidden {hidden}; KV of {layers} layers x {kv_heads} KV heads), median "
+                                        f"of {max(5, args.rounds)}; socket: the engine's path today"))
+
+
+def round_vs_cost_model(args) -> None:
 
     import numpy as np
     from bench.lib.console import wide_console
@@ -143,7 +176,6 @@ def main() -> int:
     console.print(f"two micro-batches against one, mean |log(priced ratio / measured ratio)|: calibrated "
                   f"{mean['calibrated']:.3f}, hold 1 {mean['hold 1']:.3f}; ratio hold 1 / calibrated "
                   f"{mean['hold 1'] / max(mean['calibrated'], 1e-9):.2f}")
-    return 0
 
 
 if __name__ == "__main__":

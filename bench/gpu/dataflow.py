@@ -174,10 +174,10 @@ def _sender(secret, store_address, receiver, kind, device, case_list, reps, time
             tensor = torch.randn(case.shape, device=dev).to(DTYPES[case.dtype])
             times: dict[str, list[float]] = {"socket": [], "channel": []}
             for rep in range(reps + 1):  # the first round warms both paths up
-                for path in times:
+                for path, kept in times.items():
                     t = once(case, tensor, path)
                     if rep:
-                        times[path].append(t)
+                        kept.append(t)
             nbytes = tensor.numel() * tensor.element_size()
             rows.append(asdict(Result(case.label, nbytes, statistics.median(times["socket"]) * 1e3,
                                       statistics.median(times["channel"]) * 1e3, kind)))

@@ -233,3 +233,34 @@ def test_channel_pairs_join_neighbouring_stages_and_kv_pairs_with_the_right_kind
     pairs = channel_pairs((on(layout[0], gpus.get), on(layout[1], gpus.get)))
     kinds = {(n, p.peer): p.kind for n, ps in pairs.items() for p in ps}
     assert kinds[("a", "b")] == "ipc" and kinds[("a", "y")] == "nccl" and ("x", "z") not in kinds
+
+
+@pytest.mark.long
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("shape", ["disaggregated", "colocated"])
+def test_the_engine_over_gloo_channels_gives_transformers_tokens(shape, model_dirs, cluster_file, plans, hf_reference,
+                                                                 monkeypatch):
+    """Prefill TP 2 -> decode of two TP-1 stages (KV re-sharded 2 -> 1 + 1 by channel), and the
+    asymmetric colocated pipeline (activations by channel): the tokens of transformers' generate."""
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.runtime.params import SamplingParams
+    from hetserve.runtime.workers.worker_group import WorkerGroup
+
+    monkeypatch.setattr(WorkerGroup, "device_channel", "on")
+    prompts = [list(b"Hello, heterogeneous world!"), [5, 9, 2], list(range(40, 90))]
+    plan = plans.disaggregated() if shape == "disaggregated" else plans.colocated()
+    with Engine.from_plan(plan, cluster_file, model_dirs["llama"], EngineConfig(kv_capacity_tokens=2048)) as eng:
+        beats: dict[str, dict] = {}
+
+        def spy(msg):
+            if msg.kind == "heartbeat" and "channel" in msg.meta:
+                beats[msg.meta["worker"]] = msg.meta["channel"]
+            return [msg]
+
+        eng.transport.receive_hook = spy
+        got = eng.generate(prompts, SamplingParams(max_tokens=12))
+        time.sleep(1.5)  # a heartbeat or two after the last step
+    assert got == hf_reference(model_dirs["llama"], prompts, 12)
+    sent = sum(b.get("channel_transfers", 0) for b in beats.values())
+    assert sent > 0 and not any(b.get("socket_transfers") or b.get("failed") for b in beats.values()), beats

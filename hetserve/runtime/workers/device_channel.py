@@ -193,7 +193,9 @@ class DeviceChannel:
             self._count("socket", nbytes)
             self.transport.send(peer, msg, priority)
             return "socket"
-        tensors = {n: t.detach().contiguous() for n, t in msg.tensors.items()}
+        # a snapshot, as the socket's encode takes one: the caller may reuse its buffers (a step runner's
+        # static output, replayed by the next step) while the peer has yet to read them
+        tensors = {n: t.detach().clone(memory_format=torch.contiguous_format) for n, t in msg.tensors.items()}
         specs = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size()]
                  for n, t in tensors.items()]
         with link.lock:
@@ -203,7 +205,7 @@ class DeviceChannel:
             if link.spec.kind == "ipc":
                 header["ipc"] = [_share_cuda(t) for t in tensors.values()]
             meta = {k: v for k, v in msg.meta.items() if k not in ("dc", "dc_resend")}
-            pending = _Pending(Message(msg.kind, meta, msg.tensors), priority, time.monotonic() + self.timeout_s)
+            pending = _Pending(Message(msg.kind, meta, tensors), priority, time.monotonic() + self.timeout_s)
             link.pending[seq] = pending
             self.transport.send(peer, Message(msg.kind, {**meta, "dc": header}), Priority.CONTROL)
             try:

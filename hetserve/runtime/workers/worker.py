@@ -38,6 +38,7 @@ from hetserve.runtime.model.loader import build_stage
 from hetserve.runtime.model.runner import StepRunner
 from hetserve.runtime.sampling import sample, token_logprobs, wants_logprobs
 from hetserve.runtime.workers.auth import LinkSecurity
+from hetserve.runtime.workers.device_channel import ChannelPeer, DeviceChannel
 from hetserve.runtime.workers.kv_pool import KVPool, slots_of
 from hetserve.runtime.workers.transport import Priority, SocketTransport
 from hetserve.runtime.workers.wire import Message, pack_data, unpack_data
@@ -67,6 +68,8 @@ class WorkerConfig:
     threads: int = 1  # torch intra-op threads of this worker process (the engine divides a host's cores)
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (on CUDA, where the stage's collectives allow)
     max_graph_batch: int = 256  # the largest decode batch the step runner pads and captures
+    channels: tuple[ChannelPeer, ...] = ()  # device channels to peers (device_channel.channel_pairs); () : sockets
+    channel_timeout_s: float = 30.0  # a channel transfer not done by then goes by socket
 
 
 def worker_main(cfg: WorkerConfig) -> None:
@@ -81,7 +84,8 @@ def worker_main(cfg: WorkerConfig) -> None:
     try:
         worker = Worker(cfg, transport)
         if cfg.heartbeat_s > 0:
-            threading.Thread(target=_heartbeat, args=(transport, cfg.spec.name, cfg.heartbeat_s), daemon=True).start()
+            threading.Thread(target=_heartbeat, args=(transport, cfg.spec.name, cfg.heartbeat_s, worker.channel),
+                             daemon=True).start()
         worker.run()
     except BaseException:  # noqa: BLE001 - everything is reported, then the process ends
         transport.send(ENGINE, Message("error", {"worker": cfg.spec.name, "error": traceback.format_exc()}))
@@ -92,14 +96,17 @@ def worker_main(cfg: WorkerConfig) -> None:
     os._exit(0)
 
 
-def _heartbeat(transport: SocketTransport, name: str, every_s: float) -> None:
+def _heartbeat(transport: SocketTransport, name: str, every_s: float, channel: DeviceChannel | None = None) -> None:
     """Tell the coordinator this process is alive. On its own thread, so a long step does not silence
     it; a frozen (SIGSTOPped) or wedged process stops beating and the coordinator declares it dead.
-    Each beat carries the connections this worker's endpoint refused so far (reason -> count)."""
+    Each beat carries the connections this worker's endpoint refused so far (reason -> count) and,
+    with device channels, which path its transfers took (``DeviceChannel.stats``)."""
     while not transport.closed:
+        meta = {"worker": name, "rejected": dict(transport.rejected)}
+        if channel is not None:
+            meta["channel"] = channel.stats()
         try:
-            transport.send(ENGINE, Message("heartbeat", {"worker": name, "rejected": dict(transport.rejected)}),
-                           Priority.CONTROL)
+            transport.send(ENGINE, Message("heartbeat", meta), Priority.CONTROL)
         except ConnectionError:
             return
         time.sleep(every_s)
@@ -139,6 +146,7 @@ class Worker:
         self.kv_received: dict[int, int] = {}  # pieces arrive on one receiving thread per sender
         self._kv_lock = threading.Lock()
         transport.on_message = self._on_message  # KV and peers are handled on the receiving thread
+        self.channel = self._open_channel() if cfg.channels else None
         transport.send(ENGINE, Message("ready", {"worker": spec.name, "address": transport.address,
                                                  "pid": os.getpid()}))
 
@@ -152,6 +160,27 @@ class Worker:
         max_blocks = min(cfg.num_slots // cfg.block_size, -(-self.arch.max_positions // cfg.block_size))
         return StepRunner(self.model, self.kv_layers, cfg.block_size, self.arch.hidden_size, self.dtype,
                           self.device, max_batch=cfg.max_graph_batch, max_blocks=max(1, max_blocks), graphs=graphs)
+
+    def _open_channel(self) -> DeviceChannel:
+        """Device channels to the workers this one exchanges activations or KV pieces with; each
+        received header must match what the step or the piece needs here."""
+        channel = DeviceChannel(self.transport, self.cfg.channels, self.device, self.cfg.channel_timeout_s)
+        channel.expect["step"] = lambda m: {"hidden": (self.dtype, (sum(s[2] for s in m["seqs"]),
+                                                                    self.arch.hidden_size))}
+        channel.expect["kv"] = self._kv_expected
+        channel.connect(self.cfg.store_address, self.cfg.host)
+        return channel
+
+    def _kv_expected(self, m: dict) -> dict:
+        (a, b), (h0, h1) = m["layers"], m["heads"]
+        (la, lb), (ha, hb) = self.spec.layers, self.spec.kv_heads
+        if not (la <= a < b <= lb and ha <= h0 < h1 <= hb and type(m["num_tokens"]) is int):
+            raise ValueError(f"a KV piece of layers {a}-{b}, heads {h0}-{h1} for a worker of {la}-{lb}, {ha}-{hb}")
+        return {"kv": (self.dtype, (b - a, 2, m["num_tokens"], h1 - h0, self.arch.head_dim))}
+
+    def _send(self, peer: str, msg: Message, priority: Priority) -> None:
+        """To another worker: by its device channel where there is one, else by socket."""
+        (self.channel.send if self.channel is not None else self.transport.send)(peer, msg, priority)
 
     def _replica(self, rid: str) -> ReplicaSpec:
         return next(r for r in self.layout if r.id == rid)
@@ -267,7 +296,7 @@ class Worker:
             self.transport.send(ENGINE, Message("result", {"step": meta["step"], **_spent(meta, began)}, out))
         else:
             meta.update(_spent(meta, began))  # the next stage adds its own
-            self.transport.send(spec.next_leader, Message("step", meta, {"hidden": h}), Priority(meta["priority"]))
+            self._send(spec.next_leader, Message("step", meta, {"hidden": h}), Priority(meta["priority"]))
 
     def _prompt_logprobs(self, h: torch.Tensor, seqs: list, extras: list) -> dict[str, torch.Tensor]:
         """Logprobs of the prompt tokens this step fed, for the sequences that ask (``targets``): the
@@ -296,12 +325,12 @@ class Worker:
                                     slice(piece.heads[0] - h0, piece.heads[1] - h0), slots)
                 meta = {"seq": seq, "layers": piece.layers, "heads": piece.heads, "table": dst_table,
                         "num_tokens": num_tokens, "expect": expect}
-                self.transport.send(piece.dst, Message("kv", meta, {"kv": kv}), Priority.KV)
+                self._send(piece.dst, Message("kv", meta, {"kv": kv}), Priority.KV)
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A received host tensor on ``device``; to a GPU from pinned memory, without blocking the host."""
-    if device.type != "cuda":
+    if device.type != "cuda" or t.device.type == "cuda":  # a device channel's tensors are there already
         return t
     return t.pin_memory().to(device, non_blocking=True)
 

@@ -10,6 +10,8 @@ into one ``RuntimeFailure`` naming it (replica, stage, TP rank) and its last err
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
 from typing import Any
 
@@ -17,6 +19,7 @@ import torch.multiprocessing as mp
 
 from hetserve.errors import RuntimeFailure
 from hetserve.runtime.layout import ReplicaSpec
+from hetserve.runtime.workers.device_channel import channel_pairs
 from hetserve.runtime.workers.rendezvous import BoundStore
 from hetserve.runtime.workers.transport import Priority, SocketTransport
 from hetserve.runtime.workers.wire import Message
@@ -24,6 +27,10 @@ from hetserve.runtime.workers.worker import ENGINE, WorkerConfig, worker_main
 
 
 class WorkerGroup:
+    # Which worker pairs share a device channel (device_channel.py): "auto" those of GPUs (NCCL, CUDA
+    # IPC), "on" CPU pairs too (gloo: the same code path, no faster than the socket on CPU), "off" none.
+    device_channel = "auto"
+
     def __init__(self, layout: tuple[ReplicaSpec, ...], transport: SocketTransport, start_timeout_s: float):
         self.layout = layout
         self.transport = transport
@@ -35,6 +42,7 @@ class WorkerGroup:
         self._unreaped: set[str] = set()  # dead workers killed but not yet waited for (zombies until reaped)
         self.addresses: dict[str, Any] = {}  # worker name -> its transport address
         self._store = None
+        self._rounds = itertools.count()  # start-up rounds: each one's channel groups have their own keys
 
     def start(self, make_config, start_method: str) -> None:
         """Start one process per worker (``make_config(spec, store_address, backend) -> WorkerConfig``)
@@ -72,8 +80,9 @@ class WorkerGroup:
 
     def _spawn(self, replicas, make_config, start_method: str) -> dict[str, Any]:
         workers = [w for r in replicas for w in r.workers]
+        pairs = self._channels(replicas)
         store_address = None
-        if any(w.tp_world > 1 for w in workers):
+        if pairs or any(w.tp_world > 1 for w in workers):
             # on the engine's own address: every worker's node reaches it there, and nothing else listens
             if self._store is None:  # a re-plan's new TP groups share it
                 self._store = BoundStore(self.transport.address[0])
@@ -89,10 +98,22 @@ class WorkerGroup:
             # NCCL needs one GPU per rank; ranks sharing a GPU (more workers than GPUs) use gloo
             backend = "nccl" if gpus[0][1].startswith("cuda") and len(set(gpus)) == len(gpus) else "gloo"
             cfg: WorkerConfig = make_config(w, store_address, backend)
+            if cfg.shaper is None and cfg.link_scheduler is None:  # emulated links stay on the sockets
+                cfg = dataclasses.replace(cfg, channels=pairs.get(w.name, ()))
             p = ctx.Process(target=worker_main, args=(cfg,), name=f"hetserve-worker-{w.name}", daemon=True)
             p.start()
             procs[w.name] = p
         return procs
+
+    def _channels(self, replicas) -> dict:
+        """Device channels among the workers started together (a re-plan's new workers reach the
+        running ones by socket: those never join a new group)."""
+        if self.device_channel == "off":
+            return {}
+        kinds = ("gloo", "nccl", "ipc") if self.device_channel == "on" else ("nccl", "ipc")
+        pairs = channel_pairs(replicas, tag=str(next(self._rounds)))
+        pairs = {n: tuple(p for p in ps if p.kind in kinds) for n, ps in pairs.items()}
+        return {n: ps for n, ps in pairs.items() if ps}
 
     def _connect(self, procs, addresses: dict[str, Any], layout, recv) -> None:
         book = {**addresses, ENGINE: self.transport.address}
@@ -217,6 +238,7 @@ class WorkerGroup:
         if self._store is not None:
             self._store.close()
             self._store = None
+        self._rounds = itertools.count()  # start-up rounds: each one's channel groups have their own keys
 
 
 def kill_processes(procs: dict[str, Any]) -> None:

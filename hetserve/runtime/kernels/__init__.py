@@ -32,7 +32,7 @@ of ``reference.py`` by ``tests/runtime/test_kernels.py`` and ``bench/check_kerne
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 
 import torch
 
@@ -41,9 +41,15 @@ from . import torch_impl
 IMPLS = ("triton", "torch")
 
 
+@functools.cache
 def triton_available() -> bool:
-    """Whether Triton can be imported here (it is optional: hetserve runs without it)."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether Triton imports here (it is optional: hetserve runs without it). Asked only when a
+    call may run Triton, so code on CPU tensors with the default impl never imports it."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def resolve_impl(impl: str | None, device: torch.device) -> str:
@@ -51,9 +57,9 @@ def resolve_impl(impl: str | None, device: torch.device) -> str:
     if impl is None:
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     if impl not in IMPLS:
-        raise ValueError(f"unknown kernel impl {impl!r}: choose one of {', '.join(IMPLS)} or None")
+        raise ValueError(f"unknown kernel impl {impl!r}: choose one of {', '.join(map(repr, IMPLS))} or None")
     if impl == "triton" and not triton_available():
-        raise ValueError("impl='triton' needs the triton package (pip install triton), which is not installed")
+        raise ValueError("impl='triton' needs the triton package (pip install triton), which does not import here")
     return impl
 
 

@@ -64,9 +64,11 @@ def make_case(shape: Shape, seed: int) -> Case:
     for b, (n, nb) in enumerate(zip(shape.context_lens, used)):
         blocks, order = order[:nb], order[nb:]
         tables[b, :nb] = torch.tensor(blocks, dtype=torch.int32)
-        for p in range(n):
-            k_cache[blocks[p // bs], p % bs] = torch.randn(hkv, d, generator=gen).to(dtype)
-            v_cache[blocks[p // bs], p % bs] = torch.randn(hkv, d, generator=gen).to(dtype)
+        k, v = torch.randn(2, n, hkv, d, generator=gen).to(dtype)  # (n, Hkv, D) each
+        for i, block in enumerate(blocks):
+            rows = slice(i * bs, min(n, (i + 1) * bs))
+            k_cache[block, :rows.stop - rows.start] = k[rows]
+            v_cache[block, :rows.stop - rows.start] = v[rows]
     hq = hkv * shape.group
     num_q = len(used) if shape.q_lens is None else sum(shape.q_lens)
     q = torch.randn(num_q, hq, d, generator=gen).to(dtype)

@@ -1,7 +1,8 @@
-"""Obviously-correct versions of the kernels, one sequence and one head at a time, in float64.
+"""Obviously-correct versions of the kernels, one sequence and one query at a time, in float64.
 
 Slow on purpose: they follow the definitions in the package docstring word for word (look up
 each position's slot, softmax over the scores) so the fast paths can be checked against them.
+Only the heads of one query are computed together.
 """
 
 from __future__ import annotations
@@ -27,30 +28,28 @@ def context(cache: torch.Tensor, table: list[int], length: int) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query vector (D,) over keys/values (L, D) of one head: softmax(q·k * scale) · v."""
+    """One query (Hq, D) over keys/values (L, Hkv, D): head h reads KV head h // (Hq // Hkv) and
+    returns softmax(q_h . k * scale) . v -> (Hq, D); zeros over no keys."""
+    hq = q.shape[0]
     if keys.shape[0] == 0:
-        return torch.zeros_like(q, dtype=torch.float64)
-    scores = (keys @ q.double()) * scale  # (L,)
-    return torch.softmax(scores, dim=0) @ values  # (D,)
+        return torch.zeros(q.shape, dtype=torch.float64)
+    kv_head = torch.arange(hq) // (hq // keys.shape[1])  # (Hq,)
+    keys, values = keys[:, kv_head], values[:, kv_head]  # (L, Hq, D)
+    scores = torch.einsum("hd,lhd->hl", q.double(), keys) * scale  # (Hq, L)
+    return torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=1), values)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
-    B, Hq, D = q.shape
-    group = Hq // k_cache.shape[2]
-    out = torch.zeros(B, Hq, D, dtype=torch.float64)
-    for b in range(B):
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b in range(q.shape[0]):
         n = int(context_lens[b])
         table = block_tables[b].tolist()
-        keys, values = context(k_cache, table, n), context(v_cache, table, n)
-        for h in range(Hq):
-            out[b, h] = attend(q[b, h], keys[:, h // group], values[:, h // group], scale)
+        out[b] = attend(q[b], context(k_cache, table, n), context(v_cache, table, n), scale)
     return out
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale) -> torch.Tensor:
-    T, Hq, D = q.shape
-    group = Hq // k_cache.shape[2]
-    out = torch.zeros(T, Hq, D, dtype=torch.float64)
+    out = torch.zeros(q.shape, dtype=torch.float64)
     starts = query_start_loc.tolist()
     for b in range(len(starts) - 1):
         n = int(context_lens[b])
@@ -59,7 +58,5 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
         keys, values = context(k_cache, table, n), context(v_cache, table, n)
         for i in range(q_len):
             visible = n - q_len + i + 1  # positions 0..own
-            for h in range(Hq):
-                out[starts[b] + i, h] = attend(q[starts[b] + i, h], keys[:visible, h // group],
-                                               values[:visible, h // group], scale)
+            out[starts[b] + i] = attend(q[starts[b] + i], keys[:visible], values[:visible], scale)
     return out

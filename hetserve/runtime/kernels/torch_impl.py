@@ -54,10 +54,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     values = gather_blocks(v_cache, block_tables, context_lens, max_context)
     k_pos = torch.arange(keys.shape[1], device=q.device)  # (K,)
     ctx = context_lens.long()[:, None]  # (B, 1)
-    # a row of context 0 attends to key 0 so softmax never sees an all-masked row; zeroed below
+    # a row of context 0 attends to key 0 (zeroed by gather_blocks), so softmax never sees an
+    # all-masked row and the row's output is zeros
     mask = (k_pos[None, :] < ctx) | ((ctx == 0) & (k_pos[None, :] == 0))  # (B, K)
-    out = _sdpa(q[:, None], keys, values, mask[:, None, None, :], scale)[:, 0]  # (B, Hq, D)
-    return torch.where((ctx == 0)[:, :, None], torch.zeros_like(out), out)
+    return _sdpa(q[:, None], keys, values, mask[:, None, None, :], scale)[:, 0]  # (B, Hq, D)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

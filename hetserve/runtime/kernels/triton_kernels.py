@@ -28,25 +28,29 @@ from triton.runtime.interpreter import InterpretedFunction
 NEG_INF = float("-inf")
 
 
-def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, block_size,
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_tokens, block_size,
                      s_kt, s_kh, s_vt, s_vh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch,
-                     HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per new token: its (Hkv, D) rows of k and v into its slot, unless the slot is -1."""
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
-        block, offset = slot // block_size, slot % block_size
-        h = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
-        ok = (h < HKV) & (d < HEAD_DIM)
-        k = tl.load(k_ptr + t * s_kt + h * s_kh + d, mask=ok)
-        v = tl.load(v_ptr + t * s_vt + h * s_vh + d, mask=ok)
-        tl.store(kc_ptr + block * s_kcb + offset * s_kcs + h * s_kch + d, k, mask=ok)
-        tl.store(vc_ptr + block * s_vcb + offset * s_vcs + h * s_vch + d, v, mask=ok)
+                     HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    """One program per BLOCK_T new tokens: their (Hkv, D) rows of k and v into their slots; -1 skipped."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
+    slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
+    block, offset = slot // block_size, slot % block_size
+    t3 = t[:, None, None]
+    h = tl.arange(0, BLOCK_H)[None, :, None]
+    d = tl.arange(0, BLOCK_D)[None, None, :]
+    ok = (slot >= 0)[:, None, None] & (h < HKV) & (d < HEAD_DIM)  # (BLOCK_T, BLOCK_H, BLOCK_D)
+    k = tl.load(k_ptr + t3 * s_kt + h * s_kh + d, mask=ok)
+    v = tl.load(v_ptr + t3 * s_vt + h * s_vh + d, mask=ok)
+    k_row = (block * s_kcb + offset * s_kcs)[:, None, None]
+    v_row = (block * s_vcb + offset * s_vcs)[:, None, None]
+    tl.store(kc_ptr + k_row + h * s_kch + d, k, mask=ok)
+    tl.store(vc_ptr + v_row + h * s_vch + d, v, mask=ok)
 
 
-def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, mid_o_ptr, mid_lse_ptr, scale, block_size,
-                         tokens_per_split, s_qb, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_btb,
+def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, scale,
+                         block_size, tokens_per_split, s_qb, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch,
+                         s_btb, s_ob, s_oh,
                          GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
@@ -54,6 +58,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, mid_o_ptr, mid_
 
     Writes the partial output (normalised by its own sum) and its log-sum-exp to the mid buffers
     ``(B, Hq, NUM_SPLITS, D)`` / ``(B, Hq, NUM_SPLITS)``; a split past the context writes -inf.
+    With one split the partial output is the output, written straight to ``out`` (no merge).
     """
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -98,28 +103,37 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, mid_o_ptr, mid_
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), NEG_INF)
-    row = (b * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # (BLOCK_H,) in (B, Hq, NUM_SPLITS)
-    tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_ok)
-    tl.store(mid_lse_ptr + row, lse, mask=h < GROUP)
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b * s_ob + head[:, None] * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=q_ok)
+    else:
+        row = (b * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # (BLOCK_H,) in (B, Hq, NUM_SPLITS)
+        tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_ok)
+        tl.store(mid_lse_ptr + row, lse, mask=h < GROUP)
 
 
 def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, s_ob, s_oh,
-                         NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (b, query head): the splits' partial outputs weighted by exp(lse); zeros if none saw a key."""
+                         GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (b, kv head): for each query head of the group, the splits' partial outputs weighted
+    by exp(lse); zeros where no split saw a key."""
     b = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    sp = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    row = (b * tl.num_programs(1) + head) * NUM_SPLITS + sp  # (BLOCK_S,)
-    lse = tl.load(mid_lse_ptr + row, mask=sp < NUM_SPLITS, other=NEG_INF)
-    m = tl.max(lse, 0)
-    w = tl.exp(lse - tl.where(m == NEG_INF, 0.0, m))  # (BLOCK_S,) 0 for empty splits
-    ok = (sp < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :]
-    parts = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=ok, other=0.0)
-    total = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)  # (BLOCK_D,)
-    tl.store(out_ptr + b * s_ob + head * s_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    kvh = tl.program_id(1)
+    h = tl.arange(0, BLOCK_H)[:, None]  # (BLOCK_H, 1)
+    sp = tl.arange(0, BLOCK_S)[None, :]  # (1, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)[None, None, :]  # (1, 1, BLOCK_D)
+    head = kvh * GROUP + h
+    row = (b * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + sp  # (BLOCK_H, BLOCK_S)
+    ok = (h < GROUP) & (sp < NUM_SPLITS)
+    lse = tl.load(mid_lse_ptr + row, mask=ok, other=NEG_INF)
+    m = tl.max(lse, 1)  # (BLOCK_H,)
+    w = tl.exp(lse - tl.where(m == NEG_INF, 0.0, m)[:, None])  # (BLOCK_H, BLOCK_S) 0 for empty splits
+    parts = tl.load(mid_o_ptr + row[:, :, None] * HEAD_DIM + d, mask=ok[:, :, None] & (d < HEAD_DIM), other=0.0)
+    total = tl.sum(w, 1)  # (BLOCK_H,)
+    out = tl.sum(parts * w[:, :, None], 1) / tl.where(total > 0, total, 1.0)[:, None]  # (BLOCK_H, BLOCK_D)
+    d2 = tl.arange(0, BLOCK_D)[None, :]
+    tl.store(out_ptr + b * s_ob + head * s_oh + d2, out.to(out_ptr.dtype.element_ty),
+             mask=(h < GROUP) & (d2 < HEAD_DIM))
 
 
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, ctx_ptr, out_ptr, scale, block_size,
@@ -230,10 +244,12 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     T, hkv, dim = k.shape
     if T == 0:
         return
-    _kernel(_store_kv_kernel, k.device)[(T,)](
-        k, v, k_cache, v_cache, slot_mapping.contiguous(), k_cache.shape[1],
+    block_h, block_d = triton.next_power_of_2(hkv), triton.next_power_of_2(dim)
+    block_t = max(1, min(16, 4096 // (block_h * block_d)))  # tiles of at most 4096 elements
+    _kernel(_store_kv_kernel, k.device)[(triton.cdiv(T, block_t),)](
+        k, v, k_cache, v_cache, slot_mapping.contiguous(), T, k_cache.shape[1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        HKV=hkv, HEAD_DIM=dim, BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(dim))
+        HKV=hkv, HEAD_DIM=dim, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d)
 
 
 def decode_splits(max_context: int, block_n: int, splits: int | None = None, max_splits: int = 16,
@@ -262,17 +278,20 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     block_n = 32
     max_context = block_tables.shape[1] * block_size
     splits, per_split = decode_splits(max_context, block_n, num_splits)
-    mid_o = torch.empty(B, hq, splits, dim, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(B, hq, splits, dtype=torch.float32, device=q.device)
+    mid_o = mid_lse = out  # one split writes the output itself: the mid buffers go unused
+    if splits > 1:
+        mid_o = torch.empty(B, hq, splits, dim, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(B, hq, splits, dtype=torch.float32, device=q.device)
     block_d = _pow2(dim)
     _kernel(_decode_split_kernel, q.device)[(B, hkv, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, mid_o, mid_lse, scale, block_size, per_split,
+        q, k_cache, v_cache, block_tables, context_lens, mid_o, mid_lse, out, scale, block_size, per_split,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-        GROUP=group, NUM_SPLITS=splits, HEAD_DIM=dim, BLOCK_H=_pow2(group), BLOCK_D=block_d, BLOCK_N=block_n,
+        out.stride(0), out.stride(1), GROUP=group, NUM_SPLITS=splits, HEAD_DIM=dim, BLOCK_H=_pow2(group), BLOCK_D=block_d, BLOCK_N=block_n,
         PRECISION="ieee" if _widen(q) else _precision(q.dtype), DOT_F32=_widen(q))
-    _kernel(_decode_merge_kernel, q.device)[(B, hq)](
-        mid_o, mid_lse, out, out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, HEAD_DIM=dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
+    if splits > 1:
+        _kernel(_decode_merge_kernel, q.device)[(B, hkv)](
+            mid_o, mid_lse, out, out.stride(0), out.stride(1), GROUP=group, NUM_SPLITS=splits, HEAD_DIM=dim,
+            BLOCK_H=triton.next_power_of_2(group), BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
     return out.to(q.dtype)
 
 

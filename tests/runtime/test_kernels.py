@@ -1,0 +1,196 @@
+"""The paged-attention kernels (Triton under its interpreter, and the torch path) against the
+per-sequence loops of ``hetserve.runtime.kernels.reference``, on hypothesis-drawn shapes.
+
+Every case's pool holds NaN in each slot no sequence owns and its block tables hold -1 past each
+sequence's blocks (``kernels.cases``), so a kernel reading outside a context fails here.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton: see triton_kernels
+
+import sys
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from hetserve.runtime import kernels
+from hetserve.runtime.kernels import cases, reference
+
+pytest.importorskip("triton")
+from hetserve.runtime.kernels import triton_kernels
+
+# examples per test in `make test`: the interpreter runs a Triton program in milliseconds, so the
+# Triton draws stay few here; the `long` copies draw more, bench/check_kernels.py hundreds
+FEW = {"triton": settings(max_examples=4, deadline=None), "torch": settings(max_examples=12, deadline=None)}
+MANY = settings(max_examples=40, deadline=None)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one torch thread is many times faster than two on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@st.composite
+def shapes(draw, prefill: bool = False, dtype: str | None = None) -> cases.Shape:
+    """GQA ratios 1/4/8, block sizes 16/32, contexts ending anywhere in a block (0 included),
+    batches of 1-64 (a large batch gets short contexts: the interpreter runs programs one by one)."""
+    batch = draw(st.one_of(st.integers(1, 4), st.integers(5, 64)))
+    longest = 90 if batch <= 4 else 16
+    context_lens = tuple(draw(st.lists(st.integers(0, longest), min_size=batch, max_size=batch)))
+    q_lens = None
+    if prefill:
+        q_lens = tuple(draw(st.integers(min(1, n), min(n, 24))) for n in context_lens)
+    return cases.Shape(context_lens=context_lens, num_kv_heads=draw(st.sampled_from([1, 2])),
+                       group=draw(st.sampled_from([1, 4, 8])), head_dim=draw(st.sampled_from([16, 24, 64])),
+                       block_size=draw(st.sampled_from([16, 32])),
+                       dtype=dtype or draw(st.sampled_from(["fp32", "bf16"])), q_lens=q_lens)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, shape: cases.Shape) -> None:
+    assert out.dtype == cases.DTYPES[shape.dtype]
+    assert torch.isfinite(out).all(), shape.describe()
+    err = (out.double() - ref).abs().max().item() if out.numel() else 0.0
+    assert err <= cases.TOLERANCE[shape.dtype], f"{shape.describe()} {shape.dtype}: max abs error {err:.2e}"
+
+
+def decode(case: cases.Case, impl: str, num_splits: int | None = None) -> torch.Tensor:
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale)
+    if impl == "triton":
+        return triton_kernels.paged_decode_attention(*args, num_splits=num_splits)
+    return kernels.paged_decode_attention(*args, impl=impl)
+
+
+def prefill(case: cases.Case, impl: str) -> torch.Tensor:
+    return kernels.paged_prefill_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                           case.query_start_loc, case.context_lens, case.scale, impl=impl)
+
+
+def decode_reference(case: cases.Case) -> torch.Tensor:
+    return reference.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                            case.context_lens, case.scale)
+
+
+def prefill_reference(case: cases.Case) -> torch.Tensor:
+    return reference.paged_prefill_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                             case.query_start_loc, case.context_lens, case.scale)
+
+
+def check_decode(impl: str, shape: cases.Shape, num_splits: int | None, seed: int) -> None:
+    """Split-KV decode (1-3 splits, some past a row's context) equals softmax over the whole context."""
+    case = cases.make_case(shape, seed)
+    assert_close(decode(case, impl, num_splits), decode_reference(case), shape)
+
+
+def check_prefill(impl: str, shape: cases.Shape, seed: int) -> None:
+    """Chunked prefill: query i of a sequence sees positions up to context - q_len + i, no further."""
+    case = cases.make_case(shape, seed)
+    assert_close(prefill(case, impl), prefill_reference(case), shape)
+
+
+def check_store(impl: str, shape: cases.Shape, seed: int) -> None:
+    """Each row lands in its slot, bit for bit; rows with slot -1 write nothing."""
+    k, v, k_cache, v_cache, slots = cases.store_inputs(shape, seed)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kernels.store_kv(k, v, k_cache, v_cache, slots, impl=impl)
+    reference.store_kv(k, v, k_ref, v_ref, slots)
+    assert (slots == -1).any()
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+SPLITS = st.sampled_from([None, 1, 2, 3])
+SEEDS = st.integers(0, 2**16)
+# drawn or not, every run checks two KV heads of four query heads each, contexts spanning three
+# splits beside an empty one, a non-power-of-two head size, and a chunk after earlier context
+GQA = {"num_kv_heads": 2, "group": 4, "head_dim": 24, "block_size": 16}
+DECODE_CASE = cases.Shape(context_lens=(37, 70, 0, 5), dtype="bf16", **GQA)
+PREFILL_CASE = cases.Shape(context_lens=(40, 70, 0, 3), q_lens=(40, 9, 0, 1), dtype="fp32", **GQA)
+
+
+@FEW["triton"]
+@given(shape=shapes(), num_splits=SPLITS, seed=SEEDS)
+@example(shape=DECODE_CASE, num_splits=3, seed=0)
+def test_triton_decode_matches_reference(shape, num_splits, seed):
+    check_decode("triton", shape, num_splits, seed)
+
+
+@FEW["torch"]
+@given(shape=shapes(), seed=SEEDS)
+@example(shape=DECODE_CASE, seed=0)
+def test_torch_decode_matches_reference(shape, seed):
+    check_decode("torch", shape, None, seed)
+
+
+@FEW["triton"]
+@given(shape=shapes(prefill=True), seed=SEEDS)
+@example(shape=PREFILL_CASE, seed=0)
+def test_triton_prefill_matches_reference(shape, seed):
+    check_prefill("triton", shape, seed)
+
+
+@FEW["torch"]
+@given(shape=shapes(prefill=True), seed=SEEDS)
+@example(shape=PREFILL_CASE, seed=0)
+def test_torch_prefill_matches_reference(shape, seed):
+    check_prefill("torch", shape, seed)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@FEW["triton"]
+@given(shape=shapes(), seed=SEEDS)
+def test_store_kv_writes_slots_and_skips_minus_one(impl, shape, seed):
+    check_store(impl, shape, seed)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@MANY
+@given(decode_shape=shapes(), prefill_shape=shapes(prefill=True), num_splits=SPLITS, seed=SEEDS)
+def test_many_shapes(impl, decode_shape, prefill_shape, num_splits, seed):
+    check_decode(impl, decode_shape, num_splits if impl == "triton" else None, seed)
+    check_prefill(impl, prefill_shape, seed)
+    check_store(impl, decode_shape, seed)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_rows_of_context_zero_give_zeros(impl):
+    """Padding rows of a graph bucket: context 0, a table of -1, a pool of NaN -> zeros, nothing read."""
+    shape = cases.Shape(context_lens=(0, 37, 0), num_kv_heads=2, group=4, head_dim=32, block_size=16, dtype="fp32")
+    case = cases.make_case(shape, seed=1)
+    out = decode(case, impl)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[2], torch.zeros_like(out[2]))
+    assert_close(out, decode_reference(case), shape)
+
+
+def test_public_triton_path_on_a_long_context():
+    """Through the public API with impl='triton': a context long enough for the default to split it."""
+    shape = cases.Shape(context_lens=(600, 5), num_kv_heads=1, group=4, head_dim=16, block_size=32, dtype="bf16")
+    assert triton_kernels.decode_splits(600, 32)[0] > 1
+    case = cases.make_case(shape, seed=2)
+    assert_close(decode(case, "torch"), decode_reference(case), shape)
+    out = kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                         case.context_lens, case.scale, impl="triton")
+    assert_close(out, decode_reference(case), shape)
+
+
+def test_impl_choice():
+    assert kernels.resolve_impl(None, torch.device("cpu")) == "torch"
+    with pytest.raises(ValueError, match="'triton', 'torch'"):
+        kernels.resolve_impl("cuda", torch.device("cpu"))
+
+
+def test_triton_missing_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
+    kernels.triton_available.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="needs the triton package"):
+            kernels.resolve_impl("triton", torch.device("cpu"))
+        assert kernels.resolve_impl(None, torch.device("cuda")) == "torch"
+    finally:
+        kernels.triton_available.cache_clear()

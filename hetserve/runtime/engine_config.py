@@ -7,10 +7,12 @@ CPU, where the device memory of the cluster file is fictional).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from collections.abc import Callable
 
 from hetserve.cost.efficiency import Efficiency
-from hetserve.errors import PlanError
+from hetserve.errors import PlanError, RuntimeFailure
 from hetserve.cost.layout import micro_batches_of
 from hetserve.policies.batching import DEFAULT_BATCHING
 from hetserve.policies.kv_admission import KV_ADMISSIONS
@@ -38,6 +40,9 @@ class EngineConfig:
     # pre-empting (recompute) the latest arrival when a step would not fit (policies.kv_admission)
     kv_admission: str = DEFAULT_BATCHING.kv_admission
     dtype: str | None = None  # None: float32 on CPU, the checkpoint's dtype on CUDA
+    # torch intra-op threads of each worker process; None: the host's cores divided among the workers
+    # placed on it (``worker_threads``). Calibration passes 1: its figures are one thread's.
+    threads_per_worker: int | None = None
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     # of each device's memory the weights, activation buffers and KV may fill: the planner's usable memory
     memory_fraction: float = Efficiency.usable_memory
@@ -68,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.threads_per_worker is not None and self.threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be positive, got {self.threads_per_worker}")
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
             raise ValueError(f"heartbeat interval ({self.heartbeat_interval_s}) must be positive and below the "
                              f"heartbeat timeout ({self.heartbeat_timeout_s})")
@@ -134,3 +141,53 @@ def largest_message_bytes(arch: ArchConfig, capacity: dict[str, int], config: En
     kv = arch.num_layers * 2 * tokens * arch.num_kv_heads * arch.head_dim * 4
     activations = config.max_batched_tokens * arch.hidden_size * 4
     return 2 * max(kv, activations) + MAX_HEADER_BYTES
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity mask, which a container or taskset narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def worker_threads(layout: tuple[ReplicaSpec, ...], config: EngineConfig, host_of: Callable[[str], str],
+                   cores: int | None = None) -> dict[str, int]:
+    """Torch threads per worker name: ``config.threads_per_worker``, or the host's cores divided
+    among the workers ``host_of`` places on that host (at least one each). More threads than cores
+    make the workers of a host spin against each other, so the default never oversubscribes."""
+    names = [w.name for r in layout for w in r.workers]
+    if config.threads_per_worker is not None:
+        return {n: config.threads_per_worker for n in names}
+    cores = cores or host_cores()
+    per_host: dict[str, int] = {}
+    for n in names:
+        per_host[host_of(n)] = per_host.get(host_of(n), 0) + 1
+    return {n: max(1, cores // per_host[host_of(n)]) for n in names}
+
+
+def check_dtype(dtype: str, devices: set[str]) -> None:
+    """Raise ``RuntimeFailure`` naming the device when one of ``devices`` ("cpu", "cuda:k") cannot
+    compute in ``dtype``: a GPU before compute capability 8.0 has no bfloat16, and a CPU build of
+    torch may lack a half-precision kernel the model needs. Checked before any worker starts, so
+    the error is one line rather than a worker's traceback."""
+    import torch
+
+    if dtype == "float32":
+        return
+    for dev in sorted(devices):
+        if dev.startswith("cuda") and dtype == "bfloat16" and not _cuda_bf16(torch, dev):
+            raise RuntimeFailure(f"{dev} ({torch.cuda.get_device_name(dev)}) cannot run bfloat16 (compute "
+                                 "capability 8.0 or later is needed): serve it in float16 or float32")
+        if dev == "cpu":
+            try:  # the ops of a layer: a linear, a softmax, a norm, silu
+                x = torch.ones(2, 8, dtype=getattr(torch, dtype))
+                y = torch.nn.functional.linear(x, torch.ones(8, 8, dtype=x.dtype)).softmax(-1)
+                torch.nn.functional.silu(torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True)).to(x.dtype) * y)
+            except RuntimeError as exc:
+                raise RuntimeFailure(f"this CPU build of torch cannot compute in {dtype} ({exc}): "
+                                     "serve it in float32") from exc
+
+
+def _cuda_bf16(torch, dev: str) -> bool:
+    return torch.cuda.get_device_capability(dev)[0] >= 8

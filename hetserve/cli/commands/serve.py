@@ -43,6 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batches", type=int,
                    help="steps in flight per pipeline (MoLink searches N..2N for N stages; default N)")
     p.add_argument("--kv-capacity", type=int, help="KV-cache tokens per replica (default: what memory allows)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="the dtype weights, activations and KV are computed in (default: float32 on CPU, the "
+                        "checkpoint's on CUDA); a device that cannot run it is an error before any worker starts")
+    p.add_argument("--threads-per-worker", type=int, metavar="N",
+                   help="torch threads of each worker process (default: this machine's cores divided among the "
+                        "workers the plan places on it, at least 1)")
     p.add_argument("--slo-ttft", type=float, help="TTFT target in seconds (aladdin placement)")
     p.add_argument("--slo-tpot", type=float, help="TPOT target in seconds (aladdin placement)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -152,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     engine_options = {"heartbeat_timeout_s": args.heartbeat_timeout,
                       "heartbeat_interval_s": min(0.5, args.heartbeat_timeout / 4),
                       "prefill_mode": args.prefill_mode, "chunk_tokens": args.chunk_tokens,
-                      "kv_admission": args.kv_admission, **tls_options(args.tls_cert, args.tls_key, args.tls_ca)}
+                      "kv_admission": args.kv_admission, "dtype": args.dtype,
+                      "threads_per_worker": args.threads_per_worker, **tls_options(args.tls_cert, args.tls_key, args.tls_ca)}
     try:
         opts = ServeOptions(plan=plan, cluster=cluster, model_dir=args.model, model_name=args.model_name,
                             backend=args.backend, placement=args.placement, route=args.route, transmission=transmission_of(args),

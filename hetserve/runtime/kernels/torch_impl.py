@@ -42,7 +42,7 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, context_lens:
     grid = cache[table].flatten(1, 2)  # (B, NB * block_size, Hkv, D)
     k_pos = torch.arange(grid.shape[1], device=grid.device)  # (K,)
     in_ctx = k_pos[None, :] < context_lens.long()[:, None]  # (B, K)
-    return grid.masked_fill(~in_ctx[:, :, None, None], 0)
+    return grid.masked_fill_(~in_ctx[:, :, None, None], 0)  # in place: the gather made a fresh copy
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -202,19 +202,19 @@ class DeviceChannel:
             seq = link.next_out
             link.next_out += 1
             header = {"seq": seq, "tensors": specs}
-            if link.spec.kind == "ipc":
-                header["ipc"] = [_share_cuda(t) for t in tensors.values()]
             meta = {k: v for k, v in msg.meta.items() if k not in ("dc", "dc_resend")}
             pending = _Pending(Message(msg.kind, meta, tensors), priority, time.monotonic() + self.timeout_s)
             link.pending[seq] = pending
-            self.transport.send(peer, Message(msg.kind, {**meta, "dc": header}), Priority.CONTROL)
             try:
+                if link.spec.kind == "ipc":
+                    header["ipc"] = [_share_cuda(t) for t in tensors.values()]
+                self.transport.send(peer, Message(msg.kind, {**meta, "dc": header}), Priority.CONTROL)
                 if link.spec.kind == "ipc":
                     pending.works = list(tensors.values())
                 else:
                     pending.works = [_isend(link, t, seq) for t in tensors.values()]
                 failed = None
-            except RuntimeError as exc:  # the pair's group is gone (its peer died)
+            except RuntimeError as exc:  # the pair's group is gone (its peer died), or IPC refused
                 failed = exc
         if failed is not None:
             with link.lock:
@@ -370,7 +370,8 @@ def _pair_group(spec: ChannelPeer, store, host: str, device: torch.device, timeo
     """The pair's two-rank group, connected (NCCL's communicator made by a first one-element transfer)."""
     from torch.distributed import ProcessGroupGloo
 
-    timeout = timedelta(seconds=timeout_s)
+    # joining waits for the peer to finish loading; each transfer has its own deadline (``_wait``)
+    timeout = timedelta(seconds=max(timeout_s, 60.0))
     if spec.kind == "gloo":
         opts = ProcessGroupGloo._Options()
         opts._timeout = timeout

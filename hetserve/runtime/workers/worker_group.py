@@ -29,7 +29,8 @@ from hetserve.runtime.workers.worker import ENGINE, WorkerConfig, worker_main
 class WorkerGroup:
     # Which worker pairs share a device channel (device_channel.py): "auto" those of GPUs (NCCL, CUDA
     # IPC), "on" CPU pairs too (gloo: the same code path, no faster than the socket on CPU), "off" none.
-    device_channel = "auto"
+    # Off until the GPU kinds have run on a GPU (bench/gpu/dataflow.sh); the CPU path is tested.
+    device_channel = "off"
 
     def __init__(self, layout: tuple[ReplicaSpec, ...], transport: SocketTransport, start_timeout_s: float):
         self.layout = layout

@@ -107,15 +107,18 @@ def check_store(impl: str, shape: cases.Shape, seed: int) -> None:
 SPLITS = st.sampled_from([None, 1, 2, 3])
 SEEDS = st.integers(0, 2**16)
 # drawn or not, every run checks two KV heads of four query heads each, contexts spanning three
-# splits beside an empty one, a non-power-of-two head size, and a chunk after earlier context
+# splits beside an empty one, a non-power-of-two head size, a chunk after earlier context, float16
 GQA = {"num_kv_heads": 2, "group": 4, "head_dim": 24, "block_size": 16}
 DECODE_CASE = cases.Shape(context_lens=(37, 70, 0, 5), dtype="bf16", **GQA)
 PREFILL_CASE = cases.Shape(context_lens=(40, 70, 0, 3), q_lens=(40, 9, 0, 1), dtype="fp32", **GQA)
+FP16_DECODE = cases.Shape(context_lens=(33, 2), dtype="fp16", **GQA)
+FP16_PREFILL = cases.Shape(context_lens=(20, 5), q_lens=(4, 5), dtype="fp16", **GQA)
 
 
 @FEW["triton"]
 @given(shape=shapes(), num_splits=SPLITS, seed=SEEDS)
 @example(shape=DECODE_CASE, num_splits=3, seed=0)
+@example(shape=FP16_DECODE, num_splits=2, seed=0)
 def test_triton_decode_matches_reference(shape, num_splits, seed):
     check_decode("triton", shape, num_splits, seed)
 
@@ -123,6 +126,7 @@ def test_triton_decode_matches_reference(shape, num_splits, seed):
 @FEW["torch"]
 @given(shape=shapes(), seed=SEEDS)
 @example(shape=DECODE_CASE, seed=0)
+@example(shape=FP16_DECODE, seed=0)
 def test_torch_decode_matches_reference(shape, seed):
     check_decode("torch", shape, None, seed)
 
@@ -130,6 +134,7 @@ def test_torch_decode_matches_reference(shape, seed):
 @FEW["triton"]
 @given(shape=shapes(prefill=True), seed=SEEDS)
 @example(shape=PREFILL_CASE, seed=0)
+@example(shape=FP16_PREFILL, seed=0)
 def test_triton_prefill_matches_reference(shape, seed):
     check_prefill("triton", shape, seed)
 
@@ -137,6 +142,7 @@ def test_triton_prefill_matches_reference(shape, seed):
 @FEW["torch"]
 @given(shape=shapes(prefill=True), seed=SEEDS)
 @example(shape=PREFILL_CASE, seed=0)
+@example(shape=FP16_PREFILL, seed=0)
 def test_torch_prefill_matches_reference(shape, seed):
     check_prefill("torch", shape, seed)
 
@@ -169,12 +175,14 @@ def test_rows_of_context_zero_give_zeros(impl):
 
 
 def test_public_triton_path_on_a_long_context():
-    """Through the public API with impl='triton': a context long enough for the default to split it."""
+    """Through the public API with impl='triton': a context long enough for the default to split it,
+    and a block table whose rows are not contiguous."""
     shape = cases.Shape(context_lens=(600, 5), num_kv_heads=1, group=4, head_dim=16, block_size=32, dtype="bf16")
     assert triton_kernels.decode_splits(600, 32)[0] > 1
     case = cases.make_case(shape, seed=2)
     assert_close(decode(case, "torch"), decode_reference(case), shape)
-    out = kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+    column_major = case.block_tables.t().contiguous().t()  # same entries, rows no longer contiguous
+    out = kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, column_major,
                                          case.context_lens, case.scale, impl="triton")
     assert_close(out, decode_reference(case), shape)
 

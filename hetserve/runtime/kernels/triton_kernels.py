@@ -229,6 +229,11 @@ def _widen(q: torch.Tensor) -> bool:
     return q.device.type != "cuda" and q.dtype != torch.float32
 
 
+def _rows(table: torch.Tensor) -> torch.Tensor:
+    """The kernels step along a block table's rows by one entry: a copy only if that is not so."""
+    return table if table.stride(-1) == 1 else table.contiguous()
+
+
 def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
         raise ValueError(f"caches must both be (num_blocks, block_size, Hkv, D): {tuple(k_cache.shape)}, "
@@ -268,7 +273,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     The split count follows the block table's width, not the batch's contexts, so no value is read back
     from the device and a captured graph launches the same grid every step."""
     _check_pool(k_cache, v_cache)
-    q = q.contiguous()
+    q, block_tables = q.contiguous(), _rows(block_tables)
     B, hq, dim = q.shape
     hkv, block_size = k_cache.shape[2], k_cache.shape[1]
     out = torch.empty_like(q, dtype=torch.float32 if _widen(q) else q.dtype)
@@ -299,7 +304,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
                             max_query_len=None):
     """See the package docstring. Tiles of 64 query rows (tokens x the group's heads, padded to powers of two)."""
     _check_pool(k_cache, v_cache)
-    q = q.contiguous()
+    q, block_tables = q.contiguous(), _rows(block_tables)
     T, hq, dim = q.shape
     out = torch.zeros_like(q, dtype=torch.float32 if _widen(q) else q.dtype)
     B = context_lens.shape[0]

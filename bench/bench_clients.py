@@ -1,4 +1,4 @@
-"""Standard benchmark clients against ``hetserve serve``: guidellm and aiperf, beside the server's metrics.
+"""Standard benchmark clients against ``hetserve serve`` (guidellm, aiperf, inference-perf), beside its metrics.
 
     make bench-clients                      # installs guidellm + aiperf into .bench-venv, then runs this
     .venv/bin/python -m bench.bench_clients --client-bin /tmp/benchvenv/bin [--requests 40] [--concurrency 4]
@@ -6,14 +6,17 @@
 Starts ``hetserve serve`` (a subprocess, as a user would) with two colocated replicas of a
 random-weight Llama (8 layers, hidden 64) on ``demo-cpu``, then runs each client with synthetic
 prompts of ``--isl`` tokens and ``--osl`` output tokens: guidellm (``--profile concurrent``; it sends
-vLLM's ``ignore_eos``), and aiperf (``--extra-inputs ignore_eos:true min_tokens:OSL``). Prints, per
-client: its completed / errored request counts and its own TTFT and latency, then the server's
+vLLM's ``ignore_eos``), aiperf (``--extra-inputs ignore_eos:true min_tokens:OSL``) and, with
+``--clients ...,inference-perf``, the Kubernetes serving benchmark inference-perf (a ``concurrent``
+load of exact-length prompts from its synthetic corpus, streamed completions, ``ignore_eos``; it
+needs Python 3.12, so its executable may live in another venv: ``--inference-perf-bin``). Prints,
+per client: its completed / errored request counts and its own TTFT and latency, then the server's
 ``hetserve_requests_total`` by outcome and its TTFT histogram mean over the same requests (the
 server measures TTFT at the first text it streams; a client adds the network and its own parsing).
 
-``--with-api-key`` serves behind a fresh random API key (``HETSERVE_API_KEY``) and hands it to both
-clients (guidellm's backend ``api_key``, aiperf's ``--api-key``): a client that does not send it
-fails with 401s.
+``--with-api-key`` serves behind a fresh random API key (``HETSERVE_API_KEY``) and hands it to every
+client (guidellm's backend ``api_key``, aiperf's ``--api-key``, inference-perf's ``server.api_key``):
+a client that does not send it fails with 401s.
 
 Token counts differ between a client and the server when the client re-tokenizes the output text
 (aiperf does): the server's count is the ``usage`` it returns.
@@ -103,6 +106,42 @@ def run_aiperf(bin_dir: Path, url: str, model: Path, args, out: Path) -> dict:
             "ttft_mean_ms": d["time_to_first_token"]["avg"], "latency_mean_s": d["request_latency"]["avg"] / 1000}
 
 
+def run_inference_perf(bin_dir: Path, url: str, model: Path, args, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+
+    def exactly(n: int) -> dict:
+        return {"min": n, "max": n, "mean": n, "std_dev": 0, "total_count": args.requests}
+
+    config = {"load": {"type": "concurrent", "num_workers": 1,
+                       "stages": [{"num_requests": args.requests, "concurrency_level": args.concurrency}]},
+              "api": {"type": "completion", "streaming": True},
+              "server": {"type": "vllm", "model_name": "tiny", "base_url": url, "ignore_eos": True,
+                         **({"api_key": args.key} if args.key else {})},
+              "tokenizer": {"pretrained_model_name_or_path": str(model)},
+              # "synthetic": exact-length text cut from its corpus; "random" token ids do not survive the
+              # tiny model's byte-level tokenizer's round trip (inference-perf then gives up on a prompt)
+              "data": {"type": "synthetic", "input_distribution": exactly(args.isl),
+                       "output_distribution": exactly(args.osl)},
+              "storage": {"local_storage": {"path": str(out / "reports")}}}
+    (out / "config.json").write_text(json.dumps(config))  # YAML is a superset of JSON
+    binary = Path(args.inference_perf_bin or bin_dir) / "inference-perf"
+    proc = subprocess.run([str(binary), "--config_file", str(out / "config.json")], capture_output=True, text=True,
+                          timeout=1800, cwd=out)
+    found = sorted(out.rglob("summary_lifecycle_metrics.json"))
+    if proc.returncode != 0 or not found:
+        return {"error": proc.stdout[-2000:] + proc.stderr[-2000:]}
+    d = json.loads(found[-1].read_text())
+    ok, failed = d["successes"], d["failures"]
+    done, errored = int(ok["count"]), int(failed["count"])
+    # requests it never sent (a prompt it could not build) count as incomplete, not as silently fine
+    return {"completed": done, "errored": errored, "incomplete": args.requests - done - errored,
+            "ttft_mean_ms": 1000 * ok["latency"]["time_to_first_token"]["mean"],
+            "latency_mean_s": ok["latency"]["request_latency"]["mean"]}
+
+
+RUNNERS = {"guidellm": run_guidellm, "aiperf": run_aiperf, "inference-perf": run_inference_perf}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--client-bin", required=True, help="folder holding the guidellm and aiperf executables")
@@ -110,7 +149,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--isl", type=int, default=32, help="prompt tokens")
     ap.add_argument("--osl", type=int, default=16, help="output tokens")
-    ap.add_argument("--clients", default="guidellm,aiperf")
+    ap.add_argument("--clients", default="guidellm,aiperf", help="comma-separated: " + ", ".join(RUNNERS))
+    ap.add_argument("--inference-perf-bin", help="folder holding the inference-perf executable (default: "
+                                                  "--client-bin); inference-perf needs Python 3.12")
     ap.add_argument("--with-api-key", action="store_true",
                     help="serve behind a fresh random API key and pass it to the clients")
     args = ap.parse_args()
@@ -145,7 +186,7 @@ def main() -> None:
                     time.sleep(0.5)
             for name in args.clients.split(","):
                 before = server_metrics(url)
-                run = run_guidellm if name == "guidellm" else run_aiperf
+                run = RUNNERS[name]
                 t0 = time.monotonic()
                 res = run(bin_dir, url, model, args, tmp / f"{name}.json" if name == "guidellm" else tmp / name)
                 rows.append((name, res, diff(server_metrics(url), before), time.monotonic() - t0))
@@ -164,7 +205,8 @@ def main() -> None:
             print(f"| {name} | failed to run: {res['error'][-300:]!r} | | | | {srv['requests']} | | {wall:.0f} |")
             continue
         ttft = f"{srv['ttft_mean_ms']:.1f}" if srv["ttft_mean_ms"] is not None else "—"
-        print(f"| {name} | {res['completed']} | {res['errored']} | {res['ttft_mean_ms']:.1f} | "
+        missing = f" ({res['incomplete']} not completed)" if res.get("incomplete") else ""
+        print(f"| {name} | {res['completed']}{missing} | {res['errored']} | {res['ttft_mean_ms']:.1f} | "
               f"{res['latency_mean_s']:.3f} | {srv['requests']} | {ttft} | {wall:.0f} |")
 
 

@@ -363,26 +363,39 @@ class CostModel(TransferCosts):
         return max(0, min(self.eff.max_batch, int(self.kv_capacity_tokens(layout) // tokens_per_request)))
 
     # ------------------------------------------------------------------ capacities (HexGen-2 App. A)
-    def prefill_capacity(self, layout: ReplicaLayout, input_tokens: float, period_s: float = DEFAULT_PERIOD_S) -> float:
+    # ``choices`` (mean sequences a request decodes, OpenAI ``n``) and ``scoring`` (share of requests
+    # scoring their prompt) shape the mean request as ``cost.request_mix.RequestMix`` says; the
+    # defaults are plain completions.
+    def prefill_capacity(self, layout: ReplicaLayout, input_tokens: float, period_s: float = DEFAULT_PERIOD_S,
+                         choices: float = 1.0, scoring: float = 0.0) -> float:
         """Requests a prefill replica finishes in ``period_s``: T / latency (compute-bound)."""
-        return period_s / self.ttft(layout, max(1, round(input_tokens)))
+        from hetserve.cost.request_mix import RequestMix  # local: it builds on this module's PrefillBatch
 
-    def decode_throughput(self, layout: ReplicaLayout, input_tokens: float, output_tokens: float) -> tuple[int, float]:
-        """(largest batch, output tokens/s) of a decode replica at that batch."""
-        b = self.max_decode_batch(layout, input_tokens + output_tokens)
+        mix = RequestMix(max(1, round(input_tokens)), 0.0, choices, scoring)
+        return period_s / self.prefill_time(layout, mix.prompts(1.0))
+
+    def _requests_at_once(self, layout: ReplicaLayout, kv_tokens: float, choices: float) -> int:
+        """Requests of ``kv_tokens`` each that run at once, their choices within the sequence cap."""
+        return min(self.max_decode_batch(layout, kv_tokens), int(self.eff.max_batch // max(choices, 1.0)))
+
+    def decode_throughput(self, layout: ReplicaLayout, input_tokens: float, output_tokens: float,
+                          choices: float = 1.0) -> tuple[int, float]:
+        """(largest batch in sequences, output tokens/s) of a decode replica at that batch."""
+        b = self._requests_at_once(layout, choices * (input_tokens + output_tokens), choices)
         if b == 0:
             return 0, 0.0
-        step = self.decode_step_time(layout, b, b * (input_tokens + output_tokens / 2))
-        return b, b / step
+        rows = b * choices
+        step = self.decode_step_time(layout, rows, rows * (input_tokens + output_tokens / 2))
+        return round(rows), rows / step
 
     def decode_capacity(self, layout: ReplicaLayout, input_tokens: float, output_tokens: float,
-                        period_s: float = DEFAULT_PERIOD_S) -> float:
+                        period_s: float = DEFAULT_PERIOD_S, choices: float = 1.0) -> float:
         """Requests a decode replica finishes in ``period_s``: max batch · T / per-request latency."""
-        _, tokens_per_s = self.decode_throughput(layout, input_tokens, output_tokens)
-        return period_s * tokens_per_s / max(output_tokens, 1.0)
+        _, tokens_per_s = self.decode_throughput(layout, input_tokens, output_tokens, choices)
+        return period_s * tokens_per_s / max(choices * output_tokens, 1.0)
 
     def colocated_capacity(self, layout: ReplicaLayout, input_tokens: float, output_tokens: float,
-                           period_s: float = DEFAULT_PERIOD_S) -> float:
+                           period_s: float = DEFAULT_PERIOD_S, choices: float = 1.0, scoring: float = 0.0) -> float:
         """Requests a colocated (HexGen / vLLM-style) replica finishes in ``period_s``.
 
         The steady state of the engine's *mixed* iterations (``mixed_step_time``; the runtime and
@@ -398,17 +411,21 @@ class CostModel(TransferCosts):
         every 1/p steps" 5–14 % high). Left out: the token budget per step (the first prompt
         always gets in) and the batch's bias to long requests (the batch holds the mean
         footprint ``s_in + s_out``; on the Azure trace the time-weighted one is 1.7 % larger).
+        With ``choices`` a request runs that many rows and holds the prompt's shared blocks once.
         """
-        b = self.max_decode_batch(layout, input_tokens + output_tokens)
+        from hetserve.cost.request_mix import RequestMix  # local: it builds on this module's PrefillBatch
+
+        mix = RequestMix(input_tokens, output_tokens, choices, scoring)
+        b = self._requests_at_once(layout, mix.kv_tokens(shares=True), choices)
         if b == 0:
             return 0.0
-        context = b * (input_tokens + output_tokens / 2)
-        decode = self.decode_step_time(layout, b, context)
+        rows = b * choices
+        context = rows * (input_tokens + output_tokens / 2)
+        decode = self.decode_step_time(layout, rows, context)
         joins = b / max(output_tokens, 1.0)  # requests finishing (and prompts joining) per step
         share = -math.expm1(-joins)  # of the steps that carry prompts: those in which a request finished
         k = joins / share  # prompts per such step
-        mixed = self.mixed_step_time(layout, b, context, PrefillBatch(max(1, round(k)), k * input_tokens,
-                                                                      k * input_tokens * input_tokens))
+        mixed = self.mixed_step_time(layout, rows, context, mix.prompts(k))
         step = share * mixed + (1.0 - share) * decode
         return period_s * joins / step
 

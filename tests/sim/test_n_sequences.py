@@ -105,3 +105,27 @@ def test_detailed_pipelines_refuse_what_they_do_not_model(cluster, model):
         simulate(Plan.from_dict(two), cluster, model, one(4), SimOptions(pipeline="detailed"))
     assert simulate(plan, cluster, model, one(1), SimOptions(pipeline="detailed")).summary()["completed"] == 1
     assert np.isfinite(simulate(Plan.from_dict(two), cluster, model, one(4)).tpot[0])
+
+
+@pytest.mark.parametrize("choices, scoring", [(4, 0.0), (2, 0.5)])
+def test_the_planners_colocated_capacity_with_choices_is_what_the_simulator_delivers(choices, scoring):
+    """A saturated colocated replica (tests/sim/test_capacity_agreement.py's setting) serving requests
+    of n choices, some scoring their prompt: ``colocated_capacity(choices=, scoring=)``, in output
+    tokens/s of every choice, within 5 % of the simulated steady state."""
+    from hetserve.cost.analytic import CostModel
+
+    from .test_capacity_agreement import CLUSTER, MODEL, PLAN, saturated_tokens_per_s
+
+    rng = np.random.default_rng(0)
+    n = 600
+    ins, outs = rng.integers(256, 769, n), rng.integers(80, 121, n)
+    scored = rng.random(n) < scoring
+    wl = Workload.from_lists("backlog", np.zeros(n), ins, outs, [choices] * n, scored)
+    res = simulate(PLAN, CLUSTER, MODEL, wl)
+    res.output_tokens = res.output_tokens * choices  # every choice's tokens, as the capacity counts them
+    layout = PLAN.replica("c0").layout(CLUSTER)
+    cost = CostModel(CLUSTER, MODEL)
+    planned = cost.colocated_capacity(layout, ins.mean(), outs.mean(), 1.0, choices, scored.mean())
+    assert saturated_tokens_per_s(res) == pytest.approx(planned * choices * outs.mean(), rel=0.05)
+    plain = cost.colocated_capacity(layout, ins.mean(), outs.mean(), 1.0)
+    assert planned < plain  # n choices per request: fewer requests a period

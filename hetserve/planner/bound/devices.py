@@ -41,7 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetserve.planner.bound.columns import ROLES
-from hetserve.planner.bound.rows import Rows, resource_rows
+from hetserve.planner.bound.routes import RouteVars
+from hetserve.planner.bound.rows import Rows
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def role_rates(ctx, k: DeviceKind) -> dict[str, list[float]]:
 @dataclass
 class DeviceLP:
     kinds: list
-    A: np.ndarray
+    A: object  # scipy sparse rows (CSR)
     rhs: np.ndarray
     names: list[str]
     prices: np.ndarray  # $/h of each variable (0 for the sums)
@@ -118,9 +119,8 @@ def build_lp(ctx, budget_usd_per_hour: float | None = None, devices=None) -> Dev
     iP, iD, iC, iF = nx, nx + 1, nx + 2, nx + 3
     machines = sorted({k.machine for k in kinds})
     network = bool(getattr(ctx, "resources", None))
-    pairs = [(a, b) for a in machines for b in machines] if network else []
-    iu = {pair: nx + 4 + j for j, pair in enumerate(pairs)}
-    nv = nx + 4 + len(pairs)
+    routes = RouteVars(ctx, kinds, machines, nx + 4) if network else None
+    nv = routes.nv if routes else nx + 4
     row = Rows(nv)
 
     rates = [role_rates(ctx, k) for k in kinds]
@@ -153,7 +153,7 @@ def build_lp(ctx, budget_usd_per_hour: float | None = None, devices=None) -> Dev
     row({iF: 1.0, iP: -1.0}, 0.0, "prefill capacity")
     row({iF: 1.0, iD: -1.0}, 0.0, "decode capacity")
     if network:
-        _network_rows(ctx, kinds, rates, machines, iu, iF, row)
+        _network_rows(kinds, rates, machines, routes, iF, row)
     prices = np.zeros(nv)
     for j, k in enumerate(kinds):  # (the u variables cost nothing)
         prices[3 * j:3 * j + 3] = k.usd_per_hour or 0.0
@@ -161,26 +161,25 @@ def build_lp(ctx, budget_usd_per_hour: float | None = None, devices=None) -> Dev
         row({i: prices[i] for i in range(nx)}, float(budget_usd_per_hour), "budget")
     served = np.zeros(nv)
     served[iF] = served[iC] = 1.0
-    return DeviceLP(kinds, row.A, np.array(row.rhs), row.names, prices, served)
+    return DeviceLP(kinds, row.sparse(), np.array(row.rhs), row.names, prices, served)
 
 
-def _network_rows(ctx, kinds, rates, machines, iu, iF, row) -> None:
-    """Shared NICs and pipes (the planner's capacity nodes): the flow splits into u[m, m'] — the
-    requests' worth of KV (as layer fractions) prefilled on machine m and decoded on m'. What
-    leaves m is at most m's prefill devices' rates (a group's layers on m run on m's devices, so
-    the per-device bounds hold per machine), what arrives at m' at most its decode devices';
-    u[m, m'] × KV bytes per request crosses every resource on the path m → m'."""
-    row({iF: 1.0, **{i: -1.0 for i in iu.values()}}, 0.0, "KV routes")
+def _network_rows(kinds, rates, machines, routes, iF, row) -> None:
+    """Shared NICs and pipes (the planner's capacity nodes): the flow splits into KV routes
+    between machines (``routes.RouteVars``: requests' worth of KV, as layer fractions, prefilled
+    on machine m and decoded on m'). What leaves m is at most m's prefill devices' rates (a group's
+    layers on m run on m's devices, so the per-device bounds hold per machine), what arrives at m'
+    at most its decode devices'; every route's KV bytes cross the resources on its path."""
+    row({iF: 1.0, **{i: -1.0 for i in routes.all()}}, 0.0, "KV routes")
     by_machine: dict[str, list[int]] = {}
     for j, k in enumerate(kinds):
         by_machine.setdefault(k.machine, []).append(j)
     for m in machines:
         for t in range(2):
-            row({**{iu[(m, b)]: 1.0 for b in machines}, **{3 * j: -rates[j]["prefill"][t] for j in by_machine[m]}},
-                0.0, f"prefill on {m}")
-            row({**{iu[(a, m)]: 1.0 for a in machines}, **{3 * j + 1: -rates[j]["decode"][t] for j in by_machine[m]}},
-                0.0, f"decode on {m}")
-    resource_rows(ctx, kinds, iu, row)
+            row({**routes.leaving(m), **{3 * j: -rates[j]["prefill"][t] for j in by_machine[m]}}, 0.0, f"prefill on {m}")
+            row({**routes.reaching(m), **{3 * j + 1: -rates[j]["decode"][t] for j in by_machine[m]}}, 0.0,
+                f"decode on {m}")
+    routes.rows(row)
 
 
 def lp_counts(lp: DeviceLP, x) -> dict[tuple[str, str, str], float]:

@@ -51,6 +51,7 @@ from scipy.sparse import vstack as sparse_vstack
 
 from hetserve.planner.bound.columns import ROLES, ColumnBounds, Kind
 from hetserve.planner.bound.milp import dual_bound, run_milp, solve_lp
+from hetserve.planner.bound.routes import RouteVars
 from hetserve.planner.bound.rows import Rows, TiedRows, dominated, loose_rows, shares
 from hetserve.planner.bound.shares import facets, share_ceilings
 from hetserve.planner.bound.sources import SourceRows, levels
@@ -159,7 +160,7 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
     machines = sorted({k.machine for k in mk})
     network = bool(getattr(ctx, "resources", None))
     tie_kv = network and cols.machine_kinds
-    pairs = [(a, b) for a in machines for b in machines] if network else []
+    pairs = [(a, b) for a in machines for b in machines] if tie_kv else []
     iy = 0
     iz = iy + 3 * nj
     ns = len(cols.big_stages)
@@ -169,7 +170,9 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
     ix = iC + (2 if big else 0)
     iF = ix + (2 * nk if network and not cols.machine_kinds else 0)
     iu = {p: iF + 1 + i for i, p in enumerate(pairs)}
-    nv = iF + 1 + len(pairs)
+    # tied KV rows read routes per machine pair (pools of few machines); loose ones by site (``routes``)
+    routes = RouteVars(ctx, mk, machines, iF + 1) if network and not tie_kv else None
+    nv = routes.nv if routes else iF + 1 + len(pairs)
     row = Rows(nv)
 
     comps = np.array(cols.comps, dtype=float).reshape(nj, ng)
@@ -199,7 +202,7 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
         row(c, 0.0, name)
     share = shares(ctx, mk, rates, cols, machines) if network and cols.machine_kinds else None
     if network and not tie_kv:
-        loose_rows(ctx, mk, rates, cols, machines, iu, iF, iy, iz, ix, big, row, share)
+        loose_rows(ctx, mk, rates, cols, machines, routes, iF, iy, iz, ix, big, row, share)
     if budget is not None:
         c = {}
         for g in range(ng):

@@ -131,10 +131,11 @@ def dominated(cols, share: np.ndarray | None, spread: np.ndarray | None = None) 
     return out
 
 
-def loose_rows(ctx, mk, rates, cols, machines, iu, iF, iy, iz, ix, big, row, share) -> None:
-    """KV routes with each machine's share bounded on its own (see the module docstring)."""
+def loose_rows(ctx, mk, rates, cols, machines, routes, iF, iy, iz, ix, big, row, share) -> None:
+    """KV routes (``routes.RouteVars``) with each machine's share bounded on its own (see the
+    module docstring)."""
     nk, nj = len(mk), len(cols.comps)
-    row({iF: 1.0, **{i: -1.0 for i in iu.values()}}, 0.0, "KV routes")
+    row({iF: 1.0, **{i: -1.0 for i in routes.all()}}, 0.0, "KV routes")
     # x[k, r] (GPU-type columns only): machine-kind devices in prefill (r = 0) / decode (r = 1)
     for g in range(len(cols.counts) if not cols.machine_kinds else 0):
         members = [k for k in range(nk) if cols.kind_of[k] == g]
@@ -150,7 +151,7 @@ def loose_rows(ctx, mk, rates, cols, machines, iu, iF, iy, iz, ix, big, row, sha
     pd = per_device(rates)
     for mi, m in enumerate(machines):
         for r in range(2):
-            flow = {i: 1.0 for p, i in iu.items() if p[r] == m}
+            flow = routes.leaving(m) if r == 0 else routes.reaching(m)
             role = ROLES[r]
             if not cols.machine_kinds:  # GPU-type columns: the machines' devices per role, per-device rates
                 row({**flow, **{ix + 2 * k + r: -pd[k][r] for k in on[m]}}, 0.0, f"{role} on {m}")
@@ -163,7 +164,7 @@ def loose_rows(ctx, mk, rates, cols, machines, iu, iF, iy, iz, ix, big, row, sha
                 for k in on[m]:
                     c[iz + 3 * cols.kind_of[k] + r] = -pd[k][r]
             row(c, 0.0, f"{role} on {m} (groups)")
-    resource_rows(ctx, mk, iu, row)
+    routes.rows(row)
 
 
 class TiedRows:

@@ -65,6 +65,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import linprog
+from scipy.sparse import csr_array
+from scipy.sparse import vstack as sparse_vstack
 
 from hetserve.planner.bound import groups as bound_groups
 from hetserve.planner.bound.columns import ROLES
@@ -205,7 +207,7 @@ def per_device_min_cost(ctx, requests_per_period: float, devices=None) -> tuple[
     when the LP cannot serve that much. A floor on the price only under SLO capacities (module
     docstring); ``planner.min_cost`` uses it there."""
     lp = build_lp(ctx, None, devices)
-    A = np.vstack([lp.A, -lp.served])
+    A = sparse_vstack([lp.A, csr_array(-lp.served[None, :])])
     rhs = np.append(lp.rhs, -requests_per_period)
     res = linprog(lp.prices, A_ub=A, b_ub=rhs, bounds=[(0, None)] * len(lp.served), method="highs")
     if res.status != 0:

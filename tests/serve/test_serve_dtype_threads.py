@@ -1,5 +1,6 @@
-"""``hetserve serve --dtype`` and ``--threads-per-worker``: what reaches the engine, the default
-thread split, the dtype check before any worker starts, and the environment workers start with."""
+"""``hetserve serve --dtype``, ``--threads-per-worker`` and the step limits: what reaches the engine,
+the default thread split, the dtype check before any worker starts, and the environment workers
+start with."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from hetserve.cli.main import main as cli
 from hetserve.errors import RuntimeFailure
+from hetserve.policies.batching import DEFAULT_BATCHING
 from hetserve.runtime.engine import OMP_WAIT_ENV, passive_omp_wait
 from hetserve.runtime.engine_config import EngineConfig, check_dtype, worker_threads
 
@@ -102,7 +104,7 @@ def test_serve_passes_dtype_and_threads_to_the_engine(tmp_path, monkeypatch):
         pass
 
     def fake_build(opts):
-        seen.update(opts.engine_options)
+        seen.update(opts.engine_options, budget=opts.max_batched_tokens, seqs=opts.max_num_seqs)
         raise Stop
 
     monkeypatch.setattr(launch, "build", fake_build)
@@ -113,11 +115,14 @@ def test_serve_passes_dtype_and_threads_to_the_engine(tmp_path, monkeypatch):
     Plan.from_dict(PLAN).save(plan)
     base = ["serve", "--plan", str(plan), "--cluster", "demo-cpu", "--model", str(model), "--port", "0"]
     with pytest.raises(Stop):
-        cli(base + ["--dtype", "bfloat16", "--threads-per-worker", "3"])
+        cli(base + ["--dtype", "bfloat16", "--threads-per-worker", "3", "--max-batched-tokens", "512",
+                    "--max-num-seqs", "16"])
     assert seen["dtype"] == "bfloat16" and seen["threads_per_worker"] == 3
+    assert seen["budget"] == 512 and seen["seqs"] == 16
     with pytest.raises(Stop):
         cli(base)
     assert seen["dtype"] is None and seen["threads_per_worker"] is None  # the engine's defaults
+    assert (seen["budget"], seen["seqs"]) == (DEFAULT_BATCHING.token_budget, DEFAULT_BATCHING.max_batch)
 
 
 @pytest.mark.parametrize("option,value", [("--dtype", "int8"), ("--threads-per-worker", "0")])

@@ -19,6 +19,8 @@ from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from hetserve.policies.batching import DEFAULT_BATCHING
+
     p = sub.add_parser("serve", help="serve a plan over an OpenAI-compatible HTTP API",
                        description="Start the plan's workers and an OpenAI-compatible server "
                                    "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
@@ -46,6 +48,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="the dtype weights, activations and KV are computed in (default: float32 on CPU, the "
                         "checkpoint's on CUDA); a device that cannot run it is an error before any worker starts")
+    p.add_argument("--max-batched-tokens", type=int, default=DEFAULT_BATCHING.token_budget, metavar="N",
+                   help=f"tokens per step, prompt + decode, with --prefill-mode mixed (default "
+                        f"{DEFAULT_BATCHING.token_budget}, as the simulator); a smaller budget spreads a burst of "
+                        "prompts over more steps, so the first of them answer sooner")
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_BATCHING.max_batch, metavar="N",
+                   help=f"sequences per step (default {DEFAULT_BATCHING.max_batch})")
     p.add_argument("--threads-per-worker", type=int, metavar="N",
                    help="torch threads of each worker process (default: this machine's cores divided among the "
                         "workers the plan places on it, at least 1)")
@@ -165,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
                             backend=args.backend, placement=args.placement, route=args.route, transmission=transmission_of(args),
                             shape_links=args.shape_links, time_scale=args.time_scale,
                             micro_batches=args.micro_batches, kv_capacity_tokens=args.kv_capacity, seed=args.seed,
+                            max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
                             slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, ray_address=args.ray_address,
                             advertise_address=args.advertise_address,
                             engine_options=engine_options, replan_on_failure=args.replan_on_failure,

@@ -59,7 +59,7 @@ class ArchConfig:
         return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[served_dtype(self.dtype)]
 
     @staticmethod
-    def from_dir(model_dir: str | Path) -> "ArchConfig":
+    def from_dir(model_dir: str | Path) -> ArchConfig:
         path = Path(model_dir) / "config.json"
         try:
             raw = json.loads(path.read_text())
@@ -70,7 +70,7 @@ class ArchConfig:
         return ArchConfig.from_dict(raw, str(path))
 
     @staticmethod
-    def from_dict(raw: dict[str, Any], source: str = "<config>") -> "ArchConfig":
+    def from_dict(raw: dict[str, Any], source: str = "<config>") -> ArchConfig:
         model_type = raw.get("model_type")
         try:
             if model_type in ("llama", "mistral") and not raw.get("sliding_window"):
@@ -130,3 +130,18 @@ def _opt(raw: dict[str, Any], source: str = "<config>") -> ArchConfig:
         word_embed_proj_dim=raw.get("word_embed_proj_dim") or hidden,
         final_layer_norm=bool(raw.get("do_layer_norm_before", True)) and not raw.get("_remove_final_layer_norm", False),
         layer_norm_affine=bool(raw.get("layer_norm_elementwise_affine", True)), raw=raw)
+
+
+# Llama-2-7B's shape, as ``llama_arch`` keywords (the published config.json's sizes)
+LLAMA2_7B = {"hidden": 4096, "heads": 32, "kv_heads": 32, "ffn": 11008, "layers": 32, "vocab": 32000,
+             "max_positions": 4096}
+
+
+def llama_arch(*, hidden: int, heads: int, ffn: int, layers: int, vocab: int, kv_heads: int | None = None,
+               max_positions: int = 4096, dtype: str = "bfloat16", norm_eps: float = 1e-5) -> ArchConfig:
+    """A Llama ``ArchConfig`` made in memory (no checkpoint directory): ``llama_arch(**LLAMA2_7B)``."""
+    return ArchConfig.from_dict({
+        "model_type": "llama", "hidden_size": hidden, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads or heads, "intermediate_size": ffn, "num_hidden_layers": layers,
+        "vocab_size": vocab, "max_position_embeddings": max_positions, "rms_norm_eps": norm_eps,
+        "hidden_act": "silu", "torch_dtype": dtype}, "<llama_arch>")

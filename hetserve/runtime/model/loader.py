@@ -1,14 +1,20 @@
 """Build one stage of a checkpoint: the plain model on the meta device, sharded, then filled from safetensors.
 
-Each worker memory-maps the checkpoint and reads only its slice of each tensor
-(``safe_open(...).get_slice(name)[slices]``), so a TP-``n`` worker reads about ``1/n`` of its layers' bytes.
+The stage is built on the meta device (no memory for weights that the checkpoint overwrites) and
+shrunk to this TP rank's shard there. Each worker then memory-maps the checkpoint and reads only its
+slice of each tensor (``safe_open(..., device=...).get_slice(name)[slices]``), so a TP-``n`` worker
+reads about ``1/n`` of its layers' bytes, and each tensor goes to the worker's device and dtype
+as it is read: the stage never exists whole in another dtype or on another device.
 Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``) layouts are read.
+``load_stage`` also returns a ``LoadReport`` (seconds, bytes read) for the worker to report.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -24,11 +30,25 @@ from hetserve.runtime.model.tp import apply_tp, shard_of, tp_kind
 STAGE_CLASSES: dict[str, type[nn.Module]] = {"llama": LlamaStage, "opt": OPTStage}
 
 
+@dataclass(frozen=True)
+class LoadReport:
+    """What making one worker's stage took: build + load seconds, checkpoint bytes read, from where."""
+
+    seconds: float
+    bytes_read: int  # bytes of the checkpoint's tensors this rank read (its shards only)
+    tensors: int
+    source: str  # the checkpoint directory, or "random"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
 class CheckpointReader:
     """Name -> file index over a safetensors checkpoint; tensors are read lazily by slice."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu"):
         self.dir = Path(model_dir)
+        self.device = str(device)
         index = self.dir / "model.safetensors.index.json"
         if index.exists():
             self.files = {k: self.dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
@@ -37,24 +57,25 @@ class CheckpointReader:
             if not single.exists():
                 raise SpecError(str(self.dir), "model.safetensors", "a safetensors checkpoint in the model directory")
             with safe_open(str(single), framework="pt") as f:
-                self.files = {k: single for k in f.keys()}
+                self.files = {k: single for k in f.keys()}  # noqa: SIM118 (a safe_open handle is not iterable)
         self._open: dict[Path, object] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
-    def read(self, name: str, slices: tuple[slice, ...] | None = None) -> torch.Tensor:
+    def _file(self, name: str):
         path = self.files[name]
         if path not in self._open:
-            self._open[path] = safe_open(str(path), framework="pt")
-        part = self._open[path].get_slice(name)
+            self._open[path] = safe_open(str(path), framework="pt", device=self.device)
+        return self._open[path]
+
+    def read(self, name: str, slices: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The tensor (or its ``slices``) on the reader's device, in the checkpoint's dtype."""
+        part = self._file(name).get_slice(name)
         return part[slices] if slices is not None else part[:]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        path = self.files[name]
-        if path not in self._open:
-            self._open[path] = safe_open(str(path), framework="pt")
-        return tuple(self._open[path].get_slice(name).get_shape())
+        return tuple(self._file(name).get_slice(name).get_shape())
 
     def close(self) -> None:
         self._open.clear()
@@ -78,35 +99,71 @@ def _skip_init():
             setattr(torch.nn.init, n, f)
 
 
-def build_stage(cfg: ArchConfig, model_dir: str | Path, layers: tuple[int, int], *, has_embed: bool,
-                has_head: bool, tp_rank: int = 0, tp_world: int = 1, tp_group=None,
-                device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Layers ``[a, b)`` of the checkpoint in ``model_dir`` as this TP rank's shard, ready for inference."""
-    cls = STAGE_CLASSES[cfg.arch]
-    first, last = layers
+def meta_stage(cfg: ArchConfig, num_layers: int, *, has_embed: bool, has_head: bool, tp_rank: int = 0,
+               tp_world: int = 1, tp_group=None) -> nn.Module:
+    """This TP rank's shard of a stage of ``num_layers`` layers, every parameter on the meta device."""
     with torch.device("meta"), _skip_init():
-        model = cls(cfg, last - first, has_embed, has_head)
-    apply_tp(model, tp_rank, tp_world, tp_group)
-    reader = CheckpointReader(model_dir)
+        model = STAGE_CLASSES[cfg.arch](cfg, num_layers, has_embed, has_head)
+    return apply_tp(model, tp_rank, tp_world, tp_group)
+
+
+def finish_stage(model: nn.Module, device: torch.device) -> nn.Module:
+    """Non-parameter state (RoPE frequencies) on ``device``; inference mode, no gradients."""
+    model.init_buffers(device)
+    return model.eval().requires_grad_(False)
+
+
+def load_stage(cfg: ArchConfig, model_dir: str | Path, layers: tuple[int, int], *, has_embed: bool,
+               has_head: bool, tp_rank: int = 0, tp_world: int = 1, tp_group=None,
+               device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> tuple[nn.Module, LoadReport]:
+    """Layers ``[a, b)`` of the checkpoint in ``model_dir`` as this TP rank's shard, and what loading took."""
+    start = time.perf_counter()
+    device = torch.device(device)
+    first, last = layers
+    model = meta_stage(cfg, last - first, has_embed=has_embed, has_head=has_head, tp_rank=tp_rank,
+                       tp_world=tp_world, tp_group=tp_group)
+    reader = CheckpointReader(model_dir, device)
     state: dict[str, torch.Tensor] = {}
+    bytes_read = 0
     try:
         for name, param in model.named_parameters():
-            module_name, pname = name.rsplit(".", 1)
-            key = next((k for k in cls.checkpoint_keys(name, first, cfg) if k in reader), None)
-            if key is None:
-                raise SpecError(str(model_dir), cls.checkpoint_keys(name, first, cfg)[0],
-                                "a tensor in the checkpoint")
-            shard = shard_of(tp_kind(model, module_name), pname, reader.shape(key), tp_rank, tp_world)
-            tensor = reader.read(key, shard.slices)
-            if shard.zero:
-                tensor = torch.zeros_like(tensor)
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise SpecError(str(model_dir), key, f"shape {tuple(param.shape)} for this shard",
-                                tuple(tensor.shape))
-            state[name] = tensor.to(device=device, dtype=dtype)
+            tensor, nbytes = _read_param(model, reader, name, tuple(param.shape), first, cfg, tp_rank, tp_world)
+            # one tensor at a time in the checkpoint's dtype, then cast where it lies: the stage
+            # is never whole in another dtype
+            state[name] = tensor.to(device=device, dtype=dtype).contiguous()
+            bytes_read += nbytes
     finally:
         reader.close()
     model.load_state_dict(state, assign=True, strict=True)
-    model.init_buffers(torch.device(device))
-    model.eval().requires_grad_(False)
-    return model
+    finish_stage(model, device)
+    if device.type == "cuda":  # the casts are queued: the stage is ready when they are done
+        torch.cuda.synchronize(device)
+    report = LoadReport(time.perf_counter() - start, bytes_read, len(state), str(model_dir))
+    return model, report
+
+
+def build_stage(cfg: ArchConfig, model_dir: str | Path, layers: tuple[int, int], *, has_embed: bool,
+                has_head: bool, tp_rank: int = 0, tp_world: int = 1, tp_group=None,
+                device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``load_stage`` without the report."""
+    return load_stage(cfg, model_dir, layers, has_embed=has_embed, has_head=has_head, tp_rank=tp_rank,
+                      tp_world=tp_world, tp_group=tp_group, device=device, dtype=dtype)[0]
+
+
+def _read_param(model: nn.Module, reader: CheckpointReader, name: str, shape: tuple[int, ...], first: int,
+                cfg: ArchConfig, tp_rank: int, tp_world: int) -> tuple[torch.Tensor, int]:
+    """(this rank's shard of parameter ``name`` on the reader's device, bytes read for it)."""
+    keys = STAGE_CLASSES[cfg.arch].checkpoint_keys(name, first, cfg)
+    key = next((k for k in keys if k in reader), None)
+    if key is None:
+        raise SpecError(str(reader.dir), keys[0], "a tensor in the checkpoint")
+    module_name, pname = name.rsplit(".", 1)
+    full = reader.shape(key)
+    shard = shard_of(tp_kind(model, module_name), pname, full, tp_rank, tp_world)
+    if shard.shape(full) != shape:
+        raise SpecError(str(reader.dir), key, f"shape {shape} for this shard", shard.shape(full))
+    if shard.zero:  # nothing to read: this rank adds no row-parallel bias
+        return torch.zeros(shape, device=reader.device), 0
+    tensor = reader.read(key, shard.slices)
+    return tensor, tensor.numel() * tensor.element_size()

@@ -6,6 +6,10 @@
 ``b`` for ``b < 256``, then ``<bos>``, ``<eos>``, ``<pad>``. Text round-trips exactly through
 ``AutoTokenizer.from_pretrained(out_dir)`` (encode with ``add_special_tokens=False``).
 
+``random_stage(cfg, layers, device, dtype, seed)`` makes a stage of random weights straight on a
+device, no file: benchmarks of real shapes (``config.llama_arch(**config.LLAMA2_7B)``) without a
+checkpoint.
+
 Nothing here is loaded at serving time except through the files it writes.
 """
 
@@ -70,7 +74,7 @@ def make_model(out_dir: str | Path, arch: str = "llama", *, layers: int = 4, hid
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    special = dict(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    special = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     if arch == "llama":
         ffn = ffn or -(-2 * hidden // 8) * 8
         config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
@@ -92,3 +96,47 @@ def make_model(out_dir: str | Path, arch: str = "llama", *, layers: int = 4, hid
     model.save_pretrained(str(out))
     save_byte_tokenizer(out, model_max_length=max_positions)
     return out
+
+
+def random_stage(cfg, layers, device="cpu", dtype=None, seed: int = 0, *, has_embed: bool = False,
+                 has_head: bool = False, tp_rank: int = 0, tp_world: int = 1, tp_group=None,
+                 init_std: float = 0.02):
+    """A stage of ``cfg`` (an ``ArchConfig``) with random weights, made directly on ``device``.
+
+    ``layers`` is a count or ``(first, last)``; ``dtype`` defaults to ``cfg.dtype``. Each weight is
+    allocated once, on ``device`` in ``dtype``, and drawn from N(0, ``init_std``) with a generator on
+    that device seeded with ``seed`` (the same seed and device give the same weights); norm weights
+    are ones and biases zeros. A TP rank draws its shard on its own: the shards of several ranks are
+    not slices of one model.
+    """
+    import torch
+
+    from hetserve.runtime.model.loader import finish_stage, meta_stage
+
+    first, last = (0, layers) if isinstance(layers, int) else layers
+    device = torch.device(device)
+    dtype = dtype or getattr(torch, cfg.dtype)
+    model = meta_stage(cfg, last - first, has_embed=has_embed, has_head=has_head, tp_rank=tp_rank,
+                       tp_world=tp_world, tp_group=tp_group)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state = {}
+    for name, param in model.named_parameters():
+        tensor = torch.empty(param.shape, device=device, dtype=dtype)
+        module_name, pname = name.rsplit(".", 1)
+        if pname == "bias":
+            tensor.zero_()
+        elif _is_norm(model.get_submodule(module_name)):
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, init_std, generator=gen)
+        state[name] = tensor
+    model.load_state_dict(state, assign=True, strict=True)
+    return finish_stage(model, device)
+
+
+def _is_norm(module) -> bool:
+    from torch import nn
+
+    from hetserve.runtime.model.llama import RMSNorm
+
+    return isinstance(module, (nn.LayerNorm, RMSNorm))

@@ -26,6 +26,10 @@ class Shard:
     slices: tuple[slice, ...]  # applied to the full checkpoint tensor
     zero: bool = False  # this rank holds zeros of the sliced shape (row-parallel bias off rank 0)
 
+    def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of this shard of a tensor of shape ``full``."""
+        return tuple(len(range(*s.indices(n))) for s, n in zip(self.slices, full))
+
 
 def shard_of(kind: str | None, param: str, shape: tuple[int, ...], rank: int, world: int) -> Shard:
     """Slice of a full tensor of ``shape`` that ``rank`` of ``world`` loads for a ``kind`` linear."""

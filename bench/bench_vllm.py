@@ -98,13 +98,14 @@ def make_models(names: list[str], out: Path) -> dict[str, Path]:
     return dirs
 
 
-def write_plan(model_dir: Path) -> Path:
-    """One colocated replica, TP 1, every layer on one worker (the demo-cpu pool's first slot)."""
+def write_plan(model_dir: Path, replicas: int = 1) -> Path:
+    """``replicas`` colocated replicas, TP 1, every layer on one worker each (the demo-cpu pool's
+    slots m0:0, m0:1, ...: processes of this machine)."""
     layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     plan = {"model": model_dir.name, "cluster": "demo-cpu", "algorithm": "manual", "kv_routes": [],
-            "replicas": [{"id": "c0", "role": "colocated",
-                          "stages": [{"devices": ["m0:0"], "layers": [0, layers]}]}]}
-    path = model_dir.parent / f"{model_dir.name}-plan.json"
+            "replicas": [{"id": f"c{i}", "role": "colocated",
+                          "stages": [{"devices": [f"m0:{i}"], "layers": [0, layers]}]} for i in range(replicas)]}
+    path = model_dir.parent / f"{model_dir.name}-plan-{replicas}.json"
     path.write_text(json.dumps(plan))
     return path
 
@@ -119,7 +120,8 @@ def vllm_command(py: str, model_dir: Path, dtype: str, port: int, args) -> tuple
 
 
 def hetserve_command(model_dir: Path, dtype: str, port: int, args) -> tuple[list[str], dict]:
-    cmd = [sys.executable, "-m", "hetserve.cli.main", "serve", "--plan", str(write_plan(model_dir)),
+    plan = write_plan(model_dir, args.hetserve_replicas)
+    cmd = [sys.executable, "-m", "hetserve.cli.main", "serve", "--plan", str(plan),
            "--cluster", "demo-cpu", "--model", str(model_dir), "--model-name", "m", "--port", str(port),
            "--dtype", dtype, "--log-level", "warning", *args.hetserve_args.split()]
     return cmd, {}
@@ -261,6 +263,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vllm-python", help="vLLM's interpreter (default .vllm-venv/bin/python, /work/vllm-venv/...)")
     ap.add_argument("--vllm-threads-bind", default=f"0-{os.cpu_count() - 1}",
                     help="VLLM_CPU_OMP_THREADS_BIND (default: every core)")
+    ap.add_argument("--hetserve-replicas", type=int, default=1,
+                    choices=[1, 2],
+                    help="colocated TP-1 replicas hetserve serves, on demo-cpu's two m0 slots (default 1, as "
+                         "vLLM's one engine; 2: a what-if, one worker per core)")
     ap.add_argument("--hetserve-args", default="", help="extra `hetserve serve` options, e.g. '--threads-per-worker 1'")
     ap.add_argument("--workdir", help="checkpoints and server logs (default: a temporary folder, removed)")
     ap.add_argument("--json", help="write every run here")

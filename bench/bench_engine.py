@@ -155,7 +155,7 @@ def bench_engine(name: str, plan_dict: dict, cluster_path: Path, model_dir: Path
     from hetserve.runtime.params import SamplingParams
 
     config = EngineConfig(kv_capacity_tokens=KV_TOKENS, max_num_seqs=MAX_NUM_SEQS,
-                          max_batched_tokens=MAX_BATCHED_TOKENS, start_method=start_method)
+                          max_batched_tokens=MAX_BATCHED_TOKENS, start_method=start_method, threads_per_worker=1)
     t_start = time.perf_counter()
     engine = Engine.from_plan(Plan.from_dict(plan_dict), cluster_path, model_dir, config)
     started = time.perf_counter() - t_start

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from hetserve.calibration.probes import PROBE_THREADS
 from hetserve.calibration.speed_probe import SPEED_WEIGHT
 from hetserve.policies.placement import DEFAULT_PLACEMENT
 
@@ -156,7 +157,8 @@ def compare(opts: CompareOptions) -> Comparison:
     serve_opts = ServeOptions(plan=plan, cluster=cluster, model_dir=str(opts.model_dir), placement=opts.placement,
                               route=opts.route, seed=opts.seed,
                               engine_options={"prefill_mode": opts.prefill_mode, "chunk_tokens": opts.chunk_tokens,
-                                              "kv_admission": opts.kv_admission})
+                                              "kv_admission": opts.kv_admission,
+                                              "threads_per_worker": PROBE_THREADS})
     with start_server(serve_opts) as server:
         engine = server.deployment.engine
         pools = {rid: s.blocks.capacity_tokens for rid, s in engine.schedulers.items()}

@@ -28,6 +28,9 @@ from hetserve.calibration.speed_probe import paired_round_median, round_median
 from hetserve.specs.model import load_model
 
 
+# Every probed worker runs one torch thread: the probes' engines run side by side (more threads
+# would oversubscribe the cores), and `hetserve compare` serves at the same count.
+PROBE_THREADS = 1
 DECODE_PROMPT = 16  # prompt tokens of each sequence of the decode probes
 LONG_DECODE_PROMPT = 256  # ... and of the long-context decode probe
 # The noisiest probes, the TP 2 probe and the two-stage pipeline's prompt, are taken this many times
@@ -167,11 +170,13 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         from hetserve.serve.launch import ServeOptions, start_server
 
         server = start_server(ServeOptions(plan=plan, cluster=cluster, model_dir=str(model_dir),
-                                           max_num_seqs=max(batch_sizes), kv_capacity_tokens=kv_tokens))
+                                           max_num_seqs=max(batch_sizes), kv_capacity_tokens=kv_tokens,
+                                           engine_options={"threads_per_worker": PROBE_THREADS}))
         engine = server.deployment.engine
     else:
         engine = Engine.from_plan(plan, cluster, model_dir,
-                                  EngineConfig(max_num_seqs=max(batch_sizes), kv_capacity_tokens=kv_tokens))
+                                  EngineConfig(max_num_seqs=max(batch_sizes), kv_capacity_tokens=kv_tokens,
+                                               threads_per_worker=PROBE_THREADS))
     try:
         pp_prompt = prompt_lengths[min(1, len(prompt_lengths) - 1)]
         if pipeline and spec.num_layers >= 2:
@@ -180,18 +185,18 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
             # and two (two sequences): how much of the turn-around holds the last stage meanwhile.
             cluster2 = one_device_cluster(gpu_name, 2)
             pp = Engine.from_plan(one_device_plan(spec, cluster2, 2), cluster2, model_dir,
-                                  EngineConfig(max_num_seqs=4, kv_capacity_tokens=kv_tokens))
+                                  EngineConfig(max_num_seqs=4, kv_capacity_tokens=kv_tokens, threads_per_worker=PROBE_THREADS))
             pp.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         if tp and tp_divides(spec, 2):
             # One stage on TP 2: what it adds beyond half the compute is its collectives' fixed cost.
             cluster2 = one_device_cluster(gpu_name, 2)
             tp2 = Engine.from_plan(one_device_plan(spec, cluster2, 1, 2), cluster2, model_dir,
-                                   EngineConfig(max_num_seqs=4, kv_capacity_tokens=kv_tokens))
+                                   EngineConfig(max_num_seqs=4, kv_capacity_tokens=kv_tokens, threads_per_worker=PROBE_THREADS))
             tp2.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         if handoff:
             cluster2 = one_device_cluster(gpu_name, 2)
             pd = Engine.from_plan(handoff_plan(spec, cluster2), cluster2, model_dir,
-                                  EngineConfig(max_num_seqs=4, kv_capacity_tokens=kv_tokens))
+                                  EngineConfig(max_num_seqs=4, kv_capacity_tokens=kv_tokens, threads_per_worker=PROBE_THREADS))
             pd.generate([[65] * 8], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
         engine.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         if server is not None:  # the client's and the server's first request import and build things once

@@ -87,12 +87,7 @@ def reconfigure(engine, plan: Plan, cluster: Cluster) -> dict[str, Any]:
 
         def make_config(w, store_address, backend) -> WorkerConfig:
             sched = next(s for s in schedulers if s.id == w.replica)
-            return WorkerConfig(spec=w, layout=layout, model_dir=engine.model_dir, dtype=engine.dtype,
-                                num_slots=sched.blocks.capacity_tokens, block_size=cfg.block_size,
-                                engine_address=engine.transport.address, security=engine.security,
-                                store_address=store_address,
-                                backend=backend, link_scheduler=engine._link_scheduler, shaper=engine._shaper,
-                                host=engine.transport.address[0], heartbeat_s=cfg.heartbeat_interval_s)
+            return engine.worker_config(w, layout, sched.blocks.capacity_tokens, store_address, backend)
         try:
             procs = engine.workers.start_more(added, layout, make_config, cfg.start_method, recv)
         finally:

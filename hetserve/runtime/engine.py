@@ -145,6 +145,7 @@ class Engine:
         self.transport = SocketTransport(ENGINE, self.security, host=config.host or LOOPBACK,
                                          scheduler_factory=link_scheduler, shaper=shaper)
         self.workers = WorkerGroup(layout, self.transport, config.start_timeout_s)
+        self.workers.device_channel = config.device_channel
         self.loop = EngineLoop(layout, self.schedulers, self.transport, self.workers, route_policy,
                                        heartbeat_timeout_s=config.heartbeat_timeout_s, max_reruns=config.max_reruns)
         self._ids = itertools.count(1)
@@ -259,17 +260,24 @@ class Engine:
         self.shutdown()
 
     # ------------------------------------------------------------------ start-up
+    def worker_config(self, w, layout, num_slots: int, store_address, backend) -> WorkerConfig:
+        """What worker ``w`` of ``layout`` starts with (at start-up and when a re-plan adds it)."""
+        return WorkerConfig(spec=w, layout=layout, model_dir=self.model_dir, dtype=self.dtype, num_slots=num_slots,
+                            block_size=self.config.block_size, engine_address=self.transport.address,
+                            security=self.security, store_address=store_address, backend=backend,
+                            link_scheduler=self._link_scheduler, shaper=self._shaper,
+                            host=self.transport.address[0],  # the Ray backend rebinds each to its node
+                            heartbeat_s=self.config.heartbeat_interval_s, threads=self.worker_threads(w.name),
+                            channel_timeout_s=self.config.channel_timeout_s)
+
+    def worker_loads(self) -> dict[str, dict]:
+        """Each worker's start-up: seconds to build and load its shard, checkpoint bytes read."""
+        return dict(self.workers.loads)
+
     def _start_workers(self) -> None:
         def make_config(w, store_address, backend) -> WorkerConfig:
-            return WorkerConfig(spec=w, layout=self.layout, model_dir=self.model_dir, dtype=self.dtype,
-                                num_slots=self.schedulers[w.replica].blocks.capacity_tokens,
-                                block_size=self.config.block_size, engine_address=self.transport.address,
-                                security=self.security,
-                                store_address=store_address, backend=backend,
-                                link_scheduler=self._link_scheduler, shaper=self._shaper,
-                                host=self.transport.address[0],  # the Ray backend rebinds each to its node
-                                heartbeat_s=self.config.heartbeat_interval_s,
-                                threads=self.worker_threads(w.name))
+            return self.worker_config(w, self.layout, self.schedulers[w.replica].blocks.capacity_tokens,
+                                      store_address, backend)
 
         with passive_omp_wait(max(self.threads.values(), default=1) > 1):
             self.workers.start(make_config, self.config.start_method)

@@ -49,6 +49,10 @@ class EngineConfig:
     start_timeout_s: float = 120.0
     micro_batches: int | None = None  # steps in flight per replica; None: its number of pipeline stages
     start_method: str = "spawn"  # or "forkserver": workers fork from a server that imported torch once
+    # tensors between workers by a device channel (runtime/workers/device_channel.py): "off", "auto"
+    # (pairs of GPUs: NCCL / CUDA IPC) or "on" (gloo between CPU workers too); off until it has run on a GPU
+    device_channel: str = "off"
+    channel_timeout_s: float = 30.0  # a channel transfer not done by then goes by socket
     heartbeat_interval_s: float = 0.5  # each worker reports it is alive this often
     heartbeat_timeout_s: float = 3.0  # silent this long (a hung or SIGSTOPped worker): declared dead
     max_reruns: int = 3  # a request whose replica died is re-run on a live one at most this many times
@@ -73,6 +77,10 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.device_channel not in ("off", "auto", "on"):
+            raise ValueError(f"device_channel must be off, auto or on, got {self.device_channel!r}")
+        if not self.channel_timeout_s > 0:
+            raise ValueError(f"channel_timeout_s must be positive, got {self.channel_timeout_s}")
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be positive, got {self.threads_per_worker}")
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:

@@ -37,12 +37,15 @@ TIMEOUT_S = 3.0
 class Pair:
     """This process as worker "b", the other end ("a", ``channel_peer.peer_main``) in a child process."""
 
-    def __init__(self, scenario: str, timeout_s: float = TIMEOUT_S):
+    def __init__(self, scenario: str, timeout_s: float = TIMEOUT_S, seen_step: threading.Event | None = None):
         self.store = BoundStore("127.0.0.1")
         self.transport = SocketTransport("b", LinkSecurity(SECRET))
         self.channel = DeviceChannel(self.transport, (ChannelPeer("a", "gloo", GROUP, 1),), "cpu",
                                      timeout_s=timeout_s)
         self.channel.expect.update(expectations())
+        if seen_step is not None:  # set before the peer starts: its header may come at once
+            rule = self.channel.expect["step"]
+            self.channel.expect["step"] = lambda meta: (seen_step.set(), rule(meta))[1]
         ctx = mp.get_context("spawn")
         self.proc = ctx.Process(target=channel_peer.peer_main, daemon=True,
                                 args=(SECRET, self.store.address, self.transport.address, scenario, timeout_s))
@@ -92,11 +95,9 @@ def test_gloo_channel_moves_activations_and_kv_bit_identical_and_a_refused_heade
 
 
 def test_a_peer_killed_mid_transfer_fails_the_receive_within_the_timeout():
-    pair = Pair("header_then_die")
+    receiving = threading.Event()
+    pair = Pair("header_then_die", seen_step=receiving)
     try:
-        receiving = threading.Event()
-        rule = pair.channel.expect["step"]
-        pair.channel.expect["step"] = lambda meta: (receiving.set(), rule(meta))[1]
         assert receiving.wait(30), "the header never came"
         os.kill(pair.proc.pid, signal.SIGKILL)
         killed = time.monotonic()

@@ -42,6 +42,7 @@ class WorkerGroup:
         self.dead: set[str] = set()
         self._unreaped: set[str] = set()  # dead workers killed but not yet waited for (zombies until reaped)
         self.addresses: dict[str, Any] = {}  # worker name -> its transport address
+        self.loads: dict[str, dict] = {}  # worker name -> its start-up (model.loader.LoadReport.as_dict)
         self._store = None
         self._rounds = itertools.count()  # start-up rounds: each one's channel groups have their own keys
 
@@ -53,6 +54,7 @@ class WorkerGroup:
         self.pids.update({n: p.pid for n, p in procs.items()})
         book = self._await_all("ready", "load its shard", procs, self.transport.recv)
         self.addresses = {name: m["address"] for name, m in book.items()}
+        self.loads.update({name: m["load"] for name, m in book.items() if "load" in m})
         self._connect(procs, self.addresses, None, self.transport.recv)
 
     def start_more(self, replicas: tuple[ReplicaSpec, ...], layout: tuple[ReplicaSpec, ...], make_config,
@@ -65,6 +67,7 @@ class WorkerGroup:
         try:
             got = self._await_all("ready", "load its shard", procs, recv)
             fresh = {name: m["address"] for name, m in got.items()}
+            self.loads.update({name: m["load"] for name, m in got.items() if "load" in m})
             for name, addr in fresh.items():
                 self.transport.set_address(name, addr)
             running = [n for n in self.procs if n not in self.dead and n not in procs and self.procs[n].exitcode is None]

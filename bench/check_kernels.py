@@ -1,8 +1,8 @@
 """The paged-attention kernels against their per-sequence references on many random shapes, and
-the torch path's decode time against the engine's current attention on this CPU.
+the torch path's decode time against an earlier revision's on this CPU.
 
     .venv/bin/python -m bench.check_kernels [--shapes 200] [--impls triton torch] [--seed 0]
-                                            [--timing-only | --no-timing] [--json out.json]
+                                            [--timing-only | --no-timing] [--base REV] [--json out.json]
 
 Part 1: for each kernel (store_kv, decode, prefill) and implementation, ``--shapes`` random shapes
 (half float32, half bfloat16; GQA ratios 1/4/8, 1-2 KV heads, head sizes 16-128, block sizes 8-32,
@@ -12,11 +12,10 @@ batches 1-64, contexts ending anywhere in a block, empty rows, decode split 1-4 
 per (kernel, impl, dtype): shapes, their ranges, max abs error, tolerance, pass. Exit status 1 if
 a row fails.
 
-Part 2: one decode step of one layer (write the new K/V, attend) with one torch thread:
-``runtime.model.attention.paged_attention`` (its metadata built beforehand, as the engine builds it
-once per step) against ``kernels.store_kv`` + ``kernels.paged_decode_attention(impl="torch")``.
-Printed: microseconds (fastest of ``--reps``, the two taking turns) and new / current (below 1: the
-torch path is faster).
+Part 2 (with ``--base REV``, a git revision): one decode step of one layer (write the new K/V,
+attend) with one torch thread, float32 and bfloat16: ``kernels/torch_impl.py`` as it was at ``REV``
+against the working tree's, on the same pool. Printed: microseconds (fastest of ``--reps``, the two
+taking turns) and new / base (below 1: the working tree is faster).
 """
 
 from __future__ import annotations
@@ -25,9 +24,12 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import time
+import types
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: see kernels.triton_kernels
 
@@ -109,32 +111,38 @@ def check(kernel: str, impl: str, num_shapes: int, seed: int) -> list[Row]:
     return rows
 
 
-def decode_steps(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int = 16):
+def torch_impl_at(rev: str) -> types.ModuleType:
+    """``hetserve/runtime/kernels/torch_impl.py`` as it was at git revision ``rev``, as a module."""
+    root = Path(__file__).resolve().parents[1]
+    src = subprocess.run(["git", "show", f"{rev}:hetserve/runtime/kernels/torch_impl.py"], cwd=root,
+                         capture_output=True, text=True, check=True).stdout
+    module = types.ModuleType(f"torch_impl_at_{rev}")
+    exec(compile(src, f"{rev}:torch_impl.py", "exec"), module.__dict__)
+    return module
+
+
+def decode_steps(base: types.ModuleType, batch: int, context: int, heads: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, block_size: int = 16):
     """One layer's decode step on CPU (write each sequence's new K/V, attend over its context), as
-    (current, torch path) callables over the same pool; metadata built beforehand, once per step."""
-    from hetserve.runtime.model.attention import build_attn_meta, paged_attention
+    (base revision's, working tree's) callables over the same pool."""
+    from hetserve.runtime.kernels import torch_impl
 
     gen = torch.Generator().manual_seed(0)
     contexts = [max(1, context - 37 * i % context) for i in range(batch)]  # distinct lengths, <= context
     blocks_per_seq = -(-(context + 1) // block_size)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
-    q = torch.randn(batch, heads, head_dim, generator=gen)
-    k, v = torch.randn(2, batch, kv_heads, head_dim, generator=gen)
-    k_cache, v_cache = torch.randn(2, batch * blocks_per_seq, block_size, kv_heads, head_dim, generator=gen)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
+    k, v = torch.randn(2, batch, kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache, v_cache = torch.randn(2, batch * blocks_per_seq, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     scale = head_dim ** -0.5
-    meta = build_attn_meta(contexts, [1] * batch, tables, block_size)
-    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
     table = torch.tensor(tables, dtype=torch.int32)
     lens = torch.tensor(contexts, dtype=torch.int32) + 1  # the new token included
     slots = torch.tensor([t[c // block_size] * block_size + c % block_size for t, c in zip(tables, contexts)])
 
-    def current():
-        paged_attention(q, k, v, flat_k, flat_v, meta, scale)
-
-    def torch_path():
-        kernels.store_kv(k, v, k_cache, v_cache, slots, impl="torch")
-        kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, impl="torch")
-    return current, torch_path
+    def step(impl):
+        return lambda: (impl.store_kv(k, v, k_cache, v_cache, slots),
+                        impl.paged_decode_attention(q, k_cache, v_cache, table, lens, scale))
+    return step(base), step(torch_impl)
 
 
 def best_us(steps, reps: int) -> list[float]:
@@ -154,15 +162,18 @@ def best_us(steps, reps: int) -> list[float]:
 
 
 TIMING_CASES = [  # (batch, context, Hq, Hkv, D): the benchmarks' tiny Llama, then a 7B-like layer
-    (4, 256, 4, 2, 64), (16, 256, 4, 2, 64), (64, 512, 4, 2, 64), (16, 1024, 32, 8, 128), (64, 512, 32, 8, 128)]
+    (4, 256, 4, 2, 64), (32, 130, 8, 4, 64), (64, 512, 4, 2, 64), (16, 1024, 32, 8, 128), (64, 512, 32, 8, 128)]
 
 
-def timing(reps: int) -> list[dict]:
+def timing(base_rev: str, reps: int) -> list[dict]:
+    base = torch_impl_at(base_rev)
     out = []
-    for batch, context, heads, kv_heads, head_dim in TIMING_CASES:
-        current, new = best_us(decode_steps(batch, context, heads, kv_heads, head_dim), reps)
-        out.append({"batch": batch, "context": context, "heads": f"{heads}/{kv_heads}", "head_dim": head_dim,
-                    "current_us": current, "torch_path_us": new, "ratio": new / current})
+    for dtype in (torch.float32, torch.bfloat16):
+        for batch, context, heads, kv_heads, head_dim in TIMING_CASES:
+            old, new = best_us(decode_steps(base, batch, context, heads, kv_heads, head_dim, dtype), reps)
+            out.append({"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": context,
+                        "heads": f"{heads}/{kv_heads}", "head_dim": head_dim, "base_us": old, "new_us": new,
+                        "ratio": new / old})
     return out
 
 
@@ -175,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     part = ap.add_mutually_exclusive_group()
     part.add_argument("--timing-only", action="store_true")
     part.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--base", help="time the torch path against its version at this git revision")
     ap.add_argument("--json", help="write the rows and timings here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # tiny tensors; and the engine's workers run one thread by default
@@ -187,14 +199,13 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(row)
                     print(f"{row.kernel:9} {row.impl:6} {row.dtype:5} {row.shapes:6d}  {row.max_abs_error:11.2e} "
                           f"{row.tolerance:7.0e}  {'yes' if row.passed else 'NO':4}  {row.ranges}", flush=True)
-    if not args.no_timing:
-        print("\ndecode step, one layer, CPU, 1 thread: current paged_attention vs store_kv + "
-              "paged_decode_attention(impl='torch')")
-        print(f"{'B':>3} {'ctx':>5} {'Hq/Hkv':>6} {'D':>4} {'current us':>11} {'torch us':>9} {'new/current':>11}")
-        for t in timing(args.reps):
+    if args.base and not args.no_timing:
+        print(f"\ndecode step, one layer, CPU, 1 thread: kernels/torch_impl.py at {args.base} (base) vs now")
+        print(f"{'dtype':8} {'B':>3} {'ctx':>5} {'Hq/Hkv':>6} {'D':>4} {'base us':>9} {'new us':>9} {'new/base':>8}")
+        for t in timing(args.base, args.reps):
             times.append(t)
-            print(f"{t['batch']:3d} {t['context']:5d} {t['heads']:>6} {t['head_dim']:4d} {t['current_us']:11.0f} "
-                  f"{t['torch_path_us']:9.0f} {t['ratio']:11.2f}", flush=True)
+            print(f"{t['dtype']:8} {t['batch']:3d} {t['context']:5d} {t['heads']:>6} {t['head_dim']:4d} "
+                  f"{t['base_us']:9.0f} {t['new_us']:9.0f} {t['ratio']:8.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": [asdict(r) for r in rows], "decode_timing": times}, f, indent=1)

@@ -77,7 +77,7 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 bench-vllm: setup $(VLLM_VENV)/.installed
-	$(BIN)/python -m bench.bench_vllm --vllm-python $(VLLM_VENV)/bin/python
+	$(BIN)/python -m bench.bench_vllm --models h512,h1024 --vllm-python $(VLLM_VENV)/bin/python
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) $(IP_VENV) demo-out .pytest_cache

@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", help="time the torch path against its version at this git revision")
     ap.add_argument("--json", help="write the rows and timings here")
     args = ap.parse_args(argv)
+    if args.timing_only and not args.base:
+        ap.error("--timing-only times the torch path against --base REV: give a revision")
     torch.set_num_threads(1)  # tiny tensors; and the engine's workers run one thread by default
     rows, times = [], []
     if not args.timing_only:

@@ -6,13 +6,19 @@
 # 32 / 512 / 2,048 rows x 4,096, KV of 512 / 2,048 tokens x 32 layers x 32 KV heads x 128. Writes
 # $OUT/dataflow.json and $OUT/dataflow.md (the table), plus machine.txt. No network needed; about
 # 1-2 minutes on one H200 (the socket path's 1 GB hand-offs dominate).
-#   bench/gpu/dataflow.sh          on the GPU machine (GPU=, PY=, REPS=, GPUS=, DATAFLOW_S= as env.sh says)
+#   bench/gpu/dataflow.sh          on the GPU machine (GPU=, PY= as env.sh says; REPS= rounds, default 5;
+#                                  GPUS=2 for NCCL between two GPUs; DATAFLOW_S= time limit, default 300 s)
 #   bench/gpu/dataflow.sh --cpu    the dry run: the same script and helper on CPU, tiny shapes, gloo
-# Not covered yet, because the engine cannot load it so: a 7B-shaped model served through
-# `hetserve serve` (prefill against bf16 peak, tokens/s against transformers at 32 concurrent
-# requests, start-up time). It waits for random-weight real-size models built on the GPU and for
-# the workers to send through the device channel; this script measures the channel itself.
+# Not covered: a 7B-shaped model served through `hetserve serve` (prefill against bf16 peak,
+# tokens/s against transformers at 32 concurrent requests, start-up time); serve loads checkpoints
+# from files, and a 13 GB one cannot be written on the GPU machine in the time the check has. This
+# script measures the channel itself.
 set -u
+case "${1:-}" in
+  ""|--cpu) ;;
+  -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+  *) echo "dataflow.sh: unknown argument '$1' (none, --cpu or --help)" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = "--cpu" ]; then
   export GPU=${GPU:-cpu} PY=${PY:-.venv/bin/python}

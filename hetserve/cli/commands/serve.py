@@ -79,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-cert", metavar="PATH", help="TLS certificate for the worker links (with --tls-key, --tls-ca)")
     p.add_argument("--tls-key", metavar="PATH", help="TLS private key for the worker links")
     p.add_argument("--tls-ca", metavar="PATH", help="CA certificate the worker links' peers must be signed by")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the placement policies that draw and of a re-plan's search (default 0)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
 

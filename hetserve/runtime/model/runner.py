@@ -1,7 +1,7 @@
 """Runs a stage's forward for one step: decode steps through static buffers, as CUDA graphs on a GPU.
 
 A decode step (every sequence one new token) of ``B`` sequences is padded to the smallest bucket
-``>= B`` (``BUCKETS``: 1, 2, 4, 8, then multiples of 16, as nano-vllm), its padding rows writing
+``>= B`` (``buckets``: 1, 2, 4, 8, then multiples of 16, as nano-vllm), its padding rows writing
 no KV (slot -1) and attending to nothing (context 0). Its input hidden rows, positions, slots,
 block tables and context lengths are copied into buffers sized for the largest bucket, so every
 step of a bucket reads the same addresses: on CUDA each bucket's forward is captured once as a

@@ -99,7 +99,7 @@ def channel_pairs(layout, tag: str = "0", shaped: bool = False) -> dict[str, tup
     with the decode workers it hands KV pieces to. None when links are emulated (``shaped``).
 
     ``tag`` keeps the store keys of one start-up round apart from another's (an elastic re-plan may
-    reuse worker names). Pairs of a CPU and a GPU, or of GPUs on different machines, use the socket.
+    reuse worker names). Pairs of a CPU and a GPU use the socket; GPUs of different machines, NCCL.
     """
     from hetserve.runtime.layout import kv_transfers
 

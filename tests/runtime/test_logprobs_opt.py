@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from hetserve.runtime.params import SamplingParams
+from tests.runtime.test_sampler_logprobs import _check  # the same comparison as the Llama's
 
 pytestmark = pytest.mark.long
 
 PROMPT = list(b"OPT scores these bytes: ") + [300, 7, 7, 301]
-TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +47,6 @@ def reference(model_dirs):
             return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
 
     return run
-
-
-def _check(pairs, ref_rows, tokens):
-    for (lp, top), ref, tok in zip(pairs, ref_rows, tokens):
-        assert abs(lp - ref[tok].item()) < TOL
-        want = ref.topk(len(top))
-        assert [i for i, _ in top] == want.indices.tolist()
-        assert max(abs(v - w) for (_, v), w in zip(top, want.values.tolist())) < TOL
 
 
 @pytest.mark.parametrize("temperature, replica", [(0.0, "c0"), (0.9, "c0"), (0.9, "p0")])

@@ -24,7 +24,6 @@ FLOP/s and memory bandwidth over its devices. Units: seconds, bytes, FLOP/s, byt
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 from hetserve.cost.device_memory import device_activation_bytes, device_kv_bytes_per_token, device_weight_bytes
@@ -32,6 +31,8 @@ from hetserve.cost.efficiency import Efficiency, load_efficiency  # noqa: F401 (
 from hetserve.cost.kernel_pricing import KernelPricing
 from hetserve.cost.layout import ReplicaLayout, StageLayout, micro_batches_of
 from hetserve.cost.network import concurrent_time
+from hetserve.cost.prefill_batch import PrefillBatch  # noqa: F401 (re-exported: its old home)
+from hetserve.cost.request_mix import RequestMix
 from hetserve.cost.transfers import TransferCosts
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec
@@ -48,26 +49,6 @@ TP_STEP_COLLECTIVES = 3
 # Bytes of one logit in the log-softmax of prompt logprobs: the runtime computes it in float32
 # whatever the served dtype (``runtime/sampling``'s ``token_logprobs``).
 LOGPROB_BYTES = 4
-
-
-@dataclass(frozen=True)
-class PrefillBatch:
-    """A batch of prompts: count, total tokens, Σ length² (for causal attention), and ``scored``:
-    prompt positions whose logprobs the step returns (``prompt_logprobs``), priced on the last
-    stage by ``CostModel.prompt_logprob_time``."""
-
-    num_seqs: int
-    tokens: int
-    sum_sq: float
-    scored: int = 0
-
-    @staticmethod
-    def of(lengths: Sequence[int], scored: int = 0) -> "PrefillBatch":
-        return PrefillBatch(len(lengths), int(sum(lengths)), float(sum(s * s for s in lengths)), scored)
-
-    @staticmethod
-    def single(length: int, scored: bool = False) -> "PrefillBatch":
-        return PrefillBatch(1, int(length), float(length) * length, int(length) - 1 if scored else 0)
 
 
 # The efficiency a CostModel holds when its caller passed none. Identity, not equality, marks it:
@@ -369,7 +350,6 @@ class CostModel(TransferCosts):
     def prefill_capacity(self, layout: ReplicaLayout, input_tokens: float, period_s: float = DEFAULT_PERIOD_S,
                          choices: float = 1.0, scoring: float = 0.0) -> float:
         """Requests a prefill replica finishes in ``period_s``: T / latency (compute-bound)."""
-        from hetserve.cost.request_mix import RequestMix  # local: it builds on this module's PrefillBatch
 
         mix = RequestMix(max(1, round(input_tokens)), 0.0, choices, scoring)
         return period_s / self.prefill_time(layout, mix.prompts(1.0))
@@ -413,7 +393,6 @@ class CostModel(TransferCosts):
         footprint ``s_in + s_out``; on the Azure trace the time-weighted one is 1.7 % larger).
         With ``choices`` a request runs that many rows and holds the prompt's shared blocks once.
         """
-        from hetserve.cost.request_mix import RequestMix  # local: it builds on this module's PrefillBatch
 
         mix = RequestMix(input_tokens, output_tokens, choices, scoring)
         b = self._requests_at_once(layout, mix.kv_tokens(shares=True), choices)

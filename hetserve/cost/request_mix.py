@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetserve.cost.analytic import PrefillBatch
+from hetserve.cost.prefill_batch import PrefillBatch
 
 # The part of a prompt each other choice prefills itself when the choices share the prompt's full
 # blocks: on average half a block of the engine's default 16 tokens (the block of the last token).

@@ -20,6 +20,9 @@ BOUNDS: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "target": (0, 1, False, False),
     "drain_timeout": (0, None, True, False),
     "speed_weight": (0, 1, True, True),  # compare: the power of the speed probe's ratio
+    # plan's flow period T: under a millisecond no request fits it, past a day the per-period
+    # counts lose their meaning (and 1e300 s overflows the rates derived from it)
+    "period": (1e-3, 86400, True, True),
 }
 POSITIVE = (0, None, False, False)
 
@@ -67,3 +70,16 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def check_micro_batches(value: int | None, plan, plan_path: str) -> None:
+    """``--micro-batches`` is at most 2N for the plan's deepest pipeline of N stages: MoLink §4.3
+    searches N..2N (``choose_micro_batches``); more steps in flight than that only queue."""
+    if value is None:
+        return
+    from hetserve.errors import SpecError
+
+    deepest = max((len(r.stages) for r in plan.replicas), default=1)
+    if not 1 <= value <= 2 * deepest:
+        raise SpecError("--micro-batches", "micro_batches", f"an integer in [1, {2 * deepest}] (twice the "
+                        f"{deepest} stages of {plan_path}'s deepest pipeline, MoLink's N..2N)", value)

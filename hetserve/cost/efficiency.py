@@ -15,6 +15,17 @@ from pathlib import Path
 from hetserve.errors import SpecError
 
 
+MIN_FRACTION = 1e-9
+
+
+class FractionError(ValueError):
+    """A fraction of a peak out of its range: which field, what it must be, what it was."""
+
+    def __init__(self, field: str, expected: str, value):
+        super().__init__(f"efficiency {field} must be {expected}, got {value!r}")
+        self.field, self.expected, self.value = field, expected, value
+
+
 @dataclass(frozen=True)
 class Efficiency:
     """Achieved fractions of datasheet peaks and other knobs a calibration may set."""
@@ -63,13 +74,15 @@ class Efficiency:
     max_batch: int = 256  # running requests per replica: the serving engine's cap (vLLM's max_num_seqs)
 
     def __post_init__(self) -> None:
+        # a fraction of a peak is at least MIN_FRACTION, the least `hetserve calibrate` fits (10**-9):
+        # below it times overflow to years (1e-300 prices a step at 1e290 s) instead of being refused
         for k in ("compute", "memory", "usable_memory"):
-            if not 0 < getattr(self, k) <= 1:
-                raise ValueError(f"efficiency {k} must be in (0, 1]")
-        if not 0 <= self.attention <= 1:
-            raise ValueError("efficiency attention must be in [0, 1] (0: the same as compute)")
-        if not 0 <= self.decode_attention <= 1:
-            raise ValueError("efficiency decode_attention must be in [0, 1] (0: the same as attention)")
+            if not MIN_FRACTION <= getattr(self, k) <= 1:
+                raise FractionError(k, f"in [{MIN_FRACTION:g}, 1]", getattr(self, k))
+        for k, zero in (("attention", "compute"), ("decode_attention", "attention")):
+            v = getattr(self, k)
+            if not (v == 0 or MIN_FRACTION <= v <= 1):
+                raise FractionError(k, f"0 (the same as {zero}) or in [{MIN_FRACTION:g}, 1]", v)
         if self.activation_buffers < 0 or self.activation_tokens <= 0:
             raise ValueError("activation_buffers and activation_tokens must be non-negative")
         for k in ("step_overhead_s", "iteration_overhead_s", "seq_overhead_s", "collective_overhead_s",
@@ -140,6 +153,8 @@ def load_efficiency(path: str | Path) -> Efficiency:
             raise SpecError(str(path), prefix + key, "a number" + (" or null" if optional else ""), value)
     try:
         return Efficiency(**data)
+    except FractionError as exc:
+        raise SpecError(str(path), prefix + exc.field, exc.expected, exc.value) from exc
     except (TypeError, ValueError) as exc:
         raise SpecError(str(path), prefix.rstrip(".") or "(file)", "values in range", str(exc)) from exc
 

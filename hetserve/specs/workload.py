@@ -238,6 +238,10 @@ class Workload:
 # ----------------------------------------------------------------------------- readers
 
 
+MAX_SPAN_S = 10 * 365.25 * 86400
+MAX_TIME_S = 1e10
+
+
 def _parse_time(text: str) -> float:
     try:
         return float(text)
@@ -288,6 +292,11 @@ def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
                             "integer token counts and a timestamp", ",".join(row)) from exc
         if not math.isfinite(t):
             raise SpecError(f"{src}:{line}", "timestamp", "a finite time", row[time_col])
+        # a trace spans at most ten years, and its times are seconds or Unix times before 2286:
+        # past that a float cannot tell one second from the next and the arrivals collapse
+        if abs(t) > MAX_TIME_S or (arrivals and abs(t - arrivals[0]) > MAX_SPAN_S):
+            raise SpecError(f"{src}:{line}", named[time_col], f"a time within {MAX_SPAN_S:.0f} s (ten years) of "
+                            f"the first row's and at most {MAX_TIME_S:.0e} s", row[time_col])
         if i <= 0 or o <= 0:
             raise SpecError(f"{src}:{line}", f"{cols[0]}/{cols[1]}", "positive token counts", f"{i},{o}")
         extra.read(row, f"{src}:{line}")

@@ -342,3 +342,40 @@ def test_a_json_input_that_is_no_text_is_one_line(argv, tmp_path, capsys):
 def test_cost_layer_prices_only_shards_the_model_can_be_cut_into(capsys):
     code, err = run(["cost", "layer", "--gpu", "H200", "--model", "llama-2-7b", "--tp", "1,3"], capsys)
     assert code == 2 and len(err) == 1 and "TP degree 3 does not divide" in err[0], err
+
+
+TWO_STAGES = {"model": "llama-2-7b", "cluster": "hexgen2-homo", "replicas": [
+    {"id": "c0", "role": "colocated", "stages": [{"devices": ["h100-0:0"], "layers": [0, 16]},
+                                                 {"devices": ["h100-0:1"], "layers": [16, 32]}]}]}
+
+
+@pytest.mark.parametrize("command", ["simulate", "serve"])
+def test_micro_batches_past_twice_the_stages_are_refused(command, tmp_path, capsys):
+    (tmp_path / "p.json").write_text(json.dumps(TWO_STAGES))
+    extra = ["--workload", "azure-conv"] if command == "simulate" else ["--model", str(tmp_path / "none")]
+    code, err = run([command, "--plan", str(tmp_path / "p.json"), *extra, "--micro-batches", "5"], capsys)
+    assert code == 2 and len(err) == 1 and "--micro-batches" in err[0] and "[1, 4]" in err[0], err
+
+
+@pytest.mark.parametrize("period", ["1e-9", "1e300"])
+def test_plan_refuses_a_period_outside_a_millisecond_to_a_day(period, capsys):
+    code, err = run(["plan", "--cluster", "demo-cpu", "--model", "llama-2-7b", "--period", period], capsys)
+    assert code == 2 and len(err) == 1 and "--period" in err[0] and "[0.001, 86400]" in err[0], err
+
+
+@pytest.mark.parametrize("stamp", ["1e300", "4e8"])
+def test_a_trace_time_past_ten_years_names_file_line_and_column(stamp, tmp_path, capsys):
+    path = tmp_path / "w.csv"
+    path.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n0,10,10\n{stamp},10,10\n")
+    code, err = run(["describe", "workload", str(path)], capsys)
+    assert code == 2 and len(err) == 1 and "w.csv:3: field 'TIMESTAMP'" in err[0] and "ten years" in err[0], err
+
+
+@pytest.mark.parametrize("content, field", [({"compute": 1e-300}, "'compute'"),
+                                            ({"efficiency": {"attention": -0.1}}, "'efficiency.attention'"),
+                                            ({"memory": float("nan")}, "'memory'")])
+def test_an_efficiency_fraction_out_of_range_names_file_and_field(content, field, tmp_path, capsys):
+    (tmp_path / "e.json").write_text(json.dumps(content))
+    code, err = run(["plan", "--cluster", "demo-cpu", "--model", "llama-2-7b", "--efficiency",
+                     str(tmp_path / "e.json")], capsys)
+    assert code == 2 and len(err) == 1 and "e.json" in err[0] and field in err[0] and "1e-09, 1]" in err[0], err

@@ -148,7 +148,9 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.cli.model_dir import check_model_dir, plan_cluster
     from hetserve.planner.plan import Plan
 
+    from hetserve.cli.bounds import check_micro_batches
     plan = Plan.load(args.plan)  # input errors first, in one line, before anything starts
+    check_micro_batches(args.micro_batches, plan, args.plan)
     cluster = plan_cluster(args.plan, plan, args.cluster)  # --cluster, else the file the plan was made on
     check_model_dir(args.model)
     if args.heartbeat_timeout <= 0.2:

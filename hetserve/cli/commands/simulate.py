@@ -92,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
     rates = _parse_rates(args.sweep_rates) if args.sweep_rates else []
     if args.output:
         check_output_folder(args.output, "--output")  # before the simulation, not after it
+    from hetserve.cli.bounds import check_micro_batches
     plan = Plan.load(args.plan)
+    check_micro_batches(args.micro_batches, plan, args.plan)
     cluster = plan_cluster(args.plan, plan, args.cluster)
     model = load_model(args.model) if args.model else plan_model(args.plan, plan.model)
     wl = load_workload(args.workload, seed=args.seed)

@@ -15,7 +15,7 @@ from pathlib import Path
 from hetserve.errors import SpecError
 
 
-MIN_FRACTION = 1e-9
+MIN_FRACTION = 1e-18
 
 
 class FractionError(ValueError):
@@ -74,7 +74,8 @@ class Efficiency:
     max_batch: int = 256  # running requests per replica: the serving engine's cap (vLLM's max_num_seqs)
 
     def __post_init__(self) -> None:
-        # a fraction of a peak is at least MIN_FRACTION, the least `hetserve calibrate` fits (10**-9):
+        # a fraction of a peak is at least MIN_FRACTION, the least `hetserve calibrate` fits (compute
+        # down to 10**-9, attention as compute times a factor down to 10**-9):
         # below it times overflow to years (1e-300 prices a step at 1e290 s) instead of being refused
         for k in ("compute", "memory", "usable_memory"):
             if not MIN_FRACTION <= getattr(self, k) <= 1:

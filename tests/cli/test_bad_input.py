@@ -378,4 +378,4 @@ def test_an_efficiency_fraction_out_of_range_names_file_and_field(content, field
     (tmp_path / "e.json").write_text(json.dumps(content))
     code, err = run(["plan", "--cluster", "demo-cpu", "--model", "llama-2-7b", "--efficiency",
                      str(tmp_path / "e.json")], capsys)
-    assert code == 2 and len(err) == 1 and "e.json" in err[0] and field in err[0] and "1e-09, 1]" in err[0], err
+    assert code == 2 and len(err) == 1 and "e.json" in err[0] and field in err[0] and "1e-18, 1]" in err[0], err

@@ -236,19 +236,17 @@ def test_channel_pairs_join_neighbouring_stages_and_kv_pairs_with_the_right_kind
 @pytest.mark.long
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("shape", ["disaggregated", "colocated"])
-def test_the_engine_over_gloo_channels_gives_transformers_tokens(shape, model_dirs, cluster_file, plans, hf_reference,
-                                                                 monkeypatch):
+def test_the_engine_over_gloo_channels_gives_transformers_tokens(shape, model_dirs, cluster_file, plans, hf_reference):
     """Prefill TP 2 -> decode of two TP-1 stages (KV re-sharded 2 -> 1 + 1 by channel), and the
     asymmetric colocated pipeline (activations by channel): the tokens of transformers' generate."""
     from hetserve.runtime.engine import Engine
     from hetserve.runtime.engine_config import EngineConfig
     from hetserve.runtime.params import SamplingParams
-    from hetserve.runtime.workers.worker_group import WorkerGroup
 
-    monkeypatch.setattr(WorkerGroup, "device_channel", "on")
     prompts = [list(b"Hello, heterogeneous world!"), [5, 9, 2], list(range(40, 90))]
     plan = plans.disaggregated() if shape == "disaggregated" else plans.colocated()
-    with Engine.from_plan(plan, cluster_file, model_dirs["llama"], EngineConfig(kv_capacity_tokens=2048)) as eng:
+    with Engine.from_plan(plan, cluster_file, model_dirs["llama"], EngineConfig(kv_capacity_tokens=2048,
+                                                                                     device_channel="on")) as eng:
         beats: dict[str, dict] = {}
 
         def spy(msg):

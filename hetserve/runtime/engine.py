@@ -144,8 +144,7 @@ class Engine:
                                      max_message_bytes=largest_message_bytes(arch, capacity, config))
         self.transport = SocketTransport(ENGINE, self.security, host=config.host or LOOPBACK,
                                          scheduler_factory=link_scheduler, shaper=shaper)
-        self.workers = WorkerGroup(layout, self.transport, config.start_timeout_s)
-        self.workers.device_channel = config.device_channel
+        self.workers = WorkerGroup(layout, self.transport, config.start_timeout_s, config.device_channel)
         self.loop = EngineLoop(layout, self.schedulers, self.transport, self.workers, route_policy,
                                        heartbeat_timeout_s=config.heartbeat_timeout_s, max_reruns=config.max_reruns)
         self._ids = itertools.count(1)

@@ -50,7 +50,8 @@ class EngineConfig:
     micro_batches: int | None = None  # steps in flight per replica; None: its number of pipeline stages
     start_method: str = "spawn"  # or "forkserver": workers fork from a server that imported torch once
     # tensors between workers by a device channel (runtime/workers/device_channel.py): "off", "auto"
-    # (pairs of GPUs: NCCL / CUDA IPC) or "on" (gloo between CPU workers too); off until it has run on a GPU
+    # (pairs of GPUs: NCCL / CUDA IPC) or "on" (gloo between CPU workers too: the same code path, no
+    # faster than the socket on CPU). Off until the GPU kinds have run on a GPU (bench/gpu/dataflow.sh)
     device_channel: str = "off"
     channel_timeout_s: float = 30.0  # a channel transfer not done by then goes by socket
     heartbeat_interval_s: float = 0.5  # each worker reports it is alive this often

@@ -27,12 +27,11 @@ from hetserve.runtime.workers.worker import ENGINE, WorkerConfig, worker_main
 
 
 class WorkerGroup:
-    # Which worker pairs share a device channel (device_channel.py): "auto" those of GPUs (NCCL, CUDA
-    # IPC), "on" CPU pairs too (gloo: the same code path, no faster than the socket on CPU), "off" none.
-    # Off until the GPU kinds have run on a GPU (bench/gpu/dataflow.sh); the CPU path is tested.
-    device_channel = "off"
-
-    def __init__(self, layout: tuple[ReplicaSpec, ...], transport: SocketTransport, start_timeout_s: float):
+    def __init__(self, layout: tuple[ReplicaSpec, ...], transport: SocketTransport, start_timeout_s: float,
+                 device_channel: str = "off"):
+        # which worker pairs share a device channel (device_channel.py): "auto" those of GPUs (NCCL,
+        # CUDA IPC), "on" CPU pairs too (gloo), "off" none; EngineConfig.device_channel says which
+        self.device_channel = device_channel
         self.layout = layout
         self.transport = transport
         self.start_timeout_s = start_timeout_s

@@ -185,6 +185,37 @@ def test_a_transfer_never_acknowledged_goes_by_socket_and_so_do_later_ones():
     ca.close()
 
 
+def test_a_send_during_a_break_goes_after_the_resends():
+    a, b, ca, _ = _endpoints()
+    ca.links["b"].group = _SilentGroup()
+    b.receive_hook = None
+    h = torch.randn(3, HIDDEN)
+    assert ca.send("b", Message("step", {"rows": 3, "dtype": "float32", "n": 0}, {"hidden": h})) == "channel"
+    queuing, carry_on = threading.Event(), threading.Event()
+    send = a.send
+
+    def slow_resend(peer, msg, priority=Priority.CONTROL):  # the break is queuing its resend
+        if "dc_resend" in msg.meta:
+            queuing.set()
+            carry_on.wait(5)
+        send(peer, msg, priority)
+
+    a.send = slow_resend
+    breaking = threading.Thread(target=ca._on_ack, args=("b", {"seq": 0, "ok": False, "error": "refused"}))
+    breaking.start()
+    assert queuing.wait(5)
+    later = threading.Thread(target=ca.send, args=("b", Message("step", {"rows": 3, "dtype": "float32", "n": 1},
+                                                                   {"hidden": h})))
+    later.start()
+    later.join(0.2)
+    carry_on.set()
+    breaking.join(5)
+    later.join(5)
+    got = [b.recv(timeout=1) for _ in range(3)]
+    assert [m.meta.get("n") for m in got] == [0, 0, 1] and "dc_resend" in got[1].meta
+    ca.close()
+
+
 class _TimingOut:
     """A receive whose peer never sends: gloo's wait raises once its deadline passes."""
 

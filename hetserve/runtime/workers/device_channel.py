@@ -90,7 +90,9 @@ class _Link:
     next_in: int = 0  # next sequence number expected
     pending: dict[int, _Pending] = field(default_factory=dict)
     awaiting: set[int] = field(default_factory=set)  # refused or failed here: delivered when resent
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # guards the fields above
+    # held by a send and by a break: re-entrant, since a send whose channel fails breaks it
+    order: threading.RLock = field(default_factory=threading.RLock)
     ready: threading.Event = field(default_factory=threading.Event)  # set once the group is joined
 
 
@@ -189,10 +191,20 @@ class DeviceChannel:
         socket. Returns the path taken."""
         link = self.links.get(peer)
         nbytes = sum(t.numel() * t.element_size() for t in msg.tensors.values())
-        if link is None or link.broken or not msg.tensors or nbytes < self.min_bytes:
-            self._count("socket", nbytes)
-            self.transport.send(peer, msg, priority)
-            return "socket"
+        if link is None or not msg.tensors or nbytes < self.min_bytes:
+            return self._by_socket(peer, msg, priority, nbytes)
+        with link.order:  # after a break, this waits until the resends are queued: none is overtaken
+            if link.broken:
+                return self._by_socket(peer, msg, priority, nbytes)
+            return self._by_channel(link, msg, priority, nbytes)
+
+    def _by_socket(self, peer: str, msg: Message, priority: Priority, nbytes: int) -> str:
+        self._count("socket", nbytes)
+        self.transport.send(peer, msg, priority)
+        return "socket"
+
+    def _by_channel(self, link: _Link, msg: Message, priority: Priority, nbytes: int) -> str:
+        peer = link.spec.peer
         # a snapshot, as the socket's encode takes one: the caller may reuse its buffers (a step runner's
         # static output, replayed by the next step) while the peer has yet to read them
         tensors = {n: t.detach().clone(memory_format=torch.contiguous_format) for n, t in msg.tensors.items()}
@@ -247,23 +259,26 @@ class DeviceChannel:
                     self._break(link, f"no acknowledgement within {self.timeout_s:.1f} s", resend=overdue)
 
     def _break(self, link: _Link, why: str, resend: list[tuple[int, _Pending]]) -> None:
-        """Stop using the pair's channel; send what it did not deliver, and everything after, by socket."""
-        with link.lock:
-            first = not link.broken
-            link.broken = link.broken or why
-            rest = sorted(link.pending.items())
-            link.pending.clear()
+        """Stop using the pair's channel; send what it did not deliver, and everything after, by socket.
+        The resends are queued under the link's order lock, so no later send can go ahead of them."""
+        with link.order:
+            with link.lock:
+                first = not link.broken
+                link.broken = link.broken or why
+                rest = sorted(link.pending.items())
+                link.pending.clear()
+            if first:
+                self._bump("failed")
+            for seq, p in sorted(resend + rest, key=lambda item: item[0]):
+                self._bump("resent")
+                try:
+                    self.transport.send(link.spec.peer, Message(p.msg.kind, {**p.msg.meta, "dc_resend": seq},
+                                                                p.msg.tensors), Priority.CONTROL)
+                except ConnectionError:
+                    break  # this endpoint is closing; the engine re-runs what was in flight
         if first:
             log.warning("%s: channel to %s broken (%s); the socket carries its transfers", self.transport.name,
                         link.spec.peer, why)
-            self._bump("failed")
-        for seq, p in sorted(resend + rest, key=lambda item: item[0]):
-            self._bump("resent")
-            try:
-                self.transport.send(link.spec.peer, Message(p.msg.kind, {**p.msg.meta, "dc_resend": seq},
-                                                            p.msg.tensors), Priority.CONTROL)
-            except ConnectionError:
-                return  # this endpoint is closing; the engine re-runs what was in flight
 
     # ------------------------------------------------------------------ receiving
     def _on_receive(self, msg: Message) -> list[Message]:

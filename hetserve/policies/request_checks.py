@@ -35,18 +35,38 @@ class OutOfVocabulary(RequestRefused, ValueError):
 class ContextExceeded(RequestRefused, ValueError):
     reason = "context"
 
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_context: int):
+        self.prompt_tokens, self.max_tokens, self.max_context = prompt_tokens, max_tokens, max_context
+        super().__init__(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                         f"context of {max_context} tokens")
+
+    def __reduce__(self):  # rebuilt from its fields wherever it is unpickled
+        return type(self), (self.prompt_tokens, self.max_tokens, self.max_context)
+
 
 class KVNeverFits(RequestRefused, InfeasibleError):
     reason = "kv"
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, largest_pool: float):
+        self.prompt_tokens, self.max_tokens, self.largest_pool = prompt_tokens, max_tokens, largest_pool
+        super().__init__(f"a request needing {prompt_tokens + max_tokens} tokens of KV cache (prompt "
+                         f"{prompt_tokens} + max_tokens {max_tokens}) cannot fit any replica's KV pool "
+                         f"(largest: {largest_pool:.0f} tokens)")
+
+    def __reduce__(self):
+        return type(self), (self.prompt_tokens, self.max_tokens, self.largest_pool)
 
 
 REASONS: tuple[str, ...] = ("empty", "vocabulary", "context", "kv")
 
 
-def check_prompt_ids(ids: Sequence[int], vocab_size: int) -> None:
-    """The prompt has at least one token and every id is in the vocabulary ``[0, vocab_size)``."""
+def check_prompt_ids(ids: Sequence[int], vocab_size: int | None) -> None:
+    """The prompt has at least one token and every id is in the vocabulary ``[0, vocab_size)``
+    (``None``: a vocabulary not known here, left to the model)."""
     if not ids:
         raise EmptyPrompt("the prompt is empty")
+    if vocab_size is None:
+        return
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise OutOfVocabulary(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
@@ -57,8 +77,7 @@ def check_context(prompt_tokens: int, max_tokens: int, max_context: int) -> None
     if prompt_tokens <= 0:
         raise EmptyPrompt("the prompt is empty")
     if prompt_tokens + max_tokens > max_context:
-        raise ContextExceeded(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
-                              f"model's context of {max_context} tokens")
+        raise ContextExceeded(prompt_tokens, max_tokens, max_context)
 
 
 def check_kv_fits(prompt_tokens: int, max_tokens: int, pools: Iterable[tuple[str, float]], block_size: int) -> None:
@@ -78,16 +97,17 @@ def check_kv_fits(prompt_tokens: int, max_tokens: int, pools: Iterable[tuple[str
                     for role, cap in pools if serves_decode(role))
     if not (prefill_ok and decode_ok):
         largest = max((cap for _, cap in pools), default=0)
-        raise KVNeverFits(f"a request needing {prompt_tokens + max_tokens} tokens of KV cache (prompt {prompt_tokens} "
-                          f"+ max_tokens) cannot fit any replica's KV pool (largest: {largest:.0f} tokens)")
+        raise KVNeverFits(prompt_tokens, max_tokens, largest)
 
 
 def check_request(prompt_tokens: int, max_tokens: int, max_context: int, pools: Iterable[tuple[str, float]],
-                  block_size: int, *, context: bool = True) -> None:
+                  block_size: int, *, context: bool = True, kv: bool = True) -> None:
     """Every check on a request known by its lengths, in the engine's order: an empty prompt, the
-    model's context (skipped with ``context=False``), then the KV pools (``check_kv_fits``)."""
+    model's context (skipped with ``context=False``), then the KV pools (``check_kv_fits``; skipped
+    with ``kv=False``, where the pools are not known)."""
     if prompt_tokens <= 0:
         raise EmptyPrompt("the prompt is empty")
     if context:
         check_context(prompt_tokens, max_tokens, max_context)
-    check_kv_fits(prompt_tokens, max_tokens, pools, block_size)
+    if kv:
+        check_kv_fits(prompt_tokens, max_tokens, pools, block_size)

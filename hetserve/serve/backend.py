@@ -19,6 +19,8 @@ an adapter.
     link_stats() -> [LinkStats]    bytes / queueing per shaped link (empty when links are not shaped)
     refused_connections() -> {reason: n}   connections the runtime's endpoints closed unread (docs/security.md)
     max_context                    the model's context length (prompt + output tokens)
+    vocab_size, block_size         optional: the vocabulary (token ids are checked against it) and the
+                                   KV block (reservations are whole blocks), as the engine checks them
     close()                        stop the engine; idempotent
 """
 

@@ -19,7 +19,8 @@ from hetserve.planner.plan import serves_prefill
 from hetserve.policies.base import PlacementPolicy, ReplicaState, RequestInfo
 from hetserve.runtime.params import SamplingParams
 from hetserve.serve.backend import Backend
-from hetserve.serve.errors import ContextLengthExceeded, InvalidRequest, ServerError
+from hetserve.policies.request_checks import RequestRefused, check_prompt_ids, check_request
+from hetserve.serve.errors import InvalidRequest, ServerError, refusal
 from hetserve.serve.metrics import ServerMetrics
 from hetserve.serve.text import Codec, TextStream
 
@@ -112,25 +113,23 @@ class Coordinator:
     def max_context(self) -> int:
         return int(self.backend.max_context)
 
-    def kv_limit(self) -> int | None:
-        """The largest KV pool (tokens) a request could ever be placed on (None: unknown)."""
-        caps = [r.kv_capacity_tokens for r in self._safe_replicas() if r.role != "prefill" and r.kv_capacity_tokens]
-        return max(caps) if caps else None
+    def kv_pools(self) -> list[tuple[str, float]]:
+        """(role, KV pool in tokens) of the live replicas, those the engine checks a request against
+        (none while every replica is down: then the request is refused as unavailable, or waits
+        for a re-plan)."""
+        return [(r.role, r.kv_capacity_tokens) for r in self._safe_replicas() if r.alive and r.kv_capacity_tokens]
 
     # ------------------------------------------------------------------ can I?
     def tokenize(self, prompt: str | Sequence[int], prompt_param: str = "prompt") -> list[int]:
         """The prompt's token ids: text through the codec, ids checked against the vocabulary; raises
         ``InvalidRequest``. Reads no state but the codec's, so the server may call it on a worker thread
         (a prompt of megabytes takes seconds; ``hetserve.serve.app._tokenize``). O(prompt length)."""
-        if isinstance(prompt, str):
-            ids = self.codec.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-            vocab = getattr(self.backend, "vocab_size", None)
-            if vocab is not None and any(t < 0 or t >= vocab for t in ids):
-                raise InvalidRequest(f"{prompt_param}: token ids must be in [0, {vocab})", param=prompt_param)
-        if not ids:
-            raise InvalidRequest(f"{prompt_param}: the prompt is empty after tokenization", param=prompt_param)
+        ids = self.codec.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        vocab = getattr(self.backend, "vocab_size", None)
+        try:
+            check_prompt_ids(ids, vocab)
+        except RequestRefused as exc:
+            raise refusal(exc, prompt_param) from exc
         return ids
 
     def prepare(self, endpoint: str, ids: list[int], *, max_tokens: int | None,
@@ -140,7 +139,8 @@ class Coordinator:
                 repetition_penalty: float = 1.0, logprobs: int | None = None, prompt_logprobs: int | None = None,
                 index: int = 0) -> Prepared:
         """Check a request whose prompt ``tokenize`` gave as ``ids``; raises ``InvalidRequest`` /
-        ``ContextLengthExceeded``.
+        ``ContextLengthExceeded`` for what the engine would refuse (``policies.request_checks``, the
+        engine's and the simulator's rules: the context, then the KV pools).
 
         ``max_tokens`` None takes ``default_max_tokens``, or (if that is None too) the room left
         in the context. ``max_tokens`` 0 scores the prompt only: the engine runs its prefill and one
@@ -149,25 +149,15 @@ class Coordinator:
         score_only = max_tokens == 0
         if score_only:
             max_tokens, ignore_eos, min_tokens = 1, True, 0
-        ctx = self.max_context
-        room = ctx - len(ids)
-        if room < 1:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {ctx} tokens, however your prompt has {len(ids)} "
-                "tokens. Please reduce the length of the prompt.", param=prompt_param)
         if max_tokens is None:
+            room = max(1, self.max_context - len(ids))
             max_tokens = min(default_max_tokens, room) if default_max_tokens is not None else room
-        if len(ids) + max_tokens > ctx:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {ctx} tokens, however you requested "
-                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
-                "Please reduce the prompt or the completion length.", param="max_tokens")
-        kv = self.kv_limit()
-        if kv is not None and len(ids) + max_tokens > kv:
-            raise ContextLengthExceeded(
-                f"The request needs {len(ids) + max_tokens} tokens of KV cache ({len(ids)} prompt + "
-                f"{max_tokens} completion) but the largest KV pool of this deployment holds {kv}.",
-                param="max_tokens")
+        pools = self.kv_pools()
+        try:
+            check_request(len(ids), max_tokens, self.max_context, pools, getattr(self.backend, "block_size", 1),
+                          kv=bool(pools))
+        except RequestRefused as exc:
+            raise refusal(exc, prompt_param) from exc
         if min_tokens > max_tokens:
             raise InvalidRequest(f"min_tokens: must be at most max_tokens ({max_tokens}), got {min_tokens}",
                                  param="min_tokens")

@@ -21,7 +21,8 @@ from hetserve.policies.base import ReplicaState
 from hetserve.runtime.params import SamplingParams
 from hetserve.runtime.snapshot import state_from_stats
 from hetserve.serve.backend import SampledToken
-from hetserve.serve.errors import ContextLengthExceeded, InvalidRequest, ServerError, Unavailable
+from hetserve.policies.request_checks import RequestRefused
+from hetserve.serve.errors import ContextLengthExceeded, InvalidRequest, ServerError, Unavailable, refusal
 
 
 class EngineBackend:
@@ -30,6 +31,7 @@ class EngineBackend:
         self.links = links  # LinkSchedulerFactory or None
         self.max_context = int(engine.arch.max_positions)
         self.vocab_size = int(engine.arch.vocab_size)
+        self.block_size = int(engine.config.block_size)
         self._handles: dict[str, object] = {}
         self._closed = False
 
@@ -38,6 +40,8 @@ class EngineBackend:
         try:
             first = self._handles.get(share_with) if share_with is not None else None
             handle = self.engine.submit(list(prompt_token_ids), params, replica=replica, share_prefix_with=first)
+        except RequestRefused as exc:  # the rules the coordinator checked first, as the engine found them now
+            raise refusal(exc) from exc
         except InfeasibleError as exc:
             raise ContextLengthExceeded(str(exc), param="max_tokens") from exc
         except ValueError as exc:

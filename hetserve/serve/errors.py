@@ -25,6 +25,8 @@ import json
 import logging
 from typing import Any
 
+from hetserve.policies.request_checks import ContextExceeded, KVNeverFits, RequestRefused
+
 log = logging.getLogger("hetserve.serve")
 
 
@@ -51,6 +53,28 @@ class InvalidRequest(APIError):
 
 class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
+
+
+def refusal(exc: RequestRefused, prompt_param: str = "prompt") -> InvalidRequest:
+    """The 400 a client sees for a request the deployment refuses (``policies.request_checks``: the
+    engine's and the simulator's rules). The context wording is OpenAI's (and vLLM's): clients such
+    as lm-evaluation-harness look for "maximum context length" to shorten and retry."""
+    if isinstance(exc, ContextExceeded):
+        ctx, prompt = exc.max_context, exc.prompt_tokens
+        if prompt >= ctx:
+            return ContextLengthExceeded(
+                f"This model's maximum context length is {ctx} tokens, however your prompt has {prompt} tokens. "
+                "Please reduce the length of the prompt.", param=prompt_param)
+        return ContextLengthExceeded(
+            f"This model's maximum context length is {ctx} tokens, however you requested {prompt + exc.max_tokens} "
+            f"tokens ({prompt} in the prompt, {exc.max_tokens} for the completion). Please reduce the prompt or "
+            "the completion length.", param="max_tokens")
+    if isinstance(exc, KVNeverFits):
+        return ContextLengthExceeded(
+            f"The request needs {exc.prompt_tokens + exc.max_tokens} tokens of KV cache ({exc.prompt_tokens} prompt "
+            f"+ {exc.max_tokens} completion) but no replica of this deployment can hold it (the largest KV pool "
+            f"holds {exc.largest_pool:.0f}).", param="max_tokens")
+    return InvalidRequest(f"{prompt_param}: {exc}", param=prompt_param)  # an empty prompt, ids off the vocabulary
 
 
 class PayloadTooLarge(APIError):

@@ -51,7 +51,7 @@ class FakeBackend:
 
     def __init__(self, replicas: int = 2, slots: int = 64, token_delay_s: float = 0.002,
                  max_context: int = 256, kv_capacity: int = 100_000, eos_at: int | None = None):
-        self.max_context, self.vocab_size = max_context, 259
+        self.max_context, self.vocab_size, self.block_size = max_context, 259, 16
         self.token_delay_s, self.eos_at = token_delay_s, eos_at
         self.kv_capacity = kv_capacity
         self.slots = {f"r{i}": slots for i in range(replicas)}

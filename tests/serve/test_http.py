@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from hetserve.policies.request_checks import RequestRefused, check_request
 from hetserve.serve.fake import FakeBackend
 
 
@@ -140,6 +141,20 @@ def test_request_bigger_than_every_kv_pool_is_400(serve_fake):
     url, _, _ = serve_fake(backend=FakeBackend(kv_capacity=50))
     r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 100})
     _assert_openai_error(r, 400, code="context_length_exceeded")
+
+
+@pytest.mark.parametrize("max_tokens, status", [(43, 200), (44, 400)])
+def test_kv_refusals_follow_the_engines_rule_in_whole_blocks(serve_fake, max_tokens, status):
+    # "hello" is 5 tokens; 5 + 43 = 48 tokens are three 16-token blocks (48 <= 50), 5 + 44 need a fourth (64)
+    url, _, _ = serve_fake(backend=FakeBackend(kv_capacity=50))
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": max_tokens})
+    assert r.status_code == status, r.text
+    try:  # the engine's and the simulator's rule says the same
+        check_request(5, max_tokens, 256, [("colocated", 50)], 16)
+        refused = False
+    except RequestRefused:
+        refused = True
+    assert refused == (status == 400)
 
 
 def test_unknown_route_and_method_use_the_same_error_shape(serve_fake):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from hetserve.errors import SpecError
+from hetserve.errors import PlanError, SpecError
 from hetserve.planner.plan import Plan, load_plan_cluster
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec, load_model, model_presets
@@ -40,3 +40,14 @@ def plan_cluster(plan_path: str, plan: Plan, cluster: str | None = None) -> Clus
     made on (a warning on stderr naming it when it changed since), else the preset the plan names;
     a missing one is one line naming the plan file and the file to pass (``load_plan_cluster``)."""
     return load_plan_cluster(plan, plan_path, cluster, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
+
+
+def check_plan(plan_path: str, plan: Plan, cluster: Cluster, model: ModelSpec) -> None:
+    """``validate_plan``, its one line prefixed with the plan file it is about: the user may have
+    several at hand, and the line names the plan's devices and replicas but not where they came from."""
+    from hetserve.planner.validate import validate_plan
+
+    try:
+        validate_plan(plan, cluster, model)
+    except PlanError as exc:
+        raise PlanError(f"{plan_path}: {exc}") from exc

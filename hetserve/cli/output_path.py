@@ -41,6 +41,9 @@ def check_output_folder(path: str, flag: str) -> None:
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise SpecError(path, flag, "a folder to write into", "an existing file")
+    above = next((p for p in target.absolute().parents if p.exists()), None)
+    if above is not None and not above.is_dir():  # mkdir would fail after the work, "Not a directory"
+        raise SpecError(path, flag, "a folder that can be made", f"{above} is a file")
 
 
 def check_distinct(outputs: dict[str, str | None], inputs: dict[str, str | None]) -> None:

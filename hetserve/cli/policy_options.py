@@ -16,13 +16,14 @@ from hetserve.policies.transmission import DEFAULT_TRANSMISSION, transmission_na
 
 def add_policy_options(p: argparse.ArgumentParser, *, transmission: bool = True, both_sides: bool = False) -> None:
     """``--placement`` (``--router`` is its other spelling), ``--route`` and, with ``transmission``,
-    ``--transmission`` (default None, read as ``DEFAULT_TRANSMISSION``: a command may refuse an
-    explicit choice that cannot act, see ``sim/option_checks.py``)."""
+    ``--transmission`` (``--route`` and ``--transmission`` default to None, read as ``DEFAULT_ROUTE`` /
+    ``DEFAULT_TRANSMISSION``: a command may refuse an explicit choice that cannot act, see
+    ``sim/option_checks.py``)."""
     sides = ", both sides" if both_sides else ""
     p.add_argument("--placement", "--router", dest="placement", default=DEFAULT_PLACEMENT, choices=placement_names(),
                    help=f"request placement{sides}: %(choices)s (default {DEFAULT_PLACEMENT}: least expected finish "
                         "time, by each replica's planned speed)")
-    p.add_argument("--route", default=DEFAULT_ROUTE, choices=route_names(),
+    p.add_argument("--route", choices=route_names(),
                    help=f"KV route policy for prefill -> decode hand-offs{sides}: %(choices)s "
                         f"(default {DEFAULT_ROUTE}: the plan's weights)")
     if transmission:
@@ -33,3 +34,8 @@ def add_policy_options(p: argparse.ArgumentParser, *, transmission: bool = True,
 def transmission_of(args: argparse.Namespace) -> str:
     """The link scheduling ``args`` name, or the default."""
     return args.transmission or DEFAULT_TRANSMISSION
+
+
+def route_of(args: argparse.Namespace) -> str:
+    """The KV route policy ``args`` name, or the default."""
+    return args.route or DEFAULT_ROUTE

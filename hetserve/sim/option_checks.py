@@ -47,3 +47,18 @@ def transmission_note(plan: Plan, plan_source: str, transmission: str, pipeline:
                            f"{plan_source}'s pipelined replicas ({names}) are priced inside their steps, not sent "
                            f"over the links: pass --pipeline detailed to schedule them too")
     return None
+
+
+def idle_plan_option(plan: Plan, plan_source: str, *, route: str | None = None,
+                     colocated_only: list[str] = ()) -> str | None:
+    """Why an option the user named cannot act on ``plan`` (None: every one can). ``route``: an
+    explicit KV route policy, which has nothing to choose without a prefill replica; ``colocated_only``:
+    the named options that shape only colocated replicas' steps (chunked prefill, prefill mode), which
+    a plan of prefill and decode replicas alone never takes."""
+    if route is not None and not any(r.role == "prefill" for r in plan.replicas):
+        return (f"--route {route} chooses where prefilled KV goes: {plan_source} has no prefill replica, so no "
+                f"KV hand-off is routed; drop --route")
+    if colocated_only and not any(r.role == "colocated" for r in plan.replicas):
+        return (f"{' / '.join(colocated_only)} shapes the steps of colocated replicas: {plan_source} has only "
+                f"prefill and decode replicas; drop {' / '.join(colocated_only)}")
+    return None

@@ -54,6 +54,7 @@ def default_intra_link(gpu_type: GpuType) -> tuple[float, float]:
 # ----------------------------------------------------------------------------- file schema
 
 
+MAX_DEVICE_MEMORY_GB = 1e5  # 100 TB per device: past any accelerator; 1e300 would overflow in bytes
 MAX_DEVICES_PER_MACHINE = 1024  # far above any real machine; a typo (200000) fails here, not in allocation
 # Far above any link (NVLink 4 is 3,600 Gbit/s) and any latency: beyond them a value is a typo, and
 # near float's range a rate in bytes/s overflows to inf and the transfer arithmetic to nan.
@@ -82,7 +83,7 @@ class _Machine(pydantic.BaseModel):
     nic: _Link | None = None  # the box's network card, each direction (default: network.intra_site)
     address: str | None = None  # host for the Ray backend; optional
     # Memory per device, overriding the GPU's: a CPU worker slot or a MIG slice.
-    memory_gb: float | None = pydantic.Field(default=None, gt=0)
+    memory_gb: float | None = pydantic.Field(default=None, gt=0, le=MAX_DEVICE_MEMORY_GB)
     # CPU worker slots: the machine's slots share this many cores (the simulator slows work that
     # runs on several slots at once; `hetserve calibrate` measures the slow-down). None: real GPUs.
     cpu_cores: pydantic.StrictInt | None = pydantic.Field(default=None, gt=0)

@@ -18,11 +18,15 @@ from functools import cached_property
 from pathlib import Path
 
 from hetserve.errors import SpecError
+from hetserve.specs._validation import _json_object as unique_keys
 
 ARCHS = ("llama", "mistral", "qwen2", "opt")
 
 # weight bytes per parameter of the dtypes the runtime loads weights in
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+WIDER_DTYPES = ("float64",)  # checkpoints the runtime loads in float32
+# a config.json's sizes (layers, widths, heads, vocabulary, context) stay within torch's int32 indices
+MAX_DIM = 2 ** 31 - 1
 
 
 def served_dtype(name) -> str:
@@ -153,7 +157,7 @@ class ModelSpec:
             path = path / "config.json"
         src = str(path)
         try:
-            cfg = json.loads(path.read_text())
+            cfg = json.loads(path.read_text(), object_pairs_hook=unique_keys)
         except OSError as exc:
             raise SpecError(src, "(file)", "a readable config.json", exc.strerror) from exc
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -166,11 +170,15 @@ class ModelSpec:
 
         def need(key: str) -> int:
             value = cfg.get(key)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise SpecError(src, key, "a positive integer", value)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_DIM:
+                raise SpecError(src, key, f"a positive integer of at most {MAX_DIM}", value)
             return value
 
-        dtype_bytes = DTYPE_BYTES[served_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float16")]
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float16"
+        if str(dtype) not in (*DTYPE_BYTES, *WIDER_DTYPES):  # sized as float32 unseen otherwise
+            raise SpecError(src, "torch_dtype" if cfg.get("torch_dtype") else "dtype",
+                            "one of " + ", ".join((*DTYPE_BYTES, *WIDER_DTYPES)), dtype)
+        dtype_bytes = DTYPE_BYTES[served_dtype(dtype)]
         label = name or cfg.get("_name_or_path") or path.parent.name
         if model_type == "opt":
             if cfg.get("word_embed_proj_dim", cfg.get("hidden_size")) != cfg.get("hidden_size"):
@@ -183,6 +191,8 @@ class ModelSpec:
                              need("ffn_dim"), need("vocab_size"), need("max_position_embeddings"),
                              dtype_bytes, bool(cfg.get("tie_word_embeddings", True)))
         heads = need("num_attention_heads")
+        if cfg.get("head_dim") is None and need("hidden_size") % heads:  # no head_dim: hidden / heads is it
+            raise SpecError(src, "num_attention_heads", f"a divisor of hidden_size ({cfg['hidden_size']})", heads)
         kv = need("num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads
         head_dim = need("head_dim") if cfg.get("head_dim") is not None else None
         shape = (need("num_hidden_layers"), need("hidden_size"), heads, kv, need("intermediate_size"),

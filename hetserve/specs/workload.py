@@ -240,6 +240,7 @@ class Workload:
 
 MAX_SPAN_S = 10 * 365.25 * 86400
 MAX_TIME_S = 1e10
+MAX_TOKENS = 10 ** 15  # tokens of one request's prompt or output, far past any model's context
 
 
 def _parse_time(text: str) -> float:
@@ -269,6 +270,9 @@ def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
             rows = list(reader)
     except (UnicodeDecodeError, csv.Error) as exc:
         raise SpecError(src, "(file)", "a UTF-8 text CSV file", str(exc).splitlines()[0]) from exc
+    twice = sorted({named[i] for i, h in enumerate(header) if header.count(h) > 1})
+    if twice:  # which of the two columns would be read is a guess: say so instead
+        raise SpecError(src, "(header)", "each column once", f"{twice[0]} twice")
     if {"contexttokens", "generatedtokens"} <= set(header):
         cols, time_col = ("contexttokens", "generatedtokens"), header.index("timestamp") if "timestamp" in header else None
     elif {"num_prefill_tokens", "num_decode_tokens"} <= set(header):
@@ -286,10 +290,14 @@ def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
             continue
         try:
             i, o = int(row[ci]), int(row[co])
-            t = _parse_time(row[time_col]) if time_col is not None else 0.0
         except (ValueError, IndexError) as exc:
             raise SpecError(f"{src}:{line}", cols[0] if "timestamp" not in header else "row",
                             "integer token counts and a timestamp", ",".join(row)) from exc
+        try:
+            t = _parse_time(row[time_col]) if time_col is not None else 0.0
+        except (ValueError, IndexError) as exc:
+            raise SpecError(f"{src}:{line}", named[time_col], "a time in seconds or 'YYYY-MM-DD HH:MM:SS'",
+                            row[time_col] if time_col < len(row) else "nothing") from exc
         if not math.isfinite(t):
             raise SpecError(f"{src}:{line}", "timestamp", "a finite time", row[time_col])
         # a trace spans at most ten years, and its times are seconds or Unix times before 2286:
@@ -299,6 +307,9 @@ def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
                             f"the first row's and at most {MAX_TIME_S:.0e} s", row[time_col])
         if i <= 0 or o <= 0:
             raise SpecError(f"{src}:{line}", f"{cols[0]}/{cols[1]}", "positive token counts", f"{i},{o}")
+        if max(i, o) > MAX_TOKENS:  # past it the counts overflow the 64-bit sums taken of them
+            raise SpecError(f"{src}:{line}", f"{cols[0]}/{cols[1]}", f"token counts of at most {MAX_TOKENS:.0e}",
+                            f"{i},{o}")
         extra.read(row, f"{src}:{line}")
         arrivals.append(t), ins.append(i), outs.append(o)
     if not ins:

@@ -47,13 +47,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="checkpoint folder (see `hetserve make-model`); needed unless --profiles")
     p.add_argument("--profiles", metavar="DIR", help="instead of measuring here: fit the kernel cost model to a folder "
                    "of measured GPU operator times, written to -o (the same as `hetserve cost fit`)")
-    p.add_argument("--gpu", default="RTX-4090", help="GPU type the efficiency is relative to (default RTX-4090)")
-    p.add_argument("--prompt-lengths", type=_sizes, default=(32, 128, 256, 512), metavar="L1,L2,...",
+    p.add_argument("--gpu", default=PROBE_DEFAULTS["gpu"], help="GPU type the efficiency is relative to (default RTX-4090)")
+    p.add_argument("--prompt-lengths", type=_sizes, default=PROBE_DEFAULTS["prompt_lengths"], metavar="L1,L2,...",
                    help="prefill probes, prompt tokens (default 32,128,256,512)")
-    p.add_argument("--batch-sizes", type=_sizes, default=(1, 4, 16), metavar="B1,B2,...",
+    p.add_argument("--batch-sizes", type=_sizes, default=PROBE_DEFAULTS["batch_sizes"], metavar="B1,B2,...",
                    help="decode probes, requests at once (default 1,4,16)")
-    p.add_argument("--decode-tokens", type=_positive, default=24, help="tokens per decode probe (default 24)")
-    p.add_argument("--reps", type=_positive, default=7,
+    p.add_argument("--decode-tokens", type=_positive, default=PROBE_DEFAULTS["decode_tokens"], help="tokens per decode probe (default 24)")
+    p.add_argument("--reps", type=_positive, default=PROBE_DEFAULTS["reps"],
                    help="rounds over every probe (median per probe; default 7: the load of a shared machine drifts)")
     for name, what in SKIPS.items():
         p.add_argument(f"--no-{name}", action="store_true", help=f"skip {what}")
@@ -76,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
         from hetserve.cli.commands.cost import run_fit
         from hetserve.errors import SpecError
 
+        named = probe_options(args)
+        if named:  # a fit of measured files runs no probe: these would be dropped unseen
+            raise SpecError("--profiles", "(option)", "no probe options beside it (it fits the kernel costs to the "
+                            "measured files and runs nothing); drop " + ", ".join(named), " ".join(named))
         if not args.output:
             raise SpecError("(command line)", "--output", "a file for the fitted kernel costs (with --profiles)")
         return run_fit(args)
@@ -85,6 +89,15 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError("(command line)", "--model", "a checkpoint folder (or --profiles DIR)")
     gpu(args.gpu, "--gpu")  # a clear error before any process starts
     check_model_dir(args.model)  # a folder, never a hub name looked up online
+    if tuple(args.prompt_lengths) != PROBE_DEFAULTS["prompt_lengths"]:
+        from hetserve.errors import SpecError
+        from hetserve.specs.model import load_model
+
+        spec = load_model(args.model)
+        if max(args.prompt_lengths) + args.decode_tokens > spec.max_context:
+            raise SpecError("--prompt-lengths", "(option)", f"prompts that leave {args.decode_tokens} decode tokens "
+                            f"within {args.model}'s context of {spec.max_context} tokens",
+                            ",".join(map(str, args.prompt_lengths)))
     if args.output:
         check_output_file(args.output, "--output")
     cal = calibrate(args.model, args.gpu, prompt_lengths=args.prompt_lengths, batch_sizes=args.batch_sizes,
@@ -142,6 +155,18 @@ def run(args: argparse.Namespace) -> int:
         cal.save(args.output)
         console.print(f"wrote {args.output}")
     return 0
+
+
+# the probe options' defaults: with --profiles, any other value was named by the user and cannot act
+PROBE_DEFAULTS = {"model": None, "gpu": "RTX-4090", "prompt_lengths": (32, 128, 256, 512), "batch_sizes": (1, 4, 16),
+                  "decode_tokens": 24, "reps": 7, "no_pipeline": False, "no_tp": False, "no_handoff": False,
+                  "no_long_decode": False, "no_speed_probe": False, "no_serving": False}
+
+
+def probe_options(args: argparse.Namespace) -> list[str]:
+    """The probe options ``args`` sets away from their defaults, as the user spelt them."""
+    return ["--" + k.replace("_", "-") for k, v in PROBE_DEFAULTS.items()
+            if (tuple(getattr(args, k)) if isinstance(v, tuple) else getattr(args, k)) != v]
 
 
 def _turn_hold(eff) -> str:

@@ -11,12 +11,18 @@ fitted law N_w = ⌈k5·r + c5⌉, and with ``--heartbeat`` the worker count sca
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 
 from rich.console import Console
 from rich.table import Table
 
 from hetserve.errors import SpecError
 from hetserve.policies.placement import placement_names
+
+DEFAULT_PLACEMENT, DEFAULT_TARGET, DEFAULT_REQUESTS = "aladdin", 0.99, 1500
+# what only the simulation reads: named under --method fluid, they would change nothing
+SIM_ONLY = {"placement": DEFAULT_PLACEMENT, "target": DEFAULT_TARGET, "requests": DEFAULT_REQUESTS}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,15 +39,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     rates.add_argument("--rates", help="comma-separated arrival rates, req/s (fits N_w = ceil(k5*r + c5))")
     p.add_argument("--slo-ttft", type=float, required=True, help="TTFT target, seconds")
     p.add_argument("--slo-tpot", type=float, required=True, help="ATGT / TPOT target, seconds per token")
-    p.add_argument("--placement", "--router", dest="placement", default="aladdin", choices=placement_names(),
+    p.add_argument("--placement", "--router", dest="placement", choices=placement_names(),
                    help="placement policy: %(choices)s (default aladdin)")
     p.add_argument("--mode", choices=["colocated", "decode"], default="colocated",
                    help="colocated workers, or decode workers behind a prefill pool (only decode counted)")
     p.add_argument("--gpus-per-worker", type=int, help="override the Eq. 6 choice")
     p.add_argument("--method", choices=["sim", "fluid"], default="sim",
                    help="simulate (default) or the fluid bound from the cost model")
-    p.add_argument("--target", type=float, default=0.99, help="share of requests that must meet the SLOs")
-    p.add_argument("--requests", type=int, default=1500, help="requests simulated per rate")
+    p.add_argument("--target", type=float, help=f"share of requests that must meet the SLOs (default {DEFAULT_TARGET})")
+    p.add_argument("--requests", type=int, help=f"requests simulated per rate (default {DEFAULT_REQUESTS})")
     p.add_argument("--heartbeat", type=float, help="also scale workers over the trace every this many seconds")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
@@ -55,7 +61,7 @@ def _rates(args) -> list[float]:
             vals = [float(x) for x in args.rates.split(",") if x.strip()]
         except ValueError as exc:
             raise SpecError("--rates", "rates", "comma-separated numbers", args.rates) from exc
-    if not vals or any(v <= 0 for v in vals):
+    if not vals or not all(math.isfinite(v) and v > 0 for v in vals):
         raise SpecError("--rates", "rates", "positive numbers of requests/s", args.rate or args.rates)
     return sorted(set(vals))  # a rate given twice is one row (the worker law needs two distinct rates)
 
@@ -70,22 +76,38 @@ def run(args: argparse.Namespace) -> int:
     if args.heartbeat and len(_rates(args)) < 2:  # the scaling follows the worker law, fitted on two rates
         raise SpecError("--heartbeat", "rates", "--rates with at least two rates to fit the worker law on",
                         args.rate if args.rate is not None else args.rates)
+    named = [f"--{k}" for k in SIM_ONLY if getattr(args, k) is not None]
+    if args.method == "fluid" and named:
+        raise SpecError(named[0], "method", "--method sim (the fluid bound simulates nothing, so no placement, "
+                        "target share or request count enters it); drop " + ", ".join(named), "--method fluid")
+    for k, default in SIM_ONLY.items():
+        if getattr(args, k) is None:
+            setattr(args, k, default)
     console = Console()
     model = load_model(args.model)
     slo = SLO(args.slo_ttft, args.slo_tpot)
     rates = _rates(args)
     base = load_workload(args.workload, seed=args.seed).within_context(model.max_context)
+    if not len(base):
+        raise SpecError(args.workload, "(requests)", f"requests within {model.name}'s context of "
+                        f"{model.max_context} tokens", "none")
     mi, mo = base.mean_input, base.mean_output
     intra = None
     if args.cluster:
         cluster = load_cluster(args.cluster)
         gpu = cluster.devices[0].gpu.name
+        others = sorted({d.gpu.name for d in cluster.devices} - {gpu})
+        if others:
+            print(f"warning: capacity sizes workers of one GPU type: {gpu}, {args.cluster}'s first; its "
+                  f"{', '.join(others)} are left out (pass --gpu to choose)", file=sys.stderr)
         devs = next((d for d in cluster.machines.values() if len(d) > 1), None)
         if devs:
             lat, bw = cluster.link(devs[0].index, devs[1].index)
             intra = {"bandwidth_gbps": bw * 8 / 1e9, "latency_ms": lat * 1e3}
     else:
-        gpu = args.gpu
+        from hetserve.specs.gpus import gpu as gpu_spec
+
+        gpu = gpu_spec(args.gpu, "--gpu").name  # named as the option, not as the pool built from it
         cluster = config.homogeneous_cluster(gpu, 8, 8)
 
     opts = config.worker_options(cluster, model, slo, mi, mo, gpu_name=gpu)

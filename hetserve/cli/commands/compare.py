@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from hetserve.cli.policy_options import add_policy_options
+from hetserve.cli.policy_options import add_policy_options, route_of
 from hetserve.calibration.speed_probe import SPEED_WEIGHT
 
-from hetserve.cli.commands.serve import add_prefill_mode_options
+from hetserve.cli.commands.serve import add_prefill_mode_options, chunk_tokens_of
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -56,6 +56,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.output:
         check_output_folder(args.output, "--output")  # before serving, not after it
+    from hetserve.errors import SpecError
+
+    if args.chunk_tokens is not None and args.prefill_mode != "chunked":
+        raise SpecError("--chunk-tokens", "(option)", "--prefill-mode chunked beside it (mixed steps take whole "
+                        "prompts); drop --chunk-tokens", args.chunk_tokens)
+    if args.speed_weight != SPEED_WEIGHT and not args.speed_correction:
+        raise SpecError("--speed-weight", "(option)", "the speed correction it weighs; drop --speed-weight or "
+                        "--no-speed-correction", args.speed_weight)
     plan = Plan.load(args.plan)  # input errors first, in one line
     check_model_dir(args.model)  # a folder, never a hub name looked up online
     cluster = plan_cluster(args.plan, plan, args.cluster)  # the cluster file the plan was made on, as serve
@@ -67,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
                                    workload_class=args.workload_class, rate=args.rate,
                                    num_requests=args.num_requests, max_input=args.max_input,
                                    max_output=args.max_output, efficiency=args.efficiency, placement=args.placement,
-                                   route=args.route, seed=args.seed, prefill_mode=args.prefill_mode,
-                                   chunk_tokens=args.chunk_tokens, kv_admission=args.kv_admission,
+                                   route=route_of(args), seed=args.seed, prefill_mode=args.prefill_mode,
+                                   chunk_tokens=chunk_tokens_of(args), kv_admission=args.kv_admission,
                                    speed_correction=args.speed_correction, speed_weight=args.speed_weight,
                                    serve_twice=args.serve_twice))
     except RuntimeError as exc:

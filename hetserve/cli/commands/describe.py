@@ -148,8 +148,7 @@ def describe_plan(args: argparse.Namespace, console: Console) -> int:
     """The plan file's table (as ``hetserve plan`` printed it), then whether it still holds on its
     cluster and model: a plan travels as a file, and the presets or the pool may have changed since."""
     from hetserve.cli.commands.plan import print_plan
-    from hetserve.cli.model_dir import plan_model
-    from hetserve.planner import validate_plan
+    from hetserve.cli.model_dir import check_plan, plan_model
     from hetserve.planner.plan import Plan, load_plan_cluster
 
     if args.name is None:
@@ -176,7 +175,7 @@ def describe_plan(args: argparse.Namespace, console: Console) -> int:
     if missing:
         console.print("[yellow]not checked[/]: " + "; ".join(missing))
         return 0
-    validate_plan(plan, cluster, model)  # raises PlanError (exit 2) naming every problem
+    check_plan(args.name, plan, cluster, model)  # raises PlanError (exit 2) naming every problem
     console.print(f"checked: the plan fits {cluster.name} ({len(cluster)} devices) and {model.name} "
                   f"(devices, layers, memory, KV routes: planner/validate.py)")
     return 0

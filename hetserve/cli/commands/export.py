@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hetserve.export.common import RAY_PORT
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -18,30 +20,32 @@ def register(subparsers) -> None:
     p.add_argument("--to", required=True, choices=("hetserve", "vllm", "sglang"), help="the engine to launch")
     p.add_argument("--model", help="the checkpoint's path (or hub name) on every machine "
                                    "(default: the model the plan names)")
-    p.add_argument("--ray-port", type=int, default=6379, metavar="PORT",
+    p.add_argument("--ray-port", type=int, default=RAY_PORT, metavar="PORT",
                    help="the Ray head's port (default 6379; multi-machine vLLM replicas' own Ray heads take the next ones)")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="folder to write the bundle into")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from hetserve.cli.model_dir import plan_cluster, plan_model
+    from hetserve.cli.model_dir import check_plan, plan_cluster, plan_model
     from hetserve.cli.output_path import check_output_folder
     from hetserve.export import export_bundle
     from hetserve.planner.plan import Plan
-    from hetserve.planner.validate import validate_plan
     from hetserve.specs.model import load_model
 
     from hetserve.errors import SpecError
 
     if not 1 <= args.ray_port <= 65000:
         raise SpecError("--ray-port", "(option)", "a port in [1, 65000]", str(args.ray_port))
+    if args.ray_port != RAY_PORT and args.to == "sglang":  # only the hetserve and vLLM bundles start Ray
+        raise SpecError("--ray-port", "(option)", "--to hetserve or vllm (an SGLang bundle starts no Ray head); "
+                        "drop --ray-port", str(args.ray_port))
     check_output_folder(args.output, "--output")
     plan = Plan.load(args.plan)
     cluster = plan_cluster(args.plan, plan, args.cluster)
     # the model's shape: from --model where it is a checkpoint folder here, else the model the plan names
     model = (load_model(args.model) if args.model and Path(args.model).exists() else plan_model(args.plan, plan.model))
-    validate_plan(plan, cluster, model)
+    check_plan(args.plan, plan, cluster, model)
     cluster_path = args.cluster if args.cluster and Path(args.cluster).is_file() else (
         str(plan.cluster_file.path) if plan.cluster_file is not None else None)
     written = export_bundle(plan, cluster, args.to, args.output, args.model or plan.model, model.num_layers,

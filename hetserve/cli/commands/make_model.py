@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+MAX_PARAMS = 2 ** 30  # 4 GiB of float32 weights
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -28,10 +30,20 @@ def _run(args: argparse.Namespace) -> int:
     from hetserve.errors import SpecError
     from hetserve.runtime.model.make import make_model
 
+    from hetserve.cli.output_path import check_output_folder
+
+    check_output_folder(args.output, "-o")  # before torch is loaded and the weights made
     out_dir = Path(args.output)
     if out_dir.is_dir() and any(out_dir.iterdir()):  # never write random weights over a real checkpoint
         raise SpecError(args.output, "-o", "a new or empty folder", "a folder holding " +
                         ", ".join(sorted(p.name for p in out_dir.iterdir())[:3]))
+    ffn = args.ffn or (2 if args.arch == "llama" else 4) * args.hidden
+    params = (2 * args.vocab * args.hidden + args.layers * (4 * args.hidden ** 2 + 3 * args.hidden * ffn)
+              + (args.max_positions * args.hidden if args.arch == "opt" else 0))
+    if params > MAX_PARAMS:  # the weights are made in memory before they are written
+        raise SpecError("--layers/--hidden/--ffn/--vocab/--max-positions", "(options)",
+                        f"a checkpoint of at most {MAX_PARAMS:.2g} parameters (make-model writes small random-weight "
+                        f"models for tests and demos)", f"about {params:.3g} parameters")
     try:
         out = make_model(args.output, args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
                          kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,

@@ -8,6 +8,8 @@ from pathlib import Path
 from hetserve.errors import PlanError
 
 BUSIEST_RESOURCES = 4  # shared NICs / pipes printed under a plan
+# algorithms whose plans hold colocated replicas only, so --disaggregated cannot act on them
+COLOCATED_ONLY = {"hexgen", "exact-colocated"}
 
 
 def register(subparsers) -> None:
@@ -85,16 +87,24 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         check_plot_file(args.plot, "--plot")
     names = [a.strip() for a in (args.compare or args.algorithm).split(",") if a.strip()]
+    if not names:
+        raise PlanError(f"--compare: expected algorithm names separated by commas ({', '.join(ALGORITHMS)}), "
+                        f"got {args.compare!r}")
     for a in names:
         if a not in ALGORITHMS:
             raise PlanError(f"unknown planning algorithm {a!r}; choose from {', '.join(ALGORITHMS)}")
+    colocated = sorted(set(names) & COLOCATED_ONLY)
+    if args.disaggregated and colocated:  # they build colocated replicas only: the flag could not act
+        raise PlanError(f"--disaggregated: {', '.join(colocated)} builds colocated replicas only; choose an "
+                        f"algorithm that splits prefill from decode (hexgen2, random-swap, genetic, uniform, exact) "
+                        f"or drop --disaggregated")
     cluster = load_cluster(args.cluster)
     model = load_model(args.model)
     workload = load_workload(args.workload)
     if args.workload_class:
         workload = workload.of_class(args.workload_class)
     console = Console()
-    workload = _servable(workload, model, console)
+    workload = _servable(workload, model, console, args.workload)
     plans = []
     for name in names:
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[best]}"),
@@ -368,14 +378,17 @@ def plot_convergence(plans, path: str | Path) -> None:
     plt.close(fig)
 
 
-def _servable(workload, model, console):
+def _servable(workload, model, console, source: str):
     """The requests a server of ``model`` takes: one longer than its context is refused (by the
     engine, and by the simulator), so a plan counting it would promise tokens nobody serves."""
     from hetserve.errors import SpecError
 
     fits = workload.within_context(model.max_context)
+    if not len(workload):  # --workload-class kept none
+        raise SpecError(source, "(requests)", f"at least one request of class {workload.name.rpartition(':')[2]}",
+                        "none")
     if not len(fits):
-        raise SpecError(workload.name, "(requests)", f"requests within {model.name}'s context of "
+        raise SpecError(source, "(requests)", f"requests within {model.name}'s context of "
                         f"{model.max_context} tokens", f"all {len(workload)} longer")
     if len(fits) < len(workload):
         console.print(f"note: {len(workload) - len(fits)} of {len(workload)} requests exceed {model.name}'s context "

@@ -39,16 +39,30 @@ def run(args: argparse.Namespace) -> int:
     for flag, v in (("--timeout", args.timeout), ("--health-interval", args.health_interval)):
         if not v >= 0 or (flag == "--timeout" and v == 0):
             raise SpecError(flag, "(option)", "a positive number of seconds", str(v))
-    config = (config_from_deploy(args.deploy) if args.deploy
-              else config_from_urls([u.strip() for u in args.backends.split(",") if u.strip()]))
+    if args.deploy:
+        try:
+            config = config_from_deploy(args.deploy)
+        except UnicodeDecodeError as exc:  # a binary file where deploy.json was wanted
+            raise SpecError(args.deploy, "(file)", "a deploy.json (UTF-8 JSON text)", str(exc)) from exc
+    else:
+        urls = [u.strip() for u in args.backends.split(",") if u.strip()]
+        if not urls:
+            raise SpecError("--backends", "(option)", "one or more backend URLs separated by commas", args.backends)
+        config = config_from_urls(urls)
     key = None
     if args.backend_api_key_file:
         try:
-            with open(args.backend_api_key_file) as f:
+            with open(args.backend_api_key_file, encoding="utf-8") as f:
                 key = f.read().strip()
         except OSError as exc:
             raise SpecError(args.backend_api_key_file, "--backend-api-key-file", "a readable file",
                             exc.strerror or str(exc)) from exc
+        except UnicodeDecodeError as exc:
+            raise SpecError(args.backend_api_key_file, "--backend-api-key-file", "a key as UTF-8 text",
+                            str(exc)) from exc
+        if not key:  # an empty key would be sent as "Bearer " and every backend would refuse it
+            raise SpecError(args.backend_api_key_file, "--backend-api-key-file", "a file holding the key",
+                            "an empty file")
     router = Router(BackendPool(config, args.policy), timeout_s=args.timeout, health_interval_s=args.health_interval,
                     api_key=key)
     uvicorn.run(create_app(router), host=args.host, port=args.port, log_level="warning")

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 
-from hetserve.cli.policy_options import add_policy_options, transmission_of
+from hetserve.cli.policy_options import add_policy_options, route_of, transmission_of
 from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
+
+REPLAN_WORKLOAD, REPLAN_TIME_LIMIT_S = "azure-conv", 10.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_policy_options(p)  # the same names, policy objects and defaults as `simulate`
     p.add_argument("--shape-links", action="store_true",
                    help="emulate the cluster's per-pair bandwidth and latency between workers")
-    p.add_argument("--time-scale", type=float, default=1.0,
+    p.add_argument("--time-scale", type=float,
                    help="with --shape-links: speed every link up by this factor (default 1)")
     p.add_argument("--micro-batches", type=int,
                    help="steps in flight per pipeline (MoLink searches N..2N for N stages; default N)")
@@ -70,9 +72,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="when a replica dies, re-plan the surviving devices (warm-started from the running plan) "
                         "and bring the new replicas up while the others serve; POST /admin/replan (with --admin-key) "
                         "does it on demand")
-    p.add_argument("--replan-workload", default="azure-conv",
+    p.add_argument("--replan-workload",
                    help="workload preset or CSV the re-plan's planner plans for (default azure-conv)")
-    p.add_argument("--replan-time-limit", type=float, default=10.0, metavar="S",
+    p.add_argument("--replan-time-limit", type=float, metavar="S",
                    help="the re-plan's planner search time limit in seconds (default 10)")
     add_prefill_mode_options(p)
     add_key_options(p)
@@ -91,12 +93,43 @@ def add_prefill_mode_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-mode", choices=["mixed", "chunked"], default=DEFAULT_BATCHING.prefill_mode,
                    help="colocated replicas: whole prompts ride in the decode step (mixed, default) or prompts "
                         "feed chunks of at most --chunk-tokens per step, decodes included (chunked)")
-    p.add_argument("--chunk-tokens", type=int, default=DEFAULT_BATCHING.chunk_tokens,
+    p.add_argument("--chunk-tokens", type=int,
                    help=f"tokens per step with --prefill-mode chunked (default {DEFAULT_BATCHING.chunk_tokens})")
     p.add_argument("--kv-admission", choices=["reserve", "paged"], default=DEFAULT_BATCHING.kv_admission,
                    help="KV on colocated/decode replicas: reserve prompt + max_tokens at admission (reserve, "
                         "default), or vLLM's paged blocks as the context grows, pre-empting the latest arrival "
                         "(recomputed later) when a step would not fit (paged)")
+
+
+def chunk_tokens_of(args: argparse.Namespace) -> int:
+    """``--chunk-tokens``, or the default (None when not given, so that one given under --prefill-mode
+    mixed is refused rather than ignored)."""
+    from hetserve.policies.batching import DEFAULT_BATCHING
+
+    return args.chunk_tokens if args.chunk_tokens is not None else DEFAULT_BATCHING.chunk_tokens
+
+
+def check_idle_options(args: argparse.Namespace, plan) -> None:
+    """Options named on the command line that the others leave nothing to act on: one line naming
+    the option and what it needs, before anything starts (each would otherwise be dropped unseen)."""
+    from hetserve.errors import PlanError, SpecError
+    from hetserve.sim.option_checks import idle_plan_option
+
+    aladdin = "aladdin" in (args.placement, route_of(args))
+    needs = [("--time-scale", args.time_scale, args.shape_links, "--shape-links (it scales the emulated links)"),
+             ("--replan-workload", args.replan_workload, args.replan_on_failure, "--replan-on-failure"),
+             ("--replan-time-limit", args.replan_time_limit, args.replan_on_failure, "--replan-on-failure"),
+             ("--ray-address", args.ray_address, args.backend == "ray", "--backend ray"),
+             ("--chunk-tokens", args.chunk_tokens, args.prefill_mode == "chunked", "--prefill-mode chunked"),
+             ("--slo-ttft", args.slo_ttft, aladdin, "--placement or --route aladdin (the SLO it places by)"),
+             ("--slo-tpot", args.slo_tpot, aladdin, "--placement or --route aladdin (the SLO it places by)")]
+    for option, value, acts, needed in needs:
+        if value is not None and not acts:
+            raise SpecError(option, "(option)", f"{needed} beside it; drop {option} or add what it needs", value)
+    colocated_only = [f"--prefill-mode {args.prefill_mode}"] if args.prefill_mode == "chunked" else []
+    idle = idle_plan_option(plan, args.plan, route=args.route, colocated_only=colocated_only)
+    if idle is not None:
+        raise PlanError(idle)
 
 
 def add_key_options(p: argparse.ArgumentParser) -> None:
@@ -153,33 +186,40 @@ def run(args: argparse.Namespace) -> int:
     check_micro_batches(args.micro_batches, plan, args.plan)
     cluster = plan_cluster(args.plan, plan, args.cluster)  # --cluster, else the file the plan was made on
     check_model_dir(args.model)
+    from hetserve.planner.validate import check_runnable
+    from hetserve.specs.model import load_model_as
+
+    # the checkpoint's layers and shapes against the plan's stages, before the port is taken
+    check_runnable(plan, cluster, load_model_as(args.model, plan.model), f"{args.plan} with --model {args.model}")
+    check_idle_options(args, plan)
     if args.heartbeat_timeout <= 0.2:
         raise SpecError("--heartbeat-timeout", "heartbeat_timeout", "more than 0.2 s (workers beat every "
                         "min(0.5 s, timeout / 4))", args.heartbeat_timeout)
     if args.replan_on_failure and args.backend == "ray":
         raise SpecError("--replan-on-failure", "backend", "the local backend (Ray actors are placed once)", "ray")
-    if not 0 < args.replan_time_limit <= 3600:
+    if args.replan_time_limit is not None and not 0 < args.replan_time_limit <= 3600:
         raise SpecError("--replan-time-limit", "seconds", "a number in (0, 3600]", args.replan_time_limit)
     if args.replan_on_failure:
         from hetserve.specs.workload import load_workload
 
-        load_workload(args.replan_workload)  # a bad workload is reported now, not at the first failure
+        load_workload(args.replan_workload or REPLAN_WORKLOAD)  # a bad workload is reported now, not at the first failure
     keys = key_options(args)
     engine_options = {"heartbeat_timeout_s": args.heartbeat_timeout,
                       "heartbeat_interval_s": min(0.5, args.heartbeat_timeout / 4),
-                      "prefill_mode": args.prefill_mode, "chunk_tokens": args.chunk_tokens,
+                      "prefill_mode": args.prefill_mode, "chunk_tokens": chunk_tokens_of(args),
                       "kv_admission": args.kv_admission, "dtype": args.dtype,
                       "threads_per_worker": args.threads_per_worker, **tls_options(args.tls_cert, args.tls_key, args.tls_ca)}
     try:
         opts = ServeOptions(plan=plan, cluster=cluster, model_dir=args.model, model_name=args.model_name,
-                            backend=args.backend, placement=args.placement, route=args.route, transmission=transmission_of(args),
-                            shape_links=args.shape_links, time_scale=args.time_scale,
+                            backend=args.backend, placement=args.placement, route=route_of(args), transmission=transmission_of(args),
+                            shape_links=args.shape_links, time_scale=args.time_scale or 1.0,
                             micro_batches=args.micro_batches, kv_capacity_tokens=args.kv_capacity, seed=args.seed,
                             max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
                             slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, ray_address=args.ray_address,
                             advertise_address=args.advertise_address,
                             engine_options=engine_options, replan_on_failure=args.replan_on_failure,
-                            replan_workload=args.replan_workload, replan_time_limit_s=args.replan_time_limit,
+                            replan_workload=args.replan_workload or REPLAN_WORKLOAD,
+                            replan_time_limit_s=args.replan_time_limit or REPLAN_TIME_LIMIT_S,
                             max_body_bytes=args.max_body_bytes, **keys)
     except ValueError as exc:
         raise RuntimeFailure(str(exc)) from exc

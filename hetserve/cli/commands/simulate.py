@@ -11,11 +11,12 @@ latency_cdf.png under ``-o``; prints a table either way.
 from __future__ import annotations
 
 import argparse
-import sys
 import json
+import math
+import sys
 from pathlib import Path
 
-from hetserve.cli.policy_options import add_policy_options, transmission_of
+from hetserve.cli.policy_options import add_policy_options, route_of, transmission_of
 from hetserve.policies.batching import DEFAULT_BATCHING
 
 
@@ -80,13 +81,12 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.errors import PlanError, SpecError
     from hetserve.cost.analytic import CostModel
     from hetserve.planner.plan import Plan
-    from hetserve.planner.validate import validate_plan
     from hetserve.sim import SimOptions, simulate
-    from hetserve.sim.option_checks import transmission_note
+    from hetserve.sim.option_checks import idle_plan_option, transmission_note
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import SLO, load_workload
 
-    from hetserve.cli.model_dir import plan_cluster, plan_model
+    from hetserve.cli.model_dir import check_plan, plan_cluster, plan_model
     from hetserve.cli.output_path import check_output_folder
 
     rates = _parse_rates(args.sweep_rates) if args.sweep_rates else []
@@ -120,7 +120,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {over} of {len(wl)} requests of {args.workload} exceed {model.name}'s context of "
               f"{model.max_context} tokens (prompt + output; the longest has {worst}): {fate}", file=sys.stderr)
     if len(wl) == 0:
-        raise SpecError(args.workload, "(requests)", "at least one request after filtering")
+        kept_by = [f for f, on in (("--workload-class " + str(args.workload_class), args.workload_class),
+                                   ("--within-context", args.within_context)) if on]
+        raise SpecError(args.workload, "(requests)", "at least one request after " + " and ".join(kept_by or
+                                                                                              ["filtering"]), "none")
     if rates:
         wl.with_rate(rates[0], source=args.workload, option="--sweep-rates")  # before the first simulation, not after it
     try:
@@ -131,8 +134,16 @@ def run(args: argparse.Namespace) -> int:
     if args.chunked_prefill and args.prefill_mode != DEFAULT_BATCHING.prefill_mode:  # one would be dropped
         raise SpecError("--chunked-prefill", "prefill mode", "one prefill mode: --chunked-prefill or --prefill-mode",
                         f"both (--prefill-mode {args.prefill_mode})")
-    if policy_options and "aladdin" not in (args.placement, args.route):
+    if policy_options and "aladdin" not in (args.placement, route_of(args)):
         raise SpecError("--gamma/--theta", "placement", "--placement aladdin or --route aladdin", args.placement)
+    colocated_only = (["--chunked-prefill"] if args.chunked_prefill else []) + (
+        [f"--prefill-mode {args.prefill_mode}"] if args.prefill_mode != DEFAULT_BATCHING.prefill_mode else [])
+    idle = idle_plan_option(plan, args.plan, route=args.route, colocated_only=colocated_only)
+    if idle is not None:
+        raise PlanError(idle)
+    if args.predictor != "oracle" and args.placement == "rr":  # round robin reads no prediction
+        raise SpecError("--predictor", "placement", "a placement that reads predicted output lengths (every one "
+                        "but rr); drop --predictor", f"--predictor {args.predictor} with --placement rr")
     if args.transmission is not None:
         note = transmission_note(plan, args.plan, args.transmission, args.pipeline)
         if note is not None and note[0] == "error":
@@ -147,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         from hetserve.calibration.file import served_efficiency, served_sim_options
 
         cost = CostModel(cluster, model, served_efficiency(args.efficiency) if args.efficiency else None)
-        opts = SimOptions(placement=args.placement, route=args.route, transmission=transmission_of(args), slo=slo,
+        opts = SimOptions(placement=args.placement, route=route_of(args), transmission=transmission_of(args), slo=slo,
                           **served_sim_options(args.efficiency), predictor=predictor,
                           token_budget=args.token_budget, chunked_prefill=args.chunked_prefill,
                           prefill_mode=args.prefill_mode,
@@ -156,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
                           beyond_context="run" if args.run_beyond_context else "reject",
                           seed=args.seed, policy_options=policy_options,
                           progress=not args.no_progress and not args.json)
-        validate_plan(plan, cluster, model)
+        check_plan(args.plan, plan, cluster, model)
         result = simulate(plan, cluster, model, wl, opts, cost=cost)
     except ValueError as exc:
         if isinstance(exc, (PlanError, SpecError)):
@@ -190,7 +201,7 @@ def _parse_rates(text: str) -> list[float]:
         rates = [float(r) for r in text.split(",") if r.strip()]
     except ValueError as exc:
         raise SpecError("--sweep-rates", "sweep_rates", "comma-separated rates in req/s", text) from exc
-    if not rates or min(rates) <= 0:
+    if not rates or not all(math.isfinite(r) and r > 0 for r in rates):
         raise SpecError("--sweep-rates", "sweep_rates", "positive rates in req/s", text)
     return rates
 

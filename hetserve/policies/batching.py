@@ -1,9 +1,9 @@
 """Continuous batching: which requests run in a replica's next step. One copy, two clocks.
 
-The simulator's replicas (``hetserve.sim.replicas``) and the runtime's ``ReplicaScheduler`` both
-build every step with ``StepBuilder`` and admit KV with ``kv_reservation`` ("reserve") or the paged
-rule of ``policies.kv_admission`` ("paged", with pre-emption), from the defaults in
-``BatchingConfig`` (the only place they are written). Pure Python: no torch, no sockets.
+The simulator's replicas (``hetserve.sim.replicas``, ``sim.pipeline``) and the runtime's
+``ReplicaScheduler`` compose every step with ``compose_step`` and admit KV with ``kv_reservation``
+("reserve") or the paged rule of ``policies.kv_admission`` ("paged", with pre-emption), from the
+defaults in ``BatchingConfig`` (the only place they are written). Pure Python: no torch, no sockets.
 
 A step (one forward pass of a replica) carries:
 
@@ -27,7 +27,7 @@ implements ``"mixed"`` and ``"chunked"``; ``"prefill_first"`` is a simulator wha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 from hetserve.policies.kv_admission import DEFAULT_WATERMARK, KV_ADMISSIONS, KVAdmission
 
@@ -126,3 +126,51 @@ class StepBuilder:
         self.seqs += 1
         self.prompts += 1
         return True
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """The head of a replica's waiting queue, as a step sees it."""
+
+    tokens: int  # prompt tokens it still has to prefill here
+    kv_fits: bool  # its KV reservation fits the pool now
+    seqs: int = 1  # sequences it adds to the replica (its choices)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one step carries: ``decodes`` one-token rows, then prompt tokens ``chunks``, one per
+    prompt in admission order (those admitted before and still prefilling first); ``admitted`` of
+    them came from the waiting queue in this step. Without chunking a chunk is a whole prompt."""
+
+    decodes: int
+    admitted: int
+    chunks: tuple[int, ...]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.chunks)
+
+
+def compose_step(head: Callable[[], Offer | None], take: Callable[[], None], *, token_budget: int | None,
+                 max_seqs: int, decodes: int, seqs: int, chunk_tokens: int | None = None,
+                 prefilling: tuple[int, ...] | list[int] = (), admit: bool = True) -> Step:
+    """The one rule for a replica's next step, for the runtime's scheduler and the simulator.
+
+    ``head()`` shows the waiting queue's head (None: empty) and ``take()`` admits it (the caller
+    gives it its KV). The step carries ``decodes`` decode rows on a replica already running
+    ``seqs`` sequences. Heads are admitted in order while ``StepBuilder`` takes them within
+    ``token_budget`` (None: no budget) and ``max_seqs`` and their KV fits; the first that does not
+    stops admission (FCFS). ``admit=False``: none (a step that pre-empted). Chunked prefill
+    (``chunk_tokens`` set): the prompts admitted before with ``prefilling`` tokens left, then
+    the new ones, feed chunks by ``prompt_chunks``; otherwise every admitted prompt rides whole.
+    """
+    step = StepBuilder(token_budget, max_seqs, tokens=decodes, seqs=seqs)
+    fed: list[int] = []
+    while admit and (offer := head()) is not None and step.offer(offer.tokens, offer.kv_fits):
+        step.seqs += offer.seqs - 1  # a request's choices are sequences of the replica
+        take()
+        fed.append(offer.tokens)
+    if chunk_tokens is None:
+        return Step(decodes, len(fed), tuple(fed))
+    return Step(decodes, len(fed), tuple(prompt_chunks([*prefilling, *fed], chunk_tokens, decodes)))

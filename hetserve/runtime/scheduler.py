@@ -2,9 +2,9 @@
 
 Every step is rebuilt from scratch (requests join and leave the running batch every iteration):
 the decoding sequences that are not already in flight, plus, on a prefill-capable replica, new
-requests from the head of its waiting queues, admitted by the shared policy
-(``hetserve.policies.batching.StepBuilder``: token budget, sequence limit, KV reservation; the
-simulator builds its steps with the same object). Up to ``num_stages`` steps are in flight at
+requests from the head of its waiting queues, composed by the shared rule
+(``hetserve.policies.batching.compose_step``: token budget, sequence limit, KV reservation; the
+simulator composes its steps with the same function). Up to ``num_stages`` steps are in flight at
 once, on disjoint sequences, so every pipeline stage has work; decode sequences are spread evenly
 over those micro-batches (``decode_share``).
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 
 from hetserve.planner.plan import HasRole
-from hetserve.policies.batching import DEFAULT_BATCHING, StepBuilder, decode_share, kv_reservation, prompt_chunks
+from hetserve.policies.batching import DEFAULT_BATCHING, Offer, compose_step, decode_share, kv_reservation
 from hetserve.policies.kv_admission import (KV_ADMISSIONS, RunningKV, blocks_for, can_admit_paged, decode_growth,
                                             preemptions)
 from hetserve.policies.kv_admission import requeue as requeue_at
@@ -110,40 +110,48 @@ class ReplicaScheduler(HasRole):
         if self.paged and batch:
             self._make_room(batch)
         decodes = len(batch)
-        if self.chunked:
-            return batch + self._chunks(waiting, decodes)
-        if self.serves_prefill and not self.last_preempted:
-            step = StepBuilder(self.max_batched_tokens, self.max_num_seqs, tokens=decodes, seqs=decodes)
-            batch += self._admit(step, waiting)
-        return batch
-
-    def _admit(self, step: StepBuilder, waiting: deque[Sequence]) -> list[Sequence]:
-        """Admit waiting requests (placed here first, then the shared queue) while ``step`` takes them."""
-        admitted = []
-        for queue in (self.pinned, waiting):
-            while queue:
-                seq = queue[0]
-                # a choice forked from another holds the prompt's shared blocks here already
-                held = len(seq.table) * self.blocks.block_size if seq.replica == self.id else 0
-                reserve = max(0, self.admission_tokens(seq) - held)
-                if not step.offer(seq.prefill_tokens - held, not self.last_preempted and self.can_admit(reserve)):
-                    return admitted  # FCFS: nobody overtakes a request that does not fit yet
-                queue.popleft()
-                seq.table = (seq.table if held else []) + self.blocks.allocate(reserve)
-                seq.replica, seq.num_cached, seq.status = self.id, held, Status.RUNNING
-                seq.prefill_end, seq.chunk = seq.prefill_tokens, 0
-                admitted.append(seq)
-        return admitted
-
-    def _chunks(self, waiting: deque[Sequence], decodes: int) -> list[Sequence]:
-        """Chunked prefill: admit all that fits (no token budget), then chunk the idle prompts."""
-        step = StepBuilder(None, self.max_num_seqs, tokens=decodes, seqs=decodes + len(self.prefilling))
-        self.prefilling += self._admit(step, waiting)
-        idle = self._idle_prefilling()
-        sizes = prompt_chunks([q.prefill_end - q.num_cached for q in idle], self.chunk_tokens, decodes)
-        for q, c in zip(idle, sizes):
+        admitted: list[Sequence] = []
+        idle = self._idle_prefilling() if self.chunked else []
+        step = compose_step(*self._queue(waiting, admitted), token_budget=None if self.chunked else
+                            self.max_batched_tokens, max_seqs=self.max_num_seqs, decodes=decodes,
+                            seqs=decodes + len(self.prefilling) if self.chunked else decodes,
+                            chunk_tokens=self.chunk_tokens if self.chunked else None,
+                            prefilling=[q.prefill_end - q.num_cached for q in idle],
+                            admit=self.serves_prefill and not self.last_preempted)
+        if not self.chunked:
+            return batch + admitted
+        self.prefilling += admitted
+        feeding = idle + admitted
+        for q, c in zip(feeding, step.chunks):
             q.chunk = c
-        return idle[:len(sizes)]
+        return batch + feeding[:len(step.chunks)]
+
+    def _queue(self, waiting: deque[Sequence], admitted: list[Sequence]):
+        """``compose_step``'s view of the waiting requests: those placed here first, then the shared
+        queue; ``take`` gives the head its blocks and appends it to ``admitted``."""
+        def first() -> deque[Sequence] | None:
+            return self.pinned or waiting or None
+
+        def held(seq: Sequence) -> int:  # a choice forked from another holds the prompt's blocks here already
+            return len(seq.table) * self.blocks.block_size if seq.replica == self.id else 0
+
+        def head() -> Offer | None:
+            queue = first()
+            if queue is None:
+                return None
+            seq = queue[0]
+            have = held(seq)
+            return Offer(seq.prefill_tokens - have, self.can_admit(max(0, self.admission_tokens(seq) - have)))
+
+        def take() -> None:
+            seq = first().popleft()
+            have = held(seq)
+            seq.table = (seq.table if have else []) + self.blocks.allocate(max(0, self.admission_tokens(seq) - have))
+            seq.replica, seq.num_cached, seq.status = self.id, have, Status.RUNNING
+            seq.prefill_end, seq.chunk = seq.prefill_tokens, 0
+            admitted.append(seq)
+
+        return head, take
 
     def _make_room(self, batch: list[Sequence]) -> None:
         """Paged KV: give the step's decodes the blocks their tokens need, pre-empting (the shared

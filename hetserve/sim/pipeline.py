@@ -30,7 +30,7 @@ from collections import deque
 from hetserve.cost.analytic import PrefillBatch
 from hetserve.cost.layout import micro_batches_of
 from hetserve.policies.base import DecodeTiming, ReplicaState, RunningRequest
-from hetserve.policies.batching import StepBuilder, kv_reservation
+from hetserve.policies.batching import Offer, compose_step, kv_reservation
 from hetserve.policies.transmission import next_decode_return, round_trip_time
 from hetserve.sim.batch import DecodeBatch
 from hetserve.sim.events import Priority
@@ -148,11 +148,11 @@ class PipelineReplica(Replica):
             grp.batch.add(rid, r.inp[rid] + 1, r.out[rid] - 1, r.inp[rid] + r.out[rid])
         grp.joins.clear()
         if grp.prefill:
-            take, step = [], StepBuilder(self.limits.token_budget, self.max_batch)
-            while grp.prefill and step.offer(r.inp[grp.prefill[0]], True):
-                take.append(grp.prefill.pop(0))
-            tokens = step.tokens
-            item = _Item(g, "prefill", take, len(take), 0.0, tokens)
+            take: list[int] = []
+            step = compose_step(lambda: Offer(r.inp[grp.prefill[0]], True) if grp.prefill else None,
+                                lambda: take.append(grp.prefill.pop(0)), token_budget=self.limits.token_budget,
+                                max_seqs=self.max_batch, decodes=0, seqs=0)
+            item = _Item(g, "prefill", take, len(take), 0.0, step.prompt_tokens)
         elif grp.batch.size:
             item = _Item(g, "decode", [], grp.batch.size, grp.batch.context, grp.batch.size)
         else:

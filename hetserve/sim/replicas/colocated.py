@@ -1,7 +1,7 @@
 """``ColocatedReplica``: a vLLM-style engine, prefill and decode on one replica.
 
 Waiting prompts are taken at the running batch's next iteration boundary by the shared batching
-policy (``policies.batching.StepBuilder``) and, per ``prefill_mode``: ride in that iteration
+rule (``policies.batching.compose_step``) and, per ``prefill_mode``: ride in that iteration
 with the decodes ("mixed", the runtime's engine), run as a prompts-only step that pauses decoding
 ("prefill_first"), or ride along as chunks up to ``chunk_tokens`` per iteration ("chunked").
 """
@@ -13,7 +13,7 @@ from collections import deque
 from hetserve.cost.analytic import PrefillBatch
 from hetserve.policies.base import ReplicaState
 from hetserve.cost.layout import micro_batches_of
-from hetserve.policies.batching import StepBuilder, prompt_chunks
+from hetserve.policies.batching import Offer, Step, compose_step
 from hetserve.policies.kv_admission import requeue
 from hetserve.sim.events import Priority
 from hetserve.sim.hosts import on_host, pipeline_step_beside
@@ -63,7 +63,7 @@ class ColocatedReplica(Decoding):
         busy = self.batch.size or self._paused  # idle: the prompt starts at once the usual way
         if not self._slots or not busy or self._steps_in_flight() >= self._slots:
             return False
-        rids = self._take(self.limits.token_budget)
+        rids, _ = self._take(self.limits.token_budget)
         if not rids:
             return False
         self._beside.append(rids)
@@ -102,26 +102,31 @@ class ColocatedReplica(Decoding):
             return False
         return self.kv.admits(self.waiting[0])
 
-    def _take(self, budget: int | None, decode_tokens: int = 0) -> list[int]:
-        """Admit waiting prompts in order into a step of ``budget`` tokens that already carries
-        ``decode_tokens`` (the shared ``StepBuilder``), within the KV and the batch limit."""
-        r, kv = self.req, self.kv
-        step = StepBuilder(budget, self.max_batch, tokens=decode_tokens, seqs=self.admitted)
-        taken = []
-        while self.waiting:
+    def _take(self, budget: int | None, decodes: int = 0, chunk_tokens: int | None = None) -> tuple[list[int], Step]:
+        """Admit waiting prompts in order into a step of ``budget`` tokens carrying ``decodes`` decode
+        rows, within the KV and the batch limit (``compose_step``, the runtime's rule); returns their
+        ids and the step (with ``chunk_tokens``: chunks of the admitted prompts, older ones first)."""
+        r, kv, taken = self.req, self.kv, []
+
+        def head() -> Offer | None:
+            if not self.waiting:
+                return None
             rid = self.waiting[0]
-            n = kv.prefill_tokens(rid)
-            if not step.offer(n, kv.admits(rid)):
-                break
-            self.waiting.popleft()
-            self.queued_tokens -= n
+            return Offer(kv.prefill_tokens(rid), kv.admits(rid), r.choices[rid])
+
+        def take() -> None:
+            rid = self.waiting.popleft()
+            self.queued_tokens -= kv.prefill_tokens(rid)
             kv.admit(rid)
-            step.seqs += r.choices[rid] - 1  # a request's choices are sequences of the step, as the engine counts
             self.admitted += r.choices[rid]
             if not kv.made(rid):  # a recompute keeps its first start
                 r.t_start[rid] = self.loop.now
             taken.append(rid)
-        return taken
+
+        left = [kv.prefill_tokens(rid) - done for rid, done in self._chunking] if chunk_tokens else ()
+        step = compose_step(head, take, token_budget=budget, max_seqs=self.max_batch, decodes=decodes,
+                            seqs=self.admitted, chunk_tokens=chunk_tokens, prefilling=left)
+        return taken, step
 
     def _requeue(self, victims: list[int]) -> None:
         """Pre-empted requests go back to the head of the waiting queue (``kv_admission.requeue``, as
@@ -157,7 +162,7 @@ class ColocatedReplica(Decoding):
             if self._mixed_iteration():
                 return
         else:
-            rids = self._take(self.limits.token_budget)
+            rids, _ = self._take(self.limits.token_budget)
             if rids:
                 self._prefilling = rids
                 self._pause(self._prompt_step(rids, self._on_prefill_done))
@@ -194,17 +199,13 @@ class ColocatedReplica(Decoding):
         """One iteration carrying every running decode plus prompts: whole ones admitted within the
         token budget ("mixed"), or chunks of the admitted ones up to ``chunk_tokens`` ("chunked")."""
         b = self.batch
-        if self.mode == "chunked":
-            budget = self.limits.chunk_tokens
-            self._chunking.extend([rid, 0] for rid in self._take(None))
-        else:
-            budget = 1 << 62  # the whole prompts taken fit the step by construction
-            self._chunking.extend([rid, 0] for rid in self._take(self.limits.token_budget, b.size))
+        chunked = self.mode == "chunked"
+        rids, step = self._take(None if chunked else self.limits.token_budget, b.size,
+                                self.limits.chunk_tokens if chunked else None)
+        self._chunking.extend([rid, 0] for rid in rids)
         if not self._chunking:
             return False
-        n = self.kv.prefill_tokens
-        sizes = prompt_chunks([n(rid) - done for rid, done in self._chunking], budget, b.size)
-        chunks = list(zip(self._chunking, sizes))
+        chunks = list(zip(self._chunking, step.chunks))
         prompts = self._chunk_batch(chunks)
         m = self._decoding_micro_batches()
         if m > 1 and self._shares_cores():

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 
 from hetserve.policies.base import ReplicaState, RunningRequest
-from hetserve.policies.batching import StepBuilder
+from hetserve.policies.batching import Offer, compose_step
 from hetserve.policies.kv_admission import requeue
 from hetserve.sim.choices import fed_tokens, prefill_batch, reservation, shared_tokens
 from hetserve.sim.events import Priority
@@ -70,23 +70,26 @@ class PrefillReplica(Replica):
             self.loop.schedule(t, Priority.SCHEDULE, self._on_kick, t)
 
     def _take(self) -> tuple[list[int], list[int], int]:
-        """Prompts of the next batch, in order (the shared ``StepBuilder``: token budget, batch
-        limit, KV left); returns their ids, lengths and KV reservation."""
-        lim = self.limits
-        step = StepBuilder(lim.token_budget, lim.max_batch)
-        lengths: list[int] = []
+        """Prompts of the next batch, in order (``compose_step``, the runtime's rule: token budget,
+        batch limit, KV left); returns their ids, lengths and KV reservation."""
         rids: list[int] = []
         held = 0
-        while self.queue:
+
+        def head() -> Offer | None:
+            if not self.queue:
+                return None
             rid = self.queue[0]
-            need = self.reservation(rid)
-            n = self._tokens(rid)
-            if not step.offer(n, self.can_hold(self.kv_used + held, need)):
-                break
-            rids.append(self.queue.popleft())
-            lengths.append(n)
-            held += need
-        return rids, lengths, held
+            return Offer(self._tokens(rid), self.can_hold(self.kv_used + held, self.reservation(rid)))
+
+        def take() -> None:
+            nonlocal held
+            rid = self.queue.popleft()
+            rids.append(rid)
+            held += self.reservation(rid)
+
+        lim = self.limits
+        step = compose_step(head, take, token_budget=lim.token_budget, max_seqs=lim.max_batch, decodes=0, seqs=0)
+        return rids, list(step.chunks), held
 
     def _on_kick(self, t: float) -> None:
         if t != self._kick_at:

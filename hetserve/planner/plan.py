@@ -296,7 +296,7 @@ class _Route(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", populate_by_name=True)
     from_: str = pydantic.Field(alias="from")
     to: str
-    weight: float = pydantic.Field(ge=0)
+    weight: float = pydantic.Field(ge=0, allow_inf_nan=False)
 
 
 class _ClusterFile(pydantic.BaseModel):

@@ -40,10 +40,7 @@ def run(args: argparse.Namespace) -> int:
         if not v >= 0 or (flag == "--timeout" and v == 0):
             raise SpecError(flag, "(option)", "a positive number of seconds", str(v))
     if args.deploy:
-        try:
-            config = config_from_deploy(args.deploy)
-        except UnicodeDecodeError as exc:  # a binary file where deploy.json was wanted
-            raise SpecError(args.deploy, "(file)", "a deploy.json (UTF-8 JSON text)", str(exc)) from exc
+        config = config_from_deploy(args.deploy)
     else:
         urls = [u.strip() for u in args.backends.split(",") if u.strip()]
         if not urls:

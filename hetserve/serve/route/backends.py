@@ -64,6 +64,8 @@ def config_from_deploy(path: str | Path) -> RouteConfig:
         raise SpecError(str(path), "(file)", "a readable deploy.json", exc.strerror or str(exc)) from exc
     except json.JSONDecodeError as exc:
         raise SpecError(str(path), "(file)", "JSON", f"line {exc.lineno}: {exc.msg}") from exc
+    except UnicodeDecodeError as exc:
+        raise SpecError(str(path), "(file)", "UTF-8 JSON text", f"byte {exc.start} is not UTF-8") from exc
     if not isinstance(data, dict) or not isinstance(data.get("replicas"), list) or not data["replicas"]:
         raise SpecError(str(path), "replicas", "a non-empty list of replicas", type(data.get("replicas")).__name__
                         if isinstance(data, dict) else type(data).__name__)

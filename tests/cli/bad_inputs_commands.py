@@ -260,6 +260,7 @@ SERVE_CASES = [
                                                                              "--replan-on-failure")),
     C("serve-replan-time-alone", SERVE + " --replan-time-limit 5", ("--replan-time-limit", "--replan-on-failure")),
     C("serve-time-scale-alone", SERVE + " --time-scale 4", ("--time-scale", "--shape-links")),
+    C("serve-time-scale-zero", SERVE + " --shape-links --time-scale 0", ("--time-scale", "> 0")),
     C("serve-chunk-tokens-under-mixed", SERVE + " --chunk-tokens 64", ("--chunk-tokens", "chunked")),
     C("serve-ray-address-local", SERVE + " --ray-address 10.0.0.1:6379", ("--ray-address", "ray")),
     C("serve-slo-without-aladdin", SERVE + " --slo-ttft 1", ("--slo-ttft", "aladdin")),

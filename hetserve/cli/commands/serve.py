@@ -17,8 +17,6 @@ import argparse
 from hetserve.cli.policy_options import add_policy_options, route_of, transmission_of
 from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
 
-REPLAN_WORKLOAD, REPLAN_TIME_LIMIT_S = "azure-conv", 10.0
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     from hetserve.policies.batching import DEFAULT_BATCHING
@@ -202,8 +200,11 @@ def run(args: argparse.Namespace) -> int:
     if args.replan_on_failure:
         from hetserve.specs.workload import load_workload
 
-        load_workload(args.replan_workload or REPLAN_WORKLOAD)  # a bad workload is reported now, not at the first failure
+        load_workload(args.replan_workload or ServeOptions.replan_workload)  # reported now, not at the first failure
     keys = key_options(args)
+    # options left out keep ServeOptions' defaults (the one place they are written)
+    given = {k: v for k, v in (("time_scale", args.time_scale), ("replan_workload", args.replan_workload),
+                               ("replan_time_limit_s", args.replan_time_limit)) if v is not None}
     engine_options = {"heartbeat_timeout_s": args.heartbeat_timeout,
                       "heartbeat_interval_s": min(0.5, args.heartbeat_timeout / 4),
                       "prefill_mode": args.prefill_mode, "chunk_tokens": chunk_tokens_of(args),
@@ -212,15 +213,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         opts = ServeOptions(plan=plan, cluster=cluster, model_dir=args.model, model_name=args.model_name,
                             backend=args.backend, placement=args.placement, route=route_of(args), transmission=transmission_of(args),
-                            shape_links=args.shape_links, time_scale=args.time_scale or 1.0,
+                            shape_links=args.shape_links,
                             micro_batches=args.micro_batches, kv_capacity_tokens=args.kv_capacity, seed=args.seed,
                             max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
                             slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, ray_address=args.ray_address,
                             advertise_address=args.advertise_address,
                             engine_options=engine_options, replan_on_failure=args.replan_on_failure,
-                            replan_workload=args.replan_workload or REPLAN_WORKLOAD,
-                            replan_time_limit_s=args.replan_time_limit or REPLAN_TIME_LIMIT_S,
-                            max_body_bytes=args.max_body_bytes, **keys)
+                            max_body_bytes=args.max_body_bytes, **keys, **given)
     except ValueError as exc:
         raise RuntimeFailure(str(exc)) from exc
     sock = _bind(args.host, args.port)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hetserve.errors import SpecError
+
 from hetserve.calibration.host_load import burn, cpu_meter, cpu_ns, gil_load, idle_cpu_rate
 from hetserve.calibration.probe_shapes import handoff_plan, one_device_cluster, one_device_plan, tp_divides
 from hetserve.calibration.speed_probe import paired_round_median, round_median
@@ -132,7 +134,11 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
     cluster = one_device_cluster(gpu_name)
     plan = one_device_plan(spec, cluster)
     rng = np.random.default_rng(0)
-    prompt_lengths = [L for L in prompt_lengths if L + decode_tokens < spec.max_context]
+    fitting = [L for L in prompt_lengths if L + decode_tokens < spec.max_context]  # the others are skipped
+    if not fitting:
+        raise SpecError(model_dir, "max_position_embeddings", f"a context above {min(prompt_lengths) + decode_tokens} "
+                        f"tokens (the shortest probe prompt + {decode_tokens} decode tokens)", spec.max_context)
+    prompt_lengths = fitting
     long_b = min(4, max(batch_sizes))
     long_decode = long_decode and LONG_DECODE_PROMPT + decode_tokens < spec.max_context
     # KV tokens of every probe replica: twice what the largest probe holds at once. Not what memory

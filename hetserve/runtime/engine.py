@@ -168,6 +168,11 @@ class Engine:
                 total[reason] = total.get(reason, 0) + n
         return total
 
+    def channel_stats(self) -> dict[str, dict[str, int]]:
+        """Per worker with device channels, which path its transfers took and what failed
+        (``DeviceChannel.stats``), as of its latest heartbeat."""
+        return {worker: dict(counts) for worker, counts in list(self.loop.channels.items())}
+
     @property
     def procs(self) -> dict[str, Any]:
         """Worker name -> its process (``multiprocessing.Process`` or a Ray stand-in)."""

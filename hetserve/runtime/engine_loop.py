@@ -53,6 +53,7 @@ class EngineLoop(Recovery):
         self.max_reruns = max_reruns
         self.last_beat: dict[str, float] = {}
         self.refused: dict[str, dict[str, int]] = {}  # worker -> its endpoint's refused connections by reason
+        self.channels: dict[str, dict[str, int]] = {}  # worker -> its device channel's counts (DeviceChannel.stats)
         self.deaths: list[dict[str, Any]] = []  # one record per replica taken out of service
         self._step_ids = itertools.count(1)
         self._transfer_ids = itertools.count(1)
@@ -140,6 +141,8 @@ class EngineLoop(Recovery):
         elif kind == "heartbeat":
             self.last_beat[msg.meta["worker"]] = time.monotonic()
             self.refused[msg.meta["worker"]] = msg.meta.get("rejected", {})
+            if "channel" in msg.meta:
+                self.channels[msg.meta["worker"]] = msg.meta["channel"]
         elif kind == "error":
             self.workers.worker_errors[msg.meta["worker"]] = msg.meta["error"]
             if self.joining is not None:

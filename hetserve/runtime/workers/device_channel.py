@@ -6,9 +6,10 @@ small header goes on the authenticated socket.
       tensor bytes ─────────── the pair's group ──────►     must carry, allocate, receive (timeout)
       holds the tensors until ◄── channel_ack {seq, ok} ──  acknowledge; deliver the message, tensors in
 
-How the bytes go (``ChannelPeer.kind``): ``gloo`` (CPU workers: the same code path in CI), ``nccl``
-(workers on distinct GPUs: point-to-point on a two-rank communicator) or ``ipc`` (two workers of one
-GPU: the receiver opens the sender's allocation by CUDA IPC and copies it on the device). Each pair
+How the bytes go (``ChannelPeer.kind``, ``channel_backends.py``): ``gloo`` (CPU workers: the same
+code path in CI), ``nccl`` (workers on distinct GPUs: point-to-point on a two-rank communicator) or
+``ipc`` (two workers of one GPU: the receiver opens the sender's allocation by CUDA IPC and copies it
+on the device). Each pair
 has its own group, made from the deployment's rendezvous store, so a lost worker breaks only the
 groups it was in (a gloo or NCCL group cannot survive a lost member).
 
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +43,16 @@ from datetime import timedelta
 import torch
 
 from hetserve.runtime.workers.auth import DEFAULT_MAX_MESSAGE_BYTES
+from hetserve.runtime.workers.channel_backends import (
+    ChannelError,
+    isend,
+    open_ipc,
+    pair_group,
+    share_cuda,
+    tag,
+    wait,
+    wire_device,
+)
 from hetserve.runtime.workers.transport import Priority, Transport
 from hetserve.runtime.workers.wire import (
     DTYPES,
@@ -54,13 +64,7 @@ from hetserve.runtime.workers.wire import (
 log = logging.getLogger("hetserve.runtime.workers.device_channel")
 CHANNEL_KINDS = ("gloo", "nccl", "ipc")
 ACK = "channel_ack"
-# torch names the shared-memory file of a CUDA IPC reference counter /torch_<pid>_<random>_<n>
-_REFCOUNT_FILE = re.compile(rb"/torch_[0-9A-Za-z_]{1,60}")
 Expectation = Callable[[dict], dict[str, tuple[torch.dtype, tuple[int, ...]]]]
-
-
-class ChannelError(ConnectionError):
-    """A transfer on a device channel that failed, timed out or was refused."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ class _Link:
     next_in: int = 0  # next sequence number expected
     pending: dict[int, _Pending] = field(default_factory=dict)
     awaiting: set[int] = field(default_factory=set)  # refused or failed here: delivered when resent
+    # seq -> (until, works) of transfers resent by socket whose channel sends stay alive (``_break``)
+    given_up: dict[int, tuple[float, list]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards the fields above
     # held by a send and by a break: re-entrant, since a send whose channel fails breaks it
     order: threading.RLock = field(default_factory=threading.RLock)
@@ -169,8 +175,8 @@ class DeviceChannel:
             if store is None:
                 store = dist.TCPStore(store_address[0], store_address[1], is_master=False,
                                       timeout=timedelta(seconds=max(self.timeout_s, 60.0)))
-            link.group = _pair_group(link.spec, dist.PrefixStore(link.spec.group, store), host,
-                                     self.device, self.timeout_s)
+            link.group = pair_group(link.spec.kind, link.spec.rank, dist.PrefixStore(link.spec.group, store),
+                                    host, self.device, self.timeout_s)
             link.ready.set()
         threading.Thread(target=self._watch, name=f"{self.transport.name}-channel", daemon=True).start()
 
@@ -181,7 +187,10 @@ class DeviceChannel:
 
     def stats(self) -> dict[str, int]:
         """Transfers and bytes sent by path (``channel_*``, ``socket_*``) and received by the channel
-        (``channel_in_*``); transfers ``resent`` by socket, headers ``refused``, channels ``failed``."""
+        (``channel_in_*``); transfers ``resent`` by socket, headers ``refused``, channels ``failed``;
+        resends received: ``resends_taken`` (delivered), ``resends_dropped`` (the channel had delivered
+        them). Each transfer is delivered once: between live peers whose channel sends all started,
+        the receivers' channel_in + resends_taken equal the senders' channel_transfers."""
         with self._counts_lock:
             return dict(self.counts)
 
@@ -219,12 +228,13 @@ class DeviceChannel:
             link.pending[seq] = pending
             try:
                 if link.spec.kind == "ipc":
-                    header["ipc"] = [_share_cuda(t) for t in tensors.values()]
+                    header["ipc"] = [share_cuda(t) for t in tensors.values()]
                 self.transport.send(peer, Message(msg.kind, {**meta, "dc": header}), Priority.CONTROL)
                 if link.spec.kind == "ipc":
                     pending.works = list(tensors.values())
                 else:
-                    pending.works = [_isend(link, t, seq) for t in tensors.values()]
+                    pending.works = [isend(link.group, link.spec.kind, link.spec.rank, t, seq)
+                                     for t in tensors.values()]
                 failed = None
             except RuntimeError as exc:  # the pair's group is gone (its peer died), or IPC refused
                 failed = exc
@@ -242,9 +252,10 @@ class DeviceChannel:
             return
         with link.lock:
             pending = link.pending.pop(meta.get("seq"), None)
+            link.given_up.pop(meta.get("seq"), None)  # the receiver is done with it, either way
         if pending is not None and not meta.get("ok"):
             self._break(link, f"the receiver could not take transfer {meta.get('seq')}: {meta.get('error')}",
-                        resend=[(meta.get("seq"), pending)])
+                        resend=[(meta.get("seq"), pending)], acked=True)
 
     def _watch(self) -> None:
         """Resend over the socket what a peer did not acknowledge in time."""
@@ -255,18 +266,28 @@ class DeviceChannel:
                 with link.lock:
                     late = sorted(s for s, p in link.pending.items() if p.deadline < now)
                     overdue = [(s, link.pending.pop(s)) for s in late]
+                    for s in [s for s, (until, _) in link.given_up.items() if until < now]:
+                        del link.given_up[s]
                 if overdue:
                     self._break(link, f"no acknowledgement within {self.timeout_s:.1f} s", resend=overdue)
 
-    def _break(self, link: _Link, why: str, resend: list[tuple[int, _Pending]]) -> None:
+    def _break(self, link: _Link, why: str, resend: list[tuple[int, _Pending]], acked: bool = False) -> None:
         """Stop using the pair's channel; send what it did not deliver, and everything after, by socket.
-        The resends are queued under the link's order lock, so no later send can go ahead of them."""
+        The resends are queued under the link's order lock, so no later send can go ahead of them.
+
+        A transfer not yet acknowledged (all but an ``acked`` refusal) keeps its channel send alive
+        until its acknowledgement comes, or twice the timeout: gloo drops a send whose work is freed,
+        so a receiver that takes the header late (a slow or frozen process) would wait out its
+        timeout for bytes never sent, and would read CUDA IPC memory after its reuse. Kept, the bytes
+        arrive and the receiver drops the resend as delivered."""
         with link.order:
             with link.lock:
                 first = not link.broken
                 link.broken = link.broken or why
                 rest = sorted(link.pending.items())
                 link.pending.clear()
+                until = time.monotonic() + 2 * self.timeout_s
+                link.given_up.update((s, (until, p.works)) for s, p in (rest if acked else resend + rest) if p.works)
             if first:
                 self._bump("failed")
             for seq, p in sorted(resend + rest, key=lambda item: item[0]):
@@ -308,9 +329,13 @@ class DeviceChannel:
             # RuntimeError: what torch.distributed raises for a lost peer or a timeout
             self._bump("refused" if isinstance(exc, (MalformedMessage, ValueError)) else "failed")
             with link.lock:
+                first = not link.broken
                 link.broken = link.broken or str(exc)
                 if isinstance(seq, int):
                     link.awaiting.add(seq)
+            if first:
+                log.warning("%s: transfer %s from %s not taken (%s); its sender resends it by socket",
+                            self.transport.name, seq, msg.src, exc)
             self._ack(msg.src, seq, False, str(exc))
             return []
         self._ack(msg.src, seq, True)
@@ -328,8 +353,9 @@ class DeviceChannel:
             elif isinstance(seq, int) and seq >= link.next_in:
                 link.next_in = seq + 1  # its header never came: nothing on the channel to wait for
             else:
-                return []  # delivered by the channel already
-        return [msg]
+                seq = None  # delivered by the channel already
+        self._bump("resends_taken" if seq is not None else "resends_dropped")
+        return [msg] if seq is not None else []
 
     def _expected(self, msg: Message) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         rule = self.expect.get(msg.kind)
@@ -353,12 +379,12 @@ class DeviceChannel:
         if not link.ready.wait(self.timeout_s):  # the peer sent before this end finished joining the group
             raise ChannelError(f"the channel's group was not joined within {self.timeout_s:.1f} s")
         if link.spec.kind == "ipc":
-            out = _open_ipc(header.get("ipc"), specs, self.device)
+            out = open_ipc(header.get("ipc"), specs, self.device)
         else:
             out = {}
             for name, (dtype, shape) in got.items():
-                buf = torch.empty(shape, dtype=dtype, device=_wire_device(link, self.device))
-                _wait(link.group.recv([buf], 1 - link.spec.rank, _tag(header["seq"])), self.timeout_s)
+                buf = torch.empty(shape, dtype=dtype, device=wire_device(link.spec.kind, self.device))
+                wait(link.group.recv([buf], 1 - link.spec.rank, tag(header["seq"])), self.timeout_s)
                 out[name] = buf
         self._count("channel_in", total)
         return out
@@ -376,77 +402,6 @@ class DeviceChannel:
     def _bump(self, key: str, n: int = 1) -> None:
         with self._counts_lock:
             self.counts[key] += n
-
-
-# ----------------------------------------------------------------------------- backends
-
-
-def _pair_group(spec: ChannelPeer, store, host: str, device: torch.device, timeout_s: float):
-    """The pair's two-rank group, connected (NCCL's communicator made by a first one-element transfer)."""
-    from torch.distributed import ProcessGroupGloo
-
-    # joining waits for the peer to finish loading; each transfer has its own deadline (``_wait``)
-    timeout = timedelta(seconds=max(timeout_s, 60.0))
-    if spec.kind == "gloo":
-        opts = ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
-        return ProcessGroupGloo(store, spec.rank, 2, opts)
-    from torch.distributed import ProcessGroupNCCL
-
-    opts = ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    group = ProcessGroupNCCL(store, spec.rank, 2, opts)
-    probe = torch.zeros(1, device=device)
-    op = group.send if spec.rank == 0 else group.recv
-    _wait(op([probe], 1 - spec.rank, 0), timeout_s)
-    return group
-
-
-def _wire_device(link: _Link, device: torch.device) -> torch.device:
-    return torch.device("cpu") if link.spec.kind == "gloo" else device
-
-
-def _isend(link: _Link, t: torch.Tensor, seq: int):
-    if link.spec.kind == "gloo" and t.device.type != "cpu":
-        t = t.cpu()  # gloo moves host memory
-    return link.group.send([t], 1 - link.spec.rank, _tag(seq))
-
-
-def _tag(seq: int) -> int:
-    return seq % (1 << 31)
-
-
-def _wait(work, timeout_s: float) -> None:
-    if not work.wait(timedelta(seconds=timeout_s)):
-        raise ChannelError(f"no transfer within {timeout_s:.1f} s")
-
-
-def _share_cuda(t: torch.Tensor) -> list:
-    """The plain fields by which another process of this GPU opens ``t`` (CUDA IPC), no pickling."""
-    fields = list(t.untyped_storage()._share_cuda_())
-    return fields + [t.storage_offset()]
-
-
-def _open_ipc(handles, specs: list, device: torch.device) -> dict[str, torch.Tensor]:
-    """Copies, in this process's memory, of the sender's tensors named by CUDA IPC handles."""
-    if not isinstance(handles, list) or len(handles) != len(specs):
-        raise MalformedMessage("a CUDA IPC header must name one allocation per tensor")
-    out = {}
-    with torch.cuda.device(device):
-        for h, (name, dtype, shape, nbytes) in zip(handles, specs):
-            ok = (isinstance(h, list) and len(h) == 9 and h[0] == device.index and isinstance(h[1], bytes)
-                  and all(type(v) is int and v >= 0 for v in (h[2], h[3], h[5], h[8]))
-                  and isinstance(h[4], bytes) and _REFCOUNT_FILE.fullmatch(h[4]) is not None
-                  and isinstance(h[6], bytes) and isinstance(h[7], bool))
-            itemsize = DTYPES[dtype].itemsize
-            if not ok or h[8] * itemsize + nbytes > h[2]:
-                raise MalformedMessage(f"CUDA IPC handle of {name!r} is not one this runtime writes")
-            storage = torch.UntypedStorage._new_shared_cuda(*h[:8])
-            view = torch.empty(0, dtype=DTYPES[dtype], device=device).set_(storage, h[8], shape)
-            out[name] = view.clone()  # a device copy; the sender's memory is released with ``storage``
-        torch.cuda.current_stream(device).synchronize()
-    return out
 
 
 def _say(tensors: dict) -> str:

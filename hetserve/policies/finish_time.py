@@ -189,9 +189,38 @@ class ExpectedFinishTime:
             return max(own, self._decode_s(c.id, request.predicted_output_tokens)), own
         return own, own
 
+    def _keys(self, request: RequestInfo, candidates: Sequence[ReplicaState]) -> list | None:
+        """``finish_s`` of every candidate, None if one has no price: the same arithmetic in one
+        pass (a decision ranks every candidate, so a call per candidate would dominate it)."""
+        prices, routes, booked = self.prices, self.routes, self._decoding
+        inp, pred = request.input_tokens, request.predicted_output_tokens
+        keys = []
+        for c in candidates:
+            price = prices.get(c.id)
+            if price is None:
+                return None
+            role = c.role
+            if role == "prefill":  # backlog_tokens(c, request)
+                prompt, output = c.outstanding_tokens, 0.0
+            else:
+                prompt = float(c.queued_prefill_tokens)
+                output = max(0.0, c.outstanding_tokens - c.queued_prefill_tokens)
+            if role != "decode":
+                prompt += inp
+            if role != "prefill":
+                output += pred
+            own = prompt * price[0] + output * price[1]
+            out = routes.get(c.id)
+            if out is None:
+                keys.append((own, own))
+            else:  # _decode_s(c.id, pred)
+                decode = sum([w * (booked.get(d, 0.0) + pred) * prices[d][1] for d, w in out])
+                keys.append((max(own, decode), own))
+        return keys
+
     def choose(self, request: RequestInfo, candidates: Sequence[ReplicaState], now: float) -> str:
-        keys = [self.finish_s(request, c) for c in candidates]
-        if any(k is None for k in keys):  # one scale for every candidate: the snapshot's own
+        keys = self._keys(request, candidates)
+        if keys is None:  # one scale for every candidate: the snapshot's own
             keys = [(x, x) for x in (sum(backlog_tokens(c, request)) / (c.capacity_norm if c.capacity_norm > 0 else 1.0)
                                      for c in candidates)]
         best = min(keys)

@@ -41,7 +41,7 @@ from hetserve.sim.pipeline import PipelineReplica
 from hetserve.sim.replicas.colocated import ColocatedReplica
 from hetserve.sim.replicas.decode import DecodeReplica
 from hetserve.sim.replicas.prefill import PrefillReplica
-from hetserve.sim.replicas.base import Replica
+from hetserve.sim.replicas.base import Replica, SnapshotCache
 from hetserve.sim.requests import RequestTable
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec
@@ -215,6 +215,9 @@ class Simulator:
         self.predictor = opts.predictor if opts.predictor is not None else OraclePredictor(self.req.out)
         self._placement_needs_requests = bool(getattr(self.placement, "needs_requests", False))
         self._route_needs_requests = bool(getattr(self.router, "needs_requests", False))
+        # placement snapshots kept between arrivals and rebuilt where a replica changed: the calls
+        # into an entry replica below touch it; its own events mark it (``SnapshotCache``)
+        self._snaps = None if self._placement_needs_requests else SnapshotCache(self.entry)
         self._repredicted: dict[int, float] = {}
         self.completed = 0
         self.rejected = 0
@@ -295,10 +298,16 @@ class Simulator:
         pred = float(self.predictor.predict(rid, r.inp[rid], 0))
         r.pred[rid] = pred
         info = RequestInfo(rid, r.arrival[rid], r.inp[rid], pred)
-        cands = [e.state(self._placement_needs_requests) for e in self.entry]
+        snaps = self._snaps
+        cands = snaps.states() if snaps is not None else [e.state(True) for e in self.entry]
         chosen = self.by_id[self.placement.choose(info, cands, self.loop.now)]
         r.prefill_rep[rid] = chosen.index
         chosen.place(rid)
+        self._touch(chosen)
+
+    def _touch(self, rep: Replica) -> None:
+        if self._snaps is not None:
+            self._snaps.touch(rep)
 
     def _admissible(self, rid: int) -> bool:
         """Check the request as the engine checks a submitted one (``policies.request_checks``):
@@ -347,6 +356,7 @@ class Simulator:
             r.t_first[rid] = self.loop.now
         if r.made[rid] + 1 >= r.out[rid]:  # the prefill produced the last token: no KV hand-off
             src.release(rid)
+            self._touch(src)
             self.finished(rid)
             return
         routes = self._routes[src.id]
@@ -376,12 +386,15 @@ class Simulator:
         def done(_start: float, rid=rid, tokens=tokens) -> None:
             r.t_kv_done[rid] = self.loop.now
             src.release(rid)
+            self._touch(src)
             dst.kv_arrived(rid)
 
         self.network.send("kv", [(d, e, b * tokens) for d, e, b in pairs], done)
 
     def recompute(self, rid: int) -> None:
-        self.replicas[self.req.prefill_rep[rid]].requeue(rid)
+        rep = self.replicas[self.req.prefill_rep[rid]]
+        rep.requeue(rid)
+        self._touch(rep)
 
     def finished(self, rid: int) -> None:
         r = self.req

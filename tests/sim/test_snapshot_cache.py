@@ -1,0 +1,79 @@
+"""Placement snapshots kept between decisions (``SnapshotCache``) equal fresh ones at every decision."""
+
+import numpy as np
+import pytest
+
+from hetserve.planner.plan import Plan
+from hetserve.sim import SimOptions
+from hetserve.sim.simulator import Simulator
+from hetserve.specs.workload import Workload
+
+from .conftest import two_box_cluster
+from .plans import single
+
+
+class Checking:
+    """Delegates to the simulator's placement; first compares each candidate with ``state()`` now."""
+
+    needs_requests = False
+
+    def __init__(self, sim):
+        self.sim, self.inner, self.name = sim, sim.placement, sim.placement.name
+        self.decisions = 0
+
+    def choose(self, request, candidates, now):
+        assert list(candidates) == [e.state(False) for e in self.sim.entry]
+        self.decisions += 1
+        return self.inner.choose(request, candidates, now)
+
+    def on_finish(self, request_id, input_tokens, output_tokens):
+        self.inner.on_finish(request_id, input_tokens, output_tokens)
+
+
+def waves(n, inp=900, out=200, seed=0):
+    """Bursts (requests arriving together) and quiet spells: replicas fill up, drain, and sit idle
+    while their KV is pulled."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.sort(np.concatenate([np.round(rng.uniform(0, 1, n // 2), 1) + 4.0 * rng.integers(0, 3, n // 2),
+                                       rng.uniform(12, 12 + n // 8, n - n // 2)]))
+    return Workload.from_lists("waves", arrivals, rng.integers(inp // 2, inp * 3 // 2, n),
+                               rng.integers(out // 2, out * 3 // 2, n))
+
+
+def two_stage_prefill() -> Plan:
+    """A prefill replica over two stages: its first stage is free while its last still works."""
+    stage = lambda dev, lo, hi: {"devices": [dev], "layers": [lo, hi]}  # noqa: E731
+    return Plan.from_dict({"model": "llama-2-7b", "cluster": "test", "replicas": [
+        {"id": "p0", "role": "prefill", "stages": [stage("m0:0", 0, 16), stage("m0:1", 16, 32)]},
+        {"id": "p1", "role": "prefill", "stages": [stage("m0:2", 0, 32)]},
+        {"id": "d0", "role": "decode", "stages": [stage("m1:0", 0, 32)]}],
+        "kv_routes": [{"from": "p0", "to": "d0", "weight": 1}, {"from": "p1", "to": "d0", "weight": 1}]})
+
+
+PD = {"p0": ["m0:0"], "p1": ["m0:1"], "p2": ["m0:2", "m0:3"], "d0": ["m1:0"], "d1": ["m1:1", "m1:2"]}
+PD_ROUTES = [("p0", "d0", 0.5), ("p0", "d1", 0.5), ("p1", "d0", 1), ("p2", "d1", 1)]
+
+
+@pytest.mark.parametrize("plan, opts", [
+    (single(PD, routes=PD_ROUTES), SimOptions(placement="eft")),
+    (single(PD, routes=PD_ROUTES), SimOptions(placement="jsq")),
+    (single({"p0": ["m0:0"], "p1": ["m0:1"], "d0": ["m1:0"]}, routes=[("p0", "d0", 1), ("p1", "d0", 1)]),
+     SimOptions(placement="lot", kv_admission="paged", kv_capacity_tokens=12000)),
+    (single({"c0": ["m0:0"], "c1": ["m1:0", "m1:1"]}), SimOptions(placement="eft")),
+    (single({"c0": ["m0:0"], "c1": ["m1:0"]}), SimOptions(placement="jsq", chunked_prefill=True)),
+    (single({"c0": ["m0:0"], "c1": ["m1:0"]}), SimOptions(prefill_mode="prefill_first", kv_admission="paged",
+                                                         kv_capacity_tokens=12000)),
+    (single({"p0": ["m0:0"], "c0": ["m0:1"], "d0": ["m1:0"]}, routes=[("p0", "d0", 1)]),
+     SimOptions(placement="rr")),
+    (two_stage_prefill(), SimOptions(placement="jsq")),
+], ids=["pd-eft", "pd-jsq", "pd-paged", "colocated-eft", "chunked", "prefill-first-paged", "mixed-roles",
+        "two-stage-prefill"])
+def test_every_decision_sees_the_snapshots_of_now(model, plan, opts):
+    cluster = two_box_cluster(gbps_between=10.0)  # KV hand-offs outlast the gaps between arrivals
+    sim = Simulator(plan, cluster, model, waves(240), opts)
+    assert sim._snaps is not None  # the kept snapshots are what placement gets
+    sim.placement = check = Checking(sim)
+    res = sim.run()
+    assert check.decisions == res.summary()["completed"] == 240
+    if opts.kv_admission == "paged":  # pre-empted requests come back to their prefill replica
+        assert res.info["preemptions"] > 0

@@ -8,6 +8,13 @@ Fleet: the preset's hexgen2 plan (default hexgen2-het3: prefill, decode and colo
 tiled ``--fleet`` times, each copy on its own machines and sites, under the Azure trace replayed
 ``--fleet`` times faster (the same load per copy): one million requests at 52 copies.
 
+Each row runs in a fresh process (its peak memory is its own). ``--against TREE`` runs every row
+a second time with another checkout's ``hetserve`` (the same rows, alternating, so both see the
+same machine load) and says whether the two simulated the same thing (a digest of the results).
+
+    git worktree add --detach /tmp/base HEAD~1
+    .venv/bin/python -m bench.bench_sim --fleet 43 --requests 10000 --plan plan.json --against /tmp/base
+
 Target: the 1x trace (19,366 requests, ~58 min) in under 10 s wall (350x faster than
 real time), and wall time growing linearly with the number of requests (1x, 2x, 4x via
 ``Workload.repeat``). Prints a table; not a timed test.
@@ -16,16 +23,23 @@ real time), and wall time growing linearly with the number of requests (1x, 2x, 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import platform
 import resource
+import subprocess
+import sys
 import time
+from pathlib import Path
+
+import numpy as np
 
 import yaml
-
 from rich.console import Console
 from rich.table import Table
 
+import hetserve
 from hetserve.planner import ALGORITHMS, PlanOptions
 from hetserve.planner.plan import Plan
 from hetserve.sim import SimOptions, simulate
@@ -59,7 +73,56 @@ def tiled(preset: str, plan: Plan, copies: int):
     return cluster, Plan.from_dict({**d, "cluster": cluster.name, "replicas": reps, "kv_routes": routes})
 
 
-def main() -> None:
+def digest(res) -> str:
+    """Hash of a run's per-request timings, placements and summary (its wall time left out): two
+    revisions that simulate the same thing give the same digest."""
+    h = hashlib.sha256()
+    for a in (res.t_start, res.t_first, res.t_kv_start, res.t_kv_done, res.t_join, res.t_finish):
+        h.update(np.ascontiguousarray(a).tobytes())
+    summary = res.summary()
+    summary.get("run", {}).pop("wall_s", None)
+    info = {k: v for k, v in res.info.items() if k != "wall_s"}
+    h.update(json.dumps([res.prefill_replica, res.decode_replica, res.rejected, summary, info],
+                        sort_keys=True, default=str).encode())
+    return h.hexdigest()[:12]
+
+
+def one_row(args: argparse.Namespace, k: int) -> dict:
+    """Simulate row ``k`` (k x the trace, or k x ``--requests``) and measure it."""
+    preset = args.cluster or ("hexgen2-het3" if args.fleet else "hexgen2-het1")
+    cluster, model = load_cluster(preset), load_model("llama-2-70b")
+    trace = load_workload("azure-conv")
+    plan = Plan.load(args.plan) if args.plan else hexgen2_plan(cluster, model, trace)[0]
+    if args.fleet:
+        cluster, plan = tiled(preset, plan, args.fleet)
+    wl = trace.repeat(k) if k > 1 else trace
+    if args.fleet:  # the trace replayed ``fleet`` times faster: the same load on every copy
+        wl = trace.repeat(k * args.fleet).scale_rate(args.fleet)
+    if args.requests:  # the first k × requests of it (per-request cost at a bounded run time)
+        wl = wl.head(k * args.requests)
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = simulate(plan, cluster, model, wl, SimOptions(placement=args.placement, transmission=args.transmission))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    s = res.summary()
+    return {"requests": len(wl), "replicas": len(plan.replicas), "cluster": cluster.name,
+            "simulated_s": s["duration_s"], "wall_s": wall, "cpu_s": cpu, "events": s["run"]["events"],
+            "completed": s["completed"], "tokens_per_s": s["throughput_tokens_per_s"],
+            "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "digest": digest(res),
+            "code": str(Path(hetserve.__file__).resolve().parents[1])}
+
+
+def row_in(tree: str, argv: list[str], k: int) -> dict:
+    """``one_row`` in a fresh process whose ``hetserve`` is the one in ``tree`` (this file measures)."""
+    code = ("import importlib.util, json, sys; sys.path[:0] = [sys.argv[1]]; "
+            "spec = importlib.util.spec_from_file_location('bench_sim_here', sys.argv[2]); "
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            "print(json.dumps(m.one_row(m.parser().parse_args(sys.argv[4:]), int(sys.argv[3]))))")
+    out = subprocess.run([sys.executable, "-c", code, tree, __file__, str(k), *argv], check=True,
+                         capture_output=True, text=True, cwd=tree).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", default="1,2,4")
     ap.add_argument("--plan", help="plan file (default: run the hexgen2 planner)")
@@ -68,46 +131,50 @@ def main() -> None:
     ap.add_argument("--cluster", help="preset (default hexgen2-het1; with --fleet hexgen2-het3)")
     ap.add_argument("--fleet", type=int, default=0, help="tile the plan this many times (0: no tiling)")
     ap.add_argument("--requests", type=int, default=0, help="k x this many requests per row (0: the whole trace)")
-    args = ap.parse_args()
-    preset = args.cluster or ("hexgen2-het3" if args.fleet else "hexgen2-het1")
-    cluster, model = load_cluster(preset), load_model("llama-2-70b")
-    trace = load_workload("azure-conv")
+    ap.add_argument("--against", metavar="TREE",
+                    help="also run every row with the hetserve of TREE (another revision's checkout, e.g. "
+                         "`git worktree add /tmp/base HEAD~1`), each row in a fresh process, alternating")
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
+    argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--against" and sys.argv[i] != "--against"
+            and not a.startswith("--against=")]
     if args.plan:
-        plan, how = Plan.load(args.plan), args.plan
-    else:
-        plan, how = hexgen2_plan(cluster, model, trace)
-    if args.fleet:
-        cluster, plan = tiled(preset, plan, args.fleet)
-        how = f"{how} x{args.fleet}"
-    console = Console(width=150)
-    table = Table(title=f"simulator speed: azure-conv on {cluster.name}, llama-2-70b, {how} plan "
-                        f"({len(plan.replicas)} replicas), {args.placement} + {args.transmission}",
-                  title_justify="left")
-    for col in ("trace", "requests", "simulated (s)", "wall (s)", "CPU (s)", "x real time", "us / request",
-                "events", "completed", "tokens/s", "peak MB"):
-        table.add_column(col, justify="right")
-    base = None
+        argv += ["--plan", os.path.abspath(args.plan)]
+    here = str(Path(__file__).resolve().parents[1])
+    trees = [("this tree", here)] + ([("against", os.path.abspath(args.against))] if args.against else [])
+    console = Console(width=180)
+    rows = []
     for k in (int(x) for x in args.repeats.split(",")):
-        wl = trace.repeat(k) if k > 1 else trace
-        if args.fleet:  # the trace replayed ``fleet`` times faster: the same load on every copy
-            wl = trace.repeat(k * args.fleet).scale_rate(args.fleet)
-        if args.requests:  # the first k × requests of it (per-request cost at a bounded run time)
-            wl = wl.head(k * args.requests)
-        t0, c0 = time.perf_counter(), time.process_time()
-        res = simulate(plan, cluster, model, wl, SimOptions(placement=args.placement, transmission=args.transmission))
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        s = res.summary()
-        per = wall / len(wl) * 1e6
-        base = base or per
-        table.add_row(f"{k}x", f"{len(wl):,}", f"{s['duration_s']:,.0f}", f"{wall:.2f}", f"{cpu:.2f}",
-                      f"{s['duration_s'] / wall:,.0f}", f"{per:.0f} ({per / base:.2f})", f"{s['run']['events']:,}",
-                      f"{s['completed']:,}", f"{s['throughput_tokens_per_s']:.0f}",
-                      f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f}")
-        console.print(f"  {k}x done: {wall:.1f} s wall, {cpu:.1f} s CPU", style="dim")
+        for name, tree in trees:
+            row = row_in(tree, argv, k)
+            rows.append((name, k, row))
+            console.print(f"  {k}x {name} ({row['code']}): {row['wall_s']:.1f} s wall, {row['cpu_s']:.1f} s CPU",
+                          style="dim")
+    first = rows[0][2]
+    table = Table(title=f"simulator speed: azure-conv on {first['cluster']}, llama-2-70b, {args.plan or 'hexgen2'} "
+                        f"plan{f' x{args.fleet}' if args.fleet else ''} ({first['replicas']} replicas), "
+                        f"{args.placement} + {args.transmission}", title_justify="left")
+    for col in ("code", "trace", "requests", "simulated (s)", "wall (s)", "CPU (s)", "x real time",
+                "us CPU / request", "events", "completed", "tokens/s", "peak MB", "results"):
+        table.add_column(col, justify="right")
+    base: dict[str, float] = {}
+    for name, k, r in rows:
+        per = r["cpu_s"] / r["requests"] * 1e6
+        base.setdefault(name, per)
+        same = {x["digest"] for n, kk, x in rows if kk == k}
+        table.add_row(name, f"{k}x", f"{r['requests']:,}", f"{r['simulated_s']:,.0f}", f"{r['wall_s']:.2f}",
+                      f"{r['cpu_s']:.2f}", f"{r['simulated_s'] / r['wall_s']:,.0f}",
+                      f"{per:.0f} ({per / base[name]:.2f})", f"{r['events']:,}", f"{r['completed']:,}",
+                      f"{r['tokens_per_s']:.0f}", f"{r['peak_mb']:,.0f}",
+                      r["digest"] + ("" if len(trees) == 1 else " same" if len(same) == 1 else " DIFFERENT"))
     console.print(table)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     console.print(f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} CPUs, "
-                  f"load average {load:.1f}; us / request (wall) in brackets relative to 1x")
+                  f"load average {load:.1f}; us CPU / request in brackets relative to the code's first row; "
+                  f"results: a digest of each run's per-request timings and summary")
 
 
 if __name__ == "__main__":

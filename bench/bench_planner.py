@@ -12,7 +12,7 @@
 
 Scaling: HexGen-2 on synthetic pools (``bench.pools``) of 20…320 GPUs (``--sizes fleet``: 1,024,
 2,048, 4,096) serving Llama-2-70B on the Azure conversation trace, with a second run of the same
-search given ten times the time and ten times the restarts ("10×" column; ``--ten-x-up-to`` bounds
+search given ten times the time, the restarts and the stall rule's iterations ("10×" column; ``--ten-x-up-to`` bounds
 the pool sizes it is run for). Every run is a process of its own: CPU time, peak memory and the
 bound (with its CPU time solved alone) are that run's.
 """
@@ -29,7 +29,7 @@ from rich.table import Table
 
 from bench.lib.pools import synthetic_pool
 from hetserve.planner import ALGORITHMS, PlanOptions
-from hetserve.planner.options import default_restarts
+from hetserve.planner.options import default_restarts, default_stall_iterations
 from hetserve.specs.cluster import cluster_from_dict, load_cluster
 from hetserve.specs.model import load_model
 from hetserve.specs.workload import load_workload
@@ -66,7 +66,8 @@ def scaling(quick: bool, ten_x_up_to: int, time_limit: float, sizes=None, max_it
                str(r["iterations"]), r["stopped_by"], f"{r['value']:,.0f}", f"{ub:,.0f}" if ub else "–",
                f"{r['value'] / ub:.3f}" if ub else "–", f"{r['bound_cpu']:.1f}", f"{r['peak_mb']:,.0f}"]
         if n <= ten_x_up_to:
-            long = _in_child(_scaling_run, n, 10 * time_limit, 10 * default_restarts(n))
+            long = _in_child(_scaling_run, n, 10 * time_limit, 10 * default_restarts(n), None,
+                             10 * (default_stall_iterations(n) or 0) or None)
             row += [f"{long['wall']:.1f}", f"{long['value']:,.0f}", f"{r['value'] / long['value']:.3f}"]
         else:
             row += ["–", "–", "–"]
@@ -88,7 +89,8 @@ def _in_child(fn, *args):
         return ex.submit(fn, *args).result()
 
 
-def _scaling_run(n: int, time_limit: float, restarts: int | None, max_iterations: int | None = None) -> dict:
+def _scaling_run(n: int, time_limit: float, restarts: int | None, max_iterations: int | None = None,
+                 stall_iterations: int | None = None) -> dict:
     """One hexgen2 run on ``synthetic_pool(n)``; then the bound solved again alone, for its CPU time."""
     from hetserve.planner.bound import throughput as B
     from hetserve.planner.context import PlanContext
@@ -96,7 +98,7 @@ def _scaling_run(n: int, time_limit: float, restarts: int | None, max_iterations
     model, wl = load_model("llama-2-70b"), load_workload("azure-conv")
     c = synthetic_pool(n)
     plan, wall = _run("hexgen2", c, model, wl, time_limit_s=time_limit, restarts=restarts,
-                      max_iterations=max_iterations)
+                      max_iterations=max_iterations, stall_iterations=stall_iterations)
     cpu, peak = _CPU[0], _peak_mb()
     e, s = plan.estimate, plan.estimate["search"]
     B._CACHE.clear()

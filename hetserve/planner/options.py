@@ -30,6 +30,24 @@ def default_restarts(num_devices: int) -> int:
     return max(2, min(30, 600 // max(1, num_devices)))
 
 
+STALL_TOLERANCE = 1e-3  # a gain below this share of the best plan found does not count as progress
+STALL_MIN_DEVICES = 65  # smaller pools stop by their restarts alone (rounds are cheap and pay there)
+
+
+def default_stall_iterations(num_devices: int) -> int | None:
+    """Iterations in a row without progress (``STALL_TOLERANCE``) after which HexGen-2's search
+    stops: None (no such rule) below ``STALL_MIN_DEVICES``, then 2,400 ÷ GPUs, at least 5
+    (128 GPUs: 18, 320: 7, from 480 on: 5).
+
+    An iteration's cost grows with the pool (candidates × groups), while the gain of one edit
+    shrinks (it changes two groups of hundreds); on large pools the climb goes on for a hundred
+    iterations of sub-percent gains that do not change the returned plan (at 1,024 GPUs 128
+    iterations and 15 return the same plan, docs/planner.md)."""
+    if num_devices < STALL_MIN_DEVICES:
+        return None
+    return max(5, 2400 // num_devices)
+
+
 OBJECTIVES = ("throughput", "goodput", "cost")
 
 
@@ -56,6 +74,10 @@ class PlanOptions:
     patience: iterations without improvement before a stochastic search stops (None: algorithm default).
     restarts: perturb-and-refine rounds HexGen-2 runs after its first convergence (0: stop there;
         None: ``default_restarts(pool size)``, more on small pools where a round is cheap).
+    stall_iterations: HexGen-2 stops after this many iterations in a row that do not raise the best
+        plan found (the disaggregated climb's best, or on large pools the colocated plan priced
+        before it) by more than ``STALL_TOLERANCE`` (None: ``default_stall_iterations(pool size)``:
+        no such rule up to 64 GPUs, 7 at 320, 5 from 480 on).
     period_s: the period T of HexGen-2 §3.2; capacities are requests per T.
     progress: called with a ``SearchProgress`` after each iteration.
     efficiency: cost-model efficiencies (None: ``Efficiency()``).
@@ -76,6 +98,7 @@ class PlanOptions:
     max_iterations: int | None = None
     patience: int | None = None
     restarts: int | None = None
+    stall_iterations: int | None = None
     period_s: float = DEFAULT_PERIOD_S
     progress: Callable[[SearchProgress], None] | None = field(default=None, compare=False)
     efficiency: Efficiency | None = None
@@ -105,6 +128,8 @@ class PlanOptions:
             raise ValueError(f"max_iterations must be at least 1, got {self.max_iterations}")
         if self.patience is not None and self.patience < 1:
             raise ValueError(f"patience must be at least 1, got {self.patience}")
+        if self.stall_iterations is not None and self.stall_iterations < 1:
+            raise ValueError(f"stall_iterations must be at least 1, got {self.stall_iterations}")
         if self.restarts is not None and self.restarts < 0:
             raise ValueError(f"restarts must be non-negative, got {self.restarts}")
         if self.period_s <= 0:

@@ -36,7 +36,7 @@ from hetserve.planner.context import PlanContext
 from hetserve.planner.pool.estimate import to_plan
 from hetserve.planner.search.mixing import colocated_alternative, mixed_alternative
 from hetserve.planner.search.moves import PoolLayout, random_edit
-from hetserve.planner.options import Budget, PlanOptions, default_restarts
+from hetserve.planner.options import STALL_TOLERANCE, Budget, PlanOptions, default_restarts, default_stall_iterations
 from hetserve.planner.search.partition import assign_roles, initial_partition
 from hetserve.planner.pool.evaluator import Evaluator, start_search
 from hetserve.planner.pool.groups import Group, canonical
@@ -112,13 +112,17 @@ def phase1(ctx: PlanContext, ev: Evaluator, seed: int) -> PoolLayout:
 
 
 def refine(ctx: PlanContext, evaluator: Evaluator, start: PoolLayout, budget: Budget, mover: Mover,
-           rng: random.Random, restarts: int, patience: int | None = None) -> PoolLayout:
+           rng: random.Random, restarts: int, patience: int | None = None, stall: int | None = None,
+           reference: float = 0.0) -> PoolLayout:
     """Best-improvement local search from ``start`` with ``mover``'s candidates.
 
     Guided (``patience`` None): at a local optimum, alternately escape along the best unvisited
     flow-guided edit (downhill allowed) or restart from a kicked copy of the best, up to
     ``restarts`` times in a row without a new best. Random (``patience`` set): stop
-    after ``patience`` iterations in a row without improvement.
+    after ``patience`` iterations in a row without improvement. Either way, with ``stall`` set,
+    stop after ``stall`` iterations in a row that do not raise the best plan found — the best
+    here, or ``reference`` (tokens/s of a plan the caller already holds) — by more than
+    ``STALL_TOLERANCE`` of it.
     """
     best = cur = canonical(start)
     best_v = cur_v = evaluator.score(cur)
@@ -126,11 +130,19 @@ def refine(ctx: PlanContext, evaluator: Evaluator, start: PoolLayout, budget: Bu
     budget.best = max(budget.best, best_v)
     if budget.start_value is None:
         budget.start_value = best_v
-    stall = 0
+    misses = 0  # random: iterations in a row without improvement
     left = restarts
     phase = "descent"
     visited: set[PoolLayout] = set()
+    top, since = max(best_v, reference), 0  # the best plan found, iterations since it last rose
     while not budget.exhausted():
+        if stall is not None:
+            if max(best_v, reference) > top * (1 + STALL_TOLERANCE):
+                top, since = max(best_v, reference), 0
+            elif since >= stall:
+                budget.stopped_by = "stalled"
+                break
+            since += 1
         pick, pick_v, pick_kind = None, cur_v, ""
         cands = mover(ctx, cur_ev, rng)
         i, v = evaluator.best_of([c for _, c in cands], cur_v, stop=budget.exhausted)
@@ -140,13 +152,13 @@ def refine(ctx: PlanContext, evaluator: Evaluator, start: PoolLayout, budget: Bu
         if pick is not None:
             # credit only what lifts the best so far: a climb back up to it after a kick is no gain
             budget.credit(phase, pick_kind, max(0.0, pick_v - max(cur_v, best_v, budget.best)))
-            cur, cur_v, stall = pick, pick_v, 0
+            cur, cur_v, misses = pick, pick_v, 0
             cur_ev = evaluator.evaluate(cur)
             if cur_v > best_v * (1 + 1e-9):
                 best, best_v, left = cur, cur_v, restarts
         elif patience is not None:
-            stall += 1
-            if stall >= patience:
+            misses += 1
+            if misses >= patience:
                 budget.record(best_v)
                 break
         else:
@@ -187,27 +199,34 @@ def _escape(evaluator: Evaluator, candidates, visited: set) -> PoolLayout | None
 def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, options: PlanOptions,
          mover: Mover, patience: int | None) -> Plan:
     ctx, budget, evaluator = start_search(name, cluster, model, workload, options)
+    reference: tuple[PoolLayout, float] = ((), 0.0)  # a colocated plan priced before the search
     rng = random.Random(options.seed)
     restarts = options.restarts if options.restarts is not None else default_restarts(len(cluster))
+    stall = options.stall_iterations or default_stall_iterations(len(cluster))
     if patience is None and len(cluster) <= POPULATION_MAX_DEVICES:
         # a small population: one chain from each phase-1 start (they share the evaluator's cache),
         # each with half the restarts — the starts' diversity is what makes seeds agree
         best, best_v = None, -1.0
         for start in phase1_starts(ctx, evaluator, options.seed):
-            found = refine(ctx, evaluator, start, budget, mover, rng, max(2, restarts // 2), patience)
+            found = refine(ctx, evaluator, start, budget, mover, rng, max(2, restarts // 2), patience, stall)
             v = evaluator.score(found)
             if v > best_v * (1 + 1e-9):
                 best, best_v = found, v
             if budget.exhausted():
                 break
     else:
-        best = refine(ctx, evaluator, phase1(ctx, evaluator, options.seed), budget, mover, rng, restarts, patience)
+        start = phase1(ctx, evaluator, options.seed)
+        if patience is None and options.allow_colocated:
+            # the colocated plan the final step would at least return, priced first: a climb that
+            # stays below it is not progress (on large synthetic pools it is the plan returned)
+            reference = colocated_alternative(ctx, evaluator, start, budget.exhausted)
+        best = refine(ctx, evaluator, start, budget, mover, rng, restarts, patience, stall, reference[1])
     seeded = None
     if patience is None and len(cluster) <= POPULATION_MAX_DEVICES and not budget.exhausted():
         start = bound_start(ctx, budget.bound_time_s())
         if start is not None and evaluator.score(start) > 0:
-            seeded = refine(ctx, evaluator, start, budget, mover, rng, max(2, restarts // 2), patience)
-    plan = _choose(ctx, evaluator, best, name, options, budget, () if seeded is None else (seeded,))
+            seeded = refine(ctx, evaluator, start, budget, mover, rng, max(2, restarts // 2), patience, stall)
+    plan = _choose(ctx, evaluator, best, name, options, budget, () if seeded is None else (seeded,), reference)
     if seeded is not None and (v := evaluator.score(seeded)) > plan.estimate["throughput_tokens_per_s"] * (1 + 1e-6):
         budget.credit("final", "bound's plan, refined", v - plan.estimate["throughput_tokens_per_s"])
         budget.record(v)
@@ -218,11 +237,13 @@ def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, opti
 
 
 def _choose(ctx: PlanContext, evaluator: Evaluator, best: PoolLayout, name: str, options: PlanOptions,
-            budget: Budget, others: tuple[PoolLayout, ...] = ()) -> Plan:
+            budget: Budget, others: tuple[PoolLayout, ...] = (),
+            reference: tuple[PoolLayout, float] = ((), 0.0)) -> Plan:
     """The plan from the refined ``best``: disaggregated, all colocated or mixed, whichever serves most.
     The mixed climb also starts from ``others`` (the climbs from the bound's plan): a mixed plan
     can lie near a disaggregated one that is not the best (het2: 1,623 -> 1,822 mixed, where the
-    best 1,684's climb stops at 1,684)."""
+    best 1,684's climb stops at 1,684). ``reference``: a colocated pool layout priced before the
+    search (and its tokens/s), kept where it beats the colocated cut of ``best``."""
     cluster = ctx.cluster
     result = evaluator.evaluate(best)
     if result.flow.value <= 0:
@@ -233,6 +254,8 @@ def _choose(ctx: PlanContext, evaluator: Evaluator, best: PoolLayout, name: str,
     # what follows the search has the rest of the time limit (``options.FINAL_SHARE``); each step
     # below stops where it runs out, with the best it has
     colocated, col_v = colocated_alternative(ctx, evaluator, best, budget.out_of_time)
+    if reference[1] > col_v * (1 + 1e-9):
+        colocated, col_v = reference
     if len(cluster) <= POPULATION_MAX_DEVICES:
         # HexGen's genetic search over colocated groups may cut across machines where the knapsack
         # units do not; on small pools it is cheap, so the colocated side is at least HexGen's

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 ENGINE = "engine"  # the coordinator's endpoint name
 HEARTBEAT_S = 20.0  # an idle leader pings its TP group this often, well inside the group timeout
 GROUP_TIMEOUT_S = 300.0
+KV_DONE_KEPT = 4096  # hand-offs remembered as complete, to drop their pieces that come again
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def worker_main(cfg: WorkerConfig) -> None:
     try:
         worker = Worker(cfg, transport)
         if cfg.heartbeat_s > 0:
-            threading.Thread(target=_heartbeat, args=(transport, cfg.spec.name, cfg.heartbeat_s, worker.channel),
+            threading.Thread(target=_heartbeat, args=(transport, cfg.spec.name, cfg.heartbeat_s, worker),
                              daemon=True).start()
         worker.run()
     except BaseException:  # noqa: BLE001 - everything is reported, then the process ends
@@ -96,15 +97,18 @@ def worker_main(cfg: WorkerConfig) -> None:
     os._exit(0)
 
 
-def _heartbeat(transport: SocketTransport, name: str, every_s: float, channel: DeviceChannel | None = None) -> None:
+def _heartbeat(transport: SocketTransport, name: str, every_s: float, worker: "Worker | None" = None) -> None:
     """Tell the coordinator this process is alive. On its own thread, so a long step does not silence
     it; a frozen (SIGSTOPped) or wedged process stops beating and the coordinator declares it dead.
     Each beat carries the connections this worker's endpoint refused so far (reason -> count) and,
-    with device channels, which path its transfers took (``DeviceChannel.stats``)."""
+    with device channels, which path its transfers took (``DeviceChannel.stats``) and the KV pieces
+    it dropped as already received (``kv_duplicates``, where any)."""
     while not transport.closed:
         meta = {"worker": name, "rejected": dict(transport.rejected)}
-        if channel is not None:
-            meta["channel"] = channel.stats()
+        if worker is not None and worker.channel is not None:
+            meta["channel"] = worker.channel.stats()
+            if worker.kv_duplicates:
+                meta["channel"]["kv_duplicates"] = worker.kv_duplicates
         try:
             transport.send(ENGINE, Message("heartbeat", meta), Priority.CONTROL)
         except ConnectionError:
@@ -143,7 +147,12 @@ class Worker:
         # hand-off pieces this worker sends, per destination replica, and how many each receiver expects
         self.layout = cfg.layout
         self.sends = self._plan_sends()
-        self.kv_received: dict[int, int] = {}  # pieces arrive on one receiving thread per sender
+        # per hand-off, the pieces in so far, by (sender, layers, heads): they arrive on one receiving
+        # thread per sender. A piece that comes twice (a device channel resending what it had delivered)
+        # is dropped and counted: counted twice, it would report a hand-off complete with a piece missing
+        self.kv_received: dict[int, set[tuple]] = {}
+        self.kv_done: dict[int, None] = {}  # the latest hand-offs completed here (KV_DONE_KEPT), oldest first
+        self.kv_duplicates = 0
         self._kv_lock = threading.Lock()
         transport.on_message = self._on_message  # KV and peers are handled on the receiving thread
         self.channel = self._open_channel() if cfg.channels else None
@@ -219,18 +228,26 @@ class Worker:
 
     def _install_kv(self, msg: Message) -> None:
         m = msg.meta
+        seq, piece = m["seq"], (msg.src, tuple(m["layers"]), tuple(m["heads"]))
+        with self._kv_lock:
+            if seq in self.kv_done or piece in self.kv_received.get(seq, ()):
+                self.kv_duplicates += 1
+                return
         first, h0 = self.spec.layers[0], self.spec.kv_heads[0]
         layers = slice(m["layers"][0] - first, m["layers"][1] - first)
         heads = slice(m["heads"][0] - h0, m["heads"][1] - h0)
         self.pool.write(layers, heads, slots_of(m["table"], m["num_tokens"], self.cfg.block_size), msg.tensors["kv"])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the bytes are in place before the coordinator hears so
-        seq = m["seq"]
         with self._kv_lock:
-            self.kv_received[seq] = self.kv_received.get(seq, 0) + 1
-            complete = self.kv_received[seq] == m["expect"]
+            got = self.kv_received.setdefault(seq, set())
+            got.add(piece)
+            complete = len(got) == m["expect"]
             if complete:
                 del self.kv_received[seq]
+                self.kv_done[seq] = None
+                if len(self.kv_done) > KV_DONE_KEPT:
+                    del self.kv_done[next(iter(self.kv_done))]
         if complete:
             self.transport.send(ENGINE, Message("kv_ready", {"seq": seq, "worker": self.spec.name}))
 

@@ -41,7 +41,8 @@ from hetserve.sim.pipeline import PipelineReplica
 from hetserve.sim.replicas.colocated import ColocatedReplica
 from hetserve.sim.replicas.decode import DecodeReplica
 from hetserve.sim.replicas.prefill import PrefillReplica
-from hetserve.sim.replicas.base import Replica, SnapshotCache
+from hetserve.sim.replicas.base import Replica
+from hetserve.sim.replicas.snapshots import SnapshotCache
 from hetserve.sim.requests import RequestTable
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec

@@ -1,16 +1,16 @@
-"""``Replica``: what every simulated replica keeps — identity, KV accounting, busy time; and
-``SnapshotCache``: the placement snapshots of many replicas, kept between decisions."""
+"""``Replica``: what every simulated replica keeps — identity, KV accounting, busy time."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Callable
 
 from hetserve.cost.layout import ReplicaLayout
 from hetserve.planner.plan import PlanReplica
 from hetserve.policies.base import ReplicaState, RunningRequest
 from hetserve.sim.env import ReplicaEnv
 from hetserve.sim.hosts import computing_tp
+from hetserve.sim.replicas.snapshots import ReplicaClock
 
 
 class LazyRequests(Sequence):
@@ -45,39 +45,6 @@ class LazyRequests(Sequence):
 
     def __iter__(self):
         return iter(self._get())
-
-
-class ReplicaClock:
-    """The event loop as one replica uses it: the same clock and queue, and each event the replica
-    schedules marks it changed (``watch``) when handled, so ``SnapshotCache`` knows whose snapshot
-    to look at again without asking every replica."""
-
-    __slots__ = ("loop", "_dirty", "_key")
-
-    def __init__(self, loop):
-        self.loop = loop
-        self._dirty: set[int] | None = None
-        self._key = 0
-
-    @property
-    def now(self) -> float:
-        return self.loop.now
-
-    @property
-    def events(self) -> int:
-        return self.loop.events
-
-    def watch(self, dirty: set[int], key: int) -> None:
-        """From now on, each event of this replica adds ``key`` to ``dirty`` before it is handled."""
-        self._dirty, self._key = dirty, key
-
-    def schedule(self, time: float, priority: int, handler: Callable[[Any], None], arg: Any = None) -> None:
-        self.loop.schedule(time, priority, self._handle, (handler, arg))
-
-    def _handle(self, item: tuple[Callable[[Any], None], Any]) -> None:
-        if self._dirty is not None:
-            self._dirty.add(self._key)
-        item[0](item[1])
 
 
 class Replica:
@@ -153,102 +120,11 @@ class Replica:
     def state(self, with_requests: bool = False) -> ReplicaState:  # pragma: no cover - overridden
         raise NotImplementedError
 
+    # A kind whose state changes only in its own events and in the simulator's calls into it (which
+    # touch it) lets ``SnapshotCache`` keep its snapshot between decisions, asking ``snapshot_clock``.
+    snapshots_kept = False
 
-class SnapshotCache:
-    """The placement snapshots of ``replicas`` (aggregates only, no request views), each rebuilt
-    only where it may differ from the one kept: the replica was changed (one of its own events was
-    handled, or the caller ``touch``-ed it after calling into it), or the kept one reads the clock
-    (rebuilt at every decision, or, where only a wait moves with the clock, that field re-set). A
-    replica whose kind has no rule (``_RULES``) is rebuilt at every decision, so every snapshot
-    equals what ``state()`` gives now.
-
-    Sound only where a replica's state changes in its own events or in the caller's calls into it
-    (the simulator touches what it calls): the kinds in ``_rules``."""
-
-    def __init__(self, replicas: Sequence[Replica]):
-        self._reps = list(replicas)
-        self._snaps: list[ReplicaState | None] = [None] * len(self._reps)
-        self._pos = {rep.index: i for i, rep in enumerate(self._reps)}
-        self._dirty: set[int] = set(range(len(self._reps)))
-        # kept snapshots that read the clock -> how to bring one up to now (None: rebuild it)
-        self._timed: dict[int, Callable[[Replica, ReplicaState], ReplicaState] | None] = {}
-        rules = _rules()
-        self._rules = [rules.get(type(rep), _always) for rep in self._reps]
-        for i, rep in enumerate(self._reps):
-            if type(rep) in rules:
-                rep.loop.watch(self._dirty, i)
-
-    def touch(self, rep: Replica) -> None:
-        """``rep`` may have changed outside its own events (a call into it)."""
-        i = self._pos.get(rep.index)
-        if i is not None:
-            self._dirty.add(i)
-
-    def states(self) -> list[ReplicaState]:
-        """Every replica's snapshot now, in the order given."""
-        reps, snaps, rules, timed, dirty = self._reps, self._snaps, self._rules, self._timed, self._dirty
-        for i, retime in list(timed.items()):
-            if retime is not None and i not in dirty:
-                snaps[i] = retime(reps[i], snaps[i])
-                how = rules[i](reps[i])
-                if how is _KEEP:
-                    del timed[i]
-                else:
-                    timed[i] = how
-            else:
-                dirty.add(i)
-        for i in dirty:
-            rep = reps[i]
-            snaps[i] = rep.state(False)
-            how = rules[i](rep)
-            if how is _KEEP:
-                timed.pop(i, None)
-            else:
-                timed[i] = how
-        dirty.clear()
-        return list(snaps)  # type: ignore[arg-type]
-
-
-def _KEEP(rep: Replica, snap: ReplicaState) -> ReplicaState:
-    """(Marker) the snapshot holds until the replica changes."""
-    return snap
-
-
-def _always(rep: Replica) -> None:
-    return None  # a kind without a rule: rebuilt at every decision
-
-
-def _with_wait(snap: ReplicaState, wait: float) -> ReplicaState:
-    """``snap`` with its ``prefill_wait_s`` set (a copy, without a pass through every field)."""
-    new = object.__new__(ReplicaState)
-    new.__dict__.update(snap.__dict__)
-    new.__dict__["prefill_wait_s"] = wait
-    return new
-
-
-def _prefill_retime(rep, snap: ReplicaState) -> ReplicaState:
-    return _with_wait(snap, max(0.0, rep._free[0] - rep.loop.now))  # as PrefillReplica.state
-
-
-def _prefill_rule(rep):
-    # the clock enters a prefill snapshot through the oldest prompt's wait (rebuilt) and the wait
-    # for its first stage to be free (re-set alone while nothing is queued)
-    if rep.queue:
+    def snapshot_clock(self):
+        """How this replica's snapshot depends on the clock now: ``KEEP`` (not at all), a function
+        ``(snapshot) -> snapshot`` bringing a kept one up to now, or None (build it again)."""
         return None
-    return _KEEP if rep._free[0] <= rep.loop.now else _prefill_retime
-
-
-def _colocated_rule(rep):
-    # ... and a colocated one's through its running batch (tokens made, context), a paused step
-    # (prefill wait) and the oldest waiting prompt
-    b = rep.batch
-    return _KEEP if not rep.waiting and not b.size and not b.active and not rep._paused else None
-
-
-def _rules() -> dict[type, Callable[[Replica], Any]]:
-    """Replica kind -> how one's snapshot depends on the clock now: ``_KEEP`` (not at all), a
-    function bringing a kept one up to now, or None (rebuild it)."""
-    from hetserve.sim.replicas.colocated import ColocatedReplica
-    from hetserve.sim.replicas.prefill import PrefillReplica
-
-    return {PrefillReplica: _prefill_rule, ColocatedReplica: _colocated_rule}

@@ -19,6 +19,7 @@ from hetserve.sim.events import Priority
 from hetserve.sim.hosts import on_host, pipeline_step_beside
 from hetserve.sim.choices import prefill_batch
 from hetserve.sim.replicas.decoding import Decoding
+from hetserve.sim.replicas.snapshots import KEEP
 
 
 class ColocatedReplica(Decoding):
@@ -264,6 +265,14 @@ class ColocatedReplica(Decoding):
             yield rid, 0
         for rid in self.waiting:
             yield rid, self.kv.made(rid)
+
+    snapshots_kept = True
+
+    def snapshot_clock(self):
+        # the clock enters the snapshot through the running batch (tokens made, context), a paused
+        # step (the prefill wait) and the oldest waiting prompt
+        b = self.batch
+        return KEEP if not self.waiting and not b.size and not b.active and not self._paused else None
 
     def state(self, with_requests: bool = False) -> ReplicaState:
         b = self.batch

@@ -11,6 +11,7 @@ from collections import deque
 
 from hetserve.policies.base import ReplicaState, RunningRequest
 from hetserve.policies.batching import Offer, compose_step
+from hetserve.sim.replicas.snapshots import KEEP, with_wait
 from hetserve.policies.kv_admission import requeue
 from hetserve.sim.choices import fed_tokens, prefill_batch, reservation, shared_tokens
 from hetserve.sim.events import Priority
@@ -150,6 +151,18 @@ class PrefillReplica(Replica):
     def inflight(self) -> int:
         now = self.loop.now
         return sum(f > now for f in self._free)
+
+    snapshots_kept = True
+
+    def snapshot_clock(self):
+        # the clock enters the snapshot through the oldest prompt's wait (build it again) and the
+        # wait for the first stage to be free (re-set alone while nothing is queued)
+        if self.queue:
+            return None
+        return KEEP if self._free[0] <= self.loop.now else self._retimed
+
+    def _retimed(self, snap: ReplicaState) -> ReplicaState:
+        return with_wait(snap, max(0.0, self._free[0] - self.loop.now))  # as state() sets it
 
     def state(self, with_requests: bool = False) -> ReplicaState:
         reqs = ()

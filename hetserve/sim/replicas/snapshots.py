@@ -1,0 +1,109 @@
+"""Placement snapshots of many replicas, kept between decisions (``SnapshotCache``), and the
+event loop as one replica uses it (``ReplicaClock``), which tells the cache whose state changed.
+
+A replica kind opts in with ``snapshots_kept`` and says, through ``snapshot_clock()``, how its
+snapshot depends on the clock: ``KEEP`` (not at all: it holds until the replica changes), a
+function bringing a kept one up to now (only a wait moves), or None (build it again)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from hetserve.policies.base import ReplicaState
+
+if TYPE_CHECKING:
+    from hetserve.sim.replicas.base import Replica
+
+
+class ReplicaClock:
+    """The event loop as one replica uses it: the same clock and queue, and each event the replica
+    schedules marks it changed (``watch``) when handled, so ``SnapshotCache`` knows whose snapshot
+    to look at again without asking every replica."""
+
+    __slots__ = ("loop", "_dirty", "_key")
+
+    def __init__(self, loop):
+        self.loop = loop
+        self._dirty: set[int] | None = None
+        self._key = 0
+
+    @property
+    def now(self) -> float:
+        return self.loop.now
+
+    @property
+    def events(self) -> int:
+        return self.loop.events
+
+    def watch(self, dirty: set[int], key: int) -> None:
+        """From now on, each event of this replica adds ``key`` to ``dirty`` before it is handled."""
+        self._dirty, self._key = dirty, key
+
+    def schedule(self, time: float, priority: int, handler: Callable[[Any], None], arg: Any = None) -> None:
+        self.loop.schedule(time, priority, self._handle, (handler, arg))
+
+    def _handle(self, item: tuple[Callable[[Any], None], Any]) -> None:
+        if self._dirty is not None:
+            self._dirty.add(self._key)
+        item[0](item[1])
+
+
+def KEEP(snap: ReplicaState) -> ReplicaState:
+    """(Marker) the snapshot holds until the replica changes."""
+    return snap
+
+
+def with_wait(snap: ReplicaState, wait: float) -> ReplicaState:
+    """``snap`` with its ``prefill_wait_s`` set (a copy, without a pass through every field)."""
+    new = object.__new__(ReplicaState)
+    new.__dict__.update(snap.__dict__)
+    new.__dict__["prefill_wait_s"] = wait
+    return new
+
+
+class SnapshotCache:
+    """The placement snapshots of ``replicas`` (aggregates only, no request views), each built
+    again only where it may differ from the one kept: the replica changed (one of its own events
+    was handled, or the caller ``touch``-ed it after calling into it), or the kept one reads the
+    clock (``snapshot_clock``). A kind without ``snapshots_kept`` is built at every decision, so
+    every snapshot equals what ``state()`` gives now."""
+
+    def __init__(self, replicas: Sequence[Replica]):
+        self._reps = list(replicas)
+        self._snaps: list[ReplicaState | None] = [None] * len(self._reps)
+        self._pos = {rep.index: i for i, rep in enumerate(self._reps)}
+        self._dirty: set[int] = set(range(len(self._reps)))
+        # kept snapshots that read the clock -> how to bring one up to now (None: build it again)
+        self._timed: dict[int, Callable[[ReplicaState], ReplicaState] | None] = {}
+        self._kept = [rep.snapshots_kept for rep in self._reps]
+        for i, rep in enumerate(self._reps):
+            if rep.snapshots_kept:
+                rep.loop.watch(self._dirty, i)
+
+    def touch(self, rep: Replica) -> None:
+        """``rep`` may have changed outside its own events (a call into it)."""
+        i = self._pos.get(rep.index)
+        if i is not None:
+            self._dirty.add(i)
+
+    def states(self) -> list[ReplicaState]:
+        """Every replica's snapshot now, in the order given."""
+        reps, snaps, timed, dirty = self._reps, self._snaps, self._timed, self._dirty
+        for i, retime in list(timed.items()):
+            if retime is not None and i not in dirty:
+                snaps[i] = retime(snaps[i])
+                self._file(i, reps[i].snapshot_clock())
+            else:
+                dirty.add(i)
+        for i in dirty:
+            rep = reps[i]
+            snaps[i] = rep.state(False)
+            self._file(i, rep.snapshot_clock() if self._kept[i] else None)
+        dirty.clear()
+        return list(snaps)  # type: ignore[arg-type]
+
+    def _file(self, i: int, how) -> None:
+        if how is KEEP:
+            self._timed.pop(i, None)
+        else:
+            self._timed[i] = how

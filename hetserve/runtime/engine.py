@@ -31,9 +31,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from hetserve.errors import InfeasibleError, RuntimeFailure
+from hetserve.errors import RuntimeFailure
 from hetserve.planner.plan import Plan
-from hetserve.policies.request_checks import check_context, check_prompt_ids
+from hetserve.policies.request_checks import check_context, check_kv_fits, check_prompt_ids
 from hetserve.runtime.workers.auth import LinkSecurity, deployment_secret
 from hetserve.runtime.engine_loop import EngineLoop
 from hetserve.runtime.deployment import build_layout
@@ -209,7 +209,7 @@ class Engine:
         check_context(len(prompt), params.max_tokens, self.arch.max_positions)
         if replica is not None and (replica not in self.schedulers or not self.schedulers[replica].serves_prefill):
             raise ValueError(f"replica {replica!r} is not a prefill or colocated replica of the plan")
-        self._check_fits(len(prompt), len(prompt) + params.max_tokens)
+        self._check_fits(len(prompt), params.max_tokens)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.arch.eos_token_ids))
         rid = next(self._ids)
         handle = RequestHandle(rid, len(prompt))
@@ -306,17 +306,14 @@ class Engine:
     def _kill_all(self) -> None:
         self.workers.kill_all()
 
-    def _check_fits(self, prompt_len: int, reserve: int) -> None:
+    def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """Some live replica could ever hold the request's KV (``check_kv_fits``, the simulator's and
+        the server's rule); while a re-plan brings replicas up the request waits for them."""
         scheds = [s for s in list(self.schedulers.values()) if s.alive]
         if not scheds and self._reconfiguring:
-            return  # a re-plan is bringing replicas up: the request waits for them
-        prefill_ok = any(s.blocks.fits_ever(reserve if s.serves_decode else prompt_len)
-                         for s in scheds if s.serves_prefill)
-        decode_ok = any(s.blocks.fits_ever(reserve) for s in scheds if s.serves_decode)
-        if not (prefill_ok and decode_ok):
-            cap = max(s.blocks.capacity_tokens for s in scheds) if scheds else 0
-            raise InfeasibleError(f"a request needing {reserve} tokens of KV cache (prompt {prompt_len} + max_tokens) "
-                                  f"cannot fit any replica's KV pool (largest: {cap} tokens)")
+            return
+        check_kv_fits(prompt_len, max_tokens, [(s.role, s.blocks.capacity_tokens) for s in scheds],
+                      self.config.block_size)
 
     def _post_abort(self, request_id: int) -> None:
         self.transport.post(Message("abort", {"id": request_id}))

@@ -16,13 +16,13 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Sequence
 
-from hetserve.errors import InfeasibleError, RuntimeFailure
+from hetserve.errors import RuntimeFailure
 from hetserve.policies.base import ReplicaState
 from hetserve.runtime.params import SamplingParams
 from hetserve.runtime.snapshot import state_from_stats
 from hetserve.serve.backend import SampledToken
 from hetserve.policies.request_checks import RequestRefused
-from hetserve.serve.errors import ContextLengthExceeded, InvalidRequest, ServerError, Unavailable, refusal
+from hetserve.serve.errors import InvalidRequest, ServerError, Unavailable, refusal
 
 
 class EngineBackend:
@@ -42,8 +42,6 @@ class EngineBackend:
             handle = self.engine.submit(list(prompt_token_ids), params, replica=replica, share_prefix_with=first)
         except RequestRefused as exc:  # the rules the coordinator checked first, as the engine found them now
             raise refusal(exc) from exc
-        except InfeasibleError as exc:
-            raise ContextLengthExceeded(str(exc), param="max_tokens") from exc
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
         except RuntimeFailure as exc:

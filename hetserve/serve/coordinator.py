@@ -61,7 +61,8 @@ class Coordinator:
                  clock=time.monotonic):
         self.backend, self.codec, self.model_name = backend, codec, model_name
         self.placement, self.predictor, self.clock = placement, predictor, clock
-        self.metrics = ServerMetrics(lambda: (self._safe_replicas(), self._safe_links()), self._safe_refused)
+        self.metrics = ServerMetrics(lambda: (self._safe_replicas(), self._safe_links()), self._safe_refused,
+                                     self._safe_channels)
         self._seq = itertools.count(1)
         self.in_flight = 0
         self.draining = False  # set by a graceful shutdown: no new request is admitted
@@ -83,6 +84,12 @@ class Coordinator:
     def _safe_refused(self) -> dict[str, int]:
         try:
             return dict(self.backend.refused_connections())
+        except Exception:  # noqa: BLE001
+            return {}
+
+    def _safe_channels(self) -> dict[str, dict[str, int]]:
+        try:  # a backend without device channels has no such method
+            return dict(getattr(self.backend, "channel_stats", dict)())
         except Exception:  # noqa: BLE001
             return {}
 

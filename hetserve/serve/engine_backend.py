@@ -91,6 +91,9 @@ class EngineBackend:
     def refused_connections(self) -> dict[str, int]:
         return self.engine.refused_connections()
 
+    def channel_stats(self) -> dict[str, dict[str, int]]:
+        return self.engine.channel_stats()
+
     async def close(self) -> None:
         if self._closed:
             return

@@ -52,6 +52,7 @@ class FakeBackend:
     def __init__(self, replicas: int = 2, slots: int = 64, token_delay_s: float = 0.002,
                  max_context: int = 256, kv_capacity: int = 100_000, eos_at: int | None = None):
         self.max_context, self.vocab_size, self.block_size = max_context, 259, 16
+        self.channels: dict[str, dict[str, int]] = {}  # worker -> device-channel counts, as tests set them
         self.token_delay_s, self.eos_at = token_delay_s, eos_at
         self.kv_capacity = kv_capacity
         self.slots = {f"r{i}": slots for i in range(replicas)}
@@ -135,6 +136,9 @@ class FakeBackend:
 
     def refused_connections(self) -> dict[str, int]:
         return dict(self.refused)
+
+    def channel_stats(self) -> dict[str, dict[str, int]]:
+        return {w: dict(c) for w, c in self.channels.items()}
 
     async def close(self) -> None:
         pass

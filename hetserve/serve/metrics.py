@@ -24,6 +24,9 @@ scrapes.
     hetserve_link_queueing_seconds_total{src,dst,kind} counter  (Σ time from enqueue to first byte)
     hetserve_link_busy_seconds_total{src,dst}        counter
     hetserve_link_pending_bytes{src,dst}             gauge
+    hetserve_device_channel_total{worker,count}      counter  (a worker's device-channel counts as of its
+                                                        latest heartbeat: transfers and bytes by path,
+                                                        resent, refused, failed; runtime/workers/device_channel.py)
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0
 
 class ServerMetrics:
     def __init__(self, backend_snapshot: Callable[[], tuple[list, list]],
-                 refused: Callable[[], dict[str, int]] = dict):
+                 refused: Callable[[], dict[str, int]] = dict,
+                 channels: Callable[[], dict[str, dict[str, int]]] = dict):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry(auto_describe=True)
@@ -53,6 +57,7 @@ class ServerMetrics:
         self.in_flight = Gauge("hetserve_requests_in_flight", "Requests admitted and not finished", registry=r)
         r.register(_BackendCollector(backend_snapshot))
         r.register(_RefusedCollector(refused))
+        r.register(_ChannelCollector(channels))
 
     def observe(self, ttft_s: float | None, e2e_s: float, output_tokens: int) -> None:
         if ttft_s is not None:
@@ -85,6 +90,26 @@ class _RefusedCollector:
         counts = self.refused()
         for reason in ("handshake", "malformed", "busy"):
             fam.add_metric([reason], counts.get(reason, 0))
+        yield fam
+
+
+class _ChannelCollector:
+    """Each worker's device-channel counts (``DeviceChannel.stats``), read at scrape time."""
+
+    def __init__(self, channels: Callable[[], dict[str, dict[str, int]]]):
+        self.channels = channels
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        fam = CounterMetricFamily("hetserve_device_channel", "Device-channel counts per worker, as of its latest "
+                                  "heartbeat", labels=["worker", "count"])
+        for worker, counts in sorted(self.channels().items()):
+            for name, n in sorted(counts.items()):
+                fam.add_metric([worker, name], n)
         yield fam
 
 

@@ -185,6 +185,7 @@ def test_engine_failure_is_500_or_an_error_event(serve_fake):
 def test_models_health_and_metrics(serve_fake):
     url, backend, _ = serve_fake()
     backend.refused["handshake"] = 3
+    backend.channels["p0.0"] = {"channel_transfers": 7, "resent": 1}
     models = client(url).models.list()
     assert [m.id for m in models.data] == ["tiny"]
     assert httpx.get(url + "/health").json()["status"] == "ok"
@@ -198,7 +199,9 @@ def test_models_health_and_metrics(serve_fake):
                    'hetserve_link_bytes_total{dst="m0:1",kind="decode",src="m0:0"} 1024.0',
                    'hetserve_link_queueing_seconds_total{dst="m0:1",kind="prefill",src="m0:0"}',
                    'hetserve_refused_connections_total{reason="handshake"} 3.0',
-                   'hetserve_refused_connections_total{reason="malformed"} 0.0'):
+                   'hetserve_refused_connections_total{reason="malformed"} 0.0',
+                   'hetserve_device_channel_total{count="channel_transfers",worker="p0.0"} 7.0',
+                   'hetserve_device_channel_total{count="resent",worker="p0.0"} 1.0'):
         assert series in text, series
 
 

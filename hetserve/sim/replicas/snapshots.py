@@ -7,12 +7,9 @@ function bringing a kept one up to now (only a wait moves), or None (build it ag
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from hetserve.policies.base import ReplicaState
-
-if TYPE_CHECKING:
-    from hetserve.sim.replicas.base import Replica
 
 
 class ReplicaClock:
@@ -68,7 +65,7 @@ class SnapshotCache:
     clock (``snapshot_clock``). A kind without ``snapshots_kept`` is built at every decision, so
     every snapshot equals what ``state()`` gives now."""
 
-    def __init__(self, replicas: Sequence[Replica]):
+    def __init__(self, replicas: Sequence):  # sim.replicas.base.Replica objects
         self._reps = list(replicas)
         self._snaps: list[ReplicaState | None] = [None] * len(self._reps)
         self._pos = {rep.index: i for i, rep in enumerate(self._reps)}
@@ -80,7 +77,7 @@ class SnapshotCache:
             if rep.snapshots_kept:
                 rep.loop.watch(self._dirty, i)
 
-    def touch(self, rep: Replica) -> None:
+    def touch(self, rep) -> None:
         """``rep`` may have changed outside its own events (a call into it)."""
         i = self._pos.get(rep.index)
         if i is not None:

@@ -34,7 +34,7 @@ resources on the wire).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from hetserve.cost.network import max_min_rates
 from hetserve.policies.base import DecodeTiming, LinkInfo, TrafficKind, TransferView, TransmissionPolicy
@@ -166,12 +166,53 @@ class LinkModel:
             self._fresh()  # an unlimited path finishes at once: let the next advance see it
         return done
 
+    def put_many(self, items: Sequence[tuple[Any, TrafficKind, Path, float]], now: float) -> list[tuple[Any, float]]:
+        """``put`` of several ``(id, kind, path, bytes)`` messages at one instant (a KV hand-off's
+        parts), with the same state and returns as putting them one by one in order.
+
+        A queue whose policy allocates from its pending messages alone (``replan_once``) and that
+        would re-decide on each of them (idle, or sharing) re-decides once, after the last: the
+        allocation it ends with is the one it would have ended with. Messages done at once (no
+        bytes, unlimited path) go through ``put`` one by one."""
+        if any(nbytes <= 0 or not math.isfinite(path.bandwidth) for _, _, path, nbytes in items):
+            return [d for mid, kind, path, nbytes in items for d in self.put(mid, kind, path, nbytes, now)]
+        groups: dict[str, list[Message]] = {}
+        seen = set()
+        for mid, kind, path, nbytes in items:
+            if kind not in KINDS:
+                raise ValueError(f"traffic kind must be one of {KINDS}, got {kind!r}")
+            q = self.queue(path)
+            if mid in q.pending or (q.name, mid) in seen:
+                raise ValueError(f"message {mid} is already pending")
+            seen.add((q.name, mid))
+            groups.setdefault(q.name, []).append(Message(mid, kind, path, nbytes, now))
+        # the first put handles what finished by ``now``; after it nothing more does in zero time
+        done = self.advance(now)
+        self._settle(now)
+        for name, msgs in groups.items():
+            q = self.queues[name]
+            for m in msgs:
+                q.messages[m.kind] += 1
+            if getattr(q.policy, "replan_once", False) and (not q.sends or q.concurrent):
+                self._enqueue_all(q, msgs, now)
+            else:
+                for m in msgs:
+                    self._enqueue(q, m, now)
+        return done
+
     def _enqueue(self, q: SenderQueue, msg: Message, now: float) -> None:
         """Queue ``msg`` on ``q``, whose sends are settled up to ``now``."""
         q.pending[msg.id] = msg
         if not q.sends or q.concurrent:
             # idle, or sharing: re-decide now; sequential and busy: the send in flight ends first
             q.replan(now)
+        self._stale = True
+
+    def _enqueue_all(self, q: SenderQueue, msgs: list[Message], now: float) -> None:
+        """Queue ``msgs`` on ``q`` and re-decide once (``put_many``)."""
+        for m in msgs:
+            q.pending[m.id] = m
+        q.replan(now)
         self._stale = True
 
     def advance(self, now: float) -> list[tuple[Any, float]]:

@@ -38,6 +38,7 @@ class SerialTransmission:
     """FIFO: the oldest message goes whole; the rest wait behind it."""
 
     name = "serial"
+    replan_once = True  # the allocation depends on the pending messages alone (``LinkModel.put_many``)
 
     def schedule(self, pending: Sequence[TransferView], link: LinkInfo, now: float,
                  next_decode_in_s: float | None = None) -> Allocation:
@@ -48,6 +49,7 @@ class FairTransmission:
     """Fair share: every pending message at once, each with 1/n of the link."""
 
     name = "fair"
+    replan_once = True  # the allocation depends on the pending messages alone (``LinkModel.put_many``)
 
     def schedule(self, pending: Sequence[TransferView], link: LinkInfo, now: float,
                  next_decode_in_s: float | None = None) -> Allocation:

@@ -87,10 +87,12 @@ class Network:
             self.loop.schedule(now, Priority.LINK, lambda _: on_done(now))
             return t
         t.parts_left = len(merged)
+        items = []
         for (d, e), nbytes in merged.items():
             self._next_id += 1
             self._transfers[self._next_id] = t
-            self._deliver_at(self.model.put(self._next_id, kind, self.path(d, e), nbytes, now))
+            items.append((self._next_id, kind, self.path(d, e), nbytes))
+        self._deliver_at(self.model.put_many(items, now))
         self._arm()
         return t
 
@@ -299,3 +301,11 @@ class SharedLinks(LinkModel):
         if not q.sends or q.concurrent:
             # idle, or sharing: re-decide now; sequential and busy: the send in flight ends first
             self._replan(q, now)
+
+    def _enqueue_all(self, q: SenderQueue, msgs: list[Message], now: float) -> None:
+        """Queue ``msgs`` and re-decide once; the index and the re-share see ``q``'s old sends and
+        its final ones, as after re-deciding per message (its sends only grew in between)."""
+        self._settle_queue(q, now)
+        for m in msgs:
+            q.pending[m.id] = m
+        self._replan(q, now)

@@ -15,10 +15,10 @@ from hetserve.planner.search.refine_moves import guided_moves
 from hetserve.specs.cluster import load_cluster
 
 
-def _climb(llama70b, azure, stall, reference):
+def _climb(llama70b, azure, stall, reference, restarts=30):
     ctx, _, ev = start_search("hexgen2", load_cluster("hexgen2-het1"), llama70b, azure, PlanOptions(seed=0))
     budget = Budget("hexgen2", PlanOptions(time_limit_s=600))
-    refine(ctx, ev, phase1(ctx, ev, 0), budget, guided_moves, random.Random(0), restarts=30, stall=stall,
+    refine(ctx, ev, phase1(ctx, ev, 0), budget, guided_moves, random.Random(0), restarts=restarts, stall=stall,
            reference=reference)
     return budget
 
@@ -36,7 +36,7 @@ def test_progress_on_the_best_plan_restarts_the_count(llama70b, azure):
 
 
 def test_without_the_rule_the_restarts_decide(llama70b, azure):
-    b = _climb(llama70b, azure, stall=None, reference=1e12)
+    b = _climb(llama70b, azure, stall=None, reference=1e12, restarts=2)
     assert b.iteration > 3 and b.stopped_by == "converged"
 
 

@@ -195,6 +195,7 @@ def shapes_engine(pool, model, tmp_path_factory):
     links.close()
 
 
+@pytest.mark.long  # three Ray nodes take ~30 s to start: make test-long
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("replica", ["p0", "c0"], ids=["prefill-decode", "asymmetric-pipeline"])
@@ -217,6 +218,7 @@ def test_plan_shapes_across_three_nodes_match_transformers(shapes_engine, refere
     assert wait_until(crossed, 10), f"no shaped {kind} traffic {src} -> {dst}"
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_every_socket_listens_on_its_nodes_address_only(shapes_engine):

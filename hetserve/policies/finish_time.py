@@ -190,33 +190,9 @@ class ExpectedFinishTime:
         return own, own
 
     def _keys(self, request: RequestInfo, candidates: Sequence[ReplicaState]) -> list | None:
-        """``finish_s`` of every candidate, None if one has no price: the same arithmetic in one
-        pass (a decision ranks every candidate, so a call per candidate would dominate it)."""
-        prices, routes, booked = self.prices, self.routes, self._decoding
-        inp, pred = request.input_tokens, request.predicted_output_tokens
-        keys = []
-        for c in candidates:
-            price = prices.get(c.id)
-            if price is None:
-                return None
-            role = c.role
-            if role == "prefill":  # backlog_tokens(c, request)
-                prompt, output = c.outstanding_tokens, 0.0
-            else:
-                prompt = float(c.queued_prefill_tokens)
-                output = max(0.0, c.outstanding_tokens - c.queued_prefill_tokens)
-            if role != "decode":
-                prompt += inp
-            if role != "prefill":
-                output += pred
-            own = prompt * price[0] + output * price[1]
-            out = routes.get(c.id)
-            if out is None:
-                keys.append((own, own))
-            else:  # _decode_s(c.id, pred)
-                decode = sum([w * (booked.get(d, 0.0) + pred) * prices[d][1] for d, w in out])
-                keys.append((max(own, decode), own))
-        return keys
+        """``finish_s`` of every candidate; None if one has no price."""
+        keys = [self.finish_s(request, c) for c in candidates]
+        return None if None in keys else keys
 
     def choose(self, request: RequestInfo, candidates: Sequence[ReplicaState], now: float) -> str:
         keys = self._keys(request, candidates)

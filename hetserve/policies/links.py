@@ -150,11 +150,7 @@ class LinkModel:
     def put(self, mid: Any, kind: TrafficKind, path: Path, nbytes: float, now: float) -> list[tuple[Any, float]]:
         """Enqueue a message; returns ``(id, deliver_at)`` of every message finished by ``now``
         (this one too, when it has no bytes: it only pays the latency)."""
-        if kind not in KINDS:
-            raise ValueError(f"traffic kind must be one of {KINDS}, got {kind!r}")
-        q = self.queue(path)
-        if mid in q.pending:
-            raise ValueError(f"message {mid} is already pending")
+        q = self._queue_for(mid, kind, path)
         done = self.advance(now)
         q.messages[kind] += 1
         if nbytes <= 0:
@@ -165,6 +161,16 @@ class LinkModel:
         if not math.isfinite(path.bandwidth):
             self._fresh()  # an unlimited path finishes at once: let the next advance see it
         return done
+
+    def _queue_for(self, mid: Any, kind: TrafficKind, path: Path) -> SenderQueue:
+        """The queue a new message ``mid`` of ``kind`` joins on ``path``; refuses a kind off the list
+        or an id already pending there."""
+        if kind not in KINDS:
+            raise ValueError(f"traffic kind must be one of {KINDS}, got {kind!r}")
+        q = self.queue(path)
+        if mid in q.pending:
+            raise ValueError(f"message {mid} is already pending")
+        return q
 
     def put_many(self, items: Sequence[tuple[Any, TrafficKind, Path, float]], now: float) -> list[tuple[Any, float]]:
         """``put`` of several ``(id, kind, path, bytes)`` messages at one instant (a KV hand-off's
@@ -179,10 +185,8 @@ class LinkModel:
         groups: dict[str, list[Message]] = {}
         seen = set()
         for mid, kind, path, nbytes in items:
-            if kind not in KINDS:
-                raise ValueError(f"traffic kind must be one of {KINDS}, got {kind!r}")
-            q = self.queue(path)
-            if mid in q.pending or (q.name, mid) in seen:
+            q = self._queue_for(mid, kind, path)
+            if (q.name, mid) in seen:
                 raise ValueError(f"message {mid} is already pending")
             seen.add((q.name, mid))
             groups.setdefault(q.name, []).append(Message(mid, kind, path, nbytes, now))

@@ -37,9 +37,7 @@ def _run(args: argparse.Namespace) -> int:
     if out_dir.is_dir() and any(out_dir.iterdir()):  # never write random weights over a real checkpoint
         raise SpecError(args.output, "-o", "a new or empty folder", "a folder holding " +
                         ", ".join(sorted(p.name for p in out_dir.iterdir())[:3]))
-    ffn = args.ffn or (2 if args.arch == "llama" else 4) * args.hidden
-    params = (2 * args.vocab * args.hidden + args.layers * (4 * args.hidden ** 2 + 3 * args.hidden * ffn)
-              + (args.max_positions * args.hidden if args.arch == "opt" else 0))
+    params = _num_params(args)
     if params > MAX_PARAMS:  # the weights are made in memory before they are written
         raise SpecError("--layers/--hidden/--ffn/--vocab/--max-positions", "(options)",
                         f"a checkpoint of at most {MAX_PARAMS:.2g} parameters (make-model writes small random-weight "
@@ -52,3 +50,18 @@ def _run(args: argparse.Namespace) -> int:
         raise SpecError("make-model", "arguments", "a consistent model shape", str(exc)) from exc
     print(f"wrote {args.arch} checkpoint ({args.layers} layers, hidden {args.hidden}) to {out}")
     return 0
+
+
+def _num_params(args: argparse.Namespace) -> int:
+    """Parameters of the checkpoint ``args`` ask for, by the cost model's count (0 for a shape
+    ``make_model`` refuses: it says why)."""
+    from hetserve.runtime.model.make import default_ffn
+    from hetserve.specs.model import ModelSpec
+
+    try:
+        spec = ModelSpec("make-model", args.arch, args.layers, args.hidden, args.heads, args.kv_heads or args.heads,
+                         args.ffn or default_ffn(args.arch, args.hidden), args.vocab, args.max_positions,
+                         dtype_bytes=4)
+    except ValueError:
+        return 0
+    return spec.num_params

@@ -49,6 +49,11 @@ def save_byte_tokenizer(out_dir: str | Path, model_max_length: int = 1024) -> No
     fast.save_pretrained(str(out_dir))
 
 
+def default_ffn(arch: str, hidden: int) -> int:
+    """The FFN width ``make_model`` gives ``arch`` when none is asked for."""
+    return -(-2 * hidden // 8) * 8 if arch == "llama" else 4 * hidden
+
+
 def make_model(out_dir: str | Path, arch: str = "llama", *, layers: int = 4, hidden: int = 64,
                heads: int = 4, kv_heads: int | None = None, ffn: int | None = None, vocab: int = 320,
                max_positions: int = 1024, seed: int = 0, init_std: float = 0.02) -> Path:
@@ -76,14 +81,14 @@ def make_model(out_dir: str | Path, arch: str = "llama", *, layers: int = 4, hid
     out.mkdir(parents=True, exist_ok=True)
     special = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     if arch == "llama":
-        ffn = ffn or -(-2 * hidden // 8) * 8
+        ffn = ffn or default_ffn(arch, hidden)
         config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
                              num_hidden_layers=layers, num_attention_heads=heads,
                              num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
                              initializer_range=init_std, **special)
         cls = LlamaForCausalLM
     else:
-        ffn = ffn or 4 * hidden
+        ffn = ffn or default_ffn(arch, hidden)
         config = OPTConfig(vocab_size=vocab, hidden_size=hidden, ffn_dim=ffn, num_hidden_layers=layers,
                            num_attention_heads=heads, max_position_embeddings=max_positions,
                            word_embed_proj_dim=hidden, init_std=init_std, dropout=0.0, **special)

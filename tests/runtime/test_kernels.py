@@ -203,3 +203,22 @@ def test_triton_missing_is_a_clear_error(monkeypatch):
         assert kernels.resolve_impl(None, torch.device("cuda")) == "torch"
     finally:
         kernels.triton_available.cache_clear()
+
+
+def test_torch_path_builds_a_layout_once_per_metadata_and_never_reuses_a_stale_one(monkeypatch):
+    """Every layer of a step passes the same metadata: the torch path builds its gather layout once.
+    Metadata changed in place (the same tensor objects) gets a new layout and the right answer."""
+    from hetserve.runtime.kernels import torch_impl
+
+    built = []
+    real = torch_impl.decode_layout
+    monkeypatch.setattr(torch_impl, "decode_layout", lambda *a: built.append(1) or real(*a))
+    shape = cases.Shape(context_lens=(37, 70, 5), **{**GQA, "num_kv_heads": 2}, dtype="fp32")
+    case = cases.make_case(shape, seed=3)
+    for _ in range(3):  # three layers
+        assert_close(decode(case, "torch"), decode_reference(case), shape)
+    assert len(built) == 1
+    case.context_lens[1] = 40  # a shorter context, in place: what the pool holds past 40 is now out
+    assert_close(decode(case, "torch"), decode_reference(case), cases.Shape(context_lens=(37, 40, 5), **GQA,
+                                                                             dtype="fp32"))
+    assert len(built) == 2

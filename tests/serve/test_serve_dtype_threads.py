@@ -12,7 +12,7 @@ import pytest
 from hetserve.cli.main import main as cli
 from hetserve.errors import RuntimeFailure
 from hetserve.policies.batching import DEFAULT_BATCHING
-from hetserve.runtime.engine import OMP_WAIT_ENV, passive_omp_wait
+from hetserve.runtime.engine import OMP_SPIN_ENV, OMP_WAIT_ENV, bounded_omp_spin
 from hetserve.runtime.engine_config import EngineConfig, check_dtype, worker_threads
 
 PLAN = {"model": "tiny", "cluster": "demo-cpu", "replicas": [
@@ -82,16 +82,19 @@ def test_dtype_check_reports_a_cpu_kernel_that_is_missing(monkeypatch):
         check_dtype("float16", {"cpu"})
 
 
-def test_workers_start_with_passive_openmp_waits_only_when_multithreaded(monkeypatch):
+def test_workers_start_with_bounded_openmp_spins_only_when_multithreaded(monkeypatch):
     monkeypatch.delenv(OMP_WAIT_ENV, raising=False)
-    with passive_omp_wait(True):
-        assert os.environ[OMP_WAIT_ENV] == "PASSIVE"
-    assert OMP_WAIT_ENV not in os.environ  # the engine's own environment is left as it was
-    with passive_omp_wait(False):
-        assert OMP_WAIT_ENV not in os.environ
-    monkeypatch.setenv(OMP_WAIT_ENV, "ACTIVE")  # the user's choice stands
-    with passive_omp_wait(True):
-        assert os.environ[OMP_WAIT_ENV] == "ACTIVE"
+    monkeypatch.delenv(OMP_SPIN_ENV, raising=False)
+    with bounded_omp_spin(True):
+        assert os.environ[OMP_SPIN_ENV] == "10000"
+    assert OMP_SPIN_ENV not in os.environ  # the engine's own environment is left as it was
+    with bounded_omp_spin(False):
+        assert OMP_SPIN_ENV not in os.environ
+    for env, value in ((OMP_WAIT_ENV, "PASSIVE"), (OMP_SPIN_ENV, "300000")):  # the user's choice stands
+        monkeypatch.setenv(env, value)
+        with bounded_omp_spin(True):
+            assert os.environ[env] == value and os.environ.get(OMP_SPIN_ENV) in (None, value)
+        monkeypatch.delenv(env)
 
 
 def test_serve_passes_dtype_and_threads_to_the_engine(tmp_path, monkeypatch):
@@ -134,13 +137,14 @@ def test_serve_refuses_a_bad_dtype_or_thread_count_in_one_line(tmp_path, capsys,
 
 def test_the_engine_checks_the_dtype_and_gives_each_worker_its_threads(tmp_path, monkeypatch):
     """What ``Engine.from_plan`` hands each worker it starts: the dtype asked for and the threads
-    ``worker_threads`` gives it, with OpenMP told to wait passively; a dtype the device cannot run
+    ``worker_threads`` gives it, with OpenMP's spin bounded; a dtype the device cannot run
     stops it before any worker starts."""
     from hetserve.planner.plan import Plan
     from hetserve.runtime import engine as engine_module
     from hetserve.runtime.workers.worker_group import WorkerGroup
 
     monkeypatch.delenv(OMP_WAIT_ENV, raising=False)
+    monkeypatch.delenv(OMP_SPIN_ENV, raising=False)
     monkeypatch.setattr(engine_module, "CheckpointReader", lambda d: type("R", (), {"close": lambda self: None})())
     monkeypatch.setattr("hetserve.runtime.engine_config.host_cores", lambda: 4)
     seen = []
@@ -150,7 +154,7 @@ def test_the_engine_checks_the_dtype_and_gives_each_worker_its_threads(tmp_path,
 
     def start(self, make_config, start_method):
         seen.extend(make_config(w, None, "gloo") for r in self.layout for w in r.workers)
-        seen.append(os.environ.get(OMP_WAIT_ENV))
+        seen.append(os.environ.get(OMP_SPIN_ENV))
         raise Started
 
     monkeypatch.setattr(WorkerGroup, "start", start)
@@ -165,7 +169,7 @@ def test_the_engine_checks_the_dtype_and_gives_each_worker_its_threads(tmp_path,
     seen.clear()
     with pytest.raises(Started):
         engine_module.Engine.from_plan(Plan.from_dict(PLAN), "demo-cpu", tmp_path, EngineConfig(device="cpu"))
-    assert [(c.threads, c.dtype) for c in seen[:-1]] == [(4, "float32")] and seen[-1] == "PASSIVE"
+    assert [(c.threads, c.dtype) for c in seen[:-1]] == [(4, "float32")] and seen[-1] == "10000"
 
     def cannot(dtype, devices):
         raise RuntimeFailure(f"no {dtype} here")

@@ -7,6 +7,8 @@ Shapes and rules are those of the package docstring (``hetserve.runtime.kernels`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -25,75 +27,134 @@ def _flat(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(-1, *cache.shape[2:])
 
 
-def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                   max_context: int) -> torch.Tensor:
-    """Each sequence's context, position by position, as a (B, max(max_context, 1), Hkv, D) grid.
+@dataclass(frozen=True)
+class Layout:
+    """Where one call's sequences read their contexts, and what each query may see: the same for
+    every layer of a step (``decode_layout`` / ``prefill_layout``).
 
-    One ``index_select`` of slots. Positions past a sequence's context repeat its position 0, so the
-    grid holds only what the sequence wrote: a slot nobody wrote may hold anything, NaN included,
-    which a masked softmax would still carry into its sum (0 * NaN). A row of context 0 reads an
-    arbitrary slot (table entries are clamped into the pool); its caller drops that row's output.
+    Each sequence's context is gathered position by position into a (B, K) grid. Positions past a
+    context repeat the sequence's position 0, so the grid holds only what the sequence wrote: a slot
+    nobody wrote may hold anything, NaN included, which a masked softmax would still carry into its
+    sum (0 * NaN). A row of context 0 reads an arbitrary slot (table entries are clamped into the
+    pool) and attends to its key 0, so softmax never sees an all-masked row; its output is dropped.
     """
-    B, block_size = block_tables.shape[0], cache.shape[1]
-    flat = _flat(cache)  # (slots, Hkv, D)
-    pos = torch.arange(max(max_context, 1), device=cache.device)  # (K,)
+
+    slots: torch.Tensor  # (B * K,) int64 slot of each grid position
+    mask: torch.Tensor  # (B, 1, Q, K) bool: what each query row attends to
+    empty: torch.Tensor  # (B, 1, 1) bool: rows of context 0
+    width: int  # K = max(max context, 1)
+    token: torch.Tensor | None = None  # prefill: (T,) q's row of each valid grid query
+    q_valid: torch.Tensor | None = None  # prefill: (B, Q) bool
+
+
+def _grid(block_tables: torch.Tensor, ctx: torch.Tensor, block_size: int, num_slots: int) -> tuple[torch.Tensor, ...]:
+    """(slots (B * K,), positions (K,), keep (B, K): position < context)."""
+    B = block_tables.shape[0]
+    pos = torch.arange(max(int(ctx.max()) if B else 0, 1), device=block_tables.device)  # (K,)
     blocks = block_tables.long().gather(1, (pos // block_size).expand(B, -1))  # (B, K)
-    slots = blocks * block_size + pos % block_size
-    slots = torch.where(pos[None, :] < context_lens.long()[:, None], slots, slots[:, :1])
-    slots = slots.clamp_(0, flat.shape[0] - 1)
-    return flat.index_select(0, slots.flatten()).view(B, pos.shape[0], *cache.shape[2:])
+    keep = pos[None, :] < ctx[:, None]
+    slots = torch.where(keep, blocks * block_size + pos % block_size, blocks[:, :1] * block_size)
+    return slots.clamp_(0, num_slots - 1).flatten(), pos, keep
+
+
+def decode_layout(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                  num_slots: int) -> Layout:
+    """One query per sequence, at the last of its ``context_lens[b]`` positions."""
+    ctx = context_lens.long()
+    slots, pos, keep = _grid(block_tables, ctx, block_size, num_slots)
+    mask = keep | ((ctx[:, None] == 0) & (pos[None, :] == 0))  # (B, K)
+    return Layout(slots, mask[:, None, None, :], (ctx == 0)[:, None, None], pos.shape[0])
+
+
+def prefill_layout(block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                   block_size: int, num_slots: int) -> Layout:
+    """Packed queries, sequence b's at rows ``query_start_loc[b]:query_start_loc[b + 1]``, each
+    causal over its context; padded query rows of the (B, Q) grid attend to key 0 only."""
+    ctx = context_lens.long()
+    slots, pos, keep = _grid(block_tables, ctx, block_size, num_slots)
+    qsl = query_start_loc.long()
+    q_len = qsl[1:] - qsl[:-1]  # (B,)
+    q_idx = torch.arange(int(q_len.max()), device=qsl.device)  # (Q,)
+    q_valid = q_idx[None, :] < q_len[:, None]  # (B, Q)
+    token = (qsl[:-1, None] + q_idx[None, :])[q_valid]  # (T,)
+    q_pos = (ctx - q_len)[:, None] + q_idx[None, :]  # (B, Q) absolute position of each query
+    mask = (pos[None, None, :] <= q_pos[:, :, None]) & keep[:, None, :]  # (B, Q, K)
+    mask |= (~q_valid)[:, :, None] & (pos == 0)[None, None, :]
+    return Layout(slots, mask[:, None], (ctx == 0)[:, None, None], pos.shape[0], token, q_valid)
+
+
+def gather_context(cache: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """``cache``'s rows at the layout's slots: (B, K, Hkv, D). One ``index_select`` over a 2-D view
+    (each slot one contiguous row: about 1.6x faster than over the 3-D pool on this CPU)."""
+    rows = cache.view(-1, cache.shape[2] * cache.shape[3])  # (slots, Hkv * D)
+    return rows.index_select(0, layout.slots).view(layout.mask.shape[0], layout.width, *cache.shape[2:])
+
+
+def _num_slots(cache: torch.Tensor) -> int:
+    return cache.shape[0] * cache.shape[1]
+
+
+class _LastLayout:
+    """The layout of the latest call of each kind, kept with a copy of the metadata it was built
+    from: every layer of a step passes the step's metadata, so the first layer builds the layout
+    and the others, finding equal metadata over a pool of the same shape, reuse it. Comparing a
+    few hundred integers costs microseconds; building the layout, tens of operators."""
+
+    def __init__(self):
+        self._kept: dict[str, tuple[tuple[torch.Tensor, ...], tuple[int, int], Layout]] = {}
+
+    def get(self, kind: str, metadata: tuple[torch.Tensor, ...], cache: torch.Tensor, build) -> Layout:
+        pool = tuple(cache.shape[:2])
+        kept = self._kept.get(kind)
+        if (kept is not None and kept[1] == pool and all(
+                a.shape == b.shape and a.device == b.device and torch.equal(a, b) for a, b in zip(kept[0], metadata))):
+            return kept[2]
+        layout = build()
+        self._kept[kind] = (tuple(t.clone() for t in metadata), pool, layout)
+        return layout
+
+
+_LAST = _LastLayout()
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One query per sequence over its whole context; rows of context 0 give zeros.
 
-    The ``Hq / Hkv`` query heads of a KV head attend as that head's query rows, (B, Hkv, G, D), so
-    the keys and values are never repeated per query head.
+    The layout (``decode_layout``) is built once per step's metadata (``_LastLayout``). The
+    ``Hq / Hkv`` query heads of a KV head attend as that head's query rows, (B, Hkv, G, D), so the
+    keys and values are never repeated per query head.
     """
     B, Hq, D = q.shape
     Hkv = k_cache.shape[2]
-    max_context = int(context_lens.max()) if B else 0
-    keys = gather_context(k_cache, block_tables, context_lens, max_context)  # (B, K, Hkv, D)
-    values = gather_context(v_cache, block_tables, context_lens, max_context)
-    k_pos = torch.arange(keys.shape[1], device=q.device)  # (K,)
-    ctx = context_lens.long()[:, None]  # (B, 1)
-    # a row of context 0 attends to key 0, so softmax never sees an all-masked row; its output
-    # (whatever its grid held) is then replaced by zeros
-    mask = (k_pos[None, :] < ctx) | ((ctx == 0) & (k_pos[None, :] == 0))  # (B, K)
+    layout = _LAST.get("decode", (block_tables, context_lens), k_cache, lambda: decode_layout(
+        block_tables, context_lens, k_cache.shape[1], _num_slots(k_cache)))
+    keys = gather_context(k_cache, layout)  # (B, K, Hkv, D)
+    values = gather_context(v_cache, layout)
     grouped = q.view(B, Hkv, Hq // Hkv, D).transpose(1, 2)  # (B, G, Hkv, D): G query rows per KV head
-    out = _sdpa(grouped, keys, values, mask[:, None, None, :], scale)  # (B, G, Hkv, D)
+    out = _sdpa(grouped, keys, values, layout.mask, scale)  # (B, G, Hkv, D)
     out = out.transpose(1, 2).reshape(B, Hq, D)
-    return torch.where(ctx[:, :, None] == 0, torch.zeros((), dtype=out.dtype, device=out.device), out)
+    return out.masked_fill(layout.empty, 0)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Packed queries of several sequences, each causal over its pool context; see the package doc."""
+    """Packed queries of several sequences, each causal over its pool context; see the package doc.
+    The layout (``prefill_layout``) is built once per step's metadata, as for decodes."""
     T, Hq, D = q.shape
     B = context_lens.shape[0]
     out = torch.zeros_like(q)
     if T == 0 or B == 0:
         return out
-    qsl = query_start_loc.long()
-    q_len = qsl[1:] - qsl[:-1]  # (B,)
-    ctx = context_lens.long()  # (B,)
-    max_q, max_context = int(q_len.max()), int(ctx.max())
-    keys = gather_context(k_cache, block_tables, context_lens, max_context)  # (B, K, Hkv, D)
-    values = gather_context(v_cache, block_tables, context_lens, max_context)
-    q_idx = torch.arange(max_q, device=q.device)  # (Q,)
-    q_valid = q_idx[None, :] < q_len[:, None]  # (B, Q)
-    token = (qsl[:-1, None] + q_idx[None, :])[q_valid]  # (T,) each grid row's row of q
-    grid = q.new_zeros(B, max_q, Hq, D)
-    grid[q_valid] = q[token]
-    q_pos = (ctx - q_len)[:, None] + q_idx[None, :]  # (B, Q) absolute position of each query
-    k_pos = torch.arange(keys.shape[1], device=q.device)  # (K,)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx[:, None, None])  # (B, Q, K)
-    # padded query rows attend to key 0 only, so softmax never sees an all-masked row
-    mask |= (~q_valid)[:, :, None] & (k_pos == 0)[None, None, :]
-    attended = _sdpa(grid, keys, values, mask[:, None], scale)  # (B, Q, Hq, D)
-    out[token] = attended[q_valid]
+    layout = _LAST.get("prefill", (block_tables, query_start_loc, context_lens), k_cache, lambda: prefill_layout(
+        block_tables, query_start_loc, context_lens, k_cache.shape[1], _num_slots(k_cache)))
+    keys = gather_context(k_cache, layout)  # (B, K, Hkv, D)
+    values = gather_context(v_cache, layout)
+    grid = q.new_zeros(B, layout.q_valid.shape[1], Hq, D)
+    grid[layout.q_valid] = q[layout.token]
+    attended = _sdpa(grid, keys, values, layout.mask, scale)  # (B, Q, Hq, D)
+    out[layout.token] = attended[layout.q_valid]
     return out
 
 

@@ -39,6 +39,7 @@ from hetserve.runtime.model.runner import StepRunner
 from hetserve.runtime.sampling import sample, token_logprobs, wants_logprobs
 from hetserve.runtime.workers.auth import LinkSecurity
 from hetserve.runtime.workers.device_channel import ChannelPeer, DeviceChannel
+from hetserve.runtime.workers.host_memory import keep_freed_memory
 from hetserve.runtime.workers.kv_pool import KVPool, slots_of
 from hetserve.runtime.workers.transport import Priority, SocketTransport
 from hetserve.runtime.workers.wire import Message, pack_data, unpack_data
@@ -76,6 +77,7 @@ class WorkerConfig:
 def worker_main(cfg: WorkerConfig) -> None:
     """Process entry point (``torch.multiprocessing`` spawn target)."""
     torch.set_num_threads(max(1, cfg.threads))
+    keep_freed_memory()
     transport = SocketTransport(cfg.spec.name, cfg.security, host=cfg.host, scheduler_factory=cfg.link_scheduler,
                                 shaper=cfg.shaper)
     transport.set_address(ENGINE, cfg.engine_address)

@@ -61,6 +61,11 @@ class EngineLoop(Recovery):
         self.waiting: deque[Sequence] = deque()
         self.handoff_queue: deque[Sequence] = deque()  # first token done, waiting for room on a decode replica
         self.handoffs: dict[int, Sequence] = {}  # KV on its way
+        # abandoned hand-offs whose blocks wait for every receiver's word that no piece will land:
+        # transfer -> (decode replica, its blocks, workers yet to confirm) (recovery.py, _fence)
+        self.fenced: dict[int, tuple[str, list[int], set[str]]] = {}
+        self.kv_fenced: dict[str, int] = {}  # worker -> pieces of abandoned hand-offs it dropped
+        self.fences_opened = 0
         self.steps: dict[int, tuple[str, list[Sequence], list[int]]] = {}  # step id -> (replica, seqs, q_lens)
         self.num_completed = self.num_failed = 0
         self.broken: str | None = None
@@ -117,6 +122,8 @@ class EngineLoop(Recovery):
             self._on_result(msg.meta["step"], msg.tensors["tokens"].tolist(), msg.meta, msg.tensors)
         elif kind == "kv_ready":
             self._on_kv_ready(msg.meta["seq"], msg.meta["worker"])
+        elif kind == "kv_cancelled":
+            self._on_kv_cancelled(msg.meta["seq"], msg.meta["worker"])
         elif kind == "submit":
             seq = msg.meta["seq"]
             if self.broken:
@@ -143,6 +150,8 @@ class EngineLoop(Recovery):
             self.refused[msg.meta["worker"]] = msg.meta.get("rejected", {})
             if "channel" in msg.meta:
                 self.channels[msg.meta["worker"]] = msg.meta["channel"]
+            if "kv_fenced" in msg.meta:
+                self.kv_fenced[msg.meta["worker"]] = int(msg.meta["kv_fenced"])
         elif kind == "error":
             self.workers.worker_errors[msg.meta["worker"]] = msg.meta["error"]
             if self.joining is not None:
@@ -374,6 +383,8 @@ class EngineLoop(Recovery):
             "completed": self.num_completed, "failed": self.num_failed, "broken": self.broken,
             "replicas": {rid: s.stats() for rid, s in self.schedulers.items()},
             "reruns": sum(d["requests"] for d in self.deaths), "deaths": list(self.deaths),
+            "kv_fenced": {"opened": self.fences_opened, "pending": len(self.fenced),
+                          "pieces_dropped": sum(self.kv_fenced.values())},
         }
         for rid, snap in replica_snapshots(self.schedulers, self._in_handoff()).items():
             self.stats["replicas"][rid]["state"] = snap

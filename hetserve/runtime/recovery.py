@@ -28,6 +28,8 @@ from typing import Any
 
 from hetserve.errors import RuntimeFailure
 from hetserve.runtime.sequence import Sequence, Status
+from hetserve.runtime.workers.transport import Priority
+from hetserve.runtime.workers.wire import Message
 from hetserve.runtime.workers.worker_group import last_line
 
 POLL_S = 0.1  # how often worker processes are checked for exit
@@ -59,6 +61,8 @@ class Recovery:
         for step_id in [s for s, (r, _, _) in self.steps.items() if r == rid]:
             del self.steps[step_id]
         self.schedulers[rid].clear()
+        for transfer in [t for t, (dst, _, _) in self.fenced.items() if dst == rid]:
+            del self.fenced[transfer]  # its blocks went with it
 
     def _on_worker_death(self, name: str, what: str) -> None:
         w = self.workers.worker(name)
@@ -168,7 +172,7 @@ class Recovery:
             if seq.replica is not None and seq.table and self.schedulers[seq.replica].alive:
                 self.schedulers[seq.replica].release(seq)
             if seq.dst is not None and seq.dst_table and self.schedulers[seq.dst].alive:
-                self.schedulers[seq.dst].blocks.free(seq.dst_table)
+                self._fence(seq)
             seq.replica, seq.table, seq.num_cached, seq.prefill_end, seq.pinned = None, [], 0, 0, None
             seq.dst, seq.dst_table, seq.acks = None, [], set()
             if seq.aborted:
@@ -181,6 +185,30 @@ class Recovery:
                 continue
             seq.status = Status.WAITING
             self.waiting.appendleft(seq)
+
+    def _fence(self, seq: Sequence) -> None:
+        """``seq``'s hand-off is abandoned while its decode replica lives. Pieces its senders already
+        sent may still land there (a dead sender's socket delivers what it had written), so its
+        blocks stay taken until every receiving worker has confirmed that no piece of this transfer
+        will be written any more (``kv_cancel`` -> ``kv_cancelled``); only then can another request
+        have them."""
+        workers = {w.name for w in self.replicas[seq.dst].workers}
+        self.fenced[seq.transfer] = (seq.dst, seq.dst_table, workers)
+        self.fences_opened += 1
+        for name in workers:
+            self.transport.send(name, Message("kv_cancel", {"seq": seq.transfer}), Priority.CONTROL)
+
+    def _on_kv_cancelled(self, transfer: int, worker: str) -> None:
+        fence = self.fenced.get(transfer)
+        if fence is None:
+            return
+        rid, table, waiting = fence
+        waiting.discard(worker)
+        if waiting:
+            return
+        del self.fenced[transfer]
+        if rid in self.schedulers and self.schedulers[rid].alive:
+            self.schedulers[rid].blocks.free(table)
 
     def _can_ever_serve(self, seq: Sequence) -> bool:
         scheds = [s for s in self.schedulers.values() if s.alive]

@@ -172,6 +172,9 @@ def test_a_worker_killed_mid_handoff_loses_no_request_and_repeats_no_token(
         assert stats["failed"] == 0 and stats["broken"] is None
         assert [d["replica"] for d in stats["deaths"]] == [dead] and stats["reruns"] >= 1
         assert stats["replicas"][survivor]["role"] == "colocated"
+        if worker != RECEIVER:  # the hand-offs in flight were fenced on the live receiver, then freed
+            assert stats["kv_fenced"]["opened"] >= 1
+            _wait("the fences closed", lambda: eng.stats()["kv_fenced"]["pending"] == 0)
         # the survivor goes on serving: its channels to the dead replica given up, its own still used
         before = _totals(eng).get("channel_transfers", 0)
         assert eng.generate(PROMPTS[:3], params, timeout=60) == want[:3]

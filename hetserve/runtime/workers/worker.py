@@ -104,9 +104,12 @@ def _heartbeat(transport: SocketTransport, name: str, every_s: float, worker: "W
     it; a frozen (SIGSTOPped) or wedged process stops beating and the coordinator declares it dead.
     Each beat carries the connections this worker's endpoint refused so far (reason -> count) and,
     with device channels, which path its transfers took (``DeviceChannel.stats``) and the KV pieces
-    it dropped as already received (``kv_duplicates``, where any)."""
+    it dropped as already received (``kv_duplicates``, where any), and the pieces of abandoned
+    hand-offs it dropped (``kv_fenced``, where any)."""
     while not transport.closed:
         meta = {"worker": name, "rejected": dict(transport.rejected)}
+        if worker is not None and worker.kv_fenced:
+            meta["kv_fenced"] = worker.kv_fenced
         if worker is not None and worker.channel is not None:
             meta["channel"] = worker.channel.stats()
             if worker.kv_duplicates:
@@ -155,6 +158,8 @@ class Worker:
         self.kv_received: dict[int, set[tuple]] = {}
         self.kv_done: dict[int, None] = {}  # the latest hand-offs completed here (KV_DONE_KEPT), oldest first
         self.kv_duplicates = 0
+        self.kv_cancelled: dict[int, None] = {}  # the latest hand-offs the coordinator abandoned (KV_DONE_KEPT)
+        self.kv_fenced = 0  # pieces of those that arrived after all and were dropped
         self._kv_lock = threading.Lock()
         transport.on_message = self._on_message  # KV and peers are handled on the receiving thread
         self.channel = self._open_channel() if cfg.channels else None
@@ -217,6 +222,10 @@ class Worker:
         if msg.kind == "kv":
             self._install_kv(msg)
             return True
+        if msg.kind == "kv_cancel":
+            if msg.src == ENGINE:  # only the coordinator abandons a hand-off
+                self._cancel_kv(int(msg.meta["seq"]))
+            return True
         if msg.kind == "peers":
             for name, addr in msg.meta["addresses"].items():
                 if name != self.spec.name:
@@ -229,29 +238,42 @@ class Worker:
         return False
 
     def _install_kv(self, msg: Message) -> None:
+        """Write a received piece into the pool. Checked and written under ``_kv_lock``, so once
+        ``_cancel_kv`` has run for a hand-off none of its pieces writes any more."""
         m = msg.meta
         seq, piece = m["seq"], (msg.src, tuple(m["layers"]), tuple(m["heads"]))
-        with self._kv_lock:
-            if seq in self.kv_done or piece in self.kv_received.get(seq, ()):
-                self.kv_duplicates += 1
-                return
         first, h0 = self.spec.layers[0], self.spec.kv_heads[0]
         layers = slice(m["layers"][0] - first, m["layers"][1] - first)
         heads = slice(m["heads"][0] - h0, m["heads"][1] - h0)
-        self.pool.write(layers, heads, slots_of(m["table"], m["num_tokens"], self.cfg.block_size), msg.tensors["kv"])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the bytes are in place before the coordinator hears so
         with self._kv_lock:
+            if seq in self.kv_cancelled:
+                self.kv_fenced += 1
+                return
+            if seq in self.kv_done or piece in self.kv_received.get(seq, ()):
+                self.kv_duplicates += 1
+                return
+            self.pool.write(layers, heads, slots_of(m["table"], m["num_tokens"], self.cfg.block_size),
+                            msg.tensors["kv"])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the bytes are in place before the coordinator hears so
             got = self.kv_received.setdefault(seq, set())
             got.add(piece)
             complete = len(got) == m["expect"]
             if complete:
-                del self.kv_received[seq]
-                self.kv_done[seq] = None
-                if len(self.kv_done) > KV_DONE_KEPT:
-                    del self.kv_done[next(iter(self.kv_done))]
+                self.kv_received.pop(seq)
+                _remember(self.kv_done, seq)
         if complete:
             self.transport.send(ENGINE, Message("kv_ready", {"seq": seq, "worker": self.spec.name}))
+
+    def _cancel_kv(self, seq: int) -> None:
+        """The coordinator abandoned hand-off ``seq`` (its sender died or left the plan) and will give
+        its blocks to other requests once every receiver says so: from here on its pieces still on
+        their way (a dead sender's socket may deliver after it is gone) are dropped, not written."""
+        with self._kv_lock:
+            self.kv_received.pop(seq, None)
+            _remember(self.kv_cancelled, seq)
+        self.transport.send(ENGINE, Message("kv_cancelled", {"seq": seq, "worker": self.spec.name}),
+                            Priority.CONTROL)
 
     # ------------------------------------------------------------------ step loop
     def run(self) -> None:
@@ -345,6 +367,13 @@ class Worker:
                 meta = {"seq": seq, "layers": piece.layers, "heads": piece.heads, "table": dst_table,
                         "num_tokens": num_tokens, "expect": expect}
                 self._send(piece.dst, Message("kv", meta, {"kv": kv}), Priority.KV)
+
+
+def _remember(seen: dict[int, None], seq: int) -> None:
+    """Add hand-off ``seq`` to ``seen``, forgetting the oldest past ``KV_DONE_KEPT``."""
+    seen[seq] = None
+    if len(seen) > KV_DONE_KEPT:
+        del seen[next(iter(seen))]
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,95 @@
+"""An abandoned KV hand-off cannot write into blocks another request has been given.
+
+When a hand-off's sender dies (or leaves the plan) while its decode replica lives, pieces the
+sender already wrote to its sockets may still arrive. The coordinator keeps the hand-off's blocks
+taken until every receiving worker confirms that it drops the hand-off's pieces from then on
+(``kv_cancel`` -> ``kv_cancelled``); the workers check and write each piece under one lock, so no
+piece lands after the confirmation. Tested on the real methods with stand-ins for what they talk
+to; ``test_channel_engine`` kills senders mid-hand-off on the real engine.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import torch
+
+from hetserve.runtime.kv_cache import BlockManager
+from hetserve.runtime.recovery import Recovery
+from hetserve.runtime.workers.kv_pool import KVPool
+from hetserve.runtime.workers.wire import Message
+from hetserve.runtime.workers.worker import ENGINE, Worker
+
+BLOCK = 4
+
+
+class Sent(list):
+    def send(self, dst, msg, priority=None):
+        self.append((dst, msg.kind, dict(msg.meta)))
+
+
+def _receiver() -> Worker:
+    """A decode worker holding layers 0-2 and KV heads 0-1, its pool zeroed."""
+    w = Worker.__new__(Worker)
+    w.spec = SimpleNamespace(name="m0:1", layers=(0, 2), kv_heads=(0, 1))
+    w.cfg = SimpleNamespace(block_size=BLOCK)
+    w.device = torch.device("cpu")
+    w.pool = KVPool(2, 8 * BLOCK, 1, 4, torch.float32, "cpu")
+    w.transport = Sent()
+    w.kv_received, w.kv_done, w.kv_cancelled = {}, {}, {}
+    w.kv_duplicates = w.kv_fenced = 0
+    w._kv_lock = threading.Lock()
+    return w
+
+
+def _piece(transfer: int, table: list[int], value: float, src: str = "m0:0") -> Message:
+    msg = Message("kv", {"seq": transfer, "layers": [0, 2], "heads": [0, 1], "table": table, "num_tokens": 3,
+                         "expect": 1}, {"kv": torch.full((2, 2, 3, 1, 4), value)})
+    msg.src = src
+    return msg
+
+
+def test_a_cancelled_handoffs_late_piece_is_dropped_and_the_next_owner_keeps_its_blocks():
+    w = _receiver()
+    w._on_message(Message("kv_cancel", {"seq": 7}, src=ENGINE))
+    assert w.transport == [(ENGINE, "kv_cancelled", {"seq": 7, "worker": "m0:1"})]
+    w._install_kv(_piece(8, [2], 1.0))  # the blocks' next owner
+    w._install_kv(_piece(7, [2], 9.0))  # the abandoned hand-off's piece, arriving after all
+    assert w.kv_fenced == 1 and w.kv_duplicates == 0
+    assert torch.all(w.pool.read(slice(0, 2), slice(0, 1), torch.arange(2 * BLOCK, 2 * BLOCK + 3)) == 1.0)
+    assert [k for _, k, _ in w.transport] == ["kv_cancelled", "kv_ready"]  # only hand-off 8 completes
+
+
+def test_only_the_coordinator_cancels_a_handoff():
+    w = _receiver()
+    w._on_message(Message("kv_cancel", {"seq": 7}, src="m0:2"))
+    w._install_kv(_piece(7, [2], 9.0))
+    assert w.kv_fenced == 0 and [k for _, k, _ in w.transport] == ["kv_ready"]
+
+
+def _coordinator():
+    """The state ``Recovery`` reads: one live decode replica d0 of two workers, 8 blocks."""
+    blocks = BlockManager(8, BLOCK)
+    loop = SimpleNamespace(
+        schedulers={"d0": SimpleNamespace(alive=True, blocks=blocks)},
+        replicas={"d0": SimpleNamespace(workers=[SimpleNamespace(name="m0:2"), SimpleNamespace(name="m0:3")])},
+        fenced={}, fences_opened=0, transport=Sent())
+    for name in ("_fence", "_on_kv_cancelled"):
+        setattr(loop, name, getattr(Recovery, name).__get__(loop))
+    return loop, blocks
+
+
+def test_abandoned_blocks_stay_taken_until_every_receiver_confirms():
+    loop, blocks = _coordinator()
+    table = blocks.allocate(2 * BLOCK)
+    free = blocks.num_free_blocks
+    loop._fence(SimpleNamespace(dst="d0", dst_table=table, transfer=5))
+    assert sorted(dst for dst, kind, meta in loop.transport if kind == "kv_cancel" and meta == {"seq": 5}) == [
+        "m0:2", "m0:3"]
+    loop._on_kv_cancelled(5, "m0:2")
+    assert blocks.num_free_blocks == free  # one receiver may still write a late piece
+    loop._on_kv_cancelled(5, "m0:3")
+    assert blocks.num_free_blocks == free + 2 and not loop.fenced
+    loop._on_kv_cancelled(5, "m0:3")  # a repeat changes nothing
+    assert blocks.num_free_blocks == free + 2

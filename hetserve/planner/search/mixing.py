@@ -192,6 +192,8 @@ def _climb(evaluator: Evaluator, start: PoolLayout, candidates, lookahead: int =
     prefill and decode often loses until the prefill half is split again (small pools only).
     ``stop()`` true ends the climb at the best pool layout scored so far."""
     cur, cur_v = start, evaluator.score(start)
+    if not lookahead:
+        return _climb_bounded(evaluator, cur, cur_v, candidates, stop)
     stopped = False
     for _ in range(MAX_MIXED_ROUNDS):
         pick, pick_v, near = None, cur_v, []
@@ -218,6 +220,26 @@ def _climb(evaluator: Evaluator, start: PoolLayout, candidates, lookahead: int =
         if pick is None:
             break
         cur, cur_v = pick, pick_v
+    return cur, cur_v
+
+
+def _climb_bounded(evaluator: Evaluator, cur: PoolLayout, cur_v: float, candidates, stop) -> tuple[PoolLayout, float]:
+    """``_climb`` without lookahead: each round's candidates go to ``Evaluator.best_of``, which
+    solves the flows of only those whose bounds can still beat the best (a scan solves every one
+    that beats the best so far)."""
+    for _ in range(MAX_MIXED_ROUNDS):
+        cands = []
+        for cand in candidates(cur):
+            if cand is not None and cand != cur:
+                cands.append(cand)
+            if stop is not None and stop():
+                break
+        i, v = evaluator.best_of(cands, floor=cur_v, stop=stop)
+        if i is None:
+            break
+        cur, cur_v = cands[i], v
+        if stop is not None and stop():
+            break
     return cur, cur_v
 
 

@@ -25,6 +25,7 @@ BENCHES = {
     "aladdin": ["-m", "bench.bench_aladdin", "--requests", "1000"],  # 1x vs 10x the Azure rate
     "engine": ["-m", "bench.bench_engine", "--max-tokens", "16"],  # 32 requests, as the target
     "attention": ["-m", "bench.bench_attention", "--reps", "50"],  # a mixed step: one padded grid vs grouped
+    "step": ["-m", "bench.bench_step", "--model", "demo", "--dtypes", "float32", "--rounds", "1"],  # host memory, spins
     "serve": ["-m", "bench.bench_serve", "--rates", "0.5", "--window", "6", "--max-output", "16"],
     "multinode": ["-m", "bench.bench_multinode", "--requests", "8", "--max-tokens", "16", "--repeats", "1"],
     "frontend": ["-m", "bench.bench_frontend", "--requests", "24"],  # engine alone vs served over HTTP

@@ -65,14 +65,12 @@ WORKER_SPINS = 10_000
 @contextlib.contextmanager
 def bounded_omp_spin(multithreaded: bool):
     """Workers started inside inherit ``GOMP_SPINCOUNT=10000`` when they run several threads (unless
-    the user set it or ``OMP_WAIT_POLICY``). A waiting OpenMP thread spins before it sleeps;
-    torch's default spin is long (300,000 spins), and where the host's cores are busy with other
-    processes (the engine's own front end, other servers) a spinning thread holds the core its
-    partner needs: a 2-thread float32 step of 8 layers x batch 32 took 658 ms instead of 54 ms
-    with one thread. Never spinning (``OMP_WAIT_POLICY=PASSIVE``) pays a sleep and a wake-up
-    between operators: 42 ms against 32 ms for a step on an idle host. The bounded spin takes
-    33 ms there, and 85 ms (passive 56, default 324) with the other core kept busy. Set only
-    while the workers start: the variable is read once, when a process loads OpenMP."""
+    the user set it or ``OMP_WAIT_POLICY``). A waiting OpenMP thread spins before it sleeps. torch's
+    default spin is long: where other processes keep the host's cores busy (the engine's own front
+    end, its clients) a spinning thread holds the core its partner needs, and a 2-thread step ran
+    5-12x slower than on one thread. Never spinning (``PASSIVE``) pays a sleep and a wake-up between
+    operators, about a quarter of a step on an idle host. A short spin keeps most of both (numbers:
+    docs/serving.md). Set only while the workers start: OpenMP reads it once, when it loads."""
     if not multithreaded or OMP_WAIT_ENV in os.environ or OMP_SPIN_ENV in os.environ:
         yield
         return

@@ -1,11 +1,11 @@
 """Keep freed host memory in the process, so a step's tensors do not fault their pages in anew.
 
 glibc serves an allocation above its mmap threshold (128 KiB, raised as such blocks are freed, up
-to 32 MiB) with a fresh ``mmap`` and returns freed heap above 128 KiB to the system. A step's
-activations and attention grids are megabytes each, allocated and freed in every layer, so each
-one's pages were faulted in and zeroed again every time: on this project's 2-core CPU machine a
-decode step of 8 layers x 32 sequences (hidden 512, float32) took 70 ms instead of 48 ms on one
-thread. Raising both thresholds once, at a worker's start, keeps those pages in the process.
+to 32 MiB) with a fresh ``mmap`` and returns freed heap above its trim threshold to the system. A
+step's activations and attention grids are megabytes each, allocated and freed in every layer, so
+their pages were faulted in and zeroed again and again: about a third of a CPU decode step's time
+(docs/serving.md). Raising both thresholds once, at a worker's start, keeps those pages in the
+process.
 """
 
 from __future__ import annotations

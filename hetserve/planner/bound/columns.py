@@ -150,7 +150,7 @@ class ColumnBounds:
         key = (ki, t)
         if key in self._stage_cache:
             return self._stage_cache[key]
-        k, m, b = self.kinds[ki], self.ctx.model, self.b
+        k, b = self.kinds[ki], self.b
         I, Ir, O = self.I, self.Ir, self.O
         cbar = Ir + O / 2
         out = {"room": t * (k.usable - self.act)}  # bytes for weights + KV over the stage

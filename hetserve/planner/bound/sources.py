@@ -182,7 +182,7 @@ class SourceRows:
         (out of q: q prefills; into q: q decodes) is at least Φ over M, the levels' KV with q
         over M, and for an untied spread class whose other machines lie in M, (1 − the share
         q can hold) × its flow with q."""
-        tie, machines = self.tie, self.tie.machines
+        machines = self.tie.machines
         nm = len(machines)
         for q in range(nm):
             others = [m for m in range(nm) if m != q]

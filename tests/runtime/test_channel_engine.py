@@ -123,6 +123,16 @@ def _sent(eng, worker: str) -> int:
     return eng.channel_stats().get(worker, {}).get("channel_transfers", 0)
 
 
+def _pd_over_channel(model_dirs, cluster_file, plans, channel_timeout_s: float, heartbeat_timeout_s: float):
+    """The P/D plan on the Llama checkpoint with device channels on."""
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
+
+    config = EngineConfig(kv_capacity_tokens=4096, device_channel="on", channel_timeout_s=channel_timeout_s,
+                          heartbeat_timeout_s=heartbeat_timeout_s)
+    return Engine.from_plan(plans.disaggregated(), cluster_file, model_dirs["llama"], config)
+
+
 def _wait(what: str, ok, timeout_s: float = 60.0) -> None:
     end = time.monotonic() + timeout_s
     while not ok():
@@ -141,15 +151,10 @@ def test_a_worker_killed_mid_handoff_loses_no_request_and_repeats_no_token(
     """Hand-offs by channel, then the receiver frozen while more are sent to it (so they are sent and
     never acknowledged) and ``worker`` killed: every stream ends with transformers' greedy tokens,
     each once, re-run on the surviving replica, which then serves new requests."""
-    from hetserve.runtime.engine import Engine
-    from hetserve.runtime.engine_config import EngineConfig
-
     want = _reference(hf_reference, model_dirs["llama"], MAX_NEW)
-    # the freeze lasts a heartbeat or two: well within the heartbeat timeout, so only the kill is a death
-    config = EngineConfig(kv_capacity_tokens=4096, device_channel="on", channel_timeout_s=5.0,
-                          heartbeat_timeout_s=15.0)
     half = len(PROMPTS) // 2
-    with Engine.from_plan(plans.disaggregated(), cluster_file, model_dirs["llama"], config) as eng:
+    # the freeze lasts a heartbeat or two: well within the heartbeat timeout, so only the kill is a death
+    with _pd_over_channel(model_dirs, cluster_file, plans, channel_timeout_s=5.0, heartbeat_timeout_s=15.0) as eng:
         params = SamplingParams(max_tokens=MAX_NEW)
         assert eng.generate(PROMPTS[:half], params, timeout=60) == want[:half]
         # each prefill rank sends a piece to each of the two decode stages per request
@@ -211,15 +216,10 @@ def test_a_receiver_frozen_past_the_channel_timeout_gets_each_transfer_once(mode
     thawed, it takes each transfer once, by the channel (whose sends were kept alive) or by the
     resend: the tokens of transformers, no death. Frozen ``late``, past the time the senders keep
     their channel sends: the first header's bytes never come, and every transfer by its resend."""
-    from hetserve.runtime.engine import Engine
-    from hetserve.runtime.engine_config import EngineConfig
-
     frozen, new = "m0:3", 48
     want = _reference(hf_reference, model_dirs["llama"], new)
-    config = EngineConfig(kv_capacity_tokens=4096, device_channel="on", channel_timeout_s=2.0,
-                          heartbeat_timeout_s=20.0)
     half = len(PROMPTS) // 2
-    with Engine.from_plan(plans.disaggregated(), cluster_file, model_dirs["llama"], config) as eng:
+    with _pd_over_channel(model_dirs, cluster_file, plans, channel_timeout_s=2.0, heartbeat_timeout_s=20.0) as eng:
         params = SamplingParams(max_tokens=new)
         handles = [eng.submit(p, params) for p in PROMPTS[:half]]
         if moment != "decoding":
@@ -234,7 +234,7 @@ def test_a_receiver_frozen_past_the_channel_timeout_gets_each_transfer_once(mode
             _wait("the senders' resends", lambda: all(eng.channel_stats().get(s, {}).get("resent", 0)
                                                        for s in SENDERS))
             if moment == "late":
-                time.sleep(2 * config.channel_timeout_s + 1.0)
+                time.sleep(2 * eng.config.channel_timeout_s + 1.0)
         finally:
             os.kill(pid, signal.SIGCONT)
         assert [h.result(timeout=120) for h in handles] == want

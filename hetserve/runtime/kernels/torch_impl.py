@@ -40,9 +40,8 @@ class Layout:
     """
 
     slots: torch.Tensor  # (B * K,) int64 slot of each grid position
-    mask: torch.Tensor  # (B, 1, Q, K) bool: what each query row attends to
-    empty: torch.Tensor  # (B, 1, 1) bool: rows of context 0
-    width: int  # K = max(max context, 1)
+    mask: torch.Tensor  # (B, 1, Q, K) bool: what each query row attends to; K = max(max context, 1)
+    empty: torch.Tensor | None = None  # decode: (B, 1, 1) bool, rows of context 0
     token: torch.Tensor | None = None  # prefill: (T,) q's row of each valid grid query
     q_valid: torch.Tensor | None = None  # prefill: (B, Q) bool
 
@@ -63,7 +62,7 @@ def decode_layout(block_tables: torch.Tensor, context_lens: torch.Tensor, block_
     ctx = context_lens.long()
     slots, pos, keep = _grid(block_tables, ctx, block_size, num_slots)
     mask = keep | ((ctx[:, None] == 0) & (pos[None, :] == 0))  # (B, K)
-    return Layout(slots, mask[:, None, None, :], (ctx == 0)[:, None, None], pos.shape[0])
+    return Layout(slots, mask[:, None, None, :], empty=(ctx == 0)[:, None, None])
 
 
 def prefill_layout(block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
@@ -80,14 +79,15 @@ def prefill_layout(block_tables: torch.Tensor, query_start_loc: torch.Tensor, co
     q_pos = (ctx - q_len)[:, None] + q_idx[None, :]  # (B, Q) absolute position of each query
     mask = (pos[None, None, :] <= q_pos[:, :, None]) & keep[:, None, :]  # (B, Q, K)
     mask |= (~q_valid)[:, :, None] & (pos == 0)[None, None, :]
-    return Layout(slots, mask[:, None], (ctx == 0)[:, None, None], pos.shape[0], token, q_valid)
+    return Layout(slots, mask[:, None], token=token, q_valid=q_valid)
 
 
 def gather_context(cache: torch.Tensor, layout: Layout) -> torch.Tensor:
     """``cache``'s rows at the layout's slots: (B, K, Hkv, D). One ``index_select`` over a 2-D view
     (each slot one contiguous row: about 1.6x faster than over the 3-D pool on this CPU)."""
     rows = cache.view(-1, cache.shape[2] * cache.shape[3])  # (slots, Hkv * D)
-    return rows.index_select(0, layout.slots).view(layout.mask.shape[0], layout.width, *cache.shape[2:])
+    B, K = layout.mask.shape[0], layout.mask.shape[-1]
+    return rows.index_select(0, layout.slots).view(B, K, *cache.shape[2:])
 
 
 def _num_slots(cache: torch.Tensor) -> int:

@@ -19,6 +19,7 @@ Units: bytes, bytes/s, seconds.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Hashable, Sequence
 
 from hetserve.specs.network import Path, Resource
@@ -27,31 +28,59 @@ _EPS = 1e-12
 
 
 def max_min_rates(paths: Sequence[Sequence[Resource]], competing_penalty: float = 0.0,
-                  keys: Sequence[Sequence[Hashable]] | None = None) -> list[float]:
+                  keys: Sequence[Sequence[Hashable]] | None = None,
+                  weights: Sequence[int] | None = None) -> list[float]:
     """Max-min fair rate (bytes/s) of each flow crossing ``paths[i]``'s resources.
 
-    ``keys[i]`` (optional) names the resources of flow i (default: the resources themselves).
+    ``keys[i]`` (optional) names the resources of flow i (default: the resources themselves);
+    ``weights[i]`` (optional, default 1): how many identical flows entry i stands for.
     A flow that crosses only unlimited resources gets ``inf``. Flows with the same resources get
     the same rate, so they are filled as one class with a count: running time
     O(rounds × distinct paths × path length), rounds ≤ number of distinct resources.
     """
-    keys = keys if keys is not None else paths
-    cls_of: dict[tuple, int] = {}
-    members: list[tuple] = []  # resource keys of each class
-    count: list[int] = []
-    cap: dict[Hashable, float] = {}
-    flow_cls = []
-    for path, ks in zip(paths, keys):
-        key = tuple(ks)
-        c = cls_of.get(key)
-        if c is None:
-            c = cls_of[key] = len(members)
-            members.append(key)
-            count.append(0)
-            for r, k in zip(path, ks):
-                cap.setdefault(k, r.bandwidth)
-        count[c] += 1
-        flow_cls.append(c)
+    classes = FlowClasses(paths, keys, weights)
+    rate = class_rates(classes.members, classes.count, classes.capacity, competing_penalty)
+    return [rate[c] for c in classes.of_flow]
+
+
+class FlowClasses:
+    """Flows grouped by the resources they cross, in order of first appearance (``weights[i]``:
+    how many flows entry i stands for, default 1).
+
+    ``members[c]``: the resource keys of class c; ``count[c]``: its flows; ``of_flow[i]``: flow i's
+    class; ``capacity``: bytes/s by resource key. ``signature`` is all ``class_rates`` depends on
+    besides the capacities, so a caller with fixed capacities may key a cache on it."""
+
+    __slots__ = ("members", "count", "of_flow", "capacity")
+
+    def __init__(self, paths: Sequence[Sequence[Resource]], keys: Sequence[Sequence[Hashable]] | None = None,
+                 weights: Sequence[int] | None = None):
+        keys = [tuple(k) for k in (keys if keys is not None else paths)]
+        if weights is None:
+            counts = Counter(keys)  # insertion order: first appearance
+        else:
+            counts = {}
+            for key, w in zip(keys, weights):
+                counts[key] = counts.get(key, 0) + w
+        self.members: list[tuple] = list(counts)
+        self.count: list[int] = list(counts.values())
+        index = {key: c for c, key in enumerate(self.members)}
+        self.of_flow: list[int] = [index[key] for key in keys]
+        path_of = dict(zip(keys, paths))
+        self.capacity: dict[Hashable, float] = {}
+        for key in self.members:
+            for r, k in zip(path_of[key], key):
+                self.capacity.setdefault(k, r.bandwidth)
+
+    @property
+    def signature(self) -> tuple:
+        return tuple(self.members), tuple(self.count)
+
+
+def class_rates(members: Sequence[tuple], count: Sequence[int], capacity: dict[Hashable, float],
+                competing_penalty: float = 0.0) -> list[float]:
+    """Progressive filling over flow classes (``FlowClasses``): the max-min rate of each class."""
+    cap = dict(capacity)
     users: dict[Hashable, list[int]] = {k: [] for k in cap}
     flows_on: dict[Hashable, int] = {k: 0 for k in cap}
     for c, key in enumerate(members):
@@ -63,8 +92,8 @@ def max_min_rates(paths: Sequence[Sequence[Resource]], competing_penalty: float 
             cap[k] = cap[k] / (1.0 + competing_penalty * (n - 1))
     rate = [math.inf] * len(members)
     frozen = [False] * len(members)
-    left = dict(cap)
-    active = dict(flows_on)
+    left = cap
+    active = flows_on
     while True:
         # the resource whose equal share for its unfrozen flows is the smallest sets their rate
         best_k, best_share = None, math.inf
@@ -74,7 +103,7 @@ def max_min_rates(paths: Sequence[Sequence[Resource]], competing_penalty: float 
                 if share < best_share:
                     best_k, best_share = k, share
         if best_k is None or math.isinf(best_share):
-            return [rate[c] for c in flow_cls]
+            return rate
         best_share = max(best_share, 0.0)
         for c in users[best_k]:
             if frozen[c]:

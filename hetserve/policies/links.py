@@ -46,13 +46,19 @@ KINDS: tuple[TrafficKind, ...] = ("decode", "prefill", "kv")
 
 
 class Message:
-    __slots__ = ("id", "kind", "path", "total", "remaining", "enqueued", "first_byte")
+    """``copies`` identical messages (one path, one size, one start) kept as one record: each copy
+    is a flow of its own in the sharing and in every counter, but they move, finish and are
+    delivered together. Only a queue whose policy sends all it holds at once (``sends_all_pending``)
+    takes copies: any other policy would order them one by one."""
 
-    def __init__(self, mid: Any, kind: TrafficKind, path: Path, nbytes: float, now: float):
+    __slots__ = ("id", "kind", "path", "total", "remaining", "enqueued", "first_byte", "copies")
+
+    def __init__(self, mid: Any, kind: TrafficKind, path: Path, nbytes: float, now: float, copies: int = 1):
         self.id, self.kind, self.path = mid, kind, path
         self.total = self.remaining = float(nbytes)
         self.enqueued = now
         self.first_byte: float | None = None
+        self.copies = copies
 
 
 class SenderQueue:
@@ -80,7 +86,7 @@ class SenderQueue:
 
     @property
     def pending_bytes(self) -> float:
-        return sum(m.remaining for m in self.pending.values())
+        return sum(m.remaining * m.copies for m in self.pending.values())
 
     def info(self, now: float) -> LinkInfo:
         """What the policy sees: the narrowest path and the lowest latency among the pending
@@ -95,6 +101,9 @@ class SenderQueue:
         self.sends = []
         if not self.pending:
             return
+        if getattr(self.policy, "sends_all_pending", False):
+            self._send_all(now)
+            return
         views = [TransferView(m.id, m.kind, m.total, max(m.remaining, 0.0), m.enqueued)
                  for m in self.pending.values()]
         hint = self.decode_hint(now) if self.decode_hint is not None else None
@@ -103,7 +112,27 @@ class SenderQueue:
         for m, _ in self.sends:
             if m.first_byte is None:
                 m.first_byte = now
-                self.queueing_s[m.kind] += now - m.enqueued
+                self.queueing_s[m.kind] += (now - m.enqueued) * m.copies
+
+
+    def _send_all(self, now: float) -> None:
+        """The allocation of a policy that sends every pending message whole, oldest first, at
+        once (``sends_all_pending``), without building the views it would ignore."""
+        order = sorted(self.pending.values(), key=_fifo_key)
+        for m in order:
+            if m.remaining <= 0:
+                raise ValueError(f"transmission policy {self.policy.name!r} sent message {m.id}, "
+                                 "which has nothing left to send")
+        self.sends = [[m, m.remaining] for m in order]
+        self.concurrent = True
+        for m in order:
+            if m.first_byte is None:
+                m.first_byte = now
+                self.queueing_s[m.kind] += (now - m.enqueued) * m.copies
+
+
+def _fifo_key(m: Message) -> tuple:
+    return m.enqueued, m.id
 
 
 class LinkModel:
@@ -147,56 +176,63 @@ class LinkModel:
         return self._since + max(dt, 0.0) if math.isfinite(dt) else None
 
     # ------------------------------------------------------------------ actions
-    def put(self, mid: Any, kind: TrafficKind, path: Path, nbytes: float, now: float) -> list[tuple[Any, float]]:
-        """Enqueue a message; returns ``(id, deliver_at)`` of every message finished by ``now``
-        (this one too, when it has no bytes: it only pays the latency)."""
-        q = self._queue_for(mid, kind, path)
+    def put(self, mid: Any, kind: TrafficKind, path: Path, nbytes: float, now: float,
+            copies: int = 1) -> list[tuple[Any, float]]:
+        """Enqueue a message (``copies`` of it: see ``Message``); returns ``(id, deliver_at)`` of
+        every message finished by ``now`` (this one too, when it has no bytes: it only pays the
+        latency)."""
+        q = self._queue_for(mid, kind, path, copies)
         done = self.advance(now)
-        q.messages[kind] += 1
+        q.messages[kind] += copies
         if nbytes <= 0:
             done.append((mid, now + path.latency_s + self.overhead_s))
             return done
         self._settle(now)
-        self._enqueue(q, Message(mid, kind, path, nbytes, now), now)
+        self._enqueue(q, Message(mid, kind, path, nbytes, now, copies), now)
         if not math.isfinite(path.bandwidth):
             self._fresh()  # an unlimited path finishes at once: let the next advance see it
         return done
 
-    def _queue_for(self, mid: Any, kind: TrafficKind, path: Path) -> SenderQueue:
-        """The queue a new message ``mid`` of ``kind`` joins on ``path``; refuses a kind off the list
-        or an id already pending there."""
+    def _queue_for(self, mid: Any, kind: TrafficKind, path: Path, copies: int = 1) -> SenderQueue:
+        """The queue a new message ``mid`` of ``kind`` joins on ``path``; refuses a kind off the list,
+        an id already pending there, or copies its policy would not send together."""
         if kind not in KINDS:
             raise ValueError(f"traffic kind must be one of {KINDS}, got {kind!r}")
         q = self.queue(path)
         if mid in q.pending:
             raise ValueError(f"message {mid} is already pending")
+        if copies != 1 and (copies < 1 or not getattr(q.policy, "sends_all_pending", False)):
+            raise ValueError(f"message {mid}: {copies} copies on a {q.policy.name!r} link (only a link whose "
+                             "policy sends every pending message at once takes copies, at least 1)")
         return q
 
-    def put_many(self, items: Sequence[tuple[Any, TrafficKind, Path, float]], now: float) -> list[tuple[Any, float]]:
-        """``put`` of several ``(id, kind, path, bytes)`` messages at one instant (a KV hand-off's
-        parts), with the same state and returns as putting them one by one in order.
+    def put_many(self, items: Sequence[tuple], now: float) -> list[tuple[Any, float]]:
+        """``put`` of several ``(id, kind, path, bytes)`` or ``(id, kind, path, bytes, copies)``
+        messages at one instant (a KV hand-off's parts), with the same state and returns as
+        putting them one by one in order.
 
         A queue whose policy allocates from its pending messages alone (``replan_once``) and that
         would re-decide on each of them (idle, or sharing) re-decides once, after the last: the
         allocation it ends with is the one it would have ended with. Messages done at once (no
         bytes, unlimited path) go through ``put`` one by one."""
-        if any(nbytes <= 0 or not math.isfinite(path.bandwidth) for _, _, path, nbytes in items):
-            return [d for mid, kind, path, nbytes in items for d in self.put(mid, kind, path, nbytes, now)]
+        if any(it[3] <= 0 or not math.isfinite(it[2].bandwidth) for it in items):
+            return [d for it in items for d in self.put(*it[:4], now, *it[4:])]
         groups: dict[str, list[Message]] = {}
         seen = set()
-        for mid, kind, path, nbytes in items:
-            q = self._queue_for(mid, kind, path)
+        for mid, kind, path, nbytes, *copies in items:
+            n = copies[0] if copies else 1
+            q = self._queue_for(mid, kind, path, n)
             if (q.name, mid) in seen:
                 raise ValueError(f"message {mid} is already pending")
             seen.add((q.name, mid))
-            groups.setdefault(q.name, []).append(Message(mid, kind, path, nbytes, now))
+            groups.setdefault(q.name, []).append(Message(mid, kind, path, nbytes, now, n))
         # the first put handles what finished by ``now``; after it nothing more does in zero time
         done = self.advance(now)
         self._settle(now)
         for name, msgs in groups.items():
             q = self.queues[name]
             for m in msgs:
-                q.messages[m.kind] += 1
+                q.messages[m.kind] += m.copies
             if getattr(q.policy, "replan_once", False) and (not q.sends or q.concurrent):
                 self._enqueue_all(q, msgs, now)
             else:
@@ -245,7 +281,7 @@ class LinkModel:
                 s[1] -= moved
                 m = s[0]
                 m.remaining -= moved
-                q.bytes_sent[m.kind] += moved
+                q.bytes_sent[m.kind] += moved * m.copies
                 busy.add(q.name)
             for name in busy:
                 self.queues[name].busy_s += dt
@@ -265,7 +301,8 @@ class LinkModel:
                 owner.append(q)
         self._wire, self._queue_of = wire, owner
         self._rates = (max_min_rates([s[0].path.resources for s in wire], self.competing_penalty,
-                                     keys=[s[0].path.names for s in wire]) if wire else [])
+                                     keys=[s[0].path.names for s in wire],
+                                     weights=[s[0].copies for s in wire]) if wire else [])
 
     def _on_event(self, t: float) -> list[tuple[Any, float]]:
         # the sends finishing now end exactly (no float residue from rate × dt)
@@ -275,7 +312,7 @@ class LinkModel:
         for s, q in zip(self._wire, self._queue_of):
             if id(s) in ending and s[1] > 0:
                 s[0].remaining -= s[1]
-                q.bytes_sent[s[0].kind] += s[1]
+                q.bytes_sent[s[0].kind] += s[1] * s[0].copies
                 s[1] = 0.0
         done = []
         for q in self.queues.values():

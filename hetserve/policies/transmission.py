@@ -50,6 +50,9 @@ class FairTransmission:
 
     name = "fair"
     replan_once = True  # the allocation depends on the pending messages alone (``LinkModel.put_many``)
+    # the allocation is every pending message whole, oldest first, concurrent: a link model may
+    # build it without asking (``SenderQueue.replan``); ``schedule`` says the same for other callers
+    sends_all_pending = True
 
     def schedule(self, pending: Sequence[TransferView], link: LinkInfo, now: float,
                  next_decode_in_s: float | None = None) -> Allocation:

@@ -17,7 +17,7 @@ import heapq
 import math
 from typing import Any, Callable
 
-from hetserve.cost.network import max_min_rates
+from hetserve.cost.network import FlowClasses, class_rates
 from hetserve.policies.base import TrafficKind, TransmissionPolicy
 from hetserve.policies.links import EPS_BYTES, LinkModel, Message, SenderQueue
 from hetserve.sim.events import EventLoop, Priority
@@ -27,11 +27,12 @@ from hetserve.specs.network import Path, pair_path
 class Transfer:
     """A logical message over one or more paths; ``on_done(start_s)`` once every part is delivered."""
 
-    __slots__ = ("kind", "parts_left", "on_done", "start_s")
+    __slots__ = ("kind", "parts_left", "on_done", "start_s", "deliver_s")
 
     def __init__(self, kind: TrafficKind, on_done: Callable[[float], None], start_s: float):
         self.kind, self.on_done, self.start_s = kind, on_done, start_s
         self.parts_left = 0
+        self.deliver_s = start_s  # the latest delivery among the parts whose bytes have left
 
 
 class Network:
@@ -47,6 +48,7 @@ class Network:
         self._lat, self._bw, self.loop = latency, bandwidth, loop
         self._paths = paths
         self._path_cache: dict[tuple[int, int], Path] = {}
+        self._routes: dict[tuple[int, int], tuple[Path, bool]] = {}
         # ``SharedLinks`` by default (the same rule, re-shared per component); ``LinkModel`` re-shares all
         self.model = (model or SharedLinks)(make_policy, overhead_s, competing_penalty)
         self.policy_name = getattr(make_policy(), "name", "?")
@@ -68,6 +70,15 @@ class Network:
             self._path_cache[key] = p
         return p
 
+    def _route(self, src: int, dst: int) -> tuple[Path, bool]:
+        """The pair's path and whether its queue takes copies (its policy sends all at once)."""
+        key = (src, dst)
+        r = self._routes.get(key)
+        if r is None:
+            p = self.path(src, dst)
+            r = self._routes[key] = (p, getattr(self.model.queue(p).policy, "sends_all_pending", False))
+        return r
+
     def link(self, src: int, dst: int) -> SenderQueue:
         """The queue messages from ``src`` to ``dst`` wait in (a pipeline sets its decode timing)."""
         return self.model.queue(self.path(src, dst))
@@ -86,19 +97,36 @@ class Network:
         if not merged:
             self.loop.schedule(now, Priority.LINK, lambda _: on_done(now))
             return t
-        t.parts_left = len(merged)
-        items = []
+        # equal parts on one path of a link that sends everything at once travel as one message
+        # with copies: the same flows in the sharing, one record to move, finish and deliver
+        parts_of: dict[tuple, list] = {}  # (path, bytes) or (src, dst) -> [path, bytes, copies]
         for (d, e), nbytes in merged.items():
+            p, together = self._route(d, e)
+            key = (p.names, nbytes) if together else (d, e)
+            part = parts_of.get(key)
+            if part is None:
+                parts_of[key] = [p, nbytes, 1]
+            else:
+                part[2] += 1
+        t.parts_left = len(parts_of)
+        items = []
+        for p, nbytes, n in parts_of.values():
             self._next_id += 1
             self._transfers[self._next_id] = t
-            items.append((self._next_id, kind, self.path(d, e), nbytes))
+            items.append((self._next_id, kind, p, nbytes, n))
         self._deliver_at(self.model.put_many(items, now))
         self._arm()
         return t
 
     def _deliver_at(self, done: list[tuple[int, float]]) -> None:
         for mid, at in done:
-            self.loop.schedule(at, Priority.LINK, _deliver, self._transfers.pop(mid))
+            # a part is delivered a fixed latency after its last byte leaves: the transfer is done
+            # at the latest of those, known once its last part has left (one event, not one a part)
+            t = self._transfers.pop(mid)
+            t.parts_left -= 1
+            t.deliver_s = max(t.deliver_s, at)
+            if t.parts_left == 0:
+                self.loop.schedule(t.deliver_s, Priority.LINK, _deliver, t)
 
     def _arm(self) -> None:
         self._version += 1
@@ -114,9 +142,10 @@ class Network:
 
 
 def _deliver(transfer: Transfer) -> None:
-    transfer.parts_left -= 1
-    if transfer.parts_left == 0:
-        transfer.on_done(transfer.start_s)
+    transfer.on_done(transfer.start_s)
+
+
+_FILLED_MAX = 1 << 16  # cached water fillings kept per network (a component's few shapes recur)
 
 
 class _QueueState:
@@ -154,6 +183,7 @@ class SharedLinks(LinkModel):
         self._heap: list = []  # (first finish s of the queue, seq, queue name, epoch)
         self._seq = 0
         self._busy: set[str] = set()  # queues with sends on the wire
+        self._filled: dict[tuple, list[float]] = {}  # class signature -> max-min rate per class
 
     def queue(self, path: Path) -> SenderQueue:
         q = super().queue(path)
@@ -193,7 +223,7 @@ class SharedLinks(LinkModel):
                 moved = min(s[1], r * dt) if math.isfinite(r) else s[1]
                 s[1] -= moved
                 s[0].remaining -= moved
-                q.bytes_sent[s[0].kind] += moved
+                q.bytes_sent[s[0].kind] += moved * s[0].copies
             q.busy_s += dt
         st.since = max(st.since, now)
 
@@ -245,9 +275,8 @@ class SharedLinks(LinkModel):
         # flows in the order ``LinkModel`` flattens them (queue creation order), so the water
         # filling visits resources and subtracts shares in the same order
         qs = sorted((self.queues[n] for n in seen_q), key=lambda q: self._state[q.name].order)
-        wire = [s for q in qs for s in q.sends]
-        rates = (max_min_rates([s[0].path.resources for s in wire], self.competing_penalty,
-                               keys=[s[0].path.names for s in wire]) if wire else [])
+        wire = [s[0] for q in qs for s in q.sends]
+        rates = self._rates_of(wire) if wire else []
         i, now = 0, self._since
         for q in qs:
             self._settle_queue(q, now)
@@ -256,6 +285,20 @@ class SharedLinks(LinkModel):
             i += len(q.sends)
             st.epoch += 1
             self._push(q, st)
+
+    def _rates_of(self, msgs: list[Message]) -> list[float]:
+        """``max_min_rates`` of the messages' flows (each copy one); the water filling is cached by
+        the classes' signature (resources and counts, in order), all it depends on in one network."""
+        classes = FlowClasses([m.path.resources for m in msgs], [m.path.names for m in msgs],
+                              [m.copies for m in msgs])
+        sig = classes.signature
+        rate = self._filled.get(sig)
+        if rate is None:
+            if len(self._filled) >= _FILLED_MAX:
+                self._filled.clear()
+            rate = self._filled[sig] = class_rates(classes.members, classes.count, classes.capacity,
+                                                   self.competing_penalty)
+        return [rate[c] for c in classes.of_flow]
 
     def _finish_times(self, q: SenderQueue, st: _QueueState) -> list[float]:
         return [st.since + (s[1] / r if r > 0 else math.inf) if math.isfinite(r) else st.since
@@ -284,7 +327,7 @@ class SharedLinks(LinkModel):
             for s in ending:
                 if s[1] > 0:  # the sends finishing now end exactly (no float residue from rate × dt)
                     s[0].remaining -= s[1]
-                    q.bytes_sent[s[0].kind] += s[1]
+                    q.bytes_sent[s[0].kind] += s[1] * s[0].copies
                     s[1] = 0.0
             finished = [s for s in q.sends if s[1] <= EPS_BYTES + 1e-12 * s[0].total]
             for m, _ in finished:

@@ -269,18 +269,30 @@ def _resolve(spec: _ClusterFile, source: str) -> Cluster:
         bandwidth, latency = bw * GBPS, lat * MS
     else:
         topology = _topology(spec, source, machine_gpu)
-        bandwidth, latency = np.zeros((n, n)), np.zeros((n, n))
-        for a in devices:
-            for b in devices:
-                if a.index != b.index:
-                    path = topology.path(a.name, a.machine, b.name, b.machine)
-                    bandwidth[a.index, b.index] = path.bandwidth
-                    latency[a.index, b.index] = path.latency_s
+        bandwidth, latency = _pair_matrices(topology, [d.machine for d in devices])
     np.fill_diagonal(bandwidth, np.inf)
     np.fill_diagonal(latency, 0.0)
     addresses = {m.name: m.address for m in spec.machines if m.address}
     return Cluster(spec.name, tuple(devices), latency, bandwidth, spec.source, spec.description,
                    spec.assumptions, addresses, topology)
+
+
+def _pair_matrices(topology: Topology, machine_of: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(bandwidth, latency) between every two devices (device i on machine ``machine_of[i]``): a
+    device pair's path depends only on its two machines, so each machine pair is resolved once
+    and spread over its devices (the diagonal is left to the caller)."""
+    names = list(dict.fromkeys(machine_of))
+    mbw, mlat = np.empty((len(names), len(names))), np.empty((len(names), len(names)))
+    for i, a in enumerate(names):
+        for j, b in enumerate(names):
+            if i == j:  # two GPUs of one box: its in-box link (unused on a one-GPU machine)
+                mbw[i, j], mlat[i, j] = topology.intra.get(a, (np.inf, 0.0))
+            else:
+                path = topology.machine_path(a, b)
+                mbw[i, j], mlat[i, j] = path.bandwidth, path.latency_s
+    pos = {x: k for k, x in enumerate(names)}
+    at = np.array([pos[x] for x in machine_of], dtype=np.intp)
+    return mbw[np.ix_(at, at)], mlat[np.ix_(at, at)]
 
 
 def _topology(spec: _ClusterFile, source: str, machine_gpu: dict[str, GpuType]) -> Topology:

@@ -104,6 +104,11 @@ class Topology:
                 bw, lat = self.intra[a_machine]
                 r = self._intra_cache[key] = Resource(f"intra:{a_name}>{b_name}", "intra", bw, lat)
             return Path((r,), r.latency_s)
+        return self.machine_path(a_machine, b_machine)
+
+    def machine_path(self, a_machine: str, b_machine: str) -> Path:
+        """The path between two different machines (any of their GPUs): NIC out, the dedicated
+        link or site pipe if any, NIC in."""
         out, inn = self.nic_out[a_machine], self.nic_in[b_machine]
         sa, sb = self.machine_site[a_machine], self.machine_site[b_machine]
         middle = self.links.get((a_machine, b_machine)) or (self.pipes.get((sa, sb)) if sa != sb else None)

@@ -375,3 +375,20 @@ def test_a_misspelt_key_is_named_before_the_field_it_left_missing(tmp_path):
 def test_an_unclosed_bracket_names_the_line_it_opened_on(tmp_path):
     err = spec_error(tmp_path, "name: t\nmachines:\n  - {name: a, gpu: L4, count: 2\n  - {name: b}\n")
     assert err.field == "(file)" and "(line 3, noticed at line 4)" in str(err), str(err)
+
+
+@pytest.mark.parametrize("name", ["hexgen2-het3", "hexgen-half-price", "aladdin-a100"])
+def test_matrices_are_every_device_pairs_path(name, tmp_path):
+    """The bandwidth / latency matrices (resolved once per machine pair) hold each device pair's
+    own path figures, across boxes, across sites, over dedicated links and inside a box."""
+    box_link = SITES + "    - {between: [a1, b0], bandwidth_gbps: 7, latency_ms: 3}\n"
+    clusters = [load_cluster(name), load_cluster(write(tmp_path, box_link))]
+    for c in clusters:
+        n = len(c.devices)
+        for a in range(n):
+            for b in range(n):
+                if a == b:
+                    assert c.bandwidth[a, b] == np.inf and c.latency[a, b] == 0.0
+                else:
+                    p = c.path(a, b)
+                    assert (c.bandwidth[a, b], c.latency[a, b]) == (p.bandwidth, p.latency_s), (c.name, a, b)

@@ -76,7 +76,13 @@ class ReplicaState:
 
 
 class PlacementPolicy(Protocol):
-    """Choose the replica for a new request among ``candidates`` (never empty)."""
+    """Choose the replica for a new request among ``candidates`` (never empty).
+
+    Optional class attributes tell a caller what it may leave out of the snapshots:
+    ``needs_requests`` (default False): ``ReplicaState.requests`` is read; ``reads_waits``
+    (default True): ``prefill_wait_s`` / ``queued_age_s`` are read — they move with the clock even
+    while nothing else about a replica changes, so a caller keeping snapshots between decisions
+    brings them up to date only for a policy that reads them."""
 
     name: str
 

@@ -148,6 +148,7 @@ class ExpectedFinishTime:
 
     name = "eft"
     needs_requests = False
+    reads_waits = False  # backlog tokens and the plan's prices only
 
     def __init__(self, ctx: PolicyContext | None = None):
         ctx = ctx or PolicyContext()

@@ -94,6 +94,7 @@ class _Base:
 
 class RoundRobin(_Base):
     name = "rr"
+    reads_waits = False  # the candidates' order alone
 
     def __init__(self, ctx: PolicyContext | None = None):
         self._next = 0
@@ -106,6 +107,7 @@ class RoundRobin(_Base):
 
 class JoinShortestQueue(_Base):
     name = "jsq"
+    reads_waits = False  # loads and outstanding tokens only
 
     def __init__(self, ctx: PolicyContext | None = None):
         self._next = 0
@@ -119,6 +121,7 @@ class JoinShortestQueue(_Base):
 
 class LeastOutstandingTokens(_Base):
     name = "lot"
+    reads_waits = False  # outstanding tokens and capacity only
 
     def __init__(self, ctx: PolicyContext | None = None):
         self._next = 0
@@ -135,6 +138,7 @@ class LeastOutstandingTokens(_Base):
 
 class PowerOfTwo(_Base):
     name = "po2"
+    reads_waits = False  # loads and outstanding tokens only
 
     def __init__(self, ctx: PolicyContext | None = None):
         self._rng = random.Random(ctx.seed if ctx else 0)

@@ -25,7 +25,7 @@ from typing import Callable
 
 class DecodeBatch:
     __slots__ = ("size", "context", "iteration", "_finish", "members", "rows", "_step",
-                 "t0", "c0", "a", "slope", "k", "active", "join_sum")
+                 "t0", "c0", "a", "slope", "k", "active", "join_sum", "_asked")
 
     def __init__(self, step_time: Callable[[int, float], float]):
         self._step = step_time  # (batch size, total context) -> seconds per iteration
@@ -39,6 +39,9 @@ class DecodeBatch:
         self.k = 0
         self.active = False
         self.join_sum = 0  # Σ join iteration over running rows
+        # the last ``boundary_at_or_after`` answer of this segment, (now, j): a snapshot asks for the
+        # same instant several times (tokens made, context, the wait for the boundary)
+        self._asked: tuple[float, int] | None = None
 
     # ------------------------------------------------------------------ membership
     def add(self, rid: int, context: int, iterations: int, final_context: int, rows: int = 1) -> None:
@@ -88,6 +91,7 @@ class DecodeBatch:
         if limit is not None and 1 <= limit < self.k:
             self.k = limit
         self.t0, self.c0 = now, self.context
+        self._asked = None
         self.a = self._step(self.size, self.context)
         if self.k > 1:
             last = self._step(self.size, self.context + (self.k - 1) * self.size)
@@ -103,6 +107,9 @@ class DecodeBatch:
 
     def boundary_at_or_after(self, now: float) -> int:
         """Smallest j ≤ k whose iteration boundary is at or after ``now``."""
+        asked = self._asked
+        if asked is not None and asked[0] == now:
+            return asked[1]
         dt = now - self.t0
         if dt <= 0:
             return 0
@@ -112,6 +119,7 @@ class DecodeBatch:
             j -= 1
         while j < self.k and self.elapsed(j) < dt - tol:
             j += 1
+        self._asked = (now, j)
         return j
 
     def iterations_done(self, now: float) -> int:

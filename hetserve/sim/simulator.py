@@ -218,7 +218,8 @@ class Simulator:
         self._route_needs_requests = bool(getattr(self.router, "needs_requests", False))
         # placement snapshots kept between arrivals and rebuilt where a replica changed: the calls
         # into an entry replica below touch it; its own events mark it (``SnapshotCache``)
-        self._snaps = None if self._placement_needs_requests else SnapshotCache(self.entry)
+        self._snaps = (None if self._placement_needs_requests else
+                       SnapshotCache(self.entry, waits=bool(getattr(self.placement, "reads_waits", True))))
         self._repredicted: dict[int, float] = {}
         self.completed = 0
         self.rejected = 0

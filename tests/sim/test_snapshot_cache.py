@@ -1,9 +1,12 @@
 """Placement snapshots kept between decisions (``SnapshotCache``) equal fresh ones at every decision."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from hetserve.planner.plan import Plan
+from hetserve.policies.placement import JoinShortestQueue
 from hetserve.sim import SimOptions
 from hetserve.sim.simulator import Simulator
 from hetserve.specs.workload import Workload
@@ -12,17 +15,27 @@ from .conftest import two_box_cluster
 from .plans import single
 
 
+def _without_waits(s):
+    return replace(s, prefill_wait_s=0.0, queued_age_s=0.0)
+
+
 class Checking:
-    """Delegates to the simulator's placement; first compares each candidate with ``state()`` now."""
+    """Delegates to the simulator's placement; first compares each candidate with ``state()`` now
+    (the waits only where the placement reads them: otherwise the cache need not keep them)."""
 
     needs_requests = False
 
     def __init__(self, sim):
         self.sim, self.inner, self.name = sim, sim.placement, sim.placement.name
+        self.waits = getattr(sim.placement, "reads_waits", True)
         self.decisions = 0
 
     def choose(self, request, candidates, now):
-        assert list(candidates) == [e.state(False) for e in self.sim.entry]
+        fresh = [e.state(False) for e in self.sim.entry]
+        if self.waits:
+            assert list(candidates) == fresh
+        else:
+            assert [_without_waits(c) for c in candidates] == [_without_waits(c) for c in fresh]
         self.decisions += 1
         return self.inner.choose(request, candidates, now)
 
@@ -50,6 +63,12 @@ def two_stage_prefill() -> Plan:
         "kv_routes": [{"from": "p0", "to": "d0", "weight": 1}, {"from": "p1", "to": "d0", "weight": 1}]})
 
 
+class WaitReading(JoinShortestQueue):
+    """A placement that reads the waits: the kept snapshots must bring them up to now."""
+
+    reads_waits = True
+
+
 PD = {"p0": ["m0:0"], "p1": ["m0:1"], "p2": ["m0:2", "m0:3"], "d0": ["m1:0"], "d1": ["m1:1", "m1:2"]}
 PD_ROUTES = [("p0", "d0", 0.5), ("p0", "d1", 0.5), ("p1", "d0", 1), ("p2", "d1", 1)]
 
@@ -66,8 +85,11 @@ PD_ROUTES = [("p0", "d0", 0.5), ("p0", "d1", 0.5), ("p1", "d0", 1), ("p2", "d1",
     (single({"p0": ["m0:0"], "c0": ["m0:1"], "d0": ["m1:0"]}, routes=[("p0", "d0", 1)]),
      SimOptions(placement="rr")),
     (two_stage_prefill(), SimOptions(placement="jsq")),
+    (single(PD, routes=PD_ROUTES), SimOptions(placement=WaitReading())),
+    (single({"p0": ["m0:0"], "c0": ["m0:1"], "d0": ["m1:0"]}, routes=[("p0", "d0", 1)]),
+     SimOptions(placement=WaitReading())),
 ], ids=["pd-eft", "pd-jsq", "pd-paged", "colocated-eft", "chunked", "prefill-first-paged", "mixed-roles",
-        "two-stage-prefill"])
+        "two-stage-prefill", "pd-waits", "mixed-roles-waits"])
 def test_every_decision_sees_the_snapshots_of_now(model, plan, opts):
     cluster = two_box_cluster(gbps_between=10.0)  # KV hand-offs outlast the gaps between arrivals
     sim = Simulator(plan, cluster, model, waves(240), opts)

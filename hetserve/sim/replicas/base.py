@@ -124,7 +124,8 @@ class Replica:
     # touch it) lets ``SnapshotCache`` keep its snapshot between decisions, asking ``snapshot_clock``.
     snapshots_kept = False
 
-    def snapshot_clock(self):
+    def snapshot_clock(self, waits: bool = True):
         """How this replica's snapshot depends on the clock now: ``KEEP`` (not at all), a function
-        ``(snapshot) -> snapshot`` bringing a kept one up to now, or None (build it again)."""
+        ``(snapshot) -> snapshot`` bringing a kept one up to now, or None (build it again).
+        ``waits`` False: the reader ignores ``prefill_wait_s`` / ``queued_age_s``."""
         return None

@@ -268,11 +268,13 @@ class ColocatedReplica(Decoding):
 
     snapshots_kept = True
 
-    def snapshot_clock(self):
+    def snapshot_clock(self, waits: bool = True):
         # the clock enters the snapshot through the running batch (tokens made, context), a paused
-        # step (the prefill wait) and the oldest waiting prompt
+        # step (the prefill wait) and the oldest waiting prompt (its wait)
         b = self.batch
-        return KEEP if not self.waiting and not b.size and not b.active and not self._paused else None
+        if b.size or b.active:
+            return None
+        return KEEP if not waits or (not self.waiting and not self._paused) else None
 
     def state(self, with_requests: bool = False) -> ReplicaState:
         b = self.batch

@@ -154,9 +154,11 @@ class PrefillReplica(Replica):
 
     snapshots_kept = True
 
-    def snapshot_clock(self):
+    def snapshot_clock(self, waits: bool = True):
         # the clock enters the snapshot through the oldest prompt's wait (build it again) and the
-        # wait for the first stage to be free (re-set alone while nothing is queued)
+        # wait for the first stage to be free (re-set alone while nothing is queued): the waits only
+        if not waits:
+            return KEEP
         if self.queue:
             return None
         return KEEP if self._free[0] <= self.loop.now else self._retimed

@@ -63,9 +63,11 @@ class SnapshotCache:
     again only where it may differ from the one kept: the replica changed (one of its own events
     was handled, or the caller ``touch``-ed it after calling into it), or the kept one reads the
     clock (``snapshot_clock``). A kind without ``snapshots_kept`` is built at every decision, so
-    every snapshot equals what ``state()`` gives now."""
+    every snapshot equals what ``state()`` gives now — but for ``prefill_wait_s`` and
+    ``queued_age_s`` when ``waits`` is False (the placement policy does not read them)."""
 
-    def __init__(self, replicas: Sequence):  # sim.replicas.base.Replica objects
+    def __init__(self, replicas: Sequence, waits: bool = True):  # sim.replicas.base.Replica objects
+        self._waits = waits
         self._reps = list(replicas)
         self._snaps: list[ReplicaState | None] = [None] * len(self._reps)
         self._pos = {rep.index: i for i, rep in enumerate(self._reps)}
@@ -89,13 +91,13 @@ class SnapshotCache:
         for i, retime in list(timed.items()):
             if retime is not None and i not in dirty:
                 snaps[i] = retime(snaps[i])
-                self._file(i, reps[i].snapshot_clock())
+                self._file(i, reps[i].snapshot_clock(self._waits))
             else:
                 dirty.add(i)
         for i in dirty:
             rep = reps[i]
             snaps[i] = rep.state(False)
-            self._file(i, rep.snapshot_clock() if self._kept[i] else None)
+            self._file(i, rep.snapshot_clock(self._waits) if self._kept[i] else None)
         dirty.clear()
         return list(snaps)  # type: ignore[arg-type]
 

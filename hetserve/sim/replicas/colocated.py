@@ -272,9 +272,20 @@ class ColocatedReplica(Decoding):
         # the clock enters the snapshot through the running batch (tokens made, context), a paused
         # step (the prefill wait) and the oldest waiting prompt (its wait)
         b = self.batch
-        if b.size or b.active:
-            return None
-        return KEEP if not waits or (not self.waiting and not self._paused) else None
+        if waits:
+            return KEEP if not self.waiting and not b.size and not b.active and not self._paused else None
+        if not b.active:
+            return KEEP
+        # without the waits, a running batch moves the snapshot only when an iteration completes:
+        # surely not before ``until`` (the next boundary, less far more than the batch's tolerance)
+        done = b.iterations_done(self.loop.now)
+        until = b.t0 + b.elapsed(done + 1)
+        until -= 1e-9 * max(1.0, abs(until))
+
+        def retime(snap):
+            now = self.loop.now
+            return snap if now < until or b.iterations_done(now) == done else self.state(False)
+        return retime
 
     def state(self, with_requests: bool = False) -> ReplicaState:
         b = self.batch

@@ -3,7 +3,8 @@ event loop as one replica uses it (``ReplicaClock``), which tells the cache whos
 
 A replica kind opts in with ``snapshots_kept`` and says, through ``snapshot_clock()``, how its
 snapshot depends on the clock: ``KEEP`` (not at all: it holds until the replica changes), a
-function bringing a kept one up to now (only a wait moves), or None (build it again)."""
+function bringing a kept one up to now (it may hand back the very snapshot it got: then that
+function stays filed with it), or None (build it again)."""
 
 from __future__ import annotations
 
@@ -90,8 +91,10 @@ class SnapshotCache:
         reps, snaps, timed, dirty = self._reps, self._snaps, self._timed, self._dirty
         for i, retime in list(timed.items()):
             if retime is not None and i not in dirty:
-                snaps[i] = retime(snaps[i])
-                self._file(i, reps[i].snapshot_clock(self._waits))
+                new = retime(snaps[i])
+                if new is not snaps[i]:  # the same snapshot back: it and its retime stay filed
+                    snaps[i] = new
+                    self._file(i, reps[i].snapshot_clock(self._waits))
             else:
                 dirty.add(i)
         for i in dirty:

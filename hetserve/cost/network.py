@@ -48,8 +48,8 @@ class FlowClasses:
     how many flows entry i stands for, default 1).
 
     ``members[c]``: the resource keys of class c; ``count[c]``: its flows; ``of_flow[i]``: flow i's
-    class; ``capacity``: bytes/s by resource key. ``signature`` is all ``class_rates`` depends on
-    besides the capacities, so a caller with fixed capacities may key a cache on it."""
+    class; ``capacity``: bytes/s by resource key. ``class_rates`` depends on nothing else but
+    ``members`` and ``count``, so a caller with fixed capacities may key a cache on those."""
 
     __slots__ = ("members", "count", "of_flow", "capacity")
 
@@ -66,15 +66,17 @@ class FlowClasses:
         self.count: list[int] = list(counts.values())
         index = {key: c for c, key in enumerate(self.members)}
         self.of_flow: list[int] = [index[key] for key in keys]
-        path_of = dict(zip(keys, paths))
-        self.capacity: dict[Hashable, float] = {}
-        for key in self.members:
-            for r, k in zip(path_of[key], key):
-                self.capacity.setdefault(k, r.bandwidth)
+        self.capacity = capacities(self.members, dict(zip(keys, paths)))
 
-    @property
-    def signature(self) -> tuple:
-        return tuple(self.members), tuple(self.count)
+
+def capacities(members: Sequence[tuple], path_of: dict[tuple, Sequence[Resource]]) -> dict[Hashable, float]:
+    """Bytes/s by resource key over the classes ``members`` (keys in class order, as the water
+    filling visits them); ``path_of[key]``: the resources of a class's path."""
+    cap: dict[Hashable, float] = {}
+    for key in members:
+        for r, k in zip(path_of[key], key):
+            cap.setdefault(k, r.bandwidth)
+    return cap
 
 
 def class_rates(members: Sequence[tuple], count: Sequence[int], capacity: dict[Hashable, float],

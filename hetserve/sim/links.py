@@ -17,7 +17,7 @@ import heapq
 import math
 from typing import Any, Callable
 
-from hetserve.cost.network import FlowClasses, class_rates
+from hetserve.cost.network import capacities, class_rates
 from hetserve.policies.base import TrafficKind, TransmissionPolicy
 from hetserve.policies.links import EPS_BYTES, LinkModel, Message, SenderQueue
 from hetserve.sim.events import EventLoop, Priority
@@ -274,31 +274,41 @@ class SharedLinks(LinkModel):
                             todo.append(k)
         # flows in the order ``LinkModel`` flattens them (queue creation order), so the water
         # filling visits resources and subtracts shares in the same order
-        qs = sorted((self.queues[n] for n in seen_q), key=lambda q: self._state[q.name].order)
-        wire = [s[0] for q in qs for s in q.sends]
-        rates = self._rates_of(wire) if wire else []
-        i, now = 0, self._since
+        state = self._state
+        qs = [self.queues[n] for n in sorted(seen_q, key=lambda n: state[n].order)]
+        rate_of = self._rates_of(qs)
+        now = self._since
         for q in qs:
             self._settle_queue(q, now)
-            st = self._state[q.name]
-            st.rates = rates[i:i + len(q.sends)]
-            i += len(q.sends)
+            st = state[q.name]
+            st.rates = [rate_of[s[0].path.names] for s in q.sends]
             st.epoch += 1
             self._push(q, st)
 
-    def _rates_of(self, msgs: list[Message]) -> list[float]:
-        """``max_min_rates`` of the messages' flows (each copy one); the water filling is cached by
-        the classes' signature (resources and counts, in order), all it depends on in one network."""
-        classes = FlowClasses([m.path.resources for m in msgs], [m.path.names for m in msgs],
-                              [m.copies for m in msgs])
-        sig = classes.signature
-        rate = self._filled.get(sig)
+    def _rates_of(self, qs: list[SenderQueue]) -> dict[tuple, float]:
+        """Max-min rate by path (resource names) of the sends of ``qs``, each copy a flow; the
+        water filling is cached by the classes' signature (paths and counts in order of first
+        appearance, as ``max_min_rates`` orders them), all it depends on in one network."""
+        counts: dict[tuple, int] = {}
+        path_of: dict[tuple, tuple] = {}  # path -> its resources
+        for q in qs:
+            for s in q.sends:
+                m = s[0]
+                key = m.path.names
+                n = counts.get(key)
+                if n is None:
+                    counts[key] = m.copies
+                    path_of[key] = m.path.resources
+                else:
+                    counts[key] = n + m.copies
+        members, count = tuple(counts), tuple(counts.values())
+        rate = self._filled.get((members, count))
         if rate is None:
             if len(self._filled) >= _FILLED_MAX:
                 self._filled.clear()
-            rate = self._filled[sig] = class_rates(classes.members, classes.count, classes.capacity,
-                                                   self.competing_penalty)
-        return [rate[c] for c in classes.of_flow]
+            rate = self._filled[(members, count)] = class_rates(members, count, capacities(members, path_of),
+                                                                self.competing_penalty)
+        return dict(zip(members, rate))
 
     def _finish_times(self, q: SenderQueue, st: _QueueState) -> list[float]:
         return [st.since + (s[1] / r if r > 0 else math.inf) if math.isfinite(r) else st.since

@@ -109,11 +109,7 @@ class SenderQueue:
         hint = self.decode_hint(now) if self.decode_hint is not None else None
         pairs, self.concurrent = resolve_allocation(self.policy, self.pending, views, self.info(now), now, hint)
         self.sends = [[m, n] for m, n in pairs]
-        for m, _ in self.sends:
-            if m.first_byte is None:
-                m.first_byte = now
-                self.queueing_s[m.kind] += (now - m.enqueued) * m.copies
-
+        self._first_bytes(now)
 
     def _send_all(self, now: float) -> None:
         """The allocation of a policy that sends every pending message whole, oldest first, at
@@ -125,7 +121,11 @@ class SenderQueue:
                                  "which has nothing left to send")
         self.sends = [[m, m.remaining] for m in order]
         self.concurrent = True
-        for m in order:
+        self._first_bytes(now)
+
+    def _first_bytes(self, now: float) -> None:
+        """Messages on the wire for the first time start now: their queueing ends."""
+        for m, _ in self.sends:
             if m.first_byte is None:
                 m.first_byte = now
                 self.queueing_s[m.kind] += (now - m.enqueued) * m.copies

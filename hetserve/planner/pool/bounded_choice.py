@@ -2,10 +2,12 @@
 ``pool.Evaluator`` (``best_of``).
 
 Each candidate is bounded before it is solved: first by its capacity (min(Σ prefill, Σ decode)
-+ colocated), then — where a shared resource surely binds — by weak duality with the last priced
++ colocated; ``Evaluator._capacity_bound``, the candidate's network built only once it is
+popped), then — where a shared resource surely binds — by weak duality with the last priced
 pool layout's LP prices (``_neighbour_bound`` from that pool layout's terms, else ``_dual_bound`` on
 the candidate's whole network). Flows are solved best bound first until no bound left can reach
-the best value found.
+the best value found; a candidate behind the pick whose bound is within a rounding error of it
+(a tie: it cannot come first) is not solved.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from hetserve.planner.layout.trials import MAX_LAYOUT_ROUNDS_SHARED
 # ``Evaluator.best_of`` reads a bound as this much higher: a value the flow or LP computes may sit
 # a rounding error above a bound computed by another sum (and ties are decided by list order)
 BOUND_SLACK = 1 + 1e-9
+# ... but a candidate behind the pick is skipped once its bound, read only this much higher, is
+# within ``rel`` of the pick: a tie (pool layouts alike up to a swap of alike sites score the same,
+# and their capacity bounds are that score to a rounding error) can neither beat the pick nor
+# come before it in list order, so its flow is not solved
+TIE_SLACK = 1 + 1e-12
 
 
 class BoundedChoice:
@@ -45,7 +52,8 @@ class BoundedChoice:
             return v > floor * (1 + rel) + margin
 
         exact: dict[int, float] = {}
-        pending: dict[int, Pending] = {}
+        pending: dict[int, Pending] = {}  # built when first popped (most candidates never are)
+        keys: dict[int, tuple[Group, ...]] = {}
         heap: list[tuple[float, int]] = []
         for i, cand in enumerate(candidates):
             key = canonical(cand)
@@ -54,10 +62,10 @@ class BoundedChoice:
                 if beats(hit):
                     exact[i] = hit
                 continue
-            c = self._pending(key)
-            if beats(c.bound):
-                pending[i] = c
-                heap.append((-c.bound * BOUND_SLACK, i))
+            bound = self._capacity_bound(key)
+            if beats(bound):
+                keys[i] = key
+                heap.append((-bound * BOUND_SLACK, i))
         heapq.heapify(heap)
         top, first = -math.inf, None  # the best value found, the first candidate within rel of it
 
@@ -71,9 +79,11 @@ class BoundedChoice:
             settle(i, v)
         while heap and -heap[0][0] >= top * (1 - rel) and not (stop is not None and stop()):
             b, i = heapq.heappop(heap)
-            if -b <= top * (1 + rel) and i > first:  # can neither beat the pick nor tie it ahead of it
-                continue
-            c = pending[i]
+            c = pending.get(i)
+            if c is None:
+                c = pending[i] = self._pending(keys[i])
+            if first is not None and i > first and c.bound * TIE_SLACK <= top * (1 + rel):
+                continue  # can neither beat the pick nor tie it ahead of it
             if not c.tightened:  # tighten its bound first: solve it only if it still leads
                 c.tightened = True
                 dual = self._neighbour_bound(c)

@@ -32,6 +32,8 @@ from hetserve.planner.bound.neighbour import NeighbourBound
 from hetserve.planner.options import Budget, PlanOptions
 from hetserve.planner.pool.pending import Pending
 
+_MISSING = object()  # a layout-cache miss (None is a cached answer: no layout fits)
+
 
 @dataclass
 class Evaluation:
@@ -86,6 +88,9 @@ class Evaluator(LayoutTrials, BoundedChoice):
         # usually just scored, and its flow needs that very LP (``flow.solve``)
         self._solved: dict[tuple[Group, ...], FlowResult] = {}
         self._neighbour: NeighbourBound | None = None  # ``_prices``' pool layout's dual terms
+        # the last evaluated pool layout and its groups' best capacities, by object identity: a
+        # search step's candidates share most of their ``Group`` objects with it (``_capacity_bound``)
+        self._base: tuple[tuple[Group, ...], dict[int, float]] = ((), {})
         self.colocated_cuts: dict[tuple, list[tuple[int, ...]]] = {}  # composition -> ``mixing._colocated_cut``
 
     def capacity(self, devices: Sequence[int], role: str) -> float:
@@ -114,19 +119,57 @@ class Evaluator(LayoutTrials, BoundedChoice):
     def _pending(self, groups: Sequence[Group], choice: Sequence[int] | None = None) -> "Pending":
         """A pool layout's layouts, capacities and capacity bound, its KV edges not yet built."""
         ctx = self.ctx
+        search = ctx.layouts
+        cache = search._best_cache  # keyed by (devices, role): a ``Group`` is that very tuple
         layouts: list[ReplicaLayout | None] = []
         caps: list[float] = []
         for i, g in enumerate(groups):
             if choice is None or choice[i] == 0:
-                best = ctx.layouts.best(g.devices, g.role) if g.devices else None
+                best = cache.get(g, _MISSING)
+                if best is _MISSING:
+                    best = search.best(g.devices, g.role) if g.devices else None
             else:
                 best = self._options(g)[choice[i]]
-            layouts.append(None if best is None else best[0])
-            caps.append(0.0 if best is None else best[1])
+            if best is None:
+                layouts.append(None)
+                caps.append(0.0)
+            else:
+                layouts.append(best[0])
+                caps.append(best[1])
         net = self._empty_network(groups, caps)
         colocated = sum(net.node_cap[c] for c in net.colocated)
         bound = ctx.tokens_per_s((net.upper_bound() if net.prefill and net.decode else 0.0) + colocated)
         return Pending(tuple(groups), layouts, caps, net, colocated, bound, tuple(choice or (0,) * len(groups)))
+
+    def _best_capacity(self, g: Group) -> float:
+        """Capacity of a group's best layout (0 when none fits), as ``_pending`` reads it."""
+        best = self.ctx.layouts._best_cache.get(g, _MISSING)
+        if best is _MISSING:
+            best = self.ctx.layouts.best(g.devices, g.role) if g.devices else None
+        return 0.0 if best is None else best[1]
+
+    def _capacity_bound(self, groups: Sequence[Group]) -> float:
+        """``_pending(groups).bound`` without the rest of ``_pending``: the same sums in the same
+        order (so the same float), each group's capacity read by identity where it is one of the
+        last evaluated pool layout's ``Group`` objects."""
+        known = self._base[1]
+        pre = dec = col = 0
+        n_pre = n_dec = 0
+        for g in groups:
+            cap = known.get(id(g))
+            if cap is None:
+                cap = self._best_capacity(g)
+            if cap > 0:
+                role = g.role
+                if role == "prefill":
+                    pre += cap
+                    n_pre += 1
+                elif role == "decode":
+                    dec += cap
+                    n_dec += 1
+                else:
+                    col += cap
+        return self.ctx.tokens_per_s((min(pre, dec) if n_pre and n_dec else 0.0) + col)
 
     def _build(self, c: "Pending") -> None:
         """Fill in a pending pool layout's KV edges and resource loads."""
@@ -138,9 +181,11 @@ class Evaluator(LayoutTrials, BoundedChoice):
 
     def _empty_network(self, groups: Sequence[Group], caps: Sequence[float]) -> FlowNetwork:
         """Groups and their capacities as a flow network, KV edges and loads not yet filled in."""
-        pre = [i for i, g in enumerate(groups) if g.role == "prefill" and caps[i] > 0]
-        dec = [i for i, g in enumerate(groups) if g.role == "decode" and caps[i] > 0]
-        col = [i for i, g in enumerate(groups) if g.role == "colocated" and caps[i] > 0]
+        by_role: dict[str, list[int]] = {"prefill": [], "decode": [], "colocated": []}
+        for i, g in enumerate(groups):
+            if caps[i] > 0:
+                by_role[g.role].append(i)
+        pre, dec, col = by_role["prefill"], by_role["decode"], by_role["colocated"]
         return FlowNetwork(pre, dec, {i: caps[i] for i in pre + dec + col}, {}, colocated=col,
                            resource_cap=self.ctx.resource_cap)
 
@@ -263,6 +308,7 @@ class Evaluator(LayoutTrials, BoundedChoice):
         layouts, caps, net, _ = self._network(key, self._choices[key])
         flow = solve(net, self._solved.get(key))
         self._solved.clear()
+        self._base = (key, {id(g): self._best_capacity(g) for g in key})
         if flow.node_dual:
             self._prices = ({key[i]: y for i, y in flow.node_dual.items()}, flow.resource_dual)
             self._neighbour = None

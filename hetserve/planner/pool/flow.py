@@ -50,8 +50,9 @@ import numpy as np
 from networkx.algorithms.flow import preflow_push
 from scipy.optimize import linprog
 from scipy.sparse import csr_array
-from scipy.sparse import vstack as sparse_vstack
 from scipy.sparse.csgraph import maximum_flow
+
+from hetserve.planner.pool.flow_lp import build_programme
 
 _MAX_INT = 2**31 - 1
 
@@ -134,63 +135,12 @@ def solve_with_resources(net: FlowNetwork) -> FlowResult:
     Variables: the flow on every KV edge and what every colocated group serves; maximise their
     sum under the node, edge and resource capacities. O(LP on P·D + C variables)."""
     edges = [(p, d) for p in net.prefill for d in net.decode]
-    P, D, C = len(net.prefill), len(net.decode), len(net.colocated)
-    cols = len(edges) + C
+    P, D = len(net.prefill), len(net.decode)
+    cols = len(edges) + len(net.colocated)
     if cols == 0:
         return FlowResult(0.0)
-    # a resource row per finite shared resource any column loads: what a request routed p → d
-    # puts on it is its KV (edge_load) plus both groups' own bytes (node_load), summed in that
-    # order (``route_load``'s), filled row-wise here (per column it cost most of the build)
-    finite = {r for r, c in net.resource_cap.items() if math.isfinite(c)}
-    ends = (net.prefill + net.decode) if edges else []
-    used = {r for e in edges for r in net.edge_load.get(e, ())}
-    used.update(r for g in ends + net.colocated for r in net.node_load.get(g, ()))
-    names = sorted(used & finite)
-    R = len(names)
-    index = {r: i for i, r in enumerate(names)}
-    # sparse from the start: R × P·D dense is most of the build on large pools (at 1,024 GPUs,
-    # seconds per LP); entries summed in the dense fill's order, so HiGHS gets the same matrix
-    acc: dict[tuple[int, int], float] = {}
-    for j, e in enumerate(edges):
-        for r, b in net.edge_load.get(e, {}).items():
-            if r in index:
-                acc[(index[r], j)] = b
-    for i, p in enumerate(net.prefill if edges else ()):
-        for r, b in net.node_load.get(p, {}).items():
-            if r in index:
-                row = index[r]
-                for j in range(i * D, (i + 1) * D):
-                    acc[(row, j)] = acc.get((row, j), 0.0) + b
-    for j, d in enumerate(net.decode if edges else ()):
-        for r, b in net.node_load.get(d, {}).items():
-            if r in index:
-                row = index[r]
-                for jj in range(j, len(edges), D):
-                    acc[(row, jj)] = acc.get((row, jj), 0.0) + b
-    for k, c in enumerate(net.colocated):
-        for r, b in net.node_load.get(c, {}).items():
-            if r in index:
-                acc[(index[r], len(edges) + k)] = b
-    nz = [(ij, v) for ij, v in acc.items() if v != 0.0]
-    rr = np.fromiter((ij[0] for ij, _ in nz), dtype=np.int64, count=len(nz))
-    cc = np.fromiter((ij[1] for ij, _ in nz), dtype=np.int64, count=len(nz))
-    vv = np.fromiter((v for _, v in nz), dtype=float, count=len(nz))
-    # rows in requests (cap / bytes per request) keep the LP well scaled
-    tops_arr = np.zeros(R)
-    np.maximum.at(tops_arr, rr, vv)
-    vv = vv / tops_arr[rr]
-    tops = {r: tops_arr[i] for i, r in enumerate(names)}
-    rhs = [net.node_cap[g] for g in net.prefill + net.decode] + [net.resource_cap[r] / tops[r] for r in names]
-    # node rows (prefill p's outflow, decode d's inflow; edges are p-major) then the resource
-    # rows, as a sparse matrix: HiGHS gets the same nonzeros a dense one would give it
-    k = np.arange(len(edges))
-    node_rows = csr_array((np.ones(2 * len(edges)), (np.concatenate([k // D, P + k % D]) if D else k,
-                                                     np.concatenate([k, k]) if D else k)), shape=(P + D, cols))
-    a = sparse_vstack([node_rows, csr_array((vv, (rr, cc)), shape=(R, cols))], format="csc")
-    index = {r: P + D + i for i, r in enumerate(names)}
-    bounds = [(0.0, min(net.edge_cap.get(e, 0.0), 1e15)) for e in edges]
-    bounds += [(0.0, net.node_cap[c]) for c in net.colocated]
-    res = linprog(-np.ones(cols), A_ub=a, b_ub=np.asarray(rhs), bounds=bounds, method="highs")
+    lp = build_programme(net, edges)  # rows and columns: ``flow_lp``
+    res = linprog(-np.ones(cols), A_ub=lp.matrix, b_ub=lp.rhs, bounds=lp.bounds, method="highs")
     if res.status != 0:
         raise RuntimeError(f"max flow with capacity nodes: the LP solver failed ({res.message})")
     x = np.maximum(res.x, 0.0)
@@ -203,7 +153,7 @@ def solve_with_resources(net: FlowNetwork) -> FlowResult:
     # duals of the maximisation (HiGHS reports ∂min/∂b ≤ 0); resource rows were scaled by 1 / top
     lam = np.maximum(-np.asarray(res.ineqlin.marginals, dtype=float), 0.0)
     node_dual = {g: float(lam[i]) for i, g in enumerate(net.prefill + net.decode)}
-    resource_dual = {r: float(lam[i]) / float(tops[r]) for r, i in index.items() if tops[r] > 0}
+    resource_dual = {r: float(lam[P + D + i]) / float(lp.tops[i]) for i, r in enumerate(lp.names) if lp.tops[i] > 0}
     return FlowResult(sum(edge_flow.values()), node_flow, edge_flow, colocated, node_dual, resource_dual)
 
 

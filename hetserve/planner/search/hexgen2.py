@@ -33,6 +33,7 @@ from __future__ import annotations
 import random
 
 from hetserve.planner.context import PlanContext
+from hetserve.planner.search.collector import with_fewer_collections
 from hetserve.planner.pool.estimate import to_plan
 from hetserve.planner.search.mixing import colocated_alternative, mixed_alternative
 from hetserve.planner.search.moves import PoolLayout, random_edit
@@ -196,6 +197,7 @@ def _escape(evaluator: Evaluator, candidates, visited: set) -> PoolLayout | None
 # ----------------------------------------------------------------------------- algorithms
 
 
+@with_fewer_collections
 def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, options: PlanOptions,
          mover: Mover, patience: int | None) -> Plan:
     ctx, budget, evaluator = start_search(name, cluster, model, workload, options)

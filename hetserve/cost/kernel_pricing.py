@@ -104,9 +104,15 @@ class KernelPricing:
         """The LM head's product for ``rows`` sequences, its vocabulary split over the group."""
         if rows <= 0:
             return 0.0
-        tp = len(devices)
-        return max(gemm_time(p, g.fp16_flops, g.mem_bandwidth, rows, self.hidden, self.vocab / tp, self.dtype_bytes)
-                   for g, p, _ in self._types(devices))
+        key = ("head", tuple(devices), rows)
+        v = self._memo.get(key)
+        if v is None:
+            if len(self._memo) > _MEMO_LIMIT:
+                self._memo.clear()
+            tp = len(devices)
+            v = self._memo[key] = max(gemm_time(p, g.fp16_flops, g.mem_bandwidth, rows, self.hidden, self.vocab / tp,
+                                                self.dtype_bytes) for g, p, _ in self._types(devices))
+        return v
 
     def allreduce(self, devices, nbytes: float) -> float | None:
         """One all-reduce inside one box from the fitted curves, over the group's slowest link;

@@ -279,8 +279,9 @@ class SharedLinks(LinkModel):
         rate_of = self._rates_of(qs)
         now = self._since
         for q in qs:
-            self._settle_queue(q, now)
             st = state[q.name]
+            if st.since < now:
+                self._settle_queue(q, now)
             st.rates = [rate_of[s[0].path.names] for s in q.sends]
             st.epoch += 1
             self._push(q, st)

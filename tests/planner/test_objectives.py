@@ -75,6 +75,7 @@ def test_cost_plan_meets_the_rate_in_simulation(llama70b, azure):
     assert s["completed"] == 300 and s["slo_attainment"] >= 0.85
 
 
+@pytest.mark.long  # three min-cost MILPs on het1 (~26 s): `make test-long`
 def test_min_cost_bound_grows_with_the_rate(llama70b, azure):
     ctx = PlanContext(load_cluster("hexgen2-het1"), llama70b, azure)
     a, b = min_cost(ctx, 1000)[0], min_cost(ctx, 2500)[0]

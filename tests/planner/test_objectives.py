@@ -42,6 +42,7 @@ def test_bound_is_above_every_algorithm_on_a_preset(llama70b, azure):
         assert p.estimate["upper_bound_tokens_per_s"] == pytest.approx(ub)
 
 
+@pytest.mark.long  # two budget-constrained searches on het1 (~17 s): `make test-long`
 def test_budget_plans_never_exceed_the_budget_and_use_it(llama70b, azure):
     c = load_cluster("hexgen2-het1")  # $20.88/h in all at the catalogue's prices
     values = []

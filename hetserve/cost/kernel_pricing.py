@@ -87,12 +87,17 @@ class KernelPricing:
         key = (tuple(devices), tokens)
         v = self._memo.get(key)
         if v is None:
-            if len(self._memo) > _MEMO_LIMIT:
-                self._memo.clear()
             tp = len(devices)
-            v = self._memo[key] = max(layer_time(p, g.fp16_flops, g.mem_bandwidth, self.shape, tp, tokens).layer_s
-                                      for g, p, _ in self._types(devices))
+            v = self._remember(key, max(layer_time(p, g.fp16_flops, g.mem_bandwidth, self.shape, tp, tokens).layer_s
+                                        for g, p, _ in self._types(devices)))
         return v
+
+    def _remember(self, key, value: float) -> float:
+        """Keep ``value`` in the memo (started afresh past ``_MEMO_LIMIT`` entries: a long simulation)."""
+        if len(self._memo) > _MEMO_LIMIT:
+            self._memo.clear()
+        self._memo[key] = value
+        return value
 
     def attention(self, devices, flops: float, nbytes: float) -> float:
         """Attention's products (``flops``) and KV traffic (``nbytes``), split over the group."""
@@ -107,11 +112,9 @@ class KernelPricing:
         key = ("head", tuple(devices), rows)
         v = self._memo.get(key)
         if v is None:
-            if len(self._memo) > _MEMO_LIMIT:
-                self._memo.clear()
             tp = len(devices)
-            v = self._memo[key] = max(gemm_time(p, g.fp16_flops, g.mem_bandwidth, rows, self.hidden, self.vocab / tp,
-                                                self.dtype_bytes) for g, p, _ in self._types(devices))
+            v = self._remember(key, max(gemm_time(p, g.fp16_flops, g.mem_bandwidth, rows, self.hidden,
+                                                  self.vocab / tp, self.dtype_bytes) for g, p, _ in self._types(devices)))
         return v
 
     def allreduce(self, devices, nbytes: float) -> float | None:

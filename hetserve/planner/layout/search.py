@@ -57,6 +57,7 @@ PREFILL_KV_REQUESTS = 4
 # Enumerate TP splits exactly up to this many per class and this many combinations per group.
 MAX_SPLITS_PER_CLASS = 12
 MAX_COMBOS = 48
+_MISSING = object()  # a cache miss (None is a cached answer: no layout fits)
 
 
 class LayoutSearch(KVAlternatives, LayerSplits):
@@ -93,9 +94,16 @@ class LayoutSearch(KVAlternatives, LayerSplits):
         """(layout on these devices, capacity in requests per T), or None if none fits.
 
         The layout may leave some of ``devices`` idle (see the module docstring)."""
-        key = (tuple(devices), role)
-        if key in self._best_cache:
-            return self._best_cache[key]
+        return self.best_of_key((tuple(devices), role))
+
+    def best_of_key(self, key: tuple[tuple[int, ...], str]) -> tuple[ReplicaLayout, float] | None:
+        """``best(*key)`` for a ``(devices tuple, role)`` key (a pool layout's ``Group`` is one),
+        without building the key again: the search prices thousands of groups per step."""
+        hit = self._best_cache.get(key, _MISSING)
+        return self._find_best(key) if hit is _MISSING else hit
+
+    def _find_best(self, key: tuple[tuple[int, ...], str]) -> tuple[ReplicaLayout, float] | None:
+        devices, role = key
         choice = self.choice(self.ctx.composition(devices), role)
         result = None if choice is None else (self.materialize(devices, choice), choice.capacity)
         self._best_cache[key] = result

@@ -32,8 +32,6 @@ from hetserve.planner.bound.neighbour import NeighbourBound
 from hetserve.planner.options import Budget, PlanOptions
 from hetserve.planner.pool.pending import Pending
 
-_MISSING = object()  # a layout-cache miss (None is a cached answer: no layout fits)
-
 
 @dataclass
 class Evaluation:
@@ -119,15 +117,11 @@ class Evaluator(LayoutTrials, BoundedChoice):
     def _pending(self, groups: Sequence[Group], choice: Sequence[int] | None = None) -> "Pending":
         """A pool layout's layouts, capacities and capacity bound, its KV edges not yet built."""
         ctx = self.ctx
-        search = ctx.layouts
-        cache = search._best_cache  # keyed by (devices, role): a ``Group`` is that very tuple
         layouts: list[ReplicaLayout | None] = []
         caps: list[float] = []
         for i, g in enumerate(groups):
             if choice is None or choice[i] == 0:
-                best = cache.get(g, _MISSING)
-                if best is _MISSING:
-                    best = search.best(g.devices, g.role) if g.devices else None
+                best = self._best(g)
             else:
                 best = self._options(g)[choice[i]]
             if best is None:
@@ -141,11 +135,13 @@ class Evaluator(LayoutTrials, BoundedChoice):
         bound = ctx.tokens_per_s((net.upper_bound() if net.prefill and net.decode else 0.0) + colocated)
         return Pending(tuple(groups), layouts, caps, net, colocated, bound, tuple(choice or (0,) * len(groups)))
 
+    def _best(self, g: Group) -> tuple[ReplicaLayout, float] | None:
+        """A group's best layout and capacity (a ``Group`` is its own layout-cache key)."""
+        return self.ctx.layouts.best_of_key(g) if g.devices else None
+
     def _best_capacity(self, g: Group) -> float:
         """Capacity of a group's best layout (0 when none fits), as ``_pending`` reads it."""
-        best = self.ctx.layouts._best_cache.get(g, _MISSING)
-        if best is _MISSING:
-            best = self.ctx.layouts.best(g.devices, g.role) if g.devices else None
+        best = self._best(g)
         return 0.0 if best is None else best[1]
 
     def _capacity_bound(self, groups: Sequence[Group]) -> float:

@@ -26,10 +26,11 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from hetserve.cost.decode import DecodeCosts, DecodeRound, StageDecode  # noqa: F401 (re-exported)
 from hetserve.cost.device_memory import device_activation_bytes, device_kv_bytes_per_token, device_weight_bytes
 from hetserve.cost.efficiency import Efficiency, load_efficiency  # noqa: F401 (re-exported: the knobs' old home)
 from hetserve.cost.kernel_pricing import KernelPricing
-from hetserve.cost.layout import ReplicaLayout, StageLayout, micro_batches_of
+from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.cost.network import concurrent_time
 from hetserve.cost.prefill_batch import PrefillBatch  # noqa: F401 (re-exported: its old home)
 from hetserve.cost.request_mix import RequestMix
@@ -58,7 +59,7 @@ DEFAULT_EFFICIENCY = Efficiency()
 _KERNELS_BY_DEFAULT = True
 
 
-class CostModel(TransferCosts):
+class CostModel(TransferCosts, DecodeCosts):
     """Prices stages and replicas of ``model`` on ``cluster``. Pure functions of their inputs.
 
     Stages on real GPUs: layers, LM head and in-box all-reduces from measured kernels
@@ -119,20 +120,23 @@ class CostModel(TransferCosts):
         return min(self.p2p_time(d, e, nbytes) for d in a.devices for e in b.devices)
 
     # ================================================================== per stage
-    def _roofline(self, stage: StageLayout, flops: float, nbytes: float, attn_flops: float = 0.0,
-                  attn_eff: float = 0.0) -> float:
-        """Per-device time for work split evenly over the stage's TP group, slowest device pacing.
-        ``attn_flops`` (attention's score and value products) run at ``compute`` like the rest, or at
-        ``attn_eff`` of peak (default ``Efficiency.attention``) where a calibration set one (0: the
-        same as ``compute``)."""
+    def _rates(self, stage: StageLayout, attn_eff: float = 0.0) -> tuple[float, float, float]:
+        """(FLOP/s, attention FLOP/s, bytes/s) of the stage's TP group, work split evenly over it and
+        its slowest device pacing. Attention's score and value products run at ``compute`` like the
+        rest, or at ``attn_eff`` of peak (default ``Efficiency.attention``) where a calibration set
+        one (0: the same as ``compute``)."""
         t = stage.tp
         f = min(self._flops[d] for d in stage.devices)
         m = min(self._membw[d] for d in stage.devices)
         attn_eff = attn_eff or self.eff.attention
-        if attn_eff > 0:
-            fa = f / self.eff.compute * attn_eff
-            return max(flops / (t * f) + attn_flops / (t * fa), nbytes / (t * m))
-        return max((flops + attn_flops) / (t * f), nbytes / (t * m))
+        return t * f, (t * f / self.eff.compute * attn_eff if attn_eff > 0 else t * f), t * m
+
+    def _roofline(self, stage: StageLayout, flops: float, nbytes: float, attn_flops: float = 0.0,
+                  attn_eff: float = 0.0) -> float:
+        """The stage's time for ``flops`` (``attn_flops`` of them attention's products) and ``nbytes``
+        at its rates (``_rates``)."""
+        compute, attention, memory = self._rates(stage, attn_eff)
+        return max(flops / compute + attn_flops / attention, nbytes / memory)
 
     def _layer_time(self, stage: StageLayout, rows: float, flops: float, nbytes: float, attn_flops: float,
                     attn_eff: float = 0.0) -> float:
@@ -215,19 +219,6 @@ class CostModel(TransferCosts):
                 + self.eff.prompt_step_overhead_s + self.multi_row_time(stage, batch.tokens, batch.num_seqs, is_last)
                 + self.collective_bytes_time(stage, batch.tokens))
 
-    def stage_decode_time(self, stage: StageLayout, batch: float, context_tokens: float,
-                          is_last: bool = False) -> float:
-        """One decode iteration for ``batch`` sequences holding ``context_tokens`` in total."""
-        m = self.model
-        flops = 2.0 * m.params_per_layer * batch
-        nbytes = m.bytes_per_layer + context_tokens * m.kv_bytes_per_token_per_layer
-        per_layer = self._layer_time(stage, batch, flops, nbytes, 4.0 * m.q_dim * context_tokens,
-                                     self.eff.decode_attention)
-        comm = 2 * self.allreduce_time(stage.devices, batch * m.hidden * m.dtype_bytes)
-        head = self._head_time(stage, batch) if is_last else 0.0
-        return (stage.num_layers * (per_layer + comm) + self.collectives_time(stage) + head + self.eff.step_overhead_s
-                + self.multi_row_time(stage, batch, batch, is_last) + self.collective_bytes_time(stage, batch))
-
     def stage_weight_bytes(self, stage: StageLayout, is_first: bool, is_last: bool) -> float:
         """Weight bytes on the stage's fullest device: its leader (see ``device_weight_bytes``)."""
         return device_weight_bytes(self.model, stage.num_layers, stage.tp, is_first, is_last, is_leader=True)
@@ -271,70 +262,6 @@ class CostModel(TransferCosts):
     def ttft(self, layout: ReplicaLayout, prompt_tokens: int) -> float:
         """Time to first token for one prompt on an idle replica."""
         return self.prefill_time(layout, PrefillBatch.single(prompt_tokens))
-
-    def decode_step_time(self, layout: ReplicaLayout, batch: float, context_tokens: float,
-                         micro_batches: int | None = None, dispatch_s: float = 0.0) -> float:
-        """Time for every sequence of the batch to gain one token (= TPOT at this batch).
-
-        A pipeline of S stages runs ``m`` micro-batches (default ``min(S, batch)``) so all stages
-        stay busy: one round takes ``max(Σ stage + hand-offs + dispatch, m · slowest stage)`` at
-        batch/m each. ``dispatch_s``: what a micro-batch waits between its last stage and its next
-        step on the first (the serving front end streaming its tokens and its GIL, ``sim.hosts``):
-        on the ring's latency; where the devices are CPU worker slots sharing a host's cores it
-        also holds the slowest stage once per micro-batch (the front end takes a core the stages
-        need): on the CPU demo's two-stage pipeline two micro-batches pay the front end's wait
-        twice a round through HTTP, one micro-batch once.
-
-        The turn-around (``iteration_overhead_s``, priced on the last stage) holds that stage for
-        the share ``Efficiency.turn_hold`` of it while other micro-batches are in flight; the rest
-        overlaps their stages, and one front end turning every micro-batch is the bound instead
-        (``m ·`` that rest). ``hetserve calibrate`` measures the share from a two-stage pipeline
-        decoding two sequences beside one; uncalibrated it is all of it on CPU worker slots and
-        none on GPU hosts (``_turn_hold``).
-        """
-        if batch <= 0:
-            return 0.0
-        m, times = self.micro_batch_stage_times(layout, batch, context_tokens, micro_batches)
-        b = batch / m
-        hops = sum(self.pp_handoff_time(s, layout.stages[i + 1], b) for i, s in enumerate(layout.stages[:-1]))
-        ring = sum(times) + hops + dispatch_s
-        if m == 1:
-            return ring
-        shared = self._on_shared_cores(layout)
-        free = (1.0 - self._turn_hold(shared)) * self.turn_around(times)
-        wait = dispatch_s if shared else 0.0
-        return max(ring, m * (max(times[:-1] + [times[-1] - free]) + wait), m * free)
-
-    def micro_batch_stage_times(self, layout: ReplicaLayout, batch: float, context_tokens: float,
-                                micro_batches: int | None = None) -> tuple[int, list[float]]:
-        """(``m``, each stage's decode time for one of the ``m`` micro-batches ``batch`` sequences
-        split into): the pieces of ``decode_step_time``'s round (calibration solves the turn-around's
-        hold from them)."""
-        stages = self._ends(layout)
-        m = max(1, min(micro_batches_of(micro_batches, len(stages)), math.ceil(batch)))
-        b, c = batch / m, context_tokens / m
-        return m, [self.stage_decode_time(s, b, c, last) for s, _, last in stages]
-
-    def turn_around(self, stage_times: list[float]) -> float:
-        """The turn-around a micro-batch's last stage carries (``iteration_overhead_s``, at most that
-        stage's time in ``micro_batch_stage_times``): the part ``turn_hold`` shares out."""
-        return min(self.eff.iteration_overhead_s, stage_times[-1])
-
-    def _turn_hold(self, shared_cores: bool) -> float:
-        """The share of the turn-around that holds a pipeline's last stage (``decode_step_time``):
-        calibrated, or by the host: all of it where worker slots share cores, none on GPU hosts."""
-        if self.eff.turn_hold is not None:
-            return self.eff.turn_hold
-        return 1.0 if shared_cores else 0.0
-
-    def _on_shared_cores(self, layout: ReplicaLayout) -> bool:
-        """Whether the replica's devices are CPU worker slots sharing a host's cores (``cpu_cores``),
-        where the front end computes beside the stages. Uncalibrated, the turn-around holds the last
-        stage there and overlaps on GPU hosts: on a GPU host the served two-stage pipeline's round
-        matches the overlap (the hold prices it about 1.5x), and on CPU slots sharing two cores the
-        hold predicts the served runs better than the overlap (docs/cost-model.md)."""
-        devices = self.cluster.devices
-        return any(devices[d].cpu_cores is not None for d in layout.devices)
 
     def max_decode_batch(self, layout: ReplicaLayout, tokens_per_request: float) -> int:
         """Largest number of requests that run at once: their full KV (prompt + output) must fit,

@@ -2,19 +2,21 @@
 
 ``MemoCost(base)`` is ``base``'s cost model (same cluster, model, efficiencies and kernel pricing;
 it shares ``base``'s state) with the model's derived shapes (``params_per_layer``, ``q_dim`` …,
-properties recomputed on every access) read once into plain attributes, and the collectives
-(``allreduce_time``, ``p2p_time``) cached on their arguments, which repeat for every iteration at
-a given batch size: what the simulator's hot loop prices.
+properties recomputed on every access) read once into plain attributes, the collectives
+(``allreduce_time``, ``p2p_time``, ``pp_handoff_time``) cached on their arguments, which repeat for
+every iteration at a given batch size, and a decode iteration's terms at a batch (``stage_decode``
+by the stage's signature, below; ``decode_round`` by the layout): what the simulator's hot loop
+prices, each context then a few multiplications (``cost.decode``).
 
-``StageMemoCost(base)`` adds the per-stage prices (``stage_prefill_time``, ``stage_decode_time``,
-``stage_kv_capacity``, ``pp_handoff_time``) looked up by what the formulas read of a stage: the
+``StageMemoCost(base)`` adds the other per-stage prices (``stage_prefill_time``,
+``stage_kv_capacity``) looked up by what the formulas read of a stage: the
 layout search prices thousands of stage sequences whose stages mostly repeat — the same TP group
 holding the same number of layers, on the same or an identical class of GPUs. A stage's price reads
 the layer count, the position (first / last), the batch, and of its devices only their FLOP/s,
 memory bandwidth and usable memory (slowest / smallest device paces) and the links among them (TP
-all-reduce). A stage inside one machine is keyed by those (its ``signature``), so the same GPUs on
-another machine hit; a stage across machines (its all-reduce shares NICs) by its devices. The
-simulator does not key stages: its batches and contexts take ever new values.
+all-reduce). A stage inside one machine is keyed by those and its GPU type (its ``signature``), so
+the same GPUs on another machine hit; a stage across machines (its all-reduce shares NICs) by its
+devices. The simulator keys its prefills by nothing: their batches take ever new values.
 
 The replica-level methods (TTFT, decode step, KV capacity …) are the cost model's own and call
 these, so every figure is the cost model's, bit for bit; nothing here prices anything itself.
@@ -23,7 +25,10 @@ these, so every figure is the cost model's, bit for bit; nothing here prices any
 from __future__ import annotations
 
 from hetserve.cost.analytic import CostModel, PrefillBatch
-from hetserve.cost.layout import StageLayout
+from hetserve.cost.decode import DecodeRound, StageDecode
+from hetserve.cost.layout import ReplicaLayout, StageLayout
+
+_ROUNDS_MAX = 100_000  # memoised decode rounds before the memo starts afresh
 
 _SHAPES = ("name", "num_layers", "hidden", "num_heads", "num_kv_heads", "vocab", "dtype_bytes", "q_dim",
            "kv_dim", "params_per_layer", "embedding_params", "head_params", "bytes_per_layer", "weight_bytes",
@@ -50,6 +55,11 @@ class MemoCost(CostModel):
         self.model = _Shapes(base.model)
         self._ar: dict = {}
         self._p2p: dict = {}
+        self._handoff: dict[tuple, float] = {}
+        self._decode: dict[tuple, StageDecode] = {}
+        self._rounds: dict[tuple, tuple[ReplicaLayout, DecodeRound]] = {}
+        self._signatures: dict[tuple[int, ...], int] = {}  # devices -> signature number
+        self._signature_ids: dict[tuple, int] = {}  # what the formulas read -> its number
 
     def allreduce_time(self, devices, nbytes):
         key = (tuple(devices), nbytes)
@@ -65,18 +75,12 @@ class MemoCost(CostModel):
             v = self._p2p[key] = super().p2p_time(src, dst, nbytes)
         return v
 
-
-class StageMemoCost(MemoCost):
-    """``MemoCost`` with the per-stage prices memoised by the stage's signature (module docstring)."""
-
-    def __init__(self, base: CostModel):
-        super().__init__(base)
-        self._signatures: dict[tuple[int, ...], int] = {}  # devices -> signature number
-        self._signature_ids: dict[tuple, int] = {}  # what the formulas read -> its number
-        self._prefill: dict[tuple, float] = {}
-        self._decode: dict[tuple, float] = {}
-        self._kv: dict[tuple, float] = {}
-        self._handoff: dict[tuple, float] = {}
+    def pp_handoff_time(self, a: StageLayout, b: StageLayout, tokens: float) -> float:
+        key = (a.devices, b.devices, tokens)
+        t = self._handoff.get(key)
+        if t is None:
+            t = self._handoff[key] = super().pp_handoff_time(a, b, tokens)
+        return t
 
     def signature(self, devices: tuple[int, ...]) -> int:
         """What the stage formulas read of a TP group's devices, as a small integer: equal signatures
@@ -88,11 +92,39 @@ class StageMemoCost(MemoCost):
             if len({c.devices[d].machine for d in devices}) > 1:
                 full = ("devices", devices)
             else:
-                full = (tuple((self._flops[d], self._membw[d], self._memory[d]) for d in devices),
+                full = (tuple((c.devices[d].gpu.name, self._flops[d], self._membw[d], self._memory[d]) for d in devices),
                         tuple((float(self._alpha[d, e]), float(self._beta[d, e])) for d in devices for e in devices
                               if d != e))
             sig = self._signatures[devices] = self._signature_ids.setdefault(full, len(self._signature_ids))
         return sig
+
+    def stage_decode(self, stage: StageLayout, batch: float, is_last: bool = False) -> StageDecode:
+        key = (self.signature(stage.devices), stage.layers[1] - stage.layers[0], batch, is_last)
+        v = self._decode.get(key)
+        if v is None:
+            v = self._decode[key] = super().stage_decode(stage, batch, is_last)
+        return v
+
+    def decode_round(self, layout: ReplicaLayout, batch: float, micro_batches: int | None = None) -> DecodeRound:
+        # by the layout's identity (its hash is a Python call per stage), the layout kept beside
+        # the round so the identity stays its own; started afresh past ``_ROUNDS_MAX`` (a search
+        # prices ever new layouts)
+        key = (id(layout), batch, micro_batches)
+        kept = self._rounds.get(key)
+        if kept is None or kept[0] is not layout:
+            if len(self._rounds) >= _ROUNDS_MAX:
+                self._rounds.clear()
+            kept = self._rounds[key] = (layout, super().decode_round(layout, batch, micro_batches))
+        return kept[1]
+
+
+class StageMemoCost(MemoCost):
+    """``MemoCost`` with the per-stage prices memoised by the stage's signature (module docstring)."""
+
+    def __init__(self, base: CostModel):
+        super().__init__(base)
+        self._prefill: dict[tuple, float] = {}
+        self._kv: dict[tuple, float] = {}
 
     def stage_prefill_time(self, stage: StageLayout, batch: PrefillBatch, is_last: bool = False) -> float:
         # the batch by its fields: equal batches are equal field by field, and a tuple of them
@@ -104,27 +136,12 @@ class StageMemoCost(MemoCost):
             t = self._prefill[key] = super().stage_prefill_time(stage, batch, is_last)
         return t
 
-    def stage_decode_time(self, stage: StageLayout, batch: float, context_tokens: float,
-                          is_last: bool = False) -> float:
-        key = (self.signature(stage.devices), stage.layers[1] - stage.layers[0], batch, context_tokens, is_last)
-        t = self._decode.get(key)
-        if t is None:
-            t = self._decode[key] = super().stage_decode_time(stage, batch, context_tokens, is_last)
-        return t
-
     def stage_kv_capacity(self, stage: StageLayout, is_first: bool = False, is_last: bool = False) -> float:
         key = (self.signature(stage.devices), stage.layers[1] - stage.layers[0], is_first, is_last)
         v = self._kv.get(key)
         if v is None:
             v = self._kv[key] = super().stage_kv_capacity(stage, is_first, is_last)
         return v
-
-    def pp_handoff_time(self, a: StageLayout, b: StageLayout, tokens: float) -> float:
-        key = (a.devices, b.devices, tokens)
-        t = self._handoff.get(key)
-        if t is None:
-            t = self._handoff[key] = super().pp_handoff_time(a, b, tokens)
-        return t
 
 
 def memoised(cost: CostModel) -> CostModel:

@@ -120,23 +120,24 @@ class CostModel(TransferCosts, DecodeCosts):
         return min(self.p2p_time(d, e, nbytes) for d in a.devices for e in b.devices)
 
     # ================================================================== per stage
-    def _rates(self, stage: StageLayout, attn_eff: float = 0.0) -> tuple[float, float, float]:
-        """(FLOP/s, attention FLOP/s, bytes/s) of the stage's TP group, work split evenly over it and
-        its slowest device pacing. Attention's score and value products run at ``compute`` like the
-        rest, or at ``attn_eff`` of peak (default ``Efficiency.attention``) where a calibration set
-        one (0: the same as ``compute``)."""
+    def _roofline_rates(self, stage: StageLayout, attn_eff: float = 0.0) -> tuple[float, float | None, float]:
+        """(FLOP/s, attention's FLOP/s, bytes/s) of the stage's TP group, work split evenly over it
+        and its slowest device pacing. Attention's score and value products run at ``compute`` like
+        the rest (None), or at ``attn_eff`` of peak (default ``Efficiency.attention``) where a
+        calibration set one (0: the same as ``compute``)."""
         t = stage.tp
         f = min(self._flops[d] for d in stage.devices)
         m = min(self._membw[d] for d in stage.devices)
         attn_eff = attn_eff or self.eff.attention
-        return t * f, (t * f / self.eff.compute * attn_eff if attn_eff > 0 else t * f), t * m
+        return t * f, (t * (f / self.eff.compute * attn_eff) if attn_eff > 0 else None), t * m
 
     def _roofline(self, stage: StageLayout, flops: float, nbytes: float, attn_flops: float = 0.0,
                   attn_eff: float = 0.0) -> float:
-        """The stage's time for ``flops`` (``attn_flops`` of them attention's products) and ``nbytes``
-        at its rates (``_rates``)."""
-        compute, attention, memory = self._rates(stage, attn_eff)
-        return max(flops / compute + attn_flops / attention, nbytes / memory)
+        """The stage's time for ``flops`` and ``attn_flops`` (``_roofline_rates``) and ``nbytes``."""
+        compute, attention, memory = self._roofline_rates(stage, attn_eff)
+        if attention is not None:
+            return max(flops / compute + attn_flops / attention, nbytes / memory)
+        return max((flops + attn_flops) / compute, nbytes / memory)
 
     def _layer_time(self, stage: StageLayout, rows: float, flops: float, nbytes: float, attn_flops: float,
                     attn_eff: float = 0.0) -> float:

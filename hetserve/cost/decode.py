@@ -2,11 +2,10 @@
 its pipeline.
 
 At a fixed batch a stage's decode time is a function of one number, the context its sequences
-read, and a simple one: each layer's compute and its memory traffic are each a line in the
-context (attention's products and KV reads grow with it, the matrix products and weight reads do
-not), the layer takes the larger, and everything else (all-reduces, collectives, the LM head, the
-step's overheads) does not read the context at all. ``StageDecode`` holds those lines and
-``DecodeRound`` a replica's stages with their hand-offs: what the batch fixes. A caller pricing
+read, and a simple one: attention's products and KV reads grow with it, and nothing else (the
+matrix products and weight reads, all-reduces, collectives, the LM head, the step's overheads)
+reads it at all. ``StageDecode`` holds those terms and ``DecodeRound`` a replica's stages with their
+hand-offs: what the batch fixes. A caller pricing
 many contexts at one batch (the simulator's decode iterations; ``cost.memo`` keeps them) prices
 each context with a few multiplications. ``DecodeCosts`` is a part of ``cost.analytic.CostModel``.
 """
@@ -15,29 +14,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from hetserve.cost.layout import ReplicaLayout, StageLayout, micro_batches_of
 
 
 @dataclass(frozen=True, slots=True)
 class StageDecode:
-    """One stage's decode iteration at a fixed batch, as a function of the context it reads.
-
-    Per layer: ``max(compute_s + compute_per_token · c, memory_s + memory_per_token · c) + comm_s``
-    for ``c`` context tokens; ``layers`` of those, plus ``fixed_s`` once."""
+    """One stage's decode iteration at a fixed batch, as a function of the context it reads:
+    ``layers · (per_layer(c) + comm_s)`` plus the terms paid once, for ``c`` context tokens."""
 
     layers: int
-    compute_s: float
-    compute_per_token: float
-    memory_s: float
-    memory_per_token: float
+    per_layer: Callable[[float], float]  # one layer's compute and memory at context c
     comm_s: float  # one layer's TP all-reduces
-    fixed_s: float  # collectives' fixed cost, the LM head and turn-around (last stage), overheads
+    collectives_s: float  # the TP group's fixed cost per iteration
+    head_s: float  # the LM head and the turn-around (last stage; else 0)
+    step_s: float  # ``step_overhead_s``
+    multi_row_s: float
+    collective_bytes_s: float
 
     def at(self, context_tokens: float) -> float:
-        c = context_tokens
-        per_layer = max(self.compute_s + self.compute_per_token * c, self.memory_s + self.memory_per_token * c)
-        return self.layers * (per_layer + self.comm_s) + self.fixed_s
+        # summed in this order, as every caller has priced it
+        return (self.layers * (self.per_layer(context_tokens) + self.comm_s) + self.collectives_s + self.head_s
+                + self.step_s + self.multi_row_s + self.collective_bytes_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,21 +73,28 @@ class DecodeCosts:
 
     def stage_decode(self, stage: StageLayout, batch: float, is_last: bool = False) -> StageDecode:
         """The stage's decode iteration for ``batch`` sequences, before their context."""
-        m, k = self.model, self.kernels
-        q_flops, kv_bytes = 4.0 * m.q_dim, m.kv_bytes_per_token_per_layer
-        if k is not None and k.covers(stage.devices):
-            # the kernel model's operators, then attention's products and KV reads on its roofline
-            layer, per_token = k.layer(stage.devices, batch), k.attention(stage.devices, q_flops, kv_bytes)
-            lines = (layer, per_token, layer, per_token)
-        else:
-            compute, attention, memory = self._rates(stage, self.eff.decode_attention)
-            lines = (2.0 * m.params_per_layer * batch / compute, q_flops / attention,
-                     m.bytes_per_layer / memory, kv_bytes / memory)
+        m = self.model
         comm = 2 * self.allreduce_time(stage.devices, batch * m.hidden * m.dtype_bytes)
-        fixed = (self.collectives_time(stage) + (self._head_time(stage, batch) if is_last else 0.0)
-                 + self.eff.step_overhead_s + self.multi_row_time(stage, batch, batch, is_last)
-                 + self.collective_bytes_time(stage, batch))
-        return StageDecode(stage.num_layers, *lines, comm, fixed)
+        head = self._head_time(stage, batch) if is_last else 0.0
+        return StageDecode(stage.num_layers, self._decode_layer(stage, batch), comm, self.collectives_time(stage),
+                           head, self.eff.step_overhead_s, self.multi_row_time(stage, batch, batch, is_last),
+                           self.collective_bytes_time(stage, batch))
+
+    def _decode_layer(self, stage: StageLayout, batch: float) -> Callable[[float], float]:
+        """One decode layer of ``batch`` sequences as a function of their context: the kernel model's
+        operators where it covers the stage, else the roofline (``_layer_time``), with attention's
+        ``4 · q_dim`` FLOPs and its KV bytes per context token; the same arithmetic, term by term."""
+        m, k, devices = self.model, self.kernels, stage.devices
+        per_kv, q_flops, weights = m.kv_bytes_per_token_per_layer, 4.0 * m.q_dim, m.bytes_per_layer
+        if k is not None and k.covers(devices):
+            layer, rates = k.layer(devices, batch), k.attention_rates(devices)
+            return lambda c: layer + max(max(q_flops * c / f, ((weights + c * per_kv) - weights) / b)
+                                         for f, b in rates)
+        flops = 2.0 * m.params_per_layer * batch
+        compute, attention, memory = self._roofline_rates(stage, self.eff.decode_attention)
+        if attention is not None:
+            return lambda c: max(flops / compute + q_flops * c / attention, (weights + c * per_kv) / memory)
+        return lambda c: max((flops + q_flops * c) / compute, (weights + c * per_kv) / memory)
 
     def stage_decode_time(self, stage: StageLayout, batch: float, context_tokens: float,
                           is_last: bool = False) -> float:

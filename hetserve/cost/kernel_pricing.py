@@ -101,9 +101,14 @@ class KernelPricing:
 
     def attention(self, devices, flops: float, nbytes: float) -> float:
         """Attention's products (``flops``) and KV traffic (``nbytes``), split over the group."""
+        return max(max(flops / f, nbytes / m) for f, m in self.attention_rates(devices))
+
+    def attention_rates(self, devices) -> list[tuple[float, float]]:
+        """(FLOP/s, bytes/s) of attention's products and KV traffic on the group, per GPU type in it
+        (the slowest sets the pace)."""
         tp = len(devices)
-        return max(max(flops / (tp * g.fp16_flops * p.gemm_compute), nbytes / (tp * g.mem_bandwidth * p.gemm_memory))
-                   for g, p, _ in self._types(devices))
+        return [(tp * g.fp16_flops * p.gemm_compute, tp * g.mem_bandwidth * p.gemm_memory)
+                for g, p, _ in self._types(devices)]
 
     def head(self, devices, rows: float) -> float:
         """The LM head's product for ``rows`` sequences, its vocabulary split over the group."""

@@ -2,21 +2,21 @@
 
 ``MemoCost(base)`` is ``base``'s cost model (same cluster, model, efficiencies and kernel pricing;
 it shares ``base``'s state) with the model's derived shapes (``params_per_layer``, ``q_dim`` …,
-properties recomputed on every access) read once into plain attributes, the collectives
-(``allreduce_time``, ``p2p_time``, ``pp_handoff_time``) cached on their arguments, which repeat for
-every iteration at a given batch size, and a decode iteration's terms at a batch (``stage_decode``
-by the stage's signature, below; ``decode_round`` by the layout): what the simulator's hot loop
-prices, each context then a few multiplications (``cost.decode``).
+properties recomputed on every access) read once into plain attributes, and its sub-results kept:
 
-``StageMemoCost(base)`` adds the other per-stage prices (``stage_prefill_time``,
-``stage_kv_capacity``) looked up by what the formulas read of a stage: the
-layout search prices thousands of stage sequences whose stages mostly repeat — the same TP group
-holding the same number of layers, on the same or an identical class of GPUs. A stage's price reads
-the layer count, the position (first / last), the batch, and of its devices only their FLOP/s,
-memory bandwidth and usable memory (slowest / smallest device paces) and the links among them (TP
-all-reduce). A stage inside one machine is keyed by those and its GPU type (its ``signature``), so
-the same GPUs on another machine hit; a stage across machines (its all-reduce shares NICs) by its
-devices. The simulator keys its prefills by nothing: their batches take ever new values.
+* the collectives (``allreduce_time``, ``p2p_time``, ``pp_handoff_time``) by their arguments,
+  which repeat for every iteration at a given batch size;
+* the per-stage prices (``stage_prefill_time``, ``stage_kv_capacity``, and ``stage_decode``: a
+  decode iteration's terms at a batch, each context then a few multiplications, ``cost.decode``)
+  by what the formulas read of a stage;
+* a replica's decode round at a batch (``decode_round``) by the layout.
+
+What the formulas read of a stage: the layer count, the position (first / last), the batch, and of
+its devices only their GPU type, FLOP/s, memory bandwidth and usable memory (slowest / smallest
+device paces) and the links among them (TP all-reduce). A stage inside one machine is keyed by
+those (its ``signature``), so the same GPUs on another machine hit: the layout search prices
+thousands of stage sequences whose stages mostly repeat, and a simulated fleet runs many copies
+of one replica. A stage across machines (its all-reduce shares NICs) is keyed by its devices.
 
 The replica-level methods (TTFT, decode step, KV capacity …) are the cost model's own and call
 these, so every figure is the cost model's, bit for bit; nothing here prices anything itself.
@@ -28,7 +28,9 @@ from hetserve.cost.analytic import CostModel, PrefillBatch
 from hetserve.cost.decode import DecodeRound, StageDecode
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 
-_ROUNDS_MAX = 100_000  # memoised decode rounds before the memo starts afresh
+# entries a memo keeps before it starts afresh: a long simulation prices ever new prefill
+# batches, a search ever new layouts
+_MEMO_MAX = 200_000
 
 _SHAPES = ("name", "num_layers", "hidden", "num_heads", "num_kv_heads", "vocab", "dtype_bytes", "q_dim",
            "kv_dim", "params_per_layer", "embedding_params", "head_params", "bytes_per_layer", "weight_bytes",
@@ -48,39 +50,20 @@ class _Shapes:
 
 
 class MemoCost(CostModel):
-    """``base`` with its shapes read once and its collectives memoised (module docstring)."""
+    """``base`` with its shapes read once and its sub-results memoised (module docstring)."""
 
     def __init__(self, base: CostModel):
         self.__dict__.update(base.__dict__)  # not CostModel.__init__: the same state, shared
         self.model = _Shapes(base.model)
+        self._signatures: dict[tuple[int, ...], int] = {}  # devices -> signature number
+        self._signature_ids: dict[tuple, int] = {}  # what the formulas read -> its number
         self._ar: dict = {}
         self._p2p: dict = {}
         self._handoff: dict[tuple, float] = {}
+        self._prefill: dict[tuple, float] = {}
         self._decode: dict[tuple, StageDecode] = {}
+        self._kv: dict[tuple, float] = {}
         self._rounds: dict[tuple, tuple[ReplicaLayout, DecodeRound]] = {}
-        self._signatures: dict[tuple[int, ...], int] = {}  # devices -> signature number
-        self._signature_ids: dict[tuple, int] = {}  # what the formulas read -> its number
-
-    def allreduce_time(self, devices, nbytes):
-        key = (tuple(devices), nbytes)
-        v = self._ar.get(key)
-        if v is None:
-            v = self._ar[key] = super().allreduce_time(devices, nbytes)
-        return v
-
-    def p2p_time(self, src, dst, nbytes):
-        key = (src, dst, nbytes)
-        v = self._p2p.get(key)
-        if v is None:
-            v = self._p2p[key] = super().p2p_time(src, dst, nbytes)
-        return v
-
-    def pp_handoff_time(self, a: StageLayout, b: StageLayout, tokens: float) -> float:
-        key = (a.devices, b.devices, tokens)
-        t = self._handoff.get(key)
-        if t is None:
-            t = self._handoff[key] = super().pp_handoff_time(a, b, tokens)
-        return t
 
     def signature(self, devices: tuple[int, ...]) -> int:
         """What the stage formulas read of a TP group's devices, as a small integer: equal signatures
@@ -92,39 +75,33 @@ class MemoCost(CostModel):
             if len({c.devices[d].machine for d in devices}) > 1:
                 full = ("devices", devices)
             else:
-                full = (tuple((c.devices[d].gpu.name, self._flops[d], self._membw[d], self._memory[d]) for d in devices),
+                full = (tuple((c.devices[d].gpu.name, self._flops[d], self._membw[d], self._memory[d])
+                              for d in devices),
                         tuple((float(self._alpha[d, e]), float(self._beta[d, e])) for d in devices for e in devices
                               if d != e))
             sig = self._signatures[devices] = self._signature_ids.setdefault(full, len(self._signature_ids))
         return sig
 
-    def stage_decode(self, stage: StageLayout, batch: float, is_last: bool = False) -> StageDecode:
-        key = (self.signature(stage.devices), stage.layers[1] - stage.layers[0], batch, is_last)
-        v = self._decode.get(key)
+    def allreduce_time(self, devices, nbytes):
+        key = (self.signature(tuple(devices)), nbytes)
+        v = self._ar.get(key)
         if v is None:
-            v = self._decode[key] = super().stage_decode(stage, batch, is_last)
+            v = _remember(self._ar, key, super().allreduce_time(devices, nbytes))
         return v
 
-    def decode_round(self, layout: ReplicaLayout, batch: float, micro_batches: int | None = None) -> DecodeRound:
-        # by the layout's identity (its hash is a Python call per stage), the layout kept beside
-        # the round so the identity stays its own; started afresh past ``_ROUNDS_MAX`` (a search
-        # prices ever new layouts)
-        key = (id(layout), batch, micro_batches)
-        kept = self._rounds.get(key)
-        if kept is None or kept[0] is not layout:
-            if len(self._rounds) >= _ROUNDS_MAX:
-                self._rounds.clear()
-            kept = self._rounds[key] = (layout, super().decode_round(layout, batch, micro_batches))
-        return kept[1]
+    def p2p_time(self, src, dst, nbytes):
+        key = (src, dst, nbytes)
+        v = self._p2p.get(key)
+        if v is None:
+            v = _remember(self._p2p, key, super().p2p_time(src, dst, nbytes))
+        return v
 
-
-class StageMemoCost(MemoCost):
-    """``MemoCost`` with the per-stage prices memoised by the stage's signature (module docstring)."""
-
-    def __init__(self, base: CostModel):
-        super().__init__(base)
-        self._prefill: dict[tuple, float] = {}
-        self._kv: dict[tuple, float] = {}
+    def pp_handoff_time(self, a: StageLayout, b: StageLayout, tokens: float) -> float:
+        key = (a.devices, b.devices, tokens)
+        t = self._handoff.get(key)
+        if t is None:
+            t = _remember(self._handoff, key, super().pp_handoff_time(a, b, tokens))
+        return t
 
     def stage_prefill_time(self, stage: StageLayout, batch: PrefillBatch, is_last: bool = False) -> float:
         # the batch by its fields: equal batches are equal field by field, and a tuple of them
@@ -133,15 +110,39 @@ class StageMemoCost(MemoCost):
                batch.sum_sq, batch.scored, is_last)
         t = self._prefill.get(key)
         if t is None:
-            t = self._prefill[key] = super().stage_prefill_time(stage, batch, is_last)
+            t = _remember(self._prefill, key, super().stage_prefill_time(stage, batch, is_last))
         return t
+
+    def stage_decode(self, stage: StageLayout, batch: float, is_last: bool = False) -> StageDecode:
+        key = (self.signature(stage.devices), stage.layers[1] - stage.layers[0], batch, is_last)
+        v = self._decode.get(key)
+        if v is None:
+            v = _remember(self._decode, key, super().stage_decode(stage, batch, is_last))
+        return v
 
     def stage_kv_capacity(self, stage: StageLayout, is_first: bool = False, is_last: bool = False) -> float:
         key = (self.signature(stage.devices), stage.layers[1] - stage.layers[0], is_first, is_last)
         v = self._kv.get(key)
         if v is None:
-            v = self._kv[key] = super().stage_kv_capacity(stage, is_first, is_last)
+            v = _remember(self._kv, key, super().stage_kv_capacity(stage, is_first, is_last))
         return v
+
+    def decode_round(self, layout: ReplicaLayout, batch: float, micro_batches: int | None = None) -> DecodeRound:
+        # by the layout's identity (its hash is a Python call per stage), the layout kept beside
+        # the round so the identity stays its own
+        key = (id(layout), batch, micro_batches)
+        kept = self._rounds.get(key)
+        if kept is None or kept[0] is not layout:
+            kept = _remember(self._rounds, key, (layout, super().decode_round(layout, batch, micro_batches)))
+        return kept[1]
+
+
+def _remember(memo: dict, key, value):
+    """Keep ``value`` in ``memo`` (started afresh past ``_MEMO_MAX`` entries) and return it."""
+    if len(memo) >= _MEMO_MAX:
+        memo.clear()
+    memo[key] = value
+    return value
 
 
 def memoised(cost: CostModel) -> CostModel:

@@ -1,6 +1,6 @@
 """The memos that make large searches cheaper must price exactly what the cost model prices:
 
-* stage prices in the layout search (``cost.memo.StageMemoCost``) are shared between stages on
+* stage prices in the layout search (``cost.memo.MemoCost``) are shared between stages on
   different machines only when the formulas read the same of them — same GPUs, memory and links
   inside the TP group;
 * KV hand-off times (``PlanContext.kv_capacity``) are shared between pairs of replicas only when

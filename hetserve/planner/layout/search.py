@@ -46,7 +46,7 @@ from hetserve.planner.layout.alternatives import KVAlternatives
 from hetserve.planner.layout.choice import LayoutChoice
 from hetserve.planner.layout.choice import remap as _remap
 from hetserve.planner.layout.engines import shape_allowed
-from hetserve.cost.memo import StageMemoCost
+from hetserve.cost.memo import MemoCost
 
 if TYPE_CHECKING:
     from hetserve.planner.context import PlanContext
@@ -65,7 +65,7 @@ class LayoutSearch(KVAlternatives, LayerSplits):
 
     def __init__(self, ctx: "PlanContext"):
         self.ctx = ctx
-        self.cost = StageMemoCost(ctx.cost)  # the same prices, stage terms memoised
+        self.cost = MemoCost(ctx.cost)  # the same prices, stage terms memoised
         m = ctx.model
         self.num_layers = m.num_layers
         self.tp_ok = [t for t in range(1, 65) if m.tp_problem(t) is None]

@@ -71,8 +71,9 @@ def test_attacks_on_every_endpoint_run_nothing_and_kill_nothing(engine, tmp_path
     for t in slow:
         t.start()
     exploit = pickle.dumps(("step", {}, "engine", [Exploit(str(marker))]))
-    rng = random.Random(0)
-    for address in endpoints:
+
+    def attack(address, seed: int) -> None:
+        rng = random.Random(seed)
         for _ in range(ROUNDS):
             send_and_close(address, old_framing(exploit))
             send_and_close(address, rng.randbytes(rng.randint(1, 4096)))
@@ -81,6 +82,13 @@ def test_attacks_on_every_endpoint_run_nothing_and_kill_nothing(engine, tmp_path
             # the greeting, then a correct-looking frame without the proof
             send_and_close(address, MAGIC + bytes(NONCE_BYTES) + struct.pack(">H", 1) + b"x" + bytes(32)
                             + CHUNK_HEADER.pack(1, 0, 8, 8) + bytes(8))
+
+    # every endpoint at once: each attack waits for its endpoint to close the connection
+    attackers = [threading.Thread(target=attack, args=(a, i)) for i, a in enumerate(endpoints)]
+    for t in attackers:
+        t.start()
+    for t in attackers:
+        t.join()
     for t in slow:
         t.join()
     in_flight.join(timeout=120)

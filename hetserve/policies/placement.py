@@ -113,8 +113,9 @@ class JoinShortestQueue(_Base):
         self._next = 0
 
     def choose(self, request: RequestInfo, candidates: Sequence[ReplicaState], now: float) -> str:
-        best = min((c.load, c.outstanding_tokens) for c in candidates)
-        tied = [c for c in candidates if (c.load, c.outstanding_tokens) == best]
+        keys = [(c.queued_requests + c.running_requests, c.outstanding_tokens) for c in candidates]  # c.load
+        best = min(keys)
+        tied = [c for c, k in zip(candidates, keys) if k == best]
         self._next += 1
         return tied[self._next % len(tied)].id
 

@@ -19,7 +19,7 @@ from hetserve.sim.events import Priority
 from hetserve.sim.hosts import on_host, pipeline_step_beside
 from hetserve.sim.choices import prefill_batch
 from hetserve.sim.replicas.decoding import Decoding
-from hetserve.sim.replicas.snapshots import KEEP
+from hetserve.sim.replicas.snapshots import KEEP, held_until
 
 
 class ColocatedReplica(Decoding):
@@ -285,7 +285,7 @@ class ColocatedReplica(Decoding):
         def retime(snap):
             now = self.loop.now
             return snap if now < until or b.iterations_done(now) == done else self.state(False)
-        return retime
+        return held_until(until, retime)
 
     def state(self, with_requests: bool = False) -> ReplicaState:
         b = self.batch

@@ -4,10 +4,13 @@ event loop as one replica uses it (``ReplicaClock``), which tells the cache whos
 A replica kind opts in with ``snapshots_kept`` and says, through ``snapshot_clock()``, how its
 snapshot depends on the clock: ``KEEP`` (not at all: it holds until the replica changes), a
 function bringing a kept one up to now (it may hand back the very snapshot it got: then that
-function stays filed with it), or None (build it again)."""
+function stays filed with it; made by ``held_until``, it is not asked before a time it names), or
+None (build it again)."""
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from typing import Any, Callable, Sequence
 
 from hetserve.policies.base import ReplicaState
@@ -59,6 +62,13 @@ def with_wait(snap: ReplicaState, wait: float) -> ReplicaState:
     return new
 
 
+def held_until(until: float, retime: Callable[[ReplicaState], ReplicaState]) -> Callable[[ReplicaState], ReplicaState]:
+    """``retime``, marked as handing back the snapshot it gets at every time before ``until``:
+    ``SnapshotCache`` does not ask it before then (a fleet's arrivals would ask every replica)."""
+    retime.until = until  # type: ignore[attr-defined]
+    return retime
+
+
 class SnapshotCache:
     """The placement snapshots of ``replicas`` (aggregates only, no request views), each built
     again only where it may differ from the one kept: the replica changed (one of its own events
@@ -75,6 +85,10 @@ class SnapshotCache:
         self._dirty: set[int] = set(range(len(self._reps)))
         # kept snapshots that read the clock -> how to bring one up to now (None: build it again)
         self._timed: dict[int, Callable[[ReplicaState], ReplicaState] | None] = {}
+        # of those, the ones asked at every decision; the others wait in ``_held`` for their time
+        self._asked: dict[int, Callable[[ReplicaState], ReplicaState] | None] = {}
+        self._held: list = []  # (until, seq, index, retime)
+        self._seq = itertools.count()
         self._kept = [rep.snapshots_kept for rep in self._reps]
         for i, rep in enumerate(self._reps):
             if rep.snapshots_kept:
@@ -89,7 +103,14 @@ class SnapshotCache:
     def states(self) -> list[ReplicaState]:
         """Every replica's snapshot now, in the order given."""
         reps, snaps, timed, dirty = self._reps, self._snaps, self._timed, self._dirty
-        for i, retime in list(timed.items()):
+        held = self._held
+        if held:
+            now = reps[0].loop.now
+            while held and held[0][0] <= now:
+                _, _, i, how = heapq.heappop(held)
+                if timed.get(i) is how:  # still the one filed: asked from now on
+                    self._asked[i] = how
+        for i, retime in list(self._asked.items()):
             if retime is not None and i not in dirty:
                 new = retime(snaps[i])
                 if new is not snaps[i]:  # the same snapshot back: it and its retime stay filed
@@ -105,7 +126,13 @@ class SnapshotCache:
         return list(snaps)  # type: ignore[arg-type]
 
     def _file(self, i: int, how) -> None:
+        self._asked.pop(i, None)
         if how is KEEP:
             self._timed.pop(i, None)
+            return
+        self._timed[i] = how
+        until = getattr(how, "until", None)
+        if until is None:
+            self._asked[i] = how
         else:
-            self._timed[i] = how
+            heapq.heappush(self._held, (until, next(self._seq), i, how))

@@ -27,7 +27,8 @@ NIC, and every route through one of them shares it. Each such resource r is a ca
 
 Because routes put different bytes per request on the same node, a resource is a *weighted*
 node constraint; the max flow with capacity nodes is then a small linear program (HiGHS),
-exact, with the flow on every edge. ``colocated`` groups sit outside the flow (their requests
+exact, with the flow on every edge (past ``flow_lp.RESTRICT_COLUMNS`` columns solved by column
+generation: the same optimum, not always the same routes among equally good ones). ``colocated`` groups sit outside the flow (their requests
 never cross a KV edge) but may load resources too; they are variables of that program, capped
 by their capacity. Without resources, or when the unconstrained max flow already respects every
 resource (it is then optimal: the constrained value can only be lower), the network is the
@@ -48,11 +49,10 @@ from dataclasses import dataclass, field
 import networkx as nx
 import numpy as np
 from networkx.algorithms.flow import preflow_push
-from scipy.optimize import linprog
 from scipy.sparse import csr_array
 from scipy.sparse.csgraph import maximum_flow
 
-from hetserve.planner.pool.flow_lp import build_programme
+from hetserve.planner.pool.flow_lp import build_programme, solve_programme
 
 _MAX_INT = 2**31 - 1
 
@@ -140,10 +140,7 @@ def solve_with_resources(net: FlowNetwork) -> FlowResult:
     if cols == 0:
         return FlowResult(0.0)
     lp = build_programme(net, edges)  # rows and columns: ``flow_lp``
-    res = linprog(-np.ones(cols), A_ub=lp.matrix, b_ub=lp.rhs, bounds=lp.bounds, method="highs")
-    if res.status != 0:
-        raise RuntimeError(f"max flow with capacity nodes: the LP solver failed ({res.message})")
-    x = np.maximum(res.x, 0.0)
+    x, marginals = solve_programme(lp, P, D)
     edge_flow = {e: float(x[k]) for k, e in enumerate(edges)}
     node_flow = {g: 0.0 for g in net.prefill + net.decode}
     for (p, d), f in edge_flow.items():
@@ -151,7 +148,7 @@ def solve_with_resources(net: FlowNetwork) -> FlowResult:
         node_flow[d] += f
     colocated = {c: float(x[len(edges) + k]) for k, c in enumerate(net.colocated)}
     # duals of the maximisation (HiGHS reports ∂min/∂b ≤ 0); resource rows were scaled by 1 / top
-    lam = np.maximum(-np.asarray(res.ineqlin.marginals, dtype=float), 0.0)
+    lam = np.maximum(-marginals, 0.0)
     node_dual = {g: float(lam[i]) for i, g in enumerate(net.prefill + net.decode)}
     resource_dual = {r: float(lam[P + D + i]) / float(lp.tops[i]) for i, r in enumerate(lp.names) if lp.tops[i] > 0}
     return FlowResult(sum(edge_flow.values()), node_flow, edge_flow, colocated, node_dual, resource_dual)

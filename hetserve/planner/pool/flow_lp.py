@@ -11,6 +11,8 @@ requests keep the programme well scaled).
 The same programme, entry for entry and bit for bit, is what a dictionary filled column by column
 gives; built from arrays it costs a pass over the columns' KV loads instead of a dictionary entry
 per (resource, column) pair, which on pools of thousands of GPUs was a second per programme.
+
+``solve_programme`` solves it: whole, or past ``RESTRICT_COLUMNS`` columns by column generation.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.optimize import linprog
 from scipy.sparse import csr_array
 from scipy.sparse import vstack as sparse_vstack
 
@@ -130,3 +133,56 @@ def _sum_in_order(rr: np.ndarray, cc: np.ndarray, vv: np.ndarray, stage: np.ndar
         total[more] = total[more] + vv[starts[more] + extra]
     first = key[starts]
     return first // max(cols, 1), first % max(cols, 1), total
+
+
+# A programme with more columns than this is solved by column generation (``solve_programme``):
+# on pools of thousands of GPUs most KV columns cross a slow site pipe and carry nothing, and
+# HiGHS spends its time on them. Smaller programmes are solved whole (well under a second), so
+# their routes stay those HiGHS picks on the whole programme.
+RESTRICT_COLUMNS = 20_000
+SEED_COLUMNS = 8  # a restricted programme starts from each group's this many widest KV columns
+REDUCED_COST_TOL = 1e-9  # a column whose reduced cost is above this joins the restricted programme
+
+
+def solve_programme(lp: ResourceProgramme, P: int, D: int):
+    """(x, HiGHS's row marginals) of max Σx over ``lp`` (KV columns p-major over P × D, then
+    colocated ones): the whole programme at once, or, past ``RESTRICT_COLUMNS``, by column
+    generation. That one starts from every group's ``SEED_COLUMNS`` widest KV columns (largest
+    upper bound, ties by index) and every colocated column, prices every column with the
+    restricted optimum's duals and adds each whose reduced cost 1 − Aᵀλ is positive, until none
+    is: its optimum is then the whole programme's (a feasible primal and a dual feasible for every
+    column), and its duals bound every column. Columns outside the restricted set carry 0. The
+    result depends only on the programme, not on what was solved before."""
+    cols = lp.matrix.shape[1]
+    upper = np.fromiter((b[1] for b in lp.bounds), float, cols)
+    if cols <= RESTRICT_COLUMNS or P == 0 or D == 0:
+        res = _linprog(lp.matrix, lp.rhs, lp.bounds)
+        return np.maximum(res.x, 0.0), np.asarray(res.ineqlin.marginals, dtype=float)
+    chosen = np.zeros(cols, dtype=bool)
+    chosen[P * D:] = True
+    kv = upper[:P * D].reshape(P, D)
+    k = min(SEED_COLUMNS, D)
+    widest = np.argsort(-kv, axis=1, kind="stable")[:, :k]
+    chosen[(np.arange(P)[:, None] * D + widest).ravel()] = True
+    k = min(SEED_COLUMNS, P)
+    widest = np.argsort(-kv, axis=0, kind="stable")[:k, :]
+    chosen[(widest * D + np.arange(D)[None, :]).ravel()] = True
+    matrix = lp.matrix.tocsc()
+    while True:
+        idx = np.flatnonzero(chosen)
+        res = _linprog(matrix[:, idx], lp.rhs, np.column_stack((np.zeros(len(idx)), upper[idx])))
+        marginals = np.asarray(res.ineqlin.marginals, dtype=float)
+        reduced = 1.0 - matrix.T @ np.maximum(-marginals, 0.0)
+        more = (reduced > REDUCED_COST_TOL) & (upper > 0) & ~chosen
+        if not more.any():
+            x = np.zeros(cols)
+            x[idx] = np.maximum(res.x, 0.0)
+            return x, marginals
+        chosen |= more
+
+
+def _linprog(matrix, rhs, bounds):
+    res = linprog(-np.ones(matrix.shape[1]), A_ub=matrix, b_ub=rhs, bounds=bounds, method="highs")
+    if res.status != 0:
+        raise RuntimeError(f"max flow with capacity nodes: the LP solver failed ({res.message})")
+    return res

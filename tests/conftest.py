@@ -19,6 +19,23 @@ def roofline(monkeypatch):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _fork_workers_from_a_server():
+    """Engines in tests (and the ``hetserve serve`` processes they start, which inherit the
+    environment) start their workers from a fork server that imported torch once, not a fresh
+    interpreter each: most of an engine test's CPU was its workers importing torch. The default
+    (spawn) keeps its own tests (``tests/runtime/test_start_methods.py``)."""
+    from hetserve.runtime.engine_config import START_METHOD_ENV
+
+    saved = os.environ.get(START_METHOD_ENV)
+    os.environ[START_METHOD_ENV] = "forkserver"
+    yield
+    if saved is None:
+        os.environ.pop(START_METHOD_ENV, None)
+    else:
+        os.environ[START_METHOD_ENV] = saved
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _keep_every_group_bound():
     """Many tests plan the same presets (het1, het2, het3 with llama-2-70b on azure-conv) and so price
     the same group bound, a MILP of up to a minute. ``bound``'s cache keeps 64 of them, first in first

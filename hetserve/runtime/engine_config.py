@@ -8,7 +8,7 @@ CPU, where the device memory of the cluster file is fictional).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Callable
 
 from hetserve.cost.efficiency import Efficiency
@@ -24,6 +24,8 @@ from hetserve.runtime.model.config import ArchConfig
 from hetserve.runtime.scheduler import ReplicaScheduler
 from hetserve.runtime.workers.wire import MAX_HEADER_BYTES
 from hetserve.specs.cluster import Cluster
+
+START_METHOD_ENV = "HETSERVE_START_METHOD"  # the workers' start method where a config names none
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,10 @@ class EngineConfig:
     memory_fraction: float = Efficiency.usable_memory
     start_timeout_s: float = 120.0
     micro_batches: int | None = None  # steps in flight per replica; None: its number of pipeline stages
-    start_method: str = "spawn"  # or "forkserver": workers fork from a server that imported torch once
+    # "spawn", or "forkserver": workers fork from a server that imported torch once (a second, not
+    # seconds, per worker). Default: $HETSERVE_START_METHOD, else spawn: a fork server keeps the
+    # environment it started with, so an OpenMP setting made for later workers would not reach them
+    start_method: str = field(default_factory=lambda: os.environ.get(START_METHOD_ENV, "spawn"))
     # tensors between workers by a device channel (runtime/workers/device_channel.py): "off", "auto"
     # (pairs of GPUs: NCCL / CUDA IPC) or "on" (gloo between CPU workers too: the same code path, no
     # faster than the socket on CPU). Off until the GPU kinds have run on a GPU (bench/gpu/dataflow.sh)
@@ -71,7 +76,8 @@ class EngineConfig:
         if self.kv_admission not in KV_ADMISSIONS:
             raise ValueError(f"kv_admission must be one of {', '.join(KV_ADMISSIONS)}, got {self.kv_admission!r}")
         if self.start_method not in ("spawn", "forkserver"):
-            raise ValueError(f"start_method must be spawn or forkserver, got {self.start_method!r}")
+            raise ValueError(f"start_method must be spawn or forkserver, got {self.start_method!r} "
+                             f"(the default comes from ${START_METHOD_ENV} when it is set)")
         if self.micro_batches is not None and self.micro_batches < 1:
             raise ValueError(f"micro_batches must be positive, got {self.micro_batches}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -12,8 +12,8 @@ properties recomputed on every access) read once into plain attributes, and its 
 * a replica's decode round at a batch (``decode_round``) by the layout.
 
 What the formulas read of a stage: the layer count, the position (first / last), the batch, and of
-its devices only their GPU type, FLOP/s, memory bandwidth and usable memory (slowest / smallest
-device paces) and the links among them (TP all-reduce). A stage inside one machine is keyed by
+its devices only their GPU type (and CPU cores, for a worker slot), FLOP/s, memory bandwidth and
+usable memory (slowest / smallest device paces) and the links among them (TP all-reduce). A stage inside one machine is keyed by
 those (its ``signature``), so the same GPUs on another machine hit: the layout search prices
 thousands of stage sequences whose stages mostly repeat, and a simulated fleet runs many copies
 of one replica. A stage across machines (its all-reduce shares NICs) is keyed by its devices.
@@ -75,8 +75,8 @@ class MemoCost(CostModel):
             if len({c.devices[d].machine for d in devices}) > 1:
                 full = ("devices", devices)
             else:
-                full = (tuple((c.devices[d].gpu.name, self._flops[d], self._membw[d], self._memory[d])
-                              for d in devices),
+                full = (tuple((c.devices[d].gpu.name, c.devices[d].cpu_cores, self._flops[d], self._membw[d],
+                               self._memory[d]) for d in devices),
                         tuple((float(self._alpha[d, e]), float(self._beta[d, e])) for d in devices for e in devices
                               if d != e))
             sig = self._signatures[devices] = self._signature_ids.setdefault(full, len(self._signature_ids))

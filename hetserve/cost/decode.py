@@ -5,9 +5,9 @@ At a fixed batch a stage's decode time is a function of one number, the context 
 read, and a simple one: attention's products and KV reads grow with it, and nothing else (the
 matrix products and weight reads, all-reduces, collectives, the LM head, the step's overheads)
 reads it at all. ``StageDecode`` holds those terms and ``DecodeRound`` a replica's stages with their
-hand-offs: what the batch fixes. A caller pricing
-many contexts at one batch (the simulator's decode iterations; ``cost.memo`` keeps them) prices
-each context with a few multiplications. ``DecodeCosts`` is a part of ``cost.analytic.CostModel``.
+hand-offs: what the batch fixes. A caller pricing many contexts at one batch (the simulator's
+decode iterations; ``cost.memo`` keeps the terms) prices each context with a few multiplications.
+``DecodeCosts`` is a part of ``cost.analytic.CostModel``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class StageDecode:
     collective_bytes_s: float
 
     def at(self, context_tokens: float) -> float:
-        # summed in this order, as every caller has priced it
+        # one fixed order of the sum: the same float wherever a decode step is priced
         return (self.layers * (self.per_layer(context_tokens) + self.comm_s) + self.collectives_s + self.head_s
                 + self.step_s + self.multi_row_s + self.collective_bytes_s)
 

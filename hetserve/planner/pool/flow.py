@@ -30,9 +30,9 @@ node constraint; the max flow with capacity nodes is then a small linear program
 exact, with the flow on every edge (past ``flow_lp.RESTRICT_COLUMNS`` columns solved by column
 generation: the same optimum, not always the same routes among equally good ones). ``colocated``
 groups sit outside the flow (their requests never cross a KV edge) but may load resources too;
-they are variables of that program, capped by their capacity. Without resources, or when the unconstrained max flow already respects every
-resource (it is then optimal: the constrained value can only be lower), the network is the
-paper's and is solved as below.
+they are variables of that program, capped by their capacity. Without resources, or when the
+unconstrained max flow already respects every resource (it is then optimal: the constrained value
+can only be lower), the network is the paper's and is solved as below.
 
 ``solve`` runs networkx's preflow-push (Goldberg–Tarjan) on exactly that network and returns the
 flow on every edge: the refinement reads bottlenecks from it and KV-route weights are

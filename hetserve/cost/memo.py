@@ -13,10 +13,11 @@ properties recomputed on every access) read once into plain attributes, and its 
 
 What the formulas read of a stage: the layer count, the position (first / last), the batch, and of
 its devices only their GPU type (and CPU cores, for a worker slot), FLOP/s, memory bandwidth and
-usable memory (slowest / smallest device paces) and the links among them (TP all-reduce). A stage inside one machine is keyed by
-those (its ``signature``), so the same GPUs on another machine hit: the layout search prices
-thousands of stage sequences whose stages mostly repeat, and a simulated fleet runs many copies
-of one replica. A stage across machines (its all-reduce shares NICs) is keyed by its devices.
+usable memory (slowest / smallest device paces) and the links among them (TP all-reduce). A stage
+inside one machine is keyed by those (its ``signature``), so the same GPUs on another machine hit:
+the layout search prices thousands of stage sequences whose stages mostly repeat, and a simulated
+fleet runs many copies of one replica. A stage across machines (its all-reduce shares NICs) is
+keyed by its devices.
 
 The replica-level methods (TTFT, decode step, KV capacity …) are the cost model's own and call
 these, so every figure is the cost model's, bit for bit; nothing here prices anything itself.

@@ -243,6 +243,9 @@ class _RayContext:
         machine = self.machine_of(args[0].spec.name)
         return RayWorkerProcess(target, args, machine, name, address=self.addresses.get(machine))
 
+    def set_forkserver_preload(self, module_names) -> None:
+        """Nothing to preload: Ray starts the worker processes, whatever the start method."""
+
 
 class _RayMP:
     def __init__(self, ctx: _RayContext, real):

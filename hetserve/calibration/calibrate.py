@@ -141,10 +141,11 @@ def turn_hold(cm: CostModel, layout, rounds, decode_tokens: int) -> float | None
     grows with it)."""
     shares = []
     for _, n, _, _, prompt, seconds in rounds:
-        m, times = cm.micro_batch_stage_times(layout, n, n * (prompt + decode_tokens / 2))
-        turn = cm.turn_around(times)
+        round_ = cm.decode_round(layout, n)
+        times = round_.stage_times(n * (prompt + decode_tokens / 2))
+        turn = round_.turn_around(times)
         if turn > 0:
-            shares.append(1.0 - (times[-1] - seconds / m) / turn)
+            shares.append(1.0 - (times[-1] - seconds / round_.micro_batches) / turn)
     return float(np.clip(statistics.median(shares), 0.0, 1.0)) if shares else None
 
 

@@ -56,13 +56,18 @@ class DecodeRound:
         c = context_tokens / self.micro_batches
         return [s.at(c) for s in self.stages]
 
+    def turn_around(self, stage_times: list[float]) -> float:
+        """The turn-around a micro-batch's last stage carries (``iteration_overhead_s``, at most that
+        stage's time in ``stage_times``): the part ``hold`` shares out."""
+        return min(self.turn_s, stage_times[-1])
+
     def at(self, context_tokens: float, dispatch_s: float = 0.0) -> float:
         times = self.stage_times(context_tokens)
         ring = sum(times) + self.hops_s + dispatch_s
         m = self.micro_batches
         if m == 1:
             return ring
-        free = (1.0 - self.hold) * min(self.turn_s, times[-1])
+        free = (1.0 - self.hold) * self.turn_around(times)
         wait = dispatch_s if self.shared_cores else 0.0
         return max(ring, m * (max(times[:-1] + [times[-1] - free]) + wait), m * free)
 
@@ -138,15 +143,9 @@ class DecodeCosts:
     def micro_batch_stage_times(self, layout: ReplicaLayout, batch: float, context_tokens: float,
                                 micro_batches: int | None = None) -> tuple[int, list[float]]:
         """(``m``, each stage's decode time for one of the ``m`` micro-batches ``batch`` sequences
-        split into): the pieces of ``decode_step_time``'s round (calibration solves the turn-around's
-        hold from them)."""
+        split into): the pieces of ``decode_step_time``'s round (``DecodeRound.stage_times``)."""
         r = self.decode_round(layout, batch, micro_batches)
         return r.micro_batches, r.stage_times(context_tokens)
-
-    def turn_around(self, stage_times: list[float]) -> float:
-        """The turn-around a micro-batch's last stage carries (``iteration_overhead_s``, at most that
-        stage's time in ``micro_batch_stage_times``): the part ``turn_hold`` shares out."""
-        return min(self.eff.iteration_overhead_s, stage_times[-1])
 
     def _turn_hold(self, shared_cores: bool) -> float:
         """The share of the turn-around that holds a pipeline's last stage (``decode_step_time``):

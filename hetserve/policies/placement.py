@@ -113,7 +113,7 @@ class JoinShortestQueue(_Base):
         self._next = 0
 
     def choose(self, request: RequestInfo, candidates: Sequence[ReplicaState], now: float) -> str:
-        keys = [(c.queued_requests + c.running_requests, c.outstanding_tokens) for c in candidates]  # c.load
+        keys = [(c.load, c.outstanding_tokens) for c in candidates]
         best = min(keys)
         tied = [c for c, k in zip(candidates, keys) if k == best]
         self._next += 1

@@ -154,10 +154,10 @@ def solve_programme(lp: ResourceProgramme, P: int, D: int):
     column), and its duals bound every column. Columns outside the restricted set carry 0. The
     result depends only on the programme, not on what was solved before."""
     cols = lp.matrix.shape[1]
-    upper = np.fromiter((b[1] for b in lp.bounds), float, cols)
     if cols <= RESTRICT_COLUMNS or P == 0 or D == 0:
         res = _linprog(lp.matrix, lp.rhs, lp.bounds)
         return np.maximum(res.x, 0.0), np.asarray(res.ineqlin.marginals, dtype=float)
+    upper = np.fromiter((b[1] for b in lp.bounds), float, cols)
     chosen = np.zeros(cols, dtype=bool)
     chosen[P * D:] = True
     kv = upper[:P * D].reshape(P, D)
@@ -167,7 +167,7 @@ def solve_programme(lp: ResourceProgramme, P: int, D: int):
     k = min(SEED_COLUMNS, P)
     widest = np.argsort(-kv, axis=0, kind="stable")[:k, :]
     chosen[(widest * D + np.arange(D)[None, :]).ravel()] = True
-    matrix = lp.matrix.tocsc()
+    matrix = lp.matrix  # CSC: column slices are cheap
     while True:
         idx = np.flatnonzero(chosen)
         res = _linprog(matrix[:, idx], lp.rhs, np.column_stack((np.zeros(len(idx)), upper[idx])))

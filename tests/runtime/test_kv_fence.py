@@ -40,6 +40,7 @@ def _receiver() -> Worker:
     w.kv_received, w.kv_done, w.kv_cancelled = {}, {}, {}
     w.kv_duplicates = w.kv_fenced = 0
     w._kv_lock = threading.Lock()
+    w.runner = SimpleNamespace(pool_written=lambda slots: None)  # no step runs here: nothing mirrors the pool
     return w
 
 

@@ -132,7 +132,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     keys = gather_context(k_cache, layout)  # (B, K, Hkv, D)
     values = gather_context(v_cache, layout)
     grouped = q.view(B, Hkv, Hq // Hkv, D).transpose(1, 2)  # (B, G, Hkv, D): G query rows per KV head
-    out = _sdpa(grouped, keys, values, layout.mask, scale)  # (B, G, Hkv, D)
+    out = grid_attention(grouped, keys, values, layout.mask, scale)  # (B, G, Hkv, D)
     out = out.transpose(1, 2).reshape(B, Hq, D)
     return out.masked_fill(layout.empty, 0)
 
@@ -153,12 +153,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     values = gather_context(v_cache, layout)
     grid = q.new_zeros(B, layout.q_valid.shape[1], Hq, D)
     grid[layout.q_valid] = q[layout.token]
-    attended = _sdpa(grid, keys, values, layout.mask, scale)  # (B, Q, Hq, D)
+    attended = grid_attention(grid, keys, values, layout.mask, scale)  # (B, Q, Hq, D)
     out[layout.token] = attended[layout.q_valid]
     return out
 
 
-def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def grid_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                   scale: float) -> torch.Tensor:
     """q (B, Q, Hq, D) over keys/values (B, K, Hkv, D) with mask (B, 1, Q, K) -> (B, Q, Hq, D).
 
     Half-precision inputs stay in their dtype: torch's attention kernels accumulate them in float32

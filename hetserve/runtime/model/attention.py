@@ -13,6 +13,8 @@ transfer (pinned, non-blocking on CUDA), then shared by every layer:
   its decodes and its prompts, because that implementation pads every sequence to the longest
   query of its call: a decode beside a 128-token prompt would attend as 128 rows (1.7-17.8x the
   attention time of two calls on the CPU demo, ``python -m bench.bench_attention``).
+- on a CPU, a decode step's sequences attend over their contexts as kept from earlier steps
+  (``AttnMeta.grids``, ``context_grids.ContextGrids``) rather than gathered from the pool again.
 
 Nothing here reads device data back to the host: every size a kernel needs (``max_query_len``)
 is known on the host when the step is built.
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 
 from hetserve.runtime import kernels
+from hetserve.runtime.model.context_grids import ContextGrids
 
 
 @dataclass
@@ -51,6 +54,7 @@ class AttnMeta:
     num_seqs: int
     block_size: int
     parts: tuple[AttnPart, ...]
+    grids: ContextGrids | None = None  # set by the step runner on a CPU (the plain-torch kernels)
 
 
 @dataclass
@@ -137,6 +141,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     kc = k_cache.view(-1, meta.block_size, *k_cache.shape[1:])  # (S / bs, bs, Hkv, D), no copy
     vc = v_cache.view(-1, meta.block_size, *v_cache.shape[1:])
     kernels.store_kv(k, v, kc, vc, meta.slot_mapping)
+    if meta.grids is not None:  # the contexts kept contiguous between steps (plain-torch kernels)
+        meta.grids.write_through(k_cache, k, v, meta.slot_mapping)
+        if meta.grids.step is not None:
+            return meta.grids.attend(q, k_cache, v_cache, scale).view(T, Hq * D)
     if len(meta.parts) == 1:
         return _attend(q, kc, vc, meta.parts[0], scale).view(T, Hq * D)
     out = q.new_empty(T, Hq, D)

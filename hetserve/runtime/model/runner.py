@@ -12,6 +12,10 @@ the same buffers and padding run eagerly, so the padding path is what CI tests.
 Prompt and mixed steps, and decode batches above the largest bucket or with a block table wider
 than the buffers, run eagerly with metadata of their own shape.
 
+On a CPU (the plain-torch attention kernels), decode steps read their contexts from
+grids kept contiguous between steps (``ContextGrids``), at most the KV pool's bytes again; the worker
+says when it writes the pool outside a step (``pool_written``).
+
 What cannot be captured: an all-reduce of a tensor-parallel stage over gloo (CPU, or two ranks
 sharing one GPU); only NCCL's can. ``graphs=False`` is the caller's way to say so.
 """
@@ -34,6 +38,7 @@ from hetserve.runtime.model.attention import (
     host_meta,
     to_device,
 )
+from hetserve.runtime.model.context_grids import ContextGrids
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +82,17 @@ class StepRunner:
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=self.device)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=self.device)  # one query per row
         self.last_token = torch.arange(n, dtype=torch.int32, device=self.device)
+        pool_bytes = sum(k.nbytes + v.nbytes for k, v in kv_layers)
+        on_cpu = impl == "torch" and self.device.type == "cpu" and kv_layers
+        self.grids = ContextGrids(kv_layers, block_size, pool_bytes) if on_cpu else None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._pool = None
+
+    def pool_written(self, slots: torch.Tensor) -> None:
+        """``slots`` of the KV pool were written outside a step (a hand-off received); any thread may say so."""
+        if self.grids is not None:
+            self.grids.pool_written(slots)
 
     # ------------------------------------------------------------------ metadata, once per step
     def prepare(self, starts: list[int], q_lens: list[int], block_tables: list[list[int]]) -> StepInputs:
@@ -87,7 +100,11 @@ class StepRunner:
         T = sum(q_lens)
         bucket = self._bucket(q_lens, starts)
         if bucket is None:
-            return StepInputs(build_attn_meta(starts, q_lens, block_tables, self.block_size, self.device), T, None)
+            meta = build_attn_meta(starts, q_lens, block_tables, self.block_size, self.device)
+            if self.grids is not None:
+                self.grids.unplanned()
+                meta.grids = self.grids
+            return StepInputs(meta, T, None)
         pad = bucket - len(q_lens)
         hm = host_meta(starts, q_lens, block_tables, self.block_size, width=self.max_blocks)
         _, bt, ctx, _, _ = hm.parts[0]
@@ -103,7 +120,11 @@ class StepRunner:
         self.slots[:bucket].copy_(fresh.slot_mapping)
         self.block_tables[:bucket].copy_(part.block_tables)
         self.context_lens[:bucket].copy_(part.context_lens)
-        return StepInputs(self._static_meta(bucket), T, bucket)
+        meta = self._static_meta(bucket)
+        if self.grids is not None:
+            self.grids.plan(hm.parts[0][1], ctx, bucket)
+            meta.grids = self.grids
+        return StepInputs(meta, T, bucket)
 
     def _bucket(self, q_lens: list[int], starts: list[int]) -> int | None:
         """The bucket of a decode step that fits the buffers, else None (an eager step)."""

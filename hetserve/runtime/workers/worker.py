@@ -252,8 +252,9 @@ class Worker:
             if seq in self.kv_done or piece in self.kv_received.get(seq, ()):
                 self.kv_duplicates += 1
                 return
-            self.pool.write(layers, heads, slots_of(m["table"], m["num_tokens"], self.cfg.block_size),
-                            msg.tensors["kv"])
+            slots = slots_of(m["table"], m["num_tokens"], self.cfg.block_size)
+            self.pool.write(layers, heads, slots, msg.tensors["kv"])
+            self.runner.pool_written(slots)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the bytes are in place before the coordinator hears so
             got = self.kv_received.setdefault(seq, set())

@@ -26,11 +26,15 @@ from hetserve.cost.layout import ReplicaLayout
 from hetserve.planner.pool.bounded_choice import BoundedChoice
 from hetserve.planner.context import PlanContext
 from hetserve.planner.pool.flow import FlowNetwork, FlowResult, _dinic, max_flow_nodes, max_flow_total, solve, solve_fast
-from hetserve.planner.pool.groups import Group, canonical
+from hetserve.planner.pool.capacity_sums import CapacitySums, bound_requests
+from hetserve.planner.pool.groups import Group, PoolLayout, canonical
 from hetserve.planner.layout.trials import (LayoutTrials)
 from hetserve.planner.bound.neighbour import NeighbourBound
 from hetserve.planner.options import Budget, PlanOptions
 from hetserve.planner.pool.pending import Pending
+
+MAX_EDIT_CHAIN = 8  # edits followed back to a pool layout with kept capacity sums, at most
+MAX_KEPT_SUMS = 64  # pool layouts whose capacity sums are kept (all dropped past it)
 
 
 @dataclass
@@ -86,9 +90,8 @@ class Evaluator(LayoutTrials, BoundedChoice):
         # usually just scored, and its flow needs that very LP (``flow.solve``)
         self._solved: dict[tuple[Group, ...], FlowResult] = {}
         self._neighbour: NeighbourBound | None = None  # ``_prices``' pool layout's dual terms
-        # the last evaluated pool layout and its groups' best capacities, by object identity: a
-        # search step's candidates share most of their ``Group`` objects with it (``_capacity_bound``)
-        self._base: tuple[tuple[Group, ...], dict[int, float]] = ((), {})
+        # capacity sums of the pool layouts a search step's candidates were edited from (``_capacity_bound``)
+        self._sums: dict[PoolLayout, CapacitySums] = {}
         self.colocated_cuts: dict[tuple, list[tuple[int, ...]]] = {}  # composition -> ``mixing._colocated_cut``
 
     def capacity(self, devices: Sequence[int], role: str) -> float:
@@ -132,7 +135,7 @@ class Evaluator(LayoutTrials, BoundedChoice):
                 caps.append(best[1])
         net = self._empty_network(groups, caps)
         colocated = sum(net.node_cap[c] for c in net.colocated)
-        bound = ctx.tokens_per_s((net.upper_bound() if net.prefill and net.decode else 0.0) + colocated)
+        bound = ctx.tokens_per_s(bound_requests(zip((g.role for g in groups), caps)))
         return Pending(tuple(groups), layouts, caps, net, colocated, bound, tuple(choice or (0,) * len(groups)))
 
     def _best(self, g: Group) -> tuple[ReplicaLayout, float] | None:
@@ -145,27 +148,24 @@ class Evaluator(LayoutTrials, BoundedChoice):
         return 0.0 if best is None else best[1]
 
     def _capacity_bound(self, groups: Sequence[Group]) -> float:
-        """``_pending(groups).bound`` without the rest of ``_pending``: the same sums in the same
-        order (so the same float), each group's capacity read by identity where it is one of the
-        last evaluated pool layout's ``Group`` objects."""
-        known = self._base[1]
-        pre = dec = col = 0
-        n_pre = n_dec = 0
-        for g in groups:
-            cap = known.get(id(g))
-            if cap is None:
-                cap = self._best_capacity(g)
-            if cap > 0:
-                role = g.role
-                if role == "prefill":
-                    pre += cap
-                    n_pre += 1
-                elif role == "decode":
-                    dec += cap
-                    n_dec += 1
-                else:
-                    col += cap
-        return self.ctx.tokens_per_s((min(pre, dec) if n_pre and n_dec else 0.0) + col)
+        """``_pending(groups).bound`` without the rest of ``_pending``: for a pool layout edited
+        from another (``PoolLayout.edited``), that one's capacity sums updated by the groups it
+        dropped and added (``capacity_sums``: the same float)."""
+        return self.ctx.tokens_per_s(self._capacity_sums(groups).requests())
+
+    def _capacity_sums(self, groups: Sequence[Group], depth: int = 0) -> CapacitySums:
+        """Capacity sums of a pool layout; those of the layouts candidates are edited from are
+        kept (a step's candidates share one, and the next step's share the one it picks)."""
+        parent = groups.parent if type(groups) is PoolLayout else None
+        if parent is None or depth >= MAX_EDIT_CHAIN:
+            return CapacitySums.of((g.role, self._best_capacity(g)) for g in groups)
+        base = self._sums.get(parent)
+        if base is None:
+            if len(self._sums) >= MAX_KEPT_SUMS:
+                self._sums.clear()
+            base = self._sums[parent] = self._capacity_sums(parent, depth + 1)
+        cap = self._best_capacity
+        return base.edited([(g.role, cap(g)) for g in groups.dropped], [(g.role, cap(g)) for g in groups.added])
 
     def _build(self, c: "Pending") -> None:
         """Fill in a pending pool layout's KV edges and resource loads."""
@@ -304,7 +304,6 @@ class Evaluator(LayoutTrials, BoundedChoice):
         layouts, caps, net, _ = self._network(key, self._choices[key])
         flow = solve(net, self._solved.get(key))
         self._solved.clear()
-        self._base = (key, {id(g): self._best_capacity(g) for g in key})
         if flow.node_dual:
             self._prices = ({key[i]: y for i, y in flow.node_dual.items()}, flow.resource_dual)
             self._neighbour = None

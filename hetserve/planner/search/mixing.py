@@ -17,10 +17,10 @@ import functools
 import itertools
 
 from hetserve.planner.context import PlanContext
-from hetserve.planner.search.moves import PoolLayout, merge, split, split_devices
+from hetserve.planner.search.moves import merge, split, split_devices
 from hetserve.planner.search.partition import group_bandwidth
 from hetserve.planner.pool.evaluator import Evaluator
-from hetserve.planner.pool.groups import Group, canonical
+from hetserve.planner.pool.groups import Group, PoolLayout, canonical
 
 MAX_MIXED_ROUNDS = 8
 MAX_PAIR_CANDIDATES = 60  # colocated pairs tried per round (best connected first)
@@ -161,10 +161,11 @@ def _recut(ctx: PlanContext, evaluator: Evaluator, groups: PoolLayout, idx) -> P
     cut = [Group.of(ds, "colocated") for ds in _colocated_cut(ctx, evaluator, devices)]
     used = {d for g in cut for d in g.devices}
     idle = tuple(d for d in devices if d not in used)
-    rest = [g for i, g in enumerate(groups) if i not in take] + cut
     if idle:  # devices no colocated replica uses stay in a (zero-capacity) group: movable later
-        rest.append(Group.of(idle, "colocated"))
-    return canonical(rest)
+        cut.append(Group.of(idle, "colocated"))
+    if type(groups) is PoolLayout:
+        return groups.edited(take, cut)
+    return canonical([g for i, g in enumerate(groups) if i not in take] + cut)
 
 
 def _recut_with_machine_mates(ctx: PlanContext, evaluator: Evaluator, groups: PoolLayout, i: int) -> PoolLayout | None:

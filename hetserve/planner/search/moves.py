@@ -17,9 +17,7 @@ import random
 from typing import Sequence
 
 from hetserve.planner.context import PlanContext
-from hetserve.planner.pool.groups import Group, canonical
-
-PoolLayout = tuple[Group, ...]
+from hetserve.planner.pool.groups import Group, PoolLayout, canonical
 
 
 def pick_device(ctx: PlanContext, group: Group, cls: int) -> int | None:
@@ -28,9 +26,13 @@ def pick_device(ctx: PlanContext, group: Group, cls: int) -> int | None:
     return found[-1] if found else None
 
 
-def _replace(groups: Sequence[Group], changes: dict[int, Group | None]) -> PoolLayout:
-    out = [changes.get(i, g) for i, g in enumerate(groups)]
-    return canonical(g for g in out if g is not None and g.devices)
+def _replace(groups: Sequence[Group], changes: dict[int, Group | None], extra: Sequence[Group] = ()) -> PoolLayout:
+    """``groups`` with group i replaced by ``changes[i]`` (None: dropped) and the groups ``extra``
+    added, canonical (groups without devices dropped)."""
+    new = [g for g in changes.values() if g is not None] + list(extra)
+    if type(groups) is PoolLayout:  # sorted already: only the changed groups move
+        return groups.edited(changes, new)
+    return canonical([g for i, g in enumerate(groups) if i not in changes] + new)
 
 
 def move(groups: Sequence[Group], i: int, j: int, device: int) -> PoolLayout | None:
@@ -88,8 +90,7 @@ def split(ctx: PlanContext, groups: Sequence[Group], i: int, roles: tuple[str, s
     if not a or not b:
         return None
     ra, rb = roles or (groups[i].role, groups[i].role)
-    out = [g for k, g in enumerate(groups) if k != i] + [Group.of(a, ra), Group.of(b, rb)]
-    return canonical(out)
+    return _replace(groups, {i: None}, (Group.of(a, ra), Group.of(b, rb)))
 
 
 def random_edit(ctx: PlanContext, groups: Sequence[Group], rng: random.Random, roles=("prefill", "decode")) -> PoolLayout | None:

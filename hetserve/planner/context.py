@@ -21,6 +21,7 @@ from hetserve.cost.analytic import CostModel
 from hetserve.cost.layout import ReplicaLayout
 from hetserve.cost.network import concurrent_time
 from hetserve.errors import InfeasibleError
+from hetserve.planner.kv_pairs import KVPairs
 from hetserve.planner.options import PlanOptions
 from hetserve.planner.slo import SLOTargets
 from hetserve.specs.cluster import Cluster
@@ -55,6 +56,7 @@ class PlanContext:
         self.slo: SLOTargets | None = targets if o.objective != "throughput" and targets.any else None
         self._init_classes()
         self._kv_cache: dict[tuple, float] = {}
+        self._kv_kinds = KVPairs(cluster)  # hand-off prices by pair kind
         self._kv_time_cache: dict[tuple, float] = {}  # transfer_shape → seconds
         self._kv_load_cache: dict[tuple, dict[str, float]] = {}
         self._node_load_cache: dict[tuple, dict[str, float]] = {}
@@ -196,18 +198,23 @@ class PlanContext:
         return cap
 
     def _kv_pair(self, src: ReplicaLayout, dst: ReplicaLayout, key) -> tuple[float, dict[str, float]]:
-        """(capacity, loads) of a hand-off, both priced from one list of its transfers and cached
-        under ``key`` (``kv_capacity`` / ``kv_load``): a search needs both for every new pair."""
+        """(capacity, loads) of a hand-off, cached under ``key`` (``kv_capacity`` / ``kv_load``: a
+        search needs both for every new pair), from the memo of pair kinds (``kv_pairs``)."""
+        cap, load = self._kv_kinds.price(src, dst, lambda: self._kv_priced(src, dst))
+        self._kv_cache[key], self._kv_load_cache[key] = cap, load
+        return cap, load
+
+    def _kv_priced(self, src: ReplicaLayout, dst: ReplicaLayout) -> tuple[float, dict[str, float]]:
+        """(capacity, loads) of a hand-off, both priced from one list of its transfers."""
         transfers = self.cost.kv_transfers(src, dst, self.input_tokens)
         t = self._kv_time(transfers)
-        cap = self._kv_cache[key] = self.period_s / t if t > 0 else float("inf")
+        cap = self.period_s / t if t > 0 else float("inf")
         raw: dict = {}  # what ``CostModel.kv_resource_bytes`` sums, from the same transfers
         for path, nbytes in transfers:
             for r in path.resources:
                 if r.shared:
                     raw[r] = raw.get(r, 0.0) + nbytes
-        load = self._kv_load_cache[key] = {r.name: b for r, b in raw.items() if r.name in self.resources}
-        return cap, load
+        return cap, {r.name: b for r, b in raw.items() if r.name in self.resources}
 
     def _kv_time(self, transfers) -> float:
         """``CostModel.kv_transfer_time`` memoised by the hand-off's shape (``transfer_shape``):

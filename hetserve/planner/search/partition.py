@@ -25,6 +25,7 @@ from typing import Sequence
 import networkx as nx
 import numpy as np
 from networkx.algorithms.community import kernighan_lin_bisection
+from scipy.sparse import csr_array
 
 from hetserve.planner.context import PlanContext
 from hetserve.planner.pool.evaluator import Evaluator
@@ -164,15 +165,16 @@ def group_bandwidth(ctx: PlanContext, groups: Sequence[Sequence[int]]) -> np.nda
     """Coarsened graph: total bandwidth (Gbit/s) between every two groups.
 
     Summed per device class (devices of a class have the same links, ``PlanContext``): the
-    groups' class counts C and the class-to-class matrix B give C·B·Cᵀ. einsum, not ``@``: on a
-    shared 2-core machine a threaded BLAS product of the device-level matrices cost 10–30 ms a
-    call, this one well under 1 ms (it runs once per search iteration)."""
-    counts = np.zeros((len(groups), len(ctx.classes)))
+    groups' class counts C and the class-to-class matrix B give C·B·Cᵀ, C sparse (a group holds
+    a few of the pool's classes: at thousands of GPUs the dense products cost ~1 s a call)."""
+    rows, cols = [], []
     class_of = ctx.class_of
     for j, g in enumerate(groups):
         for d in g:
-            counts[j, class_of[d]] += 1.0
-    w = np.einsum("gl,hl->gh", np.einsum("gk,kl->gl", counts, ctx.class_bandwidth_gbps), counts)
+            rows.append(j)
+            cols.append(class_of[d])
+    counts = csr_array((np.ones(len(rows)), (rows, cols)), shape=(len(groups), len(ctx.classes)))
+    w = np.ascontiguousarray((counts @ (counts @ ctx.class_bandwidth_gbps).T).T)
     np.fill_diagonal(w, 0.0)
     return w
 

@@ -83,9 +83,9 @@ class ContextGrids:
         wanted = np.where(pos[None, :] < ctx[:, None],
                           block_tables[:, np.minimum(pos // self.block_size, block_tables.shape[1] - 1)]
                           * self.block_size + pos % self.block_size, -1)  # (B, width)
-        held = wanted[wanted >= 0]
-        if len(np.unique(held)) != len(held):
-            return None  # a slot read by two sequences: a row cannot mirror both
+        used = np.sort(block_tables[np.arange(block_tables.shape[1])[None, :] < -(-ctx[:, None] // self.block_size)])
+        if (used[1:] == used[:-1]).any():
+            return None  # a block read by two sequences: a row cannot mirror what another mirrors
         if not self._fit(bucket, width):
             return None
         while self._written:
@@ -138,15 +138,18 @@ class ContextGrids:
         kept = self.slots[np.maximum(cand, 0)][:, :width]
         keep = (cand >= 0) & np.all(~before | (kept == wanted), axis=1)
         rows = np.where(keep, cand, -1)
-        free = np.setdiff1d(np.arange(self.slots.shape[0]), rows[keep])
+        kept_rows = np.zeros(self.slots.shape[0], dtype=bool)
+        kept_rows[rows[keep]] = True
+        free = np.flatnonzero(~kept_rows)
         fill = np.flatnonzero(~keep)
         rows[fill] = free[:len(fill)]
-        for b in np.flatnonzero(keep):  # the row's positions from this step's token on are re-claimed
-            self._release(rows[b], prev[b])
-        for b in fill:
-            self._release(rows[b], 0)
-        # claim this step's slots: the new token of a kept row, the whole context of a filled one
+        # a kept row is re-claimed from this step's token on, a filled one whole: what they mirrored
+        # there goes first
         first = np.where(keep, prev, 0)
+        mine = self.slots[rows]  # (B, cap)
+        gone = np.arange(cap)[None, :] >= first[:, None]
+        self.where[mine[gone & (mine >= 0)]] = -1
+        self.slots[rows] = np.where(gone, -1, mine)
         claim = (pos[None, :] >= first[:, None]) & (pos[None, :] < ctx[:, None])
         b_idx, p_idx = np.nonzero(claim)
         new = wanted[b_idx, p_idx]
@@ -157,12 +160,6 @@ class ContextGrids:
         self.slots.flat[flat] = new
         self.where[new] = flat
         return rows, fill
-
-    def _release(self, row: int, start: int) -> None:
-        """Forget what ``row`` mirrors from position ``start`` on."""
-        held = self.slots[row, start:]
-        self.where[held[held >= 0]] = -1
-        self.slots[row, start:] = -1
 
     def _step(self, rows: np.ndarray, fill: np.ndarray, wanted: np.ndarray, ctx: np.ndarray, B: int,
               bucket: int, width: int) -> GridStep:

@@ -78,6 +78,7 @@ $(VLLM_VENV)/.installed:
 
 bench-vllm: setup $(VLLM_VENV)/.installed
 	$(BIN)/python -m bench.bench_vllm --models h512,h1024 --vllm-python $(VLLM_VENV)/bin/python
+	$(BIN)/python -m bench.bench_vllm_attention --vllm-python $(VLLM_VENV)/bin/python
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) $(IP_VENV) demo-out .pytest_cache

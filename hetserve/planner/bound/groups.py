@@ -81,14 +81,15 @@ def columns(ctx, mk) -> Columns | None:
     """The column kinds, compositions and ceilings for ``mk`` (the machine kinds in play):
     machine kinds when their compositions of at most K devices number at most
     ``MAX_COLUMNS``, else GPU types (the best link of each type), K lowered until they fit."""
-    machine = [_column_kind(ctx, [k]) for k in mk]
+    members = _members(ctx)
+    machine = [_column_kind(ctx, [k], members) for k in mk]
     by_type: dict[tuple, list] = {}
     for k in mk:
         by_type.setdefault((k.gpu, k.flops, k.membw, k.usable), []).append(k)
     t_max = max((t for t in ctx.layouts.tp_ok if t <= max(k.count for k in mk)), default=1)
     k_cap = max(GROUP_K, t_max)
     for kinds, kind_of in ((machine, list(range(len(mk)))),
-                           ([_column_kind(ctx, ks) for ks in by_type.values()],
+                           ([_column_kind(ctx, ks, members) for ks in by_type.values()],
                             [list(by_type).index((k.gpu, k.flops, k.membw, k.usable)) for k in mk])):
         counts = [k.count for k in kinds]
         K = min(k_cap, sum(counts))
@@ -114,17 +115,26 @@ def columns(ctx, mk) -> Columns | None:
     return None
 
 
-def _column_kind(ctx, ks) -> Kind:
+def _members(ctx) -> dict[tuple[str, str], list[int]]:
+    """(machine, GPU type) -> its devices' indices (what ``_column_kind`` reads of a kind)."""
+    out: dict[tuple[str, str], list[int]] = {}
+    for d in ctx.cluster.devices:
+        out.setdefault((d.machine, d.gpu.name), []).append(d.index)
+    return out
+
+
+def _column_kind(ctx, ks, members: dict[tuple[str, str], list[int]] | None = None) -> Kind:
     """A column kind from machine kinds of one device type: the best link between two of its
-    devices (α lowest, β highest) stands for every TP group of them."""
-    devs = [d.index for d in ctx.cluster.devices if any(
-        d.gpu.name == k.gpu and d.machine == k.machine for k in ks)]
-    lat, bw = ctx.cluster.latency, ctx.cluster.bandwidth
+    devices (α lowest, β highest) stands for every TP group of them (``members``: ``_members``,
+    when the caller has it)."""
+    members = _members(ctx) if members is None else members
+    devs = sorted({i for k in ks for i in members.get((k.machine, k.gpu), ())})
     alpha, beta = math.inf, 0.0
-    for a in devs:
-        for b in devs:
-            if a != b:
-                alpha, beta = min(alpha, float(lat[a, b])), max(beta, float(bw[a, b]))
+    if len(devs) > 1:
+        pairs = np.ix_(devs, devs)
+        other = ~np.eye(len(devs), dtype=bool)
+        alpha = float(ctx.cluster.latency[pairs][other].min())
+        beta = float(ctx.cluster.bandwidth[pairs][other].max())
     k = ks[0]
     return Kind("+".join(x.machine for x in ks) + "/" + k.gpu, sum(x.count for x in ks), k.flops, k.membw, k.usable,
                 0.0 if alpha == math.inf else alpha, beta or 1.0, k.machine, k.device if len(ks) == 1 else -1, k.gpu)
@@ -303,7 +313,8 @@ class _Ties:
     def __init__(self, ctx, mk, rates, cols, machines, nv, big, share, idx):
         self.ctx, self.mk, self.rates, self.cols, self.machines, self.nv = ctx, mk, rates, cols, machines, nv
         self.big, self.share, self.idx = big, share, idx
-        self.cb = ColumnBounds(ctx, [_column_kind(ctx, [k]) for k in mk])
+        members = _members(ctx)
+        self.cb = ColumnBounds(ctx, [_column_kind(ctx, [k], members) for k in mk])
         self.kind_machine = [machines.index(k.machine) for k in mk]
         untied = TiedRows(ctx, mk, cols, machines, nv, big)
         self.spread, self.held = untied.spread, untied.held

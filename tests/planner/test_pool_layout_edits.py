@@ -17,7 +17,7 @@ from hetserve.planner.pool.capacity_sums import CapacitySums, bound_requests
 from hetserve.planner.pool.evaluator import MAX_KEPT_SUMS, Evaluator
 from hetserve.planner.pool.groups import Group, PoolLayout, canonical
 from hetserve.planner.search.hexgen2 import phase1
-from hetserve.planner.search.moves import flip, merge, move, random_edit, split, swap
+from hetserve.planner.search.moves import flip, merge, move, random_edit, split, swap, with_roles
 from hetserve.specs.cluster import load_cluster
 
 
@@ -58,7 +58,7 @@ def test_moves_are_canonical():
         i, j = rng.sample(range(len(base)), 2)
         d, e = base[i].devices[0], base[j].devices[-1]
         for edit in (lambda g: move(g, i, j, d), lambda g: swap(g, i, j, d, e), lambda g: flip(g, i),
-                     lambda g: merge(g, i, j)):
+                     lambda g: merge(g, i, j), lambda g: with_roles(g, {i: "colocated", j: "prefill"})):
             got, want = edit(base), edit(plain)
             assert got == want and (got is None or type(got) is PoolLayout)
 

@@ -20,6 +20,7 @@ The ``Plan`` an evaluated pool layout becomes is written by ``planner.estimate.t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Iterable, Sequence
 
 from hetserve.cost.layout import ReplicaLayout
@@ -151,6 +152,8 @@ class Evaluator(LayoutTrials, BoundedChoice):
         """``_pending(groups).bound`` without the rest of ``_pending``: for a pool layout edited
         from another (``PoolLayout.edited``), that one's capacity sums updated by the groups it
         dropped and added (``capacity_sums``: the same float)."""
+        if type(groups) is not PoolLayout or groups.parent is None:
+            return self.ctx.tokens_per_s(bound_requests((g.role, self._best_capacity(g)) for g in groups))
         return self.ctx.tokens_per_s(self._capacity_sums(groups).requests())
 
     def _capacity_sums(self, groups: Sequence[Group], depth: int = 0) -> CapacitySums:
@@ -186,40 +189,52 @@ class Evaluator(LayoutTrials, BoundedChoice):
                            resource_cap=self.ctx.resource_cap)
 
     def _add_loads(self, groups, layouts, choice, net: FlowNetwork, changed=None) -> None:
-        """Fill in the bytes per request each route and group puts on the shared resources."""
+        """Fill in the bytes per request each route and group puts on the shared resources
+        (``changed``: only those of routes and groups touching these groups)."""
         if not net.resource_cap:
             return
         ctx = self.ctx
         for g in (net.prefill + net.decode + net.colocated if changed is None else changed):
             net.node_load[g] = ctx.node_load(layouts[g], groups[g].role)
-        ids = {g: ctx.group_id(groups[g].devices, choice[g]) for g in net.prefill + net.decode}
-        cache, edge_load = ctx._kv_load_cache, net.edge_load
+        if changed is None:
+            self._fill_pairs(groups, layouts, choice, net.prefill, net.decode, ctx._kv_load_cache, ctx.kv_load,
+                             net.edge_load)
+            return
         for p in net.prefill:
-            ip = ids[p]
             for d in net.decode:
-                if changed is None or p in changed or d in changed:
-                    key = (ip, ids[d])
-                    load = cache.get(key)
-                    edge_load[(p, d)] = load if load is not None else ctx.kv_load(layouts[p], layouts[d], key)
+                if p in changed or d in changed:
+                    net.edge_load[(p, d)] = self._kv_pair_value(groups, layouts, choice, p, d, ctx.kv_load)
 
     def _kv(self, groups, layouts, choice, p: int, d: int) -> float:
+        return self._kv_pair_value(groups, layouts, choice, p, d, self.ctx.kv_capacity)
+
+    def _kv_pair_value(self, groups, layouts, choice, p: int, d: int, price):
+        """``price`` (``PlanContext.kv_capacity`` or ``kv_load``) of the p → d hand-off, cached by
+        the two groups' ids."""
         ctx = self.ctx
         key = (ctx.group_id(groups[p].devices, choice[p]), ctx.group_id(groups[d].devices, choice[d]))
-        return ctx.kv_capacity(layouts[p], layouts[d], key)
+        return price(layouts[p], layouts[d], key)
 
     def _kv_edges(self, groups, layouts, choice, pre, dec) -> dict[tuple[int, int], float]:
-        """Every p → d KV-edge capacity (the loop of ``_kv`` inlined: it runs millions of times
-        on large pools)."""
-        ctx = self.ctx
-        ids = {g: ctx.group_id(groups[g].devices, choice[g]) for g in pre + dec}
-        cache, out = ctx._kv_cache, {}
-        for p in pre:
-            ip = ids[p]
-            for d in dec:
-                key = (ip, ids[d])
-                cap = cache.get(key)
-                out[(p, d)] = cap if cap is not None else ctx.kv_capacity(layouts[p], layouts[d], key)
+        """Every p → d KV-edge capacity."""
+        out: dict[tuple[int, int], float] = {}
+        self._fill_pairs(groups, layouts, choice, pre, dec, self.ctx._kv_cache, self.ctx.kv_capacity, out)
         return out
+
+    def _fill_pairs(self, groups, layouts, choice, pre, dec, cache: dict, price, out: dict) -> None:
+        """``out[(p, d)]`` for every prefill p × decode d, p-major: ``cache`` read by the two groups'
+        ids, ``price`` (``kv_capacity`` / ``kv_load``) on a miss. Row by row with C-level
+        iteration (``map``/``zip``): at thousands of GPUs a network has ~10⁵ pairs."""
+        ctx = self.ctx
+        ids = [ctx.group_id(groups[d].devices, choice[d]) for d in dec]
+        for p in pre:
+            ip = ctx.group_id(groups[p].devices, choice[p])
+            row = list(map(cache.get, zip(repeat(ip), ids)))
+            if None in row:
+                for j, value in enumerate(row):
+                    if value is None:
+                        row[j] = price(layouts[p], layouts[dec[j]], (ip, ids[j]))
+            out.update(zip(zip(repeat(p), dec), row))
 
     def score(self, groups: Iterable[Group], floor: float = -1.0) -> float:
         """Estimated tokens/s of a pool layout (scipy max flow; cached).

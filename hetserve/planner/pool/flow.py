@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import product
 
 import networkx as nx
 import numpy as np
@@ -268,8 +269,8 @@ def _dinic(net: FlowNetwork, nodes: bool = True, edges: bool = True):
     # the compact network in CSR form, rows in order (source, prefill nodes, decode nodes): built
     # directly, capacities as ``FlowNetwork._int`` rounds them (vectorised: it runs per candidate)
     node = _int_caps(np.fromiter((net.node_cap[g] for g in net.prefill + net.decode), float, P + D), s, bound)
-    kv = _int_caps(np.fromiter((net.edge_cap[(p, d)] for p in net.prefill for d in net.decode), float, P * D),
-                   s, bound).reshape(P, D)
+    pairs = list(product(net.prefill, net.decode))
+    kv = _int_caps(np.fromiter(map(net.edge_cap.__getitem__, pairs), float, P * D), s, bound).reshape(P, D)
     keep = kv > 0
     per_row = keep.sum(axis=1)
     indptr = np.concatenate(([0, P], P + np.cumsum(per_row), P + per_row.sum() + np.arange(1, D + 1),
@@ -283,8 +284,9 @@ def _dinic(net: FlowNetwork, nodes: bool = True, edges: bool = True):
     f = res.flow.toarray() if hasattr(res.flow, "toarray") else np.asarray(res.flow)
     node_flow = {p: float(f[src, 1 + i]) / s for i, p in enumerate(net.prefill)}
     node_flow.update({d: float(f[1 + P + j, snk]) / s for j, d in enumerate(net.decode)})
-    edge_flow = ({(p, d): max(0.0, float(f[1 + i, 1 + P + j])) / s for i, p in enumerate(net.prefill)
-                  for j, d in enumerate(net.decode)} if edges else {})
+    # the flows are integers: clipped at 0, then scaled (as ``max(0.0, float(x)) / s`` would)
+    edge_flow = (dict(zip(pairs, (np.maximum(f[1:1 + P, 1 + P:1 + P + D], 0).astype(float) / s).ravel().tolist()))
+                 if edges else {})
     return res.flow_value / s, node_flow, edge_flow
 
 
@@ -292,7 +294,7 @@ def _int_caps(caps: np.ndarray, s: float, bound: int) -> np.ndarray:
     """``FlowNetwork._int`` on an array: capacity × scale truncated, at most ``bound`` (inf too)."""
     out = np.full(len(caps), bound, dtype=np.int64)
     finite = np.isfinite(caps)
-    out[finite] = np.minimum(bound, (caps[finite] * s).astype(np.int64))
+    out[finite] = np.minimum(caps[finite] * s, bound).astype(np.int64)  # clipped first: no int64 overflow
     return out
 
 
@@ -309,9 +311,10 @@ def build_graph(net: FlowNetwork) -> nx.DiGraph:
     for d in net.decode:
         g.add_edge(("in", d), ("out", d), capacity=net._int(net.node_cap[d], s, bound))
         g.add_edge(("out", d), "sink")
-    for p in net.prefill:
-        for d in net.decode:
-            g.add_edge(("out", p), ("in", d), capacity=net._int(net.edge_cap[(p, d)], s, bound))
+    # the KV edges in bulk (~10⁵ on large pools), capacities rounded as ``FlowNetwork._int``
+    pairs = list(product(net.prefill, net.decode))
+    caps = _int_caps(np.fromiter(map(net.edge_cap.__getitem__, pairs), float, len(pairs)), s, bound).tolist()
+    g.add_edges_from((("out", p), ("in", d), {"capacity": c}) for (p, d), c in zip(pairs, caps))
     return g
 
 

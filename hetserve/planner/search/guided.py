@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 
 from hetserve.planner.context import PlanContext
 from hetserve.planner.pool.flow import resource_loads
-from hetserve.planner.search.moves import PoolLayout, move, pick_device, swap
+from hetserve.planner.search.moves import PoolLayout, move, pick_device, swap, with_roles
 from hetserve.planner.search.partition import group_bandwidth
 from hetserve.planner.pool.evaluator import Evaluation
-from hetserve.planner.pool.groups import Group, canonical
 
 MAX_DONORS = 3  # under-used groups tried per saturated node
 MAX_CUT_EDGES = 6  # saturated edges relieved per iteration (the largest flows first)
@@ -119,9 +118,7 @@ def min_cut(ev: Evaluation) -> Cut:
 
 
 def _role_of(groups: PoolLayout, i: int, role: str) -> PoolLayout:
-    out = list(groups)
-    out[i] = Group(groups[i].devices, role)
-    return canonical(out)
+    return with_roles(groups, {i: role})
 
 
 def cut_moves(ctx: PlanContext, ev: Evaluation, cut: Cut | None = None) -> list[tuple[str, PoolLayout | None]]:

@@ -17,7 +17,7 @@ import functools
 import itertools
 
 from hetserve.planner.context import PlanContext
-from hetserve.planner.search.moves import merge, split, split_devices
+from hetserve.planner.search.moves import merge, split, split_devices, with_roles
 from hetserve.planner.search.partition import group_bandwidth
 from hetserve.planner.pool.evaluator import Evaluator
 from hetserve.planner.pool.groups import Group, PoolLayout, canonical
@@ -273,9 +273,10 @@ def mixed_alternative(ctx: PlanContext, evaluator: Evaluator, disaggregated: Poo
             pairs = sorted(((a, b) for a in col for b in col if a < b), key=lambda p: (-w[p], p))
             for a, b in pairs[:MAX_PAIR_CANDIDATES]:
                 for ra, rb in (("prefill", "decode"), ("decode", "prefill")):
-                    out = list(groups)
-                    out[a], out[b] = Group(groups[a].devices, ra), Group(groups[b].devices, rb)
-                    yield canonical(out)
+                    # every group keeps its place (groups are ordered by their devices, which no
+                    # two share), so a, b and c below index the same groups in ``out``
+                    out = with_roles(groups, {a: ra, b: rb})
+                    yield out
                     # the pair alone may not pay; with a third colocated group absorbed into one of
                     # them it may (a two-step move a greedy climb would not take)
                     near = sorted((c for c in col if c not in (a, b)), key=lambda c: (-w[a, c] - w[b, c], c))

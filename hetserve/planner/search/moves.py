@@ -55,7 +55,12 @@ def flip(groups: Sequence[Group], i: int) -> PoolLayout | None:
     other = {"prefill": "decode", "decode": "prefill"}.get(groups[i].role)
     if other is None:
         return None
-    return _replace(groups, {i: Group(groups[i].devices, other)})
+    return with_roles(groups, {i: other})
+
+
+def with_roles(groups: Sequence[Group], roles: dict[int, str]) -> PoolLayout:
+    """Group i given the role ``roles[i]``, its devices kept."""
+    return _replace(groups, {i: Group(groups[i].devices, role) for i, role in roles.items()})
 
 
 def merge(groups: Sequence[Group], i: int, j: int, role: str | None = None) -> PoolLayout | None:

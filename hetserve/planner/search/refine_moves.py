@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 from typing import Callable, Sequence
 
+import numpy as np
+
 from hetserve.planner.context import PlanContext
 from hetserve.planner.search.guided import cut_moves
 from hetserve.planner.search.moves import PoolLayout, flip, merge, move, pick_device, random_edit, split, split_devices, swap
@@ -129,14 +131,25 @@ def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[t
     for i in sorted(splittable, key=lambda i: (-len(groups[i].devices), -caps[i], i))[:MAX_SPLITS]:
         out.append(("split group", split(ctx, groups, i)))
         out.append(("split group", split(ctx, groups, i, ("prefill", "decode"))))
-    side = on_side(live, bottleneck)
-    pairs = [(a, b) for a in side for b in side if a < b and groups[a].role == groups[b].role]
-    pairs = sorted(pairs, key=lambda p: (-w[p], p))[:MAX_MERGES]
-    pairs += sorted(((a, b) for a in slack for b in slack if a < b and groups[a].role == groups[b].role),
-                    key=lambda p: (-w[p], p))[:MAX_MERGES]
+    pairs = _best_connected(groups, on_side(live, bottleneck), w, MAX_MERGES)
+    pairs += _best_connected(groups, slack, w, MAX_MERGES)
     for a, b in pairs:
         out.append(("merge groups", merge(groups, a, b)))
     return _distinct(groups, out)
+
+
+def _best_connected(groups: Sequence[Group], idx: list[int], w: np.ndarray, k: int) -> list[tuple[int, int]]:
+    """The ``k`` pairs a < b of groups in ``idx`` of one role with the most bandwidth between them
+    (``w``), ties by (a, b): at thousands of GPUs ``idx`` holds hundreds of groups, so the pairs
+    are ranked as arrays."""
+    if len(idx) < 2:
+        return []
+    at = np.asarray(idx)
+    roles = np.asarray([groups[i].role for i in idx])
+    ii, jj = np.nonzero((at[:, None] < at[None, :]) & (roles[:, None] == roles[None, :]))
+    a, b = at[ii], at[jj]
+    best = np.lexsort((b, a, -w[a, b]))[:k]
+    return [(int(x), int(y)) for x, y in zip(a[best], b[best])]
 
 
 def _new_group(groups: Sequence[Group], devices: Sequence[int], role: str) -> PoolLayout:

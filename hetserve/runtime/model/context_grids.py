@@ -39,8 +39,7 @@ ROW_ALIGN, POSITION_ALIGN = 16, 64  # grids grow to multiples of these, with a q
 class GridStep:
     """Where one decode step's sequences sit in the grids."""
 
-    rows: torch.Tensor  # (B,) int64 grid row of each batch row; padding rows (context 0) read row 0
-    live: torch.Tensor  # (B,) bool: not a padding row
+    rows: torch.Tensor  # (B,) int64 grid row of each sequence (the step's first B rows; the rest pad)
     fill_rows: torch.Tensor  # (F,) int64 rows to gather from the pool in each layer
     fill_slots: torch.Tensor  # (F * fill_width,) int64 their slots, position by position
     fill_width: int
@@ -76,7 +75,6 @@ class ContextGrids:
         """Rows for a decode step of ``B`` sequences (``block_tables (B, NB)``, ``context_lens (B,)``
         with this step's token), padded to ``bucket`` rows; None: the step gathers as usual."""
         self.step = None
-        B = len(context_lens)
         ctx = context_lens.astype(np.int64)
         width = int(ctx.max())
         pos = np.arange(width)
@@ -91,7 +89,7 @@ class ContextGrids:
         while self._written:
             self._forget(self._written.popleft())
         rows, fill = self._assign(wanted, ctx)
-        self.step = self._step(rows, fill, wanted, ctx, B, bucket, width)
+        self.step = self._step(rows, fill, wanted, ctx, width)
         return self.step
 
     def unplanned(self) -> None:
@@ -110,9 +108,10 @@ class ContextGrids:
             return False
         self.grids.clear()
         for k, _ in self.kv_layers:
-            shape = (new_rows, new_width, self.heads, self.head_dim)
-            self.grids[k.data_ptr()] = (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                                        torch.zeros(shape, dtype=self.dtype, device=self.device))
+            # one position past the grid takes the stores of slots nobody mirrors (write_through)
+            flat = (new_rows * new_width + 1, self.heads, self.head_dim)
+            self.grids[k.data_ptr()] = (torch.zeros(flat, dtype=self.dtype, device=self.device),
+                                        torch.zeros(flat, dtype=self.dtype, device=self.device))
         self.slots = np.full((new_rows, new_width), -1, dtype=np.int64)
         self.where[:] = -1
         return True
@@ -161,20 +160,16 @@ class ContextGrids:
         self.where[new] = flat
         return rows, fill
 
-    def _step(self, rows: np.ndarray, fill: np.ndarray, wanted: np.ndarray, ctx: np.ndarray, B: int,
-              bucket: int, width: int) -> GridStep:
+    def _step(self, rows: np.ndarray, fill: np.ndarray, wanted: np.ndarray, ctx: np.ndarray,
+              width: int) -> GridStep:
         used = int(rows.max()) + 1
         fill_width = int(ctx[fill].max()) if len(fill) else 0
         fill_slots = np.where(wanted[fill, :fill_width] >= 0, wanted[fill, :fill_width], wanted[fill, :1])
         lens = np.zeros(used, dtype=np.int64)
         lens[rows] = ctx
         mask = (np.arange(width)[None, :] < np.maximum(lens, 1)[:, None])  # other rows: their position 0
-        all_rows = np.zeros(bucket, dtype=np.int64)
-        all_rows[:B] = rows
-        live = np.zeros(bucket, dtype=bool)
-        live[:B] = True
         dev = self.device
-        return GridStep(rows=torch.from_numpy(all_rows).to(dev), live=torch.from_numpy(live).to(dev),
+        return GridStep(rows=torch.from_numpy(rows).to(dev),
                         fill_rows=torch.from_numpy(rows[fill]).to(dev),
                         fill_slots=torch.from_numpy(np.ascontiguousarray(fill_slots).reshape(-1)).to(dev),
                         fill_width=fill_width, used=used, width=width,
@@ -183,36 +178,39 @@ class ContextGrids:
     # ------------------------------------------------------------------ in each layer
     def write_through(self, k_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
-        """Copy a store into the grid positions that mirror its slots (``k_cache``: the layer's pool)."""
+        """Copy a store into the grid positions that mirror its slots (``k_cache``: the layer's pool).
+        No host read: rows of slots nobody mirrors (or -1) go to the position past the grid."""
         grids = self.grids.get(k_cache.data_ptr())
         if grids is None:
             return
         slots = slot_mapping.long()
         at = self._where_t[slots.clamp(min=0)]
-        mirrored = (slots >= 0) & (at >= 0)
-        if not bool(mirrored.any()):
-            return
-        at = at[mirrored]
-        for grid, new in zip(grids, (k, v)):
-            grid.view(-1, self.heads, self.head_dim).index_copy_(0, at, new[mirrored].to(grid.dtype))
+        at = torch.where((slots >= 0) & (at >= 0), at, grids[0].shape[0] - 1)
+        for flat, new in zip(grids, (k, v)):
+            flat.index_copy_(0, at, new.to(flat.dtype))
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """This layer's decode attention over its grids, after its store: q (bucket, Hq, D) -> same."""
+        """This layer's decode attention over its grids, after its store: q (bucket, Hq, D) -> same,
+        zeros in the padding rows."""
         step = self.step
-        keys, values = self.grids[k_cache.data_ptr()]
+        rows, cap = self.slots.shape
+        keys, values = (flat[:-1].view(rows, cap, self.heads, self.head_dim)
+                        for flat in self.grids[k_cache.data_ptr()])
         if len(step.fill_rows):
             for grid, cache in ((keys, k_cache), (values, v_cache)):
-                rows = cache.view(cache.shape[0], -1).index_select(0, step.fill_slots)
-                grid[step.fill_rows, :step.fill_width] = rows.view(len(step.fill_rows), step.fill_width,
-                                                                   self.heads, self.head_dim)
-        bucket, Hq, D = q.shape
+                gathered = cache.view(cache.shape[0], -1).index_select(0, step.fill_slots)
+                grid[step.fill_rows, :step.fill_width] = gathered.view(len(step.fill_rows), step.fill_width,
+                                                                       self.heads, self.head_dim)
+        B = len(step.rows)
+        Hq, D = q.shape[1:]
         grouped = q.new_zeros(step.used, Hq, D)
-        grouped[step.rows[step.live]] = q[step.live]
+        grouped[step.rows] = q[:B]
         grouped = grouped.view(step.used, self.heads, Hq // self.heads, D).transpose(1, 2)  # (R, G, Hkv, D)
         out = torch_impl.grid_attention(grouped, keys[:step.used, :step.width], values[:step.used, :step.width],
                                         step.mask, scale)  # (R, G, Hkv, D)
-        out = out.transpose(1, 2).reshape(step.used, Hq, D)[step.rows]
-        return out.masked_fill(~step.live[:, None, None], 0)
+        result = torch.zeros_like(q)
+        result[:B] = out.transpose(1, 2).reshape(step.used, Hq, D)[step.rows]
+        return result
 
 
 def _align(n: int, to: int) -> int:

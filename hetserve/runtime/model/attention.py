@@ -13,7 +13,7 @@ transfer (pinned, non-blocking on CUDA), then shared by every layer:
   its decodes and its prompts, because that implementation pads every sequence to the longest
   query of its call: a decode beside a 128-token prompt would attend as 128 rows (1.7-17.8x the
   attention time of two calls on the CPU demo, ``python -m bench.bench_attention``).
-- on a CPU, a decode step's sequences attend over their contexts as kept from earlier steps
+- on a CPU in float32, a decode step's sequences attend over their contexts as kept from earlier steps
   (``AttnMeta.grids``, ``context_grids.ContextGrids``) rather than gathered from the pool again.
 
 Nothing here reads device data back to the host: every size a kernel needs (``max_query_len``)
@@ -54,7 +54,7 @@ class AttnMeta:
     num_seqs: int
     block_size: int
     parts: tuple[AttnPart, ...]
-    grids: ContextGrids | None = None  # set by the step runner on a CPU (the plain-torch kernels)
+    grids: ContextGrids | None = None  # set by the step runner on a CPU in float32 (runner.py)
 
 
 @dataclass

@@ -12,7 +12,7 @@ the same buffers and padding run eagerly, so the padding path is what CI tests.
 Prompt and mixed steps, and decode batches above the largest bucket or with a block table wider
 than the buffers, run eagerly with metadata of their own shape.
 
-On a CPU (the plain-torch attention kernels), decode steps read their contexts from
+On a CPU (the plain-torch attention kernels) in float32, decode steps read their contexts from
 grids kept contiguous between steps (``ContextGrids``), at most the KV pool's bytes again; the worker
 says when it writes the pool outside a step (``pool_written``).
 
@@ -82,9 +82,11 @@ class StepRunner:
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=self.device)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=self.device)  # one query per row
         self.last_token = torch.arange(n, dtype=torch.int32, device=self.device)
+        # kept contexts pay in float32; in half precision the gathered grid, still in cache for the
+        # attention that follows, serves as well (docs/engine.md, "Kept contexts on a CPU")
         pool_bytes = sum(k.nbytes + v.nbytes for k, v in kv_layers)
-        on_cpu = impl == "torch" and self.device.type == "cpu" and kv_layers
-        self.grids = ContextGrids(kv_layers, block_size, pool_bytes) if on_cpu else None
+        keep = impl == "torch" and self.device.type == "cpu" and dtype == torch.float32 and kv_layers
+        self.grids = ContextGrids(kv_layers, block_size, pool_bytes) if keep else None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._pool = None

@@ -19,7 +19,8 @@ Other sequences take free rows, gathered from the pool once, in each layer (``at
 then runs over the grid's first rows, each query at its sequence's row; rows of no sequence in the
 step attend to their position 0 and are dropped. A step whose sequences share a slot (blocks
 shared between sequences), or whose grids would pass the memory budget, is not planned: it runs the
-gathering kernel. Bookkeeping is host numpy, O(B x context) per step.
+gathering kernel. Bookkeeping is host numpy, O(B x context) per step; nothing in a layer reads
+device data back. The step runner keeps contexts for float32 pools on a CPU (``runner.py``).
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ paged pool by its own store operator, blocks shuffled, and attended by:
 - ``hetserve gathered``: ``kernels.paged_decode_attention(impl="torch")``: the contexts gathered
   from the pool into a padded grid, then ``scaled_dot_product_attention`` (with the workers'
   host-memory rule, ``workers.host_memory``): what a step runs when its sequences are new;
-- ``hetserve kept``: what a CPU worker runs in a steady decode, the contexts kept from the step
-  before (``model.context_grids``): this step's keys and values written through, then the same
-  attention over the kept grid;
+- ``hetserve kept``: what a CPU worker with a float32 pool runs in a steady decode (a half-precision
+  one gathers), the contexts kept from the step before (``model.context_grids``): this step's keys
+  and values written through, then the same attention over the kept grid;
 - ``vllm``: ``cpu_attention_with_kv_cache`` of vLLM's CPU backend (its C++ kernel: AMX tiles for
   bfloat16, AVX-512 otherwise), from vLLM's own environment (``--vllm-python``, see ``bench_vllm``).
 
@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from bench.bench_vllm import ROOT, vllm_python
+from bench.lib.timing import median_us
 
 SHAPES = {"h512": (8, 4, 64), "h1024": (16, 8, 64)}  # query heads, KV heads, head size
 DTYPES = ("float32", "bfloat16")
@@ -72,19 +73,6 @@ def paged(ctx: list[int], block_size: int):
     slots = torch.cat([tables[b].long()[torch.arange(c) // block_size] * block_size + torch.arange(c) % block_size
                        for b, c in enumerate(ctx)])
     return tables, slots, num_blocks
-
-
-def time_us(fn, reps: int) -> float:
-    import time
-
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
 
 
 def hetserve_child(shape: str, dtype_name: str, reps: int) -> dict[str, float]:
@@ -126,7 +114,7 @@ def hetserve_child(shape: str, dtype_name: str, reps: int) -> dict[str, float]:
         grids.plan(hm.parts[0][1], hm.parts[0][2], BATCH)
         err = max(err, (kept().double() - ref).abs().max().item())
     assert len(grids.step.fill_rows) == 0
-    return {"gathered": time_us(attend, reps), "kept": time_us(kept, reps), "error": err}
+    return {"gathered": median_us(attend, reps, warmup=5), "kept": median_us(kept, reps, warmup=5), "error": err}
 
 
 def vllm_child(shape: str, dtype_name: str, reps: int) -> dict[str, float]:
@@ -159,7 +147,7 @@ def vllm_child(shape: str, dtype_name: str, reps: int) -> dict[str, float]:
         return out
 
     err = (attend().double() - ref).abs().max().item()
-    return {"vllm": time_us(attend, reps), "error": err, "isa": isa}
+    return {"vllm": median_us(attend, reps, warmup=5), "error": err, "isa": isa}
 
 
 def child(system: str, threads: int, reps: int) -> None:

@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import pickle
 import socket
-import statistics
 import struct
 import threading
-import time
 
 import torch
 
 from bench.lib.console import wide_console
+from bench.lib.timing import median_us
 from hetserve.runtime.workers.auth import LinkSecurity
 from hetserve.runtime.workers.transport import Priority, SocketTransport
 from hetserve.runtime.workers.wire import Message, decode, encode
@@ -67,15 +66,6 @@ def _unpickled(payload: bytearray) -> Message:
     return Message(kind, meta, tensors, src)
 
 
-def _median_us(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
-
-
 def codec_rows(repeats: int) -> list[tuple[str, float, float]]:
     rows = []
     for name, msg in step_messages().items():
@@ -86,8 +76,8 @@ def codec_rows(repeats: int) -> list[tuple[str, float, float]]:
             head, bufs = _pickled(msg)
             _unpickled(bytearray(b"".join([head, *bufs])))
 
-        pickled_us = _median_us(pickled, repeats)
-        checked_us = _median_us(checked, repeats)
+        pickled_us = median_us(pickled, repeats)
+        checked_us = median_us(checked, repeats)
         rows.append((name, checked_us, pickled_us))
     return rows
 
@@ -120,7 +110,7 @@ def connection_row(repeats: int) -> tuple[float, float]:
             s.recv(1)
 
     try:
-        return _median_us(handshake, repeats), _median_us(bare, repeats)
+        return median_us(handshake, repeats), median_us(bare, repeats)
     finally:
         server.close()
         plain.close()
@@ -141,7 +131,7 @@ def round_trip_us(repeats: int) -> float:
 
     once()
     try:
-        return _median_us(once, repeats)
+        return median_us(once, repeats)
     finally:
         a.close()
         b.close()

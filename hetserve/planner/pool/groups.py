@@ -4,7 +4,7 @@ canonical pool layout that holds them."""
 from __future__ import annotations
 
 from bisect import insort
-from typing import Iterable, NamedTuple
+from typing import Iterable, NamedTuple, Sequence
 
 
 class Group(NamedTuple):
@@ -63,6 +63,15 @@ class PoolLayout(tuple):
         out = PoolLayout(groups)
         out.parent, out.dropped, out.added = self, dropped, added
         return out
+
+
+def edit(groups: Sequence[Group], drop: Iterable[int], add: Iterable[Group]) -> PoolLayout:
+    """``groups`` without the groups at indices ``drop`` and with those of ``add``, canonical: by
+    ``PoolLayout.edited`` (no sort, what it changed recorded) where ``groups`` is one, else sorted."""
+    if type(groups) is PoolLayout:
+        return groups.edited(drop, add)
+    drop = set(drop)
+    return canonical([g for i, g in enumerate(groups) if i not in drop] + list(add))
 
 
 def canonical(groups: Iterable[Group]) -> PoolLayout:

@@ -117,10 +117,6 @@ def min_cut(ev: Evaluation) -> Cut:
     return cut
 
 
-def _role_of(groups: PoolLayout, i: int, role: str) -> PoolLayout:
-    return with_roles(groups, {i: role})
-
-
 def cut_moves(ctx: PlanContext, ev: Evaluation, cut: Cut | None = None) -> list[tuple[str, PoolLayout | None]]:
     """Candidate edits relieving ``ev``'s min cut (see the module docstring), labelled by kind."""
     cut = cut or min_cut(ev)
@@ -148,7 +144,7 @@ def cut_moves(ctx: PlanContext, ev: Evaluation, cut: Cut | None = None) -> list[
                                     swap(groups, h, g, d, pick_device(ctx, groups[g], kg))))
         other = "decode" if role == "prefill" else "prefill"
         for h in sorted((h for h in cut.slack if groups[h].role == other), key=lambda h: (-w[g, h], h))[:2]:
-            out.append((f"cut {role} node: flip role", _role_of(groups, h, role)))
+            out.append((f"cut {role} node: flip role", with_roles(groups, {h: role})))
 
     # saturated KV edges: make the two groups meet over faster links, or hand the flow to a
     # better-connected neighbour
@@ -162,8 +158,8 @@ def cut_moves(ctx: PlanContext, ev: Evaluation, cut: Cut | None = None) -> list[
         for kd in classes(d):
             out.append(("cut KV edge: move device", move(groups, d, p, pick_device(ctx, groups[d], kd))))
         for h in sorted((h for h in cut.slack if h not in (p, d)), key=lambda h: (-w[p, h] - w[d, h], h))[:2]:
-            out.append(("cut KV edge: flip role", _role_of(groups, h, "decode" if groups[h].role == "prefill"
-                                                            else "prefill")))
+            out.append(("cut KV edge: flip role", with_roles(groups, {h: "decode" if groups[h].role == "prefill"
+                                                                else "prefill"})))
 
     # saturated network resources (a NIC or pipe every blocked route crosses): swap devices between
     # the prefill and decode groups of those routes so the pair meets behind the resource, or flip
@@ -176,5 +172,5 @@ def cut_moves(ctx: PlanContext, ev: Evaluation, cut: Cut | None = None) -> list[
                                 swap(groups, p, d, pick_device(ctx, groups[p], kp), pick_device(ctx, groups[d], kd))))
         for h in sorted((h for h in cut.slack if h not in (p, d)), key=lambda h: (-w[p, h], h))[:2]:
             if groups[h].role == "prefill":
-                out.append(("cut network resource: flip role", _role_of(groups, h, "decode")))
+                out.append(("cut network resource: flip role", with_roles(groups, {h: "decode"})))
     return out

@@ -20,7 +20,7 @@ from hetserve.planner.context import PlanContext
 from hetserve.planner.search.moves import merge, split, split_devices, with_roles
 from hetserve.planner.search.partition import group_bandwidth
 from hetserve.planner.pool.evaluator import Evaluator
-from hetserve.planner.pool.groups import Group, PoolLayout, canonical
+from hetserve.planner.pool.groups import Group, PoolLayout, canonical, edit
 
 MAX_MIXED_ROUNDS = 8
 MAX_PAIR_CANDIDATES = 60  # colocated pairs tried per round (best connected first)
@@ -163,9 +163,7 @@ def _recut(ctx: PlanContext, evaluator: Evaluator, groups: PoolLayout, idx) -> P
     idle = tuple(d for d in devices if d not in used)
     if idle:  # devices no colocated replica uses stay in a (zero-capacity) group: movable later
         cut.append(Group.of(idle, "colocated"))
-    if type(groups) is PoolLayout:
-        return groups.edited(take, cut)
-    return canonical([g for i, g in enumerate(groups) if i not in take] + cut)
+    return edit(groups, take, cut)
 
 
 def _recut_with_machine_mates(ctx: PlanContext, evaluator: Evaluator, groups: PoolLayout, i: int) -> PoolLayout | None:

@@ -17,7 +17,7 @@ import random
 from typing import Sequence
 
 from hetserve.planner.context import PlanContext
-from hetserve.planner.pool.groups import Group, PoolLayout, canonical
+from hetserve.planner.pool.groups import Group, PoolLayout, edit
 
 
 def pick_device(ctx: PlanContext, group: Group, cls: int) -> int | None:
@@ -29,10 +29,7 @@ def pick_device(ctx: PlanContext, group: Group, cls: int) -> int | None:
 def _replace(groups: Sequence[Group], changes: dict[int, Group | None], extra: Sequence[Group] = ()) -> PoolLayout:
     """``groups`` with group i replaced by ``changes[i]`` (None: dropped) and the groups ``extra``
     added, canonical (groups without devices dropped)."""
-    new = [g for g in changes.values() if g is not None] + list(extra)
-    if type(groups) is PoolLayout:  # sorted already: only the changed groups move
-        return groups.edited(changes, new)
-    return canonical([g for i, g in enumerate(groups) if i not in changes] + new)
+    return edit(groups, changes, [g for g in changes.values() if g is not None] + list(extra))
 
 
 def move(groups: Sequence[Group], i: int, j: int, device: int) -> PoolLayout | None:

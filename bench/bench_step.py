@@ -17,6 +17,10 @@ layers, LM head, argmax. Configurations, each its own process (the rules act whe
 - ``busy``: another process spins on one core meanwhile (what a front end and clients do to a
   worker on a 2-core host).
 
+``--layouts``: instead, the linear weights' layout (``loader.column_major_weights``: float32
+weights on a CPU column-major, half precision row-major) against the other one, per dtype, at
+decode batches of 1, 8 and 32 (2 threads, kept host memory, default spin).
+
 Printed: the median step (ms) of each configuration over ``--rounds`` interleaved rounds (each the
 median of 30 steps after 5 warm-ups), its min-max, and its ratio to the first row of its group.
 """
@@ -46,8 +50,10 @@ GROUPS = [
 CONFIGS = list(dict.fromkeys(c for g in GROUPS for c in g))  # each measured once
 
 
-def child(model_dir: str, dtype_name: str, threads: int, memory: str) -> float:
-    """Median seconds of one decode step (runs in the configuration's own process)."""
+def child(model_dir: str, dtype_name: str, threads: int, memory: str, layout: str = "loaded",
+          seqs: int = 32) -> float:
+    """Median seconds of one decode step (runs in the configuration's own process); ``layout``:
+    the linear weights as loaded, or ``row`` / ``column`` major."""
     import random
 
     import torch
@@ -64,7 +70,13 @@ def child(model_dir: str, dtype_name: str, threads: int, memory: str) -> float:
     dtype = getattr(torch, dtype_name)
     cfg = ArchConfig.from_dir(model_dir)
     stage, _ = load_stage(cfg, model_dir, (0, cfg.num_layers), has_embed=True, has_head=True, dtype=dtype)
-    block, seqs = 16, 32
+    if layout != "loaded":
+        for mod in stage.modules():
+            if isinstance(mod, torch.nn.Linear):
+                w = mod.weight.detach()
+                w = w.contiguous() if layout == "row" else w.t().contiguous().t()
+                mod.weight = torch.nn.Parameter(w, requires_grad=False)
+    block = 16
     pool = KVPool(cfg.num_layers, 2048 * block, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
     runner = StepRunner(stage, pool.layers(), block, cfg.hidden_size, dtype, torch.device("cpu"), max_blocks=64)
     rng = random.Random(0)
@@ -83,14 +95,14 @@ def child(model_dir: str, dtype_name: str, threads: int, memory: str) -> float:
     return statistics.median(times)
 
 
-def run_config(model_dir: Path, dtype: str, config: tuple) -> float:
+def run_config(model_dir: Path, dtype: str, config: tuple, layout: str = "loaded", seqs: int = 32) -> float:
     threads, memory, spin, busy = config
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     env.update(SPIN_ENV[spin])
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
         out = subprocess.run([sys.executable, "-m", "bench.bench_step", "--child", str(model_dir), dtype,
-                              str(threads), memory], env=env, capture_output=True, text=True, check=True,
+                              str(threads), memory, layout, str(seqs)], env=env, capture_output=True, text=True, check=True,
                              cwd=Path(__file__).resolve().parent.parent)
     finally:
         if spinner is not None:
@@ -106,14 +118,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workdir", help="where the checkpoint is made (default: a temporary folder)")
     ap.add_argument("--json", help="write every measurement here")
-    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--layouts", action="store_true", help="compare the linear weights' layouts instead")
+    ap.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        model_dir, dtype, threads, memory = args.child
-        print(child(model_dir, dtype, int(threads), memory))
+        model_dir, dtype, threads, memory, layout, seqs = args.child
+        print(child(model_dir, dtype, int(threads), memory, layout, int(seqs)))
         return
     work = Path(args.workdir) if args.workdir else workdir("hetserve-bench-step-")
     model_dir = make_models([args.model], work)[args.model]
+    if args.layouts:
+        compare_layouts(model_dir, args)
+        return
     results: dict[str, dict[int, list[float]]] = {}
     for dtype in args.dtypes.split(","):
         results[dtype] = {i: [] for i in range(len(CONFIGS))}
@@ -132,6 +148,29 @@ def main(argv: list[str] | None = None) -> None:
                       f"{statistics.median(row):.1f} | {min(row):.1f}-{max(row):.1f} | {ratio:.2f}x |")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "configs": CONFIGS, "seconds": results}, indent=1))
+
+
+def compare_layouts(model_dir: Path, args: argparse.Namespace) -> None:
+    """Row- against column-major linear weights, per dtype and decode batch, interleaved rounds."""
+    config = (2, "kept", "default", False)
+    results = {}
+    for dtype in args.dtypes.split(","):
+        for seqs in (1, 8, 32):
+            runs = {"row": [], "column": []}
+            for _ in range(args.rounds):
+                for layout in runs:
+                    runs[layout].append(run_config(model_dir, dtype, config, layout, seqs) * 1e3)
+            results[f"{dtype} {seqs}"] = runs
+    loaded = {"float32": "column", "bfloat16": "row", "float16": "row"}
+    print(f"\n{args.model}: one decode step (median of 30, ms), {args.rounds} interleaved rounds, 2 threads\n")
+    print("| dtype | batch | row-major | column-major | column / row | loaded as |")
+    print("|---|---:|---:|---:|---:|---|")
+    for key, runs in results.items():
+        dtype, seqs = key.split()
+        row, col = statistics.median(runs["row"]), statistics.median(runs["column"])
+        print(f"| {dtype} | {seqs} | {row:.1f} | {col:.1f} | {col / row:.2f}x | {loaded.get(dtype, '?')} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "layouts": results}, indent=1))
 
 
 if __name__ == "__main__":

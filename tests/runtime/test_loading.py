@@ -164,3 +164,22 @@ def test_random_stage_is_made_on_its_device_in_its_dtype():
     assert not torch.equal(a.layers[0].self_attn.q_proj.weight, c.layers[0].self_attn.q_proj.weight)
     assert torch.equal(a.norm.weight, torch.ones_like(a.norm.weight))
     assert a.inv_freq is not None and not a.training
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_float32_linear_weights_are_column_major(model_dirs, dtype):
+    """A CPU stage's float32 linear weights are (in, out)-contiguous transposes holding the
+    checkpoint's values; half precision stays row-major; other parameters stay as they are."""
+    d = model_dirs["llama"]
+    cfg = ArchConfig.from_dir(d)
+    stage, _ = load_stage(cfg, d, (0, cfg.num_layers), has_embed=True, has_head=True, dtype=dtype)
+    full = load_file(str(d / "model.safetensors"))
+    linears = {name for name, mod in stage.named_modules() if isinstance(mod, torch.nn.Linear)}
+    assert "lm_head" in linears and len(linears) == 7 * cfg.num_layers + 1
+    for name, param in stage.named_parameters():
+        module = name.rsplit(".", 1)[0]
+        column_major = dtype == torch.float32 and module in linears and name.endswith("weight")
+        assert param.is_contiguous() != column_major, name
+        assert not column_major or param.t().is_contiguous(), name
+        key = next(k for k in STAGE_CLASSES["llama"].checkpoint_keys(name, 0, cfg) if k in full)
+        assert torch.equal(param, full[key].to(dtype)), name

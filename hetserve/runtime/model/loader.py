@@ -108,9 +108,25 @@ def meta_stage(cfg: ArchConfig, num_layers: int, *, has_embed: bool, has_head: b
 
 
 def finish_stage(model: nn.Module, device: torch.device) -> nn.Module:
-    """Non-parameter state (RoPE frequencies) on ``device``; inference mode, no gradients."""
+    """Non-parameter state (RoPE frequencies) on ``device``; inference mode, no gradients; float32
+    linear weights on a CPU column-major (``column_major_weights``)."""
     model.init_buffers(device)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if torch.device(device).type == "cpu":
+        column_major_weights(model)
+    return model
+
+
+def column_major_weights(model: nn.Module) -> None:
+    """Store every float32 ``nn.Linear`` weight (out, in) as the transpose of an (in, out)
+    contiguous tensor: the same values, but the CPU's GEMM multiplies a decode batch of 8-48 rows
+    by it 20-35 % faster than by the row-major weight (a batch of one: ~10 % slower), so a
+    batched decode step of the 8-layer models takes 5-8 % less. Half precision keeps row-major,
+    which its GEMM prefers (``bench/bench_step.py`` measures both layouts)."""
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if isinstance(mod, nn.Linear) and w.dtype == torch.float32 and w.is_contiguous() and w.dim() == 2:
+            mod.weight = nn.Parameter(w.detach().t().contiguous().t(), requires_grad=False)
 
 
 def load_stage(cfg: ArchConfig, model_dir: str | Path, layers: tuple[int, int], *, has_embed: bool,

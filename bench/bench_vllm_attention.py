@@ -1,4 +1,4 @@
-"""One layer's decode attention on this CPU: hetserve's plain-torch path against vLLM's native kernel.
+"""One layer's decode attention on this CPU: hetserve's kernels against vLLM's native kernel.
 
     .venv/bin/python -m bench.bench_vllm_attention                       # h512 + h1024, fp32 + bf16, 1 and 2 threads
     .venv/bin/python -m bench.bench_vllm_attention --threads 1 --rounds 3 --json out.json
@@ -15,6 +15,8 @@ paged pool by its own store operator, blocks shuffled, and attended by:
 - ``hetserve kept``: what a CPU worker with a float32 pool runs in a steady decode (a half-precision
   one gathers), the contexts kept from the step before (``model.context_grids``): this step's keys
   and values written through, then the same attention over the kept grid;
+- ``hetserve native``: ``kernels.paged_decode_attention(impl="native")``, the C++ kernel reading the
+  pool in place (``kernels.native``; what a CPU worker runs where it builds);
 - ``vllm``: ``cpu_attention_with_kv_cache`` of vLLM's CPU backend (its C++ kernel: AMX tiles for
   bfloat16, AVX-512 otherwise), from vLLM's own environment (``--vllm-python``, see ``bench_vllm``).
 
@@ -114,7 +116,14 @@ def hetserve_child(shape: str, dtype_name: str, reps: int) -> dict[str, float]:
         grids.plan(hm.parts[0][1], hm.parts[0][2], BATCH)
         err = max(err, (kept().double() - ref).abs().max().item())
     assert len(grids.step.fill_rows) == 0
-    return {"gathered": median_us(attend, reps, warmup=5), "kept": median_us(kept, reps, warmup=5), "error": err}
+    row = {"gathered": median_us(attend, reps, warmup=5), "kept": median_us(kept, reps, warmup=5)}
+    if kernels.native.available():
+        def native():
+            return kernels.paged_decode_attention(q, kc, vc, tables, lens, scale, impl="native")
+
+        err = max(err, (native().double() - ref).abs().max().item())
+        row["native"] = median_us(native, reps, warmup=5)
+    return {**row, "error": err}
 
 
 def vllm_child(shape: str, dtype_name: str, reps: int) -> dict[str, float]:
@@ -189,21 +198,22 @@ def main(argv: list[str] | None = None) -> None:
                 runs[threads][system].append(run_child(python, system, threads, args.reps))
     print("\nOne layer's decode attention, 32 sequences of 76-182 tokens: microseconds per call "
           f"(median of {args.rounds} rounds; measured)\n")
-    print("| model | dtype | threads | hetserve gathered | hetserve kept | vLLM (kernel) | gathered / vLLM "
-          "| kept / vLLM | max error h / v |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    print("| model | dtype | threads | hetserve gathered | hetserve kept | hetserve native | vLLM (kernel) "
+          "| gathered / vLLM | kept / vLLM | native / vLLM | max error h / v |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     failed = False
     for threads, by_system in runs.items():
         for case in by_system["hetserve"][0]:
             h = statistics.median(r[case]["gathered"] for r in by_system["hetserve"])
             s = statistics.median(r[case]["kept"] for r in by_system["hetserve"])
+            n = statistics.median(r[case].get("native", float("nan")) for r in by_system["hetserve"])
             v = statistics.median(r[case]["vllm"] for r in by_system["vllm"])
             eh, ev = (max(r[case]["error"] for r in by_system[k]) for k in ("hetserve", "vllm"))
             failed |= max(eh, ev) > TOLERANCE[case.split("/")[1]]
             model, dtype = case.split("/")
             isa = by_system["vllm"][0][case]["isa"]
-            print(f"| {model} | {dtype} | {threads} | {h:.0f} | {s:.0f} | {v:.0f} ({isa}) | {h / v:.2f}x | "
-                  f"{s / v:.2f}x | {eh:.1e} / {ev:.1e} |")
+            print(f"| {model} | {dtype} | {threads} | {h:.0f} | {s:.0f} | {n:.0f} | {v:.0f} ({isa}) | {h / v:.2f}x | "
+                  f"{s / v:.2f}x | {n / v:.2f}x | {eh:.1e} / {ev:.1e} |")
     if args.json:
         Path(args.json).write_text(json.dumps({str(t): r for t, r in runs.items()}, indent=1))
     if failed:

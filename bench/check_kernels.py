@@ -1,7 +1,7 @@
 """The paged-attention kernels against their per-sequence references on many random shapes, and
 the torch path's decode time against an earlier revision's on this CPU.
 
-    .venv/bin/python -m bench.check_kernels [--shapes 200] [--impls triton torch] [--seed 0]
+    .venv/bin/python -m bench.check_kernels [--shapes 200] [--impls triton native torch] [--seed 0]
                                             [--timing-only | --no-timing] [--base REV] [--json out.json]
 
 Part 1: for each kernel (store_kv, decode, prefill) and implementation, ``--shapes`` random shapes
@@ -180,7 +180,8 @@ def timing(base_rev: str, reps: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", type=int, default=200, help="random shapes per kernel and impl (half per dtype)")
-    ap.add_argument("--impls", nargs="+", default=["triton", "torch"], choices=kernels.IMPLS)
+    ap.add_argument("--impls", nargs="+", choices=kernels.IMPLS,
+                    help="default: triton, torch, and native where the C++ kernels build")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=30, help="timed decode steps per case (fastest)")
     part = ap.add_mutually_exclusive_group()
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", help="time the torch path against its version at this git revision")
     ap.add_argument("--json", help="write the rows and timings here")
     args = ap.parse_args(argv)
+    args.impls = args.impls or ["triton", *(["native"] if kernels.native.available() else []), "torch"]
     if args.timing_only and not args.base:
         ap.error("--timing-only times the torch path against --base REV: give a revision")
     torch.set_num_threads(1)  # tiny tensors; and the engine's workers run one thread by default

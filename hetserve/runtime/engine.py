@@ -40,6 +40,7 @@ from hetserve.runtime.deployment import build_layout
 from hetserve.runtime.engine_config import (EngineConfig, check_dtype, kv_capacity, largest_message_bytes,
                                             memory_is_real, scheduler_for, worker_threads)
 from hetserve.runtime.handle import RequestHandle
+from hetserve.runtime.kernels import native
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.model.config import ArchConfig
 from hetserve.runtime.model.loader import CheckpointReader
@@ -288,6 +289,8 @@ class Engine:
             return self.worker_config(w, self.layout, self.schedulers[w.replica].blocks.capacity_tokens,
                                       store_address, backend)
 
+        if any(w.device == "cpu" for r in self.layout for w in r.workers):
+            native.available()  # CPU workers load the C++ kernels: built here once, not by each at once
         with bounded_omp_spin(max(self.threads.values(), default=1) > 1):
             self.workers.start(make_config, self.config.start_method)
 

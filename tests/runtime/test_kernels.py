@@ -1,5 +1,5 @@
-"""The paged-attention kernels (Triton under its interpreter, and the torch path) against the
-per-sequence loops of ``hetserve.runtime.kernels.reference``, on hypothesis-drawn shapes.
+"""The paged-attention kernels (Triton under its interpreter, the C++ CPU kernel, and the torch
+path) against the per-sequence loops of ``hetserve.runtime.kernels.reference``, on hypothesis-drawn shapes.
 
 Every case's pool holds NaN in each slot no sequence owns and its block tables hold -1 past each
 sequence's blocks (``kernels.cases``), so a kernel reading outside a context fails here.
@@ -19,9 +19,13 @@ from hypothesis import strategies as st
 from hetserve.runtime import kernels
 from hetserve.runtime.kernels import (  # triton: the dev extra
     cases,
+    native,
     reference,
     triton_kernels,
 )
+
+# the C++ kernel builds wherever g++ and ninja are (CI's image has both); elsewhere its tests skip
+needs_native = pytest.mark.skipif(not native.available(), reason="the C++ CPU kernels did not build here (see the log)")
 
 # examples per test in `make test`: the interpreter runs a Triton program in milliseconds, so the
 # Triton draws stay few here; the `long` copies draw more, bench/check_kernels.py hundreds
@@ -132,6 +136,15 @@ def test_torch_decode_matches_reference(shape, seed):
     check_decode("torch", shape, None, seed)
 
 
+@needs_native
+@FEW["torch"]
+@given(shape=shapes(), seed=SEEDS)
+@example(shape=DECODE_CASE, seed=0)
+@example(shape=FP16_DECODE, seed=0)
+def test_native_decode_matches_reference(shape, seed):
+    check_decode("native", shape, None, seed)
+
+
 @FEW["triton"]
 @given(shape=shapes(prefill=True), seed=SEEDS)
 @example(shape=PREFILL_CASE, seed=0)
@@ -165,7 +178,15 @@ def test_many_shapes(impl, decode_shape, prefill_shape, num_splits, seed):
     check_store(impl, decode_shape, seed)
 
 
-@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.long
+@needs_native
+@MANY
+@given(shape=shapes(), seed=SEEDS)
+def test_native_many_shapes(shape, seed):
+    check_decode("native", shape, None, seed)
+
+
+@pytest.mark.parametrize("impl", ["triton", pytest.param("native", marks=needs_native), "torch"])
 def test_rows_of_context_zero_give_zeros(impl):
     """Padding rows of a graph bucket: context 0, a table of -1, a pool of NaN -> zeros, nothing read."""
     shape = cases.Shape(context_lens=(0, 37, 0), num_kv_heads=2, group=4, head_dim=32, block_size=16, dtype="fp32")
@@ -188,10 +209,37 @@ def test_public_triton_path_on_a_long_context():
     assert_close(out, decode_reference(case), shape)
 
 
-def test_impl_choice():
-    assert kernels.resolve_impl(None, torch.device("cpu")) == "torch"
-    with pytest.raises(ValueError, match="'triton', 'torch'"):
+def test_impl_choice(monkeypatch):
+    assert kernels.resolve_impl(None, torch.device("cpu")) == ("native" if native.available() else "torch")
+    with pytest.raises(ValueError, match="'triton', 'native', 'torch'"):
         kernels.resolve_impl("cuda", torch.device("cpu"))
+    with pytest.raises(ValueError, match="impl='native' runs on CPU tensors"):
+        kernels.resolve_impl("native", torch.device("cuda"))
+    monkeypatch.setenv(native.ENV, "0")  # the way out: the plain-torch kernels
+    native.available.cache_clear()
+    try:
+        assert kernels.resolve_impl(None, torch.device("cpu")) == "torch"
+        with pytest.raises(ValueError, match="built: False"):
+            kernels.resolve_impl("native", torch.device("cpu"))
+    finally:
+        native.available.cache_clear()
+
+
+@needs_native
+def test_native_kernel_refuses_a_block_outside_the_pool_and_keeps_denormals():
+    """The C++ loops read unchecked, so the entry point checks every block a context reads; and
+    building with -ffast-math must not make the process flush denormals."""
+    shape = cases.Shape(context_lens=(37, 5), num_kv_heads=2, group=4, head_dim=32, block_size=16, dtype="fp32")
+    case = cases.make_case(shape, seed=4)
+    tables = case.block_tables.clone()
+    tables[0, 2] = case.k_cache.shape[0]  # the third block of a 37-token context: one past the pool
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, tables, case.context_lens, case.scale,
+                                       impl="native")
+    with pytest.raises(RuntimeError, match="needs 3 blocks"):
+        kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, tables[:, :2], case.context_lens,
+                                       case.scale, impl="native")
+    assert (torch.tensor([1e-40]) * 2).item() != 0.0
 
 
 def test_triton_missing_is_a_clear_error(monkeypatch):

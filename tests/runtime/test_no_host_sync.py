@@ -95,22 +95,32 @@ def _record_step(stage, runner, rec, starts, q_lens):
 STEPS = {"decode": ([10, 20, 5], [1, 1, 1]), "prompt": ([0, 0], [12, 5]), "mixed": ([10, 0], [1, 9])}
 
 
+@pytest.mark.parametrize("cpu_kernels", ["native", "torch"])
 @pytest.mark.parametrize("arch", ["llama", "opt"])
-def test_a_step_reads_nothing_back_and_what_each_layer_dispatches(arch, model_dirs, monkeypatch):
-    stage, runner = _stage(model_dirs[arch])
-    for kind, (starts, q_lens) in STEPS.items():
-        rec = OpRecorder()
-        _wrap_kernels(monkeypatch, rec)
-        layer, forward = _record_step(stage, runner, rec, starts, q_lens)
-        outside = [op for op, inside in forward if inside is None]
-        assert not SYNC_OPS & set(outside), (kind, Counter(op for op in outside if op in SYNC_OPS))
-        mine = [op for op, inside in layer if inside is None]
-        launched = [op for op in mine if op not in VIEW_OPS]
-        in_kernels = Counter(op for op, inside in layer if inside is not None and op in SYNC_OPS)
-        print(f"\n{arch} {kind}: layer 0 dispatches {len(mine)} ops ({len(launched)} not views), kernels as one "
-              f"each: {dict(Counter(launched))}; host reads inside the plain-torch kernels: {dict(in_kernels)}")
-        assert any(op.startswith("kernel:") for op in mine)  # attention went through the kernels
-        monkeypatch.undo()
+def test_a_step_reads_nothing_back_and_what_each_layer_dispatches(arch, cpu_kernels, model_dirs, monkeypatch):
+    """With the C++ decode kernel, and with the plain-torch kernels and the kept contexts a float32
+    CPU worker runs where the C++ kernels do not build."""
+    with pytest.MonkeyPatch.context() as kernel_choice:
+        if cpu_kernels == "torch":
+            kernel_choice.setattr(kernels.native, "available", lambda: False)
+        elif not kernels.native.available():
+            pytest.skip("the C++ CPU kernels did not build here")
+        stage, runner = _stage(model_dirs[arch])
+        assert (runner.grids is not None) == (cpu_kernels == "torch")
+        for kind, (starts, q_lens) in STEPS.items():
+            rec = OpRecorder()
+            _wrap_kernels(monkeypatch, rec)
+            layer, forward = _record_step(stage, runner, rec, starts, q_lens)
+            outside = [op for op, inside in forward if inside is None]
+            assert not SYNC_OPS & set(outside), (kind, Counter(op for op in outside if op in SYNC_OPS))
+            mine = [op for op, inside in layer if inside is None]
+            launched = [op for op in mine if op not in VIEW_OPS]
+            in_kernels = Counter(op for op, inside in layer if inside is not None and op in SYNC_OPS)
+            print(f"\n{arch} {kind} ({cpu_kernels} kernels): layer 0 dispatches {len(mine)} ops ({len(launched)} "
+                  f"not views), kernels as one each: {dict(Counter(launched))}; host reads inside the "
+                  f"plain-torch kernels: {dict(in_kernels)}")
+            assert any(op.startswith("kernel:") for op in mine)  # attention went through the kernels
+            monkeypatch.undo()
 
 
 def test_the_recorder_sees_a_host_read():

@@ -1,4 +1,4 @@
-"""Paged-attention kernels for the serving engine: Triton on CUDA, plain torch elsewhere.
+"""Paged-attention kernels for the serving engine: Triton on CUDA, C++ or plain torch on a CPU.
 
 The KV pool of one layer is a pair of caches ``(num_blocks, block_size, Hkv, D)``. Token position
 ``p`` of a sequence with block table ``bt`` lives in block ``bt[p // block_size]`` at offset
@@ -23,9 +23,11 @@ The KV pool of one layer is a pair of caches ``(num_blocks, block_size, Hkv, D)`
   prompt chunk after earlier chunks, or decodes (q_len 1). ``max_query_len``, when the caller
   knows it, spares the Triton launch a device-to-host read. -> ``(T, Hq, D)``.
 
-``impl``: ``"triton"``, ``"torch"``, or None: Triton when the tensors are on CUDA and Triton
-imports, torch otherwise. On CPU tensors ``impl="triton"`` runs the kernels under Triton's
-interpreter (slow; for checking them). Inputs of float32, bfloat16 or float16; scores, softmax
+``impl``: ``"triton"``, ``"native"``, ``"torch"``, or None: Triton when the tensors are on CUDA and
+Triton imports; on a CPU the C++ decode kernel (``native.py``) where it builds, plain torch
+otherwise. ``"native"`` has a decode kernel only: its ``store_kv`` and prefill are the torch ones.
+On CPU tensors ``impl="triton"`` runs the kernels under Triton's interpreter (slow; for checking
+them). Inputs of float32, bfloat16 or float16; scores, softmax
 and sums accumulate in float32; the output has q's dtype. Checked against the per-sequence loops
 of ``reference.py`` by ``tests/runtime/test_kernels.py`` and ``bench/check_kernels.py``.
 """
@@ -36,9 +38,9 @@ import functools
 
 import torch
 
-from . import torch_impl
+from . import native, torch_impl
 
-IMPLS = ("triton", "torch")
+IMPLS = ("triton", "native", "torch")
 
 
 @functools.cache
@@ -55,11 +57,16 @@ def triton_available() -> bool:
 def resolve_impl(impl: str | None, device: torch.device) -> str:
     """The implementation a call runs: ``impl`` checked, or the default for ``device``."""
     if impl is None:
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda":
+            return "triton" if triton_available() else "torch"
+        return "native" if device.type == "cpu" and native.available() else "torch"
     if impl not in IMPLS:
         raise ValueError(f"unknown kernel impl {impl!r}: choose one of {', '.join(map(repr, IMPLS))} or None")
     if impl == "triton" and not triton_available():
         raise ValueError("impl='triton' needs the triton package (pip install triton), which does not import here")
+    if impl == "native" and (device.type != "cpu" or not native.available()):
+        raise ValueError(f"impl='native' runs on CPU tensors where the C++ kernels build (here: {device.type} "
+                         f"tensors, built: {native.available()}; the log says why not)")
     return impl
 
 
@@ -78,8 +85,11 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, impl=None) -> None:
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, impl=None):
     """Decode attention of one query per sequence over its paged context -> (B, Hq, D)."""
-    if resolve_impl(impl, q.device) == "triton":
+    chosen = resolve_impl(impl, q.device)
+    if chosen == "triton":
         return _triton().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if chosen == "native":
+        return native.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     return torch_impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 

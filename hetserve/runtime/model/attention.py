@@ -9,12 +9,13 @@ transfer (pinned, non-blocking on CUDA), then shared by every layer:
 - each new token's K/V is written to its slot (``slot_mapping``; -1: a padding row, skipped);
 - the sequences attend through ``hetserve.runtime.kernels`` in parts (``AttnPart``): a step of
   decodes only is one ``paged_decode_attention`` call, anything else one packed
-  ``paged_prefill_attention`` call. With the plain-torch kernels (CPU) a mixed step is split into
+  ``paged_prefill_attention`` call. On a CPU (plain-torch prefill) a mixed step is split into
   its decodes and its prompts, because that implementation pads every sequence to the longest
   query of its call: a decode beside a 128-token prompt would attend as 128 rows (1.7-17.8x the
   attention time of two calls on the CPU demo, ``python -m bench.bench_attention``).
-- on a CPU in float32, a decode step's sequences attend over their contexts as kept from earlier steps
-  (``AttnMeta.grids``, ``context_grids.ContextGrids``) rather than gathered from the pool again.
+- on a CPU the decode kernel is the C++ one (``kernels.native``), reading the pool in place; where
+  it does not build, a float32 decode step's sequences attend over their contexts as kept from
+  earlier steps (``AttnMeta.grids``, ``context_grids.ContextGrids``) rather than gathered again.
 
 Nothing here reads device data back to the host: every size a kernel needs (``max_query_len``)
 is known on the host when the step is built.
@@ -125,9 +126,9 @@ def to_device(meta: HostMeta, block_size: int, device: torch.device | str) -> At
 def build_attn_meta(starts: list[int], q_lens: list[int], block_tables: list[list[int]], block_size: int,
                     device: torch.device | str = "cpu", grouped: bool | None = None) -> AttnMeta:
     """Attention metadata for one step on ``device``. ``grouped``: a mixed step's decodes and prompts
-    in separate kernel calls (default: where the kernels are the plain-torch ones)."""
+    in separate kernel calls (default: where the prefill kernel is the plain-torch one, on a CPU)."""
     if grouped is None:
-        grouped = kernels.resolve_impl(None, torch.device(device)) == "torch"
+        grouped = kernels.resolve_impl(None, torch.device(device)) != "triton"
     return to_device(host_meta(starts, q_lens, block_tables, block_size, split=grouped), block_size, device)
 
 

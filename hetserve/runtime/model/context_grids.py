@@ -20,7 +20,9 @@ then runs over the grid's first rows, each query at its sequence's row; rows of 
 step attend to their position 0 and are dropped. A step whose sequences share a slot (blocks
 shared between sequences), or whose grids would pass the memory budget, is not planned: it runs the
 gathering kernel. Bookkeeping is host numpy, O(B x context) per step; nothing in a layer reads
-device data back. The step runner keeps contexts for float32 pools on a CPU (``runner.py``).
+device data back. The step runner keeps contexts for float32 pools on a CPU whose kernels are the
+plain-torch ones: where the C++ decode kernel builds (``kernels.native``) it reads the pool in place
+and no contexts are kept (``runner.py``).
 """
 
 from __future__ import annotations

@@ -82,8 +82,10 @@ class StepRunner:
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=self.device)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=self.device)  # one query per row
         self.last_token = torch.arange(n, dtype=torch.int32, device=self.device)
-        # kept contexts pay in float32; in half precision the gathered grid, still in cache for the
-        # attention that follows, serves as well (docs/engine.md, "Kept contexts on a CPU")
+        # with the plain-torch kernels (a CPU where the C++ ones do not build), kept contexts pay in
+        # float32; in half precision the gathered grid, still in cache for the attention that
+        # follows, serves as well (docs/engine.md, "Kept contexts on a CPU"). The C++ kernel reads
+        # the pool in place and needs neither.
         pool_bytes = sum(k.nbytes + v.nbytes for k, v in kv_layers)
         keep = impl == "torch" and self.device.type == "cpu" and dtype == torch.float32 and kv_layers
         self.grids = ContextGrids(kv_layers, block_size, pool_bytes) if keep else None

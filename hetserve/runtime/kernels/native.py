@@ -1,0 +1,53 @@
+"""The C++ CPU kernels (``csrc/``), built for this machine at first use.
+
+``paged_decode_attention`` reads the KV pool in place, one task per sequence, where the
+plain-torch path gathers every context into a padded grid first. The source is compiled once per
+machine and source version by ``torch.utils.cpp_extension`` (g++ and ninja; about 15-40 s, kept
+under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; concurrent builders wait on
+its lock) and loaded as ``torch.ops.hetserve_cpu``. Where it cannot be built (no compiler, or
+``HETSERVE_NATIVE_KERNELS=0``) ``available()`` is False, says why once in the log, and the
+kernels stay the plain-torch ones.
+
+Compiled with ``-O3 -march=native -ffast-math`` and 512-bit vectors where the CPU has them (the
+loops over the head dimension vectorise, ``exp`` included); ``-ffast-math`` is a compile flag only, so the library does not switch the
+process's floating point to flush denormals.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.cpp"
+ENV = "HETSERVE_NATIVE_KERNELS"
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the C++ kernels are loaded (building them on the first call)."""
+    if os.environ.get(ENV, "1") == "0":
+        log.info("C++ CPU kernels off (%s=0): plain-torch kernels", ENV)
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(name="hetserve_cpu_kernels", sources=[str(SOURCE)], is_python_module=False,
+                           extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build or load failure means: the torch kernels
+        log.warning("C++ CPU kernels unavailable (%s: %s); plain-torch kernels instead",
+                    type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+        return False
+    return True
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """``kernels.paged_decode_attention`` on CPU tensors, by the C++ kernel (``available()`` first)."""
+    return torch.ops.hetserve_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, float(scale))

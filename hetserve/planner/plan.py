@@ -216,7 +216,7 @@ class Plan:
             replicas=tuple(PlanReplica(r.id, r.role, tuple(PlanStage(tuple(s.devices), (s.layers[0], s.layers[1]))
                                                            for s in r.stages)) for r in f.replicas),
             kv_routes=tuple(KVRoute(k.from_, k.to, k.weight) for k in f.kv_routes),
-            estimate=dict(f.estimate),
+            estimate=f.estimate.model_dump(exclude_unset=True),
             cluster_file=cf,
         )
 
@@ -291,6 +291,14 @@ class _Replica(pydantic.BaseModel):
     role: Role
     stages: list[_Stage] = pydantic.Field(min_length=1)
 
+    @pydantic.model_validator(mode="after")
+    def _layers_half_open(self) -> "_Replica":
+        for i, st in enumerate(self.stages):
+            if not 0 <= st.layers[0] < st.layers[1]:
+                raise ValueError(f"replica {self.id!r} stage {i}: layers [first, last) with 0 <= first < last, "
+                                 f"got {list(st.layers)}")
+        return self
+
 
 class _Route(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", populate_by_name=True)
@@ -305,6 +313,26 @@ class _ClusterFile(pydantic.BaseModel):
     sha256: str = pydantic.Field(pattern=r"^[0-9a-f]{64}$")
 
 
+_FIGURE = pydantic.Field(None, ge=0, allow_inf_nan=False)
+
+
+class _Estimate(pydantic.BaseModel):
+    """The planner's figures: the ones other commands print must be non-negative numbers; anything
+    else the planner adds (per-replica and per-link detail) is kept as written."""
+    model_config = pydantic.ConfigDict(extra="allow")
+    throughput_tokens_per_s: float | None = _FIGURE
+    cost_usd_per_hour: float | None = _FIGURE
+    tokens_per_usd: float | None = _FIGURE
+    requests_per_period: float | None = _FIGURE
+    period_s: float | None = _FIGURE
+    mean_input_tokens: float | None = _FIGURE
+    mean_output_tokens: float | None = _FIGURE
+    upper_bound_tokens_per_s: float | None = _FIGURE
+    upper_bound_wall_s: float | None = _FIGURE
+    devices_used: int | None = _FIGURE
+    devices_total: int | None = _FIGURE
+
+
 class _PlanFile(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
     model: str
@@ -312,7 +340,7 @@ class _PlanFile(pydantic.BaseModel):
     algorithm: str = "manual"
     replicas: list[_Replica] = pydantic.Field(min_length=1)
     kv_routes: list[_Route] = []
-    estimate: dict[str, Any] = {}
+    estimate: _Estimate = _Estimate()
     cluster_file: _ClusterFile | None = None
 
 

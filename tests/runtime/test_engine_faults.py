@@ -98,6 +98,30 @@ def test_frozen_worker_is_declared_dead_and_the_last_death_fails_cleanly(model_d
         eng.shutdown()
 
 
+@pytest.mark.timeout(120)
+def test_workers_leave_stop_signals_to_the_server(model_dirs, cluster_file):
+    """SIGTERM and SIGINT reach every worker when they are sent to the server's process group
+    (``kill -- -PGID``, a service manager, Ctrl-C): the workers ignore them, so the stream the server
+    is draining finishes with the tokens an undisturbed run gives, and no replica is lost."""
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
+
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    eng = Engine.from_plan(two_colocated_plan(), cluster_file, model_dirs["llama"], EngineConfig(kv_capacity_tokens=4096))
+    try:
+        want = eng.generate(PROMPTS[:2], params, timeout=60)
+        handles = [eng.submit(p, params, replica=f"c{i}") for i, p in enumerate(PROMPTS[:2])]
+        _wait_first_tokens(handles)
+        for pid in eng.worker_pids().values():
+            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGINT)
+        assert [h.result(timeout=60) for h in handles] == want
+        assert eng.stats().get("deaths", []) == [] and all(p.exitcode is None for p in eng.procs.values())
+    finally:
+        eng.shutdown()
+    assert all(p.exitcode is not None for p in eng.procs.values())
+
+
 def _is_zombie_or_gone(pid: int) -> bool | None:
     """True: ``pid`` (a child of this process) is a zombie; False: it runs; None: it is gone (reaped).
     ``WNOWAIT`` leaves a zombie as it is, so the check does not reap it as ``Process.exitcode`` would."""

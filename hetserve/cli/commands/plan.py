@@ -240,7 +240,7 @@ def print_plan(console, plan) -> None:
            f"{search.get('stopped_by')}; the alternatives and the bound included)" if search else ""))
     ub = e.get("upper_bound_tokens_per_s")
     if ub:
-        console.print(f"within {100 * (1 - e.get('throughput_tokens_per_s', 0) / ub):.1f} % of the bound: "
+        console.print(f"{100 * e.get('throughput_tokens_per_s', 0) / ub:.1f} % of the bound: "
                       f"no placement of this pool exceeds {ub:,.1f} tokens/s{within_slo} under the cost model "
                       f"(group-column and per-device relaxations, planner/bound/throughput.py; its solver ran "
                       f"{e.get('upper_bound_wall_s', 0):.2g} s)")

@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.rate is not None:
         wl = wl.with_rate(args.rate, source=args.workload)
     over = int(((wl.input_tokens + wl.output_tokens) > model.max_context).sum()) if len(wl) else 0
+    dropped = f"{over} of {len(wl)}"
     if over and args.within_context:
         wl = wl.within_context(model.max_context)
     elif over:
@@ -124,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
                                    ("--within-context", args.within_context)) if on]
         raise SpecError(args.workload, "(requests)", "at least one request after " + " and ".join(kept_by or
                                                                                               ["filtering"]), "none")
+    if over and args.within_context:
+        print(f"note: --within-context dropped {dropped} requests of {args.workload}, which exceed "
+              f"{model.name}'s context of {model.max_context} tokens (prompt + output)", file=sys.stderr)
     if rates:
         wl.with_rate(rates[0], source=args.workload, option="--sweep-rates")  # before the first simulation, not after it
     try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 import traceback
@@ -76,6 +77,7 @@ class WorkerConfig:
 
 def worker_main(cfg: WorkerConfig) -> None:
     """Process entry point (``torch.multiprocessing`` spawn target)."""
+    _leave_stop_signals_to_the_engine()
     torch.set_num_threads(max(1, cfg.threads))
     keep_freed_memory()
     transport = SocketTransport(cfg.spec.name, cfg.security, host=cfg.host, scheduler_factory=cfg.link_scheduler,
@@ -119,6 +121,17 @@ def _heartbeat(transport: SocketTransport, name: str, every_s: float, worker: "W
         except ConnectionError:
             return
         time.sleep(every_s)
+
+
+def _leave_stop_signals_to_the_engine() -> None:
+    """Ignore SIGINT and SIGTERM. A stop signal sent to the server's whole process group (Ctrl-C in
+    its terminal, ``kill -- -PGID``, a service manager stopping its cgroup) is the server's to act
+    on: it drains its requests, then ends its workers with a shutdown message (SIGKILL for a
+    straggler). A worker that died of the signal would fail the very requests being drained.
+    Only the main thread may set handlers (a Ray actor's method may run on another)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -245,16 +245,12 @@ class WorkerGroup:
 
 
 def kill_processes(procs: dict[str, Any]) -> None:
-    for p in procs.values():
-        if p.exitcode is None:
-            p.terminate()
-    deadline = time.monotonic() + 3.0
-    for p in procs.values():
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    """SIGKILL every worker process still running (workers ignore SIGTERM: ``worker.py``), and reap it."""
     for p in procs.values():
         if p.exitcode is None:
             p.kill()
-            p.join(timeout=2.0)
+    for p in procs.values():
+        p.join(timeout=2.0)
 
 
 def last_line(text: str) -> str:

@@ -25,6 +25,10 @@ p90, TPOT mean ((last - first token) / (tokens - 1), per request), start-up seco
 ``/health`` answering 200) and the CPU time the server's processes spent per output token during
 the load (``/proc``: a busy machine inflates it far less than the wall-clock figures), each the
 mean over rounds with the min-max spread, and hetserve / vLLM.
+
+``--systems vllm,hetserve,hetserve-torch`` adds, in the same rounds, hetserve with the plain-torch
+CPU kernels (``HETSERVE_NATIVE_KERNELS=0``: what a machine without a C++ compiler runs), so the C++
+decode kernel's share of the figures is measured, not inferred.
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ MODELS = {
     "h512": ["--layers", "8", "--hidden", "512", "--heads", "8", "--kv-heads", "4", "--ffn", "1536"],
     "h1024": ["--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "8", "--ffn", "3072"],
 }
-SYSTEMS = ("vllm", "hetserve")
+SYSTEMS = ("vllm", "hetserve", "hetserve-torch")
+SYSTEM_ENV = {"hetserve-torch": {"HETSERVE_NATIVE_KERNELS": "0"}}  # hetserve with the plain-torch CPU kernels
 START_TIMEOUT_S = 300.0
 
 
@@ -119,12 +124,12 @@ def vllm_command(py: str, model_dir: Path, dtype: str, port: int, args) -> tuple
     return cmd, env
 
 
-def hetserve_command(model_dir: Path, dtype: str, port: int, args) -> tuple[list[str], dict]:
+def hetserve_command(model_dir: Path, dtype: str, port: int, args, system: str = "hetserve") -> tuple[list[str], dict]:
     plan = write_plan(model_dir, args.hetserve_replicas)
     cmd = [sys.executable, "-m", "hetserve.cli.main", "serve", "--plan", str(plan),
            "--cluster", "demo-cpu", "--model", str(model_dir), "--model-name", "m", "--port", str(port),
            "--dtype", dtype, "--log-level", "warning", *args.hetserve_args.split()]
-    return cmd, {}
+    return cmd, dict(SYSTEM_ENV.get(system, {}))
 
 
 def start(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
@@ -194,7 +199,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 def run_one(system: str, model: str, model_dir: Path, dtype: str, rnd: int, args, work: Path) -> Run:
     port = free_port()
     cmd, env = (vllm_command(args.vllm_python, model_dir, dtype, port, args) if system == "vllm"
-                else hetserve_command(model_dir, dtype, port, args))
+                else hetserve_command(model_dir, dtype, port, args, system))
     log = work / f"{system}-{model}-{dtype}-{rnd}.log"
     url = f"http://127.0.0.1:{port}"
     run = Run(system, model, dtype, rnd, float("nan"), options={"command": " ".join(cmd), "env": env})
@@ -234,7 +239,7 @@ def print_table(runs: list[Run], model: str, dtype: str, args) -> None:
           "| server CPU ms / token |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     cols = {}
-    for system in SYSTEMS:
+    for system in [s for s in SYSTEMS if any(r.system == s for r in runs)]:
         ok = [r for r in runs if r.system == system and r.load is not None and r.error is None]
         failed = [r for r in runs if r.system == system and r.error]
         for r in failed:
@@ -246,9 +251,12 @@ def print_table(runs: list[Run], model: str, dtype: str, args) -> None:
         print(f"| {system} | {len(ok)} | {mean_spread(c['tps'])} | {mean_spread(c['ttft'], 1e3)} | "
               f"{mean_spread(c['ttft90'], 1e3)} | {mean_spread(c['tpot'], 1e3, 1)} | {mean_spread(c['up'], 1, 1)} | "
               f"{mean_spread(c['cpu'], 1e3, 2)} |")
-    h, v = cols["hetserve"], cols["vllm"]
-    ratios = [_mean(h[k]) / _mean(v[k]) if _mean(v[k]) else float("nan") for k in ("tps", "ttft", "ttft90", "tpot", "up", "cpu")]
-    print("| hetserve / vllm | | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |")
+    v = cols["vllm"]
+    for system in [s for s in cols if s != "vllm"]:
+        h = cols[system]
+        ratios = [_mean(h[k]) / _mean(v[k]) if _mean(v[k]) else float("nan")
+                  for k in ("tps", "ttft", "ttft90", "tpot", "up", "cpu")]
+        print(f"| {system} / vllm | | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -256,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default="h512", help=f"comma-separated, of {', '.join(MODELS)} (default h512)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per model x dtype (default 2)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of vllm, hetserve")
+    ap.add_argument("--systems", default="vllm,hetserve",
+                    help="comma-separated, of vllm, hetserve, hetserve-torch (the plain-torch CPU kernels)")
     ap.add_argument("--requests", type=int, default=32, help="concurrent requests (default 32)")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens each request produces (default 128)")
     ap.add_argument("--seed", type=int, default=0, help="prompt seed")
@@ -298,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
                              f"load average {os.getloadavg()[0]:.1f}" if load else "")
                           + (f" FAILED: {run.error.splitlines()[0]}" if run.error else ""), file=sys.stderr, flush=True)
             runs += these
-            if set(systems) == set(SYSTEMS):
+            if "vllm" in systems and len(systems) > 1:
                 print_table(these, model, dtype, args)
     if args.json:
         meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",

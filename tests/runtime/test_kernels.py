@@ -128,21 +128,13 @@ def test_triton_decode_matches_reference(shape, num_splits, seed):
     check_decode("triton", shape, num_splits, seed)
 
 
+@pytest.mark.parametrize("impl", ["torch", pytest.param("native", marks=needs_native)])
 @FEW["torch"]
 @given(shape=shapes(), seed=SEEDS)
 @example(shape=DECODE_CASE, seed=0)
 @example(shape=FP16_DECODE, seed=0)
-def test_torch_decode_matches_reference(shape, seed):
-    check_decode("torch", shape, None, seed)
-
-
-@needs_native
-@FEW["torch"]
-@given(shape=shapes(), seed=SEEDS)
-@example(shape=DECODE_CASE, seed=0)
-@example(shape=FP16_DECODE, seed=0)
-def test_native_decode_matches_reference(shape, seed):
-    check_decode("native", shape, None, seed)
+def test_cpu_decode_matches_reference(impl, shape, seed):
+    check_decode(impl, shape, None, seed)
 
 
 @FEW["triton"]

@@ -36,4 +36,7 @@ def test_freed_step_tensors_are_reused_without_page_faults():
 
     pages = 30 * 2 * (8 << 20) // 4096  # what 30 layers touch
     assert faults("default") > pages // 4  # the pages come and go with the tensors
-    assert faults("keep") < pages // 100  # thresholds raised: the warm heap serves every layer
+    # thresholds raised: the warm heap serves every layer. Not zero faults: a host under memory
+    # pressure (or its reclaim daemon) may take back a warm tensor's pages now and then (CI once
+    # saw 2,048 faults, one 8 MB tensor); without the rule all 30 layers fault theirs (~123,000)
+    assert faults("keep") < pages // 10

@@ -207,7 +207,7 @@ def test_bad_input_refused_like_serve_and_never_forwarded(backends, tmp_path):
     assert 'hetserve_route_backend_up{backend="b0"} 1.0' in metrics
 
 
-def test_killed_backend_loses_no_request_that_had_not_streamed(backends, tmp_path):
+def test_killed_backend_loses_no_request_that_had_not_streamed(backends, tmp_path, caplog):
     route = RouteServer(deploy_of(backends, [("s0", "colocated"), ("s1", "colocated")], {"s0": 0.5, "s1": 0.5}),
                         tmp_path)
 
@@ -234,6 +234,9 @@ def test_killed_backend_loses_no_request_that_had_not_streamed(backends, tmp_pat
     assert sum(1 for _, t in out if '"served_by": "s0"' in t) == 40
     assert 'hetserve_route_backend_up{backend="s1"} 0.0' in metrics
     assert 'hetserve_route_retries_total{backend="s1"}' in metrics
+    # the operator hears of it in the log, once, not only in /metrics
+    downs = [r.getMessage() for r in caplog.records if "is down" in r.getMessage()]
+    assert len(downs) == 1 and "s1" in downs[0] and backends.urls["s1"] in downs[0], downs
 
 
 def test_openai_client_runs_unchanged_against_route(backends, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(subparsers) -> None:
@@ -62,5 +63,8 @@ def run(args: argparse.Namespace) -> int:
                             "an empty file")
     router = Router(BackendPool(config, args.policy), timeout_s=args.timeout, health_interval_s=args.health_interval,
                     api_key=key)
+    print(f"hetserve route on http://{args.host}:{args.port}: {len(config.backends)} backend(s) "
+          f"({', '.join(f'{b.id} {b.url}' for b in config.backends)}), policy {args.policy}; "
+          f"health every {args.health_interval:g} s", file=sys.stderr, flush=True)
     uvicorn.run(create_app(router), host=args.host, port=args.port, log_level="warning")
     return 0

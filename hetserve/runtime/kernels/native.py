@@ -9,8 +9,8 @@ its lock) and loaded as ``torch.ops.hetserve_cpu``. Where it cannot be built (no
 kernels stay the plain-torch ones.
 
 Compiled with ``-O3 -march=native -ffast-math`` and 512-bit vectors where the CPU has them (the
-loops over the head dimension vectorise, ``exp`` included); ``-ffast-math`` is a compile flag only, so the library does not switch the
-process's floating point to flush denormals.
+loops over the head dimension vectorise, ``exp`` included); ``-ffast-math`` is a compile flag
+only, so the library does not switch the process's floating point to flush denormals.
 """
 
 from __future__ import annotations

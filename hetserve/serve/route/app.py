@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import AsyncIterator
 
 import httpx
 
 from hetserve.serve.route.backends import Backend, BackendPool
+
+log = logging.getLogger(__name__)
 
 PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -106,6 +109,8 @@ class Router:
         self._set_alive(b, ok)
 
     def _set_alive(self, b: Backend, ok: bool) -> None:
+        if ok != b.alive:  # the operator hears of each change, not only /health and /metrics
+            log.warning("backend %s (%s) is %s", b.id, b.url, "up again" if ok else "down")
         b.alive = ok
         self.metrics.up.labels(b.id).set(1 if ok else 0)
 

@@ -171,3 +171,22 @@ def _stop(proc: subprocess.Popen, signal_it: bool = True) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("level,shown", [("info", True), ("warning", False)])
+def test_log_to_stderr_shows_hetserve_info_lines_at_level_info(capsys, level, shown):
+    """What ``serve`` sets up for its ``--log-level``: a re-plan is logged at info on ``hetserve.serve``;
+    at info (the default) it reaches stderr, at warning it does not; warnings show at both."""
+    import logging
+
+    from hetserve.cli.commands.serve import log_to_stderr
+
+    handler = log_to_stderr(level)
+    try:
+        logging.getLogger("hetserve.serve").info("re-plan (failure): kept ['c0']")
+        logging.getLogger("hetserve.runtime.recovery").warning("replica c1 out of service")
+    finally:
+        logging.getLogger("hetserve").removeHandler(handler)
+        logging.getLogger("hetserve").setLevel(logging.NOTSET)
+    err = capsys.readouterr().err
+    assert ("INFO: re-plan (failure)" in err) == shown and "WARNING: replica c1 out of service" in err

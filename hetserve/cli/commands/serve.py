@@ -13,6 +13,7 @@ torch, FastAPI and uvicorn are imported inside ``run`` so the rest of the CLI wo
 from __future__ import annotations
 
 import argparse
+import logging
 
 from hetserve.cli.policy_options import add_policy_options, route_of, transmission_of
 from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
@@ -227,6 +228,17 @@ def run(args: argparse.Namespace) -> int:
         return _start_and_serve(args, opts, sock)
 
 
+def log_to_stderr(level: str) -> logging.Handler:
+    """hetserve's own log lines (a worker's death, a re-plan, a drain) on stderr at ``--log-level``:
+    uvicorn's level sets only its own loggers, and without a handler Python shows warnings only."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    logger = logging.getLogger("hetserve")
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    return handler
+
+
 def _start_and_serve(args: argparse.Namespace, opts, sock) -> int:
     from rich.console import Console
 
@@ -235,6 +247,7 @@ def _start_and_serve(args: argparse.Namespace, opts, sock) -> int:
     from hetserve.serve.server import serve_forever, url_of
 
     console = Console(stderr=True)
+    log_to_stderr(args.log_level)
     console.print(f"starting {args.backend} workers for {args.plan} ...")
     try:
         deployment = build(opts)

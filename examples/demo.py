@@ -19,6 +19,7 @@ Everything lands in ``demo-out/``.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -89,6 +90,8 @@ def serve_tiny_model(n_requests: int = 24, max_input: int = 256, max_output: int
     pool = str(this_machines_pool())
     step("3. the small pool: 4 worker slots, two GPU types, two boxes, all on this computer's cores",
          ["describe", "cluster", pool])
+    if (model_dir / "config.json").is_file():  # a rerun: the checkpoint this demo made before is made afresh
+        shutil.rmtree(model_dir)
     step("4. a tiny random-weight Llama (GQA) checkpoint",
          ["make-model", "--arch", "llama", "--layers", "8", "--hidden", "256", "--heads", "4", "--kv-heads", "1",
           "--ffn", "768", "-o", str(model_dir)])

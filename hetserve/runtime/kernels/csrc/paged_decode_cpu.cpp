@@ -53,31 +53,44 @@ inline const float* as_float<float>(const float* src, float*, int64_t) {
   return src;
 }
 
-// q . k over D elements of bfloat16 in float32, by the CPU's bfloat16 dot-product instruction where
-// it has one and D is a multiple of 32 (each product is exact in float32); false: not done here.
-inline bool dot_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t D, float* out) {
+// Whether the CPU's bfloat16 dot-product instruction scores rows of D elements of T: bfloat16 on a
+// CPU with AVX512-BF16, D a multiple of 32 (each product is exact in float32).
+template <typename T>
+inline bool has_dot(int64_t) { return false; }
+template <>
+inline bool has_dot<c10::BFloat16>(int64_t D) {
 #if defined(__AVX512BF16__)
-  if (D % 32 != 0) return false;
+  return D % 32 == 0;
+#else
+  (void)D;
+  return false;
+#endif
+}
+
+// q . k over D elements in float32 by that instruction (call only where has_dot<T>(D)).
+template <typename T>
+inline float dot(const T* q, const T* k, int64_t D);
+template <>
+inline float dot<c10::BFloat16>(const c10::BFloat16* q, const c10::BFloat16* k, int64_t D) {
+#if defined(__AVX512BF16__)
   __m512 acc = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 32) {
     const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(q + d));
     const __m512i b = _mm512_loadu_si512(reinterpret_cast<const void*>(k + d));
     acc = _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
   }
-  *out = _mm512_reduce_add_ps(acc);
-  return true;
+  return _mm512_reduce_add_ps(acc);
 #else
-  (void)q; (void)k; (void)D; (void)out;
-  return false;
+  (void)q; (void)k; (void)D;
+  return 0.f;
 #endif
 }
-
-template <typename T>
-inline bool dot_native(const T*, const T*, int64_t, float*) { return false; }
 template <>
-inline bool dot_native<c10::BFloat16>(const c10::BFloat16* q, const c10::BFloat16* k, int64_t D, float* out) {
-  return dot_bf16(q, k, D, out);
-}
+inline float dot<float>(const float*, const float*, int64_t) { return 0.f; }
+template <>
+inline float dot<c10::Half>(const c10::Half*, const c10::Half*, int64_t) { return 0.f; }
+template <>
+inline float dot<double>(const double*, const double*, int64_t) { return 0.f; }
 
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -102,21 +115,19 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         std::fill(o, o + Hq * D, T(0.0f));
         continue;
       }
-      widen<T>(qp + b * Hq * D, qf.data(), Hq * D);
-      for (int64_t i = 0; i < Hq * D; ++i) qf[i] *= scale;
       const int32_t* table = tables + b * width;
       scores.resize(Hq * n);
-      float probe;
-      const bool fused = dot_native<T>(qp, kp, D, &probe);  // the instruction serves this dtype and D
-      for (int64_t p = 0; fused && p < n; ++p) {  // scores[hq][p] = scale * q_hq . k_p, unwidened
+      const bool fused = has_dot<T>(D);
+      for (int64_t p = 0; fused && p < n; ++p) {  // scores[hq][p] = scale * q_hq . k_p, rows as stored
         const int64_t slot = static_cast<int64_t>(table[p / block]) * block + p % block;
         const T* keys = kp + slot * width_kv;
         const T* queries = qp + b * Hq * D;
-        for (int64_t hq = 0; hq < Hq; ++hq) {
-          float s;
-          dot_native<T>(queries + hq * D, keys + (hq / G) * D, D, &s);
-          scores[hq * n + p] = s * scale;
-        }
+        for (int64_t hq = 0; hq < Hq; ++hq)
+          scores[hq * n + p] = scale * dot<T>(queries + hq * D, keys + (hq / G) * D, D);
+      }
+      if (!fused) {  // the scaled queries in float32
+        widen<T>(qp + b * Hq * D, qf.data(), Hq * D);
+        for (int64_t i = 0; i < Hq * D; ++i) qf[i] *= scale;
       }
       for (int64_t p = 0; !fused && p < n; ++p) {  // scores[hq][p] = q_hq . k_p (of hq's KV head)
         const int64_t slot = static_cast<int64_t>(table[p / block]) * block + p % block;

@@ -24,9 +24,6 @@ from hetserve.runtime.kernels import (  # triton: the dev extra
     triton_kernels,
 )
 
-# the C++ kernel builds wherever g++ and ninja are (CI's image has both); elsewhere its tests skip
-needs_native = pytest.mark.skipif(not native.available(), reason="the C++ CPU kernels did not build here (see the log)")
-
 # examples per test in `make test`: the interpreter runs a Triton program in milliseconds, so the
 # Triton draws stay few here; the `long` copies draw more, bench/check_kernels.py hundreds
 FEW = {"triton": settings(max_examples=4, deadline=None), "torch": settings(max_examples=12, deadline=None)}
@@ -128,7 +125,7 @@ def test_triton_decode_matches_reference(shape, num_splits, seed):
     check_decode("triton", shape, num_splits, seed)
 
 
-@pytest.mark.parametrize("impl", ["torch", pytest.param("native", marks=needs_native)])
+@pytest.mark.parametrize("impl", ["torch", "native"])
 @FEW["torch"]
 @given(shape=shapes(), seed=SEEDS)
 @example(shape=DECODE_CASE, seed=0)
@@ -171,14 +168,13 @@ def test_many_shapes(impl, decode_shape, prefill_shape, num_splits, seed):
 
 
 @pytest.mark.long
-@needs_native
 @MANY
 @given(shape=shapes(), seed=SEEDS)
 def test_native_many_shapes(shape, seed):
     check_decode("native", shape, None, seed)
 
 
-@pytest.mark.parametrize("impl", ["triton", pytest.param("native", marks=needs_native), "torch"])
+@pytest.mark.parametrize("impl", ["triton", "native", "torch"])
 def test_rows_of_context_zero_give_zeros(impl):
     """Padding rows of a graph bucket: context 0, a table of -1, a pool of NaN -> zeros, nothing read."""
     shape = cases.Shape(context_lens=(0, 37, 0), num_kv_heads=2, group=4, head_dim=32, block_size=16, dtype="fp32")
@@ -201,8 +197,14 @@ def test_public_triton_path_on_a_long_context():
     assert_close(out, decode_reference(case), shape)
 
 
+def test_the_cpu_kernels_build_here_and_are_the_default():
+    """The C++ kernels build wherever g++ and ninja are, as on every machine the tests run on: a
+    build that breaks fails here (and every "native" case), not silently back to the torch kernels."""
+    assert native.available(), "the C++ CPU kernels did not build: the log says why"
+    assert kernels.resolve_impl(None, torch.device("cpu")) == "native"
+
+
 def test_impl_choice(monkeypatch):
-    assert kernels.resolve_impl(None, torch.device("cpu")) == ("native" if native.available() else "torch")
     with pytest.raises(ValueError, match="'triton', 'native', 'torch'"):
         kernels.resolve_impl("cuda", torch.device("cpu"))
     with pytest.raises(ValueError, match="impl='native' runs on CPU tensors"):
@@ -217,7 +219,6 @@ def test_impl_choice(monkeypatch):
         native.available.cache_clear()
 
 
-@needs_native
 def test_native_kernel_refuses_a_block_outside_the_pool_and_keeps_denormals():
     """The C++ loops read unchecked, so the entry point checks every block a context reads; and
     building with -ffast-math must not make the process flush denormals."""

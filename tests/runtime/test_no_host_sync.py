@@ -103,8 +103,6 @@ def test_a_step_reads_nothing_back_and_what_each_layer_dispatches(arch, cpu_kern
     with pytest.MonkeyPatch.context() as kernel_choice:
         if cpu_kernels == "torch":
             kernel_choice.setattr(kernels.native, "available", lambda: False)
-        elif not kernels.native.available():
-            pytest.skip("the C++ CPU kernels did not build here")
         stage, runner = _stage(model_dirs[arch])
         assert (runner.grids is not None) == (cpu_kernels == "torch")
         for kind, (starts, q_lens) in STEPS.items():

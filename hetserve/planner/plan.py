@@ -26,7 +26,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import pydantic
 
@@ -313,24 +313,25 @@ class _ClusterFile(pydantic.BaseModel):
     sha256: str = pydantic.Field(pattern=r"^[0-9a-f]{64}$")
 
 
-_FIGURE = pydantic.Field(None, ge=0, allow_inf_nan=False)
+_Figure = Annotated[float | None, pydantic.Field(ge=0, allow_inf_nan=False)]
+_Count = Annotated[int | None, pydantic.Field(ge=0)]
 
 
 class _Estimate(pydantic.BaseModel):
     """The planner's figures: the ones other commands print must be non-negative numbers; anything
     else the planner adds (per-replica and per-link detail) is kept as written."""
     model_config = pydantic.ConfigDict(extra="allow")
-    throughput_tokens_per_s: float | None = _FIGURE
-    cost_usd_per_hour: float | None = _FIGURE
-    tokens_per_usd: float | None = _FIGURE
-    requests_per_period: float | None = _FIGURE
-    period_s: float | None = _FIGURE
-    mean_input_tokens: float | None = _FIGURE
-    mean_output_tokens: float | None = _FIGURE
-    upper_bound_tokens_per_s: float | None = _FIGURE
-    upper_bound_wall_s: float | None = _FIGURE
-    devices_used: int | None = _FIGURE
-    devices_total: int | None = _FIGURE
+    throughput_tokens_per_s: _Figure = None
+    cost_usd_per_hour: _Figure = None
+    tokens_per_usd: _Figure = None
+    requests_per_period: _Figure = None
+    period_s: _Figure = None
+    mean_input_tokens: _Figure = None
+    mean_output_tokens: _Figure = None
+    upper_bound_tokens_per_s: _Figure = None
+    upper_bound_wall_s: _Figure = None
+    devices_used: _Count = None
+    devices_total: _Count = None
 
 
 class _PlanFile(pydantic.BaseModel):

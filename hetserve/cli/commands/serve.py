@@ -230,11 +230,15 @@ def run(args: argparse.Namespace) -> int:
 
 def log_to_stderr(level: str) -> logging.Handler:
     """hetserve's own log lines (a worker's death, a re-plan, a drain) on stderr at ``--log-level``:
-    uvicorn's level sets only its own loggers, and without a handler Python shows warnings only."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    uvicorn's level sets only its own loggers, and without a handler Python shows warnings only.
+    One handler however often it is called (a process may serve more than once)."""
     logger = logging.getLogger("hetserve")
-    logger.addHandler(handler)
+    handler = next((h for h in logger.handlers if h.get_name() == "hetserve-stderr"), None)
+    if handler is None:
+        handler = logging.StreamHandler()
+        handler.set_name("hetserve-stderr")
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        logger.addHandler(handler)
     logger.setLevel(level.upper())
     return handler
 

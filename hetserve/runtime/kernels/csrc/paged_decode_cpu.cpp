@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -53,12 +54,9 @@ inline const float* as_float<float>(const float* src, float*, int64_t) {
   return src;
 }
 
-// Whether the CPU's bfloat16 dot-product instruction scores rows of D elements of T: bfloat16 on a
-// CPU with AVX512-BF16, D a multiple of 32 (each product is exact in float32).
-template <typename T>
-inline bool has_dot(int64_t) { return false; }
-template <>
-inline bool has_dot<c10::BFloat16>(int64_t D) {
+// Whether this CPU's bfloat16 dot-product instruction scores rows of D elements: AVX512-BF16, D a
+// multiple of 32 (each product is exact in float32).
+inline bool has_bf16_dot(int64_t D) {
 #if defined(__AVX512BF16__)
   return D % 32 == 0;
 #else
@@ -67,11 +65,8 @@ inline bool has_dot<c10::BFloat16>(int64_t D) {
 #endif
 }
 
-// q . k over D elements in float32 by that instruction (call only where has_dot<T>(D)).
-template <typename T>
-inline float dot(const T* q, const T* k, int64_t D);
-template <>
-inline float dot<c10::BFloat16>(const c10::BFloat16* q, const c10::BFloat16* k, int64_t D) {
+// q . k over D bfloat16 elements in float32 by that instruction (call only where has_bf16_dot(D)).
+inline float bf16_dot(const c10::BFloat16* q, const c10::BFloat16* k, int64_t D) {
 #if defined(__AVX512BF16__)
   __m512 acc = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 32) {
@@ -85,12 +80,6 @@ inline float dot<c10::BFloat16>(const c10::BFloat16* q, const c10::BFloat16* k, 
   return 0.f;
 #endif
 }
-template <>
-inline float dot<float>(const float*, const float*, int64_t) { return 0.f; }
-template <>
-inline float dot<c10::Half>(const c10::Half*, const c10::Half*, int64_t) { return 0.f; }
-template <>
-inline float dot<double>(const double*, const double*, int64_t) { return 0.f; }
 
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -117,13 +106,16 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
       const int32_t* table = tables + b * width;
       scores.resize(Hq * n);
-      const bool fused = has_dot<T>(D);
-      for (int64_t p = 0; fused && p < n; ++p) {  // scores[hq][p] = scale * q_hq . k_p, rows as stored
-        const int64_t slot = static_cast<int64_t>(table[p / block]) * block + p % block;
-        const T* keys = kp + slot * width_kv;
-        const T* queries = qp + b * Hq * D;
-        for (int64_t hq = 0; hq < Hq; ++hq)
-          scores[hq * n + p] = scale * dot<T>(queries + hq * D, keys + (hq / G) * D, D);
+      bool fused = false;
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {  // scores[hq][p] = scale * q_hq . k_p, rows as stored
+        fused = has_bf16_dot(D);
+        for (int64_t p = 0; fused && p < n; ++p) {
+          const int64_t slot = static_cast<int64_t>(table[p / block]) * block + p % block;
+          const T* keys = kp + slot * width_kv;
+          const T* queries = qp + b * Hq * D;
+          for (int64_t hq = 0; hq < Hq; ++hq)
+            scores[hq * n + p] = scale * bf16_dot(queries + hq * D, keys + (hq / G) * D, D);
+        }
       }
       if (!fused) {  // the scaled queries in float32
         widen<T>(qp + b * Hq * D, qf.data(), Hq * D);

@@ -233,12 +233,12 @@ def log_to_stderr(level: str) -> logging.Handler:
     uvicorn's level sets only its own loggers, and without a handler Python shows warnings only.
     One handler however often it is called (a process may serve more than once)."""
     logger = logging.getLogger("hetserve")
-    handler = next((h for h in logger.handlers if h.get_name() == "hetserve-stderr"), None)
-    if handler is None:
-        handler = logging.StreamHandler()
-        handler.set_name("hetserve-stderr")
-        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
-        logger.addHandler(handler)
+    for old in [h for h in logger.handlers if h.get_name() == "hetserve-stderr"]:
+        logger.removeHandler(old)  # an earlier call's, on the stderr of its time
+    handler = logging.StreamHandler()
+    handler.set_name("hetserve-stderr")
+    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    logger.addHandler(handler)
     logger.setLevel(level.upper())
     return handler
 

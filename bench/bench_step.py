@@ -17,9 +17,9 @@ layers, LM head, argmax. Configurations, each its own process (the rules act whe
 - ``busy``: another process spins on one core meanwhile (what a front end and clients do to a
   worker on a 2-core host).
 
-``--layouts``: instead, the linear weights' layout (``loader.column_major_weights``: float32
-weights on a CPU column-major, half precision row-major) against the other one, per dtype, at
-decode batches of 1, 8 and 32 (2 threads, kept host memory, default spin).
+``--layouts``: instead, the linear weights' layouts (``model.cpu_weights``: float32 weights on a
+CPU column-major, bfloat16 packed for oneDNN, float16 row-major) against each other, per dtype,
+at decode batches of 1, 8 and 32 (2 threads, kept host memory, default spin).
 
 Printed: the median step (ms) of each configuration over ``--rounds`` interleaved rounds (each the
 median of 30 steps after 5 warm-ups), its min-max, and its ratio to the first row of its group.
@@ -53,12 +53,13 @@ CONFIGS = list(dict.fromkeys(c for g in GROUPS for c in g))  # each measured onc
 def child(model_dir: str, dtype_name: str, threads: int, memory: str, layout: str = "loaded",
           seqs: int = 32) -> float:
     """Median seconds of one decode step (runs in the configuration's own process); ``layout``:
-    the linear weights as loaded, or ``row`` / ``column`` major."""
+    the linear weights as loaded, ``row`` / ``column`` major, or ``packed`` for oneDNN (bfloat16)."""
     import random
 
     import torch
 
     from hetserve.runtime.model.config import ArchConfig
+    from hetserve.runtime.model.cpu_weights import linear_weight, pack_bfloat16_linears
     from hetserve.runtime.model.loader import load_stage
     from hetserve.runtime.model.runner import StepRunner
     from hetserve.runtime.workers.host_memory import keep_freed_memory
@@ -73,9 +74,13 @@ def child(model_dir: str, dtype_name: str, threads: int, memory: str, layout: st
     if layout != "loaded":
         for mod in stage.modules():
             if isinstance(mod, torch.nn.Linear):
-                w = mod.weight.detach()
-                w = w.contiguous() if layout == "row" else w.t().contiguous().t()
+                w = linear_weight(mod).detach()
+                if mod.weight is None:  # packed as loaded: back to a plain linear first
+                    del mod.forward, mod.packed_weight
+                w = w.t().contiguous().t() if layout == "column" else w.contiguous()
                 mod.weight = torch.nn.Parameter(w, requires_grad=False)
+        if layout == "packed":
+            pack_bfloat16_linears(stage)
     block = 16
     pool = KVPool(cfg.num_layers, 2048 * block, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
     runner = StepRunner(stage, pool.layers(), block, cfg.hidden_size, dtype, torch.device("cpu"), max_blocks=64)
@@ -151,27 +156,31 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def compare_layouts(model_dir: Path, args: argparse.Namespace) -> None:
-    """Row- against column-major linear weights, per dtype and decode batch, interleaved rounds."""
+    """Row-major, column-major and (bfloat16) oneDNN-packed linear weights, per dtype and decode
+    batch, interleaved rounds."""
     config = (2, "kept", "default", False)
     results = {}
     for dtype in args.dtypes.split(","):
+        layouts = ("row", "column", "packed") if dtype == "bfloat16" else ("row", "column")
         for seqs in (1, 8, 32):
-            runs = {"row": [], "column": []}
+            runs = {layout: [] for layout in layouts}
             for _ in range(args.rounds):
                 for layout in runs:
                     runs[layout].append(run_config(model_dir, dtype, config, layout, seqs) * 1e3)
             results[f"{dtype} {seqs}"] = runs
-    loaded = {"float32": "column", "bfloat16": "row", "float16": "row"}
+    loaded = {"float32": "column", "bfloat16": "packed", "float16": "row"}
     print(f"\n{args.model}: one decode step (median of 30, ms), {args.rounds} interleaved rounds, 2 threads\n")
-    print("| dtype | batch | row-major | column-major | column / row | loaded as |")
-    print("|---|---:|---:|---:|---:|---|")
+    print("| dtype | batch | row-major | column-major | packed | column / row | packed / row | loaded as |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for key, runs in results.items():
         dtype, seqs = key.split()
-        row, col = statistics.median(runs["row"]), statistics.median(runs["column"])
-        print(f"| {dtype} | {seqs} | {row:.1f} | {col:.1f} | {col / row:.2f}x | {loaded.get(dtype, '?')} |")
+        med = {layout: statistics.median(v) for layout, v in runs.items()}
+        packed = med.get("packed")
+        packed_ms, packed_ratio = ("-", "-") if packed is None else (f"{packed:.1f}", f"{packed / med['row']:.2f}x")
+        print(f"| {dtype} | {seqs} | {med['row']:.1f} | {med['column']:.1f} | {packed_ms} | "
+              f"{med['column'] / med['row']:.2f}x | {packed_ratio} | {loaded.get(dtype, '?')} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "layouts": results}, indent=1))
-
 
 if __name__ == "__main__":
     main()

@@ -150,7 +150,7 @@ def test_torch_prefill_matches_reference(shape, seed):
     check_prefill("torch", shape, seed)
 
 
-@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("impl", ["triton", "native", "torch"])
 @FEW["triton"]
 @given(shape=shapes(), seed=SEEDS)
 def test_store_kv_writes_slots_and_skips_minus_one(impl, shape, seed):

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hetserve.runtime.model import loader
 from hetserve.runtime.model.config import LLAMA2_7B, ArchConfig, llama_arch
+from hetserve.runtime.model.cpu_weights import linear_weight
 from hetserve.runtime.model.loader import STAGE_CLASSES, load_stage, meta_stage
 from hetserve.runtime.model.make import random_stage
 
@@ -159,24 +160,40 @@ def test_random_stage_is_made_on_its_device_in_its_dtype():
     assert max(made.sizes, default=0) < cfg.hidden_size
     b = random_stage(cfg, (0, 2), "cpu", torch.bfloat16, seed=3, has_embed=True, has_head=True)
     c = random_stage(cfg, 2, "cpu", torch.bfloat16, seed=4, has_embed=True, has_head=True)
-    pairs = list(zip(a.parameters(), b.parameters(), c.parameters()))
+    pairs = list(zip(_weights(a).values(), _weights(b).values(), _weights(c).values()))
+    assert len(pairs) == len(_weights(a)) > 2 * 7
     assert all(p.dtype == torch.bfloat16 and torch.equal(p, q) for p, q, _ in pairs)
-    assert not torch.equal(a.layers[0].self_attn.q_proj.weight, c.layers[0].self_attn.q_proj.weight)
+    assert not torch.equal(_weights(a)["layers.0.self_attn.q_proj.weight"],
+                           _weights(c)["layers.0.self_attn.q_proj.weight"])
     assert torch.equal(a.norm.weight, torch.ones_like(a.norm.weight))
     assert a.inv_freq is not None and not a.training
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_float32_linear_weights_are_column_major(model_dirs, dtype):
+def _weights(stage: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``stage`` by name, linear weights as plain (out, in) tensors whatever their layout."""
+    out = {name: p for name, p in stage.named_parameters()}
+    for name, mod in stage.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            out[f"{name}.weight"] = linear_weight(mod)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_linear_weights_take_their_dtypes_layout(model_dirs, dtype):
     """A CPU stage's float32 linear weights are (in, out)-contiguous transposes holding the
-    checkpoint's values; half precision stays row-major; other parameters stay as they are."""
+    checkpoint's values; bfloat16 ones are packed for oneDNN (no plain copy kept), holding the same
+    values; float16 stays row-major; other parameters stay as they are."""
     d = model_dirs["llama"]
     cfg = ArchConfig.from_dir(d)
     stage, _ = load_stage(cfg, d, (0, cfg.num_layers), has_embed=True, has_head=True, dtype=dtype)
     full = load_file(str(d / "model.safetensors"))
     linears = {name for name, mod in stage.named_modules() if isinstance(mod, torch.nn.Linear)}
     assert "lm_head" in linears and len(linears) == 7 * cfg.num_layers + 1
-    for name, param in stage.named_parameters():
+    packed = {name for name, mod in stage.named_modules() if getattr(mod, "packed_weight", None) is not None}
+    assert packed == (linears if dtype == torch.bfloat16 else set())
+    for name in packed:
+        assert stage.get_submodule(name).weight is None and stage.get_submodule(name).packed_weight.is_mkldnn
+    for name, param in _weights(stage).items():
         module = name.rsplit(".", 1)[0]
         column_major = dtype == torch.float32 and module in linears and name.endswith("weight")
         assert param.is_contiguous() != column_major, name

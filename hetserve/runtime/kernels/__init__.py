@@ -1,4 +1,4 @@
-"""Paged-attention kernels for the serving engine: Triton on CUDA, C++ or plain torch on a CPU.
+"""The serving engine's kernels: paged attention (Triton on CUDA, C++ or plain torch on a CPU) and a layer's small ops.
 
 The KV pool of one layer is a pair of caches ``(num_blocks, block_size, Hkv, D)``. Token position
 ``p`` of a sequence with block table ``bt`` lives in block ``bt[p // block_size]`` at offset
@@ -22,10 +22,13 @@ The KV pool of one layer is a pair of caches ``(num_blocks, block_size, Hkv, D)`
   ``context_lens[b] - q_len[b] + i`` and attends to the positions up to its own: a prompt, a
   prompt chunk after earlier chunks, or decodes (q_len 1). ``max_query_len``, when the caller
   knows it, spares the Triton launch a device-to-host read. -> ``(T, Hq, D)``.
+- ``rms_norm(x, weight, eps, impl=None)`` and ``rotary(q, k, cos, sin, impl=None)``: a Llama
+  layer's normalisation and rotary embedding, rounding where transformers rounds; C++ under
+  ``"native"``, torch otherwise (Triton has none).
 
 ``impl``: ``"triton"``, ``"native"``, ``"torch"``, or None: Triton when the tensors are on CUDA and
-Triton imports; on a CPU the C++ decode kernel (``native.py``) where it builds, plain torch
-otherwise. ``"native"`` has a decode kernel only: its ``store_kv`` and prefill are the torch ones.
+Triton imports; on a CPU the C++ kernels (``native.py``) where they build, plain torch
+otherwise. ``"native"`` has decode attention and ``store_kv`` kernels: its prefill is the torch one.
 On CPU tensors ``impl="triton"`` runs the kernels under Triton's interpreter (slow; for checking
 them). Inputs of float32, bfloat16 or float16; scores, softmax
 and sums accumulate in float32; the output has q's dtype. Checked against the per-sequence loops
@@ -77,10 +80,29 @@ def _triton():
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, impl=None) -> None:
     """Write this step's K/V rows into the pool in place; slots of -1 are skipped."""
-    if resolve_impl(impl, k.device) == "triton":
+    chosen = resolve_impl(impl, k.device)
+    if chosen == "triton":
         _triton().store_kv(k, v, k_cache, v_cache, slot_mapping)
+    elif chosen == "native" and k.dtype == v.dtype == k_cache.dtype:
+        native.store_kv(k, v, k_cache, v_cache, slot_mapping)
     else:
         torch_impl.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rms_norm(x, weight, eps: float, impl=None):
+    """transformers' Llama RMSNorm of x (..., H) with weight (H,): normalised in float32, rounded
+    to x's dtype, times the weight. Triton has none: on CUDA it is the torch one."""
+    if resolve_impl(impl, x.device) == "native" and x.dtype == weight.dtype:
+        return native.rms_norm(x, weight, eps)
+    return torch_impl.rms_norm(x, weight, eps)
+
+
+def rotary(q, k, cos, sin, impl=None):
+    """Rotary embedding of q (T, Hq, D) and k (T, Hkv, D) by cos, sin (T, D) of their dtype ->
+    (q, k) rotated, as transformers' ``apply_rotary_pos_emb``. On CUDA the torch one."""
+    if resolve_impl(impl, q.device) == "native" and q.dtype == k.dtype == cos.dtype == sin.dtype:
+        return native.rotary(q, k, cos, sin)
+    return torch_impl.rotary(q, k, cos, sin)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, impl=None):
@@ -103,5 +125,5 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
                                               context_lens, scale)
 
 
-__all__ = ["IMPLS", "paged_decode_attention", "paged_prefill_attention", "resolve_impl", "store_kv",
-           "triton_available"]
+__all__ = ["IMPLS", "paged_decode_attention", "paged_prefill_attention", "resolve_impl", "rms_norm", "rotary",
+           "store_kv", "triton_available"]

@@ -1,7 +1,8 @@
 """The C++ CPU kernels (``csrc/``), built for this machine at first use.
 
 ``paged_decode_attention`` reads the KV pool in place, one task per sequence, where the
-plain-torch path gathers every context into a padded grid first. The source is compiled once per
+plain-torch path gathers every context into a padded grid first. ``store_kv``, ``rms_norm`` and
+``rotary`` each do in one pass what takes a layer 5-12 torch operators. The sources are compiled once per
 machine and source version by ``torch.utils.cpp_extension`` (g++ and ninja; about 15-40 s, kept
 under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; concurrent builders wait on
 its lock) and loaded as ``torch.ops.hetserve_cpu``. Where it cannot be built (no compiler, or
@@ -24,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode_cpu.cpp", "layer_ops_cpu.cpp")]
 ENV = "HETSERVE_NATIVE_KERNELS"
 
 
@@ -37,7 +38,7 @@ def available() -> bool:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name="hetserve_cpu_kernels", sources=[str(SOURCE)], is_python_module=False,
+        cpp_extension.load(name="hetserve_cpu_kernels", sources=[str(p) for p in SOURCES], is_python_module=False,
                            extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"],
                            extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build or load failure means: the torch kernels
@@ -51,3 +52,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """``kernels.paged_decode_attention`` on CPU tensors, by the C++ kernel (``available()`` first)."""
     return torch.ops.hetserve_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, float(scale))
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """``kernels.store_kv`` for k, v of the caches' dtype."""
+    torch.ops.hetserve_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``kernels.rms_norm`` for x and weight of one dtype."""
+    return torch.ops.hetserve_cpu.rms_norm(x, weight, float(eps))
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.rotary`` for q, k, cos and sin of one dtype."""
+    return torch.ops.hetserve_cpu.rotary(q, k, cos, sin)

@@ -22,6 +22,25 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _flat(v_cache).index_copy_(0, slots, v[keep].to(v_cache.dtype))
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm``, op for op: normalised in float32, rounded to x's dtype, scaled."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_rotary_pos_emb`` on q (T, Hq, D) and k (T, Hkv, D) with cos, sin (T, D)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
 def _flat(cache: torch.Tensor) -> torch.Tensor:
     """(num_blocks, block_size, Hkv, D) -> (slots, Hkv, D), a view of the same memory."""
     return cache.view(-1, *cache.shape[2:])

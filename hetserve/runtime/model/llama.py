@@ -1,7 +1,8 @@
 """Layers [a, b) of a Llama-family model (GQA, RoPE, RMSNorm, SwiGLU), with no notion of parallelism.
 
 Numerics follow transformers' ``modeling_llama`` op for op (norm in float32, RoPE cos/sin from
-``positions * inv_freq``), so greedy tokens match ``generate``. Tensor parallelism is applied from
+``positions * inv_freq``; ``kernels.rms_norm`` / ``kernels.rotary`` round where it rounds), so
+greedy tokens match ``generate``. Tensor parallelism is applied from
 outside by ``hetserve.runtime.model.tp`` using ``TP_PLAN``; heads are inferred from tensor shapes, so a
 sharded attention needs no flags.
 """
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetserve.runtime import kernels
 from hetserve.runtime.model.attention import AttnMeta, paged_attention
 from hetserve.runtime.model.config import ArchConfig
 
@@ -25,10 +27,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ArchConfig) -> tuple[torch.Tensor, float]:
@@ -43,11 +42,6 @@ def rope_inv_freq(cfg: ArchConfig) -> tuple[torch.Tensor, float]:
 
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](LlamaConfig(**cfg.raw), "cpu")
     return inv_freq.float(), float(scaling)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class Attention(nn.Module):
@@ -66,9 +60,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(T, -1, D)  # (T, Hq, D)
         k = self.k_proj(x).view(T, -1, D)  # (T, Hkv, D)
         v = self.v_proj(x).view(T, -1, D)  # (T, Hkv, D)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = kernels.rotary(q, k, cos, sin)
         return self.o_proj(paged_attention(q, k, v, kv[0], kv[1], meta, scale=D ** -0.5))
 
 

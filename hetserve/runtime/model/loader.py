@@ -23,6 +23,7 @@ from torch import nn
 
 from hetserve.errors import SpecError
 from hetserve.runtime.model.config import ArchConfig
+from hetserve.runtime.model.cpu_weights import arrange_cpu_weights
 from hetserve.runtime.model.llama import LlamaStage
 from hetserve.runtime.model.opt import OPTStage
 from hetserve.runtime.model.tp import apply_tp, shard_of, tp_kind
@@ -108,26 +109,13 @@ def meta_stage(cfg: ArchConfig, num_layers: int, *, has_embed: bool, has_head: b
 
 
 def finish_stage(model: nn.Module, device: torch.device) -> nn.Module:
-    """Non-parameter state (RoPE frequencies) on ``device``; inference mode, no gradients; float32
-    linear weights on a CPU column-major (``column_major_weights``)."""
+    """Non-parameter state (RoPE frequencies) on ``device``; inference mode, no gradients; linear
+    weights on a CPU in their dtype's layout (``cpu_weights``)."""
     model.init_buffers(device)
     model.eval().requires_grad_(False)
     if torch.device(device).type == "cpu":
-        column_major_weights(model)
+        arrange_cpu_weights(model)
     return model
-
-
-def column_major_weights(model: nn.Module) -> None:
-    """Store every float32 ``nn.Linear`` weight (out, in) as the transpose of an (in, out)
-    contiguous tensor: the same values, in the layout this CPU's GEMM multiplies most decode
-    batches by faster. A decode step of 32 sequences of the 8-layer h512 / h1024 models takes
-    6-7 % less; at 8 sequences h1024's 13 % less but h512's 16 % more; one sequence within 4 %.
-    Half precision keeps row-major, which its GEMM prefers (``python -m bench.bench_step
-    --layouts`` measures both)."""
-    for mod in model.modules():
-        w = getattr(mod, "weight", None)
-        if isinstance(mod, nn.Linear) and w.dtype == torch.float32 and w.is_contiguous() and w.dim() == 2:
-            mod.weight = nn.Parameter(w.detach().t().contiguous().t(), requires_grad=False)
 
 
 def load_stage(cfg: ArchConfig, model_dir: str | Path, layers: tuple[int, int], *, has_embed: bool,

@@ -115,6 +115,10 @@ DECODE_CASE = cases.Shape(context_lens=(37, 70, 0, 5), dtype="bf16", **GQA)
 PREFILL_CASE = cases.Shape(context_lens=(40, 70, 0, 3), q_lens=(40, 9, 0, 1), dtype="fp32", **GQA)
 FP16_DECODE = cases.Shape(context_lens=(33, 2), dtype="fp16", **GQA)
 FP16_PREFILL = cases.Shape(context_lens=(20, 5), q_lens=(4, 5), dtype="fp16", **GQA)
+# the head sizes the C++ decode kernel compiles with their size (64, 128), beside runtime ones above
+SIZED = [cases.Shape(context_lens=(37, 70, 0, 5), num_kv_heads=2, group=4, head_dim=64, block_size=16, dtype="bf16"),
+         cases.Shape(context_lens=(33, 130), num_kv_heads=2, group=2, head_dim=128, block_size=16, dtype="fp32"),
+         cases.Shape(context_lens=(1, 90), num_kv_heads=1, group=8, head_dim=128, block_size=32, dtype="bf16")]
 
 
 @FEW["triton"]
@@ -130,6 +134,9 @@ def test_triton_decode_matches_reference(shape, num_splits, seed):
 @given(shape=shapes(), seed=SEEDS)
 @example(shape=DECODE_CASE, seed=0)
 @example(shape=FP16_DECODE, seed=0)
+@example(shape=SIZED[0], seed=0)
+@example(shape=SIZED[1], seed=1)
+@example(shape=SIZED[2], seed=2)
 def test_cpu_decode_matches_reference(impl, shape, seed):
     check_decode(impl, shape, None, seed)
 

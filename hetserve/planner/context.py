@@ -25,7 +25,7 @@ from hetserve.planner.kv_pairs import KVPairs
 from hetserve.planner.options import PlanOptions
 from hetserve.planner.slo import SLOTargets
 from hetserve.specs.cluster import Cluster
-from hetserve.specs.gpus import GB, fmt_gb
+from hetserve.specs.gpus import fmt_gb
 from hetserve.specs.model import ModelSpec
 from hetserve.specs.workload import Workload
 
@@ -149,7 +149,7 @@ class PlanContext:
             f"{m.name} ({fmt_gb(m.weight_bytes)} of weights) found no pipeline layout on the pool "
             f"{self.cluster.name} ({fmt_gb(sum(self.usable_memory))} usable): every stage also needs its "
             f"activation buffers and at least one request's KV cache "
-            f"({(self.input_tokens + self.output_tokens) * m.kv_bytes_per_token / GB:.2f} GB)")
+            f"({fmt_gb((self.input_tokens + self.output_tokens) * m.kv_bytes_per_token)})")
 
     def without_slo(self) -> "PlanContext":
         """This context without its SLOs: the same pool, model, workload, period and efficiencies, with

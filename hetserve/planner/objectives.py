@@ -32,6 +32,7 @@ from hetserve.planner.bound.min_cost import min_cost
 from hetserve.planner.context import PlanContext
 from hetserve.planner.options import DEFAULT_TIME_LIMIT_S, PlanOptions
 from hetserve.planner.plan import Plan
+from hetserve.specs.gpus import fmt_gb
 
 # The cost objective sizes for rate / TARGET_LOAD. The SLO capacities are mean-based estimates
 # (``planner.slo``); in the simulator a colocated plan on hexgen2-het1 sized at 68 % of its
@@ -139,7 +140,7 @@ def within_budget(fn: Callable[..., Plan], cluster, model, workload, options: Pl
     if not subsets:
         cheapest = min(d.gpu.usd_per_hour or 0.0 for d in cluster.devices)
         raise InfeasibleError(f"no subset of {cluster.name} within ${budget:,.2f}/h can hold {model.name}'s "
-                              f"weights (cheapest GPU ${cheapest:,.2f}/h, {model.weight_bytes / 1e9:.0f} GB of weights)")
+                              f"weights (cheapest GPU ${cheapest:,.2f}/h, {fmt_gb(model.weight_bytes)} of weights)")
     limit = (options.time_limit_s or DEFAULT_TIME_LIMIT_S) / len(subsets)
     best = None
     for idx in subsets:

@@ -63,7 +63,9 @@ class HFCodec:
         return HFCodec(AutoTokenizer.from_pretrained(str(model_dir)))
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=False))
+        # an over-long prompt is refused with a 400 of the engine's own (policies.request_checks);
+        # transformers' warning about the same length would only be noise in the server's log
+        return list(self.tok.encode(text, add_special_tokens=False, verbose=False))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)

@@ -9,6 +9,7 @@ import threading
 import httpx
 import pytest
 
+from hetserve.serve.errors import _validation_error
 from hetserve.serve.fake import ByteCodec, FakeBackend
 
 NESTED = b'{"model": "tiny", "prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
@@ -49,6 +50,25 @@ def test_bad_bodies_are_one_400_naming_the_field_and_counted(serve_fake, body, p
     assert not backend.placed
     metrics = httpx.get(url + "/metrics").text
     assert 'hetserve_requests_total{endpoint="completions",outcome="rejected"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("prompt, got", [(123, "123"), ([1.5], "[1.5]"), ({"text": "x"}, "{'text': 'x'}")])
+def test_a_prompt_of_no_accepted_type_is_one_line_naming_the_types(serve_fake, prompt, got):
+    """pydantic reports a union mismatch once per member (``prompt.str``, ``prompt.list[int].0``, ...)."""
+    url, backend, _ = serve_fake()
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt", r.text
+    assert err["message"] == f"prompt: must be str, list[int], list[str] or list[list[int]]; got {got}"
+    assert not backend.placed
+
+
+def test_an_objects_own_fields_are_not_read_as_union_members():
+    errors = [{"loc": ("body", "response_format", "type"), "msg": "Field required", "type": "missing"},
+              {"loc": ("body", "response_format", "json_schema"), "msg": "Field required", "type": "missing"}]
+    err = _validation_error(errors)
+    assert err.param == "response_format.type"
+    assert str(err).startswith("response_format.type: Field required (and 1 more problem)")
 
 
 def test_benchmark_client_fields_are_accepted(serve_fake):

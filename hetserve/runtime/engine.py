@@ -189,6 +189,11 @@ class Engine:
         """Why the engine cannot serve any more (None while it can)."""
         return self.loop.broken
 
+    @property
+    def holding(self) -> bool:
+        """No replica is left and requests wait for a re-plan's (``hold_while_empty``)."""
+        return self.loop.empty_since is not None
+
     # ------------------------------------------------------------------ public API
     def submit(self, prompt_token_ids: Iterable[int], params: SamplingParams | None = None, *,
                replica: str | None = None, share_prefix_with: RequestHandle | None = None) -> RequestHandle:
@@ -239,6 +244,16 @@ class Engine:
     def fail_all(self, reason: str) -> None:
         """End every unfinished request with ``RuntimeFailure(reason)`` (the engine keeps serving)."""
         self.transport.post(Message("fail_all", {"reason": reason}))
+
+    def hold_while_empty(self, seconds: float) -> None:
+        """When no replica is left to serve, keep every request (and take new ones) for up to
+        ``seconds`` for a re-plan to bring one (``Engine.reconfigure``), instead of failing them at
+        once; ``end_hold`` fails them sooner. 0: fail at once (the default)."""
+        self.transport.post(Message("hold", {"seconds": float(seconds)}))
+
+    def end_hold(self, reason: str) -> None:
+        """No replica is coming after all: the requests held (``hold_while_empty``) fail with ``reason``."""
+        self.transport.post(Message("end_hold", {"reason": reason}))
 
     def worker_pids(self) -> dict[str, int]:
         """Device name -> worker process id."""
@@ -316,9 +331,10 @@ class Engine:
 
     def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
         """Some live replica could ever hold the request's KV (``check_kv_fits``, the simulator's and
-        the server's rule); while a re-plan brings replicas up the request waits for them."""
+        the server's rule); while a re-plan brings replicas up, or none is left and requests are
+        held for one (``hold_while_empty``), the request waits for them."""
         scheds = [s for s in list(self.schedulers.values()) if s.alive]
-        if not scheds and self._reconfiguring:
+        if not scheds and (self._reconfiguring or self.holding):
             return
         check_kv_fits(prompt_len, max_tokens, [(s.role, s.blocks.capacity_tokens) for s in scheds],
                       self.config.block_size)

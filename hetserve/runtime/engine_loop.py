@@ -69,6 +69,8 @@ class EngineLoop(Recovery):
         self.steps: dict[int, tuple[str, list[Sequence], list[int]]] = {}  # step id -> (replica, seqs, q_lens)
         self.num_completed = self.num_failed = 0
         self.broken: str | None = None
+        # no replica left: seconds requests wait for a re-plan (``Engine.hold_while_empty``), since when
+        self.hold_s, self.empty_since, self.held_for = 0.0, None, ""
         self.stopping = False
         self._last_poll = 0.0
         self.stats: dict[str, Any] = {}
@@ -145,6 +147,10 @@ class EngineLoop(Recovery):
             self._on_abort(msg.meta["id"])
         elif kind == "fail_all":
             self.fail_all(msg.meta["reason"])
+        elif kind == "hold":
+            self.hold_s = float(msg.meta["seconds"])
+        elif kind == "end_hold":
+            self._end_hold(msg.meta["reason"])
         elif kind == "heartbeat":
             self.last_beat[msg.meta["worker"]] = time.monotonic()
             self.refused[msg.meta["worker"]] = msg.meta.get("rejected", {})
@@ -381,6 +387,7 @@ class EngineLoop(Recovery):
             "handoff_waiting": len(self.handoff_queue),
             "handoff_in_flight": len(self.handoffs), "running": sum(s.num_running for s in self.schedulers.values()),
             "completed": self.num_completed, "failed": self.num_failed, "broken": self.broken,
+            "holding_s": None if self.empty_since is None else time.monotonic() - self.empty_since,
             "replicas": {rid: s.stats() for rid, s in self.schedulers.items()},
             "reruns": sum(d["requests"] for d in self.deaths), "deaths": list(self.deaths),
             "kv_fenced": {"opened": self.fences_opened, "pending": len(self.fenced),

@@ -45,6 +45,8 @@ class Recovery:
         if now - self._last_poll < POLL_S:
             return
         self._last_poll = now
+        if self.empty_since is not None and now - self.empty_since > self.hold_s:
+            self._end_hold(f"no re-plan brought one within {self.hold_s:.0f} s")
         self.workers.reap()  # the workers killed with a dead one's replica: no zombie left behind
         for name, code in self.workers.exited():
             if name not in self.workers.dead:  # an earlier death this round may have taken its replica
@@ -53,6 +55,26 @@ class Recovery:
             silent = now - self.last_beat.get(name, now)
             if name not in self.workers.dead and silent > self.heartbeat_timeout_s:
                 self._on_worker_death(name, f"sent no heartbeat for {silent:.1f} s (hung or stopped)")
+
+    def _no_replica_left(self, why: str) -> None:
+        """Hold every request for a re-plan (``hold_s`` > 0: they wait in the queue, new ones too) or
+        fail them all now."""
+        if self.hold_s <= 0:
+            self.broken = why
+            self.fail_all(f"{why}; no replica left to serve it")
+            return
+        if self.empty_since is None:
+            self.empty_since, self.held_for = time.monotonic(), why
+            log.warning("%s; no replica left to serve: %d request(s) held up to %.0f s for a re-plan",
+                        why, len(self.seqs), self.hold_s)
+
+    def _end_hold(self, why: str) -> None:
+        """No replica is coming (the hold ran out, or the re-plan failed): every request held fails."""
+        if self.empty_since is None:
+            return
+        self.empty_since = None
+        self.broken = f"{self.held_for}; no replica left to serve it, and {why}"
+        self.fail_all(self.broken)
 
     def _stop_replica(self, rid: str) -> None:
         """Out of service: its workers stopped, its steps in flight forgotten, its batches cleared."""
@@ -104,8 +126,7 @@ class Recovery:
         self._rerun(sorted(rerun, key=lambda q: q.id), why)
         alive = [s for s in self.schedulers.values() if s.alive]
         if not any(s.serves_prefill for s in alive) or not any(s.serves_decode for s in alive):
-            self.broken = why
-            self.fail_all(f"{why}; no replica left to serve it")
+            self._no_replica_left(why)
             return
         for seq in list(self.waiting):  # a request only the dead replica's KV pool could hold fails now
             if not self._can_ever_serve(seq):
@@ -147,7 +168,7 @@ class Recovery:
             self.route_policy.plan = meta["plan"]
         alive = [s for s in self.schedulers.values() if s.alive]
         if any(s.serves_prefill for s in alive) and any(s.serves_decode for s in alive):
-            self.broken = None  # the re-planned deployment can serve again
+            self.broken = self.empty_since = None  # the re-planned deployment can serve again (held requests run)
 
     def _reroute(self, seq: Sequence) -> None:
         """A hand-off whose destination died goes back to the hand-off queue (the route policy picks again)."""

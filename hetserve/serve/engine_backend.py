@@ -67,8 +67,9 @@ class EngineBackend:
 
     @property
     def replanning(self) -> bool:
-        """True while a re-plan brings replicas up: requests wait for them rather than being refused."""
-        return bool(getattr(self.engine, "_reconfiguring", False))
+        """True while a re-plan brings replicas up, or none is left and requests are held for one:
+        requests wait for them rather than being refused."""
+        return bool(getattr(self.engine, "_reconfiguring", False) or getattr(self.engine, "holding", False))
 
     def abort(self, request_id: str) -> None:
         handle = self._handles.get(request_id)

@@ -22,6 +22,10 @@ from hetserve.errors import PlanError
 
 log = logging.getLogger("hetserve.serve")
 
+# how much longer than the planner's time limit requests wait, with no replica left, for the
+# re-plan's replicas: their workers start and load (seconds on a CPU, a minute or more on GPUs)
+HOLD_MARGIN_S = 120.0
+
 
 class Replanner:
     def __init__(self, engine, workload: str = "azure-conv", algorithm: str = "hexgen2",
@@ -35,6 +39,8 @@ class Replanner:
         self._stop = threading.Event()
         self._thread = None
         if on_failure:
+            # a re-plan after the last replica died brings one back: its requests wait for it
+            engine.hold_while_empty(time_limit_s + HOLD_MARGIN_S)
             self._thread = threading.Thread(target=self._watch, name="hetserve-replan", daemon=True)
             self._thread.start()
 
@@ -95,6 +101,7 @@ class Replanner:
                 record["failure_to_serving_s"] = time.monotonic() - first["at"]
             except Exception as exc:  # noqa: BLE001 - the engine keeps serving on what it has
                 log.error("re-plan after %s failed: %s", first["why"], exc)
+                self.engine.end_hold(f"the re-plan failed: {exc}")  # nothing held unless no replica is left
 
     def close(self) -> None:
         self._stop.set()

@@ -70,6 +70,51 @@ def test_killed_worker_is_replanned_and_a_returning_device_joins(model_dirs, clu
     assert all(p.exitcode is not None for p in eng.procs.values())
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("replan_works", [True, False])
+def test_when_the_last_replica_dies_requests_wait_for_the_replan(model_dirs, cluster_file, monkeypatch, replan_works):
+    """With no replica left, the on-failure re-plan's replicas serve the requests held meanwhile
+    (and those submitted meanwhile), continuing their streams; a re-plan that fails ends the hold."""
+    from hetserve.errors import RuntimeFailure
+    from hetserve.planner.plan import Plan
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.serve.replan import Replanner
+
+    if not replan_works:
+        def refuse(*_a, **_k):
+            raise RuntimeError("no plan for you")
+        monkeypatch.setattr("hetserve.planner.replan.replan", refuse)
+    only = Plan.from_dict({"model": "tiny", "cluster": "runtime-test", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 3]}]}]})
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    eng = Engine.from_plan(only, cluster_file, model_dirs["opt"], EngineConfig(kv_capacity_tokens=2048))
+    replanner = Replanner(eng, "azure-conv", time_limit_s=5, on_failure=True)
+    try:
+        want = eng.generate(PROMPTS, params, timeout=60)
+        handles = [eng.submit(p, params) for p in PROMPTS[:2]]
+        next(iter(handles[0]))
+        os.kill(eng.worker_pids()["m0:0"], signal.SIGKILL)  # the only replica
+        deadline = time.monotonic() + 30
+        while eng.stats().get("holding_s") is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert eng.stats()["holding_s"] is not None and eng.broken is None
+        handles += [eng.submit(p, params) for p in PROMPTS[2:]]  # taken while none serves
+        if replan_works:
+            assert [h.result(timeout=120) for h in handles] == want
+            (record,) = replanner.history
+            assert record["retired"] == ["c0"] and record["added"]
+            assert eng.stats()["failed"] == 0 and eng.stats()["holding_s"] is None
+        else:
+            for h in handles:
+                with pytest.raises(RuntimeFailure, match="the re-plan failed: no plan for you"):
+                    h.result(timeout=60)
+            assert "no replica left" in eng.broken
+    finally:
+        replanner.close()
+        eng.shutdown()
+
+
 @pytest.mark.timeout(180)
 def test_a_kept_prefill_replica_hands_off_to_a_new_decode_replica(model_dirs, cluster_file):
     """The running prefill workers learn the new layout: their KV reaches a decode replica (TP 2)

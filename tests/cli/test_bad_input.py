@@ -131,6 +131,23 @@ def test_simulate_refuses_options_that_would_drop_each_other(argv, words, tmp_pa
     assert code == 2 and len(err) == 1 and all(w in err[0] for w in words), err
 
 
+def test_simulate_prefill_mode_chunked_is_chunked_prefill(tmp_path, capsys):
+    """`simulate --prefill-mode` takes serve's values (and prefill_first); chunked is --chunked-prefill."""
+    from hetserve.planner.plan import Plan
+
+    Plan.from_dict({"model": "llama-2-7b", "cluster": "hexgen2-homo", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["h100-0:0"], "layers": [0, 32]}]}]}).save(tmp_path / "p.json")
+    base = ["simulate", "--plan", str(tmp_path / "p.json"), "--workload", "azure-conv", "--limit", "40",
+            "--no-progress", "--json"]
+    outs = []
+    for extra in (["--prefill-mode", "chunked"], ["--chunked-prefill"], ["--chunked-prefill", "--prefill-mode", "chunked"], []):
+        assert main(base + extra) == 0
+        summary = json.loads(capsys.readouterr().out)
+        summary.get("run", {}).pop("wall_s", None)
+        outs.append(summary)
+    assert outs[0] == outs[1] == outs[2] != outs[3]
+
+
 def test_capacity_refuses_a_heartbeat_it_cannot_scale_by(capsys):
     code, err = run(["capacity", "--model", "llama-2-7b", "--gpu", "A100-SXM-80G", "--workload", "azure-conv",
                      "--rate", "2", "--slo-ttft", "1", "--slo-tpot", "0.1", "--heartbeat", "10"], capsys)

@@ -91,7 +91,8 @@ def add_prefill_mode_options(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--prefill-mode", choices=["mixed", "chunked"], default=DEFAULT_BATCHING.prefill_mode,
                    help="colocated replicas: whole prompts ride in the decode step (mixed, default) or prompts "
-                        "feed chunks of at most --chunk-tokens per step, decodes included (chunked)")
+                        "feed chunks of at most --chunk-tokens per step, decodes included (chunked); "
+                        "`simulate --prefill-mode` also plays prefill_first, which the engine does not run")
     p.add_argument("--chunk-tokens", type=int,
                    help=f"tokens per step with --prefill-mode chunked (default {DEFAULT_BATCHING.chunk_tokens})")
     p.add_argument("--kv-admission", choices=["reserve", "paged"], default=DEFAULT_BATCHING.kv_admission,

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from hetserve.cli.policy_options import add_policy_options, route_of, transmission_of
-from hetserve.policies.batching import DEFAULT_BATCHING
+from hetserve.policies.batching import DEFAULT_BATCHING, PREFILL_MODES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,10 +42,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, help="only the first N requests")
     p.add_argument("--token-budget", type=int, default=DEFAULT_BATCHING.token_budget,
                    help=f"tokens per step, decode + prompt (default {DEFAULT_BATCHING.token_budget}, as the runtime)")
-    p.add_argument("--chunked-prefill", action="store_true", help="colocated replicas: chunked prefill")
-    p.add_argument("--prefill-mode", choices=["mixed", "prefill_first"], default=DEFAULT_BATCHING.prefill_mode,
-                   help="colocated replicas: prompts ride in the decode step (mixed, the runtime's engine; "
-                        "default) or a prompts-only step pauses decoding (prefill_first, vLLM v0)")
+    p.add_argument("--chunked-prefill", action="store_true", help="the same as --prefill-mode chunked")
+    p.add_argument("--prefill-mode", choices=PREFILL_MODES, default=DEFAULT_BATCHING.prefill_mode,
+                   help="colocated replicas, as `serve --prefill-mode`: whole prompts ride in the decode step "
+                        f"(mixed, default), prompts feed chunks of at most {DEFAULT_BATCHING.chunk_tokens} "
+                        "tokens per step, decodes included (chunked), or, a what-if the engine does not run, "
+                        "a prompts-only step pauses decoding (prefill_first, vLLM v0)")
     p.add_argument("--max-batch", type=int, help="running requests per decode replica (default: the cost "
                    "model's, 256)")
     p.add_argument("--micro-batches", type=int, help="pipeline micro-batches (default: one per stage)")
@@ -135,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SpecError("--slo-*", "slo", "positive seconds", str(exc)) from exc
     policy_options = {k: getattr(args, k) for k in ("gamma", "theta") if getattr(args, k) is not None}
-    if args.chunked_prefill and args.prefill_mode != DEFAULT_BATCHING.prefill_mode:  # one would be dropped
+    if args.chunked_prefill and args.prefill_mode not in (DEFAULT_BATCHING.prefill_mode, "chunked"):  # one would be dropped
         raise SpecError("--chunked-prefill", "prefill mode", "one prefill mode: --chunked-prefill or --prefill-mode",
                         f"both (--prefill-mode {args.prefill_mode})")
     if policy_options and "aladdin" not in (args.placement, route_of(args)):
@@ -164,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         cost = CostModel(cluster, model, served_efficiency(args.efficiency) if args.efficiency else None)
         opts = SimOptions(placement=args.placement, route=route_of(args), transmission=transmission_of(args), slo=slo,
                           **served_sim_options(args.efficiency), predictor=predictor,
-                          token_budget=args.token_budget, chunked_prefill=args.chunked_prefill,
+                          token_budget=args.token_budget,
+                          chunked_prefill=args.chunked_prefill or args.prefill_mode == "chunked",
                           prefill_mode=args.prefill_mode,
                           max_batch=args.max_batch, micro_batches=args.micro_batches, pipeline=args.pipeline,
                           kv_admission=args.kv_admission,

@@ -120,6 +120,9 @@ def test_make_model_never_writes_over_a_folder_that_holds_files(tmp_path, capsys
 
 @pytest.mark.parametrize("argv, words", [
     (["--chunked-prefill", "--prefill-mode", "prefill_first"], ["--chunked-prefill", "one prefill mode"]),
+    (["--chunked-prefill", "--prefill-mode", "mixed"], ["--chunked-prefill", "one prefill mode", "mixed"]),
+    (["--chunk-tokens", "64"], ["--chunk-tokens", "--prefill-mode chunked beside it", "mixed"]),
+    (["--prefill-mode", "chunked", "--chunk-tokens", "0"], ["--chunk-tokens", "> 0"]),
 ])
 def test_simulate_refuses_options_that_would_drop_each_other(argv, words, tmp_path, capsys):
     from hetserve.planner.plan import Plan
@@ -146,6 +149,8 @@ def test_simulate_prefill_mode_chunked_is_chunked_prefill(tmp_path, capsys):
         summary.get("run", {}).pop("wall_s", None)
         outs.append(summary)
     assert outs[0] == outs[1] == outs[2] != outs[3]
+    assert main(base + ["--prefill-mode", "chunked", "--chunk-tokens", "64"]) == 0  # serve's chunk size, simulated
+    assert json.loads(capsys.readouterr().out) not in outs
 
 
 def test_capacity_refuses_a_heartbeat_it_cannot_scale_by(capsys):

@@ -43,11 +43,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-budget", type=int, default=DEFAULT_BATCHING.token_budget,
                    help=f"tokens per step, decode + prompt (default {DEFAULT_BATCHING.token_budget}, as the runtime)")
     p.add_argument("--chunked-prefill", action="store_true", help="the same as --prefill-mode chunked")
-    p.add_argument("--prefill-mode", choices=PREFILL_MODES, default=DEFAULT_BATCHING.prefill_mode,
+    p.add_argument("--prefill-mode", choices=PREFILL_MODES,
                    help="colocated replicas, as `serve --prefill-mode`: whole prompts ride in the decode step "
                         f"(mixed, default), prompts feed chunks of at most {DEFAULT_BATCHING.chunk_tokens} "
                         "tokens per step, decodes included (chunked), or, a what-if the engine does not run, "
                         "a prompts-only step pauses decoding (prefill_first, vLLM v0)")
+    p.add_argument("--chunk-tokens", type=int,
+                   help=f"prompt tokens per step with --prefill-mode chunked, as `serve --chunk-tokens` "
+                        f"(default {DEFAULT_BATCHING.chunk_tokens})")
     p.add_argument("--max-batch", type=int, help="running requests per decode replica (default: the cost "
                    "model's, 256)")
     p.add_argument("--micro-batches", type=int, help="pipeline micro-batches (default: one per stage)")
@@ -92,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.cli.output_path import check_output_folder
 
     rates = _parse_rates(args.sweep_rates) if args.sweep_rates else []
+    prefill_mode = _prefill_mode(args)
     if args.output:
         check_output_folder(args.output, "--output")  # before the simulation, not after it
     from hetserve.cli.bounds import check_micro_batches
@@ -137,13 +141,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SpecError("--slo-*", "slo", "positive seconds", str(exc)) from exc
     policy_options = {k: getattr(args, k) for k in ("gamma", "theta") if getattr(args, k) is not None}
-    if args.chunked_prefill and args.prefill_mode not in (DEFAULT_BATCHING.prefill_mode, "chunked"):  # one would be dropped
-        raise SpecError("--chunked-prefill", "prefill mode", "one prefill mode: --chunked-prefill or --prefill-mode",
-                        f"both (--prefill-mode {args.prefill_mode})")
     if policy_options and "aladdin" not in (args.placement, route_of(args)):
         raise SpecError("--gamma/--theta", "placement", "--placement aladdin or --route aladdin", args.placement)
     colocated_only = (["--chunked-prefill"] if args.chunked_prefill else []) + (
-        [f"--prefill-mode {args.prefill_mode}"] if args.prefill_mode != DEFAULT_BATCHING.prefill_mode else [])
+        [f"--prefill-mode {args.prefill_mode}"] if args.prefill_mode not in (None, DEFAULT_BATCHING.prefill_mode)
+        else []) + ([f"--chunk-tokens {args.chunk_tokens}"] if args.chunk_tokens is not None else [])
     idle = idle_plan_option(plan, args.plan, route=args.route, colocated_only=colocated_only)
     if idle is not None:
         raise PlanError(idle)
@@ -167,8 +169,8 @@ def run(args: argparse.Namespace) -> int:
         opts = SimOptions(placement=args.placement, route=route_of(args), transmission=transmission_of(args), slo=slo,
                           **served_sim_options(args.efficiency), predictor=predictor,
                           token_budget=args.token_budget,
-                          chunked_prefill=args.chunked_prefill or args.prefill_mode == "chunked",
-                          prefill_mode=args.prefill_mode,
+                          chunked_prefill=prefill_mode == "chunked", prefill_mode=prefill_mode,
+                          chunk_tokens=args.chunk_tokens or DEFAULT_BATCHING.chunk_tokens,
                           max_batch=args.max_batch, micro_batches=args.micro_batches, pipeline=args.pipeline,
                           kv_admission=args.kv_admission,
                           beyond_context="run" if args.run_beyond_context else "reject",
@@ -183,6 +185,11 @@ def run(args: argparse.Namespace) -> int:
     summary = result.summary()
     if args.output:
         result.save(args.output)
+    if args.json and rates:  # one JSON document: the run and the sweep's runs
+        print(json.dumps({"summary": summary, "rate_sweep": [{"rate": r["rate"], "summary": r["summary"]}
+                                                             for r in _sweep(args, rates, plan, cluster, model, wl,
+                                                                             opts, cost, quiet=True)]}, indent=2))
+        return 0
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -199,6 +206,21 @@ def run(args: argparse.Namespace) -> int:
     if rates:
         _sweep(args, rates, plan, cluster, model, wl, opts, cost)
     return 0
+
+
+def _prefill_mode(args) -> str:
+    """The one prefill mode the options name (``--chunked-prefill`` is ``--prefill-mode chunked``),
+    refused before any work starts where two disagree or ``--chunk-tokens`` has no chunks to size."""
+    from hetserve.errors import SpecError
+
+    if args.chunked_prefill and args.prefill_mode not in (None, "chunked"):  # one would be dropped
+        raise SpecError("--chunked-prefill", "prefill mode", "one prefill mode (--chunked-prefill is "
+                        "--prefill-mode chunked)", f"--prefill-mode {args.prefill_mode} beside it")
+    mode = "chunked" if args.chunked_prefill else args.prefill_mode or DEFAULT_BATCHING.prefill_mode
+    if args.chunk_tokens is not None and mode != "chunked":
+        raise SpecError("--chunk-tokens", "chunk_tokens", "--prefill-mode chunked beside it (the other modes take "
+                        "whole prompts)", f"{args.chunk_tokens} with --prefill-mode {mode}")
+    return mode
 
 
 def _parse_rates(text: str) -> list[float]:
@@ -224,8 +246,8 @@ def _has_slo(s: dict) -> bool:
     return any(v is not None for v in (s.get("slo") or {}).values())
 
 
-def _sweep(args, rates, plan, cluster, model, wl, opts, cost) -> None:
-    """The same trace at several mean rates: a table, and with -o a plot."""
+def _sweep(args, rates, plan, cluster, model, wl, opts, cost, quiet: bool = False) -> list[dict]:
+    """The same trace at several mean rates: its rows, a table (unless ``quiet``), and with -o a plot."""
     from dataclasses import replace
     from pathlib import Path
 
@@ -237,6 +259,8 @@ def _sweep(args, rates, plan, cluster, model, wl, opts, cost) -> None:
     plot = Path(args.output) / "rate_sweep.png" if args.output else None
     rows = rate_sweep(plan, cluster, model, wl, rates, replace(opts, progress=False), cost, plot=plot,
                       source=args.workload)
+    if quiet:
+        return rows
     t = Table("rate req/s", "output tokens/s", "SLO attainment", "goodput req/s", "TTFT p90 s", "TPOT p90 s",
               title="rate sweep")
     for r in rows:
@@ -249,6 +273,7 @@ def _sweep(args, rates, plan, cluster, model, wl, opts, cost) -> None:
     Console().print(t)
     if plot is not None:
         Console().print(f"wrote {plot}")
+    return rows
 
 
 def print_summary(console, s: dict, title: str, source: str | None = None) -> None:

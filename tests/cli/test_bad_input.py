@@ -153,6 +153,17 @@ def test_simulate_prefill_mode_chunked_is_chunked_prefill(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) not in outs
 
 
+def test_simulate_json_with_a_rate_sweep_is_one_document(tmp_path, capsys):
+    from hetserve.planner.plan import Plan
+
+    Plan.from_dict({"model": "llama-2-7b", "cluster": "hexgen2-homo", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["h100-0:0"], "layers": [0, 32]}]}]}).save(tmp_path / "p.json")
+    assert main(["simulate", "--plan", str(tmp_path / "p.json"), "--workload", "azure-conv", "--limit", "30",
+                 "--no-progress", "--json", "--sweep-rates", "1,3"]) == 0
+    doc = json.loads(capsys.readouterr().out)  # nothing but the document on stdout
+    assert [r["rate"] for r in doc["rate_sweep"]] == [1.0, 3.0] and "ttft_s" in doc["summary"]
+
+
 def test_capacity_refuses_a_heartbeat_it_cannot_scale_by(capsys):
     code, err = run(["capacity", "--model", "llama-2-7b", "--gpu", "A100-SXM-80G", "--workload", "azure-conv",
                      "--rate", "2", "--slo-ttft", "1", "--slo-tpot", "0.1", "--heartbeat", "10"], capsys)

@@ -23,13 +23,17 @@ def check_model_dir(path: str) -> None:
 
 
 def plan_model(plan_path: str, name: str) -> ModelSpec:
-    """The model the plan names (its ``model`` field), or a clear error that says where the name came
-    from: a demo plan names a checkpoint folder `hetserve make-model -o NAME` writes."""
+    """The model the plan names (its ``model`` field): a preset, a path from here, or a checkpoint
+    folder of that name beside the plan file (where `make demo` writes both); else a clear error
+    that says where the name came from."""
+    beside = Path(plan_path).parent / name
     try:
         return load_model(name)
     except SpecError as exc:
         if exc.field != "(model)":  # found, but malformed: that error says more
             raise
+        if (beside / "config.json").is_file():
+            return load_model(str(beside))
         raise SpecError(plan_path, "model", f"a model preset ({', '.join(model_presets())}), a config.json or a "
                         f"checkpoint folder; pass --model, or build the checkpoint it names with "
                         f"`hetserve make-model ... -o {name}`", name) from exc

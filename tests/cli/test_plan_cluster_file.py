@@ -121,3 +121,19 @@ def test_serve_finds_the_file_without_cluster(made):
 
     plan, cluster = _load(SimpleNamespace(plan=str(made / "plans" / "plan.json"), cluster=None))
     assert cluster.name == "my-pool" and plan.cluster == "my-pool"
+
+
+def test_a_plan_finds_the_checkpoint_folder_beside_it_from_anywhere(tmp_path, monkeypatch):
+    """`make demo` writes the plan and the checkpoint it names side by side: commands run from
+    another folder find it there (a bare name from here would not)."""
+    from hetserve.cli.model_dir import plan_model
+    from hetserve.errors import SpecError
+    from hetserve.runtime.model.make import make_model
+
+    make_model(tmp_path / "tiny-ckpt", "llama", layers=2, hidden=32, heads=2, kv_heads=1, seed=0)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert plan_model(str(tmp_path / "plan.json"), "tiny-ckpt").num_layers == 2
+    with pytest.raises(SpecError, match="make-model"):
+        plan_model(str(elsewhere / "plan.json"), "tiny-ckpt")

@@ -158,16 +158,15 @@ def _validation_error(errors: list[dict[str, Any]]) -> InvalidRequest:
         return InvalidRequest("request body is not valid JSON: " + str(first.get("msg", "")))
     if kind == "missing" and not loc:
         return InvalidRequest("request body is missing (expected a JSON object)")
-    members = _union_members(errors, loc)
+    field, members = _union_members(errors, loc)
     if members:  # a value matching no member of a union: one line naming them, not one per member
-        field = loc[0]
-        rest = sum(1 for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] != [field])
+        rest = sum(1 for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:len(field)] != field)
         got = repr(first.get("input"))
-        text = (f"{field}: must be {', '.join(members[:-1])} or {members[-1]}; got "
+        text = (f"{'.'.join(field)}: must be {', '.join(members[:-1])} or {members[-1]}; got "
                 f"{got if len(got) <= 60 else got[:57] + '...'}")
         if rest:
             text += f" (and {rest} more problem{'s' if rest > 1 else ''})"
-        return InvalidRequest(text, param=field)
+        return InvalidRequest(text, param=".".join(field))
     msg = str(first.get("msg", "invalid value"))
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
@@ -183,20 +182,25 @@ def _validation_error(errors: list[dict[str, Any]]) -> InvalidRequest:
     return InvalidRequest(text, param=param)
 
 
-def _union_members(errors: list[dict[str, Any]], loc: list[str]) -> list[str]:
-    """The members of a union field the first error's value matched none of: pydantic reports one
-    error per member, each located under the member's name (``prompt.str``, ``prompt.list[int].0``)."""
-    if not loc:
-        return []
-    members: list[str] = []
+def _union_members(errors: list[dict[str, Any]], loc: list[str]) -> tuple[list[str], list[str]]:
+    """(the union field the first error's value matched no member of, those members): pydantic
+    reports one error per member, each located under the member's name after the field's
+    (``prompt.str``, ``prompt.list[int].0``, ``messages.0.content.str``). ([], []) for other errors."""
+    at = next((i for i, p in enumerate(loc) if i and _names_a_type(p)), None)
+    if at is None:
+        return [], []
+    field, members = loc[:at], []
     for e in errors:
-        at = [str(p) for p in e.get("loc", ()) if p != "body"]
-        if len(at) >= 2 and at[0] == loc[0] and not at[1].isdigit() and at[1] not in members:
-            members.append(at[1])
-    # a member is named by its type (``str``, ``list[int]``, a model's class); an object's own
-    # fields (``response_format.type``) are not members
-    typed = all("[" in m or m in _TYPE_NAMES or m[:1].isupper() for m in members)
-    return members if len(members) > 1 and typed else []
+        where = [str(p) for p in e.get("loc", ()) if p != "body"]
+        if where[:at] == field and len(where) > at and _names_a_type(where[at]) and where[at] not in members:
+            members.append(where[at])
+    return (field, members) if len(members) > 1 else ([], [])
+
+
+def _names_a_type(part: str) -> bool:
+    """A member is named by its type (``str``, ``list[int]``, a model's class); an object's own
+    fields (``response_format.type``) and list positions are not."""
+    return "[" in part or part in _TYPE_NAMES or part[:1].isupper()
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}

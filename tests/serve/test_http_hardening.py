@@ -63,6 +63,15 @@ def test_a_prompt_of_no_accepted_type_is_one_line_naming_the_types(serve_fake, p
     assert not backend.placed
 
 
+def test_a_chat_content_of_no_accepted_type_names_the_types(serve_fake):
+    url, backend, _ = serve_fake()
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": 5}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages.0.content", r.text
+    assert err["message"] == "messages.0.content: must be str or list[TextPart]; got 5"
+    assert not backend.placed
+
+
 def test_an_objects_own_fields_are_not_read_as_union_members():
     errors = [{"loc": ("body", "response_format", "type"), "msg": "Field required", "type": "missing"},
               {"loc": ("body", "response_format", "json_schema"), "msg": "Field required", "type": "missing"}]

@@ -65,8 +65,8 @@ class Recovery:
             return
         if self.empty_since is None:
             self.empty_since, self.held_for = time.monotonic(), why
-            log.warning("%s; no replica left to serve: %d request(s) held up to %.0f s for a re-plan",
-                        why, len(self.seqs), self.hold_s)
+            log.warning("no replica left to serve: %d request(s) held up to %.0f s for a re-plan",
+                        len(self.seqs), self.hold_s)
 
     def _end_hold(self, why: str) -> None:
         """No replica is coming (the hold ran out, or the re-plan failed): every request held fails."""

@@ -124,7 +124,8 @@ def test_serve_command_answers_and_stops_cleanly(tmp_path):
 
 @pytest.mark.slow
 def test_serve_port_0_prints_the_port_it_serves_on(tmp_path):
-    """``--port 0``: the OS picks the port, and the URL printed at start-up is the one that answers."""
+    """``--port 0``: the OS picks the port, and the URL printed at start-up is the one that answers;
+    the start-up lines also say the dtype and which process holds each device."""
     from hetserve.planner.plan import Plan
     from hetserve.runtime.model.make import make_model
 
@@ -148,6 +149,10 @@ def test_serve_port_0_prints_the_port_it_serves_on(tmp_path):
             time.sleep(0.05)
         assert url is not None, "".join(lines)
         assert not url.endswith(":0")
+        said = "".join(lines)
+        assert "(float32) on http" in said, said  # the dtype it computes in
+        pid = int(re.search(r"workers: m0:0 pid (\d+)", said).group(1))  # which process holds the device
+        assert proc.pid in _ancestors(pid)
         health = None
         while time.monotonic() < deadline:  # the line is printed just before uvicorn starts accepting
             try:
@@ -160,6 +165,15 @@ def test_serve_port_0_prints_the_port_it_serves_on(tmp_path):
         _stop(proc)
     reader.join(5)
     assert proc.returncode == 0, "".join(lines)
+
+
+def _ancestors(pid: int) -> list[int]:
+    """The process ids above ``pid``, its parent first (Linux /proc)."""
+    out = []
+    while pid > 1:
+        pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        out.append(pid)
+    return out
 
 
 def _stop(proc: subprocess.Popen, signal_it: bool = True) -> None:

@@ -260,10 +260,13 @@ def _start_and_serve(args: argparse.Namespace, opts, sock) -> int:
         if isinstance(exc, HetserveError):
             raise
         raise RuntimeFailure(str(exc)) from exc
-    name = deployment.coordinator.model_name
-    console.print(f"serving model [bold]{name}[/] on {url_of(sock)}/v1 "
+    name, engine = deployment.coordinator.model_name, deployment.engine
+    console.print(f"serving model [bold]{name}[/] ({engine.dtype}) on {url_of(sock)}/v1 "
                   f"(placement {args.placement}, transmission {transmission_of(args)}"
                   f"{', shaped links' if args.shape_links else ''})", soft_wrap=True)
+    pids = engine.worker_pids()  # which process holds which device: for an operator's ps / kill
+    console.print("workers: " + ", ".join(f"{dev} pid {pid}" for dev, pid in sorted(pids.items())), soft_wrap=True,
+                  markup=False)
     for line in deployment.app.state.auth.describe():
         console.print(line, soft_wrap=True, markup=False)
     try:

@@ -46,8 +46,8 @@ def reconfigure(engine, plan: Plan, cluster: Cluster) -> dict[str, Any]:
         if shape(r) in running:
             keep[r.id] = running.pop(shape(r))
     retire = [r.id for r in coord.layout if r.id not in keep.values()]
-    # new replicas get ids no running (or retiring) replica uses
-    used = set(coord.replicas) | set(keep.values())
+    # new replicas get ids no replica of this engine has had (running, retiring or retired before)
+    used = set(coord.replicas) | set(keep.values()) | engine.replica_ids_used
     rename = dict(keep)
     for r in plan.replicas:
         if r.id in keep:
@@ -57,6 +57,7 @@ def reconfigure(engine, plan: Plan, cluster: Cluster) -> dict[str, Any]:
             rid, n = f"{r.id}.{n}", n + 1
         used.add(rid)
         rename[r.id] = rid
+    engine.replica_ids_used |= set(rename.values())
     merged = replace(plan, replicas=tuple(replace(r, id=rename[r.id]) for r in plan.replicas),
                      kv_routes=tuple(replace(k, src=rename[k.src], dst=rename[k.dst]) for k in plan.kv_routes))
     n_gpu = torch.cuda.device_count() if engine._use_cuda else 0

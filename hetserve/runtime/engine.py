@@ -144,6 +144,9 @@ class Engine:
         self.route_policy = route_policy
         self._link_scheduler, self._shaper = link_scheduler, shaper
         self.replicas = {r.id: r for r in layout}
+        # every replica id this engine has served under: a re-plan's new replicas never reuse one (a
+        # metrics series or a log line names one replica for the engine's whole life)
+        self.replica_ids_used = set(self.replicas)
         self.schedulers = {r.id: scheduler_for(r, capacity[r.id], config) for r in layout}
         # one secret per deployment: every worker this engine starts (now or on a re-plan) gets it
         self.security = LinkSecurity(deployment_secret(), tls=config.tls,

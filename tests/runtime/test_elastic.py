@@ -60,6 +60,7 @@ def test_killed_worker_is_replanned_and_a_returning_device_joins(model_dirs, clu
         record2 = replanner.replan(returned=["m0:1"])
         assert sorted(record2["kept"]) == sorted(["c0", *record["added"]]) and not record2["retired"]
         (joined,) = record2["added"]
+        assert joined not in record["retired"]  # a new replica never takes a retired one's id
         assert eng.plan.replica(joined).devices == ("m0:1",)
         assert eng.submit(PROMPTS[1], params, replica=joined).result(timeout=60) == want[1]
         stats = eng.stats()
@@ -145,5 +146,29 @@ def test_a_kept_prefill_replica_hands_off_to_a_new_decode_replica(model_dirs, cl
         assert record["kept"] == ["d0", "p0"] and record["retired"] == ["d1"] and record["added"] == ["d2"]
         assert eng.generate(PROMPTS, params, timeout=60) == want
         assert eng.stats()["replicas"]["d2"]["steps"] > 0 and eng.stats()["failed"] == 0
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_new_replica_never_takes_the_id_of_one_retired_before(model_dirs, cluster_file):
+    """Metrics and logs name a replica by id for the engine's whole life: a later plan's replica
+    named like a retired one is renamed."""
+    from hetserve.planner.plan import Plan
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
+
+    def plan(*replicas):
+        return Plan.from_dict({"model": "tiny", "cluster": "runtime-test", "replicas": [
+            {"id": rid, "role": "colocated", "stages": [{"devices": [dev], "layers": [0, 3]}]} for rid, dev in replicas]})
+
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    eng = Engine.from_plan(plan(("c0", "m0:0"), ("c1", "m0:1")), cluster_file, model_dirs["opt"],
+                           EngineConfig(kv_capacity_tokens=1024))
+    try:
+        assert eng.reconfigure(plan(("c0", "m0:0")))["retired"] == ["c1"]
+        record = eng.reconfigure(plan(("c0", "m0:0"), ("c1", "m0:2")))
+        assert record["added"] == ["c1.1"] and set(eng.stats()["replicas"]) == {"c0", "c1.1"}
+        assert len(eng.submit(PROMPTS[0], params, replica="c1.1").result(timeout=60)) == 4
     finally:
         eng.shutdown()

@@ -28,7 +28,9 @@ MAX_LOGPROBS = 20  # alternatives per token at most (vLLM's default max_logprobs
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # unknown fields refused; no lax coercion of a request's values: ``true`` is no token count or
+    # token id and ``"5"`` no number (a client sending them has a bug a 400 shows it)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 def _finite(**limits):
@@ -165,7 +167,7 @@ class TextPart(_Strict):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # clients attach name, tool_call ids, ...
+    model_config = ConfigDict(extra="ignore", strict=True)  # clients attach name, tool_call ids, ...
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 

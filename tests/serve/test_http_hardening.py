@@ -37,6 +37,9 @@ BAD = [
     (_body(prompt=[[1, 2], []]), "prompt"),
     (_body(prompt=[999_999]), "prompt"),
     (_body(metadata=["not", "a", "map"]), "metadata"),
+    (_body(max_tokens=True), "max_tokens"),  # no lax coercion: a boolean is no count, a string no number
+    (_body(max_tokens="5"), "max_tokens"),
+    (_body(prompt=[True, False]), "prompt"),
 ]
 
 

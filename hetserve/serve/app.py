@@ -165,7 +165,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
     async def read_body(request: Request, cls):
         raw = await read_bytes(request)
         try:
-            data = json.loads(raw) if raw else None
+            data = _json_of(raw) if raw else None
             # a lone surrogate ("\ud800") is valid JSON but no text: refuse it here, not in the tokenizer
             json.dumps(data, ensure_ascii=False).encode("utf-8")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -217,7 +217,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
             raise InvalidRequest("this server cannot re-plan (the Ray backend places its actors once)")
         raw = await read_bytes(request)
         try:
-            data = json.loads(raw) if raw.strip() else {}
+            data = _json_of(raw) if raw.strip() else {}
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
         if not isinstance(data, dict):
@@ -387,3 +387,14 @@ def _prepare(c: Coordinator, endpoint: str, body, ids: list[int], max_tokens, de
 
 
 __all__ = ["create_app", "to_api_error"]
+
+
+def _json_of(raw: bytes):
+    """The JSON document of a request body, read as UTF-8, the only encoding JSON over HTTP may use
+    (RFC 8259): ``json.loads`` on bytes would guess UTF-16 or -32 from the first bytes and fail with
+    that codec's name in the message. Raises ``UnicodeDecodeError`` / ``json.JSONDecodeError``."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise json.JSONDecodeError(f"not UTF-8 text (byte 0x{raw[exc.start]:02x})", "", exc.start) from exc
+    return json.loads(text)

@@ -75,6 +75,14 @@ def test_a_chat_content_of_no_accepted_type_names_the_types(serve_fake):
     assert not backend.placed
 
 
+@pytest.mark.parametrize("body", [b"\xff\xfe{", '{"model": "tiny", "prompt": "x"}'.encode("utf-16")])
+def test_a_body_that_is_not_utf8_is_a_400_saying_so(serve_fake, body):
+    url, backend, _ = serve_fake()
+    r = httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not UTF-8 text (byte 0xff)" in r.json()["error"]["message"], r.text
+    assert not backend.placed
+
+
 def test_an_objects_own_fields_are_not_read_as_union_members():
     errors = [{"loc": ("body", "response_format", "type"), "msg": "Field required", "type": "missing"},
               {"loc": ("body", "response_format", "json_schema"), "msg": "Field required", "type": "missing"}]

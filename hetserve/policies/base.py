@@ -69,6 +69,7 @@ class ReplicaState:
     # prompt that joins its prefill batch lengthens that batch (Aladdin constraint (c))
     queued_age_s: float = 0.0
     alive: bool = True  # False: the replica lost a worker; no policy may choose it
+    preemptions: int = 0  # requests pre-empted here so far (paged KV admission; counted, for metrics)
 
     @property
     def load(self) -> int:

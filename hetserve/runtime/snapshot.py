@@ -92,4 +92,4 @@ def state_from_stats(replica_id: str, stats: Mapping) -> ReplicaState:
                         int(st.get("running_requests", 0)), int(st.get("queued_prefill_tokens", 0)),
                         float(st.get("outstanding_tokens", 0.0)), int(st.get("context_tokens", 0)),
                         int(st.get("kv_used_tokens", 0)), int(st.get("kv_capacity_tokens", 0)),
-                        alive=bool(stats.get("alive", True)))
+                        alive=bool(stats.get("alive", True)), preemptions=int(stats.get("preemptions", 0)))

@@ -137,6 +137,8 @@ class _BackendCollector:
             "kv_cap": GaugeMetricFamily("hetserve_replica_kv_capacity_tokens", "KV-cache pool size in tokens",
                                         labels=rl),
             "kv_ratio": GaugeMetricFamily("hetserve_replica_kv_usage_ratio", "KV-cache use (0..1)", labels=rl),
+            "preempted": CounterMetricFamily("hetserve_replica_preemptions", "Requests pre-empted to free KV "
+                                             "blocks (--kv-admission paged), recomputed later", labels=rl),
         }
         for s in replicas:
             lab = [s.id, s.role]
@@ -146,6 +148,7 @@ class _BackendCollector:
             fams["kv_used"].add_metric(lab, s.kv_used_tokens)
             fams["kv_cap"].add_metric(lab, s.kv_capacity_tokens)
             fams["kv_ratio"].add_metric(lab, s.kv_used_tokens / s.kv_capacity_tokens if s.kv_capacity_tokens else 0.0)
+            fams["preempted"].add_metric(lab, s.preemptions)
         yield from fams.values()
 
         ll, lk = ["src", "dst"], ["src", "dst", "kind"]

@@ -30,6 +30,10 @@ def test_a_request_preempted_on_a_decode_replica_is_recomputed_and_completes(mod
             time.sleep(0.01)  # the coordinator publishes its stats after the loop round that finished them
         stats = eng.stats()
     assert stats["replicas"]["d0"]["preemptions"] > 0 and stats["replicas"]["p0"]["preemptions"] == 0
+    # what /metrics shows (hetserve_replica_preemptions_total): the snapshot the server reads
+    from hetserve.runtime.snapshot import state_from_stats
+
+    assert state_from_stats("d0", stats["replicas"]["d0"]).preemptions == stats["replicas"]["d0"]["preemptions"]
     assert stats["completed"] == len(PAGED.requests) and stats["failed"] == 0
     for i, (n, out) in enumerate(PAGED.requests):
         assert outputs[i] == greedy(model_dir, _prompt(i, n), out), f"request {i}"

@@ -195,6 +195,7 @@ def test_models_health_and_metrics(serve_fake):
                    "hetserve_time_per_output_token_seconds_count 1.0",
                    'hetserve_requests_total{endpoint="completions",outcome="length"} 1.0',
                    'hetserve_replica_kv_usage_ratio{replica="r0",role="colocated"}',
+                   'hetserve_replica_preemptions_total{replica="r0",role="colocated"} 0.0',
                    'hetserve_replica_queued_requests{replica="r1",role="colocated"}',
                    'hetserve_link_bytes_total{dst="m0:1",kind="decode",src="m0:0"} 1024.0',
                    'hetserve_link_queueing_seconds_total{dst="m0:1",kind="prefill",src="m0:0"}',
@@ -292,3 +293,23 @@ def test_one_stream_chunk_per_token_even_while_a_partial_character_is_held_back(
     per_token = [c.choices[0].text for c in chunks if c.choices and c.choices[0].finish_reason is None]
     assert per_token == ["", "é", "a"]
     assert chunks[-1].usage.completion_tokens == 3
+
+
+def test_replica_series_carry_each_replicas_figures():
+    """/metrics' replica series are the backend's snapshot, figure for figure (pre-emptions included)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from hetserve.policies.base import ReplicaState
+    from hetserve.serve.metrics import _BackendCollector
+
+    states = [ReplicaState("d0", "decode", 2, 5, 0, 0.0, 300, 400, 1000, preemptions=3),
+              ReplicaState("p0", "prefill", 1, 0, 40, 40.0, 0, 64, 1000, alive=False)]
+    registry = CollectorRegistry()
+    registry.register(_BackendCollector(lambda: (states, [])))
+    text = generate_latest(registry).decode()
+    for series in ('hetserve_replica_preemptions_total{replica="d0",role="decode"} 3.0',
+                   'hetserve_replica_preemptions_total{replica="p0",role="prefill"} 0.0',
+                   'hetserve_replica_up{replica="p0",role="prefill"} 0.0',
+                   'hetserve_replica_running_requests{replica="d0",role="decode"} 5.0',
+                   'hetserve_replica_kv_usage_ratio{replica="d0",role="decode"} 0.4'):
+        assert series in text, series

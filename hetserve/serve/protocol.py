@@ -169,7 +169,15 @@ class TextPart(_Strict):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)  # clients attach name, tool_call ids, ...
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_where_needed(cls, content, info):
+        # only an assistant's message (one that called tools) or a tool's may come without content
+        if content is None and info.data.get("role") in ("system", "developer", "user"):
+            raise ValueError(f"a {info.data['role']} message needs content")
+        return content
 
     @property
     def text(self) -> str:

@@ -83,6 +83,19 @@ def test_a_body_that_is_not_utf8_is_a_400_saying_so(serve_fake, body):
     assert not backend.placed
 
 
+def test_a_user_message_without_content_is_refused_but_an_assistants_is_not(serve_fake):
+    url, backend, _ = serve_fake()
+    chat = url + "/v1/chat/completions"
+    r = httpx.post(chat, json={"model": "tiny", "messages": [{"role": "user"}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages.0.content", r.text
+    assert err["message"] == "messages.0.content: a user message needs content"
+    assert not backend.placed
+    r = httpx.post(chat, json={"model": "tiny", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": []}, {"role": "user", "content": "x"}]})
+    assert r.status_code == 200, r.text
+
+
 def test_an_objects_own_fields_are_not_read_as_union_members():
     errors = [{"loc": ("body", "response_format", "type"), "msg": "Field required", "type": "missing"},
               {"loc": ("body", "response_format", "json_schema"), "msg": "Field required", "type": "missing"}]

@@ -49,6 +49,16 @@ def serves_decode(role: str) -> bool:
     return role in ("decode", "colocated")
 
 
+def unused_id(rid: str, used: set[str]) -> str:
+    """``rid``, else ``rid.1``, ``rid.2``, ...: the first not in ``used``, which it joins. A new
+    replica never takes a running (or earlier) replica's id, so ids name one replica for good."""
+    new, n = rid, 1
+    while new in used:
+        new, n = f"{rid}.{n}", n + 1
+    used.add(new)
+    return new
+
+
 class HasRole:
     """``serves_prefill`` / ``serves_decode`` for anything with a ``role`` (plan replicas, the
     runtime's replica specs and schedulers)."""

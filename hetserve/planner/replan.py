@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from hetserve.errors import InfeasibleError, PlanError
 from hetserve.planner.options import PlanOptions
-from hetserve.planner.plan import KVRoute, Plan
+from hetserve.planner.plan import KVRoute, Plan, unused_id
 
 
 def replan(cluster, model, workload, running: Plan, lost: set[str] | frozenset[str] = frozenset(), *,
@@ -58,14 +58,8 @@ def _around(cluster, model, workload, running: Plan, kept: list, lost, algorithm
     replicas = list(kept)
     if fresh is not None:
         used = {r.id for r in running.replicas}
-        rename: dict[str, str] = {}
-        for r in fresh.replicas:
-            rid, n = r.id, 1
-            while rid in used:
-                rid, n = f"{r.id}.{n}", n + 1
-            used.add(rid)
-            rename[r.id] = rid
-            replicas.append(replace(r, id=rid))
+        rename = {r.id: unused_id(r.id, used) for r in fresh.replicas}
+        replicas += [replace(r, id=rename[r.id]) for r in fresh.replicas]
         routes += [KVRoute(rename[k.src], rename[k.dst], k.weight) for k in fresh.kv_routes]
     decode = [r.id for r in replicas if r.role == "decode"]
     for r in replicas:  # a kept prefill replica whose decode replicas are gone spreads over the new ones

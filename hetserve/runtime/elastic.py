@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from hetserve.errors import PlanError
-from hetserve.planner.plan import Plan
+from hetserve.planner.plan import Plan, unused_id
 from hetserve.runtime.deployment import build_layout
 from hetserve.runtime.engine_config import kv_capacity, memory_is_real, scheduler_for
 from hetserve.runtime.layout import ReplicaSpec
@@ -47,17 +47,7 @@ def reconfigure(engine, plan: Plan, cluster: Cluster) -> dict[str, Any]:
             keep[r.id] = running.pop(shape(r))
     retire = [r.id for r in coord.layout if r.id not in keep.values()]
     # new replicas get ids no replica of this engine has had (running, retiring or retired before)
-    used = set(coord.replicas) | set(keep.values()) | engine.replica_ids_used
-    rename = dict(keep)
-    for r in plan.replicas:
-        if r.id in keep:
-            continue
-        rid, n = r.id, 1
-        while rid in used:
-            rid, n = f"{r.id}.{n}", n + 1
-        used.add(rid)
-        rename[r.id] = rid
-    engine.replica_ids_used |= set(rename.values())
+    rename = {r.id: keep[r.id] if r.id in keep else unused_id(r.id, engine.replica_ids_used) for r in plan.replicas}
     merged = replace(plan, replicas=tuple(replace(r, id=rename[r.id]) for r in plan.replicas),
                      kv_routes=tuple(replace(k, src=rename[k.src], dst=rename[k.dst]) for k in plan.kv_routes))
     n_gpu = torch.cuda.device_count() if engine._use_cuda else 0

@@ -168,7 +168,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
             data = _json_of(raw) if raw else None
             # a lone surrogate ("\ud800") is valid JSON but no text: refuse it here, not in the tokenizer
             json.dumps(data, ensure_ascii=False).encode("utf-8")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except json.JSONDecodeError as exc:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
         except UnicodeEncodeError as exc:
             raise InvalidRequest(f"request body: strings must be valid Unicode text ({exc.reason} at "
@@ -218,7 +218,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
         raw = await read_bytes(request)
         try:
             data = _json_of(raw) if raw.strip() else {}
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except json.JSONDecodeError as exc:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
         if not isinstance(data, dict):
             raise InvalidRequest("request body must be a JSON object")
@@ -386,15 +386,15 @@ def _prepare(c: Coordinator, endpoint: str, body, ids: list[int], max_tokens, de
                      logprobs=logprobs, prompt_logprobs=prompt_logprobs, index=index)
 
 
-__all__ = ["create_app", "to_api_error"]
-
-
 def _json_of(raw: bytes):
     """The JSON document of a request body, read as UTF-8, the only encoding JSON over HTTP may use
     (RFC 8259): ``json.loads`` on bytes would guess UTF-16 or -32 from the first bytes and fail with
-    that codec's name in the message. Raises ``UnicodeDecodeError`` / ``json.JSONDecodeError``."""
+    that codec's name in the message. Raises ``json.JSONDecodeError``."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise json.JSONDecodeError(f"not UTF-8 text (byte 0x{raw[exc.start]:02x})", "", exc.start) from exc
     return json.loads(text)
+
+
+__all__ = ["create_app", "to_api_error"]

@@ -152,7 +152,7 @@ def _validation_error(errors: list[dict[str, Any]]) -> InvalidRequest:
     if not errors:
         return InvalidRequest("invalid request body")
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = _where(first)
     kind = first.get("type", "")
     if kind in ("json_invalid", "json_type"):
         return InvalidRequest("request body is not valid JSON: " + str(first.get("msg", "")))
@@ -160,7 +160,7 @@ def _validation_error(errors: list[dict[str, Any]]) -> InvalidRequest:
         return InvalidRequest("request body is missing (expected a JSON object)")
     field, members = _union_members(errors, loc)
     if members:  # a value matching no member of a union: one line naming them, not one per member
-        rest = sum(1 for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:len(field)] != field)
+        rest = sum(1 for e in errors if _where(e)[:len(field)] != field)
         got = repr(first.get("input"))
         text = (f"{'.'.join(field)}: must be {', '.join(members[:-1])} or {members[-1]}; got "
                 f"{got if len(got) <= 60 else got[:57] + '...'}")
@@ -182,6 +182,11 @@ def _validation_error(errors: list[dict[str, Any]]) -> InvalidRequest:
     return InvalidRequest(text, param=param)
 
 
+def _where(error: dict[str, Any]) -> list[str]:
+    """A pydantic error's location in the request body: its field path, ``body`` left out."""
+    return [str(p) for p in error.get("loc", ()) if p != "body"]
+
+
 def _union_members(errors: list[dict[str, Any]], loc: list[str]) -> tuple[list[str], list[str]]:
     """(the union field the first error's value matched no member of, those members): pydantic
     reports one error per member, each located under the member's name after the field's
@@ -191,7 +196,7 @@ def _union_members(errors: list[dict[str, Any]], loc: list[str]) -> tuple[list[s
         return [], []
     field, members = loc[:at], []
     for e in errors:
-        where = [str(p) for p in e.get("loc", ()) if p != "body"]
+        where = _where(e)
         if where[:at] == field and len(where) > at and _names_a_type(where[at]) and where[at] not in members:
             members.append(where[at])
     return (field, members) if len(members) > 1 else ([], [])

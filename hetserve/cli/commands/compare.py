@@ -7,7 +7,7 @@ import argparse
 from hetserve.cli.policy_options import add_policy_options, route_of
 from hetserve.calibration.speed_probe import SPEED_WEIGHT
 
-from hetserve.cli.commands.serve import add_prefill_mode_options, chunk_tokens_of
+from hetserve.cli.commands.serve import add_prefill_mode_options, check_chunk_tokens, chunk_tokens_of
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -58,9 +58,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_folder(args.output, "--output")  # before serving, not after it
     from hetserve.errors import SpecError
 
-    if args.chunk_tokens is not None and args.prefill_mode != "chunked":
-        raise SpecError("--chunk-tokens", "(option)", "--prefill-mode chunked beside it (mixed steps take whole "
-                        "prompts); drop --chunk-tokens", args.chunk_tokens)
+    check_chunk_tokens(args, args.prefill_mode)
     if args.speed_weight != SPEED_WEIGHT and not args.speed_correction:
         raise SpecError("--speed-weight", "(option)", "the speed correction it weighs; drop --speed-weight or "
                         "--no-speed-correction", args.speed_weight)

@@ -109,6 +109,16 @@ def chunk_tokens_of(args: argparse.Namespace) -> int:
     return args.chunk_tokens if args.chunk_tokens is not None else DEFAULT_BATCHING.chunk_tokens
 
 
+def check_chunk_tokens(args: argparse.Namespace, prefill_mode: str) -> None:
+    """``--chunk-tokens`` sizes chunks only under ``--prefill-mode chunked``: refused beside another
+    mode (it would be dropped unseen), for ``serve``'s fellow commands."""
+    from hetserve.errors import SpecError
+
+    if args.chunk_tokens is not None and prefill_mode != "chunked":
+        raise SpecError("--chunk-tokens", "(option)", "--prefill-mode chunked beside it (the other modes take whole "
+                        "prompts); drop --chunk-tokens", f"{args.chunk_tokens} with --prefill-mode {prefill_mode}")
+
+
 def check_idle_options(args: argparse.Namespace, plan) -> None:
     """Options named on the command line that the others leave nothing to act on: one line naming
     the option and what it needs, before anything starts (each would otherwise be dropped unseen)."""

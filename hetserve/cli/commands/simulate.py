@@ -16,6 +16,7 @@ import math
 import sys
 from pathlib import Path
 
+from hetserve.cli.commands.serve import check_chunk_tokens, chunk_tokens_of
 from hetserve.cli.policy_options import add_policy_options, route_of, transmission_of
 from hetserve.policies.batching import DEFAULT_BATCHING, PREFILL_MODES
 
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
                           **served_sim_options(args.efficiency), predictor=predictor,
                           token_budget=args.token_budget,
                           chunked_prefill=prefill_mode == "chunked", prefill_mode=prefill_mode,
-                          chunk_tokens=args.chunk_tokens or DEFAULT_BATCHING.chunk_tokens,
+                          chunk_tokens=chunk_tokens_of(args),
                           max_batch=args.max_batch, micro_batches=args.micro_batches, pipeline=args.pipeline,
                           kv_admission=args.kv_admission,
                           beyond_context="run" if args.run_beyond_context else "reject",
@@ -217,9 +218,7 @@ def _prefill_mode(args) -> str:
         raise SpecError("--chunked-prefill", "prefill mode", "one prefill mode (--chunked-prefill is "
                         "--prefill-mode chunked)", f"--prefill-mode {args.prefill_mode} beside it")
     mode = "chunked" if args.chunked_prefill else args.prefill_mode or DEFAULT_BATCHING.prefill_mode
-    if args.chunk_tokens is not None and mode != "chunked":
-        raise SpecError("--chunk-tokens", "chunk_tokens", "--prefill-mode chunked beside it (the other modes take "
-                        "whole prompts)", f"{args.chunk_tokens} with --prefill-mode {mode}")
+    check_chunk_tokens(args, mode)
     return mode
 
 

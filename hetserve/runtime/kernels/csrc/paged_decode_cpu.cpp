@@ -46,16 +46,16 @@ inline void widen<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n
   for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
 }
 
-// ``n`` elements as float32: float32 rows are read where they lie, others widened into ``buf``.
-template <typename T>
-inline const float* as_float(const T* src, float* buf, int64_t n) {
-  widen<T>(src, buf, n);
-  return buf;
-}
-
-template <>
-inline const float* as_float<float>(const float* src, float*, int64_t) {
-  return src;
+// ``n`` (= DC where DC > 0, so the loop has a compile-time count) elements as float32: float32
+// rows are read where they lie, others widened into ``buf`` (where DC > 0, a local array: registers).
+template <typename T, int DC = 0>
+inline const float* widened(const T* src, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    widen<T>(src, buf, DC > 0 ? DC : n);
+    return buf;
+  }
 }
 
 // Whether this CPU's bfloat16 dot-product instruction scores rows of D elements: AVX512-BF16, D a
@@ -84,19 +84,6 @@ inline float bf16_dot(const c10::BFloat16* q, const c10::BFloat16* k, int64_t D)
   (void)q; (void)k; (void)D;
   return 0.f;
 #endif
-}
-
-// ``n`` (= DC where DC > 0) elements as float32: float32 ones read where they lie, others
-// widened into ``buf`` (a local array of DC floats: registers).
-template <typename T, int DC>
-inline const float* widened(const T* src, float* buf, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else {
-#pragma omp simd
-    for (int64_t d = 0; d < (DC > 0 ? DC : n); ++d) buf[d] = static_cast<float>(src[d]);
-    return buf;
-  }
 }
 
 template <typename T, int DC>
@@ -141,7 +128,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
       for (int64_t p = 0; !fused && p < n; ++p) {  // scores[hq][p] = q_hq . k_p (of hq's KV head)
         const int64_t slot = static_cast<int64_t>(table[p / block]) * block + p % block;
-        const float* keys = as_float<T>(kp + slot * width_kv, row.data(), width_kv);
+        const float* keys = widened<T>(kp + slot * width_kv, row.data(), width_kv);
         for (int64_t hq = 0; hq < Hq; ++hq) {
           const float* qh = qf.data() + hq * D;
           const float* kh = keys + (hq / G) * D;

@@ -34,6 +34,7 @@ resources on the wire).
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 from typing import Any, Callable, Sequence
 
 from hetserve.cost.network import max_min_rates
@@ -70,6 +71,10 @@ class SenderQueue:
 
     def __init__(self, name: str, policy: TransmissionPolicy):
         self.name, self.policy = name, policy
+        # what the policy says of itself, read once: a queue keeps its policy for life
+        self.sends_all = bool(getattr(policy, "sends_all_pending", False))
+        self.replan_once = bool(getattr(policy, "replan_once", False))
+        self.sharing: Any = None  # a link model's own bookkeeping of this queue (``sim.links.SharedLinks``)
         self.pending: dict[Any, Message] = {}
         self.sends: list[list] = []  # [message, bytes of this send left]
         self.concurrent = False
@@ -101,7 +106,7 @@ class SenderQueue:
         self.sends = []
         if not self.pending:
             return
-        if getattr(self.policy, "sends_all_pending", False):
+        if self.sends_all:
             self._send_all(now)
             return
         views = [TransferView(m.id, m.kind, m.total, max(m.remaining, 0.0), m.enqueued)
@@ -114,12 +119,16 @@ class SenderQueue:
     def _send_all(self, now: float) -> None:
         """The allocation of a policy that sends every pending message whole, oldest first, at
         once (``sends_all_pending``), without building the views it would ignore."""
-        order = sorted(self.pending.values(), key=_fifo_key)
+        order = list(self.pending.values())
+        if len(order) > 1:
+            order.sort(key=_fifo_key)
+        sends = []
         for m in order:
             if m.remaining <= 0:
                 raise ValueError(f"transmission policy {self.policy.name!r} sent message {m.id}, "
                                  "which has nothing left to send")
-        self.sends = [[m, m.remaining] for m in order]
+            sends.append([m, m.remaining])
+        self.sends = sends
         self.concurrent = True
         self._first_bytes(now)
 
@@ -131,8 +140,7 @@ class SenderQueue:
                 self.queueing_s[m.kind] += (now - m.enqueued) * m.copies
 
 
-def _fifo_key(m: Message) -> tuple:
-    return m.enqueued, m.id
+_fifo_key = attrgetter("enqueued", "id")  # oldest first, ties by id
 
 
 class LinkModel:
@@ -156,11 +164,14 @@ class LinkModel:
     # ------------------------------------------------------------------ queries
     def queue(self, path: Path) -> SenderQueue:
         """The queue a message on ``path`` waits in (created on first use, with its own policy)."""
-        name = path.sender.name
+        name = path.resources[0].name  # ``path.sender``
         q = self.queues.get(name)
         if q is None:
-            q = self.queues[name] = SenderQueue(name, self.make_policy())
+            q = self.queues[name] = self._new_queue(name)
         return q
+
+    def _new_queue(self, name: str) -> SenderQueue:
+        return SenderQueue(name, self.make_policy())
 
     @property
     def idle(self) -> bool:
@@ -201,7 +212,7 @@ class LinkModel:
         q = self.queue(path)
         if mid in q.pending:
             raise ValueError(f"message {mid} is already pending")
-        if copies != 1 and (copies < 1 or not getattr(q.policy, "sends_all_pending", False)):
+        if copies != 1 and (copies < 1 or not q.sends_all):
             raise ValueError(f"message {mid}: {copies} copies on a {q.policy.name!r} link (only a link whose "
                              "policy sends every pending message at once takes copies, at least 1)")
         return q
@@ -215,9 +226,10 @@ class LinkModel:
         would re-decide on each of them (idle, or sharing) re-decides once, after the last: the
         allocation it ends with is the one it would have ended with. Messages done at once (no
         bytes, unlimited path) go through ``put`` one by one."""
-        if any(it[3] <= 0 or not math.isfinite(it[2].bandwidth) for it in items):
-            return [d for it in items for d in self.put(*it[:4], now, *it[4:])]
-        groups: dict[str, list[Message]] = {}
+        for it in items:
+            if it[3] <= 0 or not math.isfinite(it[2].bandwidth):
+                return [d for it in items for d in self.put(*it[:4], now, *it[4:])]
+        groups: dict[SenderQueue, list[Message]] = {}
         seen = set()
         for mid, kind, path, nbytes, *copies in items:
             n = copies[0] if copies else 1
@@ -225,15 +237,18 @@ class LinkModel:
             if (q.name, mid) in seen:
                 raise ValueError(f"message {mid} is already pending")
             seen.add((q.name, mid))
-            groups.setdefault(q.name, []).append(Message(mid, kind, path, nbytes, now, n))
+            msgs = groups.get(q)
+            if msgs is None:
+                msgs = groups[q] = []
+            msgs.append(Message(mid, kind, path, nbytes, now, n))
         # the first put handles what finished by ``now``; after it nothing more does in zero time
         done = self.advance(now)
         self._settle(now)
-        for name, msgs in groups.items():
-            q = self.queues[name]
+        for q, msgs in groups.items():
+            counts = q.messages
             for m in msgs:
-                q.messages[m.kind] += m.copies
-            if getattr(q.policy, "replan_once", False) and (not q.sends or q.concurrent):
+                counts[m.kind] += m.copies
+            if q.replan_once and (not q.sends or q.concurrent):
                 self._enqueue_all(q, msgs, now)
             else:
                 for m in msgs:

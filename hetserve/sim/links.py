@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import heapq
 import math
+from operator import attrgetter
 from typing import Any, Callable
 
-from hetserve.cost.network import capacities, class_rates
+from hetserve.cost.network import class_rates
 from hetserve.policies.base import TrafficKind, TransmissionPolicy
 from hetserve.policies.links import EPS_BYTES, LinkModel, Message, SenderQueue
 from hetserve.sim.events import EventLoop, Priority
@@ -146,18 +147,33 @@ def _deliver(transfer: Transfer) -> None:
 
 
 _FILLED_MAX = 1 << 16  # cached water fillings kept per network (a component's few shapes recur)
+_INF = math.inf
+
+
+def _bounded(memo: dict, key):
+    """``key``, with ``memo`` started afresh once it holds ``_FILLED_MAX`` entries."""
+    if len(memo) >= _FILLED_MAX:
+        memo.clear()
+    return key
 
 
 class _QueueState:
-    """Per-queue bookkeeping of ``SharedLinks``: the rates of the queue's sends (aligned with
-    ``SenderQueue.sends``), the time they were settled to, an epoch that invalidates old heap
-    entries, and the resource keys the sends cross (with multiplicity)."""
+    """Per-queue bookkeeping of ``SharedLinks`` (``SenderQueue.sharing``): the queue, its creation
+    order, the rates of its sends (aligned with ``SenderQueue.sends``), the time they were settled
+    to, their finish times at those rates (None: not known), an epoch that invalidates old heap
+    entries; the path (resource names) of each send, the copies on each path in order of first
+    appearance (its flow classes) and the resource keys the sends cross."""
 
-    __slots__ = ("order", "since", "rates", "epoch", "keys")
+    __slots__ = ("q", "order", "since", "rates", "fin", "epoch", "names", "classes", "keys")
 
-    def __init__(self, order: int):
-        self.order, self.since, self.rates, self.epoch = order, 0.0, [], 0
-        self.keys: dict = {}
+    def __init__(self, q: SenderQueue, order: int):
+        self.q, self.order, self.since, self.rates, self.fin, self.epoch = q, order, 0.0, [], None, 0
+        self.names: list[tuple] = []
+        self.classes: dict[tuple, int] = {}
+        self.keys: set = set()
+
+
+_order = attrgetter("order")
 
 
 class SharedLinks(LinkModel):
@@ -177,32 +193,33 @@ class SharedLinks(LinkModel):
     def __init__(self, make_policy: Callable[[], TransmissionPolicy], overhead_s: float = 0.0,
                  competing_penalty: float = 0.0):
         super().__init__(make_policy, overhead_s, competing_penalty)
-        self._state: dict[str, _QueueState] = {}
-        self._on_res: dict = {}  # resource key -> {queue name: sends crossing it}
+        self._on_res: dict = {}  # resource key -> states of the queues whose sends cross it
         self._touched: set = set()  # resource keys whose sends changed since the last re-share
-        self._heap: list = []  # (first finish s of the queue, seq, queue name, epoch)
+        self._heap: list = []  # (first finish s of the queue, seq, its state, epoch)
         self._seq = 0
-        self._busy: set[str] = set()  # queues with sends on the wire
-        self._filled: dict[tuple, list[float]] = {}  # class signature -> max-min rate per class
+        self._filled: dict[tuple, dict[tuple, float]] = {}  # class signature -> max-min rate by path
+        self._renamed: dict[tuple, tuple] = {}  # classes -> (their resources renamed, capacities)
+        self._shaped: dict[tuple, list[float]] = {}  # (renamed classes, counts) -> max-min rate per class
 
-    def queue(self, path: Path) -> SenderQueue:
-        q = super().queue(path)
-        if q.name not in self._state:
-            self._state[q.name] = _QueueState(len(self._state))
+    def _new_queue(self, name: str) -> SenderQueue:
+        q = super()._new_queue(name)
+        q.sharing = _QueueState(q, len(self.queues))
         return q
 
     @property
     def idle(self) -> bool:
         self._fresh()
-        return not self._busy
+        return not any(q.sends for q in self.queues.values())
 
     def next_event_s(self) -> float | None:
-        self._fresh()
+        if self._stale:
+            self._fresh()
         heap = self._heap
         while heap:
-            t, _, name, epoch = heap[0]
-            if self._state[name].epoch == epoch:
-                return max(t, self._since) if math.isfinite(t) else None
+            top = heap[0]
+            if top[2].epoch == top[3]:
+                t, since = top[0], self._since
+                return (since if since > t else t) if t < _INF else None
             heapq.heappop(heap)
         return None
 
@@ -213,153 +230,202 @@ class SharedLinks(LinkModel):
         one message per TP shard / layer piece at one instant)."""
         if now > self._since:
             self._fresh()
-        self._since = max(self._since, now)
+            self._since = now
 
-    def _settle_queue(self, q: SenderQueue, now: float) -> None:
-        st = self._state[q.name]
+    @staticmethod
+    def _settle_queue(st: _QueueState, now: float) -> None:
         dt = now - st.since
-        if dt > 0 and q.sends:
-            for s, r in zip(q.sends, st.rates):
-                moved = min(s[1], r * dt) if math.isfinite(r) else s[1]
-                s[1] -= moved
-                s[0].remaining -= moved
-                q.bytes_sent[s[0].kind] += moved * s[0].copies
-            q.busy_s += dt
-        st.since = max(st.since, now)
+        if dt > 0:
+            q = st.q
+            if q.sends:
+                sent = q.bytes_sent
+                for s, r in zip(q.sends, st.rates):
+                    # an unlimited rate moves all that is left (inf × dt is never below it)
+                    left, moved = s[1], r * dt
+                    if not moved < left:
+                        moved = left
+                    s[1] = left - moved
+                    m = s[0]
+                    m.remaining -= moved
+                    sent[m.kind] += moved * m.copies
+                q.busy_s += dt
+                st.fin = None
+            st.since = now
 
-    def _rekey(self, q: SenderQueue) -> None:
-        """Move ``q``'s entries in the resource index to its current sends; mark both touched."""
-        st = self._state[q.name]
-        for k in st.keys:
-            users = self._on_res[k]
-            del users[q.name]
-            if not users:
-                del self._on_res[k]
-            self._touched.add(k)
-        keys: dict = {}
-        for s in q.sends:
-            for k in s[0].path.names:
-                keys[k] = keys.get(k, 0) + 1
-        for k, n in keys.items():
-            self._on_res.setdefault(k, {})[q.name] = n
-            self._touched.add(k)
-        st.keys = keys
-        st.rates = []
-        st.epoch += 1
-        if q.sends:
-            self._busy.add(q.name)
-        else:
-            self._busy.discard(q.name)
-        self._stale = True
-
-    def _replan(self, q: SenderQueue, now: float) -> None:
-        self._settle_queue(q, now)
+    def _replan(self, st: _QueueState, now: float) -> None:
+        """Re-decide the queue's sends (its bytes settled up to ``now``) and move its entries in the
+        resource index to them; the resources of its old and new sends are marked touched."""
+        q = st.q
         q.replan(now)
-        self._rekey(q)
+        names, classes = [], {}
+        for s in q.sends:
+            m = s[0]
+            key = m.path.names
+            names.append(key)
+            classes[key] = classes.get(key, 0) + m.copies
+        st.names, st.classes = names, classes
+        old, new = st.keys, set()
+        for key in classes:
+            new.update(key)
+        if new != old:
+            on_res = self._on_res
+            for k in old - new:
+                users = on_res[k]
+                users.discard(st)
+                if not users:
+                    del on_res[k]
+            for k in new - old:
+                users = on_res.get(k)
+                if users is None:
+                    on_res[k] = {st}
+                else:
+                    users.add(st)
+            st.keys = new
+        touched = self._touched
+        touched.update(old)
+        touched.update(new)
+        st.rates = []
+        st.fin = None
+        st.epoch += 1
+        self._stale = True
 
     def _fresh(self) -> None:
         if not self._stale:
             return
         self._stale = False
         # the component: every queue reachable from the touched resources through shared resources
-        seen_k, seen_q, todo = set(self._touched), set(), list(self._touched)
+        seen_k, todo = self._touched, list(self._touched)
         self._touched = set()
+        on_res, seen_q = self._on_res, set()
         while todo:
-            for name in self._on_res.get(todo.pop(), ()):
-                if name not in seen_q:
-                    seen_q.add(name)
-                    for k in self._state[name].keys:
-                        if k not in seen_k:
-                            seen_k.add(k)
-                            todo.append(k)
+            users = on_res.get(todo.pop())
+            if users:
+                for st in users:
+                    if st not in seen_q:
+                        seen_q.add(st)
+                        for k in st.keys:
+                            if k not in seen_k:
+                                seen_k.add(k)
+                                todo.append(k)
+        if not seen_q:
+            return
         # flows in the order ``LinkModel`` flattens them (queue creation order), so the water
         # filling visits resources and subtracts shares in the same order
-        state = self._state
-        qs = [self.queues[n] for n in sorted(seen_q, key=lambda n: state[n].order)]
-        rate_of = self._rates_of(qs)
-        now = self._since
-        for q in qs:
-            st = state[q.name]
+        sts = sorted(seen_q, key=_order) if len(seen_q) > 1 else list(seen_q)
+        rate_of = self._rates_of(sts)
+        now, heap = self._since, self._heap
+        for st in sts:
             if st.since < now:
-                self._settle_queue(q, now)
-            st.rates = [rate_of[s[0].path.names] for s in q.sends]
+                self._settle_queue(st, now)
+            st.rates = [rate_of[key] for key in st.names]
             st.epoch += 1
-            self._push(q, st)
+            if st.names:
+                # one heap entry per queue: when its first send finishes at its current rates
+                st.fin = fin = self._finish_times(st)
+                self._seq += 1
+                heapq.heappush(heap, (min(fin), self._seq, st, st.epoch))
 
-    def _rates_of(self, qs: list[SenderQueue]) -> dict[tuple, float]:
-        """Max-min rate by path (resource names) of the sends of ``qs``, each copy a flow; the
-        water filling is cached by the classes' signature (paths and counts in order of first
+    def _rates_of(self, sts: list[_QueueState]) -> dict[tuple, float]:
+        """Max-min rate by path (resource names) of the sends of ``sts``' queues, each copy a flow;
+        the water filling is cached by the classes' signature (paths and counts in order of first
         appearance, as ``max_min_rates`` orders them), all it depends on in one network."""
         counts: dict[tuple, int] = {}
-        path_of: dict[tuple, tuple] = {}  # path -> its resources
-        for q in qs:
-            for s in q.sends:
-                m = s[0]
-                key = m.path.names
-                n = counts.get(key)
-                if n is None:
-                    counts[key] = m.copies
-                    path_of[key] = m.path.resources
-                else:
-                    counts[key] = n + m.copies
-        members, count = tuple(counts), tuple(counts.values())
-        rate = self._filled.get((members, count))
+        for st in sts:
+            for key, n in st.classes.items():
+                counts[key] = counts.get(key, 0) + n
+        sig = (tuple(counts), tuple(counts.values()))
+        rate_of = self._filled.get(sig)
+        if rate_of is None:
+            rate_of = self._filled[_bounded(self._filled, sig)] = dict(zip(sig[0], self._fill(sts, *sig)))
+        return rate_of
+
+    def _fill(self, sts: list[_QueueState], members: tuple, count: tuple) -> list[float]:
+        """The water filling of classes ``members`` × ``count``. It reads the resources' names only
+        to tell them apart, so it is cached again with each renamed by its first appearance (the
+        order ``cost.network.capacities`` visits them) beside their capacities: a component shaped
+        like one seen on other machines (a tiled fleet) fills the same floats."""
+        renamed = self._renamed.get(members)
+        if renamed is None:
+            path_of: dict[tuple, tuple] = {}
+            for st in sts:
+                for s in st.q.sends:
+                    p = s[0].path
+                    if p.names not in path_of:
+                        path_of[p.names] = p.resources
+            local: dict = {}
+            caps, classes = [], []
+            for key in members:
+                ids = []
+                for k, r in zip(key, path_of[key]):
+                    i = local.get(k)
+                    if i is None:
+                        i = local[k] = len(caps)
+                        caps.append(r.bandwidth)
+                    ids.append(i)
+                classes.append(tuple(ids))
+            renamed = self._renamed[_bounded(self._renamed, members)] = (tuple(classes), tuple(caps))
+        shape = (renamed, count)
+        rate = self._shaped.get(shape)
         if rate is None:
-            if len(self._filled) >= _FILLED_MAX:
-                self._filled.clear()
-            rate = self._filled[(members, count)] = class_rates(members, count, capacities(members, path_of),
-                                                                self.competing_penalty)
-        return dict(zip(members, rate))
+            rate = self._shaped[_bounded(self._shaped, shape)] = class_rates(
+                renamed[0], count, dict(enumerate(renamed[1])), self.competing_penalty)
+        return rate
 
-    def _finish_times(self, q: SenderQueue, st: _QueueState) -> list[float]:
-        return [st.since + (s[1] / r if r > 0 else math.inf) if math.isfinite(r) else st.since
-                for s, r in zip(q.sends, st.rates)]
-
-    def _push(self, q: SenderQueue, st: _QueueState) -> None:
-        """One heap entry per queue: when its first send finishes at its current rates."""
-        if q.sends:
-            self._seq += 1
-            heapq.heappush(self._heap, (min(self._finish_times(q, st)), self._seq, q.name, st.epoch))
+    @staticmethod
+    def _finish_times(st: _QueueState) -> list[float]:
+        since = st.since
+        return [since + (s[1] / r if r > 0 else _INF) if r < _INF else since for s, r in zip(st.q.sends, st.rates)]
 
     def _on_event(self, t: float) -> list[tuple[Any, float]]:
         tol = t + 1e-12 * max(1.0, abs(t))
-        heap, names = self._heap, []
+        heap, due = self._heap, []
         while heap and heap[0][0] <= tol:
-            _, _, name, epoch = heapq.heappop(heap)
-            if self._state[name].epoch == epoch:
-                names.append(name)
-        self._since = max(self._since, t)
+            _, _, st, epoch = heapq.heappop(heap)
+            if st.epoch == epoch:
+                due.append(st)
+        if t > self._since:
+            self._since = t
+        if len(due) > 1:
+            due.sort(key=_order)
         done = []
-        for name in sorted(names, key=lambda n: self._state[n].order):
-            q, st = self.queues[name], self._state[name]
-            fin = self._finish_times(q, st)
-            ending = [s for s, f in zip(q.sends, fin) if f <= tol] or [q.sends[fin.index(min(fin))]]
-            self._settle_queue(q, t)
+        overhead = self.overhead_s
+        for st in due:
+            q = st.q
+            sends, fin = q.sends, st.fin
+            if fin is None:
+                fin = self._finish_times(st)
+            ending = [s for s, f in zip(sends, fin) if f <= tol] or [sends[fin.index(min(fin))]]
+            if st.since < t:
+                self._settle_queue(st, t)
+            sent = q.bytes_sent
             for s in ending:
                 if s[1] > 0:  # the sends finishing now end exactly (no float residue from rate × dt)
-                    s[0].remaining -= s[1]
-                    q.bytes_sent[s[0].kind] += s[1] * s[0].copies
+                    m = s[0]
+                    m.remaining -= s[1]
+                    sent[m.kind] += s[1] * m.copies
                     s[1] = 0.0
-            finished = [s for s in q.sends if s[1] <= EPS_BYTES + 1e-12 * s[0].total]
-            for m, _ in finished:
-                if m.remaining <= EPS_BYTES + 1e-9 * m.total:
+            for s in sends:
+                m = s[0]
+                if s[1] <= EPS_BYTES + 1e-12 * m.total and m.remaining <= EPS_BYTES + 1e-9 * m.total:
                     del q.pending[m.id]
-                    done.append((m.id, t + m.path.latency_s + self.overhead_s))
-            self._replan(q, t)
+                    done.append((m.id, t + m.path.latency_s + overhead))
+            self._replan(st, t)
         return done
 
     def _enqueue(self, q: SenderQueue, msg: Message, now: float) -> None:
         """Queue ``msg`` with ``q``'s bytes caught up first, and re-share only what ``q`` touches."""
-        self._settle_queue(q, now)
+        st = q.sharing
+        self._settle_queue(st, now)
         q.pending[msg.id] = msg
         if not q.sends or q.concurrent:
             # idle, or sharing: re-decide now; sequential and busy: the send in flight ends first
-            self._replan(q, now)
+            self._replan(st, now)
 
     def _enqueue_all(self, q: SenderQueue, msgs: list[Message], now: float) -> None:
         """Queue ``msgs`` and re-decide once; the index and the re-share see ``q``'s old sends and
         its final ones, as after re-deciding per message (its sends only grew in between)."""
-        self._settle_queue(q, now)
+        st = q.sharing
+        self._settle_queue(st, now)
         for m in msgs:
             q.pending[m.id] = m
-        self._replan(q, now)
+        self._replan(st, now)

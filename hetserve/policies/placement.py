@@ -113,9 +113,15 @@ class JoinShortestQueue(_Base):
         self._next = 0
 
     def choose(self, request: RequestInfo, candidates: Sequence[ReplicaState], now: float) -> str:
-        keys = [(c.load, c.outstanding_tokens) for c in candidates]
-        best = min(keys)
-        tied = [c for c, k in zip(candidates, keys) if k == best]
+        # the least (load, outstanding tokens) in two passes, the second over the least loaded
+        # alone: a fleet's snapshots are read once each, the load summed in place of the
+        # ``ReplicaState.load`` property, without a key tuple per candidate
+        loads = [c.queued_requests + c.running_requests for c in candidates]
+        least = min(loads)
+        tied = [c for c, n in zip(candidates, loads) if n == least]
+        if len(tied) > 1:
+            fewest = min(c.outstanding_tokens for c in tied)
+            tied = [c for c in tied if c.outstanding_tokens == fewest]
         self._next += 1
         return tied[self._next % len(tied)].id
 

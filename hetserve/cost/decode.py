@@ -93,8 +93,19 @@ class DecodeCosts:
         per_kv, q_flops, weights = m.kv_bytes_per_token_per_layer, 4.0 * m.q_dim, m.bytes_per_layer
         if k is not None and k.covers(devices):
             layer, rates = k.layer(devices, batch), k.attention_rates(devices)
-            return lambda c: layer + max(max(q_flops * c / f, ((weights + c * per_kv) - weights) / b)
-                                         for f, b in rates)
+            (f0, b0), more = rates[0], tuple(rates[1:])
+
+            def per_layer(c: float) -> float:
+                # the slowest GPU type sets the pace (the first of equals, as ``max`` picks it)
+                qc, kv = q_flops * c, (weights + c * per_kv) - weights
+                slowest = max(qc / f0, kv / b0)
+                for f, b in more:
+                    t = max(qc / f, kv / b)
+                    if t > slowest:
+                        slowest = t
+                return layer + slowest
+
+            return per_layer
         flops = 2.0 * m.params_per_layer * batch
         compute, attention, memory = self._roofline_rates(stage, self.eff.decode_attention)
         if attention is not None:

@@ -114,7 +114,7 @@ class SenderQueue:
         hint = self.decode_hint(now) if self.decode_hint is not None else None
         pairs, self.concurrent = resolve_allocation(self.policy, self.pending, views, self.info(now), now, hint)
         self.sends = [[m, n] for m, n in pairs]
-        self._first_bytes(now)
+        self._first_bytes([s[0] for s in self.sends], now)
 
     def _send_all(self, now: float) -> None:
         """The allocation of a policy that sends every pending message whole, oldest first, at
@@ -130,11 +130,11 @@ class SenderQueue:
             sends.append([m, m.remaining])
         self.sends = sends
         self.concurrent = True
-        self._first_bytes(now)
+        self._first_bytes(order, now)
 
-    def _first_bytes(self, now: float) -> None:
+    def _first_bytes(self, messages: list[Message], now: float) -> None:
         """Messages on the wire for the first time start now: their queueing ends."""
-        for m, _ in self.sends:
+        for m in messages:
             if m.first_byte is None:
                 m.first_byte = now
                 self.queueing_s[m.kind] += (now - m.enqueued) * m.copies

@@ -118,11 +118,12 @@ class JoinShortestQueue(_Base):
         # ``ReplicaState.load`` property, without a key tuple per candidate
         loads = [c.queued_requests + c.running_requests for c in candidates]
         least = min(loads)
-        tied = [c for c, n in zip(candidates, loads) if n == least]
-        if len(tied) > 1:
-            fewest = min(c.outstanding_tokens for c in tied)
-            tied = [c for c in tied if c.outstanding_tokens == fewest]
         self._next += 1
+        if loads.count(least) == 1:
+            return candidates[loads.index(least)].id
+        tied = [c for c, n in zip(candidates, loads) if n == least]
+        fewest = min(c.outstanding_tokens for c in tied)
+        tied = [c for c in tied if c.outstanding_tokens == fewest]
         return tied[self._next % len(tied)].id
 
 

@@ -193,7 +193,7 @@ class SharedLinks(LinkModel):
     def __init__(self, make_policy: Callable[[], TransmissionPolicy], overhead_s: float = 0.0,
                  competing_penalty: float = 0.0):
         super().__init__(make_policy, overhead_s, competing_penalty)
-        self._on_res: dict = {}  # resource key -> states of the queues whose sends cross it
+        self._on_res: dict = {}  # resource key -> states of the queues whose sends cross it (or none)
         self._touched: set = set()  # resource keys whose sends changed since the last re-share
         self._heap: list = []  # (first finish s of the queue, seq, its state, epoch)
         self._seq = 0
@@ -264,17 +264,14 @@ class SharedLinks(LinkModel):
             names.append(key)
             classes[key] = classes.get(key, 0) + m.copies
         st.names, st.classes = names, classes
-        old, new = st.keys, set()
-        for key in classes:
-            new.update(key)
+        old = st.keys
+        new = set().union(*classes)
         if new != old:
+            # a resource keeps its (maybe empty) set of users: queues come and go on it all the time
             on_res = self._on_res
-            for k in old - new:
-                users = on_res[k]
-                users.discard(st)
-                if not users:
-                    del on_res[k]
-            for k in new - old:
+            for k in (old - new if new else old):
+                on_res[k].discard(st)
+            for k in (new - old if old else new):
                 users = on_res.get(k)
                 if users is None:
                     on_res[k] = {st}
@@ -293,28 +290,40 @@ class SharedLinks(LinkModel):
         if not self._stale:
             return
         self._stale = False
-        # the component: every queue reachable from the touched resources through shared resources
-        seen_k, todo = self._touched, list(self._touched)
+        # each component: every queue reachable from a touched resource through shared resources.
+        # Components are re-shared one by one: a water filling over several gives each the very
+        # floats it gets alone (no share crosses from one to another), and one alone recurs more
+        touched, on_res = self._touched, self._on_res
         self._touched = set()
-        on_res, seen_q = self._on_res, set()
-        while todo:
-            users = on_res.get(todo.pop())
-            if users:
-                for st in users:
-                    if st not in seen_q:
-                        seen_q.add(st)
-                        for k in st.keys:
-                            if k not in seen_k:
-                                seen_k.add(k)
-                                todo.append(k)
-        if not seen_q:
-            return
+        seen_k, seen_q = set(), set()
+        for k0 in touched:
+            if k0 in seen_k:
+                continue
+            seen_k.add(k0)
+            todo, comp = [k0], []
+            while todo:
+                users = on_res.get(todo.pop())
+                if users:
+                    for st in users:
+                        if st not in seen_q:
+                            seen_q.add(st)
+                            comp.append(st)
+                            more = st.keys - seen_k
+                            if more:
+                                seen_k |= more
+                                todo.extend(more)
+            if comp:
+                self._reshare(comp)
+
+    def _reshare(self, comp: list[_QueueState]) -> None:
+        """New rates, settled bytes and heap entries for the queues of one component."""
         # flows in the order ``LinkModel`` flattens them (queue creation order), so the water
         # filling visits resources and subtracts shares in the same order
-        sts = sorted(seen_q, key=_order) if len(seen_q) > 1 else list(seen_q)
-        rate_of = self._rates_of(sts)
+        if len(comp) > 1:
+            comp.sort(key=_order)
+        rate_of = self._rates_of(comp)
         now, heap = self._since, self._heap
-        for st in sts:
+        for st in comp:
             if st.since < now:
                 self._settle_queue(st, now)
             st.rates = [rate_of[key] for key in st.names]
@@ -329,10 +338,13 @@ class SharedLinks(LinkModel):
         """Max-min rate by path (resource names) of the sends of ``sts``' queues, each copy a flow;
         the water filling is cached by the classes' signature (paths and counts in order of first
         appearance, as ``max_min_rates`` orders them), all it depends on in one network."""
-        counts: dict[tuple, int] = {}
-        for st in sts:
-            for key, n in st.classes.items():
-                counts[key] = counts.get(key, 0) + n
+        if len(sts) == 1:
+            counts = sts[0].classes
+        else:
+            counts = {}
+            for st in sts:
+                for key, n in st.classes.items():
+                    counts[key] = counts.get(key, 0) + n
         sig = (tuple(counts), tuple(counts.values()))
         rate_of = self._filled.get(sig)
         if rate_of is None:

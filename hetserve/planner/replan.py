@@ -1,8 +1,9 @@
 """Elastic re-plan (HexGen's "GPUs leave and join"): plan the freed devices around a running plan.
 
 ``replan(cluster, model, workload, running, lost)`` is warm-started from ``running``: every replica
-whose devices are all still in ``cluster`` and none ``lost`` is kept exactly as it is (its workers
-keep serving), and the planner's public function plans only the devices no kept replica holds —
+whose devices are all still in ``cluster`` and none ``lost`` is kept on its devices and stages (its
+workers keep serving; one whose prefill or decode partners all died is kept as a colocated replica),
+and the planner's public function plans only the devices no kept replica holds —
 those of a dead replica's surviving ranks, devices that came back, devices an updated cluster file
 added. New replicas get ids the running plan does not use, so a kept replica's id never changes.
 When the freed devices cannot hold a replica the kept ones make the whole plan.
@@ -25,16 +26,16 @@ def replan(cluster, model, workload, running: Plan, lost: set[str] | frozenset[s
     kept = [r for r in running.replicas
             if r.id not in dead_replicas and all(d in names and d not in lost for d in r.devices)]
     replicas, routes, free = _around(cluster, model, workload, running, kept, lost, algorithm, options)
-    if any(r.role == "prefill" for r in replicas) and not any(r.role == "decode" for r in replicas):
-        # kept prefill replicas with no decode replica left to hand off to: plan their devices too
-        kept = [r for r in kept if r.role != "prefill"]
-        replicas, routes, free = _around(cluster, model, workload, running, kept, lost, algorithm, options)
+    # A kept replica left without its partners serves both phases on its own devices and stages:
+    # prefill replicas with no decode replica to hand off to, and decode replicas no prefill replica
+    # feeds (theirs died; the freed devices made none or only colocated ones) become colocated, as
+    # the engine already runs them once their partners die. Re-planning their devices instead would
+    # retire them and start new workers: no serving meanwhile where they were all that was left.
+    no_decode = not any(r.role == "decode" for r in replicas)
     fed = {k.dst for k in routes}
-    if any(r.role == "decode" and r.id not in fed for r in replicas):
-        # kept decode replicas no prefill replica feeds (theirs died; the freed devices made none or
-        # only colocated ones): plan their devices too
-        kept = [r for r in kept if not (r.role == "decode" and r.id not in fed)]
-        replicas, routes, free = _around(cluster, model, workload, running, kept, lost, algorithm, options)
+    alone = {r.id for r in kept if (r.role == "prefill" and no_decode) or (r.role == "decode" and r.id not in fed)}
+    replicas = [replace(r, role="colocated") if r.id in alone else r for r in replicas]
+    routes = [k for k in routes if k.src not in alone and k.dst not in alone]
     if not replicas:
         raise PlanError(f"re-plan: no replica fits the {len(free)} free device(s) of {cluster.name!r}")
     return Plan(running.model, running.cluster, f"replan({algorithm})", tuple(replicas), tuple(routes),

@@ -1,13 +1,16 @@
 """Elastic re-plan on the running engine: move to a new plan while the unchanged replicas keep serving.
 
 ``reconfigure(engine, plan, cluster)`` compares ``plan`` (usually from ``planner.replan``) with the
-running layout. A running replica the new plan holds unchanged (same role, same stages on the same
-devices) keeps serving, under its running id. Every other running replica — a dead one, or a
-survivor the new plan reshapes — is retired first (its requests re-run on the kept replicas, exactly
-as after a death, so none is lost) which frees its devices; then the new replicas' workers start
-(loading their shards while the kept replicas serve), the running workers learn the new peers and
-layout (a prefill replica can hand off to a new decode replica), and the coordinator puts the new
-replicas into service. Returns what it did and how long each part took.
+running layout. A running replica the new plan holds on the same devices with the same stages keeps
+serving, under its running id and with the same workers; where the new plan gives it another role
+(a prefill replica that decodes in place since its decode replicas died, planned colocated or
+prefill again) the coordinator changes the role in place when the new replicas join. Every other
+running replica — a dead one, or a survivor the new plan reshapes — is retired first (its requests
+re-run on the kept replicas, exactly as after a death, so none is lost) which frees its devices;
+then the new replicas' workers start (loading their shards while the kept replicas serve), the
+running workers learn the new peers and layout (a prefill replica can hand off to a new decode
+replica), and the coordinator puts the new replicas into service. Returns what it did (``roles``:
+the kept replicas whose role changed, from and to) and how long each part took.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ from hetserve.specs.cluster import Cluster
 
 
 def shape(r) -> tuple:
-    """What makes two replicas the same deployment: role and (devices, layers) per stage."""
+    """What makes two replicas the same deployment: (devices, layers) per stage. Not the role: the
+    role is the coordinator's to change (a live replica's may already differ from its plan's), and
+    matching on it would retire and restart a survivor whose workers could keep serving."""
     if isinstance(r, ReplicaSpec):
-        return r.role, tuple((tuple(w.name for w in st), st[0].layers) for st in r.stages)
-    return r.role, tuple((tuple(st.devices), tuple(st.layers)) for st in r.stages)
+        return tuple((tuple(w.name for w in st), st[0].layers) for st in r.stages)
+    return tuple((tuple(st.devices), tuple(st.layers)) for st in r.stages)
 
 
 def reconfigure(engine, plan: Plan, cluster: Cluster) -> dict[str, Any]:
@@ -86,13 +91,16 @@ def reconfigure(engine, plan: Plan, cluster: Cluster) -> dict[str, Any]:
     t_started = time.monotonic()
 
     done = threading.Event()
+    roles = {r.id: r.role for r in layout if r.id in keep.values()}  # kept replicas' roles in the new plan
+    changed: dict[str, list[str]] = {}  # kept replica -> [live role, new role], filled by the coordinator
     engine.transport.post(Message("add", {"layout": layout, "procs": procs, "replicas": list(added),
-                                          "schedulers": schedulers, "plan": merged, "done": done}))
+                                          "schedulers": schedulers, "plan": merged, "roles": roles,
+                                          "changed": changed, "done": done}))
     done.wait()
     t_end = time.monotonic()
     engine.plan, engine.layout, engine.cluster = merged, layout, cluster
     engine.replicas = {r.id: r for r in layout}
-    record = {"kept": sorted(keep.values()), "retired": retire, "added": [r.id for r in added],
+    record = {"kept": sorted(keep.values()), "retired": retire, "added": [r.id for r in added], "roles": changed,
               "retire_s": t_retired - t0, "start_s": t_started - t_retired, "activate_s": t_end - t_started,
               "total_s": t_end - t0}
     coord.replans.append(record)

@@ -103,21 +103,12 @@ class Recovery:
                 rerun.append(seq)
         if not any(s.alive and s.role == "decode" for s in self.schedulers.values()):
             # a disaggregated plan lost its last decode replica: its prefill replicas decode in place
-            converted = [s for s in self.schedulers.values() if s.alive and s.role == "prefill"]
-            for s in converted:
-                s.role = "colocated"
-                # its requests hold prompt-sized KV only: drop its steps in flight and re-run them
-                for step_id in [k for k, (r, _, _) in self.steps.items() if r == s.id]:
-                    del self.steps[step_id]
-                s.clear(steps_only=True)
-            ids = {s.id for s in converted}
-            rerun += [seq for seq in self.seqs.values() if seq.replica in ids and seq not in rerun]
+            for s in [s for s in self.schedulers.values() if s.alive and s.role == "prefill"]:
+                rerun += [seq for seq in self._change_role(s.id, "colocated") if seq not in rerun]
         if not any(s.alive and s.serves_prefill for s in self.schedulers.values()):
-            # ... and one that lost its last prefill replica: its decode replicas prefill in place.
-            # Their running requests keep their KV and go on decoding; the re-runs prefill there.
-            for s in self.schedulers.values():
-                if s.alive and s.role == "decode":
-                    s.role = "colocated"
+            # ... and one that lost its last prefill replica: its decode replicas prefill in place
+            for s in [s for s in self.schedulers.values() if s.alive and s.role == "decode"]:
+                self._change_role(s.id, "colocated")
         self.deaths.append({"worker": name, "replica": rid, "why": why, "at": time.monotonic(),
                             "requests": len(rerun)})
         roles = ", ".join(f"{s.id} {s.role}" for s in self.schedulers.values() if s.alive) or "none"
@@ -133,6 +124,33 @@ class Recovery:
                 self.waiting.remove(seq)
                 self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {why}; no live replica's KV pool "
                                                f"can hold its {seq.reserve_tokens} tokens"))
+
+    def _change_role(self, rid: str, role: str) -> list[Sequence]:
+        """Give the live replica ``rid`` another role in place (its workers keep running); returns the
+        requests it ran, to re-run. A decode replica turning colocated keeps them: their KV holds all
+        they may generate, so they go on decoding there. Any other change re-runs them, since their KV
+        was taken for the old role (a prefill replica's holds the prompt only) and a colocated
+        replica's decodes have no hand-off to move them: their steps in flight are forgotten. Requests
+        waiting on it that it can no longer prefill join the shared queue; hand-offs on their way to
+        it, when it no longer decodes, go back to the hand-off queue."""
+        sched = self.schedulers[rid]
+        old, sched.role = sched.role, role
+        if old == role or (old == "decode" and role == "colocated"):
+            return []
+        for step_id in [k for k, (r, _, _) in self.steps.items() if r == rid]:
+            del self.steps[step_id]
+        sched.clear(steps_only=True)
+        if not sched.serves_prefill:
+            for seq in reversed([q for q in sched.pinned if q.replica != rid]):
+                sched.pinned.remove(seq)
+                seq.pinned = None
+                self.waiting.appendleft(seq)
+        if not sched.serves_decode:
+            for seq in [q for q in self.seqs.values() if q.dst == rid and q.replica != rid]:
+                if seq.dst_table:
+                    self._fence(seq)  # pieces already sent may still land in its blocks there
+                self._reroute(seq)
+        return [q for q in self.seqs.values() if q.replica == rid]
 
     # ------------------------------------------------------------------ elastic re-plan
     def _retire(self, rids: list[str], why: str) -> None:
@@ -161,9 +179,17 @@ class Recovery:
         now = time.monotonic()
         for name in meta["procs"]:
             self.last_beat[name] = now
-        for spec, sched in zip(meta["replicas"], meta["schedulers"]):
-            self.replicas[spec.id] = spec
-            self.schedulers[spec.id] = sched
+        self.replicas = {r.id: r for r in self.layout}
+        for sched in meta["schedulers"]:
+            self.schedulers[sched.id] = sched
+        # kept replicas take their roles in the new plan now that the replicas they hand off to (or
+        # take hand-offs from) are in service; the requests a change displaces re-run
+        rerun: list[Sequence] = []
+        for rid, role in meta["roles"].items():
+            if self.schedulers[rid].alive and self.schedulers[rid].role != role:
+                meta["changed"][rid] = [self.schedulers[rid].role, role]
+                rerun += self._change_role(rid, role)
+        self._rerun(sorted(rerun, key=lambda q: q.id), "re-plan: its replica changed role")
         if hasattr(self.route_policy, "plan"):  # PlanRoutes: the new plan's KV routes
             self.route_policy.plan = meta["plan"]
         alive = [s for s in self.schedulers.values() if s.alive]

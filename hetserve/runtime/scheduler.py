@@ -54,7 +54,7 @@ class ReplicaScheduler(HasRole):
         self.max_inflight = max(1, num_stages)
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
-        self.chunked = prefill_mode == "chunked" and role == "colocated"
+        self.prefill_mode = prefill_mode
         self.chunk_tokens = chunk_tokens
         self.paged = kv_admission == "paged"
         self.kv_watermark = kv_watermark
@@ -68,6 +68,12 @@ class ReplicaScheduler(HasRole):
         self.alive = True
         self.num_steps = 0
         self.last_batch_size = 0
+
+    @property
+    def chunked(self) -> bool:
+        """Chunked prefill applies to a colocated replica: read from the role, which a re-plan or
+        the death of a replica's partners may change while it serves."""
+        return self.prefill_mode == "chunked" and self.role == "colocated"
 
     @property
     def num_running(self) -> int:

@@ -77,8 +77,9 @@ class Replanner:
             record = {"trigger": trigger, "lost": sorted(self.lost), "plan_s": t_planned - t0, **record,
                       "total_s": time.monotonic() - t0}
             self.history.append(record)
-            log.info("re-plan (%s): kept %s, retired %s, added %s; planning %.2f s, start-up %.2f s, total %.2f s",
-                     trigger, record["kept"], record["retired"], record["added"], record["plan_s"],
+            log.info("re-plan (%s): kept %s (role changes in place: %s), retired %s, added %s; planning %.2f s, "
+                     "start-up %.2f s, total %.2f s", trigger, record["kept"], record["roles"] or "none",
+                     record["retired"], record["added"], record["plan_s"],
                      record["start_s"], record["total_s"])
             return record
 

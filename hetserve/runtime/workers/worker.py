@@ -216,8 +216,10 @@ class Worker:
 
     def _plan_sends(self) -> dict[str, list[tuple[KVTransfer, int]]]:
         sends: dict[str, list[tuple[KVTransfer, int]]] = {}
+        # whatever this replica's role: the coordinator decides who hands off, and a re-plan may turn
+        # a replica that started colocated (or decode) into a prefill replica without restarting it
         for dst in self.layout:
-            if dst.serves_decode and self.spec.role == "prefill":
+            if dst.serves_decode and dst.id != self.spec.replica:
                 pieces = kv_transfers(self._replica(self.spec.replica), dst)
                 expect = {w.name: sum(p.dst == w.name for p in pieces) for w in dst.workers}
                 sends[dst.id] = [(p, expect[p.dst]) for p in pieces if p.src == self.spec.name]

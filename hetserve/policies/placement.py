@@ -122,8 +122,11 @@ class JoinShortestQueue(_Base):
         if loads.count(least) == 1:
             return candidates[loads.index(least)].id
         tied = [c for c, n in zip(candidates, loads) if n == least]
-        fewest = min(c.outstanding_tokens for c in tied)
-        tied = [c for c in tied if c.outstanding_tokens == fewest]
+        outstanding = [c.outstanding_tokens for c in tied]
+        fewest = min(outstanding)
+        if outstanding.count(fewest) == 1:
+            return tied[outstanding.index(fewest)].id
+        tied = [c for c, x in zip(tied, outstanding) if x == fewest]
         return tied[self._next % len(tied)].id
 
 

@@ -263,10 +263,9 @@ class SharedLinks(LinkModel):
             key = m.path.names
             names.append(key)
             classes[key] = classes.get(key, 0) + m.copies
-        st.names, st.classes = names, classes
         old = st.keys
-        new = set().union(*classes)
-        if new != old:
+        if classes.keys() != st.classes.keys():  # else the same paths: the same resources
+            new = set().union(*classes)
             # a resource keeps its (maybe empty) set of users: queues come and go on it all the time
             on_res = self._on_res
             for k in (old - new if new else old):
@@ -278,9 +277,9 @@ class SharedLinks(LinkModel):
                 else:
                     users.add(st)
             st.keys = new
-        touched = self._touched
-        touched.update(old)
-        touched.update(new)
+            self._touched.update(new)
+        st.names, st.classes = names, classes
+        self._touched.update(old)
         st.rates = []
         st.fin = None
         st.epoch += 1

@@ -1,5 +1,6 @@
 """Baseline placement and route policies: each test fails if the policy were round robin."""
 
+import random
 from collections import Counter
 
 import pytest
@@ -32,6 +33,20 @@ def test_jsq_spreads_among_ties():
     jsq = make_placement("jsq")
     c = [st("a"), st("b"), st("c", running=1)]
     assert Counter(jsq.choose(REQ, c, 0) for _ in range(10)) == {"a": 5, "b": 5}
+
+
+def test_jsq_picks_as_the_least_load_and_tokens_key_with_round_robin_ties():
+    """The least ``(load, outstanding tokens)`` in candidate order, the n-th decision taking tie n
+    (mod their number): the rule written as one key per candidate."""
+    rng = random.Random(7)
+    jsq, turn = make_placement("jsq"), 0
+    for _ in range(300):
+        c = [st(f"r{i}", rng.randint(0, 2), rng.randint(0, 2), float(rng.choice((0, 100, 250))))
+             for i in range(rng.randint(1, 12))]
+        keys = [(x.load, x.outstanding_tokens) for x in c]
+        tied = [x.id for x, k in zip(c, keys) if k == min(keys)]
+        turn += 1
+        assert jsq.choose(REQ, c, 0) == tied[turn % len(tied)]
 
 
 def test_lot_follows_tokens_not_request_counts():

@@ -70,6 +70,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if min(self.block_size, self.max_num_seqs, self.max_batched_tokens, self.chunk_tokens) < 1:
             raise ValueError("block_size, max_num_seqs, max_batched_tokens and chunk_tokens must be positive")
+        budget = token_budget_rule(self.max_batched_tokens, self.max_num_seqs, "max_num_seqs",
+                                   "prefill_mode='chunked' with chunk_tokens")
+        if budget is not None:
+            raise ValueError(f"max_batched_tokens must be {budget}, got {self.max_batched_tokens}")
         if self.prefill_mode not in ("mixed", "chunked"):
             raise ValueError(f"prefill_mode must be mixed or chunked, got {self.prefill_mode!r} "
                              "(prefill_first is a simulator what-if)")
@@ -101,6 +105,19 @@ class EngineConfig:
             from hetserve.runtime.workers.rendezvous import check_bind_address
 
             check_bind_address(self.host, "host")
+
+
+def token_budget_rule(max_batched_tokens: int, max_num_seqs: int, seqs_name: str, chunked: str) -> str | None:
+    """What the token budget per step must be beside ``max_num_seqs`` (None: it is). Every sequence a
+    step decodes counts one token of the budget and a step decodes up to ``max_num_seqs`` of them, so a
+    smaller budget is exceeded by the decodes alone (vLLM refuses it too); nor does any budget split
+    a prompt: a step's first prompt rides whole (``policies.batching.StepBuilder``), so a budget
+    meant to cap prompt tokens is refused here, naming the chunked prefill that does (``chunked``)."""
+    if max_batched_tokens >= max_num_seqs:
+        return None
+    return (f"at least {seqs_name} ({max_num_seqs}): a step decodes up to {max_num_seqs} sequences, one token of "
+            f"the budget each, and rides a prompt whole whatever the budget (to feed prompts in pieces of N tokens: "
+            f"{chunked} N)")
 
 
 def memory_is_real(device_of: dict[str, str], cluster: Cluster, use_cuda: bool) -> bool:

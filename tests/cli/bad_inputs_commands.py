@@ -270,6 +270,13 @@ SERVE_CASES = [
     C("serve-time-scale-alone", SERVE + " --time-scale 4", ("--time-scale", "--shape-links")),
     C("serve-time-scale-zero", SERVE + " --shape-links --time-scale 0", ("--time-scale", "> 0")),
     C("serve-chunk-tokens-under-mixed", SERVE + " --chunk-tokens 64", ("--chunk-tokens", "chunked")),
+    # a step decodes up to --max-num-seqs sequences within the budget, and no budget splits a prompt
+    C("serve-max-batched-tokens-below-seqs", SERVE + " --max-batched-tokens 1",
+      ("--max-batched-tokens", "got 1", "at least --max-num-seqs (256)", "--prefill-mode chunked --chunk-tokens")),
+    C("serve-max-batched-tokens-below-given-seqs", SERVE + " --max-batched-tokens 8 --max-num-seqs 16",
+      ("--max-batched-tokens", "got 8", "at least --max-num-seqs (16)")),
+    C("serve-max-batched-tokens-under-chunked", SERVE + " --prefill-mode chunked --max-batched-tokens 512",
+      ("--max-batched-tokens", "--prefill-mode mixed", "--chunk-tokens")),
     C("serve-ray-address-local", SERVE + " --ray-address 10.0.0.1:6379", ("--ray-address", "ray")),
     C("serve-slo-without-aladdin", SERVE + " --slo-ttft 1", ("--slo-ttft", "aladdin")),
     C("serve-tls-cert-only", SERVE + " --tls-cert {d}/t.csv", ("--tls-key",)),

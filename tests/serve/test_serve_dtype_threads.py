@@ -179,3 +179,43 @@ def test_the_engine_checks_the_dtype_and_gives_each_worker_its_threads(tmp_path,
     with pytest.raises(RuntimeFailure, match="no float16 here"):
         engine_module.Engine.from_plan(plan, "demo-cpu", tmp_path, EngineConfig(dtype="float16", device="cpu"))
     assert seen == []
+
+
+def test_a_token_budget_below_the_sequence_cap_is_refused():
+    """A step decodes up to max_num_seqs sequences, one token of the budget each, and never splits a
+    prompt: a smaller budget could not be honoured, so it is refused, naming the chunked prefill that
+    caps prompt tokens per step."""
+    with pytest.raises(ValueError, match=r"max_batched_tokens must be at least max_num_seqs \(8\).*"
+                                         r"prefill_mode='chunked' with chunk_tokens N\), got 1"):
+        EngineConfig(max_batched_tokens=1, max_num_seqs=8)
+    assert EngineConfig(max_batched_tokens=8, max_num_seqs=8).max_batched_tokens == 8
+
+
+def test_serve_takes_a_token_budget_under_chunked_prefill_for_prefill_replicas(tmp_path, monkeypatch):
+    """Under --prefill-mode chunked the budget still batches a prefill replica's prompts: accepted
+    for a plan with one beside its colocated replicas (refused, as acting on nothing, for colocated
+    replicas alone: the bad-input corpus)."""
+    from hetserve.planner.plan import Plan
+    from hetserve.serve import launch
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_build(opts):
+        seen.update(budget=opts.max_batched_tokens)
+        raise Stop
+
+    monkeypatch.setattr(launch, "build", fake_build)
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY_CONFIG))
+    Plan.from_dict({"model": "tiny", "cluster": "demo-cpu", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:1"], "layers": [0, 2]}]},
+        {"id": "p0", "role": "prefill", "stages": [{"devices": ["m0:0"], "layers": [0, 2]}]},
+        {"id": "d0", "role": "decode", "stages": [{"devices": ["m1:0"], "layers": [0, 2]}]}],
+        "kv_routes": [{"from": "p0", "to": "d0", "weight": 1.0}]}).save(tmp_path / "pd.json")
+    with pytest.raises(Stop):
+        cli(["serve", "--plan", str(tmp_path / "pd.json"), "--cluster", "demo-cpu", "--model", str(tmp_path / "tiny"),
+             "--port", "0", "--prefill-mode", "chunked", "--max-batched-tokens", "512"])
+    assert seen["budget"] == 512

@@ -49,10 +49,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="the dtype weights, activations and KV are computed in (default: float32 on CPU, the "
                         "checkpoint's on CUDA); a device that cannot run it is an error before any worker starts")
-    p.add_argument("--max-batched-tokens", type=int, default=DEFAULT_BATCHING.token_budget, metavar="N",
-                   help=f"tokens per step, prompt + decode, with --prefill-mode mixed (default "
-                        f"{DEFAULT_BATCHING.token_budget}, as the simulator); a smaller budget spreads a burst of "
-                        "prompts over more steps, so the first of them answer sooner")
+    p.add_argument("--max-batched-tokens", type=int, metavar="N",
+                   help=f"tokens per step, decode + prompt: prompts join a step while it stays within N (default "
+                        f"{DEFAULT_BATCHING.token_budget}, as the simulator; at least --max-num-seqs); a smaller budget "
+                        "spreads a burst of prompts over more steps, so the first of them answer sooner. It never "
+                        "splits a prompt (a step's first prompt rides whole): --prefill-mode chunked --chunk-tokens "
+                        "does, and colocated replicas then take --chunk-tokens per step instead")
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_BATCHING.max_batch, metavar="N",
                    help=f"sequences per step (default {DEFAULT_BATCHING.max_batch})")
     p.add_argument("--threads-per-worker", type=int, metavar="N",
@@ -131,6 +133,10 @@ def check_idle_options(args: argparse.Namespace, plan) -> None:
              ("--replan-time-limit", args.replan_time_limit, args.replan_on_failure, "--replan-on-failure"),
              ("--ray-address", args.ray_address, args.backend == "ray", "--backend ray"),
              ("--chunk-tokens", args.chunk_tokens, args.prefill_mode == "chunked", "--prefill-mode chunked"),
+             ("--max-batched-tokens", args.max_batched_tokens,
+              args.prefill_mode != "chunked" or any(r.role == "prefill" for r in plan.replicas),
+              "--prefill-mode mixed or a prefill replica in the plan (under --prefill-mode chunked a colocated "
+              "replica's steps take --chunk-tokens tokens instead)"),
              ("--slo-ttft", args.slo_ttft, aladdin, "--placement or --route aladdin (the SLO it places by)"),
              ("--slo-tpot", args.slo_tpot, aladdin, "--placement or --route aladdin (the SLO it places by)")]
     for option, value, acts, needed in needs:
@@ -140,6 +146,20 @@ def check_idle_options(args: argparse.Namespace, plan) -> None:
     idle = idle_plan_option(plan, args.plan, route=args.route, colocated_only=colocated_only)
     if idle is not None:
         raise PlanError(idle)
+
+
+def token_budget_of(args: argparse.Namespace) -> int:
+    """``--max-batched-tokens``, or the default (None when not given, so that one given where it acts on
+    nothing is refused rather than ignored), checked against ``--max-num-seqs``."""
+    from hetserve.errors import SpecError
+    from hetserve.policies.batching import DEFAULT_BATCHING
+    from hetserve.runtime.engine_config import token_budget_rule
+
+    budget = args.max_batched_tokens if args.max_batched_tokens is not None else DEFAULT_BATCHING.token_budget
+    rule = token_budget_rule(budget, args.max_num_seqs, "--max-num-seqs", "--prefill-mode chunked --chunk-tokens")
+    if rule is not None:
+        raise SpecError("--max-batched-tokens", "(option)", rule, budget)
+    return budget
 
 
 def add_key_options(p: argparse.ArgumentParser) -> None:
@@ -202,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
     # the checkpoint's layers and shapes against the plan's stages, before the port is taken
     check_runnable(plan, cluster, load_model_as(args.model, plan.model), f"{args.plan} with --model {args.model}")
     check_idle_options(args, plan)
+    budget = token_budget_of(args)
     if args.heartbeat_timeout <= 0.2:
         raise SpecError("--heartbeat-timeout", "heartbeat_timeout", "more than 0.2 s (workers beat every "
                         "min(0.5 s, timeout / 4))", args.heartbeat_timeout)
@@ -227,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
                             backend=args.backend, placement=args.placement, route=route_of(args), transmission=transmission_of(args),
                             shape_links=args.shape_links,
                             micro_batches=args.micro_batches, kv_capacity_tokens=args.kv_capacity, seed=args.seed,
-                            max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
+                            max_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
                             slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, ray_address=args.ray_address,
                             advertise_address=args.advertise_address,
                             engine_options=engine_options, replan_on_failure=args.replan_on_failure,

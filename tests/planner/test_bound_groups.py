@@ -10,7 +10,7 @@ from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.planner import ALGORITHMS, PlanOptions
 from hetserve.planner.bound import throughput as bound
 from hetserve.planner.bound import groups as bound_groups
-from hetserve.planner.bound.columns import ColumnBounds
+from hetserve.planner.bound.columns import BIG_STAGES, ColumnBounds
 from hetserve.planner.context import PlanContext
 from hetserve.specs.cluster import cluster_from_dict
 from hetserve.specs.model import load_model
@@ -100,9 +100,10 @@ def test_every_layout_stays_under_its_compositions_ceiling(llama7b, azure):
     assert [k.machine for k in mk] == ["a0", "b0"]  # machine kinds = the context's classes here
     cb = ColumnBounds(ctx, [bound_groups._column_kind(ctx, [k]) for k in mk])
     stage_kinds, big_pf, big_col, big_dec = cb.big()
+    by_stages = cb.big_decode(stage_kinds)
     t_max = max(t for t in ctx.layouts.tp_ok if t <= max(ctx.class_counts))
     best: dict[tuple, list[float]] = {}
-    n = big = 0
+    n = big = tight = 0
     for used, lay in _layouts(ctx, random.Random(0)):
         ceiling = cb.exact(used)
         got = best.setdefault(used, [0.0, 0.0, 0.0])
@@ -119,7 +120,13 @@ def test_every_layout_stays_under_its_compositions_ceiling(llama7b, azure):
             assert caps[2] <= max(big_col[i] for i in present) * (1 + 1e-9), lay
             per_device = sum(big_dec[ctx.class_of[d]] for s in lay.stages for d in s.devices)
             assert max(caps[1], caps[2]) <= per_device * (1 + 1e-9), lay
-    assert n > 300 and big > 100
+            # and at the group's own stage count (the last bucket: that many or more)
+            bucket = min(len(lay.stages), BIG_STAGES) - 2
+            at_s = sum(s.tp * by_stages[stage_kinds.index((ctx.class_of[s.devices[0]], s.tp)), bucket]
+                       for s in lay.stages)
+            assert caps[1] <= at_s * (1 + 1e-9), lay
+            tight += caps[1] >= 0.5 * at_s
+    assert n > 300 and big > 100 and tight > 0
     # not just large: within 15 % of the best layout found (here or by the layout search) on one
     # machine, 50 % across the two
     for used, got in best.items():

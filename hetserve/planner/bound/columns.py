@@ -52,7 +52,8 @@ than K ≥ the largest TP degree devices in use, so S ≥ 2 stages and ``m ≥ m
   colocated also at most the decode rates below (its mean step is at least the decode step);
 * decode: ``step ≥ m·T_i`` for every stage gives ``l_i ≤ step / ρ_i`` with ``ρ_i = m·τ_i(b/m)``,
   and Σ l_i = L, so capacity ≤ T·b/(O·L)·Σ_i 1/ρ_i — a rate per device (``1 / (t·ρ)``, at the
-  best TP degree and batch), valid for any such group.
+  best TP degree and batch), valid for any such group; ``big_decode`` gives it per stage kind at
+  the group's own stage count S (m = min(S, b)), for ``big_rows``.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from dataclasses import dataclass
 import numpy as np
 
 ROLES = ("prefill", "decode", "colocated")
+BIG_STAGES = 8  # big decode groups are told apart by their stage count 2 … 7, then "8 or more"
 
 
 @dataclass(frozen=True)
@@ -259,6 +261,25 @@ class ColumnBounds:
                 best = max(best, float((T * b / (self.Oc * L * t * rho)).max()))
             rates.append(best)
         return stages, prefill, colocated, rates
+
+    def big_decode(self, stages: list[tuple[int, int]]) -> np.ndarray:
+        """Per stage kind (kind, t) and stage count S = 2 … ``BIG_STAGES`` of a big decode group
+        (the last: that many or more), the decode rate of one device of such a stage: capacity ≤
+        T·b/(O·L)·Σ_i 1/ρ_i with ``ρ_i = m·τ_i(b/m)``, ``m = min(S, b)`` (``big``'s rule at the
+        group's own S rather than at the fewest, 2), maximised over b per stage — the sum of
+        those maxima is at least the group's at its one b. The last bucket takes the largest
+        over every m from ``BIG_STAGES`` up."""
+        L, T, b = self.L, self.T, self.b
+        cbar = self.Ir + self.O / 2
+        out = np.zeros((len(stages), BIG_STAGES - 1))
+        for i, (ki, t) in enumerate(stages):
+            ms = list(range(2, int(b[-1]) + 1)) or [2]
+            per_m = np.array([float((T * b / (self.Oc * L * t * np.minimum(m, b)
+                                             * self._dl(ki, t, b / np.minimum(m, b), cbar))).max()) for m in ms])
+            for j in range(BIG_STAGES - 1):
+                S = j + 2
+                out[i, j] = per_m[S - 2] if S < BIG_STAGES and S - 2 < len(per_m) else per_m[S - 2:].max(initial=0.0)
+        return out
 
     # ------------------------------------------------------------------ compositions
     def _splits(self, n: int) -> list[tuple[int, ...]]:

@@ -2,14 +2,15 @@
 
 Variables: ``y[j, r]`` — how many groups of composition ``j`` (device counts per kind, at most
 K devices; ``bound_columns``) serve in role ``r`` (integers); ``z[g, r]`` — devices of kind ``g``
-in groups of more than K devices, ``n[r]`` — how many such groups; ``x[k, r]`` — devices of each
+in groups of more than K devices, and their groups and capacities (``big_rows``); ``x[k, r]`` — devices of each
 machine kind (the old LP's kinds) in prefill / decode; ``F`` — requests per T through the
 prefill → decode network; ``u[m, m']`` — its KV prefilled on machine m and decoded on m'; with
 machine columns and shared links, the KV variables of ``bound_network.TiedRows``.
 
 Rows (every real plan, read as the groups it holds, satisfies them — hence a bound):
 
-* devices per kind; (K + 1)·n[r] ≤ Σ z[·, r];
+* devices per kind; the big groups' rows (``big_rows``: K + 1 devices a group, decode groups by
+  their stage count);
 * F ≤ Σ prefill ceilings, F ≤ Σ decode ceilings (columns' ``ColumnBounds`` values, big groups'
   per-group / per-device ceilings);
 * shared network: Σ u = F; u × KV bytes ≤ each NIC / pipe on the path. GPU-type columns
@@ -49,6 +50,7 @@ import numpy as np
 from scipy.sparse import csr_array, diags
 from scipy.sparse import vstack as sparse_vstack
 
+from hetserve.planner.bound.big_rows import BigVars, big_integers, big_rows
 from hetserve.planner.bound.columns import ROLES, ColumnBounds, Kind
 from hetserve.planner.bound.milp import dual_bound, run_milp, solve_lp
 from hetserve.planner.bound.routes import RouteVars
@@ -71,6 +73,7 @@ class Columns:
     big_pf: np.ndarray  # ceiling of one big prefill group whose fastest stage is of each stage kind
     big_col: np.ndarray  # ceiling of one big colocated group whose best stage is of each stage kind
     big_dec: np.ndarray  # per-device decode rate of each column kind in a big group
+    big_dec_stages: np.ndarray  # (stage kinds, stage-count buckets): per-device decode rate (``big_rows``)
     K: int
     counts: list[int]
     prices: list[float]
@@ -111,7 +114,7 @@ def columns(ctx, mk) -> Columns | None:
         big_stages, big_pf, big_col, big_dec = cb.big()  # K ≥ t_max: a big group has ≥ 2 stages
         prices = [float(mk[kind_of.index(g)].usd_per_hour or 0.0) for g in range(len(kinds))]
         return Columns(comps, caps, kind_of, kinds is machine, big_stages, np.array(big_pf), np.array(big_col),
-                       np.array(big_dec), K, counts, prices, every is not None)
+                       np.array(big_dec), cb.big_decode(big_stages), K, counts, prices, every is not None)
     return None
 
 
@@ -174,10 +177,9 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
     iy = 0
     iz = iy + 3 * nj
     ns = len(cols.big_stages)
-    ib = iz + (3 * ng if big else 0)  # n[s, r]: big groups whose fastest / best stage is of stage kind s
-    iC = ib + (3 * ns if big else 0)  # requests per T the big colocated groups serve
-    iN = iC + 1  # big decode groups
-    ix = iC + (2 if big else 0)
+    bv = BigVars(iz + (3 * ng if big else 0), ns)  # big groups' variables (``big_rows``)
+    ib, iC = bv.n, bv.C
+    ix = bv.end if big else bv.n
     iF = ix + (2 * nk if network and not cols.machine_kinds else 0)
     iu = {p: iF + 1 + i for i, p in enumerate(pairs)}
     # tied KV rows read routes per machine pair (pools of few machines); loose ones by site (``routes``)
@@ -191,24 +193,14 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
         if big:
             c.update({iz + 3 * g + r: 1.0 for r in range(3)})
         row(c, float(cols.counts[g]), f"devices of kind {g}")
-    if big:  # a big group has > K devices, t of them in its fastest stage (of kind g, degree t)
-        for r in (0, 2):
-            row({**{ib + 3 * s + r: cols.K + 1.0 for s in range(ns)}, **{iz + 3 * g + r: -1.0 for g in range(ng)}},
-                0.0, f"big {ROLES[r]} groups")
-            for g in range(ng):
-                row({**{ib + 3 * s + r: float(t) for s, (h, t) in enumerate(cols.big_stages) if h == g},
-                     iz + 3 * g + r: -1.0}, 0.0, f"big {ROLES[r]} groups led by kind {g}")
-        row({iC: 1.0, **{ib + 3 * s + 2: -cols.big_col[s] for s in range(ns)}}, 0.0, "big colocated groups")
-        total = float(sum(cols.counts))
-        row({iN: cols.K + 1.0, **{iz + 3 * g + 1: -1.0 for g in range(ng)}}, 0.0, "big decode groups")
-        row({iN: -total, **{iz + 3 * g + 1: 1.0 for g in range(ng)}}, 0.0, "big decode groups")
-        row({iC: 1.0, **{iz + 3 * g + 2: -cols.big_dec[g] for g in range(ng)}}, 0.0, "big colocated decode")
+    if big:
+        big_rows(cols, bv, iz, row)
     for r, name in ((0, "prefill capacity"), (1, "decode capacity")):
         c = {iF: 1.0, **{iy + 3 * j + r: -cols.caps[j, r] for j in range(nj)}}
         if big and r == 0:
             c.update({ib + 3 * s: -cols.big_pf[s] for s in range(ns)})
         if big and r == 1:
-            c.update({iz + 3 * g + 1: -cols.big_dec[g] for g in range(ng)})
+            c[bv.D] = -1.0
         row(c, 0.0, name)
     share = shares(ctx, mk, rates, cols, machines) if network and cols.machine_kinds else None
     if network and not tie_kv:
@@ -230,7 +222,7 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
     if big:
         obj[iC] = 1.0
     upper = np.full(nv, np.inf)
-    ties = _Ties(ctx, mk, rates, cols, machines, nv, big, share, (iu, iF, iy, iz, ib)) if tie_kv else None
+    ties = _Ties(ctx, mk, rates, cols, machines, nv, big, share, (iu, iF, iy, iz, ib, bv.D)) if tie_kv else None
     upper[iy:iy + 3 * nj] = np.where(dominated(cols, share, ties.spread if ties else None).ravel(), 0.0, np.inf)
     for j, comp in enumerate(cols.comps):
         if sum(comp) > cols.K:  # a colocated column only; prefill / decode groups this large are "big"
@@ -241,8 +233,7 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
     integrality = np.zeros(nv)
     integrality[iy:iy + 3 * nj] = 1
     if big:  # whole big groups too
-        integrality[ib:iC] = 1
-        integrality[iN] = 1
+        integrality[big_integers(bv)] = 1
 
     def programme():  # the rows (and the variables' bounds) with the columns tied so far
         parts, n, integers = ([row], nv, []) if ties is None else ties.rows(row)
@@ -324,10 +315,10 @@ class _Ties:
 
     def rows(self, base: Rows) -> tuple[list[Rows], int, list[int]]:
         """The rows with the columns tied so far: (row blocks, variables, integer variables)."""
-        iu, iF, iy, iz, ib = self.idx
+        iu, iF, iy, iz, ib, iD = self.idx
         tie = TiedRows(self.ctx, self.mk, self.cols, self.machines, self.nv, self.big, self.tied)
         net = Rows(tie.nv)
-        tie.rows(self.ctx, self.mk, self.rates, self.cols, iu, iF, iy, iz, ib, net, self.share)
+        tie.rows(self.ctx, self.mk, self.rates, self.cols, iu, iF, iy, iz, ib, iD, net, self.share)
         for (j, r, mi), lines in sorted(self.lines.items()):
             tie.cut_rows(j, r, mi, lines, iy, net)
         if not self.levels:

@@ -216,7 +216,7 @@ class TiedRows:
         """The variable carrying column j's role-r KV at machine ``mi``."""
         return self.i_a[(j, r, mi)] if self.spread[j] else self.f(j, r)
 
-    def rows(self, ctx, mk, rates, cols, iu, iF, iy, iz, ib, row, share) -> None:
+    def rows(self, ctx, mk, rates, cols, iu, iF, iy, iz, ib, iD, row, share) -> None:
         machines = self.machines
         on = by_machine(mk)
         pd = per_device(rates)
@@ -251,8 +251,7 @@ class TiedRows:
         if self.big:
             row({**{self.i_B + 2 * mi: 1.0 for mi in range(len(machines))},
                  **{ib + 3 * s: -cols.big_pf[s] for s in range(len(cols.big_stages))}}, 0.0, "big prefill flow")
-            row({**{self.i_B + 2 * mi + 1: 1.0 for mi in range(len(machines))},
-                 **{iz + 3 * g + 1: -cols.big_dec[g] for g in range(len(cols.counts))}}, 0.0, "big decode flow")
+            row({**{self.i_B + 2 * mi + 1: 1.0 for mi in range(len(machines))}, iD: -1.0}, 0.0, "big decode flow")
         self.local_rows(cols, iu, row)
         resource_rows(ctx, mk, iu, row)
 

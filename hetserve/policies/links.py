@@ -231,8 +231,9 @@ class LinkModel:
                 return [d for it in items for d in self.put(*it[:4], now, *it[4:])]
         groups: dict[SenderQueue, list[Message]] = {}
         seen = set()
-        for mid, kind, path, nbytes, *copies in items:
-            n = copies[0] if copies else 1
+        for it in items:
+            mid, kind, path, nbytes = it[0], it[1], it[2], it[3]
+            n = it[4] if len(it) > 4 else 1
             q = self._queue_for(mid, kind, path, n)
             if (q.name, mid) in seen:
                 raise ValueError(f"message {mid} is already pending")

@@ -383,9 +383,9 @@ class SharedLinks(LinkModel):
         return rate
 
     @staticmethod
-    def _finish_times(st: _QueueState) -> list[float]:
+    def _finish_times(st: _QueueState, inf: float = _INF) -> list[float]:
         since = st.since
-        return [since + (s[1] / r if r > 0 else _INF) if r < _INF else since for s, r in zip(st.q.sends, st.rates)]
+        return [since + (s[1] / r if r > 0 else inf) if r < inf else since for s, r in zip(st.q.sends, st.rates)]
 
     def _on_event(self, t: float) -> list[tuple[Any, float]]:
         tol = t + 1e-12 * max(1.0, abs(t))

@@ -18,10 +18,10 @@ import math
 from operator import attrgetter
 from typing import Any, Callable
 
-from hetserve.cost.network import class_rates
 from hetserve.policies.base import TrafficKind, TransmissionPolicy
 from hetserve.policies.links import EPS_BYTES, LinkModel, Message, SenderQueue
 from hetserve.sim.events import EventLoop, Priority
+from hetserve.sim.fillings import Fillings
 from hetserve.specs.network import Path, pair_path
 
 
@@ -146,15 +146,7 @@ def _deliver(transfer: Transfer) -> None:
     transfer.on_done(transfer.start_s)
 
 
-_FILLED_MAX = 1 << 16  # cached water fillings kept per network (a component's few shapes recur)
 _INF = math.inf
-
-
-def _bounded(memo: dict, key):
-    """``key``, with ``memo`` started afresh once it holds ``_FILLED_MAX`` entries."""
-    if len(memo) >= _FILLED_MAX:
-        memo.clear()
-    return key
 
 
 class _QueueState:
@@ -176,6 +168,17 @@ class _QueueState:
 _order = attrgetter("order")
 
 
+def _resources_of(sts: list[_QueueState]) -> dict[tuple, tuple]:
+    """The resources of each path (by its names) the sends of ``sts``' queues take."""
+    path_of: dict[tuple, tuple] = {}
+    for st in sts:
+        for s in st.q.sends:
+            p = s[0].path
+            if p.names not in path_of:
+                path_of[p.names] = p.resources
+    return path_of
+
+
 class SharedLinks(LinkModel):
     """``LinkModel`` with the same sharing rule, re-shared only where a send started or ended.
 
@@ -184,7 +187,7 @@ class SharedLinks(LinkModel):
     resources its old and new sends cross is re-shared; every other send keeps its rate and its
     finish time. Each queue is settled (bytes moved at its rates) lazily, when its rates change or
     it is re-planned; each queue's first finish time sits in a heap, stale entries skipped by the
-    queue's epoch.
+    queue's epoch. Water fillings are cached by the component's shape (``sim.fillings``).
     Running time per event: O(sends in the touched component × path length + log heap), not
     O(all sends on the wire). Figures equal ``LinkModel``'s up to float rounding of the bytes
     moved (settled once per rate change instead of at every event of the network).
@@ -197,9 +200,7 @@ class SharedLinks(LinkModel):
         self._touched: set = set()  # resource keys whose sends changed since the last re-share
         self._heap: list = []  # (first finish s of the queue, seq, its state, epoch)
         self._seq = 0
-        self._filled: dict[tuple, dict[tuple, float]] = {}  # class signature -> max-min rate by path
-        self._renamed: dict[tuple, tuple] = {}  # classes -> (their resources renamed, capacities)
-        self._shaped: dict[tuple, list[float]] = {}  # (renamed classes, counts) -> max-min rate per class
+        self._fillings = Fillings(self.competing_penalty)
 
     def _new_queue(self, name: str) -> SenderQueue:
         q = super()._new_queue(name)
@@ -334,9 +335,8 @@ class SharedLinks(LinkModel):
                 heapq.heappush(heap, (min(fin), self._seq, st, st.epoch))
 
     def _rates_of(self, sts: list[_QueueState]) -> dict[tuple, float]:
-        """Max-min rate by path (resource names) of the sends of ``sts``' queues, each copy a flow;
-        the water filling is cached by the classes' signature (paths and counts in order of first
-        appearance, as ``max_min_rates`` orders them), all it depends on in one network."""
+        """Max-min rate by path (resource names) of the sends of ``sts``' queues, each copy a flow,
+        the paths in order of first appearance (as ``max_min_rates`` orders them)."""
         if len(sts) == 1:
             counts = sts[0].classes
         else:
@@ -344,43 +344,7 @@ class SharedLinks(LinkModel):
             for st in sts:
                 for key, n in st.classes.items():
                     counts[key] = counts.get(key, 0) + n
-        sig = (tuple(counts), tuple(counts.values()))
-        rate_of = self._filled.get(sig)
-        if rate_of is None:
-            rate_of = self._filled[_bounded(self._filled, sig)] = dict(zip(sig[0], self._fill(sts, *sig)))
-        return rate_of
-
-    def _fill(self, sts: list[_QueueState], members: tuple, count: tuple) -> list[float]:
-        """The water filling of classes ``members`` × ``count``. It reads the resources' names only
-        to tell them apart, so it is cached again with each renamed by its first appearance (the
-        order ``cost.network.capacities`` visits them) beside their capacities: a component shaped
-        like one seen on other machines (a tiled fleet) fills the same floats."""
-        renamed = self._renamed.get(members)
-        if renamed is None:
-            path_of: dict[tuple, tuple] = {}
-            for st in sts:
-                for s in st.q.sends:
-                    p = s[0].path
-                    if p.names not in path_of:
-                        path_of[p.names] = p.resources
-            local: dict = {}
-            caps, classes = [], []
-            for key in members:
-                ids = []
-                for k, r in zip(key, path_of[key]):
-                    i = local.get(k)
-                    if i is None:
-                        i = local[k] = len(caps)
-                        caps.append(r.bandwidth)
-                    ids.append(i)
-                classes.append(tuple(ids))
-            renamed = self._renamed[_bounded(self._renamed, members)] = (tuple(classes), tuple(caps))
-        shape = (renamed, count)
-        rate = self._shaped.get(shape)
-        if rate is None:
-            rate = self._shaped[_bounded(self._shaped, shape)] = class_rates(
-                renamed[0], count, dict(enumerate(renamed[1])), self.competing_penalty)
-        return rate
+        return self._fillings.rate_of(counts, lambda: _resources_of(sts))
 
     @staticmethod
     def _finish_times(st: _QueueState, inf: float = _INF) -> list[float]:

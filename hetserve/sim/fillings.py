@@ -1,0 +1,67 @@
+"""The max-min water fillings of one simulated network's components, cached (``sim.links``).
+
+A component's rates depend only on its flow classes (each path's resources and its number of
+flows, in order of first appearance, as ``cost.network.max_min_rates`` orders them) and on the
+resources' capacities. ``Fillings.rate_of`` looks a component up by its paths' names and counts;
+a miss looks it up again with each resource renamed by its first appearance (the order
+``cost.network.capacities`` visits them) beside the capacities, so a component shaped like one seen
+on other machines (a tiled fleet) reuses that filling: the same floats, as ``class_rates`` reads
+names only to tell resources apart.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hetserve.cost.network import class_rates
+
+_MAX = 1 << 16  # entries kept per table (a component's few shapes recur)
+
+
+def _bounded(memo: dict, key):
+    """``key``, with ``memo`` started afresh once it holds ``_MAX`` entries."""
+    if len(memo) >= _MAX:
+        memo.clear()
+    return key
+
+
+class Fillings:
+    """Cached ``class_rates`` of one network (one ``competing_penalty``)."""
+
+    def __init__(self, competing_penalty: float = 0.0):
+        self.competing_penalty = competing_penalty
+        self._by_names: dict[tuple, dict[tuple, float]] = {}  # (paths, counts) -> rate by path
+        self._renamed: dict[tuple, tuple] = {}  # paths -> (their resources renamed, capacities)
+        self._by_shape: dict[tuple, list[float]] = {}  # (renamed paths, counts) -> rate per path
+
+    def rate_of(self, counts: dict[tuple, int], resources: Callable[[], dict[tuple, tuple]]) -> dict[tuple, float]:
+        """Max-min rate by path of ``counts`` (path's resource names -> its flows, in order of first
+        appearance); ``resources()`` (asked on a miss only): each path's ``Resource`` objects."""
+        sig = (tuple(counts), tuple(counts.values()))
+        rate_of = self._by_names.get(sig)
+        if rate_of is None:
+            rate_of = self._by_names[_bounded(self._by_names, sig)] = dict(zip(sig[0], self._fill(*sig, resources)))
+        return rate_of
+
+    def _fill(self, members: tuple, count: tuple, resources: Callable[[], dict[tuple, tuple]]) -> list[float]:
+        renamed = self._renamed.get(members)
+        if renamed is None:
+            path_of = resources()
+            local: dict = {}
+            caps, classes = [], []
+            for key in members:
+                ids = []
+                for k, r in zip(key, path_of[key]):
+                    i = local.get(k)
+                    if i is None:
+                        i = local[k] = len(caps)
+                        caps.append(r.bandwidth)
+                    ids.append(i)
+                classes.append(tuple(ids))
+            renamed = self._renamed[_bounded(self._renamed, members)] = (tuple(classes), tuple(caps))
+        shape = (renamed, count)
+        rate = self._by_shape.get(shape)
+        if rate is None:
+            rate = self._by_shape[_bounded(self._by_shape, shape)] = class_rates(
+                renamed[0], count, dict(enumerate(renamed[1])), self.competing_penalty)
+        return rate

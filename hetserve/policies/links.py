@@ -164,7 +164,7 @@ class LinkModel:
     # ------------------------------------------------------------------ queries
     def queue(self, path: Path) -> SenderQueue:
         """The queue a message on ``path`` waits in (created on first use, with its own policy)."""
-        name = path.resources[0].name  # ``path.sender``
+        name = path.resources[0].name  # the sending resource, ``path.sender`` without the property call
         q = self.queues.get(name)
         if q is None:
             q = self.queues[name] = self._new_queue(name)

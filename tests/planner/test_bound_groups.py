@@ -162,7 +162,7 @@ def _three_boxes():
 
 def test_gpu_type_columns_stay_above_exact(llama7b, azure, monkeypatch):
     """When machine columns would be too many the columns are GPU types (best link of the type,
-    TP groups across machines allowed) and groups past a smaller K are "big": still above exact."""
+    a group's devices on any machine of it) and groups past a smaller K are "big": still above exact."""
     c = _three_boxes()
     x = ALGORITHMS["exact"](c, llama7b, azure, PlanOptions(seed=0))
     monkeypatch.setattr(bound_groups, "MAX_COLUMNS", 7)
@@ -170,6 +170,38 @@ def test_gpu_type_columns_stay_above_exact(llama7b, azure, monkeypatch):
     cols = bound_groups.columns(ctx, bound.device_kinds(ctx))
     assert (cols.K, cols.machine_kinds) == (2, False)
     assert x.estimate["throughput_tokens_per_s"] <= bound.group_bound(ctx).tokens_per_s * (1 + 1e-9)
+
+
+def test_gpu_type_columns_price_one_machine_groups_as_the_cost_model(llama7b, azure, monkeypatch):
+    """GPU-type columns span machines, but the bound's TP groups sit in one machine, where the
+    kernel model charges its fitted in-box all-reduce: a column of one type is at least the best
+    layout of that many devices on one machine in every role, and in prefill within 1 % of it."""
+    c = cluster_from_dict({"name": "two-types", "machines": [
+        {"name": "a0", "gpu": "A100-SXM-80G", "count": 4}, {"name": "a1", "gpu": "A100-SXM-80G", "count": 4},
+        {"name": "b0", "gpu": "L4", "count": 2}, {"name": "b1", "gpu": "L4", "count": 1}],
+        "network": {"intra_site": {"bandwidth_gbps": 10, "latency_ms": 0.5}}})
+    monkeypatch.setattr(bound_groups, "MAX_COLUMNS", 20)
+    ctx = PlanContext(c, llama7b, azure)
+    assert ctx.cost.kernels.sources()["A100-SXM-80G"] == "fitted"
+    cols = bound_groups.columns(ctx, bound.device_kinds(ctx))
+    assert not cols.machine_kinds
+    checked = 0
+    for comp, caps in zip(cols.comps, cols.caps):
+        kinds = [g for g, n in enumerate(comp) if n]
+        if len(kinds) != 1 or comp[kinds[0]] < 2:
+            continue
+        box = [d for d in c.devices if d.machine in ("a0", "b0") and cols.kind_of[ctx.class_of[d.index]] == kinds[0]]
+        devices = [d.index for d in box[:comp[kinds[0]]]]
+        if len(devices) < comp[kinds[0]]:
+            continue
+        for r, role in enumerate(ROLES):
+            got = ctx.layouts.capacity(devices, role)
+            assert got <= caps[r] * (1 + 1e-9), (comp, role, got, caps[r])
+        # prefill has no slack left here (one prompt, every stage's time summed); the α-β floor
+        # across machines the columns used before left 8–35 %
+        assert caps[0] <= 1.01 * ctx.layouts.capacity(devices, "prefill"), comp
+        checked += 1
+    assert checked >= 3
 
 
 def test_upper_bound_holds_where_the_per_device_lp_does_not(llama7b, azure, roofline):

@@ -115,12 +115,14 @@ class ColumnBounds:
 
     def _allreduce(self, t: int, k: Kind, rows):
         """One all-reduce of ``rows`` tokens of activations: the α-β model, or the kernel model's
-        fitted in-box curve where the cost model prices with it (a kind spanning machines: the
-        smaller of the two, never above either charge)."""
+        fitted in-box curve where the cost model prices with it. A kind spanning machines too: the
+        bound's TP groups are inside one machine (its scope), where the cost model charges that
+        curve over the group's slowest link, and the curve only falls as the link gets faster, so
+        at the kind's best link (``beta``) it is a floor for every machine of the kind."""
         m, kern = self.ctx.model, self._kernels(k)
         ar = 2.0 * (t - 1) * (k.alpha + rows * m.hidden * m.dtype_bytes / t / k.beta)
         return ar if kern is None else kern.allreduce_floor(t, rows * m.hidden * m.dtype_bytes, k.beta, ar,
-                                                            in_box=k.device >= 0)
+                                                            in_box=True)
 
     def _kernels(self, k: Kind):
         kern = self.ctx.cost.kernels

@@ -21,7 +21,9 @@ sends) each request's KV on each machine in proportion to the layers it holds th
 layers must sit to reach the group's flow, and a request from a one-machine group keeps on its
 machine at most the share of the layers the other group's devices there can hold. Kinds are
 machine classes while their compositions number ≤ ``bound_groups.MAX_COLUMNS``; past that, GPU
-types (TP groups across machines allowed at the type's best link), K lowered if needed.
+types (a group's devices of a type may sit on any of its machines; a TP group is priced at the
+type's best in-box link, as the kernel model prices the one-machine TP groups in scope), K lowered
+if needed.
 HiGHS stops after ``GROUP_NODE_LIMIT`` branch-and-bound nodes (deterministic) and its *dual*
 bound is used, so an unfinished search still gives a bound; a plan's bound also stops where its
 time limit does (``time_limit_s``: looser then, and flagged ``cut_short``). Scope: layouts whose TP groups are

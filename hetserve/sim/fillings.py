@@ -11,7 +11,7 @@ names only to tell resources apart.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from hetserve.cost.network import class_rates
 
@@ -34,19 +34,21 @@ class Fillings:
         self._renamed: dict[tuple, tuple] = {}  # paths -> (their resources renamed, capacities)
         self._by_shape: dict[tuple, list[float]] = {}  # (renamed paths, counts) -> rate per path
 
-    def rate_of(self, counts: dict[tuple, int], resources: Callable[[], dict[tuple, tuple]]) -> dict[tuple, float]:
+    def rate_of(self, counts: dict[tuple, int], resources: Callable[[Any], dict[tuple, tuple]],
+                of: Any) -> dict[tuple, float]:
         """Max-min rate by path of ``counts`` (path's resource names -> its flows, in order of first
-        appearance); ``resources()`` (asked on a miss only): each path's ``Resource`` objects."""
+        appearance); ``resources(of)`` (asked on a miss only): each path's ``Resource`` objects."""
         sig = (tuple(counts), tuple(counts.values()))
         rate_of = self._by_names.get(sig)
         if rate_of is None:
-            rate_of = self._by_names[_bounded(self._by_names, sig)] = dict(zip(sig[0], self._fill(*sig, resources)))
+            rate_of = self._by_names[_bounded(self._by_names, sig)] = dict(zip(sig[0], self._fill(*sig, resources, of)))
         return rate_of
 
-    def _fill(self, members: tuple, count: tuple, resources: Callable[[], dict[tuple, tuple]]) -> list[float]:
+    def _fill(self, members: tuple, count: tuple, resources: Callable[[Any], dict[tuple, tuple]],
+              of: Any) -> list[float]:
         renamed = self._renamed.get(members)
         if renamed is None:
-            path_of = resources()
+            path_of = resources(of)
             local: dict = {}
             caps, classes = [], []
             for key in members:

@@ -344,7 +344,7 @@ class SharedLinks(LinkModel):
             for st in sts:
                 for key, n in st.classes.items():
                     counts[key] = counts.get(key, 0) + n
-        return self._fillings.rate_of(counts, lambda: _resources_of(sts))
+        return self._fillings.rate_of(counts, _resources_of, sts)
 
     @staticmethod
     def _finish_times(st: _QueueState, inf: float = _INF) -> list[float]:

@@ -101,9 +101,10 @@ class Network:
         # equal parts on one path of a link that sends everything at once travel as one message
         # with copies: the same flows in the sharing, one record to move, finish and deliver
         parts_of: dict[tuple, list] = {}  # (path, bytes) or (src, dst) -> [path, bytes, copies]
-        for (d, e), nbytes in merged.items():
-            p, together = self._route(d, e)
-            key = (p.names, nbytes) if together else (d, e)
+        routes = self._routes
+        for pair, nbytes in merged.items():
+            p, together = routes.get(pair) or self._route(*pair)
+            key = (p.names, nbytes) if together else pair
             part = parts_of.get(key)
             if part is None:
                 parts_of[key] = [p, nbytes, 1]

@@ -44,8 +44,13 @@ def test_padded_decode_steps_equal_unpadded_eager_ones_and_padding_writes_no_kv(
             got = runner.run(step, h)
             want = stage(h, plain.layers(), build_attn_meta(starts, [1] * batch, tables, 16))
             torch.testing.assert_close(got, want)
-            # padding rows wrote nothing: both pools hold the same bytes
-            assert torch.equal(padded.k, plain.k) and torch.equal(padded.v, plain.v)
+            # padding rows wrote nothing: outside the real rows' slots both pools hold the same
+            # bytes; in them, the same values (a 4-row GEMM may round apart from a 3-row one)
+            written = torch.zeros(padded.k.shape[1], dtype=torch.bool)
+            written[step.meta.slot_mapping[:batch]] = True
+            for a, b in ((padded.k, plain.k), (padded.v, plain.v)):
+                assert torch.equal(a[:, ~written], b[:, ~written])
+                torch.testing.assert_close(a[:, written], b[:, written])
         # beyond the buffers (a table wider than max_blocks): an eager step of its own shape
         step = runner.prepare([200], [1], [list(range(16))])
         assert step.bucket is None

@@ -11,8 +11,9 @@ micro-batches; its capacity is at most the sum over its devices of ``big_decode`
 rate at S. ``w[s, S]`` counts devices in stages of kind s of S-stage groups, ``N[S]`` those
 groups: Σ_s w / t = S·N[S] (S or more in the last bucket), (K + 1)·N[S] ≤ Σ_s w, and Σ w
 over a kind's stage kinds is ``z[kind, decode]``. Only their total N = Σ N[S] is whole (≥ 1 where
-any device decodes in a big group): integer counts per S made the solver twice as slow, and
-the fractional ones keep the rule that matters — few stages need large TP degrees. ``D`` is their capacity in requests per T.
+any device decodes in a big group): integer counts per S made the solver twice as slow, and the
+fractional ones keep the rule that matters — few stages need large TP degrees. ``D`` is their
+capacity in requests per T.
 """
 
 from __future__ import annotations

@@ -274,13 +274,12 @@ class ColumnBounds:
         L, T, b = self.L, self.T, self.b
         cbar = self.Ir + self.O / 2
         out = np.zeros((len(stages), BIG_STAGES - 1))
+        ms = range(2, max(int(b[-1]), BIG_STAGES) + 1)  # past the largest batch, m = min(S, b) = b
         for i, (ki, t) in enumerate(stages):
-            ms = list(range(2, int(b[-1]) + 1)) or [2]
             per_m = np.array([float((T * b / (self.Oc * L * t * np.minimum(m, b)
                                              * self._dl(ki, t, b / np.minimum(m, b), cbar))).max()) for m in ms])
-            for j in range(BIG_STAGES - 1):
-                S = j + 2
-                out[i, j] = per_m[S - 2] if S < BIG_STAGES and S - 2 < len(per_m) else per_m[S - 2:].max(initial=0.0)
+            out[i, :-1] = per_m[:BIG_STAGES - 2]
+            out[i, -1] = per_m[BIG_STAGES - 2:].max()
         return out
 
     # ------------------------------------------------------------------ compositions

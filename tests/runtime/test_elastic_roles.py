@@ -74,6 +74,16 @@ def test_a_prefill_survivor_the_new_plan_makes_colocated_is_kept(start):
     assert eng.stats()["failed"] == 0
 
 
+def _hands_off(eng, src: str, dst: str, want) -> None:
+    """The prompts give ``want`` again, ``src`` running one prefill step per prompt at most and
+    the decode steps running on ``dst``, none failed."""
+    steps = eng.stats()["replicas"][src]["steps"]
+    assert eng.generate(PROMPTS, PARAMS, timeout=60) == want
+    stats = eng.stats()["replicas"]
+    assert stats[dst]["steps"] > 0 and stats[src]["steps"] - steps <= len(PROMPTS)
+    assert eng.stats()["failed"] == 0
+
+
 @pytest.mark.timeout(180)
 def test_a_survivor_turned_colocated_hands_off_to_a_new_decode_replica(start):
     """The same survivor, re-planned as a prefill replica beside a new decode replica: it turns
@@ -87,12 +97,7 @@ def test_a_survivor_turned_colocated_hands_off_to_a_new_decode_replica(start):
                                    routes=[("p0", "d1")]))
     assert record["kept"] == ["p0"] and record["retired"] == ["d0"] and record["added"] == ["d1"]
     assert eng.worker_pids()["m0:0"] == pid and eng.stats()["replicas"]["p0"]["role"] == "prefill"
-    steps = eng.stats()["replicas"]["p0"]["steps"]
-    assert eng.generate(PROMPTS, PARAMS, timeout=60) == want
-    stats = eng.stats()["replicas"]
-    # p0 ran one prefill step per prompt at most; the decode steps ran on d1
-    assert stats["d1"]["steps"] > 0 and stats["p0"]["steps"] - steps <= len(PROMPTS)
-    assert eng.stats()["failed"] == 0
+    _hands_off(eng, "p0", "d1", want)
 
 
 @pytest.mark.timeout(180)
@@ -106,11 +111,7 @@ def test_colocated_replicas_replanned_as_prefill_and_decode_keep_their_workers(s
     assert record["kept"] == ["c0", "c1"] and not record["retired"] and not record["added"]
     assert record["roles"] == {"c0": ["colocated", "prefill"], "c1": ["colocated", "decode"]}
     assert eng.worker_pids() == pids
-    steps = eng.stats()["replicas"]["c0"]["steps"]
-    assert eng.generate(PROMPTS, PARAMS, timeout=60) == want
-    stats = eng.stats()["replicas"]
-    assert stats["c1"]["steps"] > 0 and stats["c0"]["steps"] - steps <= len(PROMPTS)
-    assert eng.stats()["failed"] == 0
+    _hands_off(eng, "c0", "c1", want)
 
 
 @pytest.mark.timeout(240)

@@ -126,6 +126,8 @@ class EngineLoop(Recovery):
             self._on_kv_ready(msg.meta["seq"], msg.meta["worker"])
         elif kind == "kv_cancelled":
             self._on_kv_cancelled(msg.meta["seq"], msg.meta["worker"])
+        elif kind == "kv_refused":
+            self._on_kv_refused(msg.meta["seq"], msg.meta["worker"], str(msg.meta.get("reason", "")))
         elif kind == "submit":
             seq = msg.meta["seq"]
             if self.broken:

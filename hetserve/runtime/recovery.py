@@ -203,6 +203,16 @@ class Recovery:
         if seq not in self.handoff_queue:
             self.handoff_queue.appendleft(seq)
 
+    def _on_kv_refused(self, transfer: int, worker: str, reason: str) -> None:
+        """A sending worker cannot hand off ``transfer`` (its layout lacks the destination): the
+        request re-runs from its prompt rather than wait for pieces that never come; the pieces
+        other senders wrote are fenced off the destination's blocks (``_rerun``)."""
+        seq = self.handoffs.get(transfer)
+        if seq is None:
+            return  # already re-run or abandoned (another sender refused it first)
+        log.warning("request %s: KV hand-off refused by %s (%s); re-running it", seq.id, worker, reason)
+        self._rerun([seq], f"its KV hand-off was refused by worker {worker}: {reason}")
+
     def _rerun(self, seqs: list[Sequence], why: str) -> None:
         """Put ``seqs`` back at the head of the waiting queue, in arrival order, to re-prefill on a live replica."""
         for seq in reversed(seqs):

@@ -153,3 +153,30 @@ def test_a_dead_replicas_workers_are_reaped_not_left_as_zombies(model_dirs, clus
         assert {n: _is_zombie_or_gone(p) for n, p in pids.items()} == {"m0:0": None, "m0:1": None}
     finally:
         eng.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_handoff_its_sender_cannot_make_reruns_and_then_fails_loudly(model_dirs, cluster_file, plans, caplog):
+    """A prefill worker told to hand off to a replica its layout lacks says so (``kv_refused``)
+    instead of sending nothing: the request re-runs, and once its re-runs are spent it fails with
+    an error naming the cause; it never waits for KV that cannot come. The workers' layout is made
+    stale by the coordinator's own address-book message, as a re-plan sends it."""
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.runtime.workers.transport import Priority
+    from hetserve.runtime.workers.wire import Message
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    eng = Engine.from_plan(plans.disaggregated(), cluster_file, model_dirs["llama"],
+                           EngineConfig(kv_capacity_tokens=4096, max_reruns=1))
+    try:
+        assert len(eng.generate(PROMPTS[:1], params, timeout=60)[0]) == 8  # the hand-off works
+        prefill = tuple(r for r in eng.layout if r.role == "prefill")
+        for w in prefill[0].workers:
+            eng.transport.send(w.name, Message("peers", {"addresses": {}, "layout": prefill}), Priority.CONTROL)
+        with pytest.raises(RuntimeFailure, match="refused by worker m0:[01]: 'd0' is not a decode replica"):
+            eng.submit(PROMPTS[1], params).result(timeout=60)
+        assert any("hand-off refused" in r.getMessage() for r in caplog.records)
+        assert eng.stats()["failed"] == 1
+    finally:
+        eng.shutdown()

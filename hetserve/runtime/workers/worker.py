@@ -17,6 +17,7 @@ Messages a worker receives:
     shutdown  leaders only; broadcast to the group, then every rank exits
 
 Sent to the coordinator: ``ready`` (after loading), ``result`` (last leader), ``kv_ready``,
+``kv_refused`` (a hand-off to a replica this worker's layout does not hold),
 ``error`` (traceback, just before exiting on any exception).
 """
 
@@ -376,8 +377,14 @@ class Worker:
         """Send this worker's pieces of each hand-off (its layers x its KV heads) to the decode workers."""
         first, h0 = self.spec.layers[0], self.spec.kv_heads[0]
         for seq, src_table, num_tokens, dst, dst_table in handoffs:
+            sends = self.sends.get(dst)
+            if sends is None:  # not a decode replica of this worker's layout: the request must not wait
+                reason = f"{dst!r} is not a decode replica in the layout of worker {self.spec.name}"
+                self.transport.send(ENGINE, Message("kv_refused", {"seq": seq, "worker": self.spec.name,
+                                                                   "reason": reason}))
+                continue
             slots = slots_of(src_table, num_tokens, self.cfg.block_size)
-            for piece, expect in self.sends.get(dst, ()):
+            for piece, expect in sends:
                 kv = self.pool.read(slice(piece.layers[0] - first, piece.layers[1] - first),
                                     slice(piece.heads[0] - h0, piece.heads[1] - h0), slots)
                 meta = {"seq": seq, "layers": piece.layers, "heads": piece.heads, "table": dst_table,

@@ -174,3 +174,17 @@ def compose_step(head: Callable[[], Offer | None], take: Callable[[], None], *, 
     if chunk_tokens is None:
         return Step(decodes, len(fed), tuple(fed))
     return Step(decodes, len(fed), tuple(prompt_chunks([*prefilling, *fed], chunk_tokens, decodes)))
+
+
+def token_budget_rule(max_batched_tokens: int, max_num_seqs: int, seqs_name: str, chunked: str) -> str | None:
+    """What the token budget per step must be beside ``max_num_seqs`` (None: it is). Every sequence a
+    step decodes counts one token of the budget and a step decodes up to ``max_num_seqs`` of them, so a
+    smaller budget is exceeded by the decodes alone (vLLM refuses it too); nor does any budget split
+    a prompt: a step's first prompt rides whole (``StepBuilder``), so a budget
+    meant to cap prompt tokens is refused, naming the chunked prefill that does (``chunked``). The
+    runtime and the simulator both refuse what this refuses."""
+    if max_batched_tokens >= max_num_seqs:
+        return None
+    return (f"at least {seqs_name} ({max_num_seqs}): a step decodes up to {max_num_seqs} sequences, one token of "
+            f"the budget each, and rides a prompt whole whatever the budget (to feed prompts in pieces of N tokens: "
+            f"{chunked} N)")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from hetserve.cost.efficiency import Efficiency
 from hetserve.errors import PlanError, RuntimeFailure
 from hetserve.cost.layout import micro_batches_of
-from hetserve.policies.batching import DEFAULT_BATCHING
+from hetserve.policies.batching import DEFAULT_BATCHING, token_budget_rule
 from hetserve.policies.kv_admission import KV_ADMISSIONS
 from hetserve.runtime.workers.auth import TLSFiles
 from hetserve.runtime.deployment import check_memory
@@ -105,19 +105,6 @@ class EngineConfig:
             from hetserve.runtime.workers.rendezvous import check_bind_address
 
             check_bind_address(self.host, "host")
-
-
-def token_budget_rule(max_batched_tokens: int, max_num_seqs: int, seqs_name: str, chunked: str) -> str | None:
-    """What the token budget per step must be beside ``max_num_seqs`` (None: it is). Every sequence a
-    step decodes counts one token of the budget and a step decodes up to ``max_num_seqs`` of them, so a
-    smaller budget is exceeded by the decodes alone (vLLM refuses it too); nor does any budget split
-    a prompt: a step's first prompt rides whole (``policies.batching.StepBuilder``), so a budget
-    meant to cap prompt tokens is refused here, naming the chunked prefill that does (``chunked``)."""
-    if max_batched_tokens >= max_num_seqs:
-        return None
-    return (f"at least {seqs_name} ({max_num_seqs}): a step decodes up to {max_num_seqs} sequences, one token of "
-            f"the budget each, and rides a prompt whole whatever the budget (to feed prompts in pieces of N tokens: "
-            f"{chunked} N)")
 
 
 def memory_is_real(device_of: dict[str, str], cluster: Cluster, use_cuda: bool) -> bool:

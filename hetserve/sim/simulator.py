@@ -24,7 +24,7 @@ from hetserve.cost.analytic import CostModel
 from hetserve.errors import PlanError
 from hetserve.planner.plan import Plan, serves_prefill
 from hetserve.planner.validate import check_runnable
-from hetserve.policies.batching import DEFAULT_BATCHING, PREFILL_MODES
+from hetserve.policies.batching import DEFAULT_BATCHING, PREFILL_MODES, token_budget_rule
 from hetserve.policies.base import PlacementPolicy, RequestInfo, RoutePolicy, TransmissionPolicy
 from hetserve.policies.placement import DEFAULT_PLACEMENT, PolicyContext, make_placement
 from hetserve.policies.predictor import OraclePredictor
@@ -164,6 +164,9 @@ class Simulator:
         check_runnable(plan, cluster, model, source=f"plan for {plan.model!r}")
         self.cost = memoised(cost or CostModel(cluster, model))
         self.max_batch = opts.max_batch or self.cost.eff.max_batch
+        budget = token_budget_rule(opts.token_budget, self.max_batch, "max_batch", "chunked_prefill with chunk_tokens")
+        if budget is not None:  # the runtime refuses the same (EngineConfig)
+            raise ValueError(f"token_budget must be {budget}, got {opts.token_budget}")
         mode = "chunked" if opts.chunked_prefill else opts.prefill_mode
         self.limits = BatchLimits(opts.token_budget, opts.chunk_tokens, mode, self.max_batch,
                                   opts.micro_batches, opts.kv_admission == "paged", opts.kv_block_tokens)

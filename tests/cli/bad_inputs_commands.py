@@ -125,6 +125,11 @@ SIMULATE_CASES = [
     C("sim-chunked-on-disagg", SIM.replace("plan.json", "pd.json") + " --chunked-prefill", ("--chunked-prefill",)),
     C("sim-prefill-first-on-disagg", SIM.replace("plan.json", "pd.json") + " --prefill-mode prefill_first",
       ("--prefill-mode",)),
+    # the runtime's rule (serve --max-batched-tokens): a budget below the batch cap is refused, not ignored
+    C("sim-token-budget-below-batch", SIM + " --token-budget 1",
+      ("--token-budget", "got 1", "batch cap (--max-batch) (256)", "--prefill-mode chunked --chunk-tokens")),
+    C("sim-token-budget-below-given-batch", SIM + " --token-budget 8 --max-batch 16",
+      ("--token-budget", "got 8", "at least --max-batch (16)")),
     C("sim-predictor-unused", SIM + " --predictor bucket --placement rr", ("--predictor", "rr")),
     C("sim-all-beyond-context", SIM.replace("t.csv", "l.csv") + " --within-context", ("l.csv", "at least one"),
       {"l.csv": LONG}),

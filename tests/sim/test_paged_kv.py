@@ -87,3 +87,16 @@ def test_batch_remove_keeps_the_aggregates():
     assert b.size == 1 and b.context == 11 and list(b.members) == [1]
     assert b.next_finish_iteration == 5
     assert b.advance(4) == [1] and b.size == 0
+
+
+def test_a_token_budget_below_the_batch_cap_is_refused_as_the_runtime_refuses_it(cluster, model):
+    """A step decodes up to ``max_batch`` sequences, one budget token each: a smaller budget would be
+    accepted and change nothing, so the simulator refuses it with the runtime's rule."""
+    from hetserve.runtime.engine_config import EngineConfig
+
+    plan, wl = single({"c0": ["m1:0"]}), Workload.from_lists("three", [0.0] * 3, [100] * 3, [10] * 3)
+    with pytest.raises(ValueError, match="token_budget must be at least max_batch \\(16\\).*got 8"):
+        simulate(plan, cluster, model, wl, SimOptions(token_budget=8, max_batch=16))
+    with pytest.raises(ValueError, match="max_batched_tokens must be at least max_num_seqs \\(16\\)"):
+        EngineConfig(max_batched_tokens=8, max_num_seqs=16)
+    assert simulate(plan, cluster, model, wl, SimOptions(token_budget=16, max_batch=16)).summary()["completed"] > 0

@@ -152,8 +152,7 @@ def token_budget_of(args: argparse.Namespace) -> int:
     """``--max-batched-tokens``, or the default (None when not given, so that one given where it acts on
     nothing is refused rather than ignored), checked against ``--max-num-seqs``."""
     from hetserve.errors import SpecError
-    from hetserve.policies.batching import DEFAULT_BATCHING
-    from hetserve.runtime.engine_config import token_budget_rule
+    from hetserve.policies.batching import DEFAULT_BATCHING, token_budget_rule
 
     budget = args.max_batched_tokens if args.max_batched_tokens is not None else DEFAULT_BATCHING.token_budget
     rule = token_budget_rule(budget, args.max_num_seqs, "--max-num-seqs", "--prefill-mode chunked --chunk-tokens")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hetserve.cli.commands.serve import check_chunk_tokens, chunk_tokens_of
 from hetserve.cli.policy_options import add_policy_options, route_of, transmission_of
-from hetserve.policies.batching import DEFAULT_BATCHING, PREFILL_MODES
+from hetserve.policies.batching import DEFAULT_BATCHING, PREFILL_MODES, token_budget_rule
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -167,6 +167,11 @@ def run(args: argparse.Namespace) -> int:
         from hetserve.calibration.file import served_efficiency, served_sim_options
 
         cost = CostModel(cluster, model, served_efficiency(args.efficiency) if args.efficiency else None)
+        rule = token_budget_rule(args.token_budget, args.max_batch or cost.eff.max_batch,
+                                 "--max-batch" if args.max_batch else "the cost model's batch cap (--max-batch)",
+                                 "--prefill-mode chunked --chunk-tokens")
+        if rule is not None:
+            raise SpecError("--token-budget", "(option)", rule, args.token_budget)
         opts = SimOptions(placement=args.placement, route=route_of(args), transmission=transmission_of(args), slo=slo,
                           **served_sim_options(args.efficiency), predictor=predictor,
                           token_budget=args.token_budget,

@@ -61,10 +61,10 @@ def test_goodput_stays_under_the_bound(pool, model, slo, azure):
     assert ub.tokens_per_s <= bound.group_bound(ctx.without_slo()).tokens_per_s * (1 + 1e-12)
 
 
-def test_goodput_bound_uses_the_group_programme(llama70b, azure):
-    """On hexgen2-het1 the per-device LP (what upper_bound returned under SLOs before) is far
-    above the group programme without SLOs; the bound is the latter, and a goodput plan stays under it."""
-    c = load_cluster("hexgen2-het1")
+def test_goodput_bound_uses_the_group_programme(case_study, llama70b, azure):
+    """On HexGen-2's case-study pool the per-device LP (what upper_bound returned under SLOs before)
+    is far above the group programme without SLOs; the bound is the latter, and a goodput plan stays under it."""
+    c = case_study
     opts = PlanOptions(seed=0, max_iterations=4, objective="goodput", slo_ttft_s=2.0, slo_tpot_s=0.1)
     ctx = PlanContext(c, llama70b, azure, opts)
     free = bound.group_bound(ctx.without_slo())

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+from bench.bench_planner import _island
 from hetserve.planner.context import PlanContext
-from hetserve.specs.cluster import load_cluster
 from hetserve.specs.model import load_model
 from hetserve.specs.workload import load_workload
 
@@ -17,7 +17,8 @@ def test_a_bound_the_time_cuts_short_is_still_a_bound_and_more_time_solves_it_ag
     from hetserve.planner.bound import milp as bound_milp
 
     _fresh_solves(monkeypatch, bound, bound_milp)
-    ctx = PlanContext(load_cluster("hexgen2-het4"), load_model("llama-2-70b"), load_workload("azure-conv"))
+    # a small pool: its MILP takes tens of milliseconds, so the millisecond's cut is real and the full solve cheap
+    ctx = PlanContext(_island("A100-SXM-80G", 4, "L4", 2), load_model("llama-2-7b"), load_workload("azure-conv"))
     cut = bound.group_bound(ctx, time_limit_s=1e-3)
     assert cut.cut_short
     full = bound.group_bound(ctx)

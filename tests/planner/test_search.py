@@ -35,10 +35,10 @@ def _exact_bounds_all(c, m, w):
     x = _tps(ALGORITHMS["exact"](c, m, w, PlanOptions(seed=0)))
     xc = _tps(ALGORITHMS["exact-colocated"](c, m, w, PlanOptions(seed=0)))
     assert x >= xc * (1 - 1e-9)  # exact covers the colocated space too
-    for algo in ("hexgen2", "uniform", "random-swap", "genetic"):
+    for algo in ("uniform", "random-swap", "genetic"):
         assert _tps(ALGORITHMS[algo](c, m, w, PlanOptions(seed=0))) <= x * (1 + 1e-6), algo
     assert _tps(ALGORITHMS["hexgen"](c, m, w, PlanOptions(seed=0))) <= xc * (1 + 1e-6)
-    assert _tps(ALGORITHMS["hexgen2"](c, m, w, PlanOptions(seed=0))) == pytest.approx(x, rel=1e-6)
+    assert _tps(ALGORITHMS["hexgen2"](c, m, w, PlanOptions(seed=0))) == pytest.approx(x, rel=1e-6)  # so ≤ x too
 
 
 @pytest.mark.parametrize("wclass", (None,) + CLASSES)

@@ -390,17 +390,30 @@ def _waterfill(a: np.ndarray, e: np.ndarray, cap: np.ndarray, L: float) -> np.nd
     """min z s.t. a_i·l_i + e_i ≤ z, 0 ≤ l_i ≤ cap_i, Σ l_i = L, row by row (inf if infeasible).
 
     The layers that fit under a level z, Σ clip((z − e_i)/a_i, 0, cap_i), are piecewise linear
-    and non-decreasing in z, with kinks at e_i and e_i + a_i·cap_i: find the first kink where
-    they reach L and interpolate back along the segment before it."""
+    and non-decreasing in z, with kinks at e_i and e_i + a_i·cap_i (``level_kinks``): find the
+    first kink where they reach L and interpolate back along the segment before it."""
+    pts, lay = level_kinks(a, e, cap)
+    return first_reach(pts, lay.sum(axis=2), L * (1 - 1e-12), L)
+
+
+def level_kinks(a: np.ndarray, e: np.ndarray, cap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kinks of the layers under a level z, row by row: every e_i and e_i + a_i·cap_i, sorted
+    (n, 2S), and each item's layers at each (n, 2S, S); between two kinks every item's is linear."""
     e = np.broadcast_to(e, a.shape)
-    pts = np.sort(np.concatenate([e, e + a * cap], axis=1), axis=1)  # (n, 2S)
-    room = np.clip((pts[:, :, None] - e[:, None, :]) / a[:, None, :], 0.0, cap[:, None, :]).sum(axis=2)
-    enough = room >= L * (1 - 1e-12)
+    pts = np.sort(np.concatenate([e, e + a * cap], axis=1), axis=1)
+    return pts, np.clip((pts[:, :, None] - e[:, None, :]) / a[:, None, :], 0.0, cap[:, None, :])
+
+
+def first_reach(pts: np.ndarray, room: np.ndarray, enough, target) -> np.ndarray:
+    """The least z where ``room`` (non-decreasing, linear between the kinks ``pts``) reaches
+    ``target``, row by row: the first kink where it is at least ``enough``, interpolated back along
+    the segment before it (inf where it never is; the first kink where it is there already)."""
+    enough = room >= np.reshape(enough, (-1, 1))
     first = np.argmax(enough, axis=1)
-    rows = np.arange(a.shape[0])
+    rows = np.arange(pts.shape[0])
     hi_z, hi_r = pts[rows, first], room[rows, first]
     prev = np.maximum(first - 1, 0)
     lo_z, lo_r = pts[rows, prev], room[rows, prev]
     with np.errstate(divide="ignore", invalid="ignore"):
-        z = np.where((first > 0) & (hi_r > lo_r), lo_z + (L - lo_r) * (hi_z - lo_z) / (hi_r - lo_r), hi_z)
+        z = np.where((first > 0) & (hi_r > lo_r), lo_z + (target - lo_r) * (hi_z - lo_z) / (hi_r - lo_r), hi_z)
     return np.where(enough.any(axis=1), z, np.inf)

@@ -29,10 +29,9 @@ import itertools
 
 import numpy as np
 
-from hetserve.planner.bound.columns import ColumnBounds, _waterfill
+from hetserve.planner.bound.columns import ColumnBounds, first_reach, level_kinks
 
 SHARES = np.arange(1, 40) / 40.0  # the thresholds h (every 2.5 % of the layers)
-_BISECT = 60
 
 
 def share_ceilings(cb: ColumnBounds, comp: tuple[int, ...], on_m: list[bool], hs=SHARES,
@@ -127,27 +126,19 @@ def knapsack_capped(cost: np.ndarray, cap: np.ndarray, L: float, in_g: np.ndarra
 def waterfill_capped(a: np.ndarray, e: np.ndarray, cap: np.ndarray, L: float, in_g: np.ndarray,
                      H: np.ndarray, lo: np.ndarray | None = None) -> np.ndarray:
     """min z s.t. a_i·l_i + e_i ≤ z, 0 ≤ l_i ≤ cap_i, lo ≤ Σ_{i in g} l_i ≤ H, Σ l_i = L, row by
-    row (inf if infeasible): the layers under a level z are non-decreasing in z (so is whether
-    the flagged ones reach lo), so bisect from the unconstrained level (a lower bound) and
-    return the lower end."""
+    row (inf if infeasible). With n_in(z), n_out(z) the layers under level z of the flagged items
+    and of the others, z is feasible when n_in ≥ lo and n_out + min(H, n_in) ≥ L, that is when
+    n_in ≥ lo, n_out + n_in ≥ L and n_out ≥ L − H: each side non-decreasing and piecewise linear
+    with the kinks of ``level_kinks``, so the least z is the latest of the three first reaches."""
     low = np.zeros(a.shape[0]) if lo is None else np.asarray(lo, dtype=float)
-
-    def fits(z):
-        lay = np.clip((z[:, None] - e) / a, 0.0, cap)
-        in_ = lay[:, in_g].sum(axis=1)
-        return (in_ >= low * (1 - 1e-12)) & (lay[:, ~in_g].sum(axis=1) + np.minimum(H, in_) >= L * (1 - 1e-12))
-
-    hi = (e + a * cap).max(axis=1)
-    feasible = fits(hi)
-    lo_z = _waterfill(a, e, cap, L)
-    lo_z = np.where(np.isfinite(lo_z), np.minimum(lo_z, hi), hi)
-    done = fits(lo_z)  # the share does not bind: the unconstrained level is the answer
-    for _ in range(_BISECT):
-        mid = 0.5 * (lo_z + hi)
-        up = fits(mid)
-        hi = np.where(up, mid, hi)
-        lo_z = np.where(up | done, lo_z, mid)
-    return np.where(feasible, lo_z, np.inf)
+    H = np.asarray(H, dtype=float)
+    pts, lay = level_kinks(a, e, cap)
+    n_in, n_out = lay[:, :, in_g].sum(axis=2), lay[:, :, ~in_g].sum(axis=2)
+    need_in, need_all = low * (1 - 1e-12), L * (1 - 1e-12)
+    z = np.maximum(np.maximum(first_reach(pts, n_in, need_in, need_in), first_reach(pts, n_in + n_out, need_all, L)),
+                   first_reach(pts, n_out, need_all - H, need_all - H))
+    feasible = (n_in[:, -1] >= need_in) & (n_out[:, -1] + np.minimum(H, n_in[:, -1]) >= need_all)
+    return np.where(feasible, z, np.inf)
 
 
 def facets(ceiling: float, caps_h: np.ndarray, hs=SHARES) -> list[tuple[float, float]]:

@@ -1,4 +1,4 @@
-"""``hetserve serve`` as a user runs it: a subprocess on a checked free loopback port."""
+"""``hetserve serve`` as a user runs it: a subprocess on the loopback port the OS picks (``--port 0``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -60,14 +59,13 @@ def test_serve_refuses_an_unknown_policy_before_any_worker_starts(tmp_path, caps
         assert all(name in err[0] for name in names), err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
-def test_serve_command_answers_and_stops_cleanly(tmp_path):
+def test_serve_prints_the_port_it_picked_answers_and_stops_cleanly(tmp_path):
+    """``--port 0``: the OS picks the port, and the URL printed at start-up is the one that answers;
+    the start-up lines say the dtype and which process holds each device. An OpenAI client lists
+    the model and completes; SIGTERM during a stream that cannot finish in the 1 s drain: new
+    requests get 503 + Retry-After, the stream ends with one error event and [DONE], and the
+    process exits cleanly."""
     import openai
 
     from hetserve.planner.plan import Plan
@@ -76,70 +74,15 @@ def test_serve_command_answers_and_stops_cleanly(tmp_path):
     model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=32, heads=2, max_positions=4096)
     plan = tmp_path / "plan.json"
     Plan.from_dict(PLAN).save(plan)
-    port = _free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "127.0.0.1"}
-    proc = subprocess.Popen([sys.executable, "-m", "hetserve.cli.main", "serve", "--plan", str(plan),
-                             "--cluster", "demo-cpu", "--model", str(model), "--port", str(port),
-                             "--log-level", "warning", "--drain-timeout", "1"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        assert proc.poll() is None, proc.stdout.read()
-        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
-        assert [m.id for m in c.models.list().data] == ["tiny"]
-        r = c.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0)
-        assert r.usage.completion_tokens >= 1
-        # SIGTERM with a stream that cannot finish in the 1 s drain: new requests get 503 + Retry-After,
-        # the stream ends with one error event and [DONE], the process exits cleanly
-        events: list[str] = []
-        body = {"model": "tiny", "prompt": "hi", "max_tokens": 4000, "stream": True, "ignore_eos": True}
-
-        def stream() -> None:
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
-                events.extend(line[6:] for line in resp.iter_lines() if line.startswith("data: "))
-
-        reader = threading.Thread(target=stream)
-        reader.start()
-        while not events and reader.is_alive():
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGTERM)
-        while (h := httpx.get(url + "/health", timeout=5)).status_code == 200:
-            time.sleep(0.02)
-        assert h.json()["status"] == "draining"
-        refused = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
-        assert refused.status_code == 503 and refused.headers["retry-after"]
-        reader.join(60)
-        assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
-    finally:
-        _stop(proc, signal_it=not events)  # once streaming began, the test's own SIGTERM is the one under test
-    assert proc.returncode == 0, proc.stdout.read()
-
-
-@pytest.mark.slow
-def test_serve_port_0_prints_the_port_it_serves_on(tmp_path):
-    """``--port 0``: the OS picks the port, and the URL printed at start-up is the one that answers;
-    the start-up lines also say the dtype and which process holds each device."""
-    from hetserve.planner.plan import Plan
-    from hetserve.runtime.model.make import make_model
-
-    model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=32, heads=2)
-    plan = tmp_path / "plan.json"
-    Plan.from_dict(PLAN).save(plan)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "127.0.0.1", "COLUMNS": "200"}
     proc = subprocess.Popen([sys.executable, "-m", "hetserve.cli.main", "serve", "--plan", str(plan),
                              "--cluster", "demo-cpu", "--model", str(model), "--port", "0",
                              "--log-level", "warning", "--drain-timeout", "1"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # until the pipe closes
-    reader.start()
+    printer = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # until the pipe closes
+    printer.start()
+    events: list[str] = []
     try:
         deadline = time.monotonic() + 90
         url = None
@@ -161,9 +104,33 @@ def test_serve_port_0_prints_the_port_it_serves_on(tmp_path):
             except httpx.HTTPError:
                 time.sleep(0.1)
         assert health is not None and health.status_code == 200 and health.json()["model"] == "tiny"
+
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+        assert [m.id for m in c.models.list().data] == ["tiny"]
+        r = c.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens >= 1
+
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+
+        def stream() -> None:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+                events.extend(line[6:] for line in resp.iter_lines() if line.startswith("data: "))
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        while not events and reader.is_alive():
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        while (h := httpx.get(url + "/health", timeout=5)).status_code == 200:
+            time.sleep(0.02)
+        assert h.json()["status"] == "draining"
+        refused = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        reader.join(60)
+        assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
     finally:
-        _stop(proc)
-    reader.join(5)
+        _stop(proc, signal_it=not events)  # once streaming began, the test's own SIGTERM is the one under test
+    printer.join(5)
     assert proc.returncode == 0, "".join(lines)
 
 

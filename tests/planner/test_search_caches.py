@@ -21,6 +21,15 @@ from hetserve.planner.pool.evaluator import Evaluator, start_search
 from hetserve.specs.cluster import cluster_from_dict, load_cluster
 
 
+@pytest.fixture(autouse=True)
+def _no_group_bound(monkeypatch):
+    """The searches' own shortcuts are the subject, not the plan's upper bound: no group programme
+    (a MILP of about a minute on het1) prices the estimates or seeds a second climb from its plan."""
+    from hetserve.planner.bound import throughput
+
+    monkeypatch.setattr(throughput, "group_bound", lambda *args, **kwargs: None)
+
+
 def _two_site_pool():
     """Four identical 4×A100 boxes, two per site: {a0, a1} and {a1, b0} have the same GPU types
     and counts but not the same link between their boxes."""
@@ -103,7 +112,7 @@ def test_every_candidate_the_dual_shortcut_skips_scores_at_most_its_bound(llama7
     alternatives included), is worth no more than the bound that skipped it — so it could not
     have been picked — and the search ends where it ends without the shortcut."""
     cluster = load_cluster("hexgen2-het1")
-    wl = azure  # the whole trace: the het1 bound in every hexgen2 plan's estimate (about a minute) is cached across tests
+    wl = azure
     opts = PlanOptions(seed=0, restarts=2, max_iterations=12)
     skipped = []
     original = Evaluator._dual_bound
@@ -151,7 +160,7 @@ def test_best_of_picks_what_a_full_scan_picks(llama70b, azure, pool, iterations,
     candidate a scan scoring every candidate in full keeps: the best, the first of equals. A
     bound read too low, or ties broken by which flow was solved first, fails here."""
     cluster = load_cluster(pool) if pool != "two-sites" else _two_site_pool()
-    wl = azure  # the whole trace: the het1 bound in every hexgen2 plan's estimate (about a minute) is cached across tests
+    wl = azure
     opts = PlanOptions(seed=0, restarts=2, max_iterations=iterations)
     calls = []
     original = Evaluator.best_of
@@ -187,7 +196,7 @@ def test_neighbour_bound_is_the_duality_bound_from_the_base_terms(llama70b, azur
     the bound ``flow.dual_bound`` computes on the candidate's whole network, and claims it only
     where it bounds the candidate's score. A dropped or double-counted column fails here."""
     cluster = load_cluster("hexgen2-het1")
-    wl = azure  # the whole trace: the het1 bound in every hexgen2 plan's estimate (about a minute) is cached across tests
+    wl = azure
     opts = PlanOptions(seed=0, restarts=2, max_iterations=12)
     seen = []
     original = Evaluator._neighbour_bound

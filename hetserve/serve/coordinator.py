@@ -113,8 +113,10 @@ class Coordinator:
         status, reps = self.health()
         if status != "unavailable" or not reps:
             return None
-        return ("no live replica can serve this request now (every replica lost a worker); "
-                "retry after a while")
+        # nothing comes back on its own here (an on-failure re-plan holds requests instead: above)
+        how = ("an operator re-plans onto returned devices (POST /admin/replan)" if self.replanner is not None
+               else "the server is restarted")
+        return f"no live replica can serve this request (every replica lost a worker); it serves again once {how}"
 
     @property
     def max_context(self) -> int:

@@ -288,6 +288,9 @@ def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
     for line, row in enumerate(rows, start=2):
         if not row:
             continue
+        if len(row) > len(header):  # a field more than the header names: a shifted or merged row
+            raise SpecError(f"{src}:{line}", "row", f"{len(header)} fields, as the header ({','.join(named)})",
+                            f"{len(row)}: {','.join(row)}")
         try:
             i, o = int(row[ci]), int(row[co])
         except (ValueError, IndexError) as exc:

@@ -110,6 +110,7 @@ SIMULATE_CASES = [
     C("sim-efficiency-binary", SIM + " --efficiency {d}/e.json", ("e.json",), {"e.json": BINARY}),
     C("sim-sweep-letters", SIM + " --sweep-rates a,b", ("--sweep-rates",)),
     C("sim-sweep-commas", SIM + " --sweep-rates ,", ("--sweep-rates",)),
+    C("sim-sweep-empty-entry", SIM + " --sweep-rates 2,,5", ("--sweep-rates", "2,,5")),
     C("sim-sweep-nan", SIM + " --sweep-rates 1,nan", ("--sweep-rates", "nan")),
     C("sim-sweep-inf", SIM + " --sweep-rates 1,inf", ("--sweep-rates", "inf")),
     C("sim-class-leaves-none", SIM + " --workload-class HPHD", ("t.csv", "HPHD")),
@@ -265,7 +266,7 @@ ROUTE_CASES = [
 SERVE_CASES = [
     C("serve-plan-missing", SERVE.replace("tiny.json", "nope.json"), ("nope.json",)),
     C("serve-cluster-missing", SERVE + " --cluster {d}/nope.yaml", ("{d}/nope.yaml",)),
-    C("serve-model-other-layers", SERVE.replace("tiny.json", "plan.json"), ("{d}/m", "32")),
+    C("serve-model-other-layers", SERVE.replace("tiny.json", "plan.json"), ("{d}/m", "32", "planned for", "beyond m's")),
     C("serve-heartbeat-short", SERVE + " --heartbeat-timeout 0.1", ("--heartbeat-timeout",)),
     C("serve-replan-on-ray", SERVE + " --replan-on-failure --backend ray", ("--replan-on-failure", "ray")),
     C("serve-replan-workload-bad", SERVE + " --replan-on-failure --replan-workload {d}/nope.csv", ("nope.csv",)),

@@ -168,6 +168,7 @@ def test_no_live_replica_is_503_with_retry_after_in_both_modes(server, stream):
         backend.dead.clear()
     assert r.status_code == 503 and r.headers["retry-after"].isdigit(), (r.status_code, r.headers)
     assert r.json()["error"]["code"] == "unavailable"
+    assert "serves again once the server is restarted" in r.json()["error"]["message"]  # no re-planner here
     assert _count(url, "hetserve_requests_total", endpoint="chat", outcome="unavailable") == before + 1
 
 

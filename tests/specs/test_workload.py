@@ -58,6 +58,7 @@ def test_plain_seconds_timestamps(tmp_path):
     ("TIMESTAMP,ContextTokens,GeneratedTokens\n1,x,3\n", "row"),
     ("num_prefill_tokens,num_decode_tokens\n0,3\n", "num_prefill_tokens/num_decode_tokens"),
     ("num_prefill_tokens,num_decode_tokens\n", "(rows)"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3\n2,4,5,99\n", "row"),  # a field the header does not name
 ])
 def test_bad_trace_names_field(tmp_path, text, field):
     p = tmp_path / "bad.csv"

@@ -216,10 +216,12 @@ def run(args: argparse.Namespace) -> int:
     cluster = plan_cluster(args.plan, plan, args.cluster)  # --cluster, else the file the plan was made on
     check_model_dir(args.model)
     from hetserve.planner.validate import check_runnable
-    from hetserve.specs.model import load_model_as
+    from hetserve.specs.model import load_model
 
-    # the checkpoint's layers and shapes against the plan's stages, before the port is taken
-    check_runnable(plan, cluster, load_model_as(args.model, plan.model), f"{args.plan} with --model {args.model}")
+    # the checkpoint's layers and shapes against the plan's stages, before the port is taken; the
+    # figures named as the checkpoint's (its label need not be the plan's model name)
+    check_runnable(plan, cluster, load_model(args.model),
+                   f"{args.plan} (planned for {plan.model}) with --model {args.model}")
     check_idle_options(args, plan)
     budget = token_budget_of(args)
     if args.heartbeat_timeout <= 0.2:

@@ -231,7 +231,7 @@ def _parse_rates(text: str) -> list[float]:
     from hetserve.errors import SpecError
 
     try:
-        rates = [float(r) for r in text.split(",") if r.strip()]
+        rates = [float(r) for r in text.split(",")]  # an empty entry is a typo, not a rate to skip
     except ValueError as exc:
         raise SpecError("--sweep-rates", "sweep_rates", "comma-separated rates in req/s", text) from exc
     if not rates or not all(math.isfinite(r) and r > 0 for r in rates):

@@ -104,6 +104,17 @@ def run(args: argparse.Namespace) -> int:
     check_micro_batches(args.micro_batches, plan, args.plan)
     cluster = plan_cluster(args.plan, plan, args.cluster)
     model = load_model(args.model) if args.model else plan_model(args.plan, plan.model)
+    # the plan against its pool and model, and the calibration file, before the trace is read
+    check_plan(args.plan, plan, cluster, model)
+    from hetserve.calibration.file import served_efficiency, served_sim_options
+
+    try:
+        efficiency = served_efficiency(args.efficiency) if args.efficiency else None
+        served = served_sim_options(args.efficiency)
+    except ValueError as exc:
+        if isinstance(exc, SpecError):
+            raise
+        raise SpecError(args.efficiency, "(file)", "a calibration file (hetserve calibrate -o)", str(exc)) from exc
     wl = load_workload(args.workload, seed=args.seed)
     if args.workload_class:
         wl = wl.of_class(args.workload_class)
@@ -164,16 +175,14 @@ def run(args: argparse.Namespace) -> int:
         from hetserve.policies.predictor import BucketMeanPredictor
         predictor = BucketMeanPredictor()
     try:
-        from hetserve.calibration.file import served_efficiency, served_sim_options
-
-        cost = CostModel(cluster, model, served_efficiency(args.efficiency) if args.efficiency else None)
+        cost = CostModel(cluster, model, efficiency)
         rule = token_budget_rule(args.token_budget, args.max_batch or cost.eff.max_batch,
                                  "--max-batch" if args.max_batch else "the cost model's batch cap (--max-batch)",
                                  "--prefill-mode chunked --chunk-tokens")
         if rule is not None:
             raise SpecError("--token-budget", "(option)", rule, args.token_budget)
         opts = SimOptions(placement=args.placement, route=route_of(args), transmission=transmission_of(args), slo=slo,
-                          **served_sim_options(args.efficiency), predictor=predictor,
+                          **served, predictor=predictor,
                           token_budget=args.token_budget,
                           chunked_prefill=prefill_mode == "chunked", prefill_mode=prefill_mode,
                           chunk_tokens=chunk_tokens_of(args),
@@ -182,7 +191,6 @@ def run(args: argparse.Namespace) -> int:
                           beyond_context="run" if args.run_beyond_context else "reject",
                           seed=args.seed, policy_options=policy_options,
                           progress=not args.no_progress and not args.json)
-        check_plan(args.plan, plan, cluster, model)
         result = simulate(plan, cluster, model, wl, opts, cost=cost)
     except ValueError as exc:
         if isinstance(exc, (PlanError, SpecError)):

@@ -70,10 +70,14 @@ def refusal(exc: RequestRefused, prompt_param: str = "prompt") -> InvalidRequest
             f"tokens ({prompt} in the prompt, {exc.max_tokens} for the completion). Please reduce the prompt or "
             "the completion length.", param="max_tokens")
     if isinstance(exc, KVNeverFits):
+        # the prompt alone past every pool: no completion length helps, so the prompt is the field to fix
+        alone = exc.prompt_tokens >= exc.largest_pool
         return ContextLengthExceeded(
             f"The request needs {exc.prompt_tokens + exc.max_tokens} tokens of KV cache ({exc.prompt_tokens} prompt "
             f"+ {exc.max_tokens} completion) but no replica of this deployment can hold it (the largest KV pool "
-            f"holds {exc.largest_pool:.0f}).", param="max_tokens")
+            f"holds {exc.largest_pool:.0f}). Please reduce the " + ("prompt." if alone else "prompt or the completion "
+                                                                    "length."),
+            param=prompt_param if alone else "max_tokens")
     return InvalidRequest(f"{prompt_param}: {exc}", param=prompt_param)  # an empty prompt, ids off the vocabulary
 
 

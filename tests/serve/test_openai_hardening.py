@@ -216,3 +216,14 @@ def test_continuous_usage_stats_puts_usage_in_every_chunk(server, path, body):
         events = [json.loads(line[6:]) for line in r.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
     assert [e.get("usage") is not None for e in events] == [False] * (len(events) - 1) + [True]
+
+
+@pytest.mark.parametrize("prompt, max_tokens, param", [(100, 10, "messages"), (40, 40, "max_tokens")])
+def test_a_request_no_kv_pool_holds_names_the_field_to_shorten(prompt, max_tokens, param):
+    """A prompt that alone outgrows every replica's KV pool points at the prompt (no completion length
+    helps); one that fits alone but not with its completion points at ``max_tokens``."""
+    from hetserve.policies.request_checks import KVNeverFits
+    from hetserve.serve.errors import refusal
+
+    err = refusal(KVNeverFits(prompt, max_tokens, 64), prompt_param="messages")
+    assert err.param == param and "64" in str(err)

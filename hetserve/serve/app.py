@@ -188,7 +188,8 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         status, replicas = c.health()
-        body = {"status": status, "model": c.model_name, "in_flight": c.in_flight, "replicas": replicas}
+        body = {"status": status, "model": c.model_name, "in_flight": c.in_flight, "replicas": replicas,
+                "lost_devices": c.lost_devices()}
         return JSONResponse(body, status_code=503 if status in ("unavailable", "draining") else 200)
 
     def card() -> ModelCard:

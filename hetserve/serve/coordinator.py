@@ -96,14 +96,19 @@ class Coordinator:
     def health(self) -> tuple[str, list[dict]]:
         """("ok" | "degraded" | "unavailable" | "draining", one entry per replica with its liveness).
 
-        Degraded: some replica is down but the live ones can still serve (prefill and decode);
-        unavailable: they cannot."""
+        Degraded: some replica is down, or a re-plan runs without devices whose workers died (lost
+        until an operator returns them: ``lost_devices``), but the live ones can still serve (prefill
+        and decode); unavailable: they cannot."""
         reps = self._safe_replicas()
         live = [r for r in reps if r.alive]
         can_serve = any(serves_prefill(r.role) for r in live) and any(r.role != "prefill" for r in live)
         status = ("draining" if self.draining else "unavailable" if not can_serve
-                  else "degraded" if len(live) < len(reps) else "ok")
+                  else "degraded" if len(live) < len(reps) or self.lost_devices() else "ok")
         return status, [{"id": r.id, "role": r.role, "alive": r.alive} for r in reps]
+
+    def lost_devices(self) -> list[str]:
+        """Devices a re-plan left out because their worker died (``serve/replan.py``), until returned."""
+        return sorted(getattr(self.replanner, "lost", ()) or ())
 
     def unavailable(self) -> str | None:
         """Why no request can be served now (no live replica can prefill and decode), or None. A

@@ -227,3 +227,26 @@ def test_a_request_no_kv_pool_holds_names_the_field_to_shorten(prompt, max_token
 
     err = refusal(KVNeverFits(prompt, max_tokens, 64), prompt_param="messages")
     assert err.param == param and "64" in str(err)
+
+
+def test_health_is_degraded_while_a_replan_runs_without_lost_devices():
+    """Every replica of the re-planned deployment lives, but devices whose workers died are out of it
+    until returned: /health says degraded and names them; returned, it says ok again."""
+    from types import SimpleNamespace
+
+    from hetserve.serve.app import create_app
+    from hetserve.serve.coordinator import Coordinator
+    from hetserve.serve.server import ServerThread
+
+    coord = Coordinator(FakeBackend(replicas=2, slots=1, max_context=CONTEXT), _CountingCodec(), "tiny")
+    coord.replanner = SimpleNamespace(lost={"m0:1"})
+    srv = ServerThread(create_app(coord))
+    try:
+        body = httpx.get(srv.url + "/health").json()
+        assert body["status"] == "degraded" and body["lost_devices"] == ["m0:1"]
+        assert all(r["alive"] for r in body["replicas"])
+        coord.replanner.lost = set()
+        body = httpx.get(srv.url + "/health").json()
+        assert body["status"] == "ok" and body["lost_devices"] == []
+    finally:
+        srv.stop()

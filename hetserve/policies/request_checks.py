@@ -45,16 +45,19 @@ class ContextExceeded(RequestRefused, ValueError):
 
 
 class KVNeverFits(RequestRefused, InfeasibleError):
+    """``prompt_alone``: the prompt does not fit even with one output token (a shorter completion
+    would not help)."""
     reason = "kv"
 
-    def __init__(self, prompt_tokens: int, max_tokens: int, largest_pool: float):
+    def __init__(self, prompt_tokens: int, max_tokens: int, largest_pool: float, prompt_alone: bool = False):
         self.prompt_tokens, self.max_tokens, self.largest_pool = prompt_tokens, max_tokens, largest_pool
+        self.prompt_alone = prompt_alone
         super().__init__(f"a request needing {prompt_tokens + max_tokens} tokens of KV cache (prompt "
                          f"{prompt_tokens} + max_tokens {max_tokens}) cannot fit any replica's KV pool "
                          f"(largest: {largest_pool:.0f} tokens)")
 
     def __reduce__(self):
-        return type(self), (self.prompt_tokens, self.max_tokens, self.largest_pool)
+        return type(self), (self.prompt_tokens, self.max_tokens, self.largest_pool, self.prompt_alone)
 
 
 REASONS: tuple[str, ...] = ("empty", "vocabulary", "context", "kv")
@@ -91,13 +94,16 @@ def check_kv_fits(prompt_tokens: int, max_tokens: int, pools: Iterable[tuple[str
     no finishing request ever frees enough room.
     """
     pools = list(pools)
-    prefill_ok = any(kv_reservation(prompt_tokens, max_tokens, serves_decode(role), block_size) <= cap
-                     for role, cap in pools if serves_prefill(role))
-    decode_ok = any(kv_reservation(prompt_tokens, max_tokens, True, block_size) <= cap
-                    for role, cap in pools if serves_decode(role))
-    if not (prefill_ok and decode_ok):
+
+    def fits(out: int) -> bool:
+        prefill_ok = any(kv_reservation(prompt_tokens, out, serves_decode(role), block_size) <= cap
+                         for role, cap in pools if serves_prefill(role))
+        return prefill_ok and any(kv_reservation(prompt_tokens, out, True, block_size) <= cap
+                                  for role, cap in pools if serves_decode(role))
+
+    if not fits(max_tokens):
         largest = max((cap for _, cap in pools), default=0)
-        raise KVNeverFits(prompt_tokens, max_tokens, largest)
+        raise KVNeverFits(prompt_tokens, max_tokens, largest, prompt_alone=not fits(1))
 
 
 def check_request(prompt_tokens: int, max_tokens: int, max_context: int, pools: Iterable[tuple[str, float]],

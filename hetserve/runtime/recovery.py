@@ -237,8 +237,8 @@ class Recovery:
                 continue
             seq.reruns += 1
             if seq.reruns > self.max_reruns:
-                self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {why} (its replica died "
-                                               f"{seq.reruns} times; giving up)"))
+                self._fail(seq, RuntimeFailure(f"request {seq.id} failed: {why} (run {seq.reruns} times, "
+                                               f"the last re-run allowed; giving up)"))
                 continue
             seq.status = Status.WAITING
             self.waiting.appendleft(seq)

@@ -96,9 +96,8 @@ class Coordinator:
     def health(self) -> tuple[str, list[dict]]:
         """("ok" | "degraded" | "unavailable" | "draining", one entry per replica with its liveness).
 
-        Degraded: some replica is down, or a re-plan runs without devices whose workers died (lost
-        until an operator returns them: ``lost_devices``), but the live ones can still serve (prefill
-        and decode); unavailable: they cannot."""
+        Degraded: some replica is down, or the re-plans run without lost devices (``lost_devices``),
+        but the live ones can still serve (prefill and decode); unavailable: they cannot."""
         reps = self._safe_replicas()
         live = [r for r in reps if r.alive]
         can_serve = any(serves_prefill(r.role) for r in live) and any(r.role != "prefill" for r in live)
@@ -107,7 +106,8 @@ class Coordinator:
         return status, [{"id": r.id, "role": r.role, "alive": r.alive} for r in reps]
 
     def lost_devices(self) -> list[str]:
-        """Devices a re-plan left out because their worker died (``serve/replan.py``), until returned."""
+        """Devices the re-plans leave out, their workers dead or an operator's ``lost`` (``serve/replan.py``),
+        until returned."""
         return sorted(getattr(self.replanner, "lost", ()) or ())
 
     def unavailable(self) -> str | None:
@@ -119,8 +119,8 @@ class Coordinator:
         if status != "unavailable" or not reps:
             return None
         # nothing comes back on its own here (an on-failure re-plan holds requests instead: above)
-        how = ("an operator re-plans onto returned devices (POST /admin/replan)" if self.replanner is not None
-               else "the server is restarted")
+        how = ("an operator re-plans onto returned devices (POST /admin/replan, with the server's admin key) "
+               "or restarts the server" if self.replanner is not None else "the server is restarted")
         return f"no live replica can serve this request (every replica lost a worker); it serves again once {how}"
 
     @property

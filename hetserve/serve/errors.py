@@ -70,8 +70,7 @@ def refusal(exc: RequestRefused, prompt_param: str = "prompt") -> InvalidRequest
             f"tokens ({prompt} in the prompt, {exc.max_tokens} for the completion). Please reduce the prompt or "
             "the completion length.", param="max_tokens")
     if isinstance(exc, KVNeverFits):
-        # the prompt alone past every pool: no completion length helps, so the prompt is the field to fix
-        alone = exc.prompt_tokens >= exc.largest_pool
+        alone = exc.prompt_alone  # no completion length helps: the prompt is the field to fix
         return ContextLengthExceeded(
             f"The request needs {exc.prompt_tokens + exc.max_tokens} tokens of KV cache ({exc.prompt_tokens} prompt "
             f"+ {exc.max_tokens} completion) but no replica of this deployment can hold it (the largest KV pool "

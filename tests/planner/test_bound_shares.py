@@ -36,6 +36,35 @@ def test_capped_knapsack_and_waterfill_match_the_plain_ones_and_only_rise():
             assert (k[np.isfinite(k)] > k0[np.isfinite(k)] + 1e-9).any()
 
 
+@pytest.mark.parametrize("mask", ["some", "none", "all"])
+def test_capped_waterfill_is_the_linear_programmes_level(mask):
+    """min z s.t. a_i·l_i + e_i ≤ z, 0 ≤ l_i ≤ cap_i, lo ≤ Σ_{i in g} l_i ≤ H, Σ l_i = L, solved by
+    linprog row by row: with every e_i = 0 the level equals the LP's; with fixed costs it is never
+    above it (an item given no layers is not held to its e_i), and both say infeasible together."""
+    from scipy.optimize import linprog
+
+    rng = np.random.default_rng(3)
+    S, L = 5, 40.0
+    g = {"some": np.array([True, False, True, False, False]), "none": np.zeros(S, bool), "all": np.ones(S, bool)}[mask]
+    a, cap = rng.random((60, S)) + 0.05, rng.random((60, S)) * 30
+    H = rng.random(60) * L * 1.1
+    lo = rng.random(60) * np.minimum(H, L) * rng.integers(0, 2, 60)
+    for e in (np.zeros((60, S)), rng.random((60, S))):
+        w = waterfill_capped(a, e, cap, L, g, H, lo)
+        for r in range(60):
+            # variables l_1..l_S, z: a_i l_i - z <= -e_i, lo <= Σ_g l <= H, Σ l = L
+            A = np.hstack([np.diag(a[r]), -np.ones((S, 1))])
+            A = np.vstack([A, np.append(g, 0.0), -np.append(g, 0.0)])
+            b = np.concatenate([-e[r], [H[r], -lo[r]]])
+            lp = linprog(np.append(np.zeros(S), 1.0), A_ub=A, b_ub=b, A_eq=[np.append(np.ones(S), 0.0)], b_eq=[L],
+                         bounds=[(0, c) for c in cap[r]] + [(None, None)], method="highs")
+            assert np.isfinite(w[r]) == (lp.status == 0), (r, w[r], lp.status)
+            if lp.status == 0:
+                assert w[r] <= lp.fun * (1 + 1e-9) + 1e-9, (r, w[r], lp.fun)
+                if not e.any():
+                    assert w[r] == pytest.approx(lp.fun, rel=1e-7, abs=1e-9), (r, w[r], lp.fun)
+
+
 def test_lines_allow_every_share_a_flow_is_possible_with():
     """C(h) flat between thresholds: a layout holding just over 0.2 of the layers may serve
     C(0.4) = 10, so at f = 10 the lines may ask for no more than 0.2·10 of its KV (not 0.6·10,

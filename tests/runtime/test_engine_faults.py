@@ -177,6 +177,13 @@ def test_a_handoff_its_sender_cannot_make_reruns_and_then_fails_loudly(model_dir
         with pytest.raises(RuntimeFailure, match="refused by worker m0:[01]: 'd0' is not a decode replica"):
             eng.submit(PROMPTS[1], params).result(timeout=60)
         assert any("hand-off refused" in r.getMessage() for r in caplog.records)
-        assert eng.stats()["failed"] == 1
+        # nothing leaks: every fence closed, and both replicas' KV blocks free again
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (eng.stats()["kv_fenced"]["pending"] or any(
+                r["state"]["kv_used_tokens"] for r in eng.stats()["replicas"].values())):
+            time.sleep(0.05)
+        stats = eng.stats()
+        assert stats["failed"] == 1 and stats["kv_fenced"]["pending"] == 0 and stats["kv_fenced"]["opened"] >= 1
+        assert all(r["state"]["kv_used_tokens"] == 0 for r in stats["replicas"].values()), stats["replicas"]
     finally:
         eng.shutdown()

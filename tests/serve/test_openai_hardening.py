@@ -218,15 +218,20 @@ def test_continuous_usage_stats_puts_usage_in_every_chunk(server, path, body):
     assert [e.get("usage") is not None for e in events] == [False] * (len(events) - 1) + [True]
 
 
-@pytest.mark.parametrize("prompt, max_tokens, param", [(100, 10, "messages"), (40, 40, "max_tokens")])
+@pytest.mark.parametrize("prompt, max_tokens, param", [(100, 10, "messages"), (40, 40, "max_tokens"),
+                                                     (70, 10, "messages")])
 def test_a_request_no_kv_pool_holds_names_the_field_to_shorten(prompt, max_tokens, param):
-    """A prompt that alone outgrows every replica's KV pool points at the prompt (no completion length
-    helps); one that fits alone but not with its completion points at ``max_tokens``."""
-    from hetserve.policies.request_checks import KVNeverFits
+    """A prompt that alone outgrows the pools it needs points at the prompt (no completion length
+    helps); one that fits alone but not with its completion points at ``max_tokens``. The pools: a
+    prefill replica of 128 tokens and a decode replica of 64 (16-token blocks): 70 tokens fit the
+    prefill pool but, with one output token, not the decode one."""
+    from hetserve.policies.request_checks import KVNeverFits, check_kv_fits
     from hetserve.serve.errors import refusal
 
-    err = refusal(KVNeverFits(prompt, max_tokens, 64), prompt_param="messages")
-    assert err.param == param and "64" in str(err)
+    with pytest.raises(KVNeverFits) as info:
+        check_kv_fits(prompt, max_tokens, [("prefill", 128.0), ("decode", 64.0)], 16)
+    err = refusal(info.value, prompt_param="messages")
+    assert err.param == param and "128" in str(err)
 
 
 def test_health_is_degraded_while_a_replan_runs_without_lost_devices():

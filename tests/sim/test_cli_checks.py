@@ -127,16 +127,18 @@ def test_every_command_refuses_a_rate_the_trace_cannot_take(pool, capsys):
     assert "at one instant" in capsys.readouterr().err
 
 
-def test_a_bad_calibration_file_is_refused_before_the_trace_is_read(pool, capsys, monkeypatch):
-    """Input errors come before any work: the plan and ``--efficiency`` are checked before the
-    workload is read (so no warning about the trace precedes the one-line error)."""
+@pytest.mark.parametrize("option, word", [("--efficiency", "nope.json"), ("--token-budget", "--token-budget")])
+def test_a_bad_option_is_refused_before_the_trace_is_read(pool, capsys, monkeypatch, option, word):
+    """Input errors come before any work: the plan, ``--efficiency`` and the token budget are checked
+    before the workload is read (so no warning about the trace precedes the one-line error)."""
     from hetserve.specs import workload
 
     def no_trace(*args, **kwargs):
-        raise AssertionError("the trace was read before the calibration file was checked")
+        raise AssertionError("the trace was read before the options were checked")
 
     monkeypatch.setattr(workload, "load_workload", no_trace)
     trace = write(pool, [(0, 10, 10)])
-    assert sim(pool, "pd.json", "--workload", trace, "--efficiency", str(pool / "nope.json")) == 2
+    value = str(pool / "nope.json") if option == "--efficiency" else "1"
+    assert sim(pool, "pd.json", "--workload", trace, option, value) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "nope.json" in err[0], err
+    assert len(err) == 1 and word in err[0], err

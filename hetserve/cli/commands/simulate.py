@@ -115,6 +115,12 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(exc, SpecError):
             raise
         raise SpecError(args.efficiency, "(file)", "a calibration file (hetserve calibrate -o)", str(exc)) from exc
+    cost = CostModel(cluster, model, efficiency)
+    rule = token_budget_rule(args.token_budget, args.max_batch or cost.eff.max_batch,
+                             "--max-batch" if args.max_batch else "the cost model's batch cap (--max-batch)",
+                             "--prefill-mode chunked --chunk-tokens")
+    if rule is not None:
+        raise SpecError("--token-budget", "(option)", rule, args.token_budget)
     wl = load_workload(args.workload, seed=args.seed)
     if args.workload_class:
         wl = wl.of_class(args.workload_class)
@@ -175,12 +181,6 @@ def run(args: argparse.Namespace) -> int:
         from hetserve.policies.predictor import BucketMeanPredictor
         predictor = BucketMeanPredictor()
     try:
-        cost = CostModel(cluster, model, efficiency)
-        rule = token_budget_rule(args.token_budget, args.max_batch or cost.eff.max_batch,
-                                 "--max-batch" if args.max_batch else "the cost model's batch cap (--max-batch)",
-                                 "--prefill-mode chunked --chunk-tokens")
-        if rule is not None:
-            raise SpecError("--token-budget", "(option)", rule, args.token_budget)
         opts = SimOptions(placement=args.placement, route=route_of(args), transmission=transmission_of(args), slo=slo,
                           **served, predictor=predictor,
                           token_budget=args.token_budget,

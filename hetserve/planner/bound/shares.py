@@ -14,8 +14,9 @@ The cut, for a composition spanning machines, a role (prefill / decode) and one 
   memory caps, the cost model's per-layer times and hand-offs) with one more constraint
   Σ_{i on m} l_i ≤ h·L. The fractional knapsack stays greedy (its constraints — each stage's
   cap, machine m's total, the sum — form a laminar family, so the feasible set is a polymatroid
-  and the cheapest-first fill is optimal); the water-filling level is found by bisection, keeping
-  the lower end (a lower bound on the step, hence an upper bound on the capacity).
+  and the cheapest-first fill is optimal); the water-filling level is exact, solved at the kinks of
+  the layers under a level (``waterfill_capped``), and never above the true minimum step (so the
+  capacity is never below its true ceiling).
 * A group serving f requests per T with more than ``C_m(h)`` must hold more than h·L layers on m,
   so the KV it takes at (or sends from) m is ``a ≥ f·max{h : C_m(h) < f}``. That step function's
   lower convex envelope on [0, ceiling] (through the origin) is a set of lines ``a ≥ s·f − t``
@@ -126,7 +127,8 @@ def knapsack_capped(cost: np.ndarray, cap: np.ndarray, L: float, in_g: np.ndarra
 def waterfill_capped(a: np.ndarray, e: np.ndarray, cap: np.ndarray, L: float, in_g: np.ndarray,
                      H: np.ndarray, lo: np.ndarray | None = None) -> np.ndarray:
     """min z s.t. a_i·l_i + e_i ≤ z, 0 ≤ l_i ≤ cap_i, lo ≤ Σ_{i in g} l_i ≤ H, Σ l_i = L, row by
-    row (inf if infeasible). With n_in(z), n_out(z) the layers under level z of the flagged items
+    row (inf if infeasible), where an item given no layers is not held to its e_i (so the level
+    is never above that of the stricter reading). With n_in(z), n_out(z) the layers under level z of the flagged items
     and of the others, z is feasible when n_in ≥ lo and n_out + min(H, n_in) ≥ L, that is when
     n_in ≥ lo, n_out + n_in ≥ L and n_out ≥ L − H: each side non-decreasing and piecewise linear
     with the kinks of ``level_kinks``, so the least z is the latest of the three first reaches."""
@@ -135,7 +137,9 @@ def waterfill_capped(a: np.ndarray, e: np.ndarray, cap: np.ndarray, L: float, in
     pts, lay = level_kinks(a, e, cap)
     n_in, n_out = lay[:, :, in_g].sum(axis=2), lay[:, :, ~in_g].sum(axis=2)
     need_in, need_all = low * (1 - 1e-12), L * (1 - 1e-12)
-    z = np.maximum(np.maximum(first_reach(pts, n_in, need_in, need_in), first_reach(pts, n_in + n_out, need_all, L)),
+    # each reach interpolated to its tolerant threshold: never above the exact level (a lower bound)
+    z = np.maximum(np.maximum(first_reach(pts, n_in, need_in, need_in),
+                              first_reach(pts, n_in + n_out, need_all, need_all)),
                    first_reach(pts, n_out, need_all - H, need_all - H))
     feasible = (n_in[:, -1] >= need_in) & (n_out[:, -1] + np.minimum(H, n_in[:, -1]) >= need_all)
     return np.where(feasible, z, np.inf)

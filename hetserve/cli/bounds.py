@@ -31,6 +31,7 @@ POSITIVE = (0, None, False, False)
 
 def _describe(kind: type, low, high, lo_in: bool, hi_in: bool) -> str:
     what = "an integer" if kind is int else "a finite number"
+
     def num(x) -> str:  # an integer option's bounds in full: 9223372036854775807, not 9.22337e+18
         return str(int(x)) if kind is int and float(x).is_integer() else f"{x:g}"
 

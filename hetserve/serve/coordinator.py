@@ -108,7 +108,7 @@ class Coordinator:
     def lost_devices(self) -> list[str]:
         """Devices the re-plans leave out, their workers dead or an operator's ``lost`` (``serve/replan.py``),
         until returned."""
-        return sorted(getattr(self.replanner, "lost", ()) or ())
+        return [] if self.replanner is None else sorted(self.replanner.lost)
 
     def unavailable(self) -> str | None:
         """Why no request can be served now (no live replica can prefill and decode), or None. A

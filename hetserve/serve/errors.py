@@ -70,13 +70,13 @@ def refusal(exc: RequestRefused, prompt_param: str = "prompt") -> InvalidRequest
             f"tokens ({prompt} in the prompt, {exc.max_tokens} for the completion). Please reduce the prompt or "
             "the completion length.", param="max_tokens")
     if isinstance(exc, KVNeverFits):
-        alone = exc.prompt_alone  # no completion length helps: the prompt is the field to fix
+        # a prompt that fits with no completion length: the field to fix is the prompt itself
+        fix = "the prompt" if exc.prompt_alone else "the prompt or the completion length"
         return ContextLengthExceeded(
             f"The request needs {exc.prompt_tokens + exc.max_tokens} tokens of KV cache ({exc.prompt_tokens} prompt "
             f"+ {exc.max_tokens} completion) but no replica of this deployment can hold it (the largest KV pool "
-            f"holds {exc.largest_pool:.0f}). Please reduce the " + ("prompt." if alone else "prompt or the completion "
-                                                                    "length."),
-            param=prompt_param if alone else "max_tokens")
+            f"holds {exc.largest_pool:.0f}). Please reduce {fix}.",
+            param=prompt_param if exc.prompt_alone else "max_tokens")
     return InvalidRequest(f"{prompt_param}: {exc}", param=prompt_param)  # an empty prompt, ids off the vocabulary
 
 

@@ -19,10 +19,13 @@ def _linears(stage: torch.nn.Module) -> dict[str, torch.nn.Linear]:
 
 
 # oneDNN's packed bfloat16 linear refuses CPUs without AVX512 BW/VL/DQ or AVX-NE-CONVERT (its
-# reorder raises); there the probe keeps linears plain, which the tests below it cover
+# reorder raises). There the engine never packs (the probe says no, which the first test below
+# checks against oneDNN's own flag) and linears stay plain, which the later tests cover; the packed
+# path's own test runs wherever the CPU has those instructions.
 needs_packing = pytest.mark.skipif(
     not cpu_weights.bfloat16_packing_works(),
-    reason="oneDNN's packed bfloat16 linear needs AVX512 BW/VL/DQ or AVX-NE-CONVERT, which this CPU lacks")
+    reason="this CPU lacks AVX512 BW/VL/DQ and AVX-NE-CONVERT, so oneDNN has no packed bfloat16 linear and the "
+           "engine keeps linears plain here (tested below); the packed path runs only on CPUs that have them")
 
 
 def test_the_packed_linear_works_where_onednn_has_bfloat16():

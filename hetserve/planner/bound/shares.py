@@ -128,10 +128,11 @@ def waterfill_capped(a: np.ndarray, e: np.ndarray, cap: np.ndarray, L: float, in
                      H: np.ndarray, lo: np.ndarray | None = None) -> np.ndarray:
     """min z s.t. a_i·l_i + e_i ≤ z, 0 ≤ l_i ≤ cap_i, lo ≤ Σ_{i in g} l_i ≤ H, Σ l_i = L, row by
     row (inf if infeasible), where an item given no layers is not held to its e_i (so the level
-    is never above that of the stricter reading). With n_in(z), n_out(z) the layers under level z of the flagged items
-    and of the others, z is feasible when n_in ≥ lo and n_out + min(H, n_in) ≥ L, that is when
-    n_in ≥ lo, n_out + n_in ≥ L and n_out ≥ L − H: each side non-decreasing and piecewise linear
-    with the kinks of ``level_kinks``, so the least z is the latest of the three first reaches."""
+    is never above that of the stricter reading). With n_in(z), n_out(z) the layers under level z
+    of the flagged items and of the others, z is feasible when n_in ≥ lo and n_out + min(H, n_in)
+    ≥ L, that is when n_in ≥ lo, n_out + n_in ≥ L and n_out ≥ L − H: each side non-decreasing and
+    piecewise linear with the kinks of ``level_kinks``, so the least z is the latest of the three
+    first reaches."""
     low = np.zeros(a.shape[0]) if lo is None else np.asarray(lo, dtype=float)
     H = np.asarray(H, dtype=float)
     pts, lay = level_kinks(a, e, cap)

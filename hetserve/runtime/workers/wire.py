@@ -40,7 +40,8 @@ from hetserve.runtime.layout import ReplicaSpec, WorkerSpec
 
 # the message kinds that cross a socket; everything else is refused
 KINDS = frozenset({"step", "kv", "peers", "shutdown", "kv_cancel",  # engine/peer -> worker
-                   "ready", "result", "kv_ready", "kv_cancelled", "kv_refused", "peers_ack", "heartbeat", "error",  # worker -> engine
+                   # worker -> engine
+                   "ready", "result", "kv_ready", "kv_cancelled", "kv_refused", "peers_ack", "heartbeat", "error",
                    "channel_ack"})  # worker -> worker: a device channel's transfer arrived (device_channel.py)
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in (
     "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")}

@@ -220,6 +220,12 @@ class Budget:
                 frac = max(frac, self.iteration / self.options.max_iterations)
             self.options.progress(SearchProgress(self.algorithm, self.iteration, t, self.best, min(1.0, frac)))
 
+    def chose(self, tokens_per_s: float) -> None:
+        """The step after the search picked a plan worth ``tokens_per_s``: a point on the best-so-far
+        curve, not an iteration (``max_iterations`` caps the search's own iterations)."""
+        self.best = max(self.best, tokens_per_s)
+        self.history.append((self.elapsed_s, self.best))
+
     def credit(self, phase: str, kind: str, gain: float) -> None:
         """An accepted edit of ``kind`` raised the current pool layout by ``gain`` tokens/s."""
         key = (phase, kind)

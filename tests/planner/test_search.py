@@ -206,6 +206,14 @@ def test_progress_reports_monotone_best(llama70b, azure):
     assert best == sorted(best)
 
 
+def test_max_iterations_caps_the_search_when_a_plan_chosen_after_it_wins(azure):
+    plan = ALGORITHMS["hexgen2"](load_cluster("demo-cpu"), load_model("llama-2-7b"), azure,
+                                 PlanOptions(seed=0, max_iterations=3))
+    assert plan.estimate["notes"].startswith("chose colocated replicas")  # the step after the search won
+    assert plan.estimate["search"]["iterations"] == 3
+    assert plan.search_log["history"][-1][1] == pytest.approx(plan.estimate["throughput_tokens_per_s"], rel=1e-3)
+
+
 # ----------------------------------------------------------------------------- infeasible pools
 
 

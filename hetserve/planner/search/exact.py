@@ -79,7 +79,7 @@ def exact(cluster: Cluster, model: ModelSpec, workload: Workload, options: PlanO
     if budget.stopped_by == "converged":
         budget.stopped_by = "exhausted"
     if col and col_v > best_v * (1 + 1e-9):
-        budget.record(col_v)
+        budget.chose(col_v)
         note = (f"colocated replicas serve {col_v:.0f} tokens/s, the best placement with prefill and decode "
                 f"replicas {best_v:.0f}: colocated plan" if best is not None else
                 "no prefill + decode pair fits: colocated plan")

@@ -231,7 +231,7 @@ def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, opti
     plan = _choose(ctx, evaluator, best, name, options, budget, () if seeded is None else (seeded,), reference)
     if seeded is not None and (v := evaluator.score(seeded)) > plan.estimate["throughput_tokens_per_s"] * (1 + 1e-6):
         budget.credit("final", "bound's plan, refined", v - plan.estimate["throughput_tokens_per_s"])
-        budget.record(v)
+        budget.chose(v)
         return to_plan(ctx, evaluator.evaluate(seeded), name, budget,
                        notes=f"chose the upper bound's own plan, refined: {v:.0f} tokens/s against "
                              f"{plan.estimate['throughput_tokens_per_s']:.0f} from the partition's search")
@@ -276,13 +276,13 @@ def _choose(ctx: PlanContext, evaluator: Evaluator, best: PoolLayout, name: str,
                 mixed, mix_v = m, v
     if mix_v > max(value, col_v) * (1 + 1e-9):
         budget.credit("final", "mixed alternative", mix_v - max(value, col_v))
-        budget.record(mix_v)
+        budget.chose(mix_v)
         return to_plan(ctx, evaluator.evaluate(mixed), name, budget,
                        notes=f"chose a mixed plan (colocated replicas beside prefill/decode ones): {mix_v:.0f} "
                              f"tokens/s against {value:.0f} disaggregated and {col_v:.0f} all colocated")
     if col_v > value * (1 + 1e-9):
         budget.credit("final", "colocated alternative", col_v - value)
-        budget.record(col_v)
+        budget.chose(col_v)
         return to_plan(ctx, evaluator.evaluate(colocated), name, budget,
                        notes=f"chose colocated replicas: {col_v:.0f} tokens/s against "
                              f"{value:.0f} disaggregated (KV links too slow or prefill/decode too unbalanced "

@@ -25,7 +25,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-NEG_INF = float("-inf")
+# a @triton.jit kernel reads only module-level constexprs (a plain float is a compile error on a
+# GPU, while the interpreter accepts it)
+NEG_INF = tl.constexpr(float("-inf"))
 
 
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_tokens, block_size,

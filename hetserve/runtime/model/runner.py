@@ -169,7 +169,9 @@ class StepRunner:
                 self.model(self.hidden[:bucket], self.kv_layers, meta)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread-local: the worker's reader threads copy KV and activations on this device while
+            # a bucket is captured; the global mode would forbid their CUDA calls and fail the capture
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self.model(self.hidden[:bucket], self.kv_layers, meta)
         except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
             log.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(e).__name__, e)

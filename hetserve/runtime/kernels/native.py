@@ -2,10 +2,10 @@
 
 ``paged_decode_attention`` reads the KV pool in place, one task per sequence, where the
 plain-torch path gathers every context into a padded grid first. ``store_kv``, ``rms_norm`` and
-``rotary`` each do in one pass what takes a layer 5-12 torch operators. The sources are compiled once per
-machine and source version by ``torch.utils.cpp_extension`` (g++ and ninja; about 15-40 s, kept
-under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; concurrent builders wait on
-its lock) and loaded as ``torch.ops.hetserve_cpu``. Where it cannot be built (no compiler, or
+``rotary`` each do in one pass what takes a layer 5-12 torch operators. The sources are compiled
+once per machine and source version by ``torch.utils.cpp_extension`` (g++ and ninja; one
+translation unit, about 20 s of one core, kept under ``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``; concurrent builders wait on its lock) and loaded as ``torch.ops.hetserve_cpu``. Where it cannot be built (no compiler, or
 ``HETSERVE_NATIVE_KERNELS=0``) ``available()`` is False, says why once in the log, and the
 kernels stay the plain-torch ones.
 
@@ -17,6 +17,7 @@ only, so the library does not switch the process's floating point to flush denor
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -25,7 +26,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode_cpu.cpp", "layer_ops_cpu.cpp")]
+CSRC = Path(__file__).with_name("csrc")
+UNIT = CSRC / "cpu_kernels.cpp"  # includes the others: torch's headers parsed once
+SOURCES = [CSRC / name for name in ("paged_decode_cpu.cpp", "layer_ops_cpu.cpp")]
 ENV = "HETSERVE_NATIVE_KERNELS"
 
 
@@ -38,8 +41,12 @@ def available() -> bool:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name="hetserve_cpu_kernels", sources=[str(p) for p in SOURCES], is_python_module=False,
-                           extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"],
+        # torch rebuilds when the listed source or the flags change; the included sources count
+        # through a flag holding their digest
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:16]
+        cpp_extension.load(name="hetserve_cpu_kernels", sources=[str(UNIT)], is_python_module=False,
+                           extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp",
+                                         f"-DHETSERVE_SOURCES_DIGEST={digest}"],
                            extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build or load failure means: the torch kernels
         log.warning("C++ CPU kernels unavailable (%s: %s); plain-torch kernels instead",

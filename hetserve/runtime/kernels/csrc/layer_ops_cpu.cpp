@@ -9,7 +9,9 @@
 //   (that product rounded again);
 // - rotary: x * cos and rotate_half(x) * sin each rounded to x's dtype, then their sum.
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

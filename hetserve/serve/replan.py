@@ -77,10 +77,12 @@ class Replanner:
             record = {"trigger": trigger, "lost": sorted(self.lost), "plan_s": t_planned - t0, **record,
                       "total_s": time.monotonic() - t0}
             self.history.append(record)
-            log.info("re-plan (%s): kept %s (role changes in place: %s), retired %s, added %s; planning %.2f s, "
-                     "start-up %.2f s, total %.2f s", trigger, record["kept"], record["roles"] or "none",
-                     record["retired"], record["added"], record["plan_s"],
-                     record["start_s"], record["total_s"])
+            # one a failure forced is what an operator must see at the default log level
+            log.log(logging.WARNING if trigger == "failure" else logging.INFO,
+                    "re-plan (%s; lost devices: %s): kept %s (role changes in place: %s), retired %s, added %s; "
+                    "planning %.2f s, start-up %.2f s, total %.2f s", trigger, record["lost"] or "none",
+                    record["kept"], record["roles"] or "none", record["retired"], record["added"],
+                    record["plan_s"], record["start_s"], record["total_s"])
             return record
 
     def _note_deaths(self) -> list[dict[str, Any]]:

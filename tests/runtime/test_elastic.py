@@ -4,6 +4,7 @@ come up while the unchanged one keeps serving, no request is lost, and a device 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -29,7 +30,7 @@ def _devices(plan):
 
 
 @pytest.mark.timeout(240)
-def test_killed_worker_is_replanned_and_a_returning_device_joins(model_dirs, cluster_file):
+def test_killed_worker_is_replanned_and_a_returning_device_joins(model_dirs, cluster_file, caplog):
     """``--replan-on-failure`` semantics: the Replanner's watcher notices the death and re-plans."""
     from hetserve.runtime.engine import Engine
     from hetserve.runtime.engine_config import EngineConfig
@@ -48,6 +49,9 @@ def test_killed_worker_is_replanned_and_a_returning_device_joins(model_dirs, clu
             time.sleep(0.05)
         (record,) = replanner.history
         assert record["trigger"] == "failure" and record["lost"] == ["m0:1"]
+        # a re-plan a failure forced is logged at the default level (warning), naming the lost device
+        assert any(r.levelno == logging.WARNING and "re-plan (failure; lost devices: ['m0:1'])" in r.getMessage()
+                   for r in caplog.records)
         assert record["kept"] == ["c0"] and record["retired"] == ["c1"] and record["added"]
         assert "m0:1" not in _devices(eng.plan) and {"m0:2", "m0:3"} <= _devices(eng.plan)  # freed + idle planned
         assert [h.result(timeout=60) for h in handles] == want  # no request lost, same tokens

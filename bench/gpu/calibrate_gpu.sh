@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# hetserve calibrate on a GPU machine (issue 13, item 7): the engine on CUDA behind the real HTTP
-# server, fitted against the datasheet of the GPU nvidia-smi names (GPU=... to choose another row
-# of hetserve/data/gpus.csv). Written for a machine with python3, torch and transformers, where the
-# serving packages may travel as wheels in .whl (examples/calibrations/README.md says which); $OUT
-# is where the files go (default out/gpu). Two checkpoints: the demo's tiny Llama (what the
-# CPU calibrations measure: all fixed costs) and a 0.76 B-parameter Llama in bf16 (where the GPU's
-# compute and memory show). Each step has its own time limit so one failure leaves the others' output.
+# hetserve calibrate on a GPU machine: the engine on CUDA behind the real HTTP server, fitted
+# against the datasheet of the GPU nvidia-smi names (GPU=... to choose another row of
+# hetserve/data/gpus.csv). Written for a machine with python3, torch and transformers; the serving
+# packages travel as wheels: before the run, here: `make gpu-wheels`; the device tool's carry:
+# [".whl"] (bench/gpu/env.sh). $OUT is where the files go (default out/gpu). Two checkpoints: the
+# demo's tiny Llama (what the CPU calibrations measure: all fixed costs) and a 0.76 B-parameter
+# Llama in bf16 (where the GPU's compute and memory show). Each step has its own time limit so one
+# failure leaves the others' output.
 # Knobs (environment): GPU, REPS (rounds, default 5), SKIP_TINY / ONLY_TINY, TINY_S / BIG_S (time
 # limits), PY (the Python to run), NO_WHEELS (ignore .whl).
 set -u
-. "$(dirname "$0")/env.sh"
+cd "$(dirname "$0")/../.."
+NEEDS="transformers fastapi starlette uvicorn prometheus_client"
+. bench/gpu/env.sh
 
 # 1. the demo's tiny Llama (float32, as on CPU), every probe
 if [ -z "${SKIP_TINY:-}" ]; then

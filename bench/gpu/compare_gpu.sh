@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# hetserve compare on a GPU machine (issue 13): served vs simulated for the demo's tiny Llama on two
+# hetserve compare on a GPU machine: served vs simulated for the demo's tiny Llama on two
 # plan devices that share the machine's one GPU, priced by the committed GPU calibration of that
 # checkpoint (examples/calibrations/; CAL=... for another), as calibrated (`compare` leaves the speed
 # probe out for a GPU calibration: it times the CPU). Three cells: prefill/decode at a light and a
 # heavy rate, and a two-stage pipeline.
+# Before the run, here: `make gpu-wheels`; the device tool's carry: [".whl"] (bench/gpu/env.sh).
 # Knobs as bench/gpu/calibrate_gpu.sh (env.sh), and N (requests per cell, default 48).
 set -u
-. "$(dirname "$0")/env.sh"
+cd "$(dirname "$0")/../.."
+NEEDS="transformers fastapi starlette uvicorn prometheus_client openai"
+. bench/gpu/env.sh
 CAL=${CAL:-examples/calibrations/h200-2026-11-28/tiny-llama.json}
 N=${N:-48}
 hs make-model --arch llama --layers 8 --hidden 256 --heads 4 --kv-heads 1 --ffn 768 -o /tmp/tiny-llama >/dev/null

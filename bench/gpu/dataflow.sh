@@ -4,11 +4,18 @@
 # loopback -> device, as before the device channel) and by the device channel (CUDA IPC where both
 # workers share a GPU, NCCL with GPUS=2), both in one run. Llama-2-7B shapes in bf16: activations of
 # 32 / 512 / 2,048 rows x 4,096, KV of 512 / 2,048 tokens x 32 layers x 32 KV heads x 128. Writes
-# $OUT/dataflow.json and $OUT/dataflow.md (the table), plus machine.txt. No network needed; about
-# 1-2 minutes on one H200 (the socket path's 1 GB hand-offs dominate).
+# $OUT/dataflow.json and $OUT/dataflow.md (the table), rewritten after every hand-off measured (a
+# failed one is recorded under "errors" and the next runs; the channel falling back to the socket is
+# recorded with its stats), plus dataflow.log and machine.txt. Exit status non-zero when a hand-off
+# failed or the channel fell back. No network needed; about 1-2 minutes on one H200 (the socket
+# path's 1 GB hand-offs dominate).
+# Before the run, here: `make gpu-wheels`; the device tool's carry: [".whl"] (bench/gpu/env.sh).
 #   bench/gpu/dataflow.sh          on the GPU machine (GPU=, PY= as env.sh says; REPS= rounds, default 5;
-#                                  GPUS=2 for NCCL between two GPUs; DATAFLOW_S= time limit, default 300 s)
+#                                  GPUS=2 for NCCL between two GPUs; DATAFLOW_S= time limit, default 200 s)
 #   bench/gpu/dataflow.sh --cpu    the dry run: the same script and helper on CPU, tiny shapes, gloo
+#                                  (out/gpu-cpu)
+# Both GPU checks in one device command (300 + 200 s of limits, under the tool's 600 s):
+#   OUT=$OUT bash bench/gpu/step.sh; OUT=$OUT bash bench/gpu/dataflow.sh
 # Not covered: a 7B-shaped model served through `hetserve serve` (prefill against bf16 peak,
 # tokens/s against transformers at 32 concurrent requests, start-up time); serve loads checkpoints
 # from files, and a 13 GB one cannot be written on the GPU machine in the time the check has. This
@@ -21,13 +28,14 @@ case "${1:-}" in
 esac
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = "--cpu" ]; then
-  export GPU=${GPU:-cpu} PY=${PY:-.venv/bin/python}
+  export GPU=${GPU:-cpu} PY=${PY:-.venv/bin/python} OUT=${OUT:-$PWD/out/gpu-cpu} NO_WHEELS=1
   DEVICE=cpu SHAPE=tiny
 else
   DEVICE=cuda SHAPE=7b
 fi
+NEEDS=
 . bench/gpu/env.sh
-timeout "${DATAFLOW_S:-300}" $PY -m bench.gpu.dataflow --device "$DEVICE" --shape "$SHAPE" --gpus "${GPUS:-1}" \
+timeout -k 10 "${DATAFLOW_S:-200}" $PY -m bench.gpu.dataflow --device "$DEVICE" --shape "$SHAPE" --gpus "${GPUS:-1}" \
   --reps "${REPS:-5}" --out "$OUT" 2>&1 | tee "$OUT/dataflow.log"
 rc=${PIPESTATUS[0]}
 echo "dataflow rc $rc" | tee -a "$OUT/machine.txt"

@@ -3,11 +3,18 @@
 # without CUDA graphs (a Llama and an OPT checkpoint from `hetserve make-model`), the tiny model's ms
 # per layer per decode step at batch 1 and 8, and a Llama-2-7B-shaped bf16 decode step (random
 # weights made on the GPU) at batch 1/8/32/64 and context 512/2048 against (weights + KV bytes) /
-# 4.8 TB/s. Writes $OUT/step.json and $OUT/step.md (default out/gpu). Needs torch with CUDA and
-# triton; no network. --cpu: the same script end to end on the CPU with tiny sizes (a dry run).
-# Knobs: STEP_S (time limit, default 340 s), PY, OUT.
+# 4.8 TB/s. Writes $OUT/step.json and $OUT/step.md (default out/gpu), rewritten after every stage
+# (a failed stage is recorded under "errors" and the next one runs; a kill by the time limit leaves
+# the stages done), plus step.log and machine.txt. Exit status non-zero when a stage failed, CUDA
+# graphs were asked but captured none, or greedy tokens differ. Needs torch with CUDA and triton; no
+# network. --cpu: the same script end to end on the CPU with tiny sizes (a dry run; out/gpu-cpu).
+# Before the run, here: `make gpu-wheels`; the device tool's carry: [".whl"] (bench/gpu/env.sh).
+# Knobs: STEP_S (time limit, default 300 s), PY, OUT, GPU.
 #   bench/gpu/step.sh          on the GPU machine
 #   bench/gpu/step.sh --cpu    the dry run here
+# Both GPU checks in one device command (300 + 200 s of limits, under the tool's 600 s; 7 files in
+# $OUT: step.json/.md/.log, dataflow.json/.md/.log, machine.txt):
+#   OUT=$OUT bash bench/gpu/step.sh; OUT=$OUT bash bench/gpu/dataflow.sh
 set -u
 case "${1:-}" in
   ""|--cpu) ;;
@@ -16,15 +23,13 @@ case "${1:-}" in
 esac
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = "--cpu" ]; then
-  OUT=${OUT:-$PWD/out/gpu-cpu}
-  mkdir -p "$OUT"
-  export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-  PY=${PY:-.venv/bin/python}
-  timeout ${STEP_S:-340} $PY bench/gpu/step_check.py --cpu --out "$OUT" 2>&1 | tee "$OUT/step.log"
+  export GPU=${GPU:-cpu} PY=${PY:-.venv/bin/python} OUT=${OUT:-$PWD/out/gpu-cpu} NO_WHEELS=1
+  NEEDS=transformers
 else
-  . bench/gpu/env.sh
-  timeout ${STEP_S:-340} $PY bench/gpu/step_check.py --out "$OUT" 2>&1 | tee "$OUT/step.log"
+  NEEDS="transformers triton"
 fi
+. bench/gpu/env.sh
+timeout -k 10 "${STEP_S:-300}" $PY bench/gpu/step_check.py ${1:-} --out "$OUT" 2>&1 | tee "$OUT/step.log"
 rc=${PIPESTATUS[0]}
-echo "step rc $rc"
+echo "step rc $rc" | tee -a "$OUT/machine.txt"
 exit "$rc"

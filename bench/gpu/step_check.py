@@ -11,9 +11,14 @@ H200 datasheet (hetserve/data/gpus.csv holds the same row).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import sys
 import tempfile
 import time
+import traceback
+import types
 from pathlib import Path
 
 import torch
@@ -82,69 +87,158 @@ def decode_ms(runner, batch, context, hidden, dtype, device, reps):
     return (time.perf_counter() - t0) / reps * 1e3
 
 
-def tiny_checks(root: Path, device, n, reps):
-    rows, timing = [], []
+class Report:
+    """The run's results, rewritten to ``step.json`` and ``step.md`` after every stage, so that a stage
+    that fails or a kill by the time limit leaves what the earlier stages measured. A failed stage is
+    recorded (its traceback under ``errors``) and the next one runs."""
+
+    def __init__(self, out: Path, device, big_shape: str):
+        self.out = out
+        self.cuda = device.type == "cuda"
+        self.data = {"device": torch.cuda.get_device_name(device) if self.cuda else "cpu", "torch": torch.__version__,
+                     "greedy": [], "tiny_timing": [], "big_shape": big_shape, "big": {"rows": []}, "errors": [],
+                     "wall_s": 0.0}
+        self.t0 = time.perf_counter()
+
+    def error(self, stage: str, text: str) -> None:
+        self.data["errors"].append({"stage": stage, "error": text})
+        print(f"ERROR in {stage}: {text}", flush=True)
+
+    def graphs_row(self, stage: str, row: dict) -> None:
+        """Keep ``row``; on CUDA, graphs asked but off after the run is a failed capture: an error."""
+        if self.cuda and row["asked_graphs"] and not row["graphs"]:
+            row["error"] = "CUDA graph capture failed: graphs off"
+            if {"stage": stage, "error": row["error"]} not in self.data["errors"]:  # once per stage
+                self.error(stage, row["error"])
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        """``with report.stage(name) as st``: ``st.ok`` says, after the block, whether it completed."""
+        print(f"-- {name}", flush=True)
+        st = types.SimpleNamespace(ok=False)
+        try:
+            yield st
+            st.ok = True
+        except Exception:  # noqa: BLE001 - recorded; the next stage runs
+            self.error(name, traceback.format_exc())
+        finally:
+            self.save()
+
+    def save(self) -> None:
+        self.data["wall_s"] = time.perf_counter() - self.t0
+        for name, text in (("step.json", json.dumps(self.data, indent=2)), ("step.md", table(self.data))):
+            tmp = self.out / f".{name}.tmp"  # replaced whole: a kill mid-write leaves the previous file
+            tmp.write_text(text + "\n")
+            os.replace(tmp, self.out / name)
+
+    def failures(self) -> list[str]:
+        """What failed: each stage with an error, and greedy tokens that differ from transformers'."""
+        out = [e["stage"] for e in self.data["errors"]]
+        out += [f"greedy tokens differ from transformers' ({r['arch']}, graphs {r['graphs']})"
+                for r in self.data["greedy"] if not r["equal"]]
+        return out
+
+
+def tiny_checks(report: Report, root: Path, device, n, reps):
+    """Per architecture and graphs setting: greedy tokens against transformers', then ms per layer."""
     for arch in ("llama", "opt"):
-        d = make_model(root / arch, arch, layers=4, hidden=64, heads=4, kv_heads=2 if arch == "llama" else None, seed=1)
-        cfg = ArchConfig.from_dir(d)
-        stage = build_stage(cfg, d, (0, cfg.num_layers), has_embed=True, has_head=True, device=device)
-        want = hf_greedy(str(d), PROMPTS, n, device)
+        with report.stage(f"tiny {arch}: checkpoint and transformers' greedy tokens") as st:
+            d = make_model(root / arch, arch, layers=4, hidden=64, heads=4, kv_heads=2 if arch == "llama" else None,
+                           seed=1)
+            cfg = ArchConfig.from_dir(d)
+            stage = build_stage(cfg, d, (0, cfg.num_layers), has_embed=True, has_head=True, device=device)
+            want = hf_greedy(str(d), PROMPTS, n, device)
+        if not st.ok:
+            continue
         for graphs in (False, True):
-            pool = KVPool(cfg.num_layers, 64 * 64 * BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32, device)
-            runner = _runner(stage, cfg, pool, device, torch.float32, graphs)
-            with torch.inference_mode():
-                got = greedy(stage, runner, PROMPTS, n, device)
-                # generate stops at the checkpoint's eos; the loop here does not
-                equal = all(g[:len(w)] == w for g, w in zip(got, want))
-                rows.append({"arch": arch, "graphs": runner.graphs, "asked_graphs": graphs, "equal": equal})
-                for batch in (1, 8):
-                    ms = decode_ms(runner, batch, 64, cfg.hidden_size, torch.float32, device, reps)
-                    timing.append({"arch": arch, "graphs": runner.graphs, "batch": batch,
-                                   "ms_per_layer": ms / cfg.num_layers})
-    return rows, timing
+            name = f"tiny {arch}, graphs {'on' if graphs else 'off'}"
+            with report.stage(name):
+                pool = KVPool(cfg.num_layers, 64 * 64 * BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32, device)
+                runner = _runner(stage, cfg, pool, device, torch.float32, graphs)
+                with torch.inference_mode():
+                    got = greedy(stage, runner, PROMPTS, n, device)
+                    # generate stops at the checkpoint's eos; the loop here does not
+                    equal = all(g[:len(w)] == w for g, w in zip(got, want))
+                    row = {"arch": arch, "graphs": runner.graphs, "asked_graphs": graphs, "equal": equal}
+                    report.graphs_row(name, row)
+                    report.data["greedy"].append(row)
+                    print(f"greedy = transformers: {row}", flush=True)
+                    report.save()
+                    for batch in (1, 8):
+                        ms = decode_ms(runner, batch, 64, cfg.hidden_size, torch.float32, device, reps)
+                        t = {"arch": arch, "graphs": runner.graphs, "asked_graphs": graphs, "batch": batch,
+                             "ms_per_layer": ms / cfg.num_layers}
+                        report.graphs_row(name, t)
+                        report.data["tiny_timing"].append(t)
+                        print(f"tiny timing: {t}", flush=True)
+                        report.save()
 
 
-def big_decode(device, dtype, shape, batches, contexts, reps):
-    """A Llama of ``shape`` with random weights made on the device (no file), decode steps vs the bound."""
-    cfg = llama_arch(**{**shape, "max_positions": max(contexts)})
-    stage = random_stage(cfg, (0, cfg.num_layers), device, dtype, seed=0)
-    weight_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
-    max_b = max(batches)
-    pool = KVPool(cfg.num_layers, max_b * max(contexts), cfg.num_kv_heads, cfg.head_dim, dtype, device)
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * pool.k.element_size()
-    out = []
+def big_decode(report: Report, device, dtype, shape, batches, contexts, reps):
+    """A Llama of ``shape`` with random weights made on the device (no file), decode steps vs the bound;
+    each row is kept as measured, a failed row recorded and the next one run."""
+    big = report.data["big"]
+    with report.stage("big: random weights and KV pool") as st:
+        cfg = llama_arch(**{**shape, "max_positions": max(contexts)})
+        stage = random_stage(cfg, (0, cfg.num_layers), device, dtype, seed=0)
+        weight_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
+        max_b = max(batches)
+        pool = KVPool(cfg.num_layers, max_b * max(contexts), cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * pool.k.element_size()
+        big.update(weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_token)
+    if not st.ok:
+        return
     for graphs in (False, True) if device.type == "cuda" else (False,):
-        runner = _runner(stage, cfg, pool, device, dtype, graphs, max_batch=max_b)
-        with torch.inference_mode():
-            for context in contexts:
-                for batch in batches:
+        name = f"big, graphs {'on' if graphs else 'off'}"
+        runner = None
+        with report.stage(name):
+            runner = _runner(stage, cfg, pool, device, dtype, graphs, max_batch=max_b)
+        for context in contexts if runner is not None else ():
+            for batch in batches:
+                with report.stage(f"{name}, batch {batch}, context {context}"), torch.inference_mode():
                     ms = decode_ms(runner, batch, context, cfg.hidden_size, dtype, device, reps)
                     bound = (weight_bytes + batch * context * kv_per_token) / HBM_BYTES_PER_S * 1e3
-                    out.append({"graphs": runner.graphs, "batch": batch, "context": context, "ms": ms,
-                                "bound_ms": bound, "ms_per_layer": ms / cfg.num_layers, "bound_fraction": bound / ms})
+                    row = {"graphs": runner.graphs, "asked_graphs": graphs, "batch": batch, "context": context,
+                           "ms": ms, "bound_ms": bound, "ms_per_layer": ms / cfg.num_layers,
+                           "bound_fraction": bound / ms}
+                    report.graphs_row(name, row)
+                    big["rows"].append(row)
+                    print(f"big decode: {row}", flush=True)
         del runner
-    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token, "rows": out}
 
 
 TINY_BIG = {"hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "layers": 2, "vocab": 300}
 
 
+def _graphs(r) -> str:
+    """Graphs as run; where asked for and off, why (an error on CUDA)."""
+    if r.get("asked_graphs") and not r["graphs"]:
+        return f"False (asked: {r.get('error') or 'none on this device'})"
+    return str(r["graphs"])
+
+
 def table(result) -> str:
     lines = ["| check | graphs | result |", "|---|---|---|"]
-    lines += [f"| greedy = transformers, {r['arch']} | {r['graphs']} | {'equal' if r['equal'] else 'DIFFERENT'} |"
+    lines += [f"| greedy = transformers, {r['arch']} | {_graphs(r)} | {'equal' if r['equal'] else 'DIFFERENT'} |"
               for r in result["greedy"]]
     lines += ["", "| tiny model | graphs | batch | ms / layer / decode step |", "|---|---|---:|---:|"]
-    lines += [f"| {r['arch']} | {r['graphs']} | {r['batch']} | {r['ms_per_layer']:.3f} |" for r in result["tiny_timing"]]
+    lines += [f"| {r['arch']} | {_graphs(r)} | {r['batch']} | {r['ms_per_layer']:.3f} |" for r in result["tiny_timing"]]
     big = result["big"]
-    lines += ["", (f"{result['big_shape']} ({big['weight_bytes'] / 1e9:.2f} GB weights, "
-              f"{big['kv_bytes_per_token'] / 1e3:.0f} kB KV per token), bound = bytes / {HBM_BYTES_PER_S / 1e12} TB/s"),
-              "", "| graphs | batch | context | ms / step | bound ms | bound / measured |", "|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['graphs']} | {r['batch']} | {r['context']} | {r['ms']:.2f} | {r['bound_ms']:.2f} | "
-              f"{r['bound_fraction']:.2f} |" for r in big["rows"]]
+    if "weight_bytes" in big:
+        lines += ["", (f"{result['big_shape']} ({big['weight_bytes'] / 1e9:.2f} GB weights, "
+                  f"{big['kv_bytes_per_token'] / 1e3:.0f} kB KV per token), bound = bytes / "
+                  f"{HBM_BYTES_PER_S / 1e12} TB/s"),
+                  "", "| graphs | batch | context | ms / step | bound ms | bound / measured |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {_graphs(r)} | {r['batch']} | {r['context']} | {r['ms']:.2f} | {r['bound_ms']:.2f} | "
+                  f"{r['bound_fraction']:.2f} |" for r in big["rows"]]
+    if result["errors"]:
+        lines += ["", f"**{len(result['errors'])} error(s)** (tracebacks in step.json):", ""]
+        lines += [f"- {e['stage']}: {e['error'].strip().splitlines()[-1]}" for e in result["errors"]]
     return "\n".join(lines)
 
 
-def main():
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="dry run on the CPU with tiny sizes")
     ap.add_argument("--out", default="out/gpu")
@@ -152,24 +246,20 @@ def main():
     device = torch.device("cpu" if args.cpu else "cuda")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
+    report = Report(out, device, "tiny Llama (dry run)" if args.cpu else "Llama-2-7B-shaped, bf16, random weights")
+    report.save()
     with tempfile.TemporaryDirectory() as tmp:
-        greedy_rows, tiny_timing = tiny_checks(Path(tmp), device, n=8 if args.cpu else 24, reps=5 if args.cpu else 50)
-    shape = TINY_BIG if args.cpu else LLAMA2_7B
-    big = big_decode(device, torch.float32 if args.cpu else torch.bfloat16, shape,
-                     batches=(1, 2) if args.cpu else (1, 8, 32, 64),
-                     contexts=(32, 64) if args.cpu else (512, 2048), reps=3 if args.cpu else 20)
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "greedy": greedy_rows, "tiny_timing": tiny_timing,
-              "big_shape": "tiny Llama (dry run)" if args.cpu else "Llama-2-7B-shaped, bf16, random weights",
-              "big": big, "wall_s": time.perf_counter() - t0}
-    (out / "step.json").write_text(json.dumps(result, indent=2) + "\n")
-    text = table(result)
-    (out / "step.md").write_text(text + "\n")
-    print(text)
-    if not all(r["equal"] for r in greedy_rows):
-        raise SystemExit("greedy tokens differ from transformers'")
+        tiny_checks(report, Path(tmp), device, n=8 if args.cpu else 24, reps=5 if args.cpu else 50)
+    big_decode(report, device, torch.float32 if args.cpu else torch.bfloat16, TINY_BIG if args.cpu else LLAMA2_7B,
+               batches=(1, 2) if args.cpu else (1, 8, 32, 64),
+               contexts=(32, 64) if args.cpu else (512, 2048), reps=3 if args.cpu else 20)
+    report.save()
+    print(table(report.data))
+    if report.failures():
+        print("FAILED: " + "; ".join(report.failures()), file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -212,6 +212,18 @@ def test_the_cpu_kernels_build_here_and_are_the_default():
     assert kernels.resolve_impl(None, torch.device("cpu")) == "native"
 
 
+def test_a_killed_builds_lock_does_not_stop_the_next_build():
+    """torch's build lock outlives a build that was killed; the next build must not wait on it forever."""
+    from torch.utils import cpp_extension
+
+    stale = os.path.join(cpp_extension._get_build_directory(native.NAME, False), "lock")
+    open(stale, "w").close()
+    code = "from hetserve.runtime.kernels import native; native._build(); print('built')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "built" in done.stdout, done.stderr[-2000:]
+    assert not os.path.exists(stale)
+
+
 def test_impl_choice(monkeypatch):
     with pytest.raises(ValueError, match="'triton', 'native', 'torch'"):
         kernels.resolve_impl("cuda", torch.device("cpu"))

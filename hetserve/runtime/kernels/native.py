@@ -5,9 +5,10 @@ plain-torch path gathers every context into a padded grid first. ``store_kv``, `
 ``rotary`` each do in one pass what takes a layer 5-12 torch operators. The sources are compiled
 once per machine and source version by ``torch.utils.cpp_extension`` (g++ and ninja; one
 translation unit, about 20 s of one core, kept under ``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``; concurrent builders wait on its lock) and loaded as ``torch.ops.hetserve_cpu``. Where it cannot be built (no compiler, or
-``HETSERVE_NATIVE_KERNELS=0``) ``available()`` is False, says why once in the log, and the
-kernels stay the plain-torch ones.
+``~/.cache/torch_extensions``; concurrent builders wait for one another, and a killed build's
+lock does not stop the next) and loaded as ``torch.ops.hetserve_cpu``. Where it cannot be built
+(no compiler, or ``HETSERVE_NATIVE_KERNELS=0``) ``available()`` is False, says why once in the
+log, and the kernels stay the plain-torch ones.
 
 Compiled with ``-O3 -march=native -ffast-math`` and 512-bit vectors where the CPU has them (the
 loops over the head dimension vectorise, ``exp`` included); ``-ffast-math`` is a compile flag
@@ -16,6 +17,7 @@ only, so the library does not switch the process's floating point to flush denor
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -30,6 +32,7 @@ CSRC = Path(__file__).with_name("csrc")
 UNIT = CSRC / "cpu_kernels.cpp"  # includes the others: torch's headers parsed once
 SOURCES = [CSRC / name for name in ("paged_decode_cpu.cpp", "layer_ops_cpu.cpp")]
 ENV = "HETSERVE_NATIVE_KERNELS"
+NAME = "hetserve_cpu_kernels"
 
 
 @functools.cache
@@ -39,20 +42,36 @@ def available() -> bool:
         log.info("C++ CPU kernels off (%s=0): plain-torch kernels", ENV)
         return False
     try:
-        from torch.utils import cpp_extension
-
-        # torch rebuilds when the listed source or the flags change; the included sources count
-        # through a flag holding their digest
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:16]
-        cpp_extension.load(name="hetserve_cpu_kernels", sources=[str(UNIT)], is_python_module=False,
-                           extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp",
-                                         f"-DHETSERVE_SOURCES_DIGEST={digest}"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
+        _build()
     except Exception as exc:  # noqa: BLE001 - any build or load failure means: the torch kernels
         log.warning("C++ CPU kernels unavailable (%s: %s); plain-torch kernels instead",
                     type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
         return False
     return True
+
+
+def _build() -> None:
+    """Build (or load the cached build of) the kernels, one process at a time.
+
+    torch's own build lock is a file that a killed build leaves behind, and every later build waits
+    on it forever. Builders here first take an OS lock on a file beside it, which the kernel
+    releases when its holder dies: whoever holds it knows that a torch lock left there is stale."""
+    from torch.utils import cpp_extension
+
+    build_dir = Path(cpp_extension._get_build_directory(NAME, False))
+    with open(build_dir / "hetserve-build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing %s, the build lock of a build that was killed", stale)
+            stale.unlink()
+        # torch rebuilds when the listed source or the flags change; the included sources count
+        # through a flag holding their digest
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:16]
+        cpp_extension.load(name=NAME, sources=[str(UNIT)], is_python_module=False, build_directory=str(build_dir),
+                           extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp",
+                                         f"-DHETSERVE_SOURCES_DIGEST={digest}"],
+                           extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -43,7 +43,7 @@ from hetserve.runtime.handle import RequestHandle
 from hetserve.runtime.kernels import native
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.model.config import ArchConfig
-from hetserve.runtime.model.loader import CheckpointReader
+from hetserve.runtime.model.loader import check_weights
 from hetserve.runtime.workers.rendezvous import LOOPBACK
 from hetserve.runtime.routing import KVRoutePolicy, PlanRoutes
 from hetserve.runtime.params import SamplingParams
@@ -120,7 +120,7 @@ class Engine:
         check_dtype(dtype, set(device_of.values()))
         layout = build_layout(plan, cluster, arch, device_of, source=f"plan for {plan.model!r}")
         capacity = kv_capacity(layout, cluster, arch, dtype, config, memory_is_real(device_of, cluster, use_cuda))
-        CheckpointReader(model_dir).close()  # a missing checkpoint is reported here, not by every worker
+        check_weights(model_dir)  # a missing checkpoint is reported here, not by every worker
         engine = cls(plan, layout, arch, str(model_dir), dtype, capacity, config,
                      route_policy or PlanRoutes(plan), link_scheduler, shaper)
         engine.cluster, engine._use_cuda = cluster, use_cuda

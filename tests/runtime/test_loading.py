@@ -201,3 +201,46 @@ def test_cpu_linear_weights_take_their_dtypes_layout(model_dirs, dtype):
         assert not column_major or param.t().is_contiguous(), name
         key = next(k for k in STAGE_CLASSES["llama"].checkpoint_keys(name, 0, cfg) if k in full)
         assert torch.equal(param, full[key].to(dtype)), name
+
+
+def test_a_layer_of_random_weights_is_the_same_in_every_stage_that_holds_it():
+    cfg = llama_arch(hidden=64, heads=4, kv_heads=2, ffn=128, layers=3, vocab=300)
+    whole = _weights(random_stage(cfg, (0, 3), "cpu", torch.float32, seed=5, has_embed=True))
+    tail = _weights(random_stage(cfg, (1, 3), "cpu", torch.float32, seed=5, has_head=True))
+    for name, w in tail.items():
+        if name.startswith("layers."):
+            i = int(name.split(".")[1])
+            assert torch.equal(w, whole[name.replace(f"layers.{i}.", f"layers.{i + 1}.", 1)]), name
+    assert not torch.equal(whole["layers.0.self_attn.q_proj.weight"], whole["layers.1.self_attn.q_proj.weight"])
+
+
+@pytest.mark.timeout(180)
+def test_a_random_weights_folder_serves_the_same_tokens_through_one_stage_or_a_pipeline(tmp_path, cluster_file):
+    """``make-model --random-weights``: no weights file; each worker draws its layers on its device,
+    so one stage and a two-stage pipeline of the same folder give the same greedy tokens."""
+    from hetserve.cli.main import main
+    from hetserve.planner.plan import Plan
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.runtime.params import SamplingParams
+
+    folder = tmp_path / "recipe"
+    assert main(["make-model", "--layers", "3", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+                 "--random-weights", "--seed", "7", "-o", str(folder)]) == 0
+    assert not list(folder.glob("*.safetensors")) and (folder / "random_weights.json").is_file()
+    plan = Plan.from_dict({"model": "tiny", "cluster": "runtime-test", "replicas": [
+        {"id": "one", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 3]}]},
+        {"id": "two", "role": "colocated", "stages": [{"devices": ["m0:1"], "layers": [0, 1]},
+                                                      {"devices": ["m0:2"], "layers": [1, 3]}]}]})
+    eng = Engine.from_plan(plan, cluster_file, folder, EngineConfig(kv_capacity_tokens=1024))
+    try:
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        prompts = [[5, 6, 7, 8], [40, 41]]
+        one = [eng.submit(p, params, replica="one").result(timeout=60) for p in prompts]
+        two = [eng.submit(p, params, replica="two").result(timeout=60) for p in prompts]
+        assert one == two and len(set(map(tuple, one))) == 2
+        loads = eng.worker_loads()
+        assert loads and all(v["source"].startswith("random weights (seed 7)") and v["bytes_read"] == 0
+                             for v in loads.values())
+    finally:
+        eng.shutdown()

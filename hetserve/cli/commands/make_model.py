@@ -1,4 +1,5 @@
-"""``hetserve make-model``: write a tiny random-weight HF checkpoint with a byte tokenizer."""
+"""``hetserve make-model``: write a random-weight HF checkpoint with a byte tokenizer (tests, demos
+and, with ``--random-weights``, real shapes without a weights file)."""
 
 from __future__ import annotations
 
@@ -6,24 +7,48 @@ import argparse
 from pathlib import Path
 
 MAX_PARAMS = 2 ** 30  # 4 GiB of float32 weights
+# the shape options, their defaults (a tiny model) and the ModelSpec field each takes with --like
+SHAPE = {"layers": (4, "num_layers"), "hidden": (64, "hidden"), "heads": (4, "num_heads"),
+         "kv_heads": (None, "num_kv_heads"), "ffn": (None, "ffn_hidden"), "vocab": (320, "vocab"),
+         "max_positions": (1024, "max_context")}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "make-model", help="write a tiny random-weight Llama/OPT checkpoint (tests and demos)",
+        "make-model", help="write a random-weight Llama/OPT checkpoint (tests, demos, real shapes)",
         description="Write a random-weight checkpoint in the Hugging Face layout (safetensors) with "
-                    "a byte-level tokenizer that needs no download.")
-    p.add_argument("--arch", choices=("llama", "opt"), default="llama")
-    p.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
-    p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads, Llama GQA (default: heads)")
-    p.add_argument("--ffn", type=int, default=None, help="FFN size (default 2*hidden Llama, 4*hidden OPT)")
-    p.add_argument("--vocab", type=int, default=320, help="vocabulary size, >= 259 (default 320)")
-    p.add_argument("--max-positions", type=int, default=1024, help="context length (default 1024)")
+                    "a byte-level tokenizer that needs no download. With --random-weights, no weights "
+                    "file: each worker draws its stage on its device at start-up, so a real shape "
+                    "(--like llama-2-7b) is served from a folder of a few kilobytes.")
+    p.add_argument("--arch", choices=("llama", "opt"), default=None, help="architecture (default llama)")
+    p.add_argument("--like", metavar="PRESET", help="take the shape of a model preset (e.g. llama-2-7b); "
+                   "the shape options below override its fields")
+    p.add_argument("--layers", type=int, help="transformer layers (default 4)")
+    p.add_argument("--hidden", type=int, help="hidden size (default 64)")
+    p.add_argument("--heads", type=int, help="attention heads (default 4)")
+    p.add_argument("--kv-heads", type=int, help="key/value heads, Llama GQA (default: heads)")
+    p.add_argument("--ffn", type=int, help="FFN size (default 2*hidden Llama, 4*hidden OPT)")
+    p.add_argument("--vocab", type=int, help="vocabulary size, >= 259 (default 320)")
+    p.add_argument("--max-positions", type=int, help="context length (default 1024)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="write no weights: workers draw them on their device from the seed (any size)")
     p.add_argument("-o", "--output", required=True, help="output directory")
     p.set_defaults(func=_run)
+
+
+def _shape(args: argparse.Namespace) -> None:
+    """Fill the shape options left unset: from ``--like``'s preset, else the tiny defaults."""
+    preset = None
+    if args.like:
+        from hetserve.specs.model import load_model
+
+        preset = load_model(args.like)  # a SpecError naming --like's value and the presets otherwise
+        args.arch = args.arch or preset.arch
+    args.arch = args.arch or "llama"
+    for option, (default, field) in SHAPE.items():
+        if getattr(args, option) is None:
+            setattr(args, option, getattr(preset, field) if preset is not None else default)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -37,18 +62,22 @@ def _run(args: argparse.Namespace) -> int:
     if out_dir.is_dir() and any(out_dir.iterdir()):  # never write random weights over a real checkpoint
         raise SpecError(args.output, "-o", "a new or empty folder", "a folder holding " +
                         ", ".join(sorted(p.name for p in out_dir.iterdir())[:3]))
+    _shape(args)
     params = _num_params(args)
-    if params > MAX_PARAMS:  # the weights are made in memory before they are written
+    if params > MAX_PARAMS and not args.random_weights:  # the weights are made in memory before they are written
         raise SpecError("--layers/--hidden/--ffn/--vocab/--max-positions", "(options)",
                         f"a checkpoint of at most {MAX_PARAMS:.2g} parameters (make-model writes small random-weight "
-                        f"models for tests and demos)", f"about {params:.3g} parameters")
+                        f"models for tests and demos; --random-weights writes any size, no weights file)",
+                        f"about {params:.3g} parameters")
     try:
         out = make_model(args.output, args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
                          kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
-                         max_positions=args.max_positions, seed=args.seed)
+                         max_positions=args.max_positions, seed=args.seed, random_weights=args.random_weights)
     except ValueError as exc:
         raise SpecError("make-model", "arguments", "a consistent model shape", str(exc)) from exc
-    print(f"wrote {args.arch} checkpoint ({args.layers} layers, hidden {args.hidden}) to {out}")
+    what = "recipe (random weights drawn by each worker)" if args.random_weights else "checkpoint"
+    print(f"wrote {args.arch} {what} ({args.layers} layers, hidden {args.hidden}, about {params:.3g} parameters) "
+          f"to {out}")
     return 0
 
 

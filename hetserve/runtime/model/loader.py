@@ -122,10 +122,21 @@ def load_stage(cfg: ArchConfig, model_dir: str | Path, layers: tuple[int, int], 
                has_head: bool, tp_rank: int = 0, tp_world: int = 1, tp_group=None,
                device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32) -> tuple[nn.Module, LoadReport]:
-    """Layers ``[a, b)`` of the checkpoint in ``model_dir`` as this TP rank's shard, and what loading took."""
+    """Layers ``[a, b)`` of the checkpoint in ``model_dir`` as this TP rank's shard, and what loading
+    took; a folder of random weights (``random_weights``) draws them on ``device`` instead."""
     start = time.perf_counter()
     device = torch.device(device)
     first, last = layers
+    from hetserve.runtime.model.random_weights import random_stage, read_marker  # it builds on this module
+
+    recipe = read_marker(model_dir)
+    if recipe is not None:
+        model = random_stage(cfg, layers, device, dtype, recipe["seed"], has_embed=has_embed, has_head=has_head,
+                             tp_rank=tp_rank, tp_world=tp_world, tp_group=tp_group, init_std=recipe["init_std"])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return model, LoadReport(time.perf_counter() - start, 0, sum(1 for _ in model.parameters()),
+                                 f"random weights (seed {recipe['seed']}), {model_dir}")
     model = meta_stage(cfg, last - first, has_embed=has_embed, has_head=has_head, tp_rank=tp_rank,
                        tp_world=tp_world, tp_group=tp_group)
     reader = CheckpointReader(model_dir, device)
@@ -146,6 +157,15 @@ def load_stage(cfg: ArchConfig, model_dir: str | Path, layers: tuple[int, int], 
         torch.cuda.synchronize(device)
     report = LoadReport(time.perf_counter() - start, bytes_read, len(state), str(model_dir))
     return model, report
+
+
+def check_weights(model_dir: str | Path) -> None:
+    """The folder's weights can be had (a safetensors checkpoint or a random-weight recipe): one
+    clear error before any worker starts, not one from each."""
+    from hetserve.runtime.model.random_weights import read_marker
+
+    if read_marker(model_dir) is None:
+        CheckpointReader(model_dir).close()
 
 
 def build_stage(cfg: ArchConfig, model_dir: str | Path, layers: tuple[int, int], *, has_embed: bool,

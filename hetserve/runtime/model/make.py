@@ -6,9 +6,10 @@
 ``b`` for ``b < 256``, then ``<bos>``, ``<eos>``, ``<pad>``. Text round-trips exactly through
 ``AutoTokenizer.from_pretrained(out_dir)`` (encode with ``add_special_tokens=False``).
 
-``random_stage(cfg, layers, device, dtype, seed)`` makes a stage of random weights straight on a
-device, no file: benchmarks of real shapes (``config.llama_arch(**config.LLAMA2_7B)``) without a
-checkpoint.
+``make_model(..., random_weights=True)`` writes the same folder without the weights: a
+``random_weights.json`` recipe that each worker draws its stage from on its device
+(``random_weights``), so a real shape (Llama-2-7B's) is served without a 13 GB file.
+``random_stage`` (from ``random_weights``) makes such a stage directly, for benchmarks.
 
 Nothing here is loaded at serving time except through the files it writes.
 """
@@ -16,6 +17,10 @@ Nothing here is loaded at serving time except through the files it writes.
 from __future__ import annotations
 
 from pathlib import Path
+
+from hetserve.runtime.model.random_weights import random_stage, write_marker
+
+__all__ = ["make_model", "random_stage", "save_byte_tokenizer", "default_ffn"]
 
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
 ARCHS = ("llama", "opt")
@@ -56,8 +61,10 @@ def default_ffn(arch: str, hidden: int) -> int:
 
 def make_model(out_dir: str | Path, arch: str = "llama", *, layers: int = 4, hidden: int = 64,
                heads: int = 4, kv_heads: int | None = None, ffn: int | None = None, vocab: int = 320,
-               max_positions: int = 1024, seed: int = 0, init_std: float = 0.02) -> Path:
-    """Write a random-weight ``arch`` checkpoint (float32) with a byte tokenizer to ``out_dir``.
+               max_positions: int = 1024, seed: int = 0, init_std: float = 0.02,
+               random_weights: bool = False) -> Path:
+    """Write a random-weight ``arch`` checkpoint (float32) with a byte tokenizer to ``out_dir``
+    (``random_weights``: the config, the tokenizer and the recipe, no weights file).
 
     ``kv_heads`` (Llama only; GQA when smaller than ``heads``) defaults to ``heads``; ``ffn`` to
     ``4 * hidden`` (OPT) or ``2 * hidden`` rounded up to 8 (Llama). ``vocab`` must be at least 259
@@ -96,52 +103,14 @@ def make_model(out_dir: str | Path, arch: str = "llama", *, layers: int = 4, hid
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    torch.manual_seed(seed)
-    model = cls(config).eval()
-    model.save_pretrained(str(out))
+    if random_weights:
+        from transformers import GenerationConfig
+
+        config.save_pretrained(str(out))
+        GenerationConfig.from_model_config(config).save_pretrained(str(out))
+        write_marker(out, seed, init_std)
+    else:
+        torch.manual_seed(seed)
+        cls(config).eval().save_pretrained(str(out))
     save_byte_tokenizer(out, model_max_length=max_positions)
     return out
-
-
-def random_stage(cfg, layers, device="cpu", dtype=None, seed: int = 0, *, has_embed: bool = False,
-                 has_head: bool = False, tp_rank: int = 0, tp_world: int = 1, tp_group=None,
-                 init_std: float = 0.02):
-    """A stage of ``cfg`` (an ``ArchConfig``) with random weights, made directly on ``device``.
-
-    ``layers`` is a count or ``(first, last)``; ``dtype`` defaults to ``cfg.dtype``. Each weight is
-    allocated once, on ``device`` in ``dtype``, and drawn from N(0, ``init_std``) with a generator on
-    that device seeded with ``seed`` (the same seed and device give the same weights); norm weights
-    are ones and biases zeros. A TP rank draws its shard on its own: the shards of several ranks are
-    not slices of one model.
-    """
-    import torch
-
-    from hetserve.runtime.model.loader import finish_stage, meta_stage
-
-    first, last = (0, layers) if isinstance(layers, int) else layers
-    device = torch.device(device)
-    dtype = dtype or getattr(torch, cfg.dtype)
-    model = meta_stage(cfg, last - first, has_embed=has_embed, has_head=has_head, tp_rank=tp_rank,
-                       tp_world=tp_world, tp_group=tp_group)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    state = {}
-    for name, param in model.named_parameters():
-        tensor = torch.empty(param.shape, device=device, dtype=dtype)
-        module_name, pname = name.rsplit(".", 1)
-        if pname == "bias":
-            tensor.zero_()
-        elif _is_norm(model.get_submodule(module_name)):
-            tensor.fill_(1.0)
-        else:
-            tensor.normal_(0.0, init_std, generator=gen)
-        state[name] = tensor
-    model.load_state_dict(state, assign=True, strict=True)
-    return finish_stage(model, device)
-
-
-def _is_norm(module) -> bool:
-    from torch import nn
-
-    from hetserve.runtime.model.llama import RMSNorm
-
-    return isinstance(module, (nn.LayerNorm, RMSNorm))

@@ -94,7 +94,9 @@ def test_serve_prints_the_port_it_picked_answers_and_stops_cleanly(tmp_path):
         assert not url.endswith(":0")
         said = "".join(lines)
         assert "(float32) on http" in said, said  # the dtype it computes in
-        pid = int(re.search(r"workers: m0:0 pid (\d+)", said).group(1))  # which process holds the device
+        # which process holds the device, and what making its stage took (start-up per worker)
+        pid = int(re.search(r"workers \(up in [\d.]+ s, measured\): m0:0 pid (\d+), stage in [\d.]+ s "
+                            r"\([\d.]+ MB read\)", said).group(1))
         assert proc.pid in _ancestors(pid)
         health = None
         while time.monotonic() < deadline:  # the line is printed just before uvicorn starts accepting

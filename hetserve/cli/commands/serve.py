@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 
 from hetserve.cli.policy_options import add_policy_options, route_of, transmission_of
 from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
@@ -286,6 +287,7 @@ def _start_and_serve(args: argparse.Namespace, opts, sock) -> int:
     console = Console(stderr=True)
     log_to_stderr(args.log_level)
     console.print(f"starting {args.backend} workers for {args.plan} ...")
+    t0 = time.monotonic()
     try:
         deployment = build(opts)
     except ValueError as exc:
@@ -297,8 +299,8 @@ def _start_and_serve(args: argparse.Namespace, opts, sock) -> int:
                   f"(placement {args.placement}, transmission {transmission_of(args)}"
                   f"{', shaped links' if args.shape_links else ''})", soft_wrap=True)
     pids = engine.worker_pids()  # which process holds which device: for an operator's ps / kill
-    console.print("workers: " + ", ".join(f"{dev} pid {pid}" for dev, pid in sorted(pids.items())), soft_wrap=True,
-                  markup=False)
+    console.print(f"workers (up in {time.monotonic() - t0:.1f} s, measured): " + _workers_line(pids, engine),
+                  soft_wrap=True, markup=False)
     for line in deployment.app.state.auth.describe():
         console.print(line, soft_wrap=True, markup=False)
     try:
@@ -321,3 +323,21 @@ def _bind(host: str, port: int):
     except (OSError, OverflowError) as exc:
         raise SpecError(f"{host}:{port}", "--host/--port", "an address this machine can listen on",
                         getattr(exc, "strerror", None) or str(exc)) from exc
+
+
+def _workers_line(pids: dict[str, int], engine) -> str:
+    """Each worker's device, process id and what making its stage took (measured by the worker)."""
+    loads = getattr(engine, "worker_loads", dict)()
+    parts = []
+    for dev, pid in sorted(pids.items()):
+        load = loads.get(dev)
+        took = "" if load is None else (f", stage in {load['seconds']:.2f} s" +
+                                        (f" ({_size(load['bytes_read'])} read)" if load["bytes_read"] else
+                                         " (random weights)" if str(load["source"]).startswith("random") else ""))
+        parts.append(f"{dev} pid {pid}{took}")
+    return ", ".join(parts)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+

@@ -19,9 +19,6 @@ import json
 import re
 from pathlib import Path
 
-import torch
-from torch import nn
-
 MARKER = "random_weights.json"
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -51,11 +48,15 @@ def _param_seed(seed: int, tp_rank: int, name: str) -> int:
 
 def random_stage(cfg, layers, device="cpu", dtype=None, seed: int = 0, *, has_embed: bool = False,
                  has_head: bool = False, tp_rank: int = 0, tp_world: int = 1, tp_group=None,
-                 init_std: float = 0.02) -> nn.Module:
+                 init_std: float = 0.02):
     """A stage of ``cfg`` (an ``ArchConfig``) with random weights, made directly on ``device``.
 
     ``layers`` is a count or ``(first, last)``; ``dtype`` defaults to ``cfg.dtype``. Each weight is
-    allocated once, on ``device`` in ``dtype`` (the module docstring says how it is drawn)."""
+    allocated once, on ``device`` in ``dtype`` (the module docstring says how it is drawn). torch is
+    imported here: ``make-model`` reads this module before it may load torch."""
+    import torch
+    from torch import nn
+
     from hetserve.runtime.model.llama import RMSNorm
     from hetserve.runtime.model.loader import finish_stage, meta_stage
 

@@ -16,10 +16,8 @@
 #                                  (out/gpu-cpu)
 # Both GPU checks in one device command (300 + 200 s of limits, under the tool's 600 s):
 #   OUT=$OUT bash bench/gpu/step.sh; OUT=$OUT bash bench/gpu/dataflow.sh
-# Not covered: a 7B-shaped model served through `hetserve serve` (prefill against bf16 peak,
-# tokens/s against transformers at 32 concurrent requests, start-up time); serve loads checkpoints
-# from files, and a 13 GB one cannot be written on the GPU machine in the time the check has. This
-# script measures the channel itself.
+# A 7B-shaped model served through `hetserve serve` (start-up, prefill against bf16 peak, tokens/s
+# against transformers): bench/gpu/serve.sh, in a command of its own (240 s). This script measures the channel itself.
 set -u
 case "${1:-}" in
   ""|--cpu) ;;

@@ -15,6 +15,7 @@
 # Both GPU checks in one device command (300 + 200 s of limits, under the tool's 600 s; 7 files in
 # $OUT: step.json/.md/.log, dataflow.json/.md/.log, machine.txt):
 #   OUT=$OUT bash bench/gpu/step.sh; OUT=$OUT bash bench/gpu/dataflow.sh
+# The third, a 7B shape served through `hetserve serve`: bench/gpu/serve.sh, a command of its own (240 s).
 set -u
 case "${1:-}" in
   ""|--cpu) ;;

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# A Llama-2-7B-shaped bf16 model served through `hetserve serve` on one GPU (bench/gpu/serve_check.py):
+# a model folder with no weights file (`make-model --like llama-2-7b --random-weights`: each worker
+# draws its layers on its device at start-up), served as a colocated replica, then as prefill ->
+# decode (two workers sharing the one GPU), each `hetserve serve` a subprocess on 127.0.0.1. Per
+# deployment: start-up (launch to /health ok, measured; serve's own printed start-up and each
+# worker's stage time), prefill of a 512- and a 2,048-token prompt (max_tokens 1, median of 3 after a
+# warm-up) against FLOPs / bf16 dense peak (gpus.csv's fp16_tensor_tflops: 989.4 TFLOP/s for H200),
+# and tokens/s of 32 concurrent streaming requests (prompts of 112-144 tokens, 128 tokens each,
+# ignore_eos) against transformers' batched greedy `generate` of the same prompts on a same-shape
+# LlamaForCausalLM built on the GPU. Targets: prefill >= 50 % of peak at 2,048 tokens; >= 5x
+# transformers' tokens/s. Writes $OUT/serve.json and $OUT/serve.md (default out/gpu), rewritten after
+# every stage (a failed stage is recorded under "errors" and the next one runs; a kill by the time
+# limit stops the servers and leaves the stages done), plus serve.log (the servers' output in it) and
+# machine.txt. Exit status non-zero when a stage failed. No network needed; expected 1.5-2.5 minutes on
+# one H200. --cpu: the same script end to end on the CPU with a tiny shape (a dry run; out/gpu-cpu).
+# Before the run, here: `make gpu-wheels`; the device tool's carry: [".whl"] (bench/gpu/env.sh).
+# Knobs: SERVE_S (time limit, default 240 s), PY, OUT, GPU.
+#   bench/gpu/serve.sh          on the GPU machine
+#   bench/gpu/serve.sh --cpu    the dry run here
+# Alone in one device command (240 s of limit): OUT=$OUT bash bench/gpu/serve.sh; after step.sh and
+# dataflow.sh (300 + 200 s) it needs a second command: the tool allows 600 s per command.
+set -u
+case "${1:-}" in
+  ""|--cpu) ;;
+  -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+  *) echo "serve.sh: unknown argument '$1' (none, --cpu or --help)" >&2; exit 2 ;;
+esac
+cd "$(dirname "$0")/../.."
+if [ "${1:-}" = "--cpu" ]; then
+  export GPU=${GPU:-cpu} PY=${PY:-.venv/bin/python} OUT=${OUT:-$PWD/out/gpu-cpu} NO_WHEELS=1
+  NEEDS="transformers fastapi starlette uvicorn prometheus_client"
+else
+  NEEDS="transformers triton fastapi starlette uvicorn prometheus_client"
+fi
+. bench/gpu/env.sh
+timeout -k 10 "${SERVE_S:-240}" $PY bench/gpu/serve_check.py ${1:-} --gpu "$GPU" --out "$OUT" 2>&1 | tee "$OUT/serve.log"
+rc=${PIPESTATUS[0]}
+echo "serve rc $rc" | tee -a "$OUT/machine.txt"
+exit "$rc"

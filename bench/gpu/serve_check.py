@@ -1,0 +1,465 @@
+"""A Llama-2-7B-shaped bf16 model served through ``hetserve serve`` on one GPU: start-up time, prefill
+time against the GPU's bf16 dense peak, and tokens/s at 32 concurrent streaming requests against
+transformers' batched ``generate``, for a colocated and a prefill -> decode deployment. Run by
+``bench/gpu/serve.sh``; ``--cpu`` runs the same code end to end with a tiny shape on the CPU.
+
+The model folder has no weights file (``make-model --random-weights``): each worker draws its layers
+on its device at start-up. Both deployments run one after the other, each ``hetserve serve`` as a
+subprocess on 127.0.0.1, talked to over HTTP with the standard library only.
+
+Prefill bound: FLOPs / peak, FLOPs = 2 x (matmul parameters of the layers) x tokens + 2 x hidden x
+vocab (the LM head on the last row) + 2 x layers x tokens^2 x heads x head_dim (QK^T and PV, causal:
+half of the full 4 x T^2 x d). Peak: the ``fp16_tensor_tflops`` column of hetserve/data/gpus.csv
+(H200: 989.4 TFLOP/s dense; bf16 runs at the fp16 rate on Hopper).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import http.client
+import json
+import os
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+GPUS_CSV = ROOT / "hetserve" / "data" / "gpus.csv"
+HOST = "127.0.0.1"
+GPU_SIZES = {"shape": ["--like", "llama-2-7b"], "dtype": "bfloat16", "prompts": (512, 2048), "concurrent": 32,
+             "prompt_len": (112, 144), "max_tokens": 128, "kv": 16384, "start_s": 150}
+CPU_SIZES = {"shape": ["--layers", "4", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--ffn", "512"],
+             "dtype": "float32", "prompts": (128, 512), "concurrent": 4, "prompt_len": (24, 40), "max_tokens": 16,
+             "kv": 4096, "start_s": 90}
+TARGET_PREFILL, TARGET_RATIO = 0.5, 5.0  # fraction of peak at the longest prompt; tokens/s vs transformers
+STOPPING = []  # set by SIGTERM (the time limit): servers get a short drain, then SIGKILL
+
+
+def peak_tflops(gpu: str) -> tuple[str, float]:
+    """(row, dense fp16/bf16 TFLOP/s) from gpus.csv; a name that is no row (``cpu``) falls back to H200."""
+    rows = {r["name"]: r for r in csv.DictReader(GPUS_CSV.open())}
+    row = rows.get(gpu) or rows["H200"]
+    return row["name"], float(row["fp16_tensor_tflops"])
+
+
+def layer_params(cfg: dict) -> tuple[int, int]:
+    """(matmul parameters of one layer: Q, K, V, O, gate, up, down; heads x head_dim)."""
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv, hd = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or h // heads
+    return 2 * h * heads * hd + 2 * h * kv * hd + 3 * h * cfg["intermediate_size"], heads * hd
+
+
+def prefill_flops(cfg: dict, tokens: int) -> float:
+    per_layer, d = layer_params(cfg)
+    layers = cfg["num_hidden_layers"]
+    return 2 * layers * per_layer * tokens + 2 * cfg["hidden_size"] * cfg["vocab_size"] + 2 * layers * tokens ** 2 * d
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def post(port: int, body: dict, timeout: float = 300.0) -> dict:
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {data[:300]!r}")
+        return json.loads(data)
+    finally:
+        conn.close()
+
+
+def stream(port: int, body: dict, t0: float, out: dict) -> None:
+    """One streaming request: ``out`` gets first_s / end_s (since t0), completion tokens, or error."""
+    conn = http.client.HTTPConnection(HOST, port, timeout=300)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"error event: {chunk['error']}")
+            out.setdefault("first_s", time.perf_counter() - t0)
+            if chunk.get("usage"):
+                out["tokens"] = chunk["usage"]["completion_tokens"]
+        out["end_s"] = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - reported by the caller, with the other requests' results
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        conn.close()
+
+
+class Server:
+    """``hetserve serve`` as a subprocess in its own session; its output echoed, timestamped, to ours."""
+
+    def __init__(self, name: str, args: list[str], port: int):
+        self.name, self.port, self.lines = name, port, []
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen([sys.executable, "-m", "hetserve.cli.main", "serve", *args, "--host", HOST,
+                                      "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, bufsize=1, start_new_session=True, cwd=ROOT)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            print(f"[serve {self.name} {time.perf_counter() - self.t0:6.1f}s] {line.rstrip()}", flush=True)
+
+    def health(self) -> str | None:
+        conn = http.client.HTTPConnection(HOST, self.port, timeout=2)
+        try:
+            conn.request("GET", "/health")
+            return json.loads(conn.getresponse().read()).get("status")
+        except (OSError, ValueError):
+            return None
+        finally:
+            conn.close()
+
+    def wait_ok(self, limit_s: float) -> float:
+        """Seconds from launch until /health answers ok; an exit or the limit first is an error."""
+        while time.perf_counter() - self.t0 < limit_s:
+            if self.proc.poll() is not None:
+                self.reader.join(2)
+                raise RuntimeError(f"serve exited with {self.proc.returncode} before /health was ok: "
+                                   + " | ".join(self.lines[-5:]))
+            if self.health() == "ok":
+                return time.perf_counter() - self.t0
+            time.sleep(0.1)
+        raise TimeoutError(f"/health not ok within {limit_s} s")
+
+    def printed_startup(self) -> dict:
+        """What serve printed of its start-up: 'up in S s' and each worker's 'stage in S s' (empty if not)."""
+        text = "\n".join(self.lines)
+        up = re.search(r"up in ([\d.]+) s", text)
+        stages = {d: float(s) for d, s in re.findall(r"(\S+) pid \d+, stage in ([\d.]+) s", text)}
+        return {"up_s": float(up.group(1)) if up else None, "worker_stage_s": stages}
+
+    def stop(self) -> dict:
+        """SIGTERM to the server (it drains and stops its workers), then SIGKILL to its session if needed."""
+        t = time.perf_counter()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(4 if STOPPING else 30)
+            except subprocess.TimeoutExpired:
+                pass
+        left = group_alive(self.proc.pid)  # the server's own session: workers, a kernel build stopped mid-start
+        if left:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        self.reader.join(5)
+        return {"stop_s": time.perf_counter() - t, "rc": self.proc.returncode, "killed_leftovers": left,
+                "clean": any("every worker has exited" in line for line in self.lines) and not left}
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``, from /proc."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name: state, ppid, pgrp
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                alive.append(int(stat.parent.name))
+    return alive
+
+
+class Report:
+    """serve.json and serve.md, rewritten after every stage; a failed stage is recorded under
+    ``errors`` (its traceback) and the next one runs."""
+
+    def __init__(self, out: Path, data: dict):
+        self.out, self.data, self.t0 = out, {**data, "errors": [], "wall_s": 0.0}, time.perf_counter()
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        print(f"-- {name}", flush=True)
+        try:
+            yield
+        except Exception:  # noqa: BLE001 - recorded; the next stage runs
+            self.data["errors"].append({"stage": name, "error": traceback.format_exc()})
+            print(f"ERROR in {name}: {traceback.format_exc()}", flush=True)
+        finally:
+            self.save()
+
+    def save(self) -> None:
+        self.data["wall_s"] = time.perf_counter() - self.t0
+        for name, text in (("serve.json", json.dumps(self.data, indent=2)), ("serve.md", table(self.data))):
+            tmp = self.out / f".{name}.tmp"  # replaced whole: a kill mid-write leaves the previous file
+            tmp.write_text(text + "\n")
+            os.replace(tmp, self.out / name)
+
+
+def plan_and_cluster(kind: str, tmp: Path, gpu_type: str, layers: int) -> tuple[Path, Path]:
+    """Colocated: one replica on m0:0. Prefill -> decode: m0:0 -> m0:1 (both cuda:0 on a one-GPU machine)."""
+    n = 1 if kind == "colocated" else 2
+    cluster = tmp / f"cluster-{n}-devices.yaml"
+    cluster.write_text(f"name: one-box-{n}\nmachines:\n  - {{name: m0, gpu: {gpu_type}, count: {n}, site: local}}\n"
+                       "network:\n  intra_site: {bandwidth_gbps: 100, latency_ms: 0.01}\n")
+    def one(rid, role, dev):
+        return {"id": rid, "role": role, "stages": [{"devices": [dev], "layers": [0, layers]}]}
+
+    replicas = ([one("c0", "colocated", "m0:0")] if n == 1 else [one("p0", "prefill", "m0:0"), one("d0", "decode", "m0:1")])
+    routes = [] if n == 1 else [{"from": "p0", "to": "d0", "weight": 1.0}]
+    plan = tmp / f"plan-{n}-devices.json"
+    plan.write_text(json.dumps({"model": "model", "cluster": f"one-box-{n}", "replicas": replicas, "kv_routes": routes}))
+    return plan, cluster
+
+
+def prompts(sizes: dict) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(256) for _ in range(rng.randint(*sizes["prompt_len"]))] for _ in range(sizes["concurrent"])]
+
+
+def deployment(report: Report, kind: str, model: Path, cfg: dict, tmp: Path, sizes: dict, gpu_type: str, peak: float):
+    row = report.data["deployments"].setdefault(kind, {"prefill": [], "throughput": None})
+    plan, cluster = plan_and_cluster(kind, tmp, gpu_type, cfg["num_hidden_layers"])
+    server = None
+    try:
+        with report.stage(f"{kind}: start-up"):
+            server = Server(kind, ["--plan", str(plan), "--cluster", str(cluster), "--model", str(model),
+                                   "--model-name", "model", "--kv-capacity", str(sizes["kv"]), "--dtype", sizes["dtype"],
+                                   "--drain-timeout", "5", "--log-level", "warning"], free_port())
+            row["startup_s"] = server.wait_ok(sizes["start_s"])
+            row.update(server.printed_startup())
+            row["gpu_mem_used_gb"] = gpu_mem_used_gb()
+        if "startup_s" not in row:
+            return
+        for tokens in sizes["prompts"]:
+            with report.stage(f"{kind}: prefill {tokens} tokens"):
+                body = {"model": "model", "prompt": [random.Random(tokens).randrange(256) for _ in range(tokens)],
+                        "max_tokens": 1, "ignore_eos": True}
+                post(server.port, body)  # warm-up
+                times = []
+                for _ in range(3):
+                    t = time.perf_counter()
+                    post(server.port, body)
+                    times.append(time.perf_counter() - t)
+                bound = prefill_flops(cfg, tokens) / (peak * 1e12)
+                row["prefill"].append({"tokens": tokens, "ttft_ms": [x * 1e3 for x in times],
+                                       "median_ms": statistics.median(times) * 1e3, "flops": prefill_flops(cfg, tokens),
+                                       "bound_ms": bound * 1e3, "fraction_of_peak": bound / statistics.median(times)})
+        with report.stage(f"{kind}: {sizes['concurrent']} concurrent streaming requests"):
+            ps = prompts(sizes)
+            burst(server.port, ps, sizes["max_tokens"])  # warm-up: the same burst (graphs captured per batch size)
+            row["throughput"] = burst(server.port, ps, sizes["max_tokens"])
+            got, want = row["throughput"]["tokens"], len(ps) * sizes["max_tokens"]
+            if got != want:
+                raise RuntimeError(f"{got} completion tokens, {want} asked (ignore_eos)")
+    finally:
+        if server is not None:
+            with report.stage(f"{kind}: stop"):
+                row["stop"] = server.stop()
+
+
+def burst(port: int, ps: list[list[int]], max_tokens: int) -> dict:
+    """Every prompt at once, streamed; tokens/s = completion tokens / (last end - first send)."""
+    outs = [{} for _ in ps]
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=stream, args=(port, {"model": "model", "prompt": p, "max_tokens": max_tokens,
+                                                            "ignore_eos": True, "stream": True,
+                                                            "stream_options": {"include_usage": True}}, t0, o))
+               for p, o in zip(ps, outs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors = [o["error"] for o in outs if "error" in o]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(ps)} requests failed; first: {errors[0]}")
+    wall = max(o["end_s"] for o in outs)
+    tokens = sum(o.get("tokens", 0) for o in outs)
+    return {"requests": len(ps), "max_tokens": max_tokens, "prompt_tokens": sum(map(len, ps)), "tokens": tokens,
+            "wall_s": wall, "tokens_per_s": tokens / wall, "ttft_median_s": statistics.median(o["first_s"] for o in outs)}
+
+
+def gpu_mem_used_gb() -> float | None:
+    """Memory in use on the GPU, every process's (the servers' workers and this one's context)."""
+    import torch
+
+    return (lambda free, total: (total - free) / 1e9)(*torch.cuda.mem_get_info()) if torch.cuda.is_available() else None
+
+
+def transformers_baseline(report: Report, model: Path, device: str, sizes: dict) -> None:
+    """transformers' batched greedy ``generate`` of the same prompts, left-padded, on a same-shape
+    LlamaForCausalLM built on the device in the serve dtype (random init there, no file)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    base = report.data["transformers"] = {}
+    dtype = getattr(torch, sizes["dtype"])
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    with report.stage("transformers: build on the device"):
+        t = time.perf_counter()
+        config = LlamaConfig.from_pretrained(model)
+        config.dtype = dtype
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                hf = LlamaForCausalLM(config).eval()
+        finally:
+            torch.set_default_dtype(before)
+        sync()
+        base["build_s"] = time.perf_counter() - t
+    if "build_s" not in base:
+        return
+    with report.stage("transformers: batched generate"):
+        ps, n = prompts(sizes), sizes["max_tokens"]
+        width = max(map(len, ps))
+        ids = torch.tensor([[config.pad_token_id] * (width - len(p)) + p for p in ps], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=device)
+        kw = {"attention_mask": mask, "do_sample": False, "pad_token_id": config.pad_token_id,
+              "eos_token_id": config.eos_token_id}
+        with torch.inference_mode():
+            hf.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)  # warm-up
+            sync()
+            t = time.perf_counter()
+            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+            sync()
+            wall = time.perf_counter() - t
+        tokens = (out.shape[1] - width) * len(ps)
+        base.update(requests=len(ps), max_tokens=n, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
+                    dtype=str(next(hf.parameters()).dtype).removeprefix("torch."))
+    del hf
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _g(x: float) -> str:
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"
+
+
+def _f(x, fmt="{:.1f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def table(d: dict) -> str:
+    m = d.get("model", {})
+    lines = [f"{d['shape']} on {d['device']} ({d['dtype']}); bound peak {d['peak_tflops']} TFLOP/s dense "
+             f"(gpus.csv row {d['peak_row']}, column fp16_tensor_tflops){' — dry run on CPU' if d['cpu'] else ''}", ""]
+    if m:
+        lines += [f"Model folder (make-model --random-weights, {m['make_s']:.1f} s, measured): {m['files']} files, "
+                  f"{m['bytes']:,} bytes, weights files: {m['weight_files'] or 'none'}; "
+                  f"{m['params']:.3g} parameters (from config.json)", ""]
+    deps = d["deployments"]
+    lines += ["| deployment | launch → /health ok, s (measured) | serve's 'up in', s (printed by serve) | "
+              "each worker's stage, s (printed by serve) | GPU memory in use, GB (measured) | stop, s (clean) |",
+              "|---|---:|---:|---|---:|---|"]
+    for k, r in deps.items():
+        stages = ", ".join(f"{w} {s:.2f}" for w, s in r.get("worker_stage_s", {}).items()) or "not printed"
+        stop = r.get("stop") or {}
+        lines.append(f"| {k} | {_f(r.get('startup_s'))} | {_f(r.get('up_s'))} | {stages} | "
+                     f"{_f(r.get('gpu_mem_used_gb'))} | {_f(stop.get('stop_s'))} ({stop.get('clean', '-')}) |")
+    lines += ["", "| deployment | prompt tokens | TTFT, max_tokens 1, median of 3, ms (measured) | "
+              "bound = FLOPs / peak, ms | TFLOP | bound / measured | ≥ 0.5 at the longest |",
+              "|---|---:|---:|---:|---:|---:|---|"]
+    longest = max(d["prompts"])
+    for k, r in deps.items():
+        for p in r["prefill"]:
+            met = ("yes" if p["fraction_of_peak"] >= TARGET_PREFILL else "no") if p["tokens"] == longest else ""
+            lines.append(f"| {k} | {p['tokens']} | {p['median_ms']:.2f} | {_g(p['bound_ms'])} | "
+                         f"{_g(p['flops'] / 1e12)} | {p['fraction_of_peak']:.2g} | {met} |")
+    base = d.get("transformers") or {}
+    lines += ["", "| who | requests | max_tokens | completion tokens | wall, s | tokens/s (measured) | "
+              "vs transformers (≥ 5×) |", "|---|---:|---:|---:|---:|---:|---|"]
+    for k, r in deps.items():
+        t = r.get("throughput")
+        if t:
+            ratio = t["tokens_per_s"] / base["tokens_per_s"] if base.get("tokens_per_s") else None
+            lines.append(f"| hetserve {k} (streaming HTTP, ignore_eos; first chunk median {t['ttft_median_s']:.2f} s) | "
+                         f"{t['requests']} | {t['max_tokens']} | {t['tokens']} | {t['wall_s']:.2f} | "
+                         f"{t['tokens_per_s']:.0f} | " + ("-" if ratio is None else
+                                                          f"{ratio:.2f}× ({'yes' if ratio >= TARGET_RATIO else 'no'})") + " |")
+    if base.get("tokens_per_s"):
+        lines.append(f"| transformers generate ({base['dtype']}, batch, left-padded, greedy; built on the device in "
+                     f"{base['build_s']:.1f} s) | "
+                     f"{base['requests']} | {base['max_tokens']} | {base['tokens']} | {base['wall_s']:.2f} | "
+                     f"{base['tokens_per_s']:.0f} | 1× |")
+    lines += ["", f"Whole run {d['wall_s']:.0f} s."]
+    if d["errors"]:
+        lines += ["", f"**{len(d['errors'])} error(s)** (tracebacks in serve.json):", ""]
+        lines += [f"- {e['stage']}: {e['error'].strip().splitlines()[-1]}" for e in d["errors"]]
+    return "\n".join(lines)
+
+
+def on_sigterm(*_) -> None:
+    """The time limit: recorded, then the stages unwind (their servers stopped, the report saved)."""
+    STOPPING.append(True)
+    if REPORT:
+        REPORT[0].data["errors"].append({"stage": "time limit", "error": "SIGTERM: stopped by the time limit"})
+    sys.exit(143)
+
+
+REPORT: list[Report] = []
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="dry run on the CPU with a tiny shape")
+    ap.add_argument("--out", default="out/gpu")
+    ap.add_argument("--gpu", default="H200", help="the gpus.csv row for the cluster file and the peak")
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, on_sigterm)
+    sizes = CPU_SIZES if args.cpu else GPU_SIZES
+    device = "cpu" if args.cpu else "cuda"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    row, peak = peak_tflops(args.gpu)
+    import torch
+
+    report = Report(out, {"cpu": args.cpu, "device": torch.cuda.get_device_name() if not args.cpu else "cpu",
+                          "shape": "tiny Llama (dry run)" if args.cpu else "Llama-2-7B-shaped, random weights",
+                          "dtype": sizes["dtype"], "peak_row": row, "peak_tflops": peak, "prompts": sizes["prompts"],
+                          "deployments": {}})
+    REPORT.append(report)
+    report.save()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp, model = Path(tmp), Path(tmp) / "model"
+        with report.stage("model folder: make-model --random-weights"):
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "hetserve.cli.main", "make-model", *sizes["shape"], "--random-weights",
+                            "--max-positions", "4096", "-o", str(model)], check=True, cwd=ROOT)
+            files = list(model.iterdir())
+            cfg = json.loads((model / "config.json").read_text())
+            report.data["model"] = {"make_s": time.perf_counter() - t, "files": len(files),
+                                    "bytes": sum(f.stat().st_size for f in files),
+                                    "weight_files": [f.name for f in files if f.suffix in (".safetensors", ".bin", ".pt")],
+                                    "params": cfg["num_hidden_layers"] * layer_params(cfg)[0]
+                                    + 2 * cfg["hidden_size"] * cfg["vocab_size"], "config": cfg}
+        if "model" in report.data:
+            for kind in ("colocated", "prefill->decode"):
+                deployment(report, kind, model, cfg, tmp, sizes, args.gpu if not args.cpu else "H200", peak)
+            transformers_baseline(report, model, device, sizes)
+    report.save()
+    print(table(report.data))
+    if report.data["errors"]:
+        print("FAILED: " + "; ".join(e["stage"] for e in report.data["errors"]), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -38,10 +38,10 @@ ROOT = Path(__file__).resolve().parents[2]
 GPUS_CSV = ROOT / "hetserve" / "data" / "gpus.csv"
 HOST = "127.0.0.1"
 GPU_SIZES = {"shape": ["--like", "llama-2-7b"], "dtype": "bfloat16", "prompts": (512, 2048), "concurrent": 32,
-             "prompt_len": (112, 144), "max_tokens": 128, "kv": 16384, "start_s": 150}
+             "prompt_len": (112, 144), "max_tokens": 128, "kv": 16384, "start_s": 150, "channel": "auto"}
 CPU_SIZES = {"shape": ["--layers", "4", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--ffn", "512"],
              "dtype": "float32", "prompts": (128, 512), "concurrent": 4, "prompt_len": (24, 40), "max_tokens": 16,
-             "kv": 4096, "start_s": 90}
+             "kv": 4096, "start_s": 90, "channel": "on"}  # gloo between the CPU workers: the channel's code path
 TARGET_PREFILL, TARGET_RATIO = 0.5, 5.0  # fraction of peak at the longest prompt; tokens/s vs transformers
 STOPPING = []  # set by SIGTERM (the time limit): servers get a short drain, then SIGKILL
 
@@ -241,7 +241,9 @@ def deployment(report: Report, kind: str, model: Path, cfg: dict, tmp: Path, siz
         with report.stage(f"{kind}: start-up"):
             server = Server(kind, ["--plan", str(plan), "--cluster", str(cluster), "--model", str(model),
                                    "--model-name", "model", "--kv-capacity", str(sizes["kv"]), "--dtype", sizes["dtype"],
-                                   "--drain-timeout", "5", "--log-level", "warning"], free_port())
+                                   "--device-channel", sizes["channel"], "--drain-timeout", "5",
+                                   "--log-level", "warning"], free_port())
+            row["device_channel"] = sizes["channel"]
             row["startup_s"] = server.wait_ok(sizes["start_s"])
             row.update(server.printed_startup())
             row["gpu_mem_used_gb"] = gpu_mem_used_gb()

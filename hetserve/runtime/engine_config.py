@@ -16,6 +16,7 @@ from hetserve.errors import PlanError, RuntimeFailure
 from hetserve.cost.layout import micro_batches_of
 from hetserve.policies.batching import DEFAULT_BATCHING, token_budget_rule
 from hetserve.policies.kv_admission import KV_ADMISSIONS
+from hetserve.runtime.workers import DEVICE_CHANNELS
 from hetserve.runtime.workers.auth import TLSFiles
 from hetserve.runtime.deployment import check_memory
 from hetserve.runtime.layout import ReplicaSpec
@@ -57,7 +58,7 @@ class EngineConfig:
     # tensors between workers by a device channel (runtime/workers/device_channel.py): "off", "auto"
     # (pairs of GPUs: NCCL / CUDA IPC) or "on" (gloo between CPU workers too: the same code path, no
     # faster than the socket on CPU). Off until the GPU kinds have run on a GPU (bench/gpu/dataflow.sh)
-    device_channel: str = "off"
+    device_channel: str = "off"  # one of DEVICE_CHANNELS
     channel_timeout_s: float = 30.0  # a channel transfer not done by then goes by socket
     heartbeat_interval_s: float = 0.5  # each worker reports it is alive this often
     heartbeat_timeout_s: float = 3.0  # silent this long (a hung or SIGSTOPped worker): declared dead
@@ -88,7 +89,7 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
-        if self.device_channel not in ("off", "auto", "on"):
+        if self.device_channel not in DEVICE_CHANNELS:
             raise ValueError(f"device_channel must be off, auto or on, got {self.device_channel!r}")
         if not self.channel_timeout_s > 0:
             raise ValueError(f"channel_timeout_s must be positive, got {self.channel_timeout_s}")

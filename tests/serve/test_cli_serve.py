@@ -59,6 +59,34 @@ def test_serve_refuses_an_unknown_policy_before_any_worker_starts(tmp_path, caps
         assert all(name in err[0] for name in names), err
 
 
+def test_serve_hands_the_device_channel_to_the_engine(tmp_path, monkeypatch, capsys):
+    """--device-channel becomes the engine's ``device_channel`` (off unless asked); a wrong one is
+    refused by argparse naming the choices."""
+    from hetserve.planner.plan import Plan
+    from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.runtime.model.make import make_model
+    from hetserve.serve import launch
+
+    seen = []
+
+    def no_build(opts):
+        seen.append(opts)
+        raise ValueError("stopped before any worker started")
+
+    monkeypatch.setattr(launch, "build", no_build)
+    model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=32, heads=2)
+    plan = tmp_path / "plan.json"
+    Plan.from_dict(PLAN).save(plan)
+    base = ["serve", "--plan", str(plan), "--cluster", "demo-cpu", "--model", str(model), "--port", "0"]
+    for asked, want in (([], "off"), (["--device-channel", "on"], "on"), (["--device-channel", "auto"], "auto")):
+        cli(base + asked)
+        assert seen[-1].engine_options["device_channel"] == want
+        assert EngineConfig(**seen[-1].engine_options).device_channel == want
+    capsys.readouterr()
+    assert cli(base + ["--device-channel", "nccl"]) == 2 and len(seen) == 3
+    assert "invalid choice: 'nccl'" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_serve_prints_the_port_it_picked_answers_and_stops_cleanly(tmp_path):
     """``--port 0``: the OS picks the port, and the URL printed at start-up is the one that answers;
@@ -134,6 +162,66 @@ def test_serve_prints_the_port_it_picked_answers_and_stops_cleanly(tmp_path):
         _stop(proc, signal_it=not events)  # once streaming began, the test's own SIGTERM is the one under test
     printer.join(5)
     assert proc.returncode == 0, "".join(lines)
+
+
+def test_sigterm_while_the_workers_start_stops_them_too(tmp_path):
+    """A SIGTERM before the server is up (an orchestrator giving up on a slow start) ends the workers
+    started so far with ``serve``, not leaving them orphaned."""
+    from hetserve.planner.plan import Plan
+    from hetserve.runtime.engine_config import START_METHOD_ENV
+    from hetserve.runtime.model.make import make_model
+
+    model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=32, heads=2)
+    plan = tmp_path / "plan.json"
+    Plan.from_dict(PLAN).save(plan)
+    # spawned workers: up in seconds, where a fork server first imports torch
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200", START_METHOD_ENV: "spawn"}
+    proc = subprocess.Popen([sys.executable, "-m", "hetserve.cli.main", "serve", "--plan", str(plan), "--cluster",
+                             "demo-cpu", "--model", str(model), "--port", "0"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not workers and time.monotonic() < deadline and proc.poll() is None:
+            workers = _workers_of(proc.pid)
+            time.sleep(0.02)
+        assert workers, "no worker process appeared"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 130 and "stopped while starting" in out, out
+    deadline = time.monotonic() + 10
+    while any(b"multiprocessing" in _cmdline(p) for p in workers):
+        assert time.monotonic() < deadline, f"workers {workers} outlived serve"
+        time.sleep(0.1)
+
+
+def _processes() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _workers_of(root: int) -> list[int]:
+    """Worker processes below ``root``: spawned ones (``spawn_main``), or forked by a fork server
+    (a multiprocessing process below another one)."""
+    found = []
+    for pid in _processes():
+        try:
+            up = _ancestors(pid)
+        except OSError:  # gone meanwhile
+            continue
+        if root in up and b"multiprocessing" in _cmdline(pid):
+            if b"spawn_main" in _cmdline(pid) or up.index(root) >= 1:
+                found.append(pid)
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def _ancestors(pid: int) -> list[int]:

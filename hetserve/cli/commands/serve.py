@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import time
 
 from hetserve.cli.policy_options import add_policy_options, route_of, transmission_of
+from hetserve.runtime.workers import DEVICE_CHANNELS
 from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
 
 
@@ -47,6 +49,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batches", type=int,
                    help="steps in flight per pipeline (MoLink searches N..2N for N stages; default N)")
     p.add_argument("--kv-capacity", type=int, help="KV-cache tokens per replica (default: what memory allows)")
+    p.add_argument("--device-channel", choices=DEVICE_CHANNELS, default="off",
+                   help="tensors between workers device to device: auto (CUDA IPC on one GPU, NCCL between "
+                        "GPUs), on (gloo between CPU workers too), off (the socket; default until the GPU "
+                        "paths have run on a GPU: bench/gpu/dataflow.sh)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="the dtype weights, activations and KV are computed in (default: float32 on CPU, the "
                         "checkpoint's on CUDA); a device that cannot run it is an error before any worker starts")
@@ -243,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     engine_options = {"heartbeat_timeout_s": args.heartbeat_timeout,
                       "heartbeat_interval_s": min(0.5, args.heartbeat_timeout / 4),
                       "prefill_mode": args.prefill_mode, "chunk_tokens": chunk_tokens_of(args),
-                      "kv_admission": args.kv_admission, "dtype": args.dtype,
+                      "kv_admission": args.kv_admission, "dtype": args.dtype, "device_channel": args.device_channel,
                       "threads_per_worker": args.threads_per_worker, **tls_options(args.tls_cert, args.tls_key, args.tls_ca)}
     try:
         opts = ServeOptions(plan=plan, cluster=cluster, model_dir=args.model, model_name=args.model_name,
@@ -288,12 +294,20 @@ def _start_and_serve(args: argparse.Namespace, opts, sock) -> int:
     log_to_stderr(args.log_level)
     console.print(f"starting {args.backend} workers for {args.plan} ...")
     t0 = time.monotonic()
+    # until the server takes over the signals, SIGTERM stops the start-up as Ctrl-C does: the
+    # workers started so far are stopped (its default action would leave them running, orphaned)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         deployment = build(opts)
     except ValueError as exc:
         if isinstance(exc, HetserveError):
             raise
         raise RuntimeFailure(str(exc)) from exc
+    except KeyboardInterrupt:
+        console.print("stopped while starting; every worker started has exited")
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     name, engine = deployment.coordinator.model_name, deployment.engine
     console.print(f"serving model [bold]{name}[/] ({engine.dtype}) on {url_of(sock)}/v1 "
                   f"(placement {args.placement}, transmission {transmission_of(args)}"
@@ -340,4 +354,8 @@ def _workers_line(pids: dict[str, int], engine) -> str:
 
 def _size(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A Llama-2-7B-shaped bf16 model served through `hetserve serve` on one GPU (bench/gpu/serve_check.py):
+# A Llama-2-7B-shaped bf16 model served through `hetserve serve` on one GPU (bench/gpu/serve_check.py,
+# its HTTP side in serve_client.py):
 # a model folder with no weights file (`make-model --like llama-2-7b --random-weights`: each worker
 # draws its layers on its device at start-up), served as a colocated replica, then as prefill ->
 # decode (two workers sharing the one GPU), each `hetserve serve` a subprocess on 127.0.0.1. Per

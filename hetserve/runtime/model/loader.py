@@ -6,12 +6,13 @@ slice of each tensor (``safe_open(..., device=...).get_slice(name)[slices]``), s
 reads about ``1/n`` of its layers' bytes, and each tensor goes to the worker's device and dtype
 as it is read: the stage never exists whole in another dtype or on another device.
 Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``) layouts are read.
-``load_stage`` also returns a ``LoadReport`` (seconds, bytes read) for the worker to report.
+``load_stage`` also returns a ``LoadReport`` (seconds, bytes read) for the worker to report; a
+folder of random weights (``random_weights``) is drawn instead of read. The stage module is
+``stage.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -23,12 +24,12 @@ from torch import nn
 
 from hetserve.errors import SpecError
 from hetserve.runtime.model.config import ArchConfig
-from hetserve.runtime.model.cpu_weights import arrange_cpu_weights
-from hetserve.runtime.model.llama import LlamaStage
-from hetserve.runtime.model.opt import OPTStage
-from hetserve.runtime.model.tp import apply_tp, shard_of, tp_kind
+from hetserve.runtime.model.random_weights import random_stage, read_marker
+from hetserve.runtime.model.stage import STAGE_CLASSES, finish_stage, meta_stage
+from hetserve.runtime.model.tp import shard_of, tp_kind
 
-STAGE_CLASSES: dict[str, type[nn.Module]] = {"llama": LlamaStage, "opt": OPTStage}
+__all__ = ["LoadReport", "CheckpointReader", "STAGE_CLASSES", "meta_stage", "finish_stage", "load_stage",
+           "check_weights", "build_stage"]
 
 
 @dataclass(frozen=True)
@@ -82,42 +83,6 @@ class CheckpointReader:
         self._open.clear()
 
 
-@contextlib.contextmanager
-def _skip_init():
-    """No random initialisation while building (every weight is loaded afterwards).
-
-    Initialising meta tensors is free but its first call imports torch's reference decompositions,
-    which costs seconds of start-up in every worker process.
-    """
-    names = ("normal_", "uniform_", "kaiming_uniform_", "ones_", "zeros_", "trunc_normal_", "xavier_uniform_")
-    saved = {n: getattr(torch.nn.init, n) for n in names}
-    try:
-        for n in names:
-            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.nn.init, n, f)
-
-
-def meta_stage(cfg: ArchConfig, num_layers: int, *, has_embed: bool, has_head: bool, tp_rank: int = 0,
-               tp_world: int = 1, tp_group=None) -> nn.Module:
-    """This TP rank's shard of a stage of ``num_layers`` layers, every parameter on the meta device."""
-    with torch.device("meta"), _skip_init():
-        model = STAGE_CLASSES[cfg.arch](cfg, num_layers, has_embed, has_head)
-    return apply_tp(model, tp_rank, tp_world, tp_group)
-
-
-def finish_stage(model: nn.Module, device: torch.device) -> nn.Module:
-    """Non-parameter state (RoPE frequencies) on ``device``; inference mode, no gradients; linear
-    weights on a CPU in their dtype's layout (``cpu_weights``)."""
-    model.init_buffers(device)
-    model.eval().requires_grad_(False)
-    if torch.device(device).type == "cpu":
-        arrange_cpu_weights(model)
-    return model
-
-
 def load_stage(cfg: ArchConfig, model_dir: str | Path, layers: tuple[int, int], *, has_embed: bool,
                has_head: bool, tp_rank: int = 0, tp_world: int = 1, tp_group=None,
                device: str | torch.device = "cpu",
@@ -127,8 +92,6 @@ def load_stage(cfg: ArchConfig, model_dir: str | Path, layers: tuple[int, int], 
     start = time.perf_counter()
     device = torch.device(device)
     first, last = layers
-    from hetserve.runtime.model.random_weights import random_stage, read_marker  # it builds on this module
-
     recipe = read_marker(model_dir)
     if recipe is not None:
         model = random_stage(cfg, layers, device, dtype, recipe["seed"], has_embed=has_embed, has_head=has_head,
@@ -162,8 +125,6 @@ def load_stage(cfg: ArchConfig, model_dir: str | Path, layers: tuple[int, int], 
 def check_weights(model_dir: str | Path) -> None:
     """The folder's weights can be had (a safetensors checkpoint or a random-weight recipe): one
     clear error before any worker starts, not one from each."""
-    from hetserve.runtime.model.random_weights import read_marker
-
     if read_marker(model_dir) is None:
         CheckpointReader(model_dir).close()
 

@@ -58,7 +58,7 @@ def random_stage(cfg, layers, device="cpu", dtype=None, seed: int = 0, *, has_em
     from torch import nn
 
     from hetserve.runtime.model.llama import RMSNorm
-    from hetserve.runtime.model.loader import finish_stage, meta_stage
+    from hetserve.runtime.model.stage import finish_stage, meta_stage
 
     first, last = (0, layers) if isinstance(layers, int) else layers
     device = torch.device(device)

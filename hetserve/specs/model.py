@@ -179,7 +179,10 @@ class ModelSpec:
             raise SpecError(src, "torch_dtype" if cfg.get("torch_dtype") else "dtype",
                             "one of " + ", ".join((*DTYPE_BYTES, *WIDER_DTYPES)), dtype)
         dtype_bytes = DTYPE_BYTES[served_dtype(dtype)]
-        label = name or cfg.get("_name_or_path") or path.parent.name
+        # a checkpoint's config.json is named by its folder, any other config file by its own name
+        # (two model files of one folder are two models, and "." names nothing)
+        label = name or cfg.get("_name_or_path") or (path.resolve().parent.name if path.name == "config.json"
+                                                     else path.stem)
         if model_type == "opt":
             if cfg.get("word_embed_proj_dim", cfg.get("hidden_size")) != cfg.get("hidden_size"):
                 raise SpecError(src, "word_embed_proj_dim", "equal to hidden_size (projected OPT variants "

@@ -85,3 +85,20 @@ def test_malformed_json(tmp_path):
     p.write_text("{not json")
     with pytest.raises(SpecError, match="valid JSON"):
         ModelSpec.from_hf_config(p)
+
+
+def test_a_config_file_is_named_by_its_own_name_a_checkpoint_by_its_folder(tmp_path, monkeypatch):
+    """Two model files of one folder are two models (a plan made for one must not accept the other),
+    and a config file in the working folder still has a name."""
+    cfg = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 300, "max_position_embeddings": 512}
+    (tmp_path / "ok.json").write_text(json.dumps(cfg))
+    (tmp_path / "mistral.json").write_text(json.dumps({**cfg, "num_key_value_heads": 2}))
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg))
+    assert load_model(tmp_path / "ok.json").name == "ok" and load_model(tmp_path / "mistral.json").name == "mistral"
+    assert load_model(tmp_path / "ckpt").name == load_model(tmp_path / "ckpt" / "config.json").name == "ckpt"
+    monkeypatch.chdir(tmp_path)
+    assert load_model("ok.json").name == "ok"
+    monkeypatch.chdir(tmp_path / "ckpt")
+    assert load_model("config.json").name == "ckpt"

@@ -214,6 +214,20 @@ def test_max_iterations_caps_the_search_when_a_plan_chosen_after_it_wins(azure):
     assert plan.search_log["history"][-1][1] == pytest.approx(plan.estimate["throughput_tokens_per_s"], rel=1e-3)
 
 
+def test_disaggregated_holds_when_the_bounds_own_plan_would_win(azure):
+    """On this pool the upper bound's plan, refined, is colocated and beats the partition's search:
+    with colocated plans not allowed it must not be returned."""
+    from hetserve.specs.cluster import cluster_from_dict
+
+    pool = cluster_from_dict({"name": "lab", "machines": [
+        {"name": "a", "gpu": "A100-SXM-80G", "count": 4, "site": "s1"},
+        {"name": "b", "gpu": "RTX-4090", "count": 4, "site": "s1"}],
+        "network": {"intra_site": {"bandwidth_gbps": 10, "latency_ms": 0.5}}})
+    plan = ALGORITHMS["hexgen2"](pool, load_model("llama-2-13b"), azure,
+                                 PlanOptions(seed=0, allow_colocated=False, time_limit_s=60))
+    assert {r.role for r in plan.replicas} == {"prefill", "decode"}, plan.estimate["notes"]
+
+
 # ----------------------------------------------------------------------------- infeasible pools
 
 

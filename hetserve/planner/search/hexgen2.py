@@ -228,6 +228,8 @@ def _run(name: str, cluster: Cluster, model: ModelSpec, workload: Workload, opti
         start = bound_start(ctx, budget.bound_time_s())
         if start is not None and evaluator.score(start) > 0:
             seeded = refine(ctx, evaluator, start, budget, mover, rng, max(2, restarts // 2), patience, stall)
+        if seeded is not None and not options.allow_colocated and any(g.role == "colocated" for g in seeded):
+            seeded = None  # the bound's plan keeps colocated groups: not a plan of prefill and decode replicas
     plan = _choose(ctx, evaluator, best, name, options, budget, () if seeded is None else (seeded,), reference)
     if seeded is not None and (v := evaluator.score(seeded)) > plan.estimate["throughput_tokens_per_s"] * (1 + 1e-6):
         budget.credit("final", "bound's plan, refined", v - plan.estimate["throughput_tokens_per_s"])

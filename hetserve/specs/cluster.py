@@ -312,6 +312,10 @@ def _topology(spec: _ClusterFile, source: str, machine_gpu: dict[str, GpuType]) 
             # a machine-site pair or one name twice would never match a device pair
             raise SpecError(source, f"network.links.{li}.between",
                             "two machine names or two different site names", f"{x}, {y}")
+        if (x, y) in links or (x, y) in pipes:  # a second entry would silently replace the first
+            first = next(i for i, e in enumerate(net.links) if set(e.between) == {x, y})
+            raise SpecError(source, f"network.links.{li}.between",
+                            f"each pair once (network.links.{first} already joins {x} and {y})", f"{x}, {y}")
         kind, table = ("link", links) if x in machines else ("pipe", pipes)
         for a, b in ((x, y), (y, x)):
             table[(a, b)] = Resource(f"{kind}:{a}>{b}", kind, o.bandwidth_gbps * GBPS, o.latency_ms * MS)

@@ -193,6 +193,16 @@ def test_links_between_must_be_two_machines_or_two_sites(tmp_path, pair):
     assert err.field == "network.links.0.between"
 
 
+@pytest.mark.parametrize("second", ["[a0, b0]", "[b0, a0]"])
+def test_a_pair_linked_twice_is_refused_not_overwritten(tmp_path, second):
+    err = spec_error(tmp_path, TWO_BOXES + f"""\
+  links:
+    - {{between: [a0, b0], bandwidth_gbps: 1, latency_ms: 30}}
+    - {{between: {second}, bandwidth_gbps: 7, latency_ms: 30}}
+""")
+    assert err.field == "network.links.1.between" and "network.links.0 already joins" in str(err)
+
+
 def test_links_between_needs_two_names(tmp_path):
     err = spec_error(tmp_path, TWO_BOXES + """\
   links:

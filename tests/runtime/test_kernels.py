@@ -216,7 +216,7 @@ def test_a_killed_builds_lock_does_not_stop_the_next_build():
     """torch's build lock outlives a build that was killed; the next build must not wait on it forever."""
     from torch.utils import cpp_extension
 
-    stale = os.path.join(cpp_extension._get_build_directory(native.NAME, False), "lock")
+    stale = os.path.join(cpp_extension._get_build_directory(native.build_name(), False), "lock")
     open(stale, "w").close()
     code = "from hetserve.runtime.kernels import native; native._build(); print('built')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

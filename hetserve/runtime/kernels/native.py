@@ -5,8 +5,8 @@ plain-torch path gathers every context into a padded grid first. ``store_kv``, `
 ``rotary`` each do in one pass what takes a layer 5-12 torch operators. The sources are compiled
 once per machine and source version by ``torch.utils.cpp_extension`` (g++ and ninja; one
 translation unit, about 20 s of one core, kept under ``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``; concurrent builders wait for one another, and a killed build's
-lock does not stop the next) and loaded as ``torch.ops.hetserve_cpu``. Where it cannot be built
+``~/.cache/torch_extensions``, a folder per source version and CPU; concurrent builders wait for
+one another, and a killed build's lock does not stop the next) and loaded as ``torch.ops.hetserve_cpu``. Where it cannot be built
 (no compiler, or ``HETSERVE_NATIVE_KERNELS=0``) ``available()`` is False, says why once in the
 log, and the kernels stay the plain-torch ones.
 
@@ -22,6 +22,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 from pathlib import Path
 
 import torch
@@ -50,28 +51,51 @@ def available() -> bool:
     return True
 
 
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
+
+
+def build_name() -> str:
+    """The build's name, and so its folder under torch's extensions root: one per source version,
+    flags and CPU. Two checkouts of different versions on one machine (or one home folder shared
+    by machines of different CPUs, the build being -march=native) each keep their own build rather
+    than rebuilding over the other's."""
+    h = hashlib.sha256()
+    for p in (UNIT, *SOURCES):
+        h.update(p.read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(_cpu_model().encode())
+    return f"{NAME}_{h.hexdigest()[:12]}"
+
+
+def _cpu_model() -> str:
+    """The CPU's name and instruction-set flags (its first core's), which -march=native compiles for."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().split("\n\n", 1)[0].splitlines()
+    except OSError:
+        return platform.processor()
+    return "\n".join(line for line in lines if line.startswith(("model name", "flags")))
+
+
 def _build() -> None:
     """Build (or load the cached build of) the kernels, one process at a time.
 
     torch's own build lock is a file that a killed build leaves behind, and every later build waits
     on it forever. Builders here first take an OS lock on a file beside it, which the kernel
-    releases when its holder dies: whoever holds it knows that a torch lock left there is stale."""
+    releases when its holder dies: whoever holds it knows that a torch lock left there is stale
+    (only builders of this very version use this folder: ``build_name``)."""
     from torch.utils import cpp_extension
 
-    build_dir = Path(cpp_extension._get_build_directory(NAME, False))
+    name = build_name()
+    build_dir = Path(cpp_extension._get_build_directory(name, False))
     with open(build_dir / "hetserve-build.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         stale = build_dir / "lock"
         if stale.exists():
             log.warning("removing %s, the build lock of a build that was killed", stale)
             stale.unlink()
-        # torch rebuilds when the listed source or the flags change; the included sources count
-        # through a flag holding their digest
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:16]
-        cpp_extension.load(name=NAME, sources=[str(UNIT)], is_python_module=False, build_directory=str(build_dir),
-                           extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp",
-                                         f"-DHETSERVE_SOURCES_DIGEST={digest}"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
+        cpp_extension.load(name=name, sources=[str(UNIT)], is_python_module=False, build_directory=str(build_dir),
+                           extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -80,3 +80,25 @@ def network_warnings(plan: Plan, cluster: Cluster, model: ModelSpec) -> list[str
     return [f"{t.name} ({t.kind.replace('_', ' ')}) carries {t.gbps:.3g} Gbit/s of planned traffic, "
             f"{t.utilisation:.0%} of its {t.capacity * 8 / 1e9:.3g} Gbit/s"
             for t in plan_traffic(plan, cluster, model) if t.utilisation > OVERLOAD_WARN]
+
+
+def nothing_served(plan: Plan, cluster: Cluster, model: ModelSpec) -> str:
+    """Why a plan whose estimate serves 0 tokens/s is of no use, with the numbers: the narrowest
+    shared resource its hand-offs cross (a pipeline's activations, a KV route's cache), where that
+    is what starves it, else that its replicas' own capacity rounds to nothing."""
+    cost = CostModel(cluster, model)
+    layouts = {r.id: r.layout(cluster) for r in plan.replicas}
+    crossed = set()
+    for r in plan.replicas:
+        crossed |= set(cost.pp_resource_bytes(layouts[r.id], 1.0))
+    for k in plan.kv_routes:
+        crossed |= set(cost.kv_resource_bytes(layouts[k.src], layouts[k.dst], 1.0))
+    what = f"the best plan found on {cluster.name} serves 0 tokens/s"
+    if "slo" in plan.estimate:
+        what += " within the SLOs"
+    narrow = min(crossed, key=lambda r: r.bandwidth, default=None)
+    if narrow is not None:
+        return (f"{what}: its hand-offs cross {narrow.name} ({narrow.kind.replace('_', ' ')}) at "
+                f"{narrow.bandwidth * 8 / 1e9:.3g} Gbit/s, and every placement of {model.name} needs a link "
+                f"like it (more bandwidth there, or devices that hold the model without it)")
+    return f"{what}: its replicas' capacity rounds to nothing (a longer --period, or faster devices)"

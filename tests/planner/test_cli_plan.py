@@ -65,3 +65,17 @@ def test_explain_prints_the_cut_and_a_what_if_table_with_each_re_plans_bound(cap
     assert "what bounds this plan" in text and "what-ifs" in text
     rows = [line for line in text.splitlines() if "+1 " in line]
     assert rows and all(line.rstrip(" │|").split()[-1].replace(",", "").isdigit() for line in rows), rows
+
+
+def test_a_plan_that_serves_nothing_is_refused_naming_the_link(tmp_path, capsys):
+    """Two single-GPU sites that each cannot hold the model, joined by a link of almost no bandwidth:
+    the best plan serves 0 tokens/s; the command says why, with the link's figure, and writes nothing."""
+    pool = tmp_path / "slow.yaml"
+    pool.write_text("name: slow\nmachines:\n  - {name: a, gpu: RTX-4090, count: 1, site: s1}\n"
+                    "  - {name: b, gpu: RTX-4090, count: 1, site: s2}\n"
+                    "network:\n  inter_site: {bandwidth_gbps: 1e-9, latency_ms: 100000}\n")
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", str(pool), "--model", "llama-2-13b", "--quiet", "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "serves 0 tokens/s" in err and "pipe:s1>s2" in err and "1e-09 Gbit/s" in err, err
+    assert not out.exists()

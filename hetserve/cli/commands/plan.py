@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hetserve.errors import PlanError
+from hetserve.errors import InfeasibleError, PlanError
 
 BUSIEST_RESOURCES = 4  # shared NICs / pipes printed under a plan
 # algorithms whose plans hold colocated replicas only, so --disaggregated cannot act on them
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hetserve.cost.efficiency import load_efficiency
     from hetserve.planner import ALGORITHMS, PlanOptions, validate_plan
-    from hetserve.planner.traffic import network_warnings
+    from hetserve.planner.traffic import network_warnings, nothing_served
     from hetserve.specs.cluster import load_cluster
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import load_workload
@@ -138,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_comparison(console, plans)
     best = max(plans, key=lambda p: p.estimate.get("throughput_tokens_per_s", 0.0))
+    if best.estimate.get("throughput_tokens_per_s", 0.0) <= 0:  # nothing worth writing: say why instead
+        raise InfeasibleError(nothing_served(best, cluster, model))
     if args.output:
         if Path(args.cluster).is_file():  # made on a file, not a preset: the plan says which, and its digest
             best = replace(best, cluster_file=ClusterFile.of(args.cluster))

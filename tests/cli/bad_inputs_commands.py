@@ -158,6 +158,7 @@ PLAN_CASES = [
     C("plan-output-is-input", PLAN_CMD + " -o {d}/t.csv", ("--output", "--workload")),
     C("plan-class-leaves-none", PLAN_CMD + " --workload-class HPHD", ("HPHD",)),
     C("plan-all-beyond-context", PLAN_CMD.replace("t.csv", "l.csv"), ("l.csv", "4096"), {"l.csv": LONG}),
+    C("plan-algorithm-and-compare", PLAN_CMD + " --algorithm genetic --compare hexgen2", ("--algorithm", "--compare")),
     C("plan-disaggregated-hexgen", PLAN_CMD + " --algorithm hexgen --disaggregated", ("--disaggregated", "hexgen")),
     C("plan-disaggregated-uniform", PLAN_CMD + " --algorithm uniform --disaggregated",
       accepted="uniform's plans are prefill and decode replicas already: --disaggregated asks for what it does"),

@@ -21,7 +21,7 @@ def register(subparsers) -> None:
     p.add_argument("--workload", default="azure-conv", help="workload preset or CSV trace (default: azure-conv)")
     p.add_argument("--workload-class", choices=("HPLD", "HPHD", "LPHD", "LPLD"),
                    help="plan for one HexGen-2 request class of the trace only")
-    p.add_argument("--algorithm", default="hexgen2", help="one of: hexgen2 (default), random-swap, genetic, "
+    p.add_argument("--algorithm", help="one of: hexgen2 (default), random-swap, genetic, "
                    "uniform, hexgen, exact, exact-colocated")
     p.add_argument("--compare", metavar="A,B,...", help="run several algorithms and print them side by side")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -89,7 +89,10 @@ def run(args: argparse.Namespace) -> int:
                    {"--cluster": args.cluster, "--workload": args.workload, "--efficiency": args.efficiency})
     if args.plot:
         check_plot_file(args.plot, "--plot")
-    names = [a.strip() for a in (args.compare or args.algorithm).split(",") if a.strip()]
+    if args.compare and args.algorithm:  # one of them would be ignored
+        raise PlanError(f"--algorithm {args.algorithm} and --compare {args.compare}: give one (--compare runs "
+                        f"each algorithm it names)")
+    names = [a.strip() for a in (args.compare or args.algorithm or "hexgen2").split(",") if a.strip()]
     if not names:
         raise PlanError(f"--compare: expected algorithm names separated by commas ({', '.join(ALGORITHMS)}), "
                         f"got {args.compare!r}")

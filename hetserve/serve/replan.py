@@ -61,11 +61,17 @@ class Replanner:
             new_cluster = load_cluster(cluster) if cluster else eng.cluster
             # the request's view of the lost devices; kept only once a plan is made (a refused
             # re-plan must not leave its devices behind for the next one)
-            new_lost = set(lost) if lost is not None else set(self.lost)
-            new_lost -= set(returned or ())
-            unknown = sorted(d for d in new_lost | set(returned or ()) if not new_cluster.has_device(d))
+            was_lost = set(lost) if lost is not None else set(self.lost)
+            back = set(returned or ())
+            unknown = sorted(d for d in was_lost | back if not new_cluster.has_device(d))
             if unknown and (lost is not None or returned):
                 raise PlanError(f"re-plan: devices {unknown} are not in cluster {new_cluster.name!r}")
+            if lost is not None and was_lost & back:
+                raise PlanError(f"re-plan: devices {sorted(was_lost & back)} are named both lost and returned")
+            if back - was_lost:  # returning what never left would re-plan for nothing
+                raise PlanError(f"re-plan: returned devices {sorted(back - was_lost)} are not lost (lost now: "
+                                f"{sorted(was_lost) or 'none'})")
+            new_lost = was_lost - back
             dead = {rid for rid, s in eng.stats().get("replicas", {}).items() if not s.get("alive", True)}
             spec = model_spec(eng.arch, DTYPE_BYTES[eng.dtype])
             plan = replan(new_cluster, spec, load_workload(self.workload), eng.plan, new_lost,

@@ -225,9 +225,12 @@ def test_killed_backend_loses_no_request_that_had_not_streamed(backends, tmp_pat
     try:
         out = asyncio.run(scenario())
         metrics = httpx.get(f"{route.url}/metrics").text
+        health = httpx.get(f"{route.url}/health")
     finally:
         route.stop()
     assert all(s == 200 for s, _ in out)
+    # s0 still serves: degraded, as `serve` says of a replica down
+    assert health.status_code == 200 and health.json() == {"status": "degraded", "backends": {"s0": True, "s1": False}}
     # none had streamed from s1 when it died: every request completes, all four tokens, on s0 at the end
     for _, text in out:
         assert '"error"' not in text and text.count("data: ") == 5, text

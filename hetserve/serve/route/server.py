@@ -84,7 +84,9 @@ def create_app(router: Router):
         up = {b.id: b.alive for b in router.pool.config.backends}
         ok = any(up[b.id] for b in router.pool.entry) and (not router.pool.decode or any(
             up[b.id] for b in router.pool.decode))
-        return JSONResponse({"status": "ok" if ok else "unavailable", "backends": up}, status_code=200 if ok else 503)
+        # as `serve`'s /health: degraded while a backend is down but the rest can still serve
+        status = "unavailable" if not ok else "ok" if all(up.values()) else "degraded"
+        return JSONResponse({"status": status, "backends": up}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics():

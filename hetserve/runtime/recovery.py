@@ -111,9 +111,13 @@ class Recovery:
                 self._change_role(s.id, "colocated")
         self.deaths.append({"worker": name, "replica": rid, "why": why, "at": time.monotonic(),
                             "requests": len(rerun)})
-        roles = ", ".join(f"{s.id} {s.role}" for s in self.schedulers.values() if s.alive) or "none"
-        log.warning("%s: replica %s out of service, %d request(s) re-run; live replicas: %s",
-                    why, rid, len(rerun), roles)
+        roles = ", ".join(f"{s.id} {s.role}" for s in self.schedulers.values() if s.alive)
+        if roles:
+            log.warning("%s: replica %s out of service, %d request(s) re-run; live replicas: %s",
+                        why, rid, len(rerun), roles)
+        else:  # nothing left to re-run on: they wait for a re-plan or fail (_no_replica_left says which)
+            log.warning("%s: replica %s out of service, the last one; %d request(s) it held wait for a re-plan "
+                        "or fail", why, rid, len(rerun))
         self._rerun(sorted(rerun, key=lambda q: q.id), why)
         alive = [s for s in self.schedulers.values() if s.alive]
         if not any(s.serves_prefill for s in alive) or not any(s.serves_decode for s in alive):

@@ -223,3 +223,15 @@ def test_runnable_elsewhere(files):
     tmp, write = files
     for engine, plan in (("hetserve", MIXED_PLAN), ("vllm", UNEVEN_NODES_PLAN), ("sglang", PIPELINED_DECODE_PLAN)):
         assert export(tmp, write(f"{engine}.json", plan), engine)[0] == 0
+
+
+def test_a_preset_name_left_as_the_model_is_pointed_out(files, capsys):
+    """Without --model the scripts load the plan's model name; a preset's name is no checkpoint an
+    engine can load, and the command says so (with --model it says nothing)."""
+    tmp, write = files
+    plan = write("pd.json", PD_PLAN)
+    assert main(["export", "--plan", str(plan), "--cluster", str(tmp / "cluster.yaml"), "--to", "vllm",
+                 "-o", str(tmp / "no-model")]) == 0
+    assert "export again with --model PATH" in capsys.readouterr().out
+    assert export(tmp, plan, "vllm")[0] == 0
+    assert "--model PATH" not in capsys.readouterr().out

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.cli.output_path import check_output_folder
     from hetserve.export import export_bundle
     from hetserve.planner.plan import Plan
-    from hetserve.specs.model import load_model
+    from hetserve.specs.model import load_model, model_presets
 
     from hetserve.errors import SpecError
 
@@ -53,4 +53,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {len(written)} files to {args.output}: " + ", ".join(
         str(p.relative_to(args.output)) for p in written))
     print(f"start it as {Path(args.output) / 'README.md'} says")
+    if not args.model and plan.model in model_presets():  # a preset's name is no checkpoint an engine loads
+        print(f"note: the scripts load the model as '{plan.model}', the name of hetserve's preset; an engine needs "
+              f"the checkpoint's path or hub name there: export again with --model PATH")
     return 0

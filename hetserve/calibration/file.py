@@ -56,6 +56,20 @@ def served_efficiency(path: str | Path, slowdown: float = 1.0) -> Efficiency:
     return replace(eff, seq_overhead_s=eff.seq_overhead_s + stream).at_speed(slowdown)
 
 
+def foreign_calibration(path: str | Path, gpu_types: set[str]) -> str | None:
+    """A warning when the file was calibrated as a GPU type the pool does not have (its factors are
+    then applied to other devices unchanged), naming where it was measured; None when it matches
+    or is a plain efficiency mapping (no ``gpu``)."""
+    data = read_mapping(Path(path))
+    gpu = data.get("gpu")
+    if not isinstance(gpu, str) or gpu in gpu_types:
+        return None
+    on = data.get("measured_on") if isinstance(data.get("measured_on"), dict) else {}
+    where = ", ".join(str(on[k]) for k in ("device", "date") if on.get(k))
+    return (f"{path} was calibrated as {gpu}" + (f" (measured on {where})" if where else "") +
+            f"; this pool has {', '.join(sorted(gpu_types))}: its efficiency factors are applied to them unchanged")
+
+
 def load_speed_probe(path: str | Path) -> SpeedReading | None:
     """``speed_probe`` of a calibration file (None: calibrated before the probe existed)."""
     return _speed_probe(_read(path))

@@ -79,3 +79,18 @@ def test_a_plan_that_serves_nothing_is_refused_naming_the_link(tmp_path, capsys)
     err = capsys.readouterr().err.strip()
     assert "serves 0 tokens/s" in err and "pipe:s1>s2" in err and "1e-09 Gbit/s" in err, err
     assert not out.exists()
+
+
+def test_a_calibration_of_another_gpu_type_is_pointed_out(tmp_path, capsys):
+    """--efficiency from a calibration made as a GPU type the pool lacks: planned with, and said."""
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"gpu": "H100-SXM-80G", "efficiency": {},
+                               "measured_on": {"device": "AMD EPYC", "date": "2026-11-30 13:46 UTC"}}))
+    args = ["plan", "--cluster", "demo-cpu", "--model", "llama-2-7b", "--algorithm", "uniform", "--quiet"]
+    assert main(args + ["--efficiency", str(cal)]) == 0
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "calibrated as H100-SXM-80G (measured on AMD EPYC, 2026-11-30 13:46 UTC)" in out
+    assert "L4, RTX-4090" in out
+    cal.write_text(json.dumps({"gpu": "L4", "efficiency": {}}))
+    assert main(args + ["--efficiency", str(cal)]) == 0
+    assert "calibrated as" not in capsys.readouterr().out

@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from hetserve.calibration.file import foreign_calibration
     from hetserve.cost.efficiency import load_efficiency
     from hetserve.planner import ALGORITHMS, PlanOptions, validate_plan
     from hetserve.planner.traffic import network_warnings, nothing_served
@@ -110,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
     if args.workload_class:
         workload = workload.of_class(args.workload_class)
     console = Console()
+    if args.efficiency and (note := foreign_calibration(args.efficiency, {d.gpu.name for d in cluster.devices})):
+        console.print(f"[yellow]warning[/]: {note}", soft_wrap=True)
     workload = _servable(workload, model, console, args.workload)
     plans = []
     for name in names:

@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from hetserve.calibration.file import foreign_calibration
+    from hetserve.cli.search_log import plot_convergence, write_history
     from hetserve.cost.efficiency import load_efficiency
     from hetserve.planner import ALGORITHMS, PlanOptions, validate_plan
     from hetserve.planner.traffic import network_warnings, nothing_served
@@ -359,35 +360,6 @@ def print_engine_cost(console, plan, cluster, model, workload, options, hexgen2)
                   f"them, {row['unrestricted_tokens_per_s']:,.1f} unrestricted (hexgen2, same options) "
                   f"({row['engine_tokens_per_s'] / max(row['unrestricted_tokens_per_s'], 1e-9) - 1:+.1%}); "
                   + (f"bound {ub:,.1f} tokens/s" if ub else "no bound"))
-
-
-def write_history(plans, path: str | Path) -> None:
-    """The search logs of ``plans`` as one JSON file: ``{"runs": [log, ...]}``."""
-    import json
-
-    runs = [p.search_log or {"algorithm": p.algorithm} for p in plans]
-    Path(path).write_text(json.dumps({"model": plans[0].model, "cluster": plans[0].cluster, "runs": runs},
-                                     indent=1) + "\n")
-
-
-def plot_convergence(plans, path: str | Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for p in plans:
-        hist = (p.search_log or {}).get("history", [])
-        if hist:
-            ax.step([h[0] for h in hist], [h[1] for h in hist], where="post", label=p.algorithm)
-    ax.set_xlabel("search time (s)")
-    ax.set_ylabel("best estimated throughput (tokens/s)")
-    ax.set_title(f"{plans[0].model} on {plans[0].cluster}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _servable(workload, model, console, source: str):

@@ -1,0 +1,34 @@
+"""What `hetserve plan --history` and `--plot` write: the searches' logs and their convergence curves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_history(plans, path: str | Path) -> None:
+    """The search logs of ``plans`` as one JSON file: ``{"runs": [log, ...]}``."""
+    import json
+
+    runs = [p.search_log or {"algorithm": p.algorithm} for p in plans]
+    Path(path).write_text(json.dumps({"model": plans[0].model, "cluster": plans[0].cluster, "runs": runs},
+                                     indent=1) + "\n")
+
+
+def plot_convergence(plans, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for p in plans:
+        hist = (p.search_log or {}).get("history", [])
+        if hist:
+            ax.step([h[0] for h in hist], [h[1] for h in hist], where="post", label=p.algorithm)
+    ax.set_xlabel("search time (s)")
+    ax.set_ylabel("best estimated throughput (tokens/s)")
+    ax.set_title(f"{plans[0].model} on {plans[0].cluster}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

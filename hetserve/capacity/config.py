@@ -109,9 +109,12 @@ def best_worker_config(cluster: Cluster, model: ModelSpec, slo: SLO, mean_input:
                        degrees: Sequence[int] = DEFAULT_DEGREES, gpu_name: str | None = None,
                        efficiency: Efficiency | None = None) -> WorkerOption:
     """The feasible degree with the highest per-GPU throughput (ties: fewer GPUs)."""
-    opts = [o for o in worker_options(cluster, model, slo, mean_input, mean_output, degrees, gpu_name, efficiency)
-            if o.feasible]
+    every = worker_options(cluster, model, slo, mean_input, mean_output, degrees, gpu_name, efficiency)
+    opts = [o for o in every if o.feasible]
     if not opts:
+        if all(o.limit == "memory" for o in every):  # not the SLOs: the model does not fit at all
+            raise InfeasibleError(f"no worker of {list(degrees)} GPUs holds {model.name} and any KV cache on "
+                                  f"{cluster.name}: its weights alone take {model.weight_bytes / 1e9:.0f} GB")
         raise InfeasibleError(f"no worker of {list(degrees)} GPUs serves {model.name} within the SLOs "
                               f"(TTFT {slo.ttft_s}, ATGT {slo.tpot_s}) on {cluster.name}")
     return max(opts, key=lambda o: (o.tokens_per_s_per_gpu, -o.gpus))

@@ -65,8 +65,12 @@ def test_eq6_slo_bound_batch_and_infeasible():
     pool = homogeneous_cluster("A100-SXM-80G", 4, 4)
     o = next(o for o in worker_options(pool, model, SLO(None, 0.015), 300, 300) if o.gpus == 1)
     assert o.limit == "atgt" and o.iteration_s <= 0.015
-    with pytest.raises(InfeasibleError):
+    with pytest.raises(InfeasibleError, match="within the SLOs"):
         best_worker_config(pool, model, SLO(None, 0.001), 300, 300)  # faster than one token can go
+    # a model no worker can hold is said to be that, not an SLO miss
+    with pytest.raises(InfeasibleError, match="holds llama-2-70b and any KV cache on 8xT4: its weights alone "
+                                              "take 138 GB"):
+        best_worker_config(homogeneous_cluster("T4", 8, 4), load_model("llama-2-70b"), SLO(2.0, 0.2), 300, 300)
 
 
 def test_fluid_workers_scale_with_rate():

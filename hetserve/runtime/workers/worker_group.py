@@ -143,8 +143,10 @@ class WorkerGroup:
                     err = self._drain_error(name, recv=recv)
                     raise self._startup_failure(name, what, err, p.exitcode)
             if time.monotonic() > deadline:
-                missing = sorted(set(procs) - set(got))
-                raise RuntimeFailure(f"workers {missing} did not {what} within {self.start_timeout_s:.0f} s")
+                missing = ", ".join(sorted(set(procs) - set(got)))
+                raise RuntimeFailure(f"worker(s) {missing}: did not {what} within {self.start_timeout_s:.0f} s "
+                                     f"(EngineConfig.start_timeout_s); a machine busy with other work, or a model "
+                                     f"too big for the host's memory, can take longer")
         return got
 
     def _drain_error(self, name: str, wait: float = 1.0, recv=None) -> str | None:

@@ -145,7 +145,7 @@ def test_the_engine_checks_the_dtype_and_gives_each_worker_its_threads(tmp_path,
 
     monkeypatch.delenv(OMP_WAIT_ENV, raising=False)
     monkeypatch.delenv(OMP_SPIN_ENV, raising=False)
-    monkeypatch.setattr(engine_module, "CheckpointReader", lambda d: type("R", (), {"close": lambda self: None})())
+    monkeypatch.setattr(engine_module, "check_weights", lambda d: None)
     monkeypatch.setattr("hetserve.runtime.engine_config.host_cores", lambda: 4)
     seen = []
 

@@ -19,14 +19,8 @@
 # A 7B-shaped model served through `hetserve serve` (start-up, prefill against bf16 peak, tokens/s
 # against transformers): bench/gpu/serve.sh, in a command of its own (240 s). This script measures the channel itself.
 set -u
-case "${1:-}" in
-  ""|--cpu) ;;
-  -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
-  *) echo "dataflow.sh: unknown argument '$1' (none, --cpu or --help)" >&2; exit 2 ;;
-esac
-cd "$(dirname "$0")/../.."
-if [ "${1:-}" = "--cpu" ]; then
-  export GPU=${GPU:-cpu} PY=${PY:-.venv/bin/python} OUT=${OUT:-$PWD/out/gpu-cpu} NO_WHEELS=1
+. "$(dirname "$0")/args.sh"  # --cpu / --help; the repository root
+if [ -n "$CPU_RUN" ]; then
   DEVICE=cpu SHAPE=tiny
 else
   DEVICE=cuda SHAPE=7b

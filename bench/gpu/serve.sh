@@ -22,14 +22,8 @@
 # Alone in one device command (240 s of limit): OUT=$OUT bash bench/gpu/serve.sh; after step.sh and
 # dataflow.sh (300 + 200 s) it needs a second command: the tool allows 600 s per command.
 set -u
-case "${1:-}" in
-  ""|--cpu) ;;
-  -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
-  *) echo "serve.sh: unknown argument '$1' (none, --cpu or --help)" >&2; exit 2 ;;
-esac
-cd "$(dirname "$0")/../.."
-if [ "${1:-}" = "--cpu" ]; then
-  export GPU=${GPU:-cpu} PY=${PY:-.venv/bin/python} OUT=${OUT:-$PWD/out/gpu-cpu} NO_WHEELS=1
+. "$(dirname "$0")/args.sh"  # --cpu / --help; the repository root
+if [ -n "$CPU_RUN" ]; then
   NEEDS="transformers fastapi starlette uvicorn prometheus_client"
 else
   NEEDS="transformers triton fastapi starlette uvicorn prometheus_client"

@@ -17,14 +17,8 @@
 #   OUT=$OUT bash bench/gpu/step.sh; OUT=$OUT bash bench/gpu/dataflow.sh
 # The third, a 7B shape served through `hetserve serve`: bench/gpu/serve.sh, a command of its own (240 s).
 set -u
-case "${1:-}" in
-  ""|--cpu) ;;
-  -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
-  *) echo "step.sh: unknown argument '$1' (none, --cpu or --help)" >&2; exit 2 ;;
-esac
-cd "$(dirname "$0")/../.."
-if [ "${1:-}" = "--cpu" ]; then
-  export GPU=${GPU:-cpu} PY=${PY:-.venv/bin/python} OUT=${OUT:-$PWD/out/gpu-cpu} NO_WHEELS=1
+. "$(dirname "$0")/args.sh"  # --cpu / --help; the repository root
+if [ -n "$CPU_RUN" ]; then
   NEEDS=transformers
 else
   NEEDS="transformers triton"

@@ -358,4 +358,3 @@ def _size(nbytes: int) -> str:
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
-

@@ -19,6 +19,8 @@ import json
 import re
 from pathlib import Path
 
+from hetserve.errors import SpecError
+
 MARKER = "random_weights.json"
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -32,8 +34,6 @@ def read_marker(model_dir: str | Path) -> dict | None:
     path = Path(model_dir) / MARKER
     if not path.is_file():
         return None
-    from hetserve.errors import SpecError
-
     try:
         recipe = json.loads(path.read_text())
         return {"seed": int(recipe["seed"]), "init_std": float(recipe["init_std"])}

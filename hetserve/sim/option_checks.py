@@ -42,6 +42,11 @@ def transmission_note(plan: Plan, plan_source: str, transmission: str, pipeline:
                              f"--transmission")
         return ("error", f"{opt} has nothing to schedule: {plan_source} has no KV hand-offs and no replica of "
                          f"several stages, so no message crosses a link; drop --transmission")
+    if transmission == "molink" and "decode" not in kinds:
+        # MoLink's rule is decode activations first, bulk traffic in chunks fitted between them
+        return ("warning", f"{opt} sends decode activations ahead of bulk traffic: only KV hand-offs cross "
+                           f"{plan_source}'s links here, which it sends one after another as serial does"
+                           + (" (--pipeline detailed puts the pipelines' activations on the links)" if piped else ""))
     if piped and pipeline == "aggregate":
         return ("warning", f"{opt} schedules only the KV hand-offs under --pipeline aggregate; the activations of "
                            f"{plan_source}'s pipelined replicas ({names}) are priced inside their steps, not sent "

@@ -90,7 +90,16 @@ def test_transmission_on_kv_only_warns_about_the_pipelines(pool, capsys):
     # no pipelines: KV hand-offs are all the links carry, and the choice acts on them
     assert sim(pool, "pd.json", "--workload", "azure-conv", "--limit", "10", "--transmission", "serial",
                "--json") == 0
-    assert "transmission" not in capsys.readouterr().err
+    out = capsys.readouterr()
+    assert "transmission" not in out.err
+    # MoLink's decode-first rule has no decode traffic to put first: it is said, and it sends as serial does
+    serial = json.loads(out.out)
+    assert sim(pool, "pd.json", "--workload", "azure-conv", "--limit", "10", "--transmission", "molink",
+               "--json") == 0
+    out = capsys.readouterr()
+    assert "warning: --transmission molink sends decode activations ahead of bulk traffic" in out.err
+    molink = json.loads(out.out)
+    assert molink["ttft_s"] == serial["ttft_s"] and molink["e2e_s"] == serial["e2e_s"]
 
 
 def test_rejected_requests_in_the_json_and_the_table(pool, capsys):

@@ -86,12 +86,14 @@ def check_memory(layout: tuple[ReplicaSpec, ...], cluster: Cluster, cfg: ArchCon
 
 
 def build_layout(plan: Plan, cluster: Cluster, cfg: ArchConfig, device_of: dict[str, str],
-                 source: str = "plan") -> tuple[ReplicaSpec, ...]:
-    """Check ``plan`` against the checkpoint ``cfg`` and ``cluster`` (the planner's one set of plan
-    checks, ``check_runnable``); return the runtime layout."""
+                 source: str = "plan", checkpoint: str | None = None) -> tuple[ReplicaSpec, ...]:
+    """Check ``plan`` against the checkpoint ``cfg`` (read from the folder ``checkpoint``, which the
+    errors name) and ``cluster`` (the planner's one set of plan checks, ``check_runnable``); return
+    the runtime layout."""
     # only shapes matter to the checks; the checkpoint stands for the plan's model, whatever its name
     spec = model_spec(cfg, DTYPE_BYTES["float32"])
-    check_runnable(plan, cluster, dataclasses.replace(spec, name=f"the checkpoint ({spec.name})"), source)
+    name = f"the checkpoint {checkpoint}" if checkpoint else f"the checkpoint ({spec.name})"
+    check_runnable(plan, cluster, dataclasses.replace(spec, name=name), source)
     return tuple(_replica_spec(r, cluster, cfg, device_of) for r in plan.replicas)
 
 

@@ -118,7 +118,8 @@ class Engine:
                 device_of = {d: "cpu" for d in plan.devices}
         dtype = config.dtype or (arch.dtype if use_cuda else "float32")
         check_dtype(dtype, set(device_of.values()))
-        layout = build_layout(plan, cluster, arch, device_of, source=f"plan for {plan.model!r}")
+        layout = build_layout(plan, cluster, arch, device_of, source=f"plan for {plan.model!r}",
+                              checkpoint=str(model_dir))
         capacity = kv_capacity(layout, cluster, arch, dtype, config, memory_is_real(device_of, cluster, use_cuda))
         check_weights(model_dir)  # a missing checkpoint is reported here, not by every worker
         engine = cls(plan, layout, arch, str(model_dir), dtype, capacity, config,

@@ -163,8 +163,9 @@ def test_plan_checkpoint_mismatch_is_a_plan_error(model_dirs, cluster_file, plan
     from hetserve.runtime.engine import Engine
 
     plan = plans.single(((("m0:0",), (0, 2)), (("m0:1",), (2, 4))))  # 4 layers, checkpoint has 3
-    with pytest.raises(PlanError, match=r"stages reach layer 4, beyond the checkpoint .*3 layers"):
+    with pytest.raises(PlanError, match=r"stages reach layer 4, beyond the checkpoint .*3 layers") as err:
         Engine.from_plan(plan, cluster_file, model_dirs["llama"])
+    assert str(model_dirs["llama"]) in str(err.value)  # which checkpoint: the folder, not its architecture
     tp3 = plans.single(((("m0:0", "m0:1", "m0:2"), (0, 3)),))  # 3 does not divide 4 heads
     with pytest.raises(PlanError, match="TP degree 3"):
         Engine.from_plan(tp3, cluster_file, model_dirs["llama"])

@@ -137,7 +137,7 @@ class PlanContext:
                 f"{m.name} needs {fmt_gb(m.weight_bytes)} for its weights alone, the pool {self.cluster.name} has "
                 f"{fmt_gb(sum(self.memory))} ({fmt_gb(sum(self.usable_memory))} usable at "
                 f"{self.cost.eff.usable_memory:.0%}) over "
-                f"{self.num_devices} devices")
+                f"{self.num_devices} device{'' if self.num_devices == 1 else 's'}")
 
     def no_replica_error(self) -> InfeasibleError:
         """The pool has memory for the weights but no group found a layout that fits (or, under SLOs,

@@ -17,7 +17,6 @@ from hetserve.specs.cluster import load_cluster
 from hetserve.specs.model import load_model
 
 
-
 # ----------------------------------------------------------------------------- exact vs hexgen2
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,14 +160,18 @@ def build(opts: ServeOptions) -> Deployment:
     ctx = policy_context(opts, plan, cluster)
     placement = make_placement(opts.placement, ctx)
     routes = PlanRoutes(plan, make_route(opts.route, ctx))
-    codec = HFCodec.from_dir(opts.model_dir)
+    # the tokenizer loads (transformers' imports take seconds) while the workers start in their own
+    # processes, not before them
+    loading = ThreadPoolExecutor(1, thread_name_prefix="hetserve-tokenizer")
+    codec_future = loading.submit(HFCodec.from_dir, opts.model_dir)
+    loading.shutdown(wait=False)
     stats_dir = tempfile.mkdtemp(prefix="hetserve-links-")
     links = LinkSchedulerFactory(cluster, opts.transmission, shape=opts.shape_links, time_scale=opts.time_scale,
                                  stats_dir=stats_dir)
     config = EngineConfig(**{"max_num_seqs": opts.max_num_seqs, "max_batched_tokens": opts.max_batched_tokens,
                              "kv_capacity_tokens": opts.kv_capacity_tokens, "micro_batches": opts.micro_batches,
                              "host": opts.advertise_address, **opts.engine_options})
-    ray_session = None
+    ray_session = engine = None
     try:
         if opts.backend == "ray":
             from hetserve.runtime.workers.ray_backend import RaySession, start_ray_engine
@@ -178,7 +183,10 @@ def build(opts: ServeOptions) -> Deployment:
         else:
             engine = Engine.from_plan(plan, cluster, opts.model_dir, config, link_scheduler=links,
                                       route_policy=routes)
+        codec = codec_future.result()
     except BaseException:
+        if engine is not None:  # the tokenizer failed: the workers started meanwhile stop too
+            engine.shutdown()
         links.close()
         if ray_session is not None:
             ray_session.close()

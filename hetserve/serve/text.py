@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, Sequence
 
+from hetserve.errors import SpecError
+
 
 class Codec(Protocol):
     """``max_token_chars`` (optional; None or absent: unknown): no token covers more characters of
@@ -58,9 +60,14 @@ class HFCodec:
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> "HFCodec":
+        """The folder's tokenizer; one that transformers cannot load is a ``SpecError`` naming the folder."""
         from transformers import AutoTokenizer
 
-        return HFCodec(AutoTokenizer.from_pretrained(str(model_dir)))
+        try:
+            return HFCodec(AutoTokenizer.from_pretrained(str(model_dir)))
+        except Exception as exc:  # noqa: BLE001 - whatever transformers raises for the files it reads
+            raise SpecError(str(model_dir), "tokenizer", "a tokenizer transformers can load (tokenizer.json, "
+                            "tokenizer_config.json)", f"{type(exc).__name__}: {exc}") from exc
 
     def encode(self, text: str) -> list[int]:
         # an over-long prompt is refused with a 400 of the engine's own (policies.request_checks);

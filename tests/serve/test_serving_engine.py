@@ -5,6 +5,7 @@ on a disaggregated plan (prefill TP 2 -> decode with two pipeline stages), throu
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
 import openai
@@ -257,3 +258,26 @@ def test_two_replicas_spread_reject_what_no_pool_holds_and_fail_cleanly(tiny_mod
                     events.append(line[6:])
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
         assert httpx.get(srv.url + "/health").status_code == 503
+
+
+def test_a_tokenizer_that_fails_to_load_stops_the_workers_started_meanwhile(tiny_model, plan_file, tmp_path,
+                                                                             monkeypatch):
+    """The tokenizer loads while the workers start; when it fails, the error names the folder and the
+    workers started meanwhile are stopped, not left running."""
+    import shutil
+
+    from hetserve.errors import SpecError
+    from hetserve.runtime.engine import Engine
+    from hetserve.serve.launch import ServeOptions, build
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    (broken / "tokenizer.json").write_text("{not json")
+    started = []
+    real = Engine.from_plan
+    monkeypatch.setattr(Engine, "from_plan", lambda *a, **k: started.append(real(*a, **k)) or started[-1])
+    with pytest.raises(SpecError, match="tokenizer") as err:
+        build(ServeOptions(plan=str(plan_file), cluster="demo-cpu", model_dir=str(broken), model_name="tiny"))
+    assert str(broken) in str(err.value)
+    (engine,) = started
+    assert engine._closed and all(not os.path.exists(f"/proc/{pid}") for pid in engine.worker_pids().values())

@@ -45,6 +45,18 @@ def test_openai_client_streams_a_chat_completion(serve_fake):
     assert chunks[-1].usage.completion_tokens == 4
 
 
+def test_a_chat_stream_names_the_role_once_as_openai_does(serve_fake):
+    """The first delta carries the role; later ones only their content (no "role": null), the last an
+    empty delta beside its finish reason."""
+    url, _, _ = serve_fake()
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=30, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}) as r:
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert all("role" not in d for d in deltas[1:]) and all(set(d) <= {"content"} for d in deltas[1:]), deltas
+
+
 def test_non_streaming_completion_and_chat_usage(serve_fake):
     url, _, _ = serve_fake(backend=FakeBackend(eos_at=3))
     c = client(url)

@@ -62,7 +62,7 @@ class Coordinator:
         self.backend, self.codec, self.model_name = backend, codec, model_name
         self.placement, self.predictor, self.clock = placement, predictor, clock
         self.metrics = ServerMetrics(lambda: (self._safe_replicas(), self._safe_links()), self._safe_refused,
-                                     self._safe_channels)
+                                     self._safe_channels, self._safe_loads)
         self._seq = itertools.count(1)
         self.in_flight = 0
         self.draining = False  # set by a graceful shutdown: no new request is admitted
@@ -90,6 +90,12 @@ class Coordinator:
     def _safe_channels(self) -> dict[str, dict[str, int]]:
         try:  # a backend without device channels has no such method
             return dict(getattr(self.backend, "channel_stats", dict)())
+        except Exception:  # noqa: BLE001
+            return {}
+
+    def _safe_loads(self) -> dict[str, float]:
+        try:  # a backend without worker processes has no such method
+            return dict(getattr(self.backend, "worker_load_seconds", dict)())
         except Exception:  # noqa: BLE001
             return {}
 

@@ -40,7 +40,8 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0
 class ServerMetrics:
     def __init__(self, backend_snapshot: Callable[[], tuple[list, list]],
                  refused: Callable[[], dict[str, int]] = dict,
-                 channels: Callable[[], dict[str, dict[str, int]]] = dict):
+                 channels: Callable[[], dict[str, dict[str, int]]] = dict,
+                 loads: Callable[[], dict[str, float]] = dict):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry(auto_describe=True)
@@ -58,6 +59,7 @@ class ServerMetrics:
         r.register(_BackendCollector(backend_snapshot))
         r.register(_RefusedCollector(refused))
         r.register(_ChannelCollector(channels))
+        r.register(_LoadCollector(loads))
 
     def observe(self, ttft_s: float | None, e2e_s: float, output_tokens: int) -> None:
         if ttft_s is not None:
@@ -90,6 +92,25 @@ class _RefusedCollector:
         counts = self.refused()
         for reason in ("handshake", "malformed", "busy"):
             fam.add_metric([reason], counts.get(reason, 0))
+        yield fam
+
+
+class _LoadCollector:
+    """Each worker's start-up: seconds to make its stage (read or draw its weights), as it measured."""
+
+    def __init__(self, loads: Callable[[], dict[str, float]]):
+        self.loads = loads
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        fam = GaugeMetricFamily("hetserve_worker_load_seconds", "Seconds each worker took to make its stage "
+                                "(read or draw its weights), as it measured at start-up", labels=["worker"])
+        for worker, seconds in sorted(self.loads().items()):
+            fam.add_metric([worker], seconds)
         yield fam
 
 

@@ -171,6 +171,9 @@ def test_metrics_report_latency_queues_and_kv(server):
     for rid, role in (("p0", "prefill"), ("d0", "decode")):
         assert f'hetserve_replica_kv_capacity_tokens{{replica="{rid}",role="{role}"}} {float(CONTEXT)}' in text
         assert f'hetserve_replica_queued_requests{{replica="{rid}",role="{role}"}}' in text
+    # each worker's start-up, as it measured it
+    loads = {w: load["seconds"] for w, load in server.deployment.engine.worker_loads().items()}
+    assert loads and all(f'hetserve_worker_load_seconds{{worker="{w}"}} {s!r}' in text for w, s in loads.items())
 
 
 def _scrape(url: str) -> dict[str, float]:

@@ -21,7 +21,6 @@ channel falling back to the socket shows in the rows (``by_socket``) and in both
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,6 +29,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from bench.gpu.results import write_results
 
 SHAPES = {  # hidden, layers, KV heads, head dim, dtype
     "tiny": (64, 4, 2, 16, "float32"),
@@ -305,11 +306,7 @@ def main() -> int:
         report["errors"] = list(m.errors)
         report["channel_stats"] = m.stats
         report["channel_fell_back"] = m.fell_back
-        for name, text in (("dataflow.json", json.dumps(report, indent=2)), ("dataflow.md", table(m.results, title,
-                                                                                                   m.errors))):
-            tmp = args.out / f".{name}.tmp"
-            tmp.write_text(text + "\n")
-            os.replace(tmp, args.out / name)
+        write_results(args.out, "dataflow", report, table(m.results, title, m.errors))
 
     def on_row(r: Result | None, m: Measured) -> None:
         print(_row(r) if r is not None else f"ERROR in {m.errors[-1]['case']}:\n{m.errors[-1]['error']}", flush=True)

@@ -16,10 +16,8 @@ half of the full 4 x T^2 x d). Peak: the ``fp16_tensor_tflops`` column of hetser
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import json
-import os
 import random
 import signal
 import statistics
@@ -27,9 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
+from bench.gpu.results import StageReport
 from bench.gpu.serve_client import Server, burst, free_port, post
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,32 +61,6 @@ def prefill_flops(cfg: dict, tokens: int) -> float:
     return 2 * layers * per_layer * tokens + 2 * cfg["hidden_size"] * cfg["vocab_size"] + 2 * layers * tokens ** 2 * d
 
 
-class Report:
-    """serve.json and serve.md, rewritten after every stage; a failed stage is recorded under
-    ``errors`` (its traceback) and the next one runs."""
-
-    def __init__(self, out: Path, data: dict):
-        self.out, self.data, self.t0 = out, {**data, "errors": [], "wall_s": 0.0}, time.perf_counter()
-
-    @contextlib.contextmanager
-    def stage(self, name: str):
-        print(f"-- {name}", flush=True)
-        try:
-            yield
-        except Exception:  # noqa: BLE001 - recorded; the next stage runs
-            self.data["errors"].append({"stage": name, "error": traceback.format_exc()})
-            print(f"ERROR in {name}: {traceback.format_exc()}", flush=True)
-        finally:
-            self.save()
-
-    def save(self) -> None:
-        self.data["wall_s"] = time.perf_counter() - self.t0
-        for name, text in (("serve.json", json.dumps(self.data, indent=2)), ("serve.md", table(self.data))):
-            tmp = self.out / f".{name}.tmp"  # replaced whole: a kill mid-write leaves the previous file
-            tmp.write_text(text + "\n")
-            os.replace(tmp, self.out / name)
-
-
 def plan_and_cluster(kind: str, tmp: Path, gpu_type: str, layers: int) -> tuple[Path, Path]:
     """Colocated: one replica on m0:0. Prefill -> decode: m0:0 -> m0:1 (both cuda:0 on a one-GPU machine)."""
     n = 1 if kind == "colocated" else 2
@@ -110,7 +82,7 @@ def prompts(sizes: dict) -> list[list[int]]:
     return [[rng.randrange(256) for _ in range(rng.randint(*sizes["prompt_len"]))] for _ in range(sizes["concurrent"])]
 
 
-def deployment(report: Report, kind: str, model: Path, cfg: dict, tmp: Path, sizes: dict, gpu_type: str, peak: float):
+def deployment(report: StageReport, kind: str, model: Path, cfg: dict, tmp: Path, sizes: dict, gpu_type: str, peak: float):
     row = report.data["deployments"].setdefault(kind, {"prefill": [], "throughput": None})
     plan, cluster = plan_and_cluster(kind, tmp, gpu_type, cfg["num_hidden_layers"])
     server = None
@@ -160,7 +132,7 @@ def gpu_mem_used_gb() -> float | None:
     return (lambda free, total: (total - free) / 1e9)(*torch.cuda.mem_get_info()) if torch.cuda.is_available() else None
 
 
-def transformers_baseline(report: Report, model: Path, device: str, sizes: dict) -> None:
+def transformers_baseline(report: StageReport, model: Path, device: str, sizes: dict) -> None:
     """transformers' batched greedy ``generate`` of the same prompts, left-padded, on a same-shape
     LlamaForCausalLM built on the device in the serve dtype (random init there, no file)."""
     import torch
@@ -271,7 +243,7 @@ def on_sigterm(*_) -> None:
     sys.exit(143)
 
 
-REPORT: list[Report] = []
+REPORT: list[StageReport] = []
 
 
 def main() -> int:
@@ -288,10 +260,10 @@ def main() -> int:
     row, peak = peak_tflops(args.gpu)
     import torch
 
-    report = Report(out, {"cpu": args.cpu, "device": torch.cuda.get_device_name() if not args.cpu else "cpu",
+    report = StageReport(out, "serve", {"cpu": args.cpu, "device": torch.cuda.get_device_name() if not args.cpu else "cpu",
                           "shape": "tiny Llama (dry run)" if args.cpu else "Llama-2-7B-shaped, random weights",
                           "dtype": sizes["dtype"], "peak_row": row, "peak_tflops": peak, "prompts": sizes["prompts"],
-                          "deployments": {}})
+                          "deployments": {}}, table)
     REPORT.append(report)
     report.save()
     with tempfile.TemporaryDirectory() as tmp:

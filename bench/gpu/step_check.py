@@ -11,18 +11,14 @@ H200 datasheet (hetserve/data/gpus.csv holds the same row).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
 import sys
 import tempfile
 import time
-import traceback
-import types
 from pathlib import Path
 
 import torch
 
+from bench.gpu.results import StageReport
 from hetserve.runtime.model.config import LLAMA2_7B, ArchConfig, llama_arch
 from hetserve.runtime.model.loader import build_stage
 from hetserve.runtime.model.make import make_model, random_stage
@@ -87,22 +83,15 @@ def decode_ms(runner, batch, context, hidden, dtype, device, reps):
     return (time.perf_counter() - t0) / reps * 1e3
 
 
-class Report:
-    """The run's results, rewritten to ``step.json`` and ``step.md`` after every stage, so that a stage
-    that fails or a kill by the time limit leaves what the earlier stages measured. A failed stage is
-    recorded (its traceback under ``errors``) and the next one runs."""
+class Report(StageReport):
+    """The run's results, rewritten to ``step.json`` and ``step.md`` after every stage (``results``),
+    so that a stage that fails or a kill by the time limit leaves what the earlier stages measured."""
 
     def __init__(self, out: Path, device, big_shape: str):
-        self.out = out
         self.cuda = device.type == "cuda"
-        self.data = {"device": torch.cuda.get_device_name(device) if self.cuda else "cpu", "torch": torch.__version__,
-                     "greedy": [], "tiny_timing": [], "big_shape": big_shape, "big": {"rows": []}, "errors": [],
-                     "wall_s": 0.0}
-        self.t0 = time.perf_counter()
-
-    def error(self, stage: str, text: str) -> None:
-        self.data["errors"].append({"stage": stage, "error": text})
-        print(f"ERROR in {stage}: {text}", flush=True)
+        super().__init__(out, "step", {"device": torch.cuda.get_device_name(device) if self.cuda else "cpu",
+                                       "torch": torch.__version__, "greedy": [], "tiny_timing": [],
+                                       "big_shape": big_shape, "big": {"rows": []}}, table)
 
     def graphs_row(self, stage: str, row: dict) -> None:
         """Keep ``row``; on CUDA, graphs asked but off after the run is a failed capture: an error."""
@@ -110,26 +99,6 @@ class Report:
             row["error"] = "CUDA graph capture failed: graphs off"
             if {"stage": stage, "error": row["error"]} not in self.data["errors"]:  # once per stage
                 self.error(stage, row["error"])
-
-    @contextlib.contextmanager
-    def stage(self, name: str):
-        """``with report.stage(name) as st``: ``st.ok`` says, after the block, whether it completed."""
-        print(f"-- {name}", flush=True)
-        st = types.SimpleNamespace(ok=False)
-        try:
-            yield st
-            st.ok = True
-        except Exception:  # noqa: BLE001 - recorded; the next stage runs
-            self.error(name, traceback.format_exc())
-        finally:
-            self.save()
-
-    def save(self) -> None:
-        self.data["wall_s"] = time.perf_counter() - self.t0
-        for name, text in (("step.json", json.dumps(self.data, indent=2)), ("step.md", table(self.data))):
-            tmp = self.out / f".{name}.tmp"  # replaced whole: a kill mid-write leaves the previous file
-            tmp.write_text(text + "\n")
-            os.replace(tmp, self.out / name)
 
     def failures(self) -> list[str]:
         """What failed: each stage with an error, and greedy tokens that differ from transformers'."""

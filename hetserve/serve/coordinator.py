@@ -61,43 +61,26 @@ class Coordinator:
                  clock=time.monotonic):
         self.backend, self.codec, self.model_name = backend, codec, model_name
         self.placement, self.predictor, self.clock = placement, predictor, clock
-        self.metrics = ServerMetrics(lambda: (self._safe_replicas(), self._safe_links()), self._safe_refused,
-                                     self._safe_channels, self._safe_loads)
+        self.metrics = ServerMetrics(lambda: (self._safe_replicas(), self._scrape("link_stats", list)),
+                                     lambda: self._scrape("refused_connections"), lambda: self._scrape("channel_stats"),
+                                     lambda: self._scrape("worker_load_seconds"))
         self._seq = itertools.count(1)
         self.in_flight = 0
         self.draining = False  # set by a graceful shutdown: no new request is admitted
         self.replanner = None  # serve/replan.py Replanner where the backend can re-plan (POST /admin/replan)
 
     # ------------------------------------------------------------------ snapshots
+    def _scrape(self, method: str, empty: type = dict):
+        """``backend.method()`` as an ``empty``-typed copy; empty where the backend has no such method
+        (no device channels, no worker processes) or fails: a scrape must not fail because the engine
+        is busy or gone."""
+        try:
+            return empty(getattr(self.backend, method, empty)())
+        except Exception:  # noqa: BLE001
+            return empty()
+
     def _safe_replicas(self) -> list[ReplicaState]:
-        try:
-            return list(self.backend.replicas())
-        except Exception:  # noqa: BLE001 - a scrape must not fail because the engine is busy or gone
-            return []
-
-    def _safe_links(self) -> list:
-        try:
-            return list(self.backend.link_stats())
-        except Exception:  # noqa: BLE001
-            return []
-
-    def _safe_refused(self) -> dict[str, int]:
-        try:
-            return dict(self.backend.refused_connections())
-        except Exception:  # noqa: BLE001
-            return {}
-
-    def _safe_channels(self) -> dict[str, dict[str, int]]:
-        try:  # a backend without device channels has no such method
-            return dict(getattr(self.backend, "channel_stats", dict)())
-        except Exception:  # noqa: BLE001
-            return {}
-
-    def _safe_loads(self) -> dict[str, float]:
-        try:  # a backend without worker processes has no such method
-            return dict(getattr(self.backend, "worker_load_seconds", dict)())
-        except Exception:  # noqa: BLE001
-            return {}
+        return self._scrape("replicas", list)
 
     def health(self) -> tuple[str, list[dict]]:
         """("ok" | "degraded" | "unavailable" | "draining", one entry per replica with its liveness).

@@ -6,9 +6,9 @@ plain-torch path gathers every context into a padded grid first. ``store_kv``, `
 once per machine and source version by ``torch.utils.cpp_extension`` (g++ and ninja; one
 translation unit, about 20 s of one core, kept under ``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``, a folder per source version and CPU; concurrent builders wait for
-one another, and a killed build's lock does not stop the next) and loaded as ``torch.ops.hetserve_cpu``. Where it cannot be built
-(no compiler, or ``HETSERVE_NATIVE_KERNELS=0``) ``available()`` is False, says why once in the
-log, and the kernels stay the plain-torch ones.
+one another, and a killed build's lock does not stop the next) and loaded as
+``torch.ops.hetserve_cpu``. Where it cannot be built (no compiler, or ``HETSERVE_NATIVE_KERNELS=0``)
+``available()`` is False, says why once in the log, and the kernels stay the plain-torch ones.
 
 Compiled with ``-O3 -march=native -ffast-math`` and 512-bit vectors where the CPU has them (the
 loops over the head dimension vectorise, ``exp`` included); ``-ffast-math`` is a compile flag
@@ -34,6 +34,7 @@ UNIT = CSRC / "cpu_kernels.cpp"  # includes the others: torch's headers parsed o
 SOURCES = [CSRC / name for name in ("paged_decode_cpu.cpp", "layer_ops_cpu.cpp")]
 ENV = "HETSERVE_NATIVE_KERNELS"
 NAME = "hetserve_cpu_kernels"
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 
 
 @functools.cache
@@ -49,9 +50,6 @@ def available() -> bool:
                     type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
         return False
     return True
-
-
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 
 
 def build_name() -> str:

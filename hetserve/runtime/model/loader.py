@@ -7,8 +7,8 @@ reads about ``1/n`` of its layers' bytes, and each tensor goes to the worker's d
 as it is read: the stage never exists whole in another dtype or on another device.
 Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``) layouts are read.
 ``load_stage`` also returns a ``LoadReport`` (seconds, bytes read) for the worker to report; a
-folder of random weights (``random_weights``) is drawn instead of read. The stage module is
-``stage.py``.
+folder of random weights (``random_weights``) is drawn instead of read. The empty stage (meta
+device, TP shard) comes from ``stage.py``.
 """
 
 from __future__ import annotations

@@ -11,42 +11,41 @@ layout search + the cost model + HexGen-2's flow network), so their estimates co
     hexgen           HexGen: colocated replicas, genetic search with K-means + elbow init
     exact            optimal disaggregated pool layout by enumeration (≤ 8 devices)
     exact-colocated  optimal colocated pool layout (≤ 8 devices)
+
+The package itself imports only the plan's data types: the searches (scipy, the cost model's
+tables) load on first use of ``ALGORITHMS``, ``plan`` or ``validate_plan``, so a worker process
+or a CLI that only reads a plan file starts without them.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import importlib
+from typing import Any
 
-from hetserve.planner.search.baselines import genetic, uniform
-from hetserve.planner.search.exact import exact, exact_colocated
-from hetserve.planner.search.hexgen import hexgen
-from hetserve.planner.search.hexgen2 import hexgen2, random_swap
-from hetserve.planner.options import PlanOptions, SearchProgress
 from hetserve.planner.plan import KVRoute, Plan, PlanReplica, PlanStage
-from hetserve.planner.validate import validate_plan
 
-Algorithm = Callable[..., Plan]
+__all__ = ["ALGORITHMS", "Algorithm", "KVRoute", "Plan", "PlanOptions", "PlanReplica", "PlanStage",
+           "SearchProgress", "plan", "validate_plan"]
 
-ALGORITHMS: dict[str, Algorithm] = {
-    "hexgen2": hexgen2,
-    "random-swap": random_swap,
-    "genetic": genetic,
-    "uniform": uniform,
-    "hexgen": hexgen,
-    "exact": exact,
-    "exact-colocated": exact_colocated,
-}
-
-__all__ = ["ALGORITHMS", "KVRoute", "Plan", "PlanOptions", "PlanReplica", "PlanStage", "SearchProgress",
-           "plan", "validate_plan"]
+_LAZY = {"ALGORITHMS": "hetserve.planner.algorithms", "Algorithm": "hetserve.planner.algorithms",
+         "PlanOptions": "hetserve.planner.options",
+         "SearchProgress": "hetserve.planner.options", "validate_plan": "hetserve.planner.validate"}
 
 
-def plan(cluster, model, workload, algorithm: str = "hexgen2", options: PlanOptions | None = None) -> Plan:
-    """Run one algorithm by name (see ``ALGORITHMS``) for the options' objective and budget."""
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def plan(cluster, model, workload, algorithm: str = "hexgen2", options: Any = None) -> Plan:
+    """Run one algorithm by name (see ``ALGORITHMS``) for the options' objective and budget
+    (``PlanOptions``; None: the defaults)."""
     from hetserve.errors import PlanError
+    from hetserve.planner.algorithms import ALGORITHMS
+    from hetserve.planner.objectives import plan_for
+    from hetserve.planner.options import PlanOptions
 
     if algorithm not in ALGORITHMS:
         raise PlanError(f"unknown planning algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-    from hetserve.planner.objectives import plan_for
-
     return plan_for(ALGORITHMS[algorithm], cluster, model, workload, options or PlanOptions())

@@ -46,3 +46,17 @@ def test_spawned_and_forked_workers_serve_the_same_tokens(tmp_path):
             assert (parents == {os.getpid()}) == (method == "spawn"), (method, parents)
             tokens[method] = eng.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0), timeout=120)
     assert tokens["spawn"] == tokens["forkserver"] and all(len(t) == 6 for t in tokens["spawn"])
+
+
+def test_a_spawned_worker_imports_neither_the_planners_searches_nor_transformers():
+    """What a spawned worker imports before it can load its stage is start-up every worker pays:
+    the planner's searches (scipy's solvers, the cost tables) and transformers cost seconds and a
+    worker uses neither."""
+    import subprocess
+    import sys
+
+    heavy = ("hetserve.planner.search", "hetserve.planner.bound", "scipy.optimize", "transformers")
+    code = ("import sys, hetserve.runtime.workers.worker; "
+            f"print([m for m in {heavy!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])

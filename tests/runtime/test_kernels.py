@@ -224,6 +224,26 @@ def test_a_killed_builds_lock_does_not_stop_the_next_build():
     assert not os.path.exists(stale)
 
 
+def test_each_checkout_and_source_version_builds_in_its_own_folder(tmp_path, monkeypatch):
+    """Two checkouts of one version must not share a build folder (torch's build file names the
+    sources by path: they would take turns rebuilding), nor two versions at one path."""
+    here = native.build_name()
+    copies = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        for src in (native.UNIT, *native.SOURCES):
+            (tmp_path / name / src.name).write_bytes(src.read_bytes())
+        copies.append(tmp_path / name)
+    names = []
+    for folder in copies:
+        monkeypatch.setattr(native, "UNIT", folder / native.UNIT.name)
+        monkeypatch.setattr(native, "SOURCES", [folder / s.name for s in native.SOURCES])
+        names.append(native.build_name())
+    assert len({here, *names}) == 3
+    (copies[1] / native.UNIT.name).write_text((copies[1] / native.UNIT.name).read_text() + "\n// edited\n")
+    assert native.build_name() != names[1]  # the same path, another version
+
+
 def test_impl_choice(monkeypatch):
     with pytest.raises(ValueError, match="'triton', 'native', 'torch'"):
         kernels.resolve_impl("cuda", torch.device("cpu"))

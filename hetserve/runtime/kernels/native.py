@@ -53,11 +53,12 @@ def available() -> bool:
 
 
 def build_name() -> str:
-    """The build's name, and so its folder under torch's extensions root: one per source version,
-    flags and CPU. Two checkouts of different versions on one machine (or one home folder shared
-    by machines of different CPUs, the build being -march=native) each keep their own build rather
-    than rebuilding over the other's."""
-    h = hashlib.sha256()
+    """The build's name, and so its folder under torch's extensions root: one per checkout, source
+    version, flags and CPU. Two checkouts on one machine (or one home folder shared by machines of
+    different CPUs, the build being -march=native) each keep their own build rather than rebuilding
+    over the other's: torch's build file names the sources by path, so even two checkouts of one
+    version would take turns rebuilding a shared folder."""
+    h = hashlib.sha256(str(UNIT.resolve()).encode())
     for p in (UNIT, *SOURCES):
         h.update(p.read_bytes())
     h.update(" ".join(CFLAGS).encode())

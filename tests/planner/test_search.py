@@ -197,9 +197,13 @@ def test_same_seed_same_plan(algorithm, llama70b, azure, monkeypatch):
     assert a.estimate["throughput_tokens_per_s"] == b.estimate["throughput_tokens_per_s"]
 
 
-def test_progress_reports_monotone_best(llama70b, azure):
+def test_progress_reports_monotone_best(llama70b, azure, monkeypatch):
+    from hetserve.planner.bound import throughput
+
+    # the search reports progress, not the bound (het4's group bound alone is about 12 s here)
+    monkeypatch.setattr(throughput, "group_bound", lambda *args, **kwargs: None)
     seen = []
-    ALGORITHMS["hexgen2"](load_cluster("hexgen2-het4"), llama70b, azure,  # its bound solves in seconds
+    ALGORITHMS["hexgen2"](load_cluster("hexgen2-het4"), llama70b, azure,
                           PlanOptions(max_iterations=4, progress=seen.append))
     assert seen and all(0 <= e.fraction <= 1 for e in seen)
     best = [e.best_tokens_per_s for e in seen]

@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(t)
     if len(rows) >= 2:
         law = workers.fit_worker_law([r for r, _, _ in rows], [n for _, n, _ in rows])
-        console.print(f"N_w = ceil({law.k5:.4f} * r {law.c5 + 0.0:+.3f})  (R² {law.r2:.3f}, "
+        console.print(f"N_w = ceil({law.k5 + 0.0:.4g} * r {law.c5 + 0.0:+.3f})  (R² {law.r2:.3f}, "
                       f"max error {law.max_abs_error} worker(s))")
         if args.heartbeat:
             plan = plan_scaling(base.with_rate(max(rates), source=args.workload, option="--rates"), law, args.heartbeat,

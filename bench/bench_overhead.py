@@ -44,7 +44,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=4, help="measurements in a row (default 4)")
     ap.add_argument("--batch-sizes", default="1,4,16", help="decode probes' batch sizes (calibrate's default 1,4,16)")
     ap.add_argument("--gpu", default="RTX-4090", help="the GPU row the worker slots are named after")
-    ap.add_argument("--reps", type=int, default=5, help="rounds per measurement (calibrate's default 5)")
+    ap.add_argument("--reps", type=int, default=5, help="rounds per measurement (default 5; calibrate's default is 7)")
     args = ap.parse_args()
     if args.runs < 2:
         ap.error("--runs must be at least 2 (the spread needs two)")

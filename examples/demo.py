@@ -74,8 +74,9 @@ def this_machines_pool(out: Path = OUT) -> Path:
 
     cores = usable_cores()
     pool = yaml.safe_load(preset_path("demo-tiny").read_text())
-    # its own name: a plan made on it names this file's pool, so a later `serve` / `compare` without
-    # --cluster fails on the name instead of quietly taking the bundled GPU preset
+    # its own name, no preset's: a plan made on it records this file, which a later `serve` / `compare`
+    # without --cluster runs on (the file gone, they stop naming it); a plan without that record stops
+    # on the name. Neither ever quietly takes the bundled GPU preset
     pool["name"] = HERE_POOL
     for m in pool["machines"]:
         m.update(cpu_cores=cores, cpu_host="this-computer")

@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                             description="What one transformer layer costs on one TP rank of GPU, per TP degree "
                                         "and token count. Each figure says whether it is fitted from "
                                         "measurements of that GPU or transferred to it.")
-    layer.add_argument("--gpu", required=True, help="a GPU name from gpus.csv (hetserve describe cluster lists them)")
+    layer.add_argument("--gpu", required=True, help="a GPU name from hetserve/data/gpus.csv (an unknown "
+                       "name is refused with the list of known ones)")
     layer.add_argument("--model", required=True, help="a model preset, config.json or checkpoint folder")
     layer.add_argument("--tp", type=_ints, default=(1, 2, 4, 8), help="TP degrees, comma-separated (default 1,2,4,8)")
     layer.add_argument("--tokens", type=_ints, default=(1, 64, 4096),

@@ -101,6 +101,7 @@ class ColumnBounds:
         self.b = np.arange(1, eff.max_batch + 1, dtype=float)
         self._cache: dict[tuple, tuple[float, float, float]] = {}
         self._stage_cache: dict[tuple[int, int], dict] = {}
+        self._dl_cache: dict[tuple[int, int, float], np.ndarray] = {}
 
     # ------------------------------------------------------------------ one stage kind
     def _per_layer(self, k: Kind, t: int, tokens, sum_sq, ctx_tokens):
@@ -171,12 +172,22 @@ class ColumnBounds:
         self._stage_cache[key] = out
         return out
 
-    def _dl(self, ki, t, mb, cbar):
-        k, m = self.kinds[ki], self.ctx.model
-        roof = self._layer(k, t, mb, 4.0 * m.q_dim * mb * cbar, mb * cbar)
-        if t <= 1:
-            return roof
-        return roof + 2.0 * self._allreduce(t, k, mb) + 2.0 * self.ctx.cost.eff.collective_overhead_s
+    def _dl(self, ki, t, micro):
+        """Per-layer seconds of a decode step of a ``t``-device stage of kind ``ki`` at every batch
+        b, split into ``micro`` micro-batches (b / min(micro, b) sequences each, at the mean
+        context), cached: every structure with as many stages asks for the same vector. Read-only."""
+        key = (ki, t, float(micro))
+        out = self._dl_cache.get(key)
+        if out is None:
+            k, m = self.kinds[ki], self.ctx.model
+            mb = self.b / np.minimum(micro, self.b)
+            cbar = self.Ir + self.O / 2
+            out = self._layer(k, t, mb, 4.0 * m.q_dim * mb * cbar, mb * cbar)
+            if t > 1:
+                out = out + 2.0 * self._allreduce(t, k, mb) + 2.0 * self.ctx.cost.eff.collective_overhead_s
+            out.flags.writeable = False
+            self._dl_cache[key] = out
+        return out
 
     # ------------------------------------------------------------------ one structure
     def _hops(self, kinds: list[int]) -> tuple[int, float, float]:
@@ -220,8 +231,7 @@ class ColumnBounds:
         ok = (room.sum() - self.extras) / den >= L
         mb = b / np.minimum(S, b)  # micro-batch
         mcount = np.minimum(S, b)
-        cbar = self.Ir + self.O / 2
-        dec = np.stack([self._dl(ki, t, mb, cbar) for ki, t in stages], axis=1)  # (nb, S)
+        dec = np.stack([self._dl(ki, t, S) for ki, t in stages], axis=1)  # (nb, S)
         sum_lb = _knapsack(dec, cap, L) + fixed.sum() + hop(mb)
         max_lb = mcount * _waterfill(dec, fixed[None, :], cap, L)
         step = np.maximum(sum_lb, max_lb)
@@ -248,18 +258,17 @@ class ColumnBounds:
         L, T, b = self.L, self.T, self.b
         joins = b / self.Oc
         share = -np.expm1(-joins)
-        cbar = self.Ir + self.O / 2
         mcount = np.minimum(2, b)
         stages = [(ki, t) for ki, k in enumerate(self.kinds) for t in self.tp_ok if t <= k.count]
         prefill, colocated, rates = [], [], []
         for ki, t in stages:
             prefill.append(T / (L * self._stage(ki, t)["pf"]))
-            mix = share * self._stage(ki, t)["mix"] + (1 - share) * self._dl(ki, t, b / mcount, cbar)
+            mix = share * self._stage(ki, t)["mix"] + (1 - share) * self._dl(ki, t, 2)
             colocated.append(float((T * joins / (L * mix)).max()))
         for ki, k in enumerate(self.kinds):
             best = 0.0
             for t in (t for t in self.tp_ok if t <= k.count):
-                rho = mcount * self._dl(ki, t, b / mcount, cbar)  # seconds per layer per step
+                rho = mcount * self._dl(ki, t, 2)  # seconds per layer per step
                 best = max(best, float((T * b / (self.Oc * L * t * rho)).max()))
             rates.append(best)
         return stages, prefill, colocated, rates
@@ -272,12 +281,11 @@ class ColumnBounds:
         those maxima is at least the group's at its one b. The last bucket takes the largest
         over every m from ``BIG_STAGES`` up."""
         L, T, b = self.L, self.T, self.b
-        cbar = self.Ir + self.O / 2
         out = np.zeros((len(stages), BIG_STAGES - 1))
         ms = range(2, max(int(b[-1]), BIG_STAGES) + 1)  # past the largest batch, m = min(S, b) = b
         for i, (ki, t) in enumerate(stages):
             per_m = np.array([float((T * b / (self.Oc * L * t * np.minimum(m, b)
-                                             * self._dl(ki, t, b / np.minimum(m, b), cbar))).max()) for m in ms])
+                                             * self._dl(ki, t, m))).max()) for m in ms])
             out[i, :-1] = per_m[:BIG_STAGES - 2]
             out[i, -1] = per_m[BIG_STAGES - 2:].max()
         return out
@@ -350,11 +358,10 @@ class ColumnBounds:
         den = W + b * (self.Ir + self.O) * kvl
         cap = room[None, :] / den[:, None]
         ok = (room.sum() - self.extras) / den >= L
-        cbar = self.Ir + self.O / 2
         mb = b / np.minimum(n_dev, b)
         m2 = np.minimum(2.0, b)
-        dec = np.stack([np.min([self._dl(ki, t, mb, cbar) for t in tps[ki]], axis=0) for ki in kinds], axis=1)
-        per_dev = np.stack([np.min([t * m2 * self._dl(ki, t, b / m2, cbar) for t in tps[ki]], axis=0) / comp[ki]
+        dec = np.stack([np.min([self._dl(ki, t, n_dev) for t in tps[ki]], axis=0) for ki in kinds], axis=1)
+        per_dev = np.stack([np.min([t * m2 * self._dl(ki, t, 2) for t in tps[ki]], axis=0) / comp[ki]
                             for ki in kinds], axis=1)
         step = np.maximum(_knapsack(dec, cap, L) + fixed + hop(mb),
                           _waterfill(per_dev, np.full_like(per_dev, e_min), cap, L))
@@ -362,7 +369,7 @@ class ColumnBounds:
             decode = float(np.where(ok & np.isfinite(step), T * b / (self.Oc * step), 0.0).max(initial=0.0))
         joins = b / self.Oc
         share = -np.expm1(-joins)
-        mix = np.stack([np.min([share * info[(ki, t)]["mix"] + (1 - share) * self._dl(ki, t, mb, cbar)
+        mix = np.stack([np.min([share * info[(ki, t)]["mix"] + (1 - share) * self._dl(ki, t, n_dev)
                                 for t in tps[ki]], axis=0) for ki in kinds], axis=1)
         mix_head = np.min(np.stack([v["mix_head"] for v in info.values()], axis=1), axis=1)
         lin = (_knapsack(mix, cap, L) + fixed + share * mix_head + share * hop(b + joins / share * self.Ir)

@@ -83,8 +83,7 @@ def _capped(cb: ColumnBounds, stages, hops, in_g: np.ndarray, lo: np.ndarray, hi
     ok = (room.sum() - cb.extras) / den >= L
     mb = b / np.minimum(S, b)
     mcount = np.minimum(S, b)
-    cbar = cb.Ir + cb.O / 2
-    dec = np.stack([cb._dl(ki, t, mb, cbar) for ki, t in stages], axis=1)  # (nb, S)
+    dec = np.stack([cb._dl(ki, t, S) for ki, t in stages], axis=1)  # (nb, S)
     rows_dec, rows_cap = np.tile(dec, (nh, 1)), np.tile(cap, (nh, 1))  # row h·nb + batch
     Hr, Hlor = np.repeat(H, nb), np.repeat(Hlo, nb)
     sum_lb = knapsack_capped(rows_dec, rows_cap, L, in_g, Hr, Hlor) + fixed.sum() + np.tile(hop(mb), nh)

@@ -27,6 +27,35 @@ def test_a_bound_the_time_cuts_short_is_still_a_bound_and_more_time_solves_it_ag
     assert bound.group_bound(ctx, time_limit_s=1e-3) is full
 
 
+def test_the_time_limit_stops_the_lp_rounds_of_layer_share_cuts_too(monkeypatch):
+    """Before its MILP the programme ties the spread columns its LP uses, a round at a time; a
+    deadline that has passed stops those rounds after the first (each round's value is a bound)
+    rather than letting them run on past the plan's time limit."""
+    from hetserve.planner.bound import groups
+    from hetserve.planner.bound import milp as bound_milp
+    from hetserve.planner.bound import throughput as bound
+    from hetserve.specs.cluster import cluster_from_dict
+
+    _fresh_solves(monkeypatch, bound, bound_milp)
+    lps = []
+    solve_lp = groups.solve_lp
+    monkeypatch.setattr(groups, "solve_lp", lambda *a, **k: lps.append(1) or solve_lp(*a, **k))
+    pool = cluster_from_dict({"name": "rounds", "machines": [
+        {"name": "a", "gpu": "RTX-4090", "count": 4, "site": "s1"},
+        {"name": "b", "gpu": "RTX-4090", "count": 4, "site": "s1"},
+        {"name": "c", "gpu": "A6000", "count": 4, "site": "s2"}],
+        "network": {"intra_site": {"bandwidth_gbps": 10, "latency_ms": 0.2},
+                    "inter_site": {"bandwidth_gbps": 1, "latency_ms": 15}}}, "<test>")
+    ctx = PlanContext(pool, load_model("llama-2-70b"), load_workload("azure-conv"))
+    full = bound.group_bound(ctx)
+    assert len(lps) >= 2 and not full.cut_short  # this pool's programme takes more than one round
+    lps.clear()
+    monkeypatch.setattr(bound, "_CACHE", {})
+    cut = bound.group_bound(ctx, time_limit_s=1e-6)
+    assert len(lps) == 1 and cut.cut_short
+    assert cut.tokens_per_s >= full.tokens_per_s * (1 - 1e-9)
+
+
 def test_plan_time_limit_covers_the_bound_and_the_plan_says_when_it_cut_it(monkeypatch, tmp_path, capsys):
     """`hetserve plan --time-limit`: the plan's upper bound gets what the search left (at least a
     share of the limit), and a bound cut short is flagged in the plan file and the printout."""

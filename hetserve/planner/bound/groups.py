@@ -245,16 +245,20 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
 
     # the spread columns the solver uses get tied KV rows and layer-share cuts, a round at a
     # time: every round's programme is a relaxation of the fully tied one, so each value is a bound
-    lp, relaxed = None, math.inf
+    # (stopped early: a looser one); the deadline stops these rounds as it stops the MILP's
+    lp, relaxed, cut = None, math.inf, False
     for _ in range(_CUT_ROUNDS):
         matrix, c_, up_, _, names = programme()
         lp = solve_lp(c_, matrix, up_)
         relaxed = min(relaxed, -float(lp.fun))
+        if deadline is not None and time.perf_counter() >= deadline:
+            cut = True
+            break
         if not (ties and ties.add(lp.x)):
             break
     duals = np.abs(lp.ineqlin.marginals)
     binding = tuple(dict.fromkeys(n for n, y in zip(names, duals) if y > 1e-9))
-    best, res, last, still, cut, earlier = relaxed, None, math.inf, 0, False, math.inf
+    best, res, last, still, earlier = relaxed, None, math.inf, 0, math.inf
     for _ in range(_CUT_ROUNDS_MILP if ties else 1):
         if res is not None and deadline is not None and time.perf_counter() >= deadline:
             cut = True  # the rounds so far were each a relaxation of the tied programme: a bound

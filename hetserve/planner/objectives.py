@@ -30,7 +30,7 @@ from hetserve.errors import InfeasibleError, PlanError
 from hetserve.planner.bound.throughput import device_rates, per_device_bound, upper_bound
 from hetserve.planner.bound.min_cost import min_cost
 from hetserve.planner.context import PlanContext
-from hetserve.planner.options import DEFAULT_TIME_LIMIT_S, PlanOptions
+from hetserve.planner.options import DEFAULT_TIME_LIMIT_S, Budget, PlanOptions
 from hetserve.planner.plan import Plan
 from hetserve.specs.gpus import fmt_gb
 
@@ -127,6 +127,7 @@ def within_budget(fn: Callable[..., Plan], cluster, model, workload, options: Pl
     """The best plan of ``fn`` on a subset of ``cluster`` costing at most the budget."""
     budget = options.budget_usd_per_hour
     assert budget is not None
+    clock = Budget("within_budget", options)  # the whole call's time limit, the bound's share at the end
     ctx = PlanContext(cluster, model, workload, options)
     total = cluster.usd_per_hour()
     if total is None:
@@ -154,9 +155,13 @@ def within_budget(fn: Callable[..., Plan], cluster, model, workload, options: Pl
     if best is None:
         raise InfeasibleError(f"no subset of {cluster.name} within ${budget:,.2f}/h found a pipeline layout "
                               f"for {model.name}")
-    bound = upper_bound(ctx, budget)
+    bound = upper_bound(ctx, budget, time_limit_s=clock.bound_time_s())
     best.estimate.update({"budget_usd_per_hour": budget, "devices_total": len(cluster),
-                          "upper_bound_tokens_per_s": round(bound.tokens_per_s, 3)})
+                          "upper_bound_tokens_per_s": round(bound.tokens_per_s, 3),
+                          "upper_bound_wall_s": round(bound.wall_s, 3)})
+    best.estimate.pop("upper_bound_cut_short", None)  # the subset's bound's flag: this bound's below
+    if bound.cut_short:
+        best.estimate["upper_bound_cut_short"] = True
     return best
 
 

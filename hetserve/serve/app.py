@@ -37,10 +37,10 @@ from hetserve.errors import HetserveError
 from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
 from hetserve.serve.choices import LogprobWriter, collect, prompt_entries, share_prompts, sse
 from hetserve.serve.coordinator import Coordinator, Prepared
-from hetserve.serve.errors import (ContextLengthExceeded, InvalidRequest, ModelNotFound, NotFound, Overloaded,
-                                   PayloadTooLarge, Unauthorized, Unavailable, install_error_handlers, log,
+from hetserve.serve.errors import (ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded,
+                                   PayloadTooLarge, Unavailable, install_error_handlers, log,
                                    to_api_error)
-from hetserve.serve.keys import ADMIN_PREFIX, APIAuth, bearer_token
+from hetserve.serve.keys import ADMIN_PREFIX, APIAuth, key_check
 from hetserve.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                                      CompletionRequest, CompletionResponse, DeltaMessage, ModelCard, ModelList,
@@ -73,26 +73,10 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
 
     auth = auth or APIAuth()
 
-    async def check_key(request: Request) -> None:
-        route = request.scope.get("route")
-        need = auth.required(getattr(route, "path", None) or request.url.path)
-        if need is None:
-            return
-        token = bearer_token(request.headers.get("authorization"))
-        if need == "admin":
-            if not auth.admin_keys:  # off: indistinguishable from a route that does not exist
-                raise NotFound("Not Found")
-            if not auth.admin_keys.matches(token):
-                raise Unauthorized("This endpoint needs the server's admin key, sent as 'Authorization: Bearer "
-                                   "<admin key>'." if token is None else "Incorrect admin key provided.")
-        elif not auth.api_keys.matches(token):
-            raise Unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
-                               if token is None else "Incorrect API key provided.")
-
     # no /openapi.json (nor docs): FastAPI serves it as a plain route, outside the app's dependencies,
     # so it would be the one route the key check never sees
     app = FastAPI(title="hetserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None, dependencies=[Depends(check_key)])
+                  openapi_url=None, dependencies=[Depends(key_check(auth))])
     c = coordinator
 
     def count_client_error(path: str, err) -> None:

@@ -4,7 +4,8 @@
     APIAuth(api_keys=KeySet(...), admin_keys=KeySet(...), protect_probes=False)
     keys_from(options, files, "HETSERVE_API_KEY", "--api-key")   the keys a command line / environment gives
 
-Rules (``APIAuth.required``, applied by ``hetserve.serve.app`` to every route):
+Rules (``APIAuth.required``, applied to every route of ``hetserve serve``'s app and of ``hetserve
+route``'s by ``key_check``):
 
 - ``/admin/*`` needs an admin key; with no admin key configured those routes do not exist (404).
   An API key never opens them.
@@ -24,6 +25,8 @@ import os
 import stat
 from dataclasses import dataclass, field
 from typing import Iterable
+
+from starlette.requests import Request  # at module level: FastAPI reads the dependency's annotation
 
 from hetserve.errors import HetserveError
 from hetserve.runtime.workers.auth import owner_only
@@ -93,6 +96,30 @@ class APIAuth:
         admin = ("admin endpoints (/admin/*) on, behind the admin key" if self.admin_keys else
                  f"admin endpoints (/admin/*) off (--admin-key or {ADMIN_KEY_ENV} to enable)")
         return [api, probes, admin]
+
+
+def key_check(auth: APIAuth):
+    """The FastAPI dependency that holds every route of an app to ``auth``: 401 without the key a
+    route needs, 404 for the admin routes where no admin key is configured."""
+    from hetserve.serve.errors import NotFound, Unauthorized
+
+    async def check(request: Request) -> None:
+        route = request.scope.get("route")
+        need = auth.required(getattr(route, "path", None) or request.url.path)
+        if need is None:
+            return
+        token = bearer_token(request.headers.get("authorization"))
+        if need == "admin":
+            if not auth.admin_keys:  # off: indistinguishable from a route that does not exist
+                raise NotFound("Not Found")
+            if not auth.admin_keys.matches(token):
+                raise Unauthorized("This endpoint needs the server's admin key, sent as 'Authorization: Bearer "
+                                   "<admin key>'." if token is None else "Incorrect admin key provided.")
+        elif not auth.api_keys.matches(token):
+            raise Unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
+                               if token is None else "Incorrect API key provided.")
+
+    return check
 
 
 def bearer_token(header: str | None) -> str | None:

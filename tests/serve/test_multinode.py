@@ -74,6 +74,15 @@ def test_no_endpoint_listens_on_all_interfaces(wildcard, tmp_path, model, capsys
                     "--port", "0", "--backend", "ray", "--advertise-address", wildcard]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--advertise-address" in err[0], err
+    # the HTTP fronts too: serve's API and route's
+    serve = ["serve", "--plan", str(tmp_path / "plan.json"), "--cluster", str(tmp_path / "pool.yaml"),
+             "--model", str(model), "--port", "0"]
+    for argv in (serve, ["route", "--backends", "http://127.0.0.1:9", "--port", "0"]):
+        if not wildcard:
+            break
+        assert cli(argv + ["--host", wildcard]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--host" in err[0] and "every interface" in err[0], err
 
 
 def test_a_machine_address_its_ray_node_does_not_have_is_named():

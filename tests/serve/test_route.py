@@ -32,7 +32,7 @@ def wait_up(url: str, deadline_s: float = 30.0) -> None:
     t = time.monotonic() + deadline_s
     while time.monotonic() < t:
         try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code in (200, 401):  # 401: up, probes keyed
                 return
         except httpx.HTTPError:
             pass
@@ -110,7 +110,7 @@ def backends():
 class RouteServer:
     """hetserve route's app under uvicorn in a thread of this process."""
 
-    def __init__(self, deploy: dict, tmp_path, policy="weights", health_interval_s=0.2):
+    def __init__(self, deploy: dict, tmp_path, policy="weights", health_interval_s=0.2, auth=None):
         import uvicorn
 
         from hetserve.serve.route.app import Router
@@ -122,7 +122,7 @@ class RouteServer:
         self.router = Router(BackendPool(config_from_deploy(path), policy), health_interval_s=health_interval_s)
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.router), host="127.0.0.1", port=port,
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.router, auth), host="127.0.0.1", port=port,
                                                     log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -205,6 +205,37 @@ def test_bad_input_refused_like_serve_and_never_forwarded(backends, tmp_path):
     assert r1.json()["error"]["param"] == "temperature"
     assert backends.stats("b0")["served"] == before
     assert 'hetserve_route_backend_up{backend="b0"} 1.0' in metrics
+
+
+def test_keys_hold_route_as_they_hold_serve(backends, tmp_path):
+    """``hetserve route --api-key``: /v1/* needs a key (401 in the OpenAI error shape, nothing
+    forwarded), the probes stay open unless protected, and no /openapi.json bypasses the check."""
+    from hetserve.serve.keys import APIAuth, KeySet
+
+    before = backends.stats("b0")["served"]
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    open_probes = RouteServer(deploy_of(backends, [("b0", "colocated")]), tmp_path, auth=APIAuth(KeySet(["k1"])))
+    try:
+        missing = httpx.post(f"{open_probes.url}/v1/completions", json=body)
+        wrong = httpx.get(f"{open_probes.url}/v1/models", headers={"Authorization": "Bearer nope"})
+        schema = httpx.get(f"{open_probes.url}/openapi.json", headers={"Authorization": "Bearer k1"})
+        assert backends.stats("b0")["served"] == before
+        good = httpx.post(f"{open_probes.url}/v1/completions", json=body, headers={"Authorization": "Bearer k1"})
+        health = httpx.get(f"{open_probes.url}/health")
+    finally:
+        open_probes.stop()
+    for r in (missing, wrong):
+        assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert schema.status_code == 404
+    assert good.status_code == 200 and backends.stats("b0")["served"] == before + 1
+    assert health.status_code == 200
+    guarded = RouteServer(deploy_of(backends, [("b0", "colocated")]), tmp_path,
+                          auth=APIAuth(KeySet(["k1"]), protect_probes=True))
+    try:
+        assert httpx.get(f"{guarded.url}/health").status_code == 401
+        assert httpx.get(f"{guarded.url}/metrics", headers={"Authorization": "Bearer k1"}).status_code == 200
+    finally:
+        guarded.stop()
 
 
 def test_killed_backend_loses_no_request_that_had_not_streamed(backends, tmp_path, caplog):

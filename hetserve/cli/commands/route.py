@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hetserve.cli.http_options import add_key_options, check_host, key_options
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -24,6 +26,7 @@ def register(subparsers) -> None:
                    help="seconds between health checks of every backend (default 1; 0: none)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per-request timeout (default 600)")
     p.add_argument("--backend-api-key-file", metavar="FILE", help="a file holding the key the backends want")
+    add_key_options(p, admin=False)
     p.set_defaults(func=run)
 
 
@@ -31,12 +34,16 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from hetserve.errors import SpecError
+    from hetserve.serve.keys import APIAuth, KeySet
     from hetserve.serve.route.app import Router
     from hetserve.serve.route.backends import BackendPool, config_from_deploy, config_from_urls
     from hetserve.serve.route.server import create_app
 
     if not 0 <= args.port <= 65535:
         raise SpecError("--port", "(option)", "an integer in [0, 65535]", str(args.port))
+    check_host(args.host)
+    keys = key_options(args)
+    auth = APIAuth(api_keys=KeySet(keys["api_keys"]), protect_probes=keys["protect_probes"])
     for flag, v in (("--timeout", args.timeout), ("--health-interval", args.health_interval)):
         if not v >= 0 or (flag == "--timeout" and v == 0):
             raise SpecError(flag, "(option)", "a positive number of seconds", str(v))
@@ -65,6 +72,6 @@ def run(args: argparse.Namespace) -> int:
                     api_key=key)
     print(f"hetserve route on http://{args.host}:{args.port}: {len(config.backends)} backend(s) "
           f"({', '.join(f'{b.id} {b.url}' for b in config.backends)}), policy {args.policy}; "
-          f"health every {args.health_interval:g} s", file=sys.stderr, flush=True)
-    uvicorn.run(create_app(router), host=args.host, port=args.port, log_level="warning")
+          f"health every {args.health_interval:g} s; {'; '.join(auth.describe()[:2])}", file=sys.stderr, flush=True)
+    uvicorn.run(create_app(router, auth), host=args.host, port=args.port, log_level="warning")
     return 0

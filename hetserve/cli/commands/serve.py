@@ -17,6 +17,7 @@ import logging
 import signal
 import time
 
+from hetserve.cli.http_options import add_key_options, check_host, key_options
 from hetserve.cli.policy_options import add_policy_options, route_of, transmission_of
 from hetserve.runtime.workers import DEVICE_CHANNELS
 from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
@@ -168,44 +169,6 @@ def token_budget_of(args: argparse.Namespace) -> int:
     return budget
 
 
-def add_key_options(p: argparse.ArgumentParser) -> None:
-    """The HTTP API's keys (``hetserve.serve.keys``)."""
-    p.add_argument("--api-key", action="append", metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1/* (repeatable: several keys; default: "
-                        "$HETSERVE_API_KEY, comma-separated; none: the API is open). A key on the command line "
-                        "shows in ps: prefer --api-key-file or the variable")
-    p.add_argument("--api-key-file", action="append", metavar="PATH",
-                   help="API keys, one per line, from a file only its owner can read (mode 600); repeatable")
-    p.add_argument("--admin-key", action="append", metavar="KEY",
-                   help="the key /admin/* (re-plan) requires (default: $HETSERVE_ADMIN_KEY; none: /admin/* is off)")
-    p.add_argument("--admin-key-file", action="append", metavar="PATH",
-                   help="admin keys, one per line, from a file only its owner can read (mode 600)")
-    p.add_argument("--protect-probes", action="store_true",
-                   help="/health and /metrics need an API key too (default: open, for load balancers and Prometheus)")
-
-
-def key_options(args: argparse.Namespace) -> dict:
-    """``ServeOptions`` fields from the key options: a command-line key or key file wins over the
-    environment variable. The variables are then removed from this process's environment, so the
-    worker processes it starts do not inherit the keys."""
-    import os
-
-    from hetserve.errors import SpecError
-    from hetserve.serve.keys import ADMIN_KEY_ENV, API_KEY_ENV, keys_from
-
-    api = keys_from(args.api_key, args.api_key_file, API_KEY_ENV, "--api-key")
-    admin = keys_from(args.admin_key, args.admin_key_file, ADMIN_KEY_ENV, "--admin-key")
-    if set(api) & set(admin):
-        raise SpecError("--admin-key", "admin key", "a key that is not also an API key (an API key would open "
-                                                     "/admin/*)")
-    if args.protect_probes and not api:
-        raise SpecError("--protect-probes", "api key", f"an API key (--api-key, --api-key-file or {API_KEY_ENV}); "
-                                                       "without one the probes would stay open")
-    for name in (API_KEY_ENV, ADMIN_KEY_ENV):
-        os.environ.pop(name, None)
-    return {"api_keys": tuple(api), "admin_keys": tuple(admin), "protect_probes": args.protect_probes}
-
-
 def run(args: argparse.Namespace) -> int:
     from hetserve.errors import RuntimeFailure, SpecError
 
@@ -230,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     check_runnable(plan, cluster, load_model(args.model),
                    f"{args.plan} (planned for {plan.model}) with --model {args.model}")
     check_idle_options(args, plan)
+    check_host(args.host)
     budget = token_budget_of(args)
     if args.heartbeat_timeout <= 0.2:
         raise SpecError("--heartbeat-timeout", "heartbeat_timeout", "more than 0.2 s (workers beat every "

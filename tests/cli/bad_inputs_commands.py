@@ -262,6 +262,7 @@ ROUTE_CASES = [
     C("route-key-file-missing", ROUTE + " --backend-api-key-file {d}/nope", ("{d}/nope",)),
     C("route-key-file-empty", ROUTE + " --backend-api-key-file {d}/k", ("{d}/k",), {"k": "\n"}),
     C("route-key-file-binary", ROUTE + " --backend-api-key-file {d}/k", ("{d}/k",), {"k": BINARY}),
+    C("route-key-file-world-readable", ROUTE + " --backend-api-key-file {d}/k", ("{d}/k", "chmod 600"), {"k": "key"}),
 ]
 
 SERVE_CASES = [

@@ -25,7 +25,8 @@ def register(subparsers) -> None:
     p.add_argument("--health-interval", type=float, default=1.0, metavar="S",
                    help="seconds between health checks of every backend (default 1; 0: none)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per-request timeout (default 600)")
-    p.add_argument("--backend-api-key-file", metavar="FILE", help="a file holding the key the backends want")
+    p.add_argument("--backend-api-key-file", metavar="FILE",
+                   help="a file holding the key the backends want (mode 600: only its owner may read it)")
     add_key_options(p, admin=False)
     p.set_defaults(func=run)
 
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from hetserve.errors import SpecError
-    from hetserve.serve.keys import APIAuth, KeySet
+    from hetserve.serve.keys import APIAuth, KeySet, read_key_file
     from hetserve.serve.route.app import Router
     from hetserve.serve.route.backends import BackendPool, config_from_deploy, config_from_urls
     from hetserve.serve.route.server import create_app
@@ -55,19 +56,12 @@ def run(args: argparse.Namespace) -> int:
             raise SpecError("--backends", "(option)", "one or more backend URLs separated by commas", args.backends)
         config = config_from_urls(urls)
     key = None
-    if args.backend_api_key_file:
-        try:
-            with open(args.backend_api_key_file, encoding="utf-8") as f:
-                key = f.read().strip()
-        except OSError as exc:
-            raise SpecError(args.backend_api_key_file, "--backend-api-key-file", "a readable file",
-                            exc.strerror or str(exc)) from exc
-        except UnicodeDecodeError as exc:
-            raise SpecError(args.backend_api_key_file, "--backend-api-key-file", "a key as UTF-8 text",
-                            str(exc)) from exc
-        if not key:  # an empty key would be sent as "Bearer " and every backend would refuse it
-            raise SpecError(args.backend_api_key_file, "--backend-api-key-file", "a file holding the key",
-                            "an empty file")
+    if args.backend_api_key_file:  # one key, from a file only its owner can read (as serve's key files)
+        found = read_key_file(args.backend_api_key_file)
+        if len(found) != 1:
+            raise SpecError(args.backend_api_key_file, "--backend-api-key-file", "one key (the backends')",
+                            f"{len(found)} keys")
+        key = found[0]
     router = Router(BackendPool(config, args.policy), timeout_s=args.timeout, health_interval_s=args.health_interval,
                     api_key=key)
     print(f"hetserve route on http://{args.host}:{args.port}: {len(config.backends)} backend(s) "

@@ -276,6 +276,7 @@ SERVE_CASES = [
                                                                              "--replan-on-failure")),
     C("serve-replan-time-alone", SERVE + " --replan-time-limit 5", ("--replan-time-limit", "--replan-on-failure")),
     C("serve-time-scale-alone", SERVE + " --time-scale 4", ("--time-scale", "--shape-links")),
+    C("serve-transmission-alone", SERVE + " --transmission molink", ("--transmission", "--shape-links")),
     C("serve-time-scale-zero", SERVE + " --shape-links --time-scale 0", ("--time-scale", "> 0")),
     C("serve-chunk-tokens-under-mixed", SERVE + " --chunk-tokens 64", ("--chunk-tokens", "chunked")),
     # a step decodes up to --max-num-seqs sequences within the budget, and no budget splits a prompt

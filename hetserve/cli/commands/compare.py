@@ -17,7 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "simulated TTFT/TPOT/E2E (mean, p50, p90, p99) and throughput.")
     p.add_argument("--plan", required=True, help="plan file (JSON or YAML)")
     p.add_argument("--model", required=True, help="checkpoint folder (see `hetserve make-model`)")
-    p.add_argument("--cluster", help="cluster preset or file (default: the preset the plan names)")
+    p.add_argument("--cluster", help="cluster preset or file (default: the cluster file the plan was made on, "
+                   "else the plan's cluster name as a preset)")
     p.add_argument("--workload", default="azure-conv", help="workload preset or CSV (default azure-conv)")
     p.add_argument("--workload-class", choices=["HPLD", "HPHD", "LPHD", "LPLD"], help="only one HexGen-2 class")
     p.add_argument("--rate", type=float, help="request rate, requests/s (default: the trace's)")

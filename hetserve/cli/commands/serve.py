@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Start the plan's workers and an OpenAI-compatible server "
                                    "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
     p.add_argument("--plan", required=True, help="plan file (JSON or YAML)")
-    p.add_argument("--cluster", help="cluster preset or file (default: the preset the plan names)")
+    p.add_argument("--cluster", help="cluster preset or file (default: the cluster file the plan was made on, "
+                   "else the plan's cluster name as a preset)")
     p.add_argument("--model", required=True, help="checkpoint folder (Hugging Face layout; see make-model)")
     p.add_argument("--model-name", help="the model name clients use (default: the folder's name)")
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP API binds (default 127.0.0.1)")
@@ -137,6 +138,8 @@ def check_idle_options(args: argparse.Namespace, plan) -> None:
 
     aladdin = "aladdin" in (args.placement, route_of(args))
     needs = [("--time-scale", args.time_scale, args.shape_links, "--shape-links (it scales the emulated links)"),
+             ("--transmission", args.transmission, args.shape_links,
+              "--shape-links (unshaped, each message goes at once: none waits for the policy to order it)"),
              ("--replan-workload", args.replan_workload, args.replan_on_failure, "--replan-on-failure"),
              ("--replan-time-limit", args.replan_time_limit, args.replan_on_failure, "--replan-on-failure"),
              ("--ray-address", args.ray_address, args.backend == "ray", "--backend ray"),

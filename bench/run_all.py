@@ -1,6 +1,7 @@
 """Run the quick variant of every benchmark in turn and print each one's output (`make bench`).
 
-    .venv/bin/python -m bench.run_all [--only planner,sim,aladdin,engine,attention,serve,multinode,frontend,overhead,pipeline-round]
+    .venv/bin/python -m bench.run_all [--only planner,sim,aladdin,engine,attention,step,serve,multinode,frontend,overhead,
+                                     pipeline-round]
 
 Each benchmark runs as its own subprocess from the repository root, with this interpreter; its
 output streams through as it is produced. The quick settings here are for a smoke run of about

@@ -1,6 +1,6 @@
 """hetserve: plan, simulate and serve large language models on heterogeneous GPU pools.
 
-Layers (dependencies point one way, see DESIGN.md):
+Layers (dependencies point one way, see docs/design.md):
 specs -> cost -> planner -> policies -> sim / runtime -> cli
 """
 

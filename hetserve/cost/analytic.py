@@ -13,7 +13,7 @@ Starts from HexGen Table 1 / Appendix B and refines it:
 * KV transfer between a prefill and a decode replica layer-matched and TP-shard-matched,
   all device pairs in parallel, sharing the NICs and site pipes they cross
   (``hetserve.cost.network``, max-min fair); time = the last part delivered (HexGen-2 §3.2,
-  Appendix A, with DESIGN.md's shared links). ``*_resource_bytes`` say which shared resources a
+  Appendix A, with docs/design.md's shared links). ``*_resource_bytes`` say which shared resources a
   request's KV and PP hand-offs load, for the planner's capacity nodes. These live in
   ``cost/transfers.py`` (``TransferCosts``, a part of ``CostModel``).
 

@@ -17,7 +17,7 @@ Two sources of data:
 (b) samples drawn from the analytic cost model for one replica layout
     (``fit_from_cost_model``), so a replica nobody has measured yet still has coefficients.
 
-No imports from the planner, simulator or runtime (DESIGN.md layering).
+No imports from the planner, simulator or runtime (docs/design.md layering).
 """
 
 from __future__ import annotations

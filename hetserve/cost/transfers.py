@@ -5,7 +5,7 @@ resources (NICs, site pipes) for the planner's capacity nodes.
 The KV moves layer-matched and TP-shard-matched (``cost.layout.kv_pieces``, the pieces the runtime
 moves too): all device pairs send at once, sharing the NICs and pipes on their paths (max-min
 fair, ``cost.network``), and the last part delivered ends the hand-off (HexGen-2 §3.2, Appendix A,
-with DESIGN.md's shared links). ``TransferCosts`` is a part of ``cost.analytic.CostModel``: it
+with docs/design.md's shared links). ``TransferCosts`` is a part of ``cost.analytic.CostModel``: it
 reads the model, the cluster and ``p2p_time`` from it.
 """
 

@@ -1,6 +1,6 @@
 """The launch bundle every engine's exporter fills in, and the one writer of its files.
 
-A bundle folder holds ``deploy.json`` (the DESIGN.md deploy contract), ``plan.json``, one
+A bundle folder holds ``deploy.json`` (the docs/design.md deploy contract), ``plan.json``, one
 ``machines/<machine>.sh`` per machine of the plan, ``router.json`` and a ``README.md``.
 
 Invariants (``Bundle.check``, run before anything is written):

@@ -1,6 +1,6 @@
 """The deployment ``Plan``: replicas (role + pipeline stages), KV routes, and the planner's estimates.
 
-File format (JSON; YAML accepted) is the contract in DESIGN.md:
+File format (JSON; YAML accepted) is the contract in docs/design.md:
 
     {"model": ..., "cluster": ..., "algorithm": ...,
      "replicas": [{"id": "p0", "role": "prefill",
@@ -9,7 +9,7 @@ File format (JSON; YAML accepted) is the contract in DESIGN.md:
      "estimate": {"throughput_tokens_per_s": ..., "cost_usd_per_hour": ...},
      "cluster_file": {"path": "pools/two-sites.yaml", "sha256": "..."}}   # optional
 
-``cluster_file`` (optional, added to the DESIGN.md contract) records the cluster file a plan was
+``cluster_file`` (optional, added to the docs/design.md contract) records the cluster file a plan was
 made on, when it was made from a file rather than a preset: its path, relative to the plan file's
 folder (so the two can move together), and the SHA-256 of its bytes, so a later reader finds the
 file without ``--cluster`` and notices when it has changed (docs/planner.md).

@@ -1,7 +1,7 @@
 """What every policy sees and decides: snapshots in, decisions out.
 
 Policies are pure decisions over a snapshot of state, so the simulator and the live runtime
-drive the very same classes (DESIGN.md, "policies"). Nothing here imports torch, the simulator
+drive the very same classes (docs/design.md, "policies"). Nothing here imports torch, the simulator
 or the runtime; the caller builds the snapshot from whatever state it keeps.
 
 Three kinds of decision:

@@ -4,7 +4,7 @@ The simulator drives it with simulated time (``hetserve.sim.links``), the runtim
 ``--shape-links`` with wall time (``hetserve.runtime.links.network``); neither keeps its own copy. Pure:
 no threads, no sockets, no event loop — every method takes ``now`` and says what happened.
 
-Model (DESIGN.md, "Links are shared resources"):
+Model (docs/design.md, "Links are shared resources"):
 
 * a message crosses every resource of its ``Path`` (``hetserve.specs.network``): sending NIC,
   site pipe or dedicated link, receiving NIC — or one private in-box / per-pair link;

@@ -129,7 +129,7 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
 
 
 def summarize(results: Sequence[LoadResult], duration_s: float | None = None) -> dict:
-    """The simulator's summary shape (DESIGN.md) for measured results."""
+    """The simulator's summary shape (docs/design.md) for measured results."""
     ok = [r for r in results if r.error is None]
     if duration_s is None:
         duration_s = max((r.arrival_s + r.e2e_s for r in ok), default=0.0)

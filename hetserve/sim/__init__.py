@@ -2,7 +2,7 @@
 
     from hetserve.sim import simulate, SimOptions
     result = simulate(plan, cluster, model, workload, SimOptions(placement="jsq"))
-    result.summary()          # the DESIGN.md summary JSON (extended)
+    result.summary()          # the docs/design.md summary JSON (extended)
     result.save("out/")       # summary.json, requests.csv, latency_cdf.png
 """
 

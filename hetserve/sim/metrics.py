@@ -164,7 +164,7 @@ class SimResult:
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> dict[str, Any]:
-        """The DESIGN.md summary JSON (its keys first), extended."""
+        """The docs/design.md summary JSON (its keys first), extended."""
         n = len(self)
         ok = self.completed
         done = int(ok.sum())

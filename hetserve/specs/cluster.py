@@ -1,10 +1,10 @@
 """Cluster: machines of GPUs, the sites they sit in, and the links between every pair of devices.
 
-A cluster file (YAML, format in DESIGN.md) is resolved into a flat tuple of ``Device``s and two
+A cluster file (YAML, format in docs/design.md) is resolved into a flat tuple of ``Device``s and two
 N×N matrices: ``latency`` (α, seconds) and ``bandwidth`` (β, bytes/s). Everything downstream
 (cost model, planner, simulator, runtime link shaping) reads only these.
 
-Links are shared resources (DESIGN.md): every machine has a NIC (``nic``, default
+Links are shared resources (docs/design.md): every machine has a NIC (``nic``, default
 ``network.intra_site``), every pair of sites a pipe (a site-pair ``network.links`` entry, default
 ``network.inter_site``), a machine-pair ``network.links`` entry is a dedicated link; inside a box
 each GPU pair has its own link (the machine's ``intra`` or the default for its GPU). ``Cluster.path``

@@ -1,6 +1,6 @@
 """Shared network resources of a cluster and the path a transfer takes through them.
 
-DESIGN.md, "Links are shared resources": a real pool has one network card per box and one pipe
+docs/design.md, "Links are shared resources": a real pool has one network card per box and one pipe
 between two sites, and every transfer that crosses them shares them. This module holds that
 view; the α/β matrices of ``Cluster`` stay the *uncontended* view (one transfer alone on its
 path), and they are derived from the paths built here, so the two never disagree.

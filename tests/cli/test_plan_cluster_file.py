@@ -38,7 +38,7 @@ def made(tmp_path, monkeypatch, capsys):
 def test_the_plan_records_its_cluster_file_relative_to_itself(made):
     data = json.loads((made / "plans" / "plan.json").read_text())
     digest = hashlib.sha256((made / "pools" / "my-pool.yaml").read_bytes()).hexdigest()
-    assert data["cluster"] == "my-pool"  # DESIGN.md's field, unchanged
+    assert data["cluster"] == "my-pool"  # docs/design.md's field, unchanged
     assert data["cluster_file"] == {"path": "../pools/my-pool.yaml", "sha256": digest}
     plan = Plan.load(made / "plans" / "plan.json")
     assert plan.cluster_file.path == (made / "pools" / "my-pool.yaml").resolve()

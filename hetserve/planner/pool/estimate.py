@@ -1,5 +1,5 @@
 """An evaluated pool layout written out as a ``Plan``: replica names, KV routes ∝ flow, and the
-``estimate`` other tools read (DESIGN.md's plan format: per-replica capacity and flow, period,
+``estimate`` other tools read (docs/design.md's plan format: per-replica capacity and flow, period,
 mean lengths, cost, the upper bound, the load on every shared NIC / pipe)."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Invariants of ``FlowNetwork``:
 * capacities are scaled to integer milli-requests before solving, so the networkx and the scipy
   solvers see the same integer network and return the same value.
 
-**Capacity nodes for shared links** (DESIGN.md, "Links are shared resources"). KV caches, PP
+**Capacity nodes for shared links** (docs/design.md, "Links are shared resources"). KV caches, PP
 hand-offs and TP all-reduces that leave a machine cross its NIC, the site pipe and the receiving
 NIC, and every route through one of them shares it. Each such resource r is a capacity node:
 

@@ -77,12 +77,26 @@ def test_no_endpoint_listens_on_all_interfaces(wildcard, tmp_path, model, capsys
     # the HTTP fronts too: serve's API and route's
     serve = ["serve", "--plan", str(tmp_path / "plan.json"), "--cluster", str(tmp_path / "pool.yaml"),
              "--model", str(model), "--port", "0"]
-    for argv in (serve, ["route", "--backends", "http://127.0.0.1:9", "--port", "0"]):
-        if not wildcard:
-            break
+    for argv in (serve, ["route", "--backends", "http://127.0.0.1:9", "--port", "0"]) if wildcard else ():
         assert cli(argv + ["--host", wildcard]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--host" in err[0] and "every interface" in err[0], err
+
+
+@pytest.mark.parametrize("spelling", ["0", "0x0", "00.0.0.0", "::0", "0:0:0:0:0:0:0:0", "[::]", "*"])
+def test_every_spelling_of_every_interface_is_refused(spelling):
+    """The resolver reads these as 0.0.0.0 or ::; a list of the usual spellings alone let them through."""
+    from hetserve.runtime.workers.rendezvous import check_bind_address
+
+    with pytest.raises(ValueError, match="every interface"):
+        check_bind_address(spelling, "--host")
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "::1", "10.0.0.5", "node-a.lan", "fe80::1%eth0"])
+def test_one_address_or_a_host_name_is_taken_as_written(address):
+    from hetserve.runtime.workers.rendezvous import check_bind_address
+
+    assert check_bind_address(f" {address} ", "--host") == address
 
 
 def test_a_machine_address_its_ray_node_does_not_have_is_named():

@@ -28,17 +28,31 @@ GLOO = "hetserve_gloo"  # gloo with a device bound to the worker's address
 
 
 def check_bind_address(host: str, what: str = "address") -> str:
-    """``host`` if it names one address; ValueError for a wildcard (all interfaces) or a malformed one."""
-    if host is None or str(host).strip() in _WILDCARDS:
+    """``host`` if it names one address; ValueError for a wildcard (all interfaces) or a malformed one.
+
+    A wildcard is any spelling the resolver reads as the unspecified address ("0", "0x0", "::0",
+    "00.0.0.0" as well as "0.0.0.0" and "::"): numeric forms are parsed without a DNS query, so a
+    host name is taken as written. Brackets around an IPv6 literal ("[::1]") are refused: a socket
+    binds the bare address."""
+    text = "" if host is None else str(host).strip()
+    if text in _WILDCARDS or _unspecified(text):
         raise ValueError(f"{what} must name this machine's address on the network its peers use "
                          f"(e.g. 10.0.0.5), not {host!r}: that listens on every interface and advertises none")
-    host = str(host).strip()
     try:
-        ipaddress.ip_address(host)
+        ipaddress.ip_address(text)
     except ValueError:
-        if not all(part and len(part) < 64 for part in host.split(".")) or " " in host:
-            raise ValueError(f"{what} {host!r} is neither an IP address nor a host name") from None
-    return host
+        if not all(part and len(part) < 64 for part in text.split(".")) or any(c in text for c in " []"):
+            raise ValueError(f"{what} {text!r} is neither an IP address nor a host name") from None
+    return text
+
+
+def _unspecified(text: str) -> bool:
+    """Whether a numeric spelling of ``text`` is 0.0.0.0 or :: (no name lookup)."""
+    try:
+        infos = socket.getaddrinfo(text, None, flags=socket.AI_NUMERICHOST)
+    except (socket.gaierror, UnicodeError, ValueError):
+        return False  # not numeric: a host name
+    return any(ipaddress.ip_address(info[4][0].split("%")[0]).is_unspecified for info in infos)
 
 
 def listen_socket(host: str) -> socket.socket:

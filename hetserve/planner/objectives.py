@@ -174,8 +174,8 @@ def cheapest(fn: Callable[..., Plan], cluster, model, workload, options: PlanOpt
     ctx.check_feasible()
     need = rate / TARGET_LOAD * ctx.period_s  # requests per T
     lower = min_cost(ctx, need)
-    whole = upper_bound(ctx)
     if lower is None:
+        whole = upper_bound(ctx)
         raise InfeasibleError(
             f"{cluster.name} cannot serve {rate:g} requests/s of {workload.name} with {model.name}"
             f"{' within the SLOs' if ctx.slo else ''}: even its upper bound is "

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.bench_planner import _island
 from hetserve.planner.context import PlanContext
+from hetserve.planner.pool import estimate
 from hetserve.specs.model import load_model
 from hetserve.specs.workload import load_workload
 
@@ -85,10 +88,11 @@ def _fresh_solves(monkeypatch, bound, bound_milp):
     monkeypatch.setattr(bound_milp, "MIN_RUN_S", 1e-3)
 
 
-def test_a_budgeted_plan_s_bound_keeps_to_the_time_limit_and_its_flag_is_its_own(monkeypatch):
+@pytest.mark.parametrize("whole_cut", [True, False])
+def test_a_budgeted_plan_s_bound_keeps_to_the_time_limit_and_its_flag_is_its_own(monkeypatch, whole_cut):
     """``--budget-usd-per-hour``: the budgeted bound over the whole pool (after the subsets' plans)
     gets the rest of the time limit, at least its share, not all it wants; the plan's cut-short flag
-    is that bound's, not the flag of the subset plan's own bound."""
+    is that bound's, not the flag of the subset plan's own bound (here the opposite of it)."""
     import dataclasses
 
     from hetserve.planner import ALGORITHMS, PlanOptions, objectives
@@ -98,17 +102,19 @@ def test_a_budgeted_plan_s_bound_keeps_to_the_time_limit_and_its_flag_is_its_own
         {"name": "a", "gpu": "A100-SXM-80G", "count": 2}, {"name": "b", "gpu": "RTX-4090", "count": 4}],
         "network": {"intra_site": {"bandwidth_gbps": 10, "latency_ms": 0.2}}}, "<test>")
     seen = []
-    real = objectives.upper_bound
+    real_whole, real_subset = objectives.upper_bound, estimate.upper_bound
 
-    def spy(ctx, budget=None, *args, **kwargs):
-        bound = real(ctx, budget, *args, **kwargs)
-        seen.append((budget, kwargs.get("time_limit_s")))
-        return dataclasses.replace(bound, cut_short=True) if budget is not None else bound
+    def whole(ctx, budget=None, *args, **kwargs):
+        seen.append(kwargs.get("time_limit_s"))
+        return dataclasses.replace(real_whole(ctx, budget, *args, **kwargs), cut_short=whole_cut)
 
-    monkeypatch.setattr(objectives, "upper_bound", spy)
+    def subset(ctx, *args, **kwargs):
+        return dataclasses.replace(real_subset(ctx, *args, **kwargs), cut_short=not whole_cut)
+
+    monkeypatch.setattr(objectives, "upper_bound", whole)
+    monkeypatch.setattr(estimate, "upper_bound", subset)
     price = sum(d.gpu.usd_per_hour for d in pool.devices[:4])
     plan = objectives.plan_for(ALGORITHMS["hexgen2"], pool, load_model("llama-2-7b"), load_workload("azure-conv"),
                                PlanOptions(seed=0, budget_usd_per_hour=price, time_limit_s=4, max_iterations=2))
-    limits = [t for b, t in seen if b is not None]
-    assert limits and all(t is not None and 0 < t <= 4 for t in limits)
-    assert plan.estimate["upper_bound_cut_short"] is True
+    assert seen and all(t is not None and 0 < t <= 4 for t in seen)
+    assert plan.estimate.get("upper_bound_cut_short", False) is whole_cut

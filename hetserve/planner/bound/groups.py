@@ -251,10 +251,10 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
         matrix, c_, up_, _, names = programme()
         lp = solve_lp(c_, matrix, up_)
         relaxed = min(relaxed, -float(lp.fun))
-        if deadline is not None and time.perf_counter() >= deadline:
-            cut = True
-            break
         if not (ties and ties.add(lp.x)):
+            break
+        if deadline is not None and time.perf_counter() >= deadline:
+            cut = True  # ties added but not solved as an LP: the MILP below still takes them
             break
     duals = np.abs(lp.ineqlin.marginals)
     binding = tuple(dict.fromkeys(n for n, y in zip(names, duals) if y > 1e-9))

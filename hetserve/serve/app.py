@@ -27,7 +27,7 @@ import asyncio
 import json
 import time
 from contextlib import asynccontextmanager
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -40,7 +40,7 @@ from hetserve.serve.coordinator import Coordinator, Prepared
 from hetserve.serve.errors import (ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded,
                                    PayloadTooLarge, Unavailable, install_error_handlers, log,
                                    to_api_error)
-from hetserve.serve.keys import ADMIN_PREFIX, APIAuth, key_check
+from hetserve.serve.keys import ADMIN_PREFIX, APIAuth, guarded_app
 from hetserve.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                                      CompletionRequest, CompletionResponse, DeltaMessage, ModelCard, ModelList,
@@ -73,10 +73,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
 
     auth = auth or APIAuth()
 
-    # no /openapi.json (nor docs): FastAPI serves it as a plain route, outside the app's dependencies,
-    # so it would be the one route the key check never sees
-    app = FastAPI(title="hetserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None, dependencies=[Depends(key_check(auth))])
+    app = FastAPI(title="hetserve", version="0.1.0", lifespan=lifespan, **guarded_app(auth))
     c = coordinator
 
     def count_client_error(path: str, err) -> None:

@@ -122,6 +122,15 @@ def key_check(auth: APIAuth):
     return check
 
 
+def guarded_app(auth: APIAuth) -> dict:
+    """FastAPI's options for an app whose every route ``auth`` holds: the key check as an app-wide
+    dependency, and no /openapi.json nor docs pages (FastAPI serves those as plain routes outside
+    the app's dependencies: they would be the routes the key check never sees)."""
+    from fastapi import Depends
+
+    return {"docs_url": None, "redoc_url": None, "openapi_url": None, "dependencies": [Depends(key_check(auth))]}
+
+
 def bearer_token(header: str | None) -> str | None:
     """The credential of an ``Authorization: Bearer <token>`` header (scheme case-insensitive), or None."""
     if not header:

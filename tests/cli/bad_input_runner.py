@@ -83,10 +83,15 @@ def write_files(folder: Path, files: dict) -> None:
             path.mkdir(parents=True, exist_ok=True)
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
+        mode = None
+        if isinstance(content, tuple):  # (content, mode): a key file only its owner may read
+            content, mode = content
         if isinstance(content, bytes):
             path.write_bytes(content)
         else:
             path.write_text(content)
+        if mode is not None:
+            path.chmod(mode)
 
 
 def run_case(case: Case, folder: Path, base_files: dict | None = None) -> Result:

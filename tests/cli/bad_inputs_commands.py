@@ -260,8 +260,10 @@ ROUTE_CASES = [
     C("route-backends-ftp", "route --backends ftp://h:1 --port 0", ("--backends", "ftp://h:1")),
     C("route-deploy-and-backends", "route --deploy {d}/x.json --backends http://h:1", ("--backends",)),
     C("route-key-file-missing", ROUTE + " --backend-api-key-file {d}/nope", ("{d}/nope",)),
-    C("route-key-file-empty", ROUTE + " --backend-api-key-file {d}/k", ("{d}/k",), {"k": "\n"}),
-    C("route-key-file-binary", ROUTE + " --backend-api-key-file {d}/k", ("{d}/k",), {"k": BINARY}),
+    C("route-key-file-empty", ROUTE + " --backend-api-key-file {d}/k", ("{d}/k", "holds no key"), {"k": ("\n", 0o600)}),
+    C("route-key-file-binary", ROUTE + " --backend-api-key-file {d}/k", ("{d}/k",), {"k": (BINARY, 0o600)}),
+    C("route-key-file-two-keys", ROUTE + " --backend-api-key-file {d}/k", ("{d}/k", "one key"),
+      {"k": ("a1\nb2\n", 0o600)}),
     C("route-key-file-world-readable", ROUTE + " --backend-api-key-file {d}/k", ("{d}/k", "chmod 600"), {"k": "key"}),
 ]
 

@@ -5,7 +5,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Request  # at module level: FastAPI reads the routes' annotations from here
 
-from hetserve.serve.keys import APIAuth, key_check
+from hetserve.serve.keys import APIAuth, guarded_app
 from hetserve.serve.route.app import Router
 
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused unread past the limit
@@ -15,7 +15,7 @@ def create_app(router: Router, auth: APIAuth | None = None):
     """The app forwarding to ``router``'s backends; ``auth``: the keys its clients need (as
     ``hetserve serve``'s: ``serve.keys``; default none, the API open)."""
     import pydantic
-    from fastapi import Depends, FastAPI
+    from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -28,10 +28,7 @@ def create_app(router: Router, auth: APIAuth | None = None):
         yield
         await router.close()
 
-    # no /openapi.json (nor docs): a plain route outside the app's dependencies, so the key check would
-    # never see it
-    app = FastAPI(title="hetserve route", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
-                  dependencies=[Depends(key_check(auth or APIAuth()))])
+    app = FastAPI(title="hetserve route", lifespan=lifespan, **guarded_app(auth or APIAuth()))
     install_error_handlers(app)
 
     async def read_body(request: Request) -> tuple[dict, bytes]:

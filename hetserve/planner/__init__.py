@@ -20,9 +20,12 @@ or a CLI that only reads a plan file starts without them.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hetserve.planner.plan import KVRoute, Plan, PlanReplica, PlanStage
+
+if TYPE_CHECKING:
+    from hetserve.planner.options import PlanOptions
 
 __all__ = ["ALGORITHMS", "Algorithm", "KVRoute", "Plan", "PlanOptions", "PlanReplica", "PlanStage",
            "SearchProgress", "plan", "validate_plan"]
@@ -38,7 +41,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def plan(cluster, model, workload, algorithm: str = "hexgen2", options: Any = None) -> Plan:
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+def plan(cluster, model, workload, algorithm: str = "hexgen2", options: PlanOptions | None = None) -> Plan:
     """Run one algorithm by name (see ``ALGORITHMS``) for the options' objective and budget
     (``PlanOptions``; None: the defaults)."""
     from hetserve.errors import PlanError

@@ -21,4 +21,3 @@ ALGORITHMS: dict[str, Algorithm] = {
     "exact": exact,
     "exact-colocated": exact_colocated,
 }
-

@@ -31,7 +31,7 @@ scrapes.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -56,10 +56,10 @@ class ServerMetrics:
         self.prompt_tokens = Counter("hetserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("hetserve_generation_tokens", "Generated tokens", registry=r)
         self.in_flight = Gauge("hetserve_requests_in_flight", "Requests admitted and not finished", registry=r)
-        r.register(_BackendCollector(backend_snapshot))
-        r.register(_RefusedCollector(refused))
-        r.register(_ChannelCollector(channels))
-        r.register(_LoadCollector(loads))
+        r.register(_ScrapeCollector(backend_snapshot, _backend_families))
+        r.register(_ScrapeCollector(refused, _refused_families))
+        r.register(_ScrapeCollector(channels, _channel_families))
+        r.register(_ScrapeCollector(loads, _load_families))
 
     def observe(self, ttft_s: float | None, e2e_s: float, output_tokens: int) -> None:
         if ttft_s is not None:
@@ -74,115 +74,95 @@ class ServerMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-class _RefusedCollector:
-    """Connections the runtime's endpoints (engine and workers) closed before or while reading them:
-    a failed handshake, a malformed message, too many handshakes at once (docs/security.md)."""
+class _ScrapeCollector:
+    """Families built at scrape time from what ``read()`` returns (``families(data)`` yields them)."""
 
-    def __init__(self, refused: Callable[[], dict[str, int]]):
-        self.refused = refused
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily
-
-        fam = CounterMetricFamily("hetserve_refused_connections", "Runtime connections closed unread, by reason",
-                                  labels=["reason"])
-        counts = self.refused()
-        for reason in ("handshake", "malformed", "busy"):
-            fam.add_metric([reason], counts.get(reason, 0))
-        yield fam
-
-
-class _LoadCollector:
-    """Each worker's start-up: seconds to make its stage (read or draw its weights), as it measured."""
-
-    def __init__(self, loads: Callable[[], dict[str, float]]):
-        self.loads = loads
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        from prometheus_client.core import GaugeMetricFamily
-
-        fam = GaugeMetricFamily("hetserve_worker_load_seconds", "Seconds each worker took to make its stage "
-                                "(read or draw its weights), as it measured at start-up", labels=["worker"])
-        for worker, seconds in sorted(self.loads().items()):
-            fam.add_metric([worker], seconds)
-        yield fam
-
-
-class _ChannelCollector:
-    """Each worker's device-channel counts (``DeviceChannel.stats``), read at scrape time."""
-
-    def __init__(self, channels: Callable[[], dict[str, dict[str, int]]]):
-        self.channels = channels
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily
-
-        fam = CounterMetricFamily("hetserve_device_channel", "Device-channel counts per worker, as of its latest "
-                                  "heartbeat", labels=["worker", "count"])
-        for worker, counts in sorted(self.channels().items()):
-            for name, n in sorted(counts.items()):
-                fam.add_metric([worker, name], n)
-        yield fam
-
-
-class _BackendCollector:
-    """Replica and link series, read from the backend at scrape time."""
-
-    def __init__(self, snapshot: Callable[[], tuple[list, list]]):
-        self.snapshot = snapshot
+    def __init__(self, read: Callable[[], Any], families: Callable[[Any], Iterator]):
+        self.read, self.families = read, families
 
     def describe(self):
         return []  # series depend on the deployment; nothing to pre-declare
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        yield from self.families(self.read())
 
-        replicas, links = self.snapshot()
-        rl = ["replica", "role"]
-        fams = {
-            "up": GaugeMetricFamily("hetserve_replica_up", "1 while the replica serves, 0 once it lost a worker",
+
+def _refused_families(counts: dict[str, int]):
+    """Connections the runtime's endpoints (engine and workers) closed before or while reading them:
+    a failed handshake, a malformed message, too many handshakes at once (docs/security.md)."""
+    from prometheus_client.core import CounterMetricFamily
+
+    fam = CounterMetricFamily("hetserve_refused_connections", "Runtime connections closed unread, by reason",
+                              labels=["reason"])
+    for reason in ("handshake", "malformed", "busy"):
+        fam.add_metric([reason], counts.get(reason, 0))
+    yield fam
+
+
+def _load_families(loads: dict[str, float]):
+    """Each worker's start-up: seconds to make its stage (read or draw its weights), as it measured."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    fam = GaugeMetricFamily("hetserve_worker_load_seconds", "Seconds each worker took to make its stage "
+                            "(read or draw its weights), as it measured at start-up", labels=["worker"])
+    for worker, seconds in sorted(loads.items()):
+        fam.add_metric([worker], seconds)
+    yield fam
+
+
+def _channel_families(channels: dict[str, dict[str, int]]):
+    """Each worker's device-channel counts (``DeviceChannel.stats``)."""
+    from prometheus_client.core import CounterMetricFamily
+
+    fam = CounterMetricFamily("hetserve_device_channel", "Device-channel counts per worker, as of its latest "
+                              "heartbeat", labels=["worker", "count"])
+    for worker, counts in sorted(channels.items()):
+        for name, n in sorted(counts.items()):
+            fam.add_metric([worker, name], n)
+    yield fam
+
+
+def _backend_families(snapshot: tuple[list, list]):
+    """Replica and link series from the backend's ``(replica states, link stats)``."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    replicas, links = snapshot
+    rl = ["replica", "role"]
+    fams = {
+        "up": GaugeMetricFamily("hetserve_replica_up", "1 while the replica serves, 0 once it lost a worker",
+                                labels=rl),
+        "queued": GaugeMetricFamily("hetserve_replica_queued_requests", "Requests waiting on a replica", labels=rl),
+        "running": GaugeMetricFamily("hetserve_replica_running_requests", "Requests in a replica's running batch",
+                                     labels=rl),
+        "kv_used": GaugeMetricFamily("hetserve_replica_kv_used_tokens", "KV-cache tokens in use", labels=rl),
+        "kv_cap": GaugeMetricFamily("hetserve_replica_kv_capacity_tokens", "KV-cache pool size in tokens",
                                     labels=rl),
-            "queued": GaugeMetricFamily("hetserve_replica_queued_requests", "Requests waiting on a replica", labels=rl),
-            "running": GaugeMetricFamily("hetserve_replica_running_requests", "Requests in a replica's running batch",
-                                         labels=rl),
-            "kv_used": GaugeMetricFamily("hetserve_replica_kv_used_tokens", "KV-cache tokens in use", labels=rl),
-            "kv_cap": GaugeMetricFamily("hetserve_replica_kv_capacity_tokens", "KV-cache pool size in tokens",
-                                        labels=rl),
-            "kv_ratio": GaugeMetricFamily("hetserve_replica_kv_usage_ratio", "KV-cache use (0..1)", labels=rl),
-            "preempted": CounterMetricFamily("hetserve_replica_preemptions", "Requests pre-empted to free KV "
-                                             "blocks (--kv-admission paged), recomputed later", labels=rl),
-        }
-        for s in replicas:
-            lab = [s.id, s.role]
-            fams["up"].add_metric(lab, 1.0 if s.alive else 0.0)
-            fams["queued"].add_metric(lab, s.queued_requests)
-            fams["running"].add_metric(lab, s.running_requests)
-            fams["kv_used"].add_metric(lab, s.kv_used_tokens)
-            fams["kv_cap"].add_metric(lab, s.kv_capacity_tokens)
-            fams["kv_ratio"].add_metric(lab, s.kv_used_tokens / s.kv_capacity_tokens if s.kv_capacity_tokens else 0.0)
-            fams["preempted"].add_metric(lab, s.preemptions)
-        yield from fams.values()
+        "kv_ratio": GaugeMetricFamily("hetserve_replica_kv_usage_ratio", "KV-cache use (0..1)", labels=rl),
+        "preempted": CounterMetricFamily("hetserve_replica_preemptions", "Requests pre-empted to free KV "
+                                         "blocks (--kv-admission paged), recomputed later", labels=rl),
+    }
+    for s in replicas:
+        lab = [s.id, s.role]
+        fams["up"].add_metric(lab, 1.0 if s.alive else 0.0)
+        fams["queued"].add_metric(lab, s.queued_requests)
+        fams["running"].add_metric(lab, s.running_requests)
+        fams["kv_used"].add_metric(lab, s.kv_used_tokens)
+        fams["kv_cap"].add_metric(lab, s.kv_capacity_tokens)
+        fams["kv_ratio"].add_metric(lab, s.kv_used_tokens / s.kv_capacity_tokens if s.kv_capacity_tokens else 0.0)
+        fams["preempted"].add_metric(lab, s.preemptions)
+    yield from fams.values()
 
-        ll, lk = ["src", "dst"], ["src", "dst", "kind"]
-        nbytes = CounterMetricFamily("hetserve_link_bytes", "Bytes sent on a link", labels=lk)
-        msgs = CounterMetricFamily("hetserve_link_messages", "Messages sent on a link", labels=lk)
-        queue = CounterMetricFamily("hetserve_link_queueing_seconds", "Σ time from enqueue to first byte", labels=lk)
-        busy = CounterMetricFamily("hetserve_link_busy_seconds", "Time the link was sending", labels=ll)
-        pending = GaugeMetricFamily("hetserve_link_pending_bytes", "Bytes waiting on a link", labels=ll)
-        for s in links:
-            for kind, b in s.bytes_sent.items():
-                nbytes.add_metric([s.src, s.dst, kind], b)
-                msgs.add_metric([s.src, s.dst, kind], s.messages.get(kind, 0))
-                queue.add_metric([s.src, s.dst, kind], s.queueing_s.get(kind, 0.0))
-            busy.add_metric([s.src, s.dst], s.busy_s)
-            pending.add_metric([s.src, s.dst], s.pending_bytes)
-        yield from (nbytes, msgs, queue, busy, pending)
+    ll, lk = ["src", "dst"], ["src", "dst", "kind"]
+    nbytes = CounterMetricFamily("hetserve_link_bytes", "Bytes sent on a link", labels=lk)
+    msgs = CounterMetricFamily("hetserve_link_messages", "Messages sent on a link", labels=lk)
+    queue = CounterMetricFamily("hetserve_link_queueing_seconds", "Σ time from enqueue to first byte", labels=lk)
+    busy = CounterMetricFamily("hetserve_link_busy_seconds", "Time the link was sending", labels=ll)
+    pending = GaugeMetricFamily("hetserve_link_pending_bytes", "Bytes waiting on a link", labels=ll)
+    for s in links:
+        for kind, b in s.bytes_sent.items():
+            nbytes.add_metric([s.src, s.dst, kind], b)
+            msgs.add_metric([s.src, s.dst, kind], s.messages.get(kind, 0))
+            queue.add_metric([s.src, s.dst, kind], s.queueing_s.get(kind, 0.0))
+        busy.add_metric([s.src, s.dst], s.busy_s)
+        pending.add_metric([s.src, s.dst], s.pending_bytes)
+    yield from (nbytes, msgs, queue, busy, pending)

@@ -312,12 +312,12 @@ def test_replica_series_carry_each_replicas_figures():
     from prometheus_client import CollectorRegistry, generate_latest
 
     from hetserve.policies.base import ReplicaState
-    from hetserve.serve.metrics import _BackendCollector
+    from hetserve.serve.metrics import _ScrapeCollector, _backend_families
 
     states = [ReplicaState("d0", "decode", 2, 5, 0, 0.0, 300, 400, 1000, preemptions=3),
               ReplicaState("p0", "prefill", 1, 0, 40, 40.0, 0, 64, 1000, alive=False)]
     registry = CollectorRegistry()
-    registry.register(_BackendCollector(lambda: (states, [])))
+    registry.register(_ScrapeCollector(lambda: (states, []), _backend_families))
     text = generate_latest(registry).decode()
     for series in ('hetserve_replica_preemptions_total{replica="d0",role="decode"} 3.0',
                    'hetserve_replica_preemptions_total{replica="p0",role="prefill"} 0.0',

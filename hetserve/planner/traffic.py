@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from hetserve.cost.analytic import CostModel
-from hetserve.planner.plan import Plan
+from hetserve.planner.plan import Plan, PlanReplica
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec
 
@@ -44,6 +44,19 @@ class ResourceTraffic:
         return self.bytes_per_s * 8 / 1e9
 
 
+def _hand_offs(plan: Plan, cluster: Cluster, model: ModelSpec, input_tokens: float, output_tokens: float):
+    """``(replica or KV route, shared resource -> bytes per request)`` for every replica's own PP
+    hand-offs and cross-machine TP (prompt tokens through a prefill replica, generated through a
+    decode one, both through a colocated one) and every KV route (the prompt's KV)."""
+    cost = CostModel(cluster, model)
+    layouts = {r.id: r.layout(cluster) for r in plan.replicas}
+    tokens = {"prefill": input_tokens, "decode": output_tokens, "colocated": input_tokens + output_tokens}
+    for r in plan.replicas:
+        yield r, cost.pp_resource_bytes(layouts[r.id], tokens[r.role])
+    for k in plan.kv_routes:
+        yield k, cost.kv_resource_bytes(layouts[k.src], layouts[k.dst], input_tokens)
+
+
 def plan_traffic(plan: Plan, cluster: Cluster, model: ModelSpec) -> list[ResourceTraffic]:
     """Bytes/s the plan puts on every shared resource it loads, busiest first (module doc)."""
     e = plan.estimate
@@ -52,24 +65,16 @@ def plan_traffic(plan: Plan, cluster: Cluster, model: ModelSpec) -> list[Resourc
     if period <= 0 or not per:
         return []
     tin, tout = float(e.get("mean_input_tokens", 0)), float(e.get("mean_output_tokens", 0))
-    cost = CostModel(cluster, model)
-    layouts = {r.id: r.layout(cluster) for r in plan.replicas}
     load: dict = {}
-
-    def add(resources: dict, requests: float) -> None:
-        for r, b in resources.items():
-            load[r] = load.get(r, 0.0) + b * requests / period
 
     def served(rid: str) -> float:
         info = per.get(rid, {})
         return float(info.get("flow_requests_per_period", info.get("capacity_requests_per_period", 0.0)))
 
-    tokens = {"prefill": tin, "decode": tout, "colocated": tin + tout}
-    for r in plan.replicas:
-        add(cost.pp_resource_bytes(layouts[r.id], tokens[r.role]), served(r.id))
-    for k in plan.kv_routes:
-        if k.weight > 0:
-            add(cost.kv_resource_bytes(layouts[k.src], layouts[k.dst], tin), served(k.src) * k.weight)
+    for item, resources in _hand_offs(plan, cluster, model, tin, tout):
+        requests = served(item.id) if isinstance(item, PlanReplica) else served(item.src) * item.weight
+        for r, b in resources.items():
+            load[r] = load.get(r, 0.0) + b * requests / period
     out = [ResourceTraffic(r.name, r.kind, b, r.bandwidth) for r, b in load.items()
            if b > 0 and math.isfinite(r.bandwidth)]  # an unlimited NIC cannot be overloaded
     return sorted(out, key=lambda t: (-t.utilisation, t.name))
@@ -86,13 +91,7 @@ def nothing_served(plan: Plan, cluster: Cluster, model: ModelSpec) -> str:
     """Why a plan whose estimate serves 0 tokens/s is of no use, with the numbers: the narrowest
     shared resource its hand-offs cross (a pipeline's activations, a KV route's cache), where that
     is what starves it, else that its replicas' own capacity rounds to nothing."""
-    cost = CostModel(cluster, model)
-    layouts = {r.id: r.layout(cluster) for r in plan.replicas}
-    crossed = set()
-    for r in plan.replicas:
-        crossed |= set(cost.pp_resource_bytes(layouts[r.id], 1.0))
-    for k in plan.kv_routes:
-        crossed |= set(cost.kv_resource_bytes(layouts[k.src], layouts[k.dst], 1.0))
+    crossed = {r for _, resources in _hand_offs(plan, cluster, model, 1.0, 1.0) for r in resources}
     what = f"the best plan found on {cluster.name} serves 0 tokens/s"
     if "slo" in plan.estimate:
         what += " within the SLOs"

@@ -21,6 +21,7 @@ BOUNDS: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "theta": (0, 1, False, True),
     "target": (0, 1, False, False),
     "drain_timeout": (0, None, True, False),
+    "health_interval": (0, None, True, False),  # route: 0 = no health checks
     "speed_weight": (0, 1, True, True),  # compare: the power of the speed probe's ratio
     # plan's flow period T: under a millisecond no request fits it, past a day the per-period
     # counts lose their meaning (and 1e300 s overflows the rates derived from it)

@@ -257,6 +257,8 @@ ROUTE_CASES = [
     C("route-deploy-is-plan", "route --deploy {d}/plan.json --port 0", ("plan.json",)),
     C("route-backends-commas", "route --backends , --port 0", ("--backends",)),
     C("route-backends-no-scheme", "route --backends localhost:8001 --port 0", ("--backends", "localhost:8001")),
+    C("route-health-interval-negative", ROUTE + " --health-interval -1", ("--health-interval", ">= 0")),
+    C("route-health-failures-zero", ROUTE + " --health-failures 0", ("--health-failures", "integer > 0")),
     C("route-backends-ftp", "route --backends ftp://h:1 --port 0", ("--backends", "ftp://h:1")),
     C("route-deploy-and-backends", "route --deploy {d}/x.json --backends http://h:1", ("--backends",)),
     C("route-key-file-missing", ROUTE + " --backend-api-key-file {d}/nope", ("{d}/nope",)),

@@ -152,9 +152,11 @@ async def post_many(url, bodies, concurrency=50):
 
 
 def test_weights_are_followed(backends, tmp_path):
+    # no health checks: the stand-ins share this process, and a backend taken out would (rightly) skew the shares
     weights = {"b0": 0.5, "b1": 0.3, "b2": 0.2}
     before = {b: backends.stats(b)["served"] for b in weights}
-    route = RouteServer(deploy_of(backends, [(b, "colocated") for b in weights], weights), tmp_path)
+    route = RouteServer(deploy_of(backends, [(b, "colocated") for b in weights], weights), tmp_path,
+                        health_interval_s=0)
     try:
         out = asyncio.run(post_many(route.url, [{"model": "tiny", "prompt": "hi", "max_tokens": 2}] * 400))
     finally:
@@ -287,3 +289,39 @@ def test_openai_client_runs_unchanged_against_route(backends, tmp_path):
         assert [m.id for m in client.models.list()] == ["tiny"]
     finally:
         route.stop()
+
+
+def test_health_checks_take_out_a_refusing_backend_at_once_and_a_slow_one_after_n_in_a_row():
+    """A refused connection is an outage; one slow /health answer from a busy backend is not."""
+    from hetserve.serve.route.app import Router
+    from hetserve.serve.route.backends import Backend, BackendPool, RouteConfig
+
+    answers = {"slow": [], "gone": []}  # per host: what its next /health checks do, in order
+
+    def handler(request):
+        kind = answers[request.url.host].pop(0)
+        if kind == "timeout":
+            raise httpx.ReadTimeout("slow", request=request)
+        if kind == "refused":
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200 if kind == "ok" else 503, json={})
+
+    slow, gone = Backend("slow", "colocated", "http://slow"), Backend("gone", "colocated", "http://gone")
+
+    async def scenario():
+        router = Router(BackendPool(RouteConfig((slow, gone))), health_interval_s=0, health_failures=3)
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        seen = []
+        answers["slow"] += ["timeout", "503", "ok", "timeout", "timeout", "timeout", "ok"]
+        answers["gone"] += ["refused", "ok"] + ["ok"] * 5
+        for _ in range(7):
+            await asyncio.gather(router.check(slow), router.check(gone))
+            seen.append((slow.alive, gone.alive))
+        await router.close()
+        return seen
+
+    seen = asyncio.run(scenario())
+    # slow: two failures, then a pass resets the count; three in a row take it out; a pass brings it back
+    assert [s for s, _ in seen] == [True, True, True, True, True, False, True]
+    # gone: out on the first refused connection, back on the next pass
+    assert [g for _, g in seen] == [False, True, True, True, True, True, True]

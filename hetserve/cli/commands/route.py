@@ -24,6 +24,9 @@ def register(subparsers) -> None:
                    help="weights (default): the plan's request shares; or a placement policy over in-flight counts")
     p.add_argument("--health-interval", type=float, default=1.0, metavar="S",
                    help="seconds between health checks of every backend (default 1; 0: none)")
+    p.add_argument("--health-failures", type=int, default=3, metavar="N",
+                   help="failed health checks in a row (slow or not 200) that take a backend out (default 3); "
+                        "a refused connection takes it out at once")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per-request timeout (default 600)")
     p.add_argument("--backend-api-key-file", metavar="FILE",
                    help="a file holding the key the backends want (mode 600: only its owner may read it)")
@@ -45,9 +48,6 @@ def run(args: argparse.Namespace) -> int:
     check_host(args.host)
     keys = key_options(args)
     auth = APIAuth(api_keys=KeySet(keys["api_keys"]), protect_probes=keys["protect_probes"])
-    for flag, v in (("--timeout", args.timeout), ("--health-interval", args.health_interval)):
-        if not v >= 0 or (flag == "--timeout" and v == 0):
-            raise SpecError(flag, "(option)", "a positive number of seconds", str(v))
     if args.deploy:
         config = config_from_deploy(args.deploy)
     else:
@@ -63,9 +63,9 @@ def run(args: argparse.Namespace) -> int:
                             f"{len(found)} keys")
         key = found[0]
     router = Router(BackendPool(config, args.policy), timeout_s=args.timeout, health_interval_s=args.health_interval,
-                    api_key=key)
+                    api_key=key, health_failures=args.health_failures)
     print(f"hetserve route on http://{args.host}:{args.port}: {len(config.backends)} backend(s) "
           f"({', '.join(f'{b.id} {b.url}' for b in config.backends)}), policy {args.policy}; "
-          f"health every {args.health_interval:g} s; {'; '.join(auth.describe()[:2])}", file=sys.stderr, flush=True)
+          f"{f'health every {args.health_interval:g} s' if args.health_interval else 'no health checks'}; {'; '.join(auth.describe()[:2])}", file=sys.stderr, flush=True)
     uvicorn.run(create_app(router, auth), host=args.host, port=args.port, log_level="warning")
     return 0

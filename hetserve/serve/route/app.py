@@ -13,7 +13,9 @@ Retry rule: until the first byte of the answer has gone to the client, a failure
 refused or reset, a 5xx, a stream that breaks) marks that backend down and the request is tried on
 another live one; after that, a stream that breaks ends with an error event (its status line has
 left). A backend's 4xx is the client's answer, not a failure. Health checks (``GET /health``
-every ``health_interval_s``) mark backends down and up again.
+every ``health_interval_s``) mark backends up again, and down: at once when the connection is
+refused (nothing listens), after ``health_failures`` checks in a row when the answer is slow or not
+200 (one slow answer from a busy backend is not an outage).
 """
 
 from __future__ import annotations
@@ -74,10 +76,14 @@ class Router:
     """Sends one request to backends by the module docstring's rules."""
 
     def __init__(self, pool: BackendPool, timeout_s: float = 600.0, health_interval_s: float = 1.0,
-                 api_key: str | None = None):
+                 api_key: str | None = None, health_failures: int = 3):
+        if health_failures < 1:
+            raise ValueError(f"health_failures must be at least 1, got {health_failures}")
         self.pool = pool
         self.metrics = Metrics()
         self.health_interval_s = health_interval_s
+        self.health_failures = health_failures
+        self._failed_checks: dict[str, int] = {}  # consecutive failed health checks per backend
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0),
                                         limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200))
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -101,12 +107,20 @@ class Router:
             await asyncio.sleep(self.health_interval_s)
 
     async def check(self, b: Backend) -> None:
+        """One health check of ``b``, by the module docstring's rule."""
         try:
             r = await self.client.get(f"{b.url}/health", timeout=2.0)
             ok = r.status_code == 200
+        except httpx.ConnectError:  # nothing listens: down now
+            self._failed_checks[b.id] = self.health_failures
+            self._set_alive(b, False)
+            return
         except httpx.HTTPError:
             ok = False
-        self._set_alive(b, ok)
+        failed = 0 if ok else self._failed_checks.get(b.id, 0) + 1
+        self._failed_checks[b.id] = failed
+        if ok or failed >= self.health_failures:
+            self._set_alive(b, ok)
 
     def _set_alive(self, b: Backend, ok: bool) -> None:
         if ok != b.alive:  # the operator hears of each change, not only /health and /metrics

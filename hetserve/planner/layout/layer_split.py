@@ -9,6 +9,7 @@ Mixed into ``layout.LayoutSearch`` (it shares the search's context and caches).
 
 from __future__ import annotations
 
+import heapq
 from typing import Sequence
 
 from hetserve.cost.layout import ReplicaLayout, StageLayout
@@ -187,16 +188,33 @@ class LayerSplits:
 
 
 def integerize(weights: Sequence[float], caps: Sequence[int], total: int) -> tuple[int, ...]:
-    """Integer layer counts ∝ weights, each in [1, cap], summing to ``total`` (largest remainder)."""
+    """Integer layer counts ∝ weights, each in [1, cap], summing to ``total`` (largest remainder).
+
+    One layer at a time goes to the stage with the largest remainder ``x - n`` (the lowest index
+    on ties) or, when over, comes from the one with the smallest; a heap holds the remainders, as
+    each move changes only the moved stage's (a linear scan per layer dominated large plans)."""
     s = sum(weights)
     x = [total * w / s for w in weights]
     n = [min(c, max(1, int(v))) for v, c in zip(x, caps)]
-    while sum(n) < total:
-        i = max((j for j in range(len(n)) if n[j] < caps[j]), key=lambda j: (x[j] - n[j], -j))
-        n[i] += 1
-    while sum(n) > total:
-        i = min((j for j in range(len(n)) if n[j] > 1), key=lambda j: (x[j] - n[j], j))
-        n[i] -= 1
+    short = total - sum(n)
+    if short > 0:
+        heap = [(n[j] - x[j], j) for j in range(len(n)) if n[j] < caps[j]]
+        heapq.heapify(heap)
+        while short > 0 and heap:
+            _, j = heapq.heappop(heap)
+            n[j] += 1
+            short -= 1
+            if n[j] < caps[j]:
+                heapq.heappush(heap, (n[j] - x[j], j))
+    elif short < 0:
+        heap = [(x[j] - n[j], j) for j in range(len(n)) if n[j] > 1]
+        heapq.heapify(heap)
+        while short < 0 and heap:
+            _, j = heapq.heappop(heap)
+            n[j] -= 1
+            short += 1
+            if n[j] > 1:
+                heapq.heappush(heap, (x[j] - n[j], j))
     return tuple(n)
 
 

@@ -188,7 +188,7 @@ def test_same_seed_same_plan(algorithm, llama70b, azure, monkeypatch):
     from hetserve.planner.bound import throughput
 
     monkeypatch.setattr(throughput, "group_bound", lambda *args, **kwargs: None)  # the search's draws, not the MILP
-    c = load_cluster("hexgen2-het2")
+    c = load_cluster("hexgen2-het5")
     # a few iterations and one restart: every random draw the search makes is on the path already
     opts = PlanOptions(seed=7, time_limit_s=120, max_iterations=5, restarts=1, patience=3)
     a = ALGORITHMS[algorithm](c, llama70b, azure, opts)

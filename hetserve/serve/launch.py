@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,24 @@ def policy_context(opts: ServeOptions, plan, cluster):
                                   options=opts.policy_options, efficiency=eff, predictor=opts.predictor)
 
 
+def _load_in_background(load, *args) -> Future:
+    """``load(*args)`` in a daemon thread, its result in a future. The tokenizer loads this way
+    (transformers' imports take seconds) while the workers start in their own processes, not
+    before them; a daemon thread, because an executor's thread is joined at exit: a Ctrl-C or a
+    failed start-up would wait for the tokenizer before the process ends."""
+    future: Future = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(load(*args))
+            except BaseException as exc:  # handed to whoever reads the result
+                future.set_exception(exc)
+
+    threading.Thread(target=run, name="hetserve-tokenizer", daemon=True).start()
+    return future
+
+
 def build(opts: ServeOptions) -> Deployment:
     """Start the engine and build the app (blocks until every worker has loaded its shard)."""
     from hetserve.runtime.engine import Engine
@@ -160,11 +179,7 @@ def build(opts: ServeOptions) -> Deployment:
     ctx = policy_context(opts, plan, cluster)
     placement = make_placement(opts.placement, ctx)
     routes = PlanRoutes(plan, make_route(opts.route, ctx))
-    # the tokenizer loads (transformers' imports take seconds) while the workers start in their own
-    # processes, not before them
-    loading = ThreadPoolExecutor(1, thread_name_prefix="hetserve-tokenizer")
-    codec_future = loading.submit(HFCodec.from_dir, opts.model_dir)
-    loading.shutdown(wait=False)
+    codec_future = _load_in_background(HFCodec.from_dir, opts.model_dir)
     stats_dir = tempfile.mkdtemp(prefix="hetserve-links-")
     links = LinkSchedulerFactory(cluster, opts.transmission, shape=opts.shape_links, time_scale=opts.time_scale,
                                  stats_dir=stats_dir)

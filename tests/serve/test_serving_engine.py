@@ -284,3 +284,35 @@ def test_a_tokenizer_that_fails_to_load_stops_the_workers_started_meanwhile(tiny
     assert str(broken) in str(err.value)
     (engine,) = started
     assert engine._closed and all(not os.path.exists(f"/proc/{pid}") for pid in engine.worker_pids().values())
+
+
+def test_an_interrupted_start_does_not_wait_for_the_tokenizer(plan_file, tiny_model, monkeypatch):
+    """Ctrl-C (or SIGTERM) while the workers start ends ``build`` at once, with the tokenizer still
+    loading, and nothing left holds the process's exit: its loader is a daemon thread (an
+    executor's thread is joined at exit, which kept an interrupted ``serve`` alive for seconds)."""
+    import threading
+
+    from hetserve.runtime.engine import Engine
+    from hetserve.serve.launch import ServeOptions, build
+    from hetserve.serve.text import HFCodec
+
+    release, loading = threading.Event(), threading.Event()
+
+    def slow_tokenizer(path):
+        loading.set()
+        release.wait(30)
+        raise RuntimeError("released")
+
+    def interrupted(*args, **kwargs):
+        assert loading.wait(10)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(HFCodec, "from_dir", staticmethod(slow_tokenizer))
+    monkeypatch.setattr(Engine, "from_plan", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            build(ServeOptions(plan=str(plan_file), cluster="demo-cpu", model_dir=str(tiny_model), model_name="tiny"))
+        loaders = [t for t in threading.enumerate() if t.name.startswith("hetserve-tokenizer")]
+        assert loaders and all(t.daemon for t in loaders)  # still loading, and not joined at exit
+    finally:
+        release.set()

@@ -292,13 +292,15 @@ def test_openai_client_runs_unchanged_against_route(backends, tmp_path):
 
 
 def test_health_checks_take_out_a_refusing_backend_at_once_and_a_slow_one_after_n_in_a_row():
-    """A refused connection is an outage; one slow /health answer from a busy backend is not."""
+    """A refused connection is an outage; one slow /health answer from a busy backend is not. The
+    checks carry the backends' key."""
     from hetserve.serve.route.app import Router
     from hetserve.serve.route.backends import Backend, BackendPool, RouteConfig
 
     answers = {"slow": [], "gone": []}  # per host: what its next /health checks do, in order
 
     def handler(request):
+        assert request.headers["authorization"] == "Bearer backend-key"  # probes guarded by the key pass
         kind = answers[request.url.host].pop(0)
         if kind == "timeout":
             raise httpx.ReadTimeout("slow", request=request)
@@ -309,7 +311,8 @@ def test_health_checks_take_out_a_refusing_backend_at_once_and_a_slow_one_after_
     slow, gone = Backend("slow", "colocated", "http://slow"), Backend("gone", "colocated", "http://gone")
 
     async def scenario():
-        router = Router(BackendPool(RouteConfig((slow, gone))), health_interval_s=0, health_failures=3)
+        router = Router(BackendPool(RouteConfig((slow, gone))), health_interval_s=0, health_failures=3,
+                        api_key="backend-key")
         router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
         seen = []
         answers["slow"] += ["timeout", "503", "ok", "timeout", "timeout", "timeout", "ok"]

@@ -64,8 +64,9 @@ def run(args: argparse.Namespace) -> int:
         key = found[0]
     router = Router(BackendPool(config, args.policy), timeout_s=args.timeout, health_interval_s=args.health_interval,
                     api_key=key, health_failures=args.health_failures)
+    health = f"health every {args.health_interval:g} s" if args.health_interval else "no health checks"
     print(f"hetserve route on http://{args.host}:{args.port}: {len(config.backends)} backend(s) "
           f"({', '.join(f'{b.id} {b.url}' for b in config.backends)}), policy {args.policy}; "
-          f"{f'health every {args.health_interval:g} s' if args.health_interval else 'no health checks'}; {'; '.join(auth.describe()[:2])}", file=sys.stderr, flush=True)
+          f"{health}; {'; '.join(auth.describe()[:2])}", file=sys.stderr, flush=True)
     uvicorn.run(create_app(router, auth), host=args.host, port=args.port, log_level="warning")
     return 0

@@ -109,7 +109,8 @@ class Router:
     async def check(self, b: Backend) -> None:
         """One health check of ``b``, by the module docstring's rule."""
         try:
-            r = await self.client.get(f"{b.url}/health", timeout=2.0)
+            # with the backends' key: a backend that guards its probes (--protect-probes) answers 401 without it
+            r = await self.client.get(f"{b.url}/health", headers=self.headers, timeout=2.0)
             ok = r.status_code == 200
         except httpx.ConnectError:  # nothing listens: down now
             self._failed_checks[b.id] = self.health_failures

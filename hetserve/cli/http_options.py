@@ -1,5 +1,5 @@
 """The HTTP options ``hetserve serve`` and ``hetserve route`` share: the API keys their clients need
-(``hetserve.serve.keys``) and the address they listen on."""
+(``hetserve.serve.keys``) and the address they listen on (``check_host``, ``bind``)."""
 
 from __future__ import annotations
 
@@ -58,3 +58,16 @@ def check_host(host: str) -> str:
     except ValueError as exc:
         raise SpecError("--host", "(option)", "one address of this machine that clients reach (e.g. 10.0.0.5 "
                         "or 127.0.0.1), not every interface", host) from exc
+
+
+def bind(host: str, port: int):
+    """The listening address taken before anything starts (a taken port or a host that is not this
+    machine's fails in a second, with one line); port 0: the OS picks one, and the socket says which."""
+    from hetserve.errors import SpecError
+    from hetserve.serve.server import bind_socket
+
+    try:
+        return bind_socket(host, port)
+    except (OSError, OverflowError) as exc:
+        raise SpecError(f"{host}:{port}", "--host/--port", "an address this machine can listen on",
+                        getattr(exc, "strerror", None) or str(exc)) from exc

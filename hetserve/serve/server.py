@@ -1,7 +1,8 @@
 """Running the app under uvicorn: in the foreground (the CLI) or on a background thread (tests, bench).
 
 ``bind_socket(host, port)`` takes the address before anything starts (port 0: the OS picks one, and
-the socket knows which); ``serve_forever(app, sock)`` serves on it.
+the socket knows which); ``serve_forever(app, sock)`` serves ``hetserve serve``'s app on it (with
+its drain), ``serve_plain(app, sock)`` any other app (``hetserve route``'s).
 ``ServerThread(app, host, port=0)`` binds (port 0: the OS picks a free one), starts serving on its
 own thread and event loop, and exposes ``url``; ``stop()`` shuts it down and joins. It is a
 context manager.
@@ -58,6 +59,15 @@ def serve_forever(app, sock: socket.socket, log_level: str = "info", drain_timeo
     host, port = sock.getsockname()[:2]
     config = _config(app, host, port, log_level)
     _draining_server(config, app.state.coordinator, drain_timeout_s).run(sockets=[sock])
+
+
+def serve_plain(app, sock: socket.socket, log_level: str = "warning") -> None:
+    """Serve ``app`` on ``sock`` (from ``bind_socket``) until SIGTERM / Ctrl-C, uvicorn's shutdown
+    (requests in flight get ``timeout_graceful_shutdown`` to finish)."""
+    import uvicorn
+
+    host, port = sock.getsockname()[:2]
+    uvicorn.Server(_config(app, host, port, log_level)).run(sockets=[sock])
 
 
 def _draining_server(config, coordinator, drain_timeout_s: float):

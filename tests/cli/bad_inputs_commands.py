@@ -23,6 +23,12 @@ CAL = "calibrate --model {d}/m"
 LAYER = "cost layer --gpu H200 --model llama-2-7b"
 ROUTE = "route --backends http://127.0.0.1:9 --port 0"
 
+
+def route_deploy(*replicas: tuple[str, str]) -> str:
+    """A deploy.json (``hetserve export``) with these (id, role) replicas on loopback endpoints."""
+    return json.dumps({"replicas": [{"id": i, "role": role, "endpoint": f"http://127.0.0.1:{9000 + k}"}
+                                    for k, (i, role) in enumerate(replicas)]})
+
 PLAN_FILE_CASES = [
     C("plan-missing", "simulate --plan {d}/nope.json --workload {d}/t.csv", ("{d}/nope.json", "plan file")),
     C("plan-dir", "describe plan {d}/dir", ("{d}/dir",)),
@@ -259,6 +265,17 @@ ROUTE_CASES = [
     C("route-backends-no-scheme", "route --backends localhost:8001 --port 0", ("--backends", "localhost:8001")),
     C("route-health-interval-negative", ROUTE + " --health-interval -1", ("--health-interval", ">= 0")),
     C("route-health-failures-zero", ROUTE + " --health-failures 0", ("--health-failures", "integer > 0")),
+    C("route-backends-port-too-big", "route --backends http://127.0.0.1:99999 --port 0", ("--backends", "99999")),
+    C("route-backends-twice", "route --backends http://127.0.0.1:1,http://127.0.0.1:1/ --port 0",
+      ("--backends", "each backend once")),
+    C("route-deploy-same-id", "route --deploy {d}/x.json --port 0", ("x.json", "replicas.1.id", "c0"),
+      {"x.json": route_deploy(("c0", "colocated"), ("c0", "colocated"))}),
+    C("route-deploy-prefill-only", "route --deploy {d}/x.json --port 0", ("x.json", "decode replica"),
+      {"x.json": route_deploy(("p0", "prefill"), ("p1", "prefill"))}),
+    C("route-deploy-decode-only", "route --deploy {d}/x.json --port 0", ("x.json", "prefill or colocated"),
+      {"x.json": route_deploy(("d0", "decode"),)}),
+    C("route-host-unknown", "route --backends http://127.0.0.1:1 --host no-such-host.invalid --port 0",
+      ("no-such-host.invalid",)),
     C("route-backends-ftp", "route --backends ftp://h:1 --port 0", ("--backends", "ftp://h:1")),
     C("route-deploy-and-backends", "route --deploy {d}/x.json --backends http://h:1", ("--backends",)),
     C("route-key-file-missing", ROUTE + " --backend-api-key-file {d}/nope", ("{d}/nope",)),

@@ -328,3 +328,22 @@ def test_health_checks_take_out_a_refusing_backend_at_once_and_a_slow_one_after_
     assert [s for s, _ in seen] == [True, True, True, True, True, False, True]
     # gone: out on the first refused connection, back on the next pass
     assert [g for _, g in seen] == [False, True, True, True, True, True, True]
+
+
+def test_route_on_port_0_says_the_port_it_listens_on():
+    """``--port 0``: the OS picks the port, and the start-up line names that one (as ``serve``'s does)."""
+    import os
+    import re
+
+    proc = subprocess.Popen([sys.executable, "-m", "hetserve.cli.main", "route", "--backends", "http://127.0.0.1:9",
+                             "--port", "0", "--health-interval", "0"], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "NO_PROXY": "127.0.0.1"})
+    try:
+        line = proc.stderr.readline()
+        found = re.search(r"on (http://127\.0\.0\.1:(\d+)): 1 backend", line)
+        assert found and found.group(2) != "0", line
+        wait_up(found.group(1))
+        assert httpx.get(found.group(1) + "/health").json()["backends"] == {"b0": True}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hetserve.cli.http_options import add_key_options, check_host, key_options
+from hetserve.cli.http_options import add_key_options, bind, check_host, key_options
 
 
 def register(subparsers) -> None:
@@ -35,16 +35,13 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from hetserve.errors import SpecError
     from hetserve.serve.keys import APIAuth, KeySet, read_key_file
     from hetserve.serve.route.app import Router
     from hetserve.serve.route.backends import BackendPool, config_from_deploy, config_from_urls
     from hetserve.serve.route.server import create_app
+    from hetserve.serve.server import serve_plain, url_of
 
-    if not 0 <= args.port <= 65535:
-        raise SpecError("--port", "(option)", "an integer in [0, 65535]", str(args.port))
     check_host(args.host)
     keys = key_options(args)
     auth = APIAuth(api_keys=KeySet(keys["api_keys"]), protect_probes=keys["protect_probes"])
@@ -64,9 +61,10 @@ def run(args: argparse.Namespace) -> int:
         key = found[0]
     router = Router(BackendPool(config, args.policy), timeout_s=args.timeout, health_interval_s=args.health_interval,
                     api_key=key, health_failures=args.health_failures)
+    sock = bind(args.host, args.port)  # before the banner: it names the port the OS picked for --port 0
     health = f"health every {args.health_interval:g} s" if args.health_interval else "no health checks"
-    print(f"hetserve route on http://{args.host}:{args.port}: {len(config.backends)} backend(s) "
+    print(f"hetserve route on {url_of(sock)}: {len(config.backends)} backend(s) "
           f"({', '.join(f'{b.id} {b.url}' for b in config.backends)}), policy {args.policy}; "
           f"{health}; {'; '.join(auth.describe()[:2])}", file=sys.stderr, flush=True)
-    uvicorn.run(create_app(router, auth), host=args.host, port=args.port, log_level="warning")
+    serve_plain(create_app(router, auth), sock)
     return 0

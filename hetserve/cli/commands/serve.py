@@ -17,7 +17,7 @@ import logging
 import signal
 import time
 
-from hetserve.cli.http_options import add_key_options, check_host, key_options
+from hetserve.cli.http_options import add_key_options, bind, check_host, key_options
 from hetserve.cli.policy_options import add_policy_options, route_of, transmission_of
 from hetserve.runtime.workers import DEVICE_CHANNELS
 from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
                             max_body_bytes=args.max_body_bytes, **keys, **given)
     except ValueError as exc:
         raise RuntimeFailure(str(exc)) from exc
-    sock = _bind(args.host, args.port)
+    sock = bind(args.host, args.port)
     with sock:  # bound from here: port 0 is a real one, printed once the workers are up
         return _start_and_serve(args, opts, sock)
 
@@ -292,18 +292,6 @@ def _start_and_serve(args: argparse.Namespace, opts, sock) -> int:
         deployment.close()
     console.print("stopped; every worker has exited")
     return 0
-
-
-def _bind(host: str, port: int):
-    """Take the address before any worker starts, so a taken port or bad host fails in a second."""
-    from hetserve.errors import SpecError
-    from hetserve.serve.server import bind_socket
-
-    try:
-        return bind_socket(host, port)
-    except (OSError, OverflowError) as exc:
-        raise SpecError(f"{host}:{port}", "--host/--port", "an address this machine can listen on",
-                        getattr(exc, "strerror", None) or str(exc)) from exc
 
 
 def _workers_line(pids: dict[str, int], engine) -> str:

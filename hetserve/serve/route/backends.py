@@ -78,8 +78,9 @@ def config_from_deploy(path: str | Path) -> RouteConfig:
                 raise SpecError(str(path), f"replicas.{i}.{key}", "a string", repr(r.get(key)) if isinstance(r, dict) else r)
         if r["role"] not in ("prefill", "decode", "colocated"):
             raise SpecError(str(path), f"replicas.{i}.role", "prefill, decode or colocated", r["role"])
-        if not r["endpoint"].startswith(("http://", "https://")):
-            raise SpecError(str(path), f"replicas.{i}.endpoint", "an http(s):// URL", r["endpoint"])
+        check_url(r["endpoint"], str(path), f"replicas.{i}.endpoint")
+        if any(b.id == r["id"] for b in backends):
+            raise SpecError(str(path), f"replicas.{i}.id", "an id no other replica has", r["id"])
         w = weights.get(r["id"], 1.0) if isinstance(weights, dict) else None
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0:
             raise SpecError(str(path), f"router.weights.{r['id']}", "a non-negative number", repr(w))
@@ -90,15 +91,36 @@ def config_from_deploy(path: str | Path) -> RouteConfig:
             routes.append((str(k["from"]), str(k["to"]), float(k["weight"])))
         except (KeyError, TypeError, ValueError) as exc:
             raise SpecError(str(path), f"router.kv_routes.{i}", "{from, to, weight}", k) from exc
+    roles = {b.role for b in backends}
+    if not roles & {"prefill", "colocated"}:
+        raise SpecError(str(path), "replicas", "a prefill or colocated replica to take requests", "decode only")
+    if "prefill" in roles and "decode" not in roles:
+        raise SpecError(str(path), "replicas", "a decode replica for the prefill ones to hand off to", "none")
     return RouteConfig(tuple(backends), tuple(routes), str(router.get("protocol", "openai")))
+
+
+def check_url(url: str, where: str, field: str) -> None:
+    """A backend's base URL: http(s), a host, and a port in range when one is given (a port past
+    65535 would fail every request, not the start)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        parts.port  # noqa: B018 - raises ValueError past 65535 or when not a number
+    except ValueError:
+        ok = False
+    if not ok:
+        raise SpecError(where, field, "an http(s)://host[:port] URL, port 0-65535", url)
 
 
 def config_from_urls(urls: Sequence[str]) -> RouteConfig:
     """Colocated backends given by URL (``--backends``), equal weights."""
     out = []
     for i, u in enumerate(urls):
-        if not u.startswith(("http://", "https://")):
-            raise SpecError("--backends", f"{i}", "an http(s):// URL", u)
+        check_url(u, "--backends", f"{i}")
+        if any(b.url == u.rstrip("/") for b in out):
+            raise SpecError("--backends", f"{i}", "each backend once", u)
         out.append(Backend(f"b{i}", "colocated", u.rstrip("/")))
     return RouteConfig(tuple(out))
 

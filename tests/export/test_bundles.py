@@ -235,3 +235,17 @@ def test_a_preset_name_left_as_the_model_is_pointed_out(files, capsys):
     assert "export again with --model PATH" in capsys.readouterr().out
     assert export(tmp, plan, "vllm")[0] == 0
     assert "--model PATH" not in capsys.readouterr().out
+
+
+def test_a_checkpoint_folder_given_relative_is_written_absolute(files, monkeypatch):
+    """The scripts run from their own folder (and on other machines): a local checkpoint given as a
+    relative path goes into them as its absolute path; a path that is not here stays as given."""
+    tmp, write = files
+    plan = write("pd.json", PD_PLAN)
+    monkeypatch.chdir(tmp)
+    assert main(["make-model", "--like", "llama-2-7b", "--random-weights", "-o", "models/llama-2-7b"]) == 0
+    assert main(["export", "--plan", str(plan), "--cluster", "cluster.yaml", "--to", "vllm", "--model",
+                 "models/llama-2-7b", "-o", "bundle"]) == 0
+    text = "".join(p.read_text() for p in (tmp / "bundle" / "machines").glob("*.sh"))
+    absolute = str(tmp / "models" / "llama-2-7b")
+    assert absolute in text and text.count("models/llama-2-7b") == text.count(absolute)

@@ -48,7 +48,11 @@ def run(args: argparse.Namespace) -> int:
     check_plan(args.plan, plan, cluster, model)
     cluster_path = args.cluster if args.cluster and Path(args.cluster).is_file() else (
         str(plan.cluster_file.path) if plan.cluster_file is not None else None)
-    written = export_bundle(plan, cluster, args.to, args.output, args.model or plan.model, model.num_layers,
+    # a checkpoint folder here by its absolute path: the scripts run from their own folder, and a
+    # relative path would name another place there (a hub name or another machine's path stays as given)
+    checkpoint = str(Path(args.model).resolve()) if args.model and Path(args.model).exists() else (
+        args.model or plan.model)
+    written = export_bundle(plan, cluster, args.to, args.output, checkpoint, model.num_layers,
                             cluster_path=cluster_path, ray_port=args.ray_port)
     print(f"wrote {len(written)} files to {args.output}: " + ", ".join(
         str(p.relative_to(args.output)) for p in written))

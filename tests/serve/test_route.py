@@ -347,3 +347,33 @@ def test_route_on_port_0_says_the_port_it_listens_on():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_stream_that_breaks_midway_ends_with_an_error_event_and_is_counted_once():
+    """After its first bytes a stream cannot move: the client gets an error event, the backend is
+    taken out, and the attempt is counted once, as broken (not as a failed attempt too)."""
+    from hetserve.serve.route.app import Router
+    from hetserve.serve.route.backends import Backend, BackendPool, RouteConfig
+
+    class Breaks(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b'data: {"choices": []}\n\n'
+            raise httpx.ReadError("connection reset")
+
+    b0 = Backend("b0", "colocated", "http://b0")
+
+    async def scenario():
+        router = Router(BackendPool(RouteConfig((b0,))), health_interval_s=0)
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, stream=Breaks())))
+        status, _, stream = await router.answer("/v1/completions", {"model": "m", "prompt": "hi", "stream": True})
+        got = [chunk async for chunk in stream]
+        await router.close()
+        return status, got, router.metrics.registry
+
+    status, got, registry = asyncio.run(scenario())
+    assert status == 200 and got[0].startswith(b"data: ") and b"failed mid-stream" in got[-1]
+    assert not b0.alive
+    count = lambda outcome: registry.get_sample_value("hetserve_route_requests_total",  # noqa: E731
+                                                      {"backend": "b0", "outcome": outcome}) or 0
+    assert (count("broken"), count("failed")) == (1, 0)

@@ -230,8 +230,8 @@ class Router:
             async for c in chunks:
                 yield c
         except httpx.HTTPError:
-            outcome = "broken"
-            self._failed(b)
+            outcome = "broken"  # counted once, as broken: not as a failed attempt too
+            self._set_alive(b, False)
             from hetserve.serve.errors import ServerError, error_event
             yield error_event(ServerError(f"backend {b.id} failed mid-stream")).encode()
         finally:
@@ -241,5 +241,6 @@ class Router:
             self.metrics.requests.labels(b.id, outcome).inc()
 
     def _failed(self, b: Backend) -> None:
+        """An attempt that failed before its first byte reached the client (the request moves on)."""
         self._set_alive(b, False)
         self.metrics.requests.labels(b.id, "failed").inc()

@@ -113,7 +113,7 @@ def test_every_candidate_the_dual_shortcut_skips_scores_at_most_its_bound(llama7
     have been picked — and the search ends where it ends without the shortcut."""
     cluster = load_cluster("hexgen2-het1")
     wl = azure
-    opts = PlanOptions(seed=0, restarts=2, max_iterations=12)
+    opts = PlanOptions(seed=0, restarts=2, max_iterations=6)
     skipped = []
     original = Evaluator._dual_bound
 
@@ -153,7 +153,7 @@ def test_colocated_side_cuts_pairs_of_machines_together(llama70b, azure):
     assert value > ev.score(machines) * 1.01
 
 
-@pytest.mark.parametrize("pool, iterations", [("hexgen2-het1", 12), ("two-sites", 6)])
+@pytest.mark.parametrize("pool, iterations", [("hexgen2-het1", 6), ("two-sites", 6)])
 def test_best_of_picks_what_a_full_scan_picks(llama70b, azure, pool, iterations, monkeypatch):
     """Over a real search's candidate lists (het1: shared pipes bind, so the duality bound
     prunes; two-sites: identical boxes, so many candidates tie exactly), ``best_of`` returns the
@@ -197,7 +197,7 @@ def test_neighbour_bound_is_the_duality_bound_from_the_base_terms(llama70b, azur
     where it bounds the candidate's score. A dropped or double-counted column fails here."""
     cluster = load_cluster("hexgen2-het1")
     wl = azure
-    opts = PlanOptions(seed=0, restarts=2, max_iterations=12)
+    opts = PlanOptions(seed=0, restarts=2, max_iterations=6)
     seen = []
     original = Evaluator._neighbour_bound
 

@@ -1,15 +1,12 @@
 """The HTTP API behind keys: Bearer API keys on every route but the probes, a separate admin key for
 /admin/* (off without one), constant-time checks, and where keys come from (options, environment,
-owner-only key files). Mostly against the in-process fake engine; one test runs ``hetserve serve``."""
+owner-only key files), against the in-process fake engine; ``hetserve serve`` itself behind keys is
+``tests/serve/test_cli_serve.py``'s end-to-end test."""
 
 from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
-import threading
-import time
 
 import httpx
 import openai
@@ -305,61 +302,6 @@ def test_cli_refuses_unsafe_key_and_tls_options_before_any_worker_starts(serve_i
 
 
 @pytest.mark.slow
-def test_hetserve_serve_with_keys_end_to_end(serve_inputs, tmp_path):
-    """``hetserve serve`` as a user runs it, keys from the environment and an admin key file: the start-up
-    lines say what needs a key (and print none), /v1 needs a key, the probes stay open, admin takes only
-    its own key."""
-    admin_file = tmp_path / "admin.txt"
-    admin_file.write_text(ADMIN_KEY + "\n")
-    admin_file.chmod(0o600)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "127.0.0.1", "COLUMNS": "200",
-           "HETSERVE_API_KEY": f"{KEY},{OTHER_KEY}"}
-    proc = subprocess.Popen([sys.executable, "-m", "hetserve.cli.main", *serve_inputs, "--port", "0",
-                             "--admin-key-file", str(admin_file), "--log-level", "warning", "--drain-timeout", "1"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 120
-        url = None
-        while time.monotonic() < deadline and proc.poll() is None:
-            text = "".join(lines)
-            found = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", text)
-            if found and "admin endpoints" in text:
-                url = found.group(1)
-                break
-            time.sleep(0.05)
-        assert url is not None, "".join(lines)
-        while time.monotonic() < deadline:
-            try:
-                health = httpx.get(url + "/health", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        assert health.status_code == 200  # the probes stay open
-        assert_401(httpx.get(url + "/v1/models"))
-        assert_401(httpx.post(url + "/v1/completions", json=COMPLETION, headers=bearer("wrong-key")))
-        client = openai.OpenAI(base_url=url + "/v1", api_key=OTHER_KEY, max_retries=0, timeout=60)
-        assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
-        assert_401(httpx.post(url + "/admin/replan", json={}, headers=bearer(KEY)))
-        r = httpx.post(url + "/admin/replan", json={"bogus": 1}, headers=bearer(ADMIN_KEY))
-        assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"  # past the key, refused by its body
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    reader.join(5)
-    out = "".join(lines)
-    assert "API keys required on /v1/* (2 keys accepted)" in out
-    assert "/health and /metrics open" in out and "admin endpoints (/admin/*) on" in out
-    assert KEY not in out and OTHER_KEY not in out and ADMIN_KEY not in out
-
-
 def test_cli_hands_the_tls_files_to_the_engine(serve_inputs, captured_options, tmp_path, capsys):
     """--tls-cert/--tls-key/--tls-ca become the engine's ``tls`` option (the runtime's ``TLSFiles``);
     without them the engine gets none."""

@@ -88,12 +88,16 @@ def test_serve_hands_the_device_channel_to_the_engine(tmp_path, monkeypatch, cap
 
 
 @pytest.mark.slow
-def test_serve_prints_the_port_it_picked_answers_and_stops_cleanly(tmp_path):
-    """``--port 0``: the OS picks the port, and the URL printed at start-up is the one that answers;
-    the start-up lines say the dtype and which process holds each device. An OpenAI client lists
-    the model and completes; SIGTERM during a stream that cannot finish in the 1 s drain: new
-    requests get 503 + Retry-After, the stream ends with one error event and [DONE], and the
-    process exits cleanly."""
+def test_serve_as_a_user_runs_it_port_keys_drain_and_clean_exit(tmp_path):
+    """``hetserve serve`` as a user runs it, one server for all of this:
+
+    * ``--port 0``: the OS picks the port, and the URL printed at start-up is the one that answers;
+      the start-up lines say the dtype and which process holds each device;
+    * keys from the environment and an admin key file: the start-up lines say what needs a key (and
+      print none); /v1 needs a key, the probes stay open, /admin takes only its own key; an OpenAI
+      client with a key lists the model and completes;
+    * SIGTERM during a stream that cannot finish in the 1 s drain: new requests get 503 +
+      Retry-After, the stream ends with one error event and [DONE], and the process exits cleanly."""
     import openai
 
     from hetserve.planner.plan import Plan
@@ -102,11 +106,15 @@ def test_serve_prints_the_port_it_picked_answers_and_stops_cleanly(tmp_path):
     model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=32, heads=2, max_positions=4096)
     plan = tmp_path / "plan.json"
     Plan.from_dict(PLAN).save(plan)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "127.0.0.1", "COLUMNS": "200"}
+    admin_file = tmp_path / "admin.txt"
+    admin_file.write_text(ADMIN_KEY + "\n")
+    admin_file.chmod(0o600)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "127.0.0.1", "COLUMNS": "200",
+           "HETSERVE_API_KEY": f"{KEY},{OTHER_KEY}"}
     proc = subprocess.Popen([sys.executable, "-m", "hetserve.cli.main", "serve", "--plan", str(plan),
-                             "--cluster", "demo-cpu", "--model", str(model), "--port", "0",
-                             "--log-level", "warning", "--drain-timeout", "1"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                             "--cluster", "demo-cpu", "--model", str(model), "--port", "0", "--admin-key-file",
+                             str(admin_file), "--log-level", "warning", "--drain-timeout", "1"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     printer = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # until the pipe closes
     printer.start()
@@ -115,8 +123,9 @@ def test_serve_prints_the_port_it_picked_answers_and_stops_cleanly(tmp_path):
         deadline = time.monotonic() + 90
         url = None
         while url is None and time.monotonic() < deadline and proc.poll() is None:
-            found = re.search(r"on (http://127\.0\.0\.1:(\d+))/v1", "".join(lines))
-            url = found and found.group(1)
+            said = "".join(lines)
+            found = re.search(r"on (http://127\.0\.0\.1:(\d+))/v1", said)
+            url = found.group(1) if found and "admin endpoints" in said else None  # the keys' lines come last
             time.sleep(0.05)
         assert url is not None, "".join(lines)
         assert not url.endswith(":0")
@@ -133,17 +142,23 @@ def test_serve_prints_the_port_it_picked_answers_and_stops_cleanly(tmp_path):
                 break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        assert health is not None and health.status_code == 200 and health.json()["model"] == "tiny"
+        assert health is not None and health.status_code == 200 and health.json()["model"] == "tiny"  # open
 
-        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+        _assert_401(httpx.get(url + "/v1/models"))
+        _assert_401(httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"},
+                               headers=_bearer("wrong-key")))
+        c = openai.OpenAI(base_url=url + "/v1", api_key=OTHER_KEY, max_retries=0, timeout=30)
         assert [m.id for m in c.models.list().data] == ["tiny"]
         r = c.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0)
         assert r.usage.completion_tokens >= 1
+        _assert_401(httpx.post(url + "/admin/replan", json={}, headers=_bearer(KEY)))
+        r = httpx.post(url + "/admin/replan", json={"bogus": 1}, headers=_bearer(ADMIN_KEY))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"  # past the key, refused by its body
 
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 4000, "stream": True, "ignore_eos": True}
 
         def stream() -> None:
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+            with httpx.stream("POST", url + "/v1/completions", json=body, headers=_bearer(KEY), timeout=60) as resp:
                 events.extend(line[6:] for line in resp.iter_lines() if line.startswith("data: "))
 
         reader = threading.Thread(target=stream)
@@ -154,7 +169,8 @@ def test_serve_prints_the_port_it_picked_answers_and_stops_cleanly(tmp_path):
         while (h := httpx.get(url + "/health", timeout=5)).status_code == 200:
             time.sleep(0.02)
         assert h.json()["status"] == "draining"
-        refused = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
+        refused = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=_bearer(KEY),
+                             timeout=5)
         assert refused.status_code == 503 and refused.headers["retry-after"]
         reader.join(60)
         assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
@@ -162,6 +178,22 @@ def test_serve_prints_the_port_it_picked_answers_and_stops_cleanly(tmp_path):
         _stop(proc, signal_it=not events)  # once streaming began, the test's own SIGTERM is the one under test
     printer.join(5)
     assert proc.returncode == 0, "".join(lines)
+    out = "".join(lines)
+    assert "API keys required on /v1/* (2 keys accepted)" in out
+    assert "/health and /metrics open" in out and "admin endpoints (/admin/*) on" in out
+    assert KEY not in out and OTHER_KEY not in out and ADMIN_KEY not in out
+
+
+KEY, OTHER_KEY, ADMIN_KEY = "sk-test-one", "sk-test-two", "adm-secret"
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _assert_401(r: httpx.Response) -> None:
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (r.request.url, r.text)
+    assert r.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_sigterm_while_the_workers_start_stops_them_too(tmp_path):

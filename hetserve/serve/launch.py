@@ -152,11 +152,10 @@ def _load_in_background(load, *args) -> Future:
     future: Future = Future()
 
     def run() -> None:
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(load(*args))
-            except BaseException as exc:  # handed to whoever reads the result
-                future.set_exception(exc)
+        try:
+            future.set_result(load(*args))
+        except BaseException as exc:  # handed to whoever reads the result
+            future.set_exception(exc)
 
     threading.Thread(target=run, name="hetserve-tokenizer", daemon=True).start()
     return future

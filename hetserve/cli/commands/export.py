@@ -44,14 +44,14 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     cluster = plan_cluster(args.plan, plan, args.cluster)
     # the model's shape: from --model where it is a checkpoint folder here, else the model the plan names
-    model = (load_model(args.model) if args.model and Path(args.model).exists() else plan_model(args.plan, plan.model))
+    local = bool(args.model) and Path(args.model).exists()
+    model = load_model(args.model) if local else plan_model(args.plan, plan.model)
     check_plan(args.plan, plan, cluster, model)
     cluster_path = args.cluster if args.cluster and Path(args.cluster).is_file() else (
         str(plan.cluster_file.path) if plan.cluster_file is not None else None)
     # a checkpoint folder here by its absolute path: the scripts run from their own folder, and a
     # relative path would name another place there (a hub name or another machine's path stays as given)
-    checkpoint = str(Path(args.model).resolve()) if args.model and Path(args.model).exists() else (
-        args.model or plan.model)
+    checkpoint = str(Path(args.model).resolve()) if local else (args.model or plan.model)
     written = export_bundle(plan, cluster, args.to, args.output, checkpoint, model.num_layers,
                             cluster_path=cluster_path, ray_port=args.ray_port)
     print(f"wrote {len(written)} files to {args.output}: " + ", ".join(

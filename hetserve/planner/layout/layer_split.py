@@ -197,24 +197,19 @@ def integerize(weights: Sequence[float], caps: Sequence[int], total: int) -> tup
     x = [total * w / s for w in weights]
     n = [min(c, max(1, int(v))) for v, c in zip(x, caps)]
     short = total - sum(n)
-    if short > 0:
-        heap = [(n[j] - x[j], j) for j in range(len(n)) if n[j] < caps[j]]
-        heapq.heapify(heap)
-        while short > 0 and heap:
-            _, j = heapq.heappop(heap)
-            n[j] += 1
-            short -= 1
-            if n[j] < caps[j]:
-                heapq.heappush(heap, (n[j] - x[j], j))
-    elif short < 0:
-        heap = [(x[j] - n[j], j) for j in range(len(n)) if n[j] > 1]
-        heapq.heapify(heap)
-        while short < 0 and heap:
-            _, j = heapq.heappop(heap)
-            n[j] -= 1
-            short += 1
-            if n[j] > 1:
-                heapq.heappush(heap, (x[j] - n[j], j))
+    step = 1 if short > 0 else -1  # add layers, or take them away (keys negated: x - n == -(n - x) exactly)
+
+    def room(j: int) -> bool:
+        return n[j] < caps[j] if step > 0 else n[j] > 1
+
+    heap = [(step * (n[j] - x[j]), j) for j in range(len(n)) if short and room(j)]
+    heapq.heapify(heap)
+    while short and heap:
+        _, j = heapq.heappop(heap)
+        n[j] += step
+        short -= step
+        if room(j):
+            heapq.heappush(heap, (step * (n[j] - x[j]), j))
     return tuple(n)
 
 

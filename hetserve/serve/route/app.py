@@ -108,17 +108,16 @@ class Router:
 
     async def check(self, b: Backend) -> None:
         """One health check of ``b``, by the module docstring's rule."""
+        refused = False
         try:
             # with the backends' key: a backend that guards its probes (--protect-probes) answers 401 without it
             r = await self.client.get(f"{b.url}/health", headers=self.headers, timeout=2.0)
             ok = r.status_code == 200
         except httpx.ConnectError:  # nothing listens: down now
-            self._failed_checks[b.id] = self.health_failures
-            self._set_alive(b, False)
-            return
+            ok, refused = False, True
         except httpx.HTTPError:
             ok = False
-        failed = 0 if ok else self._failed_checks.get(b.id, 0) + 1
+        failed = 0 if ok else self.health_failures if refused else self._failed_checks.get(b.id, 0) + 1
         self._failed_checks[b.id] = failed
         if ok or failed >= self.health_failures:
             self._set_alive(b, ok)

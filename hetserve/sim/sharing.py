@@ -1,0 +1,274 @@
+"""``SharedLinks``: the one link model (``hetserve.policies.links``) re-shared only where a send
+started or ended; the simulator's network (``sim.links.Network``) drives it in simulated time.
+
+Max-min rates of one connected component of sends (sends joined by a common resource) do not
+depend on sends outside it, so when a queue's sends change only the component of the resources
+its old and new sends cross is re-shared; every other send keeps its rate and its finish time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from operator import attrgetter
+from typing import Any, Callable
+
+from hetserve.policies.base import TransmissionPolicy
+from hetserve.policies.links import EPS_BYTES, LinkModel, Message, SenderQueue
+from hetserve.sim.fillings import Fillings
+
+_INF = math.inf
+
+
+class _QueueState:
+    """Per-queue bookkeeping of ``SharedLinks`` (``SenderQueue.sharing``): the queue, its creation
+    order, the rates of its sends (aligned with ``SenderQueue.sends``), the time they were settled
+    to, their finish times at those rates (None: not known), an epoch that invalidates old heap
+    entries; the path (resource names) of each send, the copies on each path in order of first
+    appearance (its flow classes) and the resource keys the sends cross."""
+
+    __slots__ = ("q", "order", "since", "rates", "fin", "epoch", "names", "classes", "keys")
+
+    def __init__(self, q: SenderQueue, order: int):
+        self.q, self.order, self.since, self.rates, self.fin, self.epoch = q, order, 0.0, [], None, 0
+        self.names: list[tuple] = []
+        self.classes: dict[tuple, int] = {}
+        self.keys: set = set()
+
+
+_order = attrgetter("order")
+
+
+def _resources_of(sts: list[_QueueState]) -> dict[tuple, tuple]:
+    """The resources of each path (by its names) the sends of ``sts``' queues take."""
+    path_of: dict[tuple, tuple] = {}
+    for st in sts:
+        for s in st.q.sends:
+            p = s[0].path
+            if p.names not in path_of:
+                path_of[p.names] = p.resources
+    return path_of
+
+
+class SharedLinks(LinkModel):
+    """``LinkModel`` with the same sharing rule, re-shared only where a send started or ended.
+
+    Each queue is settled (bytes moved at its rates) lazily, when its rates change or it is
+    re-planned; each queue's first finish time sits in a heap, stale entries skipped by the
+    queue's epoch. Water fillings are cached by the component's shape (``sim.fillings``).
+    Running time per event: O(sends in the touched component × path length + log heap), not
+    O(all sends on the wire). Figures equal ``LinkModel``'s up to float rounding of the bytes
+    moved (settled once per rate change instead of at every event of the network).
+    """
+
+    def __init__(self, make_policy: Callable[[], TransmissionPolicy], overhead_s: float = 0.0,
+                 competing_penalty: float = 0.0):
+        super().__init__(make_policy, overhead_s, competing_penalty)
+        self._on_res: dict = {}  # resource key -> states of the queues whose sends cross it (or none)
+        self._touched: set = set()  # resource keys whose sends changed since the last re-share
+        self._heap: list = []  # (first finish s of the queue, seq, its state, epoch)
+        self._seq = 0
+        self._fillings = Fillings(self.competing_penalty)
+
+    def _new_queue(self, name: str) -> SenderQueue:
+        q = super()._new_queue(name)
+        q.sharing = _QueueState(q, len(self.queues))
+        return q
+
+    @property
+    def idle(self) -> bool:
+        self._fresh()
+        return not any(q.sends for q in self.queues.values())
+
+    def next_event_s(self) -> float | None:
+        if self._stale:
+            self._fresh()
+        heap = self._heap
+        while heap:
+            top = heap[0]
+            if top[2].epoch == top[3]:
+                t, since = top[0], self._since
+                return (since if since > t else t) if t < _INF else None
+            heapq.heappop(heap)
+        return None
+
+    # ------------------------------------------------------------------ internals
+    def _settle(self, now: float) -> None:
+        """Only the clock moves; queues are settled when their rates change. Rates go stale on
+        every start and end but are re-shared once, before time moves on (a KV hand-off puts
+        one message per TP shard / layer piece at one instant)."""
+        if now > self._since:
+            self._fresh()
+            self._since = now
+
+    @staticmethod
+    def _settle_queue(st: _QueueState, now: float) -> None:
+        dt = now - st.since
+        if dt > 0:
+            q = st.q
+            if q.sends:
+                sent = q.bytes_sent
+                for s, r in zip(q.sends, st.rates):
+                    # an unlimited rate moves all that is left (inf × dt is never below it)
+                    left, moved = s[1], r * dt
+                    if not moved < left:
+                        moved = left
+                    s[1] = left - moved
+                    m = s[0]
+                    m.remaining -= moved
+                    sent[m.kind] += moved * m.copies
+                q.busy_s += dt
+                st.fin = None
+            st.since = now
+
+    def _replan(self, st: _QueueState, now: float) -> None:
+        """Re-decide the queue's sends (its bytes settled up to ``now``) and move its entries in the
+        resource index to them; the resources of its old and new sends are marked touched."""
+        q = st.q
+        q.replan(now)
+        names, classes = [], {}
+        for s in q.sends:
+            m = s[0]
+            key = m.path.names
+            names.append(key)
+            classes[key] = classes.get(key, 0) + m.copies
+        old = st.keys
+        if classes.keys() != st.classes.keys():  # else the same paths: the same resources
+            new = set().union(*classes)
+            # a resource keeps its (maybe empty) set of users: queues come and go on it all the time
+            on_res = self._on_res
+            for k in (old - new if new else old):
+                on_res[k].discard(st)
+            for k in (new - old if old else new):
+                users = on_res.get(k)
+                if users is None:
+                    on_res[k] = {st}
+                else:
+                    users.add(st)
+            st.keys = new
+            self._touched.update(new)
+        st.names, st.classes = names, classes
+        self._touched.update(old)
+        st.rates = []
+        st.fin = None
+        st.epoch += 1
+        self._stale = True
+
+    def _fresh(self) -> None:
+        if not self._stale:
+            return
+        self._stale = False
+        # each component: every queue reachable from a touched resource through shared resources.
+        # Components are re-shared one by one: a water filling over several gives each the very
+        # floats it gets alone (no share crosses from one to another), and one alone recurs more
+        touched, on_res = self._touched, self._on_res
+        self._touched = set()
+        seen_k, seen_q = set(), set()
+        for k0 in touched:
+            if k0 in seen_k:
+                continue
+            seen_k.add(k0)
+            todo, comp = [k0], []
+            while todo:
+                users = on_res.get(todo.pop())
+                if users:
+                    for st in users:
+                        if st not in seen_q:
+                            seen_q.add(st)
+                            comp.append(st)
+                            more = st.keys - seen_k
+                            if more:
+                                seen_k |= more
+                                todo.extend(more)
+            if comp:
+                self._reshare(comp)
+
+    def _reshare(self, comp: list[_QueueState]) -> None:
+        """New rates, settled bytes and heap entries for the queues of one component."""
+        # flows in the order ``LinkModel`` flattens them (queue creation order), so the water
+        # filling visits resources and subtracts shares in the same order
+        if len(comp) > 1:
+            comp.sort(key=_order)
+        rate_of = self._rates_of(comp)
+        now, heap = self._since, self._heap
+        for st in comp:
+            if st.since < now:
+                self._settle_queue(st, now)
+            st.rates = [rate_of[key] for key in st.names]
+            st.epoch += 1
+            if st.names:
+                # one heap entry per queue: when its first send finishes at its current rates
+                st.fin = fin = self._finish_times(st)
+                self._seq += 1
+                heapq.heappush(heap, (min(fin), self._seq, st, st.epoch))
+
+    def _rates_of(self, sts: list[_QueueState]) -> dict[tuple, float]:
+        """Max-min rate by path (resource names) of the sends of ``sts``' queues, each copy a flow,
+        the paths in order of first appearance (as ``max_min_rates`` orders them)."""
+        if len(sts) == 1:
+            counts = sts[0].classes
+        else:
+            counts = {}
+            for st in sts:
+                for key, n in st.classes.items():
+                    counts[key] = counts.get(key, 0) + n
+        return self._fillings.rate_of(counts, _resources_of, sts)
+
+    @staticmethod
+    def _finish_times(st: _QueueState, inf: float = _INF) -> list[float]:
+        since = st.since
+        return [since + (s[1] / r if r > 0 else inf) if r < inf else since for s, r in zip(st.q.sends, st.rates)]
+
+    def _on_event(self, t: float) -> list[tuple[Any, float]]:
+        tol = t + 1e-12 * max(1.0, abs(t))
+        heap, due = self._heap, []
+        while heap and heap[0][0] <= tol:
+            _, _, st, epoch = heapq.heappop(heap)
+            if st.epoch == epoch:
+                due.append(st)
+        if t > self._since:
+            self._since = t
+        if len(due) > 1:
+            due.sort(key=_order)
+        done = []
+        overhead = self.overhead_s
+        for st in due:
+            q = st.q
+            sends, fin = q.sends, st.fin
+            if fin is None:
+                fin = self._finish_times(st)
+            ending = [s for s, f in zip(sends, fin) if f <= tol] or [sends[fin.index(min(fin))]]
+            if st.since < t:
+                self._settle_queue(st, t)
+            sent = q.bytes_sent
+            for s in ending:
+                if s[1] > 0:  # the sends finishing now end exactly (no float residue from rate × dt)
+                    m = s[0]
+                    m.remaining -= s[1]
+                    sent[m.kind] += s[1] * m.copies
+                    s[1] = 0.0
+            for s in sends:
+                m = s[0]
+                if s[1] <= EPS_BYTES + 1e-12 * m.total and m.remaining <= EPS_BYTES + 1e-9 * m.total:
+                    del q.pending[m.id]
+                    done.append((m.id, t + m.path.latency_s + overhead))
+            self._replan(st, t)
+        return done
+
+    def _enqueue(self, q: SenderQueue, msg: Message, now: float) -> None:
+        """Queue ``msg`` with ``q``'s bytes caught up first, and re-share only what ``q`` touches."""
+        st = q.sharing
+        self._settle_queue(st, now)
+        q.pending[msg.id] = msg
+        if not q.sends or q.concurrent:
+            # idle, or sharing: re-decide now; sequential and busy: the send in flight ends first
+            self._replan(st, now)
+
+    def _enqueue_all(self, q: SenderQueue, msgs: list[Message], now: float) -> None:
+        """Queue ``msgs`` and re-decide once; the index and the re-share see ``q``'s old sends and
+        its final ones, as after re-deciding per message (its sends only grew in between)."""
+        st = q.sharing
+        self._settle_queue(st, now)
+        for m in msgs:
+            q.pending[m.id] = m
+        self._replan(st, now)

@@ -244,6 +244,31 @@ def test_each_checkout_and_source_version_builds_in_its_own_folder(tmp_path, mon
     assert native.build_name() != names[1]  # the same path, another version
 
 
+def test_a_build_removes_this_checkouts_earlier_builds_and_those_of_deleted_checkouts(tmp_path):
+    """Each checkout and version builds in a folder of its own; without clean-up they pile up. Kept:
+    the current build, other live checkouts' builds, folders hetserve did not write, and a folder
+    whose builder holds its lock."""
+    import fcntl
+
+    here = str(native.UNIT.resolve())
+    live = tmp_path / "live-checkout.cpp"
+    live.write_text("")
+    owners = {"current": here, "earlier": here, "deleted": str(tmp_path / "gone" / "cpu_kernels.cpp"),
+              "live": str(live), "foreign": None, "building": here}
+    folders = {}
+    for key, owner in owners.items():
+        folders[key] = tmp_path / f"{native.NAME}_{key}"
+        folders[key].mkdir()
+        (folders[key] / "kernels.so").write_bytes(b"\0")
+        if owner is not None:
+            (folders[key] / native.OWNER).write_text(owner)
+    with open(folders["building"] / "hetserve-build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        removed = native.remove_stale_builds(folders["current"])
+    assert sorted(removed) == sorted([folders["earlier"], folders["deleted"]])
+    assert {k for k, f in folders.items() if f.exists()} == {"current", "live", "foreign", "building"}
+
+
 def test_impl_choice(monkeypatch):
     with pytest.raises(ValueError, match="'triton', 'native', 'torch'"):
         kernels.resolve_impl("cuda", torch.device("cpu"))

@@ -5,8 +5,9 @@ plain-torch path gathers every context into a padded grid first. ``store_kv``, `
 ``rotary`` each do in one pass what takes a layer 5-12 torch operators. The sources are compiled
 once per machine and source version by ``torch.utils.cpp_extension`` (g++ and ninja; one
 translation unit, about 20 s of one core, kept under ``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``, a folder per source version and CPU; concurrent builders wait for
-one another, and a killed build's lock does not stop the next) and loaded as
+``~/.cache/torch_extensions``, a folder per checkout, source version and CPU; concurrent builders
+wait for one another, a killed build's lock does not stop the next, and a build removes the folders
+of this checkout's earlier versions and of checkouts that are gone) and loaded as
 ``torch.ops.hetserve_cpu``. Where it cannot be built (no compiler, or ``HETSERVE_NATIVE_KERNELS=0``)
 ``available()`` is False, says why once in the log, and the kernels stay the plain-torch ones.
 
@@ -23,6 +24,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 from pathlib import Path
 
 import torch
@@ -34,6 +36,7 @@ UNIT = CSRC / "cpu_kernels.cpp"  # includes the others: torch's headers parsed o
 SOURCES = [CSRC / name for name in ("paged_decode_cpu.cpp", "layer_ops_cpu.cpp")]
 ENV = "HETSERVE_NATIVE_KERNELS"
 NAME = "hetserve_cpu_kernels"
+OWNER = "hetserve-checkout"  # a build folder's file naming the source it was built from
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 
 
@@ -95,6 +98,37 @@ def _build() -> None:
             stale.unlink()
         cpp_extension.load(name=name, sources=[str(UNIT)], is_python_module=False, build_directory=str(build_dir),
                            extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        (build_dir / OWNER).write_text(str(UNIT.resolve()))
+    remove_stale_builds(build_dir)
+
+
+def remove_stale_builds(build_dir: Path) -> list[Path]:
+    """Remove the build folders beside ``build_dir`` that no checkout will load again: those built
+    from this checkout's source path (an earlier version: every version has a folder of its own,
+    ``build_name``) and those whose source is gone (a deleted checkout). Folders without an owner
+    file are not hetserve's to judge; a folder whose builder holds its lock is left for later.
+    A process that loaded a removed build keeps running: the library stays mapped."""
+    here = str(UNIT.resolve())
+    removed = []
+    for other in build_dir.parent.glob(f"{NAME}_*"):
+        owner = other / OWNER
+        if other == build_dir or not owner.is_file():
+            continue
+        try:
+            source = owner.read_text().strip()
+        except OSError:
+            continue
+        if source != here and os.path.exists(source):
+            continue
+        try:
+            with open(other / "hetserve-build.lock", "a") as held:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(other)
+        except OSError:  # being built right now, or not ours to remove
+            continue
+        log.info("removed %s, a build no checkout loads any more (%s)", other, source)
+        removed.append(other)
+    return removed
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

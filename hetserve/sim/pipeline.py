@@ -255,7 +255,7 @@ class PipelineReplica(Replica):
         return round_trip_time(times, lat, bw, self._act_bytes, TOKEN_ID_BYTES, size)
 
     # ------------------------------------------------------------------ snapshot
-    def state(self, with_requests: bool = False) -> ReplicaState:
+    def state(self, with_requests: bool = False, waits: bool = True) -> ReplicaState:
         running = sum(g.batch.size for g in self.groups)
         queued = len(self.waiting) + sum(len(g.prefill) + len(g.joins) for g in self.groups)
         generated = sum(g.batch.size * (g.batch.iteration + 1) - g.batch.join_sum for g in self.groups)

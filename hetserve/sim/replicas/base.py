@@ -117,7 +117,9 @@ class Replica:
         Default: the rate now."""
         return self.step_rate()
 
-    def state(self, with_requests: bool = False) -> ReplicaState:  # pragma: no cover - overridden
+    def state(self, with_requests: bool = False, waits: bool = True) -> ReplicaState:  # pragma: no cover
+        """The replica now (``with_requests``: its per-request views too); ``waits`` False: the
+        reader ignores ``prefill_wait_s`` / ``queued_age_s``, which may be left 0."""
         raise NotImplementedError
 
     # A kind whose state changes only in its own events and in the simulator's calls into it (which

@@ -284,18 +284,25 @@ class ColocatedReplica(Decoding):
 
         def retime(snap):
             now = self.loop.now
-            return snap if now < until or b.iterations_done(now) == done else self.state(False)
+            return snap if now < until or b.iterations_done(now) == done else self.state(False, False)
         return held_until(until, retime)
 
-    def state(self, with_requests: bool = False) -> ReplicaState:
-        b = self.batch
+    def state(self, with_requests: bool = False, waits: bool = True) -> ReplicaState:
+        b, now = self.batch, self.loop.now
         queued = len(self.waiting) + len(self._chunking)
-        outstanding = self.queued_tokens + (max(0.0, self.pred_sum - self._generated_sum()) if b.size
-                                            else self.pred_sum)
-        return ReplicaState(self.id, "colocated", queued, b.size, self.queued_tokens, outstanding,
-                            self._context_now(), int(self.kv_used), int(self.kv_capacity),
-                            self._snapshot_requests(with_requests), self.capacity_norm, self._prefill_wait(),
-                            self.loop.now - self.req.arrival[self.waiting[0]] if self.waiting else 0.0)
+        # the iterations done by now, asked once: the tokens made and the context both follow from it
+        # (``DecodeBatch.generated``, ``_context_now``)
+        done = b.iterations_done(now)
+        outstanding = self.queued_tokens + (max(0.0, self.pred_sum - (b.size * (b.iteration + done + 1) - b.join_sum))
+                                            if b.size else self.pred_sum)
+        context = int(b.context + done * b.size) if b.active else int(b.context)
+        if waits:
+            wait, age = self._prefill_wait(), now - self.req.arrival[self.waiting[0]] if self.waiting else 0.0
+        else:
+            wait = age = 0.0
+        return ReplicaState(self.id, "colocated", queued, b.size, self.queued_tokens, outstanding, context,
+                            int(self.kv_used), int(self.kv_capacity), self._snapshot_requests(with_requests),
+                            self.capacity_norm, wait, age)
 
     def _shares_cores(self) -> bool:
         """Whether this replica's workers share a host's cores (``sim.hosts`` set its ``host``)."""

@@ -63,7 +63,7 @@ class DecodeReplica(Decoding):
         for rid, _ in self.waiting:
             yield rid, 1
 
-    def state(self, with_requests: bool = False) -> ReplicaState:
+    def state(self, with_requests: bool = False, waits: bool = True) -> ReplicaState:
         b = self.batch
         queued = len(self.waiting) + self.admitted - b.size
         outstanding = max(0.0, self.pred_sum - self._generated_sum()) if b.size else self.pred_sum

@@ -166,7 +166,7 @@ class PrefillReplica(Replica):
     def _retimed(self, snap: ReplicaState) -> ReplicaState:
         return with_wait(snap, max(0.0, self._free[0] - self.loop.now))  # as state() sets it
 
-    def state(self, with_requests: bool = False) -> ReplicaState:
+    def state(self, with_requests: bool = False, waits: bool = True) -> ReplicaState:
         reqs = ()
         if with_requests:
             r = self.req

@@ -120,7 +120,7 @@ class SnapshotCache:
                 dirty.add(i)
         for i in dirty:
             rep = reps[i]
-            snaps[i] = rep.state(False)
+            snaps[i] = rep.state(False, self._waits)
             self._file(i, rep.snapshot_clock(self._waits) if self._kept[i] else None)
         dirty.clear()
         return list(snaps)  # type: ignore[arg-type]

@@ -139,8 +139,15 @@ class DecodeBatch:
 
     def generated(self, now: float) -> int:
         """Σ tokens generated so far by the running requests (their first token included)."""
-        it = self.iteration + self.iterations_done(now)
-        return self.size * (it + 1) - self.join_sum
+        return self.generated_after(self.iterations_done(now))
+
+    def generated_after(self, done: int) -> int:
+        """``generated`` once ``done`` iterations of the current segment have completed."""
+        return self.size * (self.iteration + done + 1) - self.join_sum
+
+    def context_after(self, done: int) -> int:
+        """Σ context tokens of the running requests once ``done`` iterations of the segment have completed."""
+        return int(self.context + done * self.size)
 
     @property
     def next_finish_iteration(self) -> int | None:

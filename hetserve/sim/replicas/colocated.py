@@ -290,12 +290,10 @@ class ColocatedReplica(Decoding):
     def state(self, with_requests: bool = False, waits: bool = True) -> ReplicaState:
         b, now = self.batch, self.loop.now
         queued = len(self.waiting) + len(self._chunking)
-        # the iterations done by now, asked once: the tokens made and the context both follow from it
-        # (``DecodeBatch.generated``, ``_context_now``)
-        done = b.iterations_done(now)
-        outstanding = self.queued_tokens + (max(0.0, self.pred_sum - (b.size * (b.iteration + done + 1) - b.join_sum))
-                                            if b.size else self.pred_sum)
-        context = int(b.context + done * b.size) if b.active else int(b.context)
+        done = b.iterations_done(now)  # asked once: the tokens made and the context both follow from it
+        outstanding = self.queued_tokens + (max(0.0, self.pred_sum - b.generated_after(done)) if b.size
+                                            else self.pred_sum)
+        context = b.context_after(done)
         if waits:
             wait, age = self._prefill_wait(), now - self.req.arrival[self.waiting[0]] if self.waiting else 0.0
         else:

@@ -226,5 +226,4 @@ class Decoding(Replica):
         return LazyRequests(self._requests, self.loop) if with_requests else ()
 
     def _context_now(self) -> int:
-        b = self.batch
-        return int(b.context + b.iterations_done(self.loop.now) * b.size) if b.active else int(b.context)
+        return self.batch.context_after(self.batch.iterations_done(self.loop.now))

@@ -80,8 +80,9 @@ def digest(res) -> str:
     for a in (res.t_start, res.t_first, res.t_kv_start, res.t_kv_done, res.t_join, res.t_finish):
         h.update(np.ascontiguousarray(a).tobytes())
     summary = res.summary()
-    summary.get("run", {}).pop("wall_s", None)
-    info = {k: v for k, v in res.info.items() if k != "wall_s"}
+    for k in ("wall_s", "pricing"):  # the pricing's description is not a result (older trees lack it)
+        summary.get("run", {}).pop(k, None)
+    info = {k: v for k, v in res.info.items() if k not in ("wall_s", "pricing")}
     h.update(json.dumps([res.prefill_replica, res.decode_replica, res.rejected, summary, info],
                         sort_keys=True, default=str).encode())
     return h.hexdigest()[:12]

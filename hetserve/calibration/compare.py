@@ -225,8 +225,8 @@ def compare(opts: CompareOptions) -> Comparison:
             "max_num_seqs": cfg.max_num_seqs, "load_avg_1m": [round(load_before, 2), round(load_after, 2)],
             "machine": machine_info(),
             "served_source": "measured at the openai client on this machine",
-            "simulated_source": _simulated_source(opts.efficiency, slow if speed else None, speed_note,
-                                                  opts.speed_weight)}
+            "simulated_source": _simulated_source(opts.efficiency, res.info["pricing"], slow if speed else None,
+                                                  speed_note, opts.speed_weight)}
     return Comparison(table, served, simulated_of(res), info,
                       (plan, cluster, spec, requests, cfg, pools, efficiency, overhead, summary, contention),
                       served_steps)
@@ -290,12 +290,13 @@ def simulate_calibrated(plan, cluster, spec, requests, opts: CompareOptions, cfg
     return simulate_side(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead, **kw)
 
 
-def _simulated_source(efficiency: str | None, slow: float | None, note: str | None, weight: float) -> str:
+def _simulated_source(efficiency: str | None, pricing: dict[str, str], slow: float | None, note: str | None,
+                      weight: float) -> str:
     from hetserve.calibration.file import timings_source
 
     if not efficiency or slow is None:
-        return timings_source(efficiency) + (f", {note}" if note and efficiency else "")
-    return (f"{timings_source(efficiency)}, its times x{slow:.2f}: the machine's speed probe "
+        return timings_source(efficiency, pricing) + (f", {note}" if note and efficiency else "")
+    return (f"{timings_source(efficiency, pricing)}, its times x{slow:.2f}: the machine's speed probe "
             f"before and after serving vs at calibration, to the power {weight:g}")
 
 

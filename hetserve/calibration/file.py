@@ -88,11 +88,17 @@ def served_sim_options(path: str | Path | None, slowdown: float = 1.0) -> dict:
             "contention_slowdown": _term(rt, "contention_slowdown")}
 
 
-def timings_source(path: str | Path | None) -> str:
+def timings_source(path: str | Path | None, pricing: dict[str, str] | None = None) -> str:
     """Where a simulation's times come from, for its table: the calibration file and, where it says,
-    the device and date it was measured on; or, without one, the roofline estimate."""
+    the device and date it was measured on; or, without one, how the cost model prices each GPU
+    type (``CostModel.pricing()``: fitted, transferred or roofline)."""
     if not path:
-        return "roofline cost model: datasheet peaks x default efficiencies (uncalibrated: an estimate)"
+        from hetserve.cost.kernel_pricing import describe_pricing
+
+        if pricing is None:
+            raise ValueError("timings_source: without a calibration file, pass the cost model's pricing()")
+
+        return "cost model (uncalibrated: an estimate), " + describe_pricing(pricing)
     on = _read(path).get("measured_on") or {}
     where = ", ".join(str(on[k]) for k in ("device", "date") if on.get(k))
     return f"cost model calibrated by {path}" + (f" (measured on {where})" if where else "")

@@ -346,6 +346,7 @@ class Simulator:
                                                                      ("route", self.router))
                                    if isinstance(st := getattr(pol, "stats", None), dict)},
                   "events": self.loop.events, "wall_s": self.wall_s,
+                  "pricing": self.cost.pricing(),  # per GPU type: fitted / transferred / roofline
                   # per sending resource (NIC out, or a private in-box pair) of the shared link model
                   "links": {name: {"bytes": sum(q.bytes_sent.values()), "busy_s": q.busy_s,
                                    "messages": sum(q.messages.values())}

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from hetserve.cost.kernel_pricing import describe_source
+
 
 @pytest.mark.timeout(240)
 def test_compare_serves_simulates_and_writes_table_and_cdfs(tmp_path, capsys, monkeypatch):
@@ -47,6 +49,8 @@ def test_compare_serves_simulates_and_writes_table_and_cdfs(tmp_path, capsys, mo
     assert set(data["info"]["kv_pools"]) == {"p0", "d0"} and data["info"]["token_budget"] == 2048
     assert data["info"]["kv_admission"] == {"served": "paged", "simulated": "paged"}  # both sides (an ample pool: nothing is pre-empted)
     assert data["info"]["load_avg_1m"] and "uncalibrated" in data["info"]["simulated_source"]
+    # uncalibrated times are the kernel model's (an RTX-4090's are transferred from the profiled GPUs)
+    assert data["info"]["simulated_source"].endswith("RTX-4090: " + describe_source("transferred"))
     assert data["info"]["other_cores_busy"] >= 0.0  # what the neighbours took from the served side
     assert "other processes on this machine kept" in printed
     assert (out / "compare_cdf.png").stat().st_size > 10_000

@@ -107,6 +107,24 @@ def test_cli_capacity_fluid(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "GPU(s) per worker" in out and "N_w = ceil(" in out
+    # both tables say where their times come from: the cost model and how it prices the GPU
+    flat = " ".join(out.split())
+    assert flat.count("cost model, A100-SXM-80G: fitted") == 2, flat
+
+
+def test_cli_capacity_refuses_an_unhostable_degree_before_printing(capsys):
+    from hetserve.cli.main import main
+
+    rc = main(["capacity", "--gpu", "A100-SXM-80G", "--model", "llama-2-7b", "--workload", "sharegpt",
+               "--rate", "1", "--slo-ttft", "2", "--slo-tpot", "0.2", "--method", "fluid", "--gpus-per-worker", "16"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "1, 2, 4, 8" in err and "worker configuration" not in out
+
+
+def test_worker_law_round_off_prints_as_zero():
+    from hetserve.cli.commands.capacity import _tidy
+
+    assert f"{_tidy(-1.644e-17):.4g} {_tidy(-0.0):+.3f} {_tidy(0.25):.4g}" == "0 +0.000 0.25"
 
 
 def test_cli_capacity_bad_rates(capsys):

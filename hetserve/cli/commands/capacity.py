@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "SLOs, then the fewest workers meeting the SLOs at each arrival rate.")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--cluster", help="cluster preset or file; its first GPU type and in-box link are used")
-    where.add_argument("--gpu", help="GPU type from gpus.csv (a pool of these, 4 to a box)")
+    where.add_argument("--gpu", help="GPU type from gpus.csv (workers sized on a box of 8 of these)")
     p.add_argument("--model", required=True, help="model preset or config.json")
     p.add_argument("--workload", required=True, help="workload preset or CSV")
     rates = p.add_mutually_exclusive_group(required=True)
@@ -111,7 +111,12 @@ def run(args: argparse.Namespace) -> int:
         cluster = config.homogeneous_cluster(gpu, 8, 8)
 
     opts = config.worker_options(cluster, model, slo, mi, mo, gpu_name=gpu)
-    t = Table(title=f"worker configuration: {model.name} on {gpu} (Eq. 6; mean in {mi:.0f}, out {mo:.0f})")
+    if args.gpus_per_worker and all(o.gpus != args.gpus_per_worker for o in opts):
+        raise SpecError("--gpus-per-worker", "gpus_per_worker", "a degree the pool can host in one box: "
+                        + ", ".join(str(o.gpus) for o in opts), args.gpus_per_worker)
+    source = _source(cluster, model)
+    t = Table(title=f"worker configuration: {model.name} on {gpu} (Eq. 6; mean in {mi:.0f}, out {mo:.0f})",
+              caption=f"estimates of the {source}")
     for col in ("GPUs/worker", "feasible", "limit", "KV tokens", "batch", "iteration ms", "tok/s/GPU", "TTFT ms"):
         t.add_column(col, justify="right")
     for o in opts:
@@ -119,10 +124,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{o.iteration_s * 1e3:.1f}", f"{o.tokens_per_s_per_gpu:,.0f}", f"{o.ttft_s * 1e3:.0f}")
     console.print(t)
     if args.gpus_per_worker:
-        chosen = next((o for o in opts if o.gpus == args.gpus_per_worker), None)
-        if chosen is None:
-            raise SpecError("--gpus-per-worker", "gpus_per_worker", "a degree the pool can host in one box",
-                            args.gpus_per_worker)
+        chosen = next(o for o in opts if o.gpus == args.gpus_per_worker)
     else:
         chosen = config.best_worker_config(cluster, model, slo, mi, mo, gpu_name=gpu)
     g = chosen.gpus
@@ -150,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
             n = fluid
         rows.append((r, n, fluid))
     t = Table(title=f"workers meeting {args.target:.0%} of the SLOs (TTFT {slo.ttft_s}s, ATGT {slo.tpot_s}s)"
-                    + (f", placement {args.placement}" if args.method == "sim" else ", fluid bound"))
+                    + (f", placement {args.placement}" if args.method == "sim" else ", fluid bound"),
+              caption=("simulated" if args.method == "sim" else "the fluid bound") + f", times from the {source}")
     for col in ("rate req/s", "workers", "GPUs", "fluid bound"):
         t.add_column(col, justify="right")
     for r, n, fluid in rows:
@@ -158,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(t)
     if len(rows) >= 2:
         law = workers.fit_worker_law([r for r, _, _ in rows], [n for _, n, _ in rows])
-        console.print(f"N_w = ceil({law.k5 + 0.0:.4g} * r {law.c5 + 0.0:+.3f})  (R² {law.r2:.3f}, "
+        console.print(f"N_w = ceil({_tidy(law.k5):.4g} * r {_tidy(law.c5):+.3f})  (R² {law.r2:.3f}, "
                       f"max error {law.max_abs_error} worker(s))")
         if args.heartbeat:
             plan = plan_scaling(base.with_rate(max(rates), source=args.workload, option="--rates"), law, args.heartbeat,
@@ -167,3 +170,16 @@ def run(args: argparse.Namespace) -> int:
                           f"{plan.gpu_hours:.2f} GPU-hours vs {plan.static_gpu_hours:.2f} for the peak "
                           f"({plan.peak_workers} workers) all along")
     return 0
+
+
+def _source(cluster, model) -> str:
+    """Where the worker sizes' times come from: the cost model, and how it prices the GPU type."""
+    from hetserve.cost.analytic import CostModel
+    from hetserve.cost.kernel_pricing import describe_pricing
+
+    return "cost model, " + describe_pricing(CostModel(cluster, model).pricing())
+
+
+def _tidy(x: float) -> float:
+    """A fitted coefficient with least-squares round-off (|x| < 1e-9, and -0.0) printed as 0."""
+    return 0.0 if abs(x) < 1e-9 else x

@@ -155,10 +155,13 @@ def layer_rows(gpu: GpuType, model, tps, tokens, table: KernelTable | None = Non
     """(rows of ``hetserve cost layer``, the source of their figures) for one GPU type and model:
     ``linear_s`` (QKV, output, gate+up, down), ``layer_s`` (the whole layer without attention's
     score/value products) and ``allreduce_s`` (one all-reduce of the layer's activations, ``tokens``
-    x hidden, across the TP group on the GPU type's default in-box link) on one TP rank."""
+    x hidden, across the TP group on the GPU type's default in-box link) on one TP rank. Each row
+    names its ``source`` and whether its token count lies outside the profiled range
+    (``extrapolated``: the fit's form carried past what was measured)."""
     from hetserve.specs.cluster import GBPS, default_intra_link
     table = table or default_table()
     params, source = table.params_for(gpu.name)
+    span = table.profiled_tokens(gpu.name)
     shape = LayerShape.of_model(model)
     link = default_intra_link(gpu)[0] * GBPS
     rows = []
@@ -168,7 +171,8 @@ def layer_rows(gpu: GpuType, model, tps, tokens, table: KernelTable | None = Non
             nbytes = n * model.hidden * model.dtype_bytes
             ar = table.allreduce_time(tp, nbytes, link) if table.allreduce or tp == 1 else None
             rows.append({"gpu": gpu.name, "model": model.name, "tp": tp, "tokens": n, "linear_s": lt.linear_s,
-                         "layer_s": lt.layer_s, "allreduce_s": ar})
+                         "layer_s": lt.layer_s, "allreduce_s": ar, "source": source,
+                         "extrapolated": span is not None and not span[0] <= n <= span[1]})
     return rows, source
 
 

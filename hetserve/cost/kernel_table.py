@@ -67,6 +67,15 @@ class KernelTable:
             return self.fitted[gpu_name], FITTED
         return self.transferred, TRANSFERRED
 
+    def profiled_tokens(self, gpu_name: str) -> tuple[int, int] | None:
+        """(fewest, most) tokens per step in the profiles behind ``gpu_name``'s parameters (a
+        transferred GPU's: every fitted GPU's), or None where the file does not record them."""
+        ranges = [e.get("tokens") for name, e in self.record.get("gpus", {}).items()
+                  if name == gpu_name or gpu_name not in self.fitted]
+        if not ranges or any(r is None for r in ranges):
+            return None
+        return min(r[0] for r in ranges), max(r[1] for r in ranges)
+
     def allreduce_time(self, workers: int, nbytes: float, link_bandwidth: float) -> float:
         """One all-reduce of ``nbytes`` over ``workers`` GPUs in one box joined by ``link_bandwidth``."""
         if workers <= 1 or nbytes <= 0:
@@ -98,6 +107,7 @@ def fit_table(folder: str | Path, command: str = "") -> KernelTable:
         gpus[name] = {"source": FITTED, "params": fitted[name].as_dict(),
                       "datasheet": {"fp16_flops": g.fp16_flops, "mem_bandwidth_bytes_per_s": g.mem_bandwidth},
                       "profiles": [_file_record(f, root, sum(1 for _ in f.open()) - 1) for f in files],
+                      "tokens": [min(p.tokens for p in pts), max(p.tokens for p in pts)],  # the profiled range
                       "fit": {"layer": summary(err["layer"], 0.10), "linear": summary(err["linear"], 0.15)}}
     rule = transfer(list(fitted.values()))
     record = {"format": FORMAT, "command": command, "units": UNITS, "gpus": gpus,

@@ -81,12 +81,26 @@ def test_cost_layer_prints_json_rows_with_the_agreed_keys(capsys):
     out = capsys.readouterr()
     rows = json.loads(out.out)
     assert len(rows) == 20
-    assert all(set(r) == {"gpu", "model", "tp", "tokens", "linear_s", "layer_s", "allreduce_s"} for r in rows)
+    assert all(set(r) == {"gpu", "model", "tp", "tokens", "linear_s", "layer_s", "allreduce_s", "source",
+                          "extrapolated"} for r in rows)
+    assert {(r["source"], r["extrapolated"]) for r in rows} == {("transferred", False)}
     assert all(0 < r["linear_s"] < r["layer_s"] for r in rows)
     assert [r["allreduce_s"] == 0 for r in rows] == [r["tp"] == 1 for r in rows]
     assert "transferred" in out.err
     assert main(["cost", "layer", "--gpu", "A40", "--model", "llama-2-7b", "--tp", "1", "--tokens", "1"]) == 0
     assert "fitted from measurements of this GPU" in capsys.readouterr().out
+
+
+def test_cost_layer_says_which_token_counts_lie_past_the_profiles(capsys):
+    """The A40's profiles reach 4,096 tokens: a row past them is the fit's form carried on, not a
+    fitted figure, and says so (the JSON row and the text)."""
+    assert main(["cost", "layer", "--gpu", "A40", "--model", "llama-2-7b", "--tp", "1", "--tokens", "4096,8192",
+                 "--json"]) == 0
+    out = capsys.readouterr()
+    assert [r["extrapolated"] for r in json.loads(out.out)] == [False, True]
+    assert "outside the profiled 1–4,096 are extrapolated" in out.err
+    assert main(["cost", "layer", "--gpu", "A40", "--model", "llama-2-7b", "--tp", "1", "--tokens", "8192"]) == 0
+    assert "fitted, extrapolated" in capsys.readouterr().out
 
 
 def test_cost_layer_refuses_an_unknown_gpu(capsys):
@@ -103,6 +117,7 @@ def test_cost_fit_writes_a_file_cost_layer_reads(tmp_path, capsys):
     assert main(["cost", "fit", "--profiles", str(tmp_path / "p"), "-o", str(out)]) == 0
     table = load_table(out)
     assert set(table.fitted) == {"A40"} and table.params_for("L40S")[1] == "transferred"
+    assert table.profiled_tokens("A40") == table.profiled_tokens("L40S") == (1, 4096)
     capsys.readouterr()
     assert main(["cost", "layer", "--gpu", "A40", "--model", "llama-2-7b", "--tp", "1", "--tokens", "64",
                  "--table", str(out), "--json"]) == 0

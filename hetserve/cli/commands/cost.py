@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="tokens in the step, comma-separated (default 1,64,4096)")
     layer.add_argument("--table", help="a kernel-cost file from `hetserve cost fit -o` (default: the bundled one)")
     layer.add_argument("--json", action="store_true", help="JSON rows {gpu, model, tp, tokens, linear_s, layer_s, "
-                       "allreduce_s} on stdout (the figures' source on stderr)")
+                       "allreduce_s, source, extrapolated} on stdout (the sources described on stderr)")
     layer.set_defaults(func=run_layer)
     fit = cmds.add_parser("fit", help="fit the kernel cost model to a profile folder",
                           description="Fit per-GPU kernel parameters, the transfer rule for GPUs without "
@@ -63,7 +63,10 @@ def run_layer(args: argparse.Namespace) -> int:
         if why:
             raise SpecError("--tp", "tp", f"TP degrees that divide {model.name}'s heads, KV heads and FFN width", why)
     rows, source = layer_rows(g, model, args.tp, args.tokens, table)
-    note = f"{g.name}: {describe_source(source)}; all-reduce: " + (
+    span = table.profiled_tokens(g.name)
+    past = f"; tokens outside the profiled {span[0]:,}–{span[1]:,} are extrapolated" if span and any(
+        r["extrapolated"] for r in rows) else ""
+    note = f"{g.name}: {describe_source(source)}{past}; all-reduce: " + (
         f"fitted on {table.record.get('allreduce', {}).get('reference_gpu', '?')} in-box all-reduces, "
         f"scaled to {g.name}'s default in-box link" if table.allreduce else "no all-reduce fit in the table")
     if args.json:
@@ -74,7 +77,8 @@ def run_layer(args: argparse.Namespace) -> int:
     print(f"{'tp':>3} {'tokens':>7} {'linear_ms':>10} {'layer_ms':>10} {'allreduce_ms':>13}  source")
     for r in rows:
         ar = "-" if r["allreduce_s"] is None else f"{r['allreduce_s'] * 1e3:13.4f}"
-        print(f"{r['tp']:>3} {r['tokens']:>7} {r['linear_s'] * 1e3:10.4f} {r['layer_s'] * 1e3:10.4f} {ar:>13}  {source}")
+        how = f"{r['source']}, extrapolated" if r["extrapolated"] else r["source"]
+        print(f"{r['tp']:>3} {r['tokens']:>7} {r['linear_s'] * 1e3:10.4f} {r['layer_s'] * 1e3:10.4f} {ar:>13}  {how}")
     return 0
 
 

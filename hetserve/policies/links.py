@@ -226,23 +226,18 @@ class LinkModel:
         would re-decide on each of them (idle, or sharing) re-decides once, after the last: the
         allocation it ends with is the one it would have ended with. Messages done at once (no
         bytes, unlimited path) go through ``put`` one by one."""
-        isfinite = math.isfinite
         for it in items:
-            if it[3] <= 0 or not isfinite(it[2].bandwidth):
+            if it[3] <= 0 or not math.isfinite(it[2].bandwidth):
                 return [d for it in items for d in self.put(*it[:4], now, *it[4:])]
         groups: dict[SenderQueue, list[Message]] = {}
         seen = set()
-        queue_for = self._queue_for
         for it in items:
-            if len(it) > 4:
-                mid, kind, path, nbytes, n = it
-            else:
-                (mid, kind, path, nbytes), n = it, 1
-            q = queue_for(mid, kind, path, n)
-            key = (q.name, mid)
-            if key in seen:
+            mid, kind, path, nbytes = it[0], it[1], it[2], it[3]
+            n = it[4] if len(it) > 4 else 1
+            q = self._queue_for(mid, kind, path, n)
+            if (q.name, mid) in seen:
                 raise ValueError(f"message {mid} is already pending")
-            seen.add(key)
+            seen.add((q.name, mid))
             msgs = groups.get(q)
             if msgs is None:
                 msgs = groups[q] = []

@@ -14,7 +14,7 @@ from operator import attrgetter
 from typing import Any, Callable
 
 from hetserve.policies.base import TransmissionPolicy
-from hetserve.policies.links import EPS_BYTES, LinkModel, Message, SenderQueue, _fifo_key
+from hetserve.policies.links import EPS_BYTES, LinkModel, Message, SenderQueue
 from hetserve.sim.fillings import Fillings
 
 _INF = math.inf
@@ -48,36 +48,6 @@ def _resources_of(sts: list[_QueueState]) -> dict[tuple, tuple]:
             if p.names not in path_of:
                 path_of[p.names] = p.resources
     return path_of
-
-
-def _send_all(q: SenderQueue, now: float) -> tuple[list[tuple], dict[tuple, int]]:
-    """``SenderQueue.replan`` of a queue whose policy sends every pending message whole, oldest
-    first, at once (``SenderQueue._send_all``), and in the same pass the path (resource names) of
-    each send and the copies on each path in order of first appearance."""
-    q.sends = []
-    sends: list[list] = []
-    names: list[tuple] = []
-    classes: dict[tuple, int] = {}
-    if not q.pending:
-        return names, classes
-    order = list(q.pending.values())
-    if len(order) > 1:
-        order.sort(key=_fifo_key)
-    waited = q.queueing_s
-    for m in order:
-        if m.remaining <= 0:
-            raise ValueError(f"transmission policy {q.policy.name!r} sent message {m.id}, "
-                             "which has nothing left to send")
-        sends.append([m, m.remaining])
-        key = m.path.names
-        names.append(key)
-        classes[key] = classes.get(key, 0) + m.copies
-        if m.first_byte is None:  # on the wire for the first time: its queueing ends
-            m.first_byte = now
-            waited[m.kind] += (now - m.enqueued) * m.copies
-    q.sends = sends
-    q.concurrent = True
-    return names, classes
 
 
 class SharedLinks(LinkModel):
@@ -131,45 +101,37 @@ class SharedLinks(LinkModel):
             self._fresh()
             self._since = now
 
-    @classmethod
-    def _settle_queue(cls, st: _QueueState, now: float) -> None:
+    @staticmethod
+    def _settle_queue(st: _QueueState, now: float) -> None:
         dt = now - st.since
         if dt > 0:
-            if st.q.sends:
-                cls._move(st, dt)
+            q = st.q
+            if q.sends:
+                sent = q.bytes_sent
+                for s, r in zip(q.sends, st.rates):
+                    # an unlimited rate moves all that is left (inf × dt is never below it)
+                    left, moved = s[1], r * dt
+                    if not moved < left:
+                        moved = left
+                    s[1] = left - moved
+                    m = s[0]
+                    m.remaining -= moved
+                    sent[m.kind] += moved * m.copies
+                q.busy_s += dt
+                st.fin = None
             st.since = now
-
-    @staticmethod
-    def _move(st: _QueueState, dt: float) -> None:
-        """Move the queue's sends ``dt`` seconds on at their rates (its finish times go stale)."""
-        q = st.q
-        sent = q.bytes_sent
-        for s, r in zip(q.sends, st.rates):
-            # an unlimited rate moves all that is left (inf × dt is never below it)
-            left, moved = s[1], r * dt
-            if not moved < left:
-                moved = left
-            s[1] = left - moved
-            m = s[0]
-            m.remaining -= moved
-            sent[m.kind] += moved * m.copies
-        q.busy_s += dt
-        st.fin = None
 
     def _replan(self, st: _QueueState, now: float) -> None:
         """Re-decide the queue's sends (its bytes settled up to ``now``) and move its entries in the
         resource index to them; the resources of its old and new sends are marked touched."""
         q = st.q
-        if q.sends_all:
-            names, classes = _send_all(q, now)
-        else:
-            q.replan(now)
-            names, classes = [], {}
-            for s in q.sends:
-                m = s[0]
-                key = m.path.names
-                names.append(key)
-                classes[key] = classes.get(key, 0) + m.copies
+        q.replan(now)
+        names, classes = [], {}
+        for s in q.sends:
+            m = s[0]
+            key = m.path.names
+            names.append(key)
+            classes[key] = classes.get(key, 0) + m.copies
         old = st.keys
         if classes.keys() != st.classes.keys():  # else the same paths: the same resources
             new = set().union(*classes)
@@ -206,56 +168,51 @@ class SharedLinks(LinkModel):
             if k0 in seen_k:
                 continue
             seen_k.add(k0)
-            users = on_res.get(k0)
-            if not users:
-                continue
-            todo, comp = [users], []
+            todo, comp = [k0], []
             while todo:
-                for st in todo.pop():
-                    if st not in seen_q:
-                        seen_q.add(st)
-                        comp.append(st)
-                        for k in st.keys:  # each key a queue's sends cross has its set of users
-                            if k not in seen_k:
-                                seen_k.add(k)
-                                todo.append(on_res[k])
-            self._reshare(comp)
+                users = on_res.get(todo.pop())
+                if users:
+                    for st in users:
+                        if st not in seen_q:
+                            seen_q.add(st)
+                            comp.append(st)
+                            more = st.keys - seen_k
+                            if more:
+                                seen_k |= more
+                                todo.extend(more)
+            if comp:
+                self._reshare(comp)
 
     def _reshare(self, comp: list[_QueueState]) -> None:
-        """New rates, settled bytes and heap entries for the queues of one component (the steps of
-        ``_settle_queue`` and ``_finish_times`` in one pass per queue: this runs at every event)."""
+        """New rates, settled bytes and heap entries for the queues of one component."""
         # flows in the order ``LinkModel`` flattens them (queue creation order), so the water
-        # filling visits resources and subtracts shares in the same order; the paths in order of
-        # first appearance (as ``max_min_rates`` orders them), each copy a flow
+        # filling visits resources and subtracts shares in the same order
         if len(comp) > 1:
             comp.sort(key=_order)
-            counts: dict[tuple, int] = {}
-            for st in comp:
-                for key, n in st.classes.items():
-                    counts[key] = counts.get(key, 0) + n
-        else:
-            counts = comp[0].classes
-        rate_of = self._fillings.rate_of(counts, _resources_of, comp)
-        now, heap, inf = self._since, self._heap, _INF
+        rate_of = self._rates_of(comp)
+        now, heap = self._since, self._heap
         for st in comp:
-            sends = st.q.sends
-            dt = now - st.since
-            if dt > 0:
-                if sends:
-                    self._move(st, dt)
-                st.since = now
+            if st.since < now:
+                self._settle_queue(st, now)
+            st.rates = [rate_of[key] for key in st.names]
             st.epoch += 1
-            names = st.names
-            if names:
-                st.rates = rates = [rate_of[key] for key in names]
+            if st.names:
                 # one heap entry per queue: when its first send finishes at its current rates
-                since = st.since
-                st.fin = fin = [since + (s[1] / r if r > 0 else inf) if r < inf else since
-                                for s, r in zip(sends, rates)]
+                st.fin = fin = self._finish_times(st)
                 self._seq += 1
                 heapq.heappush(heap, (min(fin), self._seq, st, st.epoch))
-            else:
-                st.rates = []
+
+    def _rates_of(self, sts: list[_QueueState]) -> dict[tuple, float]:
+        """Max-min rate by path (resource names) of the sends of ``sts``' queues, each copy a flow,
+        the paths in order of first appearance (as ``max_min_rates`` orders them)."""
+        if len(sts) == 1:
+            counts = sts[0].classes
+        else:
+            counts = {}
+            for st in sts:
+                for key, n in st.classes.items():
+                    counts[key] = counts.get(key, 0) + n
+        return self._fillings.rate_of(counts, _resources_of, sts)
 
     @staticmethod
     def _finish_times(st: _QueueState, inf: float = _INF) -> list[float]:

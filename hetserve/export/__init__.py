@@ -7,12 +7,12 @@ engine's module builds: ``vllm``, ``sglang``, ``native`` (hetserve's own engine 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from hetserve.export import native, sglang, vllm
 from hetserve.export.bundle import Bundle
 from hetserve.export.common import RAY_PORT, ExportContext
+from hetserve.export.folder import MANIFEST, check_bundle_folder, manifest, remove_bundle
 from hetserve.export.rules import refuse_unless_runnable
 
 ENGINES = ("hetserve", "vllm", "sglang")
@@ -35,16 +35,23 @@ def build_bundle(plan, cluster, engine: str, model_path: str, num_layers: int,
 
 
 def export_bundle(plan, cluster, engine: str, out_dir: str | Path, model_path: str, num_layers: int,
-                  cluster_path: str | None = None, ray_port: int = RAY_PORT) -> list[Path]:
-    """Write ``plan``'s bundle for ``engine`` into ``out_dir``; the cluster file is copied beside it
-    (a hetserve bundle's ``hetserve serve`` reads it). Returns the paths written."""
+                  cluster_path: str | None = None, ray_port: int = RAY_PORT, replace: bool = False) -> list[Path]:
+    """Write ``plan``'s bundle for ``engine`` into ``out_dir``, new or empty (``replace``: or holding
+    only an earlier bundle, removed once the new one is built; ``folder.py``); the cluster file is
+    copied beside it (a hetserve bundle's ``hetserve serve`` reads it). Returns the paths written,
+    the manifest ``bundle.json`` last."""
+    earlier = check_bundle_folder(out_dir, replace)
     ref = "cluster.yaml" if cluster_path else cluster.name
     b = build_bundle(plan, cluster, engine, model_path, num_layers, cluster_ref=ref, ray_port=ray_port)
+    # read before the earlier bundle goes: the cluster file may be that bundle's own cluster.yaml
+    cluster_bytes = Path(cluster_path).read_bytes() if cluster_path else None
+    remove_bundle(out_dir, earlier)  # only now: a plan the engine refuses leaves the earlier bundle whole
     written = b.write(out_dir, plan)
-    if cluster_path:
-        shutil.copyfile(cluster_path, Path(out_dir) / "cluster.yaml")
+    if cluster_bytes is not None:
+        (Path(out_dir) / "cluster.yaml").write_bytes(cluster_bytes)
         written.append(Path(out_dir) / "cluster.yaml")
-    return written
+    (Path(out_dir) / MANIFEST).write_text(manifest(written, out_dir, engine))
+    return written + [Path(out_dir) / MANIFEST]
 
 
 def readme(b: Bundle, plan) -> str:
@@ -66,8 +73,7 @@ def readme(b: Bundle, plan) -> str:
               "3. On every machine, its servers: "
               + ", ".join(f"`bash machines/{m}.sh serve` on {m}" for m in b.machines)
               + ". A server prints when it is ready; a script ends all its servers when one exits.",
-              f"4. The router on the first machine: `{' '.join(b.router['argv'])}` (router.json); clients "
-              f"use {b.router.get('endpoint', 'its address')}.", "",
+              router_step(b), "",
               "Stop with Ctrl-C in each script, then `ray stop` where a Ray node was started.", "",
               "`deploy.json` lists every process: its machine, GPU indices, argv and environment."]
     if b.engine == "vllm" and any("ray_address" in r.extra for r in b.replicas):
@@ -76,3 +82,22 @@ def readme(b: Bundle, plan) -> str:
     if b.router.get("note"):
         lines += ["", f"Router: {b.router['note']}."]
     return "\n".join(lines) + "\n"
+
+
+def _router_started(b: Bundle):
+    """The server a machine's script starts that is the router itself (hetserve serve routes its own
+    requests), or None where the router is a process of its own."""
+    return next((x for x in b.launches() if x.kind == "server" and x.argv == b.router["argv"]), None)
+
+
+def router_step(b: Bundle) -> str:
+    """The README's last step: the router's command, or, where a script's server is the router, that
+    there is nothing more to start (running its command again would take the same port)."""
+    endpoint = b.router.get("endpoint", "its address")
+    started = _router_started(b)
+    if started is not None:
+        return (f"4. No router to start: `{started.argv[0]} {started.argv[1]}`, started by `bash "
+                f"machines/{started.machine}.sh serve` in step 3, is the router too (router.json). "
+                f"Clients use {endpoint}.")
+    return (f"4. The router on the first machine: `{' '.join(b.router['argv'])}` (router.json); clients "
+            f"use {endpoint}.")

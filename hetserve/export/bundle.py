@@ -1,7 +1,9 @@
 """The launch bundle every engine's exporter fills in, and the one writer of its files.
 
 A bundle folder holds ``deploy.json`` (the docs/design.md deploy contract), ``plan.json``, one
-``machines/<machine>.sh`` per machine of the plan, ``router.json`` and a ``README.md``.
+``machines/<machine>.sh`` per machine of the plan, ``router.json`` and a ``README.md`` (this
+module), the cluster file and ``bundle.json``, the list of files written (``export_bundle``,
+``folder.py``).
 
 Invariants (``Bundle.check``, run before anything is written):
 * every device of the plan is in exactly one ``launch`` entry, on its own machine, with the index of

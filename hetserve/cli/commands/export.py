@@ -22,14 +22,19 @@ def register(subparsers) -> None:
                                    "(default: the model the plan names)")
     p.add_argument("--ray-port", type=int, default=RAY_PORT, metavar="PORT",
                    help="the Ray head's port (default 6379; multi-machine vLLM replicas' own Ray heads take the next ones)")
-    p.add_argument("-o", "--output", required=True, metavar="DIR", help="folder to write the bundle into")
+    p.add_argument("-o", "--output", required=True, metavar="DIR",
+                   help="folder to write the bundle into: new or empty (an earlier bundle's scripts left beside "
+                        "the new ones would start another plan's processes)")
+    p.add_argument("--force", action="store_true",
+                   help="DIR holds an earlier bundle: replace it (only the files its bundle.json lists are removed; "
+                        "a folder holding any other file is refused)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from hetserve.cli.model_dir import check_plan, plan_cluster, plan_model
-    from hetserve.cli.output_path import check_output_folder
     from hetserve.export import export_bundle
+    from hetserve.export.folder import check_bundle_folder
     from hetserve.planner.plan import Plan
     from hetserve.specs.model import load_model, model_presets
 
@@ -40,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ray_port != RAY_PORT and args.to == "sglang":  # only the hetserve and vLLM bundles start Ray
         raise SpecError("--ray-port", "(option)", "--to hetserve or vllm (an SGLang bundle starts no Ray head); "
                         "drop --ray-port", str(args.ray_port))
-    check_output_folder(args.output, "--output")
+    # the folder before the plan is read; an earlier bundle there is removed only once the new one is built
+    earlier = check_bundle_folder(args.output, args.force)
     plan = Plan.load(args.plan)
     cluster = plan_cluster(args.plan, plan, args.cluster)
     # the model's shape: from --model where it is a checkpoint folder here, else the model the plan names
@@ -53,7 +59,9 @@ def run(args: argparse.Namespace) -> int:
     # relative path would name another place there (a hub name or another machine's path stays as given)
     checkpoint = str(Path(args.model).resolve()) if local else (args.model or plan.model)
     written = export_bundle(plan, cluster, args.to, args.output, checkpoint, model.num_layers,
-                            cluster_path=cluster_path, ray_port=args.ray_port)
+                            cluster_path=cluster_path, ray_port=args.ray_port, replace=args.force)
+    if earlier:
+        print(f"removed the earlier bundle's {len(earlier)} files from {args.output} (its bundle.json lists them)")
     print(f"wrote {len(written)} files to {args.output}: " + ", ".join(
         str(p.relative_to(args.output)) for p in written))
     print(f"start it as {Path(args.output) / 'README.md'} says")

@@ -4,8 +4,9 @@
         [--workload-class HPLD] [--rate-scale 2 | --rate 5] [--placement eft] [--transmission fair]
         [--slo-ttft 1 --slo-tpot 0.1 --slo-e2e 60] [--gamma 0.5 --theta 1] [--limit 2000] [-o out/]
 
-The cluster defaults to the cluster file the plan records, else the preset named in the plan. Writes summary.json, requests.csv and
-latency_cdf.png under ``-o``; prints a table either way.
+The cluster defaults to the cluster file the plan records, else the preset named in the plan. Writes summary.json
+(with ``timings``: where its times come from), requests.csv and latency_cdf.png under ``-o`` (and
+rate_sweep.png with ``--sweep-rates``; an earlier run's, without it, is removed); prints a table either way.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     rate.add_argument("--rate-scale", type=float, help="multiply the arrival rate (compress time)")
     rate.add_argument("--rate", type=float, help="mean arrival rate, req/s")
     add_policy_options(p)  # under --pipeline aggregate only KV hand-offs cross the links (Workload.with_rate)
+    _keep_spellings(p, "placement")
     p.add_argument("--gamma", type=float, help="aladdin: strictness knob γ in [0, 1] (default 0.5)")
     p.add_argument("--theta", type=float, help="aladdin: safety factor θ in (0, 1] (default 1)")
     p.add_argument("--slo-ttft", type=float, help="TTFT target, seconds")
@@ -56,7 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "model's, 256)")
     p.add_argument("--micro-batches", type=int, help="pipeline micro-batches (default: one per stage)")
     p.add_argument("--pipeline", choices=["aggregate", "detailed"], default="aggregate",
-                   help="detailed: stage-by-stage pipelines with activations on the links (slower)")
+                   help="detailed: decode and colocated replicas of several stages simulated stage by stage, "
+                        "activations on the links (slower; refused for a plan with no such replica)")
     p.add_argument("--kv-admission", choices=["reserve", "paged"], default="reserve",
                    help="decode KV: reserve prompt + whole output at admission (default), or paged "
                         "growth with recompute pre-emption (vLLM)")
@@ -75,7 +78,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="simulate requests beyond the model's context as given, as a longer-context model would "
                           "serve them (a server rejects them; KV that fits no replica is rejected still)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("-o", "--output", help="directory for summary.json, requests.csv and plots")
+    p.add_argument("-o", "--output", help="directory for summary.json, requests.csv and plots (an earlier run's "
+                   "rate_sweep.png that this run does not write is removed, and said so)")
     p.add_argument("--json", action="store_true", help="print the summary JSON instead of a table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -88,13 +92,14 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.cost.analytic import CostModel
     from hetserve.planner.plan import Plan
     from hetserve.sim import SimOptions, simulate
-    from hetserve.sim.option_checks import idle_plan_option, transmission_note
+    from hetserve.sim.option_checks import idle_plan_option, pipelined_replicas, transmission_note
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import SLO, load_workload
 
     from hetserve.cli.model_dir import check_plan, plan_cluster, plan_model
     from hetserve.cli.output_path import check_output_folder
 
+    _one_value(args, "placement", "--router is --placement's other spelling")
     rates = _parse_rates(args.sweep_rates) if args.sweep_rates else []
     prefill_mode = _prefill_mode(args)
     if args.output:
@@ -170,6 +175,10 @@ def run(args: argparse.Namespace) -> int:
     if args.predictor != "oracle" and args.placement == "rr":  # round robin reads no prediction
         raise SpecError("--predictor", "placement", "a placement that reads predicted output lengths (every one "
                         "but rr); drop --predictor", f"--predictor {args.predictor} with --placement rr")
+    if args.pipeline == "detailed" and not pipelined_replicas(plan):  # as --transmission: refused, not ignored
+        raise PlanError(f"--pipeline detailed simulates decode and colocated replicas of several stages stage by "
+                        f"stage: {args.plan} has none (prefill replicas stay aggregate in both modes), so it would "
+                        f"run as --pipeline aggregate; drop --pipeline")
     if args.transmission is not None:
         note = transmission_note(plan, args.plan, args.transmission, args.pipeline)
         if note is not None and note[0] == "error":
@@ -196,9 +205,16 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(exc, (PlanError, SpecError)):
             raise
         raise SpecError("simulate", "options", "valid policy names and knobs", str(exc)) from exc
+    from hetserve.calibration.file import timings_source
+
     summary = result.summary()
+    # where the figures' times come from, as the table's caption says it (and a plan's estimate.pricing)
+    summary["timings"] = {"source": timings_source(args.efficiency, cost.pricing()),
+                          "calibration": args.efficiency, "pricing": cost.pricing()}
     if args.output:
+        _remove_stale(Path(args.output), rates)
         result.save(args.output)
+        (Path(args.output) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")  # with timings
     if args.json and rates:  # one JSON document: the run and the sweep's runs
         print(json.dumps({"summary": summary, "rate_sweep": [{"rate": r["rate"], "summary": r["summary"]}
                                                              for r in _sweep(args, rates, plan, cluster, model, wl,
@@ -207,19 +223,57 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        from hetserve.calibration.file import timings_source
-
-        from hetserve.cost.kernel_pricing import describe_pricing
-
-        source = (timings_source(args.efficiency) if args.efficiency else
-                  "cost model, " + describe_pricing(cost.pricing()))
         print_summary(Console(), summary, f"{plan.algorithm} plan on {cluster.name}, {wl.name} ({len(wl)} requests)",
-                      f"simulated; times from the {source}")
+                      f"simulated; times from the {summary['timings']['source']}")
         if args.output:
             Console().print(f"wrote {Path(args.output) / 'summary.json'}, requests.csv, latency_cdf.png")
     if rates:
         _sweep(args, rates, plan, cluster, model, wl, opts, cost)
     return 0
+
+
+# the one file simulate writes under -o only with some options (summary.json, requests.csv and
+# latency_cdf.png every run writes)
+SWEEP_PLOT = "rate_sweep.png"
+
+
+def _remove_stale(out: Path, rates: list[float]) -> None:
+    """Remove an earlier run's ``SWEEP_PLOT`` from ``out`` before this run writes there: beside this
+    run's summary.json it would pass for this run's. Said where this run writes none (no --sweep-rates);
+    with a sweep it goes too, so a sweep that fails leaves no earlier run's plot."""
+    old = out / SWEEP_PLOT
+    if not old.is_file():
+        return
+    old.unlink()
+    if not rates:
+        print(f"note: removed {old}, an earlier run's: this run draws no rate sweep (no --sweep-rates)",
+              file=sys.stderr)
+
+
+class _Spelled(argparse._StoreAction):  # noqa: SLF001 - argparse exposes no public action to extend
+    """Stores as ``store`` does, and keeps every (spelling, value) given, for ``_one_value``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = list(getattr(namespace, f"given_{self.dest}", None) or [])
+        setattr(namespace, f"given_{self.dest}", given + [(option_string, values)])
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _keep_spellings(p: argparse.ArgumentParser, dest: str) -> None:
+    """Make ``dest``'s option a ``_Spelled`` one (argparse keeps the last of two values without a word)."""
+    for action in p._actions:  # noqa: SLF001 - argparse exposes no public walk
+        if action.dest == dest and type(action) is argparse._StoreAction:  # noqa: SLF001
+            action.__class__ = _Spelled
+
+
+def _one_value(args: argparse.Namespace, dest: str, why: str) -> None:
+    """Refuse two different values given for ``dest`` (under one spelling or two): one would be dropped."""
+    from hetserve.errors import SpecError
+
+    given = getattr(args, f"given_{dest}", None) or []
+    if len({v for _, v in given}) > 1:
+        raise SpecError(given[-1][0], "(option)", f"one {dest} ({why}); drop one",
+                        " and ".join(f"{f} {v}" for f, v in dict.fromkeys(given)))
 
 
 def _prefill_mode(args) -> str:
@@ -268,7 +322,7 @@ def _sweep(args, rates, plan, cluster, model, wl, opts, cost, quiet: bool = Fals
 
     from hetserve.sim.sweep import rate_sweep
 
-    plot = Path(args.output) / "rate_sweep.png" if args.output else None
+    plot = Path(args.output) / SWEEP_PLOT if args.output else None
     rows = rate_sweep(plan, cluster, model, wl, rates, replace(opts, progress=False), cost, plot=plot,
                       source=args.workload)
     if quiet:

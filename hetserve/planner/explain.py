@@ -4,11 +4,14 @@
   ``Evaluator``) and the min cut of its flow (``guided.min_cut``) is read: which groups' compute
   or memory (saturated prefill / decode replicas), which KV edges, which NICs or site pipes
   carry the whole flow; colocated replicas add their own capacity beside it.
-* **What-ifs**, each a new search with the same algorithm and options (fewer restarts, so a
-  what-if is a quick estimate, not a full search) on an edited copy of the cluster file:
-  one more GPU of each type (on the first machine that has it), and twice the bandwidth of the
-  plan's busiest shared link (its NIC, or its site pipe as a ``network.links`` entry). Each row
-  also gives the upper bound (``planner.bound``) of the edited pool.
+* **What-ifs** on an edited copy of the cluster file: one more GPU of each type (on the first
+  machine that has it), and twice the bandwidth of the plan's busiest shared link (its NIC, or its
+  site pipe as a ``network.links`` entry). More hardware never takes a plan away: the current plan
+  still runs on the edited pool (the new GPU idle, or the same replicas over the wider link), so
+  each what-if is the better of that plan priced there (the shared ``Evaluator``, as for the
+  bound) and a new search with the same algorithm and options (fewer restarts: a quick estimate,
+  not a full search, which can lose to the current plan), and says which it is. Each row also
+  gives the upper bound (``planner.bound``) of the edited pool, from the new search.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from pathlib import Path
+from typing import NamedTuple
 
 from hetserve.errors import InfeasibleError, PlanError, SpecError
 from hetserve.planner.context import PlanContext
@@ -28,11 +32,23 @@ from hetserve.specs.cluster import _preset_dir, cluster_from_dict
 WHAT_IF_RESTARTS = 4
 
 
+def _priced(plan, cluster, model, workload, options):
+    """``plan``'s replicas, with their own layouts, priced on ``cluster`` by the shared evaluator."""
+    ctx = PlanContext(cluster, model, workload, options)
+    layouts = [r.layout(cluster) for r in plan.replicas]
+    groups = [Group.of(lay.devices, r.role) for lay, r in zip(layouts, plan.replicas)]
+    return ctx, groups, Evaluator(ctx).evaluate_layouts(groups, layouts)
+
+
+def plan_tokens_per_s(plan, cluster, model, workload, options) -> float:
+    """Tokens/s of ``plan`` as it stands, priced on ``cluster`` under ``options`` (its replicas'
+    device names must exist there: true of the pool it was made on and of every what-if pool)."""
+    return _priced(plan, cluster, model, workload, options)[2].tokens_per_s
+
+
 def bottlenecks(plan, cluster, model, workload, options) -> list[str]:
     """Lines naming what limits ``plan`` (see the module docstring)."""
-    ctx = PlanContext(cluster, model, workload, options)
-    groups = [Group.of(r.layout(cluster).devices, r.role) for r in plan.replicas]
-    ev = Evaluator(ctx).evaluate_layouts(groups, [r.layout(cluster) for r in plan.replicas])
+    ctx, groups, ev = _priced(plan, cluster, model, workload, options)
     ids = [r.id for r in plan.replicas]
     cut = min_cut(ev)
     lines = []
@@ -120,10 +136,32 @@ def _variants(data: dict, plan) -> list[tuple[str, dict]]:
     return out
 
 
-def what_ifs(plan, cluster_arg: str, model, workload, options, fn,
-             on_variant=None) -> list[tuple[str, float | None, float, bool]]:
-    """(change, tokens/s of a quick re-plan or None if it failed, its upper bound, whether the time
-    limit cut that bound short) per variant.
+def what_if_options(options):
+    """The options what-ifs search and price with: what more hardware gives at full load, so a
+    budget is dropped and the cost objective's search of budgets becomes one plain search, counting
+    (as that objective's searches do) what meets the SLOs where any are set."""
+    return dataclasses.replace(options, budget_usd_per_hour=None,
+                               objective="goodput" if options.objective == "cost" else options.objective)
+
+
+class WhatIf(NamedTuple):
+    """One what-if row. ``tokens_per_s`` is the better of the current plan priced on the edited
+    pool and the quick re-plan (None only where neither could be priced); ``source`` says which."""
+
+    change: str
+    tokens_per_s: float | None
+    upper_bound: float  # the re-plan's bound of the edited pool; 0 where the re-plan failed
+    cut_short: bool  # the time limit stopped that bound's solver
+    source: str
+    note: str = ""  # why the re-plan failed, where it did
+
+
+def _current_source(label: str) -> str:
+    return "current plan, the new GPU idle" if label.startswith("+1 ") else "current plan over the wider link"
+
+
+def what_ifs(plan, cluster_arg: str, model, workload, options, fn, on_variant=None) -> list[WhatIf]:
+    """A ``WhatIf`` per variant of the cluster file (see the module docstring).
     ``on_variant(i, n, label)`` is called before each of the ``n`` re-plans: on a big pool each takes
     tens of seconds, so the CLI shows how far it is."""
     data = _cluster_data(cluster_arg)
@@ -136,12 +174,23 @@ def what_ifs(plan, cluster_arg: str, model, workload, options, fn,
         if on_variant is not None:
             on_variant(i, len(variants), label)
         try:
+            edited = cluster_from_dict(d, f"{cluster_arg} ({label})")
+        except SpecError as exc:  # reported, not fatal
+            rows.append(WhatIf(label, None, 0.0, False, "–", str(exc)))
+            continue
+        current = plan_tokens_per_s(plan, edited, model, workload, quick)
+        try:
             # the re-plan's own bound, solved within its time limit (one solved before it, on its
             # own, took het1's what-ifs a minute each past the limit)
-            e = fn(cluster_from_dict(d, f"{cluster_arg} ({label})"), model, workload, quick).estimate
+            e = fn(edited, model, workload, quick).estimate
         except (InfeasibleError, PlanError, SpecError) as exc:  # reported, not fatal
-            rows.append((f"{label}: {exc}", None, 0.0, False))
+            rows.append(WhatIf(label, current, 0.0, False, _current_source(label), f"re-plan failed: {exc}"))
             continue
-        rows.append((label, e["throughput_tokens_per_s"], e["upper_bound_tokens_per_s"],
-                     bool(e.get("upper_bound_cut_short"))))
+        replanned = e["throughput_tokens_per_s"]
+        # a plan's estimate keeps 3 decimals: a re-plan within that rounding is the same value, and
+        # the current plan's (unrounded, no search in it) is the one reported
+        better, source = ((replanned, "re-planned") if replanned > current + 1e-3
+                          else (current, _current_source(label)))
+        rows.append(WhatIf(label, better, e["upper_bound_tokens_per_s"], bool(e.get("upper_bound_cut_short")),
+                           source))
     return rows

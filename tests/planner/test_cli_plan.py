@@ -34,6 +34,11 @@ def test_compare_and_plot(tmp_path, capsys):
     assert "hexgen2" in text and "uniform" in text and "exact" in text
     # rich prints 80 columns where the output is not a terminal: every header and figure in full
     assert all(h in text for h in ("search s", "$/h", "P/D/C", "iters")) and "…" not in text
+    # the legend gives T and the caption where the figures come from (the plan's own pricing line)
+    flat = " ".join(text.split())
+    assert "req/T: requests per period T = 600 s" in flat
+    assert "tokens/s and req/T: the planner's estimates under the cost model; priced by: " in flat
+    assert "transferred from the profiled GPUs" in flat
     assert png.stat().st_size > 1000
 
 
@@ -65,6 +70,10 @@ def test_explain_prints_the_cut_and_a_what_if_table_with_each_re_plans_bound(cap
     assert "what bounds this plan" in text and "what-ifs" in text
     rows = [line for line in text.splitlines() if "+1 " in line]
     assert rows and all(line.rstrip(" │|").split()[-1].replace(",", "").isdigit() for line in rows), rows
+    # each row says whether it is the current plan on the edited pool or a re-plan, and never reads
+    # below the plan (more hardware cannot take the current plan away)
+    assert all(("re-planned" in line or "current plan" in line) and "-" not in line.split("%")[0][-8:]
+               for line in rows), rows
 
 
 def test_a_plan_that_serves_nothing_is_refused_naming_the_link(tmp_path, capsys):
@@ -94,3 +103,16 @@ def test_a_calibration_of_another_gpu_type_is_pointed_out(tmp_path, capsys):
     cal.write_text(json.dumps({"gpu": "L4", "efficiency": {}}))
     assert main(args + ["--efficiency", str(cal)]) == 0
     assert "calibrated as" not in capsys.readouterr().out
+
+
+def test_time_limit_help_says_what_runs_past_the_limit(capsys):
+    """The limit is one plan search's: the cost objective's budgets and --explain's what-ifs each
+    search again, so the help says they come on top (a run of several times the limit is no bug)."""
+    try:
+        main(["plan", "--help"])
+    except SystemExit:
+        pass
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--time-limit S seconds for one plan search (default 110; each --compare algorithm has its own)" in text
+    assert "--objective cost: each budget tried is such a search with the full limit" in text
+    assert "--explain: a quick re-plan per what-if, each up to the limit" in text

@@ -26,10 +26,14 @@ def register(subparsers) -> None:
     p.add_argument("--compare", metavar="A,B,...", help="run several algorithms and print them side by side")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--time-limit", type=float, default=None, metavar="S",
-                   help="time limit per algorithm in seconds (default 110): the search stops at three quarters "
-                        "of it, the final alternatives and the plan's upper bound share the rest; the bound gets "
-                        "at least a quarter (looser where its solver needs longer), and building its columns "
-                        "can add a few seconds on a first plan of a pool")
+                   help="seconds for one plan search (default 110; each --compare algorithm has its own): the "
+                        "search stops at three quarters of it, the final alternatives and the plan's upper bound "
+                        "share the rest, the bound at least a quarter. On top of it: the bound's columns on a "
+                        "pool's first plan (seconds); --budget-usd-per-hour: the subsets tried share the limit, "
+                        "then the pool's bound has at least a quarter more; --objective cost: each budget tried "
+                        "is such a search with the full limit (the minimum-cost bound before them is unlimited); "
+                        "--explain: a quick re-plan per what-if, each up to the limit (--engine vllm/sglang: one "
+                        "unrestricted search more)")
     p.add_argument("--max-iterations", type=int, default=None, metavar="N", help="cap on search iterations")
     p.add_argument("--stall-iterations", type=int, default=None, metavar="N",
                    help="hexgen2: stop after N iterations in a row without raising the best plan found by more "
@@ -55,7 +59,8 @@ def register(subparsers) -> None:
     p.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan (the best one with --compare)")
     p.add_argument("--explain", action="store_true",
                    help="say what bounds the plan (a replica's compute or memory, KV links, a named NIC or pipe) "
-                        "and what one more GPU of each type or 2x the busiest shared link would give")
+                        "and what one more GPU of each type or 2x the busiest shared link would give: the better "
+                        "of this plan on that pool and a quick re-plan (each up to --time-limit, after the plan)")
     p.add_argument("--history", metavar="FILE.json",
                    help="write the search log (best value over time, gain of each kind of edit) of every "
                         "algorithm run; the plan file keeps only the search's summary")
@@ -275,8 +280,14 @@ def print_plan(console, plan) -> None:
     if e.get("notes"):
         console.print(f"note: {e['notes']}")
     if e.get("pricing"):
-        from hetserve.cost.kernel_pricing import describe_pricing
-        console.print(f"priced by: {describe_pricing(e['pricing'])} (docs/cost-model.md)")
+        console.print(_priced_by(e["pricing"]))
+
+
+def _priced_by(pricing: dict) -> str:
+    """How the cost model priced each GPU type (fitted kernel model, transferred, roofline)."""
+    from hetserve.cost.kernel_pricing import describe_pricing
+
+    return f"priced by: {describe_pricing(pricing)} (docs/cost-model.md)"
 
 
 def print_comparison(console, plans) -> None:
@@ -301,24 +312,29 @@ def print_comparison(console, plans) -> None:
                   f"{e.get('devices_used')}/{e.get('devices_total')}", "–" if usd is None else f"{usd:,.2f}",
                   f"{s.get('wall_s', 0):.2f}", str(s.get("iterations", 0)))
     console.print(t)
+    periods = sorted({p.estimate.get("period_s", 600) for p in plans})
     console.print("P/D/C: prefill, decode and colocated replicas; GPUs: used / in the pool; "
-                  "req/T: requests per period T")
+                  f"req/T: requests per period T = {', '.join(f'{x:g}' for x in periods)} s")
+    # the algorithms share one cost model: its pricing is said once (each distinct one, were they to differ)
+    pricings = list(dict.fromkeys(_priced_by(p.estimate["pricing"]) for p in plans if p.estimate.get("pricing")))
+    within = " within the SLOs" if any("slo" in p.estimate for p in plans) else ""
+    console.print(f"tokens/s and req/T: the planner's estimates{within} under the cost model"
+                  + ("; " + "; ".join(pricings) if pricings else ""))
 
 
 def print_explanation(console, plan, args, cluster, model, workload, options, fn) -> None:
-    import dataclasses
-
     from rich.table import Table
 
-    from hetserve.planner.explain import bottlenecks, what_ifs
+    from hetserve.planner.explain import bottlenecks, plan_tokens_per_s, what_if_options, what_ifs
     from hetserve.planner.options import DEFAULT_TIME_LIMIT_S
 
     console.print("[bold]what bounds this plan[/bold] (min cut of its flow):")
     for line in bottlenecks(plan, cluster, model, workload, options):
         console.print(f"  • {line}")
-    base = plan.estimate.get("throughput_tokens_per_s", 0.0)
-    plain = dataclasses.replace(options, budget_usd_per_hour=None, objective="throughput"
-                                if options.objective == "cost" else options.objective)
+    plain = what_if_options(options)
+    # the rows' base is this plan priced as they are (the evaluator, their options), so an unchanged
+    # plan reads +0.0 %, never the rounding of its estimate
+    base = plan_tokens_per_s(plan, cluster, model, workload, plain)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("[bold]what-ifs[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -336,14 +352,24 @@ def print_explanation(console, plan, args, cluster, model, workload, options, fn
     if not rows:
         console.print("  (what-ifs need a cluster file with machines, not a device matrix)")
         return
-    t = Table(title=f"what-ifs (quick re-plan, {plan.algorithm}, fewer restarts; bound = planner/bound/throughput.py)")
-    for col in ("change", "tokens/s", "vs plan", "upper bound"):
-        t.add_column(col, justify="left" if col == "change" else "right")
-    for label, v, ub, cut in rows:
-        t.add_row(label, "–" if v is None else f"{v:,.1f}", "–" if v is None or not base else f"{v / base - 1:+.1%}",
-                  (f"{ub:,.0f}" + (" *" if cut else "")) if ub else "–")
+    within = " within the SLOs" if "slo" in plan.estimate else ""
+    t = Table(title=f"what-ifs: the better of this plan on the edited pool and a quick re-plan "
+                    f"({plan.algorithm}, fewer restarts)",
+              caption=f"vs plan: against this plan's {base:,.1f} tokens/s{within}"
+                      f"; upper bound: the edited pool's (planner/bound/throughput.py); all estimates under the "
+                      f"cost model, priced as above")
+    for col in ("change", "tokens/s", "vs plan", "from", "upper bound"):
+        t.add_column(col, justify="right" if col in ("tokens/s", "vs plan", "upper bound") else "left")
+    for r in rows:
+        v = r.tokens_per_s
+        t.add_row(r.change, "–" if v is None else f"{v:,.1f}",
+                  "–" if v is None or not base else f"{v / base - 1:+.1%}", r.source,
+                  (f"{r.upper_bound:,.0f}" + (" *" if r.cut_short else "")) if r.upper_bound else "–")
     console.print(t)
-    if any(cut for *_, cut in rows):
+    for r in rows:
+        if r.note:
+            console.print(f"  {r.change}: {r.note}")
+    if any(r.cut_short for r in rows):
         console.print("  * the bound's solver stopped at the time limit, unfinished: still a bound, but looser by "
                       "however far it had got, so starred bounds do not compare with each other or with the "
                       "plan's (a longer --time-limit tightens them)")

@@ -21,6 +21,7 @@ def add_policy_options(p: argparse.ArgumentParser, *, transmission: bool = True,
     ``sim/option_checks.py``)."""
     sides = ", both sides" if both_sides else ""
     p.add_argument("--placement", "--router", dest="placement", default=DEFAULT_PLACEMENT, choices=placement_names(),
+                   action=_OnePlacement,
                    help=f"request placement{sides}: %(choices)s (default {DEFAULT_PLACEMENT}: least expected finish "
                         "time, by each replica's planned speed)")
     p.add_argument("--route", choices=route_names(),
@@ -29,6 +30,19 @@ def add_policy_options(p: argparse.ArgumentParser, *, transmission: bool = True,
     if transmission:
         p.add_argument("--transmission", choices=transmission_names(),
                        help=f"link scheduling: %(choices)s (default {DEFAULT_TRANSMISSION})")
+
+
+class _OnePlacement(argparse.Action):
+    """Stores the placement, refusing a second, different one (``--placement rr --router jsq``):
+    argparse would keep the last without a word. The same value under both spellings is one."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        first = getattr(namespace, "_placement_given", None)
+        if first is not None and first[1] != values:
+            parser.error(f"{option_string}: expected one placement (--router is --placement's other spelling); "
+                         f"drop one, got '{first[0]} {first[1]} and {option_string} {values}'")
+        namespace._placement_given = (option_string, values)
+        setattr(namespace, self.dest, values)
 
 
 def transmission_of(args: argparse.Namespace) -> str:

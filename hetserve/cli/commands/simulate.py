@@ -36,7 +36,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     rate.add_argument("--rate-scale", type=float, help="multiply the arrival rate (compress time)")
     rate.add_argument("--rate", type=float, help="mean arrival rate, req/s")
     add_policy_options(p)  # under --pipeline aggregate only KV hand-offs cross the links (Workload.with_rate)
-    _keep_spellings(p, "placement")
     p.add_argument("--gamma", type=float, help="aladdin: strictness knob γ in [0, 1] (default 0.5)")
     p.add_argument("--theta", type=float, help="aladdin: safety factor θ in (0, 1] (default 1)")
     p.add_argument("--slo-ttft", type=float, help="TTFT target, seconds")
@@ -99,7 +98,6 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.cli.model_dir import check_plan, plan_cluster, plan_model
     from hetserve.cli.output_path import check_output_folder
 
-    _one_value(args, "placement", "--router is --placement's other spelling")
     rates = _parse_rates(args.sweep_rates) if args.sweep_rates else []
     prefill_mode = _prefill_mode(args)
     if args.output:
@@ -248,32 +246,6 @@ def _remove_stale(out: Path, rates: list[float]) -> None:
     if not rates:
         print(f"note: removed {old}, an earlier run's: this run draws no rate sweep (no --sweep-rates)",
               file=sys.stderr)
-
-
-class _Spelled(argparse._StoreAction):  # noqa: SLF001 - argparse exposes no public action to extend
-    """Stores as ``store`` does, and keeps every (spelling, value) given, for ``_one_value``."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        given = list(getattr(namespace, f"given_{self.dest}", None) or [])
-        setattr(namespace, f"given_{self.dest}", given + [(option_string, values)])
-        super().__call__(parser, namespace, values, option_string)
-
-
-def _keep_spellings(p: argparse.ArgumentParser, dest: str) -> None:
-    """Make ``dest``'s option a ``_Spelled`` one (argparse keeps the last of two values without a word)."""
-    for action in p._actions:  # noqa: SLF001 - argparse exposes no public walk
-        if action.dest == dest and type(action) is argparse._StoreAction:  # noqa: SLF001
-            action.__class__ = _Spelled
-
-
-def _one_value(args: argparse.Namespace, dest: str, why: str) -> None:
-    """Refuse two different values given for ``dest`` (under one spelling or two): one would be dropped."""
-    from hetserve.errors import SpecError
-
-    given = getattr(args, f"given_{dest}", None) or []
-    if len({v for _, v in given}) > 1:
-        raise SpecError(given[-1][0], "(option)", f"one {dest} ({why}); drop one",
-                        " and ".join(f"{f} {v}" for f, v in dict.fromkeys(given)))
 
 
 def _prefill_mode(args) -> str:

@@ -213,12 +213,13 @@ class SimResult:
             for row in rows:
                 w.writerow([f"{v:.6g}" if isinstance(v, float) else v for v in row])
 
-    def save(self, outdir: str | Path, plots: bool = True) -> list[Path]:
-        """Write summary.json, requests.csv and (optionally) latency_cdf.png under ``outdir``."""
+    def save(self, outdir: str | Path, plots: bool = True, summary: dict | None = None) -> list[Path]:
+        """Write summary.json (``summary``: the caller's, e.g. with its timings' source; default
+        ``self.summary()``), requests.csv and (optionally) latency_cdf.png under ``outdir``."""
         out = Path(outdir)
         out.mkdir(parents=True, exist_ok=True)
         written = [out / "summary.json", out / "requests.csv"]
-        written[0].write_text(json.dumps(self.summary(), indent=2) + "\n")
+        written[0].write_text(json.dumps(self.summary() if summary is None else summary, indent=2) + "\n")
         self.to_csv(written[1])
         if plots:
             from hetserve.sim.plots import plot_latency_cdfs

@@ -211,8 +211,7 @@ def run(args: argparse.Namespace) -> int:
                           "calibration": args.efficiency, "pricing": cost.pricing()}
     if args.output:
         _remove_stale(Path(args.output), rates)
-        result.save(args.output)
-        (Path(args.output) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")  # with timings
+        result.save(args.output, summary=summary)
     if args.json and rates:  # one JSON document: the run and the sweep's runs
         print(json.dumps({"summary": summary, "rate_sweep": [{"rate": r["rate"], "summary": r["summary"]}
                                                              for r in _sweep(args, rates, plan, cluster, model, wl,

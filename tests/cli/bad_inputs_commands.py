@@ -138,6 +138,10 @@ SIMULATE_CASES = [
     C("sim-token-budget-below-given-batch", SIM + " --token-budget 8 --max-batch 16",
       ("--token-budget", "got 8", "at least --max-batch (16)")),
     C("sim-predictor-unused", SIM + " --predictor bucket --placement rr", ("--predictor", "rr")),
+    C("sim-placement-twice", SIM + " --placement rr --router jsq", ("--router", "one placement", "--placement rr")),
+    C("sim-pipeline-detailed-no-pipeline", SIM + " --pipeline detailed",
+      ("--pipeline detailed", "plan.json", "drop --pipeline")),
+    C("serve-placement-twice", SERVE + " --placement rr --router jsq", ("--router", "one placement")),
     C("sim-all-beyond-context", SIM.replace("t.csv", "l.csv") + " --within-context", ("l.csv", "at least one"),
       {"l.csv": LONG}),
     C("sim-huge-prompt", SIM.replace("t.csv", "h.csv") + " --json", files={"h.csv": HEADER + "0,1000000000000,10\n1,10,10\n"},
@@ -227,6 +231,10 @@ EXPORT_CASES = [
     C("export-model-folder-no-config", EXPORT + " --model {d}/dir", ("{d}/dir", "config.json")),
     C("export-cluster-lacks-devices", EXPORT + " --cluster {d}/c.yaml", ("h100-0:0",)),
     C("export-engine-unknown", EXPORT.replace("vllm", "trt"), ("--to", "trt")),
+    C("export-output-not-empty", EXPORT.replace("{d}/out", "{d}/full"), ("--output", "a new or empty folder", "a.txt"),
+      {"full/a.txt": "x"}),
+    C("export-force-no-bundle", EXPORT.replace("{d}/out", "{d}/full") + " --force", ("--force", "no bundle.json"),
+      {"full/a.txt": "x"}),
 ]
 
 MAKE_MODEL_CASES = [

@@ -15,106 +15,20 @@ per-device ``matrix`` replaces all of this with private per-pair links.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
-
 import numpy as np
-import pydantic
 
 from hetserve.errors import SpecError
 from hetserve.specs._validation import read_mapping, validate
+from hetserve.specs.cluster_file import (  # noqa: F401  (GBPS, MS, default_intra_link: re-exported)
+    GBPS, MAX_LINK_GBPS, MAX_LINK_LATENCY_MS, MAX_POOL_DEVICES, MS, _ClusterFile, default_intra_link,
+    pair_matrices, topology_of)
 from hetserve.specs.gpus import GpuType, gpu
 from hetserve.specs.network import Path as NetPath, Resource, Topology, pair_path
-
-GBPS = 1e9 / 8  # bytes/s in one Gbit/s
-MS = 1e-3
-
-# Intra-box defaults. SXM parts sit on an NVLink/NVSwitch fabric; we use the per-direction
-# per-GPU NVLink bandwidth (half the bidirectional datasheet figure), which is what NCCL's
-# bus bandwidth approaches. PCIe cards (even those that take a 2-GPU bridge: cloud boxes rarely
-# have one) talk over PCIe: ~25 GB/s achieved on Gen4 x16, ~50 GB/s on Gen5.
-_NVLINK_GBPS = {"H100-SXM-80G": 3600.0, "H200": 3600.0, "A100-SXM-80G": 2400.0, "V100-32G": 1200.0}
-_PCIE_GBPS = {"H100-PCIe-80G": 400.0}
-_PCIE_DEFAULT_GBPS = 200.0
-_NVLINK_LATENCY_MS = 0.005
-_PCIE_LATENCY_MS = 0.01
-
-
-def default_intra_link(gpu_type: GpuType) -> tuple[float, float]:
-    """(bandwidth_gbps, latency_ms) between two GPUs of this type in one box."""
-    if gpu_type.name in _NVLINK_GBPS:
-        return _NVLINK_GBPS[gpu_type.name], _NVLINK_LATENCY_MS
-    return _PCIE_GBPS.get(gpu_type.name, _PCIE_DEFAULT_GBPS), _PCIE_LATENCY_MS
-
-
-# ----------------------------------------------------------------------------- file schema
-
-
-MAX_DEVICE_MEMORY_GB = 1e5  # 100 TB per device: past any accelerator; 1e300 would overflow in bytes
-MAX_DEVICES_PER_MACHINE = 1024  # far above any real machine; a typo (200000) fails here, not in allocation
-# Far above any link (NVLink 4 is 3,600 Gbit/s) and any latency: beyond them a value is a typo, and
-# near float's range a rate in bytes/s overflows to inf and the transfer arithmetic to nan.
-MAX_LINK_GBPS = 1e6
-MAX_LINK_LATENCY_MS = 1e6
-
-
-class _Link(pydantic.BaseModel):
-    # allow_inf_nan=False: "inf"/"nan" would slip past gt=0 and make a link that costs nothing
-    model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
-    bandwidth_gbps: float = pydantic.Field(gt=0, le=MAX_LINK_GBPS)
-    latency_ms: float = pydantic.Field(ge=0, le=MAX_LINK_LATENCY_MS)
-
-
-class _Override(_Link):
-    between: tuple[str, str]
-
-
-class _Machine(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
-    name: str = pydantic.Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
-    gpu: str
-    count: pydantic.StrictInt = pydantic.Field(gt=0, le=MAX_DEVICES_PER_MACHINE)  # strict: `true` is no count
-    site: str = pydantic.Field(default="default", min_length=1)
-    intra: _Link | None = None
-    nic: _Link | None = None  # the box's network card, each direction (default: network.intra_site)
-    address: str | None = None  # host for the Ray backend; optional
-    # Memory per device, overriding the GPU's: a CPU worker slot or a MIG slice.
-    memory_gb: float | None = pydantic.Field(default=None, gt=0, le=MAX_DEVICE_MEMORY_GB)
-    # CPU worker slots: the machine's slots share this many cores (the simulator slows work that
-    # runs on several slots at once; `hetserve calibrate` measures the slow-down). None: real GPUs.
-    cpu_cores: pydantic.StrictInt | None = pydantic.Field(default=None, gt=0)
-    # the host whose cores those are, where boxes are emulated on one machine (the CPU demo's two
-    # boxes on one computer): machines naming the same host share its ``cpu_cores``. None: this box.
-    cpu_host: str | None = pydantic.Field(default=None, min_length=1)
-
-
-class _Network(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
-    intra_site: _Link | None = None
-    inter_site: _Link | None = None
-    links: list[_Override] = []
-
-
-class _Matrix(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
-    bandwidth_gbps: list[list[float]]
-    latency_ms: list[list[float]]
-
-
-class _ClusterFile(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
-    name: str = pydantic.Field(min_length=1)
-    description: str = ""
-    source: str = ""  # where the numbers come from (presets cite the paper)
-    assumptions: str = ""  # what had to be assumed
-    machines: list[_Machine] = pydantic.Field(min_length=1)
-    network: _Network = _Network()
-    matrix: _Matrix | None = None
-
 
 # ----------------------------------------------------------------------------- resolved form
 
@@ -150,6 +64,9 @@ class Cluster:
     assumptions: str = ""
     machine_addresses: dict[str, str] = field(default_factory=dict)
     topology: Topology | None = None  # None: an explicit matrix (private per-pair links)
+    # the optional fields each machine's entry gave (``intra``, ``nic``, ``gpu_usd_per_hour``, …):
+    # where a figure comes from, the file or a default, for ``describe`` to say
+    machine_fields: dict[str, frozenset[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.devices)
@@ -225,18 +142,22 @@ class Cluster:
         devs = tuple(replace(self.devices[j], index=i) for i, j in enumerate(indices))
         return Cluster(self.name, devs, self.latency[np.ix_(idx, idx)], self.bandwidth[np.ix_(idx, idx)],
                        self.source, self.description, self.assumptions, dict(self.machine_addresses),
-                       self.topology)
+                       self.topology, dict(self.machine_fields))
 
 
 def _resolve(spec: _ClusterFile, source: str) -> Cluster:
+    total = sum(m.count for m in spec.machines)
+    if total > MAX_POOL_DEVICES:  # before any per-device matrix is built: they grow as the square
+        raise SpecError(source, "machines", f"at most {MAX_POOL_DEVICES:,} devices in all (the link matrices hold "
+                        "every device pair)", f"{total:,} devices on {len(spec.machines):,} machines")
+    if spec.matrix is not None and "network" in spec.model_fields_set:
+        raise SpecError(source, "network", "no network beside matrix (the matrix gives every device pair its own "
+                        "link; drop one of the two)", "both")
     devices: list[Device] = []
-    machine_gpu: dict[str, GpuType] = {}
+    machine_gpu = _priced_gpus(spec, source)
     host_cores: dict[str, int] = {}
     for mi, m in enumerate(spec.machines):
-        if m.name in machine_gpu:
-            raise SpecError(source, f"machines.{mi}.name", "a unique machine name", m.name)
-        g = gpu(m.gpu, source, f"machines.{mi}.gpu")
-        machine_gpu[m.name] = g
+        g = machine_gpu[m.name]
         memory = m.memory_gb * 1e9 if m.memory_gb else 0.0
         host = None
         if m.cpu_cores is not None:
@@ -268,88 +189,39 @@ def _resolve(spec: _ClusterFile, source: str) -> Cluster:
                             f"{lat.min():g} .. {lat.max():g}")
         bandwidth, latency = bw * GBPS, lat * MS
     else:
-        topology = _topology(spec, source, machine_gpu)
-        bandwidth, latency = _pair_matrices(topology, [d.machine for d in devices])
+        topology = topology_of(spec, source, machine_gpu)
+        bandwidth, latency = pair_matrices(topology, [d.machine for d in devices])
     np.fill_diagonal(bandwidth, np.inf)
     np.fill_diagonal(latency, 0.0)
     addresses = {m.name: m.address for m in spec.machines if m.address}
+    given = {m.name: frozenset(m.model_fields_set) for m in spec.machines}
     return Cluster(spec.name, tuple(devices), latency, bandwidth, spec.source, spec.description,
-                   spec.assumptions, addresses, topology)
+                   spec.assumptions, addresses, topology, given)
 
 
-def _pair_matrices(topology: Topology, machine_of: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(bandwidth, latency) between every two devices (device i on machine ``machine_of[i]``): a
-    device pair's path depends only on its two machines, so each machine pair is resolved once
-    and spread over its devices (the diagonal is left to the caller)."""
-    names = list(dict.fromkeys(machine_of))
-    mbw, mlat = np.empty((len(names), len(names))), np.empty((len(names), len(names)))
-    for i, a in enumerate(names):
-        for j, b in enumerate(names):
-            if i == j:  # two GPUs of one box: its in-box link (unused on a one-GPU machine)
-                mbw[i, j], mlat[i, j] = topology.intra.get(a, (np.inf, 0.0))
-            else:
-                path = topology.machine_path(a, b)
-                mbw[i, j], mlat[i, j] = path.bandwidth, path.latency_s
-    pos = {x: k for k, x in enumerate(names)}
-    at = np.array([pos[x] for x in machine_of], dtype=np.intp)
-    return mbw[np.ix_(at, at)], mlat[np.ix_(at, at)]
-
-
-def _topology(spec: _ClusterFile, source: str, machine_gpu: dict[str, GpuType]) -> Topology:
-    """NICs, site pipes, dedicated links and in-box links of a ``machines``/``network`` file."""
-    machines = {m.name: m for m in spec.machines}
-    site_of = {m.name: m.site for m in spec.machines}
-    sites = sorted(set(site_of.values()))
-    net = spec.network
-    links: dict[tuple[str, str], Resource] = {}
-    pipes: dict[tuple[str, str], Resource] = {}
-    for li, o in enumerate(net.links):
-        for end in o.between:
-            if end not in machines and end not in sites:
-                raise SpecError(source, f"network.links.{li}.between", "machine or site names from this file", end)
-        x, y = o.between
-        if not ((x in machines and y in machines and x != y) or (x in sites and y in sites and x != y)):
-            # a machine-site pair or one name twice would never match a device pair
-            raise SpecError(source, f"network.links.{li}.between",
-                            "two machine names or two different site names", f"{x}, {y}")
-        if (x, y) in links or (x, y) in pipes:  # a second entry would silently replace the first
-            first = next(i for i, e in enumerate(net.links) if set(e.between) == {x, y})
-            raise SpecError(source, f"network.links.{li}.between",
-                            f"each pair once (network.links.{first} already joins {x} and {y})", f"{x}, {y}")
-        kind, table = ("link", links) if x in machines else ("pipe", pipes)
-        for a, b in ((x, y), (y, x)):
-            table[(a, b)] = Resource(f"{kind}:{a}>{b}", kind, o.bandwidth_gbps * GBPS, o.latency_ms * MS)
-    for a in sites:
-        for b in sites:
-            if a != b and (a, b) not in pipes:
-                link = net.inter_site
-                if link is None:
-                    # only an error if some machine pair across these sites has no dedicated link
-                    needed = [(p, q) for p in machines for q in machines if site_of[p] == a and site_of[q] == b
-                              and (p, q) not in links]
-                    if needed:
-                        raise SpecError(source, "network.inter_site", "{bandwidth_gbps, latency_ms} (needed "
-                                        f"between {needed[0][0]} and {needed[0][1]})")
-                    continue
-                pipes[(a, b)] = Resource(f"pipe:{a}>{b}", "pipe", link.bandwidth_gbps * GBPS, link.latency_ms * MS)
-    nic_out, nic_in, intra = {}, {}, {}
+def _priced_gpus(spec: _ClusterFile, source: str) -> dict[str, GpuType]:
+    """Each machine's GPU type, priced by its ``gpu_usd_per_hour`` where given, else by the GPU
+    table. Every consumer reads prices through ``Device.gpu``, and the planner groups devices by GPU
+    type (and site) when it prices subsets under a budget: so one GPU type has one price in a file,
+    and machines that disagree are refused rather than priced by whichever came first."""
+    out: dict[str, GpuType] = {}
+    first: dict[str, tuple[str, GpuType]] = {}  # GPU type -> (machine, its priced GPU)
     for mi, m in enumerate(spec.machines):
-        nic = m.nic or net.intra_site
-        if nic is None:
-            same_site = [q for q in machines if q != m.name and site_of[q] == m.site and (m.name, q) not in links]
-            if same_site:
-                raise SpecError(source, "network.intra_site", "{bandwidth_gbps, latency_ms} (needed "
-                                f"between {m.name} and {same_site[0]})")
-            # nothing in the file bounds this card: only pipes / dedicated links limit its traffic
-            bw, lat = math.inf, 0.0
-        else:
-            bw, lat = nic.bandwidth_gbps * GBPS, nic.latency_ms * MS
-        nic_out[m.name] = Resource(f"nic-out:{m.name}", "nic_out", bw, lat)
-        nic_in[m.name] = Resource(f"nic-in:{m.name}", "nic_in", bw, lat)
-        gbps, ms = ((m.intra.bandwidth_gbps, m.intra.latency_ms) if m.intra
-                    else default_intra_link(machine_gpu[m.name]))
-        intra[m.name] = (gbps * GBPS, ms * MS)
-    return Topology(site_of, nic_out, nic_in, pipes, links, intra)
+        if m.name in out:
+            raise SpecError(source, f"machines.{mi}.name", "a unique machine name", m.name)
+        g = gpu(m.gpu, source, f"machines.{mi}.gpu")
+        if m.gpu_usd_per_hour is not None:
+            g = replace(g, usd_per_hour=float(m.gpu_usd_per_hour))
+        seen = first.setdefault(g.name, (m.name, g))
+        if seen[1].usd_per_hour != g.usd_per_hour:
+            other = seen[1].usd_per_hour
+            said = "the GPU table lists none" if other is None else f"{other:g}"
+            raise SpecError(source, f"machines.{mi}.gpu_usd_per_hour",
+                            f"one price per GPU type in a file: {said} for the {g.name}s of machine {seen[0]} "
+                            "(give every machine of this type the same gpu_usd_per_hour)",
+                            "nothing" if m.gpu_usd_per_hour is None else m.gpu_usd_per_hour)
+        out[m.name] = seen[1]  # one GpuType object per type: equal devices compare equal
+    return out
 
 
 def cluster_from_dict(data: dict, source: str = "<cluster>") -> Cluster:

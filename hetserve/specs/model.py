@@ -174,9 +174,15 @@ class ModelSpec:
                 raise SpecError(src, key, f"a positive integer of at most {MAX_DIM}", value)
             return value
 
-        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float16"
+        # transformers 5 reads ``dtype`` and falls back to the older ``torch_dtype``: so do we, and two
+        # that disagree are refused (which one a loader takes differs between versions)
+        named, legacy = cfg.get("dtype"), cfg.get("torch_dtype")
+        if named and legacy and str(named) != str(legacy):
+            raise SpecError(src, "dtype", f"the dtype torch_dtype also gives ({legacy}), or one of the two only "
+                            "(transformers reads dtype first)", named)
+        dtype = named or legacy or "float16"
         if str(dtype) not in (*DTYPE_BYTES, *WIDER_DTYPES):  # sized as float32 unseen otherwise
-            raise SpecError(src, "torch_dtype" if cfg.get("torch_dtype") else "dtype",
+            raise SpecError(src, "dtype" if named else "torch_dtype",
                             "one of " + ", ".join((*DTYPE_BYTES, *WIDER_DTYPES)), dtype)
         dtype_bytes = DTYPE_BYTES[served_dtype(dtype)]
         # a checkpoint's config.json is named by its folder, any other config file by its own name

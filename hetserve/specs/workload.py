@@ -7,7 +7,7 @@ Readers:
 - the Azure LLM inference trace layout ``TIMESTAMP,ContextTokens,GeneratedTokens`` (timestamps
   as in the file or plain seconds), arrivals taken from the file;
 - length-only files ``num_prefill_tokens,num_decode_tokens`` (ShareGPT), which get Poisson
-  arrivals at a chosen rate.
+  arrivals at a chosen rate (``DEFAULT_SYNTHETIC_RATE``, 1 req/s, when none is given).
 
 Either layout may add two optional columns (absent: every request is a plain completion):
 ``n`` — choices per request (OpenAI's ``n``; each choice generates the row's output tokens), and
@@ -22,6 +22,7 @@ than 128 output tokens (HPLD, HPHD, LPHD, LPLD).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 from dataclasses import dataclass
 from datetime import datetime
@@ -43,6 +44,9 @@ WORKLOAD_PRESETS = {
     "sharegpt": "sharegpt.csv",
 }
 DEFAULT_SYNTHETIC_RATE = 1.0  # req/s for length-only traces when no rate is given
+# req/s: far past any pool. Beyond it the gaps between arrivals shrink toward float's smallest
+# values (a rate of 1e308 leaves them denormal and the mean rate reads inf).
+MAX_RATE = 1e9
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class Workload:
     output_tokens: np.ndarray  # int64, per choice
     choices: np.ndarray | None = None  # int64 ≥ 1 per request (None: all 1)
     prompt_logprobs: np.ndarray | None = None  # bool per request (None: all False)
+    # req/s of the Poisson arrivals drawn for a trace without times (None: arrivals read or reshaped)
+    poisson_rate: float | None = None
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
@@ -204,20 +210,24 @@ class Workload:
         self._refuse_rescale(source, option, factor)
         return self._with(self.name, self.arrival_s / factor)
 
+    def _check_rate(self, rate: float, source: str | None, option: str) -> None:
+        if not 0 < rate <= MAX_RATE:  # also refuses nan
+            raise SpecError(source or self.name, option, f"a positive number of requests/s, at most {MAX_RATE:.0e}",
+                            rate)
+
     def with_rate(self, rate: float, *, source: str | None = None, option: str = "--rate") -> "Workload":
         """Rescale arrivals so the mean rate is ``rate`` requests/s (refused as ``scale_rate``)."""
-        if rate <= 0:
-            raise SpecError(self.name, "rate", "a positive number of requests/s", rate)
+        self._check_rate(rate, source, option)
         self._refuse_rescale(source, option, rate)
         return self._with(self.name, self.arrival_s / (rate / self.rate))
 
-    def with_poisson_arrivals(self, rate: float, seed: int = 0) -> "Workload":
+    def with_poisson_arrivals(self, rate: float, seed: int = 0, *, source: str | None = None,
+                              option: str = "rate") -> "Workload":
         """Replace arrival times with a Poisson process at ``rate`` req/s."""
-        if rate <= 0:
-            raise SpecError(self.name, "rate", "a positive number of requests/s", rate)
+        self._check_rate(rate, source, option)
         gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(self))
         arr = np.concatenate([[0.0], np.cumsum(gaps[1:])]) if len(self) else gaps
-        return self._with(self.name, arr)
+        return dataclasses.replace(self._with(self.name, arr), poisson_rate=float(rate))
 
     def repeat(self, times: int) -> "Workload":
         """The trace played ``times`` times back to back (for scaling benchmarks)."""
@@ -319,7 +329,8 @@ def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
         raise SpecError(src, "(rows)", "at least one request")
     wl = Workload.from_lists(name, arrivals, ins, outs, extra.choices, extra.prompt_logprobs)
     if time_col is None:
-        wl = wl.with_poisson_arrivals(rate or DEFAULT_SYNTHETIC_RATE, seed)
+        wl = wl.with_poisson_arrivals(DEFAULT_SYNTHETIC_RATE if rate is None else rate, seed, source=src,
+                                      option="--rate")
     elif rate is not None:
         wl = wl.with_rate(rate, source=str(src))
     return wl

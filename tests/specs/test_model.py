@@ -102,3 +102,20 @@ def test_a_config_file_is_named_by_its_own_name_a_checkpoint_by_its_folder(tmp_p
     assert load_model("ok.json").name == "ok"
     monkeypatch.chdir(tmp_path / "ckpt")
     assert load_model("config.json").name == "ckpt"
+
+
+_TINY = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+         "intermediate_size": 128, "vocab_size": 320, "max_position_embeddings": 128}
+
+
+@pytest.mark.parametrize("fields, dtype_bytes", [({"dtype": "float32"}, 4), ({"torch_dtype": "float32"}, 4),
+                                                 ({"dtype": "float32", "torch_dtype": "float32"}, 4), ({}, 2)])
+def test_dtype_is_read_first_as_transformers_does(tmp_path, fields, dtype_bytes):
+    assert ModelSpec.from_hf_config(_write(tmp_path, {**_TINY, **fields})).dtype_bytes == dtype_bytes
+
+
+def test_dtype_and_torch_dtype_that_disagree_are_refused(tmp_path):
+    with pytest.raises(SpecError) as exc:
+        ModelSpec.from_hf_config(_write(tmp_path, {**_TINY, "dtype": "float32", "torch_dtype": "bfloat16"}))
+    msg = str(exc.value)
+    assert "config.json" in msg and "'dtype'" in msg and "bfloat16" in msg and "float32" in msg

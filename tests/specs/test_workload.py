@@ -73,3 +73,16 @@ def test_repeat_and_slo():
     assert len(w.repeat(3)) == 6 and np.all(np.diff(w.repeat(3).arrival_s) > 0)
     with pytest.raises(ValueError):
         SLO(ttft_s=-1)
+
+
+def test_a_length_only_trace_says_its_poisson_rate_and_a_timed_one_has_none():
+    assert load_workload("sharegpt").poisson_rate == 1.0  # the default, DEFAULT_SYNTHETIC_RATE
+    assert load_workload("sharegpt", rate=3.0).poisson_rate == 3.0
+    assert load_workload("azure-conv").poisson_rate is None
+
+
+@pytest.mark.parametrize("name", ["sharegpt", "azure-conv"])
+@pytest.mark.parametrize("rate", [1e308, float("nan")])
+def test_a_rate_past_any_pool_is_refused(name, rate):
+    with pytest.raises(SpecError, match="--rate"):
+        load_workload(name, rate=rate)

@@ -48,6 +48,20 @@ SPEC_CASES = [
     C("cluster-top-key-twice", "describe cluster {d}/x.yaml", ("x.yaml", "name", "twice"),
       {"x.yaml": "name: c\nname: d\nmachines:\n  - {name: a, gpu: L4, count: 1}\n"}),
     C("cluster-preset-typo", "describe cluster hexgen2-het9", ("hexgen2-het9", "preset")),
+    C("cluster-pool-too-large", "describe cluster {d}/x.yaml", ("x.yaml", "machines", "20,480", "8,192"),
+      {"x.yaml": "name: c\nmachines:\n" + "".join(f"  - {{name: m{i}, gpu: H100-SXM-80G, count: 1024}}\n"
+                                                   for i in range(20))}),
+    C("cluster-matrix-top-level", "describe cluster {d}/x.yaml", ("x.yaml", "bandwidth_gbps", "spelling"),
+      {"x.yaml": cluster_machine("count: 2") + "bandwidth_gbps: [[0, 1], [1, 0]]\nlatency_ms: [[0, 1], [1, 0]]\n"}),
+    C("cluster-matrix-and-network", "describe cluster {d}/x.yaml", ("x.yaml", "network", "matrix"),
+      {"x.yaml": cluster_machine("count: 2") + "matrix: {bandwidth_gbps: [[0, 1], [1, 0]], latency_ms: [[0, 1], "
+       "[1, 0]]}\nnetwork:\n  intra_site: {bandwidth_gbps: 10, latency_ms: 1}\n"}),
+    C("cluster-two-prices-one-gpu", "describe cluster {d}/x.yaml", ("x.yaml", "machines.1.gpu_usd_per_hour",
+                                                                     "one price per GPU type"),
+      {"x.yaml": "name: c\nmachines:\n  - {name: a, gpu: T4, count: 1, gpu_usd_per_hour: 0.35}\n"
+       "  - {name: b, gpu: T4, count: 1}\n"}),
+    C("cluster-price-negative", "describe cluster {d}/x.yaml", ("x.yaml", "gpu_usd_per_hour"),
+      {"x.yaml": cluster_machine("count: 1, gpu_usd_per_hour: -1")}),
     # ------------------------------------------------------------------ model configs
     C("model-missing-folder", "describe model {d}/nope", ("{d}/nope",)),
     C("model-folder-without-config", "describe model {d}/dir", ("{d}/dir", "config.json")),
@@ -76,6 +90,8 @@ SPEC_CASES = [
       {"x/config.json": config_with(num_attention_heads=5, num_key_value_heads=5)}),
     C("model-dtype-unknown", "describe model {d}/x/config.json", ("config.json", "torch_dtype"),
       {"x/config.json": config_with(torch_dtype="int3")}),
+    C("model-dtype-conflict", "describe model {d}/x/config.json", ("config.json", "dtype", "bfloat16", "float32"),
+      {"x/config.json": config_with(dtype="float32", torch_dtype="bfloat16")}),
     C("model-preset-typo", "describe model llama-2-8b", ("llama-2-8b", "preset")),
     # ------------------------------------------------------------------ traces
     C("trace-missing", "describe workload {d}/nope.csv", ("{d}/nope.csv", "CSV")),
@@ -101,6 +117,8 @@ SPEC_CASES = [
     C("trace-column-twice", "describe workload {d}/x.csv", ("x.csv", "ContextTokens", "twice"),
       {"x.csv": "TIMESTAMP,ContextTokens,ContextTokens,GeneratedTokens\n0,10,20,10\n"}),
     C("trace-binary", "describe workload {d}/x.csv", ("x.csv", "UTF-8"), {"x.csv": BINARY}),
+    C("trace-rate-huge", "describe workload {d}/x.csv --rate 1e308", ("x.csv", "--rate", "1e+09"),
+      {"x.csv": "num_prefill_tokens,num_decode_tokens\n10,10\n20,20\n"}),
     C("trace-preset-typo", "describe workload azure-code", ("azure-code", "preset")),
     C("trace-unsorted", "describe workload {d}/x.csv", files={"x.csv": HEADER + "5,10,10\n0,10,10\n2,10,10\n"},
       accepted="a trace is a set of requests with arrival times: rows in any order are sorted by their time, "
@@ -111,5 +129,10 @@ SPEC_CASES = [
     C("workload-rate-on-length-only", "describe workload {d}/x.csv --rate 3",
       files={"x.csv": "num_prefill_tokens,num_decode_tokens\n10,10\n20,20\n"},
       accepted="a trace without arrival times gets Poisson arrivals at --rate"),
+    # ------------------------------------------------------------------ describe's options
+    C("describe-rate-on-cluster", "describe cluster {d}/c.yaml --rate 3", ("--rate", "describe workload")),
+    C("describe-rate-on-plan", "describe plan {d}/plan.json --rate 5", ("--rate", "describe workload")),
+    C("describe-model-on-model", "describe model {d}/m --model llama-2-7b", ("--model", "describe plan")),
+    C("describe-cluster-on-workload", "describe workload {d}/t.csv --cluster {d}/c.yaml", ("--cluster", "describe plan")),
+    C("describe-rate-on-no-workload", "describe workload --rate 3", ("--rate", "presets")),
 ]
-

@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -100,3 +101,102 @@ def test_describe_plan_of_a_hand_written_plan_says_it_holds_no_estimate(capsys):
     assert main(["describe", "plan", "examples/plans/asym-colocated.json", "--cluster", "demo-cpu"]) in (0, 2)
     out = capsys.readouterr().out
     assert "holds no estimate" in out and "0.0 tokens/s" not in out and "None" not in out
+
+
+DISAGG = "examples/plans/demo-tiny-disagg.json"
+
+
+@pytest.fixture
+def wide(monkeypatch):
+    """A console wide enough that rich wraps no line or table cell the assertions read."""
+    monkeypatch.setenv("COLUMNS", "400")
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["describe", "cluster", "demo-cpu", "--rate", "3"], "--rate"),
+    (["describe", "plan", DISAGG, "--rate", "5"], "--rate"),
+    (["describe", "model", "llama-2-7b", "--model", "llama-2-13b"], "--model"),
+    (["describe", "workload", "sharegpt", "--cluster", "demo-cpu"], "--cluster"),
+    (["describe", "workload", "--rate", "3"], "--rate"),  # listing the presets: nothing to rescale
+])
+def test_an_option_the_kind_does_not_act_on_is_refused(argv, option, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and option in err[0] and f"drop {option}" in err[0]
+
+
+def test_a_length_only_trace_says_its_arrivals_are_drawn_and_at_what_rate(tmp_path, capsys, wide):
+    assert main(["describe", "workload", "sharegpt"]) == 0
+    assert "Poisson at 1.00 req/s, the default for a length-only trace; --rate sets it" in capsys.readouterr().out
+    trace = tmp_path / "wlen.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n10,10\n20,20\n30,5\n")
+    assert main(["describe", "workload", str(trace), "--rate", "2e6"]) == 0
+    out = capsys.readouterr().out
+    assert "Poisson at 2e+06 req/s, as --rate set" in out
+    assert re.search(r"\d{8}", out) is None  # a large rate or a tiny span reads in 3 digits, not dozens
+    assert main(["describe", "workload", "azure-conv"]) == 0
+    assert "Poisson" not in capsys.readouterr().out  # a timed trace's arrivals are read, not drawn
+
+
+def test_describe_cluster_says_where_prices_and_in_box_links_come_from(tmp_path, capsys, wide):
+    assert main(["describe", "cluster", "hexgen2-het1"]) == 0
+    out = capsys.readouterr().out
+    assert "(gpus.csv)" in out and "default NVLink" in out and "default PCIe" in out
+    path = tmp_path / "t4.yaml"
+    path.write_text("name: t4s\nmachines:\n  - {name: a, gpu: T4, count: 2, intra: {bandwidth_gbps: 64, latency_ms: 0.02}}\n")
+    assert main(["describe", "cluster", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "price unknown" in out and "gpu_usd_per_hour" in out and "(file)" in out
+    path.write_text("name: t4s\nmachines:\n  - {name: a, gpu: T4, count: 2, gpu_usd_per_hour: 0.35}\n")
+    assert main(["describe", "cluster", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "$0.70/h" in out and "0.70 (file)" in out
+
+
+def _edited(tmp_path, edit) -> str:
+    data = json.loads(open(DISAGG).read())
+    edit(data)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_describe_plan_labels_the_saved_estimate_and_finds_no_drift_in_a_planned_file(capsys, wide):
+    assert main(["describe", "plan", DISAGG]) == 0
+    out = capsys.readouterr().out
+    assert "saved in the file when it was planned" in out
+    assert "no longer matches" not in out and "warning" not in out
+
+
+def test_describe_plan_says_when_the_saved_estimate_no_longer_matches(tmp_path, capsys, wide):
+    def second_decode(data):  # a decode replica added by hand, no KV route to it
+        data["replicas"][1]["stages"] = [{"devices": ["m1:0"], "layers": [0, 8]}]
+        data["replicas"].append({"id": "d1", "role": "decode", "stages": [{"devices": ["m1:1"], "layers": [0, 8]}]})
+    assert main(["describe", "plan", _edited(tmp_path, second_decode)]) == 0
+    out = capsys.readouterr().out
+    assert "decode replica d1 has no KV route feeding it" in out
+    assert "no longer matches" in out and "d1 not in the estimate" in out
+
+    def unrouted(data):  # the one route dropped: its decode replica's saved flow has no source
+        data["kv_routes"] = []
+    assert main(["describe", "plan", _edited(tmp_path, unrouted)]) == 0
+    out = capsys.readouterr().out
+    assert "decode replica d0 has no KV route feeding it" in out and "prefill replica p0 has no KV route out" in out
+    assert "the KV routes carry 0 requests per period into decode replica d0, the estimate 5,847" in out
+
+    def moved(data):  # the replicas swap boxes: other GPUs, another price
+        data["replicas"][0]["stages"] = [{"devices": ["m1:0", "m1:1"], "layers": [0, 8]}]
+        data["replicas"][1]["stages"] = [{"devices": ["m0:0"], "layers": [0, 8]}]
+    assert main(["describe", "plan", _edited(tmp_path, moved)]) == 0
+    out = capsys.readouterr().out
+    assert "3 devices used, estimated on 4" in out and "cost $" in out and "on demo-tiny" in out
+
+
+def test_make_model_writes_every_file_with_the_umask_mode(tmp_path, capsys):
+    import os
+
+    assert main(["make-model", "-o", str(tmp_path / "m")]) == 0
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "m").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~mask}

@@ -11,8 +11,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from hetserve.errors import HetserveError, PlanError
+from hetserve.errors import HetserveError, PlanError, SpecError
 from hetserve.specs.cluster import GBPS, Cluster, cluster_presets, load_cluster
+from hetserve.specs.cluster_file import intra_link_kind
 from hetserve.specs.gpus import fmt_gb
 from hetserve.specs.model import ModelSpec, load_model, model_presets
 from hetserve.specs.workload import CLASSES, Workload, load_workload, workload_presets
@@ -31,8 +32,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+# the options each kind acts on: another kind's option is refused, never dropped unseen
+_OPTIONS = {"--rate": ("rate", ("workload",), "a workload's arrival rate"),
+            "--cluster": ("cluster", ("plan",), "the cluster a plan file is checked against"),
+            "--model": ("model", ("plan",), "the model a plan file is checked against")}
+
+
+def _refuse_idle_options(args: argparse.Namespace) -> None:
+    for option, (attr, kinds, what) in _OPTIONS.items():
+        value = getattr(args, attr)
+        if value is None:
+            continue
+        if args.kind not in kinds:
+            raise SpecError(option, "(option)", f"describe {' / '.join(kinds)} beside it (it sets {what}); "
+                            f"drop {option}", f"{value} with describe {args.kind}")
+        if args.name is None:  # listing the presets: nothing for it to act on either
+            raise SpecError(option, "(option)", f"a {args.kind} to describe beside it (without one, describe "
+                            f"lists the presets); drop {option} or name the {args.kind}", value)
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console()
+    _refuse_idle_options(args)
     if args.kind == "plan":
         return describe_plan(args, console)
     if args.name is None:
@@ -47,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         w = load_workload(args.name, rate=args.rate)
         if args.rate is not None:
             w.with_rate(args.rate, source=args.name)  # arrivals at one instant take no rate: say so, not ignore it
-        describe_workload(w, console)
+        describe_workload(w, console, rate_given=args.rate is not None)
     return 0
 
 
@@ -55,21 +76,40 @@ def _fmt_link(latency_s: float, bandwidth: float) -> str:
     return f"{bandwidth / GBPS:,.1f} Gbps / {latency_s * 1e3:g} ms"
 
 
+def _price_source(c: Cluster, devs) -> str:
+    """Where a machine's $/h comes from: the GPU table's price, or the file's ``gpu_usd_per_hour``."""
+    return "gpus.csv" if "gpu_usd_per_hour" not in c.machine_fields.get(devs[0].machine, ()) else "file"
+
+
+def _intra_source(c: Cluster, devs) -> str:
+    if c.topology is None:
+        return "matrix"
+    if "intra" in c.machine_fields.get(devs[0].machine, ()):
+        return "file"
+    return f"default {intra_link_kind(devs[0].gpu)}"
+
+
 def describe_cluster(c: Cluster, console: Console) -> None:
     price = c.usd_per_hour()
-    console.print(f"[bold]cluster {c.name}[/]: {len(c)} devices, {fmt_gb(c.total_memory_bytes)}, "
-                  + (f"${price:.2f}/h" if price is not None else "price unknown (a GPU has no listed price)"))
+    if price is not None:
+        priced = f"${price:,.2f}/h (GPU prices: gpus.csv typical_cloud_usd_per_hour, or a machine's gpu_usd_per_hour)"
+    else:
+        unpriced = sorted({d.gpu.name for d in c.devices if d.gpu.usd_per_hour is None})
+        priced = (f"price unknown: {', '.join(unpriced)} {'has' if len(unpriced) == 1 else 'have'} no price in gpus.csv "
+                  "(give gpu_usd_per_hour on its machines in the cluster file)")
+    console.print(f"[bold]cluster {c.name}[/]: {len(c)} devices, {fmt_gb(c.total_memory_bytes)}, " + priced)
     if c.description:
         console.print(c.description)
     machines = Table(title="machines")
-    for col in ("machine", "site", "GPUs", "memory GB", "intra-box link", "$/h"):
+    for col in ("machine", "site", "GPUs", "memory GB", "intra-box link (from)", "$/h (from)"):
         machines.add_column(col)
     for name, devs in c.machines.items():
         d0 = devs[0]
-        intra = _fmt_link(*c.link(devs[0].index, devs[1].index)) if len(devs) > 1 else "-"
+        intra = (f"{_fmt_link(*c.link(devs[0].index, devs[1].index))} ({_intra_source(c, devs)})"
+                 if len(devs) > 1 else "-")
         p = c.usd_per_hour([d.index for d in devs])
         machines.add_row(name, d0.site, f"{len(devs)}× {d0.gpu.name}", f"{sum(d.memory_bytes for d in devs) / 1e9:,.3g}",
-                         intra, f"{p:.2f}" if p is not None else "unknown")
+                         intra, f"{p:,.2f} ({_price_source(c, devs)})" if p is not None else "unknown")
     console.print(machines)
     names = list(c.machines)
     if len(names) > 1:
@@ -129,9 +169,19 @@ def describe_model(m: ModelSpec, console: Console) -> None:
     console.print(t)
 
 
-def describe_workload(w: Workload, console: Console) -> None:
-    console.print(f"[bold]workload {w.name}[/]: {len(w):,} requests over {w.duration_s:,.1f} s, "
-                  f"mean rate {w.rate:.2f} req/s")
+def fmt_rate(rate: float) -> str:
+    """A rate or a span for a line of text: two decimals where they read well, else three
+    significant digits (a --rate of 1e308 is not 309 digits)."""
+    return f"{rate:,.2f}" if rate == 0 or 0.01 <= abs(rate) < 1e6 else f"{rate:.3g}"
+
+
+def describe_workload(w: Workload, console: Console, rate_given: bool = False) -> None:
+    console.print(f"[bold]workload {w.name}[/]: {len(w):,} requests over {fmt_rate(w.duration_s)} s, "
+                  f"mean rate {fmt_rate(w.rate)} req/s")
+    if w.poisson_rate is not None:  # a length-only trace: the arrivals are drawn, not read
+        console.print(f"arrivals: Poisson at {fmt_rate(w.poisson_rate)} req/s, "
+                      + ("as --rate set" if rate_given else
+                         "the default for a length-only trace; --rate sets it"))
     t = Table(title="token lengths")
     for col in ("", "mean", "p50", "p90", "p99", "min", "max"):
         t.add_column(col)
@@ -158,6 +208,12 @@ def describe_plan(args: argparse.Namespace, console: Console) -> int:
     cluster = load_cluster(args.cluster) if args.cluster else None
     model = load_model(args.model) if args.model else None
     print_plan(console, plan)
+    if plan.estimate:
+        console.print("the capacities, flows, throughput, cost and notes above are the estimate saved in the file "
+                      "when it was planned, not recomputed here (`hetserve simulate --plan FILE` predicts the plan "
+                      "as it is now)")
+    for warning in _route_gaps(plan):
+        console.print(f"[yellow]warning[/]: {warning}")
     cf = plan.cluster_file
     if cf is not None and args.cluster is None and cf.current_sha256() == cf.sha256:
         console.print(f"made on the cluster file {cf.shown} (unchanged since: SHA-256 {cf.sha256[:12]}…)")
@@ -172,10 +228,75 @@ def describe_plan(args: argparse.Namespace, console: Console) -> int:
             model = plan_model(args.name, plan.model)
         except HetserveError as exc:
             missing.append(str(exc))
+    stale = _estimate_drift(plan, cluster)
+    if stale:
+        console.print("[yellow]warning[/]: the saved estimate no longer matches this plan (edited since it was "
+                      "planned?), so its figures describe another plan: " + "; ".join(stale))
     if missing:
         console.print("[yellow]not checked[/]: " + "; ".join(missing))
         return 0
     check_plan(args.name, plan, cluster, model)  # raises PlanError (exit 2) naming every problem
     console.print(f"checked: the plan fits {cluster.name} ({len(cluster)} devices) and {model.name} "
-                  f"(devices, layers, memory, KV routes: planner/validate.py)")
+                  f"(devices, layers, memory, KV routes: planner/validate.py)"
+                  + ("; its saved estimate does not describe it (above)" if stale else ""))
     return 0
+
+
+def _route_gaps(plan) -> list[str]:
+    """Replicas of a disaggregated plan that no request reaches: a decode replica no KV route feeds,
+    a prefill replica whose prompts have no route to a decode replica."""
+    if not any(r.role == "decode" for r in plan.replicas):
+        return []
+    fed = {k.dst for k in plan.kv_routes if k.weight > 0}
+    sends = {k.src for k in plan.kv_routes if k.weight > 0}
+    out = [f"decode replica {r.id} has no KV route feeding it: no request will reach it (add a kv_routes entry "
+           f"to it)" for r in plan.replicas if r.role == "decode" and r.id not in fed]
+    out += [f"prefill replica {r.id} has no KV route out: its prefilled requests have no decode replica to go to"
+            for r in plan.replicas if r.role == "prefill" and r.id not in sends]
+    return out
+
+
+def _saved_flow(entry) -> float | None:
+    value = entry.get("flow_requests_per_period") if isinstance(entry, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _estimate_drift(plan, cluster: Cluster | None) -> list[str]:
+    """Where the plan differs from what its saved estimate covers: replicas and roles, the devices
+    used, the flow its KV routes carry into each decode replica (the planner sets the routes ∝ the
+    flow, so a decode replica's saved flow is the prefill flows times their routes' weights), and,
+    on the cluster at hand, the devices' price."""
+    e = plan.estimate
+    saved = e.get("replicas") if e else None
+    if not isinstance(saved, dict):
+        return []
+    out = []
+    roles = {r.id: r.role for r in plan.replicas}
+    added = [rid for rid in roles if rid not in saved]
+    gone = [rid for rid in saved if rid not in roles]
+    if added:
+        out.append(f"replica{'s' * (len(added) > 1)} {', '.join(added)} not in the estimate")
+    if gone:
+        out.append(f"the estimate covers replica{'s' * (len(gone) > 1)} {', '.join(gone)}, no longer in the plan")
+    for rid, role in roles.items():
+        was = saved.get(rid, {}).get("role") if isinstance(saved.get(rid), dict) else None
+        if was is not None and was != role:
+            out.append(f"replica {rid} is {role}, estimated as {was}")
+    used = e.get("devices_used")
+    if isinstance(used, int) and used != len(plan.devices):
+        out.append(f"{len(plan.devices)} devices used, estimated on {used}")
+    for r in plan.replicas:
+        flow = _saved_flow(saved.get(r.id))
+        if r.role != "decode" or flow is None or added or gone:
+            continue
+        carried = sum((_saved_flow(saved.get(k.src)) or 0.0) * k.weight for k in plan.kv_routes if k.dst == r.id)
+        if abs(carried - flow) > max(1.0, 1e-3 * flow):
+            out.append(f"the KV routes carry {carried:,.0f} requests per period into decode replica {r.id}, the "
+                       f"estimate {flow:,.0f}")
+    usd = e.get("cost_usd_per_hour")
+    if cluster is not None and isinstance(usd, (int, float)) and all(cluster.has_device(d) for d in plan.devices):
+        now = cluster.usd_per_hour([cluster.device(d).index for d in plan.devices])
+        if now is not None and abs(now - usd) > 0.005 + 1e-4 * usd:
+            out.append(f"its devices cost ${now:,.2f}/h on {cluster.name}, the estimate ${usd:,.2f}/h (other devices "
+                       "or prices)")
+    return out

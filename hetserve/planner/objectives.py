@@ -67,7 +67,8 @@ def _prices(cluster) -> dict[tuple[str, str], float]:
     for d in cluster.devices:
         if d.gpu.usd_per_hour is None:
             raise PlanError(f"--budget-usd-per-hour / --objective cost need GPU prices; {d.gpu.name} "
-                            f"({d.name}) has none in the GPU table")
+                            f"({d.name}) has none in the GPU table: give one with gpu_usd_per_hour on its "
+                            f"machine in the cluster file (docs/design.md)")
         out[(d.gpu.name, d.site)] = float(d.gpu.usd_per_hour)
     return out
 

@@ -197,7 +197,7 @@ def describe_workload(w: Workload, console: Console, rate_given: bool = False) -
 def describe_plan(args: argparse.Namespace, console: Console) -> int:
     """The plan file's table (as ``hetserve plan`` printed it), then whether it still holds on its
     cluster and model: a plan travels as a file, and the presets or the pool may have changed since."""
-    from hetserve.cli.commands.plan import print_plan
+    from hetserve.cli.plan_report import print_plan
     from hetserve.cli.model_dir import check_plan, plan_model
     from hetserve.planner.plan import Plan, load_plan_cluster
 

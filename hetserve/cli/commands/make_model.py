@@ -4,7 +4,6 @@ and, with ``--random-weights``, real shapes without a weights file)."""
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 MAX_PARAMS = 2 ** 30  # 4 GiB of float32 weights
@@ -76,22 +75,10 @@ def _run(args: argparse.Namespace) -> int:
                          max_positions=args.max_positions, seed=args.seed, random_weights=args.random_weights)
     except ValueError as exc:
         raise SpecError("make-model", "arguments", "a consistent model shape", str(exc)) from exc
-    _umask_modes(Path(out))
     what = "recipe (random weights drawn by each worker)" if args.random_weights else "checkpoint"
     print(f"wrote {args.arch} {what} ({args.layers} layers, hidden {args.hidden}, about {params:.3g} parameters) "
           f"to {out}")
     return 0
-
-
-def _umask_modes(folder: Path) -> None:
-    """Give every file written the mode a plain ``open`` gives (0666 less the umask): the weights
-    file comes out of transformers' save as 0600 while its siblings follow the umask, and a reader
-    who may read the config (a worker under another user, a shared folder) must read the weights too."""
-    mask = os.umask(0)
-    os.umask(mask)
-    for path in folder.iterdir():
-        if path.is_file() and not path.is_symlink():
-            path.chmod(0o666 & ~mask)
 
 
 def _num_params(args: argparse.Namespace) -> int:

@@ -7,8 +7,6 @@ from pathlib import Path
 
 from hetserve.cli.plan_report import print_comparison, print_engine_cost, print_explanation, print_plan
 from hetserve.errors import InfeasibleError, PlanError
-
-__all__ = ["register", "run", "print_plan"]  # print_plan: ``describe plan`` prints a plan file with it
 # algorithms whose plans hold colocated replicas only, so --disaggregated cannot act on them
 COLOCATED_ONLY = {"hexgen", "exact-colocated"}
 

@@ -16,6 +16,7 @@ Nothing here is loaded at serving time except through the files it writes.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from hetserve.runtime.model.random_weights import random_stage, write_marker
@@ -113,4 +114,16 @@ def make_model(out_dir: str | Path, arch: str = "llama", *, layers: int = 4, hid
         torch.manual_seed(seed)
         cls(config).eval().save_pretrained(str(out))
     save_byte_tokenizer(out, model_max_length=max_positions)
+    _umask_modes(out)
     return out
+
+
+def _umask_modes(folder: Path) -> None:
+    """Give every file written the mode a plain ``open`` gives (0666 less the umask): the weights
+    file comes out of transformers' save as 0600 while its siblings follow the umask, and a reader
+    who may read the config (a worker under another user, a shared folder) must read the weights too."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in folder.iterdir():
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~mask)

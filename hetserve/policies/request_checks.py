@@ -96,14 +96,35 @@ def check_kv_fits(prompt_tokens: int, max_tokens: int, pools: Iterable[tuple[str
     pools = list(pools)
 
     def fits(out: int) -> bool:
-        prefill_ok = any(kv_reservation(prompt_tokens, out, serves_decode(role), block_size) <= cap
+        prefill_ok = any(can_hold(cap, prompt_tokens, out, serves_decode(role), block_size)
                          for role, cap in pools if serves_prefill(role))
-        return prefill_ok and any(kv_reservation(prompt_tokens, out, True, block_size) <= cap
+        return prefill_ok and any(can_hold(cap, prompt_tokens, out, True, block_size)
                                   for role, cap in pools if serves_decode(role))
 
     if not fits(max_tokens):
         largest = max((cap for _, cap in pools), default=0)
         raise KVNeverFits(prompt_tokens, max_tokens, largest, prompt_alone=not fits(1))
+
+
+def can_hold(capacity: float, prompt_tokens: int, max_tokens: int, decoding: bool, block_size: int) -> bool:
+    """Whether a replica whose empty KV pool is ``capacity`` tokens can ever hold the request's
+    reservation (``kv_reservation``: prompt + ``max_tokens`` where it decodes, the prompt alone on
+    a prefill replica)."""
+    return kv_reservation(prompt_tokens, max_tokens, decoding, block_size) <= capacity
+
+
+def able_to_hold(candidates: Sequence, prompt_tokens: int, max_tokens: int, block_size: int,
+                 decoding: bool | None = None) -> list:
+    """The candidates (``ReplicaState``) that can ever hold the request (``can_hold``; ``decoding``
+    None: as each candidate's role decides, True: the decode side of a hand-off). Placement and
+    KV routes choose among these only: a request placed where it never fits waits forever, while
+    another replica could serve it. A candidate whose pool is not known (0) is kept; where none can
+    hold it, all are returned (the arrival checks, ``check_kv_fits``, refuse such a request first)."""
+    keep = [c for c in candidates
+            if c.kv_capacity_tokens <= 0 or can_hold(c.kv_capacity_tokens, prompt_tokens, max_tokens,
+                                                      serves_decode(c.role) if decoding is None else decoding,
+                                                      block_size)]
+    return keep or list(candidates)
 
 
 def check_request(prompt_tokens: int, max_tokens: int, max_context: int, pools: Iterable[tuple[str, float]],

@@ -27,6 +27,7 @@ import torch
 
 from hetserve.errors import RuntimeFailure
 from hetserve.policies.base import RequestInfo
+from hetserve.policies.request_checks import able_to_hold
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.recovery import Recovery
 from hetserve.runtime.routing import KVRoutePolicy
@@ -228,7 +229,9 @@ class EngineLoop(Recovery):
                     states = {r: state_from_stats(r, {"role": "decode", "state": snaps[r]}) for r in alive}
                 now = time.monotonic()
                 info = RequestInfo(seq.id, seq.handle.arrival_time, len(seq.prompt), float(seq.params.max_tokens))
-                seq.dst = self.route_policy.choose(info, seq.replica, alive, states, now)
+                fit = [c.id for c in able_to_hold([states[r] for r in alive], len(seq.prompt), seq.params.max_tokens,
+                                                  self.schedulers[alive[0]].blocks.block_size, decoding=True)]
+                seq.dst = self.route_policy.choose(info, seq.replica, fit, states, now)
             dst = self.schedulers[seq.dst]
             tokens = dst.handoff_tokens(seq)
             if seq.dst in blocked or not dst.can_admit(tokens):

@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
-from hetserve.planner.plan import serves_prefill
+from hetserve.planner.plan import serves_decode, serves_prefill
 from hetserve.policies.base import PlacementPolicy, ReplicaState, RequestInfo
 from hetserve.runtime.params import SamplingParams
 from hetserve.serve.backend import Backend
-from hetserve.policies.request_checks import RequestRefused, check_prompt_ids, check_request
+from hetserve.policies.request_checks import RequestRefused, able_to_hold, check_prompt_ids, check_request
 from hetserve.serve.errors import InvalidRequest, ServerError, refusal
 from hetserve.serve.metrics import ServerMetrics
 from hetserve.serve.text import Codec, TextStream
@@ -68,6 +68,7 @@ class Coordinator:
         self.in_flight = 0
         self.draining = False  # set by a graceful shutdown: no new request is admitted
         self.replanner = None  # serve/replan.py Replanner where the backend can re-plan (POST /admin/replan)
+        self.admin_replan = False  # POST /admin/replan is reachable (an admin key is configured)
 
     # ------------------------------------------------------------------ snapshots
     def _scrape(self, method: str, empty: type = dict):
@@ -109,7 +110,8 @@ class Coordinator:
             return None
         # nothing comes back on its own here (an on-failure re-plan holds requests instead: above)
         how = ("an operator re-plans onto returned devices (POST /admin/replan, with the server's admin key) "
-               "or restarts the server" if self.replanner is not None else "the server is restarted")
+               "or restarts the server" if self.replanner is not None and self.admin_replan
+               else "the server is restarted")
         return f"no live replica can serve this request (every replica lost a worker); it serves again once {how}"
 
     @property
@@ -146,16 +148,21 @@ class Coordinator:
         engine's and the simulator's rules: the context, then the KV pools).
 
         ``max_tokens`` None takes ``default_max_tokens``, or (if that is None too) the room left
-        in the context. ``max_tokens`` 0 scores the prompt only: the engine runs its prefill and one
+        in the context and in the largest live decoding KV pool. ``max_tokens`` 0 scores the prompt only: the engine runs its prefill and one
         token (which nobody sees), so ``prompt_logprobs`` come back with no completion.
         """
         score_only = max_tokens == 0
         if score_only:
             max_tokens, ignore_eos, min_tokens = 1, True, 0
-        if max_tokens is None:
-            room = max(1, self.max_context - len(ids))
-            max_tokens = min(default_max_tokens, room) if default_max_tokens is not None else room
         pools = self.kv_pools()
+        if max_tokens is None:
+            room = self.max_context - len(ids)
+            # the room left where it can decode: the largest live decoding pool, as check_kv_fits counts
+            decoding = [cap for role, cap in pools if serves_decode(role)]
+            if decoding:
+                room = min(room, int(max(decoding)) - len(ids))
+            room = max(1, room)
+            max_tokens = min(default_max_tokens, room) if default_max_tokens is not None else room
         try:
             check_request(len(ids), max_tokens, self.max_context, pools, getattr(self.backend, "block_size", 1),
                           kv=bool(pools))
@@ -183,7 +190,8 @@ class Coordinator:
         """The replica for ``req`` by the placement policy (None: the backend decides)."""
         if self.placement is None:
             return None
-        cands = [r for r in self._safe_replicas() if serves_prefill(r.role) and r.alive]
+        cands = able_to_hold([r for r in self._safe_replicas() if serves_prefill(r.role) and r.alive],
+                             req.prompt_tokens, req.params.max_tokens, getattr(self.backend, "block_size", 1))
         if len(cands) <= 1:
             return cands[0].id if cands else None
         predicted = float(req.params.max_tokens)

@@ -6,9 +6,9 @@ replica can serve or the server is draining), ``GET /metrics`` (Prometheus text 
 
 Keys (``hetserve.serve.keys``): with API keys set, every route but the probes (``/health``,
 ``/metrics``; them too with ``protect_probes``) needs ``Authorization: Bearer <key>``; ``/admin/*`` needs
-an admin key and does not exist (404) without one. The check is an app-wide dependency, so it runs on
-the matched route, before the body is read; a route must be declared on the app (``@app.get`` ...)
-to be guarded.
+an admin key and does not exist (404) without one. The check (``keys.KeyGate``) runs on the request's
+path before any routing and before the body is read, so every path is guarded, known or not (an
+unknown ``/v1/*`` path or method gets 401 without a key, not 404 / 405).
 
 Every client error (4xx) is logged with its field and counted in ``hetserve_requests_total`` with
 outcome ``rejected`` (``unauthorized`` for a missing or wrong key); while draining (graceful
@@ -34,11 +34,12 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from hetserve.errors import HetserveError
+from hetserve.planner.plan import serves_decode
 from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
 from hetserve.serve.choices import LogprobWriter, collect, prompt_entries, share_prompts, sse
 from hetserve.serve.coordinator import Coordinator, Prepared
 from hetserve.serve.errors import (ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded,
-                                   PayloadTooLarge, Unavailable, install_error_handlers, log,
+                                   PayloadTooLarge, ServerError, Unavailable, install_error_handlers, log,
                                    to_api_error)
 from hetserve.serve.keys import ADMIN_PREFIX, APIAuth, guarded_app
 from hetserve.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -165,6 +166,17 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
         except RecursionError as exc:
             raise InvalidRequest("request body is nested too deeply") from exc
 
+    async def run_to_end(reqs: list[Prepared], request: Request) -> None:
+        """``collect`` the choices of a request answered in one body. One the shutdown ended (the
+        drain timeout, a second signal: the engine fails what it holds) is a 503 with ``Retry-After``,
+        not a fault: another instance, or this one restarted, can serve it."""
+        try:
+            await collect(c, reqs, request)
+        except ServerError as exc:
+            if not c.draining:
+                raise
+            raise Overloaded(exc.message, headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
+
     # ------------------------------------------------------------------ info routes
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
@@ -174,7 +186,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
         return JSONResponse(body, status_code=503 if status in ("unavailable", "draining") else 200)
 
     def card() -> ModelCard:
-        return ModelCard(id=c.model_name, created=started, max_model_len=c.max_context)
+        return ModelCard(id=c.model_name, created=started, max_model_len=usable_context(c))
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
@@ -217,8 +229,8 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
         try:
             record = await asyncio.to_thread(c.replanner.replan, data.get("cluster"), data.get("lost"),
                                              data.get("returned"))
-        except HetserveError as exc:
-            raise InvalidRequest(f"re-plan failed: {exc}") from exc
+        except HetserveError as exc:  # a device list the cluster refuses names its field (ReplanInputError)
+            raise InvalidRequest(f"re-plan failed: {exc}", param=getattr(exc, "param", None)) from exc
         return JSONResponse(record)
 
     # ------------------------------------------------------------------ completions
@@ -276,7 +288,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
                                           usage=usage()).model_dump_json()
 
             return sse(c, reqs, first, chunk, usage_chunk if body.include_usage else None)
-        await collect(c, reqs, request)
+        await run_to_end(reqs, request)
         choices = []
         for req in reqs:
             text, lps = echoed(req) if body.echo else ("", None)
@@ -328,7 +340,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
                                            usage=usage()).model_dump_json()
 
             return sse(c, reqs, first, chunk, usage_chunk if body.include_usage else None)
-        await collect(c, reqs, request)
+        await run_to_end(reqs, request)
         return JSONResponse(ChatCompletionResponse(
             id=rid, created=created, model=c.model_name,
             choices=[ChatChoice(index=r.index, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason,
@@ -337,6 +349,14 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
 
     app.state.started = time.time()
     return app
+
+
+def usable_context(c: Coordinator) -> int:
+    """The most tokens (prompt + completion) one request can use: the model's context, capped by the
+    largest KV pool of a live replica that decodes (where prompt and completion are held together),
+    in whole tokens. The context alone where no pool is known (every replica down: nothing serves)."""
+    pools = [tokens for role, tokens in c.kv_pools() if serves_decode(role)]
+    return min(c.max_context, int(max(pools))) if pools else c.max_context
 
 
 def running_usage(body, req: Prepared) -> Usage | None:

@@ -218,7 +218,9 @@ def error_response(exc: BaseException, path: str = ""):
     from fastapi.responses import JSONResponse
 
     err = to_api_error(exc)
-    if err.status >= 500:
+    if isinstance(err, Overloaded):  # a refusal the server chose (draining, no live replica): no fault
+        log.warning("%s %d %s: %s", path or "request", err.status, err.code, err.message)
+    elif err.status >= 500:
         log.error("request failed: %s", err.message, exc_info=exc if exc is not err else None)
     else:
         log.warning("%s %d %s (param=%s): %s", path or "request", err.status, err.code or err.type, err.param,

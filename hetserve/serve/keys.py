@@ -4,13 +4,15 @@
     APIAuth(api_keys=KeySet(...), admin_keys=KeySet(...), protect_probes=False)
     keys_from(options, files, "HETSERVE_API_KEY", "--api-key")   the keys a command line / environment gives
 
-Rules (``APIAuth.required``, applied to every route of ``hetserve serve``'s app and of ``hetserve
-route``'s by ``key_check``):
+Rules (``APIAuth.required``, applied to every request of ``hetserve serve``'s app and of ``hetserve
+route``'s by ``KeyGate``, on the request's path before any routing):
 
 - ``/admin/*`` needs an admin key; with no admin key configured those routes do not exist (404).
   An API key never opens them.
 - ``/health`` and ``/metrics`` are open unless ``protect_probes``; then they need an API key.
-- every other route (``/v1/*`` and anything added later) needs an API key when at least one is set.
+- every other path (``/v1/*``, known or not, any method, and anything added later) needs an API key
+  when at least one is set: a caller without one learns nothing of which routes exist (401 before
+  the router could answer 404 or 405).
 
 Keys are kept only as SHA-256 digests and compared with ``hmac.compare_digest`` against every
 configured digest (no early exit): the time a check takes says nothing about how much of a key was
@@ -26,7 +28,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from starlette.requests import Request  # at module level: FastAPI reads the dependency's annotation
+from starlette.requests import Request
 
 from hetserve.errors import HetserveError
 from hetserve.runtime.workers.auth import owner_only
@@ -98,37 +100,68 @@ class APIAuth:
         return [api, probes, admin]
 
 
-def key_check(auth: APIAuth):
-    """The FastAPI dependency that holds every route of an app to ``auth``: 401 without the key a
-    route needs, 404 for the admin routes where no admin key is configured."""
+def refusal(auth: APIAuth, path: str, authorization: str | None):
+    """The ``APIError`` a request for ``path`` with this ``Authorization`` header gets from ``auth``
+    (401 without the key the path needs, 404 for ``/admin/*`` where no admin key is configured), or
+    None when it may pass."""
     from hetserve.serve.errors import NotFound, Unauthorized
 
-    async def check(request: Request) -> None:
-        route = request.scope.get("route")
-        need = auth.required(getattr(route, "path", None) or request.url.path)
-        if need is None:
-            return
-        token = bearer_token(request.headers.get("authorization"))
-        if need == "admin":
-            if not auth.admin_keys:  # off: indistinguishable from a route that does not exist
-                raise NotFound("Not Found")
-            if not auth.admin_keys.matches(token):
-                raise Unauthorized("This endpoint needs the server's admin key, sent as 'Authorization: Bearer "
-                                   "<admin key>'." if token is None else "Incorrect admin key provided.")
-        elif not auth.api_keys.matches(token):
-            raise Unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
-                               if token is None else "Incorrect API key provided.")
+    need = auth.required(path)
+    if need is None:
+        return None
+    token = bearer_token(authorization)
+    if need == "admin":
+        if not auth.admin_keys:  # off: indistinguishable from a route that does not exist
+            return NotFound("Not Found")
+        if not auth.admin_keys.matches(token):
+            return Unauthorized("This endpoint needs the server's admin key, sent as 'Authorization: Bearer "
+                                "<admin key>'." if token is None else "Incorrect admin key provided.")
+        return None
+    if not auth.api_keys.matches(token):
+        return Unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
+                            if token is None else "Incorrect API key provided.")
+    return None
 
-    return check
+
+class KeyGate:
+    """ASGI middleware holding every HTTP request to ``auth`` by its path, before routing: a key check
+    on matched routes only would let a caller without a key tell routes that exist (401) from those
+    that do not (404) or take another method (405). A refusal is answered by the app's own handler
+    for ``APIError`` (``errors.install_error_handlers``: OpenAI's shape, logged and counted), as a
+    route's error would be; the body is never read."""
+
+    def __init__(self, app, auth: APIAuth):
+        self.app, self.auth = app, auth
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            header = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+            err = refusal(self.auth, scope.get("path", ""), header)
+            if err is not None:
+                response = await _answer(scope, receive, err)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _answer(scope, receive, err):
+    """The response the app's exception handler gives ``err`` (so it is logged and counted as any
+    client error), or ``errors.error_response`` where the app has none."""
+    from hetserve.serve.errors import error_response
+
+    handlers = getattr(scope.get("app"), "exception_handlers", {})
+    handler = next((handlers[cls] for cls in type(err).__mro__ if cls in handlers), None)
+    if handler is None:
+        return error_response(err, scope.get("path", ""))
+    return await handler(Request(scope, receive), err)
 
 
 def guarded_app(auth: APIAuth) -> dict:
-    """FastAPI's options for an app whose every route ``auth`` holds: the key check as an app-wide
-    dependency, and no /openapi.json nor docs pages (FastAPI serves those as plain routes outside
-    the app's dependencies: they would be the routes the key check never sees)."""
-    from fastapi import Depends
+    """FastAPI's options for an app whose every request ``auth`` holds: ``KeyGate`` as its outermost
+    middleware, and no /openapi.json nor docs pages (nothing of the API's shape is served)."""
+    from starlette.middleware import Middleware
 
-    return {"docs_url": None, "redoc_url": None, "openapi_url": None, "dependencies": [Depends(key_check(auth))]}
+    return {"docs_url": None, "redoc_url": None, "openapi_url": None, "middleware": [Middleware(KeyGate, auth=auth)]}
 
 
 def bearer_token(header: str | None) -> str | None:

@@ -27,6 +27,15 @@ log = logging.getLogger("hetserve.serve")
 HOLD_MARGIN_S = 120.0
 
 
+class ReplanInputError(PlanError):
+    """A re-plan request naming devices it cannot take; ``param``: the body field that named them
+    (``lost`` or ``returned``), which the HTTP answer names too."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 class Replanner:
     def __init__(self, engine, workload: str = "azure-conv", algorithm: str = "hexgen2",
                  time_limit_s: float = 10.0, seed: int = 0, on_failure: bool = False):
@@ -63,14 +72,21 @@ class Replanner:
             # re-plan must not leave its devices behind for the next one)
             was_lost = set(lost) if lost is not None else set(self.lost)
             back = set(returned or ())
-            unknown = sorted(d for d in was_lost | back if not new_cluster.has_device(d))
-            if unknown and (lost is not None or returned):
-                raise PlanError(f"re-plan: devices {unknown} are not in cluster {new_cluster.name!r}")
+            for param, named in (("lost", set(lost or ())), ("returned", back)):
+                unknown = sorted(d for d in named if not new_cluster.has_device(d))
+                if unknown:
+                    raise ReplanInputError(f"re-plan: {param} devices {unknown} are not in cluster "
+                                           f"{new_cluster.name!r}", param)
+            gone = sorted(d for d in was_lost if not new_cluster.has_device(d))
+            if gone and returned:  # devices lost earlier that the new cluster file no longer holds
+                raise ReplanInputError(f"re-plan: lost devices {gone} are not in cluster {new_cluster.name!r}",
+                                       "cluster")
             if lost is not None and was_lost & back:
-                raise PlanError(f"re-plan: devices {sorted(was_lost & back)} are named both lost and returned")
+                raise ReplanInputError(f"re-plan: devices {sorted(was_lost & back)} are named both lost and "
+                                       "returned", "returned")
             if back - was_lost:  # returning what never left would re-plan for nothing
-                raise PlanError(f"re-plan: returned devices {sorted(back - was_lost)} are not lost (lost now: "
-                                f"{sorted(was_lost) or 'none'})")
+                raise ReplanInputError(f"re-plan: returned devices {sorted(back - was_lost)} are not lost (lost "
+                                       f"now: {sorted(was_lost) or 'none'})", "returned")
             new_lost = was_lost - back
             dead = {rid for rid, s in eng.stats().get("replicas", {}).items() if not s.get("alive", True)}
             spec = model_spec(eng.arch, DTYPE_BYTES[eng.dtype])

@@ -55,7 +55,10 @@ def url_of(sock: socket.socket) -> str:
 def serve_forever(app, sock: socket.socket, log_level: str = "info", drain_timeout_s: float = 30.0) -> None:
     """Serve on ``sock`` (from ``bind_socket``) until SIGTERM / Ctrl-C, then shut down gracefully: new
     requests get 503 with ``Retry-After`` while the ones in flight finish (up to ``drain_timeout_s``);
-    those left end with one error event and ``[DONE]``. A second signal stops at once."""
+    those left end with one error event and ``[DONE]``. A second signal ends every request in flight
+    at once the same way (a streamed one with an error event and ``[DONE]``, any other with an error in
+    OpenAI's JSON shape) and stops once they are answered (``STOP_GRACE_S`` at most); a third stops
+    without waiting, cutting whatever is still being written."""
     host, port = sock.getsockname()[:2]
     config = _config(app, host, port, log_level)
     _draining_server(config, app.state.coordinator, drain_timeout_s).run(sockets=[sock])
@@ -70,6 +73,12 @@ def serve_plain(app, sock: socket.socket, log_level: str = "warning") -> None:
     uvicorn.Server(_config(app, host, port, log_level)).run(sockets=[sock])
 
 
+# After a second signal: seconds the requests it ended get to write their error and close. The
+# engine answers a fail-all within one step; past this, uvicorn's own shutdown cancels what is left.
+STOP_GRACE_S = 3.0
+SECOND_SIGNAL_REASON = "the server is shutting down: stopped by a second signal before the request finished"
+
+
 def _draining_server(config, coordinator, drain_timeout_s: float):
     import asyncio
     import logging
@@ -80,20 +89,37 @@ def _draining_server(config, coordinator, drain_timeout_s: float):
 
     class DrainingServer(uvicorn.Server):
         _loop = None
-        _draining = False
+        _signals = 0
 
         async def serve(self, sockets=None):
             self._loop = asyncio.get_running_loop()
             await super().serve(sockets)
 
         def handle_exit(self, sig, frame):
+            # signals are counted, not re-raised at exit, so the CLI still stops the workers after any
             if self._loop is None:
                 return super().handle_exit(sig, frame)  # before start-up: uvicorn's own handling
-            if self._draining:  # a second signal: stop now (not re-raised at exit, so the CLI still cleans up)
+            self._signals += 1
+            if self._signals == 1:
+                self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+            elif self._signals == 2:
+                # not uvicorn's force_exit: that cancels the request tasks, so a client gets a bare
+                # 500 or a cut stream and the log a traceback per request
+                self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._stop_now()))
+            else:
                 self.should_exit = self.force_exit = True
-                return
-            self._draining = True
-            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+        async def _stop_now(self):
+            log.warning("second signal: ending %d request(s) in flight now with an error, then stopping "
+                        "(a third signal stops without waiting)", coordinator.in_flight)
+            coordinator.draining = True
+            fail_all = getattr(coordinator.backend, "fail_all", None)
+            if fail_all is not None:
+                fail_all(SECOND_SIGNAL_REASON)
+            deadline = self._loop.time() + STOP_GRACE_S
+            while coordinator.in_flight and self._loop.time() < deadline:
+                await asyncio.sleep(0.02)
+            self.should_exit = True
 
         async def _drain(self):
             log.warning("shutting down: draining %d request(s) for up to %g s (new requests get 503)",

@@ -77,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM / Ctrl-C: seconds in-flight requests get to finish (default 30); new ones get 503")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0,
-                   help="a worker silent this long (hung, stopped) is declared dead and its requests re-run (default 3)")
+                   help="a worker silent this long (hung, stopped) is declared dead and killed, and its requests re-run (default 3)")
     p.add_argument("--replan-on-failure", action="store_true",
                    help="when a replica dies, re-plan the surviving devices (warm-started from the running plan) "
                         "and bring the new replicas up while the others serve; POST /admin/replan (with --admin-key) "
@@ -277,8 +277,10 @@ def _start_and_serve(args: argparse.Namespace, opts, sock) -> int:
         signal.signal(signal.SIGTERM, previous)
     name, engine = deployment.coordinator.model_name, deployment.engine
     console.print(f"serving model [bold]{name}[/] ({engine.dtype}) on {url_of(sock)}/v1 "
-                  f"(placement {args.placement}, transmission {transmission_of(args)}"
-                  f"{', shaped links' if args.shape_links else ''})", soft_wrap=True)
+                  f"({policies_line(args, deployment.plan)}{', shaped links' if args.shape_links else ''})",
+                  soft_wrap=True)
+    for line in resources_lines(deployment):
+        console.print(line, soft_wrap=True, markup=False)
     pids = engine.worker_pids()  # which process holds which device: for an operator's ps / kill
     console.print(f"workers (up in {time.monotonic() - t0:.1f} s, measured): " + _workers_line(pids, engine),
                   soft_wrap=True, markup=False)
@@ -292,6 +294,40 @@ def _start_and_serve(args: argparse.Namespace, opts, sock) -> int:
         deployment.close()
     console.print("stopped; every worker has exited")
     return 0
+
+
+def policies_line(args: argparse.Namespace, plan) -> str:
+    """The policies serving runs, each marked "(default)" where the command line did not name it;
+    the KV route policy only on a plan with prefill replicas (nothing else hands KV on)."""
+    def one(what: str, value: str, given: bool) -> str:
+        return f"{what} {value}" + ("" if given else " (default)")
+
+    parts = [one("placement", args.placement, getattr(args, "_placement_given", None) is not None)]
+    if any(r.role == "prefill" for r in plan.replicas):
+        parts.append(one("KV route", route_of(args), args.route is not None))
+    parts.append(one("transmission", transmission_of(args), args.transmission is not None))
+    return ", ".join(parts)
+
+
+def resources_lines(deployment) -> list[str]:
+    """Each replica's KV pool in tokens and where its size comes from, and the workers' torch threads."""
+    from hetserve.serve.launch import kv_pools, worker_threads
+
+    pools = kv_pools(deployment)
+    sources = sorted({src for *_, src in pools})
+    if len(sources) == 1:
+        lines = ["KV pools (tokens): " + ", ".join(f"{rid} ({role}) {tokens}" for rid, role, tokens, _ in pools)
+                 + f"; sized by {sources[0]}"]
+    else:
+        lines = ["KV pools (tokens): " + ", ".join(f"{rid} ({role}) {tokens}, sized by {src}"
+                                                   for rid, role, tokens, src in pools)]
+    threads, source = worker_threads(deployment)
+    counts = sorted(set(threads.values()))
+    if counts:
+        said = (f"{counts[0]} each" if len(counts) == 1 else
+                ", ".join(f"{w} {n}" for w, n in sorted(threads.items())))
+        lines.append(f"torch threads per worker: {said} ({source})")
+    return lines
 
 
 def _workers_line(pids: dict[str, int], engine) -> str:

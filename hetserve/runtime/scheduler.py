@@ -32,6 +32,7 @@ from hetserve.policies.batching import DEFAULT_BATCHING, Offer, compose_step, de
 from hetserve.policies.kv_admission import (KV_ADMISSIONS, RunningKV, blocks_for, can_admit_paged, decode_growth,
                                             preemptions)
 from hetserve.policies.kv_admission import requeue as requeue_at
+from hetserve.policies.request_checks import can_hold
 from hetserve.runtime.kv_cache import BlockManager
 from hetserve.runtime.sequence import Sequence, Status
 
@@ -136,7 +137,15 @@ class ReplicaScheduler(HasRole):
         """``compose_step``'s view of the waiting requests: those placed here first, then the shared
         queue; ``take`` gives the head its blocks and appends it to ``admitted``."""
         def first() -> deque[Sequence] | None:
-            return self.pinned or waiting or None
+            if self.pinned:
+                return self.pinned
+            # the shared queue's head is left to another replica where this pool can never hold it
+            # (paged admission would take it on its prompt alone, and it would stall when it outgrew the pool)
+            if waiting and can_hold(self.blocks.capacity_tokens, waiting[0].prefill_tokens,
+                                    waiting[0].params.max_tokens - len(waiting[0].output), self.serves_decode,
+                                    self.blocks.block_size):
+                return waiting
+            return None
 
         def held(seq: Sequence) -> int:  # a choice forked from another holds the prompt's blocks here already
             return len(seq.table) * self.blocks.block_size if seq.replica == self.id else 0

@@ -56,7 +56,7 @@ def _others(out: Path, bundle: list[Path]) -> list[str]:
 def check_bundle_folder(out_dir: str | Path, replace: bool) -> list[Path]:
     """Refuse ``out_dir`` unless it is new or empty, or ``replace`` is set and it holds only an earlier
     bundle. Returns the earlier bundle's files (and manifest) to remove before writing; [] for none."""
-    from hetserve.cli.output_path import check_output_folder, holding
+    from hetserve.output_path import check_output_folder, holding
 
     check_output_folder(str(out_dir), FLAG)
     out = Path(out_dir)

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.specs.gpus import gpu
 
     from hetserve.cli.model_dir import check_model_dir
-    from hetserve.cli.output_path import check_output_file
+    from hetserve.output_path import check_output_file
 
     if args.profiles:
         from hetserve.cli.commands.cost import run_fit

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.planner.plan import Plan
 
     from hetserve.cli.model_dir import check_model_dir, plan_cluster
-    from hetserve.cli.output_path import check_output_folder
+    from hetserve.output_path import check_output_folder
 
     if args.output:
         check_output_folder(args.output, "--output")  # before serving, not after it

@@ -83,7 +83,7 @@ def run_layer(args: argparse.Namespace) -> int:
 
 
 def run_fit(args: argparse.Namespace) -> int:
-    from hetserve.cli.output_path import check_output_file
+    from hetserve.output_path import check_output_file
     from hetserve.cost.kernel_table import fit_table, save_table
 
     check_output_file(args.output, "-o")

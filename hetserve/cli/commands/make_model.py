@@ -55,7 +55,7 @@ def _run(args: argparse.Namespace) -> int:
     from hetserve.errors import SpecError
     from hetserve.runtime.model.make import make_model
 
-    from hetserve.cli.output_path import check_output_folder
+    from hetserve.output_path import check_output_folder
 
     check_output_folder(args.output, "-o")  # before torch is loaded and the weights made
     out_dir = Path(args.output)

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dataclasses import replace
 
-    from hetserve.cli.output_path import check_distinct, check_output_file, check_plot_file
+    from hetserve.output_path import check_distinct, check_output_file, check_plot_file
     from hetserve.planner.objectives import plan_for
     from hetserve.planner.plan import ClusterFile
 

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.specs.workload import SLO, load_workload
 
     from hetserve.cli.model_dir import check_plan, plan_cluster, plan_model
-    from hetserve.cli.output_path import check_output_folder
+    from hetserve.output_path import check_output_folder
 
     rates = _parse_rates(args.sweep_rates) if args.sweep_rates else []
     prefill_mode = _prefill_mode(args)

@@ -186,6 +186,95 @@ def test_serve_as_a_user_runs_it_port_keys_drain_and_clean_exit(tmp_path):
 
 KEY, OTHER_KEY, ADMIN_KEY = "sk-test-one", "sk-test-two", "adm-secret"
 
+PD_PLAN = {"model": "tiny", "cluster": "demo-cpu", "replicas": [
+    {"id": "p0", "role": "prefill", "stages": [{"devices": ["m0:0"], "layers": [0, 2]}]},
+    {"id": "d0", "role": "decode", "stages": [{"devices": ["m1:0"], "layers": [0, 2]}]}],
+    "kv_routes": [{"from": "p0", "to": "d0", "weight": 1.0}]}
+
+
+@pytest.mark.slow
+def test_a_second_signal_answers_requests_in_flight_and_stops_without_a_traceback(tmp_path):
+    """Two SIGTERMs while a streamed and a plain request run (a P/D plan, a 30 s drain): the plain one
+    gets a 503 in OpenAI's shape, the stream an error event and [DONE]; the server exits 0 with no
+    traceback. The start-up lines name the policies (defaults marked), each KV pool and its source,
+    and the threads per worker."""
+    from hetserve.planner.plan import Plan
+    from hetserve.runtime.model.make import make_model
+
+    model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=32, heads=2, max_positions=4096)
+    plan = tmp_path / "plan.json"
+    Plan.from_dict(PD_PLAN).save(plan)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "127.0.0.1", "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-m", "hetserve.cli.main", "serve", "--plan", str(plan), "--model",
+                             str(model), "--port", "0", "--transmission", "serial", "--shape-links",
+                             "--kv-capacity", "9000"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines: list[str] = []
+    printer = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    printer.start()
+    events: list[str] = []
+    plain: list[httpx.Response] = []
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4000, "ignore_eos": True}
+    try:
+        url = _url_once_up(proc, lines)
+        said = "".join(lines)
+        assert "placement eft (default), KV route flow (default), transmission serial," in said, said
+        assert "KV pools (tokens): p0 (prefill) 8992, d0 (decode) 8992; sized by --kv-capacity 9000, in whole " \
+               "blocks of 16" in said, said
+        assert re.search(r"torch threads per worker: \d+ each \(default: \d+ cores", said), said
+        assert httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"] == 4096  # the context: the smaller
+
+        def stream() -> None:
+            with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as resp:
+                events.extend(line[6:] for line in resp.iter_lines() if line.startswith("data: "))
+
+        readers = [threading.Thread(target=stream),
+                   threading.Thread(target=lambda: plain.append(httpx.post(url + "/v1/completions", json=body,
+                                                                           timeout=60)))]
+        for t in readers:
+            t.start()
+        deadline = time.monotonic() + 30
+        while not (events and httpx.get(url + "/health").json()["in_flight"] == 2) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert events, "".join(lines)
+        proc.send_signal(signal.SIGTERM)
+        while httpx.get(url + "/health", timeout=5).status_code == 200:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        for t in readers:
+            t.join(60)
+        proc.wait(60)
+    finally:
+        _stop(proc, signal_it=proc.poll() is None and not events)
+    printer.join(5)
+    out = "".join(lines)
+    assert proc.returncode == 0, out
+    assert plain and plain[0].status_code == 503, (plain, out)
+    error = plain[0].json()["error"]
+    assert error["code"] == "overloaded" and "second signal" in error["message"], error
+    assert events[-1] == "[DONE]" and "second signal" in json.loads(events[-2])["error"]["message"], events[-3:]
+    assert "Traceback" not in out and "Exception in ASGI application" not in out, out
+    assert "second signal: ending 2 request(s)" in out, out
+
+
+def _url_once_up(proc: subprocess.Popen, lines: list[str], timeout_s: float = 90) -> str:
+    """The URL ``serve`` prints, once ``/health`` answers on it."""
+    deadline = time.monotonic() + timeout_s
+    url = None
+    while url is None and time.monotonic() < deadline and proc.poll() is None:
+        said = "".join(lines)
+        found = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", said)
+        url = found.group(1) if found and "admin endpoints" in said else None
+        time.sleep(0.05)
+    assert url is not None, "".join(lines)
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url + "/health", timeout=1)
+            return url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise AssertionError(f"{url} did not answer: {''.join(lines)}")
+
 
 def _bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}

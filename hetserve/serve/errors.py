@@ -231,7 +231,9 @@ def error_response(exc: BaseException, path: str = ""):
 def error_event(exc: BaseException) -> str:
     """The SSE event that ends a stream which failed after its headers were sent."""
     err = to_api_error(exc)
-    if err.status >= 500:
+    if isinstance(err, Overloaded):  # as in error_response: a refusal, not a fault
+        log.warning("stream ended: %d %s: %s", err.status, err.code, err.message)
+    elif err.status >= 500:
         log.error("stream failed: %s", err.message, exc_info=exc if exc is not err else None)
     return f"data: {json.dumps(err.body())}\n\n"
 

@@ -54,7 +54,7 @@ class Recovery:
         for name in self.workers.procs:
             silent = now - self.last_beat.get(name, now)
             if name not in self.workers.dead and silent > self.heartbeat_timeout_s:
-                self._on_worker_death(name, f"sent no heartbeat for {silent:.1f} s (hung or stopped)")
+                self._on_worker_death(name, f"sent no heartbeat for {silent:.1f} s (hung or stopped); killed with its replica")
 
     def _no_replica_left(self, why: str) -> None:
         """Hold every request for a re-plan (``hold_s`` > 0: they wait in the queue, new ones too) or

@@ -104,7 +104,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
         why = c.unavailable()
         if why is not None:  # one answer in both modes, before any stream starts
             c.reject(endpoint, "unavailable")
-            raise Unavailable(why)
+            raise Unavailable(why, comes_back=c.comes_back())
         ignored = body.ignored_fields()
         if ignored:
             log.warning("%s: ignored request fields (they change nothing here): %s", endpoint, ", ".join(ignored))

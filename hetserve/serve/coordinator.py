@@ -110,9 +110,13 @@ class Coordinator:
             return None
         # nothing comes back on its own here (an on-failure re-plan holds requests instead: above)
         how = ("an operator re-plans onto returned devices (POST /admin/replan, with the server's admin key) "
-               "or restarts the server" if self.replanner is not None and self.admin_replan
-               else "the server is restarted")
+               "or restarts the server" if self.comes_back() else "the server is restarted")
         return f"no live replica can serve this request (every replica lost a worker); it serves again once {how}"
+
+    def comes_back(self) -> bool:
+        """Whether a server with no live replica can serve again without a restart: an operator's
+        re-plan (POST /admin/replan) is reachable."""
+        return self.replanner is not None and self.admin_replan
 
     @property
     def max_context(self) -> int:
@@ -254,6 +258,8 @@ class Coordinator:
                     self.backend.abort(req.request_id)  # sync: safe inside a cancelled task
                 await _close(gen)
             tail = stream.finish()
+            if stream.stopped and not req.score_only:  # a stop string seen only in the text held back to the end
+                req.finish_reason = "stop"
             if req.ttft_s is None and (tail or req.completion_tokens):  # text held back to the end
                 req.ttft_s = self.clock() - req.arrival
             if tail:

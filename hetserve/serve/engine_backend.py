@@ -8,7 +8,7 @@ Passes the server's ``SamplingParams`` to the engine, streams the engine's
 Engine errors are mapped once, here: a ``ValueError`` from ``submit`` (prompt outside the
 vocabulary or the context) and an ``InfeasibleError`` (KV can never fit) become ``InvalidRequest``;
 a ``RuntimeFailure`` at submission (no replica can serve) becomes ``Unavailable`` (503), one
-mid-stream becomes ``ServerError``.
+mid-stream ``ServerError``, or ``Overloaded`` (503) where a shutdown ended it (``fail_all``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from hetserve.runtime.params import SamplingParams
 from hetserve.runtime.snapshot import state_from_stats
 from hetserve.serve.backend import SampledToken
 from hetserve.policies.request_checks import RequestRefused
-from hetserve.serve.errors import InvalidRequest, ServerError, Unavailable, refusal
+from hetserve.serve.errors import InvalidRequest, Overloaded, ServerError, Unavailable, refusal
 
 
 class EngineBackend:
@@ -34,6 +34,7 @@ class EngineBackend:
         self.block_size = int(engine.config.block_size)
         self._handles: dict[str, object] = {}
         self._closed = False
+        self._ended: str | None = None  # why fail_all ended the requests in flight (a shutdown)
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                        replica: str | None = None, *, share_with: str | None = None) -> AsyncIterator[int]:
@@ -59,7 +60,8 @@ class EngineBackend:
                     i += 1
                     yield token
             except RuntimeFailure as exc:
-                raise ServerError(str(exc)) from exc
+                # ended by a shutdown (``fail_all``): the server's refusal, as a request arriving now gets
+                raise (Overloaded if self._ended is not None else ServerError)(str(exc)) from exc
         finally:
             self._handles.pop(request_id, None)
             if not handle.finished:
@@ -84,6 +86,7 @@ class EngineBackend:
 
     def fail_all(self, reason: str) -> None:
         """End every request in flight with ``reason`` (graceful shutdown past its drain timeout)."""
+        self._ended = reason
         self.engine.fail_all(reason)
 
     def link_stats(self) -> list:

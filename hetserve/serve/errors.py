@@ -109,13 +109,14 @@ class Overloaded(APIError):
 
 
 class Unavailable(Overloaded):
-    """No live replica can serve. It always says when to retry: a lost replica may come back (a
-    re-plan), and clients that honour ``Retry-After`` wait instead of failing at once."""
+    """No live replica can serve. Where a lost replica may come back (an operator's re-plan) it says
+    when to retry, and clients that honour ``Retry-After`` wait instead of failing at once; where
+    only a restart brings the server back (``comes_back`` False) it does not invite retries."""
     code = "unavailable"
     RETRY_AFTER_S = 5
 
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message, param, headers={"Retry-After": str(self.RETRY_AFTER_S)})
+    def __init__(self, message: str, param: str | None = None, comes_back: bool = True):
+        super().__init__(message, param, headers={"Retry-After": str(self.RETRY_AFTER_S)} if comes_back else None)
 
 
 class ServerError(APIError):

@@ -214,7 +214,9 @@ def build(opts: ServeOptions) -> Deployment:
 
         coordinator.replanner = Replanner(engine, opts.replan_workload, time_limit_s=opts.replan_time_limit_s,
                                           seed=opts.seed, on_failure=opts.replan_on_failure)
-    app = create_app(coordinator, auth=auth_of(opts), max_body_bytes=opts.max_body_bytes)
+    auth = auth_of(opts)
+    coordinator.admin_replan = bool(auth.admin_keys)
+    app = create_app(coordinator, auth=auth, max_body_bytes=opts.max_body_bytes)
     return Deployment(opts, plan, cluster, engine, links, coordinator, app, stats_dir, ray_session)
 
 

@@ -157,19 +157,28 @@ def test_hang_ups_in_the_queue_and_mid_stream_are_counted_with_their_tokens(serv
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_no_live_replica_is_503_with_retry_after_in_both_modes(server, stream):
-    url, backend, _, _ = server
+def test_no_live_replica_is_503_in_both_modes_and_asks_for_a_retry_only_where_it_can_come_back(serve_fake, stream):
+    """Without a re-plan an operator can reach (an admin key), only a restart brings the server back:
+    no ``Retry-After`` to invite retries that cannot succeed."""
+    url, backend, coord = serve_fake()
     before = _count(url, "hetserve_requests_total", endpoint="chat", outcome="unavailable")
     backend.dead.update({"r0", "r1"})
+
+    def ask():
+        return httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "stream": stream,
+                                                             "messages": [{"role": "user", "content": "hi"}]})
     try:
-        r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "stream": stream,
-                                                           "messages": [{"role": "user", "content": "hi"}]})
+        r = ask()
+        assert r.status_code == 503 and "retry-after" not in r.headers, (r.status_code, r.headers)
+        assert r.json()["error"]["code"] == "unavailable"
+        assert "serves again once the server is restarted" in r.json()["error"]["message"]  # no re-planner here
+        coord.replanner, coord.admin_replan = object(), True  # an operator's re-plan can bring it back
+        r = ask()
+        assert r.status_code == 503 and r.headers["retry-after"].isdigit(), (r.status_code, r.headers)
+        assert "POST /admin/replan" in r.json()["error"]["message"]
     finally:
         backend.dead.clear()
-    assert r.status_code == 503 and r.headers["retry-after"].isdigit(), (r.status_code, r.headers)
-    assert r.json()["error"]["code"] == "unavailable"
-    assert "serves again once the server is restarted" in r.json()["error"]["message"]  # no re-planner here
-    assert _count(url, "hetserve_requests_total", endpoint="chat", outcome="unavailable") == before + 1
+    assert _count(url, "hetserve_requests_total", endpoint="chat", outcome="unavailable") == before + 2
 
 
 @pytest.mark.parametrize("field, value, words", [("stream", "yes", "valid boolean"),

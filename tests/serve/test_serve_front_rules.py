@@ -116,8 +116,6 @@ class _Bytes:
         return []
 
 
-@pytest.mark.xfail(strict=True, reason="Coordinator.run reads stream.stopped only after push, not after "
-                                       "finish(): the change is the coordinator's")
 def test_a_stop_string_seen_only_in_the_flushed_tail_finishes_with_stop():
     """0xFF 0x06 then bytes that never complete a character: the stop string U+FFFD U+FFFD shows only
     when the held-back bytes are flushed; the text is cut there and the finish reason is "stop"."""

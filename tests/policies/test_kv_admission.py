@@ -107,10 +107,11 @@ def test_scheduler_preempts_the_latest_frees_its_blocks_and_requeues_it_for_reco
     from hetserve.runtime.sequence import Status
 
     sched = ReplicaScheduler("c0", "colocated", BlockManager(4, 4), num_stages=1, kv_admission="paged")
-    a, b, late = _seq(1, 4, 20), _seq(2, 4, 20), _seq(3, 4, 20)
+    # each fits the 16-token pool alone (4 + 12), not the three together
+    a, b, late = _seq(1, 4, 12), _seq(2, 4, 12), _seq(3, 4, 12)
     sched.waiting_q = deque([a, b, late])
     first = _run_step(sched, 1)
-    assert [s.id for s in first] == [1, 2, 3]  # paged: 1 block each at admission (reserve: 6 each)
+    assert [s.id for s in first] == [1, 2, 3]  # paged: 1 block each at admission (reserve: 4 each)
     assert sched.blocks.num_free_blocks == 1
     second = _run_step(sched, 2)  # each decode writes its 5th token: 3 new blocks, 1 free
     assert sched.last_preempted == [late] and [s.id for s in second] == [1, 2]
@@ -130,7 +131,7 @@ def test_a_preempting_step_admits_no_prompt():
     from hetserve.runtime.scheduler import ReplicaScheduler
 
     sched = ReplicaScheduler("c0", "colocated", BlockManager(6, 4), num_stages=1, kv_admission="paged")
-    a, b = _seq(1, 4, 20), _seq(2, 8, 20)
+    a, b = _seq(1, 4, 20), _seq(2, 8, 16)  # each fits the 24-token pool alone
     sched.waiting_q = deque([a, b])
     _run_step(sched, 1)  # a: 1 block, b: 2 blocks; 3 free
     sched.waiting_q.append(_seq(3, 4, 2))

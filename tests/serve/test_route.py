@@ -102,7 +102,9 @@ def backends():
     b = Backends()
     b.start([("b0", "colocated"), ("b1", "colocated"), ("b2", "colocated"),
              ("p0", "prefill"), ("d0", "decode"), ("d1", "decode"), ("s0", "colocated", 0.3, 0.01)])
-    b.start([("s1", "colocated", 0.3, 0.01)], process=True)  # the one a test kills
+    # the one a test kills: its first byte takes 3 s, so none of its requests can have streamed when
+    # the kill comes (0.15 s in, later on a loaded machine), however late
+    b.start([("s1", "colocated", 3.0, 0.01)], process=True)
     yield b
     b.stop()
 
@@ -252,7 +254,7 @@ def test_killed_backend_loses_no_request_that_had_not_streamed(backends, tmp_pat
                                  json={"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": True})
                 return r.status_code, r.text
             tasks = [asyncio.create_task(one(i)) for i in range(40)]
-            await asyncio.sleep(0.15)  # s1 holds requests that have not streamed (its first byte takes 0.3 s)
+            await asyncio.sleep(0.15)  # s1 holds requests that have not streamed (its first byte takes 3 s)
             await asyncio.to_thread(backends.kill, "s1")
             return await asyncio.gather(*tasks)
     try:

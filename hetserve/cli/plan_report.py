@@ -100,6 +100,8 @@ def print_plan(console, plan) -> None:
         console.print(f"note: {e['notes']}")
     if e.get("pricing"):
         console.print(_priced_by(e["pricing"]))
+    if e.get("calibration"):
+        console.print(f"efficiencies: the {e['calibration']}")
 
 
 def _priced_by(pricing: dict) -> str:

@@ -96,10 +96,15 @@ def test_a_calibration_of_another_gpu_type_is_pointed_out(tmp_path, capsys):
     cal.write_text(json.dumps({"gpu": "H100-SXM-80G", "efficiency": {},
                                "measured_on": {"device": "AMD EPYC", "date": "2026-11-30 13:46 UTC"}}))
     args = ["plan", "--cluster", "demo-cpu", "--model", "llama-2-7b", "--algorithm", "uniform", "--quiet"]
-    assert main(args + ["--efficiency", str(cal)]) == 0
-    out = capsys.readouterr().out.replace("\n", " ")
+    saved = tmp_path / "plan.json"
+    assert main(args + ["--efficiency", str(cal), "-o", str(saved)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
     assert "calibrated as H100-SXM-80G (measured on AMD EPYC, 2026-11-30 13:46 UTC)" in out
     assert "L4, RTX-4090" in out
+    # the plan says whose efficiencies priced it, on screen and in the file
+    mark = f"cost model calibrated by {cal} (measured on AMD EPYC, 2026-11-30 13:46 UTC)"
+    assert f"efficiencies: the {mark}" in out
+    assert json.loads(saved.read_text())["estimate"]["calibration"] == mark
     cal.write_text(json.dumps({"gpu": "L4", "efficiency": {}}))
     assert main(args + ["--efficiency", str(cal)]) == 0
     assert "calibrated as" not in capsys.readouterr().out

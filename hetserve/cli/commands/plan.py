@@ -141,6 +141,10 @@ def run(args: argparse.Namespace) -> int:
             from hetserve.export.rules import refuse_unless_runnable
             refuse_unless_runnable(plan, args.engine)  # the search's filter missed a rule: say so, write nothing
             plan = replace(plan, estimate={**plan.estimate, "engine": args.engine})
+        if args.efficiency:  # the roofline's efficiencies are a calibration's: the plan says whose, where and when
+            from hetserve.calibration.file import timings_source
+
+            plan = replace(plan, estimate={**plan.estimate, "calibration": timings_source(args.efficiency)})
         for w in network_warnings(plan, cluster, model):
             console.print(f"[yellow]warning[/]: {name}: {w}")
         plans.append(plan)

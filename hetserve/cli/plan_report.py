@@ -73,8 +73,10 @@ def print_plan(console, plan) -> None:
            f"{search.get('stopped_by')}; the alternatives and the bound included)" if search else ""))
     ub = e.get("upper_bound_tokens_per_s")
     if ub:
+        scope = (f"no placement within ${e['budget_usd_per_hour']:,.2f}/h" if "budget_usd_per_hour" in e
+                 else "no placement of this pool")
         console.print(f"{100 * e.get('throughput_tokens_per_s', 0) / ub:.1f} % of the bound: "
-                      f"no placement of this pool exceeds {ub:,.1f} tokens/s{within_slo} under the cost model "
+                      f"{scope} exceeds {ub:,.1f} tokens/s{within_slo} under the cost model "
                       f"(group-column and per-device relaxations, planner/bound/throughput.py; its solver ran "
                       f"{e.get('upper_bound_wall_s', 0):.2g} s)")
         if e.get("upper_bound_cut_short"):
@@ -85,7 +87,9 @@ def print_plan(console, plan) -> None:
         console.print(f"goodput {e['goodput_requests_per_s']:,.3f} requests/s within TTFT ≤ {slo.get('ttft_s')} s, "
                       f"TPOT ≤ {slo.get('tpot_s')} s (estimate: M/D/1 prefill queue, decode batch within the TPOT)")
     if "budget_usd_per_hour" in e:
-        console.print(f"budget ${e['budget_usd_per_hour']:,.2f}/h: plan uses ${usd or 0:,.2f}/h")
+        whose = ("the cheapest budget tried that serves the rate" if "rate_requests_per_s" in e
+                 else "budget")  # --objective cost searches budgets: none was given
+        console.print(f"{whose} ${e['budget_usd_per_hour']:,.2f}/h: plan uses ${usd or 0:,.2f}/h")
     if "rate_requests_per_s" in e:
         console.print(f"cheapest found for {e['rate_requests_per_s']:g} requests/s: ${usd or 0:,.2f}/h "
                       f"(no subset can cost less than ${e['min_cost_bound_usd_per_hour']:,.2f}/h: planner/bound/min_cost.py)")

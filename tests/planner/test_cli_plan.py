@@ -121,3 +121,13 @@ def test_time_limit_help_says_what_runs_past_the_limit(capsys):
     assert "--time-limit S seconds for one plan search (default 110; each --compare algorithm has its own)" in text
     assert "--objective cost: each budget tried is such a search with the full limit" in text
     assert "--explain: a quick re-plan per what-if, each up to the limit" in text
+
+
+def test_a_cost_plan_names_its_budget_as_the_one_it_searched_and_its_bound_as_within_it(capsys):
+    """``--objective cost`` is given no budget: the one printed is the cheapest the search tried
+    that serves the rate, and the bound beside it is of placements within that budget."""
+    assert main(["plan", "--cluster", "demo-cpu", "--model", "llama-2-7b", "--objective", "cost", "--rate", "0.5",
+                 "--slo-ttft", "5", "--slo-tpot", "0.5", "--time-limit", "3", "--quiet"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the cheapest budget tried that serves the rate $" in out
+    assert "% of the bound: no placement within $" in out and "no placement of this pool" not in out

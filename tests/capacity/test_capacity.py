@@ -121,6 +121,16 @@ def test_cli_capacity_refuses_an_unhostable_degree_before_printing(capsys):
     assert rc == 2 and "1, 2, 4, 8" in err and "worker configuration" not in out
 
 
+def test_cli_capacity_says_when_requests_past_the_context_are_left_out(capsys):
+    """Its means are of the requests within the model's context: they differ from the trace's, and it says why."""
+    from hetserve.cli.main import main
+
+    rc = main(["capacity", "--gpu", "A100-SXM-80G", "--model", "llama-2-7b", "--workload", "azure-conv",
+               "--rate", "5", "--slo-ttft", "2", "--slo-tpot", "0.2", "--method", "fluid"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 0 and "of 19366 requests exceed llama-2-7b's context of 4096 tokens; sized for the" in out
+
+
 def test_worker_law_round_off_prints_as_zero():
     from hetserve.cli.commands.capacity import _tidy
 

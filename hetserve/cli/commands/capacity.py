@@ -87,10 +87,14 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     slo = SLO(args.slo_ttft, args.slo_tpot)
     rates = _rates(args)
-    base = load_workload(args.workload, seed=args.seed).within_context(model.max_context)
+    whole = load_workload(args.workload, seed=args.seed)
+    base = whole.within_context(model.max_context)
     if not len(base):
         raise SpecError(args.workload, "(requests)", f"requests within {model.name}'s context of "
                         f"{model.max_context} tokens", "none")
+    if len(base) < len(whole):  # the means below are of these: say why they differ from the trace's
+        console.print(f"note: {len(whole) - len(base)} of {len(whole)} requests exceed {model.name}'s context of "
+                      f"{model.max_context} tokens; sized for the {len(base)} that fit", highlight=False)
     mi, mo = base.mean_input, base.mean_output
     intra = None
     if args.cluster:

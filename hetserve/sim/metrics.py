@@ -223,5 +223,8 @@ class SimResult:
         self.to_csv(written[1])
         if plots:
             from hetserve.sim.plots import plot_latency_cdfs
-            written.append(plot_latency_cdfs({"simulated": self}, out / "latency_cdf.png"))
+            source = (summary or {}).get("timings", {}).get("source")  # the caller's, with its calibration
+            written.append(plot_latency_cdfs({"simulated": self}, out / "latency_cdf.png",
+                                             f"simulated latency (discrete-event simulator; times from the {source})"
+                                             if source else None))
         return written

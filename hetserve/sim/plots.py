@@ -18,13 +18,20 @@ def _plt():
     return plt
 
 
-def plot_latency_cdfs(results: Mapping[str, "SimResult"], path: str | Path,
-                      title: str = "simulated latency (discrete-event simulator, analytic cost model)") -> Path:
+def plot_latency_cdfs(results: Mapping[str, "SimResult"], path: str | Path, title: str | None = None) -> Path:
     """CDFs of TTFT, TPOT and E2E, one line per labelled result; the title says where the figures
-    come from (simulated, not measured)."""
+    come from (simulated, and by default how the cost model priced each GPU type)."""
+    import textwrap
+
+    if title is None:
+        from hetserve.cost.kernel_pricing import describe_pricing
+
+        pricing = next(iter(results.values())).info.get("pricing") if results else None
+        title = "simulated latency (discrete-event simulator; cost model" + (
+            f": {describe_pricing(pricing)})" if pricing else ")")
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, 150), fontsize=9)
     for label, res in results.items():
         for ax, (name, x) in zip(axes, (("TTFT", res.ttft), ("TPOT", res.tpot), ("E2E", res.e2e))):
             x = np.sort(x[np.isfinite(x)])

@@ -328,6 +328,8 @@ def simulator_for(plan, cluster, spec, requests, opts: CompareOptions, cfg, pool
 
 def plot_cdfs(c: Comparison, path: str | Path) -> Path:
     """One figure: served and simulated CDFs of TTFT, TPOT and E2E (one panel each)."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -344,7 +346,8 @@ def plot_cdfs(c: Comparison, path: str | Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of requests")
     axes[0].legend(loc="lower right")
-    fig.suptitle(f"served vs simulated ({c.info['requests']} requests; {c.info['simulated_source']})", fontsize=9)
+    fig.suptitle(textwrap.fill(f"served vs simulated ({c.info['requests']} requests; {c.info['simulated_source']})",
+                               150), fontsize=9)  # wrapped: a calibration's source runs past the figure's width
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

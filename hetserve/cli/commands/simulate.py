@@ -343,8 +343,11 @@ def print_summary(console, s: dict, title: str, source: str | None = None) -> No
                        ("simulated in", f"{s['run']['wall_s']:.2f} s ({s['run']['events']} events)")):
         tot.add_row(label, val)
     console.print(tot)
-    reps = Table()
-    for col in ("replica", "role", "GPUs", "requests", "utilisation", "KV mean", "KV peak"):
+    # a continuous batch under light load still holds a request nearly all the time: say so, or
+    # 1.00 reads as saturated
+    reps = Table(caption="busy: share of the run with a request in hand (not how full its batches were); "
+                         "KV: share of the pool in use")
+    for col in ("replica", "role", "GPUs", "requests", "busy", "KV mean", "KV peak"):
         reps.add_column(col, justify="right" if col not in ("replica", "role") else "left")
     for rid, r in s["replicas"].items():
         reps.add_row(rid, r["role"], str(r["devices"]), str(r["requests"]), f"{r['utilisation']:.2f}",

@@ -139,3 +139,23 @@ def test_compare_scales_the_calibration_by_the_machine_speed_it_reads_while_serv
         assert row["ratio"] == pytest.approx(row["simulated"] / row["served"])
     assert again["table"]["ttft_s.mean"]["simulated"] == pytest.approx(sum(again["per_request"]["ttft_s"]) / 4)
     assert "served twice" in flat and "served again / served" in flat
+
+
+@pytest.mark.parametrize("again_ratio, words", [(1.0, "bounds how close any prediction of one can be"),
+                                                 (0.7, "this machine's speed moved between them")])
+def test_served_twice_reads_the_second_run_as_the_counts_say(capsys, again_ratio, words):
+    """Where the second served run lies further from the first than the simulation does, the machine
+    moved between the runs: the line says so instead of calling the runs' spread a bound."""
+    from rich.console import Console
+
+    from hetserve.calibration.compare import Comparison
+    from hetserve.calibration.compare_report import print_table
+
+    table = {"ttft_s.mean": {"served": 0.1, "simulated": 0.1, "ratio": 1.0},
+             "tpot_s.mean": {"served": 0.01, "simulated": 0.0105, "ratio": 1.05}}
+    again = {k: {**v, "ratio": again_ratio} for k, v in table.items()}
+    c = Comparison(table, {}, {}, {"load_avg_1m": [1.0, 1.0], "simulated_source": "cost model",
+                                   "served_again": {"table": again}})
+    print_table(c, Console(width=400))
+    out = capsys.readouterr().out
+    assert words in out and "simulation in 2" in out

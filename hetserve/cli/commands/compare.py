@@ -48,7 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from hetserve.calibration.compare import CompareOptions, compare, print_table
+    from hetserve.calibration.compare import CompareOptions, compare
+    from hetserve.calibration.compare_report import print_table
     from hetserve.errors import RuntimeFailure
     from hetserve.planner.plan import Plan
 

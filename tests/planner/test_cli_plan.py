@@ -90,8 +90,9 @@ def test_a_plan_that_serves_nothing_is_refused_naming_the_link(tmp_path, capsys)
     assert not out.exists()
 
 
-def test_a_calibration_of_another_gpu_type_is_pointed_out(tmp_path, capsys):
+def test_a_calibration_of_another_gpu_type_is_pointed_out(tmp_path, capsys, monkeypatch):
     """--efficiency from a calibration made as a GPU type the pool lacks: planned with, and said."""
+    monkeypatch.setenv("COLUMNS", "1000")  # rich folds a long path mid-word at the terminal's width
     cal = tmp_path / "cal.json"
     cal.write_text(json.dumps({"gpu": "H100-SXM-80G", "efficiency": {},
                                "measured_on": {"device": "AMD EPYC", "date": "2026-11-30 13:46 UTC"}}))

@@ -21,12 +21,16 @@ class SpecError(HetserveError, ValueError):
     """Malformed input file or value.
 
     ``source`` is the file (or preset name), ``field`` the dotted path inside it and
-    ``expected`` what would have been accepted.
+    ``expected`` what would have been accepted. An option's error (``source`` the option, ``field``
+    ``OPTION``) names the option alone.
     """
+
+    OPTION = "(option)"
 
     def __init__(self, source: str, field: str, expected: str, got: object = None):
         self.source, self.field, self.expected, self.got = source, field, expected, got
-        msg = f"{source}: field '{field}': expected {expected}"
+        where = "" if field == self.OPTION else f"field '{field}': "
+        msg = f"{source}: {where}expected {expected}"
         if got is not None:
             msg += f", got {got!r}"
         super().__init__(msg)

@@ -56,7 +56,7 @@ def check_host(host: str) -> str:
     try:
         return check_bind_address(host, "--host")
     except ValueError as exc:
-        raise SpecError("--host", "(option)", "one address of this machine that clients reach (e.g. 10.0.0.5 "
+        raise SpecError("--host", SpecError.OPTION, "one address of this machine that clients reach (e.g. 10.0.0.5 "
                         "or 127.0.0.1), not every interface", host) from exc
 
 

@@ -412,3 +412,12 @@ def test_an_efficiency_fraction_out_of_range_names_file_and_field(content, field
     code, err = run(["plan", "--cluster", "demo-cpu", "--model", "llama-2-7b", "--efficiency",
                      str(tmp_path / "e.json")], capsys)
     assert code == 2 and len(err) == 1 and "e.json" in err[0] and field in err[0] and "1e-18, 1]" in err[0], err
+
+
+def test_an_options_error_names_the_option_alone():
+    """A refused option is not a file with fields: '--x: expected ...', not "--x: field '(option)': ..."."""
+    from hetserve.errors import SpecError
+
+    assert str(SpecError("--chunk-tokens", SpecError.OPTION, "a chunked prefill mode", 64)) == \
+        "--chunk-tokens: expected a chunked prefill mode, got 64"
+    assert str(SpecError("c.yaml", "machines", "a list")) == "c.yaml: field 'machines': expected a list"

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
         named = probe_options(args)
         if named:  # a fit of measured files runs no probe: these would be dropped unseen
-            raise SpecError("--profiles", "(option)", "no probe options beside it (it fits the kernel costs to the "
+            raise SpecError("--profiles", SpecError.OPTION, "no probe options beside it (it fits the kernel costs to the "
                             "measured files and runs nothing); drop " + ", ".join(named), " ".join(named))
         if not args.output:
             raise SpecError("(command line)", "--output", "a file for the fitted kernel costs (with --profiles)")
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
         spec = load_model(args.model)
         if max(args.prompt_lengths) + args.decode_tokens > spec.max_context:
-            raise SpecError("--prompt-lengths", "(option)", f"prompts that leave {args.decode_tokens} decode tokens "
+            raise SpecError("--prompt-lengths", SpecError.OPTION, f"prompts that leave {args.decode_tokens} decode tokens "
                             f"within {args.model}'s context of {spec.max_context} tokens",
                             ",".join(map(str, args.prompt_lengths)))
     if args.output:

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_chunk_tokens(args, args.prefill_mode)
     if args.speed_weight != SPEED_WEIGHT and not args.speed_correction:
-        raise SpecError("--speed-weight", "(option)", "the speed correction it weighs; drop --speed-weight or "
+        raise SpecError("--speed-weight", SpecError.OPTION, "the speed correction it weighs; drop --speed-weight or "
                         "--no-speed-correction", args.speed_weight)
     plan = Plan.load(args.plan)  # input errors first, in one line
     check_model_dir(args.model)  # a folder, never a hub name looked up online

@@ -44,10 +44,10 @@ def _refuse_idle_options(args: argparse.Namespace) -> None:
         if value is None:
             continue
         if args.kind not in kinds:
-            raise SpecError(option, "(option)", f"describe {' / '.join(kinds)} beside it (it sets {what}); "
+            raise SpecError(option, SpecError.OPTION, f"describe {' / '.join(kinds)} beside it (it sets {what}); "
                             f"drop {option}", f"{value} with describe {args.kind}")
         if args.name is None:  # listing the presets: nothing for it to act on either
-            raise SpecError(option, "(option)", f"a {args.kind} to describe beside it (without one, describe "
+            raise SpecError(option, SpecError.OPTION, f"a {args.kind} to describe beside it (without one, describe "
                             f"lists the presets); drop {option} or name the {args.kind}", value)
 
 

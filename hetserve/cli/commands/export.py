@@ -41,9 +41,9 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.errors import SpecError
 
     if not 1 <= args.ray_port <= 65000:
-        raise SpecError("--ray-port", "(option)", "a port in [1, 65000]", str(args.ray_port))
+        raise SpecError("--ray-port", SpecError.OPTION, "a port in [1, 65000]", str(args.ray_port))
     if args.ray_port != RAY_PORT and args.to == "sglang":  # only the hetserve and vLLM bundles start Ray
-        raise SpecError("--ray-port", "(option)", "--to hetserve or vllm (an SGLang bundle starts no Ray head); "
+        raise SpecError("--ray-port", SpecError.OPTION, "--to hetserve or vllm (an SGLang bundle starts no Ray head); "
                         "drop --ray-port", str(args.ray_port))
     # the folder before the plan is read; an earlier bundle there is removed only once the new one is built
     earlier = check_bundle_folder(args.output, args.force)

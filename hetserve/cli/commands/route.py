@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         urls = [u.strip() for u in args.backends.split(",") if u.strip()]
         if not urls:
-            raise SpecError("--backends", "(option)", "one or more backend URLs separated by commas", args.backends)
+            raise SpecError("--backends", SpecError.OPTION, "one or more backend URLs separated by commas", args.backends)
         config = config_from_urls(urls)
     key = None
     if args.backend_api_key_file:  # one key, from a file only its owner can read (as serve's key files)

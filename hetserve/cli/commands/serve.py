@@ -126,7 +126,7 @@ def check_chunk_tokens(args: argparse.Namespace, prefill_mode: str) -> None:
     from hetserve.errors import SpecError
 
     if args.chunk_tokens is not None and prefill_mode != "chunked":
-        raise SpecError("--chunk-tokens", "(option)", "--prefill-mode chunked beside it (the other modes take whole "
+        raise SpecError("--chunk-tokens", SpecError.OPTION, "--prefill-mode chunked beside it (the other modes take whole "
                         "prompts); drop --chunk-tokens", f"{args.chunk_tokens} with --prefill-mode {prefill_mode}")
 
 
@@ -152,7 +152,7 @@ def check_idle_options(args: argparse.Namespace, plan) -> None:
              ("--slo-tpot", args.slo_tpot, aladdin, "--placement or --route aladdin (the SLO it places by)")]
     for option, value, acts, needed in needs:
         if value is not None and not acts:
-            raise SpecError(option, "(option)", f"{needed} beside it; drop {option} or add what it needs", value)
+            raise SpecError(option, SpecError.OPTION, f"{needed} beside it; drop {option} or add what it needs", value)
     colocated_only = [f"--prefill-mode {args.prefill_mode}"] if args.prefill_mode == "chunked" else []
     idle = idle_plan_option(plan, args.plan, route=args.route, colocated_only=colocated_only)
     if idle is not None:
@@ -168,7 +168,7 @@ def token_budget_of(args: argparse.Namespace) -> int:
     budget = args.max_batched_tokens if args.max_batched_tokens is not None else DEFAULT_BATCHING.token_budget
     rule = token_budget_rule(budget, args.max_num_seqs, "--max-num-seqs", "--prefill-mode chunked --chunk-tokens")
     if rule is not None:
-        raise SpecError("--max-batched-tokens", "(option)", rule, budget)
+        raise SpecError("--max-batched-tokens", SpecError.OPTION, rule, budget)
     return budget
 
 

@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
                              "--max-batch" if args.max_batch else "the cost model's batch cap (--max-batch)",
                              "--prefill-mode chunked --chunk-tokens")
     if rule is not None:
-        raise SpecError("--token-budget", "(option)", rule, args.token_budget)
+        raise SpecError("--token-budget", SpecError.OPTION, rule, args.token_budget)
     wl = load_workload(args.workload, seed=args.seed)
     if args.workload_class:
         wl = wl.of_class(args.workload_class)

@@ -59,10 +59,10 @@ def reconfigure(engine, plan: Plan, cluster: Cluster) -> dict[str, Any]:
     device_of = {d: f"cuda:{i % n_gpu}" if n_gpu else "cpu" for i, d in enumerate(merged.devices)}
     layout = build_layout(merged, cluster, engine.arch, device_of, source="re-plan")
     added = tuple(r for r in layout if r.id not in keep.values())
-    capacity = kv_capacity(added, cluster, engine.arch, engine.dtype, engine.config,
-                           memory_is_real(device_of, cluster, engine._use_cuda)) if added else {}
+    pools = kv_capacity(added, cluster, engine.arch, engine.dtype, engine.config,
+                        memory_is_real(device_of, cluster, engine._use_cuda)) if added else {}
     cfg = engine.config
-    schedulers = [scheduler_for(r, capacity[r.id], cfg) for r in added]
+    schedulers = [scheduler_for(r, pools[r.id].tokens, cfg) for r in added]
     if not added and not keep:
         raise PlanError("re-plan: the new plan has no replica")
 
@@ -100,6 +100,7 @@ def reconfigure(engine, plan: Plan, cluster: Cluster) -> dict[str, Any]:
     t_end = time.monotonic()
     engine.plan, engine.layout, engine.cluster = merged, layout, cluster
     engine.replicas = {r.id: r for r in layout}
+    engine.kv_sizing.update(pools)
     record = {"kept": sorted(keep.values()), "retired": retire, "added": [r.id for r in added], "roles": changed,
               "retire_s": t_retired - t0, "start_s": t_started - t_retired, "activate_s": t_end - t_started,
               "total_s": t_end - t0}

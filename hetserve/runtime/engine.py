@@ -37,7 +37,7 @@ from hetserve.policies.request_checks import check_context, check_kv_fits, check
 from hetserve.runtime.workers.auth import LinkSecurity, deployment_secret
 from hetserve.runtime.engine_loop import EngineLoop
 from hetserve.runtime.deployment import build_layout
-from hetserve.runtime.engine_config import (EngineConfig, check_dtype, kv_capacity, largest_message_bytes,
+from hetserve.runtime.engine_config import (EngineConfig, KVPool, check_dtype, kv_capacity, largest_message_bytes,
                                             memory_is_real, scheduler_for, worker_threads)
 from hetserve.runtime.handle import RequestHandle
 from hetserve.runtime.kernels import native
@@ -120,11 +120,11 @@ class Engine:
         check_dtype(dtype, set(device_of.values()))
         layout = build_layout(plan, cluster, arch, device_of, source=f"plan for {plan.model!r}",
                               checkpoint=str(model_dir))
-        capacity = kv_capacity(layout, cluster, arch, dtype, config, memory_is_real(device_of, cluster, use_cuda))
+        pools = kv_capacity(layout, cluster, arch, dtype, config, memory_is_real(device_of, cluster, use_cuda))
         check_weights(model_dir)  # a missing checkpoint is reported here, not by every worker
-        engine = cls(plan, layout, arch, str(model_dir), dtype, capacity, config,
+        engine = cls(plan, layout, arch, str(model_dir), dtype, {r: p.tokens for r, p in pools.items()}, config,
                      route_policy or PlanRoutes(plan), link_scheduler, shaper)
-        engine.cluster, engine._use_cuda = cluster, use_cuda
+        engine.cluster, engine._use_cuda, engine.kv_sizing = cluster, use_cuda, pools
         # workers started here share this host; a launcher's (Ray) run on the cluster's machines
         host_of = (lambda d: cluster.device(d).machine) if devices is not None else (lambda d: "here")
         engine.threads = worker_threads(layout, config, host_of)
@@ -163,6 +163,7 @@ class Engine:
         self.cluster: Cluster | None = None
         self._use_cuda = False
         self.threads: dict[str, int] = {}  # worker name -> its torch threads (set by from_plan)
+        self.kv_sizing: dict[str, KVPool] = {}  # replica id -> its KV pool as sized, and why (from_plan, re-plans)
         self._closed = False
         self._close_lock = threading.Lock()
         self._thread = threading.Thread(target=self.loop.run, name="hetserve-engine-loop", daemon=True)

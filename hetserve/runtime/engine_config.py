@@ -116,9 +116,20 @@ def memory_is_real(device_of: dict[str, str], cluster: Cluster, use_cuda: bool) 
     return use_cuda and len(gpus) == len(device_of)
 
 
+@dataclass(frozen=True)
+class KVPool:
+    """One replica's KV pool as sized: ``tokens`` (whole blocks), and why that size (``how``):
+    "asked" (``kv_capacity_tokens``), "memory" (what the cluster file's memory leaves, ``room``
+    tokens) or "capped" (``default_kv_tokens``: that memory is not what the workers have)."""
+
+    tokens: int
+    how: str
+    room: int
+
+
 def kv_capacity(layout: tuple[ReplicaSpec, ...], cluster: Cluster, arch: ArchConfig, dtype: str,
-                config: EngineConfig, memory_is_real: bool) -> dict[str, int]:
-    """KV tokens per replica: asked for (checked against memory) or what memory allows, capped at
+                config: EngineConfig, memory_is_real: bool) -> dict[str, KVPool]:
+    """KV pool per replica: asked for (checked against memory) or what memory allows, capped at
     ``config.default_kv_tokens`` unless ``memory_is_real`` (every device a GPU of its own: on CPU, or
     with plan devices sharing a GPU, the cluster file's memory is not what the workers have)."""
     fit = check_memory(layout, cluster, arch, dtype, config.memory_fraction)
@@ -129,15 +140,16 @@ def kv_capacity(layout: tuple[ReplicaSpec, ...], cluster: Cluster, arch: ArchCon
             asked = asked.get(r.id)
         if asked is None:
             tokens = fit[r.id] if memory_is_real else min(fit[r.id], config.default_kv_tokens)
+            how = "memory" if tokens == fit[r.id] else "capped"
         elif asked > fit[r.id]:
             raise PlanError(f"replica {r.id}: a KV pool of {asked} tokens does not fit next to its weights "
                             f"(at most {fit[r.id]} tokens on its smallest device)")
         else:
-            tokens = asked
+            tokens, how = asked, "asked"
         blocks = tokens // config.block_size
         if blocks < 1:
             raise PlanError(f"replica {r.id}: room for {tokens} KV tokens, less than one block of {config.block_size}")
-        out[r.id] = blocks * config.block_size
+        out[r.id] = KVPool(blocks * config.block_size, how, fit[r.id])
     return out
 
 

@@ -34,7 +34,6 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from hetserve.errors import HetserveError
-from hetserve.planner.plan import serves_decode
 from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
 from hetserve.serve.choices import LogprobWriter, collect, prompt_entries, share_prompts, sse
 from hetserve.serve.coordinator import Coordinator, Prepared
@@ -186,7 +185,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
         return JSONResponse(body, status_code=503 if status in ("unavailable", "draining") else 200)
 
     def card() -> ModelCard:
-        return ModelCard(id=c.model_name, created=started, max_model_len=usable_context(c))
+        return ModelCard(id=c.model_name, created=started, max_model_len=c.usable_context())
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
@@ -349,14 +348,6 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
 
     app.state.started = time.time()
     return app
-
-
-def usable_context(c: Coordinator) -> int:
-    """The most tokens (prompt + completion) one request can use: the model's context, capped by the
-    largest KV pool of a live replica that decodes (where prompt and completion are held together),
-    in whole tokens. The context alone where no pool is known (every replica down: nothing serves)."""
-    pools = [tokens for role, tokens in c.kv_pools() if serves_decode(role)]
-    return min(c.max_context, int(max(pools))) if pools else c.max_context
 
 
 def running_usage(body, req: Prepared) -> Usage | None:

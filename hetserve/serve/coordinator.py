@@ -113,6 +113,14 @@ class Coordinator:
                "or restarts the server" if self.comes_back() else "the server is restarted")
         return f"no live replica can serve this request (every replica lost a worker); it serves again once {how}"
 
+    def usable_context(self, pools: list[tuple[str, float]] | None = None) -> int:
+        """The most tokens (prompt + completion) one request can use: the model's context, capped by the
+        largest KV pool of a live replica that decodes (where prompt and completion are held together).
+        The context alone where no pool is known (every replica down: nothing serves). ``pools``: the
+        caller's ``kv_pools()``, where it holds them already."""
+        decoding = [tokens for role, tokens in (self.kv_pools() if pools is None else pools) if serves_decode(role)]
+        return min(self.max_context, int(max(decoding))) if decoding else self.max_context
+
     def comes_back(self) -> bool:
         """Whether a server with no live replica can serve again without a restart: an operator's
         re-plan (POST /admin/replan) is reachable."""
@@ -151,21 +159,16 @@ class Coordinator:
         ``ContextLengthExceeded`` for what the engine would refuse (``policies.request_checks``, the
         engine's and the simulator's rules: the context, then the KV pools).
 
-        ``max_tokens`` None takes ``default_max_tokens``, or (if that is None too) the room left
-        in the context and in the largest live decoding KV pool. ``max_tokens`` 0 scores the prompt only: the engine runs its prefill and one
-        token (which nobody sees), so ``prompt_logprobs`` come back with no completion.
+        ``max_tokens`` None takes ``default_max_tokens``, or (if that is None too) the room
+        ``usable_context`` leaves. ``max_tokens`` 0 scores the prompt only: the engine runs its prefill
+        and one token (which nobody sees), so ``prompt_logprobs`` come back with no completion.
         """
         score_only = max_tokens == 0
         if score_only:
             max_tokens, ignore_eos, min_tokens = 1, True, 0
         pools = self.kv_pools()
         if max_tokens is None:
-            room = self.max_context - len(ids)
-            # the room left where it can decode: the largest live decoding pool, as check_kv_fits counts
-            decoding = [cap for role, cap in pools if serves_decode(role)]
-            if decoding:
-                room = min(room, int(max(decoding)) - len(ids))
-            room = max(1, room)
+            room = max(1, self.usable_context(pools) - len(ids))
             max_tokens = min(default_max_tokens, room) if default_max_tokens is not None else room
         try:
             check_request(len(ids), max_tokens, self.max_context, pools, getattr(self.backend, "block_size", 1),

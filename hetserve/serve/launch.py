@@ -286,30 +286,19 @@ def start_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 0) -> 
 
 def kv_pools(deployment: Deployment) -> list[tuple[str, str, int, str]]:
     """(replica id, role, KV pool in tokens, where that size comes from) per replica of the running
-    engine, as ``runtime.engine_config.kv_capacity`` sized it: ``--kv-capacity``; else what the
-    cluster file's memory of the replica's tightest device leaves beside its weights and activation
-    buffers (the planner's memory rule at ``memory_fraction``), used as it is only where every plan
-    device is a GPU of its own, otherwise capped at ``default_kv_tokens`` (on CPU, or with plan
-    devices sharing a GPU, the cluster file's memory is not what the workers have)."""
-    from hetserve.runtime.deployment import check_memory
-
-    engine, opts = deployment.engine, deployment.opts
+    engine, as ``runtime.engine_config.kv_capacity`` sized it (``Engine.kv_sizing``)."""
+    engine, asked = deployment.engine, deployment.opts.kv_capacity_tokens
     config = engine.config
-    asked = opts.kv_capacity_tokens
-    try:
-        fit = check_memory(engine.layout, deployment.cluster, engine.arch, engine.dtype, config.memory_fraction)
-    except Exception:  # noqa: BLE001 - a source left unknown must not stop a server that started
-        fit = {}
     out = []
     for rid, sched in engine.schedulers.items():
         tokens = int(sched.blocks.capacity_tokens)
-        room = fit.get(rid)
-        if asked is not None:
-            source = f"--kv-capacity {asked}" + (f", in whole blocks of {config.block_size}" if tokens != asked else "")
-        elif room is None:
+        pool = getattr(engine, "kv_sizing", {}).get(rid)
+        if pool is None:
             source = "source unknown"
-        elif tokens < room // config.block_size * config.block_size:
-            source = (f"the default cap ({config.default_kv_tokens}; the cluster file's memory, room for {room}, "
+        elif pool.how == "asked":
+            source = f"--kv-capacity {asked}" + (f", in whole blocks of {config.block_size}" if tokens != asked else "")
+        elif pool.how == "capped":
+            source = (f"the default cap ({config.default_kv_tokens}; the cluster file's memory, room for {pool.room}, "
                       "is not what the workers have: CPU, or plan devices sharing a GPU)")
         else:
             source = (f"the cluster file's device memory x {config.memory_fraction:g} less weights and "

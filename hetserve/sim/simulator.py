@@ -108,9 +108,6 @@ class Simulator:
         self.by_id = {r.id: r for r in self.replicas}
         # every replica's role and KV pool: what a request is checked against when it arrives
         self._pools = [(r.role, r.kv_capacity) for r in self.replicas]
-        # placement filters its candidates by what their pools can hold only where a request could
-        # exceed the smallest (``able_to_hold``): a request's reservation is at most its prompt,
-        # output and one block more
         self._smallest_pool = min((cap for _, cap in self._pools), default=0)
         self.hosts = HostContention(self.replicas, cluster, self.loop, opts.contention_slowdown,
                                     FrontEndCost(opts.frontend_request_cpu_s, opts.frontend_step_cpu_s,
@@ -220,12 +217,18 @@ class Simulator:
         info = RequestInfo(rid, r.arrival[rid], r.inp[rid], pred)
         snaps = self._snaps
         cands = snaps.states() if snaps is not None else [e.state(True) for e in self.entry]
-        if r.inp[rid] + r.out[rid] + self.limits.block_size > self._smallest_pool:
+        if self._may_not_fit(rid):
             cands = able_to_hold(cands, r.inp[rid], r.out[rid], self.limits.block_size)
         chosen = self.by_id[self.placement.choose(info, cands, self.loop.now)]
         r.prefill_rep[rid] = chosen.index
         chosen.place(rid)
         self._touch(chosen)
+
+    def _may_not_fit(self, rid: int) -> bool:
+        """Whether request ``rid`` could exceed some replica's pool: its reservation is at most its
+        prompt, output and one block more (placement filters by ``able_to_hold`` only then)."""
+        r = self.req
+        return r.inp[rid] + r.out[rid] + self.limits.block_size > self._smallest_pool
 
     def _touch(self, rep: Replica) -> None:
         if self._snaps is not None:
@@ -288,7 +291,7 @@ class Simulator:
         else:
             info = RequestInfo(rid, r.arrival[rid], r.inp[rid], r.pred[rid])
             cands = [(d.state(self._route_needs_requests), w) for d, w in routes]
-            if r.inp[rid] + r.out[rid] + self.limits.block_size > self._smallest_pool:
+            if self._may_not_fit(rid):
                 fit = {c.id for c in able_to_hold([c for c, _ in cands], r.inp[rid], r.out[rid],
                                                   self.limits.block_size, decoding=True)}
                 cands = [(c, w) for c, w in cands if c.id in fit]

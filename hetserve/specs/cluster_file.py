@@ -70,9 +70,14 @@ class _Override(_Link):
     between: tuple[str, str]
 
 
+# a machine's name goes into its devices' ids ("name:index") and into bundles' script file names:
+# letters, digits, "_", "." and "-" only, so neither a ":" nor a path separator can sit in one
+MACHINE_NAME = r"^[A-Za-z0-9_.\-]+$"
+
+
 class _Machine(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
-    name: str = pydantic.Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    name: str = pydantic.Field(min_length=1, pattern=MACHINE_NAME)
     gpu: str
     count: pydantic.StrictInt = pydantic.Field(gt=0, le=MAX_DEVICES_PER_MACHINE)  # strict: `true` is no count
     site: str = pydantic.Field(default="default", min_length=1)

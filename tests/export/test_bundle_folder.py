@@ -139,6 +139,9 @@ def test_force_with_the_bundles_own_cluster_file(pool):
 
 # ---------------------------------------------------------------- the README against the scripts
 
+SHELL_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")  # `env NAME=value … cmd`: the NAME=value words
+
+
 def script_servers(out: Path) -> list[list[str]]:
     """Each server a machine's script starts in its serve phase (argv, the environment dropped)."""
     servers = []
@@ -148,7 +151,7 @@ def script_servers(out: Path) -> list[list[str]]:
                 argv = shlex.split(line.rstrip()[:-1])
                 if argv and argv[0] == "env":
                     argv = argv[1:]
-                    while argv and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", argv[0]):
+                    while argv and SHELL_ASSIGNMENT.fullmatch(argv[0]):
                         argv = argv[1:]
                 servers.append(argv)
     return servers

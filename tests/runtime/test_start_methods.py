@@ -56,7 +56,7 @@ def test_a_spawned_worker_imports_neither_the_planners_searches_nor_transformers
     import sys
 
     heavy = ("hetserve.planner.search", "hetserve.planner.bound", "scipy.optimize", "transformers")
-    code = ("import sys, hetserve.runtime.workers.worker; "
+    code = ("import sys, hetserve.runtime.workers.worker_process; "
             f"print([m for m in {heavy!r} if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])

@@ -23,7 +23,8 @@ from hetserve.runtime.workers.device_channel import channel_pairs
 from hetserve.runtime.workers.rendezvous import BoundStore
 from hetserve.runtime.workers.transport import Priority, SocketTransport
 from hetserve.runtime.workers.wire import Message
-from hetserve.runtime.workers.worker import ENGINE, WorkerConfig, worker_main
+from hetserve.runtime.workers.worker import ENGINE, WorkerConfig
+from hetserve.runtime.workers.worker_process import worker_main
 
 
 class WorkerGroup:
@@ -92,7 +93,7 @@ class WorkerGroup:
             store_address = self._store.address
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
-            ctx.set_forkserver_preload(["hetserve.runtime.workers.worker"])
+            ctx.set_forkserver_preload(["hetserve.runtime.workers.worker_process"])
         by_id = {r.id: r for r in replicas}
         procs: dict[str, Any] = {}
         for w in workers:

@@ -48,7 +48,8 @@ from hetserve.runtime.workers.rendezvous import LOOPBACK
 from hetserve.runtime.routing import KVRoutePolicy, PlanRoutes
 from hetserve.runtime.params import SamplingParams
 from hetserve.runtime.sequence import Sequence
-from hetserve.runtime.workers.transport import LinkScheduler, LinkShaper, SocketTransport
+from hetserve.runtime.workers.link_scheduling import LinkScheduler, LinkShaper
+from hetserve.runtime.workers.transport import SocketTransport
 from hetserve.runtime.workers.wire import Message
 from hetserve.runtime.workers.worker import ENGINE, WorkerConfig
 from hetserve.runtime.workers.worker_group import WorkerGroup, kill_processes

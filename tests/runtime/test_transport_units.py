@@ -12,7 +12,8 @@ from collections import deque
 import torch
 
 from hetserve.runtime.workers.auth import LinkSecurity
-from hetserve.runtime.workers.transport import Chunk, InProcHub, Outgoing, Priority, PriorityScheduler, SocketTransport
+from hetserve.runtime.workers.link_scheduling import Chunk, Outgoing, PriorityScheduler
+from hetserve.runtime.workers.transport import InProcHub, Priority, SocketTransport
 from hetserve.runtime.workers.wire import Message
 
 SECURITY = LinkSecurity(b"s" * 32)  # both ends of every link in these tests hold it

@@ -190,7 +190,7 @@ class TransportLinkScheduler:
         self._lock = threading.Lock()
 
     def push(self, item) -> None:
-        from hetserve.runtime.workers.transport import Chunk
+        from hetserve.runtime.workers.link_scheduling import Chunk
 
         with self._lock:
             self._bytes += item.nbytes

@@ -22,7 +22,7 @@ A ``LinkScheduler`` decides which queued message's bytes go next on one link and
 into chunks (MoLink-style decode-first with chunked prefill/KV traffic); the wire format carries
 ``(message id, offset, total)`` per chunk and the receiver reassembles, so chunks of different
 messages may interleave. The default ``PriorityScheduler`` sends whole messages, highest priority
-class first, FIFO within a class. Messages of one class between one pair arrive in send order; the
+class first, FIFO within a class (the hooks: ``link_scheduling.py``). Messages of one class between one pair arrive in send order; the
 engine relies on nothing stronger.
 
 What crosses a socket is data, never code: the message format and its checks are
@@ -33,7 +33,6 @@ deployment's secret (``hetserve.runtime.workers.auth``). ``docs/security.md`` is
 from __future__ import annotations
 
 import collections
-import heapq
 import itertools
 import logging
 import queue
@@ -41,11 +40,11 @@ import socket
 import ssl
 import threading
 import time
-from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from hetserve.runtime.workers.auth import HandshakeError, LinkSecurity, accept_handshake, connect_handshake
+from hetserve.runtime.workers.link_scheduling import LinkScheduler, LinkShaper, Outgoing, PriorityScheduler
 from hetserve.runtime.workers.wire import CHUNK_HEADER, MalformedMessage, Message, Reassembly, decode, encode
 
 
@@ -56,73 +55,6 @@ class Priority(IntEnum):
     DECODE = 1  # activations of decode-only steps: on the critical path of every output token
     PREFILL = 2  # activations of steps that contain prompt processing
     KV = 3  # KV-cache hand-off from a prefill replica to a decode replica
-
-
-# ----------------------------------------------------------------------------- scheduling hooks
-
-
-@dataclass
-class Outgoing:
-    """One encoded message waiting for a link."""
-
-    msg_id: int
-    priority: int
-    buffers: list[memoryview]
-    nbytes: int
-    enqueued_at: float
-
-
-@dataclass
-class Chunk:
-    msg_id: int
-    offset: int  # byte offset of ``data`` inside the message
-    total: int  # message size in bytes
-    data: bytes | memoryview
-
-
-class LinkScheduler(Protocol):
-    """Orders what goes on one link (one ordered pair of endpoints). Thread-safe."""
-
-    def push(self, item: Outgoing) -> None: ...
-
-    def pop(self, timeout: float | None = None) -> Chunk | None:
-        """Next chunk to write, blocking up to ``timeout`` seconds; None if nothing is queued."""
-
-    def pending_bytes(self) -> int: ...
-
-
-class LinkShaper(Protocol):
-    """Emulates a link: seconds to wait before ``nbytes`` go from ``src`` to ``dst`` (e.g. α + n/β)."""
-
-    def delay(self, src: str, dst: str, nbytes: int) -> float: ...
-
-
-class PriorityScheduler:
-    """Whole messages, most urgent class first, FIFO within a class."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, int, Outgoing]] = []
-        self._seq = itertools.count()
-        self._cv = threading.Condition()
-        self._bytes = 0
-
-    def push(self, item: Outgoing) -> None:
-        with self._cv:
-            heapq.heappush(self._heap, (item.priority, next(self._seq), item))
-            self._bytes += item.nbytes
-            self._cv.notify()
-
-    def pop(self, timeout: float | None = None) -> Chunk | None:
-        with self._cv:
-            if not self._heap and not self._cv.wait_for(lambda: bool(self._heap), timeout):
-                return None
-            _, _, item = heapq.heappop(self._heap)
-            self._bytes -= item.nbytes
-        data = b"".join(item.buffers) if len(item.buffers) > 1 else item.buffers[0]
-        return Chunk(item.msg_id, 0, item.nbytes, data)
-
-    def pending_bytes(self) -> int:
-        return self._bytes
 
 
 # ----------------------------------------------------------------------------- interface

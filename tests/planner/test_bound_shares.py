@@ -10,7 +10,8 @@ import pytest
 
 from hetserve.planner.bound import throughput as bound
 from hetserve.planner.bound import groups as bound_groups
-from hetserve.planner.bound.columns import ColumnBounds, _knapsack, _waterfill
+from hetserve.planner.bound.columns import ColumnBounds
+from hetserve.planner.bound.layer_split import knapsack, waterfill
 from hetserve.planner.bound.shares import SHARES, facets, knapsack_capped, share_ceilings, waterfill_capped
 from hetserve.planner.bound.sources import levels
 from hetserve.planner.context import PlanContext
@@ -26,7 +27,7 @@ def test_capped_knapsack_and_waterfill_match_the_plain_ones_and_only_rise():
     g = np.array([True, False, True, False, False])
     for H, same in ((np.full(200, 40.0), True), (rng.random(200) * 40, False)):
         k, w = knapsack_capped(cost, cap, 40, g, H), waterfill_capped(cost, e, cap, 40, g, H)
-        k0, w0 = _knapsack(cost, cap, 40), _waterfill(cost, e, cap, 40)
+        k0, w0 = knapsack(cost, cap, 40), waterfill(cost, e, cap, 40)
         fin = np.isfinite(k0)
         assert (np.isfinite(k) <= fin).all() and (np.isfinite(w) <= np.isfinite(w0)).all()
         if same:

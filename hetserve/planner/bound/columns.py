@@ -64,6 +64,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetserve.planner.bound.layer_split import knapsack, waterfill
+
 ROLES = ("prefill", "decode", "colocated")
 BIG_STAGES = 8  # big decode groups are told apart by their stage count 2 … 7, then "8 or more"
 
@@ -223,7 +225,7 @@ class ColumnBounds:
         if room.sum() - self.extras < L * W:
             return 0.0, 0.0, 0.0
         pf = np.array([s["pf"] for s in info])
-        ttft = _knapsack(pf[None, :], cap_pf[None, :], L)[0] + fixed.sum() + min(s["pf_head"] for s in info) + hop(self.I)
+        ttft = knapsack(pf[None, :], cap_pf[None, :], L)[0] + fixed.sum() + min(s["pf_head"] for s in info) + hop(self.I)
         prefill = T / ttft if math.isfinite(ttft) else 0.0
         # decode / colocated at every batch b: memory caps on layers
         den = W + b * (self.Ir + self.O) * kvl  # (nb,)
@@ -232,8 +234,8 @@ class ColumnBounds:
         mb = b / np.minimum(S, b)  # micro-batch
         mcount = np.minimum(S, b)
         dec = np.stack([self._dl(ki, t, S) for ki, t in stages], axis=1)  # (nb, S)
-        sum_lb = _knapsack(dec, cap, L) + fixed.sum() + hop(mb)
-        max_lb = mcount * _waterfill(dec, fixed[None, :], cap, L)
+        sum_lb = knapsack(dec, cap, L) + fixed.sum() + hop(mb)
+        max_lb = mcount * waterfill(dec, fixed[None, :], cap, L)
         step = np.maximum(sum_lb, max_lb)
         with np.errstate(divide="ignore", invalid="ignore"):
             dcap = np.where(ok & np.isfinite(step), T * b / (self.Oc * step), 0.0)
@@ -242,7 +244,7 @@ class ColumnBounds:
         share = -np.expm1(-joins)
         mix = np.stack([s["mix"] for s in info], axis=1)
         mix_head = np.min(np.stack([s["mix_head"] for s in info], axis=1), axis=1)
-        lin = (_knapsack(share[:, None] * mix + (1 - share[:, None]) * dec, cap, L) + fixed.sum() + share * mix_head
+        lin = (knapsack(share[:, None] * mix + (1 - share[:, None]) * dec, cap, L) + fixed.sum() + share * mix_head
                + share * hop(b + joins / share * self.Ir) + (1 - share) * hop(mb))
         avg = np.maximum(lin, step)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -352,7 +354,7 @@ class ColumnBounds:
             return self._cache[key]
         info = {(ki, t): self._stage(ki, t) for ki in kinds for t in tps[ki]}
         pf = np.array([min(info[(ki, t)]["pf"] for t in tps[ki]) for ki in kinds])
-        ttft = (_knapsack(pf[None, :], (room / (W + kvl))[None, :], L)[0] + fixed
+        ttft = (knapsack(pf[None, :], (room / (W + kvl))[None, :], L)[0] + fixed
                 + min(v["pf_head"] for v in info.values()) + hop(self.I))
         prefill = T / ttft if math.isfinite(ttft) else 0.0
         den = W + b * (self.Ir + self.O) * kvl
@@ -363,8 +365,8 @@ class ColumnBounds:
         dec = np.stack([np.min([self._dl(ki, t, n_dev) for t in tps[ki]], axis=0) for ki in kinds], axis=1)
         per_dev = np.stack([np.min([t * m2 * self._dl(ki, t, 2) for t in tps[ki]], axis=0) / comp[ki]
                             for ki in kinds], axis=1)
-        step = np.maximum(_knapsack(dec, cap, L) + fixed + hop(mb),
-                          _waterfill(per_dev, np.full_like(per_dev, e_min), cap, L))
+        step = np.maximum(knapsack(dec, cap, L) + fixed + hop(mb),
+                          waterfill(per_dev, np.full_like(per_dev, e_min), cap, L))
         with np.errstate(divide="ignore", invalid="ignore"):
             decode = float(np.where(ok & np.isfinite(step), T * b / (self.Oc * step), 0.0).max(initial=0.0))
         joins = b / self.Oc
@@ -372,55 +374,10 @@ class ColumnBounds:
         mix = np.stack([np.min([share * info[(ki, t)]["mix"] + (1 - share) * self._dl(ki, t, n_dev)
                                 for t in tps[ki]], axis=0) for ki in kinds], axis=1)
         mix_head = np.min(np.stack([v["mix_head"] for v in info.values()], axis=1), axis=1)
-        lin = (_knapsack(mix, cap, L) + fixed + share * mix_head + share * hop(b + joins / share * self.Ir)
+        lin = (knapsack(mix, cap, L) + fixed + share * mix_head + share * hop(b + joins / share * self.Ir)
                + (1 - share) * hop(mb))
         avg = np.maximum(lin, step)
         with np.errstate(divide="ignore", invalid="ignore"):
             colocated = float(np.where(ok & np.isfinite(avg), T * joins / avg, 0.0).max(initial=0.0))
         self._cache[key] = (prefill, decode, colocated)
         return self._cache[key]
-
-
-def _knapsack(cost: np.ndarray, cap: np.ndarray, L: float) -> np.ndarray:
-    """min Σ_i cost_i·l_i s.t. 0 ≤ l_i ≤ cap_i, Σ l_i = L, row by row (inf where infeasible):
-    the fractional knapsack — fill the cheapest first."""
-    order = np.argsort(cost, axis=1)
-    c = np.take_along_axis(cost, order, axis=1)
-    k = np.take_along_axis(cap, order, axis=1)
-    before = np.cumsum(k, axis=1) - k
-    take = np.clip(L - before, 0.0, k)
-    total = (c * take).sum(axis=1)
-    return np.where(k.sum(axis=1) >= L * (1 - 1e-12), total, np.inf)
-
-
-def _waterfill(a: np.ndarray, e: np.ndarray, cap: np.ndarray, L: float) -> np.ndarray:
-    """min z s.t. a_i·l_i + e_i ≤ z, 0 ≤ l_i ≤ cap_i, Σ l_i = L, row by row (inf if infeasible).
-
-    The layers that fit under a level z, Σ clip((z − e_i)/a_i, 0, cap_i), are piecewise linear
-    and non-decreasing in z, with kinks at e_i and e_i + a_i·cap_i (``level_kinks``): find the
-    first kink where they reach L and interpolate back along the segment before it."""
-    pts, lay = level_kinks(a, e, cap)
-    return first_reach(pts, lay.sum(axis=2), L * (1 - 1e-12), L)
-
-
-def level_kinks(a: np.ndarray, e: np.ndarray, cap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The kinks of the layers under a level z, row by row: every e_i and e_i + a_i·cap_i, sorted
-    (n, 2S), and each item's layers at each (n, 2S, S); between two kinks every item's is linear."""
-    e = np.broadcast_to(e, a.shape)
-    pts = np.sort(np.concatenate([e, e + a * cap], axis=1), axis=1)
-    return pts, np.clip((pts[:, :, None] - e[:, None, :]) / a[:, None, :], 0.0, cap[:, None, :])
-
-
-def first_reach(pts: np.ndarray, room: np.ndarray, enough, target) -> np.ndarray:
-    """The least z where ``room`` (non-decreasing, linear between the kinks ``pts``) reaches
-    ``target``, row by row: the first kink where it is at least ``enough``, interpolated back along
-    the segment before it (inf where it never is; the first kink where it is there already)."""
-    enough = room >= np.reshape(enough, (-1, 1))
-    first = np.argmax(enough, axis=1)
-    rows = np.arange(pts.shape[0])
-    hi_z, hi_r = pts[rows, first], room[rows, first]
-    prev = np.maximum(first - 1, 0)
-    lo_z, lo_r = pts[rows, prev], room[rows, prev]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        z = np.where((first > 0) & (hi_r > lo_r), lo_z + (target - lo_r) * (hi_z - lo_z) / (hi_r - lo_r), hi_z)
-    return np.where(enough.any(axis=1), z, np.inf)

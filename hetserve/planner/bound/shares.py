@@ -30,7 +30,8 @@ import itertools
 
 import numpy as np
 
-from hetserve.planner.bound.columns import ColumnBounds, first_reach, level_kinks
+from hetserve.planner.bound.columns import ColumnBounds
+from hetserve.planner.bound.layer_split import first_reach, level_kinks
 
 SHARES = np.arange(1, 40) / 40.0  # the thresholds h (every 2.5 % of the layers)
 

@@ -102,7 +102,8 @@ def run(case_list: list[Case], device: str = "cpu", reps: int = 5, gpus: int = 1
     import torch.multiprocessing as mp
 
     from hetserve.runtime.workers.auth import LinkSecurity
-    from hetserve.runtime.workers.device_channel import ChannelPeer, DeviceChannel
+    from hetserve.runtime.workers.channel_pairs import ChannelPeer
+    from hetserve.runtime.workers.device_channel import DeviceChannel
     from hetserve.runtime.workers.rendezvous import BoundStore
     from hetserve.runtime.workers.transport import SocketTransport
 
@@ -197,7 +198,8 @@ def _sender(secret, store_address, receiver, kind, device, case_list, reps, time
     import torch
 
     from hetserve.runtime.workers.auth import LinkSecurity
-    from hetserve.runtime.workers.device_channel import ChannelPeer, DeviceChannel
+    from hetserve.runtime.workers.channel_pairs import ChannelPeer
+    from hetserve.runtime.workers.device_channel import DeviceChannel
     from hetserve.runtime.workers.transport import Priority, SocketTransport
     from hetserve.runtime.workers.wire import DTYPES, Message
 

@@ -13,7 +13,8 @@ import torch
 
 from hetserve.runtime.layout import ReplicaSpec, WorkerSpec, kv_transfers
 from hetserve.runtime.workers.auth import LinkSecurity
-from hetserve.runtime.workers.device_channel import ChannelPeer, DeviceChannel
+from hetserve.runtime.workers.channel_pairs import ChannelPeer
+from hetserve.runtime.workers.device_channel import DeviceChannel
 from hetserve.runtime.workers.kv_pool import KVPool, slots_of
 from hetserve.runtime.workers.transport import Priority, SocketTransport
 from hetserve.runtime.workers.wire import DTYPES, Message

@@ -19,12 +19,8 @@ import torch
 import torch.multiprocessing as mp
 
 from hetserve.runtime.workers.auth import LinkSecurity
-from hetserve.runtime.workers.device_channel import (
-    ACK,
-    ChannelPeer,
-    DeviceChannel,
-    channel_pairs,
-)
+from hetserve.runtime.workers.channel_pairs import ChannelPeer, channel_pairs
+from hetserve.runtime.workers.device_channel import ACK, DeviceChannel
 from hetserve.runtime.workers.rendezvous import BoundStore
 from hetserve.runtime.workers.transport import InProcHub, Priority, SocketTransport
 from hetserve.runtime.workers.wire import Message

@@ -6,11 +6,11 @@ small header goes on the authenticated socket.
       tensor bytes ─────────── the pair's group ──────►     must carry, allocate, receive (timeout)
       holds the tensors until ◄── channel_ack {seq, ok} ──  acknowledge; deliver the message, tensors in
 
-How the bytes go (``ChannelPeer.kind``, ``channel_backends.py``): ``gloo`` (CPU workers: the same
-code path in CI), ``nccl`` (workers on distinct GPUs: point-to-point on a two-rank communicator) or
-``ipc`` (two workers of one GPU: the receiver opens the sender's allocation by CUDA IPC and copies it
-on the device). Each pair
-has its own group, made from the deployment's rendezvous store, so a lost worker breaks only the
+How the bytes go (``ChannelPeer.kind``, chosen per pair in ``channel_pairs.py``;
+``channel_backends.py``): ``gloo`` (CPU workers: the same code path in CI), ``nccl`` (workers on
+distinct GPUs: point-to-point on a two-rank communicator) or ``ipc`` (two workers of one GPU: the
+receiver opens the sender's allocation by CUDA IPC and copies it on the device). Each pair has its
+own group, made from the deployment's rendezvous store, so a lost worker breaks only the
 groups it was in (a gloo or NCCL group cannot survive a lost member).
 
 Rules, and why:
@@ -53,6 +53,7 @@ from hetserve.runtime.workers.channel_backends import (
     wait,
     wire_device,
 )
+from hetserve.runtime.workers.channel_pairs import ChannelPeer
 from hetserve.runtime.workers.transport import Priority, Transport
 from hetserve.runtime.workers.wire import (
     DTYPES,
@@ -62,19 +63,8 @@ from hetserve.runtime.workers.wire import (
 )
 
 log = logging.getLogger("hetserve.runtime.workers.device_channel")
-CHANNEL_KINDS = ("gloo", "nccl", "ipc")
 ACK = "channel_ack"
 Expectation = Callable[[dict], dict[str, tuple[torch.dtype, tuple[int, ...]]]]
-
-
-@dataclass(frozen=True)
-class ChannelPeer:
-    """One end of a pair's channel, as the engine hands it to a worker."""
-
-    peer: str  # the other worker's endpoint name
-    kind: str  # one of CHANNEL_KINDS
-    group: str  # the pair's key prefix in the rendezvous store (unused by ipc)
-    rank: int  # this worker's rank in the pair's group: 0 for the lower name
 
 
 @dataclass
@@ -100,45 +90,6 @@ class _Link:
     # held by a send and by a break: re-entrant, since a send whose channel fails breaks it
     order: threading.RLock = field(default_factory=threading.RLock)
     ready: threading.Event = field(default_factory=threading.Event)  # set once the group is joined
-
-
-def channel_pairs(layout, tag: str = "0", shaped: bool = False) -> dict[str, tuple[ChannelPeer, ...]]:
-    """Per worker, the channels it shares: each stage leader with the next one, and each prefill worker
-    with the decode workers it hands KV pieces to. None when links are emulated (``shaped``).
-
-    ``tag`` keeps the store keys of one start-up round apart from another's (an elastic re-plan may
-    reuse worker names). Pairs of a CPU and a GPU use the socket; GPUs of different machines, NCCL.
-    """
-    from hetserve.runtime.layout import kv_transfers
-
-    if shaped:
-        return {}
-    pairs: set[tuple[str, str]] = set()
-    for r in layout:
-        pairs.update((a[0].name, b[0].name) for a, b in zip(r.stages, r.stages[1:]))
-    for src in layout:
-        for dst in layout:
-            if src.role == "prefill" and dst.serves_decode:
-                pairs.update((p.src, p.dst) for p in kv_transfers(src, dst))
-    devices = {w.name: w.device for r in layout for w in r.workers}
-    out: dict[str, list[ChannelPeer]] = collections.defaultdict(list)
-    for a, b in sorted(tuple(sorted(p)) for p in pairs):
-        kind = _kind(a, devices[a], b, devices[b])
-        if kind:
-            group = f"channel/{tag}/{a}|{b}"
-            out[a].append(ChannelPeer(b, kind, group, 0))
-            out[b].append(ChannelPeer(a, kind, group, 1))
-    return {name: tuple(peers) for name, peers in out.items()}
-
-
-def _kind(a: str, dev_a: str, b: str, dev_b: str) -> str:
-    if dev_a == "cpu" and dev_b == "cpu":
-        return "gloo"
-    if dev_a.startswith("cuda") and dev_b.startswith("cuda"):
-        if a.rpartition(":")[0] != b.rpartition(":")[0]:
-            return "nccl"  # GPUs of different machines: NCCL over the network
-        return "ipc" if dev_a == dev_b else "nccl"
-    return ""
 
 
 class DeviceChannel:

@@ -39,7 +39,8 @@ from hetserve.runtime.model.loader import load_stage
 from hetserve.runtime.model.runner import StepRunner
 from hetserve.runtime.sampling import sample, token_logprobs, wants_logprobs
 from hetserve.runtime.workers.auth import LinkSecurity
-from hetserve.runtime.workers.device_channel import ChannelPeer, DeviceChannel
+from hetserve.runtime.workers.channel_pairs import ChannelPeer
+from hetserve.runtime.workers.device_channel import DeviceChannel
 from hetserve.runtime.workers.kv_pool import KVPool, slots_of
 from hetserve.runtime.workers.transport import Priority, SocketTransport
 from hetserve.runtime.workers.wire import Message, pack_data, unpack_data
@@ -70,7 +71,7 @@ class WorkerConfig:
     threads: int = 1  # torch intra-op threads of this worker process (the engine divides a host's cores)
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (on CUDA, where the stage's collectives allow)
     max_graph_batch: int = 256  # the largest decode batch the step runner pads and captures
-    channels: tuple[ChannelPeer, ...] = ()  # device channels to peers (device_channel.channel_pairs); () : sockets
+    channels: tuple[ChannelPeer, ...] = ()  # device channels to peers (channel_pairs.channel_pairs); () : sockets
     channel_timeout_s: float = 30.0  # a channel transfer not done by then goes by socket
 
 

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from hetserve.errors import RuntimeFailure
 from hetserve.runtime.layout import ReplicaSpec
-from hetserve.runtime.workers.device_channel import channel_pairs
+from hetserve.runtime.workers.channel_pairs import channel_pairs
 from hetserve.runtime.workers.rendezvous import BoundStore
 from hetserve.runtime.workers.transport import Priority, SocketTransport
 from hetserve.runtime.workers.wire import Message

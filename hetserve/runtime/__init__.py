@@ -2,6 +2,7 @@
 
     engine.py       Engine: starts workers and the engine loop thread, submit()
     engine_loop.py  the loop: messages, steps, hand-offs       recovery.py  worker deaths, re-runs, re-plans
+                                                               choices.py   n choices sharing a prompt's KV
     scheduler.py    continuous batching for one replica        kv_cache.py  BlockManager (admission)
     sequence.py     per-request state                          handle.py    RequestHandle (sync/async)
     routing.py      decode-replica choice (plan KV-route weights by default)

@@ -12,7 +12,7 @@ their KV pieces straight to the decode workers (layer-matched, re-sharded), and 
 the decode replica's running batch once every decode worker has acknowledged its pieces.
 
 Worker deaths, re-runs and elastic re-plans: ``Recovery`` (runtime/recovery.py), a mixin over
-this state.
+this state; so is ``Choices`` (runtime/choices.py): a request's n choices sharing its prompt's KV.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from hetserve.errors import RuntimeFailure
 from hetserve.policies.base import RequestInfo
 from hetserve.policies.request_checks import able_to_hold
+from hetserve.runtime.choices import Choices
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.recovery import Recovery
 from hetserve.runtime.routing import KVRoutePolicy
@@ -40,7 +41,7 @@ from hetserve.runtime.workers.wire import Message
 from hetserve.runtime.workers.worker_group import WorkerGroup
 
 
-class EngineLoop(Recovery):
+class EngineLoop(Recovery, Choices):
     def __init__(self, layout: tuple[ReplicaSpec, ...], schedulers: dict[str, ReplicaScheduler],
                  transport: SocketTransport, workers: WorkerGroup, route_policy: KVRoutePolicy,
                  heartbeat_timeout_s: float = 3.0, max_reruns: int = 3):
@@ -139,12 +140,7 @@ class EngineLoop(Recovery):
                 self.seqs[seq.id] = seq
                 if self.trace is not None:
                     self.trace.append(("arrive", seq.id))
-                first = self.seqs.get(msg.meta.get("parent"))
-                if (first is not None and not first.output and not first.aborted and first.prompt == seq.prompt
-                        and first.status in (Status.WAITING, Status.RUNNING)):
-                    seq.held_by = first  # waits for the first choice's prefill, then shares its blocks
-                    first.children.append(seq)
-                else:
+                if not self._hold_for_first(seq, msg.meta.get("parent")):
                     (self.schedulers[seq.pinned].pinned if seq.pinned else self.waiting).append(seq)
         elif kind == "abort":
             self._on_abort(msg.meta["id"])
@@ -311,38 +307,6 @@ class EngineLoop(Recovery):
                 sum(s.num_cached + q for s, q in decodes), tuple(q for s, q in zip(batch, q_lens) if s.prefilling))
         self.transport.send(self.replicas[sched.id].entry,
                             Message("step", meta, {"input_ids": torch.tensor(input_ids, dtype=torch.long)}), priority)
-
-    def _fork(self, first: Sequence, sched: ReplicaScheduler) -> None:
-        """``first`` has just prefilled its prompt here: its waiting choices take the prompt's full
-        blocks as theirs too and join this replica's queue, each to prefill only the rest of the
-        prompt (under a block) into blocks of its own. Where sharing does not apply (paged KV, whose
-        pre-emption counts a sequence's blocks as its own; a re-prefill; prompt logprobs, which need
-        every position) they queue as plain requests."""
-        children, first.children = first.children, []
-        shared = first.table[:(len(first.prompt) - 1) // sched.blocks.block_size]
-        can_share = bool(shared) and not sched.paged and first.prefill_end == len(first.prompt)
-        for child in reversed(children):  # to the head of the queues, in arrival order
-            child.held_by = None
-            if can_share and child.params.prompt_logprobs is None:
-                child.table = sched.blocks.share(shared)
-                child.replica = child.pinned = sched.id
-                sched.pinned.appendleft(child)
-            else:
-                self._queue_alone(child)
-
-    def _unhold(self, first: Sequence) -> None:
-        """``first`` ended before its prefill: its waiting choices queue as plain requests."""
-        for child in reversed(first.children):
-            child.held_by = None
-            self._queue_alone(child)
-        first.children = []
-
-    def _queue_alone(self, seq: Sequence) -> None:
-        """To the head of the queue of the replica it was placed on (if alive), else the shared one."""
-        home = self.schedulers.get(seq.pinned) if seq.pinned else None
-        if home is None or not home.alive:
-            seq.pinned, home = None, None
-        (home.pinned if home else self.waiting).appendleft(seq)
 
     # ------------------------------------------------------------------ finishing, aborts, failures
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -44,6 +44,12 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-int(tokens) // block_size)
 
 
+def pool_tokens(tokens: float, block_size: int) -> int:
+    """The tokens a KV pool of room for ``tokens`` holds: whole blocks only (the runtime's block
+    manager hands out blocks, so the simulator sizes its pools the same way)."""
+    return int(tokens // block_size) * block_size
+
+
 def watermark_blocks(total_blocks: int, watermark: float = DEFAULT_WATERMARK) -> int:
     return int(watermark * total_blocks)
 

@@ -15,7 +15,7 @@ from hetserve.cost.efficiency import Efficiency
 from hetserve.errors import PlanError, RuntimeFailure
 from hetserve.cost.layout import micro_batches_of
 from hetserve.policies.batching import DEFAULT_BATCHING, token_budget_rule
-from hetserve.policies.kv_admission import KV_ADMISSIONS
+from hetserve.policies.kv_admission import KV_ADMISSIONS, pool_tokens
 from hetserve.runtime.workers import DEVICE_CHANNELS
 from hetserve.runtime.workers.auth import TLSFiles
 from hetserve.runtime.deployment import check_memory
@@ -146,10 +146,10 @@ def kv_capacity(layout: tuple[ReplicaSpec, ...], cluster: Cluster, arch: ArchCon
                             f"(at most {fit[r.id]} tokens on its smallest device)")
         else:
             tokens, how = asked, "asked"
-        blocks = tokens // config.block_size
-        if blocks < 1:
+        pool = pool_tokens(tokens, config.block_size)
+        if pool < 1:
             raise PlanError(f"replica {r.id}: room for {tokens} KV tokens, less than one block of {config.block_size}")
-        out[r.id] = KVPool(blocks * config.block_size, how, fit[r.id])
+        out[r.id] = KVPool(pool, how, fit[r.id])
     return out
 
 

@@ -25,6 +25,7 @@ from hetserve.planner.plan import Plan, serves_prefill
 from hetserve.planner.validate import check_runnable
 from hetserve.policies.batching import token_budget_rule
 from hetserve.policies.base import RequestInfo, TransmissionPolicy
+from hetserve.policies.kv_admission import pool_tokens
 from hetserve.policies.placement import PolicyContext, make_placement
 from hetserve.policies.predictor import OraclePredictor
 from hetserve.policies.request_checks import RequestRefused, able_to_hold, check_request
@@ -104,6 +105,10 @@ class Simulator:
             if rep.kv_capacity <= 0:
                 raise PlanError(f"replica {r.id}: the model's weights do not fit its devices "
                                 f"(KV capacity {rep.kv_capacity:.0f} tokens)")
+            # whole blocks, as the runtime's pool of the same room holds
+            rep.kv_capacity = float(pool_tokens(rep.kv_capacity, self.limits.block_size))
+            if rep.kv_capacity < 1:
+                raise PlanError(f"replica {r.id}: room for less than one KV block of {self.limits.block_size} tokens")
             self.replicas.append(rep)
         self.by_id = {r.id: r for r in self.replicas}
         # every replica's role and KV pool: what a request is checked against when it arrives

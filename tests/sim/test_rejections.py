@@ -71,6 +71,28 @@ def test_kv_that_fits_no_pool_is_rejected_by_the_pools_the_simulation_has(cluste
     assert res.summary()["completed"] == 2
 
 
+def test_the_simulated_pools_are_whole_blocks_as_the_runtimes(cluster, model):
+    """Room for 1,000 tokens is a pool of 62 blocks of 16 (992 tokens) in the runtime's engine
+    (``runtime.engine_config.kv_capacity``) and in the simulator: a request needing 993 is refused."""
+    from hetserve.cost.analytic import CostModel
+    from hetserve.runtime.deployment import build_layout
+    from hetserve.runtime.engine_config import EngineConfig, kv_capacity
+    from hetserve.runtime.model.config import llama_arch
+
+    plan, rows = pd_plan(), [(0.0, 900, 92), (0.1, 900, 93)]  # 992 and 993 tokens of KV
+    res = simulate(plan, cluster, model, trace(rows), SimOptions(kv_capacity_tokens=1000, kv_block_tokens=16))
+    assert list(res.rejected) == ["", "kv"]
+    assert {r.kv_capacity_tokens for r in res.replicas} == {992}
+    arch = llama_arch(hidden=128, heads=4, ffn=256, layers=32, vocab=256)
+    layout = build_layout(plan, cluster, arch, {d: "cpu" for d in plan.devices}, source="test")
+    pools = kv_capacity(layout, cluster, arch, "float32", EngineConfig(kv_capacity_tokens=1000, block_size=16), True)
+    assert {p.tokens for p in pools.values()} == {992}
+    # the cost model's room (fractional tokens) is rounded the same way
+    plain = simulate(plan, cluster, model, trace(rows[:1]), SimOptions(kv_block_tokens=16))
+    room = CostModel(cluster, model).kv_capacity_tokens(plan.replica("d0").layout(cluster))
+    assert room % 16 and plain.replicas[1].kv_capacity_tokens == room // 16 * 16
+
+
 def test_the_checks_in_the_engines_order_and_words():
     check_request(100, 3996, 4096, [("colocated", 4096)], 16)  # exactly the context and the pool: served
     with pytest.raises(ContextExceeded, match="exceeds the model's context of 4096"):

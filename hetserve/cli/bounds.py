@@ -86,5 +86,5 @@ def check_micro_batches(value: int | None, plan, plan_path: str) -> None:
         return
     deepest = max((len(r.stages) for r in plan.replicas), default=1)
     if not 1 <= value <= 2 * deepest:
-        raise SpecError("--micro-batches", "micro_batches", f"an integer in [1, {2 * deepest}] (twice the "
+        raise SpecError("--micro-batches", SpecError.OPTION, f"an integer in [1, {2 * deepest}] (twice the "
                         f"{deepest} stages of {plan_path}'s deepest pipeline, MoLink's N..2N)", value)

@@ -13,6 +13,9 @@ SHA = "0" * 64
 ON_FILE = {"model": "llama-2-7b", "cluster": "c", "cluster_file": {"path": "c.yaml", "sha256": SHA},
            "replicas": [stage(["a:0"], [0, 32])]}
 BURST = HEADER + "0,100,20\n" * 5
+# a colocated replica of two stages: what --pipeline detailed simulates stage by stage
+PP_PLAN = plan_with(replicas=[{"id": "c0", "role": "colocated", "stages": [
+    {"devices": ["h100-0:0"], "layers": [0, 16]}, {"devices": ["h100-0:1"], "layers": [16, 32]}]}])
 LONG = HEADER + "0,5000,20\n1,6000,20\n"  # every request beyond llama-2-7b's 4096 tokens
 SERVE = "serve --plan {d}/tiny.json --model {d}/m --port 0"
 CAP = "capacity --gpu A100-SXM-80G --model llama-2-7b --workload {d}/t.csv --slo-ttft 1 --slo-tpot 0.1"
@@ -141,6 +144,13 @@ SIMULATE_CASES = [
     C("sim-placement-twice", SIM + " --placement rr --router jsq", ("--router", "one placement", "--placement rr")),
     C("sim-pipeline-detailed-no-pipeline", SIM + " --pipeline detailed",
       ("--pipeline detailed", "plan.json", "drop --pipeline")),
+    # what the stage-by-stage pipeline does not model is refused naming the options (and the trace)
+    C("sim-pipeline-detailed-paged", SIM.replace("plan.json", "pp.json") + " --pipeline detailed --kv-admission paged",
+      ("--kv-admission", "--pipeline aggregate", "paged with --pipeline detailed"), {"pp.json": PP_PLAN}),
+    C("sim-pipeline-detailed-choices", SIM.replace("plan.json", "pp.json").replace("t.csv", "n.csv")
+      + " --pipeline detailed", ("n.csv", "--pipeline detailed", "n > 1", "scoring their prompt"),
+      {"pp.json": PP_PLAN, "n.csv": "TIMESTAMP,ContextTokens,GeneratedTokens,n,prompt_logprobs\n0,100,20,4,0\n"
+                                    "1,100,20,1,1\n"}),
     C("serve-placement-twice", SERVE + " --placement rr --router jsq", ("--router", "one placement")),
     C("sim-all-beyond-context", SIM.replace("t.csv", "l.csv") + " --within-context", ("l.csv", "at least one"),
       {"l.csv": LONG}),

@@ -70,7 +70,8 @@ def test_simulate_rejects_bad_sweep_rates(tmp_path, capsys):
     rc = main(["simulate", "--plan", plan, "--cluster", cluster, "--workload", "azure-conv", "--limit", "10",
                "--no-progress", "--sweep-rates", "1,-2"])
     assert rc == 2
-    assert "sweep_rates" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--sweep-rates: expected positive rates" in err and "'1,-2'" in err
 
 
 def test_without_an_slo_attainment_and_goodput_are_not_printed_as_figures(tmp_path, capsys):

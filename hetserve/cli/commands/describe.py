@@ -155,7 +155,9 @@ def describe_model(m: ModelSpec, console: Console) -> None:
     rows = [
         ("parameters", (f"{m.num_params / 1e9:,.2f} B" if m.num_params >= 1e8 else f"{m.num_params / 1e6:,.3g} M")
          + f" ({m.num_params:,})"),
-        ("weights (fp16)", fmt_gb(m.weight_bytes)),
+        ("dtype", f"{m.dtype} ({m.dtype_from})" if m.dtype else
+         f"float16 / bfloat16 (the preset's: {m.dtype_bytes} bytes per parameter)"),
+        ("weights", fmt_gb(m.weight_bytes)),
         ("layers", str(m.num_layers)),
         ("hidden / FFN", f"{m.hidden} / {m.ffn_hidden} ({'gated, 3 matrices' if m.gated_ffn else '2 matrices'})"),
         ("heads / KV heads / head dim", f"{m.num_heads} / {m.num_kv_heads} / {m.dim_head}"

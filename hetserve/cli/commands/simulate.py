@@ -127,9 +127,7 @@ def run(args: argparse.Namespace) -> int:
     wl = load_workload(args.workload, seed=args.seed)
     if args.workload_class:
         wl = wl.of_class(args.workload_class)
-    if args.limit is not None:
-        if args.limit <= 0:
-            raise SpecError("--limit", "limit", "a positive number of requests", args.limit)
+    if args.limit is not None:  # positive: cli/bounds.py
         wl = wl.head(args.limit)
     # a rate the trace's arrivals cannot take is refused here, not ignored (sim/option_checks.py)
     if args.rate_scale is not None:
@@ -160,10 +158,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         slo = SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e)
     except ValueError as exc:
-        raise SpecError("--slo-*", "slo", "positive seconds", str(exc)) from exc
+        raise SpecError("--slo-*", SpecError.OPTION, "positive seconds", str(exc)) from exc
     policy_options = {k: getattr(args, k) for k in ("gamma", "theta") if getattr(args, k) is not None}
     if policy_options and "aladdin" not in (args.placement, route_of(args)):
-        raise SpecError("--gamma/--theta", "placement", "--placement aladdin or --route aladdin", args.placement)
+        raise SpecError("--gamma/--theta", SpecError.OPTION, "--placement aladdin or --route aladdin", args.placement)
     colocated_only = (["--chunked-prefill"] if args.chunked_prefill else []) + (
         [f"--prefill-mode {args.prefill_mode}"] if args.prefill_mode not in (None, DEFAULT_BATCHING.prefill_mode)
         else []) + ([f"--chunk-tokens {args.chunk_tokens}"] if args.chunk_tokens is not None else [])
@@ -171,12 +169,10 @@ def run(args: argparse.Namespace) -> int:
     if idle is not None:
         raise PlanError(idle)
     if args.predictor != "oracle" and args.placement == "rr":  # round robin reads no prediction
-        raise SpecError("--predictor", "placement", "a placement that reads predicted output lengths (every one "
+        raise SpecError("--predictor", SpecError.OPTION, "a placement that reads predicted output lengths (every one "
                         "but rr); drop --predictor", f"--predictor {args.predictor} with --placement rr")
-    if args.pipeline == "detailed" and not pipelined_replicas(plan):  # as --transmission: refused, not ignored
-        raise PlanError(f"--pipeline detailed simulates decode and colocated replicas of several stages stage by "
-                        f"stage: {args.plan} has none (prefill replicas stay aggregate in both modes), so it would "
-                        f"run as --pipeline aggregate; drop --pipeline")
+    if args.pipeline == "detailed":
+        _refuse_detailed(args, plan, wl, pipelined_replicas(plan))
     if args.transmission is not None:
         note = transmission_note(plan, args.plan, args.transmission, args.pipeline)
         if note is not None and note[0] == "error":
@@ -202,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         if isinstance(exc, (PlanError, SpecError)):
             raise
-        raise SpecError("simulate", "options", "valid policy names and knobs", str(exc)) from exc
+        raise SpecError("simulate", SpecError.OPTION, "options the simulator takes", str(exc)) from exc
     from hetserve.calibration.file import timings_source
 
     summary = result.summary()
@@ -225,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
         if args.output:
             Console().print(f"wrote {Path(args.output) / 'summary.json'}, requests.csv, latency_cdf.png")
     if rates:
-        _sweep(args, rates, plan, cluster, model, wl, opts, cost)
+        _sweep(args, rates, plan, cluster, model, wl, opts, cost,
+               caption=f"simulated; times from the {summary['timings']['source']}")
     return 0
 
 
@@ -253,11 +250,32 @@ def _prefill_mode(args) -> str:
     from hetserve.errors import SpecError
 
     if args.chunked_prefill and args.prefill_mode not in (None, "chunked"):  # one would be dropped
-        raise SpecError("--chunked-prefill", "prefill mode", "one prefill mode (--chunked-prefill is "
+        raise SpecError("--chunked-prefill", SpecError.OPTION, "one prefill mode (--chunked-prefill is "
                         "--prefill-mode chunked)", f"--prefill-mode {args.prefill_mode} beside it")
     mode = "chunked" if args.chunked_prefill else args.prefill_mode or DEFAULT_BATCHING.prefill_mode
     check_chunk_tokens(args, mode)
     return mode
+
+
+def _refuse_detailed(args, plan, wl, pipelined: list[str]) -> None:
+    """``--pipeline detailed`` where it cannot act as asked, refused in one line naming the options
+    (and the trace) before the simulation starts: a plan with no pipelined decode or colocated replica
+    (it would run as aggregate), paged KV (modelled on aggregate pipelines only), or a trace with n > 1
+    choices or prompt logprobs (the stage-by-stage pipeline prices neither)."""
+    from hetserve.errors import PlanError, SpecError
+
+    if not pipelined:  # as --transmission: refused, not ignored
+        raise PlanError(f"--pipeline detailed simulates decode and colocated replicas of several stages stage by "
+                        f"stage: {args.plan} has none (prefill replicas stay aggregate in both modes), so it would "
+                        f"run as --pipeline aggregate; drop --pipeline")
+    if args.kv_admission == "paged":
+        raise SpecError("--kv-admission", SpecError.OPTION, "--pipeline aggregate beside paged KV (paged admission "
+                        "is modelled on aggregate pipelines only); drop one", "paged with --pipeline detailed")
+    many, scored = int((wl.choices > 1).sum()), int(wl.prompt_logprobs.sum())
+    if many or scored:
+        raise SpecError(args.workload, "n/prompt_logprobs", "plain completions under --pipeline detailed (it simulates "
+                        "neither n > 1 choices nor prompt logprobs); drop --pipeline detailed",
+                        f"{many} requests with n > 1, {scored} scoring their prompt")
 
 
 def _parse_rates(text: str) -> list[float]:
@@ -266,13 +284,14 @@ def _parse_rates(text: str) -> list[float]:
     try:
         rates = [float(r) for r in text.split(",")]  # an empty entry is a typo, not a rate to skip
     except ValueError as exc:
-        raise SpecError("--sweep-rates", "sweep_rates", "comma-separated rates in req/s", text) from exc
+        raise SpecError("--sweep-rates", SpecError.OPTION, "comma-separated rates in req/s", text) from exc
     if not rates or not all(math.isfinite(r) and r > 0 for r in rates):
-        raise SpecError("--sweep-rates", "sweep_rates", "positive rates in req/s", text)
+        raise SpecError("--sweep-rates", SpecError.OPTION, "positive rates in req/s", text)
     return rates
 
 
 NO_SLO = "n/a (no --slo-*)"
+NO_LATENCY = "no request completed (every one rejected): no latency"
 # what each rejection reason (policies.request_checks) means, for the printed table
 REJECTED_WHY = {"context": "beyond the model's context", "kv": "KV fits no replica", "empty": "empty prompt",
                 "vocabulary": "outside the vocabulary"}
@@ -283,8 +302,10 @@ def _has_slo(s: dict) -> bool:
     return any(v is not None for v in (s.get("slo") or {}).values())
 
 
-def _sweep(args, rates, plan, cluster, model, wl, opts, cost, quiet: bool = False) -> list[dict]:
-    """The same trace at several mean rates: its rows, a table (unless ``quiet``), and with -o a plot."""
+def _sweep(args, rates, plan, cluster, model, wl, opts, cost, quiet: bool = False,
+           caption: str | None = None) -> list[dict]:
+    """The same trace at several mean rates: its rows, a table (unless ``quiet``; ``caption``: where
+    its figures come from), and with -o a plot."""
     from dataclasses import replace
     from pathlib import Path
 
@@ -299,14 +320,15 @@ def _sweep(args, rates, plan, cluster, model, wl, opts, cost, quiet: bool = Fals
     if quiet:
         return rows
     t = Table("rate req/s", "output tokens/s", "SLO attainment", "goodput req/s", "TTFT p90 s", "TPOT p90 s",
-              title="rate sweep")
+              title="rate sweep", caption=caption, caption_justify="left")
     for r in rows:
         s = r["summary"]
         slo = _has_slo(s)
+        done = s["completed"] > 0
         t.add_row(f"{r['rate']:g}", f"{s['throughput_tokens_per_s']:.1f}",
                   f"{s['slo_attainment']:.3f}" if slo else NO_SLO,
                   f"{s['goodput_requests_per_s']:.3f}" if slo else NO_SLO,
-                  f"{s['ttft_s']['p90']:.3g}", f"{s['tpot_s']['p90']:.3g}")
+                  f"{s['ttft_s']['p90']:.3g}" if done else "–", f"{s['tpot_s']['p90']:.3g}" if done else "–")
     Console().print(t)
     if plot is not None:
         Console().print(f"wrote {plot}")
@@ -318,13 +340,16 @@ def print_summary(console, s: dict, title: str, source: str | None = None) -> No
     ``source`` (under the latencies): where the times come from."""
     from rich.table import Table
 
-    lat = Table(title=title, title_justify="left", caption=source, caption_justify="left")
+    # with no request completed there is no latency to show: the summary's zeros are no figures
+    done = s["completed"] > 0
+    caption = source if done else f"{NO_LATENCY}" + (f"; {source}" if source else "")
+    lat = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     lat.add_column("latency (s)")
     for k in ("mean", "p50", "p90", "p99"):
         lat.add_column(k, justify="right")
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("atgt_s", "ATGT"), ("e2e_s", "E2E"),
                        ("queue_s", "queue"), ("kv_transfer_s", "KV transfer")):
-        lat.add_row(label, *(f"{s[key][k]:.4g}" for k in ("mean", "p50", "p90", "p99")))
+        lat.add_row(label, *(f"{s[key][k]:.4g}" if done else "–" for k in ("mean", "p50", "p90", "p99")))
     console.print(lat)
     tot = Table(show_header=False)
     tot.add_column()

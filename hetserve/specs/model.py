@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -25,6 +25,13 @@ ARCHS = ("llama", "mistral", "qwen2", "opt")
 # weight bytes per parameter of the dtypes the runtime loads weights in
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 WIDER_DTYPES = ("float64",)  # checkpoints the runtime loads in float32
+# The dtype of a config.json that names none (neither ``dtype`` nor ``torch_dtype``): float32,
+# torch's default dtype. The planner's reader (``ModelSpec.from_hf_config``) and the runtime's
+# (``runtime/model/config.py``) both take it from here, so the planner sizes weights, KV and
+# activations at the bytes the runtime then holds. transformers 4's ``from_pretrained`` loads such a
+# checkpoint in float32 too; transformers 5's ``dtype="auto"`` takes its weights' dtype, which a
+# config.json alone cannot tell (and a ``make-model --random-weights`` folder has no weights).
+UNNAMED_DTYPE = "float32"
 # a config.json's sizes (layers, widths, heads, vocabulary, context) stay within torch's int32 indices
 MAX_DIM = 2 ** 31 - 1
 
@@ -49,6 +56,10 @@ class ModelSpec:
     dtype_bytes: int = 2  # fp16 / bf16
     tie_embeddings: bool = False
     head_dim: int | None = None  # defaults to hidden // num_heads
+    # the dtype the sizes are in and where it came from (``describe model`` says both); "" for a
+    # preset, sized at ``dtype_bytes`` (float16 / bfloat16). Not part of the model's identity.
+    dtype: str = field(default="", compare=False)
+    dtype_from: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -180,11 +191,18 @@ class ModelSpec:
         if named and legacy and str(named) != str(legacy):
             raise SpecError(src, "dtype", f"the dtype torch_dtype also gives ({legacy}), or one of the two only "
                             "(transformers reads dtype first)", named)
-        dtype = named or legacy or "float16"
+        dtype = named or legacy or UNNAMED_DTYPE
         if str(dtype) not in (*DTYPE_BYTES, *WIDER_DTYPES):  # sized as float32 unseen otherwise
             raise SpecError(src, "dtype" if named else "torch_dtype",
                             "one of " + ", ".join((*DTYPE_BYTES, *WIDER_DTYPES)), dtype)
-        dtype_bytes = DTYPE_BYTES[served_dtype(dtype)]
+        served = served_dtype(dtype)
+        dtype_bytes = DTYPE_BYTES[served]
+        if not (named or legacy):
+            dtype_from = f"no dtype in config.json: {UNNAMED_DTYPE} assumed, torch's default, as the runtime loads it"
+        else:
+            dtype_from = f"config.json {'dtype' if named else 'torch_dtype'}" + (
+                f" {dtype}, served as {served}" if served != str(dtype) else "")
+        read_dtype = {"dtype": served, "dtype_from": dtype_from}
         # a checkpoint's config.json is named by its folder, any other config file by its own name
         # (two model files of one folder are two models, and "." names nothing)
         label = name or cfg.get("_name_or_path") or (path.resolve().parent.name if path.name == "config.json"
@@ -198,7 +216,7 @@ class ModelSpec:
                 raise SpecError(src, "num_attention_heads", f"a divisor of hidden_size ({hidden})", heads)
             return ModelSpec(str(label), "opt", need("num_hidden_layers"), hidden, heads, heads,
                              need("ffn_dim"), need("vocab_size"), need("max_position_embeddings"),
-                             dtype_bytes, bool(cfg.get("tie_word_embeddings", True)))
+                             dtype_bytes, bool(cfg.get("tie_word_embeddings", True)), **read_dtype)
         heads = need("num_attention_heads")
         if cfg.get("head_dim") is None and need("hidden_size") % heads:  # no head_dim: hidden / heads is it
             raise SpecError(src, "num_attention_heads", f"a divisor of hidden_size ({cfg['hidden_size']})", heads)
@@ -208,7 +226,7 @@ class ModelSpec:
                  need("vocab_size"), need("max_position_embeddings"))  # a missing field named as itself
         try:
             return ModelSpec(str(label), model_type, *shape, dtype_bytes, bool(cfg.get("tie_word_embeddings", False)),
-                             head_dim)
+                             head_dim, **read_dtype)
         except ValueError as exc:  # shapes that do not fit together (heads vs hidden, GQA groups)
             raise SpecError(src, "(shape)", "a consistent model shape", str(exc)) from exc
 

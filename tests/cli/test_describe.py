@@ -24,6 +24,21 @@ def test_describe_a_tiny_model_prints_its_size_not_zero(tmp_path, capsys):
     assert "0.00 B" not in out and "0.00 GB" not in out and " M (" in out
 
 
+@pytest.mark.parametrize("fields, said", [
+    ({}, "float32 (no dtype in config.json: float32 assumed, torch's default, as the runtime loads it)"),
+    ({"torch_dtype": "bfloat16"}, "bfloat16 (config.json torch_dtype)")])
+def test_describe_model_says_its_dtype_and_where_it_came_from(tmp_path, capsys, monkeypatch, fields, said):
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per row: rich folds at the terminal's width
+    cfg = {"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 128}
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **fields}))
+    assert main(["describe", "model", str(tmp_path / "config.json")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"dtype\W+" + re.escape(said), out), out  # the row: its name, the border, its value
+    assert main(["describe", "model", "llama-2-7b"]) == 0
+    assert re.search(r"dtype\W+float16 / bfloat16 \(the preset's: 2 bytes per parameter\)", capsys.readouterr().out)
+
+
 @pytest.mark.parametrize("name", cluster_presets())
 def test_describe_every_cluster_preset(name, capsys):
     assert main(["describe", "cluster", name]) == 0

@@ -50,7 +50,7 @@ def test_from_hf_config_llama_and_folder(tmp_path):
 def test_from_hf_config_opt_qwen_mistral(tmp_path):
     opt = {"model_type": "opt", "hidden_size": 7168, "ffn_dim": 28672, "num_attention_heads": 56,
            "num_hidden_layers": 48, "vocab_size": 50272, "max_position_embeddings": 2048,
-           "word_embed_proj_dim": 7168}
+           "word_embed_proj_dim": 7168, "torch_dtype": "float16"}  # as facebook/opt-30b's config.json
     assert ModelSpec.from_hf_config(_write(tmp_path, opt)).kv_bytes_per_token == 1_376_256
     qwen = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
             "num_key_value_heads": 4, "num_hidden_layers": 28, "vocab_size": 152064,
@@ -109,9 +109,27 @@ _TINY = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "nu
 
 
 @pytest.mark.parametrize("fields, dtype_bytes", [({"dtype": "float32"}, 4), ({"torch_dtype": "float32"}, 4),
-                                                 ({"dtype": "float32", "torch_dtype": "float32"}, 4), ({}, 2)])
+                                                 ({"dtype": "float32", "torch_dtype": "float32"}, 4),
+                                                 ({"dtype": "bfloat16"}, 2), ({"torch_dtype": "float16"}, 2)])
 def test_dtype_is_read_first_as_transformers_does(tmp_path, fields, dtype_bytes):
-    assert ModelSpec.from_hf_config(_write(tmp_path, {**_TINY, **fields})).dtype_bytes == dtype_bytes
+    m = ModelSpec.from_hf_config(_write(tmp_path, {**_TINY, **fields}))
+    assert m.dtype_bytes == dtype_bytes
+    assert m.dtype_from == "config.json " + ("dtype" if "dtype" in fields else "torch_dtype")
+
+
+def test_a_config_naming_no_dtype_is_sized_in_float32_and_says_it_was_assumed(tmp_path):
+    """No ``dtype`` / ``torch_dtype``: float32 (UNNAMED_DTYPE), the dtype the runtime loads it in
+    (tests/runtime/test_checkpoint_dtype.py holds the two readers to one answer)."""
+    m = ModelSpec.from_hf_config(_write(tmp_path, _TINY))
+    named = ModelSpec.from_hf_config(_write(tmp_path, {**_TINY, "torch_dtype": "float32"}))
+    assert (m.dtype, m.dtype_bytes, m.weight_bytes, m.kv_bytes_per_token) == \
+        ("float32", 4, named.weight_bytes, named.kv_bytes_per_token)
+    assert "no dtype in config.json: float32 assumed" in m.dtype_from
+
+
+def test_a_float64_checkpoint_says_it_is_served_as_float32(tmp_path):
+    m = ModelSpec.from_hf_config(_write(tmp_path, {**_TINY, "torch_dtype": "float64"}))
+    assert (m.dtype, m.dtype_bytes, m.dtype_from) == ("float32", 4, "config.json torch_dtype float64, served as float32")
 
 
 def test_dtype_and_torch_dtype_that_disagree_are_refused(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hetserve.errors import SpecError
-from hetserve.specs.model import DTYPE_BYTES, served_dtype
+from hetserve.specs.model import DTYPE_BYTES, UNNAMED_DTYPE, served_dtype
 
 ARCHS = ("llama", "opt")
 
@@ -32,7 +32,7 @@ class ArchConfig:
     norm_eps: float
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
-    dtype: str = "float32"
+    dtype: str = UNNAMED_DTYPE  # the checkpoint's, where its config.json names one (``_dtype``)
     tie_word_embeddings: bool = False
     # llama
     rope: dict[str, Any] = field(default_factory=dict)  # rope_theta, rope_type, scaling fields
@@ -90,7 +90,9 @@ def _eos(raw: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _dtype(raw: dict[str, Any]) -> str:
-    return served_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+    """The checkpoint's dtype as the runtime holds it: ``dtype``, else the older ``torch_dtype``, else
+    ``UNNAMED_DTYPE``, by the planner's rule (``ModelSpec.from_hf_config``), so both size it alike."""
+    return served_dtype(raw.get("dtype") or raw.get("torch_dtype") or UNNAMED_DTYPE)
 
 
 def _llama(raw: dict[str, Any]) -> ArchConfig:

@@ -101,8 +101,9 @@ def describe_cluster(c: Cluster, console: Console) -> None:
     if c.description:
         console.print(c.description)
     machines = Table(title="machines")
+    # names are kept whole (a narrow console wraps the links and prices instead), never cut to "H100-SXM-8…"
     for col in ("machine", "site", "GPUs", "memory GB", "intra-box link (from)", "$/h (from)"):
-        machines.add_column(col)
+        machines.add_column(col, no_wrap=col in ("machine", "site", "GPUs"), overflow="fold")
     for name, devs in c.machines.items():
         d0 = devs[0]
         intra = (f"{_fmt_link(*c.link(devs[0].index, devs[1].index))} ({_intra_source(c, devs)})"
@@ -178,8 +179,10 @@ def fmt_rate(rate: float) -> str:
 
 
 def describe_workload(w: Workload, console: Console, rate_given: bool = False) -> None:
-    console.print(f"[bold]workload {w.name}[/]: {len(w):,} requests over {fmt_rate(w.duration_s)} s, "
-                  f"mean rate {fmt_rate(w.rate)} req/s")
+    # one request, or all at one instant, has no span and so no rate (Workload.rate's 0 is no figure)
+    console.print(f"[bold]workload {w.name}[/]: {len(w):,} request{'' if len(w) == 1 else 's'}" +
+                  (f" over {fmt_rate(w.duration_s)} s, mean rate {fmt_rate(w.rate)} req/s" if w.unspaced() is None
+                   else ", all arriving at one instant: no arrival rate" if len(w) > 1 else ": no arrival rate"))
     if w.poisson_rate is not None:  # a length-only trace: the arrivals are drawn, not read
         console.print(f"arrivals: Poisson at {fmt_rate(w.poisson_rate)} req/s, "
                       + ("as --rate set" if rate_given else
@@ -192,6 +195,11 @@ def describe_workload(w: Workload, console: Console, rate_given: bool = False) -
         t.add_row(label, f"{arr.mean():.1f}", f"{p[0]:.0f}", f"{p[1]:.0f}", f"{p[2]:.0f}",
                   str(arr.min()), str(arr.max()))
     console.print(t)
+    many, scored = int((w.choices > 1).sum()), int(w.prompt_logprobs.sum())
+    if many or scored:  # the trace's optional columns: output above is per choice
+        console.print(f"choices (column n): {many:,} request{'' if many == 1 else 's'} with n > 1 (max "
+                      f"{int(w.choices.max())}, {int(w.choices.sum()):,} choices in all; output is per choice); "
+                      f"{scored:,} scoring their prompt (prompt_logprobs)")
     counts = Counter(w.classes().tolist())
     console.print("classes (HexGen-2 §5.1): " + ", ".join(f"{c} {counts.get(c, 0):,}" for c in CLASSES))
 

@@ -113,9 +113,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     console.print(t)
     eff = cal.efficiency
-    console.print(f"compute efficiency {eff.compute:.3g}, attention {eff.attention:.3g} (prompts), "
-                  f"{eff.decode_attention or eff.attention:.3g} (a decode step over its context"
-                  f"{'' if eff.decode_attention else ': as prompts, no long-context probe'}), memory efficiency "
+    console.print(f"compute efficiency {eff.compute:.3g}, attention {_attention(eff, args)}, memory efficiency "
                   f"{eff.memory:.3g}{'' if cal.memory_bound else ' (the default: no decode probe is bandwidth-bound)'}"
                   f", fixed costs "
                   f"{eff.iteration_overhead_s * 1e3:.2f} ms per iteration (scheduler turn-around, sampling) + "
@@ -167,6 +165,17 @@ def probe_options(args: argparse.Namespace) -> list[str]:
     """The probe options ``args`` sets away from their defaults, as the user spelt them."""
     return ["--" + k.replace("_", "-") for k, v in PROBE_DEFAULTS.items()
             if (tuple(getattr(args, k)) if isinstance(v, tuple) else getattr(args, k)) != v]
+
+
+def _attention(eff, args) -> str:
+    """Attention's efficiencies as fitted, or what they are taken as where no probe measured them
+    (``Efficiency``: 0 means "the same as compute" / "the same as prompts", not a zero rate)."""
+    prompts = (f"{eff.attention:.3g} (prompts)" if eff.attention else "as compute (prompts; not fitted: it needs three "
+               f"or more --prompt-lengths, {len(args.prompt_lengths)} given)")
+    decode = (f"{eff.decode_attention:.3g} (a decode step over its context)" if eff.decode_attention else
+              "as prompts (a decode step over its context; not fitted: " +
+              ("--no-long-decode)" if args.no_long_decode else "no long-context probe)"))
+    return f"{prompts}, {decode}"
 
 
 def _turn_hold(eff) -> str:

@@ -22,17 +22,27 @@ def check_model_dir(path: str) -> None:
     ModelSpec.from_hf_config(folder)
 
 
+def plan_checkpoint(plan_path: str, name: str) -> Path | None:
+    """The checkpoint folder the plan's ``model`` field names, where one is here: a path from here,
+    else a folder of that name beside the plan file (where `make demo` writes both); None for a
+    preset's name or a folder that is not here."""
+    for folder in (Path(name), Path(plan_path).parent / name):
+        if (folder / "config.json").is_file():
+            return folder
+    return None
+
+
 def plan_model(plan_path: str, name: str) -> ModelSpec:
     """The model the plan names (its ``model`` field): a preset, a path from here, or a checkpoint
-    folder of that name beside the plan file (where `make demo` writes both); else a clear error
-    that says where the name came from."""
-    beside = Path(plan_path).parent / name
+    folder of that name beside the plan file (``plan_checkpoint``); else a clear error that says
+    where the name came from."""
     try:
         return load_model(name)
     except SpecError as exc:
         if exc.field != "(model)":  # found, but malformed: that error says more
             raise
-        if (beside / "config.json").is_file():
+        beside = plan_checkpoint(plan_path, name)
+        if beside is not None:
             return load_model(str(beside))
         raise SpecError(plan_path, "model", f"a model preset ({', '.join(model_presets())}), a config.json or a "
                         f"checkpoint folder; pass --model, or build the checkpoint it names with "

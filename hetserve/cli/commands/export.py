@@ -32,7 +32,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hetserve.cli.model_dir import check_plan, plan_cluster, plan_model
+    from hetserve.cli.model_dir import check_plan, plan_checkpoint, plan_cluster, plan_model
     from hetserve.export import export_bundle
     from hetserve.export.folder import check_bundle_folder
     from hetserve.planner.plan import Plan
@@ -55,9 +55,12 @@ def run(args: argparse.Namespace) -> int:
     check_plan(args.plan, plan, cluster, model)
     cluster_path = args.cluster if args.cluster and Path(args.cluster).is_file() else (
         str(plan.cluster_file.path) if plan.cluster_file is not None else None)
-    # a checkpoint folder here by its absolute path: the scripts run from their own folder, and a
-    # relative path would name another place there (a hub name or another machine's path stays as given)
-    checkpoint = str(Path(args.model).resolve()) if local else (args.model or plan.model)
+    # a checkpoint folder here, given or the one the plan names, by its absolute path: the scripts run
+    # from their own folder, and a relative path would name another place there (a hub name, a preset's
+    # name or another machine's path stays as given)
+    named = None if args.model or plan.model in model_presets() else plan_checkpoint(args.plan, plan.model)
+    checkpoint = (str(Path(args.model).resolve()) if local else str(named.resolve()) if named is not None
+                  else args.model or plan.model)
     written = export_bundle(plan, cluster, args.to, args.output, checkpoint, model.num_layers,
                             cluster_path=cluster_path, ray_port=args.ray_port, replace=args.force)
     if earlier:

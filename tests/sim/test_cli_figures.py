@@ -1,6 +1,8 @@
 """``hetserve simulate``'s printed figures: each table says where its figures come from, and no
 figure is printed where the run has none (a latency of 0 for requests that never ran)."""
 
+import json
+
 import pytest
 import yaml
 
@@ -57,3 +59,19 @@ def test_the_rate_sweep_table_says_where_its_figures_come_from(tmp_path, capsys,
     out = " ".join(capsys.readouterr().out.split())
     sweep = out[out.index("rate sweep"):]
     assert "simulated; times from the cost model (uncalibrated: an estimate), A100-SXM-80G: fitted" in sweep
+
+
+def test_a_sweep_under_o_keeps_its_figures_as_numbers_and_a_later_run_removes_them(tmp_path, capsys):
+    """With -o the sweep's figures were only in the plot; rate_sweep.json holds them as --json prints
+    them, with where their times come from, and goes with the plot when a later run draws no sweep."""
+    pool = _files(tmp_path)
+    out = pool / "o"
+    assert sim(pool, "azure-conv", "--limit", "20", "--sweep-rates", "1,2", "-o", str(out)) == 0
+    saved = json.loads((out / "rate_sweep.json").read_text())
+    assert [r["rate"] for r in saved["rate_sweep"]] == [1.0, 2.0]
+    assert saved["rate_sweep"][0]["summary"]["requests"] == 20
+    assert saved["timings"]["source"].startswith("cost model (uncalibrated: an estimate)")
+    capsys.readouterr()
+    assert sim(pool, "azure-conv", "--limit", "20", "-o", str(out)) == 0
+    assert not (out / "rate_sweep.json").exists() and not (out / "rate_sweep.png").exists()
+    assert f"removed {out / 'rate_sweep.png'} and {out / 'rate_sweep.json'}" in capsys.readouterr().err

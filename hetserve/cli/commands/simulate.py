@@ -6,7 +6,8 @@
 
 The cluster defaults to the cluster file the plan records, else the preset named in the plan. Writes summary.json
 (with ``timings``: where its times come from), requests.csv and latency_cdf.png under ``-o`` (and
-rate_sweep.png with ``--sweep-rates``; an earlier run's, without it, is removed); prints a table either way.
+rate_sweep.png and rate_sweep.json with ``--sweep-rates``; an earlier run's, without it, are removed); prints a
+table either way.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="output-length prediction for placement (default: the true length)")
     p.add_argument("--sweep-rates", metavar="R1,R2,...",
                    help="also simulate the trace at these mean rates (req/s); with -o, plot throughput and "
-                        "SLO attainment against rate (rate_sweep.png)")
+                        "SLO attainment against rate (rate_sweep.png; the figures in rate_sweep.json)")
     p.add_argument("--efficiency", help="cost-model efficiency JSON (from `hetserve calibrate -o`; its measured "
                    "request overhead, HTTP + tokenisation + SSE, is added to every request too)")
     ctx = p.add_mutually_exclusive_group()
@@ -78,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "serve them (a server rejects them; KV that fits no replica is rejected still)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", help="directory for summary.json, requests.csv and plots (an earlier run's "
-                   "rate_sweep.png that this run does not write is removed, and said so)")
+                   "rate_sweep.png / .json that this run does not write are removed, and said so)")
     p.add_argument("--json", action="store_true", help="print the summary JSON instead of a table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -211,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json and rates:  # one JSON document: the run and the sweep's runs
         print(json.dumps({"summary": summary, "rate_sweep": [{"rate": r["rate"], "summary": r["summary"]}
                                                              for r in _sweep(args, rates, plan, cluster, model, wl,
-                                                                             opts, cost, quiet=True)]}, indent=2))
+                                                                             opts, cost, summary["timings"],
+                                                                             quiet=True)]}, indent=2))
         return 0
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -221,27 +223,25 @@ def run(args: argparse.Namespace) -> int:
         if args.output:
             Console().print(f"wrote {Path(args.output) / 'summary.json'}, requests.csv, latency_cdf.png")
     if rates:
-        _sweep(args, rates, plan, cluster, model, wl, opts, cost,
-               caption=f"simulated; times from the {summary['timings']['source']}")
+        _sweep(args, rates, plan, cluster, model, wl, opts, cost, summary["timings"])
     return 0
 
 
-# the one file simulate writes under -o only with some options (summary.json, requests.csv and
-# latency_cdf.png every run writes)
-SWEEP_PLOT = "rate_sweep.png"
+# the files simulate writes under -o only with --sweep-rates (summary.json, requests.csv and
+# latency_cdf.png every run writes): the sweep's plot, and its figures as --json prints them
+SWEEP_PLOT, SWEEP_JSON = "rate_sweep.png", "rate_sweep.json"
 
 
 def _remove_stale(out: Path, rates: list[float]) -> None:
-    """Remove an earlier run's ``SWEEP_PLOT`` from ``out`` before this run writes there: beside this
-    run's summary.json it would pass for this run's. Said where this run writes none (no --sweep-rates);
-    with a sweep it goes too, so a sweep that fails leaves no earlier run's plot."""
-    old = out / SWEEP_PLOT
-    if not old.is_file():
-        return
-    old.unlink()
-    if not rates:
-        print(f"note: removed {old}, an earlier run's: this run draws no rate sweep (no --sweep-rates)",
-              file=sys.stderr)
+    """Remove an earlier run's sweep files from ``out`` before this run writes there: beside this
+    run's summary.json they would pass for this run's. Said where this run writes none (no --sweep-rates);
+    with a sweep they go too, so a sweep that fails leaves no earlier run's files."""
+    old = [out / name for name in (SWEEP_PLOT, SWEEP_JSON) if (out / name).is_file()]
+    for path in old:
+        path.unlink()
+    if old and not rates:
+        print(f"note: removed {' and '.join(map(str, old))}, an earlier run's: this run draws no rate sweep "
+              "(no --sweep-rates)", file=sys.stderr)
 
 
 def _prefill_mode(args) -> str:
@@ -302,10 +302,9 @@ def _has_slo(s: dict) -> bool:
     return any(v is not None for v in (s.get("slo") or {}).values())
 
 
-def _sweep(args, rates, plan, cluster, model, wl, opts, cost, quiet: bool = False,
-           caption: str | None = None) -> list[dict]:
-    """The same trace at several mean rates: its rows, a table (unless ``quiet``; ``caption``: where
-    its figures come from), and with -o a plot."""
+def _sweep(args, rates, plan, cluster, model, wl, opts, cost, timings: dict, quiet: bool = False) -> list[dict]:
+    """The same trace at several mean rates: its rows, a table (unless ``quiet``), and with -o a plot
+    and the rows as JSON; ``timings`` (the run's summary's): where their times come from."""
     from dataclasses import replace
     from pathlib import Path
 
@@ -317,10 +316,14 @@ def _sweep(args, rates, plan, cluster, model, wl, opts, cost, quiet: bool = Fals
     plot = Path(args.output) / SWEEP_PLOT if args.output else None
     rows = rate_sweep(plan, cluster, model, wl, rates, replace(opts, progress=False), cost, plot=plot,
                       source=args.workload)
+    if args.output:  # the figures the plot draws, as numbers (the table shows a few of them)
+        (Path(args.output) / SWEEP_JSON).write_text(json.dumps(
+            {"timings": timings, "rate_sweep": [{"rate": r["rate"], "summary": r["summary"]} for r in rows]},
+            indent=2))
     if quiet:
         return rows
     t = Table("rate req/s", "output tokens/s", "SLO attainment", "goodput req/s", "TTFT p90 s", "TPOT p90 s",
-              title="rate sweep", caption=caption, caption_justify="left")
+              title="rate sweep", caption=f"simulated; times from the {timings['source']}", caption_justify="left")
     for r in rows:
         s = r["summary"]
         slo = _has_slo(s)
@@ -331,7 +334,7 @@ def _sweep(args, rates, plan, cluster, model, wl, opts, cost, quiet: bool = Fals
                   f"{s['ttft_s']['p90']:.3g}" if done else "–", f"{s['tpot_s']['p90']:.3g}" if done else "–")
     Console().print(t)
     if plot is not None:
-        Console().print(f"wrote {plot}")
+        Console().print(f"wrote {plot}, {SWEEP_JSON}")
     return rows
 
 

@@ -90,8 +90,9 @@ def served_sim_options(path: str | Path | None, slowdown: float = 1.0) -> dict:
 
 def timings_source(path: str | Path | None, pricing: dict[str, str] | None = None) -> str:
     """Where a simulation's times come from, for its table: the calibration file and, where it says,
-    the device and date it was measured on; or, without one, how the cost model prices each GPU
-    type (``CostModel.pricing()``: fitted, transferred or roofline)."""
+    the device and date it was measured on; a hand-written efficiency file (no ``efficiency`` key:
+    ``load_efficiency``'s flat form) as such, never as a calibration; or, without a file, how the
+    cost model prices each GPU type (``CostModel.pricing()``: fitted, transferred or roofline)."""
     if not path:
         from hetserve.cost.kernel_pricing import describe_pricing
 
@@ -99,7 +100,13 @@ def timings_source(path: str | Path | None, pricing: dict[str, str] | None = Non
             raise ValueError("timings_source: without a calibration file, pass the cost model's pricing()")
 
         return "cost model (uncalibrated: an estimate), " + describe_pricing(pricing)
-    on = _read(path).get("measured_on") or {}
+    data = _read(path)
+    if "efficiency" not in data:  # a flat mapping of Efficiency fields: factors someone wrote, nothing measured
+        from hetserve.cost.kernel_pricing import describe_pricing
+
+        return (f"cost model with the efficiency factors of {path} (not a calibration: nothing measured, an "
+                "estimate)") + (f", {describe_pricing(pricing)}" if pricing else "")
+    on = data.get("measured_on") or {}
     where = ", ".join(str(on[k]) for k in ("device", "date") if on.get(k))
     return f"cost model calibrated by {path}" + (f" (measured on {where})" if where else "")
 

@@ -75,3 +75,17 @@ def test_a_sweep_under_o_keeps_its_figures_as_numbers_and_a_later_run_removes_th
     assert sim(pool, "azure-conv", "--limit", "20", "-o", str(out)) == 0
     assert not (out / "rate_sweep.json").exists() and not (out / "rate_sweep.png").exists()
     assert f"removed {out / 'rate_sweep.png'} and {out / 'rate_sweep.json'}" in capsys.readouterr().err
+
+
+def test_a_hand_written_efficiency_file_is_not_called_a_calibration(tmp_path, capsys, wide):
+    """``--efficiency`` takes a calibration (``hetserve calibrate -o``) or a flat mapping of Efficiency
+    fields someone wrote: the latter measured nothing, and the caption and summary.json say so, with
+    the pricing it leads to (roofline: datasheet peaks x those factors)."""
+    pool = _files(tmp_path)
+    flat = pool / "flat.json"
+    flat.write_text(json.dumps({"compute": 0.3}))
+    assert sim(pool, "azure-conv", "--limit", "5", "--efficiency", str(flat), "--json") == 0
+    source = json.loads(capsys.readouterr().out)["timings"]["source"]
+    assert source == (f"cost model with the efficiency factors of {flat} (not a calibration: nothing measured, an "
+                      "estimate), A100-SXM-80G: roofline (datasheet peaks x Efficiency)")
+    assert "calibrated" not in source

@@ -43,6 +43,7 @@ import numpy as np
 from hetserve.calibration.probes import PROBE_THREADS
 from hetserve.calibration.speed_probe import SPEED_WEIGHT
 from hetserve.policies.placement import DEFAULT_PLACEMENT
+from hetserve.sim.metrics import latency_stats
 
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 STATS = ("mean", "p50", "p90", "p99")
@@ -109,11 +110,8 @@ class Comparison:
 
 
 def _stats(x: np.ndarray) -> dict[str, float]:
-    x = x[np.isfinite(x)]
-    if len(x) == 0:
-        return {s: float("nan") for s in STATS}
-    p50, p90, p99 = np.percentile(x, [50, 90, 99])
-    return {"mean": float(x.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+    """``latency_stats`` of the finite values, NaN where there are none (a ratio of NaN reads as none)."""
+    return {k: float("nan") if v is None else v for k, v in latency_stats(x[np.isfinite(x)]).items()}
 
 
 def table_of(served: dict[str, np.ndarray], simulated: dict[str, np.ndarray], served_tps: float,

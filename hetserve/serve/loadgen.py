@@ -23,6 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from hetserve.serve.server import KEEP_ALIVE_S
+from hetserve.sim.metrics import latency_stats
 
 
 @dataclass(frozen=True)
@@ -120,14 +121,6 @@ def replay(url: str, model: str, requests: Sequence[LoadRequest], temperature: f
     return asyncio.run(replay_async(url, model, requests, temperature, timeout_s, ignore_eos))
 
 
-def _stats(values: Sequence[float]) -> dict[str, float]:
-    if not values:
-        return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
-    a = np.asarray(values, float)
-    p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
-
-
 def summarize(results: Sequence[LoadResult], duration_s: float | None = None) -> dict:
     """The simulator's summary shape (docs/design.md) for measured results."""
     ok = [r for r in results if r.error is None]
@@ -137,8 +130,8 @@ def summarize(results: Sequence[LoadResult], duration_s: float | None = None) ->
     return {
         "requests": len(results), "completed": len(ok), "duration_s": duration_s,
         "throughput_tokens_per_s": tokens / duration_s if duration_s > 0 else 0.0,
-        "ttft_s": _stats([r.ttft_s for r in ok]),
-        "tpot_s": _stats([r.tpot_s for r in ok if r.tpot_s is not None]),
-        "e2e_s": _stats([r.e2e_s for r in ok]),
+        "ttft_s": latency_stats([r.ttft_s for r in ok]),
+        "tpot_s": latency_stats([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "e2e_s": latency_stats([r.e2e_s for r in ok]),
         "errors": sorted({r.error for r in results if r.error})[:5],
     }

@@ -1,9 +1,10 @@
 """Results of a run: per-request timings (numpy arrays), per-replica statistics, the summary.
 
 Per request (seconds): ``ttft`` = first token − arrival; ``e2e`` = finish − arrival;
-``tpot`` = (e2e − ttft) / (output − 1) (0 for one-token outputs); ``atgt`` (Aladdin §2.2) =
-decode time / (output − 1), where decode time runs from joining the decode batch to the last
-token, so it leaves out KV transfer and admission waits that TPOT includes.
+``tpot`` = (e2e − ttft) / (output − 1) (0 for one-token outputs: they meet any TPOT target, and
+the summary's TPOT and ATGT figures leave them out); ``atgt`` (Aladdin §2.2) = decode time /
+(output − 1), where decode time runs from joining the decode batch to the last token, so it leaves
+out KV transfer and admission waits that TPOT includes. A summary figure no request has is null.
 
 A request attains the SLO when every target that is set holds (TTFT, TPOT, E2E); goodput is
 attaining requests per second of the run. ``duration_s`` runs from the first arrival to the last
@@ -33,11 +34,21 @@ if TYPE_CHECKING:  # pragma: no cover
     from hetserve.specs.cluster import Cluster
 
 
-def _stats(x: np.ndarray) -> dict[str, float]:
+def latency_stats(x) -> dict[str, float | None]:
+    """Mean and percentiles of one latency over the requests that have it; None for each (JSON
+    null) when none has it (nothing completed, no KV hand-off, only one-token outputs), so no
+    figure reads as a measured zero. Simulated and served summaries both use it."""
+    x = np.asarray(x, float)
     if len(x) == 0:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
     p50, p90, p99 = np.percentile(x, [50, 90, 99])
     return {"mean": float(x.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def has_slo(summary: dict) -> bool:
+    """Whether a summary's run set any SLO target: without one every completed request "meets" it,
+    so attainment and goodput say nothing."""
+    return any(v is not None for v in (summary.get("slo") or {}).values())
 
 
 @dataclass
@@ -175,17 +186,20 @@ class SimResult:
         gpu_hours = self.num_devices * dur / 3600.0
         usd = self.usd_per_hour * dur / 3600.0 if self.usd_per_hour is not None else None
         tput = out_tokens / dur if dur > 0 else 0.0
+        intervals = self.output_tokens > 1
         return {
             "requests": n, "completed": done, "rejected": n - done, "rejected_by": self.rejected_by,
             "duration_s": dur,
             "throughput_tokens_per_s": tput,
             "goodput_requests_per_s": float(met.sum()) / dur if dur > 0 else 0.0,
             "slo_attainment": float(met.mean()) if n else 1.0,
-            "ttft_s": _stats(self.ttft[ok]), "tpot_s": _stats(self.tpot[ok]), "e2e_s": _stats(self.e2e[ok]),
+            # a one-token output has no token interval: TPOT and ATGT leave it out, as served runs do
+            "ttft_s": latency_stats(self.ttft[ok]), "tpot_s": latency_stats(self.tpot[ok & intervals]),
+            "e2e_s": latency_stats(self.e2e[ok]),
             # extensions
-            "atgt_s": _stats(self.atgt[ok]),
-            "queue_s": _stats(self.queue[ok]),
-            "kv_transfer_s": _stats((self.t_kv_done - self.t_kv_start)[np.isfinite(self.t_kv_done)]),
+            "atgt_s": latency_stats(self.atgt[ok & intervals]),
+            "queue_s": latency_stats(self.queue[ok]),
+            "kv_transfer_s": latency_stats((self.t_kv_done - self.t_kv_start)[np.isfinite(self.t_kv_done)]),
             "slo": {"ttft_s": self.slo.ttft_s, "tpot_s": self.slo.tpot_s, "e2e_s": self.slo.e2e_s},
             "input_tokens": int(self.input_tokens[ok].sum()), "output_tokens": out_tokens,
             "requests_per_s": done / dur if dur > 0 else 0.0,

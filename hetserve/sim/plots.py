@@ -18,26 +18,33 @@ def _plt():
     return plt
 
 
+def simulated_title(what: str, pricing: Mapping[str, str] | None) -> str:
+    """A simulated figure's title: what it shows, and how the cost model priced each GPU type."""
+    from hetserve.cost.kernel_pricing import describe_pricing
+
+    return f"simulated {what} (discrete-event simulator; cost model" + (
+        f": {describe_pricing(pricing)})" if pricing else ")")
+
+
 def plot_latency_cdfs(results: Mapping[str, "SimResult"], path: str | Path, title: str | None = None) -> Path:
-    """CDFs of TTFT, TPOT and E2E, one line per labelled result; the title says where the figures
-    come from (simulated, and by default how the cost model priced each GPU type)."""
+    """CDFs of TTFT, TPOT and E2E, one line per labelled result, on log axes (ticks between
+    decades are labelled when a panel spans less than one); one-token outputs have no TPOT. The
+    title says where the figures come from (by default how the cost model priced each GPU type)."""
     import textwrap
 
     if title is None:
-        from hetserve.cost.kernel_pricing import describe_pricing
-
-        pricing = next(iter(results.values())).info.get("pricing") if results else None
-        title = "simulated latency (discrete-event simulator; cost model" + (
-            f": {describe_pricing(pricing)})" if pricing else ")")
+        title = simulated_title("latency", next(iter(results.values())).info.get("pricing") if results else None)
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     fig.suptitle(textwrap.fill(title, 150), fontsize=9)
     for label, res in results.items():
-        for ax, (name, x) in zip(axes, (("TTFT", res.ttft), ("TPOT", res.tpot), ("E2E", res.e2e))):
-            x = np.sort(x[np.isfinite(x)])
+        tpot = res.tpot[res.output_tokens > 1]
+        for ax, (name, x) in zip(axes, (("TTFT", res.ttft), ("TPOT", tpot), ("E2E", res.e2e))):
+            x = np.sort(x[np.isfinite(x) & (x > 0)])
             ax.plot(x, np.arange(1, len(x) + 1) / max(len(x), 1), label=label)
             ax.set_xlabel(f"{name} (s)")
-            ax.set_xscale("symlog", linthresh=1e-2)
+            if len(x):
+                ax.set_xscale("log")
             ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of requests")
     axes[0].legend(fontsize=8)
@@ -47,20 +54,31 @@ def plot_latency_cdfs(results: Mapping[str, "SimResult"], path: str | Path, titl
     return Path(path)
 
 
-def plot_rate_sweep(rows: Sequence[dict], path: str | Path, label_key: str = "label") -> Path:
-    """Throughput and SLO attainment against arrival rate (rows from ``rate_sweep``)."""
+def plot_rate_sweep(rows: Sequence[dict], path: str | Path, label_key: str = "label", title: str | None = None) -> Path:
+    """Throughput and SLO attainment against arrival rate (rows from ``rate_sweep``); with no SLO
+    set, the share of requests completed (not rejected) instead, which is all attainment would
+    count. The title says where the figures come from (default: the runs' cost-model pricing)."""
+    import textwrap
+
+    from hetserve.sim.metrics import has_slo
+
+    if title is None:
+        title = simulated_title("rate sweep", rows[0]["summary"].get("run", {}).get("pricing") if rows else None)
+    slo = any(has_slo(r["summary"]) for r in rows)
     plt = _plt()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig.suptitle(textwrap.fill(title, 120), fontsize=9)
     labels = sorted({r.get(label_key, "") for r in rows})
     for lab in labels:
         rs = sorted((r for r in rows if r.get(label_key, "") == lab), key=lambda r: r["rate"])
         x = [r["rate"] for r in rs]
         a.plot(x, [r["summary"]["throughput_tokens_per_s"] for r in rs], marker="o", label=lab or None)
-        b.plot(x, [r["summary"]["slo_attainment"] for r in rs], marker="o", label=lab or None)
+        b.plot(x, [r["summary"]["slo_attainment"] if slo else r["summary"]["completed"] / max(r["summary"]["requests"], 1)
+                   for r in rs], marker="o", label=lab or None)
     a.set_xlabel("arrival rate (req/s)")
     a.set_ylabel("output tokens/s")
     b.set_xlabel("arrival rate (req/s)")
-    b.set_ylabel("SLO attainment")
+    b.set_ylabel("SLO attainment" if slo else "requests completed (no SLO set)")
     b.set_ylim(0, 1.05)
     for ax in (a, b):
         ax.grid(alpha=0.3)

@@ -67,7 +67,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="output-length prediction for placement (default: the true length)")
     p.add_argument("--sweep-rates", metavar="R1,R2,...",
                    help="also simulate the trace at these mean rates (req/s); with -o, plot throughput and "
-                        "SLO attainment against rate (rate_sweep.png; the figures in rate_sweep.json)")
+                        "SLO attainment (with no --slo-*: the share completed) against rate (rate_sweep.png; the "
+                        "figures in rate_sweep.json)")
     p.add_argument("--efficiency", help="cost-model efficiency JSON (from `hetserve calibrate -o`; its measured "
                    "request overhead, HTTP + tokenisation + SSE, is added to every request too)")
     ctx = p.add_mutually_exclusive_group()
@@ -297,9 +298,9 @@ REJECTED_WHY = {"context": "beyond the model's context", "kv": "KV fits no repli
                 "vocabulary": "outside the vocabulary"}
 
 
-def _has_slo(s: dict) -> bool:
-    """Was any SLO given? Without one every request "meets" it: attainment 1 and goodput = rate say nothing."""
-    return any(v is not None for v in (s.get("slo") or {}).values())
+def _fig(v: float | None, fmt: str) -> str:
+    """A summary figure, or "–" where no request has it (the summary's null)."""
+    return "–" if v is None else format(v, fmt)
 
 
 def _sweep(args, rates, plan, cluster, model, wl, opts, cost, timings: dict, quiet: bool = False) -> list[dict]:
@@ -311,11 +312,13 @@ def _sweep(args, rates, plan, cluster, model, wl, opts, cost, timings: dict, qui
     from rich.console import Console
     from rich.table import Table
 
+    from hetserve.sim.metrics import has_slo
     from hetserve.sim.sweep import rate_sweep
 
     plot = Path(args.output) / SWEEP_PLOT if args.output else None
+    caption = f"simulated; times from the {timings['source']}"
     rows = rate_sweep(plan, cluster, model, wl, rates, replace(opts, progress=False), cost, plot=plot,
-                      source=args.workload)
+                      source=args.workload, plot_title=f"rate sweep, {caption}")
     if args.output:  # the figures the plot draws, as numbers (the table shows a few of them)
         (Path(args.output) / SWEEP_JSON).write_text(json.dumps(
             {"timings": timings, "rate_sweep": [{"rate": r["rate"], "summary": r["summary"]} for r in rows]},
@@ -323,15 +326,14 @@ def _sweep(args, rates, plan, cluster, model, wl, opts, cost, timings: dict, qui
     if quiet:
         return rows
     t = Table("rate req/s", "output tokens/s", "SLO attainment", "goodput req/s", "TTFT p90 s", "TPOT p90 s",
-              title="rate sweep", caption=f"simulated; times from the {timings['source']}", caption_justify="left")
+              title="rate sweep", caption=caption, caption_justify="left")
     for r in rows:
         s = r["summary"]
-        slo = _has_slo(s)
-        done = s["completed"] > 0
+        slo = has_slo(s)
         t.add_row(f"{r['rate']:g}", f"{s['throughput_tokens_per_s']:.1f}",
                   f"{s['slo_attainment']:.3f}" if slo else NO_SLO,
                   f"{s['goodput_requests_per_s']:.3f}" if slo else NO_SLO,
-                  f"{s['ttft_s']['p90']:.3g}" if done else "–", f"{s['tpot_s']['p90']:.3g}" if done else "–")
+                  _fig(s["ttft_s"]["p90"], ".3g"), _fig(s["tpot_s"]["p90"], ".3g"))
     Console().print(t)
     if plot is not None:
         Console().print(f"wrote {plot}, {SWEEP_JSON}")
@@ -343,7 +345,9 @@ def print_summary(console, s: dict, title: str, source: str | None = None) -> No
     ``source`` (under the latencies): where the times come from."""
     from rich.table import Table
 
-    # with no request completed there is no latency to show: the summary's zeros are no figures
+    from hetserve.sim.metrics import has_slo
+
+    # with no request completed there is no latency to show (the summary's figures are null)
     done = s["completed"] > 0
     caption = source if done else f"{NO_LATENCY}" + (f"; {source}" if source else "")
     lat = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
@@ -352,7 +356,8 @@ def print_summary(console, s: dict, title: str, source: str | None = None) -> No
         lat.add_column(k, justify="right")
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("atgt_s", "ATGT"), ("e2e_s", "E2E"),
                        ("queue_s", "queue"), ("kv_transfer_s", "KV transfer")):
-        lat.add_row(label, *(f"{s[key][k]:.4g}" if done else "–" for k in ("mean", "p50", "p90", "p99")))
+        # a figure no request has (none completed, no KV hand-off, one-token outputs only) is null
+        lat.add_row(label, *(_fig(s[key][k], ".4g") for k in ("mean", "p50", "p90", "p99")))
     console.print(lat)
     tot = Table(show_header=False)
     tot.add_column()
@@ -364,8 +369,8 @@ def print_summary(console, s: dict, title: str, source: str | None = None) -> No
                        ("requests rejected", f"{rejected}" + (f" ({why})" if why else "")),
                        ("duration", f"{s['duration_s']:.1f} s"),
                        ("output tokens/s", f"{s['throughput_tokens_per_s']:.1f}"),
-                       ("SLO attainment", f"{s['slo_attainment']:.3f}" if _has_slo(s) else NO_SLO),
-                       ("goodput", f"{s['goodput_requests_per_s']:.3f} req/s" if _has_slo(s) else NO_SLO),
+                       ("SLO attainment", f"{s['slo_attainment']:.3f}" if has_slo(s) else NO_SLO),
+                       ("goodput", f"{s['goodput_requests_per_s']:.3f} req/s" if has_slo(s) else NO_SLO),
                        ("GPU-hours", f"{s['gpu_hours']:.3f}"),
                        ("$ per million output tokens", f"{usd:.2f}" if usd is not None else "n/a"),
                        ("simulated in", f"{s['run']['wall_s']:.2f} s ({s['run']['events']} events)")):

@@ -62,8 +62,8 @@ def test_every_cdf_panel_has_numbers_on_its_axis_when_it_spans_less_than_a_decad
 def test_a_sweep_without_an_slo_plots_the_completed_share_and_says_so(cluster, model, tmp_path, monkeypatch):
     figs = _drawn(monkeypatch)
     wl = Workload.from_lists("t", [0.0, 0.5, 1.0], [50, 60, 10**6], [5, 6, 5])
-    rows = rate_sweep(single({"c0": ["m0:0"]}), cluster, model, wl, [1.0, 2.0], plot=tmp_path / "s.png",
-                      options=SimOptions(beyond_context="run"))
+    rate_sweep(single({"c0": ["m0:0"]}), cluster, model, wl, [1.0, 2.0], plot=tmp_path / "s.png",
+               options=SimOptions(beyond_context="run"))
     assert figs[0].axes[1].get_ylabel() == "requests completed (no SLO set)"
     assert list(figs[0].axes[1].lines[0].get_ydata()) == [2 / 3, 2 / 3]
     assert figs[0]._suptitle.get_text().startswith("simulated rate sweep")

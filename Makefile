@@ -92,15 +92,10 @@ bench-deploy: setup
 	$(BIN)/python -m bench.bench_route
 	$(BIN)/python tests/export/run_hetserve_bundle.py
 
-# Wheels for the GPU machine (bench/gpu/*.sh): the serving packages it lacks (it has torch, triton,
-# transformers, numpy, scipy, networkx, msgpack, safetensors, pyyaml, rich, httpx, h11, anyio), for
-# its Python 3.12, at the versions of requirements/constraints.txt, no dependencies resolved (the list
-# is complete: fastapi, uvicorn and pydantic for serving, openai for compare's load generator, and
-# what each needs). The device tool carries them: carry [".whl"]; bench/gpu/env.sh installs them.
-GPU_WHEELS := fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 click==8.5.1 \
-  pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
-  typing-extensions==4.16.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2 prometheus-client==0.26.0 \
-  openai==3.54.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 sniffio==1.3.1
+# Wheels for the GPU machine (bench/gpu/*.sh): the packages it lacks, for its Python 3.12, no
+# dependencies resolved; the list and why each is there: bench/gpu/wheels.txt. The device tool
+# carries them: carry [".whl"]; bench/gpu/env.sh installs them.
+GPU_WHEELS := $(shell grep -v '^\#' bench/gpu/wheels.txt)
 .PHONY: gpu-wheels
 gpu-wheels:
 	rm -rf .whl

@@ -2,7 +2,8 @@
 # of gpus.csv, and $OUT/machine.txt (appended to, so scripts run one after another in one command
 # keep each other's lines).
 # Wheels: the GPU machine has torch, triton, transformers, numpy, scipy, networkx and a few more, but
-# not the serving packages (pydantic, fastapi, uvicorn, openai, ...). Before the run, here:
+# not the serving packages (pydantic, fastapi, uvicorn, openai, ...): bench/gpu/wheels.txt lists what
+# is carried, and why. Before the run, here:
 # `make gpu-wheels` (fills .whl/); the device tool's carry: [".whl"]. The wheels are installed into
 # /tmp/site once per machine (skipped when /tmp/site already holds these wheels); NO_WHEELS=1: ignore .whl.
 # Knobs: PY (the Python to run, default python3), GPU (a row of hetserve/data/gpus.csv; default from
@@ -43,9 +44,10 @@ fi
 # Every module the engine imports on the calling script's path, each one tried: the missing ones named.
 $PY - ${NEEDS:-} <<'PYEOF' 2>&1 | tee -a "$OUT/machine.txt"
 import importlib, sys
-WHEELS = {"fastapi", "starlette", "uvicorn", "click", "pydantic", "pydantic_core", "annotated_types",
-          "typing_inspection", "typing_extensions", "annotated_doc", "opentelemetry", "prometheus_client",
-          "openai", "httpx2", "httpcore2", "truststore", "jiter", "sniffio"}  # what `make gpu-wheels` fetches
+ALIAS = {"opentelemetry-api": "opentelemetry"}  # a wheel whose module has another name
+with open("bench/gpu/wheels.txt") as f:  # what `make gpu-wheels` fetches, as module names
+    WHEELS = {ALIAS.get(n, n.replace("-", "_")) for n in
+              (line.split("==")[0].strip().lower() for line in f if line.strip() and not line.startswith("#"))}
 missing = {}
 for m in ["torch", "numpy", "scipy", "networkx", "yaml", "msgpack", "safetensors", "rich", "pydantic", *sys.argv[1:]]:
     try:

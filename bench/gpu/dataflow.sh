@@ -11,13 +11,12 @@
 # path's 1 GB hand-offs dominate).
 # Before the run, here: `make gpu-wheels`; the device tool's carry: [".whl"] (bench/gpu/env.sh).
 #   bench/gpu/dataflow.sh          on the GPU machine (GPU=, PY= as env.sh says; REPS= rounds, default 5;
-#                                  GPUS=2 for NCCL between two GPUs; DATAFLOW_S= time limit, default 200 s)
+#                                  GPUS=2 for NCCL between two GPUs; DATAFLOW_S= time limit, default 120 s)
 #   bench/gpu/dataflow.sh --cpu    the dry run: the same script and helper on CPU, tiny shapes, gloo
 #                                  (out/gpu-cpu)
-# Both GPU checks in one device command (300 + 200 s of limits, under the tool's 600 s):
-#   OUT=$OUT bash bench/gpu/step.sh; OUT=$OUT bash bench/gpu/dataflow.sh
-# A 7B-shaped model served through `hetserve serve` (start-up, prefill against bf16 peak, tokens/s
-# against transformers): bench/gpu/serve.sh, in a command of its own (240 s). This script measures the channel itself.
+# The device plan (this with step.sh in one command, serve.sh in a second; the tool's timeouts):
+# docs/benchmarks.md, the GPU rows. This script measures the channel itself; serve.sh, a 7B-shaped
+# model served through `hetserve serve`.
 set -u
 . "$(dirname "$0")/args.sh"  # --cpu / --help; the repository root
 if [ -n "$CPU_RUN" ]; then
@@ -27,7 +26,7 @@ else
 fi
 NEEDS=
 . bench/gpu/env.sh
-timeout -k 10 "${DATAFLOW_S:-200}" $PY -m bench.gpu.dataflow --device "$DEVICE" --shape "$SHAPE" --gpus "${GPUS:-1}" \
+timeout -k 10 "${DATAFLOW_S:-120}" $PY -m bench.gpu.dataflow --device "$DEVICE" --shape "$SHAPE" --gpus "${GPUS:-1}" \
   --reps "${REPS:-5}" --out "$OUT" 2>&1 | tee "$OUT/dataflow.log"
 rc=${PIPESTATUS[0]}
 echo "dataflow rc $rc" | tee -a "$OUT/machine.txt"

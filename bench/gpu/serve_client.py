@@ -20,6 +20,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
+# Seconds one blocking socket call of a request may wait (connect, a response, the next streamed
+# chunk): well under serve.sh's limit, so a server that stops answering fails its stage and the
+# later stages still run; a healthy request waits under a few seconds between chunks.
+HTTP_TIMEOUT_S = 60.0
 
 
 def free_port() -> int:
@@ -28,8 +32,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def post(port: int, body: dict, timeout: float = 300.0) -> dict:
-    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+def post(port: int, body: dict) -> dict:
+    conn = http.client.HTTPConnection(HOST, port, timeout=HTTP_TIMEOUT_S)
     try:
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()
@@ -43,7 +47,7 @@ def post(port: int, body: dict, timeout: float = 300.0) -> dict:
 
 def stream(port: int, body: dict, t0: float, out: dict) -> None:
     """One streaming request: ``out`` gets first_s / end_s (since t0), completion tokens, or error."""
-    conn = http.client.HTTPConnection(HOST, port, timeout=300)
+    conn = http.client.HTTPConnection(HOST, port, timeout=HTTP_TIMEOUT_S)
     try:
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()

@@ -1,7 +1,11 @@
-"""The GPU checks' parts that run without a GPU (bench/gpu/): the wheels carried to the GPU machine."""
+"""The GPU checks' parts that run without a GPU (bench/gpu/): the wheels carried to the GPU machine,
+the time limits against the device session, the order of the serve check's stages."""
 
 from __future__ import annotations
 
+import json
+import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,3 +37,44 @@ def test_make_gpu_wheels_reads_the_list():
     make = (ROOT / "Makefile").read_text()
     assert "GPU_WHEELS := $(shell grep -v '^\\#' bench/gpu/wheels.txt)" in make
     assert "bench/gpu/wheels.txt" in (ROOT / "bench" / "gpu" / "env.sh").read_text()
+
+
+def _default_limit(script: str, knob: str) -> int:
+    """A check script's default time limit: ``${KNOB:-N}`` in bench/gpu/SCRIPT."""
+    m = re.search(r"\$\{" + knob + r":-(\d+)\}", (ROOT / "bench" / "gpu" / script).read_text())
+    assert m, f"bench/gpu/{script}: no ${{{knob}:-N}} default"
+    return int(m.group(1))
+
+
+def test_gpu_check_limits_fit_the_device_session():
+    """The three checks' default limits (each + 10 s to stop) leave room in a 15-minute device session
+    for the machine's start-up (up to 3 min) and the scripts' own set-up; each HTTP call and each
+    deployment's start-up gives up well before serve.sh's limit, so later stages still run."""
+    from bench.gpu import serve_check, serve_client
+
+    step, dataflow, serve = (_default_limit("step.sh", "STEP_S"), _default_limit("dataflow.sh", "DATAFLOW_S"),
+                             _default_limit("serve.sh", "SERVE_S"))
+    assert step + dataflow + serve + 3 * 10 <= 15 * 60 - 180 - 120, (step, dataflow, serve)
+    assert serve_client.HTTP_TIMEOUT_S <= serve / 3
+    assert serve_check.GPU_SIZES["start_s"] <= serve / 2
+
+
+def test_serve_check_measures_transformers_before_the_deployments(tmp_path, monkeypatch):
+    """transformers' baseline runs first: a deployment that hangs until the time limit leaves it measured."""
+    from bench.gpu import serve_check
+
+    order = []
+
+    def make_model(cmd, **kw):  # the model folder, without running make-model
+        out = Path(cmd[cmd.index("-o") + 1])
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2,
+                                                     "intermediate_size": 16, "vocab_size": 32}))
+
+    monkeypatch.setattr(serve_check.subprocess, "run", make_model)
+    monkeypatch.setattr(serve_check, "transformers_baseline", lambda *a: order.append("transformers"))
+    monkeypatch.setattr(serve_check, "deployment", lambda report, kind, *a: order.append(kind))
+    monkeypatch.setattr(sys, "argv", ["serve_check.py", "--cpu", "--out", str(tmp_path)])
+    monkeypatch.setattr(serve_check.signal, "signal", lambda *a: None)
+    assert serve_check.main() == 0
+    assert order == ["transformers", "colocated", "prefill->decode"]

@@ -99,6 +99,12 @@ class PlanReplica(HasRole):
         return ReplicaLayout(tuple(
             StageLayout(tuple(cluster.device(d).index for d in s.devices), s.layers) for s in self.stages))
 
+    def stages_digest(self) -> str:
+        """A short SHA-256 of the stages as the plan file writes them (devices and layers, in order):
+        the estimate keeps it, so a later edit of a replica's devices shows (``describe plan``)."""
+        stages = [[list(s.devices), list(s.layers)] for s in self.stages]
+        return hashlib.sha256(json.dumps(stages).encode()).hexdigest()[:16]
+
     @staticmethod
     def from_layout(rid: str, role: Role, layout: ReplicaLayout, cluster: Cluster) -> "PlanReplica":
         return PlanReplica(rid, role, tuple(

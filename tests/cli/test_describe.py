@@ -205,6 +205,15 @@ def test_describe_plan_says_when_the_saved_estimate_no_longer_matches(tmp_path, 
     assert main(["describe", "plan", _edited(tmp_path, moved)]) == 0
     out = capsys.readouterr().out
     assert "3 devices used, estimated on 4" in out and "cost $" in out and "on demo-tiny" in out
+    assert "replica p0's stages (devices or layers) are not those estimated" in out
+
+    def swapped(data):  # d0's two stages trade GPUs in their box: the same count, types and price
+        st = data["replicas"][1]["stages"]
+        st[0]["devices"], st[1]["devices"] = st[1]["devices"], st[0]["devices"]
+    assert main(["describe", "plan", _edited(tmp_path, swapped)]) == 0
+    out = capsys.readouterr().out
+    assert "no longer matches" in out and "replica d0's stages (devices or layers) are not those estimated" in out
+    assert "p0's stages" not in out
 
 
 def test_make_model_writes_every_file_with_the_umask_mode(tmp_path, capsys):

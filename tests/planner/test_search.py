@@ -178,6 +178,9 @@ def test_kv_routes_follow_flow(case_study, llama70b, azure):
         assert sum(k.weight for k in routes) == pytest.approx(1.0)
         if flows[r.id]:
             assert all(k.weight > 0 for k in routes)
+    # the estimate keeps each replica's stages by digest, so a later hand edit shows (describe plan)
+    assert {r.id: r.stages_digest() for r in plan.replicas} == {
+        rid: e["stages_sha256"] for rid, e in plan.estimate["replicas"].items()}
 
 
 # ----------------------------------------------------------------------------- determinism

@@ -272,7 +272,8 @@ def _saved_flow(entry) -> float | None:
 
 
 def _estimate_drift(plan, cluster: Cluster | None) -> list[str]:
-    """Where the plan differs from what its saved estimate covers: replicas and roles, the devices
+    """Where the plan differs from what its saved estimate covers: replicas and roles, each replica's
+    stages (devices and layers, by the digest the estimate keeps), the number of devices
     used, the flow its KV routes carry into each decode replica (the planner sets the routes ∝ the
     flow, so a decode replica's saved flow is the prefill flows times their routes' weights), and,
     on the cluster at hand, the devices' price."""
@@ -288,10 +289,14 @@ def _estimate_drift(plan, cluster: Cluster | None) -> list[str]:
         out.append(f"replica{'s' * (len(added) > 1)} {', '.join(added)} not in the estimate")
     if gone:
         out.append(f"the estimate covers replica{'s' * (len(gone) > 1)} {', '.join(gone)}, no longer in the plan")
-    for rid, role in roles.items():
-        was = saved.get(rid, {}).get("role") if isinstance(saved.get(rid), dict) else None
-        if was is not None and was != role:
-            out.append(f"replica {rid} is {role}, estimated as {was}")
+    for r in plan.replicas:
+        entry = saved.get(r.id) if isinstance(saved.get(r.id), dict) else {}
+        was = entry.get("role")
+        if was is not None and was != r.role:
+            out.append(f"replica {r.id} is {r.role}, estimated as {was}")
+        digest = entry.get("stages_sha256")  # plans saved before it was kept lack it
+        if isinstance(digest, str) and digest != r.stages_digest():
+            out.append(f"replica {r.id}'s stages (devices or layers) are not those estimated")
     used = e.get("devices_used")
     if isinstance(used, int) and used != len(plan.devices):
         out.append(f"{len(plan.devices)} devices used, estimated on {used}")

@@ -45,8 +45,10 @@ def to_plan(ctx: PlanContext, ev: Evaluation, algorithm: str, budget: Budget | N
     used = [d for i in order for d in ev.layouts[i].devices]  # type: ignore[union-attr]
     usd = ctx.cluster.usd_per_hour(used) if used else 0.0
     per_replica = {}
+    digests = {r.id: r.stages_digest() for r in replicas}
     for i in order:
-        entry = {"role": ev.groups[i].role, "capacity_requests_per_period": round(ev.capacities[i], 3)}
+        entry = {"role": ev.groups[i].role, "capacity_requests_per_period": round(ev.capacities[i], 3),
+                 "stages_sha256": digests[names[i]]}
         if ev.groups[i].role != "colocated":
             entry["flow_requests_per_period"] = round(ev.flow.node_flow.get(i, 0.0), 3)
         elif i in ev.flow.colocated_flow:  # what it serves: less than its capacity where a shared link binds

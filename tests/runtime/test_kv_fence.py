@@ -10,6 +10,7 @@ to; ``test_channel_engine`` kills senders mid-hand-off on the real engine.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from types import SimpleNamespace
 
@@ -41,6 +42,7 @@ def _receiver() -> Worker:
     w.kv_duplicates = w.kv_fenced = 0
     w._kv_lock = threading.Lock()
     w.runner = SimpleNamespace(pool_written=lambda slots: None)  # no step runs here: nothing mirrors the pool
+    w._install_stream = None  # a CPU worker: the pool is written on the receiving thread itself
     return w
 
 
@@ -94,3 +96,45 @@ def test_abandoned_blocks_stay_taken_until_every_receiver_confirms():
     assert blocks.num_free_blocks == free + 2 and not loop.fenced
     loop._on_kv_cancelled(5, "m0:3")  # a repeat changes nothing
     assert blocks.num_free_blocks == free + 2
+
+
+def test_a_piece_that_cannot_be_written_is_refused_so_its_request_reruns_and_later_pieces_install():
+    """A device error while a piece is written (a CUDA call failing on the receiving thread) must
+    not end that thread: the piece's hand-off is refused (the coordinator re-runs the request and
+    fences its blocks) and the sender's next pieces are still written."""
+    w = _receiver()
+    real = w.pool.write
+    w.pool.write = lambda *a: (_ for _ in ()).throw(RuntimeError("CUDA error: an illegal memory access"))
+    assert w._on_message(_piece(7, [2], 9.0)) is True
+    refused = [(dst, meta) for dst, kind, meta in w.transport if kind == "kv_refused"]
+    assert [(dst, meta["seq"], meta["worker"]) for dst, meta in refused] == [(ENGINE, 7, "m0:1")]
+    assert "KV piece not installed" in refused[0][1]["reason"] and 7 not in w.kv_received
+    w.pool.write = real
+    w._on_message(_piece(8, [3], 1.0))
+    assert [k for _, k, _ in w.transport] == ["kv_refused", "kv_ready"]
+
+
+def test_a_piece_on_a_gpu_is_written_on_the_install_stream_and_waits_for_it_not_the_device(monkeypatch):
+    """A device-wide synchronize on a receiving thread waits for the step in flight and breaks a
+    CUDA graph another thread captures; the install waits for its own stream only."""
+    w = _receiver()
+    events = []
+
+    class Stream:
+        def synchronize(self):
+            events.append("stream synchronized")
+
+    @contextlib.contextmanager
+    def on(stream):
+        events.append("on install stream" if isinstance(stream, Stream) else "on another stream")
+        yield
+        events.append("off")
+
+    real = w.pool.write
+    w.pool.write = lambda *a: (events.append("write"), real(*a))
+    w.device, w._install_stream = torch.device("cuda", 0), Stream()  # the pool stays a CPU one
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("DEVICE synchronized"))
+    w._install_kv(_piece(8, [2], 1.0))
+    assert events == ["on install stream", "write", "off", "stream synchronized"]
+    assert [k for _, k, _ in w.transport] == ["kv_ready"]

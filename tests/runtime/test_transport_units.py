@@ -113,3 +113,28 @@ def test_inproc_transport():
     assert m.kind == "result" and m.src == "a" and torch.equal(m.tensors["t"], torch.ones(2))
     assert a.sent == [("b", "result", Priority.DECODE)]
     assert b.recv(timeout=0.01) is None
+
+
+def test_a_hook_that_raises_loses_its_message_only_and_the_connection_reads_on():
+    """A receiving hook's unexpected exception (a device error while a worker installs a KV piece)
+    must not end the connection's reading thread: the peer's later messages still arrive."""
+    a, b = SocketTransport("a", SECURITY), SocketTransport("b", SECURITY)
+    seen = []
+
+    def hook(msg):
+        seen.append(msg.meta["n"])
+        if msg.meta["n"] == 0:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return False
+
+    b.on_message = hook
+    try:
+        a.set_address("b", b.address)
+        for n in range(3):
+            a.send("b", Message("kv", {"n": n}), Priority.KV)
+        got = [b.recv(timeout=5) for _ in range(2)]
+        assert [m.meta["n"] for m in got if m is not None] == [1, 2] and seen == [0, 1, 2]
+        assert not b.rejected  # nothing wrong with the peer or its bytes
+    finally:
+        a.close()
+        b.close()

@@ -9,6 +9,12 @@ step of a bucket reads the same addresses: on CUDA each bucket's forward is capt
 replayed, one launch instead of a few dozen per layer. On CPU, or where a graph cannot be captured,
 the same buffers and padding run eagerly, so the padding path is what CI tests.
 
+A worker captures every bucket at start-up (``capture_all``), before it reports ready: while a graph
+is captured no other CUDA work may run in the process, on any thread, and once the worker is ready
+its receiving threads install KV hand-offs and activations on the device at any time. A caller
+that never calls ``capture_all`` (one thread, no receivers: ``bench/gpu/step_check.py``) gets each
+bucket captured at its first step instead.
+
 Prompt and mixed steps, and decode batches above the largest bucket or with a block table wider
 than the buffers, run eagerly with metadata of their own shape.
 
@@ -41,6 +47,7 @@ from hetserve.runtime.model.attention import (
 from hetserve.runtime.model.context_grids import ContextGrids
 
 log = logging.getLogger(__name__)
+CAPTURE_FAILED = "CUDA graph capture failed"  # the log line's fixed start: a GPU check greps for it
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -92,6 +99,10 @@ class StepRunner:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._pool = None
+        # what became of the graphs, for the worker's start-up report: "on...", or "off: <why>"
+        # (a failed capture's why starts with CAPTURE_FAILED, as its log line does)
+        why = "not asked" if not graphs else "no GPU" if self.device.type != "cuda" else f"{impl} kernels"
+        self.graph_note = "on" if self.graphs else f"off: {why}"
 
     def pool_written(self, slots: torch.Tensor) -> None:
         """``slots`` of the KV pool were written outside a step (a hand-off received); any thread may say so."""
@@ -154,10 +165,29 @@ class StepRunner:
         self.hidden[:T].copy_(h)
         if not self.graphs:
             return self.model(self.hidden[:b], self.kv_layers, step.meta)[:T]
+        # after ``capture_all`` every bucket is here or graphs are off: a worker never captures here
         if b not in self._graphs and not self._capture(b, step.meta):
             return self.model(self.hidden[:b], self.kv_layers, step.meta)[:T]
         self._graphs[b].replay()
         return self._outputs[b][:T]
+
+    def capture_all(self) -> str:
+        """Capture every bucket's forward now, largest first (the shared memory pool is sized once,
+        by the largest), on a step of padding rows only: no KV written, no context read, and the
+        kernels launch the same grids whatever the buffers hold. Returns ``graph_note``."""
+        if not self.graphs:
+            return self.graph_note
+        for b in sorted(self.buckets, reverse=True):
+            if b not in self._graphs:
+                self.slots[:b].fill_(-1)
+                self.context_lens[:b].zero_()
+                self.positions[:b].zero_()
+                self.block_tables[:b].zero_()
+                if not self._capture(b, self._static_meta(b)):
+                    break
+        if self.graphs:
+            self.graph_note = f"on: {len(self._graphs)} buckets captured"
+        return self.graph_note
 
     def _capture(self, bucket: int, meta: AttnMeta) -> bool:
         """Capture ``bucket``'s forward (its buffers already hold a valid step). False, logged once,
@@ -169,13 +199,17 @@ class StepRunner:
                 self.model(self.hidden[:bucket], self.kv_layers, meta)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            # thread-local: the worker's reader threads copy KV and activations on this device while
-            # a bucket is captured; the global mode would forbid their CUDA calls and fail the capture
+            # thread-local: a query of another thread (NCCL's watchdog polling its events) is no
+            # error; no other thread may launch CUDA work meanwhile, which ``capture_all`` ensures
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self.model(self.hidden[:bucket], self.kv_layers, meta)
         except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
-            log.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(e).__name__, e)
+            self.graph_note = f"off: {CAPTURE_FAILED} at bucket {bucket} ({type(e).__name__}: {e})"
+            log.warning("%s (bucket %d, %s: %s); decode steps run eagerly", CAPTURE_FAILED, bucket,
+                        type(e).__name__, e)
             self.graphs = False
+            self._graphs.clear()  # replays of other buckets next to eager steps: one path, not two
+            self._outputs.clear()
             return False
         self._pool = self._pool or graph.pool()
         self._graphs[bucket], self._outputs[bucket] = graph, out

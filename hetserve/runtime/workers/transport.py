@@ -143,6 +143,7 @@ class InProcTransport(Transport):
 # ----------------------------------------------------------------------------- sockets
 
 MAX_UNAUTHENTICATED = 64  # connections still in their handshake; more are closed at once
+HANDLING_FAILED = "handling failed for a message"  # the log line's fixed words: a GPU check greps for them
 log = logging.getLogger("hetserve.runtime.workers.transport")
 
 
@@ -325,12 +326,24 @@ class SocketTransport(Transport):
                 _read_into(sock, view)
                 payload = frames.complete(header[0], header[3])
                 if payload is not None:
-                    self._deliver(decode(payload))
+                    self._deliver_guarded(decode(payload))
         except MalformedMessage as exc:
             self._reject("malformed", str(exc))
         except (OSError, EOFError):
             pass
         self._drop(sock)
+
+    def _deliver_guarded(self, msg: Message) -> None:
+        """Deliver ``msg``; a hook that raises loses this message only, not the connection: its
+        reading thread goes on with the peer's next messages (the hooks answer for what they
+        lose: a worker refuses a KV piece it could not write, and its request re-runs)."""
+        try:
+            self._deliver(msg)
+        except MalformedMessage:
+            raise  # a message no peer of this deployment sends: the connection is closed, as for bad bytes
+        except Exception as exc:  # noqa: BLE001 - whatever else a hook raises
+            log.warning("%s: %s %r from %s (%s: %s)", self.name, HANDLING_FAILED, msg.kind, msg.src,
+                        type(exc).__name__, exc, exc_info=True)
 
     def _drop(self, sock: socket.socket) -> None:
         self._socks.discard(sock)

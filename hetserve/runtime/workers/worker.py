@@ -17,7 +17,8 @@ Messages a worker receives:
     shutdown  leaders only; broadcast to the group, then every rank exits
 
 Sent to the coordinator: ``ready`` (after loading), ``result`` (last leader), ``kv_ready``,
-``kv_refused`` (a hand-off to a replica this worker's layout does not hold),
+``kv_refused`` (a hand-off to a replica this worker's layout does not hold, or a received piece
+that could not be written: the request re-runs),
 ``error`` (traceback, just before exiting on any exception; ``worker_process.py`` sends it, with
 the heartbeats, from the process around this ``Worker``).
 """
@@ -50,6 +51,7 @@ ENGINE = "engine"  # the coordinator's endpoint name
 HEARTBEAT_S = 20.0  # an idle leader pings its TP group this often, well inside the group timeout
 GROUP_TIMEOUT_S = 300.0
 KV_DONE_KEPT = 4096  # hand-offs remembered as complete, to drop their pieces that come again
+KV_NOT_INSTALLED = "KV piece not installed: hand-off"  # the log line's fixed words: a GPU check greps for them
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,16 @@ class Worker:
         self._kv_lock = threading.Lock()
         transport.on_message = self._on_message  # KV and peers are handled on the receiving thread
         self.channel = self._open_channel() if cfg.channels else None
+        # KV hand-offs are copied into the pool on their own stream: the copy need not wait for the
+        # step in flight, and the receiving thread waits for its own copy only (never the device)
+        self._install_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # every CUDA graph before "ready": no peer knows this worker yet, so no receiving thread
+        # touches the device while a graph is captured (runner.py)
+        with torch.inference_mode():  # as the steps run
+            self.runner.capture_all()
+        load = {**self.load_report.as_dict(), "graphs": self.runner.graph_note}
         transport.send(ENGINE, Message("ready", {"worker": spec.name, "address": transport.address,
-                                                 "pid": os.getpid(), "load": self.load_report.as_dict()}))
+                                                 "pid": os.getpid(), "load": load}))
 
     def _make_runner(self) -> StepRunner:
         cfg = self.cfg
@@ -168,7 +178,10 @@ class Worker:
     def _on_message(self, msg: Message) -> bool:
         """KV pieces and the address book are handled here; steps go to the inbox for the step loop."""
         if msg.kind == "kv":
-            self._install_kv(msg)
+            try:
+                self._install_kv(msg)
+            except Exception as exc:  # noqa: BLE001 - the receiving thread must live on for later pieces
+                self._refuse_kv(msg, exc)
             return True
         if msg.kind == "kv_cancel":
             if msg.src == ENGINE:  # only the coordinator abandons a hand-off
@@ -201,10 +214,15 @@ class Worker:
                 self.kv_duplicates += 1
                 return
             slots = slots_of(m["table"], m["num_tokens"], self.cfg.block_size)
-            self.pool.write(layers, heads, slots, msg.tensors["kv"])
+            if self._install_stream is None:
+                self.pool.write(layers, heads, slots, msg.tensors["kv"])
+            else:
+                # a piece that came by device channel is complete on the device already (its receive
+                # waited for it); the stream's temporaries are freed only after the wait below
+                with torch.cuda.stream(self._install_stream):
+                    self.pool.write(layers, heads, slots, msg.tensors["kv"])
+                self._install_stream.synchronize()  # the bytes are in place before the coordinator hears so
             self.runner.pool_written(slots)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the bytes are in place before the coordinator hears so
             got = self.kv_received.setdefault(seq, set())
             got.add(piece)
             complete = len(got) == m["expect"]
@@ -213,6 +231,21 @@ class Worker:
                 _remember(self.kv_done, seq)
         if complete:
             self.transport.send(ENGINE, Message("kv_ready", {"seq": seq, "worker": self.spec.name}))
+
+    def _refuse_kv(self, msg: Message, exc: Exception) -> None:
+        """A piece that could not be written (a device error, a malformed table): the coordinator
+        re-runs its request from the prompt and fences the hand-off's blocks, as for a sender's
+        refusal; its other pieces are dropped when they come (``kv_cancel``)."""
+        seq = msg.meta.get("seq")
+        log.warning("%s: %s %s from %s (%s: %s); refused, its request re-runs", self.spec.name, KV_NOT_INSTALLED,
+                    seq, msg.src, type(exc).__name__, exc)
+        if type(seq) is not int:
+            return  # no hand-off of the coordinator's: nothing to re-run
+        try:
+            self.transport.send(ENGINE, Message("kv_refused", {"seq": seq, "worker": self.spec.name,
+                                                               "reason": f"{KV_NOT_INSTALLED}: {exc}"[:500]}))
+        except ConnectionError:
+            pass  # this endpoint is closing
 
     def _cancel_kv(self, seq: int) -> None:
         """The coordinator abandoned hand-off ``seq`` (its sender died or left the plan) and will give

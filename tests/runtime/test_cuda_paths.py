@@ -1,0 +1,87 @@
+"""What the CUDA-only paths decide, checked on a CPU with stand-ins where CUDA would run: graphs
+captured at a worker's start-up, before it is ready (no receiving thread may use the device
+during a capture). Each test names the rule it guards; the GPU run (bench/gpu) checks the rest."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hetserve.runtime.layout import ReplicaSpec, WorkerSpec
+from hetserve.runtime.model.runner import CAPTURE_FAILED, StepRunner
+from hetserve.runtime.workers.auth import LinkSecurity
+from hetserve.runtime.workers.transport import InProcHub
+from hetserve.runtime.workers.worker import ENGINE, Worker, WorkerConfig
+
+
+def _stage(model_dirs):
+    from hetserve.runtime.model.config import ArchConfig
+    from hetserve.runtime.model.loader import build_stage
+    from hetserve.runtime.workers.kv_pool import KVPool
+
+    cfg = ArchConfig.from_dir(model_dirs["llama"])
+    stage = build_stage(cfg, model_dirs["llama"], (0, cfg.num_layers), has_embed=True, has_head=True)
+    pool = KVPool(cfg.num_layers, 512, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    return cfg, stage, pool
+
+
+def test_capture_all_captures_every_bucket_largest_first_on_padding_rows_and_steps_then_only_replay(model_dirs):
+    cfg, stage, pool = _stage(model_dirs)
+    runner = StepRunner(stage, pool.layers(), 16, cfg.hidden_size, torch.float32, torch.device("cpu"),
+                        max_batch=32, max_blocks=8)
+    runner.graphs = True  # as on a GPU with Triton; the capture itself is stood in for
+    captured, replays = [], []
+
+    def capture(bucket, meta):
+        captured.append((bucket, meta.slot_mapping.tolist(), meta.parts[0].context_lens.tolist()))
+        runner._graphs[bucket] = type("G", (), {"replay": lambda self: replays.append(bucket)})()
+        runner._outputs[bucket] = torch.zeros(bucket, cfg.hidden_size)
+        return True
+
+    runner._capture = capture
+    runner.slots[:4] = 5  # a step ran before: its slots must not be written by the captures' warm-ups
+    assert runner.capture_all() == "on: 6 buckets captured"
+    assert [b for b, _, _ in captured] == [32, 16, 8, 4, 2, 1]
+    assert all(slots == [-1] * b and ctx == [0] * b for b, slots, ctx in captured)
+    runner._capture = lambda *a: (_ for _ in ()).throw(AssertionError("captured after start-up"))
+    with torch.inference_mode():
+        step = runner.prepare([3, 9, 4], [1, 1, 1], [[0], [1], [2]])
+        runner.run(step, torch.zeros(3, cfg.hidden_size))
+    assert replays == [4]
+
+
+def test_a_failed_capture_turns_graphs_off_says_so_and_the_steps_run_eagerly(model_dirs, caplog):
+    cfg, stage, pool = _stage(model_dirs)
+    runner = StepRunner(stage, pool.layers(), 16, cfg.hidden_size, torch.float32, torch.device("cpu"),
+                        max_batch=8, max_blocks=8)
+    runner.graphs = True  # the real capture, which fails on a CPU as a failing GPU capture would
+    with caplog.at_level(logging.WARNING, "hetserve.runtime.model.runner"):
+        note = runner.capture_all()
+    assert note.startswith(f"off: {CAPTURE_FAILED} at bucket 8") and not runner.graphs and not runner._graphs
+    assert any(r.getMessage().startswith(CAPTURE_FAILED) for r in caplog.records)
+    with torch.inference_mode():
+        step = runner.prepare([3], [1], [[0]])
+        assert runner.run(step, torch.zeros(1, cfg.hidden_size)).shape == (1, cfg.hidden_size)
+
+
+def test_a_worker_captures_its_graphs_before_it_says_ready_and_reports_how_it_went(model_dirs, monkeypatch):
+    """Once ready, peers send KV pieces and activations whose receiving threads use the device; a
+    graph captured then would fail (or, with a device-wide sync on those threads, break theirs)."""
+    hub = InProcHub()
+    engine, endpoint = hub.endpoint(ENGINE), hub.endpoint("m0:0")
+    spec = WorkerSpec("m0:0", "r0", "colocated", 0, 1, (0, 3), 0, 1, "m0:0", None, (0, 2), "cpu")
+    cfg = WorkerConfig(spec, (ReplicaSpec("r0", "colocated", ((spec,),)),), str(model_dirs["llama"]), "float32",
+                       256, 16, ("127.0.0.1", 1), LinkSecurity(b"s" * 32), None)
+    calls = []
+
+    def capture_all(runner):
+        calls.append((list(engine._inbox.queue), torch.is_inference_mode_enabled()))
+        return runner.graph_note
+
+    monkeypatch.setattr(StepRunner, "capture_all", capture_all)
+    Worker(cfg, endpoint)
+    assert calls == [([], True)]  # once, as the steps run (inference mode), before any message went out
+    ready = engine.recv(timeout=1)
+    assert ready.kind == "ready" and ready.meta["load"]["graphs"] == "off: no GPU"
+

@@ -85,3 +85,19 @@ def test_a_worker_captures_its_graphs_before_it_says_ready_and_reports_how_it_we
     ready = engine.recv(timeout=1)
     assert ready.kind == "ready" and ready.meta["load"]["graphs"] == "off: no GPU"
 
+
+def test_a_nccl_tp_group_carries_the_leaders_host_headers_over_gloo(monkeypatch):
+    """The leader broadcasts each message's header as host bytes; NCCL moves only CUDA tensors, so
+    a group of NCCL alone fails the first message ("No backend type associated with device type cpu")."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    from hetserve.runtime.workers.rendezvous import GLOO, BoundStore, init_tp_group
+
+    given = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: given.append(backend))
+    store = BoundStore("127.0.0.1")
+    for backend in ("nccl", "gloo"):
+        init_tp_group(backend, store.address, f"r0/{backend}", 0, 1, "127.0.0.1", 30)
+    nccl, gloo = (BackendConfig(dist.Backend(b)).get_device_backend_map() for b in given)
+    assert nccl == {"cpu": GLOO, "cuda": "nccl"} and gloo["cpu"] == GLOO

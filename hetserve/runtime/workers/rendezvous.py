@@ -82,17 +82,22 @@ def init_tp_group(backend: str, store_address: tuple[str, int], prefix: str, ran
     """Join this process's TP group (the default process group) through the store at ``store_address``.
 
     ``backend`` "gloo" binds gloo's device to ``host``; "nccl" is NCCL as configured by its
-    environment. ``prefix`` keeps the keys of different groups apart in one store.
+    environment for CUDA tensors, beside that bound gloo for host tensors (the leader's message
+    headers, broadcast as host bytes: NCCL alone moves only CUDA tensors). ``prefix`` keeps the
+    keys of different groups apart in one store.
     """
     import torch.distributed as dist
 
     store = dist.TCPStore(store_address[0], store_address[1], is_master=False, timeout=timedelta(seconds=60))
     group_store = dist.PrefixStore(prefix, store)
-    if backend == "gloo":
-        _register_bound_gloo(host)
-        backend = GLOO
-    dist.init_process_group(backend, store=group_store, rank=rank, world_size=world,
+    dist.init_process_group(tp_backend(backend, host), store=group_store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
+
+
+def tp_backend(backend: str, host: str) -> str:
+    """What ``init_process_group`` is given for a TP group of ``backend``: each device type's backend."""
+    _register_bound_gloo(host)
+    return GLOO if backend == "gloo" else f"cpu:{GLOO},cuda:{backend}"
 
 
 def _register_bound_gloo(host: str) -> None:

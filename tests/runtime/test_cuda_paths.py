@@ -1,11 +1,15 @@
 """What the CUDA-only paths decide, checked on a CPU with stand-ins where CUDA would run: graphs
 captured at a worker's start-up, before it is ready (no receiving thread may use the device
-during a capture). Each test names the rule it guards; the GPU run (bench/gpu) checks the rest."""
+during a capture); a TP group's host headers over gloo beside NCCL; CUDA IPC allocations released
+when a transfer is refused. Each test names the rule it guards; the GPU run (bench/gpu) checks
+the rest."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
+import pytest
 import torch
 
 from hetserve.runtime.layout import ReplicaSpec, WorkerSpec
@@ -101,3 +105,59 @@ def test_a_nccl_tp_group_carries_the_leaders_host_headers_over_gloo(monkeypatch)
         init_tp_group(backend, store.address, f"r0/{backend}", 0, 1, "127.0.0.1", 30)
     nccl, gloo = (BackendConfig(dist.Backend(b)).get_device_backend_map() for b in given)
     assert nccl == {"cpu": GLOO, "cuda": "nccl"} and gloo["cpu"] == GLOO
+
+
+def _handle(n: int) -> list:
+    """A CUDA IPC handle's fields as ``share_cuda`` writes them (device, handle, size, offset,
+    counter file, counter offset, event, event sync, storage offset)."""
+    return [0, b"h%d" % n, 4096, 0, b"/torch_123_456_%d" % n, n, b"e", False, 0]
+
+
+def _ipc_receiver(monkeypatch):
+    from hetserve.runtime.workers.channel_pairs import ChannelPeer
+    from hetserve.runtime.workers.device_channel import DeviceChannel
+
+    hub = InProcHub()
+    hub.endpoint("a")
+    channel = DeviceChannel(hub.endpoint("b"), (ChannelPeer("a", "ipc", "g", 1),), torch.device("cuda", 0))
+    channel.expect["kv"] = lambda meta: {"kv": (torch.float32, (2, 4))}
+    released = []
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter",
+                        classmethod(lambda cls, name, offset, device=None: released.append((name, offset))))
+    return channel, released
+
+
+def _ipc_header(seq: int, shape: list, handles: list):
+    from hetserve.runtime.workers.wire import Message
+
+    msg = Message("kv", {"dc": {"seq": seq, "tensors": [["kv", "float32", shape, 4 * shape[0] * shape[1]]],
+                                "ipc": handles}})
+    msg.src = "a"
+    return msg
+
+
+def test_an_ipc_transfer_refused_before_it_is_opened_releases_the_senders_allocation(monkeypatch):
+    """The sender's share sets its block's counter to 1 and only the receiver lowers it: a header
+    refused unopened (a shape other than expected, or one after the channel broke) must lower it,
+    or the sender's block stays allocated for its whole life. Malformed handles are left alone."""
+    channel, released = _ipc_receiver(monkeypatch)
+    assert channel._on_receive(_ipc_header(0, [3, 4], [_handle(7)])) == []  # refused: not the shape expected
+    assert released == [(b"/torch_123_456_7", 7)] and channel.stats()["refused"] == 1
+    bad = _handle(9)
+    bad[5] = 10**6  # a counter offset past the counter file: never written through
+    assert channel._on_receive(_ipc_header(1, [2, 4], [_handle(8), bad])) == []  # the channel is broken now
+    assert released[1:] == [(b"/torch_123_456_8", 8)]
+
+
+def test_an_ipc_open_that_fails_midway_releases_only_the_allocations_it_did_not_open(monkeypatch):
+    from hetserve.runtime.workers import channel_backends
+
+    _, released = _ipc_receiver(monkeypatch)
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda",
+                        classmethod(lambda cls, *fields: torch.UntypedStorage(64)))  # opens (a host stand-in)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    specs = [["a", "float32", [2], 8], ["b", "float32", [2], 8]]
+    # the first opens; the copy after it needs a GPU and fails, as a device error would
+    with pytest.raises(channel_backends.IpcOpenFailed):
+        channel_backends.open_ipc([_handle(1), _handle(2)], specs, torch.device("cuda", 0))
+    assert released == [(b"/torch_123_456_2", 2)]  # the first is released by its storage when freed

@@ -45,9 +45,11 @@ import torch
 from hetserve.runtime.workers.auth import DEFAULT_MAX_MESSAGE_BYTES
 from hetserve.runtime.workers.channel_backends import (
     ChannelError,
+    IpcOpenFailed,
     isend,
     open_ipc,
     pair_group,
+    release_ipc,
     share_cuda,
     tag,
     wait,
@@ -278,6 +280,8 @@ class DeviceChannel:
             msg.tensors = self._receive(link, header, self._expected(msg))
         except Exception as exc:  # noqa: BLE001 - a receive that fails must not end the reading thread
             # RuntimeError: what torch.distributed raises for a lost peer or a timeout
+            if link.spec.kind == "ipc" and not isinstance(exc, IpcOpenFailed) and isinstance(header, dict):
+                release_ipc(header.get("ipc"), self.device)  # refused before any was opened
             self._bump("refused" if isinstance(exc, (MalformedMessage, ValueError)) else "failed")
             with link.lock:
                 first = not link.broken

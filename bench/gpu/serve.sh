@@ -13,8 +13,10 @@
 # Targets: prefill >= 50 % of peak at 2,048 tokens; >= 5x transformers' tokens/s. Writes
 # $OUT/serve.json and $OUT/serve.md (default out/gpu), rewritten after every stage (a failed stage is
 # recorded under "errors" and the next one runs; a kill by the time limit stops the servers and
-# leaves the stages done), plus serve.log (the servers' output in it) and machine.txt. Exit status
-# non-zero when a stage failed. No network needed; expected 1.5-2.5 minutes on one H200. --cpu: the
+# leaves the stages done), plus serve.log (the servers' output in it) and machine.txt. A worker's
+# log line saying it fell back (a failed CUDA graph capture, Triton kernels that cannot launch, a
+# device channel given up for the socket; serve_check.py's FALLBACK_LOG) is recorded under "errors"
+# too. Exit status non-zero when a stage failed or a worker fell back. No network needed; expected 1.5-2.5 minutes on one H200. --cpu: the
 # same script end to end on the CPU with a tiny shape (a dry run; out/gpu-cpu).
 # Before the run, here: `make gpu-wheels`; the device tool's carry: [".whl"] (bench/gpu/env.sh).
 # Knobs: SERVE_S (time limit, default 210 s), PY, OUT, GPU.

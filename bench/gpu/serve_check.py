@@ -39,6 +39,17 @@ CPU_SIZES = {"shape": ["--layers", "4", "--hidden", "256", "--heads", "4", "--kv
              "dtype": "float32", "prompts": (128, 512), "concurrent": 4, "prompt_len": (24, 40), "max_tokens": 16,
              "kv": 4096, "start_s": 90, "channel": "on"}  # gloo between the CPU workers: the channel's code path
 TARGET_PREFILL, TARGET_RATIO = 0.5, 5.0  # fraction of peak at the longest prompt; tokens/s vs transformers
+# The fixed words of the log lines by which a served worker says it took a slower path without failing
+# a request (the runtime's own strings, hetserve/runtime): a server's output line holding one is
+# recorded under errors, since the figures measured after it are not those of the intended path.
+FALLBACK_LOG = (
+    "CUDA graph capture failed",  # model/runner.py: a bucket's capture failed, decode eager from then on
+    "CUDA graphs off",  # model/runner.py, workers/worker.py: graphs never on (no Triton kernels, a gloo TP group)
+    "Triton kernels cannot launch",  # kernels/__init__.py: the torch kernels run instead
+    "the socket carries its transfers",  # workers/device_channel.py: "channel to PEER broken (...)"
+    "its sender resends it by socket",  # workers/device_channel.py: a transfer refused on receipt
+    "handling failed for a message",  # workers/transport.py: a message the reader thread could not handle
+)
 STOPPING = []  # set by SIGTERM (the time limit): servers get a short drain, then SIGKILL
 
 
@@ -124,6 +135,15 @@ def deployment(report: StageReport, kind: str, model: Path, cfg: dict, tmp: Path
         if server is not None:
             with report.stage(f"{kind}: stop"):
                 row["stop"] = server.stop(quick=bool(STOPPING))
+            row["fallbacks"] = fallbacks(server.lines)
+            for line in row["fallbacks"]:
+                report.error(f"{kind}: a worker fell back", line)
+            report.save()
+
+
+def fallbacks(lines: list[str]) -> list[str]:
+    """The lines of a server's output that say a worker fell back (``FALLBACK_LOG``), each once, in order."""
+    return list(dict.fromkeys(line for line in lines if any(words in line for words in FALLBACK_LOG)))
 
 
 def gpu_mem_used_gb() -> float | None:

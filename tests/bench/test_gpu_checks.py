@@ -78,3 +78,41 @@ def test_serve_check_measures_transformers_before_the_deployments(tmp_path, monk
     monkeypatch.setattr(serve_check.signal, "signal", lambda *a: None)
     assert serve_check.main() == 0
     assert order == ["transformers", "colocated", "prefill->decode"]
+
+
+def test_serve_check_finds_each_fallback_the_runtime_logs():
+    """Each of the runtime's fallback log lines, as a worker prints it, is found once; other lines are not;
+    and each entry of FALLBACK_LOG is still words the runtime logs (a changed log line fails here)."""
+    from bench.gpu.serve_check import FALLBACK_LOG, fallbacks
+
+    logged = [f"m0:1: {words} (bucket 8, RuntimeError: capture invalidated)" for words in FALLBACK_LOG]
+    lines = ["INFO: up in 12.0 s", *logged, logged[0], "m0:0 pid 12, stage in 3.1 s", "channel: on"]
+    assert fallbacks(lines) == logged
+    runtime = "\n".join(p.read_text() for p in (ROOT / "hetserve" / "runtime").rglob("*.py"))
+    assert [w for w in FALLBACK_LOG if w not in runtime] == []
+
+
+def test_serve_check_records_a_fallback_under_errors(tmp_path, monkeypatch):
+    """A deployment whose worker fell back ends with that line under errors (the run exits non-zero)."""
+    from bench.gpu import serve_check
+    from bench.gpu.results import StageReport
+
+    report = StageReport(tmp_path, "serve", {"deployments": {}}, lambda d: "")
+
+    class Server:  # what deployment() reads of a server that started and then logged a fallback
+        port, lines = 0, ["m0:1: CUDA graph capture failed (bucket 8, RuntimeError: x); decode steps run eagerly"]
+
+        def __init__(self, *a):
+            pass
+
+        def wait_ok(self, limit):
+            raise TimeoutError("not up")
+
+        def stop(self, quick):
+            return {"clean": True}
+
+    monkeypatch.setattr(serve_check, "Server", Server)
+    serve_check.deployment(report, "colocated", tmp_path, {"num_hidden_layers": 2}, tmp_path,
+                           serve_check.CPU_SIZES, "H200", 1.0)
+    assert report.data["deployments"]["colocated"]["fallbacks"] == Server.lines
+    assert {"stage": "colocated: a worker fell back", "error": Server.lines[0]} in report.data["errors"]

@@ -88,6 +88,7 @@ def test_a_worker_captures_its_graphs_before_it_says_ready_and_reports_how_it_we
     assert calls == [([], True)]  # once, as the steps run (inference mode), before any message went out
     ready = engine.recv(timeout=1)
     assert ready.kind == "ready" and ready.meta["load"]["graphs"] == "off: no GPU"
+    assert ready.meta["load"]["kernels"] in ("native", "torch")  # a GPU's: "triton", or "torch (Triton kernels ...)"
 
 
 def test_a_nccl_tp_group_carries_the_leaders_host_headers_over_gloo(monkeypatch):

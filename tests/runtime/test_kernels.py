@@ -339,3 +339,39 @@ def test_every_triton_kernel_compiles_for_a_cuda_gpu():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     compiled = done.stdout.count("compiled ")
     assert compiled >= 8, done.stdout
+
+
+def test_triton_that_cannot_launch_on_a_gpu_falls_back_to_the_torch_kernels_once_and_says_so(monkeypatch, caplog):
+    """Triton builds its launcher with the host's C compiler at the first launch: where that fails
+    every Triton launch would, so the default kernels on that GPU are the torch ones, decided by one
+    probe launch per GPU and logged (a worker reports ``describe``)."""
+    tried = []
+
+    def fails(device):
+        tried.append(device)
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.\nmore")
+
+    monkeypatch.setattr(kernels, "triton_available", lambda: True)
+    monkeypatch.setattr(kernels, "_probe_launch", fails)
+    kernels._triton_failure.cache_clear()
+    try:
+        with caplog.at_level("WARNING", "hetserve.runtime.kernels"):
+            assert kernels.resolve_impl(None, torch.device("cuda", 0)) == "torch"
+            assert kernels.resolve_impl(None, torch.device("cuda", 0)) == "torch"
+        assert tried == [torch.device("cuda", 0)]
+        assert [r.getMessage() for r in caplog.records if r.getMessage().startswith(kernels.TRITON_FAILED)]
+        assert kernels.describe(torch.device("cuda", 0)) == (
+            f"torch ({kernels.TRITON_FAILED}: RuntimeError: Failed to find C compiler. Please specify via CC "
+            "environment variable.)")
+        assert kernels.resolve_impl("triton", torch.device("cuda", 0)) == "triton"  # asked for: no probe, no fallback
+        monkeypatch.setattr(kernels, "_probe_launch", lambda device: None)
+        gpu1 = torch.device("cuda", 1)
+        assert kernels.resolve_impl(None, gpu1) == "triton" == kernels.describe(gpu1)
+    finally:
+        kernels._triton_failure.cache_clear()
+
+
+def test_the_triton_probe_launch_itself_runs(monkeypatch):
+    """The probe's kernel call is a real one (here under Triton's interpreter): a probe that raised
+    for a mistake of its own would turn Triton off on every GPU."""
+    kernels._probe_launch(torch.device("cpu"))

@@ -26,8 +26,11 @@ The KV pool of one layer is a pair of caches ``(num_blocks, block_size, Hkv, D)`
   layer's normalisation and rotary embedding, rounding where transformers rounds; C++ under
   ``"native"``, torch otherwise (Triton has none).
 
-``impl``: ``"triton"``, ``"native"``, ``"torch"``, or None: Triton when the tensors are on CUDA and
-Triton imports; on a CPU the C++ kernels (``native.py``) where they build, plain torch
+``impl``: ``"triton"``, ``"native"``, ``"torch"``, or None: Triton when the tensors are on CUDA,
+Triton imports and a tiny Triton kernel launches on that GPU (tried once per GPU: Triton builds
+its launcher with the host's C compiler and Python headers at the first launch, and where that
+fails every launch would; the log line then starts with ``TRITON_FAILED`` and the torch kernels
+run); on a CPU the C++ kernels (``native.py``) where they build, plain torch
 otherwise. ``"native"`` has decode attention and ``store_kv`` kernels: its prefill is the torch one.
 On CPU tensors ``impl="triton"`` runs the kernels under Triton's interpreter (slow; for checking
 them). Inputs of float32, bfloat16 or float16; scores, softmax
@@ -38,12 +41,15 @@ of ``reference.py`` by ``tests/runtime/test_kernels.py`` and ``bench/check_kerne
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from . import native, torch_impl
 
 IMPLS = ("triton", "native", "torch")
+TRITON_FAILED = "Triton kernels cannot launch"  # the log line's fixed start: a GPU check greps for it
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -57,11 +63,50 @@ def triton_available() -> bool:
     return True
 
 
+def _probe_launch(device: torch.device) -> None:
+    """Launch the smallest Triton kernel on ``device`` and wait for it; raises where it cannot run."""
+    k = torch.ones(1, 1, 16, device=device)
+    cache = torch.zeros(1, 16, 1, 16, device=device)
+    _triton().store_kv(k, k, cache, cache.clone(), torch.zeros(1, dtype=torch.int32, device=device))
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    if cache[0, 0, 0, 0].item() != 1.0:
+        raise RuntimeError("the probe kernel ran but wrote nothing")
+
+
+@functools.cache
+def _triton_failure(index: int) -> str:
+    """Why Triton's kernels cannot run on GPU ``index`` ("" where they can), found once per GPU."""
+    device = torch.device("cuda", index)
+    try:
+        _probe_launch(device)
+    except Exception as e:  # noqa: BLE001 - whatever stops a launch: a compiler, headers, the driver
+        first = next((line for line in str(e).splitlines() if line.strip()), "")  # compilers say much more
+        why = f"{type(e).__name__}: {first}"[:300]
+        log.warning("%s on %s (%s); the torch kernels run instead (and CUDA graphs are off)", TRITON_FAILED,
+                    device, why)
+        return why
+    return ""
+
+
+def triton_failure(device: torch.device) -> str:
+    """Why the default kernels on CUDA ``device`` are not Triton's though it imports ("" otherwise)."""
+    if device.type != "cuda" or not triton_available():
+        return ""
+    return _triton_failure(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def describe(device: torch.device) -> str:
+    """The default kernels on ``device``, and why not Triton's where its launch failed (a worker's report)."""
+    why = triton_failure(device)
+    return f"torch ({TRITON_FAILED}: {why})" if why else resolve_impl(None, device)
+
+
 def resolve_impl(impl: str | None, device: torch.device) -> str:
     """The implementation a call runs: ``impl`` checked, or the default for ``device``."""
     if impl is None:
         if device.type == "cuda":
-            return "triton" if triton_available() else "torch"
+            return "triton" if triton_available() and not triton_failure(device) else "torch"
         return "native" if device.type == "cpu" and native.available() else "torch"
     if impl not in IMPLS:
         raise ValueError(f"unknown kernel impl {impl!r}: choose one of {', '.join(map(repr, IMPLS))} or None")
@@ -125,5 +170,5 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
                                               context_lens, scale)
 
 
-__all__ = ["IMPLS", "paged_decode_attention", "paged_prefill_attention", "resolve_impl", "rms_norm", "rotary",
-           "store_kv", "triton_available"]
+__all__ = ["IMPLS", "TRITON_FAILED", "describe", "paged_decode_attention", "paged_prefill_attention", "resolve_impl",
+           "rms_norm", "rotary", "store_kv", "triton_available", "triton_failure"]

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from hetserve.runtime import kernels
 from hetserve.runtime.layout import KVTransfer, ReplicaSpec, WorkerSpec, kv_transfers
 from hetserve.runtime.model.config import ArchConfig
 from hetserve.runtime.model.loader import load_stage
@@ -118,7 +119,8 @@ class Worker:
         # touches the device while a graph is captured (runner.py)
         with torch.inference_mode():  # as the steps run
             self.runner.capture_all()
-        load = {**self.load_report.as_dict(), "graphs": self.runner.graph_note}
+        load = {**self.load_report.as_dict(), "graphs": self.runner.graph_note,
+                "kernels": kernels.describe(self.device)}
         transport.send(ENGINE, Message("ready", {"worker": spec.name, "address": transport.address,
                                                  "pid": os.getpid(), "load": load}))
 

@@ -162,3 +162,22 @@ def test_an_ipc_open_that_fails_midway_releases_only_the_allocations_it_did_not_
     with pytest.raises(channel_backends.IpcOpenFailed):
         channel_backends.open_ipc([_handle(1), _handle(2)], specs, torch.device("cuda", 0))
     assert released == [(b"/torch_123_456_2", 2)]  # the first is released by its storage when freed
+
+
+def test_a_stages_worker_time_stops_when_its_gpu_work_is_done_not_when_it_is_queued(monkeypatch):
+    """A GPU runs the forward after the host queued it: a clock read then (a non-last stage whose
+    device channel sends activations without reading them back) would leave out the GPU's time."""
+    from hetserve.runtime.workers import worker
+
+    clock = {"now": 1.0}
+
+    class Stream:
+        def synchronize(self):
+            clock["now"] = 5.0  # the queued forward ran until now
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(worker.time, "perf_counter", lambda: clock["now"])
+    gpu = worker._spent({"worker_s": 0.5}, (0.0, 0.0), torch.device("cuda", 0))
+    assert gpu["worker_s"] == 5.5
+    clock["now"] = 1.0
+    assert worker._spent({}, (0.0, 0.0), torch.device("cpu"))["worker_s"] == 1.0  # a CPU ran it already

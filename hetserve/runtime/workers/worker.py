@@ -318,9 +318,10 @@ class Worker:
             if k >= 0:  # every row gets the widest k; the coordinator keeps each request's own
                 out["lp"], out["top_ids"], out["top_lps"] = token_logprobs(logits, tokens, k)
             out.update(self._prompt_logprobs(h, seqs, extras))
-            self.transport.send(ENGINE, Message("result", {"step": meta["step"], **_spent(meta, began)}, out))
+            spent = _spent(meta, began, self.device)
+            self.transport.send(ENGINE, Message("result", {"step": meta["step"], **spent}, out))
         else:
-            meta.update(_spent(meta, began))  # the next stage adds its own
+            meta.update(_spent(meta, began, self.device))  # the next stage adds its own
             self._send(spec.next_leader, Message("step", meta, {"hidden": h}), Priority(meta["priority"]))
 
     def _prompt_logprobs(self, h: torch.Tensor, seqs: list, extras: list) -> dict[str, torch.Tensor]:
@@ -390,9 +391,16 @@ def _broadcast_header(kind: str = "", meta: dict | None = None) -> tuple[str, di
     return kind, meta
 
 
-def _spent(meta: dict, began: tuple[float, float]) -> dict[str, float]:
+def _spent(meta: dict, began: tuple[float, float], device: torch.device) -> dict[str, float]:
     """The step's worker time so far: the earlier stage leaders' (in ``meta``) plus this one's since
     ``began`` (wall, and CPU of this thread: less than wall where the OS ran something else here).
-    The coordinator keeps the last stage's total beside its own span (``StepTiming.worker_s``)."""
+    The coordinator keeps the last stage's total beside its own span (``StepTiming.worker_s``).
+
+    On a GPU the clock stops once the stage's work on its stream is done: the host gets here with
+    the forward only queued (a device channel sends activations without reading them back). The
+    wait costs nothing where the host reads the result anyway (the last stage's sampled tokens, a
+    socket send's copy to the host)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
     return {"worker_s": meta.get("worker_s", 0.0) + time.perf_counter() - began[0],
             "worker_cpu_s": meta.get("worker_cpu_s", 0.0) + time.thread_time() - began[1]}

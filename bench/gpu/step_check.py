@@ -3,9 +3,14 @@ the tiny model's time per layer per decode step, and a Llama-2-7B-shaped decode 
 memory-bandwidth bound. Run by ``bench/gpu/step.sh``; ``--cpu`` runs the same code end to end with
 tiny sizes on the CPU (graphs off there), to check the script itself.
 
-Bound: a decode step reads every weight once and each sequence's KV once, so it takes at least
-``(weight bytes + KV bytes) / HBM bandwidth``; 4.8 TB/s is the H200's HBM3e bandwidth on NVIDIA's
-H200 datasheet (hetserve/data/gpus.csv holds the same row).
+Two times per decode step: ``forward_ms``, the runner's forward alone (``StepRunner.run``: the
+layers, replayed as a CUDA graph where captured), and ``step_ms``, the whole step as the engine's
+last stage runs it: the step's metadata to the device (``prepare``), the tokens' embedding, the
+forward, the LM head on each sequence's last row and greedy sampling, its tokens copied to the host.
+
+Bound: a decode step's forward reads every layer weight once and each sequence's KV once, so it
+takes at least ``(layer weight bytes + KV bytes) / HBM bandwidth``; 4.8 TB/s is the H200's HBM3e
+bandwidth on NVIDIA's H200 datasheet (hetserve/data/gpus.csv holds the same row).
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from hetserve.runtime.model.config import LLAMA2_7B, ArchConfig, llama_arch
 from hetserve.runtime.model.loader import build_stage
 from hetserve.runtime.model.make import make_model, random_stage
 from hetserve.runtime.model.runner import StepRunner
+from hetserve.runtime.sampling import sample
 from hetserve.runtime.workers.kv_pool import KVPool
 
 HBM_BYTES_PER_S = 4.8e12  # H200, NVIDIA datasheet
 BLOCK = 16
 PROMPTS = [list(b"Hello, heterogeneous world!"), [5, 9, 2], list(range(40, 90))]
+GREEDY = (0.0, 1.0, 0, 0)  # a sampling key: temperature 0, top_p 1, seed 0, token index 0
 
 
 def _sync(device):
@@ -67,20 +74,44 @@ def hf_greedy(model_dir, prompts, n, device):
                 for p in prompts]
 
 
-def decode_ms(runner, batch, context, hidden, dtype, device, reps):
-    """Mean ms of one decode step of ``batch`` sequences at ``context`` through the runner's layers."""
-    per_seq = runner.max_blocks
-    tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
-    step = runner.prepare([context - 1] * batch, [1] * batch, tables)
-    h = torch.randn(batch, hidden, device=device, dtype=dtype) * 0.1
+def _mean_ms(fn, device, reps) -> float:
+    """Mean ms of ``fn()`` over ``reps`` calls after three warm-up calls, the device synced around."""
     for _ in range(3):
-        runner.run(step, h)
+        fn()
     _sync(device)
     t0 = time.perf_counter()
     for _ in range(reps):
-        runner.run(step, h)
+        fn()
     _sync(device)
     return (time.perf_counter() - t0) / reps * 1e3
+
+
+def _decode_inputs(runner, batch):
+    per_seq = runner.max_blocks
+    return [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
+
+
+def forward_ms(runner, batch, context, hidden, dtype, device, reps):
+    """Mean ms of the forward alone (``runner.run``) of one decode step of ``batch`` sequences at
+    ``context``: its metadata prepared once, outside the clock."""
+    step = runner.prepare([context - 1] * batch, [1] * batch, _decode_inputs(runner, batch))
+    h = torch.randn(batch, hidden, device=device, dtype=dtype) * 0.1
+    return _mean_ms(lambda: runner.run(step, h), device, reps)
+
+
+def step_ms(stage, runner, batch, context, device, reps):
+    """Mean ms of one whole decode step of ``batch`` sequences at ``context``, as the engine's last
+    stage runs it (hetserve/runtime/workers/worker.py): prepare, embed the host's token ids, forward,
+    LM head on each sequence's last row, greedy sampling with its tokens copied to the host."""
+    tables, ids, keys = _decode_inputs(runner, batch), [t % 256 for t in range(batch)], [GREEDY] * batch
+
+    def one():
+        step = runner.prepare([context - 1] * batch, [1] * batch, tables)
+        h = stage.embed(torch.tensor(ids, device=device), step.meta.positions[:step.num_tokens])
+        h = runner.run(step, h)
+        return sample(stage.logits(h[step.meta.last_token[:batch]]), keys)
+
+    return _mean_ms(one, device, reps)
 
 
 class Report(StageReport):
@@ -134,9 +165,10 @@ def tiny_checks(report: Report, root: Path, device, n, reps):
                     print(f"greedy = transformers: {row}", flush=True)
                     report.save()
                     for batch in (1, 8):
-                        ms = decode_ms(runner, batch, 64, cfg.hidden_size, torch.float32, device, reps)
+                        ms = forward_ms(runner, batch, 64, cfg.hidden_size, torch.float32, device, reps)
                         t = {"arch": arch, "graphs": runner.graphs, "asked_graphs": graphs, "batch": batch,
-                             "ms_per_layer": ms / cfg.num_layers}
+                             "forward_ms_per_layer": ms / cfg.num_layers,
+                             "step_ms": step_ms(stage, runner, batch, 64, device, reps)}
                         report.graphs_row(name, t)
                         report.data["tiny_timing"].append(t)
                         print(f"tiny timing: {t}", flush=True)
@@ -144,13 +176,14 @@ def tiny_checks(report: Report, root: Path, device, n, reps):
 
 
 def big_decode(report: Report, device, dtype, shape, batches, contexts, reps):
-    """A Llama of ``shape`` with random weights made on the device (no file), decode steps vs the bound;
-    each row is kept as measured, a failed row recorded and the next one run."""
+    """A Llama of ``shape`` with random weights made on the device (no file), its embedding and LM head
+    too: decode steps, the forward against the bound and the whole step; each row is kept as measured,
+    a failed row recorded and the next one run."""
     big = report.data["big"]
     with report.stage("big: random weights and KV pool") as st:
         cfg = llama_arch(**{**shape, "max_positions": max(contexts)})
-        stage = random_stage(cfg, (0, cfg.num_layers), device, dtype, seed=0)
-        weight_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
+        stage = random_stage(cfg, (0, cfg.num_layers), device, dtype, seed=0, has_embed=True, has_head=True)
+        weight_bytes = sum(p.numel() * p.element_size() for p in stage.layers.parameters())  # what the forward reads
         max_b = max(batches)
         pool = KVPool(cfg.num_layers, max_b * max(contexts), cfg.num_kv_heads, cfg.head_dim, dtype, device)
         kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * pool.k.element_size()
@@ -165,11 +198,12 @@ def big_decode(report: Report, device, dtype, shape, batches, contexts, reps):
         for context in contexts if runner is not None else ():
             for batch in batches:
                 with report.stage(f"{name}, batch {batch}, context {context}"), torch.inference_mode():
-                    ms = decode_ms(runner, batch, context, cfg.hidden_size, dtype, device, reps)
+                    ms = forward_ms(runner, batch, context, cfg.hidden_size, dtype, device, reps)
                     bound = (weight_bytes + batch * context * kv_per_token) / HBM_BYTES_PER_S * 1e3
                     row = {"graphs": runner.graphs, "asked_graphs": graphs, "batch": batch, "context": context,
-                           "ms": ms, "bound_ms": bound, "ms_per_layer": ms / cfg.num_layers,
-                           "bound_fraction": bound / ms}
+                           "forward_ms": ms, "bound_ms": bound, "forward_ms_per_layer": ms / cfg.num_layers,
+                           "bound_fraction": bound / ms,
+                           "step_ms": step_ms(stage, runner, batch, context, device, reps)}
                     report.graphs_row(name, row)
                     big["rows"].append(row)
                     print(f"big decode: {row}", flush=True)
@@ -190,17 +224,21 @@ def table(result) -> str:
     lines = ["| check | graphs | result |", "|---|---|---|"]
     lines += [f"| greedy = transformers, {r['arch']} | {_graphs(r)} | {'equal' if r['equal'] else 'DIFFERENT'} |"
               for r in result["greedy"]]
-    lines += ["", "| tiny model | graphs | batch | ms / layer / decode step |", "|---|---|---:|---:|"]
-    lines += [f"| {r['arch']} | {_graphs(r)} | {r['batch']} | {r['ms_per_layer']:.3f} |" for r in result["tiny_timing"]]
+    lines += ["", "forward: the runner's forward alone (StepRunner.run); whole step: prepare + embedding + "
+              "forward + LM head + greedy sampling, tokens to the host (as the engine's last stage runs it)",
+              "", "| tiny model | graphs | batch | forward ms / layer / decode step | whole step, ms |",
+              "|---|---|---:|---:|---:|"]
+    lines += [f"| {r['arch']} | {_graphs(r)} | {r['batch']} | {r['forward_ms_per_layer']:.3f} | {r['step_ms']:.3f} |"
+              for r in result["tiny_timing"]]
     big = result["big"]
     if "weight_bytes" in big:
-        lines += ["", (f"{result['big_shape']} ({big['weight_bytes'] / 1e9:.2f} GB weights, "
-                  f"{big['kv_bytes_per_token'] / 1e3:.0f} kB KV per token), bound = bytes / "
+        lines += ["", (f"{result['big_shape']} ({big['weight_bytes'] / 1e9:.2f} GB layer weights, "
+                  f"{big['kv_bytes_per_token'] / 1e3:.0f} kB KV per token), forward bound = (layer weights + KV) / "
                   f"{HBM_BYTES_PER_S / 1e12} TB/s"),
-                  "", "| graphs | batch | context | ms / step | bound ms | bound / measured |",
-                  "|---|---:|---:|---:|---:|---:|"]
-        lines += [f"| {_graphs(r)} | {r['batch']} | {r['context']} | {r['ms']:.2f} | {r['bound_ms']:.2f} | "
-                  f"{r['bound_fraction']:.2f} |" for r in big["rows"]]
+                  "", "| graphs | batch | context | forward ms | bound ms | bound / forward | whole step ms |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {_graphs(r)} | {r['batch']} | {r['context']} | {r['forward_ms']:.2f} | {r['bound_ms']:.2f} | "
+                  f"{r['bound_fraction']:.2f} | {r['step_ms']:.2f} |" for r in big["rows"]]
     if result["errors"]:
         lines += ["", f"**{len(result['errors'])} error(s)** (tracebacks in step.json):", ""]
         lines += [f"- {e['stage']}: {e['error'].strip().splitlines()[-1]}" for e in result["errors"]]

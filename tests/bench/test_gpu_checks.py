@@ -116,3 +116,48 @@ def test_serve_check_records_a_fallback_under_errors(tmp_path, monkeypatch):
                            serve_check.CPU_SIZES, "H200", 1.0)
     assert report.data["deployments"]["colocated"]["fallbacks"] == Server.lines
     assert {"stage": "colocated: a worker fell back", "error": Server.lines[0]} in report.data["errors"]
+
+
+def _step_report(tmp_path):
+    import torch
+
+    from bench.gpu import step_check
+
+    return step_check, step_check.Report(tmp_path, torch.device("cpu"), "tiny")
+
+
+def test_step_check_times_the_whole_step_apart_from_the_forward(tmp_path, monkeypatch):
+    """step_ms runs what the engine's last stage runs each step (prepare, embedding, forward, LM head,
+    sampling); forward_ms runs the forward alone."""
+    import torch
+
+    from hetserve.runtime.model.config import ArchConfig
+    from hetserve.runtime.model.loader import build_stage
+    from hetserve.runtime.model.make import make_model
+
+    step_check, _ = _step_report(tmp_path)
+    d = make_model(tmp_path / "m", "llama", layers=2, hidden=64, heads=4, kv_heads=2, seed=1)
+    cfg = ArchConfig.from_dir(d)
+    stage = build_stage(cfg, d, (0, cfg.num_layers), has_embed=True, has_head=True, device=torch.device("cpu"))
+    pool = step_check.KVPool(cfg.num_layers, 64 * 64 * step_check.BLOCK, cfg.num_kv_heads, cfg.head_dim,
+                             torch.float32, torch.device("cpu"))
+    runner = step_check._runner(stage, cfg, pool, torch.device("cpu"), torch.float32, False)
+    calls = {"prepare": 0, "sample": 0}
+    real_prepare, real_sample = runner.prepare, step_check.sample
+
+    def prepare(*a):
+        calls["prepare"] += 1
+        return real_prepare(*a)
+
+    def sample(logits, keys):
+        calls["sample"] += 1
+        assert logits.shape == (2, cfg.vocab_size)
+        return real_sample(logits, keys)
+
+    monkeypatch.setattr(runner, "prepare", prepare)
+    monkeypatch.setattr(step_check, "sample", sample)
+    with torch.inference_mode():
+        step_check.forward_ms(runner, 2, 32, cfg.hidden_size, torch.float32, torch.device("cpu"), reps=4)
+        assert calls == {"prepare": 1, "sample": 0}
+        step_check.step_ms(stage, runner, 2, 32, torch.device("cpu"), reps=4)
+    assert calls == {"prepare": 1 + 3 + 4, "sample": 3 + 4}

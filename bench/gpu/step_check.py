@@ -1,7 +1,8 @@
-"""The engine's step on one GPU: greedy tokens against transformers with and without CUDA graphs,
-the tiny model's time per layer per decode step, and a Llama-2-7B-shaped decode step against its
-memory-bandwidth bound. Run by ``bench/gpu/step.sh``; ``--cpu`` runs the same code end to end with
-tiny sizes on the CPU (graphs off there), to check the script itself.
+"""The engine's step on one GPU: a tiny Triton kernel launched first (its own process, a time
+limit), greedy tokens against transformers with and without CUDA graphs, the tiny model's time per
+layer per decode step, and a Llama-2-7B-shaped decode step against its memory-bandwidth bound. Run
+by ``bench/gpu/step.sh``; ``--cpu`` runs the same code end to end with tiny sizes on the CPU (graphs
+off there, Triton under its interpreter), to check the script itself.
 
 Two times per decode step: ``forward_ms``, the runner's forward alone (``StepRunner.run``: the
 layers, replayed as a CUDA graph where captured), and ``step_ms``, the whole step as the engine's
@@ -16,6 +17,8 @@ bandwidth on NVIDIA's H200 datasheet (hetserve/data/gpus.csv holds the same row)
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +37,9 @@ from hetserve.runtime.workers.kv_pool import KVPool
 HBM_BYTES_PER_S = 4.8e12  # H200, NVIDIA datasheet
 BLOCK = 16
 PROMPTS = [list(b"Hello, heterogeneous world!"), [5, 9, 2], list(range(40, 90))]
+# a cold Triton compiles its launcher with the C compiler (seconds); a launch that hangs must not
+# take the whole run's time limit
+TRITON_LAUNCH_S = 45
 GREEDY = (0.0, 1.0, 0, 0)  # a sampling key: temperature 0, top_p 1, seed 0, token index 0
 
 
@@ -139,6 +145,27 @@ class Report(StageReport):
         return out
 
 
+def triton_launch(report: Report, device) -> None:
+    """bench/gpu/triton_launch.py in a process of its own, given ``TRITON_LAUNCH_S``: its line kept
+    under ``triton_launch``; a failure or no answer in time is an error and the next stage runs."""
+    with report.stage("triton: one tiny kernel compiled and launched"):
+        env = {**os.environ, **({"TRITON_INTERPRET": "1"} if device.type == "cpu" else {})}
+        t = time.perf_counter()
+        try:
+            p = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_launch.py")), device.type],
+                               capture_output=True, text=True, timeout=TRITON_LAUNCH_S, env=env)
+        except subprocess.TimeoutExpired:
+            report.data["triton_launch"] = {"ok": False, "s": time.perf_counter() - t}
+            raise RuntimeError(f"a tiny Triton kernel gave no answer within {TRITON_LAUNCH_S} s") from None
+        out = (p.stdout + p.stderr).strip()
+        print(out, flush=True)
+        report.data["triton_launch"] = {"ok": p.returncode == 0, "s": time.perf_counter() - t,
+                                        "output": out.splitlines()[-20:]}
+        if p.returncode:
+            last = out.splitlines()[-1] if out else "no output"
+            raise RuntimeError(f"a tiny Triton kernel failed (exit {p.returncode}): {last}")
+
+
 def tiny_checks(report: Report, root: Path, device, n, reps):
     """Per architecture and graphs setting: greedy tokens against transformers', then ms per layer."""
     for arch in ("llama", "opt"):
@@ -222,6 +249,11 @@ def _graphs(r) -> str:
 
 def table(result) -> str:
     lines = ["| check | graphs | result |", "|---|---|---|"]
+    launch = result.get("triton_launch")
+    if launch:
+        said = (launch.get("output") or ["no answer"])[-1]
+        lines.append(f"| a tiny Triton kernel launched ({launch['s']:.1f} s) | - | {'ok' if launch['ok'] else 'FAILED'}: "
+                     f"{said.replace('|', '/')} |")
     lines += [f"| greedy = transformers, {r['arch']} | {_graphs(r)} | {'equal' if r['equal'] else 'DIFFERENT'} |"
               for r in result["greedy"]]
     lines += ["", "forward: the runner's forward alone (StepRunner.run); whole step: prepare + embedding + "
@@ -255,6 +287,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out, device, "tiny Llama (dry run)" if args.cpu else "Llama-2-7B-shaped, bf16, random weights")
     report.save()
+    triton_launch(report, device)
     with tempfile.TemporaryDirectory() as tmp:
         tiny_checks(report, Path(tmp), device, n=8 if args.cpu else 24, reps=5 if args.cpu else 50)
     big_decode(report, device, torch.float32 if args.cpu else torch.bfloat16, TINY_BIG if args.cpu else LLAMA2_7B,

@@ -126,6 +126,39 @@ def _step_report(tmp_path):
     return step_check, step_check.Report(tmp_path, torch.device("cpu"), "tiny")
 
 
+def test_step_check_launches_a_triton_kernel_first(tmp_path):
+    """The launch check runs the real kernel (under Triton's interpreter here) and keeps its line."""
+    import torch
+
+    step_check, report = _step_report(tmp_path)
+    step_check.triton_launch(report, torch.device("cpu"))
+    assert report.data["errors"] == []
+    assert report.data["triton_launch"]["ok"] and "result right" in report.data["triton_launch"]["output"][-1]
+
+
+def test_step_check_records_a_triton_launch_that_fails_or_hangs(tmp_path, monkeypatch):
+    """A launch that fails or gives no answer in time is an error naming why; the run goes on."""
+    import subprocess
+
+    import torch
+
+    step_check, report = _step_report(tmp_path)
+    monkeypatch.setattr(step_check.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 1, "", "ImportError: cannot build the launcher: Python.h: No such file or directory"))
+    step_check.triton_launch(report, torch.device("cuda"))
+
+    def hang(cmd, **kw):
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+
+    monkeypatch.setattr(step_check.subprocess, "run", hang)
+    step_check.triton_launch(report, torch.device("cuda"))
+    errors = [e["error"].strip().splitlines()[-1] for e in report.data["errors"]]
+    assert "Python.h: No such file or directory" in errors[0] and "exit 1" in errors[0]
+    assert f"no answer within {step_check.TRITON_LAUNCH_S} s" in errors[1]
+    assert report.data["triton_launch"]["ok"] is False
+    assert "FAILED" in step_check.table(report.data)
+
+
 def test_step_check_times_the_whole_step_apart_from_the_forward(tmp_path, monkeypatch):
     """step_ms runs what the engine's last stage runs each step (prepare, embedding, forward, LM head,
     sampling); forward_ms runs the forward alone."""

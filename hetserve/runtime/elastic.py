@@ -26,6 +26,7 @@ import torch
 from hetserve.errors import PlanError
 from hetserve.planner.plan import Plan, unused_id
 from hetserve.runtime.deployment import build_layout
+from hetserve.runtime.engine import local_devices
 from hetserve.runtime.engine_config import kv_capacity, memory_is_real, scheduler_for
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.workers.wire import Message
@@ -55,8 +56,15 @@ def reconfigure(engine, plan: Plan, cluster: Cluster) -> dict[str, Any]:
     rename = {r.id: keep[r.id] if r.id in keep else unused_id(r.id, engine.replica_ids_used) for r in plan.replicas}
     merged = replace(plan, replicas=tuple(replace(r, id=rename[r.id]) for r in plan.replicas),
                      kv_routes=tuple(replace(k, src=rename[k.src], dst=rename[k.dst]) for k in plan.kv_routes))
-    n_gpu = torch.cuda.device_count() if engine._use_cuda else 0
-    device_of = {d: f"cuda:{i % n_gpu}" if n_gpu else "cpu" for i, d in enumerate(merged.devices)}
+    if engine.devices is not None:  # the launcher placed every device of the cluster (Ray)
+        missing = sorted(set(merged.devices) - set(engine.devices))
+        if missing:
+            raise PlanError(f"re-plan: device(s) {', '.join(missing)} were not placed by the launcher that "
+                            f"started this engine (it placed {', '.join(sorted(engine.devices))}); start a new "
+                            "deployment for them")
+        device_of = {d: engine.devices[d] for d in merged.devices}
+    else:
+        device_of = local_devices(merged.devices, torch.cuda.device_count() if engine._use_cuda else 0)
     layout = build_layout(merged, cluster, engine.arch, device_of, source="re-plan")
     added = tuple(r for r in layout if r.id not in keep.values())
     pools = kv_capacity(added, cluster, engine.arch, engine.dtype, engine.config,

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from hetserve.errors import RuntimeFailure
+from hetserve.export.common import gpu_index
 from hetserve.planner.plan import Plan
 from hetserve.policies.request_checks import check_context, check_kv_fits, check_prompt_ids
 from hetserve.runtime.workers.auth import LinkSecurity, deployment_secret
@@ -62,6 +63,14 @@ OMP_SPIN_ENV = "GOMP_SPINCOUNT"
 # spins of a waiting OpenMP thread before it sleeps: tens of microseconds on this project's CPU
 # machine, enough to catch the next operator of a step, short enough to hand the core back
 WORKER_SPINS = 10_000
+
+
+def local_devices(names: Iterable[str], n_gpu: int) -> dict[str, str]:
+    """Each plan device's torch device where its worker runs on this host: ``cuda:`` its index on
+    its machine modulo the GPUs here (``m0:3`` is cuda:3 of 4, cuda:1 of 2), ``cpu`` without GPUs.
+    By the device's own index, never its place in a plan: a re-plan that drops a device leaves
+    every kept worker on the GPU it has (``elastic.py``), as Ray's launcher does (``ray_backend``)."""
+    return {d: f"cuda:{gpu_index(d) % n_gpu}" if n_gpu else "cpu" for d in names}
 
 
 @contextlib.contextmanager
@@ -112,11 +121,7 @@ class Engine:
             use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
             if use_cuda and not torch.cuda.is_available():
                 raise RuntimeFailure("device='cuda' requested but CUDA is not available")
-            if use_cuda:
-                n = torch.cuda.device_count()
-                device_of = {d: f"cuda:{i % n}" for i, d in enumerate(plan.devices)}
-            else:
-                device_of = {d: "cpu" for d in plan.devices}
+            device_of = local_devices(plan.devices, torch.cuda.device_count() if use_cuda else 0)
         dtype = config.dtype or (arch.dtype if use_cuda else "float32")
         check_dtype(dtype, set(device_of.values()))
         layout = build_layout(plan, cluster, arch, device_of, source=f"plan for {plan.model!r}",
@@ -126,6 +131,7 @@ class Engine:
         engine = cls(plan, layout, arch, str(model_dir), dtype, {r: p.tokens for r, p in pools.items()}, config,
                      route_policy or PlanRoutes(plan), link_scheduler, shaper)
         engine.cluster, engine._use_cuda, engine.kv_sizing = cluster, use_cuda, pools
+        engine.devices = devices
         # workers started here share this host; a launcher's (Ray) run on the cluster's machines
         host_of = (lambda d: cluster.device(d).machine) if devices is not None else (lambda d: "here")
         engine.threads = worker_threads(layout, config, host_of)
@@ -163,6 +169,7 @@ class Engine:
         self._reconf_lock = threading.Lock()
         self.cluster: Cluster | None = None
         self._use_cuda = False
+        self.devices: dict[str, str] | None = None  # the launcher's device -> torch device (Ray); None: local_devices
         self.threads: dict[str, int] = {}  # worker name -> its torch threads (set by from_plan)
         self.kv_sizing: dict[str, KVPool] = {}  # replica id -> its KV pool as sized, and why (from_plan, re-plans)
         self._closed = False

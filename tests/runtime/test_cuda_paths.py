@@ -1,7 +1,8 @@
 """What the CUDA-only paths decide, checked on a CPU with stand-ins where CUDA would run: graphs
 captured at a worker's start-up, before it is ready (no receiving thread may use the device
 during a capture); a TP group's host headers over gloo beside NCCL; CUDA IPC allocations released
-when a transfer is refused. Each test names the rule it guards; the GPU run (bench/gpu) checks
+when a transfer is refused; a stage's time on the GPU; which GPU a plan device gets, at the start
+and after a re-plan. Each test names the rule it guards; the GPU run (bench/gpu) checks
 the rest."""
 
 from __future__ import annotations
@@ -181,3 +182,73 @@ def test_a_stages_worker_time_stops_when_its_gpu_work_is_done_not_when_it_is_que
     assert gpu["worker_s"] == 5.5
     clock["now"] = 1.0
     assert worker._spent({}, (0.0, 0.0), torch.device("cpu"))["worker_s"] == 1.0  # a CPU ran it already
+
+
+class _Stop(Exception):
+    pass
+
+
+def _plan(devices: list[str]):
+    from hetserve.planner.plan import Plan
+
+    return Plan.from_dict({"model": "m", "cluster": "g", "replicas": [
+        {"id": f"r{i}", "role": "colocated", "stages": [{"devices": [d], "layers": [0, 2]}]}
+        for i, d in enumerate(devices)]})
+
+
+def _cluster():
+    from hetserve.specs.cluster import cluster_from_dict
+
+    return cluster_from_dict({"name": "g", "machines": [{"name": "g", "gpu": "H200", "count": 4}]})
+
+
+def test_a_plan_device_runs_on_the_gpu_of_its_own_index_not_of_its_place_in_the_plan(tmp_path, monkeypatch):
+    from hetserve.runtime import engine as engine_mod
+    from hetserve.runtime.model.make import make_model
+
+    seen = []
+
+    def record(layout, *a):
+        seen.append({s.name: s.device for r in layout for st in r.stages for s in st})
+        raise _Stop
+
+    monkeypatch.setattr(engine_mod, "kv_capacity", record)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(_Stop):
+        engine_mod.Engine.from_plan(_plan(["g:1", "g:3"]), _cluster(),
+                                    str(make_model(tmp_path / "m", "llama", layers=2, hidden=32, heads=2)))
+    assert seen == [{"g:1": "cuda:1", "g:3": "cuda:3"}]
+    assert engine_mod.local_devices(["g:1", "g:3"], 2) == {"g:1": "cuda:1", "g:3": "cuda:1"}  # fewer GPUs: wrap
+    assert engine_mod.local_devices(["g:3"], 0) == {"g:3": "cpu"}
+
+
+def test_a_replan_that_drops_a_device_leaves_every_kept_worker_on_its_gpu(monkeypatch):
+    """Numbered by place in the plan, dropping g:1 would move g:2's replica to cuda:1 (another GPU
+    than the one its running workers hold) and pack a new one there too."""
+    from types import SimpleNamespace
+
+    from hetserve.errors import PlanError
+    from hetserve.runtime import elastic
+
+    seen = []
+
+    def record(plan, cluster, arch, device_of, source):
+        seen.append(device_of)
+        raise _Stop
+
+    monkeypatch.setattr(elastic, "build_layout", record)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    engine = SimpleNamespace(loop=SimpleNamespace(layout=(), schedulers={}), replica_ids_used=set(), arch=None,
+                             _use_cuda=True, devices=None)
+    with pytest.raises(_Stop):
+        elastic.reconfigure(engine, _plan(["g:0", "g:2", "g:3"]), _cluster())
+    assert seen[-1] == {"g:0": "cuda:0", "g:2": "cuda:2", "g:3": "cuda:3"}
+    # started by a launcher (Ray): its placement, whatever this host's GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    engine.devices = {f"g:{i}": f"cuda:{i}" for i in range(3)}
+    with pytest.raises(_Stop):
+        elastic.reconfigure(engine, _plan(["g:2"]), _cluster())
+    assert seen[-1] == {"g:2": "cuda:2"}
+    with pytest.raises(PlanError, match="g:3 were not placed by the launcher"):
+        elastic.reconfigure(engine, _plan(["g:2", "g:3"]), _cluster())

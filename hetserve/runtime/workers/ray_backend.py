@@ -303,6 +303,7 @@ def _devices(cluster, device: str, nodes: list[dict]) -> dict[str, str]:
     """Each device's torch device, from its machine's Ray node: ``cuda:<index on the machine>`` where the
     node has GPUs (Ray then grants the worker one, ``num_gpus=1``), ``cpu`` for CPU worker slots."""
     from hetserve.errors import RuntimeFailure
+    from hetserve.export.common import gpu_index
 
     gpu_machines = {m for m in cluster.machines
                     if any(n.get("Alive") and machine_resource(m) in n.get("Resources", {})
@@ -311,7 +312,7 @@ def _devices(cluster, device: str, nodes: list[dict]) -> dict[str, str]:
         raise RuntimeFailure("device='cuda' requested but the Ray nodes of machines "
                              f"{sorted(set(cluster.machines) - gpu_machines)} advertise no GPU")
     use = gpu_machines if device != "cpu" else set()
-    return {d.name: f"cuda:{d.name.rpartition(':')[2]}" if d.machine in use else "cpu" for d in cluster.devices}
+    return {d.name: f"cuda:{gpu_index(d.name)}" if d.machine in use else "cpu" for d in cluster.devices}
 
 
 def _check_addresses(cluster_name: str, addresses: dict[str, str], nodes: list[dict]) -> None:

@@ -65,12 +65,13 @@ OMP_SPIN_ENV = "GOMP_SPINCOUNT"
 WORKER_SPINS = 10_000
 
 
-def local_devices(names: Iterable[str], n_gpu: int) -> dict[str, str]:
-    """Each plan device's torch device where its worker runs on this host: ``cuda:`` its index on
-    its machine modulo the GPUs here (``m0:3`` is cuda:3 of 4, cuda:1 of 2), ``cpu`` without GPUs.
-    By the device's own index, never its place in a plan: a re-plan that drops a device leaves
-    every kept worker on the GPU it has (``elastic.py``), as Ray's launcher does (``ray_backend``)."""
-    return {d: f"cuda:{gpu_index(d) % n_gpu}" if n_gpu else "cpu" for d in names}
+def local_devices(names: Iterable[str], cluster: Cluster, n_gpu: int) -> dict[str, str]:
+    """Each plan device's torch device where every worker runs on this host: ``cuda:`` the device's
+    index in the cluster modulo the GPUs here, ``cpu`` without GPUs. By the cluster's numbering,
+    never a place in a plan: a re-plan that drops a device leaves every kept worker on the GPU it
+    has (``elastic.py``); and a pool of several machines run on one box spreads over its GPUs
+    (``m0:0 m0:1 m1:0 m1:1`` on cuda:0-3, not m0:0 and m1:0 both on cuda:0)."""
+    return {d: f"cuda:{cluster.device(d).index % n_gpu}" if n_gpu else "cpu" for d in names}
 
 
 @contextlib.contextmanager
@@ -121,7 +122,7 @@ class Engine:
             use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
             if use_cuda and not torch.cuda.is_available():
                 raise RuntimeFailure("device='cuda' requested but CUDA is not available")
-            device_of = local_devices(plan.devices, torch.cuda.device_count() if use_cuda else 0)
+            device_of = local_devices(plan.devices, cluster, torch.cuda.device_count() if use_cuda else 0)
         dtype = config.dtype or (arch.dtype if use_cuda else "float32")
         check_dtype(dtype, set(device_of.values()))
         layout = build_layout(plan, cluster, arch, device_of, source=f"plan for {plan.model!r}",

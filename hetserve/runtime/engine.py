@@ -32,7 +32,6 @@ from typing import Any, Callable, Iterable
 import torch
 
 from hetserve.errors import RuntimeFailure
-from hetserve.export.common import gpu_index
 from hetserve.planner.plan import Plan
 from hetserve.policies.request_checks import check_context, check_kv_fits, check_prompt_ids
 from hetserve.runtime.workers.auth import LinkSecurity, deployment_secret

@@ -1,5 +1,6 @@
 """Lay a plan out for the runtime, checking it against the checkpoint and the cluster.
 
+``local_devices`` says which torch device each plan device's worker uses on this host;
 ``build_layout(plan, cluster, cfg, device_of)`` returns the ``ReplicaSpec`` records of ``layout.py``
 after checking (PlanError, naming the replica and stage, otherwise):
 
@@ -20,6 +21,7 @@ and runtime; embeddings and LM head sit on stage leaders only.
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable
 
 from hetserve.cost.layout import kv_head_range
 from hetserve.cost.device_memory import (device_activation_bytes, device_kv_bytes_per_token, device_weight_bytes,
@@ -83,6 +85,15 @@ def check_memory(layout: tuple[ReplicaSpec, ...], cluster: Cluster, cfg: ArchCon
 
 
 # ----------------------------------------------------------------------------- building
+
+
+def local_devices(names: Iterable[str], cluster: Cluster, n_gpu: int) -> dict[str, str]:
+    """Each plan device's torch device where every worker runs on this host: ``cuda:`` the device's
+    index in the cluster modulo the GPUs here, ``cpu`` without GPUs. By the cluster's numbering,
+    never a place in a plan: a re-plan that drops a device leaves every kept worker on the GPU it
+    has (``elastic.py``); and a pool of several machines run on one box spreads over its GPUs
+    (``m0:0 m0:1 m1:0 m1:1`` on cuda:0-3, not m0:0 and m1:0 both on cuda:0)."""
+    return {d: f"cuda:{cluster.device(d).index % n_gpu}" if n_gpu else "cpu" for d in names}
 
 
 def build_layout(plan: Plan, cluster: Cluster, cfg: ArchConfig, device_of: dict[str, str],

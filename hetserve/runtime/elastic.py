@@ -25,8 +25,7 @@ import torch
 
 from hetserve.errors import PlanError
 from hetserve.planner.plan import Plan, unused_id
-from hetserve.runtime.deployment import build_layout
-from hetserve.runtime.engine import local_devices
+from hetserve.runtime.deployment import build_layout, local_devices
 from hetserve.runtime.engine_config import kv_capacity, memory_is_real, scheduler_for
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.workers.wire import Message

@@ -36,7 +36,7 @@ from hetserve.planner.plan import Plan
 from hetserve.policies.request_checks import check_context, check_kv_fits, check_prompt_ids
 from hetserve.runtime.workers.auth import LinkSecurity, deployment_secret
 from hetserve.runtime.engine_loop import EngineLoop
-from hetserve.runtime.deployment import build_layout
+from hetserve.runtime.deployment import build_layout, local_devices
 from hetserve.runtime.engine_config import (EngineConfig, KVPool, check_dtype, kv_capacity, largest_message_bytes,
                                             memory_is_real, scheduler_for, worker_threads)
 from hetserve.runtime.handle import RequestHandle
@@ -62,15 +62,6 @@ OMP_SPIN_ENV = "GOMP_SPINCOUNT"
 # spins of a waiting OpenMP thread before it sleeps: tens of microseconds on this project's CPU
 # machine, enough to catch the next operator of a step, short enough to hand the core back
 WORKER_SPINS = 10_000
-
-
-def local_devices(names: Iterable[str], cluster: Cluster, n_gpu: int) -> dict[str, str]:
-    """Each plan device's torch device where every worker runs on this host: ``cuda:`` the device's
-    index in the cluster modulo the GPUs here, ``cpu`` without GPUs. By the cluster's numbering,
-    never a place in a plan: a re-plan that drops a device leaves every kept worker on the GPU it
-    has (``elastic.py``); and a pool of several machines run on one box spreads over its GPUs
-    (``m0:0 m0:1 m1:0 m1:1`` on cuda:0-3, not m0:0 and m1:0 both on cuda:0)."""
-    return {d: f"cuda:{cluster.device(d).index % n_gpu}" if n_gpu else "cpu" for d in names}
 
 
 @contextlib.contextmanager

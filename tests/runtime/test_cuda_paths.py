@@ -204,6 +204,7 @@ def _cluster():
 
 def test_a_plan_device_runs_on_the_gpu_of_its_own_index_not_of_its_place_in_the_plan(tmp_path, monkeypatch):
     from hetserve.runtime import engine as engine_mod
+    from hetserve.runtime.deployment import local_devices
     from hetserve.runtime.model.make import make_model
 
     seen = []
@@ -219,15 +220,15 @@ def test_a_plan_device_runs_on_the_gpu_of_its_own_index_not_of_its_place_in_the_
         engine_mod.Engine.from_plan(_plan(["g:1", "g:3"]), _cluster(),
                                     str(make_model(tmp_path / "m", "llama", layers=2, hidden=32, heads=2)))
     assert seen == [{"g:1": "cuda:1", "g:3": "cuda:3"}]
-    assert engine_mod.local_devices(["g:1", "g:3"], _cluster(), 2) == {"g:1": "cuda:1", "g:3": "cuda:1"}  # wrap
-    assert engine_mod.local_devices(["g:3"], _cluster(), 0) == {"g:3": "cpu"}
+    assert local_devices(["g:1", "g:3"], _cluster(), 2) == {"g:1": "cuda:1", "g:3": "cuda:1"}  # wrap
+    assert local_devices(["g:3"], _cluster(), 0) == {"g:3": "cpu"}
     # a pool of two machines run on one 4-GPU box spreads over its GPUs by the cluster's numbering
     from hetserve.specs.cluster import cluster_from_dict
 
     two = cluster_from_dict({"name": "two", "machines": [{"name": "m0", "gpu": "H200", "count": 2},
                                                           {"name": "m1", "gpu": "H200", "count": 2}],
                             "network": {"intra_site": {"bandwidth_gbps": 100, "latency_ms": 0.1}}})
-    assert engine_mod.local_devices(["m1:0", "m0:1", "m1:1"], two, 4) == {"m1:0": "cuda:2", "m0:1": "cuda:1",
+    assert local_devices(["m1:0", "m0:1", "m1:1"], two, 4) == {"m1:0": "cuda:2", "m0:1": "cuda:1",
                                                                           "m1:1": "cuda:3"}
 
 

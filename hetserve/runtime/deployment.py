@@ -21,7 +21,8 @@ and runtime; embeddings and LM head sit on stage leaders only.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from collections import Counter
+from typing import Iterable, Mapping
 
 from hetserve.cost.layout import kv_head_range
 from hetserve.cost.device_memory import (device_activation_bytes, device_kv_bytes_per_token, device_weight_bytes,
@@ -87,13 +88,25 @@ def check_memory(layout: tuple[ReplicaSpec, ...], cluster: Cluster, cfg: ArchCon
 # ----------------------------------------------------------------------------- building
 
 
-def local_devices(names: Iterable[str], cluster: Cluster, n_gpu: int) -> dict[str, str]:
-    """Each plan device's torch device where every worker runs on this host: ``cuda:`` the device's
-    index in the cluster modulo the GPUs here, ``cpu`` without GPUs. By the cluster's numbering,
-    never a place in a plan: a re-plan that drops a device leaves every kept worker on the GPU it
-    has (``elastic.py``); and a pool of several machines run on one box spreads over its GPUs
-    (``m0:0 m0:1 m1:0 m1:1`` on cuda:0-3, not m0:0 and m1:0 both on cuda:0)."""
-    return {d: f"cuda:{cluster.device(d).index % n_gpu}" if n_gpu else "cpu" for d in names}
+def local_devices(names: Iterable[str], cluster: Cluster, n_gpu: int,
+                  running: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Each plan device's torch device where every worker runs on this host (``cpu`` without GPUs).
+
+    A device ``running`` already has (a re-plan: the workers' current torch devices) keeps its GPU;
+    every other one, in the cluster's order, takes the GPU here that holds the fewest so far. So a
+    plan's devices get distinct GPUs while there are enough (a pool of several machines run on one
+    box spreads over it), and a re-plan never moves a kept worker (``elastic.py``)."""
+    names = list(names)
+    if not n_gpu:
+        return {d: "cpu" for d in names}
+    running = running or {}
+    out = {d: running[d] for d in names if d in running}
+    held = Counter(int(v.rpartition(":")[2]) for v in running.values() if v.startswith("cuda:"))
+    for d in sorted((d for d in names if d not in out), key=lambda d: cluster.device(d).index):
+        gpu = min(range(n_gpu), key=lambda g: (held[g], g))
+        out[d] = f"cuda:{gpu}"
+        held[gpu] += 1
+    return out
 
 
 def build_layout(plan: Plan, cluster: Cluster, cfg: ArchConfig, device_of: dict[str, str],

@@ -202,7 +202,7 @@ def _cluster():
     return cluster_from_dict({"name": "g", "machines": [{"name": "g", "gpu": "H200", "count": 4}]})
 
 
-def test_a_plan_device_runs_on_the_gpu_of_its_own_index_not_of_its_place_in_the_plan(tmp_path, monkeypatch):
+def test_a_plans_devices_take_distinct_gpus_in_the_clusters_order(tmp_path, monkeypatch):
     from hetserve.runtime import engine as engine_mod
     from hetserve.runtime.deployment import local_devices
     from hetserve.runtime.model.make import make_model
@@ -219,27 +219,32 @@ def test_a_plan_device_runs_on_the_gpu_of_its_own_index_not_of_its_place_in_the_
     with pytest.raises(_Stop):
         engine_mod.Engine.from_plan(_plan(["g:1", "g:3"]), _cluster(),
                                     str(make_model(tmp_path / "m", "llama", layers=2, hidden=32, heads=2)))
-    assert seen == [{"g:1": "cuda:1", "g:3": "cuda:3"}]
-    assert local_devices(["g:1", "g:3"], _cluster(), 2) == {"g:1": "cuda:1", "g:3": "cuda:1"}  # wrap
+    assert seen == [{"g:1": "cuda:0", "g:3": "cuda:1"}]
+    # fewer GPUs than devices: as even as they go, in the cluster's order
+    assert local_devices(["g:3", "g:1", "g:0"], _cluster(), 2) == {"g:0": "cuda:0", "g:1": "cuda:1", "g:3": "cuda:0"}
     assert local_devices(["g:3"], _cluster(), 0) == {"g:3": "cpu"}
-    # a pool of two machines run on one 4-GPU box spreads over its GPUs by the cluster's numbering
+    # a pool of two 4-GPU machines run on one 4-GPU box: a plan of four devices takes four GPUs
     from hetserve.specs.cluster import cluster_from_dict
 
-    two = cluster_from_dict({"name": "two", "machines": [{"name": "m0", "gpu": "H200", "count": 2},
-                                                          {"name": "m1", "gpu": "H200", "count": 2}],
+    two = cluster_from_dict({"name": "two", "machines": [{"name": "m0", "gpu": "H200", "count": 4},
+                                                          {"name": "m1", "gpu": "H200", "count": 4}],
                             "network": {"intra_site": {"bandwidth_gbps": 100, "latency_ms": 0.1}}})
-    assert local_devices(["m1:0", "m0:1", "m1:1"], two, 4) == {"m1:0": "cuda:2", "m0:1": "cuda:1",
-                                                                          "m1:1": "cuda:3"}
+    assert local_devices(["m1:1", "m0:1", "m1:0", "m0:0"], two, 4) == {
+        "m0:0": "cuda:0", "m0:1": "cuda:1", "m1:0": "cuda:2", "m1:1": "cuda:3"}
 
 
 def test_a_replan_that_drops_a_device_leaves_every_kept_worker_on_its_gpu(monkeypatch):
-    """Numbered by place in the plan, dropping g:1 would move g:2's replica to cuda:1 (another GPU
-    than the one its running workers hold) and pack a new one there too."""
+    """Running on cuda:0-2, a re-plan that drops g:1 and adds g:3 keeps g:0 and g:2 where their
+    workers are and puts g:3 on the GPU nobody holds (cuda:3), not beside a running worker."""
     from types import SimpleNamespace
 
     from hetserve.errors import PlanError
     from hetserve.runtime import elastic
+    from hetserve.runtime.deployment import build_layout
+    from hetserve.runtime.model.config import llama_arch
 
+    arch = llama_arch(hidden=32, heads=2, ffn=64, layers=2, vocab=64)
+    now = build_layout(_plan(["g:0", "g:1", "g:2"]), _cluster(), arch, {f"g:{i}": f"cuda:{i}" for i in range(3)})
     seen = []
 
     def record(plan, cluster, arch, device_of, source):
@@ -248,8 +253,9 @@ def test_a_replan_that_drops_a_device_leaves_every_kept_worker_on_its_gpu(monkey
 
     monkeypatch.setattr(elastic, "build_layout", record)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    engine = SimpleNamespace(loop=SimpleNamespace(layout=(), schedulers={}), replica_ids_used=set(), arch=None,
-                             _use_cuda=True, devices=None)
+    engine = SimpleNamespace(loop=SimpleNamespace(layout=now, schedulers={r.id: SimpleNamespace(alive=True)
+                                                                          for r in now}),
+                             replica_ids_used={r.id for r in now}, arch=arch, _use_cuda=True, devices=None)
     with pytest.raises(_Stop):
         elastic.reconfigure(engine, _plan(["g:0", "g:2", "g:3"]), _cluster())
     assert seen[-1] == {"g:0": "cuda:0", "g:2": "cuda:2", "g:3": "cuda:3"}

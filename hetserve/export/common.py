@@ -13,15 +13,6 @@ SIDE_PORT = 5600  # vLLM NIXL side channel / SGLang --dist-init-addr / --disaggr
 RAY_PORT = 6379  # a Ray head's GCS port (one Ray cluster per multi-machine vLLM replica)
 
 
-def gpu_index(device: str) -> int:
-    """``a0:3`` → 3: the device's index on its machine, the GPU index the engines are given."""
-    return int(device.rpartition(":")[2])
-
-
-def machine_of(device: str) -> str:
-    return device.rpartition(":")[0]
-
-
 @dataclass
 class ExportContext:
     """One export: the plan, its cluster, the model path on every machine, and the ports handed out."""

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 
 from hetserve.export.bundle import Bundle, Launch, ReplicaDeploy
-from hetserve.export.common import ExportContext, gpu_index, machine_of
+from hetserve.export.common import ExportContext
+from hetserve.specs.cluster import gpu_index, machine_of
 from hetserve.export.rules import engine_version
 
 SERVE_PORT = 8000

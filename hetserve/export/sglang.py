@@ -17,7 +17,8 @@ Flags follow SGLang's source at the commit ``rules.SOURCES`` names:
 from __future__ import annotations
 
 from hetserve.export.bundle import Bundle, Launch, ReplicaDeploy
-from hetserve.export.common import ENDPOINT_PORT, ROUTER_PORT, SIDE_PORT, ExportContext, gpu_index
+from hetserve.export.common import ENDPOINT_PORT, ROUTER_PORT, SIDE_PORT, ExportContext
+from hetserve.specs.cluster import gpu_index
 from hetserve.export.rules import engine_version, machine_runs
 
 SERVER_MODULE = "sglang.launch_server"

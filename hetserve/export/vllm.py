@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 
 from hetserve.export.bundle import Bundle, Launch, ReplicaDeploy
-from hetserve.export.common import ENDPOINT_PORT, SIDE_PORT, ExportContext, gpu_index
+from hetserve.export.common import ENDPOINT_PORT, SIDE_PORT, ExportContext
+from hetserve.specs.cluster import gpu_index
 from hetserve.export.rules import engine_version, machine_runs
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"

@@ -51,6 +51,16 @@ class Device:
             object.__setattr__(self, "memory_bytes", self.gpu.memory_bytes)
 
 
+def gpu_index(device: str) -> int:
+    """``a0:3`` → 3: a device name's index on its machine (the GPU index an engine there is given)."""
+    return int(device.rpartition(":")[2])
+
+
+def machine_of(device: str) -> str:
+    """``a0:3`` → ``a0``: a device name's machine."""
+    return device.rpartition(":")[0]
+
+
 @dataclass(frozen=True, eq=False)
 class Cluster:
     """Devices plus α (s) and β (bytes/s) between every pair. Diagonal: α=0, β=inf."""

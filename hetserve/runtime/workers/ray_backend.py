@@ -303,7 +303,7 @@ def _devices(cluster, device: str, nodes: list[dict]) -> dict[str, str]:
     """Each device's torch device, from its machine's Ray node: ``cuda:<index on the machine>`` where the
     node has GPUs (Ray then grants the worker one, ``num_gpus=1``), ``cpu`` for CPU worker slots."""
     from hetserve.errors import RuntimeFailure
-    from hetserve.export.common import gpu_index
+    from hetserve.specs.cluster import gpu_index
 
     gpu_machines = {m for m in cluster.machines
                     if any(n.get("Alive") and machine_resource(m) in n.get("Resources", {})

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hetserve.specs.cluster import machine_of
+
 # Ports a bundle hands out, each counting up per replica (or per machine) from its base. Fixed
 # bases so a firewall rule can be written from the README; none collides with Ray's 6379 or
 # hetserve serve's 8000.

@@ -49,6 +49,7 @@ FALLBACK_LOG = (
     "the socket carries its transfers",  # workers/device_channel.py: "channel to PEER broken (...)"
     "its sender resends it by socket",  # workers/device_channel.py: a transfer refused on receipt
     "handling failed for a message",  # workers/transport.py: a message the reader thread could not handle
+    "KV piece not installed",  # workers/worker.py: a received piece refused, its request re-run from its prompt
 )
 STOPPING = []  # set by SIGTERM (the time limit): servers get a short drain, then SIGKILL
 

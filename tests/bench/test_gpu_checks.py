@@ -90,6 +90,9 @@ def test_serve_check_finds_each_fallback_the_runtime_logs():
     assert fallbacks(lines) == logged
     runtime = "\n".join(p.read_text() for p in (ROOT / "hetserve" / "runtime").rglob("*.py"))
     assert [w for w in FALLBACK_LOG if w not in runtime] == []
+    # and the other way: every log string the runtime marks as grepped by a GPU check is grepped
+    marked = re.findall(r'^[A-Z_]+ = "([^"]+)"\s+#.*GPU check greps', runtime, re.MULTILINE)
+    assert len(marked) >= 4 and [m for m in marked if not any(w in m for w in FALLBACK_LOG)] == []
 
 
 def test_serve_check_records_a_fallback_under_errors(tmp_path, monkeypatch):

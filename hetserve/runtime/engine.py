@@ -50,8 +50,8 @@ from hetserve.runtime.params import SamplingParams
 from hetserve.runtime.sequence import Sequence
 from hetserve.runtime.workers.link_scheduling import LinkScheduler, LinkShaper
 from hetserve.runtime.workers.transport import SocketTransport
-from hetserve.runtime.workers.wire import Message
-from hetserve.runtime.workers.worker import ENGINE, WorkerConfig
+from hetserve.runtime.workers.wire import ENGINE, Message
+from hetserve.runtime.workers.worker import WorkerConfig
 from hetserve.runtime.workers.worker_group import WorkerGroup, kill_processes
 from hetserve.specs.cluster import Cluster, load_cluster
 

@@ -17,7 +17,8 @@ from hetserve.runtime.layout import ReplicaSpec, WorkerSpec
 from hetserve.runtime.model.runner import CAPTURE_FAILED, StepRunner
 from hetserve.runtime.workers.auth import LinkSecurity
 from hetserve.runtime.workers.transport import InProcHub
-from hetserve.runtime.workers.worker import ENGINE, Worker, WorkerConfig
+from hetserve.runtime.workers.wire import ENGINE
+from hetserve.runtime.workers.worker import Worker, WorkerConfig
 
 
 def _stage(model_dirs):
@@ -166,8 +167,8 @@ def test_an_ipc_open_that_fails_midway_releases_only_the_allocations_it_did_not_
 
 
 def test_a_stages_worker_time_stops_when_its_gpu_work_is_done_not_when_it_is_queued(monkeypatch):
-    """A GPU runs the forward after the host queued it: a clock read then (a non-last stage whose
-    device channel sends activations without reading them back) would leave out the GPU's time."""
+    """A GPU runs the forward after the host queued it: where the host reads the result next (the
+    last stage, a socket send) the clock stops when the GPU is done, not when the work was queued."""
     from hetserve.runtime.workers import worker
 
     clock = {"now": 1.0}
@@ -178,10 +179,12 @@ def test_a_stages_worker_time_stops_when_its_gpu_work_is_done_not_when_it_is_que
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     monkeypatch.setattr(worker.time, "perf_counter", lambda: clock["now"])
-    gpu = worker._spent({"worker_s": 0.5}, (0.0, 0.0), torch.device("cuda", 0))
+    gpu = worker._spent({"worker_s": 0.5}, (0.0, 0.0), torch.device("cuda", 0), wait=True)
     assert gpu["worker_s"] == 5.5
     clock["now"] = 1.0
-    assert worker._spent({}, (0.0, 0.0), torch.device("cpu"))["worker_s"] == 1.0  # a CPU ran it already
+    assert worker._spent({}, (0.0, 0.0), torch.device("cpu"), wait=True)["worker_s"] == 1.0  # a CPU ran it already
+    # a stage whose device channel carries the activations on does not hold its host for the GPU
+    assert worker._spent({}, (0.0, 0.0), torch.device("cuda", 0), wait=False)["worker_s"] == 1.0
 
 
 class _Stop(Exception):

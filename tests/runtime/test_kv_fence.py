@@ -4,14 +4,13 @@ When a hand-off's sender dies (or leaves the plan) while its decode replica live
 sender already wrote to its sockets may still arrive. The coordinator keeps the hand-off's blocks
 taken until every receiving worker confirms that it drops the hand-off's pieces from then on
 (``kv_cancel`` -> ``kv_cancelled``); the workers check and write each piece under one lock, so no
-piece lands after the confirmation. Tested on the real methods with stand-ins for what they talk
+piece lands after the confirmation. Tested on the real receiver (``workers/kv_receiver.py``) with stand-ins for what it talks
 to; ``test_channel_engine`` kills senders mid-hand-off on the real engine.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from types import SimpleNamespace
 
 import torch
@@ -19,8 +18,9 @@ import torch
 from hetserve.runtime.kv_cache import BlockManager
 from hetserve.runtime.recovery import Recovery
 from hetserve.runtime.workers.kv_pool import KVPool
-from hetserve.runtime.workers.wire import Message
-from hetserve.runtime.workers.worker import ENGINE, Worker
+from hetserve.runtime.workers.kv_receiver import KVReceiver
+from hetserve.runtime.workers.wire import ENGINE, Message
+from hetserve.runtime.workers.worker import Worker
 
 BLOCK = 4
 
@@ -30,19 +30,20 @@ class Sent(list):
         self.append((dst, msg.kind, dict(msg.meta)))
 
 
-def _receiver() -> Worker:
-    """A decode worker holding layers 0-2 and KV heads 0-1, its pool zeroed."""
+def _receiver() -> KVReceiver:
+    """A decode worker's receiver for layers 0-2 and KV heads 0-1, its pool zeroed; what it sends to
+    the coordinator is kept in ``.sent``."""
+    sent = Sent()
+    r = KVReceiver("m0:1", (0, 2), (0, 1), KVPool(2, 8 * BLOCK, 1, 4, torch.float32, "cpu"), BLOCK, sent.send,
+                   lambda slots: None, torch.device("cpu"))  # no step runs here: nothing mirrors the pool
+    r.sent = sent
+    return r
+
+
+def _worker(receiver: KVReceiver) -> Worker:
+    """A worker as its receiving thread sees it: only the dispatch of messages is under test."""
     w = Worker.__new__(Worker)
-    w.spec = SimpleNamespace(name="m0:1", layers=(0, 2), kv_heads=(0, 1))
-    w.cfg = SimpleNamespace(block_size=BLOCK)
-    w.device = torch.device("cpu")
-    w.pool = KVPool(2, 8 * BLOCK, 1, 4, torch.float32, "cpu")
-    w.transport = Sent()
-    w.kv_received, w.kv_done, w.kv_cancelled = {}, {}, {}
-    w.kv_duplicates = w.kv_fenced = 0
-    w._kv_lock = threading.Lock()
-    w.runner = SimpleNamespace(pool_written=lambda slots: None)  # no step runs here: nothing mirrors the pool
-    w._install_stream = None  # a CPU worker: the pool is written on the receiving thread itself
+    w.kv, w.spec = receiver, SimpleNamespace(name=receiver.name)
     return w
 
 
@@ -55,20 +56,20 @@ def _piece(transfer: int, table: list[int], value: float, src: str = "m0:0") -> 
 
 def test_a_cancelled_handoffs_late_piece_is_dropped_and_the_next_owner_keeps_its_blocks():
     w = _receiver()
-    w._on_message(Message("kv_cancel", {"seq": 7}, src=ENGINE))
-    assert w.transport == [(ENGINE, "kv_cancelled", {"seq": 7, "worker": "m0:1"})]
-    w._install_kv(_piece(8, [2], 1.0))  # the blocks' next owner
-    w._install_kv(_piece(7, [2], 9.0))  # the abandoned hand-off's piece, arriving after all
-    assert w.kv_fenced == 1 and w.kv_duplicates == 0
+    assert _worker(w)._on_message(Message("kv_cancel", {"seq": 7}, src=ENGINE)) is True
+    assert w.sent == [(ENGINE, "kv_cancelled", {"seq": 7, "worker": "m0:1"})]
+    w.install(_piece(8, [2], 1.0))  # the blocks' next owner
+    w.install(_piece(7, [2], 9.0))  # the abandoned hand-off's piece, arriving after all
+    assert w.fenced == 1 and w.duplicates == 0
     assert torch.all(w.pool.read(slice(0, 2), slice(0, 1), torch.arange(2 * BLOCK, 2 * BLOCK + 3)) == 1.0)
-    assert [k for _, k, _ in w.transport] == ["kv_cancelled", "kv_ready"]  # only hand-off 8 completes
+    assert [k for _, k, _ in w.sent] == ["kv_cancelled", "kv_ready"]  # only hand-off 8 completes
 
 
 def test_only_the_coordinator_cancels_a_handoff():
     w = _receiver()
-    w._on_message(Message("kv_cancel", {"seq": 7}, src="m0:2"))
-    w._install_kv(_piece(7, [2], 9.0))
-    assert w.kv_fenced == 0 and [k for _, k, _ in w.transport] == ["kv_ready"]
+    _worker(w)._on_message(Message("kv_cancel", {"seq": 7}, src="m0:2"))
+    w.install(_piece(7, [2], 9.0))
+    assert w.fenced == 0 and [k for _, k, _ in w.sent] == ["kv_ready"]
 
 
 def _coordinator():
@@ -105,13 +106,13 @@ def test_a_piece_that_cannot_be_written_is_refused_so_its_request_reruns_and_lat
     w = _receiver()
     real = w.pool.write
     w.pool.write = lambda *a: (_ for _ in ()).throw(RuntimeError("CUDA error: an illegal memory access"))
-    assert w._on_message(_piece(7, [2], 9.0)) is True
-    refused = [(dst, meta) for dst, kind, meta in w.transport if kind == "kv_refused"]
+    assert _worker(w)._on_message(_piece(7, [2], 9.0)) is True
+    refused = [(dst, meta) for dst, kind, meta in w.sent if kind == "kv_refused"]
     assert [(dst, meta["seq"], meta["worker"]) for dst, meta in refused] == [(ENGINE, 7, "m0:1")]
-    assert "KV piece not installed" in refused[0][1]["reason"] and 7 not in w.kv_received
+    assert "KV piece not installed" in refused[0][1]["reason"] and 7 not in w.received
     w.pool.write = real
-    w._on_message(_piece(8, [3], 1.0))
-    assert [k for _, k, _ in w.transport] == ["kv_refused", "kv_ready"]
+    _worker(w)._on_message(_piece(8, [3], 1.0))
+    assert [k for _, k, _ in w.sent] == ["kv_refused", "kv_ready"]
 
 
 def test_a_piece_on_a_gpu_is_written_on_the_install_stream_and_waits_for_it_not_the_device(monkeypatch):
@@ -132,9 +133,9 @@ def test_a_piece_on_a_gpu_is_written_on_the_install_stream_and_waits_for_it_not_
 
     real = w.pool.write
     w.pool.write = lambda *a: (events.append("write"), real(*a))
-    w.device, w._install_stream = torch.device("cuda", 0), Stream()  # the pool stays a CPU one
+    w.stream = Stream()  # the GPU's install stream; the pool stays a CPU one
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("DEVICE synchronized"))
-    w._install_kv(_piece(8, [2], 1.0))
+    w.install(_piece(8, [2], 1.0))
     assert events == ["on install stream", "write", "off", "stream synchronized"]
-    assert [k for _, k, _ in w.transport] == ["kv_ready"]
+    assert [k for _, k, _ in w.sent] == ["kv_ready"]

@@ -39,6 +39,7 @@ import torch
 from hetserve.runtime.layout import ReplicaSpec, WorkerSpec
 
 # the message kinds that cross a socket; everything else is refused
+ENGINE = "engine"  # the coordinator's endpoint name
 KINDS = frozenset({"step", "kv", "peers", "shutdown", "kv_cancel",  # engine/peer -> worker
                    # worker -> engine
                    "ready", "result", "kv_ready", "kv_cancelled", "kv_refused", "peers_ack", "heartbeat", "error",

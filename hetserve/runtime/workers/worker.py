@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -44,15 +43,13 @@ from hetserve.runtime.workers.auth import LinkSecurity
 from hetserve.runtime.workers.channel_pairs import ChannelPeer
 from hetserve.runtime.workers.device_channel import DeviceChannel
 from hetserve.runtime.workers.kv_pool import KVPool, slots_of
+from hetserve.runtime.workers.kv_receiver import KVReceiver
 from hetserve.runtime.workers.transport import Priority, SocketTransport
-from hetserve.runtime.workers.wire import Message, pack_data, unpack_data
+from hetserve.runtime.workers.wire import ENGINE, Message, pack_data, unpack_data
 
 log = logging.getLogger(__name__)
-ENGINE = "engine"  # the coordinator's endpoint name
 HEARTBEAT_S = 20.0  # an idle leader pings its TP group this often, well inside the group timeout
 GROUP_TIMEOUT_S = 300.0
-KV_DONE_KEPT = 4096  # hand-offs remembered as complete, to drop their pieces that come again
-KV_NOT_INSTALLED = "KV piece not installed: hand-off"  # the log line's fixed words: a GPU check greps for them
 
 
 @dataclass(frozen=True)
@@ -101,20 +98,10 @@ class Worker:
         # hand-off pieces this worker sends, per destination replica, and how many each receiver expects
         self.layout = cfg.layout
         self.sends = self._plan_sends()
-        # per hand-off, the pieces in so far, by (sender, layers, heads): they arrive on one receiving
-        # thread per sender. A piece that comes twice (a device channel resending what it had delivered)
-        # is dropped and counted: counted twice, it would report a hand-off complete with a piece missing
-        self.kv_received: dict[int, set[tuple]] = {}
-        self.kv_done: dict[int, None] = {}  # the latest hand-offs completed here (KV_DONE_KEPT), oldest first
-        self.kv_duplicates = 0
-        self.kv_cancelled: dict[int, None] = {}  # the latest hand-offs the coordinator abandoned (KV_DONE_KEPT)
-        self.kv_fenced = 0  # pieces of those that arrived after all and were dropped
-        self._kv_lock = threading.Lock()
+        self.kv = KVReceiver(spec.name, spec.layers, spec.kv_heads, self.pool, cfg.block_size, transport.send,
+                             self.runner.pool_written, self.device)
         transport.on_message = self._on_message  # KV and peers are handled on the receiving thread
         self.channel = self._open_channel() if cfg.channels else None
-        # KV hand-offs are copied into the pool on their own stream: the copy need not wait for the
-        # step in flight, and the receiving thread waits for its own copy only (never the device)
-        self._install_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # every CUDA graph before "ready": no peer knows this worker yet, so no receiving thread
         # touches the device while a graph is captured (runner.py)
         with torch.inference_mode():  # as the steps run
@@ -180,14 +167,11 @@ class Worker:
     def _on_message(self, msg: Message) -> bool:
         """KV pieces and the address book are handled here; steps go to the inbox for the step loop."""
         if msg.kind == "kv":
-            try:
-                self._install_kv(msg)
-            except Exception as exc:  # noqa: BLE001 - the receiving thread must live on for later pieces
-                self._refuse_kv(msg, exc)
+            self.kv.on_piece(msg)
             return True
         if msg.kind == "kv_cancel":
             if msg.src == ENGINE:  # only the coordinator abandons a hand-off
-                self._cancel_kv(int(msg.meta["seq"]))
+                self.kv.cancel(int(msg.meta["seq"]))
             return True
         if msg.kind == "peers":
             for name, addr in msg.meta["addresses"].items():
@@ -199,65 +183,6 @@ class Worker:
             self.transport.send(ENGINE, Message("peers_ack", {"worker": self.spec.name}))
             return True
         return False
-
-    def _install_kv(self, msg: Message) -> None:
-        """Write a received piece into the pool. Checked and written under ``_kv_lock``, so once
-        ``_cancel_kv`` has run for a hand-off none of its pieces writes any more."""
-        m = msg.meta
-        seq, piece = m["seq"], (msg.src, tuple(m["layers"]), tuple(m["heads"]))
-        first, h0 = self.spec.layers[0], self.spec.kv_heads[0]
-        layers = slice(m["layers"][0] - first, m["layers"][1] - first)
-        heads = slice(m["heads"][0] - h0, m["heads"][1] - h0)
-        with self._kv_lock:
-            if seq in self.kv_cancelled:
-                self.kv_fenced += 1
-                return
-            if seq in self.kv_done or piece in self.kv_received.get(seq, ()):
-                self.kv_duplicates += 1
-                return
-            slots = slots_of(m["table"], m["num_tokens"], self.cfg.block_size)
-            if self._install_stream is None:
-                self.pool.write(layers, heads, slots, msg.tensors["kv"])
-            else:
-                # a piece that came by device channel is complete on the device already (its receive
-                # waited for it); the stream's temporaries are freed only after the wait below
-                with torch.cuda.stream(self._install_stream):
-                    self.pool.write(layers, heads, slots, msg.tensors["kv"])
-                self._install_stream.synchronize()  # the bytes are in place before the coordinator hears so
-            self.runner.pool_written(slots)
-            got = self.kv_received.setdefault(seq, set())
-            got.add(piece)
-            complete = len(got) == m["expect"]
-            if complete:
-                self.kv_received.pop(seq)
-                _remember(self.kv_done, seq)
-        if complete:
-            self.transport.send(ENGINE, Message("kv_ready", {"seq": seq, "worker": self.spec.name}))
-
-    def _refuse_kv(self, msg: Message, exc: Exception) -> None:
-        """A piece that could not be written (a device error, a malformed table): the coordinator
-        re-runs its request from the prompt and fences the hand-off's blocks, as for a sender's
-        refusal; its other pieces are dropped when they come (``kv_cancel``)."""
-        seq = msg.meta.get("seq")
-        log.warning("%s: %s %s from %s (%s: %s); refused, its request re-runs", self.spec.name, KV_NOT_INSTALLED,
-                    seq, msg.src, type(exc).__name__, exc)
-        if type(seq) is not int:
-            return  # no hand-off of the coordinator's: nothing to re-run
-        try:
-            self.transport.send(ENGINE, Message("kv_refused", {"seq": seq, "worker": self.spec.name,
-                                                               "reason": f"{KV_NOT_INSTALLED}: {exc}"[:500]}))
-        except ConnectionError:
-            pass  # this endpoint is closing
-
-    def _cancel_kv(self, seq: int) -> None:
-        """The coordinator abandoned hand-off ``seq`` (its sender died or left the plan) and will give
-        its blocks to other requests once every receiver says so: from here on its pieces still on
-        their way (a dead sender's socket may deliver after it is gone) are dropped, not written."""
-        with self._kv_lock:
-            self.kv_received.pop(seq, None)
-            _remember(self.kv_cancelled, seq)
-        self.transport.send(ENGINE, Message("kv_cancelled", {"seq": seq, "worker": self.spec.name}),
-                            Priority.CONTROL)
 
     # ------------------------------------------------------------------ step loop
     def run(self) -> None:
@@ -318,10 +243,12 @@ class Worker:
             if k >= 0:  # every row gets the widest k; the coordinator keeps each request's own
                 out["lp"], out["top_ids"], out["top_lps"] = token_logprobs(logits, tokens, k)
             out.update(self._prompt_logprobs(h, seqs, extras))
-            spent = _spent(meta, began, self.device)
+            spent = _spent(meta, began, self.device, wait=True)
             self.transport.send(ENGINE, Message("result", {"step": meta["step"], **spent}, out))
         else:
-            meta.update(_spent(meta, began, self.device))  # the next stage adds its own
+            # the next stage adds its own; a device channel hands the activations on without the host
+            # reading them, so waiting for the GPU there would only hold the host from queueing more
+            meta.update(_spent(meta, began, self.device, wait=self.channel is None))
             self._send(spec.next_leader, Message("step", meta, {"hidden": h}), Priority(meta["priority"]))
 
     def _prompt_logprobs(self, h: torch.Tensor, seqs: list, extras: list) -> dict[str, torch.Tensor]:
@@ -360,13 +287,6 @@ class Worker:
                 self._send(piece.dst, Message("kv", meta, {"kv": kv}), Priority.KV)
 
 
-def _remember(seen: dict[int, None], seq: int) -> None:
-    """Add hand-off ``seq`` to ``seen``, forgetting the oldest past ``KV_DONE_KEPT``."""
-    seen[seq] = None
-    if len(seen) > KV_DONE_KEPT:
-        del seen[next(iter(seen))]
-
-
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A received host tensor on ``device``; to a GPU from pinned memory, without blocking the host."""
     if device.type != "cuda" or t.device.type == "cuda":  # a device channel's tensors are there already
@@ -391,16 +311,16 @@ def _broadcast_header(kind: str = "", meta: dict | None = None) -> tuple[str, di
     return kind, meta
 
 
-def _spent(meta: dict, began: tuple[float, float], device: torch.device) -> dict[str, float]:
+def _spent(meta: dict, began: tuple[float, float], device: torch.device, wait: bool) -> dict[str, float]:
     """The step's worker time so far: the earlier stage leaders' (in ``meta``) plus this one's since
     ``began`` (wall, and CPU of this thread: less than wall where the OS ran something else here).
     The coordinator keeps the last stage's total beside its own span (``StepTiming.worker_s``).
 
-    On a GPU the clock stops once the stage's work on its stream is done: the host gets here with
-    the forward only queued (a device channel sends activations without reading them back). The
-    wait costs nothing where the host reads the result anyway (the last stage's sampled tokens, a
-    socket send's copy to the host)."""
-    if device.type == "cuda":
+    The host gets here with the forward only queued on a GPU: with ``wait`` the clock stops once the
+    stage's stream is done, which costs nothing where the host reads the result next anyway (the
+    last stage's sampled tokens, a socket send's copy to the host). Without it (a device channel
+    carries the activations on) the figure is the host's time, the GPU's work maybe still queued."""
+    if wait and device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     return {"worker_s": meta.get("worker_s", 0.0) + time.perf_counter() - began[0],
             "worker_cpu_s": meta.get("worker_cpu_s", 0.0) + time.thread_time() - began[1]}

@@ -22,8 +22,8 @@ from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.workers.channel_pairs import channel_pairs
 from hetserve.runtime.workers.rendezvous import BoundStore
 from hetserve.runtime.workers.transport import Priority, SocketTransport
-from hetserve.runtime.workers.wire import Message
-from hetserve.runtime.workers.worker import ENGINE, WorkerConfig
+from hetserve.runtime.workers.wire import ENGINE, Message
+from hetserve.runtime.workers.worker import WorkerConfig
 from hetserve.runtime.workers.worker_process import worker_main
 
 

@@ -19,8 +19,8 @@ import torch
 
 from hetserve.runtime.workers.host_memory import keep_freed_memory
 from hetserve.runtime.workers.transport import Priority, SocketTransport
-from hetserve.runtime.workers.wire import Message
-from hetserve.runtime.workers.worker import ENGINE, Worker, WorkerConfig
+from hetserve.runtime.workers.wire import ENGINE, Message
+from hetserve.runtime.workers.worker import Worker, WorkerConfig
 
 
 def worker_main(cfg: WorkerConfig) -> None:
@@ -58,12 +58,12 @@ def _heartbeat(transport: SocketTransport, name: str, every_s: float, worker: "W
     hand-offs it dropped (``kv_fenced``, where any)."""
     while not transport.closed:
         meta = {"worker": name, "rejected": dict(transport.rejected)}
-        if worker is not None and worker.kv_fenced:
-            meta["kv_fenced"] = worker.kv_fenced
+        if worker is not None and worker.kv.fenced:
+            meta["kv_fenced"] = worker.kv.fenced
         if worker is not None and worker.channel is not None:
             meta["channel"] = worker.channel.stats()
-            if worker.kv_duplicates:
-                meta["channel"]["kv_duplicates"] = worker.kv_duplicates
+            if worker.kv.duplicates:
+                meta["channel"]["kv_duplicates"] = worker.kv.duplicates
         try:
             transport.send(ENGINE, Message("heartbeat", meta), Priority.CONTROL)
         except ConnectionError:

@@ -9,6 +9,17 @@
 from __future__ import annotations
 
 from hetserve.planner.plan import Plan
+from hetserve.specs.workload import Workload
+
+# what the stage-by-stage pipeline (``pipeline="detailed"``, ``sim/pipeline.py``) does not model
+PAGED_IS_AGGREGATE = "paged KV admission is modelled on aggregate pipelines only"
+DETAILED_PRICES_NEITHER = "the stage-by-stage pipeline simulates neither n > 1 choices nor prompt logprobs"
+
+
+def detailed_unpriced(workload: Workload) -> tuple[int, int]:
+    """(requests with n > 1 choices, requests scoring their prompt) of ``workload``: what the
+    stage-by-stage pipeline decodes as one row and prices nothing for; either refuses it."""
+    return int((workload.choices > 1).sum()), int(workload.prompt_logprobs.sum())
 
 
 def pipelined_replicas(plan: Plan) -> list[str]:

@@ -10,6 +10,7 @@ from hetserve.policies.batching import DEFAULT_BATCHING, PREFILL_MODES
 from hetserve.policies.placement import DEFAULT_PLACEMENT
 from hetserve.policies.routing import DEFAULT_ROUTE
 from hetserve.policies.transmission import DEFAULT_TRANSMISSION
+from hetserve.sim.option_checks import PAGED_IS_AGGREGATE
 from hetserve.specs.workload import SLO
 
 
@@ -98,4 +99,4 @@ class SimOptions:
         if self.beyond_context not in ("reject", "run"):
             raise ValueError("beyond_context must be 'reject' or 'run'")
         if self.kv_admission == "paged" and self.pipeline == "detailed":
-            raise ValueError("kv_admission='paged' is modelled with pipeline='aggregate' only")
+            raise ValueError(f"kv_admission='paged' with pipeline='detailed': {PAGED_IS_AGGREGATE}")

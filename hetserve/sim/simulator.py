@@ -36,6 +36,7 @@ from hetserve.cost.memo import memoised
 from hetserve.sim.hosts import FrontEndCost, HostContention
 from hetserve.sim.links import Network
 from hetserve.sim.metrics import SimResult, result_of
+from hetserve.sim.option_checks import DETAILED_PRICES_NEITHER, detailed_unpriced
 from hetserve.sim.options import SimOptions
 from hetserve.sim.pipeline import PipelineReplica
 from hetserve.sim.replicas.colocated import ColocatedReplica
@@ -352,13 +353,12 @@ class Simulator:
 
 
 def _refuse_choices_in_detail(workload: Workload, replica: str) -> None:
-    """The stage-by-stage pipeline (``sim/pipeline.py``) decodes one row per request and prices no
-    prompt logprobs: a trace that asks for either is refused there, not simulated as plain requests."""
-    many, scored = int((workload.choices > 1).sum()), int(workload.prompt_logprobs.sum())
+    """A trace the stage-by-stage pipeline cannot price is refused there, not simulated as plain requests."""
+    many, scored = detailed_unpriced(workload)
     if many or scored:
-        raise ValueError(f"pipeline='detailed' (replica {replica}) simulates neither n > 1 choices nor prompt "
-                         f"logprobs, and {workload.name} has {many} requests with n > 1 and {scored} scoring their "
-                         f"prompt; use pipeline='aggregate' (--pipeline aggregate)")
+        raise ValueError(f"pipeline='detailed' (replica {replica}): {DETAILED_PRICES_NEITHER}, and {workload.name} "
+                         f"has {many} requests with n > 1 and {scored} scoring their prompt; use "
+                         f"pipeline='aggregate' (--pipeline aggregate)")
 
 
 def simulate(plan: Plan, cluster: Cluster, model: ModelSpec, workload: Workload,

@@ -264,18 +264,19 @@ def _refuse_detailed(args, plan, wl, pipelined: list[str]) -> None:
     (it would run as aggregate), paged KV (modelled on aggregate pipelines only), or a trace with n > 1
     choices or prompt logprobs (the stage-by-stage pipeline prices neither)."""
     from hetserve.errors import PlanError, SpecError
+    from hetserve.sim.option_checks import DETAILED_PRICES_NEITHER, PAGED_IS_AGGREGATE, detailed_unpriced
 
     if not pipelined:  # as --transmission: refused, not ignored
         raise PlanError(f"--pipeline detailed simulates decode and colocated replicas of several stages stage by "
                         f"stage: {args.plan} has none (prefill replicas stay aggregate in both modes), so it would "
                         f"run as --pipeline aggregate; drop --pipeline")
     if args.kv_admission == "paged":
-        raise SpecError("--kv-admission", SpecError.OPTION, "--pipeline aggregate beside paged KV (paged admission "
-                        "is modelled on aggregate pipelines only); drop one", "paged with --pipeline detailed")
-    many, scored = int((wl.choices > 1).sum()), int(wl.prompt_logprobs.sum())
+        raise SpecError("--kv-admission", SpecError.OPTION, f"--pipeline aggregate beside paged KV "
+                        f"({PAGED_IS_AGGREGATE}); drop one", "paged with --pipeline detailed")
+    many, scored = detailed_unpriced(wl)
     if many or scored:
-        raise SpecError(args.workload, "n/prompt_logprobs", "plain completions under --pipeline detailed (it simulates "
-                        "neither n > 1 choices nor prompt logprobs); drop --pipeline detailed",
+        raise SpecError(args.workload, "n/prompt_logprobs", f"plain completions under --pipeline detailed "
+                        f"({DETAILED_PRICES_NEITHER}); drop --pipeline detailed",
                         f"{many} requests with n > 1, {scored} scoring their prompt")
 
 

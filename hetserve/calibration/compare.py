@@ -105,8 +105,18 @@ class Comparison:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         path = out / "compare.json"
-        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        path.write_text(json.dumps(_null_for_nan(self.to_json()), indent=2) + "\n")
         return [path, plot_cdfs(self, out / "compare_cdf.png")]
+
+
+def _null_for_nan(x: Any) -> Any:
+    """``x`` with every NaN (a figure no request had, a ratio of none) as None: JSON's null, where
+    ``json`` would write NaN, which JSON does not have."""
+    if isinstance(x, dict):
+        return {k: _null_for_nan(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_null_for_nan(v) for v in x]
+    return None if isinstance(x, float) and x != x else x
 
 
 def _stats(x: np.ndarray) -> dict[str, float]:

@@ -26,7 +26,7 @@ def print_table(c: Comparison, console=None) -> None:
         name = "output tokens/s" if key.startswith("throughput") else key.replace("_s.", " ").upper().replace(
             "MEAN", "mean").replace("P50", "p50").replace("P90", "p90").replace("P99", "p99") + unit
         r = row["ratio"]
-        t.add_row(name, f"{row['served'] * scale:,.1f}", f"{row['simulated'] * scale:,.1f}",
+        t.add_row(name, *(f"{v * scale:,.1f}" if v == v else "–" for v in (row["served"], row["simulated"])),
                   _ratio(r), *([_ratio(again[key]["ratio"])] if again else []))
     console.print(t)
     if again:

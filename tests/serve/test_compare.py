@@ -159,3 +159,19 @@ def test_served_twice_reads_the_second_run_as_the_counts_say(capsys, again_ratio
     print_table(c, Console(width=400))
     out = capsys.readouterr().out
     assert words in out and "simulation in 2" in out
+
+
+def test_a_figure_no_request_had_is_null_in_compare_json(tmp_path, monkeypatch):
+    """One-token outputs only: no TPOT served or simulated. compare.json is JSON (null, not NaN)."""
+    import numpy as np
+
+    from hetserve.calibration import compare as cmp
+
+    table = cmp.table_of({"ttft_s": np.array([0.1, 0.2]), "tpot_s": np.array([]), "e2e_s": np.array([0.3, 0.4])},
+                         {"ttft_s": np.array([0.1, 0.3]), "tpot_s": np.array([]), "e2e_s": np.array([0.3, 0.5])},
+                         100.0, 90.0)
+    monkeypatch.setattr(cmp, "plot_cdfs", lambda c, path: path)
+    cmp.Comparison(table, {}, {}, {}).save(tmp_path)
+    data = json.loads((tmp_path / "compare.json").read_text(), parse_constant=lambda name: pytest.fail(name))
+    assert data["table"]["tpot_s.p90"] == {"served": None, "simulated": None, "ratio": None}
+    assert data["table"]["ttft_s.mean"]["ratio"] == pytest.approx(0.2 / 0.15)

@@ -80,7 +80,7 @@ def plan_problems(plan: Plan, cluster: Cluster, model: ModelSpec, cost: CostMode
         return ["plan has no replicas"]
     devices = [d for r in plan.replicas for s in r.stages for d in s.devices]
     if len(set(devices)) > 1 and not any(cluster.has_device(d) for d in devices):
-        # another pool altogether: one line for it, not one per device (20 clauses for a 20-GPU plan)
+        # another pool altogether: one line for it, not one clause per device
         return [f"none of its {len(devices)} devices ({devices[0]} … {devices[-1]}) is in cluster {cluster.name} "
                 f"(its devices are {cluster.devices[0].name} … {cluster.devices[-1].name}): run it on the pool it "
                 f"was made on, or plan again for this one"]

@@ -300,7 +300,8 @@ class Engine:
                             channel_timeout_s=self.config.channel_timeout_s)
 
     def worker_loads(self) -> dict[str, dict]:
-        """Each worker's start-up: seconds to build and load its shard, checkpoint bytes read."""
+        """Each worker's start-up: seconds to build and load its shard, checkpoint bytes read, its CUDA
+        graphs (``graphs``: captured before it reported ready, or why not) and its kernels."""
         return dict(self.workers.loads)
 
     def _start_workers(self) -> None:

@@ -208,9 +208,10 @@ class Recovery:
             self.handoff_queue.appendleft(seq)
 
     def _on_kv_refused(self, transfer: int, worker: str, reason: str) -> None:
-        """A sending worker cannot hand off ``transfer`` (its layout lacks the destination): the
-        request re-runs from its prompt rather than wait for pieces that never come; the pieces
-        other senders wrote are fenced off the destination's blocks (``_rerun``)."""
+        """A worker refused hand-off ``transfer``: a sender whose layout lacks the destination, or a
+        receiver that could not write a piece (``workers/kv_receiver.py``). The request re-runs from
+        its prompt rather than wait for pieces that never come; the pieces other senders wrote are
+        fenced off the destination's blocks (``_rerun``)."""
         seq = self.handoffs.get(transfer)
         if seq is None:
             return  # already re-run or abandoned (another sender refused it first)

@@ -1,6 +1,7 @@
 """One checkpoint, one dtype: the planner's reader of a config.json (``ModelSpec.from_hf_config``)
 and the runtime's (``ArchConfig``) must size it alike, or the planner places weights and KV the
-runtime then does not fit (a config naming no dtype was float16 to one and float32 to the other)."""
+runtime then does not fit. A config naming no dtype is the case to watch: both read it as
+``UNNAMED_DTYPE``."""
 
 import json
 
@@ -37,7 +38,7 @@ def test_the_planner_and_the_runtime_read_a_configs_dtype_alike(tmp_path, base, 
 
 def test_a_random_weights_folder_names_no_dtype_and_both_readers_agree(tmp_path):
     """``make-model --random-weights`` writes a config.json without a dtype (no weights are saved for
-    transformers to record one): the case where the readers parted."""
+    transformers to record one): both readers take the unnamed dtype."""
     from hetserve.runtime.model.make import make_model
 
     folder = make_model(tmp_path / "m", "llama", layers=2, hidden=64, heads=4, kv_heads=2, random_weights=True)

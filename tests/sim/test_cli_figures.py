@@ -33,7 +33,7 @@ def sim(pool, workload, *extra):
 
 def test_a_run_whose_every_request_is_rejected_prints_no_latency(tmp_path, capsys, wide):
     """Every request beyond llama-2-7b's 4,096 tokens: rejected at arrival, none completed. The
-    summary's latency stats are zeros there; the table shows none, and says why."""
+    summary's latency stats are null there; the table shows none, and says why."""
     pool = _files(tmp_path)
     trace = pool / "long.csv"
     trace.write_text(HEADER + "0,5000,20\n1,6000,20\n")

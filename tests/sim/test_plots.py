@@ -46,7 +46,7 @@ def _labels_in_view(ax) -> list[str]:
 
 def test_every_cdf_panel_has_numbers_on_its_axis_when_it_spans_less_than_a_decade(cluster, model, tmp_path,
                                                                                      monkeypatch):
-    """TPOT of 0.13-0.27 s sat between two decades: the panel showed no number at all."""
+    """A panel whose figures lie between two decades (TPOT of 0.13-0.27 s) still reads in numbers."""
     figs = _drawn(monkeypatch)
     res = simulate(single({"c0": ["m0:0"]}), cluster, model,
                    Workload.from_lists("t", [0.0, 0.5, 1.0, 1.5], [50, 60, 70, 80], [5, 6, 1, 9]))

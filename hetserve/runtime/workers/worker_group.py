@@ -52,7 +52,7 @@ class WorkerGroup:
         procs = self._spawn(self.layout, make_config, start_method)
         self.procs.update(procs)
         self.pids.update({n: p.pid for n, p in procs.items()})
-        book = self._await_all("ready", "load its shard", procs, self.transport.recv)
+        book = self._await_all("ready", "load its shard and capture its graphs", procs, self.transport.recv)
         self.addresses = {name: m["address"] for name, m in book.items()}
         self.loads.update({name: m["load"] for name, m in book.items() if "load" in m})
         self._connect(procs, self.addresses, None, self.transport.recv)
@@ -65,7 +65,7 @@ class WorkerGroup:
         The caller adds the processes to the group (on the coordinator's thread)."""
         procs = self._spawn(replicas, make_config, start_method)
         try:
-            got = self._await_all("ready", "load its shard", procs, recv)
+            got = self._await_all("ready", "load its shard and capture its graphs", procs, recv)
             fresh = {name: m["address"] for name, m in got.items()}
             self.loads.update({name: m["load"] for name, m in got.items() if "load" in m})
             for name, addr in fresh.items():

@@ -93,6 +93,25 @@ def test_a_worker_captures_its_graphs_before_it_says_ready_and_reports_how_it_we
     assert ready.meta["load"]["kernels"] in ("native", "torch")  # a GPU's: "triton", or "torch (Triton kernels ...)"
 
 
+def test_a_prefill_worker_captures_no_decode_graphs_and_says_why(model_dirs):
+    """Its steps are prompts, which run eagerly: decode buckets captured there would only cost
+    start-up time and memory. Nor does a TP group over gloo, whose all-reduce cannot be captured."""
+    from hetserve.runtime.workers.worker import decode_graphs
+
+    def cfg(role, backend="gloo", graphs=True):
+        spec = WorkerSpec("m0:0", "r0", role, 0, 1, (0, 3), 0, 1, "m0:0", None, (0, 2), "cuda:0")
+        return WorkerConfig(spec, (ReplicaSpec("r0", role, ((spec,),)),), str(model_dirs["llama"]), "bfloat16",
+                            256, 16, ("127.0.0.1", 1), LinkSecurity(b"s" * 32), None, backend=backend,
+                            cuda_graphs=graphs)
+    assert decode_graphs(cfg("prefill"), tp=False) == (False, "a prefill replica (prompts run eagerly)")
+    assert decode_graphs(cfg("decode"), tp=False) == (True, "")
+    assert decode_graphs(cfg("colocated", "nccl"), tp=True) == (True, "")
+    assert decode_graphs(cfg("colocated"), tp=True) == (False, "the TP group's all-reduce cannot be captured: a gloo "
+                                                                "all-reduce")
+    assert decode_graphs(cfg("prefill"), tp=True)[1] == "a prefill replica (prompts run eagerly)"  # not a fallback
+    assert decode_graphs(cfg("decode", graphs=False), tp=False) == (False, "not asked")
+
+
 def test_a_nccl_tp_group_carries_the_leaders_host_headers_over_gloo(monkeypatch):
     """The leader broadcasts each message's header as host bytes; NCCL moves only CUDA tensors, so
     a group of NCCL alone fails the first message ("No backend type associated with device type cpu")."""

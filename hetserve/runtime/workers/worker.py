@@ -50,6 +50,7 @@ from hetserve.runtime.workers.wire import ENGINE, Message, pack_data, unpack_dat
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 20.0  # an idle leader pings its TP group this often, well inside the group timeout
 GROUP_TIMEOUT_S = 300.0
+TP_NOT_CAPTURED = "the TP group's all-reduce cannot be captured"
 
 
 @dataclass(frozen=True)
@@ -113,14 +114,13 @@ class Worker:
 
     def _make_runner(self) -> StepRunner:
         cfg = self.cfg
-        # a captured all-reduce needs NCCL: a gloo TP group (CPU, or ranks sharing a GPU) runs eagerly
-        graphs = cfg.cuda_graphs and not (self.tp and cfg.backend != "nccl")
-        if cfg.cuda_graphs and self.device.type == "cuda" and not graphs:
-            log.warning("%s: CUDA graphs off, the TP group's %s all-reduce cannot be captured",
-                        self.spec.name, cfg.backend)
+        graphs, why_not = decode_graphs(cfg, self.tp)
+        if why_not.startswith(TP_NOT_CAPTURED) and self.device.type == "cuda":  # a slower path than planned
+            log.warning("%s: CUDA graphs off: %s", self.spec.name, why_not)
         max_blocks = min(cfg.num_slots // cfg.block_size, -(-self.arch.max_positions // cfg.block_size))
         return StepRunner(self.model, self.kv_layers, cfg.block_size, self.arch.hidden_size, self.dtype,
-                          self.device, max_batch=cfg.max_graph_batch, max_blocks=max(1, max_blocks), graphs=graphs)
+                          self.device, max_batch=cfg.max_graph_batch, max_blocks=max(1, max_blocks), graphs=graphs,
+                          not_asked=why_not)
 
     def _open_channel(self) -> DeviceChannel:
         """Device channels to the workers this one exchanges activations or KV pieces with; each
@@ -285,6 +285,20 @@ class Worker:
                 meta = {"seq": seq, "layers": piece.layers, "heads": piece.heads, "table": dst_table,
                         "num_tokens": num_tokens, "expect": expect}
                 self._send(piece.dst, Message("kv", meta, {"kv": kv}), Priority.KV)
+
+
+def decode_graphs(cfg: WorkerConfig, tp: bool) -> tuple[bool, str]:
+    """Whether a worker captures its decode steps as CUDA graphs, and why not where it does not: a
+    captured all-reduce needs NCCL (a gloo TP group, on CPU or ranks sharing a GPU, runs eagerly);
+    a prefill replica's steps are prompts, which run eagerly, so decode buckets captured there
+    would only cost start-up time and memory (a re-plan that has it decode runs those eagerly)."""
+    if not cfg.cuda_graphs:
+        return False, "not asked"
+    if cfg.spec.role == "prefill":
+        return False, "a prefill replica (prompts run eagerly)"
+    if tp and cfg.backend != "nccl":
+        return False, f"{TP_NOT_CAPTURED}: a {cfg.backend} all-reduce"
+    return True, ""
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -117,13 +117,17 @@ def test_a_piece_that_cannot_be_written_is_refused_so_its_request_reruns_and_lat
 
 def test_a_piece_on_a_gpu_is_written_on_the_install_stream_and_waits_for_it_not_the_device(monkeypatch):
     """A device-wide synchronize on a receiving thread waits for the step in flight and breaks a
-    CUDA graph another thread captures; the install waits for its own stream only."""
+    CUDA graph another thread captures; the install waits for its own stream only, which first
+    waits for what the receiving thread's stream waits for (a device channel's receive)."""
     w = _receiver()
     events = []
 
     class Stream:
         def synchronize(self):
             events.append("stream synchronized")
+
+        def wait_stream(self, other):
+            events.append(f"after {other}")
 
     @contextlib.contextmanager
     def on(stream):
@@ -136,6 +140,7 @@ def test_a_piece_on_a_gpu_is_written_on_the_install_stream_and_waits_for_it_not_
     w.stream = Stream()  # the GPU's install stream; the pool stays a CPU one
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("DEVICE synchronized"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "the receiving thread's stream")
     w.install(_piece(8, [2], 1.0))
-    assert events == ["on install stream", "write", "off", "stream synchronized"]
+    assert events == ["after the receiving thread's stream", "on install stream", "write", "off", "stream synchronized"]
     assert [k for _, k, _ in w.sent] == ["kv_ready"]

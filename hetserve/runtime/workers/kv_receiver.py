@@ -43,6 +43,7 @@ class KVReceiver:
         self._lock = threading.Lock()
         # on a GPU a piece is copied into the pool on its own stream: the copy need not wait for the
         # step in flight, and the receiving thread waits for its own copy only (never the device)
+        self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def on_piece(self, msg: Message) -> None:
@@ -70,8 +71,9 @@ class KVReceiver:
             if self.stream is None:
                 self.pool.write(layers, heads, slots, msg.tensors["kv"])
             else:
-                # a piece that came by device channel is complete on the device already (its receive
-                # waited for it); the stream's temporaries are freed only after the wait below
+                # after whatever this thread's stream was made to wait for (a device channel's receive
+                # or IPC copy); the stream's temporaries are freed only after the wait below
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self.stream):
                     self.pool.write(layers, heads, slots, msg.tensors["kv"])
                 self.stream.synchronize()  # the bytes are in place before the coordinator hears so

@@ -49,7 +49,7 @@ FALLBACK_LOG = (
     "the socket carries its transfers",  # workers/device_channel.py: "channel to PEER broken (...)"
     "its sender resends it by socket",  # workers/device_channel.py: a transfer refused on receipt
     "handling failed for a message",  # workers/transport.py: a message the reader thread could not handle
-    "KV piece not installed",  # workers/worker.py: a received piece refused, its request re-run from its prompt
+    "KV piece not installed",  # workers/kv_receiver.py: a received piece refused, its request re-run from its prompt
 )
 STOPPING = []  # set by SIGTERM (the time limit): servers get a short drain, then SIGKILL
 
@@ -127,7 +127,7 @@ def deployment(report: StageReport, kind: str, model: Path, cfg: dict, tmp: Path
                                        "bound_ms": bound * 1e3, "fraction_of_peak": bound / statistics.median(times)})
         with report.stage(f"{kind}: {sizes['concurrent']} concurrent streaming requests"):
             ps = prompts(sizes)
-            burst(server.port, ps, sizes["max_tokens"])  # warm-up: the same burst (graphs captured per batch size)
+            burst(server.port, ps, sizes["max_tokens"])  # warm-up: the same burst (first launches, allocator pools)
             row["throughput"] = burst(server.port, ps, sizes["max_tokens"])
             got, want = row["throughput"]["tokens"], len(ps) * sizes["max_tokens"]
             if got != want:

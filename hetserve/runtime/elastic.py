@@ -63,13 +63,14 @@ def reconfigure(engine, plan: Plan, cluster: Cluster) -> dict[str, Any]:
                             "deployment for them")
         device_of = {d: engine.devices[d] for d in merged.devices}
     else:
-        # every running worker keeps its GPU (retiring ones hold theirs while they drain)
-        now = {w.name: w.device for r in coord.layout for w in r.workers}
+        # every live worker keeps its GPU (retiring ones hold theirs while they drain; a dead one's is free)
+        now = {w.name: w.device for r in coord.layout if coord.schedulers[r.id].alive for w in r.workers}
         device_of = local_devices(merged.devices, cluster, torch.cuda.device_count() if engine._use_cuda else 0, now)
     layout = build_layout(merged, cluster, engine.arch, device_of, source="re-plan")
     added = tuple(r for r in layout if r.id not in keep.values())
     pools = kv_capacity(added, cluster, engine.arch, engine.dtype, engine.config,
-                        memory_is_real(device_of, cluster, engine._use_cuda)) if added else {}
+                        memory_is_real(device_of, cluster, engine._use_cuda, one_host=engine.devices is None)
+                        ) if added else {}
     cfg = engine.config
     schedulers = [scheduler_for(r, pools[r.id].tokens, cfg) for r in added]
     if not added and not keep:

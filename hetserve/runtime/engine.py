@@ -117,7 +117,8 @@ class Engine:
         check_dtype(dtype, set(device_of.values()))
         layout = build_layout(plan, cluster, arch, device_of, source=f"plan for {plan.model!r}",
                               checkpoint=str(model_dir))
-        pools = kv_capacity(layout, cluster, arch, dtype, config, memory_is_real(device_of, cluster, use_cuda))
+        pools = kv_capacity(layout, cluster, arch, dtype, config,
+                            memory_is_real(device_of, cluster, use_cuda, one_host=devices is None))
         check_weights(model_dir)  # a missing checkpoint is reported here, not by every worker
         engine = cls(plan, layout, arch, str(model_dir), dtype, {r: p.tokens for r, p in pools.items()}, config,
                      route_policy or PlanRoutes(plan), link_scheduler, shaper)

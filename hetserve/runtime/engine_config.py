@@ -108,11 +108,13 @@ class EngineConfig:
             check_bind_address(self.host, "host")
 
 
-def memory_is_real(device_of: dict[str, str], cluster: Cluster, use_cuda: bool) -> bool:
+def memory_is_real(device_of: dict[str, str], cluster: Cluster, use_cuda: bool, one_host: bool) -> bool:
     """Whether the cluster file's device memory is what the workers have: on CUDA, with every plan
-    device on a GPU of its own. Plan devices sharing one (``cuda:{i % n}`` on a machine with fewer GPUs
-    than the plan names) would each size a pool to a whole GPU's memory and run it out."""
-    gpus = {(cluster.device(d).machine, dev) for d, dev in device_of.items()}  # cuda:0 on two boxes: two GPUs
+    device on a GPU of its own. Plan devices sharing one (more of them than this host has GPUs,
+    ``runtime.deployment.local_devices``) would each size a pool to a whole GPU's memory and run it
+    out. ``one_host``: every worker runs here (the local backend), so ``cuda:0`` is one GPU whatever
+    machines the plan names; else (a launcher placed them, Ray) each machine has its own ``cuda:0``."""
+    gpus = {dev if one_host else (cluster.device(d).machine, dev) for d, dev in device_of.items()}
     return use_cuda and len(gpus) == len(device_of)
 
 

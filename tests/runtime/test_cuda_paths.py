@@ -93,9 +93,9 @@ def test_a_worker_captures_its_graphs_before_it_says_ready_and_reports_how_it_we
     assert ready.meta["load"]["kernels"] in ("native", "torch")  # a GPU's: "triton", or "torch (Triton kernels ...)"
 
 
-def test_a_prefill_worker_captures_no_decode_graphs_and_says_why(model_dirs):
-    """Its steps are prompts, which run eagerly: decode buckets captured there would only cost
-    start-up time and memory. Nor does a TP group over gloo, whose all-reduce cannot be captured."""
+def test_a_worker_captures_decode_graphs_unless_its_tp_all_reduce_cannot_be(model_dirs):
+    """A TP group over gloo cannot capture its all-reduce; every other worker captures, a prefill
+    replica's too: a failover that has it decode (the last decode replica gone) decodes at pace."""
     from hetserve.runtime.workers.worker import decode_graphs
 
     def cfg(role, backend="gloo", graphs=True):
@@ -103,12 +103,11 @@ def test_a_prefill_worker_captures_no_decode_graphs_and_says_why(model_dirs):
         return WorkerConfig(spec, (ReplicaSpec("r0", role, ((spec,),)),), str(model_dirs["llama"]), "bfloat16",
                             256, 16, ("127.0.0.1", 1), LinkSecurity(b"s" * 32), None, backend=backend,
                             cuda_graphs=graphs)
-    assert decode_graphs(cfg("prefill"), tp=False) == (False, "a prefill replica (prompts run eagerly)")
+    assert decode_graphs(cfg("prefill"), tp=False) == (True, "")  # a failover may have it decode
     assert decode_graphs(cfg("decode"), tp=False) == (True, "")
     assert decode_graphs(cfg("colocated", "nccl"), tp=True) == (True, "")
     assert decode_graphs(cfg("colocated"), tp=True) == (False, "the TP group's all-reduce cannot be captured: a gloo "
                                                                 "all-reduce")
-    assert decode_graphs(cfg("prefill"), tp=True)[1] == "a prefill replica (prompts run eagerly)"  # not a fallback
     assert decode_graphs(cfg("decode", graphs=False), tp=False) == (False, "not asked")
 
 
@@ -281,6 +280,11 @@ def test_a_replan_that_drops_a_device_leaves_every_kept_worker_on_its_gpu(monkey
     with pytest.raises(_Stop):
         elastic.reconfigure(engine, _plan(["g:0", "g:2", "g:3"]), _cluster())
     assert seen[-1] == {"g:0": "cuda:0", "g:2": "cuda:2", "g:3": "cuda:3"}
+    # a dead worker holds nothing: g:1's replica died, so its GPU is the one a new device takes first
+    engine.loop.schedulers[now[1].id].alive = False
+    with pytest.raises(_Stop):
+        elastic.reconfigure(engine, _plan(["g:0", "g:2", "g:3"]), _cluster())
+    assert seen[-1] == {"g:0": "cuda:0", "g:2": "cuda:2", "g:3": "cuda:1"}
     # started by a launcher (Ray): its placement, whatever this host's GPUs
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     engine.devices = {f"g:{i}": f"cuda:{i}" for i in range(3)}
@@ -289,3 +293,20 @@ def test_a_replan_that_drops_a_device_leaves_every_kept_worker_on_its_gpu(monkey
     assert seen[-1] == {"g:2": "cuda:2"}
     with pytest.raises(PlanError, match="g:3 were not placed by the launcher"):
         elastic.reconfigure(engine, _plan(["g:2", "g:3"]), _cluster())
+
+
+def test_a_stage_times_its_gpu_work_unless_its_activations_stay_on_the_device():
+    """``DeviceChannel.on_device``: only a working NCCL or IPC channel, for a message big enough to
+    take it, keeps the host from reading the activations back; there the stage does not wait for its
+    GPU to time itself (a socket, gloo or a broken channel reads them back anyway)."""
+    from types import SimpleNamespace
+
+    from hetserve.runtime.workers.device_channel import DeviceChannel, _Link
+
+    ch = DeviceChannel.__new__(DeviceChannel)
+    ch.min_bytes = 1024
+    ch.links = {p: _Link(SimpleNamespace(peer=p, kind=k)) for p, k in (("a", "nccl"), ("b", "ipc"), ("c", "gloo"))}
+    assert [ch.on_device(p, 4096) for p in ("a", "b", "c", "d")] == [True, True, False, False]
+    assert ch.on_device("a", 100) is False  # below the channel's minimum: by socket
+    ch.links["a"].broken = "timed out"
+    assert ch.on_device("a", 4096) is False

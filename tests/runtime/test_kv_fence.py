@@ -117,8 +117,9 @@ def test_a_piece_that_cannot_be_written_is_refused_so_its_request_reruns_and_lat
 
 def test_a_piece_on_a_gpu_is_written_on_the_install_stream_and_waits_for_it_not_the_device(monkeypatch):
     """A device-wide synchronize on a receiving thread waits for the step in flight and breaks a
-    CUDA graph another thread captures; the install waits for its own stream only, which first
-    waits for what the receiving thread's stream waits for (a device channel's receive)."""
+    CUDA graph another thread captures; the install waits for its own stream only. A piece already
+    on the device first waits for what the receiving thread's stream waits for (its receive); a
+    piece from the host waits for nothing (not the step in flight on that shared stream)."""
     w = _receiver()
     events = []
 
@@ -141,6 +142,14 @@ def test_a_piece_on_a_gpu_is_written_on_the_install_stream_and_waits_for_it_not_
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("DEVICE synchronized"))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "the receiving thread's stream")
-    w.install(_piece(8, [2], 1.0))
+    w.install(_piece(8, [2], 1.0))  # from the host (socket, gloo): nothing on the device to wait for
+    assert events == ["on install stream", "write", "off", "stream synchronized"]
+    events.clear()
+
+    class OnDevice(torch.Tensor):  # a device channel's piece, as the receiver sees it
+        is_cuda = True
+    piece = _piece(9, [3], 2.0)
+    piece.tensors["kv"] = piece.tensors["kv"].as_subclass(OnDevice)
+    w.install(piece)
     assert events == ["after the receiving thread's stream", "on install stream", "write", "off", "stream synchronized"]
-    assert [k for _, k, _ in w.sent] == ["kv_ready"]
+    assert [k for _, k, _ in w.sent] == ["kv_ready", "kv_ready"]

@@ -368,8 +368,8 @@ def test_worker_step_loop_outlives_a_link_error():
 @pytest.mark.parametrize("gpus,real", [(1, False), (2, True)])
 def test_plan_devices_sharing_a_gpu_get_capped_kv_pools(tmp_path, monkeypatch, gpus, real):
     """On CUDA a pool is sized to the cluster file's memory only where each plan device has a GPU of
-    its own. Two plan devices on one GPU (``cuda:{i % n}``) would each size a pool to a whole GPU's
-    memory, and two such pools do not fit on one: they are capped as on CPU."""
+    its own. Two plan devices on one GPU (more of them than the host has GPUs) would each size a pool
+    to a whole GPU's memory, and two such pools do not fit on one: they are capped as on CPU."""
     from hetserve.planner.plan import Plan
     from hetserve.runtime import engine as engine_mod
     from hetserve.runtime.model.make import make_model
@@ -396,3 +396,17 @@ def test_plan_devices_sharing_a_gpu_get_capped_kv_pools(tmp_path, monkeypatch, g
     with pytest.raises(Stop):
         engine_mod.Engine.from_plan(plan, cluster, str(model))
     assert seen == [([f"cuda:{i}" for i in range(gpus)], real)]
+
+
+def test_two_machines_run_on_one_box_share_its_gpus_and_their_pools_are_capped():
+    """A pool of two 2-GPU machines served on one 2-GPU host: m0:0 and m1:0 are one cuda:0 here. On
+    two hosts (a launcher placed them) each machine's cuda:0 is its own GPU."""
+    from hetserve.runtime.engine_config import memory_is_real
+    from hetserve.specs.cluster import cluster_from_dict
+
+    two = cluster_from_dict({"name": "two", "machines": [{"name": "m0", "gpu": "H200", "count": 2},
+                                                          {"name": "m1", "gpu": "H200", "count": 2}],
+                            "network": {"intra_site": {"bandwidth_gbps": 100, "latency_ms": 0.1}}})
+    placed = {"m0:0": "cuda:0", "m0:1": "cuda:1", "m1:0": "cuda:0", "m1:1": "cuda:1"}
+    assert memory_is_real(placed, two, True, one_host=True) is False
+    assert memory_is_real(placed, two, True, one_host=False) is True

@@ -70,7 +70,7 @@ class StepRunner:
 
     def __init__(self, model: nn.Module, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device, *, max_batch: int = 256,
-                 max_blocks: int = 256, graphs: bool = True, not_asked: str = "not asked"):
+                 max_blocks: int = 256, graphs: bool = True, off_why: str = "not asked"):
         self.model, self.kv_layers, self.block_size = model, kv_layers, block_size
         self.device = torch.device(device)
         self.buckets = buckets(max_batch)
@@ -101,7 +101,7 @@ class StepRunner:
         self._pool = None
         # what became of the graphs, for the worker's start-up report: "on...", or "off: <why>"
         # (a failed capture's why starts with CAPTURE_FAILED, as its log line does)
-        why = "no GPU" if self.device.type != "cuda" else not_asked if not graphs else f"{impl} kernels"
+        why = "no GPU" if self.device.type != "cuda" else off_why if not graphs else f"{impl} kernels"
         self.graph_note = "on" if self.graphs else f"off: {why}"
 
     def pool_written(self, slots: torch.Tensor) -> None:

@@ -148,12 +148,24 @@ class DeviceChannel:
             return dict(self.counts)
 
     # ------------------------------------------------------------------ sending
+    def on_device(self, peer: str, nbytes: int) -> bool:
+        """Whether ``nbytes`` of tensors sent to ``peer`` now stay on the device (a working NCCL or IPC
+        channel, a message big enough for it), so the host never reads them back; False where they
+        go by socket or gloo, through the host (``send`` decides the same way)."""
+        link = self.links.get(peer)
+        return self._fits(link, nbytes) and not link.broken and link.spec.kind != "gloo"
+
+    def _fits(self, link: _Link | None, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` of tensors is one for the channel ``link`` (there is one,
+        and the message is big enough to gain by it)."""
+        return link is not None and nbytes >= self.min_bytes
+
     def send(self, peer: str, msg: Message, priority: Priority = Priority.CONTROL) -> str:
         """Send ``msg``: its tensors by the pair's channel where there is one that works, else by the
         socket. Returns the path taken."""
         link = self.links.get(peer)
         nbytes = sum(t.numel() * t.element_size() for t in msg.tensors.values())
-        if link is None or not msg.tensors or nbytes < self.min_bytes:
+        if not msg.tensors or not self._fits(link, nbytes):
             return self._by_socket(peer, msg, priority, nbytes)
         with link.order:  # after a break, this waits until the resends are queued: none is overtaken
             if link.broken:

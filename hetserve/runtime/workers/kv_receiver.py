@@ -71,9 +71,11 @@ class KVReceiver:
             if self.stream is None:
                 self.pool.write(layers, heads, slots, msg.tensors["kv"])
             else:
-                # after whatever this thread's stream was made to wait for (a device channel's receive
-                # or IPC copy); the stream's temporaries are freed only after the wait below
-                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                kv = msg.tensors["kv"]
+                if kv.is_cuda:  # a device channel's piece: after what this thread's stream waits for (its
+                    # receive or IPC copy); a piece from the host (socket, gloo) waits for nothing here
+                    self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                # the stream's temporaries are freed only after the wait below
                 with torch.cuda.stream(self.stream):
                     self.pool.write(layers, heads, slots, msg.tensors["kv"])
                 self.stream.synchronize()  # the bytes are in place before the coordinator hears so

@@ -120,7 +120,7 @@ class Worker:
         max_blocks = min(cfg.num_slots // cfg.block_size, -(-self.arch.max_positions // cfg.block_size))
         return StepRunner(self.model, self.kv_layers, cfg.block_size, self.arch.hidden_size, self.dtype,
                           self.device, max_batch=cfg.max_graph_batch, max_blocks=max(1, max_blocks), graphs=graphs,
-                          not_asked=why_not)
+                          off_why=why_not)
 
     def _open_channel(self) -> DeviceChannel:
         """Device channels to the workers this one exchanges activations or KV pieces with; each
@@ -248,7 +248,9 @@ class Worker:
         else:
             # the next stage adds its own; a device channel hands the activations on without the host
             # reading them, so waiting for the GPU there would only hold the host from queueing more
-            meta.update(_spent(meta, began, self.device, wait=self.channel is None))
+            on_device = self.channel is not None and self.channel.on_device(spec.next_leader,
+                                                                            h.numel() * h.element_size())
+            meta.update(_spent(meta, began, self.device, wait=not on_device))
             self._send(spec.next_leader, Message("step", meta, {"hidden": h}), Priority(meta["priority"]))
 
     def _prompt_logprobs(self, h: torch.Tensor, seqs: list, extras: list) -> dict[str, torch.Tensor]:
@@ -289,13 +291,11 @@ class Worker:
 
 def decode_graphs(cfg: WorkerConfig, tp: bool) -> tuple[bool, str]:
     """Whether a worker captures its decode steps as CUDA graphs, and why not where it does not: a
-    captured all-reduce needs NCCL (a gloo TP group, on CPU or ranks sharing a GPU, runs eagerly);
-    a prefill replica's steps are prompts, which run eagerly, so decode buckets captured there
-    would only cost start-up time and memory (a re-plan that has it decode runs those eagerly)."""
+    captured all-reduce needs NCCL (a gloo TP group, on CPU or ranks sharing a GPU, runs eagerly).
+    A prefill replica's workers capture too: a failover or re-plan that has them decode (the last
+    decode replica gone, ``recovery.py``) then decodes at the graphs' pace."""
     if not cfg.cuda_graphs:
         return False, "not asked"
-    if cfg.spec.role == "prefill":
-        return False, "a prefill replica (prompts run eagerly)"
     if tp and cfg.backend != "nccl":
         return False, f"{TP_NOT_CAPTURED}: a {cfg.backend} all-reduce"
     return True, ""

@@ -105,12 +105,18 @@ def main() -> None:
                     results["runs"].append({"policy": policy, "rate": rate, "requests": len(reqs),
                                             "measured": measured, "simulated": sim})
                     print(f"{policy:>6} @ {rate:.1f} req/s: {len(reqs)} requests in {time.time() - t0:.1f} s; "
-                          f"TTFT {measured['ttft_s']['mean']:.3f} s, TPOT {measured['tpot_s']['mean'] * 1e3:.1f} ms",
+                          f"TTFT {_f(measured['ttft_s']['mean'], '.3f')} s, "
+                          f"TPOT {_f(measured['tpot_s']['mean'], '.1f', 1e3)} ms",
                           file=sys.stderr)
     results["wall_s"] = time.time() - t_all
     print_tables(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+def _f(v: float | None, spec: str, scale: float = 1.0) -> str:
+    """A summary figure, or "–" where no request had it (the summary's null)."""
+    return "–" if v is None else format(v * scale, spec)
 
 
 def print_tables(results: dict) -> None:
@@ -120,8 +126,8 @@ def print_tables(results: dict) -> None:
     print("|---:|---:|---|---:|---:|---:|")
     for r in runs:
         m = r["measured"]
-        print(f"| {r['rate']:.1f} | {r['requests']} | {r['policy']} | {m['ttft_s']['mean']:.3f} | "
-              f"{m['tpot_s']['mean'] * 1e3:.1f} | {m['e2e_s']['mean']:.2f} |")
+        print(f"| {r['rate']:.1f} | {r['requests']} | {r['policy']} | {_f(m['ttft_s']['mean'], '.3f')} | "
+              f"{_f(m['tpot_s']['mean'], '.1f', 1e3)} | {_f(m['e2e_s']['mean'], '.2f')} |")
     print("\nMoLink against the others (negative: MoLink lower)\n")
     print("| rate (req/s) | vs | TTFT | TPOT | E2E |")
     print("|---:|---|---:|---:|---:|")
@@ -132,15 +138,16 @@ def print_tables(results: dict) -> None:
             o = by.get((other, rate))
             if mo is None or o is None:
                 continue
-            cells = [f"{(mo[k]['mean'] / o[k]['mean'] - 1) * 100:+.1f}%" for k in ("ttft_s", "tpot_s", "e2e_s")]
+            cells = [f"{(mo[k]['mean'] / o[k]['mean'] - 1) * 100:+.1f}%" if mo[k]['mean'] and o[k]['mean'] else "–"
+                     for k in ("ttft_s", "tpot_s", "e2e_s")]
             print(f"| {rate:.1f} | {other} | " + " | ".join(cells) + " |")
     print("\nMeasured vs simulated (same plan, policy and requests)\n")
     print("| rate (req/s) | policy | TTFT meas. (s) | TTFT sim. (s) | TPOT meas. (ms) | TPOT sim. (ms) |")
     print("|---:|---|---:|---:|---:|---:|")
     for r in runs:
         m, s = r["measured"], r["simulated"]
-        print(f"| {r['rate']:.1f} | {r['policy']} | {m['ttft_s']['mean']:.3f} | {s['ttft_s']['mean']:.3f} | "
-              f"{m['tpot_s']['mean'] * 1e3:.1f} | {s['tpot_s']['mean'] * 1e3:.1f} |")
+        print(f"| {r['rate']:.1f} | {r['policy']} | {_f(m['ttft_s']['mean'], '.3f')} | {_f(s['ttft_s']['mean'], '.3f')} | "
+              f"{_f(m['tpot_s']['mean'], '.1f', 1e3)} | {_f(s['tpot_s']['mean'], '.1f', 1e3)} |")
     print(f"\nwall time {results['wall_s']:.0f} s")
 
 

@@ -29,11 +29,42 @@ WIDER_DTYPES = ("float64",)  # checkpoints the runtime loads in float32
 # torch's default dtype. The planner's reader (``ModelSpec.from_hf_config``) and the runtime's
 # (``runtime/model/config.py``) both take it from here, so the planner sizes weights, KV and
 # activations at the bytes the runtime then holds. transformers 4's ``from_pretrained`` loads such a
-# checkpoint in float32 too; transformers 5's ``dtype="auto"`` takes its weights' dtype, which a
-# config.json alone cannot tell (and a ``make-model --random-weights`` folder has no weights).
+# checkpoint in float32 too; transformers 5's ``dtype="auto"`` takes its weights' dtype: where the
+# folder holds safetensors weights both readers take theirs (``weights_dtype``) and fall back to
+# float32 only where there are none (a ``make-model --random-weights`` folder, a config file alone).
 UNNAMED_DTYPE = "float32"
+# safetensors' dtype codes of the floating-point weights a checkpoint may hold
+_SAFETENSORS_FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+_MAX_HEADER = 100 << 20  # safetensors' own bound on a file's JSON header
 # a config.json's sizes (layers, widths, heads, vocabulary, context) stay within torch's int32 indices
 MAX_DIM = 2 ** 31 - 1
+
+
+def weights_dtype(folder: str | Path) -> tuple[str, str] | None:
+    """(dtype, file) of the first floating-point tensor of the folder's safetensors weights (the
+    first shard of ``model.safetensors.index.json``, or ``model.safetensors``), read from the
+    file's header alone: the dtype transformers 5 loads a checkpoint in when its config.json names
+    none. None where there are no such weights or the header cannot be read (the loader says why)."""
+    folder = Path(folder)
+    try:
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+            file = folder / shards[0] if shards else None
+        else:
+            file = folder / "model.safetensors"
+        if file is None or not file.is_file():
+            return None
+        with file.open("rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n)) if 0 < n <= _MAX_HEADER else {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    for name, entry in header.items() if isinstance(header, dict) else ():
+        dtype = _SAFETENSORS_FLOATS.get(entry.get("dtype")) if isinstance(entry, dict) and name != "__metadata__" else None
+        if dtype:
+            return dtype, file.name
+    return None
 
 
 def served_dtype(name) -> str:
@@ -191,13 +222,16 @@ class ModelSpec:
         if named and legacy and str(named) != str(legacy):
             raise SpecError(src, "dtype", f"the dtype torch_dtype also gives ({legacy}), or one of the two only "
                             "(transformers reads dtype first)", named)
-        dtype = named or legacy or UNNAMED_DTYPE
+        found = weights_dtype(path.parent) if not (named or legacy) and path.name == "config.json" else None
+        dtype = named or legacy or (found[0] if found else UNNAMED_DTYPE)
         if str(dtype) not in (*DTYPE_BYTES, *WIDER_DTYPES):  # sized as float32 unseen otherwise
             raise SpecError(src, "dtype" if named else "torch_dtype",
                             "one of " + ", ".join((*DTYPE_BYTES, *WIDER_DTYPES)), dtype)
         served = served_dtype(dtype)
         dtype_bytes = DTYPE_BYTES[served]
-        if not (named or legacy):
+        if found:
+            dtype_from = f"no dtype in config.json: its weights' ({found[1]}), as transformers 5 loads it"
+        elif not (named or legacy):
             dtype_from = f"no dtype in config.json: {UNNAMED_DTYPE} assumed, torch's default, as the runtime loads it"
         else:
             dtype_from = f"config.json {'dtype' if named else 'torch_dtype'}" + (

@@ -47,3 +47,37 @@ def test_a_random_weights_folder_names_no_dtype_and_both_readers_agree(tmp_path)
     planned, served, runtime = _both(folder)
     assert planned.dtype == served == UNNAMED_DTYPE
     assert (planned.weight_bytes, planned.kv_bytes_per_token) == (runtime.weight_bytes, runtime.kv_bytes_per_token)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
+def test_a_config_naming_no_dtype_takes_its_weights_as_transformers_5_does(tmp_path, sharded):
+    """transformers 5 loads a checkpoint whose config.json names no dtype at its weights' dtype
+    (``dtype="auto"``); both readers read that from the safetensors header, and say so."""
+    import torch
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    tensors = {"model.embed_tokens.weight": torch.zeros(4, 4, dtype=torch.bfloat16),
+               "model.layers.0.attn.step": torch.zeros(1, dtype=torch.int64)}
+    if sharded:
+        save_file(tensors, tmp_path / "model-00001-of-00002.safetensors")
+        save_file({"lm_head.weight": torch.zeros(4, 4, dtype=torch.float16)}, tmp_path / "model-00002-of-00002.safetensors")
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+            "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    else:
+        save_file(tensors, tmp_path / "model.safetensors")
+    planned, served, runtime = _both(tmp_path)
+    assert planned.dtype == served == "bfloat16" and planned.dtype_bytes == 2
+    assert (planned.weight_bytes, planned.kv_bytes_per_token) == (runtime.weight_bytes, runtime.kv_bytes_per_token)
+    assert "its weights'" in planned.dtype_from
+    # a dtype the config names wins over the weights', as in transformers
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "torch_dtype": "float32"}))
+    planned, served, _ = _both(tmp_path)
+    assert planned.dtype == served == "float32"
+    # an unreadable header is no dtype: the unnamed rule, and the loader says what is wrong with the file
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    for f in tmp_path.glob("*.safetensors"):
+        f.write_bytes(b"\xff" * 16)
+    planned, served, _ = _both(tmp_path)
+    assert planned.dtype == served == UNNAMED_DTYPE

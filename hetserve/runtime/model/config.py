@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hetserve.errors import SpecError
-from hetserve.specs.model import DTYPE_BYTES, UNNAMED_DTYPE, served_dtype
+from hetserve.specs.model import DTYPE_BYTES, UNNAMED_DTYPE, served_dtype, weights_dtype
 
 ARCHS = ("llama", "opt")
 
@@ -67,6 +67,10 @@ class ArchConfig:
             raise SpecError(str(path), "(file)", "a Hugging Face config.json in the model directory") from None
         except json.JSONDecodeError as exc:
             raise SpecError(str(path), "(file)", "valid JSON", str(exc)) from exc
+        if isinstance(raw, dict) and not (raw.get("dtype") or raw.get("torch_dtype")):
+            found = weights_dtype(model_dir)  # the planner's rule (``ModelSpec.from_hf_config``)
+            if found:
+                raw = {**raw, "dtype": found[0]}
         return ArchConfig.from_dict(raw, str(path))
 
     @staticmethod
@@ -90,8 +94,9 @@ def _eos(raw: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _dtype(raw: dict[str, Any]) -> str:
-    """The checkpoint's dtype as the runtime holds it: ``dtype``, else the older ``torch_dtype``, else
-    ``UNNAMED_DTYPE``, by the planner's rule (``ModelSpec.from_hf_config``), so both size it alike."""
+    """The checkpoint's dtype as the runtime holds it: ``dtype``, else the older ``torch_dtype`` (else
+    its weights', which ``from_dir`` put there), else ``UNNAMED_DTYPE``, by the planner's rule
+    (``ModelSpec.from_hf_config``), so both size it alike."""
     return served_dtype(raw.get("dtype") or raw.get("torch_dtype") or UNNAMED_DTYPE)
 
 

@@ -126,6 +126,10 @@ class Replica:
     # touch it) lets ``SnapshotCache`` keep its snapshot between decisions, asking ``snapshot_clock``.
     snapshots_kept = False
 
+    def snapshot(self, waits: bool) -> ReplicaState:
+        """The aggregates a placement decision reads (no request views); ``waits``: with the waits."""
+        return self.state(False, waits)
+
     def snapshot_clock(self, waits: bool = True):
         """How this replica's snapshot depends on the clock now: ``KEEP`` (not at all), a function
         ``(snapshot) -> snapshot`` bringing a kept one up to now, or None (build it again).

@@ -19,7 +19,7 @@ from hetserve.sim.events import Priority
 from hetserve.sim.hosts import on_host, pipeline_step_beside
 from hetserve.sim.choices import prefill_batch
 from hetserve.sim.replicas.decoding import Decoding
-from hetserve.sim.replicas.snapshots import KEEP, held_until
+from hetserve.sim.replicas.snapshots import KEEP, LiveState
 
 
 class ColocatedReplica(Decoding):
@@ -270,37 +270,48 @@ class ColocatedReplica(Decoding):
 
     def snapshot_clock(self, waits: bool = True):
         # the clock enters the snapshot through the running batch (tokens made, context), a paused
-        # step (the prefill wait) and the oldest waiting prompt (its wait)
+        # step (the prefill wait) and the oldest waiting prompt (its wait); without the waits only
+        # through the batch, which a live snapshot reads when asked (``snapshot``)
         b = self.batch
         if waits:
             return KEEP if not self.waiting and not b.size and not b.active and not self._paused else None
-        if not b.active:
-            return KEEP
-        # without the waits, a running batch moves the snapshot only when an iteration completes:
-        # surely not before ``until`` (the next boundary, less far more than the batch's tolerance)
-        done = b.iterations_done(self.loop.now)
-        until = b.t0 + b.elapsed(done + 1)
-        until -= 1e-9 * max(1.0, abs(until))
+        return KEEP
 
-        def retime(snap):
-            now = self.loop.now
-            return snap if now < until or b.iterations_done(now) == done else self.state(False, False)
-        return held_until(until, retime)
+    def snapshot(self, waits: bool) -> ReplicaState:
+        """Without the waits, a snapshot whose clock-bound figures (outstanding tokens, context) are
+        worked out when a policy reads them, at that moment: it holds until the replica changes, so
+        a fleet's running batches are not re-read at every arrival, and reads what ``state`` reads."""
+        if waits:
+            return self.state(False, True)
+        return LiveState.of(self.state_fields(), self._progress)
 
-    def state(self, with_requests: bool = False, waits: bool = True) -> ReplicaState:
-        b, now = self.batch, self.loop.now
-        queued = len(self.waiting) + len(self._chunking)
-        done = b.iterations_done(now)  # asked once: the tokens made and the context both follow from it
+    def _progress(self) -> tuple[float, int]:
+        """(outstanding tokens, Σ context) now: the figures of ``state`` that move with the clock."""
+        b = self.batch
+        done = b.iterations_done(self.loop.now)  # asked once: the tokens made and the context both follow from it
         outstanding = self.queued_tokens + (max(0.0, self.pred_sum - b.generated_after(done)) if b.size
                                             else self.pred_sum)
-        context = b.context_after(done)
+        return outstanding, b.context_after(done)
+
+    def state_fields(self) -> dict:
+        """The snapshot's fields that hold until the replica changes (all but the waits and progress)."""
+        return {"id": self.id, "role": "colocated", "queued_requests": len(self.waiting) + len(self._chunking),
+                "running_requests": self.batch.size, "queued_prefill_tokens": self.queued_tokens,
+                "kv_used_tokens": int(self.kv_used), "kv_capacity_tokens": int(self.kv_capacity),
+                "requests": (), "capacity_norm": self.capacity_norm}
+
+    def state(self, with_requests: bool = False, waits: bool = True) -> ReplicaState:
+        now = self.loop.now
+        outstanding, context = self._progress()
         if waits:
             wait, age = self._prefill_wait(), now - self.req.arrival[self.waiting[0]] if self.waiting else 0.0
         else:
             wait = age = 0.0
-        return ReplicaState(self.id, "colocated", queued, b.size, self.queued_tokens, outstanding, context,
-                            int(self.kv_used), int(self.kv_capacity), self._snapshot_requests(with_requests),
-                            self.capacity_norm, wait, age)
+        f = self.state_fields()
+        return ReplicaState(f["id"], "colocated", f["queued_requests"], f["running_requests"],
+                            f["queued_prefill_tokens"], outstanding, context, f["kv_used_tokens"],
+                            f["kv_capacity_tokens"], self._snapshot_requests(with_requests), self.capacity_norm,
+                            wait, age)
 
     def _shares_cores(self) -> bool:
         """Whether this replica's workers share a host's cores (``sim.hosts`` set its ``host``)."""

@@ -2,15 +2,13 @@
 event loop as one replica uses it (``ReplicaClock``), which tells the cache whose state changed.
 
 A replica kind opts in with ``snapshots_kept`` and says, through ``snapshot_clock()``, how its
-snapshot depends on the clock: ``KEEP`` (not at all: it holds until the replica changes), a
-function bringing a kept one up to now (it may hand back the very snapshot it got: then that
-function stays filed with it; made by ``held_until``, it is not asked before a time it names), or
-None (build it again)."""
+snapshot depends on the clock: ``KEEP`` (not at all: it holds until the replica changes; a
+``LiveState`` works out its clock-bound figures when read), a function bringing a kept one up to
+now (it may hand back the very snapshot it got: then that function stays filed with it), or None
+(build it again)."""
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from typing import Any, Callable, Sequence
 
 from hetserve.policies.base import ReplicaState
@@ -62,11 +60,29 @@ def with_wait(snap: ReplicaState, wait: float) -> ReplicaState:
     return new
 
 
-def held_until(until: float, retime: Callable[[ReplicaState], ReplicaState]) -> Callable[[ReplicaState], ReplicaState]:
-    """``retime``, marked as handing back the snapshot it gets at every time before ``until``:
-    ``SnapshotCache`` does not ask it before then (a fleet's arrivals would ask every replica)."""
-    retime.until = until  # type: ignore[attr-defined]
-    return retime
+class LiveState(ReplicaState):
+    """A ``ReplicaState`` whose outstanding tokens and context are worked out when read, by
+    ``progress()`` at that moment: kept between decisions while its replica does not change, it
+    reads what a snapshot built then would hold (``ColocatedReplica.snapshot``)."""
+
+    def __new__(cls, *args, **fields):
+        # built from fields (``dataclasses.replace``): a plain snapshot of them, the figures as read
+        return ReplicaState(*args, **fields)
+
+    @staticmethod
+    def of(fields: dict, progress: Callable[[], tuple[float, int]]) -> "LiveState":
+        snap = object.__new__(LiveState)  # the fixed fields as given; the others' defaults are the class's
+        snap.__dict__.update(fields)
+        snap.__dict__["_progress"] = progress
+        return snap
+
+    @property
+    def outstanding_tokens(self) -> float:  # type: ignore[override]
+        return self._progress()[0]
+
+    @property
+    def context_tokens(self) -> int:  # type: ignore[override]
+        return self._progress()[1]
 
 
 class SnapshotCache:
@@ -84,11 +100,7 @@ class SnapshotCache:
         self._pos = {rep.index: i for i, rep in enumerate(self._reps)}
         self._dirty: set[int] = set(range(len(self._reps)))
         # kept snapshots that read the clock -> how to bring one up to now (None: build it again)
-        self._timed: dict[int, Callable[[ReplicaState], ReplicaState] | None] = {}
-        # of those, the ones asked at every decision; the others wait in ``_held`` for their time
         self._asked: dict[int, Callable[[ReplicaState], ReplicaState] | None] = {}
-        self._held: list = []  # (until, seq, index, retime)
-        self._seq = itertools.count()
         self._kept = [rep.snapshots_kept for rep in self._reps]
         for i, rep in enumerate(self._reps):
             if rep.snapshots_kept:
@@ -102,14 +114,7 @@ class SnapshotCache:
 
     def states(self) -> list[ReplicaState]:
         """Every replica's snapshot now, in the order given."""
-        reps, snaps, timed, dirty = self._reps, self._snaps, self._timed, self._dirty
-        held = self._held
-        if held:
-            now = reps[0].loop.now
-            while held and held[0][0] <= now:
-                _, _, i, how = heapq.heappop(held)
-                if timed.get(i) is how:  # still the one filed: asked from now on
-                    self._asked[i] = how
+        reps, snaps, dirty = self._reps, self._snaps, self._dirty
         for i, retime in list(self._asked.items()):
             if retime is not None and i not in dirty:
                 new = retime(snaps[i])
@@ -120,19 +125,12 @@ class SnapshotCache:
                 dirty.add(i)
         for i in dirty:
             rep = reps[i]
-            snaps[i] = rep.state(False, self._waits)
+            snaps[i] = rep.snapshot(self._waits)
             self._file(i, rep.snapshot_clock(self._waits) if self._kept[i] else None)
         dirty.clear()
         return list(snaps)  # type: ignore[arg-type]
 
     def _file(self, i: int, how) -> None:
         self._asked.pop(i, None)
-        if how is KEEP:
-            self._timed.pop(i, None)
-            return
-        self._timed[i] = how
-        until = getattr(how, "until", None)
-        if until is None:
+        if how is not KEEP:
             self._asked[i] = how
-        else:
-            heapq.heappush(self._held, (until, next(self._seq), i, how))

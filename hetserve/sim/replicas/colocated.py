@@ -283,15 +283,26 @@ class ColocatedReplica(Decoding):
         a fleet's running batches are not re-read at every arrival, and reads what ``state`` reads."""
         if waits:
             return self.state(False, True)
-        return LiveState.of(self.state_fields(), self._progress)
+        return LiveState.of(self.state_fields(), self._held_progress, lambda: self.loop.now)
 
-    def _progress(self) -> tuple[float, int]:
-        """(outstanding tokens, Σ context) now: the figures of ``state`` that move with the clock."""
+    def _progress(self) -> tuple[tuple[float, int], int]:
+        """((outstanding tokens, Σ context), iterations done) now: the figures of ``state`` that move
+        with the clock, and how many iterations of the running segment they count."""
         b = self.batch
         done = b.iterations_done(self.loop.now)  # asked once: the tokens made and the context both follow from it
         outstanding = self.queued_tokens + (max(0.0, self.pred_sum - b.generated_after(done)) if b.size
                                             else self.pred_sum)
-        return outstanding, b.context_after(done)
+        return (outstanding, b.context_after(done)), done
+
+    def _held_progress(self) -> tuple[tuple[float, int], float]:
+        """``_progress``'s figures and the time they hold until: surely not before the running batch's
+        next iteration boundary (less far more than the batch's tolerance); for ever when idle."""
+        figures, done = self._progress()
+        b = self.batch
+        if not b.active:
+            return figures, float("inf")
+        until = b.t0 + b.elapsed(done + 1)
+        return figures, until - 1e-9 * max(1.0, abs(until))
 
     def state_fields(self) -> dict:
         """The snapshot's fields that hold until the replica changes (all but the waits and progress)."""
@@ -302,7 +313,7 @@ class ColocatedReplica(Decoding):
 
     def state(self, with_requests: bool = False, waits: bool = True) -> ReplicaState:
         now = self.loop.now
-        outstanding, context = self._progress()
+        (outstanding, context), _ = self._progress()
         if waits:
             wait, age = self._prefill_wait(), now - self.req.arrival[self.waiting[0]] if self.waiting else 0.0
         else:

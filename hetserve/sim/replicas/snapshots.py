@@ -61,28 +61,37 @@ def with_wait(snap: ReplicaState, wait: float) -> ReplicaState:
 
 
 class LiveState(ReplicaState):
-    """A ``ReplicaState`` whose outstanding tokens and context are worked out when read, by
-    ``progress()`` at that moment: kept between decisions while its replica does not change, it
-    reads what a snapshot built then would hold (``ColocatedReplica.snapshot``)."""
+    """A ``ReplicaState`` whose outstanding tokens and context are worked out when read, as of that
+    moment: kept between decisions while its replica does not change, it reads what a snapshot built
+    then would hold (``ColocatedReplica.snapshot``). ``progress()`` gives the two figures and the
+    time until which they hold (the running batch's next iteration boundary), so reading them
+    again before then costs nothing."""
 
     def __new__(cls, *args, **fields):
         # built from fields (``dataclasses.replace``): a plain snapshot of them, the figures as read
         return ReplicaState(*args, **fields)
 
     @staticmethod
-    def of(fields: dict, progress: Callable[[], tuple[float, int]]) -> "LiveState":
+    def of(fields: dict, progress: Callable[[], tuple[tuple[float, int], float]],
+           clock: Callable[[], float]) -> "LiveState":
         snap = object.__new__(LiveState)  # the fixed fields as given; the others' defaults are the class's
         snap.__dict__.update(fields)
-        snap.__dict__["_progress"] = progress
+        snap.__dict__.update(_progress=progress, _clock=clock, _figures=None, _until=float("-inf"))
         return snap
+
+    def _now(self) -> tuple[float, int]:
+        d = self.__dict__
+        if d["_clock"]() >= d["_until"]:
+            d["_figures"], d["_until"] = d["_progress"]()
+        return d["_figures"]
 
     @property
     def outstanding_tokens(self) -> float:  # type: ignore[override]
-        return self._progress()[0]
+        return self._now()[0]
 
     @property
     def context_tokens(self) -> int:  # type: ignore[override]
-        return self._progress()[1]
+        return self._now()[1]
 
 
 class SnapshotCache:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hetserve.cli.main import main
+from tests.cli_errors import one_line_error
 
 CLUSTER = """\
 name: two-boxes
@@ -51,12 +52,6 @@ def export(pool, plan_name, engine, out, *extra, cluster=None):
 
 def tree(folder: Path) -> set[str]:
     return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
-
-
-def one_line_error(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    return err
 
 
 def test_a_second_bundle_into_the_same_folder_is_refused_and_force_replaces_the_first(pool, capsys):

@@ -8,6 +8,7 @@ import yaml
 
 from hetserve.cli.main import main
 from hetserve.planner.plan import Plan
+from tests.cli_errors import one_line_error
 
 from .plans import single
 from .test_cli import CLUSTER
@@ -43,8 +44,7 @@ def sim(pool, plan, *extra):
 def test_a_rate_on_arrivals_at_one_instant_is_an_error_that_says_why(pool, capsys, option):
     trace = write(pool, [(0, 100 + k, 20) for k in range(20)], "burst.csv")
     assert sim(pool, "pd.json", "--workload", trace, *option) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    err = one_line_error(capsys)
     assert f"{trace}: field 'arrivals'" in err and option[0] in err
     assert "all 20 requests arriving at one instant" in err and f"drop {option[0]}" in err
     # without the rate the burst runs, all 20 at once

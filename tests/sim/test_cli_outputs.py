@@ -9,6 +9,7 @@ import yaml
 
 from hetserve.cli.main import main
 from hetserve.planner.plan import Plan
+from tests.cli_errors import one_line_error
 
 from .plans import single
 from .test_cli import CLUSTER
@@ -36,12 +37,6 @@ def sim(pool, plan, *extra):
                  "azure-conv", "--limit", "20", "--no-progress", *extra])
 
 
-def one_line(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    return err
-
-
 def test_an_earlier_runs_rate_sweep_is_removed_and_said(pool, capsys):
     out = pool / "sw"
     assert sim(pool, "one.json", "--sweep-rates", "1,2", "-o", str(out)) == 0
@@ -64,7 +59,7 @@ def test_an_earlier_runs_rate_sweep_is_removed_and_said(pool, capsys):
 def test_two_placements_are_refused(pool, capsys, argv):
     """``--router`` is ``--placement``'s other spelling: two different values would drop one."""
     assert sim(pool, "one.json", *argv, "--json") == 2
-    err = one_line(capsys)
+    err = one_line_error(capsys)
     assert "one placement" in err and "--router is --placement's other spelling" in err
     assert f"{argv[0]} {argv[1]} and {argv[2]} {argv[3]}" in err
 
@@ -79,7 +74,7 @@ def test_detailed_pipeline_with_no_pipeline_to_detail_is_refused(pool, capsys, p
     """As ``--transmission`` with nothing on the links: an option with nothing to act on is refused,
     naming the option, the plan and why."""
     assert sim(pool, plan, "--pipeline", "detailed") == 2
-    err = one_line(capsys)
+    err = one_line_error(capsys)
     assert err.startswith("hetserve: error: --pipeline detailed") and plan in err and "drop --pipeline" in err
     assert "has none" in err
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetserve.errors import PlanError
+from hetserve.specs.cluster import machine_of
 
 # where the rules above were read: engine → (release they follow, repository@commit of the files read)
 SOURCES = {
@@ -66,8 +67,8 @@ def machine_runs(replica) -> list[tuple[str, list]]:
     [(machine, [stage, ...]), ...]; a machine may appear twice when its stages are not consecutive."""
     runs: list[tuple[str, list]] = []
     for s in replica.stages:
-        machines = {d.rpartition(":")[0] for d in s.devices}
-        m = s.devices[0].rpartition(":")[0] if len(machines) == 1 else "+".join(sorted(machines))
+        machines = {machine_of(d) for d in s.devices}
+        m = machine_of(s.devices[0]) if len(machines) == 1 else "+".join(sorted(machines))
         if runs and runs[-1][0] == m:
             runs[-1][1].append(s)
         else:

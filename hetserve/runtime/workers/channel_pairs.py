@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
+from hetserve.specs.cluster import machine_of
+
 CHANNEL_KINDS = ("gloo", "nccl", "ipc")
 
 
@@ -56,7 +58,7 @@ def _kind(a: str, dev_a: str, b: str, dev_b: str) -> str:
     if dev_a == "cpu" and dev_b == "cpu":
         return "gloo"
     if dev_a.startswith("cuda") and dev_b.startswith("cuda"):
-        if a.rpartition(":")[0] != b.rpartition(":")[0]:
+        if machine_of(a) != machine_of(b):
             return "nccl"  # GPUs of different machines: NCCL over the network
         return "ipc" if dev_a == dev_b else "nccl"
     return ""

@@ -50,7 +50,6 @@ from hetserve.runtime.workers.wire import ENGINE, Message, pack_data, unpack_dat
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 20.0  # an idle leader pings its TP group this often, well inside the group timeout
 GROUP_TIMEOUT_S = 300.0
-TP_NOT_CAPTURED = "the TP group's all-reduce cannot be captured"
 
 
 @dataclass(frozen=True)
@@ -115,7 +114,7 @@ class Worker:
     def _make_runner(self) -> StepRunner:
         cfg = self.cfg
         graphs, why_not = decode_graphs(cfg, self.tp)
-        if why_not.startswith(TP_NOT_CAPTURED) and self.device.type == "cuda":  # a slower path than planned
+        if cfg.cuda_graphs and not graphs and self.device.type == "cuda":  # a slower path than planned
             log.warning("%s: CUDA graphs off: %s", self.spec.name, why_not)
         max_blocks = min(cfg.num_slots // cfg.block_size, -(-self.arch.max_positions // cfg.block_size))
         return StepRunner(self.model, self.kv_layers, cfg.block_size, self.arch.hidden_size, self.dtype,
@@ -297,7 +296,7 @@ def decode_graphs(cfg: WorkerConfig, tp: bool) -> tuple[bool, str]:
     if not cfg.cuda_graphs:
         return False, "not asked"
     if tp and cfg.backend != "nccl":
-        return False, f"{TP_NOT_CAPTURED}: a {cfg.backend} all-reduce"
+        return False, f"the TP group's all-reduce cannot be captured: a {cfg.backend} all-reduce"
     return True, ""
 
 

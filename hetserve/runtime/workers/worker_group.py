@@ -23,6 +23,7 @@ from hetserve.runtime.workers.channel_pairs import channel_pairs
 from hetserve.runtime.workers.rendezvous import BoundStore
 from hetserve.runtime.workers.transport import Priority, SocketTransport
 from hetserve.runtime.workers.wire import ENGINE, Message
+from hetserve.specs.cluster import machine_of
 from hetserve.runtime.workers.worker import WorkerConfig
 from hetserve.runtime.workers.worker_process import worker_main
 
@@ -98,7 +99,7 @@ class WorkerGroup:
         procs: dict[str, Any] = {}
         for w in workers:
             stage = by_id[w.replica].stages[w.stage]
-            gpus = [(s.name.rpartition(":")[0], s.device) for s in stage]  # (machine, device): cuda:0 on two boxes
+            gpus = [(machine_of(s.name), s.device) for s in stage]  # (machine, device): cuda:0 on two boxes
             # NCCL needs one GPU per rank; ranks sharing a GPU (more workers than GPUs) use gloo
             backend = "nccl" if gpus[0][1].startswith("cuda") and len(set(gpus)) == len(gpus) else "gloo"
             cfg: WorkerConfig = make_config(w, store_address, backend)

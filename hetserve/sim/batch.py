@@ -137,10 +137,6 @@ class DecodeBatch:
         p = a - s / 2.0
         return (-p + math.sqrt(p * p + 2.0 * s * dt)) / s
 
-    def generated(self, now: float) -> int:
-        """Σ tokens generated so far by the running requests (their first token included)."""
-        return self.generated_after(self.iterations_done(now))
-
     def generated_after(self, done: int) -> int:
         """``generated`` once ``done`` iterations of the current segment have completed."""
         return self.size * (self.iteration + done + 1) - self.join_sum

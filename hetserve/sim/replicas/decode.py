@@ -66,7 +66,8 @@ class DecodeReplica(Decoding):
     def state(self, with_requests: bool = False, waits: bool = True) -> ReplicaState:
         b = self.batch
         queued = len(self.waiting) + self.admitted - b.size
-        outstanding = max(0.0, self.pred_sum - self._generated_sum()) if b.size else self.pred_sum
-        return ReplicaState(self.id, "decode", queued, b.size, 0, outstanding, self._context_now(),
+        done = b.iterations_done(self.loop.now)  # asked once: the tokens made and the context both follow from it
+        outstanding = max(0.0, self.pred_sum - b.generated_after(done)) if b.size else self.pred_sum
+        return ReplicaState(self.id, "decode", queued, b.size, 0, outstanding, b.context_after(done),
                             int(self.kv_used), int(self.kv_capacity),
                             self._snapshot_requests(with_requests), self.capacity_norm)

@@ -188,9 +188,6 @@ class Decoding(Replica):
         b = self.batch
         return (1.0 / b.a, b.size / b.a) if b.a > 0 and b.size > 0 else (0.0, 0.0)
 
-    def _generated_sum(self) -> float:
-        return self.batch.generated(self.loop.now)
-
     def _requests(self) -> tuple[RunningRequest, ...]:
         """Per-request views for policies that ask for them (``needs_requests``): the running batch
         (``decode_time_s`` = time since joining it, the time ATGT counts), then the requests placed
@@ -224,6 +221,3 @@ class Decoding(Replica):
 
     def _snapshot_requests(self, with_requests: bool):
         return LazyRequests(self._requests, self.loop) if with_requests else ()
-
-    def _context_now(self) -> int:
-        return self.batch.context_after(self.batch.iterations_done(self.loop.now))

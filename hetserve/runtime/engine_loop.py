@@ -226,7 +226,7 @@ class EngineLoop(Recovery, Choices):
                 now = time.monotonic()
                 info = RequestInfo(seq.id, seq.handle.arrival_time, len(seq.prompt), float(seq.params.max_tokens))
                 fit = [c.id for c in able_to_hold([states[r] for r in alive], len(seq.prompt), seq.params.max_tokens,
-                                                  self.schedulers[alive[0]].blocks.block_size, decoding=True)]
+                                                  self.schedulers[seq.replica].blocks.block_size, decoding=True)]
                 seq.dst = self.route_policy.choose(info, seq.replica, fit, states, now)
             dst = self.schedulers[seq.dst]
             tokens = dst.handoff_tokens(seq)

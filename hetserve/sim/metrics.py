@@ -236,9 +236,8 @@ class SimResult:
         written[0].write_text(json.dumps(self.summary() if summary is None else summary, indent=2) + "\n")
         self.to_csv(written[1])
         if plots:
-            from hetserve.sim.plots import plot_latency_cdfs
+            from hetserve.sim.plots import plot_latency_cdfs, simulated_title
             source = (summary or {}).get("timings", {}).get("source")  # the caller's, with its calibration
             written.append(plot_latency_cdfs({"simulated": self}, out / "latency_cdf.png",
-                                             f"simulated latency (discrete-event simulator; times from the {source})"
-                                             if source else None))
+                                             simulated_title("latency", None, source) if source else None))
         return written

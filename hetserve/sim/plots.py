@@ -18,10 +18,13 @@ def _plt():
     return plt
 
 
-def simulated_title(what: str, pricing: Mapping[str, str] | None) -> str:
-    """A simulated figure's title: what it shows, and how the cost model priced each GPU type."""
+def simulated_title(what: str, pricing: Mapping[str, str] | None, source: str | None = None) -> str:
+    """A simulated figure's title: what it shows, and where its times come from (``source``, e.g. a
+    calibration, else how the cost model priced each GPU type)."""
     from hetserve.cost.kernel_pricing import describe_pricing
 
+    if source:
+        return f"simulated {what} (discrete-event simulator; times from the {source})"
     return f"simulated {what} (discrete-event simulator; cost model" + (
         f": {describe_pricing(pricing)})" if pricing else ")")
 

@@ -205,8 +205,9 @@ def run(args: argparse.Namespace) -> int:
 
     summary = result.summary()
     # where the figures' times come from, as the table's caption says it (and a plan's estimate.pricing)
-    summary["timings"] = {"source": timings_source(args.efficiency, cost.pricing()),
-                          "calibration": args.efficiency, "pricing": cost.pricing()}
+    pricing = cost.pricing()
+    summary["timings"] = {"source": timings_source(args.efficiency, pricing), "calibration": args.efficiency,
+                          "pricing": pricing}
     if args.output:
         _remove_stale(Path(args.output), rates)
         result.save(args.output, summary=summary)

@@ -171,7 +171,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
         not a fault: another instance, or this one restarted, can serve it."""
         try:
             await collect(c, reqs, request)
-        except ServerError as exc:
+        except (ServerError, Overloaded) as exc:  # as a backend says it: a fault, or the shutdown's refusal
             if not c.draining:
                 raise
             raise Overloaded(exc.message, headers={"Retry-After": str(RETRY_AFTER_S)}) from exc

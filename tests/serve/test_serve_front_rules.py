@@ -68,6 +68,27 @@ def test_a_drains_503_is_one_warning_line_not_an_error(serve_fake, caplog):
     assert "503 overloaded" in mine[0].getMessage()
 
 
+@pytest.mark.parametrize("raised", ["ServerError", "Overloaded"])
+def test_a_plain_request_the_shutdown_ends_is_503_with_retry_after_whatever_the_backend_raises(serve_fake, raised):
+    """The engine's backend says a shutdown ended a request with ``Overloaded``, the fake with a fault:
+    either way, while draining, the answer is the server's refusal with ``Retry-After``."""
+    from hetserve.serve import errors
+
+    holder = {}
+
+    class EndedByShutdown(FakeBackend):
+        async def generate(self, request_id, prompt_token_ids, params, replica=None, *, share_with=None):
+            holder["coord"].draining = True  # the shutdown began while this request ran
+            raise getattr(errors, raised)("ended by a second signal")
+            yield  # an async generator, as a backend's generate is
+
+    url, _, coord = serve_fake(EndedByShutdown())
+    holder["coord"] = coord
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text
+    assert r.headers["retry-after"]
+
+
 @pytest.mark.parametrize("ctype", [None, "text/plain", "application/x-www-form-urlencoded"])
 def test_a_json_body_is_read_whatever_its_content_type(serve_fake, ctype):
     url, _, _ = serve_fake()

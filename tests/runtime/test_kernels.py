@@ -269,6 +269,21 @@ def test_a_build_removes_this_checkouts_earlier_builds_and_those_of_deleted_chec
     assert {k for k, f in folders.items() if f.exists()} == {"current", "live", "foreign", "building"}
 
 
+def test_this_checkouts_build_for_another_cpu_is_kept(tmp_path):
+    """A home folder shared by machines of different CPUs keeps one build per CPU (-march=native):
+    each machine removes only its own earlier builds, not the other's."""
+    here = str(native.UNIT.resolve())
+    owners = {"current": f"{here}\n{native._cpu_tag()}", "earlier": f"{here}\n{native._cpu_tag()}",
+              "other-cpu": f"{here}\n0123456789ab"}
+    folders = {}
+    for key, owner in owners.items():
+        folders[key] = tmp_path / f"{native.NAME}_{key}"
+        folders[key].mkdir()
+        (folders[key] / native.OWNER).write_text(owner)
+    assert native.remove_stale_builds(folders["current"]) == [folders["earlier"]]
+    assert folders["other-cpu"].exists()
+
+
 def test_impl_choice(monkeypatch):
     with pytest.raises(ValueError, match="'triton', 'native', 'torch'"):
         kernels.resolve_impl("cuda", torch.device("cpu"))

@@ -37,6 +37,7 @@ SOURCES = [CSRC / name for name in ("paged_decode_cpu.cpp", "layer_ops_cpu.cpp")
 ENV = "HETSERVE_NATIVE_KERNELS"
 NAME = "hetserve_cpu_kernels"
 OWNER = "hetserve-checkout"  # a build folder's file naming the source it was built from
+BUILD_LOCK = "hetserve-build.lock"  # the OS lock builders and removers take on a build folder
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 
 
@@ -69,6 +70,11 @@ def build_name() -> str:
     return f"{NAME}_{h.hexdigest()[:12]}"
 
 
+def _cpu_tag() -> str:
+    """A short name of the CPU a build is for (its owner file keeps it)."""
+    return hashlib.sha256(_cpu_model().encode()).hexdigest()[:12]
+
+
 def _cpu_model() -> str:
     """The CPU's name and instruction-set flags (its first core's), which -march=native compiles for."""
     try:
@@ -90,7 +96,7 @@ def _build() -> None:
 
     name = build_name()
     build_dir = Path(cpp_extension._get_build_directory(name, False))
-    with open(build_dir / "hetserve-build.lock", "w") as held:
+    with open(build_dir / BUILD_LOCK, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         stale = build_dir / "lock"
         if stale.exists():
@@ -98,30 +104,33 @@ def _build() -> None:
             stale.unlink()
         cpp_extension.load(name=name, sources=[str(UNIT)], is_python_module=False, build_directory=str(build_dir),
                            extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
-        (build_dir / OWNER).write_text(str(UNIT.resolve()))
+        (build_dir / OWNER).write_text(f"{UNIT.resolve()}\n{_cpu_tag()}")
     remove_stale_builds(build_dir)
 
 
 def remove_stale_builds(build_dir: Path) -> list[Path]:
     """Remove the build folders beside ``build_dir`` that no checkout will load again: those built
     from this checkout's source path (an earlier version: every version has a folder of its own,
-    ``build_name``) and those whose source is gone (a deleted checkout). Folders without an owner
+    ``build_name``; but not one built for another CPU, on a machine sharing this home folder) and
+    those whose source is gone (a deleted checkout). Folders without an owner
     file are not hetserve's to judge; a folder whose builder holds its lock is left for later.
     A process that loaded a removed build keeps running: the library stays mapped."""
-    here = str(UNIT.resolve())
+    here, cpu = str(UNIT.resolve()), _cpu_tag()
     removed = []
     for other in build_dir.parent.glob(f"{NAME}_*"):
         owner = other / OWNER
         if other == build_dir or not owner.is_file():
             continue
         try:
-            source = owner.read_text().strip()
+            source, _, built_for = owner.read_text().strip().partition("\n")
         except OSError:
             continue
         if source != here and os.path.exists(source):
             continue
+        if source == here and built_for and built_for != cpu:
+            continue  # this checkout's build for another machine's CPU (a home folder they share)
         try:
-            with open(other / "hetserve-build.lock", "a") as held:
+            with open(other / BUILD_LOCK, "a") as held:
                 fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 shutil.rmtree(other)
         except OSError:  # being built right now, or not ours to remove

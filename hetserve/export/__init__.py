@@ -35,12 +35,15 @@ def build_bundle(plan, cluster, engine: str, model_path: str, num_layers: int,
 
 
 def export_bundle(plan, cluster, engine: str, out_dir: str | Path, model_path: str, num_layers: int,
-                  cluster_path: str | None = None, ray_port: int = RAY_PORT, replace: bool = False) -> list[Path]:
+                  cluster_path: str | None = None, ray_port: int = RAY_PORT, replace: bool = False,
+                  earlier: list[Path] | None = None) -> list[Path]:
     """Write ``plan``'s bundle for ``engine`` into ``out_dir``, new or empty (``replace``: or holding
     only an earlier bundle, removed once the new one is built; ``folder.py``); the cluster file is
-    copied beside it (a hetserve bundle's ``hetserve serve`` reads it). Returns the paths written,
+    copied beside it (a hetserve bundle's ``hetserve serve`` reads it). ``earlier``: the folder's
+    check, where the caller made it already (``check_bundle_folder``). Returns the paths written,
     the manifest ``bundle.json`` last."""
-    earlier = check_bundle_folder(out_dir, replace)
+    if earlier is None:
+        earlier = check_bundle_folder(out_dir, replace)
     ref = "cluster.yaml" if cluster_path else cluster.name
     b = build_bundle(plan, cluster, engine, model_path, num_layers, cluster_ref=ref, ray_port=ray_port)
     # read before the earlier bundle goes: the cluster file may be that bundle's own cluster.yaml

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     checkpoint = (str(Path(args.model).resolve()) if local else str(named.resolve()) if named is not None
                   else args.model or plan.model)
     written = export_bundle(plan, cluster, args.to, args.output, checkpoint, model.num_layers,
-                            cluster_path=cluster_path, ray_port=args.ray_port, replace=args.force)
+                            cluster_path=cluster_path, ray_port=args.ray_port, replace=args.force, earlier=earlier)
     if earlier:
         print(f"removed the earlier bundle's {len(earlier)} files from {args.output} (its bundle.json lists them)")
     print(f"wrote {len(written)} files to {args.output}: " + ", ".join(

@@ -299,14 +299,22 @@ class Coordinator:
             await asyncio.sleep(poll_s)
         cut = self.in_flight
         if cut:
-            fail_all = getattr(self.backend, "fail_all", None)
-            if fail_all is not None:
-                fail_all(f"the server is shutting down: the request did not finish within the drain timeout "
-                         f"({timeout_s:g} s)")
-            end = self.clock() + 5.0  # let the streams write their error event and [DONE]
-            while self.in_flight and self.clock() < end:
-                await asyncio.sleep(poll_s)
+            await self.end_now(f"the server is shutting down: the request did not finish within the drain "
+                               f"timeout ({timeout_s:g} s)", poll_s=poll_s)
         return cut
+
+    async def end_now(self, reason: str, grace_s: float = 5.0, poll_s: float = 0.05) -> None:
+        """Admit nothing new and end every request in flight with ``reason`` (the backend fails what it
+        holds), then wait up to ``grace_s`` for their streams to write the error event and [DONE]."""
+        import asyncio
+
+        self.draining = True
+        fail_all = getattr(self.backend, "fail_all", None)
+        if fail_all is not None:
+            fail_all(reason)
+        end = self.clock() + grace_s
+        while self.in_flight and self.clock() < end:
+            await asyncio.sleep(poll_s)
 
     def reject(self, endpoint: str, outcome: str = "rejected") -> None:
         self.metrics.requests.labels(endpoint, outcome).inc()

@@ -112,13 +112,7 @@ def _draining_server(config, coordinator, drain_timeout_s: float):
         async def _stop_now(self):
             log.warning("second signal: ending %d request(s) in flight now with an error, then stopping "
                         "(a third signal stops without waiting)", coordinator.in_flight)
-            coordinator.draining = True
-            fail_all = getattr(coordinator.backend, "fail_all", None)
-            if fail_all is not None:
-                fail_all(SECOND_SIGNAL_REASON)
-            deadline = self._loop.time() + STOP_GRACE_S
-            while coordinator.in_flight and self._loop.time() < deadline:
-                await asyncio.sleep(0.02)
+            await coordinator.end_now(SECOND_SIGNAL_REASON, grace_s=STOP_GRACE_S, poll_s=0.02)
             self.should_exit = True
 
         async def _drain(self):

@@ -98,7 +98,11 @@ def _cluster_data(cluster_arg: str) -> dict | None:
     return None if "matrix" in data and data.get("matrix") else data
 
 
-def _variants(data: dict, plan) -> list[tuple[str, dict]]:
+NEW_GPU_IDLE, WIDER_LINK = "current plan, the new GPU idle", "current plan over the wider link"
+
+
+def _variants(data: dict, plan) -> list[tuple[str, dict, str]]:
+    """(label, the edited cluster file, what the current plan on it is called) per what-if."""
     out = []
     seen = set()
     for m in data["machines"]:
@@ -109,7 +113,7 @@ def _variants(data: dict, plan) -> list[tuple[str, dict]]:
         for mm in d["machines"]:
             if mm["name"] == m["name"]:
                 mm["count"] = int(mm.get("count", 1)) + 1
-        out.append((f"+1 {m['gpu']} (on {m['name']})", d))
+        out.append((f"+1 {m['gpu']} (on {m['name']})", d, NEW_GPU_IDLE))
     network = plan.estimate.get("network") or {}
     if network:
         name, v = next(iter(network.items()))
@@ -132,7 +136,7 @@ def _variants(data: dict, plan) -> list[tuple[str, dict]]:
         else:
             d = None
         if d is not None:
-            out.append((f"2× {name} ({v['capacity_gbps']:.3g} → {double:.3g} Gbit/s)", d))
+            out.append((f"2× {name} ({v['capacity_gbps']:.3g} → {double:.3g} Gbit/s)", d, WIDER_LINK))
     return out
 
 
@@ -156,10 +160,6 @@ class WhatIf(NamedTuple):
     note: str = ""  # why the re-plan failed, where it did
 
 
-def _current_source(label: str) -> str:
-    return "current plan, the new GPU idle" if label.startswith("+1 ") else "current plan over the wider link"
-
-
 def what_ifs(plan, cluster_arg: str, model, workload, options, fn, on_variant=None) -> list[WhatIf]:
     """A ``WhatIf`` per variant of the cluster file (see the module docstring).
     ``on_variant(i, n, label)`` is called before each of the ``n`` re-plans: on a big pool each takes
@@ -170,7 +170,7 @@ def what_ifs(plan, cluster_arg: str, model, workload, options, fn, on_variant=No
     quick = dataclasses.replace(options, restarts=WHAT_IF_RESTARTS, progress=None)
     rows = []
     variants = _variants(data, plan)
-    for i, (label, d) in enumerate(variants):
+    for i, (label, d, as_is) in enumerate(variants):
         if on_variant is not None:
             on_variant(i, len(variants), label)
         try:
@@ -184,13 +184,13 @@ def what_ifs(plan, cluster_arg: str, model, workload, options, fn, on_variant=No
             # own, took het1's what-ifs a minute each past the limit)
             e = fn(edited, model, workload, quick).estimate
         except (InfeasibleError, PlanError, SpecError) as exc:  # reported, not fatal
-            rows.append(WhatIf(label, current, 0.0, False, _current_source(label), f"re-plan failed: {exc}"))
+            rows.append(WhatIf(label, current, 0.0, False, as_is, f"re-plan failed: {exc}"))
             continue
         replanned = e["throughput_tokens_per_s"]
         # a plan's estimate keeps 3 decimals: a re-plan within that rounding is the same value, and
         # the current plan's (unrounded, no search in it) is the one reported
         better, source = ((replanned, "re-planned") if replanned > current + 1e-3
-                          else (current, _current_source(label)))
+                          else (current, as_is))
         rows.append(WhatIf(label, better, e["upper_bound_tokens_per_s"], bool(e.get("upper_bound_cut_short")),
                            source))
     return rows

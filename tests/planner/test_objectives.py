@@ -127,7 +127,7 @@ def test_explain_names_the_cut_and_builds_what_ifs(case_study, llama70b, azure):
                                       {"name": "a0", "gpu": "A100-SXM-80G", "count": 4, "site": "b"}],
             "network": {"inter_site": {"bandwidth_gbps": 3, "latency_ms": 15}}}
     fake = type("P", (), {"estimate": {"network": {"pipe:a>b": {"capacity_gbps": 3.0}}}})()
-    rows = dict(_variants(data, fake))
+    rows = {label: d for label, d, _ in _variants(data, fake)}
     assert rows["+1 H100-SXM-80G (on h0)"]["machines"][0]["count"] == 5
     link = rows["2× pipe:a>b (3 → 6 Gbit/s)"]["network"]["links"][-1]
     assert link["between"] == ["a", "b"] and link["bandwidth_gbps"] == 6.0

@@ -45,6 +45,11 @@ class _OnePlacement(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def placement_given(args: argparse.Namespace) -> bool:
+    """Whether the command line named a placement (``--placement`` or ``--router``)."""
+    return getattr(args, "_placement_given", None) is not None
+
+
 def transmission_of(args: argparse.Namespace) -> str:
     """The link scheduling ``args`` name, or the default."""
     return args.transmission or DEFAULT_TRANSMISSION

@@ -18,7 +18,7 @@ import signal
 import time
 
 from hetserve.cli.http_options import add_key_options, bind, check_host, key_options
-from hetserve.cli.policy_options import add_policy_options, route_of, transmission_of
+from hetserve.cli.policy_options import add_policy_options, placement_given, route_of, transmission_of
 from hetserve.runtime.workers import DEVICE_CHANNELS
 from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
 
@@ -302,7 +302,7 @@ def policies_line(args: argparse.Namespace, plan) -> str:
     def one(what: str, value: str, given: bool) -> str:
         return f"{what} {value}" + ("" if given else " (default)")
 
-    parts = [one("placement", args.placement, getattr(args, "_placement_given", None) is not None)]
+    parts = [one("placement", args.placement, placement_given(args))]
     if any(r.role == "prefill" for r in plan.replicas):
         parts.append(one("KV route", route_of(args), args.route is not None))
     parts.append(one("transmission", transmission_of(args), args.transmission is not None))

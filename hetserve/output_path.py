@@ -46,11 +46,13 @@ def check_output_folder(path: str, flag: str) -> None:
         raise SpecError(path, flag, "a folder that can be made", f"{above} is a file")
 
 
-def holding(folder: str | Path, names: list[str] | None = None, shown: int = 3) -> str:
+def holding(folder: str | Path, names: list[str] | None = None, shown: int = 3, also: bool = False) -> str:
     """"a folder holding a, b, c … (N in all)": the first ``shown`` of ``names`` (default: the folder's
-    entries), for a refusal that says what is in the way of a command writing there."""
+    entries), for a refusal that says what is in the way of a command writing there (``also``: beside
+    what the command may replace, "a folder also holding …")."""
     names = sorted(names if names is not None else (p.name for p in Path(folder).iterdir()))
-    return "a folder holding " + ", ".join(names[:shown]) + (f" … ({len(names)} in all)" if len(names) > shown else "")
+    return (f"a folder {'also ' if also else ''}holding " + ", ".join(names[:shown])
+            + (f" … ({len(names)} in all)" if len(names) > shown else ""))
 
 
 def check_distinct(outputs: dict[str, str | None], inputs: dict[str, str | None]) -> None:

@@ -74,7 +74,7 @@ def check_bundle_folder(out_dir: str | Path, replace: bool) -> list[Path]:
     if others:
         raise SpecError(str(out_dir), FLAG, f"with {REPLACE}, a folder holding only an earlier hetserve bundle "
                         f"({REPLACE} removes only the files its {MANIFEST} lists; move the others away)",
-                        holding(out, others).replace("a folder holding", "a folder also holding"))
+                        holding(out, others, also=True))
     return bundle + [out / MANIFEST]
 
 

@@ -211,24 +211,39 @@ def other_cores_busy(own: dict[str, float], machine_before: float | None, machin
 
 
 def print_steps(served: dict, simulated: dict, console=None) -> None:
+    """The served and simulated engine steps per replica and step kind, as two tables (counts, then
+    times) narrow enough for a piped, 80-column console; "–": not measured for that row or side."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
-    t = Table(title="engine steps: served (coordinator clock) vs simulated")
-    for header in ("replica · step", "served steps", "sim steps", "decodes served / sim", "prompt tok served / sim",
-                   "step ms served / sim", "worker ms (its CPU), served", "cost model ms (served batches)",
-                   "token ms served / sim"):
-        t.add_column(header, overflow="fold")  # a narrow (piped: 80 columns) console wraps figures, never cuts them
-    for key in sorted(set(served) | set(simulated)):
-        a, b = served.get(key, {}), simulated.get(key, {})
+    keys = sorted(set(served) | set(simulated))
 
-        def g(d: dict, k: str, digits: int) -> str:  # "–": not measured for this row (or this side)
-            x = d.get(k, float("nan"))
-            return "–" if x != x else f"{x:.{digits}f}"
-        t.add_row(key, g(a, "steps", 0), g(b, "steps", 0), f"{g(a, 'decodes', 1)} / {g(b, 'decodes', 1)}",
-                  f"{g(a, 'prompt_tokens', 0)} / {g(b, 'prompt_tokens', 0)}",
-                  f"{g(a, 'step_ms', 2)} / {g(b, 'step_ms', 2)}", f"{g(a, 'worker_ms', 2)} ({g(a, 'worker_cpu_ms', 2)})",
-                  g(a, "model_ms", 2),
-                  f"{g(a, 'token_ms', 2)} / {g(b, 'token_ms', 2)}")
-    console.print(t)
+    def g(d: dict, k: str, digits: int) -> str:
+        x = d.get(k, float("nan"))
+        return "–" if x != x else f"{x:.{digits}f}"
+
+    def table(title: str, headers: tuple[str, ...]) -> Table:
+        # figures are never cut: the row's name folds first, then the headers (two words each)
+        t = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, title_justify="left")
+        t.add_column("replica · step", overflow="fold", ratio=1)
+        for h in headers:
+            t.add_column(h, justify="right", no_wrap=True, min_width=max(len(w) for w in h.split()))
+        return t
+
+    counts = table("engine steps: served (coordinator clock) vs simulated",
+                   ("steps\nserved", "steps\nsim", "decodes\nserved", "decodes\nsim", "prompt\nserved", "prompt\nsim"))
+    times = table("engine step times, ms: served vs simulated",
+                  ("step\nserved", "step\nsim", "worker", "worker\nCPU", "cost\nmodel", "token\nserved", "token\nsim"))
+    for key in keys:
+        a, b = served.get(key, {}), simulated.get(key, {})
+        counts.add_row(key, g(a, "steps", 0), g(b, "steps", 0), g(a, "decodes", 1), g(b, "decodes", 1),
+                       g(a, "prompt_tokens", 0), g(b, "prompt_tokens", 0))
+        times.add_row(key, g(a, "step_ms", 2), g(b, "step_ms", 2), g(a, "worker_ms", 2), g(a, "worker_cpu_ms", 2),
+                      g(a, "model_ms", 2), g(a, "token_ms", 2), g(b, "token_ms", 2))
+    console.print(counts)
+    console.print()
+    console.print(times)
+    console.print("worker: the workers' own time for a step, and their CPU time in it; cost model: the simulator's "
+                  "time for the served batches; prompt: prompt tokens")

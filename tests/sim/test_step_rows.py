@@ -307,3 +307,20 @@ def test_predict_occupancy_splits_requests_by_what_was_in_flight_at_their_arriva
     other = {"idle": (3, 0.1, 0.12), "1 in flight": (1, 0.2, 0.24)}  # level 1.2, shape 1.0
     assert shape([split, other]) == pytest.approx(1.1 ** 0.5)
     assert shape([{"idle": (3, 0.1, 0.12)}]) is None
+
+
+def test_the_step_tables_print_every_figure_whole_on_an_80_column_console():
+    """``compare`` is often piped (80 columns): no figure or header is cut to an ellipsis."""
+    from rich.console import Console
+
+    from hetserve.calibration.step_compare import print_steps
+
+    served = {"c12 mixed": dict(steps=342, decodes=7.3, prompt_tokens=15340, step_ms=1023.41, worker_ms=1020.1,
+                                worker_cpu_ms=1018.2, model_ms=1021.3, token_ms=11.15)}
+    simulated = {"c12 mixed": dict(steps=3400, decodes=7.4, prompt_tokens=15340, step_ms=1008.01, token_ms=10.09)}
+    console = Console(width=80, record=True)
+    print_steps(served, simulated, console)
+    text = console.export_text()
+    assert "…" not in text
+    for figure in ("342", "3400", "15340", "1023.41", "1008.01", "1020.10", "1018.20", "1021.30", "11.15", "10.09"):
+        assert figure in text

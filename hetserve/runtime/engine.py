@@ -41,6 +41,8 @@ from hetserve.runtime.engine_config import (EngineConfig, KVPool, check_dtype, k
                                             memory_is_real, scheduler_for, worker_threads)
 from hetserve.runtime.handle import RequestHandle
 from hetserve.runtime.kernels import native
+from hetserve.runtime.links.network import LinkStats
+from hetserve.runtime.links.reports import LinkReports, process_link_stats
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.model.config import ArchConfig
 from hetserve.runtime.model.loader import check_weights
@@ -154,6 +156,9 @@ class Engine:
         self.transport = SocketTransport(ENGINE, self.security, host=config.host or LOOPBACK,
                                          scheduler_factory=link_scheduler, shaper=shaper)
         self.workers = WorkerGroup(layout, self.transport, config.start_timeout_s, config.device_channel)
+        # each worker's link counters, taken off the wire as they arrive (never reach the loop)
+        self.link_reports = LinkReports(lambda: self.workers.procs)
+        self.transport.on_message = self.link_reports.handle
         self.loop = EngineLoop(layout, self.schedulers, self.transport, self.workers, route_policy,
                                        heartbeat_timeout_s=config.heartbeat_timeout_s, max_reruns=config.max_reruns)
         self._ids = itertools.count(1)
@@ -183,6 +188,13 @@ class Engine:
         """Per worker with device channels, which path its transfers took and what failed
         (``DeviceChannel.stats``), as of its latest heartbeat."""
         return {worker: dict(counts) for worker, counts in list(self.loop.channels.items())}
+
+    def link_stats(self) -> list[LinkStats]:
+        """Link counters per (src, dst) device pair, summed over every process that sends: each
+        worker's as of its latest report (one beside each heartbeat), this process's now. A dead
+        worker's last counters stay counted; nothing here waits on a worker."""
+        live = [n for n in list(self.workers.procs) if n not in self.workers.dead]
+        return self.link_reports.merged(process_link_stats(self._link_scheduler), live)
 
     @property
     def procs(self) -> dict[str, Any]:

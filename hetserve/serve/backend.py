@@ -16,7 +16,8 @@ an adapter.
                                Synchronous and non-blocking: it is called from ``finally`` blocks of
                                cancelled tasks (a client that went away), where nothing may be awaited
     replicas() -> [ReplicaState]   a snapshot for the placement policy and the metrics
-    link_stats() -> [LinkStats]    bytes / queueing per shaped link (empty when links are not shaped)
+    link_stats() -> [LinkStats]    bytes / queueing per device-pair link, every sending process's summed
+                                   (empty where the engine has no link hook)
     refused_connections() -> {reason: n}   connections the runtime's endpoints closed unread (docs/security.md)
     max_context                    the model's context length (prompt + output tokens)
     vocab_size, block_size         optional: the vocabulary (token ids are checked against it) and the

@@ -3,7 +3,7 @@
 Passes the server's ``SamplingParams`` to the engine, streams the engine's
 ``RequestHandle`` asynchronously, hands the engine's per-replica snapshots
 (``hetserve.runtime.snapshot``) to the placement policies as ``ReplicaState``, and reads link counters from the
-``LinkSchedulerFactory`` the engine was started with.
+engine (``Engine.link_stats``: every worker's, as reported over the transport, and this process's).
 
 Engine errors are mapped once, here: a ``ValueError`` from ``submit`` (prompt outside the
 vocabulary or the context) and an ``InfeasibleError`` (KV can never fit) become ``InvalidRequest``;
@@ -28,7 +28,7 @@ from hetserve.serve.errors import InvalidRequest, Overloaded, ServerError, Unava
 class EngineBackend:
     def __init__(self, engine, links=None):
         self.engine = engine
-        self.links = links  # LinkSchedulerFactory or None
+        self.links = links  # the LinkSchedulerFactory the engine was started with (closed with it), or None
         self.max_context = int(engine.arch.max_positions)
         self.vocab_size = int(engine.arch.vocab_size)
         self.block_size = int(engine.config.block_size)
@@ -90,7 +90,7 @@ class EngineBackend:
         self.engine.fail_all(reason)
 
     def link_stats(self) -> list:
-        return self.links.read_stats() if self.links is not None else []
+        return self.engine.link_stats()
 
     def refused_connections(self) -> dict[str, int]:
         return self.engine.refused_connections()

@@ -12,8 +12,6 @@ context the simulator builds, with the same defaults, so a name means the same d
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -97,10 +95,9 @@ class ServeOptions:
 class Deployment:
     """Everything one server owns; ``close()`` stops the engine, the workers and the links."""
 
-    def __init__(self, opts: ServeOptions, plan, cluster, engine, links, coordinator, app, stats_dir: str,
-                 ray_session=None):
+    def __init__(self, opts: ServeOptions, plan, cluster, engine, links, coordinator, app, ray_session=None):
         self.opts, self.plan, self.cluster, self.engine, self.links = opts, plan, cluster, engine, links
-        self.coordinator, self.app, self.stats_dir, self.ray_session = coordinator, app, stats_dir, ray_session
+        self.coordinator, self.app, self.ray_session = coordinator, app, ray_session
         self._closed = False
 
     def close(self) -> None:
@@ -115,7 +112,6 @@ class Deployment:
             self.links.close()
             if self.ray_session is not None:
                 self.ray_session.close()
-            shutil.rmtree(self.stats_dir, ignore_errors=True)
 
 
 def _load(opts: ServeOptions):
@@ -179,9 +175,7 @@ def build(opts: ServeOptions) -> Deployment:
     placement = make_placement(opts.placement, ctx)
     routes = PlanRoutes(plan, make_route(opts.route, ctx))
     codec_future = _load_in_background(HFCodec.from_dir, opts.model_dir)
-    stats_dir = tempfile.mkdtemp(prefix="hetserve-links-")
-    links = LinkSchedulerFactory(cluster, opts.transmission, shape=opts.shape_links, time_scale=opts.time_scale,
-                                 stats_dir=stats_dir)
+    links = LinkSchedulerFactory(cluster, opts.transmission, shape=opts.shape_links, time_scale=opts.time_scale)
     config = EngineConfig(**{"max_num_seqs": opts.max_num_seqs, "max_batched_tokens": opts.max_batched_tokens,
                              "kv_capacity_tokens": opts.kv_capacity_tokens, "micro_batches": opts.micro_batches,
                              "host": opts.advertise_address, **opts.engine_options})
@@ -204,7 +198,6 @@ def build(opts: ServeOptions) -> Deployment:
         links.close()
         if ray_session is not None:
             ray_session.close()
-        shutil.rmtree(stats_dir, ignore_errors=True)
         raise
     backend = EngineBackend(engine, links)
     name = opts.model_name or Path(opts.model_dir).resolve().name
@@ -217,7 +210,7 @@ def build(opts: ServeOptions) -> Deployment:
     auth = auth_of(opts)
     coordinator.admin_replan = bool(auth.admin_keys)
     app = create_app(coordinator, auth=auth, max_body_bytes=opts.max_body_bytes)
-    return Deployment(opts, plan, cluster, engine, links, coordinator, app, stats_dir, ray_session)
+    return Deployment(opts, plan, cluster, engine, links, coordinator, app, ray_session)
 
 
 def auth_of(opts: ServeOptions):

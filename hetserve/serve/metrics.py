@@ -23,7 +23,9 @@ scrapes.
     hetserve_link_messages_total{src,dst,kind}       counter
     hetserve_link_queueing_seconds_total{src,dst,kind} counter  (Σ time from enqueue to first byte)
     hetserve_link_busy_seconds_total{src,dst}        counter
-    hetserve_link_pending_bytes{src,dst}             gauge
+    hetserve_link_pending_bytes{src,dst}             gauge    (link series: every sending process's counters,
+                                                        each worker's as of its latest report beside its
+                                                        heartbeat, wherever it runs: Engine.link_stats)
     hetserve_device_channel_total{worker,count}      counter  (a worker's device-channel counts as of its
                                                         latest heartbeat: transfers and bytes by path,
                                                         resent, refused, failed; runtime/workers/device_channel.py)

@@ -154,7 +154,7 @@ def test_link_network_uses_the_cluster_pair_and_counts_unshaped_links():
         LinkNetwork(cluster, policy="nope")
 
 
-def test_transport_hook_reorders_by_class_over_real_sockets(tmp_path):
+def test_transport_hook_reorders_by_class_over_real_sockets():
     """The engine's SocketTransport with the picklable factory in its ``scheduler_factory`` hook."""
     import pickle
 
@@ -168,8 +168,7 @@ def test_transport_hook_reorders_by_class_over_real_sockets(tmp_path):
     orders = {}
     for policy in ("serial", "molink"):
         # 400 Mbit/s, 7.5 ms; a copy through pickle, as a worker process gets it
-        factory = pickle.loads(pickle.dumps(LinkSchedulerFactory(cluster, policy, time_scale=4.0,
-                                                                 stats_dir=str(tmp_path), stats_every_s=0.05)))
+        factory = pickle.loads(pickle.dumps(LinkSchedulerFactory(cluster, policy, time_scale=4.0)))
         a = SocketTransport("pc0:0", security, scheduler_factory=factory)
         b = SocketTransport("pc1:0", security, scheduler_factory=factory)
         try:
@@ -179,7 +178,7 @@ def test_transport_hook_reorders_by_class_over_real_sockets(tmp_path):
             got = [b.recv(timeout=10) for _ in range(2)]
             assert all(m is not None for m in got)
             orders[policy] = [m.meta["tag"] for m in got]
-            st = {(s.src, s.dst): s for s in factory.read_stats()}[("pc0:0", "pc1:0")]
+            st = {(s.src, s.dst): s for s in factory.process_stats()}[("pc0:0", "pc1:0")]
             assert st.bytes_sent["prefill"] > 1e6 and st.messages["decode"] == 1
         finally:
             a.close()

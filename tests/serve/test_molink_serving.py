@@ -52,7 +52,7 @@ def test_molink_gives_lower_mean_tpot_than_fifo_on_shaped_links(tmp_path):
                             transmission=policy)
         with start_server(opts) as srv:
             results = replay(srv.url, "mid", load)
-            links = srv.deployment.links.read_stats()
+            links = srv.deployment.engine.link_stats()
         assert all(r.error is None for r in results), [r.error for r in results if r.error]
         assert [r.output_tokens for r in results] == [r.max_tokens for r in load]
         summaries[policy] = summarize(results)

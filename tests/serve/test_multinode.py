@@ -199,17 +199,16 @@ def reference(model):
 
 
 @pytest.fixture(scope="module")
-def shapes_engine(pool, model, tmp_path_factory):
+def shapes_engine(pool, model):
     """The two plan shapes in one engine, over shaped links with MoLink scheduling (as ``serve
-    --transmission molink --shape-links``); link counters land in a folder every node can reach here."""
+    --transmission molink --shape-links``); each node's workers report their link counters over the transport."""
     from hetserve.planner.plan import Plan
     from hetserve.runtime.engine_config import EngineConfig
     from hetserve.runtime.links.factory import LinkSchedulerFactory
     from hetserve.runtime.workers.ray_backend import start_ray_engine
 
     before = _listeners(os.getpid())  # the driver's own Ray sockets
-    links = LinkSchedulerFactory(pool.cluster, "molink", shape=True,
-                                 stats_dir=str(tmp_path_factory.mktemp("link-stats")))
+    links = LinkSchedulerFactory(pool.cluster, "molink", shape=True)
     engine = start_ray_engine(Plan.from_dict(SHAPES_PLAN), pool.cluster, model, EngineConfig(kv_capacity_tokens=1024),
                               link_scheduler=links)
     engine.driver_ray_listeners, engine.links = before, links
@@ -235,7 +234,7 @@ def test_plan_shapes_across_three_nodes_match_transformers(shapes_engine, refere
     kind, src, dst = ("kv", "m0:0", "m1:0") if replica == "p0" else ("prefill", "m0:1", "m2:1")
 
     def crossed():
-        link = {(s.src, s.dst): s for s in shapes_engine.links.read_stats()}.get((src, dst))
+        link = {(s.src, s.dst): s for s in shapes_engine.link_stats()}.get((src, dst))
         return link is not None and link.bytes_sent[kind] > 0 and link.bandwidth < float("inf")
 
     assert wait_until(crossed, 10), f"no shaped {kind} traffic {src} -> {dst}"

@@ -1,10 +1,10 @@
 """The engine's ``link_scheduler`` hook for ``--shape-links``: one ``LinkNetwork`` per worker
-process (``hetserve.runtime.links.network``), its counters written to a folder and merged on demand."""
+process (``hetserve.runtime.links.network``); each process's counters reach the engine as reports
+over the transport (``hetserve.runtime.links.reports``)."""
 
 from __future__ import annotations
 
 import threading
-import time
 from typing import Iterable, Sequence
 
 from hetserve.policies.links import KINDS
@@ -18,20 +18,18 @@ class LinkSchedulerFactory:
     to every worker process; each process builds its own ``LinkNetwork`` on first use (endpoint
     names are device names; other endpoints, such as the engine's coordinator, pass unshaped).
 
-    Link counters live in the sending processes. With ``stats_dir`` set, every process writes its
-    counters there (``links-<pid>.json``, every ``stats_every_s``) and ``read_stats()`` merges them
-    — a stand-in until the engine can report per-worker link statistics itself.
+    Link counters live in the sending processes: ``process_stats()`` reads this process's. A worker
+    reports its own to the engine with each heartbeat, and ``Engine.link_stats()`` merges them
+    (``hetserve.runtime.links.reports``).
     """
 
     def __init__(self, cluster, policy: str = "serial", shape: bool = True, time_scale: float = 1.0,
-                 stats_dir: str | None = None, stats_every_s: float = 0.5, overhead_s: float = 0.0,
-                 competing_penalty: float = 0.0, **policy_options):
+                 overhead_s: float = 0.0, competing_penalty: float = 0.0, **policy_options):
         transmission_policy_factory(policy, **policy_options)  # unknown names fail here, in the parent
         self.overhead_s, self.competing_penalty = float(overhead_s), float(competing_penalty)  # link model knobs
         self.table = cluster if isinstance(cluster, LinkTable) else LinkTable.from_cluster(cluster)
         self.policy, self.policy_options = policy, dict(policy_options)
         self.shape, self.time_scale = shape, float(time_scale)
-        self.stats_dir, self.stats_every_s = stats_dir, float(stats_every_s)
         self._net: LinkNetwork | None = None
         self._pid: int | None = None
         self._lock = threading.Lock()
@@ -55,49 +53,19 @@ class LinkSchedulerFactory:
                                         shape=self.shape, time_scale=self.time_scale,
                                         overhead_s=self.overhead_s, competing_penalty=self.competing_penalty)
                 self._pid = os.getpid()
-                if self.stats_dir:
-                    threading.Thread(target=self._write_stats_loop, args=(self._net,), daemon=True,
-                                     name="link-stats").start()
             return self._net
 
     def __call__(self, src: str, dst: str) -> TransportLinkScheduler:
         return TransportLinkScheduler(self.network().link(src, dst))
 
-    def _write_stats_loop(self, net: LinkNetwork) -> None:
-        import json
+    def process_stats(self) -> list[LinkStats]:
+        """This process's link counters: [] where it has sent nothing through this factory (a copy
+        made elsewhere does not count another process's links)."""
         import os
 
-        path = os.path.join(self.stats_dir, f"links-{os.getpid()}.json")
-        while True:
-            time.sleep(self.stats_every_s)
-            try:
-                tmp = path + ".tmp"
-                with open(tmp, "w") as f:
-                    json.dump([s.to_dict() for s in net.stats()], f)
-                os.replace(tmp, path)
-            except OSError:
-                return  # the directory is gone: the server shut down
-
-    def read_stats(self) -> list[LinkStats]:
-        """Every process's counters, merged per link (those written by other processes lag by up to
-        ``stats_every_s``)."""
-        import glob
-        import json
-        import os
-
-        groups: list[list[LinkStats]] = []
-        if self.stats_dir:
-            for path in glob.glob(os.path.join(self.stats_dir, "links-*.json")):
-                if path.endswith(f"links-{os.getpid()}.json"):
-                    continue
-                try:
-                    with open(path) as f:
-                        groups.append([LinkStats.from_dict(d) for d in json.load(f)])
-                except (OSError, ValueError):
-                    continue  # being replaced right now; the next scrape reads it
-        if self._net is not None:
-            groups.append(self._net.stats())
-        return merge_stats(groups)
+        with self._lock:
+            net = self._net if self._pid == os.getpid() else None
+        return net.stats() if net is not None else []
 
     def close(self) -> None:
         if self._net is not None:

@@ -43,6 +43,7 @@ ENGINE = "engine"  # the coordinator's endpoint name
 KINDS = frozenset({"step", "kv", "peers", "shutdown", "kv_cancel",  # engine/peer -> worker
                    # worker -> engine
                    "ready", "result", "kv_ready", "kv_cancelled", "kv_refused", "peers_ack", "heartbeat", "error",
+                   "links",  # a worker's link counters (runtime/links/reports.py)
                    "channel_ack"})  # worker -> worker: a device channel's transfer arrived (device_channel.py)
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in (
     "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")}

@@ -17,6 +17,7 @@ import traceback
 
 import torch
 
+from hetserve.runtime.links.reports import link_report
 from hetserve.runtime.workers.host_memory import keep_freed_memory
 from hetserve.runtime.workers.transport import Priority, SocketTransport
 from hetserve.runtime.workers.wire import ENGINE, Message
@@ -37,8 +38,8 @@ def worker_main(cfg: WorkerConfig) -> None:
     try:
         worker = Worker(cfg, transport)
         if cfg.heartbeat_s > 0:
-            threading.Thread(target=_heartbeat, args=(transport, cfg.spec.name, cfg.heartbeat_s, worker),
-                             daemon=True).start()
+            threading.Thread(target=_heartbeat, args=(transport, cfg.spec.name, cfg.heartbeat_s, worker,
+                                                      cfg.link_scheduler), daemon=True).start()
         worker.run()
     except BaseException:  # noqa: BLE001 - everything is reported, then the process ends
         transport.send(ENGINE, Message("error", {"worker": cfg.spec.name, "error": traceback.format_exc()}))
@@ -49,13 +50,15 @@ def worker_main(cfg: WorkerConfig) -> None:
     os._exit(0)
 
 
-def _heartbeat(transport: SocketTransport, name: str, every_s: float, worker: "Worker | None" = None) -> None:
+def _heartbeat(transport: SocketTransport, name: str, every_s: float, worker: "Worker | None" = None,
+               link_scheduler=None) -> None:
     """Tell the coordinator this process is alive. On its own thread, so a long step does not silence
     it; a frozen (SIGSTOPped) or wedged process stops beating and the coordinator declares it dead.
     Each beat carries the connections this worker's endpoint refused so far (reason -> count) and,
     with device channels, which path its transfers took (``DeviceChannel.stats``) and the KV pieces
     it dropped as already received (``kv_duplicates``, where any), and the pieces of abandoned
-    hand-offs it dropped (``kv_fenced``, where any)."""
+    hand-offs it dropped (``kv_fenced``, where any). Beside each beat goes this process's link
+    counters (``links``, runtime/links/reports.py), once it has sent anything through the links."""
     while not transport.closed:
         meta = {"worker": name, "rejected": dict(transport.rejected)}
         if worker is not None and worker.kv.fenced:
@@ -66,6 +69,9 @@ def _heartbeat(transport: SocketTransport, name: str, every_s: float, worker: "W
                 meta["channel"]["kv_duplicates"] = worker.kv.duplicates
         try:
             transport.send(ENGINE, Message("heartbeat", meta), Priority.CONTROL)
+            report = link_report(link_scheduler, os.getpid())
+            if report is not None:
+                transport.send(ENGINE, report, Priority.CONTROL)
         except ConnectionError:
             return
         time.sleep(every_s)

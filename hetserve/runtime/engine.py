@@ -154,8 +154,9 @@ class Engine:
         self.security = LinkSecurity(deployment_secret(), tls=config.tls,
                                      max_message_bytes=largest_message_bytes(arch, capacity, config))
         self.transport = SocketTransport(ENGINE, self.security, host=config.host or LOOPBACK,
-                                         scheduler_factory=link_scheduler, shaper=shaper)
-        self.workers = WorkerGroup(layout, self.transport, config.start_timeout_s, config.device_channel)
+                                         scheduler_factory=link_scheduler, shaper=shaper, ports=config.port_range)
+        self.workers = WorkerGroup(layout, self.transport, config.start_timeout_s, config.device_channel,
+                                   config.port_range)
         # each worker's link counters, taken off the wire as they arrive (never reach the loop)
         self.link_reports = LinkReports(lambda: self.workers.procs)
         self.transport.on_message = self.link_reports.handle
@@ -309,6 +310,7 @@ class Engine:
                             security=self.security, store_address=store_address, backend=backend,
                             link_scheduler=self._link_scheduler, shaper=self._shaper,
                             host=self.transport.address[0],  # the Ray backend rebinds each to its node
+                            port_range=self.config.port_range,  # each machine's own ports: Ray workers too
                             heartbeat_s=self.config.heartbeat_interval_s, threads=self.worker_threads(w.name),
                             channel_timeout_s=self.config.channel_timeout_s)
 

@@ -18,6 +18,7 @@ from hetserve.policies.batching import DEFAULT_BATCHING, token_budget_rule
 from hetserve.policies.kv_admission import KV_ADMISSIONS, pool_tokens
 from hetserve.runtime.workers import DEVICE_CHANNELS
 from hetserve.runtime.workers.auth import TLSFiles
+from hetserve.runtime.workers.rendezvous import PortRange
 from hetserve.runtime.deployment import check_memory
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.kv_cache import BlockManager
@@ -66,6 +67,10 @@ class EngineConfig:
     # the address the engine's endpoint and TP rendezvous store bind and advertise to the workers: one
     # address their nodes can reach, never all interfaces; None: 127.0.0.1 (the Ray backend: its node IP)
     host: str | None = None
+    # the ports the engine's endpoint, its TP rendezvous store and every worker's endpoint take theirs
+    # from, on each one's machine (rendezvous.PortRange, "LO-HI" or (lo, hi)); None: ports the OS picks.
+    # gloo's and NCCL's own sockets are not in it
+    port_range: PortRange | None = None
     tls: TLSFiles | None = None  # TLS on every link between the engine and its workers (runtime/workers/auth.py)
 
     def __post_init__(self) -> None:
@@ -106,6 +111,7 @@ class EngineConfig:
             from hetserve.runtime.workers.rendezvous import check_bind_address
 
             check_bind_address(self.host, "host")
+        object.__setattr__(self, "port_range", PortRange.of(self.port_range))  # a ValueError saying what is expected
 
 
 def memory_is_real(device_of: dict[str, str], cluster: Cluster, use_cuda: bool, one_host: bool) -> bool:

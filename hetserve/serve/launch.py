@@ -58,6 +58,8 @@ class ServeOptions:
     # where the engine's endpoint and TP rendezvous store listen, reachable from every worker's node;
     # None: 127.0.0.1 (local backend) or this machine's Ray node IP (ray backend). Never all interfaces.
     advertise_address: str | None = None
+    # the ports hetserve's own listeners take theirs from ("LO-HI", (lo, hi) or a PortRange; EngineConfig.port_range)
+    port_range: Any = None
     replan_on_failure: bool = False  # re-plan the surviving devices when a replica dies (serve/replan.py)
     replan_workload: str = "azure-conv"  # the workload the re-plan's planner plans for
     replan_time_limit_s: float = 10.0  # the re-plan's planner search time limit
@@ -90,6 +92,9 @@ class ServeOptions:
             from hetserve.runtime.workers.rendezvous import check_bind_address
 
             check_bind_address(self.advertise_address, "--advertise-address")
+        from hetserve.runtime.workers.rendezvous import PortRange
+
+        object.__setattr__(self, "port_range", PortRange.of(self.port_range))
 
 
 class Deployment:
@@ -178,7 +183,7 @@ def build(opts: ServeOptions) -> Deployment:
     links = LinkSchedulerFactory(cluster, opts.transmission, shape=opts.shape_links, time_scale=opts.time_scale)
     config = EngineConfig(**{"max_num_seqs": opts.max_num_seqs, "max_batched_tokens": opts.max_batched_tokens,
                              "kv_capacity_tokens": opts.kv_capacity_tokens, "micro_batches": opts.micro_batches,
-                             "host": opts.advertise_address, **opts.engine_options})
+                             "host": opts.advertise_address, "port_range": opts.port_range, **opts.engine_options})
     ray_session = engine = None
     try:
         if opts.backend == "ray":

@@ -1,7 +1,7 @@
 """``hetserve serve``: run a plan's replicas and serve them over an OpenAI-compatible HTTP API.
 
     hetserve serve --plan plan.json --cluster demo-cpu --model ./tiny [--host 127.0.0.1 --port 8000]
-        [--backend local|ray] [--ray-address HEAD:6379] [--advertise-address 10.0.0.5]
+        [--backend local|ray] [--ray-address HEAD:6379] [--advertise-address 10.0.0.5] [--port-range 20000-20099]
         [--placement eft] [--route flow] [--transmission molink] [--shape-links] [--micro-batches 4]
         [--api-key-file keys.txt] [--admin-key-file admin.txt] [--protect-probes]
         [--tls-cert node.pem --tls-key node.key --tls-ca ca.pem]
@@ -43,6 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="this machine's address on the pool's network: the engine's endpoint and TP rendezvous "
                         "store listen there for the workers (default: 127.0.0.1, or with --backend ray this "
                         "machine's Ray node IP; never all interfaces); see docs/multinode.md")
+    p.add_argument("--port-range", type=port_range_arg, metavar="LO-HI",
+                   help="ports hetserve's own listeners take theirs from, on every machine: the engine's endpoint "
+                        "and TP rendezvous store, each worker's endpoint (default: ports the OS picks); each takes "
+                        "the first free one. gloo's and NCCL's own ports are not in it: see docs/multinode.md")
     add_policy_options(p)  # the same names, policy objects and defaults as `simulate`
     p.add_argument("--shape-links", action="store_true",
                    help="emulate the cluster's per-pair bandwidth and latency between workers")
@@ -94,6 +98,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the placement policies that draw and of a re-plan's search (default 0)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
+
+
+def port_range_arg(text: str):
+    """``--port-range LO-HI`` as a ``PortRange``; argparse's one-line error otherwise."""
+    from hetserve.runtime.workers.rendezvous import PortRange
+
+    try:
+        return PortRange.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_prefill_mode_options(p: argparse.ArgumentParser) -> None:
@@ -225,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
                             micro_batches=args.micro_batches, kv_capacity_tokens=args.kv_capacity, seed=args.seed,
                             max_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
                             slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, ray_address=args.ray_address,
-                            advertise_address=args.advertise_address,
+                            advertise_address=args.advertise_address, port_range=args.port_range,
                             engine_options=engine_options, replan_on_failure=args.replan_on_failure,
                             max_body_bytes=args.max_body_bytes, **keys, **given)
     except ValueError as exc:

@@ -13,8 +13,9 @@ Ray on this machine that advertises every machine of the cluster (tests, demos).
 Addresses: each worker binds and advertises its own node's address — the cluster file's
 ``address`` for its machine if it gives one, else the IP Ray knows the node by — for its endpoint
 and its gloo device (``rendezvous.py``). The engine (the driver) binds its endpoint and the TP
-rendezvous store to ``EngineConfig.host``; left unset, that is the driver's own Ray node IP. A
-worker on a GPU node asks Ray for one GPU (``num_gpus=1``) and uses the one Ray gives it; CPU
+rendezvous store to ``EngineConfig.host``; left unset, that is the driver's own Ray node IP. Ports
+come from ``EngineConfig.port_range`` where it is set (each worker takes the first free one on its
+own node; the worker's config carries the range), else the OS picks them. A worker on a GPU node asks Ray for one GPU (``num_gpus=1``) and uses the one Ray gives it; CPU
 worker slots ask for none.
 
 The engine itself is unchanged: it starts worker *processes* through

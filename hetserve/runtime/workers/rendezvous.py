@@ -5,6 +5,11 @@ store bind the engine's ``host``, each worker's endpoint and its gloo device bin
 address — and advertises that same address to its peers. None binds all interfaces: a pool that
 spans machines is reachable where it says it is, and nowhere else.
 
+Ports: ``listen_socket`` is where the runtime's own listeners (the engine's endpoint, its TP
+rendezvous store, each worker's endpoint) get theirs: the OS picks one, or, with a ``PortRange``
+(``--port-range LO-HI``, ``EngineConfig.port_range``), the first free one in the range, for
+firewalls that open fixed ports. gloo's and NCCL's own sockets take ports the range does not cover.
+
 Two things in torch would otherwise bind more than asked for:
 
 - ``TCPStore(host, 0, is_master=True)`` listens on every interface whatever ``host`` says; the
@@ -18,9 +23,14 @@ Two things in torch would otherwise bind more than asked for:
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import re
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
+
+from hetserve.errors import RuntimeFailure
 
 LOOPBACK = "127.0.0.1"
 _WILDCARDS = {"", "0.0.0.0", "::", "[::]", "*"}
@@ -55,19 +65,67 @@ def _unspecified(text: str) -> bool:
     return any(ipaddress.ip_address(info[4][0].split("%")[0]).is_unspecified for info in infos)
 
 
-def listen_socket(host: str) -> socket.socket:
-    """A TCP listening socket bound to ``host`` (IPv4, IPv6 or a host name) on a port the OS picks."""
+@dataclass(frozen=True)
+class PortRange:
+    """The ports ``lo``..``hi`` (both included) the runtime's own listeners take theirs from."""
+
+    lo: int
+    hi: int
+
+    EXPECTED = "LO-HI with 1 <= LO <= HI <= 65535 (e.g. 20000-20099)"
+
+    def __post_init__(self) -> None:
+        if not (type(self.lo) is int and type(self.hi) is int and 1 <= self.lo <= self.hi <= 65535):
+            raise ValueError(f"a port range must be {self.EXPECTED}, got {self.lo!r}-{self.hi!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> "PortRange":
+        """``"LO-HI"``; ValueError saying what was expected otherwise."""
+        m = re.fullmatch(r"\s*(\d{1,5})\s*-\s*(\d{1,5})\s*", str(text))
+        if m is None or not 1 <= int(m[1]) <= int(m[2]) <= 65535:
+            raise ValueError(f"expected {cls.EXPECTED}, got {text!r}")
+        return cls(int(m[1]), int(m[2]))
+
+    @classmethod
+    def of(cls, value) -> "PortRange | None":
+        """None, a ``PortRange``, ``"LO-HI"`` or ``(lo, hi)`` as a ``PortRange`` (None stays None)."""
+        if value is None or isinstance(value, PortRange):
+            return value
+        if isinstance(value, str):
+            return cls.parse(value)
+        lo, hi = value
+        return cls(lo, hi)
+
+    def __str__(self) -> str:
+        return f"{self.lo}-{self.hi}"
+
+
+def listen_socket(host: str, ports: PortRange | None = None, what: str = "a listener") -> socket.socket:
+    """A TCP listening socket bound to ``host`` (IPv4, IPv6 or a host name): on a port the OS picks,
+    or on the first free port of ``ports``. ``RuntimeFailure`` naming the range when none is free."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, 0), family=family)
+    if ports is None:
+        return socket.create_server((host, 0), family=family)
+    for port in range(ports.lo, ports.hi + 1):
+        try:
+            return socket.create_server((host, port), family=family)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise RuntimeFailure(f"--port-range {ports}: {what} cannot listen on {host}:{port} "
+                                     f"({exc.strerror or exc})") from exc
+    raise RuntimeFailure(f"--port-range {ports}: no free port left on {host} for {what}, every one of its "
+                         f"{ports.hi - ports.lo + 1} is taken; widen the range (on each machine this deployment "
+                         "listens on one port per worker there, and the engine's on one or two: its endpoint "
+                         "and, with TP groups, their rendezvous store)")
 
 
 class BoundStore:
     """The rendezvous store of TP groups (a ``torch.distributed.TCPStore`` master) listening on ``host`` only."""
 
-    def __init__(self, host: str):
+    def __init__(self, host: str, ports: PortRange | None = None):
         import torch.distributed as dist
 
-        sock = listen_socket(host)
+        sock = listen_socket(host, ports, "the TP rendezvous store")
         self.address: tuple[str, int] = sock.getsockname()[:2]
         self.store = dist.TCPStore(self.address[0], self.address[1], is_master=True, wait_for_workers=False,
                                    master_listen_fd=sock.fileno(), use_libuv=True)

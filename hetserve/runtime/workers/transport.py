@@ -148,7 +148,9 @@ log = logging.getLogger("hetserve.runtime.workers.transport")
 
 
 class SocketTransport(Transport):
-    """TCP endpoint on ``host`` (default 127.0.0.1; one address, never all interfaces), port chosen by the OS.
+    """TCP endpoint on ``host`` (default 127.0.0.1; one address, never all interfaces), on a port the OS
+    picks or the first free one of ``ports`` (``rendezvous.listen_socket``). ``listen=False``: an
+    endpoint that only sends (a worker telling the engine why it could not listen).
 
     Every connection is authenticated (``hetserve.runtime.workers.auth``: the deployment's secret, a
     challenge-response handshake, TLS when ``security.tls`` is set) before a message byte is read, and
@@ -163,14 +165,15 @@ class SocketTransport(Transport):
 
     def __init__(self, name: str, security: LinkSecurity, host: str = "127.0.0.1",
                  scheduler_factory: Callable[[str, str], LinkScheduler] | None = None,
-                 shaper: LinkShaper | None = None):
+                 shaper: LinkShaper | None = None, ports=None, listen: bool = True):
         from hetserve.runtime.workers.rendezvous import check_bind_address, listen_socket
 
         super().__init__(name)
         self.security = security
-        self._server_tls = security.tls.server_context() if security.tls else None
+        self._server_tls = security.tls.server_context() if security.tls and listen else None
         self._client_tls = security.tls.client_context() if security.tls else None
-        self._listener = listen_socket(check_bind_address(host, f"endpoint {name}'s bind address"))
+        bind = check_bind_address(host, f"endpoint {name}'s bind address")
+        self._listener = listen_socket(bind, ports, f"endpoint {name}") if listen else None
         self._host = host
         self._addresses: dict[str, tuple[str, int]] = {}
         self._links: dict[str, LinkScheduler] = {}
@@ -184,10 +187,13 @@ class SocketTransport(Transport):
         self._unsent_cv = threading.Condition()
         self._handshaking = threading.BoundedSemaphore(MAX_UNAUTHENTICATED)
         self.rejected: collections.Counter[str] = collections.Counter()  # reason -> connections closed
-        self._spawn(self._accept_loop, f"{name}-accept")
+        if self._listener is not None:
+            self._spawn(self._accept_loop, f"{name}-accept")
 
     @property
     def address(self) -> tuple[str, int]:
+        if self._listener is None:
+            raise ConnectionError(f"endpoint {self.name} only sends: it has no address")
         return self._listener.getsockname()[:2]
 
     def set_address(self, peer: str, address: tuple[str, int]) -> None:
@@ -223,7 +229,8 @@ class SocketTransport(Transport):
             return
         self.closed = True
         try:
-            self._listener.close()
+            if self._listener is not None:
+                self._listener.close()
         except OSError:
             pass
         for s in list(self._socks):

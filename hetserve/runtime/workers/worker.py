@@ -68,6 +68,7 @@ class WorkerConfig:
     shaper: Any = None  # picklable LinkShaper; None: no shaping
     heartbeat_s: float = 0.5  # how often this worker tells the coordinator it is alive (0: never)
     host: str = "127.0.0.1"  # the address this worker binds and advertises: its node's (rendezvous.py)
+    port_range: Any = None  # rendezvous.PortRange its endpoint takes a port from; None: the OS picks
     threads: int = 1  # torch intra-op threads of this worker process (the engine divides a host's cores)
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (on CUDA, where the stage's collectives allow)
     max_graph_batch: int = 256  # the largest decode batch the step runner pads and captures

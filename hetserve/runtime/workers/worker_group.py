@@ -30,10 +30,11 @@ from hetserve.runtime.workers.worker_process import worker_main
 
 class WorkerGroup:
     def __init__(self, layout: tuple[ReplicaSpec, ...], transport: SocketTransport, start_timeout_s: float,
-                 device_channel: str = "off"):
+                 device_channel: str = "off", port_range=None):
         # which worker pairs share a device channel (device_channel.py): "auto" those of GPUs (NCCL,
         # CUDA IPC), "on" CPU pairs too (gloo), "off" none; EngineConfig.device_channel says which
         self.device_channel = device_channel
+        self.port_range = port_range  # rendezvous.PortRange the TP store's port comes from; None: the OS picks
         self.layout = layout
         self.transport = transport
         self.start_timeout_s = start_timeout_s
@@ -90,7 +91,7 @@ class WorkerGroup:
         if pairs or any(w.tp_world > 1 for w in workers):
             # on the engine's own address: every worker's node reaches it there, and nothing else listens
             if self._store is None:  # a re-plan's new TP groups share it
-                self._store = BoundStore(self.transport.address[0])
+                self._store = BoundStore(self.transport.address[0], self.port_range)
             store_address = self._store.address
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":

@@ -17,6 +17,7 @@ import traceback
 
 import torch
 
+from hetserve.errors import RuntimeFailure
 from hetserve.runtime.links.reports import link_report
 from hetserve.runtime.workers.host_memory import keep_freed_memory
 from hetserve.runtime.workers.transport import Priority, SocketTransport
@@ -29,8 +30,11 @@ def worker_main(cfg: WorkerConfig) -> None:
     _leave_stop_signals_to_the_engine()
     torch.set_num_threads(max(1, cfg.threads))
     keep_freed_memory()
-    transport = SocketTransport(cfg.spec.name, cfg.security, host=cfg.host, scheduler_factory=cfg.link_scheduler,
-                                shaper=cfg.shaper)
+    try:
+        transport = SocketTransport(cfg.spec.name, cfg.security, host=cfg.host, scheduler_factory=cfg.link_scheduler,
+                                    shaper=cfg.shaper, ports=cfg.port_range)
+    except RuntimeFailure as exc:  # no port to listen on (--port-range): the engine hears why, in one line
+        _report_and_exit(cfg, str(exc))
     transport.set_address(ENGINE, cfg.engine_address)
     # Watch the parent this process has now: the engine (spawn), the fork server (forkserver,
     # which exits with the engine) or Ray's worker process (ray backend).
@@ -48,6 +52,17 @@ def worker_main(cfg: WorkerConfig) -> None:
     transport.flush(5.0)
     # skip interpreter teardown: gloo's and torch's static destructors can abort or stall here
     os._exit(0)
+
+
+def _report_and_exit(cfg: WorkerConfig, error: str) -> None:
+    """Tell the engine ``error`` from an endpoint that only sends, and end the process."""
+    try:
+        transport = SocketTransport(cfg.spec.name, cfg.security, host=cfg.host, listen=False)
+        transport.set_address(ENGINE, cfg.engine_address)
+        transport.send(ENGINE, Message("error", {"worker": cfg.spec.name, "error": error}))
+        transport.flush(5.0)
+    finally:
+        os._exit(1)
 
 
 def _heartbeat(transport: SocketTransport, name: str, every_s: float, worker: "Worker | None" = None,

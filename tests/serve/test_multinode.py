@@ -206,11 +206,13 @@ def shapes_engine(pool, model):
     from hetserve.runtime.engine_config import EngineConfig
     from hetserve.runtime.links.factory import LinkSchedulerFactory
     from hetserve.runtime.workers.ray_backend import start_ray_engine
+    from tests.runtime.test_port_range import free_run
 
     before = _listeners(os.getpid())  # the driver's own Ray sockets
     links = LinkSchedulerFactory(pool.cluster, "molink", shape=True)
-    engine = start_ray_engine(Plan.from_dict(SHAPES_PLAN), pool.cluster, model, EngineConfig(kv_capacity_tokens=1024),
-                              link_scheduler=links)
+    # hetserve's own listeners take their ports from a range (--port-range), on each node alike
+    config = EngineConfig(kv_capacity_tokens=1024, port_range=free_run(8))
+    engine = start_ray_engine(Plan.from_dict(SHAPES_PLAN), pool.cluster, model, config, link_scheduler=links)
     engine.driver_ray_listeners, engine.links = before, links
     yield engine
     engine.shutdown()
@@ -256,6 +258,12 @@ def test_every_socket_listens_on_its_nodes_address_only(shapes_engine):
     driver = _listeners(os.getpid()) - shapes_engine.driver_ray_listeners
     assert shapes_engine.transport.address[0] == HEAD
     assert len(driver) >= 2 and {ip for ip, _ in driver} == {HEAD}, sorted(driver)  # endpoint + TP store
+    # the engine's endpoint and TP store, each worker's endpoint: inside --port-range (gloo's are the OS's)
+    ports = shapes_engine.config.port_range
+    ours = [shapes_engine.transport.address, shapes_engine.workers._store.address,
+            *shapes_engine.workers.addresses.values()]
+    assert all(ports.lo <= tuple(a)[1] <= ports.hi for a in ours), ours
+    assert {(a[0], a[1]) for a in ours[:2]} <= driver
 
 
 @pytest.mark.long

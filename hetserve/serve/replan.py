@@ -58,6 +58,7 @@ class Replanner:
         """Re-plan now; returns the record (kept / retired / added replicas, seconds per part)."""
         from hetserve.planner.options import PlanOptions
         from hetserve.planner.replan import replan
+        from hetserve.planner.servable import servable
         from hetserve.runtime.deployment import model_spec
         from hetserve.specs.model import DTYPE_BYTES
         from hetserve.specs.cluster import load_cluster
@@ -90,7 +91,12 @@ class Replanner:
             new_lost = was_lost - back
             dead = {rid for rid, s in eng.stats().get("replicas", {}).items() if not s.get("alive", True)}
             spec = model_spec(eng.arch, DTYPE_BYTES[eng.dtype])
-            plan = replan(new_cluster, spec, load_workload(self.workload), eng.plan, new_lost,
+            # planned for the requests the engine serves, as `hetserve plan` plans: one beyond the
+            # context would size every layout's KV for tokens the engine refuses
+            fit = servable(load_workload(self.workload), spec, self.workload, "re-planned")
+            if fit.note:
+                log.info("re-plan: %s", fit.note)
+            plan = replan(new_cluster, spec, fit.workload, eng.plan, new_lost,
                           algorithm=self.algorithm, dead_replicas=dead,
                           options=PlanOptions(seed=self.seed, time_limit_s=self.time_limit_s))
             self.lost = new_lost

@@ -191,18 +191,14 @@ def _check_objective(args) -> None:
 
 
 def _servable(workload, model, console, source: str):
-    """The requests a server of ``model`` takes: one longer than its context is refused (by the
-    engine, and by the simulator), so a plan counting it would promise tokens nobody serves."""
+    """The requests the plan is made for (``planner.servable``: those within the model's context)."""
     from hetserve.errors import SpecError
+    from hetserve.planner.servable import servable
 
-    fits = workload.within_context(model.max_context)
     if not len(workload):  # --workload-class kept none
         raise SpecError(source, "(requests)", f"at least one request of class {workload.name.rpartition(':')[2]}",
                         "none")
-    if not len(fits):
-        raise SpecError(source, "(requests)", f"requests within {model.name}'s context of "
-                        f"{model.max_context} tokens", f"all {len(workload)} longer")
-    if len(fits) < len(workload):
-        console.print(f"note: {len(workload) - len(fits)} of {len(workload)} requests exceed {model.name}'s context "
-                      f"of {model.max_context} tokens; planned for the {len(fits)} that fit", highlight=False)
-    return fits
+    fit = servable(workload, model, source, "planned")
+    if fit.note:
+        console.print(f"note: {fit.note}", highlight=False)
+    return fit.workload

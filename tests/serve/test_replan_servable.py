@@ -1,0 +1,55 @@
+"""A re-plan is made for the requests the engine serves, as ``hetserve plan`` plans: on demo-tiny,
+after decode replica d0's device m1:1 dies, the freed m0:0 holds a colocated replica only when the
+requests beyond the model's context (whose KV no single device holds) are left out, as the CLI
+leaves them out; the re-plan must add that replica, not leave m0:0 idle."""
+
+from __future__ import annotations
+
+import json
+
+from hetserve.planner.plan import Plan
+from hetserve.runtime.model.config import ArchConfig
+from hetserve.serve.replan import Replanner
+from hetserve.specs.cluster import load_cluster
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+          "intermediate_size": 768, "num_attention_heads": 4, "num_hidden_layers": 8, "num_key_value_heads": 1,
+          "head_dim": 64, "max_position_embeddings": 1024, "vocab_size": 320, "dtype": "float32",
+          "tie_word_embeddings": False, "_name_or_path": "tiny-llama"}
+RUNNING = {"model": "tiny-llama", "cluster": "demo-tiny", "replicas": [
+    {"id": "p0", "role": "prefill", "stages": [{"devices": ["m1:0"], "layers": [0, 1]},
+                                               {"devices": ["m0:1"], "layers": [1, 8]}]},
+    {"id": "d0", "role": "decode", "stages": [{"devices": ["m1:1"], "layers": [0, 4]},
+                                              {"devices": ["m0:0"], "layers": [4, 8]}]}],
+    "kv_routes": [{"from": "p0", "to": "d0", "weight": 1.0}]}
+
+
+class _Engine:
+    """What the re-planner reads of an engine whose decode worker on m1:1 died."""
+
+    cluster = load_cluster("demo-tiny")
+    arch = ArchConfig.from_dict(json.loads(json.dumps(CONFIG)))
+    dtype = "float32"
+    plan = Plan.from_dict(RUNNING)
+
+    def __init__(self):
+        self.given = None
+
+    def stats(self):
+        return {"deaths": [{"worker": "m1:1", "why": "killed", "at": 0.0}],
+                "replicas": {"p0": {"alive": True}, "d0": {"alive": False}}}
+
+    def reconfigure(self, plan, cluster):
+        self.given = plan
+        old = {r.id for r in self.plan.replicas}
+        return {"kept": sorted(old & {r.id for r in plan.replicas}), "roles": [],
+                "retired": sorted(old - {r.id for r in plan.replicas}),
+                "added": sorted({r.id for r in plan.replicas} - old), "start_s": 0.0}
+
+
+def test_a_replan_after_a_loss_uses_the_survivor_the_context_rule_makes_plannable():
+    eng = _Engine()
+    record = Replanner(eng, workload="azure-conv", time_limit_s=2).replan(trigger="failure")
+    assert record["lost"] == ["m1:1"] and record["retired"] == ["d0"]
+    added = [r for r in eng.given.replicas if r.id in record["added"]]
+    assert [r.devices for r in added] == [("m0:0",)], [(r.id, r.role, r.devices) for r in eng.given.replicas]

@@ -11,11 +11,12 @@ plan's KV routes pick, whose answer (streamed or not) is the client's.
 
 Retry rule: until the first byte of the answer has gone to the client, a failure (connection
 refused or reset, a 5xx, a stream that breaks) marks that backend down and the request is tried on
-another live one; after that, a stream that breaks ends with an error event (its status line has
-left). A backend's 4xx is the client's answer, not a failure. Health checks (``GET /health``
-every ``health_interval_s``) mark backends up again, and down: at once when the connection is
-refused (nothing listens), after ``health_failures`` checks in a row when the answer is slow or not
-200 (one slow answer from a busy backend is not an outage).
+another live one; after that (its status line has left), a stream that breaks ends as ``serve``
+ends one that fails: an error event, then ``data: [DONE]``. A backend's 4xx is the client's
+answer, not a failure. Health checks (``GET /health`` every ``health_interval_s``) mark backends
+up again, and down: at once when the connection is refused (nothing listens), after
+``health_failures`` checks in a row when the answer is slow or not 200 (one slow answer from a
+busy backend is not an outage).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ log = logging.getLogger(__name__)
 
 PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+STREAM_END = b"data: [DONE]\n\n"  # the SSE stream's last event, as serve and the OpenAI API end one
 
 
 class BackendFailed(Exception):
@@ -224,15 +228,24 @@ class Router:
 
     async def _relay(self, b: Backend, resp, first: bytes, chunks) -> AsyncIterator[bytes]:
         outcome = "200"
+        tail = b""  # the stream's last bytes sent: whether it stopped between events
         try:
             yield first
+            tail = first[-4:]
             async for c in chunks:
                 yield c
+                tail = (tail + c)[-4:]
         except httpx.HTTPError:
             outcome = "broken"  # counted once, as broken: not as a failed attempt too
             self._set_alive(b, False)
             from hetserve.serve.errors import ServerError, error_event
+            # as serve ends a stream that fails after its headers: one error event, then [DONE] (a
+            # client reads to [DONE]); a backend cut off inside an event has that event ended first,
+            # so the error event is read as one of its own
+            if not tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
+                yield b"\n\n"
             yield error_event(ServerError(f"backend {b.id} failed mid-stream")).encode()
+            yield STREAM_END
         finally:
             await resp.aclose()
             b.in_flight -= 1

@@ -352,8 +352,8 @@ def test_route_on_port_0_says_the_port_it_listens_on():
 
 
 def test_a_stream_that_breaks_midway_ends_with_an_error_event_and_is_counted_once():
-    """After its first bytes a stream cannot move: the client gets an error event, the backend is
-    taken out, and the attempt is counted once, as broken (not as a failed attempt too)."""
+    """After its first bytes a stream cannot move: the client gets an error event and [DONE], the
+    backend is taken out, and the attempt is counted once, as broken (not as a failed attempt too)."""
     from hetserve.serve.route.app import Router
     from hetserve.serve.route.backends import Backend, BackendPool, RouteConfig
 
@@ -374,7 +374,8 @@ def test_a_stream_that_breaks_midway_ends_with_an_error_event_and_is_counted_onc
         return status, got, router.metrics.registry
 
     status, got, registry = asyncio.run(scenario())
-    assert status == 200 and got[0].startswith(b"data: ") and b"failed mid-stream" in got[-1]
+    assert status == 200 and got[0].startswith(b"data: ") and b"failed mid-stream" in got[-2]
+    assert got[-1] == b"data: [DONE]\n\n"  # as serve ends a stream that fails
     assert not b0.alive
     count = lambda outcome: registry.get_sample_value("hetserve_route_requests_total",  # noqa: E731
                                                       {"backend": "b0", "outcome": outcome}) or 0

@@ -15,6 +15,29 @@ SIDE_PORT = 5600  # vLLM NIXL side channel / SGLang --dist-init-addr / --disaggr
 RAY_PORT = 6379  # a Ray head's GCS port (one Ray cluster per multi-machine vLLM replica)
 
 
+def machines_without_address(plan, cluster) -> list[str]:
+    """The plan's machines (in plan order) the cluster file gives no ``address``: the scripts name
+    them by their machine names instead (``ExportContext.address``)."""
+    out: list[str] = []
+    for d in plan.devices:
+        m = machine_of(d)
+        if m not in cluster.machine_addresses and m not in out:
+            out.append(m)
+    return out
+
+
+def address_note(plan, cluster) -> str | None:
+    """What to tell the user where some of the plan's machines have no ``address`` (None where all have)."""
+    missing = machines_without_address(plan, cluster)
+    if not missing:
+        return None
+    many = len(missing) > 1
+    return (f"cluster '{cluster.name}' gives no `address` for machine{'s' if many else ''} {', '.join(missing)}: "
+            f"the scripts use {'their names' if many else 'its name'} as host names instead (e.g. "
+            f"`--host {missing[0]}`), which every machine must resolve on the pool's network; add `address: IP` "
+            f"to {'each of them' if many else 'it'} in the cluster file and export again")
+
+
 @dataclass
 class ExportContext:
     """One export: the plan, its cluster, the model path on every machine, and the ports handed out."""
@@ -25,10 +48,14 @@ class ExportContext:
     num_layers: int
     router_host: str | None = None
     ray_port: int = RAY_PORT  # the hetserve bundle's Ray head (vLLM replicas' Ray heads count up from it + 1)
+    # the hetserve bundle's `hetserve serve --port-range` (a rendezvous.PortRange): the ports its own
+    # listeners take theirs from on every machine; None: ports the OS picks
+    port_range: object = None
     _next: dict = field(default_factory=dict)
 
     def address(self, machine: str) -> str:
-        """The cluster file's ``address`` of the machine, else its name (resolved by the machines' DNS)."""
+        """The cluster file's ``address`` of the machine, else its name (resolved by the machines' DNS;
+        ``address_note`` says so)."""
         return self.cluster.machine_addresses.get(machine, machine)
 
     def port(self, kind: str, machine: str, base: int, width: int = 1) -> int:

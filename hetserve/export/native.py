@@ -4,8 +4,9 @@ One Ray cluster for the pool: the head on the machine of the plan's first device
 other machine, each advertising ``hetserve_machine_<name>`` (where the workers of that machine's
 devices are placed) and binding the cluster file's address. ``hetserve serve --backend ray`` runs
 on the head machine and places one worker per device of the plan (the ``actor`` launch entries:
-GPU indices are the plan's, as the engine pins them). Token authentication is Ray's default; the
-README says where the token goes.
+GPU indices are the plan's, as the engine pins them), its own listeners on ports from
+``ExportContext.port_range`` where one is given. Token authentication is Ray's default; the README
+says where the token goes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def build(ctx: ExportContext, cluster_ref: str) -> Bundle:
     serve = ["hetserve", "serve", "--backend", "ray", "--ray-address", ray_addr, "--advertise-address", head_addr,
              "--plan", "plan.json", "--cluster", cluster_ref, "--model", ctx.model_path,
              "--host", head_addr, "--port", str(SERVE_PORT)]
+    if ctx.port_range is not None:
+        serve += ["--port-range", str(ctx.port_range)]
     shared = []
     for m, addr in ctx.machines.items():
         resources = json.dumps({f"hetserve_machine_{m}": 1000}, separators=(",", ":"))

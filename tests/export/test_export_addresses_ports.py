@@ -1,0 +1,62 @@
+"""What `hetserve export` writes where the cluster file leaves a machine's address out (its name, and a
+note saying so), and the hetserve bundle's `hetserve serve --port-range`."""
+
+import json
+
+import pytest
+import yaml
+
+from hetserve.cli.main import main
+from tests.export.test_bundles import CLUSTER, PD_PLAN
+
+
+def export(tmp_path, cluster_text, engine="hetserve", extra=(), out="bundle"):
+    (tmp_path / "cluster.yaml").write_text(cluster_text)
+    (tmp_path / "plan.json").write_text(json.dumps(PD_PLAN))
+    out = tmp_path / out
+    rc = main(["export", "--plan", str(tmp_path / "plan.json"), "--cluster", str(tmp_path / "cluster.yaml"),
+               "--to", engine, "--model", "/models/llama-2-7b", "-o", str(out), *extra])
+    return rc, out
+
+
+@pytest.mark.parametrize("engine", ["hetserve", "vllm", "sglang"])
+def test_machines_without_an_address_are_named_in_one_note(tmp_path, capsys, engine):
+    """Without `address` the scripts use the machine's name as its host name: said once, naming the
+    machines it concerns and the fix; a cluster file with every address gets no note."""
+    no_b0 = CLUSTER.replace(", address: 10.0.0.6", "")
+    rc, out = export(tmp_path, no_b0, engine)
+    printed = capsys.readouterr().out
+    assert rc == 0
+    notes = [line for line in printed.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1, printed
+    assert "no `address` for machine b0:" in notes[0] and "a0" not in notes[0].split(":")[1]
+    assert "add `address: IP`" in notes[0] and "cluster file" in notes[0]
+    assert "b0" in json.loads((out / "deploy.json").read_text())["machines"]["b0"]["address"]
+
+    rc, _ = export(tmp_path, CLUSTER, engine, out="every-address")
+    assert rc == 0 and "note:" not in capsys.readouterr().out
+
+
+def test_the_note_names_every_machine_without_an_address(tmp_path, capsys):
+    none = CLUSTER.replace(", address: 10.0.0.5", "").replace(", address: 10.0.0.6", "")
+    assert export(tmp_path, none)[0] == 0
+    note = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("note:"))
+    assert "for machines a0, b0:" in note and "`--host a0`" in note
+
+
+def test_the_hetserve_bundles_serve_command_carries_the_port_range():
+    """ExportContext.port_range reaches `hetserve serve --port-range` in the bundle (no range: no option)."""
+    from hetserve.export import native
+    from hetserve.export.common import ExportContext
+    from hetserve.planner.plan import Plan
+    from hetserve.runtime.workers.rendezvous import PortRange
+    from hetserve.specs.cluster import cluster_from_dict
+
+    plan = Plan.from_dict(PD_PLAN)
+    cluster = cluster_from_dict(yaml.safe_load(CLUSTER))
+    with_range = native.build(ExportContext(plan, cluster, "/m", 32, port_range=PortRange(20000, 20099)), "c.yaml")
+    argv = with_range.router["argv"]
+    assert argv[argv.index("--port-range") + 1] == "20000-20099"
+    assert all(x.argv == argv for x in with_range.launches() if x.argv[:2] == ["hetserve", "serve"])
+    without = native.build(ExportContext(plan, cluster, "/m", 32), "c.yaml")
+    assert "--port-range" not in without.router["argv"]

@@ -2,8 +2,8 @@
 
 For each candidate TP degree N_g the worker's KV pool M (memory left after the weights) holds
 M / m_r requests, m_r the average KV demand per request (l_in + l_out / 2 tokens over its life).
-Its decode batch is the smaller of that and the largest batch whose iteration still meets the
-ATGT target; per-GPU throughput is then ``batch / (N_g · t_iter(batch))`` — the min of the two
+Its decode batch is the smallest of that, the engine's cap on running sequences (``max_batch``) and
+the largest batch whose iteration still meets the ATGT target; per-GPU throughput is then ``batch / (N_g · t_iter(batch))`` — the min of the two
 terms of Eq. 6. Iteration times come from the analytic cost model (which carries Eq. 5's compute
 scaling and the all-reduce cost). A degree whose single-prompt TTFT misses the SLO, or whose
 weights do not fit, is marked infeasible.
@@ -17,7 +17,9 @@ from typing import Sequence
 from hetserve.cost.analytic import CostModel
 from hetserve.cost.efficiency import Efficiency
 from hetserve.cost.layout import ReplicaLayout, StageLayout
+from hetserve.cost.prefill_batch import PrefillBatch
 from hetserve.errors import InfeasibleError
+from hetserve.policies.batching import DEFAULT_BATCHING
 from hetserve.specs.cluster import Cluster, cluster_from_dict
 from hetserve.specs.model import ModelSpec
 from hetserve.specs.workload import SLO
@@ -29,13 +31,18 @@ DEFAULT_DEGREES = (1, 2, 4, 8)
 class WorkerOption:
     gpus: int
     feasible: bool
-    limit: str  # "kv", "atgt", "memory" (weights do not fit), "ttft" (one prompt misses the SLO)
+    # what bounds the batch: "kv", "seqs" (the engine's max_batch), "atgt"; or why infeasible:
+    # "memory" (the weights do not fit), "ttft" (one prompt misses the SLO)
+    limit: str
     kv_capacity_tokens: float
     batch: int
     iteration_s: float
     tokens_per_s: float  # output tokens/s of one worker
     tokens_per_s_per_gpu: float
     ttft_s: float  # one mean-length prompt on an idle worker
+    # seconds of worker time per mean-length prompt when prompts are batched to the engine's token
+    # budget (the simulator's and the runtime's prefill batching): the prompt throughput's inverse
+    prompt_s: float = 0.0
 
 
 def homogeneous_cluster(gpu_name: str, count: int, per_machine: int = 8, intra: dict | None = None) -> Cluster:
@@ -79,19 +86,24 @@ def worker_options(cluster: Cluster, model: ModelSpec, slo: SLO, mean_input: flo
     """Eq. 6 evaluated for every TP degree the cluster can host in one box."""
     cost = CostModel(cluster, model, efficiency)
     m_r = mean_input + mean_output / 2.0  # average KV demand per request over its life (tokens)
+    prompt = max(1, round(mean_input))
+    # as many mean prompts as one step's token budget takes (the first always gets in)
+    per_step = max(1, DEFAULT_BATCHING.token_budget // prompt)
     out = []
     for g in degrees:
         layout = tp_layout(cluster, g, gpu_name, model.num_layers)
         if layout is None:
             continue
         cap_tokens = cost.kv_capacity_tokens(layout)
-        ttft = cost.ttft(layout, max(1, round(mean_input)))
+        ttft = cost.ttft(layout, prompt)
+        prompt_s = cost.prefill_time(layout, PrefillBatch.of([prompt] * per_step)) / per_step
         if cap_tokens < mean_input + mean_output:
-            out.append(WorkerOption(g, False, "memory", max(cap_tokens, 0.0), 0, 0.0, 0.0, 0.0, ttft))
+            out.append(WorkerOption(g, False, "memory", max(cap_tokens, 0.0), 0, 0.0, 0.0, 0.0, ttft, prompt_s))
             continue
-        b_kv = int(cap_tokens // m_r)
+        # the engine runs at most max_batch sequences however much KV is free (as the simulator)
+        b_kv = min(int(cap_tokens // m_r), cost.eff.max_batch)
         b = b_kv
-        limit = "kv"
+        limit = "kv" if b_kv < cost.eff.max_batch else "seqs"
         if slo.tpot_s is not None:
             b_slo = largest_batch(cost, layout, m_r, slo.tpot_s, b_kv)
             if b_slo < b_kv:
@@ -101,7 +113,7 @@ def worker_options(cluster: Cluster, model: ModelSpec, slo: SLO, mean_input: flo
         feasible = b > 0 and (slo.ttft_s is None or ttft <= slo.ttft_s)
         if slo.ttft_s is not None and ttft > slo.ttft_s:
             limit = "ttft"
-        out.append(WorkerOption(g, feasible, limit, cap_tokens, b, t, tps, tps / g, ttft))
+        out.append(WorkerOption(g, feasible, limit, cap_tokens, b, t, tps, tps / g, ttft, prompt_s))
     return out
 
 

@@ -158,3 +158,27 @@ def test_simulated_worker_count_small():
     assert attainment(run_pool(model, "A100-SXM-80G", wl, slo, "jsq", n, 1), slo) >= 0.99
     if n > 1:
         assert attainment(run_pool(model, "A100-SXM-80G", wl, slo, "jsq", n - 1, 1), slo) < 0.99
+
+
+def test_the_fluid_figure_is_a_lower_bound_on_the_simulated_workers():
+    """Prompt-heavy requests on one-GPU workers: the simulator batches prompts and lets them ride in the
+    decode steps, so a fluid figure charging each request a stand-alone TTFT on top of its decode share
+    asked for more workers (5 at 40 req/s) than the simulation needed (4); a lower bound never does."""
+    from hetserve.capacity.simulated import workers_needed
+
+    model, slo, n, l_in, l_out = load_model("llama-2-7b"), SLO(2.0, 0.1), 150, 1500, 40
+    option = best_worker_config(homogeneous_cluster("A100-SXM-80G", 8, 8), model, slo, l_in, l_out, degrees=(1,))
+    for rate in (10, 20, 40):
+        wl = Workload.from_lists("w", np.arange(n) / rate, np.full(n, l_in), np.full(n, l_out))
+        simulated = workers_needed(model, "A100-SXM-80G", wl, slo, "jsq", 1, "colocated", 0.99, hint=1)
+        assert fluid_workers(rate, option, l_in, l_out) <= simulated, rate
+
+
+def test_a_law_without_a_slope_is_refused():
+    """Counts that do not rise with the rate fit a slope of 0 (or below): the 'law' would claim any rate
+    needs that many workers, so none is printed and the output says why."""
+    from hetserve.capacity.workers import DegenerateLaw
+
+    for rates, counts in (([20, 40], [2, 2]), ([10, 20, 40], [3, 2, 2])):
+        with pytest.raises(DegenerateLaw, match="give rates further apart"):
+            fit_worker_law(rates, counts)

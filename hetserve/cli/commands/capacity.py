@@ -4,7 +4,7 @@
         --rates 5,10,20 --slo-ttft 0.6 --slo-tpot 0.03 [--placement aladdin|jsq|po2|rr|lot|eft]
 
 Prints the per-GPU throughput of every TP degree, the fewest workers meeting the SLOs at each
-rate (by simulation with the chosen placement, or the fluid bound with ``--method fluid``), the
+rate (by simulation with the chosen placement, or the fluid lower bound with ``--method fluid``), the
 fitted law N_w = ⌈k5·r + c5⌉, and with ``--heartbeat`` the worker count scaled over the trace.
 """
 
@@ -45,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="colocated workers, or decode workers behind a prefill pool (only decode counted)")
     p.add_argument("--gpus-per-worker", type=int, help="override the Eq. 6 choice")
     p.add_argument("--method", choices=["sim", "fluid"], default="sim",
-                   help="simulate (default) or the fluid bound from the cost model")
+                   help="simulate (default), or the fluid lower bound from the cost model: the rate over the "
+                        "most requests/s a worker completes, no queueing")
     p.add_argument("--target", type=float, help=f"share of requests that must meet the SLOs (default {DEFAULT_TARGET})")
     p.add_argument("--requests", type=int, help=f"requests simulated per rate (default {DEFAULT_REQUESTS})")
     p.add_argument("--heartbeat", type=float, help="also scale workers over the trace every this many seconds")
@@ -69,6 +70,7 @@ def _rates(args) -> list[float]:
 def run(args: argparse.Namespace) -> int:
     from hetserve.capacity import config, workers
     from hetserve.capacity.scaling import plan_scaling
+    from hetserve.planner.servable import servable
     from hetserve.specs.cluster import load_cluster
     from hetserve.specs.model import load_model
     from hetserve.specs.workload import SLO, load_workload
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
                         args.rate if args.rate is not None else args.rates)
     named = [f"--{k}" for k in SIM_ONLY if getattr(args, k) is not None]
     if args.method == "fluid" and named:
-        raise SpecError(named[0], "method", "--method sim (the fluid bound simulates nothing, so no placement, "
+        raise SpecError(named[0], "method", "--method sim (the fluid lower bound simulates nothing, so no placement, "
                         "target share or request count enters it); drop " + ", ".join(named), "--method fluid")
     for k, default in SIM_ONLY.items():
         if getattr(args, k) is None:
@@ -88,13 +90,10 @@ def run(args: argparse.Namespace) -> int:
     slo = SLO(args.slo_ttft, args.slo_tpot)
     rates = _rates(args)
     whole = load_workload(args.workload, seed=args.seed)
-    base = whole.within_context(model.max_context)
-    if not len(base):
-        raise SpecError(args.workload, "(requests)", f"requests within {model.name}'s context of "
-                        f"{model.max_context} tokens", "none")
-    if len(base) < len(whole):  # the means below are of these: say why they differ from the trace's
-        console.print(f"note: {len(whole) - len(base)} of {len(whole)} requests exceed {model.name}'s context of "
-                      f"{model.max_context} tokens; sized for the {len(base)} that fit", highlight=False)
+    fit = servable(whole, model, args.workload, "sized")
+    if fit.note:  # the means below are of these: say why they differ from the trace's
+        console.print(f"note: {fit.note}", highlight=False)
+    base = fit.workload
     mi, mo = base.mean_input, base.mean_output
     intra = None
     if args.cluster:
@@ -142,29 +141,37 @@ def run(args: argparse.Namespace) -> int:
             top = r * args.requests / fluid
             raise SpecError("--rate" if args.rate is not None else "--rates", "rate",
                             f"a rate the {args.requests} simulated requests can resolve (about {top:.3g} req/s or "
-                            f"less here: the fluid bound at {r:g} req/s is {fluid:,} workers; raise --requests "
+                            f"less here: at {r:g} req/s the fluid lower bound is {fluid:,} workers; raise --requests "
                             f"or use --method fluid)", r)
         if args.method == "sim":
             from hetserve.capacity.simulated import workers_needed
 
-            wl = load_workload(args.workload, rate=r, seed=args.seed).within_context(model.max_context).head(
-                args.requests)
+            wl = servable(load_workload(args.workload, rate=r, seed=args.seed), model, args.workload,
+                          "sized").workload.head(args.requests)
             pre = max(1, fluid // 2) if args.mode == "decode" else 0
             n = workers_needed(model, gpu, wl, slo, args.placement, g, args.mode, args.target, prefill_workers=pre,
                                intra=intra, hint=fluid, per_machine=max(4, g))
         else:
             n = fluid
         rows.append((r, n, fluid))
-    t = Table(title=f"workers meeting {args.target:.0%} of the SLOs (TTFT {slo.ttft_s}s, ATGT {slo.tpot_s}s)"
-                    + (f", placement {args.placement}" if args.method == "sim" else ", fluid bound"),
-              caption=("simulated" if args.method == "sim" else "the fluid bound") + f", times from the {source}")
-    for col in ("rate req/s", "workers", "GPUs", "fluid bound"):
+    slos = f"TTFT {slo.ttft_s}s, ATGT {slo.tpot_s}s"
+    t = Table(title=f"workers meeting {args.target:.0%} of the SLOs ({slos}), placement {args.placement}"
+              if args.method == "sim" else f"fewest workers the rates could need ({slos}): fluid lower bound",
+              caption=("simulated" if args.method == "sim" else "the fluid lower bound") + f", times from the {source}")
+    for col in ("rate req/s", "workers", "GPUs", "fluid lower bound"):
         t.add_column(col, justify="right")
     for r, n, fluid in rows:
         t.add_row(f"{r:g}", str(n), str(n * g), str(fluid))
     console.print(t)
     if len(rows) >= 2:
-        law = workers.fit_worker_law([r for r, _, _ in rows], [n for _, n, _ in rows])
+        try:
+            law = workers.fit_worker_law([r for r, _, _ in rows], [n for _, n, _ in rows])
+        except workers.DegenerateLaw as exc:
+            console.print(f"no worker law N_w = ceil(k5 * r + c5): {exc}", highlight=False)
+            if args.heartbeat:  # the scaling follows the law: without one there is nothing to scale by
+                raise SpecError("--heartbeat", "rates", "rates whose worker counts differ, to fit the worker law "
+                                "the scaling follows", args.rates) from exc
+            return 0
         console.print(f"N_w = ceil({_tidy(law.k5):.4g} * r {_tidy(law.c5):+.3f})  (R² {law.r2:.3f}, "
                       f"max error {law.max_abs_error} worker(s))")
         if args.heartbeat:

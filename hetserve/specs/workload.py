@@ -5,7 +5,8 @@ statistics and slices of 19k-request traces without Python loops.
 
 Readers:
 - the Azure LLM inference trace layout ``TIMESTAMP,ContextTokens,GeneratedTokens`` (timestamps
-  as in the file or plain seconds), arrivals taken from the file;
+  as in the file or plain seconds), arrivals taken from the file: its times must not decrease from
+  row to row (request ids are row order), and they are shifted so the first arrives at 0;
 - length-only files ``num_prefill_tokens,num_decode_tokens`` (ShareGPT), which get Poisson
   arrivals at a chosen rate (``DEFAULT_SYNTHETIC_RATE``, 1 req/s, when none is given).
 
@@ -295,6 +296,7 @@ def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
     cols = (named[ci], named[co])  # as the file spells them, for the messages below
     extra = _OptionalColumns(header, named)
     arrivals, ins, outs = [], [], []
+    last = (0, "")  # the previous request's line and time, as the file writes it
     for line, row in enumerate(rows, start=2):
         if not row:
             continue
@@ -312,12 +314,18 @@ def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
             raise SpecError(f"{src}:{line}", named[time_col], "a time in seconds or 'YYYY-MM-DD HH:MM:SS'",
                             row[time_col] if time_col < len(row) else "nothing") from exc
         if not math.isfinite(t):
-            raise SpecError(f"{src}:{line}", "timestamp", "a finite time", row[time_col])
+            raise SpecError(f"{src}:{line}", named[time_col], "a finite time", row[time_col])
         # a trace spans at most ten years, and its times are seconds or Unix times before 2286:
         # past that a float cannot tell one second from the next and the arrivals collapse
         if abs(t) > MAX_TIME_S or (arrivals and abs(t - arrivals[0]) > MAX_SPAN_S):
             raise SpecError(f"{src}:{line}", named[time_col], f"a time within {MAX_SPAN_S:.0f} s (ten years) of "
                             f"the first row's and at most {MAX_TIME_S:.0e} s", row[time_col])
+        # rows keep the file's order, so request ids follow its rows: a time before the row above
+        # would make the simulator reorder them without a word
+        if arrivals and t < arrivals[-1]:
+            raise SpecError(f"{src}:{line}", named[time_col], f"times in non-decreasing order (at or after "
+                            f"line {last[0]}'s {last[1]})", row[time_col])
+        last = (line, row[time_col].strip() if time_col is not None else "")
         if i <= 0 or o <= 0:
             raise SpecError(f"{src}:{line}", f"{cols[0]}/{cols[1]}", "positive token counts", f"{i},{o}")
         if max(i, o) > MAX_TOKENS:  # past it the counts overflow the 64-bit sums taken of them

@@ -17,6 +17,7 @@ BURST = HEADER + "0,100,20\n" * 5
 PP_PLAN = plan_with(replicas=[{"id": "c0", "role": "colocated", "stages": [
     {"devices": ["h100-0:0"], "layers": [0, 16]}, {"devices": ["h100-0:1"], "layers": [16, 32]}]}])
 LONG = HEADER + "0,5000,20\n1,6000,20\n"  # every request beyond llama-2-7b's 4096 tokens
+UNSORTED = HEADER + "0,100,20\n-3,100,20\n1.0,100,20\n"  # line 3 comes before line 2
 SERVE = "serve --plan {d}/tiny.json --model {d}/m --port 0"
 CAP = "capacity --gpu A100-SXM-80G --model llama-2-7b --workload {d}/t.csv --slo-ttft 1 --slo-tpot 0.1"
 PLAN_CMD = "plan --cluster {d}/c.yaml --model llama-2-7b --workload {d}/t.csv"
@@ -158,6 +159,12 @@ SIMULATE_CASES = [
       accepted="a request beyond the model's context is rejected at arrival and counted as rejected, as the "
                "server rejects it; a warning says how many and how to drop or run them"),
     C("sim-output-under-file", SIM + " -o {d}/t.csv/out", ("--output", "t.csv")),
+    C("sim-trace-out-of-order", SIM.replace("t.csv", "u.csv"),
+      ("u.csv:3", "'TIMESTAMP'", "non-decreasing order", "line 2's 0", "'-3'"), {"u.csv": UNSORTED}),
+    C("sim-trace-starts-negative", SIM.replace("t.csv", "n.csv") + " --limit 3",
+      files={"n.csv": HEADER + "-3,100,20\n0,100,20\n1.0,100,20\n"},
+      accepted="a trace may start at any time, before 0 too: its arrivals are shifted to start at 0 s "
+               "(docs/design.md, Workload trace)"),
 ]
 
 PLAN_CASES = [
@@ -178,6 +185,8 @@ PLAN_CASES = [
     C("plan-output-is-input", PLAN_CMD + " -o {d}/t.csv", ("--output", "--workload")),
     C("plan-class-leaves-none", PLAN_CMD + " --workload-class HPHD", ("HPHD",)),
     C("plan-all-beyond-context", PLAN_CMD.replace("t.csv", "l.csv"), ("l.csv", "4096"), {"l.csv": LONG}),
+    C("plan-trace-out-of-order", PLAN_CMD.replace("t.csv", "u.csv"), ("u.csv:3", "non-decreasing order"),
+      {"u.csv": UNSORTED}),
     C("plan-algorithm-and-compare", PLAN_CMD + " --algorithm genetic --compare hexgen2", ("--algorithm", "--compare")),
     C("plan-disaggregated-hexgen", PLAN_CMD + " --algorithm hexgen --disaggregated", ("--disaggregated", "hexgen")),
     C("plan-disaggregated-uniform", PLAN_CMD + " --algorithm uniform --disaggregated",
@@ -335,6 +344,7 @@ SERVE_CASES = [
     C("serve-protect-probes-open", SERVE + " --protect-probes", ("--protect-probes",)),
     C("serve-route-on-colocated", SERVE + " --route load", ("--route load", "no prefill replica")),
     C("serve-host-bogus", SERVE + " --host 999.1.1.1", ("999.1.1.1",)),
+    C("serve-port-range-reversed", SERVE + " --port-range 5-3", ("--port-range", "LO <= HI", "'5-3'")),
 ]
 
 COMMAND_CASES = (PLAN_FILE_CASES + SIMULATE_CASES + PLAN_CASES + CAPACITY_CASES + COMPARE_CASES + COST_CASES

@@ -86,3 +86,26 @@ def test_a_length_only_trace_says_its_poisson_rate_and_a_timed_one_has_none():
 def test_a_rate_past_any_pool_is_refused(name, rate):
     with pytest.raises(SpecError, match="--rate"):
         load_workload(name, rate=rate)
+
+
+@pytest.mark.parametrize("rows,line,got", [
+    ("0,5,6\n-3,7,8\n1.0,9,9\n", 3, "-3"),  # a negative time after a later one
+    ("1,5,6\n2,7,8\n1.5,9,9\n", 4, "1.5"),
+    ("2023-11-16 18:15:50.99,5,6\n2023-11-16 18:15:46.68,7,8\n", 3, "2023-11-16 18:15:46.68"),
+])
+def test_a_time_before_the_row_above_is_refused_naming_the_line(tmp_path, rows, line, got):
+    p = tmp_path / "unsorted.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + rows)
+    with pytest.raises(SpecError) as e:
+        load_workload(p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}:{line}: field 'TIMESTAMP': expected times in non-decreasing order")
+    assert f"line {line - 1}'s" in msg and msg.endswith(f"got {got!r}")
+
+
+def test_a_trace_keeps_its_row_order_and_is_shifted_to_start_at_zero(tmp_path):
+    # docs/design.md "Workload trace (CSV)": request k is data row k; the first arrival is at 0 s
+    p = tmp_path / "t.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n-3,5,6\n-3,7,8\n\n0.5,9,10\n")
+    w = load_workload(p)
+    assert list(w.arrival_s) == [0.0, 0.0, 3.5] and list(w.input_tokens) == [5, 7, 9]

@@ -5,7 +5,8 @@ Each subcommand lives in its own module under ``hetserve.cli.commands`` and expo
 args and returning an exit code. Modules are discovered, so a new command is a new file.
 
 Every ``HetserveError`` (and an ``OSError`` naming a file) becomes one line on stderr and exit code 2;
-no traceback unless ``HETSERVE_DEBUG=1``.
+no traceback unless ``HETSERVE_DEBUG=1``. Output cut short by its reader (``hetserve ... | head``) ends
+the command quietly with exit code 0, whether or not the write raced the reader's exit.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import importlib
 import os
 import pkgutil
+import select
 import sys
 
 from hetserve import __version__
@@ -37,6 +39,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    # rich meets a closed pipe by exiting 1; hand it to the one rule below instead
+    Console.on_broken_pipe = _reraise_broken_pipe
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # what is still buffered meets a closed pipe here, not at exit
+        return code
+    except BrokenPipeError:
+        if not _stdout_closed():  # a socket's, say: a real failure, not a reader that stopped
+            raise
+        # the reader has what it wanted, and so has the user: a quiet success, as whenever the
+        # whole output fitted the pipe before the reader left. Python's exit flush goes nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _reraise_broken_pipe(console) -> None:
+    raise BrokenPipeError
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe (or socket) whose reader has gone."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # captured output (io.StringIO): never closed
+        return False
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

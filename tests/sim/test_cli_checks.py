@@ -151,3 +151,19 @@ def test_a_bad_option_is_refused_before_the_trace_is_read(pool, capsys, monkeypa
     assert sim(pool, "pd.json", "--workload", trace, option, value) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and word in err[0], err
+
+
+@pytest.mark.parametrize("plan, options, word", [
+    ("pd.json", ["--pipeline", "detailed"], "--pipeline detailed"),
+    ("pipe.json", ["--transmission", "molink"], "--transmission molink"),
+    ("pipe.json", ["--within-context", "--transmission", "molink"], "--transmission molink"),
+])
+def test_an_option_refused_comes_alone_before_the_traces_warnings(pool, capsys, plan, options, word):
+    """A refusal is the one line a refused run prints: the trace's context warning (or
+    --within-context's note) waits until every option is checked."""
+    trace = write(pool, [(0, 5000, 20), (1, 100, 20)])  # the first beyond llama-2-7b's 4096 tokens
+    assert sim(pool, plan, "--workload", trace, *options) == 2
+    assert word in one_line_error(capsys)
+    # a run that goes ahead still says it (the warning, or --within-context's note)
+    assert sim(pool, "pd.json", "--workload", trace, "--json", *[o for o in options if o == "--within-context"]) == 0
+    assert "exceed llama-2-7b's context" in capsys.readouterr().err

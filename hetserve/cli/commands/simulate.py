@@ -136,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
         wl = wl.scale_rate(args.rate_scale, source=args.workload)
     elif args.rate is not None:
         wl = wl.with_rate(args.rate, source=args.workload)
+    # warnings and notes wait until every option is checked: a refusal comes before any other word
+    notices: list[str] = []
     over = int(((wl.input_tokens + wl.output_tokens) > model.max_context).sum()) if len(wl) else 0
     dropped = f"{over} of {len(wl)}"
     if over and args.within_context:
@@ -145,16 +147,16 @@ def run(args: argparse.Namespace) -> int:
         fate = ("simulated as given (a server rejects them)" if args.run_beyond_context else
                 "rejected at arrival as a server rejects them, counted as rejected — --within-context drops them "
                 "from the trace, --run-beyond-context simulates them as given")
-        print(f"warning: {over} of {len(wl)} requests of {args.workload} exceed {model.name}'s context of "
-              f"{model.max_context} tokens (prompt + output; the longest has {worst}): {fate}", file=sys.stderr)
+        notices.append(f"warning: {over} of {len(wl)} requests of {args.workload} exceed {model.name}'s context "
+                       f"of {model.max_context} tokens (prompt + output; the longest has {worst}): {fate}")
     if len(wl) == 0:
         kept_by = [f for f, on in (("--workload-class " + str(args.workload_class), args.workload_class),
                                    ("--within-context", args.within_context)) if on]
         raise SpecError(args.workload, "(requests)", "at least one request after " + " and ".join(kept_by or
                                                                                               ["filtering"]), "none")
     if over and args.within_context:
-        print(f"note: --within-context dropped {dropped} requests of {args.workload}, which exceed "
-              f"{model.name}'s context of {model.max_context} tokens (prompt + output)", file=sys.stderr)
+        notices.append(f"note: --within-context dropped {dropped} requests of {args.workload}, which exceed "
+                       f"{model.name}'s context of {model.max_context} tokens (prompt + output)")
     if rates:
         wl.with_rate(rates[0], source=args.workload, option="--sweep-rates")  # before the first simulation, not after it
     try:
@@ -180,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         if note is not None and note[0] == "error":
             raise PlanError(note[1])  # one line naming both options and what to do instead
         if note is not None:
-            print(f"warning: {note[1]}", file=sys.stderr)
+            notices.append(f"warning: {note[1]}")
     predictor = None
     if args.predictor == "bucket":
         from hetserve.policies.predictor import BucketMeanPredictor
@@ -196,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
                           beyond_context="run" if args.run_beyond_context else "reject",
                           seed=args.seed, policy_options=policy_options,
                           progress=not args.no_progress and not args.json)
+        for line in notices:
+            print(line, file=sys.stderr)
         result = simulate(plan, cluster, model, wl, opts, cost=cost)
     except ValueError as exc:
         if isinstance(exc, (PlanError, SpecError)):

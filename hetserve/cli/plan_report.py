@@ -162,8 +162,9 @@ def print_explanation(console, plan, args, cluster, model, workload, options, fn
     base = plan_tokens_per_s(plan, cluster, model, workload, plain)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    no_bar = args.quiet or not console.is_terminal  # off a terminal the bar would leave a blank line
     with Progress(TextColumn("[bold]what-ifs[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True, disable=args.quiet) as bar:
+                  TimeElapsedColumn(), console=console, transient=True, disable=no_bar) as bar:
         task = bar.add_task("", total=None)
 
         def on_variant(i, n, label):

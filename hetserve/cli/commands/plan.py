@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
                         f"algorithm that splits prefill from decode (hexgen2, random-swap, genetic, uniform, exact) "
                         f"or drop --disaggregated")
     cluster = load_cluster(args.cluster)
+    _check_exact_size(names, cluster, "--compare" if args.compare else "--algorithm")
     model = load_model(args.model)
     workload = load_workload(args.workload)
     if args.workload_class:
@@ -119,10 +120,12 @@ def run(args: argparse.Namespace) -> int:
     if args.efficiency and (note := foreign_calibration(args.efficiency, {d.gpu.name for d in cluster.devices})):
         console.print(f"[yellow]warning[/]: {note}", soft_wrap=True)
     workload = _servable(workload, model, console, args.workload)
+    # off a terminal a transient bar cannot erase itself: each would leave a blank line above the plan
+    no_bar = args.quiet or not console.is_terminal
     plans = []
     for name in names:
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[best]}"),
-                      TimeElapsedColumn(), console=console, transient=True, disable=args.quiet) as bar:
+                      TimeElapsedColumn(), console=console, transient=True, disable=no_bar) as bar:
             task = bar.add_task(f"{name}", total=1.0, best="")
 
             def report(ev, task=task, bar=bar):
@@ -188,6 +191,19 @@ def _check_objective(args) -> None:
     if args.objective == "throughput" and (args.slo_ttft is not None or args.slo_tpot is not None):
         raise PlanError("--slo-ttft / --slo-tpot: only read by --objective goodput or cost "
                         "(throughput plans for full load, without SLOs)")
+
+
+def _check_exact_size(names, cluster, flag: str) -> None:
+    """The exact searches refuse pools above ``PlanOptions.max_exact_devices``, which no option of
+    this command sets: say so before any search starts, in the words a CLI user can act on."""
+    from hetserve.planner.options import PlanOptions
+
+    limit = PlanOptions().max_exact_devices
+    exact = [n for n in names if n.startswith("exact")]
+    if exact and len(cluster) > limit:
+        raise PlanError(f"{flag} {', '.join(exact)}: the exact search enumerates every placement and is limited to "
+                        f"{limit} devices; {cluster.name} has {len(cluster)}: plan it with --algorithm hexgen2 "
+                        f"(the default), genetic or random-swap")
 
 
 def _servable(workload, model, console, source: str):

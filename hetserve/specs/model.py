@@ -206,14 +206,17 @@ class ModelSpec:
             raise SpecError(src, "(file)", "valid JSON (UTF-8 text)", str(exc)) from exc
         if not isinstance(cfg, dict):
             raise SpecError(src, "(top level)", "a JSON object")
+        def missing(key: str) -> str:  # a field left out is said to be, not shown as a wrong value
+            return " (the field is missing)" if key not in cfg else ""
+
         model_type = cfg.get("model_type")
         if model_type not in ARCHS:
-            raise SpecError(src, "model_type", "one of " + ", ".join(ARCHS), model_type)
+            raise SpecError(src, "model_type", "one of " + ", ".join(ARCHS) + missing("model_type"), model_type)
 
         def need(key: str) -> int:
             value = cfg.get(key)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_DIM:
-                raise SpecError(src, key, f"a positive integer of at most {MAX_DIM}", value)
+                raise SpecError(src, key, f"a positive integer of at most {MAX_DIM}{missing(key)}", value)
             return value
 
         # transformers 5 reads ``dtype`` and falls back to the older ``torch_dtype``: so do we, and two

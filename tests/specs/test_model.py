@@ -137,3 +137,17 @@ def test_dtype_and_torch_dtype_that_disagree_are_refused(tmp_path):
         ModelSpec.from_hf_config(_write(tmp_path, {**_TINY, "dtype": "float32", "torch_dtype": "bfloat16"}))
     msg = str(exc.value)
     assert "config.json" in msg and "'dtype'" in msg and "bfloat16" in msg and "float32" in msg
+
+
+@pytest.mark.parametrize("field", ["intermediate_size", "model_type", "num_hidden_layers"])
+def test_a_missing_config_field_is_said_to_be_missing(tmp_path, field):
+    cfg = {"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 128}
+    with pytest.raises(SpecError) as e:
+        ModelSpec.from_hf_config(_write(tmp_path, {k: v for k, v in cfg.items() if k != field}))
+    assert str(e.value).endswith(f"field '{field}': expected " + (
+        "one of llama, mistral, qwen2, opt" if field == "model_type" else "a positive integer of at most 2147483647")
+        + " (the field is missing)")
+    with pytest.raises(SpecError) as e:  # present but wrong: the value is shown, and nothing said missing
+        ModelSpec.from_hf_config(_write(tmp_path, {**cfg, field: 0}))
+    assert "(the field is missing)" not in str(e.value) and str(e.value).endswith("got 0")

@@ -21,7 +21,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade --quiet pip
-	# torch first and pinned: the CPU wheel where there is no GPU, never an unpinned CUDA build.
+	# torch first, pinned to 2.13.0, from whatever index pip is configured with (PyPI on Linux serves
+	# the CUDA build; nothing here picks CPU or GPU), so the project's install resolves against it.
+	# A torch 2.13.0 already in the venv (the CPU wheel installed by hand, README) is kept.
 	$(BIN)/pip install --quiet -c requirements/constraints.txt torch==2.13.0
 	$(BIN)/pip install --quiet -c requirements/constraints.txt -e '.[runtime,ray,dev]'
 	touch $(STAMP)

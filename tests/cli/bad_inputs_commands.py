@@ -257,10 +257,17 @@ EXPORT_CASES = [
 ]
 
 MAKE_MODEL_CASES = [
-    C("mm-vocab-small", "make-model --vocab 100 -o {d}/x", ("vocab", "259")),
-    C("mm-heads-not-dividing", "make-model --heads 3 -o {d}/x", ("heads",)),
-    C("mm-kv-heads-not-dividing", "make-model --kv-heads 3 -o {d}/x", ("kv_heads",)),
-    C("mm-kv-heads-on-opt", "make-model --arch opt --kv-heads 2 -o {d}/x", ("OPT",)),
+    C("mm-vocab-small", "make-model --vocab 100 -o {d}/x", ("--vocab", "259", "got 100")),
+    # a shape error names the option given, and where the value it clashes with came from
+    C("mm-heads-not-dividing", "make-model --heads 3 -o {d}/x",
+      ("--heads", "a divisor of the hidden size (64, the default; pass --hidden)", "got 3")),
+    C("mm-kv-heads-not-dividing", "make-model --kv-heads 3 -o {d}/x",
+      ("--kv-heads", "a divisor of the heads (4, the default; pass --heads)", "got 3")),
+    C("mm-heads-against-like", "make-model --like llama-2-7b --heads 4 --random-weights -o {d}/x",
+      ("--heads", "a multiple of the KV heads (32, from --like llama-2-7b; pass --kv-heads)", "got 4")),
+    C("mm-hidden-against-heads-given", "make-model --hidden 66 --heads 4 -o {d}/x",
+      ("--hidden", "a multiple of --heads (4)", "got 66")),
+    C("mm-kv-heads-on-opt", "make-model --arch opt --kv-heads 2 -o {d}/x", ("--kv-heads", "OPT", "got 2")),
     C("mm-output-is-file", "make-model -o {d}/t.csv", ("-o", "t.csv")),
     C("mm-layers-huge", "make-model --layers 1000000000 -o {d}/x", ("--layers",)),
     C("mm-hidden-huge", "make-model --hidden 1048576 --heads 4 -o {d}/x", ("--hidden",)),

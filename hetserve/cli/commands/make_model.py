@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hetserve.errors import SpecError
+
 MAX_PARAMS = 2 ** 30  # 4 GiB of float32 weights
 # the shape options, their defaults (a tiny model) and the ModelSpec field each takes with --like
 SHAPE = {"layers": (4, "num_layers"), "hidden": (64, "hidden"), "heads": (4, "num_heads"),
@@ -37,8 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def _shape(args: argparse.Namespace) -> None:
-    """Fill the shape options left unset: from ``--like``'s preset, else the tiny defaults."""
+def _shape(args: argparse.Namespace) -> dict[str, str]:
+    """Fill the shape options left unset: from ``--like``'s preset, else the tiny defaults. Returns
+    where each came from ("given", "from --like PRESET" or "the default"), for the errors."""
     preset = None
     if args.like:
         from hetserve.specs.model import load_model
@@ -46,14 +49,46 @@ def _shape(args: argparse.Namespace) -> None:
         preset = load_model(args.like)  # a SpecError naming --like's value and the presets otherwise
         args.arch = args.arch or preset.arch
     args.arch = args.arch or "llama"
+    origin = {}
     for option, (default, field) in SHAPE.items():
-        if getattr(args, option) is None:
-            setattr(args, option, getattr(preset, field) if preset is not None else default)
+        origin[option] = "given" if getattr(args, option) is not None else (
+            f"from --like {args.like}" if preset is not None else "the default")
+        if origin[option] == "given":
+            continue
+        # OPT has no grouped-query attention: a Llama preset's KV heads do not carry over to it
+        setattr(args, option, None if option == "kv_heads" and args.arch == "opt" else
+                getattr(preset, field) if preset is not None else default)
+    return origin
+
+
+def _shape_refusal(args: argparse.Namespace, origin: dict[str, str], exc) -> SpecError:
+    """``make_model``'s ``ShapeError`` as one line naming the option the user gave (and where the other
+    value came from: --like's preset or the default)."""
+    def flag(field: str) -> str:
+        return "--" + field.replace("_", "-")
+
+    def value(field: str):
+        return args.heads if field == "kv_heads" and args.kv_heads is None else getattr(args, field)
+
+    given = [f for f in exc.fields if origin.get(f) == "given"]
+    subject = (given or list(exc.fields))[0]
+    if len(exc.fields) == 1:
+        return SpecError(flag(subject), SpecError.OPTION, exc.expected, value(subject))
+    multiple, divisor = exc.fields
+    other = divisor if subject == multiple else multiple
+    if origin.get(other) == "given":
+        ref = f"{flag(other)} ({value(other)})"
+    else:
+        ref = f"the {_NOUNS[other]} ({value(other)}, {origin[other]}; pass {flag(other)})"
+    relation = "a multiple of" if subject == multiple else "a divisor of"
+    return SpecError(flag(subject), SpecError.OPTION, f"{relation} {ref}", value(subject))
+
+
+_NOUNS = {"hidden": "hidden size", "heads": "heads", "kv_heads": "KV heads"}
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hetserve.errors import SpecError
-    from hetserve.runtime.model.make import make_model
+    from hetserve.runtime.model.make import ShapeError, check_shape, make_model
 
     from hetserve.output_path import check_output_folder
 
@@ -62,7 +97,11 @@ def _run(args: argparse.Namespace) -> int:
     if out_dir.is_dir() and any(out_dir.iterdir()):  # never write random weights over a real checkpoint
         raise SpecError(args.output, "-o", "a new or empty folder", "a folder holding " +
                         ", ".join(sorted(p.name for p in out_dir.iterdir())[:3]))
-    _shape(args)
+    origin = _shape(args)
+    try:
+        check_shape(args.arch, args.hidden, args.heads, args.kv_heads, args.vocab)
+    except ShapeError as exc:
+        raise _shape_refusal(args, origin, exc) from exc
     params = _num_params(args)
     if params > MAX_PARAMS and not args.random_weights:  # the weights are made in memory before they are written
         raise SpecError("--layers/--hidden/--ffn/--vocab/--max-positions", "(options)",
@@ -73,8 +112,8 @@ def _run(args: argparse.Namespace) -> int:
         out = make_model(args.output, args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
                          kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
                          max_positions=args.max_positions, seed=args.seed, random_weights=args.random_weights)
-    except ValueError as exc:
-        raise SpecError("make-model", "arguments", "a consistent model shape", str(exc)) from exc
+    except ValueError as exc:  # the shape passed check_shape: what transformers refused besides
+        raise SpecError("make-model", SpecError.OPTION, "a model shape transformers builds", str(exc)) from exc
     what = "recipe (random weights drawn by each worker)" if args.random_weights else "checkpoint"
     print(f"wrote {args.arch} {what} ({args.layers} layers, hidden {args.hidden}, about {params:.3g} parameters) "
           f"to {out}")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hetserve.runtime.model.random_weights import random_stage, write_marker
 
-__all__ = ["make_model", "random_stage", "save_byte_tokenizer", "default_ffn"]
+__all__ = ["make_model", "random_stage", "save_byte_tokenizer", "default_ffn", "check_shape", "ShapeError"]
 
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
 ARCHS = ("llama", "opt")
@@ -60,6 +60,33 @@ def default_ffn(arch: str, hidden: int) -> int:
     return -(-2 * hidden // 8) * 8 if arch == "llama" else 4 * hidden
 
 
+class ShapeError(ValueError):
+    """A shape ``make_model`` refuses, with the arguments its rule is about, so a caller can name
+    them as its user gave them: ``fields`` ``(multiple, divisor)`` for a rule that one divide the
+    other, else one field and ``expected``, what it must be."""
+
+    def __init__(self, message: str, fields: tuple[str, ...], expected: str = ""):
+        super().__init__(message)
+        self.fields, self.expected = fields, expected
+
+
+def check_shape(arch: str, hidden: int, heads: int, kv_heads: int | None, vocab: int) -> None:
+    """The shapes ``make_model`` builds (``ShapeError`` otherwise); ``kv_heads`` None is ``heads``."""
+    if arch not in ARCHS:
+        raise ShapeError(f"arch must be one of {ARCHS}, got {arch!r}", ("arch",), f"one of {', '.join(ARCHS)}")
+    if vocab < 259:
+        raise ShapeError(f"vocab must be >= 259 (256 bytes + <bos> <eos> <pad>), got {vocab}", ("vocab",),
+                         "at least 259 (256 bytes + <bos> <eos> <pad>)")
+    if hidden % heads:
+        raise ShapeError(f"hidden ({hidden}) must be a multiple of heads ({heads})", ("hidden", "heads"))
+    kv_heads = heads if kv_heads is None else kv_heads
+    if heads % kv_heads:
+        raise ShapeError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})", ("heads", "kv_heads"))
+    if arch == "opt" and kv_heads != heads:
+        raise ShapeError("OPT has no grouped-query attention: leave kv_heads unset", ("kv_heads",),
+                         "as many as the heads, or none given (OPT has no grouped-query attention)")
+
+
 def make_model(out_dir: str | Path, arch: str = "llama", *, layers: int = 4, hidden: int = 64,
                heads: int = 4, kv_heads: int | None = None, ffn: int | None = None, vocab: int = 320,
                max_positions: int = 1024, seed: int = 0, init_std: float = 0.02,
@@ -71,17 +98,8 @@ def make_model(out_dir: str | Path, arch: str = "llama", *, layers: int = 4, hid
     ``4 * hidden`` (OPT) or ``2 * hidden`` rounded up to 8 (Llama). ``vocab`` must be at least 259
     (256 bytes + three special tokens). The same ``seed`` gives the same weights.
     """
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    if vocab < 259:
-        raise ValueError(f"vocab must be >= 259 (256 bytes + <bos> <eos> <pad>), got {vocab}")
-    if hidden % heads:
-        raise ValueError(f"hidden ({hidden}) must be a multiple of heads ({heads})")
+    check_shape(arch, hidden, heads, kv_heads, vocab)
     kv_heads = heads if kv_heads is None else kv_heads
-    if heads % kv_heads:
-        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
-    if arch == "opt" and kv_heads != heads:
-        raise ValueError("OPT has no grouped-query attention: leave kv_heads unset")
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 

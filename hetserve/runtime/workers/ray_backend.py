@@ -8,15 +8,17 @@ start each node with its machine's resource (``docs/multinode.md`` walks through
     ray start --address HEAD:6379 --node-ip-address 10.0.0.6 --resources '{"hetserve_machine_a0": 1000}'
 
 and pass ``--ray-address``. Without an address, ``RaySession.start`` starts a private one-node
-Ray on this machine that advertises every machine of the cluster (tests, demos).
+Ray on this machine that advertises every machine of the cluster (tests, demos). That Ray is a node
+on 127.0.0.1, and so are hetserve's own listeners with it (see ``RaySession``).
 
 Addresses: each worker binds and advertises its own node's address — the cluster file's
 ``address`` for its machine if it gives one, else the IP Ray knows the node by — for its endpoint
 and its gloo device (``rendezvous.py``). The engine (the driver) binds its endpoint and the TP
-rendezvous store to ``EngineConfig.host``; left unset, that is the driver's own Ray node IP. Ports
+rendezvous store to ``EngineConfig.host``; left unset, that is the driver's own Ray node IP (with a
+private Ray: 127.0.0.1, the address it was started on, and every worker binds that too). Ports
 come from ``EngineConfig.port_range`` where it is set (each worker takes the first free one on its
-own node; the worker's config carries the range), else the OS picks them. A worker on a GPU node asks Ray for one GPU (``num_gpus=1``) and uses the one Ray gives it; CPU
-worker slots ask for none.
+own node; the worker's config carries the range), else the OS picks them. A worker on a GPU node
+asks Ray for one GPU (``num_gpus=1``) and uses the one Ray gives it; CPU worker slots ask for none.
 
 The engine itself is unchanged: it starts worker *processes* through
 ``mp.get_context("spawn").Process(target=worker_main, args=(cfg,))`` and manages them through
@@ -44,9 +46,12 @@ import dataclasses
 import logging
 import os
 import secrets
+import shutil
 import threading
 import time
 from typing import Any, Callable
+
+from hetserve.runtime.workers.rendezvous import LOOPBACK
 
 RESOURCE_PREFIX = "hetserve_machine_"
 _NODE_SHARE = 0.001  # of a machine resource per worker: many workers fit one machine's node
@@ -85,14 +90,20 @@ def ray_auth_env(environ: dict[str, str], joining: bool) -> dict[str, str]:
 class RaySession:
     """A Ray connection for serving: joins ``address`` or starts a private local Ray.
 
-    The local Ray listens on loopback only, keeps its files under ``tmp_dir`` (default
-    ``$RAY_TMPDIR`` or a fresh temporary folder) and advertises one custom resource per machine.
-    ``close()`` shuts down what this session started.
+    The private Ray is one node on 127.0.0.1: its own servers (GCS, raylet, its worker processes'
+    gRPC servers, the monitor's metrics port, the runtime-env agent) listen on loopback only, and
+    hetserve's listeners with it bind that address (``node_ip``). It keeps its files under
+    ``tmp_dir`` (default ``$RAY_TMPDIR``, else a fresh temporary folder that ``close()`` removes)
+    and advertises one custom resource per machine. ``close()`` shuts down what this session started.
     """
 
-    def __init__(self, started: bool, tmp_dir: str | None, private: bool = False):
+    # The node IP of the private Ray now running in this process, if any: what hetserve binds with it.
+    _private_ip: str | None = None
+
+    def __init__(self, started: bool, tmp_dir: str | None, private: bool = False, made_tmp_dir: bool = False):
         self.started, self.tmp_dir = started, tmp_dir
         self.private = private  # a one-node Ray of this session: every machine on loopback
+        self.made_tmp_dir = made_tmp_dir  # tmp_dir is this session's own, removed by close()
 
     @staticmethod
     def start(cluster, address: str | None = None, num_cpus: int = 2, tmp_dir: str | None = None,
@@ -108,20 +119,35 @@ class RaySession:
             extra = {"_node_ip_address": node_ip_address} if node_ip_address else {}
             ray.init(address=address, include_dashboard=False, log_to_driver=False, **extra)
             return RaySession(True, None)
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        made = False
         tmp_dir = tmp_dir or os.environ.get("RAY_TMPDIR")
         if tmp_dir is None:
             import tempfile
 
-            tmp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
+            tmp_dir = tempfile.mkdtemp(prefix="ray-", dir=TMP_PARENT)
+            made = True
         resources = {machine_resource(m): 1000.0 for m in cluster.machines}
-        ray.init(num_cpus=num_cpus, resources=resources, include_dashboard=False, _temp_dir=tmp_dir,
-                 log_to_driver=False, _node_ip_address="127.0.0.1")
-        return RaySession(True, tmp_dir, private=True)
+        session = RaySession(False, tmp_dir, private=True, made_tmp_dir=made)
+        try:
+            with _ray_keeps_loopback():
+                ray.init(num_cpus=num_cpus, resources=resources, include_dashboard=False, _temp_dir=tmp_dir,
+                         log_to_driver=False, _node_ip_address=LOOPBACK)
+        except BaseException:
+            session.close()
+            raise
+        session.started, RaySession._private_ip = True, LOOPBACK
+        where = sorted({str(n.get("NodeManagerAddress")) for n in ray.nodes()})
+        if where != [LOOPBACK]:
+            logging.getLogger("hetserve.runtime").warning("the private Ray runs on %s, not %s: its own servers "
+                                                          "listen beyond loopback", ", ".join(where), LOOPBACK)
+        return session
 
     @staticmethod
     def node_ip() -> str:
-        """The address Ray knows this (driver's) node by."""
+        """The address this (driver's) node is reached at: 127.0.0.1 with a private Ray (the address it
+        was started on), else the IP Ray knows the node by."""
+        if RaySession._private_ip is not None:
+            return RaySession._private_ip
         import ray
 
         return ray.util.get_node_ip_address()
@@ -132,6 +158,40 @@ class RaySession:
 
             ray.shutdown()
             self.started = False
+            if self.private:
+                RaySession._private_ip = None
+        if self.made_tmp_dir and self.tmp_dir is not None:
+            # Ray's session logs and sockets, in a folder it made world-writable: nothing of it outlives the session
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.made_tmp_dir = False
+
+
+TMP_PARENT = "/tmp"  # where a private Ray's own folder goes: Ray's socket paths must stay under 107 bytes
+
+
+@contextlib.contextmanager
+def _ray_keeps_loopback():
+    """While a private Ray starts: Ray keeps a node on 127.0.0.1 (its servers on loopback) only with its
+    cluster mode off, else it swaps a loopback ``_node_ip_address`` for the machine's outward address
+    and listens on every interface. ``ray`` reads the mode (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``) when
+    first imported, so the flag it set is held off too; both are restored after (a later join is as before)."""
+    from ray._private import ray_constants
+
+    saved_env, saved_flag = os.environ.get(_CLUSTER_MODE_ENV), getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    os.environ[_CLUSTER_MODE_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if saved_env is None:
+            os.environ.pop(_CLUSTER_MODE_ENV, None)
+        else:
+            os.environ[_CLUSTER_MODE_ENV] = saved_env
+        if saved_flag is not None:
+            ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+
+
+_CLUSTER_MODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def _actor_class():
@@ -145,14 +205,43 @@ def _actor_class():
             """(pid, the address the worker will bind): ``address`` if given, else this node's IP."""
             return os.getpid(), address or ray.util.get_node_ip_address()
 
-        def run(self, target: Callable[[Any], None], cfg: Any, host: str) -> None:
+        def run(self, target: Callable[[Any], None], cfg: Any, host: str) -> int:
+            """The worker's exit code. A planned stop is no death for Ray to report: the worker's
+            closing ``os._exit`` returns here, and the driver then ends the idle actor (``ray.kill``)."""
             spec = cfg.spec
             if spec.device.startswith("cuda"):  # Ray made only the GPU it granted visible: cuda:0 here
                 spec = dataclasses.replace(spec, device="cuda:0")
             # the worker watches its own parent (here the node's raylet), see worker_main
-            target(dataclasses.replace(cfg, host=host, spec=spec))
+            return _exit_code_of(target, dataclasses.replace(cfg, host=host, spec=spec))
 
     return WorkerActor
+
+
+class _Exited(BaseException):
+    """``os._exit(code)`` called on the thread running the worker inside an actor (``args[0]``: code)."""
+
+
+def _exit_code_of(target: Callable[[Any], None], cfg: Any) -> int:
+    """Run ``target(cfg)`` and return the code it ends the process with (0 if it returns).
+
+    ``os._exit`` on this thread returns here instead of ending the actor's process mid-task (which
+    Ray reports as a death); on any other thread (the worker's parent watch) it still ends the
+    process at once. The actor's process runs this one worker and nothing else."""
+    real_exit, runner = os._exit, threading.get_ident()
+
+    def exit_(code: int) -> None:
+        if threading.get_ident() == runner:
+            raise _Exited(code)
+        real_exit(code)
+
+    os._exit = exit_
+    try:
+        target(cfg)
+        return 0
+    except _Exited as done:
+        return done.args[0]
+    finally:
+        os._exit = real_exit
 
 
 class RayWorkerProcess:
@@ -194,11 +283,11 @@ class RayWorkerProcess:
         ready, _ = ray.wait([self._ref], timeout=0)
         if ready:
             try:
-                ray.get(ready[0])
-                self._exitcode = 0
-            except Exception as exc:  # noqa: BLE001 - the actor died (os._exit, its node left) or the worker raised
+                self._exitcode = ray.get(ready[0])
+            except Exception as exc:  # noqa: BLE001 - the actor died (its node left, its parent went) or raised
                 self.cause = _death_cause(exc, self.machine)
                 self._exitcode = 1
+            self._end_actor()  # the worker is done: its process ends now, a planned end Ray does not report
         return self._exitcode
 
     def join(self, timeout: float | None = None) -> None:
@@ -217,12 +306,18 @@ class RayWorkerProcess:
     def kill(self) -> None:
         if self._actor is None:
             return
-        import ray
-
-        with contextlib.suppress(Exception):
-            ray.kill(self._actor, no_restart=True)
+        self._end_actor()
         if self._exitcode is None:
             self._exitcode = -9
+
+    def _end_actor(self) -> None:
+        """End the actor's process (no interpreter teardown, as the worker's own ``os._exit``)."""
+        import ray
+
+        actor, self._actor = self._actor, None
+        if actor is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
 
 
 def _death_cause(exc: BaseException, machine: str) -> str:
@@ -267,7 +362,8 @@ def start_ray_engine(plan, cluster, model_dir, config=None, *, machine_addresses
     """``Engine.from_plan`` with every worker a Ray actor on its machine's node (Ray must be initialised,
     e.g. by ``RaySession.start``). ``config.host`` unset: the engine listens on this driver's Ray node IP.
     ``machine_addresses`` (default: the cluster file's) are what each machine's workers bind; a machine
-    without one binds its Ray node's IP."""
+    without one binds its Ray node's IP. With a private Ray (``RaySession.start`` without an address)
+    every worker binds 127.0.0.1, whatever they say."""
     import ray
 
     from hetserve.errors import RuntimeFailure
@@ -282,9 +378,12 @@ def start_ray_engine(plan, cluster, model_dir, config=None, *, machine_addresses
     if missing:
         raise RuntimeFailure("no Ray node advertises " + ", ".join(missing) + "; start each machine's node with "
                              "`ray start --resources '{\"" + missing[0] + "\": 1000}'`")
-    addresses = dict(cluster.machine_addresses if machine_addresses is None else machine_addresses)
     nodes = ray.nodes()
-    _check_addresses(cluster.name, addresses, nodes)
+    if RaySession._private_ip is not None:  # one node on this machine hosts every machine: all bind its address
+        addresses = {m: RaySession._private_ip for m in cluster.machines}
+    else:
+        addresses = dict(cluster.machine_addresses if machine_addresses is None else machine_addresses)
+        _check_addresses(cluster.name, addresses, nodes)
     config = config or EngineConfig()
     engine_kwargs.setdefault("devices", _devices(cluster, config.device, nodes))
     if config.host is None:

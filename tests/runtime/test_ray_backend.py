@@ -1,0 +1,138 @@
+"""A private Ray (``--backend ray`` without ``--ray-address``): it and hetserve's listeners with it stay
+on loopback, a planned stop is not reported as a death, and its temporary folder goes with it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+import ray  # noqa: E402  (make test installs the ray extra: a missing ray must fail, not skip)
+import psutil  # noqa: E402  (Ray ships it, and puts it on the path when imported)
+
+from hetserve.runtime.workers import ray_backend
+from hetserve.runtime.workers.ray_backend import RaySession
+
+PLAN = {"model": "tiny", "cluster": "demo-cpu", "replicas": [
+    {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 2]},
+                                                 {"devices": ["m1:0"], "layers": [2, 4]}]}]}
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ray_kept", [True, False], ids=["ray-on-loopback", "ray-beyond-loopback"])
+def test_a_private_ray_listens_on_loopback_and_a_planned_stop_leaves_nothing(tmp_path, monkeypatch, capfd, caplog,
+                                                                              ray_kept):
+    """``ray-beyond-loopback``: were Ray not kept there (a Ray that stops honouring it), hetserve's own
+    listeners would still be on the address the private Ray was started on, and a warning says so."""
+    import contextlib
+
+    from ray._private import ray_constants
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.delenv("RAY_TMPDIR", raising=False)  # the session makes its own folder, and so removes it
+    # Ray as a Linux process that imported it without the variable has it: cluster mode on, which
+    # moves a loopback node to the machine's outward address (this sandbox's eth0) unless held off
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    # Ray's socket paths must stay under 107 bytes, which pytest's tmp_path can exceed: a short folder
+    # of this test, for the session to make its own in
+    parent = tempfile.mkdtemp(prefix="hsray-", dir="/tmp")
+    monkeypatch.setattr(ray_backend, "TMP_PARENT", parent)
+    if not ray_kept:
+        monkeypatch.setattr(ray_backend, "_ray_keeps_loopback", contextlib.nullcontext)
+    try:
+        _private_session(tmp_path, parent, capfd, ray_kept)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(parent, ignore_errors=True)
+    assert ("listen beyond loopback" in caplog.text) != ray_kept
+    assert ray_constants.ENABLE_RAY_CLUSTER is True  # restored: a later session joining a pool is as before
+
+
+def _private_session(tmp_path, parent, capfd, ray_kept):
+    from hetserve.planner.plan import Plan
+    from hetserve.runtime.engine_config import EngineConfig
+    from hetserve.runtime.model.make import make_model
+    from hetserve.runtime.params import SamplingParams
+    from hetserve.specs.cluster import load_cluster
+
+    model = make_model(tmp_path / "tiny", "llama", layers=4, hidden=64, heads=4, kv_heads=2, max_positions=256)
+    session = RaySession.start(load_cluster("demo-cpu"))
+    assert session.private and os.path.dirname(session.tmp_dir) == parent
+    engine = ray_backend.start_ray_engine(Plan.from_dict(PLAN), load_cluster("demo-cpu"), str(model), EngineConfig())
+    try:
+        out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0), timeout=120)
+        assert len(out[0]) == 4
+        # hetserve's own listeners: the engine's endpoint and each worker's, bound and advertised
+        assert engine.transport.address[0] == "127.0.0.1"
+        assert {a[0] for a in engine.workers.addresses.values()} == {"127.0.0.1"}
+        assert {p.host for p in engine.procs.values()} == {"127.0.0.1"}
+        # every socket this process and the processes it started listen on: Ray's servers, its
+        # workers (hetserve's worker endpoints among them), the engine's endpoint
+        listening = _listeners()
+        bound = {(pid, ip, port) for pid, _, ip, port in listening}
+        assert (os.getpid(), *engine.transport.address) in bound
+        for name, p in engine.procs.items():
+            assert (p.pid, *engine.workers.addresses[name]) in bound, (name, listening)
+        assert {"gcs_server", "raylet"} <= {name for _, name, _, _ in listening}, listening
+        beyond = sorted((name, ip, port) for _, name, ip, port in listening if ip not in LOOPBACK)
+        assert bool(beyond) != ray_kept, f"listening beyond loopback: {beyond}"
+    finally:
+        engine.shutdown()
+    # a planned stop: each worker ended of its own accord, not killed, and Ray reports no death
+    assert {name: (p.exitcode, p.cause) for name, p in engine.procs.items()} == {
+        name: (0, None) for name in engine.procs}
+    session.close()
+    assert not os.path.exists(session.tmp_dir) and os.listdir(parent) == []
+    printed = capfd.readouterr()
+    assert "worker died" not in printed.out + printed.err, printed
+
+
+def _listeners() -> list[tuple[int, str, str, int]]:
+    """(pid, process name, address, port) of each TCP socket this process and its descendants listen on."""
+    found = []
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            name = proc.name()
+            conns = proc.net_connections(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        found += [(proc.pid, name, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+    return found
+
+
+def test_close_keeps_a_folder_the_session_did_not_make(tmp_path):
+    """``tmp_dir`` given (or ``$RAY_TMPDIR``) is the caller's: close() leaves it; its own it removes."""
+    given, made = tmp_path / "given", tmp_path / "made"
+    given.mkdir()
+    made.mkdir()
+    RaySession(False, str(given), private=True, made_tmp_dir=False).close()
+    RaySession(False, str(made), private=True, made_tmp_dir=True).close()
+    assert given.is_dir() and not made.exists()
+
+
+EXITS = """
+import os, sys, threading, time
+from hetserve.runtime.workers.ray_backend import _exit_code_of
+assert _exit_code_of(lambda cfg: os._exit(cfg), 7) == 7
+assert _exit_code_of(lambda cfg: None, None) == 0
+def other_thread(cfg):
+    threading.Thread(target=os._exit, args=(cfg,)).start()
+    time.sleep(60)
+_exit_code_of(other_thread, 5)
+sys.exit(1)
+"""
+
+
+def test_a_workers_exit_returns_from_its_actor_task_but_its_parent_watch_still_ends_the_process():
+    """``os._exit`` on the thread running the worker is its task's return value (no death for Ray to
+    report); on another thread, the worker's parent watch, it ends the process at once, as ever."""
+    done = subprocess.run([sys.executable, "-c", EXITS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 5, done.stderr

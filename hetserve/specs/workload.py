@@ -314,7 +314,7 @@ def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
             raise SpecError(f"{src}:{line}", named[time_col], "a time in seconds or 'YYYY-MM-DD HH:MM:SS'",
                             row[time_col] if time_col < len(row) else "nothing") from exc
         if not math.isfinite(t):
-            raise SpecError(f"{src}:{line}", named[time_col], "a finite time", row[time_col])
+            raise SpecError(f"{src}:{line}", "timestamp", "a finite time", row[time_col])
         # a trace spans at most ten years, and its times are seconds or Unix times before 2286:
         # past that a float cannot tell one second from the next and the arrivals collapse
         if abs(t) > MAX_TIME_S or (arrivals and abs(t - arrivals[0]) > MAX_SPAN_S):

@@ -120,9 +120,10 @@ SPEC_CASES = [
     C("trace-rate-huge", "describe workload {d}/x.csv --rate 1e308", ("x.csv", "--rate", "1e+09"),
       {"x.csv": "num_prefill_tokens,num_decode_tokens\n10,10\n20,20\n"}),
     C("trace-preset-typo", "describe workload azure-code", ("azure-code", "preset")),
-    C("trace-unsorted", "describe workload {d}/x.csv", files={"x.csv": HEADER + "5,10,10\n0,10,10\n2,10,10\n"},
-      accepted="a trace is a set of requests with arrival times: rows in any order are sorted by their time, "
-               "as the simulator and load generator replay them"),
+    # request ids are the file's row order (docs/design.md, Workload trace): a time before the row above is refused
+    C("trace-unsorted", "describe workload {d}/x.csv", ("x.csv:3", "'TIMESTAMP'", "non-decreasing order",
+                                                        "line 2's 5", "got '0'"),
+      {"x.csv": HEADER + "5,10,10\n0,10,10\n2,10,10\n"}),
     C("trace-negative-times", "describe workload {d}/x.csv", files={"x.csv": HEADER + "-5,10,10\n-2,10,10\n"},
       accepted="arrival times count from the first request (the trace is shifted to start at 0), so an offset "
                "before zero is as good as one after"),

@@ -65,6 +65,7 @@ def _private_session(tmp_path, parent, capfd, ray_kept):
     model = make_model(tmp_path / "tiny", "llama", layers=4, hidden=64, heads=4, kv_heads=2, max_positions=256)
     session = RaySession.start(load_cluster("demo-cpu"))
     assert session.private and os.path.dirname(session.tmp_dir) == parent
+    assert RaySession.private_ip() == RaySession.node_ip() == "127.0.0.1"
     engine = ray_backend.start_ray_engine(Plan.from_dict(PLAN), load_cluster("demo-cpu"), str(model), EngineConfig())
     try:
         out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0), timeout=120)
@@ -88,7 +89,11 @@ def _private_session(tmp_path, parent, capfd, ray_kept):
     # a planned stop: each worker ended of its own accord, not killed, and Ray reports no death
     assert {name: (p.exitcode, p.cause) for name, p in engine.procs.items()} == {
         name: (0, None) for name in engine.procs}
+    if not ray_kept:  # a private Ray shut down behind the session's back leaves no address behind
+        ray.shutdown()
+        assert RaySession.private_ip() is None
     session.close()
+    assert RaySession.private_ip() is None
     assert not os.path.exists(session.tmp_dir) and os.listdir(parent) == []
     printed = capfd.readouterr()
     assert "worker died" not in printed.out + printed.err, printed

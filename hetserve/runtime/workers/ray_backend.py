@@ -97,8 +97,9 @@ class RaySession:
     and advertises one custom resource per machine. ``close()`` shuts down what this session started.
     """
 
-    # The node IP of the private Ray now running in this process, if any: what hetserve binds with it.
-    _private_ip: str | None = None
+    # (GCS address, node IP) of the private Ray this process started: hetserve binds that IP while
+    # that very Ray is the one connected (one shut down by ray.shutdown() alone leaves no trace)
+    _private: tuple[str, str] | None = None
 
     def __init__(self, started: bool, tmp_dir: str | None, private: bool = False, made_tmp_dir: bool = False):
         self.started, self.tmp_dir = started, tmp_dir
@@ -135,7 +136,7 @@ class RaySession:
         except BaseException:
             session.close()
             raise
-        session.started, RaySession._private_ip = True, LOOPBACK
+        session.started, RaySession._private = True, (ray.get_runtime_context().gcs_address, LOOPBACK)
         where = sorted({str(n.get("NodeManagerAddress")) for n in ray.nodes()})
         if where != [LOOPBACK]:
             logging.getLogger("hetserve.runtime").warning("the private Ray runs on %s, not %s: its own servers "
@@ -146,11 +147,19 @@ class RaySession:
     def node_ip() -> str:
         """The address this (driver's) node is reached at: 127.0.0.1 with a private Ray (the address it
         was started on), else the IP Ray knows the node by."""
-        if RaySession._private_ip is not None:
-            return RaySession._private_ip
         import ray
 
-        return ray.util.get_node_ip_address()
+        return RaySession.private_ip() or ray.util.get_node_ip_address()
+
+    @staticmethod
+    def private_ip() -> str | None:
+        """The node IP of the private Ray this process started, while it is the Ray connected; else None."""
+        import ray
+
+        private = RaySession._private
+        if private is None or not ray.is_initialized() or ray.get_runtime_context().gcs_address != private[0]:
+            return None
+        return private[1]
 
     def close(self) -> None:
         if self.started:
@@ -159,7 +168,7 @@ class RaySession:
             ray.shutdown()
             self.started = False
             if self.private:
-                RaySession._private_ip = None
+                RaySession._private = None
         if self.made_tmp_dir and self.tmp_dir is not None:
             # Ray's session logs and sockets, in a folder it made world-writable: nothing of it outlives the session
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
@@ -379,8 +388,9 @@ def start_ray_engine(plan, cluster, model_dir, config=None, *, machine_addresses
         raise RuntimeFailure("no Ray node advertises " + ", ".join(missing) + "; start each machine's node with "
                              "`ray start --resources '{\"" + missing[0] + "\": 1000}'`")
     nodes = ray.nodes()
-    if RaySession._private_ip is not None:  # one node on this machine hosts every machine: all bind its address
-        addresses = {m: RaySession._private_ip for m in cluster.machines}
+    private_ip = RaySession.private_ip()
+    if private_ip is not None:  # one node on this machine hosts every machine: all bind its address
+        addresses = {m: private_ip for m in cluster.machines}
     else:
         addresses = dict(cluster.machine_addresses if machine_addresses is None else machine_addresses)
         _check_addresses(cluster.name, addresses, nodes)

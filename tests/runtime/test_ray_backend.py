@@ -23,6 +23,7 @@ PLAN = {"model": "tiny", "cluster": "demo-cpu", "replicas": [
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
 
 
+@pytest.mark.long  # a private Ray per case: make test-long
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("ray_kept", [True, False], ids=["ray-on-loopback", "ray-beyond-loopback"])

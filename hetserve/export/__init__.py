@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hetserve.export import native, sglang, vllm
 from hetserve.export.bundle import Bundle
-from hetserve.export.common import RAY_PORT, ExportContext
+from hetserve.export.common import RAY_PORT, ExportContext, address_note
 from hetserve.export.folder import MANIFEST, check_bundle_folder, manifest, remove_bundle
 from hetserve.export.rules import refuse_unless_runnable
 
@@ -19,24 +19,25 @@ ENGINES = ("hetserve", "vllm", "sglang")
 
 
 def build_bundle(plan, cluster, engine: str, model_path: str, num_layers: int,
-                 cluster_ref: str = "cluster.yaml", ray_port: int = RAY_PORT) -> Bundle:
-    """The bundle of ``plan`` for ``engine`` (refused with a ``PlanError`` if it cannot run it)."""
+                 cluster_ref: str = "cluster.yaml", ray_port: int = RAY_PORT, port_range=None) -> Bundle:
+    """The bundle of ``plan`` for ``engine`` (refused with a ``PlanError`` if it cannot run it);
+    ``port_range``: the hetserve bundle's ``hetserve serve --port-range`` (``ExportContext``)."""
     refuse_unless_runnable(plan, engine)
-    ctx = ExportContext(plan, cluster, model_path, num_layers, ray_port=ray_port)
+    ctx = ExportContext(plan, cluster, model_path, num_layers, ray_port=ray_port, port_range=port_range)
     if engine == "vllm":
         b = vllm.build(ctx)
     elif engine == "sglang":
         b = sglang.build(ctx)
     else:
         b = native.build(ctx, cluster_ref)
-    b.readme = readme(b, plan)
+    b.readme = readme(b, plan, notes=[n for n in (address_note(plan, cluster),) if n])
     b.check(plan)
     return b
 
 
 def export_bundle(plan, cluster, engine: str, out_dir: str | Path, model_path: str, num_layers: int,
                   cluster_path: str | None = None, ray_port: int = RAY_PORT, replace: bool = False,
-                  earlier: list[Path] | None = None) -> list[Path]:
+                  earlier: list[Path] | None = None, port_range=None) -> list[Path]:
     """Write ``plan``'s bundle for ``engine`` into ``out_dir``, new or empty (``replace``: or holding
     only an earlier bundle, removed once the new one is built; ``folder.py``); the cluster file is
     copied beside it (a hetserve bundle's ``hetserve serve`` reads it). ``earlier``: the folder's
@@ -45,7 +46,8 @@ def export_bundle(plan, cluster, engine: str, out_dir: str | Path, model_path: s
     if earlier is None:
         earlier = check_bundle_folder(out_dir, replace)
     ref = "cluster.yaml" if cluster_path else cluster.name
-    b = build_bundle(plan, cluster, engine, model_path, num_layers, cluster_ref=ref, ray_port=ray_port)
+    b = build_bundle(plan, cluster, engine, model_path, num_layers, cluster_ref=ref, ray_port=ray_port,
+                     port_range=port_range)
     # read before the earlier bundle goes: the cluster file may be that bundle's own cluster.yaml
     cluster_bytes = Path(cluster_path).read_bytes() if cluster_path else None
     remove_bundle(out_dir, earlier)  # only now: a plan the engine refuses leaves the earlier bundle whole
@@ -57,8 +59,9 @@ def export_bundle(plan, cluster, engine: str, out_dir: str | Path, model_path: s
     return written + [Path(out_dir) / MANIFEST]
 
 
-def readme(b: Bundle, plan) -> str:
-    """The bundle's README: what runs where, and in which order to start it."""
+def readme(b: Bundle, plan, notes=()) -> str:
+    """The bundle's README: what runs where, in which order to start it, and ``notes`` (what the
+    export said of its input, as ``hetserve export`` prints it)."""
     lines = [f"# {b.engine} launch bundle: {plan.model} on {plan.cluster}", "",
              f"Made by `hetserve export --to {b.engine}` from `plan.json` ({plan.algorithm}). "
              f"Engine version the flags follow: {b.engine_version}.", "",
@@ -84,6 +87,7 @@ def readme(b: Bundle, plan) -> str:
                   "vLLM's Ray executor puts the head machine's GPUs first, as the plan's first stages."]
     if b.router.get("note"):
         lines += ["", f"Router: {b.router['note']}."]
+    lines += [line for n in notes for line in ("", f"Note: {n}.")]
     return "\n".join(lines) + "\n"
 
 

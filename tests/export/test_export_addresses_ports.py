@@ -60,3 +60,35 @@ def test_the_hetserve_bundles_serve_command_carries_the_port_range():
     assert all(x.argv == argv for x in with_range.launches() if x.argv[:2] == ["hetserve", "serve"])
     without = native.build(ExportContext(plan, cluster, "/m", 32), "c.yaml")
     assert "--port-range" not in without.router["argv"]
+
+
+def test_export_port_range_reaches_the_bundles_serve_command(tmp_path):
+    rc, out = export(tmp_path, CLUSTER, extra=("--port-range", "20000-20099"))
+    assert rc == 0
+    deploy = json.loads((out / "deploy.json").read_text())
+    argv = next(x["argv"] for x in deploy["shared"] if x["kind"] == "server")
+    assert argv[:2] == ["hetserve", "serve"] and argv[argv.index("--port-range") + 1] == "20000-20099"
+    assert "--port-range 20000-20099" in (out / "machines" / "a0.sh").read_text()
+
+
+@pytest.mark.parametrize("engine,value,expected", [
+    ("hetserve", "9-3", "argument --port-range: expected LO-HI with 1 <= LO <= HI <= 65535"),
+    ("hetserve", "70000-70001", "argument --port-range: expected LO-HI"),
+    ("vllm", "20000-20099", "--port-range: expected --to hetserve (a vllm bundle's ports are fixed"),
+    ("sglang", "20000-20099", "--port-range: expected --to hetserve (a sglang bundle's ports are fixed"),
+])
+def test_a_bad_port_range_is_one_line(tmp_path, capsys, engine, value, expected):
+    try:
+        rc, out = export(tmp_path, CLUSTER, engine, extra=("--port-range", value))
+    except SystemExit as exc:  # argparse's own refusal
+        rc, out = exc.code, tmp_path / "bundle"
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and expected in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_the_readme_carries_the_address_note(tmp_path, capsys):
+    rc, out = export(tmp_path, CLUSTER.replace(", address: 10.0.0.6", ""))
+    printed = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("note:"))
+    assert rc == 0 and f"Note: {printed[len('note: '):]}." in (out / "README.md").read_text()
+    assert "Note:" not in export(tmp_path, CLUSTER, out="every-address")[1].joinpath("README.md").read_text()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hetserve.cli.commands.serve import port_range_arg
 from hetserve.export.common import RAY_PORT
 
 
@@ -22,6 +23,10 @@ def register(subparsers) -> None:
                                    "(default: the model the plan names)")
     p.add_argument("--ray-port", type=int, default=RAY_PORT, metavar="PORT",
                    help="the Ray head's port (default 6379; multi-machine vLLM replicas' own Ray heads take the next ones)")
+    p.add_argument("--port-range", type=port_range_arg, metavar="LO-HI",
+                   help="--to hetserve only: the ports hetserve serve's own listeners take theirs from on every "
+                        "machine (its --port-range, docs/multinode.md; default: ports the OS picks); vLLM's and "
+                        "SGLang's bundles have fixed ports (docs/deploy.md) and refuse it")
     p.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="folder to write the bundle into: new or empty (an earlier bundle's scripts left beside "
                         "the new ones would start another plan's processes)")
@@ -46,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
     if args.ray_port != RAY_PORT and args.to == "sglang":  # only the hetserve and vLLM bundles start Ray
         raise SpecError("--ray-port", SpecError.OPTION, "--to hetserve or vllm (an SGLang bundle starts no Ray head); "
                         "drop --ray-port", str(args.ray_port))
+    if args.port_range is not None and args.to != "hetserve":  # only hetserve serve takes a range
+        raise SpecError("--port-range", SpecError.OPTION, f"--to hetserve (a {args.to} bundle's ports are fixed: "
+                        "docs/deploy.md); drop --port-range", str(args.port_range))
     # the folder before the plan is read; an earlier bundle there is removed only once the new one is built
     earlier = check_bundle_folder(args.output, args.force)
     plan = Plan.load(args.plan)
@@ -63,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     checkpoint = (str(Path(args.model).resolve()) if local else str(named.resolve()) if named is not None
                   else args.model or plan.model)
     written = export_bundle(plan, cluster, args.to, args.output, checkpoint, model.num_layers,
-                            cluster_path=cluster_path, ray_port=args.ray_port, replace=args.force, earlier=earlier)
+                            cluster_path=cluster_path, ray_port=args.ray_port, replace=args.force, earlier=earlier,
+                            port_range=args.port_range)
     if earlier:
         print(f"removed the earlier bundle's {len(earlier)} files from {args.output} (its bundle.json lists them)")
     print(f"wrote {len(written)} files to {args.output}: " + ", ".join(

@@ -94,7 +94,7 @@ def run_plan(plan_dict, cluster, model, prompts, max_tokens, addresses, repeats)
 def one_node(cluster, model, prompts, max_tokens, repeats) -> tuple[float, dict]:
     import ray
 
-    from hetserve.runtime.workers.ray_backend import RaySession
+    from hetserve.runtime.workers.ray_session import RaySession
 
     t0 = time.monotonic()
     # private: 127.0.0.1, every machine's resource, as many CPUs as the three nodes together (Ray starts
@@ -112,7 +112,7 @@ def one_node(cluster, model, prompts, max_tokens, repeats) -> tuple[float, dict]
 def three_nodes(cluster, model, prompts, max_tokens, repeats) -> tuple[float, dict]:
     from ray.cluster_utils import Cluster
 
-    from hetserve.runtime.workers.ray_backend import RaySession, machine_resource
+    from hetserve.runtime.workers.ray_session import RaySession, machine_resource
 
     small = {"num_cpus": 1, "object_store_memory": 78 * 1024 * 1024}
     t0 = time.monotonic()

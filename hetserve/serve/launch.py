@@ -187,7 +187,8 @@ def build(opts: ServeOptions) -> Deployment:
     ray_session = engine = None
     try:
         if opts.backend == "ray":
-            from hetserve.runtime.workers.ray_backend import RaySession, start_ray_engine
+            from hetserve.runtime.workers.ray_backend import start_ray_engine
+            from hetserve.runtime.workers.ray_session import RaySession
 
             ray_session = RaySession.start(cluster, address=opts.ray_address, node_ip_address=opts.advertise_address)
             # a private one-node Ray hosts every machine on loopback: the cluster file's addresses don't apply

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from hetserve.runtime.workers.ray_backend import ray_auth_env
+from hetserve.runtime.workers.ray_session import ray_auth_env
 
 
 @pytest.fixture(autouse=True)

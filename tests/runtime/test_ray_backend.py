@@ -14,8 +14,8 @@ import pytest
 import ray  # noqa: E402  (make test installs the ray extra: a missing ray must fail, not skip)
 import psutil  # noqa: E402  (Ray ships it, and puts it on the path when imported)
 
-from hetserve.runtime.workers import ray_backend
-from hetserve.runtime.workers.ray_backend import RaySession
+from hetserve.runtime.workers import ray_backend, ray_session
+from hetserve.runtime.workers.ray_session import RaySession
 
 PLAN = {"model": "tiny", "cluster": "demo-cpu", "replicas": [
     {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 2]},
@@ -44,9 +44,9 @@ def test_a_private_ray_listens_on_loopback_and_a_planned_stop_leaves_nothing(tmp
     # Ray's socket paths must stay under 107 bytes, which pytest's tmp_path can exceed: a short folder
     # of this test, for the session to make its own in
     parent = tempfile.mkdtemp(prefix="hsray-", dir="/tmp")
-    monkeypatch.setattr(ray_backend, "TMP_PARENT", parent)
+    monkeypatch.setattr(ray_session, "TMP_PARENT", parent)
     if not ray_kept:
-        monkeypatch.setattr(ray_backend, "_ray_keeps_loopback", contextlib.nullcontext)
+        monkeypatch.setattr(ray_session, "_ray_keeps_loopback", contextlib.nullcontext)
     try:
         _private_session(tmp_path, parent, capfd, ray_kept)
     finally:

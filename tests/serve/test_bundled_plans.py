@@ -69,7 +69,7 @@ def ray_session(models):
     """One private one-node Ray on loopback advertising every machine of the bundled pools; servers
     started while it is up join it (and leave it running), and it is shut down after the module."""
     import ray  # make test installs the ray extra: a missing ray must fail, not skip
-    from hetserve.runtime.workers.ray_backend import machine_resource
+    from hetserve.runtime.workers.ray_session import machine_resource
     from hetserve.specs.cluster import load_cluster
 
     mp = pytest.MonkeyPatch()

@@ -135,7 +135,7 @@ def pool(tmp_path_factory):
     """A 3-node Ray cluster on 127.0.0.2-4 and this driver joined to its head; torn down after."""
     from ray.cluster_utils import Cluster
 
-    from hetserve.runtime.workers.ray_backend import RaySession, machine_resource
+    from hetserve.runtime.workers.ray_session import RaySession, machine_resource
     from hetserve.specs.cluster import load_cluster
 
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_TMPDIR")}

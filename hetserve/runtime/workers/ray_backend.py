@@ -27,7 +27,7 @@ over an actor running the same ``worker_main``, and ``start_ray_engine`` hands t
 spawn context that makes those instead of local processes. Everything else — the transport,
 link shaping, the coordinator — is the local backend's.
 
-Ray runs with token authentication unless the environment says otherwise (``ray_auth_env``):
+Ray runs with token authentication unless the environment says otherwise (``ray_session.ray_auth_env``):
 whoever reaches an unauthenticated Ray's ports can run code on every node. A private Ray gets a
 fresh token of its own; joining a pool, the driver uses the token its nodes were started with
 (``RAY_AUTH_TOKEN`` / ``RAY_AUTH_TOKEN_PATH``, ``docs/multinode.md``). Only tests set
@@ -43,164 +43,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
-import secrets
-import shutil
 import threading
 import time
 from typing import Any, Callable
 
-from hetserve.runtime.workers.rendezvous import LOOPBACK
+from hetserve.runtime.workers.ray_session import RaySession, machine_resource
 
-RESOURCE_PREFIX = "hetserve_machine_"
 _NODE_SHARE = 0.001  # of a machine resource per worker: many workers fit one machine's node
-
-
-def machine_resource(machine: str) -> str:
-    return RESOURCE_PREFIX + machine
-
-
-def ray_auth_env(environ: dict[str, str], joining: bool) -> dict[str, str]:
-    """What to add to ``environ`` before Ray starts or is joined, so that it runs with token
-    authentication unless ``RAY_AUTH_MODE`` says otherwise.
-
-    Ray (>= 2.59) turns token authentication on by itself where the mode is unset and a token is at
-    hand (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``). A private Ray without
-    one gets a fresh token here (kept in this process's environment, no file written); a driver
-    joining a pool without the pool's token is refused, with where to put it. Explicitly disabled
-    authentication is honoured, with a warning.
-    """
-    mode = environ.get("RAY_AUTH_MODE")
-    if mode is not None and mode.lower() != "token":
-        logging.getLogger("hetserve.runtime").warning(
-            "Ray token authentication is off (RAY_AUTH_MODE=%s): whoever reaches Ray's ports can run code "
-            "on every node", mode)
-        return {}
-    if (environ.get("RAY_AUTH_TOKEN") or environ.get("RAY_AUTH_TOKEN_PATH")
-            or os.path.exists(os.path.expanduser("~/.ray/auth_token"))):
-        return {}
-    if joining:
-        raise ValueError("Ray token authentication is on, and this machine has no token for the pool: set "
-                         "RAY_AUTH_TOKEN_PATH to the token file its nodes were started with "
-                         "(docs/multinode.md), or RAY_AUTH_MODE=disabled on a network no one else reaches")
-    return {"RAY_AUTH_TOKEN": secrets.token_hex(32)}
-
-
-class RaySession:
-    """A Ray connection for serving: joins ``address`` or starts a private local Ray.
-
-    The private Ray is one node on 127.0.0.1: its own servers (GCS, raylet, its worker processes'
-    gRPC servers, the monitor's metrics port, the runtime-env agent) listen on loopback only, and
-    hetserve's listeners with it bind that address (``node_ip``). It keeps its files under
-    ``tmp_dir`` (default ``$RAY_TMPDIR``, else a fresh temporary folder that ``close()`` removes)
-    and advertises one custom resource per machine. ``close()`` shuts down what this session started.
-    """
-
-    # (GCS address, node IP) of the private Ray this process started: hetserve binds that IP while
-    # that very Ray is the one connected (one shut down by ray.shutdown() alone leaves no trace)
-    _private: tuple[str, str] | None = None
-
-    def __init__(self, started: bool, tmp_dir: str | None, private: bool = False, made_tmp_dir: bool = False):
-        self.started, self.tmp_dir = started, tmp_dir
-        self.private = private  # a one-node Ray of this session: every machine on loopback
-        self.made_tmp_dir = made_tmp_dir  # tmp_dir is this session's own, removed by close()
-
-    @staticmethod
-    def start(cluster, address: str | None = None, num_cpus: int = 2, tmp_dir: str | None = None,
-              node_ip_address: str | None = None) -> "RaySession":
-        """``node_ip_address``: this (driver's) machine's address on the pool's network, when Ray's own
-        guess (the address that reaches the head) is not the one to use."""
-        import ray
-
-        if ray.is_initialized():
-            return RaySession(False, None)
-        os.environ.update(ray_auth_env(dict(os.environ), joining=bool(address)))
-        if address:
-            extra = {"_node_ip_address": node_ip_address} if node_ip_address else {}
-            ray.init(address=address, include_dashboard=False, log_to_driver=False, **extra)
-            return RaySession(True, None)
-        made = False
-        tmp_dir = tmp_dir or os.environ.get("RAY_TMPDIR")
-        if tmp_dir is None:
-            import tempfile
-
-            tmp_dir = tempfile.mkdtemp(prefix="ray-", dir=TMP_PARENT)
-            made = True
-        resources = {machine_resource(m): 1000.0 for m in cluster.machines}
-        session = RaySession(False, tmp_dir, private=True, made_tmp_dir=made)
-        try:
-            with _ray_keeps_loopback():
-                ray.init(num_cpus=num_cpus, resources=resources, include_dashboard=False, _temp_dir=tmp_dir,
-                         log_to_driver=False, _node_ip_address=LOOPBACK)
-        except BaseException:
-            session.close()
-            raise
-        session.started, RaySession._private = True, (ray.get_runtime_context().gcs_address, LOOPBACK)
-        where = sorted({str(n.get("NodeManagerAddress")) for n in ray.nodes()})
-        if where != [LOOPBACK]:
-            logging.getLogger("hetserve.runtime").warning("the private Ray runs on %s, not %s: its own servers "
-                                                          "listen beyond loopback", ", ".join(where), LOOPBACK)
-        return session
-
-    @staticmethod
-    def node_ip() -> str:
-        """The address this (driver's) node is reached at: 127.0.0.1 with a private Ray (the address it
-        was started on), else the IP Ray knows the node by."""
-        import ray
-
-        return RaySession.private_ip() or ray.util.get_node_ip_address()
-
-    @staticmethod
-    def private_ip() -> str | None:
-        """The node IP of the private Ray this process started, while it is the Ray connected; else None."""
-        import ray
-
-        private = RaySession._private
-        if private is None or not ray.is_initialized() or ray.get_runtime_context().gcs_address != private[0]:
-            return None
-        return private[1]
-
-    def close(self) -> None:
-        if self.started:
-            import ray
-
-            ray.shutdown()
-            self.started = False
-            if self.private:
-                RaySession._private = None
-        if self.made_tmp_dir and self.tmp_dir is not None:
-            # Ray's session logs and sockets, in a folder it made world-writable: nothing of it outlives the session
-            shutil.rmtree(self.tmp_dir, ignore_errors=True)
-            self.made_tmp_dir = False
-
-
-TMP_PARENT = "/tmp"  # where a private Ray's own folder goes: Ray's socket paths must stay under 107 bytes
-
-
-@contextlib.contextmanager
-def _ray_keeps_loopback():
-    """While a private Ray starts: Ray keeps a node on 127.0.0.1 (its servers on loopback) only with its
-    cluster mode off, else it swaps a loopback ``_node_ip_address`` for the machine's outward address
-    and listens on every interface. ``ray`` reads the mode (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``) when
-    first imported, so the flag it set is held off too; both are restored after (a later join is as before)."""
-    from ray._private import ray_constants
-
-    saved_env, saved_flag = os.environ.get(_CLUSTER_MODE_ENV), getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
-    os.environ[_CLUSTER_MODE_ENV] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        if saved_env is None:
-            os.environ.pop(_CLUSTER_MODE_ENV, None)
-        else:
-            os.environ[_CLUSTER_MODE_ENV] = saved_env
-        if saved_flag is not None:
-            ray_constants.ENABLE_RAY_CLUSTER = saved_flag
-
-
-_CLUSTER_MODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def _actor_class():

@@ -250,6 +250,8 @@ EXPORT_CASES = [
     C("export-model-folder-no-config", EXPORT + " --model {d}/dir", ("{d}/dir", "config.json")),
     C("export-cluster-lacks-devices", EXPORT + " --cluster {d}/c.yaml", ("h100-0:0",)),
     C("export-engine-unknown", EXPORT.replace("vllm", "trt"), ("--to", "trt")),
+    C("export-port-range-reversed", EXPORT.replace("vllm", "hetserve") + " --port-range 9-3", ("--port-range", "9-3")),
+    C("export-port-range-for-vllm", EXPORT + " --port-range 7000-7010", ("--port-range", "--to hetserve")),
     C("export-output-not-empty", EXPORT.replace("{d}/out", "{d}/full"), ("--output", "a new or empty folder", "a.txt"),
       {"full/a.txt": "x"}),
     C("export-force-no-bundle", EXPORT.replace("{d}/out", "{d}/full") + " --force", ("--force", "no bundle.json"),

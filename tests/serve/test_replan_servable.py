@@ -11,17 +11,10 @@ from hetserve.planner.plan import Plan
 from hetserve.runtime.model.config import ArchConfig
 from hetserve.serve.replan import Replanner
 from hetserve.specs.cluster import load_cluster
+from tests.planner.test_replan_roles import CONFIG as ROLES_CONFIG, RUNNING
 
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-          "intermediate_size": 768, "num_attention_heads": 4, "num_hidden_layers": 8, "num_key_value_heads": 1,
-          "head_dim": 64, "max_position_embeddings": 1024, "vocab_size": 320, "dtype": "float32",
-          "tie_word_embeddings": False, "_name_or_path": "tiny-llama"}
-RUNNING = {"model": "tiny-llama", "cluster": "demo-tiny", "replicas": [
-    {"id": "p0", "role": "prefill", "stages": [{"devices": ["m1:0"], "layers": [0, 1]},
-                                               {"devices": ["m0:1"], "layers": [1, 8]}]},
-    {"id": "d0", "role": "decode", "stages": [{"devices": ["m1:1"], "layers": [0, 4]},
-                                              {"devices": ["m0:0"], "layers": [4, 8]}]}],
-    "kv_routes": [{"from": "p0", "to": "d0", "weight": 1.0}]}
+# the planner's re-plan tests' engine: a P/D plan on demo-tiny whose decode worker on m1:1 died
+CONFIG = {**ROLES_CONFIG, "_name_or_path": "tiny-llama"}
 
 
 class _Engine:

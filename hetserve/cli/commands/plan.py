@@ -196,14 +196,13 @@ def _check_objective(args) -> None:
 def _check_exact_size(names, cluster, flag: str) -> None:
     """The exact searches refuse pools above ``PlanOptions.max_exact_devices``, which no option of
     this command sets: say so before any search starts, in the words a CLI user can act on."""
-    from hetserve.planner.options import PlanOptions
+    from hetserve.planner.search.exact import EXACT, too_large
 
-    limit = PlanOptions().max_exact_devices
-    exact = [n for n in names if n.startswith("exact")]
-    if exact and len(cluster) > limit:
-        raise PlanError(f"{flag} {', '.join(exact)}: the exact search enumerates every placement and is limited to "
-                        f"{limit} devices; {cluster.name} has {len(cluster)}: plan it with --algorithm hexgen2 "
-                        f"(the default), genetic or random-swap")
+    exact = [n for n in names if n in EXACT]
+    why = too_large(cluster) if exact else None
+    if why:
+        raise PlanError(f"{flag} {', '.join(exact)}: {why}: plan it with --algorithm hexgen2 (the default), "
+                        f"genetic or random-swap")
 
 
 def _servable(workload, model, console, source: str):

@@ -38,12 +38,23 @@ from hetserve.specs.model import ModelSpec
 from hetserve.specs.workload import Workload
 
 
+EXACT = ("exact", "exact-colocated")  # the searches that enumerate every placement (algorithms.py names)
+
+
+def too_large(cluster, options: PlanOptions | None = None) -> str | None:
+    """Why the exact searches refuse ``cluster`` (more devices than ``max_exact_devices``); None if they take it."""
+    limit = (options or PlanOptions()).max_exact_devices
+    if len(cluster) <= limit:
+        return None
+    return (f"the exact search enumerates every placement and is limited to {limit} devices; {cluster.name} "
+            f"has {len(cluster)}")
+
+
 def _setup(name: str, cluster, model, workload, options, exhaustive_layouts: bool = False):
     options = options or PlanOptions()
-    if len(cluster) > options.max_exact_devices:
-        raise PlanError(f"the exact search enumerates every placement and is limited to "
-                        f"{options.max_exact_devices} devices; {cluster.name} has {len(cluster)} "
-                        f"(use hexgen2, or raise PlanOptions.max_exact_devices)")
+    why = too_large(cluster, options)
+    if why:
+        raise PlanError(f"{why} (use hexgen2, or raise PlanOptions.max_exact_devices)")
     return start_search(name, cluster, model, workload, options, exhaustive_layouts)
 
 

@@ -48,21 +48,31 @@ class Replanner:
         self._stop = threading.Event()
         self._thread = None
         if on_failure:
+            # the workload is checked now: a failure's re-plan would only log why it cannot run
+            self._servable()
             # a re-plan after the last replica died brings one back: its requests wait for it
             engine.hold_while_empty(time_limit_s + HOLD_MARGIN_S)
             self._thread = threading.Thread(target=self._watch, name="hetserve-replan", daemon=True)
             self._thread.start()
+
+    def _servable(self):
+        """(model spec, the workload's requests a re-plan plans for): those the engine serves, as
+        `hetserve plan` plans; one beyond the context would size every layout's KV for tokens the
+        engine refuses. SpecError where none fits."""
+        from hetserve.planner.servable import servable
+        from hetserve.runtime.deployment import model_spec
+        from hetserve.specs.model import DTYPE_BYTES
+        from hetserve.specs.workload import load_workload
+
+        spec = model_spec(self.engine.arch, DTYPE_BYTES[self.engine.dtype])
+        return spec, servable(load_workload(self.workload), spec, self.workload, "re-planned")
 
     def replan(self, cluster: str | None = None, lost: list[str] | None = None,
                returned: list[str] | None = None, *, trigger: str = "request") -> dict[str, Any]:
         """Re-plan now; returns the record (kept / retired / added replicas, seconds per part)."""
         from hetserve.planner.options import PlanOptions
         from hetserve.planner.replan import replan
-        from hetserve.planner.servable import servable
-        from hetserve.runtime.deployment import model_spec
-        from hetserve.specs.model import DTYPE_BYTES
         from hetserve.specs.cluster import load_cluster
-        from hetserve.specs.workload import load_workload
 
         with self._lock:
             t0 = time.monotonic()
@@ -90,10 +100,7 @@ class Replanner:
                                        f"now: {sorted(was_lost) or 'none'})", "returned")
             new_lost = was_lost - back
             dead = {rid for rid, s in eng.stats().get("replicas", {}).items() if not s.get("alive", True)}
-            spec = model_spec(eng.arch, DTYPE_BYTES[eng.dtype])
-            # planned for the requests the engine serves, as `hetserve plan` plans: one beyond the
-            # context would size every layout's KV for tokens the engine refuses
-            fit = servable(load_workload(self.workload), spec, self.workload, "re-planned")
+            spec, fit = self._servable()
             if fit.note:
                 log.info("re-plan: %s", fit.note)
             plan = replan(new_cluster, spec, fit.workload, eng.plan, new_lost,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hetserve.planner.plan import Plan
 from hetserve.runtime.model.config import ArchConfig
 from hetserve.serve.replan import Replanner
@@ -46,3 +48,16 @@ def test_a_replan_after_a_loss_uses_the_survivor_the_context_rule_makes_plannabl
     assert record["lost"] == ["m1:1"] and record["retired"] == ["d0"]
     added = [r for r in eng.given.replicas if r.id in record["added"]]
     assert [r.devices for r in added] == [("m0:0",)], [(r.id, r.role, r.devices) for r in eng.given.replicas]
+
+
+def test_a_replan_workload_with_no_request_within_the_context_is_refused_when_serving_starts(tmp_path):
+    """With --replan-on-failure the re-plan runs only after a failure, where its error could only be
+    logged: a workload none of whose requests fits the model's context is refused at start."""
+    from hetserve.errors import SpecError
+
+    trace = tmp_path / "long.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,5000,10\n1,6000,10\n")
+    eng = _Engine()
+    eng.hold_while_empty = lambda s: pytest.fail("held before the workload was checked")
+    with pytest.raises(SpecError, match="long.csv"):
+        Replanner(eng, workload=str(trace), on_failure=True)

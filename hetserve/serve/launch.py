@@ -191,9 +191,8 @@ def build(opts: ServeOptions) -> Deployment:
             from hetserve.runtime.workers.ray_session import RaySession
 
             ray_session = RaySession.start(cluster, address=opts.ray_address, node_ip_address=opts.advertise_address)
-            # a private one-node Ray hosts every machine on loopback: the cluster file's addresses don't apply
-            engine = start_ray_engine(plan, cluster, opts.model_dir, config, link_scheduler=links,
-                                      machine_addresses={} if ray_session.private else None, route_policy=routes)
+            # (a private one-node Ray binds every machine's workers on loopback: start_ray_engine's rule)
+            engine = start_ray_engine(plan, cluster, opts.model_dir, config, link_scheduler=links, route_policy=routes)
         else:
             engine = Engine.from_plan(plan, cluster, opts.model_dir, config, link_scheduler=links,
                                       route_policy=routes)

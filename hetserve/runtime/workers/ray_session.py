@@ -94,6 +94,8 @@ class RaySession:
                 ray.init(num_cpus=num_cpus, resources=resources, include_dashboard=False, _temp_dir=tmp_dir,
                          log_to_driver=False, _node_ip_address=LOOPBACK)
         except BaseException:
+            # a start that failed half-way may have left Ray's servers running: end them before their folder goes
+            ray.shutdown()
             session.close()
             raise
         session.started, RaySession._private = True, (ray.get_runtime_context().gcs_address, LOOPBACK)

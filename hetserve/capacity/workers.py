@@ -60,9 +60,9 @@ def worker_request_rate(option: WorkerOption, mean_input: float, mean_output: fl
     less than the decode step alone): at most ``batch / ((l_out − 1) · iteration)`` requests/s.
     Colocated, every prompt also costs its share of a step batching prompts to the token budget
     (``option.prompt_s``), as the simulator and the engine batch them. The prompts ride in the
-    decode steps, so the two overlap: the bound is the slower of them, not their sum (a sum — one
-    stand-alone TTFT per request added to the decode share — is an estimate, not a bound, and on a
-    prompt-heavy trace it asked for twice the workers a simulation needed).
+    decode steps, so the two overlap: the bound is the slower of them, not their sum (a sum, one
+    stand-alone TTFT per request added to the decode share, is an estimate that can exceed the
+    workers a simulation needs, so not a bound).
     """
     if option.batch <= 0 or option.iteration_s <= 0:
         return 0.0

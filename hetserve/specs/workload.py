@@ -320,8 +320,8 @@ def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
         if abs(t) > MAX_TIME_S or (arrivals and abs(t - arrivals[0]) > MAX_SPAN_S):
             raise SpecError(f"{src}:{line}", named[time_col], f"a time within {MAX_SPAN_S:.0f} s (ten years) of "
                             f"the first row's and at most {MAX_TIME_S:.0e} s", row[time_col])
-        # rows keep the file's order, so request ids follow its rows: a time before the row above
-        # would make the simulator reorder them without a word
+        # request ids follow the file's rows: a time before the row above would have them reordered
+        # by arrival (``Workload.from_lists`` sorts) without a word
         if arrivals and t < arrivals[-1]:
             raise SpecError(f"{src}:{line}", named[time_col], f"times in non-decreasing order (at or after "
                             f"line {last[0]}'s {last[1]})", row[time_col])

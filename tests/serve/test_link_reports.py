@@ -85,6 +85,18 @@ def test_reports_are_kept_per_worker_process_and_summed_with_this_processs_own()
     assert merged[("m0:0", "m1:0")].bytes_sent["kv"] == 307.0 and merged[("m0:0", "m1:0")].pending_bytes == 0.0
 
 
+def test_a_worker_reporting_under_many_pids_keeps_two_entries_whose_counters_sum_them_all():
+    reports = LinkReports(lambda: {"m0:0"})
+    for pid in range(1, 201):  # each "process" sent 10 bytes of KV and holds 3 pending
+        reports.handle(_report("m0:0", pid, [_stats(kv=10.0, pending=3.0)]))
+        assert reports.entries("m0:0") <= 2
+    (link,) = reports.merged([], live={"m0:0"})
+    assert link.bytes_sent["kv"] == 2000.0 and link.messages["kv"] == 200
+    assert link.pending_bytes == 3.0  # the retired processes' backlog is gone, the current one's counts
+    reports.handle(_report("m0:0", 200, [_stats(kv=15.0)]))  # the same process again: replaces, folds nothing
+    assert reports.merged([], live={"m0:0"})[0].bytes_sent["kv"] == 2005.0
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from hetserve.planner.plan import Plan

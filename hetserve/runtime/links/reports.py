@@ -4,9 +4,11 @@ Link counters live in the sending processes (``LinkNetwork``, one per process). 
 its counters to the engine beside each heartbeat (a ``links`` message: ``{"pid": int, "links":
 [LinkStats.to_dict(), ...]}``, cumulative since the process started), over the same authenticated
 connection as everything else, so the workers of every machine are counted wherever the server
-runs. The engine keeps the latest report of each worker process and ``merged`` sums them per link
-with its own process's counters, read at scrape time: nothing is asked of a worker then, so a dead
-or hung worker cannot hold up ``/metrics``.
+runs. The engine keeps the latest report of each worker's current process and the summed counters
+of its earlier ones (``LinkReports``); ``merged`` sums them per link with its own process's
+counters, read at scrape time: nothing is asked of a worker then, so a dead or hung worker cannot
+hold up ``/metrics``. The engine's transport takes a report only under the name its connection's
+handshake carried (``wire.check_sender``).
 
 A report is data from the network: it is checked field by field (``stats_from_wire``) before it is
 kept, and one that fails is dropped whole (logged once per worker), leaving the connection and the
@@ -28,8 +30,7 @@ from hetserve.runtime.workers.wire import MAX_NAME_BYTES, Message
 REPORT = "links"  # the message kind (wire.KINDS)
 # links one process reports: one per peer it sends to; far above any plan's, far below the header bound
 MAX_LINKS_PER_REPORT = 4096
-_FIELDS = frozenset({"src", "dst", "latency_s", "bandwidth", "bytes_sent", "messages", "queueing_s", "busy_s",
-                     "pending_messages", "pending_bytes"})
+_FIELDS = frozenset(LinkStats("", "", 0.0, 0.0).to_dict())  # what a worker sends: every field of LinkStats
 log = logging.getLogger("hetserve.runtime.links")
 
 
@@ -94,20 +95,22 @@ def _count(value: Any, where: str) -> int:
 
 
 class LinkReports:
-    """The latest link report of each worker process, kept by the engine.
+    """The link counters of each worker, kept by the engine.
 
     ``handle`` is the engine transport's ``on_message`` hook (run on its receiving threads): it
     takes ``links`` messages from the workers ``known()`` names and passes every other message on.
-    Reports are keyed by (worker, pid): a worker restarted on the same device (a re-plan) starts
-    its counters from zero in a new process, and the old process's last counters stay counted, so
-    every series only grows. Entries grow by one per worker process started, no faster.
+    Per worker it keeps two entries, no more: the latest report of its current process (by pid),
+    and one retired total. A report under a new pid (the worker restarted on the same device, a
+    re-plan, its counters from zero in a new process) folds the previous process's last counters,
+    backlog removed, into the retired total, so every series only grows, however many pids a
+    worker reports under.
     """
 
     def __init__(self, known: Callable[[], Collection[str]]):
         self._known = known
         self._lock = threading.Lock()
-        self._reports: dict[tuple[str, int], list[LinkStats]] = {}
-        self._current: dict[str, int] = {}  # worker -> the pid of its latest report
+        self._current: dict[str, tuple[int, list[LinkStats]]] = {}  # worker -> (pid, its latest report)
+        self._retired: dict[str, list[LinkStats]] = {}  # worker -> its earlier processes' counters, summed
         self._warned: set[str] = set()
 
     def handle(self, msg: Message) -> bool:
@@ -125,24 +128,28 @@ class LinkReports:
                 log.warning("dropped a link report of worker %s: %s (later ones are dropped unlogged)", worker, exc)
             return True
         with self._lock:
-            self._reports[(worker, pid)] = stats
-            self._current[worker] = pid
+            previous = self._current.get(worker)
+            if previous is not None and previous[0] != pid:
+                ended = [_without_backlog(s) for s in previous[1]]
+                self._retired[worker] = merge_stats([self._retired.get(worker, []), ended])
+            self._current[worker] = (pid, stats)
         return True
 
     def merged(self, own: list[LinkStats], live: Collection[str]) -> list[LinkStats]:
-        """Every report's counters and ``own`` (this process's), summed per link. Pending bytes and
-        messages are gauges of what a live process holds now: only the latest process of each
+        """Every worker's counters and ``own`` (this process's), summed per link. Pending bytes and
+        messages are gauges of what a live process holds now: only the current process of each
         worker in ``live`` adds its own; a dead process's counters stay, its backlog does not."""
         with self._lock:
-            items = list(self._reports.items())
-            current = dict(self._current)
-        groups = [own]
-        for (worker, pid), stats in items:
-            if worker in live and current.get(worker) == pid:
-                groups.append(stats)
-            else:
-                groups.append([_without_backlog(s) for s in stats])
+            current = list(self._current.items())
+            groups = [own, *self._retired.values()]
+        for worker, (_, stats) in current:
+            groups.append(stats if worker in live else [_without_backlog(s) for s in stats])
         return merge_stats(groups)
+
+    def entries(self, worker: str) -> int:
+        """How many reports' worth of counters are kept for ``worker`` (at most two)."""
+        with self._lock:
+            return (worker in self._current) + (worker in self._retired)
 
 
 def _without_backlog(s: LinkStats) -> LinkStats:

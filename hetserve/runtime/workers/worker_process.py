@@ -9,6 +9,7 @@ parent is gone.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -23,6 +24,8 @@ from hetserve.runtime.workers.host_memory import keep_freed_memory
 from hetserve.runtime.workers.transport import Priority, SocketTransport
 from hetserve.runtime.workers.wire import ENGINE, Message
 from hetserve.runtime.workers.worker import Worker, WorkerConfig
+
+log = logging.getLogger("hetserve.runtime.workers.worker_process")
 
 
 def worker_main(cfg: WorkerConfig) -> None:
@@ -73,7 +76,9 @@ def _heartbeat(transport: SocketTransport, name: str, every_s: float, worker: "W
     with device channels, which path its transfers took (``DeviceChannel.stats``) and the KV pieces
     it dropped as already received (``kv_duplicates``, where any), and the pieces of abandoned
     hand-offs it dropped (``kv_fenced``, where any). Beside each beat goes this process's link
-    counters (``links``, runtime/links/reports.py), once it has sent anything through the links."""
+    counters (``links``, runtime/links/reports.py), once it has sent anything through the links; a
+    report that cannot be built is left out (logged the first time) and the beats go on."""
+    report_failed = False
     while not transport.closed:
         meta = {"worker": name, "rejected": dict(transport.rejected)}
         if worker is not None and worker.kv.fenced:
@@ -84,11 +89,20 @@ def _heartbeat(transport: SocketTransport, name: str, every_s: float, worker: "W
                 meta["channel"]["kv_duplicates"] = worker.kv.duplicates
         try:
             transport.send(ENGINE, Message("heartbeat", meta), Priority.CONTROL)
+        except ConnectionError:
+            return
+        # the link report is extra: whatever building it raises, the next beat still goes out
+        try:
             report = link_report(link_scheduler, os.getpid())
             if report is not None:
                 transport.send(ENGINE, report, Priority.CONTROL)
         except ConnectionError:
             return
+        except Exception as exc:  # noqa: BLE001 - a link scheduler hook's own failure
+            if not report_failed:
+                report_failed = True
+                log.warning("%s: its link report failed (%s: %s); heartbeats go on without it, later "
+                            "failures are not logged", name, type(exc).__name__, exc, exc_info=True)
         time.sleep(every_s)
 
 

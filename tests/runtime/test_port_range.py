@@ -35,6 +35,37 @@ def test_a_bad_range_says_what_is_expected(text):
         PortRange.parse(text)
 
 
+@pytest.mark.parametrize("value", [5, [1, 2, 3], (1,), {"lo": 1, "hi": 2}, b"ab"])
+def test_a_range_of_the_wrong_shape_says_what_is_expected(value):
+    from hetserve.runtime.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"expected LO-HI with 1 <= LO <= HI <= 65535 .* or a pair \(LO, HI\), got "):
+        PortRange.of(value)
+    with pytest.raises(ValueError, match="expected LO-HI"):
+        EngineConfig(port_range=value)
+
+
+def test_the_bounds_are_checked_in_one_place_with_one_message():
+    for lo, hi in ((9, 3), (0, 10), (1, 65536)):
+        with pytest.raises(ValueError) as built:
+            PortRange(lo, hi)
+        with pytest.raises(ValueError) as parsed:
+            PortRange.parse(f"{lo}-{hi}")
+        with pytest.raises(ValueError) as paired:
+            PortRange.of((lo, hi))
+        assert str(built.value) == str(parsed.value) == str(paired.value) == (
+            f"expected {PortRange.EXPECTED}, got '{lo}-{hi}'")
+
+
+@pytest.mark.parametrize("ports", [None, PortRange(FIRST, FIRST + 9)])
+def test_an_address_not_on_this_machine_is_blamed_on_the_host_not_the_range(ports):
+    with pytest.raises(RuntimeFailure) as info:  # 192.0.2.1: a documentation address, no machine's own
+        listen_socket("192.0.2.1", ports, "endpoint w0")
+    msg = str(info.value)
+    assert msg.startswith("endpoint w0 cannot listen on 192.0.2.1 (") and "--port-range" not in msg
+    assert msg.endswith("it must be an address of this machine") and "\n" not in msg
+
+
 def test_the_options_refuse_a_bad_range_in_one_line(capsys):
     from hetserve.cli.main import main
     from hetserve.runtime.engine_config import EngineConfig

@@ -75,44 +75,56 @@ class PortRange:
     EXPECTED = "LO-HI with 1 <= LO <= HI <= 65535 (e.g. 20000-20099)"
 
     def __post_init__(self) -> None:
+        # the one check of the bounds: parse and of build through here
         if not (type(self.lo) is int and type(self.hi) is int and 1 <= self.lo <= self.hi <= 65535):
-            raise ValueError(f"a port range must be {self.EXPECTED}, got {self.lo!r}-{self.hi!r}")
+            raise _expected(f"{self.lo}-{self.hi}")
 
     @classmethod
     def parse(cls, text: str) -> "PortRange":
         """``"LO-HI"``; ValueError saying what was expected otherwise."""
         m = re.fullmatch(r"\s*(\d{1,5})\s*-\s*(\d{1,5})\s*", str(text))
-        if m is None or not 1 <= int(m[1]) <= int(m[2]) <= 65535:
-            raise ValueError(f"expected {cls.EXPECTED}, got {text!r}")
+        if m is None:
+            raise _expected(text)
         return cls(int(m[1]), int(m[2]))
 
     @classmethod
     def of(cls, value) -> "PortRange | None":
-        """None, a ``PortRange``, ``"LO-HI"`` or ``(lo, hi)`` as a ``PortRange`` (None stays None)."""
+        """None, a ``PortRange``, ``"LO-HI"`` or ``(lo, hi)`` as a ``PortRange`` (None stays None);
+        ValueError saying what was expected otherwise."""
         if value is None or isinstance(value, PortRange):
             return value
         if isinstance(value, str):
             return cls.parse(value)
-        lo, hi = value
-        return cls(lo, hi)
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise _expected(value, " or a pair (LO, HI)")
+        return cls(*value)
 
     def __str__(self) -> str:
         return f"{self.lo}-{self.hi}"
 
 
+def _expected(got, also: str = "") -> ValueError:
+    """The one line every malformed port range gets."""
+    return ValueError(f"expected {PortRange.EXPECTED}{also}, got {got!r:.60}")
+
+
 def listen_socket(host: str, ports: PortRange | None = None, what: str = "a listener") -> socket.socket:
     """A TCP listening socket bound to ``host`` (IPv4, IPv6 or a host name): on a port the OS picks,
-    or on the first free port of ``ports``. ``RuntimeFailure`` naming the range when none is free."""
+    or on the first free port of ``ports``. ``RuntimeFailure`` in one line otherwise: naming the
+    range when none of its ports is free (or one needs privileges), naming the host when the
+    address itself cannot be bound (not this machine's, a name that does not resolve)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    if ports is None:
-        return socket.create_server((host, 0), family=family)
-    for port in range(ports.lo, ports.hi + 1):
+    for port in (0,) if ports is None else range(ports.lo, ports.hi + 1):
         try:
             return socket.create_server((host, port), family=family)
         except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
+            if ports is not None and exc.errno == errno.EADDRINUSE:
+                continue
+            if ports is not None and exc.errno == errno.EACCES:  # a port below 1024 without the privilege
                 raise RuntimeFailure(f"--port-range {ports}: {what} cannot listen on {host}:{port} "
-                                     f"({exc.strerror or exc})") from exc
+                                     f"({exc.strerror or exc}); choose ports this user may open") from exc
+            not_here = "; it must be an address of this machine" if exc.errno == errno.EADDRNOTAVAIL else ""
+            raise RuntimeFailure(f"{what} cannot listen on {host} ({exc.strerror or exc}){not_here}") from exc
     raise RuntimeFailure(f"--port-range {ports}: no free port left on {host} for {what}, every one of its "
                          f"{ports.hi - ports.lo + 1} is taken; widen the range (on each machine this deployment "
                          "listens on one port per worker there, and the engine's on one or two: its endpoint "

@@ -12,7 +12,8 @@ plan's KV routes pick, whose answer (streamed or not) is the client's.
 Retry rule: until the first byte of the answer has gone to the client, a failure (connection
 refused or reset, a 5xx, a stream that breaks) marks that backend down and the request is tried on
 another live one; after that (its status line has left), a stream that breaks ends as ``serve``
-ends one that fails: an error event, then ``data: [DONE]``. A backend's 4xx is the client's
+ends one that fails: an error event, then ``data: [DONE]``. Streams are relayed one whole event at
+a time (``route.sse``): the event a backend was cut off inside never reaches the client. A backend's 4xx is the client's
 answer, not a failure. Health checks (``GET /health`` every ``health_interval_s``) mark backends
 up again, and down: at once when the connection is refused (nothing listens), after
 ``health_failures`` checks in a row when the answer is slow or not 200 (one slow answer from a
@@ -227,25 +228,39 @@ class Router:
                 in_flight.set(b.in_flight)
 
     async def _relay(self, b: Backend, resp, first: bytes, chunks) -> AsyncIterator[bytes]:
+        from hetserve.serve.route.sse import EventCutter
+
         outcome = "200"
-        tail = b""  # the stream's last bytes sent: whether it stopped between events
+        cutter = EventCutter()  # whole events only reach the client (route.sse says why)
+        reason = None  # why the stream broke, if it did
         try:
-            yield first
-            tail = first[-4:]
-            async for c in chunks:
-                yield c
-                tail = (tail + c)[-4:]
-        except httpx.HTTPError:
-            outcome = "broken"  # counted once, as broken: not as a failed attempt too
-            self._set_alive(b, False)
-            from hetserve.serve.errors import ServerError, error_event
-            # as serve ends a stream that fails after its headers: one error event, then [DONE] (a
-            # client reads to [DONE]); a backend cut off inside an event has that event ended first,
-            # so the error event is read as one of its own
-            if not tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
-                yield b"\n\n"
-            yield error_event(ServerError(f"backend {b.id} failed mid-stream")).encode()
-            yield STREAM_END
+            c = first
+            while True:
+                whole = cutter.feed(c)
+                if whole:
+                    yield whole
+                if cutter.too_long:
+                    reason = f"backend {b.id} sent an event over {cutter.max_event_bytes} bytes"
+                    break
+                try:
+                    c = await chunks.__anext__()
+                except StopAsyncIteration:
+                    rest = cutter.rest()
+                    if rest:
+                        yield rest
+                    break
+                except httpx.HTTPError:
+                    self._set_alive(b, False)
+                    reason = f"backend {b.id} failed mid-stream"
+                    break
+            if reason is not None:
+                outcome = "broken"  # counted once, as broken: not as a failed attempt too
+                from hetserve.serve.errors import ServerError, error_event
+                # as serve ends a stream that fails after its headers: one error event, then [DONE]
+                # (a client reads to [DONE]); the event the backend was cut off inside is dropped,
+                # never sent in part (a client would fail decoding it and never read the error)
+                yield error_event(ServerError(reason)).encode()
+                yield STREAM_END
         finally:
             await resp.aclose()
             b.in_flight -= 1

@@ -45,7 +45,8 @@ from typing import Any, Callable
 
 from hetserve.runtime.workers.auth import HandshakeError, LinkSecurity, accept_handshake, connect_handshake
 from hetserve.runtime.workers.link_scheduling import LinkScheduler, LinkShaper, Outgoing, PriorityScheduler
-from hetserve.runtime.workers.wire import CHUNK_HEADER, MalformedMessage, Message, Reassembly, decode, encode
+from hetserve.runtime.workers.wire import (CHUNK_HEADER, MalformedMessage, Message, Reassembly, check_sender, decode,
+                                          encode)
 
 
 class Priority(IntEnum):
@@ -155,8 +156,10 @@ class SocketTransport(Transport):
     Every connection is authenticated (``hetserve.runtime.workers.auth``: the deployment's secret, a
     challenge-response handshake, TLS when ``security.tls`` is set) before a message byte is read, and
     every chunk and message is checked (``hetserve.runtime.workers.wire``) before memory is allocated for it.
-    A connection that fails either is closed, logged (the first time per reason) and counted in
-    ``rejected``; the endpoint lives on.
+    Each message must name as its sender the name the connection's handshake carried
+    (``wire.check_sender``): every endpoint sends under its own name, so one connection speaks for
+    one endpoint. A connection that fails any of these is closed, logged (the first time per
+    reason) and counted in ``rejected``; the endpoint lives on.
 
     Threads: one acceptor, one reader per incoming connection, one sender per peer this endpoint
     sends to. ``scheduler_factory(src, dst)`` makes the ``LinkScheduler`` of each outgoing link;
@@ -301,16 +304,16 @@ class SocketTransport(Transport):
             self._socks.add(sock)
             self._spawn(self._read_loop, f"{self.name}-read", sock)
 
-    def _authenticate(self, sock: socket.socket) -> socket.socket:
-        """The connection after TLS (if any) and the handshake; HandshakeError or OSError otherwise."""
+    def _authenticate(self, sock: socket.socket) -> tuple[socket.socket, str]:
+        """The connection after TLS (if any) and the handshake, and the name the peer proved it under;
+        HandshakeError or OSError otherwise."""
         try:
             if self._server_tls is not None:
                 sock.settimeout(self.security.handshake_timeout_s)
                 self._socks.discard(sock)
                 sock = self._server_tls.wrap_socket(sock, server_side=True)
                 self._socks.add(sock)
-            accept_handshake(sock, self.security)
-            return sock
+            return sock, accept_handshake(sock, self.security)
         except BaseException:
             self._drop(sock)  # the TLS-wrapped socket, where wrapping succeeded
             raise
@@ -319,7 +322,7 @@ class SocketTransport(Transport):
 
     def _read_loop(self, sock: socket.socket) -> None:
         try:
-            sock = self._authenticate(sock)
+            sock, peer = self._authenticate(sock)
         except (HandshakeError, ssl.SSLError, OSError) as exc:
             if not self.closed:
                 self._reject("handshake", repr(exc))
@@ -333,7 +336,9 @@ class SocketTransport(Transport):
                 _read_into(sock, view)
                 payload = frames.complete(header[0], header[3])
                 if payload is not None:
-                    self._deliver_guarded(decode(payload))
+                    msg = decode(payload)
+                    check_sender(msg, peer)  # a message under another name than the handshake's is refused
+                    self._deliver_guarded(msg)
         except MalformedMessage as exc:
             self._reject("malformed", str(exc))
         except (OSError, EOFError):

@@ -19,6 +19,9 @@ and the header is a msgpack map ``{kind, src, meta, tensors}``:
 Messages travel in chunks, each behind ``CHUNK_HEADER`` (message id, offset, total, length), so
 chunks of several messages may interleave on one link; ``Reassembly`` puts them back together.
 
+``src`` is the sending endpoint's name, and must be the one its connection's handshake carried
+(``check_sender``, as must a ``meta["worker"]``).
+
 A payload or chunk header that breaks any of these raises ``MalformedMessage`` (a ``ValueError``); the transport
 closes the connection it came on. Sizes are checked before anything is allocated: the header
 against ``MAX_HEADER_BYTES``, each tensor against the payload it claims to be in, each message
@@ -150,6 +153,18 @@ def decode(payload: bytearray) -> Message:
     if offset != len(payload):
         raise MalformedMessage(f"{len(payload) - offset} bytes after the last tensor")
     return Message(kind, meta, tensors, src)
+
+
+def check_sender(msg: Message, peer: str) -> None:
+    """MalformedMessage unless ``msg`` names as its sender ``peer``, the name its connection's handshake
+    carried: in ``src``, and in ``meta["worker"]`` where it has one (a worker's messages to the engine
+    name the worker there). Every endpoint sends under its own name (the transport sets ``src``; a
+    worker's ``worker`` is its endpoint's name), so one connection speaks for one endpoint."""
+    if msg.src != peer:
+        raise MalformedMessage(f"a {msg.kind!r} message from {msg.src!r:.80} on a connection of {peer!r:.80}")
+    if msg.meta.get("worker", peer) != peer:
+        raise MalformedMessage(f"a {msg.kind!r} message naming worker {msg.meta['worker']!r:.80} "
+                               f"on a connection of {peer!r:.80}")
 
 
 def _check_header(header: Any) -> tuple[str, str, dict, list]:

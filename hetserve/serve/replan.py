@@ -13,6 +13,7 @@ workers, and the whole "failure -> new plan serving".
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -64,7 +65,9 @@ class Replanner:
         from hetserve.specs.model import DTYPE_BYTES
         from hetserve.specs.workload import load_workload
 
-        spec = model_spec(self.engine.arch, DTYPE_BYTES[self.engine.dtype])
+        # named as the plan names the model (its checkpoint folder), not by its architecture
+        spec = dataclasses.replace(model_spec(self.engine.arch, DTYPE_BYTES[self.engine.dtype]),
+                                   name=self.engine.plan.model)
         return spec, servable(load_workload(self.workload), spec, self.workload, "re-planned")
 
     def replan(self, cluster: str | None = None, lost: list[str] | None = None,

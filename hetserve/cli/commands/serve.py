@@ -87,9 +87,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "and bring the new replicas up while the others serve; POST /admin/replan (with --admin-key) "
                         "does it on demand")
     p.add_argument("--replan-workload",
-                   help="workload preset or CSV the re-plan's planner plans for (default azure-conv)")
+                   help="workload preset or CSV the re-plan's planner plans for (default azure-conv), after a "
+                        "failure (--replan-on-failure) or on POST /admin/replan (an admin key); local backend")
     p.add_argument("--replan-time-limit", type=float, metavar="S",
-                   help="the re-plan's planner search time limit in seconds (default 10)")
+                   help="the re-plan's planner search time limit in seconds (default 10); as --replan-workload")
     add_prefill_mode_options(p)
     add_key_options(p)
     p.add_argument("--tls-cert", metavar="PATH", help="TLS certificate for the worker links (with --tls-key, --tls-ca)")
@@ -144,18 +145,31 @@ def check_chunk_tokens(args: argparse.Namespace, prefill_mode: str) -> None:
                         "prompts); drop --chunk-tokens", f"{args.chunk_tokens} with --prefill-mode {prefill_mode}")
 
 
-def check_idle_options(args: argparse.Namespace, plan) -> None:
+def replans_possible(args: argparse.Namespace, admin: bool) -> bool:
+    """Whether this server can re-plan, so that --replan-workload and --replan-time-limit are read:
+    the local backend builds a Replanner (serve/launch.py), and it runs after a replica's failure
+    (--replan-on-failure) or on POST /admin/replan, which only an admin key opens (``admin``)."""
+    return args.backend == "local" and (args.replan_on_failure or admin)
+
+
+REPLAN_NEEDS = ("--replan-on-failure or an admin key (--admin-key, --admin-key-file or $HETSERVE_ADMIN_KEY: "
+                "POST /admin/replan), on the local backend (the re-plan's planner reads it)")
+
+
+def check_idle_options(args: argparse.Namespace, plan, admin: bool = False) -> None:
     """Options named on the command line that the others leave nothing to act on: one line naming
-    the option and what it needs, before anything starts (each would otherwise be dropped unseen)."""
+    the option and what it needs, before anything starts (each would otherwise be dropped unseen).
+    ``admin``: an admin key is configured (/admin/* is on)."""
     from hetserve.errors import PlanError, SpecError
     from hetserve.sim.option_checks import idle_plan_option
 
     aladdin = "aladdin" in (args.placement, route_of(args))
+    replans = replans_possible(args, admin)
     needs = [("--time-scale", args.time_scale, args.shape_links, "--shape-links (it scales the emulated links)"),
              ("--transmission", args.transmission, args.shape_links,
               "--shape-links (unshaped, each message goes at once: none waits for the policy to order it)"),
-             ("--replan-workload", args.replan_workload, args.replan_on_failure, "--replan-on-failure"),
-             ("--replan-time-limit", args.replan_time_limit, args.replan_on_failure, "--replan-on-failure"),
+             ("--replan-workload", args.replan_workload, replans, REPLAN_NEEDS),
+             ("--replan-time-limit", args.replan_time_limit, replans, REPLAN_NEEDS),
              ("--ray-address", args.ray_address, args.backend == "ray", "--backend ray"),
              ("--chunk-tokens", args.chunk_tokens, args.prefill_mode == "chunked", "--prefill-mode chunked"),
              ("--max-batched-tokens", args.max_batched_tokens,
@@ -171,6 +185,19 @@ def check_idle_options(args: argparse.Namespace, plan) -> None:
     idle = idle_plan_option(plan, args.plan, route=args.route, colocated_only=colocated_only)
     if idle is not None:
         raise PlanError(idle)
+
+
+def check_port_outside_range(port: int, ports) -> None:
+    """The HTTP API's ``--port`` is the user's own fixed port; ``--port-range`` is where hetserve's
+    other listeners (the engine's and workers' endpoints, the TP store) take theirs. The HTTP socket
+    is bound but listens only once the workers are up, and a bound socket that does not listen yet
+    does not keep another SO_REUSEADDR listener off its port: the engine's endpoint could take the
+    same port, and the HTTP server would then fail to listen. So the two must not overlap."""
+    from hetserve.errors import SpecError
+
+    if ports is not None and port and ports.lo <= port <= ports.hi:
+        raise SpecError("--port", SpecError.OPTION, f"a port outside --port-range {ports} (the HTTP API's own port; "
+                        "the range is for hetserve's other listeners)", port)
 
 
 def token_budget_of(args: argparse.Namespace) -> int:
@@ -209,8 +236,10 @@ def run(args: argparse.Namespace) -> int:
     # figures named as the checkpoint's (its label need not be the plan's model name)
     check_runnable(plan, cluster, load_model(args.model),
                    f"{args.plan} (planned for {plan.model}) with --model {args.model}")
-    check_idle_options(args, plan)
+    keys = key_options(args)  # before the idle options: an admin key makes the re-plan options act
+    check_idle_options(args, plan, admin=bool(keys["admin_keys"]))
     check_host(args.host)
+    check_port_outside_range(args.port, args.port_range)
     budget = token_budget_of(args)
     if args.heartbeat_timeout <= 0.2:
         raise SpecError("--heartbeat-timeout", "heartbeat_timeout", "more than 0.2 s (workers beat every "
@@ -219,11 +248,10 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError("--replan-on-failure", "backend", "the local backend (Ray actors are placed once)", "ray")
     if args.replan_time_limit is not None and not 0 < args.replan_time_limit <= 3600:
         raise SpecError("--replan-time-limit", "seconds", "a number in (0, 3600]", args.replan_time_limit)
-    if args.replan_on_failure:
+    if replans_possible(args, bool(keys["admin_keys"])):
         from hetserve.specs.workload import load_workload
 
-        load_workload(args.replan_workload or ServeOptions.replan_workload)  # reported now, not at the first failure
-    keys = key_options(args)
+        load_workload(args.replan_workload or ServeOptions.replan_workload)  # reported now, not at the first re-plan
     # options left out keep ServeOptions' defaults (the one place they are written)
     given = {k: v for k, v in (("time_scale", args.time_scale), ("replan_workload", args.replan_workload),
                                ("replan_time_limit_s", args.replan_time_limit)) if v is not None}

@@ -156,3 +156,36 @@ def test_a_workers_exit_returns_from_its_actor_task_but_its_parent_watch_still_e
     report); on another thread, the worker's parent watch, it ends the process at once, as ever."""
     done = subprocess.run([sys.executable, "-c", EXITS], capture_output=True, text=True, timeout=120)
     assert done.returncode == 5, done.stderr
+
+
+def _closed_port() -> socket.socket:
+    """A loopback port bound but not listening: a connect there is refused at once."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@pytest.mark.parametrize("form", ["{port}", "ray://{port}"])
+def test_joining_a_ray_address_where_nothing_answers_is_one_line_before_ray_init(form, monkeypatch):
+    """Ray retries an absent head for minutes: hetserve connects first and names --ray-address."""
+    from hetserve.errors import RuntimeFailure
+    from hetserve.specs.cluster import load_cluster
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init asked to join an address nobody answers"))
+    with _closed_port() as sock:
+        port = sock.getsockname()[1]
+        address = form.format(port=f"127.0.0.1:{port}")
+        with pytest.raises(RuntimeFailure) as info:
+            RaySession.start(load_cluster("demo-cpu"), address=address)
+    message = str(info.value)
+    assert message.startswith(f"--ray-address {address}: nothing answers at 127.0.0.1:{port} (")
+    assert "start the Ray head there" in message and "drop --ray-address" in message
+    assert "\n" not in message
+
+
+def test_a_ray_address_that_answers_or_names_no_port_is_left_to_ray():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        ray_session.check_ray_address(f"127.0.0.1:{listener.getsockname()[1]}")
+        ray_session.check_ray_address(f"ray://127.0.0.1:{listener.getsockname()[1]}")
+    for address in ("auto", "local", "127.0.0.1", "127.0.0.1:notaport"):
+        ray_session.check_ray_address(address)

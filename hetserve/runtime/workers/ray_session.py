@@ -47,6 +47,42 @@ def ray_auth_env(environ: dict[str, str], joining: bool) -> dict[str, str]:
     return {"RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
 
+RAY_CLIENT_PORT = 10001  # Ray client's port, where a ray:// address names none (Ray's own default)
+ANSWER_TIMEOUT_S = 5.0  # a pool's head answers a TCP connect well within this, even across sites
+
+
+def check_ray_address(address: str, timeout_s: float = ANSWER_TIMEOUT_S) -> None:
+    """``RuntimeFailure`` in one line when nothing answers a TCP connect at ``--ray-address``, before
+    ``ray.init`` is asked to join it: Ray retries an absent head for minutes, printing only its own
+    GCS messages, and does not stop on SIGTERM meanwhile. ``HOST:PORT`` and ``ray://HOST[:PORT]``
+    are checked; what names no address to connect to (``auto``, which Ray resolves from the files
+    of a Ray started on this machine, ``local``, a host without a port) is left to Ray."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from hetserve.errors import RuntimeFailure
+
+    text = address.strip()
+    client = text.startswith("ray://")
+    rest = text[len("ray://"):] if client else text
+    if "://" in rest or text in ("auto", "local"):
+        return
+    try:
+        parts = urlsplit("//" + rest)
+        host, port = parts.hostname, parts.port
+    except ValueError:  # a port that is no number: Ray's own error says so
+        return
+    port = port if port is not None else (RAY_CLIENT_PORT if client else None)
+    if not host or port is None:
+        return
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        why = "no answer within %g s" % timeout_s if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise RuntimeFailure(f"--ray-address {address}: nothing answers at {host}:{port} ({why}): start the Ray "
+                             "head there (docs/multinode.md) or drop --ray-address for a private Ray") from exc
+
+
 class RaySession:
     """A Ray connection for serving: joins ``address`` or starts a private local Ray.
 
@@ -75,6 +111,8 @@ class RaySession:
 
         if ray.is_initialized():
             return RaySession(False, None)
+        if address:
+            check_ray_address(address)
         os.environ.update(ray_auth_env(dict(os.environ), joining=bool(address)))
         if address:
             extra = {"_node_ip_address": node_ip_address} if node_ip_address else {}

@@ -164,8 +164,15 @@ class WorkerGroup:
         return self.worker_errors.get(name)
 
     def _startup_failure(self, name: str, what: str, error: str | None, code: int | None = None) -> RuntimeFailure:
+        """One line naming the worker and what failed. A worker's failure while it works (loading its
+        shard, connecting) arrives as a Python traceback, and is worded as a failure to do ``what``.
+        A report without a traceback is the worker's own account of why it could not start before
+        any of that began (``worker_process`` sends one when its endpoint cannot listen, e.g. no
+        free port left in --port-range): it already says what failed, and is given as it is."""
         w = self.worker(name)
         where = f"worker {name} (replica {w.replica}, stage {w.stage}, TP rank {w.tp_rank})"
+        if error and not error.lstrip().startswith(TRACEBACK):
+            return RuntimeFailure(f"{where} could not start: " + " ".join(error.split()))
         detail = last_line(error) if error else f"exited with code {code}"
         exc = RuntimeFailure(f"{where} failed to {what}: {detail}")
         if error:
@@ -256,6 +263,9 @@ def kill_processes(procs: dict[str, Any]) -> None:
             p.kill()
     for p in procs.values():
         p.join(timeout=2.0)
+
+
+TRACEBACK = "Traceback (most recent call last):"  # how traceback.format_exc() begins
 
 
 def last_line(text: str) -> str:

@@ -1,0 +1,54 @@
+"""How a worker's start-up failure is worded (``WorkerGroup._await_all``): by what failed. A worker
+that could not start (its endpoint found no port to listen on) says so, not that loading failed;
+a failure while it loads keeps its traceback's last line and the whole traceback as a note."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from hetserve.errors import RuntimeFailure
+from hetserve.runtime.workers.wire import Message
+from hetserve.runtime.workers.worker_group import WorkerGroup
+
+NO_PORT = ("--port-range 22000-22004: no free port left on 127.0.0.1 for endpoint m1:0, every one of its 5 "
+           "is taken; widen the range")
+LOAD_ERROR = ('Traceback (most recent call last):\n  File "worker.py", line 1, in load\n'
+              "RuntimeError: checkpoint shard model-00002.safetensors is truncated\n")
+
+
+def _group() -> WorkerGroup:
+    worker = SimpleNamespace(name="m1:0", replica="d1", stage=0, tp_rank=0)
+    layout = (SimpleNamespace(id="d1", workers=(worker,)),)
+    return WorkerGroup(layout, transport=None, start_timeout_s=30)
+
+
+def _failure(error: str) -> RuntimeFailure:
+    """The failure the ready round raises when worker m1:0 reports ``error`` and exits."""
+    messages = [Message("error", {"worker": "m1:0", "error": error})]
+    proc = SimpleNamespace(exitcode=None)
+    with pytest.raises(RuntimeFailure) as info:
+        _group()._await_all("ready", "load its shard and capture its graphs", {"m1:0": proc},
+                            lambda timeout: messages.pop() if messages else None)
+    return info.value
+
+
+def test_a_worker_that_could_not_listen_is_not_said_to_have_failed_to_load():
+    exc = _failure(NO_PORT)
+    assert str(exc) == f"worker m1:0 (replica d1, stage 0, TP rank 0) could not start: {NO_PORT}"
+
+
+def test_a_worker_that_failed_while_loading_says_so_with_its_traceback_as_a_note():
+    exc = _failure(LOAD_ERROR)
+    assert str(exc) == ("worker m1:0 (replica d1, stage 0, TP rank 0) failed to load its shard and capture its "
+                        "graphs: RuntimeError: checkpoint shard model-00002.safetensors is truncated")
+    assert exc.__notes__ == [LOAD_ERROR]
+
+
+def test_a_worker_that_exited_after_reporting_it_could_not_listen_is_worded_the_same():
+    messages = [Message("error", {"worker": "m1:0", "error": NO_PORT})]
+    with pytest.raises(RuntimeFailure, match=r"^worker m1:0 \(replica d1, stage 0, TP rank 0\) could not start: "
+                                             r"--port-range 22000-22004: no free port left"):
+        _group()._await_all("ready", "load its shard and capture its graphs", {"m1:0": SimpleNamespace(exitcode=1)},
+                            lambda timeout: messages.pop() if messages else None)

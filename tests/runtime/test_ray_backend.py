@@ -189,3 +189,33 @@ def test_a_ray_address_that_answers_or_names_no_port_is_left_to_ray():
         ray_session.check_ray_address(f"ray://127.0.0.1:{listener.getsockname()[1]}")
     for address in ("auto", "local", "127.0.0.1", "127.0.0.1:notaport"):
         ray_session.check_ray_address(address)
+
+
+# what the engine's error gives as why a Ray worker died: the machine named, Ray's text cut at a word
+UNAVAILABLE = ("Failed to connect to the actor's worker 127.0.0.3:41234 after its raylet went away, while "
+               "submitting task run of actor WorkerActor from the driver at 127.0.0.2 (the GCS reports it "
+               "pending): Socket closed rpc_code: 14")
+
+
+def test_an_actor_ray_cannot_reach_names_the_machine_whose_node_stopped_answering():
+    from ray.exceptions import ActorUnavailableError
+
+    cause = ray_backend._death_cause(ActorUnavailableError(UNAVAILABLE, b"\x01" * 16), "m2", "127.0.0.3")
+    head = "the Ray node of machine m2 at 127.0.0.3 stopped answering: it left the cluster or the network to it dropped"
+    assert cause.startswith(head + " (Ray: The actor 0101")
+    ray_text = cause[len(head) + len(" (Ray: "):-1]
+    assert ray_text.endswith(" ...") and len(ray_text) <= 250
+    full = f"The actor {'01' * 16} is unavailable: {UNAVAILABLE}. The task may or may not have been executed"
+    kept = ray_text[:-len(" ...")]
+    assert full.startswith(kept) and full[len(kept)] in " ,;:", f"cut mid-word: {kept[-20:]!r}"
+
+
+def test_an_actor_whose_node_died_names_the_machine_that_left():
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    from ray.exceptions import ActorDiedError
+
+    context = ActorDiedErrorContext(error_message="The actor is dead because its node has died. Node Id: 5e1f",
+                                    actor_id=b"\x01" * 16, class_name="WorkerActor", node_ip_address="127.0.0.3")
+    cause = ray_backend._death_cause(ActorDiedError(context), "m2", "127.0.0.3")
+    assert cause.startswith("the Ray node of machine m2 at 127.0.0.3 left the cluster (Ray: ")
+    assert "its node has died" in cause and "class_name" not in cause and "\n" not in cause

@@ -35,8 +35,9 @@ fresh token of its own; joining a pool, the driver uses the token its nodes were
 
 A node that leaves (its raylet dies, the machine goes away) is a worker exit like any other: the
 worker process ends with its raylet (it watches its parent), Ray marks the node's actors dead once
-its health checks fail, ``exitcode`` turns non-zero with ``cause`` saying the node died, and the
-engine's worker-failure path takes over.
+its health checks fail, ``exitcode`` turns non-zero with ``cause`` naming the machine whose node
+left (or stopped answering, when Ray cannot reach the actor before that), and the engine's
+worker-failure path takes over.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class RayWorkerProcess:
             try:
                 self._exitcode = ray.get(ready[0])
             except Exception as exc:  # noqa: BLE001 - the actor died (its node left, its parent went) or raised
-                self.cause = _death_cause(exc, self.machine)
+                self.cause = _death_cause(exc, self.machine, self.host)
                 self._exitcode = 1
             self._end_actor()  # the worker is done: its process ends now, a planned end Ray does not report
         return self._exitcode
@@ -179,13 +180,30 @@ class RayWorkerProcess:
                 ray.kill(actor, no_restart=True)
 
 
-def _death_cause(exc: BaseException, machine: str) -> str:
-    """One line: why Ray says the actor ended; node loss named as such."""
-    text = str(exc)
-    if "node" in text.lower() and ("died" in text.lower() or "dead" in text.lower()):
-        return f"the Ray node of machine {machine} left the cluster"
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[0][:200] if lines else type(exc).__name__
+def _death_cause(exc: BaseException, machine: str, host: str | None = None) -> str:
+    """One line: why Ray says the actor ended, naming the machine (and the address its worker bound).
+
+    A node Ray declared dead is said to have left the cluster. An actor Ray cannot reach
+    (``ActorUnavailableError``: its connection closed, e.g. gRPC's UNAVAILABLE, code 14) is what a
+    node that just left looks like before its health checks fail, or a network that dropped: the
+    node is said to have stopped answering. Ray's own text follows, cut at a word, never mid-word."""
+    node = f"the Ray node of machine {machine}" + (f" at {host}" if host else "")
+    # Ray's field lines ("\tclass_name: ...", "\tactor_id: ...") are left out: the rest says why
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.startswith("\t")]
+    text = " ".join(lines)
+    low = text.lower()
+    if "node" in low and ("died" in low or "dead" in low):
+        return f"{node} left the cluster (Ray: {_clip(text)})"
+    if type(exc).__name__ == "ActorUnavailableError":
+        return f"{node} stopped answering: it left the cluster or the network to it dropped (Ray: {_clip(text)})"
+    return f"on machine {machine}: {_clip(text) or type(exc).__name__}"
+
+
+def _clip(text: str, limit: int = 240) -> str:
+    """``text`` up to ``limit`` characters, cut after a whole word ("..." marks the cut)."""
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0].rstrip(" ,;:") + " ..."
 
 
 class _RayContext:

@@ -16,6 +16,7 @@ Sits above the simulator (imports ``hetserve.sim``); the policies stay below it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence
 
@@ -146,3 +147,43 @@ def workers_needed(model: ModelSpec, gpu: str, workload: Workload, slo: SLO, pol
         return attainment(res, slo, metric) >= target
 
     return min_workers(meets, 1, hint, max_workers)
+
+
+@dataclass(frozen=True)
+class ShortTrace:
+    """A simulated count below the fluid lower bound: the trace ended before its queue showed."""
+
+    simulated: int  # what the simulation found
+    bound: int  # the fluid lower bound, the least count that could serve the rate
+    requests: int  # how many were simulated
+    span_s: float  # how long the simulated arrivals last
+    show_s: float  # how long a queue at ``simulated`` workers takes to add the TTFT target to the wait
+    requests_needed: int  # a trace that spans several times ``show_s``
+
+
+# A trace must span this many times the time the queue takes to show: a queue that shows only at
+# its very end costs misses to too few requests to fail the attainment target.
+SHOW_SPANS = 3
+
+
+def short_trace(rate: float, simulated: int, bound: int, worker_rate: float, ttft_s: float | None,
+                requests: int) -> ShortTrace | None:
+    """None when ``simulated`` ≥ ``bound``; else why it fell below and how many requests would show it.
+
+    Fewer workers than the fluid bound complete at most ``simulated · worker_rate`` < ``rate``
+    requests/s, so their backlog, and with it the wait before a prompt starts, grows by
+    ``rate / (simulated · worker_rate) − 1`` seconds per second of arrivals. It reaches the TTFT
+    target (and requests start to miss) only after ``show_s``; a trace shorter than that attains
+    the SLOs on a pool that cannot keep up. The suggestion is for ``simulated`` workers: a rerun
+    whose count is still below the bound is checked again, with a longer trace asked for.
+    """
+    if simulated >= bound:
+        return None
+    span = requests / rate
+    growth = rate / (simulated * worker_rate) - 1.0 if worker_rate > 0 else math.inf
+    show = (ttft_s or 0.0) / growth if growth > 0 else math.inf
+    if math.isfinite(show):
+        need = math.ceil(SHOW_SPANS * show * rate / 500) * 500  # a round figure to pass as --requests
+    else:
+        need = 0
+    return ShortTrace(simulated, bound, requests, span, show, max(need, 2 * requests))

@@ -182,3 +182,44 @@ def test_a_law_without_a_slope_is_refused():
     for rates, counts in (([20, 40], [2, 2]), ([10, 20, 40], [3, 2, 2])):
         with pytest.raises(DegenerateLaw, match="give rates further apart"):
             fit_worker_law(rates, counts)
+
+
+def test_a_count_below_the_fluid_bound_is_a_trace_too_short():
+    """Fewer workers than the fluid bound cannot keep up: their queue adds rate/(n·per) − 1 s of wait per
+    second, so with a 5 s TTFT target it shows only after a while; the rule says how long and asks for a
+    trace several times as long (and at least twice the one given)."""
+    from hetserve.capacity.simulated import SHOW_SPANS, short_trace
+
+    assert short_trace(160, 7, 7, 24.0, 5.0, 1500) is None and short_trace(160, 9, 7, 24.0, 5.0, 1500) is None
+    s = short_trace(160, 5, 7, 24.0, 5.0, 1500)
+    growth = 160 / (5 * 24.0) - 1  # 1/3 s of wait per second
+    assert (s.simulated, s.bound, s.requests) == (5, 7, 1500)
+    assert math.isclose(s.span_s, 1500 / 160) and math.isclose(s.show_s, 5.0 / growth)
+    assert s.requests_needed >= SHOW_SPANS * s.show_s * 160 and s.requests_needed % 500 == 0
+    assert short_trace(160, 5, 7, 24.0, 5.0, 100_000).requests_needed == 200_000
+
+
+def test_cli_capacity_raises_a_count_the_trace_was_too_short_for(capsys):
+    """At 160 req/s, 1500 requests last 9.4 s: a pool of 5 workers (bound 7) misses no 5 s TTFT target
+    in that time. The row shows the bound, marked, and the warning names --requests and how many."""
+    from hetserve.cli.main import main
+
+    rc = main(["capacity", "--gpu", "A100-SXM-80G", "--model", "llama-2-13b", "--workload", "azure-conv",
+               "--rate", "160", "--slo-ttft", "5", "--slo-tpot", "0.1"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    row = next(line for line in out.splitlines() if line.strip("│ ").startswith("160 "))
+    assert [c.strip() for c in row.strip("│").split("│")] == ["160", "7*", "28*", "7"], row
+    flat = " ".join(err.split())
+    assert "found 5 worker(s), below the fluid lower bound of 7" in flat and "--requests 7500 or more" in flat, flat
+
+
+@pytest.mark.parametrize("rates", ["5,,10", "5,", ",5"])
+def test_cli_capacity_refuses_an_empty_rate(capsys, rates):
+    from hetserve.cli.main import main
+
+    rc = main(["capacity", "--gpu", "A100-SXM-80G", "--model", "llama-2-7b", "--workload", "sharegpt",
+               "--rates", rates, "--slo-ttft", "0.4", "--slo-tpot", "0.015", "--method", "fluid"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "--rates" in err and "no empty entry" in err and len(err.strip().splitlines()) == 1, err
+    assert "worker configuration" not in out

@@ -6,6 +6,8 @@
 Prints the per-GPU throughput of every TP degree, the fewest workers meeting the SLOs at each
 rate (by simulation with the chosen placement, or the fluid lower bound with ``--method fluid``), the
 fitted law N_w = ⌈k5·r + c5⌉, and with ``--heartbeat`` the worker count scaled over the trace.
+A simulated count below the fluid lower bound (a trace that ended before its queue showed) is shown
+raised to the bound, marked ``*``, with a warning naming the ``--requests`` a trustworthy run needs.
 """
 
 from __future__ import annotations
@@ -59,9 +61,12 @@ def _rates(args) -> list[float]:
         vals = [args.rate]
     else:
         try:
-            vals = [float(x) for x in args.rates.split(",") if x.strip()]
+            # an empty entry ("5,,10", "5,") is refused, not skipped: it may be a rate lost in typing
+            vals = [float(x) for x in args.rates.split(",")]
         except ValueError as exc:
-            raise SpecError("--rates", "rates", "comma-separated numbers", args.rates) from exc
+            empty = any(not x.strip() for x in args.rates.split(","))
+            raise SpecError("--rates", "rates", "comma-separated numbers" + (" with no empty entry" if empty else ""),
+                            args.rates) from exc
     if not vals or not all(math.isfinite(v) and v > 0 for v in vals):
         raise SpecError("--rates", "rates", "positive numbers of requests/s", args.rate or args.rates)
     return sorted(set(vals))  # a rate given twice is one row (the worker law needs two distinct rates)
@@ -133,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     g = chosen.gpus
     console.print(f"[bold]{g} GPU(s) per worker[/] ({chosen.tokens_per_s_per_gpu:,.0f} output tokens/s per GPU)")
 
-    rows = []
+    rows, shorts = [], []
     for r in rates:
         fluid = workers.fluid_workers(r, chosen, mi, mo, colocated=args.mode == "colocated")
         if args.method == "sim" and fluid > args.requests:
@@ -144,13 +149,22 @@ def run(args: argparse.Namespace) -> int:
                             f"less here: at {r:g} req/s the fluid lower bound is {fluid:,} workers; raise --requests "
                             f"or use --method fluid)", r)
         if args.method == "sim":
-            from hetserve.capacity.simulated import workers_needed
+            from hetserve.capacity.simulated import short_trace, workers_needed
 
             wl = servable(load_workload(args.workload, rate=r, seed=args.seed), model, args.workload,
                           "sized").workload.head(args.requests)
             pre = max(1, fluid // 2) if args.mode == "decode" else 0
             n = workers_needed(model, gpu, wl, slo, args.placement, g, args.mode, args.target, prefill_workers=pre,
                                intra=intra, hint=fluid, per_machine=max(4, g))
+            rate_one = workers.worker_request_rate(chosen, mi, mo, colocated=args.mode == "colocated")
+            short = short_trace(r, n, fluid, rate_one, slo.ttft_s, len(wl))
+            if short:
+                # Fewer workers than the fluid bound cannot keep up with the rate: the simulation said so
+                # only because its trace ended before the queue showed. Its count is known to be too low,
+                # and the bound is the least that could serve, so the answer given (and fitted) is the
+                # bound, marked, with a warning that the bound is a floor and how long a trace would tell.
+                shorts.append((r, short))
+                n = fluid
         else:
             n = fluid
         rows.append((r, n, fluid))
@@ -160,9 +174,17 @@ def run(args: argparse.Namespace) -> int:
               caption=("simulated" if args.method == "sim" else "the fluid lower bound") + f", times from the {source}")
     for col in ("rate req/s", "workers", "GPUs", "fluid lower bound"):
         t.add_column(col, justify="right")
+    raised = dict(shorts)
     for r, n, fluid in rows:
-        t.add_row(f"{r:g}", str(n), str(n * g), str(fluid))
+        mark = "*" if r in raised else ""
+        t.add_row(f"{r:g}", f"{n}{mark}", f"{n * g}{mark}", str(fluid))
     console.print(t)
+    for r, short in shorts:
+        print(f"warning: * at {r:g} req/s the simulation found {short.simulated} worker(s), below the fluid lower "
+              f"bound of {short.bound}: its {short.requests} requests ({short.span_s:.3g}s of arrivals) end before "
+              f"the queue of {short.simulated} worker(s) grows past the {slo.ttft_s:g}s TTFT target (about "
+              f"{short.show_s:.3g}s); shown raised to the bound, which is a floor, not a sizing: rerun with "
+              f"--requests {short.requests_needed} or more", file=sys.stderr)
     if len(rows) >= 2:
         try:
             law = workers.fit_worker_law([r for r, _, _ in rows], [n for _, n, _ in rows])

@@ -68,19 +68,26 @@ def readme(b: Bundle, plan, notes=()) -> str:
              "| replica | role | devices | endpoint |", "|---|---|---|---|"]
     for r in b.replicas:
         lines.append(f"| {r.id} | {r.role} | {' '.join(r.devices)} | {r.endpoint} |")
-    lines += ["", "## Start, in this order", "",
-              "1. Put the same engine version and the model at the same path on every machine"
-              + (" (`pip install 'hetserve[runtime,ray]'`; one Ray token on every machine, mode 600: "
-                 "`ray get-auth-token --generate`, docs/multinode.md; the scripts set `RAY_AUTH_MODE=token` "
-                 "unless the environment already sets it)" if b.engine == "hetserve" else "")
-              + ".",
-              "2. On every machine, its Ray nodes (skip where a script has none): "
-              + ", ".join(f"`bash machines/{m}.sh ray` on {m}" for m in b.machines) + ".",
-              "3. On every machine, its servers: "
-              + ", ".join(f"`bash machines/{m}.sh serve` on {m}" for m in b.machines)
+    steps = [install_step(b)]
+    ray_on = _machines_with(b, "ray")
+    if ray_on:  # a bundle that starts no Ray (vLLM or SGLang on one machine per replica) has no Ray step
+        steps.append("The Ray nodes, on these machines only: "
+                     + ", ".join(f"`bash machines/{m}.sh ray` on {m}" for m in ray_on) + ".")
+    steps += ["The servers, on these machines only: "
+              + ", ".join(f"`bash machines/{m}.sh serve` on {m}" for m in _machines_with(b, "server"))
               + ". A server prints when it is ready; a script ends all its servers when one exits.",
-              router_step(b), "",
-              "Stop with Ctrl-C in each script, then `ray stop` where a Ray node was started.", "",
+              router_step(b)]
+    stop = "Stop with Ctrl-C in each script started with `serve`."
+    if ray_on:
+        stop += (" Then `ray stop` on " + ", ".join(ray_on) + ". It ends every Ray process on the machine that "
+                 "its user may signal, not only this bundle's: every other Ray cluster of that user and, run as "
+                 "root, other users' Rays too. Where others use Ray on the machine, end only this bundle's Ray "
+                 "processes instead (docs/multinode.md, step 7).")
+    lines += ["", "## Start, in this order", "",
+              *(f"{n}. {text}" for n, text in enumerate(steps, start=1)), "",
+              "A script runs from any folder: it changes to the bundle's folder first, where `plan.json` and "
+              "the other files its commands name are.", "",
+              stop, "",
               "`deploy.json` lists every process: its machine, GPU indices, argv and environment."]
     if b.engine == "vllm" and any("ray_address" in r.extra for r in b.replicas):
         lines += ["", "A replica over several machines runs on a Ray cluster of its own (its `ray_address`): "
@@ -89,6 +96,32 @@ def readme(b: Bundle, plan, notes=()) -> str:
         lines += ["", f"Router: {b.router['note']}."]
     lines += [line for n in notes for line in ("", f"Note: {n}.")]
     return "\n".join(lines) + "\n"
+
+
+def _machines_with(b: Bundle, kind: str) -> list[str]:
+    """The machines (in the bundle's order) whose script starts a process of ``kind`` ("ray",
+    "server"): a README step names only those, as a script run elsewhere would do nothing."""
+    used = {x.machine for x in b.launches() if x.kind == kind}
+    return [m for m in b.machines if m in used]
+
+
+def install_step(b: Bundle) -> str:
+    """The README's first step: what every machine needs before its script runs. hetserve is not on
+    a package registry, so it is installed from a checkout, at the version that wrote the bundle."""
+    from hetserve import __version__
+
+    source = (f"hetserve {__version__}, the version that wrote this bundle (`hetserve --version` prints the one "
+              "installed), from source, as hetserve is on no package registry: from a checkout at the same commit, "
+              "`pip install '/path/to/hetserve[EXTRAS]'`")
+    if b.engine == "hetserve":
+        return ("On every machine put the model at the same path, and "
+                + source.replace("EXTRAS", "runtime,ray") + "; and one Ray token, mode 600: "
+                "`ray get-auth-token --generate`, docs/multinode.md (the scripts set `RAY_AUTH_MODE=token` unless "
+                "the environment already sets it).")
+    text = "Put the same engine version and the model at the same path on every machine"
+    if b.router["argv"][:1] == ["hetserve"]:  # hetserve route fronts the engine's servers
+        return text + "; on the router's machine also " + source.replace("EXTRAS", "runtime") + "."
+    return text + "."
 
 
 def _router_started(b: Bundle):
@@ -103,8 +136,8 @@ def router_step(b: Bundle) -> str:
     endpoint = b.router.get("endpoint", "its address")
     started = _router_started(b)
     if started is not None:
-        return (f"4. No router to start: `{started.argv[0]} {started.argv[1]}`, started by `bash "
-                f"machines/{started.machine}.sh serve` in step 3, is the router too (router.json). "
+        return (f"No router to start: `{started.argv[0]} {started.argv[1]}`, started by `bash "
+                f"machines/{started.machine}.sh serve` in the step above, is the router too (router.json). "
                 f"Clients use {endpoint}.")
-    return (f"4. The router on the first machine: `{' '.join(b.router['argv'])}` (router.json); clients "
-            f"use {endpoint}.")
+    return (f"The router on the first machine, from this folder (it reads deploy.json): "
+            f"`{' '.join(b.router['argv'])}` (router.json); clients use {endpoint}.")

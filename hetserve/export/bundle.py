@@ -13,7 +13,8 @@ Invariants (``Bundle.check``, run before anything is written):
 
 A script takes the phase as its argument (``ray``, ``serve``; none: both): across machines, every
 machine's ``ray`` phase runs before any ``serve`` phase, so a server that spans machines finds its
-Ray cluster whole.
+Ray cluster whole. It first changes to the bundle's folder (its own folder's parent), where the
+relative paths in its commands (``plan.json``, ``cluster.yaml``) point, so it runs from anywhere.
 """
 
 from __future__ import annotations
@@ -108,8 +109,10 @@ class Bundle:
         lines = ["#!/usr/bin/env bash",
                  f"# {self.engine} bundle: the processes placed on machine {machine} ({self.machines[machine]}).",
                  "# Usage: bash this-script [ray|serve]  (no argument: both). Run the ray phase on every",
-                 "# machine before the serve phase on any (README.md).",
+                 "# machine before the serve phase on any (README.md). Runs from any folder.",
                  "set -euo pipefail",
+                 # the commands name the bundle's files (plan.json, cluster.yaml) relative to its folder
+                 'cd "$(dirname "$0")/.."',
                  *self.preamble,
                  'phase="${1:-all}"',
                  'case "$phase" in ray|serve|all) ;; *) echo "usage: $0 [ray|serve]" >&2; exit 2;; esac',

@@ -46,6 +46,17 @@ def earlier_bundle(out_dir: str | Path) -> list[Path] | None:
     return [out / f for f in files if (out / f).is_file() or (out / f).is_symlink()]
 
 
+def _written_by(out_dir: str | Path) -> str:
+    """"an earlier bundle written by hetserve export (vllm)": which exporter, as the earlier bundle's
+    manifest says (its ``made_by``); the engine left out where the manifest names none we know."""
+    try:
+        made_by = json.loads((Path(out_dir) / MANIFEST).read_text()).get("made_by", "")
+    except (OSError, ValueError, AttributeError):
+        made_by = ""
+    m = re.fullmatch(r"hetserve export --to (hetserve|vllm|sglang)", made_by if isinstance(made_by, str) else "")
+    return "an earlier bundle written by hetserve export" + (f" ({m[1]})" if m else "")
+
+
 def _others(out: Path, bundle: list[Path]) -> list[str]:
     """Everything in ``out`` that is not the earlier bundle's (its files, manifest and machines/ folder)."""
     mine = {p.relative_to(out).as_posix() for p in bundle} | {MANIFEST, "machines"}
@@ -64,15 +75,15 @@ def check_bundle_folder(out_dir: str | Path, replace: bool) -> list[Path]:
         return []
     bundle = earlier_bundle(out)
     if not replace:
-        expected = ("a new or empty folder (it holds an earlier hetserve bundle: " + REPLACE + " replaces it)"
+        expected = (f"a new or empty folder (it holds {_written_by(out)}: {REPLACE} replaces it)"
                     if bundle is not None else "a new or empty folder")
         raise SpecError(str(out_dir), FLAG, expected, holding(out))
     if bundle is None:
-        raise SpecError(str(out_dir), FLAG, f"with {REPLACE}, a folder holding only an earlier hetserve bundle "
-                        f"(its {MANIFEST} lists the files {REPLACE} removes)", holding(out) + f" and no {MANIFEST}")
+        raise SpecError(str(out_dir), FLAG, f"with {REPLACE}, a folder holding only an earlier bundle written by "
+                        f"hetserve export (its {MANIFEST} lists the files {REPLACE} removes)", holding(out) + f" and no {MANIFEST}")
     others = _others(out, bundle)
     if others:
-        raise SpecError(str(out_dir), FLAG, f"with {REPLACE}, a folder holding only an earlier hetserve bundle "
+        raise SpecError(str(out_dir), FLAG, f"with {REPLACE}, a folder holding only {_written_by(out)} "
                         f"({REPLACE} removes only the files its {MANIFEST} lists; move the others away)",
                         holding(out, others, also=True))
     return bundle + [out / MANIFEST]

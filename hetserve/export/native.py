@@ -15,6 +15,7 @@ import json
 
 from hetserve.export.bundle import Bundle, Launch, ReplicaDeploy
 from hetserve.export.common import ExportContext
+from hetserve.export.ports import check_port_range
 from hetserve.specs.cluster import gpu_index, machine_of
 from hetserve.export.rules import engine_version
 
@@ -30,6 +31,9 @@ def build(ctx: ExportContext, cluster_ref: str) -> Bundle:
              "--plan", "plan.json", "--cluster", cluster_ref, "--model", ctx.model_path,
              "--host", head_addr, "--port", str(SERVE_PORT)]
     if ctx.port_range is not None:
+        # refused here, not when the server on that machine finds no free port; the serve command sets no
+        # --device-channel, so channels are off (serve's default) and only TP groups need the store
+        check_port_range(ctx.port_range, plan, head, ctx.address)
         serve += ["--port-range", str(ctx.port_range)]
     shared = []
     for m, addr in ctx.machines.items():

@@ -25,7 +25,8 @@ def register(subparsers) -> None:
                    help="the Ray head's port (default 6379; multi-machine vLLM replicas' own Ray heads take the next ones)")
     p.add_argument("--port-range", type=port_range_arg, metavar="LO-HI",
                    help="--to hetserve only: the ports hetserve serve's own listeners take theirs from on every "
-                        "machine (its --port-range, docs/multinode.md; default: ports the OS picks); vLLM's and "
+                        "machine (its --port-range, docs/multinode.md; default: ports the OS picks), refused where a machine "
+                        "needs more (one per worker there; the serving machine one or two more); vLLM's and "
                         "SGLang's bundles have fixed ports (docs/deploy.md) and refuse it")
     p.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="folder to write the bundle into: new or empty (an earlier bundle's scripts left beside "

@@ -320,6 +320,18 @@ ROUTE_CASES = [
     C("route-key-file-two-keys", ROUTE + " --backend-api-key-file {d}/k", ("{d}/k", "one key"),
       {"k": ("a1\nb2\n", 0o600)}),
     C("route-key-file-world-readable", ROUTE + " --backend-api-key-file {d}/k", ("{d}/k", "chmod 600"), {"k": "key"}),
+    # `hetserve export --to hetserve`: every replica behind the one server that routes them itself
+    C("route-deploy-hetserve-engine", "route --deploy {d}/x.json --port 0",
+      ("x.json", "field 'engine'", "routes between its replicas itself", "http://127.0.0.2:8000"),
+      {"x.json": json.dumps({"engine": "hetserve", "router": {"endpoint": "http://127.0.0.2:8000"}, "replicas": [
+          {"id": i, "role": role, "endpoint": "http://127.0.0.2:8000"} for i, role in (("p0", "prefill"),
+                                                                                      ("d0", "decode"))]})}),
+    C("route-deploy-same-endpoint", "route --deploy {d}/x.json --port 0", ("x.json", "replicas.1.endpoint", "p0 has it"),
+      {"x.json": json.dumps({"engine": "vllm", "replicas": [{"id": i, "role": role, "endpoint": "http://127.0.0.1:9"}
+                                                           for i, role in (("p0", "prefill"), ("d0", "decode"))]})}),
+    C("route-backends-v1-path", "route --backends http://127.0.0.1:8000/v1 --port 0", ("--backends", "drop /v1")),
+    C("route-deploy-endpoint-path", "route --deploy {d}/x.json --port 0", ("x.json", "replicas.0.endpoint", "drop /v1"),
+      {"x.json": json.dumps({"replicas": [{"id": "c0", "role": "colocated", "endpoint": "http://127.0.0.1:9/v1"}]})}),
 ]
 
 SERVE_CASES = [

@@ -69,6 +69,11 @@ def config_from_deploy(path: str | Path) -> RouteConfig:
     if not isinstance(data, dict) or not isinstance(data.get("replicas"), list) or not data["replicas"]:
         raise SpecError(str(path), "replicas", "a non-empty list of replicas", type(data.get("replicas")).__name__
                         if isinstance(data, dict) else type(data).__name__)
+    if data.get("engine") == "hetserve":  # its replicas are one server's, behind the one endpoint
+        router = data.get("router") if isinstance(data.get("router"), dict) else {}
+        at = f", {router['endpoint']}" if isinstance(router.get("endpoint"), str) else ""
+        raise SpecError(str(path), "engine", "a vLLM or SGLang bundle's deploy.json (hetserve's own server routes "
+                        f"between its replicas itself: point clients at it{at})", "hetserve")
     router = data.get("router") or {}
     weights = router.get("weights") or {}
     backends = []
@@ -81,6 +86,10 @@ def config_from_deploy(path: str | Path) -> RouteConfig:
         check_url(r["endpoint"], str(path), f"replicas.{i}.endpoint")
         if any(b.id == r["id"] for b in backends):
             raise SpecError(str(path), f"replicas.{i}.id", "an id no other replica has", r["id"])
+        same = [b.id for b in backends if b.url == r["endpoint"].rstrip("/")]
+        if same:  # two replicas on one server would be one backend counted twice (P/D with itself)
+            raise SpecError(str(path), f"replicas.{i}.endpoint", f"an endpoint no other replica has ({same[0]} has it)",
+                            r["endpoint"])
         w = weights.get(r["id"], 1.0) if isinstance(weights, dict) else None
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0:
             raise SpecError(str(path), f"router.weights.{r['id']}", "a non-negative number", repr(w))
@@ -100,8 +109,10 @@ def config_from_deploy(path: str | Path) -> RouteConfig:
 
 
 def check_url(url: str, where: str, field: str) -> None:
-    """A backend's base URL: http(s), a host, and a port in range when one is given (a port past
-    65535 would fail every request, not the start)."""
+    """A backend's base URL: http(s), a host, a port in range when one is given (a port past 65535
+    would fail every request, not the start), and no path, query or fragment: route appends
+    /v1/completions, /health ... itself, so ``http://h:8000/v1`` (the URL ``serve``'s banner names)
+    would send every probe to /v1/health and take the backend out."""
     from urllib.parse import urlsplit
 
     try:
@@ -112,6 +123,22 @@ def check_url(url: str, where: str, field: str) -> None:
         ok = False
     if not ok:
         raise SpecError(where, field, "an http(s)://host[:port] URL, port 0-65535", url)
+    if parts.path.rstrip("/") or parts.query or parts.fragment:
+        extra = parts.path.rstrip("/") or ("?" + parts.query if parts.query else "#" + parts.fragment)
+        raise SpecError(where, field, f"an http(s)://host[:port] URL without a path (drop {extra}: route adds "
+                        "/v1/... itself)", url)
+
+
+def config_from_backends_option(text: str) -> RouteConfig:
+    """``--backends URL,URL``: every comma-separated entry a URL (an empty one, ``a,,b`` or a
+    trailing comma, is a typo that would silently drop a backend, so it is refused)."""
+    urls = [u.strip() for u in text.split(",")]
+    if not any(urls):
+        raise SpecError("--backends", SpecError.OPTION, "one or more backend URLs separated by commas", text)
+    for i, u in enumerate(urls):
+        if not u:
+            raise SpecError("--backends", SpecError.OPTION, f"a URL at every position (entry {i} is empty)", text)
+    return config_from_urls(urls)
 
 
 def config_from_urls(urls: Sequence[str]) -> RouteConfig:

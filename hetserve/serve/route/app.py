@@ -14,10 +14,14 @@ refused or reset, a 5xx, a stream that breaks) marks that backend down and the r
 another live one; after that (its status line has left), a stream that breaks ends as ``serve``
 ends one that fails: an error event, then ``data: [DONE]``. Streams are relayed one whole event at
 a time (``route.sse``): the event a backend was cut off inside never reaches the client. A backend's 4xx is the client's
-answer, not a failure. Health checks (``GET /health`` every ``health_interval_s``) mark backends
-up again, and down: at once when the connection is refused (nothing listens), after
-``health_failures`` checks in a row when the answer is slow or not 200 (one slow answer from a
-busy backend is not an outage).
+answer, not a failure, except 401 and 403: those refuse route's own credentials (no
+``--backend-api-key-file``, or a key the backend does not take), which is route's misconfiguration,
+not the client's, so the client gets a 502 saying so (never the backend's words about "your key")
+and the log names the backend and the option, once per backend. Health checks (``GET /health``
+every ``health_interval_s``) mark backends up again, and down: at once when the connection is
+refused (nothing listens), after ``health_failures`` checks in a row when the answer is slow or not
+200 (one slow answer from a busy backend is not an outage). Each change of a backend's state is logged with why (the status
+or error of the check or request that decided it).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import AsyncIterator
 
 import httpx
 
+from hetserve.serve.errors import APIError
 from hetserve.serve.route.backends import Backend, BackendPool
 
 log = logging.getLogger(__name__)
@@ -43,6 +48,18 @@ STREAM_END = b"data: [DONE]\n\n"  # the SSE stream's last event, as serve and th
 
 class BackendFailed(Exception):
     """A backend failed before anything reached the client: try another."""
+
+
+CREDENTIALS_REFUSED = (401, 403)  # a backend's answer to the key route sends (or does not send)
+
+
+class BackendRefusedCredentials(APIError):
+    """What the client hears when a backend refuses route's credentials: a gateway problem, not its key's."""
+    status, type, code = 502, "server_error", "backend_refused_credentials"
+
+    def __init__(self, backend: str, status: int):
+        super().__init__(f"backend {backend} refused this router's credentials (HTTP {status}); the router's "
+                         "operator must give it the backends' key (--backend-api-key-file)")
 
 
 class Metrics:
@@ -89,6 +106,7 @@ class Router:
         self.health_interval_s = health_interval_s
         self.health_failures = health_failures
         self._failed_checks: dict[str, int] = {}  # consecutive failed health checks per backend
+        self._refused_told: set[str] = set()  # backends whose credentials refusal is logged already
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0),
                                         limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200))
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -118,20 +136,33 @@ class Router:
             # with the backends' key: a backend that guards its probes (--protect-probes) answers 401 without it
             r = await self.client.get(f"{b.url}/health", headers=self.headers, timeout=2.0)
             ok = r.status_code == 200
-        except httpx.ConnectError:  # nothing listens: down now
-            ok, refused = False, True
-        except httpx.HTTPError:
-            ok = False
+            why = f"GET /health answered HTTP {r.status_code}"
+            if r.status_code in CREDENTIALS_REFUSED:
+                why += " (" + self.credentials_refused(b, r.status_code) + ")"
+        except httpx.ConnectError as exc:  # nothing listens: down now
+            ok, refused, why = False, True, f"GET /health: connection failed ({str(exc) or type(exc).__name__})"
+        except httpx.HTTPError as exc:
+            ok, why = False, f"GET /health: {type(exc).__name__} {exc}".rstrip()
         failed = 0 if ok else self.health_failures if refused else self._failed_checks.get(b.id, 0) + 1
         self._failed_checks[b.id] = failed
         if ok or failed >= self.health_failures:
-            self._set_alive(b, ok)
+            self._set_alive(b, ok, why if not ok else "GET /health answered 200")
 
-    def _set_alive(self, b: Backend, ok: bool) -> None:
-        if ok != b.alive:  # the operator hears of each change, not only /health and /metrics
-            log.warning("backend %s (%s) is %s", b.id, b.url, "up again" if ok else "down")
+    def _set_alive(self, b: Backend, ok: bool, why: str) -> None:
+        if ok != b.alive:  # the operator hears of each change and why, not only /health and /metrics
+            log.warning("backend %s (%s) is %s: %s", b.id, b.url, "up again" if ok else "down", why)
         b.alive = ok
         self.metrics.up.labels(b.id).set(1 if ok else 0)
+
+    def credentials_refused(self, b: Backend, status: int) -> str:
+        """Why ``b`` answered ``status`` (401/403) to route, logged the first time for ``b``."""
+        fix = ("the key in --backend-api-key-file is not one it takes" if self.headers
+               else "give route the backends' key with --backend-api-key-file")
+        why = f"it refuses route's credentials: {fix}"
+        if b.id not in self._refused_told:
+            self._refused_told.add(b.id)
+            log.error("backend %s (%s) answered HTTP %d: %s", b.id, b.url, status, why)
+        return why
 
     # ------------------------------------------------------------------ requests
     async def answer(self, path: str, body: dict, raw: bytes | None = None
@@ -191,17 +222,22 @@ class Router:
             try:
                 resp = await self.client.send(req, stream=True)
             except httpx.HTTPError as exc:
-                self._failed(b)
+                self._failed(b, f"POST {path}: {type(exc).__name__} {exc}".rstrip())
                 raise BackendFailed(f"{b.id}: {exc}") from exc
             if resp.status_code >= 500:
                 await resp.aclose()
-                self._failed(b)
+                self._failed(b, f"POST {path} answered HTTP {resp.status_code}")
                 raise BackendFailed(f"{b.id}: HTTP {resp.status_code}")
+            if resp.status_code in CREDENTIALS_REFUSED:  # route's key, not the client's (module docstring)
+                await resp.aclose()
+                self.credentials_refused(b, resp.status_code)
+                self.metrics.requests.labels(b.id, str(resp.status_code)).inc()
+                raise BackendRefusedCredentials(b.id, resp.status_code)
             if not stream or resp.status_code != 200:
                 try:
                     raw = await resp.aread()
                 except httpx.HTTPError as exc:
-                    self._failed(b)
+                    self._failed(b, f"POST {path}: reading the answer: {type(exc).__name__} {exc}".rstrip())
                     raise BackendFailed(f"{b.id}: {exc}") from exc
                 finally:
                     await resp.aclose()
@@ -210,14 +246,14 @@ class Router:
                 try:
                     return resp.status_code, json.loads(raw), None
                 except json.JSONDecodeError as exc:
-                    self._failed(b)
+                    self._failed(b, f"POST {path}: HTTP {resp.status_code} answer is not JSON")
                     raise BackendFailed(f"{b.id}: answer is not JSON") from exc
             chunks = resp.aiter_raw()
             try:  # the first bytes decide: a stream that breaks before them is retried elsewhere
                 first = await chunks.__anext__()
             except (httpx.HTTPError, StopAsyncIteration) as exc:
                 await resp.aclose()
-                self._failed(b)
+                self._failed(b, f"POST {path}: stream ended before its first byte ({type(exc).__name__})")
                 raise BackendFailed(f"{b.id}: stream ended before its first byte") from exc
             ttfb.observe(time.perf_counter() - t0)
             done = False
@@ -249,8 +285,8 @@ class Router:
                     if rest:
                         yield rest
                     break
-                except httpx.HTTPError:
-                    self._set_alive(b, False)
+                except httpx.HTTPError as exc:
+                    self._set_alive(b, False, f"stream broke midway ({type(exc).__name__} {exc})".rstrip())
                     reason = f"backend {b.id} failed mid-stream"
                     break
             if reason is not None:
@@ -267,7 +303,7 @@ class Router:
             self.metrics.in_flight.labels(b.id).set(b.in_flight)
             self.metrics.requests.labels(b.id, outcome).inc()
 
-    def _failed(self, b: Backend) -> None:
+    def _failed(self, b: Backend, why: str) -> None:
         """An attempt that failed before its first byte reached the client (the request moves on)."""
-        self._set_alive(b, False)
+        self._set_alive(b, False, why)
         self.metrics.requests.labels(b.id, "failed").inc()

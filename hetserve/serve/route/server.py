@@ -6,7 +6,7 @@ from contextlib import asynccontextmanager
 from fastapi import Request  # at module level: FastAPI reads the routes' annotations from here
 
 from hetserve.serve.keys import APIAuth, guarded_app
-from hetserve.serve.route.app import Router
+from hetserve.serve.route.app import CREDENTIALS_REFUSED, BackendRefusedCredentials, Router
 
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused unread past the limit
 
@@ -30,6 +30,11 @@ def create_app(router: Router, auth: APIAuth | None = None):
 
     app = FastAPI(title="hetserve route", lifespan=lifespan, **guarded_app(auth or APIAuth()))
     install_error_handlers(app)
+
+    @app.exception_handler(BackendRefusedCredentials)
+    async def credentials_refused(request: Request, exc: BackendRefusedCredentials):
+        # the router logged it once per backend already: not again as a failure of every request
+        return JSONResponse(exc.body(), status_code=exc.status)
 
     async def read_body(request: Request) -> tuple[dict, bytes]:
         raw = b""
@@ -72,6 +77,7 @@ def create_app(router: Router, auth: APIAuth | None = None):
 
     @app.get("/v1/models")
     async def models():
+        refused = None  # a backend that refused route's credentials: the reason, if none answers
         for b in router.pool.config.backends:
             if b.alive:
                 try:
@@ -80,6 +86,11 @@ def create_app(router: Router, auth: APIAuth | None = None):
                     continue
                 if r.status_code == 200:
                     return JSONResponse(r.json())
+                if r.status_code in CREDENTIALS_REFUSED:
+                    router.credentials_refused(b, r.status_code)
+                    refused = refused or BackendRefusedCredentials(b.id, r.status_code)
+        if refused is not None:
+            raise refused
         raise Unavailable("no backend can serve: every one is down")
 
     @app.get("/health")

@@ -1,0 +1,125 @@
+"""What ``hetserve route`` refuses at start (a hetserve bundle, one server named twice, a backend URL
+with a path, an empty ``--backends`` entry) and what it says when a backend refuses its credentials
+or fails its health check: the operator reads why in the log, the client a 502 about the router."""
+
+import asyncio
+import json
+import logging
+
+import httpx
+import pytest
+
+from hetserve.errors import SpecError
+from hetserve.serve.route.app import Router
+from hetserve.serve.route.backends import (Backend, BackendPool, RouteConfig, config_from_backends_option,
+                                           config_from_deploy, config_from_urls)
+
+
+def write_deploy(tmp_path, engine, endpoints, roles=None):
+    """A deploy.json as ``hetserve export`` writes one: replicas r0.. on ``endpoints``."""
+    roles = roles or ["colocated"] * len(endpoints)
+    data = {"engine": engine, "engine_version": "x", "plan": "plan.json",
+            "replicas": [{"id": f"r{i}", "role": role, "devices": [], "launch": [], "endpoint": e}
+                         for i, (e, role) in enumerate(zip(endpoints, roles))],
+            "router": {"argv": [], "weights": {}, "kv_routes": [], "endpoint": "http://127.0.0.2:8000"}}
+    path = tmp_path / "deploy.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_hetserve_bundle_is_refused_naming_its_own_endpoint(tmp_path):
+    # as `hetserve export --to hetserve` writes it: every replica behind the one server
+    path = write_deploy(tmp_path, "hetserve", ["http://127.0.0.2:8000"] * 2, ["prefill", "decode"])
+    with pytest.raises(SpecError) as err:
+        config_from_deploy(path)
+    msg = str(err.value)
+    assert str(path) in msg and "field 'engine'" in msg and "routes between its replicas itself" in msg, msg
+    assert "http://127.0.0.2:8000" in msg and "\n" not in msg
+
+
+def test_two_replicas_on_one_endpoint_are_refused(tmp_path):
+    path = write_deploy(tmp_path, "vllm", ["http://127.0.0.1:8001", "http://127.0.0.1:8001/"], ["prefill", "decode"])
+    with pytest.raises(SpecError) as err:
+        config_from_deploy(path)
+    assert "replicas.1.endpoint" in str(err.value) and "r0 has it" in str(err.value)
+    ok = write_deploy(tmp_path, "vllm", ["http://127.0.0.1:8001", "http://127.0.0.1:8002"], ["prefill", "decode"])
+    assert [b.url for b in config_from_deploy(ok).backends] == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+
+
+@pytest.mark.parametrize("url, drop", [("http://127.0.0.1:8000/v1", "/v1"), ("http://h:1/v1/", "/v1"),
+                                       ("http://h:1?x=1", "?x=1")])
+def test_a_backend_url_with_a_path_is_refused_with_the_fix(tmp_path, url, drop):
+    with pytest.raises(SpecError) as err:
+        config_from_urls([url])
+    assert "--backends" in str(err.value) and f"drop {drop}" in str(err.value), str(err.value)
+    with pytest.raises(SpecError, match="replicas.0.endpoint"):
+        config_from_deploy(write_deploy(tmp_path, "vllm", [url]))
+    assert config_from_urls(["http://h:1/"]).backends[0].url == "http://h:1"  # a bare trailing slash is no path
+
+
+@pytest.mark.parametrize("text", ["http://a:1,,http://b:2", "http://a:1,", ", http://a:1"])
+def test_an_empty_backends_entry_is_refused(text):
+    with pytest.raises(SpecError) as err:
+        config_from_backends_option(text)
+    assert str(err.value).startswith("--backends: expected a URL at every position"), str(err.value)
+    assert len(config_from_backends_option("http://a:1, http://b:2").backends) == 2
+
+
+BACKEND_401 = {"error": {"message": "You didn't provide an API key.", "type": "invalid_request_error"}}
+
+
+def router_on(handler, **kw) -> tuple[Router, Backend]:
+    b0 = Backend("b0", "colocated", "http://b0")
+    router = Router(BackendPool(RouteConfig((b0,))), health_interval_s=0, **kw)
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return router, b0
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_backend_refusing_routes_credentials_is_a_502_about_the_router_logged_once(caplog, status):
+    from fastapi.testclient import TestClient
+
+    from hetserve.serve.route.server import create_app
+
+    router, b0 = router_on(lambda request: httpx.Response(status, json=BACKEND_401))
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    with caplog.at_level(logging.WARNING, logger="hetserve.serve.route"), TestClient(create_app(router)) as client:
+        answers = [client.post("/v1/completions", json=body),
+                   client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user",
+                                                                                          "content": "hi"}]}),
+                   client.post("/v1/completions", json={**body, "stream": True}),
+                   client.get("/v1/models")]
+    for r in answers:
+        error = r.json()["error"]
+        assert r.status_code == 502 and error["code"] == "backend_refused_credentials", r.text
+        assert "refused this router's credentials" in error["message"] and "API key" not in error["message"]
+    told = [r.getMessage() for r in caplog.records if "--backend-api-key-file" in r.getMessage()]
+    assert len(told) == 1 and "b0" in told[0] and f"HTTP {status}" in told[0], told
+    assert b0.alive  # the backend is up: it is route's key that is wrong
+
+
+def test_a_wrong_backend_key_is_told_as_such():
+    router, b0 = router_on(lambda request: httpx.Response(401, json=BACKEND_401), api_key="stale")
+    assert "the key in --backend-api-key-file is not one it takes" in router.credentials_refused(b0, 401)
+    asyncio.run(router.close())
+
+
+@pytest.mark.parametrize("answer, why", [
+    (lambda request: httpx.Response(401, json=BACKEND_401),
+     "answered HTTP 401 (it refuses route's credentials: give route the backends' key with --backend-api-key-file)"),
+    (lambda request: httpx.Response(404, json={}), "GET /health answered HTTP 404"),
+    (lambda request: (_ for _ in ()).throw(httpx.ConnectError("Connection refused", request=request)),
+     "connection failed (Connection refused)"),
+])
+def test_a_backend_taken_out_by_its_health_check_is_logged_with_why(caplog, answer, why):
+    router, b0 = router_on(answer, health_failures=2)
+
+    async def checks():
+        for _ in range(2):
+            await router.check(b0)
+        await router.close()
+
+    with caplog.at_level(logging.WARNING, logger="hetserve.serve.route"):
+        asyncio.run(checks())
+    downs = [r.getMessage() for r in caplog.records if "is down" in r.getMessage()]
+    assert not b0.alive and len(downs) == 1 and why in downs[0], downs

@@ -144,7 +144,8 @@ def compare(opts: CompareOptions) -> Comparison:
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import LoadRequest, replay, requests_from_workload, summarize
     from hetserve.specs.cluster import Cluster, load_cluster
-    from hetserve.specs.model import load_model_as
+    from hetserve.planner.validate import check_runnable
+    from hetserve.specs.model import load_model, load_model_as
     from hetserve.specs.workload import load_workload
     from hetserve.calibration.step_compare import (cpu_utilisation, machine_busy_cpu_s, other_cores_busy, process_cpu_s,
                                        served_rows)
@@ -160,6 +161,9 @@ def compare(opts: CompareOptions) -> Comparison:
     requests = requests_from_workload(trace, opts.num_requests, max_input=opts.max_input,
                                       max_output=opts.max_output, seed=opts.seed, start=opts.start)
     at_calibration, speed_note = speed_reference(opts.efficiency, opts.speed_correction)
+    # the plan against the cluster and the checkpoint before anything is served, in serve's words
+    named = f"{opts.plan} (planned for {plan.model})" if isinstance(opts.plan, (str, Path)) else f"the plan for {plan.model}"
+    check_runnable(plan, cluster, load_model(str(opts.model_dir)), f"{named} with --model {opts.model_dir}")
     probe = SpeedProbe(opts.model_dir) if at_calibration else None  # loaded before serving starts
     load_before = os.getloadavg()[0]
     serve_opts = ServeOptions(plan=plan, cluster=cluster, model_dir=str(opts.model_dir), placement=opts.placement,

@@ -30,7 +30,7 @@ STUBS = {
     "serve": ("hetserve.cli.commands.serve", "_start_and_serve"),
     "compare": ("hetserve.serve.launch", "start_server"),
     "calibrate": ("hetserve.calibration.calibrate", "calibrate"),
-    "route": ("uvicorn", "run"),
+    "route": ("hetserve.serve.server", "serve_plain"),
     "plan": ("hetserve.planner.objectives", "plan_for"),
 }
 

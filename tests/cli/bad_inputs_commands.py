@@ -219,6 +219,7 @@ CAPACITY_CASES = [
 COMPARE_CASES = [
     C("cmp-plan-missing", CMP.replace("plan.json", "nope.json"), ("nope.json",)),
     C("cmp-workload-missing", CMP.replace("t.csv", "nope.csv"), ("nope.csv",)),
+    C("cmp-plan-not-on-cluster", CMP + " --cluster demo-tiny", ("plan.json", "--model", "not in cluster demo-tiny")),
     C("cmp-efficiency-list", CMP + " --efficiency {d}/e.json", ("e.json",), {"e.json": "[]"}),
     C("cmp-rate-on-burst", CMP.replace("t.csv", "b.csv") + " --rate 5", ("b.csv", "one instant"), {"b.csv": BURST}),
     C("cmp-chunk-tokens-under-mixed", CMP + " --chunk-tokens 64", ("--chunk-tokens", "chunked")),
@@ -329,6 +330,8 @@ ROUTE_CASES = [
     C("route-deploy-same-endpoint", "route --deploy {d}/x.json --port 0", ("x.json", "replicas.1.endpoint", "p0 has it"),
       {"x.json": json.dumps({"engine": "vllm", "replicas": [{"id": i, "role": role, "endpoint": "http://127.0.0.1:9"}
                                                            for i, role in (("p0", "prefill"), ("d0", "decode"))]})}),
+    C("route-backends-empty-entry", "route --backends http://127.0.0.1:1,,http://127.0.0.1:2 --port 0",
+      ("--backends", "entry 1 is empty")),
     C("route-backends-v1-path", "route --backends http://127.0.0.1:8000/v1 --port 0", ("--backends", "drop /v1")),
     C("route-deploy-endpoint-path", "route --deploy {d}/x.json --port 0", ("x.json", "replicas.0.endpoint", "drop /v1"),
       {"x.json": json.dumps({"replicas": [{"id": "c0", "role": "colocated", "endpoint": "http://127.0.0.1:9/v1"}]})}),

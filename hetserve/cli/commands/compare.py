@@ -67,16 +67,11 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)  # input errors first, in one line
     check_model_dir(args.model)  # a folder, never a hub name looked up online
     cluster = plan_cluster(args.plan, plan, args.cluster)  # the cluster file the plan was made on, as serve
-    from hetserve.planner.validate import check_runnable
-    from hetserve.specs.model import load_model
-
-    # the plan against the cluster and the checkpoint before anything is served, worded as serve words it
-    check_runnable(plan, cluster, load_model(args.model), f"{args.plan} (planned for {plan.model}) with --model {args.model}")
     if args.efficiency:
         from hetserve.cost.efficiency import load_efficiency
         load_efficiency(args.efficiency)
     try:
-        c = compare(CompareOptions(plan=plan, model_dir=args.model, cluster=cluster, workload=args.workload,
+        c = compare(CompareOptions(plan=args.plan, model_dir=args.model, cluster=cluster, workload=args.workload,
                                    workload_class=args.workload_class, rate=args.rate,
                                    num_requests=args.num_requests, max_input=args.max_input,
                                    max_output=args.max_output, efficiency=args.efficiency, placement=args.placement,

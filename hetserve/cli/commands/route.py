@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.errors import SpecError
     from hetserve.serve.keys import APIAuth, KeySet, read_key_file
     from hetserve.serve.route.app import Router
-    from hetserve.serve.route.backends import BackendPool, config_from_deploy, config_from_urls
+    from hetserve.serve.route.backends import BackendPool, config_from_backends_option, config_from_deploy
     from hetserve.serve.route.server import create_app
     from hetserve.serve.server import serve_plain, url_of
 
@@ -48,10 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if args.deploy:
         config = config_from_deploy(args.deploy)
     else:
-        urls = [u.strip() for u in args.backends.split(",") if u.strip()]
-        if not urls:
-            raise SpecError("--backends", SpecError.OPTION, "one or more backend URLs separated by commas", args.backends)
-        config = config_from_urls(urls)
+        config = config_from_backends_option(args.backends)
     key = None
     if args.backend_api_key_file:  # one key, from a file only its owner can read (as serve's key files)
         found = read_key_file(args.backend_api_key_file)

@@ -183,3 +183,13 @@ def config_with(**changes) -> str:
 
 def cluster_machine(extra: str) -> str:
     return f"name: c\nmachines:\n  - {{name: a, gpu: RTX-4090, {extra}}}\n"
+
+
+def check_case(case: Case, folder: Path) -> None:
+    """Run ``case`` (with ``BASE_FILES``) and assert what it expects: taken, or refused with exit 2
+    in one line holding every word it names."""
+    r = run_case(case, folder, BASE_FILES)
+    assert r.outcome == case.expected, f"{case.argv}: {r.outcome}: {r.message}"
+    if r.outcome == "error":
+        assert r.code == 2, r
+        assert not r.missing, f"the line lacks {r.missing}: {r.message}"

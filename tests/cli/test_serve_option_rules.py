@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from .bad_input_runner import BASE_FILES, Case, run_case
+from .bad_input_runner import Case, check_case
 
 SERVE = "serve --plan {d}/tiny.json --model {d}/m"
 ADMIN = ("admin", ("0123456789abcdef0123\n", 0o600))  # an admin key file only its owner reads
@@ -39,8 +39,4 @@ TAKEN = [
 
 @pytest.mark.parametrize("case", REFUSED + TAKEN, ids=[c.id for c in REFUSED + TAKEN])
 def test_serve_option_rule(case, tmp_path):
-    r = run_case(case, tmp_path / "case", BASE_FILES)
-    assert r.outcome == case.expected, f"{case.argv}: {r.outcome}: {r.message}"
-    if r.outcome == "error":
-        assert r.code == 2, r
-        assert not r.missing, f"the line lacks {r.missing}: {r.message}"
+    check_case(case, tmp_path / "case")

@@ -105,7 +105,8 @@ def test_a_cut_just_after_an_event_boundary_split_across_chunks_keeps_that_event
 def test_a_client_on_the_openai_sdk_reads_the_error_of_a_stream_cut_inside_an_event():
     """What the client is for: the OpenAI SDK raises the error event's message (it json.loads each
     data line, so half an event would be a JSONDecodeError instead, and the error never read)."""
-    openai = pytest.importorskip("openai")
+    import openai  # the dev extra's: make test installs it
+
     from hetserve.serve.route.server import create_app
 
     async def scenario():

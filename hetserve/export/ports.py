@@ -1,8 +1,8 @@
 """How many ports of ``hetserve serve --port-range`` each machine of a plan needs, and the refusal of
 a range too small, made when the bundle is exported rather than when a server fails to start.
 
-The rule is the runtime's (``hetserve.runtime.workers.rendezvous.listen_socket`` and its callers,
-docs/multinode.md): every worker — one per device of the plan — listens for its endpoint on its own
+The rule is the runtime's (``hetserve.runtime.workers.rendezvous``: ``listen_socket`` and its
+callers, ``needs_store``; docs/multinode.md): every worker — one per device of the plan — listens for its endpoint on its own
 machine; the engine, on the serving machine, listens for its endpoint and, where the plan has a TP
 group (a stage over several devices) or device channels are on, for the TP rendezvous store. gloo's
 and NCCL's own sockets take ports outside the range and are not counted. The range applies to each
@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetserve.errors import SpecError
+from hetserve.runtime.workers.rendezvous import needs_store
 from hetserve.specs.cluster import machine_of
 
 
@@ -40,7 +41,7 @@ def listeners_per_machine(plan, serving_machine: str, device_channels: bool = Fa
     workers: dict[str, int] = {}
     for d in plan.devices:
         workers[machine_of(d)] = workers.get(machine_of(d), 0) + 1
-    store = int(device_channels or any(len(s.devices) > 1 for r in plan.replicas for s in r.stages))
+    store = int(needs_store((len(s.devices) for r in plan.replicas for s in r.stages), device_channels))
     out = {m: Listeners(n) for m, n in workers.items()}
     out[serving_machine] = Listeners(workers.get(serving_machine, 0), 1, store)
     return out

@@ -131,6 +131,12 @@ def listen_socket(host: str, ports: PortRange | None = None, what: str = "a list
                          "and, with TP groups, their rendezvous store)")
 
 
+def needs_store(tp_worlds, device_channels: bool) -> bool:
+    """Whether the engine runs the rendezvous store: TP groups (a world above 1) and device channels
+    meet through it, so it listens where any of them exists and nowhere else."""
+    return bool(device_channels) or any(t > 1 for t in tp_worlds)
+
+
 class BoundStore:
     """The rendezvous store of TP groups (a ``torch.distributed.TCPStore`` master) listening on ``host`` only."""
 

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from hetserve.errors import RuntimeFailure
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.workers.channel_pairs import channel_pairs
-from hetserve.runtime.workers.rendezvous import BoundStore
+from hetserve.runtime.workers.rendezvous import BoundStore, needs_store
 from hetserve.runtime.workers.transport import Priority, SocketTransport
 from hetserve.runtime.workers.wire import ENGINE, Message
 from hetserve.specs.cluster import machine_of
@@ -88,7 +88,7 @@ class WorkerGroup:
         workers = [w for r in replicas for w in r.workers]
         pairs = self._channels(replicas)
         store_address = None
-        if pairs or any(w.tp_world > 1 for w in workers):
+        if needs_store((w.tp_world for w in workers), bool(pairs)):
             # on the engine's own address: every worker's node reaches it there, and nothing else listens
             if self._store is None:  # a re-plan's new TP groups share it
                 self._store = BoundStore(self.transport.address[0], self.port_range)

@@ -26,7 +26,7 @@ from typing import AsyncIterator, Callable, Sequence
 from fastapi.responses import StreamingResponse
 
 from hetserve.serve.coordinator import Coordinator, Prepared
-from hetserve.serve.errors import error_event
+from hetserve.serve.errors import STREAM_END, error_event
 
 _DISCONNECT_POLL_S = 0.25
 
@@ -152,7 +152,7 @@ def sse(c: Coordinator, reqs: list[Prepared], first: Callable[[Prepared], list[s
                     t.cancel()
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
-        yield "data: [DONE]\n\n"
+        yield STREAM_END
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -229,6 +229,9 @@ def error_response(exc: BaseException, path: str = ""):
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+STREAM_END = "data: [DONE]\n\n"  # an SSE stream's last event, after its answer or its error event (OpenAI's)
+
+
 def error_event(exc: BaseException) -> str:
     """The SSE event that ends a stream which failed after its headers were sent."""
     err = to_api_error(exc)

@@ -43,9 +43,6 @@ PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remo
                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
-STREAM_END = b"data: [DONE]\n\n"  # the SSE stream's last event, as serve and the OpenAI API end one
-
-
 class BackendFailed(Exception):
     """A backend failed before anything reached the client: try another."""
 
@@ -291,12 +288,12 @@ class Router:
                     break
             if reason is not None:
                 outcome = "broken"  # counted once, as broken: not as a failed attempt too
-                from hetserve.serve.errors import ServerError, error_event
+                from hetserve.serve.errors import STREAM_END, ServerError, error_event
                 # as serve ends a stream that fails after its headers: one error event, then [DONE]
                 # (a client reads to [DONE]); the event the backend was cut off inside is dropped,
                 # never sent in part (a client would fail decoding it and never read the error)
                 yield error_event(ServerError(reason)).encode()
-                yield STREAM_END
+                yield STREAM_END.encode()
         finally:
             await resp.aclose()
             b.in_flight -= 1

@@ -60,13 +60,13 @@ def _rates(args) -> list[float]:
     if args.rate is not None:
         vals = [args.rate]
     else:
+        parts = args.rates.split(",")
+        if any(not x.strip() for x in parts):  # "5,,10", "5,": refused, not skipped (a rate lost in typing?)
+            raise SpecError("--rates", "rates", "comma-separated numbers with no empty entry", args.rates)
         try:
-            # an empty entry ("5,,10", "5,") is refused, not skipped: it may be a rate lost in typing
-            vals = [float(x) for x in args.rates.split(",")]
+            vals = [float(x) for x in parts]
         except ValueError as exc:
-            empty = any(not x.strip() for x in args.rates.split(","))
-            raise SpecError("--rates", "rates", "comma-separated numbers" + (" with no empty entry" if empty else ""),
-                            args.rates) from exc
+            raise SpecError("--rates", "rates", "comma-separated numbers", args.rates) from exc
     if not vals or not all(math.isfinite(v) and v > 0 for v in vals):
         raise SpecError("--rates", "rates", "positive numbers of requests/s", args.rate or args.rates)
     return sorted(set(vals))  # a rate given twice is one row (the worker law needs two distinct rates)
@@ -139,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"[bold]{g} GPU(s) per worker[/] ({chosen.tokens_per_s_per_gpu:,.0f} output tokens/s per GPU)")
 
     rows, shorts = [], []
+    rate_one = workers.worker_request_rate(chosen, mi, mo, colocated=args.mode == "colocated")  # one worker's most
     for r in rates:
         fluid = workers.fluid_workers(r, chosen, mi, mo, colocated=args.mode == "colocated")
         if args.method == "sim" and fluid > args.requests:
@@ -156,7 +157,6 @@ def run(args: argparse.Namespace) -> int:
             pre = max(1, fluid // 2) if args.mode == "decode" else 0
             n = workers_needed(model, gpu, wl, slo, args.placement, g, args.mode, args.target, prefill_workers=pre,
                                intra=intra, hint=fluid, per_machine=max(4, g))
-            rate_one = workers.worker_request_rate(chosen, mi, mo, colocated=args.mode == "colocated")
             short = short_trace(r, n, fluid, rate_one, slo.ttft_s, len(wl))
             if short:
                 # Fewer workers than the fluid bound cannot keep up with the rate: the simulation said so

@@ -27,6 +27,8 @@ from __future__ import annotations
 import importlib
 import random
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import eq
 from typing import Any, Callable, Sequence
 
 from hetserve.policies.base import PlacementPolicy, ReplicaState, RequestInfo
@@ -112,22 +114,35 @@ class JoinShortestQueue(_Base):
     def __init__(self, ctx: PolicyContext | None = None):
         self._next = 0
 
+    @staticmethod
+    def lowest_rank(c: ReplicaState) -> int:
+        """The load: the first key, a snapshot's fixed field (``PlacementPolicy.lowest_rank``)."""
+        return c.queued_requests + c.running_requests
+
     def choose(self, request: RequestInfo, candidates: Sequence[ReplicaState], now: float) -> str:
-        # the least (load, outstanding tokens) in two passes, the second over the least loaded
-        # alone: a fleet's snapshots are read once each, the load summed in place of the
-        # ``ReplicaState.load`` property, without a key tuple per candidate
+        # the load summed in place of the ``ReplicaState.load`` property, the least loaded picked
+        # out in C (``compress``), without a key tuple per candidate
         loads = [c.queued_requests + c.running_requests for c in candidates]
-        least = min(loads)
         self._next += 1
-        if loads.count(least) == 1:
-            return candidates[loads.index(least)].id
-        tied = [c for c, n in zip(candidates, loads) if n == least]
-        outstanding = [c.outstanding_tokens for c in tied]
-        fewest = min(outstanding)
-        if outstanding.count(fewest) == 1:
-            return tied[outstanding.index(fewest)].id
-        tied = [c for c, x in zip(tied, outstanding) if x == fewest]
-        return tied[self._next % len(tied)].id
+        return _fewest_tokens(list(compress(candidates, map(eq, loads, repeat(min(loads))))), self._next)
+
+    def choose_lowest(self, request: RequestInfo, lowest: Sequence[ReplicaState], now: float) -> str:
+        """``choose`` given only the least loaded candidates, in candidate order."""
+        self._next += 1
+        return _fewest_tokens(lowest, self._next)
+
+
+def _fewest_tokens(lowest: Sequence[ReplicaState], turn: int) -> str:
+    """JSQ among the least loaded (in candidate order): the fewest outstanding tokens, ties round
+    robin (decision ``turn`` takes tie ``turn`` mod their number)."""
+    if len(lowest) == 1:
+        return lowest[0].id
+    outstanding = [c.outstanding_tokens for c in lowest]
+    fewest = min(outstanding)
+    if outstanding.count(fewest) == 1:
+        return lowest[outstanding.index(fewest)].id
+    tied = list(compress(lowest, map(eq, outstanding, repeat(fewest))))
+    return tied[turn % len(tied)].id
 
 
 class LeastOutstandingTokens(_Base):

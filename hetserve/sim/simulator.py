@@ -138,9 +138,13 @@ class Simulator:
         self._placement_needs_requests = bool(getattr(self.placement, "needs_requests", False))
         self._route_needs_requests = bool(getattr(self.router, "needs_requests", False))
         # placement snapshots kept between arrivals and rebuilt where a replica changed: the calls
-        # into an entry replica below touch it; its own events mark it (``SnapshotCache``)
+        # into an entry replica below touch it; its own events mark it (``SnapshotCache``). Filed
+        # by the placement's rank where it has one, which then reads the lowest alone
+        # (``PlacementPolicy.lowest_rank``; ``_ranked_for``: the policy the cache ranks for)
+        rank = getattr(self.placement, "lowest_rank", None)
         self._snaps = (None if self._placement_needs_requests else
-                       SnapshotCache(self.entry, waits=bool(getattr(self.placement, "reads_waits", True))))
+                       SnapshotCache(self.entry, waits=bool(getattr(self.placement, "reads_waits", True)), rank=rank))
+        self._ranked_for = self.placement if rank is not None and self._snaps is not None else None
         self._repredicted: dict[int, float] = {}
         self.completed = 0
         self.rejected = 0
@@ -221,11 +225,15 @@ class Simulator:
         pred = float(self.predictor.predict(rid, r.inp[rid], 0))
         r.pred[rid] = pred
         info = RequestInfo(rid, r.arrival[rid], r.inp[rid], pred)
-        snaps = self._snaps
-        cands = snaps.states() if snaps is not None else [e.state(True) for e in self.entry]
-        if self._may_not_fit(rid):
-            cands = able_to_hold(cands, r.inp[rid], r.out[rid], self.limits.block_size)
-        chosen = self.by_id[self.placement.choose(info, cands, self.loop.now)]
+        snaps, placement, may_not_fit = self._snaps, self.placement, self._may_not_fit(rid)
+        if placement is self._ranked_for and not may_not_fit:
+            choice = placement.choose_lowest(info, snaps.lowest(), self.loop.now)
+        else:
+            cands = snaps.states() if snaps is not None else [e.state(True) for e in self.entry]
+            if may_not_fit:
+                cands = able_to_hold(cands, r.inp[rid], r.out[rid], self.limits.block_size)
+            choice = placement.choose(info, cands, self.loop.now)
+        chosen = self.by_id[choice]
         r.prefill_rep[rid] = chosen.index
         chosen.place(rid)
         self._touch(chosen)

@@ -99,3 +99,40 @@ def test_every_decision_sees_the_snapshots_of_now(model, plan, opts):
     assert check.decisions == res.summary()["completed"] == 240
     if opts.kv_admission == "paged":  # pre-empted requests come back to their prefill replica
         assert res.info["preemptions"] > 0
+
+
+class RankChecked(JoinShortestQueue):
+    """JSQ whose every decision from the snapshots filed by rank (``choose_lowest``) is checked
+    against ``choose`` over fresh snapshots of every entry replica, from the same turn."""
+
+    def __init__(self):
+        super().__init__()
+        self.sim, self.decisions = None, 0
+
+    def choose_lowest(self, request, lowest, now):
+        plain = JoinShortestQueue()
+        plain._next = self._next
+        expected = plain.choose(request, [e.state(False) for e in self.sim.entry], now)
+        got = super().choose_lowest(request, lowest, now)
+        assert got == expected
+        self.decisions += 1
+        return got
+
+
+@pytest.mark.parametrize("plan, opts", [
+    (single(PD, routes=PD_ROUTES), SimOptions()),
+    (single({"c0": ["m0:0"], "c1": ["m0:1"], "c2": ["m1:0", "m1:1"], "c3": ["m1:2"]}), SimOptions()),
+    (single({"c0": ["m0:0"], "c1": ["m0:1"], "c2": ["m1:0"]}), SimOptions(chunked_prefill=True)),
+    (single({"p0": ["m0:0"], "p1": ["m0:1"], "c0": ["m0:2"], "c1": ["m0:3"], "d0": ["m1:0"]},
+            routes=[("p0", "d0", 1), ("p1", "d0", 1)]),
+     SimOptions(kv_admission="paged", kv_capacity_tokens={"p0": 12000, "p1": 12000, "c0": 1200, "c1": 12000,
+                                                          "d0": 12000})),
+], ids=["pd", "colocated", "chunked", "mixed-roles-small-pool"])
+def test_the_snapshots_filed_by_load_decide_as_every_snapshot_would(model, plan, opts):
+    cluster = two_box_cluster(gbps_between=10.0)
+    check = RankChecked()
+    sim = Simulator(plan, cluster, model, waves(240), replace(opts, placement=check))
+    check.sim = sim
+    res = sim.run()
+    assert res.summary()["completed"] == 240
+    assert check.decisions > 120  # most decisions went through the ranked snapshots

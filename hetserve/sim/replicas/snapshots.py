@@ -60,6 +60,28 @@ def with_wait(snap: ReplicaState, wait: float) -> ReplicaState:
     return new
 
 
+class _Figure:
+    """One clock-bound figure of a ``LiveState`` (a non-data descriptor): worked out when read,
+    through the snapshot's ``progress`` again only once the clock reaches the time the last figures
+    held until. Figures that hold for ever (an idle replica) are written into the snapshot's own
+    fields, which are then read as any field is."""
+
+    __slots__ = ("_k",)
+
+    def __init__(self, k: int):
+        self._k = k
+
+    def __get__(self, snap, owner=None):
+        if snap is None:
+            return self
+        d = snap.__dict__
+        if d["_clock"]() >= d["_until"]:
+            d["_figures"], d["_until"] = figures, until = d["_progress"]()
+            if until == float("inf"):
+                d["outstanding_tokens"], d["context_tokens"] = figures
+        return d["_figures"][self._k]
+
+
 class LiveState(ReplicaState):
     """A ``ReplicaState`` whose outstanding tokens and context are worked out when read, as of that
     moment: kept between decisions while its replica does not change, it reads what a snapshot built
@@ -79,19 +101,8 @@ class LiveState(ReplicaState):
         snap.__dict__.update(_progress=progress, _clock=clock, _figures=None, _until=float("-inf"))
         return snap
 
-    def _now(self) -> tuple[float, int]:
-        d = self.__dict__
-        if d["_clock"]() >= d["_until"]:
-            d["_figures"], d["_until"] = d["_progress"]()
-        return d["_figures"]
-
-    @property
-    def outstanding_tokens(self) -> float:  # type: ignore[override]
-        return self._now()[0]
-
-    @property
-    def context_tokens(self) -> int:  # type: ignore[override]
-        return self._now()[1]
+    outstanding_tokens = _Figure(0)  # type: ignore[assignment]
+    context_tokens = _Figure(1)  # type: ignore[assignment]
 
 
 class SnapshotCache:
@@ -100,9 +111,14 @@ class SnapshotCache:
     was handled, or the caller ``touch``-ed it after calling into it), or the kept one reads the
     clock (``snapshot_clock``). A kind without ``snapshots_kept`` is built at every decision, so
     every snapshot equals what ``state()`` gives now — but for ``prefill_wait_s`` and
-    ``queued_age_s`` when ``waits`` is False (the placement policy does not read them)."""
+    ``queued_age_s`` when ``waits`` is False (the placement policy does not read them).
 
-    def __init__(self, replicas: Sequence, waits: bool = True):  # sim.replicas.base.Replica objects
+    ``rank`` (optional): a function of a snapshot's fields that hold while it is kept (not its
+    clock-bound figures); the snapshots are then also filed by it, so ``lowest`` finds those of
+    the least rank without reading every snapshot (``PlacementPolicy.lowest_rank``)."""
+
+    def __init__(self, replicas: Sequence, waits: bool = True,  # sim.replicas.base.Replica objects
+                 rank: Callable[[ReplicaState], Any] | None = None):
         self._waits = waits
         self._reps = list(replicas)
         self._snaps: list[ReplicaState | None] = [None] * len(self._reps)
@@ -111,6 +127,9 @@ class SnapshotCache:
         # kept snapshots that read the clock -> how to bring one up to now (None: build it again)
         self._asked: dict[int, Callable[[ReplicaState], ReplicaState] | None] = {}
         self._kept = [rep.snapshots_kept for rep in self._reps]
+        self.rank = rank
+        self._ranks: list[Any] = [None] * len(self._reps)
+        self._by_rank: dict[Any, set[int]] = {}  # rank -> positions of the snapshots of that rank
         for i, rep in enumerate(self._reps):
             if rep.snapshots_kept:
                 rep.loop.watch(self._dirty, i)
@@ -123,6 +142,18 @@ class SnapshotCache:
 
     def states(self) -> list[ReplicaState]:
         """Every replica's snapshot now, in the order given."""
+        self._refresh()
+        return list(self._snaps)  # type: ignore[arg-type]
+
+    def lowest(self) -> list[ReplicaState]:
+        """The snapshots now of the least ``rank``, in the order given (ValueError without a rank)."""
+        if self.rank is None:
+            raise ValueError("this cache files its snapshots by no rank")
+        self._refresh()
+        snaps = self._snaps
+        return [snaps[i] for i in sorted(self._by_rank[min(self._by_rank)])]  # type: ignore[misc]
+
+    def _refresh(self) -> None:
         reps, snaps, dirty = self._reps, self._snaps, self._dirty
         for i, retime in list(self._asked.items()):
             if retime is not None and i not in dirty:
@@ -130,16 +161,31 @@ class SnapshotCache:
                 if new is not snaps[i]:  # the same snapshot back: it and its retime stay filed
                     snaps[i] = new
                     self._file(i, reps[i].snapshot_clock(self._waits))
+                    self._rerank(i)
             else:
                 dirty.add(i)
         for i in dirty:
             rep = reps[i]
             snaps[i] = rep.snapshot(self._waits)
             self._file(i, rep.snapshot_clock(self._waits) if self._kept[i] else None)
+            self._rerank(i)
         dirty.clear()
-        return list(snaps)  # type: ignore[arg-type]
 
     def _file(self, i: int, how) -> None:
         self._asked.pop(i, None)
         if how is not KEEP:
             self._asked[i] = how
+
+    def _rerank(self, i: int) -> None:
+        if self.rank is None:
+            return
+        new, old = self.rank(self._snaps[i]), self._ranks[i]
+        if new == old and old is not None:
+            return
+        if old is not None:
+            bucket = self._by_rank[old]
+            bucket.discard(i)
+            if not bucket:
+                del self._by_rank[old]
+        self._ranks[i] = new
+        self._by_rank.setdefault(new, set()).add(i)

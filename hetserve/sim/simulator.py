@@ -112,9 +112,13 @@ class Simulator:
                 raise PlanError(f"replica {r.id}: room for less than one KV block of {self.limits.block_size} tokens")
             self.replicas.append(rep)
         self.by_id = {r.id: r for r in self.replicas}
-        # every replica's role and KV pool: what a request is checked against when it arrives
-        self._pools = [(r.role, r.kv_capacity) for r in self.replicas]
-        self._smallest_pool = min((cap for _, cap in self._pools), default=0)
+        # the KV pools a request is checked against when it arrives: the largest of each role
+        # stands for all of that role (a pool holds a request iff its room is at least the request's
+        # reservation, so some pool of a role holds it iff the largest does)
+        pools = [(r.role, r.kv_capacity) for r in self.replicas]
+        self._pools = [(role, max(cap for rl, cap in pools if rl == role))
+                       for role in dict.fromkeys(rl for rl, _ in pools)]
+        self._smallest_pool = min((cap for _, cap in pools), default=0)
         self.hosts = HostContention(self.replicas, cluster, self.loop, opts.contention_slowdown,
                                     FrontEndCost(opts.frontend_request_cpu_s, opts.frontend_step_cpu_s,
                                                  opts.frontend_token_cpu_s, opts.frontend_dispatch_s,

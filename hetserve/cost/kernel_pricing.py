@@ -22,6 +22,7 @@ from hetserve.cost.profiles import LayerShape
 from hetserve.specs.gpus import GpuType
 
 _MEMO_LIMIT = 200_000  # memoised layer times before the memo starts afresh (a long simulation)
+_UNSEEN = object()
 
 
 class KernelPricing:
@@ -39,6 +40,9 @@ class KernelPricing:
                 p, source = self.table.params_for(d.gpu.name)
                 self.params.append((d.gpu, p, source))
         self._memo: dict = {}
+        self._groups: dict = {}  # devices -> the number of what the prices read of them (``_group``)
+        self._group_ids: dict = {}
+        self._ar_links: dict = {}  # devices -> ``_ar_link``
         # GPU types every device of which is priced here (the bound's device kinds go by type)
         by_type: dict[str, list] = {}
         for d, entry in zip(cluster.devices, self.params):
@@ -81,10 +85,21 @@ class KernelPricing:
     def _types(self, devices):
         return {self.params[d][0].name: self.params[d] for d in devices}.values()
 
+    def _group(self, devices) -> int:
+        """What ``layer`` and ``head`` read of a TP group, as a small integer: its size and each GPU
+        type's peaks and fitted parameters. Equal groups on other machines (a fleet's copies of one
+        replica) share their memo entries."""
+        devices = tuple(devices)
+        gid = self._groups.get(devices)
+        if gid is None:
+            full = (len(devices), tuple((g.fp16_flops, g.mem_bandwidth, p) for g, p, _ in self._types(devices)))
+            gid = self._groups[devices] = self._group_ids.setdefault(full, len(self._group_ids))
+        return gid
+
     def layer(self, devices, tokens: float) -> float:
         """One layer (without attention's score/value products) at ``tokens`` rows on the slowest
         device of a TP group of ``devices``."""
-        key = (tuple(devices), tokens)
+        key = (self._group(devices), tokens)
         v = self._memo.get(key)
         if v is None:
             tp = len(devices)
@@ -114,7 +129,7 @@ class KernelPricing:
         """The LM head's product for ``rows`` sequences, its vocabulary split over the group."""
         if rows <= 0:
             return 0.0
-        key = ("head", tuple(devices), rows)
+        key = ("head", self._group(devices), rows)
         v = self._memo.get(key)
         if v is None:
             tp = len(devices)
@@ -125,11 +140,19 @@ class KernelPricing:
     def allreduce(self, devices, nbytes: float) -> float | None:
         """One all-reduce inside one box from the fitted curves, over the group's slowest link;
         None where the group spans boxes (the cost model's α-β over shared links prices that)."""
+        devices = tuple(devices)
+        link = self._ar_links.get(devices, _UNSEEN)
+        if link is _UNSEEN:
+            link = self._ar_links[devices] = self._ar_link(devices)
+        return None if link is None else self.table.allreduce_time(len(devices), nbytes, link)
+
+    def _ar_link(self, devices: tuple[int, ...]) -> float | None:
+        """The slowest link of a TP group inside one box whose devices are all priced here; None
+        where ``allreduce`` does not price the group."""
         devs = self.cluster.devices
         if not self.table.allreduce or len({devs[d].machine for d in devices}) > 1 or not self.covers(devices):
             return None
-        link = min(self.cluster.bandwidth[d, e] for d in devices for e in devices if d != e)
-        return self.table.allreduce_time(len(devices), nbytes, float(link))
+        return float(min(self.cluster.bandwidth[d, e] for d in devices for e in devices if d != e))
 
 
     # ------------------------------------------------------------------ by GPU type, over arrays

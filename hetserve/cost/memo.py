@@ -9,7 +9,8 @@ properties recomputed on every access) read once into plain attributes, and its 
 * the per-stage prices (``stage_prefill_time``, ``stage_kv_capacity``, and ``stage_decode``: a
   decode iteration's terms at a batch, each context then a few multiplications, ``cost.decode``)
   by what the formulas read of a stage;
-* a replica's decode round at a batch (``decode_round``) by the layout.
+* a replica's decode round at a batch (``decode_round``) by what it reads of the layout
+  (``layout_signature``).
 
 What the formulas read of a stage: the layer count, the position (first / last), the batch, and of
 its devices only their GPU type (and CPU cores, for a worker slot), FLOP/s, memory bandwidth and
@@ -64,7 +65,9 @@ class MemoCost(CostModel):
         self._prefill: dict[tuple, float] = {}
         self._decode: dict[tuple, StageDecode] = {}
         self._kv: dict[tuple, float] = {}
-        self._rounds: dict[tuple, tuple[ReplicaLayout, DecodeRound]] = {}
+        self._rounds: dict[tuple, DecodeRound] = {}
+        self._layout_sigs: dict[int, tuple[ReplicaLayout, int]] = {}  # id(layout) -> (layout, its number)
+        self._layout_ids: dict[tuple, int] = {}
 
     def signature(self, devices: tuple[int, ...]) -> int:
         """What the stage formulas read of a TP group's devices, as a small integer: equal signatures
@@ -128,14 +131,29 @@ class MemoCost(CostModel):
             v = _remember(self._kv, key, super().stage_kv_capacity(stage, is_first, is_last))
         return v
 
-    def decode_round(self, layout: ReplicaLayout, batch: float, micro_batches: int | None = None) -> DecodeRound:
-        # by the layout's identity (its hash is a Python call per stage), the layout kept beside
-        # the round so the identity stays its own
-        key = (id(layout), batch, micro_batches)
-        kept = self._rounds.get(key)
+    def layout_signature(self, layout: ReplicaLayout) -> int:
+        """What a replica's decode round reads of its layout, as a small integer: each stage's
+        signature and layer count, the links of each pipeline hand-off (α, β of every device pair
+        it may take), and whether its devices share a host's cores. Found by the layout's identity
+        (its hash is a Python call per stage), the layout kept beside it so the identity stays its own."""
+        kept = self._layout_sigs.get(id(layout))
         if kept is None or kept[0] is not layout:
-            kept = _remember(self._rounds, key, (layout, super().decode_round(layout, batch, micro_batches)))
+            stages = layout.stages
+            hops = tuple(tuple((float(self._alpha[d, e]), float(self._beta[d, e])) if d != e else None
+                               for d in a.devices for e in b.devices) for a, b in zip(stages, stages[1:]))
+            full = (tuple((self.signature(s.devices), s.layers[1] - s.layers[0]) for s in stages), hops,
+                    self._on_shared_cores(layout))
+            kept = _remember(self._layout_sigs, id(layout),
+                             (layout, self._layout_ids.setdefault(full, len(self._layout_ids))))
         return kept[1]
+
+    def decode_round(self, layout: ReplicaLayout, batch: float, micro_batches: int | None = None) -> DecodeRound:
+        # by what the round reads of the layout: a fleet's copies of one replica share their rounds
+        key = (self.layout_signature(layout), batch, micro_batches)
+        r = self._rounds.get(key)
+        if r is None:
+            r = _remember(self._rounds, key, super().decode_round(layout, batch, micro_batches))
+        return r
 
 
 def _remember(memo: dict, key, value):

@@ -89,3 +89,24 @@ def test_the_memo_shares_a_stages_terms_across_identical_machines_only():
     plain = CostModel(c, LLAMA7)
     assert plain.stage_decode_time(StageLayout((4, 5), (0, L)), 4, 900, True) == \
         memo.stage_decode_time(StageLayout((4, 5), (0, L)), 4, 900, True)
+
+
+def test_the_memo_shares_a_replicas_rounds_across_identical_machines_only():
+    """Copies of one replica on identical boxes share their decode rounds (``layout_signature``);
+    another GPU type or another hand-off link does not, and every round prices as the cost model."""
+    c = cluster_from_dict({"name": "three", "machines": [
+        {"name": "a", "gpu": "A100-SXM-80G", "count": 2}, {"name": "b", "gpu": "A100-SXM-80G", "count": 2},
+        {"name": "c", "gpu": "L40", "count": 2}], "network": NETWORK})
+    plain, memo = CostModel(c, LLAMA7), MemoCost(CostModel(c, LLAMA7))
+
+    def pp2(d0, d1):
+        return ReplicaLayout((StageLayout((d0,), (0, 12)), StageLayout((d1,), (12, L))))
+
+    on_a, on_b, on_c, across = pp2(0, 1), pp2(2, 3), pp2(4, 5), pp2(0, 2)
+    assert memo.decode_round(on_b, 4) is memo.decode_round(on_a, 4)
+    assert memo.decode_round(on_b, 4, 1) is not memo.decode_round(on_a, 4)
+    assert memo.decode_round(on_c, 4) is not memo.decode_round(on_a, 4)
+    assert memo.decode_round(across, 4) is not memo.decode_round(on_a, 4)  # the hop crosses boxes
+    for layout in (on_a, on_b, on_c, across):
+        for batch, context in ((1, 300.0), (4, 1800.0), (4, 2500.5)):
+            assert memo.decode_step_time(layout, batch, context) == plain.decode_step_time(layout, batch, context)

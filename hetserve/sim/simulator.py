@@ -223,13 +223,16 @@ class Simulator:
         if rid + 1 < r.n:
             self.loop.schedule(r.arrival[rid + 1] + self.opts.request_overhead_s, Priority.ARRIVAL, self._on_arrival,
                                rid + 1)
-        if not self._admissible(rid):
+        # one that fits the smallest pool fits every pool: the KV check cannot refuse it (the plan
+        # has replicas on each side, ``check_runnable``)
+        may_not_fit = self._may_not_fit(rid)
+        if not self._admissible(rid, kv=may_not_fit):
             return
         self.hosts.on_arrival()
         pred = float(self.predictor.predict(rid, r.inp[rid], 0))
         r.pred[rid] = pred
         info = RequestInfo(rid, r.arrival[rid], r.inp[rid], pred)
-        snaps, placement, may_not_fit = self._snaps, self.placement, self._may_not_fit(rid)
+        snaps, placement = self._snaps, self.placement
         if placement is self._ranked_for and not may_not_fit:
             choice = placement.choose_lowest(info, snaps.lowest(), self.loop.now)
         else:
@@ -244,7 +247,8 @@ class Simulator:
 
     def _may_not_fit(self, rid: int) -> bool:
         """Whether request ``rid`` could exceed some replica's pool: its reservation is at most its
-        prompt, output and one block more (placement filters by ``able_to_hold`` only then)."""
+        prompt, output and one block more (the arrival checks the KV pools, and placement filters by
+        ``able_to_hold``, only then)."""
         r = self.req
         return r.inp[rid] + r.out[rid] + self.limits.block_size > self._smallest_pool
 
@@ -252,13 +256,14 @@ class Simulator:
         if self._snaps is not None:
             self._snaps.touch(rep)
 
-    def _admissible(self, rid: int) -> bool:
+    def _admissible(self, rid: int, kv: bool = True) -> bool:
         """Check the request as the engine checks a submitted one (``policies.request_checks``):
-        one it refuses is recorded as rejected here and never placed."""
+        one it refuses is recorded as rejected here and never placed. ``kv`` False: the KV pools
+        are known to hold it (the check is skipped)."""
         r = self.req
         try:
             check_request(r.inp[rid], r.out[rid], self.model.max_context, self._pools, self.limits.block_size,
-                          context=self.opts.beyond_context == "reject")
+                          context=self.opts.beyond_context == "reject", kv=kv)
         except RequestRefused as exc:
             r.rejected[rid] = exc.reason
             self.rejected += 1

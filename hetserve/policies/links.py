@@ -121,7 +121,7 @@ class SenderQueue:
         once (``sends_all_pending``), without building the views it would ignore."""
         order = list(self.pending.values())
         if len(order) > 1:
-            order.sort(key=_fifo_key)
+            order.sort(key=fifo_key)
         sends = []
         for m in order:
             if m.remaining <= 0:
@@ -140,7 +140,7 @@ class SenderQueue:
                 self.queueing_s[m.kind] += (now - m.enqueued) * m.copies
 
 
-_fifo_key = attrgetter("enqueued", "id")  # oldest first, ties by id
+fifo_key = attrgetter("enqueued", "id")  # oldest first, ties by id
 
 
 class LinkModel:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any, Callable
 
 from hetserve.policies.base import TransmissionPolicy
-from hetserve.policies.links import EPS_BYTES, LinkModel, Message, SenderQueue
+from hetserve.policies.links import EPS_BYTES, LinkModel, Message, SenderQueue, fifo_key
 from hetserve.sim.fillings import Fillings
 
 _INF = math.inf
@@ -23,20 +23,20 @@ _INF = math.inf
 class _QueueState:
     """Per-queue bookkeeping of ``SharedLinks`` (``SenderQueue.sharing``): the queue, its creation
     order, the rates of its sends (aligned with ``SenderQueue.sends``), the time they were settled
-    to, their finish times at those rates (None: not known), an epoch that invalidates old heap
-    entries; the path (resource names) of each send, the copies on each path in order of first
-    appearance (its flow classes) and the resource keys the sends cross."""
+    to, whether they all have one rate (one flow class), an epoch that invalidates old heap
+    entries; the flows on each path (resource names) its sends take, in order of first appearance
+    (its flow classes), and the resource keys the sends cross."""
 
-    __slots__ = ("q", "order", "since", "rates", "fin", "epoch", "names", "classes", "keys")
+    __slots__ = ("q", "order", "since", "rates", "one_rate", "epoch", "classes", "keys")
 
     def __init__(self, q: SenderQueue, order: int):
-        self.q, self.order, self.since, self.rates, self.fin, self.epoch = q, order, 0.0, [], None, 0
-        self.names: list[tuple] = []
+        self.q, self.order, self.since, self.rates, self.one_rate, self.epoch = q, order, 0.0, [], False, 0
         self.classes: dict[tuple, int] = {}
         self.keys: set = set()
 
 
 _order = attrgetter("order")
+_left = itemgetter(1)  # a send's bytes left
 
 
 def _resources_of(sts: list[_QueueState]) -> dict[tuple, tuple]:
@@ -108,30 +108,42 @@ class SharedLinks(LinkModel):
             q = st.q
             if q.sends:
                 sent = q.bytes_sent
-                for s, r in zip(q.sends, st.rates):
-                    # an unlimited rate moves all that is left (inf × dt is never below it)
-                    left, moved = s[1], r * dt
-                    if not moved < left:
-                        moved = left
-                    s[1] = left - moved
-                    m = s[0]
-                    m.remaining -= moved
-                    sent[m.kind] += moved * m.copies
+                # an unlimited rate moves all that is left (inf × dt is never below it)
+                if st.one_rate:
+                    step = st.rates[0] * dt
+                    for s in q.sends:
+                        left = s[1]
+                        moved = step if step < left else left
+                        s[1] = left - moved
+                        m = s[0]
+                        m.remaining -= moved
+                        sent[m.kind] += moved * m.copies
+                else:
+                    for s, r in zip(q.sends, st.rates):
+                        left, moved = s[1], r * dt
+                        if not moved < left:
+                            moved = left
+                        s[1] = left - moved
+                        m = s[0]
+                        m.remaining -= moved
+                        sent[m.kind] += moved * m.copies
                 q.busy_s += dt
-                st.fin = None
             st.since = now
 
     def _replan(self, st: _QueueState, now: float) -> None:
-        """Re-decide the queue's sends (its bytes settled up to ``now``) and move its entries in the
-        resource index to them; the resources of its old and new sends are marked touched."""
+        """Re-decide the queue's sends (its bytes settled up to ``now``) and re-index them."""
         q = st.q
         q.replan(now)
-        names, classes = [], {}
+        classes: dict[tuple, int] = {}
         for s in q.sends:
             m = s[0]
             key = m.path.names
-            names.append(key)
             classes[key] = classes.get(key, 0) + m.copies
+        self._reindex(st, classes)
+
+    def _reindex(self, st: _QueueState, classes: dict[tuple, int]) -> None:
+        """The queue's sends changed to ``classes``: move its entries in the resource index to
+        them, mark the resources of its old and new sends touched and its rates stale."""
         old = st.keys
         if classes.keys() != st.classes.keys():  # else the same paths: the same resources
             new = set().union(*classes)
@@ -147,12 +159,38 @@ class SharedLinks(LinkModel):
                     users.add(st)
             st.keys = new
             self._touched.update(new)
-        st.names, st.classes = names, classes
+        st.classes = classes
         self._touched.update(old)
         st.rates = []
-        st.fin = None
+        st.one_rate = False
         st.epoch += 1
         self._stale = True
+
+    def _append(self, st: _QueueState, msgs: list[Message], now: float) -> bool:
+        """The re-decision of a queue that sends all it holds (``sends_all``) when ``msgs`` come
+        after all it sends, oldest first: its sends and theirs (``SenderQueue._send_all`` sorts
+        them so; a kept send's bytes left are its message's, as both move together). False, and
+        nothing done, when they do not come after."""
+        q = st.q
+        sends = q.sends
+        prev = fifo_key(sends[-1][0]) if sends else None
+        for m in msgs:
+            key = fifo_key(m)
+            if prev is not None and not prev < key:
+                return False
+            prev = key
+        classes = dict(st.classes)
+        queueing = q.queueing_s
+        for m in msgs:
+            sends.append([m, m.remaining])
+            key = m.path.names
+            classes[key] = classes.get(key, 0) + m.copies
+            if m.first_byte is None:
+                m.first_byte = now
+                queueing[m.kind] += (now - m.enqueued) * m.copies
+        q.concurrent = True
+        self._reindex(st, classes)
+        return True
 
     def _fresh(self) -> None:
         if not self._stale:
@@ -194,13 +232,32 @@ class SharedLinks(LinkModel):
         for st in comp:
             if st.since < now:
                 self._settle_queue(st, now)
-            st.rates = [rate_of[key] for key in st.names]
+            sends = st.q.sends
             st.epoch += 1
-            if st.names:
-                # one heap entry per queue: when its first send finishes at its current rates
-                st.fin = fin = self._finish_times(st)
-                self._seq += 1
-                heapq.heappush(heap, (min(fin), self._seq, st, st.epoch))
+            if not sends:
+                st.rates, st.one_rate = [], False
+                continue
+            # one heap entry per queue: when its first send finishes at its current rates (the
+            # earliest of since + left / rate, found as since + the least left / rate: both
+            # operations keep order); each send's finish time is left for its event
+            st.one_rate = len(st.classes) == 1
+            if st.one_rate:
+                r = rate_of[sends[0][0].path.names]
+                st.rates = [r] * len(sends)
+                first = (st.since + min(map(_left, sends)) / r if r > 0 else _INF) if r < _INF else st.since
+            else:
+                st.rates = rates = [rate_of[s[0].path.names] for s in sends]
+                least = _INF
+                for s, r in zip(sends, rates):
+                    if r < _INF:
+                        if r > 0 and s[1] / r < least:
+                            least = s[1] / r
+                    else:
+                        least = 0.0
+                        break
+                first = st.since + least
+            self._seq += 1
+            heapq.heappush(heap, (first, self._seq, st, st.epoch))
 
     def _rates_of(self, sts: list[_QueueState]) -> dict[tuple, float]:
         """Max-min rate by path (resource names) of the sends of ``sts``' queues, each copy a flow,
@@ -234,10 +291,15 @@ class SharedLinks(LinkModel):
         overhead = self.overhead_s
         for st in due:
             q = st.q
-            sends, fin = q.sends, st.fin
-            if fin is None:
+            sends, since = q.sends, st.since
+            if st.one_rate:
+                r = st.rates[0]
+                ending = ([s for s in sends if since + s[1] / r <= tol] if r > 0 else []) if r < _INF else sends
+            else:
+                ending = [s for s, f in zip(sends, self._finish_times(st)) if f <= tol]
+            if not ending:
                 fin = self._finish_times(st)
-            ending = [s for s, f in zip(sends, fin) if f <= tol] or [sends[fin.index(min(fin))]]
+                ending = [sends[fin.index(min(fin))]]
             if st.since < t:
                 self._settle_queue(st, t)
             sent = q.bytes_sent
@@ -247,12 +309,25 @@ class SharedLinks(LinkModel):
                     m.remaining -= s[1]
                     sent[m.kind] += s[1] * m.copies
                     s[1] = 0.0
+            pending, kept = q.pending, []
             for s in sends:
                 m = s[0]
                 if s[1] <= EPS_BYTES + 1e-12 * m.total and m.remaining <= EPS_BYTES + 1e-9 * m.total:
-                    del q.pending[m.id]
+                    del pending[m.id]
                     done.append((m.id, t + m.path.latency_s + overhead))
-            self._replan(st, t)
+                else:
+                    kept.append(s)
+            if q.sends_all:
+                # its re-decision: the sends still pending, in their order (see ``_append``)
+                q.sends = kept
+                classes: dict[tuple, int] = {}
+                for s in kept:
+                    m = s[0]
+                    key = m.path.names
+                    classes[key] = classes.get(key, 0) + m.copies
+                self._reindex(st, classes)
+            else:
+                self._replan(st, t)
         return done
 
     def _enqueue(self, q: SenderQueue, msg: Message, now: float) -> None:
@@ -271,4 +346,5 @@ class SharedLinks(LinkModel):
         self._settle_queue(st, now)
         for m in msgs:
             q.pending[m.id] = m
-        self._replan(st, now)
+        if not (q.sends_all and self._append(st, msgs, now)):
+            self._replan(st, now)

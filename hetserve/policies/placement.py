@@ -153,11 +153,9 @@ class LeastOutstandingTokens(_Base):
         self._next = 0
 
     def choose(self, request: RequestInfo, candidates: Sequence[ReplicaState], now: float) -> str:
-        def key(c: ReplicaState) -> float:
-            return c.outstanding_tokens / (c.capacity_norm if c.capacity_norm > 0 else 1.0)
-
-        best = min(key(c) for c in candidates)
-        tied = [c for c in candidates if key(c) == best]
+        # each candidate's key worked out once, the least ones picked out in C (``compress``)
+        keys = [c.outstanding_tokens / (c.capacity_norm if c.capacity_norm > 0 else 1.0) for c in candidates]
+        tied = list(compress(candidates, map(eq, keys, repeat(min(keys)))))
         self._next += 1
         return tied[self._next % len(tied)].id
 

@@ -117,6 +117,15 @@ def class_rates(members: Sequence[tuple], count: Sequence[int], capacity: dict[H
                 active[k] -= count[c]
 
 
+def one_class_rate(narrowest: float, flows: int, competing_penalty: float = 0.0) -> float:
+    """``class_rates`` of a single class of ``flows`` flows whose path crosses each of its
+    resources once, the narrowest delivering ``narrowest`` bytes/s: the same float, as the filling
+    freezes the class at the smallest of capacity / flows and dividing keeps the order."""
+    if competing_penalty > 0:
+        narrowest = narrowest / (1.0 + competing_penalty * (flows - 1))
+    return max(narrowest / flows, 0.0)
+
+
 def transfer_times(transfers: Sequence[tuple[Path, float]], competing_penalty: float = 0.0,
                    overhead_s: float = 0.0) -> list[float]:
     """Completion time of each ``(path, bytes)`` transfer when all start together at t = 0.

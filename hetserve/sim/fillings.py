@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from hetserve.cost.network import class_rates
+from hetserve.cost.network import class_rates, one_class_rate
+from hetserve.specs.network import Path
 
 _MAX = 1 << 16  # entries kept per table (a component's few shapes recur)
 
@@ -33,6 +34,16 @@ class Fillings:
         self._by_names: dict[tuple, dict[tuple, float]] = {}  # (paths, counts) -> rate by path
         self._renamed: dict[tuple, tuple] = {}  # paths -> (their resources renamed, capacities)
         self._by_shape: dict[tuple, list[float]] = {}  # (renamed paths, counts) -> rate per path
+        self._narrowest: dict[tuple, float | None] = {}  # path -> its narrowest capacity (None: a resource twice)
+
+    def alone(self, path: Path, flows: int) -> float | None:
+        """Max-min rate of ``flows`` flows on ``path`` with nothing else on its resources, worked
+        out at once (``one_class_rate``); None where the path crosses a resource twice."""
+        names = path.names
+        narrowest = self._narrowest.get(names, False)
+        if narrowest is False:
+            narrowest = self._narrowest[names] = path.bandwidth if len(set(names)) == len(names) else None
+        return None if narrowest is None else one_class_rate(narrowest, flows, self.competing_penalty)
 
     def rate_of(self, counts: dict[tuple, int], resources: Callable[[Any], dict[tuple, tuple]],
                 of: Any) -> dict[tuple, float]:

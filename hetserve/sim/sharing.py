@@ -264,6 +264,11 @@ class SharedLinks(LinkModel):
         the paths in order of first appearance (as ``max_min_rates`` orders them)."""
         if len(sts) == 1:
             counts = sts[0].classes
+            if len(counts) == 1:  # one class alone: its filling is one division
+                (key, n), = counts.items()
+                r = self._fillings.alone(sts[0].q.sends[0][0].path, n)
+                if r is not None:
+                    return {key: r}
         else:
             counts = {}
             for st in sts:

@@ -1,17 +1,22 @@
-"""``SharedLinks`` re-decides a queue that sends all it holds by appending new messages and
-dropping finished ones; that must be the allocation ``SenderQueue.replan`` builds, and the
-queue's flow classes and resource index must follow it."""
+"""``SharedLinks``' short cuts equal the plain computations: a queue that sends all it holds
+re-decides by appending new messages and dropping finished ones, which must be the allocation
+``SenderQueue.replan`` builds (its flow classes and the resource index following it); one class
+alone on its path gets ``class_rates``' very float without a filling."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
+from hetserve.cost.network import class_rates, one_class_rate
 from hetserve.policies.links import fifo_key
 from hetserve.policies.transmission import TRANSMISSION_POLICIES
 from hetserve.sim.links import SharedLinks
+from hetserve.sim.fillings import Fillings
 from hetserve.specs.cluster import load_cluster
+from hetserve.specs.network import Path
 
 
 def _check(model: SharedLinks) -> None:
@@ -52,3 +57,23 @@ def test_sends_follow_the_replan(seed):
         model.advance(t)
         _check(model)
     assert all(not q.pending for q in model.queues.values())
+
+
+@pytest.mark.parametrize("penalty", [0.0, 0.3])
+def test_one_class_alone_is_its_filling(penalty):
+    rng = random.Random(5)
+    for _ in range(2000):
+        caps = [rng.choice((rng.uniform(1e8, 1e11), 12.5e9, math.inf)) for _ in range(rng.randint(1, 4))]
+        flows = rng.randint(1, 40)
+        key = tuple(range(len(caps)))
+        expected = class_rates([key], [flows], dict(enumerate(caps)), penalty)[0]
+        assert one_class_rate(min(caps), flows, penalty) == expected
+
+
+def test_fillings_alone_refuses_a_repeated_resource():
+    cluster = load_cluster("hexgen2-het3")
+    path = cluster.path(0, len(cluster) - 1)
+    fillings = Fillings()
+    assert fillings.alone(path, 3) == class_rates([path.names], [3], {k: r.bandwidth for k, r in zip(path.names, path.resources)})[0]
+    twice = Path(path.resources + path.resources[:1], path.latency_s)
+    assert fillings.alone(twice, 3) is None

@@ -62,9 +62,10 @@ class DecodeRound:
         return min(self.turn_s, stage_times[-1])
 
     def at(self, context_tokens: float, dispatch_s: float = 0.0) -> float:
-        times = self.stage_times(context_tokens)
-        ring = sum(times) + self.hops_s + dispatch_s
         m = self.micro_batches
+        c = context_tokens / m  # ``stage_times``, written out: this runs at every decode segment
+        times = [s.at(c) for s in self.stages]
+        ring = sum(times) + self.hops_s + dispatch_s
         if m == 1:
             return ring
         free = (1.0 - self.hold) * self.turn_around(times)

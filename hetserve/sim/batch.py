@@ -113,11 +113,17 @@ class DecodeBatch:
         dt = now - self.t0
         if dt <= 0:
             return 0
-        j = min(self.k, max(0, math.ceil(self._solve(dt))))
-        tol = 1e-12 * max(1.0, now)
-        while j > 0 and self.elapsed(j - 1) >= dt - tol:
+        k, a, s = self.k, self.a, self.slope
+        j = math.ceil(self._solve(dt))
+        if j < 0:
+            j = 0
+        elif j > k:
+            j = k
+        # the root's rounding corrected against ``elapsed`` (written out: asked at every snapshot)
+        dt -= 1e-12 * (now if now > 1.0 else 1.0)
+        while j > 0 and (j - 1) * a + s * (j - 1) * (j - 2) / 2.0 >= dt:
             j -= 1
-        while j < self.k and self.elapsed(j) < dt - tol:
+        while j < k and j * a + s * j * (j - 1) / 2.0 < dt:
             j += 1
         self._asked = (now, j)
         return j

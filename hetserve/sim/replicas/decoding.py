@@ -9,6 +9,7 @@ next. KV admission is a strategy object (``self.kv``, see ``kv.py``).
 from __future__ import annotations
 
 from hetserve.policies.base import RunningRequest
+from hetserve.cost.decode import DecodeRound
 from hetserve.cost.layout import micro_batches_of
 from hetserve.sim.batch import DecodeBatch
 from hetserve.sim.events import Priority
@@ -20,15 +21,15 @@ from hetserve.sim.replicas.kv import make_kv_admission
 class Decoding(Replica):
     def __init__(self, env, index, spec, layout):
         super().__init__(env, index, spec, layout)
-        mb = self.limits.micro_batches
-        step = self.cost.decode_step_time
         self._slow = 1.0  # host contention on the running segment (env.slowdown at its start)
         self._wait = 0.0  # the front end's dispatch wait per iteration (env.dispatch_wait at its start)
         # the wait and (one micro-batch in flight: ``_meeting``) the TP collectives' fixed cost are not
         # computing: host contention does not stretch them
         self._collectives = sum(self.cost.collectives_time(s) for s in layout.stages)
-        self.batch = DecodeBatch(lambda b, c: on_host(step(layout, b, c, mb, self._wait / self._slow),
-                                                      self._meeting(b), self._slow))
+        # (batch size, its decode round, ``_meeting`` of it): what ``_step_time`` reads of the batch
+        # size, kept while the size holds (a segment prices its first and last iteration at one size)
+        self._priced: tuple[int, DecodeRound | None, float] = (0, None, 0.0)
+        self.batch = DecodeBatch(self._step_time)
         self.max_batch = self.limits.max_batch
         self.admitted = 0  # sequences (a request's choices each) holding KV and not finished
         self._version = 0
@@ -42,6 +43,17 @@ class Decoding(Replica):
         self.trace: list[tuple[float, float, tuple[int, ...], tuple[int, ...]]] | None = None
         # with ``trace``: (index of the next iteration in ``trace``, ids pre-empted, latest first)
         self.preempt_trace: list[tuple[int, tuple[int, ...]]] = []
+
+    def _step_time(self, batch: int, context: float) -> float:
+        """One decode iteration of ``batch`` sequences reading ``context`` tokens as this host runs it:
+        the cost model's ``decode_step_time`` (its round at the batch, priced at the context) with
+        the front end's wait, stretched by host contention but for ``_meeting``."""
+        size, round_, meeting = self._priced
+        if size != batch:
+            round_ = self.cost.decode_round(self.layout, batch, self.limits.micro_batches)
+            meeting = self._meeting(batch)
+            self._priced = (batch, round_, meeting)
+        return on_host(round_.at(context, self._wait / self._slow), meeting, self._slow)
 
     def _meeting(self, batch: int) -> float:
         """The part of a decode iteration of ``batch`` sequences that host contention does not

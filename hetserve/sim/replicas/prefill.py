@@ -30,7 +30,9 @@ class PrefillReplica(Replica):
         self._free = [0.0] * len(layout.stages)  # when each stage can take the next batch
         self._kick_at: float | None = None
         self._rate = (0.0, 0.0)  # (steps, tokens) per second of the last batch started
-        self._stages = [(s, i == len(layout.stages) - 1) for i, s in enumerate(layout.stages)]
+        # each stage: (stage, whether last, the TP collectives' fixed cost there)
+        self._stages = [(s, i == len(layout.stages) - 1, self.cost.collectives_time(s))
+                        for i, s in enumerate(layout.stages)]
         # when a list: (start, end, (), prompt ids) per batch, as ``Decoding.trace`` (hetserve compare)
         self.trace: list[tuple[float, float, tuple, tuple[int, ...]]] | None = None
 
@@ -75,18 +77,22 @@ class PrefillReplica(Replica):
         batch limit, KV left); returns their ids, lengths and KV reservation."""
         rids: list[int] = []
         held = 0
+        queue, r, block, paged = self.queue, self.req, self.limits.block_size, self.limits.paged
+        res = 0  # the head's reservation, as ``head`` showed it to ``take``
 
         def head() -> Offer | None:
-            if not self.queue:
+            nonlocal res
+            if not queue:
                 return None
-            rid = self.queue[0]
-            return Offer(self._tokens(rid), self.can_hold(self.kv_used + held, self.reservation(rid)))
+            rid = queue[0]
+            shared = shared_tokens(r, rid, block, paged)  # ``_tokens`` and ``reservation``, sharing it
+            res = reservation(r, rid, False, block, shared)
+            return Offer(fed_tokens(r, rid, shared), self.can_hold(self.kv_used + held, res))
 
         def take() -> None:
             nonlocal held
-            rid = self.queue.popleft()
-            rids.append(rid)
-            held += self.reservation(rid)
+            rids.append(queue.popleft())
+            held += res
 
         lim = self.limits
         step = compose_step(head, take, token_budget=lim.token_budget, max_seqs=lim.max_batch, decodes=0, seqs=0)
@@ -112,9 +118,9 @@ class PrefillReplica(Replica):
         slow = self.env.slowdown(self)
         t = now + self.env.dispatch_wait(self, decodes=False)  # the step waits for the front end to send it
         stages = self.layout.stages
-        for i, (stage, last) in enumerate(self._stages):
+        for i, (stage, last, collectives) in enumerate(self._stages):
             start = t if t > self._free[i] else self._free[i]
-            end = start + on_host(self.cost.stage_prefill_time(stage, batch, last), self.cost.collectives_time(stage), slow)
+            end = start + on_host(self.cost.stage_prefill_time(stage, batch, last), collectives, slow)
             self._free[i] = end
             t = end if last else end + self.cost.pp_handoff_time(stage, stages[i + 1], tokens)
         self._busy(now, t)

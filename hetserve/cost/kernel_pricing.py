@@ -13,6 +13,8 @@ group sets the pace.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from hetserve.cost.collectives import nearest_fit
@@ -22,7 +24,15 @@ from hetserve.cost.profiles import LayerShape
 from hetserve.specs.gpus import GpuType
 
 _MEMO_LIMIT = 200_000  # memoised layer times before the memo starts afresh (a long simulation)
-_UNSEEN = object()
+
+
+class _Group(NamedTuple):
+    """What the prices read of one TP group's devices, found once per group (``KernelPricing._group``)."""
+
+    covered: bool  # every device is priced here (``covers``)
+    number: int  # its size and GPU types as a small integer: equal groups share memo entries (-1: not covered)
+    rates: tuple[tuple[float, float], ...]  # ``attention_rates`` (empty: not covered)
+    link: float | None  # ``allreduce``'s link (None: not priced here)
 
 
 class KernelPricing:
@@ -40,9 +50,8 @@ class KernelPricing:
                 p, source = self.table.params_for(d.gpu.name)
                 self.params.append((d.gpu, p, source))
         self._memo: dict = {}
-        self._groups: dict = {}  # devices -> the number of what the prices read of them (``_group``)
+        self._groups: dict[tuple[int, ...], _Group] = {}  # devices -> what the prices read of them
         self._group_ids: dict = {}
-        self._ar_links: dict = {}  # devices -> ``_ar_link``
         # GPU types every device of which is priced here (the bound's device kinds go by type)
         by_type: dict[str, list] = {}
         for d, entry in zip(cluster.devices, self.params):
@@ -73,7 +82,7 @@ class KernelPricing:
 
     def covers(self, devices) -> bool:
         """Whether every device of a stage is priced here (no CPU worker slot among them)."""
-        return all(self.params[d] is not None for d in devices)
+        return self._group(devices).covered
 
     def sources(self) -> dict[str, str]:
         """{GPU type: ``fitted`` / ``transferred`` / ``roofline``} over the cluster's devices."""
@@ -85,21 +94,31 @@ class KernelPricing:
     def _types(self, devices):
         return {self.params[d][0].name: self.params[d] for d in devices}.values()
 
-    def _group(self, devices) -> int:
-        """What ``layer`` and ``head`` read of a TP group, as a small integer: its size and each GPU
-        type's peaks and fitted parameters. Equal groups on other machines (a fleet's copies of one
-        replica) share their memo entries."""
+    def _group(self, devices) -> _Group:
+        """What the prices read of a TP group, worked out on its first use. ``number`` stands for its
+        size and each GPU type's peaks and fitted parameters (what ``layer`` and ``head`` read):
+        equal groups on other machines (a fleet's copies of one replica) share their memo entries."""
         devices = tuple(devices)
-        gid = self._groups.get(devices)
-        if gid is None:
-            full = (len(devices), tuple((g.fp16_flops, g.mem_bandwidth, p) for g, p, _ in self._types(devices)))
-            gid = self._groups[devices] = self._group_ids.setdefault(full, len(self._group_ids))
-        return gid
+        group = self._groups.get(devices)
+        if group is None:
+            group = self._groups[devices] = self._describe(devices)
+        return group
+
+    def _describe(self, devices: tuple[int, ...]) -> _Group:
+        if not all(self.params[d] is not None for d in devices):
+            return _Group(False, -1, (), None)
+        types, tp = self._types(devices), len(devices)
+        full = (tp, tuple((g.fp16_flops, g.mem_bandwidth, p) for g, p, _ in types))
+        rates = tuple((tp * g.fp16_flops * p.gemm_compute, tp * g.mem_bandwidth * p.gemm_memory) for g, p, _ in types)
+        devs, link = self.cluster.devices, None
+        if self.table.allreduce and len({devs[d].machine for d in devices}) == 1 and tp > 1:
+            link = float(min(self.cluster.bandwidth[d, e] for d in devices for e in devices if d != e))
+        return _Group(True, self._group_ids.setdefault(full, len(self._group_ids)), rates, link)
 
     def layer(self, devices, tokens: float) -> float:
         """One layer (without attention's score/value products) at ``tokens`` rows on the slowest
         device of a TP group of ``devices``."""
-        key = (self._group(devices), tokens)
+        key = (self._group(devices).number, tokens)
         v = self._memo.get(key)
         if v is None:
             tp = len(devices)
@@ -116,20 +135,18 @@ class KernelPricing:
 
     def attention(self, devices, flops: float, nbytes: float) -> float:
         """Attention's products (``flops``) and KV traffic (``nbytes``), split over the group."""
-        return max(max(flops / f, nbytes / m) for f, m in self.attention_rates(devices))
+        return max(max(flops / f, nbytes / m) for f, m in self._group(devices).rates)
 
-    def attention_rates(self, devices) -> list[tuple[float, float]]:
+    def attention_rates(self, devices) -> tuple[tuple[float, float], ...]:
         """(FLOP/s, bytes/s) of attention's products and KV traffic on the group, per GPU type in it
         (the slowest sets the pace)."""
-        tp = len(devices)
-        return [(tp * g.fp16_flops * p.gemm_compute, tp * g.mem_bandwidth * p.gemm_memory)
-                for g, p, _ in self._types(devices)]
+        return self._group(devices).rates
 
     def head(self, devices, rows: float) -> float:
         """The LM head's product for ``rows`` sequences, its vocabulary split over the group."""
         if rows <= 0:
             return 0.0
-        key = ("head", self._group(devices), rows)
+        key = ("head", self._group(devices).number, rows)
         v = self._memo.get(key)
         if v is None:
             tp = len(devices)
@@ -140,19 +157,8 @@ class KernelPricing:
     def allreduce(self, devices, nbytes: float) -> float | None:
         """One all-reduce inside one box from the fitted curves, over the group's slowest link;
         None where the group spans boxes (the cost model's α-β over shared links prices that)."""
-        devices = tuple(devices)
-        link = self._ar_links.get(devices, _UNSEEN)
-        if link is _UNSEEN:
-            link = self._ar_links[devices] = self._ar_link(devices)
+        link = self._group(devices).link
         return None if link is None else self.table.allreduce_time(len(devices), nbytes, link)
-
-    def _ar_link(self, devices: tuple[int, ...]) -> float | None:
-        """The slowest link of a TP group inside one box whose devices are all priced here; None
-        where ``allreduce`` does not price the group."""
-        devs = self.cluster.devices
-        if not self.table.allreduce or len({devs[d].machine for d in devices}) > 1 or not self.covers(devices):
-            return None
-        return float(min(self.cluster.bandwidth[d, e] for d in devices for e in devices if d != e))
 
 
     # ------------------------------------------------------------------ by GPU type, over arrays

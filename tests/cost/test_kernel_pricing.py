@@ -176,19 +176,19 @@ def test_prices_never_fall_as_the_work_grows():
 
 def test_kernel_prices_are_shared_by_equal_groups_on_other_boxes_and_stay_the_same():
     """``layer`` and ``head`` are kept by what they read of a TP group (its size, each GPU type),
-    so a group on another box of the same GPUs hits the same entry; the figures are a fresh
-    pricing's."""
+    so a group on another box of the same GPUs hits the same entry; the figures (and the group's
+    all-reduce and attention, whose rates and link are found once) are a fresh pricing's."""
     c = cluster_from_dict({"name": "k", "machines": [
         {"name": "a", "gpu": "A100-SXM-80G", "count": 2}, {"name": "b", "gpu": "A100-SXM-80G", "count": 2},
         {"name": "c", "gpu": "L40", "count": 2}], "network": {"intra_site": {"bandwidth_gbps": 100, "latency_ms": 0.2}}})
     k = CostModel(c, LLAMA7).kernels
-    assert k._group((0, 1)) == k._group([2, 3]) != k._group((4, 5))
-    assert k._group((0,)) != k._group((0, 1))
+    assert k._group((0, 1)).number == k._group([2, 3]).number != k._group((4, 5)).number
+    assert k._group((0,)).number != k._group((0, 1)).number
     for devices in ((0, 1), (2, 3), (4, 5), (0,), (0, 1, 4, 5)):
         fresh = CostModel(c, LLAMA7).kernels
         for n in (1, 7, 300):
             assert k.layer(devices, n) == fresh.layer(devices, n)
             assert k.head(devices, n) == fresh.head(devices, n)
-            if len(devices) > 1:  # the cost model prices no all-reduce for one device
-                assert k.allreduce(devices, n * 8192.0) == fresh.allreduce(devices, n * 8192.0)
+            assert k.allreduce(devices, n * 8192.0) == fresh.allreduce(devices, n * 8192.0)
+            assert k.attention(devices, n * 1e9, n * 1e6) == fresh.attention(devices, n * 1e9, n * 1e6)
     assert len({key for key in k._memo if key[0] != "head"}) == 4 * 3  # (0, 1) and (2, 3): one entry each

@@ -97,11 +97,16 @@ class DecodeCosts:
             (f0, b0), more = rates[0], tuple(rates[1:])
 
             def per_layer(c: float) -> float:
-                # the slowest GPU type sets the pace (the first of equals, as ``max`` picks it)
+                # the slowest GPU type sets the pace, each type its slower term (comparisons picking
+                # what ``max`` picks, the first of equals: this runs for every stage priced)
                 qc, kv = q_flops * c, (weights + c * per_kv) - weights
-                slowest = max(qc / f0, kv / b0)
+                slowest, t = qc / f0, kv / b0
+                if t > slowest:
+                    slowest = t
                 for f, b in more:
-                    t = max(qc / f, kv / b)
+                    t, u = qc / f, kv / b
+                    if u > t:
+                        t = u
                     if t > slowest:
                         slowest = t
                 return layer + slowest

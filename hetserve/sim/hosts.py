@@ -85,7 +85,8 @@ def on_host(seconds: float, waiting: float, slowdown: float) -> float:
     slow-down, ``waiting`` (the TP collectives' fixed cost: members meeting, not computing) not.
     Members waiting in a collective hold no core: stretching that wait too over-predicts a TP
     group's TPOT on a shared host by about a fifth."""
-    waiting = min(waiting, seconds)
+    if seconds < waiting:  # at most ``seconds`` (as ``min`` picks)
+        waiting = seconds
     return (seconds - waiting) * slowdown + waiting
 
 

@@ -314,25 +314,34 @@ class SharedLinks(LinkModel):
                     m.remaining -= s[1]
                     sent[m.kind] += s[1] * m.copies
                     s[1] = 0.0
-            pending, kept = q.pending, []
+            pending, kept, gone = q.pending, [], 0
             for s in sends:
                 m = s[0]
                 if s[1] <= EPS_BYTES + 1e-12 * m.total and m.remaining <= EPS_BYTES + 1e-9 * m.total:
                     del pending[m.id]
                     done.append((m.id, t + m.path.latency_s + overhead))
+                    gone += m.copies
                 else:
                     kept.append(s)
-            if q.sends_all:
-                # its re-decision: the sends still pending, in their order (see ``_append``)
-                q.sends = kept
+            if not q.sends_all:
+                self._replan(st, t)
+                continue
+            # its re-decision: the sends still pending, in their order (see ``_append``); one
+            # class keeps its path with fewer flows, several are counted again (their order of
+            # first appearance may change)
+            q.sends = kept
+            if not kept:
                 classes: dict[tuple, int] = {}
+            elif st.one_rate:
+                (key, n), = st.classes.items()
+                classes = {key: n - gone}
+            else:
+                classes = {}
                 for s in kept:
                     m = s[0]
                     key = m.path.names
                     classes[key] = classes.get(key, 0) + m.copies
-                self._reindex(st, classes)
-            else:
-                self._replan(st, t)
+            self._reindex(st, classes)
         return done
 
     def _enqueue(self, q: SenderQueue, msg: Message, now: float) -> None:

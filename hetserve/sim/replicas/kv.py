@@ -39,6 +39,9 @@ class ReserveKV:
     def __init__(self, rep: "Decoding"):
         self.rep = rep
         self.preemptions = 0
+        # rid -> ``need``, from its first ask until it finishes: it reads only the request's fixed
+        # fields here (nothing is pre-empted), and is asked at each offer, admission and finish
+        self._need: dict[int, int] = {}
 
     def shared(self, rid: int) -> int:
         """Prompt tokens ``rid``'s choices share here: on the replica that prefills them (colocated);
@@ -48,7 +51,10 @@ class ReserveKV:
 
     def need(self, rid: int) -> float:
         """KV to reserve when admitting ``rid``: prompt + whole output (whole blocks), each choice's."""
-        return reservation(self.rep.req, rid, True, self.rep.limits.block_size, self.shared(rid))
+        n = self._need.get(rid)
+        if n is None:
+            n = self._need[rid] = reservation(self.rep.req, rid, True, self.rep.limits.block_size, self.shared(rid))
+        return n
 
     def prefill_tokens(self, rid: int) -> int:
         return fed_tokens(self.rep.req, rid, self.shared(rid))
@@ -68,6 +74,7 @@ class ReserveKV:
 
     def finish(self, rid: int) -> None:
         self.rep.kv_add(-self.need(rid))
+        del self._need[rid]
 
     def after_finish(self) -> None:
         pass

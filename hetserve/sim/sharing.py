@@ -25,14 +25,16 @@ class _QueueState:
     order, the rates of its sends (aligned with ``SenderQueue.sends``), the time they were settled
     to, whether they all have one rate (one flow class), an epoch that invalidates old heap
     entries; the flows on each path (resource names) its sends take, in order of first appearance
-    (its flow classes), and the resource keys the sends cross."""
+    (its flow classes), and the resource keys (of the paths ``paths``) it is indexed under: those
+    its sends cross, or, idle, those its last sends crossed."""
 
-    __slots__ = ("q", "order", "since", "rates", "one_rate", "epoch", "classes", "keys")
+    __slots__ = ("q", "order", "since", "rates", "one_rate", "epoch", "classes", "keys", "paths")
 
     def __init__(self, q: SenderQueue, order: int):
         self.q, self.order, self.since, self.rates, self.one_rate, self.epoch = q, order, 0.0, [], False, 0
         self.classes: dict[tuple, int] = {}
         self.keys: set = set()
+        self.paths: frozenset = frozenset()  # the paths ``keys`` were taken from
 
 
 _order = attrgetter("order")
@@ -64,7 +66,7 @@ class SharedLinks(LinkModel):
     def __init__(self, make_policy: Callable[[], TransmissionPolicy], overhead_s: float = 0.0,
                  competing_penalty: float = 0.0):
         super().__init__(make_policy, overhead_s, competing_penalty)
-        self._on_res: dict = {}  # resource key -> states of the queues whose sends cross it (or none)
+        self._on_res: dict = {}  # resource key -> states of the queues indexed under it (``_QueueState``)
         self._touched: set = set()  # resource keys whose sends changed since the last re-share
         self._heap: list = []  # (first finish s of the queue, seq, its state, epoch)
         self._seq = 0
@@ -142,25 +144,32 @@ class SharedLinks(LinkModel):
         self._reindex(st, classes)
 
     def _reindex(self, st: _QueueState, classes: dict[tuple, int]) -> None:
-        """The queue's sends changed to ``classes``: move its entries in the resource index to
-        them, mark the resources of its old and new sends touched and its rates stale."""
-        old = st.keys
-        if classes.keys() != st.classes.keys():  # else the same paths: the same resources
-            new = set().union(*classes)
-            # a resource keeps its (maybe empty) set of users: queues come and go on it all the time
-            on_res = self._on_res
-            for k in (old - new if new else old):
-                on_res[k].discard(st)
-            for k in (new - old if old else new):
-                users = on_res.get(k)
-                if users is None:
-                    on_res[k] = {st}
-                else:
-                    users.add(st)
-            st.keys = new
-            self._touched.update(new)
+        """The queue's sends changed to ``classes``: mark the resources of its old and new sends
+        touched, its rates stale, and index it under the new ones.
+
+        An idle queue stays indexed under the resources it last used (``_fresh`` passes it by):
+        it mostly comes back on the same paths, and then its entries are already there."""
+        touched = self._touched
+        if st.classes:
+            touched.update(st.keys)
+        if classes:
+            if classes.keys() != st.paths:
+                old, new = st.keys, set().union(*classes)
+                # a resource keeps its (maybe empty) set of users: queues come and go on it all the time
+                on_res = self._on_res
+                for k in old - new:
+                    on_res[k].discard(st)
+                for k in new - old:
+                    users = on_res.get(k)
+                    if users is None:
+                        on_res[k] = {st}
+                    else:
+                        users.add(st)
+                st.keys, st.paths = new, frozenset(classes)
+                touched.update(new)
+            elif not st.classes:
+                touched.update(st.keys)
         st.classes = classes
-        self._touched.update(old)
         st.rates = []
         st.one_rate = False
         st.epoch += 1
@@ -211,7 +220,7 @@ class SharedLinks(LinkModel):
                 users = on_res.get(todo.pop())
                 if users:
                     for st in users:
-                        if st not in seen_q:
+                        if st not in seen_q and st.classes:  # an idle queue links nothing
                             seen_q.add(st)
                             comp.append(st)
                             more = st.keys - seen_k

@@ -29,9 +29,9 @@ def _check(model: SharedLinks) -> None:
         for m in expected:
             classes[m.path.names] = classes.get(m.path.names, 0) + m.copies
         assert list(st.classes.items()) == list(classes.items())
-        assert st.keys == set().union(*classes)
-        for k in st.keys:
-            assert st in model._on_res[k]
+        if classes:  # an idle queue stays indexed where it last sent
+            assert st.keys == set().union(*classes)
+        assert {k for k, users in model._on_res.items() if st in users} == st.keys
 
 
 @pytest.mark.parametrize("seed", [1, 2])

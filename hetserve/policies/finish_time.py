@@ -165,6 +165,12 @@ class ExpectedFinishTime:
         self._decoding: dict[str, float] = {}  # decode replica -> output tokens expected there
         self._sent: dict[int, tuple[str, float]] = {}  # request -> (prefill replica, predicted output)
         self._next = 0
+        # replica -> what ``finish_s`` reads of the prices and routes for it, looked up once per
+        # candidate by ``_least``: (a, b, 0.0·b, [(decode replica, route weight, its b)] or None);
+        # the prices and routes are fixed once the policy is built
+        self._rows = {rid: (a, b, 0.0 * b, [(d, w, self.prices[d][1]) for d, w in self.routes[rid]]
+                            if rid in self.routes else None)
+                      for rid, (a, b) in self.prices.items()}
 
     def _book(self, src: str, output_tokens: float) -> None:
         """Book ``output_tokens`` (negative: release them) on the decode replicas behind ``src``."""
@@ -190,18 +196,59 @@ class ExpectedFinishTime:
             return max(own, self._decode_s(c.id, request.predicted_output_tokens)), own
         return own, own
 
-    def _keys(self, request: RequestInfo, candidates: Sequence[ReplicaState]) -> list | None:
-        """``finish_s`` of every candidate; None if one has no price."""
-        keys = [self.finish_s(request, c) for c in candidates]
-        return None if None in keys else keys
+    def _least(self, request: RequestInfo, candidates: Sequence[ReplicaState]) -> list[ReplicaState] | None:
+        """The candidates of the least ``finish_s`` key, in candidate order; None if one has no price.
+
+        One pass, each key worked out with ``finish_s``'s operations in its order (the same floats,
+        never NaN: the least and its ties are those ``min`` over the key pairs gives).
+        A candidate is passed over once a bound that never exceeds its first key exceeds the least
+        first key so far, so it could neither win nor tie: a routed one's decode seconds (the key
+        is the later of those and its own), or an unrouted one's own seconds with its running output
+        taken as none (``max(0.0, ·)`` is at least 0.0, and with ``b >= 0`` rounding keeps the
+        order), read before the clock-bound outstanding tokens."""
+        rows, booked = self._rows, self._decoding
+        inp, pred = request.input_tokens, request.predicted_output_tokens
+        best = best_own = float("inf")
+        tied: list[ReplicaState] = []
+        for c in candidates:
+            row = rows.get(c.id)
+            if row is None:
+                return None
+            a, b, zb, out = row
+            dec = None
+            if out is not None:  # _decode_s(c.id, pred)
+                dec = sum([w * (booked.get(d, 0.0) + pred) * bd for d, w, bd in out])
+                if dec > best:
+                    continue
+            role = c.role
+            if role == "prefill":  # backlog_tokens(c, request): (outstanding + prompt, 0.0)
+                own = (c.outstanding_tokens + inp) * a + zb
+            else:
+                queued = c.queued_prefill_tokens
+                prompt = float(queued) + inp if role != "decode" else float(queued)
+                head = prompt * a
+                if b >= 0.0 and head + pred * b > best:
+                    continue
+                x = c.outstanding_tokens - queued
+                own = head + ((x if x > 0.0 else 0.0) + pred) * b
+            key = own if dec is None or not dec > own else dec
+            if key > best:
+                continue
+            if key < best or own < best_own:
+                best, best_own, tied = key, own, [c]
+            elif own == best_own:
+                tied.append(c)
+        return tied
 
     def choose(self, request: RequestInfo, candidates: Sequence[ReplicaState], now: float) -> str:
-        keys = self._keys(request, candidates)
-        if keys is None:  # one scale for every candidate: the snapshot's own
-            keys = [(x, x) for x in (sum(backlog_tokens(c, request)) / (c.capacity_norm if c.capacity_norm > 0 else 1.0)
-                                     for c in candidates)]
-        best = min(keys)
-        tied = [c for c, k in zip(candidates, keys) if k == best]
+        if not candidates:
+            raise ValueError("no candidate to place the request on")
+        tied = self._least(request, candidates)
+        if tied is None:  # one scale for every candidate: the snapshot's own
+            keys = [sum(backlog_tokens(c, request)) / (c.capacity_norm if c.capacity_norm > 0 else 1.0)
+                    for c in candidates]
+            best = min(keys)
+            tied = [c for c, k in zip(candidates, keys) if k == best]
         self._next += 1
         chosen = tied[self._next % len(tied)].id
         if chosen in self.routes:

@@ -166,11 +166,12 @@ class ExpectedFinishTime:
         self._sent: dict[int, tuple[str, float]] = {}  # request -> (prefill replica, predicted output)
         self._next = 0
         # replica -> what ``finish_s`` reads of the prices and routes for it, looked up once per
-        # candidate by ``_least``: (a, b, 0.0·b, [(decode replica, route weight, its b)] or None);
-        # the prices and routes are fixed once the policy is built
-        self._rows = {rid: (a, b, 0.0 * b, [(d, w, self.prices[d][1]) for d, w in self.routes[rid]]
-                            if rid in self.routes else None)
-                      for rid, (a, b) in self.prices.items()}
+        # candidate by ``_least``: (a, b, 0.0·b, its routes as [(decode replica, weight, its b)] or
+        # None, the one route where there is one alone); the prices and routes are fixed once built
+        self._rows = {}
+        for rid, (a, b) in self.prices.items():
+            out = [(d, w, self.prices[d][1]) for d, w in self.routes[rid]] if rid in self.routes else None
+            self._rows[rid] = (a, b, 0.0 * b, out, out[0] if out is not None and len(out) == 1 else None)
 
     def _book(self, src: str, output_tokens: float) -> None:
         """Book ``output_tokens`` (negative: release them) on the decode replicas behind ``src``."""
@@ -214,10 +215,13 @@ class ExpectedFinishTime:
             row = rows.get(c.id)
             if row is None:
                 return None
-            a, b, zb, out = row
+            a, b, zb, out, one = row
             dec = None
-            if out is not None:  # _decode_s(c.id, pred)
-                dec = sum([w * (booked.get(d, 0.0) + pred) * bd for d, w, bd in out])
+            if out is not None:  # _decode_s(c.id, pred); a sum of one term is 0 + the term
+                if one is not None:
+                    dec = 0 + one[1] * (booked.get(one[0], 0.0) + pred) * one[2]
+                else:
+                    dec = sum([w * (booked.get(d, 0.0) + pred) * bd for d, w, bd in out])
                 if dec > best:
                     continue
             role = c.role

@@ -9,6 +9,7 @@ now (it may hand back the very snapshot it got: then that function stays filed w
 
 from __future__ import annotations
 
+from heapq import heappop, heappush
 from typing import Any, Callable, Sequence
 
 from hetserve.policies.base import ReplicaState
@@ -63,8 +64,9 @@ def with_wait(snap: ReplicaState, wait: float) -> ReplicaState:
 class _Figure:
     """One clock-bound figure of a ``LiveState`` (a non-data descriptor): worked out when read,
     through the snapshot's ``progress`` again only once the clock reaches the time the last figures
-    held until. Figures that hold for ever (an idle replica) are written into the snapshot's own
-    fields, which are then read as any field is."""
+    held until. Figures that hold for ever (an idle replica), or until a time its keeper (``_expire``,
+    ``SnapshotCache``) takes them back by, are written into the snapshot's own fields, which are
+    then read as any field is."""
 
     __slots__ = ("_k",)
 
@@ -79,6 +81,9 @@ class _Figure:
             d["_figures"], d["_until"] = figures, until = d["_progress"]()
             if until == float("inf"):
                 d["outstanding_tokens"], d["context_tokens"] = figures
+            elif d["_expire"] is not None:
+                d["outstanding_tokens"], d["context_tokens"] = figures
+                d["_expire"](until, snap)
         return d["_figures"][self._k]
 
 
@@ -98,8 +103,14 @@ class LiveState(ReplicaState):
            clock: Callable[[], float]) -> "LiveState":
         snap = object.__new__(LiveState)  # the fixed fields as given; the others' defaults are the class's
         snap.__dict__.update(fields)
-        snap.__dict__.update(_progress=progress, _clock=clock, _figures=None, _until=float("-inf"))
+        snap.__dict__.update(_progress=progress, _clock=clock, _figures=None, _until=float("-inf"), _expire=None)
         return snap
+
+    def _forget(self) -> None:
+        """The figures written into the fields no longer hold: the next read works them out."""
+        d = self.__dict__
+        d.pop("outstanding_tokens", None)
+        d.pop("context_tokens", None)
 
     outstanding_tokens = _Figure(0)  # type: ignore[assignment]
     context_tokens = _Figure(1)  # type: ignore[assignment]
@@ -115,7 +126,12 @@ class SnapshotCache:
 
     ``rank`` (optional): a function of a snapshot's fields that hold while it is kept (not its
     clock-bound figures); the snapshots are then also filed by it, so ``lowest`` finds those of
-    the least rank without reading every snapshot (``PlacementPolicy.lowest_rank``)."""
+    the least rank without reading every snapshot (``PlacementPolicy.lowest_rank``).
+
+    A ``LiveState`` kept here has the figures it works out written into its fields until the time
+    they hold until, when the cache, bringing its snapshots up to that moment, takes them back
+    (``_expire``): a decision reads them as fields. Its snapshots are read at the clock of the last
+    ``states`` or ``lowest``."""
 
     def __init__(self, replicas: Sequence, waits: bool = True,  # sim.replicas.base.Replica objects
                  rank: Callable[[ReplicaState], Any] | None = None):
@@ -130,6 +146,10 @@ class SnapshotCache:
         self.rank = rank
         self._ranks: list[Any] = [None] * len(self._reps)
         self._by_rank: dict[Any, set[int]] = {}  # rank -> positions of the snapshots of that rank
+        # live snapshots' figures written into their fields: (the time they hold until, n, snapshot)
+        self._expiring: list[tuple[float, int, LiveState]] = []
+        self._expired = 0
+        self._loop = self._reps[0].loop if self._reps else None
         for i, rep in enumerate(self._reps):
             if rep.snapshots_kept:
                 rep.loop.watch(self._dirty, i)
@@ -153,8 +173,16 @@ class SnapshotCache:
         snaps = self._snaps
         return [snaps[i] for i in sorted(self._by_rank[min(self._by_rank)])]  # type: ignore[misc]
 
+    def _expire(self, until: float, snap: LiveState) -> None:
+        self._expired += 1
+        heappush(self._expiring, (until, self._expired, snap))
+
     def _refresh(self) -> None:
-        reps, snaps, dirty = self._reps, self._snaps, self._dirty
+        reps, snaps, dirty, expiring = self._reps, self._snaps, self._dirty, self._expiring
+        if expiring:
+            now = self._loop.now
+            while expiring and expiring[0][0] <= now:
+                heappop(expiring)[2]._forget()
         for i, retime in list(self._asked.items()):
             if retime is not None and i not in dirty:
                 new = retime(snaps[i])
@@ -166,7 +194,9 @@ class SnapshotCache:
                 dirty.add(i)
         for i in dirty:
             rep = reps[i]
-            snaps[i] = rep.snapshot(self._waits)
+            snaps[i] = snap = rep.snapshot(self._waits)
+            if type(snap) is LiveState:
+                snap.__dict__["_expire"] = self._expire
             self._file(i, rep.snapshot_clock(self._waits) if self._kept[i] else None)
             self._rerank(i)
         dirty.clear()

@@ -166,12 +166,15 @@ class ExpectedFinishTime:
         self._sent: dict[int, tuple[str, float]] = {}  # request -> (prefill replica, predicted output)
         self._next = 0
         # replica -> what ``finish_s`` reads of the prices and routes for it, looked up once per
-        # candidate by ``_least``: (a, b, 0.0·b, its routes as [(decode replica, weight, its b)] or
-        # None, the one route where there is one alone); the prices and routes are fixed once built
+        # candidate by ``_least``: (a, b, 0.0·b, first route, second route, routes) with each route
+        # as (decode replica, weight, its b); the first two where it has one or two, else its list
+        # (None: no such route). The prices and routes are fixed once the policy is built.
         self._rows = {}
         for rid, (a, b) in self.prices.items():
-            out = [(d, w, self.prices[d][1]) for d, w in self.routes[rid]] if rid in self.routes else None
-            self._rows[rid] = (a, b, 0.0 * b, out, out[0] if out is not None and len(out) == 1 else None)
+            out = [(d, w, self.prices[d][1]) for d, w in self.routes[rid]] if rid in self.routes else []
+            few = len(out) <= 2
+            self._rows[rid] = (a, b, 0.0 * b, out[0] if few and out else None, out[1] if few and len(out) == 2 else None,
+                               None if few else out)
 
     def _book(self, src: str, output_tokens: float) -> None:
         """Book ``output_tokens`` (negative: release them) on the decode replicas behind ``src``."""
@@ -215,15 +218,19 @@ class ExpectedFinishTime:
             row = rows.get(c.id)
             if row is None:
                 return None
-            a, b, zb, out, one = row
-            dec = None
-            if out is not None:  # _decode_s(c.id, pred); a sum of one term is 0 + the term
-                if one is not None:
-                    dec = 0 + one[1] * (booked.get(one[0], 0.0) + pred) * one[2]
-                else:
-                    dec = sum([w * (booked.get(d, 0.0) + pred) * bd for d, w, bd in out])
+            a, b, zb, r1, r2, out = row
+            if r1 is not None:  # _decode_s(c.id, pred): sum of one or two terms, 0 + each in turn
+                dec = 0 + r1[1] * (booked.get(r1[0], 0.0) + pred) * r1[2]
+                if r2 is not None:
+                    dec = dec + r2[1] * (booked.get(r2[0], 0.0) + pred) * r2[2]
                 if dec > best:
                     continue
+            elif out is not None:
+                dec = sum([w * (booked.get(d, 0.0) + pred) * bd for d, w, bd in out])
+                if dec > best:
+                    continue
+            else:
+                dec = None
             role = c.role
             if role == "prefill":  # backlog_tokens(c, request): (outstanding + prompt, 0.0)
                 own = (c.outstanding_tokens + inp) * a + zb

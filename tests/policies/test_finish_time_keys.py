@@ -8,10 +8,11 @@ from hetserve.policies.base import ReplicaState, RequestInfo
 from hetserve.policies.finish_time import ExpectedFinishTime
 from hetserve.policies.placement import PolicyContext
 
-# two of each kind share their flow (the same prices), so equal snapshots tie
-ROLES = {"p0": "prefill", "p1": "prefill", "p2": "prefill", "p3": "prefill", "c0": "colocated",
+# two of each kind share their flow (the same prices), so equal snapshots tie; prefill replicas
+# with one, two and three KV routes
+ROLES = {"p0": "prefill", "p1": "prefill", "p2": "prefill", "p3": "prefill", "p4": "prefill", "c0": "colocated",
          "c1": "colocated", "c2": "colocated", "d0": "decode", "d1": "decode", "d2": "decode"}
-FLOW = {"p0": 40.0, "p1": 40.0, "p2": 75.0, "p3": 75.0, "c0": 60.0, "c1": 60.0, "c2": 23.0,
+FLOW = {"p0": 40.0, "p1": 40.0, "p2": 75.0, "p3": 75.0, "p4": 52.0, "c0": 60.0, "c1": 60.0, "c2": 23.0,
         "d0": 90.0, "d1": 90.0, "d2": 31.0}
 
 
@@ -23,7 +24,9 @@ def _policy() -> ExpectedFinishTime:
     plan = Plan.from_dict({"model": "llama-2-70b", "cluster": "t", "replicas": reps, "estimate": est,
                            "kv_routes": [{"from": "p0", "to": "d0", "weight": 0.3}, {"from": "p0", "to": "d1", "weight": 0.7},
                                          {"from": "p1", "to": "d0", "weight": 0.3}, {"from": "p1", "to": "d1", "weight": 0.7},
-                                         {"from": "p2", "to": "d2", "weight": 1.0}, {"from": "p3", "to": "d2", "weight": 1.0}]})
+                                         {"from": "p2", "to": "d2", "weight": 1.0}, {"from": "p3", "to": "d2", "weight": 1.0},
+                                         {"from": "p4", "to": "d0", "weight": 0.2}, {"from": "p4", "to": "d1", "weight": 0.3},
+                                         {"from": "p4", "to": "d2", "weight": 0.5}]})
     return ExpectedFinishTime(PolicyContext(plan=plan))
 
 
@@ -43,6 +46,7 @@ def _plain_least(policy: ExpectedFinishTime, request: RequestInfo, cands: list[R
 
 def test_the_least_are_those_of_the_least_finish_s_key():
     policy, rng = _policy(), random.Random(5)
+    assert sorted(len(r) for r in policy.routes.values()) == [1, 1, 2, 2, 3]
     ties = 0
     for i in range(3000):
         few = i % 2 == 0

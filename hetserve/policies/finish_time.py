@@ -205,11 +205,8 @@ class ExpectedFinishTime:
 
         One pass, each key worked out with ``finish_s``'s operations in its order (the same floats,
         never NaN: the least and its ties are those ``min`` over the key pairs gives).
-        A candidate is passed over once a bound that never exceeds its first key exceeds the least
-        first key so far, so it could neither win nor tie: a routed one's decode seconds (the key
-        is the later of those and its own), or an unrouted one's own seconds with its running output
-        taken as none (``max(0.0, ·)`` is at least 0.0, and with ``b >= 0`` rounding keeps the
-        order), read before the clock-bound outstanding tokens."""
+        A routed candidate whose decode seconds (its first key is the later of those and its own)
+        exceed the least first key so far could neither win nor tie: its own backlog is not read."""
         rows, booked = self._rows, self._decoding
         inp, pred = request.input_tokens, request.predicted_output_tokens
         best = best_own = float("inf")
@@ -237,11 +234,8 @@ class ExpectedFinishTime:
             else:
                 queued = c.queued_prefill_tokens
                 prompt = float(queued) + inp if role != "decode" else float(queued)
-                head = prompt * a
-                if b >= 0.0 and head + pred * b > best:
-                    continue
                 x = c.outstanding_tokens - queued
-                own = head + ((x if x > 0.0 else 0.0) + pred) * b
+                own = prompt * a + ((x if x > 0.0 else 0.0) + pred) * b
             key = own if dec is None or not dec > own else dec
             if key > best:
                 continue

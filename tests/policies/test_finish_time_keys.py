@@ -1,5 +1,5 @@
-"""``eft`` ranks every candidate in one pass (``_least``), passing over those a bound shows cannot
-win: the candidates it keeps are those of the least ``finish_s`` key, in order, bit for bit."""
+"""``eft`` ranks every candidate in one pass (``_least``), passing over routed ones whose decode
+seconds alone exceed the least so far: it keeps those of the least ``finish_s`` key, in order, bit for bit."""
 
 import random
 

@@ -23,15 +23,17 @@ _INF = math.inf
 class _QueueState:
     """Per-queue bookkeeping of ``SharedLinks`` (``SenderQueue.sharing``): the queue, its creation
     order, the rates of its sends (aligned with ``SenderQueue.sends``), the time they were settled
-    to, whether they all have one rate (one flow class), an epoch that invalidates old heap
-    entries; the flows on each path (resource names) its sends take, in order of first appearance
-    (its flow classes), and the resource keys (of the paths ``paths``) it is indexed under: those
-    its sends cross, or, idle, those its last sends crossed."""
+    to, whether they all have one rate (one flow class), whether it was alone in its component
+    when last re-shared, an epoch that invalidates old heap entries; the flows on each path
+    (resource names) its sends take, in order of first appearance (its flow classes), and the
+    resource keys (of the paths ``paths``) it is indexed under: those its sends cross, or, idle,
+    those its last sends crossed."""
 
-    __slots__ = ("q", "order", "since", "rates", "one_rate", "epoch", "classes", "keys", "paths")
+    __slots__ = ("q", "order", "since", "rates", "one_rate", "alone", "epoch", "classes", "keys", "paths")
 
     def __init__(self, q: SenderQueue, order: int):
         self.q, self.order, self.since, self.rates, self.one_rate, self.epoch = q, order, 0.0, [], False, 0
+        self.alone = False
         self.classes: dict[tuple, int] = {}
         self.keys: set = set()
         self.paths: frozenset = frozenset()  # the paths ``keys`` were taken from
@@ -68,6 +70,7 @@ class SharedLinks(LinkModel):
         super().__init__(make_policy, overhead_s, competing_penalty)
         self._on_res: dict = {}  # resource key -> states of the queues indexed under it (``_QueueState``)
         self._touched: set = set()  # resource keys whose sends changed since the last re-share
+        self._solo: list = []  # states re-shared alone at the next re-share (see ``_reindex``)
         self._heap: list = []  # (first finish s of the queue, seq, its state, epoch)
         self._seq = 0
         self._fillings = Fillings(self.competing_penalty)
@@ -148,9 +151,17 @@ class SharedLinks(LinkModel):
         touched, its rates stale, and index it under the new ones.
 
         An idle queue stays indexed under the resources it last used (``_fresh`` passes it by):
-        it mostly comes back on the same paths, and then its entries are already there."""
+        it mostly comes back on the same paths, and then its entries are already there.
+
+        A queue alone in its component that keeps to (some of) its paths touches nothing: no other
+        send crosses its resources (one that joined since it was re-shared touched them itself),
+        so only its own rates change; it is re-shared alone (``_solo``), or not at all once idle."""
         touched = self._touched
-        if st.classes:
+        solo = st.alone and st.classes and classes.keys() <= st.paths
+        if solo:
+            if classes:
+                self._solo.append(st)
+        elif st.classes:
             touched.update(st.keys)
         if classes:
             if classes.keys() != st.paths:
@@ -166,7 +177,8 @@ class SharedLinks(LinkModel):
                     else:
                         users.add(st)
                 st.keys, st.paths = new, frozenset(classes)
-                touched.update(new)
+                if not solo:
+                    touched.update(new)
             elif not st.classes:
                 touched.update(st.keys)
         st.classes = classes
@@ -208,9 +220,15 @@ class SharedLinks(LinkModel):
         # each component: every queue reachable from a touched resource through shared resources.
         # Components are re-shared one by one: a water filling over several gives each the very
         # floats it gets alone (no share crosses from one to another), and one alone recurs more
-        touched, on_res = self._touched, self._on_res
+        touched, on_res, solo = self._touched, self._on_res, self._solo
+        seen_q: set = set()
+        if solo:
+            self._solo = []
+        if not touched:  # only queues alone changed (or went idle): nothing to search
+            self._reshare_alone(solo, seen_q)
+            return
         self._touched = set()
-        seen_k, seen_q = set(), set()
+        seen_k: set = set()
         for k0 in touched:
             if k0 in seen_k:
                 continue
@@ -229,12 +247,22 @@ class SharedLinks(LinkModel):
                                 todo.extend(more)
             if comp:
                 self._reshare(comp)
+        self._reshare_alone(solo, seen_q)
+
+    def _reshare_alone(self, solo: list[_QueueState], seen: set) -> None:
+        """Re-share each queue of ``solo`` as a component of its own, unless a touched resource
+        reached it (it is in ``seen``) or it went idle since."""
+        for st in solo:
+            if st not in seen and st.classes:
+                seen.add(st)
+                self._reshare([st])
 
     def _reshare(self, comp: list[_QueueState]) -> None:
         """New rates, settled bytes and heap entries for the queues of one component."""
         # flows in the order ``LinkModel`` flattens them (queue creation order), so the water
         # filling visits resources and subtracts shares in the same order
-        if len(comp) > 1:
+        alone = len(comp) == 1
+        if not alone:
             comp.sort(key=_order)
         rate_of = self._rates_of(comp)
         now, heap = self._since, self._heap
@@ -243,6 +271,7 @@ class SharedLinks(LinkModel):
                 self._settle_queue(st, now)
             sends = st.q.sends
             st.epoch += 1
+            st.alone = alone
             if not sends:
                 st.rates, st.one_rate = [], False
                 continue

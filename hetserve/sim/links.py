@@ -2,8 +2,9 @@
 
 ``Network.send`` puts a transfer's parts on the model (each part a message along its device
 pair's ``Cluster.path``: NIC out, site pipe, NIC in, or a private in-box link), arms one event
-at the model's next send completion, and schedules each message's delivery at the time the model
-gives (last byte + path latency). The allocation and sharing semantics are the model's: read its
+at the model's next send completion (which also handles each later completion no other event
+precedes: the loop is run to its end, never stopped at a time in between), and schedules each
+message's delivery at the time the model gives (last byte + path latency). The allocation and sharing semantics are the model's: read its
 docstring. The runtime's ``--shape-links`` drives the same model with wall time.
 
 A ``Transfer`` is one logical message split over several device pairs (a KV hand-off goes from
@@ -114,7 +115,7 @@ class Network:
             self._transfers[self._next_id] = t
             items.append((self._next_id, kind, p, nbytes, n))
         self._deliver_at(self.model.put_many(items, now))
-        self._arm()
+        self._arm(self.model.next_event_s())
         return t
 
     def _deliver_at(self, done: list[tuple[int, float]]) -> None:
@@ -127,17 +128,35 @@ class Network:
             if t.parts_left == 0:
                 self.loop.schedule(t.deliver_s, Priority.LINK, _deliver, t)
 
-    def _arm(self) -> None:
+    def _arm(self, t: float | None) -> None:
+        """One event at ``t``, the model's next finish (none if None); earlier ones go stale."""
         self._version += 1
-        t = self.model.next_event_s()
         if t is not None:
             self.loop.schedule(max(t, self.loop.now), Priority.LINK, self._on_event, self._version)
 
     def _on_event(self, version: int) -> None:
+        """Handle the model's finishes due now, and then each next one that no other loop event
+        precedes (one with an earlier time, or the same time and ``Priority.LINK``: it was
+        scheduled before the event ``_arm`` would add): the very calls, in the same order, as one
+        event per finish, with one event and one arm."""
         if version != self._version:
             return
-        self._deliver_at(self.model.advance(self.loop.now))
-        self._arm()
+        model, loop = self.model, self.loop
+        now = loop.now
+        heap = loop._heap  # read only: the loop's next event (time, priority, ...)
+        while True:
+            self._deliver_at(model.advance(now))
+            at = model.next_event_s()
+            if at is None:
+                break
+            if at < now:
+                at = now
+            if heap:
+                first = heap[0]
+                if first[0] < at or (first[0] == at and first[1] <= Priority.LINK):
+                    break
+            now = at
+        self._arm(at)
 
 
 def _deliver(transfer: Transfer) -> None:

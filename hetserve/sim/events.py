@@ -47,6 +47,10 @@ class EventLoop:
     def __len__(self) -> int:
         return len(self._heap)
 
+    def next_at(self) -> tuple[float, int] | None:
+        """``(time, priority)`` of the next event to be handled (None: none is pending)."""
+        return self._heap[0][:2] if self._heap else None
+
     def run(self, until: float = float("inf"), on_progress: Callable[[], None] | None = None,
             progress_every: int = 4096) -> None:
         """Handle events in order until the heap is empty or the next is later than ``until``."""

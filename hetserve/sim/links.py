@@ -143,7 +143,6 @@ class Network:
             return
         model, loop = self.model, self.loop
         now = loop.now
-        heap = loop._heap  # read only: the loop's next event (time, priority, ...)
         while True:
             self._deliver_at(model.advance(now))
             at = model.next_event_s()
@@ -151,10 +150,9 @@ class Network:
                 break
             if at < now:
                 at = now
-            if heap:
-                first = heap[0]
-                if first[0] < at or (first[0] == at and first[1] <= Priority.LINK):
-                    break
+            first = loop.next_at()
+            if first is not None and (first[0] < at or (first[0] == at and first[1] <= Priority.LINK)):
+                break
             now = at
         self._arm(at)
 

@@ -114,16 +114,27 @@ class DecodeBatch:
         if dt <= 0:
             return 0
         k, a, s = self.k, self.a, self.slope
-        j = math.ceil(self._solve(dt))
+        e = dt - 1e-12 * (now if now > 1.0 else 1.0)
+        # the last answer of this segment bounds a later one from below (boundaries only move on):
+        # a few steps on from it, else the root of ``elapsed``; either corrected against ``elapsed``
+        # (written out: asked at every snapshot)
+        j = asked[1] if asked is not None and asked[0] < now else -1
+        if j >= 0:
+            stop = j + 4
+            while j < k and j * a + s * j * (j - 1) / 2.0 < e:
+                j += 1
+                if j == stop:
+                    j = -1
+                    break
         if j < 0:
-            j = 0
-        elif j > k:
-            j = k
-        # the root's rounding corrected against ``elapsed`` (written out: asked at every snapshot)
-        dt -= 1e-12 * (now if now > 1.0 else 1.0)
-        while j > 0 and (j - 1) * a + s * (j - 1) * (j - 2) / 2.0 >= dt:
+            j = math.ceil(self._solve(dt))
+            if j < 0:
+                j = 0
+            elif j > k:
+                j = k
+        while j > 0 and (j - 1) * a + s * (j - 1) * (j - 2) / 2.0 >= e:
             j -= 1
-        while j < k and j * a + s * j * (j - 1) / 2.0 < dt:
+        while j < k and j * a + s * j * (j - 1) / 2.0 < e:
             j += 1
         self._asked = (now, j)
         return j
@@ -134,6 +145,14 @@ class DecodeBatch:
             return 0
         j = self.boundary_at_or_after(now)
         return j if self.elapsed(j) <= now - self.t0 + 1e-12 else j - 1
+
+    def progress(self, now: float) -> tuple[int, float]:
+        """(``iterations_done(now)``, the time the iteration after those ends) of an active segment."""
+        j = self.boundary_at_or_after(now)
+        a, s = self.a, self.slope
+        done = j if j * a + s * j * (j - 1) / 2.0 <= now - self.t0 + 1e-12 else j - 1
+        j = done + 1
+        return done, self.t0 + (j * a + s * j * (j - 1) / 2.0)
 
     def _solve(self, dt: float) -> float:
         """Real root of slope/2·j² + (a − slope/2)·j = dt."""

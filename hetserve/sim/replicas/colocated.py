@@ -283,26 +283,30 @@ class ColocatedReplica(Decoding):
         a fleet's running batches are not re-read at every arrival, and reads what ``state`` reads."""
         if waits:
             return self.state(False, True)
-        return LiveState.of(self.state_fields(), self._held_progress, lambda: self.loop.now)
+        return LiveState.of(self.state_fields(), self._held_progress, self.loop.loop)
+
+    def _figures(self, done: int) -> tuple[float, int]:
+        """(outstanding tokens, Σ context) once ``done`` iterations of the running segment are through."""
+        b = self.batch
+        outstanding = self.queued_tokens + (max(0.0, self.pred_sum - b.generated_after(done)) if b.size
+                                            else self.pred_sum)
+        return outstanding, b.context_after(done)
 
     def _progress(self) -> tuple[tuple[float, int], int]:
         """((outstanding tokens, Σ context), iterations done) now: the figures of ``state`` that move
         with the clock, and how many iterations of the running segment they count."""
-        b = self.batch
-        done = b.iterations_done(self.loop.now)  # asked once: the tokens made and the context both follow from it
-        outstanding = self.queued_tokens + (max(0.0, self.pred_sum - b.generated_after(done)) if b.size
-                                            else self.pred_sum)
-        return (outstanding, b.context_after(done)), done
+        done = self.batch.iterations_done(self.loop.now)  # asked once: the tokens made and the context both follow from it
+        return self._figures(done), done
 
-    def _held_progress(self) -> tuple[tuple[float, int], float]:
-        """``_progress``'s figures and the time they hold until: surely not before the running batch's
-        next iteration boundary (less far more than the batch's tolerance); for ever when idle."""
-        figures, done = self._progress()
+    def _held_progress(self, now: float) -> tuple[tuple[float, int], float]:
+        """``_progress``'s figures at ``now`` (the clock) and the time they hold until: surely not
+        before the running batch's next iteration boundary (less far more than the batch's
+        tolerance); for ever when idle."""
         b = self.batch
         if not b.active:
-            return figures, float("inf")
-        until = b.t0 + b.elapsed(done + 1)
-        return figures, until - 1e-9 * max(1.0, abs(until))
+            return self._figures(0), float("inf")
+        done, until = b.progress(now)
+        return self._figures(done), until - 1e-9 * (until if until > 1.0 else 1.0)
 
     def state_fields(self) -> dict:
         """The snapshot's fields that hold until the replica changes (all but the waits and progress)."""

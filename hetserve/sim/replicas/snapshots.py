@@ -77,8 +77,9 @@ class _Figure:
         if snap is None:
             return self
         d = snap.__dict__
-        if d["_clock"]() >= d["_until"]:
-            d["_figures"], d["_until"] = figures, until = d["_progress"]()
+        now = d["_loop"].now
+        if now >= d["_until"]:
+            d["_figures"], d["_until"] = figures, until = d["_progress"](now)
             if until == float("inf"):
                 d["outstanding_tokens"], d["context_tokens"] = figures
             elif d["_expire"] is not None:
@@ -90,20 +91,19 @@ class _Figure:
 class LiveState(ReplicaState):
     """A ``ReplicaState`` whose outstanding tokens and context are worked out when read, as of that
     moment: kept between decisions while its replica does not change, it reads what a snapshot built
-    then would hold (``ColocatedReplica.snapshot``). ``progress()`` gives the two figures and the
-    time until which they hold (the running batch's next iteration boundary), so reading them
-    again before then costs nothing."""
+    then would hold (``ColocatedReplica.snapshot``). ``progress(now)`` gives the two figures as of
+    ``now`` (the clock of ``loop``, the event loop) and the time until which they hold (the running
+    batch's next iteration boundary), so reading them again before then costs nothing."""
 
     def __new__(cls, *args, **fields):
         # built from fields (``dataclasses.replace``): a plain snapshot of them, the figures as read
         return ReplicaState(*args, **fields)
 
     @staticmethod
-    def of(fields: dict, progress: Callable[[], tuple[tuple[float, int], float]],
-           clock: Callable[[], float]) -> "LiveState":
+    def of(fields: dict, progress: Callable[[float], tuple[tuple[float, int], float]], loop) -> "LiveState":
         snap = object.__new__(LiveState)  # the fixed fields as given; the others' defaults are the class's
         snap.__dict__.update(fields)
-        snap.__dict__.update(_progress=progress, _clock=clock, _figures=None, _until=float("-inf"), _expire=None)
+        snap.__dict__.update(_progress=progress, _loop=loop, _figures=None, _until=float("-inf"), _expire=None)
         return snap
 
     def _forget(self) -> None:

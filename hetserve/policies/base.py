@@ -71,6 +71,12 @@ class ReplicaState:
     alive: bool = True  # False: the replica lost a worker; no policy may choose it
     preemptions: int = 0  # requests pre-empted here so far (paged KV admission; counted, for metrics)
 
+    # (not a field: left out of equality, ``replace`` and the runtime's snapshots) a lower bound on
+    # ``outstanding_tokens`` for as long as this snapshot is read; a simulator's snapshot whose
+    # figures move with the clock sets it on itself, so a policy passes over a candidate that
+    # cannot win without working its figures out
+    outstanding_floor = 0.0
+
     @property
     def load(self) -> int:
         return self.queued_requests + self.running_requests

@@ -206,7 +206,8 @@ class ExpectedFinishTime:
         One pass, each key worked out with ``finish_s``'s operations in its order (the same floats,
         never NaN: the least and its ties are those ``min`` over the key pairs gives).
         A routed candidate whose decode seconds (its first key is the later of those and its own)
-        exceed the least first key so far could neither win nor tie: its own backlog is not read."""
+        exceed the least first key so far could neither win nor tie: its own backlog is not read;
+        nor the outstanding tokens of one whose own seconds on its ``outstanding_floor`` exceed it."""
         rows, booked = self._rows, self._decoding
         inp, pred = request.input_tokens, request.predicted_output_tokens
         best = best_own = float("inf")
@@ -234,6 +235,9 @@ class ExpectedFinishTime:
             else:
                 queued = c.queued_prefill_tokens
                 prompt = float(queued) + inp if role != "decode" else float(queued)
+                x = c.outstanding_floor - queued  # own's operations on the floor: no more than own
+                if prompt * a + ((x if x > 0.0 else 0.0) + pred) * b > best:
+                    continue
                 x = c.outstanding_tokens - queued
                 own = prompt * a + ((x if x > 0.0 else 0.0) + pred) * b
             key = own if dec is None or not dec > own else dec

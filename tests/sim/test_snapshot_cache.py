@@ -21,7 +21,8 @@ def _without_waits(s):
 
 class Checking:
     """Delegates to the simulator's placement; first compares each candidate with ``state()`` now
-    (the waits only where the placement reads them: otherwise the cache need not keep them)."""
+    (the waits only where the placement reads them: otherwise the cache need not keep them), and
+    its ``outstanding_floor`` with its outstanding tokens."""
 
     needs_requests = False
 
@@ -36,6 +37,8 @@ class Checking:
             assert list(candidates) == fresh
         else:
             assert [_without_waits(c) for c in candidates] == [_without_waits(c) for c in fresh]
+        # a kept snapshot's floor holds for as long as it is read
+        assert all(c.outstanding_floor <= c.outstanding_tokens for c in candidates)
         self.decisions += 1
         return self.inner.choose(request, candidates, now)
 

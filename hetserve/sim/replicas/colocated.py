@@ -283,7 +283,9 @@ class ColocatedReplica(Decoding):
         a fleet's running batches are not re-read at every arrival, and reads what ``state`` reads."""
         if waits:
             return self.state(False, True)
-        return LiveState.of(self.state_fields(), self._held_progress, self.loop.loop)
+        fields = self.state_fields()
+        fields["outstanding_floor"] = self._outstanding_floor()
+        return LiveState.of(fields, self._held_progress, self.loop.loop)
 
     def _figures(self, done: int) -> tuple[float, int]:
         """(outstanding tokens, Σ context) once ``done`` iterations of the running segment are through."""
@@ -314,6 +316,12 @@ class ColocatedReplica(Decoding):
                 "running_requests": self.batch.size, "queued_prefill_tokens": self.queued_tokens,
                 "kv_used_tokens": int(self.kv_used), "kv_capacity_tokens": int(self.kv_capacity),
                 "requests": (), "capacity_norm": self.capacity_norm}
+
+    def _outstanding_floor(self) -> float:
+        """The outstanding tokens once the running segment is through (those now when none runs):
+        no fewer until the replica changes (``ReplicaState.outstanding_floor``)."""
+        b = self.batch
+        return self._figures(b.k if b.active else 0)[0]
 
     def state(self, with_requests: bool = False, waits: bool = True) -> ReplicaState:
         now = self.loop.now

@@ -43,6 +43,17 @@ _order = attrgetter("order")
 _left = itemgetter(1)  # a send's bytes left
 
 
+def _classes_of(sends: list[list], classes: dict[tuple, int] | None = None) -> dict[tuple, int]:
+    """The flows on each path (resource names) of ``sends``, in order of first appearance, added
+    to ``classes`` (a new dict if None): a queue's flow classes."""
+    classes = {} if classes is None else classes
+    for s in sends:
+        m = s[0]
+        key = m.path.names
+        classes[key] = classes.get(key, 0) + m.copies
+    return classes
+
+
 def _resources_of(sts: list[_QueueState]) -> dict[tuple, tuple]:
     """The resources of each path (by its names) the sends of ``sts``' queues take."""
     path_of: dict[tuple, tuple] = {}
@@ -113,25 +124,15 @@ class SharedLinks(LinkModel):
             q = st.q
             if q.sends:
                 sent = q.bytes_sent
-                # an unlimited rate moves all that is left (inf × dt is never below it)
-                if st.one_rate:
-                    step = st.rates[0] * dt
-                    for s in q.sends:
-                        left = s[1]
-                        moved = step if step < left else left
-                        s[1] = left - moved
-                        m = s[0]
-                        m.remaining -= moved
-                        sent[m.kind] += moved * m.copies
-                else:
-                    for s, r in zip(q.sends, st.rates):
-                        left, moved = s[1], r * dt
-                        if not moved < left:
-                            moved = left
-                        s[1] = left - moved
-                        m = s[0]
-                        m.remaining -= moved
-                        sent[m.kind] += moved * m.copies
+                for s, r in zip(q.sends, st.rates):
+                    # an unlimited rate moves all that is left (inf × dt is never below it)
+                    left, moved = s[1], r * dt
+                    if not moved < left:
+                        moved = left
+                    s[1] = left - moved
+                    m = s[0]
+                    m.remaining -= moved
+                    sent[m.kind] += moved * m.copies
                 q.busy_s += dt
             st.since = now
 
@@ -139,12 +140,7 @@ class SharedLinks(LinkModel):
         """Re-decide the queue's sends (its bytes settled up to ``now``) and re-index them."""
         q = st.q
         q.replan(now)
-        classes: dict[tuple, int] = {}
-        for s in q.sends:
-            m = s[0]
-            key = m.path.names
-            classes[key] = classes.get(key, 0) + m.copies
-        self._reindex(st, classes)
+        self._reindex(st, _classes_of(q.sends))
 
     def _reindex(self, st: _QueueState, classes: dict[tuple, int]) -> None:
         """The queue's sends changed to ``classes``: mark the resources of its old and new sends
@@ -200,12 +196,11 @@ class SharedLinks(LinkModel):
             if prev is not None and not prev < key:
                 return False
             prev = key
-        classes = dict(st.classes)
         queueing = q.queueing_s
+        new = [[m, m.remaining] for m in msgs]
+        classes = _classes_of(new, dict(st.classes))
+        sends.extend(new)
         for m in msgs:
-            sends.append([m, m.remaining])
-            key = m.path.names
-            classes[key] = classes.get(key, 0) + m.copies
             if m.first_byte is None:
                 m.first_byte = now
                 queueing[m.kind] += (now - m.enqueued) * m.copies
@@ -368,18 +363,11 @@ class SharedLinks(LinkModel):
             # class keeps its path with fewer flows, several are counted again (their order of
             # first appearance may change)
             q.sends = kept
-            if not kept:
-                classes: dict[tuple, int] = {}
-            elif st.one_rate:
+            if kept and st.one_rate:
                 (key, n), = st.classes.items()
-                classes = {key: n - gone}
+                self._reindex(st, {key: n - gone})
             else:
-                classes = {}
-                for s in kept:
-                    m = s[0]
-                    key = m.path.names
-                    classes[key] = classes.get(key, 0) + m.copies
-            self._reindex(st, classes)
+                self._reindex(st, _classes_of(kept))
         return done
 
     def _enqueue(self, q: SenderQueue, msg: Message, now: float) -> None:

@@ -77,7 +77,7 @@ class PrefillReplica(Replica):
         batch limit, KV left); returns their ids, lengths and KV reservation."""
         rids: list[int] = []
         held = 0
-        queue, r, block, paged = self.queue, self.req, self.limits.block_size, self.limits.paged
+        queue, r, block = self.queue, self.req, self.limits.block_size
         res = 0  # the head's reservation, as ``head`` showed it to ``take``
 
         def head() -> Offer | None:
@@ -85,7 +85,7 @@ class PrefillReplica(Replica):
             if not queue:
                 return None
             rid = queue[0]
-            shared = shared_tokens(r, rid, block, paged)  # ``_tokens`` and ``reservation``, sharing it
+            shared = self._shared(rid)  # what ``_tokens`` and ``reservation`` both read, found once
             res = reservation(r, rid, False, block, shared)
             return Offer(fed_tokens(r, rid, shared), self.can_hold(self.kv_used + held, res))
 

@@ -201,11 +201,13 @@ def test_a_count_below_the_fluid_bound_is_a_trace_too_short():
 
 def test_cli_capacity_raises_a_count_the_trace_was_too_short_for(capsys):
     """At 160 req/s, 1500 requests last 9.4 s: a pool of 5 workers (bound 7) misses no 5 s TTFT target
-    in that time. The row shows the bound, marked, and the warning names --requests and how many."""
+    in that time. The row shows the bound, marked, and the warning names --requests and how many.
+    Placed by jsq, which finds the same 5 as the default (aladdin) at a tenth of its CPU: the subject
+    is the rule on the count, not the placement (aladdin in a capacity pool: test_aladdin_wiring)."""
     from hetserve.cli.main import main
 
     rc = main(["capacity", "--gpu", "A100-SXM-80G", "--model", "llama-2-13b", "--workload", "azure-conv",
-               "--rate", "160", "--slo-ttft", "5", "--slo-tpot", "0.1"])
+               "--rate", "160", "--slo-ttft", "5", "--slo-tpot", "0.1", "--placement", "jsq"])
     out, err = capsys.readouterr()
     assert rc == 0
     row = next(line for line in out.splitlines() if line.strip("│ ").startswith("160 "))

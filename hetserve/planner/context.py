@@ -22,6 +22,7 @@ from hetserve.cost.layout import ReplicaLayout
 from hetserve.cost.network import concurrent_time
 from hetserve.errors import InfeasibleError
 from hetserve.planner.kv_pairs import KVPairs
+from hetserve.planner.layout.search import LayoutSearch
 from hetserve.planner.options import PlanOptions
 from hetserve.planner.slo import SLOTargets
 from hetserve.specs.cluster import Cluster
@@ -64,8 +65,7 @@ class PlanContext:
         # Shared NICs / site pipes / dedicated links: capacity nodes of the flow network (bytes per T)
         self.resources = {r.name: r for r in cluster.shared_resources() if math.isfinite(r.bandwidth)}
         self.resource_cap = {name: r.bandwidth * self.period_s for name, r in self.resources.items()}
-        from hetserve.planner.layout.search import LayoutSearch  # layout search reads the context
-        self.layouts = LayoutSearch(self)
+        self.layouts = LayoutSearch(self)  # reads the fields above
 
     # ------------------------------------------------------------------ device classes
     def _init_classes(self) -> None:

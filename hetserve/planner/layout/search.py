@@ -35,7 +35,7 @@ class orders and owns the caches.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -48,9 +48,6 @@ from hetserve.planner.layout.choice import remap as _remap
 from hetserve.planner.layout.engines import shape_allowed
 from hetserve.cost.memo import MemoCost
 
-if TYPE_CHECKING:
-    from hetserve.planner.context import PlanContext
-
 ROLES = ("prefill", "decode", "colocated")
 # A prefill replica keeps the KV of a few prompts while they wait to be sent to a decode replica.
 PREFILL_KV_REQUESTS = 4
@@ -61,9 +58,12 @@ _MISSING = object()  # a cache miss (None is a cached answer: no layout fits)
 
 
 class LayoutSearch(KVAlternatives, LayerSplits):
-    """Best layout of a device group for a role, cached by the group's class composition."""
+    """Best layout of a device group for a role, cached by the group's class composition.
 
-    def __init__(self, ctx: "PlanContext"):
+    ``ctx``: the planning problem it serves (``planner.context.PlanContext``, which builds one as
+    its ``layouts``): its cost model, model, mean lengths, device classes and options."""
+
+    def __init__(self, ctx):
         self.ctx = ctx
         self.cost = MemoCost(ctx.cost)  # the same prices, stage terms memoised
         m = ctx.model

@@ -11,8 +11,10 @@
   that prefilled it (``ReplicaEnv.recompute``), which re-prefills it and hands it off again — both
   as the runtime's engine does. ``RequestTable.made`` keeps the tokens it had made.
 
-The replica (``Decoding``) asks the strategy; the strategy keeps its own bookkeeping and adjusts
-the replica's ``kv_used`` (the pool's occupancy in tokens, which the statistics and snapshots read).
+The replica (``decoding.Decoding``, which makes its strategy with ``make_kv_admission(self, ...)``)
+asks the strategy; the strategy keeps its own bookkeeping, reads the replica it was given (``rep``:
+its requests, limits, batch and clock) and adjusts the replica's ``kv_used`` (the pool's occupancy
+in tokens, which the statistics and snapshots read).
 Every question is asked at an iteration boundary, or, while a segment of iterations runs, about
 its next boundary (``admits``).
 
@@ -23,20 +25,15 @@ paged pool counts a sequence's blocks as its own), and its choices are pre-empte
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from hetserve.policies.kv_admission import (BatchBlocks, RunningKV, blocks_for, can_admit_paged, decode_growth,
                                             preemptions)
 from hetserve.sim.choices import fed_tokens, reservation, shared_tokens
-
-if TYPE_CHECKING:  # pragma: no cover
-    from hetserve.sim.replicas.decoding import Decoding
 
 
 class ReserveKV:
     grows = False  # KV use is fixed at admission
 
-    def __init__(self, rep: "Decoding"):
+    def __init__(self, rep):
         self.rep = rep
         self.preemptions = 0
         # rid -> ``need``, from its first ask until it finishes: it reads only the request's fixed
@@ -95,7 +92,7 @@ class ReserveKV:
 class PagedKV:
     grows = True  # KV use grows as the contexts do
 
-    def __init__(self, rep: "Decoding"):
+    def __init__(self, rep):
         self.rep = rep
         self.bs = rep.limits.block_size
         self.held = 0  # blocks of admitted requests outside the batch (prefilling, KV inbound, recomputing)
@@ -226,5 +223,5 @@ class PagedKV:
         return None if fit >= k or fit == 0 else fit  # 0: a lone request larger than the pool runs anyway
 
 
-def make_kv_admission(rep: "Decoding", paged: bool) -> ReserveKV | PagedKV:
+def make_kv_admission(rep, paged: bool) -> ReserveKV | PagedKV:
     return PagedKV(rep) if paged else ReserveKV(rep)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hetserve.sim.plots import plot_latency_cdfs, simulated_title
 from hetserve.specs.workload import SLO
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,12 +44,6 @@ def latency_stats(x) -> dict[str, float | None]:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
     p50, p90, p99 = np.percentile(x, [50, 90, 99])
     return {"mean": float(x.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
-
-
-def has_slo(summary: dict) -> bool:
-    """Whether a summary's run set any SLO target: without one every completed request "meets" it,
-    so attainment and goodput say nothing."""
-    return any(v is not None for v in (summary.get("slo") or {}).values())
 
 
 @dataclass
@@ -236,7 +231,6 @@ class SimResult:
         written[0].write_text(json.dumps(self.summary() if summary is None else summary, indent=2) + "\n")
         self.to_csv(written[1])
         if plots:
-            from hetserve.sim.plots import plot_latency_cdfs, simulated_title
             source = (summary or {}).get("timings", {}).get("source")  # the caller's, with its calibration
             written.append(plot_latency_cdfs({"simulated": self}, out / "latency_cdf.png",
                                              simulated_title("latency", None, source) if source else None))

@@ -1,14 +1,14 @@
-"""PNG plots of simulation results (matplotlib, Agg backend; no display needed)."""
+"""PNG plots of simulation results (matplotlib, Agg backend; no display needed).
+
+The plots read a run's per-request arrays and summary dict and import nothing of the simulator:
+``metrics.SimResult.save`` draws its latency CDFs here."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
-
-if TYPE_CHECKING:  # pragma: no cover
-    from hetserve.sim.metrics import SimResult
 
 
 def _plt():
@@ -16,6 +16,12 @@ def _plt():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def has_slo(summary: dict) -> bool:
+    """Whether a summary's run set any SLO target: without one every completed request "meets" it,
+    so attainment and goodput say nothing (a plot or table shows something else instead)."""
+    return any(v is not None for v in (summary.get("slo") or {}).values())
 
 
 def simulated_title(what: str, pricing: Mapping[str, str] | None, source: str | None = None) -> str:
@@ -29,8 +35,9 @@ def simulated_title(what: str, pricing: Mapping[str, str] | None, source: str | 
         f": {describe_pricing(pricing)})" if pricing else ")")
 
 
-def plot_latency_cdfs(results: Mapping[str, "SimResult"], path: str | Path, title: str | None = None) -> Path:
-    """CDFs of TTFT, TPOT and E2E, one line per labelled result, on log axes (ticks between
+def plot_latency_cdfs(results: Mapping[str, Any], path: str | Path, title: str | None = None) -> Path:
+    """CDFs of TTFT, TPOT and E2E, one line per labelled result (a ``metrics.SimResult``: its
+    ``ttft``, ``tpot``, ``e2e``, ``output_tokens`` and ``info``), on log axes (ticks between
     decades are labelled when a panel spans less than one); one-token outputs have no TPOT. The
     title says where the figures come from (by default how the cost model priced each GPU type)."""
     import textwrap
@@ -62,8 +69,6 @@ def plot_rate_sweep(rows: Sequence[dict], path: str | Path, label_key: str = "la
     set, the share of requests completed (not rejected) instead, which is all attainment would
     count. The title says where the figures come from (default: the runs' cost-model pricing)."""
     import textwrap
-
-    from hetserve.sim.metrics import has_slo
 
     if title is None:
         title = simulated_title("rate sweep", rows[0]["summary"].get("run", {}).get("pricing") if rows else None)

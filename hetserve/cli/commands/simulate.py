@@ -318,7 +318,7 @@ def _sweep(args, rates, plan, cluster, model, wl, opts, cost, timings: dict, qui
     from rich.console import Console
     from rich.table import Table
 
-    from hetserve.sim.metrics import has_slo
+    from hetserve.sim.plots import has_slo
     from hetserve.sim.sweep import rate_sweep
 
     plot = Path(args.output) / SWEEP_PLOT if args.output else None
@@ -351,7 +351,7 @@ def print_summary(console, s: dict, title: str, source: str | None = None) -> No
     ``source`` (under the latencies): where the times come from."""
     from rich.table import Table
 
-    from hetserve.sim.metrics import has_slo
+    from hetserve.sim.plots import has_slo
 
     # with no request completed there is no latency to show (the summary's figures are null)
     done = s["completed"] > 0

@@ -27,10 +27,12 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from bench.lib.exact_pools import exact_cases
+from bench.lib.exact_pools import island as _island  # noqa: F401 (tests/planner import it from here)
 from bench.lib.pools import synthetic_pool
 from hetserve.planner import ALGORITHMS, PlanOptions
 from hetserve.planner.options import default_restarts, default_stall_iterations
-from hetserve.specs.cluster import cluster_from_dict, load_cluster
+from hetserve.specs.cluster import load_cluster
 from hetserve.specs.model import load_model
 from hetserve.specs.workload import load_workload
 
@@ -143,42 +145,9 @@ def quality(quick: bool, time_limit: float) -> None:
     console.print("mean hexgen2 ratio: " + ", ".join(f"vs {a} {statistics.mean(r):.2f}×" for a, r in ratios.items()))
 
 
-def _case_study():
-    return cluster_from_dict({
-        "name": "case-study-e (4×H100 + 4×A100)",
-        "machines": [{"name": "h0", "gpu": "H100-SXM-80G", "count": 4, "site": "a"},
-                     {"name": "a0", "gpu": "A100-SXM-80G", "count": 4, "site": "b"}],
-        "network": {"intra_site": {"bandwidth_gbps": 10, "latency_ms": 0.5},
-                    "inter_site": {"bandwidth_gbps": 3, "latency_ms": 15}}})
-
-
-def _island(g1: str, n1: int, g2: str, n2: int):
-    """A box in one site and an island of smaller GPUs behind a 0.5 Gbit/s pipe (mixed plans win)."""
-    return cluster_from_dict({
-        "name": f"island {n1}×{g1.split('-')[0]} + {n2}×{g2}",
-        "machines": [{"name": "a0", "gpu": g1, "count": n1, "site": "a"},
-                     {"name": "b0", "gpu": g2, "count": n2, "site": "b"}],
-        "network": {"intra_site": {"bandwidth_gbps": 100, "latency_ms": 0.1},
-                    "inter_site": {"bandwidth_gbps": 0.5, "latency_ms": 30}}})
-
-
-def _two_box(g1: str, n1: int, g2: str, n2: int):
-    """Two boxes on one 100 Gbit/s network: memory-rich GPUs beside compute-dense, memory-poor L4s
-    (with prompts priced inside mixed decode steps, the pools where mixed plans still win)."""
-    return cluster_from_dict({
-        "name": f"two-box {n1}×{g1.split('-')[0]} + {n2}×{g2}",
-        "machines": [{"name": "a0", "gpu": g1, "count": n1}, {"name": "b0", "gpu": g2, "count": n2}],
-        "network": {"intra_site": {"bandwidth_gbps": 100, "latency_ms": 0.1}}})
-
-
 def exact_gap(only_mixed: bool = False) -> None:
     wl = load_workload("azure-conv")
-    islands = [(_island("H100-SXM-80G", 4, "RTX-4090", 4), "llama-2-7b"),
-               (_island("A100-SXM-80G", 4, "L4", 2), "llama-2-7b"), (_island("L40", 4, "A6000", 4), "llama-2-7b"),
-               (_two_box("A6000", 2, "L4", 6), "llama-2-7b"), (_two_box("A6000", 2, "L4", 6), "llama-2-13b")]
-    pools = islands if only_mixed else [(_case_study(), "llama-2-70b"), (load_cluster("hexgen2-homo"), "llama-2-70b"),
-             (load_cluster("aladdin-a100"), "llama-2-70b"), (load_cluster("demo-cpu"), "llama-2-7b"),
-             (load_cluster("aladdin-v100"), "llama-2-7b"), (load_cluster("molink-3x4090"), "llama-2-7b"), *islands]
+    pools = exact_cases(only_mixed)
     others = ("uniform", "random-swap", "genetic")
     t = Table(title="gap to the exact search (partitions × roles × layout alternatives, and colocated), tokens/s")
     for col in ("pool", "model", "class", "exact", "exact s", "kind", "hexgen2", "hexgen2 s", "hexgen2 / exact",

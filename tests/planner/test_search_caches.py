@@ -107,32 +107,69 @@ def test_dual_bound_is_never_below_the_lp(llama70b, azure):
     assert checked >= 10
 
 
-def test_every_candidate_the_dual_shortcut_skips_scores_at_most_its_bound(llama70b, azure, monkeypatch):
+OPTS = PlanOptions(seed=0, restarts=2, max_iterations=6)
+
+
+def _spied_search(cluster, model, wl):
+    """One hexgen2 search with its shortcuts spied on (the spies only record): the candidates the
+    duality bound skipped (key, bound), each ``best_of`` call (candidates, floor, its pick, whether
+    prices were held) and each neighbour bound claimed (key, its bound, ``_dual_bound``'s)."""
+    from types import SimpleNamespace
+
+    run = SimpleNamespace(skipped=[], calls=[], seen=[])
+    dual, best_of, neighbour = Evaluator._dual_bound, Evaluator.best_of, Evaluator._neighbour_bound
+
+    def dual_spy(self, c, floor=None):
+        bound = dual(self, c, floor)
+        if bound is not None:
+            run.skipped.append((c.key, bound))
+        return bound
+
+    def best_of_spy(self, candidates, floor, *args, **kw):
+        got = best_of(self, candidates, floor, *args, **kw)
+        run.calls.append((list(candidates), floor, got, self._prices is not None))
+        return got
+
+    def neighbour_spy(self, c):
+        got = neighbour(self, c)
+        if got is not None:
+            self._build(c)
+            run.seen.append((c.key, got, dual(self, c)))
+        return got
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Evaluator, "_dual_bound", dual_spy)
+        mp.setattr(Evaluator, "best_of", best_of_spy)
+        mp.setattr(Evaluator, "_neighbour_bound", neighbour_spy)
+        run.plan = hexgen2(cluster, model, wl, OPTS)
+    return run
+
+
+@pytest.fixture(scope="module")
+def het1_search(llama70b, azure):
+    """het1's search, run once for the three tests that read what its shortcuts did."""
+    from hetserve.planner.bound import throughput
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(throughput, "group_bound", lambda *args, **kwargs: None)
+        return _spied_search(load_cluster("hexgen2-het1"), llama70b, azure)
+
+
+def test_every_candidate_the_dual_shortcut_skips_scores_at_most_its_bound(llama70b, azure, het1_search,
+                                                                           monkeypatch):
     """In a real search: each skipped candidate, scored in full by a fresh evaluator (its layout
     alternatives included), is worth no more than the bound that skipped it — so it could not
     have been picked — and the search ends where it ends without the shortcut."""
     cluster = load_cluster("hexgen2-het1")
-    wl = azure
-    opts = PlanOptions(seed=0, restarts=2, max_iterations=6)
-    skipped = []
-    original = Evaluator._dual_bound
-
-    def spy(self, c, floor=None):
-        bound = original(self, c, floor)
-        if bound is not None:
-            skipped.append((c.key, bound))
-        return bound
-
-    monkeypatch.setattr(Evaluator, "_dual_bound", spy)
-    fast = hexgen2(cluster, llama70b, wl, opts)
+    skipped = het1_search.skipped
     assert len(skipped) >= 10
-    ctx, _, reference = start_search("t", cluster, llama70b, wl, opts)
+    ctx, _, reference = start_search("t", cluster, llama70b, azure, OPTS)
     monkeypatch.setattr(Evaluator, "_dual_bound", lambda self, c, floor=None: None)
     for key, bound in skipped[:40]:
         assert reference.score(key) <= bound * (1 + 1e-9)
-    slow = hexgen2(cluster, llama70b, wl, opts)
-    assert fast.estimate["throughput_tokens_per_s"] == pytest.approx(slow.estimate["throughput_tokens_per_s"],
-                                                                     rel=1e-9)
+    slow = hexgen2(cluster, llama70b, azure, OPTS)
+    assert het1_search.plan.estimate["throughput_tokens_per_s"] == pytest.approx(
+        slow.estimate["throughput_tokens_per_s"], rel=1e-9)
 
 
 def test_colocated_side_cuts_pairs_of_machines_together(llama70b, azure):
@@ -153,26 +190,16 @@ def test_colocated_side_cuts_pairs_of_machines_together(llama70b, azure):
     assert value > ev.score(machines) * 1.01
 
 
-@pytest.mark.parametrize("pool, iterations", [("hexgen2-het1", 6), ("two-sites", 6)])
-def test_best_of_picks_what_a_full_scan_picks(llama70b, azure, pool, iterations, monkeypatch):
+@pytest.mark.parametrize("pool", ["hexgen2-het1", "two-sites"])
+def test_best_of_picks_what_a_full_scan_picks(llama70b, azure, pool, request):
     """Over a real search's candidate lists (het1: shared pipes bind, so the duality bound
     prunes; two-sites: identical boxes, so many candidates tie exactly), ``best_of`` returns the
     candidate a scan scoring every candidate in full keeps: the best, the first of equals. A
     bound read too low, or ties broken by which flow was solved first, fails here."""
     cluster = load_cluster(pool) if pool != "two-sites" else _two_site_pool()
-    wl = azure
-    opts = PlanOptions(seed=0, restarts=2, max_iterations=iterations)
-    calls = []
-    original = Evaluator.best_of
-
-    def spy(self, candidates, floor, *args, **kw):
-        got = original(self, candidates, floor, *args, **kw)
-        calls.append((list(candidates), floor, got, self._prices is not None))
-        return got
-
-    monkeypatch.setattr(Evaluator, "best_of", spy)
-    hexgen2(cluster, llama70b, wl, opts)
-    reference = start_search("t", cluster, llama70b, wl, opts)[2]
+    calls = (request.getfixturevalue("het1_search") if pool == "hexgen2-het1"
+             else _spied_search(cluster, llama70b, azure)).calls
+    reference = start_search("t", cluster, llama70b, azure, OPTS)[2]
     ties = 0
     for candidates, floor, (got, got_v), _ in calls:
         full = [reference.score(c) for c in candidates]
@@ -191,27 +218,13 @@ def test_best_of_picks_what_a_full_scan_picks(llama70b, azure, pool, iterations,
         assert sum(priced for *_, priced in calls) >= 2
 
 
-def test_neighbour_bound_is_the_duality_bound_from_the_base_terms(llama70b, azure, monkeypatch):
+def test_neighbour_bound_is_the_duality_bound_from_the_base_terms(llama70b, azure, het1_search):
     """``NeighbourBound`` (the base placement's dual terms plus the added groups' columns) gives
     the bound ``flow.dual_bound`` computes on the candidate's whole network, and claims it only
     where it bounds the candidate's score. A dropped or double-counted column fails here."""
-    cluster = load_cluster("hexgen2-het1")
-    wl = azure
-    opts = PlanOptions(seed=0, restarts=2, max_iterations=6)
-    seen = []
-    original = Evaluator._neighbour_bound
-
-    def spy(self, c):
-        got = original(self, c)
-        if got is not None:
-            self._build(c)
-            seen.append((c.key, got, self._dual_bound(c)))
-        return got
-
-    monkeypatch.setattr(Evaluator, "_neighbour_bound", spy)
-    hexgen2(cluster, llama70b, wl, opts)
+    seen = het1_search.seen
     assert len(seen) >= 5
-    reference = start_search("t", cluster, llama70b, wl, opts)[2]
+    reference = start_search("t", load_cluster("hexgen2-het1"), llama70b, azure, OPTS)[2]
     for key, got, exact in seen:
         assert exact == pytest.approx(got, rel=1e-9)
         assert reference.score(key) <= got * (1 + 1e-9)

@@ -11,7 +11,10 @@ import logging
 import os
 import secrets
 import shutil
+import signal
+import threading
 
+from hetserve.runtime.workers import ray_leftovers
 from hetserve.runtime.workers.rendezvous import LOOPBACK
 
 RESOURCE_PREFIX = "hetserve_machine_"
@@ -54,7 +57,7 @@ ANSWER_TIMEOUT_S = 5.0  # a pool's head answers a TCP connect well within this, 
 def check_ray_address(address: str, timeout_s: float = ANSWER_TIMEOUT_S) -> None:
     """``RuntimeFailure`` in one line when nothing answers a TCP connect at ``--ray-address``, before
     ``ray.init`` is asked to join it: Ray retries an absent head for minutes, printing only its own
-    GCS messages, and does not stop on SIGTERM meanwhile. ``HOST:PORT`` and ``ray://HOST[:PORT]``
+    GCS messages. ``HOST:PORT`` and ``ray://HOST[:PORT]``
     are checked; what names no address to connect to (``auto``, which Ray resolves from the files
     of a Ray started on this machine, ``local``, a host without a port) is left to Ray."""
     import socket
@@ -91,6 +94,9 @@ class RaySession:
     hetserve's listeners with it bind that address (``node_ip``). It keeps its files under
     ``tmp_dir`` (default ``$RAY_TMPDIR``, else a fresh temporary folder that ``close()`` removes)
     and advertises one custom resource per machine. ``close()`` shuts down what this session started.
+    A folder of its own carries an owner marker: the next private start, or a close, removes those
+    whose owner died without closing (``ray_leftovers``). A stop signal while ``ray.init`` runs ends
+    the start within seconds (``_stops_on_signal``).
     """
 
     # (GCS address, node IP) of the private Ray this process started: hetserve binds that IP while
@@ -116,26 +122,30 @@ class RaySession:
         os.environ.update(ray_auth_env(dict(os.environ), joining=bool(address)))
         if address:
             extra = {"_node_ip_address": node_ip_address} if node_ip_address else {}
-            ray.init(address=address, include_dashboard=False, log_to_driver=False, **extra)
+            with _stops_on_signal(None):  # joining starts no Ray process here
+                ray.init(address=address, include_dashboard=False, log_to_driver=False, **extra)
             return RaySession(True, None)
         made = False
         tmp_dir = tmp_dir or os.environ.get("RAY_TMPDIR")
         if tmp_dir is None:
             import tempfile
 
-            tmp_dir = tempfile.mkdtemp(prefix="ray-", dir=TMP_PARENT)
+            tmp_dir = tempfile.mkdtemp(prefix=ray_leftovers.FOLDER_PREFIX, dir=TMP_PARENT)
             made = True
+            ray_leftovers.write_owner(tmp_dir)
+            ray_leftovers.sweep(TMP_PARENT)  # what a session killed before its close() left
         resources = {machine_resource(m): 1000.0 for m in cluster.machines}
         session = RaySession(False, tmp_dir, private=True, made_tmp_dir=made)
-        try:
-            with _ray_keeps_loopback():
-                ray.init(num_cpus=num_cpus, resources=resources, include_dashboard=False, _temp_dir=tmp_dir,
-                         log_to_driver=False, _node_ip_address=LOOPBACK)
-        except BaseException:
-            # a start that failed half-way may have left Ray's servers running: end them before their folder goes
-            ray.shutdown()
-            session.close()
-            raise
+        with _stops_on_signal(session):
+            try:
+                with _ray_keeps_loopback():
+                    ray.init(num_cpus=num_cpus, resources=resources, include_dashboard=False, _temp_dir=tmp_dir,
+                             log_to_driver=False, _node_ip_address=LOOPBACK)
+            except BaseException:
+                # a start that failed half-way may have left Ray's servers running: end them before their folder goes
+                ray.shutdown()
+                session.close()
+                raise
         session.started, RaySession._private = True, (ray.get_runtime_context().gcs_address, LOOPBACK)
         where = sorted({str(n.get("NodeManagerAddress")) for n in ray.nodes()})
         if where != [LOOPBACK]:
@@ -173,6 +183,7 @@ class RaySession:
             # Ray's session logs and sockets, in a folder it made world-writable: nothing of it outlives the session
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
             self.made_tmp_dir = False
+            ray_leftovers.sweep(os.path.dirname(self.tmp_dir))
 
 
 TMP_PARENT = "/tmp"  # where a private Ray's own folder goes: Ray's socket paths must stay under 107 bytes
@@ -201,3 +212,73 @@ def _ray_keeps_loopback():
 
 
 _CLUSTER_MODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+HARD_STOP_AFTER_S = 2.0  # a stop signal's grace for ray.init to unwind before the process is ended
+STOPPED_EXIT = 130  # as `hetserve serve` stopped while starting
+
+
+@contextlib.contextmanager
+def _stops_on_signal(session: "RaySession | None"):
+    """SIGTERM or SIGINT while ``ray.init`` runs ends the start within seconds, in the main thread.
+
+    Python runs a signal's handler only when the main thread is between bytecodes, and ray.init
+    waits in C++ (GcsClient's connect: up to ~30 s a try, retried for minutes), so no handler runs
+    until that returns; ray.init also puts in its own SIGTERM handler (``sys.exit(15)``). So
+    CPython's C-level handler writes each signal to a wakeup pipe, read by a thread here (the C++
+    wait releases the GIL). The signal's own exception (Ray's SystemExit made the KeyboardInterrupt
+    a stop signal is in serving) gets ``HARD_STOP_AFTER_S`` to unwind the block; where it is still
+    running then, the thread stops the Ray processes this process started for ``session`` (those
+    naming or writing into its folder), removes the folder if the session made it, says so in one
+    line on stderr and ends the process with ``STOPPED_EXIT``. The handlers are restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    old_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    done = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(read_end, done, session), name="ray-start-signals", daemon=True)
+    watcher.start()
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code != signal.SIGTERM:
+            raise
+        raise KeyboardInterrupt from exc  # Ray's handler's
+    finally:
+        done.set()
+        signal.set_wakeup_fd(old_fd)
+        os.write(write_end, b"\0")  # no signal: the watcher leaves
+        watcher.join()
+        os.close(read_end)
+        os.close(write_end)
+        for signum, handler in handlers.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+
+
+def _watch(read_end: int, done: threading.Event, session: "RaySession | None") -> None:
+    while not done.is_set():
+        signum = os.read(read_end, 1)[0]
+        if signum in STOP_SIGNALS and not done.wait(HARD_STOP_AFTER_S):
+            _hard_stop(signal.Signals(signum).name, session)
+
+
+def _hard_stop(name: str, session: "RaySession | None") -> None:
+    import psutil  # on the path: ray is imported
+
+    said = "it had started no Ray process"
+    if session is not None and session.tmp_dir is not None:
+        stopped = 0
+        for _ in range(2):  # ray.init may have started one more meanwhile
+            stopped += ray_leftovers.stop_processes(
+                ray_leftovers.ray_processes(session.tmp_dir, among=psutil.Process().children(recursive=True)))
+        if session.made_tmp_dir:
+            shutil.rmtree(session.tmp_dir, ignore_errors=True)
+        said = f"the {stopped} Ray process(es) it had started have exited"
+    os.write(2, f"hetserve: stopped by {name} while Ray was starting (ray.init had not returned {HARD_STOP_AFTER_S:g} s "
+                f"later); {said}\n".encode())
+    os._exit(STOPPED_EXIT)

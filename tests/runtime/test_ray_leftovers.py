@@ -125,6 +125,7 @@ def test_a_private_start_and_a_clean_close_each_sweep(tmp_path, monkeypatch):
     assert not os.path.exists(second) and not os.path.exists(own)
 
 
+@pytest.mark.slow  # a real private Ray: ~25 s wall, under 10 s of CPU
 @pytest.mark.timeout(180)
 def test_after_a_sigkill_of_a_private_rays_owner_the_next_start_stops_what_it_left(tmp_path):
     """A real private Ray whose driver is SIGKILLed: Ray's agents outlive it (reparented, their command

@@ -137,13 +137,38 @@ def test_mixed_climb_turns_a_group_colocated_with_its_machine_mates(roofline):
     assert {r for g in mixed for r in [g.role]} == {"prefill", "decode", "colocated"}
 
 
-def test_bound_start_gives_the_big_groups_devices_a_role():
-    """The bound's incumbent on het2 lists three prefill groups; the other 10 GPUs sit in a group
-    past K the programme prices per device. The start puts them in one decode group, so it serves
-    (it scored 0 with them left out, and the climb from the bound's plan never ran)."""
+# the group programme's incumbent on het2 (llama-2-70b, azure-conv): three prefill groups, the
+# other 10 GPUs in a group past K (priced per device); test_het2s_own_bound_still_leaves_them checks it
+HET2_INCUMBENT = (({"l40-0/L40": 4}, "prefill", 1), ({"h100-0/H100-SXM-80G": 2}, "prefill", 1),
+                  ({"a100-0/A100-SXM-80G": 2}, "prefill", 1))
+
+
+def _assert_the_start_gives_every_device_a_role(ctx, ev):
     from hetserve.planner.search.hexgen2 import bound_start
 
-    ctx, ev, *_ = _het2_groups()
     start = bound_start(ctx)
     assert sorted(d for g in start for d in g.devices) == list(range(ctx.num_devices))
     assert {g.role for g in start} == {"prefill", "decode"} and ev.score(start) > 0
+
+
+def test_bound_start_gives_the_big_groups_devices_a_role(monkeypatch):
+    """The bound's incumbent on het2 lists three prefill groups; the other 10 GPUs sit in a group
+    past K the programme prices per device. The start puts them in one decode group, so it serves
+    (it scored 0 with them left out, and the climb from the bound's plan never ran). The incumbent
+    is given, not solved for (het2's programme is a MILP of ~12 s)."""
+    from types import SimpleNamespace
+
+    from hetserve.planner.bound import throughput
+
+    monkeypatch.setattr(throughput, "group_bound", lambda ctx, **kw: SimpleNamespace(incumbent=HET2_INCUMBENT))
+    ctx, ev, *_ = _het2_groups()
+    _assert_the_start_gives_every_device_a_role(ctx, ev)
+
+
+@pytest.mark.long  # het2's group programme solved (~12 s): `make test-long`
+def test_het2s_own_bound_still_leaves_them():
+    from hetserve.planner.bound.throughput import group_bound
+
+    ctx, ev, *_ = _het2_groups()
+    assert group_bound(ctx).incumbent == HET2_INCUMBENT
+    _assert_the_start_gives_every_device_a_role(ctx, ev)

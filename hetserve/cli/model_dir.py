@@ -65,3 +65,33 @@ def check_plan(plan_path: str, plan: Plan, cluster: Cluster, model: ModelSpec) -
         validate_plan(plan, cluster, model)
     except PlanError as exc:
         raise PlanError(f"{plan_path}: {exc}") from exc
+
+
+class _LayersOfThePlan:
+    """Stands in for a model that is not here, for the checks that need only the cluster: no TP
+    rule, and as many layers as the plan's deepest replica reaches (so each replica must reach as
+    far as the others: a short one is caught, a layer count the model lacks is not)."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.num_layers = max((s.layers[1] for r in plan.replicas for s in r.stages), default=0)
+        self.name = "the plan's deepest replica"
+
+    def tp_problem(self, tp: int) -> None:
+        return None
+
+
+MODEL_FREE_CHECKS = "devices, device reuse, layer ranges, roles, KV routes"
+MODEL_CHECKS = "the layer count, TP degrees, memory"
+
+
+def check_plan_without_model(plan_path: str, plan: Plan, cluster: Cluster) -> None:
+    """The checks of ``validate_plan`` that need only the cluster (``MODEL_FREE_CHECKS``), for a
+    plan whose model is not at hand: a plan's own mistakes (a device used twice, one the pool lacks,
+    overlapping layers) are refused without it. ``PlanError`` prefixed by the plan file, as
+    ``check_plan``."""
+    from hetserve.planner.validate import plan_problems
+
+    problems = plan_problems(plan, cluster, _LayersOfThePlan(plan), None, strict_routes=True)
+    if problems:
+        raise PlanError(f"{plan_path}: plan ({plan.algorithm}, {plan.model} on {plan.cluster}) is invalid: "
+                        + "; ".join(problems))

@@ -194,8 +194,10 @@ def test_describe_plan_says_when_the_saved_estimate_no_longer_matches(tmp_path, 
 
     def unrouted(data):  # the one route dropped: its decode replica's saved flow has no source
         data["kv_routes"] = []
-    assert main(["describe", "plan", _edited(tmp_path, unrouted)]) == 0
-    out = capsys.readouterr().out
+    # said, then refused (exit 2) by the checks that need no model: the plan's tiny-llama is not here
+    assert main(["describe", "plan", _edited(tmp_path, unrouted)]) == 2
+    out, err = capsys.readouterr()
+    assert "prefill replica p0 has no KV route" in err
     assert "decode replica d0 has no KV route feeding it" in out and "prefill replica p0 has no KV route out" in out
     assert "the KV routes carry 0 requests per period into decode replica d0, the estimate 5,847" in out
 

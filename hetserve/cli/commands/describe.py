@@ -208,7 +208,7 @@ def describe_plan(args: argparse.Namespace, console: Console) -> int:
     """The plan file's table (as ``hetserve plan`` printed it), then whether it still holds on its
     cluster and model: a plan travels as a file, and the presets or the pool may have changed since."""
     from hetserve.cli.plan_report import print_plan
-    from hetserve.cli.model_dir import check_plan, plan_model
+    from hetserve.cli.model_dir import MODEL_CHECKS, MODEL_FREE_CHECKS, check_plan, check_plan_without_model, plan_model
     from hetserve.planner.plan import Plan, load_plan_cluster
 
     if args.name is None:
@@ -242,8 +242,13 @@ def describe_plan(args: argparse.Namespace, console: Console) -> int:
     if stale:
         console.print("[yellow]warning[/]: the saved estimate no longer matches this plan (edited since it was "
                       "planned?), so its figures describe another plan: " + "; ".join(stale))
-    if missing:
+    if cluster is None:
         console.print("[yellow]not checked[/]: " + "; ".join(missing))
+        return 0
+    if model is None:  # what needs only the cluster is still checked: a plan's own mistakes need no model
+        check_plan_without_model(args.name, plan, cluster)
+        console.print(f"checked without the model: the plan fits {cluster.name} ({len(cluster)} devices): "
+                      f"{MODEL_FREE_CHECKS}; [yellow]not checked[/] ({MODEL_CHECKS}): " + "; ".join(missing))
         return 0
     check_plan(args.name, plan, cluster, model)  # raises PlanError (exit 2) naming every problem
     console.print(f"checked: the plan fits {cluster.name} ({len(cluster)} devices) and {model.name} "

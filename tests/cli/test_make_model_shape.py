@@ -29,7 +29,7 @@ def test_a_shape_refusal_names_the_options_and_where_the_other_value_came_from(t
 
 def test_a_llama_preset_made_opt_leaves_its_kv_heads_behind():
     args = argparse.Namespace(like="llama-2-70b", arch="opt", layers=None, hidden=None, heads=None, kv_heads=None,
-                              ffn=None, vocab=None, max_positions=None)
+                              ffn=None, vocab=None, max_positions=None, dtype=None)
     origin = _shape(args)
     assert args.kv_heads is None and args.heads == 64 and origin["heads"] == "from --like llama-2-70b"
     check_shape(args.arch, args.hidden, args.heads, args.kv_heads, args.vocab)  # OPT has no GQA to clash

@@ -40,3 +40,34 @@ def test_describe_plan_without_its_model_says_what_it_left_unchecked(tmp_path, c
     assert main(["describe", "plan", _edited(tmp_path, lambda p: None), "--cluster", "demo-tiny"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "checked without the model" in out and "not checked" in out and "memory" in out and "tiny-llama" in out
+
+
+def _config(folder) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def test_make_model_like_a_preset_writes_the_presets_dtype(tmp_path, capsys, monkeypatch):
+    """--like llama-2-7b is float16 in its published config.json: the folder says so, and is sized
+    so (13 GB, not float32's 27 GB); a tiny model of the defaults stays float32."""
+    monkeypatch.setenv("COLUMNS", "1000")
+    assert main(["make-model", "--like", "llama-2-7b", "--random-weights", "-o", str(tmp_path / "7b")]) == 0
+    assert _config(tmp_path / "7b")["dtype"] == "float16"
+    capsys.readouterr()
+    assert main(["describe", "model", str(tmp_path / "7b")]) == 0
+    out = capsys.readouterr().out
+    assert "float16 (config.json dtype)" in out and "13 GB" in out and "27 GB" not in out
+    assert main(["make-model", "--like", "qwen2-7b", "--arch", "llama", "--random-weights", "--dtype", "float32",
+                 "-o", str(tmp_path / "q")]) == 0  # --dtype overrides the preset's
+    assert _config(tmp_path / "q")["dtype"] == "float32"
+    assert main(["make-model", "--layers", "2", "--random-weights", "-o", str(tmp_path / "tiny")]) == 0
+    assert _config(tmp_path / "tiny").get("dtype") is None  # float32, unnamed, as before
+
+
+def test_make_model_like_a_preset_with_weights_holds_them_in_its_dtype(tmp_path):
+    from hetserve.specs.model import weights_dtype
+
+    assert main(["make-model", "--like", "llama-2-7b", "--layers", "2", "--hidden", "64", "--heads", "4",
+                 "--kv-heads", "4", "--ffn", "128", "--vocab", "320", "--max-positions", "256",
+                 "-o", str(tmp_path / "small")]) == 0
+    assert _config(tmp_path / "small")["dtype"] == "float16"
+    assert weights_dtype(tmp_path / "small")[0] == "float16"

@@ -13,6 +13,12 @@ MAX_PARAMS = 2 ** 30  # 4 GiB of float32 weights
 SHAPE = {"layers": (4, "num_layers"), "hidden": (64, "hidden"), "heads": (4, "num_heads"),
          "kv_heads": (None, "num_kv_heads"), "ffn": (None, "ffn_hidden"), "vocab": (320, "vocab"),
          "max_positions": (1024, "max_context")}
+# the dtype each preset's published config.json names (torch_dtype): --like writes it, so the folder
+# is sized (describe, plan) and served in the preset's dtype, not float32. A preset not listed is
+# sized at 2 bytes per parameter: float16.
+PRESET_DTYPES = {"llama-2-7b": "float16", "llama-2-13b": "float16", "llama-2-70b": "float16",
+                 "llama-30b": "float16", "opt-30b": "float16", "qwen-7b": "bfloat16", "qwen2-7b": "bfloat16"}
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,6 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ffn", type=int, help="FFN size (default 2*hidden Llama, 4*hidden OPT)")
     p.add_argument("--vocab", type=int, help="vocabulary size, >= 259 (default 320)")
     p.add_argument("--max-positions", type=int, help="context length (default 1024)")
+    p.add_argument("--dtype", choices=DTYPES, help="the weights' dtype, written to config.json (default: the "
+                   "preset's with --like, e.g. float16 for llama-2-7b; else float32)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.add_argument("--random-weights", action="store_true",
                    help="write no weights: workers draw them on their device from the seed (any size)")
@@ -48,6 +56,7 @@ def _shape(args: argparse.Namespace) -> dict[str, str]:
 
         preset = load_model(args.like)  # a SpecError naming --like's value and the presets otherwise
         args.arch = args.arch or preset.arch
+        args.dtype = args.dtype or PRESET_DTYPES.get(args.like, "float16")
     args.arch = args.arch or "llama"
     origin = {}
     for option, (default, field) in SHAPE.items():
@@ -111,11 +120,13 @@ def _run(args: argparse.Namespace) -> int:
     try:
         out = make_model(args.output, args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
                          kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
-                         max_positions=args.max_positions, seed=args.seed, random_weights=args.random_weights)
+                         max_positions=args.max_positions, seed=args.seed, random_weights=args.random_weights,
+                         dtype=args.dtype)
     except ValueError as exc:  # the shape passed check_shape: what transformers refused besides
         raise SpecError("make-model", SpecError.OPTION, "a model shape transformers builds", str(exc)) from exc
     what = "recipe (random weights drawn by each worker)" if args.random_weights else "checkpoint"
-    print(f"wrote {args.arch} {what} ({args.layers} layers, hidden {args.hidden}, about {params:.3g} parameters) "
+    print(f"wrote {args.arch} {what} ({args.layers} layers, hidden {args.hidden}, about {params:.3g} parameters, "
+          f"{args.dtype or 'float32'}) "
           f"to {out}")
     return 0
 

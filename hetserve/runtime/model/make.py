@@ -90,9 +90,11 @@ def check_shape(arch: str, hidden: int, heads: int, kv_heads: int | None, vocab:
 def make_model(out_dir: str | Path, arch: str = "llama", *, layers: int = 4, hidden: int = 64,
                heads: int = 4, kv_heads: int | None = None, ffn: int | None = None, vocab: int = 320,
                max_positions: int = 1024, seed: int = 0, init_std: float = 0.02,
-               random_weights: bool = False) -> Path:
-    """Write a random-weight ``arch`` checkpoint (float32) with a byte tokenizer to ``out_dir``
-    (``random_weights``: the config, the tokenizer and the recipe, no weights file).
+               random_weights: bool = False, dtype: str | None = None) -> Path:
+    """Write a random-weight ``arch`` checkpoint with a byte tokenizer to ``out_dir``
+    (``random_weights``: the config, the tokenizer and the recipe, no weights file). ``dtype``
+    (float32, float16, bfloat16) is the weights' and is named in config.json; None: float32, named
+    where weights are saved (transformers records theirs), unnamed in a ``random_weights`` folder.
 
     ``kv_heads`` (Llama only; GQA when smaller than ``heads``) defaults to ``heads``; ``ffn`` to
     ``4 * hidden`` (OPT) or ``2 * hidden`` rounded up to 8 (Llama). ``vocab`` must be at least 259
@@ -122,6 +124,8 @@ def make_model(out_dir: str | Path, arch: str = "llama", *, layers: int = 4, hid
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    if dtype is not None:
+        config.dtype = dtype
     if random_weights:
         from transformers import GenerationConfig
 
@@ -130,7 +134,7 @@ def make_model(out_dir: str | Path, arch: str = "llama", *, layers: int = 4, hid
         write_marker(out, seed, init_std)
     else:
         torch.manual_seed(seed)
-        cls(config).eval().save_pretrained(str(out))
+        cls(config).to(getattr(torch, dtype or "float32")).eval().save_pretrained(str(out))
     save_byte_tokenizer(out, model_max_length=max_positions)
     _umask_modes(out)
     return out

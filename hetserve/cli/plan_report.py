@@ -69,8 +69,7 @@ def print_plan(console, plan) -> None:
         f"({e.get('requests_per_period', 0):,.0f} requests per {e.get('period_s', 600):.0f} s); "
         f"{e.get('devices_used')}/{e.get('devices_total')} devices; "
         + (f"${usd:,.2f}/hour ({e.get('tokens_per_usd', 0):,.0f} tokens/$)" if usd is not None else "price unknown")
-        + (f"; planned in {search.get('wall_s', 0):.1f} s ({_count(search.get('iterations', 0), 'search iteration')}, "
-           f"{search.get('stopped_by')}; the alternatives and the bound included)" if search else ""))
+        + _planned_in(e, search))
     ub = e.get("upper_bound_tokens_per_s")
     if ub:
         scope = (f"no placement within ${e['budget_usd_per_hour']:,.2f}/h" if "budget_usd_per_hour" in e
@@ -115,6 +114,20 @@ def _priced_by(pricing: dict) -> str:
     return f"priced by: {describe_pricing(pricing)} (docs/cost-model.md)"
 
 
+def _planned_in(e: dict, search: dict) -> str:
+    """How long planning took: the whole search where a budget or the cost objective ran several
+    inner searches (``objective_search``), with the chosen one's own figures beside it."""
+    if not search:
+        return ""
+    own = (f"{_count(search.get('iterations', 0), 'search iteration')}, {search.get('stopped_by')}; the "
+           f"alternatives and the bound included")
+    whole = e.get("objective_search")
+    if not isinstance(whole, dict):
+        return f"; planned in {search.get('wall_s', 0):.1f} s ({own})"
+    return (f"; planned in {whole.get('wall_s', 0):.1f} s in all ({_count(whole.get('inner_plans', 0), 'inner plan')} "
+            f"over the budgets and device subsets tried; the chosen one {search.get('wall_s', 0):.1f} s: {own})")
+
+
 def print_comparison(console, plans) -> None:
     from rich import box
     from rich.table import Table
@@ -135,7 +148,7 @@ def print_comparison(console, plans) -> None:
         t.add_row(p.algorithm, f"{tps:,.1f} ({tps / base:.0%})", f"{e.get('requests_per_period', 0):,.0f}",
                   "/".join(str(len(p.by_role(r))) for r in ("prefill", "decode", "colocated")),
                   f"{e.get('devices_used')}/{e.get('devices_total')}", "–" if usd is None else f"{usd:,.2f}",
-                  f"{s.get('wall_s', 0):.2f}", str(s.get("iterations", 0)))
+                  f"{(e.get('objective_search') or s).get('wall_s', 0):.2f}", str(s.get("iterations", 0)))
     console.print(t)
     periods = sorted({p.estimate.get("period_s", 600) for p in plans})
     console.print("P/D/C: prefill, decode and colocated replicas; GPUs: used / in the pool; "

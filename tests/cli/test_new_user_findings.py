@@ -71,3 +71,23 @@ def test_make_model_like_a_preset_with_weights_holds_them_in_its_dtype(tmp_path)
                  "-o", str(tmp_path / "small")]) == 0
     assert _config(tmp_path / "small")["dtype"] == "float16"
     assert weights_dtype(tmp_path / "small")[0] == "float16"
+
+
+def test_plan_objective_cost_reports_the_whole_search_time(tmp_path, capsys):
+    """--objective cost runs a search per budget and device subset: "planned in" is all of them,
+    not the chosen inner plan's time alone, and says how many ran."""
+    import re
+    import time
+
+    out_file = tmp_path / "p.json"
+    start = time.perf_counter()
+    assert main(["plan", "--cluster", "demo-cpu", "--model", "llama-2-7b", "--objective", "cost", "--rate", "3",
+                 "--slo-ttft", "5", "--time-limit", "1", "--quiet", "-o", str(out_file)]) == 0
+    took = time.perf_counter() - start
+    e = json.loads(out_file.read_text())["estimate"]
+    whole = e["objective_search"]
+    assert whole["inner_plans"] >= len(e["budgets_tried"]) >= 1 and whole["inner_plans"] >= 2
+    assert e["search"]["wall_s"] < whole["wall_s"] <= took
+    said = " ".join(capsys.readouterr().out.split())
+    m = re.search(r"planned in ([\d.]+) s in all \((\d+) inner plans", said)
+    assert m and float(m[1]) == pytest.approx(whole["wall_s"], abs=0.06) and int(m[2]) == whole["inner_plans"]

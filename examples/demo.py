@@ -65,7 +65,8 @@ def usable_cores() -> int:
 def this_machines_pool(out: Path = OUT) -> Path:
     """``demo-tiny`` as it runs here: its two boxes' four worker slots are processes of this one
     computer, sharing its cores (``cpu_cores``, ``cpu_host``), which the simulator then counts
-    (``sim.hosts``) and the cost model prices as CPU slots. Left as bundled (GPUs in two boxes),
+    (``sim.hosts``) and the cost model prices as CPU slots: under a calibration every slot at this
+    CPU's measured speed, its GPU type setting its price alone. Left as bundled (GPUs in two boxes),
     the simulator would give each slot hardware of its own, and a decode step beside a prompt,
     which waits for a core here, would come out at half its served time."""
     import yaml
@@ -80,7 +81,8 @@ def this_machines_pool(out: Path = OUT) -> Path:
     pool["name"] = HERE_POOL
     for m in pool["machines"]:
         m.update(cpu_cores=cores, cpu_host="this-computer")
-    pool["assumptions"] += f" Here: the slots are processes of this computer, sharing its {cores} cores."
+    pool["assumptions"] += (f" Here: the slots are processes of this computer, sharing its {cores} cores; a"
+                            " calibration prices every slot at this CPU's speed, its GPU type at its price alone.")
     path = out / f"{HERE_POOL}.yaml"
     path.write_text(yaml.safe_dump(pool, sort_keys=False))
     return path

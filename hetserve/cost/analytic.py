@@ -75,8 +75,9 @@ class CostModel(TransferCosts, DecodeCosts):
             self.eff = Efficiency()  # an equal copy: a model rebuilt from ``self.eff`` keeps the roofline too
         self.kernels = KernelPricing(cluster, model) if use_kernels else None
         devs = cluster.devices
-        self._flops = [d.gpu.fp16_flops * self.eff.compute for d in devs]
-        self._membw = [d.gpu.mem_bandwidth * self.eff.memory for d in devs]
+        peaks = _roofline_peaks(devs, self.eff.reference_gpu)
+        self._flops = [g.fp16_flops * self.eff.compute for g in peaks]
+        self._membw = [g.mem_bandwidth * self.eff.memory for g in peaks]
         if self.kernels is not None:
             self._flops, self._membw = self.kernels.roofline_rates(self._flops, self._membw)
         self._memory = [d.memory_bytes * self.eff.usable_memory for d in devs]
@@ -358,6 +359,21 @@ class CostModel(TransferCosts, DecodeCosts):
         """HexGen-2 App. A: parameters + 32 requests' KV cache, in bytes."""
         m = self.model
         return m.weight_bytes + REPLICA_MEMORY_BATCH * m.kv_bytes_per_token * (input_tokens + output_tokens)
+
+
+def _roofline_peaks(devices, reference_gpu: str | None) -> list:
+    """The GPU type whose datasheet peaks each device's roofline takes: its own, except on a CPU worker
+    slot (``cpu_cores``) where a calibration names the type its fractions were fitted against
+    (``Efficiency.reference_gpu``): the slots all run at that CPU's measured speed, whatever type
+    their machine names for its price."""
+    if reference_gpu is None or all(d.cpu_cores is None for d in devices):
+        return [d.gpu for d in devices]
+    ref = next((d.gpu for d in devices if d.gpu.name == reference_gpu), None)
+    if ref is None:
+        from hetserve.specs.gpus import gpu
+
+        ref = gpu(reference_gpu, "efficiency", "reference_gpu")
+    return [ref if d.cpu_cores is not None else d.gpu for d in devices]
 
 
 def _beyond_one_row(rows: float) -> float:

@@ -72,6 +72,12 @@ class Efficiency:
     # fits it from a two-stage pipeline decoding two sequences (two micro-batches) beside one.
     turn_hold: float | None = None
     max_batch: int = 256  # running requests per replica: the serving engine's cap (vLLM's max_num_seqs)
+    # the GPU type whose datasheet peaks the fractions above are of on CPU worker slots (``cpu_cores``):
+    # a calibration's ``gpu`` (``load_efficiency`` sets it). A CPU slot's GPU type is a price tag; every
+    # slot runs at its CPU's speed, which the calibration measured against this type's peaks, so an
+    # "L4" slot beside an "RTX-4090" slot on the same cores is priced as fast. None: each slot's own
+    # type. Real GPUs always keep their own peaks.
+    reference_gpu: str | None = None
 
     def __post_init__(self) -> None:
         # a fraction of a peak is at least MIN_FRACTION, the least `hetserve calibrate` fits (compute
@@ -94,6 +100,8 @@ class Efficiency:
             raise ValueError("turn_hold must be in [0, 1] (or null: by the host)")
         if self.max_batch < 1:
             raise ValueError("max_batch must be at least 1")
+        if self.reference_gpu is not None and not (isinstance(self.reference_gpu, str) and self.reference_gpu):
+            raise ValueError("reference_gpu must be a GPU type's name (or null: each slot's own type)")
 
     def at_speed(self, slowdown: float) -> "Efficiency":
         """The same engine on a machine ``slowdown`` times slower (``runtime.speed_probe``: a shared
@@ -125,7 +133,8 @@ CALIBRATION_KEYS = {"gpu": str, "efficiency": dict, "mean_abs_error": (int, floa
 
 def load_efficiency(path: str | Path) -> Efficiency:
     """Read efficiency factors from JSON: a flat mapping of ``Efficiency`` fields, or a
-    calibration file holding one under ``"efficiency"`` (``hetserve calibrate -o``). A wrong key or
+    calibration file holding one under ``"efficiency"`` (``hetserve calibrate -o``), whose ``gpu``
+    becomes ``reference_gpu`` (the peaks CPU worker slots run at). A wrong key or
     value raises ``SpecError`` naming the file, the field's dotted path and what was expected."""
     path = Path(path)
     try:
@@ -142,11 +151,20 @@ def load_efficiency(path: str | Path) -> Efficiency:
                 raise SpecError(str(path), key, "one of the calibration file's keys: " + ", ".join(CALIBRATION_KEYS))
             if not of_json_type(value, CALIBRATION_KEYS[key]):
                 raise SpecError(str(path), key, _json_type(CALIBRATION_KEYS[key]), value)
-        data, prefix = data["efficiency"], "efficiency."
+        gpu_name = data.get("gpu")
+        data, prefix = dict(data["efficiency"]), "efficiency."
+        # its fractions are of the calibrated GPU type's peaks: CPU worker slots of every type run at them
+        if data.get("reference_gpu") is None and gpu_name is not None:
+            _check_gpu_name(gpu_name, path, "gpu")
+            data["reference_gpu"] = gpu_name
     known = {f.name: f.type for f in fields(Efficiency)}
     for key, value in data.items():
         if key not in known:
             raise SpecError(str(path), prefix + key, "one of " + ", ".join(sorted(known)))
+        if key == "reference_gpu":
+            if value is not None:
+                _check_gpu_name(value, path, prefix + key)
+            continue
         optional = "None" in str(known[key])
         if value is None and optional:
             continue
@@ -158,6 +176,15 @@ def load_efficiency(path: str | Path) -> Efficiency:
         raise SpecError(str(path), prefix + exc.field, exc.expected, exc.value) from exc
     except (TypeError, ValueError) as exc:
         raise SpecError(str(path), prefix.rstrip(".") or "(file)", "values in range", str(exc)) from exc
+
+
+def _check_gpu_name(value, path: Path, field: str) -> None:
+    """A GPU type of the catalog (``gpus.csv``), or ``SpecError`` naming the file and field."""
+    from hetserve.specs.gpus import gpu_catalog
+
+    known = gpu_catalog()
+    if not isinstance(value, str) or value not in known:
+        raise SpecError(str(path), field, "a GPU type of the catalog: " + ", ".join(sorted(known)), value)
 
 
 def of_json_type(value, kind) -> bool:

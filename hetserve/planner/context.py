@@ -24,7 +24,7 @@ from hetserve.errors import InfeasibleError
 from hetserve.planner.kv_pairs import KVPairs
 from hetserve.planner.layout.search import LayoutSearch
 from hetserve.planner.options import PlanOptions
-from hetserve.planner.slo import SLOTargets
+from hetserve.planner.slo import SLOTargets, kv_loads_within
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.gpus import fmt_gb
 from hetserve.specs.model import ModelSpec
@@ -214,7 +214,10 @@ class PlanContext:
             for r in path.resources:
                 if r.shared:
                     raw[r] = raw.get(r, 0.0) + nbytes
-        return cap, {r.name: b for r, b in raw.items() if r.name in self.resources}
+        loads = {r.name: b for r, b in raw.items() if r.name in self.resources}
+        # within the SLOs a route's KV loads a link only as far as its queueing allows (planner.slo)
+        within = kv_loads_within(loads, self.resources, self.slo)
+        return (0.0, loads) if within is None else (cap, within)
 
     def _kv_time(self, transfers) -> float:
         """``CostModel.kv_transfer_time`` memoised by the hand-off's shape (``transfer_shape``):
@@ -238,7 +241,8 @@ class PlanContext:
         return gid
 
     def kv_load(self, src: ReplicaLayout, dst: ReplicaLayout, key=None) -> dict[str, float]:
-        """Bytes one request's KV (mean prompt) puts on each shared resource from ``src`` to ``dst``."""
+        """Bytes one request's KV (mean prompt) puts on each shared resource from ``src`` to ``dst``
+        (within the SLOs: as the flow network charges them, ``planner.slo.kv_loads_within``)."""
         key = key or (src, dst)
         load = self._kv_load_cache.get(key)
         if load is None:

@@ -92,10 +92,30 @@ def to_plan(ctx: PlanContext, ev: Evaluation, algorithm: str, budget: Budget | N
                 search_log=None if budget is None else budget.log())
 
 
+def _planned_bytes(ctx: PlanContext, ev: Evaluation) -> dict[str, float]:
+    """Bytes per T the flow puts on each shared resource: ``resource_loads`` where the flow network
+    charges a route's KV as it is sent; within the SLOs it charges more (``slo.kv_loads_within``),
+    so the KV routes' bytes are those of ``CostModel.kv_resource_bytes``."""
+    if ctx.slo is None:
+        return resource_loads(ev.network, ev.flow)
+    net, flow, out = ev.network, ev.flow, {}
+    for (p, d), f in flow.edge_flow.items():
+        if f > 0:
+            kv = ctx.cost.kv_resource_bytes(ev.layouts[p], ev.layouts[d], ctx.input_tokens)
+            for r, b in kv.items():
+                out[r.name] = out.get(r.name, 0.0) + f * b
+    served = {g: flow.node_flow.get(g, 0.0) for g in net.prefill + net.decode}
+    served.update(flow.colocated_flow)
+    for g, f in served.items():
+        for r, b in net.node_load.get(g, {}).items():
+            out[r] = out.get(r, 0.0) + f * b
+    return out
+
+
 def network_estimate(ctx: PlanContext, ev: Evaluation) -> dict[str, dict]:
     """Per shared resource the plan loads: planned Gbit/s (KV routes ∝ flow, PP hand-offs and TP
     all-reduces between machines), capacity and utilisation, busiest first."""
-    loads = resource_loads(ev.network, ev.flow)
+    loads = _planned_bytes(ctx, ev)
     rows = []
     for name, per_period in loads.items():
         r = ctx.resources.get(name)

@@ -91,3 +91,31 @@ def test_plan_objective_cost_reports_the_whole_search_time(tmp_path, capsys):
     said = " ".join(capsys.readouterr().out.split())
     m = re.search(r"planned in ([\d.]+) s in all \((\d+) inner plans", said)
     assert m and float(m[1]) == pytest.approx(whole["wall_s"], abs=0.06) and int(m[2]) == whole["inner_plans"]
+
+
+def _no_trace(monkeypatch):
+    """Reading the trace fails the test: the refusal must come before it."""
+    import hetserve.specs.workload as workload
+
+    def refuse(*a, **k):
+        raise AssertionError("the trace was loaded before a cheap argument was checked")
+    monkeypatch.setattr(workload, "load_workload", refuse)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["capacity", "--gpu", "A100", "--model", "llama-2-7b"], "--gpu: field 'gpu': expected one of"),
+    (["capacity", "--gpu", "T4", "--model", "llama-2-70b"], "its weights alone take 138 GB, 8 T4 in one box"),
+    (["capacity", "--cluster", "demo-cpu", "--model", "llama-2-70b"], "its weights alone take 138 GB"),
+])
+def test_capacity_refuses_cheap_arguments_before_loading_the_trace(monkeypatch, capsys, argv, said):
+    _no_trace(monkeypatch)
+    assert main([*argv, "--rate", "1", "--workload", "azure-conv", "--slo-ttft", "1", "--slo-tpot", "0.1"]) == 2
+    out, err = capsys.readouterr()
+    assert said in err and "note:" not in out
+
+
+def test_plan_refuses_a_pool_too_small_for_the_weights_before_loading_the_trace(monkeypatch, capsys):
+    _no_trace(monkeypatch)
+    assert main(["plan", "--cluster", "demo-cpu", "--model", "llama-2-70b", "--quiet"]) == 2
+    out, err = capsys.readouterr()
+    assert "llama-2-70b needs 138 GB for its weights alone" in err and "note:" not in out

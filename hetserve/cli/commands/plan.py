@@ -113,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     _check_exact_size(names, cluster, "--compare" if args.compare else "--algorithm")
     model = load_model(args.model)
+    efficiency = load_efficiency(args.efficiency) if args.efficiency else None
+    _check_weights_fit(cluster, model, efficiency)  # before the trace is read: a pool too small needs none
     workload = load_workload(args.workload)
     if args.workload_class:
         workload = workload.of_class(args.workload_class)
@@ -134,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             options = PlanOptions(seed=args.seed, time_limit_s=args.time_limit, max_iterations=args.max_iterations,
                                   stall_iterations=args.stall_iterations,
                                   period_s=args.period, progress=report, allow_colocated=not args.disaggregated,
-                                  efficiency=load_efficiency(args.efficiency) if args.efficiency else None,
+                                  efficiency=efficiency,
                                   objective=args.objective, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
                                   rate=args.rate, budget_usd_per_hour=args.budget_usd_per_hour,
                                   engine=args.engine)
@@ -213,6 +215,20 @@ def _check_objective(args) -> None:
     if args.objective == "throughput" and (args.slo_ttft is not None or args.slo_tpot is not None):
         raise PlanError("--slo-ttft / --slo-tpot: only read by --objective goodput or cost "
                         "(throughput plans for full load, without SLOs)")
+
+
+def _check_weights_fit(cluster, model, efficiency) -> None:
+    """The planner's first refusal (``PlanContext.check_feasible``: the pool's usable memory below the
+    weights alone), made before the trace is loaded: it reads no request, so a one-request stand-in
+    workload serves."""
+    import numpy as np
+
+    from hetserve.planner import PlanOptions
+    from hetserve.planner.context import PlanContext
+    from hetserve.specs.workload import Workload
+
+    one = Workload("(weights check)", np.zeros(1), np.ones(1, np.int64), np.ones(1, np.int64))
+    PlanContext(cluster, model, one, PlanOptions(efficiency=efficiency)).check_feasible()
 
 
 def _check_exact_size(names, cluster, flag: str) -> None:

@@ -119,3 +119,15 @@ def test_plan_refuses_a_pool_too_small_for_the_weights_before_loading_the_trace(
     assert main(["plan", "--cluster", "demo-cpu", "--model", "llama-2-70b", "--quiet"]) == 2
     out, err = capsys.readouterr()
     assert "llama-2-70b needs 138 GB for its weights alone" in err and "note:" not in out
+
+
+def test_simulate_and_compare_take_the_same_request_count_spelling():
+    """-n / --num-requests in both commands, --limit kept in both as the older spelling."""
+    from hetserve.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for command, dest in (("simulate", "limit"), ("compare", "num_requests")):
+        # the three spellings are one option (one dest), listed in --help
+        action = next(a for a in sub[command]._actions if "-n" in a.option_strings)
+        assert set(action.option_strings) == {"-n", "--num-requests", "--limit"} and action.dest == dest
+        assert "--limit" in sub[command].format_help()

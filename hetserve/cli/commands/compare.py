@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", default="azure-conv", help="workload preset or CSV (default azure-conv)")
     p.add_argument("--workload-class", choices=["HPLD", "HPHD", "LPHD", "LPLD"], help="only one HexGen-2 class")
     p.add_argument("--rate", type=float, help="request rate, requests/s (default: the trace's)")
-    p.add_argument("-n", "--num-requests", type=int, default=24, help="requests to replay (default 24)")
+    p.add_argument("-n", "--num-requests", "--limit", dest="num_requests", type=int, default=24, metavar="N",
+                   help="requests to replay (default 24; --limit: simulate's older spelling)")
     p.add_argument("--max-input", type=int, default=256, help="cap on prompt tokens (default 256)")
     p.add_argument("--max-output", type=int, default=32, help="cap on output tokens (default 32)")
     p.add_argument("--efficiency", help="calibration file (hetserve calibrate -o) for the simulator's cost model")

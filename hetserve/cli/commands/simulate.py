@@ -2,7 +2,7 @@
 
     hetserve simulate --plan plan.json --workload azure-conv [--cluster hexgen2-het1]
         [--workload-class HPLD] [--rate-scale 2 | --rate 5] [--placement eft] [--transmission fair]
-        [--slo-ttft 1 --slo-tpot 0.1 --slo-e2e 60] [--gamma 0.5 --theta 1] [--limit 2000] [-o out/]
+        [--slo-ttft 1 --slo-tpot 0.1 --slo-e2e 60] [--gamma 0.5 --theta 1] [-n 2000] [-o out/]
 
 The cluster defaults to the cluster file the plan records, else the preset named in the plan. Writes summary.json
 (with ``timings``: where its times come from), requests.csv and latency_cdf.png under ``-o`` (and
@@ -42,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-ttft", type=float, help="TTFT target, seconds")
     p.add_argument("--slo-tpot", type=float, help="TPOT / ATGT target, seconds per token")
     p.add_argument("--slo-e2e", type=float, help="end-to-end latency target, seconds")
-    p.add_argument("--limit", type=int, help="only the first N requests")
+    p.add_argument("-n", "--num-requests", "--limit", dest="limit", type=int, metavar="N",
+                   help="only the first N requests (as compare's -n; --limit: the older spelling)")
     p.add_argument("--token-budget", type=int, default=DEFAULT_BATCHING.token_budget,
                    help=f"tokens per step, decode + prompt (default {DEFAULT_BATCHING.token_budget}, as the runtime)")
     p.add_argument("--chunked-prefill", action="store_true", help="the same as --prefill-mode chunked")

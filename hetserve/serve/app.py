@@ -38,7 +38,7 @@ from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
 from hetserve.serve.choices import LogprobWriter, collect, prompt_entries, share_prompts, sse
 from hetserve.serve.coordinator import Coordinator, Prepared
 from hetserve.serve.errors import (ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded,
-                                   PayloadTooLarge, ServerError, Unavailable, install_error_handlers, log,
+                                   PayloadTooLarge, ServerError, ShuttingDown, Unavailable, install_error_handlers, log,
                                    to_api_error)
 from hetserve.serve.keys import ADMIN_PREFIX, APIAuth, guarded_app
 from hetserve.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -50,7 +50,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # prompts up to this many characters (or token ids) are tokenized on the event loop: well under a
 # millisecond, and never queued behind huge prompts in the thread pool
 INLINE_PROMPT_CHARS = 16_384
-RETRY_AFTER_S = 5  # what a client is told to wait while this server drains (another instance may take over)
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
@@ -97,8 +96,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
     def admit(endpoint: str, body) -> None:
         if c.draining:
             c.reject(endpoint)
-            raise Overloaded("the server is shutting down; retry on another instance or later",
-                             headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise ShuttingDown()
         check_model(body.model)
         why = c.unavailable()
         if why is not None:  # one answer in both modes, before any stream starts
@@ -174,7 +172,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
         except (ServerError, Overloaded) as exc:  # as a backend says it: a fault, or the shutdown's refusal
             if not c.draining:
                 raise
-            raise Overloaded(exc.message, headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
+            raise ShuttingDown(exc.message) from exc
 
     # ------------------------------------------------------------------ info routes
     @app.api_route("/health", methods=["GET", "HEAD"])

@@ -22,6 +22,7 @@ from hetserve.serve.backend import Backend
 from hetserve.policies.request_checks import RequestRefused, able_to_hold, check_prompt_ids, check_request
 from hetserve.serve.errors import InvalidRequest, ServerError, refusal
 from hetserve.serve.metrics import ServerMetrics
+from hetserve.serve.shutdown import drain, wait_answered
 from hetserve.serve.text import Codec, TextStream
 
 
@@ -291,30 +292,16 @@ class Coordinator:
         """Graceful shutdown: admit nothing new, let requests in flight finish for up to ``timeout_s``,
         then end those left with one clear error (their streams get an error event and ``[DONE]``).
         Returns how many had to be cut."""
-        import asyncio
-
-        self.draining = True
-        deadline = self.clock() + timeout_s
-        while self.in_flight and self.clock() < deadline:
-            await asyncio.sleep(poll_s)
-        cut = self.in_flight
-        if cut:
-            await self.end_now(f"the server is shutting down: the request did not finish within the drain "
-                               f"timeout ({timeout_s:g} s)", poll_s=poll_s)
-        return cut
+        return await drain(self, timeout_s, self.clock, poll_s)
 
     async def end_now(self, reason: str, grace_s: float = 5.0, poll_s: float = 0.05) -> None:
         """Admit nothing new and end every request in flight with ``reason`` (the backend fails what it
         holds), then wait up to ``grace_s`` for their streams to write the error event and [DONE]."""
-        import asyncio
-
         self.draining = True
         fail_all = getattr(self.backend, "fail_all", None)
         if fail_all is not None:
             fail_all(reason)
-        end = self.clock() + grace_s
-        while self.in_flight and self.clock() < end:
-            await asyncio.sleep(poll_s)
+        await wait_answered(self, grace_s, self.clock, poll_s)
 
     def reject(self, endpoint: str, outcome: str = "rejected") -> None:
         self.metrics.requests.labels(endpoint, outcome).inc()

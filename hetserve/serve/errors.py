@@ -9,6 +9,7 @@
     ├── NotFound (404)            no such route
     ├── MethodNotAllowed (405)
     ├── Overloaded (503)          the server is shutting down or the engine is not ready
+    │   ├── ShuttingDown (503)    refused or ended by the graceful shutdown; ``Retry-After`` set
     │   └── Unavailable (503)     no live replica can serve (every one lost a worker); ``Retry-After`` set
     └── ServerError (500)         anything unexpected (the engine failed mid-request, a worker died)
 
@@ -106,6 +107,15 @@ class MethodNotAllowed(APIError):
 
 class Overloaded(APIError):
     status, type, code = 503, "server_error", "overloaded"
+
+
+class ShuttingDown(Overloaded):
+    """A request the server's graceful shutdown refused or ended (``serve.server``'s drain): another
+    instance, or this one restarted, can serve it, so ``Retry-After`` says when to try again."""
+    RETRY_AFTER_S = 5
+
+    def __init__(self, message: str = "the server is shutting down; retry on another instance or later"):
+        super().__init__(message, headers={"Retry-After": str(self.RETRY_AFTER_S)})
 
 
 class Unavailable(Overloaded):

@@ -1,8 +1,8 @@
 """Running the app under uvicorn: in the foreground (the CLI) or on a background thread (tests, bench).
 
 ``bind_socket(host, port)`` takes the address before anything starts (port 0: the OS picks one, and
-the socket knows which); ``serve_forever(app, sock)`` serves ``hetserve serve``'s app on it (with
-its drain), ``serve_plain(app, sock)`` any other app (``hetserve route``'s).
+the socket knows which); ``serve_forever(app, sock)`` serves ``hetserve serve``'s app on it,
+``serve_plain(app, sock, requests)`` another app (``hetserve route``'s): both with the same drain.
 ``ServerThread(app, host, port=0)`` binds (port 0: the OS picks a free one), starts serving on its
 own thread and event loop, and exposes ``url``; ``stop()`` shuts it down and joins. It is a
 context manager.
@@ -59,18 +59,17 @@ def serve_forever(app, sock: socket.socket, log_level: str = "info", drain_timeo
     at once the same way (a streamed one with an error event and ``[DONE]``, any other with an error in
     OpenAI's JSON shape) and stops once they are answered (``STOP_GRACE_S`` at most); a third stops
     without waiting, cutting whatever is still being written."""
+    serve_plain(app, sock, app.state.coordinator, drain_timeout_s, log_level)
+
+
+def serve_plain(app, sock: socket.socket, requests, drain_timeout_s: float = 30.0, log_level: str = "warning") -> None:
+    """``serve_forever``'s serving and shutdown for any app: ``requests`` is what holds its requests in
+    flight, with ``in_flight`` (a count), ``drain(timeout_s)`` (admit nothing new, wait, end those left;
+    returns how many were ended) and ``end_now(reason, grace_s, poll_s)`` (end them all now), as
+    ``Coordinator`` (``hetserve serve``) and ``route.app.Router`` (``hetserve route``) have."""
     host, port = sock.getsockname()[:2]
     config = _config(app, host, port, log_level)
-    _draining_server(config, app.state.coordinator, drain_timeout_s).run(sockets=[sock])
-
-
-def serve_plain(app, sock: socket.socket, log_level: str = "warning") -> None:
-    """Serve ``app`` on ``sock`` (from ``bind_socket``) until SIGTERM / Ctrl-C, uvicorn's shutdown
-    (requests in flight get ``timeout_graceful_shutdown`` to finish)."""
-    import uvicorn
-
-    host, port = sock.getsockname()[:2]
-    uvicorn.Server(_config(app, host, port, log_level)).run(sockets=[sock])
+    _draining_server(config, requests, drain_timeout_s).run(sockets=[sock])
 
 
 # After a second signal: seconds the requests it ended get to write their error and close. The
@@ -79,7 +78,7 @@ STOP_GRACE_S = 3.0
 SECOND_SIGNAL_REASON = "the server is shutting down: stopped by a second signal before the request finished"
 
 
-def _draining_server(config, coordinator, drain_timeout_s: float):
+def _draining_server(config, requests, drain_timeout_s: float):
     import asyncio
     import logging
 
@@ -111,14 +110,14 @@ def _draining_server(config, coordinator, drain_timeout_s: float):
 
         async def _stop_now(self):
             log.warning("second signal: ending %d request(s) in flight now with an error, then stopping "
-                        "(a third signal stops without waiting)", coordinator.in_flight)
-            await coordinator.end_now(SECOND_SIGNAL_REASON, grace_s=STOP_GRACE_S, poll_s=0.02)
+                        "(a third signal stops without waiting)", requests.in_flight)
+            await requests.end_now(SECOND_SIGNAL_REASON, grace_s=STOP_GRACE_S, poll_s=0.02)
             self.should_exit = True
 
         async def _drain(self):
             log.warning("shutting down: draining %d request(s) for up to %g s (new requests get 503)",
-                        coordinator.in_flight, drain_timeout_s)
-            cut = await coordinator.drain(drain_timeout_s)
+                        requests.in_flight, drain_timeout_s)
+            cut = await requests.drain(drain_timeout_s)
             if cut:
                 log.warning("drain timeout: %d request(s) ended with an error event", cut)
             self.should_exit = True

@@ -30,6 +30,9 @@ def register(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per-request timeout (default 600)")
     p.add_argument("--backend-api-key-file", metavar="FILE",
                    help="a file holding the key the backends want (mode 600: only its owner may read it)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM / Ctrl-C: seconds in-flight requests get to finish (default 30); new ones get "
+                        "503; a second signal ends those left at once")
     add_key_options(p, admin=False)
     p.set_defaults(func=run)
 
@@ -43,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.serve.server import serve_plain, url_of
 
     check_host(args.host)
+    if not args.drain_timeout >= 0:
+        raise SpecError("--drain-timeout", SpecError.OPTION, "seconds, 0 or more", args.drain_timeout)
     keys = key_options(args)
     auth = APIAuth(api_keys=KeySet(keys["api_keys"]), protect_probes=keys["protect_probes"])
     if args.deploy:
@@ -63,5 +68,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"hetserve route on {url_of(sock)}: {len(config.backends)} backend(s) "
           f"({', '.join(f'{b.id} {b.url}' for b in config.backends)}), policy {args.policy}; "
           f"{health}; {'; '.join(auth.describe()[:2])}", file=sys.stderr, flush=True)
-    serve_plain(create_app(router, auth), sock)
+    try:
+        serve_plain(create_app(router, auth), sock, router, drain_timeout_s=args.drain_timeout)
+    except KeyboardInterrupt:  # a Ctrl-C before the server took over the signals: stopping is the normal end
+        pass
+    print("hetserve route stopped", file=sys.stderr, flush=True)
     return 0

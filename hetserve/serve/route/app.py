@@ -22,6 +22,11 @@ every ``health_interval_s``) mark backends up again, and down: at once when the 
 refused (nothing listens), after ``health_failures`` checks in a row when the answer is slow or not
 200 (one slow answer from a busy backend is not an outage). Each change of a backend's state is logged with why (the status
 or error of the check or request that decided it).
+
+Shutdown is ``hetserve serve``'s (``serve.server``, ``serve.shutdown``): ``drain`` refuses new requests
+(``ShuttingDown``, 503) while those in flight (``in_flight``, counted by ``route.server``) finish;
+``end_now`` answers the rest at once, a stream with an error event and ``[DONE]``, a request not
+answered yet with the 503.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from typing import AsyncIterator
 
 import httpx
 
-from hetserve.serve.errors import APIError
+from hetserve.serve.errors import APIError, ShuttingDown
 from hetserve.serve.route.backends import Backend, BackendPool
 
 log = logging.getLogger(__name__)
@@ -47,6 +52,7 @@ class BackendFailed(Exception):
     """A backend failed before anything reached the client: try another."""
 
 
+_END = "hetserve route: end_now"  # the message of end_now's cancel, which _read takes back
 CREDENTIALS_REFUSED = (401, 403)  # a backend's answer to the key route sends (or does not send)
 
 
@@ -110,6 +116,10 @@ class Router:
         for b in pool.config.backends:
             self.metrics.up.labels(b.id).set(1 if b.alive else 0)
         self._health_task: asyncio.Task | None = None
+        self.in_flight = 0  # API requests being answered (route.server counts them)
+        self.draining = False  # a graceful shutdown began: new requests are refused
+        self._ended: asyncio.Future | None = None  # its result: why end_now ended the requests in flight
+        self._reading: set[asyncio.Task] = set()  # the streams' tasks awaiting their backend's next bytes
 
     # ------------------------------------------------------------------ health
     def start(self) -> None:
@@ -160,6 +170,64 @@ class Router:
             self._refused_told.add(b.id)
             log.error("backend %s (%s) answered HTTP %d: %s", b.id, b.url, status, why)
         return why
+
+    # ------------------------------------------------------------------ shutdown
+    async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
+        """As ``Coordinator.drain``: admit nothing new, wait up to ``timeout_s``, end those left."""
+        from hetserve.serve.shutdown import drain
+        return await drain(self, timeout_s, poll_s=poll_s)
+
+    async def end_now(self, reason: str, grace_s: float = 5.0, poll_s: float = 0.05) -> None:
+        """End every request in flight with ``reason`` (module docstring), then wait up to ``grace_s``
+        for them to be answered."""
+        from hetserve.serve.shutdown import wait_answered
+        self.draining = True
+        ended = self._end_signal()
+        if not ended.done():
+            ended.set_result(reason)
+        for task in list(self._reading):  # awaiting a backend: woken to end (``_read``)
+            task.cancel(_END)
+        await wait_answered(self, grace_s, poll_s=poll_s)
+
+    async def _read(self, chunks) -> bytes:
+        """A stream's next bytes from its backend, or ``ShuttingDown`` once ``end_now`` ended it. Only a
+        read is woken by ``end_now``'s cancel (a stream writing to its client is not: its write would
+        break); the cancel is taken back (``uncancel``) where it was ``end_now``'s alone. No task per
+        chunk: a stream's chunks come thousands a second."""
+        if self._ended is not None and self._ended.done():
+            raise ShuttingDown(self._ended.result())
+        me = asyncio.current_task()
+        self._reading.add(me)
+        try:
+            return await chunks.__anext__()
+        except asyncio.CancelledError as exc:
+            if not (exc.args and exc.args[0] is _END and me.cancelling() == 1):
+                raise  # another's cancel (the client left, the server stops): not for us to take
+            me.uncancel()
+            raise ShuttingDown(self._ended.result()) from None
+        finally:
+            self._reading.discard(me)
+
+    def _end_signal(self) -> asyncio.Future:
+        if self._ended is None:
+            self._ended = asyncio.get_running_loop().create_future()
+        return self._ended
+
+    async def until_ended(self, aw):
+        """``aw``'s result, or ``ShuttingDown`` with ``end_now``'s reason if that comes first (``aw``
+        is then cancelled: its own clean-up runs)."""
+        ended = self._end_signal()
+        if ended.done():
+            aw.close()
+            raise ShuttingDown(ended.result())
+        task = asyncio.ensure_future(aw)
+        await asyncio.wait((task, ended), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))
+            if task.cancelled():
+                raise ShuttingDown(ended.result())
+        return task.result()  # it finished before the cancel landed: its answer stands
 
     # ------------------------------------------------------------------ requests
     async def answer(self, path: str, body: dict, raw: bytes | None = None
@@ -266,6 +334,7 @@ class Router:
         outcome = "200"
         cutter = EventCutter()  # whole events only reach the client (route.sse says why)
         reason = None  # why the stream broke, if it did
+        ended = None  # the shutdown's error, if it ended the stream
         try:
             c = first
             while True:
@@ -276,7 +345,10 @@ class Router:
                     reason = f"backend {b.id} sent an event over {cutter.max_event_bytes} bytes"
                     break
                 try:
-                    c = await chunks.__anext__()
+                    c = await self._read(chunks)
+                except ShuttingDown as exc:  # the shutdown ended it: as serve ends its streams
+                    ended = exc
+                    break
                 except StopAsyncIteration:
                     rest = cutter.rest()
                     if rest:
@@ -293,6 +365,11 @@ class Router:
                 # (a client reads to [DONE]); the event the backend was cut off inside is dropped,
                 # never sent in part (a client would fail decoding it and never read the error)
                 yield error_event(ServerError(reason)).encode()
+                yield STREAM_END.encode()
+            elif ended is not None:
+                from hetserve.serve.errors import STREAM_END, error_event
+                outcome = "ended"
+                yield error_event(ended).encode()
                 yield STREAM_END.encode()
         finally:
             await resp.aclose()

@@ -19,7 +19,8 @@ def create_app(router: Router, auth: APIAuth | None = None):
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-    from hetserve.serve.errors import InvalidRequest, PayloadTooLarge, Unavailable, install_error_handlers
+    from hetserve.serve.errors import (InvalidRequest, PayloadTooLarge, ShuttingDown, Unavailable,
+                                      install_error_handlers)
     from hetserve.serve.protocol import ChatCompletionRequest, CompletionRequest
 
     @asynccontextmanager
@@ -29,6 +30,7 @@ def create_app(router: Router, auth: APIAuth | None = None):
         await router.close()
 
     app = FastAPI(title="hetserve route", lifespan=lifespan, **guarded_app(auth or APIAuth()))
+    app.add_middleware(CountInFlight, router=router)
     install_error_handlers(app)
 
     @app.exception_handler(BackendRefusedCredentials)
@@ -37,6 +39,8 @@ def create_app(router: Router, auth: APIAuth | None = None):
         return JSONResponse(exc.body(), status_code=exc.status)
 
     async def read_body(request: Request) -> tuple[dict, bytes]:
+        if router.draining:  # a graceful shutdown: as serve refuses, before the body is read
+            raise ShuttingDown()
         raw = b""
         async for chunk in request.stream():
             raw += chunk
@@ -51,7 +55,7 @@ def create_app(router: Router, auth: APIAuth | None = None):
         return body, raw
 
     async def forward(path: str, body: dict, raw: bytes):
-        status, data, stream = await router.answer(path, body, raw)
+        status, data, stream = await router.until_ended(router.answer(path, body, raw))
         if stream is not None:
             return StreamingResponse(stream, media_type="text/event-stream")
         return JSONResponse(data, status_code=status)
@@ -108,3 +112,20 @@ def create_app(router: Router, auth: APIAuth | None = None):
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class CountInFlight:
+    """ASGI middleware: ``router.in_flight`` counts the API requests (``/v1/...``) from their start to
+    their answer's last byte, a stream's included, whatever ends them (the drain waits on it)."""
+
+    def __init__(self, app, router: Router):
+        self.app, self.router = app, router
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        self.router.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.router.in_flight -= 1

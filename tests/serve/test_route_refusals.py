@@ -123,3 +123,19 @@ def test_a_backend_taken_out_by_its_health_check_is_logged_with_why(caplog, answ
         asyncio.run(checks())
     downs = [r.getMessage() for r in caplog.records if "is down" in r.getMessage()]
     assert not b0.alive and len(downs) == 1 and why in downs[0], downs
+
+
+def test_a_deploy_json_without_replicas_says_the_field_is_missing_and_names_the_unknown_ones(tmp_path, caplog):
+    path = tmp_path / "deploy.json"
+    path.write_text(json.dumps({"backends": 3}))
+    with pytest.raises(SpecError) as err:
+        config_from_deploy(path)
+    msg = str(err.value)
+    assert "field 'replicas'" in msg and "missing" in msg and "'backends'" in msg, msg
+    assert "NoneType" not in msg and "\n" not in msg
+    # a file that serves but carries a typo'd field: the field is named in a warning, not dropped unseen
+    good = json.loads(write_deploy(tmp_path, "vllm", ["http://127.0.0.2:8001"]).read_text())
+    path.write_text(json.dumps({**good, "routr": {}}))
+    with caplog.at_level(logging.WARNING, logger="hetserve.serve.route.backends"):
+        config_from_deploy(path)
+    assert any("'routr'" in r.getMessage() for r in caplog.records), caplog.records

@@ -18,6 +18,7 @@ marked down by a failed request or a failed health check, and up again by a pass
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -28,6 +29,9 @@ from hetserve.policies.placement import make_placement
 from hetserve.policies.routing import FlowWeighted
 
 ENTRY_POLICIES = ("weights", "jsq", "rr", "lot", "po2")
+# a deploy.json's top-level fields (export.bundle.Bundle.deploy_dict, an exporter's extras included)
+DEPLOY_FIELDS = frozenset({"engine", "engine_version", "plan", "replicas", "router", "machines", "shared", "cluster"})
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,9 +70,17 @@ def config_from_deploy(path: str | Path) -> RouteConfig:
         raise SpecError(str(path), "(file)", "JSON", f"line {exc.lineno}: {exc.msg}") from exc
     except UnicodeDecodeError as exc:
         raise SpecError(str(path), "(file)", "UTF-8 JSON text", f"byte {exc.start} is not UTF-8") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("replicas"), list) or not data["replicas"]:
-        raise SpecError(str(path), "replicas", "a non-empty list of replicas", type(data.get("replicas")).__name__
-                        if isinstance(data, dict) else type(data).__name__)
+    if not isinstance(data, dict):
+        raise SpecError(str(path), "(file)", "a JSON object (a bundle's deploy.json)", type(data).__name__)
+    unknown = sorted(set(data) - DEPLOY_FIELDS)
+    if "replicas" not in data:
+        named = (f"; the file has unknown field(s) {', '.join(repr(k) for k in unknown)}: route reads "
+                 "'replicas' and 'router'" if unknown else "")
+        raise SpecError(str(path), "replicas", "a non-empty list of replicas, each {id, role, endpoint} (the "
+                        f"field is missing{named})")
+    if not isinstance(data["replicas"], list) or not data["replicas"]:
+        got = data["replicas"] if isinstance(data["replicas"], list) else type(data["replicas"]).__name__
+        raise SpecError(str(path), "replicas", "a non-empty list of replicas, each {id, role, endpoint}", got)
     if data.get("engine") == "hetserve":  # its replicas are one server's, behind the one endpoint
         router = data.get("router") if isinstance(data.get("router"), dict) else {}
         at = f", {router['endpoint']}" if isinstance(router.get("endpoint"), str) else ""
@@ -105,6 +117,9 @@ def config_from_deploy(path: str | Path) -> RouteConfig:
         raise SpecError(str(path), "replicas", "a prefill or colocated replica to take requests", "decode only")
     if "prefill" in roles and "decode" not in roles:
         raise SpecError(str(path), "replicas", "a decode replica for the prefill ones to hand off to", "none")
+    if unknown:  # a typo'd field would be dropped unseen: said, though the file serves
+        log.warning("%s: unknown field(s) %s ignored (a deploy.json has %s)", path, ", ".join(map(repr, unknown)),
+                    ", ".join(sorted(DEPLOY_FIELDS)))
     return RouteConfig(tuple(backends), tuple(routes), str(router.get("protocol", "openai")))
 
 

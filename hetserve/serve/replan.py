@@ -37,6 +37,22 @@ class ReplanInputError(PlanError):
         self.param = param
 
 
+def role_changes(planned: dict[str, str], live: dict[str, str], replanned: dict[str, list[str]],
+                 kept: list[str]) -> dict[str, list[str]]:
+    """Each kept replica whose role moved since the last plan, as its roles in order: the plan's, the
+    one it ran when the re-plan began (a worker's death switches roles in place: ``runtime.recovery``),
+    and the one the re-plan gave it (``replanned``: ``Engine.reconfigure``'s ``roles``, from and to).
+    ``/health`` shows the last; a replica with none of these changes is left out."""
+    out = {}
+    for rid in kept:
+        chain = [planned.get(rid), live.get(rid), replanned.get(rid, [None, None])[1]]
+        chain = [r for r in chain if r is not None]
+        chain = [r for i, r in enumerate(chain) if i == 0 or r != chain[i - 1]]
+        if len(chain) > 1:
+            out[rid] = chain
+    return out
+
+
 class Replanner:
     def __init__(self, engine, workload: str = "azure-conv", algorithm: str = "hexgen2",
                  time_limit_s: float = 10.0, seed: int = 0, on_failure: bool = False):
@@ -102,7 +118,12 @@ class Replanner:
                 raise ReplanInputError(f"re-plan: returned devices {sorted(back - was_lost)} are not lost (lost "
                                        f"now: {sorted(was_lost) or 'none'})", "returned")
             new_lost = was_lost - back
-            dead = {rid for rid, s in eng.stats().get("replicas", {}).items() if not s.get("alive", True)}
+            running = eng.stats().get("replicas", {})
+            dead = {rid for rid, s in running.items() if not s.get("alive", True)}
+            # roles as they run now: a worker's death may have switched some from the plan's (a prefill
+            # replica decoding in place), which the re-plan then keeps and reports as no change
+            planned = {r.id: r.role for r in eng.plan.replicas}
+            live = {rid: s["role"] for rid, s in running.items() if s.get("alive", True) and s.get("role")}
             spec, fit = self._servable()
             if fit.note:
                 log.info("re-plan: %s", fit.note)
@@ -113,13 +134,16 @@ class Replanner:
             t_planned = time.monotonic()
             record = eng.reconfigure(plan, new_cluster)
             record = {"trigger": trigger, "lost": sorted(self.lost), "plan_s": t_planned - t0, **record,
+                      "role_changes": role_changes(planned, live, dict(record.get("roles") or {}), record["kept"]),
                       "total_s": time.monotonic() - t0}
             self.history.append(record)
             # one a failure forced is what an operator must see at the default log level
             log.log(logging.WARNING if trigger == "failure" else logging.INFO,
-                    "re-plan (%s; lost devices: %s): kept %s (role changes in place: %s), retired %s, added %s; "
-                    "planning %.2f s, start-up %.2f s, total %.2f s", trigger, record["lost"] or "none",
-                    record["kept"], record["roles"] or "none", record["retired"], record["added"],
+                    "re-plan (%s; lost devices: %s): kept %s (roles changed in place since the last plan: %s), "
+                    "retired %s, added %s; planning %.2f s, start-up %.2f s, total %.2f s", trigger,
+                    record["lost"] or "none", record["kept"],
+                    ", ".join(f"{rid} {' -> '.join(chain)}" for rid, chain in record["role_changes"].items()) or "none",
+                    record["retired"], record["added"],
                     record["plan_s"], record["start_s"], record["total_s"])
             return record
 

@@ -311,8 +311,11 @@ def fit(model_dir: str, gpu_name: str, ttft: dict[int, float], tpot: dict[int, f
 
 
 def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
-    """Measure the engine (and the server) on this machine and fit the cost model to it."""
+    """Measure the engine (and the server) on this machine and fit the cost model to it
+    (``progress``, where given, is told each phase: ``measure``'s, then the fit)."""
     m = measure(model_dir, gpu_name, **kwargs)
+    if kwargs.get("progress"):
+        kwargs["progress"]("fitting the cost model", kwargs.get("reps", 5), kwargs.get("reps", 5))
     info = machine_info()
     info["load_avg_1m"] = round(float(np.mean(m.load_avg)), 2) if m.load_avg else info["load_avg_1m"]
     return fit(model_dir, gpu_name, m.ttft, m.tpot, decode_tokens=kwargs.get("decode_tokens", 24),

@@ -85,6 +85,7 @@ class CompareOptions:
     # replay the same requests a second time on the same server (after the first run's measurements):
     # how far two served runs of one cell lie apart is the noise any prediction of them meets
     serve_twice: bool = False
+    progress: Any = None  # told each phase, progress(phase): serving, replaying, simulating
 
 
 @dataclass
@@ -164,6 +165,7 @@ def compare(opts: CompareOptions) -> Comparison:
     # the plan against the cluster and the checkpoint before anything is served, in serve's words
     named = f"{opts.plan} (planned for {plan.model})" if isinstance(opts.plan, (str, Path)) else f"the plan for {plan.model}"
     check_runnable(plan, cluster, load_model(str(opts.model_dir)), f"{named} with --model {opts.model_dir}")
+    say = opts.progress or (lambda phase: None)
     probe = SpeedProbe(opts.model_dir) if at_calibration else None  # loaded before serving starts
     load_before = os.getloadavg()[0]
     serve_opts = ServeOptions(plan=plan, cluster=cluster, model_dir=str(opts.model_dir), placement=opts.placement,
@@ -171,6 +173,7 @@ def compare(opts: CompareOptions) -> Comparison:
                               engine_options={"prefill_mode": opts.prefill_mode, "chunk_tokens": opts.chunk_tokens,
                                               "kv_admission": opts.kv_admission,
                                               "threads_per_worker": PROBE_THREADS})
+    say(f"starting the server ({len(plan.replicas)} replicas)")
     with start_server(serve_opts) as server:
         engine = server.deployment.engine
         pools = {rid: s.blocks.capacity_tokens for rid, s in engine.schedulers.items()}
@@ -186,6 +189,7 @@ def compare(opts: CompareOptions) -> Comparison:
         pids = {"front end": os.getpid(), **engine.workers.pids}
         cpu0, t0 = {k: process_cpu_s(p) for k, p in pids.items()}, time.monotonic()
         machine0 = machine_busy_cpu_s()
+        say(f"serving {len(requests)} requests")
         results = replay(server.url, model_name, requests, ignore_eos=True)
         wall = time.monotonic() - t0
         cpu = cpu_utilisation(cpu0, {k: process_cpu_s(p) for k, p in pids.items()}, wall)
@@ -202,6 +206,7 @@ def compare(opts: CompareOptions) -> Comparison:
     slow = weighted(measured, opts.speed_weight)
     efficiency, overhead, sim_kw = calibrated_inputs(opts.efficiency, slow)
     contention, handoff = sim_kw.get("contention_slowdown", 1.0), sim_kw.get("link_overhead_s", 0.0)
+    say(f"simulating the same {len(requests)} requests")
     res, steps_info = simulate_with_steps(plan, cluster, spec, requests, opts, cfg, pools, efficiency, overhead,
                                           served_steps, **sim_kw)
     table = table_against(served, summary["throughput_tokens_per_s"], res)

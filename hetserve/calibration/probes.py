@@ -112,7 +112,8 @@ class Measurements:
 
 def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), batch_sizes=(1, 4, 16),
             decode_tokens: int = 24, reps: int = 5, serving: bool = True, pipeline: bool = True,
-            tp: bool = True, handoff: bool = True, speed: bool = True, long_decode: bool = True) -> Measurements:
+            tp: bool = True, handoff: bool = True, speed: bool = True, long_decode: bool = True,
+            progress=None) -> Measurements:
     """Median TTFT per prompt length and median TPOT per batch size on the engine (``long_decode``:
     and of one batch started from LONG_DECODE_PROMPT-token prompts, the decode's cost per context
     token: served contexts are prompts long, the other decode probes' 16 tokens), (``serving``)
@@ -125,7 +126,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
     coordinator's send to the last acknowledgement), and (``speed``) the machine's speed index in
     every round (``runtime.speed_probe``), which ``hetserve compare`` reads again when it serves;
     each round's times are then scaled to the speed of the median reading
-    (``speed_probe.round_median``)."""
+    (``speed_probe.round_median``). ``progress(phase, rounds_done, reps)`` is told each phase."""
     from hetserve.runtime.engine import Engine
     from hetserve.runtime.engine_config import EngineConfig
     from hetserve.runtime.params import SamplingParams
@@ -171,6 +172,8 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
             h.result(timeout=120)
         return statistics.median(h.tpot for h in handles)
 
+    say = progress or (lambda phase, done, total: None)
+    say("starting the probe engines", 0, reps)
     server = pp = tp2 = pd = None
     if serving:
         from hetserve.serve.launch import ServeOptions, start_server
@@ -237,6 +240,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
                 pp_ttft_s.append((rnd, prefill(pp, pp_prompt)))
 
         for rnd in range(reps):
+            say(f"round {rnd + 1} of {reps}: every probe", rnd, reps)
             if probe is not None:
                 m.speed.append(probe.read(1.0))
             if NOISY_SAMPLES_PER_ROUND >= 3:
@@ -303,6 +307,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         import sys
         import threading
 
+        say("the GIL probe", reps, reps)
         b_gil, duty = min(4, max(batch_sizes)), 0.5  # half the time: a delay well above the load's noise
         for _ in range(reps):
             alone = decode(engine, b_gil)
@@ -323,6 +328,7 @@ def measure(model_dir: str, gpu_name: str, prompt_lengths=(32, 128, 256, 512), b
         # /proc has no CPU time, would also hold the load of other processes on a shared machine.
         import multiprocessing
 
+        say("the contention probe", reps, reps)
         ctx = multiprocessing.get_context("spawn")
         stop, go = ctx.Event(), ctx.Event()
         burner = ctx.Process(target=burn, args=(stop, go, spec.weight_bytes), daemon=True)

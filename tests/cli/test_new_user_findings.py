@@ -131,3 +131,49 @@ def test_simulate_and_compare_take_the_same_request_count_spelling():
         action = next(a for a in sub[command]._actions if "-n" in a.option_strings)
         assert set(action.option_strings) == {"-n", "--num-requests", "--limit"} and action.dest == dest
         assert "--limit" in sub[command].format_help()
+
+
+def test_the_phase_bar_names_each_phase_on_a_terminal_and_is_silent_off_one():
+    import io
+
+    from rich.console import Console
+
+    from hetserve.cli.progress import phase_progress
+
+    for terminal, quiet, shown in ((True, False, True), (True, True, False), (False, False, False)):
+        out = io.StringIO()
+        with phase_progress(Console(file=out, force_terminal=terminal, width=100), quiet) as report:
+            report("round 1 of 7: every probe", 0, 7)
+            report("the GIL probe")
+        text = out.getvalue()
+        assert ("round 1 of 7" in text and "the GIL probe" in text) == shown and (shown or text == "")
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_calibrate_and_compare_hand_their_phases_to_the_bar(tmp_path, monkeypatch):
+    """The long commands pass a progress callback down (calibrate's probe rounds, compare's serve /
+    replay / simulate), where the bar shows them."""
+    import hetserve.calibration.calibrate as calibration
+    import hetserve.calibration.compare as comparison
+
+    told = {}
+
+    def fake_calibrate(model_dir, gpu, **kw):
+        told["calibrate"] = kw.get("progress")
+        raise _Stop
+
+    def fake_compare(opts):
+        told["compare"] = opts.progress
+        raise _Stop
+
+    monkeypatch.setattr(calibration, "calibrate", fake_calibrate)
+    monkeypatch.setattr(comparison, "compare", fake_compare)
+    assert main(["make-model", "--layers", "2", "-o", str(tmp_path / "m")]) == 0
+    with pytest.raises(_Stop):
+        main(["calibrate", "--model", str(tmp_path / "m")])
+    with pytest.raises(_Stop):
+        main(["compare", "--plan", DISAGG, "--model", str(tmp_path / "m"), "--cluster", "demo-tiny"])
+    assert callable(told["calibrate"]) and callable(told["compare"])

@@ -58,6 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     for name, what in SKIPS.items():
         p.add_argument(f"--no-{name}", action="store_true", help=f"skip {what}")
     p.add_argument("-o", "--output", help="write the calibration JSON here (for `plan/simulate --efficiency`)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (none off a terminal either)")
     p.set_defaults(func=run)
 
 
@@ -70,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.specs.gpus import gpu
 
     from hetserve.cli.model_dir import check_model_dir
+    from hetserve.cli.progress import phase_progress
     from hetserve.output_path import check_output_file
 
     if args.profiles:
@@ -100,17 +102,18 @@ def run(args: argparse.Namespace) -> int:
                             ",".join(map(str, args.prompt_lengths)))
     if args.output:
         check_output_file(args.output, "--output")
-    cal = calibrate(args.model, args.gpu, prompt_lengths=args.prompt_lengths, batch_sizes=args.batch_sizes,
-                    decode_tokens=args.decode_tokens, reps=args.reps, serving=not args.no_serving,
-                    pipeline=not args.no_pipeline, tp=not args.no_tp, handoff=not args.no_handoff,
-                    long_decode=not args.no_long_decode, speed=not args.no_speed_probe)
+    console = Console()
+    with phase_progress(console, args.quiet) as progress:
+        cal = calibrate(args.model, args.gpu, prompt_lengths=args.prompt_lengths, batch_sizes=args.batch_sizes,
+                        decode_tokens=args.decode_tokens, reps=args.reps, serving=not args.no_serving,
+                        pipeline=not args.no_pipeline, tp=not args.no_tp, handoff=not args.no_handoff,
+                        long_decode=not args.no_long_decode, speed=not args.no_speed_probe, progress=progress)
     on = cal.measured_on
     t = Table("phase", "size", "context", "stages", "tp", "measured ms", "cost model ms", "error",
               title=f"calibration against {args.gpu} (measured on {on.get('device', '?')}, {on.get('cores', '?')} "
                     f"cores, {on.get('date', '?')}, load avg {on.get('load_avg_1m', '?')})")
     for p in cal.points:
         t.add_row(p.phase, str(p.size), f"{p.prompt}+" if p.phase == "decode" else "-", str(p.stages), str(p.tp), f"{p.measured_s * 1e3:.2f}", f"{p.predicted_s * 1e3:.2f}", f"{p.error:+.0%}")
-    console = Console()
     console.print(t)
     eff = cal.efficiency
     console.print(f"compute efficiency {eff.compute:.3g}, attention {_attention(eff, args)}, memory efficiency "
@@ -158,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
 # the probe options' defaults: with --profiles, any other value was named by the user and cannot act
 PROBE_DEFAULTS = {"model": None, "gpu": "RTX-4090", "prompt_lengths": (32, 128, 256, 512), "batch_sizes": (1, 4, 16),
                   "decode_tokens": 24, "reps": 7, "no_pipeline": False, "no_tp": False, "no_handoff": False,
-                  "no_long_decode": False, "no_speed_probe": False, "no_serving": False}
+                  "no_long_decode": False, "no_speed_probe": False, "no_serving": False, "quiet": False}
 
 
 def probe_options(args: argparse.Namespace) -> list[str]:

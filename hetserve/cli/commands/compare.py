@@ -43,6 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "against the first beside the simulation: how far two served runs lie apart")
     add_prefill_mode_options(p)
     p.add_argument("-o", "--output", help="folder for compare.json and compare_cdf.png")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (none off a terminal either)")
     p.set_defaults(func=run)
 
 
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.planner.plan import Plan
 
     from hetserve.cli.model_dir import check_model_dir, plan_cluster
+    from hetserve.cli.progress import phase_progress
     from hetserve.output_path import check_output_folder
 
     if args.output:
@@ -71,18 +73,19 @@ def run(args: argparse.Namespace) -> int:
     if args.efficiency:
         from hetserve.cost.efficiency import load_efficiency
         load_efficiency(args.efficiency)
+    console = Console()
     try:
-        c = compare(CompareOptions(plan=args.plan, model_dir=args.model, cluster=cluster, workload=args.workload,
-                                   workload_class=args.workload_class, rate=args.rate,
-                                   num_requests=args.num_requests, max_input=args.max_input,
-                                   max_output=args.max_output, efficiency=args.efficiency, placement=args.placement,
-                                   route=route_of(args), seed=args.seed, prefill_mode=args.prefill_mode,
-                                   chunk_tokens=chunk_tokens_of(args), kv_admission=args.kv_admission,
-                                   speed_correction=args.speed_correction, speed_weight=args.speed_weight,
-                                   serve_twice=args.serve_twice))
+        with phase_progress(console, args.quiet) as progress:
+            c = compare(CompareOptions(plan=args.plan, model_dir=args.model, cluster=cluster, workload=args.workload,
+                                       workload_class=args.workload_class, rate=args.rate,
+                                       num_requests=args.num_requests, max_input=args.max_input,
+                                       max_output=args.max_output, efficiency=args.efficiency, placement=args.placement,
+                                       route=route_of(args), seed=args.seed, prefill_mode=args.prefill_mode,
+                                       chunk_tokens=chunk_tokens_of(args), kv_admission=args.kv_admission,
+                                       speed_correction=args.speed_correction, speed_weight=args.speed_weight,
+                                       serve_twice=args.serve_twice, progress=progress))
     except RuntimeError as exc:
         raise RuntimeFailure(str(exc)) from exc
-    console = Console()
     print_table(c, console)
     if args.output:
         for path in c.save(args.output):

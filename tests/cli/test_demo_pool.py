@@ -49,3 +49,23 @@ def test_demo_help_prints_usage_and_runs_nothing(tmp_path, monkeypatch, capsys):
         demo.main(["--help"])
     assert done.value.code == 0 and "make demo" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()
+
+
+def test_a_calibration_prices_every_cpu_slot_so_planning_the_demo_pool_with_it_warns_of_nothing(tmp_path, capsys):
+    """The demo pool's "L4" and "RTX-4090" slots are CPU slots, all priced at the calibration's GPU
+    peaks: a calibration made as another type (here H100) is not applied to other GPUs' peaks."""
+    import json
+
+    from hetserve.cli.main import main
+
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"gpu": "H100-SXM-80G", "efficiency": {}}))
+    model = tmp_path / "tiny-llama"  # a config is all the planner reads
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048}))
+    args = ["plan", "--cluster", str(this_machines_pool(tmp_path)), "--model", str(model), "--algorithm", "uniform",
+            "--quiet", "--efficiency", str(cal), "-o", str(tmp_path / "plan.json")]
+    assert main(args) == 0
+    assert "calibrated as" not in capsys.readouterr().out

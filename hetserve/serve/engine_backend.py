@@ -8,7 +8,7 @@ engine (``Engine.link_stats``: every worker's, as reported over the transport, a
 Engine errors are mapped once, here: a ``ValueError`` from ``submit`` (prompt outside the
 vocabulary or the context) and an ``InfeasibleError`` (KV can never fit) become ``InvalidRequest``;
 a ``RuntimeFailure`` at submission (no replica can serve) becomes ``Unavailable`` (503), one
-mid-stream ``ServerError``, or ``Overloaded`` (503) where a shutdown ended it (``fail_all``).
+mid-stream ``ServerError``, or ``ShuttingDown`` (503) where a shutdown ended it (``fail_all``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from hetserve.runtime.params import SamplingParams
 from hetserve.runtime.snapshot import state_from_stats
 from hetserve.serve.backend import SampledToken
 from hetserve.policies.request_checks import RequestRefused
-from hetserve.serve.errors import InvalidRequest, Overloaded, ServerError, Unavailable, refusal
+from hetserve.serve.errors import InvalidRequest, ServerError, ShuttingDown, Unavailable, refusal
 
 
 class EngineBackend:
@@ -61,7 +61,7 @@ class EngineBackend:
                     yield token
             except RuntimeFailure as exc:
                 # ended by a shutdown (``fail_all``): the server's refusal, as a request arriving now gets
-                raise (Overloaded if self._ended is not None else ServerError)(str(exc)) from exc
+                raise (ShuttingDown if self._ended is not None else ServerError)(str(exc)) from exc
         finally:
             self._handles.pop(request_id, None)
             if not handle.finished:

@@ -9,7 +9,7 @@
     ├── NotFound (404)            no such route
     ├── MethodNotAllowed (405)
     ├── Overloaded (503)          the server is shutting down or the engine is not ready
-    │   ├── ShuttingDown (503)    refused or ended by the graceful shutdown; ``Retry-After`` set
+    │   ├── ShuttingDown (503)    refused or ended by the graceful shutdown (``shutting_down``); ``Retry-After`` set
     │   └── Unavailable (503)     no live replica can serve (every one lost a worker); ``Retry-After`` set
     └── ServerError (500)         anything unexpected (the engine failed mid-request, a worker died)
 
@@ -111,7 +111,10 @@ class Overloaded(APIError):
 
 class ShuttingDown(Overloaded):
     """A request the server's graceful shutdown refused or ended (``serve.server``'s drain): another
-    instance, or this one restarted, can serve it, so ``Retry-After`` says when to try again."""
+    instance, or this one restarted, can serve it, so ``Retry-After`` says when to try again. Clients
+    retry on the status (the OpenAI SDK: any 5xx, after ``Retry-After``), never on the code: the code
+    says why to the one reading it."""
+    code = "shutting_down"
     RETRY_AFTER_S = 5
 
     def __init__(self, message: str = "the server is shutting down; retry on another instance or later"):

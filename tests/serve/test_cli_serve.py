@@ -251,9 +251,9 @@ def test_a_second_signal_answers_requests_in_flight_and_stops_without_a_tracebac
     assert proc.returncode == 0, out
     assert plain and plain[0].status_code == 503, (plain, out)
     error = plain[0].json()["error"]
-    assert error["code"] == "overloaded" and "second signal" in error["message"], error
+    assert error["code"] == "shutting_down" and "second signal" in error["message"], error
     assert events[-1] == "[DONE]" and "second signal" in json.loads(events[-2])["error"]["message"], events[-3:]
-    assert json.loads(events[-2])["error"]["code"] == "overloaded", events[-2]  # the same refusal as the plain one
+    assert json.loads(events[-2])["error"]["code"] == "shutting_down", events[-2]  # the same refusal as the plain one
     assert "Traceback" not in out and "ERROR" not in out and "Exception in ASGI application" not in out, out
     assert "second signal: ending 2 request(s)" in out, out
 

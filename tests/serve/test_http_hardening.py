@@ -200,7 +200,7 @@ def test_drain_finishes_short_requests_and_ends_long_ones_with_an_error_event(se
     drain.start()
     assert wait_until(lambda: coord.draining)
     r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
-    assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "overloaded"
+    assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "shutting_down"
     assert httpx.get(url + "/health").json()["status"] == "draining"
     drain.join(30)
     for t in threads:

@@ -62,10 +62,10 @@ def test_a_drains_503_is_one_warning_line_not_an_error(serve_fake, caplog):
     coord.draining = True
     with caplog.at_level(logging.INFO, logger="hetserve.serve"):
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
-    assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded" and r.headers["retry-after"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down" and r.headers["retry-after"]
     mine = [rec for rec in caplog.records if rec.name == "hetserve.serve"]
     assert [rec.levelno for rec in mine] == [logging.WARNING] and not mine[0].exc_info
-    assert "503 overloaded" in mine[0].getMessage()
+    assert "503 shutting_down" in mine[0].getMessage()
 
 
 @pytest.mark.parametrize("raised", ["ServerError", "Overloaded"])
@@ -85,7 +85,7 @@ def test_a_plain_request_the_shutdown_ends_is_503_with_retry_after_whatever_the_
     url, _, coord = serve_fake(EndedByShutdown())
     holder["coord"] = coord
     r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
-    assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
     assert r.headers["retry-after"]
 
 

@@ -84,7 +84,8 @@ def print_plan(console, plan) -> None:
     if "goodput_requests_per_s" in e:
         slo = e.get("slo", {})
         console.print(f"goodput {e['goodput_requests_per_s']:,.3f} requests/s within TTFT ≤ {slo.get('ttft_s')} s, "
-                      f"TPOT ≤ {slo.get('tpot_s')} s (estimate: M/D/1 prefill queue, decode batch within the TPOT)")
+                      f"TPOT ≤ {slo.get('tpot_s')} s (estimate: M/D/1 prefill queue, KV hand-offs queueing on shared "
+                      "links, decode batch within the TPOT)")
     if "budget_usd_per_hour" in e:
         whose = ("the cheapest budget tried that serves the rate" if "rate_requests_per_s" in e
                  else "budget")  # --objective cost searches budgets: none was given

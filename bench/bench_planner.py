@@ -28,7 +28,6 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.lib.exact_pools import exact_cases
-from bench.lib.exact_pools import island as _island  # noqa: F401 (tests/planner import it from here)
 from bench.lib.pools import synthetic_pool
 from hetserve.planner import ALGORITHMS, PlanOptions
 from hetserve.planner.options import default_restarts, default_stall_iterations

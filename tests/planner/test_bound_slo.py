@@ -4,7 +4,7 @@ price where the per-device LP's minimum price is not."""
 
 import pytest
 
-from bench.bench_planner import _island
+from bench.lib.exact_pools import island
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.planner import ALGORITHMS, PlanOptions, plan
 from hetserve.planner.bound import throughput as bound
@@ -50,7 +50,7 @@ def test_goodput_stays_under_the_bound(pool, model, slo, azure):
     replicas at their whole batch), which is never above the programme without SLOs."""
     from hetserve.specs.model import load_model
 
-    c = _island("A100-SXM-80G", 4, "L4", 2) if pool == "island" else load_cluster(pool)
+    c = island("A100-SXM-80G", 4, "L4", 2) if pool == "island" else load_cluster(pool)
     m = load_model(model)
     opts = PlanOptions(seed=0, objective="goodput", slo_ttft_s=slo[0], slo_tpot_s=slo[1])
     x = ALGORITHMS["exact"](c, m, azure, opts)
@@ -78,7 +78,7 @@ def test_goodput_bound_uses_the_group_programme(case_study, llama70b, azure):
 def test_min_cost_is_a_floor_where_the_per_device_lp_is_not(llama7b, azure, roofline):
     """Exact's all-colocated plan on the island pool serves more than the per-device LP allows
     (the LP calls its rate impossible); ``min_cost`` stays at or below what that plan costs."""
-    c = _island("A100-SXM-80G", 4, "L4", 2)
+    c = island("A100-SXM-80G", 4, "L4", 2)
     x = ALGORITHMS["exact"](c, llama7b, azure, PlanOptions(seed=0)).estimate
     ctx = PlanContext(c, llama7b, azure)
     need = x["requests_per_period"]
@@ -93,7 +93,7 @@ def test_min_cost_is_a_floor_where_the_per_device_lp_is_not(llama7b, azure, roof
 def test_cost_objective_serves_a_rate_the_per_device_lp_calls_impossible(llama7b, azure):
     """The cost objective without SLOs on the island pool, at a rate only colocated replicas reach:
     the old LP floor refused it outright; now the plan serves it and its floor is below its price."""
-    c = _island("A100-SXM-80G", 4, "L4", 2)
+    c = island("A100-SXM-80G", 4, "L4", 2)
     x = ALGORITHMS["exact"](c, llama7b, azure, PlanOptions(seed=0)).estimate
     rate = 0.95 * x["requests_per_period"] / x["period_s"] * TARGET_LOAD
     p = plan(c, llama7b, azure, "exact", PlanOptions(seed=0, objective="cost", rate=rate))

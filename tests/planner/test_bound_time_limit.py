@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.bench_planner import _island
+from bench.lib.exact_pools import island
 from hetserve.planner.context import PlanContext
 from hetserve.planner.pool import estimate
 from hetserve.specs.model import load_model
@@ -21,7 +21,7 @@ def test_a_bound_the_time_cuts_short_is_still_a_bound_and_more_time_solves_it_ag
 
     _fresh_solves(monkeypatch, bound, bound_milp)
     # a small pool: its MILP takes tens of milliseconds, so the millisecond's cut is real and the full solve cheap
-    ctx = PlanContext(_island("A100-SXM-80G", 4, "L4", 2), load_model("llama-2-7b"), load_workload("azure-conv"))
+    ctx = PlanContext(island("A100-SXM-80G", 4, "L4", 2), load_model("llama-2-7b"), load_workload("azure-conv"))
     cut = bound.group_bound(ctx, time_limit_s=1e-3)
     assert cut.cut_short
     full = bound.group_bound(ctx)

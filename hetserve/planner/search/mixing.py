@@ -17,6 +17,7 @@ import functools
 import itertools
 
 from hetserve.planner.context import PlanContext
+from hetserve.planner.search import cut_store
 from hetserve.planner.search.moves import merge, split, split_devices, with_roles
 from hetserve.planner.search.partition import group_bandwidth
 from hetserve.planner.pool.evaluator import Evaluator
@@ -93,12 +94,19 @@ def _colocated_cut(ctx: PlanContext, evaluator: Evaluator, devices: tuple[int, .
     Memoised by class composition (``Evaluator.colocated_cuts``): the cut reads only the class
     counts and, within each class, the devices' order, so it is computed once on the first
     devices of each class and moved onto any other devices of the same classes. The mixed climb
-    re-cuts the same groups every round (at 320 GPUs ~1,400 cuts, most of them repeats)."""
+    re-cuts the same groups every round (at 320 GPUs ~1,400 cuts, most of them repeats). Behind
+    that memo, ``cut_store`` keeps the cuts for every evaluator of the same problem (the other
+    algorithms and plan calls on it)."""
     comp = ctx.composition(devices)
     hit = evaluator.colocated_cuts.get(comp)
     if hit is None:
-        first = tuple(d for k, n in comp for d in ctx.classes[k][:n])
-        hit = evaluator.colocated_cuts[comp] = _colocated_cut_fresh(ctx, evaluator, first, comp)
+        shared = cut_store.shared_cuts(ctx, (MAX_KNAPSACK_VECTORS,))
+        hit = shared.get(comp)
+        if hit is None:
+            first = tuple(d for k, n in comp for d in ctx.classes[k][:n])
+            hit = _colocated_cut_fresh(ctx, evaluator, first, comp)
+            cut_store.keep(shared, comp, hit)
+        evaluator.colocated_cuts[comp] = hit
     where: dict[int, int] = {}  # the k-th device of a class on the memo's devices -> on ``devices``
     by_cls: dict[int, list[int]] = {}
     for d in sorted(devices):

@@ -35,6 +35,7 @@ from hetserve.policies.transmission import next_decode_return, round_trip_time
 from hetserve.sim.batch import DecodeBatch
 from hetserve.sim.events import Priority
 from hetserve.sim.replicas.base import Replica
+from hetserve.sim.replicas.decoding import Columns, KeptColumns, columns
 
 TOKEN_ID_BYTES = 4
 
@@ -263,7 +264,7 @@ class PipelineReplica(Replica):
         return ReplicaState(self.id, self.role, queued, running, self.queued_tokens,
                             self.queued_tokens + max(0.0, self.pred_sum - generated), ctx,
                             int(self.kv_used), int(self.kv_capacity),
-                            self._requests() if with_requests else (), self.capacity_norm)
+                            KeptColumns(self._columns()) if with_requests else (), self.capacity_norm)
 
     def _requests(self) -> tuple[RunningRequest, ...]:
         """As ``_Decoding._requests``: running members (decode time since joining), then the rest."""
@@ -278,3 +279,23 @@ class PipelineReplica(Replica):
         rest += [w if self.role == "colocated" else w[0] for w in self.waiting]
         out += [RunningRequest(rid, r.inp[rid], first, env.repredict(rid, first), 0.0, started=False) for rid in rest]
         return tuple(out)
+
+    def _columns(self) -> Columns:
+        """``_requests`` as ``Columns``: the same figures, and ``env.repredict`` asked the same."""
+        r, now, ask = self.req, self.loop.now, self.env.repredict
+        ids: list[int] = []
+        gens: list[int] = []
+        for g in self.groups:
+            it1 = g.batch.iteration + 1
+            ids += g.batch.members
+            gens += [it1 - joined for joined in g.batch.members.values()]
+        m = len(ids)
+        first = 1 if self.role == "decode" else 0
+        ids += [rid for g in self.groups for rid in (*g.prefill, *g.joins)] + list(self._inbound)
+        ids += [w if self.role == "colocated" else w[0] for w in self.waiting]
+        gens += [first] * (len(ids) - m)
+        preds = [ask(rid, gen) for rid, gen in zip(ids, gens)]
+        c = columns(ids, r.inp, gens, preds, r.t_join, now, m)
+        if len(ids) > m:  # waiting ones: no decode time here
+            c.dec_time[m:] = 0.0
+        return c

@@ -8,6 +8,11 @@ next. KV admission is a strategy object (``self.kv``, see ``kv.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Callable, NamedTuple
+
+import numpy as np
+
 from hetserve.policies.base import RunningRequest
 from hetserve.cost.decode import DecodeRound
 from hetserve.cost.layout import micro_batches_of
@@ -16,6 +21,87 @@ from hetserve.sim.events import Priority
 from hetserve.sim.hosts import on_host
 from hetserve.sim.replicas.base import LazyRequests, Replica
 from hetserve.sim.replicas.kv import make_kv_admission
+
+
+class Columns(NamedTuple):
+    """A replica's per-request views as columns (the ``RunningRequest`` fields, in the same order)."""
+
+    ids: list[int] | tuple[()]
+    l_in: np.ndarray  # float
+    gen: np.ndarray  # float
+    pred: np.ndarray
+    started: np.ndarray  # bool
+    dec_time: np.ndarray
+
+
+def _fixed(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+NONE = Columns((), *(_fixed(np.zeros(0, t)) for t in (float, float, float, bool, float)))  # no requests
+
+
+def columns(ids: list[int], inp: list[int], gens: list[int], preds: list[float], t_join: list[float],
+            now: float, started: int) -> Columns:
+    """``Columns`` of ``ids`` (the first ``started`` of them running, the rest waiting), with
+    ``decode_time_s`` as ``_requests`` gives it: now − joined, 0 where never joined (NaN)."""
+    n = len(ids)
+    if not n:
+        return NONE
+    dec = now - np.array([t_join[i] for i in ids], float)
+    rest = dec[started:]
+    rest[rest != rest] = 0.0
+    return Columns(ids, np.array([inp[i] for i in ids], float), np.array(gens, float), np.array(preds, float),
+                   np.arange(n) < started, dec)
+
+
+class RequestColumns(LazyRequests):
+    """``LazyRequests`` that also gives the views as ``Columns`` (``columns()``), built without a
+    ``RunningRequest`` each: Aladdin reads them so (``AladdinConstraints._view``). Like the views,
+    the columns describe the moment of the decision and must be read during it."""
+
+    __slots__ = ("_cols", "_cols_build")
+
+    def __init__(self, build: Callable[[], tuple[RunningRequest, ...]], cols: Callable[[], Columns], loop):
+        super().__init__(build, loop)
+        self._cols_build, self._cols = cols, None
+
+    def columns(self) -> Columns:
+        if self._cols is None:
+            if self._loop.events != self._stamp:
+                raise RuntimeError("a snapshot's request columns were first read after its decision")
+            self._cols = self._cols_build()
+        return self._cols
+
+
+class KeptColumns(Sequence):
+    """Views taken as ``Columns`` when the snapshot was (read at any time later): the
+    ``RunningRequest`` objects are built from them on first access."""
+
+    __slots__ = ("_cols", "_items")
+
+    def __init__(self, cols: Columns):
+        self._cols, self._items = cols, None
+
+    def columns(self) -> Columns:
+        return self._cols
+
+    def _get(self) -> tuple[RunningRequest, ...]:
+        if self._items is None:
+            c = self._cols
+            self._items = tuple(RunningRequest(i, int(n), int(g), p, d, s) for i, n, g, p, d, s in zip(
+                c.ids, c.l_in.tolist(), c.gen.tolist(), c.pred.tolist(), c.dec_time.tolist(), c.started.tolist()))
+        return self._items
+
+    def __getitem__(self, i):
+        return self._get()[i]
+
+    def __len__(self) -> int:
+        return len(self._cols.ids)
+
+    def __iter__(self):
+        return iter(self._get())
 
 
 class Decoding(Replica):
@@ -37,6 +123,10 @@ class Decoding(Replica):
         self._paused = False  # a prefill (or mixed iteration) is running; boundaries wait for it
         self._paused_until = 0.0  # when the running prefill (mixed iteration, recompute) ends
         self.pred_sum = 0.0  # Σ predicted output of admitted requests, all their choices
+        # ``env.repredict``'s last answer per request listed here (``_columns``): it changes only
+        # when asked with ``generated`` ≥ it, and only this replica asks while a request is here;
+        # a request leaving (finished, pre-empted) is forgotten, so one coming back is asked again
+        self._preds: dict[int, float] = {}
         self.kv = make_kv_admission(self, self.limits.paged)
         # When a list: (start, end, decode rids, prompt rids) per iteration, in order (tests compare
         # it step by step with the runtime's coordinator trace).
@@ -136,6 +226,7 @@ class Decoding(Replica):
             self.kv.finish(rid)
             self.admitted -= r.choices[rid]
             self.pred_sum -= r.pred[rid] * r.choices[rid]
+            self._preds.pop(rid, None)
             self.served += 1
             self.env.finished(rid)
         self.kv.after_finish()
@@ -146,6 +237,8 @@ class Decoding(Replica):
         """At a boundary, before anything is admitted: make room for the next iteration's KV."""
         victims = self.kv.make_room(self._prefilling_ids())
         if victims:
+            for rid in victims:
+                self._preds.pop(rid, None)
             if self.trace is not None:
                 self.preempt_trace.append((len(self.trace), tuple(victims)))
             self._requeue(victims)
@@ -216,6 +309,24 @@ class Decoding(Replica):
                                       started=False))
         return tuple(out)
 
+    def _columns(self) -> Columns:
+        """``_requests`` as ``Columns``: the same figures, ``env.repredict`` asked (``_preds``)
+        wherever its answer could differ from the last one."""
+        b, r, now, ask = self.batch, self.req, self.loop.now, self.env.repredict
+        it1 = b.iteration + b.iterations_done(now) + 1
+        ids = list(b.members)
+        gens = [it1 - joined for joined in b.members.values()]
+        m = len(ids)
+        for rid, gen in self._not_started():
+            ids.append(rid)
+            gens.append(gen)
+        known = self._preds
+        preds = list(map(known.get, ids))
+        for k, (p, gen) in enumerate(zip(preds, gens)):
+            if p is None or gen >= p:  # asked where ``_requests`` would change the answer, in order
+                preds[k] = known[ids[k]] = ask(ids[k], gen)
+        return columns(ids, r.inp, gens, preds, r.t_join, now, m)
+
     def _not_started(self):  # pragma: no cover - overridden
         """(rid, tokens generated so far) of the requests placed here and not in the batch."""
         return ()
@@ -232,4 +343,4 @@ class Decoding(Replica):
         return 0.0
 
     def _snapshot_requests(self, with_requests: bool):
-        return LazyRequests(self._requests, self.loop) if with_requests else ()
+        return RequestColumns(self._requests, self._columns, self.loop) if with_requests else ()

@@ -29,6 +29,7 @@ from collections import deque
 
 from hetserve.cost.analytic import PrefillBatch
 from hetserve.cost.layout import micro_batches_of
+from hetserve.policies.aladdin_constraints import AladdinConstraints
 from hetserve.policies.base import DecodeTiming, ReplicaState, RunningRequest
 from hetserve.policies.batching import Offer, compose_step, kv_reservation
 from hetserve.policies.transmission import next_decode_return, round_trip_time
@@ -264,7 +265,14 @@ class PipelineReplica(Replica):
         return ReplicaState(self.id, self.role, queued, running, self.queued_tokens,
                             self.queued_tokens + max(0.0, self.pred_sum - generated), ctx,
                             int(self.kv_used), int(self.kv_capacity),
-                            KeptColumns(self._columns()) if with_requests else (), self.capacity_norm)
+                            self._views(running + queued) if with_requests else (), self.capacity_norm)
+
+    def _views(self, listed: int):
+        """The views as of now: ``Columns`` where there are many (Aladdin's threshold), else the
+        objects, cheaper to build for a few."""
+        if listed + len(self._inbound) < AladdinConstraints.columns_from:
+            return self._requests()
+        return KeptColumns(self._columns())
 
     def _requests(self) -> tuple[RunningRequest, ...]:
         """As ``_Decoding._requests``: running members (decode time since joining), then the rest."""

@@ -64,7 +64,8 @@ class RequestColumns(LazyRequests):
     __slots__ = ("_cols", "_cols_build")
 
     def __init__(self, build: Callable[[], tuple[RunningRequest, ...]], cols: Callable[[], Columns], loop):
-        super().__init__(build, loop)
+        # ``LazyRequests.__init__`` written out: one is built per replica at every decision
+        self._build, self._items, self._loop, self._stamp = build, None, loop, loop.events
         self._cols_build, self._cols = cols, None
 
     def columns(self) -> Columns:

@@ -36,7 +36,7 @@ from hetserve.policies.transmission import next_decode_return, round_trip_time
 from hetserve.sim.batch import DecodeBatch
 from hetserve.sim.events import Priority
 from hetserve.sim.replicas.base import Replica
-from hetserve.sim.replicas.decoding import Columns, KeptColumns, columns
+from hetserve.sim.replicas.columns import Columns, KeptColumns, columns
 
 TOKEN_ID_BYTES = 4
 

@@ -39,8 +39,9 @@ from typing import AsyncIterator
 
 import httpx
 
-from hetserve.serve.errors import APIError, ShuttingDown
+from hetserve.serve.errors import STREAM_END, APIError, ServerError, ShuttingDown, Unavailable, error_event
 from hetserve.serve.route.backends import Backend, BackendPool
+from hetserve.serve.shutdown import drain, wait_answered
 
 log = logging.getLogger(__name__)
 
@@ -174,13 +175,11 @@ class Router:
     # ------------------------------------------------------------------ shutdown
     async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
         """As ``Coordinator.drain``: admit nothing new, wait up to ``timeout_s``, end those left."""
-        from hetserve.serve.shutdown import drain
         return await drain(self, timeout_s, poll_s=poll_s)
 
     async def end_now(self, reason: str, grace_s: float = 5.0, poll_s: float = 0.05) -> None:
         """End every request in flight with ``reason`` (module docstring), then wait up to ``grace_s``
         for them to be answered."""
-        from hetserve.serve.shutdown import wait_answered
         self.draining = True
         ended = self._end_signal()
         if not ended.done():
@@ -238,7 +237,6 @@ class Router:
         while True:
             entry = self.pool.pick_entry(tried)
             if entry is None:
-                from hetserve.serve.errors import Unavailable
                 raise Unavailable("no backend can serve: every one is down", param=None)
             tried.add(entry.id)
             try:
@@ -334,7 +332,7 @@ class Router:
         outcome = "200"
         cutter = EventCutter()  # whole events only reach the client (route.sse says why)
         reason = None  # why the stream broke, if it did
-        ended = None  # the shutdown's error, if it ended the stream
+        error = None  # what ended the stream early: a broken backend's, or the shutdown's
         try:
             c = first
             while True:
@@ -347,7 +345,7 @@ class Router:
                 try:
                     c = await self._read(chunks)
                 except ShuttingDown as exc:  # the shutdown ended it: as serve ends its streams
-                    ended = exc
+                    error = exc
                     break
                 except StopAsyncIteration:
                     rest = cutter.rest()
@@ -360,16 +358,14 @@ class Router:
                     break
             if reason is not None:
                 outcome = "broken"  # counted once, as broken: not as a failed attempt too
-                from hetserve.serve.errors import STREAM_END, ServerError, error_event
+                error = ServerError(reason)
+            elif error is not None:
+                outcome = "ended"
+            if error is not None:
                 # as serve ends a stream that fails after its headers: one error event, then [DONE]
                 # (a client reads to [DONE]); the event the backend was cut off inside is dropped,
                 # never sent in part (a client would fail decoding it and never read the error)
-                yield error_event(ServerError(reason)).encode()
-                yield STREAM_END.encode()
-            elif ended is not None:
-                from hetserve.serve.errors import STREAM_END, error_event
-                outcome = "ended"
-                yield error_event(ended).encode()
+                yield error_event(error).encode()
                 yield STREAM_END.encode()
         finally:
             await resp.aclose()

@@ -117,6 +117,20 @@ def worker_options(cluster: Cluster, model: ModelSpec, slo: SLO, mean_input: flo
     return out
 
 
+def check_weights_fit(cluster: Cluster, model: ModelSpec, gpu_name: str,
+                      degrees: Sequence[int] = DEFAULT_DEGREES) -> None:
+    """``best_worker_config``'s refusal where even the largest worker (the most ``gpu_name`` GPUs in
+    one box, up to the largest degree) has less usable memory than the weights alone. It reads no
+    request, so a command asks it before loading its trace."""
+    degree = max((g for g in degrees if tp_layout(cluster, g, gpu_name) is not None), default=0)
+    device = next(d for d in cluster.devices if d.gpu.name == gpu_name)
+    have = degree * device.memory_bytes * CostModel(cluster, model).eff.usable_memory
+    if have < model.weight_bytes:
+        raise InfeasibleError(f"no worker of {list(degrees)} GPUs holds {model.name} and any KV cache on "
+                              f"{cluster.name}: its weights alone take {model.weight_bytes / 1e9:.0f} GB, {degree} "
+                              f"{gpu_name} in one box {have / 1e9:.0f} GB usable")
+
+
 def best_worker_config(cluster: Cluster, model: ModelSpec, slo: SLO, mean_input: float, mean_output: float,
                        degrees: Sequence[int] = DEFAULT_DEGREES, gpu_name: str | None = None,
                        efficiency: Efficiency | None = None) -> WorkerOption:

@@ -131,13 +131,7 @@ class PlanContext:
 
     def check_feasible(self) -> None:
         """Raise ``InfeasibleError`` with the numbers if no replica fits the whole pool."""
-        m = self.model
-        if sum(self.usable_memory) < m.weight_bytes:
-            raise InfeasibleError(
-                f"{m.name} needs {fmt_gb(m.weight_bytes)} for its weights alone, the pool {self.cluster.name} has "
-                f"{fmt_gb(sum(self.memory))} ({fmt_gb(sum(self.usable_memory))} usable at "
-                f"{self.cost.eff.usable_memory:.0%}) over "
-                f"{self.num_devices} device{'' if self.num_devices == 1 else 's'}")
+        check_weights_fit(self.cluster, self.model, self.cost)
 
     def no_replica_error(self) -> InfeasibleError:
         """The pool has memory for the weights but no group found a layout that fits (or, under SLOs,
@@ -303,3 +297,17 @@ def _interchangeable(members: list[int], lat: np.ndarray, bw: np.ndarray) -> boo
     inner = np.ix_(members, members)
     off = ~np.eye(len(members), dtype=bool)
     return len(set(lat[inner][off].tolist())) == 1 and len(set(bw[inner][off].tolist())) == 1
+
+
+def check_weights_fit(cluster: Cluster, model: ModelSpec, cost: CostModel) -> None:
+    """Raise ``InfeasibleError`` with the numbers if the pool's usable memory (``cost``'s share of
+    each device's) is below the weights alone: no replica fits the whole pool. It reads no request,
+    so a command asks it before loading its trace."""
+    usable = cost.eff.usable_memory
+    memory = [d.memory_bytes for d in cluster.devices]
+    have = sum(m * usable for m in memory)
+    if have < model.weight_bytes:
+        n = len(cluster)
+        raise InfeasibleError(
+            f"{model.name} needs {fmt_gb(model.weight_bytes)} for its weights alone, the pool {cluster.name} has "
+            f"{fmt_gb(sum(memory))} ({fmt_gb(have)} usable at {usable:.0%}) over {n} device{'' if n == 1 else 's'}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Callable
 
 from hetserve.errors import InfeasibleError, PlanError
@@ -209,9 +210,24 @@ def cheapest(fn: Callable[..., Plan], cluster, model, workload, options: PlanOpt
 
 
 def plan_for(fn: Callable[..., Plan], cluster, model, workload, options: PlanOptions) -> Plan:
-    """Run ``fn`` for ``options``' objective and budget (plain ``fn`` when neither applies)."""
+    """Run ``fn`` for ``options``' objective and budget (plain ``fn`` when neither applies). Where a
+    budget or the cost objective runs ``fn`` more than once (a search per device subset, per budget
+    tried), the whole search's time and the inner searches it ran go in
+    ``estimate['objective_search']``: the estimate's ``search`` is the chosen inner plan's alone."""
     if options.objective == "cost":
-        return cheapest(fn, cluster, model, workload, options)
-    if options.budget_usd_per_hour is not None:
-        return within_budget(fn, cluster, model, workload, options)
-    return fn(cluster, model, workload, options)
+        search = cheapest
+    elif options.budget_usd_per_hour is not None:
+        search = within_budget
+    else:
+        return fn(cluster, model, workload, options)
+    runs = 0
+
+    def counted(*args, **kwargs) -> Plan:
+        nonlocal runs
+        runs += 1
+        return fn(*args, **kwargs)
+
+    start = time.perf_counter()
+    plan = search(counted, cluster, model, workload, options)
+    plan.estimate["objective_search"] = {"wall_s": round(time.perf_counter() - start, 3), "inner_plans": runs}
+    return plan

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         gpu = gpu_spec(args.gpu, "--gpu").name  # named as the option, not as the pool built from it
         cluster = config.homogeneous_cluster(gpu, 8, 8)
     # the names above, and whether one box holds the weights at all, before the trace is read
-    _check_weights_fit(cluster, model, gpu)
+    config.check_weights_fit(cluster, model, gpu)
     whole = load_workload(args.workload, seed=args.seed)
     fit = servable(whole, model, args.workload, "sized")
     if fit.note:  # the means below are of these: say why they differ from the trace's
@@ -205,24 +205,6 @@ def run(args: argparse.Namespace) -> int:
                           f"{plan.gpu_hours:.2f} GPU-hours vs {plan.static_gpu_hours:.2f} for the peak "
                           f"({plan.peak_workers} workers) all along")
     return 0
-
-
-def _check_weights_fit(cluster, model, gpu: str) -> None:
-    """``best_worker_config``'s refusal where even the largest worker (the most ``gpu`` GPUs in one
-    box, up to the largest degree) has less usable memory than the weights: it needs no request."""
-    from hetserve.capacity.config import DEFAULT_DEGREES
-    from hetserve.cost.analytic import CostModel
-    from hetserve.errors import InfeasibleError
-
-    ours = [d for d in cluster.devices if d.gpu.name == gpu]
-    box = max(sum(d.machine == m for d in ours) for m in {d.machine for d in ours})
-    degree = max((g for g in DEFAULT_DEGREES if g <= box), default=0)
-    usable = CostModel(cluster, model).eff.usable_memory
-    have = degree * ours[0].memory_bytes * usable
-    if have < model.weight_bytes:
-        raise InfeasibleError(f"no worker of {list(DEFAULT_DEGREES)} GPUs holds {model.name} and any KV cache on "
-                              f"{cluster.name}: its weights alone take {model.weight_bytes / 1e9:.0f} GB, {degree} "
-                              f"{gpu} in one box {have / 1e9:.0f} GB usable")
 
 
 def _source(cluster, model) -> str:

@@ -75,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.calibration.file import foreign_calibration
     from hetserve.cli.search_log import plot_convergence, write_history
     from hetserve.cost.efficiency import load_efficiency
+    from hetserve.cost.analytic import CostModel
     from hetserve.planner import ALGORITHMS, PlanOptions, validate_plan
+    from hetserve.planner.context import check_weights_fit
     from hetserve.planner.traffic import network_warnings, nothing_served
     from hetserve.specs.cluster import load_cluster
     from hetserve.specs.model import load_model
@@ -114,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     _check_exact_size(names, cluster, "--compare" if args.compare else "--algorithm")
     model = load_model(args.model)
     efficiency = load_efficiency(args.efficiency) if args.efficiency else None
-    _check_weights_fit(cluster, model, efficiency)  # before the trace is read: a pool too small needs none
+    # before the trace is read: a pool too small for the weights needs none
+    check_weights_fit(cluster, model, CostModel(cluster, model, efficiency))
     workload = load_workload(args.workload)
     if args.workload_class:
         workload = workload.of_class(args.workload_class)
@@ -143,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
                                   objective=args.objective, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
                                   rate=args.rate, budget_usd_per_hour=args.budget_usd_per_hour,
                                   engine=args.engine)
-            plan = _timed_plan_for(plan_for, ALGORITHMS[name], cluster, model, workload, options)
+            plan = plan_for(ALGORITHMS[name], cluster, model, workload, options)
         validate_plan(plan, cluster, model)
         if args.engine != "hetserve":
             from hetserve.export.rules import refuse_unless_runnable
@@ -181,28 +184,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _timed_plan_for(plan_for, fn, cluster, model, workload, options):
-    """``plan_for``, and where a budget or the cost objective runs ``fn`` more than once (a search
-    per device subset, per budget tried), the whole call's time and the inner searches it ran in
-    ``estimate['objective_search']``: the estimate's ``search`` is the chosen inner plan's alone."""
-    import functools
-    import time
-
-    runs = []
-
-    @functools.wraps(fn)
-    def counted(*a, **k):
-        runs.append(1)
-        return fn(*a, **k)
-
-    start = time.perf_counter()
-    plan = plan_for(counted, cluster, model, workload, options)
-    if options.objective == "cost" or options.budget_usd_per_hour is not None:
-        plan.estimate["objective_search"] = {"wall_s": round(time.perf_counter() - start, 3),
-                                             "inner_plans": len(runs)}
-    return plan
-
-
 def _check_objective(args) -> None:
     """One clear line for option combinations that make no sense (exit code 2 via PlanError)."""
     for opt in ("slo_ttft", "slo_tpot", "rate", "budget_usd_per_hour", "time_limit", "period"):
@@ -218,20 +199,6 @@ def _check_objective(args) -> None:
     if args.objective == "throughput" and (args.slo_ttft is not None or args.slo_tpot is not None):
         raise PlanError("--slo-ttft / --slo-tpot: only read by --objective goodput or cost "
                         "(throughput plans for full load, without SLOs)")
-
-
-def _check_weights_fit(cluster, model, efficiency) -> None:
-    """The planner's first refusal (``PlanContext.check_feasible``: the pool's usable memory below the
-    weights alone), made before the trace is loaded: it reads no request, so a one-request stand-in
-    workload serves."""
-    import numpy as np
-
-    from hetserve.planner import PlanOptions
-    from hetserve.planner.context import PlanContext
-    from hetserve.specs.workload import Workload
-
-    one = Workload("(weights check)", np.zeros(1), np.ones(1, np.int64), np.ones(1, np.int64))
-    PlanContext(cluster, model, one, PlanOptions(efficiency=efficiency)).check_feasible()
 
 
 def _check_exact_size(names, cluster, flag: str) -> None:

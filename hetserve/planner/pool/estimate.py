@@ -93,23 +93,17 @@ def to_plan(ctx: PlanContext, ev: Evaluation, algorithm: str, budget: Budget | N
 
 
 def _planned_bytes(ctx: PlanContext, ev: Evaluation) -> dict[str, float]:
-    """Bytes per T the flow puts on each shared resource: ``resource_loads`` where the flow network
-    charges a route's KV as it is sent; within the SLOs it charges more (``slo.kv_loads_within``),
-    so the KV routes' bytes are those of ``CostModel.kv_resource_bytes``."""
+    """Bytes per T the flow puts on each shared resource. Within the SLOs the flow network charges
+    a route's KV above what it sends (``slo.kv_loads_within``): the KV routes count the bytes of
+    ``CostModel.kv_resource_bytes`` here."""
     if ctx.slo is None:
         return resource_loads(ev.network, ev.flow)
-    net, flow, out = ev.network, ev.flow, {}
-    for (p, d), f in flow.edge_flow.items():
+    sent = {}
+    for (p, d), f in ev.flow.edge_flow.items():
         if f > 0:
             kv = ctx.cost.kv_resource_bytes(ev.layouts[p], ev.layouts[d], ctx.input_tokens)
-            for r, b in kv.items():
-                out[r.name] = out.get(r.name, 0.0) + f * b
-    served = {g: flow.node_flow.get(g, 0.0) for g in net.prefill + net.decode}
-    served.update(flow.colocated_flow)
-    for g, f in served.items():
-        for r, b in net.node_load.get(g, {}).items():
-            out[r] = out.get(r, 0.0) + f * b
-    return out
+            sent[(p, d)] = {r.name: b for r, b in kv.items()}
+    return resource_loads(ev.network, ev.flow, sent)
 
 
 def network_estimate(ctx: PlanContext, ev: Evaluation) -> dict[str, dict]:

@@ -69,9 +69,10 @@ class FlowNetwork:
     edge_load: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)  # bytes / request
     node_load: dict[int, dict[str, float]] = field(default_factory=dict)  # bytes / request
 
-    def route_load(self, p: int, d: int) -> dict[str, float]:
-        """Bytes one request routed p → d puts on each resource: its KV plus both groups' own."""
-        out = dict(self.edge_load.get((p, d), {}))
+    def route_load(self, p: int, d: int, edge_load: dict | None = None) -> dict[str, float]:
+        """Bytes one request routed p → d puts on each resource: its KV (``edge_load``'s, default
+        the network's own) plus both groups' own."""
+        out = dict((self.edge_load if edge_load is None else edge_load).get((p, d), {}))
         for g in (p, d):
             for r, b in self.node_load.get(g, {}).items():
                 out[r] = out.get(r, 0.0) + b
@@ -112,12 +113,13 @@ class FlowResult:
         return self.value + sum(self.colocated_flow.values())
 
 
-def resource_loads(net: FlowNetwork, flow: FlowResult) -> dict[str, float]:
-    """Bytes per T the flow puts on every resource it crosses."""
+def resource_loads(net: FlowNetwork, flow: FlowResult, edge_load: dict | None = None) -> dict[str, float]:
+    """Bytes per T the flow puts on every resource it crosses (the KV routes' bytes per request:
+    ``edge_load``, default what the network charges them)."""
     out: dict[str, float] = {}
     for (p, d), f in flow.edge_flow.items():
         if f > 0:
-            for r, b in net.route_load(p, d).items():
+            for r, b in net.route_load(p, d, edge_load).items():
                 out[r] = out.get(r, 0.0) + f * b
     for c, f in flow.colocated_flow.items():
         for r, b in net.node_load.get(c, {}).items():

@@ -228,7 +228,7 @@ class LinkModel:
         bytes, unlimited path) go through ``put`` one by one."""
         for it in items:
             if it[3] <= 0 or not math.isfinite(it[2].bandwidth):
-                return [d for it in items for d in self.put(*it[:4], now, *it[4:])]
+                return [d for it in items for d in self.put(*it[:4], now, *it[4:])]  # type: ignore[call-arg]
         groups: dict[SenderQueue, list[Message]] = {}
         seen = set()
         for it in items:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from hetserve.policies.base import Allocation, DecodeTiming, LinkInfo, Send, TransferView
 
@@ -193,7 +193,7 @@ def resolve_allocation(policy, pending: "Mapping[int, M]", views: Sequence[Trans
         m = pending.get(s.id)
         if m is None or s.nbytes <= 0:
             raise ValueError(f"transmission policy {policy.name!r} sent {s}, which is not pending")
-        sends.append((m, min(float(s.nbytes), m.remaining)))
+        sends.append((m, min(float(s.nbytes), m.remaining)))  # type: ignore[attr-defined]
     if not sends:
         raise ValueError(f"transmission policy {policy.name!r} sent nothing with {len(views)} messages pending")
     concurrent = bool(alloc.concurrent)
@@ -281,7 +281,7 @@ def choose_micro_batches(batch: int, stage_time: Sequence[Callable[[float], floa
     n = degree or len(stage_time)
     if n < 1 or batch < 1:
         raise ValueError("pipeline degree and batch must be positive")
-    table = []
+    table: list[tuple[Any, Any]] = []
     for m in range(n, 2 * n + 1):
         if m > batch and table:
             break

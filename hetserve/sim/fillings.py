@@ -61,7 +61,8 @@ class Fillings:
         if renamed is None:
             path_of = resources(of)
             local: dict = {}
-            caps, classes = [], []
+            caps: list = []
+            classes: list = []
             for key in members:
                 ids = []
                 for k, r in zip(key, path_of[key]):

@@ -32,7 +32,8 @@ class _QueueState:
     __slots__ = ("q", "order", "since", "rates", "one_rate", "alone", "epoch", "classes", "keys", "paths")
 
     def __init__(self, q: SenderQueue, order: int):
-        self.q, self.order, self.since, self.rates, self.one_rate, self.epoch = q, order, 0.0, [], False, 0
+        self.q, self.order, self.since, self.one_rate, self.epoch = q, order, 0.0, False, 0
+        self.rates: list = []
         self.alone = False
         self.classes: dict[tuple, int] = {}
         self.keys: set = set()
@@ -252,7 +253,7 @@ class SharedLinks(LinkModel):
                 seen.add(st)
                 self._reshare([st])
 
-    def _reshare(self, comp: list[_QueueState]) -> None:
+    def _reshare(self, comp: list[_QueueState]) -> None:  # type: ignore[override]
         """New rates, settled bytes and heap entries for the queues of one component."""
         # flows in the order ``LinkModel`` flattens them (queue creation order), so the water
         # filling visits resources and subtracts shares in the same order

@@ -26,7 +26,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from hetserve.cost.decode import DecodeCosts, DecodeRound, StageDecode  # noqa: F401 (re-exported)
+from hetserve.cost.decode import DecodeRound, StageDecode  # noqa: F401 (re-exported)
+from hetserve.cost.decode_costs import DecodeCosts
 from hetserve.cost.device_memory import device_activation_bytes, device_kv_bytes_per_token, device_weight_bytes
 from hetserve.cost.efficiency import Efficiency, load_efficiency  # noqa: F401 (re-exported: the knobs' old home)
 from hetserve.cost.kernel_pricing import KernelPricing

@@ -96,7 +96,7 @@ def _prompt_share(cost: Any, layout: Any, tin: float, tout: float) -> float | No
         return None
     context = batch * (tin + tout / 2)
     step = cost.decode_step_time(layout, batch, context)
-    mixed = cost.mixed_step_time(layout, batch, context, PrefillBatch(1, tin, tin * tin))
+    mixed = cost.mixed_step_time(layout, batch, context, PrefillBatch(1, tin, tin * tin))  # type: ignore[arg-type]
     prompt, output = max(0.0, mixed - step), step / batch * tout
     return prompt / (prompt + output) if prompt + output > 0 else None
 
@@ -116,6 +116,7 @@ def replica_prices(ctx: PolicyContext) -> dict[str, tuple[float, float]]:
             seconds = _modelled_seconds(ctx.cost, layout, r.role, tin, tout)
         if seconds is None:
             continue
+        share: float | None
         if r.role == "prefill":
             share = 1.0
         elif r.role == "decode":
@@ -124,7 +125,7 @@ def replica_prices(ctx: PolicyContext) -> dict[str, tuple[float, float]]:
             share = _prompt_share(ctx.cost, layout, tin, tout) if modelled else None
             if share is None:
                 share = tin / (tin + tout)
-        prices[r.id] = (share * seconds / tin, (1.0 - share) * seconds / tout)
+        prices[r.id] = (share * seconds / tin, (1.0 - share) * seconds / tout)  # type: ignore[operator]
     return prices
 
 
@@ -158,7 +159,7 @@ class ExpectedFinishTime:
         if ctx.plan is not None:
             for r in ctx.plan.replicas:
                 if r.role == "prefill":
-                    out = [(k.dst, k.weight) for k in ctx.plan.routes_from(r.id) if k.weight > 0]
+                    out: list[Any] = [(k.dst, k.weight) for k in ctx.plan.routes_from(r.id) if k.weight > 0]
                     total = sum(w for _, w in out)
                     if out and all(d in self.prices for d, _ in out):
                         self.routes[r.id] = [(d, w / total) for d, w in out]
@@ -169,7 +170,7 @@ class ExpectedFinishTime:
         # candidate by ``_least``: (a, b, 0.0·b, first route, second route, routes) with each route
         # as (decode replica, weight, its b); the first two where it has one or two, else its list
         # (None: no such route). The prices and routes are fixed once the policy is built.
-        self._rows = {}
+        self._rows: dict[str, tuple[Any, ...]] = {}
         for rid, (a, b) in self.prices.items():
             out = [(d, w, self.prices[d][1]) for d, w in self.routes[rid]] if rid in self.routes else []
             few = len(out) <= 2

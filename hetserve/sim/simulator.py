@@ -127,10 +127,10 @@ class Simulator:
         self.entry = [r for r in self.replicas if serves_prefill(r.role)]
         self._routes: dict[str, list[tuple[Replica, float]]] = {}
         decoders = [r.id for r in self.replicas if r.role == "decode"]
-        for r in self.replicas:
-            if r.role != "prefill":
+        for rep in self.replicas:
+            if rep.role != "prefill":
                 continue
-            self._routes[r.id] = [(self.by_id[d], w) for d, w in route_candidates(plan, r.id, decoders)]
+            self._routes[rep.id] = [(self.by_id[d], w) for d, w in route_candidates(plan, rep.id, decoders)]
         self._kv_pairs: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
         self._set_capacity_norms()
         ctx = PolicyContext.for_plan(plan, cluster, model, workload, slo=opts.slo, seed=opts.seed,
@@ -234,7 +234,7 @@ class Simulator:
         info = RequestInfo(rid, r.arrival[rid], r.inp[rid], pred)
         snaps, placement = self._snaps, self.placement
         if placement is self._ranked_for and not may_not_fit:
-            choice = placement.choose_lowest(info, snaps.lowest(), self.loop.now)
+            choice = placement.choose_lowest(info, snaps.lowest(), self.loop.now)  # type: ignore[attr-defined,union-attr]
         else:
             cands = snaps.states() if snaps is not None else [e.state(True) for e in self.entry]
             if may_not_fit:
@@ -242,7 +242,7 @@ class Simulator:
             choice = placement.choose(info, cands, self.loop.now)
         chosen = self.by_id[choice]
         r.prefill_rep[rid] = chosen.index
-        chosen.place(rid)
+        chosen.place(rid)  # type: ignore[attr-defined]
         self._touch(chosen)
 
     def _may_not_fit(self, rid: int) -> bool:
@@ -320,7 +320,7 @@ class Simulator:
                 cands = [(c, w) for c, w in cands if c.id in fit]
             dst = self.by_id[self.router.choose(info, src.id, cands, self.loop.now)]
         r.decode_rep[rid] = dst.index
-        dst.enqueue(rid, src)
+        dst.enqueue(rid, src)  # type: ignore[attr-defined]
 
     def start_kv(self, rid: int, src: PrefillReplica, dst: DecodeReplica) -> None:
         """Move the prompt's KV from ``src`` to ``dst`` over the links of matched device pairs."""
@@ -346,7 +346,7 @@ class Simulator:
 
     def recompute(self, rid: int) -> None:
         rep = self.replicas[self.req.prefill_rep[rid]]
-        rep.requeue(rid)
+        rep.requeue(rid)  # type: ignore[attr-defined]
         self._touch(rep)
 
     def finished(self, rid: int) -> None:

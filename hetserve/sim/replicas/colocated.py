@@ -138,7 +138,7 @@ class ColocatedReplica(Decoding):
             self.kv.drop_prefilling(item[0])
             self.admitted -= self.req.choices[item[0]]
         for rid in victims:
-            requeue(self.waiting, rid, int, self.req.made.__getitem__)
+            requeue(self.waiting, rid, int, self.req.made.__getitem__)  # type: ignore[arg-type]
             self.queued_tokens += self.kv.prefill_tokens(rid)
 
     def _prefilling_ids(self) -> list[int]:
@@ -212,9 +212,9 @@ class ColocatedReplica(Decoding):
         if m > 1 and self._shares_cores():
             # the prompts ride in one micro-batch (its decodes as one-token rows), the others go on
             own, context = b.size / m, b.context / m
-            step = PrefillBatch(own + prompts.num_seqs, own + prompts.tokens, own + 2.0 * context + prompts.sum_sq,
-                                prompts.scored)
-            dur = self._beside_decodes(step, own, context, m - 1) + self.env.dispatch_wait(self, True)
+            mixed = PrefillBatch(own + prompts.num_seqs, own + prompts.tokens, own + 2.0 * context + prompts.sum_sq,
+                                 prompts.scored)
+            dur = self._beside_decodes(mixed, own, context, m - 1) + self.env.dispatch_wait(self, True)
         else:
             dur = self.cost.mixed_step_time(self.layout, b.size, b.context, prompts, self.limits.micro_batches)
             dur = self._on_host(dur, decodes=b.size > 0)

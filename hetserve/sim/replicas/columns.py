@@ -55,8 +55,10 @@ class RequestColumns(LazyRequests):
 
     def __init__(self, build: Callable[[], tuple[RunningRequest, ...]], cols: Callable[[], Columns], loop):
         # ``LazyRequests.__init__`` written out: one is built per replica at every decision
-        self._build, self._items, self._loop, self._stamp = build, None, loop, loop.events
-        self._cols_build, self._cols = cols, None
+        self._build, self._loop, self._stamp = build, loop, loop.events
+        self._items: tuple[RunningRequest, ...] | None = None
+        self._cols_build = cols
+        self._cols: Columns | None = None
 
     def columns(self) -> Columns:
         if self._cols is None:
@@ -73,7 +75,8 @@ class KeptColumns(Sequence):
     __slots__ = ("_cols", "_items")
 
     def __init__(self, cols: Columns):
-        self._cols, self._items = cols, None
+        self._cols = cols
+        self._items: tuple[RunningRequest, ...] | None = None
 
     def columns(self) -> Columns:
         return self._cols

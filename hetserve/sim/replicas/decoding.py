@@ -58,7 +58,7 @@ class Decoding(Replica):
             round_ = self.cost.decode_round(self.layout, batch, self.limits.micro_batches)
             meeting = self._meeting(batch)
             self._priced = (batch, round_, meeting)
-        return on_host(round_.at(context, self._wait / self._slow), meeting, self._slow)
+        return on_host(round_.at(context, self._wait / self._slow), meeting, self._slow)  # type: ignore[union-attr]
 
     def _meeting(self, batch: int) -> float:
         """The part of a decode iteration of ``batch`` sequences that host contention does not
@@ -240,7 +240,7 @@ class Decoding(Replica):
         for k, (p, gen) in enumerate(zip(preds, gens)):
             if p is None or gen >= p:  # asked where ``_requests`` would change the answer, in order
                 preds[k] = known[ids[k]] = ask(ids[k], gen)
-        return columns(ids, r.inp, gens, preds, r.t_join, now, m)
+        return columns(ids, r.inp, gens, preds, r.t_join, now, m)  # type: ignore[arg-type]
 
     def _not_started(self):  # pragma: no cover - overridden
         """(rid, tokens generated so far) of the requests placed here and not in the batch."""

@@ -25,6 +25,8 @@ paged pool counts a sequence's blocks as its own), and its choices are pre-empte
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hetserve.policies.kv_admission import (BatchBlocks, RunningKV, blocks_for, can_admit_paged, decode_growth,
                                             preemptions)
 from hetserve.sim.choices import fed_tokens, reservation, shared_tokens
@@ -82,7 +84,7 @@ class ReserveKV:
     def at_boundary(self, j: int) -> None:
         pass
 
-    def make_room(self, prefilling: list[int] = ()) -> list[int]:
+    def make_room(self, prefilling: Sequence[int] = ()) -> list[int]:
         return []
 
     def segment_limit(self) -> int | None:
@@ -184,7 +186,7 @@ class PagedKV:
         self.sync(j)
 
     # ------------------------------------------------------------------ pre-emption
-    def make_room(self, prefilling: list[int] = ()) -> list[int]:
+    def make_room(self, prefilling: Sequence[int] = ()) -> list[int]:
         """At a boundary: pre-empt (``kv_admission.preemptions``) until the next iteration's new
         blocks fit; batch members leave the batch here, ``prefilling`` ones (admitted prompts, not in
         the batch) are the replica's to drop. Returns the pre-empted ids, latest arrival first."""

@@ -8,6 +8,7 @@ pulled it (``release``).
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from hetserve.policies.base import ReplicaState, RunningRequest
 from hetserve.policies.batching import Offer, compose_step
@@ -44,7 +45,7 @@ class PrefillReplica(Replica):
     def requeue(self, rid: int) -> None:
         """``rid`` was pre-empted on a decode replica (paged KV): re-prefill its prompt and the tokens it
         had made, at the head of its queue."""
-        requeue(self.queue, rid, int, self.req.made.__getitem__)  # the runtime's rule (kv_admission.requeue)
+        requeue(self.queue, rid, int, self.req.made.__getitem__)  # type: ignore[arg-type]  # the runtime's rule (kv_admission.requeue)
         self.queued_tokens += self._tokens(rid)
         self._kick()
 
@@ -173,7 +174,7 @@ class PrefillReplica(Replica):
         return with_wait(snap, max(0.0, self._free[0] - self.loop.now))  # as state() sets it
 
     def state(self, with_requests: bool = False, waits: bool = True) -> ReplicaState:
-        reqs = ()
+        reqs: Any = ()
         if with_requests:
             r = self.req
             reqs = LazyRequests(lambda: tuple(RunningRequest(rid, r.inp[rid], 0, r.pred[rid], 0.0, started=False)

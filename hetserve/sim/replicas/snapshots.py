@@ -149,7 +149,7 @@ class SnapshotCache:
         # live snapshots' figures written into their fields: (the time they hold until, n, snapshot)
         self._expiring: list[tuple[float, int, LiveState]] = []
         self._expired = 0
-        self._loop = self._reps[0].loop if self._reps else None
+        self._loop: Any = self._reps[0].loop if self._reps else None
         for i, rep in enumerate(self._reps):
             if rep.snapshots_kept:
                 rep.loop.watch(self._dirty, i)
@@ -185,7 +185,7 @@ class SnapshotCache:
                 heappop(expiring)[2]._forget()
         for i, retime in list(self._asked.items()):
             if retime is not None and i not in dirty:
-                new = retime(snaps[i])
+                new = retime(snaps[i])  # type: ignore[arg-type]
                 if new is not snaps[i]:  # the same snapshot back: it and its retime stay filed
                     snaps[i] = new
                     self._file(i, reps[i].snapshot_clock(self._waits))
@@ -209,7 +209,7 @@ class SnapshotCache:
     def _rerank(self, i: int) -> None:
         if self.rank is None:
             return
-        new, old = self.rank(self._snaps[i]), self._ranks[i]
+        new, old = self.rank(self._snaps[i]), self._ranks[i]  # type: ignore[arg-type]
         if new == old and old is not None:
             return
         if old is not None:

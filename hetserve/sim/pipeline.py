@@ -67,7 +67,7 @@ class _Item:
 
 
 class PipelineReplica(Replica):
-    def __init__(self, env, index, spec, layout):
+    def __init__(self, env, index, spec, layout) -> None:
         super().__init__(env, index, spec, layout)
         S = len(layout.stages)
         m = micro_batches_of(self.limits.micro_batches, S)
@@ -78,16 +78,16 @@ class PipelineReplica(Replica):
         self.waiting: deque = deque()  # colocated: rid; decode: (rid, src)
         self.queued_tokens = 0
         self.pred_sum = 0.0
-        self._queue = [deque() for _ in range(S)]
+        self._queue: list[deque] = [deque() for _ in range(S)]
         self._busy_stage = [False] * S
-        self._exec = [(None, 0.0)] * S  # (start, duration) of the decode item running per stage
-        self._done_at = [[None] * m for _ in range(S)]  # per stage, when each group's latest decode item finished
+        self._exec: list[tuple[float | None, float]] = [(None, 0.0)] * S  # (start, duration) of the decode item running per stage
+        self._done_at: list[list[float | None]] = [[None] * m for _ in range(S)]  # per stage, when each group's latest decode item finished
         net = env.network
         self._hops = []
         nb = 1e6
         for s in range(S):
             a, b = layout.stages[s], layout.stages[(s + 1) % S]
-            d, e = min(((d, e) for d in a.devices for e in b.devices), key=lambda p: self.cost.p2p_time(*p, nb))
+            d, e = min(((d, e) for d in a.devices for e in b.devices), key=lambda p: self.cost.p2p_time(*p, nb))  # type: ignore[call-arg]
             link = net.link(d, e)
             link.decode_timing = (lambda now, s=s: self._timing(s, now))
             self._hops.append((d, e))
@@ -196,11 +196,11 @@ class PipelineReplica(Replica):
         d, e = self._hops[s]
         if s < S - 1:
             nbytes = item.tokens * self._act_bytes
-            self.env.network.send(item.kind, [(d, e, nbytes)], lambda _t, item=item, s=s: self._arrive(s + 1, item))
+            self.env.network.send(item.kind, [(d, e, nbytes)], lambda _t, item=item, s=s: self._arrive(s + 1, item))  # type: ignore[misc]
         else:  # sampled: tokens reach the user now; the ids go back round for the next iteration
             self._tokens(item)
             self.env.network.send("decode", [(d, e, TOKEN_ID_BYTES * item.size)],
-                                  lambda _t, g=item.group: self._relaunch(g))
+                                  lambda _t, g=item.group: self._relaunch(g))  # type: ignore[misc]
 
     def _tokens(self, item: _Item) -> None:
         grp = self.groups[item.group]

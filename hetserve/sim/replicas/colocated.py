@@ -23,7 +23,7 @@ from hetserve.sim.replicas.snapshots import KEEP, LiveState
 
 
 class ColocatedReplica(Decoding):
-    def __init__(self, env, index, spec, layout):
+    def __init__(self, env, index, spec, layout) -> None:
         super().__init__(env, index, spec, layout)
         self.waiting: deque[int] = deque()
         self.queued_tokens = 0
@@ -135,7 +135,7 @@ class ColocatedReplica(Decoding):
         gone = set(victims)
         for item in [it for it in self._chunking if it[0] in gone]:  # admitted prompts not prefilled yet
             self._chunking.remove(item)
-            self.kv.drop_prefilling(item[0])
+            self.kv.drop_prefilling(item[0])  # type: ignore[union-attr]
             self.admitted -= self.req.choices[item[0]]
         for rid in victims:
             requeue(self.waiting, rid, int, self.req.made.__getitem__)  # type: ignore[arg-type]
@@ -212,7 +212,7 @@ class ColocatedReplica(Decoding):
         if m > 1 and self._shares_cores():
             # the prompts ride in one micro-batch (its decodes as one-token rows), the others go on
             own, context = b.size / m, b.context / m
-            mixed = PrefillBatch(own + prompts.num_seqs, own + prompts.tokens, own + 2.0 * context + prompts.sum_sq,
+            mixed = PrefillBatch(own + prompts.num_seqs, own + prompts.tokens, own + 2.0 * context + prompts.sum_sq,  # type: ignore[arg-type]
                                  prompts.scored)
             dur = self._beside_decodes(mixed, own, context, m - 1) + self.env.dispatch_wait(self, True)
         else:

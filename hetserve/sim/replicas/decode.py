@@ -12,7 +12,7 @@ from hetserve.sim.replicas.prefill import PrefillReplica
 
 
 class DecodeReplica(Decoding):
-    def __init__(self, env, index, spec, layout):
+    def __init__(self, env, index, spec, layout) -> None:
         super().__init__(env, index, spec, layout)
         self.waiting: deque[tuple[int, PrefillReplica]] = deque()
         self.pending: list[int] = []  # KV arrived, joining at the next boundary

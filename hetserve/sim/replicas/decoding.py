@@ -20,7 +20,7 @@ from hetserve.sim.replicas.kv import make_kv_admission
 
 
 class Decoding(Replica):
-    def __init__(self, env, index, spec, layout):
+    def __init__(self, env, index, spec, layout) -> None:
         super().__init__(env, index, spec, layout)
         self._slow = 1.0  # host contention on the running segment (env.slowdown at its start)
         self._wait = 0.0  # the front end's dispatch wait per iteration (env.dispatch_wait at its start)

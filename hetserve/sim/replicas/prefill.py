@@ -21,7 +21,7 @@ from hetserve.sim.replicas.base import LazyRequests, Replica
 
 
 class PrefillReplica(Replica):
-    def __init__(self, env, index, spec, layout):
+    def __init__(self, env, index, spec, layout) -> None:
         super().__init__(env, index, spec, layout)
         self.queue: deque[int] = deque()
         self.queued_tokens = 0

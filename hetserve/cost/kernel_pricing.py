@@ -86,7 +86,7 @@ class KernelPricing:
 
     def sources(self) -> dict[str, str]:
         """{GPU type: ``fitted`` / ``transferred`` / ``roofline``} over the cluster's devices."""
-        out = {}
+        out: dict[str, str] = {}
         for d, entry in zip(self.cluster.devices, self.params):
             out.setdefault(d.gpu.name if entry is None else entry[0].name, ROOFLINE if entry is None else entry[2])
         return out

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -89,7 +90,7 @@ def gemm_dims(shape: LayerShape, tp: int) -> dict[str, tuple[float, float]]:
             "down": (shape.ffn / tp, shape.hidden)}
 
 
-def elementwise_bytes(shape: LayerShape, tp: int, tokens: float, dtype_bytes: int = 2) -> dict[str, float]:
+def elementwise_bytes(shape: LayerShape, tp: int, tokens: Any, dtype_bytes: int = 2) -> dict[str, Any]:
     """Bytes each elementwise operator reads and writes for ``tokens`` rows: a norm reads and writes
     the full hidden state (it is not split by TP), RoPE rotates this rank's queries and keys, the
     activation reads gate and up and writes one, an add reads two and writes one."""

@@ -56,6 +56,7 @@ class FlowClasses:
     def __init__(self, paths: Sequence[Sequence[Resource]], keys: Sequence[Sequence[Hashable]] | None = None,
                  weights: Sequence[int] | None = None):
         keys = [tuple(k) for k in (keys if keys is not None else paths)]
+        counts: dict
         if weights is None:
             counts = Counter(keys)  # insertion order: first appearance
         else:
@@ -64,9 +65,9 @@ class FlowClasses:
                 counts[key] = counts.get(key, 0) + w
         self.members: list[tuple] = list(counts)
         self.count: list[int] = list(counts.values())
-        index = {key: c for c, key in enumerate(self.members)}
+        index: dict = {key: c for c, key in enumerate(self.members)}
         self.of_flow: list[int] = [index[key] for key in keys]
-        self.capacity = capacities(self.members, dict(zip(keys, paths)))
+        self.capacity = capacities(self.members, dict(zip(keys, paths)))  # type: ignore[arg-type]
 
 
 def capacities(members: Sequence[tuple], path_of: dict[tuple, Sequence[Resource]]) -> dict[Hashable, float]:

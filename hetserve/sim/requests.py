@@ -14,8 +14,8 @@ class RequestTable:
         self.arrival: list[float] = wl.arrival_s.tolist()
         self.inp: list[int] = wl.input_tokens.tolist()
         self.out: list[int] = wl.output_tokens.tolist()  # per choice
-        self.choices: list[int] = wl.choices.tolist()  # choices decoded from the prompt (``sim.choices``)
-        self.scored: list[bool] = wl.prompt_logprobs.tolist()  # the prefill returns prompt logprobs
+        self.choices: list[int] = wl.choices.tolist()  # type: ignore[union-attr]  # choices decoded from the prompt (``sim.choices``)
+        self.scored: list[bool] = wl.prompt_logprobs.tolist()  # type: ignore[union-attr]  # the prefill returns prompt logprobs
         self.pred: list[float] = [0.0] * n
         nan = float("nan")
         self.t_start = [nan] * n  # prefill began

@@ -18,7 +18,7 @@ KV as it hands it off).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol, Sequence
+from typing import Any, Literal, Protocol, Sequence
 
 TrafficKind = Literal["decode", "prefill", "kv"]
 
@@ -120,7 +120,7 @@ class RoutePolicy(Protocol):
 class TransferView:
     """A message waiting (possibly partly sent) on one link."""
 
-    id: int
+    id: Any  # any message id the caller keys its messages by
     kind: TrafficKind  # decode activations are small and latency-critical; prefill / kv are bulk
     total_bytes: float
     remaining_bytes: float
@@ -155,7 +155,7 @@ class LinkInfo:
 class Send:
     """Send ``nbytes`` of transfer ``id`` now (a chunk when less than what remains)."""
 
-    id: int
+    id: Any
     nbytes: float
 
 

@@ -31,6 +31,8 @@ from itertools import compress, repeat
 from operator import eq
 from typing import Any, Callable, Sequence
 
+from mypy_extensions import mypyc_attr
+
 from hetserve.policies.base import PlacementPolicy, ReplicaState, RequestInfo
 
 # The request placement every caller uses unless told otherwise (simulate, serve, compare, the
@@ -87,6 +89,7 @@ class PolicyContext:
                    workload=workload, options=dict(options or {}), predictor=predictor)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class _Base:
     name = "base"
 
@@ -94,6 +97,7 @@ class _Base:
         return None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class RoundRobin(_Base):
     name = "rr"
     reads_waits = False  # the candidates' order alone
@@ -107,6 +111,7 @@ class RoundRobin(_Base):
         return c.id
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class JoinShortestQueue(_Base):
     name = "jsq"
     reads_waits = False  # loads and outstanding tokens only
@@ -145,6 +150,7 @@ def _fewest_tokens(lowest: Sequence[ReplicaState], turn: int) -> str:
     return tied[turn % len(tied)].id
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class LeastOutstandingTokens(_Base):
     name = "lot"
     reads_waits = False  # outstanding tokens and capacity only
@@ -160,6 +166,7 @@ class LeastOutstandingTokens(_Base):
         return tied[self._next % len(tied)].id
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class PowerOfTwo(_Base):
     name = "po2"
     reads_waits = False  # loads and outstanding tokens only

@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
+from mypy_extensions import mypyc_attr
+
 from hetserve.policies.base import Allocation, DecodeTiming, LinkInfo, Send, TransferView
 
 M = TypeVar("M")  # a caller's pending-message record; it must have ``remaining`` (bytes)
@@ -34,6 +36,7 @@ def _fifo(pending: Sequence[TransferView]) -> list[TransferView]:
     return sorted(pending, key=lambda t: (t.enqueued_s, t.id))
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SerialTransmission:
     """FIFO: the oldest message goes whole; the rest wait behind it."""
 
@@ -45,6 +48,7 @@ class SerialTransmission:
         return Allocation(tuple(Send(t.id, t.remaining_bytes) for t in _fifo(pending)), concurrent=False)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class FairTransmission:
     """Fair share: every pending message at once, each with 1/n of the link."""
 
@@ -97,7 +101,7 @@ def available_time(now: float, timing: DecodeTiming | None, next_decode_in_s: fl
 
 
 def round_trip_time(stage_times_s: Sequence[float], latencies_s: Sequence[float], bandwidths: Sequence[float],
-                    act_bytes_per_token: float, token_bytes: float, tokens: int) -> float:
+                    act_bytes_per_token: float, token_bytes: float, tokens: float) -> float:
     """T_o + T_m of §4.2: B1's compute on every server plus its hops round the ring.
 
     ``stage_times_s[i]``: T_{d_i}(n) on server i. ``latencies_s[i]`` / ``bandwidths[i]``: the link
@@ -107,7 +111,9 @@ def round_trip_time(stage_times_s: Sequence[float], latencies_s: Sequence[float]
     if len(latencies_s) != m or len(bandwidths) != m:
         raise ValueError("need one link (latency, bandwidth) per server, the last closing the ring")
     t_o = sum(stage_times_s)
-    t_m = sum(latencies_s) + sum(act_bytes_per_token * tokens / bandwidths[i] for i in range(m - 1))
+    # the hops' sum on a line of its own: mypyc types ``sum(...) + sum(<generator>)`` as an int
+    hops: float = sum(act_bytes_per_token * tokens / bandwidths[i] for i in range(m - 1))
+    t_m = sum(latencies_s) + hops
     t_m += token_bytes * tokens / bandwidths[m - 1]
     return t_o + t_m
 
@@ -126,6 +132,7 @@ def next_decode_return(returns: Sequence[tuple[float, float]]) -> tuple[float, f
     return min(returns, key=lambda r: r[0] + r[1], default=None)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class MoLinkTransmission:
     """Decode-first weighted priority with just-in-time chunking (MoLink Algorithm 1).
 

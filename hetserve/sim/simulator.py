@@ -322,7 +322,7 @@ class Simulator:
         r.decode_rep[rid] = dst.index
         dst.enqueue(rid, src)  # type: ignore[attr-defined]
 
-    def start_kv(self, rid: int, src: PrefillReplica, dst: DecodeReplica) -> None:
+    def start_kv(self, rid: int, src: PrefillReplica, dst: Replica) -> None:
         """Move the prompt's KV from ``src`` to ``dst`` over the links of matched device pairs."""
         key = (src.index, dst.index)
         pairs = self._kv_pairs.get(key)
@@ -340,7 +340,7 @@ class Simulator:
             r.t_kv_done[rid] = self.loop.now
             src.release(rid)
             self._touch(src)
-            dst.kv_arrived(rid)
+            dst.kv_arrived(rid)  # type: ignore[attr-defined]
 
         self.network.send("kv", [(d, e, b * tokens) for d, e, b in pairs], done)
 

@@ -62,6 +62,7 @@ class Replica:
         self.served = 0
         self.capacity_norm = 1.0
         self._computing_tp: float | None = None
+        self.host: str | None = None  # the CPU host it shares (``HostContention``)
 
     # ------------------------------------------------------------------ bookkeeping
     def kv_add(self, tokens: float) -> None:

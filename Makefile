@@ -14,7 +14,7 @@ VLLM_VENV  ?= .vllm-venv
 IP_VENV    ?= .inference-perf-venv
 IP_PYTHON  ?= python3.12
 
-.PHONY: setup demo test test-long bench bench-clients bench-lmeval bench-vllm experiments clean
+.PHONY: setup demo test test-long bench bench-clients bench-lmeval bench-vllm experiments clean fast-sim fast-sim-clean
 
 setup: $(STAMP)
 
@@ -104,3 +104,23 @@ gpu-wheels:
 	$(PYTHON) -m pip download --quiet --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 	  --platform manylinux_2_17_x86_64 --implementation cp --no-deps -d .whl $(GPU_WHEELS)
 	@du -sh .whl; ls .whl
+
+# Optional: the simulator's hot modules compiled with mypyc (about 1.5x less CPU per simulated
+# request, the same results). Needs a C compiler; builds in place (~2 min); `fast-sim-clean` goes
+# back to the interpreted modules. Modules left out stay interpreted: cost.memo, cost.analytic,
+# cost.decode_costs and sim.replicas.live build or read themselves in ways native classes refuse.
+FAST_SIM := hetserve/sim/sharing.py hetserve/sim/fillings.py hetserve/sim/links.py \
+	hetserve/policies/links.py hetserve/policies/transmission.py hetserve/sim/events.py \
+	hetserve/sim/batch.py hetserve/sim/simulator.py hetserve/policies/finish_time.py \
+	hetserve/cost/decode.py $(filter-out %/live.py,$(wildcard hetserve/sim/replicas/*.py)) \
+	hetserve/sim/pipeline.py hetserve/sim/choices.py hetserve/sim/hosts.py hetserve/policies/batching.py \
+	hetserve/policies/placement.py hetserve/policies/kv_admission.py hetserve/cost/kernels.py \
+	hetserve/cost/network.py hetserve/cost/collectives.py hetserve/cost/kernel_pricing.py \
+	hetserve/sim/env.py hetserve/sim/requests.py
+
+fast-sim: setup
+	$(BIN)/pip install --quiet mypy
+	$(BIN)/mypyc --ignore-missing-imports --disable-error-code annotation-unchecked $(FAST_SIM)
+
+fast-sim-clean:
+	find hetserve -name '*.cpython-*.so' -delete; rm -f *__mypyc.cpython-*.so; rm -rf build

@@ -8,6 +8,9 @@ Fleet: the preset's hexgen2 plan (default hexgen2-het3: prefill, decode and colo
 tiled ``--fleet`` times, each copy on its own machines and sites, under the Azure trace replayed
 ``--fleet`` times faster (the same load per copy): one million requests at 52 copies.
 
+``--compiled`` adds this checkout's compiled copy (``make fast-sim``: the hot modules built with
+mypyc in ``.fast-sim/``) to every row, alternating with the plain modules.
+
 Each row runs in a fresh process (its peak memory is its own). ``--against TREE`` runs every row
 a second time with another checkout's ``hetserve`` (the same rows, alternating, so both see the
 same machine load) and says whether the two simulated the same thing (a digest of the results).
@@ -138,6 +141,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--against", metavar="TREE",
                     help="also run every row with the hetserve of TREE (another revision's checkout, e.g. "
                          "`git worktree add /tmp/base HEAD~1`), each row in a fresh process, alternating")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also run every row with this checkout's compiled copy (`make fast-sim`, .fast-sim/), "
+                         "alternating; refused if the copy was built from other sources")
     return ap
 
 
@@ -148,7 +154,16 @@ def main() -> None:
     if args.plan:
         argv += ["--plan", os.path.abspath(args.plan)]
     here = str(Path(__file__).resolve().parents[1])
-    trees = [("this tree", here)] + ([("against", os.path.abspath(args.against))] if args.against else [])
+    trees = [("this tree", here)]
+    if args.compiled:
+        from bench.lib.fast_sim import problem  # here only: a row's process may run in another tree
+
+        copy = Path(here) / ".fast-sim"
+        why = problem(copy, Path(here))
+        if why:
+            sys.exit(f"bench_sim --compiled: {why}")
+        trees.append(("compiled", str(copy)))
+    trees += [("against", os.path.abspath(args.against))] if args.against else []
     console = Console(width=180)
     rows = []
     for k in (int(x) for x in args.repeats.split(",")):

@@ -31,8 +31,7 @@ from itertools import compress, repeat
 from operator import eq
 from typing import Any, Callable, Sequence
 
-from mypy_extensions import mypyc_attr
-
+from hetserve.compiled import mypyc_attr
 from hetserve.policies.base import PlacementPolicy, ReplicaState, RequestInfo
 
 # The request placement every caller uses unless told otherwise (simulate, serve, compare, the

@@ -23,8 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
-from mypy_extensions import mypyc_attr
-
+from hetserve.compiled import mypyc_attr
 from hetserve.policies.base import Allocation, DecodeTiming, LinkInfo, Send, TransferView
 
 M = TypeVar("M")  # a caller's pending-message record; it must have ``remaining`` (bytes)

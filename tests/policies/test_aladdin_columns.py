@@ -9,6 +9,7 @@ import pytest
 from hetserve.policies.aladdin import AladdinPlacement
 from hetserve.policies.predictor import BucketMeanPredictor, NoisyOraclePredictor
 from hetserve.sim import SimOptions
+from hetserve.sim import pipeline as pipeline_module
 from hetserve.sim.simulator import Simulator
 from hetserve.specs.workload import SLO
 from tests.sim.conftest import two_box_cluster
@@ -77,6 +78,8 @@ def test_views_from_columns_equal_views_from_requests(model, plan, opts, route, 
         assert route or pol.waiting_decoded > 0
 
 
+@pytest.mark.skipif(not pipeline_module.__file__.endswith(".py"),
+                    reason="patches a PipelineReplica's method, which the compiled copy's native class refuses")
 def test_detailed_pipeline_views_from_columns(model):
     stage = lambda dev, lo, hi: {"devices": [dev], "layers": [lo, hi]}  # noqa: E731
     from hetserve.planner.plan import Plan

@@ -52,14 +52,30 @@ class Message:
     delivered together. Only a queue whose policy sends all it holds at once (``sends_all_pending``)
     takes copies: any other policy would order them one by one."""
 
-    __slots__ = ("id", "kind", "path", "total", "remaining", "enqueued", "first_byte", "copies")
+    __slots__ = ("id", "kind", "path", "names", "total", "remaining", "enqueued", "first_byte", "copies")
 
     def __init__(self, mid: Any, kind: TrafficKind, path: Path, nbytes: float, now: float, copies: int = 1):
-        self.id, self.kind, self.path = mid, kind, path
-        self.total = self.remaining = float(nbytes)
-        self.enqueued = now
+        self.id = mid
+        self.kind = kind
+        self.path = path
+        self.names: tuple = path.names  # its flow class in the sharing (read there per send and event)
+        self.total: float = float(nbytes)
+        self.remaining: float = self.total
+        self.enqueued: float = now
         self.first_byte: float | None = None
-        self.copies = copies
+        self.copies: int = copies
+
+
+class WireSend:
+    """One message, or the chunk of it its policy allows, on the wire: the bytes of this send left
+    and the rate it moves at (set by ``sim.sharing.SharedLinks``; ``LinkModel`` keeps its own)."""
+
+    __slots__ = ("msg", "left", "rate")
+
+    def __init__(self, msg: Message, left: float):
+        self.msg = msg
+        self.left: float = left
+        self.rate: float = 0.0
 
 
 class SenderQueue:
@@ -76,7 +92,7 @@ class SenderQueue:
         self.replan_once = bool(getattr(policy, "replan_once", False))
         self.sharing: Any = None  # a link model's own bookkeeping of this queue (``sim.links.SharedLinks``)
         self.pending: dict[Any, Message] = {}
-        self.sends: list[list] = []  # [message, bytes of this send left]
+        self.sends: list[WireSend] = []
         self.concurrent = False
         self.decode_timing: Callable[[float], DecodeTiming | None] | None = None
         self.decode_hint: Callable[[float], float | None] | None = None
@@ -113,8 +129,8 @@ class SenderQueue:
                  for m in self.pending.values()]
         hint = self.decode_hint(now) if self.decode_hint is not None else None
         pairs, self.concurrent = resolve_allocation(self.policy, self.pending, views, self.info(now), now, hint)
-        self.sends = [[m, n] for m, n in pairs]
-        self._first_bytes([s[0] for s in self.sends], now)
+        self.sends = [WireSend(m, n) for m, n in pairs]
+        self._first_bytes([m for m, _ in pairs], now)
 
     def _send_all(self, now: float) -> None:
         """The allocation of a policy that sends every pending message whole, oldest first, at
@@ -127,7 +143,7 @@ class SenderQueue:
             if m.remaining <= 0:
                 raise ValueError(f"transmission policy {self.policy.name!r} sent message {m.id}, "
                                  "which has nothing left to send")
-            sends.append([m, m.remaining])
+            sends.append(WireSend(m, m.remaining))
         self.sends = sends
         self.concurrent = True
         self._first_bytes(order, now)
@@ -153,7 +169,7 @@ class LinkModel:
         self.make_policy = make_policy
         self.overhead_s, self.competing_penalty = float(overhead_s), float(competing_penalty)
         self.queues: dict[str, SenderQueue] = {}
-        self._wire: list[list] = []  # the sends of every queue, flattened (same list objects)
+        self._wire: list[WireSend] = []  # the sends of every queue, flattened (same objects)
         self._queue_of: list[SenderQueue] = []
         self._rates: list[float] = []
         self._since = 0.0
@@ -183,7 +199,7 @@ class LinkModel:
         self._fresh()
         if not self._wire:
             return None
-        dt = min((s[1] / r if r > 0 else math.inf) for s, r in zip(self._wire, self._rates))
+        dt = min((s.left / r if r > 0 else math.inf) for s, r in zip(self._wire, self._rates))
         return self._since + max(dt, 0.0) if math.isfinite(dt) else None
 
     # ------------------------------------------------------------------ actions
@@ -293,9 +309,9 @@ class LinkModel:
         if dt > 0 and self._wire:
             busy = set()
             for s, r, q in zip(self._wire, self._rates, self._queue_of):
-                moved = min(s[1], r * dt) if math.isfinite(r) else s[1]
-                s[1] -= moved
-                m = s[0]
+                moved = min(s.left, r * dt) if math.isfinite(r) else s.left
+                s.left -= moved
+                m = s.msg
                 m.remaining -= moved
                 q.bytes_sent[m.kind] += moved * m.copies
                 busy.add(q.name)
@@ -316,26 +332,26 @@ class LinkModel:
                 wire.append(s)
                 owner.append(q)
         self._wire, self._queue_of = wire, owner
-        self._rates = (max_min_rates([s[0].path.resources for s in wire], self.competing_penalty,
-                                     keys=[s[0].path.names for s in wire],
-                                     weights=[s[0].copies for s in wire]) if wire else [])
+        self._rates = (max_min_rates([s.msg.path.resources for s in wire], self.competing_penalty,
+                                     keys=[s.msg.names for s in wire],
+                                     weights=[s.msg.copies for s in wire]) if wire else [])
 
     def _on_event(self, t: float) -> list[tuple[Any, float]]:
         # the sends finishing now end exactly (no float residue from rate × dt)
         ending = {id(s) for s, r in zip(self._wire, self._rates)
-                  if (r > 0 and self._since + s[1] / r <= t + 1e-12 * max(1.0, abs(t))) or math.isinf(r)}
+                  if (r > 0 and self._since + s.left / r <= t + 1e-12 * max(1.0, abs(t))) or math.isinf(r)}
         self._settle(t)
         for s, q in zip(self._wire, self._queue_of):
-            if id(s) in ending and s[1] > 0:
-                s[0].remaining -= s[1]
-                q.bytes_sent[s[0].kind] += s[1] * s[0].copies
-                s[1] = 0.0
+            if id(s) in ending and s.left > 0:
+                s.msg.remaining -= s.left
+                q.bytes_sent[s.msg.kind] += s.left * s.msg.copies
+                s.left = 0.0
         done = []
         for q in self.queues.values():
-            finished = [s for s in q.sends if s[1] <= EPS_BYTES + 1e-12 * s[0].total]
+            finished = [s.msg for s in q.sends if s.left <= EPS_BYTES + 1e-12 * s.msg.total]
             if not finished:
                 continue
-            for m, _ in finished:
+            for m in finished:
                 if m.remaining <= EPS_BYTES + 1e-9 * m.total:
                     del q.pending[m.id]
                     done.append((m.id, t + m.path.latency_s + self.overhead_s))

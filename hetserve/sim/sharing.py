@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from typing import Any, Callable
 
 from hetserve.policies.base import TransmissionPolicy
-from hetserve.policies.links import EPS_BYTES, LinkModel, Message, SenderQueue, fifo_key
+from hetserve.policies.links import EPS_BYTES, LinkModel, Message, SenderQueue, WireSend, fifo_key
 from hetserve.sim.fillings import Fillings
 
 _INF = math.inf
@@ -22,35 +22,38 @@ _INF = math.inf
 
 class _QueueState:
     """Per-queue bookkeeping of ``SharedLinks`` (``SenderQueue.sharing``): the queue, its creation
-    order, the rates of its sends (aligned with ``SenderQueue.sends``), the time they were settled
-    to, whether they all have one rate (one flow class), whether it was alone in its component
-    when last re-shared, an epoch that invalidates old heap entries; the flows on each path
-    (resource names) its sends take, in order of first appearance (its flow classes), and the
+    order, the time its sends were settled to (at their ``WireSend.rate``, set when it was last
+    re-shared), whether they all have one rate (one flow class), whether it was alone in its
+    component when last re-shared, an epoch that invalidates old heap entries; the flows on each
+    path (resource names) its sends take, in order of first appearance (its flow classes), and the
     resource keys (of the paths ``paths``) it is indexed under: those its sends cross, or, idle,
     those its last sends crossed."""
 
-    __slots__ = ("q", "order", "since", "rates", "one_rate", "alone", "epoch", "classes", "keys", "paths")
+    __slots__ = ("q", "order", "since", "one_rate", "alone", "epoch", "classes", "keys", "paths")
 
     def __init__(self, q: SenderQueue, order: int):
-        self.q, self.order, self.since, self.one_rate, self.epoch = q, order, 0.0, False, 0
-        self.rates: list = []
+        self.q = q
+        self.order = order
+        self.since = 0.0
+        self.one_rate = False
         self.alone = False
+        self.epoch = 0
         self.classes: dict[tuple, int] = {}
-        self.keys: set = set()
-        self.paths: frozenset = frozenset()  # the paths ``keys`` were taken from
+        self.keys: set[str] = set()
+        self.paths: frozenset[tuple] = frozenset()  # the paths ``keys`` were taken from
 
 
 _order = attrgetter("order")
-_left = itemgetter(1)  # a send's bytes left
 
 
-def _classes_of(sends: list[list], classes: dict[tuple, int] | None = None) -> dict[tuple, int]:
+def _classes_of(sends: list[WireSend], classes: dict[tuple, int] | None = None) -> dict[tuple, int]:
     """The flows on each path (resource names) of ``sends``, in order of first appearance, added
     to ``classes`` (a new dict if None): a queue's flow classes."""
-    classes = {} if classes is None else classes
+    if classes is None:
+        classes = {}
     for s in sends:
-        m = s[0]
-        key = m.path.names
+        m = s.msg
+        key = m.names
         classes[key] = classes.get(key, 0) + m.copies
     return classes
 
@@ -60,9 +63,9 @@ def _resources_of(sts: list[_QueueState]) -> dict[tuple, tuple]:
     path_of: dict[tuple, tuple] = {}
     for st in sts:
         for s in st.q.sends:
-            p = s[0].path
-            if p.names not in path_of:
-                path_of[p.names] = p.resources
+            m = s.msg
+            if m.names not in path_of:
+                path_of[m.names] = m.path.resources
     return path_of
 
 
@@ -80,10 +83,10 @@ class SharedLinks(LinkModel):
     def __init__(self, make_policy: Callable[[], TransmissionPolicy], overhead_s: float = 0.0,
                  competing_penalty: float = 0.0):
         super().__init__(make_policy, overhead_s, competing_penalty)
-        self._on_res: dict = {}  # resource key -> states of the queues indexed under it (``_QueueState``)
-        self._touched: set = set()  # resource keys whose sends changed since the last re-share
-        self._solo: list = []  # states re-shared alone at the next re-share (see ``_reindex``)
-        self._heap: list = []  # (first finish s of the queue, seq, its state, epoch)
+        self._on_res: dict[str, set[_QueueState]] = {}  # resource key -> the queues indexed under it
+        self._touched: set[str] = set()  # resource keys whose sends changed since the last re-share
+        self._solo: list[_QueueState] = []  # re-shared alone at the next re-share (see ``_reindex``)
+        self._heap: list[tuple[float, int, _QueueState, int]] = []  # (first finish s of the queue, seq, it, epoch)
         self._seq = 0
         self._fillings = Fillings(self.competing_penalty)
 
@@ -125,13 +128,13 @@ class SharedLinks(LinkModel):
             q = st.q
             if q.sends:
                 sent = q.bytes_sent
-                for s, r in zip(q.sends, st.rates):
+                for s in q.sends:
                     # an unlimited rate moves all that is left (inf × dt is never below it)
-                    left, moved = s[1], r * dt
+                    left, moved = s.left, s.rate * dt
                     if not moved < left:
                         moved = left
-                    s[1] = left - moved
-                    m = s[0]
+                    s.left = left - moved
+                    m = s.msg
                     m.remaining -= moved
                     sent[m.kind] += moved * m.copies
                 q.busy_s += dt
@@ -154,7 +157,7 @@ class SharedLinks(LinkModel):
         send crosses its resources (one that joined since it was re-shared touched them itself),
         so only its own rates change; it is re-shared alone (``_solo``), or not at all once idle."""
         touched = self._touched
-        solo = st.alone and st.classes and classes.keys() <= st.paths
+        solo = st.alone and len(st.classes) > 0 and classes.keys() <= st.paths
         if solo:
             if classes:
                 self._solo.append(st)
@@ -179,8 +182,7 @@ class SharedLinks(LinkModel):
             elif not st.classes:
                 touched.update(st.keys)
         st.classes = classes
-        st.rates = []
-        st.one_rate = False
+        st.one_rate = False  # its sends' rates are stale until re-shared (before time moves on)
         st.epoch += 1
         self._stale = True
 
@@ -191,14 +193,14 @@ class SharedLinks(LinkModel):
         nothing done, when they do not come after."""
         q = st.q
         sends = q.sends
-        prev = fifo_key(sends[-1][0]) if sends else None
+        prev = fifo_key(sends[-1].msg) if sends else None
         for m in msgs:
             key = fifo_key(m)
             if prev is not None and not prev < key:
                 return False
             prev = key
         queueing = q.queueing_s
-        new = [[m, m.remaining] for m in msgs]
+        new = [WireSend(m, m.remaining) for m in msgs]
         classes = _classes_of(new, dict(st.classes))
         sends.extend(new)
         for m in msgs:
@@ -217,14 +219,14 @@ class SharedLinks(LinkModel):
         # Components are re-shared one by one: a water filling over several gives each the very
         # floats it gets alone (no share crosses from one to another), and one alone recurs more
         touched, on_res, solo = self._touched, self._on_res, self._solo
-        seen_q: set = set()
+        seen_q: set[_QueueState] = set()
         if solo:
             self._solo = []
         if not touched:  # only queues alone changed (or went idle): nothing to search
             self._reshare_alone(solo, seen_q)
             return
         self._touched = set()
-        seen_k: set = set()
+        seen_k: set[str] = set()
         for k0 in touched:
             if k0 in seen_k:
                 continue
@@ -245,7 +247,7 @@ class SharedLinks(LinkModel):
                 self._reshare(comp)
         self._reshare_alone(solo, seen_q)
 
-    def _reshare_alone(self, solo: list[_QueueState], seen: set) -> None:
+    def _reshare_alone(self, solo: list[_QueueState], seen: set[_QueueState]) -> None:
         """Re-share each queue of ``solo`` as a component of its own, unless a touched resource
         reached it (it is in ``seen``) or it went idle since."""
         for st in solo:
@@ -269,26 +271,29 @@ class SharedLinks(LinkModel):
             st.epoch += 1
             st.alone = alone
             if not sends:
-                st.rates, st.one_rate = [], False
+                st.one_rate = False
                 continue
             # one heap entry per queue: when its first send finishes at its current rates (the
             # earliest of since + left / rate, found as since + the least left / rate: both
             # operations keep order); each send's finish time is left for its event
             st.one_rate = len(st.classes) == 1
             if st.one_rate:
-                r = rate_of[sends[0][0].path.names]
-                st.rates = [r] * len(sends)
-                first = (st.since + min(map(_left, sends)) / r if r > 0 else _INF) if r < _INF else st.since
-            else:
-                st.rates = rates = [rate_of[s[0].path.names] for s in sends]
+                r = rate_of[sends[0].msg.names]
                 least = _INF
-                for s, r in zip(sends, rates):
+                for s in sends:
+                    s.rate = r
+                    if s.left < least:
+                        least = s.left
+                first = (st.since + least / r if r > 0 else _INF) if r < _INF else st.since
+            else:
+                least = _INF
+                for s in sends:
+                    s.rate = r = rate_of[s.msg.names]
                     if r < _INF:
-                        if r > 0 and s[1] / r < least:
-                            least = s[1] / r
+                        if r > 0 and s.left / r < least:
+                            least = s.left / r
                     else:
-                        least = 0.0
-                        break
+                        least = 0.0  # no later send finishes sooner
                 first = st.since + least
             self._seq += 1
             heapq.heappush(heap, (first, self._seq, st, st.epoch))
@@ -300,7 +305,7 @@ class SharedLinks(LinkModel):
             counts = sts[0].classes
             if len(counts) == 1:  # one class alone: its filling is one division
                 (key, n), = counts.items()
-                r = self._fillings.alone(sts[0].q.sends[0][0].path, n)
+                r = self._fillings.alone(sts[0].q.sends[0].msg.path, n)
                 if r is not None:
                     return {key: r}
         else:
@@ -313,11 +318,12 @@ class SharedLinks(LinkModel):
     @staticmethod
     def _finish_times(st: _QueueState, inf: float = _INF) -> list[float]:
         since = st.since
-        return [since + (s[1] / r if r > 0 else inf) if r < inf else since for s, r in zip(st.q.sends, st.rates)]
+        return [since + (s.left / s.rate if s.rate > 0 else inf) if s.rate < inf else since for s in st.q.sends]
 
     def _on_event(self, t: float) -> list[tuple[Any, float]]:
         tol = t + 1e-12 * max(1.0, abs(t))
-        heap, due = self._heap, []
+        heap = self._heap
+        due: list[_QueueState] = []
         while heap and heap[0][0] <= tol:
             _, _, st, epoch = heapq.heappop(heap)
             if st.epoch == epoch:
@@ -326,14 +332,14 @@ class SharedLinks(LinkModel):
             self._since = t
         if len(due) > 1:
             due.sort(key=_order)
-        done = []
+        done: list[tuple[Any, float]] = []
         overhead = self.overhead_s
         for st in due:
             q = st.q
             sends, since = q.sends, st.since
             if st.one_rate:
-                r = st.rates[0]
-                ending = ([s for s in sends if since + s[1] / r <= tol] if r > 0 else []) if r < _INF else sends
+                r = sends[0].rate
+                ending = ([s for s in sends if since + s.left / r <= tol] if r > 0 else []) if r < _INF else sends
             else:
                 ending = [s for s, f in zip(sends, self._finish_times(st)) if f <= tol]
             if not ending:
@@ -343,15 +349,16 @@ class SharedLinks(LinkModel):
                 self._settle_queue(st, t)
             sent = q.bytes_sent
             for s in ending:
-                if s[1] > 0:  # the sends finishing now end exactly (no float residue from rate × dt)
-                    m = s[0]
-                    m.remaining -= s[1]
-                    sent[m.kind] += s[1] * m.copies
-                    s[1] = 0.0
-            pending, kept, gone = q.pending, [], 0
+                if s.left > 0:  # the sends finishing now end exactly (no float residue from rate × dt)
+                    m = s.msg
+                    m.remaining -= s.left
+                    sent[m.kind] += s.left * m.copies
+                    s.left = 0.0
+            pending, gone = q.pending, 0
+            kept: list[WireSend] = []
             for s in sends:
-                m = s[0]
-                if s[1] <= EPS_BYTES + 1e-12 * m.total and m.remaining <= EPS_BYTES + 1e-9 * m.total:
+                m = s.msg
+                if s.left <= EPS_BYTES + 1e-12 * m.total and m.remaining <= EPS_BYTES + 1e-9 * m.total:
                     del pending[m.id]
                     done.append((m.id, t + m.path.latency_s + overhead))
                     gone += m.copies

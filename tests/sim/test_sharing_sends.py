@@ -23,8 +23,8 @@ def _check(model: SharedLinks) -> None:
     for q in model.queues.values():
         st = q.sharing
         expected = sorted(q.pending.values(), key=fifo_key)
-        assert [s[0] for s in q.sends] == expected
-        assert all(s[1] == s[0].remaining for s in q.sends)
+        assert [s.msg for s in q.sends] == expected
+        assert all(s.left == s.msg.remaining for s in q.sends)
         classes: dict[tuple, int] = {}
         for m in expected:
             classes[m.path.names] = classes.get(m.path.names, 0) + m.copies

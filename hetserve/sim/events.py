@@ -15,7 +15,9 @@ heap; their handlers compare a version number and return.
 
 from __future__ import annotations
 
+import gc
 import heapq
+from contextlib import contextmanager
 from enum import IntEnum
 from typing import Any, Callable
 
@@ -55,10 +57,29 @@ class EventLoop:
             progress_every: int = 4096) -> None:
         """Handle events in order until the heap is empty or the next is later than ``until``."""
         heap, pop = self._heap, heapq.heappop
-        while heap and heap[0][0] <= until:
-            time, _, _, handler, arg = pop(heap)
-            self.now = time
-            handler(arg)
-            self.events += 1
-            if on_progress is not None and self.events % progress_every == 0:
-                on_progress()
+        with _rare_young_collections():
+            while heap and heap[0][0] <= until:
+                time, _, _, handler, arg = pop(heap)
+                self.now = time
+                handler(arg)
+                self.events += 1
+                if on_progress is not None and self.events % progress_every == 0:
+                    on_progress()
+
+
+YOUNG_OBJECTS = 50_000  # the cycle collector's first threshold while the loop runs (Python's default: 700)
+
+
+@contextmanager
+def _rare_young_collections():
+    """The cycle collector run on the youngest objects every ``YOUNG_OBJECTS`` allocations instead of
+    every 700, then as it was. The loop allocates short-lived containers by the million (events,
+    messages, their tuples) that their reference counts free; at Python's default the collector
+    keeps tracing the few alive (about 5 % of a run). A collector turned off stays off."""
+    threshold = gc.get_threshold()
+    if threshold[0] and threshold[0] < YOUNG_OBJECTS:
+        gc.set_threshold(YOUNG_OBJECTS, *threshold[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)

@@ -13,16 +13,83 @@ decode iterations; ``cost.memo`` keeps the terms) prices each context with a few
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+
+
+class DecodeLayer:
+    """One decode layer of a fixed batch as a function of the context ``c`` its sequences read
+    (``at``): attention's ``q_flops · c`` FLOPs, and the ``weights`` and ``per_kv`` bytes per
+    context token read, beside what the batch fixes (``RooflineDecodeLayer``, ``KernelDecodeLayer``)."""
+
+    __slots__ = ("q_flops", "weights", "per_kv")
+
+    def __init__(self, q_flops: float, weights: float, per_kv: float):
+        self.q_flops, self.weights, self.per_kv = float(q_flops), float(weights), float(per_kv)
+
+    def at(self, c: float) -> float:
+        raise NotImplementedError
+
+
+class RooflineDecodeLayer(DecodeLayer):
+    """``DecodeLayer`` by the roofline: the layer's ``flops`` and attention's at ``compute`` FLOP/s,
+    or attention at ``attention`` FLOP/s beside them where that is set (not None); the bytes at
+    ``memory`` bytes/s; the slower of the two."""
+
+    __slots__ = ("flops", "compute", "attention", "memory")
+
+    def __init__(self, flops: float, q_flops: float, weights: float, per_kv: float, compute: float,
+                 attention: float | None, memory: float):
+        super().__init__(q_flops, weights, per_kv)
+        self.flops, self.compute, self.memory = float(flops), float(compute), float(memory)
+        self.attention = attention
+
+    def at(self, c: float) -> float:
+        # ``max`` of the two written out: the first of equals, as ``max`` picks
+        attention = self.attention
+        if attention is not None:
+            t = self.flops / self.compute + self.q_flops * c / attention
+        else:
+            t = (self.flops + self.q_flops * c) / self.compute
+        u = (self.weights + c * self.per_kv) / self.memory
+        return u if u > t else t
+
+
+class KernelDecodeLayer(DecodeLayer):
+    """``DecodeLayer`` by the kernel model: the ``layer``'s operators, and attention's products and
+    KV reads at each GPU type's (FLOP/s, bytes/s) of ``rates``; the slowest type sets the pace, each
+    type its slower term."""
+
+    __slots__ = ("layer", "f0", "b0", "more")
+
+    def __init__(self, layer: float, q_flops: float, weights: float, per_kv: float,
+                 rates: tuple[tuple[float, float], ...]):
+        super().__init__(q_flops, weights, per_kv)
+        self.layer = float(layer)
+        self.f0, self.b0 = float(rates[0][0]), float(rates[0][1])
+        self.more: tuple[tuple[float, float], ...] = tuple((float(f), float(b)) for f, b in rates[1:])
+
+    def at(self, c: float) -> float:
+        # comparisons picking what ``max`` picks, the first of equals
+        weights = self.weights
+        qc, kv = self.q_flops * c, (weights + c * self.per_kv) - weights
+        slowest, t = qc / self.f0, kv / self.b0
+        if t > slowest:
+            slowest = t
+        for f, b in self.more:
+            t, u = qc / f, kv / b
+            if u > t:
+                t = u
+            if t > slowest:
+                slowest = t
+        return self.layer + slowest
 
 
 @dataclass(frozen=True, slots=True)
 class StageDecode:
     """One stage's decode iteration at a fixed batch, as a function of the context it reads:
-    ``layers · (per_layer(c) + comm_s)`` plus the terms paid once, for ``c`` context tokens."""
+    ``layers · (per_layer.at(c) + comm_s)`` plus the terms paid once, for ``c`` context tokens."""
 
     layers: int
-    per_layer: Callable[[float], float]  # one layer's compute and memory at context c
+    per_layer: DecodeLayer  # one layer's compute and memory at context c
     comm_s: float  # one layer's TP all-reduces
     collectives_s: float  # the TP group's fixed cost per iteration
     head_s: float  # the LM head and the turn-around (last stage; else 0)
@@ -32,7 +99,7 @@ class StageDecode:
 
     def at(self, context_tokens: float) -> float:
         # one fixed order of the sum: the same float wherever a decode step is priced
-        return (self.layers * (self.per_layer(context_tokens) + self.comm_s) + self.collectives_s + self.head_s
+        return (self.layers * (self.per_layer.at(context_tokens) + self.comm_s) + self.collectives_s + self.head_s
                 + self.step_s + self.multi_row_s + self.collective_bytes_s)
 
 

@@ -5,9 +5,7 @@ classes, which may be compiled: the interpreted ``CostModel`` inherits these).""
 from __future__ import annotations
 
 import math
-from typing import Callable
-
-from hetserve.cost.decode import DecodeRound, StageDecode
+from hetserve.cost.decode import DecodeLayer, DecodeRound, KernelDecodeLayer, RooflineDecodeLayer, StageDecode
 from hetserve.cost.layout import ReplicaLayout, StageLayout, micro_batches_of
 
 
@@ -24,37 +22,17 @@ class DecodeCosts:
                            head, self.eff.step_overhead_s, self.multi_row_time(stage, batch, batch, is_last),
                            self.collective_bytes_time(stage, batch))
 
-    def _decode_layer(self, stage: StageLayout, batch: float) -> Callable[[float], float]:
+    def _decode_layer(self, stage: StageLayout, batch: float) -> DecodeLayer:
         """One decode layer of ``batch`` sequences as a function of their context: the kernel model's
         operators where it covers the stage, else the roofline (``_layer_time``), with attention's
         ``4 · q_dim`` FLOPs and its KV bytes per context token; the same arithmetic, term by term."""
         m, k, devices = self.model, self.kernels, stage.devices
         per_kv, q_flops, weights = m.kv_bytes_per_token_per_layer, 4.0 * m.q_dim, m.bytes_per_layer
         if k is not None and k.covers(devices):
-            layer, rates = k.layer(devices, batch), k.attention_rates(devices)
-            (f0, b0), more = rates[0], tuple(rates[1:])
-
-            def per_layer(c: float) -> float:
-                # the slowest GPU type sets the pace, each type its slower term (comparisons picking
-                # what ``max`` picks, the first of equals: this runs for every stage priced)
-                qc, kv = q_flops * c, (weights + c * per_kv) - weights
-                slowest, t = qc / f0, kv / b0
-                if t > slowest:
-                    slowest = t
-                for f, b in more:
-                    t, u = qc / f, kv / b
-                    if u > t:
-                        t = u
-                    if t > slowest:
-                        slowest = t
-                return layer + slowest
-
-            return per_layer
+            return KernelDecodeLayer(k.layer(devices, batch), q_flops, weights, per_kv, k.attention_rates(devices))
         flops = 2.0 * m.params_per_layer * batch
         compute, attention, memory = self._roofline_rates(stage, self.eff.decode_attention)
-        if attention is not None:
-            return lambda c: max(flops / compute + q_flops * c / attention, (weights + c * per_kv) / memory)
-        return lambda c: max((flops + q_flops * c) / compute, (weights + c * per_kv) / memory)
+        return RooflineDecodeLayer(flops, q_flops, weights, per_kv, compute, attention, memory)
 
     def stage_decode_time(self, stage: StageLayout, batch: float, context_tokens: float,
                           is_last: bool = False) -> float:

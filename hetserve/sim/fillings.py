@@ -32,8 +32,12 @@ class Fillings:
     def __init__(self, competing_penalty: float = 0.0):
         self.competing_penalty = competing_penalty
         self._by_names: dict[tuple, dict[tuple, float]] = {}  # (paths, counts) -> rate by path
-        self._renamed: dict[tuple, tuple] = {}  # paths -> (their resources renamed, capacities)
-        self._by_shape: dict[tuple, list[float]] = {}  # (renamed paths, counts) -> rate per path
+        # paths -> (the number of their shape, their resources renamed, capacities): a shape is
+        # looked up by its number, not by hashing its capacities' floats at every miss above
+        self._renamed: dict[tuple, tuple[int, tuple, tuple]] = {}
+        self._shape_numbers: dict[tuple, int] = {}  # (renamed paths, capacities) -> its number
+        self._shapes = 0  # numbers given so far (never given twice: old ones stay right in ``_by_shape``)
+        self._by_shape: dict[tuple[int, tuple], list[float]] = {}  # (shape's number, counts) -> rate per path
         self._narrowest: dict[tuple, float | None] = {}  # path -> its narrowest capacity (None: a resource twice)
 
     def alone(self, path: Path, flows: int) -> float | None:
@@ -72,10 +76,15 @@ class Fillings:
                         caps.append(r.bandwidth)
                     ids.append(i)
                 classes.append(tuple(ids))
-            renamed = self._renamed[_bounded(self._renamed, members)] = (tuple(classes), tuple(caps))
-        shape = (renamed, count)
+            full = (tuple(classes), tuple(caps))
+            number = self._shape_numbers.get(full)
+            if number is None:
+                number = self._shape_numbers[_bounded(self._shape_numbers, full)] = self._shapes
+                self._shapes += 1
+            renamed = self._renamed[_bounded(self._renamed, members)] = (number, full[0], full[1])
+        shape = (renamed[0], count)
         rate = self._by_shape.get(shape)
         if rate is None:
             rate = self._by_shape[_bounded(self._by_shape, shape)] = class_rates(
-                renamed[0], count, dict(enumerate(renamed[1])), self.competing_penalty)
+                renamed[1], count, dict(enumerate(renamed[2])), self.competing_penalty)
         return rate

@@ -141,6 +141,7 @@ class Simulator:
         self.predictor = opts.predictor if opts.predictor is not None else OraclePredictor(self.req.out)
         self._placement_needs_requests = bool(getattr(self.placement, "needs_requests", False))
         self._route_needs_requests = bool(getattr(self.router, "needs_requests", False))
+        self._route_on_finish = getattr(self.router, "on_finish", None)  # looked up once: a miss raises inside
         # placement snapshots kept between arrivals and rebuilt where a replica changed: the calls
         # into an entry replica below touch it; its own events mark it (``SnapshotCache``). Filed
         # by the placement's rank where it has one, which then reads the lowest alone
@@ -355,7 +356,7 @@ class Simulator:
         self.completed += 1
         self._repredicted.pop(rid, None)
         self.placement.on_finish(rid, r.inp[rid], r.out[rid])
-        on_finish = getattr(self.router, "on_finish", None)
+        on_finish = self._route_on_finish
         if on_finish is not None:
             on_finish(rid, r.inp[rid], r.out[rid])
         self.predictor.observe(rid, r.inp[rid], r.out[rid])

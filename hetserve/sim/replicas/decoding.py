@@ -27,9 +27,9 @@ class Decoding(Replica):
         # the wait and (one micro-batch in flight: ``_meeting``) the TP collectives' fixed cost are not
         # computing: host contention does not stretch them
         self._collectives = sum(self.cost.collectives_time(s) for s in layout.stages)
-        # (batch size, its decode round, ``_meeting`` of it): what ``_step_time`` reads of the batch
-        # size, kept while the size holds (a segment prices its first and last iteration at one size)
-        self._priced: tuple[int, DecodeRound | None, float] = (0, None, 0.0)
+        # batch size -> (its decode round, ``_meeting`` of it): what ``_step_time`` reads of the batch
+        # size, which the replica's layout and limits fix (at most ``max_batch`` entries)
+        self._priced: dict[int, tuple[DecodeRound, float]] = {}
         self.batch = DecodeBatch(self._step_time)
         self.max_batch = self.limits.max_batch
         self.admitted = 0  # sequences (a request's choices each) holding KV and not finished
@@ -53,12 +53,12 @@ class Decoding(Replica):
         """One decode iteration of ``batch`` sequences reading ``context`` tokens as this host runs it:
         the cost model's ``decode_step_time`` (its round at the batch, priced at the context) with
         the front end's wait, stretched by host contention but for ``_meeting``."""
-        size, round_, meeting = self._priced
-        if size != batch:
-            round_ = self.cost.decode_round(self.layout, batch, self.limits.micro_batches)
-            meeting = self._meeting(batch)
-            self._priced = (batch, round_, meeting)
-        return on_host(round_.at(context, self._wait / self._slow), meeting, self._slow)  # type: ignore[union-attr]
+        priced = self._priced.get(batch)
+        if priced is None:
+            priced = self._priced[batch] = (self.cost.decode_round(self.layout, batch, self.limits.micro_batches),
+                                            self._meeting(batch))
+        round_, meeting = priced
+        return on_host(round_.at(context, self._wait / self._slow), meeting, self._slow)
 
     def _meeting(self, batch: int) -> float:
         """The part of a decode iteration of ``batch`` sequences that host contention does not

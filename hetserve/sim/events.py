@@ -75,7 +75,7 @@ def _rare_young_collections():
     """The cycle collector run on the youngest objects every ``YOUNG_OBJECTS`` allocations instead of
     every 700, then as it was. The loop allocates short-lived containers by the million (events,
     messages, their tuples) that their reference counts free; at Python's default the collector
-    keeps tracing the few alive (about 5 % of a run). A collector turned off stays off."""
+    keeps tracing the few alive. A collector turned off stays off."""
     threshold = gc.get_threshold()
     if threshold[0] and threshold[0] < YOUNG_OBJECTS:
         gc.set_threshold(YOUNG_OBJECTS, *threshold[1:])

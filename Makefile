@@ -106,7 +106,7 @@ gpu-wheels:
 	@du -sh .whl; ls .whl
 
 # Optional: a copy of the package in .fast-sim/ with the simulator's hot modules compiled by mypyc
-# (about 1.5x less CPU per simulated request, the same results; docs/simulator.md). Nothing imports
+# (1.6-2.2x less CPU per simulated request, the same results; docs/simulator.md). Nothing imports
 # it unless asked: `PYTHONPATH=.fast-sim`, or `bench_sim --compiled`, which refuses a copy older than
 # the sources. Needs a C compiler; ~2 min. Left interpreted: cost.memo, cost.analytic,
 # cost.decode_costs and sim.replicas.live build or read themselves in ways native classes refuse.

@@ -12,6 +12,7 @@ context the simulator builds, with the same defaults, so a name means the same d
 
 from __future__ import annotations
 
+import importlib
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -151,6 +152,13 @@ def _load_in_background(load, *args) -> Future:
     before them; a daemon thread, because an executor's thread is joined at exit: a Ctrl-C or a
     failed start-up would wait for the tokenizer before the process ends."""
     future: Future = Future()
+    # transformers (in the thread) and the workers' start-up (here) both import ``packaging.version``;
+    # CPython may hand one of two threads importing modules crosswise a half-made module (an
+    # ImportError), so it is imported once before the thread starts
+    try:
+        importlib.import_module("packaging.version")
+    except ImportError:  # not installed: neither side imports it then
+        pass
 
     def run() -> None:
         try:

@@ -12,6 +12,7 @@ from hetserve.sim import SimOptions
 from hetserve.sim import pipeline as pipeline_module
 from hetserve.sim.simulator import Simulator
 from hetserve.specs.workload import SLO
+from tests.interpreted import only_interpreted
 from tests.sim.conftest import two_box_cluster
 from tests.sim.plans import single
 from tests.sim.test_snapshot_cache import waves
@@ -78,8 +79,7 @@ def test_views_from_columns_equal_views_from_requests(model, plan, opts, route, 
         assert route or pol.waiting_decoded > 0
 
 
-@pytest.mark.skipif(not pipeline_module.__file__.endswith(".py"),
-                    reason="patches a PipelineReplica's method, which the compiled copy's native class refuses")
+@only_interpreted(pipeline_module, "patches a PipelineReplica's state method")
 def test_detailed_pipeline_views_from_columns(model):
     stage = lambda dev, lo, hi: {"devices": [dev], "layers": [lo, hi]}  # noqa: E731
     from hetserve.planner.plan import Plan

@@ -11,6 +11,8 @@ from hetserve.sim import pipeline as pipeline_module
 from hetserve.specs.cluster import cluster_from_dict
 from hetserve.specs.workload import SLO, Workload
 
+from tests.interpreted import only_interpreted
+
 from .plans import single
 
 
@@ -151,8 +153,7 @@ def test_next_decode_return_is_the_earliest_group_not_group_0():
     assert next_decode_return([]) is None
 
 
-@pytest.mark.skipif(not pipeline_module.__file__.endswith(".py"),
-                    reason="compiled callers of PipelineReplica._timing do not see a patched method")
+@only_interpreted(pipeline_module, "patches PipelineReplica._timing")
 def test_case_3_predicts_the_next_decode_of_any_group_in_the_simulator(model, monkeypatch):
     """MoLink §4.2 case 3 in the detailed pipeline: t_p + T_o + T_m is the earliest expected return
     over every micro-batch group in flight, not group 0's only (6 groups on 3 stages, so another

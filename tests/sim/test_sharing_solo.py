@@ -13,10 +13,9 @@ from hetserve.sim import sharing
 from hetserve.sim.links import SharedLinks
 from hetserve.specs.cluster import load_cluster
 
-# The compiled copy (``make test-fast-sim``) makes ``SharedLinks`` a native class, which no
-# interpreted class may subclass; these tests subclass it to search every component.
-pytestmark = pytest.mark.skipif(not sharing.__file__.endswith(".py"),
-                                reason="subclasses SharedLinks, a native class in the compiled copy")
+from tests.interpreted import only_interpreted
+
+pytestmark = only_interpreted(sharing, "subclasses SharedLinks to search every component")
 
 
 class _Searched(SharedLinks):

@@ -29,6 +29,9 @@ class ByteCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([token]) if token < 256 else b""
+
     def render_chat(self, messages) -> str:
         return "".join(f"{r}: {t}\n" for r, t in messages) + "assistant:"
 

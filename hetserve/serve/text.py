@@ -7,10 +7,13 @@ multi-byte character and never show the start of a stop string that later comple
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Protocol, Sequence
 
 from hetserve.errors import SpecError
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte fallback
 
 
 class Codec(Protocol):
@@ -26,6 +29,13 @@ class Codec(Protocol):
     def render_chat(self, messages: Sequence[tuple[str, str]]) -> str: ...
 
 
+def token_bytes(codec: Codec, token: int) -> bytes:
+    """The bytes ``token`` stands for (OpenAI's logprob ``bytes``): the codec's ``token_bytes`` where
+    it has one, else the UTF-8 of its text alone."""
+    own = getattr(codec, "token_bytes", None)
+    return own(token) if own is not None else codec.decode([token]).encode("utf-8")
+
+
 def default_chat_prompt(messages: Sequence[tuple[str, str]]) -> str:
     """A plain chat layout for checkpoints without a chat template: one ``role: text`` line each,
     then ``assistant:`` for the model to continue."""
@@ -39,6 +49,13 @@ class HFCodec:
         self.tok = tokenizer
         self.eos_token_id = tokenizer.eos_token_id
         self._max_token_chars: int | None = None
+        self._byte_of: dict[str, int] | None = None  # byte-level BPE: a piece's character -> its byte
+        self._special = set(getattr(tokenizer, "all_special_ids", ()))
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        if type(decoder).__name__ == "ByteLevel":
+            from hetserve.runtime.model.make import bytes_to_unicode
+
+            self._byte_of = {ch: b for b, ch in bytes_to_unicode().items()}
 
     # a normalizer may fold a few characters of input into one (NFC composes a letter and its accents)
     _NORMALIZER_SLACK = 4
@@ -76,6 +93,21 @@ class HFCodec:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of ``token``'s vocabulary entry, so that a multi-byte character split over
+        tokens joins back (its text alone is U+FFFD): byte-level BPE spells each byte as one
+        character (GPT-2's map), sentencepiece a fallback byte as ``<0xNN>``. A special token, or
+        any other entry, is its decoded text."""
+        piece = self.tok.convert_ids_to_tokens(int(token))
+        if isinstance(piece, str) and token not in self._special:
+            byte_of = self._byte_of
+            if byte_of is not None and all(c in byte_of for c in piece):
+                return bytes(byte_of[c] for c in piece)
+            fallback = _BYTE_PIECE.fullmatch(piece)
+            if fallback:
+                return bytes([int(fallback.group(1), 16)])
+        return self.decode([token]).encode("utf-8")
 
     def render_chat(self, messages: Sequence[tuple[str, str]]) -> str:
         if getattr(self.tok, "chat_template", None):

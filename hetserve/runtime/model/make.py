@@ -21,13 +21,14 @@ from pathlib import Path
 
 from hetserve.runtime.model.random_weights import random_stage, write_marker
 
-__all__ = ["make_model", "random_stage", "save_byte_tokenizer", "default_ffn", "check_shape", "ShapeError"]
+__all__ = ["make_model", "random_stage", "save_byte_tokenizer", "bytes_to_unicode", "default_ffn", "check_shape",
+           "ShapeError"]
 
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
 ARCHS = ("llama", "opt")
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable-unicode map (what the ByteLevel pre-tokenizer uses)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
         list(range(ord("®"), ord("ÿ") + 1))
@@ -45,7 +46,7 @@ def save_byte_tokenizer(out_dir: str | Path, model_max_length: int = 1024) -> No
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

@@ -32,7 +32,7 @@ import pydantic
 
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.errors import PlanError, SpecError
-from hetserve.specs._validation import read_mapping, validate
+from hetserve.specs._validation import read_mapping, refuse_other_kind, validate
 from hetserve.specs.cluster import Cluster
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -221,6 +221,7 @@ class Plan:
     def from_dict(data: dict[str, Any], source: str = "<plan>", base: str | Path | None = None) -> "Plan":
         """A plan from its file's mapping; ``base``: the plan file's folder, against which a relative
         ``cluster_file`` path is resolved (default: the working directory)."""
+        refuse_other_kind(data, source, "replicas", "a plan file (hetserve plan -o FILE: model, cluster, replicas)")
         f = validate(_PlanFile, data, source)
         cf = None
         if f.cluster_file is not None:

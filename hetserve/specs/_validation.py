@@ -54,6 +54,20 @@ def validate(model: type[M], data: Any, source: str) -> M:
         raise SpecError(source, field, expected, got) from exc
 
 
+# a top-level field that tells a file's kind: a file of one kind given where another is read is
+# named as such, not as a list of misspelt fields
+FILE_KINDS = {"machines": "a cluster file", "replicas": "a plan file"}
+
+
+def refuse_other_kind(data: dict[str, Any], source: str, own: str, expected: str) -> None:
+    """``data`` lacks this kind's field ``own`` but has another kind's: one line saying which."""
+    if own in data:
+        return
+    for key, kind in FILE_KINDS.items():
+        if key != own and key in data:
+            raise SpecError(source, "(top level)", expected, f"{kind} (it lists {key})")
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last value,
     so ``bandwidth_gbps`` written twice would silently take the second."""

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from hetserve.errors import SpecError
-from hetserve.specs._validation import read_mapping, validate
+from hetserve.specs._validation import read_mapping, refuse_other_kind, validate
 from hetserve.specs.cluster_file import (  # noqa: F401  (GBPS, MS, default_intra_link: re-exported)
     GBPS, MAX_LINK_GBPS, MAX_LINK_LATENCY_MS, MAX_POOL_DEVICES, MS, _ClusterFile, default_intra_link,
     pair_matrices, topology_of)
@@ -236,6 +236,7 @@ def _priced_gpus(spec: _ClusterFile, source: str) -> dict[str, GpuType]:
 
 def cluster_from_dict(data: dict, source: str = "<cluster>") -> Cluster:
     """Build a cluster from an already-parsed mapping (the YAML file's content)."""
+    refuse_other_kind(data, source, "machines", "a cluster file (name, machines, network)")
     return _resolve(validate(_ClusterFile, data, source), source)
 
 

@@ -40,13 +40,13 @@ def sim(pool, plan, *extra):
 def test_an_earlier_runs_rate_sweep_is_removed_and_said(pool, capsys):
     out = pool / "sw"
     assert sim(pool, "one.json", "--sweep-rates", "1,2", "-o", str(out)) == 0
-    assert (out / "rate_sweep.png").is_file()
+    assert (out / "rate_sweep.png").is_file() and "replacing" not in capsys.readouterr().err  # a new folder
     (out / "notes.txt").write_text("mine")
-    capsys.readouterr()
     assert sim(pool, "one.json", "-o", str(out)) == 0
     err = capsys.readouterr().err
     assert not (out / "rate_sweep.png").exists()
     assert f"removed {out / 'rate_sweep.png'}" in err and "--sweep-rates" in err
+    assert f"replacing an earlier run's summary.json, requests.csv and latency_cdf.png in {out}" in err
     # this run's files are all there; a file simulate never writes is left alone
     assert {p.name for p in out.iterdir()} == {"summary.json", "requests.csv", "latency_cdf.png", "notes.txt"}
     # with a sweep again the plot is this run's, and nothing is said about removing it

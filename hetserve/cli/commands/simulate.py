@@ -242,13 +242,17 @@ SWEEP_PLOT, SWEEP_JSON = "rate_sweep.png", "rate_sweep.json"
 def _remove_stale(out: Path, rates: list[float]) -> None:
     """Remove an earlier run's sweep files from ``out`` before this run writes there: beside this
     run's summary.json they would pass for this run's. Said where this run writes none (no --sweep-rates);
-    with a sweep they go too, so a sweep that fails leaves no earlier run's files."""
+    with a sweep they go too, so a sweep that fails leaves no earlier run's files. An earlier run's
+    summary.json (and its files) is replaced, and said so."""
     old = [out / name for name in (SWEEP_PLOT, SWEEP_JSON) if (out / name).is_file()]
     for path in old:
         path.unlink()
     if old and not rates:
         print(f"note: removed {' and '.join(map(str, old))}, an earlier run's: this run draws no rate sweep "
               "(no --sweep-rates)", file=sys.stderr)
+    if (out / "summary.json").is_file():
+        print(f"note: replacing an earlier run's summary.json, requests.csv and latency_cdf.png in {out}",
+              file=sys.stderr)
 
 
 def _prefill_mode(args) -> str:

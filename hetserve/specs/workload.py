@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from datetime import datetime
@@ -261,8 +262,13 @@ def _parse_time(text: str) -> float:
         pass
     # Azure timestamps carry 7 fractional digits; datetime takes at most 6.
     head, _, frac = text.strip().partition(".")
-    dt = datetime.strptime(head, "%Y-%m-%d %H:%M:%S")
-    return dt.timestamp() + (float("0." + frac) if frac else 0.0)
+    return _seconds_of(head) + (float("0." + frac) if frac else 0.0)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _seconds_of(head: str) -> float:
+    """``YYYY-MM-DD HH:MM:SS`` as a Unix time; a trace's neighbouring rows share their second."""
+    return datetime.strptime(head, "%Y-%m-%d %H:%M:%S").timestamp()
 
 
 def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:

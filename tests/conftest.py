@@ -1,9 +1,11 @@
 """Session-wide test settings."""
 
+import dataclasses
 import fcntl
 import hashlib
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +35,35 @@ def _fork_workers_from_a_server():
         os.environ.pop(START_METHOD_ENV, None)
     else:
         os.environ[START_METHOD_ENV] = saved
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _read_each_bundled_trace_once():
+    """The bundled traces (azure-conv, sharegpt) are read, row by row and checked, by most planner and
+    CLI tests: a third of a second each time. Each is read once per process for each rate and seed
+    asked; every call gets its own copy of the arrays, so a test that changes one changes nothing
+    for the next. Files outside the package (the traces tests write) are read every time."""
+    import numpy as np
+
+    from hetserve.specs import workload
+
+    read = workload._read_csv
+    bundled = Path(str(workload.resources.files("hetserve") / "data" / "workloads")).resolve()
+    kept = {}
+
+    def once(path, rate, seed, name):
+        if Path(path).resolve().parent != bundled:
+            return read(path, rate, seed, name)
+        key = (str(path), rate, seed, name)
+        if key not in kept:
+            kept[key] = read(path, rate, seed, name)
+        wl = kept[key]
+        return dataclasses.replace(wl, **{f.name: getattr(wl, f.name).copy() for f in dataclasses.fields(wl)
+                                          if isinstance(getattr(wl, f.name), np.ndarray)})
+
+    workload._read_csv = once
+    yield
+    workload._read_csv = read
 
 
 @pytest.fixture(scope="session", autouse=True)

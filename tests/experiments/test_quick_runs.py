@@ -39,7 +39,7 @@ def test_hexgen_budget_quick(capsys):
 
 
 def test_aladdin_same_plan_over_windows_quick(capsys):
-    args = ["--quick", "--sections", "same", "--rates", "5", "--requests", "200", "--windows", "2"]
+    args = ["--quick", "--sections", "same", "--rates", "5", "--requests", "100", "--windows", "2"]
     assert load("aladdin_figures").main(args) == 0
     out = capsys.readouterr().out
     for trace in ("ShareGPT, Poisson", "Azure conv (bursty, held out)"):

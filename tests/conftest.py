@@ -38,6 +38,32 @@ def _fork_workers_from_a_server():
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _one_default_tls_context_for_http_clients():
+    """Every httpx client (each ``httpx.get`` / ``post`` / ``stream``, each OpenAI client) loads a CA
+    bundle into a new TLS context: 45 ms of CPU or more, most of it in the loops that poll a starting
+    server, taking the core the server starts on. The tests speak plain HTTP to 127.0.0.1: a context
+    for the default arguments (verify=True, no client certificate) is built once per CA setting
+    (SSL_CERT_FILE / SSL_CERT_DIR as httpx reads them) and shared, as an SSLContext may be; other
+    arguments build their own as before."""
+    from httpx._transports import default as transport
+
+    make = transport.create_ssl_context
+    shared = {}
+
+    def once(verify=True, cert=None, trust_env=True):
+        if verify is not True or cert is not None:
+            return make(verify=verify, cert=cert, trust_env=trust_env)
+        key = (trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        if key not in shared:
+            shared[key] = make(trust_env=trust_env)
+        return shared[key]
+
+    transport.create_ssl_context = once
+    yield
+    transport.create_ssl_context = make
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _read_each_bundled_trace_once():
     """The bundled traces (azure-conv, sharegpt) are read, row by row and checked, by most planner and
     CLI tests: a third of a second each time. Each is read once per process for each rate and seed

@@ -2,6 +2,7 @@
 
 import dataclasses
 import fcntl
+import gc
 import hashlib
 import os
 import pickle
@@ -18,6 +19,18 @@ def roofline(monkeypatch):
     from hetserve.cost import analytic
 
     monkeypatch.setattr(analytic, "_KERNELS_BY_DEFAULT", False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fewer_full_collections():
+    """A test process holds a large heap (torch, transformers, every test module), and each full
+    pass of the cyclic collector walks all of it, a quarter of a second; at the default pace (one
+    full pass per ten middle ones) those passes were a few per cent of the suite's time. Full
+    passes come ten times less often; the young generations are collected as before."""
+    saved = gc.get_threshold()
+    gc.set_threshold(saved[0], saved[1], saved[2] * 10)
+    yield
+    gc.set_threshold(*saved)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -58,9 +58,13 @@ def _one_default_tls_context_for_http_clients():
     for the default arguments (verify=True, no client certificate) is built once per CA setting
     (SSL_CERT_FILE / SSL_CERT_DIR as httpx reads them) and shared, as an SSLContext may be; other
     arguments build their own as before."""
-    from httpx._transports import default as transport
+    try:  # a private name of the pinned httpx: another version's clients build their own, as before
+        from httpx._transports import default as transport
 
-    make = transport.create_ssl_context
+        make = transport.create_ssl_context
+    except (ImportError, AttributeError):
+        yield
+        return
     shared = {}
 
     def once(verify=True, cert=None, trust_env=True):

@@ -80,19 +80,21 @@ def _main(argv: list[str] | None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    # the command's name leads its error lines, as argparse's own refusals of its options do
+    prog = f"hetserve {args.command}" if getattr(args, "command", None) else "hetserve"
     try:
         return int(args.func(args) or 0)
     except HetserveError as exc:
         if os.environ.get("HETSERVE_DEBUG"):
             raise
-        print(f"hetserve: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         # a path the user named that cannot be read or written (-o onto an existing file, a folder
         # that cannot be made): one line naming it, as for any other bad input
         if exc.filename is None or os.environ.get("HETSERVE_DEBUG"):
             raise
-        print(f"hetserve: error: {exc.filename}: expected a path that can be written or read, "
+        print(f"{prog}: error: {exc.filename}: expected a path that can be written or read, "
               f"got '{exc.strerror}'", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

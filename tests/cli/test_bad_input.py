@@ -231,7 +231,7 @@ def test_an_output_path_that_cannot_be_written_is_one_line(where, tmp_path, caps
     code, err = run(["make-model", "--arch", "llama", "--layers", "1", "--hidden", "32", "--heads", "2",
                      "--kv-heads", "1", "--ffn", "64", "-o", out], capsys)
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith("hetserve: error: ") and str(tmp_path) in err[0] and "Traceback" not in err[0]
+    assert err[0].startswith("hetserve make-model: error: ") and str(tmp_path) in err[0] and "Traceback" not in err[0]
 
 
 @pytest.mark.parametrize("command", ["calibrate", "plan"])

@@ -23,7 +23,7 @@ from hetserve.runtime.model.make import ShapeError, check_shape
 ])
 def test_a_shape_refusal_names_the_options_and_where_the_other_value_came_from(tmp_path, capsys, argv, line):
     assert main(["make-model", *argv, "--random-weights", "-o", str(tmp_path / "m")]) == 2
-    assert capsys.readouterr().err.strip() == f"hetserve: error: {line}"
+    assert capsys.readouterr().err.strip() == f"hetserve make-model: error: {line}"
     assert not (tmp_path / "m").exists()
 
 

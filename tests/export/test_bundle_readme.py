@@ -150,7 +150,7 @@ def test_a_port_range_too_small_for_a_machine_is_refused_at_export(pool, capsys,
     out = pool / "h"
     assert export(pool, "p.json", "hetserve", out, "--port-range", too_small) == 2
     err = one_line_error(capsys)
-    assert err.startswith("hetserve: error: --port-range: expected at least") and too_small in err
+    assert err.startswith("hetserve export: error: --port-range: expected at least") and too_small in err
     assert f"machine {machine} listens on {need}" in err and f"at least {need} ports" in err, err
     assert not out.exists()
     lo = int(too_small.split("-")[0])

@@ -75,7 +75,7 @@ def test_detailed_pipeline_with_no_pipeline_to_detail_is_refused(pool, capsys, p
     naming the option, the plan and why."""
     assert sim(pool, plan, "--pipeline", "detailed") == 2
     err = one_line_error(capsys)
-    assert err.startswith("hetserve: error: --pipeline detailed") and plan in err and "drop --pipeline" in err
+    assert err.startswith("hetserve simulate: error: --pipeline detailed") and plan in err and "drop --pipeline" in err
     assert "has none" in err
 
 

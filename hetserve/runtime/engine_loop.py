@@ -177,7 +177,7 @@ class EngineLoop(Recovery, Choices):
         entry = self.steps.pop(step_id, None)
         if entry is None:
             return  # a step of a replica that has failed meanwhile
-        rid, seqs, q_lens = entry
+        rid, seqs, q_lens, runs = entry
         timing = self._step_started.pop(step_id, None)
         if timing is not None and self.step_times is not None:
             timing.finished = time.monotonic()
@@ -187,8 +187,8 @@ class EngineLoop(Recovery, Choices):
         sched = self.schedulers[rid]
         sched.complete(step_id)
         lps = StepLogprobs(seqs, q_lens, tensors or {})
-        for b, (seq, token, q) in enumerate(zip(seqs, tokens, q_lens)):
-            if seq.status in (Status.FAILED, Status.FINISHED):
+        for b, (seq, token, q, run) in enumerate(zip(seqs, tokens, q_lens, runs)):
+            if seq.status in (Status.FAILED, Status.FINISHED) or seq.reruns != run:
                 continue
             if b in lps.prompt:
                 seq.handle._prompt_logprobs(*lps.prompt[b])
@@ -299,7 +299,9 @@ class EngineLoop(Recovery, Choices):
         if self.trace is not None:
             self.trace.append(("step", sched.id, tuple(q.id for q in batch if not q.prefilling),
                                tuple(q.id for q in batch if q.prefilling)))
-        self.steps[step_id] = (sched.id, batch, q_lens)
+        # each sequence's run count goes with the step: a result for a run that has since been re-run
+        # (its replica, or the prefill replica it came from, died) is stale and must not count
+        self.steps[step_id] = (sched.id, batch, q_lens, tuple(s.reruns for s in batch))
         if self.step_times is not None:
             decodes = [(s, q) for s, q in zip(batch, q_lens) if not s.prefilling]
             self._step_started[step_id] = StepTiming(

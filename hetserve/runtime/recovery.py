@@ -37,6 +37,13 @@ POLL_S = 0.1  # how often worker processes are checked for exit
 log = logging.getLogger("hetserve.runtime")
 
 
+def _on(seq: Sequence, rid: str) -> bool:
+    """``seq`` runs on replica ``rid``, hands off to it, or waits in its queue (placed there at
+    submission). A request that was prefilled there and now decodes elsewhere is not on it: it keeps
+    ``pinned`` (a pre-empted one goes back there) but has nothing on ``rid`` to lose."""
+    return seq.replica == rid or seq.dst == rid or (seq.pinned == rid and seq.replica is None)
+
+
 class Recovery:
     """Worker deaths, re-runs and elastic re-plans, for ``EngineLoop`` (see the module docstring)."""
 
@@ -80,7 +87,7 @@ class Recovery:
         """Out of service: its workers stopped, its steps in flight forgotten, its batches cleared."""
         self.schedulers[rid].alive = False
         self.workers.stop_replica(self.replicas[rid])
-        for step_id in [s for s, (r, _, _) in self.steps.items() if r == rid]:
+        for step_id in [s for s, (r, *_) in self.steps.items() if r == rid]:
             del self.steps[step_id]
         self.schedulers[rid].clear()
         for transfer in [t for t, (dst, _, _) in self.fenced.items() if dst == rid]:
@@ -94,7 +101,7 @@ class Recovery:
             why += f": {last_line(error)}"
         rid = w.replica
         self._stop_replica(rid)  # the rest of its replica cannot work without it
-        hit = [seq for seq in self.seqs.values() if seq.replica == rid or seq.pinned == rid or seq.dst == rid]
+        hit = [seq for seq in self.seqs.values() if _on(seq, rid)]
         rerun = []
         for seq in hit:
             if seq.replica != rid and seq.status == Status.HANDOFF:
@@ -141,7 +148,7 @@ class Recovery:
         old, sched.role = sched.role, role
         if old == role or (old == "decode" and role == "colocated"):
             return []
-        for step_id in [k for k, (r, _, _) in self.steps.items() if r == rid]:
+        for step_id in [k for k, (r, *_) in self.steps.items() if r == rid]:
             del self.steps[step_id]
         sched.clear(steps_only=True)
         if not sched.serves_prefill:
@@ -162,7 +169,7 @@ class Recovery:
         re-run on the replicas that stay, exactly as after a death; their devices are freed."""
         for rid in rids:
             self._stop_replica(rid)
-            hit = [q for q in self.seqs.values() if rid in (q.replica, q.pinned, q.dst)]
+            hit = [q for q in self.seqs.values() if _on(q, rid)]
             for seq in hit:
                 if seq.replica != rid and seq.status == Status.HANDOFF:
                     self._reroute(seq)

@@ -225,7 +225,7 @@ def test_a_receiver_frozen_past_the_channel_timeout_gets_each_transfer_once(mode
         if moment != "decoding":
             assert [h.result(timeout=60) for h in handles] == want[:half]
         else:
-            _wait("decode steps running", lambda: any(r == "d0" for r, _, _ in list(eng.loop.steps.values())))
+            _wait("decode steps running", lambda: any(r == "d0" for r, *_ in list(eng.loop.steps.values())))
         pid = eng.worker_pids()[frozen]
         os.kill(pid, signal.SIGSTOP)
         try:

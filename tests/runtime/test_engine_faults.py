@@ -63,6 +63,33 @@ def test_a_pd_plan_losing_one_side_reruns_on_the_other(model_dirs, cluster_file,
 
 
 @pytest.mark.timeout(180)
+def test_requests_decoding_elsewhere_survive_their_prefill_replicas_death(model_dirs, cluster_file, plans):
+    """Kill -9 the prefill replica once every request decodes on the decode replica: nothing of
+    theirs was on it, so none is re-run (a re-run beside the decode steps in flight streamed each
+    token twice), and every stream ends as an undisturbed run does."""
+    from hetserve.runtime.engine import Engine
+    from hetserve.runtime.engine_config import EngineConfig
+
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    eng = Engine.from_plan(plans.disaggregated(), cluster_file, model_dirs["opt"], EngineConfig(kv_capacity_tokens=4096))
+    try:
+        want = eng.generate(PROMPTS, params, timeout=60)
+        # placed on p0 as the server's placement places them (the request remembers it: ``pinned``)
+        handles = [eng.submit(p, params, replica="p0") for p in PROMPTS]
+        for h in handles:  # the first token comes from the prefill, the next ones from the decode replica
+            tokens = iter(h)
+            for _ in range(3):
+                next(tokens)
+        os.kill(eng.worker_pids()["m0:0"], signal.SIGKILL)
+        assert [h.result(timeout=60) for h in handles] == want
+        stats = eng.stats()
+        assert [(d["replica"], d["requests"]) for d in stats["deaths"]] == [("p0", 0)]
+        assert stats["failed"] == 0 and stats["replicas"]["d0"]["role"] == "colocated"
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.timeout(180)
 def test_frozen_worker_is_declared_dead_and_the_last_death_fails_cleanly(model_dirs, cluster_file):
     """SIGSTOP one of two replicas: no heartbeat, declared dead, its requests finish on the other
     with the same tokens. Then kill the last one: what is left fails with one error, submit refuses."""

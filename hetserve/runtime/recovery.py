@@ -49,9 +49,15 @@ class Recovery:
 
     def _poll_workers(self) -> None:
         now = time.monotonic()
-        if now - self._last_poll < POLL_S:
+        gap = now - self._last_poll
+        if gap < POLL_S:
             return
         self._last_poll = now
+        if gap > self.heartbeat_timeout_s:
+            # the engine itself did not run for a while (its process stopped or starved): the
+            # heartbeats of that time wait unread in its queue, so every worker's silence counts from now
+            for name in self.last_beat:
+                self.last_beat[name] = now
         if self.empty_since is not None and now - self.empty_since > self.hold_s:
             self._end_hold(f"no re-plan brought one within {self.hold_s:.0f} s")
         self.workers.reap()  # the workers killed with a dead one's replica: no zombie left behind

@@ -41,3 +41,40 @@ def test_a_link_report_that_raises_leaves_the_heartbeats_going_and_is_logged_onc
     assert [r.getMessage() for r in caplog.records if "link report failed" in r.getMessage()] == [
         "m0:0: its link report failed (RuntimeError: counters unreadable); heartbeats go on without it, "
         "later failures are not logged"]
+
+
+class _Workers:
+    """What ``Recovery._poll_workers`` reads of a worker group: two live workers, none exited."""
+
+    procs, dead = {"m0:0": None, "m0:1": None}, set()
+
+    def reap(self):
+        pass
+
+    def exited(self):
+        return []
+
+
+def _poller(last_poll_ago: float, silent_s: float):
+    from types import SimpleNamespace
+    import time
+
+    from hetserve.runtime.recovery import Recovery
+
+    now = time.monotonic()
+    deaths = []
+    loop = SimpleNamespace(workers=_Workers(), heartbeat_timeout_s=3.0, empty_since=None,
+                           _last_poll=now - last_poll_ago, last_beat={n: now - silent_s for n in _Workers.procs},
+                           _on_worker_death=lambda name, what: deaths.append(name))
+    Recovery._poll_workers(loop)
+    return deaths
+
+
+def test_a_silent_worker_is_declared_dead_when_the_engine_kept_polling():
+    assert _poller(last_poll_ago=0.2, silent_s=5.0) == ["m0:0", "m0:1"]
+
+
+def test_after_the_engine_itself_stood_still_no_worker_is_blamed():
+    """The engine's process stopped (SIGSTOP) or starved for longer than the heartbeat timeout: the
+    beats of that time are unread, not missing, so its workers' silence counts from now."""
+    assert _poller(last_poll_ago=5.0, silent_s=5.0) == []

@@ -165,8 +165,9 @@ class Replanner:
                 record = self.replan(trigger="failure")
                 record["failure_to_serving_s"] = time.monotonic() - first["at"]
             except Exception as exc:  # noqa: BLE001 - the engine keeps serving on what it has
-                log.error("re-plan after %s failed: %s", first["why"], exc)
-                self.engine.end_hold(f"the re-plan failed: {exc}")  # nothing held unless no replica is left
+                why = str(exc) or repr(exc)  # an exception without a message still says what it was
+                log.error("re-plan after %s failed: %s", first["why"], why)
+                self.engine.end_hold(f"the re-plan failed: {why}")  # nothing held unless no replica is left
 
     def close(self) -> None:
         self._stop.set()

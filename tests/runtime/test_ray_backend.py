@@ -219,3 +219,16 @@ def test_an_actor_whose_node_died_names_the_machine_that_left():
     cause = ray_backend._death_cause(ActorDiedError(context), "m2", "127.0.0.3")
     assert cause.startswith("the Ray node of machine m2 at 127.0.0.3 left the cluster (Ray: ")
     assert "its node has died" in cause and "class_name" not in cause and "\n" not in cause
+
+
+def test_an_actor_whose_process_died_on_a_live_node_is_not_a_node_that_left():
+    """Ray's text for a killed worker process names the node too ("Node ID"): no node left."""
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    from ray.exceptions import ActorDiedError
+
+    text = ("The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR "
+            "Worker exit detail: Worker unexpectedly exits with a connection error code 2. Node ID: 5e1f")
+    context = ActorDiedErrorContext(error_message=text, actor_id=b"\x01" * 16, class_name="WorkerActor",
+                                    node_ip_address="127.0.0.3")
+    cause = ray_backend._death_cause(ActorDiedError(context), "m2", "127.0.0.3")
+    assert cause.startswith("on machine m2: ") and "its worker process has died" in cause, cause

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import threading
 import time
 from typing import Any, Callable
@@ -180,6 +181,11 @@ class RayWorkerProcess:
                 ray.kill(actor, no_restart=True)
 
 
+# Ray's words for a node that died ("its node has died", "node 5e1f died", "node ... was marked
+# dead"), not for an actor whose worker process died on a live node (its text names "Node ID" too)
+_NODE_DIED = re.compile(r"\bnode\b(?:\s+\S+)?\s+(?:has\s+died|died|is\s+dead|was\s+marked\s+dead)")
+
+
 def _death_cause(exc: BaseException, machine: str, host: str | None = None) -> str:
     """One line: why Ray says the actor ended, naming the machine (and the address its worker bound).
 
@@ -191,8 +197,7 @@ def _death_cause(exc: BaseException, machine: str, host: str | None = None) -> s
     # Ray's field lines ("\tclass_name: ...", "\tactor_id: ...") are left out: the rest says why
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.startswith("\t")]
     text = " ".join(lines)
-    low = text.lower()
-    if "node" in low and ("died" in low or "dead" in low):
+    if _NODE_DIED.search(text.lower()):
         return f"{node} left the cluster (Ray: {_clip(text)})"
     if type(exc).__name__ == "ActorUnavailableError":
         return f"{node} stopped answering: it left the cluster or the network to it dropped (Ray: {_clip(text)})"

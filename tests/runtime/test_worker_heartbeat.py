@@ -44,18 +44,25 @@ def test_a_link_report_that_raises_leaves_the_heartbeats_going_and_is_logged_onc
 
 
 class _Workers:
-    """What ``Recovery._poll_workers`` reads of a worker group: two live workers, none exited."""
+    """What ``Recovery._poll_workers`` reads of a worker group: two workers, ``exits`` as
+    ``(name, exit code)`` in the order the group lists them."""
 
-    procs, dead = {"m0:0": None, "m0:1": None}, set()
+    procs = {"m0:0": None, "m0:1": None}
+
+    def __init__(self, exits=()):
+        self.exits, self.dead = list(exits), set()
 
     def reap(self):
         pass
 
     def exited(self):
-        return []
+        return self.exits
+
+    def exit_reason(self, name, code):
+        return f"died with exit code {code}"
 
 
-def _poller(last_poll_ago: float, silent_s: float):
+def _poller(last_poll_ago: float, silent_s: float, exits=()):
     from types import SimpleNamespace
     import time
 
@@ -63,15 +70,25 @@ def _poller(last_poll_ago: float, silent_s: float):
 
     now = time.monotonic()
     deaths = []
-    loop = SimpleNamespace(workers=_Workers(), heartbeat_timeout_s=3.0, empty_since=None,
+    workers = _Workers(exits)
+
+    def death(name, what):  # the first death takes the replica: its other workers with it
+        deaths.append(name)
+        workers.dead |= set(_Workers.procs)
+
+    loop = SimpleNamespace(workers=workers, heartbeat_timeout_s=3.0, empty_since=None,
                            _last_poll=now - last_poll_ago, last_beat={n: now - silent_s for n in _Workers.procs},
-                           _on_worker_death=lambda name, what: deaths.append(name))
+                           _on_worker_death=death)
     Recovery._poll_workers(loop)
     return deaths
 
 
+def test_the_worker_a_signal_ended_is_named_not_its_peer_that_lost_the_connection():
+    assert _poller(last_poll_ago=0.2, silent_s=0.0, exits=[("m0:0", 1), ("m0:1", -9)]) == ["m0:1"]
+
+
 def test_a_silent_worker_is_declared_dead_when_the_engine_kept_polling():
-    assert _poller(last_poll_ago=0.2, silent_s=5.0) == ["m0:0", "m0:1"]
+    assert _poller(last_poll_ago=0.2, silent_s=5.0) == ["m0:0"]  # its replica's other worker goes with it
 
 
 def test_after_the_engine_itself_stood_still_no_worker_is_blamed():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -86,8 +87,10 @@ def test_when_the_last_replica_dies_requests_wait_for_the_replan(model_dirs, clu
     from hetserve.runtime.engine_config import EngineConfig
     from hetserve.serve.replan import Replanner
 
+    held = threading.Event()  # the test has seen the hold and submitted into it
     if not replan_works:
         def refuse(*_a, **_k):
+            held.wait(30)  # failing at once would end the hold before the test could see it
             raise TimeoutError()  # no message: the error still says what went wrong
         monkeypatch.setattr("hetserve.planner.replan.replan", refuse)
     only = Plan.from_dict({"model": "tiny", "cluster": "runtime-test", "replicas": [
@@ -105,6 +108,7 @@ def test_when_the_last_replica_dies_requests_wait_for_the_replan(model_dirs, clu
             time.sleep(0.02)
         assert eng.stats()["holding_s"] is not None and eng.broken is None
         handles += [eng.submit(p, params) for p in PROMPTS[2:]]  # taken while none serves
+        held.set()
         if replan_works:
             assert [h.result(timeout=120) for h in handles] == want
             (record,) = replanner.history

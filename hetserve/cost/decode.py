@@ -68,7 +68,8 @@ class KernelDecodeLayer(DecodeLayer):
         self.more: tuple[tuple[float, float], ...] = tuple((float(f), float(b)) for f, b in rates[1:])
 
     def at(self, c: float) -> float:
-        # comparisons picking what ``max`` picks, the first of equals
+        # comparisons picking what ``max`` picks, the first of equals; the KV bytes as the layer's
+        # bytes less its weights, the very float the roofline's sum gives
         weights = self.weights
         qc, kv = self.q_flops * c, (weights + c * self.per_kv) - weights
         slowest, t = qc / self.f0, kv / self.b0

@@ -63,7 +63,7 @@ class Recovery:
         self.workers.reap()  # the workers killed with a dead one's replica: no zombie left behind
         # a worker a signal ended first: its TP peers then exit on the broken connection (code 1), and
         # the first death handled is the one named as its replica's cause
-        for name, code in sorted(self.workers.exited(), key=lambda e: not (e[1] is not None and e[1] < 0)):
+        for name, code in sorted(self.workers.exited(), key=lambda e: e[1] >= 0):
             if name not in self.workers.dead:  # an earlier death this round may have taken its replica
                 self._on_worker_death(name, self.workers.exit_reason(name, code))
         for name in self.workers.procs:

@@ -15,7 +15,7 @@ Logprobs shapes:
   "top_logprobs": [{"token", "logprob", "bytes"}]}]}``.
 
 A token's text is what the tokenizer decodes it to alone (a piece of a multi-byte character shows
-as U+FFFD, as in vLLM); a chat entry's ``bytes`` are the token's own bytes (``text.token_bytes``),
+as U+FFFD, as in vLLM); a chat entry's ``bytes`` are the token's own bytes (``Codec.token_bytes``),
 so the pieces of a character split over tokens join back into it, as OpenAI defines them.
 """
 
@@ -28,7 +28,6 @@ from fastapi.responses import StreamingResponse
 
 from hetserve.serve.coordinator import Coordinator, Prepared
 from hetserve.serve.errors import STREAM_END, error_event
-from hetserve.serve.text import token_bytes
 
 _DISCONNECT_POLL_S = 0.25
 
@@ -80,7 +79,7 @@ class LogprobWriter:
     def chat(self, entries: list[Entry]) -> dict:
         def one(tok: int, lp: float) -> dict:
             t = self.text(tok)
-            return {"token": t, "logprob": lp, "bytes": list(token_bytes(self.codec, tok))}
+            return {"token": t, "logprob": lp, "bytes": list(self.codec.token_bytes(tok))}
 
         return {"content": [{**one(tok, lp), "top_logprobs": [one(i, v) for i, v in top or ()]}
                             for tok, lp, top in entries]}

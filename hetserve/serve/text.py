@@ -28,12 +28,10 @@ class Codec(Protocol):
 
     def render_chat(self, messages: Sequence[tuple[str, str]]) -> str: ...
 
-
-def token_bytes(codec: Codec, token: int) -> bytes:
-    """The bytes ``token`` stands for (OpenAI's logprob ``bytes``): the codec's ``token_bytes`` where
-    it has one, else the UTF-8 of its text alone."""
-    own = getattr(codec, "token_bytes", None)
-    return own(token) if own is not None else codec.decode([token]).encode("utf-8")
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes ``token`` stands for (OpenAI's logprob ``bytes``): a piece of a multi-byte
+        character is its own bytes, not those of its text alone (U+FFFD)."""
+        ...
 
 
 def default_chat_prompt(messages: Sequence[tuple[str, str]]) -> str:

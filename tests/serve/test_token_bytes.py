@@ -1,4 +1,4 @@
-"""A chat logprob's ``bytes`` are its token's own bytes (``serve.text.token_bytes``): the pieces of
+"""A chat logprob's ``bytes`` are its token's own bytes (``Codec.token_bytes``): the pieces of
 a character split over tokens join back into it, with byte-level and byte-fallback vocabularies."""
 
 from __future__ import annotations

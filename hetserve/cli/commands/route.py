@@ -28,6 +28,10 @@ def register(subparsers) -> None:
                    help="failed health checks in a row (slow or not 200) that take a backend out (default 3); "
                         "a refused connection takes it out at once")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per-request timeout (default 600)")
+    p.add_argument("--stall-timeout", type=float, default=10.0, metavar="S",
+                   help="a request waiting this long on a backend that health checks have taken out fails as a "
+                        "broken connection does: not yet streaming, it moves to another backend; streaming, it "
+                        "ends with an error event (default 10)")
     p.add_argument("--backend-api-key-file", metavar="FILE",
                    help="a file holding the key the backends want (mode 600: only its owner may read it)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
@@ -46,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.serve.server import serve_plain, url_of
 
     check_host(args.host)
+    if not args.stall_timeout > 0:
+        raise SpecError("--stall-timeout", SpecError.OPTION, "seconds, above 0", args.stall_timeout)
     if not args.drain_timeout >= 0:
         raise SpecError("--drain-timeout", SpecError.OPTION, "seconds, 0 or more", args.drain_timeout)
     keys = key_options(args)
@@ -62,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                             f"{len(found)} keys")
         key = found[0]
     router = Router(BackendPool(config, args.policy), timeout_s=args.timeout, health_interval_s=args.health_interval,
-                    api_key=key, health_failures=args.health_failures)
+                    api_key=key, health_failures=args.health_failures, stall_s=args.stall_timeout)
     sock = bind(args.host, args.port)  # before the banner: it names the port the OS picked for --port 0
     health = f"health every {args.health_interval:g} s" if args.health_interval else "no health checks"
     print(f"hetserve route on {url_of(sock)}: {len(config.backends)} backend(s) "

@@ -20,7 +20,9 @@ not the client's, so the client gets a 502 saying so (never the backend's words 
 and the log names the backend and the option, once per backend. Health checks (``GET /health``
 every ``health_interval_s``) mark backends up again, and down: at once when the connection is
 refused (nothing listens), after ``health_failures`` checks in a row when the answer is slow or not
-200 (one slow answer from a busy backend is not an outage). Each change of a backend's state is logged with why (the status
+200 (one slow answer from a busy backend is not an outage). A request waiting on a backend that is
+down, for ``stall_s`` or more, fails as a broken connection would (``route.waits``): one not answered
+yet moves to another backend, a stream ends with an error event. Each change of a backend's state is logged with why (the status
 or error of the check or request that decided it).
 
 Shutdown is ``hetserve serve``'s (``serve.server``, ``serve.shutdown``): ``drain`` refuses new requests
@@ -34,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from typing import AsyncIterator
 
@@ -41,6 +44,7 @@ import httpx
 
 from hetserve.serve.errors import STREAM_END, APIError, ServerError, ShuttingDown, Unavailable, error_event
 from hetserve.serve.route.backends import Backend, BackendPool
+from hetserve.serve.route.waits import Stalled, Waits, Woken
 from hetserve.serve.shutdown import drain, wait_answered
 
 log = logging.getLogger(__name__)
@@ -53,8 +57,8 @@ class BackendFailed(Exception):
     """A backend failed before anything reached the client: try another."""
 
 
-_END = "hetserve route: end_now"  # the message of end_now's cancel, which _read takes back
 CREDENTIALS_REFUSED = (401, 403)  # a backend's answer to the key route sends (or does not send)
+_ERROR_EVENT = re.compile(rb'(?:^|[\r\n])data: ?\{\s*"error"')  # an SSE error event, as serve and vLLM send one
 
 
 class BackendRefusedCredentials(APIError):
@@ -102,7 +106,7 @@ class Router:
     """Sends one request to backends by the module docstring's rules."""
 
     def __init__(self, pool: BackendPool, timeout_s: float = 600.0, health_interval_s: float = 1.0,
-                 api_key: str | None = None, health_failures: int = 3):
+                 api_key: str | None = None, health_failures: int = 3, stall_s: float = 10.0):
         if health_failures < 1:
             raise ValueError(f"health_failures must be at least 1, got {health_failures}")
         self.pool = pool
@@ -120,7 +124,7 @@ class Router:
         self.in_flight = 0  # API requests being answered (route.server counts them)
         self.draining = False  # a graceful shutdown began: new requests are refused
         self._ended: asyncio.Future | None = None  # its result: why end_now ended the requests in flight
-        self._reading: set[asyncio.Task] = set()  # the streams' tasks awaiting their backend's next bytes
+        self.waits = Waits(stall_s)  # the requests' waits on backends (route.waits)
 
     # ------------------------------------------------------------------ health
     def start(self) -> None:
@@ -155,6 +159,11 @@ class Router:
         self._failed_checks[b.id] = failed
         if ok or failed >= self.health_failures:
             self._set_alive(b, ok, why if not ok else "GET /health answered 200")
+        if not b.alive:
+            ended = self.waits.end_stalled(b)
+            if ended:
+                log.warning("backend %s (%s) is down and sent nothing for %g s: %d request(s) waiting on it moved "
+                            "or ended", b.id, b.url, self.waits.stall_s, ended)
 
     def _set_alive(self, b: Backend, ok: bool, why: str) -> None:
         if ok != b.alive:  # the operator hears of each change and why, not only /health and /metrics
@@ -184,28 +193,18 @@ class Router:
         ended = self._end_signal()
         if not ended.done():
             ended.set_result(reason)
-        for task in list(self._reading):  # awaiting a backend: woken to end (``_read``)
-            task.cancel(_END)
+        self.waits.wake_reads()  # streams awaiting a backend: woken to end (``_read``)
         await wait_answered(self, grace_s, poll_s=poll_s)
 
-    async def _read(self, chunks) -> bytes:
-        """A stream's next bytes from its backend, or ``ShuttingDown`` once ``end_now`` ended it. Only a
-        read is woken by ``end_now``'s cancel (a stream writing to its client is not: its write would
-        break); the cancel is taken back (``uncancel``) where it was ``end_now``'s alone. No task per
-        chunk: a stream's chunks come thousands a second."""
+    async def _read(self, b: Backend, chunks) -> bytes:
+        """A stream's next bytes from ``b``, or ``ShuttingDown`` once ``end_now`` ended it. Only a read
+        is woken by ``end_now`` (a stream writing to its client is not: its write would break)."""
         if self._ended is not None and self._ended.done():
             raise ShuttingDown(self._ended.result())
-        me = asyncio.current_task()
-        self._reading.add(me)
         try:
-            return await chunks.__anext__()
-        except asyncio.CancelledError as exc:
-            if not (exc.args and exc.args[0] is _END and me.cancelling() == 1):
-                raise  # another's cancel (the client left, the server stops): not for us to take
-            me.uncancel()
-            raise ShuttingDown(self._ended.result()) from None
-        finally:
-            self._reading.discard(me)
+            return await self.waits.on(b, chunks.__anext__(), read=True)
+        except Woken:
+            raise ShuttingDown(self._end_signal().result()) from None
 
     def _end_signal(self) -> asyncio.Future:
         if self._ended is None:
@@ -283,7 +282,7 @@ class Router:
             req = self.client.build_request("POST", f"{b.url}{path}", content=raw,
                                             headers={**self.headers, "content-type": "application/json"})
             try:
-                resp = await self.client.send(req, stream=True)
+                resp = await self.waits.on(b, self.client.send(req, stream=True))
             except httpx.HTTPError as exc:
                 self._failed(b, f"POST {path}: {type(exc).__name__} {exc}".rstrip())
                 raise BackendFailed(f"{b.id}: {exc}") from exc
@@ -298,7 +297,7 @@ class Router:
                 raise BackendRefusedCredentials(b.id, resp.status_code)
             if not stream or resp.status_code != 200:
                 try:
-                    raw = await resp.aread()
+                    raw = await self.waits.on(b, resp.aread())
                 except httpx.HTTPError as exc:
                     self._failed(b, f"POST {path}: reading the answer: {type(exc).__name__} {exc}".rstrip())
                     raise BackendFailed(f"{b.id}: {exc}") from exc
@@ -313,7 +312,7 @@ class Router:
                     raise BackendFailed(f"{b.id}: answer is not JSON") from exc
             chunks = resp.aiter_raw()
             try:  # the first bytes decide: a stream that breaks before them is retried elsewhere
-                first = await chunks.__anext__()
+                first = await self.waits.on(b, chunks.__anext__())
             except (httpx.HTTPError, StopAsyncIteration) as exc:
                 await resp.aclose()
                 self._failed(b, f"POST {path}: stream ended before its first byte ({type(exc).__name__})")
@@ -338,12 +337,14 @@ class Router:
             while True:
                 whole = cutter.feed(c)
                 if whole:
+                    if outcome == "200" and _ERROR_EVENT.search(whole):
+                        outcome = "error"  # the backend ended it with an error event (relayed as it is)
                     yield whole
                 if cutter.too_long:
                     reason = f"backend {b.id} sent an event over {cutter.max_event_bytes} bytes"
                     break
                 try:
-                    c = await self._read(chunks)
+                    c = await self._read(b, chunks)
                 except ShuttingDown as exc:  # the shutdown ended it: as serve ends its streams
                     error = exc
                     break
@@ -354,7 +355,7 @@ class Router:
                     break
                 except httpx.HTTPError as exc:
                     self._set_alive(b, False, f"stream broke midway ({type(exc).__name__} {exc})".rstrip())
-                    reason = f"backend {b.id} failed mid-stream"
+                    reason = f"backend {b.id} failed mid-stream" + (f": {exc}" if isinstance(exc, Stalled) else "")
                     break
             if reason is not None:
                 outcome = "broken"  # counted once, as broken: not as a failed attempt too

@@ -23,6 +23,8 @@ an adapter.
     vocab_size, block_size         optional: the vocabulary (token ids are checked against it) and the
                                    KV block (reservations are whole blocks), as the engine checks them
     close()                        stop the engine; idempotent
+    replanning, broken             optional: True while replicas are being brought up (requests wait),
+                                   and why the engine refuses every request (None while it serves)
 """
 
 from __future__ import annotations

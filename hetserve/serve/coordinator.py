@@ -107,12 +107,14 @@ class Coordinator:
         if getattr(self.backend, "replanning", False):
             return None
         status, reps = self.health()
-        if status != "unavailable" or not reps:
-            return None
+        broken = getattr(self.backend, "broken", None)  # why the engine refuses every request, where it says
+        if status != "unavailable" or not (reps or broken):
+            return None  # no replica listed and nothing broken: a failed scrape, not an outage
         # nothing comes back on its own here (an on-failure re-plan holds requests instead: above)
         how = ("an operator re-plans onto returned devices (POST /admin/replan, with the server's admin key) "
                "or restarts the server" if self.comes_back() else "the server is restarted")
-        return f"no live replica can serve this request (every replica lost a worker); it serves again once {how}"
+        return (f"no live replica can serve this request ({broken or 'every replica lost a worker'}); "
+                f"it serves again once {how}")
 
     def usable_context(self, pools: list[tuple[str, float]] | None = None) -> int:
         """The most tokens (prompt + completion) one request can use: the model's context, capped by the

@@ -73,6 +73,11 @@ class EngineBackend:
         requests wait for them rather than being refused."""
         return bool(getattr(self.engine, "_reconfiguring", False) or getattr(self.engine, "holding", False))
 
+    @property
+    def broken(self) -> str | None:
+        """Why the engine refuses every request now (a re-plan that failed with no replica left), or None."""
+        return self.engine.broken
+
     def abort(self, request_id: str) -> None:
         handle = self._handles.get(request_id)
         if handle is not None:

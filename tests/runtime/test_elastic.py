@@ -86,6 +86,9 @@ def test_when_the_last_replica_dies_requests_wait_for_the_replan(model_dirs, clu
     from hetserve.runtime.engine import Engine
     from hetserve.runtime.engine_config import EngineConfig
     from hetserve.serve.replan import Replanner
+    from hetserve.serve.coordinator import Coordinator
+    from hetserve.serve.engine_backend import EngineBackend
+    from hetserve.serve.fake import ByteCodec
 
     held = threading.Event()  # the test has seen the hold and submitted into it
     if not replan_works:
@@ -119,6 +122,9 @@ def test_when_the_last_replica_dies_requests_wait_for_the_replan(model_dirs, clu
                 with pytest.raises(RuntimeFailure, match=r"the re-plan failed: TimeoutError\(\)"):
                     h.result(timeout=60)
             assert "no replica left" in eng.broken
+            # the server in front refuses at the door (503 naming why), not inside a started stream
+            why = Coordinator(EngineBackend(eng), ByteCodec(), "tiny").unavailable()
+            assert why and "the re-plan failed: TimeoutError()" in why, why
     finally:
         replanner.close()
         eng.shutdown()

@@ -181,6 +181,19 @@ def test_no_live_replica_is_503_in_both_modes_and_asks_for_a_retry_only_where_it
     assert _count(url, "hetserve_requests_total", endpoint="chat", outcome="unavailable") == before + 2
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_that_refuses_every_request_is_503_before_any_stream_starts(serve_fake, stream, monkeypatch):
+    """A re-plan that failed with no replica left: the engine lists no replica and says why it is
+    broken; a request gets the 503 naming that, not a 200 stream whose first event is the error."""
+    url, backend, _ = serve_fake()
+    monkeypatch.setattr(backend, "replicas", lambda: [], raising=False)
+    monkeypatch.setattr(backend, "broken", "no replica left, and the re-plan failed: TimeoutError()", raising=False)
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "stream": stream})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable", (r.status_code, r.text)
+    assert "the re-plan failed: TimeoutError()" in r.json()["error"]["message"]
+    assert httpx.get(url + "/health").json()["status"] == "unavailable"
+
+
 @pytest.mark.parametrize("field, value, words", [("stream", "yes", "valid boolean"),
                                                  ("echo", 1, "valid boolean"),
                                                  ("ignore_eos", "true", "valid boolean")])

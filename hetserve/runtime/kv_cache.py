@@ -78,6 +78,11 @@ class BlockManager:
             self.refs[b] += 1
         return list(blocks)
 
+    def release_all(self) -> None:
+        """The pool is gone (its replica's workers stopped): every block free, held by no one."""
+        self.free_blocks = deque(range(self.num_blocks))
+        self.refs.clear()
+
     def free(self, table: list[int]) -> None:
         """One holder fewer for each block of ``table``; a block nobody holds goes back to the pool."""
         for b in table:

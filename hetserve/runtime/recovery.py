@@ -98,6 +98,7 @@ class Recovery:
         for step_id in [s for s, (r, *_) in self.steps.items() if r == rid]:
             del self.steps[step_id]
         self.schedulers[rid].clear()
+        self.schedulers[rid].blocks.release_all()  # its KV went with its workers (its gauges read 0)
         for transfer in [t for t, (dst, _, _) in self.fenced.items() if dst == rid]:
             del self.fenced[transfer]  # its blocks went with it
 

@@ -55,6 +55,8 @@ def test_a_pd_plan_losing_one_side_reruns_on_the_other(model_dirs, cluster_file,
         assert stats["failed"] == 0 and stats["broken"] is None
         assert [d["replica"] for d in stats["deaths"]] == [dead]
         assert stats["replicas"][dead]["alive"] is False and stats["replicas"][survivor]["role"] == "colocated"
+        # a dead replica holds no KV: its pool went with its workers (its gauges read 0, not the moment it died)
+        assert (stats["replicas"][dead]["kv_used_blocks"], stats["replicas"][dead]["state"]["kv_used_tokens"]) == (0, 0)
         # the operator hears of it (the server's log), not only /health and /metrics
         assert any(worker in r.getMessage() and f"{survivor} colocated" in r.getMessage() for r in caplog.records)
     finally:

@@ -143,7 +143,7 @@ class Replanner:
                     "retired %s, added %s; planning %.2f s, start-up %.2f s, total %.2f s", trigger,
                     record["lost"] or "none", record["kept"],
                     ", ".join(f"{rid} {' -> '.join(chain)}" for rid, chain in record["role_changes"].items()) or "none",
-                    record["retired"], record["added"],
+                    record["retired"], _with_pids(record["added"], plan, eng.worker_pids()),
                     record["plan_s"], record["start_s"], record["total_s"])
             return record
 
@@ -171,3 +171,10 @@ class Replanner:
 
     def close(self) -> None:
         self._stop.set()
+
+
+def _with_pids(added: list[str], plan, pids: dict[str, int]) -> str:
+    """The added replicas with their workers' devices and process ids (for an operator's ps / kill,
+    as the start-up banner names the first ones)."""
+    return ", ".join(f"{rid} ({', '.join(f'{d} pid {pids[d]}' for d in plan.replica(rid).devices if d in pids)})"
+                     for rid in added) or "none"

@@ -54,6 +54,9 @@ def test_killed_worker_is_replanned_and_a_returning_device_joins(model_dirs, clu
         assert any(r.levelno == logging.WARNING and "re-plan (failure; lost devices: ['m0:1'])" in r.getMessage()
                    for r in caplog.records)
         assert record["kept"] == ["c0"] and record["retired"] == ["c1"] and record["added"]
+        # the new workers' process ids are named, as the start-up banner names the first ones
+        new = eng.plan.replica(record["added"][0]).devices[0]
+        assert any(f"{new} pid {eng.worker_pids()[new]}" in r.getMessage() for r in caplog.records)
         assert "m0:1" not in _devices(eng.plan) and {"m0:2", "m0:3"} <= _devices(eng.plan)  # freed + idle planned
         assert [h.result(timeout=60) for h in handles] == want  # no request lost, same tokens
         # new requests are served by the re-planned replica set: each new replica answers one

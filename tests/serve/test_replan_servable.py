@@ -34,6 +34,9 @@ class _Engine:
         return {"deaths": [{"worker": "m1:1", "why": "killed", "at": 0.0}],
                 "replicas": {"p0": {"alive": True}, "d0": {"alive": False}}}
 
+    def worker_pids(self):
+        return {}
+
     def reconfigure(self, plan, cluster):
         self.given = plan
         old = {r.id for r in self.plan.replicas}

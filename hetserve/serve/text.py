@@ -15,6 +15,7 @@ from typing import Protocol, Sequence
 from hetserve.errors import SpecError
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte fallback
+_SPACE_MARK = "\u2581"  # sentencepiece's space in a piece
 
 
 class Codec(Protocol):
@@ -73,6 +74,9 @@ class HFCodec:
         self._byte_of: dict[str, int] | None = None  # byte-level BPE: a piece's character -> its byte
         self._special = set(getattr(tokenizer, "all_special_ids", ()))
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        # sentencepiece spells a space as U+2581 in its pieces; its decoder turns it back (and may strip
+        # the text's first space, so a piece decoded alone loses it)
+        self._spaces_marked = decoder is not None and _SPACE_MARK.encode() in decoder.__getstate__()
         if type(decoder).__name__ == "ByteLevel":
             from hetserve.runtime.model.make import bytes_to_unicode
 
@@ -121,8 +125,9 @@ class HFCodec:
     def token_bytes(self, token: int) -> bytes:
         """The bytes of ``token``'s vocabulary entry, so that a multi-byte character split over
         tokens joins back (its text alone is U+FFFD): byte-level BPE spells each byte as one
-        character (GPT-2's map), sentencepiece a fallback byte as ``<0xNN>``. A special token, or
-        any other entry, is its decoded text."""
+        character (GPT-2's map), sentencepiece a fallback byte as ``<0xNN>`` and a space as U+2581
+        (``▁word`` is `` word``, though decoded alone it is ``word``). A special token, or any other
+        entry, is its decoded text."""
         piece = self.tok.convert_ids_to_tokens(int(token))
         if isinstance(piece, str) and token not in self._special:
             byte_of = self._byte_of
@@ -131,6 +136,8 @@ class HFCodec:
             fallback = _BYTE_PIECE.fullmatch(piece)
             if fallback:
                 return bytes([int(fallback.group(1), 16)])
+            if self._spaces_marked:
+                return piece.replace(_SPACE_MARK, " ").encode("utf-8")
         return self.decode([token]).encode("utf-8")
 
     def render_chat(self, messages: Sequence[tuple[str, str]]) -> str:

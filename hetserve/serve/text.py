@@ -7,7 +7,6 @@ multi-byte character and never show the start of a stop string that later comple
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -40,28 +39,6 @@ def default_chat_prompt(messages: Sequence[tuple[str, str]]) -> str:
     """A plain chat layout for checkpoints without a chat template: one ``role: text`` line each,
     then ``assistant:`` for the model to continue."""
     return "".join(f"{role}: {text}\n" for role, text in messages) + "assistant:"
-
-
-# tokenizer_config.json classes that name transformers' generic tokenizer (the second an alias of the first)
-_GENERIC = ("TokenizersBackend", "PreTrainedTokenizerFast")
-# model types for which AutoTokenizer loads the class tokenizer_config.json names (it overrides that for
-# some other types whose hub files name a wrong one)
-_CLASS_AS_NAMED = ("llama", "mistral", "opt")
-
-
-def generic_tokenizer(model_dir: Path) -> bool:
-    """Whether the folder holds transformers' generic tokenizer (tokenizer.json, a generic class
-    named, no code of its own) for a model type AutoTokenizer takes at its word: then the generic
-    class loads it directly, the very class AutoTokenizer would pick, without AutoTokenizer's import
-    of transformers' model-loading stack (seconds of a server's start-up)."""
-    try:
-        named = json.loads((model_dir / "tokenizer_config.json").read_text())
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return (isinstance(named, dict) and isinstance(config, dict) and named.get("tokenizer_class") in _GENERIC
-            and "auto_map" not in named and config.get("model_type") in _CLASS_AS_NAMED
-            and (model_dir / "tokenizer.json").is_file())
 
 
 class HFCodec:
@@ -102,14 +79,11 @@ class HFCodec:
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> "HFCodec":
-        """The folder's tokenizer, as ``AutoTokenizer`` loads it; one that transformers cannot load is a
-        ``SpecError`` naming the folder."""
-        if generic_tokenizer(Path(model_dir)):
-            from transformers import PreTrainedTokenizerFast as loader
-        else:
-            from transformers import AutoTokenizer as loader  # type: ignore[assignment]
+        """The folder's tokenizer; one that transformers cannot load is a ``SpecError`` naming the folder."""
+        from transformers import AutoTokenizer
+
         try:
-            return HFCodec(loader.from_pretrained(str(model_dir)))
+            return HFCodec(AutoTokenizer.from_pretrained(str(model_dir)))
         except Exception as exc:  # noqa: BLE001 - whatever transformers raises for the files it reads
             raise SpecError(str(model_dir), "tokenizer", "a tokenizer transformers can load (tokenizer.json, "
                             "tokenizer_config.json)", f"{type(exc).__name__}: {exc}") from exc

@@ -40,6 +40,21 @@ async def checks_until(router, backend, done, every_s=0.05, limit_s=10.0):
         await asyncio.sleep(every_s)
 
 
+async def stream_under_checks(router, every_s):
+    """A streamed request to backend b0, read to its end while b0's health checks run; its chunks."""
+    _, _, stream = await router.answer("/v1/completions", {"model": "m", "prompt": "hi", "stream": True})
+    got = []
+
+    async def read():
+        async for chunk in stream:
+            got.append(chunk)
+
+    reader = asyncio.ensure_future(read())
+    await checks_until(router, router.pool.by_id["b0"], reader, every_s=every_s)
+    await asyncio.wait_for(reader, 5)
+    return got
+
+
 def test_a_stream_from_a_backend_gone_quiet_ends_with_an_error_event_once_it_is_down():
     class Quiet(httpx.AsyncByteStream):
         async def __aiter__(self):
@@ -53,17 +68,8 @@ def test_a_stream_from_a_backend_gone_quiet_ends_with_an_error_event_once_it_is_
 
     async def scenario():
         router = router_for(handler, "b0")
-        _, _, stream = await router.answer("/v1/completions", {"model": "m", "prompt": "hi", "stream": True})
-        got = []
-
-        async def read():
-            async for chunk in stream:
-                got.append(chunk)
-
-        reader = asyncio.ensure_future(read())
         t0 = time.monotonic()
-        await checks_until(router, router.pool.by_id["b0"], reader)
-        await asyncio.wait_for(reader, 5)
+        got = await stream_under_checks(router, every_s=0.05)
         took = time.monotonic() - t0
         await router.close()
         return got, took, router
@@ -121,16 +127,7 @@ def test_a_stream_still_sending_from_a_backend_marked_down_is_left_to_finish():
 
     async def scenario():
         router = router_for(handler, "b0", stall_s=0.3)
-        _, _, stream = await router.answer("/v1/completions", {"model": "m", "prompt": "hi", "stream": True})
-        got = []
-
-        async def read():
-            async for chunk in stream:
-                got.append(chunk)
-
-        reader = asyncio.ensure_future(read())
-        await checks_until(router, router.pool.by_id["b0"], reader, every_s=0.02)
-        await asyncio.wait_for(reader, 5)
+        got = await stream_under_checks(router, every_s=0.02)
         await router.close()
         return b"".join(got), router
 

@@ -31,7 +31,7 @@ class Woken(Exception):
 
 
 class Stalled(httpx.ReadTimeout):
-    """A wait on a backend that health checks took out, ended after ``stall_s``."""
+    """A wait on a backend marked down, ended after ``stall_s``."""
 
 
 class Waits:
@@ -57,7 +57,7 @@ class Waits:
             me.uncancel()
             if why is _WAKE:
                 raise Woken() from None
-            raise Stalled(f"nothing for {self.stall_s:g} s from a backend that health checks took out") from None
+            raise Stalled(f"nothing for {self.stall_s:g} s from a backend marked down") from None
         finally:
             self._on.pop(me, None)
 
@@ -69,7 +69,7 @@ class Waits:
                 task.cancel(_WAKE)
 
     def end_stalled(self, backend: object) -> int:
-        """End the waits on ``backend`` (taken out: the caller knows) that have lasted ``stall_s``
+        """End the waits on ``backend`` (marked down: the caller knows) that have lasted ``stall_s``
         (each raises ``Stalled``); how many."""
         now, n = time.monotonic(), 0
         for task, (b, since, _) in list(self._on.items()):

@@ -88,10 +88,12 @@ class Coordinator:
         """("ok" | "degraded" | "unavailable" | "draining", one entry per replica with its liveness).
 
         Degraded: some replica is down, or the re-plans run without lost devices (``lost_devices``),
-        but the live ones can still serve (prefill and decode); unavailable: they cannot."""
+        but the live ones can still serve (prefill and decode); unavailable: they cannot, or the engine
+        says it is broken."""
         reps = self._safe_replicas()
         live = [r for r in reps if r.alive]
-        can_serve = any(serves_prefill(r.role) for r in live) and any(r.role != "prefill" for r in live)
+        can_serve = (any(serves_prefill(r.role) for r in live) and any(r.role != "prefill" for r in live)
+                     and not getattr(self.backend, "broken", None))
         status = ("draining" if self.draining else "unavailable" if not can_serve
                   else "degraded" if len(live) < len(reps) or self.lost_devices() else "ok")
         return status, [{"id": r.id, "role": r.role, "alive": r.alive} for r in reps]
@@ -106,15 +108,17 @@ class Coordinator:
         backend that is bringing replicas up (a re-plan) queues requests instead: None."""
         if getattr(self.backend, "replanning", False):
             return None
-        status, reps = self.health()
         broken = getattr(self.backend, "broken", None)  # why the engine refuses every request, where it says
-        if status != "unavailable" or not (reps or broken):
-            return None  # no replica listed and nothing broken: a failed scrape, not an outage
+        if not broken:
+            status, reps = self.health()
+            if status != "unavailable" or not reps:
+                return None  # no replica listed and nothing broken: a failed scrape, not an outage
         # nothing comes back on its own here (an on-failure re-plan holds requests instead: above)
         how = ("an operator re-plans onto returned devices (POST /admin/replan, with the server's admin key) "
                "or restarts the server" if self.comes_back() else "the server is restarted")
-        return (f"no live replica can serve this request ({broken or 'every replica lost a worker'}); "
-                f"it serves again once {how}")
+        what = (f"the engine cannot serve: {broken}" if broken
+                else "no live replica can serve this request (every replica lost a worker)")
+        return f"{what}; it serves again once {how}"
 
     def usable_context(self, pools: list[tuple[str, float]] | None = None) -> int:
         """The most tokens (prompt + completion) one request can use: the model's context, capped by the

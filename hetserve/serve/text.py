@@ -53,7 +53,8 @@ class HFCodec:
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         # sentencepiece spells a space as U+2581 in its pieces; its decoder turns it back (and may strip
         # the text's first space, so a piece decoded alone loses it)
-        self._spaces_marked = decoder is not None and _SPACE_MARK.encode() in decoder.__getstate__()
+        state = decoder.__getstate__() if decoder is not None else b""
+        self._spaces_marked = _SPACE_MARK.encode() in state and b'"ByteLevel"' not in state
         if type(decoder).__name__ == "ByteLevel":
             from hetserve.runtime.model.make import bytes_to_unicode
 

@@ -193,6 +193,13 @@ def test_an_engine_that_refuses_every_request_is_503_before_any_stream_starts(se
     assert "the re-plan failed: TimeoutError()" in r.json()["error"]["message"]
     assert httpx.get(url + "/health").json()["status"] == "unavailable"
 
+    # broken with its replicas still listed alive (the engine's own loop failed): refused all the same
+    monkeypatch.undo()
+    monkeypatch.setattr(backend, "broken", "the coordinator failed: RuntimeError('x')", raising=False)
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "stream": stream})
+    assert r.status_code == 503 and "the coordinator failed" in r.json()["error"]["message"], (r.status_code, r.text)
+    assert httpx.get(url + "/health").json()["status"] == "unavailable"
+
 
 @pytest.mark.parametrize("field, value, words", [("stream", "yes", "valid boolean"),
                                                  ("echo", 1, "valid boolean"),

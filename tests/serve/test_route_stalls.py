@@ -137,6 +137,45 @@ def test_a_stream_still_sending_from_a_backend_marked_down_is_left_to_finish():
     assert count(router, "b0", "200") == 1
 
 
+def test_a_backend_answering_its_checks_with_503_keeps_its_requests_however_long_they_wait():
+    """A 503 from /health says the backend lives (``serve`` draining, or holding requests for a
+    re-plan): taken out, it still gets to answer what it holds, a stream after a pause and a plain
+    request after its whole generation, both longer than ``stall_s``."""
+    class Paused(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b'data: {"choices": [{"text": "a"}]}\n\n'
+            await asyncio.sleep(0.8)
+            yield b'data: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n'
+
+    async def handler(request):
+        if request.url.path == "/health":
+            return httpx.Response(503, json={"status": "unavailable"})
+        if json.loads(request.content).get("stream"):
+            return httpx.Response(200, stream=Paused())
+        await asyncio.sleep(0.8)
+        return httpx.Response(200, json={"choices": [{"text": "whole"}]})
+
+    async def scenario():
+        router = router_for(handler, "b0", stall_s=0.3)
+        _, _, stream = await router.answer("/v1/completions", {"model": "m", "prompt": "hi", "stream": True})
+        plain = asyncio.ensure_future(router.answer("/v1/completions", {"model": "m", "prompt": "hi"}))
+        await asyncio.sleep(0.05)  # sent, before the checks take the backend out
+
+        async def read():
+            return b"".join([chunk async for chunk in stream])
+
+        both = asyncio.gather(read(), plain)
+        await checks_until(router, router.pool.by_id["b0"], both)
+        streamed, (status, body, _) = await asyncio.wait_for(both, 5)
+        await router.close()
+        return streamed, status, body, router
+
+    streamed, status, body, router = asyncio.run(scenario())
+    assert not router.pool.by_id["b0"].alive
+    assert streamed.endswith(b"data: [DONE]\n\n") and b"error" not in streamed, streamed
+    assert status == 200 and body["choices"][0]["text"] == "whole"
+
+
 def test_a_stream_the_backend_ends_with_an_error_event_is_counted_as_error():
     class Fails(httpx.AsyncByteStream):
         async def __aiter__(self):

@@ -29,9 +29,11 @@ def register(subparsers) -> None:
                         "a refused connection takes it out at once")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per-request timeout (default 600)")
     p.add_argument("--stall-timeout", type=float, default=10.0, metavar="S",
-                   help="a request waiting this long on a backend that health checks have taken out fails as a "
-                        "broken connection does: not yet streaming, it moves to another backend; streaming, it "
-                        "ends with an error event (default 10)")
+                   help="a request waiting this long on a backend that health checks have taken out and that "
+                        "answers them not at all (frozen, or its host gone; a 503 is an answer) fails as a broken "
+                        "connection does: not yet streaming, it moves to another backend; streaming, it ends with an "
+                        "error event (default 10; non-streamed requests wait for their whole answer, so raise it "
+                        "for long ones)")
     p.add_argument("--backend-api-key-file", metavar="FILE",
                    help="a file holding the key the backends want (mode 600: only its owner may read it)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",

@@ -21,8 +21,9 @@ and the log names the backend and the option, once per backend. Health checks (`
 every ``health_interval_s``) mark backends up again, and down: at once when the connection is
 refused (nothing listens), after ``health_failures`` checks in a row when the answer is slow or not
 200 (one slow answer from a busy backend is not an outage). A request waiting on a backend that is
-down, for ``stall_s`` or more, fails as a broken connection would (``route.waits``): one not answered
-yet moves to another backend, a stream ends with an error event. Each change of a backend's state is logged with why (the status
+down and whose health check got no answer at all (a 503 says it lives: draining, or holding requests
+for a re-plan), for ``stall_s`` or more, fails as a broken connection would (``route.waits``): one not
+answered yet moves to another backend, a stream ends with an error event. Each change of a backend's state is logged with why (the status
 or error of the check or request that decided it).
 
 Shutdown is ``hetserve serve``'s (``serve.server``, ``serve.shutdown``): ``drain`` refuses new requests
@@ -143,10 +144,11 @@ class Router:
 
     async def check(self, b: Backend) -> None:
         """One health check of ``b``, by the module docstring's rule."""
-        refused = False
+        refused, answered = False, False
         try:
             # with the backends' key: a backend that guards its probes (--protect-probes) answers 401 without it
             r = await self.client.get(f"{b.url}/health", headers=self.headers, timeout=2.0)
+            answered = True
             ok = r.status_code == 200
             why = f"GET /health answered HTTP {r.status_code}"
             if r.status_code in CREDENTIALS_REFUSED:
@@ -159,11 +161,13 @@ class Router:
         self._failed_checks[b.id] = failed
         if ok or failed >= self.health_failures:
             self._set_alive(b, ok, why if not ok else "GET /health answered 200")
-        if not b.alive:
+        # a backend that answers, even 503 (a server draining, or holding requests for a re-plan), is
+        # alive and its requests may yet be answered; one down that answers nothing has gone quiet
+        if not b.alive and not answered:
             ended = self.waits.end_stalled(b)
             if ended:
-                log.warning("backend %s (%s) is down and sent nothing for %g s: %d request(s) waiting on it moved "
-                            "or ended", b.id, b.url, self.waits.stall_s, ended)
+                log.warning("backend %s (%s) is down and answers nothing: %d request(s) waiting on it for %g s or "
+                            "more moved or ended", b.id, b.url, ended, self.waits.stall_s)
 
     def _set_alive(self, b: Backend, ok: bool, why: str) -> None:
         if ok != b.alive:  # the operator hears of each change and why, not only /health and /metrics

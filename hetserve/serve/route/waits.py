@@ -1,7 +1,7 @@
 """What ``hetserve route``'s requests wait on their backends for, and the two things that cut a wait
 short: the shutdown's ``end_now`` wakes every stream's read (``wake_reads``), and a backend that went
 quiet (a frozen process, a dead host whose connections never reset) has its waits ended once health
-checks have taken it out and a wait has lasted ``stall_s`` (``end_stalled``). Without the second, a
+checks have taken it out, the last one unanswered, and a wait has lasted ``stall_s`` (``end_stalled``). Without the second, a
 stream from a frozen backend would hang for the whole request timeout (600 s by default), long after
 the backend was marked down.
 
@@ -73,6 +73,8 @@ class Waits:
         (each raises ``Stalled``); how many."""
         now, n = time.monotonic(), 0
         for task, (b, since, _) in list(self._on.items()):
+            # a wait whose answer came in this very turn of the loop is ended all the same (its
+            # connection closed): it had waited ``stall_s`` on a backend gone quiet
             if b is backend and now - since >= self.stall_s:
                 del self._on[task]
                 task.cancel(_STALL)

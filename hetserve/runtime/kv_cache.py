@@ -84,11 +84,15 @@ class BlockManager:
         self.refs.clear()
 
     def free(self, table: list[int]) -> None:
-        """One holder fewer for each block of ``table``; a block nobody holds goes back to the pool."""
+        """One holder fewer for each block of ``table``; a block nobody holds goes back to the pool.
+        A block already free is left as it is: a second free of one table (a stale one, a released
+        pool's) must not put a block in the pool twice, where two requests would then share it."""
         for b in table:
-            left = self.refs.get(b, 1) - 1
-            if left > 0:
-                self.refs[b] = left
+            held = self.refs.get(b)
+            if held is None:
+                continue
+            if held > 1:
+                self.refs[b] = held - 1
             else:
-                self.refs.pop(b, None)
+                del self.refs[b]
                 self.free_blocks.append(b)

@@ -132,6 +132,15 @@ def test_block_manager_admission():
     bm.free(a)
     assert bm.num_free_blocks == 4 and bm.usage == 0.0
     assert bm.fits_ever(64) and not bm.fits_ever(65)
+    # a second free of one table, or a free into a released pool, never puts a block in twice
+    b = bm.allocate(30)
+    bm.free(b)
+    bm.free(b)
+    c = bm.allocate(64)
+    assert sorted(c) == [0, 1, 2, 3] and bm.num_free_blocks == 0
+    bm.release_all()
+    bm.free(c)
+    assert sorted(bm.free_blocks) == [0, 1, 2, 3] and bm.num_used_blocks == 0
 
 
 def test_kv_pool_roundtrip_and_slots():

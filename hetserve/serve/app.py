@@ -24,21 +24,18 @@ event when a stream fails after its headers were sent.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
-from starlette.requests import ClientDisconnect
 
 from hetserve.errors import HetserveError
 from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
+from hetserve.serve.bodies import ClientGone, json_object, read_bytes, validated
 from hetserve.serve.choices import LogprobWriter, collect, prompt_entries, share_prompts, sse
 from hetserve.serve.coordinator import Coordinator, Prepared
 from hetserve.serve.errors import (ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded,
-                                   PayloadTooLarge, ServerError, ShuttingDown, Unavailable, install_error_handlers, log,
+                                   ServerError, ShuttingDown, Unavailable, install_error_handlers, log,
                                    to_api_error)
 from hetserve.serve.keys import ADMIN_PREFIX, APIAuth, guarded_app
 from hetserve.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -51,10 +48,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # millisecond, and never queued behind huge prompts in the thread pool
 INLINE_PROMPT_CHARS = 16_384
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-
-
-class ClientGone(Exception):
-    """The client closed its connection before its request was read: nobody to answer."""
 
 
 def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | None = None,
@@ -111,25 +104,6 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
             raise ModelNotFound(f"The model '{name}' does not exist; this server serves '{c.model_name}'.",
                                 param="model")
 
-    async def read_bytes(request: Request) -> bytes:
-        """The body, refused (413) as soon as it is known to be over ``max_body_bytes``: by its
-        Content-Length before a byte is read, else by counting as it arrives (chunked uploads)."""
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.strip().isdigit() and int(declared) > max_body_bytes:
-            raise PayloadTooLarge(f"request body is {int(declared)} bytes; this server takes at most "
-                                  f"{max_body_bytes}")
-        parts, size = [], 0
-        try:
-            async for part in request.stream():
-                size += len(part)
-                if size > max_body_bytes:
-                    raise PayloadTooLarge(f"request body is over {max_body_bytes} bytes, the most this "
-                                          "server takes")
-                parts.append(part)
-        except ClientDisconnect as exc:
-            raise ClientGone() from exc
-        return b"".join(parts)
-
     def check_length(size_chars: int, param: str) -> None:
         """Refuse a prompt that cannot fit the context before tokenizing it: a token covers at most
         ``codec.max_token_chars`` characters, so more than context × that many characters is more
@@ -142,26 +116,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
                 "token (the tokenizer's longest). Please reduce the length of the prompt.", param=param)
 
     async def read_body(request: Request, cls):
-        raw = await read_bytes(request)
-        try:
-            data = _json_of(raw) if raw else None
-            # a lone surrogate ("\ud800") is valid JSON but no text: refuse it here, not in the tokenizer
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
-        except json.JSONDecodeError as exc:
-            raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
-        except UnicodeEncodeError as exc:
-            raise InvalidRequest(f"request body: strings must be valid Unicode text ({exc.reason} at "
-                                 f"{exc.object[exc.start:exc.end]!r})") from exc
-        except RecursionError as exc:
-            raise InvalidRequest("request body is nested too deeply") from exc
-        if not isinstance(data, dict):
-            raise InvalidRequest("request body must be a JSON object")
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors()) from exc
-        except RecursionError as exc:
-            raise InvalidRequest("request body is nested too deeply") from exc
+        return validated(cls, json_object(await read_bytes(request, max_body_bytes)))
 
     async def run_to_end(reqs: list[Prepared], request: Request) -> None:
         """``collect`` the choices of a request answered in one body. One the shutdown ended (the
@@ -206,13 +161,7 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
         "lost": [devices gone], "returned": [devices back]}. Answers the re-plan record."""
         if c.replanner is None:
             raise InvalidRequest("this server cannot re-plan (the Ray backend places its actors once)")
-        raw = await read_bytes(request)
-        try:
-            data = _json_of(raw) if raw.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise InvalidRequest("request body must be a JSON object")
+        data = json_object(await read_bytes(request, max_body_bytes), empty={})
         unknown = sorted(set(data) - {"cluster", "lost", "returned"})
         if unknown:
             raise InvalidRequest(f"unrecognized field {unknown[0]!r}; expected cluster, lost, returned",
@@ -375,17 +324,6 @@ def _prepare(c: Coordinator, endpoint: str, body, ids: list[int], max_tokens, de
                      min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
                      frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                      logprobs=logprobs, prompt_logprobs=prompt_logprobs, index=index)
-
-
-def _json_of(raw: bytes):
-    """The JSON document of a request body, read as UTF-8, the only encoding JSON over HTTP may use
-    (RFC 8259): ``json.loads`` on bytes would guess UTF-16 or -32 from the first bytes and fail with
-    that codec's name in the message. Raises ``json.JSONDecodeError``."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise json.JSONDecodeError(f"not UTF-8 text (byte 0x{raw[exc.start]:02x})", "", exc.start) from exc
-    return json.loads(text)
 
 
 __all__ = ["create_app", "to_api_error"]

@@ -204,12 +204,21 @@ def test_bad_input_refused_like_serve_and_never_forwarded(backends, tmp_path):
         r1 = httpx.post(f"{route.url}/v1/completions", json={"model": "tiny", "prompt": "x", "temperature": 9})
         r2 = httpx.post(f"{route.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
         r3 = httpx.post(f"{route.url}/v1/chat/completions", json={"model": "tiny", "messages": [], "bogus": 1})
+        deep = b'{"model": "tiny", "prompt": "x", "stop": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+        r4 = httpx.post(f"{route.url}/v1/completions", content=deep, headers={"content-type": "application/json"})
+        r5 = httpx.post(f"{route.url}/v1/completions", content=b"", headers={"content-type": "application/json"})
+        # over the limit by its Content-Length: refused before the body is read, as serve refuses it
+        big = httpx.post(f"{route.url}/v1/completions", content=b" " * (9 << 20),
+                         headers={"content-type": "application/json"})
         metrics = httpx.get(f"{route.url}/metrics").text
     finally:
         route.stop()
-    for r in (r1, r2, r3):
-        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    for r in (r1, r2, r3, r4, r5):
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
     assert r1.json()["error"]["param"] == "temperature"
+    assert r4.json()["error"]["message"] == "request body is nested too deeply"
+    assert r5.json()["error"]["message"] == "request body must be a JSON object"
+    assert big.status_code == 413 and "this server takes at most" in big.json()["error"]["message"], big.text
     assert backends.stats("b0")["served"] == before
     assert 'hetserve_route_backend_up{backend="b0"} 1.0' in metrics
 

@@ -1,26 +1,22 @@
 """The FastAPI app of ``hetserve route`` (``Router`` does the forwarding; ``route.app``)."""
 
-import json
 from contextlib import asynccontextmanager
 
 from fastapi import Request  # at module level: FastAPI reads the routes' annotations from here
 
 from hetserve.serve.keys import APIAuth, guarded_app
+from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES as MAX_BODY_BYTES  # serve's: one body, one answer
 from hetserve.serve.route.app import CREDENTIALS_REFUSED, BackendRefusedCredentials, Router
-
-MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused unread past the limit
 
 
 def create_app(router: Router, auth: APIAuth | None = None):
     """The app forwarding to ``router``'s backends; ``auth``: the keys its clients need (as
     ``hetserve serve``'s: ``serve.keys``; default none, the API open)."""
-    import pydantic
     from fastapi import FastAPI
-    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-    from hetserve.serve.errors import (InvalidRequest, PayloadTooLarge, ShuttingDown, Unavailable,
-                                      install_error_handlers)
+    from hetserve.serve.bodies import ClientGone, json_object, read_bytes, validated
+    from hetserve.serve.errors import ShuttingDown, Unavailable, install_error_handlers
     from hetserve.serve.protocol import ChatCompletionRequest, CompletionRequest
 
     @asynccontextmanager
@@ -33,6 +29,10 @@ def create_app(router: Router, auth: APIAuth | None = None):
     app.add_middleware(CountInFlight, router=router)
     install_error_handlers(app)
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone):
+        return Response(status_code=499)  # the client hung up mid-upload: nobody reads it, nothing to log
+
     @app.exception_handler(BackendRefusedCredentials)
     async def credentials_refused(request: Request, exc: BackendRefusedCredentials):
         # the router logged it once per backend already: not again as a failure of every request
@@ -41,18 +41,8 @@ def create_app(router: Router, auth: APIAuth | None = None):
     async def read_body(request: Request) -> tuple[dict, bytes]:
         if router.draining:  # a graceful shutdown: as serve refuses, before the body is read
             raise ShuttingDown()
-        raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY_BYTES:
-                raise PayloadTooLarge(f"request body over {MAX_BODY_BYTES} bytes")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise InvalidRequest("request body must be a JSON object")
-        return body, raw
+        raw = await read_bytes(request, MAX_BODY_BYTES)  # refused, and read, as serve reads one
+        return json_object(raw), raw
 
     async def forward(path: str, body: dict, raw: bytes):
         status, data, stream = await router.until_ended(router.answer(path, body, raw))
@@ -62,10 +52,7 @@ def create_app(router: Router, auth: APIAuth | None = None):
 
     def validate(model, body: dict) -> None:
         # the same models and messages as `hetserve serve`: bad input is refused here, never forwarded
-        try:
-            model.model_validate(body)
-        except pydantic.ValidationError as exc:
-            raise RequestValidationError(exc.errors()) from exc
+        validated(model, body)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

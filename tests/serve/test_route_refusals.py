@@ -139,3 +139,45 @@ def test_a_deploy_json_without_replicas_says_the_field_is_missing_and_names_the_
     with caplog.at_level(logging.WARNING, logger="hetserve.serve.route.backends"):
         config_from_deploy(path)
     assert any("'routr'" in r.getMessage() for r in caplog.records), caplog.records
+
+
+def _pd_deploy(tmp_path, **router):
+    """A P/D deploy.json (p0 -> d0, c0 colocated) with ``router`` fields replaced; its path."""
+    path = write_deploy(tmp_path, "vllm", ["http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://127.0.0.1:8003"],
+                        ["prefill", "decode", "colocated"])
+    data = json.loads(path.read_text())
+    for r, rid in zip(data["replicas"], ("p0", "d0", "c0")):
+        r["id"] = rid
+    data["router"].update({"weights": {"p0": 0.75, "c0": 0.25},
+                           "kv_routes": [{"from": "p0", "to": "d0", "weight": 1.0}], **router})
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("router, field, words", [
+    ({"kv_routes": [{"from": "p0", "to": "c0", "weight": 1.0}]}, "router.kv_routes.0.to", "a decode replica (d0)"),
+    ({"kv_routes": [{"from": "p0", "to": "zz", "weight": 1.0}]}, "router.kv_routes.0.to", "a decode replica"),
+    ({"kv_routes": [{"from": "d0", "to": "d0", "weight": 1.0}]}, "router.kv_routes.0.from", "a prefill replica (p0)"),
+    ({"kv_routes": [{"from": "p0", "to": "d0", "weight": -1}]}, "router.kv_routes.0.weight", "0 or more"),
+    ({"kv_routes": [{"from": "p0", "to": "d0"}]}, "router.kv_routes.0", "{from, to, weight}"),
+    ({"weights": {"p0": 1.0}}, "router.weights", "none for c0"),
+    ({"weights": {"p0": 0.5, "c0": 0.5, "x9": 1.0}}, "router.weights.x9", "a prefill or colocated replica"),
+    ({"weights": {"p0": 0.5, "c0": 0.5, "d0": 1.0}}, "router.weights.d0", "a prefill or colocated replica"),
+    ({"weights": {"p0": 0, "c0": 0}}, "router.weights", "at least one weight above 0"),
+])
+def test_a_deploy_json_whose_router_would_send_requests_elsewhere_is_refused(tmp_path, router, field, words):
+    """Mistakes in the router's weights and KV routes that would change where requests go (a decode
+    half handed to a colocated server, a replica's share silently 1) are named, not taken."""
+    assert [b.id for b in config_from_deploy(_pd_deploy(tmp_path)).backends] == ["p0", "d0", "c0"]
+    with pytest.raises(SpecError) as err:
+        config_from_deploy(_pd_deploy(tmp_path, **router))
+    assert f"field '{field}'" in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_a_deploy_json_replica_with_an_empty_id_is_refused(tmp_path):
+    path = write_deploy(tmp_path, "vllm", ["http://127.0.0.1:8001"])
+    data = json.loads(path.read_text())
+    data["replicas"][0]["id"] = ""
+    path.write_text(json.dumps(data))
+    with pytest.raises(SpecError, match="replicas.0.id.*a non-empty string"):
+        config_from_deploy(path)

@@ -91,8 +91,9 @@ def config_from_deploy(path: str | Path) -> RouteConfig:
     backends = []
     for i, r in enumerate(data["replicas"]):
         for key in ("id", "role", "endpoint"):
-            if not isinstance(r, dict) or not isinstance(r.get(key), str):
-                raise SpecError(str(path), f"replicas.{i}.{key}", "a string", repr(r.get(key)) if isinstance(r, dict) else r)
+            if not isinstance(r, dict) or not isinstance(r.get(key), str) or not r[key].strip():
+                raise SpecError(str(path), f"replicas.{i}.{key}", "a non-empty string",
+                                repr(r.get(key)) if isinstance(r, dict) else r)
         if r["role"] not in ("prefill", "decode", "colocated"):
             raise SpecError(str(path), f"replicas.{i}.role", "prefill, decode or colocated", r["role"])
         check_url(r["endpoint"], str(path), f"replicas.{i}.endpoint")
@@ -106,12 +107,8 @@ def config_from_deploy(path: str | Path) -> RouteConfig:
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0:
             raise SpecError(str(path), f"router.weights.{r['id']}", "a non-negative number", repr(w))
         backends.append(Backend(r["id"], r["role"], r["endpoint"].rstrip("/"), float(w)))
-    routes = []
-    for i, k in enumerate(router.get("kv_routes") or []):
-        try:
-            routes.append((str(k["from"]), str(k["to"]), float(k["weight"])))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise SpecError(str(path), f"router.kv_routes.{i}", "{from, to, weight}", k) from exc
+    check_weights(str(path), weights, backends)
+    routes = kv_routes_of(str(path), router.get("kv_routes") or [], {b.id: b.role for b in backends})
     roles = {b.role for b in backends}
     if not roles & {"prefill", "colocated"}:
         raise SpecError(str(path), "replicas", "a prefill or colocated replica to take requests", "decode only")
@@ -121,6 +118,45 @@ def config_from_deploy(path: str | Path) -> RouteConfig:
         log.warning("%s: unknown field(s) %s ignored (a deploy.json has %s)", path, ", ".join(map(repr, unknown)),
                     ", ".join(sorted(DEPLOY_FIELDS)))
     return RouteConfig(tuple(backends), tuple(routes), str(router.get("protocol", "openai")))
+
+
+def check_weights(where: str, weights, backends: list[Backend]) -> None:
+    """``router.weights`` (the share of requests each entry replica takes), where given: one for every
+    prefill or colocated replica and for no other, not all zero (a replica left out would silently
+    take the default share, 1)."""
+    if not isinstance(weights, dict) or not weights:
+        return
+    entry = [b.id for b in backends if b.role in ("prefill", "colocated")]
+    for k in weights:
+        if k not in entry:
+            raise SpecError(where, f"router.weights.{k}", "the id of a prefill or colocated replica "
+                            f"({', '.join(entry)})", k)
+    missing = [b for b in entry if b not in weights]
+    if missing:
+        raise SpecError(where, "router.weights", "a weight for every prefill or colocated replica",
+                        f"none for {', '.join(missing)}")
+    if not any(weights[b] > 0 for b in entry):
+        raise SpecError(where, "router.weights", "at least one weight above 0", weights)
+
+
+def kv_routes_of(where: str, items, roles: dict[str, str]) -> list[tuple[str, str, float]]:
+    """``router.kv_routes``: each from a prefill replica to a decode replica, with a weight of 0 or
+    more (a route to another kind of replica would hand the decode half of a request to it)."""
+    if not isinstance(items, list):
+        raise SpecError(where, "router.kv_routes", "a list of {from, to, weight}", type(items).__name__)
+    routes = []
+    for i, k in enumerate(items):
+        if not isinstance(k, dict) or not {"from", "to", "weight"} <= set(k):
+            raise SpecError(where, f"router.kv_routes.{i}", "{from, to, weight}", k)
+        for end, role in (("from", "prefill"), ("to", "decode")):
+            if roles.get(k[end]) != role:
+                ids = ", ".join(r for r, x in roles.items() if x == role) or "none"
+                raise SpecError(where, f"router.kv_routes.{i}.{end}", f"the id of a {role} replica ({ids})", k[end])
+        w = k["weight"]
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
+            raise SpecError(where, f"router.kv_routes.{i}.weight", "a number, 0 or more", repr(w))
+        routes.append((k["from"], k["to"], float(w)))
+    return routes
 
 
 def check_url(url: str, where: str, field: str) -> None:

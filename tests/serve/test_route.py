@@ -301,6 +301,10 @@ def test_openai_client_runs_unchanged_against_route(backends, tmp_path):
                                                                       stream=True)]
         assert len(parts) == 3 and parts[0].endswith("-0")
         assert [m.id for m in client.models.list()] == ["tiny"]
+        assert client.models.retrieve("tiny").id == "tiny"
+        with pytest.raises(openai.NotFoundError) as err:  # as serve answers it
+            client.models.retrieve("other")
+        assert err.value.body["code"] == "model_not_found" and "'tiny'" in err.value.body["message"]
     finally:
         route.stop()
 

@@ -16,7 +16,7 @@ def create_app(router: Router, auth: APIAuth | None = None):
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     from hetserve.serve.bodies import ClientGone, json_object, read_bytes, validated
-    from hetserve.serve.errors import ShuttingDown, Unavailable, install_error_handlers
+    from hetserve.serve.errors import ModelNotFound, ShuttingDown, Unavailable, install_error_handlers
     from hetserve.serve.protocol import ChatCompletionRequest, CompletionRequest
 
     @asynccontextmanager
@@ -68,6 +68,21 @@ def create_app(router: Router, auth: APIAuth | None = None):
 
     @app.get("/v1/models")
     async def models():
+        return JSONResponse(await model_list())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        # as serve answers it: the model's card, or model_not_found naming what is served
+        listed = await model_list()
+        cards = [m for m in listed.get("data", []) if isinstance(m, dict)] if isinstance(listed, dict) else []
+        for card in cards:
+            if card.get("id") == model_id:
+                return JSONResponse(card)
+        served = ", ".join(repr(m.get("id")) for m in cards) or "none"
+        raise ModelNotFound(f"The model '{model_id}' does not exist; the backends serve {served}.", param="model")
+
+    async def model_list():
+        """A live backend's ``GET /v1/models`` answer."""
         refused = None  # a backend that refused route's credentials: the reason, if none answers
         for b in router.pool.config.backends:
             if b.alive:
@@ -76,7 +91,7 @@ def create_app(router: Router, auth: APIAuth | None = None):
                 except Exception:
                     continue
                 if r.status_code == 200:
-                    return JSONResponse(r.json())
+                    return r.json()
                 if r.status_code in CREDENTIALS_REFUSED:
                     router.credentials_refused(b, r.status_code)
                     refused = refused or BackendRefusedCredentials(b.id, r.status_code)

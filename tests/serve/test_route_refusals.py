@@ -158,6 +158,7 @@ def _pd_deploy(tmp_path, **router):
     ({"kv_routes": [{"from": "p0", "to": "c0", "weight": 1.0}]}, "router.kv_routes.0.to", "a decode replica (d0)"),
     ({"kv_routes": [{"from": "p0", "to": "zz", "weight": 1.0}]}, "router.kv_routes.0.to", "a decode replica"),
     ({"kv_routes": [{"from": "d0", "to": "d0", "weight": 1.0}]}, "router.kv_routes.0.from", "a prefill replica (p0)"),
+    ({"kv_routes": [{"from": ["p0"], "to": "d0", "weight": 1.0}]}, "router.kv_routes.0.from", "a prefill replica"),
     ({"kv_routes": [{"from": "p0", "to": "d0", "weight": -1}]}, "router.kv_routes.0.weight", "0 or more"),
     ({"kv_routes": [{"from": "p0", "to": "d0"}]}, "router.kv_routes.0", "{from, to, weight}"),
     ({"weights": {"p0": 1.0}}, "router.weights", "none for c0"),

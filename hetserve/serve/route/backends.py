@@ -149,7 +149,7 @@ def kv_routes_of(where: str, items, roles: dict[str, str]) -> list[tuple[str, st
         if not isinstance(k, dict) or not {"from", "to", "weight"} <= set(k):
             raise SpecError(where, f"router.kv_routes.{i}", "{from, to, weight}", k)
         for end, role in (("from", "prefill"), ("to", "decode")):
-            if roles.get(k[end]) != role:
+            if not isinstance(k[end], str) or roles.get(k[end]) != role:
                 ids = ", ".join(r for r, x in roles.items() if x == role) or "none"
                 raise SpecError(where, f"router.kv_routes.{i}.{end}", f"the id of a {role} replica ({ids})", k[end])
         w = k["weight"]

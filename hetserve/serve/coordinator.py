@@ -93,10 +93,14 @@ class Coordinator:
         reps = self._safe_replicas()
         live = [r for r in reps if r.alive]
         can_serve = (any(serves_prefill(r.role) for r in live) and any(r.role != "prefill" for r in live)
-                     and not getattr(self.backend, "broken", None))
+                     and not self._broken())
         status = ("draining" if self.draining else "unavailable" if not can_serve
                   else "degraded" if len(live) < len(reps) or self.lost_devices() else "ok")
         return status, [{"id": r.id, "role": r.role, "alive": r.alive} for r in reps]
+
+    def _broken(self) -> str | None:
+        """Why the engine refuses every request, where its backend says (``Backend.broken``), or None."""
+        return getattr(self.backend, "broken", None)
 
     def lost_devices(self) -> list[str]:
         """Devices the re-plans leave out, their workers dead or an operator's ``lost`` (``serve/replan.py``),
@@ -108,7 +112,7 @@ class Coordinator:
         backend that is bringing replicas up (a re-plan) queues requests instead: None."""
         if getattr(self.backend, "replanning", False):
             return None
-        broken = getattr(self.backend, "broken", None)  # why the engine refuses every request, where it says
+        broken = self._broken()
         if not broken:
             status, reps = self.health()
             if status != "unavailable" or not reps:

@@ -5,7 +5,7 @@ from contextlib import asynccontextmanager
 from fastapi import Request  # at module level: FastAPI reads the routes' annotations from here
 
 from hetserve.serve.keys import APIAuth, guarded_app
-from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES as MAX_BODY_BYTES  # serve's: one body, one answer
+from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
 from hetserve.serve.route.app import CREDENTIALS_REFUSED, BackendRefusedCredentials, Router
 
 
@@ -41,7 +41,7 @@ def create_app(router: Router, auth: APIAuth | None = None):
     async def read_body(request: Request) -> tuple[dict, bytes]:
         if router.draining:  # a graceful shutdown: as serve refuses, before the body is read
             raise ShuttingDown()
-        raw = await read_bytes(request, MAX_BODY_BYTES)  # refused, and read, as serve reads one
+        raw = await read_bytes(request, DEFAULT_MAX_BODY_BYTES)  # serve's limit and reading: one body, one answer
         return json_object(raw), raw
 
     async def forward(path: str, body: dict, raw: bytes):
@@ -50,20 +50,16 @@ def create_app(router: Router, auth: APIAuth | None = None):
             return StreamingResponse(stream, media_type="text/event-stream")
         return JSONResponse(data, status_code=status)
 
-    def validate(model, body: dict) -> None:
-        # the same models and messages as `hetserve serve`: bad input is refused here, never forwarded
-        validated(model, body)
-
     @app.post("/v1/completions")
     async def completions(request: Request):
         body, raw = await read_body(request)
-        validate(CompletionRequest, body)
+        validated(CompletionRequest, body)  # serve's models and messages: bad input is never forwarded
         return await forward("/v1/completions", body, raw)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body, raw = await read_body(request)
-        validate(ChatCompletionRequest, body)
+        validated(ChatCompletionRequest, body)
         return await forward("/v1/chat/completions", body, raw)
 
     @app.get("/v1/models")

@@ -80,8 +80,10 @@ def _main(argv: list[str] | None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    # the command's name leads its error lines, as argparse's own refusals of its options do
-    prog = f"hetserve {args.command}" if getattr(args, "command", None) else "hetserve"
+    # the command's name (and its subcommand's, dest ``<command>_command``) leads its error lines,
+    # as argparse's own refusals of its options do
+    command = getattr(args, "command", None)
+    prog = " ".join(["hetserve", *(w for w in (command, getattr(args, f"{command}_command", None)) if w)])
     try:
         return int(args.func(args) or 0)
     except HetserveError as exc:

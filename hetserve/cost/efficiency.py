@@ -144,11 +144,15 @@ def load_efficiency(path: str | Path) -> Efficiency:
     if not isinstance(data, dict):
         raise SpecError(str(path), "(file)", "a mapping of Efficiency fields or a calibration file",
                         type(data).__name__)
+    if "replicas" in data or "stages" in data:  # the easy mix-up: a plan given where a calibration goes
+        raise SpecError(str(path), "(file)", "an efficiency or calibration file (`hetserve calibrate -o`)",
+                        "a plan file")
     prefix = ""
     if "efficiency" in data:  # a calibration file
         for key, value in data.items():
             if key not in CALIBRATION_KEYS:
-                raise SpecError(str(path), key, "one of the calibration file's keys: " + ", ".join(CALIBRATION_KEYS))
+                raise SpecError(str(path), key, "one of the calibration file's keys: " + ", ".join(CALIBRATION_KEYS),
+                                "an unknown field")
             if not of_json_type(value, CALIBRATION_KEYS[key]):
                 raise SpecError(str(path), key, _json_type(CALIBRATION_KEYS[key]), value)
         gpu_name = data.get("gpu")
@@ -160,7 +164,8 @@ def load_efficiency(path: str | Path) -> Efficiency:
     known = {f.name: f.type for f in fields(Efficiency)}
     for key, value in data.items():
         if key not in known:
-            raise SpecError(str(path), prefix + key, "one of " + ", ".join(sorted(known)))
+            raise SpecError(str(path), prefix + key, "a field of an efficiency file, one of " + ", ".join(sorted(known)),
+                            "an unknown field")
         if key == "reference_gpu":
             if value is not None:
                 _check_gpu_name(value, path, prefix + key)

@@ -46,18 +46,24 @@ class ContextExceeded(RequestRefused, ValueError):
 
 class KVNeverFits(RequestRefused, InfeasibleError):
     """``prompt_alone``: the prompt does not fit even with one output token (a shorter completion
-    would not help)."""
+    would not help). ``side``: the replicas short of room, ``"decode"`` (those that decode, which
+    hold prompt + output) or ``"prefill"`` (those that take prompts); ``largest_pool`` is the
+    largest of theirs, so the figure is the one the request exceeds."""
     reason = "kv"
 
-    def __init__(self, prompt_tokens: int, max_tokens: int, largest_pool: float, prompt_alone: bool = False):
+    def __init__(self, prompt_tokens: int, max_tokens: int, largest_pool: float, prompt_alone: bool = False,
+                 side: str = "decode"):
         self.prompt_tokens, self.max_tokens, self.largest_pool = prompt_tokens, max_tokens, largest_pool
-        self.prompt_alone = prompt_alone
+        self.prompt_alone, self.side = prompt_alone, side
         super().__init__(f"a request needing {prompt_tokens + max_tokens} tokens of KV cache (prompt "
-                         f"{prompt_tokens} + max_tokens {max_tokens}) cannot fit any replica's KV pool "
-                         f"(largest: {largest_pool:.0f} tokens)")
+                         f"{prompt_tokens} + max_tokens {max_tokens}) cannot fit the KV pool of any replica "
+                         f"{SIDE_WORDS[side]} (largest: {largest_pool:.0f} tokens)")
 
     def __reduce__(self):
-        return type(self), (self.prompt_tokens, self.max_tokens, self.largest_pool, self.prompt_alone)
+        return type(self), (self.prompt_tokens, self.max_tokens, self.largest_pool, self.prompt_alone, self.side)
+
+
+SIDE_WORDS = {"decode": "that decodes", "prefill": "that takes prompts"}
 
 
 REASONS: tuple[str, ...] = ("empty", "vocabulary", "context", "kv")
@@ -95,15 +101,20 @@ def check_kv_fits(prompt_tokens: int, max_tokens: int, pools: Iterable[tuple[str
     """
     pools = list(pools)
 
-    def fits(out: int) -> bool:
-        prefill_ok = any(can_hold(cap, prompt_tokens, out, serves_decode(role), block_size)
-                         for role, cap in pools if serves_prefill(role))
-        return prefill_ok and any(can_hold(cap, prompt_tokens, out, True, block_size)
-                                  for role, cap in pools if serves_decode(role))
+    def short_side(out: int) -> str | None:
+        """The side where no replica holds the request with ``out`` output tokens (None: both do)."""
+        if not any(can_hold(cap, prompt_tokens, out, True, block_size) for role, cap in pools if serves_decode(role)):
+            return "decode"
+        if not any(can_hold(cap, prompt_tokens, out, serves_decode(role), block_size)
+                   for role, cap in pools if serves_prefill(role)):
+            return "prefill"
+        return None
 
-    if not fits(max_tokens):
-        largest = max((cap for _, cap in pools), default=0)
-        raise KVNeverFits(prompt_tokens, max_tokens, largest, prompt_alone=not fits(1))
+    side = short_side(max_tokens)
+    if side is not None:
+        serves = serves_decode if side == "decode" else serves_prefill
+        largest = max((cap for role, cap in pools if serves(role)), default=0)
+        raise KVNeverFits(prompt_tokens, max_tokens, largest, prompt_alone=short_side(1) is not None, side=side)
 
 
 def can_hold(capacity: float, prompt_tokens: int, max_tokens: int, decoding: bool, block_size: int) -> bool:

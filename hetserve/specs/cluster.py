@@ -257,10 +257,10 @@ def cluster_presets() -> list[str]:
 def load_cluster(name_or_path: str | Path) -> Cluster:
     """Load a cluster from a YAML/JSON file or a bundled preset name."""
     path = Path(name_or_path)
-    if not path.exists():
+    if not (str(name_or_path).strip() and path.exists()):  # "" is no name (Path("") is the current folder)
         preset = preset_path(str(name_or_path))
-        if not preset.exists():
-            raise SpecError(str(name_or_path), "(cluster)",
+        if not (str(name_or_path).strip() and preset.exists()):
+            raise SpecError(str(name_or_path) or "''", "(cluster)",
                             "an existing file or a preset: " + ", ".join(cluster_presets()))
         path = preset
     return cluster_from_dict(read_mapping(path), str(path))

@@ -295,9 +295,9 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
     if key in MODEL_PRESETS:
         return MODEL_PRESETS[key]
     path = Path(key)
-    if path.exists():
+    if key.strip() and path.exists():  # "" is no name (Path("") is the current folder)
         return ModelSpec.from_hf_config(path)
-    raise SpecError(key, "(model)", "a config.json, a checkpoint folder or a preset: " + ", ".join(model_presets()))
+    raise SpecError(key or "''", "(model)", "a config.json, a checkpoint folder or a preset: " + ", ".join(model_presets()))
 
 
 def load_model_as(name_or_path: str | Path, name: str) -> ModelSpec:

@@ -388,9 +388,9 @@ def load_workload(name_or_path: str | Path, rate: float | None = None, seed: int
     """
     key = str(name_or_path)
     path = Path(key)
-    if not path.exists():
+    if not (key.strip() and path.exists()):  # "" is no name (Path("") is the current folder)
         if key not in WORKLOAD_PRESETS:
-            raise SpecError(key, "(workload)", "an existing CSV file or a preset: " + ", ".join(workload_presets()))
+            raise SpecError(key or "''", "(workload)", "an existing CSV file or a preset: " + ", ".join(workload_presets()))
         path = Path(str(resources.files("hetserve") / "data" / "workloads" / WORKLOAD_PRESETS[key]))
         return _read_csv(path, rate, seed, key)
     return _read_csv(path, rate, seed, path.stem)

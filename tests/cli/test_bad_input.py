@@ -377,6 +377,14 @@ def test_cost_layer_prices_only_shards_the_model_can_be_cut_into(capsys):
     assert code == 2 and len(err) == 1 and "TP degree 3 does not divide" in err[0], err
 
 
+def test_a_subcommands_errors_lead_with_its_whole_name_as_argparse_does(capsys):
+    ours = run(["cost", "layer", "--gpu", "NOPE", "--model", "llama-2-7b"], capsys)[1]
+    argparse_own = run(["cost", "layer", "--gpu", "H200", "--model", "llama-2-7b", "--tp", "x"], capsys)[1]
+    assert ours[0].startswith("hetserve cost layer: error: --gpu") and argparse_own[0].startswith(
+        "hetserve cost layer: error: argument --tp"), (ours, argparse_own)
+    assert run(["describe", "cluster", "nope"], capsys)[1][0].startswith("hetserve describe: error: nope")
+
+
 TWO_STAGES = {"model": "llama-2-7b", "cluster": "hexgen2-homo", "replicas": [
     {"id": "c0", "role": "colocated", "stages": [{"devices": ["h100-0:0"], "layers": [0, 16]},
                                                  {"devices": ["h100-0:1"], "layers": [16, 32]}]}]}

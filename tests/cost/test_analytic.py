@@ -331,7 +331,8 @@ def test_load_efficiency_flat_and_calibration_shapes(tmp_path):
             ({"gpu": "L4", "efficiency": {"compute": "fast"}}, "efficiency.compute", "a number"),
             ({"gpu": "L4", "efficiency": {"bogus": 1}}, "efficiency.bogus", "one of"),
             ({"gpu": "L4", "efficiency": {"compute": 2.0}}, "efficiency.compute", "in [1e-18, 1]"),
-            ([1, 2], "(file)", "a mapping")):
+            ([1, 2], "(file)", "a mapping"),
+            ({"model": "llama-2-70b", "cluster": "het1", "replicas": []}, "(file)", "calibration file")):
         bad.write_text(json.dumps(content))
         with pytest.raises(SpecError) as err:
             load_efficiency(bad)

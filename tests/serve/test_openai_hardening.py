@@ -253,14 +253,15 @@ def test_a_request_no_kv_pool_holds_names_the_field_to_shorten(prompt, max_token
     """A prompt that alone outgrows the pools it needs points at the prompt (no completion length
     helps); one that fits alone but not with its completion points at ``max_tokens``. The pools: a
     prefill replica of 128 tokens and a decode replica of 64 (16-token blocks): 70 tokens fit the
-    prefill pool but, with one output token, not the decode one."""
+    prefill pool but, with one output token, not the decode one. The figure named is the decode
+    pool's: the one the request exceeds (not the larger prefill pool, which it fits)."""
     from hetserve.policies.request_checks import KVNeverFits, check_kv_fits
     from hetserve.serve.errors import refusal
 
     with pytest.raises(KVNeverFits) as info:
         check_kv_fits(prompt, max_tokens, [("prefill", 128.0), ("decode", 64.0)], 16)
     err = refusal(info.value, prompt_param="messages")
-    assert err.param == param and "128" in str(err)
+    assert err.param == param and "a replica that decodes holds 64 tokens" in str(err) and "128" not in str(err)
 
 
 def test_health_is_degraded_while_a_replan_runs_without_lost_devices():

@@ -104,10 +104,12 @@ def test_the_checks_in_the_engines_order_and_words():
     check_request(100, 3900, 8192, [("colocated", 4000)], 16)
     # the prefill side holds the prompt only; the decode side prompt + output; each side needs one
     check_kv_fits(1000, 3000, [("prefill", 1008), ("decode", 4000)], 16)
-    with pytest.raises(KVNeverFits):
+    with pytest.raises(KVNeverFits) as short:
         check_kv_fits(1000, 3000, [("prefill", 992), ("decode", 1e9)], 16)
-    with pytest.raises(KVNeverFits):
+    assert (short.value.side, short.value.largest_pool, short.value.prompt_alone) == ("prefill", 992, True)
+    with pytest.raises(KVNeverFits, match="replica that decodes .largest: 3984 tokens") as short:
         check_kv_fits(1000, 3000, [("prefill", 1e9), ("decode", 3984)], 16)
+    assert (short.value.side, short.value.largest_pool, short.value.prompt_alone) == ("decode", 3984, False)
     # the context is skipped on request; the KV still decides
     check_request(100, 5000, 4096, [("colocated", 1e9)], 16, context=False)
     check_context(4095, 1, 4096)

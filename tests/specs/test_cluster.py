@@ -277,6 +277,17 @@ def test_unknown_preset_lists_presets(tmp_path):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("kind", ["cluster", "model", "workload"])
+def test_an_empty_name_is_no_name_not_the_current_folder(kind):
+    from hetserve.specs.model import load_model
+    from hetserve.specs.workload import load_workload
+
+    load = {"cluster": load_cluster, "model": load_model, "workload": load_workload}[kind]
+    with pytest.raises(SpecError) as info:
+        load("")
+    assert info.value.field == f"({kind})" and info.value.source == "''"
+
+
 def test_memory_override_per_machine(tmp_path):
     from hetserve.specs.cluster import cluster_from_dict
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from hetserve.errors import SpecError
@@ -46,30 +46,41 @@ class LoadReport:
 
 
 class CheckpointReader:
-    """Name -> file index over a safetensors checkpoint; tensors are read lazily by slice."""
+    """Name -> file index over a safetensors checkpoint; tensors are read lazily by slice.
+
+    Every file's header is read here, so a truncated or foreign file, a broken index or one naming
+    a missing file fails at once as a ``SpecError`` naming it, not later inside a worker."""
 
     def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu"):
         self.dir = Path(model_dir)
         self.device = str(device)
+        self._open: dict[Path, object] = {}
         index = self.dir / "model.safetensors.index.json"
         if index.exists():
-            self.files = {k: self.dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+            self.files = _weight_map(index)
         else:
             single = self.dir / "model.safetensors"
             if not single.exists():
                 raise SpecError(str(self.dir), "model.safetensors", "a safetensors checkpoint in the model directory")
-            with safe_open(str(single), framework="pt") as f:
-                self.files = {k: single for k in f.keys()}  # noqa: SIM118 (a safe_open handle is not iterable)
-        self._open: dict[Path, object] = {}
+            self.files = {k: single for k in self._header(single).keys()}  # noqa: SIM118 (not iterable)
+        for path in set(self.files.values()):
+            self._header(path)
+
+    def _header(self, path: Path):
+        """The open file (its header read; tensors are memory-mapped on demand)."""
+        f = self._open.get(path)
+        if f is None:
+            try:
+                f = self._open[path] = safe_open(str(path), framework="pt", device=self.device)
+            except (SafetensorError, OSError) as e:
+                raise SpecError(str(self.dir), path.name, "a readable safetensors file", str(e)) from e
+        return f
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
     def _file(self, name: str):
-        path = self.files[name]
-        if path not in self._open:
-            self._open[path] = safe_open(str(path), framework="pt", device=self.device)
-        return self._open[path]
+        return self._header(self.files[name])
 
     def read(self, name: str, slices: tuple[slice, ...] | None = None) -> torch.Tensor:
         """The tensor (or its ``slices``) on the reader's device, in the checkpoint's dtype."""
@@ -120,6 +131,21 @@ def load_stage(cfg: ArchConfig, model_dir: str | Path, layers: tuple[int, int], 
         torch.cuda.synchronize(device)
     report = LoadReport(time.perf_counter() - start, bytes_read, len(state), str(model_dir))
     return model, report
+
+
+def _weight_map(index: Path) -> dict[str, Path]:
+    """Tensor name -> file of a sharded checkpoint's ``model.safetensors.index.json``."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
+            raise TypeError(type(weight_map).__name__)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise SpecError(str(index), "weight_map", "an object mapping each tensor to its file", str(e)) from e
+    files = {k: index.parent / f for k, f in weight_map.items()}
+    missing = sorted({p.name for p in files.values() if not p.is_file()})
+    if missing:
+        raise SpecError(str(index), "weight_map", "files in the model directory", ", ".join(missing))
+    return files
 
 
 def check_weights(model_dir: str | Path) -> None:

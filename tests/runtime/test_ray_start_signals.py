@@ -24,8 +24,16 @@ from hetserve.runtime.workers.ray_session import RaySession
 
 PLAN = {"model": "tiny", "cluster": "demo-cpu", "replicas": [
     {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 2]}]}]}
+# Python leaves SIGINT ignored where its parent did (a background job of a script, as pytest run
+# with `&` is); this test sends it, so its serve starts with Python's own handler either way
+SIGINT_AS_USUAL = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+SERVE = SIGINT_AS_USUAL + """
+import sys
+from hetserve.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
 # serve, with a private Ray's GCS client sent to the silent socket (its gcs_server does start)
-SERVE_PRIVATE = """
+SERVE_PRIVATE = SIGINT_AS_USUAL + """
 import sys
 import ray._private.node as node
 from hetserve.runtime.workers import ray_session
@@ -60,7 +68,7 @@ def test_a_stop_signal_while_ray_init_hangs_stops_serve_within_seconds(served, h
     with socket.create_server(("127.0.0.1", 0)) as silent:
         address = "127.0.0.1:%d" % silent.getsockname()[1]
         if how.startswith("join"):
-            argv = [sys.executable, "-m", "hetserve.cli.main", *served, "--ray-address", address]
+            argv = [sys.executable, "-c", SERVE, *served, "--ray-address", address]
         else:
             argv = [sys.executable, "-c", SERVE_PRIVATE, address, parent, *served]
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -110,6 +110,17 @@ async def collect(c: Coordinator, reqs: list[Prepared], request) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+# Characters that Python's str.splitlines (and so httpx's ``aiter_lines``) ends a line at, beyond
+# the CR / LF that end an SSE line: a token's raw U+2028 would cut its event's JSON in two there.
+# JSON may escape any character, so each is sent escaped (they occur only inside JSON strings).
+_UNICODE_LINE_ENDS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_event(data: str) -> str:
+    """One SSE event of JSON ``data``, each line end a line-splitting client might see escaped."""
+    return f"data: {data.translate(_UNICODE_LINE_ENDS)}\n\n"
+
+
 def sse(c: Coordinator, reqs: list[Prepared], first: Callable[[Prepared], list[str]],
         chunk: Callable[[Prepared, str | None, str | None], str], usage_chunk: Callable[[], str] | None):
     """One SSE stream over ``reqs``: ``first(req)`` events of each choice, then a chunk per token as
@@ -131,20 +142,20 @@ def sse(c: Coordinator, reqs: list[Prepared], first: Callable[[Prepared], list[s
         try:
             for req in reqs:
                 for event in first(req):
-                    yield f"data: {event}\n\n"
+                    yield sse_event(event)
             tasks = [asyncio.ensure_future(pump(r)) for r in reqs]
             left = len(reqs)
             while left:
                 req, delta, end = await queue.get()
                 if end is None:
-                    yield f"data: {chunk(req, delta, None)}\n\n"
+                    yield sse_event(chunk(req, delta, None))
                 elif end == "done":
                     left -= 1
-                    yield f"data: {chunk(req, None, req.finish_reason)}\n\n"
+                    yield sse_event(chunk(req, None, req.finish_reason))
                 else:
                     raise end
             if usage_chunk is not None:
-                yield f"data: {usage_chunk()}\n\n"
+                yield sse_event(usage_chunk())
         except Exception as exc:  # noqa: BLE001 - headers are out: report in-band, then end the stream
             yield error_event(exc)
         finally:

@@ -8,6 +8,10 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# Bytecode: pip installs without compiling every module of every wheel (over half of setup's time,
+# most of them never imported); Python compiles each module a run imports once and keeps it for
+# every later process, so what make runs may write bytecode even where the environment forbids it.
+unexport PYTHONDONTWRITEBYTECODE
 
 BENCH_VENV ?= .bench-venv
 VLLM_VENV  ?= .vllm-venv
@@ -24,8 +28,8 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	# torch first, pinned to 2.13.0, from whatever index pip is configured with (PyPI on Linux serves
 	# the CUDA build; nothing here picks CPU or GPU), so the project's install resolves against it.
 	# A torch 2.13.0 already in the venv (the CPU wheel installed by hand, README) is kept.
-	$(BIN)/pip install --quiet -c requirements/constraints.txt torch==2.13.0
-	$(BIN)/pip install --quiet -c requirements/constraints.txt -e '.[runtime,ray,dev]'
+	$(BIN)/pip install --quiet --no-compile -c requirements/constraints.txt torch==2.13.0
+	$(BIN)/pip install --quiet --no-compile -c requirements/constraints.txt -e '.[runtime,ray,dev]'
 	touch $(STAMP)
 
 demo: setup

@@ -164,8 +164,8 @@ def load_efficiency(path: str | Path) -> Efficiency:
     known = {f.name: f.type for f in fields(Efficiency)}
     for key, value in data.items():
         if key not in known:
-            raise SpecError(str(path), prefix + key, "a field of an efficiency file, one of " + ", ".join(sorted(known)),
-                            "an unknown field")
+            raise SpecError(str(path), prefix + key,
+                            "a field of an efficiency file, one of " + ", ".join(sorted(known)), "an unknown field")
         if key == "reference_gpu":
             if value is not None:
                 _check_gpu_name(value, path, prefix + key)

@@ -75,8 +75,8 @@ def refusal(exc: RequestRefused, prompt_param: str = "prompt") -> InvalidRequest
         fix = "the prompt" if exc.prompt_alone else "the prompt or the completion length"
         return ContextLengthExceeded(
             f"The request needs {exc.prompt_tokens + exc.max_tokens} tokens of KV cache ({exc.prompt_tokens} prompt "
-            f"+ {exc.max_tokens} completion) but no replica of this deployment can hold it (the largest KV pool of a replica "
-            f"{SIDE_WORDS[exc.side]} holds {exc.largest_pool:.0f} tokens). Please reduce {fix}.",
+            f"+ {exc.max_tokens} completion) but no replica of this deployment can hold it (the largest KV pool "
+            f"of a replica {SIDE_WORDS[exc.side]} holds {exc.largest_pool:.0f} tokens). Please reduce {fix}.",
             param=prompt_param if exc.prompt_alone else "max_tokens")
     return InvalidRequest(f"{prompt_param}: {exc}", param=prompt_param)  # an empty prompt, ids off the vocabulary
 

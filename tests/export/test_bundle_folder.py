@@ -54,6 +54,20 @@ def tree(folder: Path) -> set[str]:
     return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
 
 
+def test_a_plan_naming_its_cluster_file_takes_that_file_into_a_hetserve_bundle(pool, monkeypatch):
+    """A plan written by hand names its pool by file ("cluster": "cluster.yaml") and records no
+    cluster_file: the bundle carries the file and its scripts serve with it, not the pool's name."""
+    monkeypatch.chdir(pool)
+    (pool / "by_file.json").write_text(json.dumps({**TWO_MACHINES, "cluster": "cluster.yaml"}))
+    out = pool / "bundle"
+    assert main(["export", "--plan", "by_file.json", "--to", "hetserve", "--model", "/models/llama-2-7b",
+                 "-o", str(out)]) == 0
+    assert (out / "cluster.yaml").read_text() == CLUSTER
+    serve = [line for line in (out / "machines" / "a0.sh").read_text().splitlines()
+             if "serve" in line and "--cluster" in line]
+    assert serve and all("--cluster two-boxes" not in line for line in serve), serve
+
+
 def test_a_second_bundle_into_the_same_folder_is_refused_and_force_replaces_the_first(pool, capsys):
     out = pool / "x8"
     assert export(pool, "two.json", "hetserve", out) == 0

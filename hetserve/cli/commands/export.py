@@ -63,8 +63,11 @@ def run(args: argparse.Namespace) -> int:
     local = bool(args.model) and Path(args.model).exists()
     model = load_model(args.model) if local else plan_model(args.plan, plan.model)
     check_plan(args.plan, plan, cluster, model)
-    cluster_path = args.cluster if args.cluster and Path(args.cluster).is_file() else (
-        str(plan.cluster_file.path) if plan.cluster_file is not None else None)
+    # the pool's file goes into a hetserve bundle (its serve reads it there): the one given, else the
+    # one the plan records, else the one its "cluster" names (a plan written by hand); none for a preset
+    cluster_path = (args.cluster if args.cluster and Path(args.cluster).is_file()
+                    else str(plan.cluster_file.path) if plan.cluster_file is not None
+                    else plan.cluster if args.cluster is None and Path(plan.cluster).is_file() else None)
     # a checkpoint folder here, given or the one the plan names, by its absolute path: the scripts run
     # from their own folder, and a relative path would name another place there (a hub name, a preset's
     # name or another machine's path stays as given)

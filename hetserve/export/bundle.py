@@ -24,7 +24,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetserve.errors import PlanError
+from hetserve.errors import PlanError, SpecError
 
 
 @dataclass
@@ -100,6 +100,27 @@ class Bundle:
         extra = sorted(set(seen) - set(plan.devices))
         if missing or extra:
             raise PlanError(f"bundle: devices not launched {missing}, launched but not in the plan {extra}")
+        self._check_ports()
+
+    def _check_ports(self) -> None:
+        """No two processes of one address listen on one port (a ``--port``, ``--...-port`` or
+        ``..._PORT`` value, or a port inside a ``--port-range``): the second would fail to start.
+        Ports come from the options (``--ray-port``, ``--port-range``) and the engines' defaults, so
+        a clash is the user's to resolve, named with both commands."""
+        taken: dict[tuple[str, int], str] = {}
+        processes = [x for x in self.launches() if x.kind != "actor"]
+        router = self.router.get("argv")
+        if router and all(router != x.argv for x in processes):  # a router of its own (vLLM, SGLang)
+            processes.append(Launch(_host_of(router) or "", router))
+        for x in processes:
+            host = self.machines.get(x.machine, x.machine)
+            who = f"{x.machine or host}: {shlex.join(x.argv)}"
+            for port in _ports_of(x):
+                first = taken.setdefault((host, port), who)
+                if first != who:
+                    raise SpecError("bundle", "ports", "each port of a machine taken by one process (choose "
+                                    "another --ray-port or --port-range)", f"port {port} on {host} by both "
+                                    f"`{first}` and `{who}`")
 
     def script(self, machine: str) -> str:
         """The bash script of ``machine``: its Ray nodes, then its servers (module docstring)."""
@@ -152,3 +173,25 @@ class Bundle:
 def _command(x: Launch) -> str:
     env = [f"{k}={shlex.quote(v)}" for k, v in x.env.items()]
     return " ".join((["env"] + env if env else []) + [shlex.quote(a) for a in x.argv])
+
+
+def _host_of(argv: list[str]) -> str | None:
+    return next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--host"), None)
+
+
+def _ports_of(x: Launch) -> list[int]:
+    """The ports ``x`` listens on, as its options and environment name them. A follower node of a
+    multi-node server (``--node-rank`` above 0) repeats its head's options but listens on none."""
+    ports: list[int] = []
+    pairs = list(zip(x.argv, x.argv[1:]))
+    if any(opt == "--node-rank" and value != "0" for opt, value in pairs):
+        pairs = []
+    for opt, value in pairs:
+        if opt == "--port-range" and "-" in value:
+            lo, hi = value.split("-", 1)
+            if lo.isdigit() and hi.isdigit():
+                ports += range(int(lo), int(hi) + 1)
+        elif opt.startswith("--") and opt.endswith("port") and value.isdigit():
+            ports.append(int(value))
+    ports += [int(v) for k, v in x.env.items() if k.endswith("_PORT") and v.isdigit()]
+    return ports

@@ -194,3 +194,14 @@ def test_readme_steps_start_each_process_once(pool, engine, plan_name):
     assert len(binds) == len(set(binds)), binds
     clients = re.search(r"[Cc]lients use (http://\S+?)\.?(\s|$)", steps).group(1)
     assert clients.removeprefix("http://") in binds
+
+
+@pytest.mark.parametrize("extra, port", [(["--ray-port", "8000"], 8000),
+                                         (["--ray-port", "9100", "--port-range", "9000-9200"], 9100)])
+def test_a_ray_port_another_process_of_the_machine_takes_is_refused_naming_both(pool, capsys, extra, port):
+    out = pool / "clash"
+    assert export(pool, "two.json", "hetserve", out, *extra) == 2
+    err = one_line_error(capsys)
+    assert f"port {port} on 10.0.0.5" in err and "ray start --head" in err and "hetserve serve" in err, err
+    assert not out.exists() or tree(out) == set()  # nothing written
+    assert export(pool, "two.json", "hetserve", out, "--ray-port", "9300", "--port-range", "9000-9200") == 0

@@ -85,9 +85,11 @@ def test_sigterm_drains_every_stream_to_its_end_refuses_new_requests_and_exits_0
     route.proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     refused = httpx.post(f"{route.url}/v1/completions", json={"model": "tiny", "prompt": "hi"}, timeout=10)
+    health = httpx.get(f"{route.url}/health", timeout=10)  # as serve's: a load balancer stops sending
     for t in threads:
         t.join(30)
     status, log = route.finish()
+    assert health.status_code == 503 and health.json()["status"] == "draining", health.text
     for events in got:  # each stream whole: every token, then [DONE], no error event
         assert events[-1] == "[DONE]", events[-2:]
         assert len(events) == TOKENS + 1 and not any('"error"' in e for e in events), events[-3:]

@@ -100,9 +100,12 @@ def create_app(router: Router, auth: APIAuth | None = None):
         up = {b.id: b.alive for b in router.pool.config.backends}
         ok = any(up[b.id] for b in router.pool.entry) and (not router.pool.decode or any(
             up[b.id] for b in router.pool.decode))
-        # as `serve`'s /health: degraded while a backend is down but the rest can still serve
-        status = "unavailable" if not ok else "ok" if all(up.values()) else "degraded"
-        return JSONResponse({"status": status, "backends": up}, status_code=200 if ok else 503)
+        # as `serve`'s /health: degraded while a backend is down but the rest can still serve, 503
+        # draining once a shutdown began (a load balancer sends its traffic elsewhere)
+        status = ("draining" if router.draining else "unavailable" if not ok
+                  else "ok" if all(up.values()) else "degraded")
+        return JSONResponse({"status": status, "backends": up},
+                            status_code=200 if status in ("ok", "degraded") else 503)
 
     @app.get("/metrics")
     async def metrics():

@@ -57,6 +57,26 @@ def test_a_backend_url_with_a_path_is_refused_with_the_fix(tmp_path, url, drop):
     assert config_from_urls(["http://h:1/"]).backends[0].url == "http://h:1"  # a bare trailing slash is no path
 
 
+@pytest.mark.parametrize("url", ["http://user:s3cret@127.0.0.1:8100", "https://s3cret@h:1"])
+def test_a_backend_url_with_credentials_is_refused_without_repeating_them(tmp_path, url):
+    with pytest.raises(SpecError) as err:
+        config_from_urls([url])
+    assert "user:password" in str(err.value) and "s3cret" not in str(err.value), str(err.value)
+    with pytest.raises(SpecError, match="replicas.0.endpoint") as err:
+        config_from_deploy(write_deploy(tmp_path, "vllm", [url]))
+    assert "s3cret" not in str(err.value)
+
+
+@pytest.mark.parametrize("router, field", [([1], "router"), ({"weights": [1]}, "router.weights")])
+def test_a_router_or_weights_of_the_wrong_type_is_named(tmp_path, router, field):
+    path = tmp_path / "deploy.json"
+    path.write_text(json.dumps({"engine": "vllm", "router": router, "replicas": [
+        {"id": "a", "role": "colocated", "endpoint": "http://127.0.0.1:9"}]}))
+    with pytest.raises(SpecError) as err:
+        config_from_deploy(path)
+    assert err.value.field == field and str(path) in str(err.value)
+
+
 @pytest.mark.parametrize("text", ["http://a:1,,http://b:2", "http://a:1,", ", http://a:1"])
 def test_an_empty_backends_entry_is_refused(text):
     with pytest.raises(SpecError) as err:

@@ -87,7 +87,12 @@ def config_from_deploy(path: str | Path) -> RouteConfig:
         raise SpecError(str(path), "engine", "a vLLM or SGLang bundle's deploy.json (hetserve's own server routes "
                         f"between its replicas itself: point clients at it{at})", "hetserve")
     router = data.get("router") or {}
+    if not isinstance(router, dict):
+        raise SpecError(str(path), "router", "an object {weights, kv_routes}", type(router).__name__)
     weights = router.get("weights") or {}
+    if not isinstance(weights, dict):
+        raise SpecError(str(path), "router.weights", "an object mapping each entry replica's id to its share",
+                        type(weights).__name__)
     backends = []
     for i, r in enumerate(data["replicas"]):
         for key in ("id", "role", "endpoint"):
@@ -174,6 +179,9 @@ def check_url(url: str, where: str, field: str) -> None:
         ok = False
     if not ok:
         raise SpecError(where, field, "an http(s)://host[:port] URL, port 0-65535", url)
+    if parts.username is not None or parts.password is not None:  # never echo the secret back
+        raise SpecError(where, field, "a URL without user:password@ (it would be printed and logged; backends "
+                        "take route's --backend-api-key-file)", f"{parts.scheme}://***@{parts.hostname}")
     if parts.path.rstrip("/") or parts.query or parts.fragment:
         extra = parts.path.rstrip("/") or ("?" + parts.query if parts.query else "#" + parts.fragment)
         raise SpecError(where, field, f"an http(s)://host[:port] URL without a path (drop {extra}: route adds "

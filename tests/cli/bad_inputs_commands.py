@@ -121,6 +121,7 @@ SIMULATE_CASES = [
     C("sim-sweep-letters", SIM + " --sweep-rates a,b", ("--sweep-rates",)),
     C("sim-sweep-commas", SIM + " --sweep-rates ,", ("--sweep-rates",)),
     C("sim-sweep-empty-entry", SIM + " --sweep-rates 2,,5", ("--sweep-rates", "2,,5")),
+    C("sim-sweep-nothing", SIM + " --sweep-rates ''", ("--sweep-rates", "''")),
     C("sim-sweep-nan", SIM + " --sweep-rates 1,nan", ("--sweep-rates", "nan")),
     C("sim-sweep-inf", SIM + " --sweep-rates 1,inf", ("--sweep-rates", "inf")),
     C("sim-class-leaves-none", SIM + " --workload-class HPHD", ("t.csv", "HPHD")),

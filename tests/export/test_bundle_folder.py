@@ -205,3 +205,12 @@ def test_a_ray_port_another_process_of_the_machine_takes_is_refused_naming_both(
     assert f"port {port} on 10.0.0.5" in err and "ray start --head" in err and "hetserve serve" in err, err
     assert not out.exists() or tree(out) == set()  # nothing written
     assert export(pool, "two.json", "hetserve", out, "--ray-port", "9300", "--port-range", "9000-9200") == 0
+
+
+def test_a_model_path_for_the_machines_that_is_not_here_says_export_needs_the_shape(pool, capsys):
+    (pool / "own.json").write_text(json.dumps({**ONE_MACHINE, "model": "tiny-opt"}))
+    code = main(["export", "--plan", str(pool / "own.json"), "--cluster", str(pool / "cluster.yaml"),
+                 "--to", "vllm", "--model", "/nowhere/tiny-opt", "-o", str(pool / "out")])
+    err = one_line_error(capsys)
+    assert code == 2 and "--model /nowhere/tiny-opt is no folder on this machine" in err, err
+    assert "pass --model" not in err  # it was passed

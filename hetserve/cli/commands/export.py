@@ -61,7 +61,15 @@ def run(args: argparse.Namespace) -> int:
     cluster = plan_cluster(args.plan, plan, args.cluster)
     # the model's shape: from --model where it is a checkpoint folder here, else the model the plan names
     local = bool(args.model) and Path(args.model).exists()
-    model = load_model(args.model) if local else plan_model(args.plan, plan.model)
+    try:
+        model = load_model(args.model) if local else plan_model(args.plan, plan.model)
+    except SpecError as exc:
+        if not args.model or exc.field != "model":
+            raise
+        # --model names the checkpoint as the machines will see it; its shape is read from here
+        raise SpecError(args.plan, "model", f"the model's shape here: --model {args.model} is no folder on this "
+                        f"machine, and the plan's model {plan.model!r} is no preset or checkpoint folder here; "
+                        "export where a copy of the checkpoint (its config.json) is", plan.model) from exc
     check_plan(args.plan, plan, cluster, model)
     # the pool's file goes into a hetserve bundle (its serve reads it there): the one given, else the
     # one the plan records, else the one its "cluster" names (a plan written by hand); none for a preset

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.cli.model_dir import check_plan, plan_cluster, plan_model
     from hetserve.output_path import check_output_folder
 
-    rates = _parse_rates(args.sweep_rates) if args.sweep_rates else []
+    rates = _parse_rates(args.sweep_rates) if args.sweep_rates is not None else []
     prefill_mode = _prefill_mode(args)
     if args.output:
         check_output_folder(args.output, "--output")  # before the simulation, not after it

@@ -111,7 +111,7 @@ class Bundle:
         processes = [x for x in self.launches() if x.kind != "actor"]
         router = self.router.get("argv")
         if router and all(router != x.argv for x in processes):  # a router of its own (vLLM, SGLang)
-            processes.append(Launch(_host_of(router) or "", router))
+            processes.append(Launch(option_value(router, "--host") or "", router))
         for x in processes:
             host = self.machines.get(x.machine, x.machine)
             who = f"{x.machine or host}: {shlex.join(x.argv)}"
@@ -175,8 +175,9 @@ def _command(x: Launch) -> str:
     return " ".join((["env"] + env if env else []) + [shlex.quote(a) for a in x.argv])
 
 
-def _host_of(argv: list[str]) -> str | None:
-    return next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--host"), None)
+def option_value(argv: list[str], option: str) -> str | None:
+    """The value after ``option`` in ``argv`` (None where it is not given)."""
+    return next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == option), None)
 
 
 def _ports_of(x: Launch) -> list[int]:
@@ -184,7 +185,7 @@ def _ports_of(x: Launch) -> list[int]:
     multi-node server (``--node-rank`` above 0) repeats its head's options but listens on none."""
     ports: list[int] = []
     pairs = list(zip(x.argv, x.argv[1:]))
-    if any(opt == "--node-rank" and value != "0" for opt, value in pairs):
+    if option_value(x.argv, "--node-rank") not in (None, "0"):
         pairs = []
     for opt, value in pairs:
         if opt == "--port-range" and "-" in value:

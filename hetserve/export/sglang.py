@@ -16,7 +16,7 @@ Flags follow SGLang's source at the commit ``rules.SOURCES`` names:
 
 from __future__ import annotations
 
-from hetserve.export.bundle import Bundle, Launch, ReplicaDeploy
+from hetserve.export.bundle import Bundle, Launch, ReplicaDeploy, option_value
 from hetserve.export.common import ENDPOINT_PORT, ROUTER_PORT, SIDE_PORT, ExportContext
 from hetserve.specs.cluster import gpu_index
 from hetserve.export.rules import engine_version, machine_runs
@@ -68,7 +68,7 @@ def build(ctx: ExportContext) -> Bundle:
         for rep in replicas:
             if rep.role == "decode":
                 argv += ["--decode", rep.endpoint]
-        host = router["argv"][router["argv"].index("--host") + 1]
+        host = option_value(router["argv"], "--host")
         router["argv"] = argv + ["--host", host, "--port", str(ROUTER_PORT)]
         router["protocol"] = "sglang-bootstrap"
         router["note"] = ("sglang_router balances by load, not by the plan's weights, which are recorded "

@@ -91,6 +91,18 @@ def _json_object(pairs):
     return dict(pairs)
 
 
+def existing_path(name: str | Path) -> Path | None:
+    """The file or folder ``name`` names here, if there is one. A blank name names none: ``Path("")``
+    is the current folder, which a user who typed no name did not mean."""
+    path = Path(name)
+    return path if str(name).strip() and path.exists() else None
+
+
+def shown_name(name: str | Path) -> str:
+    """``name`` as an error shows it (an empty one as ``''``, not as nothing)."""
+    return str(name) or "''"
+
+
 def read_mapping(path: Path) -> dict[str, Any]:
     """Read a YAML or JSON file that must hold a mapping at the top level."""
     try:

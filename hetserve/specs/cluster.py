@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from hetserve.errors import SpecError
-from hetserve.specs._validation import read_mapping, refuse_other_kind, validate
+from hetserve.specs._validation import existing_path, read_mapping, refuse_other_kind, shown_name, validate
 from hetserve.specs.cluster_file import (  # noqa: F401  (GBPS, MS, default_intra_link: re-exported)
     GBPS, MAX_LINK_GBPS, MAX_LINK_LATENCY_MS, MAX_POOL_DEVICES, MS, _ClusterFile, default_intra_link,
     pair_matrices, topology_of)
@@ -256,11 +256,11 @@ def cluster_presets() -> list[str]:
 
 def load_cluster(name_or_path: str | Path) -> Cluster:
     """Load a cluster from a YAML/JSON file or a bundled preset name."""
-    path = Path(name_or_path)
-    if not (str(name_or_path).strip() and path.exists()):  # "" is no name (Path("") is the current folder)
+    path = existing_path(name_or_path)
+    if path is None:
         preset = preset_path(str(name_or_path))
-        if not (str(name_or_path).strip() and preset.exists()):
-            raise SpecError(str(name_or_path) or "''", "(cluster)",
+        if not preset.exists():
+            raise SpecError(shown_name(name_or_path), "(cluster)",
                             "an existing file or a preset: " + ", ".join(cluster_presets()))
         path = preset
     return cluster_from_dict(read_mapping(path), str(path))

@@ -18,7 +18,7 @@ from functools import cached_property
 from pathlib import Path
 
 from hetserve.errors import SpecError
-from hetserve.specs._validation import _json_object as unique_keys
+from hetserve.specs._validation import _json_object as unique_keys, existing_path, shown_name
 
 ARCHS = ("llama", "mistral", "qwen2", "opt")
 
@@ -294,10 +294,10 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
     key = str(name_or_path)
     if key in MODEL_PRESETS:
         return MODEL_PRESETS[key]
-    path = Path(key)
-    if key.strip() and path.exists():  # "" is no name (Path("") is the current folder)
+    path = existing_path(key)
+    if path is not None:
         return ModelSpec.from_hf_config(path)
-    raise SpecError(key or "''", "(model)", "a config.json, a checkpoint folder or a preset: " + ", ".join(model_presets()))
+    raise SpecError(shown_name(key), "(model)", "a config.json, a checkpoint folder or a preset: " + ", ".join(model_presets()))
 
 
 def load_model_as(name_or_path: str | Path, name: str) -> ModelSpec:

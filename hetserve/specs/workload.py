@@ -35,6 +35,7 @@ from typing import Iterator
 import numpy as np
 
 from hetserve.errors import SpecError
+from hetserve.specs._validation import existing_path, shown_name
 
 HEAVY_PREFILL_TOKENS = 512
 HEAVY_DECODE_TOKENS = 128
@@ -387,10 +388,10 @@ def load_workload(name_or_path: str | Path, rate: float | None = None, seed: int
     traces, the Poisson rate (default 1 req/s).
     """
     key = str(name_or_path)
-    path = Path(key)
-    if not (key.strip() and path.exists()):  # "" is no name (Path("") is the current folder)
+    path = existing_path(key)
+    if path is None:
         if key not in WORKLOAD_PRESETS:
-            raise SpecError(key or "''", "(workload)", "an existing CSV file or a preset: " + ", ".join(workload_presets()))
+            raise SpecError(shown_name(key), "(workload)", "an existing CSV file or a preset: " + ", ".join(workload_presets()))
         path = Path(str(resources.files("hetserve") / "data" / "workloads" / WORKLOAD_PRESETS[key]))
         return _read_csv(path, rate, seed, key)
     return _read_csv(path, rate, seed, path.stem)

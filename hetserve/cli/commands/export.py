@@ -71,11 +71,7 @@ def run(args: argparse.Namespace) -> int:
                         f"machine, and the plan's model {plan.model!r} is no preset or checkpoint folder here; "
                         "export where a copy of the checkpoint (its config.json) is", plan.model) from exc
     check_plan(args.plan, plan, cluster, model)
-    # the pool's file goes into a hetserve bundle (its serve reads it there): the one given, else the
-    # one the plan records, else the one its "cluster" names (a plan written by hand); none for a preset
-    cluster_path = (args.cluster if args.cluster and Path(args.cluster).is_file()
-                    else str(plan.cluster_file.path) if plan.cluster_file is not None
-                    else plan.cluster if args.cluster is None and Path(plan.cluster).is_file() else None)
+    cluster_path = _cluster_file(args.cluster, plan)
     # a checkpoint folder here, given or the one the plan names, by its absolute path: the scripts run
     # from their own folder, and a relative path would name another place there (a hub name, a preset's
     # name or another machine's path stays as given)
@@ -97,3 +93,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: the scripts load the model as '{plan.model}', the name of hetserve's preset; an engine needs "
               f"the checkpoint's path or hub name there: export again with --model PATH")
     return 0
+
+
+def _cluster_file(given: str | None, plan) -> str | None:
+    """The pool's file a hetserve bundle carries (its serve reads it there): ``--cluster`` where it
+    is a file, else the file the plan records, else, with no ``--cluster``, the one the plan's
+    ``cluster`` names (a plan written by hand); None for a preset."""
+    if given and Path(given).is_file():
+        return given
+    if plan.cluster_file is not None:
+        return str(plan.cluster_file.path)
+    return plan.cluster if given is None and Path(plan.cluster).is_file() else None

@@ -225,3 +225,17 @@ def test_cli_capacity_refuses_an_empty_rate(capsys, rates):
     out, err = capsys.readouterr()
     assert rc == 2 and "--rates" in err and "no empty entry" in err and len(err.strip().splitlines()) == 1, err
     assert "worker configuration" not in out
+
+
+@pytest.mark.parametrize("cluster", [["--gpu", "A100-SXM-80G"], ["--cluster", "hexgen2-het1"]])
+def test_cli_capacity_checks_every_rate_before_printing(capsys, cluster):
+    """A rate the simulation cannot resolve, listed after one it can: refused before the first table
+    and the first simulation (and before the warning on a pool of several GPU types), one line."""
+    from hetserve.cli.main import main
+
+    rc = main(["capacity", *cluster, "--model", "llama-2-7b", "--workload", "sharegpt", "--rates", "1,1e6",
+               "--requests", "200", "--slo-ttft", "2", "--slo-tpot", "0.2", "--placement", "jsq"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "", out
+    assert len(err.strip().splitlines()) == 1 and err.startswith("hetserve capacity: error: --rates: expected "), err
+    assert "at 1e+06 req/s" in err and "--method fluid" in err, err

@@ -19,7 +19,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from hetserve.errors import SpecError
+from hetserve.errors import InfeasibleError, SpecError
 from hetserve.policies.placement import placement_names
 
 DEFAULT_PLACEMENT, DEFAULT_TARGET, DEFAULT_REQUESTS = "aladdin", 0.99, 1500
@@ -94,14 +94,16 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     slo = SLO(args.slo_ttft, args.slo_tpot)
     rates = _rates(args)
+    # warnings and notes wait until every option is checked: a refusal comes before any other word
+    warnings: list[str] = []
     intra = None
     if args.cluster:
         cluster = load_cluster(args.cluster)
         gpu = cluster.devices[0].gpu.name
         others = sorted({d.gpu.name for d in cluster.devices} - {gpu})
         if others:
-            print(f"warning: capacity sizes workers of one GPU type: {gpu}, {args.cluster}'s first; its "
-                  f"{', '.join(others)} are left out (pass --gpu to choose)", file=sys.stderr)
+            warnings.append(f"warning: capacity sizes workers of one GPU type: {gpu}, {args.cluster}'s first; its "
+                            f"{', '.join(others)} are left out (pass --gpu to choose)")
         devs = next((d for d in cluster.machines.values() if len(d) > 1), None)
         if devs:
             lat, bw = cluster.link(devs[0].index, devs[1].index)
@@ -115,8 +117,6 @@ def run(args: argparse.Namespace) -> int:
     config.check_weights_fit(cluster, model, gpu)
     whole = load_workload(args.workload, seed=args.seed)
     fit = servable(whole, model, args.workload, "sized")
-    if fit.note:  # the means below are of these: say why they differ from the trace's
-        console.print(f"note: {fit.note}", highlight=False)
     base = fit.workload
     mi, mo = base.mean_input, base.mean_output
 
@@ -124,6 +124,21 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus_per_worker and all(o.gpus != args.gpus_per_worker for o in opts):
         raise SpecError("--gpus-per-worker", "gpus_per_worker", "a degree the pool can host in one box: "
                         + ", ".join(str(o.gpus) for o in opts), args.gpus_per_worker)
+    colocated = args.mode == "colocated"
+    try:
+        if args.gpus_per_worker:
+            chosen = next(o for o in opts if o.gpus == args.gpus_per_worker)
+        else:
+            chosen = config.best_worker_config(cluster, model, slo, mi, mo, gpu_name=gpu)
+    except InfeasibleError as exc:
+        chosen, infeasible = None, exc  # raised after the table, which shows why no degree serves
+    fluids = {r: workers.fluid_workers(r, chosen, mi, mo, colocated=colocated) for r in rates} if chosen else {}
+    if args.method == "sim":
+        _check_resolvable(args, fluids)  # every rate, before the first table and the first simulation
+    for line in warnings:
+        print(line, file=sys.stderr)
+    if fit.note:  # the means below are of these: say why they differ from the trace's
+        console.print(f"note: {fit.note}", highlight=False)
     source = _source(cluster, model)
     t = Table(title=f"worker configuration: {model.name} on {gpu} (Eq. 6; mean in {mi:.0f}, out {mo:.0f})",
               caption=f"estimates of the {source}")
@@ -133,24 +148,15 @@ def run(args: argparse.Namespace) -> int:
         t.add_row(str(o.gpus), "yes" if o.feasible else "no", o.limit, f"{o.kv_capacity_tokens:,.0f}", str(o.batch),
                   f"{o.iteration_s * 1e3:.1f}", f"{o.tokens_per_s_per_gpu:,.0f}", f"{o.ttft_s * 1e3:.0f}")
     console.print(t)
-    if args.gpus_per_worker:
-        chosen = next(o for o in opts if o.gpus == args.gpus_per_worker)
-    else:
-        chosen = config.best_worker_config(cluster, model, slo, mi, mo, gpu_name=gpu)
+    if chosen is None:
+        raise infeasible
     g = chosen.gpus
     console.print(f"[bold]{g} GPU(s) per worker[/] ({chosen.tokens_per_s_per_gpu:,.0f} output tokens/s per GPU)")
 
     rows, shorts = [], []
-    rate_one = workers.worker_request_rate(chosen, mi, mo, colocated=args.mode == "colocated")  # one worker's most
+    rate_one = workers.worker_request_rate(chosen, mi, mo, colocated=colocated)  # one worker's most
     for r in rates:
-        fluid = workers.fluid_workers(r, chosen, mi, mo, colocated=args.mode == "colocated")
-        if args.method == "sim" and fluid > args.requests:
-            # a simulation of N requests cannot tell apart more than N workers: its answer would be noise
-            top = r * args.requests / fluid
-            raise SpecError("--rate" if args.rate is not None else "--rates", "rate",
-                            f"a rate the {args.requests} simulated requests can resolve (about {top:.3g} req/s or "
-                            f"less here: at {r:g} req/s the fluid lower bound is {fluid:,} workers; raise --requests "
-                            f"or use --method fluid)", r)
+        fluid = fluids[r]
         if args.method == "sim":
             from hetserve.capacity.simulated import short_trace, workers_needed
 
@@ -205,6 +211,18 @@ def run(args: argparse.Namespace) -> int:
                           f"{plan.gpu_hours:.2f} GPU-hours vs {plan.static_gpu_hours:.2f} for the peak "
                           f"({plan.peak_workers} workers) all along")
     return 0
+
+
+def _check_resolvable(args, fluids: dict[float, int]) -> None:
+    """Refuses the first rate whose fluid lower bound exceeds the requests simulated: a simulation
+    of N requests cannot tell apart more than N workers, so its answer there would be noise."""
+    for r, fluid in fluids.items():
+        if fluid > args.requests:
+            top = r * args.requests / fluid
+            raise SpecError("--rate" if args.rate is not None else "--rates", SpecError.OPTION,
+                            f"rates the {args.requests} simulated requests can resolve (about {top:.3g} req/s or "
+                            f"less here: at {r:g} req/s the fluid lower bound is {fluid:,} workers; raise --requests "
+                            f"or use --method fluid)", r)
 
 
 def _source(cluster, model) -> str:

@@ -239,3 +239,15 @@ def test_cli_capacity_checks_every_rate_before_printing(capsys, cluster):
     assert rc == 2 and out == "", out
     assert len(err.strip().splitlines()) == 1 and err.startswith("hetserve capacity: error: --rates: expected "), err
     assert "at 1e+06 req/s" in err and "--method fluid" in err, err
+
+
+def test_cli_capacity_refuses_a_degree_whose_worker_runs_no_request(capsys):
+    """One A100 cannot hold llama-2-70b's weights, so runs no request: sizing workers of that degree
+    divided by zero (a traceback); it is refused naming the option and the degrees that run requests."""
+    from hetserve.cli.main import main
+
+    rc = main(["capacity", "--gpu", "A100-SXM-80G", "--model", "llama-2-70b", "--workload", "sharegpt",
+               "--rates", "5,10", "--slo-ttft", "2", "--slo-tpot", "0.2", "--method", "fluid", "--gpus-per-worker", "1"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "--gpus-per-worker: expected a degree whose worker runs at least one request: 2, 4, 8 (1 GPU(s)" in err, err

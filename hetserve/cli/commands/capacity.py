@@ -124,6 +124,13 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus_per_worker and all(o.gpus != args.gpus_per_worker for o in opts):
         raise SpecError("--gpus-per-worker", "gpus_per_worker", "a degree the pool can host in one box: "
                         + ", ".join(str(o.gpus) for o in opts), args.gpus_per_worker)
+    picked = next((o for o in opts if o.gpus == args.gpus_per_worker), None)
+    if picked is not None and picked.batch == 0:  # a worker running no request has no rate to size by
+        why = ("its memory does not hold the weights and one request of the mean length" if picked.limit == "memory" else
+               "not one sequence's decode step meets the ATGT target")
+        raise SpecError("--gpus-per-worker", SpecError.OPTION, "a degree whose worker runs at least one request: "
+                        + (", ".join(str(o.gpus) for o in opts if o.batch > 0) or "none here")
+                        + f" ({args.gpus_per_worker} GPU(s): {why})", args.gpus_per_worker)
     colocated = args.mode == "colocated"
     try:
         if args.gpus_per_worker:

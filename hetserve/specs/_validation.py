@@ -57,10 +57,18 @@ def validate(model: type[M], data: Any, source: str) -> M:
 # a top-level field that tells a file's kind: a file of one kind given where another is read is
 # named as such, not as a list of misspelt fields
 FILE_KINDS = {"machines": "a cluster file", "replicas": "a plan file"}
+# fields of what hetserve writes that no input file has: they tell the kind even beside an input's
+# own field (a simulation summary lists its replicas, as a plan does)
+OUTPUT_KINDS = {"slo_attainment": "a simulation summary, as hetserve simulate -o writes",
+                "rate_sweep": "a rate sweep, as hetserve simulate --sweep-rates writes"}
 
 
 def refuse_other_kind(data: dict[str, Any], source: str, own: str, expected: str) -> None:
-    """``data`` lacks this kind's field ``own`` but has another kind's: one line saying which."""
+    """``data`` is what hetserve writes, or lacks this kind's field ``own`` but has another kind's:
+    one line saying which."""
+    for key, kind in OUTPUT_KINDS.items():
+        if key in data:
+            raise SpecError(source, "(top level)", expected, f"{kind} (it has {key})")
     if own in data:
         return
     for key, kind in FILE_KINDS.items():

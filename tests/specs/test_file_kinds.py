@@ -37,3 +37,28 @@ def test_the_cli_says_so_in_one_line(tmp_path, capsys):
     assert main(["simulate", "--plan", str(preset_path("hexgen2-het1")), "--workload", "azure-conv", "-n", "5"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "a cluster file (it lists machines)" in err[0]
+
+
+def test_a_simulation_summary_read_as_a_plan_is_named_so(tmp_path, capsys):
+    """summary.json (hetserve simulate -o) lists its replicas as a plan does: read as a plan or a
+    cluster it was refused as a plan with a misspelt field ('requests'); it is named as what it is."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"model": "llama-2-7b", "cluster": "aladdin-a100", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["a100-0:0"], "layers": [0, 32]}]}]}))
+    out = tmp_path / "out"
+    assert main(["simulate", "--plan", str(plan), "--workload", "sharegpt", "-n", "10", "--no-progress",
+                 "-o", str(out)]) == 0
+    capsys.readouterr()
+    summary = str(out / "summary.json")
+    for argv in (["describe", "plan", summary], ["describe", "cluster", summary],
+                 ["simulate", "--plan", summary, "--workload", "sharegpt", "-n", "5"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{summary}: field '(top level)': expected a " in err[0], err
+        assert "got 'a simulation summary, as hetserve simulate -o writes (it has slo_attainment)'" in err[0], err
+
+
+def test_a_rate_sweep_read_as_a_plan_is_named_so():
+    with pytest.raises(SpecError, match=r"expected a plan file .* got 'a rate sweep, as hetserve simulate "
+                       r"--sweep-rates writes \(it has rate_sweep\)'"):
+        Plan.from_dict({"timings": {}, "rate_sweep": []}, "rate_sweep.json")

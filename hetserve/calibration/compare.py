@@ -138,13 +138,13 @@ def table_of(served: dict[str, np.ndarray], simulated: dict[str, np.ndarray], se
 
 def compare(opts: CompareOptions) -> Comparison:
     """Serve, replay, simulate; see the module docstring."""
-    from hetserve.planner.plan import Plan
+    from hetserve.planner.plan import Plan, load_plan_cluster
     from hetserve.calibration.probes import machine_info
     from hetserve.calibration.file import speed_reference
     from hetserve.calibration.speed_probe import SpeedProbe, combine, slowdown, weighted
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import LoadRequest, replay, requests_from_workload, summarize
-    from hetserve.specs.cluster import Cluster, load_cluster
+    from hetserve.specs.cluster import Cluster
     from hetserve.planner.validate import check_runnable
     from hetserve.specs.model import load_model, load_model_as
     from hetserve.specs.workload import load_workload
@@ -152,7 +152,8 @@ def compare(opts: CompareOptions) -> Comparison:
                                        served_rows)
 
     plan = opts.plan if isinstance(opts.plan, Plan) else Plan.load(opts.plan)
-    cluster = opts.cluster if isinstance(opts.cluster, Cluster) else load_cluster(str(opts.cluster or plan.cluster))
+    cluster = opts.cluster if isinstance(opts.cluster, Cluster) else load_plan_cluster(
+        plan, "<plan>" if isinstance(opts.plan, Plan) else str(opts.plan), opts.cluster)
     spec = load_model_as(opts.model_dir, plan.model)
     trace = load_workload(opts.workload)
     if opts.workload_class:

@@ -260,9 +260,9 @@ def load_plan_cluster(plan: Plan, source: str = "<plan>", cluster: str | Path | 
                       warn: Callable[[str], None] | None = None) -> Cluster:
     """The cluster to run ``plan`` on: ``cluster`` (a preset or file the user named) when given, else
     the cluster file the plan records (``warn`` is told, naming the file, when its bytes changed since
-    the plan was made), else the preset the plan names. A recorded file that is missing, or a name
-    that is no preset, is a ``SpecError`` naming ``source`` (the plan file) and saying which file to
-    pass. ``warn`` defaults to ``warnings.warn``."""
+    the plan was made), else the file (``named_cluster_file``) or preset the plan's ``cluster``
+    names. A recorded file that is missing, or a name that is neither, is a ``SpecError`` naming
+    ``source`` (the plan file) and saying which file to pass. ``warn`` defaults to ``warnings.warn``."""
     from hetserve.specs.cluster import cluster_presets, load_cluster
 
     if cluster is not None:
@@ -279,13 +279,36 @@ def load_plan_cluster(plan: Plan, source: str = "<plan>", cluster: str | Path | 
             (warn or _warn)(f"{shown}, the cluster file {source} was made on, has changed since (SHA-256 "
                             f"{cf.sha256[:12]}… then, {now[:12]}… now): the plan runs on it as it is now")
         return load_cluster(cf.path)
+    named = named_cluster_file(plan, source)
     try:
-        return load_cluster(plan.cluster)
+        return load_cluster(plan.cluster if named is None else named)
     except SpecError as exc:
         if exc.field != "(cluster)":  # found, but malformed: that error says more
             raise
-        raise SpecError(source, "cluster", f"a cluster preset ({', '.join(cluster_presets())}); the plan records no "
-                        f"cluster file, so pass --cluster with the file it was made on", plan.cluster) from exc
+        places = _cluster_places(plan.cluster, source)
+        looked = (f" (looked for beside the plan, at {places[0]}, and in the working directory, {os.getcwd()})"
+                  if len(places) == 2 else f" (looked for at {places[0]})" if places else "")
+        raise SpecError(source, "cluster", f"a cluster preset ({', '.join(cluster_presets())}) or a cluster "
+                        f"file{looked}; the plan records no cluster file, so pass --cluster with the file it was "
+                        "made on", plan.cluster) from exc
+
+
+def named_cluster_file(plan: Plan, source: str) -> Path | None:
+    """The cluster file the plan's ``cluster`` field names, where one is (None: a preset's name, or
+    no such file). A relative path is read beside the plan file ``source`` first, as the recorded
+    ``cluster_file`` is, so a plan and its pool move together; then from the working directory,
+    where it alone was looked for once, so a plan that worked from here still does."""
+    return next((p for p in _cluster_places(plan.cluster, source) if p.is_file()), None)
+
+
+def _cluster_places(name: str, source: str) -> list[Path]:
+    """Where ``name`` (a plan's ``cluster``) is looked for as a file: beside the plan, then here
+    (once where the two are one folder)."""
+    if not name.strip():  # a blank name names no file (existing_path)
+        return []
+    path = Path(name)
+    places = [path] if path.is_absolute() else [Path(source).parent / path, path]
+    return [p for i, p in enumerate(places) if os.path.abspath(p) not in map(os.path.abspath, places[:i])]
 
 
 def _warn(message: str) -> None:

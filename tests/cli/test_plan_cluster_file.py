@@ -137,3 +137,50 @@ def test_a_plan_finds_the_checkpoint_folder_beside_it_from_anywhere(tmp_path, mo
     assert plan_model(str(tmp_path / "plan.json"), "tiny-ckpt").num_layers == 2
     with pytest.raises(SpecError, match="make-model"):
         plan_model(str(elsewhere / "plan.json"), "tiny-ckpt")
+
+
+@pytest.fixture
+def by_hand(tmp_path, monkeypatch, capsys):
+    """A plan written by hand whose ``cluster`` names its pool's file beside it (``"lo.yaml"``),
+    read from another folder (the working directory ``elsewhere``)."""
+    (tmp_path / "plans").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "plans" / "lo.yaml").write_text(yaml.safe_dump(POOL))
+    (tmp_path / "plans" / "plan.json").write_text(json.dumps({"model": "llama-2-7b", "cluster": "lo.yaml", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 32]}]}]}))
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    return tmp_path
+
+
+def test_a_relative_cluster_path_is_read_beside_the_plan(by_hand, capsys):
+    """Every command takes it by one rule (load_plan_cluster), and export's bundle carries that file."""
+    from types import SimpleNamespace
+
+    from hetserve.serve.launch import _load
+
+    plan = "../plans/plan.json"
+    assert main(["simulate", "--plan", plan, *SIM]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["cluster"] == "my-pool"
+    assert main(["describe", "plan", plan]) == 0
+    assert "checked: the plan fits my-pool" in one_line(capsys)
+    assert _load(SimpleNamespace(plan=plan, cluster=None))[1].name == "my-pool"
+    assert main(["export", "--plan", plan, "--to", "hetserve", "-o", "bundle"]) == 0
+    assert (by_hand / "elsewhere" / "bundle" / "cluster.yaml").read_bytes() == (by_hand / "plans" / "lo.yaml").read_bytes()
+
+
+def test_beside_the_plan_comes_first_and_the_working_directory_still_serves(by_hand, capsys):
+    plan = "../plans/plan.json"
+    (by_hand / "elsewhere" / "lo.yaml").write_text(yaml.safe_dump({**POOL, "name": "here-pool"}))
+    assert main(["simulate", "--plan", plan, *SIM]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["cluster"] == "my-pool"
+    (by_hand / "plans" / "lo.yaml").unlink()  # only the working directory's: read there, as it always was
+    assert main(["simulate", "--plan", plan, *SIM]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["cluster"] == "here-pool"
+
+
+def test_a_relative_cluster_path_found_nowhere_names_both_places(by_hand, capsys):
+    (by_hand / "plans" / "lo.yaml").unlink()
+    assert main(["simulate", "--plan", "../plans/plan.json", *SIM]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "../plans/plan.json: field 'cluster'" in err and "got 'lo.yaml'" in err
+    assert f"beside the plan, at ../plans/lo.yaml, and in the working directory, {by_hand / 'elsewhere'}" in err

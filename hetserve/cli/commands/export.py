@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
                         f"machine, and the plan's model {plan.model!r} is no preset or checkpoint folder here; "
                         "export where a copy of the checkpoint (its config.json) is", plan.model) from exc
     check_plan(args.plan, plan, cluster, model)
-    cluster_path = _cluster_file(args.cluster, plan)
+    cluster_path = _cluster_file(args.cluster, plan, args.plan)
     # a checkpoint folder here, given or the one the plan names, by its absolute path: the scripts run
     # from their own folder, and a relative path would name another place there (a hub name, a preset's
     # name or another machine's path stays as given)
@@ -95,12 +95,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster_file(given: str | None, plan) -> str | None:
+def _cluster_file(given: str | None, plan, plan_path: str) -> str | None:
     """The pool's file a hetserve bundle carries (its serve reads it there): ``--cluster`` where it
     is a file, else the file the plan records, else, with no ``--cluster``, the one the plan's
-    ``cluster`` names (a plan written by hand); None for a preset."""
+    ``cluster`` names (a plan written by hand), found as ``plan_cluster`` found it; None for a preset."""
+    from hetserve.planner.plan import named_cluster_file
+
     if given and Path(given).is_file():
         return given
     if plan.cluster_file is not None:
         return str(plan.cluster_file.path)
-    return plan.cluster if given is None and Path(plan.cluster).is_file() else None
+    named = named_cluster_file(plan, plan_path) if given is None else None
+    return None if named is None else str(named)

@@ -1,6 +1,7 @@
-"""What ``hetserve route`` refuses at start (a hetserve bundle, one server named twice, a backend URL
-with a path, an empty ``--backends`` entry) and what it says when a backend refuses its credentials
-or fails its health check: the operator reads why in the log, the client a 502 about the router."""
+"""What ``hetserve route`` refuses at start (a hetserve bundle, an engine export never writes, one
+server named twice, a backend URL with a path, an empty ``--backends`` entry) and what it says when
+a backend refuses its credentials or fails its health check: the operator reads why in the log, the
+client a 502 about the router."""
 
 import asyncio
 import json
@@ -35,6 +36,17 @@ def test_a_hetserve_bundle_is_refused_naming_its_own_endpoint(tmp_path):
     msg = str(err.value)
     assert str(path) in msg and "field 'engine'" in msg and "routes between its replicas itself" in msg, msg
     assert "http://127.0.0.2:8000" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("engine", ["trt", "VLLM", "", None, 3])
+def test_an_engine_export_never_writes_is_refused_naming_those_it_does(tmp_path, engine):
+    path = write_deploy(tmp_path, engine, ["http://127.0.0.1:8001"])
+    with pytest.raises(SpecError) as err:
+        config_from_deploy(path)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}: field 'engine': expected vllm or sglang (") and f"got {'null' if engine is None else engine!r}" in msg, msg
+    for known in ("vllm", "sglang"):  # what export writes for them is read
+        assert config_from_deploy(write_deploy(tmp_path, known, ["http://127.0.0.1:8001"])).backends[0].id == "r0"
 
 
 def test_two_replicas_on_one_endpoint_are_refused(tmp_path):

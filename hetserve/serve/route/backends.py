@@ -86,6 +86,16 @@ def config_from_deploy(path: str | Path) -> RouteConfig:
         at = f", {router['endpoint']}" if isinstance(router.get("endpoint"), str) else ""
         raise SpecError(str(path), "engine", "a vLLM or SGLang bundle's deploy.json (hetserve's own server routes "
                         f"between its replicas itself: point clients at it{at})", "hetserve")
+    # an engine export never writes (a typo, another tool's file) is no bundle route knows how to
+    # front: refused, not read as if it were vLLM's or SGLang's. A file without the field is read.
+    if "engine" in data:
+        from hetserve.export import ENGINES
+
+        routed = [e for e in ENGINES if e != "hetserve"]
+        if data["engine"] not in routed:
+            raise SpecError(str(path), "engine", f"{' or '.join(routed)} (the engines of hetserve export --to whose "
+                            "bundles route fronts; a hetserve bundle routes itself)",
+                            "null" if data["engine"] is None else data["engine"])
     router = data.get("router") or {}
     if not isinstance(router, dict):
         raise SpecError(str(path), "router", "an object {weights, kv_routes}", type(router).__name__)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from hetserve.errors import PlanError, SpecError
-from hetserve.planner.plan import Plan, load_plan_cluster
+from hetserve.planner.plan import Plan, load_plan_cluster, plan_places
 from hetserve.specs.cluster import Cluster
 from hetserve.specs.model import ModelSpec, load_model, model_presets
 
@@ -23,13 +23,10 @@ def check_model_dir(path: str) -> None:
 
 
 def plan_checkpoint(plan_path: str, name: str) -> Path | None:
-    """The checkpoint folder the plan's ``model`` field names, where one is here: a path from here,
-    else a folder of that name beside the plan file (where `make demo` writes both); None for a
-    preset's name or a folder that is not here."""
-    for folder in (Path(name), Path(plan_path).parent / name):
-        if (folder / "config.json").is_file():
-            return folder
-    return None
+    """The checkpoint folder the plan's ``model`` field names, where one is here (``plan_places``:
+    from here, else beside the plan file, where `make demo` writes both); None for a preset's name
+    or a folder that is not here."""
+    return next((folder for folder in plan_places(name, plan_path) if (folder / "config.json").is_file()), None)
 
 
 def plan_model(plan_path: str, name: str) -> ModelSpec:

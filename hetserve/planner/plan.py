@@ -285,8 +285,8 @@ def load_plan_cluster(plan: Plan, source: str = "<plan>", cluster: str | Path | 
     except SpecError as exc:
         if exc.field != "(cluster)":  # found, but malformed: that error says more
             raise
-        places = _cluster_places(plan.cluster, source)
-        looked = (f" (looked for beside the plan, at {places[0]}, and in the working directory, {os.getcwd()})"
+        places = plan_places(plan.cluster, source)
+        looked = (f" (looked for in the working directory, {os.getcwd()}, and beside the plan, at {places[1]})"
                   if len(places) == 2 else f" (looked for at {places[0]})" if places else "")
         raise SpecError(source, "cluster", f"a cluster preset ({', '.join(cluster_presets())}) or a cluster "
                         f"file{looked}; the plan records no cluster file, so pass --cluster with the file it was "
@@ -295,19 +295,19 @@ def load_plan_cluster(plan: Plan, source: str = "<plan>", cluster: str | Path | 
 
 def named_cluster_file(plan: Plan, source: str) -> Path | None:
     """The cluster file the plan's ``cluster`` field names, where one is (None: a preset's name, or
-    no such file). A relative path is read beside the plan file ``source`` first, as the recorded
-    ``cluster_file`` is, so a plan and its pool move together; then from the working directory,
-    where it alone was looked for once, so a plan that worked from here still does."""
-    return next((p for p in _cluster_places(plan.cluster, source) if p.is_file()), None)
+    no such file), looked for where ``plan_places`` says."""
+    return next((p for p in plan_places(plan.cluster, source) if p.is_file()), None)
 
 
-def _cluster_places(name: str, source: str) -> list[Path]:
-    """Where ``name`` (a plan's ``cluster``) is looked for as a file: beside the plan, then here
-    (once where the two are one folder)."""
-    if not name.strip():  # a blank name names no file (existing_path)
+def plan_places(name: str, source: str) -> list[Path]:
+    """Where a file or folder a plan names by path (its ``cluster``, its ``model``) is looked for:
+    from the working directory first, as it always was, so a plan that worked from here still
+    does; then beside the plan file ``source``, so a plan moved with its pool or checkpoint still
+    finds them. Once where the two are one folder; none for a blank name (``existing_path``)."""
+    if not name.strip():
         return []
     path = Path(name)
-    places = [path] if path.is_absolute() else [Path(source).parent / path, path]
+    places = [path] if path.is_absolute() else [path, Path(source).parent / path]
     return [p for i, p in enumerate(places) if os.path.abspath(p) not in map(os.path.abspath, places[:i])]
 
 

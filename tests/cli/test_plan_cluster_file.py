@@ -168,14 +168,14 @@ def test_a_relative_cluster_path_is_read_beside_the_plan(by_hand, capsys):
     assert (by_hand / "elsewhere" / "bundle" / "cluster.yaml").read_bytes() == (by_hand / "plans" / "lo.yaml").read_bytes()
 
 
-def test_beside_the_plan_comes_first_and_the_working_directory_still_serves(by_hand, capsys):
+def test_the_working_directory_comes_first_as_for_the_model_and_beside_the_plan_serves_too(by_hand, capsys):
     plan = "../plans/plan.json"
     (by_hand / "elsewhere" / "lo.yaml").write_text(yaml.safe_dump({**POOL, "name": "here-pool"}))
     assert main(["simulate", "--plan", plan, *SIM]) == 0
-    assert json.loads(capsys.readouterr().out)["run"]["cluster"] == "my-pool"
-    (by_hand / "plans" / "lo.yaml").unlink()  # only the working directory's: read there, as it always was
+    assert json.loads(capsys.readouterr().out)["run"]["cluster"] == "here-pool"  # read here, as it always was
+    (by_hand / "elsewhere" / "lo.yaml").unlink()
     assert main(["simulate", "--plan", plan, *SIM]) == 0
-    assert json.loads(capsys.readouterr().out)["run"]["cluster"] == "here-pool"
+    assert json.loads(capsys.readouterr().out)["run"]["cluster"] == "my-pool"
 
 
 def test_a_relative_cluster_path_found_nowhere_names_both_places(by_hand, capsys):
@@ -183,4 +183,4 @@ def test_a_relative_cluster_path_found_nowhere_names_both_places(by_hand, capsys
     assert main(["simulate", "--plan", "../plans/plan.json", *SIM]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "../plans/plan.json: field 'cluster'" in err and "got 'lo.yaml'" in err
-    assert f"beside the plan, at ../plans/lo.yaml, and in the working directory, {by_hand / 'elsewhere'}" in err
+    assert f"in the working directory, {by_hand / 'elsewhere'}, and beside the plan, at ../plans/lo.yaml" in err

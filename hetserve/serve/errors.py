@@ -17,7 +17,8 @@
 request validation errors, an unreadable JSON body, Starlette's HTTP exceptions, hetserve's own
 ``HetserveError`` and anything else — to ``{"error": {"message", "type", "param", "code"}}``.
 Streaming responses that fail after their headers are sent carry the same object in one SSE
-event (``error_event``), since the status line has already left.
+event (``error_event``), since the status line has already left. Each error's log line names the
+request's ``x-request-id`` (``request_ids``), the id the client was given.
 """
 
 from __future__ import annotations
@@ -228,17 +229,25 @@ def _names_a_type(part: str) -> bool:
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+def _naming(what: str) -> str:
+    """``what`` with the request's id (``x-request-id``, ``request_ids``), which the client can quote."""
+    from hetserve.serve.request_ids import current_request_id
+
+    rid = current_request_id()
+    return f"{what} [{rid}]" if rid else what
+
+
 def error_response(exc: BaseException, path: str = ""):
     from fastapi.responses import JSONResponse
 
     err = to_api_error(exc)
+    where = _naming(path or "request")
     if isinstance(err, Overloaded):  # a refusal the server chose (draining, no live replica): no fault
-        log.warning("%s %d %s: %s", path or "request", err.status, err.code, err.message)
+        log.warning("%s %d %s: %s", where, err.status, err.code, err.message)
     elif err.status >= 500:
-        log.error("request failed: %s", err.message, exc_info=exc if exc is not err else None)
+        log.error("%s failed: %s", where, err.message, exc_info=exc if exc is not err else None)
     else:
-        log.warning("%s %d %s (param=%s): %s", path or "request", err.status, err.code or err.type, err.param,
-                    err.message)
+        log.warning("%s %d %s (param=%s): %s", where, err.status, err.code or err.type, err.param, err.message)
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
@@ -248,10 +257,11 @@ STREAM_END = "data: [DONE]\n\n"  # an SSE stream's last event, after its answer 
 def error_event(exc: BaseException) -> str:
     """The SSE event that ends a stream which failed after its headers were sent."""
     err = to_api_error(exc)
+    where = _naming("stream")
     if isinstance(err, Overloaded):  # as in error_response: a refusal, not a fault
-        log.warning("stream ended: %d %s: %s", err.status, err.code, err.message)
+        log.warning("%s ended: %d %s: %s", where, err.status, err.code, err.message)
     elif err.status >= 500:
-        log.error("stream failed: %s", err.message, exc_info=exc if exc is not err else None)
+        log.error("%s failed: %s", where, err.message, exc_info=exc if exc is not err else None)
     return f"data: {json.dumps(err.body())}\n\n"
 
 

@@ -138,15 +138,16 @@ class KeyGate:
             header = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
             err = refusal(self.auth, scope.get("path", ""), header)
             if err is not None:
-                response = await _answer(scope, receive, err)
+                response = await answer_error(scope, receive, err)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
-async def _answer(scope, receive, err):
+async def answer_error(scope, receive, err: BaseException):
     """The response the app's exception handler gives ``err`` (so it is logged and counted as any
-    client error), or ``errors.error_response`` where the app has none."""
+    client error), or ``errors.error_response`` where the app has none; for middleware answering
+    outside the app's own handlers."""
     from hetserve.serve.errors import error_response
 
     handlers = getattr(scope.get("app"), "exception_handlers", {})
@@ -157,11 +158,15 @@ async def _answer(scope, receive, err):
 
 
 def guarded_app(auth: APIAuth) -> dict:
-    """FastAPI's options for an app whose every request ``auth`` holds: ``KeyGate`` as its outermost
-    middleware, and no /openapi.json nor docs pages (nothing of the API's shape is served)."""
+    """FastAPI's options for an app whose every request ``auth`` holds: ``KeyGate`` as its middleware,
+    inside ``request_ids.RequestIds`` (so a 401 carries ``x-request-id`` too), and no /openapi.json
+    nor docs pages (nothing of the API's shape is served)."""
     from starlette.middleware import Middleware
 
-    return {"docs_url": None, "redoc_url": None, "openapi_url": None, "middleware": [Middleware(KeyGate, auth=auth)]}
+    from hetserve.serve.request_ids import RequestIds
+
+    return {"docs_url": None, "redoc_url": None, "openapi_url": None,
+            "middleware": [Middleware(RequestIds), Middleware(KeyGate, auth=auth)]}
 
 
 def bearer_token(header: str | None) -> str | None:

@@ -44,6 +44,7 @@ from typing import AsyncIterator
 import httpx
 
 from hetserve.serve.errors import STREAM_END, APIError, ServerError, ShuttingDown, Unavailable, error_event
+from hetserve.serve.request_ids import HEADER as REQUEST_ID_HEADER, current_request_id
 from hetserve.serve.route.backends import Backend, BackendPool
 from hetserve.serve.route.waits import Stalled, Waits, Woken
 from hetserve.serve.shutdown import drain, wait_answered
@@ -283,8 +284,11 @@ class Router:
         try:
             if raw is None:
                 raw = json.dumps(body).encode()
+            # the client's request id goes along, so the backend's log names the request as the route's does
+            rid = current_request_id()
             req = self.client.build_request("POST", f"{b.url}{path}", content=raw,
-                                            headers={**self.headers, "content-type": "application/json"})
+                                            headers={**self.headers, "content-type": "application/json",
+                                                     **({REQUEST_ID_HEADER: rid} if rid else {})})
             try:
                 resp = await self.waits.on(b, self.client.send(req, stream=True))
             except httpx.HTTPError as exc:

@@ -1,7 +1,8 @@
 """The OpenAI wire format: request bodies the server accepts and the objects it returns.
 
 Only what hetserve serves is modelled; fields OpenAI documents but hetserve cannot honour
-(``best_of`` other than ``n``, ``tools``, ``logit_bias``, ``suffix``) are rejected with a 400 naming
+(``best_of`` other than ``n``, ``tools``, a ``tool_choice`` asking for a tool call, ``logit_bias``,
+``suffix``) are rejected with a 400 naming
 the field rather than silently ignored. Unknown fields are rejected too, as OpenAI does.
 
 Honoured: ``n`` choices per prompt and a list of prompts (completions), ``logprobs`` / ``top_logprobs``,
@@ -42,6 +43,9 @@ def _finite(**limits):
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False  # with include_usage: usage in every chunk (as vLLM)
+    # OpenAI's: random padding in stream chunks against length side channels. Accepted either way, as
+    # clients that send false to save bytes are right about these streams: no padding is ever added
+    include_obfuscation: StrictBool | None = None
 
 
 class _SamplingFields(_Strict):
@@ -208,6 +212,11 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("max_tokens: must be at least 1 in a chat completion")
         if self.tools:
             raise ValueError("tools: not supported")
+        # with no tools, "none" and "auto" both mean a plain answer, which is what runs; "required" or a
+        # named function asks for a tool call no answer here can be, so it is refused, not ignored
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError(f"tool_choice: only 'none' or 'auto' is supported (no tools are; got "
+                             f"{self.tool_choice!r})")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise ValueError("response_format: only type 'text' is supported")
         return self

@@ -318,8 +318,9 @@ def _prepare(c: Coordinator, endpoint: str, body, ids: list[int], max_tokens, de
     # a client error raised here is counted as rejected by the error handler. Choice ``index`` draws
     # with seed + index, so each choice equals a single request sent with that seed.
     seed = None if body.seed is None else (body.seed + index + 2 ** 63) % 2 ** 64 - 2 ** 63
+    temperature, top_p = body.sampling_knobs
     return c.prepare(endpoint, ids, max_tokens=max_tokens, default_max_tokens=default_max,
-                     temperature=body.temperature, top_p=body.top_p, seed=seed,
+                     temperature=temperature, top_p=top_p, seed=seed,
                      stop=body.stop_strings, prompt_param=prompt_param, ignore_eos=body.ignore_eos,
                      min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
                      frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,

@@ -52,7 +52,9 @@ class _SamplingFields(_Strict):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo (completions): score the prompt
     temperature: float = _finite(default=1.0, ge=0.0, le=2.0)
-    top_p: float = _finite(default=1.0, gt=0.0, le=1.0)
+    # OpenAI takes 0 too: the nucleus of no mass is the most likely token alone, i.e. greedy
+    # (``sampling_knobs``); the engine's sampler, as vLLM's, takes only (0, 1]
+    top_p: float = _finite(default=1.0, ge=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: StrictBool = False  # JSON true / false only: "yes" or 1 is a client bug, not a choice
     stream_options: StreamOptions | None = None
@@ -115,6 +117,12 @@ class _SamplingFields(_Strict):
         if isinstance(self.logprobs, bool):  # chat: logprobs true, top_logprobs alternatives
             return (self.top_logprobs or 0) if self.logprobs else None
         return self.logprobs
+
+    @property
+    def sampling_knobs(self) -> tuple[float, float]:
+        """(temperature, top_p) for the engine: ``top_p`` 0 keeps only the most likely token, which is
+        greedy decoding (temperature 0, no nucleus cut)."""
+        return (0.0, 1.0) if self.top_p == 0 else (self.temperature, self.top_p)
 
     @property
     def stop_strings(self) -> list[str]:

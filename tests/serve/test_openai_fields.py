@@ -37,3 +37,20 @@ def test_stream_options_include_obfuscation_is_accepted(serve_fake, obfuscation)
         stream_options={"include_usage": True, "include_obfuscation": obfuscation}))
     assert chunks[-1].usage.completion_tokens == 3
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+@pytest.mark.parametrize("path", ["completions", "chat"])
+def test_top_p_zero_is_taken_as_openai_takes_it_greedy(serve_fake, path):
+    # the nucleus of no probability mass is the most likely token alone: the engine decodes greedily
+    url, backend, _ = serve_fake()
+    c = client(url)
+    if path == "chat":
+        r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, top_p=0, temperature=1.5)
+    else:
+        r = c.completions.create(model="tiny", prompt="x", max_tokens=2, top_p=0, temperature=1.5)
+    assert r.usage.completion_tokens == 2
+    (params,) = backend.params.values()
+    assert (params.temperature, params.top_p) == (0.0, 1.0)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model="tiny", prompt="x", max_tokens=2, top_p=-0.1)
+    assert err.value.param == "top_p"

@@ -2,7 +2,7 @@
 
 Per request (seconds): ``ttft`` = first token − arrival; ``e2e`` = finish − arrival;
 ``tpot`` = (e2e − ttft) / (output − 1) (0 for one-token outputs: they meet any TPOT target, and
-the summary's TPOT and ATGT figures leave them out); ``atgt`` (Aladdin §2.2) = decode time /
+the summary's TPOT and ATGT figures leave them out, and requests.csv writes them nan); ``atgt`` (Aladdin §2.2) = decode time /
 (output − 1), where decode time runs from joining the decode batch to the last token, so it leaves
 out KV transfer and admission waits that TPOT includes. A summary figure no request has is null.
 
@@ -208,9 +208,14 @@ class SimResult:
 
     # ------------------------------------------------------------------ files
     def to_csv(self, path: str | Path) -> None:
-        """One row per request: inputs, replicas, timestamps and latencies (seconds)."""
+        """One row per request: inputs, replicas, timestamps and latencies (seconds). A one-token
+        output's TPOT and ATGT are written nan, as a colocated request's KV transfer is: it has no
+        token interval, and the summary leaves it out of those figures, so a 0 here would pull down
+        any mean taken from this file (its ``slo_met`` still counts it as meeting the TPOT target)."""
+        no_interval = self.output_tokens <= 1
         cols = {"id": np.arange(len(self)), "arrival_s": self.arrival, "input_tokens": self.input_tokens,
-                "output_tokens": self.output_tokens, "ttft_s": self.ttft, "tpot_s": self.tpot, "atgt_s": self.atgt,
+                "output_tokens": self.output_tokens, "ttft_s": self.ttft,
+                "tpot_s": np.where(no_interval, np.nan, self.tpot), "atgt_s": np.where(no_interval, np.nan, self.atgt),
                 "e2e_s": self.e2e, "queue_s": self.queue,
                 "kv_transfer_s": self.t_kv_done - self.t_kv_start, "first_token_s": self.t_first,
                 "finish_s": self.t_finish, "slo_met": self.slo_met.astype(int)}

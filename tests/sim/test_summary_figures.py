@@ -39,3 +39,20 @@ def test_served_summaries_use_the_same_rule():
     s = summarize(ok)
     assert s["tpot_s"]["mean"] == 0.02 and np.isclose(s["ttft_s"]["mean"], 0.1)
     assert summarize([])["ttft_s"]["mean"] is None
+
+
+def test_requests_csv_has_no_token_interval_for_a_one_token_output(cluster, model, tmp_path):
+    """The per-request file agrees with the summary: a mean of its TPOT column (nan left out) is the
+    summary's, where a 0 written for the one-token output would pull it down."""
+    import csv
+    import math
+
+    res = simulate(single({"c0": ["m0:0"]}), cluster, model,
+                   Workload.from_lists("t", [0.0, 5.0, 10.0], [100, 120, 80], [20, 30, 1]))
+    res.save(tmp_path, plots=False)
+    rows = list(csv.DictReader((tmp_path / "requests.csv").open()))
+    assert math.isnan(float(rows[2]["tpot_s"])) and math.isnan(float(rows[2]["atgt_s"]))
+    assert rows[2]["slo_met"] == "1"
+    tpots = [float(r["tpot_s"]) for r in rows if not math.isnan(float(r["tpot_s"]))]
+    assert np.isclose(np.mean(tpots), json.loads((tmp_path / "summary.json").read_text())["tpot_s"]["mean"],
+                      rtol=1e-5)

@@ -24,7 +24,7 @@ FLOP/s and memory bandwidth over its devices. Units: seconds, bytes, FLOP/s, byt
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from hetserve.cost.decode import DecodeRound, StageDecode  # noqa: F401 (re-exported)
 from hetserve.cost.decode_costs import DecodeCosts
@@ -86,11 +86,14 @@ class CostModel(TransferCosts, DecodeCosts):
         self._beta = cluster.bandwidth
 
     # ================================================================== communication
-    def pricing(self) -> dict[str, str]:
-        """{GPU type: ``fitted`` / ``transferred`` / ``roofline``}: how each type's stages are priced."""
+    def pricing(self, devices: Iterable[int] | None = None) -> dict[str, str]:
+        """{GPU type: ``fitted`` / ``transferred`` / ``roofline``}: how each type's stages are priced;
+        ``devices`` (indices): only their types, e.g. a plan's, so a figure's source names no type
+        that priced none of it (a pool's other GPU types)."""
         if self.kernels is None:
-            return {d.gpu.name: "roofline" for d in self.cluster.devices}
-        return self.kernels.sources()
+            devs = self.cluster.devices if devices is None else [self.cluster.devices[i] for i in devices]
+            return {d.gpu.name: "roofline" for d in devs}
+        return self.kernels.sources(devices)
 
     def allreduce_time(self, devices: Sequence[int], nbytes: float) -> float:
         """One all-reduce of ``nbytes`` over a TP group: inside one box from the kernel model's fitted

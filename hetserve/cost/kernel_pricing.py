@@ -13,7 +13,7 @@ group sets the pace.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 import numpy as np
 
@@ -84,10 +84,12 @@ class KernelPricing:
         """Whether every device of a stage is priced here (no CPU worker slot among them)."""
         return self._group(devices).covered
 
-    def sources(self) -> dict[str, str]:
-        """{GPU type: ``fitted`` / ``transferred`` / ``roofline``} over the cluster's devices."""
+    def sources(self, devices: Iterable[int] | None = None) -> dict[str, str]:
+        """{GPU type: ``fitted`` / ``transferred`` / ``roofline``} over the cluster's devices, or over
+        the device indices ``devices`` only."""
         out: dict[str, str] = {}
-        for d, entry in zip(self.cluster.devices, self.params):
+        for i in range(len(self.params)) if devices is None else devices:
+            d, entry = self.cluster.devices[i], self.params[i]
             out.setdefault(d.gpu.name if entry is None else entry[0].name, ROOFLINE if entry is None else entry[2])
         return out
 

@@ -290,7 +290,8 @@ class Simulator:
                                                                      ("route", self.router))
                                    if isinstance(st := getattr(pol, "stats", None), dict)},
                   "events": self.loop.events, "wall_s": self.wall_s,
-                  "pricing": self.cost.pricing(),  # per GPU type: fitted / transferred / roofline
+                  # per GPU type of the plan (not the pool's unused ones): fitted / transferred / roofline
+                  "pricing": self.cost.pricing(self.cluster.device(d).index for d in self.plan.devices),
                   # per sending resource (NIC out, or a private in-box pair) of the shared link model
                   "links": {name: {"bytes": sum(q.bytes_sent.values()), "busy_s": q.busy_s,
                                    "messages": sum(q.messages.values())}

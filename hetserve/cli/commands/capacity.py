@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr)
     if fit.note:  # the means below are of these: say why they differ from the trace's
         console.print(f"note: {fit.note}", highlight=False)
-    source = _source(cluster, model)
+    source = _source(cluster, model, gpu)
     t = Table(title=f"worker configuration: {model.name} on {gpu} (Eq. 6; mean in {mi:.0f}, out {mo:.0f})",
               caption=f"estimates of the {source}")
     for col in ("GPUs/worker", "feasible", "limit", "KV tokens", "batch", "iteration ms", "tok/s/GPU", "TTFT ms"):
@@ -232,12 +232,14 @@ def _check_resolvable(args, fluids: dict[float, int]) -> None:
                             f"or use --method fluid)", r)
 
 
-def _source(cluster, model) -> str:
-    """Where the worker sizes' times come from: the cost model, and how it prices the GPU type."""
+def _source(cluster, model, gpu: str) -> str:
+    """Where the worker sizes' times come from: the cost model, and how it prices the GPU type
+    sized (``gpu``; a cluster's other types price nothing here)."""
     from hetserve.cost.analytic import CostModel
     from hetserve.cost.kernel_pricing import describe_pricing
 
-    return "cost model, " + describe_pricing(CostModel(cluster, model).pricing())
+    sized = [d.index for d in cluster.devices if d.gpu.name == gpu]
+    return "cost model, " + describe_pricing(CostModel(cluster, model).pricing(sized))
 
 
 def _tidy(x: float) -> float:

@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
 
     summary = result.summary()
     # where the figures' times come from, as the table's caption says it (and a plan's estimate.pricing)
-    pricing = cost.pricing()
+    pricing = result.info["pricing"]  # the plan's GPU types only: a type it leaves unused times nothing
     summary["timings"] = {"source": timings_source(args.efficiency, pricing), "calibration": args.efficiency,
                           "pricing": pricing}
     if args.output:

@@ -1,5 +1,6 @@
 """A figure's source names what priced it: a simulation's the plan's GPU types (not a pool's
-unused ones), capacity's the one GPU type it sizes."""
+unused ones), capacity's the one GPU type it sizes, and a calibration of another GPU type is
+warned of in simulate as in plan."""
 
 import json
 
@@ -27,6 +28,19 @@ def test_a_simulations_source_names_only_the_plans_gpu_types(tmp_path, capsys):
     s = json.loads(capsys.readouterr().out)
     assert s["timings"]["pricing"] == s["run"]["pricing"] == {"A100-SXM-80G": "fitted"}
     assert "L40" not in s["timings"]["source"]
+
+
+def test_simulate_warns_of_a_calibration_of_another_gpu_type(tmp_path, capsys):
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"gpu": "H200", "efficiency": {},
+                               "measured_on": {"device": "NVIDIA H200", "date": "2026-11-28"}}))
+    assert _simulate(tmp_path, "--efficiency", str(cal)) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"warning: {cal} was calibrated as H200 (measured on NVIDIA H200, 2026-11-28); this pool has " \
+           "A100-SXM-80G: its efficiency factors are applied to them unchanged" in err
+    cal.write_text(json.dumps({"gpu": "A100-SXM-80G", "efficiency": {}}))
+    assert _simulate(tmp_path, "--efficiency", str(cal)) == 0
+    assert "calibrated as" not in capsys.readouterr().err
 
 
 def test_capacity_names_only_the_gpu_type_it_sizes(tmp_path, capsys):

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model) if args.model else plan_model(args.plan, plan.model)
     # the plan against its pool and model, and the calibration file, before the trace is read
     check_plan(args.plan, plan, cluster, model)
-    from hetserve.calibration.file import served_efficiency, served_sim_options
+    from hetserve.calibration.file import foreign_calibration, served_efficiency, served_sim_options
 
     try:
         efficiency = served_efficiency(args.efficiency) if args.efficiency else None
@@ -139,6 +139,10 @@ def run(args: argparse.Namespace) -> int:
         wl = wl.with_rate(args.rate, source=args.workload)
     # warnings and notes wait until every option is checked: a refusal comes before any other word
     notices: list[str] = []
+    # as plan warns: another GPU type's calibration times these GPUs by factors measured elsewhere
+    gpus = {cluster.device(d).gpu.name for d in plan.devices if cluster.device(d).cpu_cores is None}
+    if args.efficiency and gpus and (foreign := foreign_calibration(args.efficiency, gpus)):
+        notices.append(f"warning: {foreign}")
     over = int(((wl.input_tokens + wl.output_tokens) > model.max_context).sum()) if len(wl) else 0
     dropped = f"{over} of {len(wl)}"
     if over and args.within_context:

@@ -65,10 +65,10 @@ def print_plan(console, plan) -> None:
     # under SLO objectives the capacities, the plan's value and its bound all count what meets the SLOs
     within_slo = " within the SLOs" if "slo" in e else ""
     console.print(
-        f"estimated throughput{within_slo} [bold]{e.get('throughput_tokens_per_s', 0):,.1f} tokens/s[/bold] "
+        f"estimated throughput{within_slo} [bold]{e.get('throughput_tokens_per_s', 0):,.1f} output tokens/s[/bold] "
         f"({e.get('requests_per_period', 0):,.0f} requests per {e.get('period_s', 600):.0f} s); "
         f"{e.get('devices_used')}/{e.get('devices_total')} devices; "
-        + (f"${usd:,.2f}/hour ({e.get('tokens_per_usd', 0):,.0f} tokens/$)" if usd is not None else "price unknown")
+        + (f"${usd:,.2f}/hour ({e.get('tokens_per_usd', 0):,.0f} output tokens/$)" if usd is not None else "price unknown")
         + _planned_in(e, search))
     ub = e.get("upper_bound_tokens_per_s")
     if ub:
@@ -152,7 +152,8 @@ def print_comparison(console, plans) -> None:
                   f"{(e.get('objective_search') or s).get('wall_s', 0):.2f}", str(s.get("iterations", 0)))
     console.print(t)
     periods = sorted({p.estimate.get("period_s", 600) for p in plans})
-    console.print("P/D/C: prefill, decode and colocated replicas; GPUs: used / in the pool; "
+    console.print("tokens/s: output tokens per second; P/D/C: prefill, decode and colocated replicas; "
+                  "GPUs: used / in the pool; "
                   f"req/T: requests per period T = {', '.join(f'{x:g}' for x in periods)} s")
     # the algorithms share one cost model: its pricing is said once (each distinct one, were they to differ)
     pricings = list(dict.fromkeys(_priced_by(p.estimate["pricing"]) for p in plans if p.estimate.get("pricing")))

@@ -35,7 +35,7 @@ def plot_convergence(plans, path: str | Path) -> None:
         if end_t is not None and end_v is not None:
             ax.plot([xs[-1]], [end_v], "o", color=line.get_color())
     ax.set_xlabel("search time (s)")
-    ax.set_ylabel("best estimated throughput (tokens/s)")
+    ax.set_ylabel("best estimated throughput (output tokens/s)")
     ax.set_title(f"{plans[0].model} on {plans[0].cluster}\n(dot: the plan chosen at the end, alternatives and bound "
                  "included;\nestimates under the cost model)", fontsize=9)
     ax.legend()

@@ -78,6 +78,9 @@ def test_describe_plan_prints_its_table_and_checks_it(tmp_path, capsys):
     table = [line for line in planned.splitlines() if "TP" in line]
     assert table and all(line in out for line in table)
     assert "estimated throughput" in out and "checked: the plan fits demo-cpu" in out
+    # the estimate is of output tokens (requests x mean output / T), as simulate's "output tokens/s"
+    flat = " ".join(out.split())
+    assert re.search(r"estimated throughput [\d,.]+ output tokens/s", flat) and " output tokens/$)" in flat
 
 
 def test_describe_plan_names_what_no_longer_fits(tmp_path, capsys):

@@ -36,7 +36,7 @@ def test_compare_and_plot(tmp_path, capsys):
     assert all(h in text for h in ("search s", "$/h", "P/D/C", "iters")) and "…" not in text
     # the legend gives T and the caption where the figures come from (the plan's own pricing line)
     flat = " ".join(text.split())
-    assert "req/T: requests per period T = 600 s" in flat
+    assert "req/T: requests per period T = 600 s" in flat and "tokens/s: output tokens per second" in flat
     assert "tokens/s and req/T: the planner's estimates under the cost model; priced by: " in flat
     assert "transferred from the profiled GPUs" in flat
     assert png.stat().st_size > 1000

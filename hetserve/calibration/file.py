@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Iterable
 
 from hetserve.cost.efficiency import Efficiency, load_efficiency
 from hetserve.cost.efficiency import of_json_type
 from hetserve.errors import SpecError
 from hetserve.calibration.speed_probe import SpeedReading
 from hetserve.specs._validation import read_mapping
+from hetserve.specs.cluster import Device
 
 
 # runtime terms of the file: (default where the file has none, floor or None); the times scale by
@@ -56,13 +58,15 @@ def served_efficiency(path: str | Path, slowdown: float = 1.0) -> Efficiency:
     return replace(eff, seq_overhead_s=eff.seq_overhead_s + stream).at_speed(slowdown)
 
 
-def foreign_calibration(path: str | Path, gpu_types: set[str]) -> str | None:
-    """A warning when the file was calibrated as a GPU type the pool does not have (its factors are
-    then applied to other devices unchanged), naming where it was measured; None when it matches
-    or is a plain efficiency mapping (no ``gpu``)."""
+def foreign_calibration(path: str | Path, devices: Iterable[Device]) -> str | None:
+    """A warning when the file was calibrated as a GPU type none of ``devices`` is (its factors are
+    then applied to other devices unchanged), naming where it was measured; None when it matches,
+    is a plain efficiency mapping (no ``gpu``), or the devices are CPU worker slots alone (those run
+    at the calibration's own GPU peaks whatever type they name: ``cost.analytic``)."""
+    gpu_types = {d.gpu.name for d in devices if d.cpu_cores is None}
     data = read_mapping(Path(path))
     gpu = data.get("gpu")
-    if not isinstance(gpu, str) or gpu in gpu_types:
+    if not gpu_types or not isinstance(gpu, str) or gpu in gpu_types:
         return None
     on = data.get("measured_on") if isinstance(data.get("measured_on"), dict) else {}
     where = ", ".join(str(on[k]) for k in ("device", "date") if on.get(k))

@@ -122,10 +122,7 @@ def run(args: argparse.Namespace) -> int:
     if args.workload_class:
         workload = workload.of_class(args.workload_class)
     console = Console()
-    # CPU worker slots run at the calibration's own GPU peaks whatever type they name (cost.analytic):
-    # only real GPUs of another type take its factors unchanged
-    gpus = {d.gpu.name for d in cluster.devices if d.cpu_cores is None}
-    if args.efficiency and gpus and (note := foreign_calibration(args.efficiency, gpus)):
+    if args.efficiency and (note := foreign_calibration(args.efficiency, cluster.devices)):
         console.print(f"[yellow]warning[/]: {note}", soft_wrap=True)
     workload = _servable(workload, model, console, args.workload)
     # off a terminal a transient bar cannot erase itself: each would leave a blank line above the plan

@@ -139,9 +139,8 @@ def run(args: argparse.Namespace) -> int:
         wl = wl.with_rate(args.rate, source=args.workload)
     # warnings and notes wait until every option is checked: a refusal comes before any other word
     notices: list[str] = []
-    # as plan warns: another GPU type's calibration times these GPUs by factors measured elsewhere
-    gpus = {cluster.device(d).gpu.name for d in plan.devices if cluster.device(d).cpu_cores is None}
-    if args.efficiency and gpus and (foreign := foreign_calibration(args.efficiency, gpus)):
+    # as plan warns: another GPU type's calibration times the plan's GPUs by factors measured elsewhere
+    if args.efficiency and (foreign := foreign_calibration(args.efficiency, map(cluster.device, plan.devices))):
         notices.append(f"warning: {foreign}")
     over = int(((wl.input_tokens + wl.output_tokens) > model.max_context).sum()) if len(wl) else 0
     dropped = f"{over} of {len(wl)}"

@@ -166,7 +166,7 @@ def guarded_app(auth: APIAuth) -> dict:
     from hetserve.serve.request_ids import RequestIds
 
     return {"docs_url": None, "redoc_url": None, "openapi_url": None,
-            "middleware": [Middleware(RequestIds), Middleware(KeyGate, auth=auth)]}
+            "middleware": [Middleware(RequestIds, answer=answer_error), Middleware(KeyGate, auth=auth)]}
 
 
 def bearer_token(header: str | None) -> str | None:

@@ -34,10 +34,12 @@ class RequestIds:
     """ASGI middleware: takes the request's id (the client's ``X-Request-Id`` where it is a usable
     token, else a fresh ``req_<hex>``), makes it ``current_request_id()`` for the request's task and
     adds it to the response's headers. It must be outside every middleware that answers on its own
-    (``keys.KeyGate``'s 401), so those answers carry it too."""
+    (``keys.KeyGate``'s 401), so those answers carry it too. ``answer(scope, receive, exc)``: the
+    response to an unexpected failure (``keys.answer_error``: the app's own handler), given by the
+    app's maker so this module imports none of the modules that read its id."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, answer):
+        self.app, self.answer = app, answer
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -63,7 +65,5 @@ class RequestIds:
             # one and so without the id: answer it here, by the app's own handler (logged, OpenAI's shape)
             if started:
                 raise
-            from hetserve.serve.keys import answer_error
-
-            response = await answer_error(scope, receive, exc)
+            response = await self.answer(scope, receive, exc)
             await response(scope, receive, with_id)

@@ -28,6 +28,7 @@ from fastapi.responses import StreamingResponse
 
 from hetserve.serve.coordinator import Coordinator, Prepared
 from hetserve.serve.errors import STREAM_END, error_event
+from hetserve.serve.route.sse import UNICODE_LINE_ENDS
 
 _DISCONNECT_POLL_S = 0.25
 
@@ -110,10 +111,9 @@ async def collect(c: Coordinator, reqs: list[Prepared], request) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-# Characters that Python's str.splitlines (and so httpx's ``aiter_lines``) ends a line at, beyond
-# the CR / LF that end an SSE line: a token's raw U+2028 would cut its event's JSON in two there.
-# JSON may escape any character, so each is sent escaped (they occur only inside JSON strings).
-_UNICODE_LINE_ENDS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+# a token's raw U+2028 (and the like) would cut its event's JSON in two for a client splitting lines
+# as Python does: sent escaped (``route.sse.UNICODE_LINE_ENDS`` says why)
+_UNICODE_LINE_ENDS = str.maketrans({ch: f"\\u{ord(ch):04x}" for ch in UNICODE_LINE_ENDS})
 
 
 def sse_event(data: str) -> str:

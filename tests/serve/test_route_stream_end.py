@@ -1,5 +1,5 @@
 """How hetserve route relays a backend's stream: whole events only, unchanged and in order however the
-backend's chunks split them; one that fails after the first bytes reached the client ends as
+backend's chunks split them (but for the Unicode line ends ``route.sse`` escapes); one that fails after the first bytes reached the client ends as
 ``hetserve serve`` ends one, with an error event and then ``data: [DONE]``, the event it was cut off
 inside never sent."""
 
@@ -158,6 +158,19 @@ def test_a_whole_stream_arrives_unchanged_in_whole_events_however_the_backend_sp
         assert sent == whole and all(c.endswith(double) for c in got), (chunks, got)
     # streamed, not buffered: fed a byte at a time, each event goes out on its own once it has ended
     assert relayed(splits[0]) == whole
+
+
+def test_unicode_line_ends_a_backend_sends_raw_reach_a_line_splitting_client_escaped_and_whole():
+    """vLLM sends a token's U+2028 raw inside its JSON: relayed so, a client splitting lines as
+    Python's str.splitlines does (httpx's iter_lines) cuts that event in two. Route escapes them, as
+    serve does its own, even where a backend's chunks split such a character's bytes."""
+    text = "a\u2028b\x85c\u2029d"
+    raw = ('data: {"choices": [{"text": "%s"}]}\n\ndata: [DONE]\n\n' % text).encode()
+    for chunks in ([raw], [raw[i:i + 1] for i in range(len(raw))]):
+        got = b"".join(relayed(chunks)).decode()
+        lines = [line for line in got.splitlines() if line]
+        assert lines[-1] == "data: [DONE]" and len(lines) == 2, lines
+        assert json.loads(lines[0].removeprefix("data: "))["choices"][0]["text"] == text
 
 
 def test_a_stream_that_ends_without_a_last_boundary_is_sent_whole():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hetserve.export import native, sglang, vllm
 from hetserve.export.bundle import Bundle
-from hetserve.export.common import RAY_PORT, ExportContext, address_note
+from hetserve.export.common import RAY_PORT, ExportContext, address_note, checkpoint_note
 from hetserve.export.folder import MANIFEST, check_bundle_folder, manifest, remove_bundle
 from hetserve.export.rules import refuse_unless_runnable
 
@@ -30,7 +30,7 @@ def build_bundle(plan, cluster, engine: str, model_path: str, num_layers: int,
         b = sglang.build(ctx)
     else:
         b = native.build(ctx, cluster_ref)
-    b.readme = readme(b, plan, notes=[n for n in (address_note(plan, cluster),) if n])
+    b.readme = readme(b, plan, notes=[n for n in (address_note(plan, cluster), checkpoint_note(plan, model_path)) if n])
     b.check(plan)
     return b
 

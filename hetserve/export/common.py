@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from hetserve.specs.cluster import machine_of
@@ -36,6 +37,18 @@ def address_note(plan, cluster) -> str | None:
             f"the scripts use {'their names' if many else 'its name'} as host names instead (e.g. "
             f"`--host {missing[0]}`), which every machine must resolve on the pool's network; add `address: IP` "
             f"to {'each of them' if many else 'it'} in the cluster file and export again")
+
+
+def checkpoint_note(plan, model_path: str) -> str | None:
+    """What to tell the user where the scripts load the checkpoint by this machine's own path (a
+    folder here, given or named by the plan): every machine of the plan must hold it there too
+    (None for a hub name, a preset's name or a path that is not here)."""
+    if not (os.path.isabs(model_path) and os.path.exists(model_path)):
+        return None
+    machines = list(dict.fromkeys(machine_of(d) for d in plan.devices))
+    return (f"the scripts load the checkpoint from {model_path}, its path on this machine: "
+            f"{'each of ' + ', '.join(machines) if len(machines) > 1 else machines[0]} must hold it at that path "
+            "(copy it there, or export again with --model naming where the machines hold it)")
 
 
 @dataclass

@@ -28,6 +28,10 @@ def test_the_plans_checkpoint_is_named_by_its_absolute_path(here, monkeypatch, c
     script = (here / "out" / "machines" / "m0.sh").read_text()
     flag = "--model-path" if to == "sglang" else "--model"
     assert f"{flag} {(here / 'm').resolve()} " in script, script
+    # this machine's path in every script: the user is told each machine must hold the checkpoint there
+    told = f"the scripts load the checkpoint from {(here / 'm').resolve()}, its path on this machine: m0 must hold it"
+    assert told in capsys.readouterr().out
+    assert told in (here / "out" / "README.md").read_text()
 
 
 def test_a_presets_name_stays_as_given_and_is_noted(here, capsys):
@@ -36,4 +40,5 @@ def test_a_presets_name_stays_as_given_and_is_noted(here, capsys):
         {"id": "c0", "role": "colocated", "stages": [{"devices": ["h100-0:0"], "layers": [0, 32]}]}]}))
     assert main(["export", "--plan", str(plan), "--to", "vllm", "-o", str(here / "out")]) == 0
     assert "--model llama-2-7b " in (here / "out" / "machines" / "h100-0.sh").read_text()
-    assert "export again with --model PATH" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "export again with --model PATH" in out and "its path on this machine" not in out

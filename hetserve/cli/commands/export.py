@@ -40,7 +40,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from hetserve.cli.model_dir import check_plan, plan_checkpoint, plan_cluster, plan_model
     from hetserve.export import export_bundle
-    from hetserve.export.common import address_note
+    from hetserve.export.common import address_note, checkpoint_note
     from hetserve.export.folder import check_bundle_folder
     from hetserve.planner.plan import Plan
     from hetserve.specs.model import load_model, model_presets
@@ -86,9 +86,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {len(written)} files to {args.output}: " + ", ".join(
         str(p.relative_to(args.output)) for p in written))
     print(f"start it as {Path(args.output) / 'README.md'} says")
-    note = address_note(plan, cluster)
-    if note:  # names are no addresses unless every machine resolves them
-        print(f"note: {note}")
+    for note in (address_note(plan, cluster), checkpoint_note(plan, checkpoint)):  # as the bundle's README says
+        if note:
+            print(f"note: {note}")
     if not args.model and plan.model in model_presets():  # a preset's name is no checkpoint an engine loads
         print(f"note: the scripts load the model as '{plan.model}', the name of hetserve's preset; an engine needs "
               f"the checkpoint's path or hub name there: export again with --model PATH")

@@ -64,7 +64,8 @@ def build(ctx: ExportContext) -> Bundle:
                 gpus = [gpu_index(d) for s in stages for d in s.devices]
                 start = (["ray", "start", "--head", "--port", str(ray_port), "--include-dashboard", "false"] if i == 0
                          else ["ray", "start", "--address", f"{host}:{ray_port}"])
-                launches.append(Launch(m, start + ["--node-ip-address", ctx.address(m), "--num-gpus", str(len(gpus))],
+                launches.append(Launch(m, start + ["--node-ip-address", ctx.address(m), "--num-gpus", str(len(gpus)),
+                                                   *_own_fixed_ports(ctx, m, head=i == 0)],
                                        gpus, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}, kind="ray",
                                        note=f"Ray node of replica {r.id}'s own Ray cluster"))
             env["RAY_ADDRESS"] = f"{host}:{ray_port}"
@@ -75,3 +76,24 @@ def build(ctx: ExportContext) -> Bundle:
     router = ctx.router()
     router["protocol"] = "vllm-disaggregated-proxy" if disaggregated else "openai"
     return Bundle("vllm", engine_version("vllm"), replicas, router, ctx.machines)
+
+
+# Ray's servers with a fixed default port (its others pick free ones): every node's dashboard agent,
+# every head's client server. A machine whose GPUs several replicas' Ray clusters share runs a node of
+# each, and the second to take a default port fails to start: each node there gets ports of its own.
+RAY_AGENT_PORT = 52365  # ray start --dashboard-agent-listen-port, counting up
+RAY_CLIENT_PORT = 10001  # ray start --ray-client-server-port (heads), counting down: Ray's workers take 10002 on
+
+
+def _own_fixed_ports(ctx: ExportContext, machine: str, head: bool) -> list[str]:
+    """The options giving a Ray node on ``machine`` its own ports where Ray's defaults are fixed; none
+    for a machine's first node (Ray's defaults stand)."""
+    out = []
+    agent = ctx.port("ray-agent", machine, RAY_AGENT_PORT)
+    if agent != RAY_AGENT_PORT:
+        out += ["--dashboard-agent-listen-port", str(agent)]
+    if head:
+        client = 2 * RAY_CLIENT_PORT - ctx.port("ray-client", machine, RAY_CLIENT_PORT)
+        if client != RAY_CLIENT_PORT:
+            out += ["--ray-client-server-port", str(client)]
+    return out

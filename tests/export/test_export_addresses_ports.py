@@ -92,3 +92,34 @@ def test_the_readme_carries_the_address_note(tmp_path, capsys):
     printed = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("note:"))
     assert rc == 0 and f"Note: {printed[len('note: '):]}." in (out / "README.md").read_text()
     assert "Note:" not in export(tmp_path, CLUSTER, out="every-address")[1].joinpath("README.md").read_text()
+
+
+def test_ray_nodes_sharing_a_machine_each_get_ports_of_their_own_where_rays_are_fixed(tmp_path):
+    """Two vLLM replicas over both machines run two Ray clusters with a node of each on a0 and b0: the
+    second node of a machine gets its own dashboard agent port, and the second head its own client
+    server port (Ray's defaults, 52365 and 10001, are fixed: the second to take one would fail); the
+    first keeps Ray's defaults. The bundle's port check passes."""
+    from tests.export.test_bundles import stage
+
+    plan = {"model": "llama-2-7b", "cluster": "two-boxes", "algorithm": "hand", "replicas": [
+        {"id": f"c{i}", "role": "colocated", "stages": [stage([f"a0:{i}"], 0, 16), stage([f"b0:{i}"], 16, 32)]}
+        for i in range(2)]}
+    (tmp_path / "cluster.yaml").write_text(CLUSTER)
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    assert main(["export", "--plan", str(tmp_path / "plan.json"), "--cluster", str(tmp_path / "cluster.yaml"),
+                 "--to", "vllm", "--model", "/models/llama-2-7b", "-o", str(tmp_path / "out")]) == 0
+    deploy = json.loads((tmp_path / "out" / "deploy.json").read_text())
+    starts = {}
+    for r in deploy["replicas"]:
+        for x in r["launch"]:
+            if x["kind"] == "ray":
+                starts.setdefault(x["machine"], []).append(x["argv"])
+    for m, argvs in starts.items():
+        assert len(argvs) == 2, starts
+        agents = [a[a.index("--dashboard-agent-listen-port") + 1] if "--dashboard-agent-listen-port" in a else "52365"
+                  for a in argvs]
+        assert agents == ["52365", "52366"], (m, argvs)
+    heads = starts["a0"]
+    assert "--ray-client-server-port" not in heads[0]
+    assert heads[1][heads[1].index("--ray-client-server-port") + 1] == "10000"  # below Ray's worker ports
+    assert all("--ray-client-server-port" not in a for a in starts["b0"])  # no client server on a worker node

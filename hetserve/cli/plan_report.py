@@ -54,7 +54,8 @@ def print_plan(console, plan) -> None:
         routes.add_column("to")
         routes.add_column("weight", justify="right")
         for k in plan.kv_routes:
-            routes.add_row(k.src, k.dst, f"{k.weight:.3f}")
+            # a route the max flow sends a sliver over is no route of weight 0: its share is shown
+            routes.add_row(k.src, k.dst, f"{k.weight:.3f}" if k.weight >= 5e-4 or k.weight == 0 else f"{k.weight:.1e}")
         console.print(routes)
     if not e:  # a hand-written plan (the bundled examples): say so rather than print zeros
         console.print("this plan file holds no estimate (written by hand, not by `hetserve plan`): "

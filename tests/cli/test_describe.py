@@ -229,3 +229,17 @@ def test_make_model_writes_every_file_with_the_umask_mode(tmp_path, capsys):
     os.umask(mask)
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "m").iterdir()}
     assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~mask}
+
+
+def test_a_kv_route_of_a_sliver_of_flow_shows_its_weight_not_zero(tmp_path, capsys):
+    """The max flow may send a sliver (5e-05) over a route: shown as such, not as a route of weight 0.000."""
+    def replica(rid, role, device):
+        return {"id": rid, "role": role, "stages": [{"devices": [device], "layers": [0, 8]}]}
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"model": "tiny-llama", "cluster": "demo-tiny", "algorithm": "hand", "replicas": [
+        replica("p0", "prefill", "m0:0"), replica("d0", "decode", "m1:0"), replica("d1", "decode", "m1:1")],
+        "kv_routes": [{"from": "p0", "to": "d0", "weight": 1 - 4.9e-5}, {"from": "p0", "to": "d1", "weight": 4.9e-5}]}))
+    assert main(["describe", "plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "4.9e-05" in out and "0.000" not in out, out

@@ -133,10 +133,7 @@ def run(args: argparse.Namespace) -> int:
                         + f" ({args.gpus_per_worker} GPU(s): {why})", args.gpus_per_worker)
     colocated = args.mode == "colocated"
     try:
-        if args.gpus_per_worker:
-            chosen = next(o for o in opts if o.gpus == args.gpus_per_worker)
-        else:
-            chosen = config.best_worker_config(cluster, model, slo, mi, mo, gpu_name=gpu)
+        chosen = picked or config.best_worker_config(cluster, model, slo, mi, mo, gpu_name=gpu)
     except InfeasibleError as exc:
         chosen, infeasible = None, exc  # raised after the table, which shows why no degree serves
     fluids = {r: workers.fluid_workers(r, chosen, mi, mo, colocated=colocated) for r in rates} if chosen else {}

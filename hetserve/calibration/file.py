@@ -11,6 +11,7 @@ engine's efficiency alone (``cost.analytic.load_efficiency``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterable
@@ -145,9 +146,35 @@ def _read(path: str | Path) -> dict:
     for key, value in runtime.items():
         if key not in _TERMS:
             raise SpecError(str(path), f"runtime.{key}", "one of " + ", ".join(_TERMS))
-        if not of_json_type(value, (int, float)):
-            raise SpecError(str(path), f"runtime.{key}", "a number", value)
+        # a time is a finite number of seconds, at least 0; the contention slow-down a ratio above 0
+        # (under 1 is read as 1). Refused here, naming the file: a NaN left every simulated request
+        # unfinished, a negative one failed in the simulator naming neither the file nor the field
+        ratio = key == "contention_slowdown"
+        if not of_json_type(value, (int, float)) or not math.isfinite(value) or value < 0 or (ratio and value == 0):
+            raise SpecError(str(path), f"runtime.{key}", "a finite number > 0 (a ratio)" if ratio else
+                            "a finite number of seconds >= 0", value)
+    _check_speed_probe(path, data.get("speed_probe"))
     return data
+
+
+def _check_speed_probe(path: str | Path, sp) -> None:
+    """``speed_probe`` is null or ``SpeedReading.to_dict``'s mapping: both times finite and above 0
+    (``compare`` divides by them after serving, where a zero or a missing one failed with a
+    traceback and the served run was lost), ``samples`` a count."""
+    if sp is None:
+        return
+    if not isinstance(sp, dict):
+        raise SpecError(str(path), "speed_probe", "a mapping of decode_s, prefill_s, samples or null", sp)
+    for key, value in sp.items():
+        if key not in ("decode_s", "prefill_s", "samples"):
+            raise SpecError(str(path), f"speed_probe.{key}", "one of decode_s, prefill_s, samples", "an unknown field")
+    for key in ("decode_s", "prefill_s"):
+        value = sp.get(key)
+        if not of_json_type(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise SpecError(str(path), f"speed_probe.{key}", "a finite number of seconds > 0", value)
+    samples = sp.get("samples", 0)
+    if not of_json_type(samples, int) or samples < 0:
+        raise SpecError(str(path), "speed_probe.samples", "a count (an integer >= 0)", samples)
 
 
 def _runtime(path: str | Path) -> dict:

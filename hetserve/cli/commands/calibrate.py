@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -37,6 +41,26 @@ SKIPS = {
                    "speed)",
     "serving": "the HTTP probes: engine only (no request overhead measured)",
 }
+
+
+@contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """SIGTERM stops the block as Ctrl-C does (``KeyboardInterrupt``), then the previous handler is
+    back. Its default action ended the process at once: the probe or served deployment's workers
+    were never stopped, and those still starting outlived it, orphaned. On the main thread only
+    (where Python delivers signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -103,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         check_output_file(args.output, "--output")
     console = Console()
-    with phase_progress(console, args.quiet) as progress:
+    with stop_on_sigterm(), phase_progress(console, args.quiet) as progress:
         cal = calibrate(args.model, args.gpu, prompt_lengths=args.prompt_lengths, batch_sizes=args.batch_sizes,
                         decode_tokens=args.decode_tokens, reps=args.reps, serving=not args.no_serving,
                         pipeline=not args.no_pipeline, tp=not args.no_tp, handoff=not args.no_handoff,

@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.errors import RuntimeFailure
     from hetserve.planner.plan import Plan
 
+    from hetserve.cli.commands.calibrate import stop_on_sigterm
     from hetserve.cli.model_dir import check_model_dir, plan_cluster
     from hetserve.cli.progress import phase_progress
     from hetserve.output_path import check_output_folder
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         load_efficiency(args.efficiency)
     console = Console()
     try:
-        with phase_progress(console, args.quiet) as progress:
+        with stop_on_sigterm(), phase_progress(console, args.quiet) as progress:
             c = compare(CompareOptions(plan=args.plan, model_dir=args.model, cluster=cluster, workload=args.workload,
                                        workload_class=args.workload_class, rate=args.rate,
                                        num_requests=args.num_requests, max_input=args.max_input,

@@ -41,6 +41,7 @@ from hetserve.calibration.probes import DECODE_PROMPT, LONG_DECODE_PROMPT, machi
 from hetserve.calibration.overhead_fit import fit_frontend_cpu, request_overhead, stream_overheads
 from hetserve.calibration.probe_shapes import one_device_cluster, probe_layout
 from hetserve.calibration.speed_probe import SpeedReading, combine
+from hetserve.calibration.file import model_stamp
 from hetserve.specs.model import load_model
 
 
@@ -317,6 +318,7 @@ def calibrate(model_dir: str, gpu_name: str, **kwargs) -> Calibration:
     if kwargs.get("progress"):
         kwargs["progress"]("fitting the cost model", kwargs.get("reps", 5), kwargs.get("reps", 5))
     info = machine_info()
+    info["model"] = model_stamp(load_model(model_dir))  # its fixed costs and speed probe are this checkpoint's
     info["load_avg_1m"] = round(float(np.mean(m.load_avg)), 2) if m.load_avg else info["load_avg_1m"]
     return fit(model_dir, gpu_name, m.ttft, m.tpot, decode_tokens=kwargs.get("decode_tokens", 24),
                http_ttft=m.http_ttft, measured_on=info, contention=m.contention, pp_ttft=m.pp_ttft,

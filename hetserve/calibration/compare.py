@@ -140,7 +140,7 @@ def compare(opts: CompareOptions) -> Comparison:
     """Serve, replay, simulate; see the module docstring."""
     from hetserve.planner.plan import Plan, load_plan_cluster
     from hetserve.calibration.probes import machine_info
-    from hetserve.calibration.file import speed_reference
+    from hetserve.calibration.file import calibration_warnings, speed_reference
     from hetserve.calibration.speed_probe import SpeedProbe, combine, slowdown, weighted
     from hetserve.serve.launch import ServeOptions, start_server
     from hetserve.serve.loadgen import LoadRequest, replay, requests_from_workload, summarize
@@ -162,7 +162,8 @@ def compare(opts: CompareOptions) -> Comparison:
         trace = trace.with_rate(opts.rate, source=opts.workload)
     requests = requests_from_workload(trace, opts.num_requests, max_input=opts.max_input,
                                       max_output=opts.max_output, seed=opts.seed, start=opts.start)
-    at_calibration, speed_note = speed_reference(opts.efficiency, opts.speed_correction)
+    at_calibration, speed_note = speed_reference(opts.efficiency, opts.speed_correction, spec)
+    warnings = calibration_warnings(opts.efficiency, map(cluster.device, plan.devices), spec)
     # the plan against the cluster and the checkpoint before anything is served, in serve's words
     named = f"{opts.plan} (planned for {plan.model})" if isinstance(opts.plan, (str, Path)) else f"the plan for {plan.model}"
     check_runnable(plan, cluster, load_model(str(opts.model_dir)), f"{named} with --model {opts.model_dir}")
@@ -242,7 +243,7 @@ def compare(opts: CompareOptions) -> Comparison:
             "kv_admission": {"served": cfg.kv_admission, "simulated": res.info["kv_admission"]},
             "max_num_seqs": cfg.max_num_seqs, "load_avg_1m": [round(load_before, 2), round(load_after, 2)],
             "machine": machine_info(),
-            "served_source": "measured at the openai client on this machine",
+            "calibration_warnings": warnings, "served_source": "measured at the openai client on this machine",
             "simulated_source": _simulated_source(opts.efficiency, res.info["pricing"], slow if speed else None,
                                                   speed_note, opts.speed_weight)}
     return Comparison(table, served, simulated_of(res), info,

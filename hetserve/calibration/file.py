@@ -22,6 +22,7 @@ from hetserve.errors import SpecError
 from hetserve.calibration.speed_probe import SpeedReading
 from hetserve.specs._validation import read_mapping
 from hetserve.specs.cluster import Device
+from hetserve.specs.model import ModelSpec
 
 
 # runtime terms of the file: (default where the file has none, floor or None); the times scale by
@@ -75,6 +76,49 @@ def foreign_calibration(path: str | Path, devices: Iterable[Device]) -> str | No
             f"; this pool has {', '.join(sorted(gpu_types))}: its efficiency factors are applied to them unchanged")
 
 
+# the checkpoint's shape a calibration stamps in ``measured_on.model`` (beside its name): its fixed
+# costs and its speed probe are that checkpoint's, so another shape is told apart by these fields
+MODEL_SHAPE = ("arch", "num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "vocab", "dtype_bytes")
+
+
+def model_stamp(spec: ModelSpec) -> dict:
+    """What ``measured_on.model`` says of the calibrated checkpoint: its name and shape."""
+    return {"name": spec.name, **{k: getattr(spec, k) for k in MODEL_SHAPE}}
+
+
+def foreign_model(path: str | Path, spec: ModelSpec) -> str | None:
+    """A warning when the file was calibrated on a checkpoint of another shape than ``spec`` (its
+    fixed costs and speed probe are that checkpoint's), naming both; None when the shapes match or
+    the file does not say (calibrated before it was stamped, or a plain efficiency mapping)."""
+    stamp = _model_of(read_mapping(Path(path)))
+    if stamp is None or all(stamp.get(k) == getattr(spec, k) for k in MODEL_SHAPE):
+        return None
+    return (f"{path} was calibrated on the checkpoint {_shape(stamp)}; this run's is {_shape(model_stamp(spec))}: "
+            "its fixed costs are that checkpoint's")
+
+
+def calibration_warnings(path: str | Path | None, devices: Iterable[Device], spec: ModelSpec) -> list[str]:
+    """What ``compare`` warns of before it serves, as ``plan`` and ``simulate`` do: a calibration
+    taken as another GPU type than ``devices`` (``foreign_calibration``) or on a checkpoint of
+    another shape than ``spec`` (``foreign_model``)."""
+    if not path:
+        return []
+    return [w for w in (foreign_calibration(path, devices), foreign_model(path, spec)) if w]
+
+
+def _model_of(data: dict) -> dict | None:
+    on = data.get("measured_on")
+    model = on.get("model") if isinstance(on, dict) else None
+    return model if isinstance(model, dict) else None
+
+
+def _shape(stamp: dict) -> str:
+    return (f"{stamp.get('name', '?')} ({stamp.get('arch', '?')}, {stamp.get('num_layers', '?')} layers, hidden "
+            f"{stamp.get('hidden', '?')}, {stamp.get('num_heads', '?')}/{stamp.get('num_kv_heads', '?')} heads, FFN "
+            f"{stamp.get('ffn_hidden', '?')}, vocab {stamp.get('vocab', '?')}, {stamp.get('dtype_bytes', '?')} bytes "
+            "per parameter)")
+
+
 def load_speed_probe(path: str | Path) -> SpeedReading | None:
     """``speed_probe`` of a calibration file (None: calibrated before the probe existed)."""
     return _speed_probe(_read(path))
@@ -113,16 +157,22 @@ def timings_source(path: str | Path | None, pricing: dict[str, str] | None = Non
                 "estimate)") + (f", {describe_pricing(pricing)}" if pricing else "")
     on = data.get("measured_on") or {}
     where = ", ".join(str(on[k]) for k in ("device", "date") if on.get(k))
+    model = _model_of(data)
+    if model:
+        where = ", ".join(filter(None, (where, f"checkpoint {model.get('name', '?')}")))
     return f"cost model calibrated by {path}" + (f" (measured on {where})" if where else "")
 
 
-def speed_reference(efficiency: str | Path | None, correction: bool = True) -> tuple[SpeedReading | None, str | None]:
+def speed_reference(efficiency: str | Path | None, correction: bool = True,
+                    model: ModelSpec | None = None) -> tuple[SpeedReading | None, str | None]:
     """The calibration's speed-probe reading that ``hetserve compare`` scales its times by, or None,
     and why not where the file holds one (else None). The probe times the checkpoint on one CPU
     thread: it indexes a CPU engine's speed, not a GPU engine's, whose step is set by the host's
     Python and launch path: on an H200 host the probe read the host up to 1.7x faster while the
     served steps ran no faster than calibrated, so the correction made the prediction worse
-    (examples/calibrations/README.md)."""
+    (examples/calibrations/README.md). ``model``: the checkpoint ``compare`` reads the probe on
+    again; a calibration stamped with another shape timed another checkpoint, and the ratio of two
+    checkpoints' times is no speed of the machine."""
     if not efficiency:
         return None, None
     data = _read(efficiency)
@@ -131,6 +181,10 @@ def speed_reference(efficiency: str | Path | None, correction: bool = True) -> t
         return None, None
     if not correction:
         return None, "as calibrated (--no-speed-correction)"
+    stamp = _model_of(data)
+    if model is not None and stamp is not None and any(stamp.get(k) != getattr(model, k) for k in MODEL_SHAPE):
+        return None, (f"as calibrated: its speed probe timed the checkpoint {stamp.get('name', '?')}, not "
+                      f"{model.name} (another shape: their times' ratio is no speed of the machine)")
     if _on_gpu(data):
         return None, ("as calibrated: its engine ran on a GPU, whose host-bound step the speed probe "
                       "(one CPU thread) does not track")

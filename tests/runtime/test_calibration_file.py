@@ -58,3 +58,70 @@ def test_a_broken_speed_probe_is_refused_before_compare_serves(tmp_path, speed_p
     with pytest.raises(SpecError) as info:
         speed_reference(path)
     assert info.value.source == str(path) and info.value.field == field
+
+
+def test_a_calibration_names_its_checkpoint_and_compare_does_not_read_another_ones_speed(tmp_path, monkeypatch):
+    """The file stamps the calibrated checkpoint's shape (``measured_on.model``). Its speed probe
+    timed that checkpoint: on a larger one `compare` read the machine 7.8x slower than at
+    calibration and priced every time 4.65x; it is taken as calibrated instead, and warned of."""
+    import hetserve.calibration.calibrate as calibrate_mod
+    from hetserve.calibration.calibrate import calibrate
+    from hetserve.calibration.file import calibration_warnings, foreign_model, model_stamp, timings_source
+    from hetserve.calibration.probes import Measurements
+    from hetserve.calibration.speed_probe import SpeedReading
+    from hetserve.runtime.model.make import make_model
+    from hetserve.specs.cluster import load_cluster
+    from hetserve.specs.model import load_model
+
+    small = load_model(make_model(tmp_path / "small", "llama", layers=2, hidden=64, heads=4, kv_heads=2))
+    big = load_model(make_model(tmp_path / "big", "llama", layers=4, hidden=128, heads=4, kv_heads=2))
+    measured = Measurements(ttft={32: 0.007, 128: 0.009}, tpot={1: 0.004, 4: 0.005},
+                            speed=[SpeedReading(0.0035, 0.0064, 10)])
+    monkeypatch.setattr(calibrate_mod, "measure", lambda *a, **kw: measured)
+    cal = calibrate(str(tmp_path / "small"), "RTX-4090", reps=1)
+    assert cal.measured_on["model"] == model_stamp(small)
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    assert speed_reference(path, model=small)[0] == SpeedReading(0.0035, 0.0064, 10)
+    reading, note = speed_reference(path, model=big)
+    assert reading is None and "as calibrated" in note and "small" in note
+    assert foreign_model(path, small) is None
+    warning = foreign_model(path, big)
+    assert str(path) in warning and "small (llama, 2 layers, hidden 64" in warning and "4 layers, hidden 128" in warning
+    # compare warns of it beside another GPU type, as plan and simulate warn of that
+    pool = load_cluster("demo-cpu")
+    assert calibration_warnings(path, pool.devices, big) == [warning]
+    assert calibration_warnings(path, pool.devices, small) == []
+    assert "checkpoint small" in timings_source(path)
+
+
+def test_a_calibration_that_names_no_checkpoint_reads_as_before(tmp_path):
+    from hetserve.calibration.file import foreign_model
+    from hetserve.specs.model import load_model
+
+    path = _calibration(tmp_path)
+    assert foreign_model(path, load_model("llama-2-7b")) is None
+    assert speed_reference(path, model=load_model("llama-2-7b"))[0] is not None
+
+
+def test_compare_warns_of_another_gpu_types_calibration_before_it_serves(tmp_path, monkeypatch, capsys):
+    """As plan and simulate warn: an H200 calibration would time the plan's RTX-4090 unchanged."""
+    import hetserve.calibration.compare as compare_mod
+    from hetserve.cli.main import main
+    from hetserve.runtime.model.make import make_model
+
+    def served(opts):
+        raise SystemExit(7)  # the warnings are out: nothing to serve
+
+    monkeypatch.setattr(compare_mod, "compare", served)
+    model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=64, heads=4, kv_heads=2)
+    cal = tmp_path / "h200.json"
+    cal.write_text(json.dumps({"gpu": "H200", "efficiency": {"compute": 0.3},
+                               "measured_on": {"device": "NVIDIA H200", "date": "2026-11-28"}}))
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"model": "tiny", "cluster": "demo-cpu", "replicas": [
+        {"id": "c0", "role": "colocated", "stages": [{"devices": ["m0:0"], "layers": [0, 2]}]}]}))
+    with pytest.raises(SystemExit):
+        main(["compare", "--plan", str(plan), "--model", str(model), "--cluster", "demo-cpu", "--efficiency", str(cal)])
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"warning: {cal} was calibrated as H200 (measured on NVIDIA H200, 2026-11-28); this pool has RTX-4090" in err

@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
                         long_decode=not args.no_long_decode, speed=not args.no_speed_probe, progress=progress)
     on = cal.measured_on
     t = Table("phase", "size", "context", "stages", "tp", "measured ms", "cost model ms", "error",
-              title=f"calibration against {args.gpu} (measured on {on.get('device', '?')}, {on.get('cores', '?')} "
+              title=f"calibration of {args.model} against {args.gpu} (measured on {on.get('device', '?')}, {on.get('cores', '?')} "
                     f"cores, {on.get('date', '?')}, load avg {on.get('load_avg_1m', '?')})")
     for p in cal.points:
         t.add_row(p.phase, str(p.size), f"{p.prompt}+" if p.phase == "decode" else "-", str(p.stages), str(p.tp), f"{p.measured_s * 1e3:.2f}", f"{p.predicted_s * 1e3:.2f}", f"{p.error:+.0%}")

@@ -72,8 +72,16 @@ def run(args: argparse.Namespace) -> int:
     check_model_dir(args.model)  # a folder, never a hub name looked up online
     cluster = plan_cluster(args.plan, plan, args.cluster)  # the cluster file the plan was made on, as serve
     if args.efficiency:
+        import sys
+
+        from hetserve.calibration.file import calibration_warnings
         from hetserve.cost.efficiency import load_efficiency
+        from hetserve.specs.model import load_model
+
         load_efficiency(args.efficiency)
+        # as plan and simulate warn, before the minutes of serving (compare.json keeps them too)
+        for warning in calibration_warnings(args.efficiency, map(cluster.device, plan.devices), load_model(args.model)):
+            print(f"warning: {warning}", file=sys.stderr)
     console = Console()
     try:
         with stop_on_sigterm(), phase_progress(console, args.quiet) as progress:

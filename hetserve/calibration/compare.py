@@ -100,7 +100,11 @@ class Comparison:
     served_steps: list = field(default_factory=list)  # the served run's engine steps (step_compare.StepRow)
 
     def to_json(self) -> dict[str, Any]:
-        return {"table": self.table, "info": self.info}
+        """The table, the run's facts and the per-request figures the table and the CDFs are of
+        (``served``: measured, ``simulated``: predicted; each metric in request order, TPOT of the
+        requests of two or more tokens), so every figure can be computed again from the file."""
+        return {"table": self.table, "info": self.info,
+                "per_request": {"served": per_request_json(self.served), "simulated": per_request_json(self.simulated)}}
 
     def save(self, out_dir: str | Path) -> list[Path]:
         out = Path(out_dir)
@@ -111,13 +115,14 @@ class Comparison:
 
 
 def _null_for_nan(x: Any) -> Any:
-    """``x`` with every NaN (a figure no request had, a ratio of none) as None: JSON's null, where
-    ``json`` would write NaN, which JSON does not have."""
+    """``x`` with every NaN (a figure no request had, a ratio of none) and infinity (a simulated
+    request that never finished) as None: JSON's null, where ``json`` would write NaN or Infinity,
+    which JSON does not have."""
     if isinstance(x, dict):
         return {k: _null_for_nan(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_null_for_nan(v) for v in x]
-    return None if isinstance(x, float) and x != x else x
+    return None if isinstance(x, float) and not np.isfinite(x) else x
 
 
 def _stats(x: np.ndarray) -> dict[str, float]:
@@ -356,7 +361,8 @@ def plot_cdfs(c: Comparison, path: str | Path) -> Path:
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, m, title in zip(axes, METRICS, ("TTFT", "TPOT", "E2E")):
-        for data, label, style in ((c.served[m], "served", "-"), (c.simulated[m], "simulated", "--")):
+        for data, label, style in ((c.served[m], "served (measured)", "-"),
+                                   (c.simulated[m], "simulated (predicted)", "--")):
             x = np.sort(data[np.isfinite(data)]) * 1e3
             if len(x):
                 ax.step(x, np.arange(1, len(x) + 1) / len(x), style, where="post", label=label)

@@ -175,3 +175,31 @@ def test_a_figure_no_request_had_is_null_in_compare_json(tmp_path, monkeypatch):
     data = json.loads((tmp_path / "compare.json").read_text(), parse_constant=lambda name: pytest.fail(name))
     assert data["table"]["tpot_s.p90"] == {"served": None, "simulated": None, "ratio": None}
     assert data["table"]["ttft_s.mean"]["ratio"] == pytest.approx(0.2 / 0.15)
+
+
+def test_compare_json_holds_the_per_request_figures_its_table_and_cdfs_are_of(tmp_path, monkeypatch):
+    """Every figure of the table can be computed again from compare.json alone, and the CDFs'
+    legend says which side was measured and which predicted."""
+    import matplotlib.figure
+    import numpy as np
+
+    from hetserve.calibration import compare as cmp
+
+    served = {"ttft_s": np.array([0.05, 0.08, 0.3]), "tpot_s": np.array([0.010, 0.012]), "e2e_s": np.array([0.2, 0.3, 0.5])}
+    simulated = {"ttft_s": np.array([0.04, 0.09, np.inf]), "tpot_s": np.array([0.011, 0.011]),
+                 "e2e_s": np.array([0.25, 0.3, np.inf])}  # the third never finished in the simulation
+    table = cmp.table_of(served, simulated, 20.0, 18.0)
+    legends = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: legends.append(
+        [t.get_text() for t in fig.axes[0].get_legend().get_texts()]))
+    cmp.Comparison(table, served, simulated, {"requests": 3, "simulated_source": "cost model"}).save(tmp_path)
+    data = json.loads((tmp_path / "compare.json").read_text(), parse_constant=lambda name: pytest.fail(name))
+    per = data["per_request"]
+    assert per["simulated"]["ttft_s"] == [0.04, 0.09, None]
+    again = cmp.table_of(*({k: np.array([np.inf if x is None else x for x in v]) for k, v in per[side].items()}
+                           for side in ("served", "simulated")), 20.0, 18.0)
+    for key, row in data["table"].items():
+        for side in ("served", "simulated", "ratio"):
+            assert row[side] == pytest.approx(again[key][side]), (key, side)
+    assert data["table"]["ttft_s.p50"]["served"] == pytest.approx(float(np.median(per["served"]["ttft_s"])))
+    assert legends == [["served (measured)", "simulated (predicted)"]]

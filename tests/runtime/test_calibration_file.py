@@ -125,3 +125,20 @@ def test_compare_warns_of_another_gpu_types_calibration_before_it_serves(tmp_pat
         main(["compare", "--plan", str(plan), "--model", str(model), "--cluster", "demo-cpu", "--efficiency", str(cal)])
     err = " ".join(capsys.readouterr().err.split())
     assert f"warning: {cal} was calibrated as H200 (measured on NVIDIA H200, 2026-11-28); this pool has RTX-4090" in err
+
+
+def test_calibrate_will_not_write_over_a_file_of_the_checkpoint(tmp_path, monkeypatch, capsys):
+    """`-o CHECKPOINT/config.json` is refused before measuring: minutes later it replaced the
+    checkpoint's config with the calibration."""
+    import hetserve.calibration.calibrate as calibrate_mod
+    from hetserve.cli.main import main
+    from hetserve.runtime.model.make import make_model
+
+    monkeypatch.setattr(calibrate_mod, "calibrate", lambda *a, **kw: pytest.fail("measured"))
+    model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=64, heads=4, kv_heads=2)
+    config = (model / "config.json").read_text()
+    assert main(["calibrate", "--model", str(model), "-o", str(model / "config.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--output" in err and "config.json" in err
+    assert (model / "config.json").read_text() == config
+

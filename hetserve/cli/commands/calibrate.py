@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hetserve.cli.model_dir import check_model_dir
     from hetserve.cli.progress import phase_progress
-    from hetserve.output_path import check_output_file
+    from hetserve.output_path import check_distinct, check_output_file
 
     if args.profiles:
         from hetserve.cli.commands.cost import run_fit
@@ -126,6 +126,12 @@ def run(args: argparse.Namespace) -> int:
                             ",".join(map(str, args.prompt_lengths)))
     if args.output:
         check_output_file(args.output, "--output")
+        # not one of the checkpoint's own files: its config.json, tokenizer or weights would be
+        # replaced by the calibration minutes later, the checkpoint lost
+        from pathlib import Path
+
+        check_distinct({"--output": args.output},
+                       {f"--model ({f.name})": str(f) for f in sorted(Path(args.model).iterdir()) if f.is_file()})
     console = Console()
     with stop_on_sigterm(), phase_progress(console, args.quiet) as progress:
         cal = calibrate(args.model, args.gpu, prompt_lengths=args.prompt_lengths, batch_sizes=args.batch_sizes,

@@ -28,6 +28,7 @@ stamped with the device, the date and the load average during the measurement.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -99,8 +100,12 @@ class Calibration:
 
     def save(self, path: str | Path) -> None:
         """JSON that ``cost.analytic.load_efficiency`` (``plan/simulate --efficiency``) reads; the
-        simulator also reads its ``runtime`` terms (``runtime.calibration_file``)."""
-        Path(path).write_text(json.dumps({
+        simulator also reads its ``runtime`` terms (``runtime.calibration_file``). Written whole or
+        not at all: into a file beside ``path``, then renamed over it, so a run stopped while
+        writing (a signal, a full disk) leaves the earlier calibration there, never half of one."""
+        path = Path(path)
+        part = path.with_name(f".{path.name}.part")
+        text = json.dumps({
             "gpu": self.gpu, "efficiency": asdict(self.efficiency), "mean_abs_error": self.mean_abs_error,
             "max_abs_error": self.max_abs_error, "memory_bound": self.memory_bound, "runtime": {"request_overhead_s": self.request_overhead_s,
                                                            "stream_overhead_s": self.stream_overhead_s,
@@ -114,7 +119,12 @@ class Calibration:
             "measured_on": self.measured_on, "points": [asdict(p) for p in self.points],
             "speed_probe": self.speed_probe.to_dict() if self.speed_probe else None,
             "frontend_points": [asdict(p) for p in self.frontend_points],
-            "http_tpot": {str(b): t for b, t in sorted(self.http_tpot.items())}}, indent=2) + "\n")
+            "http_tpot": {str(b): t for b, t in sorted(self.http_tpot.items())}}, indent=2) + "\n"
+        try:
+            part.write_text(text)
+            os.replace(part, path)
+        finally:
+            part.unlink(missing_ok=True)
 
 
 def _memory_binds(cm: CostModel, layout, batch: int, context: float) -> bool:

@@ -142,3 +142,24 @@ def test_calibrate_will_not_write_over_a_file_of_the_checkpoint(tmp_path, monkey
     assert "--output" in err and "config.json" in err
     assert (model / "config.json").read_text() == config
 
+
+def test_a_calibration_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A write stopped before its rename leaves the earlier calibration as it was, and no part file."""
+    import os
+
+    from hetserve.calibration.calibrate import Calibration, CalibrationPoint
+    from hetserve.cost.efficiency import Efficiency
+
+    cal = Calibration("RTX-4090", Efficiency(), (CalibrationPoint("prefill", 32, 0.01, 0.011),))
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    before = path.read_text()
+    assert json.loads(before)["points"][0]["size"] == 32
+
+    def stopped(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        Calibration("RTX-4090", Efficiency(), (CalibrationPoint("prefill", 64, 0.02, 0.021),)).save(path)
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["cal.json"]

@@ -205,8 +205,8 @@ def _read(path: str | Path) -> dict:
         # unfinished, a negative one failed in the simulator naming neither the file nor the field
         ratio = key == "contention_slowdown"
         if not of_json_type(value, (int, float)) or not math.isfinite(value) or value < 0 or (ratio and value == 0):
-            raise SpecError(str(path), f"runtime.{key}", "a finite number > 0 (a ratio)" if ratio else
-                            "a finite number of seconds >= 0", value)
+            raise SpecError(str(path), f"runtime.{key}", "a number, finite and > 0 (a ratio)" if ratio else
+                            "a number of seconds, finite and >= 0", value)
     _check_speed_probe(path, data.get("speed_probe"))
     return data
 
@@ -225,7 +225,7 @@ def _check_speed_probe(path: str | Path, sp) -> None:
     for key in ("decode_s", "prefill_s"):
         value = sp.get(key)
         if not of_json_type(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise SpecError(str(path), f"speed_probe.{key}", "a finite number of seconds > 0", value)
+            raise SpecError(str(path), f"speed_probe.{key}", "a number of seconds, finite and > 0", value)
     samples = sp.get("samples", 0)
     if not of_json_type(samples, int) or samples < 0:
         raise SpecError(str(path), "speed_probe.samples", "a count (an integer >= 0)", samples)

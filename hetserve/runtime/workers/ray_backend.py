@@ -72,7 +72,7 @@ def _actor_class():
             spec = cfg.spec
             if spec.device.startswith("cuda"):  # Ray made only the GPU it granted visible: cuda:0 here
                 spec = dataclasses.replace(spec, device="cuda:0")
-            # the worker watches its own parent (here the node's raylet), see worker_main
+            # the worker watches its own parent (here the node's raylet): worker_process.watch_parent
             return _exit_code_of(target, dataclasses.replace(cfg, host=host, spec=spec))
 
     return WorkerActor

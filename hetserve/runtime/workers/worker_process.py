@@ -39,9 +39,7 @@ def worker_main(cfg: WorkerConfig) -> None:
     except RuntimeFailure as exc:  # no port to listen on (--port-range): the engine hears why, in one line
         _report_and_exit(cfg, str(exc))
     transport.set_address(ENGINE, cfg.engine_address)
-    # Watch the parent this process has now: the engine (spawn), the fork server (forkserver,
-    # which exits with the engine) or Ray's worker process (ray backend).
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=watch_parent, daemon=True).start()
     try:
         worker = Worker(cfg, transport)
         if cfg.heartbeat_s > 0:
@@ -117,9 +115,21 @@ def _leave_stop_signals_to_the_engine() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit once our parent is gone (so a killed engine leaves no worker behind)."""
+def watch_parent() -> None:
+    """Exit once the process that started this one is gone (so a killed engine leaves no worker
+    behind): the engine (spawn), the fork server (forkserver, which exits with the engine) or Ray's
+    worker process (ray backend). A multiprocessing child waits on the pipe its parent holds open for
+    it (``parent_process().join()``: the parent's end closes when it dies), which also sees a parent
+    that died while this process was still importing; ``os.getppid()`` would by then name whoever
+    adopted it, and the watch would never see the parent go."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.sentinel is not None:
+        parent.join()
+        os._exit(3)
+    start = os.getppid()
     while True:
         time.sleep(0.5)
-        if os.getppid() != parent_pid:
+        if os.getppid() != start:
             os._exit(3)

@@ -9,6 +9,8 @@ them live in ``hetserve.cost.analytic``.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -18,8 +20,8 @@ from hetserve.errors import SpecError
 MIN_FRACTION = 1e-18
 
 
-class FractionError(ValueError):
-    """A fraction of a peak out of its range: which field, what it must be, what it was."""
+class FieldError(ValueError):
+    """A field out of its range: which field, what it must be, what it was."""
 
     def __init__(self, field: str, expected: str, value):
         super().__init__(f"efficiency {field} must be {expected}, got {value!r}")
@@ -85,23 +87,25 @@ class Efficiency:
         # below it times overflow to years (1e-300 prices a step at 1e290 s) instead of being refused
         for k in ("compute", "memory", "usable_memory"):
             if not MIN_FRACTION <= getattr(self, k) <= 1:
-                raise FractionError(k, f"in [{MIN_FRACTION:g}, 1]", getattr(self, k))
+                raise FieldError(k, f"in [{MIN_FRACTION:g}, 1]", getattr(self, k))
         for k, zero in (("attention", "compute"), ("decode_attention", "attention")):
             v = getattr(self, k)
             if not (v == 0 or MIN_FRACTION <= v <= 1):
-                raise FractionError(k, f"0 (the same as {zero}) or in [{MIN_FRACTION:g}, 1]", v)
-        if self.activation_buffers < 0 or self.activation_tokens <= 0:
-            raise ValueError("activation_buffers and activation_tokens must be non-negative")
+                raise FieldError(k, f"0 (the same as {zero}) or in [{MIN_FRACTION:g}, 1]", v)
+        # counts are whole (a buffer, a token, a sequence); costs finite: an infinite or NaN one
+        # left simulated requests unfinished instead of being refused here
+        for k, least in (("activation_buffers", 0), ("activation_tokens", 1), ("max_batch", 1)):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < least:
+                raise FieldError(k, f"a whole number >= {least}", v)
         for k in ("step_overhead_s", "iteration_overhead_s", "seq_overhead_s", "collective_overhead_s",
                   "prompt_step_overhead_s", "multi_row_s_per_byte", "collective_s_per_byte"):
-            if getattr(self, k) < 0:
-                raise ValueError(f"{k} must be non-negative")
+            if not 0 <= getattr(self, k) < math.inf:
+                raise FieldError(k, "a finite number >= 0", getattr(self, k))
         if self.turn_hold is not None and not 0 <= self.turn_hold <= 1:
-            raise ValueError("turn_hold must be in [0, 1] (or null: by the host)")
-        if self.max_batch < 1:
-            raise ValueError("max_batch must be at least 1")
+            raise FieldError("turn_hold", "in [0, 1] (or null: by the host)", self.turn_hold)
         if self.reference_gpu is not None and not (isinstance(self.reference_gpu, str) and self.reference_gpu):
-            raise ValueError("reference_gpu must be a GPU type's name (or null: each slot's own type)")
+            raise FieldError("reference_gpu", "a GPU type's name (or null: each slot's own type)", self.reference_gpu)
 
     def at_speed(self, slowdown: float) -> "Efficiency":
         """The same engine on a machine ``slowdown`` times slower (``runtime.speed_probe``: a shared
@@ -177,7 +181,7 @@ def load_efficiency(path: str | Path) -> Efficiency:
             raise SpecError(str(path), prefix + key, "a number" + (" or null" if optional else ""), value)
     try:
         return Efficiency(**data)
-    except FractionError as exc:
+    except FieldError as exc:
         raise SpecError(str(path), prefix + exc.field, exc.expected, exc.value) from exc
     except (TypeError, ValueError) as exc:
         raise SpecError(str(path), prefix.rstrip(".") or "(file)", "values in range", str(exc)) from exc

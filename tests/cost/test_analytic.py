@@ -331,6 +331,14 @@ def test_load_efficiency_flat_and_calibration_shapes(tmp_path):
             ({"gpu": "L4", "efficiency": {"compute": "fast"}}, "efficiency.compute", "a number"),
             ({"gpu": "L4", "efficiency": {"bogus": 1}}, "efficiency.bogus", "one of"),
             ({"gpu": "L4", "efficiency": {"compute": 2.0}}, "efficiency.compute", "in [1e-18, 1]"),
+            # each field checked by name: a cost is finite, a count whole
+            ({"gpu": "L4", "efficiency": {"step_overhead_s": float("inf")}}, "efficiency.step_overhead_s", "finite"),
+            ({"step_overhead_s": float("nan")}, "step_overhead_s", "finite"),
+            ({"gpu": "L4", "efficiency": {"seq_overhead_s": -1e-3}}, "efficiency.seq_overhead_s", ">= 0"),
+            ({"max_batch": 2.5}, "max_batch", "a whole number >= 1"),
+            ({"gpu": "L4", "efficiency": {"activation_buffers": 2.5}}, "efficiency.activation_buffers", "whole"),
+            ({"max_batch": 0}, "max_batch", ">= 1"),
+            ({"turn_hold": 1.5}, "turn_hold", "in [0, 1]"),
             ([1, 2], "(file)", "a mapping"),
             ({"model": "llama-2-70b", "cluster": "het1", "replicas": []}, "(file)", "calibration file")):
         bad.write_text(json.dumps(content))

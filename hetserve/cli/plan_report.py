@@ -65,11 +65,16 @@ def print_plan(console, plan) -> None:
     search = e.get("search", {})
     # under SLO objectives the capacities, the plan's value and its bound all count what meets the SLOs
     within_slo = " within the SLOs" if "slo" in e else ""
+    # a figure the estimate lacks (a file written by hand or by another tool) is left out, not printed as 0 or None
+    requests = (f" ({e['requests_per_period']:,.0f} requests per {e.get('period_s', 600):.0f} s)"
+                if "requests_per_period" in e else "")
+    devices = (f"{e['devices_used']}/{e['devices_total']}" if "devices_used" in e and "devices_total" in e
+               else str(len(plan.devices)))
+    per_usd = f" ({e['tokens_per_usd']:,.0f} output tokens/$)" if "tokens_per_usd" in e else ""
     console.print(
-        f"estimated throughput{within_slo} [bold]{e.get('throughput_tokens_per_s', 0):,.1f} output tokens/s[/bold] "
-        f"({e.get('requests_per_period', 0):,.0f} requests per {e.get('period_s', 600):.0f} s); "
-        f"{e.get('devices_used')}/{e.get('devices_total')} devices; "
-        + (f"${usd:,.2f}/hour ({e.get('tokens_per_usd', 0):,.0f} output tokens/$)" if usd is not None else "price unknown")
+        f"estimated throughput{within_slo} [bold]{e.get('throughput_tokens_per_s', 0):,.1f} output tokens/s[/bold]"
+        f"{requests}; {devices} devices; "
+        + (f"${usd:,.2f}/hour{per_usd}" if usd is not None else "price unknown")
         + _planned_in(e, search))
     ub = e.get("upper_bound_tokens_per_s")
     if ub:

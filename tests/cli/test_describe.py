@@ -121,6 +121,19 @@ def test_describe_plan_of_a_hand_written_plan_says_it_holds_no_estimate(capsys):
     assert "holds no estimate" in out and "0.0 tokens/s" not in out and "None" not in out
 
 
+def test_describe_plan_of_a_partial_estimate_prints_only_the_figures_it_holds(tmp_path, capsys, wide):
+    """A plan file whose estimate holds only some fields (design.md's format example: throughput and
+    cost) says what it holds and counts the plan's own devices, never "None/None devices"."""
+    data = json.loads(open(DISAGG).read())
+    data["estimate"] = {"throughput_tokens_per_s": 100.0, "cost_usd_per_hour": 1.5}
+    path = tmp_path / "partial.json"
+    path.write_text(json.dumps(data))
+    assert main(["describe", "plan", str(path), "--cluster", "demo-tiny"]) in (0, 2)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "None" not in out and "requests per 600 s" not in out
+    assert "100.0 output tokens/s; 4 devices; $1.50/hour" in out
+
+
 DISAGG = "examples/plans/demo-tiny-disagg.json"
 
 

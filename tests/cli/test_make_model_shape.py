@@ -20,6 +20,10 @@ from hetserve.runtime.model.make import ShapeError, check_shape
     (["--hidden", "66"], "--hidden: expected a multiple of the heads (4, the default; pass --heads), got 66"),
     (["--hidden", "66", "--heads", "4"], "--hidden: expected a multiple of --heads (4), got 66"),
     (["--vocab", "100"], "--vocab: expected at least 259 (256 bytes + <bos> <eos> <pad>), got 100"),
+    # a preset of an architecture make-model does not write: the option to blame is --like, not an
+    # --arch the user never gave, and the way on is --arch llama
+    (["--like", "qwen2-7b"], "--like: expected a preset of an architecture make-model writes (llama, opt), or "
+     "--arch beside it (--arch llama: a Llama of the qwen2 preset's shape), got 'qwen2-7b'"),
 ])
 def test_a_shape_refusal_names_the_options_and_where_the_other_value_came_from(tmp_path, capsys, argv, line):
     assert main(["make-model", *argv, "--random-weights", "-o", str(tmp_path / "m")]) == 2

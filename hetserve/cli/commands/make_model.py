@@ -51,6 +51,7 @@ def _shape(args: argparse.Namespace) -> dict[str, str]:
     """Fill the shape options left unset: from ``--like``'s preset, else the tiny defaults. Returns
     where each came from ("given", "from --like PRESET" or "the default"), for the errors."""
     preset = None
+    origin = {"arch": "given" if args.arch is not None else f"from --like {args.like}" if args.like else "the default"}
     if args.like:
         from hetserve.specs.model import load_model
 
@@ -58,7 +59,6 @@ def _shape(args: argparse.Namespace) -> dict[str, str]:
         args.arch = args.arch or preset.arch
         args.dtype = args.dtype or PRESET_DTYPES.get(args.like, "float16")
     args.arch = args.arch or "llama"
-    origin = {}
     for option, (default, field) in SHAPE.items():
         origin[option] = "given" if getattr(args, option) is not None else (
             f"from --like {args.like}" if preset is not None else "the default")
@@ -79,6 +79,12 @@ def _shape_refusal(args: argparse.Namespace, origin: dict[str, str], exc) -> Spe
     def value(field: str):
         return args.heads if field == "kv_heads" and args.kv_heads is None else getattr(args, field)
 
+    if exc.fields == ("arch",) and origin.get("arch") != "given":  # --like a preset of another family (Qwen)
+        from hetserve.runtime.model.make import ARCHS
+
+        writes = ", ".join(ARCHS)
+        return SpecError("--like", SpecError.OPTION, f"a preset of an architecture make-model writes ({writes}), or "
+                         f"--arch beside it (--arch llama: a Llama of the {args.arch} preset's shape)", args.like)
     given = [f for f in exc.fields if origin.get(f) == "given"]
     subject = (given or list(exc.fields))[0]
     if len(exc.fields) == 1:

@@ -54,3 +54,30 @@ def test_describe_cluster_cuts_no_name_on_a_narrow_console(name, capsys, narrow)
     rows = [ln for ln in out.splitlines() if ln.startswith("│")]
     assert rows and all(ln.rstrip().endswith("│") and len(ln) <= 80 for ln in rows)  # no row cropped
     assert all(d.gpu.name in out and d.site in out for d in load_cluster(name).devices)
+
+
+def _fleet(tmp_path, machines: int):
+    """``machines`` machines of two shapes, five to a site: 100 Gbit/s in a site, 3 between sites."""
+    rows = "".join(f"  - {{name: m{i}, gpu: {'H100-SXM-80G' if i % 2 else 'A6000'}, count: 8, site: s{i // 5}}}\n"
+                   for i in range(machines))
+    path = tmp_path / f"fleet{machines}.yaml"
+    path.write_text(f"name: fleet\nmachines:\n{rows}network:\n  intra_site: {{bandwidth_gbps: 100, latency_ms: 0.2}}\n"
+                    "  inter_site: {bandwidth_gbps: 3, latency_ms: 15}\n")
+    return str(path)
+
+
+def test_describe_cluster_groups_a_fleets_rows_with_their_counts(tmp_path, capsys, monkeypatch):
+    """A pool of many machines reads as its machine shapes and link kinds, each with its count: one
+    row per machine pair would be 1,770 rows for 60 machines (and take a minute to lay out)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    lines = {}
+    for machines in (60, 120):
+        assert main(["describe", "cluster", _fleet(tmp_path, machines)]) == 0
+        out = capsys.readouterr().out
+        lines[machines] = len(out.splitlines())
+        pairs, within = machines * (machines - 1) // 2, (machines // 5) * 10  # 10 pairs in each site of 5
+        assert f"{machines * 8} devices on {machines} machines, {machines // 5} sites" in out
+        assert f"{within:,}" in out and f"{pairs - within:,}" in out  # pairs within a site and between sites
+        assert f"{machines // 2}: m0, m2, m4, …" in out and f"{machines // 2}: m1, m3, m5, …" in out
+        assert f"{machines // 5 * (machines // 5 - 1) // 2:,}: pipe s0 ↔ s1" in out
+    assert lines[60] == lines[120] < 60  # the rows do not grow with the pool

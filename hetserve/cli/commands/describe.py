@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from hetserve.errors import HetserveError, PlanError, SpecError
-from hetserve.specs.cluster import GBPS, Cluster, cluster_presets, load_cluster
-from hetserve.specs.cluster_file import intra_link_kind
+from hetserve.cli.cluster_report import describe_cluster
+from hetserve.specs.cluster import Cluster, cluster_presets, load_cluster
 from hetserve.specs.gpus import fmt_gb
 from hetserve.specs.model import ModelSpec, load_model, model_presets
 from hetserve.specs.workload import CLASSES, Workload, load_workload, workload_presets
@@ -70,85 +70,6 @@ def run(args: argparse.Namespace) -> int:
             w.with_rate(args.rate, source=args.name)  # arrivals at one instant take no rate: say so, not ignore it
         describe_workload(w, console, rate_given=args.rate is not None)
     return 0
-
-
-def _fmt_link(latency_s: float, bandwidth: float) -> str:
-    return f"{bandwidth / GBPS:,.1f} Gbps / {latency_s * 1e3:g} ms"
-
-
-def _price_source(c: Cluster, devs) -> str:
-    """Where a machine's $/h comes from: the GPU table's price, or the file's ``gpu_usd_per_hour``."""
-    return "gpus.csv" if "gpu_usd_per_hour" not in c.machine_fields.get(devs[0].machine, ()) else "file"
-
-
-def _intra_source(c: Cluster, devs) -> str:
-    if c.topology is None:
-        return "matrix"
-    if "intra" in c.machine_fields.get(devs[0].machine, ()):
-        return "file"
-    return f"default {intra_link_kind(devs[0].gpu)}"
-
-
-def describe_cluster(c: Cluster, console: Console) -> None:
-    price = c.usd_per_hour()
-    if price is not None:
-        priced = f"${price:,.2f}/h (GPU prices: gpus.csv typical_cloud_usd_per_hour, or a machine's gpu_usd_per_hour)"
-    else:
-        unpriced = sorted({d.gpu.name for d in c.devices if d.gpu.usd_per_hour is None})
-        priced = (f"price unknown: {', '.join(unpriced)} {'has' if len(unpriced) == 1 else 'have'} no price in gpus.csv "
-                  "(give gpu_usd_per_hour on its machines in the cluster file)")
-    console.print(f"[bold]cluster {c.name}[/]: {len(c)} devices, {fmt_gb(c.total_memory_bytes)}, " + priced)
-    if c.description:
-        console.print(c.description)
-    machines = Table(title="machines")
-    # names are kept whole (a narrow console wraps the links and prices instead), never cut to "H100-SXM-8…"
-    for col in ("machine", "site", "GPUs", "memory GB", "intra-box link (from)", "$/h (from)"):
-        machines.add_column(col, no_wrap=col in ("machine", "site", "GPUs"), overflow="fold")
-    for name, devs in c.machines.items():
-        d0 = devs[0]
-        intra = (f"{_fmt_link(*c.link(devs[0].index, devs[1].index))} ({_intra_source(c, devs)})"
-                 if len(devs) > 1 else "-")
-        p = c.usd_per_hour([d.index for d in devs])
-        machines.add_row(name, d0.site, f"{len(devs)}× {d0.gpu.name}", f"{sum(d.memory_bytes for d in devs) / 1e9:,.3g}",
-                         intra, f"{p:,.2f} ({_price_source(c, devs)})" if p is not None else "unknown")
-    console.print(machines)
-    names = list(c.machines)
-    if len(names) > 1:
-        links = Table(title="links between machines")
-        for col in ("from", "to", "link"):
-            links.add_column(col)
-        for i, a in enumerate(names):
-            for b in names[i + 1:]:
-                da, db = c.machines[a][0].index, c.machines[b][0].index
-                links.add_row(a, b, _fmt_link(*c.link(da, db)))
-        console.print(links)
-    _describe_shared(c, console)
-    for label, text in (("source", c.source), ("assumptions", c.assumptions)):
-        if text:
-            console.print(f"[bold]{label}:[/] {text.strip()}")
-
-
-def _describe_shared(c: Cluster, console: Console) -> None:
-    """NICs (each direction) and site pipes / dedicated links: what concurrent transfers share."""
-    shared = c.shared_resources()
-    if not shared or len(c.machines) < 2:
-        return
-    t = Table(title="shared network resources (each direction; every transfer crossing one shares it)")
-    for col in ("resource", "kind", "capacity", "latency"):
-        t.add_column(col)
-    seen = set()
-    for r in shared:
-        if r.kind in ("pipe", "link"):
-            a, b = r.name.split(":", 1)[1].split(">")
-            if (b, a) in seen:
-                continue  # a pipe is listed once: both directions have the same figures
-            seen.add((a, b))
-            label = f"{r.kind} {a} ↔ {b}"
-        else:
-            label = r.name
-        cap = "unlimited (no nic / intra_site given)" if not np.isfinite(r.bandwidth) else f"{r.bandwidth / GBPS:,.3g} Gbps"
-        t.add_row(label, r.kind.replace("_", " "), cap, f"{r.latency_s * 1e3:g} ms")
-    console.print(t)
 
 
 def describe_model(m: ModelSpec, console: Console) -> None:

@@ -272,22 +272,27 @@ def _seconds_of(head: str) -> float:
     return datetime.strptime(head, "%Y-%m-%d %H:%M:%S").timestamp()
 
 
+def _csv_rows(fh, src: str) -> Iterator[list[str]]:
+    """The file's rows one at a time, closed once read: a list of them all would hold a
+    million-request trace as three million strings (hundreds of MB) to build three arrays."""
+    with fh:
+        try:
+            yield from csv.reader(fh)
+        except (UnicodeDecodeError, csv.Error) as exc:
+            raise SpecError(src, "(file)", "a UTF-8 text CSV file", str(exc).splitlines()[0]) from exc
+
+
 def _read_csv(path: Path, rate: float | None, seed: int, name: str) -> Workload:
     src = str(path)
     try:
         fh = path.open(newline="", encoding="utf-8-sig")  # -sig: a spreadsheet's byte-order mark is no header
     except OSError as exc:
         raise SpecError(src, "(file)", "a readable CSV file", exc.strerror) from exc
-    try:
-        with fh:
-            reader = csv.reader(fh)
-            # column names in any case ("Timestamp", "contexttokens"): a time column that went unread
-            # would be replaced by made-up arrivals without a word
-            named = [h.strip() for h in next(reader, [])]
-            header = [h.lower() for h in named]
-            rows = list(reader)
-    except (UnicodeDecodeError, csv.Error) as exc:
-        raise SpecError(src, "(file)", "a UTF-8 text CSV file", str(exc).splitlines()[0]) from exc
+    rows = _csv_rows(fh, src)
+    # column names in any case ("Timestamp", "contexttokens"): a time column that went unread
+    # would be replaced by made-up arrivals without a word
+    named = [h.strip() for h in next(rows, [])]
+    header = [h.lower() for h in named]
     twice = sorted({named[i] for i, h in enumerate(header) if header.count(h) > 1})
     if twice:  # which of the two columns would be read is a guess: say so instead
         raise SpecError(src, "(header)", "each column once", f"{twice[0]} twice")

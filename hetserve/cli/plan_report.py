@@ -10,10 +10,6 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
-def _stages(replica) -> str:
-    return " → ".join(f"TP{s.tp}×{s.layers[1] - s.layers[0]}" for s in replica.stages)
-
-
 def _devices(replica) -> str:
     """Devices grouped by machine: ``a0:0-3, b0:1``."""
     by_machine: dict[str, list[int]] = {}
@@ -35,20 +31,19 @@ def _devices(replica) -> str:
 def print_plan(console, plan) -> None:
     from rich.table import Table
 
+    from hetserve.cli.replica_tables import MAX_ROWS, plan_table
+
     e = plan.estimate
-    per = e.get("replicas", {})
-    t = Table(title=f"{plan.algorithm}: {plan.model} on {plan.cluster}",
-              caption=f"req/T: requests per period T = {e.get('period_s', 600):g} s (cost model estimate)"
-              if e else None)
-    for col in ("replica", "role", "devices", "stages (TP×layers)", "capacity req/T", "flow req/T"):
-        t.add_column(col, justify="right" if "req" in col else "left")
-    for r in plan.replicas:
-        info = per.get(r.id, {})
-        t.add_row(r.id, r.role, _devices(r), _stages(r),
-                  f"{info['capacity_requests_per_period']:,.0f}" if "capacity_requests_per_period" in info else "–",
-                  f"{info['flow_requests_per_period']:,.0f}" if "flow_requests_per_period" in info else "–")
+    t = plan_table(plan, f"{plan.algorithm}: {plan.model} on {plan.cluster}",
+                   f"req/T: requests per period T = {e.get('period_s', 600):g} s (cost model estimate)" if e else None,
+                   _devices)
     console.print(t)
-    if plan.kv_routes:
+    if len(plan.kv_routes) > MAX_ROWS:  # a fleet's routes: how many, between how many replicas
+        w = [k.weight for k in plan.kv_routes]
+        console.print(f"KV routes: {len(w):,} from {len({k.src for k in plan.kv_routes}):,} prefill to "
+                      f"{len({k.dst for k in plan.kv_routes}):,} decode replicas, weights (∝ max flow) "
+                      f"{min(w):.3g} to {max(w):.3g} (each route in the plan file)")
+    elif plan.kv_routes:
         routes = Table(title="KV routes (weights ∝ max flow)")
         routes.add_column("from")
         routes.add_column("to")

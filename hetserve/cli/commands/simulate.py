@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.specs.workload import SLO, load_workload
 
     from hetserve.cli.model_dir import check_plan, plan_cluster, plan_model
+    from hetserve.cli.replica_tables import gpus_text, stages_text
     from hetserve.output_path import check_output_folder
 
     rates = _parse_rates(args.sweep_rates) if args.sweep_rates is not None else []
@@ -229,7 +230,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
     else:
         print_summary(Console(), summary, f"{plan.algorithm} plan on {cluster.name}, {wl.name} ({len(wl)} requests)",
-                      f"simulated; times from the {summary['timings']['source']}")
+                      f"simulated; times from the {summary['timings']['source']}",
+                      {r.id: f"{gpus_text(r, cluster)}, {stages_text(r)}" for r in plan.replicas})
         if args.output:
             Console().print(f"wrote {Path(args.output) / 'summary.json'}, requests.csv, latency_cdf.png")
     if rates:
@@ -354,10 +356,13 @@ def _sweep(args, rates, plan, cluster, model, wl, opts, cost, timings: dict, qui
     return rows
 
 
-def print_summary(console, s: dict, title: str, source: str | None = None) -> None:
+def print_summary(console, s: dict, title: str, source: str | None = None, kinds: dict[str, str] | None = None) -> None:
     """The summary as two rich tables: latencies, then throughput / SLO / cost and replicas;
-    ``source`` (under the latencies): where the times come from."""
+    ``source`` (under the latencies): where the times come from; ``kinds``: each replica's GPUs and
+    stages, by which a fleet's replicas are grouped (cli/replica_tables.py)."""
     from rich.table import Table
+
+    from hetserve.cli.replica_tables import sim_replica_table
 
     from hetserve.sim.plots import has_slo
 
@@ -390,13 +395,4 @@ def print_summary(console, s: dict, title: str, source: str | None = None) -> No
                        ("simulated in", f"{s['run']['wall_s']:.2f} s ({s['run']['events']} events)")):
         tot.add_row(label, val)
     console.print(tot)
-    # a continuous batch under light load still holds a request nearly all the time: say so, or
-    # 1.00 reads as saturated
-    reps = Table(caption="busy: share of the run with a request in hand (not how full its batches were); "
-                         "KV: share of the pool in use")
-    for col in ("replica", "role", "GPUs", "requests", "busy", "KV mean", "KV peak"):
-        reps.add_column(col, justify="right" if col not in ("replica", "role") else "left")
-    for rid, r in s["replicas"].items():
-        reps.add_row(rid, r["role"], str(r["devices"]), str(r["requests"]), f"{r['utilisation']:.2f}",
-                     f"{r['kv_mean_use']:.2f}", f"{r['kv_peak_use']:.2f}")
-    console.print(reps)
+    console.print(sim_replica_table(s["replicas"], kinds))

@@ -70,3 +70,27 @@ def test_a_sweep_without_an_slo_plots_the_completed_share_and_says_so(cluster, m
     rate_sweep(single({"c0": ["m0:0"]}), cluster, model, wl, [1.0], plot=tmp_path / "s2.png",
                options=SimOptions(slo=SLO(ttft_s=10.0)), plot_title="rate sweep, times from X")
     assert figs[1].axes[1].get_ylabel() == "SLO attainment" and figs[1]._suptitle.get_text() == "rate sweep, times from X"
+
+
+def test_a_large_runs_cdf_lines_draw_a_bounded_number_of_true_cdf_points(tmp_path, monkeypatch):
+    """A run of 50,000 requests draws each CDF with at most CDF_POINTS points, each a point of the
+    empirical CDF, the fastest and slowest request among them (a line a point per request took
+    seconds to lay out and save at a million requests)."""
+    from types import SimpleNamespace
+
+    from hetserve.sim.plots import CDF_POINTS
+
+    figs = _drawn(monkeypatch)
+    rng = np.random.default_rng(0)
+    n = 50_000
+    ttft = rng.lognormal(size=n)
+    res = SimpleNamespace(ttft=ttft, tpot=rng.lognormal(size=n), e2e=rng.lognormal(size=n),
+                          output_tokens=np.full(n, 10), info={})
+    plot_latency_cdfs({"run": res}, tmp_path / "cdf.png")
+    lines = [ax.get_lines()[0] for ax in figs[0].axes]
+    assert all(len(ln.get_xdata()) <= CDF_POINTS for ln in lines)
+    x, y = lines[0].get_xdata(), lines[0].get_ydata()
+    ranked = np.sort(ttft)
+    assert x[0] == ranked[0] and x[-1] == ranked[-1] and y[-1] == 1.0
+    ranks = np.round(y * n).astype(int)
+    assert np.array_equal(x, ranked[ranks - 1])  # each drawn point: a value at its true rank

@@ -214,3 +214,21 @@ def test_a_model_path_for_the_machines_that_is_not_here_says_export_needs_the_sh
     err = one_line_error(capsys)
     assert code == 2 and "--model /nowhere/tiny-opt is no folder on this machine" in err, err
     assert "pass --model" not in err  # it was passed
+
+
+def test_a_fleets_export_names_its_machine_scripts_by_count_not_one_by_one(tmp_path, capsys):
+    """Twelve machines, a one-GPU replica on each: the line of files written says how many scripts
+    and names a few; the bundle still holds every one."""
+    machines = "".join(f"  - {{name: m{i}, gpu: A100-SXM-80G, count: 1, address: 10.0.0.{i + 1}}}\n" for i in range(12))
+    (tmp_path / "fleet.yaml").write_text(f"name: fleet\nmachines:\n{machines}network:\n"
+                                         "  intra_site: {bandwidth_gbps: 25, latency_ms: 0.2}\n")
+    (tmp_path / "plan.json").write_text(json.dumps({**plan(*({"id": f"c{i}", "role": "colocated",
+                                                              "stages": [stage([f"m{i}:0"], 0, 32)]}
+                                                             for i in range(12))), "cluster": "fleet"}))
+    out = tmp_path / "bundle"
+    assert main(["export", "--plan", str(tmp_path / "plan.json"), "--cluster", str(tmp_path / "fleet.yaml"),
+                 "--to", "vllm", "--model", "/models/llama-2-7b", "-o", str(out)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("wrote "))
+    assert "machine scripts 12: machines/m0.sh, machines/m1.sh, machines/m2.sh, …" in line
+    assert "machines/m11.sh" not in line and "README.md" in line
+    assert {f"machines/m{i}.sh" for i in range(12)} <= tree(out)

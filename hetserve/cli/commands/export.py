@@ -83,8 +83,7 @@ def run(args: argparse.Namespace) -> int:
                             port_range=args.port_range)
     if earlier:
         print(f"removed the earlier bundle's {len(earlier)} files from {args.output} (its bundle.json lists them)")
-    print(f"wrote {len(written)} files to {args.output}: " + ", ".join(
-        str(p.relative_to(args.output)) for p in written))
+    print(f"wrote {len(written)} files to {args.output}: " + _written(written, args.output))
     print(f"start it as {Path(args.output) / 'README.md'} says")
     for note in (address_note(plan, cluster), checkpoint_note(plan, checkpoint)):  # as the bundle's README says
         if note:
@@ -107,3 +106,19 @@ def _cluster_file(given: str | None, plan, plan_path: str) -> str | None:
         return str(plan.cluster_file.path)
     named = named_cluster_file(plan, plan_path) if given is None else None
     return None if named is None else str(named)
+
+
+def _written(paths, out: str) -> str:
+    """The files written, by name; a fleet's machine scripts (one per machine) as their count and a
+    few names, so 171 machines do not make a paragraph of ``machines/m42.sh``."""
+    from hetserve.cli.cluster_report import some
+
+    names = [Path(p).relative_to(out).as_posix() for p in paths]
+    scripts = [n for n in names if n.startswith("machines/")]
+    if len(scripts) <= SCRIPTS_NAMED:
+        return ", ".join(names)
+    rest = [n for n in names if not n.startswith("machines/")]
+    return ", ".join(rest) + f", machine scripts {some(scripts)}"
+
+
+SCRIPTS_NAMED = 8  # machine scripts the export's line names one by one

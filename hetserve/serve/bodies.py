@@ -1,8 +1,8 @@
 """Request bodies as both HTTP fronts read them (``hetserve serve``'s ``serve.app`` and ``hetserve
 route``'s ``route.server``), so that one bad body gets one answer from either: the bytes, refused
 (413) as soon as they are known to be over the limit, and the JSON object in them, refused (400)
-saying why: not UTF-8, not JSON, a lone surrogate, nested too deeply, not an object, or fields the
-request model refuses."""
+saying why: not UTF-8, not JSON, a lone surrogate, nested too deeply, an integer too long to read,
+not an object, or fields the request model refuses."""
 
 from __future__ import annotations
 
@@ -52,6 +52,10 @@ def json_object(raw: bytes, empty: dict | None = None) -> dict:
                              f"{exc.object[exc.start:exc.end]!r})") from exc
     except RecursionError as exc:
         raise InvalidRequest("request body is nested too deeply") from exc
+    except ValueError as exc:
+        # an integer literal of over 4,300 digits: Python refuses to convert it (a guard against
+        # quadratic-time parsing), a ValueError json.loads lets through; a client error, not a fault
+        raise InvalidRequest(f"request body: {exc}".split(";")[0]) from exc
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
     return data

@@ -23,6 +23,7 @@ def _body(**fields) -> bytes:
 BAD = [
     (b'{"model": "tiny", "prompt": "\\ud800"}', None),  # a lone surrogate: valid JSON, not text
     (NESTED, None),
+    (b'{"model": "tiny", "prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}", None),  # past int's 4,300 digits
     (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "temperature"),
     (b'{"model": "tiny", "prompt": "x", "max_tokens": 1e999}', "max_tokens"),
     (_body(n=0), "n"),

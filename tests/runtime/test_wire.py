@@ -3,6 +3,7 @@ before what is allocated, who gets through the handshake."""
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import shutil
@@ -10,6 +11,7 @@ import socket
 import struct
 import subprocess
 import threading
+import time
 
 import pytest
 import torch
@@ -131,6 +133,29 @@ def test_a_silent_or_trickling_peer_is_dropped_at_the_handshake_deadline():
     with pytest.raises(HandshakeError, match="timed out"):
         accept_handshake(a, LinkSecurity(b"k" * 32, handshake_timeout_s=0.3))
     a.close(), b.close()
+
+
+def test_refused_connections_leave_no_thread_behind():
+    """Each connection gets a reading thread; once it is refused, nothing of it stays with the endpoint,
+    however many a peer opens."""
+    def threads() -> int:
+        gc.collect()
+        return sum(type(o) is threading.Thread for o in gc.get_objects())
+
+    b = SocketTransport("b", SECURITY)
+    try:
+        before = threads()
+        for i in range(1, 301):
+            with socket.create_connection(b.address) as s:
+                s.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 64)  # wrong greeting: refused at once
+                s.recv(64)
+            while b.rejected["handshake"] < i:  # one at a time: never "busy"
+                time.sleep(0.001)
+        while any(t.name == "b-read" for t in threading.enumerate()):
+            time.sleep(0.01)
+        assert threads() < before + 10
+    finally:
+        b.close()
 
 
 def _try(fn, *args):

@@ -185,6 +185,7 @@ class SocketTransport(Transport):
         self._scheduler_factory = scheduler_factory or (lambda src, dst: PriorityScheduler())
         self.shaper = shaper
         self._threads: list[threading.Thread] = []
+        self._threads_lock = threading.Lock()
         self._socks: set[socket.socket] = set()  # open connections, closed with the endpoint
         self._unsent = 0  # messages pushed and not yet fully written
         self._unsent_cv = threading.Condition()
@@ -247,7 +248,10 @@ class SocketTransport(Transport):
     def _spawn(self, target, name, *args) -> None:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)
         t.start()
-        self._threads.append(t)
+        with self._threads_lock:  # not self._lock: _link spawns while holding it
+            # only the threads still running are kept: every connection, a refused one included, has
+            # its reader, and a list of them all grew by a thread per connection for the endpoint's life
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
 
     def _link(self, peer: str) -> LinkScheduler:
         with self._lock:

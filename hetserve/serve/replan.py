@@ -37,6 +37,21 @@ class ReplanInputError(PlanError):
         self.param = param
 
 
+def _requested_cluster(path_or_preset: str):
+    """The cluster a re-plan request names. Its refusal names the field and what was expected, never
+    the value found: the path comes from an HTTP request, and the server may read files its caller
+    may not (a YAML file of secrets would be echoed back one value at a time). The log has it whole."""
+    from hetserve.errors import SpecError
+    from hetserve.specs.cluster import load_cluster
+
+    try:
+        return load_cluster(path_or_preset)
+    except SpecError as exc:
+        log.warning("re-plan: cluster %r refused: %s", path_or_preset, exc)
+        where = "" if exc.field in ("(file)", "(top level)", "(cluster)") else f"field '{exc.field}': "
+        raise ReplanInputError(f"cluster {path_or_preset!r}: {where}expected {exc.expected}", "cluster") from None
+
+
 def role_changes(planned: dict[str, str], live: dict[str, str], replanned: dict[str, list[str]],
                  kept: list[str]) -> dict[str, list[str]]:
     """Each kept replica whose role moved since the last plan, as its roles in order: the plan's, the
@@ -91,13 +106,12 @@ class Replanner:
         """Re-plan now; returns the record (kept / retired / added replicas, seconds per part)."""
         from hetserve.planner.options import PlanOptions
         from hetserve.planner.replan import replan
-        from hetserve.specs.cluster import load_cluster
 
         with self._lock:
             t0 = time.monotonic()
             self._note_deaths()
             eng = self.engine
-            new_cluster = load_cluster(cluster) if cluster else eng.cluster
+            new_cluster = _requested_cluster(cluster) if cluster else eng.cluster
             # the request's view of the lost devices; kept only once a plan is made (a refused
             # re-plan must not leave its devices behind for the next one)
             was_lost = set(lost) if lost is not None else set(self.lost)

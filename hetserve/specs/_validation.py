@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -111,14 +113,33 @@ def shown_name(name: str | Path) -> str:
     return str(name) or "''"
 
 
-def read_mapping(path: Path) -> dict[str, Any]:
-    """Read a YAML or JSON file that must hold a mapping at the top level."""
+# The largest spec file read (a plan of a thousand GPUs is a few megabytes). A path may come from a
+# request (``/admin/replan``'s cluster): /dev/zero would otherwise be read until memory ran out.
+MAX_SPEC_FILE_BYTES = 64 << 20
+
+
+def read_text_file(path: Path, limit: int = MAX_SPEC_FILE_BYTES) -> str:
+    """The UTF-8 text of ``path``: a regular file (not a device, FIFO or folder: opening a FIFO does
+    not block, nothing is read from the others) of at most ``limit`` bytes; SpecError otherwise."""
     try:
-        text = path.read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise SpecError(str(path), "(file)", "a regular file")
+            raw = f.read(limit + 1)
     except OSError as exc:
         raise SpecError(str(path), "(file)", "a readable file", str(exc.strerror)) from exc
+    if len(raw) > limit:
+        raise SpecError(str(path), "(file)", f"a file of at most {limit} bytes")
+    try:
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise SpecError(str(path), "(file)", "a UTF-8 text file", str(exc)) from exc
+
+
+def read_mapping(path: Path) -> dict[str, Any]:
+    """Read a YAML or JSON file that must hold a mapping at the top level."""
+    text = read_text_file(path)
     try:
         data = (json.loads(text, object_pairs_hook=_json_object) if path.suffix == ".json"
                 else yaml.load(text, Loader=_UniqueKeyLoader))

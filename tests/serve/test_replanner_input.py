@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from hetserve.errors import HetserveError
@@ -37,3 +39,21 @@ def test_a_replan_that_means_nothing_is_refused():
     with pytest.raises(HetserveError, match=r"devices \['m1:0'\] are named both lost and returned"):
         r.replan(lost=["m1:0"], returned=["m1:0"])
     assert r.lost == {"m0:1"}
+
+
+def test_a_requested_cluster_file_is_refused_without_its_contents(tmp_path):
+    """The cluster path comes from an HTTP request: a file that is no cluster is refused naming the
+    field, never the value the server read there; a device or a FIFO is never read (``/dev/zero``
+    would be read until memory ran out, a FIFO would block the re-plan forever)."""
+    r = Replanner(_Engine())
+    secrets = tmp_path / "secrets.yaml"
+    secrets.write_text("db_password: hunter2\n")
+    with pytest.raises(HetserveError, match="db_password") as refused:
+        r.replan(cluster=str(secrets))
+    assert "hunter2" not in str(refused.value)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", str(fifo)):
+        with pytest.raises(HetserveError, match="expected a regular file"):
+            r.replan(cluster=path)
+    assert not r.lost

@@ -158,6 +158,35 @@ def test_refused_connections_leave_no_thread_behind():
         b.close()
 
 
+def test_a_link_replaced_or_refused_leaves_no_connection_open():
+    """A peer that restarts elsewhere (``set_address`` to a new address) gets a new link: the old
+    link's connection is closed, not kept for the endpoint's life; nor does a refused handshake keep one."""
+    a, b1, b2 = SocketTransport("a", SECURITY), SocketTransport("b", SECURITY), SocketTransport("b", SECURITY)
+    rogue = SocketTransport("b", LinkSecurity(b"x" * 32))
+    try:
+        a.set_address("b", b1.address)
+        a.send("b", Message("result", {"n": 1}))
+        assert b1.recv(timeout=10).kind == "result"
+        assert len(a._socks) == 1
+        a.set_address("b", b2.address)  # b restarted: its new endpoint
+        a.send("b", Message("result", {"n": 2}))
+        assert b2.recv(timeout=10).kind == "result"
+        deadline = time.monotonic() + 10  # the old link's loop notices within its 0.5 s poll
+        while len(a._socks) > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(a._socks) == 1, a._socks
+        a.set_address("b", rogue.address)  # a peer without the secret: the handshake fails
+        a.send("b", Message("result", {"n": 3}))
+        assert a.recv(timeout=10).kind == "link_error"
+        deadline = time.monotonic() + 10
+        while len(a._socks) > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not a._socks, a._socks
+    finally:
+        for t in (a, b1, b2, rogue):
+            t.close()
+
+
 def _try(fn, *args):
     try:
         return fn(*args)

@@ -266,14 +266,19 @@ class SocketTransport(Transport):
     def _connect(self, peer: str) -> socket.socket:
         """A connection to ``peer`` on which this end and the peer have proved they hold the secret."""
         sock = socket.create_connection(self._addresses[peer], timeout=10)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self._client_tls is not None:
-            sock = self._client_tls.wrap_socket(sock)
-        self._socks.add(sock)
-        connect_handshake(sock, self.security, self.name)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._client_tls is not None:
+                sock = self._client_tls.wrap_socket(sock)
+            self._socks.add(sock)
+            connect_handshake(sock, self.security, self.name)
+        except BaseException:
+            self._drop(sock)  # a refused handshake leaves no connection open
+            raise
         return sock
 
     def _send_loop(self, peer: str, link: LinkScheduler) -> None:
+        sock = None
         try:
             sock = self._connect(peer)
             while not self.closed and self._links.get(peer) is link:
@@ -293,6 +298,11 @@ class SocketTransport(Transport):
         except OSError as exc:  # HandshakeError and ssl.SSLError included
             if not self.closed:
                 self.post(Message("link_error", {"peer": peer, "error": repr(exc)}))
+        finally:
+            # the link is over (replaced: its peer restarted elsewhere; or broken): its connection
+            # goes with it, or every restart of a peer kept one more socket open for good
+            if sock is not None:
+                self._drop(sock)
 
     def _accept_loop(self) -> None:
         while not self.closed:

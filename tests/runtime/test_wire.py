@@ -158,6 +158,33 @@ def test_refused_connections_leave_no_thread_behind():
         b.close()
 
 
+def test_a_flood_of_silent_connections_does_not_keep_a_peer_out():
+    """Every handshake slot held by a silent connection (an attacker reconnecting every few seconds):
+    a peer holding the secret still gets in, the oldest silent one closed to make room."""
+    from hetserve.runtime.workers.transport import MAX_UNAUTHENTICATED
+
+    patient = LinkSecurity(SECURITY.secret, handshake_timeout_s=120)  # no slot frees itself meanwhile
+    a, b = SocketTransport("a", SECURITY), SocketTransport("b", patient)
+    silent = [socket.create_connection(b.address) for _ in range(MAX_UNAUTHENTICATED)]
+    try:
+        for s in silent:  # each accepted and in its handshake: b's greeting came
+            s.settimeout(10)
+            assert s.recv(1)
+        a.set_address("b", b.address)
+        a.send("b", Message("result", {"n": 1}))
+        got = b.recv(timeout=10)
+        assert got is not None and got.kind == "result", (got, a.recv(timeout=0.1))
+        assert b.rejected["busy"] == 1
+        silent[0].settimeout(4)  # the oldest, shut by b: its greeting, then the end of the stream
+        while chunk := silent[0].recv(64):
+            assert len(chunk) <= 64
+    finally:
+        for s in silent:
+            s.close()
+        a.close()
+        b.close()
+
+
 def test_a_link_replaced_or_refused_leaves_no_connection_open():
     """A peer that restarts elsewhere (``set_address`` to a new address) gets a new link: the old
     link's connection is closed, not kept for the endpoint's life; nor does a refused handshake keep one."""

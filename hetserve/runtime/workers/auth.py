@@ -30,6 +30,7 @@ import socket
 import ssl
 import stat
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +146,36 @@ def _long_enough(secret: bytes, what: str) -> bytes:
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"{what} holds {len(secret)} bytes; at least {MIN_SECRET_BYTES} are needed")
     return secret
+
+
+class HandshakeSlots:
+    """The connections in their handshake, at most ``limit``: one more evicts the oldest. A peer that
+    holds the secret finishes in milliseconds, so the oldest is a silent or trickling one, and a flood
+    of those cannot keep a real peer out (refusing the newest did: reconnecting every few seconds held
+    every slot). A connection is held as ``[socket, evicted]``, the socket replaced by its TLS-wrapped
+    one once wrapped, so the socket shut down is the one its reader waits on."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._held: dict[int, list] = {}  # oldest first
+        self._lock = threading.Lock()
+
+    def admit(self, conn: list) -> list | None:
+        """Hold ``conn``; the oldest, evicted to make room (its socket to be shut down), or None."""
+        with self._lock:
+            evicted = None
+            if len(self._held) >= self.limit:
+                evicted = self._held.pop(next(iter(self._held)))
+                evicted[1] = True
+            self._held[id(conn)] = conn
+            return evicted
+
+    def release(self, conn: list) -> None:
+        with self._lock:
+            self._held.pop(id(conn), None)
+
+    def __len__(self) -> int:
+        return len(self._held)
 
 
 # ----------------------------------------------------------------------------- handshake

@@ -33,6 +33,7 @@ deployment's secret (``hetserve.runtime.workers.auth``). ``docs/security.md`` is
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import queue
@@ -43,7 +44,8 @@ import time
 from enum import IntEnum
 from typing import Any, Callable
 
-from hetserve.runtime.workers.auth import HandshakeError, LinkSecurity, accept_handshake, connect_handshake
+from hetserve.runtime.workers.auth import (HandshakeError, HandshakeSlots, LinkSecurity, accept_handshake,
+                                           connect_handshake)
 from hetserve.runtime.workers.link_scheduling import LinkScheduler, LinkShaper, Outgoing, PriorityScheduler
 from hetserve.runtime.workers.wire import (CHUNK_HEADER, MalformedMessage, Message, Reassembly, check_sender, decode,
                                           encode)
@@ -143,7 +145,7 @@ class InProcTransport(Transport):
 
 # ----------------------------------------------------------------------------- sockets
 
-MAX_UNAUTHENTICATED = 64  # connections still in their handshake; more are closed at once
+MAX_UNAUTHENTICATED = 64  # connections still in their handshake; one more closes the oldest (HandshakeSlots)
 HANDLING_FAILED = "handling failed for a message"  # the log line's fixed words: a GPU check greps for them
 log = logging.getLogger("hetserve.runtime.workers.transport")
 
@@ -189,7 +191,7 @@ class SocketTransport(Transport):
         self._socks: set[socket.socket] = set()  # open connections, closed with the endpoint
         self._unsent = 0  # messages pushed and not yet fully written
         self._unsent_cv = threading.Condition()
-        self._handshaking = threading.BoundedSemaphore(MAX_UNAUTHENTICATED)
+        self._handshaking = HandshakeSlots(MAX_UNAUTHENTICATED)
         self.rejected: collections.Counter[str] = collections.Counter()  # reason -> connections closed
         if self._listener is not None:
             self._spawn(self._accept_loop, f"{name}-accept")
@@ -310,37 +312,40 @@ class SocketTransport(Transport):
                 sock, _ = self._listener.accept()
             except OSError:
                 return
-            if not self._handshaking.acquire(blocking=False):
-                self._reject("busy", f"more than {MAX_UNAUTHENTICATED} connections in their handshake")
-                self._drop(sock)
-                continue
+            conn = [sock, False]
+            evicted = self._handshaking.admit(conn)
+            if evicted is not None:  # shut, not only closed: that wakes its reader's wait at once
+                self._reject("busy", f"more than {MAX_UNAUTHENTICATED} connections in their handshake: the oldest")
+                with contextlib.suppress(OSError):
+                    evicted[0].shutdown(socket.SHUT_RDWR)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._socks.add(sock)
-            self._spawn(self._read_loop, f"{self.name}-read", sock)
+            self._spawn(self._read_loop, f"{self.name}-read", conn)
 
-    def _authenticate(self, sock: socket.socket) -> tuple[socket.socket, str]:
-        """The connection after TLS (if any) and the handshake, and the name the peer proved it under;
-        HandshakeError or OSError otherwise."""
+    def _authenticate(self, conn: list) -> tuple[socket.socket, str]:
+        """The connection ``conn`` (``[socket, evicted]``, ``HandshakeSlots``) after TLS (if any) and the
+        handshake, and the name the peer proved it under; HandshakeError or OSError otherwise."""
+        sock = conn[0]
         try:
             if self._server_tls is not None:
                 sock.settimeout(self.security.handshake_timeout_s)
                 self._socks.discard(sock)
-                sock = self._server_tls.wrap_socket(sock, server_side=True)
+                sock = conn[0] = self._server_tls.wrap_socket(sock, server_side=True)
                 self._socks.add(sock)
             return sock, accept_handshake(sock, self.security)
         except BaseException:
             self._drop(sock)  # the TLS-wrapped socket, where wrapping succeeded
             raise
         finally:
-            self._handshaking.release()
+            self._handshaking.release(conn)
 
-    def _read_loop(self, sock: socket.socket) -> None:
+    def _read_loop(self, conn: list) -> None:
         try:
-            sock, peer = self._authenticate(sock)
+            sock, peer = self._authenticate(conn)
         except (HandshakeError, ssl.SSLError, OSError) as exc:
-            if not self.closed:
+            if not self.closed and not conn[1]:  # an evicted one was counted as busy
                 self._reject("handshake", repr(exc))
-            self._drop(sock)
+            self._drop(conn[0])
             return
         frames = Reassembly(self.security.max_message_bytes)
         try:

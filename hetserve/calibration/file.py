@@ -91,7 +91,7 @@ def foreign_model(path: str | Path, spec: ModelSpec) -> str | None:
     fixed costs and speed probe are that checkpoint's), naming both; None when the shapes match or
     the file does not say (calibrated before it was stamped, or a plain efficiency mapping)."""
     stamp = _model_of(read_mapping(Path(path)))
-    if stamp is None or all(stamp.get(k) == getattr(spec, k) for k in MODEL_SHAPE):
+    if not _other_shape(stamp, spec):
         return None
     return (f"{path} was calibrated on the checkpoint {_shape(stamp)}; this run's is {_shape(model_stamp(spec))}: "
             "its fixed costs are that checkpoint's")
@@ -104,6 +104,12 @@ def calibration_warnings(path: str | Path | None, devices: Iterable[Device], spe
     if not path:
         return []
     return [w for w in (foreign_calibration(path, devices), foreign_model(path, spec)) if w]
+
+
+def _other_shape(stamp: dict | None, spec: ModelSpec | None) -> bool:
+    """Whether a calibration's ``measured_on.model`` stamp is of another shape than ``spec`` (False
+    where either is missing: nothing to tell them apart by)."""
+    return stamp is not None and spec is not None and any(stamp.get(k) != getattr(spec, k) for k in MODEL_SHAPE)
 
 
 def _model_of(data: dict) -> dict | None:
@@ -182,7 +188,7 @@ def speed_reference(efficiency: str | Path | None, correction: bool = True,
     if not correction:
         return None, "as calibrated (--no-speed-correction)"
     stamp = _model_of(data)
-    if model is not None and stamp is not None and any(stamp.get(k) != getattr(model, k) for k in MODEL_SHAPE):
+    if _other_shape(stamp, model):
         return None, (f"as calibrated: its speed probe timed the checkpoint {stamp.get('name', '?')}, not "
                       f"{model.name} (another shape: their times' ratio is no speed of the machine)")
     if _on_gpu(data):

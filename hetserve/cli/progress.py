@@ -1,9 +1,12 @@
-"""The phase bar of the long commands (``calibrate``, ``compare``): one transient rich bar naming
-the phase at hand, as ``plan`` and ``simulate`` show theirs; nothing off a terminal or with --quiet
-(a transient bar cannot erase itself there: it would leave lines above the results)."""
+"""What the long commands (``calibrate``, ``compare``) run their work under: the phase bar, one
+transient rich bar naming the phase at hand, as ``plan`` and ``simulate`` show theirs (nothing off a
+terminal or with --quiet: a transient bar cannot erase itself there, it would leave lines above the
+results); and SIGTERM taken as Ctrl-C, so the workers they start are stopped either way."""
 
 from __future__ import annotations
 
+import signal
+import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -23,3 +26,23 @@ def phase_progress(console, quiet: bool) -> Iterator[Callable[..., None]]:
             bar.update(task, description=phase, completed=done or 0, total=total, refresh=True)
 
         yield report
+
+
+@contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """SIGTERM stops the block as Ctrl-C does (``KeyboardInterrupt``), then the previous handler is
+    back. Its default action ended the process at once: the probe or served deployment's workers
+    were never stopped, and those still starting outlived it, orphaned. On the main thread only
+    (where Python delivers signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

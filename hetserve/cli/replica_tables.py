@@ -6,9 +6,7 @@ plan file and in summary.json."""
 
 from __future__ import annotations
 
-from hetserve.cli.cluster_report import some
-
-MAX_ROWS = 40  # replicas listed one by one; more are grouped by kind
+from hetserve.cli.cluster_report import MAX_ROWS, some  # one rule for when a fleet's rows are grouped
 
 
 def stages_text(replica) -> str:

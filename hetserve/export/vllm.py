@@ -80,7 +80,8 @@ def build(ctx: ExportContext) -> Bundle:
 
 # Ray's servers with a fixed default port (its others pick free ones): every node's dashboard agent,
 # every head's client server. A machine whose GPUs several replicas' Ray clusters share runs a node of
-# each, and the second to take a default port fails to start: each node there gets ports of its own.
+# each, and the second cannot bind a default port (its agent then serves no HTTP; Ray 2.60): each node
+# there after the first gets ports of its own.
 RAY_AGENT_PORT = 52365  # ray start --dashboard-agent-listen-port, counting up
 RAY_CLIENT_PORT = 10001  # ray start --ray-client-server-port (heads), counting down: Ray's workers take 10002 on
 
@@ -93,7 +94,7 @@ def _own_fixed_ports(ctx: ExportContext, machine: str, head: bool) -> list[str]:
     if agent != RAY_AGENT_PORT:
         out += ["--dashboard-agent-listen-port", str(agent)]
     if head:
-        client = 2 * RAY_CLIENT_PORT - ctx.port("ray-client", machine, RAY_CLIENT_PORT)
+        client = RAY_CLIENT_PORT - ctx.port("ray-client", machine, 0)  # the machine's n-th head: n below
         if client != RAY_CLIENT_PORT:
             out += ["--ray-client-server-port", str(client)]
     return out

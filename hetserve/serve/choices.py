@@ -28,7 +28,7 @@ from fastapi.responses import StreamingResponse
 
 from hetserve.serve.coordinator import Coordinator, Prepared
 from hetserve.serve.errors import STREAM_END, error_event
-from hetserve.serve.route.sse import UNICODE_LINE_ENDS
+from hetserve.serve.line_ends import escape_text
 
 _DISCONNECT_POLL_S = 0.25
 
@@ -111,14 +111,9 @@ async def collect(c: Coordinator, reqs: list[Prepared], request) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-# a token's raw U+2028 (and the like) would cut its event's JSON in two for a client splitting lines
-# as Python does: sent escaped (``route.sse.UNICODE_LINE_ENDS`` says why)
-_UNICODE_LINE_ENDS = str.maketrans({ch: f"\\u{ord(ch):04x}" for ch in UNICODE_LINE_ENDS})
-
-
 def sse_event(data: str) -> str:
-    """One SSE event of JSON ``data``, each line end a line-splitting client might see escaped."""
-    return f"data: {data.translate(_UNICODE_LINE_ENDS)}\n\n"
+    """One SSE event of JSON ``data``, each line end a line-splitting client might see escaped (``line_ends``)."""
+    return f"data: {escape_text(data)}\n\n"
 
 
 def sse(c: Coordinator, reqs: list[Prepared], first: Callable[[Prepared], list[str]],

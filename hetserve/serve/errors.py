@@ -28,6 +28,7 @@ import logging
 from typing import Any
 
 from hetserve.policies.request_checks import SIDE_WORDS, ContextExceeded, KVNeverFits, RequestRefused
+from hetserve.serve.request_ids import current_request_id
 
 log = logging.getLogger("hetserve.serve")
 
@@ -231,8 +232,6 @@ _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 def _naming(what: str) -> str:
     """``what`` with the request's id (``x-request-id``, ``request_ids``), which the client can quote."""
-    from hetserve.serve.request_ids import current_request_id
-
     rid = current_request_id()
     return f"{what} [{rid}]" if rid else what
 

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import signal
-import threading
-from contextlib import contextmanager
-from typing import Iterator
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -43,26 +39,6 @@ SKIPS = {
 }
 
 
-@contextmanager
-def stop_on_sigterm() -> Iterator[None]:
-    """SIGTERM stops the block as Ctrl-C does (``KeyboardInterrupt``), then the previous handler is
-    back. Its default action ended the process at once: the probe or served deployment's workers
-    were never stopped, and those still starting outlived it, orphaned. On the main thread only
-    (where Python delivers signals)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="measure the engine here and fit the cost model's efficiency",
                        description="Serve the model on one device, measure prefill and decode times on the engine "
@@ -95,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.specs.gpus import gpu
 
     from hetserve.cli.model_dir import check_model_dir
-    from hetserve.cli.progress import phase_progress
+    from hetserve.cli.progress import phase_progress, stop_on_sigterm
     from hetserve.output_path import check_distinct, check_output_file
 
     if args.profiles:

@@ -55,9 +55,8 @@ def run(args: argparse.Namespace) -> int:
     from hetserve.errors import RuntimeFailure
     from hetserve.planner.plan import Plan
 
-    from hetserve.cli.commands.calibrate import stop_on_sigterm
     from hetserve.cli.model_dir import check_model_dir, plan_cluster
-    from hetserve.cli.progress import phase_progress
+    from hetserve.cli.progress import phase_progress, stop_on_sigterm
     from hetserve.output_path import check_output_folder
 
     if args.output:

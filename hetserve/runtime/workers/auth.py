@@ -148,31 +148,40 @@ def _long_enough(secret: bytes, what: str) -> bytes:
     return secret
 
 
+@dataclass(eq=False)
+class PendingConnection:
+    """A connection in its handshake: its socket (the TLS-wrapped one, once wrapped: the one its reader
+    waits on, so the one to shut down) and whether ``HandshakeSlots`` evicted it."""
+
+    sock: socket.socket
+    evicted: bool = False
+
+
 class HandshakeSlots:
     """The connections in their handshake, at most ``limit``: one more evicts the oldest. A peer that
     holds the secret finishes in milliseconds, so the oldest is a silent or trickling one, and a flood
     of those cannot keep a real peer out (refusing the newest did: reconnecting every few seconds held
-    every slot). A connection is held as ``[socket, evicted]``, the socket replaced by its TLS-wrapped
-    one once wrapped, so the socket shut down is the one its reader waits on."""
+    every slot)."""
 
     def __init__(self, limit: int):
         self.limit = limit
-        self._held: dict[int, list] = {}  # oldest first
+        self._held: dict[PendingConnection, None] = {}  # oldest first
         self._lock = threading.Lock()
 
-    def admit(self, conn: list) -> list | None:
+    def admit(self, conn: PendingConnection) -> PendingConnection | None:
         """Hold ``conn``; the oldest, evicted to make room (its socket to be shut down), or None."""
         with self._lock:
             evicted = None
             if len(self._held) >= self.limit:
-                evicted = self._held.pop(next(iter(self._held)))
-                evicted[1] = True
-            self._held[id(conn)] = conn
+                evicted = next(iter(self._held))
+                del self._held[evicted]
+                evicted.evicted = True
+            self._held[conn] = None
             return evicted
 
-    def release(self, conn: list) -> None:
+    def release(self, conn: PendingConnection) -> None:
         with self._lock:
-            self._held.pop(id(conn), None)
+            self._held.pop(conn, None)
 
     def __len__(self) -> int:
         return len(self._held)

@@ -44,8 +44,8 @@ import time
 from enum import IntEnum
 from typing import Any, Callable
 
-from hetserve.runtime.workers.auth import (HandshakeError, HandshakeSlots, LinkSecurity, accept_handshake,
-                                           connect_handshake)
+from hetserve.runtime.workers.auth import (HandshakeError, HandshakeSlots, LinkSecurity, PendingConnection,
+                                           accept_handshake, connect_handshake)
 from hetserve.runtime.workers.link_scheduling import LinkScheduler, LinkShaper, Outgoing, PriorityScheduler
 from hetserve.runtime.workers.wire import (CHUNK_HEADER, MalformedMessage, Message, Reassembly, check_sender, decode,
                                           encode)
@@ -312,25 +312,25 @@ class SocketTransport(Transport):
                 sock, _ = self._listener.accept()
             except OSError:
                 return
-            conn = [sock, False]
+            conn = PendingConnection(sock)
             evicted = self._handshaking.admit(conn)
             if evicted is not None:  # shut, not only closed: that wakes its reader's wait at once
                 self._reject("busy", f"more than {MAX_UNAUTHENTICATED} connections in their handshake: the oldest")
                 with contextlib.suppress(OSError):
-                    evicted[0].shutdown(socket.SHUT_RDWR)
+                    evicted.sock.shutdown(socket.SHUT_RDWR)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._socks.add(sock)
             self._spawn(self._read_loop, f"{self.name}-read", conn)
 
-    def _authenticate(self, conn: list) -> tuple[socket.socket, str]:
-        """The connection ``conn`` (``[socket, evicted]``, ``HandshakeSlots``) after TLS (if any) and the
-        handshake, and the name the peer proved it under; HandshakeError or OSError otherwise."""
-        sock = conn[0]
+    def _authenticate(self, conn: PendingConnection) -> tuple[socket.socket, str]:
+        """The connection after TLS (if any) and the handshake, and the name the peer proved it under;
+        HandshakeError or OSError otherwise."""
+        sock = conn.sock
         try:
             if self._server_tls is not None:
                 sock.settimeout(self.security.handshake_timeout_s)
                 self._socks.discard(sock)
-                sock = conn[0] = self._server_tls.wrap_socket(sock, server_side=True)
+                sock = conn.sock = self._server_tls.wrap_socket(sock, server_side=True)
                 self._socks.add(sock)
             return sock, accept_handshake(sock, self.security)
         except BaseException:
@@ -339,13 +339,13 @@ class SocketTransport(Transport):
         finally:
             self._handshaking.release(conn)
 
-    def _read_loop(self, conn: list) -> None:
+    def _read_loop(self, conn: PendingConnection) -> None:
         try:
             sock, peer = self._authenticate(conn)
         except (HandshakeError, ssl.SSLError, OSError) as exc:
-            if not self.closed and not conn[1]:  # an evicted one was counted as busy
+            if not self.closed and not conn.evicted:  # an evicted one was counted as busy
                 self._reject("handshake", repr(exc))
-            self._drop(conn[0])
+            self._drop(conn.sock)
             return
         frames = Reassembly(self.security.max_message_bytes)
         try:

@@ -334,7 +334,8 @@ class Router:
                 in_flight.set(b.in_flight)
 
     async def _relay(self, b: Backend, resp, first: bytes, chunks) -> AsyncIterator[bytes]:
-        from hetserve.serve.route.sse import EventCutter, escape_line_ends
+        from hetserve.serve.line_ends import escape_line_ends
+        from hetserve.serve.route.sse import EventCutter
 
         outcome = "200"
         cutter = EventCutter()  # whole events only reach the client (route.sse says why)
@@ -347,7 +348,7 @@ class Router:
                 if whole:
                     if outcome == "200" and _ERROR_EVENT.search(whole):
                         outcome = "error"  # the backend ended it with an error event (relayed as it is)
-                    yield escape_line_ends(whole)  # as serve sends its own (route.sse says why)
+                    yield escape_line_ends(whole)  # as serve sends its own (line_ends says why)
                 if cutter.too_long:
                     reason = f"backend {b.id} sent an event over {cutter.max_event_bytes} bytes"
                     break

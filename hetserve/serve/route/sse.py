@@ -18,21 +18,6 @@ _LONGEST_END = 4  # b"\r\n\r\n"
 
 MAX_EVENT_BYTES = 4 << 20  # a backend's event longer than this ends its stream as a broken one
 
-# Characters that Python's str.splitlines (and so httpx's ``aiter_lines``) ends a line at, beyond the
-# CR / LF that end an SSE line: one raw inside an event's JSON cuts it in two for such a client. JSON
-# may escape any character and they occur only inside JSON strings, so each goes out escaped, in
-# serve's own events (``choices.sse_event``) and in a backend's that route relays (``escape_line_ends``).
-UNICODE_LINE_ENDS = ("\x85", "\u2028", "\u2029")
-_ESCAPED = [(ch.encode(), f"\\u{ord(ch):04x}".encode()) for ch in UNICODE_LINE_ENDS]
-
-
-def escape_line_ends(events: bytes) -> bytes:
-    """``events`` (whole ones: no character is cut) with each of ``UNICODE_LINE_ENDS`` escaped."""
-    for raw, escaped in _ESCAPED:
-        if raw in events:
-            events = events.replace(raw, escaped)
-    return events
-
 
 class EventCutter:
     """Feed it a stream's chunks; it gives back the bytes up to the last whole event's end and holds

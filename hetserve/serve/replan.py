@@ -150,8 +150,8 @@ class Replanner:
             record = {"trigger": trigger, "lost": sorted(self.lost), "plan_s": t_planned - t0, **record,
                       "role_changes": role_changes(planned, live, dict(record.get("roles") or {}), record["kept"]),
                       "total_s": time.monotonic() - t0}
-            self.history.append(record)
-            # one a failure forced is what an operator must see at the default log level
+            # one a failure forced is what an operator must see at the default log level; logged
+            # before the record is published, so whoever sees it in ``history`` finds the line too
             log.log(logging.WARNING if trigger == "failure" else logging.INFO,
                     "re-plan (%s; lost devices: %s): kept %s (roles changed in place since the last plan: %s), "
                     "retired %s, added %s; planning %.2f s, start-up %.2f s, total %.2f s", trigger,
@@ -159,6 +159,7 @@ class Replanner:
                     ", ".join(f"{rid} {' -> '.join(chain)}" for rid, chain in record["role_changes"].items()) or "none",
                     record["retired"], _with_pids(record["added"], plan, eng.worker_pids()),
                     record["plan_s"], record["start_s"], record["total_s"])
+            self.history.append(record)
             return record
 
     def _note_deaths(self) -> list[dict[str, Any]]:

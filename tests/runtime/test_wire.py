@@ -214,6 +214,29 @@ def test_a_link_replaced_or_refused_leaves_no_connection_open():
             t.close()
 
 
+def test_a_peer_not_listening_yet_is_connected_on_a_later_try():
+    """A message sent to a peer's address before its endpoint listens (a worker still starting, or a
+    connection closed in its handshake) arrives once it does: the link's connection is tried again
+    with back-off, where the first refusal ended the link and lost everything sent on it."""
+    from hetserve.runtime.workers.rendezvous import PortRange
+
+    with socket.socket() as probe:  # a port nothing listens on (for now)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    a, b = SocketTransport("a", SECURITY), None
+    try:
+        a.set_address("b", ("127.0.0.1", port))
+        a.send("b", Message("result", {"n": 1}))
+        time.sleep(0.3)  # the first connection is refused meanwhile
+        b = SocketTransport("b", SECURITY, ports=PortRange(port, port))
+        got = b.recv(timeout=10)
+        assert got is not None and got.kind == "result" and got.meta == {"n": 1}, (got, a.recv(timeout=0.1))
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+
+
 def _try(fn, *args):
     try:
         return fn(*args)

@@ -52,6 +52,11 @@ class HandshakeError(ConnectionError):
     """A peer that did not prove it holds the deployment's secret (or spoke something else)."""
 
 
+class HandshakeCut(HandshakeError):
+    """A handshake that ended unfinished (closed or timed out): no proof was refused, so a later
+    try may pass (the peer closed it to make room, or was busy)."""
+
+
 @dataclass(frozen=True)
 class TLSFiles:
     """PEM files for TLS on the runtime's links: this process's certificate and key, and the CA bundle
@@ -236,13 +241,13 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     while len(buf) < n:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise HandshakeError("handshake timed out")
+            raise HandshakeCut("handshake timed out")
         sock.settimeout(left)
         try:
             got = sock.recv(n - len(buf))
         except socket.timeout:
-            raise HandshakeError("handshake timed out") from None
+            raise HandshakeCut("handshake timed out") from None
         if not got:
-            raise HandshakeError("connection closed during the handshake")
+            raise HandshakeCut("connection closed during the handshake")
         buf += got
     return bytes(buf)

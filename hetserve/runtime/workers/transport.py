@@ -44,11 +44,11 @@ import time
 from enum import IntEnum
 from typing import Any, Callable
 
-from hetserve.runtime.workers.auth import (HandshakeError, HandshakeSlots, LinkSecurity, PendingConnection,
-                                           accept_handshake, connect_handshake)
+from hetserve.runtime.workers.auth import (HandshakeCut, HandshakeError, HandshakeSlots, LinkSecurity,
+                                           PendingConnection, accept_handshake, connect_handshake)
 from hetserve.runtime.workers.link_scheduling import LinkScheduler, LinkShaper, Outgoing, PriorityScheduler
 from hetserve.runtime.workers.wire import (CHUNK_HEADER, MalformedMessage, Message, Reassembly, check_sender, decode,
-                                          encode)
+                                          encode, read_exact, read_into)
 
 
 class Priority(IntEnum):
@@ -146,6 +146,10 @@ class InProcTransport(Transport):
 # ----------------------------------------------------------------------------- sockets
 
 MAX_UNAUTHENTICATED = 64  # connections still in their handshake; one more closes the oldest (HandshakeSlots)
+# A link's connection that fails before any byte of a message was sent, in a way that may pass (the
+# peer not listening yet, or its handshake cut by a flood of connections: see HandshakeSlots), is
+# tried again after 0.05 s, then twice as long each time up to 1 s, for this long before link_error.
+CONNECT_PATIENCE_S = 5.0
 HANDLING_FAILED = "handling failed for a message"  # the log line's fixed words: a GPU check greps for them
 log = logging.getLogger("hetserve.runtime.workers.transport")
 
@@ -279,11 +283,26 @@ class SocketTransport(Transport):
             raise
         return sock
 
+    def _connect_patiently(self, peer: str, link: LinkScheduler) -> socket.socket | None:
+        """``_connect``, tried again with back-off for up to ``CONNECT_PATIENCE_S`` while ``link`` is
+        still the peer's (None once it is not: replaced, or the endpoint closed); the last error then."""
+        delay, give_up = 0.05, time.monotonic() + CONNECT_PATIENCE_S
+        while True:
+            try:
+                return self._connect(peer)
+            except (HandshakeCut, ConnectionRefusedError, ConnectionResetError, TimeoutError, ssl.SSLEOFError):
+                if time.monotonic() + delay > give_up:  # a refused proof or certificate is not tried again
+                    raise
+            time.sleep(delay)
+            delay = min(2 * delay, 1.0)
+            if self.closed or self._links.get(peer) is not link:
+                return None
+
     def _send_loop(self, peer: str, link: LinkScheduler) -> None:
         sock = None
         try:
-            sock = self._connect(peer)
-            while not self.closed and self._links.get(peer) is link:
+            sock = self._connect_patiently(peer, link)
+            while sock is not None and not self.closed and self._links.get(peer) is link:
                 chunk = link.pop(timeout=0.5)
                 if chunk is None:
                     continue
@@ -350,9 +369,9 @@ class SocketTransport(Transport):
         frames = Reassembly(self.security.max_message_bytes)
         try:
             while True:
-                header = CHUNK_HEADER.unpack(_read_exact(sock, CHUNK_HEADER.size))
+                header = CHUNK_HEADER.unpack(read_exact(sock, CHUNK_HEADER.size))
                 view = frames.chunk(*header)
-                _read_into(sock, view)
+                read_into(sock, view)
                 payload = frames.complete(header[0], header[3])
                 if payload is not None:
                     msg = decode(payload)
@@ -390,16 +409,3 @@ class SocketTransport(Transport):
         (log.warning if first else log.debug)("%s: closed a connection (%s): %s%s", self.name, reason, detail,
                                               "; later ones are logged at debug level" if first else "")
 
-
-def _read_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    _read_into(sock, memoryview(buf))
-    return bytes(buf)
-
-
-def _read_into(sock: socket.socket, view: memoryview) -> None:
-    while view.nbytes:
-        got = sock.recv_into(view)
-        if not got:
-            raise EOFError("connection closed")
-        view = view[got:]

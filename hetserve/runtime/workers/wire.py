@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import socket
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -232,3 +233,19 @@ class Reassembly:
             return None
         del self.received[msg_id]
         return self.partial.pop(msg_id)
+
+
+def read_exact(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes from ``sock`` (EOFError if the peer closes first)."""
+    buf = bytearray(n)
+    read_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def read_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock`` (EOFError if the peer closes first)."""
+    while view.nbytes:
+        got = sock.recv_into(view)
+        if not got:
+            raise EOFError("connection closed")
+        view = view[got:]

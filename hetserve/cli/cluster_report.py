@@ -9,18 +9,13 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from hetserve.listing import NAMES_SHOWN, some
 from hetserve.specs.cluster import GBPS, Cluster
 from hetserve.specs.cluster_file import intra_link_kind
 
 # rows a table lists one by one; past it, rows with the same figures are grouped into one (every
 # preset stays within it: 9 machines, 36 pairs)
 MAX_ROWS = 40
-NAMES_SHOWN = 3  # names a grouped row shows before its "…"
-
-
-def some(names: list[str], limit: int = NAMES_SHOWN) -> str:
-    """``a, b, c`` or, past ``limit`` names, their count first: ``171: a, b, c, …``."""
-    return ", ".join(names) if len(names) <= limit else f"{len(names):,}: " + ", ".join(names[:limit]) + ", …"
 
 
 def _fmt_link(latency_s: float, bandwidth: float) -> str:

@@ -6,7 +6,8 @@ plan file and in summary.json."""
 
 from __future__ import annotations
 
-from hetserve.cli.cluster_report import MAX_ROWS, some  # one rule for when a fleet's rows are grouped
+from hetserve.cli.cluster_report import MAX_ROWS  # one rule for when a fleet's rows are grouped
+from hetserve.listing import some
 
 
 def stages_text(replica) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from hetserve.listing import and_more
 from hetserve.specs.cluster import machine_of
 
 # Ports a bundle hands out, each counting up per replica (or per machine) from its base. Fixed
@@ -33,7 +34,7 @@ def address_note(plan, cluster) -> str | None:
     if not missing:
         return None
     many = len(missing) > 1
-    return (f"cluster '{cluster.name}' gives no `address` for machine{'s' if many else ''} {', '.join(missing)}: "
+    return (f"cluster '{cluster.name}' gives no `address` for machine{'s' if many else ''} {and_more(missing)}: "
             f"the scripts use {'their names' if many else 'its name'} as host names instead (e.g. "
             f"`--host {missing[0]}`), which every machine must resolve on the pool's network; add `address: IP` "
             f"to {'each of them' if many else 'it'} in the cluster file and export again")
@@ -47,7 +48,7 @@ def checkpoint_note(plan, model_path: str) -> str | None:
         return None
     machines = list(dict.fromkeys(machine_of(d) for d in plan.devices))
     return (f"the scripts load the checkpoint from {model_path}, its path on this machine: "
-            f"{'each of ' + ', '.join(machines) if len(machines) > 1 else machines[0]} must hold it at that path "
+            f"{'each of ' + and_more(machines) if len(machines) > 1 else machines[0]} must hold it at that path "
             "(copy it there, or export again with --model naming where the machines hold it)")
 
 

@@ -123,3 +123,19 @@ def test_ray_nodes_sharing_a_machine_each_get_ports_of_their_own_where_rays_are_
     assert "--ray-client-server-port" not in heads[0]
     assert heads[1][heads[1].index("--ray-client-server-port") + 1] == "10000"  # below Ray's worker ports
     assert all("--ray-client-server-port" not in a for a in starts["b0"])  # no client server on a worker node
+
+
+def test_a_fleets_notes_name_a_few_machines_and_count_the_rest(tmp_path):
+    """171 machines without an address (or each to hold the checkpoint) make one readable sentence:
+    the first eight by name and the count of the rest, not every name."""
+    from types import SimpleNamespace
+
+    from hetserve.export.common import address_note, checkpoint_note
+
+    plan = SimpleNamespace(devices=[f"m{i}:{g}" for i in range(171) for g in range(2)])
+    note = address_note(plan, SimpleNamespace(name="fleet", machine_addresses={"m3": "10.0.0.3"}))
+    assert "machines m0, m1, m2, m4, m5, m6, m7, m8 and 162 more: " in note and "m9" not in note, note
+    held = checkpoint_note(plan, str(tmp_path))
+    assert "each of m0, m1, m2, m3, m4, m5, m6, m7 and 163 more must hold it" in held and "m8" not in held, held
+    few = address_note(SimpleNamespace(devices=["a:0", "b:0"]), SimpleNamespace(name="two", machine_addresses={}))
+    assert "machines a, b: " in few

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from hetserve.cli.commands.serve import port_range_arg
 from hetserve.export.common import RAY_PORT
+from hetserve.listing import some
 
 
 def register(subparsers) -> None:
@@ -111,8 +112,6 @@ def _cluster_file(given: str | None, plan, plan_path: str) -> str | None:
 def _written(paths, out: str) -> str:
     """The files written, by name; a fleet's machine scripts (one per machine) as their count and a
     few names, so 171 machines do not make a paragraph of ``machines/m42.sh``."""
-    from hetserve.cli.cluster_report import some
-
     names = [Path(p).relative_to(out).as_posix() for p in paths]
     scripts = [n for n in names if n.startswith("machines/")]
     if len(scripts) <= SCRIPTS_NAMED:

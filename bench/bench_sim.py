@@ -3,6 +3,8 @@
     .venv/bin/python -m bench.bench_sim [--repeats 1,2,4] [--plan plan.json] [--transmission fair]
     .venv/bin/python -m bench.bench_sim --fleet 43 --repeats 1,2,4   # 258 replicas, 0.83 M requests per 1x
     .venv/bin/python -m bench.bench_sim --fleet 43 --requests 10000 --repeats 1,2,4  # its first 10k, 20k, 40k
+    .venv/bin/python -m bench.bench_sim --pool 1024 --plan p1024.json --rate-scale 43 --requests 20000
+        # the planner's plan for 1,024 GPUs (256 colocated replicas), the trace 43x faster
 
 Fleet: the preset's hexgen2 plan (default hexgen2-het3: prefill, decode and colocated replicas)
 tiled ``--fleet`` times, each copy on its own machines and sites, under the Azure trace replayed
@@ -97,14 +99,20 @@ def digest(res) -> str:
 def one_row(args: argparse.Namespace, k: int) -> dict:
     """Simulate row ``k`` (k x the trace, or k x ``--requests``) and measure it."""
     preset = args.cluster or ("hexgen2-het3" if args.fleet else "hexgen2-het1")
-    cluster, model = load_cluster(preset), load_model("llama-2-70b")
-    trace = load_workload("azure-conv")
+    model, trace = load_model("llama-2-70b"), load_workload("azure-conv")
+    if args.pool:
+        from bench.lib.pools import synthetic_pool  # the checkout's (a row may run another tree's hetserve)
+
+        cluster = synthetic_pool(args.pool)
+    else:
+        cluster = load_cluster(preset)
     plan = Plan.load(args.plan) if args.plan else hexgen2_plan(cluster, model, trace)[0]
     if args.fleet:
         cluster, plan = tiled(preset, plan, args.fleet)
     wl = trace.repeat(k) if k > 1 else trace
-    if args.fleet:  # the trace replayed ``fleet`` times faster: the same load on every copy
-        wl = trace.repeat(k * args.fleet).scale_rate(args.fleet)
+    faster = args.fleet or args.rate_scale
+    if faster > 1:  # the trace replayed ``faster`` times faster (a fleet: the same load on every copy)
+        wl = trace.repeat(k * faster).scale_rate(faster)
     if args.requests:  # the first k × requests of it (per-request cost at a bounded run time)
         wl = wl.head(k * args.requests)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -120,11 +128,12 @@ def one_row(args: argparse.Namespace, k: int) -> dict:
 
 def row_in(tree: str, argv: list[str], k: int) -> dict:
     """``one_row`` in a fresh process whose ``hetserve`` is the one in ``tree`` (this file measures)."""
-    code = ("import importlib.util, json, sys; sys.path[:0] = [sys.argv[1]]; "
+    code = ("import importlib.util, json, sys; sys.path[:0] = [sys.argv[1]]; sys.path.append(sys.argv[4]); "
             "spec = importlib.util.spec_from_file_location('bench_sim_here', sys.argv[2]); "
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
-            "print(json.dumps(m.one_row(m.parser().parse_args(sys.argv[4:]), int(sys.argv[3]))))")
-    out = subprocess.run([sys.executable, "-c", code, tree, __file__, str(k), *argv], check=True,
+            "print(json.dumps(m.one_row(m.parser().parse_args(sys.argv[5:]), int(sys.argv[3]))))")
+    here = str(Path(__file__).resolve().parents[1])  # bench.lib, whichever tree's hetserve runs
+    out = subprocess.run([sys.executable, "-c", code, tree, __file__, str(k), here, *argv], check=True,
                          capture_output=True, text=True, cwd=tree).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -137,6 +146,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--placement", default="jsq")
     ap.add_argument("--cluster", help="preset (default hexgen2-het1; with --fleet hexgen2-het3)")
     ap.add_argument("--fleet", type=int, default=0, help="tile the plan this many times (0: no tiling)")
+    ap.add_argument("--pool", type=int, default=0,
+                    help="simulate on bench.lib.pools.synthetic_pool(N) instead of a preset (the planner "
+                         "benchmark's pools: at 1,024 GPUs hexgen2 plans 256 colocated replicas)")
+    ap.add_argument("--rate-scale", type=int, default=1,
+                    help="replay the trace this many times faster (with --fleet: the fleet's size)")
     ap.add_argument("--requests", type=int, default=0, help="k x this many requests per row (0: the whole trace)")
     ap.add_argument("--against", metavar="TREE",
                     help="also run every row with the hetserve of TREE (another revision's checkout, e.g. "
@@ -175,6 +189,7 @@ def main() -> None:
     first = rows[0][2]
     table = Table(title=f"simulator speed: azure-conv on {first['cluster']}, llama-2-70b, {args.plan or 'hexgen2'} "
                         f"plan{f' x{args.fleet}' if args.fleet else ''} ({first['replicas']} replicas), "
+                        f"{f'the trace {args.rate_scale}x faster, ' if args.rate_scale > 1 and not args.fleet else ''}"
                         f"{args.placement} + {args.transmission}", title_justify="left")
     for col in ("code", "trace", "requests", "simulated (s)", "wall (s)", "CPU (s)", "x real time",
                 "us CPU / request", "events", "completed", "tokens/s", "peak MB", "results"):

@@ -408,4 +408,3 @@ class SocketTransport(Transport):
             first = self.rejected[reason] == 1
         (log.warning if first else log.debug)("%s: closed a connection (%s): %s%s", self.name, reason, detail,
                                               "; later ones are logged at debug level" if first else "")
-

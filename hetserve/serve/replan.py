@@ -157,7 +157,7 @@ class Replanner:
                     "retired %s, added %s; planning %.2f s, start-up %.2f s, total %.2f s", trigger,
                     record["lost"] or "none", record["kept"],
                     ", ".join(f"{rid} {' -> '.join(chain)}" for rid, chain in record["role_changes"].items()) or "none",
-                    record["retired"], _with_pids(record["added"], plan, eng.worker_pids()),
+                    record["retired"], _with_pids(record["added"], eng.plan, eng.worker_pids()),
                     record["plan_s"], record["start_s"], record["total_s"])
             self.history.append(record)
             return record
@@ -190,6 +190,10 @@ class Replanner:
 
 def _with_pids(added: list[str], plan, pids: dict[str, int]) -> str:
     """The added replicas with their workers' devices and process ids (for an operator's ps / kill,
-    as the start-up banner names the first ones)."""
-    return ", ".join(f"{rid} ({', '.join(f'{d} pid {pids[d]}' for d in plan.replica(rid).devices if d in pids)})"
-                     for rid in added) or "none"
+    as the start-up banner names the first ones). ``plan`` is the engine's plan after the re-plan:
+    ``added`` holds the engine's ids, which differ from the planner's where it renamed a replica
+    named like one retired earlier. A replica it lacks is named alone: the line reports a re-plan
+    that has happened, and must never turn it into a failed one."""
+    devices = {r.id: r.devices for r in plan.replicas}
+    return ", ".join(f"{rid} ({', '.join(f'{d} pid {pids[d]}' for d in devices[rid] if d in pids)})"
+                     if rid in devices else rid for rid in added) or "none"

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from hetserve.errors import PlanError
+from hetserve.errors import HetserveError, PlanError
 
 log = logging.getLogger("hetserve.serve")
 
@@ -180,8 +180,13 @@ class Replanner:
                 record = self.replan(trigger="failure")
                 record["failure_to_serving_s"] = time.monotonic() - first["at"]
             except Exception as exc:  # noqa: BLE001 - the engine keeps serving on what it has
+                # hetserve's own errors are worded for the operator; any other is a bug, named with its
+                # type and logged with its traceback (a KeyError's text alone is the bare key)
+                ours = isinstance(exc, HetserveError)
                 why = str(exc) or repr(exc)  # an exception without a message still says what it was
-                log.error("re-plan after %s failed: %s", first["why"], why)
+                if not ours and str(exc):
+                    why = f"{type(exc).__name__}: {exc}"
+                log.error("re-plan after %s failed: %s", first["why"], why, exc_info=None if ours else exc)
                 self.engine.end_hold(f"the re-plan failed: {why}")  # nothing held unless no replica is left
 
     def close(self) -> None:

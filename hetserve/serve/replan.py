@@ -26,6 +26,9 @@ log = logging.getLogger("hetserve.serve")
 # how much longer than the planner's time limit requests wait, with no replica left, for the
 # re-plan's replicas: their workers start and load (seconds on a CPU, a minute or more on GPUs)
 HOLD_MARGIN_S = 120.0
+# plans made per re-plan when workers die while the planner runs: each death planned around costs a
+# search (up to the time limit), so a cascade of deaths is left to the watcher's next re-plan
+PLAN_TRIES = 3
 
 
 class ReplanInputError(PlanError):
@@ -133,7 +136,6 @@ class Replanner:
                                        f"now: {sorted(was_lost) or 'none'})", "returned")
             new_lost = was_lost - back
             running = eng.stats().get("replicas", {})
-            dead = {rid for rid, s in running.items() if not s.get("alive", True)}
             # roles as they run now: a worker's death may have switched some from the plan's (a prefill
             # replica decoding in place), which the re-plan then keeps and reports as no change
             planned = {r.id: r.role for r in eng.plan.replicas}
@@ -141,9 +143,20 @@ class Replanner:
             spec, fit = self._servable()
             if fit.note:
                 log.info("re-plan: %s", fit.note)
-            plan = replan(new_cluster, spec, fit.workload, eng.plan, new_lost,
-                          algorithm=self.algorithm, dead_replicas=dead,
-                          options=PlanOptions(seed=self.seed, time_limit_s=self.time_limit_s))
+            for tries_left in range(PLAN_TRIES - 1, -1, -1):
+                dead = {rid for rid, s in running.items() if not s.get("alive", True)}
+                plan = replan(new_cluster, spec, fit.workload, eng.plan, new_lost,
+                              algorithm=self.algorithm, dead_replicas=dead,
+                              options=PlanOptions(seed=self.seed, time_limit_s=self.time_limit_s))
+                # a worker that died while the planner ran: its replica is in the plan as kept, and the
+                # engine (keeping only live replicas) would start a copy of it on the dead device; plan
+                # again without it (the last try leaves a later death to the watcher's next re-plan)
+                if not tries_left or len(eng.stats().get("deaths", [])) <= self._seen_deaths:
+                    break
+                late = sorted(d["worker"] for d in self._note_deaths())
+                log.warning("re-plan: worker(s) %s died while it planned; planning again without them", late)
+                new_lost |= set(late)
+                running = eng.stats().get("replicas", {})
             self.lost = new_lost
             t_planned = time.monotonic()
             record = eng.reconfigure(plan, new_cluster)

@@ -52,3 +52,17 @@ def test_a_worker_that_exited_after_reporting_it_could_not_listen_is_worded_the_
                                              r"--port-range 22000-22004: no free port left"):
         _group()._await_all("ready", "load its shard and capture its graphs", {"m1:0": SimpleNamespace(exitcode=1)},
                             lambda timeout: messages.pop() if messages else None)
+
+
+def test_a_new_replicas_worker_failing_in_a_re_plan_is_named_from_the_replicas_being_started(monkeypatch):
+    """A re-plan's new replicas are not in the group's layout until they have started: a worker of
+    one that fails while loading is named from them (it was a bare StopIteration from the lookup)."""
+    group = _group()
+    new = SimpleNamespace(name="m2:0", replica="c2", stage=1, tp_rank=0)
+    started = {"m2:0": SimpleNamespace(exitcode=None, kill=lambda: None, join=lambda timeout=None: None)}
+    monkeypatch.setattr(group, "_spawn", lambda replicas, make_config, start_method: started)
+    messages = [Message("error", {"worker": "m2:0", "error": LOAD_ERROR})]
+    with pytest.raises(RuntimeFailure, match=r"^worker m2:0 \(replica c2, stage 1, TP rank 0\) failed to load its "
+                                             r"shard and capture its graphs: RuntimeError: checkpoint shard"):
+        group.start_more((SimpleNamespace(id="c2", workers=(new,)),), (), None, "spawn",
+                         lambda timeout: messages.pop() if messages else None)

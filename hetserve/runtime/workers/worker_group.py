@@ -67,7 +67,7 @@ class WorkerGroup:
         The caller adds the processes to the group (on the coordinator's thread)."""
         procs = self._spawn(replicas, make_config, start_method)
         try:
-            got = self._await_all("ready", "load its shard and capture its graphs", procs, recv)
+            got = self._await_all("ready", "load its shard and capture its graphs", procs, recv, replicas)
             fresh = {name: m["address"] for name, m in got.items()}
             self.loads.update({name: m["load"] for name, m in got.items() if "load" in m})
             for name, addr in fresh.items():
@@ -77,7 +77,7 @@ class WorkerGroup:
             for name in running:
                 self.transport.send(name, update, Priority.CONTROL)
             self._connect(procs, {**{n: self.addresses[n] for n in running if n in self.addresses}, **fresh},
-                          layout, recv)
+                          layout, recv, replicas)
             self.addresses.update(fresh)
         except BaseException:
             kill_processes(procs)
@@ -121,7 +121,7 @@ class WorkerGroup:
         pairs = {n: tuple(p for p in ps if p.kind in kinds) for n, ps in pairs.items()}
         return {n: ps for n, ps in pairs.items() if ps}
 
-    def _connect(self, procs, addresses: dict[str, Any], layout, recv) -> None:
+    def _connect(self, procs, addresses: dict[str, Any], layout, recv, among=None) -> None:
         book = {**addresses, ENGINE: self.transport.address}
         for name, addr in book.items():
             if name != ENGINE:
@@ -129,9 +129,11 @@ class WorkerGroup:
         meta = {"addresses": book} if layout is None else {"addresses": book, "layout": layout}
         for name in procs:
             self.transport.send(name, Message("peers", meta), Priority.CONTROL)
-        self._await_all("peers_ack", "connect to its peers", procs, recv)
+        self._await_all("peers_ack", "connect to its peers", procs, recv, among)
 
-    def _await_all(self, kind: str, what: str, procs: dict[str, Any], recv) -> dict[str, dict]:
+    def _await_all(self, kind: str, what: str, procs: dict[str, Any], recv, among=None) -> dict[str, dict]:
+        """Each of ``procs``' ``kind`` message; a worker's error or exit meanwhile is a RuntimeFailure
+        naming it, looked up among ``among`` (a re-plan's new replicas, not yet in the layout) or the layout."""
         got: dict[str, dict] = {}
         deadline = time.monotonic() + self.start_timeout_s
         while len(got) < len(procs):
@@ -140,11 +142,11 @@ class WorkerGroup:
                 if msg.kind == kind:
                     got[msg.meta["worker"]] = msg.meta
                 elif msg.kind == "error":
-                    raise self._startup_failure(msg.meta["worker"], what, msg.meta["error"])
+                    raise self._startup_failure(msg.meta["worker"], what, msg.meta["error"], among=among)
             for name, p in procs.items():
                 if p.exitcode is not None:
                     err = self._drain_error(name, recv=recv)
-                    raise self._startup_failure(name, what, err, p.exitcode)
+                    raise self._startup_failure(name, what, err, p.exitcode, among)
             if time.monotonic() > deadline:
                 missing = ", ".join(sorted(set(procs) - set(got)))
                 raise RuntimeFailure(f"worker(s) {missing}: did not {what} within {self.start_timeout_s:.0f} s "
@@ -163,13 +165,14 @@ class WorkerGroup:
                 break
         return self.worker_errors.get(name)
 
-    def _startup_failure(self, name: str, what: str, error: str | None, code: int | None = None) -> RuntimeFailure:
+    def _startup_failure(self, name: str, what: str, error: str | None, code: int | None = None,
+                         among=None) -> RuntimeFailure:
         """One line naming the worker and what failed. A worker's failure while it works (loading its
         shard, connecting) arrives as a Python traceback, and is worded as a failure to do ``what``.
         A report without a traceback is the worker's own account of why it could not start before
         any of that began (``worker_process`` sends one when its endpoint cannot listen, e.g. no
         free port left in --port-range): it already says what failed, and is given as it is."""
-        w = self.worker(name)
+        w = self.worker(name, among)
         where = f"worker {name} (replica {w.replica}, stage {w.stage}, TP rank {w.tp_rank})"
         if error and not error.lstrip().startswith(TRACEBACK):
             return RuntimeFailure(f"{where} could not start: " + " ".join(error.split()))
@@ -179,8 +182,9 @@ class WorkerGroup:
             exc.add_note(error)
         return exc
 
-    def worker(self, name: str):
-        return next(w for r in self.layout for w in r.workers if w.name == name)
+    def worker(self, name: str, among=None):
+        """The spec of worker ``name``, among ``among``'s replicas when given, else the layout's."""
+        return next(w for r in (among or self.layout) for w in r.workers if w.name == name)
 
     def forget(self, replica: ReplicaSpec) -> None:
         """Drop a retired replica's (killed) workers, so their devices can host a re-planned replica."""

@@ -43,6 +43,7 @@ from typing import AsyncIterator
 
 import httpx
 
+from hetserve.serve.bodies import ClientGone
 from hetserve.serve.errors import STREAM_END, APIError, ServerError, ShuttingDown, Unavailable, error_event
 from hetserve.serve.request_ids import HEADER as REQUEST_ID_HEADER, current_request_id
 from hetserve.serve.route.backends import Backend, BackendPool
@@ -59,6 +60,7 @@ class BackendFailed(Exception):
     """A backend failed before anything reached the client: try another."""
 
 
+CLIENT_POLL_S = 0.25  # how often a client waiting for its answer's first byte is checked for, as serve's
 CREDENTIALS_REFUSED = (401, 403)  # a backend's answer to the key route sends (or does not send)
 _ERROR_EVENT = re.compile(rb'(?:^|[\r\n])data: ?\{\s*"error"')  # an SSE error event, as serve and vLLM send one
 
@@ -216,20 +218,29 @@ class Router:
             self._ended = asyncio.get_running_loop().create_future()
         return self._ended
 
-    async def until_ended(self, aw):
-        """``aw``'s result, or ``ShuttingDown`` with ``end_now``'s reason if that comes first (``aw``
-        is then cancelled: its own clean-up runs)."""
+    async def until_ended(self, aw, client_gone=None):
+        """``aw``'s result; ``ShuttingDown`` if ``end_now`` comes first, ``ClientGone`` if ``client_gone()``
+        (polled) does. ``aw`` is then cancelled, closing its request to the backend: a backend that aborts
+        on a disconnect (``hetserve serve``) stops generating for nobody."""
         ended = self._end_signal()
         if ended.done():
             aw.close()
             raise ShuttingDown(ended.result())
         task = asyncio.ensure_future(aw)
-        await asyncio.wait((task, ended), return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            task.cancel()
-            await asyncio.wait((task,))
-            if task.cancelled():
-                raise ShuttingDown(ended.result())
+        try:
+            while True:
+                await asyncio.wait((task, ended), timeout=CLIENT_POLL_S if client_gone else None,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if task.done():
+                    return task.result()
+                if ended.done() or await client_gone():
+                    break
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait((task,))
+        if task.cancelled():
+            raise ShuttingDown(ended.result()) if ended.done() else ClientGone()
         return task.result()  # it finished before the cancel landed: its answer stands
 
     # ------------------------------------------------------------------ requests

@@ -44,8 +44,8 @@ def create_app(router: Router, auth: APIAuth | None = None):
         raw = await read_bytes(request, DEFAULT_MAX_BODY_BYTES)  # serve's limit and reading: one body, one answer
         return json_object(raw), raw
 
-    async def forward(path: str, body: dict, raw: bytes):
-        status, data, stream = await router.until_ended(router.answer(path, body, raw))
+    async def forward(request: Request, path: str, body: dict, raw: bytes):
+        status, data, stream = await router.until_ended(router.answer(path, body, raw), request.is_disconnected)
         if stream is not None:
             return StreamingResponse(stream, media_type="text/event-stream")
         return JSONResponse(data, status_code=status)
@@ -54,13 +54,13 @@ def create_app(router: Router, auth: APIAuth | None = None):
     async def completions(request: Request):
         body, raw = await read_body(request)
         validated(CompletionRequest, body)  # serve's models and messages: bad input is never forwarded
-        return await forward("/v1/completions", body, raw)
+        return await forward(request, "/v1/completions", body, raw)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body, raw = await read_body(request)
         validated(ChatCompletionRequest, body)
-        return await forward("/v1/chat/completions", body, raw)
+        return await forward(request, "/v1/chat/completions", body, raw)
 
     @app.get("/v1/models")
     async def models():

@@ -1,0 +1,72 @@
+"""A client that leaves route before its answer came frees the backend: route closes its request to
+the backend, so a backend that aborts on disconnect (``hetserve serve`` does) stops generating for
+nobody. Streams already did (the relay's write fails); a request answered in one body waited for
+the backend's whole answer."""
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from hetserve.serve.server import ServerThread
+
+
+class SlowBackend:
+    """An OpenAI-shaped backend whose completions take ``answer_s`` and which records when a request's
+    client (route) went away before that."""
+
+    def __init__(self, answer_s: float = 20.0):
+        from fastapi import FastAPI, Request
+        from fastapi.responses import JSONResponse
+
+        self.gone: list[float] = []  # when each abandoned request's connection closed
+        self.started = threading.Event()
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok"}
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            await request.body()
+            self.started.set()
+            end = time.monotonic() + answer_s
+            while time.monotonic() < end:
+                if await request.is_disconnected():
+                    self.gone.append(time.monotonic())
+                    return JSONResponse({}, status_code=499)
+                await asyncio.sleep(0.02)
+            return {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
+
+        self.server = ServerThread(app)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_leaving_before_its_answer_closes_routes_request_to_the_backend(stream):
+    from hetserve.serve.route.app import Router
+    from hetserve.serve.route.backends import Backend, BackendPool, RouteConfig
+    from hetserve.serve.route.server import create_app
+
+    backend = SlowBackend()
+    router = Router(BackendPool(RouteConfig((Backend("b0", "colocated", backend.server.url),)), "rr"),
+                    health_interval_s=0)
+    route = ServerThread(create_app(router))
+    try:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": stream}
+        with pytest.raises(httpx.TimeoutException):
+            # the stream's headers wait for the backend's first byte too: nothing arrives in 1 s
+            httpx.post(f"{route.url}/v1/completions", json=body, timeout=httpx.Timeout(1.0, connect=5.0))
+        left = time.monotonic()
+        assert backend.started.is_set()
+        deadline = left + 5.0
+        while not backend.gone and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # route polls its client every 0.25 s; the backend sees the close within its own poll
+        assert backend.gone, "the backend kept working for a client that had left route"
+        assert backend.gone[0] - left < 3.0
+    finally:
+        route.stop()
+        backend.server.stop()

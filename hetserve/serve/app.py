@@ -24,6 +24,7 @@ event when a stream fails after its headers were sent.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
@@ -161,6 +162,8 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
         "lost": [devices gone], "returned": [devices back]}. Answers the re-plan record."""
         if c.replanner is None:
             raise InvalidRequest("this server cannot re-plan (the Ray backend places its actors once)")
+        if c.draining:  # the re-plan's new workers would start only for the shutdown to stop them
+            raise ShuttingDown()
         data = json_object(await read_bytes(request, max_body_bytes), empty={})
         unknown = sorted(set(data) - {"cluster", "lost", "returned"})
         if unknown:
@@ -172,6 +175,9 @@ def create_app(coordinator: Coordinator, *, on_shutdown=None, auth: APIAuth | No
             v = data.get(key)
             if v is not None and not (isinstance(v, list) and all(isinstance(d, str) for d in v)):
                 raise InvalidRequest(f"'{key}' must be a list of device names", param=key)
+            twice = sorted(d for d, n in collections.Counter(v or ()).items() if n > 1)
+            if twice:  # a list written by hand or a script gone wrong: say so rather than guess
+                raise InvalidRequest(f"'{key}' names {', '.join(twice[:8])} more than once", param=key)
         try:
             record = await asyncio.to_thread(c.replanner.replan, data.get("cluster"), data.get("lost"),
                                              data.get("returned"))

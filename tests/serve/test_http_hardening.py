@@ -240,6 +240,11 @@ def test_admin_replan_forwards_its_fields_and_refuses_bad_ones(serve_fake):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     r = httpx.post(url + "/admin/replan", json={"returned": ["nope:0"]}, headers=admin)
     assert r.status_code == 400 and "nope:0" in r.json()["error"]["message"]
+    r = httpx.post(url + "/admin/replan", json={"lost": ["m0:1", "m0:0", "m0:1"]}, headers=admin)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lost" and "m0:1 more than once" in r.text
+    coord.draining = True  # a re-plan while the server shuts down would start workers only to stop them
+    r = httpx.post(url + "/admin/replan", json={}, headers=admin)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
     assert len(coord.replanner.calls) == 2  # the malformed bodies never reached the planner
 
 

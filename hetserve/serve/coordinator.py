@@ -64,7 +64,9 @@ class Coordinator:
         self.placement, self.predictor, self.clock = placement, predictor, clock
         self.metrics = ServerMetrics(lambda: (self._safe_replicas(), self._scrape("link_stats", list)),
                                      lambda: self._scrape("refused_connections"), lambda: self._scrape("channel_stats"),
-                                     lambda: self._scrape("worker_load_seconds"))
+                                     lambda: self._scrape("worker_load_seconds"),
+                                     lambda: (self._scrape("worker_deaths", int),
+                                              dict(self.replanner.counts) if self.replanner is not None else {}))
         self._seq = itertools.count(1)
         self.in_flight = 0
         self.draining = False  # set by a graceful shutdown: no new request is admitted

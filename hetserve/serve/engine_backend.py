@@ -103,6 +103,10 @@ class EngineBackend:
     def channel_stats(self) -> dict[str, dict[str, int]]:
         return self.engine.channel_stats()
 
+    def worker_deaths(self) -> int:
+        """Workers that died or were declared frozen since the engine started."""
+        return len(self.engine.stats().get("deaths", []))
+
     def worker_load_seconds(self) -> dict[str, float]:
         """Seconds each worker took to make its stage (read or draw its weights), as it measured."""
         return {w: float(load["seconds"]) for w, load in self.engine.worker_loads().items()}

@@ -26,6 +26,8 @@ scrapes.
     hetserve_link_pending_bytes{src,dst}             gauge    (link series: every sending process's counters,
                                                         each worker's as of its latest report beside its
                                                         heartbeat, wherever it runs: Engine.link_stats)
+    hetserve_worker_deaths_total                     counter  (workers that died or were declared frozen)
+    hetserve_replans_total{trigger,outcome}          counter  (trigger: failure, request; outcome: done, failed)
     hetserve_device_channel_total{worker,count}      counter  (a worker's device-channel counts as of its
                                                         latest heartbeat: transfers and bytes by path,
                                                         resent, refused, failed; runtime/workers/device_channel.py)
@@ -43,7 +45,8 @@ class ServerMetrics:
     def __init__(self, backend_snapshot: Callable[[], tuple[list, list]],
                  refused: Callable[[], dict[str, int]] = dict,
                  channels: Callable[[], dict[str, dict[str, int]]] = dict,
-                 loads: Callable[[], dict[str, float]] = dict):
+                 loads: Callable[[], dict[str, float]] = dict,
+                 faults: Callable[[], tuple[int, dict[tuple[str, str], int]]] = lambda: (0, {})):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry(auto_describe=True)
@@ -62,6 +65,7 @@ class ServerMetrics:
         r.register(_ScrapeCollector(refused, _refused_families))
         r.register(_ScrapeCollector(channels, _channel_families))
         r.register(_ScrapeCollector(loads, _load_families))
+        r.register(_ScrapeCollector(faults, _fault_families))
 
     def observe(self, ttft_s: float | None, e2e_s: float, output_tokens: int) -> None:
         if ttft_s is not None:
@@ -121,6 +125,19 @@ def _channel_families(channels: dict[str, dict[str, int]]):
     for worker, counts in sorted(channels.items()):
         for name, n in sorted(counts.items()):
             fam.add_metric([worker, name], n)
+    yield fam
+
+
+def _fault_families(faults: tuple[int, dict[tuple[str, str], int]]):
+    """Worker deaths and re-plans (``serve.replan.Replanner.counts``): what an operator alerts on."""
+    from prometheus_client.core import CounterMetricFamily
+
+    deaths, replans = faults
+    yield CounterMetricFamily("hetserve_worker_deaths", "Workers that died or were declared frozen", value=deaths)
+    fam = CounterMetricFamily("hetserve_replans", "Re-plans by trigger (failure, request) and outcome",
+                              labels=["trigger", "outcome"])
+    for (trigger, outcome), n in sorted(replans.items()):
+        fam.add_metric([trigger, outcome], n)
     yield fam
 
 

@@ -13,6 +13,7 @@ workers, and the whole "failure -> new plan serving".
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -78,6 +79,7 @@ class Replanner:
         self.workload, self.algorithm, self.time_limit_s, self.seed = workload, algorithm, time_limit_s, seed
         self.lost: set[str] = set()
         self.history: list[dict[str, Any]] = []
+        self.counts: collections.Counter[tuple[str, str]] = collections.Counter()  # (trigger, done | failed)
         self._lock = threading.Lock()
         self._seen_deaths = 0
         self._stop = threading.Event()
@@ -106,7 +108,18 @@ class Replanner:
 
     def replan(self, cluster: str | None = None, lost: list[str] | None = None,
                returned: list[str] | None = None, *, trigger: str = "request") -> dict[str, Any]:
-        """Re-plan now; returns the record (kept / retired / added replicas, seconds per part)."""
+        """Re-plan now; returns the record (kept / retired / added replicas, seconds per part). Each
+        one is counted by trigger and outcome (``counts``; /metrics' ``hetserve_replans_total``)."""
+        try:
+            record = self._replan(cluster, lost, returned, trigger)
+        except BaseException:
+            self.counts[trigger, "failed"] += 1
+            raise
+        self.counts[trigger, "done"] += 1
+        return record
+
+    def _replan(self, cluster: str | None, lost: list[str] | None, returned: list[str] | None,
+                trigger: str) -> dict[str, Any]:
         from hetserve.planner.options import PlanOptions
         from hetserve.planner.replan import replan
 

@@ -73,6 +73,17 @@ def test_killed_worker_is_replanned_and_a_returning_device_joins(model_dirs, clu
         assert eng.submit(PROMPTS[1], params, replica=joined).result(timeout=60) == want[1]
         stats = eng.stats()
         assert stats["failed"] == 0 and stats["broken"] is None
+        # /metrics counts the death and both re-plans, by trigger and outcome, as an operator alerts on them
+        from hetserve.serve.fake import ByteCodec
+        from hetserve.serve.coordinator import Coordinator
+        from hetserve.serve.engine_backend import EngineBackend
+
+        coord = Coordinator(EngineBackend(eng), ByteCodec(), "tiny")
+        coord.replanner = replanner
+        text = coord.metrics.render()[0].decode()
+        assert "hetserve_worker_deaths_total 1.0" in text, text
+        assert 'hetserve_replans_total{outcome="done",trigger="failure"} 1.0' in text
+        assert 'hetserve_replans_total{outcome="done",trigger="request"} 1.0' in text
     finally:
         replanner.close()
         eng.shutdown()

@@ -170,9 +170,12 @@ class Replanner:
                 log.warning("re-plan: worker(s) %s died while it planned; planning again without them", late)
                 new_lost |= set(late)
                 running = eng.stats().get("replicas", {})
-            self.lost = new_lost
+            # a device counts as lost until the plan without it serves: returned devices stay lost while
+            # their workers start (/health says degraded), and for good if they fail to
+            self.lost = self.lost | new_lost
             t_planned = time.monotonic()
             record = eng.reconfigure(plan, new_cluster)
+            self.lost = new_lost
             record = {"trigger": trigger, "lost": sorted(self.lost), "plan_s": t_planned - t0, **record,
                       "role_changes": role_changes(planned, live, dict(record.get("roles") or {}), record["kept"]),
                       "total_s": time.monotonic() - t0}

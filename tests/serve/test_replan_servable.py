@@ -64,3 +64,33 @@ def test_a_replan_workload_with_no_request_within_the_context_is_refused_when_se
     eng.hold_while_empty = lambda s: pytest.fail("held before the workload was checked")
     with pytest.raises(SpecError, match="long.csv.*tiny-llama's context"):  # the plan's name for the model
         Replanner(eng, workload=str(trace), on_failure=True)
+
+
+@pytest.mark.parametrize("starts", [True, False])
+def test_a_returned_device_counts_as_lost_until_its_replica_serves(starts):
+    """/health reads ``Replanner.lost``: a returned device leaves it only once the re-plan's replicas
+    have started, and stays in it if they could not (it said ``ok`` while they started, and kept
+    saying so after they failed)."""
+    from hetserve.errors import RuntimeFailure
+
+    class _Starting(_Engine):
+        fails = False
+
+        def reconfigure(self, plan, cluster):
+            self.lost_meanwhile = set(replanner.lost)
+            if self.fails:
+                raise RuntimeFailure("worker m1:1 (replica p1, stage 0, TP rank 0) failed to load its shard")
+            return super().reconfigure(plan, cluster)
+
+    eng = _Starting()
+    replanner = Replanner(eng, workload="azure-conv", time_limit_s=2)
+    replanner.replan(trigger="failure")
+    assert replanner.lost == {"m1:1"}
+    eng.fails = not starts
+    if starts:
+        replanner.replan(returned=["m1:1"])
+    else:
+        with pytest.raises(RuntimeFailure):
+            replanner.replan(returned=["m1:1"])
+    assert eng.lost_meanwhile == {"m1:1"}
+    assert replanner.lost == (set() if starts else {"m1:1"})

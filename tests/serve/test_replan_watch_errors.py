@@ -7,6 +7,9 @@ from __future__ import annotations
 import logging
 import time
 
+import pytest
+
+from hetserve.errors import PlanError
 from hetserve.serve.replan import Replanner
 from tests.serve.test_replan_servable import _Engine
 
@@ -14,9 +17,9 @@ from tests.serve.test_replan_servable import _Engine
 class _BrokenEngine(_Engine):
     _closed = False
 
-    def __init__(self):
+    def __init__(self, error: Exception):
         super().__init__()
-        self.ended = []
+        self.ended, self.error = [], error
 
     def hold_while_empty(self, seconds):
         pass
@@ -25,11 +28,15 @@ class _BrokenEngine(_Engine):
         self.ended.append(reason)
 
     def reconfigure(self, plan, cluster):
-        raise KeyError("c0.2")
+        raise self.error
 
 
-def test_an_internal_error_in_a_failures_replan_is_named_with_its_type(caplog):
-    eng = _BrokenEngine()
+@pytest.mark.parametrize("error,said,traceback", [
+    (KeyError("c0.2"), "KeyError: 'c0.2'", True),  # a bug: its type named, its traceback logged
+    # a planner's refusal is the operator's news, not a bug: its own words, no type, no traceback
+    (PlanError("re-plan: no replica fits"), "re-plan: no replica fits", False)])
+def test_a_failures_replan_that_breaks_says_why(caplog, error, said, traceback):
+    eng = _BrokenEngine(error)
     with caplog.at_level(logging.INFO, logger="hetserve.serve"):
         replanner = Replanner(eng, workload="azure-conv", time_limit_s=2, on_failure=True)
         try:
@@ -38,26 +45,7 @@ def test_an_internal_error_in_a_failures_replan_is_named_with_its_type(caplog):
                 time.sleep(0.05)
         finally:
             replanner.close()
-    assert eng.ended == ["the re-plan failed: KeyError: 'c0.2'"], eng.ended
+    assert eng.ended == [f"the re-plan failed: {said}"], eng.ended
     (rec,) = [r for r in caplog.records if r.levelno == logging.ERROR]
-    assert rec.getMessage().endswith("failed: KeyError: 'c0.2'"), rec.getMessage()
-    assert rec.exc_info is not None  # the traceback says where
-
-
-def test_a_replan_that_cannot_be_made_keeps_its_own_words(caplog):
-    """A planner's refusal (a PlanError) is the operator's news, not a bug: no type, no traceback."""
-    from hetserve.errors import PlanError
-
-    eng = _BrokenEngine()
-    eng.reconfigure = lambda plan, cluster: (_ for _ in ()).throw(PlanError("re-plan: no replica fits"))
-    with caplog.at_level(logging.INFO, logger="hetserve.serve"):
-        replanner = Replanner(eng, workload="azure-conv", time_limit_s=2, on_failure=True)
-        try:
-            end = time.monotonic() + 60
-            while not eng.ended and time.monotonic() < end:
-                time.sleep(0.05)
-        finally:
-            replanner.close()
-    assert eng.ended == ["the re-plan failed: re-plan: no replica fits"], eng.ended
-    (rec,) = [r for r in caplog.records if r.levelno == logging.ERROR]
-    assert rec.exc_info is None
+    assert rec.getMessage().endswith(f"failed: {said}"), rec.getMessage()
+    assert (rec.exc_info is not None) == traceback  # the traceback says where a bug is

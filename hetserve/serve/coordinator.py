@@ -65,8 +65,7 @@ class Coordinator:
         self.metrics = ServerMetrics(lambda: (self._safe_replicas(), self._scrape("link_stats", list)),
                                      lambda: self._scrape("refused_connections"), lambda: self._scrape("channel_stats"),
                                      lambda: self._scrape("worker_load_seconds"),
-                                     lambda: (self._scrape("worker_deaths", int),
-                                              dict(self.replanner.counts) if self.replanner is not None else {}))
+                                     self._faults)
         self._seq = itertools.count(1)
         self.in_flight = 0
         self.draining = False  # set by a graceful shutdown: no new request is admitted
@@ -82,6 +81,10 @@ class Coordinator:
             return empty(getattr(self.backend, method, empty)())
         except Exception:  # noqa: BLE001
             return empty()
+
+    def _faults(self) -> tuple[int, dict[tuple[str, str], int]]:
+        """Worker deaths and re-plans by (trigger, outcome), for /metrics (none where nothing re-plans)."""
+        return self._scrape("worker_deaths", int), dict(getattr(self.replanner, "counts", None) or {})
 
     def _safe_replicas(self) -> list[ReplicaState]:
         return self._scrape("replicas", list)

@@ -70,3 +70,83 @@ def test_a_client_leaving_before_its_answer_closes_routes_request_to_the_backend
     finally:
         route.stop()
         backend.server.stop()
+
+
+class FirstByteBackend:
+    """A backend whose stream sends its first event at once and then keeps going for ``answer_s``;
+    ``gone`` records when route closed its request (the stream's generator was closed)."""
+
+    def __init__(self, answer_s: float = 20.0):
+        from fastapi import FastAPI
+        from fastapi.responses import StreamingResponse
+
+        self.gone: list[float] = []
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok"}
+
+        @app.post("/v1/completions")
+        async def completions():
+            async def events():
+                try:
+                    yield b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
+                    end = time.monotonic() + answer_s
+                    while time.monotonic() < end:
+                        await asyncio.sleep(0.02)
+                    yield b"data: [DONE]\n\n"
+                finally:
+                    self.gone.append(time.monotonic())
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        self.server = ServerThread(app)
+
+
+def test_a_client_gone_before_a_streams_headers_releases_the_backend():
+    """The backend's first byte came, and route's client is gone before route sends its headers (the
+    server's first send fails, as uvicorn's does on a closed connection): Starlette then never reads
+    the relayed body, and the relay's clean-up must still close the backend request and uncount it."""
+    from starlette.requests import ClientDisconnect
+
+    from hetserve.serve.route.app import Router
+    from hetserve.serve.route.backends import Backend, BackendPool, RouteConfig
+    from hetserve.serve.route.server import create_app
+
+    backend = FirstByteBackend()
+    router = Router(BackendPool(RouteConfig((Backend("b0", "colocated", backend.server.url),)), "rr"),
+                    health_interval_s=0)
+    body = b'{"model": "m", "prompt": "hi", "max_tokens": 4, "stream": true}'
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "root_path": "", "query_string": b"", "headers": [(b"content-type", b"application/json"),
+                                                               (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 1234), "server": ("127.0.0.1", 80)}
+
+    async def run() -> None:
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await asyncio.Event().wait()  # the client says nothing more
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                raise OSError("the client closed the connection")
+
+        try:
+            with pytest.raises(ClientDisconnect):
+                await create_app(router)(scope, receive, send)
+        finally:
+            await router.close()
+
+    try:
+        asyncio.run(run())
+        deadline = time.monotonic() + 5.0
+        while not backend.gone and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert backend.gone, "route kept its request to the backend open for a client that had left"
+        assert router.pool.by_id["b0"].in_flight == 0
+    finally:
+        backend.server.stop()

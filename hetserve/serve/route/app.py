@@ -47,6 +47,7 @@ from hetserve.serve.bodies import ClientGone
 from hetserve.serve.errors import STREAM_END, APIError, ServerError, ShuttingDown, Unavailable, error_event
 from hetserve.serve.request_ids import HEADER as REQUEST_ID_HEADER, current_request_id
 from hetserve.serve.route.backends import Backend, BackendPool
+from hetserve.serve.route.relay import Relay
 from hetserve.serve.route.waits import Stalled, Waits, Woken
 from hetserve.serve.shutdown import drain, wait_answered
 
@@ -338,7 +339,7 @@ class Router:
                 raise BackendFailed(f"{b.id}: stream ended before its first byte") from exc
             ttfb.observe(time.perf_counter() - t0)
             done = False
-            return 200, None, self._relay(b, resp, first, chunks)
+            return 200, None, Relay(self._relay(b, resp, first, chunks), lambda: self._release(b, resp, "200"))
         finally:
             if done:
                 b.in_flight -= 1
@@ -389,10 +390,15 @@ class Router:
                 yield error_event(error).encode()
                 yield STREAM_END.encode()
         finally:
-            await resp.aclose()
-            b.in_flight -= 1
-            self.metrics.in_flight.labels(b.id).set(b.in_flight)
-            self.metrics.requests.labels(b.id, outcome).inc()
+            await self._release(b, resp, outcome)
+
+    async def _release(self, b: Backend, resp, outcome: str) -> None:
+        """A relayed stream is over: its backend response closed, the backend's count and outcome kept."""
+        await resp.aclose()
+        b.in_flight -= 1
+        self.metrics.in_flight.labels(b.id).set(b.in_flight)
+        self.metrics.requests.labels(b.id, outcome).inc()
+
 
     def _failed(self, b: Backend, why: str) -> None:
         """An attempt that failed before its first byte reached the client (the request moves on)."""

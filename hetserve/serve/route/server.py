@@ -7,13 +7,14 @@ from fastapi import Request  # at module level: FastAPI reads the routes' annota
 from hetserve.serve.keys import APIAuth, guarded_app
 from hetserve.serve.limits import DEFAULT_MAX_BODY_BYTES
 from hetserve.serve.route.app import CREDENTIALS_REFUSED, BackendRefusedCredentials, Router
+from hetserve.serve.route.relay import RelayedResponse
 
 
 def create_app(router: Router, auth: APIAuth | None = None):
     """The app forwarding to ``router``'s backends; ``auth``: the keys its clients need (as
     ``hetserve serve``'s: ``serve.keys``; default none, the API open)."""
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, Response
 
     from hetserve.serve.bodies import ClientGone, json_object, read_bytes, validated
     from hetserve.serve.errors import ModelNotFound, ShuttingDown, Unavailable, install_error_handlers
@@ -47,7 +48,7 @@ def create_app(router: Router, auth: APIAuth | None = None):
     async def forward(request: Request, path: str, body: dict, raw: bytes):
         status, data, stream = await router.until_ended(router.answer(path, body, raw), request.is_disconnected)
         if stream is not None:
-            return StreamingResponse(stream, media_type="text/event-stream")
+            return RelayedResponse(stream, media_type="text/event-stream")
         return JSONResponse(data, status_code=status)
 
     @app.post("/v1/completions")

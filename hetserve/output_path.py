@@ -10,6 +10,19 @@ from pathlib import Path
 from hetserve.errors import SpecError
 
 
+def write_whole(path: str | Path, text: str) -> None:
+    """``text`` written to ``path`` whole or not at all: into a hidden file beside it, then renamed
+    over it, so a run stopped while writing (a signal, a full disk) leaves what was there before,
+    and a reader never sees half a file."""
+    path = Path(path)
+    part = path.with_name(f".{path.name}.part")
+    try:
+        part.write_text(text)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
+
+
 def check_output_file(path: str, flag: str) -> None:
     """``path`` (given as ``flag``) names a file in an existing folder that can be written."""
     target = Path(path)

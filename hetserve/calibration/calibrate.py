@@ -28,7 +28,6 @@ stamped with the device, the date and the load average during the measurement.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -43,6 +42,7 @@ from hetserve.calibration.overhead_fit import fit_frontend_cpu, request_overhead
 from hetserve.calibration.probe_shapes import one_device_cluster, probe_layout
 from hetserve.calibration.speed_probe import SpeedReading, combine
 from hetserve.calibration.file import model_stamp
+from hetserve.output_path import write_whole
 from hetserve.specs.model import load_model
 
 
@@ -101,11 +101,8 @@ class Calibration:
     def save(self, path: str | Path) -> None:
         """JSON that ``cost.analytic.load_efficiency`` (``plan/simulate --efficiency``) reads; the
         simulator also reads its ``runtime`` terms (``runtime.calibration_file``). Written whole or
-        not at all: into a file beside ``path``, then renamed over it, so a run stopped while
-        writing (a signal, a full disk) leaves the earlier calibration there, never half of one."""
-        path = Path(path)
-        part = path.with_name(f".{path.name}.part")
-        text = json.dumps({
+        not at all (``write_whole``): a run stopped while writing leaves the earlier calibration."""
+        write_whole(path, json.dumps({
             "gpu": self.gpu, "efficiency": asdict(self.efficiency), "mean_abs_error": self.mean_abs_error,
             "max_abs_error": self.max_abs_error, "memory_bound": self.memory_bound, "runtime": {"request_overhead_s": self.request_overhead_s,
                                                            "stream_overhead_s": self.stream_overhead_s,
@@ -119,12 +116,7 @@ class Calibration:
             "measured_on": self.measured_on, "points": [asdict(p) for p in self.points],
             "speed_probe": self.speed_probe.to_dict() if self.speed_probe else None,
             "frontend_points": [asdict(p) for p in self.frontend_points],
-            "http_tpot": {str(b): t for b, t in sorted(self.http_tpot.items())}}, indent=2) + "\n"
-        try:
-            part.write_text(text)
-            os.replace(part, path)
-        finally:
-            part.unlink(missing_ok=True)
+            "http_tpot": {str(b): t for b, t in sorted(self.http_tpot.items())}}, indent=2) + "\n")
 
 
 def _memory_binds(cm: CostModel, layout, batch: int, context: float) -> bool:

@@ -359,13 +359,15 @@ def plot_cdfs(c: Comparison, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from hetserve.sim.plots import cdf_points
+
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, m, title in zip(axes, METRICS, ("TTFT", "TPOT", "E2E")):
         for data, label, style in ((c.served[m], "served (measured)", "-"),
                                    (c.simulated[m], "simulated (predicted)", "--")):
-            x = np.sort(data[np.isfinite(data)]) * 1e3
+            x, y = cdf_points(data[np.isfinite(data)])
             if len(x):
-                ax.step(x, np.arange(1, len(x) + 1) / len(x), style, where="post", label=label)
+                ax.step(x * 1e3, y, style, where="post", label=label)
         ax.set_xlabel(f"{title} (ms)")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)

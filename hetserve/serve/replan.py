@@ -164,9 +164,9 @@ class Replanner:
                 # a worker that died while the planner ran: its replica is in the plan as kept, and the
                 # engine (keeping only live replicas) would start a copy of it on the dead device; plan
                 # again without it (the last try leaves a later death to the watcher's next re-plan)
-                if not tries_left or len(eng.stats().get("deaths", [])) <= self._seen_deaths:
+                late = sorted(d["worker"] for d in self._note_deaths()) if tries_left else []
+                if not late:
                     break
-                late = sorted(d["worker"] for d in self._note_deaths())
                 log.warning("re-plan: worker(s) %s died while it planned; planning again without them", late)
                 new_lost |= set(late)
                 running = eng.stats().get("replicas", {})

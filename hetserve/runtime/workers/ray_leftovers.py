@@ -19,6 +19,8 @@ import re
 import shutil
 import stat
 
+from hetserve.output_path import write_whole
+
 OWNER_FILE = "hetserve-owner.json"
 FOLDER_PREFIX = "ray-"  # tempfile.mkdtemp's prefix for a private Ray's folder
 STOP_WAIT_S = 2.0  # a Ray process's grace after SIGTERM before SIGKILL
@@ -35,10 +37,8 @@ def _psutil():
 
 def write_owner(folder: str) -> None:
     """Mark ``folder`` as this process's private Ray folder (written whole: a partial marker is never read)."""
-    path = os.path.join(folder, OWNER_FILE)
-    with open(path + ".part", "w") as f:
-        json.dump({"pid": os.getpid(), "started": _psutil().Process().create_time()}, f)
-    os.replace(path + ".part", path)
+    write_whole(os.path.join(folder, OWNER_FILE),
+                json.dumps({"pid": os.getpid(), "started": _psutil().Process().create_time()}))
 
 
 def _owner(folder: str) -> tuple[int, float] | None:

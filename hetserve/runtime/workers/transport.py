@@ -302,7 +302,9 @@ class SocketTransport(Transport):
         sock = None
         try:
             sock = self._connect_patiently(peer, link)
-            while sock is not None and not self.closed and self._links.get(peer) is link:
+            if sock is None:  # replaced or closed while it tried: nothing of it is left to end
+                return
+            while not self.closed and self._links.get(peer) is link:
                 chunk = link.pop(timeout=0.5)
                 if chunk is None:
                     continue

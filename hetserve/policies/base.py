@@ -18,7 +18,7 @@ KV as it hands it off).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, Sequence
+from typing import Any, ClassVar, Literal, Protocol, Sequence
 
 TrafficKind = Literal["decode", "prefill", "kv"]
 
@@ -76,6 +76,10 @@ class ReplicaState:
     # figures move with the clock sets it on itself, so a policy passes over a candidate that
     # cannot win without working its figures out
     outstanding_floor = 0.0
+    # (not a field, as above) ``(t, tokens, rate)``: at any moment ``now >= t`` this snapshot is read,
+    # ``outstanding_tokens >= tokens - rate·(now - t)`` (a running batch drains its backlog no
+    # faster); None: no such bound
+    outstanding_drain: ClassVar[tuple[float, float, float] | None] = None
 
     @property
     def load(self) -> int:

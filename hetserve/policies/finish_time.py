@@ -32,12 +32,20 @@ the running ones by what they have made.
 
 Where no prices can be set (no plan figure and no cost model, or a candidate the context does not
 know) every candidate is ranked by ``(outstanding tokens + the request's) / capacity_norm`` instead,
-so the ranking never mixes the two scales. Pure Python, O(candidates) per decision.
+so the ranking never mixes the two scales.
+
+A decision costs O(candidates), but in a large fleet most of that is one numpy expression: each
+candidate's key is bounded from below by figures its snapshot holds while kept, and only those a
+bound cannot rule out are priced one by one (``_Bounds``).
 """
 
 from __future__ import annotations
 
+from itertools import compress, count, repeat
+from operator import is_not
 from typing import Any, Sequence
+
+import numpy as np
 
 from hetserve.policies.base import ReplicaState, RequestInfo
 from hetserve.policies.placement import PolicyContext, register_placement
@@ -46,6 +54,13 @@ from hetserve.policies.placement import PolicyContext, register_placement
 # Azure conversation trace's order): they only set how a colocated replica's time splits.
 FALLBACK_INPUT_TOKENS = 1024.0
 FALLBACK_OUTPUT_TOKENS = 256.0
+
+# From this many candidates ``_least`` bounds every key at once (``_Bounds``) and prices one by one
+# only those the bounds cannot rule out; below it the array calls cost more than pricing them all.
+VECTORIZE_FROM = 48
+# A bound's margin under the key it bounds: room for their operations' different rounding (a few
+# ulps; nothing summed is negative).
+_SHRINK = 1.0 - 1e-9
 
 
 def mean_lengths(ctx: PolicyContext) -> tuple[float, float]:
@@ -144,6 +159,68 @@ def backlog_tokens(c: ReplicaState, request: RequestInfo | None = None) -> tuple
     return prompt, output
 
 
+class _Bounds:
+    """Lower bounds on the ``finish_s`` keys of many candidates. A colocated or decode candidate's
+    key is at least ``queued prompt·a + (x + predicted output)·b + input tokens·pa`` with ``x`` its
+    output backlog on the least outstanding tokens its snapshot allows now (``outstanding_floor``,
+    ``outstanding_drain``), ``pa`` its ``a`` (colocated) or 0 (decode): fields that hold while the
+    snapshot is kept. A prefill candidate (whose outstanding tokens have no floor) gets -inf.
+    The figures are kept by position and read again only where the candidate there is another
+    object than at the last decision (a caller keeping snapshots hands the same ones back)."""
+
+    # a position's figures, the rows of ``_at``: queued prompt·a; b; pa; the output backlog on the
+    # floor (0 at least); on the drain, ``drained - rate·now`` (``drained`` with the drain's start in)
+    FIGURES = ("qa", "b", "pa", "floor", "drained", "rate")
+    _PREFILL = (float("-inf"), 0.0, 0.0, 0.0, float("-inf"), 0.0)
+
+    def __init__(self) -> None:
+        self._seen: list[Any] = []
+        self._at = np.empty((len(self.FIGURES), 0))
+
+    def of(self, candidates: Sequence[ReplicaState], rows: dict[str, tuple[Any, ...]], inp: float,
+           pred: float, now: float) -> Any:
+        """The bounds (an array in candidate order, each to be eased by ``_SHRINK``) at ``now`` for
+        a request of ``inp`` prompt tokens and ``pred`` predicted output tokens; None if a candidate
+        has no ``rows`` entry (no price)."""
+        if not self._update(candidates, rows):
+            return None
+        qa, b, pa, floor, drained, rate = self._at
+        x = np.fmax(floor, drained - rate * now)  # fmax: no drain (0·inf at now = inf) leaves the floor
+        x += pred
+        x *= b
+        x += qa
+        x += inp * pa
+        return x
+
+    def _update(self, candidates: Sequence[ReplicaState], rows: dict[str, tuple[Any, ...]]) -> bool:
+        n, seen = len(candidates), self._seen
+        changed: Any
+        if len(seen) != n:
+            self._seen = seen = [None] * n
+            self._at = np.empty((len(self.FIGURES), n))
+            changed = range(n)
+        else:
+            changed = list(compress(count(), map(is_not, candidates, seen)))
+        at = self._at
+        for i in changed:
+            c = candidates[i]
+            row = rows.get(c.id)
+            if row is None:
+                self._seen = []
+                return False
+            if c.role == "prefill":
+                at[:, i] = self._PREFILL
+            else:
+                a, b = row[0], row[1]
+                queued = float(c.queued_prefill_tokens)
+                floor = c.outstanding_floor - queued
+                since, drained, rate = c.outstanding_drain or (0.0, float("-inf"), 0.0)
+                at[:, i] = (queued * a, b, a if c.role != "decode" else 0.0, floor if floor > 0.0 else 0.0,
+                            drained - queued + rate * since, rate)
+            seen[i] = c
+        return True
+
+
 class ExpectedFinishTime:
     """Least expected finish time of the backlog plus the request, priced by the plan (module doc)."""
 
@@ -166,6 +243,7 @@ class ExpectedFinishTime:
         self._decoding: dict[str, float] = {}  # decode replica -> output tokens expected there
         self._sent: dict[int, tuple[str, float]] = {}  # request -> (prefill replica, predicted output)
         self._next = 0
+        self._bounds = _Bounds()
         # replica -> what ``finish_s`` reads of the prices and routes for it, looked up once per
         # candidate by ``_least``: (a, b, 0.0·b, first route, second route, routes) with each route
         # as (decode replica, weight, its b); the first two where it has one or two, else its list
@@ -201,59 +279,82 @@ class ExpectedFinishTime:
             return max(own, self._decode_s(c.id, request.predicted_output_tokens)), own
         return own, own
 
-    def _least(self, request: RequestInfo, candidates: Sequence[ReplicaState]) -> list[ReplicaState] | None:
-        """The candidates of the least ``finish_s`` key, in candidate order; None if one has no price.
-
-        One pass, each key worked out with ``finish_s``'s operations in its order (the same floats,
-        never NaN: the least and its ties are those ``min`` over the key pairs gives).
-        A routed candidate whose decode seconds (its first key is the later of those and its own)
-        exceed the least first key so far could neither win nor tie: its own backlog is not read;
-        nor the outstanding tokens of one whose own seconds on its ``outstanding_floor`` exceed it."""
-        rows, booked = self._rows, self._decoding
-        inp, pred = request.input_tokens, request.predicted_output_tokens
-        best = best_own = float("inf")
-        tied: list[ReplicaState] = []
-        for c in candidates:
-            row = rows.get(c.id)
-            if row is None:
+    def _key(self, c: ReplicaState, row: tuple[Any, ...], inp: float, pred: float,
+             best: float) -> tuple[float, float] | None:
+        """``finish_s(request, c)`` with ``row`` (``_rows[c.id]``), worked out with its operations in
+        its order (the same floats); None where it surely exceeds ``best``: a routed candidate
+        whose decode seconds alone exceed it (its own backlog is not read), or one whose own
+        seconds on its ``outstanding_floor`` do (its outstanding tokens are not read)."""
+        a, b, zb, r1, r2, out = row
+        booked = self._decoding
+        if r1 is not None:  # _decode_s(c.id, pred): sum of one or two terms, 0 + each in turn
+            dec = 0 + r1[1] * (booked.get(r1[0], 0.0) + pred) * r1[2]
+            if r2 is not None:
+                dec = dec + r2[1] * (booked.get(r2[0], 0.0) + pred) * r2[2]
+            if dec > best:
                 return None
-            a, b, zb, r1, r2, out = row
-            if r1 is not None:  # _decode_s(c.id, pred): sum of one or two terms, 0 + each in turn
-                dec = 0 + r1[1] * (booked.get(r1[0], 0.0) + pred) * r1[2]
-                if r2 is not None:
-                    dec = dec + r2[1] * (booked.get(r2[0], 0.0) + pred) * r2[2]
-                if dec > best:
-                    continue
-            elif out is not None:
-                dec = sum([w * (booked.get(d, 0.0) + pred) * bd for d, w, bd in out])
-                if dec > best:
-                    continue
-            else:
-                dec = None
-            role = c.role
-            if role == "prefill":  # backlog_tokens(c, request): (outstanding + prompt, 0.0)
-                own = (c.outstanding_tokens + inp) * a + zb
-            else:
-                queued = c.queued_prefill_tokens
-                prompt = float(queued) + inp if role != "decode" else float(queued)
-                x = c.outstanding_floor - queued  # own's operations on the floor: no more than own
-                if prompt * a + ((x if x > 0.0 else 0.0) + pred) * b > best:
-                    continue
-                x = c.outstanding_tokens - queued
-                own = prompt * a + ((x if x > 0.0 else 0.0) + pred) * b
-            key = own if dec is None or not dec > own else dec
-            if key > best:
+        elif out is not None:
+            dec = sum([w * (booked.get(d, 0.0) + pred) * bd for d, w, bd in out])
+            if dec > best:
+                return None
+        else:
+            dec = None
+        role = c.role
+        if role == "prefill":  # backlog_tokens(c, request): (outstanding + prompt, 0.0)
+            own = (c.outstanding_tokens + inp) * a + zb
+        else:
+            queued = c.queued_prefill_tokens
+            prompt = float(queued) + inp if role != "decode" else float(queued)
+            x = c.outstanding_floor - queued  # own's operations on the floor: no more than own
+            if prompt * a + ((x if x > 0.0 else 0.0) + pred) * b > best:
+                return None
+            x = c.outstanding_tokens - queued
+            own = prompt * a + ((x if x > 0.0 else 0.0) + pred) * b
+        return (own if dec is None or not dec > own else dec), own
+
+    def _least(self, request: RequestInfo, candidates: Sequence[ReplicaState],
+               now: float = float("inf")) -> list[ReplicaState] | None:
+        """The candidates of the least ``finish_s`` key at ``now`` (the snapshots' clock; inf: any
+        moment), in candidate order; None if one has no price.
+
+        The least key and its ties are those ``min`` over ``finish_s``'s pairs gives (``_key``:
+        the same floats, never NaN). From ``VECTORIZE_FROM`` candidates on, only those whose bound
+        (``_Bounds``) is at most the key of the one of least bound are looked at."""
+        rows, inp, pred = self._rows, request.input_tokens, request.predicted_output_tokens
+        look: Any  # (position, a bound on its key)
+        if len(candidates) >= VECTORIZE_FROM:
+            bounds = self._bounds.of(candidates, rows, inp, pred, now)
+            if bounds is None:
+                return None
+            c = candidates[int(bounds.argmin())]
+            first = self._key(c, rows[c.id], inp, pred, float("inf"))
+            assert first is not None  # nothing exceeds inf
+            look = np.flatnonzero(bounds * _SHRINK <= first[0])
+            look = zip(look.tolist(), (bounds[look] * _SHRINK).tolist())
+        else:
+            if any(c.id not in rows for c in candidates):
+                return None
+            look = zip(range(len(candidates)), repeat(float("-inf")))
+        best = best_own = float("inf")
+        tied: list[int] = []
+        for i, bound in look:
+            if bound > best:
                 continue
+            c = candidates[i]
+            k = self._key(c, rows[c.id], inp, pred, best)
+            if k is None or k[0] > best:
+                continue
+            key, own = k
             if key < best or own < best_own:
-                best, best_own, tied = key, own, [c]
+                best, best_own, tied = key, own, [i]
             elif own == best_own:
-                tied.append(c)
-        return tied
+                tied.append(i)
+        return [candidates[i] for i in sorted(tied)]
 
     def choose(self, request: RequestInfo, candidates: Sequence[ReplicaState], now: float) -> str:
         if not candidates:
             raise ValueError("no candidate to place the request on")
-        tied = self._least(request, candidates)
+        tied = self._least(request, candidates, now)
         if tied is None:  # one scale for every candidate: the snapshot's own
             keys = [sum(backlog_tokens(c, request)) / (c.capacity_norm if c.capacity_norm > 0 else 1.0)
                     for c in candidates]

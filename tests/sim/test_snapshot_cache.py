@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from hetserve.planner.plan import Plan
+from hetserve.policies.finish_time import ExpectedFinishTime
 from hetserve.policies.placement import JoinShortestQueue
 from hetserve.sim import SimOptions
 from hetserve.sim.simulator import Simulator
@@ -29,7 +30,7 @@ class Checking:
     def __init__(self, sim):
         self.sim, self.inner, self.name = sim, sim.placement, sim.placement.name
         self.waits = getattr(sim.placement, "reads_waits", True)
-        self.decisions = 0
+        self.decisions = self.drained = 0  # drained: decisions x candidates whose drain bound told something
 
     def choose(self, request, candidates, now):
         fresh = [e.state(False) for e in self.sim.entry]
@@ -37,8 +38,11 @@ class Checking:
             assert list(candidates) == fresh
         else:
             assert [_without_waits(c) for c in candidates] == [_without_waits(c) for c in fresh]
-        # a kept snapshot's floor holds for as long as it is read
+        # a kept snapshot's floor and drain hold for as long as it is read
         assert all(c.outstanding_floor <= c.outstanding_tokens for c in candidates)
+        drains = [(c.outstanding_drain, c.outstanding_tokens) for c in candidates if c.outstanding_drain]
+        assert all(t <= now and tokens - rate * (now - t) <= held for (t, tokens, rate), held in drains)
+        self.drained += sum(tokens - rate * (now - t) > 0 for (t, tokens, rate), _ in drains)
         self.decisions += 1
         return self.inner.choose(request, candidates, now)
 
@@ -100,6 +104,8 @@ def test_every_decision_sees_the_snapshots_of_now(model, plan, opts):
     sim.placement = check = Checking(sim)
     res = sim.run()
     assert check.decisions == res.summary()["completed"] == 240
+    if isinstance(check.inner, ExpectedFinishTime) and any(r.role == "colocated" for r in plan.replicas):
+        assert check.drained > 0  # running batches' drain bounds were read
     if opts.kv_admission == "paged":  # pre-empted requests come back to their prefill replica
         assert res.info["preemptions"] > 0
 

@@ -285,6 +285,7 @@ class ColocatedReplica(Decoding):
             return self.state(False, True)
         fields = self.state_fields()
         fields["outstanding_floor"] = self._outstanding_floor()
+        fields["outstanding_drain"] = self._outstanding_drain()
         return LiveState.of(fields, self._held_progress, self.loop.loop)
 
     def _figures(self, done: int) -> tuple[float, int]:
@@ -322,6 +323,18 @@ class ColocatedReplica(Decoding):
         no fewer until the replica changes (``ReplicaState.outstanding_floor``)."""
         b = self.batch
         return self._figures(b.k if b.active else 0)[0]
+
+    def _outstanding_drain(self) -> tuple[float, float, float] | None:
+        """``ReplicaState.outstanding_drain`` of the running segment (None when none runs): no
+        iteration is shorter than its shortest, so by ``now`` at most ``(now - t0) / shortest`` of
+        them are through, each taking ``size`` tokens off; ``t0`` and the rate are eased by 1e-9
+        for the rounding of the iteration times (``DecodeBatch.progress``)."""
+        b = self.batch
+        shortest = min(b.a, b.a + b.slope * (b.k - 1))
+        if not b.active or not b.size or shortest <= 0.0:
+            return None
+        tokens = self.queued_tokens + self.pred_sum - b.generated_after(0)
+        return b.t0 - 1e-9 * (b.t0 if b.t0 > 1.0 else 1.0), tokens, b.size / shortest * (1.0 + 1e-9)
 
     def state(self, with_requests: bool = False, waits: bool = True) -> ReplicaState:
         now = self.loop.now

@@ -3,7 +3,6 @@ those a bound cannot rule out (``finish_time._Bounds``): on the simulator's own 
 read as the clock moves on, it decides as pricing every candidate would."""
 
 import numpy as np
-import pytest
 
 from hetserve.planner.plan import Plan
 from hetserve.policies import finish_time

@@ -85,6 +85,15 @@ class ReplicaState:
     def load(self) -> int:
         return self.queued_requests + self.running_requests
 
+    def outstanding_at_least(self, now: float) -> float:
+        """A lower bound on ``outstanding_tokens`` at ``now`` (the snapshot's clock; inf: any
+        moment) from ``outstanding_floor`` and ``outstanding_drain``, without working it out."""
+        floor, drain = self.outstanding_floor, self.outstanding_drain
+        if drain is None:
+            return floor
+        drained = drain[1] - drain[2] * (now - drain[0])  # nan (0·inf) at now = inf and no rate
+        return drained if drained > floor else floor
+
 
 class PlacementPolicy(Protocol):
     """Choose the replica for a new request among ``candidates`` (never empty).

@@ -28,7 +28,7 @@ import importlib
 import random
 from dataclasses import dataclass, field
 from itertools import compress, repeat
-from operator import eq
+from operator import eq, le
 from typing import Any, Callable, Sequence
 
 from hetserve.compiled import mypyc_attr
@@ -37,6 +37,9 @@ from hetserve.policies.base import PlacementPolicy, ReplicaState, RequestInfo
 # The request placement every caller uses unless told otherwise (simulate, serve, compare, the
 # experiments): the plan's own prices per replica, so a heterogeneous plan delivers what it promised.
 DEFAULT_PLACEMENT = "eft"
+# From this many tied candidates ``jsq`` reads the outstanding tokens of only those whose lower
+# bound (``ReplicaState.outstanding_at_least``) does not rule them out; below it it reads them all.
+BOUND_FROM = 8
 
 
 @dataclass(frozen=True)
@@ -128,19 +131,25 @@ class JoinShortestQueue(_Base):
         # out in C (``compress``), without a key tuple per candidate
         loads = [c.queued_requests + c.running_requests for c in candidates]
         self._next += 1
-        return _fewest_tokens(list(compress(candidates, map(eq, loads, repeat(min(loads))))), self._next)
+        return _fewest_tokens(list(compress(candidates, map(eq, loads, repeat(min(loads))))), self._next, now)
 
     def choose_lowest(self, request: RequestInfo, lowest: Sequence[ReplicaState], now: float) -> str:
         """``choose`` given only the least loaded candidates, in candidate order."""
         self._next += 1
-        return _fewest_tokens(lowest, self._next)
+        return _fewest_tokens(lowest, self._next, now)
 
 
-def _fewest_tokens(lowest: Sequence[ReplicaState], turn: int) -> str:
-    """JSQ among the least loaded (in candidate order): the fewest outstanding tokens, ties round
-    robin (decision ``turn`` takes tie ``turn`` mod their number)."""
+def _fewest_tokens(lowest: Sequence[ReplicaState], turn: int, now: float) -> str:
+    """JSQ among the least loaded (in candidate order): the fewest outstanding tokens at ``now``,
+    ties round robin (decision ``turn`` takes tie ``turn`` mod their number). Outstanding tokens
+    may cost work to read (a simulator's live snapshot): only those of the candidates whose lower
+    bound is at most the tokens of the one of least bound are read."""
     if len(lowest) == 1:
         return lowest[0].id
+    if len(lowest) >= BOUND_FROM:
+        floors = [c.outstanding_at_least(now) for c in lowest]
+        least = lowest[floors.index(min(floors))].outstanding_tokens
+        lowest = list(compress(lowest, map(le, floors, repeat(least))))
     outstanding = [c.outstanding_tokens for c in lowest]
     fewest = min(outstanding)
     if outstanding.count(fewest) == 1:

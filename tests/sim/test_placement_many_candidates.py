@@ -1,11 +1,14 @@
-"""``eft`` over a fleet's many candidates bounds every key at once and prices one by one only
-those a bound cannot rule out (``finish_time._Bounds``): on the simulator's own kept snapshots,
-read as the clock moves on, it decides as pricing every candidate would."""
+"""Placement over a fleet's many candidates reads the costly figures of only those a lower bound
+cannot rule out: ``eft`` bounds every key at once (``finish_time._Bounds``), ``jsq`` the
+outstanding tokens of the least loaded (``ReplicaState.outstanding_at_least``). On the simulator's
+own kept snapshots, read as the clock moves on, each decides as reading every candidate would."""
 
 import numpy as np
+import pytest
 
 from hetserve.planner.plan import Plan
-from hetserve.policies import finish_time
+from hetserve.policies import finish_time, placement
+from hetserve.policies.placement import JoinShortestQueue
 from hetserve.sim import SimOptions
 from hetserve.sim.simulator import Simulator
 from hetserve.specs.cluster import cluster_from_dict
@@ -61,11 +64,33 @@ class Checking:
         self.inner.on_finish(request_id, input_tokens, output_tokens)
 
 
-def _run(placement=None):
+class JsqChecking(JoinShortestQueue):
+    """JSQ whose every decision from the least loaded kept snapshots is checked against ``choose``
+    over fresh snapshots (no bounds: every outstanding figure read) of every entry replica."""
+
+    def __init__(self):
+        super().__init__()
+        self.sim, self.decisions, self.bounded = None, 0, 0
+
+    def choose_lowest(self, request, lowest, now):
+        plain = JoinShortestQueue()
+        plain._next = self._next
+        expected = plain.choose(request, [e.state(False) for e in self.sim.entry], now)
+        assert super().choose_lowest(request, lowest, now) == expected
+        self.decisions += 1
+        self.bounded += len(lowest) >= placement.BOUND_FROM
+        return expected
+
+
+def _run(policy):
+    """The fleet under ``policy`` (a name, or a checking policy: ``Checking`` wraps ``eft``)."""
     cluster, plan = _fleet()
-    sim = Simulator(plan, cluster, load_model("llama-2-7b"), _busy(), SimOptions(placement="eft"))
-    if placement is not None:
-        sim.placement = placement(sim.placement)
+    sim = Simulator(plan, cluster, load_model("llama-2-7b"), _busy(),
+                    SimOptions(placement="eft" if policy is Checking else policy))
+    if policy is Checking:
+        sim.placement = Checking(sim.placement)
+    elif isinstance(policy, JsqChecking):
+        policy.sim = sim
     return sim, sim.run()
 
 
@@ -74,10 +99,19 @@ def test_the_bounded_least_are_those_of_every_key():
     assert sim.placement.decisions == res.summary()["completed"] == 1500
 
 
-def test_a_fleet_simulates_the_same_priced_one_by_one(monkeypatch):
-    _, bounded = _run()
-    monkeypatch.setattr(finish_time, "VECTORIZE_FROM", 10**9)
-    _, plain = _run()
+def test_jsq_reads_the_fewest_tokens_as_reading_every_candidate_would():
+    check = JsqChecking()
+    _, res = _run(check)
+    assert check.decisions == res.summary()["completed"] == 1500
+    assert check.bounded > 100  # many decisions among many equally loaded candidates
+
+
+@pytest.mark.parametrize("policy, module, threshold", [("eft", finish_time, "VECTORIZE_FROM"),
+                                                       ("jsq", placement, "BOUND_FROM")])
+def test_a_fleet_simulates_the_same_reading_every_candidate(monkeypatch, policy, module, threshold):
+    _, bounded = _run(policy)
+    monkeypatch.setattr(module, threshold, 10**9)
+    _, plain = _run(policy)
     a, b = bounded.summary(), plain.summary()
     for s in (a, b):
         del s["run"]["wall_s"]

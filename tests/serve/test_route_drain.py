@@ -17,7 +17,8 @@ import pytest
 
 from tests.serve.test_route import Backends, wait_up
 
-TOKENS = 60  # per stream, one every CHUNK_S from the stand-in: about 1.2 s a stream
+TOKENS = 150  # per stream, one every CHUNK_S from the stand-in: about 3 s a stream, so none ends before
+# the signal even where a loaded machine starts one thread a second late
 CHUNK_S = 0.02
 
 

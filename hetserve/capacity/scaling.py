@@ -20,6 +20,7 @@ from hetserve.specs.workload import Workload
 @dataclass(frozen=True)
 class ScalingStep:
     start_s: float
+    duration_s: float  # the heartbeat; the trace's rest for its last window (``plan_scaling``)
     measured_rate: float  # req/s that drove the decision
     actual_rate: float  # req/s that arrived in this window
     workers: int
@@ -34,7 +35,7 @@ class ScalingPlan:
 
     @property
     def gpu_hours(self) -> float:
-        return sum(s.workers for s in self.steps) * self.gpus_per_worker * self.heartbeat_s / 3600.0
+        return sum(s.workers * s.duration_s for s in self.steps) * self.gpus_per_worker / 3600.0
 
     @property
     def peak_workers(self) -> int:
@@ -43,7 +44,7 @@ class ScalingPlan:
     @property
     def static_gpu_hours(self) -> float:
         """GPU-hours of provisioning the peak for the whole trace (what scaling saves against)."""
-        return self.peak_workers * self.gpus_per_worker * self.heartbeat_s * len(self.steps) / 3600.0
+        return self.peak_workers * self.gpus_per_worker * sum(s.duration_s for s in self.steps) / 3600.0
 
     @property
     def under_provisioned_windows(self) -> int:
@@ -53,14 +54,22 @@ class ScalingPlan:
 
 def plan_scaling(workload: Workload, law: WorkerLaw, heartbeat_s: float = 60.0, gpus_per_worker: int = 1,
                  lookahead: bool = False, down_after: int = 1, min_workers: int = 1) -> ScalingPlan:
-    """Worker count per heartbeat window over ``workload`` (O(n) in requests)."""
+    """Worker count per heartbeat window over ``workload`` (O(n) in requests). The last window
+    holds the trace's rest (to its last arrival, and its mean gap on): its rate is counted over that,
+    and its workers are paid for that long."""
     if heartbeat_s <= 0 or down_after < 1:
         raise ValueError("heartbeat_s must be positive and down_after at least 1")
     span = workload.duration_s
-    n_windows = max(1, int(np.ceil((span + 1e-9) / heartbeat_s)))
+    n_windows = max(1, int(np.ceil(span / heartbeat_s)))
     counts = np.bincount(np.minimum((workload.arrival_s // heartbeat_s).astype(int), n_windows - 1),
                          minlength=n_windows)
-    rates = counts / heartbeat_s
+    durations = np.full(n_windows, heartbeat_s)
+    if len(workload) > 1:  # n arrivals a mean gap apart cover n gaps, the last one's own included
+        rest, last = span - (n_windows - 1) * heartbeat_s, int(counts[-1])
+        gap = rest / (last - 1) if last > 1 else span / (len(workload) - 1)
+        if rest + gap > 0:  # else every arrival at one instant: one whole window
+            durations[-1] = min(heartbeat_s, rest + gap)
+    rates = counts / durations
     steps, current, lower_for = [], None, 0
     for w in range(n_windows):
         measured = rates[w] if lookahead else (rates[w - 1] if w > 0 else rates[0])
@@ -73,5 +82,5 @@ def plan_scaling(workload: Workload, law: WorkerLaw, heartbeat_s: float = 60.0, 
                 current, lower_for = want, 0
         else:
             lower_for = 0
-        steps.append(ScalingStep(w * heartbeat_s, float(measured), float(rates[w]), int(current)))
+        steps.append(ScalingStep(w * heartbeat_s, float(durations[w]), float(measured), float(rates[w]), int(current)))
     return ScalingPlan(heartbeat_s, gpus_per_worker, tuple(steps), law)

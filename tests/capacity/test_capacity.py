@@ -99,6 +99,22 @@ def test_scaling_follows_the_rate_at_each_heartbeat():
     assert [s.workers for s in slow_down.steps][20:22] == [law.workers(10)] * 2  # held before scaling down
 
 
+def test_the_last_partial_window_is_counted_and_paid_for_its_own_length():
+    # 10 req/s for 90 s (900 arrivals 0.1 s apart): a 60 s window, then 30 s
+    arr = np.arange(0, 90, 0.1)
+    wl = Workload.from_lists("flat", arr, np.full(len(arr), 100), np.full(len(arr), 100))
+    law = WorkerLaw(0.5, 1.0)
+    plan = plan_scaling(wl, law, heartbeat_s=60, lookahead=True)
+    assert [s.duration_s for s in plan.steps] == [60.0, pytest.approx(30.0)]
+    assert [s.actual_rate for s in plan.steps] == [pytest.approx(10.0)] * 2  # not 5: 300 requests in 30 s
+    assert plan.under_provisioned_windows == 0
+    assert plan.gpu_hours == pytest.approx(law.workers(10) * 90 / 3600)
+    assert plan_scaling(wl, law, heartbeat_s=90).steps[0].duration_s == pytest.approx(90.0)  # one window
+    for arrivals in ([0.0], [0.0, 0.0]):  # a trace of one instant: one whole window
+        instant = Workload.from_lists("instant", arrivals, [100] * len(arrivals), [100] * len(arrivals))
+        assert [s.duration_s for s in plan_scaling(instant, law, heartbeat_s=60).steps] == [60.0]
+
+
 def test_cli_capacity_fluid(capsys):
     from hetserve.cli.main import main
 

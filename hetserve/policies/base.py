@@ -72,9 +72,9 @@ class ReplicaState:
     preemptions: int = 0  # requests pre-empted here so far (paged KV admission; counted, for metrics)
 
     # (not a field: left out of equality, ``replace`` and the runtime's snapshots) a lower bound on
-    # ``outstanding_tokens`` for as long as this snapshot is read; a simulator's snapshot whose
-    # figures move with the clock sets it on itself, so a policy passes over a candidate that
-    # cannot win without working its figures out
+    # ``outstanding_tokens`` for as long as this snapshot is read (0: they are never negative); a
+    # simulator's snapshot whose figures move with the clock sets it on itself, so a policy passes
+    # over a candidate that cannot win without working its figures out
     outstanding_floor = 0.0
     # (not a field, as above) ``(t, tokens, rate)``: at any moment ``now >= t`` this snapshot is read,
     # ``outstanding_tokens >= tokens - rate·(now - t)`` (a running batch drains its backlog no

@@ -148,8 +148,10 @@ def _fewest_tokens(lowest: Sequence[ReplicaState], turn: int, now: float) -> str
         return lowest[0].id
     if len(lowest) >= BOUND_FROM:
         floors = [c.outstanding_at_least(now) for c in lowest]
-        least = lowest[floors.index(min(floors))].outstanding_tokens
-        lowest = list(compress(lowest, map(le, floors, repeat(least))))
+        floor = min(floors)
+        least = lowest[floors.index(floor)].outstanding_tokens
+        if least >= floor:  # else a snapshot below its own floor: no bound holds, read them all
+            lowest = list(compress(lowest, map(le, floors, repeat(least))))
     outstanding = [c.outstanding_tokens for c in lowest]
     fewest = min(outstanding)
     if outstanding.count(fewest) == 1:

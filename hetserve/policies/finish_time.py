@@ -326,11 +326,15 @@ class ExpectedFinishTime:
             bounds = self._bounds.of(candidates, rows, inp, pred, now)
             if bounds is None:
                 return None
-            c = candidates[int(bounds.argmin())]
+            at = int(bounds.argmin())
+            c = candidates[at]
             first = self._key(c, rows[c.id], inp, pred, float("inf"))
             assert first is not None  # nothing exceeds inf
-            look = np.flatnonzero(bounds * _SHRINK <= first[0])
-            look = zip(look.tolist(), (bounds[look] * _SHRINK).tolist())
+            if bounds[at] * _SHRINK <= first[0]:
+                look = np.flatnonzero(bounds * _SHRINK <= first[0])
+                look = zip(look.tolist(), (bounds[look] * _SHRINK).tolist())
+            else:  # a snapshot below its own floor: no bound holds, every candidate is priced
+                look = zip(range(len(candidates)), repeat(float("-inf")))
         else:
             if any(c.id not in rows for c in candidates):
                 return None

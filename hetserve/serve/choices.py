@@ -32,6 +32,12 @@ from hetserve.serve.line_ends import escape_text
 
 _DISCONNECT_POLL_S = 0.25
 
+# A stream that has written nothing for this long writes an SSE comment line (KEEPALIVE), which SSE
+# clients and the OpenAI SDK skip: a request held for a re-plan's replicas waits up to ~2 minutes
+# with no token, and a client or proxy with a shorter read timeout would give up on it meanwhile.
+KEEPALIVE_S = 15.0
+KEEPALIVE = ": keep-alive\n\n"
+
 # (token id, logprob or None, [(id, logprob)] or None)
 Entry = tuple
 
@@ -120,7 +126,8 @@ def sse(c: Coordinator, reqs: list[Prepared], first: Callable[[Prepared], list[s
         chunk: Callable[[Prepared, str | None, str | None], str], usage_chunk: Callable[[], str] | None):
     """One SSE stream over ``reqs``: ``first(req)`` events of each choice, then a chunk per token as
     it comes (``chunk(req, text, None)``), a finish chunk per choice (``chunk(req, None, reason)``),
-    the usage chunk, ``[DONE]``. A failure after the headers ends the stream with one error event."""
+    the usage chunk, ``[DONE]``. A failure after the headers ends the stream with one error event.
+    While no choice has anything to send, a ``KEEPALIVE`` comment goes out every ``KEEPALIVE_S``."""
 
     async def events() -> AsyncIterator[str]:
         queue: asyncio.Queue = asyncio.Queue()
@@ -141,7 +148,12 @@ def sse(c: Coordinator, reqs: list[Prepared], first: Callable[[Prepared], list[s
             tasks = [asyncio.ensure_future(pump(r)) for r in reqs]
             left = len(reqs)
             while left:
-                req, delta, end = await queue.get()
+                try:  # events go out whole (one yield each), so a comment falls between two of them
+                    async with asyncio.timeout(KEEPALIVE_S):
+                        req, delta, end = await queue.get()
+                except TimeoutError:
+                    yield KEEPALIVE
+                    continue
                 if end is None:
                     yield sse_event(chunk(req, delta, None))
                 elif end == "done":

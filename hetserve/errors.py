@@ -5,6 +5,7 @@
     ├── PlanError                 a plan file is malformed or inconsistent with its cluster / model
     ├── InfeasibleError           the request cannot be met at all (e.g. the model does not fit the pool)
     └── RuntimeFailure            the serving runtime could not start or lost a worker
+        └── WorkerStartFailure    worker processes failed to start (``workers``: which)
 
 Low-level exceptions (yaml, csv, json, OSError) are wrapped with ``raise ... from`` so the user sees
 one clear line and the developer still has the chain.
@@ -46,3 +47,12 @@ class InfeasibleError(HetserveError):
 
 class RuntimeFailure(HetserveError, RuntimeError):
     """The serving runtime could not start, or a worker died."""
+
+
+class WorkerStartFailure(RuntimeFailure):
+    """Worker processes did not start (an error or exit while loading or connecting, or no word within
+    the start-up timeout); ``workers``: their names, which are their devices' names."""
+
+    def __init__(self, message: str, workers: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.workers = tuple(workers)

@@ -306,17 +306,25 @@ class Coordinator:
     async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
         """Graceful shutdown: admit nothing new, let requests in flight finish for up to ``timeout_s``,
         then end those left with one clear error (their streams get an error event and ``[DONE]``).
-        Returns how many had to be cut."""
+        Returns how many had to be cut. A failed re-plan is not tried again from now on."""
+        self._stop_replan_retries()
         return await drain(self, timeout_s, self.clock, poll_s)
 
     async def end_now(self, reason: str, grace_s: float = 5.0, poll_s: float = 0.05) -> None:
         """Admit nothing new and end every request in flight with ``reason`` (the backend fails what it
         holds), then wait up to ``grace_s`` for their streams to write the error event and [DONE]."""
         self.draining = True
+        self._stop_replan_retries()
         fail_all = getattr(self.backend, "fail_all", None)
         if fail_all is not None:
             fail_all(reason)
         await wait_answered(self, grace_s, self.clock, poll_s)
+
+    def _stop_replan_retries(self) -> None:
+        # a retried re-plan's new workers would start only for the shutdown to stop them
+        stop = getattr(self.replanner, "stop_retries", None)
+        if stop is not None:
+            stop()
 
     def reject(self, endpoint: str, outcome: str = "rejected") -> None:
         self.metrics.requests.labels(endpoint, outcome).inc()

@@ -27,7 +27,7 @@ scrapes.
                                                         each worker's as of its latest report beside its
                                                         heartbeat, wherever it runs: Engine.link_stats)
     hetserve_worker_deaths_total                     counter  (workers that died or were declared frozen)
-    hetserve_replans_total{trigger,outcome}          counter  (trigger: failure, request; outcome: done, failed)
+    hetserve_replans_total{trigger,outcome}          counter  (trigger: failure, retry, request; outcome: done, failed)
     hetserve_device_channel_total{worker,count}      counter  (a worker's device-channel counts as of its
                                                         latest heartbeat: transfers and bytes by path,
                                                         resent, refused, failed; runtime/workers/device_channel.py)
@@ -134,7 +134,7 @@ def _fault_families(faults: tuple[int, dict[tuple[str, str], int]]):
 
     deaths, replans = faults
     yield CounterMetricFamily("hetserve_worker_deaths", "Workers that died or were declared frozen", value=deaths)
-    fam = CounterMetricFamily("hetserve_replans", "Re-plans by trigger (failure, request) and outcome",
+    fam = CounterMetricFamily("hetserve_replans", "Re-plans by trigger (failure, retry, request) and outcome",
                               labels=["trigger", "outcome"])
     for (trigger, outcome), n in sorted(replans.items()):
         fam.add_metric([trigger, outcome], n)

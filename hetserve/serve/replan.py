@@ -8,7 +8,11 @@ updated cluster file is given; a cluster file may also add devices, which join t
 
 With ``on_failure`` a watcher thread re-plans as soon as the engine reports a dead replica, and
 records how long each part took: detection (death -> noticed), planning, retiring, starting the new
-workers, and the whole "failure -> new plan serving".
+workers, and the whole "failure -> new plan serving". A re-plan whose new workers fail to start is
+tried again (trigger ``retry``), their devices counted lost, after a back-off (``RETRY_FIRST_S``
+doubling up to ``RETRY_MAX_S``, at most ``RETRIES`` times), until one serves, an operator's re-plan
+serves first, or the shutdown stops the retries (``stop_retries``). Each try is counted, logged once
+and kept in ``history``, failed ones too (``outcome``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-from hetserve.errors import HetserveError, PlanError
+from hetserve.errors import HetserveError, PlanError, WorkerStartFailure
 
 log = logging.getLogger("hetserve.serve")
 
@@ -30,6 +34,14 @@ HOLD_MARGIN_S = 120.0
 # plans made per re-plan when workers die while the planner runs: each death planned around costs a
 # search (up to the time limit), so a cascade of deaths is left to the watcher's next re-plan
 PLAN_TRIES = 3
+# a failure's re-plan whose new workers failed to start is tried again after RETRY_FIRST_S, doubling up
+# to RETRY_MAX_S, RETRIES times at most: the freed devices would otherwise stay idle until an operator
+# re-plans, and a start-up that fails for a passing cause (a port taken, memory held by a process
+# exiting) often works a few seconds later; the devices whose workers failed are lost meanwhile, so the
+# next try plans around them rather than onto the same failure
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 60.0
+RETRIES = 8
 
 
 class ReplanInputError(PlanError):
@@ -83,6 +95,8 @@ class Replanner:
         self._lock = threading.Lock()
         self._seen_deaths = 0
         self._stop = threading.Event()
+        self._no_retries = threading.Event()  # set by the shutdown: a failed re-plan is not tried again
+        self._done = 0  # re-plans that served, any trigger: one since a failure makes its retries moot
         self._thread = None
         if on_failure:
             # the workload is checked now: a failure's re-plan would only log why it cannot run
@@ -107,11 +121,13 @@ class Replanner:
         return spec, servable(load_workload(self.workload), spec, self.workload, "re-planned")
 
     def replan(self, cluster: str | None = None, lost: list[str] | None = None,
-               returned: list[str] | None = None, *, trigger: str = "request") -> dict[str, Any]:
+               returned: list[str] | None = None, *, trigger: str = "request", attempt: int = 1) -> dict[str, Any]:
         """Re-plan now; returns the record (kept / retired / added replicas, seconds per part). Each
-        one is counted by trigger and outcome (``counts``; /metrics' ``hetserve_replans_total``)."""
+        one is counted by trigger and outcome (``counts``; /metrics' ``hetserve_replans_total``).
+        ``attempt``: which try of a failure's re-plan this is (the watcher's retries). A device whose
+        worker fails to start is lost afterwards (``WorkerStartFailure``), until returned."""
         try:
-            record = self._replan(cluster, lost, returned, trigger)
+            record = self._replan(cluster, lost, returned, trigger, attempt)
         except BaseException:
             self.counts[trigger, "failed"] += 1
             raise
@@ -119,7 +135,7 @@ class Replanner:
         return record
 
     def _replan(self, cluster: str | None, lost: list[str] | None, returned: list[str] | None,
-                trigger: str) -> dict[str, Any]:
+                trigger: str, attempt: int) -> dict[str, Any]:
         from hetserve.planner.options import PlanOptions
         from hetserve.planner.replan import replan
 
@@ -174,16 +190,23 @@ class Replanner:
             # their workers start (/health says degraded), and for good if they fail to
             self.lost = self.lost | new_lost
             t_planned = time.monotonic()
-            record = eng.reconfigure(plan, new_cluster)
+            try:
+                record = eng.reconfigure(plan, new_cluster)
+            except WorkerStartFailure as exc:  # planned onto again at once, it would fail the same way
+                self.lost |= set(exc.workers)
+                raise
             self.lost = new_lost
-            record = {"trigger": trigger, "lost": sorted(self.lost), "plan_s": t_planned - t0, **record,
+            self._done += 1
+            record = {"trigger": trigger, "outcome": "done", **({"try": attempt} if attempt > 1 else {}),
+                      "lost": sorted(self.lost), "plan_s": t_planned - t0, **record,
                       "role_changes": role_changes(planned, live, dict(record.get("roles") or {}), record["kept"]),
                       "total_s": time.monotonic() - t0}
             # one a failure forced is what an operator must see at the default log level; logged
             # before the record is published, so whoever sees it in ``history`` finds the line too
-            log.log(logging.WARNING if trigger == "failure" else logging.INFO,
+            log.log(logging.WARNING if trigger != "request" else logging.INFO,
                     "re-plan (%s; lost devices: %s): kept %s (roles changed in place since the last plan: %s), "
-                    "retired %s, added %s; planning %.2f s, start-up %.2f s, total %.2f s", trigger,
+                    "retired %s, added %s; planning %.2f s, start-up %.2f s, total %.2f s",
+                    trigger if attempt == 1 else f"{trigger}, try {attempt} of {RETRIES + 1}",
                     record["lost"] or "none", record["kept"],
                     ", ".join(f"{rid} {' -> '.join(chain)}" for rid, chain in record["role_changes"].items()) or "none",
                     record["retired"], _with_pids(record["added"], eng.plan, eng.worker_pids()),
@@ -204,22 +227,63 @@ class Replanner:
             deaths = self.engine.stats().get("deaths", [])
             if len(deaths) <= self._seen_deaths or self.engine._closed:
                 continue
-            first = deaths[self._seen_deaths]
+            self._recover(deaths[self._seen_deaths])
+
+    def _recover(self, first: dict[str, Any]) -> None:
+        """The re-plan after death ``first``, tried again while its new workers fail to start (module
+        docstring). Requests held for it (no replica left) wait through the retries, up to the hold's
+        own limit, and fail once no try is left."""
+        done_before, delay = self._done, RETRY_FIRST_S
+        for attempt in range(1, RETRIES + 2):
             try:
-                record = self.replan(trigger="failure")
+                record = self.replan(trigger="failure" if attempt == 1 else "retry", attempt=attempt)
                 record["failure_to_serving_s"] = time.monotonic() - first["at"]
+                return
             except Exception as exc:  # noqa: BLE001 - the engine keeps serving on what it has
-                # hetserve's own errors are worded for the operator; any other is a bug, named with its
-                # type and logged with its traceback (a KeyError's text alone is the bare key)
-                ours = isinstance(exc, HetserveError)
-                why = str(exc) or repr(exc)  # an exception without a message still says what it was
-                if not ours and str(exc):
-                    why = f"{type(exc).__name__}: {exc}"
-                log.error("re-plan after %s failed: %s", first["why"], why, exc_info=None if ours else exc)
-                self.engine.end_hold(f"the re-plan failed: {why}")  # nothing held unless no replica is left
+                why = _worded(exc)
+                retry = isinstance(exc, WorkerStartFailure) and attempt <= RETRIES and not self._no_retries.is_set()
+                self.history.append({"trigger": "failure" if attempt == 1 else "retry", "outcome": "failed",
+                                     "try": attempt, "error": why, "lost": sorted(self.lost),
+                                     "retry_in_s": delay if retry else None})
+                if not retry:
+                    # only a start-up failure is tried again: a plan refused, or a bug, would fail the same way
+                    tries, tail = ((f" (try {attempt} of {RETRIES + 1})", "; not tried again: the devices it freed "
+                                    "stay idle until an operator re-plans (POST /admin/replan)")
+                                   if isinstance(exc, WorkerStartFailure) else ("", ""))
+                    log.error("re-plan after %s failed%s: %s%s", first["why"], tries, why, tail,
+                              exc_info=None if isinstance(exc, HetserveError) else exc)
+                    self.engine.end_hold(f"the re-plan failed: {why}")  # nothing held unless no replica is left
+                    return
+                log.warning("re-plan after %s failed (try %d of %d): %s; device(s) %s counted lost, trying again "
+                            "in %g s", first["why"], attempt, RETRIES + 1, why, ", ".join(exc.workers) or "none",
+                            delay)
+            if self._no_retries.wait(delay):
+                if not self._stop.is_set():  # closed: the engine is being shut down, and fails what it holds
+                    log.warning("re-plan after %s: not tried again, the server is shutting down", first["why"])
+                    self.engine.end_hold("the server is shutting down: no re-plan will bring a replica back")
+                return
+            if self._done != done_before:
+                log.info("re-plan after %s: not tried again, a re-plan since serves", first["why"])
+                return
+            delay = min(2 * delay, RETRY_MAX_S)
+
+    def stop_retries(self) -> None:
+        """No failed re-plan is tried again from now on (the graceful shutdown: new workers would start
+        only to be stopped); one waiting to be tried again stops waiting, and requests held for it fail."""
+        self._no_retries.set()
 
     def close(self) -> None:
         self._stop.set()
+        self._no_retries.set()
+
+
+def _worded(exc: Exception) -> str:
+    """Why a re-plan failed, for the log and the requests held for it. hetserve's own errors are worded
+    for the operator; any other is a bug, named with its type (a KeyError's text alone is the bare key)."""
+    why = str(exc) or repr(exc)  # an exception without a message still says what it was
+    if not isinstance(exc, HetserveError) and str(exc):
+        why = f"{type(exc).__name__}: {exc}"
+    return why
 
 
 def _with_pids(added: list[str], plan, pids: dict[str, int]) -> str:

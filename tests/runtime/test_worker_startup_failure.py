@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hetserve.errors import RuntimeFailure
+from hetserve.errors import RuntimeFailure, WorkerStartFailure
 from hetserve.runtime.workers.wire import Message
 from hetserve.runtime.workers.worker_group import WorkerGroup
 
@@ -18,10 +18,10 @@ LOAD_ERROR = ('Traceback (most recent call last):\n  File "worker.py", line 1, i
               "RuntimeError: checkpoint shard model-00002.safetensors is truncated\n")
 
 
-def _group() -> WorkerGroup:
+def _group(start_timeout_s: float = 30) -> WorkerGroup:
     worker = SimpleNamespace(name="m1:0", replica="d1", stage=0, tp_rank=0)
     layout = (SimpleNamespace(id="d1", workers=(worker,)),)
-    return WorkerGroup(layout, transport=None, start_timeout_s=30)
+    return WorkerGroup(layout, transport=None, start_timeout_s=start_timeout_s)
 
 
 def _failure(error: str) -> RuntimeFailure:
@@ -37,6 +37,7 @@ def _failure(error: str) -> RuntimeFailure:
 def test_a_worker_that_could_not_listen_is_not_said_to_have_failed_to_load():
     exc = _failure(NO_PORT)
     assert str(exc) == f"worker m1:0 (replica d1, stage 0, TP rank 0) could not start: {NO_PORT}"
+    assert exc.workers == ("m1:0",)  # the device a re-plan's next try plans without
 
 
 def test_a_worker_that_failed_while_loading_says_so_with_its_traceback_as_a_note():
@@ -66,3 +67,15 @@ def test_a_new_replicas_worker_failing_in_a_re_plan_is_named_from_the_replicas_b
                                              r"shard and capture its graphs: RuntimeError: checkpoint shard"):
         group.start_more((SimpleNamespace(id="c2", workers=(new,)),), (), None, "spawn",
                          lambda timeout: messages.pop() if messages else None)
+
+
+def test_a_start_up_failure_names_the_workers_that_failed():
+    """A re-plan tried again plans without the devices of the workers that failed to start
+    (``serve.replan``): an error, an exit, or silence past the start-up timeout names them."""
+    for error in (NO_PORT, LOAD_ERROR):
+        exc = _failure(error)
+        assert isinstance(exc, WorkerStartFailure) and exc.workers == ("m1:0",), error
+    with pytest.raises(WorkerStartFailure, match="did not load") as info:
+        _group(start_timeout_s=0)._await_all("ready", "load its shard", {"m1:0": SimpleNamespace(exitcode=None)},
+                                             lambda timeout: None)
+    assert info.value.workers == ("m1:0",)

@@ -3,7 +3,7 @@
 One process per device of the plan (``worker.py``). Start-up is two rounds over the transport: every
 worker loads its shard and answers ``ready`` with its address, then gets the address book of all
 endpoints and answers ``peers_ack``. A worker that exits or reports an error during start-up turns
-into one ``RuntimeFailure`` naming it (replica, stage, TP rank) and its last error line.
+into one ``WorkerStartFailure`` naming it (replica, stage, TP rank) and its last error line.
 
 ``mp`` is the process-creation point: ``ray_backend`` swaps it for Ray actors during start-up.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from hetserve.errors import RuntimeFailure
+from hetserve.errors import WorkerStartFailure
 from hetserve.runtime.layout import ReplicaSpec
 from hetserve.runtime.workers.channel_pairs import channel_pairs
 from hetserve.runtime.workers.rendezvous import BoundStore, needs_store
@@ -132,7 +132,7 @@ class WorkerGroup:
         self._await_all("peers_ack", "connect to its peers", procs, recv, among)
 
     def _await_all(self, kind: str, what: str, procs: dict[str, Any], recv, among=None) -> dict[str, dict]:
-        """Each of ``procs``' ``kind`` message; a worker's error or exit meanwhile is a RuntimeFailure
+        """Each of ``procs``' ``kind`` message; a worker's error or exit meanwhile is a WorkerStartFailure
         naming it, looked up among ``among`` (a re-plan's new replicas, not yet in the layout) or the layout."""
         got: dict[str, dict] = {}
         deadline = time.monotonic() + self.start_timeout_s
@@ -149,9 +149,10 @@ class WorkerGroup:
                     raise self._startup_failure(name, what, err, p.exitcode, among)
             if time.monotonic() > deadline:
                 missing = ", ".join(sorted(set(procs) - set(got)))
-                raise RuntimeFailure(f"worker(s) {missing}: did not {what} within {self.start_timeout_s:.0f} s "
-                                     f"(EngineConfig.start_timeout_s); a machine busy with other work, or a model "
-                                     f"too big for the host's memory, can take longer")
+                raise WorkerStartFailure(f"worker(s) {missing}: did not {what} within {self.start_timeout_s:.0f} s "
+                                         f"(EngineConfig.start_timeout_s); a machine busy with other work, or a "
+                                         f"model too big for the host's memory, can take longer",
+                                         tuple(sorted(set(procs) - set(got))))
         return got
 
     def _drain_error(self, name: str, wait: float = 1.0, recv=None) -> str | None:
@@ -166,7 +167,7 @@ class WorkerGroup:
         return self.worker_errors.get(name)
 
     def _startup_failure(self, name: str, what: str, error: str | None, code: int | None = None,
-                         among=None) -> RuntimeFailure:
+                         among=None) -> WorkerStartFailure:
         """One line naming the worker and what failed. A worker's failure while it works (loading its
         shard, connecting) arrives as a Python traceback, and is worded as a failure to do ``what``.
         A report without a traceback is the worker's own account of why it could not start before
@@ -175,9 +176,9 @@ class WorkerGroup:
         w = self.worker(name, among)
         where = f"worker {name} (replica {w.replica}, stage {w.stage}, TP rank {w.tp_rank})"
         if error and not error.lstrip().startswith(TRACEBACK):
-            return RuntimeFailure(f"{where} could not start: " + " ".join(error.split()))
+            return WorkerStartFailure(f"{where} could not start: " + " ".join(error.split()), (name,))
         detail = last_line(error) if error else f"exited with code {code}"
-        exc = RuntimeFailure(f"{where} failed to {what}: {detail}")
+        exc = WorkerStartFailure(f"{where} failed to {what}: {detail}", (name,))
         if error:
             exc.add_note(error)
         return exc

@@ -242,9 +242,8 @@ class Replanner:
             except Exception as exc:  # noqa: BLE001 - the engine keeps serving on what it has
                 why = _worded(exc)
                 retry = isinstance(exc, WorkerStartFailure) and attempt <= RETRIES and not self._no_retries.is_set()
-                self.history.append({"trigger": "failure" if attempt == 1 else "retry", "outcome": "failed",
-                                     "try": attempt, "error": why, "lost": sorted(self.lost),
-                                     "retry_in_s": delay if retry else None})
+                failed = {"trigger": "failure" if attempt == 1 else "retry", "outcome": "failed", "try": attempt,
+                          "error": why, "lost": sorted(self.lost), "retry_in_s": delay if retry else None}
                 if not retry:
                     # only a start-up failure is tried again: a plan refused, or a bug, would fail the same way
                     tries, tail = ((f" (try {attempt} of {RETRIES + 1})", "; not tried again: the devices it freed "
@@ -252,11 +251,13 @@ class Replanner:
                                    if isinstance(exc, WorkerStartFailure) else ("", ""))
                     log.error("re-plan after %s failed%s: %s%s", first["why"], tries, why, tail,
                               exc_info=None if isinstance(exc, HetserveError) else exc)
+                    self.history.append(failed)  # after its line: whoever sees it in ``history`` finds the line
                     self.engine.end_hold(f"the re-plan failed: {why}")  # nothing held unless no replica is left
                     return
                 log.warning("re-plan after %s failed (try %d of %d): %s; device(s) %s counted lost, trying again "
                             "in %g s", first["why"], attempt, RETRIES + 1, why, ", ".join(exc.workers) or "none",
                             delay)
+                self.history.append(failed)
             if self._no_retries.wait(delay):
                 if not self._stop.is_set():  # closed: the engine is being shut down, and fails what it holds
                     log.warning("re-plan after %s: not tried again, the server is shutting down", first["why"])

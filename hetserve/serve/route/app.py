@@ -13,10 +13,10 @@ Retry rule: until the first byte of the answer has gone to the client, a failure
 refused or reset, a 5xx, a stream that breaks) marks that backend down and the request is tried on
 another live one; after that (its status line has left), a stream that breaks ends as ``serve``
 ends one that fails: an error event, then ``data: [DONE]``. Streams are relayed one whole event at
-a time (``route.sse``): the event a backend was cut off inside never reaches the client. An SSE comment
-(serve's keep-alive on a quiet stream) is relayed as any event and, first, commits the request as any
-first byte does; a frozen backend sends none, so the stall timeout below still ends its stream. A backend's 4xx is the client's
-answer, not a failure, except 401 and 403: those refuse route's own credentials (no
+a time (``route.sse``): the event a backend was cut off inside never reaches the client. An SSE
+comment (serve's keep-alive on a quiet stream) is relayed as any event, and commits the request as
+a first byte does; a frozen backend sends none, so the stall timeout below still ends its stream.
+A backend's 4xx is the client's answer, not a failure, except 401 and 403: those refuse route's own credentials (no
 ``--backend-api-key-file``, or a key the backend does not take), which is route's misconfiguration,
 not the client's, so the client gets a 502 saying so (never the backend's words about "your key")
 and the log names the backend and the option, once per backend. Health checks (``GET /health``

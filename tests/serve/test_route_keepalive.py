@@ -10,7 +10,7 @@ import asyncio
 import httpx
 
 from hetserve.serve import choices
-from tests.serve.test_route_stalls import count, router_for, stream_under_checks
+from tests.serve.test_route_stalls import count, relayed_with_checks_timing_out
 from tests.serve.test_stream_keepalive import COMMENT, HeldBackend, carries_text
 
 
@@ -54,18 +54,7 @@ def test_a_backend_that_froze_after_sending_keepalives_still_stalls_out():
             yield COMMENT
             await asyncio.sleep(60)  # frozen
 
-    async def handler(request):
-        if request.url.path == "/health":
-            raise httpx.ReadTimeout("no answer", request=request)
-        return httpx.Response(200, stream=KeptAliveThenFrozen())
-
-    async def scenario():
-        router = router_for(handler, "b0", stall_s=0.3)
-        got = await stream_under_checks(router, every_s=0.05)
-        await router.close()
-        return got, router
-
-    got, router = asyncio.run(scenario())
+    got, router = relayed_with_checks_timing_out(KeptAliveThenFrozen)
     assert got[:3] == [COMMENT, b'data: {"choices": [{"text": "a"}]}\n\n', COMMENT], got
     assert b"nothing for 0.3 s" in got[-2] and got[-1] == b"data: [DONE]\n\n", got
     assert count(router, "b0", "broken") == 1

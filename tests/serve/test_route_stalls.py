@@ -55,6 +55,23 @@ async def stream_under_checks(router, every_s):
     return got
 
 
+def relayed_with_checks_timing_out(stream, stall_s=0.3, every_s=0.05):
+    """``stream`` (an ``httpx.AsyncByteStream`` class: backend b0's answer) relayed while b0's health
+    checks time out: (the chunks the client got, the router)."""
+    async def handler(request):
+        if request.url.path == "/health":
+            raise httpx.ReadTimeout("no answer", request=request)
+        return httpx.Response(200, stream=stream())
+
+    async def scenario():
+        router = router_for(handler, "b0", stall_s=stall_s)
+        got = await stream_under_checks(router, every_s=every_s)
+        await router.close()
+        return got, router
+
+    return asyncio.run(scenario())
+
+
 def test_a_stream_from_a_backend_gone_quiet_ends_with_an_error_event_once_it_is_down():
     class Quiet(httpx.AsyncByteStream):
         async def __aiter__(self):
@@ -120,18 +137,8 @@ def test_a_stream_still_sending_from_a_backend_marked_down_is_left_to_finish():
                 await asyncio.sleep(0.05)
             yield b"data: [DONE]\n\n"
 
-    async def handler(request):
-        if request.url.path == "/health":
-            raise httpx.ReadTimeout("busy", request=request)
-        return httpx.Response(200, stream=Steady())
-
-    async def scenario():
-        router = router_for(handler, "b0", stall_s=0.3)
-        got = await stream_under_checks(router, every_s=0.02)
-        await router.close()
-        return b"".join(got), router
-
-    text, router = asyncio.run(scenario())
+    got, router = relayed_with_checks_timing_out(Steady, every_s=0.02)
+    text = b"".join(got)
     assert not router.pool.by_id["b0"].alive
     assert text.count(b"data: ") == 21 and text.endswith(b"data: [DONE]\n\n") and b"error" not in text, text
     assert count(router, "b0", "200") == 1

@@ -318,29 +318,28 @@ class ExpectedFinishTime:
         moment), in candidate order; None if one has no price.
 
         The least key and its ties are those ``min`` over ``finish_s``'s pairs gives (``_key``:
-        the same floats, never NaN). From ``VECTORIZE_FROM`` candidates on, only those whose bound
-        (``_Bounds``) is at most the key of the one of least bound are looked at."""
+        the same floats, never NaN). From ``VECTORIZE_FROM`` candidates on, the one of least bound
+        (``_Bounds``) is priced first, then only those whose bound is at most its key."""
         rows, inp, pred = self._rows, request.input_tokens, request.predicted_output_tokens
-        look: Any  # (position, a bound on its key)
+        best = best_own = float("inf")
+        tied: list[int] = []
+        look: Any = None  # (position, a bound on its key) to look at; None: every candidate, unbounded
         if len(candidates) >= VECTORIZE_FROM:
             bounds = self._bounds.of(candidates, rows, inp, pred, now)
             if bounds is None:
                 return None
             at = int(bounds.argmin())
             c = candidates[at]
-            first = self._key(c, rows[c.id], inp, pred, float("inf"))
+            first = self._key(c, rows[c.id], inp, pred, best)
             assert first is not None  # nothing exceeds inf
-            if bounds[at] * _SHRINK <= first[0]:
-                look = np.flatnonzero(bounds * _SHRINK <= first[0])
-                look = zip(look.tolist(), (bounds[look] * _SHRINK).tolist())
-            else:  # a snapshot below its own floor: no bound holds, every candidate is priced
-                look = zip(range(len(candidates)), repeat(float("-inf")))
-        else:
-            if any(c.id not in rows for c in candidates):
-                return None
+            if bounds[at] * _SHRINK <= first[0]:  # else a snapshot below its own floor: no bound holds
+                (best, best_own), tied = first, [at]
+                nearby = np.flatnonzero(bounds * _SHRINK <= best)
+                look = ((i, b) for i, b in zip(nearby.tolist(), (bounds[nearby] * _SHRINK).tolist()) if i != at)
+        elif any(c.id not in rows for c in candidates):
+            return None
+        if look is None:
             look = zip(range(len(candidates)), repeat(float("-inf")))
-        best = best_own = float("inf")
-        tied: list[int] = []
         for i, bound in look:
             if bound > best:
                 continue

@@ -96,7 +96,6 @@ class Replanner:
         self._seen_deaths = 0
         self._stop = threading.Event()
         self._no_retries = threading.Event()  # set by the shutdown: a failed re-plan is not tried again
-        self._done = 0  # re-plans that served, any trigger: one since a failure makes its retries moot
         self._thread = None
         if on_failure:
             # the workload is checked now: a failure's re-plan would only log why it cannot run
@@ -196,7 +195,6 @@ class Replanner:
                 self.lost |= set(exc.workers)
                 raise
             self.lost = new_lost
-            self._done += 1
             record = {"trigger": trigger, "outcome": "done", **({"try": attempt} if attempt > 1 else {}),
                       "lost": sorted(self.lost), "plan_s": t_planned - t0, **record,
                       "role_changes": role_changes(planned, live, dict(record.get("roles") or {}), record["kept"]),
@@ -233,16 +231,17 @@ class Replanner:
         """The re-plan after death ``first``, tried again while its new workers fail to start (module
         docstring). Requests held for it (no replica left) wait through the retries, up to the hold's
         own limit, and fail once no try is left."""
-        done_before, delay = self._done, RETRY_FIRST_S
+        done_before, delay = self._served(), RETRY_FIRST_S
         for attempt in range(1, RETRIES + 2):
+            trigger = "failure" if attempt == 1 else "retry"
             try:
-                record = self.replan(trigger="failure" if attempt == 1 else "retry", attempt=attempt)
+                record = self.replan(trigger=trigger, attempt=attempt)
                 record["failure_to_serving_s"] = time.monotonic() - first["at"]
                 return
             except Exception as exc:  # noqa: BLE001 - the engine keeps serving on what it has
                 why = _worded(exc)
                 retry = isinstance(exc, WorkerStartFailure) and attempt <= RETRIES and not self._no_retries.is_set()
-                failed = {"trigger": "failure" if attempt == 1 else "retry", "outcome": "failed", "try": attempt,
+                failed = {"trigger": trigger, "outcome": "failed", "try": attempt,
                           "error": why, "lost": sorted(self.lost), "retry_in_s": delay if retry else None}
                 if not retry:
                     # only a start-up failure is tried again: a plan refused, or a bug, would fail the same way
@@ -263,10 +262,14 @@ class Replanner:
                     log.warning("re-plan after %s: not tried again, the server is shutting down", first["why"])
                     self.engine.end_hold("the server is shutting down: no re-plan will bring a replica back")
                 return
-            if self._done != done_before:
+            if self._served() != done_before:  # one since the failure makes its retries moot
                 log.info("re-plan after %s: not tried again, a re-plan since serves", first["why"])
                 return
             delay = min(2 * delay, RETRY_MAX_S)
+
+    def _served(self) -> int:
+        """Re-plans that served so far, whatever their trigger."""
+        return sum(n for (_, outcome), n in list(self.counts.items()) if outcome == "done")
 
     def stop_retries(self) -> None:
         """No failed re-plan is tried again from now on (the graceful shutdown: new workers would start

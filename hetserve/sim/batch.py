@@ -101,6 +101,11 @@ class DecodeBatch:
         self.active = True
         return now + self.elapsed(self.k)
 
+    def shortest_iteration(self) -> float:
+        """Seconds of the segment's shortest iteration: its first or its last (they change linearly)."""
+        last = self.a + self.slope * (self.k - 1)
+        return last if last < self.a else self.a
+
     def elapsed(self, j: int) -> float:
         """Seconds from the segment start to the end of its ``j``-th iteration."""
         return j * self.a + self.slope * j * (j - 1) / 2.0

@@ -401,7 +401,6 @@ class Router:
         self.metrics.in_flight.labels(b.id).set(b.in_flight)
         self.metrics.requests.labels(b.id, outcome).inc()
 
-
     def _failed(self, b: Backend, why: str) -> None:
         """An attempt that failed before its first byte reached the client (the request moves on)."""
         self._set_alive(b, False, why)

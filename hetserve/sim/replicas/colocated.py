@@ -330,8 +330,10 @@ class ColocatedReplica(Decoding):
         them are through, each taking ``size`` tokens off; ``t0`` and the rate are eased by 1e-9
         for the rounding of the iteration times (``DecodeBatch.progress``)."""
         b = self.batch
-        shortest = min(b.a, b.a + b.slope * (b.k - 1))
-        if not b.active or not b.size or shortest <= 0.0:
+        if not b.active or not b.size:
+            return None
+        shortest = b.shortest_iteration()
+        if shortest <= 0.0:
             return None
         tokens = self.queued_tokens + self.pred_sum - b.generated_after(0)
         return b.t0 - 1e-9 * (b.t0 if b.t0 > 1.0 else 1.0), tokens, b.size / shortest * (1.0 + 1e-9)

@@ -34,6 +34,8 @@ from hetserve.cost.kernel_pricing import KernelPricing
 from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.cost.network import concurrent_time
 from hetserve.cost.prefill_batch import PrefillBatch  # noqa: F401 (re-exported: its old home)
+from hetserve.cost import prefill_costs
+from hetserve.cost.prefill_costs import LOGPROB_BYTES, TP_STEP_COLLECTIVES  # noqa: F401 (re-exported)
 from hetserve.cost.request_mix import RequestMix
 from hetserve.cost.transfers import TransferCosts
 from hetserve.specs.cluster import Cluster
@@ -43,14 +45,6 @@ from hetserve.specs.model import ModelSpec
 REPLICA_MEMORY_BATCH = 32
 # HexGen-2 §3.2: node and edge capacities are requests per period T ("e.g. 10 minutes").
 DEFAULT_PERIOD_S = 600.0
-# Collectives a TP group runs per iteration besides its layers' two all-reduces each: the leader
-# broadcasts the step (``broadcast_object_list``: its size, then its bytes) and the stage's input
-# activations to the group (runtime/worker.py ``_next`` / ``_compute``; vLLM broadcasts its step
-# metadata the same way).
-TP_STEP_COLLECTIVES = 3
-# Bytes of one logit in the log-softmax of prompt logprobs: the runtime computes it in float32
-# whatever the served dtype (``runtime/sampling``'s ``token_logprobs``).
-LOGPROB_BYTES = 4
 
 
 # The efficiency a CostModel holds when its caller passed none. Identity, not equality, marks it:
@@ -136,94 +130,32 @@ class CostModel(TransferCosts, DecodeCosts):
         attn_eff = attn_eff or self.eff.attention
         return t * f, (t * (f / self.eff.compute * attn_eff) if attn_eff > 0 else None), t * m
 
+    # the per-stage formulas for prompt tokens and fixed costs: ``cost.prefill_costs``
     def _roofline(self, stage: StageLayout, flops: float, nbytes: float, attn_flops: float = 0.0,
                   attn_eff: float = 0.0) -> float:
-        """The stage's time for ``flops`` and ``attn_flops`` (``_roofline_rates``) and ``nbytes``."""
-        compute, attention, memory = self._roofline_rates(stage, attn_eff)
-        if attention is not None:
-            return max(flops / compute + attn_flops / attention, nbytes / memory)
-        return max((flops + attn_flops) / compute, nbytes / memory)
+        return prefill_costs.roofline(self, stage, flops, nbytes, attn_flops, attn_eff)
 
     def _layer_time(self, stage: StageLayout, rows: float, flops: float, nbytes: float, attn_flops: float,
                     attn_eff: float = 0.0) -> float:
-        """One layer of the stage at ``rows`` tokens: the kernel model's operators plus attention's
-        products and KV traffic (``nbytes`` beyond the layer's weights) where it covers the stage,
-        else the roofline of ``flops`` and ``nbytes``."""
-        k = self.kernels
-        if k is not None and k.covers(stage.devices):
-            return k.layer(stage.devices, rows) + k.attention(stage.devices, attn_flops,
-                                                              nbytes - self.model.bytes_per_layer)
-        return self._roofline(stage, flops, nbytes, attn_flops, attn_eff)
+        return prefill_costs.layer_time(self, stage, rows, flops, nbytes, attn_flops, attn_eff)
 
     def collectives_time(self, stage: StageLayout) -> float:
-        """The fixed cost of a TP group's collectives in one iteration: two all-reduces per layer plus
-        the step's broadcasts, each paying ``collective_overhead_s`` beyond its α-β time (the
-        launch, and every member reaching it: on CPU worker slots sharing cores, a process switch).
-        Waiting, not computing: the simulator's host contention does not stretch it (``sim.hosts``)."""
-        if stage.tp <= 1:
-            return 0.0
-        return (2 * stage.num_layers + TP_STEP_COLLECTIVES) * self.eff.collective_overhead_s
+        return prefill_costs.collectives_time(self, stage)
 
     def collective_bytes_time(self, stage: StageLayout, rows: float) -> float:
-        """What a TP group's collectives spend per byte beyond the link's α-β time
-        (``Efficiency.collective_s_per_byte``): each layer's two all-reduces and the broadcast of the
-        stage's input, ``rows`` tokens of activations each."""
-        if stage.tp <= 1 or self.eff.collective_s_per_byte <= 0:
-            return 0.0
-        return (2 * stage.num_layers + 1) * rows * self.model.hidden * self.model.dtype_bytes * self.eff.collective_s_per_byte
+        return prefill_costs.collective_bytes_time(self, stage, rows)
 
     def multi_row_time(self, stage: StageLayout, rows: float, head_rows: float, is_last: bool) -> float:
-        """What the stage's matrix products spend beyond the roofline once they multiply more than
-        one row (``Efficiency.multi_row_s_per_byte`` per byte of a device's weight shard): its layers
-        at ``rows`` tokens, the LM head on the last stage at ``head_rows`` (one per sequence). Ramped
-        by ``min(1, rows - 1)``: fractional rows are a mean over micro-batches."""
-        per_byte = self.eff.multi_row_s_per_byte
-        if per_byte <= 0:
-            return 0.0
-        m = self.model
-        t = per_byte * stage.num_layers * m.bytes_per_layer / stage.tp * _beyond_one_row(rows)
-        return t + (per_byte * m.vocab * m.hidden * m.dtype_bytes * _beyond_one_row(head_rows) if is_last else 0.0)
+        return prefill_costs.multi_row_time(self, stage, rows, head_rows, is_last)
 
     def _head_time(self, stage: StageLayout, rows: float) -> float:
-        """Final norm + LM head on the last stage for ``rows`` sequences (one logit row each), plus
-        the once-per-iteration costs of the replica: the step's turn-around through the scheduler
-        and its per-sequence work. They sit on the last stage because that is where an iteration
-        closes (it samples and sends the tokens back; the next step of this micro-batch starts
-        after), so a pipeline pays them once per iteration, not once per stage."""
-        m, k = self.model, self.kernels
-        head = (k.head(stage.devices, rows) if k is not None and k.covers(stage.devices) else
-                self._roofline(stage, 2.0 * m.hidden * m.vocab * rows, m.vocab * m.hidden * m.dtype_bytes))
-        return head + self.eff.iteration_overhead_s + self.eff.seq_overhead_s * rows
+        return prefill_costs.head_time(self, stage, rows)
 
     def prompt_logprob_time(self, stage: StageLayout, positions: float) -> float:
-        """What a step that returns the logprobs of ``positions`` prompt tokens adds on the last
-        stage: the LM head once more, over those positions' rows (the runtime runs it apart from
-        the sampling rows, so it reads the head's weights again), and the log-softmax over their
-        logits (read, then written, in float32, as ``token_logprobs`` computes it).
-        FLOPs ≈ 2·positions·hidden·vocab; bytes ≈ vocab·hidden·dtype + 2·positions·vocab·4."""
-        if positions <= 0:
-            return 0.0
-        m, k = self.model, self.kernels
-        head = (k.head(stage.devices, positions) if k is not None and k.covers(stage.devices) else
-                self._roofline(stage, 2.0 * m.hidden * m.vocab * positions, m.vocab * m.hidden * m.dtype_bytes))
-        # every logit is read and its log-probability written, on one device (the leader samples)
-        softmax_bytes = 2.0 * positions * m.vocab * LOGPROB_BYTES
-        return head + softmax_bytes / min(self._membw[d] for d in stage.devices)
+        return prefill_costs.prompt_logprob_time(self, stage, positions)
 
     def stage_prefill_time(self, stage: StageLayout, batch: PrefillBatch, is_last: bool = False) -> float:
-        """Prefill of ``batch`` through this stage's layers, TP all-reduces included; the stage's fixed
-        cost is a decode step's plus ``prompt_step_overhead_s`` (a mixed step, priced as a prefill
-        batch, pays it once); on the last stage the scored prompt positions' logprobs."""
-        m = self.model
-        flops = 2.0 * m.params_per_layer * batch.tokens
-        nbytes = m.bytes_per_layer + batch.tokens * m.kv_bytes_per_token_per_layer
-        per_layer = self._layer_time(stage, batch.tokens, flops, nbytes, 2.0 * m.q_dim * batch.sum_sq)
-        comm = 2 * self.allreduce_time(stage.devices, batch.tokens * m.hidden * m.dtype_bytes)
-        head = (self._head_time(stage, batch.num_seqs) + self.prompt_logprob_time(stage, batch.scored)
-                if is_last else 0.0)
-        return (stage.num_layers * (per_layer + comm) + self.collectives_time(stage) + head + self.eff.step_overhead_s
-                + self.eff.prompt_step_overhead_s + self.multi_row_time(stage, batch.tokens, batch.num_seqs, is_last)
-                + self.collective_bytes_time(stage, batch.tokens))
+        return prefill_costs.stage_prefill_time(self, stage, batch, is_last)
 
     def stage_weight_bytes(self, stage: StageLayout, is_first: bool, is_last: bool) -> float:
         """Weight bytes on the stage's fullest device: its leader (see ``device_weight_bytes``)."""
@@ -257,13 +189,7 @@ class CostModel(TransferCosts, DecodeCosts):
         return self.kv_capacity_tokens(layout) >= max(min_kv_tokens, 1.0)
 
     def prefill_time(self, layout: ReplicaLayout, batch: PrefillBatch) -> float:
-        """Prefill latency of a batch through the whole pipeline (no micro-batching)."""
-        total = 0.0
-        for i, (s, _, last) in enumerate(self._ends(layout)):
-            total += self.stage_prefill_time(s, batch, last)
-            if not last:
-                total += self.pp_handoff_time(s, layout.stages[i + 1], batch.tokens)
-        return total
+        return prefill_costs.prefill_time(self, layout, batch)
 
     def ttft(self, layout: ReplicaLayout, prompt_tokens: int) -> float:
         """Time to first token for one prompt on an idle replica."""
@@ -343,21 +269,7 @@ class CostModel(TransferCosts, DecodeCosts):
 
     def mixed_step_time(self, layout: ReplicaLayout, decode_batch: int, decode_context: float,
                         prompts: PrefillBatch, micro_batches: int | None = None) -> float:
-        """One iteration carrying ``decode_batch`` decoding sequences (``decode_context`` KV tokens
-        in all) and the prompt tokens of ``prompts`` (vLLM v1-style mixed batch).
-
-        Every token of the step goes through the weights once, so the step is priced as one prefill
-        batch of decode + prompt tokens (a decode token attends to its context: Σ 2·context in the
-        attention term), and never below the decode step alone (which reads the KV).
-        """
-        if prompts.tokens <= 0:
-            return self.decode_step_time(layout, decode_batch, decode_context, micro_batches)
-        batch = PrefillBatch(decode_batch + prompts.num_seqs, decode_batch + prompts.tokens,
-                             2.0 * decode_context + prompts.sum_sq, prompts.scored)
-        t = self.prefill_time(layout, batch)
-        if decode_batch:
-            t = max(t, self.decode_step_time(layout, decode_batch, decode_context, micro_batches))
-        return t
+        return prefill_costs.mixed_step_time(self, layout, decode_batch, decode_context, prompts, micro_batches)
 
     def replica_memory_required(self, input_tokens: float, output_tokens: float) -> float:
         """HexGen-2 App. A: parameters + 32 requests' KV cache, in bytes."""
@@ -378,8 +290,3 @@ def _roofline_peaks(devices, reference_gpu: str | None) -> list:
 
         ref = gpu(reference_gpu, "efficiency", "reference_gpu")
     return [ref if d.cpu_cores is not None else d.gpu for d in devices]
-
-
-def _beyond_one_row(rows: float) -> float:
-    """0 for one row, 1 for two or more, linear between (a mean over micro-batches of 1 and 2 rows)."""
-    return min(1.0, max(0.0, rows - 1.0))

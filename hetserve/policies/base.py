@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol, Sequence
 
+from hetserve.policies.outstanding import outstanding_at_least
+
 TrafficKind = Literal["decode", "prefill", "kv"]
 
 
@@ -88,11 +90,7 @@ class ReplicaState:
     def outstanding_at_least(self, now: float) -> float:
         """A lower bound on ``outstanding_tokens`` at ``now`` (the snapshot's clock; inf: any
         moment) from ``outstanding_floor`` and ``outstanding_drain``, without working it out."""
-        floor, drain = self.outstanding_floor, self.outstanding_drain
-        if drain is None:
-            return floor
-        drained = drain[1] - drain[2] * (now - drain[0])  # nan (0·inf) at now = inf and no rate
-        return drained if drained > floor else floor
+        return outstanding_at_least(self, now)
 
 
 class PlacementPolicy(Protocol):

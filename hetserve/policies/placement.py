@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 from hetserve.compiled import mypyc_attr
 from hetserve.policies.base import PlacementPolicy, ReplicaState, RequestInfo
+from hetserve.policies.outstanding import outstanding_at_least
 
 # The request placement every caller uses unless told otherwise (simulate, serve, compare, the
 # experiments): the plan's own prices per replica, so a heterogeneous plan delivers what it promised.
@@ -147,7 +148,7 @@ def _fewest_tokens(lowest: Sequence[ReplicaState], turn: int, now: float) -> str
     if len(lowest) == 1:
         return lowest[0].id
     if len(lowest) >= BOUND_FROM:
-        floors = [c.outstanding_at_least(now) for c in lowest]
+        floors = [outstanding_at_least(c, now) for c in lowest]
         floor = min(floors)
         least = lowest[floors.index(floor)].outstanding_tokens
         if least >= floor:  # else a snapshot below its own floor: no bound holds, read them all

@@ -199,6 +199,8 @@ class ColocatedReplica(Decoding):
     def _mixed_iteration(self) -> bool:
         """One iteration carrying every running decode plus prompts: whole ones admitted within the
         token budget ("mixed"), or chunks of the admitted ones up to ``chunk_tokens`` ("chunked")."""
+        if not self.waiting and not self._chunking:  # no prompt to carry (most boundaries)
+            return False
         b = self.batch
         chunked = self.mode == "chunked"
         rids, step = self._take(None if chunked else self.limits.token_budget, b.size,

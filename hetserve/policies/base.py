@@ -103,9 +103,10 @@ class PlacementPolicy(Protocol):
     brings them up to date only for a policy that reads them. ``lowest_rank`` (optional, with
     ``choose_lowest``): a function of a snapshot's fields that hold between its replica's changes
     (not ``outstanding_tokens``, ``context_tokens`` or the waits) such that ``choose`` reads only
-    the candidates of the least rank; ``choose_lowest(request, lowest, now)``, given those alone
-    in candidate order, decides as ``choose`` over all of them would, so a caller filing its
-    snapshots by rank need not read every one."""
+    the candidates of the least rank; ``choose_lowest(request, lowest, now, bounds)``, given those
+    alone in candidate order (and, optionally, ``bounds``: each one's ``outstanding_at_least(now)``),
+    decides as ``choose`` over all of them would, so a caller filing its snapshots by rank need not
+    read every one."""
 
     name: str
 

@@ -1,6 +1,7 @@
-"""The lower bound on a snapshot's outstanding tokens (``ReplicaState.outstanding_at_least``) as a
-free function: placement policies ask it of every tied candidate at every decision, and in the
-compiled build (``make fast-sim``) a call from a compiled policy into it costs no interpreter frame."""
+"""The lower bound on a snapshot's outstanding tokens (``ReplicaState.outstanding_at_least``) as free
+functions: placement asks it of every tied candidate at every decision (a simulator's snapshot cache
+from the figures it keeps, ``drain_bound``), and in the compiled build (``make fast-sim``) a call from
+compiled code into it costs no interpreter frame."""
 
 from __future__ import annotations
 
@@ -13,9 +14,14 @@ if TYPE_CHECKING:  # pragma: no cover
 def outstanding_at_least(state: ReplicaState, now: float) -> float:
     """A lower bound on ``state.outstanding_tokens`` at ``now`` (the snapshot's clock; inf: any
     moment) from its ``outstanding_floor`` and ``outstanding_drain``, without working it out."""
-    floor: float = state.outstanding_floor
     drain = state.outstanding_drain
     if drain is None:
-        return floor
-    drained: float = drain[1] - drain[2] * (now - drain[0])  # nan (0·inf) at now = inf and no rate
-    return drained if drained > floor else floor
+        return state.outstanding_floor
+    return drain_bound(state.outstanding_floor, drain[0], drain[1], drain[2], now)
+
+
+def drain_bound(floor: float, since: float, drained: float, rate: float, now: float) -> float:
+    """``outstanding_at_least`` from its figures: the floor, and ``drained`` tokens at ``since``
+    going down at most ``rate`` a second (``outstanding_drain``)."""
+    at_now = drained - rate * (now - since)  # nan (0·inf) at now = inf and no rate
+    return at_now if at_now > floor else floor

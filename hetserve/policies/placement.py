@@ -134,21 +134,24 @@ class JoinShortestQueue(_Base):
         self._next += 1
         return _fewest_tokens(list(compress(candidates, map(eq, loads, repeat(min(loads))))), self._next, now)
 
-    def choose_lowest(self, request: RequestInfo, lowest: Sequence[ReplicaState], now: float) -> str:
-        """``choose`` given only the least loaded candidates, in candidate order."""
+    def choose_lowest(self, request: RequestInfo, lowest: Sequence[ReplicaState], now: float,
+                      bounds: Sequence[float] | None = None) -> str:
+        """``choose`` given only the least loaded candidates, in candidate order (``bounds``: their
+        ``outstanding_at_least(now)``, where the caller has them)."""
         self._next += 1
-        return _fewest_tokens(lowest, self._next, now)
+        return _fewest_tokens(lowest, self._next, now, bounds)
 
 
-def _fewest_tokens(lowest: Sequence[ReplicaState], turn: int, now: float) -> str:
+def _fewest_tokens(lowest: Sequence[ReplicaState], turn: int, now: float,
+                   bounds: Sequence[float] | None = None) -> str:
     """JSQ among the least loaded (in candidate order): the fewest outstanding tokens at ``now``,
     ties round robin (decision ``turn`` takes tie ``turn`` mod their number). Outstanding tokens
     may cost work to read (a simulator's live snapshot): only those of the candidates whose lower
-    bound is at most the tokens of the one of least bound are read."""
+    bound (``bounds``, else worked out) is at most the tokens of the one of least bound are read."""
     if len(lowest) == 1:
         return lowest[0].id
     if len(lowest) >= BOUND_FROM:
-        floors = [outstanding_at_least(c, now) for c in lowest]
+        floors = list(bounds) if bounds is not None else [outstanding_at_least(c, now) for c in lowest]
         floor = min(floors)
         least = lowest[floors.index(floor)].outstanding_tokens
         if least >= floor:  # else a snapshot below its own floor: no bound holds, read them all

@@ -118,11 +118,13 @@ class RankChecked(JoinShortestQueue):
         super().__init__()
         self.sim, self.decisions = None, 0
 
-    def choose_lowest(self, request, lowest, now):
+    def choose_lowest(self, request, lowest, now, bounds=None):
         plain = JoinShortestQueue()
         plain._next = self._next
         expected = plain.choose(request, [e.state(False) for e in self.sim.entry], now)
-        got = super().choose_lowest(request, lowest, now)
+        if bounds is not None:  # the cache's bounds are each snapshot's own, as it reads them now
+            assert list(bounds) == [c.outstanding_at_least(now) for c in lowest]
+        got = super().choose_lowest(request, lowest, now, bounds)
         assert got == expected
         self.decisions += 1
         return got

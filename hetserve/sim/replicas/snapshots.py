@@ -9,10 +9,12 @@ now (it may hand back the very snapshot it got: then that function stays filed w
 
 from __future__ import annotations
 
+import math
 from heapq import heappop, heappush
 from typing import Any, Callable, Sequence
 
 from hetserve.policies.base import ReplicaState
+from hetserve.policies.outstanding import drain_bound
 from hetserve.sim.replicas.live import LiveState
 
 
@@ -84,6 +86,9 @@ class SnapshotCache:
         self._waits = waits
         self._reps = list(replicas)
         self._snaps: list[ReplicaState | None] = [None] * len(self._reps)
+        # each snapshot's ``outstanding_floor`` and ``outstanding_drain`` (none: it drains nothing)
+        n = len(self._reps)
+        self._floor, self._since, self._drained, self._rate = [0.0] * n, [0.0] * n, [-math.inf] * n, [0.0] * n
         self._pos = {rep.index: i for i, rep in enumerate(self._reps)}
         self._dirty: set[int] = set(range(len(self._reps)))
         # kept snapshots that read the clock -> how to bring one up to now (None: build it again)
@@ -113,11 +118,19 @@ class SnapshotCache:
 
     def lowest(self) -> list[ReplicaState]:
         """The snapshots now of the least ``rank``, in the order given (ValueError without a rank)."""
+        return self.lowest_bounded()[0]
+
+    def lowest_bounded(self) -> tuple[list[ReplicaState], list[float]]:
+        """``lowest`` and a lower bound on each one's ``outstanding_tokens`` at the clock now
+        (``ReplicaState.outstanding_at_least``), from the figures read when it was filed."""
         if self.rank is None:
             raise ValueError("this cache files its snapshots by no rank")
         self._refresh()
-        snaps = self._snaps
-        return [snaps[i] for i in sorted(self._by_rank[min(self._by_rank)])]  # type: ignore[misc]
+        snaps, now = self._snaps, self._loop.now
+        floors, since, drained, rates = self._floor, self._since, self._drained, self._rate
+        picked = sorted(self._by_rank[min(self._by_rank)])
+        return ([snaps[i] for i in picked],  # type: ignore[misc]
+                [drain_bound(floors[i], since[i], drained[i], rates[i], now) for i in picked])
 
     def _expire(self, until: float, snap: LiveState) -> None:
         self._expired += 1
@@ -133,19 +146,30 @@ class SnapshotCache:
             if retime is not None and i not in dirty:
                 new = retime(snaps[i])  # type: ignore[arg-type]
                 if new is not snaps[i]:  # the same snapshot back: it and its retime stay filed
-                    snaps[i] = new
+                    self._keep(i, new)
                     self._file(i, reps[i].snapshot_clock(self._waits))
                     self._rerank(i)
             else:
                 dirty.add(i)
         for i in dirty:
             rep = reps[i]
-            snaps[i] = snap = rep.snapshot(self._waits)
+            snap = rep.snapshot(self._waits)
+            self._keep(i, snap)
             if type(snap) is LiveState:
                 snap.__dict__["_expire"] = self._expire
             self._file(i, rep.snapshot_clock(self._waits) if self._kept[i] else None)
             self._rerank(i)
         dirty.clear()
+
+    def _keep(self, i: int, snap: ReplicaState) -> None:
+        """``snap`` is the snapshot at position ``i``: its bound's figures are read once, here."""
+        self._snaps[i] = snap
+        self._floor[i] = snap.outstanding_floor
+        drain = snap.outstanding_drain
+        if drain is None:
+            self._since[i], self._drained[i], self._rate[i] = 0.0, -math.inf, 0.0
+        else:
+            self._since[i], self._drained[i], self._rate[i] = drain
 
     def _file(self, i: int, how) -> None:
         self._asked.pop(i, None)

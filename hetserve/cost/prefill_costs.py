@@ -127,32 +127,37 @@ def stage_prefill_time(cost: CostModel, stage: StageLayout, batch: Any, is_last:
             + collective_bytes_time(cost, stage, tokens))
 
 
-def prefill_time(cost: CostModel, layout: ReplicaLayout, batch: Any) -> float:
-    """Prefill latency of a batch through the whole pipeline (no micro-batching)."""
+def prefill_time(cost: CostModel, layout: ReplicaLayout, batch: Any, remember: bool = True) -> float:
+    """Prefill latency of a batch through the whole pipeline (no micro-batching). ``remember``
+    False: each stage priced by the formula itself, past what the model may remember of it (a
+    batch that will not come again)."""
     stages = layout.stages
     last = len(stages) - 1
     total = 0.0
     for i, s in enumerate(stages):
-        total += cost.stage_prefill_time(s, batch, i == last)
+        total += (cost.stage_prefill_time(s, batch, i == last) if remember else
+                  stage_prefill_time(cost, s, batch, i == last))
         if i != last:
             total += cost.pp_handoff_time(s, stages[i + 1], batch.tokens)
     return total
 
 
 def mixed_step_time(cost: CostModel, layout: ReplicaLayout, decode_batch: Any, decode_context: Any,
-                    prompts: Any, micro_batches: int | None = None) -> Any:
+                    prompts: Any, micro_batches: int | None = None, remember: bool = True) -> Any:
     """One iteration carrying ``decode_batch`` decoding sequences (``decode_context`` KV tokens
     in all) and the prompt tokens of ``prompts`` (vLLM v1-style mixed batch).
 
     Every token of the step goes through the weights once, so the step is priced as one prefill
     batch of decode + prompt tokens (a decode token attends to its context: Σ 2·context in the
-    attention term), and never below the decode step alone (which reads the KV).
+    attention term), and never below the decode step alone (which reads the KV). ``remember``
+    False: the batch is not remembered (``prefill_time``; a simulated step's attention term holds
+    its decodes' whole context, which hardly ever comes again).
     """
     if prompts.tokens <= 0:
         return cost.decode_step_time(layout, decode_batch, decode_context, micro_batches)
     batch = PrefillBatch(decode_batch + prompts.num_seqs, decode_batch + prompts.tokens,
                          2.0 * decode_context + prompts.sum_sq, prompts.scored)
-    t = prefill_time(cost, layout, batch)
+    t = prefill_time(cost, layout, batch, remember)
     if decode_batch:
         t = max(t, cost.decode_step_time(layout, decode_batch, decode_context, micro_batches))
     return t

@@ -110,3 +110,24 @@ def test_the_memo_shares_a_replicas_rounds_across_identical_machines_only():
     for layout in (on_a, on_b, on_c, across):
         for batch, context in ((1, 300.0), (4, 1800.0), (4, 2500.5)):
             assert memo.decode_step_time(layout, batch, context) == plain.decode_step_time(layout, batch, context)
+
+
+@pytest.mark.parametrize("name", ["kernels", "roofline", "calibrated", "cpu-slots"])
+def test_a_mixed_step_priced_without_remembering_is_the_remembered_price_and_leaves_the_memo_alone(name):
+    from hetserve.cost.prefill_batch import PrefillBatch
+
+    cm = _models()[name]
+    checked = 0
+    for layout, (decodes, context), prompts in itertools.product(
+            LAYOUTS.values(), ((0, 0.0), (5, 3000.0), (64, 90_000.5)),
+            (PrefillBatch.of([300]), PrefillBatch.of([17, 2000], scored=16), PrefillBatch(0, 0, 0.0))):
+        if not decodes and not prompts.tokens:
+            continue
+        memo = MemoCost(cm)
+        got = memo.mixed_step_time(layout, decodes, context, prompts, 1, remember=False)
+        assert not memo._prefill  # nothing of that step kept
+        assert got == cm.mixed_step_time(layout, decodes, context, prompts, 1)
+        assert got == memo.mixed_step_time(layout, decodes, context, prompts, 1)
+        assert bool(memo._prefill) == (prompts.tokens > 0)  # remembered by default
+        checked += 1
+    assert checked == len(LAYOUTS) * 8

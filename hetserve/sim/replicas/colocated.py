@@ -218,7 +218,8 @@ class ColocatedReplica(Decoding):
                                  prompts.scored)
             dur = self._beside_decodes(mixed, own, context, m - 1) + self.env.dispatch_wait(self, True)
         else:
-            dur = self.cost.mixed_step_time(self.layout, b.size, b.context, prompts, self.limits.micro_batches)
+            dur = self.cost.mixed_step_time(self.layout, b.size, b.context, prompts, self.limits.micro_batches,
+                                            remember=False)
             dur = self._on_host(dur, decodes=b.size > 0)
         now = self.loop.now
         if self.trace is not None:

@@ -235,7 +235,7 @@ class Simulator:
         info = RequestInfo(rid, r.arrival[rid], r.inp[rid], pred)
         snaps, placement = self._snaps, self.placement
         if placement is self._ranked_for and not may_not_fit:
-            lowest, bounds = snaps.lowest_bounded()  # type: ignore[union-attr]
+            lowest, bounds = snaps.lowest()  # type: ignore[union-attr]
             choice = placement.choose_lowest(info, lowest, self.loop.now, bounds)  # type: ignore[attr-defined]
         else:
             cands = snaps.states() if snaps is not None else [e.state(True) for e in self.entry]

@@ -116,13 +116,10 @@ class SnapshotCache:
         self._refresh()
         return list(self._snaps)  # type: ignore[arg-type]
 
-    def lowest(self) -> list[ReplicaState]:
-        """The snapshots now of the least ``rank``, in the order given (ValueError without a rank)."""
-        return self.lowest_bounded()[0]
-
-    def lowest_bounded(self) -> tuple[list[ReplicaState], list[float]]:
-        """``lowest`` and a lower bound on each one's ``outstanding_tokens`` at the clock now
-        (``ReplicaState.outstanding_at_least``), from the figures read when it was filed."""
+    def lowest(self) -> tuple[list[ReplicaState], list[float]]:
+        """The snapshots now of the least ``rank``, in the order given, and a lower bound on each
+        one's ``outstanding_tokens`` at the clock now (``ReplicaState.outstanding_at_least``) from
+        the figures read when it was filed (ValueError without a rank)."""
         if self.rank is None:
             raise ValueError("this cache files its snapshots by no rank")
         self._refresh()

@@ -9,6 +9,9 @@ from typing import Callable
 from hetserve.policies.base import ReplicaState
 
 
+_NEVER = float("-inf")
+
+
 class _Figure:
     """One clock-bound figure of a ``LiveState`` (a non-data descriptor): worked out when read,
     through the snapshot's ``progress`` again only once the clock reaches the time the last figures
@@ -49,9 +52,13 @@ class LiveState(ReplicaState):
 
     @staticmethod
     def of(fields: dict, progress: Callable[[float], tuple[tuple[float, int], float]], loop) -> "LiveState":
-        snap = object.__new__(LiveState)  # the fixed fields as given; the others' defaults are the class's
-        snap.__dict__.update(fields)
-        snap.__dict__.update(_progress=progress, _loop=loop, _figures=None, _until=float("-inf"), _expire=None)
+        """The snapshot of ``fields`` (the fixed fields; the others' defaults are the class's), which
+        it takes for its own ``__dict__``: one dict built once, not copied (it is built at every
+        change of a replica)."""
+        fields["_progress"], fields["_loop"], fields["_figures"] = progress, loop, None
+        fields["_until"], fields["_expire"] = _NEVER, None
+        snap = object.__new__(LiveState)
+        snap.__dict__ = fields
         return snap
 
     def _forget(self) -> None:

@@ -10,13 +10,34 @@ rows) stay unannotated: either kind of number keeps Python's arithmetic."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from hetserve.cost.efficiency import Efficiency
+from hetserve.cost.kernel_pricing import KernelPricing
+from hetserve.cost.layout import ReplicaLayout, StageLayout
 from hetserve.cost.prefill_batch import PrefillBatch
+from hetserve.specs.model import ModelSpec
 
-if TYPE_CHECKING:  # pragma: no cover
-    from hetserve.cost.analytic import CostModel
-    from hetserve.cost.layout import ReplicaLayout, StageLayout
+
+class CostModel(Protocol):
+    """What these formulas read of ``cost.analytic.CostModel`` (which calls them), and what they
+    ask of it that a subclass may remember."""
+
+    model: ModelSpec
+    eff: Efficiency
+    kernels: KernelPricing | None
+    _membw: Any  # per device: a list, or what the kernel pricing made of it
+
+    def _roofline_rates(self, stage: StageLayout, attn_eff: float = 0.0) -> tuple[float, float | None, float]: ...
+
+    def allreduce_time(self, devices: Any, nbytes: float) -> float: ...
+
+    def stage_prefill_time(self, stage: StageLayout, batch: PrefillBatch, is_last: bool = False) -> float: ...
+
+    def pp_handoff_time(self, a: StageLayout, b: StageLayout, tokens: float) -> float: ...
+
+    def decode_step_time(self, layout: ReplicaLayout, batch: float, context_tokens: float,
+                         micro_batches: int | None = None, dispatch_s: float = 0.0) -> float: ...
 
 # Collectives a TP group runs per iteration besides its layers' two all-reduces each: the leader
 # broadcasts the step (``broadcast_object_list``: its size, then its bytes) and the stage's input

@@ -5,10 +5,14 @@ compiled code into it costs no interpreter frame."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import ClassVar, Protocol
 
-if TYPE_CHECKING:  # pragma: no cover
-    from hetserve.policies.base import ReplicaState
+
+class ReplicaState(Protocol):
+    """What the bound reads of a ``policies.base.ReplicaState``."""
+
+    outstanding_floor: float
+    outstanding_drain: ClassVar[tuple[float, float, float] | None]
 
 
 def outstanding_at_least(state: ReplicaState, now: float) -> float:

@@ -6,6 +6,7 @@ import gc
 import hashlib
 import os
 import pickle
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,24 @@ def _fewer_full_collections():
     gc.set_threshold(saved[0], saved[1], saved[2] * 10)
     yield
     gc.set_threshold(*saved)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread_in_test_processes():
+    """torch in a test process itself (transformers' reference outputs, a stage run in process) uses
+    one thread: ``make test``'s three test processes share two cores, and an operator split over two
+    OpenMP threads spins until both are scheduled (a tiny model's greedy tokens took over ten times
+    the CPU of one thread). Set where the collected tests imported torch, never imported for it; a
+    test of threaded code sets its own count. What a test starts (workers, ``hetserve`` commands)
+    chooses its threads as before."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="session", autouse=True)

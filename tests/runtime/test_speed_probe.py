@@ -148,6 +148,10 @@ def test_the_probe_times_the_checkpoint_in_this_process(model_dirs, arch):
     import torch
 
     threads = torch.get_num_threads()
-    r = SpeedProbe(model_dirs[arch]).read(0.2)
+    torch.set_num_threads(2)  # not one (the test process's own setting): a probe that left one set shows
+    try:
+        r = SpeedProbe(model_dirs[arch]).read(0.2)
+        assert torch.get_num_threads() == 2  # one thread while it reads, as a worker; restored after
+    finally:
+        torch.set_num_threads(threads)
     assert r.samples >= 8 and 0 < r.decode_s < r.prefill_s  # a 128-token prompt costs more than one token
-    assert torch.get_num_threads() == threads  # one thread while it reads, as a worker; restored after

@@ -95,7 +95,9 @@ class WorkerGroup:
             store_address = self._store.address
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
-            ctx.set_forkserver_preload(["hetserve.runtime.workers.worker_process"])
+            # what every worker imports, once in the server: torch, and the loader a CPU worker's C++
+            # kernels go through (torch.utils.cpp_extension, which imports setuptools: 0.1 s a worker)
+            ctx.set_forkserver_preload(["hetserve.runtime.workers.worker_process", "torch.utils.cpp_extension"])
         by_id = {r.id: r for r in replicas}
         procs: dict[str, Any] = {}
         for w in workers:

@@ -39,6 +39,7 @@ class CostModel(Protocol):
     def decode_step_time(self, layout: ReplicaLayout, batch: float, context_tokens: float,
                          micro_batches: int | None = None, dispatch_s: float = 0.0) -> float: ...
 
+
 # Collectives a TP group runs per iteration besides its layers' two all-reduces each: the leader
 # broadcasts the step (``broadcast_object_list``: its size, then its bytes) and the stage's input
 # activations to the group (runtime/worker.py ``_next`` / ``_compute``; vLLM broadcasts its step

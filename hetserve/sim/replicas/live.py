@@ -9,7 +9,7 @@ from typing import Callable
 from hetserve.policies.base import ReplicaState
 
 
-_NEVER = float("-inf")
+_NOT_YET = float("-inf")  # a new snapshot's figures hold until: its first read works them out
 
 
 class _Figure:
@@ -56,7 +56,7 @@ class LiveState(ReplicaState):
         it takes for its own ``__dict__``: one dict built once, not copied (it is built at every
         change of a replica)."""
         fields["_progress"], fields["_loop"], fields["_figures"] = progress, loop, None
-        fields["_until"], fields["_expire"] = _NEVER, None
+        fields["_until"], fields["_expire"] = _NOT_YET, None
         snap = object.__new__(LiveState)
         snap.__dict__ = fields
         return snap

@@ -131,14 +131,6 @@ class CostModel(TransferCosts, DecodeCosts):
         return t * f, (t * (f / self.eff.compute * attn_eff) if attn_eff > 0 else None), t * m
 
     # the per-stage formulas for prompt tokens and fixed costs: ``cost.prefill_costs``
-    def _roofline(self, stage: StageLayout, flops: float, nbytes: float, attn_flops: float = 0.0,
-                  attn_eff: float = 0.0) -> float:
-        return prefill_costs.roofline(self, stage, flops, nbytes, attn_flops, attn_eff)
-
-    def _layer_time(self, stage: StageLayout, rows: float, flops: float, nbytes: float, attn_flops: float,
-                    attn_eff: float = 0.0) -> float:
-        return prefill_costs.layer_time(self, stage, rows, flops, nbytes, attn_flops, attn_eff)
-
     def collectives_time(self, stage: StageLayout) -> float:
         return prefill_costs.collectives_time(self, stage)
 

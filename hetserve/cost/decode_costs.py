@@ -24,7 +24,7 @@ class DecodeCosts:
 
     def _decode_layer(self, stage: StageLayout, batch: float) -> DecodeLayer:
         """One decode layer of ``batch`` sequences as a function of their context: the kernel model's
-        operators where it covers the stage, else the roofline (``_layer_time``), with attention's
+        operators where it covers the stage, else the roofline (``prefill_costs.layer_time``), with attention's
         ``4 · q_dim`` FLOPs and its KV bytes per context token; the same arithmetic, term by term."""
         m, k, devices = self.model, self.kernels, stage.devices
         per_kv, q_flops, weights = m.kv_bytes_per_token_per_layer, 4.0 * m.q_dim, m.bytes_per_layer

@@ -151,7 +151,7 @@ def _fewest_tokens(lowest: Sequence[ReplicaState], turn: int, now: float,
     if len(lowest) == 1:
         return lowest[0].id
     if len(lowest) >= BOUND_FROM:
-        floors = list(bounds) if bounds is not None else [outstanding_at_least(c, now) for c in lowest]
+        floors = bounds if bounds is not None else [outstanding_at_least(c, now) for c in lowest]
         floor = min(floors)
         least = lowest[floors.index(floor)].outstanding_tokens
         if least >= floor:  # else a snapshot below its own floor: no bound holds, read them all

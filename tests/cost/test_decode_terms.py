@@ -1,7 +1,8 @@
 """A decode iteration priced from the terms its batch fixes (``cost.decode``) is the cost model's
-formula, bit for bit: every layer's work at the batch and its context (``_layer_time``), the TP
-all-reduces, the fixed costs and the LM head, summed in one order; the memoised twin, which keeps
-those terms per batch and prices each new context from them, gives the same numbers."""
+formula, bit for bit: every layer's work at the batch and its context
+(``prefill_costs.layer_time``), the TP all-reduces, the fixed costs and the LM head, summed in one
+order; the memoised twin, which keeps those terms per batch and prices each new context from them,
+gives the same numbers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import itertools
 
 import pytest
 
+from hetserve.cost import prefill_costs
 from hetserve.cost.analytic import CostModel
 from hetserve.cost.efficiency import Efficiency
 from hetserve.cost.layout import ReplicaLayout, StageLayout
@@ -26,7 +28,8 @@ def _reference_stage(cm: CostModel, stage: StageLayout, batch: float, context: f
     m = cm.model
     flops = 2.0 * m.params_per_layer * batch
     nbytes = m.bytes_per_layer + context * m.kv_bytes_per_token_per_layer
-    per_layer = cm._layer_time(stage, batch, flops, nbytes, 4.0 * m.q_dim * context, cm.eff.decode_attention)
+    per_layer = prefill_costs.layer_time(cm, stage, batch, flops, nbytes, 4.0 * m.q_dim * context,
+                                         cm.eff.decode_attention)
     comm = 2 * cm.allreduce_time(stage.devices, batch * m.hidden * m.dtype_bytes)
     head = cm._head_time(stage, batch) if is_last else 0.0
     return (stage.num_layers * (per_layer + comm) + cm.collectives_time(stage) + head + cm.eff.step_overhead_s

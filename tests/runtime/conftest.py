@@ -105,3 +105,16 @@ def plans():
 def hf_reference():
     """hf_reference(model_dir, prompts, max_new_tokens) -> transformers' greedy outputs."""
     return hf_greedy
+
+
+@pytest.fixture(scope="module")
+def two_torch_threads():
+    """Two torch threads for a module's tests, where the test processes run one (tests/conftest.py):
+    the C++ kernels split their rows between threads (``at::parallel_for``), and a split that drops or
+    repeats rows shows only with more than one."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)

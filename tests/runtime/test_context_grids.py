@@ -15,14 +15,8 @@ from hetserve.runtime.model.context_grids import ContextGrids
 HQ, HKV, D, BS, SLOTS = 4, 2, 16, 4, 2048
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _two_threads():
-    """Two torch threads, where the test processes run one (tests/conftest.py): the C++ kernels split
-    their rows between threads (``at::parallel_for``), and a split that drops or repeats rows fails here."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
+# the C++ kernels split their rows between threads: checked with two (``two_torch_threads``)
+pytestmark = pytest.mark.usefixtures("two_torch_threads")
 
 
 class Pool:

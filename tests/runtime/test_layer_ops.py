@@ -13,14 +13,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 IMPLS = ["native", "torch"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _two_threads():
-    """Two torch threads, where the test processes run one (tests/conftest.py): the C++ kernels split
-    their rows between threads (``at::parallel_for``), and a split that drops or repeats rows fails here."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
+# the C++ kernels split their rows between threads: checked with two (``two_torch_threads``)
+pytestmark = pytest.mark.usefixtures("two_torch_threads")
 
 
 def _randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -260,9 +260,10 @@ class CostModel(TransferCosts, DecodeCosts):
         return period_s * joins / step
 
     def mixed_step_time(self, layout: ReplicaLayout, decode_batch: int, decode_context: float,
-                        prompts: PrefillBatch, micro_batches: int | None = None, remember: bool = True) -> float:
+                        prompts: PrefillBatch, micro_batches: int | None = None, remember: bool = True,
+                        decode_s: float | None = None) -> float:
         return prefill_costs.mixed_step_time(self, layout, decode_batch, decode_context, prompts, micro_batches,
-                                             remember)
+                                             remember, decode_s)
 
     def replica_memory_required(self, input_tokens: float, output_tokens: float) -> float:
         """HexGen-2 App. A: parameters + 32 requests' KV cache, in bytes."""

@@ -12,6 +12,7 @@ and 65 µs from one size to the next; the fit runs through their middle.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,9 +64,26 @@ class AllReduceFit:
                 "size_knots_log2": list(KNOTS_LOG2)}
 
 
-def _interp(lg: float, values) -> float:
-    """Piecewise linear in log space between the knots, flat outside."""
-    return math.exp(float(np.interp(lg, KNOTS_LOG2, np.log(values))))
+def _interp(lg: float, values: tuple[float, ...]) -> float:
+    """Piecewise linear in log space between the knots, flat outside: ``numpy.interp``'s arithmetic
+    on one number (it prices every all-reduce a simulation runs; numpy's call costs ~30 of these)."""
+    logs = _LOGS.get(values)
+    if logs is None:  # numpy's logarithm, as the arrays' path (``times``) takes it
+        logs = _LOGS[values] = tuple(float(v) for v in np.log(values))
+    xs = KNOTS_LOG2
+    if lg <= xs[0]:
+        return math.exp(logs[0])
+    if lg >= xs[-1]:
+        return math.exp(logs[-1])
+    j = bisect_right(xs, lg) - 1  # xs[j] <= lg < xs[j + 1]
+    if xs[j] == lg:
+        return math.exp(logs[j])
+    slope = (logs[j + 1] - logs[j]) / (xs[j + 1] - xs[j])
+    return math.exp(slope * (lg - xs[j]) + logs[j])
+
+
+# a fit's efficiencies -> their logarithms
+_LOGS: dict[tuple[float, ...], tuple[float, ...]] = {}
 
 
 def _vec(alpha, log_e, sizes, w, link):

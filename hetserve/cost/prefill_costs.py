@@ -165,7 +165,8 @@ def prefill_time(cost: CostModel, layout: ReplicaLayout, batch: Any, remember: b
 
 
 def mixed_step_time(cost: CostModel, layout: ReplicaLayout, decode_batch: Any, decode_context: Any,
-                    prompts: Any, micro_batches: int | None = None, remember: bool = True) -> Any:
+                    prompts: Any, micro_batches: int | None = None, remember: bool = True,
+                    decode_s: float | None = None) -> Any:
     """One iteration carrying ``decode_batch`` decoding sequences (``decode_context`` KV tokens
     in all) and the prompt tokens of ``prompts`` (vLLM v1-style mixed batch).
 
@@ -173,7 +174,8 @@ def mixed_step_time(cost: CostModel, layout: ReplicaLayout, decode_batch: Any, d
     batch of decode + prompt tokens (a decode token attends to its context: Σ 2·context in the
     attention term), and never below the decode step alone (which reads the KV). ``remember``
     False: the batch is not remembered (``prefill_time``; a simulated step's attention term holds
-    its decodes' whole context, which hardly ever comes again).
+    its decodes' whole context, which hardly ever comes again). ``decode_s``: the decode step alone
+    (``decode_step_time`` of the decodes), where the caller has priced it.
     """
     if prompts.tokens <= 0:
         return cost.decode_step_time(layout, decode_batch, decode_context, micro_batches)
@@ -181,7 +183,9 @@ def mixed_step_time(cost: CostModel, layout: ReplicaLayout, decode_batch: Any, d
                          2.0 * decode_context + prompts.sum_sq, prompts.scored)
     t = prefill_time(cost, layout, batch, remember)
     if decode_batch:
-        t = max(t, cost.decode_step_time(layout, decode_batch, decode_context, micro_batches))
+        if decode_s is None:
+            decode_s = cost.decode_step_time(layout, decode_batch, decode_context, micro_batches)
+        t = max(t, decode_s)
     return t
 
 

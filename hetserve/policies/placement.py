@@ -28,7 +28,7 @@ import importlib
 import random
 from dataclasses import dataclass, field
 from itertools import compress, repeat
-from operator import eq, le
+from operator import eq
 from typing import Any, Callable, Sequence
 
 from hetserve.compiled import mypyc_attr
@@ -147,20 +147,23 @@ def _fewest_tokens(lowest: Sequence[ReplicaState], turn: int, now: float,
     """JSQ among the least loaded (in candidate order): the fewest outstanding tokens at ``now``,
     ties round robin (decision ``turn`` takes tie ``turn`` mod their number). Outstanding tokens
     may cost work to read (a simulator's live snapshot): only those of the candidates whose lower
-    bound (``bounds``, else worked out) is at most the tokens of the one of least bound are read."""
-    if len(lowest) == 1:
+    bound (``bounds``, else worked out) is at most the tokens of the one of least bound are read
+    (picked out by a comprehension: compiled, a loop over native floats)."""
+    n = len(lowest)
+    if n == 1:
         return lowest[0].id
-    if len(lowest) >= BOUND_FROM:
-        floors = bounds if bounds is not None else [outstanding_at_least(c, now) for c in lowest]
+    if n >= BOUND_FROM:
+        floors: list[float] = ([outstanding_at_least(c, now) for c in lowest] if bounds is None else
+                               bounds if isinstance(bounds, list) else list(bounds))
         floor = min(floors)
         least = lowest[floors.index(floor)].outstanding_tokens
         if least >= floor:  # else a snapshot below its own floor: no bound holds, read them all
-            lowest = list(compress(lowest, map(le, floors, repeat(least))))
+            lowest = [lowest[j] for j in range(n) if floors[j] <= least]
     outstanding = [c.outstanding_tokens for c in lowest]
     fewest = min(outstanding)
     if outstanding.count(fewest) == 1:
         return lowest[outstanding.index(fewest)].id
-    tied = list(compress(lowest, map(eq, outstanding, repeat(fewest))))
+    tied = [c for c, tokens in zip(lowest, outstanding) if tokens == fewest]
     return tied[turn % len(tied)].id
 
 

@@ -19,7 +19,7 @@ from hetserve.sim.events import Priority
 from hetserve.sim.hosts import on_host, pipeline_step_beside
 from hetserve.sim.choices import prefill_batch
 from hetserve.sim.replicas.decoding import Decoding
-from hetserve.sim.replicas.snapshots import KEEP, LiveState
+from hetserve.sim.replicas.snapshots import KEEP, live_state
 
 
 class ColocatedReplica(Decoding):
@@ -218,8 +218,10 @@ class ColocatedReplica(Decoding):
                                  prompts.scored)
             dur = self._beside_decodes(mixed, own, context, m - 1) + self.env.dispatch_wait(self, True)
         else:
+            # the decodes alone priced by the round this replica keeps per batch size
+            alone = self._priced_at(b.size)[0].at(b.context) if b.size else 0.0
             dur = self.cost.mixed_step_time(self.layout, b.size, b.context, prompts, self.limits.micro_batches,
-                                            remember=False)
+                                            remember=False, decode_s=alone)
             dur = self._on_host(dur, decodes=b.size > 0)
         now = self.loop.now
         if self.trace is not None:
@@ -289,7 +291,7 @@ class ColocatedReplica(Decoding):
         fields = self.state_fields()
         fields["outstanding_floor"] = self._outstanding_floor()
         fields["outstanding_drain"] = self._outstanding_drain()
-        return LiveState.of(fields, self._held_progress, self.loop.loop)
+        return live_state(fields, self._held_progress, self.loop.loop)
 
     def _figures(self, done: int) -> tuple[float, int]:
         """(outstanding tokens, Σ context) once ``done`` iterations of the running segment are through."""

@@ -53,12 +53,16 @@ class Decoding(Replica):
         """One decode iteration of ``batch`` sequences reading ``context`` tokens as this host runs it:
         the cost model's ``decode_step_time`` (its round at the batch, priced at the context) with
         the front end's wait, stretched by host contention but for ``_meeting``."""
+        round_, meeting = self._priced_at(batch)
+        return on_host(round_.at(context, self._wait / self._slow), meeting, self._slow)
+
+    def _priced_at(self, batch: int) -> tuple[DecodeRound, float]:
+        """(the cost model's decode round of ``batch`` sequences, ``_meeting`` of it), kept per batch size."""
         priced = self._priced.get(batch)
         if priced is None:
             priced = self._priced[batch] = (self.cost.decode_round(self.layout, batch, self.limits.micro_batches),
                                             self._meeting(batch))
-        round_, meeting = priced
-        return on_host(round_.at(context, self._wait / self._slow), meeting, self._slow)
+        return priced
 
     def _meeting(self, batch: int) -> float:
         """The part of a decode iteration of ``batch`` sequences that host contention does not

@@ -1,15 +1,10 @@
 """``LiveState``: a kept placement snapshot whose clock-bound figures are worked out when read
-(kept apart from ``snapshots``, which may be compiled: it builds itself with ``object.__new__``
-and reads its fields through a descriptor, which want an interpreted class)."""
+(kept apart from ``snapshots``, which may be compiled and builds it: it reads its figures through a
+descriptor, which wants an interpreted class)."""
 
 from __future__ import annotations
 
-from typing import Callable
-
 from hetserve.policies.base import ReplicaState
-
-
-_NOT_YET = float("-inf")  # a new snapshot's figures hold until: its first read works them out
 
 
 class _Figure:
@@ -47,19 +42,9 @@ class LiveState(ReplicaState):
     batch's next iteration boundary), so reading them again before then costs nothing."""
 
     def __new__(cls, *args, **fields):
-        # built from fields (``dataclasses.replace``): a plain snapshot of them, the figures as read
+        # built from fields (``dataclasses.replace``): a plain snapshot of them, the figures as read;
+        # a live one is built by ``snapshots.live_state``
         return ReplicaState(*args, **fields)
-
-    @staticmethod
-    def of(fields: dict, progress: Callable[[float], tuple[tuple[float, int], float]], loop) -> "LiveState":
-        """The snapshot of ``fields`` (the fixed fields; the others' defaults are the class's), which
-        it takes for its own ``__dict__``: one dict built once, not copied (it is built at every
-        change of a replica)."""
-        fields["_progress"], fields["_loop"], fields["_figures"] = progress, loop, None
-        fields["_until"], fields["_expire"] = _NOT_YET, None
-        snap = object.__new__(LiveState)
-        snap.__dict__ = fields
-        return snap
 
     def _forget(self) -> None:
         """The figures written into the fields no longer hold: the next read works them out."""

@@ -10,6 +10,7 @@ now (it may hand back the very snapshot it got: then that function stays filed w
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from heapq import heappop, heappush
 from typing import Any, Callable, Sequence
 
@@ -56,12 +57,47 @@ def KEEP(snap: ReplicaState) -> ReplicaState:
     return snap
 
 
+# a new live snapshot's figures hold until: its first read works them out
+_NOT_YET = float("-inf")
+
+
+def live_state(fields: dict, progress: Callable[[float], tuple[tuple[float, int], float]], loop) -> LiveState:
+    """The ``LiveState`` of ``fields`` (the fixed fields; the others' defaults are the class's),
+    which it takes for its own ``__dict__``: one dict built once, not copied (it is built at every
+    change of a replica). ``progress(now)``: its two figures at ``now`` (the clock of ``loop``, the
+    event loop) and the time until which they hold."""
+    fields["_progress"], fields["_loop"], fields["_figures"] = progress, loop, None
+    fields["_until"], fields["_expire"] = _NOT_YET, None
+    snap = object.__new__(LiveState)
+    object.__setattr__(snap, "__dict__", fields)  # past the frozen dataclass's own __setattr__
+    return snap
+
+
 def with_wait(snap: ReplicaState, wait: float) -> ReplicaState:
     """``snap`` with its ``prefill_wait_s`` set (a copy, without a pass through every field)."""
     new = object.__new__(ReplicaState)
     new.__dict__.update(snap.__dict__)
     new.__dict__["prefill_wait_s"] = wait
     return new
+
+
+class _Bound:
+    """A filed snapshot's ``outstanding_at_least`` figures, in place (one object per position, set
+    again at each filing): its ``outstanding_floor``, and ``drained`` tokens at ``since`` going
+    down at most ``rate`` a second (``outstanding_drain``; none: ``drained`` is -inf)."""
+
+    def __init__(self) -> None:
+        self.floor, self.since, self.drained, self.rate = 0.0, 0.0, -math.inf, 0.0
+
+    def set(self, floor: float, drain: tuple[float, float, float] | None) -> None:
+        self.floor = floor
+        if drain is None:
+            self.since, self.drained, self.rate = 0.0, -math.inf, 0.0
+        else:
+            self.since, self.drained, self.rate = drain
+
+    def at(self, now: float) -> float:
+        return drain_bound(self.floor, self.since, self.drained, self.rate, now)
 
 
 class SnapshotCache:
@@ -86,9 +122,8 @@ class SnapshotCache:
         self._waits = waits
         self._reps = list(replicas)
         self._snaps: list[ReplicaState | None] = [None] * len(self._reps)
-        # each snapshot's ``outstanding_floor`` and ``outstanding_drain`` (none: it drains nothing)
-        n = len(self._reps)
-        self._floor, self._since, self._drained, self._rate = [0.0] * n, [0.0] * n, [-math.inf] * n, [0.0] * n
+        # each snapshot's ``outstanding_floor`` and ``outstanding_drain``, read when it is filed
+        self._bounds = [_Bound() for _ in self._reps]
         self._pos = {rep.index: i for i, rep in enumerate(self._reps)}
         self._dirty: set[int] = set(range(len(self._reps)))
         # kept snapshots that read the clock -> how to bring one up to now (None: build it again)
@@ -96,7 +131,7 @@ class SnapshotCache:
         self._kept = [rep.snapshots_kept for rep in self._reps]
         self.rank = rank
         self._ranks: list[Any] = [None] * len(self._reps)
-        self._by_rank: dict[Any, set[int]] = {}  # rank -> positions of the snapshots of that rank
+        self._by_rank: dict[Any, list[int]] = {}  # rank -> positions of the snapshots of that rank, in order
         # live snapshots' figures written into their fields: (the time they hold until, n, snapshot)
         self._expiring: list[tuple[float, int, LiveState]] = []
         self._expired = 0
@@ -123,11 +158,9 @@ class SnapshotCache:
         if self.rank is None:
             raise ValueError("this cache files its snapshots by no rank")
         self._refresh()
-        snaps, now = self._snaps, self._loop.now
-        floors, since, drained, rates = self._floor, self._since, self._drained, self._rate
-        picked = sorted(self._by_rank[min(self._by_rank)])
-        return ([snaps[i] for i in picked],  # type: ignore[misc]
-                [drain_bound(floors[i], since[i], drained[i], rates[i], now) for i in picked])
+        snaps, bounds, now = self._snaps, self._bounds, self._loop.now
+        picked = self._by_rank[min(self._by_rank)]
+        return [snaps[i] for i in picked], [bounds[i].at(now) for i in picked]  # type: ignore[misc]
 
     def _expire(self, until: float, snap: LiveState) -> None:
         self._expired += 1
@@ -143,7 +176,7 @@ class SnapshotCache:
             if retime is not None and i not in dirty:
                 new = retime(snaps[i])  # type: ignore[arg-type]
                 if new is not snaps[i]:  # the same snapshot back: it and its retime stay filed
-                    self._keep(i, new)
+                    self._keep(i, new, new.outstanding_floor, new.outstanding_drain)
                     self._file(i, reps[i].snapshot_clock(self._waits))
                     self._rerank(i)
             else:
@@ -151,22 +184,21 @@ class SnapshotCache:
         for i in dirty:
             rep = reps[i]
             snap = rep.snapshot(self._waits)
-            self._keep(i, snap)
-            if type(snap) is LiveState:
-                snap.__dict__["_expire"] = self._expire
+            if type(snap) is LiveState:  # its fields read as the dict they are
+                d = snap.__dict__
+                d["_expire"] = self._expire
+                self._keep(i, snap, d["outstanding_floor"], d["outstanding_drain"])
+            else:
+                self._keep(i, snap, snap.outstanding_floor, snap.outstanding_drain)
             self._file(i, rep.snapshot_clock(self._waits) if self._kept[i] else None)
             self._rerank(i)
         dirty.clear()
 
-    def _keep(self, i: int, snap: ReplicaState) -> None:
-        """``snap`` is the snapshot at position ``i``: its bound's figures are read once, here."""
+    def _keep(self, i: int, snap: ReplicaState, floor: float, drain: tuple[float, float, float] | None) -> None:
+        """``snap`` is the snapshot at position ``i``, with its ``outstanding_floor`` and
+        ``outstanding_drain``: its bound's figures are read once, here."""
         self._snaps[i] = snap
-        self._floor[i] = snap.outstanding_floor
-        drain = snap.outstanding_drain
-        if drain is None:
-            self._since[i], self._drained[i], self._rate[i] = 0.0, -math.inf, 0.0
-        else:
-            self._since[i], self._drained[i], self._rate[i] = drain
+        self._bounds[i].set(floor, drain)
 
     def _file(self, i: int, how) -> None:
         self._asked.pop(i, None)
@@ -181,8 +213,8 @@ class SnapshotCache:
             return
         if old is not None:
             bucket = self._by_rank[old]
-            bucket.discard(i)
+            del bucket[bisect_left(bucket, i)]  # found by halving (``remove`` compares each in turn)
             if not bucket:
                 del self._by_rank[old]
         self._ranks[i] = new
-        self._by_rank.setdefault(new, set()).add(i)
+        insort(self._by_rank.setdefault(new, []), i)

@@ -131,6 +131,16 @@ class Replica:
         """The aggregates a placement decision reads (no request views); ``waits``: with the waits."""
         return self.state(False, waits)
 
+    def snapshot_shell(self, waits: bool) -> ReplicaState | None:
+        """(A kept kind) ``snapshot``'s fixed fields alone, which a rank may read (a shell: its
+        clock-bound figures are not yet readable), made whole by ``complete_snapshot`` when read,
+        so a changed replica no policy reads costs little; None: ``snapshot`` builds it whole."""
+        return None
+
+    def complete_snapshot(self, shell: ReplicaState) -> ReplicaState:
+        """``shell`` (``snapshot_shell``, the replica unchanged since) as ``snapshot`` would build it."""
+        raise NotImplementedError
+
     def snapshot_clock(self, waits: bool = True):
         """How this replica's snapshot depends on the clock now: ``KEEP`` (not at all), a function
         ``(snapshot) -> snapshot`` bringing a kept one up to now, or None (build it again).

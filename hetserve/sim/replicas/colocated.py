@@ -19,7 +19,7 @@ from hetserve.sim.events import Priority
 from hetserve.sim.hosts import on_host, pipeline_step_beside
 from hetserve.sim.choices import prefill_batch
 from hetserve.sim.replicas.decoding import Decoding
-from hetserve.sim.replicas.snapshots import KEEP, live_state
+from hetserve.sim.replicas.snapshots import KEEP, live_fill, live_shell
 
 
 class ColocatedReplica(Decoding):
@@ -288,10 +288,16 @@ class ColocatedReplica(Decoding):
         a fleet's running batches are not re-read at every arrival, and reads what ``state`` reads."""
         if waits:
             return self.state(False, True)
-        fields = self.state_fields()
-        fields["outstanding_floor"] = self._outstanding_floor()
-        fields["outstanding_drain"] = self._outstanding_drain()
-        return live_state(fields, self._held_progress, self.loop.loop)
+        return self.complete_snapshot(live_shell(self.state_fields()))
+
+    def snapshot_shell(self, waits: bool) -> ReplicaState | None:
+        return None if waits else live_shell(self.state_fields())
+
+    def complete_snapshot(self, shell: ReplicaState) -> ReplicaState:
+        d = shell.__dict__
+        d["outstanding_floor"] = self._outstanding_floor()
+        d["outstanding_drain"] = self._outstanding_drain()
+        return live_fill(shell, self._held_progress, self.loop.loop)  # type: ignore[arg-type]
 
     def _figures(self, done: int) -> tuple[float, int]:
         """(outstanding tokens, Σ context) once ``done`` iterations of the running segment are through."""

@@ -61,15 +61,21 @@ def KEEP(snap: ReplicaState) -> ReplicaState:
 _NOT_YET = float("-inf")
 
 
-def live_state(fields: dict, progress: Callable[[float], tuple[tuple[float, int], float]], loop) -> LiveState:
-    """The ``LiveState`` of ``fields`` (the fixed fields; the others' defaults are the class's),
+def live_shell(fields: dict) -> LiveState:
+    """A ``LiveState`` of ``fields`` alone (the fixed fields; the others' defaults are the class's),
     which it takes for its own ``__dict__``: one dict built once, not copied (it is built at every
-    change of a replica). ``progress(now)``: its two figures at ``now`` (the clock of ``loop``, the
-    event loop) and the time until which they hold."""
-    fields["_progress"], fields["_loop"], fields["_figures"] = progress, loop, None
-    fields["_until"], fields["_expire"] = _NOT_YET, None
+    change of a replica). Its fixed fields may be read (a rank), not yet its clock-bound figures:
+    ``live_fill`` makes it whole."""
     snap = object.__new__(LiveState)
     object.__setattr__(snap, "__dict__", fields)  # past the frozen dataclass's own __setattr__
+    return snap
+
+
+def live_fill(snap: LiveState, progress: Callable[[float], tuple[tuple[float, int], float]], loop) -> LiveState:
+    """``snap`` (a ``live_shell``) made whole: ``progress(now)`` gives its two figures at ``now``
+    (the clock of ``loop``, the event loop) and the time until which they hold."""
+    d = snap.__dict__
+    d["_progress"], d["_loop"], d["_figures"], d["_until"], d["_expire"] = progress, loop, None, _NOT_YET, None
     return snap
 
 
@@ -110,7 +116,10 @@ class SnapshotCache:
 
     ``rank`` (optional): a function of a snapshot's fields that hold while it is kept (not its
     clock-bound figures); the snapshots are then also filed by it, so ``lowest`` finds those of
-    the least rank without reading every snapshot (``PlacementPolicy.lowest_rank``).
+    the least rank without reading every snapshot (``PlacementPolicy.lowest_rank``). A changed
+    replica whose kind hands a shell (``Replica.snapshot_shell``: the fixed fields alone) is then
+    filed by the shell's rank and made whole only once read (``lowest`` reads those of the least
+    rank, ``states`` every one): on a large fleet most replicas that change are not of the least.
 
     A ``LiveState`` kept here has the figures it works out written into its fields until the time
     they hold until, when the cache, bringing its snapshots up to that moment, takes them back
@@ -134,6 +143,10 @@ class SnapshotCache:
         self._by_rank: dict[Any, list[int]] = {}  # rank -> positions of the snapshots of that rank, in order
         # live snapshots' figures written into their fields: (the time they hold until, n, snapshot)
         self._expiring: list[tuple[float, int, LiveState]] = []
+        # positions whose snapshot is a shell (``Replica.snapshot_shell``: its fixed fields, which
+        # rank it), made whole only when read: most changed replicas are not of the least rank
+        self._shell = [False] * len(self._reps)
+        self._shells = 0  # how many
         self._expired = 0
         self._loop: Any = self._reps[0].loop if self._reps else None
         for i, rep in enumerate(self._reps):
@@ -149,6 +162,10 @@ class SnapshotCache:
     def states(self) -> list[ReplicaState]:
         """Every replica's snapshot now, in the order given."""
         self._refresh()
+        if self._shells:
+            for i in range(len(self._reps)):
+                if self._shell[i]:
+                    self._complete(i)
         return list(self._snaps)  # type: ignore[arg-type]
 
     def lowest(self) -> tuple[list[ReplicaState], list[float]]:
@@ -158,8 +175,13 @@ class SnapshotCache:
         if self.rank is None:
             raise ValueError("this cache files its snapshots by no rank")
         self._refresh()
-        snaps, bounds, now = self._snaps, self._bounds, self._loop.now
         picked = self._by_rank[min(self._by_rank)]
+        if self._shells:
+            shell = self._shell
+            for i in picked:
+                if shell[i]:
+                    self._complete(i)
+        snaps, bounds, now = self._snaps, self._bounds, self._loop.now
         return [snaps[i] for i in picked], [bounds[i].at(now) for i in picked]  # type: ignore[misc]
 
     def _expire(self, until: float, snap: LiveState) -> None:
@@ -181,18 +203,42 @@ class SnapshotCache:
                     self._rerank(i)
             else:
                 dirty.add(i)
+        shelled = self.rank is not None
         for i in dirty:
             rep = reps[i]
-            snap = rep.snapshot(self._waits)
-            if type(snap) is LiveState:  # its fields read as the dict they are
-                d = snap.__dict__
-                d["_expire"] = self._expire
-                self._keep(i, snap, d["outstanding_floor"], d["outstanding_drain"])
+            shell = rep.snapshot_shell(self._waits) if shelled else None
+            if shell is not None:  # ranked now, completed if ever read
+                snaps[i] = shell
+                if self._asked:
+                    self._asked.pop(i, None)
+                if not self._shell[i]:
+                    self._shell[i] = True
+                    self._shells += 1
             else:
-                self._keep(i, snap, snap.outstanding_floor, snap.outstanding_drain)
-            self._file(i, rep.snapshot_clock(self._waits) if self._kept[i] else None)
+                self._unshell(i)
+                self._filed(i, rep.snapshot(self._waits))
             self._rerank(i)
         dirty.clear()
+
+    def _complete(self, i: int) -> None:
+        """The shell at position ``i`` made whole (its replica has not changed since: it would be dirty)."""
+        self._unshell(i)
+        self._filed(i, self._reps[i].complete_snapshot(self._snaps[i]))  # type: ignore[arg-type]
+
+    def _unshell(self, i: int) -> None:
+        if self._shell[i]:
+            self._shell[i] = False
+            self._shells -= 1
+
+    def _filed(self, i: int, snap: ReplicaState) -> None:
+        """``snap``, whole, is the snapshot at position ``i`` (its rank is filed apart)."""
+        if type(snap) is LiveState:  # its fields read as the dict they are
+            d = snap.__dict__
+            d["_expire"] = self._expire
+            self._keep(i, snap, d["outstanding_floor"], d["outstanding_drain"])
+        else:
+            self._keep(i, snap, snap.outstanding_floor, snap.outstanding_drain)
+        self._file(i, self._reps[i].snapshot_clock(self._waits) if self._kept[i] else None)
 
     def _keep(self, i: int, snap: ReplicaState, floor: float, drain: tuple[float, float, float] | None) -> None:
         """``snap`` is the snapshot at position ``i``, with its ``outstanding_floor`` and

@@ -34,6 +34,7 @@ import os
 import platform
 import resource
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -96,16 +97,24 @@ def digest(res) -> str:
     return h.hexdigest()[:12]
 
 
-def one_row(args: argparse.Namespace, k: int) -> dict:
-    """Simulate row ``k`` (k x the trace, or k x ``--requests``) and measure it."""
-    preset = args.cluster or ("hexgen2-het3" if args.fleet else "hexgen2-het1")
-    model, trace = load_model("llama-2-70b"), load_workload("azure-conv")
+def preset_of(args: argparse.Namespace) -> str:
+    return args.cluster or ("hexgen2-het3" if args.fleet else "hexgen2-het1")
+
+
+def pool_of(args: argparse.Namespace):
+    """The cluster a row plans on: the synthetic pool (``--pool``) or the preset."""
     if args.pool:
         from bench.lib.pools import synthetic_pool  # the checkout's (a row may run another tree's hetserve)
 
-        cluster = synthetic_pool(args.pool)
-    else:
-        cluster = load_cluster(preset)
+        return synthetic_pool(args.pool)
+    return load_cluster(preset_of(args))
+
+
+def one_row(args: argparse.Namespace, k: int) -> dict:
+    """Simulate row ``k`` (k x the trace, or k x ``--requests``) and measure it."""
+    preset = preset_of(args)
+    model, trace = load_model("llama-2-70b"), load_workload("azure-conv")
+    cluster = pool_of(args)
     plan = Plan.load(args.plan) if args.plan else hexgen2_plan(cluster, model, trace)[0]
     if args.fleet:
         cluster, plan = tiled(preset, plan, args.fleet)
@@ -141,7 +150,7 @@ def row_in(tree: str, argv: list[str], k: int) -> dict:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", default="1,2,4")
-    ap.add_argument("--plan", help="plan file (default: run the hexgen2 planner)")
+    ap.add_argument("--plan", help="plan file (default: the hexgen2 planner's, planned once for every row)")
     ap.add_argument("--transmission", default="fair")
     ap.add_argument("--placement", default="jsq")
     ap.add_argument("--cluster", help="preset (default hexgen2-het1; with --fleet hexgen2-het3)")
@@ -165,9 +174,14 @@ def main() -> None:
     args = parser().parse_args()
     argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--against" and sys.argv[i] != "--against"
             and not a.startswith("--against=")]
-    if args.plan:
-        argv += ["--plan", os.path.abspath(args.plan)]
     here = str(Path(__file__).resolve().parents[1])
+    workdir = tempfile.TemporaryDirectory(prefix="bench_sim-")
+    # every row simulates one plan, planned here once without --plan: the planner stopping by its
+    # clock plans differently in processes of different speed (a compiled row's, a loaded one's)
+    plan_file = os.path.abspath(args.plan) if args.plan else str(Path(workdir.name) / "plan.json")
+    if not args.plan:
+        hexgen2_plan(pool_of(args), load_model("llama-2-70b"), load_workload("azure-conv"))[0].save(plan_file)
+    argv += ["--plan", plan_file]
     trees = [("this tree", here)]
     if args.compiled:
         from bench.lib.fast_sim import problem  # here only: a row's process may run in another tree

@@ -175,11 +175,11 @@ def main() -> None:
     argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--against" and sys.argv[i] != "--against"
             and not a.startswith("--against=")]
     here = str(Path(__file__).resolve().parents[1])
-    workdir = tempfile.TemporaryDirectory(prefix="bench_sim-")
     # every row simulates one plan, planned here once without --plan: the planner stopping by its
     # clock plans differently in processes of different speed (a compiled row's, a loaded one's)
-    plan_file = os.path.abspath(args.plan) if args.plan else str(Path(workdir.name) / "plan.json")
-    if not args.plan:
+    workdir = None if args.plan else tempfile.TemporaryDirectory(prefix="bench_sim-")  # kept to the end
+    plan_file = os.path.abspath(args.plan) if workdir is None else str(Path(workdir.name) / "plan.json")
+    if workdir is not None:
         hexgen2_plan(pool_of(args), load_model("llama-2-70b"), load_workload("azure-conv"))[0].save(plan_file)
     argv += ["--plan", plan_file]
     trees = [("this tree", here)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -30,6 +30,8 @@ class AllReduceFit:
     workers: int
     alpha_s: float
     efficiency: tuple[float, ...]
+    # their natural logarithms (numpy's), taken once: the interpolation runs between them
+    log_efficiency: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.workers < 2:
@@ -39,6 +41,7 @@ class AllReduceFit:
         if len(self.efficiency) != len(KNOTS_LOG2) or not all(
                 isinstance(e, (int, float)) and math.isfinite(e) and e > 0 for e in self.efficiency):
             raise ValueError(f"efficiency must hold {len(KNOTS_LOG2)} positive numbers (one per knot)")
+        object.__setattr__(self, "log_efficiency", tuple(float(v) for v in np.log(self.efficiency)))
 
     def time(self, nbytes: float, link_bandwidth: float, workers: int | None = None) -> float:
         """Seconds for one all-reduce of ``nbytes`` over links of ``link_bandwidth`` bytes/s, in a
@@ -47,7 +50,7 @@ class AllReduceFit:
         if nbytes <= 0 or w <= 1:
             return 0.0
         lg = math.log2(max(nbytes, 1.0))
-        e = _interp(lg, self.efficiency)
+        e = _interp(lg, self.log_efficiency)
         return self.alpha_s + 2.0 * (w - 1) / w * nbytes / (link_bandwidth * e)
 
     def times(self, nbytes, link_bandwidth: float, workers: int | None = None) -> np.ndarray:
@@ -56,7 +59,7 @@ class AllReduceFit:
         n = np.asarray(nbytes, dtype=float)
         if w <= 1:
             return np.zeros_like(n)
-        e = np.exp(np.interp(np.log2(np.maximum(n, 1.0)), KNOTS_LOG2, np.log(self.efficiency)))
+        e = np.exp(np.interp(np.log2(np.maximum(n, 1.0)), KNOTS_LOG2, self.log_efficiency))
         return np.where(n > 0, self.alpha_s + 2.0 * (w - 1) / w * n / (link_bandwidth * e), 0.0)
 
     def as_dict(self) -> dict:
@@ -64,12 +67,10 @@ class AllReduceFit:
                 "size_knots_log2": list(KNOTS_LOG2)}
 
 
-def _interp(lg: float, values: tuple[float, ...]) -> float:
-    """Piecewise linear in log space between the knots, flat outside: ``numpy.interp``'s arithmetic
-    on one number (it prices every all-reduce a simulation runs; numpy's call costs ~30 of these)."""
-    logs = _LOGS.get(values)
-    if logs is None:  # numpy's logarithm, as the arrays' path (``times``) takes it
-        logs = _LOGS[values] = tuple(float(v) for v in np.log(values))
+def _interp(lg: float, logs: tuple[float, ...]) -> float:
+    """exp of ``logs`` (at ``KNOTS_LOG2``) interpolated at ``lg``: piecewise linear in log space
+    between the knots, flat outside; ``numpy.interp``'s arithmetic on one number (it prices every
+    all-reduce a simulation runs; numpy's call costs ~30 of these)."""
     xs = KNOTS_LOG2
     if lg <= xs[0]:
         return math.exp(logs[0])
@@ -80,10 +81,6 @@ def _interp(lg: float, values: tuple[float, ...]) -> float:
         return math.exp(logs[j])
     slope = (logs[j + 1] - logs[j]) / (xs[j + 1] - xs[j])
     return math.exp(slope * (lg - xs[j]) + logs[j])
-
-
-# a fit's efficiencies -> their logarithms
-_LOGS: dict[tuple[float, ...], tuple[float, ...]] = {}
 
 
 def _vec(alpha, log_e, sizes, w, link):

@@ -198,8 +198,7 @@ class SnapshotCache:
             if retime is not None and i not in dirty:
                 new = retime(snaps[i])  # type: ignore[arg-type]
                 if new is not snaps[i]:  # the same snapshot back: it and its retime stay filed
-                    self._keep(i, new, new.outstanding_floor, new.outstanding_drain)
-                    self._file(i, reps[i].snapshot_clock(self._waits))
+                    self._filed(i, new)
                     self._rerank(i)
             else:
                 dirty.add(i)

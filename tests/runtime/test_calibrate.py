@@ -194,8 +194,10 @@ def test_hetserve_calibrate_runs_and_its_file_reproduces_its_table(tmp_path, cap
     assert sum(data["runtime"][f"frontend_{k}_cpu_s"] for k in ("request", "step", "token")) > 0.0
     assert len(data["frontend_points"]) >= 2 and "the front end's CPU" in flat and "per engine step" in flat
     assert data["runtime"]["frontend_dispatch_s"] >= 0.0 and "(the GIL probe)" in flat
-    # the machine's speed index, read in the rounds, for `compare` to read again when it serves
-    assert data["speed_probe"]["decode_s"] > 0 and data["speed_probe"]["prefill_s"] > data["speed_probe"]["decode_s"]
+    # the machine's speed index, read in the rounds, for `compare` to read again when it serves (which
+    # median is which: tests/runtime/test_speed_probe.py; on this tiny model their order is noise)
+    assert data["speed_probe"]["decode_s"] > 0 and data["speed_probe"]["prefill_s"] > 0
+    assert data["speed_probe"]["samples"] >= 8
     assert "machine speed probe" in flat
 
 

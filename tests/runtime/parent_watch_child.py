@@ -8,8 +8,10 @@ import time
 
 
 def child(pid_file: str) -> None:
-    with open(pid_file, "w") as f:
+    # written whole, then renamed into place: the parent and the test see no file or the whole pid
+    with open(pid_file + ".part", "w") as f:
         f.write(str(os.getpid()))
+    os.replace(pid_file + ".part", pid_file)
     time.sleep(1.0)  # the window a worker spends importing torch: its parent is gone by its end
     from hetserve.runtime.workers.worker_process import watch_parent
 

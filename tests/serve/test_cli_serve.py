@@ -96,14 +96,16 @@ def test_serve_as_a_user_runs_it_port_keys_drain_and_clean_exit(tmp_path):
     * keys from the environment and an admin key file: the start-up lines say what needs a key (and
       print none); /v1 needs a key, the probes stay open, /admin takes only its own key; an OpenAI
       client with a key lists the model and completes;
-    * SIGTERM during a stream that cannot finish in the 1 s drain: new requests get 503 +
+    * SIGTERM during a stream that cannot finish in the 5 s drain: new requests get 503 +
       Retry-After, the stream ends with one error event and [DONE], and the process exits cleanly."""
     import openai
 
     from hetserve.planner.plan import Plan
     from hetserve.runtime.model.make import make_model
 
-    model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=32, heads=2, max_positions=4096)
+    # the drain is the window in which the test sees 503s, long enough for a loaded machine to look;
+    # the stream (16,000 tokens, 8 ms each on CI) outlasts it on a machine many times faster
+    model = make_model(tmp_path / "tiny", "llama", layers=2, hidden=32, heads=2, max_positions=16384)
     plan = tmp_path / "plan.json"
     Plan.from_dict(PLAN).save(plan)
     admin_file = tmp_path / "admin.txt"
@@ -113,7 +115,7 @@ def test_serve_as_a_user_runs_it_port_keys_drain_and_clean_exit(tmp_path):
            "HETSERVE_API_KEY": f"{KEY},{OTHER_KEY}"}
     proc = subprocess.Popen([sys.executable, "-m", "hetserve.cli.main", "serve", "--plan", str(plan),
                              "--cluster", "demo-cpu", "--model", str(model), "--port", "0", "--admin-key-file",
-                             str(admin_file), "--log-level", "warning", "--drain-timeout", "1"], env=env,
+                             str(admin_file), "--log-level", "warning", "--drain-timeout", "5"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     printer = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # until the pipe closes
@@ -155,7 +157,7 @@ def test_serve_as_a_user_runs_it_port_keys_drain_and_clean_exit(tmp_path):
         r = httpx.post(url + "/admin/replan", json={"bogus": 1}, headers=_bearer(ADMIN_KEY))
         assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"  # past the key, refused by its body
 
-        body = {"model": "tiny", "prompt": "hi", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 16000, "stream": True, "ignore_eos": True}
 
         def stream() -> None:
             with httpx.stream("POST", url + "/v1/completions", json=body, headers=_bearer(KEY), timeout=60) as resp:

@@ -77,12 +77,11 @@ def test_compare_serves_simulates_and_writes_table_and_cdfs(tmp_path, capsys, mo
 
 @pytest.mark.timeout(240)
 def test_compare_scales_the_calibration_by_the_machine_speed_it_reads_while_serving(tmp_path, capsys, monkeypatch):
-    """A calibration whose speed probe read twenty times the speed of now: compare reads the probe
+    """A calibration whose speed probe read a thousand times the speed of now: compare reads the probe
     before and after serving, finds the machine far slower and prices the simulation that much slower
-    than as calibrated (both tables kept). The factor leaves room for the machine's own swing between
-    this test's reading and compare's a few seconds later: at 2x, CI once read 1.15 (the machine ran
-    1.7x faster while compare served); at 4x, with the suite on two workers, 1.34 (the other worker's
-    test took the second core during this test's own reading, 3x). ``--serve-twice``:
+    than as calibrated (both tables kept). The factor dwarfs the machine's own swing between this
+    test's reading and compare's a few seconds later (a shared host's speed moves 2.5x within minutes,
+    3x with another test on the second core): the bounds below leave 20x either way. ``--serve-twice``:
     the same requests replayed a second time, after the first run's measurements, and that run's
     figures set against the first's."""
     from hetserve.cli.main import main
@@ -109,7 +108,7 @@ def test_compare_scales_the_calibration_by_the_machine_speed_it_reads_while_serv
     cal = tmp_path / "cal.json"
     cal.write_text(json.dumps({"gpu": "RTX-4090", "efficiency": {"compute": 2e-4, "memory": 0.8, "iteration_overhead_s": 3e-3},
                                "runtime": {"request_overhead_s": 0.002},
-                               "speed_probe": {"decode_s": now.decode_s / 20, "prefill_s": now.prefill_s / 20}}))
+                               "speed_probe": {"decode_s": now.decode_s / 1000, "prefill_s": now.prefill_s / 1000}}))
     out = tmp_path / "out"
     code = main(["compare", "--plan", str(plan), "--model", str(model), "--cluster", str(tmp_path / "cluster.yaml"),
                  "--workload-class", "LPLD", "--rate", "20", "-n", "4", "--max-input", "48", "--max-output", "4",
@@ -119,7 +118,7 @@ def test_compare_scales_the_calibration_by_the_machine_speed_it_reads_while_serv
     flat = " ".join(capsys.readouterr().out.split())
     info = json.loads((out / "compare.json").read_text())["info"]
     speed, table = info["speed"], json.loads((out / "compare.json").read_text())["table"]
-    assert 4.0 < speed["slowdown"] < 100.0  # twenty times as slow as the file says, give or take the machine's swing
+    assert 50.0 < speed["slowdown"] < 20_000.0  # a thousand times as slow as the file says, give or take the machine's swing
     assert speed["before"]["decode_s"] > 0 and speed["after"]["prefill_s"] > 0 and len(speed["readings"]) == 10
     for key in ("ttft_s.mean", "e2e_s.mean"):
         assert table[key]["simulated"] > 1.2 * speed["table_as_calibrated"][key]["simulated"]

@@ -190,9 +190,13 @@ def _stream(url: str, max_tokens: int, out: list) -> None:
 
 
 def test_drain_finishes_short_requests_and_ends_long_ones_with_an_error_event(serve_fake, wait_until):
-    url, _, coord = serve_fake(backend=FakeBackend(token_delay_s=0.05))
+    url, _, coord = serve_fake(backend=FakeBackend(token_delay_s=0.05, max_context=1024))
+    # the coordinator's clock (the drain's deadline) moves only when the test moves it: the short
+    # request finishes inside the drain however slowly the machine runs it
+    now = [100.0]
+    coord.clock = lambda: now[0]
     short, long = [], []
-    threads = [threading.Thread(target=_stream, args=(url, n, out)) for n, out in ((5, short), (250, long))]
+    threads = [threading.Thread(target=_stream, args=(url, n, out)) for n, out in ((5, short), (1000, long))]
     for t in threads:
         t.start()
     assert wait_until(lambda: coord.in_flight == 2)
@@ -203,9 +207,11 @@ def test_drain_finishes_short_requests_and_ends_long_ones_with_an_error_event(se
     r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
     assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "shutting_down"
     assert httpx.get(url + "/health").json()["status"] == "draining"
+    threads[0].join(30)
+    assert wait_until(lambda: coord.in_flight == 1) and drain.is_alive()  # the long one (50 s) waits out the drain
+    now[0] += 1.5  # past the drain's timeout
     drain.join(30)
-    for t in threads:
-        t.join(30)
+    threads[1].join(30)
     assert drained["cut"] == 1
     assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length"
     assert long[-1] == "[DONE]" and "drain timeout" in json.loads(long[-2])["error"]["message"]

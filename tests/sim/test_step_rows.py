@@ -48,16 +48,23 @@ def test_other_cores_busy_sees_a_busy_neighbour_and_not_the_served_processes():
     if not Path("/proc/stat").exists():  # off Linux the readings are missing, and say so
         assert machine_busy_cpu_s() is None and process_cpu_s(os.getpid()) is None
         return
-    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
+    # the spinner says when it spins and spins until its stdin closes: the window is inside its spinning
+    # however long a loaded machine takes to start an interpreter
+    spinner = ("import sys, threading\nstop = threading.Event()\n"
+               "threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()\n"
+               "print('spinning', flush=True)\nwhile not stop.is_set(): pass")
+    spin = subprocess.Popen([sys.executable, "-c", spinner], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.2)  # the interpreter is up and spinning
+        assert spin.stdout.readline() == "spinning\n"
         procs = {"me": os.getpid(), "spinner": spin.pid}
         cpu0, m0, t0 = {k: process_cpu_s(p) for k, p in procs.items()}, machine_busy_cpu_s(), time.monotonic()
         time.sleep(1.0)
         wall = time.monotonic() - t0
         cpu1, m1 = {k: process_cpu_s(p) for k, p in procs.items()}, machine_busy_cpu_s()
     finally:
+        spin.stdin.close()
         spin.wait(timeout=10)
+        spin.stdout.close()
     me = cpu_utilisation({"me": cpu0["me"]}, cpu1, wall)
     both = cpu_utilisation(cpu0, cpu1, wall)
     beside = other_cores_busy(me, m0, m1, wall)  # the spinner is a neighbour

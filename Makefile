@@ -119,7 +119,7 @@ FAST_SIM_DIR := .fast-sim
 FAST_SIM := hetserve/sim/sharing.py hetserve/sim/fillings.py hetserve/sim/links.py \
 	hetserve/policies/links.py hetserve/policies/transmission.py hetserve/sim/events.py \
 	hetserve/sim/batch.py hetserve/sim/simulator.py hetserve/policies/finish_time.py \
-	hetserve/cost/decode.py hetserve/cost/prefill_costs.py $(filter-out %/live.py,$(wildcard hetserve/sim/replicas/*.py)) \
+	hetserve/cost/decode.py hetserve/cost/prefill_costs.py hetserve/cost/prefill_batch.py $(filter-out %/live.py,$(wildcard hetserve/sim/replicas/*.py)) \
 	hetserve/sim/pipeline.py hetserve/sim/choices.py hetserve/sim/hosts.py hetserve/policies/batching.py \
 	hetserve/policies/placement.py hetserve/policies/outstanding.py hetserve/policies/kv_admission.py hetserve/cost/kernels.py \
 	hetserve/cost/network.py hetserve/cost/collectives.py hetserve/cost/kernel_pricing.py \

@@ -45,6 +45,8 @@ from hetserve.specs.model import ModelSpec
 REPLICA_MEMORY_BATCH = 32
 # HexGen-2 §3.2: node and edge capacities are requests per period T ("e.g. 10 minutes").
 DEFAULT_PERIOD_S = 600.0
+# stages whose prompt terms a model keeps before it starts afresh (a layout search prices ever new ones)
+STAGES_KEPT = 100_000
 
 
 # The efficiency a CostModel holds when its caller passed none. Identity, not equality, marks it:
@@ -78,6 +80,7 @@ class CostModel(TransferCosts, DecodeCosts):
         self._memory = [d.memory_bytes * self.eff.usable_memory for d in devs]
         self._alpha = cluster.latency
         self._beta = cluster.bandwidth
+        self._stage_prompts: dict[tuple, prefill_costs.StagePrompt] = {}
 
     # ================================================================== communication
     def pricing(self, devices: Iterable[int] | None = None) -> dict[str, str]:
@@ -130,21 +133,31 @@ class CostModel(TransferCosts, DecodeCosts):
         attn_eff = attn_eff or self.eff.attention
         return t * f, (t * (f / self.eff.compute * attn_eff) if attn_eff > 0 else None), t * m
 
-    # the per-stage formulas for prompt tokens and fixed costs: ``cost.prefill_costs``
+    # the per-stage formulas for prompt tokens and fixed costs: ``cost.prefill_costs.StagePrompt``
+    def stage_prompt(self, stage: StageLayout) -> prefill_costs.StagePrompt:
+        """The stage's prompt-side terms, read once per stage (its devices and layers)."""
+        key = (stage.devices, stage.layers)
+        p = self._stage_prompts.get(key)
+        if p is None:
+            if len(self._stage_prompts) >= STAGES_KEPT:
+                self._stage_prompts.clear()
+            p = self._stage_prompts[key] = prefill_costs.StagePrompt(self, stage)
+        return p
+
     def collectives_time(self, stage: StageLayout) -> float:
-        return prefill_costs.collectives_time(self, stage)
+        return self.stage_prompt(stage).collectives_s
 
     def collective_bytes_time(self, stage: StageLayout, rows: float) -> float:
-        return prefill_costs.collective_bytes_time(self, stage, rows)
+        return self.stage_prompt(stage).collective_bytes(rows)
 
     def multi_row_time(self, stage: StageLayout, rows: float, head_rows: float, is_last: bool) -> float:
-        return prefill_costs.multi_row_time(self, stage, rows, head_rows, is_last)
+        return self.stage_prompt(stage).multi_row(rows, head_rows, is_last)
 
     def _head_time(self, stage: StageLayout, rows: float) -> float:
-        return prefill_costs.head_time(self, stage, rows)
+        return self.stage_prompt(stage).head(rows)
 
     def prompt_logprob_time(self, stage: StageLayout, positions: float) -> float:
-        return prefill_costs.prompt_logprob_time(self, stage, positions)
+        return self.stage_prompt(stage).prompt_logprobs(positions)
 
     def stage_prefill_time(self, stage: StageLayout, batch: PrefillBatch, is_last: bool = False) -> float:
         return prefill_costs.stage_prefill_time(self, stage, batch, is_last)

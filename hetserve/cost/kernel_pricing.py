@@ -13,26 +13,79 @@ group sets the pace.
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+from typing import Iterable
 
 import numpy as np
 
-from hetserve.cost.collectives import nearest_fit
+from hetserve.cost.collectives import AllReduceFit, nearest_fit
 from hetserve.cost.kernel_table import FITTED, ROOFLINE, SOURCE_WORDS, KernelTable, default_table
-from hetserve.cost.kernels import KernelParams, gemm_time, layer_time, layer_times
+from hetserve.cost.kernels import KernelParams, LayerKernel, gemm_time, layer_time, layer_times
 from hetserve.cost.profiles import LayerShape
 from hetserve.specs.gpus import GpuType
 
 _MEMO_LIMIT = 200_000  # memoised layer times before the memo starts afresh (a long simulation)
 
 
-class _Group(NamedTuple):
-    """What the prices read of one TP group's devices, found once per group (``KernelPricing._group``)."""
+class GroupPrices:
+    """What the kernel prices read of one TP group's devices, worked out on its first use
+    (``KernelPricing.group``). ``number`` stands for the group's size and each GPU type's peaks and
+    fitted parameters (what ``layer`` and ``head`` read): equal groups on other machines (a fleet's
+    copies of one replica) share their entries in the pricing's memo."""
 
-    covered: bool  # every device is priced here (``covers``)
-    number: int  # its size and GPU types as a small integer: equal groups share memo entries (-1: not covered)
-    rates: tuple[tuple[float, float], ...]  # ``attention_rates`` (empty: not covered)
-    link: float | None  # ``allreduce``'s link (None: not priced here)
+    def __init__(self, pricing: "KernelPricing", devices: tuple[int, ...]):
+        self.tp = len(devices)
+        self.covered = all(pricing.params[d] is not None for d in devices)  # every device priced here
+        self.number = -1
+        self.rates: tuple[tuple[float, float], ...] = ()  # attention's (FLOP/s, bytes/s) per GPU type
+        self.link: float | None = None  # the in-box all-reduce's slowest link (None: not priced here)
+        self.fit: AllReduceFit | None = None
+        self._pricing, self._memo = pricing, pricing._memo
+        self._types: tuple = ()
+        self._layers: tuple[LayerKernel, ...] = ()  # per GPU type in the group
+        if not self.covered:
+            return
+        tp = self.tp
+        self._types = tuple({pricing.params[d][0].name: pricing.params[d] for d in devices}.values())  # type: ignore[index]
+        full = (tp, tuple((g.fp16_flops, g.mem_bandwidth, p) for g, p, _ in self._types))
+        self._layers = tuple(LayerKernel(p, g.fp16_flops, g.mem_bandwidth, pricing.shape, tp) for g, p, _ in self._types)
+        self.number = pricing._group_ids.setdefault(full, len(pricing._group_ids))
+        self.rates = tuple((tp * g.fp16_flops * p.gemm_compute, tp * g.mem_bandwidth * p.gemm_memory)
+                           for g, p, _ in self._types)
+        table, devs = pricing.table, pricing.cluster.devices
+        if table.allreduce and len({devs[d].machine for d in devices}) == 1 and tp > 1:
+            self.link = float(min(pricing.cluster.bandwidth[d, e] for d in devices for e in devices if d != e))
+            self.fit = nearest_fit(table.allreduce, tp)
+
+    def layer(self, tokens) -> float:
+        """One layer (without attention's score/value products) at ``tokens`` rows on the group's
+        slowest device."""
+        key = (self.number, tokens)
+        v = self._memo.get(key)
+        if v is None:
+            v = self._pricing._remember(key, max(k.layer_s(tokens) for k in self._layers))
+        return v
+
+    def attention(self, flops, nbytes) -> float:
+        """Attention's products (``flops``) and KV traffic (``nbytes``), split over the group."""
+        return max(max(flops / f, nbytes / m) for f, m in self.rates)
+
+    def head(self, rows) -> float:
+        """The LM head's product for ``rows`` sequences, its vocabulary split over the group."""
+        if rows <= 0:
+            return 0.0
+        key = ("head", self.number, rows)
+        v = self._memo.get(key)
+        if v is None:
+            k, tp = self._pricing, self.tp
+            v = k._remember(key, max(gemm_time(p, g.fp16_flops, g.mem_bandwidth, rows, k.hidden, k.vocab / tp,
+                                               k.dtype_bytes) for g, p, _ in self._types))
+        return v
+
+    def allreduce(self, nbytes) -> float | None:
+        """One all-reduce inside one box from the fitted curves, over the group's slowest link;
+        None where the group spans boxes (the cost model's α-β over shared links prices that)."""
+        fit, link = self.fit, self.link
+        return None if fit is None or link is None else fit.time(nbytes, link, self.tp)
 
 
 class KernelPricing:
@@ -50,7 +103,7 @@ class KernelPricing:
                 p, source = self.table.params_for(d.gpu.name)
                 self.params.append((d.gpu, p, source))
         self._memo: dict = {}
-        self._groups: dict[tuple[int, ...], _Group] = {}  # devices -> what the prices read of them
+        self._groups: dict[tuple[int, ...], GroupPrices] = {}  # devices -> what the prices read of them
         self._group_ids: dict = {}
         # GPU types every device of which is priced here (the bound's device kinds go by type)
         by_type: dict[str, list] = {}
@@ -82,7 +135,7 @@ class KernelPricing:
 
     def covers(self, devices) -> bool:
         """Whether every device of a stage is priced here (no CPU worker slot among them)."""
-        return self._group(devices).covered
+        return self.group(devices).covered
 
     def sources(self, devices: Iterable[int] | None = None) -> dict[str, str]:
         """{GPU type: ``fitted`` / ``transferred`` / ``roofline``} over the cluster's devices, or over
@@ -93,40 +146,18 @@ class KernelPricing:
             out.setdefault(d.gpu.name if entry is None else entry[0].name, ROOFLINE if entry is None else entry[2])
         return out
 
-    def _types(self, devices):
-        return {self.params[d][0].name: self.params[d] for d in devices}.values()
-
-    def _group(self, devices) -> _Group:
-        """What the prices read of a TP group, worked out on its first use. ``number`` stands for its
-        size and each GPU type's peaks and fitted parameters (what ``layer`` and ``head`` read):
-        equal groups on other machines (a fleet's copies of one replica) share their memo entries."""
+    def group(self, devices) -> GroupPrices:
+        """What the prices read of the TP group of ``devices`` (kept per group)."""
         devices = tuple(devices)
-        group = self._groups.get(devices)
-        if group is None:
-            group = self._groups[devices] = self._describe(devices)
-        return group
-
-    def _describe(self, devices: tuple[int, ...]) -> _Group:
-        if not all(self.params[d] is not None for d in devices):
-            return _Group(False, -1, (), None)
-        types, tp = self._types(devices), len(devices)
-        full = (tp, tuple((g.fp16_flops, g.mem_bandwidth, p) for g, p, _ in types))
-        rates = tuple((tp * g.fp16_flops * p.gemm_compute, tp * g.mem_bandwidth * p.gemm_memory) for g, p, _ in types)
-        devs, link = self.cluster.devices, None
-        if self.table.allreduce and len({devs[d].machine for d in devices}) == 1 and tp > 1:
-            link = float(min(self.cluster.bandwidth[d, e] for d in devices for e in devices if d != e))
-        return _Group(True, self._group_ids.setdefault(full, len(self._group_ids)), rates, link)
+        g = self._groups.get(devices)
+        if g is None:
+            g = self._groups[devices] = GroupPrices(self, devices)
+        return g
 
     def layer(self, devices, tokens: float) -> float:
         """One layer (without attention's score/value products) at ``tokens`` rows on the slowest
         device of a TP group of ``devices``."""
-        key = (self._group(devices).number, tokens)
-        v = self._memo.get(key)
-        if v is None:
-            tp = len(devices)
-            v = self._remember(key, max(layer_time(p, g.fp16_flops, g.mem_bandwidth, self.shape, tp, tokens).layer_s
-                                        for g, p, _ in self._types(devices)))
-        return v
+        return self.group(devices).layer(tokens)
 
     def _remember(self, key, value: float) -> float:
         """Keep ``value`` in the memo (started afresh past ``_MEMO_LIMIT`` entries: a long simulation)."""
@@ -137,31 +168,21 @@ class KernelPricing:
 
     def attention(self, devices, flops: float, nbytes: float) -> float:
         """Attention's products (``flops``) and KV traffic (``nbytes``), split over the group."""
-        return max(max(flops / f, nbytes / m) for f, m in self._group(devices).rates)
+        return self.group(devices).attention(flops, nbytes)
 
     def attention_rates(self, devices) -> tuple[tuple[float, float], ...]:
         """(FLOP/s, bytes/s) of attention's products and KV traffic on the group, per GPU type in it
         (the slowest sets the pace)."""
-        return self._group(devices).rates
+        return self.group(devices).rates
 
     def head(self, devices, rows: float) -> float:
         """The LM head's product for ``rows`` sequences, its vocabulary split over the group."""
-        if rows <= 0:
-            return 0.0
-        key = ("head", self._group(devices).number, rows)
-        v = self._memo.get(key)
-        if v is None:
-            tp = len(devices)
-            v = self._remember(key, max(gemm_time(p, g.fp16_flops, g.mem_bandwidth, rows, self.hidden,
-                                                  self.vocab / tp, self.dtype_bytes) for g, p, _ in self._types(devices)))
-        return v
+        return self.group(devices).head(rows)
 
     def allreduce(self, devices, nbytes: float) -> float | None:
         """One all-reduce inside one box from the fitted curves, over the group's slowest link;
         None where the group spans boxes (the cost model's α-β over shared links prices that)."""
-        link = self._group(devices).link
-        return None if link is None else self.table.allreduce_time(len(devices), nbytes, link)
-
+        return self.group(devices).allreduce(nbytes)
 
     # ------------------------------------------------------------------ by GPU type, over arrays
     def prices_type(self, gpu_name: str) -> bool:
@@ -219,4 +240,4 @@ def describe_pricing(pricing: dict[str, str]) -> str:
     return "; ".join(f"{', '.join(sorted(names))}: {describe_source(how)}" for how, names in sorted(by.items()))
 
 
-__all__ = ["KernelPricing", "layer_rows", "describe_source", "describe_pricing", "FITTED"]
+__all__ = ["KernelPricing", "GroupPrices", "layer_rows", "describe_source", "describe_pricing", "FITTED"]

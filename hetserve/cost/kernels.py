@@ -90,15 +90,28 @@ def gemm_dims(shape: LayerShape, tp: int) -> dict[str, tuple[float, float]]:
             "down": (shape.ffn / tp, shape.hidden)}
 
 
+class ElementwiseBytes:
+    """Bytes each elementwise operator (``ELEMENTWISE`` order) reads and writes for ``tokens`` rows
+    (``at``), with what it reads of the shape found once: a norm reads and writes the full hidden
+    state (it is not split by TP), RoPE rotates this rank's queries and keys, the activation reads
+    gate and up and writes one, an add reads two and writes one. Numbers or arrays alike."""
+
+    def __init__(self, shape: LayerShape, tp: int, dtype_bytes: int = 2):
+        self.hidden, self.tp, self.dtype_bytes = shape.hidden, tp, dtype_bytes
+        self.rotated_heads, self.head_dim = shape.heads + shape.kv_heads, shape.head_dim
+        self.ffn_shard, self.act_reads = shape.ffn / tp, 3 if shape.gated else 2
+
+    def at(self, tokens: Any) -> tuple[Any, Any, Any, Any]:
+        d = self.dtype_bytes
+        return (2 * tokens * self.hidden * d,
+                2 * tokens * self.rotated_heads * self.head_dim / self.tp * d,
+                tokens * self.ffn_shard * self.act_reads * d,
+                3 * tokens * self.hidden * d)
+
+
 def elementwise_bytes(shape: LayerShape, tp: int, tokens: Any, dtype_bytes: int = 2) -> dict[str, Any]:
-    """Bytes each elementwise operator reads and writes for ``tokens`` rows: a norm reads and writes
-    the full hidden state (it is not split by TP), RoPE rotates this rank's queries and keys, the
-    activation reads gate and up and writes one, an add reads two and writes one."""
-    hd, f = shape.head_dim, shape.ffn / tp
-    return {"norm": 2 * tokens * shape.hidden * dtype_bytes,
-            "rope": 2 * tokens * (shape.heads + shape.kv_heads) * hd / tp * dtype_bytes,
-            "act": tokens * f * (3 if shape.gated else 2) * dtype_bytes,
-            "add": 3 * tokens * shape.hidden * dtype_bytes}
+    """{kind: bytes} of ``ElementwiseBytes``."""
+    return dict(zip(ELEMENTWISE, ElementwiseBytes(shape, tp, dtype_bytes).at(tokens)))
 
 
 def tiled_rows(rows: float, waste: float = 1.0) -> float:
@@ -120,10 +133,6 @@ def gemm_time(p: KernelParams, flops_peak: float, bandwidth: float, rows: float,
     return p.gemm_floor_s + hi * (1.0 + (min(t_mem, t_comp) / hi) ** s) ** (1.0 / s)
 
 
-def elementwise_time(p: KernelParams, bandwidth: float, kind: str, nbytes: float) -> float:
-    return getattr(p, f"{kind}_floor_s") + nbytes / (bandwidth * getattr(p, f"{kind}_memory"))
-
-
 @dataclass(frozen=True)
 class LayerTimes:
     """One layer on one TP rank, in seconds: the four projections and the whole layer (the
@@ -134,16 +143,43 @@ class LayerTimes:
     layer_s: float
 
 
+class LayerKernel:
+    """One layer's operators on one rank of TP ``tp`` as a function of its rows (``at``), with what
+    they read of the GPU's parameters and the shape found once (a simulation prices a new token
+    count at nearly every step)."""
+
+    def __init__(self, p: KernelParams, flops_peak: float, bandwidth: float, shape: LayerShape, tp: int,
+                 norms: int = 2, adds: int = 2):
+        self.p, self.flops_peak, self.bandwidth = p, flops_peak, bandwidth
+        self.dims: tuple[tuple[float, float], ...] = tuple(gemm_dims(shape, tp).values())
+        self.bytes = ElementwiseBytes(shape, tp)
+        count = {"norm": norms, "rope": 1, "act": 1, "add": adds}
+        # (how many, floor, bytes/s) per elementwise kind: each costs floor + bytes / (bytes/s)
+        self.elementwise = tuple((count[k], getattr(p, f"{k}_floor_s"), bandwidth * getattr(p, f"{k}_memory"))
+                                 for k in ELEMENTWISE)
+
+    def at(self, tokens: Any) -> LayerTimes:
+        linear, rest = self._parts(tokens)
+        return LayerTimes(linear, linear + rest)
+
+    def layer_s(self, tokens: Any) -> Any:
+        """``at(tokens).layer_s`` (the kernel pricing's memo misses ask for this alone)."""
+        linear, rest = self._parts(tokens)
+        return linear + rest
+
+    def _parts(self, tokens: Any) -> tuple[Any, Any]:
+        """(the projections, the elementwise operators) at ``tokens`` rows."""
+        if tokens <= 0:
+            return 0.0, 0.0
+        p, flops_peak, bandwidth = self.p, self.flops_peak, self.bandwidth
+        linear = sum(gemm_time(p, flops_peak, bandwidth, tokens, k, n) for k, n in self.dims)
+        return linear, sum(c * (floor + b / rate) for (c, floor, rate), b in zip(self.elementwise, self.bytes.at(tokens)))
+
+
 def layer_time(p: KernelParams, flops_peak: float, bandwidth: float, shape: LayerShape, tp: int,
                tokens: float, norms: int = 2, adds: int = 2) -> LayerTimes:
-    """One layer's operators at ``tokens`` rows on one rank of TP ``tp``."""
-    if tokens <= 0:
-        return LayerTimes(0.0, 0.0)
-    linear = sum(gemm_time(p, flops_peak, bandwidth, tokens, k, n) for k, n in gemm_dims(shape, tp).values())
-    b = elementwise_bytes(shape, tp, tokens)
-    count = {"norm": norms, "rope": 1, "act": 1, "add": adds}
-    rest = sum(count[k] * elementwise_time(p, bandwidth, k, b[k]) for k in ELEMENTWISE)
-    return LayerTimes(linear, linear + rest)
+    """One layer's operators at ``tokens`` rows on one rank of TP ``tp`` (``LayerKernel``)."""
+    return LayerKernel(p, flops_peak, bandwidth, shape, tp, norms, adds).at(tokens)
 
 
 def layer_times(p: KernelParams, flops_peak: float, bandwidth: float, shape: LayerShape, tp: int, tokens) -> np.ndarray:

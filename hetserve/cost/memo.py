@@ -6,9 +6,9 @@ properties recomputed on every access) read once into plain attributes, and its 
 
 * the collectives (``allreduce_time``, ``p2p_time``, ``pp_handoff_time``) by their arguments,
   which repeat for every iteration at a given batch size;
-* the per-stage prices (``stage_prefill_time``, ``stage_kv_capacity``, and ``stage_decode``: a
-  decode iteration's terms at a batch, each context then a few multiplications, ``cost.decode``)
-  by what the formulas read of a stage;
+* the per-stage prices (``stage_prefill_time``, ``stage_kv_capacity``, ``stage_prompt``: a stage's
+  prompt terms read once, and ``stage_decode``: a decode iteration's terms at a batch, each context
+  then a few multiplications, ``cost.decode``) by what the formulas read of a stage;
 * a replica's decode round at a batch (``decode_round``) by what it reads of the layout
   (``layout_signature``).
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 from hetserve.cost.analytic import CostModel, PrefillBatch
 from hetserve.cost.decode import DecodeRound, StageDecode
 from hetserve.cost.layout import ReplicaLayout, StageLayout
+from hetserve.cost.prefill_costs import StagePrompt
 
 # entries a memo keeps before it starts afresh: a long simulation prices ever new prefill
 # batches, a search ever new layouts
@@ -63,6 +64,7 @@ class MemoCost(CostModel):
         self._p2p: dict = {}
         self._handoff: dict[tuple, float] = {}
         self._prefill: dict[tuple, float] = {}
+        self._prompts: dict[tuple, StagePrompt] = {}
         self._decode: dict[tuple, StageDecode] = {}
         self._kv: dict[tuple, float] = {}
         self._rounds: dict[tuple, DecodeRound] = {}
@@ -116,6 +118,13 @@ class MemoCost(CostModel):
         if t is None:
             t = _remember(self._prefill, key, super().stage_prefill_time(stage, batch, is_last))
         return t
+
+    def stage_prompt(self, stage: StageLayout) -> StagePrompt:
+        key = (self.signature(stage.devices), stage.layers[1] - stage.layers[0])
+        v = self._prompts.get(key)
+        if v is None:
+            v = _remember(self._prompts, key, StagePrompt(self, stage))
+        return v
 
     def stage_decode(self, stage: StageLayout, batch: float, is_last: bool = False) -> StageDecode:
         key = (self.signature(stage.devices), stage.layers[1] - stage.layers[0], batch, is_last)

@@ -29,3 +29,34 @@ def drain_bound(floor: float, since: float, drained: float, rate: float, now: fl
     going down at most ``rate`` a second (``outstanding_drain``)."""
     at_now = drained - rate * (now - since)  # nan (0·inf) at now = inf and no rate
     return at_now if at_now > floor else floor
+
+
+class LowerBounds(Protocol):
+    """The ``outstanding_at_least`` of a list of candidates, by position (what ``choose_lowest`` may
+    be given): ``least()`` the position of the smallest (the first of equals), ``at(i)`` one bound,
+    ``at_most(tokens)`` the positions whose bound is at most ``tokens``, in order. A keeper of
+    snapshots may work them out as asked (``sim.replicas.snapshots``) rather than list them."""
+
+    def least(self) -> int: ...
+
+    def at(self, i: int) -> float: ...
+
+    def at_most(self, tokens: float) -> list[int]: ...
+
+
+class ListBounds:
+    """``LowerBounds`` over a list of the bounds themselves."""
+
+    def __init__(self, values: list[float]):
+        self.values = values
+
+    def least(self) -> int:
+        v = self.values
+        return v.index(min(v))
+
+    def at(self, i: int) -> float:
+        return self.values[i]
+
+    def at_most(self, tokens: float) -> list[int]:
+        v = self.values
+        return [j for j in range(len(v)) if v[j] <= tokens]

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 from hetserve.compiled import mypyc_attr
 from hetserve.policies.base import PlacementPolicy, ReplicaState, RequestInfo
-from hetserve.policies.outstanding import outstanding_at_least
+from hetserve.policies.outstanding import ListBounds, LowerBounds, outstanding_at_least
 
 # The request placement every caller uses unless told otherwise (simulate, serve, compare, the
 # experiments): the plan's own prices per replica, so a heterogeneous plan delivers what it promised.
@@ -135,7 +135,7 @@ class JoinShortestQueue(_Base):
         return _fewest_tokens(list(compress(candidates, map(eq, loads, repeat(min(loads))))), self._next, now)
 
     def choose_lowest(self, request: RequestInfo, lowest: Sequence[ReplicaState], now: float,
-                      bounds: Sequence[float] | None = None) -> str:
+                      bounds: LowerBounds | None = None) -> str:
         """``choose`` given only the least loaded candidates, in candidate order (``bounds``: their
         ``outstanding_at_least(now)``, where the caller has them)."""
         self._next += 1
@@ -143,22 +143,20 @@ class JoinShortestQueue(_Base):
 
 
 def _fewest_tokens(lowest: Sequence[ReplicaState], turn: int, now: float,
-                   bounds: Sequence[float] | None = None) -> str:
+                   bounds: LowerBounds | None = None) -> str:
     """JSQ among the least loaded (in candidate order): the fewest outstanding tokens at ``now``,
     ties round robin (decision ``turn`` takes tie ``turn`` mod their number). Outstanding tokens
     may cost work to read (a simulator's live snapshot): only those of the candidates whose lower
-    bound (``bounds``, else worked out) is at most the tokens of the one of least bound are read
-    (picked out by a comprehension: compiled, a loop over native floats)."""
+    bound (``bounds``, else worked out) is at most the tokens of the one of least bound are read."""
     n = len(lowest)
     if n == 1:
         return lowest[0].id
     if n >= BOUND_FROM:
-        floors: list[float] = ([outstanding_at_least(c, now) for c in lowest] if bounds is None else
-                               bounds if isinstance(bounds, list) else list(bounds))
-        floor = min(floors)
-        least = lowest[floors.index(floor)].outstanding_tokens
-        if least >= floor:  # else a snapshot below its own floor: no bound holds, read them all
-            lowest = [lowest[j] for j in range(n) if floors[j] <= least]
+        b = ListBounds([outstanding_at_least(c, now) for c in lowest]) if bounds is None else bounds
+        k = b.least()
+        least = lowest[k].outstanding_tokens
+        if least >= b.at(k):  # else a snapshot below its own floor: no bound holds, read them all
+            lowest = [lowest[j] for j in b.at_most(least)]
     outstanding = [c.outstanding_tokens for c in lowest]
     fewest = min(outstanding)
     if outstanding.count(fewest) == 1:

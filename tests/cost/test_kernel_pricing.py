@@ -182,8 +182,8 @@ def test_kernel_prices_are_shared_by_equal_groups_on_other_boxes_and_stay_the_sa
         {"name": "a", "gpu": "A100-SXM-80G", "count": 2}, {"name": "b", "gpu": "A100-SXM-80G", "count": 2},
         {"name": "c", "gpu": "L40", "count": 2}], "network": {"intra_site": {"bandwidth_gbps": 100, "latency_ms": 0.2}}})
     k = CostModel(c, LLAMA7).kernels
-    assert k._group((0, 1)).number == k._group([2, 3]).number != k._group((4, 5)).number
-    assert k._group((0,)).number != k._group((0, 1)).number
+    assert k.group((0, 1)).number == k.group([2, 3]).number != k.group((4, 5)).number
+    assert k.group((0,)).number != k.group((0, 1)).number
     for devices in ((0, 1), (2, 3), (4, 5), (0,), (0, 1, 4, 5)):
         fresh = CostModel(c, LLAMA7).kernels
         for n in (1, 7, 300):

@@ -123,7 +123,8 @@ class RankChecked(JoinShortestQueue):
         plain._next = self._next
         expected = plain.choose(request, [e.state(False) for e in self.sim.entry], now)
         if bounds is not None:  # the cache's bounds are each snapshot's own, as it reads them now
-            assert list(bounds) == [c.outstanding_at_least(now) for c in lowest]
+            assert [bounds.at(i) for i in range(len(lowest))] == [c.outstanding_at_least(now) for c in lowest]
+            assert lowest[bounds.least()].outstanding_at_least(now) == min(c.outstanding_at_least(now) for c in lowest)
         got = super().choose_lowest(request, lowest, now, bounds)
         assert got == expected
         self.decisions += 1

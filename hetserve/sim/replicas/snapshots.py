@@ -15,7 +15,7 @@ from heapq import heappop, heappush
 from typing import Any, Callable, Sequence
 
 from hetserve.policies.base import ReplicaState
-from hetserve.policies.outstanding import drain_bound
+from hetserve.policies.outstanding import LowerBounds, drain_bound
 from hetserve.sim.replicas.live import LiveState
 
 
@@ -106,6 +106,31 @@ class _Bound:
         return drain_bound(self.floor, self.since, self.drained, self.rate, now)
 
 
+class _PickedBounds:
+    """``LowerBounds`` of the snapshots ``lowest`` hands out at ``now``, worked out from their
+    positions' figures as asked: a fleet has tens of equally loaded candidates at most decisions,
+    and a pass over native floats costs a fraction of a list of them."""
+
+    def __init__(self, bounds: list[_Bound], now: float):
+        self._bounds, self._now = bounds, now
+
+    def least(self) -> int:
+        bounds, now = self._bounds, self._now
+        best, k = bounds[0].at(now), 0
+        for j in range(1, len(bounds)):
+            b = bounds[j].at(now)
+            if b < best:  # the first of equals, as ``min``
+                best, k = b, j
+        return k
+
+    def at(self, i: int) -> float:
+        return self._bounds[i].at(self._now)
+
+    def at_most(self, tokens: float) -> list[int]:
+        bounds, now = self._bounds, self._now
+        return [j for j in range(len(bounds)) if bounds[j].at(now) <= tokens]
+
+
 class SnapshotCache:
     """The placement snapshots of ``replicas`` (aggregates only, no request views), each built
     again only where it may differ from the one kept: the replica changed (one of its own events
@@ -168,10 +193,10 @@ class SnapshotCache:
                     self._complete(i)
         return list(self._snaps)  # type: ignore[arg-type]
 
-    def lowest(self) -> tuple[list[ReplicaState], list[float]]:
+    def lowest(self) -> tuple[list[ReplicaState], LowerBounds]:
         """The snapshots now of the least ``rank``, in the order given, and a lower bound on each
         one's ``outstanding_tokens`` at the clock now (``ReplicaState.outstanding_at_least``) from
-        the figures read when it was filed (ValueError without a rank)."""
+        the figures read when it was filed, worked out as asked (ValueError without a rank)."""
         if self.rank is None:
             raise ValueError("this cache files its snapshots by no rank")
         self._refresh()
@@ -181,8 +206,8 @@ class SnapshotCache:
             for i in picked:
                 if shell[i]:
                     self._complete(i)
-        snaps, bounds, now = self._snaps, self._bounds, self._loop.now
-        return [snaps[i] for i in picked], [bounds[i].at(now) for i in picked]  # type: ignore[misc]
+        snaps, bounds = self._snaps, self._bounds
+        return [snaps[i] for i in picked], _PickedBounds([bounds[i] for i in picked], self._loop.now)  # type: ignore[misc]
 
     def _expire(self, until: float, snap: LiveState) -> None:
         self._expired += 1

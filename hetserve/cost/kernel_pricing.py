@@ -85,7 +85,13 @@ class GroupPrices:
         """One all-reduce inside one box from the fitted curves, over the group's slowest link;
         None where the group spans boxes (the cost model's α-β over shared links prices that)."""
         fit, link = self.fit, self.link
-        return None if fit is None or link is None else fit.time(nbytes, link, self.tp)
+        if fit is None or link is None:
+            return None
+        key = ("allreduce", self.number, link, nbytes)
+        v = self._memo.get(key)
+        if v is None:
+            v = self._pricing._remember(key, fit.time(nbytes, link, self.tp))
+        return v
 
 
 class KernelPricing:

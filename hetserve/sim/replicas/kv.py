@@ -38,6 +38,8 @@ class ReserveKV:
     def __init__(self, rep):
         self.rep = rep
         self.preemptions = 0
+        # what ``shared`` reads of the replica, fixed for its life (asked at every offer)
+        self._shares, self._block = rep.role == "colocated", rep.limits.block_size
         # rid -> ``need``, from its first ask until it finishes: it reads only the request's fixed
         # fields here (nothing is pre-empted), and is asked at each offer, admission and finish
         self._need: dict[int, int] = {}
@@ -45,8 +47,7 @@ class ReserveKV:
     def shared(self, rid: int) -> int:
         """Prompt tokens ``rid``'s choices share here: on the replica that prefills them (colocated);
         a decode replica takes each choice's KV in a hand-off of its own."""
-        rep = self.rep
-        return shared_tokens(rep.req, rid, rep.limits.block_size, False) if rep.role == "colocated" else 0
+        return shared_tokens(self.rep.req, rid, self._block, False) if self._shares else 0
 
     def need(self, rid: int) -> float:
         """KV to reserve when admitting ``rid``: prompt + whole output (whole blocks), each choice's."""

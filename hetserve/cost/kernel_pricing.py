@@ -23,7 +23,7 @@ from hetserve.cost.kernels import KernelParams, LayerKernel, gemm_time, layer_ti
 from hetserve.cost.profiles import LayerShape
 from hetserve.specs.gpus import GpuType
 
-_MEMO_LIMIT = 200_000  # memoised layer times before the memo starts afresh (a long simulation)
+_MEMO_LIMIT = 200_000  # memoised layer, head and all-reduce times before the memo starts afresh (a long simulation)
 
 
 class GroupPrices:

@@ -104,7 +104,8 @@ class PlacementPolicy(Protocol):
     ``choose_lowest``): a function of a snapshot's fields that hold between its replica's changes
     (not ``outstanding_tokens``, ``context_tokens`` or the waits) such that ``choose`` reads only
     the candidates of the least rank; ``choose_lowest(request, lowest, now, bounds)``, given those
-    alone in candidate order (and, optionally, ``bounds``: each one's ``outstanding_at_least(now)``),
+    alone in candidate order (and, optionally, ``bounds``: each one's ``outstanding_at_least(now)``,
+    as ``policies.outstanding.LowerBounds``),
     decides as ``choose`` over all of them would, so a caller filing its snapshots by rank need not
     read every one."""
 

@@ -187,10 +187,7 @@ class SnapshotCache:
     def states(self) -> list[ReplicaState]:
         """Every replica's snapshot now, in the order given."""
         self._refresh()
-        if self._shells:
-            for i in range(len(self._reps)):
-                if self._shell[i]:
-                    self._complete(i)
+        self._complete_shells(range(len(self._reps)))
         return list(self._snaps)  # type: ignore[arg-type]
 
     def lowest(self) -> tuple[list[ReplicaState], LowerBounds]:
@@ -201,11 +198,7 @@ class SnapshotCache:
             raise ValueError("this cache files its snapshots by no rank")
         self._refresh()
         picked = self._by_rank[min(self._by_rank)]
-        if self._shells:
-            shell = self._shell
-            for i in picked:
-                if shell[i]:
-                    self._complete(i)
+        self._complete_shells(picked)
         snaps, bounds = self._snaps, self._bounds
         return [snaps[i] for i in picked], _PickedBounds([bounds[i] for i in picked], self._loop.now)  # type: ignore[misc]
 
@@ -243,6 +236,14 @@ class SnapshotCache:
                 self._filed(i, rep.snapshot(self._waits))
             self._rerank(i)
         dirty.clear()
+
+    def _complete_shells(self, positions: Sequence[int]) -> None:
+        """The shells among ``positions`` made whole (a decision reads them)."""
+        if self._shells:
+            shell = self._shell
+            for i in positions:
+                if shell[i]:
+                    self._complete(i)
 
     def _complete(self, i: int) -> None:
         """The shell at position ``i`` made whole (its replica has not changed since: it would be dirty)."""

@@ -11,7 +11,7 @@ either kind of number keeps Python's arithmetic."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 from hetserve.cost.efficiency import Efficiency
 from hetserve.cost.kernel_pricing import GroupPrices, KernelPricing
@@ -198,16 +198,20 @@ def prefill_time(cost: CostModel, layout: ReplicaLayout, batch: Any, remember: b
 
 
 def _through(cost: CostModel, layout: ReplicaLayout, num_seqs: Any, tokens: Any, sum_sq: Any, scored: Any,
-             remembered: Any) -> float:
+             remembered: Any, stage_prompts: Sequence[StagePrompt] | None = None) -> float:
     """A prefill batch's fields through the pipeline's stages and hand-offs; ``remembered``: the
-    batch itself, priced per stage as the model may remember it (None: from each stage's terms)."""
+    batch itself, priced per stage as the model may remember it (None: from each stage's terms,
+    ``stage_prompts`` where the caller keeps them, else the model's ``stage_prompt``)."""
     stages = layout.stages
     last = len(stages) - 1
     total = 0.0
     for i, s in enumerate(stages):
         is_last = i == last
-        total += (cost.stage_prefill_time(s, remembered, is_last) if remembered is not None else
-                  cost.stage_prompt(s).at(num_seqs, tokens, sum_sq, scored, is_last))
+        if remembered is not None:
+            total += cost.stage_prefill_time(s, remembered, is_last)
+        else:
+            terms = stage_prompts[i] if stage_prompts is not None else cost.stage_prompt(s)
+            total += terms.at(num_seqs, tokens, sum_sq, scored, is_last)
         if not is_last:
             total += cost.pp_handoff_time(s, stages[i + 1], tokens)
     return total
@@ -215,7 +219,7 @@ def _through(cost: CostModel, layout: ReplicaLayout, num_seqs: Any, tokens: Any,
 
 def mixed_step_time(cost: CostModel, layout: ReplicaLayout, decode_batch: Any, decode_context: Any,
                     prompts: Any, micro_batches: int | None = None, remember: bool = True,
-                    decode_s: float | None = None) -> Any:
+                    decode_s: float | None = None, stage_prompts: Sequence[StagePrompt] | None = None) -> Any:
     """One iteration carrying ``decode_batch`` decoding sequences (``decode_context`` KV tokens
     in all) and the prompt tokens of ``prompts`` (vLLM v1-style mixed batch).
 
@@ -224,14 +228,15 @@ def mixed_step_time(cost: CostModel, layout: ReplicaLayout, decode_batch: Any, d
     attention term), and never below the decode step alone (which reads the KV). ``remember``
     False: the batch is not remembered (``prefill_time``; a simulated step's attention term holds
     its decodes' whole context, which hardly ever comes again). ``decode_s``: the decode step alone
-    (``decode_step_time`` of the decodes), where the caller has priced it.
+    (``decode_step_time`` of the decodes), where the caller has priced it; ``stage_prompts``: each
+    stage's ``CostModel.stage_prompt``, where the caller keeps them (a simulated replica).
     """
     if prompts.tokens <= 0:
         return cost.decode_step_time(layout, decode_batch, decode_context, micro_batches)
     num_seqs, tokens = decode_batch + prompts.num_seqs, decode_batch + prompts.tokens
     sum_sq, scored = 2.0 * decode_context + prompts.sum_sq, prompts.scored
     batch = PrefillBatch(num_seqs, tokens, sum_sq, scored) if remember else None
-    t = _through(cost, layout, num_seqs, tokens, sum_sq, scored, batch)
+    t = _through(cost, layout, num_seqs, tokens, sum_sq, scored, batch, stage_prompts)
     if decode_batch:
         if decode_s is None:
             decode_s = cost.decode_step_time(layout, decode_batch, decode_context, micro_batches)

@@ -100,13 +100,11 @@ class PlacementPolicy(Protocol):
     ``needs_requests`` (default False): ``ReplicaState.requests`` is read; ``reads_waits``
     (default True): ``prefill_wait_s`` / ``queued_age_s`` are read — they move with the clock even
     while nothing else about a replica changes, so a caller keeping snapshots between decisions
-    brings them up to date only for a policy that reads them. ``lowest_rank`` (optional, with
-    ``choose_lowest``): a function of a snapshot's fields that hold between its replica's changes
-    (not ``outstanding_tokens``, ``context_tokens`` or the waits) such that ``choose`` reads only
-    the candidates of the least rank; ``choose_lowest(request, lowest, now, bounds)``, given those
-    alone in candidate order (and, optionally, ``bounds``: each one's ``outstanding_at_least(now)``,
-    as ``policies.outstanding.LowerBounds``),
-    decides as ``choose`` over all of them would, so a caller filing its snapshots by rank need not
+    brings them up to date only for a policy that reads them. ``picks_least_loaded`` (default
+    False; True with ``choose_lowest``): ``choose`` reads only the candidates of the least ``load``;
+    ``choose_lowest(request, least, now)``, given those alone (``policies.outstanding.LeastLoaded``:
+    their ids, outstanding tokens and lower bounds on them, by position in candidate order),
+    decides as ``choose`` over all of them would, so a caller filing its replicas by load need not
     read every one."""
 
     name: str

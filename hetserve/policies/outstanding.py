@@ -5,14 +5,21 @@ compiled code into it costs no interpreter frame."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol
+import math
+from typing import ClassVar, Protocol, Sequence
 
 
 class ReplicaState(Protocol):
-    """What the bound reads of a ``policies.base.ReplicaState``."""
+    """What the bound and ``LeastLoaded`` read of a ``policies.base.ReplicaState``."""
 
     outstanding_floor: float
     outstanding_drain: ClassVar[tuple[float, float, float] | None]
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def outstanding_tokens(self) -> float: ...
 
 
 def outstanding_at_least(state: ReplicaState, now: float) -> float:
@@ -31,32 +38,56 @@ def drain_bound(floor: float, since: float, drained: float, rate: float, now: fl
     return at_now if at_now > floor else floor
 
 
-class LowerBounds(Protocol):
-    """The ``outstanding_at_least`` of a list of candidates, by position (what ``choose_lowest`` may
-    be given): ``least()`` the position of the smallest (the first of equals), ``at(i)`` one bound,
-    ``at_most(tokens)`` the positions whose bound is at most ``tokens``, in order. A keeper of
-    snapshots may work them out as asked (``sim.replicas.snapshots``) rather than list them."""
+class LeastLoaded:
+    """The candidates of least load at one decision, by position in candidate order (what
+    ``choose_lowest`` is given): ``size`` of them; ``id(i)``; ``tokens(i)`` the outstanding tokens
+    now, which may cost work to read (a simulator's running batch); ``bounds()`` a lower bound on
+    each one's tokens that costs none to read (``ReplicaState.outstanding_at_least``). A base
+    class, not a protocol: compiled, placement calls its methods without a lookup by name."""
 
-    def least(self) -> int: ...
+    size: int
 
-    def at(self, i: int) -> float: ...
+    def id(self, i: int) -> str:
+        raise NotImplementedError
 
-    def at_most(self, tokens: float) -> list[int]: ...
+    def tokens(self, i: int) -> float:
+        raise NotImplementedError
+
+    def bounds(self) -> list[float]:
+        raise NotImplementedError
 
 
-class ListBounds:
-    """``LowerBounds`` over a list of the bounds themselves."""
+class SnapshotsLeastLoaded(LeastLoaded):
+    """``LeastLoaded`` over their snapshots at ``now``."""
 
-    def __init__(self, values: list[float]):
-        self.values = values
+    def __init__(self, snapshots: Sequence[ReplicaState], now: float):
+        self._snaps, self._now, self.size = snapshots, now, len(snapshots)
 
-    def least(self) -> int:
-        v = self.values
-        return v.index(min(v))
+    def id(self, i: int) -> str:
+        return self._snaps[i].id
 
-    def at(self, i: int) -> float:
-        return self.values[i]
+    def tokens(self, i: int) -> float:
+        return self._snaps[i].outstanding_tokens
 
-    def at_most(self, tokens: float) -> list[int]:
-        v = self.values
-        return [j for j in range(len(v)) if v[j] <= tokens]
+    def bounds(self) -> list[float]:
+        now = self._now
+        return [outstanding_at_least(c, now) for c in self._snaps]
+
+
+class Drain:
+    """One snapshot's ``outstanding_at_least`` figures, kept in place by whoever files it (set
+    again at each filing): its ``outstanding_floor``, and ``drained`` tokens at ``since`` going
+    down at most ``rate`` a second (``outstanding_drain``; none: ``drained`` is -inf)."""
+
+    def __init__(self) -> None:
+        self.floor, self.since, self.drained, self.rate = 0.0, 0.0, -math.inf, 0.0
+
+    def set(self, floor: float, drain: tuple[float, float, float] | None) -> None:
+        self.floor = floor
+        if drain is None:
+            self.since, self.drained, self.rate = 0.0, -math.inf, 0.0
+        else:
+            self.since, self.drained, self.rate = drain
+
+    def at(self, now: float) -> float:
+        return drain_bound(self.floor, self.since, self.drained, self.rate, now)

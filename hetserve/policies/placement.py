@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 from hetserve.compiled import mypyc_attr
 from hetserve.policies.base import PlacementPolicy, ReplicaState, RequestInfo
-from hetserve.policies.outstanding import ListBounds, LowerBounds, outstanding_at_least
+from hetserve.policies.outstanding import LeastLoaded, SnapshotsLeastLoaded
 
 # The request placement every caller uses unless told otherwise (simulate, serve, compare, the
 # experiments): the plan's own prices per replica, so a heterogeneous plan delivers what it promised.
@@ -118,51 +118,58 @@ class RoundRobin(_Base):
 class JoinShortestQueue(_Base):
     name = "jsq"
     reads_waits = False  # loads and outstanding tokens only
+    picks_least_loaded = True  # the load is the first key (``PlacementPolicy.picks_least_loaded``)
 
     def __init__(self, ctx: PolicyContext | None = None):
         self._next = 0
-
-    @staticmethod
-    def lowest_rank(c: ReplicaState) -> int:
-        """The load: the first key, a snapshot's fixed field (``PlacementPolicy.lowest_rank``)."""
-        return c.queued_requests + c.running_requests
 
     def choose(self, request: RequestInfo, candidates: Sequence[ReplicaState], now: float) -> str:
         # the load summed in place of the ``ReplicaState.load`` property, the least loaded picked
         # out in C (``compress``), without a key tuple per candidate
         loads = [c.queued_requests + c.running_requests for c in candidates]
+        least = list(compress(candidates, map(eq, loads, repeat(min(loads)))))
         self._next += 1
-        return _fewest_tokens(list(compress(candidates, map(eq, loads, repeat(min(loads))))), self._next, now)
+        return _fewest_tokens(SnapshotsLeastLoaded(least, now), self._next)
 
-    def choose_lowest(self, request: RequestInfo, lowest: Sequence[ReplicaState], now: float,
-                      bounds: LowerBounds | None = None) -> str:
-        """``choose`` given only the least loaded candidates, in candidate order (``bounds``: their
-        ``outstanding_at_least(now)``, where the caller has them)."""
+    def choose_lowest(self, request: RequestInfo, least: LeastLoaded, now: float) -> str:
+        """``choose`` given only the least loaded candidates, in candidate order."""
         self._next += 1
-        return _fewest_tokens(lowest, self._next, now, bounds)
+        return _fewest_tokens(least, self._next)
 
 
-def _fewest_tokens(lowest: Sequence[ReplicaState], turn: int, now: float,
-                   bounds: LowerBounds | None = None) -> str:
-    """JSQ among the least loaded (in candidate order): the fewest outstanding tokens at ``now``,
-    ties round robin (decision ``turn`` takes tie ``turn`` mod their number). Outstanding tokens
-    may cost work to read (a simulator's live snapshot): only those of the candidates whose lower
-    bound (``bounds``, else worked out) is at most the tokens of the one of least bound are read."""
-    n = len(lowest)
+def _fewest_tokens(least: LeastLoaded, turn: int) -> str:
+    """JSQ among the least loaded (in candidate order): the fewest outstanding tokens, ties round
+    robin (decision ``turn`` takes tie ``turn`` mod their number). Outstanding tokens may cost work
+    to read (a simulator's running batch): from ``BOUND_FROM`` candidates on, only those whose
+    lower bound is at most the tokens of the one of least bound are read."""
+    n = least.size
     if n == 1:
-        return lowest[0].id
+        return least.id(0)
+    positions: list[int] | None = None
     if n >= BOUND_FROM:
-        b = ListBounds([outstanding_at_least(c, now) for c in lowest]) if bounds is None else bounds
-        k = b.least()
-        least = lowest[k].outstanding_tokens
-        if least >= b.at(k):  # else a snapshot below its own floor: no bound holds, read them all
-            lowest = [lowest[j] for j in b.at_most(least)]
-    outstanding = [c.outstanding_tokens for c in lowest]
+        bounds = least.bounds()
+        k = _first_least(bounds)
+        tokens = least.tokens(k)
+        if tokens >= bounds[k]:  # else a snapshot below its own floor: no bound holds, read them all
+            positions = [j for j in range(n) if bounds[j] <= tokens]
+    if positions is None:
+        positions = [j for j in range(n)]
+    outstanding = [least.tokens(j) for j in positions]
     fewest = min(outstanding)
     if outstanding.count(fewest) == 1:
-        return lowest[outstanding.index(fewest)].id
-    tied = [c for c, tokens in zip(lowest, outstanding) if tokens == fewest]
-    return tied[turn % len(tied)].id
+        return least.id(positions[outstanding.index(fewest)])
+    tied = [j for j, t in zip(positions, outstanding) if t == fewest]
+    return least.id(tied[turn % len(tied)])
+
+
+def _first_least(values: list[float]) -> int:
+    """The position of the smallest of ``values``, the first of equals (``values.index(min(values))``
+    in one pass of native comparisons)."""
+    best, k = values[0], 0
+    for j in range(1, len(values)):
+        if values[j] < best:
+            best, k = values[j], j
+    return k
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

@@ -144,12 +144,13 @@ class Simulator:
         self._route_on_finish = getattr(self.router, "on_finish", None)  # looked up once: a miss raises inside
         # placement snapshots kept between arrivals and rebuilt where a replica changed: the calls
         # into an entry replica below touch it; its own events mark it (``SnapshotCache``). Filed
-        # by the placement's rank where it has one, which then reads the lowest alone
-        # (``PlacementPolicy.lowest_rank``; ``_ranked_for``: the policy the cache ranks for)
-        rank = getattr(self.placement, "lowest_rank", None)
+        # by load for a placement that reads the least loaded alone
+        # (``PlacementPolicy.picks_least_loaded``; ``_ranked_for``: the policy the cache files for)
+        by_load = bool(getattr(self.placement, "picks_least_loaded", False))
         self._snaps = (None if self._placement_needs_requests else
-                       SnapshotCache(self.entry, waits=bool(getattr(self.placement, "reads_waits", True)), rank=rank))
-        self._ranked_for = self.placement if rank is not None and self._snaps is not None else None
+                       SnapshotCache(self.entry, waits=bool(getattr(self.placement, "reads_waits", True)),
+                                     by_load=by_load))
+        self._ranked_for = self.placement if by_load and self._snaps is not None else None
         self._repredicted: dict[int, float] = {}
         self.completed = 0
         self.rejected = 0
@@ -235,8 +236,7 @@ class Simulator:
         info = RequestInfo(rid, r.arrival[rid], r.inp[rid], pred)
         snaps, placement = self._snaps, self.placement
         if placement is self._ranked_for and not may_not_fit:
-            lowest, bounds = snaps.lowest()  # type: ignore[union-attr]
-            choice = placement.choose_lowest(info, lowest, self.loop.now, bounds)  # type: ignore[attr-defined]
+            choice = placement.choose_lowest(info, snaps.lowest(), self.loop.now)  # type: ignore[attr-defined,union-attr]
         else:
             cands = snaps.states() if snaps is not None else [e.state(True) for e in self.entry]
             if may_not_fit:

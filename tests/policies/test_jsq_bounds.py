@@ -6,6 +6,7 @@ import random
 
 from hetserve.policies import placement
 from hetserve.policies.base import ReplicaState
+from hetserve.policies.outstanding import SnapshotsLeastLoaded
 from hetserve.policies.placement import _fewest_tokens
 
 NOW = 10.0
@@ -29,7 +30,7 @@ def _snapshot(rng: random.Random, i: int, few: bool) -> ReplicaState:
 def _plain(lowest, turn, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(placement, "BOUND_FROM", 10**9)
-        return _fewest_tokens(lowest, turn, NOW)
+        return _fewest_tokens(SnapshotsLeastLoaded(lowest, NOW), turn)
 
 
 def test_the_bounded_choice_is_the_plain_one(monkeypatch):
@@ -37,7 +38,7 @@ def test_the_bounded_choice_is_the_plain_one(monkeypatch):
     for turn in range(3000):
         few = turn % 2 == 0
         lowest = [_snapshot(rng, i, few) for i in range(rng.randrange(2, 30))]
-        got = _fewest_tokens(lowest, turn, NOW)
+        got = _fewest_tokens(SnapshotsLeastLoaded(lowest, NOW), turn)
         assert got == _plain(lowest, turn, monkeypatch)
         bounded += len(lowest) >= placement.BOUND_FROM
     assert bounded > 1000
@@ -47,4 +48,4 @@ def test_snapshots_below_their_floor_are_all_read(monkeypatch):
     # a snapshot whose tokens went negative breaks the default floor (0): no bound is trusted
     lowest = [ReplicaState(f"r{i}", "colocated", 1, 2, 0, -5.0 - i % 3, 0, 0, 0) for i in range(12)]
     for turn in range(4):
-        assert _fewest_tokens(lowest, turn, NOW) == _plain(lowest, turn, monkeypatch)
+        assert _fewest_tokens(SnapshotsLeastLoaded(lowest, NOW), turn) == _plain(lowest, turn, monkeypatch)

@@ -74,9 +74,9 @@ class JsqChecking(RankChecked):
         super().__init__()
         self.bounded = 0
 
-    def choose_lowest(self, request, lowest, now, bounds=None):
-        self.bounded += len(lowest) >= placement.BOUND_FROM and bounds is not None
-        return super().choose_lowest(request, lowest, now, bounds)
+    def choose_lowest(self, request, least, now):
+        self.bounded += least.size >= placement.BOUND_FROM
+        return super().choose_lowest(request, least, now)
 
 
 def _run(policy):

@@ -111,21 +111,27 @@ def test_every_decision_sees_the_snapshots_of_now(model, plan, opts):
 
 
 class RankChecked(JoinShortestQueue):
-    """JSQ whose every decision from the snapshots filed by rank (``choose_lowest``) is checked
-    against ``choose`` over fresh snapshots of every entry replica, from the same turn."""
+    """JSQ whose every decision from the replicas filed by load (``choose_lowest``) is checked
+    against ``choose`` over fresh snapshots of every entry replica, from the same turn; the least
+    loaded it is handed are those of the fresh snapshots, each one's outstanding tokens as a fresh
+    snapshot reads them and its bound at most those."""
 
     def __init__(self):
         super().__init__()
         self.sim, self.decisions = None, 0
 
-    def choose_lowest(self, request, lowest, now, bounds=None):
+    def choose_lowest(self, request, least, now):
         plain = JoinShortestQueue()
         plain._next = self._next
-        expected = plain.choose(request, [e.state(False) for e in self.sim.entry], now)
-        if bounds is not None:  # the cache's bounds are each snapshot's own, as it reads them now
-            assert [bounds.at(i) for i in range(len(lowest))] == [c.outstanding_at_least(now) for c in lowest]
-            assert lowest[bounds.least()].outstanding_at_least(now) == min(c.outstanding_at_least(now) for c in lowest)
-        got = super().choose_lowest(request, lowest, now, bounds)
+        fresh = [e.state(False) for e in self.sim.entry]
+        expected = plain.choose(request, fresh, now)
+        fewest = min(s.load for s in fresh)
+        by_id = {s.id: s for s in fresh if s.load == fewest}
+        ids = [least.id(i) for i in range(least.size)]
+        assert ids == list(by_id)
+        assert [least.tokens(i) for i in range(least.size)] == [by_id[i].outstanding_tokens for i in ids]
+        assert all(bound <= least.tokens(i) for i, bound in enumerate(least.bounds()))
+        got = super().choose_lowest(request, least, now)
         assert got == expected
         self.decisions += 1
         return got

@@ -10,7 +10,7 @@ from hetserve.planner.plan import PlanReplica
 from hetserve.policies.base import ReplicaState, RunningRequest
 from hetserve.sim.env import ReplicaEnv
 from hetserve.sim.hosts import computing_tp
-from hetserve.sim.replicas.snapshots import ReplicaClock
+from hetserve.sim.replicas.clock import ReplicaClock
 
 
 class LazyRequests(Sequence):
@@ -131,14 +131,17 @@ class Replica:
         """The aggregates a placement decision reads (no request views); ``waits``: with the waits."""
         return self.state(False, waits)
 
-    def snapshot_shell(self, waits: bool) -> ReplicaState | None:
-        """(A kept kind) ``snapshot``'s fixed fields alone, which a rank may read (a shell: its
-        clock-bound figures are not yet readable), made whole by ``complete_snapshot`` when read,
-        so a changed replica no policy reads costs little; None: ``snapshot`` builds it whole."""
-        return None
+    def deferred_load(self, waits: bool) -> int:
+        """(A kept kind) its snapshot's load (``ReplicaState.load``) where the snapshot itself may be
+        built later, when read, the replica unchanged since: a changed replica no policy reads then
+        costs little (``SnapshotCache``); -1: ``snapshot`` builds it now."""
+        return -1
 
-    def complete_snapshot(self, shell: ReplicaState) -> ReplicaState:
-        """``shell`` (``snapshot_shell``, the replica unchanged since) as ``snapshot`` would build it."""
+    def live_figures(self) -> tuple[float, tuple[float, float, float] | None,
+                                    Callable[[float], tuple[tuple[float, int], float]]]:
+        """(A kind with ``deferred_load``) what its snapshot's outstanding tokens would read: its
+        ``outstanding_floor`` and ``outstanding_drain``, and a function of the clock giving
+        ``(outstanding tokens, context)`` then and the time until which they hold."""
         raise NotImplementedError
 
     def snapshot_clock(self, waits: bool = True):

@@ -9,8 +9,10 @@ with the decodes ("mixed", the runtime's engine), run as a prompts-only step tha
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from hetserve.cost.analytic import PrefillBatch
+from hetserve.cost.prefill_costs import StagePrompt, mixed_step_time
 from hetserve.policies.base import ReplicaState
 from hetserve.cost.layout import micro_batches_of
 from hetserve.policies.batching import Offer, Step, compose_step
@@ -19,7 +21,7 @@ from hetserve.sim.events import Priority
 from hetserve.sim.hosts import on_host, pipeline_step_beside
 from hetserve.sim.choices import prefill_batch
 from hetserve.sim.replicas.decoding import Decoding
-from hetserve.sim.replicas.snapshots import KEEP, live_fill, live_shell
+from hetserve.sim.replicas.snapshots import KEEP, live_state
 
 
 class ColocatedReplica(Decoding):
@@ -39,6 +41,13 @@ class ColocatedReplica(Decoding):
         self._beside_ready: list[int] = []  # their first tokens are out: they join at the next boundary
         self._beside_end = 0.0  # when the last of them ends
         self._held = False  # the decodes wait behind them (paused from their boundary until they end)
+        self._prompt_terms: list[StagePrompt] | None = None  # ``_stage_prompts``
+
+    def _stage_prompts(self) -> list[StagePrompt]:
+        """Each stage's prompt terms (``CostModel.stage_prompt``), asked once: a mixed step reads them."""
+        if self._prompt_terms is None:
+            self._prompt_terms = [self.cost.stage_prompt(s) for s in self.layout.stages]
+        return self._prompt_terms
 
     def place(self, rid: int) -> None:
         self.waiting.append(rid)
@@ -220,8 +229,8 @@ class ColocatedReplica(Decoding):
         else:
             # the decodes alone priced by the round this replica keeps per batch size
             alone = self._priced_at(b.size)[0].at(b.context) if b.size else 0.0
-            dur = self.cost.mixed_step_time(self.layout, b.size, b.context, prompts, self.limits.micro_batches,
-                                            remember=False, decode_s=alone)
+            dur = mixed_step_time(self.cost, self.layout, b.size, b.context, prompts, self.limits.micro_batches,
+                                  False, alone, self._stage_prompts())
             dur = self._on_host(dur, decodes=b.size > 0)
         now = self.loop.now
         if self.trace is not None:
@@ -288,16 +297,19 @@ class ColocatedReplica(Decoding):
         a fleet's running batches are not re-read at every arrival, and reads what ``state`` reads."""
         if waits:
             return self.state(False, True)
-        return self.complete_snapshot(live_shell(self.state_fields()))
+        fields = self.state_fields()
+        fields["outstanding_floor"], fields["outstanding_drain"], progress = self.live_figures()
+        return live_state(fields, progress, self.loop.loop)
 
-    def snapshot_shell(self, waits: bool) -> ReplicaState | None:
-        return None if waits else live_shell(self.state_fields())
+    def deferred_load(self, waits: bool) -> int:
+        return -1 if waits else self._queued_requests() + self.batch.size
 
-    def complete_snapshot(self, shell: ReplicaState) -> ReplicaState:
-        d = shell.__dict__
-        d["outstanding_floor"] = self._outstanding_floor()
-        d["outstanding_drain"] = self._outstanding_drain()
-        return live_fill(shell, self._held_progress, self.loop.loop)  # type: ignore[arg-type]
+    def live_figures(self) -> tuple[float, tuple[float, float, float] | None,
+                                    Callable[[float], tuple[tuple[float, int], float]]]:
+        return self._outstanding_floor(), self._outstanding_drain(), self._held_progress
+
+    def _queued_requests(self) -> int:
+        return len(self.waiting) + len(self._chunking)
 
     def _figures(self, done: int) -> tuple[float, int]:
         """(outstanding tokens, Σ context) once ``done`` iterations of the running segment are through."""
@@ -324,7 +336,7 @@ class ColocatedReplica(Decoding):
 
     def state_fields(self) -> dict:
         """The snapshot's fields that hold until the replica changes (all but the waits and progress)."""
-        return {"id": self.id, "role": "colocated", "queued_requests": len(self.waiting) + len(self._chunking),
+        return {"id": self.id, "role": "colocated", "queued_requests": self._queued_requests(),
                 "running_requests": self.batch.size, "queued_prefill_tokens": self.queued_tokens,
                 "kv_used_tokens": int(self.kv_used), "kv_capacity_tokens": int(self.kv_capacity),
                 "requests": (), "capacity_norm": self.capacity_norm}

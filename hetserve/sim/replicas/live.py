@@ -43,7 +43,7 @@ class LiveState(ReplicaState):
 
     def __new__(cls, *args, **fields):
         # built from fields (``dataclasses.replace``): a plain snapshot of them, the figures as read;
-        # a live one is built by ``snapshots.live_shell`` and ``live_fill``
+        # a live one is built by ``snapshots.live_state``
         return ReplicaState(*args, **fields)
 
     def _forget(self) -> None:

@@ -41,9 +41,11 @@ def drain_bound(floor: float, since: float, drained: float, rate: float, now: fl
 class LeastLoaded:
     """The candidates of least load at one decision, by position in candidate order (what
     ``choose_lowest`` is given): ``size`` of them; ``id(i)``; ``tokens(i)`` the outstanding tokens
-    now, which may cost work to read (a simulator's running batch); ``bounds()`` a lower bound on
-    each one's tokens that costs none to read (``ReplicaState.outstanding_at_least``). A base
-    class, not a protocol: compiled, placement calls its methods without a lookup by name."""
+    now, which may cost work to read (a simulator's running batch); ``bound(i)`` a lower bound on
+    them that costs none (``ReplicaState.outstanding_at_least``); ``least_bound()`` the position of
+    the smallest bound (the first of equals); ``bounded_by(tokens)`` the positions whose bound is
+    at most ``tokens``, in order. A base class, not a protocol: compiled, placement calls its
+    methods without a lookup by name; each kind passes over its own storage."""
 
     size: int
 
@@ -53,15 +55,22 @@ class LeastLoaded:
     def tokens(self, i: int) -> float:
         raise NotImplementedError
 
-    def bounds(self) -> list[float]:
+    def bound(self, i: int) -> float:
+        raise NotImplementedError
+
+    def least_bound(self) -> int:
+        raise NotImplementedError
+
+    def bounded_by(self, tokens: float) -> list[int]:
         raise NotImplementedError
 
 
 class SnapshotsLeastLoaded(LeastLoaded):
-    """``LeastLoaded`` over their snapshots at ``now``."""
+    """``LeastLoaded`` over their snapshots at ``now`` (the bounds worked out once, when first asked)."""
 
     def __init__(self, snapshots: Sequence[ReplicaState], now: float):
         self._snaps, self._now, self.size = snapshots, now, len(snapshots)
+        self._bounds: list[float] | None = None
 
     def id(self, i: int) -> str:
         return self._snaps[i].id
@@ -69,9 +78,26 @@ class SnapshotsLeastLoaded(LeastLoaded):
     def tokens(self, i: int) -> float:
         return self._snaps[i].outstanding_tokens
 
-    def bounds(self) -> list[float]:
-        now = self._now
-        return [outstanding_at_least(c, now) for c in self._snaps]
+    def bound(self, i: int) -> float:
+        return self._all_bounds()[i]
+
+    def least_bound(self) -> int:
+        bounds = self._all_bounds()
+        best, k = bounds[0], 0
+        for j in range(1, len(bounds)):
+            if bounds[j] < best:
+                best, k = bounds[j], j
+        return k
+
+    def bounded_by(self, tokens: float) -> list[int]:
+        bounds = self._all_bounds()
+        return [j for j in range(len(bounds)) if bounds[j] <= tokens]
+
+    def _all_bounds(self) -> list[float]:
+        if self._bounds is None:
+            now = self._now
+            self._bounds = [outstanding_at_least(c, now) for c in self._snaps]
+        return self._bounds
 
 
 class Drain:

@@ -147,11 +147,10 @@ def _fewest_tokens(least: LeastLoaded, turn: int) -> str:
         return least.id(0)
     positions: list[int] | None = None
     if n >= BOUND_FROM:
-        bounds = least.bounds()
-        k = _first_least(bounds)
+        k = least.least_bound()
         tokens = least.tokens(k)
-        if tokens >= bounds[k]:  # else a snapshot below its own floor: no bound holds, read them all
-            positions = [j for j in range(n) if bounds[j] <= tokens]
+        if tokens >= least.bound(k):  # else a snapshot below its own floor: no bound holds, read them all
+            positions = least.bounded_by(tokens)
     if positions is None:
         positions = [j for j in range(n)]
     outstanding = [least.tokens(j) for j in positions]
@@ -160,16 +159,6 @@ def _fewest_tokens(least: LeastLoaded, turn: int) -> str:
         return least.id(positions[outstanding.index(fewest)])
     tied = [j for j, t in zip(positions, outstanding) if t == fewest]
     return least.id(tied[turn % len(tied)])
-
-
-def _first_least(values: list[float]) -> int:
-    """The position of the smallest of ``values``, the first of equals (``values.index(min(values))``
-    in one pass of native comparisons)."""
-    best, k = values[0], 0
-    for j in range(1, len(values)):
-        if values[j] < best:
-            best, k = values[j], j
-    return k
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

@@ -130,7 +130,9 @@ class RankChecked(JoinShortestQueue):
         ids = [least.id(i) for i in range(least.size)]
         assert ids == list(by_id)
         assert [least.tokens(i) for i in range(least.size)] == [by_id[i].outstanding_tokens for i in ids]
-        assert all(bound <= least.tokens(i) for i, bound in enumerate(least.bounds()))
+        assert all(least.bound(i) <= least.tokens(i) for i in range(least.size))
+        bounds = [least.bound(i) for i in range(least.size)]
+        assert least.least_bound() == bounds.index(min(bounds))
         got = super().choose_lowest(request, least, now)
         assert got == expected
         self.decisions += 1

@@ -86,9 +86,21 @@ class _FiledLeastLoaded(LeastLoaded):
     def tokens(self, i: int) -> float:
         return self._filed[self._picked[i]].now(self._now)
 
-    def bounds(self) -> list[float]:
-        filed, now = self._filed, self._now
-        return [filed[i].at(now) for i in self._picked]
+    def bound(self, i: int) -> float:
+        return self._filed[self._picked[i]].at(self._now)
+
+    def least_bound(self) -> int:
+        filed, picked, now = self._filed, self._picked, self._now
+        best, k = filed[picked[0]].at(now), 0
+        for j in range(1, len(picked)):
+            b = filed[picked[j]].at(now)
+            if b < best:  # the first of equals, as ``min``
+                best, k = b, j
+        return k
+
+    def bounded_by(self, tokens: float) -> list[int]:
+        filed, picked, now = self._filed, self._picked, self._now
+        return [j for j in range(len(picked)) if filed[picked[j]].at(now) <= tokens]
 
 
 class SnapshotCache:

@@ -159,21 +159,28 @@ class LayerKernel:
                                  for k in ELEMENTWISE)
 
     def at(self, tokens: Any) -> LayerTimes:
-        linear, rest = self._parts(tokens)
+        linear, rest = self._parts(float(tokens))
         return LayerTimes(linear, linear + rest)
 
-    def layer_s(self, tokens: Any) -> Any:
+    def layer_s(self, tokens: Any) -> float:
         """``at(tokens).layer_s`` (the kernel pricing's memo misses ask for this alone)."""
-        linear, rest = self._parts(tokens)
+        linear, rest = self._parts(float(tokens))
         return linear + rest
 
-    def _parts(self, tokens: Any) -> tuple[Any, Any]:
-        """(the projections, the elementwise operators) at ``tokens`` rows."""
+    def _parts(self, tokens: float) -> tuple[float, float]:
+        """(the projections, the elementwise operators) at ``tokens`` rows (typed: compiled, the
+        sums run on native floats)."""
         if tokens <= 0:
             return 0.0, 0.0
         p, flops_peak, bandwidth = self.p, self.flops_peak, self.bandwidth
-        linear = sum(gemm_time(p, flops_peak, bandwidth, tokens, k, n) for k, n in self.dims)
-        return linear, sum(c * (floor + b / rate) for (c, floor, rate), b in zip(self.elementwise, self.bytes.at(tokens)))
+        linear = 0.0
+        for k, n in self.dims:
+            linear += gemm_time(p, flops_peak, bandwidth, tokens, k, n)
+        rest = 0.0
+        for (count, floor, rate), b in zip(self.elementwise, self.bytes.at(tokens)):
+            moved: float = b
+            rest += count * (floor + moved / rate)
+        return linear, rest
 
 
 def layer_time(p: KernelParams, flops_peak: float, bandwidth: float, shape: LayerShape, tp: int,

@@ -38,6 +38,16 @@ def drain_bound(floor: float, since: float, drained: float, rate: float, now: fl
     return at_now if at_now > floor else floor
 
 
+def first_least(values: list[float]) -> int:
+    """The position of the smallest of ``values``, the first of equals (``values.index(min(values))``
+    in one pass of native comparisons, compiled)."""
+    best, k = values[0], 0
+    for j in range(1, len(values)):
+        if values[j] < best:
+            best, k = values[j], j
+    return k
+
+
 class LeastLoaded:
     """The candidates of least load at one decision, by position in candidate order (what
     ``choose_lowest`` is given): ``size`` of them; ``id(i)``; ``tokens(i)`` the outstanding tokens
@@ -82,12 +92,7 @@ class SnapshotsLeastLoaded(LeastLoaded):
         return self._all_bounds()[i]
 
     def least_bound(self) -> int:
-        bounds = self._all_bounds()
-        best, k = bounds[0], 0
-        for j in range(1, len(bounds)):
-            if bounds[j] < best:
-                best, k = bounds[j], j
-        return k
+        return first_least(self._all_bounds())
 
     def bounded_by(self, tokens: float) -> list[int]:
         bounds = self._all_bounds()

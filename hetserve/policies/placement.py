@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 from hetserve.compiled import mypyc_attr
 from hetserve.policies.base import PlacementPolicy, ReplicaState, RequestInfo
-from hetserve.policies.outstanding import LeastLoaded, SnapshotsLeastLoaded
+from hetserve.policies.outstanding import LeastLoaded, SnapshotsLeastLoaded, first_least
 
 # The request placement every caller uses unless told otherwise (simulate, serve, compare, the
 # experiments): the plan's own prices per replica, so a heterogeneous plan delivers what it promised.
@@ -154,9 +154,7 @@ def _fewest_tokens(least: LeastLoaded, turn: int) -> str:
     if positions is None:
         positions = [j for j in range(n)]
     outstanding = [least.tokens(j) for j in positions]
-    fewest = min(outstanding)
-    if outstanding.count(fewest) == 1:
-        return least.id(positions[outstanding.index(fewest)])
+    fewest = outstanding[first_least(outstanding)]
     tied = [j for j, t in zip(positions, outstanding) if t == fewest]
     return least.id(tied[turn % len(tied)])
 

@@ -1,7 +1,10 @@
-"""The lower bound on a snapshot's outstanding tokens (``ReplicaState.outstanding_at_least``) as free
-functions: placement asks it of every tied candidate at every decision (a simulator's snapshot cache
-from the figures it keeps, ``drain_bound``), and in the compiled build (``make fast-sim``) a call from
-compiled code into it costs no interpreter frame."""
+"""Outstanding tokens as placement reads them among many equally loaded candidates: the lower bound
+on a snapshot's outstanding tokens (``ReplicaState.outstanding_at_least``) as free functions, the
+figures of that bound kept in place by whoever files them (``Drain``), and the least loaded
+candidates of one decision by position (``LeastLoaded``; over snapshots, ``SnapshotsLeastLoaded``).
+Placement asks the bound of every tied candidate at every decision; in the compiled build (``make
+fast-sim``) a call from compiled code into these costs no interpreter frame.
+"""
 
 from __future__ import annotations
 

@@ -59,10 +59,13 @@ class _Outstanding(Drain):
         self.tokens, self.until = 0.0, math.inf
         self.progress: Callable[[float], tuple[tuple[float, int], float]] | None = None
 
-    def fixed(self, tokens: float) -> None:
+    def fixed(self, floor: float, drain: tuple[float, float, float] | None, tokens: float) -> None:
+        self.set(floor, drain)
         self.tokens, self.until, self.progress = tokens, math.inf, None
 
-    def live(self, progress: Callable[[float], tuple[tuple[float, int], float]]) -> None:
+    def live(self, floor: float, drain: tuple[float, float, float] | None,
+             progress: Callable[[float], tuple[tuple[float, int], float]]) -> None:
+        self.set(floor, drain)
         self.until, self.progress = -math.inf, progress
 
     def now(self, now: float) -> float:
@@ -164,8 +167,7 @@ class SnapshotCache:
         if self._deferrals:
             for i in range(len(self._reps)):
                 if self._deferred[i]:
-                    self._deferred[i] = self._unread[i] = False
-                    self._deferrals -= 1
+                    self._undefer(i)
                     self._file(i, self._reps[i].snapshot(self._waits))
         return list(self._snaps)  # type: ignore[arg-type]
 
@@ -183,8 +185,7 @@ class SnapshotCache:
                 if unread[i]:
                     unread[i] = False
                     floor, drain, progress = reps[i].live_figures()
-                    outstanding[i].set(floor, drain)
-                    outstanding[i].live(progress)
+                    outstanding[i].live(floor, drain, progress)
         return _FiledLeastLoaded(self._ids, picked, self._outstanding, self._loop.now)
 
     def _expire(self, until: float, snap: LiveState) -> None:
@@ -202,7 +203,7 @@ class SnapshotCache:
                 new = retime(snaps[i])  # type: ignore[arg-type]
                 if new is not snaps[i]:  # the same snapshot back: it and its retime stay filed
                     self._file(i, new)
-                    self._file_load(i, new.queued_requests + new.running_requests)
+                    self._file_load(i, new.load)
             else:
                 dirty.add(i)
         by_load, waits = self.by_load, self._waits
@@ -219,13 +220,17 @@ class SnapshotCache:
                     self._deferrals += 1
             else:
                 if self._deferred[i]:
-                    self._deferred[i] = self._unread[i] = False
-                    self._deferrals -= 1
+                    self._undefer(i)
                 snap = rep.snapshot(waits)
                 self._file(i, snap)
-                load = snap.queued_requests + snap.running_requests
+                load = snap.load
             self._file_load(i, load)
         dirty.clear()
+
+    def _undefer(self, i: int) -> None:
+        """Position ``i``, deferred, is about to be filed whole."""
+        self._deferred[i] = self._unread[i] = False
+        self._deferrals -= 1
 
     def _file(self, i: int, snap: ReplicaState) -> None:
         """``snap``, whole, is the snapshot at position ``i`` (its load is filed apart): its
@@ -236,11 +241,9 @@ class SnapshotCache:
             d = snap.__dict__
             d["_expire"] = self._expire
             if self.by_load:
-                outstanding.set(d["outstanding_floor"], d["outstanding_drain"])
-                outstanding.live(d["_progress"])
+                outstanding.live(d["outstanding_floor"], d["outstanding_drain"], d["_progress"])
         elif self.by_load:
-            outstanding.set(snap.outstanding_floor, snap.outstanding_drain)
-            outstanding.fixed(snap.outstanding_tokens)
+            outstanding.fixed(snap.outstanding_floor, snap.outstanding_drain, snap.outstanding_tokens)
         how = self._reps[i].snapshot_clock(self._waits) if self._kept[i] else None
         self._asked.pop(i, None)
         if how is not KEEP:

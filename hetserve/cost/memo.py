@@ -70,6 +70,7 @@ class MemoCost(CostModel):
         self._rounds: dict[tuple, DecodeRound] = {}
         self._layout_sigs: dict[int, tuple[ReplicaLayout, int]] = {}  # id(layout) -> (layout, its number)
         self._layout_ids: dict[tuple, int] = {}
+        self._hops: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple] = {}  # (a, b) devices -> their links
 
     def signature(self, devices: tuple[int, ...]) -> int:
         """What the stage formulas read of a TP group's devices, as a small integer: equal signatures
@@ -148,13 +149,22 @@ class MemoCost(CostModel):
         kept = self._layout_sigs.get(id(layout))
         if kept is None or kept[0] is not layout:
             stages = layout.stages
-            hops = tuple(tuple((float(self._alpha[d, e]), float(self._beta[d, e])) if d != e else None
-                               for d in a.devices for e in b.devices) for a, b in zip(stages, stages[1:]))
+            hops = tuple(self._hop(a.devices, b.devices) for a, b in zip(stages, stages[1:]))
             full = (tuple((self.signature(s.devices), s.layers[1] - s.layers[0]) for s in stages), hops,
                     self._on_shared_cores(layout))
             kept = _remember(self._layout_sigs, id(layout),
                              (layout, self._layout_ids.setdefault(full, len(self._layout_ids))))
         return kept[1]
+
+    def _hop(self, a: tuple[int, ...], b: tuple[int, ...]) -> tuple:
+        """(α, β) of every device pair a pipeline hand-off from ``a`` to ``b`` may take: a layout
+        search prices many layer splits of one stage sequence, each a new layout with the same hops."""
+        key = (a, b)
+        hop = self._hops.get(key)
+        if hop is None:
+            hop = _remember(self._hops, key, tuple((float(self._alpha[d, e]), float(self._beta[d, e])) if d != e
+                                                   else None for d in a for e in b))
+        return hop
 
     def decode_round(self, layout: ReplicaLayout, batch: float, micro_batches: int | None = None) -> DecodeRound:
         # by what the round reads of the layout: a fleet's copies of one replica share their rounds

@@ -111,12 +111,15 @@ def test_allreduce_within_twenty_percent_from_two_megabytes(table):
 
 def test_one_allreduce_is_priced_as_the_arrays_are(table):
     """``AllReduceFit.time`` (one size, the simulator's) and ``times`` (arrays, the planner's bound)
-    give the same number, bit for bit: at the knots, between them, and beyond either end."""
+    give the same number at the knots, between them, and beyond either end: to the last few bits,
+    as the C library's ``exp`` / ``log2`` and numpy's vectorised ones (AVX-512 on some CPUs) may
+    round the last bit apart."""
     sizes = np.concatenate([2.0 ** np.arange(10.0, 30.0, 0.37), 2.0 ** np.array([16.0, 20.0, 26.0]),
                             np.random.default_rng(0).uniform(1.0, 2.0 ** 28, 300)])
     for w, fit in table.allreduce.items():
         one = [fit.time(float(n), table.link_bytes_per_s, w) for n in sizes]
-        assert one == list(fit.times(sizes, table.link_bytes_per_s, w)), w
+        np.testing.assert_allclose(fit.times(sizes, table.link_bytes_per_s, w), one, rtol=4 * np.finfo(float).eps,
+                                   atol=0, err_msg=str(w))
 
 
 def test_the_fitted_file_round_trips_and_is_what_the_bundled_one_holds(table, tmp_path):

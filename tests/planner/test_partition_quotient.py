@@ -39,3 +39,38 @@ def test_a_repeated_eigenvalue_takes_a_fiedler_vector_only_where_allowed(llama70
     second = np.linalg.eigvalsh(lap)[1]
     assert abs(np.linalg.norm(x) - 1) < 1e-9 and abs(x.sum()) < 1e-6
     assert np.allclose(lap @ x, second * x, atol=1e-6 * second)
+
+
+def _rotated_eigh(angle):
+    """``numpy.linalg.eigh`` with the basis of a repeated second eigenvalue turned by ``angle``:
+    as valid an answer as numpy's own, and what another CPU's BLAS kernels may give."""
+    eigh = np.linalg.eigh
+
+    def turned(a):
+        vals, vecs = eigh(a)
+        same = np.flatnonzero(np.abs(vals - vals[1]) <= 1e-9 * max(1.0, abs(vals[-1])))
+        if len(same) >= 2:
+            i, j = same[0], same[1]
+            c, s = np.cos(angle), np.sin(angle)
+            vecs = vecs.copy()
+            vecs[:, i], vecs[:, j] = c * vecs[:, i] - s * vecs[:, j], s * vecs[:, i] + c * vecs[:, j]
+        return vals, vecs
+
+    return turned
+
+
+def test_a_repeated_eigenvalue_gives_one_order_whatever_basis_eigh_returns(monkeypatch):
+    """Three alike boxes of two GPUs, alike links between them: the second eigenvalue repeats,
+    and the order (so the partition and the plan) must not depend on which basis of its
+    eigenspace ``eigh`` returns, which differs between CPUs."""
+    w = np.full((6, 6), 10.0)
+    for box in range(3):
+        w[2 * box, 2 * box + 1] = w[2 * box + 1, 2 * box] = 600.0
+    np.fill_diagonal(w, 0.0)
+    lap = np.diag(w.sum(axis=1)) - w
+    vals = np.linalg.eigvalsh(lap)
+    assert abs(vals[1] - vals[2]) < 1e-9  # the case this test is about
+    want = P._laplacian_order(w)
+    for angle in (0.3, 1.1, 2.0, 3.0):
+        monkeypatch.setattr(P.np.linalg, "eigh", _rotated_eigh(angle))
+        assert (P._laplacian_order(w) == want).all(), angle

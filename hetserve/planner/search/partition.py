@@ -33,8 +33,10 @@ from hetserve.planner.pool.evaluator import Evaluator
 ROLE_BALANCE_SLACK = 0.9  # a role swap may cost at most 10% of min(prefill, decode) capacity
 KL_MAX_NODES = 160  # Kernighan–Lin on larger bisections costs more than it returns
 # On pools of this many devices a repeated second eigenvalue (sites alike, alike pipes between them) takes
-# the class quotient's vector, one of the eigenspace as good as the full eigh's (which picks one by
-# its numerics); on smaller pools such bisections keep the full eigh, so their plans are unchanged.
+# the class quotient's vector (a C × C problem), the one of the eigenspace its eigh returns; smaller
+# pools take the full Laplacian's, chosen the same on every machine (``_second_vector``). The
+# quotient's ramp projection was tried on the 1,024-GPU pool: the same plan, but its groups mixed
+# sites and the search took 2.8× the CPU, so there the choice still follows eigh's numerics.
 QUOTIENT_ANY_FIEDLER_DEVICES = 512
 
 
@@ -63,9 +65,11 @@ def _laplacian_order(w: np.ndarray, labels: np.ndarray | None = None, any_fiedle
     fiedler = None if labels is None else _class_fiedler(w, labels, any_fiedler)
     if fiedler is None:
         lap = np.diag(w.sum(axis=1)) - w
-        _, vecs = np.linalg.eigh(lap)
-        fiedler = vecs[:, 1]
-    if fiedler[np.argmax(np.abs(fiedler))] < 0:  # fix the sign so the order is reproducible
+        vals, vecs = np.linalg.eigh(lap)
+        fiedler = _second_vector(vals, vecs)
+    # fix the sign so the order is reproducible: by the largest entry, the first of those equal
+    # to the rounding (entries alike by symmetry differ in their last bits from one CPU to another)
+    if fiedler[np.argmax(np.round(np.abs(fiedler), 9))] < 0:
         fiedler = -fiedler
     return np.lexsort((np.arange(len(w)), np.round(fiedler, 9)))
 
@@ -101,6 +105,26 @@ def _class_fiedler(w: np.ndarray, labels: np.ndarray, any_fiedler: bool = False)
         return None
     index = np.searchsorted(classes, labels)
     return vecs[index, 1] / np.sqrt(n[index])
+
+
+def _second_vector(vals: np.ndarray, vecs: np.ndarray) -> np.ndarray:
+    """The eigenvector of the second smallest eigenvalue (``eigh``'s ``vals``, ``vecs``). Where that
+    eigenvalue repeats (alike machines, alike links), any vector of its eigenspace is a Fiedler
+    vector, and ``eigh`` picks a basis by its numerics, which differ between CPUs (the BLAS kernels
+    it dispatches to): the eigenspace's projection of a fixed ramp over the nodes does not, so a
+    pool gets the same partition, and plan, on every machine."""
+    gap = 1e-9 * max(1.0, abs(float(vals[-1])))
+    same = np.flatnonzero(np.abs(vals - vals[1]) <= gap)
+    if len(same) == 1:
+        return vecs[:, 1]
+    basis = vecs[:, same]
+    ramp = np.arange(len(vals), dtype=float)
+    for r in (ramp - ramp.mean(), (ramp - ramp.mean()) ** 2):
+        v = basis @ (basis.T @ r)
+        norm = float(np.linalg.norm(v))
+        if norm > 1e-6 * float(np.linalg.norm(r)):
+            return v / norm
+    return vecs[:, 1]
 
 
 def _spectral_bisect(ctx: PlanContext, devices: list[int], frac: float,

@@ -67,11 +67,12 @@ def _laplacian_order(w: np.ndarray, labels: np.ndarray | None = None, any_fiedle
         lap = np.diag(w.sum(axis=1)) - w
         vals, vecs = np.linalg.eigh(lap)
         fiedler = _second_vector(vals, vecs)
-    # fix the sign so the order is reproducible: by the largest entry, the first of those equal
-    # to the rounding (entries alike by symmetry differ in their last bits from one CPU to another)
-    if fiedler[np.argmax(np.round(np.abs(fiedler), 9))] < 0:
-        fiedler = -fiedler
-    return np.lexsort((np.arange(len(w)), np.round(fiedler, 9)))
+    # rounded, and its sign fixed by the largest entry (the first of those equal once rounded), so the
+    # order is reproducible: entries alike by symmetry differ in their last bits from one CPU to another
+    rounded = np.round(fiedler, 9)
+    if rounded[np.argmax(np.abs(rounded))] < 0:
+        rounded = -rounded
+    return np.lexsort((np.arange(len(w)), rounded))
 
 
 def _class_fiedler(w: np.ndarray, labels: np.ndarray, any_fiedler: bool = False) -> np.ndarray | None:
@@ -98,7 +99,7 @@ def _class_fiedler(w: np.ndarray, labels: np.ndarray, any_fiedler: bool = False)
     np.fill_diagonal(b, degree - (n - 1) * inner)
     vals, vecs = np.linalg.eigh(b)
     internal = (degree + inner)[counts > 1]
-    gap = 1e-9 * max(1.0, float(vals[-1]))
+    gap = _eigen_gap(vals)
     if len(internal) and vals[1] >= internal.min() - gap:
         return None
     if vals[2] - vals[1] <= gap and not any_fiedler:
@@ -107,14 +108,18 @@ def _class_fiedler(w: np.ndarray, labels: np.ndarray, any_fiedler: bool = False)
     return vecs[index, 1] / np.sqrt(n[index])
 
 
+def _eigen_gap(vals: np.ndarray) -> float:
+    """Eigenvalues of a Laplacian (``eigh``'s, ascending) this close are one repeated eigenvalue."""
+    return 1e-9 * max(1.0, abs(float(vals[-1])))
+
+
 def _second_vector(vals: np.ndarray, vecs: np.ndarray) -> np.ndarray:
     """The eigenvector of the second smallest eigenvalue (``eigh``'s ``vals``, ``vecs``). Where that
     eigenvalue repeats (alike machines, alike links), any vector of its eigenspace is a Fiedler
     vector, and ``eigh`` picks a basis by its numerics, which differ between CPUs (the BLAS kernels
     it dispatches to): the eigenspace's projection of a fixed ramp over the nodes does not, so a
     pool gets the same partition, and plan, on every machine."""
-    gap = 1e-9 * max(1.0, abs(float(vals[-1])))
-    same = np.flatnonzero(np.abs(vals - vals[1]) <= gap)
+    same = np.flatnonzero(np.abs(vals - vals[1]) <= _eigen_gap(vals))
     if len(same) == 1:
         return vecs[:, 1]
     basis = vecs[:, same]

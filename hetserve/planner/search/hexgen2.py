@@ -273,7 +273,8 @@ def _choose(ctx: PlanContext, evaluator: Evaluator, best: PoolLayout, name: str,
     mixed, mix_v = (), -1.0
     if len(cluster) <= POPULATION_MAX_DEVICES or not budget.exhausted():
         for start in (best,) + tuple(o for o in others if o != best):
-            m, v = mixed_alternative(ctx, evaluator, start, colocated, budget.out_of_time)
+            m, v = mixed_alternative(ctx, evaluator, start, colocated, budget.out_of_time,
+                                     max(value, col_v, mix_v))
             if v > mix_v * (1 + 1e-9):
                 mixed, mix_v = m, v
     if mix_v > max(value, col_v) * (1 + 1e-9):

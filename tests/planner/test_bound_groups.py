@@ -138,6 +138,22 @@ def test_every_layout_stays_under_its_compositions_ceiling(llama7b, azure):
                 assert cb.exact(used)[r] <= slack * got[r], (used, ROLES[r], got[r], cb.exact(used)[r])
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_compositions_priced_together_get_the_ceilings_each_gets_alone(llama7b, azure, monkeypatch, chunk):
+    """``exact_many`` prices the structures of many compositions in shared batches (rows of
+    several structures, chunks of ``STRUCTURE_CHUNK``): each composition's ceilings are the very
+    floats it gets priced on its own."""
+    from hetserve.planner.bound import columns
+
+    ctx = PlanContext(two_box_pool(), llama7b, azure)
+    kinds = [bound_groups._column_kind(ctx, [k]) for k in bound.device_kinds(ctx)]
+    comps = [c for c in itertools.product(*(range(k.count + 1) for k in kinds)) if any(c)]
+    alone = [ColumnBounds(ctx, kinds).exact(c) for c in comps]
+    monkeypatch.setattr(columns, "STRUCTURE_CHUNK", chunk)
+    together = ColumnBounds(ctx, kinds).exact_many(comps)
+    assert together == alone and sum(v[1] > 0 for v in alone) > 5
+
+
 @pytest.mark.parametrize("pool,model", [(_pool, "llama-2-7b"), (two_box_pool, "llama-2-13b")])
 def test_group_bound_is_above_exact_and_below_the_per_device_lp(pool, model, azure):
     """On pools exact search covers (the second: exact's plan mixes prefill, decode and colocated

@@ -68,6 +68,7 @@ from hetserve.planner.bound.layer_split import knapsack, waterfill
 
 ROLES = ("prefill", "decode", "colocated")
 BIG_STAGES = 8  # big decode groups are told apart by their stage count 2 … 7, then "8 or more"
+STRUCTURE_CHUNK = 64  # structures priced at once: 64 × 256 batch sizes × 2S × S floats at most 16 MB
 
 
 @dataclass(frozen=True)
@@ -181,15 +182,20 @@ class ColumnBounds:
         key = (ki, t, float(micro))
         out = self._dl_cache.get(key)
         if out is None:
-            k, m = self.kinds[ki], self.ctx.model
-            mb = self.b / np.minimum(micro, self.b)
-            cbar = self.Ir + self.O / 2
-            out = self._layer(k, t, mb, 4.0 * m.q_dim * mb * cbar, mb * cbar)
-            if t > 1:
-                out = out + 2.0 * self._allreduce(t, k, mb) + 2.0 * self.ctx.cost.eff.collective_overhead_s
+            out = self._dl_rows(ki, t, [micro])[0]
             out.flags.writeable = False
             self._dl_cache[key] = out
         return out
+
+    def _dl_rows(self, ki, t, micros) -> np.ndarray:
+        """``_dl`` for each of ``micros`` at once (a row each; the same numbers, element by element)."""
+        k, m = self.kinds[ki], self.ctx.model
+        mb = (self.b[None, :] / np.minimum(np.asarray(micros, dtype=float)[:, None], self.b[None, :])).ravel()
+        cbar = self.Ir + self.O / 2
+        out = self._layer(k, t, mb, 4.0 * m.q_dim * mb * cbar, mb * cbar)
+        if t > 1:
+            out = out + 2.0 * self._allreduce(t, k, mb) + 2.0 * self.ctx.cost.eff.collective_overhead_s
+        return out.reshape(len(micros), len(self.b))
 
     # ------------------------------------------------------------------ one structure
     def _hops(self, kinds: list[int]) -> tuple[int, float, float]:
@@ -203,53 +209,64 @@ class ColumnBounds:
         pairs = [(a, b) for a in reps for b in reps if a != b]
         return len(reps) - 1, min(float(lat[a, b]) for a, b in pairs), max(float(bw[a, b]) for a, b in pairs)
 
-    def _structure(self, stages: tuple[tuple[int, int], ...], hops=(0, 0.0, 1.0)) -> tuple[float, float, float]:
-        """Ceilings (prefill, decode, colocated) of layouts made of exactly these stages, whose
-        pipeline crosses between machines at least ``hops[0]`` times (α ≥ hops[1], β ≤ hops[2])."""
+    def _structures(self, batch: list[tuple[tuple[tuple[int, int], ...], tuple[int, float, float]]]) -> np.ndarray:
+        """Ceilings (prefill, decode, colocated), a row each, of layouts made of exactly the given
+        stages whose pipeline crosses between machines at least ``hops[0]`` times (α ≥ hops[1],
+        β ≤ hops[2]). Every (stages, hops) of ``batch`` has the same stage count S, so each step
+        below runs once over all of them (rows: structure × batch size), the same numbers as one
+        at a time."""
         m = self.ctx.model
-        nh, alpha, beta = hops
+        L, T, b, S = self.L, self.T, self.b, len(batch[0][0])
+        W = m.params_per_layer * m.dtype_bytes
+        kvl = m.kv_bytes_per_token_per_layer
+        out = np.zeros((len(batch), 3))
+        info = [[self._stage(ki, t) for ki, t in stages] for stages, _ in batch]
+        room = np.array([[s["room"] for s in row] for row in info]).reshape(len(batch), S)
+        free = np.array([r.sum() for r in room]) - self.extras  # memory past embeddings / head
+        keep = np.nonzero(free >= L * W)[0]
+        if not len(keep):
+            return out
+        n, room, free, info = len(keep), room[keep], free[keep], [info[i] for i in keep]
+        nh, alpha, beta = (np.array([batch[i][1][j] for i in keep], dtype=float)[:, None] for j in range(3))
         act_bytes = m.hidden * m.dtype_bytes
 
         def hop(tokens):  # hand-offs of ``tokens`` activations: p2p_time, α + bytes / β each
             return nh * (alpha + tokens * act_bytes / beta)
 
-        L, T, b = self.L, self.T, self.b
-        S = len(stages)
-        info = [self._stage(ki, t) for ki, t in stages]
-        room = np.array([s["room"] for s in info])
-        fixed = np.array([self._fixed(t) for _, t in stages])
-        W = m.params_per_layer * m.dtype_bytes
-        kvl = m.kv_bytes_per_token_per_layer
+        fixed = np.array([[self._fixed(t) for _, t in batch[i][0]] for i in keep])
+        fixed_sum = np.array([f.sum() for f in fixed])[:, None]
         # prefill: weights only (one token of KV, as ``fits``)
-        cap_pf = room / (W + kvl)
-        if room.sum() - self.extras < L * W:
-            return 0.0, 0.0, 0.0
-        pf = np.array([s["pf"] for s in info])
-        ttft = knapsack(pf[None, :], cap_pf[None, :], L)[0] + fixed.sum() + min(s["pf_head"] for s in info) + hop(self.I)
-        prefill = T / ttft if math.isfinite(ttft) else 0.0
+        pf = np.array([[s["pf"] for s in row] for row in info])
+        head = np.array([min(s["pf_head"] for s in row) for row in info])[:, None]
+        ttft = knapsack(pf, room / (W + kvl), L)[:, None] + fixed_sum + head + hop(self.I)
+        with np.errstate(divide="ignore"):
+            out[keep, 0] = np.where(np.isfinite(ttft), T / ttft, 0.0)[:, 0]
         # decode / colocated at every batch b: memory caps on layers
+        nb = len(b)
         den = W + b * (self.Ir + self.O) * kvl  # (nb,)
-        cap = room[None, :] / den[:, None]  # (nb, S)
-        ok = (room.sum() - self.extras) / den >= L
+        cap = (room[:, None, :] / den[None, :, None]).reshape(n * nb, S)
+        ok = free[:, None] / den[None, :] >= L
         mb = b / np.minimum(S, b)  # micro-batch
         mcount = np.minimum(S, b)
-        dec = np.stack([self._dl(ki, t, S) for ki, t in stages], axis=1)  # (nb, S)
-        sum_lb = knapsack(dec, cap, L) + fixed.sum() + hop(mb)
-        max_lb = mcount * waterfill(dec, fixed[None, :], cap, L)
-        step = np.maximum(sum_lb, max_lb)
+        dec = np.stack([np.stack([self._dl(ki, t, S) for ki, t in batch[i][0]], axis=1) for i in keep]).reshape(n * nb, S)
+        rows = lambda x: x.reshape(n, nb)  # noqa: E731
+        e = np.broadcast_to(fixed[:, None, :], (n, nb, S)).reshape(n * nb, S)
+        step = np.maximum(rows(knapsack(dec, cap, L)) + fixed_sum + hop(mb), mcount * rows(waterfill(dec, e, cap, L)))
         with np.errstate(divide="ignore", invalid="ignore"):
             dcap = np.where(ok & np.isfinite(step), T * b / (self.Oc * step), 0.0)
-        decode = float(dcap.max(initial=0.0))
+        out[keep, 1] = dcap.max(axis=1, initial=0.0)
         joins = b / self.Oc
         share = -np.expm1(-joins)
-        mix = np.stack([s["mix"] for s in info], axis=1)
-        mix_head = np.min(np.stack([s["mix_head"] for s in info], axis=1), axis=1)
-        lin = (knapsack(share[:, None] * mix + (1 - share[:, None]) * dec, cap, L) + fixed.sum() + share * mix_head
+        mix = np.stack([np.stack([s["mix"] for s in row], axis=1) for row in info]).reshape(n * nb, S)
+        mix_head = np.stack([np.min(np.stack([s["mix_head"] for s in row], axis=1), axis=1) for row in info])
+        sh = np.repeat(share[None, :], n, axis=0).reshape(n * nb, 1)
+        lin = (rows(knapsack(sh * mix + (1 - sh) * dec, cap, L)) + fixed_sum + share * mix_head
                + share * hop(b + joins / share * self.Ir) + (1 - share) * hop(mb))
         avg = np.maximum(lin, step)
         with np.errstate(divide="ignore", invalid="ignore"):
             ccap = np.where(ok & np.isfinite(avg), T * joins / avg, 0.0)
-        return prefill, decode, float(ccap.max(initial=0.0))
+        out[keep, 2] = ccap.max(axis=1, initial=0.0)
+        return out
 
     # ------------------------------------------------------------------ groups beyond K
     def big(self) -> tuple[list[tuple[int, int]], list[float], list[float], list[float]]:
@@ -284,10 +301,9 @@ class ColumnBounds:
         over every m from ``BIG_STAGES`` up."""
         L, T, b = self.L, self.T, self.b
         out = np.zeros((len(stages), BIG_STAGES - 1))
-        ms = range(2, max(int(b[-1]), BIG_STAGES) + 1)  # past the largest batch, m = min(S, b) = b
+        ms = np.arange(2, max(int(b[-1]), BIG_STAGES) + 1, dtype=float)[:, None]  # past the largest batch, m = b
         for i, (ki, t) in enumerate(stages):
-            per_m = np.array([float((T * b / (self.Oc * L * t * np.minimum(m, b)
-                                             * self._dl(ki, t, m))).max()) for m in ms])
+            per_m = (T * b / (self.Oc * L * t * np.minimum(ms, b) * self._dl_rows(ki, t, ms[:, 0]))).max(axis=1)
             out[i, :-1] = per_m[:BIG_STAGES - 2]
             out[i, -1] = per_m[BIG_STAGES - 2:].max()
         return out
@@ -309,19 +325,30 @@ class ColumnBounds:
 
     def exact(self, comp: tuple[int, ...]) -> tuple[float, float, float]:
         """Ceilings of layouts that use every device of ``comp`` (counts per kind)."""
-        if comp in self._cache:
-            return self._cache[comp]
-        best = [0.0, 0.0, 0.0]
-        per_kind = [[(ki, s) for s in self._splits(n)] for ki, n in enumerate(comp) if n]
-        hops = self._hops([ki for ki, n in enumerate(comp) if n])
-        for combo in itertools.product(*per_kind):
-            stages = tuple((ki, t) for ki, split in combo for t in split)
-            if not stages:
-                continue
-            vals = self._structure(stages, hops)
-            best = [max(a, v) for a, v in zip(best, vals)]
-        self._cache[comp] = tuple(best)
-        return self._cache[comp]
+        hit = self._cache.get(comp)
+        return hit if hit is not None else self.exact_many([comp])[0]
+
+    def exact_many(self, comps: list[tuple[int, ...]]) -> list[tuple[float, float, float]]:
+        """``exact`` of each composition: the structures of all of them priced together, those of
+        one stage count at a time (``_structures``), in chunks of ``STRUCTURE_CHUNK``."""
+        todo = [c for c in dict.fromkeys(comps) if c not in self._cache]
+        by_stages: dict[int, list] = {}
+        for c in todo:
+            per_kind = [[(ki, s) for s in self._splits(n)] for ki, n in enumerate(c) if n]
+            hops = self._hops([ki for ki, n in enumerate(c) if n])
+            for combo in itertools.product(*per_kind):
+                stages = tuple((ki, t) for ki, split in combo for t in split)
+                if stages:
+                    by_stages.setdefault(len(stages), []).append((c, stages, hops))
+        best = {c: np.zeros(3) for c in todo}
+        for items in by_stages.values():
+            for i in range(0, len(items), STRUCTURE_CHUNK):
+                chunk = items[i:i + STRUCTURE_CHUNK]
+                for (c, _, _), vals in zip(chunk, self._structures([(st, h) for _, st, h in chunk])):
+                    best[c] = np.maximum(best[c], vals)
+        for c in todo:
+            self._cache[c] = tuple(float(v) for v in best[c])
+        return [self._cache[c] for c in comps]
 
     def relaxed(self, comp: tuple[int, ...]) -> tuple[float, float, float]:
         """Ceilings of layouts that use every device of ``comp`` without enumerating their

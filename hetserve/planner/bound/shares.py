@@ -10,7 +10,7 @@ through all three pipes, whose real layout sends 55 % of the KV to the A100 site
 The cut, for a composition spanning machines, a role (prefill / decode) and one machine m:
 
 * ``C_m(h)``: the composition's ceiling over layouts whose stages on m hold at most h·L layers —
-  the relaxation of ``ColumnBounds._structure`` (every TP split, real layer splits under the
+  the relaxation of ``ColumnBounds._structures`` (every TP split, real layer splits under the
   memory caps, the cost model's per-layer times and hand-offs) with one more constraint
   Σ_{i on m} l_i ≤ h·L. The fractional knapsack stays greedy (its constraints — each stage's
   cap, machine m's total, the sum — form a laminar family, so the feasible set is a polymatroid
@@ -54,7 +54,7 @@ def share_ceilings(cb: ColumnBounds, comp: tuple[int, ...], on_m: list[bool], hs
 
 
 def _capped(cb: ColumnBounds, stages, hops, in_g: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """``ColumnBounds._structure``'s prefill and decode ceilings with the stages flagged in
+    """``ColumnBounds._structures``'s prefill and decode ceilings with the stages flagged in
     ``in_g`` holding between lo·L and hi·L layers, for every pair of ``lo`` and ``hi`` (2 × len)."""
     m = cb.ctx.model
     nh_, alpha, beta = hops

@@ -133,6 +133,29 @@ def _lp_max_flow(net):
     return -res.fun
 
 
+@pytest.mark.parametrize("preflow_max_edges", [10**9, 0])
+def test_solve_returns_a_max_flow_on_every_edge_whichever_solver(preflow_max_edges, monkeypatch):
+    """``solve`` runs preflow-push on small networks and scipy's Dinic past ``PREFLOW_MAX_EDGES``
+    KV edges: either way the value is the linear programme's, every edge and node keeps within its
+    capacity and each node passes on what it takes in."""
+    from hetserve.planner.pool import flow
+
+    monkeypatch.setattr(flow, "PREFLOW_MAX_EDGES", preflow_max_edges)
+    rng = np.random.default_rng(3)
+    P, D = 6, 5
+    caps = {g: float(rng.uniform(1, 10)) for g in range(P + D)}
+    kv = {(p, d): float(rng.choice([0.0, rng.uniform(0.5, 4)])) for p in range(P) for d in range(P, P + D)}
+    net = FlowNetwork(list(range(P)), list(range(P, P + D)), caps, kv)
+    res = solve(net)
+    assert res.value == pytest.approx(_lp_max_flow(net), abs=1e-2)
+    assert set(res.edge_flow) == set(kv)
+    for (p, d), f in res.edge_flow.items():
+        assert -1e-9 <= f <= kv[(p, d)] + 1e-3
+    for g in range(P + D):
+        through = sum(f for e, f in res.edge_flow.items() if g in e)
+        assert res.node_flow[g] == pytest.approx(through, abs=1e-9) and res.node_flow[g] <= caps[g] + 1e-3
+
+
 def test_case_study_flow_network_by_hand(case_study, llama70b, azure):
     """App. E: g1 = 2×H100 prefill, g2 = 2×H100 decode, g3 = 2×A100 prefill, g4 = 2×A100 decode."""
     ctx = PlanContext(case_study, llama70b, azure)

@@ -36,8 +36,9 @@ can only be lower), the network is the paper's and is solved as below.
 
 ``solve`` runs networkx's preflow-push (Goldberg–Tarjan) on exactly that network and returns the
 flow on every edge: the refinement reads bottlenecks from it and KV-route weights are
-proportional to it (past ``PREFLOW_MAX_EDGES`` KV edges it returns scipy's Dinic flow instead). ``max_flow_value`` returns the same value from scipy's Dinic solver on the
-equivalent compact network (source → p with cap_p, p → d, d → sink with cap_d) in well under a
+proportional to it (past ``PREFLOW_MAX_EDGES`` KV edges it returns scipy's Dinic flow instead).
+``max_flow_value`` returns the same value from scipy's Dinic solver on the equivalent compact
+network (source → p with cap_p, p → d, d → sink with cap_d) in well under a
 millisecond; searches use it to score candidate moves and call ``solve`` on the ones they keep.
 """
 

@@ -72,8 +72,7 @@ def test_hexgen2_hands_the_mixed_climb_the_best_plan_it_holds(monkeypatch, azure
         return real(ctx, ev, disaggregated, colocated, stop, target)
 
     monkeypatch.setattr(hexgen2, "mixed_alternative", spy)
-    ALGORITHMS["hexgen2"](load_cluster("hexgen2-het5"), load_model("llama-2-70b"), azure,
-                          PlanOptions(seed=0, max_iterations=2))
+    ALGORITHMS["hexgen2"](load_cluster("hexgen2-homo"), load_model("llama-2-70b"), azure, PlanOptions(seed=0))
     assert seen
     for target, dis, col in seen:
         assert target == pytest.approx(max(target, dis, col)) and target >= col > 0

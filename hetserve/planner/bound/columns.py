@@ -216,15 +216,13 @@ class ColumnBounds:
         below runs once over all of them (rows: structure × batch size), the same numbers as one
         at a time."""
         m = self.ctx.model
-        L, T, b, S = self.L, self.T, self.b, len(batch[0][0])
-        W = m.params_per_layer * m.dtype_bytes
-        kvl = m.kv_bytes_per_token_per_layer
+        L, T, b, S, nb = self.L, self.T, self.b, len(batch[0][0]), len(self.b)
+        W, kvl = m.params_per_layer * m.dtype_bytes, m.kv_bytes_per_token_per_layer
         out = np.zeros((len(batch), 3))
         info = [[self._stage(ki, t) for ki, t in stages] for stages, _ in batch]
         room = np.array([[s["room"] for s in row] for row in info]).reshape(len(batch), S)
         free = np.array([r.sum() for r in room]) - self.extras  # memory past embeddings / head
-        keep = np.nonzero(free >= L * W)[0]
-        if not len(keep):
+        if not len(keep := np.nonzero(free >= L * W)[0]):
             return out
         n, room, free, info = len(keep), room[keep], free[keep], [info[i] for i in keep]
         nh, alpha, beta = (np.array([batch[i][1][j] for i in keep], dtype=float)[:, None] for j in range(3))
@@ -238,34 +236,29 @@ class ColumnBounds:
         # prefill: weights only (one token of KV, as ``fits``)
         pf = np.array([[s["pf"] for s in row] for row in info])
         head = np.array([min(s["pf_head"] for s in row) for row in info])[:, None]
-        ttft = knapsack(pf, room / (W + kvl), L)[:, None] + fixed_sum + head + hop(self.I)
+        ttft = (knapsack(pf, room / (W + kvl), L)[:, None] + fixed_sum + head + hop(self.I))[:, 0]
         with np.errstate(divide="ignore"):
-            out[keep, 0] = np.where(np.isfinite(ttft), T / ttft, 0.0)[:, 0]
+            out[keep, 0] = np.where(np.isfinite(ttft), T / ttft, 0.0)
         # decode / colocated at every batch b: memory caps on layers
-        nb = len(b)
         den = W + b * (self.Ir + self.O) * kvl  # (nb,)
         cap = (room[:, None, :] / den[None, :, None]).reshape(n * nb, S)
         ok = free[:, None] / den[None, :] >= L
-        mb = b / np.minimum(S, b)  # micro-batch
-        mcount = np.minimum(S, b)
+        mb = b / (mcount := np.minimum(S, b))  # micro-batch
         dec = np.stack([np.stack([self._dl(ki, t, S) for ki, t in batch[i][0]], axis=1) for i in keep]).reshape(n * nb, S)
         rows = lambda x: x.reshape(n, nb)  # noqa: E731
         e = np.broadcast_to(fixed[:, None, :], (n, nb, S)).reshape(n * nb, S)
         step = np.maximum(rows(knapsack(dec, cap, L)) + fixed_sum + hop(mb), mcount * rows(waterfill(dec, e, cap, L)))
         with np.errstate(divide="ignore", invalid="ignore"):
-            dcap = np.where(ok & np.isfinite(step), T * b / (self.Oc * step), 0.0)
-        out[keep, 1] = dcap.max(axis=1, initial=0.0)
-        joins = b / self.Oc
-        share = -np.expm1(-joins)
+            out[keep, 1] = np.where(ok & np.isfinite(step), T * b / (self.Oc * step), 0.0).max(axis=1, initial=0.0)
+        share = -np.expm1(-(joins := b / self.Oc))
         mix = np.stack([np.stack([s["mix"] for s in row], axis=1) for row in info]).reshape(n * nb, S)
         mix_head = np.stack([np.min(np.stack([s["mix_head"] for s in row], axis=1), axis=1) for row in info])
         sh = np.repeat(share[None, :], n, axis=0).reshape(n * nb, 1)
         lin = (rows(knapsack(sh * mix + (1 - sh) * dec, cap, L)) + fixed_sum + share * mix_head
                + share * hop(b + joins / share * self.Ir) + (1 - share) * hop(mb))
-        avg = np.maximum(lin, step)
         with np.errstate(divide="ignore", invalid="ignore"):
-            ccap = np.where(ok & np.isfinite(avg), T * joins / avg, 0.0)
-        out[keep, 2] = ccap.max(axis=1, initial=0.0)
+            avg = np.maximum(lin, step)
+            out[keep, 2] = np.where(ok & np.isfinite(avg), T * joins / avg, 0.0).max(axis=1, initial=0.0)
         return out
 
     # ------------------------------------------------------------------ groups beyond K
@@ -346,8 +339,7 @@ class ColumnBounds:
                 chunk = items[i:i + STRUCTURE_CHUNK]
                 for (c, _, _), vals in zip(chunk, self._structures([(st, h) for _, st, h in chunk])):
                     best[c] = np.maximum(best[c], vals)
-        for c in todo:
-            self._cache[c] = tuple(float(v) for v in best[c])
+        self._cache.update((c, tuple(float(v) for v in best[c])) for c in todo)
         return [self._cache[c] for c in comps]
 
     def relaxed(self, comp: tuple[int, ...]) -> tuple[float, float, float]:
@@ -396,8 +388,7 @@ class ColumnBounds:
                           waterfill(per_dev, np.full_like(per_dev, e_min), cap, L))
         with np.errstate(divide="ignore", invalid="ignore"):
             decode = float(np.where(ok & np.isfinite(step), T * b / (self.Oc * step), 0.0).max(initial=0.0))
-        joins = b / self.Oc
-        share = -np.expm1(-joins)
+        share = -np.expm1(-(joins := b / self.Oc))
         mix = np.stack([np.min([share * info[(ki, t)]["mix"] + (1 - share) * self._dl(ki, t, n_dev)
                                 for t in tps[ki]], axis=0) for ki in kinds], axis=1)
         mix_head = np.min(np.stack([v["mix_head"] for v in info.values()], axis=1), axis=1)

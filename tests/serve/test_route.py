@@ -28,7 +28,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_up(url: str, deadline_s: float = 30.0) -> None:
+class Exited(RuntimeError):
+    """A server stopped before it answered: its port was taken between ``free_port`` and its bind."""
+
+
+def wait_up(url: str, deadline_s: float = 30.0, alive=None) -> None:
+    """Until ``url`` answers its health probe; ``Exited`` as soon as ``alive()`` says the server is gone."""
     t = time.monotonic() + deadline_s
     while time.monotonic() < t:
         try:
@@ -36,6 +41,8 @@ def wait_up(url: str, deadline_s: float = 30.0) -> None:
                 return
         except httpx.HTTPError:
             pass
+        if alive is not None and not alive():
+            raise Exited(url)
         time.sleep(0.05)
     raise TimeoutError(url)
 
@@ -57,25 +64,36 @@ class Backends:
         self.urls: dict[str, str] = {}
         self.standin = load_standin()
 
-    def start(self, specs, process=False):
+    def start(self, specs, process=False, tries=3):
+        """Each stand-in on a free port; one whose port another process took before it bound is
+        started again on another (up to ``tries`` times)."""
+        for bid, role, *delays in specs:
+            for attempt in range(tries):
+                port = free_port()
+                alive = self._launch(bid, role, port, *(delays or (0.0, 0.0)), process=process)
+                self.urls[bid] = f"http://127.0.0.1:{port}"
+                try:
+                    wait_up(self.urls[bid], alive=alive)
+                    break
+                except Exited:
+                    if attempt == tries - 1:
+                        raise
+
+    def _launch(self, bid, role, port, first, chunk, process):
+        """Start one stand-in; returns a callable that says whether it still runs."""
         import uvicorn
 
-        for bid, role, *delays in specs:
-            port = free_port()
-            first, chunk = delays or (0.0, 0.0)
-            if process:
-                args = [sys.executable, str(STANDIN), "--port", str(port), "--id", bid, "--role", role,
-                        "--first-byte-delay", str(first), "--chunk-delay", str(chunk)]
-                self.procs[bid] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            else:
-                ns = argparse.Namespace(port=port, id=bid, role=role, first_byte_delay=first, chunk_delay=chunk)
-                server = uvicorn.Server(uvicorn.Config(self.standin.build(ns), host="127.0.0.1", port=port,
-                                                       log_level="error"))
-                threading.Thread(target=server.run, daemon=True).start()
-                self.servers.append(server)
-            self.urls[bid] = f"http://127.0.0.1:{port}"
-        for bid, *_ in specs:
-            wait_up(self.urls[bid])
+        if process:
+            args = [sys.executable, str(STANDIN), "--port", str(port), "--id", bid, "--role", role,
+                    "--first-byte-delay", str(first), "--chunk-delay", str(chunk)]
+            proc = self.procs[bid] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            return lambda: proc.poll() is None
+        ns = argparse.Namespace(port=port, id=bid, role=role, first_byte_delay=first, chunk_delay=chunk)
+        server = uvicorn.Server(uvicorn.Config(self.standin.build(ns), host="127.0.0.1", port=port, log_level="error"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        self.servers.append(server)
+        return thread.is_alive
 
     def stats(self, bid):
         return httpx.get(f"{self.urls[bid]}/stats", timeout=5).json()

@@ -110,8 +110,9 @@ def columns(ctx, mk) -> Columns | None:
             comps = comps + [c for c in every if sum(c) > K]
         cb = ColumnBounds(ctx, kinds)
         # a group that leaves devices idle counts as the composition of those it uses
-        cb.exact_many([c for c in comps if sum(c) <= k_cap])  # priced together, then read one by one
-        caps = np.array([cb.exact(c) if sum(c) <= k_cap else cb.relaxed(c) for c in comps]).reshape(len(comps), 3)
+        small = [c for c in comps if sum(c) <= k_cap]
+        exact = dict(zip(small, cb.exact_many(small)))  # their structures priced together
+        caps = np.array([exact[c] if sum(c) <= k_cap else cb.relaxed(c) for c in comps]).reshape(len(comps), 3)
         big_stages, big_pf, big_col, big_dec = cb.big()  # K ≥ t_max: a big group has ≥ 2 stages
         prices = [float(mk[kind_of.index(g)].usd_per_hour or 0.0) for g in range(len(kinds))]
         return Columns(comps, caps, kind_of, kinds is machine, big_stages, np.array(big_pf), np.array(big_col),

@@ -239,8 +239,7 @@ def max_flow_total(net: FlowNetwork) -> float:
 
 def solve_fast(net: FlowNetwork) -> FlowResult:
     """``solve``'s answer with scipy's Dinic in place of preflow-push (for scoring)."""
-    value, nodes, edges = _dinic(net)
-    flow = FlowResult(value, nodes, edges, _unconstrained_colocated(net))
+    flow = _dinic_flow(net)
     if net.loads_resources() and not _respects_resources(net, flow):
         lp = solve_with_resources(net)
         lp.unconstrained = flow.total
@@ -305,6 +304,21 @@ def _int_caps(caps: np.ndarray, s: float, bound: int) -> np.ndarray:
     return out
 
 
+def _dinic_flow(net: FlowNetwork) -> FlowResult:
+    """The max flow that ignores resources, by scipy's Dinic, with the flow on every edge."""
+    return FlowResult(*_dinic(net), _unconstrained_colocated(net))
+
+
+def _preflow(net: FlowNetwork) -> FlowResult:
+    """The max flow that ignores resources, by networkx's preflow-push, with the flow on every edge."""
+    s = net.scale()
+    value, flow = nx.maximum_flow(build_graph(net), "source", "sink", flow_func=preflow_push)
+    node_flow = {p: flow[("in", p)][("out", p)] / s for p in net.prefill}
+    node_flow.update({d: flow[("in", d)][("out", d)] / s for d in net.decode})
+    edge_flow = {(p, d): flow[("out", p)][("in", d)] / s for p in net.prefill for d in net.decode}
+    return FlowResult(value / s, node_flow, edge_flow, _unconstrained_colocated(net))
+
+
 def build_graph(net: FlowNetwork) -> nx.DiGraph:
     """The paper's directed graph with integer capacities (``capacity`` absent = unbounded)."""
     s = net.scale()
@@ -341,16 +355,7 @@ def solve(net: FlowNetwork, lp: FlowResult | None = None) -> FlowResult:
         return flow
     if lp is not None and lp.unconstrained is not None and lp.total < lp.unconstrained * (1 - 1e-7):
         return lp
-    if len(net.prefill) * len(net.decode) > PREFLOW_MAX_EDGES:
-        result = FlowResult(*_dinic(net), _unconstrained_colocated(net))
-    else:
-        s = net.scale()
-        g = build_graph(net)
-        value, flow = nx.maximum_flow(g, "source", "sink", flow_func=preflow_push)
-        node_flow = {p: flow[("in", p)][("out", p)] / s for p in net.prefill}
-        node_flow.update({d: flow[("in", d)][("out", d)] / s for d in net.decode})
-        edge_flow = {(p, d): flow[("out", p)][("in", d)] / s for p in net.prefill for d in net.decode}
-        result = FlowResult(value / s, node_flow, edge_flow, _unconstrained_colocated(net))
+    result = _dinic_flow(net) if len(net.prefill) * len(net.decode) > PREFLOW_MAX_EDGES else _preflow(net)
     if net.loads_resources() and not _respects_resources(net, result):
         return lp if lp is not None else solve_with_resources(net)
     return result

@@ -7,6 +7,7 @@ multi-byte character and never show the start of a stop string that later comple
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -39,6 +40,30 @@ def default_chat_prompt(messages: Sequence[tuple[str, str]]) -> str:
     """A plain chat layout for checkpoints without a chat template: one ``role: text`` line each,
     then ``assistant:`` for the model to continue."""
     return "".join(f"{role}: {text}\n" for role, text in messages) + "assistant:"
+
+
+def _config_for_tokenizer(model_dir: Path):
+    """The folder's config.json as transformers' base config class, for ``AutoTokenizer``, where its
+    tokenizer_config.json names the tokenizer class and neither file asks for remote code: the
+    tokenizer then comes out as with the model's own config class, whose module imports torch's
+    compiler stack (6-9 s of CPU per process on a slow host). Otherwise None: ``AutoTokenizer``
+    loads the config itself."""
+    try:
+        tokenizer_cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+        model_cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(tokenizer_cfg, dict) and isinstance(model_cfg, dict)) or not tokenizer_cfg.get("tokenizer_class") \
+            or "auto_map" in tokenizer_cfg or "auto_map" in model_cfg:
+        return None
+    from transformers import PreTrainedConfig
+
+    try:
+        config = PreTrainedConfig.from_dict(model_cfg)
+    except Exception:  # noqa: BLE001 - whatever the base class refuses, AutoTokenizer's own path judges
+        return None
+    config._name_or_path = str(model_dir)  # as AutoConfig sets it: AutoTokenizer matches some names
+    return config
 
 
 class HFCodec:
@@ -84,7 +109,7 @@ class HFCodec:
         from transformers import AutoTokenizer
 
         try:
-            return HFCodec(AutoTokenizer.from_pretrained(str(model_dir)))
+            return HFCodec(AutoTokenizer.from_pretrained(str(model_dir), config=_config_for_tokenizer(Path(model_dir))))
         except Exception as exc:  # noqa: BLE001 - whatever transformers raises for the files it reads
             raise SpecError(str(model_dir), "tokenizer", "a tokenizer transformers can load (tokenizer.json, "
                             "tokenizer_config.json)", f"{type(exc).__name__}: {exc}") from exc

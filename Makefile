@@ -130,7 +130,8 @@ fast-sim: setup
 	rm -rf $(FAST_SIM_DIR) && mkdir -p $(FAST_SIM_DIR)
 	tar -c --exclude=__pycache__ hetserve | tar -x -C $(FAST_SIM_DIR)
 	cd $(FAST_SIM_DIR) && $(CURDIR)/$(BIN)/mypyc --ignore-missing-imports \
-	  --disable-error-code annotation-unchecked $(FAST_SIM) > build.log
+	  --disable-error-code annotation-unchecked $(FAST_SIM) > build.log 2>&1 \
+	  || { tail -n 40 build.log; echo "make fast-sim: mypyc failed; the whole log: $(FAST_SIM_DIR)/build.log"; exit 1; }
 	$(BIN)/python -m bench.lib.fast_sim stamp $(FAST_SIM_DIR)
 
 # The tests of what the compiled copy holds, run against it (pytest's own script, the copy ahead of

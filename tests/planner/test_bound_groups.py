@@ -188,6 +188,26 @@ def test_gpu_type_columns_stay_above_exact(llama7b, azure, monkeypatch):
     assert x.estimate["throughput_tokens_per_s"] <= bound.group_bound(ctx).tokens_per_s * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("max_columns,tied", [(None, True), (7, False)])
+def test_highs_heuristics_run_on_tied_programmes_only(llama7b, azure, monkeypatch, max_columns, tied):
+    """HiGHS's primal heuristics stay on for the tied programmes of pools of few machines (an early
+    integer point lets it fix columns: het3's rounds take half the time) and off on GPU-type columns
+    (where they only add to the root's time); the bound is a bound either way."""
+    from hetserve.planner.bound import milp
+
+    if max_columns is not None:
+        monkeypatch.setattr(bound_groups, "MAX_COLUMNS", max_columns)
+    runs, options = [], []
+    real_run, real_milp = bound_groups.run_milp, milp.milp
+    monkeypatch.setattr(bound_groups, "run_milp", lambda *a, **kw: runs.append(kw.get("heuristics")) or real_run(*a, **kw))
+    monkeypatch.setattr(milp, "milp", lambda *a, **kw: options.append(kw["options"]) or real_milp(*a, **kw))
+    ctx = PlanContext(_three_boxes(), llama7b, azure)
+    assert bound_groups.columns(ctx, bound.device_kinds(ctx)).machine_kinds == tied
+    result = bound._group_bound.__wrapped__(ctx, None, None, bound.GROUP_NODE_LIMIT, None)
+    assert result is not None and runs and set(runs) == {tied}
+    assert all(("mip_heuristic_effort" in o) != tied and o["mip_rel_gap"] == 0.002 for o in options)
+
+
 def test_gpu_type_columns_price_one_machine_groups_as_the_cost_model(llama7b, azure, monkeypatch):
     """GPU-type columns span machines, but the bound's TP groups sit in one machine, where the
     kernel model charges its fitted in-box all-reduce: a column of one type is at least the best

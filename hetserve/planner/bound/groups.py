@@ -266,7 +266,7 @@ def solve(ctx, mk, rates, cols: Columns, budget: float | None, node_limit: int, 
             cut = True  # the rounds so far were each a relaxation of the tied programme: a bound
             break
         (A, rhs), c_, up_, int_, _ = programme()
-        res, stopped = run_milp(-c_, A, rhs, int_, up_, node_limit, time_limit, deadline)
+        res, stopped = run_milp(-c_, A, rhs, int_, up_, node_limit, time_limit, deadline, heuristics=ties is not None)
         cut = cut or stopped
         earlier = min(earlier, dual_bound(res))
         value = -float(res.fun) if res.fun is not None else math.inf

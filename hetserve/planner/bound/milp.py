@@ -26,11 +26,16 @@ def solve_lp(obj, matrix, upper):
     return lp
 
 
-# Only the dual bound is used: HiGHS's primal heuristics (sub-MIPs, most of the root's time) are
-# switched off and it stops within 0.2 % of its best integer point (the dual bound stays a bound).
+# HiGHS stops within 0.2 % of its best integer point (the dual bound stays a bound).
+_GAP = {"mip_rel_gap": 0.002}
+# Only the dual bound is used, so on the large pools' GPU-type columns HiGHS's primal heuristics
+# (sub-MIPs) are switched off: they add to the root's time (1,024 GPUs: 4.5 s of bound against 3.3).
+# The tied programmes of pools of few machines keep them: a good integer point found early lets
+# reduced-cost fixing shrink the programme, where branching alone finds one late (het3's cutting
+# rounds: 39 s with them, 80-94 s without; het1, het2, het4, het5 within noise, the same bounds).
 # scipy passes these HiGHS options through verbatim (with a warning, silenced here).
-_HIGHS_OPTIONS = {"mip_heuristic_effort": 0.0, "mip_heuristic_run_rins": False, "mip_heuristic_run_rens": False,
-                  "mip_heuristic_run_root_reduced_cost": False, "mip_rel_gap": 0.002}
+_NO_HEURISTICS = {"mip_heuristic_effort": 0.0, "mip_heuristic_run_rins": False, "mip_heuristic_run_rens": False,
+                  "mip_heuristic_run_root_reduced_cost": False}
 
 
 def dual_bound(res) -> float:
@@ -39,9 +44,10 @@ def dual_bound(res) -> float:
     return -float(dual) if dual is not None and math.isfinite(dual) else math.inf
 
 
-def run_milp(c, A, rhs, integrality, upper, node_limit: int, time_limit: float, deadline: float | None):
+def run_milp(c, A, rhs, integrality, upper, node_limit: int, time_limit: float, deadline: float | None,
+             heuristics: bool = False):
     """HiGHS's run (minimising ``c``) and whether the time (``time_limit`` per run, ``deadline`` in
-    all) cut it short."""
+    all) cut it short. ``heuristics``: keep HiGHS's primal heuristics on (``_NO_HEURISTICS``)."""
     def run(highs_options):
         left = time_limit if deadline is None else min(time_limit, max(MIN_RUN_S, deadline - time.perf_counter()))
         return milp(c, constraints=LinearConstraint(A, -np.inf, rhs), integrality=integrality, bounds=Bounds(0, upper),
@@ -49,7 +55,7 @@ def run_milp(c, A, rhs, integrality, upper, node_limit: int, time_limit: float, 
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        res = run(_HIGHS_OPTIONS)
+        res = run(_GAP if heuristics else {**_NO_HEURISTICS, **_GAP})
     # scipy's status 4 is "other": HiGHS refused the run (an option it does not know), or, with scipy
     # 1.17, it stopped at the node limit (HiGHS's status 16, which scipy does not name). Both run
     # again without the HiGHS options. Rerunning costs time (on hexgen2-het1 about 68 s of bound

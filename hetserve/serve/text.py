@@ -53,9 +53,10 @@ def _config_for_tokenizer(model_dir: Path):
         model_cfg = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    if not (isinstance(tokenizer_cfg, dict) and isinstance(model_cfg, dict)) or not tokenizer_cfg.get("tokenizer_class") \
-            or "auto_map" in tokenizer_cfg or "auto_map" in model_cfg:
+    if not (isinstance(tokenizer_cfg, dict) and isinstance(model_cfg, dict)):
         return None
+    if not tokenizer_cfg.get("tokenizer_class") or "auto_map" in tokenizer_cfg or "auto_map" in model_cfg:
+        return None  # no class named, or remote code: AutoTokenizer's own path
     from transformers import PreTrainedConfig
 
     try:

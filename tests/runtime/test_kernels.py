@@ -5,14 +5,13 @@ Every case's pool holds NaN in each slot no sequence owns and its block tables h
 sequence's blocks (``kernels.cases``), so a kernel reading outside a context fails here.
 """
 
-import contextlib
-import fcntl
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton: see triton_kernels
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,20 +221,13 @@ def test_a_killed_builds_lock_does_not_stop_the_next_build():
     stale = os.path.join(build_dir, "lock")
     # Other test workers load the kernels too, and torch's lock exists while any of them loads:
     # the stale lock is left, and looked for, only while no builder holds the builders' OS lock.
-    with _builders_lock(build_dir):
+    with native.builders_lock(Path(build_dir)):
         open(stale, "w").close()
     code = "from hetserve.runtime.kernels import native; native._build(); print('built')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "built" in done.stdout, done.stderr[-2000:]
-    with _builders_lock(build_dir):
+    with native.builders_lock(Path(build_dir)):
         assert not os.path.exists(stale)
-
-
-@contextlib.contextmanager
-def _builders_lock(build_dir: str):
-    with open(os.path.join(build_dir, native.BUILD_LOCK), "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        yield
 
 
 def test_each_checkout_and_source_version_builds_in_its_own_folder(tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ only, so the library does not switch the process's floating point to flush denor
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -96,8 +97,7 @@ def _build() -> None:
 
     name = build_name()
     build_dir = Path(cpp_extension._get_build_directory(name, False))
-    with open(build_dir / BUILD_LOCK, "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
+    with builders_lock(build_dir):
         stale = build_dir / "lock"
         if stale.exists():
             log.warning("removing %s, the build lock of a build that was killed", stale)
@@ -106,6 +106,14 @@ def _build() -> None:
                            extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
         (build_dir / OWNER).write_text(f"{UNIT.resolve()}\n{_cpu_tag()}")
     remove_stale_builds(build_dir)
+
+
+@contextlib.contextmanager
+def builders_lock(build_dir: Path):
+    """The OS lock every builder of ``build_dir`` holds while it touches torch's lock there."""
+    with open(build_dir / BUILD_LOCK, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield
 
 
 def remove_stale_builds(build_dir: Path) -> list[Path]:

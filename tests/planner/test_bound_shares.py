@@ -37,6 +37,23 @@ def test_capped_knapsack_and_waterfill_match_the_plain_ones_and_only_rise():
             assert (k[np.isfinite(k)] > k0[np.isfinite(k)] + 1e-9).any()
 
 
+def test_tiled_rows_give_what_the_rows_repeated_give():
+    """``tiles=k``: rows sorted (and the water levels' kinks found) once stand for k copies, one per
+    block of bounds, with the very floats of the rows repeated (``_capped`` hands every share
+    threshold the same batch rows)."""
+    rng = np.random.default_rng(5)
+    n, k, L = 30, 4, 40.0
+    cost, cap, e = rng.random((n, 5)) + 0.05, rng.random((n, 5)) * 30, rng.random((n, 5))
+    g = np.array([True, False, True, False, False])
+    H, lo = rng.random(n * k) * L, rng.random(n * k) * 10 * rng.integers(0, 2, n * k)
+    rep = lambda x: np.tile(x, (k, 1))  # noqa: E731
+    for low in (None, lo):
+        assert np.array_equal(knapsack_capped(cost, cap, L, g, H, low, tiles=k),
+                              knapsack_capped(rep(cost), rep(cap), L, g, H, low))
+        assert np.array_equal(waterfill_capped(cost, e, cap, L, g, H, low, tiles=k),
+                              waterfill_capped(rep(cost), rep(e), rep(cap), L, g, H, low))
+
+
 @pytest.mark.parametrize("mask", ["some", "none", "all"])
 def test_capped_waterfill_is_the_linear_programmes_level(mask):
     """min z s.t. a_i·l_i + e_i ≤ z, 0 ≤ l_i ≤ cap_i, lo ≤ Σ_{i in g} l_i ≤ H, Σ l_i = L, solved by

@@ -75,7 +75,7 @@ def _capped(cb: ColumnBounds, stages, hops, in_g: np.ndarray, lo: np.ndarray, hi
     H, Hlo = hi * L, lo * L
     pf = np.array([s["pf"] for s in info])
     cap_pf = room / (W + kvl)
-    ttft = (knapsack_capped(np.tile(pf, (nh, 1)), np.tile(cap_pf, (nh, 1)), L, in_g, H, Hlo)
+    ttft = (knapsack_capped(pf[None, :], cap_pf[None, :], L, in_g, H, Hlo, tiles=nh)
             + fixed.sum() + min(s["pf_head"] for s in info) + hop(cb.I))
     with np.errstate(divide="ignore"):
         prefill = np.where(np.isfinite(ttft), T / ttft, 0.0)
@@ -85,11 +85,10 @@ def _capped(cb: ColumnBounds, stages, hops, in_g: np.ndarray, lo: np.ndarray, hi
     mb = b / np.minimum(S, b)
     mcount = np.minimum(S, b)
     dec = np.stack([cb._dl(ki, t, S) for ki, t in stages], axis=1)  # (nb, S)
-    rows_dec, rows_cap = np.tile(dec, (nh, 1)), np.tile(cap, (nh, 1))  # row h·nb + batch
-    Hr, Hlor = np.repeat(H, nb), np.repeat(Hlo, nb)
-    sum_lb = knapsack_capped(rows_dec, rows_cap, L, in_g, Hr, Hlor) + fixed.sum() + np.tile(hop(mb), nh)
-    max_lb = np.tile(mcount, nh) * waterfill_capped(rows_dec, np.broadcast_to(fixed, rows_dec.shape), rows_cap, L,
-                                                    in_g, Hr, Hlor)
+    Hr, Hlor = np.repeat(H, nb), np.repeat(Hlo, nb)  # row h·nb + batch
+    sum_lb = knapsack_capped(dec, cap, L, in_g, Hr, Hlor, tiles=nh) + fixed.sum() + np.tile(hop(mb), nh)
+    max_lb = np.tile(mcount, nh) * waterfill_capped(dec, np.broadcast_to(fixed, dec.shape), cap, L, in_g, Hr, Hlor,
+                                                    tiles=nh)
     step = np.maximum(sum_lb, max_lb).reshape(nh, nb)
     with np.errstate(divide="ignore", invalid="ignore"):
         dcap = np.where(ok[None, :] & np.isfinite(step), T * b[None, :] / (cb.Oc * step), 0.0)
@@ -97,25 +96,30 @@ def _capped(cb: ColumnBounds, stages, hops, in_g: np.ndarray, lo: np.ndarray, hi
 
 
 def knapsack_capped(cost: np.ndarray, cap: np.ndarray, L: float, in_g: np.ndarray, H: np.ndarray,
-                    lo: np.ndarray | None = None) -> np.ndarray:
+                    lo: np.ndarray | None = None, tiles: int = 1) -> np.ndarray:
     """min Σ cost_i·l_i s.t. 0 ≤ l_i ≤ cap_i, lo ≤ Σ_{i in g} l_i ≤ H, Σ l_i = L, row by row (inf
     where infeasible). The cost is separable and convex in n = Σ_{i in g} l_i (each side filled
     cheapest first), so the optimum is greedy from n = lo: the flagged items' cheapest lo layers
-    first, then cheapest first over everything left, the flagged items also limited by H − lo."""
+    first, then cheapest first over everything left, the flagged items also limited by H − lo.
+
+    ``tiles``: the rows of ``cost`` and ``cap`` stand for that many copies of themselves, one per
+    block of ``H`` and ``lo`` (row t·n + i is row i under the t-th bounds); sorted once."""
     order = np.argsort(cost, axis=1)
     c = np.take_along_axis(cost, order, axis=1)
     k = np.take_along_axis(cap, order, axis=1).astype(float)
     g = in_g[order]
-    total = np.zeros(cost.shape[0])
-    need = np.zeros(cost.shape[0]) if lo is None else np.array(lo, dtype=float)
-    for p in range(cost.shape[1]):  # the flagged items' cheapest ``lo`` layers
+    if tiles > 1:
+        c, k, g = np.tile(c, (tiles, 1)), np.tile(k, (tiles, 1)), np.tile(g, (tiles, 1))
+    total = np.zeros(c.shape[0])
+    need = np.zeros(c.shape[0]) if lo is None else np.array(lo, dtype=float)
+    for p in range(c.shape[1]):  # the flagged items' cheapest ``lo`` layers
         take = np.where(g[:, p], np.clip(np.minimum(k[:, p], need), 0.0, None), 0.0)
         total += c[:, p] * take
         need -= take
         k[:, p] -= take
     rest = float(L) - (0.0 if lo is None else np.asarray(lo, dtype=float))
     room = np.array(H, dtype=float) - (0.0 if lo is None else np.asarray(lo, dtype=float))
-    for p in range(cost.shape[1]):
+    for p in range(c.shape[1]):
         lim = np.where(g[:, p], np.minimum(k[:, p], room), k[:, p])
         take = np.clip(np.minimum(lim, rest), 0.0, None)
         total += c[:, p] * take
@@ -125,22 +129,26 @@ def knapsack_capped(cost: np.ndarray, cap: np.ndarray, L: float, in_g: np.ndarra
 
 
 def waterfill_capped(a: np.ndarray, e: np.ndarray, cap: np.ndarray, L: float, in_g: np.ndarray,
-                     H: np.ndarray, lo: np.ndarray | None = None) -> np.ndarray:
+                     H: np.ndarray, lo: np.ndarray | None = None, tiles: int = 1) -> np.ndarray:
     """min z s.t. a_i·l_i + e_i ≤ z, 0 ≤ l_i ≤ cap_i, lo ≤ Σ_{i in g} l_i ≤ H, Σ l_i = L, row by
     row (inf if infeasible), where an item given no layers is not held to its e_i (so the level
     is never above that of the stricter reading). With n_in(z), n_out(z) the layers under level z
     of the flagged items and of the others, z is feasible when n_in ≥ lo and n_out + min(H, n_in)
     ≥ L, that is when n_in ≥ lo, n_out + n_in ≥ L and n_out ≥ L − H: each side non-decreasing and
     piecewise linear with the kinks of ``level_kinks``, so the least z is the latest of the three
-    first reaches."""
-    low = np.zeros(a.shape[0]) if lo is None else np.asarray(lo, dtype=float)
-    H = np.asarray(H, dtype=float)
+    first reaches. ``tiles``: as ``knapsack_capped``'s (the kinks found once, on the rows given)."""
     pts, lay = level_kinks(a, e, cap)
     n_in, n_out = lay[:, :, in_g].sum(axis=2), lay[:, :, ~in_g].sum(axis=2)
-    need_in, need_all = low * (1 - 1e-12), L * (1 - 1e-12)
+    need_all = L * (1 - 1e-12)
     # each reach interpolated to its tolerant threshold: never above the exact level (a lower bound)
-    z = np.maximum(np.maximum(first_reach(pts, n_in, need_in, need_in),
-                              first_reach(pts, n_in + n_out, need_all, need_all)),
+    z_all = first_reach(pts, n_in + n_out, need_all, need_all)  # the same for every lo and H
+    if tiles > 1:
+        pts, n_in, n_out = (np.tile(x, (tiles, 1)) for x in (pts, n_in, n_out))
+        z_all = np.tile(z_all, tiles)
+    low = np.zeros(pts.shape[0]) if lo is None else np.asarray(lo, dtype=float)
+    H = np.asarray(H, dtype=float)
+    need_in = low * (1 - 1e-12)
+    z = np.maximum(np.maximum(first_reach(pts, n_in, need_in, need_in), z_all),
                    first_reach(pts, n_out, need_all - H, need_all - H))
     feasible = (n_in[:, -1] >= need_in) & (n_out[:, -1] + np.minimum(H, n_in[:, -1]) >= need_all)
     return np.where(feasible, z, np.inf)

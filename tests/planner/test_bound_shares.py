@@ -46,7 +46,10 @@ def test_tiled_rows_give_what_the_rows_repeated_give():
     cost, cap, e = rng.random((n, 5)) + 0.05, rng.random((n, 5)) * 30, rng.random((n, 5))
     g = np.array([True, False, True, False, False])
     H, lo = rng.random(n * k) * L, rng.random(n * k) * 10 * rng.integers(0, 2, n * k)
-    rep = lambda x: np.tile(x, (k, 1))  # noqa: E731
+
+    def rep(x):
+        return np.tile(x, (k, 1))
+
     for low in (None, lo):
         assert np.array_equal(knapsack_capped(cost, cap, L, g, H, low, tiles=k),
                               knapsack_capped(rep(cost), rep(cap), L, g, H, low))

@@ -6,7 +6,7 @@ always belongs to exactly one group: a later move can put it back to work.
 
 * ``move``: one device from group i to group j (HexGen-2's edge swap: the links it brings
   change sides of the cut);
-* ``swap``: one device each way between two groups;
+* ``swap``: one device each way between two groups (``swap_parts``: a set of devices each way);
 * ``flip``: change a group's role (prefill ↔ decode);
 * ``merge`` / ``split``: HexGen §4.3's mutations (split halves each class count: ⌊τ/2⌋, ⌈τ/2⌉).
 """
@@ -41,10 +41,15 @@ def move(groups: Sequence[Group], i: int, j: int, device: int) -> PoolLayout | N
 
 
 def swap(groups: Sequence[Group], i: int, j: int, di: int, dj: int) -> PoolLayout | None:
+    return swap_parts(groups, i, j, (di,), (dj,))
+
+
+def swap_parts(groups: Sequence[Group], i: int, j: int, part_i: Sequence[int], part_j: Sequence[int]) -> PoolLayout | None:
+    """Devices ``part_i`` of group i for ``part_j`` of group j (``swap``: one device each)."""
     if i == j:
         return None
-    gi = Group.of(tuple(d for d in groups[i].devices if d != di) + (dj,), groups[i].role)
-    gj = Group.of(tuple(d for d in groups[j].devices if d != dj) + (di,), groups[j].role)
+    gi = Group.of(tuple(d for d in groups[i].devices if d not in part_i) + tuple(part_j), groups[i].role)
+    gj = Group.of(tuple(d for d in groups[j].devices if d not in part_j) + tuple(part_i), groups[j].role)
     return _replace(groups, {i: gi, j: gj})
 
 

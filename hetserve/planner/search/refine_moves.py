@@ -17,7 +17,8 @@ import numpy as np
 
 from hetserve.planner.context import PlanContext
 from hetserve.planner.search.guided import cut_moves
-from hetserve.planner.search.moves import PoolLayout, flip, merge, move, pick_device, random_edit, split, split_devices, swap
+from hetserve.planner.search.moves import (PoolLayout, flip, merge, move, pick_device, random_edit, split, split_devices, swap,
+                                          swap_parts)
 from hetserve.planner.search.partition import group_bandwidth
 from hetserve.planner.pool.evaluator import Evaluation
 from hetserve.planner.pool.groups import Group, canonical
@@ -28,6 +29,7 @@ MAX_TARGETS = 4  # bottleneck groups that receive devices per iteration
 MAX_DONORS = 3  # under-used groups considered as donors for each bottleneck group
 MAX_SPLITS = 6  # groups tried for a split per iteration (largest first)
 MAX_MERGES = 4  # group pairs tried for a merge per iteration (best connected first)
+MAX_REGROUPS = 4  # machine-part swaps tried per iteration (most machines saved first)
 RANDOM_CANDIDATES = 12  # random edits scored per iteration by random-swap
 
 # A mover proposes (kind, pool layout) candidates; the kind names the edit for the search log.
@@ -135,7 +137,40 @@ def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[t
     pairs += _best_connected(groups, slack, w, MAX_MERGES)
     for a, b in pairs:
         out.append(("merge groups", merge(groups, a, b)))
+    for i, j, part_i, part_j in machine_regroups(ctx, groups, live, MAX_REGROUPS):
+        out.append(("regroup machine parts", swap_parts(groups, i, j, part_i, part_j)))
     return _distinct(groups, out)
+
+
+def machine_regroups(ctx: PlanContext, groups: Sequence[Group], idx: list[int],
+                     k: int) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
+    """Up to ``k`` swaps ``(i, j, part of i, part of j)`` of equal-sized machine parts between two
+    groups of one role spanning several machines, each leaving the pair on fewer machines, the
+    most saved first (ties by index). Two pipelines that each pair a machine's half with another's
+    become one group on the shared machine and one across the other two: a move of several
+    devices at once that single-device moves reach only through worse layouts (het3: 2 A6000 +
+    2 L40 twice -> 4 A6000 and 2 + 2 L40, 1,750 -> 1,837 tokens/s)."""
+    parts: dict[int, dict[str, tuple[int, ...]]] = {}
+    for i in idx:
+        by_machine: dict[str, list[int]] = {}
+        for d in groups[i].devices:
+            by_machine.setdefault(ctx.cluster.devices[d].machine, []).append(d)
+        if len(by_machine) > 1:
+            parts[i] = {m: tuple(ds) for m, ds in by_machine.items()}
+    found = []
+    for i in sorted(parts):
+        for j in sorted(parts):
+            if j <= i or groups[i].role != groups[j].role:
+                continue
+            for mi, pi in parts[i].items():
+                for mj, pj in parts[j].items():
+                    if mi == mj or len(pi) != len(pj):
+                        continue
+                    after = len(parts[i].keys() - {mi} | {mj}) + len(parts[j].keys() - {mj} | {mi})
+                    saved = len(parts[i]) + len(parts[j]) - after
+                    if saved > 0:
+                        found.append((-saved, i, j, pi, pj))
+    return [(i, j, pi, pj) for _, i, j, pi, pj in sorted(found)[:k]]
 
 
 def _best_connected(groups: Sequence[Group], idx: list[int], w: np.ndarray, k: int) -> list[tuple[int, int]]:

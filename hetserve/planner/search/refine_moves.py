@@ -149,7 +149,7 @@ def machine_regroups(ctx: PlanContext, groups: Sequence[Group], idx: list[int],
     most saved first (ties by index). Two pipelines that each pair a machine's half with another's
     become one group on the shared machine and one across the other two: a move of several
     devices at once that single-device moves reach only through worse layouts (het3: 2 A6000 +
-    2 L40 twice -> 4 A6000 and 2 + 2 L40, 1,750 -> 1,837 tokens/s)."""
+    2 L40 twice becomes 4 A6000 and 2 + 2 L40)."""
     parts: dict[int, dict[str, tuple[int, ...]]] = {}
     for i in idx:
         by_machine: dict[str, list[int]] = {}

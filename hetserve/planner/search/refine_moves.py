@@ -10,6 +10,7 @@ Kept apart from the search loop in ``hexgen2.py``, which only calls a mover and 
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Callable, Sequence
 
@@ -84,10 +85,7 @@ def guided_moves(ctx: PlanContext, ev: Evaluation, rng: random.Random) -> list[t
                     d = max(x for x in idle[h] if ctx.class_of[x] == k)
                     out.append(("give idle device", move(groups, h, g, d)))
         spare = sorted(d for ds in idle.values() for d in ds)
-        by_machine: dict[str, list[int]] = {}
-        for d in spare:
-            by_machine.setdefault(ctx.cluster.devices[d].machine, []).append(d)
-        for bundle in [spare] + [ds for ds in by_machine.values() if len(ds) < len(spare)]:
+        for bundle in [spare] + [ds for ds in _by_machine(ctx, spare).values() if len(ds) < len(spare)]:
             if ctx.can_hold_weights(bundle):
                 for role in ("prefill", "decode"):
                     out.append(("gather idle devices", _new_group(groups, bundle, role)))
@@ -150,27 +148,28 @@ def machine_regroups(ctx: PlanContext, groups: Sequence[Group], idx: list[int],
     become one group on the shared machine and one across the other two: a move of several
     devices at once that single-device moves reach only through worse layouts (het3: 2 A6000 +
     2 L40 twice becomes 4 A6000 and 2 + 2 L40)."""
-    parts: dict[int, dict[str, tuple[int, ...]]] = {}
-    for i in idx:
-        by_machine: dict[str, list[int]] = {}
-        for d in groups[i].devices:
-            by_machine.setdefault(ctx.cluster.devices[d].machine, []).append(d)
-        if len(by_machine) > 1:
-            parts[i] = {m: tuple(ds) for m, ds in by_machine.items()}
+    parts = {i: {m: tuple(ds) for m, ds in by.items()}
+             for i in sorted(idx) if len(by := _by_machine(ctx, groups[i].devices)) > 1}
     found = []
-    for i in sorted(parts):
-        for j in sorted(parts):
-            if j <= i or groups[i].role != groups[j].role:
+    for i, j in itertools.combinations(parts, 2):
+        if groups[i].role != groups[j].role:
+            continue
+        for (mi, pi), (mj, pj) in itertools.product(parts[i].items(), parts[j].items()):
+            if mi == mj or len(pi) != len(pj):
                 continue
-            for mi, pi in parts[i].items():
-                for mj, pj in parts[j].items():
-                    if mi == mj or len(pi) != len(pj):
-                        continue
-                    after = len(parts[i].keys() - {mi} | {mj}) + len(parts[j].keys() - {mj} | {mi})
-                    saved = len(parts[i]) + len(parts[j]) - after
-                    if saved > 0:
-                        found.append((-saved, i, j, pi, pj))
+            after = len(parts[i].keys() - {mi} | {mj}) + len(parts[j].keys() - {mj} | {mi})
+            saved = len(parts[i]) + len(parts[j]) - after
+            if saved > 0:
+                found.append((-saved, i, j, pi, pj))
     return [(i, j, pi, pj) for _, i, j, pi, pj in sorted(found)[:k]]
+
+
+def _by_machine(ctx: PlanContext, devices: Sequence[int]) -> dict[str, list[int]]:
+    """``devices`` by machine, in their order."""
+    out: dict[str, list[int]] = {}
+    for d in devices:
+        out.setdefault(ctx.cluster.devices[d].machine, []).append(d)
+    return out
 
 
 def _best_connected(groups: Sequence[Group], idx: list[int], w: np.ndarray, k: int) -> list[tuple[int, int]]:
